@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs everything moorage needs on a Debian 12 host (run as root) and creates ./.venv.
+# Idempotent and quick when nothing changed: Debian packages are checked with dpkg,
+# the venv is rebuilt only when pyproject.toml changes.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  python3 python3-venv python3-dev gcc make git ca-certificates
+  qemu-system-x86 qemu-utils           # micro-VM sandboxes
+  bubblewrap                           # process sandboxes
+  debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build
+  postgresql                           # fleet store backend (tests start throwaway clusters)
+  procps iproute2 psmisc
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Debian's package starts a default cluster we do not use; tests start their own.
+if command -v pg_lsclusters >/dev/null && pg_lsclusters -h 2>/dev/null | grep -q online; then
+  pg_ctlcluster --skip-systemctl-redirect "$(pg_lsclusters -h | awk 'NR==1{print $1}')" main stop >/dev/null 2>&1 || true
+fi
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python3.11 python3; do
+    if command -v "$c" >/dev/null && "$c" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then PY=$c; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "bootstrap: need Python >= 3.11" >&2; exit 1; }
+
+stamp=.venv/.moorage-installed
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "bootstrap: creating .venv and installing Python packages (first run takes a few minutes)" >&2
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,1 @@
+"""The ``moorage`` command line."""

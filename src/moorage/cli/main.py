@@ -1,0 +1,98 @@
+"""Entry point of the ``moorage`` command: parses arguments, loads config once, renders results.
+
+Sub-command groups live in their own modules and are attached here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from moorage import __version__, config as config_mod, log
+from moorage.errors import MoorageError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorage: persistent per-user AI agents, one micro-VM each.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+class State:
+    cfg: config_mod.Config
+
+
+state = State()
+
+
+@app.callback()
+def _main(
+    config: Optional[Path] = typer.Option(None, "--config", help="Path to moorage.toml (settings under [moorage])."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Data directory (default ~/.local/share/moorage)."),
+    log_level: Optional[str] = typer.Option(None, "--log-level"),
+) -> None:
+    state.cfg = config_mod.load(config, data_dir=data_dir, log_level=log_level)
+    log.configure(state.cfg.log_level, state.cfg.log_format)
+
+
+@app.command()
+def version() -> None:
+    """Print moorage's version."""
+    console.print(__version__)
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Check this host: QEMU, whether KVM really boots a guest, bubblewrap, disk, store."""
+    from moorage.cli.doctor import run_checks
+
+    checks = run_checks(state.cfg)
+    if as_json:
+        print(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        for c in checks:
+            mark = "[green]ok  [/]" if c.ok else ("[yellow]warn[/]" if c.optional else "[red]FAIL[/]")
+            line = f"{mark} {c.name:<11} {c.detail}"
+            if not c.ok and c.fix:
+                line += f"  [dim]→ fix: {c.fix}[/]"
+            console.print(line, highlight=False)
+    if any(not c.ok and not c.optional for c in checks):
+        raise typer.Exit(1)
+
+
+# Sub-command groups, one module each under moorage/cli/ exposing a ``typer.Typer`` named ``app``.
+SUBCOMMANDS = {
+    "image": "moorage.cli.image",
+    "cost": "moorage.cli.cost",
+    "memory": "moorage.cli.memory",
+    "llm": "moorage.cli.llm",
+    "store": "moorage.cli.store",
+}
+
+
+def _attach_subcommands() -> None:
+    import importlib
+    import importlib.util
+
+    for name, module in SUBCOMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            app.add_typer(importlib.import_module(module).app, name=name)
+
+
+_attach_subcommands()
+
+
+def run() -> None:
+    """Console entry point: turns moorage's typed errors into one clear line, not a traceback."""
+    try:
+        app()
+    except MoorageError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,105 @@
+"""The one place moorage reads its configuration: defaults < ``moorage.toml`` < ``MOORAGE_*`` env.
+
+``load()`` is called once at process start and the resulting ``Config`` is passed down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from moorage.errors import ConfigError
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "moorage"
+
+
+@dataclass(frozen=True)
+class Config:
+    #: Where the embedded store, images, disks and snapshots live.
+    data_dir: Path = field(default_factory=_default_data_dir)
+    #: ``sqlite`` (embedded, files under data_dir) or a ``postgresql://`` URL.
+    store_url: str = "sqlite"
+    #: Role the application connects as on PostgreSQL (must not own the tables).
+    store_app_role: str = "moorage_app"
+    #: Sandbox driver: ``auto`` (microvm when QEMU is present, else process), ``microvm`` or ``process``.
+    sandbox_driver: str = "auto"
+    #: Accelerator for the microvm driver: ``auto`` (probe KVM by booting), ``kvm`` or ``tcg``.
+    accel: str = "auto"
+    guest_memory_mib: int = 256
+    #: S3-compatible object store for snapshots and disks at fleet scale (empty: local disk only).
+    object_store_url: str = ""
+    host: str = "127.0.0.1"
+    port: int = 7700
+    #: LLM provider: ``embedded`` (llama.cpp, offline), ``openai`` (any compatible base URL) or ``anthropic``.
+    llm_provider: str = "embedded"
+    llm_base_url: str = ""
+    llm_api_key: str = dataclasses.field(default="", repr=False)
+    llm_model: str = ""
+    log_level: str = "info"
+    log_format: str = "text"
+    #: Maximum size of one stored value (state value, event content, step result), bytes.
+    max_value_bytes: int = 1 << 20
+
+    @property
+    def images_dir(self) -> Path:
+        return self.data_dir / "images"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        return self.data_dir / "sandboxes"
+
+    def with_(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def _coerce(name: str, raw: Any, target: Any) -> Any:
+    try:
+        if target is Path or target == "Path":
+            return Path(str(raw)).expanduser()
+        if target is int or target == "int":
+            return int(raw)
+        if target is bool or target == "bool":
+            return str(raw).lower() in ("1", "true", "yes", "on")
+        return str(raw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config value {name}={raw!r} is not a valid {target}", hint="fix moorage.toml or the MOORAGE_* variable") from e
+
+
+def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+    """Read configuration once. ``path`` defaults to ``$MOORAGE_CONFIG`` or ``./moorage.toml`` if it exists.
+
+    In the file, settings live under a ``[moorage]`` table (an agent's ``[agent]`` table may share the file).
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    types = {f.name: f.type for f in fields(Config)}
+
+    cfg_path = path or (Path(env["MOORAGE_CONFIG"]) if env.get("MOORAGE_CONFIG") else Path("moorage.toml"))
+    if cfg_path.exists():
+        try:
+            doc = tomllib.loads(cfg_path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{cfg_path} is not valid TOML: {e}") from e
+        section = doc.get("moorage", {})
+        for k, v in section.items():
+            if k not in types:
+                raise ConfigError(f"unknown setting {k!r} in {cfg_path}", hint=f"known settings: {', '.join(sorted(types))}")
+            values[k] = _coerce(k, v, types[k])
+    elif path is not None:
+        raise ConfigError(f"config file {path} does not exist")
+
+    for name, typ in types.items():
+        key = "MOORAGE_" + name.upper()
+        if key in env and env[key] != "":
+            values[name] = _coerce(key, env[key], typ)
+    for k, v in overrides.items():
+        if v is not None:
+            values[k] = _coerce(k, v, types[k])
+    return Config(**values)

@@ -1,0 +1,65 @@
+"""Structured logging: one JSON object per line (or readable key=value for a terminal).
+
+Every module logs through ``get_logger(__name__)`` and passes context as keyword fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {"message", "asctime"}
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "event": record.getMessage(),
+        }
+        for k, v in vars(record).items():
+            if k not in _RESERVED and not k.startswith("_"):
+                out[k] = v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(
+            f"{k}={v}" for k, v in vars(record).items() if k not in _RESERVED and not k.startswith("_")
+        )
+        base = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        text = f"{base} {fields}" if fields else base
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+class _Adapter(logging.LoggerAdapter):
+    """Lets callers write ``log.info("woke", sandbox=sid, ms=42)``."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("exc_info", "stack_info", "stacklevel", "extra")}
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), **extra}
+        return msg, kwargs
+
+
+def get_logger(name: str) -> _Adapter:
+    return _Adapter(logging.getLogger(name), {})
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """Configure the root ``moorage`` logger once, at process start."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    root = logging.getLogger("moorage")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
