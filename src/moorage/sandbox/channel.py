@@ -1,0 +1,438 @@
+"""Host side of the host<->guest channel: length-prefixed JSON frames carrying JSON-RPC-like messages.
+
+Bidirectional: the host calls guest methods (with streamed events and cancellation) and serves methods the
+guest calls on the host. A malformed frame from the guest is logged and rejected, never raised into the host.
+The wire format is documented in docs/channel.md; the guest has its own stdlib-only copy (guest/rpc.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from moorage.log import get_logger
+from moorage.sandbox.base import ChannelClosed, ChannelError, ChannelTimeout, GuestProtocolError, RemoteError
+
+log = get_logger(__name__)
+
+#: Largest frame either side accepts (payload bytes, without the 4-byte header).
+MAX_FRAME = 8 << 20
+_HEADER = struct.Struct(">I")
+
+# Error codes (JSON-RPC 2.0 where one exists).
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+CANCELLED = -32800
+TOO_LARGE = -32001
+APPLICATION_ERROR = -32000
+
+
+def encode_frame(msg: Any, max_frame: int = MAX_FRAME) -> bytes:
+    payload = json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    if len(payload) > max_frame:
+        raise ChannelError(
+            f"message of {len(payload)} bytes exceeds the {max_frame}-byte frame limit",
+            hint="send large data in chunks (fs.read/fs.write take offsets)",
+        )
+    return _HEADER.pack(len(payload)) + payload
+
+
+@dataclass(frozen=True)
+class Event:
+    """One streamed event of a call: ``event`` name (e.g. "stdout") and its JSON ``data``."""
+
+    event: str
+    data: Any
+
+
+class HandlerContext:
+    """Given to host-side handlers of guest-originated calls: stream events back, or call the guest."""
+
+    def __init__(self, channel: "Channel", request_id: Any) -> None:
+        self.channel = channel
+        self.request_id = request_id
+
+    async def emit(self, event: str, data: Any = None) -> None:
+        await self.channel._send({"id": self.request_id, "event": event, "data": data})
+
+
+Handler = Callable[[Any, HandlerContext], Awaitable[Any]]
+
+
+class HandlerError(Exception):
+    """Raise from a handler to answer with a specific error code and data instead of INTERNAL_ERROR."""
+
+    def __init__(self, message: str, code: int = APPLICATION_ERROR, data: Any = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.data = data
+
+
+class _Pending:
+    __slots__ = ("events", "future")
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[Event | None] = asyncio.Queue()
+        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+
+class CallStream:
+    """A call whose events are iterated: ``async with ch.stream(m, p) as s: async for ev in s: ...; s.result``.
+
+    Leaving the ``async with`` block (or calling ``cancel()``) before the final response cancels the call in the guest.
+    """
+
+    def __init__(self, channel: "Channel", method: str, params: Any, timeout: float | None) -> None:
+        self._channel = channel
+        self._method = method
+        self._params = params
+        self._timeout = timeout
+        self._id: int | None = None
+        self._pending: _Pending | None = None
+        self._deadline: float | None = None
+        self.result: Any = None
+        self.done = False
+
+    async def _begin(self) -> None:
+        if self._id is None:
+            loop = asyncio.get_running_loop()
+            self._deadline = None if self._timeout is None else loop.time() + self._timeout
+            self._id, self._pending = await self._channel._start_call(self._method, self._params)
+
+    async def __aenter__(self) -> "CallStream":
+        await self._begin()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self.done:
+            await self.cancel()
+
+    def __aiter__(self) -> "CallStream":
+        return self
+
+    async def __anext__(self) -> Event:
+        await self._begin()
+        assert self._pending is not None
+        if self.done:
+            raise StopAsyncIteration
+        remaining = None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
+        try:
+            if remaining is not None and remaining <= 0:
+                raise asyncio.TimeoutError
+            ev = await asyncio.wait_for(self._pending.events.get(), remaining)
+        except asyncio.TimeoutError:
+            await self.cancel()
+            raise ChannelTimeout(
+                f"{self._method} got no answer within {self._timeout:g}s on {self._channel.name}",
+                hint="the guest may be overloaded or hung; raise the timeout or restart the sandbox",
+            ) from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel())
+            raise
+        if ev is not None:
+            return ev
+        self.done = True
+        self.result = self._pending.future.result()  # raises RemoteError / ChannelClosed
+        raise StopAsyncIteration
+
+    async def cancel(self) -> None:
+        """Ask the peer to cancel this call; safe to call more than once or after it finished."""
+        if self.done or self._id is None:
+            self.done = True
+            return
+        self.done = True
+        self._channel._pending.pop(self._id, None)
+        self._channel._cancelled.add(self._id)
+        try:
+            await self._channel.notify("$cancel", {"id": self._id})
+        except ChannelError:
+            pass
+
+
+class Channel:
+    """Host end of one connection to a guest supervisor. Create with ``open_unix`` or from a stream pair."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        name: str = "channel",
+        max_frame: int = MAX_FRAME,
+    ) -> None:
+        self.name = name
+        self.max_frame = max_frame
+        self._reader = reader
+        self._writer = writer
+        self._write_lock = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+        #: Calls the host gave up on: their late events and answer are dropped quietly, not counted as rejects.
+        self._cancelled: set[int] = set()
+        self._handlers: dict[str, Handler] = {}
+        self._serving: dict[Any, asyncio.Task[None]] = {}
+        self._read_task: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._close_reason: str = "closed"
+        #: Frames rejected as malformed since the channel opened (observable for tests and metrics).
+        self.rejected_frames = 0
+
+    # --- construction ---------------------------------------------------------------------------------------
+
+    @classmethod
+    async def open_unix(cls, path: str, *, name: str = "channel", max_frame: int = MAX_FRAME) -> "Channel":
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=max_frame + 16)
+        except OSError as e:
+            raise ChannelClosed(f"cannot connect to guest channel at {path}: {e}") from e
+        ch = cls(reader, writer, name=name, max_frame=max_frame)
+        ch.start()
+        return ch
+
+    def start(self) -> None:
+        if self._read_task is None:
+            self._read_task = asyncio.get_running_loop().create_task(self._read_loop(), name=f"{self.name}-reader")
+
+    # --- public API -----------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def register(self, method: str, handler: Handler) -> None:
+        """Serve ``method`` for guest-originated calls: ``async def handler(params, ctx) -> result``."""
+        self._handlers[method] = handler
+
+    async def call(
+        self,
+        method: str,
+        params: Any = None,
+        *,
+        timeout: float | None = 30.0,
+        on_event: Callable[[Event], Awaitable[None] | None] | None = None,
+    ) -> Any:
+        """Call a guest method and return its result; raises ``RemoteError``, ``ChannelTimeout``, ``ChannelClosed``."""
+        s = CallStream(self, method, params, timeout)
+        async for ev in s:
+            if on_event is not None:
+                r = on_event(ev)
+                if inspect.isawaitable(r):
+                    await r
+        return s.result
+
+    def stream(self, method: str, params: Any = None, *, timeout: float | None = None) -> CallStream:
+        """Call a guest method and iterate its events; the final result is ``stream.result`` afterwards."""
+        return CallStream(self, method, params, timeout)
+
+    async def notify(self, method: str, params: Any = None) -> None:
+        """Send a message that gets no response (``$cancel`` is one)."""
+        await self._send({"method": method, "params": params})
+
+    async def close(self, reason: str = "closed by host") -> None:
+        if self._read_task is not None and self._read_task is not asyncio.current_task():
+            self._read_task.cancel()
+        self._shutdown(reason)
+        try:
+            self._writer.close()
+            await asyncio.wait_for(self._writer.wait_closed(), 2)
+        except (OSError, asyncio.TimeoutError, RuntimeError):
+            pass
+
+    # --- internals ------------------------------------------------------------------------------------------
+
+    async def _start_call(self, method: str, params: Any) -> tuple[int, _Pending]:
+        if self.closed:
+            raise ChannelClosed(f"{self.name} is closed ({self._close_reason})", hint="wake or restart the sandbox")
+        rid = next(self._ids)
+        pending = _Pending()
+        self._pending[rid] = pending
+        try:
+            await self._send({"id": rid, "method": method, "params": {} if params is None else params})
+        except BaseException:
+            self._pending.pop(rid, None)
+            raise
+        return rid, pending
+
+    async def _send(self, msg: dict[str, Any]) -> None:
+        frame = encode_frame(msg, self.max_frame)
+        if self.closed:
+            raise ChannelClosed(f"{self.name} is closed ({self._close_reason})", hint="wake or restart the sandbox")
+        async with self._write_lock:
+            try:
+                self._writer.write(frame)
+                await self._writer.drain()
+            except (OSError, RuntimeError) as e:
+                self._shutdown(f"write failed: {e}")
+                raise ChannelClosed(f"{self.name}: write failed: {e}") from e
+
+    def _reject(self, why: str, **fields: Any) -> None:
+        self.rejected_frames += 1
+        log.warning("rejected guest frame", channel=self.name, reason=why, **fields)
+
+    async def _read_loop(self) -> None:
+        reason = "guest closed the connection"
+        try:
+            while True:
+                try:
+                    header = await self._reader.readexactly(_HEADER.size)
+                except asyncio.IncompleteReadError:
+                    break
+                (length,) = _HEADER.unpack(header)
+                if length == 0 or length > self.max_frame:
+                    # The stream cannot be resynchronised after a bad length: drop the connection.
+                    self._reject("bad frame length", length=length, max_frame=self.max_frame)
+                    reason = f"guest sent a frame of {length} bytes (limit {self.max_frame})"
+                    self._shutdown(reason, error=GuestProtocolError(f"{self.name}: {reason}"))
+                    return
+                try:
+                    payload = await self._reader.readexactly(length)
+                except asyncio.IncompleteReadError:
+                    reason = "guest closed the connection mid-frame"
+                    break
+                try:
+                    msg = json.loads(payload.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError) as e:
+                    self._reject("invalid JSON", error=str(e)[:200])
+                    await self._safe_send({"id": None, "error": {"code": PARSE_ERROR, "message": "invalid JSON"}})
+                    continue
+                await self._dispatch(msg)
+        except asyncio.CancelledError:
+            reason = "closed by host"
+            raise
+        except (OSError, ConnectionError) as e:
+            reason = f"read failed: {e}"
+        finally:
+            self._shutdown(reason)
+
+    async def _safe_send(self, msg: dict[str, Any]) -> None:
+        try:
+            await self._send(msg)
+        except ChannelError:
+            pass
+
+    async def _dispatch(self, msg: Any) -> None:
+        if not isinstance(msg, dict):
+            self._reject("frame is not a JSON object")
+            await self._safe_send({"id": None, "error": {"code": INVALID_REQUEST, "message": "frame must be an object"}})
+            return
+        rid = msg.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (int, str))):
+            self._reject("bad id type", id=repr(rid)[:50])
+            return
+        if "method" in msg:
+            method = msg["method"]
+            if not isinstance(method, str):
+                self._reject("method is not a string")
+                if rid is not None:
+                    await self._safe_send({"id": rid, "error": {"code": INVALID_REQUEST, "message": "method must be a string"}})
+                return
+            if rid is None:
+                self._on_notification(method, msg.get("params"))
+            else:
+                self._on_request(rid, method, msg.get("params"))
+            return
+        if isinstance(rid, int) and rid in self._cancelled:
+            if "result" in msg or "error" in msg:
+                self._cancelled.discard(rid)
+            return
+        if "event" in msg:
+            pending = self._pending.get(rid) if isinstance(rid, int) else None
+            if pending is None or not isinstance(msg["event"], str):
+                self._reject("event for unknown call", id=repr(rid)[:50])
+                return
+            pending.events.put_nowait(Event(msg["event"], msg.get("data")))
+            return
+        if "result" in msg or "error" in msg:
+            pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
+            if pending is None:
+                self._reject("response for unknown call", id=repr(rid)[:50])
+                return
+            if "error" in msg:
+                err = msg["error"] if isinstance(msg["error"], dict) else {}
+                code = err.get("code") if isinstance(err.get("code"), int) else INTERNAL_ERROR
+                pending.future.set_exception(
+                    RemoteError(str(err.get("message", "guest error"))[:2000], rpc_code=code, data=err.get("data"))
+                )
+            else:
+                pending.future.set_result(msg["result"])
+            pending.events.put_nowait(None)
+            return
+        self._reject("frame is neither request, event nor response")
+
+    def _on_notification(self, method: str, params: Any) -> None:
+        if method == "$cancel":
+            target = params.get("id") if isinstance(params, dict) else None
+            task = self._serving.get(target)
+            if task is not None:
+                task.cancel()
+            return
+        self._reject("unknown notification", method=method[:100])
+
+    def _on_request(self, rid: Any, method: str, params: Any) -> None:
+        if rid in self._serving:
+            self._reject("duplicate request id", id=repr(rid)[:50])
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(rid, method, params))
+        self._serving[rid] = task
+
+    async def _serve(self, rid: Any, method: str, params: Any) -> None:
+        try:
+            handler = self._handlers.get(method)
+            if handler is None:
+                await self._safe_send(
+                    {"id": rid, "error": {"code": METHOD_NOT_FOUND, "message": f"host has no method {method!r}"}}
+                )
+                return
+            try:
+                result = await handler(params, HandlerContext(self, rid))
+            except asyncio.CancelledError:
+                await self._safe_send({"id": rid, "error": {"code": CANCELLED, "message": "cancelled"}})
+                return
+            except HandlerError as e:
+                await self._safe_send({"id": rid, "error": {"code": e.code, "message": str(e), "data": e.data}})
+                return
+            except Exception as e:  # a handler bug must not kill the channel; the guest gets an error answer
+                log.exception("host handler failed", channel=self.name, method=method)
+                await self._safe_send({"id": rid, "error": {"code": INTERNAL_ERROR, "message": f"{type(e).__name__}: {e}"}})
+                return
+            try:
+                await self._send({"id": rid, "result": result})
+            except ChannelClosed:
+                pass
+            except ChannelError as e:  # result too large or not JSON-serialisable
+                await self._safe_send({"id": rid, "error": {"code": TOO_LARGE, "message": str(e)}})
+            except TypeError as e:
+                await self._safe_send({"id": rid, "error": {"code": INTERNAL_ERROR, "message": f"result not JSON: {e}"}})
+        finally:
+            self._serving.pop(rid, None)
+
+    def _shutdown(self, reason: str, error: ChannelError | None = None) -> None:
+        if self._closed.is_set():
+            return
+        self._close_reason = reason
+        self._closed.set()
+        exc = error or ChannelClosed(f"{self.name} closed: {reason}", hint="wake or restart the sandbox")
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(exc)
+                pending.future.exception()  # mark retrieved: a caller may have given up already
+            pending.events.put_nowait(None)
+        self._pending.clear()
+        for task in self._serving.values():
+            task.cancel()
+        try:
+            self._writer.close()
+        except (OSError, RuntimeError):
+            pass
+        log.debug("channel closed", channel=self.name, reason=reason)
