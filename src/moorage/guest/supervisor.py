@@ -1,0 +1,158 @@
+"""The supervisor: finds its transport (unix socket, inherited fd or virtio-serial port), serves the registry.
+
+Built-in methods: ping, exec, fs.*, sys.sync, sys.shutdown. Extensions add theirs via ``--extension MODULE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import importlib
+import os
+import socket
+import sys
+import time
+import uuid
+from typing import Any, List, Optional, Set
+
+from . import ops_exec, ops_fs
+from .rpc import MAX_FRAME, Context, Peer, Registry, log
+
+VIRTIO_PORT_NAME = "moorage.0"
+
+
+def find_virtio_port(name: str = VIRTIO_PORT_NAME) -> Optional[str]:
+    """The /dev path of the virtio-serial port called ``name`` (the index in /dev/vportNpM follows device order)."""
+    for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
+        try:
+            with open(name_file) as f:
+                if f.read().strip() == name:
+                    return "/dev/" + os.path.basename(os.path.dirname(name_file))
+        except OSError:
+            continue
+    return None
+
+
+class Supervisor:
+    def __init__(self, workdir: str, extensions: List[str]) -> None:
+        self.workdir = workdir
+        self.registry = Registry()
+        self.boot_id = uuid.uuid4().hex
+        self.started = time.monotonic()
+        self.peers: Set[Peer] = set()
+        self.stopping = asyncio.Event()
+        self.registry.add("ping", self.ping)
+        self.registry.add("sys.sync", self.sync)
+        self.registry.add("sys.shutdown", self.shutdown)
+        ops_exec.register(self.registry, dict(os.environ), workdir)
+        ops_fs.register(self.registry, workdir)
+        for name in extensions:
+            self._load_extension(name)
+
+    def _load_extension(self, name: str) -> None:
+        # A bare name is a module of this package ("agent" -> guest.agent); a dotted name is imported as is.
+        full = name if "." in name else "%s.%s" % (__package__, name)
+        module = importlib.import_module(full)
+        module.register(self.registry)
+        log("extension loaded", module=full)
+
+    async def ping(self, params: Any, ctx: Context) -> dict:
+        return {
+            "pong": True,
+            "pid": os.getpid(),
+            "boot_id": self.boot_id,
+            "uptime_s": time.monotonic() - self.started,
+            "methods": self.registry.names(),
+            "python": sys.version.split()[0],
+        }
+
+    async def sync(self, params: Any, ctx: Context) -> dict:
+        await asyncio.get_running_loop().run_in_executor(None, os.sync)
+        return {}
+
+    async def shutdown(self, params: Any, ctx: Context) -> dict:
+        # Answer first, then stop: the host waits for the answer before it tears the sandbox down.
+        asyncio.get_running_loop().call_later(0.05, self.stopping.set)
+        return {}
+
+    async def serve_stream(self, reader: asyncio.StreamReader, writer: Any) -> str:
+        peer = Peer(reader, writer, self.registry)
+        self.peers.add(peer)
+        try:
+            return await peer.serve()
+        finally:
+            self.peers.discard(peer)
+
+    # --- transports -------------------------------------------------------------------------------------------
+
+    async def run_unix(self, path: str) -> None:
+        if os.path.exists(path):
+            os.unlink(path)  # stale socket from a previous boot of this sandbox
+        async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            reason = await self.serve_stream(reader, writer)
+            log("connection ended", reason=reason)
+        server = await asyncio.start_unix_server(on_conn, path, limit=MAX_FRAME + 16)
+        log("listening", path=path, pid=os.getpid())
+        async with server:
+            await self.stopping.wait()
+
+    async def run_fd(self, fd: int) -> None:
+        sock = socket.socket(fileno=fd)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=MAX_FRAME + 16)
+        serve = asyncio.ensure_future(self.serve_stream(reader, writer))
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([serve, stop], return_when=asyncio.FIRST_COMPLETED)
+        serve.cancel()
+        stop.cancel()
+
+    async def run_virtio(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.stopping.is_set():
+            dev = find_virtio_port(name)
+            if dev is None:
+                log("virtio port not found yet", name=name)
+                await asyncio.sleep(0.5)
+                continue
+            rfd = os.open(dev, os.O_RDWR | os.O_NONBLOCK)
+            wfd = os.dup(rfd)
+            reader = asyncio.StreamReader(limit=MAX_FRAME + 16)
+            rtrans, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(rfd, "rb", 0))
+            wtrans, wproto = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, os.fdopen(wfd, "wb", 0))
+            writer = asyncio.StreamWriter(wtrans, wproto, reader, loop)
+            log("serving virtio port", device=dev)
+            reason = await self.serve_stream(reader, writer)
+            rtrans.close()
+            wtrans.close()
+            # The host disconnected (or a bad frame): reopen so the next host connection starts clean.
+            log("virtio connection ended", reason=reason)
+            await asyncio.sleep(0.05)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="moorage-guest", description="moorage guest supervisor")
+    t = ap.add_mutually_exclusive_group(required=True)
+    t.add_argument("--listen", metavar="PATH", help="serve on a unix socket (process driver)")
+    t.add_argument("--fd", type=int, metavar="N", help="serve an inherited connected socket")
+    t.add_argument("--virtio", metavar="NAME", nargs="?", const=VIRTIO_PORT_NAME, help="serve a virtio-serial port")
+    ap.add_argument("--workdir", default=os.environ.get("MOORAGE_WORKDIR", "/work"))
+    ap.add_argument("--extension", action="append", default=[], metavar="MODULE")
+    args = ap.parse_args(argv)
+
+    extensions = list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
+    workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
+
+    async def run() -> None:
+        sup = Supervisor(workdir, extensions)
+        if args.listen:
+            await sup.run_unix(args.listen)
+        elif args.fd is not None:
+            await sup.run_fd(args.fd)
+        else:
+            await sup.run_virtio(args.virtio)
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    log("supervisor exiting")
