@@ -28,6 +28,8 @@ class Config:
     store_url: str = "sqlite"
     #: Role the application connects as on PostgreSQL (must not own the tables).
     store_app_role: str = "moorage_app"
+    #: Full URL the application connects with on PostgreSQL; derived from store_url and the role if empty.
+    store_app_url: str = dataclasses.field(default="", repr=False)
     #: Sandbox driver: ``auto`` (microvm when QEMU is present, else process), ``microvm`` or ``process``.
     sandbox_driver: str = "auto"
     #: Accelerator for the microvm driver: ``auto`` (probe KVM by booting), ``kvm`` or ``tcg``.

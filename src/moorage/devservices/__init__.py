@@ -1,0 +1,1 @@
+"""Throwaway real services (PostgreSQL, S3) that tests and benchmarks start on this machine."""

@@ -1,0 +1,141 @@
+"""The backend interface every store backend implements (SQLite embedded, PostgreSQL at scale).
+
+A backend knows how to open a transaction bound to one tenant, run the control plane (tenants, API
+keys) and migrate its schema; the repositories in ``tenant.py`` hold all the SQL that is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import secrets
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Iterator, Sequence
+
+from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.store.model import ApiKey, Tenant, check_id
+from moorage.store.sql import Conn
+
+_TENANT_ID = re.compile(r"^[0-9a-f]{32}$")
+KEY_PREFIX = "mrg_"
+
+
+def check_tenant_id(tenant_id: str) -> str:
+    if not isinstance(tenant_id, str) or not _TENANT_ID.match(tenant_id):
+        raise TenantScopeError(f"invalid tenant id {tenant_id!r}")
+    return tenant_id
+
+
+def hash_key(secret: str) -> str:
+    # API keys are 256-bit random tokens, so a fast hash is safe here (no dictionary to attack);
+    # it keeps authentication one indexed lookup.
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class Backend(ABC):
+    dialect: str
+
+    # -- transactions -------------------------------------------------------------------------
+
+    @abstractmethod
+    def tenant_tx(self, tenant_id: str, *, write: bool = True) -> contextlib.AbstractContextManager[Conn]:
+        """A transaction that can see and change only ``tenant_id``'s rows."""
+
+    @abstractmethod
+    def control_tx(self) -> contextlib.AbstractContextManager[Conn]:
+        """A transaction on the control plane (tenants, API keys): operator use only."""
+
+    @abstractmethod
+    def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
+        """(key id, tenant id, scopes csv, revoked_at) for a key hash, or None."""
+
+    @abstractmethod
+    def init_tenant(self, tenant_id: str) -> None:
+        """Prepare storage for a new tenant (SQLite: its own migrated file)."""
+
+    @abstractmethod
+    def drop_tenant(self, tenant_id: str) -> None:
+        """Remove every row and file of a tenant."""
+
+    @abstractmethod
+    def schema_version(self, tenant_id: str | None = None) -> int: ...
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # -- control plane: shared SQL ------------------------------------------------------------
+
+    def create_tenant(self, name: str) -> Tenant:
+        check_id(name, "tenant name")
+        t = Tenant(uuid.uuid4().hex, name, time.time(), 1)
+        with self.control_tx() as c:
+            if c.one("SELECT 1 FROM tenants WHERE name = ?", (name,)):
+                from moorage.errors import ConflictError
+
+                raise ConflictError(f"a tenant named {name!r} already exists")
+            c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (t.id, name, t.created_at))
+        self.init_tenant(t.id)
+        return t
+
+    def get_tenant(self, name_or_id: str) -> Tenant:
+        with self.control_tx() as c:
+            r = c.one("SELECT id, name, created_at, version FROM tenants WHERE id = ? OR name = ?", (name_or_id, name_or_id))
+        if r is None:
+            raise NotFound(f"no tenant {name_or_id!r}", hint="create one with `moorage tenant create NAME`")
+        return Tenant(*r)
+
+    def list_tenants(self) -> list[Tenant]:
+        with self.control_tx() as c:
+            return [Tenant(*r) for r in c.q("SELECT id, name, created_at, version FROM tenants ORDER BY name")]
+
+    def delete_tenant(self, tenant_id: str) -> None:
+        check_tenant_id(tenant_id)
+        self.drop_tenant(tenant_id)
+        with self.control_tx() as c:
+            c.x("DELETE FROM api_keys WHERE tenant_id = ?", (tenant_id,))
+            c.x("DELETE FROM tenants WHERE id = ?", (tenant_id,))
+
+    def create_api_key(self, tenant_id: str, scopes: Sequence[str], label: str = "") -> ApiKey:
+        from moorage.store.tenant import _check_scopes
+
+        sc = _check_scopes(scopes)
+        if not isinstance(label, str) or len(label) > 200:
+            raise InvalidInput("key label must be a string of at most 200 characters")
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = ApiKey(uuid.uuid4().hex[:16], tenant_id, sc, label, time.time(), None, secret)
+        with self.control_tx() as c:
+            if not c.one("SELECT 1 FROM tenants WHERE id = ?", (tenant_id,)):
+                raise NotFound(f"no tenant {tenant_id!r}")
+            c.x(
+                "INSERT INTO api_keys (id, tenant_id, key_hash, scopes, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                (key.id, tenant_id, hash_key(secret), ",".join(sorted(sc)), label, key.created_at),
+            )
+        return key
+
+    def list_api_keys(self, tenant_id: str) -> list[ApiKey]:
+        with self.control_tx() as c:
+            rows = c.q("SELECT id, tenant_id, scopes, label, created_at, revoked_at FROM api_keys WHERE tenant_id = ? ORDER BY created_at", (tenant_id,))
+        return [ApiKey(r[0], r[1], frozenset(r[2].split(",")), r[3], r[4], r[5]) for r in rows]
+
+    def revoke_api_key(self, tenant_id: str, key_id: str) -> None:
+        with self.control_tx() as c:
+            n = c.x("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND tenant_id = ? AND revoked_at IS NULL", (time.time(), key_id, tenant_id))
+        if n != 1:
+            raise NotFound(f"no active key {key_id!r}")
+
+
+@contextlib.contextmanager
+def translate_integrity(is_integrity: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Turn a backend's unique-constraint failure into the typed ``ConflictError`` callers expect."""
+    from moorage.errors import ConflictError
+
+    try:
+        yield
+    except is_integrity as e:
+        raise ConflictError(f"a concurrent writer created the same record first ({str(e).splitlines()[0]})") from e

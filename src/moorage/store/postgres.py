@@ -1,0 +1,162 @@
+"""The PostgreSQL backend: one database for all tenants, isolated by forced row-level security.
+
+Migrations run as the owner role; the application connects as a separate non-owner role without
+BYPASSRLS, and every transaction sets ``moorage.tenant_id`` locally, which every policy checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+from psycopg import sql as psql
+from psycopg_pool import ConnectionPool
+
+from moorage.errors import ConfigError, UnavailableError
+from moorage.store.base import Backend, check_tenant_id, translate_integrity
+from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
+from moorage.store.sql import Conn
+
+_ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_LOCK_ID = 0x6D6F6F72  # "moor": serialises concurrent migrators
+
+
+def derive_app_url(owner_url: str, role: str) -> str:
+    """The owner's URL with the user swapped for the application role (password from PGPASSFILE/.pgpass)."""
+    parts = urlsplit(owner_url)
+    host = parts.hostname or ""
+    netloc = f"{role}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration, ...], tenant: bool,
+           app_role: str, upto: int | None) -> None:
+    for m in migrations:
+        if upto is not None and m.version > upto:
+            break
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
+            if conn.execute("SELECT 1 FROM schema_migrations WHERE component = %s AND version = %s", (component, m.version)).fetchone():
+                continue
+            for stmt in statements_for(m, "postgres"):
+                conn.execute(stmt)
+            role = psql.Identifier(app_role)
+            for table in m.tenant_tables:
+                t = psql.Identifier(table)
+                conn.execute(psql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(t))
+                # FORCE: the policies bind the table owner too, so no code path skips them by accident.
+                conn.execute(psql.SQL("ALTER TABLE {} FORCE ROW LEVEL SECURITY").format(t))
+                conn.execute(psql.SQL(
+                    "CREATE POLICY tenant_isolation ON {} USING (tenant_id = current_setting('moorage.tenant_id', true)) "
+                    "WITH CHECK (tenant_id = current_setting('moorage.tenant_id', true))"
+                ).format(t))
+                conn.execute(psql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {}").format(t, role))
+            if tenant:
+                conn.execute(psql.SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {}").format(role))
+            conn.execute(
+                "INSERT INTO schema_migrations (component, version, name, applied_at) VALUES (%s, %s, %s, now())",
+                (component, m.version, m.name),
+            )
+
+
+class PostgresBackend(Backend):
+    dialect = "postgres"
+
+    def __init__(self, owner_url: str, app_role: str = "moorage_app", app_url: str | None = None,
+                 pool_size: int = 10, upto: int | None = None) -> None:
+        if not _ROLE.match(app_role):
+            raise ConfigError(f"invalid application role name {app_role!r}")
+        self.owner_url = owner_url
+        self.app_role = app_role
+        self.app_url = app_url or derive_app_url(owner_url, app_role)
+        try:
+            self._owner = psycopg.connect(owner_url, autocommit=True)
+        except psycopg.OperationalError as e:
+            raise UnavailableError(f"cannot connect to PostgreSQL: {str(e).strip()}", hint="check MOORAGE_STORE_URL and that the server runs") from e
+        self.migrate(upto)
+        self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
+                                    kwargs={"autocommit": False})
+        try:
+            self._pool.open(wait=True, timeout=30)
+        except Exception as e:
+            raise UnavailableError(f"cannot connect to PostgreSQL as {app_role}: {e}",
+                                   hint="set MOORAGE_STORE_APP_URL or a .pgpass entry for the application role") from e
+
+    def migrate(self, upto: int | None = None) -> None:
+        c = self._owner
+        with c.transaction():
+            c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
+            c.execute(
+                "CREATE TABLE IF NOT EXISTS schema_migrations (component TEXT NOT NULL, version INTEGER NOT NULL, "
+                "name TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (component, version))"
+            )
+            if not c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (self.app_role,)).fetchone():
+                c.execute(psql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE").format(psql.Identifier(self.app_role)))
+            c.execute(psql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(psql.Identifier(self.app_role)))
+        _apply(c, "control", CONTROL_MIGRATIONS, False, self.app_role, None)
+        with c.transaction():
+            # Authentication is the one control-plane read the application may do, through a narrow
+            # SECURITY DEFINER function: the app role has no privilege on the tenants/api_keys tables.
+            c.execute(
+                """CREATE OR REPLACE FUNCTION moorage_authenticate(h TEXT)
+                   RETURNS TABLE(id TEXT, tenant_id TEXT, scopes TEXT, revoked_at DOUBLE PRECISION)
+                   LANGUAGE sql SECURITY DEFINER SET search_path = public AS
+                   $$ SELECT id, tenant_id, scopes, revoked_at FROM api_keys WHERE key_hash = h $$"""
+            )
+            c.execute("REVOKE ALL ON FUNCTION moorage_authenticate(TEXT) FROM PUBLIC")
+            c.execute(psql.SQL("GRANT EXECUTE ON FUNCTION moorage_authenticate(TEXT) TO {}").format(psql.Identifier(self.app_role)))
+        _apply(c, "tenant", TENANT_MIGRATIONS, True, self.app_role, upto)
+
+    @contextlib.contextmanager
+    def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
+        check_tenant_id(tenant_id)
+        with self._pool.connection() as conn:
+            with conn.transaction():
+                # is_local=true: the setting dies with this transaction, so a pooled connection never
+                # carries one tenant's identity into another's request.
+                conn.execute("SELECT set_config('moorage.tenant_id', %s, true)", (tenant_id,))
+                with translate_integrity(psycopg.errors.UniqueViolation):
+                    yield Conn(conn, "postgres")
+
+    @contextlib.contextmanager
+    def control_tx(self) -> Iterator[Conn]:
+        with self._owner.transaction():
+            yield Conn(self._owner, "postgres")
+
+    def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
+        with self._pool.connection() as conn:
+            r = conn.execute("SELECT id, tenant_id, scopes, revoked_at FROM moorage_authenticate(%s)", (key_hash,)).fetchone()
+            conn.rollback()
+        return None if r is None else (r[0], r[1], r[2], r[3])
+
+    def init_tenant(self, tenant_id: str) -> None:
+        check_tenant_id(tenant_id)
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        check_tenant_id(tenant_id)
+        from moorage.store.schema import TENANT_MIGRATIONS as TM
+
+        tables = [t for m in TM for t in m.tenant_tables]
+        with self.tenant_tx(tenant_id) as c:
+            for t in tables:
+                c.x(f"DELETE FROM {t}")
+
+    def schema_version(self, tenant_id: str | None = None) -> int:
+        component = "control" if tenant_id is None else "tenant"
+        r = self._owner.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s", (component,)).fetchone()
+        return int(r[0])
+
+    def describe(self) -> str:
+        v = self._owner.execute("SHOW server_version").fetchone()[0]
+        sync = self._owner.execute("SHOW synchronous_commit").fetchone()[0]
+        fsync = self._owner.execute("SHOW fsync").fetchone()[0]
+        return f"postgresql {v} (app role {self.app_role}, row-level security forced, synchronous_commit={sync}, fsync={fsync})"
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._pool.close()
+        with contextlib.suppress(Exception):
+            self._owner.close()

@@ -1,0 +1,201 @@
+"""The store's schema as an ordered list of versioned migrations, rendered per SQL dialect.
+
+Every database records the versions applied to it in ``schema_migrations``; opening a store applies
+the missing ones in place. Tenant tables get a ``tenant_id`` column and forced row-level security on
+PostgreSQL; on SQLite each tenant has its own database file, so the column is not needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    #: Statements in the portable template language below.
+    statements: tuple[str, ...]
+    #: Tables created by this migration that hold tenant data (RLS on PostgreSQL).
+    tenant_tables: tuple[str, ...] = ()
+    sqlite_only: tuple[str, ...] = ()
+    postgres_only: tuple[str, ...] = ()
+    #: Rows to re-index or backfill after the statements ran, same template language.
+    after: tuple[str, ...] = field(default=())
+
+
+# Template placeholders:
+#   {tenant_col}  tenant_id column (PostgreSQL) or nothing (SQLite: one file per tenant)
+#   {tpk}         "tenant_id, " inside primary/unique keys on PostgreSQL, "" on SQLite
+#   {blob} {real} {autoid} {json}
+TENANT_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "initial schema",
+        statements=(
+            """CREATE TABLE agents (
+                {tenant_col}
+                id TEXT NOT NULL, name TEXT NOT NULL, config {json} NOT NULL,
+                live_deployment TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL,
+                version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id), UNIQUE ({tpk}name))""",
+            """CREATE TABLE deployments (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, number INTEGER NOT NULL,
+                manifest {json} NOT NULL, package_ref TEXT NOT NULL, package_sha256 TEXT NOT NULL,
+                status TEXT NOT NULL, created_at {real} NOT NULL,
+                PRIMARY KEY ({tpk}id), UNIQUE ({tpk}agent_id, number))""",
+            """CREATE TABLE end_users (
+                {tenant_col}
+                id TEXT NOT NULL, created_at {real} NOT NULL, meta {json} NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            """CREATE TABLE sessions (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT NOT NULL,
+                created_at {real} NOT NULL, last_active {real} NOT NULL, meta {json} NOT NULL,
+                version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}agent_id, user_id, id))""",
+            # Registry of every scope that holds data: drives retention and forgetting.
+            """CREATE TABLE scopes (
+                {tenant_col}
+                scope TEXT NOT NULL, kind TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT,
+                ref TEXT, created_at {real} NOT NULL, last_active {real} NOT NULL, expires_at {real},
+                PRIMARY KEY ({tpk}scope))""",
+            "CREATE INDEX scopes_expiry ON scopes (expires_at)",
+            "CREATE INDEX scopes_user ON scopes (agent_id, user_id)",
+            """CREATE TABLE retention (
+                {tenant_col}
+                kind TEXT NOT NULL, ttl_s {real},
+                PRIMARY KEY ({tpk}kind))""",
+            """CREATE TABLE state (
+                {tenant_col}
+                scope TEXT NOT NULL, key TEXT NOT NULL, value {json} NOT NULL,
+                version INTEGER NOT NULL, updated_at {real} NOT NULL,
+                PRIMARY KEY ({tpk}scope, key))""",
+            """CREATE TABLE events (
+                {tenant_col}
+                id {autoid}, scope TEXT NOT NULL, ts {real} NOT NULL, kind TEXT NOT NULL,
+                speaker TEXT, content TEXT NOT NULL, meta {json} NOT NULL, embedding {blob})""",
+            "CREATE INDEX events_scope_ts ON events (scope, ts, id)",
+            """CREATE TABLE facts (
+                {tenant_col}
+                id TEXT NOT NULL, scope TEXT NOT NULL, subject TEXT NOT NULL, attribute TEXT NOT NULL,
+                value TEXT NOT NULL, text TEXT NOT NULL, valid_from {real} NOT NULL, valid_to {real},
+                recorded_at {real} NOT NULL, superseded_at {real}, superseded_by TEXT,
+                trust TEXT NOT NULL, status TEXT NOT NULL, provenance {json} NOT NULL,
+                source TEXT NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            "CREATE INDEX facts_lookup ON facts (scope, subject, attribute, valid_from)",
+            """CREATE TABLE workflow_runs (
+                {tenant_col}
+                id TEXT NOT NULL, scope TEXT NOT NULL, name TEXT NOT NULL, status TEXT NOT NULL,
+                input {json} NOT NULL, state {json} NOT NULL, current_step TEXT, result {json},
+                error TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            "CREATE INDEX workflow_runs_status ON workflow_runs (status, updated_at)",
+            """CREATE TABLE steps (
+                {tenant_col}
+                run_id TEXT NOT NULL, seq INTEGER NOT NULL, name TEXT NOT NULL, status TEXT NOT NULL,
+                attempts INTEGER NOT NULL, result {json}, error TEXT,
+                started_at {real} NOT NULL, finished_at {real},
+                PRIMARY KEY ({tpk}run_id, seq))""",
+            """CREATE TABLE journal (
+                {tenant_col}
+                key TEXT NOT NULL, scope TEXT, run_id TEXT, step TEXT, status TEXT NOT NULL,
+                result {json}, error TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL,
+                version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}key))""",
+            """CREATE TABLE sandboxes (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, scope TEXT NOT NULL, state TEXT NOT NULL,
+                host TEXT, snapshot_ref TEXT, disk_ref TEXT, template_ref TEXT,
+                last_active {real} NOT NULL, ttl_s {real}, meta {json} NOT NULL,
+                created_at {real} NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id), UNIQUE ({tpk}scope))""",
+            "CREATE INDEX sandboxes_state ON sandboxes (state, last_active)",
+            """CREATE TABLE spans (
+                {tenant_col}
+                span_id TEXT NOT NULL, trace_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL,
+                start_ts {real} NOT NULL, end_ts {real}, status TEXT NOT NULL, attrs {json} NOT NULL,
+                scope TEXT,
+                PRIMARY KEY ({tpk}span_id))""",
+            "CREATE INDEX spans_trace ON spans (trace_id, start_ts)",
+            """CREATE TABLE usage (
+                {tenant_col}
+                id {autoid}, ts {real} NOT NULL, kind TEXT NOT NULL, amount {real} NOT NULL,
+                agent_id TEXT, user_id TEXT, scope TEXT, meta {json} NOT NULL)""",
+            "CREATE INDEX usage_ts ON usage (ts)",
+        ),
+        tenant_tables=(
+            "agents", "deployments", "end_users", "sessions", "scopes", "retention", "state", "events",
+            "facts", "workflow_runs", "steps", "journal", "sandboxes", "spans", "usage",
+        ),
+    ),
+    Migration(
+        2,
+        "full-text index over episodic events",
+        statements=(),
+        sqlite_only=(
+            """CREATE VIRTUAL TABLE events_fts USING fts5(
+                content, content='events', content_rowid='id', tokenize='porter unicode61')""",
+            """CREATE TRIGGER events_fts_ai AFTER INSERT ON events BEGIN
+                INSERT INTO events_fts(rowid, content) VALUES (new.id, new.content); END""",
+            """CREATE TRIGGER events_fts_ad AFTER DELETE ON events BEGIN
+                INSERT INTO events_fts(events_fts, rowid, content) VALUES ('delete', old.id, old.content); END""",
+            """CREATE TRIGGER events_fts_au AFTER UPDATE OF content ON events BEGIN
+                INSERT INTO events_fts(events_fts, rowid, content) VALUES ('delete', old.id, old.content);
+                INSERT INTO events_fts(rowid, content) VALUES (new.id, new.content); END""",
+            # Index what was written before this version existed.
+            "INSERT INTO events_fts(events_fts) VALUES ('rebuild')",
+        ),
+        postgres_only=(
+            "ALTER TABLE events ADD COLUMN tsv tsvector GENERATED ALWAYS AS (to_tsvector('english', content)) STORED",
+            "CREATE INDEX events_tsv ON events USING GIN (tsv)",
+        ),
+    ),
+)
+
+CONTROL_MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "tenants and api keys",
+        statements=(
+            """CREATE TABLE tenants (
+                id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, created_at {real} NOT NULL,
+                version INTEGER NOT NULL)""",
+            """CREATE TABLE api_keys (
+                id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE,
+                scopes TEXT NOT NULL, label TEXT NOT NULL, created_at {real} NOT NULL, revoked_at {real})""",
+            "CREATE INDEX api_keys_tenant ON api_keys (tenant_id)",
+        ),
+    ),
+)
+
+LATEST_TENANT_VERSION = TENANT_MIGRATIONS[-1].version
+
+
+def render(sql: str, dialect: str) -> str:
+    if dialect == "postgres":
+        subs = {
+            "tenant_col": "tenant_id TEXT NOT NULL DEFAULT current_setting('moorage.tenant_id'),",
+            "tpk": "tenant_id, ",
+            "blob": "BYTEA",
+            "real": "DOUBLE PRECISION",
+            "autoid": "BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY",
+            "json": "TEXT",
+        }
+    else:
+        subs = {
+            "tenant_col": "",
+            "tpk": "",
+            "blob": "BLOB",
+            "real": "REAL",
+            "autoid": "INTEGER PRIMARY KEY AUTOINCREMENT",
+            "json": "TEXT",
+        }
+    return sql.format(**subs)
+
+
+def statements_for(m: Migration, dialect: str) -> list[str]:
+    extra = m.postgres_only if dialect == "postgres" else m.sqlite_only
+    return [render(s, dialect) for s in (*m.statements, *extra, *m.after)]

@@ -1,0 +1,227 @@
+"""The embedded SQLite backend: control plane in one file, each tenant's data in its own file.
+
+Files live under ``<data_dir>/store``; WAL journaling with ``synchronous=FULL`` so every acknowledged
+commit is on disk. Write transactions take the lock up front (``BEGIN IMMEDIATE``) to avoid upgrade deadlocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+from moorage.errors import UnavailableError
+from moorage.store.base import Backend, check_tenant_id, translate_integrity
+from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
+from moorage.store.sql import Conn
+
+_BUSY_TIMEOUT_MS = 60_000
+
+
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=_BUSY_TIMEOUT_MS / 1000)
+    conn.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+    if path != ":memory:":
+        conn.execute("PRAGMA journal_mode = WAL")
+    # FULL: the WAL is fsynced at every commit, so an acknowledged write survives power loss.
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.execute("PRAGMA temp_store = MEMORY")
+    return conn
+
+
+def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: int | None = None) -> int:
+    """Apply missing migrations in one immediate transaction each; safe with concurrent openers."""
+    conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
+    for m in migrations:
+        if upto is not None and m.version > upto:
+            break
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("SELECT 1 FROM schema_migrations WHERE version = ?", (m.version,)).fetchone():
+                conn.execute("COMMIT")
+                continue
+            for stmt in statements_for(m, "sqlite"):
+                conn.execute(stmt)
+            conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, m.name, time.time()))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    row = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()
+    return int(row[0])
+
+
+class _Files:
+    """Per-thread connections to a set of database files (sqlite3 connections are not shareable concurrently)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> sqlite3.Connection:
+        conns: dict[str, sqlite3.Connection] = getattr(self._local, "conns", None) or {}
+        self._local.conns = conns
+        c = conns.get(path)
+        if c is None:
+            c = conns[path] = _connect(path)
+            with self._lock:
+                self._all.append(c)
+        return c
+
+    def drop(self, path: str) -> None:
+        with self._lock:
+            for c in list(self._all):
+                try:
+                    if c.execute("PRAGMA database_list").fetchone()[2] == path:
+                        c.close()
+                        self._all.remove(c)
+                except sqlite3.ProgrammingError:
+                    self._all.remove(c)
+        conns = getattr(self._local, "conns", None)
+        if conns:
+            conns.pop(path, None)
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._all:
+                with contextlib.suppress(Exception):
+                    c.close()
+            self._all.clear()
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection, write: bool) -> Iterator[Conn]:
+    conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+    try:
+        with translate_integrity(sqlite3.IntegrityError):
+            yield Conn(conn, "sqlite")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    else:
+        conn.execute("COMMIT")
+
+
+class SQLiteBackend(Backend):
+    dialect = "sqlite"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        try:
+            (self.root / "tenants").mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UnavailableError(f"cannot create the store directory {self.root}: {e}", hint="check MOORAGE_DATA_DIR") from e
+        os.chmod(self.root, 0o700)
+        self._files = _Files()
+        self._migrated: set[str] = set()
+        self._mlock = threading.Lock()
+        self._control = str(self.root / "control.db")
+        migrate(self._files.get(self._control), CONTROL_MIGRATIONS)
+
+    def tenant_path(self, tenant_id: str) -> Path:
+        return self.root / "tenants" / f"{check_tenant_id(tenant_id)}.db"
+
+    def _tenant_conn(self, tenant_id: str) -> sqlite3.Connection:
+        path = str(self.tenant_path(tenant_id))
+        if path not in self._migrated:
+            with self._mlock:
+                if not os.path.exists(path):
+                    # Only tenants created through the control plane have a file; never create one on read.
+                    from moorage.errors import TenantScopeError
+
+                    raise TenantScopeError(f"unknown tenant {tenant_id}")
+                migrate(self._files.get(path), TENANT_MIGRATIONS)
+                self._migrated.add(path)
+        return self._files.get(path)
+
+    @contextlib.contextmanager
+    def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
+        with _transaction(self._tenant_conn(tenant_id), write) as c:
+            yield c
+
+    @contextlib.contextmanager
+    def control_tx(self) -> Iterator[Conn]:
+        with _transaction(self._files.get(self._control), True) as c:
+            yield c
+
+    def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
+        with _transaction(self._files.get(self._control), False) as c:
+            r = c.one("SELECT id, tenant_id, scopes, revoked_at FROM api_keys WHERE key_hash = ?", (key_hash,))
+        return None if r is None else (r[0], r[1], r[2], r[3])
+
+    def init_tenant(self, tenant_id: str, upto: int | None = None) -> None:
+        path = str(self.tenant_path(tenant_id))
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        os.close(fd)
+        migrate(self._files.get(path), TENANT_MIGRATIONS, upto=upto)
+        if upto is None:
+            self._migrated.add(path)
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        path = str(self.tenant_path(tenant_id))
+        self._files.drop(path)
+        self._migrated.discard(path)
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + suffix)
+
+    def schema_version(self, tenant_id: str | None = None) -> int:
+        conn = self._files.get(self._control if tenant_id is None else str(self.tenant_path(tenant_id)))
+        return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+
+    def describe(self) -> str:
+        return f"sqlite {sqlite3.sqlite_version} at {self.root} (WAL, synchronous=FULL)"
+
+    def close(self) -> None:
+        self._files.close()
+
+
+class EphemeralBackend(Backend):
+    """Zero-retention storage for stateless agents: one in-memory SQLite database, never on disk."""
+
+    dialect = "sqlite"
+
+    def __init__(self, tenant_id: str) -> None:
+        self.tenant_id = check_tenant_id(tenant_id)
+        self._conn = _connect(":memory:")
+        self._lock = threading.RLock()
+        migrate(self._conn, TENANT_MIGRATIONS)
+
+    @contextlib.contextmanager
+    def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
+        if tenant_id != self.tenant_id:
+            from moorage.errors import TenantScopeError
+
+            raise TenantScopeError("an ephemeral store serves one tenant only")
+        with self._lock, _transaction(self._conn, write) as c:
+            yield c
+
+    def control_tx(self) -> contextlib.AbstractContextManager[Conn]:
+        from moorage.errors import TenantScopeError
+
+        raise TenantScopeError("an ephemeral store has no control plane")
+
+    def authenticate_hash(self, key_hash: str) -> None:
+        return None
+
+    def init_tenant(self, tenant_id: str) -> None:
+        pass
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        self.close()
+
+    def schema_version(self, tenant_id: str | None = None) -> int:
+        return int(self._conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()[0])
+
+    def describe(self) -> str:
+        return "ephemeral in-memory sqlite (zero retention)"
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._conn.close()
