@@ -247,12 +247,12 @@ class Agents(_Repo):
         now = _now()
         a = Agent(_new_id(), name, config or {}, None, now, now, 1)
         with self._ts._tx() as c:
-            if c.one("SELECT 1 FROM agents WHERE name = ?", (name,)):
-                raise ConflictError(f"an agent named {name!r} already exists", hint="pick another name or deploy to it")
-            c.x(
-                f"INSERT INTO agents ({_AGENT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            n = c.x(
+                f"INSERT INTO agents ({_AGENT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (a.id, a.name, self._json(a.config, "agent config"), None, now, now, 1),
             )
+            if n != 1:
+                raise ConflictError(f"an agent named {name!r} already exists", hint="pick another name or deploy to it")
         return a
 
     def get(self, name_or_id: str) -> Agent:
@@ -332,12 +332,13 @@ class EndUsers(_Repo):
     def ensure(self, user_id: str, meta: dict[str, Any] | None = None) -> EndUser:
         check_id(user_id, "user id")
         with self._ts._tx() as c:
-            r = c.one("SELECT id, created_at, meta FROM end_users WHERE id = ?", (user_id,))
-            if r:
-                return EndUser(r[0], r[1], loads(r[2]))
             u = EndUser(user_id, _now(), meta or {})
-            c.x("INSERT INTO end_users (id, created_at, meta) VALUES (?, ?, ?)", (u.id, u.created_at, self._json(u.meta)))
-            return u
+            n = c.x("INSERT INTO end_users (id, created_at, meta) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                    (u.id, u.created_at, self._json(u.meta)))
+            if n == 1:
+                return u
+            r = c.one("SELECT id, created_at, meta FROM end_users WHERE id = ?", (user_id,))
+            return EndUser(r[0], r[1], loads(r[2]))
 
     def get(self, user_id: str) -> EndUser:
         with self._ts._tx(write=False) as c:
@@ -376,10 +377,13 @@ class Sessions(_Repo):
                 c.x("UPDATE sessions SET last_active = ? WHERE agent_id = ? AND user_id = ? AND id = ?", (now, agent_id, user_id, session_id))
                 return _session((*r[:4], now, *r[5:]))
             self._ts.users.ensure(user_id)
-            c.x(
-                f"INSERT INTO sessions ({_SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, 1)",
+            n = c.x(
+                f"INSERT INTO sessions ({_SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
                 (session_id, agent_id, user_id, now, now, self._json(meta or {})),
             )
+            if n != 1:  # a concurrent request opened it first
+                r = c.one(f"SELECT {_SESSION_COLS} FROM sessions WHERE agent_id = ? AND user_id = ? AND id = ?", (agent_id, user_id, session_id))
+                return _session(r)
             self._ts._touch(c, Scope.session(agent_id, user_id, session_id), now)
             return Session(session_id, agent_id, user_id, now, now, meta or {}, 1)
 
@@ -414,13 +418,15 @@ class State(_Repo):
         now = _now()
         with self._ts._tx() as c:
             if expected_version == 0:
-                if c.one("SELECT version FROM state WHERE scope = ? AND key = ?", (scope.key, key)):
-                    cur = c.one("SELECT version FROM state WHERE scope = ? AND key = ?", (scope.key, key))
-                    raise ConflictError(f"{key!r} already exists in {scope}", current_version=cur[0] if cur else None)
-                c.x(
-                    "INSERT INTO state (scope, key, value, version, updated_at) VALUES (?, ?, ?, 1, ?)",
+                # ON CONFLICT DO NOTHING: two creators racing get one winner and one ConflictError,
+                # never a unique-violation that aborts the loser's whole transaction.
+                n = c.x(
+                    "INSERT INTO state (scope, key, value, version, updated_at) VALUES (?, ?, ?, 1, ?) ON CONFLICT DO NOTHING",
                     (scope.key, key, text, now),
                 )
+                if n != 1:
+                    cur = c.one("SELECT version FROM state WHERE scope = ? AND key = ?", (scope.key, key))
+                    raise ConflictError(f"{key!r} already exists in {scope}", current_version=cur[0] if cur else None)
             else:
                 n = c.x(
                     "UPDATE state SET value = ?, version = version + 1, updated_at = ? WHERE scope = ? AND key = ? AND version = ?",
@@ -735,12 +741,12 @@ class WorkflowRuns(_Repo):
         now = _now()
         run = WorkflowRun(run_id, scope, name, "pending", input, {}, None, None, None, now, now, 1)
         with self._ts._tx() as c:
-            if c.one("SELECT 1 FROM workflow_runs WHERE id = ?", (run_id,)):
-                raise ConflictError(f"workflow run {run_id!r} already exists", current_version=None)
-            c.x(
-                f"INSERT INTO workflow_runs ({_RUN_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            n = c.x(
+                f"INSERT INTO workflow_runs ({_RUN_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (run_id, scope.key, name, "pending", self._json(input, "workflow input"), "{}", None, None, None, now, now, 1),
             )
+            if n != 1:
+                raise ConflictError(f"workflow run {run_id!r} already exists", current_version=None)
             self._ts._touch(c, scope, now)
         return run
 
@@ -836,14 +842,14 @@ class Journal(_Repo):
         _check_key(key)
         now = _now()
         with self._ts._tx() as c:
-            r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
-            if r is not None:
-                return _journal(r), False
-            c.x(
+            n = c.x(
                 "INSERT INTO journal (key, scope, run_id, step, status, result, error, created_at, updated_at, version) "
-                "VALUES (?, ?, ?, ?, 'pending', NULL, NULL, ?, ?, 1)",
+                "VALUES (?, ?, ?, ?, 'pending', NULL, NULL, ?, ?, 1) ON CONFLICT DO NOTHING",
                 (key, scope.key if scope else None, run_id, step, now, now),
             )
+            if n != 1:
+                r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+                return _journal(r), False
             if scope is not None:
                 self._ts._touch(c, scope, now)
         return JournalEntry(key, run_id, step, "pending", None, None, now, now, 1), True
@@ -899,13 +905,13 @@ class Sandboxes(_Repo):
         rec = SandboxRecord(sandbox_id or _new_id(), scope.agent, scope, state, host, None, None, template_ref, now, ttl_s,
                             meta or {}, now, 1)
         with self._ts._tx() as c:
-            existing = c.one(f"SELECT {_SBX_COLS} FROM sandboxes WHERE scope = ?", (scope.key,))
-            if existing:
-                raise ConflictError(f"{scope} already has sandbox {existing[0]}", current_version=existing[12])
-            c.x(
-                f"INSERT INTO sandboxes ({_SBX_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1)",
+            n = c.x(
+                f"INSERT INTO sandboxes ({_SBX_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
                 (rec.id, rec.agent_id, scope.key, state, host, None, None, template_ref, now, ttl_s, self._json(rec.meta), now),
             )
+            if n != 1:
+                existing = c.one("SELECT id, version FROM sandboxes WHERE scope = ?", (scope.key,))
+                raise ConflictError(f"{scope} already has a sandbox", current_version=existing[1] if existing else None)
             self._ts._touch(c, scope, now)
         return rec
 

@@ -1,0 +1,69 @@
+"""Fixtures shared by the whole suite: real services (a throwaway PostgreSQL cluster) and stores.
+
+Nothing here skips: CI sets MOORAGE_TEST_STRICT=1 and a missing service is an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from moorage.config import Config
+from moorage.devservices.postgres import PostgresCluster, start_cluster
+from moorage.store import Principal, Store, TenantStore
+from moorage.store.postgres import PostgresBackend
+from moorage.store.sqlite import SQLiteBackend
+
+STORE_BACKENDS = ("sqlite", "postgres")
+_db_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PostgresCluster]:
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster: PostgresCluster) -> str:
+    """Owner URL of a fresh, empty database for this test."""
+    return pg_cluster.create_database(f"t{next(_db_counter)}")
+
+
+def make_backend(kind: str, tmp_path: Path, request: pytest.FixtureRequest):
+    if kind == "sqlite":
+        return SQLiteBackend(tmp_path / "store")
+    return PostgresBackend(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A fresh store on each backend (SQLite files in tmp_path; a new PostgreSQL database)."""
+    s = Store(make_backend(request.param, tmp_path, request), max_value_bytes=64 * 1024)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def tenant(store: Store) -> TenantStore:
+    _, key = store.operator.create_tenant("acme")
+    return store.tenant(store.authenticate(key.secret))
+
+
+@pytest.fixture
+def other_tenant(store: Store) -> TenantStore:
+    _, key = store.operator.create_tenant("globex")
+    return store.tenant(store.authenticate(key.secret))
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    return Config(data_dir=tmp_path / "data")
+
+
+def system_principal(store: Store, tenant_id: str) -> Principal:
+    return store.operator.principal(tenant_id)
