@@ -5,6 +5,10 @@ Public API re-exported here; every search runs inside one tenant-scoped store ha
 
 from moorage.memory.context import CompactionPolicy, ContextBuilder, Message, ModelInput
 from moorage.memory.embeddings import Embedder, default_embedder
+from moorage.memory.episodic import EpisodicMemory, Recall
+from moorage.memory.extraction import FactCandidate, FactExtractor, PatternExtractor
+from moorage.memory.ranking import FusionWeights
+from moorage.memory.semantic import FactChange, SemanticMemory
 from moorage.memory.summarize import ExtractiveSummarizer, Summarizer
 from moorage.memory.tokens import ApproxTokenCounter, MiniLMTokenCounter, TokenCounter
 
@@ -13,6 +17,14 @@ __all__ = [
     "CompactionPolicy",
     "ContextBuilder",
     "Embedder",
+    "EpisodicMemory",
+    "FactCandidate",
+    "FactChange",
+    "FactExtractor",
+    "FusionWeights",
+    "PatternExtractor",
+    "Recall",
+    "SemanticMemory",
     "ExtractiveSummarizer",
     "Message",
     "MiniLMTokenCounter",

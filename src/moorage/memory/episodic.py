@@ -1,0 +1,211 @@
+"""Episodic memory: the time-ordered event log of a scope, embedded on write, searched hybrid.
+
+Lexical (the store's full-text search) and dense (exact cosine over one scope's vectors) rankings are fused and re-ranked by recency.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from moorage.errors import InvalidInput
+from moorage.log import get_logger
+from moorage.memory.embeddings import DIMENSION, Embedder, default_embedder, to_bytes
+from moorage.memory.ranking import FusionWeights, fuse
+from moorage.store import Event, EventIn, Scope, TenantStore
+
+log = get_logger(__name__)
+
+_WORD = re.compile(r"[A-Za-z0-9]+")
+# Words that carry no topic: dropping them keeps full-text queries selective (and fast on big logs).
+_QUERY_STOP = frozenset(
+    "a an the and or but if of in on at for with from by as is are was were be been it its this that these those "
+    "i me my mine you your he she his her we our they their them what which who whom whose how when where why "
+    "do does did done doing have has had can could would should will shall may might must not no to about into "
+    "than then there here any some all ever again still now currently".split()
+)
+
+
+@dataclass(frozen=True)
+class Recall:
+    """One retrieved event with how it was found (ranks are 1-based; ``None``: not in that list)."""
+
+    event: Event
+    score: float
+    lexical_rank: int | None
+    dense_rank: int | None
+
+
+@dataclass
+class _ScopeVectors:
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
+    speakers: list[str | None] = field(default_factory=list)
+    matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, DIMENSION), dtype=np.float32))
+    max_id: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class EpisodicMemory:
+    """Episodic memory over one tenant's store handle. Every call names one scope and never leaves it.
+
+    Dense search is exact (a matrix product over the scope's vectors), not an approximate global index:
+    a user's log is small enough, and there is no index shared across tenants or users to leak through.
+    Vectors are cached per scope in this process and refreshed incrementally from the store.
+    """
+
+    def __init__(
+        self,
+        ts: TenantStore,
+        embedder: Embedder | None = None,
+        *,
+        weights: FusionWeights = FusionWeights(),
+        pool: int = 50,
+        max_cached_vectors: int = 500_000,
+    ) -> None:
+        self.ts = ts
+        self.embedder = embedder or default_embedder()
+        self.weights = weights
+        self.pool = pool
+        self.max_cached_vectors = max_cached_vectors
+        self._cache: OrderedDict[str, _ScopeVectors] = OrderedDict()
+        self._cache_lock = threading.Lock()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def remember(
+        self, scope: Scope, kind: str, content: str, *, speaker: str | None = None,
+        meta: dict[str, Any] | None = None, ts: float | None = None,
+    ) -> Event:
+        """Append one event with its embedding (computed now, so queries never embed the log)."""
+        return self.remember_many(scope, [EventIn(kind, content, speaker, meta, ts)])[0]
+
+    def remember_many(self, scope: Scope, items: Sequence[EventIn]) -> list[Event]:
+        """Append events in one transaction; their embeddings are computed in batches first."""
+        if not items:
+            return []
+        vectors = self.embedder.embed([it.content for it in items])
+        rows = [EventIn(it.kind, it.content, it.speaker, it.meta, it.ts, to_bytes(v)) for it, v in zip(items, vectors)]
+        return self.ts.events.append_many(scope, rows)
+
+    def backfill(self, scope: Scope, *, batch: int = 256) -> int:
+        """Embed events of ``scope`` that were appended without a vector (e.g. straight through the store)."""
+        have = {i for i, _ in self.ts.events.embeddings(scope)}
+        missing = [e for e in self.ts.events.list(scope, limit=10**9) if e.id not in have]
+        for start in range(0, len(missing), batch):
+            chunk = missing[start : start + batch]
+            vecs = self.embedder.embed([e.content for e in chunk])
+            self.ts.events.put_embeddings(scope, [(e.id, to_bytes(v)) for e, v in zip(chunk, vecs)])
+        if missing:
+            self._drop(scope)
+        return len(missing)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def search(
+        self, scope: Scope, query: str, *, k: int = 10, since: float | None = None, until: float | None = None,
+        speakers: Sequence[str] | None = None,
+    ) -> list[Recall]:
+        """The ``k`` events of ``scope`` that best answer ``query``: lexical + dense, fused, recency re-ranked."""
+        if not query.strip():
+            raise InvalidInput("empty memory query", hint="pass the question or topic to recall")
+        lexical = self.search_lexical(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
+        dense = self.search_dense(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
+        lex_ids = [e.id for e, _ in lexical]
+        dense_ids = [i for i, _ in dense]
+        times = {e.id: e.ts for e, _ in lexical}
+        vec = self._vectors(scope)
+        if dense_ids:
+            pos = {int(i): n for n, i in enumerate(vec.ids)}
+            times.update({i: float(vec.ts[pos[i]]) for i in dense_ids if i in pos})
+        fused = fuse(lex_ids, dense_ids, times, self.weights, now=until)[:k]
+        known = {e.id: e for e, _ in lexical}
+        events = {e.id: e for e in self.ts.events.get_many(scope, [i for i, _ in fused if i not in known])}
+        events.update(known)
+        lex_rank = {i: n for n, i in enumerate(lex_ids, start=1)}
+        dense_rank = {i: n for n, i in enumerate(dense_ids, start=1)}
+        return [
+            Recall(events[i], s, lex_rank.get(i), dense_rank.get(i)) for i, s in fused if i in events
+        ]
+
+    def search_lexical(
+        self, scope: Scope, query: str, *, limit: int = 50, since: float | None = None, until: float | None = None,
+        speakers: Sequence[str] | None = None,
+    ) -> list[tuple[Event, float]]:
+        words = [w for w in _WORD.findall(query) if w.lower() not in _QUERY_STOP]
+        text = " ".join(words) if words else query
+        return self.ts.events.search_text(scope, text, limit=limit, since=since, until=until, speakers=speakers)
+
+    def search_dense(
+        self, scope: Scope, query: str, *, limit: int = 50, since: float | None = None, until: float | None = None,
+        speakers: Sequence[str] | None = None,
+    ) -> list[tuple[int, float]]:
+        """Event ids of ``scope`` by cosine similarity to ``query`` (exact search), best first."""
+        vec = self._vectors(scope)
+        if len(vec.ids) == 0:
+            return []
+        q = self.embedder.embed_one(query)
+        sims = vec.matrix @ q
+        mask = np.ones(len(vec.ids), dtype=bool)
+        if since is not None:
+            mask &= vec.ts >= since
+        if until is not None:
+            mask &= vec.ts <= until
+        if speakers:
+            allowed = set(speakers)
+            mask &= np.fromiter((s in allowed for s in vec.speakers), dtype=bool, count=len(vec.speakers))
+        sims = np.where(mask, sims, -np.inf)
+        n = min(limit, int(mask.sum()))
+        if n == 0:
+            return []
+        top = np.argpartition(-sims, n - 1)[:n] if n < len(sims) else np.arange(len(sims))
+        top = top[np.argsort(-sims[top], kind="stable")]
+        return [(int(vec.ids[i]), float(sims[i])) for i in top]
+
+    # -- the per-scope vector cache ------------------------------------------------------------
+
+    def _vectors(self, scope: Scope) -> _ScopeVectors:
+        with self._cache_lock:
+            vec = self._cache.get(scope.key)
+            if vec is None:
+                vec = self._cache[scope.key] = _ScopeVectors()
+            self._cache.move_to_end(scope.key)
+        with vec.lock:
+            self._refresh(scope, vec)
+        self._evict()
+        return vec
+
+    def _refresh(self, scope: Scope, vec: _ScopeVectors) -> None:
+        # Cheap when nothing changed: one indexed query for events newer than the newest one cached.
+        new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
+        if not new:
+            return
+        wanted = {e.id: e for e in new}
+        since = min(e.ts for e in new)
+        rows = [(i, b) for i, b in self.ts.events.embeddings(scope, since=since) if i in wanted]
+        good = [(i, b) for i, b in rows if len(b) == DIMENSION * 4]
+        if len(good) != len(rows):
+            log.warning("ignoring embeddings of the wrong size", scope=scope.key, count=len(rows) - len(good))
+        if good:
+            mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
+            vec.matrix = np.vstack([vec.matrix, mat]) if len(vec.ids) else mat.copy()
+            vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
+            vec.ts = np.concatenate([vec.ts, np.array([wanted[i].ts for i, _ in good], dtype=np.float64)])
+            vec.speakers.extend(wanted[i].speaker for i, _ in good)
+        vec.max_id = max(vec.max_id, max(wanted))
+
+    def _drop(self, scope: Scope) -> None:
+        with self._cache_lock:
+            self._cache.pop(scope.key, None)
+
+    def _evict(self) -> None:
+        with self._cache_lock:
+            total = sum(len(v.ids) for v in self._cache.values())
+            while len(self._cache) > 1 and total > self.max_cached_vectors:
+                _, old = self._cache.popitem(last=False)
+                total -= len(old.ids)

@@ -1,0 +1,88 @@
+"""Episodic memory on both store backends: hybrid retrieval, filters, embeddings on write, isolation."""
+
+from __future__ import annotations
+
+from moorage.memory.embeddings import Embedder
+from moorage.memory.episodic import EpisodicMemory
+from moorage.store import EventIn, Scope, TenantStore
+
+T0 = 1_700_000_000.0
+ALICE = Scope.for_user("concierge", "alice")
+BOB = Scope.for_user("concierge", "bob")
+
+LOG = [
+    ("user", "We finally adopted a kitten from the shelter, we named her Miso."),
+    ("assistant", "Congratulations! Shelters are a great place to adopt."),
+    ("user", "The quarterly report is due next Thursday."),
+    ("user", "Traffic on the ring road was terrible this morning."),
+    ("user", "I repainted the kitchen walls a pale yellow."),
+    ("assistant", "Pale yellow makes a small kitchen feel bigger."),
+    ("user", "My brother is visiting from Montreal in May."),
+    ("user", "Remind me to renew the car insurance."),
+]
+
+
+def _fill(mem: EpisodicMemory, scope: Scope) -> list:
+    return mem.remember_many(scope, [EventIn("message", text, speaker, None, T0 + 3600 * i) for i, (speaker, text) in enumerate(LOG)])
+
+
+def test_hybrid_finds_paraphrased_evidence_that_bm25_misses(tenant_a: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant_a, embedder)
+    events = _fill(mem, ALICE)
+    query = "what is my cat called?"
+    lexical = [e.id for e, _ in mem.search_lexical(ALICE, query)]
+    assert events[0].id not in lexical  # no shared word: "cat"/"called" vs "kitten"/"named"
+    hits = mem.search(ALICE, query, k=3)
+    assert hits[0].event.id == events[0].id
+    assert hits[0].dense_rank == 1 and hits[0].lexical_rank is None
+
+
+def test_embeddings_are_written_with_the_events(tenant_a: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant_a, embedder)
+    events = _fill(mem, ALICE)
+    stored = tenant_a.events.embeddings(ALICE)
+    assert [i for i, _ in stored] == [e.id for e in events]
+    assert all(len(b) == embedder.dimension * 4 for _, b in stored)
+
+
+def test_speaker_and_time_filters_apply_to_both_rankings(tenant_a: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant_a, embedder)
+    events = _fill(mem, ALICE)
+    only_assistant = mem.search(ALICE, "kitchen paint colour", k=5, speakers=["assistant"])
+    assert only_assistant and all(h.event.speaker == "assistant" for h in only_assistant)
+    assert only_assistant[0].event.id == events[5].id
+    late = mem.search(ALICE, "kitten adoption", k=10, since=T0 + 3600 * 4)
+    assert late and all(h.event.ts >= T0 + 3600 * 4 for h in late)
+    assert events[0].id not in {h.event.id for h in late}
+
+
+def test_new_events_are_seen_by_an_existing_memory_object(tenant_a: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant_a, embedder)
+    _fill(mem, ALICE)
+    assert mem.search(ALICE, "dentist appointment", k=1)[0].event.content != "The dentist moved my appointment to Friday."
+    ev = mem.remember(ALICE, "message", "The dentist moved my appointment to Friday.", speaker="user", ts=T0 + 86400)
+    assert mem.search(ALICE, "when is the dentist?", k=1)[0].event.id == ev.id
+
+
+def test_backfill_embeds_events_appended_straight_to_the_store(tenant_a: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant_a, embedder)
+    ev = tenant_a.events.append(ALICE, "message", "Our kitten Miso chewed the charger cable.", speaker="user", ts=T0)
+    assert mem.search_dense(ALICE, "cat damage") == []
+    assert mem.backfill(ALICE) == 1
+    assert mem.search_dense(ALICE, "cat damage")[0][0] == ev.id
+
+
+def test_other_users_and_other_tenants_see_nothing(tenant_a: TenantStore, tenant_b: TenantStore, embedder: Embedder) -> None:
+    mine = EpisodicMemory(tenant_a, embedder)
+    _fill(mine, ALICE)
+    assert mine.search(ALICE, "kitten named Miso", k=5)
+
+    # Same tenant, another user of the same agent.
+    assert mine.search(BOB, "kitten named Miso", k=5) == []
+    assert mine.search_dense(BOB, "kitten") == []
+
+    # Another tenant with an identically named agent and user: its scope is a different world.
+    theirs = EpisodicMemory(tenant_b, embedder)
+    assert theirs.search(ALICE, "kitten named Miso", k=5) == []
+    assert tenant_b.events.search_text(ALICE, "kitten Miso") == []
+    assert tenant_b.events.embeddings(ALICE) == []
