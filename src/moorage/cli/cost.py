@@ -1,0 +1,74 @@
+"""``moorage cost``: replay arrival traces through sleep policies, generate traces, print the price table.
+
+Thin layer: parses options, calls moorage.cost, renders; errors are moorage's typed errors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from moorage.cost import SCENARIOS, SimSettings, compare, generate, load_cost_model, read_trace, render, save_trace
+from moorage.lifecycle.policies import parse_policy
+
+app = typer.Typer(no_args_is_help=True, help="Cost model and sleep-policy simulator.")
+trace_app = typer.Typer(no_args_is_help=True, help="Arrival traces (JSONL, one turn per line).")
+app.add_typer(trace_app, name="trace")
+
+
+@app.command()
+def simulate(
+    trace: Path = typer.Option(..., "--trace", help="Trace file (JSONL); see docs/cost.md."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help="TOML with [prices] and [instance] tables (defaults: `moorage cost prices`)."),
+    policy: Optional[List[str]] = typer.Option(
+        None, "--policy", help="Policy to replay, repeatable: always-on, adaptive, fixed:300, fixed-30s (default: a standard set)."
+    ),
+    provisioning: str = typer.Option("fork", "--provisioning", help="How new agents start without a pool: fork or cold-boot."),
+    warm_pool: int = typer.Option(0, "--warm-pool", help="Pre-forked sandboxes kept running for new agents."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Replay a trace through each policy and report compute, storage, wakes, added latency and cost."""
+    model = load_cost_model(prices)
+    policies = [parse_policy(p, model.economics()) for p in policy] if policy else None
+    cmp = compare(read_trace(trace), model, policies, SimSettings(provisioning=provisioning, warm_pool=warm_pool))  # type: ignore[arg-type]
+    if as_json:
+        typer.echo(json.dumps(cmp.to_dict(), indent=2))
+    else:
+        console = Console()
+        if not console.is_terminal:
+            # Piped output would wrap at rich's 80-column default and cut the table's figures.
+            console = Console(width=120)
+        render(cmp, console)
+
+
+@trace_app.command("generate")
+def trace_generate(
+    scenario: str = typer.Option(..., "--scenario", help=f"One of: {', '.join(SCENARIOS)}."),
+    out: Path = typer.Option(..., "--out", help="File to write (JSONL)."),
+    users: Optional[int] = typer.Option(None, "--users", help="Number of users (default depends on the scenario)."),
+    hours: Optional[float] = typer.Option(None, "--hours", help="Trace length in hours (default depends on the scenario)."),
+    seed: int = typer.Option(0, "--seed", help="Same seed, same trace."),
+) -> None:
+    """Generate a synthetic arrival trace for a named scenario."""
+    trace = generate(scenario, users=users, hours=hours, seed=seed)
+    save_trace(trace, out)
+    typer.echo(f"wrote {len(trace.turns)} turns for {trace.instances} instances over {trace.horizon_s / 3600:g} h to {out}")
+
+
+@trace_app.command("scenarios")
+def trace_scenarios() -> None:
+    """List the named scenarios."""
+    for s in SCENARIOS.values():
+        typer.echo(f"{s.name:<10} {s.default_users:>5} users {s.default_hours:>4g} h  {s.description}")
+
+
+@app.command()
+def prices(prices_file: Optional[Path] = typer.Option(None, "--prices", help="Show this file merged over the defaults.")) -> None:
+    """Print the price table and instance profile as TOML (a starting point for --prices)."""
+    model = load_cost_model(prices_file)
+    typer.echo(model.to_toml().rstrip())
+    typer.echo(f"# break-even idle gap: {model.economics().break_even_s:.1f} s")
