@@ -26,8 +26,8 @@ def _fill(mem: EpisodicMemory, scope: Scope) -> list:
     return mem.remember_many(scope, [EventIn("message", text, speaker, None, T0 + 3600 * i) for i, (speaker, text) in enumerate(LOG)])
 
 
-def test_hybrid_finds_paraphrased_evidence_that_bm25_misses(tenant_a: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant_a, embedder)
+def test_hybrid_finds_paraphrased_evidence_that_bm25_misses(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
     events = _fill(mem, ALICE)
     query = "what is my cat called?"
     lexical = [e.id for e, _ in mem.search_lexical(ALICE, query)]
@@ -37,16 +37,16 @@ def test_hybrid_finds_paraphrased_evidence_that_bm25_misses(tenant_a: TenantStor
     assert hits[0].dense_rank == 1 and hits[0].lexical_rank is None
 
 
-def test_embeddings_are_written_with_the_events(tenant_a: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant_a, embedder)
+def test_embeddings_are_written_with_the_events(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
     events = _fill(mem, ALICE)
-    stored = tenant_a.events.embeddings(ALICE)
+    stored = tenant.events.embeddings(ALICE)
     assert [i for i, _ in stored] == [e.id for e in events]
     assert all(len(b) == embedder.dimension * 4 for _, b in stored)
 
 
-def test_speaker_and_time_filters_apply_to_both_rankings(tenant_a: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant_a, embedder)
+def test_speaker_and_time_filters_apply_to_both_rankings(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
     events = _fill(mem, ALICE)
     only_assistant = mem.search(ALICE, "kitchen paint colour", k=5, speakers=["assistant"])
     assert only_assistant and all(h.event.speaker == "assistant" for h in only_assistant)
@@ -56,24 +56,24 @@ def test_speaker_and_time_filters_apply_to_both_rankings(tenant_a: TenantStore, 
     assert events[0].id not in {h.event.id for h in late}
 
 
-def test_new_events_are_seen_by_an_existing_memory_object(tenant_a: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant_a, embedder)
+def test_new_events_are_seen_by_an_existing_memory_object(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
     _fill(mem, ALICE)
     assert mem.search(ALICE, "dentist appointment", k=1)[0].event.content != "The dentist moved my appointment to Friday."
     ev = mem.remember(ALICE, "message", "The dentist moved my appointment to Friday.", speaker="user", ts=T0 + 86400)
     assert mem.search(ALICE, "when is the dentist?", k=1)[0].event.id == ev.id
 
 
-def test_backfill_embeds_events_appended_straight_to_the_store(tenant_a: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant_a, embedder)
-    ev = tenant_a.events.append(ALICE, "message", "Our kitten Miso chewed the charger cable.", speaker="user", ts=T0)
+def test_backfill_embeds_events_appended_straight_to_the_store(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
+    ev = tenant.events.append(ALICE, "message", "Our kitten Miso chewed the charger cable.", speaker="user", ts=T0)
     assert mem.search_dense(ALICE, "cat damage") == []
     assert mem.backfill(ALICE) == 1
     assert mem.search_dense(ALICE, "cat damage")[0][0] == ev.id
 
 
-def test_other_users_and_other_tenants_see_nothing(tenant_a: TenantStore, tenant_b: TenantStore, embedder: Embedder) -> None:
-    mine = EpisodicMemory(tenant_a, embedder)
+def test_other_users_and_other_tenants_see_nothing(tenant: TenantStore, other_tenant: TenantStore, embedder: Embedder) -> None:
+    mine = EpisodicMemory(tenant, embedder)
     _fill(mine, ALICE)
     assert mine.search(ALICE, "kitten named Miso", k=5)
 
@@ -82,7 +82,7 @@ def test_other_users_and_other_tenants_see_nothing(tenant_a: TenantStore, tenant
     assert mine.search_dense(BOB, "kitten") == []
 
     # Another tenant with an identically named agent and user: its scope is a different world.
-    theirs = EpisodicMemory(tenant_b, embedder)
+    theirs = EpisodicMemory(other_tenant, embedder)
     assert theirs.search(ALICE, "kitten named Miso", k=5) == []
-    assert tenant_b.events.search_text(ALICE, "kitten Miso") == []
-    assert tenant_b.events.embeddings(ALICE) == []
+    assert other_tenant.events.search_text(ALICE, "kitten Miso") == []
+    assert other_tenant.events.embeddings(ALICE) == []
