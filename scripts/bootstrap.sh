@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
-  python3 python3-venv python3-dev gcc make git ca-certificates
+  python3 python3-venv python3-dev python3-pip gcc make git ca-certificates
   qemu-system-x86 qemu-utils           # micro-VM sandboxes
   bubblewrap                           # process sandboxes
   debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build

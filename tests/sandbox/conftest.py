@@ -93,3 +93,31 @@ async def start_guest(guest_copy: Path, tmp_path: Path) -> AsyncIterator[Callabl
         g.proc.wait()
         if g.proc.stderr:
             g.proc.stderr.close()
+
+
+@pytest.fixture(params=sorted(DRIVER_FACTORIES))
+async def make_driver(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Callable[[], SandboxDriver]]:
+    """Builds driver instances on one root; a second call is "the host after a restart" (same disk, new process state)."""
+    factory = DRIVER_FACTORIES[request.param]
+    root = tmp_path / "sandboxes"
+    cfg = Config(data_dir=tmp_path / "data")
+    made: list[SandboxDriver] = []
+
+    def make() -> SandboxDriver:
+        d = factory(root, cfg)
+        made.append(d)
+        return d
+
+    yield make
+    # Tear down every sandbox left behind so no process outlives the test.
+    cleaner = factory(root, cfg)
+    for d in made:
+        await d.close()
+    for sid in await cleaner.list():
+        sb = await cleaner.open(sid)
+        await sb.destroy()
+
+
+@pytest.fixture
+def driver(make_driver: Callable[[], SandboxDriver]) -> SandboxDriver:
+    return make_driver()

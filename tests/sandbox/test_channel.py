@@ -174,6 +174,7 @@ async def test_timeout_cancels_guest_handler(start_guest, guest_copy: Path) -> N
     (guest_copy / "testext.py").write_text(EXT_SOURCE)
     g = await start_guest("testext")
     marker = g.workdir / "cancelled"
+    assert (await g.channel.call("ping", timeout=30))["pong"]  # the guest is up, so the handler really starts
     with pytest.raises(ChannelTimeout):
         await g.channel.call("t.forever", {"marker": str(marker)}, timeout=0.3)
     for _ in range(100):

@@ -24,7 +24,7 @@ class FileService:
         p = params.get(key)
         if not isinstance(p, str) or not p or "\0" in p:
             raise RpcError("%s must be a non-empty string" % key, INVALID_PARAMS)
-        return os.path.join(self.workdir, p)
+        return os.path.normpath(os.path.join(self.workdir, p))
 
     async def read(self, params: Any, ctx: Context) -> Dict[str, Any]:
         path = self._path(params)

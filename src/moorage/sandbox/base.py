@@ -394,7 +394,7 @@ class SandboxDriver(ABC):
     """Creates and re-adopts sandboxes under ``root`` (one subdirectory per sandbox id)."""
 
     name: ClassVar[str]
-    capabilities: ClassVar[Capabilities]
+    capabilities: Capabilities
 
     def __init__(self, root: Path, config: "Config") -> None:
         self.root = Path(root)

@@ -1,0 +1,586 @@
+"""The ``process`` sandbox driver: the guest supervisor in bubblewrap namespaces on the host kernel.
+
+Filesystem-only persistence: the host root is bound read-only, each sandbox owns a writable layer (/work, /tmp)
+that is its snapshot; sleep stops every process, wake cold-starts the supervisor; fork and checkpoint copy the layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Sequence
+
+from moorage.config import Config
+from moorage.errors import ConflictError, InvalidInput
+from moorage.log import get_logger
+from moorage.sandbox import process_limits as limits
+from moorage.sandbox.base import (
+    Capabilities,
+    ChannelError,
+    CheckpointInfo,
+    Sandbox,
+    SandboxDriver,
+    SandboxError,
+    SandboxNotFound,
+    SandboxSpec,
+    SandboxState,
+    SandboxStateError,
+    SandboxStats,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+    SnapshotInfo,
+    TemplateRef,
+    validate_id,
+)
+from moorage.sandbox.channel import Channel
+from moorage.sandbox.process_fs import copy_tree, disk_usage, write_json_durable
+
+log = get_logger(__name__)
+
+META_VERSION = 1
+SOCKET_NAME = "chan.sock"
+GUEST_MOUNT = "/opt/moorage/guest"
+GUEST_UID = 1000
+SUPERVISOR_PYTHON = "/usr/bin/python3"
+#: Host /etc files a Debian userland needs; the rest of /etc (shadow, keys, host config) stays invisible.
+_ETC_ALLOWLIST = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl/certs", "ca-certificates",
+    "ca-certificates.conf", "python3", "python3.11", "localtime", "nsswitch.conf", "mime.types", "protocols",
+    "services", "debian_version", "os-release",
+)
+_START_TIMEOUT_S = 30.0
+_STOP_TIMEOUT_S = 5.0
+
+
+def _bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxError("bubblewrap (bwrap) is not installed", hint="run scripts/bootstrap.sh or apt-get install bubblewrap")
+    return path
+
+
+def _proc_starttime(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks: (pid, starttime) identifies a process across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            return None
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ProcessSandbox(Sandbox):
+    def __init__(self, driver: "ProcessDriver", sandbox_id: str, meta: dict[str, Any]) -> None:
+        self.driver = driver
+        self.id = sandbox_id
+        self.dir = driver.root / sandbox_id
+        self.meta = meta
+        self.spec = SandboxSpec.from_json(meta.get("spec", {}))
+        self._state = SandboxState(meta["state"])
+        self._channel: Channel | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pid: int | None = meta.get("pid")
+        self._lock = asyncio.Lock()
+        self._watchdog: asyncio.Task[None] | None = None
+        self.cgroup = limits.SandboxCgroup(driver.limit_support, f"{driver.instance_tag}-{sandbox_id}")
+        #: Set when the disk quota watchdog killed the sandbox's processes (cleared on the next start).
+        self.quota_exceeded = False
+
+    # --- paths -----------------------------------------------------------------------------------------------
+
+    @property
+    def layer(self) -> Path:
+        return self.dir / "layer"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.dir / "run" / SOCKET_NAME
+
+    # --- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> SandboxState:
+        if self._state is SandboxState.RUNNING and not self._alive():
+            # The supervisor died under us (OOM, crash, killed): the layer is intact, memory is gone.
+            self._state = SandboxState.STOPPED
+        return self._state
+
+    @property
+    def channel(self) -> Channel:
+        if self.state is not SandboxState.RUNNING or self._channel is None or self._channel.closed:
+            raise SandboxStateError(
+                f"sandbox {self.id} is {self.state.value}, not running",
+                hint="call wake() (sleeping/stopped) or start() (created) first",
+            )
+        return self._channel
+
+    def _alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        if self._pid is None:
+            return False
+        return _proc_starttime(self._pid) == self.meta.get("pid_starttime")
+
+    def _save(self, **changes: Any) -> None:
+        self.meta.update(changes)
+        self.meta["state"] = self._state.value
+        write_json_durable(self.dir / "meta.json", self.meta)
+
+    def _require(self, *allowed: SandboxState, verb: str) -> None:
+        st = self.state
+        if st not in allowed:
+            hints = {
+                SandboxState.CREATED: "call start() first",
+                SandboxState.SLEEPING: "call wake() first",
+                SandboxState.STOPPED: "call wake() or start() first",
+                SandboxState.RUNNING: "call sleep() or stop() first",
+                SandboxState.DESTROYED: "create a new sandbox",
+            }
+            raise SandboxStateError(f"cannot {verb} sandbox {self.id}: it is {st.value}", hint=hints.get(st))
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._lock:
+            self._require(SandboxState.CREATED, SandboxState.STOPPED, SandboxState.SLEEPING, verb="start")
+            await self._boot()
+
+    async def wake(self) -> None:
+        async with self._lock:
+            self._require(SandboxState.SLEEPING, SandboxState.STOPPED, verb="wake")
+            await self._boot()
+
+    async def _boot(self) -> None:
+        spec = self.spec
+        self.quota_exceeded = False
+        (self.dir / "run").mkdir(exist_ok=True)
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        mem = spec.memory_mib << 20
+        self.cgroup.create(spec.max_processes, mem)
+        # Per-process address space: the only memory bound without a cgroup; a generous backstop with one.
+        address_space = max(mem, 1 << 30) if self.cgroup.dirs else mem
+        argv = self.driver.bwrap_argv(self)
+        prlimit = limits.rlimit_args(
+            max_processes=spec.max_processes, max_file_bytes=spec.max_file_mib << 20, address_space_bytes=address_space
+        )
+        # A tiny shell moves itself into the cgroup before exec'ing bwrap, so no sandbox process ever runs outside it.
+        join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
+        wrapper = ["/bin/sh", "-c", join, "moorage-sandbox", *map(str, self.cgroup.procs_files), "--", *prlimit, *argv]
+        with open(self.dir / "supervisor.log", "ab") as logf:
+            self._proc = subprocess.Popen(
+                wrapper, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env={}, close_fds=True, start_new_session=True
+            )
+        self._pid = self._proc.pid
+        try:
+            self._channel = await self._connect(_START_TIMEOUT_S)
+        except BaseException:
+            await self._kill()
+            raise
+        self._state = SandboxState.RUNNING
+        self._save(pid=self._pid, pid_starttime=_proc_starttime(self._pid), boot_count=self.meta.get("boot_count", 0) + 1)
+        self._start_watchdog()
+        log.info("sandbox started", sandbox=self.id, pid=self._pid)
+
+    async def _connect(self, timeout: float) -> Channel:
+        deadline = time.monotonic() + timeout
+        last_error = "no socket yet"
+        while time.monotonic() < deadline:
+            if not self._alive():
+                tail = _tail(self.dir / "supervisor.log")
+                raise SandboxError(f"sandbox {self.id} exited while starting", hint=f"supervisor log: {tail}")
+            if self.socket_path.exists():
+                try:
+                    ch = await Channel.open_unix(str(self.socket_path), name=f"sandbox:{self.id}")
+                    await ch.call("ping", timeout=10)
+                    return ch
+                except ChannelError as e:
+                    last_error = str(e)
+            await asyncio.sleep(0.02)
+        raise SandboxError(f"sandbox {self.id} did not answer within {timeout:g}s ({last_error})", hint="see supervisor.log")
+
+    def _start_watchdog(self) -> None:
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._quota_watchdog(), name=f"quota-{self.id}")
+
+    async def _quota_watchdog(self) -> None:
+        """Disk quota check: a layer grown past ``disk_mib`` gets every process but the supervisor killed.
+
+        There is no block-level quota on a plain directory, so this polls; the poll interval adapts to the cost
+        of a scan so large layers do not burn CPU. RLIMIT_FSIZE bounds any single file in between.
+        """
+        quota = self.spec.disk_mib << 20
+        loop = asyncio.get_running_loop()
+        last = 0
+        try:
+            while self._state is SandboxState.RUNNING and self._alive():
+                t0 = time.monotonic()
+                used = await loop.run_in_executor(None, disk_usage, self.layer)
+                cost = time.monotonic() - t0
+                # Kill only while usage grows past the quota, so removing files (even with rm) stays possible.
+                if used > quota and used > last:
+                    self.quota_exceeded = True
+                    victims = self._guest_workers()
+                    limits.kill_pids(victims)
+                    log.warning("disk quota exceeded; killed sandbox processes", sandbox=self.id, used=used, quota=quota,
+                                killed=len(victims))
+                last = used
+                await asyncio.sleep(min(max(cost * 20, 0.2), 5.0))
+        except asyncio.CancelledError:
+            pass
+
+    def _guest_workers(self) -> list[int]:
+        """Host pids of everything the supervisor started (its descendants), not bwrap and not the supervisor."""
+        if self._pid is None:
+            return []
+        for pid in limits.descendants(self._pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            # bwrap's own argv names the guest too; the supervisor is the python process running it.
+            if argv[0] == SUPERVISOR_PYTHON.encode() and GUEST_MOUNT.encode() in argv:
+                return limits.descendants(pid)
+        return []
+
+    async def _kill(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        if self._pid is not None and self._alive():
+            try:
+                os.killpg(self._pid, 9)  # the wrapper started a session: its group is the whole sandbox tree
+            except (ProcessLookupError, PermissionError):
+                pass
+        limits.kill_pids(limits.descendants(self._pid) if self._pid else [])
+        if self._proc is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._proc.wait, _STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("sandbox process did not exit after SIGKILL", sandbox=self.id, pid=self._pid)
+        else:
+            deadline = time.monotonic() + _STOP_TIMEOUT_S
+            while self._alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        self.cgroup.remove()
+        self._proc = None
+
+    async def _shutdown(self) -> None:
+        """Flush the guest's files, ask the supervisor to exit, then make sure nothing is left running."""
+        if self._channel is not None and not self._channel.closed and self._alive():
+            try:
+                await self._channel.call("sys.sync", timeout=30)
+                await self._channel.call("sys.shutdown", timeout=5)
+            except ChannelError as e:
+                log.warning("guest did not shut down cleanly; killing", sandbox=self.id, error=str(e))
+        await self._kill()
+
+    async def sleep(self) -> SnapshotInfo:
+        async with self._lock:
+            self._require(SandboxState.RUNNING, verb="sleep")
+            await self._shutdown()
+            self._state = SandboxState.SLEEPING
+            self._save(pid=None, pid_starttime=None, slept_at=time.time())
+            used = disk_usage(self.layer)
+            log.info("sandbox slept", sandbox=self.id, disk_bytes=used)
+            return SnapshotInfo(self.id, self.layer, used, time.time(), includes_memory=False)
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if self.state is SandboxState.DESTROYED:
+                raise SandboxStateError(f"sandbox {self.id} is destroyed")
+            await self._shutdown()
+            if self._state is not SandboxState.CREATED:
+                self._state = SandboxState.STOPPED
+            self._save(pid=None, pid_starttime=None)
+
+    async def checkpoint(self, name: str) -> CheckpointInfo:
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            self._require(SandboxState.RUNNING, SandboxState.SLEEPING, SandboxState.STOPPED, SandboxState.CREATED,
+                          verb="checkpoint")
+            if self._state is SandboxState.RUNNING:
+                await self.channel.call("sys.sync", timeout=30)
+            dest = self.dir / "checkpoints" / name
+            if dest.exists():
+                raise ConflictError(f"checkpoint {name!r} already exists in sandbox {self.id}",
+                                    hint="pick another name or roll back to it")
+            tmp = self.dir / "checkpoints" / f".{name}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            await copy_tree(self.layer, tmp / "layer")
+            created = time.time()
+            write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
+            os.rename(tmp, dest)
+            return CheckpointInfo(name, self.id, dest, disk_usage(dest), created, includes_memory=False)
+
+    async def checkpoints(self) -> list[CheckpointInfo]:
+        out = []
+        base = self.dir / "checkpoints"
+        for d in sorted(base.iterdir()) if base.exists() else []:
+            if d.name.startswith("."):
+                continue
+            try:
+                info = json.loads((d / "checkpoint.json").read_text())
+            except (OSError, ValueError):
+                continue
+            out.append(CheckpointInfo(d.name, self.id, d, disk_usage(d), info["created_at"], includes_memory=False))
+        return out
+
+    async def rollback(self, name: str) -> None:
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            self._require(SandboxState.RUNNING, SandboxState.SLEEPING, SandboxState.STOPPED, SandboxState.CREATED,
+                          verb="roll back")
+            src = self.dir / "checkpoints" / name
+            if not (src / "checkpoint.json").exists():
+                raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
+            if not (src / "layer").is_dir():
+                raise SnapshotCorrupt(f"checkpoint {name!r} of sandbox {self.id} has no layer directory")
+            was_running = self._state is SandboxState.RUNNING
+            if was_running:
+                await self._kill()  # processes and memory are not part of a process-driver checkpoint
+            # Swap in a copy so the checkpoint itself stays reusable; the old layer is removed only after the swap.
+            fresh = self.dir / f".layer-rollback-{uuid.uuid4().hex[:8]}"
+            await copy_tree(src / "layer", fresh)
+            old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
+            os.rename(self.layer, old)
+            os.rename(fresh, self.layer)
+            shutil.rmtree(old, ignore_errors=True)
+            if was_running:
+                await self._boot()
+            else:
+                self._save()
+
+    async def destroy(self) -> None:
+        async with self._lock:
+            await self._kill()
+            self._state = SandboxState.DESTROYED
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.driver._open.pop(self.id, None)
+            log.info("sandbox destroyed", sandbox=self.id)
+
+    async def stats(self) -> SandboxStats:
+        st = self.state
+        rss = 0
+        if st is SandboxState.RUNNING and self._pid is not None:
+            mem = self.cgroup.memory_bytes()
+            rss = mem if mem is not None else limits.rss_bytes([self._pid, *limits.descendants(self._pid)])
+        ck = self.dir / "checkpoints"
+        return SandboxStats(
+            state=st,
+            host_rss_bytes=rss,
+            disk_bytes=disk_usage(self.layer) if self.layer.exists() else 0,
+            snapshot_bytes=0,  # the layer is the snapshot: no memory image exists
+            checkpoint_bytes=disk_usage(ck) if ck.exists() else 0,
+            pid=self._pid if st is SandboxState.RUNNING else None,
+        )
+
+    async def _adopt(self) -> None:
+        """After a host restart: re-attach to a live supervisor, or record that it is gone."""
+        if self._state is not SandboxState.RUNNING:
+            return
+        if self._alive():
+            try:
+                self._channel = await self._connect(10.0)
+                self._start_watchdog()
+                log.info("sandbox re-attached", sandbox=self.id, pid=self._pid)
+                return
+            except SandboxError as e:
+                log.warning("live sandbox did not answer; stopping it", sandbox=self.id, error=str(e))
+                await self._kill()
+        self._state = SandboxState.STOPPED
+        self._save(pid=None, pid_starttime=None)
+
+
+class ProcessDriver(SandboxDriver):
+    """Sandboxes as bubblewrap-confined process trees. No memory snapshots: sleep keeps only the files."""
+
+    name = "process"
+
+    def __init__(self, root: Path, config: Config) -> None:
+        super().__init__(root, config)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.limit_support = limits.detect()
+        self.capabilities = Capabilities(
+            keeps_processes_across_sleep=False,
+            memory_snapshot=False,
+            cow_fork=False,  # cp --reflink=auto: copy-on-write only where the filesystem supports reflinks
+            network_isolated=True,
+            own_kernel=False,
+            enforced_limits=self.limit_support.enforced,
+        )
+        # Cgroup names must be unique per root directory on this host (two test roots may reuse sandbox ids).
+        self.instance_tag = f"{abs(hash(str(self.root.resolve()))) % 10**10:010d}"
+        self._open: dict[str, ProcessSandbox] = {}
+        self._guest_dir = Path(__file__).resolve().parent.parent / "guest"
+
+    # --- bubblewrap command ----------------------------------------------------------------------------------
+
+    def bwrap_argv(self, sb: ProcessSandbox) -> list[str]:
+        a = [_bwrap(), "--unshare-all", "--unshare-user", "--uid", str(GUEST_UID), "--gid", str(GUEST_UID),
+             "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        a += ["--ro-bind", "/usr", "/usr"]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            p = Path("/") / top
+            if p.is_symlink():
+                a += ["--symlink", os.readlink(p), f"/{top}"]
+            elif p.is_dir():
+                a += ["--ro-bind", str(p), f"/{top}"]
+        for name in _ETC_ALLOWLIST:
+            a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        for name in ("passwd", "group", "hosts"):
+            a += ["--ro-bind", str(sb.dir / "etc" / name), f"/etc/{name}"]
+        a += ["--proc", "/proc", "--dev", "/dev"]
+        a += ["--bind", str(sb.layer / "work"), "/work", "--bind", str(sb.layer / "tmp"), "/tmp"]
+        a += ["--bind", str(sb.dir / "run"), "/run/moorage"]
+        a += ["--ro-bind", str(self._guest_dir), GUEST_MOUNT]
+        a += ["--chdir", "/work", "--clearenv"]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "USER": "agent",
+               "TMPDIR": "/tmp", "MOORAGE_WORKDIR": "/work", "MOORAGE_SANDBOX_ID": sb.id, **dict(sb.spec.env)}
+        for k, v in env.items():
+            a += ["--setenv", k, v]
+        a += ["--", SUPERVISOR_PYTHON, "-I", GUEST_MOUNT, "--listen", f"/run/moorage/{SOCKET_NAME}", "--workdir", "/work"]
+        return a
+
+    # --- driver verbs ----------------------------------------------------------------------------------------
+
+    def _new_dir(self, sandbox_id: str) -> Path:
+        validate_id(sandbox_id)
+        d = self.root / sandbox_id
+        if d.exists():
+            raise ConflictError(f"sandbox {sandbox_id} already exists under {self.root}", hint="open() it or pick a new id")
+        return d
+
+    def _init_dir(self, d: Path, spec: SandboxSpec) -> None:
+        (d / "run").mkdir(parents=True)
+        (d / "etc").mkdir()
+        (d / "etc" / "passwd").write_text(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{GUEST_UID}:{GUEST_UID}:agent:/work:/bin/sh\n"
+                                          "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
+        (d / "etc" / "group").write_text(f"root:x:0:\nagent:x:{GUEST_UID}:\nnogroup:x:65534:\n")
+        (d / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+
+    def _meta(self, sandbox_id: str, spec: SandboxSpec, template: TemplateRef | None) -> dict[str, Any]:
+        return {"version": META_VERSION, "driver": self.name, "id": sandbox_id, "state": SandboxState.CREATED.value,
+                "spec": spec.to_json(), "created_at": time.time(), "template": template.id if template else None}
+
+    def _check_template(self, template: TemplateRef) -> Path:
+        if template.driver != self.name:
+            raise SnapshotIncompatible(f"template {template.id} was made by the {template.driver} driver",
+                                       hint=f"make a template with the {self.name} driver")
+        layer = Path(template.path) / "layer"
+        if not layer.is_dir() or not (Path(template.path) / "template.json").exists():
+            raise SnapshotCorrupt(f"template {template.id} at {template.path} is incomplete", hint="make the template again")
+        return layer
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec | None = None, template: TemplateRef | None = None) -> Sandbox:
+        spec = spec or SandboxSpec()
+        if spec.max_processes < 8 or spec.memory_mib < 32 or spec.disk_mib < 1:
+            raise InvalidInput("sandbox limits too small", hint="max_processes >= 8, memory_mib >= 32, disk_mib >= 1")
+        d = self._new_dir(sandbox_id)
+        src = self._check_template(template) if template else None
+        tmp = self.root / f".creating-{sandbox_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._init_dir(tmp, spec)
+            if src is not None:
+                await copy_tree(src, tmp / "layer")
+            else:
+                (tmp / "layer" / "work").mkdir(parents=True)
+                (tmp / "layer" / "tmp").mkdir()
+            os.chmod(tmp / "layer" / "tmp", 0o1777)
+            meta = self._meta(sandbox_id, spec, template)
+            write_json_durable(tmp / "meta.json", meta)
+            os.rename(tmp, d)  # a half-created sandbox never appears under its id
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        sb = ProcessSandbox(self, sandbox_id, meta)
+        self._open[sandbox_id] = sb
+        log.info("sandbox created", sandbox=sandbox_id, template=template.id if template else None)
+        return sb
+
+    async def open(self, sandbox_id: str) -> Sandbox:
+        validate_id(sandbox_id)
+        if sandbox_id in self._open:
+            return self._open[sandbox_id]
+        meta_path = self.root / sandbox_id / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+        except FileNotFoundError:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} under {self.root}") from None
+        except ValueError as e:
+            raise SnapshotCorrupt(f"metadata of sandbox {sandbox_id} is unreadable: {e}") from e
+        if meta.get("driver") != self.name:
+            raise SnapshotIncompatible(f"sandbox {sandbox_id} belongs to the {meta.get('driver')} driver",
+                                       hint=f"open it with the {meta.get('driver')} driver")
+        sb = ProcessSandbox(self, sandbox_id, meta)
+        await sb._adopt()
+        self._open[sandbox_id] = sb
+        return sb
+
+    async def fork(self, template: TemplateRef, ids: Sequence[str]) -> list[Sandbox]:
+        for i in ids:
+            self._new_dir(i)
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("fork ids must be distinct")
+        spec = SandboxSpec.from_json(json.loads((Path(template.path) / "template.json").read_text()).get("spec", {})) \
+            if (Path(template.path) / "template.json").exists() else SandboxSpec()
+        return [await self.create(i, spec, template) for i in ids]
+
+    async def make_template(self, sandbox: Sandbox, template_id: str | None = None) -> TemplateRef:
+        if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
+            raise SnapshotIncompatible("make_template needs a sandbox of this process driver")
+        tid = validate_id(template_id or f"tpl-{uuid.uuid4().hex[:12]}", "template id")
+        dest = self.root / ".templates" / tid
+        if dest.exists():
+            raise ConflictError(f"template {tid} already exists", hint="pick another template id")
+        async with sandbox._lock:
+            if sandbox.state is SandboxState.RUNNING:
+                await sandbox.channel.call("sys.sync", timeout=30)
+            tmp = self.root / ".templates" / f".{tid}.{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            try:
+                await copy_tree(sandbox.layer, tmp / "layer")
+                created = time.time()
+                write_json_durable(tmp / "template.json", {"id": tid, "driver": self.name, "source": sandbox.id,
+                                                           "created_at": created, "spec": sandbox.spec.to_json()})
+                os.rename(tmp, dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        return TemplateRef(tid, self.name, dest, sandbox.id, created, includes_memory=False)
+
+    async def delete_template(self, template: TemplateRef) -> None:
+        self._check_template(template)
+        shutil.rmtree(template.path, ignore_errors=True)
+
+    async def list(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / "meta.json").exists())
+
+    async def close(self) -> None:
+        for sb in list(self._open.values()):
+            if sb._watchdog is not None:
+                sb._watchdog.cancel()
+            if sb._channel is not None:
+                await sb._channel.close()
+                sb._channel = None
+        self._open.clear()
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        data = path.read_bytes()[-n:]
+    except OSError:
+        return "(no log)"
+    return data.decode("utf-8", "replace").strip() or "(empty)"

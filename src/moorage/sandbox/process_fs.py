@@ -1,0 +1,75 @@
+"""Filesystem helpers of the process driver: layer copies (reflink where possible), disk usage, durable JSON.
+
+Kept apart from process.py so the copy and accounting rules are in one small place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from moorage.sandbox.base import SandboxError
+
+
+async def copy_tree(src: Path, dst: Path) -> None:
+    """Copy ``src`` to the new path ``dst`` preserving modes, links and times; shares blocks on reflink filesystems."""
+    proc = await asyncio.create_subprocess_exec(
+        "cp", "-a", "--reflink=auto", "--", str(src), str(dst),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SandboxError(f"copying {src} to {dst} failed: {err.decode(errors='replace').strip()}",
+                           hint="check free disk space under the sandboxes directory")
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes allocated under ``path`` (like ``du -s``: blocks, hard links counted once, symlinks not followed)."""
+    total = 0
+    seen: set[tuple[int, int]] = set()
+    stack = [str(path)]
+    while stack:
+        top = stack.pop()
+        try:
+            st = os.lstat(top)
+        except OSError:
+            continue
+        total += st.st_blocks * 512
+        try:
+            it = os.scandir(top)
+        except (NotADirectoryError, PermissionError, FileNotFoundError):
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    key = (st.st_dev, st.st_ino)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                total += st.st_blocks * 512
+    return total
+
+
+def write_json_durable(path: Path, data: Any) -> None:
+    """Replace ``path`` atomically and durably: a crash leaves the old or the new content, never a torn file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

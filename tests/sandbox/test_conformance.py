@@ -1,0 +1,442 @@
+"""The sandbox conformance suite: every driver in ``DRIVER_FACTORIES`` must pass all of it.
+
+Capability-gated behaviour is asserted both ways: a driver that declares a capability must deliver it, and one
+that does not must not pretend to (so nothing here is ever skipped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import os
+import socket
+import struct
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from moorage.sandbox import (
+    Sandbox,
+    SandboxDriver,
+    SandboxSpec,
+    SandboxState,
+    SandboxStateError,
+    SnapshotIncompatible,
+    TemplateRef,
+)
+from moorage.sandbox.channel import encode_frame
+
+PY = "python3"
+#: Limits small enough that the abuse tests finish quickly and bounded.
+TIGHT = SandboxSpec(memory_mib=128, disk_mib=48, max_processes=48, max_file_mib=16)
+
+
+async def started(driver: SandboxDriver, sid: str, spec: SandboxSpec | None = None) -> Sandbox:
+    sb = await driver.create(sid, spec)
+    assert sb.state is SandboxState.CREATED
+    await sb.start()
+    assert sb.state is SandboxState.RUNNING
+    return sb
+
+
+async def sh(sb: Sandbox, script: str, timeout: float = 60) -> str:
+    r = await sb.exec(["/bin/sh", "-c", script], timeout=timeout)
+    assert r.exit_code == 0 and not r.timed_out, (r.exit_code, r.stdout_text, r.stderr_text)
+    return r.stdout_text
+
+
+# --- exec and files -------------------------------------------------------------------------------------------
+
+
+async def test_exec_streams_output_exit_code_and_timeout(driver: SandboxDriver) -> None:
+    sb = await started(driver, "ex")
+    chunks: list[tuple[str, bytes]] = []
+    r = await sb.exec(
+        ["/bin/sh", "-c", "echo one; echo two >&2; printf '\\000\\377'; exit 7"],
+        on_output=lambda stream, data: chunks.append((stream, data)),
+    )
+    assert r.exit_code == 7 and not r.timed_out
+    assert r.stdout == b"one\n\x00\xff" and r.stderr == b"two\n"
+    assert b"".join(d for s, d in chunks if s == "stdout") == r.stdout
+    r = await sb.exec(["/bin/sh", "-c", "echo before; sleep 30"], timeout=1)
+    assert r.timed_out and r.stdout == b"before\n" and not r.ok
+    r = await sb.exec(["cat"], stdin=b"fed via stdin", cwd="/tmp", env={"X": "1"})
+    assert r.stdout == b"fed via stdin"
+    assert (await sb.exec(["/bin/sh", "-c", 'echo "$X $PWD"'], cwd="/tmp", env={"X": "1"})).stdout == b"1 /tmp\n"
+
+
+async def test_clean_environment_never_leaks_host_secrets(driver: SandboxDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOORAGE_TEST_HOST_SECRET", "s3cr3t-host-value")
+    sb = await started(driver, "envsb", SandboxSpec(env={"AGENT_SETTING": "on"}))
+    out = await sh(sb, "env")
+    assert "s3cr3t-host-value" not in out
+    assert "AGENT_SETTING=on" in out
+
+
+async def test_files_write_read_list_stat(driver: SandboxDriver) -> None:
+    sb = await started(driver, "files")
+    big = os.urandom(3 * 1024 * 1024 + 17)  # crosses the 1 MiB chunking several times
+    await sb.write_file("data/big.bin", big)
+    await sb.write_file("data/run.sh", b"#!/bin/sh\necho ran\n", mode=0o755)
+    assert await sb.read_file("data/big.bin") == big
+    assert await sb.read_file("/work/data/big.bin") == big
+    entries = {e.name: e for e in await sb.list_files("data")}
+    assert set(entries) == {"big.bin", "run.sh"}
+    assert entries["big.bin"].size == len(big) and entries["big.bin"].type == "file"
+    assert entries["run.sh"].mode == 0o755
+    assert (await sb.exec(["/work/data/run.sh"])).stdout == b"ran\n"
+    assert (await sh(sb, "sha256sum data/big.bin")).split()[0] == hashlib.sha256(big).hexdigest()
+    info = await sb.stat("data")
+    assert info is not None and info.type == "dir"
+    assert await sb.stat("data/missing") is None
+
+
+# --- persistence ------------------------------------------------------------------------------------------------
+
+
+async def test_files_survive_sleep_wake_and_host_restart(make_driver: Callable[[], SandboxDriver]) -> None:
+    d1 = make_driver()
+    sb = await started(d1, "persist")
+    await sb.write_file("notes.txt", b"remember me")
+    await sh(sb, "mkdir -p deep/dir && echo nested > deep/dir/f")
+    snap = await sb.sleep()
+    assert sb.state is SandboxState.SLEEPING and snap.bytes > 0
+    with pytest.raises(SandboxStateError):
+        await sb.exec(["true"])
+    await sb.wake()
+    assert await sb.read_file("notes.txt") == b"remember me"
+
+    # "Host restart" while running: a new driver instance re-adopts the sandbox from disk.
+    d2 = make_driver()
+    assert "persist" in await d2.list()
+    again = await d2.open("persist")
+    assert again.state in (SandboxState.RUNNING, SandboxState.STOPPED, SandboxState.SLEEPING)
+    if again.state is not SandboxState.RUNNING:
+        await again.wake()
+    assert await again.read_file("deep/dir/f") == b"nested\n"
+
+    # And a restart while asleep comes back asleep.
+    await again.sleep()
+    d3 = make_driver()
+    third = await d3.open("persist")
+    assert third.state is SandboxState.SLEEPING
+    await third.wake()
+    assert await third.read_file("notes.txt") == b"remember me"
+
+
+def _make_wheel(tmp: Path) -> Path:
+    """A minimal pure-Python wheel built here on the host (no network, no build backend)."""
+    name, version = "moorage_canary_pkg", "1.0"
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": b'VALUE = "from-the-wheel"\n',
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: moorage-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = io.StringIO()
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.write(f"{path},sha256={digest},{len(data)}\n")
+    record.write(f"{dist}/RECORD,,\n")
+    files[f"{dist}/RECORD"] = record.getvalue().encode()
+    out = tmp / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(out, "w") as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    return out
+
+
+async def test_installed_wheel_survives_sleep_and_is_in_forks(driver: SandboxDriver, tmp_path: Path) -> None:
+    wheel = _make_wheel(tmp_path)
+    sb = await started(driver, "pip")
+    await sb.write_file(wheel.name, wheel.read_bytes())
+    await sh(sb, f"{PY} -m pip install --no-index --no-cache-dir --user --break-system-packages ./{wheel.name}", timeout=120)
+    check = f"{PY} -c 'import moorage_canary_pkg as m; print(m.VALUE)'"
+    assert (await sh(sb, check)).strip() == "from-the-wheel"
+    await sb.sleep()
+    await sb.wake()
+    assert (await sh(sb, check)).strip() == "from-the-wheel"
+    tpl = await driver.make_template(sb)
+    (child,) = await driver.fork(tpl, ["pip-child"])
+    await child.start()
+    assert (await sh(child, check)).strip() == "from-the-wheel"
+
+
+async def test_forks_are_independent(driver: SandboxDriver) -> None:
+    base = await started(driver, "tpl-src")
+    await base.write_file("shared.txt", b"from template")
+    tpl = await driver.make_template(base)
+    assert isinstance(tpl, TemplateRef) and tpl.driver == driver.name
+    kids = await driver.fork(tpl, ["kid-a", "kid-b"])
+    assert [k.id for k in kids] == ["kid-a", "kid-b"]
+    for k in kids:
+        await k.start()
+        assert await k.read_file("shared.txt") == b"from template"
+    await kids[0].write_file("shared.txt", b"changed in a")
+    await kids[0].write_file("only-a.txt", b"a")
+    assert await kids[1].read_file("shared.txt") == b"from template"
+    assert await kids[1].stat("only-a.txt") is None
+    assert await base.read_file("shared.txt") == b"from template"
+    assert await base.stat("only-a.txt") is None
+    # A fresh fork after the children changed things still sees the template as it was.
+    (kid_c,) = await driver.fork(tpl, ["kid-c"])
+    await kid_c.start()
+    assert await kid_c.read_file("shared.txt") == b"from template"
+    # A sandbox created from the template directly behaves like a fork.
+    direct = await driver.create("kid-direct", template=tpl)
+    await direct.start()
+    assert await direct.read_file("shared.txt") == b"from template"
+    await driver.delete_template(tpl)
+
+
+async def test_templates_from_another_driver_are_rejected(driver: SandboxDriver, tmp_path: Path) -> None:
+    foreign = TemplateRef("foreign", "some-other-driver", tmp_path)
+    with pytest.raises(SnapshotIncompatible):
+        await driver.fork(foreign, ["never"])
+
+
+_BACKGROUND = r"""
+import os, sys, time, signal
+token = os.urandom(8).hex()
+def dump(*_):
+    with open("/work/token.out", "w") as f:
+        f.write(token)
+signal.signal(signal.SIGUSR1, dump)
+with open("/work/bg.pid", "w") as f:
+    f.write(str(os.getpid()))
+dump()
+while True:
+    time.sleep(1)
+"""
+
+_FIND_MARKED = r"""
+import os, sys
+hits = []
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            if b"moorage-bg-marker" in open("/proc/%s/cmdline" % p, "rb").read():
+                hits.append(p)
+        except OSError:
+            pass
+print(" ".join(hits))
+"""
+
+
+async def _start_background(sb: Sandbox) -> str:
+    await sb.write_file("bg.py", _BACKGROUND.encode())
+    await sb.write_file("find.py", _FIND_MARKED.encode())
+    await sh(sb, f"nohup {PY} bg.py moorage-bg-marker >/dev/null 2>&1 &")
+    for _ in range(200):
+        if await sb.stat("token.out") is not None and await sb.stat("bg.pid") is not None:
+            break
+        await asyncio.sleep(0.05)
+    return (await sb.read_file("token.out")).decode()
+
+
+async def _background_token(sb: Sandbox) -> str | None:
+    """The token held in memory by the background process, or None when it is not running."""
+    if not (await sh(sb, f"{PY} find.py")).strip():
+        return None
+    await sh(sb, "rm -f token.out; kill -USR1 $(cat bg.pid)")
+    for _ in range(200):
+        if await sb.stat("token.out") is not None:
+            return (await sb.read_file("token.out")).decode()
+        await asyncio.sleep(0.05)
+    return None
+
+
+async def test_processes_across_sleep_match_capability(driver: SandboxDriver) -> None:
+    sb = await started(driver, "bg")
+    token = await _start_background(sb)
+    await sb.sleep()
+    await sb.wake()
+    if driver.capabilities.keeps_processes_across_sleep:
+        assert await _background_token(sb) == token  # same process, memory intact
+    else:
+        assert await _background_token(sb) is None
+
+
+async def test_rollback_restores_files_and_memory_per_capability(driver: SandboxDriver) -> None:
+    sb = await started(driver, "rb")
+    await sb.write_file("a.txt", b"v1")
+    token = await _start_background(sb)
+    ck = await sb.checkpoint("c1")
+    assert ck.name == "c1" and ck.includes_memory == driver.capabilities.memory_snapshot
+    await sb.write_file("a.txt", b"v2")
+    await sb.write_file("b.txt", b"new")
+    await sh(sb, "kill $(cat bg.pid)")
+    await sb.rollback("c1")
+    assert sb.state is SandboxState.RUNNING
+    assert await sb.read_file("a.txt") == b"v1"
+    assert await sb.stat("b.txt") is None
+    if driver.capabilities.memory_snapshot:
+        assert await _background_token(sb) == token
+    else:
+        assert await _background_token(sb) is None
+    # The checkpoint is reusable and listed; a sleeping sandbox can be rolled back too.
+    await sb.write_file("a.txt", b"v3")
+    await sb.sleep()
+    await sb.rollback("c1")
+    await sb.wake()
+    assert await sb.read_file("a.txt") == b"v1"
+    assert [c.name for c in await sb.checkpoints()] == ["c1"]
+
+
+async def test_destroy_removes_everything(driver: SandboxDriver) -> None:
+    sb = await started(driver, "gone")
+    await sb.write_file("x", b"x")
+    await sb.checkpoint("c")
+    await sb.destroy()
+    assert sb.state is SandboxState.DESTROYED
+    assert "gone" not in await driver.list()
+    assert not (driver.root / "gone").exists()
+
+
+async def test_stats_report_state_memory_and_disk(driver: SandboxDriver) -> None:
+    sb = await started(driver, "st")
+    await sb.write_file("blob", os.urandom(2 << 20))
+    s = await sb.stats()
+    assert s.state is SandboxState.RUNNING and s.host_rss_bytes > 0 and s.disk_bytes >= 2 << 20
+    await sb.sleep()
+    s = await sb.stats()
+    assert s.state is SandboxState.SLEEPING and s.host_rss_bytes == 0 and s.disk_bytes >= 2 << 20
+
+
+# --- isolation ------------------------------------------------------------------------------------------------
+
+
+async def test_guest_cannot_reach_host_files_other_sandboxes_or_host_network(driver: SandboxDriver, tmp_path: Path) -> None:
+    canary = tmp_path / f"host-canary-{uuid.uuid4().hex}"
+    canary.write_text("host secret")
+    hits: list[bytes] = []
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        hits.append(b"connected")
+        w.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        a = await started(driver, "iso-a")
+        b = await started(driver, "iso-b")
+        await b.write_file("secret.txt", b"b's secret")
+        other_disk = driver.root / "iso-b"
+        probe = f"""
+import socket, sys
+results = []
+for path in [{str(canary)!r}, {str(other_disk)!r} + "/layer/work/secret.txt", "/etc/shadow", "/root/.bashrc"]:
+    try:
+        open(path).read(); results.append("READ " + path)
+    except OSError:
+        pass
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=3).close(); results.append("TCP-CONNECTED")
+except OSError:
+    pass
+print("|".join(results) or "ISOLATED")
+"""
+        await a.write_file("probe.py", probe.encode())
+        out = (await sh(a, f"{PY} probe.py")).strip()
+        assert out == "ISOLATED"
+        assert hits == []
+        # The other sandbox's own file is where it should be, untouched.
+        assert await b.read_file("secret.txt") == b"b's secret"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_fork_bomb_is_contained(driver: SandboxDriver) -> None:
+    bomb = await started(driver, "bomb", TIGHT)
+    other = await started(driver, "bystander")
+    script = """
+import os, time
+n = 0
+end = time.time() + 10
+while time.time() < end and n < 5000:
+    try:
+        if os.fork() == 0:
+            time.sleep(4)
+            os._exit(0)
+        n += 1
+    except OSError:
+        print("LIMITED", n)
+        break
+else:
+    print("UNLIMITED", n)
+"""
+    await bomb.write_file("bomb.py", script.encode())
+    r = await bomb.exec([PY, "bomb.py"], timeout=30)
+    assert r.stdout_text.startswith("LIMITED"), r.stdout_text
+    assert int(r.stdout_text.split()[1]) <= TIGHT.max_processes
+    # The bystander sandbox and the host keep working while the bomb's children are still alive.
+    assert (await other.exec(["/bin/sh", "-c", "for i in 1 2 3 4 5 6 7 8; do true & done; wait; echo ok"])).stdout == b"ok\n"
+    host = await asyncio.create_subprocess_exec("true")
+    assert await host.wait() == 0
+    assert (await bomb.ping())["pong"]
+
+
+async def test_memory_hog_is_contained(driver: SandboxDriver) -> None:
+    hog = await started(driver, "hog", TIGHT)
+    other = await started(driver, "bystander2")
+    # Tries to hold 2 GiB in 1 MiB pieces; must die or fail long before that.
+    script = "x = []\nfor i in range(2048):\n    x.append(bytearray(1 << 20))\nprint('ALLOCATED ALL')\n"
+    await hog.write_file("hog.py", script.encode())
+    r = await hog.exec([PY, "hog.py"], timeout=60)
+    assert not r.ok and b"ALLOCATED ALL" not in r.stdout
+    assert (await other.exec(["echo", "alive"])).stdout == b"alive\n"
+    # The hog's sandbox itself is still usable (only the hog died) or can be woken again.
+    if hog.state is SandboxState.RUNNING:
+        assert (await hog.exec(["echo", "still here"])).stdout == b"still here\n"
+    else:
+        await hog.wake()
+        assert (await hog.exec(["echo", "back"])).stdout == b"back\n"
+
+
+async def test_disk_filling_loop_is_contained(driver: SandboxDriver) -> None:
+    filler = await started(driver, "filler", TIGHT)
+    other = await started(driver, "bystander3")
+    # Writes at most 1 GiB in 1 MiB files (each fsynced); the quota is 48 MiB.
+    script = """
+import os
+os.makedirs("fill", exist_ok=True)
+chunk = b"x" * (1 << 20)
+for i in range(1024):
+    with open("fill/%d" % i, "wb") as f:
+        f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+print("WROTE ALL")
+"""
+    await filler.write_file("fill.py", script.encode())
+    r = await filler.exec([PY, "fill.py"], timeout=120)
+    assert not r.ok and b"WROTE ALL" not in r.stdout
+    s = await filler.stats()
+    assert s.disk_bytes < 1 << 30
+    # A single file is capped too (RLIMIT_FSIZE at max_file_mib).
+    r = await filler.exec([PY, "-c", "open('one','wb').write(b'y' * (40 << 20))"], timeout=60)
+    assert not r.ok
+    assert (await other.exec(["echo", "fine"])).stdout == b"fine\n"
+    # The owner can still clean up and carry on.
+    if filler.state is not SandboxState.RUNNING:
+        await filler.wake()
+    await sh(filler, "rm -rf fill one")
+    assert (await filler.exec(["echo", "clean"])).stdout == b"clean\n"
+
+
+async def test_guest_rejects_malformed_host_frames_and_keeps_serving(driver: SandboxDriver) -> None:
+    sb = await started(driver, "frames")
+    ch = sb.channel
+    bad = b"{this is not json"
+    ch._writer.write(struct.pack(">I", len(bad)) + bad)
+    ch._writer.write(encode_frame({"id": "x", "method": ["not", "a", "string"]}))
+    ch._writer.write(encode_frame({"id": 424242, "result": "answer to nothing"}))
+    await ch._writer.drain()
+    assert (await sb.ping())["pong"]
+    assert (await sb.exec(["echo", "ok"])).stdout == b"ok\n"
