@@ -1,0 +1,383 @@
+"""A LangGraph checkpointer on the moorage store: checkpoints, channel blobs and pending writes in tenant tables.
+
+``MoorageSaver(ts)`` gives an unchanged LangGraph graph moorage's tenant isolation and durability.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    WRITES_IDX_MAP,
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+    get_checkpoint_id,
+    get_serializable_checkpoint_metadata,
+)
+from langgraph.checkpoint.serde.base import SerializerProtocol
+
+from moorage.errors import ConflictError, InvalidInput
+from moorage.store.langgraph_sql import Statements, metadata_predicates
+from moorage.store.sql import Conn
+from moorage.store.tenant import TenantStore
+
+# Marks a channel that has a version but no value at that checkpoint (e.g. a DeltaChannel step
+# between snapshots): a row is written so the version is known, and it is skipped on load.
+_EMPTY = "empty"
+_PRUNE_STRATEGIES = ("keep_latest", "delete")
+
+
+def _thread(config: RunnableConfig) -> tuple[str, str]:
+    conf = config.get("configurable") or {}
+    if conf.get("thread_id") is None:
+        raise InvalidInput(
+            "a LangGraph config needs configurable.thread_id",
+            hint='invoke the graph with config={"configurable": {"thread_id": "..."}}',
+        )
+    return str(conf["thread_id"]), str(conf.get("checkpoint_ns") or "")
+
+
+def _metadata_json(md: dict[str, Any]) -> str:
+    try:
+        return json.dumps(md, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidInput(
+            f"checkpoint metadata is not JSON-serialisable: {e}",
+            hint="keep values in config['metadata'] to strings, numbers, booleans, lists and dicts",
+        ) from e
+
+
+def _bytes(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else bytes(v)
+
+
+class MoorageSaver(BaseCheckpointSaver[int]):
+    """LangGraph ``BaseCheckpointSaver`` storing one tenant's threads in the moorage store.
+
+    Every method runs in one store transaction (``ts._tx``), so an acknowledged ``put`` is as durable
+    as the store itself; the ``a*`` variants run the same code in a worker thread. Thread ids come from
+    the graph's config but the tenant never does: it is the ``TenantStore``'s authenticated principal.
+    """
+
+    def __init__(self, ts: TenantStore, *, serde: SerializerProtocol | None = None, page_size: int = 64) -> None:
+        super().__init__(serde=serde)
+        if not isinstance(ts, TenantStore):
+            raise TypeError("MoorageSaver needs a TenantStore from Store.tenant(principal)")
+        self._ts = ts
+        self._sql = Statements(ts.dialect)
+        self._page_size = max(1, page_size)
+
+    @property
+    def tenant_store(self) -> TenantStore:
+        return self._ts
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def put(
+        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
+    ) -> RunnableConfig:
+        thread_id, ns = _thread(config)
+        parent_id = get_checkpoint_id(config)
+        values = checkpoint["channel_values"]
+        # The checkpoint row holds everything but the channel values, which go to lg_blobs by version.
+        head = {k: v for k, v in checkpoint.items() if k != "channel_values"}
+        head["channel_values"] = {}
+        cp_type, cp_blob = self.serde.dumps_typed(head)
+        md = get_serializable_checkpoint_metadata(config, metadata)
+        run_id = md.get("run_id")
+        blobs = []
+        for channel, version in new_versions.items():
+            if channel in values:
+                vt, vb = self.serde.dumps_typed(values[channel])
+            else:
+                vt, vb = _EMPTY, None
+            blobs.append((thread_id, ns, channel, str(version), vt, vb))
+        row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
+               _metadata_json(md))
+        with self._ts._tx() as c:
+            if blobs:
+                c.many(self._sql.insert_blob, blobs)
+            c.x(self._sql.upsert_checkpoint, row)
+        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
+        thread_id, ns = _thread(config)
+        checkpoint_id = get_checkpoint_id(config)
+        if checkpoint_id is None:
+            raise InvalidInput("put_writes needs configurable.checkpoint_id", hint="pass the config returned by put()")
+        rows = []
+        for i, (channel, value) in enumerate(writes):
+            vt, vb = self.serde.dumps_typed(value)
+            rows.append((thread_id, ns, checkpoint_id, task_id, WRITES_IDX_MAP.get(channel, i), channel, vt, vb, task_path))
+        if not rows:
+            return
+        # Special channels (error, interrupt, ...) are replaced on retry; a task's regular writes are
+        # kept as first written, so replaying a task never duplicates or changes them.
+        special = all(w[0] in WRITES_IDX_MAP for w in writes)
+        with self._ts._tx() as c:
+            c.many(self._sql.upsert_write if special else self._sql.insert_write, rows)
+
+    def delete_thread(self, thread_id: str) -> None:
+        with self._ts._tx() as c:
+            for stmt in self._sql.delete_thread:
+                c.x(stmt, (str(thread_id),))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        ids = [str(r) for r in run_ids]
+        if not ids:
+            return
+        marks = ", ".join("?" * len(ids))
+        with self._ts._tx() as c:
+            doomed = c.q(f"SELECT thread_id, checkpoint_ns, checkpoint_id FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
+            if not doomed:
+                return
+            c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", doomed)
+            c.x(f"DELETE FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
+            for thread_id, ns in sorted({(r[0], r[1]) for r in doomed}):
+                self._drop_unreferenced_blobs(c, thread_id, ns)
+
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        src, dst = str(source_thread_id), str(target_thread_id)
+        with self._ts._tx() as c:
+            if c.one("SELECT 1 FROM lg_checkpoints WHERE thread_id = ? LIMIT 1", (dst,)):
+                raise ConflictError(
+                    f"thread {dst!r} already has checkpoints",
+                    hint="copy into a new thread id, or delete_thread() the target first",
+                )
+            for stmt in self._sql.copy_thread:
+                c.x(stmt, (dst, src))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        if strategy not in _PRUNE_STRATEGIES:
+            raise InvalidInput(f"unknown prune strategy {strategy!r}", hint=f"one of {', '.join(_PRUNE_STRATEGIES)}")
+        for tid in thread_ids:
+            if strategy == "delete":
+                self.delete_thread(tid)
+            else:
+                self._keep_latest(str(tid))
+
+    def _keep_latest(self, thread_id: str) -> None:
+        with self._ts._tx() as c:
+            rows = c.q(
+                "SELECT checkpoint_ns, checkpoint_id, parent_id, metadata FROM lg_checkpoints WHERE thread_id = ? "
+                "ORDER BY checkpoint_ns, checkpoint_id DESC",
+                (thread_id,),
+            )
+            by_ns: dict[str, list[tuple]] = {}
+            for r in rows:
+                by_ns.setdefault(r[0], []).append(r)
+            for ns, cps in by_ns.items():
+                keep = self._kept_chain(cps)
+                drop = [(thread_id, ns, r[1]) for r in cps if r[1] not in keep]
+                if not drop:
+                    continue
+                c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
+                c.many("DELETE FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
+                self._drop_unreferenced_blobs(c, thread_id, ns)
+
+    @staticmethod
+    def _kept_chain(cps: list[tuple]) -> set[str]:
+        """The latest checkpoint, plus the ancestors its DeltaChannels still need to rebuild their values.
+
+        ``counters_since_delta_snapshot[ch][1]`` counts the supersteps since ``ch``'s last snapshot, so
+        keeping that many parents (and their writes) keeps every delta channel reconstructible.
+        """
+        latest = cps[0]
+        counters = json.loads(latest[3]).get("counters_since_delta_snapshot") or {}
+        depth = max((int(v[1]) for v in counters.values() if isinstance(v, (list, tuple)) and len(v) > 1), default=0)
+        parents = {r[1]: r[2] for r in cps}
+        keep, cur = {latest[1]}, latest[2]
+        # One extra ancestor: the snapshot itself sits at the end of the counted supersteps.
+        n = depth + 1 if depth else 0
+        while n > 0 and cur is not None and cur in parents:
+            keep.add(cur)
+            cur = parents[cur]
+            n -= 1
+        return keep
+
+    def _drop_unreferenced_blobs(self, c: Conn, thread_id: str, ns: str) -> None:
+        """Delete channel blobs no remaining checkpoint of (thread, namespace) refers to."""
+        live: set[tuple[str, str]] = set()
+        for t, b in c.q("SELECT type, checkpoint FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns)):
+            head = self.serde.loads_typed((t, _bytes(b)))
+            live.update((ch, str(v)) for ch, v in head.get("channel_versions", {}).items())
+        stored = c.q("SELECT channel, version FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns))
+        dead = [(thread_id, ns, ch, v) for ch, v in stored if (ch, v) not in live]
+        if dead:
+            c.many("DELETE FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?", dead)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        thread_id, ns = _thread(config)
+        checkpoint_id = get_checkpoint_id(config)
+        with self._ts._tx(write=False) as c:
+            if checkpoint_id:
+                row = c.one(self._sql.select_checkpoint + " WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+                            (thread_id, ns, checkpoint_id))
+            else:
+                row = c.one(self._sql.select_checkpoint + " WHERE thread_id = ? AND checkpoint_ns = ? "
+                            "ORDER BY checkpoint_id DESC LIMIT 1", (thread_id, ns))
+            if row is None:
+                return None
+            raw = self._fetch_parts(c, row)
+        return self._decode(raw)
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        for page in self._pages(config, filter, before, limit):
+            yield from page
+
+    def _pages(
+        self, config: RunnableConfig | None, filter: dict[str, Any] | None, before: RunnableConfig | None, limit: int | None
+    ) -> Iterator[list[CheckpointTuple]]:
+        """Pages of results, each read in its own short transaction (never held open while the caller iterates)."""
+        where: list[str] = []
+        params: list[Any] = []
+        conf = (config or {}).get("configurable") or {}
+        if conf.get("thread_id") is not None:
+            where.append("thread_id = ?")
+            params.append(str(conf["thread_id"]))
+        if conf.get("checkpoint_ns") is not None:
+            where.append("checkpoint_ns = ?")
+            params.append(str(conf["checkpoint_ns"]))
+        if conf.get("checkpoint_id"):
+            where.append("checkpoint_id = ?")
+            params.append(str(conf["checkpoint_id"]))
+        if before is not None and get_checkpoint_id(before):
+            where.append("checkpoint_id < ?")
+            params.append(get_checkpoint_id(before))
+        sql_preds, sql_params, py_filter = metadata_predicates(self._ts.dialect, filter or {})
+        where += sql_preds
+        params += sql_params
+        if limit is not None and limit <= 0:
+            return
+        remaining = limit
+        cursor: tuple[str, str, str] | None = None
+        while True:
+            page_where = list(where)
+            page_params = list(params)
+            if cursor is not None:
+                page_where.append("(checkpoint_id, thread_id, checkpoint_ns) < (?, ?, ?)")
+                page_params += cursor
+            size = self._page_size if remaining is None or py_filter else min(self._page_size, remaining)
+            sql = (self._sql.select_checkpoint + (" WHERE " + " AND ".join(page_where) if page_where else "")
+                   + " ORDER BY checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC LIMIT ?")
+            with self._ts._tx(write=False) as c:
+                rows = c.q(sql, (*page_params, size))
+                raws = []
+                for r in rows:
+                    if py_filter and not _matches(json.loads(r[6]), py_filter):
+                        continue
+                    raws.append(self._fetch_parts(c, r))
+            out = [self._decode(raw) for raw in raws]
+            if remaining is not None:
+                out = out[:remaining]
+                remaining -= len(out)
+            if out:
+                yield out
+            if len(rows) < size or remaining == 0:
+                return
+            last = rows[-1]
+            cursor = (last[2], last[0], last[1])
+
+    def _fetch_parts(self, c: Conn, row: tuple) -> tuple:
+        """Everything needed to rebuild one CheckpointTuple, read inside the caller's transaction."""
+        thread_id, ns, checkpoint_id = row[0], row[1], row[2]
+        head = self.serde.loads_typed((row[4], _bytes(row[5])))
+        versions = head.get("channel_versions") or {}
+        blobs: list[tuple] = []
+        if versions:
+            pairs = [(ch, str(v)) for ch, v in versions.items()]
+            rowvals = ", ".join(["(?, ?)"] * len(pairs))
+            blobs = c.q(
+                "SELECT channel, type, blob FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? "
+                f"AND (channel, version) IN (VALUES {rowvals})",
+                (thread_id, ns, *[x for p in pairs for x in p]),
+            )
+        writes = c.q(
+            "SELECT task_id, channel, type, blob FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
+            "ORDER BY task_path, task_id, idx",
+            (thread_id, ns, checkpoint_id),
+        )
+        return row, head, blobs, writes
+
+    def _decode(self, raw: tuple) -> CheckpointTuple:
+        row, head, blobs, writes = raw
+        thread_id, ns, checkpoint_id, parent_id = row[0], row[1], row[2], row[3]
+        head["channel_values"] = {
+            ch: self.serde.loads_typed((t, _bytes(b))) for ch, t, b in blobs if t != _EMPTY and b is not None
+        }
+        return CheckpointTuple(
+            config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}},
+            checkpoint=head,
+            metadata=json.loads(row[6]),
+            parent_config=(
+                {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": parent_id}}
+                if parent_id else None
+            ),
+            pending_writes=[(tid, ch, self.serde.loads_typed((t, _bytes(b)))) for tid, ch, t, b in writes],
+        )
+
+    # -- async: the same code in a worker thread (each thread has its own store connection) ---------
+
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        return await asyncio.to_thread(self.get_tuple, config)
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        pages = self._pages(config, filter, before, limit)
+        done = object()
+        while True:
+            page = await asyncio.to_thread(next, pages, done)
+            if page is done:
+                return
+            for item in page:  # type: ignore[union-attr]
+                yield item
+
+    async def aput(
+        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
+    ) -> RunnableConfig:
+        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
+    ) -> None:
+        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        await asyncio.to_thread(self.delete_thread, thread_id)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        await asyncio.to_thread(self.delete_for_runs, run_ids)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+
+def _matches(md: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    return all(k in md and md[k] == v for k, v in wanted.items())
+
+
+__all__ = ["MoorageSaver"]

@@ -1,0 +1,66 @@
+"""The SQL behind ``MoorageSaver``, rendered once per dialect (SQLite file per tenant, PostgreSQL with RLS).
+
+On PostgreSQL every key starts with ``tenant_id`` (filled from ``moorage.tenant_id``), so conflict targets name it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_CHECKPOINT_COLS = "thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata"
+_BLOB_COLS = "thread_id, checkpoint_ns, channel, version, type, blob"
+_WRITE_COLS = "thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob, task_path"
+# Metadata keys we can address with a JSON path literal on SQLite; anything else is filtered in Python.
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_\-]{1,200}$")
+
+
+class Statements:
+    def __init__(self, dialect: str) -> None:
+        tpk = "tenant_id, " if dialect == "postgres" else ""
+        self.select_checkpoint = "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata FROM lg_checkpoints"
+        self.insert_blob = f"INSERT INTO lg_blobs ({_BLOB_COLS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        self.upsert_checkpoint = (
+            f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET parent_id = excluded.parent_id, "
+            "run_id = excluded.run_id, type = excluded.type, checkpoint = excluded.checkpoint, metadata = excluded.metadata"
+        )
+        self.insert_write = f"INSERT INTO lg_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        self.upsert_write = (
+            f"INSERT INTO lg_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET "
+            "channel = excluded.channel, type = excluded.type, blob = excluded.blob, task_path = excluded.task_path"
+        )
+        self.delete_thread = tuple(f"DELETE FROM {t} WHERE thread_id = ?" for t in ("lg_writes", "lg_blobs", "lg_checkpoints"))
+        # Parameters (target, source); the SELECT sees only this tenant's rows on either backend.
+        self.copy_thread = (
+            f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) SELECT CAST(? AS TEXT), "
+            "checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata FROM lg_checkpoints WHERE thread_id = ?",
+            f"INSERT INTO lg_blobs ({_BLOB_COLS}) SELECT CAST(? AS TEXT), checkpoint_ns, channel, version, type, blob "
+            "FROM lg_blobs WHERE thread_id = ?",
+            f"INSERT INTO lg_writes ({_WRITE_COLS}) SELECT CAST(? AS TEXT), checkpoint_ns, checkpoint_id, task_id, idx, "
+            "channel, type, blob, task_path FROM lg_writes WHERE thread_id = ?",
+        )
+
+
+def metadata_predicates(dialect: str, wanted: dict[str, Any]) -> tuple[list[str], list[Any], dict[str, Any]]:
+    """SQL predicates for a ``list(filter=...)`` on checkpoint metadata, plus the part left to check in Python.
+
+    PostgreSQL answers the whole filter with JSONB containment. SQLite's ``json_extract`` cannot tell a
+    missing key from null, nor compare objects, so those keys are checked in Python on the fetched rows.
+    """
+    if not wanted:
+        return [], [], {}
+    if dialect == "postgres":
+        return ["metadata::jsonb @> ?::jsonb"], [json.dumps(wanted, separators=(",", ":"))], {}
+    preds: list[str] = []
+    params: list[Any] = []
+    rest: dict[str, Any] = {}
+    for key, value in wanted.items():
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _PLAIN_KEY.match(key):
+            preds.append("json_extract(metadata, ?) = ?")
+            params += [f'$."{key}"', value]
+        else:
+            rest[key] = value
+    return preds, params, rest

@@ -1,0 +1,208 @@
+"""MoorageSaver with real LangGraph graphs: resume in a new process, tenant isolation, concurrent async use.
+
+Runs on both store backends (SQLite files and a throwaway PostgreSQL cluster) via the ``store`` fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Annotated, TypedDict
+
+import pytest
+
+from langgraph.checkpoint.base import empty_checkpoint
+from langgraph.graph import END, START, StateGraph
+from langgraph.types import Command, interrupt
+
+from moorage.errors import ConflictError, InvalidInput
+from moorage.store import Store, TenantStore
+from moorage.store.langgraph import MoorageSaver
+from moorage.store.postgres import PostgresBackend
+from moorage.store.sqlite import SQLiteBackend
+
+
+class Draft(TypedDict):
+    steps: Annotated[list[str], operator.add]
+
+
+def build_graph(saver: MoorageSaver):
+    def draft(state: Draft) -> dict:
+        return {"steps": ["draft"]}
+
+    def review(state: Draft) -> dict:
+        answer = interrupt("approve the draft?")
+        return {"steps": [f"review:{answer}"]}
+
+    def publish(state: Draft) -> dict:
+        return {"steps": ["publish"]}
+
+    g = StateGraph(Draft)
+    g.add_node("draft", draft)
+    g.add_node("review", review)
+    g.add_node("publish", publish)
+    g.add_edge(START, "draft")
+    g.add_edge("draft", "review")
+    g.add_edge("review", "publish")
+    g.add_edge("publish", END)
+    return g.compile(checkpointer=saver)
+
+
+# The first half of the run happens in another OS process, which exits without any cleanup.
+_FIRST_HALF = textwrap.dedent(
+    """
+    import json, os, sys
+    from moorage.store import Store
+    from moorage.store.langgraph import MoorageSaver
+    from moorage.store.postgres import PostgresBackend
+    from moorage.store.sqlite import SQLiteBackend
+    from tests.store.test_langgraph import build_graph
+
+    kind, where, secret = sys.argv[1:4]
+    store = Store(SQLiteBackend(where) if kind == "sqlite" else PostgresBackend(where))
+    ts = store.tenant(store.authenticate(secret))
+    graph = build_graph(MoorageSaver(ts))
+    out = graph.invoke({"steps": []}, {"configurable": {"thread_id": "doc-1"}})
+    print(json.dumps({"steps": out["steps"], "interrupted": "__interrupt__" in out}), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def _location(store: Store) -> tuple[str, str]:
+    b = store.backend
+    if isinstance(b, SQLiteBackend):
+        return "sqlite", str(b.root)
+    assert isinstance(b, PostgresBackend)
+    return "postgres", b.owner_url
+
+
+def test_graph_resumes_in_a_new_process_and_store(store: Store) -> None:
+    _, key = store.operator.create_tenant("acme")
+    kind, where = _location(store)
+    first = subprocess.run([sys.executable, "-c", _FIRST_HALF, kind, where, key.secret],
+                           capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[2]))
+    assert first.returncode == 0, first.stderr
+    half = json.loads(first.stdout.strip().splitlines()[-1])
+    assert half == {"steps": ["draft"], "interrupted": True}
+
+    # A brand-new store instance on the same storage, as after a host restart.
+    fresh = Store(SQLiteBackend(where) if kind == "sqlite" else PostgresBackend(where))
+    try:
+        ts = fresh.tenant(fresh.authenticate(key.secret))
+        graph = build_graph(MoorageSaver(ts))
+        config = {"configurable": {"thread_id": "doc-1"}}
+        assert graph.get_state(config).next == ("review",)
+        out = graph.invoke(Command(resume="yes"), config)
+        # "draft" ran once, in the first process; the resumed run continued from the interrupt.
+        assert out["steps"] == ["draft", "review:yes", "publish"]
+        history = list(graph.get_state_history(config))
+        assert history[0].values["steps"] == ["draft", "review:yes", "publish"]
+        assert len(history) >= 4
+    finally:
+        fresh.close()
+
+
+def test_tenant_cannot_see_another_tenants_threads(tenant: TenantStore, other_tenant: TenantStore) -> None:
+    a, b = MoorageSaver(tenant), MoorageSaver(other_tenant)
+    graph_a = build_graph(a)
+    config = {"configurable": {"thread_id": "shared-name"}}
+    graph_a.invoke({"steps": []}, config)
+    graph_a.invoke(Command(resume="ok"), config)
+    mine = list(a.list(config))
+    assert mine and mine[0].checkpoint["channel_values"]["steps"] == ["draft", "review:ok", "publish"]
+
+    # B sees nothing under the same thread id, nor anywhere in the store.
+    assert b.get_tuple(config) is None
+    assert list(b.list(None)) == []
+    assert list(b.list(config)) == []
+    # B's deletes, copies and prunes cannot reach A's rows.
+    b.delete_thread("shared-name")
+    b.prune(["shared-name"], strategy="delete")
+    b.delete_for_runs([t.metadata["run_id"] for t in mine if "run_id" in t.metadata])
+    b.copy_thread("shared-name", "stolen")
+    assert list(b.list({"configurable": {"thread_id": "stolen"}})) == []
+    assert len(list(a.list(config))) == len(mine)
+
+    # B can use the same thread id for its own, separate history.
+    build_graph(b).invoke({"steps": []}, config)
+    assert b.get_tuple(config).checkpoint["channel_values"]["steps"] == ["draft"]
+    assert a.get_tuple(config).checkpoint["channel_values"]["steps"] == ["draft", "review:ok", "publish"]
+
+
+async def test_concurrent_async_puts_all_land(tenant: TenantStore) -> None:
+    saver = MoorageSaver(tenant)
+
+    async def one_thread(i: int) -> list[str]:
+        parent = {"configurable": {"thread_id": f"t{i}", "checkpoint_ns": ""}}
+        ids = []
+        for step in range(5):
+            cp = empty_checkpoint()
+            cp["channel_values"] = {"n": step, "who": f"t{i}"}
+            cp["channel_versions"] = {"n": step + 1, "who": 1}
+            parent = await saver.aput(parent, cp, {"source": "loop", "step": step}, {"n": step + 1} if step else {"n": 1, "who": 1})
+            await saver.aput_writes(parent, [("n", step)], task_id=f"task-{step}")
+            ids.append(cp["id"])
+        return ids
+
+    all_ids = await asyncio.gather(*(one_thread(i) for i in range(12)))
+    for i, ids in enumerate(all_ids):
+        listed = [t async for t in saver.alist({"configurable": {"thread_id": f"t{i}"}})]
+        assert [t.checkpoint["id"] for t in listed] == list(reversed(ids))
+        latest = listed[0]
+        assert latest.checkpoint["channel_values"] == {"n": 4, "who": f"t{i}"}
+        assert latest.pending_writes == [("task-4", "n", 4)]
+        assert latest.parent_config["configurable"]["checkpoint_id"] == ids[-2]
+
+
+def test_list_pages_and_filters_across_threads(tenant: TenantStore) -> None:
+    saver = MoorageSaver(tenant, page_size=3)
+    for t in range(4):
+        parent = {"configurable": {"thread_id": f"p{t}", "checkpoint_ns": ""}}
+        for step in range(5):
+            cp = empty_checkpoint()
+            parent = saver.put(parent, cp, {"source": "loop", "step": step, "tags": {"team": f"x{t % 2}"}}, {})
+    everything = list(saver.list(None))
+    assert len(everything) == 20
+    ids = [t.checkpoint["id"] for t in everything]
+    assert ids == sorted(ids, reverse=True) and len(set(ids)) == 20
+    assert len(list(saver.list(None, limit=7))) == 7
+    assert len(list(saver.list(None, filter={"step": 2}))) == 4
+    # Non-scalar values are compared exactly (SQLite checks them in Python, PostgreSQL with JSONB).
+    assert len(list(saver.list(None, filter={"tags": {"team": "x1"}}))) == 10
+    assert len(list(saver.list(None, filter={"tags": {"team": "x1"}, "step": 4}, limit=1))) == 1
+
+
+def test_prune_keeps_latest_state_and_drops_old_blobs(tenant: TenantStore) -> None:
+    saver = MoorageSaver(tenant)
+    parent = {"configurable": {"thread_id": "big", "checkpoint_ns": ""}}
+    for step in range(1, 6):
+        cp = empty_checkpoint()
+        cp["channel_values"] = {"doc": "x" * 1000 * step, "title": "t"}
+        cp["channel_versions"] = {"doc": step, "title": 1}
+        parent = saver.put(parent, cp, {"step": step}, {"doc": step, "title": 1} if step == 1 else {"doc": step})
+    saver.prune(["big"])
+    left = list(saver.list({"configurable": {"thread_id": "big"}}))
+    assert len(left) == 1
+    assert left[0].checkpoint["channel_values"] == {"doc": "x" * 5000, "title": "t"}
+    with tenant._tx(write=False) as c:
+        assert sorted(c.q("SELECT channel, version FROM lg_blobs WHERE thread_id = 'big'")) == [("doc", "5"), ("title", "1")]
+
+
+def test_misuse_gets_typed_errors(tenant: TenantStore) -> None:
+    saver = MoorageSaver(tenant)
+    with pytest.raises(InvalidInput, match="thread_id"):
+        saver.get_tuple({"configurable": {}})
+    with pytest.raises(InvalidInput, match="strategy"):
+        saver.prune(["x"], strategy="newest")
+    with pytest.raises(InvalidInput, match="checkpoint_id"):
+        saver.put_writes({"configurable": {"thread_id": "x"}}, [("a", 1)], "t")
+    saver.put({"configurable": {"thread_id": "src", "checkpoint_ns": ""}}, empty_checkpoint(), {}, {})
+    saver.put({"configurable": {"thread_id": "dst", "checkpoint_ns": ""}}, empty_checkpoint(), {}, {})
+    with pytest.raises(ConflictError, match="already has checkpoints"):
+        saver.copy_thread("src", "dst")
