@@ -153,6 +153,33 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX events_tsv ON events USING GIN (tsv)",
         ),
     ),
+    Migration(
+        3,
+        "langgraph checkpoints",
+        statements=(
+            # One row per LangGraph checkpoint; channel values live in lg_blobs, keyed by the
+            # channel's version, so a step that changes one channel writes one blob, not the state.
+            """CREATE TABLE lg_checkpoints (
+                {tenant_col}
+                thread_id TEXT NOT NULL, checkpoint_ns TEXT NOT NULL, checkpoint_id TEXT NOT NULL,
+                parent_id TEXT, run_id TEXT, type TEXT NOT NULL, checkpoint {blob} NOT NULL,
+                metadata {json} NOT NULL,
+                PRIMARY KEY ({tpk}thread_id, checkpoint_ns, checkpoint_id))""",
+            "CREATE INDEX lg_checkpoints_run ON lg_checkpoints (run_id)",
+            """CREATE TABLE lg_blobs (
+                {tenant_col}
+                thread_id TEXT NOT NULL, checkpoint_ns TEXT NOT NULL, channel TEXT NOT NULL,
+                version TEXT NOT NULL, type TEXT NOT NULL, blob {blob},
+                PRIMARY KEY ({tpk}thread_id, checkpoint_ns, channel, version))""",
+            """CREATE TABLE lg_writes (
+                {tenant_col}
+                thread_id TEXT NOT NULL, checkpoint_ns TEXT NOT NULL, checkpoint_id TEXT NOT NULL,
+                task_id TEXT NOT NULL, idx INTEGER NOT NULL, channel TEXT NOT NULL, type TEXT NOT NULL,
+                blob {blob} NOT NULL, task_path TEXT NOT NULL,
+                PRIMARY KEY ({tpk}thread_id, checkpoint_ns, checkpoint_id, task_id, idx))""",
+        ),
+        tenant_tables=("lg_checkpoints", "lg_blobs", "lg_writes"),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (
