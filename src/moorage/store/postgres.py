@@ -38,7 +38,6 @@ def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration
         if upto is not None and m.version > upto:
             break
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
             if conn.execute("SELECT 1 FROM schema_migrations WHERE component = %s AND version = %s", (component, m.version)).fetchone():
                 continue
             for stmt in statements_for(m, "postgres"):
@@ -86,16 +85,25 @@ class PostgresBackend(Backend):
                                    hint="set MOORAGE_STORE_APP_URL or a .pgpass entry for the application role") from e
 
     def migrate(self, upto: int | None = None) -> None:
+        """Bring the schema up to date. Concurrent openers (many processes at once) serialise on a lock."""
         c = self._owner
+        c.execute("SELECT pg_advisory_lock(%s)", (_LOCK_ID,))
+        try:
+            self._migrate_locked(upto)
+        finally:
+            c.execute("SELECT pg_advisory_unlock(%s)", (_LOCK_ID,))
+
+    def _migrate_locked(self, upto: int | None) -> None:
+        c = self._owner
+        role = psql.Identifier(self.app_role)
         with c.transaction():
-            c.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_ID,))
             c.execute(
                 "CREATE TABLE IF NOT EXISTS schema_migrations (component TEXT NOT NULL, version INTEGER NOT NULL, "
                 "name TEXT NOT NULL, applied_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (component, version))"
             )
             if not c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (self.app_role,)).fetchone():
-                c.execute(psql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE").format(psql.Identifier(self.app_role)))
-            c.execute(psql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(psql.Identifier(self.app_role)))
+                c.execute(psql.SQL("CREATE ROLE {} LOGIN NOSUPERUSER NOBYPASSRLS NOCREATEDB NOCREATEROLE").format(role))
+            c.execute(psql.SQL("GRANT USAGE ON SCHEMA public TO {}").format(role))
         _apply(c, "control", CONTROL_MIGRATIONS, False, self.app_role, None)
         with c.transaction():
             # Authentication is the one control-plane read the application may do, through a narrow
@@ -103,11 +111,11 @@ class PostgresBackend(Backend):
             c.execute(
                 """CREATE OR REPLACE FUNCTION moorage_authenticate(h TEXT)
                    RETURNS TABLE(id TEXT, tenant_id TEXT, scopes TEXT, revoked_at DOUBLE PRECISION)
-                   LANGUAGE sql SECURITY DEFINER SET search_path = public AS
+                   LANGUAGE sql STABLE SECURITY DEFINER SET search_path = public AS
                    $$ SELECT id, tenant_id, scopes, revoked_at FROM api_keys WHERE key_hash = h $$"""
             )
             c.execute("REVOKE ALL ON FUNCTION moorage_authenticate(TEXT) FROM PUBLIC")
-            c.execute(psql.SQL("GRANT EXECUTE ON FUNCTION moorage_authenticate(TEXT) TO {}").format(psql.Identifier(self.app_role)))
+            c.execute(psql.SQL("GRANT EXECUTE ON FUNCTION moorage_authenticate(TEXT) TO {}").format(role))
         _apply(c, "tenant", TENANT_MIGRATIONS, True, self.app_role, upto)
 
     @contextlib.contextmanager
