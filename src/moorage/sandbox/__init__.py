@@ -39,7 +39,7 @@ __all__ = [
     "Capabilities", "ChannelClosed", "ChannelError", "ChannelTimeout", "CheckpointInfo", "ExecResult", "FileInfo",
     "GuestProtocolError", "RemoteError", "Sandbox", "SandboxDriver", "SandboxError", "SandboxNotFound", "SandboxSpec",
     "SandboxState", "SandboxStateError", "SandboxStats", "SnapshotCorrupt", "SnapshotIncompatible", "SnapshotInfo",
-    "TemplateRef", "guest_source_dir",
+    "TemplateRef", "guest_source_dir", "get_driver", "DRIVERS",
 ]
 
 
@@ -49,3 +49,32 @@ def guest_source_dir() -> Path:
     Located by path, not imported: host code never imports guest code.
     """
     return Path(__file__).resolve().parent.parent / "guest"
+
+
+#: Driver name -> (module, class). Modules are imported only when that driver is asked for.
+DRIVERS: dict[str, tuple[str, str]] = {
+    "process": ("moorage.sandbox.process", "ProcessDriver"),
+    "microvm": ("moorage.sandbox.microvm", "MicroVMDriver"),
+}
+
+
+def get_driver(config: "Config", root: Path | None = None) -> SandboxDriver:
+    """The configured driver over ``root`` (default ``config.sandboxes_dir``).
+
+    ``auto`` picks microvm when QEMU is installed and its driver module is present, else process.
+    """
+    import importlib
+    import importlib.util
+    import shutil
+
+    from moorage.errors import ConfigError
+
+    name = config.sandbox_driver
+    if name == "auto":
+        has_microvm = importlib.util.find_spec(DRIVERS["microvm"][0]) is not None
+        name = "microvm" if shutil.which("qemu-system-x86_64") and has_microvm else "process"
+    if name not in DRIVERS:
+        raise ConfigError(f"unknown sandbox driver {name!r}", hint=f"set sandbox_driver to auto, {', '.join(DRIVERS)}")
+    module, cls = DRIVERS[name]
+    driver_cls = getattr(importlib.import_module(module), cls)
+    return driver_cls(root or config.sandboxes_dir, config)  # type: ignore[no-any-return]

@@ -7,6 +7,7 @@ that is its snapshot; sleep stops every process, wake cold-starts the supervisor
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +25,8 @@ from moorage.sandbox.base import (
     Capabilities,
     ChannelError,
     CheckpointInfo,
+    GuestProtocolError,
+    RemoteError,
     Sandbox,
     SandboxDriver,
     SandboxError,
@@ -200,9 +203,20 @@ class ProcessSandbox(Sandbox):
             if self.socket_path.exists():
                 try:
                     ch = await Channel.open_unix(str(self.socket_path), name=f"sandbox:{self.id}")
+                except ChannelError as e:
+                    last_error = str(e)
+                    await asyncio.sleep(0.02)
+                    continue
+                try:
                     await ch.call("ping", timeout=10)
                     return ch
+                except (GuestProtocolError, RemoteError) as e:
+                    # Something answered, but not our supervisor speaking the protocol: do not keep trying.
+                    await ch.close()
+                    raise SandboxError(f"sandbox {self.id} broke the channel protocol: {e}",
+                                       hint="the guest may be compromised; destroy it or roll it back") from e
                 except ChannelError as e:
+                    await ch.close()
                     last_error = str(e)
             await asyncio.sleep(0.02)
         raise SandboxError(f"sandbox {self.id} did not answer within {timeout:g}s ({last_error})", hint="see supervisor.log")
@@ -422,7 +436,8 @@ class ProcessDriver(SandboxDriver):
             enforced_limits=self.limit_support.enforced,
         )
         # Cgroup names must be unique per root directory on this host (two test roots may reuse sandbox ids).
-        self.instance_tag = f"{abs(hash(str(self.root.resolve()))) % 10**10:010d}"
+        # Stable across host restarts (str hash() is salted per process), so a re-adopted sandbox finds its cgroup.
+        self.instance_tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
         self._open: dict[str, ProcessSandbox] = {}
         self._guest_dir = Path(__file__).resolve().parent.parent / "guest"
 
