@@ -1,0 +1,267 @@
+"""Store bench: durable LangGraph checkpoint put/get latency and throughput, moorage vs the official savers,
+plus compare-and-set under multi-process contention. Run: ``.venv/bin/python bench/store/run.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cas import run_cas  # noqa: E402
+from contenders import Contender, open_contenders, peer_versions  # noqa: E402
+
+from moorage.devservices.postgres import start_cluster  # noqa: E402
+from moorage.store import Store  # noqa: E402
+from moorage.store.postgres import PostgresBackend  # noqa: E402
+from moorage.store.sqlite import SQLiteBackend  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "bench" / "results" / "latest"
+SIZES = {"1KiB": 1024, "16KiB": 16 * 1024, "256KiB": 256 * 1024}
+CHANNELS = ("messages", "context", "plan", "scratch")
+
+
+class Steps:
+    """A graph-like sequence of checkpoints: four channels sharing ``size`` bytes of state.
+
+    mode "full": every step rewrites all four channels (the whole state is new each time);
+    mode "one": every step rewrites one channel, as a node that updates one key of the state.
+    """
+
+    def __init__(self, size: int, mode: str, seed: int) -> None:
+        per = max(1, size // len(CHANNELS))
+        rnd = os.urandom(per * 8 + seed % 7)
+        self._pool = [base64.b64encode(rnd[i * per:(i + 1) * per]).decode()[:per] for i in range(8)]
+        self.mode = mode
+        self.step = 0
+        self.versions = {c: 0 for c in CHANNELS}
+        self.values: dict[str, Any] = {}
+
+    def next(self) -> tuple[dict, dict, dict]:
+        changed = CHANNELS if self.mode == "full" or self.step == 0 else (CHANNELS[self.step % len(CHANNELS)],)
+        for i, ch in enumerate(changed):
+            self.versions[ch] += 1
+            self.values[ch] = self._pool[(self.step + i) % len(self._pool)]
+        cp = empty_checkpoint()
+        cp["channel_values"] = dict(self.values)
+        cp["channel_versions"] = dict(self.versions)
+        cp["versions_seen"] = {"agent": dict(self.versions)}
+        md = {"source": "loop", "step": self.step, "parents": {}}
+        self.step += 1
+        return cp, md, {ch: self.versions[ch] for ch in changed}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"p50_ms": _pct(xs, 0.5) * 1e3, "p99_ms": _pct(xs, 0.99) * 1e3, "min_ms": min(xs) * 1e3,
+            "max_ms": max(xs) * 1e3, "mean_ms": statistics.fmean(xs) * 1e3}
+
+
+def sequential(saver: BaseCheckpointSaver, thread: str, size: int, mode: str, n: int) -> dict[str, Any]:
+    steps = Steps(size, mode, n)
+    config = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    puts, gets = [], []
+    for _ in range(n):
+        cp, md, nv = steps.next()
+        t = time.perf_counter()
+        config = saver.put(config, cp, md, nv)
+        puts.append(time.perf_counter() - t)
+    latest = {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    for _ in range(n):
+        t = time.perf_counter()
+        tup = saver.get_tuple(latest)
+        gets.append(time.perf_counter() - t)
+    assert tup is not None and tup.checkpoint["channel_values"] == steps.values, "read back a different state"
+    return {"put": _summary(puts), "get": _summary(gets), "put_per_s": n / sum(puts), "get_per_s": n / sum(gets)}
+
+
+def concurrent(c: Contender, tag: str, size: int, mode: str, workers: int, per_worker: int) -> float:
+    """Puts/s with ``workers`` threads, each driving its own LangGraph thread id."""
+    savers = [c.saver_for(i) for i in range(workers)]
+    steps = [Steps(size, mode, i) for i in range(workers)]
+    barrier = threading.Barrier(workers + 1)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        config = {"configurable": {"thread_id": f"{tag}-w{i}", "checkpoint_ns": ""}}
+        work = [steps[i].next() for _ in range(per_worker)]
+        barrier.wait()
+        try:
+            for cp, md, nv in work:
+                config = savers[i].put(config, cp, md, nv)
+        except BaseException as e:  # surfaced below: a failed put must fail the bench
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return workers * per_worker / wall
+
+
+def durability_settings(tmp: Path, pg_store: Store) -> dict[str, str]:
+    conn = sqlite3.connect(str(tmp / "peer.sqlite"))
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    peer = f"journal_mode={conn.execute('PRAGMA journal_mode').fetchone()[0]}, synchronous={conn.execute('PRAGMA synchronous').fetchone()[0]} (2=FULL)"
+    conn.close()
+    return {"SqliteSaver": peer, "postgresql (both savers, same cluster)": pg_store.describe()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
+    args = ap.parse_args()
+    n = 60 if args.quick else 300
+    workers, per_worker = (4, 20) if args.quick else (8, 60)
+    cas_procs, cas_incs = (4, 25) if args.quick else (4, 100)
+    modes = ("full", "one")
+
+    report: dict[str, Any] = {"settings": {"quick": args.quick, "sequential_n": n, "workers": workers,
+                                           "puts_per_worker": per_worker, "cas_processes": cas_procs,
+                                           "cas_increments": cas_incs, "python": platform.python_version(),
+                                           "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count()},
+                              "versions": peer_versions(), "checkpoints": [], "cas": []}
+    cluster = start_cluster()
+    try:
+        with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-bench-") as tmpd:
+            tmp = Path(tmpd)
+            urls: dict[str, str] = {}
+
+            def pg_url(name: str) -> str:
+                if name not in urls:
+                    urls[name] = cluster.create_database(name)
+                return urls[name]
+
+            contenders = open_contenders(stack, tmp, pg_url, workers)
+            pg_store = stack.enter_context(Store(PostgresBackend(pg_url("moorage_bench"), pool_size=1)))
+            report["durability"] = durability_settings(tmp, pg_store)
+            report["durability"]["moorage sqlite"] = contenders[0].saver_for(0).tenant_store._backend.describe()
+            for size_name, size in SIZES.items():
+                reps = max(10, n // 4) if size >= 256 * 1024 else n
+                per_w = max(5, per_worker // 4) if size >= 256 * 1024 else per_worker
+                for mode in modes:
+                    for c in contenders:
+                        tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                        seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
+                        thr = concurrent(c, f"conc-{tag}", size, mode, workers, per_w)
+                        row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
+                               "concurrent_put_per_s": thr, "setup": c.settings}
+                        report["checkpoints"].append(row)
+                        print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
+                              f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
+                              f"{workers} writers {thr:.0f} puts/s", flush=True)
+            # CAS contention through the store API, one store per process.
+            for kind in ("sqlite", "postgres"):
+                if kind == "sqlite":
+                    where = str(tmp / "cas-store")
+                    s = Store(SQLiteBackend(Path(where)))
+                else:
+                    where = pg_url("cas_bench")
+                    s = Store(PostgresBackend(where, pool_size=1))
+                _, key = s.operator.create_tenant("cas")
+                s.close()
+                r = run_cas(kind, where, key.secret, cas_procs, cas_incs)
+                report["cas"].append({**r.__dict__, "increments_per_s": r.per_s})
+                print(f"CAS {kind}: {r.processes} procs x {r.increments} -> final {r.final}, lost {r.lost_updates}, "
+                      f"retries {r.retries}, {r.per_s:.0f} increments/s", flush=True)
+    finally:
+        cluster.stop()
+    write_report(report)
+
+
+def _ratio(rows: list[dict], backend: str, peer: str, key: str, size: str, mode: str) -> float:
+    def get(name: str) -> float:
+        r = next(r for r in rows if r["backend"] == backend and r["saver"] == name and r["size"] == size and r["mode"] == mode)
+        return r[key] if not isinstance(key, tuple) else r[key[0]][key[1]]
+    return get("moorage") / get(peer)
+
+
+def write_report(report: dict[str, Any]) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = report["checkpoints"]
+    peers = {"sqlite": "SqliteSaver", "postgres": "PostgresSaver"}
+    ratios = []
+    for r in rows:
+        if r["saver"] != "moorage":
+            continue
+        peer = peers[r["backend"]]
+        ratios.append({"backend": r["backend"], "size": r["size"], "mode": r["mode"], "peer": peer,
+                       "seq_put": _ratio(rows, r["backend"], peer, "put_per_s", r["size"], r["mode"]),
+                       "seq_get": _ratio(rows, r["backend"], peer, "get_per_s", r["size"], r["mode"]),
+                       "concurrent_put": _ratio(rows, r["backend"], peer, "concurrent_put_per_s", r["size"], r["mode"])})
+    report["ratios"] = ratios
+    (OUT / "store.json").write_text(json.dumps(report, indent=2))
+
+    s = report["settings"]
+    lines = ["# Store bench: durable LangGraph checkpoints and compare-and-set", "",
+             f"Settings: quick={s['quick']}, sequential puts/gets per case={s['sequential_n']} (¼ of that at 256 KiB), "
+             f"{s['workers']} writer threads x {s['puts_per_worker']} puts (¼ at 256 KiB), "
+             f"CAS {s['cas_processes']} processes x {s['cas_increments']} increments; Python {s['python']}, "
+             f"SQLite {s['sqlite']}, {s['cpus']} CPUs.", "",
+             "Durability (equal for every contender: an acknowledged write is on disk):", ""]
+    lines += [f"- {k}: {v}" for k, v in report["durability"].items()]
+    lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+              "State: four channels sharing the size; mode `full` rewrites all four each step, `one` rewrites one.", "",
+              "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | seq puts/s | concurrent puts/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, g = r["put"], r["get"]
+        lines.append(f"| {r['backend']} | {r['saver']} | {r['size']} | {r['mode']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
+                     f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {r['put_per_s']:.0f} | "
+                     f"{r['concurrent_put_per_s']:.0f} |")
+    lines += ["", "Ratios moorage / peer (higher is better for moorage):", "",
+              "| backend | size | mode | peer | sequential put | get | concurrent put |", "|---|---|---|---|---|---|---|"]
+    for q in ratios:
+        lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {q['peer']} | {q['seq_put']:.2f}x | {q['seq_get']:.2f}x | "
+                     f"{q['concurrent_put']:.2f}x |")
+    lines += ["", "| CAS backend | processes x increments | final | lost updates | retries | increments/s |", "|---|---|---|---|---|---|"]
+    for c in report["cas"]:
+        lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
+                     f"{c['retries']} | {c['increments_per_s']:.0f} |")
+    headline = _headline(ratios, report["cas"])
+    lines += ["", headline, ""]
+    (OUT / "store.md").write_text("\n".join(lines))
+    print(f"report: {OUT / 'store.md'}")
+    print(headline)
+
+
+def _headline(ratios: list[dict], cas: list[dict]) -> str:
+    def med(backend: str, key: str) -> float:
+        return statistics.median(q[key] for q in ratios if q["backend"] == backend)
+
+    lost = "/".join(str(c["lost_updates"]) for c in cas)
+    cas_rate = "/".join(f"{c['increments_per_s']:.0f}" for c in cas)
+    return (f"checkpoint put vs peers (median over sizes/modes): sqlite seq {med('sqlite', 'seq_put'):.2f}x "
+            f"concurrent {med('sqlite', 'concurrent_put'):.2f}x, postgres seq {med('postgres', 'seq_put'):.2f}x "
+            f"concurrent {med('postgres', 'concurrent_put'):.2f}x; get sqlite {med('sqlite', 'seq_get'):.2f}x "
+            f"postgres {med('postgres', 'seq_get'):.2f}x; CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
+
+
+if __name__ == "__main__":
+    main()
