@@ -110,8 +110,10 @@ def _findings(results: list[PolicyResult], horizon_s: float) -> list[str]:
     if adaptive is not None and fixed:
         best = min(fixed, key=lambda r: r.cost_total)
         ratio = adaptive.cost_total / best.cost_total if best.cost_total else float("inf")
-        if ratio < 1.0:
+        if ratio < 0.995:
             out.append(f"adaptive beats every fixed timeout: {ratio:.2f}x the cost of the best one ({best.policy}).")
+        elif ratio <= 1.005:
+            out.append(f"adaptive matches the best fixed timeout ({best.policy}) within 0.5%: no timeout does better here.")
         else:
             out.append(
                 f"adaptive does NOT beat every fixed timeout here: {ratio:.2f}x the cost of {best.policy}, "

@@ -66,6 +66,9 @@ class PolicyResult:
     latency_p99_s: float
     latency_max_s: float
     latency_mean_s: float
+    #: Added latency of first turns only: what provisioning (warm pool, fork, cold boot) costs a new user.
+    provision_p50_s: float
+    provision_p99_s: float
     #: The longest time any one instance stayed awake without sleeping.
     longest_awake_s: float
     cost_compute: float
@@ -127,6 +130,7 @@ def simulate(trace: Trace, policy: SleepPolicy, model: CostModel | None = None, 
     heap: list[tuple[float, int, int, _Instance, int]] = []
     seq = 0
     latencies: list[float] = []
+    provision_latencies: list[float] = []
     compute = storage = longest = 0.0
     wakes = sleeps = provisions = 0
 
@@ -185,6 +189,8 @@ def simulate(trace: Trace, policy: SleepPolicy, model: CostModel | None = None, 
             inst.gen += 1
             begin = max(now, inst.ready_at)
             latencies.append(begin - now)
+            if inst.activity.turns == 0:
+                provision_latencies.append(begin - now)
             inst.activity.turn_started(now)
             seq += 1
             heapq.heappush(heap, (begin + turn.service_s, seq, _END, inst, inst.gen))
@@ -201,6 +207,7 @@ def simulate(trace: Trace, policy: SleepPolicy, model: CostModel | None = None, 
             storage += max(end - inst.asleep_since, 0.0)
 
     latencies.sort()
+    provision_latencies.sort()
     pool_compute = settings.warm_pool * horizon
     delayed = len(latencies) - bisect.bisect_right(latencies, 0.0)
     total_latency = math.fsum(latencies)
@@ -221,6 +228,8 @@ def simulate(trace: Trace, policy: SleepPolicy, model: CostModel | None = None, 
         latency_p99_s=percentile(latencies, 99),
         latency_max_s=latencies[-1] if latencies else 0.0,
         latency_mean_s=total_latency / n if n else 0.0,
+        provision_p50_s=percentile(provision_latencies, 50),
+        provision_p99_s=percentile(provision_latencies, 99),
         longest_awake_s=longest,
         cost_compute=(compute + pool_compute) * model.awake_per_s,
         cost_storage=storage * model.asleep_per_s,
