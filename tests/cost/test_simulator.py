@@ -65,6 +65,9 @@ def test_provisioning_modes_and_warm_pool() -> None:
     # Two agents take pre-forked sandboxes, the third forks on demand.
     assert pooled.latency_p50_s == pytest.approx(0.002) and pooled.latency_max_s == pytest.approx(0.1)
     assert pooled.pool_compute_s == pytest.approx(20.0)
+    # First-turn latency is reported on its own: what provisioning costs a new user.
+    assert pooled.provision_p50_s == pytest.approx(0.002) and pooled.provision_p99_s == pytest.approx(0.1)
+    assert cold.provision_p99_s == pytest.approx(3.7)
     assert pooled.cost_compute == pytest.approx((pooled.compute_s + 20.0) * MODEL.awake_per_s)
 
 
