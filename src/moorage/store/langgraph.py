@@ -23,6 +23,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from moorage.errors import ConflictError, InvalidInput
+from moorage.store.langgraph_commit import GroupCommit
 from moorage.store.langgraph_sql import Statements, metadata_predicates
 from moorage.store.sql import Conn
 from moorage.store.tenant import TenantStore
@@ -60,18 +61,22 @@ def _bytes(v: Any) -> bytes:
 class MoorageSaver(BaseCheckpointSaver[int]):
     """LangGraph ``BaseCheckpointSaver`` storing one tenant's threads in the moorage store.
 
-    Every method runs in one store transaction (``ts._tx``), so an acknowledged ``put`` is as durable
-    as the store itself; the ``a*`` variants run the same code in a worker thread. Thread ids come from
+    Every call runs in a store transaction (``ts._tx``) and returns after it committed, so an
+    acknowledged ``put`` is as durable as the store itself; concurrent writes share transactions
+    (group commit). The ``a*`` variants run the same code in a worker thread. Thread ids come from
     the graph's config but the tenant never does: it is the ``TenantStore``'s authenticated principal.
     """
 
-    def __init__(self, ts: TenantStore, *, serde: SerializerProtocol | None = None, page_size: int = 64) -> None:
+    def __init__(self, ts: TenantStore, *, serde: SerializerProtocol | None = None, page_size: int = 64,
+                 max_batch: int = 64) -> None:
         super().__init__(serde=serde)
         if not isinstance(ts, TenantStore):
             raise TypeError("MoorageSaver needs a TenantStore from Store.tenant(principal)")
         self._ts = ts
         self._sql = Statements(ts.dialect)
         self._page_size = max(1, page_size)
+        # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
+        self._commits = GroupCommit(ts, max_batch)
 
     @property
     def tenant_store(self) -> TenantStore:
@@ -100,10 +105,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             blobs.append((thread_id, ns, channel, str(version), vt, vb))
         row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
                _metadata_json(md))
-        with self._ts._tx() as c:
-            if blobs:
-                c.many(self._sql.insert_blob, blobs)
-            c.x(self._sql.upsert_checkpoint, row)
+        self._commits.write([(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])])
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
@@ -120,8 +122,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         # Special channels (error, interrupt, ...) are replaced on retry; a task's regular writes are
         # kept as first written, so replaying a task never duplicates or changes them.
         special = all(w[0] in WRITES_IDX_MAP for w in writes)
-        with self._ts._tx() as c:
-            c.many(self._sql.upsert_write if special else self._sql.insert_write, rows)
+        self._commits.write([(self._sql.upsert_write if special else self._sql.insert_write, rows)])
 
     def delete_thread(self, thread_id: str) -> None:
         with self._ts._tx() as c:
