@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 
 from moorage.sandbox import (
+    GuestFileNotFound,
     Sandbox,
     SandboxDriver,
     SandboxSpec,
@@ -94,6 +95,10 @@ async def test_files_write_read_list_stat(driver: SandboxDriver) -> None:
     info = await sb.stat("data")
     assert info is not None and info.type == "dir"
     assert await sb.stat("data/missing") is None
+    with pytest.raises(GuestFileNotFound):
+        await sb.read_file("data/missing")
+    with pytest.raises(GuestFileNotFound):
+        await sb.list_files("nowhere")
 
 
 # --- persistence ------------------------------------------------------------------------------------------------
@@ -423,10 +428,13 @@ print("WROTE ALL")
     r = await filler.exec([PY, "-c", "open('one','wb').write(b'y' * (40 << 20))"], timeout=60)
     assert not r.ok
     assert (await other.exec(["echo", "fine"])).stdout == b"fine\n"
-    # The owner can still clean up and carry on.
+    # The owner can still clean up (through the supervisor, which is never a quota victim) and carry on.
     if filler.state is not SandboxState.RUNNING:
         await filler.wake()
-    await sh(filler, "rm -rf fill one")
+    await filler.remove("fill", recursive=True)
+    if await filler.stat("one") is not None:
+        await filler.remove("one")
+    assert await filler.stat("fill") is None
     assert (await filler.exec(["echo", "clean"])).stdout == b"clean\n"
 
 

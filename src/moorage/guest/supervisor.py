@@ -53,8 +53,14 @@ class Supervisor:
     def _load_extension(self, name: str) -> None:
         # A bare name is a module of this package ("agent" -> guest.agent); a dotted name is imported as is.
         full = name if "." in name else "%s.%s" % (__package__, name)
-        module = importlib.import_module(full)
-        module.register(self.registry)
+        try:
+            module = importlib.import_module(full)
+            module.register(self.registry)
+        except Exception as e:
+            # A broken or missing extension must not take exec/fs down with it: the host still reaches the
+            # sandbox and sees the gap in ping's method list.
+            log("extension failed to load", module=full, error="%s: %s" % (type(e).__name__, e))
+            return
         log("extension loaded", module=full)
 
     async def ping(self, params: Any, ctx: Context) -> dict:

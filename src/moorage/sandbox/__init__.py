@@ -16,6 +16,7 @@ from moorage.sandbox.base import (
     CheckpointInfo,
     ExecResult,
     FileInfo,
+    GuestFileNotFound,
     GuestProtocolError,
     RemoteError,
     Sandbox,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Capabilities", "ChannelClosed", "ChannelError", "ChannelTimeout", "CheckpointInfo", "ExecResult", "FileInfo",
-    "GuestProtocolError", "RemoteError", "Sandbox", "SandboxDriver", "SandboxError", "SandboxNotFound", "SandboxSpec",
+    "GuestFileNotFound", "GuestProtocolError", "RemoteError", "Sandbox", "SandboxDriver", "SandboxError", "SandboxNotFound", "SandboxSpec",
     "SandboxState", "SandboxStateError", "SandboxStats", "SnapshotCorrupt", "SnapshotIncompatible", "SnapshotInfo",
     "TemplateRef", "guest_source_dir", "get_driver", "DRIVERS",
 ]

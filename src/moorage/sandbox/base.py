@@ -95,6 +95,13 @@ class RemoteError(ChannelError):
         self.data = data
 
 
+class GuestFileNotFound(SandboxError, NotFound):
+    """A path asked for through ``read_file``/``list_files`` does not exist inside the sandbox."""
+
+    code = "sandbox-file-not-found"
+    http_status = 404
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Value types
 
@@ -355,10 +362,18 @@ class Sandbox(ABC):
             duration_s=time.monotonic() - started,
         )
 
+    async def _fs(self, method: str, params: dict[str, Any]) -> Any:
+        try:
+            return await self.channel.call(method, params, timeout=60)
+        except RemoteError as e:
+            if isinstance(e.data, dict) and e.data.get("type") in ("FileNotFoundError", "NotADirectoryError"):
+                raise GuestFileNotFound(f"{params.get('path')}: no such file in sandbox {self.id}") from e
+            raise
+
     async def read_file(self, path: str) -> bytes:
         data = bytearray()
         while True:
-            r = await self.channel.call("fs.read", {"path": path, "offset": len(data), "length": FILE_CHUNK_BYTES}, timeout=60)
+            r = await self._fs("fs.read", {"path": path, "offset": len(data), "length": FILE_CHUNK_BYTES})
             chunk = base64.b64decode(r["data"])
             data += chunk
             if r.get("eof") or not chunk:
@@ -382,8 +397,12 @@ class Sandbox(ABC):
         await self.channel.call("fs.rename", {"src": part, "dst": path}, timeout=60)
 
     async def list_files(self, path: str) -> list[FileInfo]:
-        r = await self.channel.call("fs.list", {"path": path}, timeout=60)
+        r = await self._fs("fs.list", {"path": path})
         return [FileInfo(**e) for e in r["entries"]]
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Delete a file (or a directory tree with ``recursive``), done by the supervisor, not a guest process."""
+        await self._fs("fs.remove", {"path": path, "recursive": recursive})
 
     async def stat(self, path: str) -> FileInfo | None:
         r = await self.channel.call("fs.stat", {"path": path}, timeout=60)
