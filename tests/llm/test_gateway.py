@@ -230,3 +230,14 @@ async def test_unknown_route_fails_at_start_up() -> None:
 
     with pytest.raises(NotFound, match="no LLM provider named 'nope'"):
         LLMGateway([make_provider("embedded")], routes={"t": Route("nope")})
+
+
+async def test_stream_closed_early_is_still_accounted(gw: Any) -> None:
+    stream = gw.stream("t1", ChatRequest([Message.user("Count from one to twenty.")], max_tokens=20, temperature=0))
+    async for chunk in stream:
+        if chunk.text:
+            break
+    await stream.aclose()
+    (rec,) = gw.sink.records
+    assert rec.input_tokens > 0 and rec.output_tokens >= 1
+    assert gw.admission.used("t1") == rec.input_tokens + rec.output_tokens
