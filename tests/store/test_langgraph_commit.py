@@ -21,7 +21,7 @@ _INSERT = "INSERT INTO lg_blobs (thread_id, checkpoint_ns, channel, version, typ
 def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
     """Start one thread per writer while a commit is "in flight", then let them all go at once."""
     with gc._cv:
-        gc._busy = True
+        gc._inflight = gc._max_inflight
 
     def writer(i: int, ops) -> None:
         try:
@@ -36,7 +36,7 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
     while True:
         with gc._cv:
             if len(gc._queue) == len(threads):
-                gc._busy = False
+                gc._inflight = gc._max_inflight - 1
                 gc._cv.notify_all()
                 break
         time.sleep(0.005)
@@ -45,7 +45,7 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
 
 
 def test_queued_writers_commit_together_and_a_bad_one_fails_alone(tenant: TenantStore) -> None:
-    gc = GroupCommit(tenant)
+    gc = GroupCommit(tenant, max_inflight=1)
     good = [[(_INSERT, [("t", "", f"ch{i}", "1", "bytes", b"x")])] for i in range(6)]
     bad = [(_INSERT, [("t", "", "ch0", "1", "bytes", b"dup")]), ("INSERT INTO no_such_table VALUES (?)", [(1,)])]
     results: dict = {}

@@ -43,19 +43,22 @@ def _apply(c: Any, jobs: Sequence[_Job]) -> None:
 
 
 class GroupCommit:
-    """Leader/follower batching: whoever finds no commit in flight leads and commits everything queued.
+    """Leader/follower batching: whoever finds a free commit slot leads and commits everything queued.
 
     While one transaction commits, later writers queue; the next leader takes them all in one
     transaction. A lone writer pays only an uncontended lock. If a batch fails, each job is retried in
     its own transaction so one bad write never fails its neighbours.
     """
 
-    def __init__(self, ts: TenantStore, max_batch: int = 64) -> None:
+    def __init__(self, ts: TenantStore, max_batch: int = 64, max_inflight: int | None = None) -> None:
         self._ts = ts
         self._max = max(1, max_batch)
+        # SQLite serialises writers on the file lock, so one batch at a time; PostgreSQL commits
+        # concurrent transactions in parallel (and merges their WAL flushes), so let a few overlap.
+        self._max_inflight = max(1, max_inflight if max_inflight is not None else (4 if ts.dialect == "postgres" else 1))
         self._cv = threading.Condition()
         self._queue: list[_Job] = []
-        self._busy = False
+        self._inflight = 0
 
     def write(self, ops: Ops) -> None:
         if getattr(self._ts._local, "conn", None) is not None:
@@ -66,20 +69,26 @@ class GroupCommit:
         job = _Job(ops)
         with self._cv:
             self._queue.append(job)
-            while self._busy and not job.done:
+            while self._inflight >= self._max_inflight and not job.done:
                 self._cv.wait()
             if job.done:
                 return self._outcome(job)
-            self._busy = True
+            self._inflight += 1
         try:
             while not job.done:
                 with self._cv:
                     batch = self._queue[: self._max]
                     del self._queue[: self._max]
+                if not batch:
+                    # Another leader took our job and is committing it: wait for that commit.
+                    with self._cv:
+                        while not job.done:
+                            self._cv.wait()
+                    break
                 self._commit(batch)
         finally:
             with self._cv:
-                self._busy = False
+                self._inflight -= 1
                 self._cv.notify_all()
         return self._outcome(job)
 
