@@ -16,7 +16,7 @@ import numpy as np
 from moorage.errors import InvalidInput
 from moorage.log import get_logger
 from moorage.memory.embeddings import DIMENSION, Embedder, default_embedder, to_bytes
-from moorage.memory.ranking import FusionWeights, fuse
+from moorage.memory.ranking import FusionWeights, fuse, weights_for
 from moorage.store import Event, EventIn, Scope, TenantStore
 
 log = get_logger(__name__)
@@ -27,7 +27,9 @@ _QUERY_STOP = frozenset(
     "a an the and or but if of in on at for with from by as is are was were be been it its this that these those "
     "i me my mine you your he she his her we our they their them what which who whom whose how when where why "
     "do does did done doing have has had can could would should will shall may might must not no to about into "
-    "than then there here any some all ever again still now currently".split()
+    "than then there here any some all ever again still now currently "
+    # Temporal phrasing says *which* value is wanted (handled by recency), not what it is about.
+    "these days today moment time far before previously used lately recently usually over".split()
 )
 
 
@@ -115,23 +117,41 @@ class EpisodicMemory:
         if not query.strip():
             raise InvalidInput("empty memory query", hint="pass the question or topic to recall")
         lexical = self.search_lexical(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
-        dense = self.search_dense(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
+        vec = self._vectors(scope)
+        qv = self.embedder.embed_one(query)
+        dense = self._dense(vec, qv, limit=self.pool, since=since, until=until, speakers=speakers)
         lex_ids = [e.id for e, _ in lexical]
         dense_ids = [i for i, _ in dense]
+        # Every candidate gets its true cosine (all vectors are at hand), not only the dense top-N.
+        pos = {int(i): n for n, i in enumerate(vec.ids)}
+        cos = dict(dense)
+        for i in lex_ids:
+            if i not in cos and i in pos:
+                cos[i] = float(vec.matrix[pos[i]] @ qv)
         times = {e.id: e.ts for e, _ in lexical}
-        vec = self._vectors(scope)
-        if dense_ids:
-            pos = {int(i): n for n, i in enumerate(vec.ids)}
-            times.update({i: float(vec.ts[pos[i]]) for i in dense_ids if i in pos})
-        fused = fuse(lex_ids, dense_ids, times, self.weights, now=until)[:k]
+        times.update({i: float(vec.ts[pos[i]]) for i in dense_ids if i in pos})
+        fused = fuse({e.id: sc for e, sc in lexical}, cos, times, weights_for(query, self.weights), now=until)
         known = {e.id: e for e, _ in lexical}
-        events = {e.id: e for e in self.ts.events.get_many(scope, [i for i, _ in fused if i not in known])}
+        # Fetch a few more than k: exact repeats ("ok, thanks") are collapsed into their newest copy.
+        head = fused[: 2 * k]
+        events = {e.id: e for e in self.ts.events.get_many(scope, [i for i, _ in head if i not in known])}
         events.update(known)
         lex_rank = {i: n for n, i in enumerate(lex_ids, start=1)}
         dense_rank = {i: n for n, i in enumerate(dense_ids, start=1)}
-        return [
-            Recall(events[i], s, lex_rank.get(i), dense_rank.get(i)) for i, s in fused if i in events
-        ]
+        out: list[Recall] = []
+        seen: set[str] = set()
+        for i, s in head:
+            ev = events.get(i)
+            if ev is None:
+                continue
+            text = " ".join(ev.content.lower().split())
+            if text in seen:
+                continue
+            seen.add(text)
+            out.append(Recall(ev, s, lex_rank.get(i), dense_rank.get(i)))
+            if len(out) == k:
+                break
+        return out
 
     def search_lexical(
         self, scope: Scope, query: str, *, limit: int = 50, since: float | None = None, until: float | None = None,
@@ -149,7 +169,15 @@ class EpisodicMemory:
         vec = self._vectors(scope)
         if len(vec.ids) == 0:
             return []
-        q = self.embedder.embed_one(query)
+        return self._dense(vec, self.embedder.embed_one(query), limit=limit, since=since, until=until, speakers=speakers)
+
+    @staticmethod
+    def _dense(
+        vec: _ScopeVectors, q: np.ndarray, *, limit: int, since: float | None, until: float | None,
+        speakers: Sequence[str] | None,
+    ) -> list[tuple[int, float]]:
+        if len(vec.ids) == 0:
+            return []
         sims = vec.matrix @ q
         mask = np.ones(len(vec.ids), dtype=bool)
         if since is not None:
