@@ -8,6 +8,7 @@ The wire format is documented in docs/channel.md; the guest has its own stdlib-o
 from __future__ import annotations
 
 import asyncio
+import os
 import inspect
 import itertools
 import json
@@ -189,10 +190,22 @@ class Channel:
 
     @classmethod
     async def open_unix(cls, path: str, *, name: str = "channel", max_frame: int = MAX_FRAME) -> "Channel":
+        dir_fd = None
+        target = path
+        if len(os.fsencode(path)) > 100:
+            # sun_path holds ~107 bytes; reach a deeper socket through its directory's descriptor instead.
+            try:
+                dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+            except OSError as e:
+                raise ChannelClosed(f"cannot connect to guest channel at {path}: {e}") from e
+            target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
         try:
-            reader, writer = await asyncio.open_unix_connection(path, limit=max_frame + 16)
+            reader, writer = await asyncio.open_unix_connection(target, limit=max_frame + 16)
         except OSError as e:
             raise ChannelClosed(f"cannot connect to guest channel at {path}: {e}") from e
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
         ch = cls(reader, writer, name=name, max_frame=max_frame)
         ch.start()
         return ch

@@ -1,0 +1,379 @@
+"""The agent runtime inside the sandbox: loads a deployed agent, runs its turns, executes its tools.
+
+Stdlib only. Model calls, memory and durable steps are served by the host over the channel; the guest
+never holds a credential and never names its tenant (the host binds identity to the channel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import traceback
+import typing
+from typing import Any, Callable, Dict, List, Optional
+
+try:
+    import tomllib
+except ImportError:  # pragma: no cover - the guest image ships Python 3.11
+    tomllib = None  # type: ignore[assignment]
+
+from .rpc import APPLICATION_ERROR, Context, Registry, RpcError, log
+
+NOT_LOADED = -32010
+AGENT_ERROR = -32011
+SUSPENDED = -32012
+
+MAX_TOOL_ROUNDS = 6
+
+
+class Suspended(Exception):
+    """Raised by ``ctx.interrupt`` when the workflow must wait for a human: the turn ends as ``waiting``."""
+
+    def __init__(self, payload: Any) -> None:
+        super().__init__("waiting for a human answer")
+        self.payload = payload
+
+
+# -- tools: JSON schema from typed signatures ------------------------------------------------------
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+def _schema_for(annotation: Any) -> Dict[str, Any]:
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return {}
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    if origin is typing.Union:
+        non_none = [a for a in args if a is not type(None)]
+        return _schema_for(non_none[0]) if len(non_none) == 1 else {"anyOf": [_schema_for(a) for a in non_none]}
+    if origin in (list, List):
+        return {"type": "array", "items": _schema_for(args[0]) if args else {}}
+    if origin in (dict, Dict):
+        return {"type": "object"}
+    if annotation in _JSON_TYPES:
+        return {"type": _JSON_TYPES[annotation]}
+    return {}
+
+
+def tool_schema(fn: Callable[..., Any]) -> Dict[str, Any]:
+    """An OpenAI-style function schema derived from ``fn``'s signature, type hints and docstring."""
+    sig = inspect.signature(fn)
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:
+        hints = {}
+    props: Dict[str, Any] = {}
+    required = []
+    for name, p in sig.parameters.items():
+        if name in ("ctx", "self") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        props[name] = _schema_for(hints.get(name, p.annotation))
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+        else:
+            props[name]["default"] = p.default if isinstance(p.default, (str, int, float, bool, type(None))) else None
+    doc = inspect.getdoc(fn) or ""
+    return {
+        "name": fn.__name__,
+        "description": doc.split("\n\n")[0].strip(),
+        "parameters": {"type": "object", "properties": props, "required": required},
+    }
+
+
+# -- the loaded agent ------------------------------------------------------------------------------
+
+
+class LoadedAgent:
+    def __init__(self, deployment_id: str, path: str, manifest: Dict[str, Any], module: Any,
+                 tools: Dict[str, Callable[..., Any]]) -> None:
+        self.deployment_id = deployment_id
+        self.path = path
+        self.manifest = manifest
+        self.module = module
+        self.tools = tools
+        self.handler = getattr(module, manifest.get("handler", "on_message"), None) if module else None
+
+    @property
+    def tool_schemas(self) -> List[Dict[str, Any]]:
+        # Sorted by name: the schemas are part of the stable prompt prefix and must not reorder.
+        return [tool_schema(self.tools[n]) for n in sorted(self.tools)]
+
+
+def _import_file(name: str, path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot import %s" % path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_agent(deployment_id: str, path: str) -> LoadedAgent:
+    """Import the agent package at ``path`` (its moorage.toml, entry module and tools)."""
+    manifest_path = os.path.join(path, "moorage.toml")
+    with open(manifest_path, "rb") as f:
+        doc = tomllib.load(f)
+    manifest = doc.get("agent", {})
+    if path not in sys.path:
+        sys.path.insert(0, path)  # sibling imports of the agent's own modules
+    prefix = "moorage_agent_%s" % deployment_id.replace("-", "_")
+    module = None
+    entry = manifest.get("entry")
+    if entry:
+        module = _import_file(prefix, os.path.join(path, entry))
+    tools: Dict[str, Callable[..., Any]] = {}
+    for spec in manifest.get("tools", []):
+        file, _, fname = spec.partition(":")
+        mod = module if (entry and file == entry) else _import_file(prefix + "_" + file.replace(".py", "").replace("/", "_"),
+                                                                   os.path.join(path, file))
+        fn = getattr(mod, fname, None)
+        if not callable(fn):
+            raise ImportError("tool %r not found in %s" % (fname, file))
+        tools[fname] = fn
+    agent = LoadedAgent(deployment_id, path, manifest, module, tools)
+    if entry and agent.handler is None:
+        raise ImportError("%s has no %s(ctx, message) handler" % (entry, manifest.get("handler", "on_message")))
+    return agent
+
+
+# -- ctx: what the agent's code touches -------------------------------------------------------------
+
+
+class _Host:
+    """Calls to the host for this turn; the host checks the turn id belongs to this sandbox."""
+
+    def __init__(self, rpc: Context, turn_id: str) -> None:
+        self._rpc = rpc
+        self.turn_id = turn_id
+
+    async def call(self, method: str, params: Dict[str, Any], timeout: float = 300.0) -> Any:
+        return await self._rpc.peer.call(method, dict(params, turn_id=self.turn_id), timeout=timeout)
+
+
+class LLM:
+    def __init__(self, host: _Host, agent: LoadedAgent) -> None:
+        self._host = host
+        self._agent = agent
+
+    async def complete(self, messages: List[Dict[str, Any]], *, tools: Optional[List[Dict[str, Any]]] = None,
+                       response_format: Optional[Dict[str, Any]] = None, max_tokens: Optional[int] = None,
+                       temperature: Optional[float] = None, model: Optional[str] = None) -> Dict[str, Any]:
+        """One model call through the host's gateway. Returns {"text", "tool_calls", "usage", ...}."""
+        return await self._host.call("llm.complete", {
+            "messages": messages, "tools": tools, "response_format": response_format, "max_tokens": max_tokens,
+            "temperature": temperature, "model": model or self._agent.manifest.get("model"),
+        })
+
+    async def chat(self, prompt: str, *, system: Optional[str] = None, max_tokens: Optional[int] = None) -> str:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return (await self.complete(msgs, max_tokens=max_tokens))["text"]
+
+
+class Memory:
+    """The three memory tiers, kept by the host for this agent's user (and session)."""
+
+    def __init__(self, host: _Host) -> None:
+        self._host = host
+
+    async def remember(self, text: str, *, kind: str = "note", scope: str = "user") -> int:
+        return (await self._host.call("memory.append", {"text": text, "kind": kind, "scope": scope}))["id"]
+
+    async def recall(self, query: str, *, k: int = 5, scope: str = "user") -> List[Dict[str, Any]]:
+        return (await self._host.call("memory.search", {"query": query, "k": k, "scope": scope}))["hits"]
+
+    async def facts(self, subject: Optional[str] = None) -> List[Dict[str, Any]]:
+        return (await self._host.call("memory.facts", {"subject": subject}))["facts"]
+
+    async def learn(self, subject: str, attribute: str, value: str, text: str) -> Dict[str, Any]:
+        return await self._host.call("memory.learn", {"subject": subject, "attribute": attribute, "value": value, "text": text})
+
+    async def context(self, message: str, *, system: Optional[str] = None,
+                      tools: Optional[List[Dict[str, Any]]] = None) -> List[Dict[str, Any]]:
+        """The model input for this turn: stable prefix (system, tools, summaries, facts) + recent turns + message."""
+        return (await self._host.call("memory.context", {"message": message, "system": system, "tools": tools}))["messages"]
+
+
+class Files:
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def _p(self, path: str) -> str:
+        return path if os.path.isabs(path) else os.path.join(self.root, path)
+
+    def read(self, path: str) -> str:
+        with open(self._p(path)) as f:
+            return f.read()
+
+    def write(self, path: str, text: str) -> None:
+        full = self._p(path)
+        os.makedirs(os.path.dirname(full) or ".", exist_ok=True)
+        tmp = full + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, full)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._p(path))
+
+    def list(self, path: str = ".") -> List[str]:
+        return sorted(os.listdir(self._p(path)))
+
+
+class AgentContext:
+    """``ctx``: the entity this turn is for, model calls, memory, durable steps, files, exec, streaming."""
+
+    def __init__(self, rpc: Context, agent: LoadedAgent, params: Dict[str, Any], workdir: str) -> None:
+        self._rpc = rpc
+        self._host = _Host(rpc, params["turn_id"])
+        self.agent = agent
+        self.turn_id: str = params["turn_id"]
+        self.entity: Dict[str, Any] = params.get("entity", {})
+        self.user: str = self.entity.get("user", "")
+        self.session: Optional[str] = self.entity.get("session")
+        self.llm = LLM(self._host, agent)
+        self.memory = Memory(self._host)
+        self.files = Files(workdir)
+        self._workdir = workdir
+        self._step_seq = 0
+
+    async def emit(self, event: str, data: Any = None) -> None:
+        """Stream a partial result or an event to the caller."""
+        await self._rpc.emit(event, data)
+
+    async def exec(self, argv: List[str], *, timeout: float = 300.0, cwd: Optional[str] = None) -> Dict[str, Any]:
+        def run() -> Dict[str, Any]:
+            p = subprocess.run(argv, cwd=cwd or self._workdir, capture_output=True, text=True, timeout=timeout)
+            return {"exit_code": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+
+        return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def step(self, name: str, fn: Callable[..., Any], *args: Any, idempotency_key: Optional[str] = None,
+                   retries: int = 3, **kwargs: Any) -> Any:
+        """Run ``fn`` once: its result is journaled by the host before it is returned; a replay returns it."""
+        self._step_seq += 1
+        seq = self._step_seq
+        while True:
+            begin = await self._host.call("durable.begin", {"seq": seq, "name": name, "idempotency_key": idempotency_key})
+            if begin.get("replay"):
+                return begin.get("result")
+            key = begin["idempotency_key"]
+            try:
+                if "idempotency_key" in inspect.signature(fn).parameters:
+                    kwargs["idempotency_key"] = key
+                out = fn(*args, **kwargs)
+                if inspect.isawaitable(out):
+                    out = await out
+            except Exception as e:  # noqa: BLE001 - recorded in the step log, then retried or raised
+                verdict = await self._host.call("durable.fail", {"seq": seq, "name": name, "idempotency_key": key,
+                                                                 "error": "%s: %s" % (type(e).__name__, e), "retries": retries})
+                if verdict.get("retry"):
+                    await asyncio.sleep(float(verdict.get("backoff_s", 0.0)))
+                    continue
+                raise
+            await self._host.call("durable.complete", {"seq": seq, "name": name, "idempotency_key": key, "result": out})
+            return out
+
+    async def interrupt(self, payload: Any) -> Any:
+        """Wait for a human: returns their answer when the workflow is resumed with one."""
+        self._step_seq += 1
+        r = await self._host.call("durable.interrupt", {"seq": self._step_seq, "payload": payload})
+        if r.get("answered"):
+            return r.get("answer")
+        raise Suspended(payload)
+
+    async def history(self) -> List[Dict[str, Any]]:
+        """Attempted steps, failures and user corrections of this workflow so far."""
+        return (await self._host.call("durable.history", {}))["history"]
+
+
+# -- the built-in agent loop (no code: a system prompt, tools and a model in moorage.toml) -----------
+
+
+async def builtin_loop(ctx: AgentContext, message: str) -> str:
+    agent = ctx.agent
+    schemas = agent.tool_schemas
+    messages = await ctx.memory.context(message, system=agent.manifest.get("system_prompt"), tools=schemas or None)
+    for _ in range(MAX_TOOL_ROUNDS):
+        out = await ctx.llm.complete(messages, tools=schemas or None, max_tokens=agent.manifest.get("max_tokens"))
+        calls = out.get("tool_calls") or []
+        if not calls:
+            return out.get("text", "")
+        messages.append({"role": "assistant", "content": out.get("text") or "", "tool_calls": calls})
+        for call in calls:
+            fn = agent.tools.get(call.get("name", ""))
+            if fn is None:
+                result: Any = {"error": "unknown tool %r" % call.get("name")}
+            else:
+                try:
+                    result = fn(**(call.get("arguments") or {}))
+                    if inspect.isawaitable(result):
+                        result = await result
+                except Exception as e:  # noqa: BLE001 - the model sees the failure and may try otherwise
+                    result = {"error": "%s: %s" % (type(e).__name__, e)}
+            await ctx.emit("tool", {"name": call.get("name"), "result": result})
+            messages.append({"role": "tool", "tool_call_id": call.get("id"), "name": call.get("name"),
+                             "content": result if isinstance(result, str) else json.dumps(result, default=str)})
+    return out.get("text", "")
+
+
+# -- channel methods --------------------------------------------------------------------------------
+
+
+class AgentRuntime:
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.agents: Dict[str, LoadedAgent] = {}
+
+    async def load(self, params: Dict[str, Any], rpc: Context) -> Dict[str, Any]:
+        dep, path = params["deployment_id"], params["path"]
+        try:
+            agent = load_agent(dep, path)
+        except Exception as e:  # noqa: BLE001 - the developer gets the real error, not a stuck agent
+            raise RpcError("agent failed to load: %s: %s" % (type(e).__name__, e), AGENT_ERROR,
+                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=5)})
+        self.agents = {dep: agent}  # one live version per sandbox; older modules are dropped
+        log("agent loaded", deployment=dep, tools=sorted(agent.tools))
+        return {"deployment_id": dep, "tools": agent.tool_schemas, "builtin": agent.handler is None}
+
+    async def turn(self, params: Dict[str, Any], rpc: Context) -> Dict[str, Any]:
+        agent = self.agents.get(params.get("deployment_id", ""))
+        if agent is None:
+            raise RpcError("deployment %s is not loaded" % params.get("deployment_id"), NOT_LOADED)
+        ctx = AgentContext(rpc, agent, params, self.workdir)
+        message = params.get("message", "")
+        try:
+            if agent.handler is None:
+                reply = await builtin_loop(ctx, message)
+            elif inspect.iscoroutinefunction(agent.handler):
+                reply = await agent.handler(ctx, message)
+            else:
+                reply = await asyncio.get_running_loop().run_in_executor(None, agent.handler, ctx, message)
+        except Suspended as s:
+            return {"status": "waiting", "interrupt": s.payload}
+        except RpcError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise RpcError("agent raised %s: %s" % (type(e).__name__, e), AGENT_ERROR,
+                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8)})
+        return {"status": "done", "reply": reply if isinstance(reply, (str, dict, list, type(None))) else str(reply)}
+
+    async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:
+        return {"loaded": sorted(self.agents)}
+
+
+def register(registry: Registry) -> None:
+    rt = AgentRuntime(os.environ.get("MOORAGE_WORKDIR", "/work"))
+    registry.add("agent.load", rt.load)
+    registry.add("agent.turn", rt.turn)
+    registry.add("agent.info", rt.info)

@@ -1,0 +1,201 @@
+"""What the host serves to a guest over its channel: model calls, memory and durable steps.
+
+Identity is bound here, from the channel and the turn the host itself started, never from the guest's
+words: a call names a ``turn_id`` and the host looks up which tenant, agent, user and run it belongs to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from moorage.errors import InvalidInput, MoorageError
+from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
+from moorage.log import get_logger
+from moorage.sandbox.channel import HandlerError
+from moorage.store import EntityKey, Scope, TenantStore
+
+if TYPE_CHECKING:
+    from moorage.runtime.runtime import Runtime
+
+log = get_logger(__name__)
+
+#: Largest model output a guest may ask for in one call.
+MAX_TOKENS_CAP = 4096
+
+
+@dataclass
+class TurnBinding:
+    """A turn the host started in one sandbox: the only identity a guest call can act under."""
+
+    turn_id: str
+    sandbox_id: str
+    ts: TenantStore
+    entity: EntityKey
+    run_id: str
+    deployment_id: str
+    manifest: dict[str, Any]
+    trace_id: str
+    answers: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def user_scope(self) -> Scope:
+        return Scope.for_user(self.entity.agent, self.entity.user)
+
+    @property
+    def session_scope(self) -> Scope:
+        return Scope.session(self.entity.agent, self.entity.user, self.entity.session or "default")
+
+    def scope(self, name: str) -> Scope:
+        if name == "user":
+            return self.user_scope
+        if name == "session":
+            return self.session_scope
+        raise InvalidInput(f"unknown memory scope {name!r}", hint="use 'user' or 'session'")
+
+
+def _to_messages(raw: Any) -> list[Message]:
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput("messages must be a non-empty list")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise InvalidInput("each message needs a role of system, user, assistant or tool")
+        calls = tuple(ToolCall(str(c.get("id", "")), str(c["name"]), dict(c.get("arguments") or {}))
+                      for c in (m.get("tool_calls") or []))
+        content = m.get("content") or ""
+        out.append(Message(m["role"], content if isinstance(content, str) else str(content), tool_calls=calls,
+                           tool_call_id=m.get("tool_call_id"), name=m.get("name")))
+    return out
+
+
+def _to_tools(raw: Any) -> tuple[ToolSpec, ...]:
+    if not raw:
+        return ()
+    return tuple(ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}})
+                 for t in raw)
+
+
+class GuestCalls:
+    """The handlers one sandbox's channel gets. Registered again after every wake (new connection)."""
+
+    def __init__(self, runtime: "Runtime", sandbox_id: str) -> None:
+        self.rt = runtime
+        self.sandbox_id = sandbox_id
+
+    def register(self, channel: Any) -> None:
+        for method, fn in self.methods().items():
+            channel.register(method, self._wrap(method, fn))
+
+    def methods(self) -> dict[str, Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]]:
+        return {
+            "llm.complete": self.llm_complete,
+            "memory.append": self.memory_append,
+            "memory.search": self.memory_search,
+            "memory.facts": self.memory_facts,
+            "memory.learn": self.memory_learn,
+            "memory.context": self.memory_context,
+            "durable.begin": self.durable_begin,
+            "durable.complete": self.durable_complete,
+            "durable.fail": self.durable_fail,
+            "durable.interrupt": self.durable_interrupt,
+            "durable.history": self.durable_history,
+        }
+
+    def _wrap(self, method: str, fn: Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]) -> Any:
+        async def handler(params: Any, ctx: Any) -> Any:
+            if not isinstance(params, dict):
+                raise HandlerError("params must be an object", code=-32602)
+            binding = self.rt.turns.get(str(params.get("turn_id", "")))
+            # A guest can only act inside a turn the host started in *this* sandbox.
+            if binding is None or binding.sandbox_id != self.sandbox_id:
+                log.warning("guest call outside its turns rejected", sandbox=self.sandbox_id, method=method)
+                raise HandlerError("no such turn in this sandbox", code=-32000, data={"type": "TenantScopeError"})
+            started = time.perf_counter()
+            try:
+                return await fn(binding, params)
+            except MoorageError as e:
+                raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__}) from e
+            finally:
+                self.rt.tracer.span(binding, method, started)
+
+        return handler
+
+    # -- model calls --------------------------------------------------------------------------------
+
+    async def llm_complete(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        max_tokens = p.get("max_tokens")
+        if max_tokens is not None:
+            max_tokens = max(1, min(int(max_tokens), MAX_TOKENS_CAP))
+        rf = p.get("response_format")
+        req = ChatRequest(
+            _to_messages(p.get("messages")), model=str(p.get("model") or ""), tools=_to_tools(p.get("tools")),
+            response_format=ResponseFormat(rf["schema"], rf.get("name", "response")) if isinstance(rf, dict) and "schema" in rf else None,
+            max_tokens=max_tokens, temperature=p.get("temperature"),
+        )
+        entity = {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session or ""}
+        resp = await self.rt.llm.complete(b.ts.tenant_id, req, entity=entity, trace_id=b.trace_id)
+        return {
+            "text": resp.text,
+            "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in resp.tool_calls],
+            "finish_reason": resp.finish_reason,
+            "usage": {"input_tokens": resp.usage.input_tokens, "output_tokens": resp.usage.output_tokens,
+                      "cached_input_tokens": resp.usage.cached_input_tokens},
+            "model": resp.model,
+        }
+
+    # -- memory -------------------------------------------------------------------------------------
+
+    async def memory_append(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        text = p.get("text")
+        if not isinstance(text, str) or not text:
+            raise InvalidInput("memory.append needs text")
+        ev = await asyncio.to_thread(self.rt.memory(b.ts).episodic.remember, b.scope(p.get("scope", "user")),
+                                     str(p.get("kind") or "note"), text, speaker="agent")
+        return {"id": ev.id}
+
+    async def memory_search(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        k = max(1, min(int(p.get("k") or 5), 50))
+        hits = await asyncio.to_thread(self.rt.memory(b.ts).episodic.search, b.scope(p.get("scope", "user")),
+                                       str(p.get("query") or ""), k=k)
+        return {"hits": [{"id": h.event.id, "text": h.event.content, "speaker": h.event.speaker, "ts": h.event.ts,
+                          "score": h.score} for h in hits]}
+
+    async def memory_facts(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        facts = await asyncio.to_thread(self.rt.memory(b.ts).semantic.recall, b.user_scope, subject=p.get("subject"))
+        return {"facts": [{"subject": f.subject, "attribute": f.attribute, "value": f.value, "text": f.text,
+                           "trust": f.trust, "since": f.valid_from} for f in facts]}
+
+    async def memory_learn(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        from moorage.memory import FactCandidate
+
+        cand = FactCandidate(str(p["subject"]), str(p["attribute"]), str(p["value"]), str(p.get("text") or ""))
+        # The agent's own code is not the user: what it records lands as agent-origin (pending until confirmed).
+        ch = await asyncio.to_thread(self.rt.memory(b.ts).semantic.record, b.user_scope, cand, origin="agent")
+        return {"action": ch.action, "status": ch.fact.status}
+
+    async def memory_context(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        msgs = await asyncio.to_thread(self.rt.working_memory_input, b, str(p.get("message") or ""),
+                                       p.get("system") or "", p.get("tools") or [])
+        return {"messages": msgs}
+
+    # -- durable steps ------------------------------------------------------------------------------
+
+    async def durable_begin(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.rt.steps.begin, b, int(p["seq"]), str(p["name"]), p.get("idempotency_key"))
+
+    async def durable_complete(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.rt.steps.complete, b, int(p["seq"]), str(p["name"]),
+                                       str(p.get("idempotency_key") or ""), p.get("result"))
+
+    async def durable_fail(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.rt.steps.fail, b, int(p["seq"]), str(p["name"]),
+                                       str(p.get("idempotency_key") or ""), str(p.get("error")), int(p.get("retries") or 0))
+
+    async def durable_interrupt(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.rt.steps.interrupt, b, int(p["seq"]), p.get("payload"))
+
+    async def durable_history(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        return {"history": await asyncio.to_thread(self.rt.steps.history, b)}

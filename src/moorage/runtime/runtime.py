@@ -1,0 +1,363 @@
+"""The runtime facade: deploy agents, run a user's turn in that user's sandbox, resume waiting workflows.
+
+Every public method takes the caller's ``Principal``; the tenant comes from it and nowhere else. Each turn
+is a durable workflow run keyed by its turn id, so a retried request replays instead of acting twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from contextlib import AbstractAsyncContextManager
+from typing import Any, AsyncIterator, Protocol
+
+from moorage.config import Config
+from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
+from moorage.llm.gateway import LLMGateway
+from moorage.log import get_logger
+from moorage.runtime.host_calls import GuestCalls, TurnBinding
+from moorage.runtime.package import AgentPackage, load_archive, load_dir
+from moorage.runtime.templates import Templates, push_and_load
+from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
+from moorage.store import Agent, Deployment, EntityKey, Principal, Scope, Span, Store, TenantStore
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn_id: str
+    status: str  # done | waiting
+    reply: Any
+    trace_id: str
+    interrupt: Any = None
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TurnEvent:
+    kind: str  # token | tool | event | done | error
+    data: Any
+
+
+class AgentTurnFailed(InvalidInput):
+    """The agent's own code raised during a turn; the message carries its error for the developer."""
+
+    code = "agent-error"
+    http_status = 502
+
+
+class Instances(Protocol):
+    """Holds an agent instance running for one turn (``moorage.lifecycle.manager.InstanceManager``)."""
+
+    def turn(self, ts: TenantStore, scope: Scope, template: Any) -> AbstractAsyncContextManager[Sandbox]: ...
+
+
+@dataclass
+class _Memory:
+    episodic: Any
+    semantic: Any
+
+
+class Tracer:
+    """Records spans of guest calls and turns into the tenant's own store (tenant-scoped trace reads)."""
+
+    def span(self, b: TurnBinding, name: str, started_perf: float, status: str = "ok", **attrs: Any) -> None:
+        end = time.time()
+        start = end - (time.perf_counter() - started_perf)
+        try:
+            b.ts.spans.record(Span(b.trace_id, uuid.uuid4().hex[:16], None, name, start, end, status,
+                                   {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session, **attrs},
+                                   b.session_scope))
+        except Exception as e:  # tracing never breaks a turn
+            log.warning("span not recorded", error=str(e))
+
+
+def _turn_id(principal: Principal, entity: EntityKey, idempotency_key: str | None) -> str:
+    if idempotency_key is None:
+        return uuid.uuid4().hex
+    if not isinstance(idempotency_key, str) or not 1 <= len(idempotency_key) <= 200:
+        raise InvalidInput("Idempotency-Key must be 1-200 characters")
+    # Same key, same entity → same turn: a retried request finds the first one's result.
+    h = hashlib.sha256(f"{principal.tenant_id}/{entity.agent}/{entity.user}/{idempotency_key}".encode()).hexdigest()
+    return h[:32]
+
+
+class Runtime:
+    def __init__(self, config: Config, store: Store, driver: SandboxDriver, llm: LLMGateway,
+                 instances: Instances, *, embedder: Any = None) -> None:
+        self.config = config
+        self.store = store
+        self.driver = driver
+        self.llm = llm
+        self.instances = instances
+        self.embedder = embedder
+        self.packages = config.data_dir / "packages"
+        self.packages.mkdir(parents=True, exist_ok=True)
+        self.templates = Templates(config.data_dir / "templates", driver, self.packages)
+        self.turns: dict[str, TurnBinding] = {}
+        self.tracer = Tracer()
+        self._memories: dict[str, _Memory] = {}
+        self._loaded: dict[str, str] = {}  # sandbox id -> deployment id loaded in it (this process's view)
+        self._session_locks: dict[tuple[str, str, str, str], asyncio.Lock] = {}
+        from moorage.runtime.steps import StepJournal
+
+        self.steps = StepJournal()
+
+    # -- memory tiers per tenant --------------------------------------------------------------------
+
+    def memory(self, ts: TenantStore) -> _Memory:
+        m = self._memories.get(ts.tenant_id)
+        if m is None:
+            from moorage.memory import EpisodicMemory, SemanticMemory, default_embedder
+
+            m = self._memories[ts.tenant_id] = _Memory(EpisodicMemory(ts, self.embedder or default_embedder()), SemanticMemory(ts))
+        return m
+
+    def working_memory_input(self, b: TurnBinding, message: str, system: str, tools: list[dict[str, Any]]) -> list[dict[str, str]]:
+        """Model input for this turn from the session's context builder (stable prefix + append-only tail)."""
+        from moorage.memory import ContextBuilder
+
+        scope = b.session_scope
+        builder = ContextBuilder(system or "", tools)
+        rec = b.ts.state.get(scope, "working_memory")
+        if rec is not None:
+            builder.restore(rec.value)
+        facts = self.memory(b.ts).semantic.recall(b.user_scope)
+        note = "; ".join(f.text or f"{f.subject} {f.attribute}: {f.value}" for f in facts[-12:])
+        # Known facts ride in the new user turn, never in the prefix, so the prefix stays byte-identical.
+        builder.add("user", f"[known about the user: {note}]\n{message}" if note else message)
+        out = builder.build()
+        b.ts.state.put(scope, "working_memory", builder.to_state(), expected_version=rec.version if rec else 0)
+        return [m.to_dict() for m in out.messages]
+
+    def _remember_reply(self, b: TurnBinding, reply: Any) -> None:
+        from moorage.memory import ContextBuilder
+
+        rec = b.ts.state.get(b.session_scope, "working_memory")
+        if rec is None or not isinstance(reply, str):
+            return
+        builder = ContextBuilder("", [])
+        builder.restore(rec.value)
+        builder.add("assistant", reply)
+        b.ts.state.put(b.session_scope, "working_memory", builder.to_state(), expected_version=rec.version)
+
+    # -- deploy -------------------------------------------------------------------------------------
+
+    async def deploy(self, principal: Principal, source: Path | bytes, *, on_progress: Any = None) -> Deployment:
+        """Validate and package an agent, record a new deployment, build its template, make it live."""
+        principal.require("deploy")
+        pkg: AgentPackage = load_dir(source) if isinstance(source, Path) else load_archive(source)
+        ts = self.store.tenant(principal)
+        (self.packages / f"{pkg.sha256}.tar.gz").write_bytes(pkg.archive)
+        try:
+            agent = ts.agents.get(pkg.name)
+        except NotFound:
+            try:
+                agent = ts.agents.create(pkg.name, {"scope": pkg.scope})
+            except ConflictError:
+                agent = ts.agents.get(pkg.name)
+        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
+        # Build the template before going live: an import error fails the deploy, not a user's turn.
+        await self.templates.ensure(dep, on_progress)
+        self._set_live(ts, agent, dep)
+        log.info("deployed", agent=pkg.name, number=dep.number)
+        return dep
+
+    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
+        while True:
+            try:
+                return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
+                                        config={**agent.config, "scope": dep.manifest.get("scope", "user")})
+            except ConflictError:
+                agent = ts.agents.get(agent.id)
+
+    async def rollback(self, principal: Principal, agent_name: str, number: int | None = None) -> Deployment:
+        """Make an earlier deployment live again (default: the one before the live one)."""
+        principal.require("deploy")
+        ts = self.store.tenant(principal)
+        agent = ts.agents.get(agent_name)
+        deps = ts.deployments.list(agent.id)
+        live = next((d for d in deps if d.id == agent.live_deployment), None)
+        if number is None:
+            older = [d for d in deps if live is None or d.number < live.number]
+            if not older:
+                raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
+            target = older[-1]
+        else:
+            target = next((d for d in deps if d.number == number), None)
+            if target is None:
+                raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
+        await self.templates.ensure(target)
+        self._set_live(ts, agent, target)
+        return target
+
+    # -- turns --------------------------------------------------------------------------------------
+
+    def _check_entity(self, principal: Principal, entity: EntityKey) -> None:
+        principal.require("invoke")
+        # End-user tokens act for one user of one agent only.
+        if principal.agent is not None and principal.agent != entity.agent:
+            raise TenantScopeError("this token is for another agent")
+        if principal.user is not None and principal.user != entity.user:
+            raise TenantScopeError("this token is for another user")
+
+    def _instance_scope(self, agent: Agent, entity: EntityKey, run_id: str) -> Scope:
+        kind = agent.config.get("scope", "user")
+        if kind == "session":
+            return Scope.session(entity.agent, entity.user, entity.session or "default")
+        if kind == "workflow":
+            return Scope.workflow(entity.agent, run_id, user=entity.user)
+        return Scope.for_user(entity.agent, entity.user)
+
+    async def invoke(self, principal: Principal, entity: EntityKey, message: str, *,
+                     idempotency_key: str | None = None) -> TurnResult:
+        result: TurnResult | None = None
+        async for ev in self.stream(principal, entity, message, idempotency_key=idempotency_key):
+            if ev.kind == "done":
+                result = ev.data
+        assert result is not None
+        return result
+
+    async def stream(self, principal: Principal, entity: EntityKey, message: str, *,
+                     idempotency_key: str | None = None) -> AsyncIterator[TurnEvent]:
+        """Run one turn; yields streamed events and finally ``done`` with the ``TurnResult``."""
+        self._check_entity(principal, entity)
+        if not isinstance(message, str) or not message.strip():
+            raise InvalidInput("the message is empty")
+        if len(message.encode()) > 64 * 1024:
+            raise InvalidInput("the message is over 64 KiB", hint="send large inputs as files")
+        ts = self.store.tenant(principal)
+        agent = await asyncio.to_thread(ts.agents.get, entity.agent)
+        if agent.live_deployment is None:
+            raise NotFound(f"agent {entity.agent!r} has no live deployment", hint="deploy it with `moorage deploy`")
+        entity = EntityKey(entity.agent, entity.user, entity.session or "default", entity.workflow)
+        turn_id = _turn_id(principal, entity, idempotency_key)
+        run_scope = Scope.workflow(entity.agent, turn_id, user=entity.user)
+        try:
+            run = await asyncio.to_thread(ts.runs.create, run_scope, "turn", {"message": message, "session": entity.session})
+        except ConflictError:
+            run = await asyncio.to_thread(ts.runs.get, turn_id)
+            if run.status in ("succeeded", "waiting"):
+                yield TurnEvent("done", self._result_of(run))
+                return
+            if run.status == "running" and turn_id in self.turns:
+                raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
+        async for ev in self._run(ts, agent, entity, turn_id, message, resume=False):
+            yield ev
+
+    async def answer(self, principal: Principal, run_id: str, answer: Any) -> TurnResult:
+        """Give a waiting workflow its human answer and resume it from the interrupt."""
+        principal.require("invoke")
+        ts = self.store.tenant(principal)
+        run = await asyncio.to_thread(ts.runs.get, run_id)
+        if run.status != "waiting":
+            raise ConflictError(f"workflow {run_id} is {run.status}, not waiting for an answer")
+        entity = EntityKey(run.scope.agent, run.scope.user or "", (run.input or {}).get("session") or "default")
+        self._check_entity(principal, entity)
+        await asyncio.to_thread(self.steps.record_answer, ts, run_id, answer)
+        agent = await asyncio.to_thread(ts.agents.get, entity.agent)
+        result = None
+        async for ev in self._run(ts, agent, entity, run_id, (run.input or {}).get("message", ""), resume=True):
+            if ev.kind == "done":
+                result = ev.data
+        assert result is not None
+        return result
+
+    async def cancel(self, principal: Principal, run_id: str) -> None:
+        principal.require("invoke")
+        ts = self.store.tenant(principal)
+        run = ts.runs.get(run_id)
+        if run.status in ("succeeded", "failed", "cancelled"):
+            raise ConflictError(f"workflow {run_id} already {run.status}")
+        ts.runs.update(run_id, expected_version=run.version, status="cancelled")
+
+    def _result_of(self, run: Any) -> TurnResult:
+        r = run.result or {}
+        return TurnResult(run.id, "waiting" if run.status == "waiting" else "done", r.get("reply"),
+                          r.get("trace_id", ""), r.get("interrupt"), run.id)
+
+    async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
+                   resume: bool) -> AsyncIterator[TurnEvent]:
+        deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
+
+        async def template() -> TemplateRef:  # only needed when the instance must be provisioned
+            return await self.templates.ensure(deployment)
+
+        scope = self._instance_scope(agent, entity, turn_id)
+        trace_id = uuid.uuid4().hex
+        # Turns of one session run in order; turns of other sessions may run alongside.
+        lock = self._session_locks.setdefault((ts.tenant_id, entity.agent, entity.user, entity.session or ""), asyncio.Lock())
+        async with lock, self.instances.turn(ts, scope, template) as sandbox:
+            binding = TurnBinding(turn_id, sandbox.id, ts, entity, turn_id, deployment.id, deployment.manifest, trace_id)
+            started = time.perf_counter()
+            run = await asyncio.to_thread(ts.runs.get, turn_id)
+            run = await asyncio.to_thread(ts.runs.update, turn_id, expected_version=run.version, status="running")
+            if not resume:
+                ev = await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message",
+                                             message, speaker="user")
+                await asyncio.to_thread(self.memory(ts).semantic.observe, binding.user_scope, ev)
+            self.turns[turn_id] = binding
+            try:
+                out = None
+                async for item in self.forward(sandbox, binding, message):
+                    if isinstance(item, TurnEvent):
+                        yield item
+                    else:
+                        out = item
+            except Exception as e:
+                await asyncio.to_thread(self._finish, ts, turn_id, "failed", {"error": str(e), "trace_id": trace_id}, str(e))
+                self.tracer.span(binding, "turn", started, status="error", error=type(e).__name__)
+                raise
+            finally:
+                self.turns.pop(turn_id, None)
+            status = out.get("status", "done")
+            if status == "waiting":
+                res = TurnResult(turn_id, "waiting", None, trace_id, out.get("interrupt"), turn_id)
+                await asyncio.to_thread(self._finish, ts, turn_id, "waiting",
+                                        {"interrupt": out.get("interrupt"), "trace_id": trace_id}, None)
+            else:
+                reply = out.get("reply")
+                res = TurnResult(turn_id, "done", reply, trace_id, None, turn_id)
+                if isinstance(reply, str) and reply:
+                    await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message", reply,
+                                            speaker="assistant")
+                    await asyncio.to_thread(self._remember_reply, binding, reply)
+                await asyncio.to_thread(self._finish, ts, turn_id, "succeeded", {"reply": reply, "trace_id": trace_id}, None)
+            self.tracer.span(binding, "turn", started, status=res.status)
+        yield TurnEvent("done", res)
+
+    def _finish(self, ts: TenantStore, run_id: str, status: str, result: dict[str, Any], error: str | None) -> None:
+        while True:
+            run = ts.runs.get(run_id)
+            try:
+                ts.runs.update(run_id, expected_version=run.version, status=status, result=result, error=error)
+                return
+            except ConflictError:
+                continue
+
+    async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
+        """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
+        GuestCalls(self, sandbox.id).register(sandbox.channel)
+        if self._loaded.get(sandbox.id) != binding.deployment_id:
+            info = await sandbox.channel.call("agent.info", {}, timeout=30)
+            if binding.deployment_id not in info.get("loaded", []):
+                dep = binding.ts.deployments.get(binding.deployment_id)
+                await push_and_load(sandbox, dep, self.templates.archive(dep))
+            self._loaded[sandbox.id] = binding.deployment_id
+        params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
+                  "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
+        try:
+            async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
+                async for ev in call:
+                    yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
+                                    {"event": ev.event, "data": ev.data})
+                result = call.result
+        except RemoteError as e:
+            detail = e.data.get("traceback") if isinstance(e.data, dict) else None
+            raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
+        yield result

@@ -1,0 +1,127 @@
+"""End-to-end turns through the real runtime: deploy, template, sandbox, guest agent, host calls."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from moorage.errors import NotFound, TenantScopeError
+from moorage.runtime.package import AgentPackageError
+from moorage.runtime.runtime import AgentTurnFailed
+from moorage.store import EntityKey, Principal
+
+AGENT = '''
+import os
+
+async def on_message(ctx, message):
+    if message.startswith("remember "):
+        await ctx.memory.remember(message[len("remember "):])
+        return "noted"
+    if message.startswith("recall "):
+        hits = await ctx.memory.recall(message[len("recall "):], k=1)
+        return hits[0]["text"] if hits else "nothing"
+    if message == "count":
+        n = int(ctx.files.read("count.txt")) + 1 if ctx.files.exists("count.txt") else 1
+        ctx.files.write("count.txt", str(n))
+        return f"count={n} user={ctx.user}"
+    if message == "env":
+        return " ".join(sorted(os.environ))
+    if message == "boom":
+        raise RuntimeError("the agent broke")
+    if message == "approve":
+        first = await ctx.step("draft", lambda: "draft-1")
+        answer = await ctx.interrupt({"question": "ship it?", "draft": first})
+        return f"{first} -> {answer}"
+    return "echo: " + message
+'''
+
+
+def write_agent(root: Path, body: str = AGENT, name: str = "echo") -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n')
+    (root / "agent.py").write_text(textwrap.dedent(body))
+    return root
+
+
+async def test_deploy_and_turns_keep_files_per_user(env, tmp_path: Path) -> None:
+    dep = await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    assert dep.number == 1
+    r1 = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "count")
+    r2 = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "count")
+    r3 = await env.runtime.invoke(env.principal, EntityKey("echo", "bob"), "count")
+    assert (r1.reply, r2.reply, r3.reply) == ("count=1 user=alice", "count=2 user=alice", "count=1 user=bob")
+
+
+async def test_memory_round_trip_through_the_host(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    alice = EntityKey("echo", "alice", session="s1")
+    await env.runtime.invoke(env.principal, alice, "remember my locker code is 4512")
+    later = EntityKey("echo", "alice", session="s2")
+    r = await env.runtime.invoke(env.principal, later, "recall what is my locker code")
+    assert "4512" in r.reply
+    r_bob = await env.runtime.invoke(env.principal, EntityKey("echo", "bob"), "recall what is my locker code")
+    assert "4512" not in r_bob.reply
+
+
+async def test_no_host_secret_in_the_sandbox_environment(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    r = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "env")
+    names = set(r.reply.split())
+    assert not any("KEY" in n or "TOKEN" in n or "SECRET" in n or n.startswith("MOORAGE_LLM") for n in names), names
+
+
+async def test_idempotent_turns_replay(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    k = EntityKey("echo", "alice")
+    a = await env.runtime.invoke(env.principal, k, "count", idempotency_key="req-1")
+    b = await env.runtime.invoke(env.principal, k, "count", idempotency_key="req-1")
+    c = await env.runtime.invoke(env.principal, k, "count", idempotency_key="req-2")
+    assert a.reply == b.reply == "count=1 user=alice" and c.reply == "count=2 user=alice"
+
+
+async def test_interrupt_then_answer_resumes_after_it(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    k = EntityKey("echo", "alice")
+    r = await env.runtime.invoke(env.principal, k, "approve")
+    assert r.status == "waiting" and r.interrupt == {"question": "ship it?", "draft": "draft-1"}
+    done = await env.runtime.answer(env.principal, r.run_id, "yes")
+    assert done.status == "done" and done.reply == "draft-1 -> yes"
+    steps = env.store.tenant(env.principal).runs.steps(r.run_id)
+    assert [(s.name, s.status, s.attempts) for s in steps] == [("draft", "succeeded", 1)]
+
+
+async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:
+    with pytest.raises(AgentPackageError, match="syntax error in agent.py line"):
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "bad", "def on_message(ctx, m):\n  return (\n"))
+    with pytest.raises(AgentPackageError, match="ModuleNotFoundError"):
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp", "import not_a_module_xyz\n", name="imp"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    with pytest.raises(AgentTurnFailed, match="the agent broke"):
+        await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "boom")
+    # The agent is not stuck: the next turn works.
+    assert (await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "hi")).reply == "echo: hi"
+
+
+async def test_unknown_agent_and_foreign_tokens(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    with pytest.raises(NotFound):
+        await env.runtime.invoke(env.principal, EntityKey("ghost", "alice"), "hi")
+    assert env.store.tenant(env.principal).sandboxes.list() == [] or all(
+        s.agent_id == "echo" for s in env.store.tenant(env.principal).sandboxes.list())
+    token = Principal(env.principal.tenant_id, frozenset({"invoke"}), agent="echo", user="alice")
+    with pytest.raises(TenantScopeError):
+        await env.runtime.invoke(token, EntityKey("echo", "bob"), "count")
+
+
+async def test_new_deploy_reaches_existing_users_with_their_files(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v1"))
+    k = EntityKey("echo", "alice")
+    await env.runtime.invoke(env.principal, k, "count")
+    v2 = AGENT.replace('"echo: " + message', '"v2: " + message')
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v2", v2))
+    assert (await env.runtime.invoke(env.principal, k, "hi")).reply == "v2: hi"
+    assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"
+    await env.runtime.rollback(env.principal, "echo")
+    assert (await env.runtime.invoke(env.principal, k, "hi")).reply == "echo: hi"
