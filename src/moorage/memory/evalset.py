@@ -231,7 +231,7 @@ def _conversation(rng: random.Random, n: int, n_sessions: int, per_session: int)
     # Plan: each attribute gets 1-3 values, stated in increasing session order.
     plan: list[tuple[int, dict[str, Any], list[str]]] = []
     for a in attrs:
-        k = rng.choice([1, 2, 2, 3])
+        k = min(rng.choice([1, 2, 2, 3]), n_sessions)
         values = rng.sample(a["values"], k)
         sess = sorted(rng.sample(range(n_sessions), k))
         for i, (v, s) in enumerate(zip(values, sess)):

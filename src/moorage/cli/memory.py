@@ -1,0 +1,158 @@
+"""``moorage memory``: evaluate retrieval, generate evaluation sets, inspect a user's facts and memories.
+
+Rendering only; the work is done by ``moorage.memory``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
+eval_app = typer.Typer(invoke_without_command=True, help="Retrieval quality: moorage vs BM25-only vs dense-only.")
+app.add_typer(eval_app, name="eval")
+console = Console()
+err_console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _clear_errors(fn: F) -> F:
+    """Typed errors become one line with what to do next (typer would otherwise print a traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moorage.errors import MoorageError
+
+        try:
+            return fn(*args, **kwargs)
+        except MoorageError as e:
+            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@eval_app.callback()
+@_clear_errors
+def eval_run(
+    ctx: typer.Context,
+    dataset: Optional[Path] = typer.Option(None, "--dataset", help="Dataset file (format in docs/memory.md)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Score recall@1/5/10 and MRR of moorage's retriever, BM25 alone and dense alone on DATASET."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if dataset is None:
+        from moorage.errors import InvalidInput
+
+        raise InvalidInput("no dataset given", hint="pass --dataset FILE, or make one: moorage memory eval generate --out FILE")
+    from moorage.memory import evalset
+    from moorage.memory.evaluate import evaluate
+
+    ds = evalset.load(dataset)
+    progress = None if as_json else (lambda line: console.print(f"[dim]{line}[/]", highlight=False))
+    report = evaluate(ds, progress=progress)
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2))
+        return
+    console.print(f"{report.dataset}: {report.conversations} conversations, {report.turns} turns, {report.questions} questions")
+    table = Table("system", "recall@1", "recall@5", "recall@10", "MRR")
+    for name, s in report.systems.items():
+        label = f"{name} (rank-bm25 {report.bm25_version})" if name == "bm25" else name
+        table.add_row(label, *(f"{s[m]:.3f}" for m in ("recall@1", "recall@5", "recall@10", "mrr")))
+    console.print(table)
+    by_type = Table("question type", *report.systems.keys(), title="recall@5 by question type")
+    for qtype, per in report.by_type.items():
+        by_type.add_row(f"{qtype} ({per['moorage']['questions']:.0f})", *(f"{per[s]['recall@5']:.3f}" for s in report.systems))
+    console.print(by_type)
+    console.print(f"ingest (embedding + store): {report.ingest_events_per_s:.0f} events/s")
+
+
+@eval_app.command("generate")
+@_clear_errors
+def eval_generate(
+    out: Path = typer.Option(..., "--out", help="Where to write the dataset (JSON)."),
+    seed: int = typer.Option(7, "--seed", help="Same seed, same file."),
+    conversations: int = typer.Option(6, "--conversations", min=1),
+    sessions: int = typer.Option(10, "--sessions", min=1),
+    turns: int = typer.Option(24, "--turns", min=4, help="Turns per session."),
+) -> None:
+    """Write a generated multi-session dataset with planted facts, updates, distractors and questions."""
+    from moorage.memory import evalset
+
+    ds = evalset.generate(seed=seed, conversations=conversations, sessions=sessions, turns_per_session=turns)
+    ds.save(out)
+    n_q = sum(len(c.questions) for c in ds.conversations)
+    n_t = sum(len(c.turns()) for c in ds.conversations)
+    console.print(f"wrote {out}: {len(ds.conversations)} conversations, {n_t} turns, {n_q} questions (seed {seed})", highlight=False)
+
+
+def _tenant_store(tenant: str):  # noqa: ANN202 - returns (Store, TenantStore)
+    from moorage.cli.main import state
+    from moorage.store import open_store
+
+    store = open_store(state.cfg)
+    t = store.operator.get_tenant(tenant)
+    return store, store.tenant(store.operator.principal(t.id))
+
+
+@app.command("facts")
+@_clear_errors
+def facts(
+    tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
+    agent: str = typer.Option(..., "--agent"),
+    user: str = typer.Option(..., "--user"),
+    pending: bool = typer.Option(False, "--pending", help="Show facts waiting for confirmation instead."),
+    history: bool = typer.Option(False, "--history", help="Include superseded facts."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """List a user's trusted facts (or pending ones), with trust, validity and provenance."""
+    from moorage.memory.semantic import SemanticMemory
+    from moorage.store import Scope
+
+    store, ts = _tenant_store(tenant)
+    try:
+        scope = Scope.for_user(agent, user)
+        mem = SemanticMemory(ts)
+        rows = mem.pending(scope) if pending else ts.facts.list(scope, include_closed=history)
+    finally:
+        store.close()
+    if as_json:
+        print(json.dumps([{**f.__dict__, "scope": f.scope.key} for f in rows], indent=2))
+        return
+    table = Table("id", "attribute", "value", "trust", "status", "valid from", "valid to", "provenance")
+    for f in rows:
+        table.add_row(f.id, f.attribute, f.value, f.trust, f.status, f"{f.valid_from:.0f}",
+                      "" if f.valid_to is None else f"{f.valid_to:.0f}", ",".join(f.provenance))
+    console.print(table)
+
+
+@app.command("search")
+@_clear_errors
+def search(
+    query: str = typer.Argument(..., help="What to recall."),
+    tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
+    agent: str = typer.Option(..., "--agent"),
+    user: str = typer.Option(..., "--user"),
+    k: int = typer.Option(10, "-k", min=1, max=100),
+) -> None:
+    """Hybrid search of one user's episodic memory."""
+    from moorage.memory.episodic import EpisodicMemory
+    from moorage.store import Scope
+
+    store, ts = _tenant_store(tenant)
+    try:
+        hits = EpisodicMemory(ts).search(Scope.for_user(agent, user), query, k=k)
+    finally:
+        store.close()
+    table = Table("score", "lexical", "dense", "speaker", "content")
+    for h in hits:
+        table.add_row(f"{h.score:.3f}", str(h.lexical_rank or "-"), str(h.dense_rank or "-"), h.event.speaker or "",
+                      h.event.content[:120])
+    console.print(table)
