@@ -1,0 +1,494 @@
+"""The instance manager, one per host process: provisions, wakes (single-flight), sleeps idle instances, evicts LRU.
+
+The store is the source of truth for every instance's state and placement; process memory only caches open
+sandboxes and tracks turns in flight (so an instance mid-turn is never slept or evicted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
+
+from moorage.errors import ConflictError, InvalidInput, MoorageError, UnavailableError
+from moorage.lifecycle import machine
+from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
+from moorage.lifecycle.config import AgentLifecycle
+from moorage.lifecycle.machine import InstanceState as S
+from moorage.lifecycle.machine import Owner, TraceContext
+from moorage.lifecycle.machine import Verb as V
+from moorage.lifecycle.policies import FixedTimeout, InstanceActivity, SleepEconomics, SleepPolicy, parse_policy
+from moorage.log import get_logger
+from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
+from moorage.store import SandboxRecord, Scope, Store, TenantStore
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+#: What to provision from: a template, or an async callable that finds one (only called when one is needed).
+TemplateSource = Union[TemplateRef, Callable[[], Awaitable[TemplateRef]], None]
+
+
+async def _resolve(template: TemplateSource) -> TemplateRef | None:
+    if template is None or isinstance(template, TemplateRef):
+        return template
+    return await template()
+
+
+class Misplaced(UnavailableError):
+    """The instance lives on another host (its disk and snapshot are there); this host cannot serve it."""
+
+    code = "instance-misplaced"
+
+    def __init__(self, record: SandboxRecord) -> None:
+        super().__init__(f"instance of {record.scope} is placed on host {record.host!r}",
+                         hint=f"route requests for this agent to host {record.host!r}")
+        self.host = record.host
+
+
+class WakeFailed(UnavailableError):
+    """Provisioning or waking a sandbox failed; the instance is marked failed and the next request retries."""
+
+    code = "wake-failed"
+
+
+@dataclass(eq=False)
+class LiveInstance:
+    """What this process knows about one instance beyond the store: its open sandbox and its turns in flight."""
+
+    tenant_id: str
+    scope: Scope
+    activity: InstanceActivity
+    policy: SleepPolicy
+    ram_mib: int
+    record_id: str | None = None
+    sandbox: Sandbox | None = None
+    #: This manager woke or provisioned it, so this manager (and only it) sleeps or evicts it.
+    owned: bool = False
+    #: Serialises this process's sleep and wake of the instance.
+    op_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: The in-process single flight: every concurrent caller awaits this one bring-up.
+    pending: "asyncio.Future[Sandbox] | None" = None
+
+    @property
+    def awake(self) -> bool:
+        return self.sandbox is not None and self.sandbox.state is SandboxState.RUNNING
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    wakes: int
+    provisions: int
+    sleeps: int
+    evictions: int
+
+
+def default_host_id() -> str:
+    return socket.gethostname() or "localhost"
+
+
+class InstanceManager:
+    """Brings agent instances up on this host and puts them to sleep when the policy or capacity says so.
+
+    ``host_id`` names this host in the store's placement; managers sharing a sandbox root share a host id.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        driver: SandboxDriver,
+        *,
+        host_id: str | None = None,
+        policy: SleepPolicy | None = None,
+        economics: SleepEconomics | None = None,
+        capacity: HostCapacity | None = None,
+        claim_timeout_s: float = 120.0,
+        poll_s: float = 0.05,
+        tick_s: float = 0.2,
+        ttl_every_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.driver = driver
+        self.owner = Owner.this_process(host_id or default_host_id())
+        self.default_policy: SleepPolicy = policy or FixedTimeout(300.0)
+        self.economics = economics
+        self.capacity = capacity or HostCapacity()
+        self.claim_timeout_s = claim_timeout_s
+        self.poll_s = poll_s
+        self.tick_s = tick_s
+        self.ttl_every_s = ttl_every_s
+        self.clock = clock
+        self._live: dict[tuple[str, str], LiveInstance] = {}
+        self._system: dict[str, TenantStore] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+        self._counts = {"wakes": 0, "provisions": 0, "sleeps": 0, "evictions": 0}
+
+    @property
+    def host(self) -> str:
+        return self.owner.host
+
+    @property
+    def stats(self) -> ManagerStats:
+        return ManagerStats(**self._counts)
+
+    # --- start / stop ---------------------------------------------------------------------------------------
+
+    async def start(self, *, background: bool = True) -> "Any":
+        """Recover what a previous incarnation left on this host, then start the idle and TTL loops."""
+        from moorage.lifecycle.recovery import recover
+
+        report = await recover(self)
+        if background:
+            self._tasks.append(asyncio.create_task(self._idle_loop(), name="lifecycle-idle"))
+            self._tasks.append(asyncio.create_task(self._ttl_loop(), name="lifecycle-ttl"))
+        return report
+
+    async def close(self) -> None:
+        """Stop the loops and detach from every sandbox. Instances keep running; the store says where they are."""
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        await self.driver.close()
+        self._live.clear()
+
+    # --- helpers --------------------------------------------------------------------------------------------
+
+    async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking store call off the event loop."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def system_tenant(self, tenant_id: str) -> TenantStore:
+        """moorage's own handle on one tenant, for background jobs (blocking on first use)."""
+        ts = self._system.get(tenant_id)
+        if ts is None:
+            ts = self._system[tenant_id] = self.store.tenant(self.store.operator.principal(tenant_id))
+        return ts
+
+    def policy_for(self, lc: AgentLifecycle) -> SleepPolicy:
+        return self.default_policy if lc.sleep is None else parse_policy(lc.sleep, self.economics)
+
+    def _ram_of(self, sandbox: Sandbox | None) -> int:
+        spec = getattr(sandbox, "spec", None)
+        return int(getattr(spec, "memory_mib", 0) or self.driver.config.guest_memory_mib)
+
+    def live(self, ts: TenantStore, scope: Scope) -> LiveInstance | None:
+        return self._live.get((ts.tenant_id, scope.key))
+
+    def _live_for(self, ts: TenantStore, scope: Scope, lc: AgentLifecycle | None) -> LiveInstance:
+        key = (ts.tenant_id, scope.key)
+        li = self._live.get(key)
+        if li is None:
+            now = self.clock()
+            policy = self.policy_for(lc) if lc is not None else self.default_policy
+            li = self._live[key] = LiveInstance(ts.tenant_id, scope, InstanceActivity.new(scope.key, now), policy,
+                                                self.driver.config.guest_memory_mib)
+        return li
+
+    def awake_instances(self) -> list[AwakeInstance]:
+        """Instances this manager keeps awake (and may evict), for host-capacity decisions."""
+        return [AwakeInstance(f"{li.tenant_id}/{li.scope.key}", li.ram_mib, li.activity.in_flight, li.activity.last_active)
+                for li in self._live.values() if li.owned and li.awake]
+
+    # --- the request path -----------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def turn(self, ts: TenantStore, scope: Scope, template: TemplateSource, *,
+                   lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None) -> AsyncIterator[Sandbox]:
+        """Hold one turn on the instance: it is running for the whole block and is never slept or evicted meanwhile."""
+        li = self._live_for(ts, scope, lifecycle)
+        # Counted before any await, so the idle loop and LRU eviction already see the turn while it waits for a wake.
+        li.activity.turn_started(self.clock())
+        try:
+            sandbox = await self.ensure_running(ts, scope, template, lifecycle=lifecycle, trace=trace)
+            yield sandbox
+        finally:
+            li.activity.turn_ended(self.clock())
+
+    async def ensure_running(self, ts: TenantStore, scope: Scope, template: TemplateSource, *,
+                             lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None) -> Sandbox:
+        """The instance's running sandbox: provisioned from ``template`` if new, woken if asleep (once, however
+        many callers ask at the same time, in this process and across processes)."""
+        if self._closed:
+            raise UnavailableError("the instance manager is shut down", hint="retry against a running host")
+        li = self._live_for(ts, scope, lifecycle)
+        if li.pending is not None:
+            return await asyncio.shield(li.pending)
+        if li.awake and li.owned:
+            # Placement is still confirmed in the store: another host or a TTL job may have moved it meanwhile.
+            rec = await self.io(ts.sandboxes.for_scope, scope)
+            if rec is not None and rec.id == li.record_id and rec.state == S.RUNNING.value and li.awake:
+                return li.sandbox  # type: ignore[return-value]
+        if li.pending is not None:  # another caller started a bring-up while we read the store
+            return await asyncio.shield(li.pending)
+        fut: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
+        # Nobody else may be waiting; never leave an exception "not retrieved".
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        li.pending = fut
+        try:
+            sandbox = await self._bring_up(ts, li, template, trace or TraceContext.new())
+        except BaseException as e:
+            fut.set_exception(e if isinstance(e, Exception) else UnavailableError("bring-up cancelled"))
+            raise
+        else:
+            fut.set_result(sandbox)
+            return sandbox
+        finally:
+            li.pending = None
+
+    async def _bring_up(self, ts: TenantStore, li: LiveInstance, source: TemplateSource,
+                        trace: TraceContext) -> Sandbox:
+        scope = li.scope
+        deadline = time.monotonic() + 2 * self.claim_timeout_s
+        while True:
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"instance of {scope} stayed in a transitional state too long",
+                                       hint="retry; if it persists, check the host named in its record")
+            rec = await self.io(ts.sandboxes.for_scope, scope)
+            if rec is None:
+                template = await _resolve(source)
+                if template is None:
+                    raise InvalidInput(f"{scope} has no instance and no template to provision it from",
+                                       hint="deploy the agent (which makes its template) before sending it requests")
+                await self._make_room(li)
+                try:
+                    rec = await self.io(machine.provision, ts, scope, owner=self.owner, template_ref=template.id,
+                                        sandbox_id=uuid.uuid4().hex, trace=trace)
+                except ConflictError:
+                    continue  # someone else provisioned it first: follow their record
+                return await self._provision(ts, li, rec, template, trace, fresh=True)
+            if rec.host not in (None, self.host):
+                raise Misplaced(rec)
+            state = S(rec.state)
+            verb: V | None = None
+            if state is S.RUNNING:
+                sandbox = await self._attach(rec)
+                if sandbox is not None:
+                    self._adopted(li, rec, sandbox)
+                    return sandbox
+                verb = V.CLAIM_WAKE  # recorded running here, but its processes are gone (a host crash)
+            elif state in (S.SLEEPING, S.ARCHIVED, S.FAILED):
+                verb = V.CLAIM_WAKE
+            elif state in (S.WAKING, S.PROVISIONING, S.SUSPENDING, S.DELETED):
+                if not machine.claim_is_dead(rec, self.owner, self.claim_timeout_s):
+                    await asyncio.sleep(self.poll_s)  # the claimant will move it on; follow the record
+                    continue
+                if state is S.DELETED:
+                    from moorage.lifecycle.ttl import finish_delete
+
+                    await finish_delete(self, ts, rec, trace)
+                    continue
+                verb = V.RECLAIM
+            try:
+                rec = await self.io(machine.apply, ts, rec, verb, owner=self.owner, trace=trace, host=self.host)
+            except ConflictError:
+                continue  # lost the claim: the winner wakes it, we follow the record
+            template = await _resolve(source) if rec.state == S.PROVISIONING.value else None
+            if rec.state == S.PROVISIONING.value:
+                if template is None:
+                    raise InvalidInput(f"{scope} must be provisioned again but no template was given")
+                return await self._provision(ts, li, rec, template, trace, fresh=False)
+            return await self._wake(ts, li, rec, source, trace)
+
+    async def _attach(self, rec: SandboxRecord) -> Sandbox | None:
+        try:
+            sandbox = await self.driver.open(rec.id)
+        except SandboxNotFound:
+            return None
+        return sandbox if sandbox.state is SandboxState.RUNNING else None
+
+    def _adopted(self, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox) -> None:
+        li.record_id = rec.id
+        li.sandbox = sandbox
+        li.ram_mib = self._ram_of(sandbox)
+        owner = rec.meta.get("owner") or {}
+        li.owned = owner.get("owner") == self.owner.id
+
+    async def _wake(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, source: TemplateSource,
+                    trace: TraceContext) -> Sandbox:
+        """We hold the ``waking`` claim on ``rec``: restore its sandbox and mark it running."""
+        started = time.time()
+        async with li.op_lock:
+            try:
+                await self._make_room(li)
+                try:
+                    sandbox = await self.driver.open(rec.id)
+                except SandboxNotFound:
+                    template = await _resolve(source)
+                    if template is None:
+                        raise
+                    log.warning("instance disk is gone; provisioning it again", instance=rec.id, scope=str(li.scope))
+                    rec = await self.io(machine.apply, ts, rec, V.REPROVISION, owner=self.owner, trace=trace,
+                                        reason="sandbox missing on disk")
+                    return await self._provision(ts, li, rec, template, trace, fresh=False, locked=True)
+                if sandbox.state is SandboxState.CREATED:
+                    await sandbox.start()
+                elif sandbox.state is not SandboxState.RUNNING:
+                    await sandbox.wake()
+            except (CapacityExhausted, ConflictError):
+                await self._give_up(ts, rec, trace, "no capacity to wake it")
+                raise
+            except Exception as e:
+                await self._give_up(ts, rec, trace, f"wake failed: {e}")
+                raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
+                                 hint="retry; the instance is marked failed and the next request tries again") from e
+            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes")
+            self._counts["wakes"] += 1
+            self._adopted(li, rec, sandbox)
+            log.info("instance woke", instance=rec.id, scope=str(li.scope), ms=round((time.time() - started) * 1000, 1))
+            return sandbox
+
+    def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
+                      usage: str | None) -> SandboxRecord:
+        meta = {**rec.meta, "owner": self.owner.claim()}
+        with ts.transaction():
+            new = machine.apply(ts, rec, verb, owner=self.owner, trace=trace, claim=False, host=self.host, meta=meta,
+                                last_active=time.time(), started_at=started)
+            if usage:
+                ts.usage.add(usage, 1, agent_id=rec.scope.agent, user_id=rec.scope.user, scope=rec.scope)
+        return new
+
+    async def _give_up(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, reason: str) -> None:
+        """Release a claim we cannot complete, so the next request (or recovery) retries instead of waiting."""
+        try:
+            cur = await self.io(ts.sandboxes.get, rec.id)
+            if machine.target(cur.state, V.FAIL) is not None:
+                await self.io(machine.apply, ts, cur, V.FAIL, owner=self.owner, trace=trace, reason=reason[:500])
+        except MoorageError as e:
+            log.warning("could not mark instance failed", instance=rec.id, error=str(e))
+
+    async def _provision(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, template: TemplateRef,
+                         trace: TraceContext, *, fresh: bool, locked: bool = False) -> Sandbox:
+        """We hold the ``provisioning`` claim on ``rec``: fork the template into its sandbox and start it."""
+        started = time.time()
+        async with contextlib.AsyncExitStack() as stack:
+            if not locked:
+                await stack.enter_async_context(li.op_lock)
+            try:
+                if not fresh:
+                    await self._destroy_quietly(rec.id)  # a half-made sandbox from a dead claimant
+                (sandbox,) = await self.driver.fork(template, [rec.id])
+                await sandbox.start()
+            except Exception as e:
+                await self._destroy_quietly(rec.id)
+                await self._give_up(ts, rec, trace, f"provisioning failed: {e}")
+                raise WakeFailed(f"could not provision the instance of {li.scope} from template {template.id}: {e}",
+                                 hint="check the template (redeploy the agent) and retry") from e
+            rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None)
+            self._counts["provisions"] += 1
+            self._adopted(li, rec, sandbox)
+            log.info("instance provisioned", instance=rec.id, scope=str(li.scope), template=template.id)
+            return sandbox
+
+    async def _destroy_quietly(self, sandbox_id: str) -> None:
+        with contextlib.suppress(SandboxNotFound):
+            sandbox = await self.driver.open(sandbox_id)
+            await sandbox.destroy()
+
+    # --- sleeping -------------------------------------------------------------------------------------------
+
+    async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
+        """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
+        li = self.live(ts, scope)
+        return False if li is None else await self._sleep(li, reason)
+
+    async def _sleep(self, li: LiveInstance, reason: str, *, evict: bool = False) -> bool:
+        if li.activity.busy or not li.owned or li.sandbox is None or li.pending is not None:
+            return False
+        ts = await self.io(self.system_tenant, li.tenant_id)
+        trace = TraceContext.new()
+        async with li.op_lock:
+            # Re-checked under the lock: a turn may have arrived while we waited for it.
+            if li.activity.busy or li.sandbox is None or li.record_id is None:
+                return False
+            rec = await self.io(ts.sandboxes.get, li.record_id)
+            if rec.state != S.RUNNING.value or (rec.meta.get("owner") or {}).get("owner") != self.owner.id:
+                li.owned, li.sandbox = False, None  # someone else moved it: it is no longer ours to sleep
+                return False
+            started = time.time()
+            try:
+                rec = await self.io(machine.apply, ts, rec, V.CLAIM_SLEEP, owner=self.owner, trace=trace, reason=reason)
+            except ConflictError:
+                return False
+            if li.activity.busy:
+                # A turn arrived while the claim was written: hand the instance straight back to it.
+                await self.io(machine.apply, ts, rec, V.ADOPT, owner=self.owner, trace=trace, claim=False,
+                              reason="turn arrived during sleep claim")
+                return False
+            sandbox = li.sandbox
+            li.sandbox = None
+            try:
+                snap = await sandbox.sleep()
+            except Exception as e:
+                await self._give_up(ts, rec, trace, f"sleep failed: {e}")
+                log.error("instance failed to sleep", instance=rec.id, error=str(e))
+                return False
+            meta = {k: v for k, v in rec.meta.items() if k != "owner"}
+            await self.io(machine.apply, ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
+                          snapshot_ref=str(snap.path), last_active=time.time(), started_at=started, reason=reason)
+            li.owned = False
+            self._counts["evictions" if evict else "sleeps"] += 1
+            log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
+            return True
+
+    async def _make_room(self, li: LiveInstance) -> None:
+        """Sleep least-recently-active idle instances until one more fits the host's capacity."""
+        for _ in range(8):
+            me = f"{li.tenant_id}/{li.scope.key}"
+            awake = [a for a in self.awake_instances() if a.instance_id != me]
+            victims = self.capacity.victims(awake, incoming=1, incoming_ram_mib=li.ram_mib)
+            if not victims:
+                return
+            by_id = {f"{x.tenant_id}/{x.scope.key}": x for x in self._live.values()}
+            for v in victims:
+                await self._sleep(by_id[v], "host capacity: least recently active", evict=True)
+        raise CapacityExhausted("could not make room on this host: its idle instances kept getting new turns",
+                                hint="retry shortly or raise the host's capacity")
+
+    async def tick(self) -> int:
+        """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
+        slept = 0
+        for li in list(self._live.values()):
+            if not li.owned or li.sandbox is None or li.activity.busy:
+                continue
+            decision = li.policy.decide(li.activity, self.clock())
+            if decision.sleep_now:
+                try:
+                    slept += await self._sleep(li, decision.reason)
+                except MoorageError as e:
+                    log.warning("idle sleep failed", scope=str(li.scope), error=str(e))
+        return slept
+
+    async def _idle_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.tick()
+            except Exception as e:  # the loop must outlive one bad instance
+                log.error("idle loop pass failed", error=str(e))
+            await asyncio.sleep(self.tick_s)
+
+    async def _ttl_loop(self) -> None:
+        from moorage.lifecycle.ttl import sweep
+
+        while not self._closed:
+            await asyncio.sleep(self.ttl_every_s)
+            try:
+                await sweep(self)
+            except Exception as e:
+                log.error("ttl sweep failed", error=str(e))
+
+    def forget(self, tenant_id: str, scope: Scope) -> None:
+        """Drop the in-process entry of an instance that was deleted."""
+        li = self._live.get((tenant_id, scope.key))
+        if li is not None and not li.activity.busy and li.pending is None:
+            del self._live[(tenant_id, scope.key)]
+
