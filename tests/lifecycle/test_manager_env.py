@@ -33,8 +33,8 @@ async def forward(sandbox: Sandbox, turn: dict[str, Any]) -> Any:
     if op == "read":
         return (await sandbox.read_file(turn["path"])).decode()
     if op == "append":  # read-modify-write: interleaved turns would lose lines
-        r = await sandbox.exec(["/bin/sh", "-c", f'c=$(cat log 2>/dev/null); sleep {turn.get("pause", 0)}; '
-                                               f'printf "%s%s\\n" "$c${{c:+\\n}}" "{turn["text"]}" > log'])
+        script = 'c=$(cat log 2>/dev/null); sleep "$1"; { [ -n "$c" ] && echo "$c"; echo "$2"; } > log'
+        r = await sandbox.exec(["/bin/sh", "-c", script, "append", str(turn.get("pause", 0)), turn["text"]])
         assert r.ok, r.stderr_text
         return turn["text"]
     if op == "hold":

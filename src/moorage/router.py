@@ -1,0 +1,191 @@
+"""The router: entity key (+ the principal's tenant) → instance → placement from the store → wake → forward the turn.
+
+It also owns turn ordering (FIFO per session; queue, reject or parallel across sessions of one instance) and
+backpressure (bounded queues: overload is a typed ``Overloaded`` with a retry-after, never a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from moorage.errors import ConflictError, MoorageError, NotFound, TenantScopeError
+from moorage.lifecycle.config import AgentLifecycle
+from moorage.lifecycle.machine import TraceContext
+from moorage.lifecycle.manager import InstanceManager
+from moorage.sandbox import Sandbox, TemplateRef
+from moorage.store import Agent, EntityKey, Principal, SandboxRecord, Scope, Store, TenantStore
+
+#: Supplied by the runtime: run one turn in the agent's sandbox and return its result.
+Forward = Callable[[Sandbox, Any], Awaitable[Any]]
+#: Supplied by the runtime: the template an agent's new instances are forked from (its live deployment's).
+TemplateFinder = Callable[[TenantStore, Agent], Awaitable[TemplateRef]]
+
+
+class Busy(ConflictError):
+    """The instance is serving another session and the agent's concurrency policy is ``reject``."""
+
+    code = "busy"
+    http_status = 409
+
+    def __init__(self, scope: Scope) -> None:
+        super().__init__(f"the agent instance of {scope} is busy with another session's turn",
+                         hint="retry when that turn ends, or set lifecycle.concurrency = \"queue\" on the agent")
+
+
+class Overloaded(MoorageError):
+    """Too many turns are waiting; nothing was started. Retry after ``retry_after_s`` seconds (HTTP 429)."""
+
+    code = "overloaded"
+    http_status = 429
+
+    def __init__(self, what: str, retry_after_s: float) -> None:
+        super().__init__(f"too many turns waiting for {what}", hint=f"retry after {retry_after_s:g} s")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False)
+class _Line:
+    """A FIFO of turns: ``asyncio.Lock`` wakes waiters in arrival order and newcomers never jump the line."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Turns holding or waiting for the lock.
+    members: int = 0
+    #: The session whose turn holds the instance (for the reject policy).
+    holder: str | None = None
+    #: Turns running side by side (parallel policy), per session.
+    active: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    """Routes turns for one host process. Stateless across restarts: placement is read from the store each turn."""
+
+    def __init__(self, store: Store, manager: InstanceManager, forward: Forward, templates: TemplateFinder, *,
+                 max_pending: int = 1024, max_session_queue: int = 32, retry_after_s: float = 1.0) -> None:
+        self.store = store
+        self.manager = manager
+        self.forward = forward
+        self.templates = templates
+        self.max_pending = max_pending
+        #: Turns one session may have waiting behind its running turn; beyond it: Overloaded.
+        self.max_session_queue = max_session_queue
+        self.retry_after_s = retry_after_s
+        self._pending = 0
+        self._sessions: dict[tuple[str, ...], _Line] = {}
+        self._instances: dict[tuple[str, str], _Line] = {}
+
+    @property
+    def pending(self) -> int:
+        """Turns admitted and not yet answered (waiting or running)."""
+        return self._pending
+
+    # --- resolution -----------------------------------------------------------------------------------------
+
+    def _check_principal(self, principal: Principal, key: EntityKey) -> None:
+        principal.require("invoke")
+        # End-user tokens act for one user of one agent only.
+        if principal.agent is not None and principal.agent != key.agent:
+            raise TenantScopeError(f"this key may only call agent {principal.agent!r}")
+        if principal.user is not None and principal.user != key.user:
+            raise TenantScopeError(f"this key may only act for user {principal.user!r}")
+
+    @staticmethod
+    def _resolve(ts: TenantStore, key: EntityKey) -> tuple[Agent, AgentLifecycle, Scope]:
+        agent = ts.agents.get(key.agent)  # NotFound: never provision an instance of an agent that does not exist
+        lc = AgentLifecycle.of(agent)
+        if lc.users == "auto":
+            ts.users.ensure(key.user)
+        else:
+            try:
+                ts.users.get(key.user)
+            except NotFound:
+                raise NotFound(f"agent {key.agent!r} has no user {key.user!r}",
+                               hint="create the end-user first, or set lifecycle.users = \"auto\" on the agent") from None
+        return agent, lc, key.scope(lc.scope)
+
+    async def locate(self, principal: Principal, key: EntityKey) -> SandboxRecord | None:
+        """Where the key's instance is, from the store (None: not provisioned yet). Creates nothing."""
+        self._check_principal(principal, key)
+        ts = self.store.tenant(principal)
+        agent = await asyncio.to_thread(ts.agents.get, key.agent)
+        lc = AgentLifecycle.of(agent)
+        return await asyncio.to_thread(ts.sandboxes.for_scope, key.scope(lc.scope))
+
+    # --- the turn -------------------------------------------------------------------------------------------
+
+    async def route(self, principal: Principal, key: EntityKey, turn: Any, *, trace: TraceContext | None = None) -> Any:
+        """Run one turn for ``key`` on behalf of ``principal`` and return what ``forward`` returned.
+
+        Raises NotFound (unknown agent/user), Busy (409), Overloaded (429), TenantScopeError, UnavailableError.
+        """
+        self._check_principal(principal, key)
+        if self._pending >= self.max_pending:
+            raise Overloaded("this host", self.retry_after_s)
+        self._pending += 1
+        try:
+            ts = self.store.tenant(principal)
+            session = key.session or key.workflow or "-"
+            # The line is joined before the first await, so turns of one session keep the order they arrived in.
+            async with self._in_session_line((ts.tenant_id, key.agent, key.user, session)):
+                agent, lc, scope = await asyncio.to_thread(self._resolve, ts, key)
+                async with self._on_instance((ts.tenant_id, scope.key), session, scope, lc):
+
+                    async def template() -> TemplateRef:
+                        return await self.templates(ts, agent)
+
+                    async with self.manager.turn(ts, scope, template, lifecycle=lc, trace=trace) as sandbox:
+                        return await self.forward(sandbox, turn)
+        finally:
+            self._pending -= 1
+
+    @contextlib.asynccontextmanager
+    async def _in_session_line(self, key: tuple[str, ...]) -> AsyncIterator[None]:
+        """Turns of one session run one at a time, in arrival order."""
+        line = self._sessions.get(key)
+        if line is None:
+            line = self._sessions[key] = _Line()
+        if line.members > self.max_session_queue:
+            raise Overloaded(f"session {key[-1]!r}", self.retry_after_s)
+        line.members += 1
+        try:
+            async with line.lock:
+                yield
+        finally:
+            line.members -= 1
+            if line.members == 0:
+                self._sessions.pop(key, None)
+
+    @contextlib.asynccontextmanager
+    async def _on_instance(self, key: tuple[str, str], session: str, scope: Scope,
+                           lc: AgentLifecycle) -> AsyncIterator[None]:
+        """Turns of different sessions on one instance: wait in line (queue), 409 (reject) or side by side (parallel)."""
+        line = self._instances.get(key)
+        if line is None:
+            line = self._instances[key] = _Line()
+        if lc.concurrency == "parallel":
+            line.members += 1
+            try:
+                yield
+            finally:
+                line.members -= 1
+                if line.members == 0:
+                    self._instances.pop(key, None)
+            return
+        if lc.concurrency == "reject" and line.lock.locked() and line.holder != session:
+            raise Busy(scope)
+        if line.members > lc.max_queue:
+            raise Overloaded(f"the instance of {scope}", self.retry_after_s)
+        line.members += 1
+        try:
+            async with line.lock:
+                line.holder = session
+                try:
+                    yield
+                finally:
+                    line.holder = None
+        finally:
+            line.members -= 1
+            if line.members == 0:
+                self._instances.pop(key, None)
