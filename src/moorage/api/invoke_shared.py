@@ -1,0 +1,61 @@
+"""Turn helpers shared by the native invoke route and the OpenAI facade: entity binding, metrics.
+
+An end-user token pins the agent and user; a tenant key must name the user explicitly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from moorage.api.routing import Call
+from moorage.errors import InvalidInput, TenantScopeError
+from moorage.store import EntityKey
+
+MAX_MESSAGE_CHARS = 256 * 1024
+
+
+def wants_stream(call: Call) -> bool:
+    if (call.query("stream") or "").lower() in ("1", "true", "yes"):
+        return True
+    return "text/event-stream" in call.request.headers.get("accept", "")
+
+
+def entity_for(call: Call, agent: str, user: str | None, session: str | None) -> EntityKey:
+    """The entity a turn addresses; an end-user token pins agent and user to its own."""
+    p = call.who
+    if p.user is not None:
+        if user is not None and user != p.user:
+            raise TenantScopeError("this end-user token is for another user", hint="omit `user` or use that user's token")
+        if agent != p.agent:
+            raise TenantScopeError("this end-user token is for another agent", hint="use the token issued for this agent")
+        user = p.user
+    if user is None:
+        raise InvalidInput("missing field 'user'", hint="name the end-user this turn is for (or use an end-user token)")
+    return EntityKey(agent, user, session)
+
+
+async def run_turn(call: Call, entity: EntityKey, message: str) -> Any:
+    started = time.perf_counter()
+    result = await call.runtime.invoke(call.who, entity, message, idempotency_key=call.idempotency_key)
+    call.ctx.metrics.observe_turn(time.perf_counter() - started, result.usage)
+    return result
+
+
+async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncIterator[Any]:
+    started = time.perf_counter()
+    usage: dict[str, Any] = {}
+    async for ev in call.runtime.stream(call.who, entity, message, idempotency_key=call.idempotency_key):
+        if ev.kind == "done" and isinstance(ev.data, dict):
+            usage = dict(ev.data.get("usage") or {})
+        yield ev
+    call.ctx.metrics.observe_turn(time.perf_counter() - started, usage)
+
+
+def message_of(call: Call) -> str:
+    message = call.field("message", str)
+    if not message.strip():
+        raise InvalidInput("empty message", hint="send the user's message as `message`")
+    if len(message) > MAX_MESSAGE_CHARS:
+        raise InvalidInput(f"message longer than {MAX_MESSAGE_CHARS} characters")
+    return message

@@ -1,0 +1,56 @@
+"""Cursor pagination for list routes: ``limit`` and an opaque ``cursor``; responses carry ``next_cursor``.
+
+The cursor is an encoded position, not a secret; it is validated like any other input.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any, Callable, Sequence, TypeVar
+
+from moorage.errors import InvalidInput
+
+T = TypeVar("T")
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 500
+
+
+def parse_limit(raw: str | None) -> int:
+    if raw is None or raw == "":
+        return DEFAULT_LIMIT
+    try:
+        n = int(raw)
+    except ValueError as e:
+        raise InvalidInput(f"limit must be an integer, got {raw!r}", hint=f"1 to {MAX_LIMIT}") from e
+    if not 1 <= n <= MAX_LIMIT:
+        raise InvalidInput(f"limit must be between 1 and {MAX_LIMIT}, got {n}")
+    return n
+
+
+def encode_cursor(position: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(position, separators=(",", ":")).encode()).rstrip(b"=").decode()
+
+
+def decode_cursor(raw: str | None) -> dict[str, Any]:
+    if not raw:
+        return {}
+    try:
+        pos = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+    except ValueError as e:
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged") from e
+    if not isinstance(pos, dict):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    return pos
+
+
+def offset_page(fetch: Callable[[int], Sequence[T]], limit: int, cursor: str | None,
+                render: Callable[[T], Any]) -> dict[str, Any]:
+    """Page through a stably ordered listing: ``fetch(n)`` returns its first ``n`` items."""
+    offset = decode_cursor(cursor).get("o", 0)
+    if not isinstance(offset, int) or offset < 0:
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    items = list(fetch(offset + limit + 1))
+    page = items[offset : offset + limit]
+    more = len(items) > offset + limit
+    return {"data": [render(i) for i in page], "next_cursor": encode_cursor({"o": offset + limit}) if more else None}

@@ -1,0 +1,75 @@
+"""RFC 9457 problem+json: the one error format every route returns, built from typed moorage errors.
+
+A problem never contains a traceback; unexpected failures become a 500 that points at the trace id.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.responses import Response
+
+from moorage.errors import MoorageError
+
+PROBLEM_TYPE_BASE = "https://moorage.dev/problems/"
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+_TITLES = {
+    400: "Bad request", 401: "Unauthenticated", 403: "Forbidden", 404: "Not found", 405: "Method not allowed",
+    406: "Not acceptable", 409: "Conflict", 413: "Payload too large", 415: "Unsupported media type",
+    422: "Invalid input", 429: "Too many requests", 500: "Internal error", 503: "Unavailable",
+}
+
+
+class PayloadTooLarge(MoorageError):
+    code = "payload-too-large"
+    http_status = 413
+
+
+class MethodNotAllowed(MoorageError):
+    code = "method-not-allowed"
+    http_status = 405
+
+
+class UnsupportedMediaType(MoorageError):
+    code = "unsupported-media-type"
+    http_status = 415
+
+
+def problem(status: int, code: str, detail: str, *, hint: str | None = None, trace_id: str | None = None,
+            headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> Response:
+    body: dict[str, Any] = {
+        "type": PROBLEM_TYPE_BASE + code,
+        "title": _TITLES.get(status, "Error"),
+        "status": status,
+        "detail": detail,
+        "hint": hint,
+        "trace_id": trace_id,
+        **(extra or {}),
+    }
+    return Response(json.dumps(body), status_code=status, media_type=PROBLEM_CONTENT_TYPE, headers=headers)
+
+
+def from_error(err: MoorageError, trace_id: str | None) -> Response:
+    """Map any MoorageError (and subclasses defined by other parts) to its problem response."""
+    status = int(getattr(err, "http_status", 500) or 500)
+    headers: dict[str, str] = {}
+    extra: dict[str, Any] = {}
+    retry_after = getattr(err, "retry_after", None)
+    if isinstance(retry_after, (int, float)) and retry_after >= 0:
+        headers["Retry-After"] = str(max(1, int(round(retry_after))))
+        extra["retry_after"] = retry_after
+    current = getattr(err, "current_version", None)
+    if isinstance(current, int):
+        extra["current_version"] = current
+    if status >= 500 and status != 503:
+        # Internal details stay in the log; the caller gets the trace id to quote.
+        return problem(status, err.code, "the server failed to handle this request",
+                       hint=f"report trace id {trace_id} to the operator", trace_id=trace_id)
+    return problem(status, err.code, err.message, hint=err.hint, trace_id=trace_id, headers=headers, extra=extra)
+
+
+def internal(trace_id: str | None) -> Response:
+    return problem(500, "internal", "the server failed to handle this request",
+                   hint=f"retry later; if it persists report trace id {trace_id} to the operator", trace_id=trace_id)

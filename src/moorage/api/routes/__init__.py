@@ -1,0 +1,17 @@
+"""Every HTTP route of the API, grouped by what it manages; ``all_endpoints()`` is the full list.
+
+The cross-tenant suite and the OpenAPI document both read this list, so no route can escape either.
+"""
+
+from __future__ import annotations
+
+from moorage.api.routing import Endpoint
+
+
+def all_endpoints() -> list[Endpoint]:
+    from moorage.api.routes import agents, invoke, keys, memory, openai_compat, sandboxes, tenants, traces, workflows
+
+    out: list[Endpoint] = []
+    for module in (tenants, keys, agents, invoke, memory, workflows, sandboxes, traces, openai_compat):
+        out.extend(module.ENDPOINTS)
+    return out

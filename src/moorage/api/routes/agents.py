@@ -1,0 +1,79 @@
+"""Agents and their deployments: list, get, deploy a tar.gz, roll back; and end-user token issuing.
+
+Deploy and rollback go to the runtime; listing reads the tenant's store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.api import schemas as S
+from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.routes._common import PAGE, agent_of
+from moorage.api.routing import Call, Endpoint, Reply
+from moorage.errors import InvalidInput
+from moorage.store.model import check_id
+
+#: Agent packages are source trees, not images: 64 MiB is generous and bounds memory per request.
+DEPLOY_BODY_LIMIT = 64 << 20
+
+
+def list_agents(call: Call) -> dict[str, Any]:
+    agents = call.tenant.agents.list()
+    return offset_page(lambda n: agents[:n], parse_limit(call.query("limit")), call.query("cursor"), S.agent)
+
+
+def get_agent(call: Call) -> dict[str, Any]:
+    return S.agent(agent_of(call))
+
+
+def list_deployments(call: Call) -> dict[str, Any]:
+    deps = call.tenant.deployments.list(agent_of(call).id)
+    return offset_page(lambda n: deps[:n], parse_limit(call.query("limit")), call.query("cursor"), S.deployment)
+
+
+async def deploy(call: Call) -> Reply:
+    name = check_id(call.path["agent"], "agent name")
+    if not isinstance(call.body, bytes) or not call.body:
+        raise InvalidInput("empty deployment", hint="upload the agent directory as a tar.gz body")
+    if call.body[:2] != b"\x1f\x8b":
+        raise InvalidInput("the deployment is not a gzip archive", hint="upload `tar czf - -C my-agent .` as the body")
+    dep = await call.runtime.deploy(call.who, call.body, name=name)
+    return Reply(S.deployment(dep), 201)
+
+
+async def rollback(call: Call) -> dict[str, Any]:
+    from starlette.concurrency import run_in_threadpool
+
+    number = call.field("number", int)
+    if number < 1:
+        raise InvalidInput("number must be a deployment number (1 or more)")
+    agent = await run_in_threadpool(agent_of, call)
+    return S.agent(await call.runtime.rollback(call.who, agent.name, number))
+
+
+def issue_token(call: Call) -> Reply:
+    agent = agent_of(call)
+    user = check_id(call.path["user"], "user id")
+    ttl = call.field("ttl_s", (int, float), required=False)
+    tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl)
+    return Reply({"token": tok.token, "agent": tok.agent, "user": tok.user, "expires_at": tok.expires_at}, 201)
+
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/agents", list_agents, "List agents", "agents", "listAgents", query=PAGE,
+             response=S.page_of("Agent")),
+    Endpoint("GET", "/v1/agents/{agent}", get_agent, "Get an agent", "agents", "getAgent", response=S.ref("Agent")),
+    Endpoint("GET", "/v1/agents/{agent}/deployments", list_deployments, "List an agent's deployments", "agents",
+             "listDeployments", query=PAGE, response=S.page_of("Deployment")),
+    Endpoint("POST", "/v1/agents/{agent}/deployments", deploy, "Deploy an agent directory (tar.gz body)", "agents",
+             "deployAgent", scope="deploy", status=201, body={"type": "string", "format": "binary"},
+             body_type="application/gzip", max_body=DEPLOY_BODY_LIMIT, response=S.ref("Deployment")),
+    Endpoint("POST", "/v1/agents/{agent}/rollback", rollback, "Make an earlier deployment live again", "agents",
+             "rollbackAgent", scope="deploy", body=S.obj({"number": {"type": "integer", "minimum": 1}}),
+             response=S.ref("Agent")),
+    Endpoint("POST", "/v1/agents/{agent}/users/{user}/tokens", issue_token,
+             "Issue an end-user token limited to one user of this agent", "agents", "issueUserToken",
+             scope="deploy", status=201, secret_fields=("token",), body=S.obj({"ttl_s": {"type": "number", "exclusiveMinimum": 0}}, []),
+             response=S.ref("UserToken")),
+]

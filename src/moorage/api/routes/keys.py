@@ -1,0 +1,45 @@
+"""API keys of the caller's tenant: list, create (secret shown once), revoke. Admin scope.
+
+Revoking a key also invalidates every end-user token it issued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.api import schemas as S
+from moorage.api.routes._common import PAGE
+from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.routing import Call, Endpoint, Reply
+from moorage.errors import InvalidInput
+
+
+def list_keys(call: Call) -> dict[str, Any]:
+    keys = call.tenant.keys.list()
+    return offset_page(lambda n: keys[:n], parse_limit(call.query("limit")), call.query("cursor"), S.key)
+
+
+def create_key(call: Call) -> Reply:
+    scopes = call.field("scopes", list)
+    if not all(isinstance(s, str) for s in scopes):
+        raise InvalidInput("scopes must be a list of strings", hint="choose from admin, deploy, invoke")
+    label = call.field("label", str, required=False, default="")
+    return Reply(S.key(call.tenant.keys.create(scopes, label)), 201)
+
+
+def revoke_key(call: Call) -> dict[str, Any]:
+    call.tenant.keys.revoke(call.path["key_id"])
+    return {"revoked": call.path["key_id"]}
+
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/keys", list_keys, "List API keys", "keys", "listKeys", scope="admin", query=PAGE,
+             response=S.page_of("ApiKey")),
+    Endpoint("POST", "/v1/keys", create_key, "Create an API key (its secret is returned once)", "keys", "createKey",
+             scope="admin", status=201, secret_fields=("secret",),
+             body=S.obj({"scopes": {"type": "array", "items": {"enum": ["admin", "deploy", "invoke"]}, "minItems": 1},
+                         "label": S.STR}, ["scopes"]),
+             response=S.ref("ApiKey")),
+    Endpoint("DELETE", "/v1/keys/{key_id}", revoke_key, "Revoke an API key", "keys", "revokeKey", scope="admin",
+             response=S.obj({"revoked": S.STR})),
+]

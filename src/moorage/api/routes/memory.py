@@ -1,0 +1,128 @@
+"""An agent's memory of its users: sessions, the episodic log (list, search), facts (list, as-of, edit), forget.
+
+Every read names one agent and one user (and optionally a session) of the caller's tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from moorage.api import schemas as S
+from moorage.api.pagination import decode_cursor, encode_cursor, offset_page, parse_limit
+from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query
+from moorage.api.routing import Call, Endpoint, Param, Reply
+from moorage.errors import InvalidInput
+from moorage.store import Scope
+from moorage.store.model import check_id
+
+SESSION = Param("session", S.ID, "a session id: read that session's scope instead of the user's")
+
+
+def _scope(call: Call) -> Scope:
+    agent = agent_of(call)
+    user = check_id(call.path["user"], "user id")
+    session = call.query("session")
+    return Scope.session(agent.name, user, session) if session else Scope.for_user(agent.name, user)
+
+
+def list_sessions(call: Call) -> dict[str, Any]:
+    agent = agent_of(call)
+    user = call.who.user or call.query("user")  # an end-user token only ever sees its own sessions
+    if user is not None:
+        check_id(user, "user id")
+    sessions = call.tenant.sessions.list(agent.name, user, limit=10_000)
+    return offset_page(lambda n: sessions[:n], parse_limit(call.query("limit")), call.query("cursor"), S.session)
+
+
+def list_events(call: Call) -> dict[str, Any]:
+    scope = _scope(call)
+    limit = parse_limit(call.query("limit"))
+    after = decode_cursor(call.query("cursor")).get("after", 0)
+    if not isinstance(after, int):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    # The log's ids grow with insertion, so "after this id" is a stable cursor under concurrent appends.
+    events = call.tenant.events.list(scope, after_seq=after, limit=limit + 1)
+    events.sort(key=lambda e: e.id)
+    page = events[:limit]
+    more = len(events) > limit
+    return {"data": [S.event(e) for e in page], "next_cursor": encode_cursor({"after": page[-1].id}) if more else None}
+
+
+def search_events(call: Call) -> dict[str, Any]:
+    from moorage.memory import EpisodicMemory
+
+    scope = _scope(call)
+    query = call.query("q") or ""
+    if not query.strip():
+        raise InvalidInput("missing query", hint="pass ?q=what to recall")
+    k = parse_limit(call.query("k") or "10")
+    hits = EpisodicMemory(call.tenant, call.ctx.embedder()).search(scope, query, k=k)
+    return {"data": [{"event": S.event(h.event), "score": h.score} for h in hits], "next_cursor": None}
+
+
+def list_facts(call: Call) -> dict[str, Any]:
+    scope = _scope(call)
+    facts = call.tenant.facts.list(
+        scope, subject=call.query("subject"), attribute=call.query("attribute"),
+        valid_at=float_query(call, "as_of"), known_at=float_query(call, "known_at"),
+        include_closed=bool_query(call, "include_closed"), limit=10_000,
+    )
+    return offset_page(lambda n: facts[:n], parse_limit(call.query("limit")), call.query("cursor"), S.fact)
+
+
+def add_fact(call: Call) -> Reply:
+    from moorage.memory import FactCandidate, SemanticMemory
+
+    scope = _scope(call)
+    subject, attribute, value = (call.field(n, str) for n in ("subject", "attribute", "value"))
+    for name, v in (("subject", subject), ("attribute", attribute), ("value", value)):
+        if not v.strip():
+            raise InvalidInput(f"{name} must not be empty")
+    text = call.field("text", str, required=False) or f"{subject} {attribute}: {value}"
+    change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text), origin="user",
+                                                evidence=[f"api:{call.trace_id}"])
+    return Reply({"action": change.action, "fact": S.fact(change.fact),
+                  "previous": S.fact(change.previous) if change.previous else None}, 201)
+
+
+async def forget(call: Call) -> dict[str, Any]:
+    agent = await run_in_threadpool(agent_of, call)
+    user = check_id(call.path["user"], "user id")
+    if call.ctx.runtime is not None:
+        removed = await call.runtime.forget(call.who, agent.name, user)
+    else:
+        removed = await run_in_threadpool(call.tenant.forget_user, user, agent.name)
+    return {"agent": agent.name, "user": user, "removed": removed if isinstance(removed, int) else 0}
+
+
+_USER = "/v1/agents/{agent}/users/{user}"
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/agents/{agent}/sessions", list_sessions, "List sessions (of one user with ?user=)",
+             "memory", "listSessions", end_user=True, query=(*PAGE, Param("user", S.ID, "only this user's sessions")),
+             response=S.page_of("Session")),
+    Endpoint("GET", f"{_USER}/events", list_events, "List the user's episodic log, oldest first", "memory",
+             "listEvents", end_user=True, query=(*PAGE, SESSION), response=S.page_of("Event")),
+    Endpoint("GET", f"{_USER}/events/search", search_events, "Search the user's episodic memory", "memory",
+             "searchEvents", end_user=True,
+             query=(Param("q", {"type": "string", "minLength": 1}, "what to recall", required=True),
+                    Param("k", {"type": "integer", "minimum": 1, "maximum": 500}, "how many results"), SESSION),
+             response=S.page_of("Recall")),
+    Endpoint("GET", f"{_USER}/facts", list_facts, "List the user's facts (current, as of a time, or as known then)",
+             "memory", "listFacts", end_user=True,
+             query=(*PAGE, SESSION, Param("subject", S.STR), Param("attribute", S.STR),
+                    Param("as_of", S.NUM, "facts true at this time"),
+                    Param("known_at", S.NUM, "facts as recorded by this time"),
+                    Param("include_closed", {"type": "boolean"}, "include superseded facts")),
+             response=S.page_of("Fact")),
+    Endpoint("POST", f"{_USER}/facts", add_fact, "Add or correct a fact (a new value supersedes the current one)",
+             "memory", "addFact", scope="deploy", status=201, query=(SESSION,),
+             body=S.obj({"subject": {"type": "string", "minLength": 1}, "attribute": {"type": "string", "minLength": 1},
+                         "value": {"type": "string", "minLength": 1}, "text": S.STR},
+                        ["subject", "attribute", "value"]),
+             response=S.ref("FactChange")),
+    Endpoint("DELETE", _USER, forget, "Forget everything stored about this user of this agent", "memory",
+             "forgetUser", scope="admin", response=S.ref("Forgotten")),
+]

@@ -1,0 +1,31 @@
+"""Operator routes: create a tenant (guarded by the installation's operator token) and a health check.
+
+The operator token lives in ``<data_dir>/api/operator-token``; it is never a tenant credential.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.api import schemas as S
+from moorage.api.routing import Call, Endpoint, Reply
+
+
+def create_tenant(call: Call) -> Reply:
+    name = call.field("name", str)
+    tenant, key = call.ctx.store.operator.create_tenant(name)
+    return Reply({"tenant": {"id": tenant.id, "name": tenant.name, "created_at": tenant.created_at},
+                  "api_key": S.key(key)}, 201)
+
+
+def health(call: Call) -> dict[str, Any]:
+    return {"status": "ok", "runtime": call.ctx.runtime is not None}
+
+
+ENDPOINTS = [
+    Endpoint("POST", "/v1/tenants", create_tenant, "Create a tenant and its first admin key (operator token)",
+             "operator", "createTenant", auth="operator", status=201, idempotency="none",
+             body=S.obj({"name": S.STR}), response=S.obj({"tenant": S.ref("Tenant"), "api_key": S.ref("ApiKey")})),
+    Endpoint("GET", "/healthz", health, "Liveness", "operator", "health", auth="none",
+             response=S.obj({"status": S.STR, "runtime": {"type": "boolean"}})),
+]

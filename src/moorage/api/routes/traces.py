@@ -1,0 +1,44 @@
+"""Traces and usage of the caller's tenant: one trace by id, recent spans, usage totals and cost.
+
+Spans live in the tenant's store, so another tenant's trace id is simply not found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.api import schemas as S
+from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.routes._common import PAGE, float_query
+from moorage.api.routing import Call, Endpoint, Param
+from moorage.errors import NotFound
+
+
+def get_trace(call: Call) -> dict[str, Any]:
+    trace_id = call.path["trace_id"]
+    spans = call.tenant.spans.trace(trace_id)
+    if not spans:
+        raise NotFound(f"no trace {trace_id!r}", hint="trace ids are returned in the X-Trace-Id header of each response")
+    return {"trace_id": trace_id, "spans": [S.span(s) for s in spans]}
+
+
+def recent_spans(call: Call) -> dict[str, Any]:
+    return offset_page(lambda n: call.tenant.spans.recent(limit=n), parse_limit(call.query("limit")),
+                       call.query("cursor"), S.span)
+
+
+def usage(call: Call) -> dict[str, Any]:
+    since = float_query(call, "since") or 0.0
+    totals = call.tenant.usage.totals(since=since, agent_id=call.query("agent"), user_id=call.query("user"))
+    return {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
+
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/traces", recent_spans, "Recent spans, newest first", "observability", "listSpans",
+             query=PAGE, response=S.page_of("Span")),
+    Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace",
+             response=S.ref("Trace")),
+    Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage",
+             query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR)),
+             response=S.ref("Usage")),
+]

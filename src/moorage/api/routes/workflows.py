@@ -1,0 +1,66 @@
+"""Durable workflow runs: list, inspect (steps and journal history), answer an interrupt, cancel.
+
+Reads come from the tenant's store; answering and cancelling go to the runtime, which owns the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from moorage.api import schemas as S
+from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.routes._common import PAGE
+from moorage.api.routing import Call, Endpoint, Param
+from moorage.errors import InvalidInput
+from moorage.store.tenant import RUN_STATUSES
+
+
+def list_runs(call: Call) -> dict[str, Any]:
+    status = call.query("status")
+    if status is not None and status not in RUN_STATUSES:
+        raise InvalidInput(f"unknown status {status!r}", hint=f"one of {', '.join(RUN_STATUSES)}")
+    agent = call.query("agent")
+
+    def fetch(n: int) -> list[Any]:
+        runs = call.tenant.runs.list(status=[status] if status else None, limit=10_000 if agent else n)
+        return [r for r in runs if agent is None or r.scope.agent == agent][:n]
+
+    return offset_page(fetch, parse_limit(call.query("limit")), call.query("cursor"), S.run)
+
+
+def get_run(call: Call) -> dict[str, Any]:
+    ts = call.tenant
+    run = ts.runs.get(call.path["run_id"])
+    history = [{"key": j.key, "step": j.step, "status": j.status, "result": j.result, "error": j.error,
+                "created_at": j.created_at, "updated_at": j.updated_at} for j in ts.journal.list(run_id=run.id)]
+    return {"run": S.run(run), "steps": [S.step(s) for s in ts.runs.steps(run.id)], "history": history}
+
+
+async def answer(call: Call) -> dict[str, Any]:
+    # Look the run up first: another tenant's run id is "not found" before the runtime is involved.
+    await run_in_threadpool(call.tenant.runs.get, call.path["run_id"])
+    body = call.body if isinstance(call.body, dict) else {}
+    if "answer" not in body:
+        raise InvalidInput("missing field 'answer'", hint="send the reply to the interrupt as `answer`")
+    return S.turn(await call.runtime.answer(call.who, call.path["run_id"], body["answer"]))
+
+
+async def cancel(call: Call) -> dict[str, Any]:
+    await run_in_threadpool(call.tenant.runs.get, call.path["run_id"])
+    await call.runtime.cancel(call.who, call.path["run_id"])
+    return S.run(await run_in_threadpool(call.tenant.runs.get, call.path["run_id"]))
+
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/workflows", list_runs, "List workflow runs", "workflows", "listWorkflows",
+             query=(*PAGE, Param("status", {"enum": list(RUN_STATUSES)}), Param("agent", S.ID)),
+             response=S.page_of("WorkflowRun")),
+    Endpoint("GET", "/v1/workflows/{run_id}", get_run, "Get a run with its steps and journal history", "workflows",
+             "getWorkflow", response=S.ref("WorkflowDetail")),
+    Endpoint("POST", "/v1/workflows/{run_id}/answer", answer, "Answer a run's interrupt (human approval)",
+             "workflows", "answerWorkflow", scope="invoke", body=S.obj({"answer": S.ANY}), response=S.ref("TurnResult")),
+    Endpoint("POST", "/v1/workflows/{run_id}/cancel", cancel, "Cancel a run", "workflows", "cancelWorkflow",
+             scope="invoke", response=S.ref("WorkflowRun")),
+]

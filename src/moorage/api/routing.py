@@ -1,0 +1,305 @@
+"""Declared endpoints: one ``Endpoint`` per route carries its auth, scope, body rules and OpenAPI facts.
+
+``Endpoint.asgi`` wraps the handler with what every route shares: authentication, scope checks,
+end-user token limits, bounded body reading, ``Idempotency-Key`` replay, a span and problem+json errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
+from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError
+from moorage.log import get_logger
+from moorage.observability.tracer import current_trace_id, use_trace_id
+from moorage.store import Principal, TenantStore
+
+if TYPE_CHECKING:
+    from moorage.api.app import AppContext
+
+log = get_logger(__name__)
+
+JSON_BODY_LIMIT = 1 << 20
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_IDEM_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+
+Auth = Literal["tenant", "operator", "none"]
+Idempotency = Literal["http", "runtime", "none"]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A query parameter as documented in the OpenAPI spec."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str = ""
+    required: bool = False
+
+
+@dataclass
+class Reply:
+    """A JSON reply with a status other than the endpoint's default, or extra headers."""
+
+    body: Any
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Call:
+    """Everything a handler may use: the verified principal, its tenant store and the parsed request."""
+
+    request: Request
+    ctx: "AppContext"
+    principal: Principal | None
+    ts: TenantStore | None
+    body: Any
+    trace_id: str
+    idempotency_key: str | None
+
+    @property
+    def path(self) -> dict[str, str]:
+        return self.request.path_params
+
+    def query(self, name: str, default: str | None = None) -> str | None:
+        return self.request.query_params.get(name, default)
+
+    @property
+    def tenant(self) -> TenantStore:
+        assert self.ts is not None, "tenant routes always have a tenant store"
+        return self.ts
+
+    @property
+    def who(self) -> Principal:
+        assert self.principal is not None
+        return self.principal
+
+    @property
+    def runtime(self) -> Any:
+        if self.ctx.runtime is None:
+            raise UnavailableError("this server runs without an agent runtime",
+                                   hint="start it with `moorage up` (store-only servers serve data routes only)")
+        return self.ctx.runtime
+
+    def field(self, name: str, kinds: type | tuple[type, ...], *, required: bool = True, default: Any = None) -> Any:
+        """A validated field of the JSON object body."""
+        body = self.body if isinstance(self.body, dict) else {}
+        if name not in body or body[name] is None:
+            if required:
+                raise InvalidInput(f"missing field {name!r}", hint="see the request schema in /openapi.json")
+            return default
+        value = body[name]
+        if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+            raise InvalidInput(f"field {name!r} has the wrong type")
+        if not isinstance(value, kinds):
+            raise InvalidInput(f"field {name!r} has the wrong type", hint="see the request schema in /openapi.json")
+        return value
+
+
+Handler = Callable[[Call], Any] | Callable[[Call], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    tag: str
+    operation_id: str
+    auth: Auth = "tenant"
+    #: Scope a tenant key needs (None: any key of the tenant).
+    scope: str | None = None
+    #: End-user tokens may call this route, for their own agent and user only.
+    end_user: bool = False
+    body: dict[str, Any] | None = None
+    body_type: str = "application/json"
+    response: dict[str, Any] | None = None
+    status: int = 200
+    query: tuple[Param, ...] = ()
+    max_body: int = JSON_BODY_LIMIT
+    #: The route may answer ``text/event-stream`` instead of JSON.
+    streams: bool = False
+    idempotency: Idempotency = "http"
+    #: Response fields holding a secret shown once: a replay returns them as null (the journal never keeps them).
+    secret_fields: tuple[str, ...] = ()
+
+    async def asgi(self, request: Request) -> Response:
+        ctx: AppContext = request.app.state.moorage
+        request.scope.setdefault("state", {})["route"] = self.path
+        trace_id = current_trace_id() or request.scope["state"].get("trace_id", "")
+        principal: Principal | None = None
+        ts: TenantStore | None = None
+        started = time.time()
+        try:
+            principal, ts = await self._authorize(ctx, request)
+            response = await self._run(ctx, request, principal, ts, trace_id)
+        except MoorageError as e:
+            ctx.metrics.observe_error(e.code)
+            response = from_error(e, trace_id)
+        except Exception:  # noqa: BLE001 - the last line of defence: log it, never show a traceback
+            log.exception("unhandled error", route=self.path, trace_id=trace_id)
+            ctx.metrics.observe_error("internal")
+            response = internal(trace_id)
+        if ts is not None:
+            await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started, trace_id)
+        return response
+
+    async def _authorize(self, ctx: "AppContext", request: Request) -> tuple[Principal | None, TenantStore | None]:
+        header = request.headers.get("authorization")
+        if self.auth == "none":
+            return None, None
+        if self.auth == "operator":
+            ctx.auth.require_operator(header)
+            return None, None
+        principal = await run_in_threadpool(ctx.auth.authenticate, header)
+        if principal.user is not None:
+            if not self.end_user:
+                raise TenantScopeError("end-user tokens cannot call this route",
+                                       hint="use a tenant API key; end-user tokens may invoke their agent and read their own memory")
+            pa, pu = request.path_params.get("agent"), request.path_params.get("user")
+            if (pa is not None and pa != principal.agent) or (pu is not None and pu != principal.user):
+                raise TenantScopeError("this end-user token is for another agent or user",
+                                       hint="use the token issued for this agent and user")
+        if self.scope is not None:
+            principal.require(self.scope)
+        return principal, ctx.store.tenant(principal)
+
+    async def _read_body(self, request: Request) -> Any:
+        if self.body is None and self.body_type == "application/json":
+            return None
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise PayloadTooLarge(f"request body is {declared} bytes; this route accepts at most {self.max_body}",
+                                  hint="send a smaller body")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise PayloadTooLarge(f"request body exceeds {self.max_body} bytes", hint="send a smaller body")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if self.body_type != "application/json":
+            return raw
+        if not raw.strip():
+            return {}
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype not in ("application/json", "") and not ctype.endswith("+json"):
+            raise UnsupportedMediaType(f"this route takes application/json, not {ctype}",
+                                       hint="send Content-Type: application/json")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"request body is not valid JSON: {e}", hint="send a JSON object") from e
+        if not isinstance(body, dict):
+            raise InvalidInput("request body must be a JSON object", hint="see the request schema in /openapi.json")
+        return body
+
+    async def _run(self, ctx: "AppContext", request: Request, principal: Principal | None, ts: TenantStore | None,
+                   trace_id: str) -> Response:
+        body = await self._read_body(request)
+        idem = request.headers.get("idempotency-key")
+        if idem is not None and not _IDEM_KEY.match(idem):
+            raise InvalidInput("malformed Idempotency-Key", hint="use 1-200 printable ASCII characters, e.g. a UUID")
+        call = Call(request, ctx, principal, ts, body, trace_id, idem)
+        if idem is None or ts is None or self.method not in MUTATING or self.idempotency != "http":
+            return self._respond(await self._invoke(call))
+        return await self._idempotent(call, idem, body)
+
+    async def _invoke(self, call: Call) -> Any:
+        if inspect.iscoroutinefunction(self.handler):
+            return await self.handler(call)
+        return await run_in_threadpool(self.handler, call)
+
+    def _respond(self, result: Any) -> Response:
+        if isinstance(result, Response):
+            return result
+        if isinstance(result, Reply):
+            return json_response(result.body, result.status, result.headers)
+        return json_response(result, self.status)
+
+    async def _idempotent(self, call: Call, idem: str, body: Any) -> Response:
+        """Run once per key; a replay gets the stored first response (a retry of a 5xx runs again)."""
+        ts, p = call.tenant, call.who
+        ident = f"{p.key_id}|{p.user}|{self.method}|{call.request.url.path}|{idem}"
+        key = "http:" + hashlib.sha256(ident.encode()).hexdigest()
+        raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True).encode()
+        request_sha = hashlib.sha256(raw).hexdigest()
+        entry, created = await run_in_threadpool(ts.journal.claim, key)
+        if not created:
+            if entry.status == "pending":
+                raise ConflictError("a request with this Idempotency-Key is still in progress",
+                                    hint="wait for it to finish, then retry to get its response")
+            stored = entry.result or {}
+            if stored.get("request_sha") != request_sha:
+                raise InvalidInput("this Idempotency-Key was used with a different request",
+                                   hint="use a new key for a new request")
+            return json_response(stored.get("body"), int(stored.get("status", 200)), {"Idempotent-Replayed": "true"})
+        try:
+            response = self._respond(await self._invoke(call))
+        except MoorageError as e:
+            if e.http_status >= 500:
+                await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+                raise
+            response = from_error(e, call.trace_id)
+        except BaseException:
+            await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+            raise
+        if response.status_code >= 500 or not hasattr(response, "body"):
+            await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+            return response
+        stored_body = json.loads(response.body) if response.body else None
+        if isinstance(stored_body, dict):
+            stored_body = _redact(stored_body, self.secret_fields)
+        await run_in_threadpool(ts.journal.complete, key, expected_version=entry.version,
+                                result={"status": response.status_code, "body": stored_body, "request_sha": request_sha})
+        return response
+
+    def _record_span(self, ctx: "AppContext", ts: TenantStore, principal: Principal | None, request: Request,
+                     status: int, started: float, trace_id: str) -> None:
+        with use_trace_id(trace_id):
+            active = ctx.tracer.start(ts, f"{self.method} {self.path}", **{
+                "http.method": self.method, "http.route": self.path, "http.status_code": status,
+                "moorage.agent": request.path_params.get("agent"),
+                "moorage.user": request.path_params.get("user") or (principal.user if principal else None),
+            })
+            # The request span is the trace's root; spans made during the request already point at its id.
+            active.span_id = request.scope["state"].get("span_id") or active.span_id
+            active.start_ts = started
+            active.parent_id = None
+            if status >= 500:
+                active.status = "error"
+            ctx.tracer.finish(ts, active)
+
+
+def _redact(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in body.items():
+        out[k] = None if k in fields else (_redact(v, fields) if isinstance(v, dict) else v)
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    if status == 204:
+        return Response(status_code=204, headers=headers)
+    return Response(json.dumps(body, default=_json_default), status_code=status, media_type="application/json",
+                    headers=headers)

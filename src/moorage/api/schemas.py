@@ -1,0 +1,137 @@
+"""The JSON shapes of the API: how store records are rendered, and the JSON Schemas that describe them.
+
+Renderers and schemas sit side by side so the served OpenAPI document cannot drift from the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from moorage.store import Agent, ApiKey, Deployment, Event, Fact, SandboxRecord, Session, Span, Step, WorkflowRun
+
+ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$"}
+STR = {"type": "string"}
+NSTR = {"type": ["string", "null"]}
+NUM = {"type": "number"}
+NNUM = {"type": ["number", "null"]}
+INT = {"type": "integer"}
+OBJ = {"type": "object"}
+ANY: dict[str, Any] = {}
+
+
+def obj(props: dict[str, Any], required: list[str] | None = None, extra: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object", "properties": props, "required": required if required is not None else list(props)}
+    if not extra:
+        out["additionalProperties"] = False
+    return out
+
+
+def ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def page_of(name: str) -> dict[str, Any]:
+    return obj({"data": {"type": "array", "items": ref(name)}, "next_cursor": NSTR})
+
+
+COMPONENTS: dict[str, dict[str, Any]] = {
+    "Problem": obj({"type": STR, "title": STR, "status": INT, "detail": STR, "hint": NSTR, "trace_id": NSTR},
+                   ["type", "title", "status", "detail"]),
+    "Tenant": obj({"id": STR, "name": STR, "created_at": NUM}),
+    "ApiKey": obj({"id": STR, "scopes": {"type": "array", "items": STR}, "label": STR, "created_at": NUM,
+                   "revoked_at": NNUM, "secret": NSTR}, ["id", "scopes", "label", "created_at", "revoked_at"]),
+    "Agent": obj({"id": STR, "name": STR, "config": OBJ, "live_deployment": NSTR, "created_at": NUM,
+                  "updated_at": NUM, "version": INT}),
+    "Deployment": obj({"id": STR, "agent_id": STR, "number": INT, "manifest": OBJ, "package_sha256": STR,
+                       "status": STR, "created_at": NUM}),
+    "UserToken": obj({"token": STR, "agent": STR, "user": STR, "expires_at": NUM}),
+    "Session": obj({"id": STR, "agent": STR, "user": STR, "created_at": NUM, "last_active": NUM, "meta": OBJ}),
+    "Event": obj({"id": INT, "scope": STR, "ts": NUM, "kind": STR, "speaker": NSTR, "content": STR, "meta": OBJ}),
+    "Recall": obj({"event": ref("Event"), "score": NUM}),
+    "Fact": obj({"id": STR, "scope": STR, "subject": STR, "attribute": STR, "value": STR, "text": STR,
+                 "valid_from": NUM, "valid_to": NNUM, "recorded_at": NUM, "superseded_at": NNUM,
+                 "superseded_by": NSTR, "trust": STR, "status": STR, "source": STR, "version": INT}),
+    "FactChange": obj({"action": STR, "fact": ref("Fact"), "previous": {"oneOf": [ref("Fact"), {"type": "null"}]}}),
+    "WorkflowRun": obj({"id": STR, "scope": STR, "name": STR, "status": STR, "input": ANY, "state": OBJ,
+                        "current_step": NSTR, "result": ANY, "error": NSTR, "created_at": NUM, "updated_at": NUM,
+                        "version": INT}),
+    "Step": obj({"seq": INT, "name": STR, "status": STR, "attempts": INT, "result": ANY, "error": NSTR,
+                 "started_at": NUM, "finished_at": NNUM}),
+    "WorkflowDetail": obj({"run": ref("WorkflowRun"), "steps": {"type": "array", "items": ref("Step")},
+                           "history": {"type": "array", "items": OBJ}}),
+    "Sandbox": obj({"id": STR, "agent_id": STR, "scope": STR, "state": STR, "last_active": NUM, "ttl_s": NNUM,
+                    "created_at": NUM, "version": INT}),
+    "Span": obj({"trace_id": STR, "span_id": STR, "parent_id": NSTR, "name": STR, "start_ts": NUM, "end_ts": NNUM,
+                 "status": STR, "attrs": OBJ, "scope": NSTR}),
+    "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
+    "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM}),
+    "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]}, "reply": NSTR, "interrupt": ANY,
+                       "trace_id": NSTR, "usage": OBJ}),
+    "Forgotten": obj({"agent": STR, "user": STR, "removed": INT}),
+    "Result": OBJ,
+}
+
+
+# -- renderers --------------------------------------------------------------------------------
+
+
+def key(k: ApiKey) -> dict[str, Any]:
+    return {"id": k.id, "scopes": sorted(k.scopes), "label": k.label, "created_at": k.created_at,
+            "revoked_at": k.revoked_at, "secret": k.secret}
+
+
+def agent(a: Agent) -> dict[str, Any]:
+    return asdict(a)
+
+
+def deployment(d: Deployment) -> dict[str, Any]:
+    # package_ref is a host path: internal, not shown.
+    return {"id": d.id, "agent_id": d.agent_id, "number": d.number, "manifest": d.manifest,
+            "package_sha256": d.package_sha256, "status": d.status, "created_at": d.created_at}
+
+
+def session(s: Session) -> dict[str, Any]:
+    return {"id": s.id, "agent": s.agent_id, "user": s.user_id, "created_at": s.created_at,
+            "last_active": s.last_active, "meta": s.meta}
+
+
+def event(e: Event) -> dict[str, Any]:
+    return {"id": e.id, "scope": e.scope.key, "ts": e.ts, "kind": e.kind, "speaker": e.speaker,
+            "content": e.content, "meta": e.meta}
+
+
+def fact(f: Fact) -> dict[str, Any]:
+    return {"id": f.id, "scope": f.scope.key, "subject": f.subject, "attribute": f.attribute, "value": f.value,
+            "text": f.text, "valid_from": f.valid_from, "valid_to": f.valid_to, "recorded_at": f.recorded_at,
+            "superseded_at": f.superseded_at, "superseded_by": f.superseded_by, "trust": f.trust,
+            "status": f.status, "source": f.source, "version": f.version}
+
+
+def run(r: WorkflowRun) -> dict[str, Any]:
+    return {"id": r.id, "scope": r.scope.key, "name": r.name, "status": r.status, "input": r.input,
+            "state": r.state, "current_step": r.current_step, "result": r.result, "error": r.error,
+            "created_at": r.created_at, "updated_at": r.updated_at, "version": r.version}
+
+
+def step(s: Step) -> dict[str, Any]:
+    return {"seq": s.seq, "name": s.name, "status": s.status, "attempts": s.attempts, "result": s.result,
+            "error": s.error, "started_at": s.started_at, "finished_at": s.finished_at}
+
+
+def sandbox(s: SandboxRecord) -> dict[str, Any]:
+    # Host, snapshot and disk refs are placement internals of the installation, not tenant-facing.
+    return {"id": s.id, "agent_id": s.agent_id, "scope": s.scope.key, "state": s.state, "last_active": s.last_active,
+            "ttl_s": s.ttl_s, "created_at": s.created_at, "version": s.version}
+
+
+def span(s: Span) -> dict[str, Any]:
+    return {"trace_id": s.trace_id, "span_id": s.span_id, "parent_id": s.parent_id, "name": s.name,
+            "start_ts": s.start_ts, "end_ts": s.end_ts, "status": s.status, "attrs": s.attrs,
+            "scope": s.scope.key if s.scope else None}
+
+
+def turn(result: Any) -> dict[str, Any]:
+    """A runtime ``TurnResult`` as JSON."""
+    return {"turn_id": str(result.turn_id), "status": result.status, "reply": result.reply,
+            "interrupt": result.interrupt, "trace_id": result.trace_id, "usage": dict(result.usage or {})}
