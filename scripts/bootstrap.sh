@@ -11,6 +11,7 @@ APT_PACKAGES=(
   bubblewrap                           # process sandboxes
   debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build
   postgresql                           # fleet store backend (tests start throwaway clusters)
+  python3-setuptools python3-wheel      # the coder example builds a package inside its sandbox
   procps iproute2 psmisc
 )
 

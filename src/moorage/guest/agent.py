@@ -258,6 +258,17 @@ class AgentContext:
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
+    async def fetch(self, url: str, *, method: str = "GET", json: Any = None, headers: Optional[Dict[str, str]] = None,
+                    idempotency_key: Optional[str] = None, timeout: float = 30.0) -> Dict[str, Any]:
+        """An HTTP call made by the host on the agent's behalf (the sandbox has no network of its own).
+
+        Only URLs the agent's moorage.toml allows under [agent.egress] are reachable. Returns
+        {"status", "headers", "body"}.
+        """
+        return await self._host.call("net.fetch", {"url": url, "method": method, "json": json, "headers": headers or {},
+                                                   "idempotency_key": idempotency_key, "timeout": timeout},
+                                     timeout=timeout + 5)
+
     async def step(self, name: str, fn: Callable[..., Any], *args: Any, idempotency_key: Optional[str] = None,
                    retries: int = 3, **kwargs: Any) -> Any:
         """Run ``fn`` once: its result is journaled by the host before it is returned; a replay returns it."""

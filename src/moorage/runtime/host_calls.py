@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from moorage.errors import InvalidInput, MoorageError
+import httpx
+
+from moorage.errors import InvalidInput, MoorageError, TenantScopeError
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
 from moorage.sandbox.channel import HandlerError
@@ -24,6 +26,8 @@ log = get_logger(__name__)
 
 #: Largest model output a guest may ask for in one call.
 MAX_TOKENS_CAP = 4096
+#: Largest response body handed back to a guest from ``net.fetch``.
+MAX_FETCH_BYTES = 1 << 20
 
 
 @dataclass
@@ -102,6 +106,7 @@ class GuestCalls:
             "durable.fail": self.durable_fail,
             "durable.interrupt": self.durable_interrupt,
             "durable.history": self.durable_history,
+            "net.fetch": self.net_fetch,
         }
 
     def _wrap(self, method: str, fn: Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]) -> Any:
@@ -199,3 +204,25 @@ class GuestCalls:
 
     async def durable_history(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         return {"history": await asyncio.to_thread(self.rt.steps.history, b)}
+
+    # -- egress -------------------------------------------------------------------------------------
+
+    async def net_fetch(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        """HTTP on the agent's behalf, only to prefixes its manifest allows; secrets are added here, never in the guest."""
+        url = p.get("url")
+        allow = (b.manifest.get("egress") or {}).get("allow") or []
+        if not isinstance(url, str) or not any(isinstance(a, str) and url.startswith(a) for a in allow):
+            raise TenantScopeError(f"egress to {url!r} is not allowed for this agent",
+                                   hint="list the URL prefix under [agent.egress] allow in moorage.toml")
+        method = str(p.get("method") or "GET").upper()
+        if method not in ("GET", "POST", "PUT", "PATCH", "DELETE"):
+            raise InvalidInput(f"unsupported HTTP method {method!r}")
+        headers = {str(k): str(v) for k, v in (p.get("headers") or {}).items()
+                   if str(k).lower() not in ("host", "authorization", "cookie")}
+        if p.get("idempotency_key"):
+            headers["Idempotency-Key"] = str(p["idempotency_key"])
+        timeout = max(1.0, min(float(p.get("timeout") or 30.0), 120.0))
+        async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
+            r = await client.request(method, url, json=p.get("json"), headers=headers)
+        body = r.content[:MAX_FETCH_BYTES].decode("utf-8", "replace")
+        return {"status": r.status_code, "headers": dict(r.headers), "body": body}

@@ -27,6 +27,9 @@ from moorage.store import Agent, Deployment, EntityKey, Principal, Scope, Span, 
 
 log = get_logger(__name__)
 
+#: The guest runtime's error code for "that deployment is not loaded here" (see guest/agent.py).
+NOT_LOADED = -32010
+
 
 @dataclass(frozen=True)
 class TurnResult:
@@ -133,7 +136,7 @@ class Runtime:
         builder.add("user", f"[known about the user: {note}]\n{message}" if note else message)
         out = builder.build()
         b.ts.state.put(scope, "working_memory", builder.to_state(), expected_version=rec.version if rec else 0)
-        return [m.to_dict() for m in out.messages]
+        return [m if isinstance(m, dict) else m.to_dict() for m in out.messages]
 
     def _remember_reply(self, b: TurnBinding, reply: Any) -> None:
         from moorage.memory import ContextBuilder
@@ -276,6 +279,24 @@ class Runtime:
             raise ConflictError(f"workflow {run_id} already {run.status}")
         ts.runs.update(run_id, expected_version=run.version, status="cancelled")
 
+    async def recover(self) -> int:
+        """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""
+        resumed = 0
+        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+            runs = await asyncio.to_thread(ts.runs.list, status=["running", "pending"], limit=10_000)
+            for run in runs:
+                if run.name != "turn" or run.id in self.turns or run.scope.user is None:
+                    continue
+                entity = EntityKey(run.scope.agent, run.scope.user, (run.input or {}).get("session") or "default")
+                try:
+                    agent = await asyncio.to_thread(ts.agents.get, entity.agent)
+                    async for _ in self._run(ts, agent, entity, run.id, (run.input or {}).get("message", ""), resume=True):
+                        pass
+                    resumed += 1
+                except Exception as e:  # one broken run must not stop the others from finishing
+                    log.warning("could not resume turn", run=run.id, error=str(e))
+        return resumed
+
     def _result_of(self, run: Any) -> TurnResult:
         r = run.result or {}
         return TurnResult(run.id, "waiting" if run.status == "waiting" else "done", r.get("reply"),
@@ -343,21 +364,25 @@ class Runtime:
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
         GuestCalls(self, sandbox.id).register(sandbox.channel)
-        if self._loaded.get(sandbox.id) != binding.deployment_id:
-            info = await sandbox.channel.call("agent.info", {}, timeout=30)
-            if binding.deployment_id not in info.get("loaded", []):
-                dep = binding.ts.deployments.get(binding.deployment_id)
-                await push_and_load(sandbox, dep, self.templates.archive(dep))
-            self._loaded[sandbox.id] = binding.deployment_id
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
-        try:
-            async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
-                async for ev in call:
-                    yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
-                                    {"event": ev.event, "data": ev.data})
-                result = call.result
-        except RemoteError as e:
-            detail = e.data.get("traceback") if isinstance(e.data, dict) else None
-            raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
+        for attempt in (1, 2):
+            if self._loaded.get(sandbox.id) != binding.deployment_id:
+                dep = binding.ts.deployments.get(binding.deployment_id)
+                await push_and_load(sandbox, dep, self.templates.archive(dep))
+                self._loaded[sandbox.id] = binding.deployment_id
+            try:
+                async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
+                    async for ev in call:
+                        yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
+                                        {"event": ev.event, "data": ev.data})
+                    result = call.result
+                break
+            except RemoteError as e:
+                if e.rpc_code == NOT_LOADED and attempt == 1:
+                    # The guest restarted since we loaded it (cold wake, host restart): load and go again.
+                    self._loaded.pop(sandbox.id, None)
+                    continue
+                detail = e.data.get("traceback") if isinstance(e.data, dict) else None
+                raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
         yield result
