@@ -50,6 +50,8 @@ class _ScopeVectors:
     speakers: list[str | None] = field(default_factory=list)
     matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, DIMENSION), dtype=np.float32))
     max_id: int = 0
+    #: Events of the scope seen so far (with or without a vector): compared with the store's count.
+    seen: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -116,9 +118,11 @@ class EpisodicMemory:
         """The ``k`` events of ``scope`` that best answer ``query``: lexical + dense, fused, recency re-ranked."""
         if not query.strip():
             raise InvalidInput("empty memory query", hint="pass the question or topic to recall")
+        # The query embedding (CPU) runs while this thread does the store reads (I/O).
+        pending_qv = self.embedder.embed_one_async(query)
         lexical = self.search_lexical(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
         vec = self._vectors(scope)
-        qv = self.embedder.embed_one(query)
+        qv = pending_qv.result()
         dense = self._dense(vec, qv, limit=self.pool, since=since, until=until, speakers=speakers)
         lex_ids = [e.id for e, _ in lexical]
         dense_ids = [i for i, _ in dense]
@@ -127,7 +131,7 @@ class EpisodicMemory:
         cos = dict(dense)
         for i in lex_ids:
             if i not in cos and i in pos:
-                cos[i] = float(vec.matrix[pos[i]] @ qv)
+                cos[i] = float(np.dot(vec.matrix[pos[i]], qv))
         times = {e.id: e.ts for e, _ in lexical}
         times.update({i: float(vec.ts[pos[i]]) for i in dense_ids if i in pos})
         fused = fuse({e.id: sc for e, sc in lexical}, cos, times, weights_for(query, self.weights), now=until)
@@ -178,7 +182,9 @@ class EpisodicMemory:
     ) -> list[tuple[int, float]]:
         if len(vec.ids) == 0:
             return []
-        sims = vec.matrix @ q
+        # einsum's own loop, not BLAS: OpenBLAS threads spin-wait on a busy host and made this
+        # matrix-vector product 10x slower (8 ms vs 0.6 ms at 10k vectors, measured on 2 shared cores).
+        sims = np.einsum("ij,j->i", vec.matrix, q)
         mask = np.ones(len(vec.ids), dtype=bool)
         if since is not None:
             mask &= vec.ts >= since
@@ -209,8 +215,17 @@ class EpisodicMemory:
         return vec
 
     def _refresh(self, scope: Scope, vec: _ScopeVectors) -> None:
-        # Cheap when nothing changed: one indexed query for events newer than the newest one cached.
+        # Cheap when nothing changed: one COUNT. Fewer events than seen means retention or a user's
+        # erasure deleted some: rebuild, so no vector of a deleted event is ever ranked again.
+        count = self.ts.events.count(scope)
+        if count == vec.seen:
+            return
+        if count < vec.seen:
+            fresh = _ScopeVectors()
+            vec.ids, vec.ts, vec.speakers, vec.matrix, vec.max_id, vec.seen = (
+                fresh.ids, fresh.ts, fresh.speakers, fresh.matrix, 0, 0)
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
+        vec.seen += len(new)
         if not new:
             return
         wanted = {e.id: e for e in new}

@@ -45,6 +45,17 @@ _NOT_ATTRIBUTE = frozenset(
     "question point guess concern problem idea bad pleasure fault turn answer plan goal issue worry mistake "
     "hope feeling opinion understanding impression suggestion request".split()
 )
+_QUESTION_START = re.compile(
+    r"^\s*(?:what|which|who|whom|whose|where|when|why|how|do|does|did|am|is|are|was|were|can|could|would|will|"
+    r"should|shall|have|has|may|might)\b",
+    re.I,
+)
+
+
+def _is_question(sentence: str) -> bool:
+    return sentence.rstrip().endswith("?") or bool(_QUESTION_START.match(sentence))
+
+
 _NOT_VALUE_START = re.compile(r"^(?:that|whether|what|how|why|if|not|gone|a bit|kind of|sort of)\b", re.I)
 
 _ATTR = r"(?P<attr>[a-z][a-z'’ -]{0,40}?)"
@@ -94,7 +105,8 @@ class PatternExtractor:
         out: list[FactCandidate] = []
         seen: set[tuple[str, str]] = set()
         for sentence in (p.strip() for p in _SENT_SPLIT.split(text)):
-            if not sentence:
+            if not sentence or _is_question(sentence):
+                # "What do I prefer to drink?" asks about a fact; it must never overwrite one.
                 continue
             body = sentence
             corr = _CORRECTION.match(body)
