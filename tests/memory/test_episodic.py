@@ -86,3 +86,14 @@ def test_other_users_and_other_tenants_see_nothing(tenant: TenantStore, other_te
     assert theirs.search(ALICE, "kitten named Miso", k=5) == []
     assert other_tenant.events.search_text(ALICE, "kitten Miso") == []
     assert other_tenant.events.embeddings(ALICE) == []
+
+
+def test_erased_user_is_never_recalled_from_a_warm_cache(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
+    _fill(mem, ALICE)
+    assert mem.search(ALICE, "kitten named Miso", k=3)  # the scope's vectors are now cached in this process
+    assert tenant.forget_user("alice", agent="concierge") > 0
+    assert mem.search(ALICE, "kitten named Miso", k=3) == []
+    assert mem.search_dense(ALICE, "kitten") == []
+    ev = mem.remember(ALICE, "message", "New start: I collect vintage maps.", speaker="user", ts=T0)
+    assert [h.event.id for h in mem.search(ALICE, "what do I collect?", k=3)] == [ev.id]
