@@ -80,3 +80,80 @@ def acme(store: Store) -> str:
 @pytest.fixture
 def globex(store: Store) -> str:
     return store.operator.create_tenant("globex")[1].secret
+
+
+# -- a real runtime: process sandboxes, the instance manager, the store of the `store` fixture ------------
+
+AGENT = '''
+async def on_message(ctx, message):
+    if message.startswith("stream "):
+        for word in message[len("stream "):].split():
+            await ctx.emit("token", word + " ")
+        return "streamed"
+    if message == "approve":
+        draft = await ctx.step("draft", lambda: "draft-1")
+        answer = await ctx.interrupt({"question": "ship it?", "draft": draft})
+        return f"{draft} -> {answer}"
+    if message == "whoami":
+        return f"user={ctx.user}"
+    return "echo: " + message
+'''
+
+
+def agent_archive(tmp_path: Path, name: str = "echo", body: str = AGENT, version: str = "") -> bytes:
+    """An agent directory packed as the tar.gz a client uploads."""
+    import io
+    import tarfile
+    import textwrap
+
+    root = tmp_path / f"agent-src-{name}{version}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n')
+    (root / "agent.py").write_text(textwrap.dedent(body).replace("echo: ", f"echo{version}: "))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+@pytest.fixture
+async def runtime(tmp_path: Path, store: Store):
+    from moorage.lifecycle.manager import InstanceManager
+    from moorage.llm import gateway_from_config
+    from moorage.runtime.runtime import Runtime
+    from moorage.sandbox.process import ProcessDriver
+
+    cfg = Config(data_dir=tmp_path / "rt", sandbox_driver="process")
+    driver = ProcessDriver(cfg.sandboxes_dir, cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    yield rt
+    await manager.close()
+    await driver.close()
+
+
+@pytest.fixture
+async def live_rt(tmp_path: Path, runtime: Any):
+    """A live uvicorn server over the real runtime, served on the test's own event loop (the runtime's
+    locks and background tasks live there), used with async clients."""
+    import asyncio
+
+    config = Config(data_dir=tmp_path / "data")
+    app = create_app(runtime, config)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    yield LiveServer(f"http://127.0.0.1:{port}", app, config.data_dir)
+    server.should_exit = True
+    await task
+
+
+def aclient(live: LiveServer, secret: str | None = None, **headers: str) -> httpx.AsyncClient:
+    h = {"Authorization": f"Bearer {secret}"} if secret else {}
+    return httpx.AsyncClient(base_url=live.url, headers={**h, **headers}, timeout=120)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
+from moorage.api import schemas as S
 from moorage.api.routing import Call
 from moorage.errors import InvalidInput, TenantScopeError
 from moorage.store import EntityKey
@@ -38,18 +39,33 @@ def entity_for(call: Call, agent: str, user: str | None, session: str | None) ->
 async def run_turn(call: Call, entity: EntityKey, message: str) -> Any:
     started = time.perf_counter()
     result = await call.runtime.invoke(call.who, entity, message, idempotency_key=call.idempotency_key)
-    call.ctx.metrics.observe_turn(time.perf_counter() - started, result.usage)
+    call.ctx.metrics.observe_turn(time.perf_counter() - started, getattr(result, "usage", None))
     return result
 
 
 async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncIterator[Any]:
+    """Start the turn and wait for its first event, so that refusals (no such agent, wrong user) still
+    become a problem response with their own status; later failures can only be reported in-band."""
     started = time.perf_counter()
-    usage: dict[str, Any] = {}
-    async for ev in call.runtime.stream(call.who, entity, message, idempotency_key=call.idempotency_key):
-        if ev.kind == "done" and isinstance(ev.data, dict):
-            usage = dict(ev.data.get("usage") or {})
-        yield ev
-    call.ctx.metrics.observe_turn(time.perf_counter() - started, usage)
+    events = call.runtime.stream(call.who, entity, message, idempotency_key=call.idempotency_key).__aiter__()
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncIterator[Any]:
+        usage: dict[str, Any] = {}
+        try:
+            if first is not None:
+                yield first
+            async for ev in events:
+                if ev.kind == "done":
+                    usage = dict(getattr(ev.data, "usage", None) or {})
+                yield ev
+        finally:
+            call.ctx.metrics.observe_turn(time.perf_counter() - started, usage)
+
+    return rest()
 
 
 def message_of(call: Call) -> str:
@@ -59,3 +75,8 @@ def message_of(call: Call) -> str:
     if len(message) > MAX_MESSAGE_CHARS:
         raise InvalidInput(f"message longer than {MAX_MESSAGE_CHARS} characters")
     return message
+
+
+def event_data(ev: Any) -> Any:
+    """A stream event's payload as JSON-ready data (the final ``done`` carries a TurnResult)."""
+    return S.turn(ev.data) if ev.kind == "done" and hasattr(ev.data, "turn_id") else ev.data

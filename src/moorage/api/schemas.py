@@ -67,7 +67,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
     "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM}),
     "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]}, "reply": NSTR, "interrupt": ANY,
-                       "trace_id": NSTR, "usage": OBJ}),
+                       "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
     "Forgotten": obj({"agent": STR, "user": STR, "removed": INT}),
     "Result": OBJ,
 }
@@ -134,4 +134,5 @@ def span(s: Span) -> dict[str, Any]:
 def turn(result: Any) -> dict[str, Any]:
     """A runtime ``TurnResult`` as JSON."""
     return {"turn_id": str(result.turn_id), "status": result.status, "reply": result.reply,
-            "interrupt": result.interrupt, "trace_id": result.trace_id, "usage": dict(result.usage or {})}
+            "interrupt": result.interrupt, "trace_id": result.trace_id, "run_id": getattr(result, "run_id", None),
+            "usage": dict(getattr(result, "usage", None) or {})}

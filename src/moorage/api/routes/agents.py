@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of
@@ -38,18 +40,23 @@ async def deploy(call: Call) -> Reply:
         raise InvalidInput("empty deployment", hint="upload the agent directory as a tar.gz body")
     if call.body[:2] != b"\x1f\x8b":
         raise InvalidInput("the deployment is not a gzip archive", hint="upload `tar czf - -C my-agent .` as the body")
-    dep = await call.runtime.deploy(call.who, call.body, name=name)
+    runtime = call.runtime
+    from moorage.runtime.package import load_archive
+
+    pkg = await run_in_threadpool(load_archive, call.body)
+    if pkg.name != name:
+        raise InvalidInput(f"the package is agent {pkg.name!r}, not {name!r}",
+                           hint=f"deploy it to /v1/agents/{pkg.name}/deployments or fix [agent] name in moorage.toml")
+    dep = await runtime.deploy(call.who, call.body)
     return Reply(S.deployment(dep), 201)
 
 
 async def rollback(call: Call) -> dict[str, Any]:
-    from starlette.concurrency import run_in_threadpool
-
-    number = call.field("number", int)
-    if number < 1:
-        raise InvalidInput("number must be a deployment number (1 or more)")
+    number = call.field("number", int, required=False)
+    if number is not None and number < 1:
+        raise InvalidInput("number must be a deployment number (1 or more)", hint="omit it to go back one deployment")
     agent = await run_in_threadpool(agent_of, call)
-    return S.agent(await call.runtime.rollback(call.who, agent.name, number))
+    return S.deployment(await call.runtime.rollback(call.who, agent.name, number))
 
 
 def issue_token(call: Call) -> Reply:
@@ -70,8 +77,8 @@ ENDPOINTS = [
              "deployAgent", scope="deploy", status=201, body={"type": "string", "format": "binary"},
              body_type="application/gzip", max_body=DEPLOY_BODY_LIMIT, response=S.ref("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/rollback", rollback, "Make an earlier deployment live again", "agents",
-             "rollbackAgent", scope="deploy", body=S.obj({"number": {"type": "integer", "minimum": 1}}),
-             response=S.ref("Agent")),
+             "rollbackAgent", scope="deploy", body=S.obj({"number": {"type": "integer", "minimum": 1}}, []),
+             response=S.ref("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/users/{user}/tokens", issue_token,
              "Issue an end-user token limited to one user of this agent", "agents", "issueUserToken",
              scope="deploy", status=201, secret_fields=("token",), body=S.obj({"ttl_s": {"type": "number", "exclusiveMinimum": 0}}, []),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
-from moorage.api.invoke_shared import entity_for, message_of, run_turn, stream_turn, wants_stream
+from moorage.api.invoke_shared import entity_for, event_data, message_of, run_turn, stream_turn, wants_stream
 from moorage.api.routing import Call, Endpoint, Param
 from moorage.api.sse import error_payload, event_stream, frame
 
@@ -21,10 +21,12 @@ async def invoke(call: Call) -> Any:
     if not wants_stream(call):
         return S.turn(await run_turn(call, entity, message))
 
+    events = await stream_turn(call, entity, message)
+
     async def frames() -> AsyncIterator[bytes]:
         try:
-            async for ev in stream_turn(call, entity, message):
-                yield frame(ev.kind, ev.data)
+            async for ev in events:
+                yield frame(ev.kind, event_data(ev))
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
             yield frame("error", error_payload(e, call.trace_id))
 

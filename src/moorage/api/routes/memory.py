@@ -90,8 +90,9 @@ def add_fact(call: Call) -> Reply:
 async def forget(call: Call) -> dict[str, Any]:
     agent = await run_in_threadpool(agent_of, call)
     user = check_id(call.path["user"], "user id")
-    if call.ctx.runtime is not None:
-        removed = await call.runtime.forget(call.who, agent.name, user)
+    forget_in_runtime = getattr(call.ctx.runtime, "forget", None)
+    if forget_in_runtime is not None:  # the runtime also drops the user's sandboxes
+        removed = await forget_in_runtime(call.who, agent.name, user)
     else:
         removed = await run_in_threadpool(call.tenant.forget_user, user, agent.name)
     return {"agent": agent.name, "user": user, "removed": removed if isinstance(removed, int) else 0}

@@ -52,9 +52,10 @@ def completion(agent: str, result: Any) -> dict[str, Any]:
         "id": f"chatcmpl-{result.turn_id}", "object": "chat.completion", "created": int(time.time()), "model": agent,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                      "finish_reason": "stop", "logprobs": None}],
-        "usage": usage_block(dict(result.usage or {})),
+        "usage": usage_block(dict(getattr(result, "usage", None) or {})),
         # Not in OpenAI's schema; clients ignore it. A waiting turn carries its interrupt here.
-        "moorage": {"status": result.status, "interrupt": result.interrupt, "trace_id": result.trace_id},
+        "moorage": {"status": result.status, "interrupt": result.interrupt, "trace_id": result.trace_id,
+                    "run_id": getattr(result, "run_id", None)},
     }
 
 
@@ -71,6 +72,8 @@ def token_text(data: Any) -> str:
     if isinstance(data, str):
         return data
     if isinstance(data, dict):
+        if "data" in data:  # the runtime wraps guest events as {"event": ..., "data": ...}
+            return token_text(data["data"])
         for k in ("text", "token", "content", "delta"):
             if isinstance(data.get(k), str):
                 return data[k]
@@ -89,18 +92,25 @@ async def chat_completions(call: Call) -> Any:
         return completion(agent, await run_turn(call, entity, message))
 
     chunk_id = f"chatcmpl-{call.trace_id}"
+    events = await stream_turn(call, entity, message)
 
     async def frames() -> AsyncIterator[bytes]:
         yield chunk(chunk_id, agent, {"role": "assistant", "content": ""})
+        streamed = False
         try:
-            async for ev in stream_turn(call, entity, message):
+            async for ev in events:
                 if ev.kind == "token":
                     text = token_text(ev.data)
                     if text:
+                        streamed = True
                         yield chunk(chunk_id, agent, {"content": text})
                 elif ev.kind == "done":
-                    data = ev.data if isinstance(ev.data, dict) else {}
-                    yield chunk(chunk_id, agent, {}, "stop", usage_block(dict(data.get("usage") or {})))
+                    result = ev.data
+                    # An agent that returns its reply whole (no token events) still reaches the client.
+                    if not streamed and isinstance(getattr(result, "reply", None), str) and result.reply:
+                        yield chunk(chunk_id, agent, {"content": result.reply})
+                    usage = dict(getattr(result, "usage", None) or {})
+                    yield chunk(chunk_id, agent, {}, "stop", usage_block(usage))
                 elif ev.kind == "error":
                     yield f"data: {json.dumps({'error': ev.data})}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent

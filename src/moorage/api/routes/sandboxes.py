@@ -15,7 +15,7 @@ from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import InvalidInput
+from moorage.errors import InvalidInput, UnavailableError
 
 VERBS = ("sleep", "wake", "checkpoint", "rollback", "fork")
 PATH = Param("path", {"type": "string", "minLength": 1}, "a path inside the sandbox", required=True)
@@ -31,6 +31,14 @@ def get_sandbox(call: Call) -> dict[str, Any]:
     return S.sandbox(call.tenant.sandboxes.get(call.path["sandbox_id"]))
 
 
+def runtime_method(call: Call, name: str) -> Callable[..., Any]:
+    method = getattr(call.runtime, name, None)
+    if method is None:
+        raise UnavailableError(f"this runtime cannot {name.replace('_', ' ')} yet",
+                               hint="upgrade moorage; sandbox lifecycle verbs need a runtime that provides them")
+    return method
+
+
 def _verb(verb: str) -> Callable[[Call], Any]:
     async def handler(call: Call) -> dict[str, Any]:
         sid = call.path["sandbox_id"]
@@ -40,7 +48,7 @@ def _verb(verb: str) -> Callable[[Call], Any]:
             if not isinstance(v, str):
                 raise InvalidInput(f"field {k!r} must be a string")
         started = time.perf_counter()
-        result = await call.runtime.sandbox(call.who, sid, verb, **kw)
+        result = await runtime_method(call, "sandbox")(call.who, sid, verb, **kw)
         if verb == "wake":
             call.ctx.metrics.observe_wake(time.perf_counter() - started)
         return result if isinstance(result, dict) else {"result": result}
@@ -59,14 +67,14 @@ def _path(call: Call) -> str:
 async def list_files(call: Call) -> dict[str, Any]:
     sid = call.path["sandbox_id"]
     await run_in_threadpool(call.tenant.sandboxes.get, sid)
-    entries = await call.runtime.list_files(call.who, sid, _path(call))
+    entries = await runtime_method(call, "list_files")(call.who, sid, _path(call))
     return {"path": _path(call), "entries": list(entries)}
 
 
 async def read_file(call: Call) -> dict[str, Any]:
     sid = call.path["sandbox_id"]
     await run_in_threadpool(call.tenant.sandboxes.get, sid)
-    data = await call.runtime.read_file(call.who, sid, _path(call))
+    data = await runtime_method(call, "read_file")(call.who, sid, _path(call))
     if isinstance(data, str):
         return {"path": _path(call), "encoding": "utf-8", "content": data}
     try:
