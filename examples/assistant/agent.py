@@ -19,6 +19,6 @@ async def on_message(ctx, message):
     reply = out["text"].strip() or "..."
     # The model is small; what the user told us is stated from memory, not left to the model's recall.
     if facts and any(w in message.lower() for w in PREF_WORDS):
-        known = "; ".join(f["text"] or f"{f['attribute']}: {f['value']}" for f in facts)
+        known = "; ".join(f"{f['attribute'].replace('_', ' ')}: {f['value']}" for f in facts)
         reply += f"\n(What I remember about you: {known})"
     return reply

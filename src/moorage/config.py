@@ -39,6 +39,10 @@ class Config:
     object_store_url: str = ""
     host: str = "127.0.0.1"
     port: int = 7700
+    #: Where the CLI's client commands reach a moorage server (default: http://host:port).
+    api_url: str = ""
+    #: API key the CLI uses (default: the local tenant's admin key that `moorage up` wrote in data_dir).
+    api_key: str = dataclasses.field(default="", repr=False)
     #: LLM provider: ``embedded`` (llama.cpp, offline), ``openai`` (any compatible base URL) or ``anthropic``.
     llm_provider: str = "embedded"
     llm_base_url: str = ""

@@ -26,6 +26,11 @@ async def test_assistant_remembers_preferences_across_sessions(env) -> None:
     day5 = EntityKey("assistant", "ada", session="friday")
     r2 = await env.runtime.invoke(env.principal, day5, "What do I prefer to drink?")
     assert "green tea" in r2.reply.lower()
+    # Asking about a preference did not overwrite it.
+    from moorage.memory import SemanticMemory
+
+    prefs = SemanticMemory(ts).recall(Scope.for_user("assistant", "ada"), attribute="prefers")
+    assert [f.value for f in prefs] == ["green tea over coffee"]
     # Another user of the same agent knows nothing of Ada.
     r3 = await env.runtime.invoke(env.principal, EntityKey("assistant", "bob"), "What do I prefer to drink?")
     assert "green tea" not in r3.reply.lower()

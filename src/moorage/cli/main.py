@@ -63,6 +63,25 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
         raise typer.Exit(1)
 
 
+@app.command()
+def up(
+    demo: Optional[Path] = typer.Option(None, "--demo", help="Deploy this agent folder and hold a short conversation with it."),
+    exit_after_demo: bool = typer.Option(False, "--exit-after-demo", help="Stop once the demo conversation is done."),
+    host: Optional[str] = typer.Option(None, "--host"),
+    port: Optional[int] = typer.Option(None, "--port"),
+) -> None:
+    """Run moorage on this machine with the embedded defaults and serve the HTTP API."""
+    import asyncio
+
+    from moorage.cli.up import serve
+
+    cfg = state.cfg.with_(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    try:
+        asyncio.run(serve(cfg, demo, exit_after_demo))
+    except KeyboardInterrupt:
+        pass
+
+
 # Sub-command groups, one module each under moorage/cli/ exposing a ``typer.Typer`` named ``app``.
 SUBCOMMANDS = {
     "image": "moorage.cli.image",

@@ -279,6 +279,74 @@ class Runtime:
             raise ConflictError(f"workflow {run_id} already {run.status}")
         ts.runs.update(run_id, expected_version=run.version, status="cancelled")
 
+    # -- sandboxes and forgetting ---------------------------------------------------------------------
+
+    async def _instance_of(self, principal: Principal, sandbox_id: str) -> tuple[TenantStore, Any, Any]:
+        ts = self.store.tenant(principal)
+        rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)
+        if principal.user is not None and rec.scope.user != principal.user:
+            raise NotFound(f"no sandbox {sandbox_id!r}")
+        agent = await asyncio.to_thread(ts.agents.get, rec.scope.agent)
+        deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment) if agent.live_deployment else None
+
+        async def template() -> TemplateRef:
+            if deployment is None:
+                raise NotFound(f"agent {agent.name!r} has no live deployment to provision from")
+            return await self.templates.ensure(deployment)
+
+        return ts, rec, template
+
+    async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
+        """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
+        principal.require("admin")
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        if verb == "sleep":
+            slept = await self.instances.sleep(ts, rec.scope, reason="api")
+            return {"id": sandbox_id, "slept": slept}
+        label = kw.get("checkpoint") or kw.get("label") or "manual"
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            if verb == "wake":
+                return {"id": sandbox_id, "state": sb.state.value}
+            if verb == "checkpoint":
+                info = await sb.checkpoint(label)
+                return {"id": sandbox_id, "checkpoint": info.name}
+            if verb == "rollback":
+                await sb.rollback(label)
+                self._loaded.pop(sb.id, None)
+                return {"id": sandbox_id, "rolled_back_to": label}
+            if verb == "fork":
+                ref = await self.driver.make_template(sb, f"fork-{uuid.uuid4().hex[:12]}")
+                return {"id": sandbox_id, "template": ref.id}
+        raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
+
+    async def list_files(self, principal: Principal, sandbox_id: str, path: str) -> list[dict[str, Any]]:
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return [{"name": f.name, "path": f.path, "type": f.type, "size": f.size, "mtime": f.mtime}
+                    for f in await sb.list_files(path)]
+
+    async def read_file(self, principal: Principal, sandbox_id: str, path: str) -> bytes:
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return await sb.read_file(path)
+
+    async def forget(self, principal: Principal, agent: str, user: str) -> int:
+        """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
+        principal.require("admin")
+        ts = self.store.tenant(principal)
+        recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
+        for rec in recs:
+            await self.instances.sleep(ts, rec.scope, reason="forget")
+            try:
+                sb = await self.driver.open(rec.id)
+                await sb.destroy()
+            except Exception as e:  # already gone on this host
+                log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
+            self.instances.forget(ts.tenant_id, rec.scope)
+        removed = await asyncio.to_thread(ts.forget_user, user, agent)
+        self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
+        return removed + len(recs)
+
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""
         resumed = 0

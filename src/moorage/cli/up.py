@@ -1,0 +1,121 @@
+"""``moorage up``: one host with the embedded defaults, serving the HTTP API; optionally a first-run demo.
+
+On first start it creates a ``local`` tenant and writes its admin key to ``<data_dir>/local-admin.key``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+
+from moorage.config import Config
+from moorage.log import get_logger
+
+log = get_logger(__name__)
+console = Console()
+
+LOCAL_TENANT = "local"
+
+
+def admin_key_path(cfg: Config) -> Path:
+    return cfg.data_dir / "local-admin.key"
+
+
+def ensure_local_tenant(host: object, cfg: Config) -> str:
+    """The local tenant's admin key, creating tenant and key on the first start."""
+    path = admin_key_path(cfg)
+    if path.exists():
+        return path.read_text().strip()
+    store = host.store  # type: ignore[attr-defined]
+    from moorage.errors import NotFound
+
+    try:
+        tenant = store.operator.get_tenant(LOCAL_TENANT)
+        key = store.backend.create_api_key(tenant.id, ["admin"], "moorage up (replacement local key)")
+    except NotFound:
+        _, key = store.operator.create_tenant(LOCAL_TENANT)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.secret + "\n")
+    return key.secret
+
+
+def tar_dir(path: Path) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(path.rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts:
+                tar.add(p, arcname=p.relative_to(path).as_posix())
+    return buf.getvalue()
+
+
+DEMO_TURNS = [
+    ("monday", "Hi! My name is Ada and I prefer green tea over coffee."),
+    ("friday", "What do I prefer to drink?"),
+]
+
+
+async def run_demo(url: str, key: str, agent_dir: Path) -> None:
+    """Deploy the example agent through the API and hold a two-session conversation with it."""
+    import tomllib
+
+    name = tomllib.loads((agent_dir / "moorage.toml").read_text())["agent"]["name"]
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
+        with console.status(f"deploying {agent_dir} (builds its template sandbox)…"):
+            r = await client.post(f"/v1/agents/{name}/deployments", content=tar_dir(agent_dir),
+                                  headers={"Content-Type": "application/gzip"})
+        r.raise_for_status()
+        console.print(f"[green]deployed[/] {name} #{r.json()['number']}")
+        for session, text in DEMO_TURNS:
+            console.print(f"[bold]ada[/] ({session}): {text}")
+            with console.status("thinking…"):
+                r = await client.post(f"/v1/agents/{name}/invoke", json={"user": "ada", "session": session, "message": text})
+            if r.status_code != 200:
+                console.print(f"[red]error {r.status_code}[/] {r.text}")
+                r.raise_for_status()
+            console.print(f"[bold]{name}[/]: {r.json()['reply']}", highlight=False)
+
+
+async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
+    import uvicorn
+
+    from moorage.api.app import create_app
+    from moorage.runtime.host import Host
+
+    host = Host.open(cfg)
+    key = ensure_local_tenant(host, cfg)
+    await host.start()
+    app = create_app(host.runtime, cfg)
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off"))
+    url = f"http://{cfg.host}:{cfg.port}"
+
+    async def after_start() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        console.print(f"moorage is up at [bold]{url}[/] (store: {host.store.describe()}; sandboxes: {host.driver.name})")
+        console.print(f"local tenant admin key: {admin_key_path(cfg)}")
+        if demo is not None:
+            try:
+                await run_demo(url, key, demo)
+            finally:
+                if exit_after_demo:
+                    server.should_exit = True
+        if not exit_after_demo:
+            console.print("serving; Ctrl-C to stop")
+
+    task = asyncio.create_task(after_start())
+    try:
+        await server.serve()
+    finally:
+        if not task.done():
+            task.cancel()
+        await host.close()
+    if task.done() and not task.cancelled() and task.exception():
+        raise task.exception()  # type: ignore[misc]

@@ -1,0 +1,92 @@
+"""One moorage host process: store, sandbox driver, instance manager, LLM gateway and runtime, wired once.
+
+``Host.open(config)`` builds everything from the one config; ``start()`` re-adopts instances, resumes
+interrupted turns and starts the background sweepers; ``close()`` detaches without losing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Mapping
+
+from moorage.config import Config
+from moorage.log import get_logger
+from moorage.store import Store, open_store
+
+log = get_logger(__name__)
+
+#: How often expired scopes (retention TTLs) are swept.
+RETENTION_SWEEP_S = 300.0
+
+
+class StoreUsageSink:
+    """Writes each model call's tokens and cost into the tenant's usage ledger."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def record(self, *, tenant_id: str, entity: Mapping[str, str] | None, provider: str, model: str,
+               input_tokens: int, output_tokens: int, cached_input_tokens: int, cost_usd: float,
+               latency_ms: float, trace_id: str | None) -> None:
+        ts = self.store.tenant(self.store.operator.principal(tenant_id))
+        agent = (entity or {}).get("agent") or None
+        user = (entity or {}).get("user") or None
+        meta = {"provider": provider, "model": model, "trace_id": trace_id, "latency_ms": round(latency_ms, 1)}
+        with ts.transaction():
+            for kind, amount in (("input_tokens", input_tokens), ("output_tokens", output_tokens),
+                                 ("cached_input_tokens", cached_input_tokens), ("cost_usd", cost_usd)):
+                if amount:
+                    ts.usage.add(kind, amount, agent_id=agent, user_id=user, meta=meta)
+
+
+class Host:
+    def __init__(self, config: Config, store: Store, driver: Any, manager: Any, runtime: Any) -> None:
+        self.config = config
+        self.store = store
+        self.driver = driver
+        self.manager = manager
+        self.runtime = runtime
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    def open(cls, config: Config) -> "Host":
+        from moorage.lifecycle.manager import InstanceManager
+        from moorage.llm import gateway_from_config
+        from moorage.runtime.runtime import Runtime
+        from moorage.sandbox import get_driver
+
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        store = open_store(config)
+        driver = get_driver(config)
+        manager = InstanceManager(store, driver)
+        llm = gateway_from_config(config, usage_sink=StoreUsageSink(store))
+        return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
+
+    async def start(self) -> None:
+        await self.manager.start()
+        resumed = await self.runtime.recover()
+        if resumed:
+            log.info("resumed interrupted turns", count=resumed)
+        self._tasks.append(asyncio.create_task(self._sweep_loop(), name="retention-sweeper"))
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                rep = await asyncio.to_thread(self.store.operator.sweep_all)
+                if rep.scopes:
+                    log.info("retention sweep", scopes=rep.scopes, rows=rep.rows)
+            except Exception as e:  # the sweeper must outlive a bad round
+                log.error("retention sweep failed", error=str(e))
+            await asyncio.sleep(RETENTION_SWEEP_S)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.manager.close()
+        await self.driver.close()
+        with contextlib.suppress(Exception):
+            await self.runtime.llm.aclose()
+        self.store.close()
