@@ -50,6 +50,8 @@ class _ScopeVectors:
     speakers: list[str | None] = field(default_factory=list)
     matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, DIMENSION), dtype=np.float32))
     max_id: int = 0
+    #: Event id -> row of ``matrix``.
+    pos: dict[int, int] = field(default_factory=dict)
     #: Events of the scope seen so far (with or without a vector): compared with the store's count.
     seen: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -127,7 +129,7 @@ class EpisodicMemory:
         lex_ids = [e.id for e, _ in lexical]
         dense_ids = [i for i, _ in dense]
         # Every candidate gets its true cosine (all vectors are at hand), not only the dense top-N.
-        pos = {int(i): n for n, i in enumerate(vec.ids)}
+        pos = vec.pos
         cos = dict(dense)
         for i in lex_ids:
             if i not in cos and i in pos:
@@ -222,8 +224,8 @@ class EpisodicMemory:
             return
         if count < vec.seen:
             fresh = _ScopeVectors()
-            vec.ids, vec.ts, vec.speakers, vec.matrix, vec.max_id, vec.seen = (
-                fresh.ids, fresh.ts, fresh.speakers, fresh.matrix, 0, 0)
+            vec.ids, vec.ts, vec.speakers, vec.matrix, vec.pos, vec.max_id, vec.seen = (
+                fresh.ids, fresh.ts, fresh.speakers, fresh.matrix, fresh.pos, 0, 0)
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
         vec.seen += len(new)
         if not new:
@@ -236,6 +238,8 @@ class EpisodicMemory:
             log.warning("ignoring embeddings of the wrong size", scope=scope.key, count=len(rows) - len(good))
         if good:
             mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
+            base = len(vec.ids)
+            vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})
             vec.matrix = np.vstack([vec.matrix, mat]) if len(vec.ids) else mat.copy()
             vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
             vec.ts = np.concatenate([vec.ts, np.array([wanted[i].ts for i, _ in good], dtype=np.float64)])
