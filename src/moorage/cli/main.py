@@ -30,7 +30,7 @@ state = State()
 
 @app.callback()
 def _main(
-    config: Optional[Path] = typer.Option(None, "--config", help="Path to moorage.toml (settings under [moorage])."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Path to moorage.toml (settings under a \\[moorage] table)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Data directory (default ~/.local/share/moorage)."),
     log_level: Optional[str] = typer.Option(None, "--log-level"),
 ) -> None:
@@ -102,6 +102,10 @@ def _attach_subcommands() -> None:
 
 
 _attach_subcommands()
+
+from moorage.cli import client as _client  # noqa: E402
+
+_client.register(app, lambda: state.cfg)
 
 
 def run() -> None:

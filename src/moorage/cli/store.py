@@ -1,0 +1,67 @@
+"""``moorage store``: operator commands for the durable store (runs on the host, not over HTTP).
+
+Creating tenants, migrating, sweeping expired data: things an operator does with direct store access.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+
+console = Console()
+app = typer.Typer(no_args_is_help=True, help="Operator commands for the durable store.")
+
+
+def _store():  # type: ignore[no-untyped-def]
+    from moorage.cli.main import state
+    from moorage.store import open_store
+
+    return open_store(state.cfg)
+
+
+@app.command()
+def info() -> None:
+    """Which backend and schema version this host's store runs."""
+    with _store() as s:
+        console.print(s.describe())
+        console.print(f"control schema v{s.backend.schema_version()}")
+
+
+@app.command()
+def migrate() -> None:
+    """Bring the schema up to date (opening the store does this; this makes it explicit)."""
+    with _store() as s:
+        console.print(f"up to date: {s.describe()}")
+
+
+@app.command()
+def sweep() -> None:
+    """Delete data whose retention TTL has passed, in every tenant."""
+    with _store() as s:
+        rep = s.operator.sweep_all()
+    console.print(f"swept {rep.scopes} expired scopes ({rep.rows} rows)")
+
+
+@app.command("create-tenant")
+def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Create a tenant and print its first admin API key (shown once; only a hash is kept)."""
+    with _store() as s:
+        t, key = s.operator.create_tenant(name)
+    if as_json:
+        print(json.dumps({"tenant": t.id, "name": t.name, "api_key": key.secret}))
+    else:
+        console.print(f"tenant {t.name} ({t.id})\nadmin key: {key.secret}\n[dim]store it now: it is not shown again[/]")
+
+
+@app.command("tenants")
+def tenants(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List tenants."""
+    with _store() as s:
+        ts = s.operator.list_tenants()
+    if as_json:
+        print(json.dumps([{"id": t.id, "name": t.name, "created_at": t.created_at} for t in ts]))
+    else:
+        for t in ts:
+            console.print(f"{t.name}\t{t.id}")

@@ -1,0 +1,78 @@
+"""The CLI end to end against a real `moorage up` server process (process sandboxes, embedded model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.devservices.postgres import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
+
+
+def _env(data: Path, port: int) -> dict[str, str]:
+    return {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port), "MOORAGE_SANDBOX_DRIVER": "process",
+            "MOORAGE_LOG_LEVEL": "warning"}
+
+
+def run(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MOORAGE, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_readme_main_command_runs_example_one_end_to_end(tmp_path: Path) -> None:
+    """What `scripts/up.sh` runs: deploy examples/assistant and hold a two-session conversation, offline."""
+    env = _env(tmp_path / "data", free_port())
+    r = run(["up", "--demo", "examples/assistant", "--exit-after-demo"], env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "deployed assistant #1" in out
+    friday = out.split("ada (friday)")[1]
+    assert "green tea" in friday.lower()
+    assert (tmp_path / "data" / "local-admin.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:
+    port = free_port()
+    env = _env(tmp_path / "data", port)
+    server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.3)
+        d = run(["deploy", "examples/coder"], env)
+        assert d.returncode == 0 and "deployed coder #1" in d.stdout, d.stdout + d.stderr
+        assert run(["invoke", "coder", "install", "-u", "dev"], env).stdout.strip() == "installed slugkit"
+        assert run(["invoke", "coder", "write", "-u", "dev"], env).stdout.strip() == "wrote projects/slug.py"
+        boxes = json.loads(run(["ps", "--json"], env).stdout)["data"]
+        assert [b["state"] for b in boxes] == ["running"]
+        slept = run(["sleep", boxes[0]["id"]], env)
+        assert json.loads(slept.stdout)["slept"] is True, slept.stdout + slept.stderr
+        assert json.loads(run(["ps", "--json"], env).stdout)["data"][0]["state"] == "sleeping"
+        r = run(["invoke", "coder", "run Hello CLI", "-u", "dev", "-s", "later"], env)
+        assert r.stdout.strip() == "hello-cli", r.stdout + r.stderr
+        bad = run(["invoke", "ghost", "hi", "-u", "dev"], env)
+        assert bad.returncode != 0 and "ghost" in bad.stderr and "Traceback" not in bad.stderr
+        f = run(["forget", "coder", "dev", "--yes"], env)
+        assert f.returncode == 0, f.stderr
+        assert json.loads(run(["ps", "--json"], env).stdout)["data"] == []
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
