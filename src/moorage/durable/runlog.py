@@ -231,11 +231,14 @@ class RunLog:
 
         def write() -> tuple[Any, Step]:
             effective = value
-            entry, created = self.ts.journal.claim(key, run_id=self.run.id, step=name)
-            if created or entry.status == "pending":
-                self.ts.journal.complete(key, expected_version=entry.version, result=value)
-            elif entry.status == "done":
-                effective = entry.result  # the same key was completed elsewhere first: one outcome per key
+            # The steps row is the journal of a derived key (it is a function of run and position). An explicit
+            # key may be shared with other runs, so it also gets a journal entry that any of them can replay.
+            if key != self.derived_key(position):
+                entry, created = self.ts.journal.claim(key, run_id=self.run.id, step=name)
+                if created or entry.status == "pending":
+                    self.ts.journal.complete(key, expected_version=entry.version, result=value)
+                elif entry.status == "done":
+                    effective = entry.result  # the same key was completed elsewhere first: one outcome per key
             return effective, self._record(seq, name, STEP_OK, attempt=attempt, result=effective, started_at=started_at)
 
         effective, row = self._commit(write, current_step=name, **_state(state))
