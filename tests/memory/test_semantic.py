@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from moorage.memory.errors import FactNotFound
 from moorage.memory.extraction import FactCandidate, PatternExtractor
 from moorage.memory.semantic import SemanticMemory
 from moorage.store import Scope, TenantStore
@@ -108,3 +111,15 @@ def test_pattern_extractor_reads_common_first_person_statements() -> None:
         ("name", "Ada", False), ("lives_in", "London", False), ("preferred_name", "Addie", False),
         ("prefers", "aisle seats", False), ("favourite_color", "green", True),
     }
+
+
+def test_confirming_an_unknown_or_foreign_fact_is_a_clear_error(tenant: TenantStore, other_tenant: TenantStore) -> None:
+    mine = SemanticMemory(tenant)
+    [p] = _say(tenant, mine, "the user's employer is Evil Corp.", T0, speaker="tool:crm", kind="tool_result")
+    with pytest.raises(FactNotFound):
+        mine.confirm(ALICE, "no-such-fact")
+    with pytest.raises(FactNotFound):  # another tenant cannot even see it, let alone confirm it
+        SemanticMemory(other_tenant).confirm(ALICE, p.fact.id)
+    with pytest.raises(FactNotFound):  # nor can another user's scope in the same tenant
+        mine.confirm(Scope.for_user("concierge", "bob"), p.fact.id)
+    assert mine.pending(ALICE)[0].id == p.fact.id

@@ -120,6 +120,8 @@ class EpisodicMemory:
         """The ``k`` events of ``scope`` that best answer ``query``: lexical + dense, fused, recency re-ranked."""
         if not query.strip():
             raise InvalidInput("empty memory query", hint="pass the question or topic to recall")
+        if not 1 <= k <= 1000:
+            raise InvalidInput(f"k={k} is out of range", hint="ask for 1 to 1000 results")
         # The query embedding (CPU) runs while this thread does the store reads (I/O).
         pending_qv = self.embedder.embed_one_async(query)
         lexical = self.search_lexical(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)

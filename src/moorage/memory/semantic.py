@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from moorage.errors import ConflictError, InvalidInput
+from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.log import get_logger
 from moorage.memory.errors import FactNotFound
 from moorage.memory.extraction import MULTI_VALUED, FactCandidate, FactExtractor, PatternExtractor, normalize_value
@@ -203,7 +203,7 @@ class SemanticMemory:
     def _get(self, scope: Scope, fact_id: str) -> Fact:
         try:
             f = self.ts.facts.get(fact_id)
-        except Exception as e:  # the store raises NotFound; re-raised with what to do
+        except NotFound as e:
             raise FactNotFound(f"no fact {fact_id!r} in this tenant", hint="list pending facts with `moorage memory facts`") from e
         if f.scope != scope:
             raise FactNotFound(f"no fact {fact_id!r} in scope {scope.key}")
