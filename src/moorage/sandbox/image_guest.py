@@ -1,0 +1,115 @@
+"""What moorage adds to a Debian tree to make it a sandbox: the boot scripts and the guest runtime layer.
+
+Kept apart from the builder so the cheap final layer (and its hash) is easy to read and change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from moorage.sandbox import guest_source_dir
+
+#: Where the guest package lives inside the VM (run as ``python3 /opt/moorage/guest``).
+GUEST_DIR_IN_VM = "/opt/moorage/guest"
+#: Name of the virtio-serial port the guest supervisor listens on.
+CHANNEL_PORT = "moorage.0"
+
+#: Printed on the console by the initramfs when booted with ``moorage.probe`` (the KVM usability probe).
+PROBE_MARKER = "MOORAGE-PROBE-OK"
+#: Printed by /sbin/moorage-init when booted with ``moorage.bootcheck`` (image self-test).
+BOOTCHECK_MARKER = "MOORAGE-ROOT-OK"
+
+# microvm has no PCI and a single 8250 UART. `quiet` matters under TCG: every console byte is emulated.
+# `panic=-1` + `-no-reboot` make a guest panic end the QEMU process instead of hanging.
+KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 reboot=t pci=off 8250.nr_uarts=1 random.trust_cpu=on rootfstype=ext4"
+
+INITRAMFS_INIT = r"""#!/bin/busybox sh
+# moorage initramfs: load the virtio modules, mount the agent disk, hand over to /sbin/moorage-init.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in $(cat /lib/modules/order); do
+  insmod /lib/modules/$m.ko || echo "moorage-initramfs: insmod $m failed"
+done
+case " $(cat /proc/cmdline) " in
+  *" moorage.probe "*) echo MOORAGE-PROBE-OK; echo o > /proc/sysrq-trigger; sleep 5 ;;
+esac
+i=0
+while [ ! -b /dev/vda ] && [ $i -lt 500 ]; do usleep 10000; i=$((i+1)); done
+if ! mount -t ext4 -o rw,noatime /dev/vda /newroot; then
+  echo "moorage-initramfs: cannot mount /dev/vda (no disk or not ext4)"; echo o > /proc/sysrq-trigger; sleep 5
+fi
+mount --move /dev /newroot/dev
+mount --move /sys /newroot/sys
+mount --move /proc /newroot/proc
+exec switch_root /newroot /sbin/moorage-init
+"""
+
+ROOT_INIT = r"""#!/bin/sh
+# PID 1 of a moorage sandbox: minimal mounts, loopback up, then the guest supervisor (which reaps orphans).
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1
+mountpoint -q /proc || mount -t proc proc /proc
+mountpoint -q /sys || mount -t sysfs sysfs /sys
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
+mount -t tmpfs -o mode=755,nosuid,nodev tmpfs /run
+mkdir -p /dev/pts /dev/shm
+mount -t devpts -o gid=5,mode=620,ptmxmode=666 devpts /dev/pts
+mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /dev/shm
+hostname sandbox
+ip link set lo up 2>/dev/null
+case " $(cat /proc/cmdline) " in
+  *" moorage.bootcheck "*)
+    echo "MOORAGE-ROOT-OK $(python3 -c 'import json, sys; print(json.dumps(sys.version_info[:2]))')"
+    sync; echo o > /proc/sysrq-trigger; sleep 5 ;;
+esac
+cd /
+exec python3 /opt/moorage/guest --virtio moorage.0
+"""
+
+# Debian marks its Python "externally managed"; inside a throwaway sandbox the agent owns the system.
+PIP_CONF = "[global]\nbreak-system-packages = true\ndisable-pip-version-check = true\n"
+
+
+def _guest_files() -> list[Path]:
+    src = guest_source_dir()
+    return sorted(p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".json", ".txt"))
+
+
+def guest_code_hash() -> str:
+    """Hash of everything the final layer adds, so changed guest code gives a new image id."""
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())  # the boot scripts and the layering steps themselves
+    src = guest_source_dir()
+    for p in _guest_files():
+        h.update(str(p.relative_to(src)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _put(path: Path, data: str, mode: int) -> None:
+    # The staging tree hard-links the debootstrap cache: replace files, never write through a shared inode.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    path.write_text(data)
+    path.chmod(mode)
+
+
+def layer_guest_runtime(root: Path) -> None:
+    """Add /sbin/moorage-init, pip config and the guest package to the staging tree ``root``."""
+    _put(root / "sbin" / "moorage-init", ROOT_INIT, 0o755)
+    _put(root / "etc" / "pip.conf", PIP_CONF, 0o644)
+    _put(root / "etc" / "hostname", "sandbox\n", 0o644)
+    (root / "work").mkdir(mode=0o755, exist_ok=True)  # the supervisor's default working directory
+    dst = root / GUEST_DIR_IN_VM.lstrip("/")
+    if dst.exists():
+        shutil.rmtree(dst)
+    src = guest_source_dir()
+    for p in _guest_files():
+        target = dst / p.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(p, target)
+        os.chmod(target, 0o644)

@@ -1,0 +1,154 @@
+"""A small async client for QEMU's QMP monitor on a unix socket: commands, events and file-descriptor passing.
+
+One ``QMPClient`` per QEMU process; commands are serialised (QMP answers in order) and events are queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+from moorage.log import get_logger
+from moorage.sandbox.base import SandboxError
+
+log = get_logger(__name__)
+
+
+class QMPError(SandboxError):
+    """QEMU refused a monitor command, or the monitor connection failed."""
+
+    code = "sandbox-qmp"
+
+    def __init__(self, message: str, *, qmp_class: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.qmp_class = qmp_class
+
+
+class QMPClient:
+    """Connected QMP session. Use ``await QMPClient.connect(path)``; ``close()`` when done."""
+
+    def __init__(self, sock: socket.socket, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._sock = sock
+        self._reader = reader
+        self._writer = writer
+        self._lock = asyncio.Lock()
+        self._events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._waiter: asyncio.Future[dict[str, Any]] | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self.greeting: dict[str, Any] = {}
+
+    @classmethod
+    async def connect(cls, path: str, *, timeout: float = 10.0) -> "QMPClient":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=16 << 20)
+        except (OSError, asyncio.TimeoutError) as e:
+            sock.close()
+            raise QMPError(f"cannot connect to the QEMU monitor at {path}: {e}", hint="is the QEMU process still running?") from e
+        client = cls(sock, reader, writer)
+        try:
+            greeting = json.loads(await asyncio.wait_for(reader.readline(), timeout))
+            if "QMP" not in greeting:
+                raise QMPError(f"unexpected QMP greeting: {greeting!r}")
+            client.greeting = greeting["QMP"]
+            client._reader_task = asyncio.create_task(client._read_loop(), name=f"qmp:{path}")
+            await client.execute("qmp_capabilities", timeout=timeout)
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    @property
+    def qemu_version(self) -> str:
+        v = self.greeting.get("version", {}).get("qemu", {})
+        return f"{v.get('major')}.{v.get('minor')}.{v.get('micro')}"
+
+    async def execute(self, command: str, arguments: dict[str, Any] | None = None, *, timeout: float = 30.0, fds: list[int] | None = None) -> Any:
+        """Run one command and return its ``return`` value; ``fds`` are sent with it (for ``getfd``/``add-fd``)."""
+        msg: dict[str, Any] = {"execute": command}
+        if arguments:
+            msg["arguments"] = arguments
+        data = (json.dumps(msg) + "\n").encode()
+        async with self._lock:
+            if self._closed:
+                raise QMPError(f"QMP connection closed; cannot run {command}", hint="the QEMU process has exited")
+            loop = asyncio.get_running_loop()
+            self._waiter = loop.create_future()
+            try:
+                if fds:
+                    # SCM_RIGHTS must ride on the command's own bytes; the stream buffer is empty between commands.
+                    await self._writer.drain()
+                    socket.send_fds(self._sock, [data], fds)  # a few bytes: never blocks on an empty socket buffer
+                else:
+                    self._writer.write(data)
+                    await self._writer.drain()
+                reply = await asyncio.wait_for(self._waiter, timeout)
+            except asyncio.TimeoutError as e:
+                raise QMPError(f"QEMU did not answer {command} within {timeout:.0f} s", hint="the QEMU process may be hung; destroy and wake the sandbox") from e
+            except (OSError, ConnectionError) as e:
+                raise QMPError(f"QMP connection failed during {command}: {e}") from e
+            finally:
+                self._waiter = None
+        if "error" in reply:
+            err = reply["error"]
+            raise QMPError(f"QEMU refused {command}: {err.get('desc')}", qmp_class=err.get("class", ""))
+        return reply.get("return")
+
+    async def next_event(self, name: str | None = None, *, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait for the next event (named ``name`` if given), dropping others."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                ev = await asyncio.wait_for(self._events.get(), max(left, 0.001))
+            except asyncio.TimeoutError as e:
+                raise QMPError(f"no QMP event {name or ''} within {timeout:.0f} s") from e
+            if name is None or ev.get("event") == name:
+                return ev
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        out = []
+        while not self._events.empty():
+            out.append(self._events.get_nowait())
+        return out
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                line = await self._reader.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    log.warning("qmp: malformed line", line=line[:200])
+                    continue
+                if "event" in msg:
+                    self._events.put_nowait(msg)
+                elif self._waiter is not None and not self._waiter.done():
+                    self._waiter.set_result(msg)
+        except (OSError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._closed = True
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_exception(QMPError("QEMU closed the monitor connection", hint="the QEMU process exited"))
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            try:
+                await self._reader_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        try:
+            self._writer.close()
+        except Exception:
+            pass

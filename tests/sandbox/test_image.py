@@ -1,0 +1,118 @@
+"""Guest image builder and KVM probe: real debootstrap, real kernel package, real QEMU boots (TCG here)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from moorage.config import Config
+from moorage.sandbox import image_guest
+from moorage.sandbox.accel import accel_args, choose_accel, probe_kvm
+from moorage.sandbox.image import GuestImage, ImageBuilder, ImageRecipe, _module_load_order
+from moorage.sandbox.microvm_qemu import kernel_cmdline
+
+#: Shared across test sessions so only the first run on a machine pays for debootstrap.
+IMAGES_DIR = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
+
+
+@pytest.fixture(scope="session")
+def guest_image() -> GuestImage:
+    for tool in ("debootstrap", "mkfs.ext4", "cpio", "qemu-img", "qemu-system-x86_64", "apt-get"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"prerequisite missing: {tool} (run scripts/bootstrap.sh)")
+    return ImageBuilder(IMAGES_DIR).build()
+
+
+def test_recipe_key_is_stable_and_follows_every_field() -> None:
+    base = ImageRecipe()
+    assert base.key() == ImageRecipe().key()
+    assert ImageRecipe(packages=("python3", "curl")).key() != base.key()
+    assert ImageRecipe(disk_mib=2048).key() != base.key()
+    # The debootstrap cache depends only on what debootstrap sees.
+    assert ImageRecipe(disk_mib=2048).rootfs_key() == base.rootfs_key()
+    assert ImageRecipe(modules=("virtio_ring",)).rootfs_key() == base.rootfs_key()
+    assert ImageRecipe(modules=("virtio_ring",)).kernel_key() != base.kernel_key()
+
+
+def test_image_has_kernel_initramfs_and_read_only_root(guest_image: GuestImage) -> None:
+    assert guest_image.kernel.stat().st_size > 1 << 20
+    assert guest_image.initrd.stat().st_size > 100 << 10
+    assert guest_image.rootfs.stat().st_size == guest_image.disk_mib << 20
+    assert not (guest_image.rootfs.stat().st_mode & 0o222), "the base disk must be read-only"
+    listing = subprocess.run(["cpio", "-it"], stdin=open(guest_image.initrd, "rb"), capture_output=True, text=True).stdout.split()
+    for mod in ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console"):
+        assert f"lib/modules/{mod}.ko" in listing
+    assert "init" in listing and "bin/busybox" in listing
+    # The guest runtime is inside the root filesystem.
+    out = subprocess.run(["debugfs", "-R", f"cat {image_guest.GUEST_DIR_IN_VM}/supervisor.py", str(guest_image.rootfs)], capture_output=True, text=True)
+    assert "def main" in out.stdout
+
+
+def test_second_build_reuses_the_cache(guest_image: GuestImage) -> None:
+    steps: list[str] = []
+    img = ImageBuilder(IMAGES_DIR, progress=lambda step, detail: steps.append(step)).build()
+    assert img.id == guest_image.id
+    assert steps == ["cached"]
+
+
+def test_changed_guest_code_relayers_without_debootstrap(guest_image: GuestImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorage.sandbox import guest_source_dir
+
+    src = tmp_path / "guest"
+    shutil.copytree(guest_source_dir(), src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "extra_marker.py").write_text("MARKER = 'relayered'\n")
+    monkeypatch.setattr(image_guest, "guest_source_dir", lambda: src)
+    steps: list[tuple[str, str]] = []
+    builder = ImageBuilder(IMAGES_DIR, progress=lambda step, detail: steps.append((step, detail)))
+    assert builder.image_id() != guest_image.id
+    img = builder.build()
+    try:
+        assert ("rootfs", "cached debootstrap tree") in steps and ("kernel", "cached") in steps
+        out = subprocess.run(["debugfs", "-R", f"cat {image_guest.GUEST_DIR_IN_VM}/extra_marker.py", str(img.rootfs)], capture_output=True, text=True)
+        assert "relayered" in out.stdout
+    finally:
+        shutil.rmtree(img.dir, ignore_errors=True)
+
+
+def test_image_boots_to_its_python_under_tcg(guest_image: GuestImage, tmp_path: Path) -> None:
+    disk = tmp_path / "disk.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(guest_image.rootfs), "-F", "raw", str(disk)], check=True)
+    argv = [
+        "qemu-system-x86_64", "-M", "microvm,x-option-roms=off", *accel_args("tcg"), "-m", "256", "-nodefaults",
+        "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
+        "-kernel", str(guest_image.kernel), "-initrd", str(guest_image.initrd),
+        "-append", kernel_cmdline(guest_image.cmdline, "tcg") + " moorage.bootcheck",
+        "-drive", f"id=d,file={disk},format=qcow2,if=none", "-device", "virtio-blk-device,drive=d",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=240).stdout
+    assert f"{image_guest.BOOTCHECK_MARKER} [3, 11]" in out, out[-2000:]
+
+
+def test_module_order_puts_dependencies_first(guest_image: GuestImage) -> None:
+    listing = subprocess.run(["cpio", "-i", "--to-stdout", "lib/modules/order"], stdin=open(guest_image.initrd, "rb"), capture_output=True, text=True).stdout.split()
+    assert listing.index("virtio_ring") < listing.index("virtio") < listing.index("virtio_mmio")
+    assert listing.index("virtio") < listing.index("virtio_blk")
+
+
+def test_module_order_rejects_unknown_modules(tmp_path: Path) -> None:
+    from moorage.sandbox.image import ImageBuildError
+
+    with pytest.raises(ImageBuildError, match="not found"):
+        _module_load_order(("no_such_module",), {})
+
+
+def test_kvm_probe_boots_a_guest_or_explains_why_not(guest_image: GuestImage, tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path, accel="auto")
+    res = probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd)
+    assert isinstance(res.usable, bool) and res.detail
+    if not res.usable:
+        assert res.fix, "an unusable KVM must come with a fix"
+    # Cached per host boot: the second answer is the same and needs no boot.
+    assert probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd) == res
+    assert (tmp_path / "cache" / "kvm-probe.json").exists()
+    assert choose_accel(cfg) == ("kvm" if res.usable else "tcg")
+    assert choose_accel(cfg.with_(accel="tcg")) == "tcg"
