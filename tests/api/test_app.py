@@ -100,6 +100,8 @@ def test_idempotency_key_replays_the_first_response(live, acme, store: Store):
         e1 = c.delete("/v1/keys/nope", headers={"Idempotency-Key": "del-1"})
         e2 = c.delete("/v1/keys/nope", headers={"Idempotency-Key": "del-1"})
         assert e1.status_code == e2.status_code == 404 and e2.headers["idempotent-replayed"] == "true"
+        assert e2.headers["content-type"] == e1.headers["content-type"] == "application/problem+json"
+        assert e2.json()["detail"] == e1.json()["detail"]
         problem_ok(c.post("/v1/keys", json={"scopes": ["deploy"]}, headers={"Idempotency-Key": "bad key"}), 422)
     ts = store.tenant(store.authenticate(acme))
     entries = [j for j in ts.journal.list() if j.key.startswith("http:")]

@@ -245,7 +245,8 @@ class Endpoint:
             if stored.get("request_sha") != request_sha:
                 raise InvalidInput("this Idempotency-Key was used with a different request",
                                    hint="use a new key for a new request")
-            return json_response(stored.get("body"), int(stored.get("status", 200)), {"Idempotent-Replayed": "true"})
+            return json_response(stored.get("body"), int(stored.get("status", 200)), {"Idempotent-Replayed": "true"},
+                                 media_type=stored.get("media_type") or "application/json")
         try:
             response = self._respond(await self._invoke(call))
         except MoorageError as e:
@@ -263,7 +264,8 @@ class Endpoint:
         if isinstance(stored_body, dict):
             stored_body = _redact(stored_body, self.secret_fields)
         await run_in_threadpool(ts.journal.complete, key, expected_version=entry.version,
-                                result={"status": response.status_code, "body": stored_body, "request_sha": request_sha})
+                                result={"status": response.status_code, "body": stored_body, "request_sha": request_sha,
+                                        "media_type": response.media_type})
         return response
 
     def _record_span(self, ctx: "AppContext", ts: TenantStore, principal: Principal | None, request: Request,
@@ -298,8 +300,9 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None,
+                  media_type: str = "application/json") -> Response:
     if status == 204:
         return Response(status_code=204, headers=headers)
-    return Response(json.dumps(body, default=_json_default), status_code=status, media_type="application/json",
+    return Response(json.dumps(body, default=_json_default), status_code=status, media_type=media_type,
                     headers=headers)
