@@ -435,3 +435,21 @@ async def test_channel_primitives_drive_a_run_like_a_guest(host: Host) -> None:
     new_v = fresh.checkpoint_state("guest", {"turn": 2}, expected_version=host.ts.runs.get("guest").version)
     done = fresh.finish_run("guest", "ok", state={"turn": 3})
     assert done.status == "succeeded" and done.state == {"turn": 3} and done.version == new_v + 1
+
+
+async def test_many_runs_interleave_in_one_engine_without_crosstalk(tenant) -> None:
+    async def body(run: int, i: int) -> list[int]:
+        await asyncio.sleep(0)  # yield to the other runs between steps
+        return [run, i]
+
+    async def wf(ctx: WorkflowContext, run: int) -> list:
+        out = []
+        for i in range(5):
+            out.append(await ctx.step(f"s{i}", body, run, i))
+            ctx.state["last"] = i
+        return out
+
+    engine = DurableEngine(tenant)
+    runs = await asyncio.gather(*(engine.start(scope(f"par{n}"), "wf", wf, n) for n in range(8)))
+    assert [r.result for r in runs] == [[[n, i] for i in range(5)] for n in range(8)]
+    assert all(r.state == {"last": 4} and len(tenant.runs.steps(r.id)) == 5 for r in runs)

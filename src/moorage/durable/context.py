@@ -14,7 +14,8 @@ from typing import Any, Awaitable, Callable
 
 from moorage.durable.errors import NonDeterminismError, PermanentFailure, RunTakenOver, StepFailed
 from moorage.durable.retry import DEFAULT_BACKOFF, Backoff
-from moorage.durable.runlog import Answer, HistoryEntry, InvalidInput, Replay, RunLog
+from moorage.durable.runlog import Answer, HistoryEntry, Replay, RunLog
+from moorage.errors import InvalidInput
 from moorage.store import Scope
 
 

@@ -5,7 +5,7 @@ All subclass ``moorage.errors`` types so the API maps them to the right HTTP sta
 
 from __future__ import annotations
 
-from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
+from moorage.errors import ConflictError, MoorageError, NotFound
 
 
 class NonDeterminismError(MoorageError):
@@ -91,6 +91,6 @@ class WorkflowNotRegistered(NotFound):
 
 
 __all__ = [
-    "InvalidInput", "NonDeterminismError", "PermanentFailure", "RunNotWaiting", "RunTakenOver", "StepFailed",
+    "NonDeterminismError", "PermanentFailure", "RunNotWaiting", "RunTakenOver", "StepFailed",
     "WorkflowNotRegistered",
 ]
