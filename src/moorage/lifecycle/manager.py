@@ -73,6 +73,8 @@ class LiveInstance:
     op_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: The in-process single flight: every concurrent caller awaits this one bring-up.
     pending: "asyncio.Future[Sandbox] | None" = None
+    #: A second driver view used to attach to an instance another live process on this host keeps awake.
+    peer_driver: SandboxDriver | None = None
 
     @property
     def awake(self) -> bool:
@@ -158,6 +160,9 @@ class InstanceManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        for li in self._live.values():
+            if li.peer_driver is not None:
+                await li.peer_driver.close()
         await self.driver.close()
         self._live.clear()
 
@@ -271,7 +276,7 @@ class InstanceManager:
             state = S(rec.state)
             verb: V | None = None
             if state is S.RUNNING:
-                sandbox = await self._attach(rec)
+                sandbox = await self._attach(li, rec)
                 if sandbox is not None:
                     self._adopted(li, rec, sandbox)
                     return sandbox
@@ -299,12 +304,29 @@ class InstanceManager:
                 return await self._provision(ts, li, rec, template, trace, fresh=False)
             return await self._wake(ts, li, rec, source, trace)
 
-    async def _attach(self, rec: SandboxRecord) -> Sandbox | None:
+    async def _attach(self, li: LiveInstance, rec: SandboxRecord) -> Sandbox | None:
+        """The running sandbox the record points at, or None when its processes are gone."""
         try:
             sandbox = await self.driver.open(rec.id)
         except SandboxNotFound:
             return None
-        return sandbox if sandbox.state is SandboxState.RUNNING else None
+        if sandbox.state is SandboxState.RUNNING:
+            return sandbox
+        owner = rec.meta.get("owner")
+        probe = SandboxRecord(**{**rec.__dict__, "meta": {"claim": owner}})
+        if isinstance(owner, dict) and owner.get("owner") != self.owner.id and \
+                not machine.claim_is_dead(probe, self.owner, float("inf")):
+            # Another live process on this host woke it after we last saw it: our driver's cached handle is stale
+            # (it still says sleeping). Re-adopt it through a fresh driver view of the same root.
+            if li.peer_driver is not None:
+                await li.peer_driver.close()
+            li.peer_driver = type(self.driver)(self.driver.root, self.driver.config)
+            try:
+                sandbox = await li.peer_driver.open(rec.id)
+            except SandboxNotFound:
+                return None
+            return sandbox if sandbox.state is SandboxState.RUNNING else None
+        return None
 
     def _adopted(self, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox) -> None:
         li.record_id = rec.id
