@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -33,6 +33,13 @@ _QUERY_STOP = frozenset(
 )
 
 
+#: Pruning starts once a scope has this many events (below it every query is cheap anyway).
+_PRUNE_MIN_EVENTS = 2000
+#: Words in more than this share of a scope's events are left out of the full-text query.
+_PRUNE_MAX_DF = 0.05
+_PRUNE_MAX_WORDS = 6
+
+
 @dataclass(frozen=True)
 class Recall:
     """One retrieved event with how it was found (ranks are 1-based; ``None``: not in that list)."""
@@ -52,6 +59,8 @@ class _ScopeVectors:
     max_id: int = 0
     #: Event id -> row of ``matrix``.
     pos: dict[int, int] = field(default_factory=dict)
+    #: Document frequency of lower-cased words over the scope's events, for pruning the full-text query.
+    df: Counter[str] = field(default_factory=Counter)
     #: Events of the scope seen so far (with or without a vector): compared with the store's count.
     seen: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -124,8 +133,8 @@ class EpisodicMemory:
             raise InvalidInput(f"k={k} is out of range", hint="ask for 1 to 1000 results")
         # The query embedding (CPU) runs while this thread does the store reads (I/O).
         pending_qv = self.embedder.embed_one_async(query)
-        lexical = self.search_lexical(scope, query, limit=self.pool, since=since, until=until, speakers=speakers)
         vec = self._vectors(scope)
+        lexical = self._lexical(scope, vec, query, limit=self.pool, since=since, until=until, speakers=speakers)
         qv = pending_qv.result()
         dense = self._dense(vec, qv, limit=self.pool, since=since, until=until, speakers=speakers)
         lex_ids = [e.id for e, _ in lexical]
@@ -165,9 +174,25 @@ class EpisodicMemory:
         self, scope: Scope, query: str, *, limit: int = 50, since: float | None = None, until: float | None = None,
         speakers: Sequence[str] | None = None,
     ) -> list[tuple[Event, float]]:
-        words = [w for w in _WORD.findall(query) if w.lower() not in _QUERY_STOP]
-        text = " ".join(words) if words else query
-        return self.ts.events.search_text(scope, text, limit=limit, since=since, until=until, speakers=speakers)
+        vec = self._vectors(scope)
+        return self._lexical(scope, vec, query, limit=limit, since=since, until=until, speakers=speakers)
+
+    def _lexical(
+        self, scope: Scope, vec: _ScopeVectors, query: str, *, limit: int, since: float | None, until: float | None,
+        speakers: Sequence[str] | None,
+    ) -> list[tuple[Event, float]]:
+        words = list(dict.fromkeys(w.lower() for w in _WORD.findall(query) if w.lower() not in _QUERY_STOP))
+        if not words:
+            words = [w.lower() for w in _WORD.findall(query)]
+        if vec.seen >= _PRUNE_MIN_EVENTS and len(words) > 1:
+            # The store ORs the words, so the cost grows with how many events each word matches, while a
+            # word in many events adds almost nothing to bm25 (low idf). Keep the rarest few words.
+            by_rarity = sorted(words, key=lambda w: vec.df.get(w, 0))
+            keep = [w for w in by_rarity if vec.df.get(w, 0) <= _PRUNE_MAX_DF * vec.seen][:_PRUNE_MAX_WORDS]
+            words = keep or by_rarity[:1]
+        if not words:
+            return []
+        return self.ts.events.search_text(scope, " ".join(words), limit=limit, since=since, until=until, speakers=speakers)
 
     def search_dense(
         self, scope: Scope, query: str, *, limit: int = 50, since: float | None = None, until: float | None = None,
@@ -226,10 +251,12 @@ class EpisodicMemory:
             return
         if count < vec.seen:
             fresh = _ScopeVectors()
-            vec.ids, vec.ts, vec.speakers, vec.matrix, vec.pos, vec.max_id, vec.seen = (
-                fresh.ids, fresh.ts, fresh.speakers, fresh.matrix, fresh.pos, 0, 0)
+            vec.ids, vec.ts, vec.speakers, vec.matrix, vec.pos, vec.df, vec.max_id, vec.seen = (
+                fresh.ids, fresh.ts, fresh.speakers, fresh.matrix, fresh.pos, fresh.df, 0, 0)
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
         vec.seen += len(new)
+        for e in new:
+            vec.df.update({w.lower() for w in _WORD.findall(e.content)})
         if not new:
             return
         wanted = {e.id: e for e in new}
