@@ -97,3 +97,14 @@ def test_erased_user_is_never_recalled_from_a_warm_cache(tenant: TenantStore, em
     assert mem.search_dense(ALICE, "kitten") == []
     ev = mem.remember(ALICE, "message", "New start: I collect vintage maps.", speaker="user", ts=T0)
     assert [h.event.id for h in mem.search(ALICE, "what do I collect?", k=3)] == [ev.id]
+
+
+def test_full_text_query_drops_words_found_everywhere_but_keeps_the_answer(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
+    filler = [EventIn("message", f"Weekly meeting number {i} went fine.", "user", None, T0 + i) for i in range(2100)]
+    tenant.events.append_many(ALICE, filler)  # lexical search needs no vectors
+    target = tenant.events.append(ALICE, "message", "The meeting with the notary is on Tuesday.", speaker="user", ts=T0 + 5000)
+    hits = mem.search_lexical(ALICE, "when is the meeting with the notary?", limit=5)
+    assert [e.id for e, _ in hits] == [target.id]  # "meeting" (in every event) was pruned; "notary" decides
+    # A query made only of common words still runs, on its rarest word.
+    assert mem.search_lexical(ALICE, "weekly meeting", limit=3)
