@@ -32,8 +32,17 @@ def _process_driver(root: Path, config: Config) -> SandboxDriver:
     return ProcessDriver(root, config)
 
 
+def _microvm_driver(root: Path, config: Config) -> SandboxDriver:
+    from moorage.sandbox.microvm import MicroVMDriver
+
+    # One guest image cache for every test (building it, debootstrap included, is the slow part).
+    images = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
+    return MicroVMDriver(root, config, images_dir=images)
+
+
 DRIVER_FACTORIES: dict[str, DriverFactory] = {
     "process": _process_driver,
+    "microvm": _microvm_driver,
 }
 
 

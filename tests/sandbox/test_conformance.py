@@ -332,10 +332,12 @@ async def test_guest_cannot_reach_host_files_other_sandboxes_or_host_network(dri
         b = await started(driver, "iso-b")
         await b.write_file("secret.txt", b"b's secret")
         other_disk = driver.root / "iso-b"
+        # A driver with its own kernel has its own /etc/shadow and /root: reading those is not reaching the host.
+        host_only = [] if driver.capabilities.own_kernel else ["/etc/shadow", "/root/.bashrc"]
         probe = f"""
 import socket, sys
 results = []
-for path in [{str(canary)!r}, {str(other_disk)!r} + "/layer/work/secret.txt", "/etc/shadow", "/root/.bashrc"]:
+for path in [{str(canary)!r}, {str(other_disk)!r} + "/layer/work/secret.txt"] + {host_only!r}:
     try:
         open(path).read(); results.append("READ " + path)
     except OSError:

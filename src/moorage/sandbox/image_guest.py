@@ -66,8 +66,32 @@ case " $(cat /proc/cmdline) " in
     echo "MOORAGE-ROOT-OK $(python3 -c 'import json, sys; print(json.dumps(sys.version_info[:2]))')"
     sync; echo o > /proc/sysrq-trigger; sleep 5 ;;
 esac
+# Limits from the host (kernel command line). Everything in the guest runs as root, for whom RLIMIT_NPROC does
+# not bind, so the process cap is a pids cgroup around the supervisor and all it starts; RLIMIT_FSIZE does bind.
+nproc=; fsize=; envb64=
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    moorage.nproc=*) nproc=${arg#moorage.nproc=} ;;
+    moorage.fsize=*) fsize=${arg#moorage.fsize=} ;;
+    moorage.env=*) envb64=${arg#moorage.env=} ;;
+  esac
+done
+if [ -n "$nproc" ] && mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; then
+  mkdir -p /sys/fs/cgroup/agent
+  echo "+pids" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null
+  echo "$nproc" > /sys/fs/cgroup/agent/pids.max
+  echo $$ > /sys/fs/cgroup/agent/cgroup.procs
+fi
 cd /
-exec python3 /opt/moorage/guest --virtio moorage.0
+set -- python3 /opt/moorage/guest --virtio moorage.0
+[ -n "$fsize" ] && set -- prlimit --fsize="$fsize" "$@"
+if [ -n "$envb64" ]; then
+  # The sandbox spec's environment (JSON, base64url): set for the supervisor and so for everything it runs.
+  set -- python3 -c 'import base64, json, os, sys
+os.environ.update(json.loads(base64.urlsafe_b64decode(sys.argv[1])))
+os.execvp(sys.argv[2], sys.argv[2:])' "$envb64" "$@"
+fi
+exec "$@"
 """
 
 # Debian marks its Python "externally managed"; inside a throwaway sandbox the agent owns the system.

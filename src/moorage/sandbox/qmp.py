@@ -46,7 +46,16 @@ class QMPClient:
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+            deadline = loop.time() + timeout
+            while True:
+                try:
+                    await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+                    break
+                except ConnectionRefusedError:
+                    # QEMU binds the socket a moment before it listens on it.
+                    if loop.time() > deadline:
+                        raise
+                    await asyncio.sleep(0.002)
             reader, writer = await asyncio.open_unix_connection(sock=sock, limit=16 << 20)
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
@@ -59,6 +68,9 @@ class QMPClient:
             client.greeting = greeting["QMP"]
             client._reader_task = asyncio.create_task(client._read_loop(), name=f"qmp:{path}")
             await client.execute("qmp_capabilities", timeout=timeout)
+        except asyncio.TimeoutError as e:
+            await client.close()
+            raise QMPError(f"the QEMU monitor at {path} did not greet within {timeout:.0f} s", hint="another process may hold the monitor connection") from e
         except BaseException:
             await client.close()
             raise

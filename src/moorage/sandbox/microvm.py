@@ -1,0 +1,878 @@
+"""The micro-VM sandbox driver: one QEMU ``-M microvm`` guest per sandbox, asleep as a snapshot when idle.
+
+Sleep saves device state (``xen-save-devices-state``) next to guest RAM that already lives in a file; wake starts
+the same command line with ``-incoming defer`` and loads it. Forks map a template's RAM privately and save only
+the pages they changed. The design and its reasons: docs/decisions/0002-microvm-snapshots.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+from moorage.config import Config
+from moorage.errors import ConflictError, InvalidInput
+from moorage.log import get_logger
+from moorage.sandbox import microvm_ram as ram
+from moorage.sandbox.accel import choose_accel, probe_kvm
+from moorage.sandbox.base import (
+    Capabilities,
+    ChannelError,
+    CheckpointInfo,
+    Sandbox,
+    SandboxDriver,
+    SandboxError,
+    SandboxNotFound,
+    SandboxSpec,
+    SandboxState,
+    SandboxStateError,
+    SandboxStats,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+    SnapshotInfo,
+    TemplateRef,
+    validate_id,
+)
+from moorage.sandbox.channel import Channel
+from moorage.sandbox.image import GuestImage, ImageBuilder
+from moorage.sandbox.microvm_qemu import (
+    VMConfig,
+    VMPaths,
+    build_argv,
+    kernel_cmdline,
+    kill_pid,
+    pid_is_ours,
+    qemu_version,
+    run_dir_for,
+    spawn,
+)
+from moorage.sandbox.qmp import QMPClient, QMPError
+
+log = get_logger(__name__)
+
+COLD_BOOT_TIMEOUT_S = 90.0
+WAKE_TIMEOUT_S = 30.0
+_TEMPLATES = ".templates"
+#: Which sandbox object holds the (single-client) QEMU sockets of a sandbox directory in this process.
+_ATTACHED: "weakref.WeakValueDictionary[str, MicroVMSandbox]" = weakref.WeakValueDictionary()
+
+
+class BootError(SandboxError):
+    """The guest did not come up; the message carries the tail of its console and QEMU's log."""
+
+    code = "sandbox-boot"
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic and durable: a crash leaves the old or the new file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes a file or tree really uses on disk (sparse RAM files are mostly holes)."""
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """Copy only the data extents of ``src`` (a 256 MiB RAM file holds ~half holes)."""
+    size = src.stat().st_size
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        fo.truncate(size)
+        ifd, ofd = fi.fileno(), fo.fileno()
+        off = 0
+        while off < size:
+            try:
+                data = os.lseek(ifd, off, os.SEEK_DATA)
+            except OSError:
+                break  # no more data
+            hole = os.lseek(ifd, data, os.SEEK_HOLE)
+            pos = data
+            while pos < hole:
+                n = os.copy_file_range(ifd, ofd, hole - pos, pos, pos)
+                if n <= 0:
+                    break
+                pos += n
+            off = hole
+        os.fsync(ofd)
+
+
+def _collect_template(tdir: Path) -> None:
+    """Remove a deleted template once no fork depends on its RAM and disk any more."""
+    children = tdir / "children"
+    if (tdir / "deleted").exists() and not (children.exists() and any(children.iterdir())):
+        shutil.rmtree(tdir, ignore_errors=True)
+
+
+class MicroVMSandbox(Sandbox):
+    """One micro-VM. All lifecycle verbs are serialised by a per-sandbox lock; state is persisted in meta.json."""
+
+    def __init__(self, driver: "MicroVMDriver", sandbox_id: str, meta: dict[str, Any]) -> None:
+        self.id = sandbox_id
+        self._driver = driver
+        self._meta = meta
+        self.dir = driver.root / sandbox_id
+        self.run_dir = run_dir_for(self.dir)
+        self._lock = asyncio.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._qmp: QMPClient | None = None
+        self._channel: Channel | None = None
+        self._post_wake: asyncio.Task[None] | None = None
+        #: Why the last wake fell back to a cold boot (SnapshotCorrupt / SnapshotIncompatible), or None.
+        self.last_wake_fallback: SandboxError | None = None
+        #: How the last wake went: "snapshot" (memory restored), "cold" (booted from disk) or None.
+        self.last_wake_mode: str | None = None
+
+    # --- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> SandboxState:
+        return SandboxState(self._meta["state"])
+
+    @property
+    def channel(self) -> Channel:
+        if self.state is not SandboxState.RUNNING or self._channel is None or self._channel.closed:
+            raise SandboxStateError(f"sandbox {self.id} is {self.state.value}, its channel is not connected", hint="call wake() first")
+        return self._channel
+
+    @property
+    def pid(self) -> int | None:
+        return self._meta.get("pid")
+
+    @property
+    def ram_mode(self) -> str:
+        return str(self._meta["ram_mode"])
+
+    def _save_meta(self) -> None:
+        _write_json(self.dir / "meta.json", self._meta)
+
+    def _set_state(self, state: SandboxState, **fields: Any) -> None:
+        self._meta["state"] = state.value
+        self._meta.update(fields)
+        self._save_meta()
+
+    # --- paths and command line -----------------------------------------------------------------------------
+
+    @property
+    def _image(self) -> GuestImage:
+        return GuestImage.load(Path(self._meta["image_dir"]))
+
+    def _vm_config(self) -> VMConfig:
+        return VMConfig(**self._meta["vm"])
+
+    def _ram_path(self) -> Path:
+        if self.ram_mode == "delta":
+            return Path(self._meta["template_dir"]) / "ram"
+        return self.dir / "ram"
+
+    def _paths(self) -> VMPaths:
+        img = self._image
+        return VMPaths(
+            kernel=img.kernel,
+            initrd=img.initrd,
+            disk=self.dir / "disk.qcow2",
+            ram=self._ram_path(),
+            console_log=self.dir / "console.log",
+            qmp_sock=self.run_dir / "qmp.sock",
+            chan_sock=self.run_dir / "chan.sock",
+        )
+
+    def _argv(self, incoming: bool) -> list[str]:
+        return build_argv(self.id, self._vm_config(), self._paths(), ram_shared=self.ram_mode == "shared", incoming=incoming)
+
+    # --- process plumbing -----------------------------------------------------------------------------------
+
+    async def _launch(self, incoming: bool) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for s in ("qmp.sock", "chan.sock"):
+            (self.run_dir / s).unlink(missing_ok=True)
+        paths = self._paths()
+        self._proc = spawn(self._argv(incoming), self.dir / "qemu.log")
+        (self.dir / "qemu.pid").write_text(str(self._proc.pid))
+        self._meta["pid"] = self._proc.pid
+        deadline = time.monotonic() + 10
+        while not paths.qmp_sock.exists():
+            if self._proc.poll() is not None:
+                raise BootError(f"QEMU exited at start (code {self._proc.returncode}): {self._log_tail()}", hint="check qemu.log in the sandbox directory")
+            if time.monotonic() > deadline:
+                raise BootError("QEMU did not create its monitor socket within 10 s", hint="the host may be overloaded")
+            await asyncio.sleep(0.002)
+        self._qmp = await QMPClient.connect(str(paths.qmp_sock))
+        _ATTACHED[str(self.dir)] = self
+
+    def _log_tail(self) -> str:
+        out = []
+        for name in ("qemu.log", "console.log"):
+            try:
+                text = (self.dir / name).read_text(errors="replace").strip()
+            except OSError:
+                continue
+            if text:
+                out.append(f"{name}: ...{text[-600:]}")
+        return " | ".join(out) or "no output"
+
+    async def _connect_channel(self, timeout: float) -> dict[str, Any]:
+        """Connect to the guest's port and wait for its first answer to ``ping``."""
+        deadline = time.monotonic() + timeout
+        path = str(self._paths().chan_sock)
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
+            try:
+                if self._channel is None or self._channel.closed:
+                    self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}")
+                    # The guest's end of the port may still remember request ids of a connection from before a
+                    # sleep (it cannot see a disconnect while frozen); start this session's ids where none can clash.
+                    self._channel._ids = itertools.count(secrets.randbelow(1 << 40) + (1 << 20))
+                return await self._channel.call("ping", {}, timeout=min(2.0, max(deadline - time.monotonic(), 0.1)))
+            except ChannelError as e:
+                last = e
+                await asyncio.sleep(0.01)
+        raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
+
+    async def _teardown(self) -> None:
+        """Kill QEMU and drop connections (no snapshot)."""
+        if self._post_wake is not None:
+            self._post_wake.cancel()
+            self._post_wake = None
+        if self._channel is not None:
+            await self._channel.close("sandbox stopped")
+            self._channel = None
+        if self._qmp is not None:
+            await self._qmp.close()
+            self._qmp = None
+        pid = self._meta.get("pid")
+        if pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
+            kill_pid(pid, self._proc)
+        self._proc = None
+        self._meta["pid"] = None
+        (self.dir / "qemu.pid").unlink(missing_ok=True)
+        for s in ("qmp.sock", "chan.sock"):
+            (self.run_dir / s).unlink(missing_ok=True)
+
+    async def _reattach(self) -> bool:
+        """After a host restart: connect to a still-running QEMU of this sandbox."""
+        pid = self._meta.get("pid")
+        if not pid or not pid_is_ours(pid, str(self.run_dir)):
+            return False
+        # QEMU's monitor and channel sockets take one client each. A previous driver instance in this process
+        # (the host before a restart, in tests and in-process reloads) gives its connections up, as a dead
+        # process's would be.
+        previous = _ATTACHED.get(str(self.dir))
+        if previous is not None and previous is not self:
+            await previous._detach()
+        try:
+            self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
+            _ATTACHED[str(self.dir)] = self
+            status = await self._qmp.execute("query-status")
+            if not status.get("running"):
+                await self._qmp.execute("cont")
+            await self._connect_channel(WAKE_TIMEOUT_S)
+            return True
+        except (QMPError, BootError) as e:
+            log.warning("re-attach failed, killing QEMU", sandbox=self.id, error=str(e))
+            await self._teardown()
+            return False
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self.state is SandboxState.RUNNING:
+                return
+            if self.state is SandboxState.DESTROYED:
+                raise SandboxStateError(f"sandbox {self.id} is destroyed")
+            await self._cold_boot()
+
+    async def _cold_boot(self) -> None:
+        await self._teardown()
+        if self.ram_mode == "delta":
+            # Without its snapshot a fork no longer relates to the template's memory: it gets RAM of its own.
+            self._meta["ram_mode"] = "shared"
+            self._meta["template_dir"] = self._meta.get("template_dir")
+        ram_file = self.dir / "ram"
+        ram_file.unlink(missing_ok=True)
+        with open(ram_file, "wb") as f:
+            f.truncate(self._vm_config().memory_mib << 20)
+        shutil.rmtree(self.dir / "snapshot", ignore_errors=True)
+        started = time.monotonic()
+        try:
+            await self._launch(incoming=False)
+            await self._connect_channel(COLD_BOOT_TIMEOUT_S)
+        except BaseException:
+            await self._teardown()
+            self._set_state(SandboxState.STOPPED, snapshot=None)
+            raise
+        self.last_wake_mode = "cold"
+        self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
+        log.info("cold boot", sandbox=self.id, ms=round((time.monotonic() - started) * 1000))
+
+    async def sleep(self) -> SnapshotInfo:
+        async with self._lock:
+            if self.state is not SandboxState.RUNNING:
+                raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running sandbox can sleep", hint="call wake() first")
+            await self._finish_post_wake()
+            if self._driver.drop_caches_on_sleep:
+                # Clean page cache is dropped so it is not saved; the disk is then consistent on its own too.
+                try:
+                    await self.exec(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], timeout=30)
+                except ChannelError as e:
+                    log.warning("drop caches before sleep failed", sandbox=self.id, error=str(e))
+            info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
+            return info
+
+    async def _snapshot_to(self, target: Path, *, keep_running: bool) -> SnapshotInfo:
+        """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU."""
+        assert self._qmp is not None and self.pid is not None
+        started = time.monotonic()
+        new = target.with_name(target.name + ".new")
+        shutil.rmtree(new, ignore_errors=True)
+        new.mkdir(parents=True)
+        if self._channel is not None and not keep_running:
+            await self._channel.close("sandbox sleeping")
+            self._channel = None
+        await self._qmp.execute("stop")  # also drains and flushes the disk
+        await self._qmp.execute("xen-save-devices-state", {"filename": str(new / "dev.state"), "live": False})
+        record: dict[str, Any] = {
+            "kind": self.ram_mode,
+            "qemu": qemu_version(),
+            "layout": self._vm_config().layout_id(),
+            "image": self._meta["image_id"],
+            "created_at": time.time(),
+        }
+        if self.ram_mode == "delta":
+            m = ram.find_mapping(self.pid, self._ram_path())
+            record["delta_bytes"] = ram.save_delta(self.pid, m, self._ram_path(), new)
+            record["delta_sha256"] = ram.sha256_file(new / "ram.delta")
+        elif keep_running:
+            _sparse_copy(self.dir / "ram", new / "ram")  # a checkpoint needs its own copy of shared RAM
+            record["ram_checksum"] = ram.sampled_checksum(new / "ram")
+        else:
+            ram.fsync_path(self.dir / "ram")
+            record["ram_checksum"] = ram.sampled_checksum(self.dir / "ram")
+        ram.fsync_path(new / "dev.state")
+        ram.fsync_path(self.dir / "disk.qcow2")
+        record["dev_sha256"] = ram.sha256_file(new / "dev.state")
+        _write_json(new / "snapshot.json", record)
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(new, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        if keep_running:
+            await self._qmp.execute("cont")
+        else:
+            await self._teardown()
+            self._set_state(SandboxState.SLEEPING, snapshot=record)
+        log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=round((time.monotonic() - started) * 1000))
+        size = _allocated(target) + (0 if self.ram_mode == "delta" or keep_running else _allocated(self.dir / "ram"))
+        return SnapshotInfo(self.id, target, size, record["created_at"], True)
+
+    def _validate_snapshot(self, snap_dir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+        if not record:
+            raise SnapshotCorrupt(f"sandbox {self.id} has no snapshot record", hint="it cold-boots from its disk")
+        if record.get("qemu") != qemu_version() or record.get("layout") != self._vm_config().layout_id():
+            raise SnapshotIncompatible(
+                f"snapshot of {self.id} was taken by {record.get('qemu')} with layout {record.get('layout')}; this host runs {qemu_version()} with layout {self._vm_config().layout_id()}",
+                hint="it cold-boots from its disk; processes in memory are lost, files are kept",
+            )
+        dev = snap_dir / "dev.state"
+        if not dev.exists() or ram.sha256_file(dev) != record.get("dev_sha256"):
+            raise SnapshotCorrupt(f"device state of {self.id} is missing or fails its checksum", hint="it cold-boots from its disk")
+        if record["kind"] == "delta":
+            delta = snap_dir / "ram.delta"
+            if not delta.exists() or not (snap_dir / "ram.idx").exists() or ram.sha256_file(delta) != record.get("delta_sha256"):
+                raise SnapshotCorrupt(f"RAM delta of {self.id} is missing or fails its checksum", hint="it cold-boots from its disk")
+        else:
+            ram_file = snap_dir / "ram" if (snap_dir / "ram").exists() else self.dir / "ram"
+            if not ram_file.exists() or ram.sampled_checksum(ram_file) != record.get("ram_checksum"):
+                raise SnapshotCorrupt(f"RAM file of {self.id} is missing, truncated or changed", hint="it cold-boots from its disk")
+        return record
+
+    async def wake(self) -> None:
+        async with self._lock:
+            await self._wake_locked()
+
+    async def _wake_locked(self) -> None:
+        if self.state is SandboxState.RUNNING:
+            return
+        if self.state is SandboxState.DESTROYED:
+            raise SandboxStateError(f"sandbox {self.id} is destroyed")
+        self.last_wake_fallback = None
+        if self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot"):
+            await self._cold_boot()
+            return
+        snap_dir = self.dir / "snapshot"
+        try:
+            record = self._validate_snapshot(snap_dir, self._meta.get("snapshot"))
+            await self._restore(snap_dir, record)
+        except (SnapshotCorrupt, SnapshotIncompatible) as e:
+            log.warning("snapshot unusable, cold boot from disk", sandbox=self.id, error=str(e))
+            self.last_wake_fallback = e
+            await self._cold_boot()
+
+    async def _restore(self, snap_dir: Path, record: dict[str, Any]) -> None:
+        started = time.monotonic()
+        fresh_fork = bool(self._meta.get("fresh_fork"))
+        try:
+            await self._launch(incoming=True)
+            assert self._qmp is not None and self._proc is not None
+            if record["kind"] == "delta":
+                m = ram.find_mapping(self._proc.pid, self._ram_path())
+                ram.apply_delta(self._proc.pid, m, snap_dir)
+            fd = os.open(snap_dir / "dev.state", os.O_RDONLY)
+            try:
+                await self._qmp.execute("getfd", {"fdname": "devstate"}, fds=[fd])
+            finally:
+                os.close(fd)
+            await self._qmp.execute("migrate-incoming", {"uri": "fd:devstate"})
+            try:
+                await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
+            except QMPError as e:
+                raise SnapshotCorrupt(f"QEMU could not load the snapshot of {self.id}: {self._log_tail()}", hint="it cold-boots from its disk") from e
+            await self._connect_channel(WAKE_TIMEOUT_S)
+        except SnapshotCorrupt:
+            await self._teardown()
+            raise
+        except BaseException:
+            await self._teardown()
+            self._set_state(SandboxState.SLEEPING)
+            raise
+        self.last_wake_mode = "snapshot"
+        # RAM moves on from here: a shared RAM file no longer matches the old device state, so the snapshot is
+        # spent; a crash while awake re-adopts the live QEMU or cold-boots from disk, never time-travels.
+        self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
+        log.info("woke", sandbox=self.id, kind=record["kind"], ms=round((time.monotonic() - started) * 1000))
+        self._post_wake = asyncio.create_task(self._after_wake(fresh_fork))
+        if fresh_fork:
+            await self._finish_post_wake()
+
+    async def _after_wake(self, fresh_fork: bool) -> None:
+        """Set the guest clock (it stood still while asleep) and, for a new fork, stir its RNG so forks of one
+        template do not share a random stream."""
+        seed = secrets.token_bytes(64)
+        script = f"date -s @{time.time():.3f} >/dev/null 2>&1; cat > /dev/urandom"
+        try:
+            await self.exec(["sh", "-c", script], stdin=seed, timeout=30)
+        except ChannelError as e:
+            log.warning("post-wake setup failed", sandbox=self.id, error=str(e), fork=fresh_fork)
+
+    async def _finish_post_wake(self) -> None:
+        task, self._post_wake = self._post_wake, None
+        if task is not None:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def stop(self) -> None:
+        async with self._lock:
+            if self.state is SandboxState.RUNNING and self._channel is not None:
+                try:
+                    await self._channel.call("sys.sync", {}, timeout=10)
+                except ChannelError:
+                    pass
+            await self._teardown()
+            if self.state is not SandboxState.DESTROYED:
+                self._set_state(SandboxState.STOPPED, snapshot=None)
+
+    async def checkpoint(self, name: str) -> CheckpointInfo:
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            if self.state is not SandboxState.RUNNING or self._qmp is None:
+                raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; checkpoints are taken of a running sandbox", hint="call wake() first")
+            await self._finish_post_wake()
+            target = self.dir / "checkpoints" / name
+            target.parent.mkdir(exist_ok=True)
+            tag = f"ckpt-{name}"
+            info = await self._snapshot_to(target, keep_running=True)
+            # The disk's state at the same instant, as a qcow2 internal snapshot (QEMU is paused then resumed).
+            await self._qmp.execute("stop")
+            try:
+                try:
+                    await self._qmp.execute("blockdev-snapshot-delete-internal-sync", {"device": "disk", "name": tag})
+                except QMPError:
+                    pass
+                await self._qmp.execute("blockdev-snapshot-internal-sync", {"device": "disk", "name": tag})
+            finally:
+                await self._qmp.execute("cont")
+            return CheckpointInfo(name, self.id, target, info.bytes, info.created_at, True)
+
+    async def rollback(self, name: str) -> None:
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            src = self.dir / "checkpoints" / name
+            if not (src / "snapshot.json").exists():
+                raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
+            record = json.loads((src / "snapshot.json").read_text())
+            await self._teardown()
+            r = subprocess.run(["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(self.dir / "disk.qcow2")], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SnapshotCorrupt(f"cannot restore the disk of checkpoint {name}: {r.stderr.strip()}")
+            snap = self.dir / "snapshot"
+            shutil.rmtree(snap, ignore_errors=True)
+            snap.mkdir()
+            for f in ("dev.state", "ram.delta", "ram.idx", "snapshot.json"):
+                if (src / f).exists():
+                    shutil.copyfile(src / f, snap / f)
+            if record["kind"] == "shared":
+                _sparse_copy(src / "ram", self.dir / "ram")
+            self._meta["ram_mode"] = record["kind"]
+            self._set_state(SandboxState.SLEEPING, snapshot=record)
+            await self._wake_locked()
+
+    async def checkpoints(self) -> list[CheckpointInfo]:
+        out = []
+        base = self.dir / "checkpoints"
+        if base.exists():
+            for d in sorted(base.iterdir()):
+                if (d / "snapshot.json").exists():
+                    rec = json.loads((d / "snapshot.json").read_text())
+                    out.append(CheckpointInfo(d.name, self.id, d, _allocated(d), rec["created_at"], True))
+        return out
+
+    async def destroy(self) -> None:
+        async with self._lock:
+            await self._teardown()
+            tpl = self._meta.get("template_dir")
+            if tpl:
+                (Path(tpl) / "children" / self.id).unlink(missing_ok=True)
+                _collect_template(Path(tpl))
+            shutil.rmtree(self.dir, ignore_errors=True)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._meta["state"] = SandboxState.DESTROYED.value
+            self._driver._open.pop(self.id, None)
+
+    async def stats(self) -> SandboxStats:
+        rss = 0
+        pid = self.pid if self.state is SandboxState.RUNNING else None
+        if pid and self._channel is not None and not self._channel.closed:
+            # Written data sits in the guest's page cache for up to 30 s; disk_bytes should count it.
+            try:
+                await self._channel.call("sys.sync", {}, timeout=10)
+            except ChannelError:
+                pass
+        if pid:
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        rss = int(line.split()[1]) * 1024
+            except OSError:
+                pass
+        snapshot_bytes = _allocated(self.dir / "snapshot")
+        if self.state is SandboxState.SLEEPING and self.ram_mode == "shared":
+            snapshot_bytes += _allocated(self.dir / "ram")
+        return SandboxStats(
+            state=self.state,
+            host_rss_bytes=rss,
+            disk_bytes=_allocated(self.dir / "disk.qcow2"),
+            snapshot_bytes=snapshot_bytes,
+            checkpoint_bytes=_allocated(self.dir / "checkpoints"),
+            pid=pid,
+        )
+
+    async def _detach(self) -> None:
+        if _ATTACHED.get(str(self.dir)) is self:
+            del _ATTACHED[str(self.dir)]
+        if self._channel is not None:
+            await self._channel.close("driver closed")
+            self._channel = None
+        if self._qmp is not None:
+            await self._qmp.close()
+            self._qmp = None
+
+
+class MicroVMDriver(SandboxDriver):
+    """Sandboxes as QEMU micro-VMs under ``root`` (one directory each; templates under ``root/.templates``)."""
+
+    name = "microvm"
+    capabilities = Capabilities(
+        keeps_processes_across_sleep=True,
+        memory_snapshot=True,
+        cow_fork=True,
+        network_isolated=True,
+        own_kernel=True,
+        enforced_limits=frozenset({"memory", "disk"}),
+    )
+
+    def __init__(self, root: Path, config: Config, *, images_dir: Path | None = None, drop_caches_on_sleep: bool = True) -> None:
+        super().__init__(root, config)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.images_dir = Path(images_dir) if images_dir else config.images_dir
+        self.drop_caches_on_sleep = drop_caches_on_sleep
+        self._open: dict[str, MicroVMSandbox] = {}
+        self._accel: str | None = None
+
+    @property
+    def accel(self) -> str:
+        if self._accel is None:
+            if self.config.accel == "auto":
+                # Probe with this driver's own image kernel (no second download); cached per host boot.
+                img = self.image()
+                self._accel = "kvm" if probe_kvm(self.config, kernel=img.kernel, initrd=img.initrd).usable else "tcg"
+            else:
+                self._accel = choose_accel(self.config)
+        return self._accel
+
+    def image(self) -> GuestImage:
+        """The guest image for this configuration, built on first use (cached afterwards)."""
+        return ImageBuilder(self.images_dir).build()
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / validate_id(sandbox_id)
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec | None = None, template: TemplateRef | None = None) -> MicroVMSandbox:
+        if template is not None:
+            return (await self.fork(template, [sandbox_id]))[0]
+        spec = spec or SandboxSpec()
+        d = self._dir(sandbox_id)
+        if d.exists():
+            raise ConflictError(f"sandbox {sandbox_id} already exists", hint="open() it or destroy() it first")
+        img = await asyncio.to_thread(self.image)
+        await asyncio.to_thread(lambda: self.accel)
+        if spec.memory_mib < 128:
+            raise InvalidInput(f"memory_mib={spec.memory_mib} is too small for the guest", hint="use at least 128")
+        d.mkdir(parents=True)
+        r = await asyncio.create_subprocess_exec(
+            "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.rootfs), "-F", "raw", str(d / "disk.qcow2"),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await r.communicate()
+        if r.returncode != 0:
+            shutil.rmtree(d, ignore_errors=True)
+            raise SandboxError(f"qemu-img could not create the disk of {sandbox_id}: {err.decode(errors='replace').strip()}")
+        # Limits and environment reach the guest's init on the kernel command line (there is no other way in
+        # before the channel is up, and it is part of the snapshot's layout, which forks share anyway).
+        extra = f" moorage.nproc={spec.max_processes} moorage.fsize={spec.max_file_mib << 20}"
+        if spec.env:
+            extra += " moorage.env=" + base64.urlsafe_b64encode(json.dumps(dict(spec.env)).encode()).decode()
+        if len(extra) > 1024:
+            raise InvalidInput("sandbox environment too large for a micro-VM (1 KiB encoded)", hint="pass large settings as a file instead")
+        vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel, kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel))
+        meta = {
+            "id": sandbox_id,
+            "driver": self.name,
+            "spec": spec.to_json(),
+            "image_id": img.id,
+            "image_dir": str(img.dir),
+            "vm": vm.__dict__,
+            "ram_mode": "shared",
+            "template_dir": None,
+            "state": SandboxState.CREATED.value,
+            "pid": None,
+            "snapshot": None,
+            "fresh_fork": False,
+            "created_at": time.time(),
+        }
+        _write_json(d / "meta.json", meta)
+        sb = MicroVMSandbox(self, sandbox_id, meta)
+        self._open[sandbox_id] = sb
+        return sb
+
+    async def open(self, sandbox_id: str) -> MicroVMSandbox:
+        if sandbox_id in self._open:
+            return self._open[sandbox_id]
+        d = self._dir(sandbox_id)
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except FileNotFoundError as e:
+            raise SandboxNotFound(f"no sandbox {sandbox_id} under {self.root}") from e
+        sb = MicroVMSandbox(self, sandbox_id, meta)
+        if meta["state"] == SandboxState.RUNNING.value:
+            if not await sb._reattach():
+                # QEMU died with the host: no consistent memory image exists, the disk does.
+                sb._set_state(SandboxState.STOPPED, pid=None, snapshot=None)
+        elif meta.get("pid") and pid_is_ours(meta["pid"], str(sb.run_dir)):
+            # A QEMU left over from a crash in the middle of sleep: its snapshot may be incomplete.
+            kill_pid(meta["pid"])
+            sb._meta["pid"] = None
+            sb._save_meta()
+        self._open[sandbox_id] = sb
+        return sb
+
+    async def list(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "meta.json").exists())
+
+    # --- templates and forks --------------------------------------------------------------------------------
+
+    def _templates_dir(self) -> Path:
+        return self.root / _TEMPLATES
+
+    async def make_template(self, sandbox: Sandbox, template_id: str | None = None) -> TemplateRef:
+        if not isinstance(sandbox, MicroVMSandbox):
+            raise InvalidInput("make_template needs a sandbox of the microvm driver")
+        tid = validate_id(template_id or f"tpl-{sandbox.id}-{int(time.time())}", "template id")
+        tdir = self._templates_dir() / tid
+        if tdir.exists():
+            raise ConflictError(f"template {tid} already exists", hint="delete_template() it first or pick another id")
+        async with sandbox._lock:
+            if sandbox.state is not SandboxState.RUNNING or sandbox._qmp is None or sandbox.pid is None:
+                raise SandboxStateError(f"sandbox {sandbox.id} must be running to become a template", hint="wake() it first")
+            await sandbox._finish_post_wake()
+            try:
+                await sandbox.exec(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], timeout=30)
+            except ChannelError:
+                pass
+            tmp = tdir.with_name(tid + ".new")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / "children").mkdir()
+            qmp = sandbox._qmp
+            await qmp.execute("stop")
+            try:
+                await qmp.execute("xen-save-devices-state", {"filename": str(tmp / "dev.state"), "live": False})
+                m = ram.find_mapping(sandbox.pid, sandbox._ram_path())
+                await asyncio.to_thread(ram.read_all, sandbox.pid, m, tmp / "ram")
+                await asyncio.to_thread(shutil.copyfile, sandbox.dir / "disk.qcow2", tmp / "disk.qcow2")
+            finally:
+                await qmp.execute("cont")
+            # Internal snapshots (checkpoints) of the source are not part of the template.
+            subprocess.run(["qemu-img", "snapshot", "-l", str(tmp / "disk.qcow2")], capture_output=True)
+            ram.fsync_path(tmp / "disk.qcow2")
+            ram.fsync_path(tmp / "dev.state")
+            (tmp / "disk.qcow2").chmod(0o444)
+            meta = {
+                "id": tid,
+                "source_sandbox": sandbox.id,
+                "image_id": sandbox._meta["image_id"],
+                "image_dir": sandbox._meta["image_dir"],
+                "vm": sandbox._meta["vm"],
+                "spec": sandbox._meta["spec"],
+                "snapshot": {
+                    "kind": "delta",
+                    "qemu": qemu_version(),
+                    "layout": sandbox._vm_config().layout_id(),
+                    "image": sandbox._meta["image_id"],
+                    "dev_sha256": ram.sha256_file(tmp / "dev.state"),
+                    "created_at": time.time(),
+                },
+                "created_at": time.time(),
+            }
+            _write_json(tmp / "template.json", meta)
+            os.rename(tmp, tdir)
+            _fsync_dir(tdir.parent)
+        log.info("template made", template=tid, source=sandbox.id)
+        return TemplateRef(id=tid, driver=self.name, path=tdir, source_sandbox=sandbox.id, created_at=meta["created_at"], includes_memory=True)
+
+    async def delete_template(self, template: TemplateRef) -> None:
+        """No new forks from it; its files go when the last fork that maps its RAM and disk is destroyed."""
+        tdir = Path(template.path)
+        if not (tdir / "template.json").exists():
+            return
+        (tdir / "deleted").write_text(str(time.time()))
+        _collect_template(tdir)
+
+    async def fork(self, template: TemplateRef, ids: Sequence[str]) -> list[MicroVMSandbox]:
+        if template.driver != self.name:
+            raise SnapshotIncompatible(f"template {template.id} was made by the {template.driver} driver", hint="fork it with that driver, or make a template with the microvm driver")
+        tdir = Path(template.path)
+        try:
+            tmeta = json.loads((tdir / "template.json").read_text())
+        except FileNotFoundError as e:
+            raise SandboxNotFound(f"template {template.id} not found at {tdir}") from e
+        if (tdir / "deleted").exists():
+            raise SandboxNotFound(f"template {template.id} was deleted", hint="make a new template")
+        if tmeta.get("snapshot", {}).get("qemu") != qemu_version():
+            raise SnapshotIncompatible(f"template {template.id} was made with {tmeta.get('snapshot', {}).get('qemu')}, this host runs {qemu_version()}", hint="make the template again on this host")
+        for sid in ids:
+            if self._dir(sid).exists():
+                raise ConflictError(f"sandbox {sid} already exists", hint="pick another id or destroy it first")
+        if len(set(ids)) != len(ids):
+            raise InvalidInput("fork ids must be distinct")
+
+        async def one(sid: str) -> MicroVMSandbox:
+            d = self._dir(sid)
+            (d / "snapshot").mkdir(parents=True)
+            r = await asyncio.create_subprocess_exec(
+                "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(tdir / "disk.qcow2"), "-F", "qcow2", str(d / "disk.qcow2"),
+                stderr=asyncio.subprocess.PIPE,
+            )
+            _, err = await r.communicate()
+            if r.returncode != 0:
+                shutil.rmtree(d, ignore_errors=True)
+                raise SandboxError(f"qemu-img could not create the disk of {sid}: {err.decode(errors='replace').strip()}")
+            # A fresh fork's snapshot is the template's device state with an empty RAM delta.
+            shutil.copyfile(tdir / "dev.state", d / "snapshot" / "dev.state")
+            (d / "snapshot" / "ram.delta").write_bytes(b"")
+            (d / "snapshot" / "ram.idx").write_bytes(b"")
+            record = dict(tmeta["snapshot"], delta_bytes=0, delta_sha256=ram.sha256_file(d / "snapshot" / "ram.delta"))
+            _write_json(d / "snapshot" / "snapshot.json", record)
+            (tdir / "children" / sid).write_text("")
+            meta = {
+                "id": sid,
+                "driver": self.name,
+                "spec": tmeta["spec"],
+                "image_id": tmeta["image_id"],
+                "image_dir": tmeta["image_dir"],
+                "vm": tmeta["vm"],
+                "ram_mode": "delta",
+                "template_dir": str(tdir),
+                "template_id": tmeta["id"],
+                "state": SandboxState.SLEEPING.value,
+                "pid": None,
+                "snapshot": record,
+                "fresh_fork": True,
+                "created_at": time.time(),
+            }
+            _write_json(d / "meta.json", meta)
+            sb = MicroVMSandbox(self, sid, meta)
+            self._open[sid] = sb
+            return sb
+
+        return list(await asyncio.gather(*(one(validate_id(s)) for s in ids)))
+
+    # --- hygiene --------------------------------------------------------------------------------------------
+
+    def find_orphans(self) -> list[int]:
+        """QEMU processes started for sandboxes under ``root`` whose sandbox is gone or not running."""
+        orphans = []
+        for pidfile in self.root.glob("*/qemu.pid"):
+            try:
+                pid = int(pidfile.read_text())
+                meta = json.loads((pidfile.parent / "meta.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if pid_is_ours(pid, str(run_dir_for(pidfile.parent))) and meta.get("state") != SandboxState.RUNNING.value:
+                orphans.append(pid)
+        return orphans
+
+    def kill_orphans(self) -> list[int]:
+        pids = self.find_orphans()
+        for pid in pids:
+            kill_pid(pid)
+        return pids
+
+    async def close(self) -> None:
+        for sb in list(self._open.values()):
+            await sb._detach()
+        self._open.clear()

@@ -1,0 +1,200 @@
+"""Guest RAM files for the micro-VM driver: cheap checksums, sparse copies, and copy-on-write deltas.
+
+A forked VM maps its template's RAM file privately (MAP_PRIVATE): pages the guest writes become anonymous pages
+of the QEMU process. The host finds them in /proc/PID/pagemap and saves only those ("the delta") when the VM
+sleeps; waking maps the template again and writes the delta back through /proc/PID/mem before the guest runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moorage.sandbox.base import SandboxError, SnapshotCorrupt
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_PM_PRESENT = 1 << 63
+_PM_SWAPPED = 1 << 62
+_PM_FILE = 1 << 61  # file-backed or shared-anon: for a private file mapping, "still the template's page"
+#: Pages per pagemap read / per /proc/PID/mem read: big sequential reads keep the scan in the ms range.
+_CHUNK_PAGES = 8192
+_IDX = struct.Struct("<II")  # (first page, page count) runs
+
+
+class RamError(SandboxError):
+    code = "sandbox-ram"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    offset: int
+
+
+def find_mapping(pid: int, path: Path) -> Mapping:
+    """The address range where QEMU mapped the guest RAM file ``path`` (the biggest mapping of it)."""
+    target = str(path)
+    best: Mapping | None = None
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].rstrip("\n").removesuffix(" (deleted)") == target:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                m = Mapping(start, end, int(parts[2], 16))
+                if best is None or (m.end - m.start) > (best.end - best.start):
+                    best = m
+    if best is None:
+        raise RamError(f"QEMU (pid {pid}) has not mapped the guest RAM file {path}", hint="the VM was started with another memory backend; destroy and recreate the sandbox")
+    return best
+
+
+def dirty_runs(pid: int, m: Mapping) -> list[tuple[int, int]]:
+    """Runs (first page, count) of guest pages that differ from the mapped file: private, anonymous copies."""
+    npages = (m.end - m.start) // PAGE
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    try:
+        buf = bytearray()
+        for page in range(0, npages, _CHUNK_PAGES):
+            n = min(_CHUNK_PAGES, npages - page)
+            buf += os.pread(fd, n * 8, (m.start // PAGE + page) * 8)
+    finally:
+        os.close(fd)
+    entries = np.frombuffer(bytes(buf), dtype="<u8")
+    dirty = ((entries & np.uint64(_PM_PRESENT | _PM_SWAPPED)) != 0) & ((entries & np.uint64(_PM_FILE)) == 0)
+    edges = np.diff(np.concatenate(([0], dirty.astype(np.int8), [0])))
+    starts = np.flatnonzero(edges == 1)
+    ends = np.flatnonzero(edges == -1)
+    return [(int(a), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def save_delta(pid: int, m: Mapping, template_ram: Path, out_dir: Path) -> int:
+    """Write ``ram.delta`` + ``ram.idx`` (pages that differ from the template) into ``out_dir``; returns bytes."""
+    runs = dirty_runs(pid, m)
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    tpl = os.open(template_ram, os.O_RDONLY)
+    kept: list[tuple[int, int]] = []
+    data_path, idx_path = out_dir / "ram.delta.tmp", out_dir / "ram.idx.tmp"
+    total = 0
+    try:
+        with open(data_path, "wb") as data:
+            for first, count in runs:
+                for off in range(0, count, _CHUNK_PAGES):
+                    n = min(_CHUNK_PAGES, count - off)
+                    start = first + off
+                    cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
+                    old = os.pread(tpl, n * PAGE, m.offset + start * PAGE)
+                    # A page the guest wrote back to its template content costs nothing to keep out.
+                    i = 0
+                    while i < n:
+                        if cur[i * PAGE : (i + 1) * PAGE] == old[i * PAGE : (i + 1) * PAGE]:
+                            i += 1
+                            continue
+                        j = i + 1
+                        while j < n and cur[j * PAGE : (j + 1) * PAGE] != old[j * PAGE : (j + 1) * PAGE]:
+                            j += 1
+                        data.write(cur[i * PAGE : j * PAGE])
+                        kept.append((start + i, j - i))
+                        total += (j - i) * PAGE
+                        i = j
+            data.flush()
+            os.fsync(data.fileno())
+        with open(idx_path, "wb") as idx:
+            idx.write(b"".join(_IDX.pack(a, b) for a, b in kept))
+            idx.flush()
+            os.fsync(idx.fileno())
+    finally:
+        os.close(mem)
+        os.close(tpl)
+    os.replace(data_path, out_dir / "ram.delta")
+    os.replace(idx_path, out_dir / "ram.idx")
+    return total
+
+
+def apply_delta(pid: int, m: Mapping, snap_dir: Path) -> int:
+    """Write a saved delta into a paused QEMU's private RAM mapping (copy-on-write); returns bytes written."""
+    idx_bytes = (snap_dir / "ram.idx").read_bytes()
+    if len(idx_bytes) % _IDX.size:
+        raise SnapshotCorrupt(f"RAM delta index {snap_dir / 'ram.idx'} is truncated", hint="the sandbox cold-boots from its disk")
+    runs = [_IDX.unpack_from(idx_bytes, i) for i in range(0, len(idx_bytes), _IDX.size)]
+    npages = (m.end - m.start) // PAGE
+    expected = sum(c for _, c in runs) * PAGE
+    data_path = snap_dir / "ram.delta"
+    if data_path.stat().st_size != expected:
+        raise SnapshotCorrupt(f"RAM delta {data_path} has {data_path.stat().st_size} bytes, index says {expected}", hint="the sandbox cold-boots from its disk")
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    try:
+        with open(data_path, "rb") as data:
+            for first, count in runs:
+                if first + count > npages:
+                    raise SnapshotCorrupt(f"RAM delta page {first + count} is beyond guest memory ({npages} pages)")
+                for off in range(0, count, _CHUNK_PAGES):
+                    n = min(_CHUNK_PAGES, count - off)
+                    buf = data.read(n * PAGE)
+                    os.pwrite(mem, buf, m.start + (first + off) * PAGE)
+    finally:
+        os.close(mem)
+    return expected
+
+
+def read_all(pid: int, m: Mapping, out: Path) -> None:
+    """Materialise a running (paused) guest's whole RAM as a sparse file: all-zero pages stay holes."""
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    zero = bytes(PAGE)
+    size = m.end - m.start
+    try:
+        with open(out, "wb") as f:
+            f.truncate(size)
+            for off in range(0, size, _CHUNK_PAGES * PAGE):
+                buf = os.pread(mem, min(_CHUNK_PAGES * PAGE, size - off), m.start + off)
+                i = 0
+                n = len(buf) // PAGE
+                while i < n:
+                    if buf[i * PAGE : (i + 1) * PAGE] == zero:
+                        i += 1
+                        continue
+                    j = i + 1
+                    while j < n and buf[j * PAGE : (j + 1) * PAGE] != zero:
+                        j += 1
+                    f.seek(off + i * PAGE)
+                    f.write(buf[i * PAGE : j * PAGE])
+                    i = j
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        os.close(mem)
+
+
+def sampled_checksum(path: Path, samples: int = 512) -> str:
+    """A cheap fingerprint of a big RAM file: its size plus CRCs of pages spread across it (catches truncation
+    and overwritten regions without reading 256 MiB on every sleep)."""
+    size = path.stat().st_size
+    crc = zlib.crc32(str(size).encode())
+    npages = max(size // PAGE, 1)
+    step = max(npages // samples, 1)
+    with open(path, "rb") as f:
+        for p in range(0, npages, step):
+            crc = zlib.crc32(os.pread(f.fileno(), PAGE, p * PAGE), crc)
+    return f"{size}:{crc:08x}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
