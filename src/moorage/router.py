@@ -83,7 +83,7 @@ class Router:
 
     # --- resolution -----------------------------------------------------------------------------------------
 
-    def _check_principal(self, principal: Principal, key: EntityKey) -> None:
+    def check_principal(self, principal: Principal, key: EntityKey) -> None:
         principal.require("invoke")
         # End-user tokens act for one user of one agent only.
         if principal.agent is not None and principal.agent != key.agent:
@@ -107,7 +107,7 @@ class Router:
 
     async def locate(self, principal: Principal, key: EntityKey) -> SandboxRecord | None:
         """Where the key's instance is, from the store (None: not provisioned yet). Creates nothing."""
-        self._check_principal(principal, key)
+        self.check_principal(principal, key)
         ts = self.store.tenant(principal)
         agent = await asyncio.to_thread(ts.agents.get, key.agent)
         lc = AgentLifecycle.of(agent)
@@ -120,7 +120,7 @@ class Router:
 
         Raises NotFound (unknown agent/user), Busy (409), Overloaded (429), TenantScopeError, UnavailableError.
         """
-        self._check_principal(principal, key)
+        self.check_principal(principal, key)
         if self._pending >= self.max_pending:
             raise Overloaded("this host", self.retry_after_s)
         self._pending += 1

@@ -108,7 +108,7 @@ def agent_archive(tmp_path: Path, name: str = "echo", body: str = AGENT, version
 
     root = tmp_path / f"agent-src-{name}{version}"
     root.mkdir(parents=True, exist_ok=True)
-    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n')
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
     (root / "agent.py").write_text(textwrap.dedent(body).replace("echo: ", f"echo{version}: "))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:

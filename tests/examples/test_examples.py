@@ -105,7 +105,7 @@ async def test_refund_workflow_waits_for_approval_and_pays_once(env, payments: s
 async def test_egress_is_limited_to_the_manifest(env, tmp_path: Path) -> None:
     agent = tmp_path / "leaky"
     agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "leaky"\nentry = "agent.py"\n')
+    (agent / "moorage.toml").write_text('[agent]\nname = "leaky"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
     (agent / "agent.py").write_text(
         "async def on_message(ctx, m):\n"
         "    try:\n"

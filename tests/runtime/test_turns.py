@@ -40,7 +40,7 @@ async def on_message(ctx, message):
 
 def write_agent(root: Path, body: str = AGENT, name: str = "echo") -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n')
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
     (root / "agent.py").write_text(textwrap.dedent(body))
     return root
 
@@ -89,7 +89,7 @@ async def test_interrupt_then_answer_resumes_after_it(env, tmp_path: Path) -> No
     done = await env.runtime.answer(env.principal, r.run_id, "yes")
     assert done.status == "done" and done.reply == "draft-1 -> yes"
     steps = env.store.tenant(env.principal).runs.steps(r.run_id)
-    assert [(s.name, s.status, s.attempts) for s in steps] == [("draft", "succeeded", 1)]
+    assert [(s.name, s.status, s.attempts) for s in steps] == [("draft", "succeeded", 1), ("approval", "answered", 1)]
 
 
 async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:

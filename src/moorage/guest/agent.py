@@ -31,6 +31,10 @@ SUSPENDED = -32012
 MAX_TOOL_ROUNDS = 6
 
 
+class StepFailed(Exception):
+    """A durable step that had failed for good in an earlier execution of this workflow."""
+
+
 class Suspended(Exception):
     """Raised by ``ctx.interrupt`` when the workflow must wait for a human: the turn ends as ``waiting``."""
 
@@ -272,13 +276,16 @@ class AgentContext:
     async def step(self, name: str, fn: Callable[..., Any], *args: Any, idempotency_key: Optional[str] = None,
                    retries: int = 3, **kwargs: Any) -> Any:
         """Run ``fn`` once: its result is journaled by the host before it is returned; a replay returns it."""
-        self._step_seq += 1
+        # Positions count this workflow's step/interrupt calls from 0; a replay makes the same calls in order.
         seq = self._step_seq
+        self._step_seq += 1
         while True:
             begin = await self._host.call("durable.begin", {"seq": seq, "name": name, "idempotency_key": idempotency_key})
             if begin.get("replay"):
+                if begin.get("error"):
+                    raise StepFailed("step %r failed for good earlier: %s" % (name, begin["error"]))
                 return begin.get("result")
-            key = begin["idempotency_key"]
+            key, attempt = begin["idempotency_key"], begin.get("attempt", 1)
             try:
                 if "idempotency_key" in inspect.signature(fn).parameters:
                     kwargs["idempotency_key"] = key
@@ -286,19 +293,21 @@ class AgentContext:
                 if inspect.isawaitable(out):
                     out = await out
             except Exception as e:  # noqa: BLE001 - recorded in the step log, then retried or raised
-                verdict = await self._host.call("durable.fail", {"seq": seq, "name": name, "idempotency_key": key,
+                verdict = await self._host.call("durable.fail", {"seq": seq, "name": name, "attempt": attempt,
                                                                  "error": "%s: %s" % (type(e).__name__, e), "retries": retries})
                 if verdict.get("retry"):
                     await asyncio.sleep(float(verdict.get("backoff_s", 0.0)))
                     continue
                 raise
-            await self._host.call("durable.complete", {"seq": seq, "name": name, "idempotency_key": key, "result": out})
+            await self._host.call("durable.complete", {"seq": seq, "name": name, "idempotency_key": key,
+                                                       "attempt": attempt, "result": out})
             return out
 
     async def interrupt(self, payload: Any) -> Any:
         """Wait for a human: returns their answer when the workflow is resumed with one."""
+        seq = self._step_seq
         self._step_seq += 1
-        r = await self._host.call("durable.interrupt", {"seq": self._step_seq, "payload": payload})
+        r = await self._host.call("durable.interrupt", {"seq": seq, "payload": payload})
         if r.get("answered"):
             return r.get("answer")
         raise Suspended(payload)

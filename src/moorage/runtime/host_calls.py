@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import httpx
 
 from moorage.errors import InvalidInput, MoorageError, TenantScopeError
+from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, Replay
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
 from moorage.sandbox.channel import HandlerError
@@ -42,7 +43,8 @@ class TurnBinding:
     deployment_id: str
     manifest: dict[str, Any]
     trace_id: str
-    answers: dict[int, Any] = field(default_factory=dict)
+    #: The durable engine that owns this turn's run (its step log, journal and interrupts).
+    engine: DurableEngine = field(repr=False, default=None)  # type: ignore[assignment]
 
     @property
     def user_scope(self) -> Scope:
@@ -189,21 +191,31 @@ class GuestCalls:
     # -- durable steps ------------------------------------------------------------------------------
 
     async def durable_begin(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.rt.steps.begin, b, int(p["seq"]), str(p["name"]), p.get("idempotency_key"))
+        r = await asyncio.to_thread(b.engine.begin_step, b.run_id, int(p["seq"]), str(p["name"]), p.get("idempotency_key"))
+        if isinstance(r, Replay):
+            return {"replay": True, "result": r.result, "error": r.error}
+        return {"replay": False, "idempotency_key": r.idempotency_key, "attempt": r.attempt}
 
     async def durable_complete(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.rt.steps.complete, b, int(p["seq"]), str(p["name"]),
-                                       str(p.get("idempotency_key") or ""), p.get("result"))
+        await asyncio.to_thread(b.engine.complete_step, b.run_id, int(p["seq"]), str(p["name"]), p.get("result"),
+                                idempotency_key=p.get("idempotency_key") or None, attempt=int(p.get("attempt") or 1))
+        return {}
 
     async def durable_fail(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.rt.steps.fail, b, int(p["seq"]), str(p["name"]),
-                                       str(p.get("idempotency_key") or ""), str(p.get("error")), int(p.get("retries") or 0))
+        attempt = int(p.get("attempt") or 1)
+        retry = attempt <= max(0, int(p.get("retries") or 0))
+        await asyncio.to_thread(b.engine.fail_step, b.run_id, int(p["seq"]), str(p["name"]), str(p.get("error"))[:2000],
+                                attempt=attempt, final=not retry)
+        return {"retry": retry, "backoff_s": DEFAULT_BACKOFF.delay(attempt, self.rt.rng) if retry else 0.0}
 
     async def durable_interrupt(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.to_thread(self.rt.steps.interrupt, b, int(p["seq"]), p.get("payload"))
+        r = await asyncio.to_thread(b.engine.interrupt, b.run_id, int(p["seq"]), p.get("payload"))
+        return {"answered": True, "answer": r.value} if isinstance(r, Answer) else {"answered": False}
 
     async def durable_history(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        return {"history": await asyncio.to_thread(self.rt.steps.history, b)}
+        entries = await asyncio.to_thread(b.engine.history, b.run_id)
+        return {"history": [{"kind": e.kind, "step": e.name, "status": e.status, "attempt": e.attempt, "error": e.error}
+                            for e in entries]}
 
     # -- egress -------------------------------------------------------------------------------------
 

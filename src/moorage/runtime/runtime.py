@@ -8,19 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from contextlib import AbstractAsyncContextManager
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator
 
 from moorage.config import Config
+from moorage.durable import DurableEngine
 from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
+from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
+from moorage.observability import current_trace_id
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
-from moorage.runtime.package import AgentPackage, load_archive, load_dir
+from moorage.lifecycle.config import AgentLifecycle
+from moorage.router import Router
+from moorage.runtime.package import AgentPackage, AgentPackageError, load_archive, load_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Agent, Deployment, EntityKey, Principal, Scope, Span, Store, TenantStore
@@ -54,10 +59,17 @@ class AgentTurnFailed(InvalidInput):
     http_status = 502
 
 
-class Instances(Protocol):
-    """Holds an agent instance running for one turn (``moorage.lifecycle.manager.InstanceManager``)."""
+@dataclass
+class _Turn:
+    """One turn on its way through the router to a sandbox; streamed events flow back through ``events``."""
 
-    def turn(self, ts: TenantStore, scope: Scope, template: Any) -> AbstractAsyncContextManager[Sandbox]: ...
+    ts: TenantStore
+    entity: EntityKey
+    turn_id: str
+    message: str
+    resume: bool
+    trace_id: str
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
 @dataclass
@@ -92,7 +104,7 @@ def _turn_id(principal: Principal, entity: EntityKey, idempotency_key: str | Non
 
 class Runtime:
     def __init__(self, config: Config, store: Store, driver: SandboxDriver, llm: LLMGateway,
-                 instances: Instances, *, embedder: Any = None) -> None:
+                 instances: InstanceManager, *, embedder: Any = None) -> None:
         self.config = config
         self.store = store
         self.driver = driver
@@ -106,10 +118,9 @@ class Runtime:
         self.tracer = Tracer()
         self._memories: dict[str, _Memory] = {}
         self._loaded: dict[str, str] = {}  # sandbox id -> deployment id loaded in it (this process's view)
-        self._session_locks: dict[tuple[str, str, str, str], asyncio.Lock] = {}
-        from moorage.runtime.steps import StepJournal
-
-        self.steps = StepJournal()
+        # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
+        self.router = Router(store, instances, self._forward_turn, self._template_for)
+        self.rng = random.Random()
 
     # -- memory tiers per tenant --------------------------------------------------------------------
 
@@ -156,12 +167,16 @@ class Runtime:
         principal.require("deploy")
         pkg: AgentPackage = load_dir(source) if isinstance(source, Path) else load_archive(source)
         ts = self.store.tenant(principal)
+        try:  # a bad [agent.lifecycle] table fails the deploy, not the first turn
+            AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
+        except InvalidInput as e:
+            raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
         (self.packages / f"{pkg.sha256}.tar.gz").write_bytes(pkg.archive)
         try:
             agent = ts.agents.get(pkg.name)
         except NotFound:
             try:
-                agent = ts.agents.create(pkg.name, {"scope": pkg.scope})
+                agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
             except ConflictError:
                 agent = ts.agents.get(pkg.name)
         dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
@@ -171,11 +186,18 @@ class Runtime:
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
 
+    @staticmethod
+    def _lifecycle_config(manifest: dict[str, Any]) -> dict[str, Any]:
+        """The agent's [agent.lifecycle] table, with the package's ``scope`` folded in."""
+        lc = dict(manifest.get("lifecycle") or {})
+        lc.setdefault("scope", manifest.get("scope", "user"))
+        return lc
+
     def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
         while True:
             try:
                 return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
-                                        config={**agent.config, "scope": dep.manifest.get("scope", "user")})
+                                        config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
             except ConflictError:
                 agent = ts.agents.get(agent.id)
 
@@ -201,22 +223,6 @@ class Runtime:
 
     # -- turns --------------------------------------------------------------------------------------
 
-    def _check_entity(self, principal: Principal, entity: EntityKey) -> None:
-        principal.require("invoke")
-        # End-user tokens act for one user of one agent only.
-        if principal.agent is not None and principal.agent != entity.agent:
-            raise TenantScopeError("this token is for another agent")
-        if principal.user is not None and principal.user != entity.user:
-            raise TenantScopeError("this token is for another user")
-
-    def _instance_scope(self, agent: Agent, entity: EntityKey, run_id: str) -> Scope:
-        kind = agent.config.get("scope", "user")
-        if kind == "session":
-            return Scope.session(entity.agent, entity.user, entity.session or "default")
-        if kind == "workflow":
-            return Scope.workflow(entity.agent, run_id, user=entity.user)
-        return Scope.for_user(entity.agent, entity.user)
-
     async def invoke(self, principal: Principal, entity: EntityKey, message: str, *,
                      idempotency_key: str | None = None) -> TurnResult:
         result: TurnResult | None = None
@@ -229,7 +235,7 @@ class Runtime:
     async def stream(self, principal: Principal, entity: EntityKey, message: str, *,
                      idempotency_key: str | None = None) -> AsyncIterator[TurnEvent]:
         """Run one turn; yields streamed events and finally ``done`` with the ``TurnResult``."""
-        self._check_entity(principal, entity)
+        self.router.check_principal(principal, entity)
         if not isinstance(message, str) or not message.strip():
             raise InvalidInput("the message is empty")
         if len(message.encode()) > 64 * 1024:
@@ -246,11 +252,11 @@ class Runtime:
         except ConflictError:
             run = await asyncio.to_thread(ts.runs.get, turn_id)
             if run.status in ("succeeded", "waiting"):
-                yield TurnEvent("done", self._result_of(run))
+                yield TurnEvent("done", await asyncio.to_thread(self._result_of, ts, run))
                 return
             if run.status == "running" and turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
-        async for ev in self._run(ts, agent, entity, turn_id, message, resume=False):
+        async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal):
             yield ev
 
     async def answer(self, principal: Principal, run_id: str, answer: Any) -> TurnResult:
@@ -261,11 +267,12 @@ class Runtime:
         if run.status != "waiting":
             raise ConflictError(f"workflow {run_id} is {run.status}, not waiting for an answer")
         entity = EntityKey(run.scope.agent, run.scope.user or "", (run.input or {}).get("session") or "default")
-        self._check_entity(principal, entity)
-        await asyncio.to_thread(self.steps.record_answer, ts, run_id, answer)
+        self.router.check_principal(principal, entity)
+        await DurableEngine(ts).answer(run_id, answer, resume=False)
         agent = await asyncio.to_thread(ts.agents.get, entity.agent)
         result = None
-        async for ev in self._run(ts, agent, entity, run_id, (run.input or {}).get("message", ""), resume=True):
+        async for ev in self._run(ts, agent, entity, run_id, (run.input or {}).get("message", ""), resume=True,
+                                  principal=principal):
             if ev.kind == "done":
                 result = ev.data
         assert result is not None
@@ -277,7 +284,7 @@ class Runtime:
         run = ts.runs.get(run_id)
         if run.status in ("succeeded", "failed", "cancelled"):
             raise ConflictError(f"workflow {run_id} already {run.status}")
-        ts.runs.update(run_id, expected_version=run.version, status="cancelled")
+        DurableEngine(ts).cancel(run_id)
 
     # -- sandboxes and forgetting ---------------------------------------------------------------------
 
@@ -365,69 +372,82 @@ class Runtime:
                     log.warning("could not resume turn", run=run.id, error=str(e))
         return resumed
 
-    def _result_of(self, run: Any) -> TurnResult:
+    @staticmethod
+    def _result_of(ts: TenantStore, run: Any) -> TurnResult:
+        if run.status == "waiting":
+            return TurnResult(run.id, "waiting", None, "", DurableEngine(ts).waiting_for(run.id), run.id)
         r = run.result or {}
-        return TurnResult(run.id, "waiting" if run.status == "waiting" else "done", r.get("reply"),
-                          r.get("trace_id", ""), r.get("interrupt"), run.id)
+        return TurnResult(run.id, "done", r.get("reply"), r.get("trace_id", ""), None, run.id)
+
+    async def _template_for(self, ts: TenantStore, agent: Agent) -> TemplateRef:
+        if agent.live_deployment is None:
+            raise NotFound(f"agent {agent.name!r} has no live deployment", hint="deploy it with `moorage deploy`")
+        return await self.templates.ensure(await asyncio.to_thread(ts.deployments.get, agent.live_deployment))
 
     async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
-                   resume: bool) -> AsyncIterator[TurnEvent]:
-        deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
-
-        async def template() -> TemplateRef:  # only needed when the instance must be provisioned
-            return await self.templates.ensure(deployment)
-
-        scope = self._instance_scope(agent, entity, turn_id)
-        trace_id = uuid.uuid4().hex
-        # Turns of one session run in order; turns of other sessions may run alongside.
-        lock = self._session_locks.setdefault((ts.tenant_id, entity.agent, entity.user, entity.session or ""), asyncio.Lock())
-        async with lock, self.instances.turn(ts, scope, template) as sandbox:
-            binding = TurnBinding(turn_id, sandbox.id, ts, entity, turn_id, deployment.id, deployment.manifest, trace_id)
-            started = time.perf_counter()
-            run = await asyncio.to_thread(ts.runs.get, turn_id)
-            run = await asyncio.to_thread(ts.runs.update, turn_id, expected_version=run.version, status="running")
-            if not resume:
-                ev = await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message",
-                                             message, speaker="user")
-                await asyncio.to_thread(self.memory(ts).semantic.observe, binding.user_scope, ev)
-            self.turns[turn_id] = binding
-            try:
-                out = None
-                async for item in self.forward(sandbox, binding, message):
-                    if isinstance(item, TurnEvent):
-                        yield item
-                    else:
-                        out = item
-            except Exception as e:
-                await asyncio.to_thread(self._finish, ts, turn_id, "failed", {"error": str(e), "trace_id": trace_id}, str(e))
-                self.tracer.span(binding, "turn", started, status="error", error=type(e).__name__)
-                raise
-            finally:
-                self.turns.pop(turn_id, None)
-            status = out.get("status", "done")
-            if status == "waiting":
-                res = TurnResult(turn_id, "waiting", None, trace_id, out.get("interrupt"), turn_id)
-                await asyncio.to_thread(self._finish, ts, turn_id, "waiting",
-                                        {"interrupt": out.get("interrupt"), "trace_id": trace_id}, None)
-            else:
-                reply = out.get("reply")
-                res = TurnResult(turn_id, "done", reply, trace_id, None, turn_id)
-                if isinstance(reply, str) and reply:
-                    await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message", reply,
-                                            speaker="assistant")
-                    await asyncio.to_thread(self._remember_reply, binding, reply)
-                await asyncio.to_thread(self._finish, ts, turn_id, "succeeded", {"reply": reply, "trace_id": trace_id}, None)
-            self.tracer.span(binding, "turn", started, status=res.status)
-        yield TurnEvent("done", res)
-
-    def _finish(self, ts: TenantStore, run_id: str, status: str, result: dict[str, Any], error: str | None) -> None:
+                   resume: bool, principal: Principal | None = None) -> AsyncIterator[TurnEvent]:
+        """Route the turn (ordering, wake, backpressure) and stream its events; ends with ``done``."""
+        if AgentLifecycle.of(agent).scope == "workflow":
+            entity = EntityKey(entity.agent, entity.user, entity.session, workflow=turn_id)
+        turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex)
+        who = principal or self.store.operator.principal(ts.tenant_id)
+        task = asyncio.create_task(self.router.route(who, entity, turn), name=f"turn-{turn_id}")
         while True:
-            run = ts.runs.get(run_id)
-            try:
-                ts.runs.update(run_id, expected_version=run.version, status=status, result=result, error=error)
-                return
-            except ConflictError:
+            getter = asyncio.ensure_future(turn.events.get())
+            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                yield getter.result()
                 continue
+            getter.cancel()
+            while not turn.events.empty():
+                yield turn.events.get_nowait()
+            # The turn itself is durable: a caller that stops listening does not cancel it.
+            yield TurnEvent("done", task.result())
+            return
+
+    async def _forward_turn(self, sandbox: Sandbox, turn: _Turn) -> TurnResult:
+        """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back."""
+        ts, turn_id = turn.ts, turn.turn_id
+        deployment_id = (await asyncio.to_thread(ts.agents.get, turn.entity.agent)).live_deployment
+        deployment = await asyncio.to_thread(ts.deployments.get, deployment_id)
+        # The durable engine owns the run's state from here: it takes the run, journals steps and interrupts,
+        # and finishes it; this executor loses the run if another one takes it over.
+        engine = DurableEngine(ts, rng=self.rng)
+        binding = TurnBinding(turn_id, sandbox.id, ts, turn.entity, turn_id, deployment.id, deployment.manifest,
+                              turn.trace_id, engine)
+        started = time.perf_counter()
+        await asyncio.to_thread(engine.open_run, turn_id)
+        if not turn.resume:
+            await asyncio.to_thread(ts.sessions.open, turn.entity.agent, turn.entity.user, turn.entity.session)
+            ev = await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message",
+                                         turn.message, speaker="user")
+            await asyncio.to_thread(self.memory(ts).semantic.observe, binding.user_scope, ev)
+        self.turns[turn_id] = binding
+        try:
+            out: dict[str, Any] = {}
+            async for item in self.forward(sandbox, binding, turn.message):
+                if isinstance(item, TurnEvent):
+                    turn.events.put_nowait(item)
+                else:
+                    out = item
+        except Exception as e:
+            await asyncio.to_thread(engine.fail_run, turn_id, str(e))
+            self.tracer.span(binding, "turn", started, status="error", error=type(e).__name__)
+            raise
+        finally:
+            self.turns.pop(turn_id, None)
+        if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
+            res = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
+        else:
+            reply = out.get("reply")
+            res = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
+            if isinstance(reply, str) and reply:
+                await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message", reply,
+                                        speaker="assistant")
+                await asyncio.to_thread(self._remember_reply, binding, reply)
+            await asyncio.to_thread(engine.finish_run, turn_id, {"reply": reply, "trace_id": turn.trace_id})
+        self.tracer.span(binding, "turn", started, status=res.status)
+        return res
 
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
