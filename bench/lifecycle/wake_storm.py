@@ -152,7 +152,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--storm", type=int, default=100)
     ap.add_argument("--wakes", type=int, default=30, help="single-turn wakes timed")
+    ap.add_argument("--quick", action="store_true", help="2 rounds, fewer turns (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.turns, args.wakes = 2, 50, 8
     res = asyncio.run(run(args.driver, args.rounds, args.turns, args.storm, args.wakes))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "lifecycle_wake.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -82,6 +82,36 @@ def up(
         pass
 
 
+BENCH_SCRIPTS = {
+    "store": ["store/run.py"],
+    "memory": ["memory/run.py"],
+    "durable": ["durable/run.py"],
+    "lifecycle": ["lifecycle/run_sim.py", "lifecycle/wake_storm.py"],
+    "sandbox": ["sandbox/run.py"],
+}
+
+
+@app.command()
+def bench(area: str = typer.Argument(..., help=f"One of: {', '.join(BENCH_SCRIPTS)}"),
+          quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (a smoke run).")) -> None:
+    """Run one benchmark area; reports land in bench/results/latest/ and the last line is the headline."""
+    import subprocess
+
+    if area not in BENCH_SCRIPTS:
+        raise typer.BadParameter(f"unknown area {area!r}; choose from {', '.join(BENCH_SCRIPTS)}")
+    root = Path(__file__).resolve().parents[3] / "bench"
+    if not root.is_dir():
+        err_console.print("[red]error:[/] the benchmarks ship with the source checkout (bench/); run from there")
+        raise typer.Exit(2)
+    for script in BENCH_SCRIPTS[area]:
+        # bench/sandbox takes its sizes as numbers; the others have a --quick switch.
+        small = ["--reps", "5", "--forks", "2", "--cold", "1"] if area == "sandbox" else ["--quick"]
+        argv = [sys.executable, str(root / script)] + (small if quick else [])
+        rc = subprocess.call(argv, cwd=root.parent)
+        if rc != 0:
+            raise typer.Exit(rc)
+
+
 # Sub-command groups, one module each under moorage/cli/ exposing a ``typer.Typer`` named ``app``.
 SUBCOMMANDS = {
     "image": "moorage.cli.image",

@@ -63,6 +63,9 @@ class Backend(ABC):
     @abstractmethod
     def schema_version(self, tenant_id: str | None = None) -> int: ...
 
+    def purge(self, tenant_id: str) -> None:
+        """Make deletions physical where the backend can (called after forgetting a user)."""
+
     @abstractmethod
     def describe(self) -> str: ...
 

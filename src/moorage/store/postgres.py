@@ -152,6 +152,11 @@ class PostgresBackend(Backend):
             for t in tables:
                 c.x(f"DELETE FROM {t}")
 
+    def purge(self, tenant_id: str) -> None:
+        # Dead tuples are invisible to every query at once and reclaimed by (auto)vacuum; VACUUM cannot run
+        # inside the request's transaction, so it is left to autovacuum (see docs/decisions/0001).
+        check_tenant_id(tenant_id)
+
     def schema_version(self, tenant_id: str | None = None) -> int:
         component = "control" if tenant_id is None else "tenant"
         r = self._owner.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s", (component,)).fetchone()

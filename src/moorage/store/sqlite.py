@@ -31,6 +31,8 @@ def _connect(path: str) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous = FULL")
     conn.execute("PRAGMA foreign_keys = ON")
     conn.execute("PRAGMA temp_store = MEMORY")
+    # Deleted rows are overwritten, not just unlinked: forgetting a user must leave no bytes of them behind.
+    conn.execute("PRAGMA secure_delete = ON")
     return conn
 
 
@@ -170,6 +172,12 @@ class SQLiteBackend(Backend):
         for suffix in ("", "-wal", "-shm", "-journal"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path + suffix)
+
+    def purge(self, tenant_id: str) -> None:
+        """After an erasure: merge the full-text index (dropping deleted terms) and empty the WAL into the file."""
+        conn = self._tenant_conn(tenant_id)
+        conn.execute("INSERT INTO events_fts(events_fts) VALUES ('optimize')")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def schema_version(self, tenant_id: str | None = None) -> int:
         conn = self._files.get(self._control if tenant_id is None else str(self.tenant_path(tenant_id)))

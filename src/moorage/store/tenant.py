@@ -166,6 +166,8 @@ class TenantStore:
             else:
                 n += c.x("DELETE FROM sessions WHERE agent_id = ? AND user_id = ?", (agent, user))
                 n += c.x("DELETE FROM usage WHERE agent_id = ? AND user_id = ?", (agent, user))
+        if getattr(self._local, "conn", None) is None:  # outside a caller's transaction: make it physical now
+            self._backend.purge(self.tenant_id)
         return n
 
 
