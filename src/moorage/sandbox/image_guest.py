@@ -80,7 +80,6 @@ if [ -n "$nproc" ] && mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; then
   mkdir -p /sys/fs/cgroup/agent
   echo "+pids" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null
   echo "$nproc" > /sys/fs/cgroup/agent/pids.max
-  echo $$ > /sys/fs/cgroup/agent/cgroup.procs
 fi
 cd /
 set -- python3 /opt/moorage/guest --virtio moorage.0
@@ -91,7 +90,18 @@ if [ -n "$envb64" ]; then
 os.environ.update(json.loads(base64.urlsafe_b64decode(sys.argv[1])))
 os.execvp(sys.argv[2], sys.argv[2:])' "$envb64" "$@"
 fi
-exec "$@"
+if [ -f /sys/fs/cgroup/agent/pids.max ]; then
+  # The supervisor and all it starts go into the capped cgroup; PID 1 stays outside it, never a victim.
+  set -- sh -c 'echo $$ > /sys/fs/cgroup/agent/cgroup.procs && exec "$@"' moorage-agent "$@"
+fi
+# This shell stays PID 1: its wait reaps orphaned processes (which would otherwise pile up as zombies and use
+# up the process cap), and it restarts the supervisor should it ever exit.
+while :; do
+  "$@" &
+  wait $!
+  echo "moorage-init: supervisor exited ($?); restarting" > /dev/console
+  sleep 1
+done
 """
 
 # Debian marks its Python "externally managed"; inside a throwaway sandbox the agent owns the system.

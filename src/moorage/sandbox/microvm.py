@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import time
@@ -122,6 +123,15 @@ def _sparse_copy(src: Path, dst: Path) -> None:
                 pos += n
             off = hole
         os.fsync(ofd)
+
+
+#: Guest-side reseed: RNDADDENTROPY with the host's seed from stdin, then RNDRESEEDCRNG (both need root).
+_RESEED_PY = """import fcntl, os, struct, sys
+seed = sys.stdin.buffer.read()
+fd = os.open("/dev/urandom", os.O_WRONLY)
+fcntl.ioctl(fd, 0x40085203, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+fcntl.ioctl(fd, 0x5207)
+"""
 
 
 def _collect_template(tdir: Path) -> None:
@@ -480,8 +490,13 @@ class MicroVMSandbox(Sandbox):
     async def _after_wake(self, fresh_fork: bool) -> None:
         """Set the guest clock (it stood still while asleep) and, for a new fork, stir its RNG so forks of one
         template do not share a random stream."""
-        seed = secrets.token_bytes(64)
-        script = f"date -s @{time.time():.3f} >/dev/null 2>&1; cat > /dev/urandom"
+        script = f"date -s @{time.time():.3f} >/dev/null 2>&1"
+        seed = None
+        if fresh_fork:
+            # Writing to /dev/urandom only mixes the input pool; the kernel's CRNG keeps its key until its next
+            # reseed, so every fork would return the same bytes. Credit fresh host entropy and force a reseed.
+            seed = secrets.token_bytes(64)
+            script += "; exec python3 -c " + shlex.quote(_RESEED_PY)
         try:
             await self.exec(["sh", "-c", script], stdin=seed, timeout=30)
         except ChannelError as e:
@@ -628,6 +643,7 @@ class MicroVMDriver(SandboxDriver):
     def __init__(self, root: Path, config: Config, *, images_dir: Path | None = None, drop_caches_on_sleep: bool = True) -> None:
         super().__init__(root, config)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.root = self.root.resolve()  # QEMU command lines carry absolute paths; orphans are found by them
         self.images_dir = Path(images_dir) if images_dir else config.images_dir
         self.drop_caches_on_sleep = drop_caches_on_sleep
         self._open: dict[str, MicroVMSandbox] = {}
@@ -854,16 +870,27 @@ class MicroVMDriver(SandboxDriver):
     # --- hygiene --------------------------------------------------------------------------------------------
 
     def find_orphans(self) -> list[int]:
-        """QEMU processes started for sandboxes under ``root`` whose sandbox is gone or not running."""
+        """QEMU processes started for a sandbox under ``root`` that no sandbox owns any more: its directory is
+        gone, or its metadata says it is not running, or names another process (a crash between steps)."""
+        marker = f"file:{self.root.resolve()}/"
         orphans = []
-        for pidfile in self.root.glob("*/qemu.pid"):
-            try:
-                pid = int(pidfile.read_text())
-                meta = json.loads((pidfile.parent / "meta.json").read_text())
-            except (OSError, ValueError):
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
                 continue
-            if pid_is_ours(pid, str(run_dir_for(pidfile.parent))) and meta.get("state") != SandboxState.RUNNING.value:
-                orphans.append(pid)
+            try:
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            serial = next((a.decode(errors="replace") for a in args if a.decode(errors="replace").startswith(marker)), None)
+            if serial is None or not pid_is_ours(int(proc.name), marker):
+                continue
+            sandbox_dir = Path(serial.removeprefix("file:")).parent
+            try:
+                meta = json.loads((sandbox_dir / "meta.json").read_text())
+            except (OSError, ValueError):
+                meta = {}
+            if meta.get("state") != SandboxState.RUNNING.value or meta.get("pid") != int(proc.name):
+                orphans.append(int(proc.name))
         return orphans
 
     def kill_orphans(self) -> list[int]:

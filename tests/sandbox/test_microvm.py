@@ -1,0 +1,331 @@
+"""Micro-VM driver specifics on real QEMU (TCG here): memory kept across sleep, copy-on-write forks that store
+only their changed pages, damaged snapshots, host restarts, isolation and hygiene.
+
+One booted template is shared by the module (booting is the slow part under TCG); each test forks from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from moorage.config import Config
+from moorage.sandbox import SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
+from moorage.sandbox.microvm import MicroVMDriver, MicroVMSandbox
+from moorage.sandbox.microvm_qemu import pid_is_ours
+
+from .test_conformance import _make_wheel
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+IMAGES_DIR = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
+MiB = 1 << 20
+
+#: A process that holds a random token only in its memory and serves it on a unix socket.
+TOKEN_SERVER = r"""
+import os, socket
+token = os.urandom(16).hex()
+s = socket.socket(socket.AF_UNIX)
+s.bind("/run/token.sock")
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.sendall(token.encode())
+    c.close()
+"""
+ASK_TOKEN = ["python3", "-c", "import socket; s = socket.socket(socket.AF_UNIX); s.connect('/run/token.sock'); print(s.recv(64).decode())"]
+CHECK_WHEEL = ["python3", "-c", "import moorage_canary_pkg as m; print(m.VALUE)"]
+
+
+def make_driver(root: Path) -> MicroVMDriver:
+    for tool in ("qemu-system-x86_64", "qemu-img", "debootstrap"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"prerequisite missing: {tool} (run scripts/bootstrap.sh)")
+    return MicroVMDriver(root, Config(data_dir=root.parent / "data"), images_dir=IMAGES_DIR)
+
+
+async def out(sb: MicroVMSandbox, argv: list[str], timeout: float = 60) -> str:
+    r = await sb.exec(argv, timeout=timeout)
+    assert r.ok, (argv, r.exit_code, r.stdout_text, r.stderr_text)
+    return r.stdout_text.strip()
+
+
+async def ask_token(sb: MicroVMSandbox) -> str:
+    return await out(sb, ASK_TOKEN)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("microvm") / "sandboxes"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def driver(root: Path) -> AsyncIterator[MicroVMDriver]:
+    d = make_driver(root)
+    yield d
+    cleaner = make_driver(root)
+    await d.close()
+    for sid in await cleaner.list():
+        await (await cleaner.open(sid)).destroy()
+    cleaner.kill_orphans()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def base(driver: MicroVMDriver, tmp_path_factory: pytest.TempPathFactory) -> MicroVMSandbox:
+    """A booted guest with a background token server and a wheel installed from the host."""
+    sb = await driver.create("base")
+    await sb.start()
+    await sb.write_file("/work/token_server.py", TOKEN_SERVER.encode())
+    await out(sb, ["sh", "-c", "nohup python3 /work/token_server.py >/dev/null 2>&1 & while [ ! -S /run/token.sock ]; do sleep 0.05; done"])
+    wheel = _make_wheel(tmp_path_factory.mktemp("wheel"))
+    await sb.write_file(f"/work/{wheel.name}", wheel.read_bytes())
+    await out(sb, ["python3", "-m", "pip", "install", "--no-index", "--no-cache-dir", f"/work/{wheel.name}"], timeout=180)
+    return sb
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def template(driver: MicroVMDriver, base: MicroVMSandbox) -> TemplateRef:
+    await base.write_file("/work/from-template.txt", b"template file")
+    return await driver.make_template(base, "tpl")
+
+
+async def test_boot_exec_files_and_no_network_device(base: MicroVMSandbox) -> None:
+    assert base.state is SandboxState.RUNNING
+    assert await out(base, ["sh", "-c", "echo $((6 * 7))"]) == "42"
+    await base.write_file("/work/a/b.txt", b"hello")
+    assert await base.read_file("/work/a/b.txt") == b"hello"
+    assert [f.name for f in await base.list_files("/work/a")] == ["b.txt"]
+    # Its own kernel, and no network interface but loopback.
+    assert await out(base, ["ls", "/sys/class/net"]) == "lo"
+    assert (await out(base, ["uname", "-r"])).endswith("cloud-amd64")
+
+
+async def test_sleep_wake_keeps_process_memory_and_installed_wheel(base: MicroVMSandbox) -> None:
+    token = await ask_token(base)
+    pid = base.pid
+    info = await base.sleep()
+    assert base.state is SandboxState.SLEEPING and info.includes_memory and info.bytes > 0
+    assert not pid_is_ours(pid, str(base.run_dir)), "QEMU must be gone while asleep"
+    await base.wake()
+    assert base.last_wake_mode == "snapshot" and base.last_wake_fallback is None
+    assert await ask_token(base) == token
+    assert await out(base, CHECK_WHEEL) == "from-the-wheel"
+
+
+async def test_forks_are_independent_and_inherit_memory(driver: MicroVMDriver, base: MicroVMSandbox, template: TemplateRef) -> None:
+    token = await ask_token(base)
+    kids = await driver.fork(template, ["fork-a", "fork-b"])
+    assert [k.state for k in kids] == [SandboxState.SLEEPING] * 2
+    await asyncio.gather(*(k.wake() for k in kids))
+    for k in kids:
+        assert k.last_wake_mode == "snapshot"
+        assert await ask_token(k) == token  # the template's process, memory and all
+        assert await out(k, CHECK_WHEEL) == "from-the-wheel"
+        assert await k.read_file("/work/from-template.txt") == b"template file"
+    # Independent: writes in one are invisible to the other and to the template's source.
+    await kids[0].write_file("/work/from-template.txt", b"changed in a")
+    await kids[0].write_file("/work/only-a.txt", b"a")
+    assert await kids[1].read_file("/work/from-template.txt") == b"template file"
+    assert await kids[1].stat("/work/only-a.txt") is None
+    assert await base.stat("/work/only-a.txt") is None
+    # Forks do not share a random stream (the host stirs each fork's RNG on its first wake).
+    rand = [await out(k, ["python3", "-c", "import os; print(os.urandom(16).hex())"]) for k in kids]
+    assert rand[0] != rand[1]
+    for k in kids:
+        await k.destroy()
+
+
+async def test_sleeping_fork_stores_only_its_changes(driver: MicroVMDriver, template: TemplateRef) -> None:
+    (kid,) = await driver.fork(template, ["fork-delta"])
+    await kid.wake()
+    await kid.write_file("/work/mine.txt", b"fork data")
+    # Touch some memory in a long-lived process so the delta is not trivially empty.
+    await out(kid, ["sh", "-c", "nohup python3 -c 'import time; x = bytearray(8 << 20); x[::4096] = b\"z\" * len(x[::4096]); time.sleep(10**6)' >/dev/null 2>&1 &"])
+    await asyncio.sleep(1)
+    token = await ask_token(kid)
+    snap = await kid.sleep()
+    stats = await kid.stats()
+    # Beyond the template: the RAM delta and device state, plus the disk overlay.
+    beyond_template = stats.snapshot_bytes + stats.disk_bytes
+    assert 8 * MiB <= beyond_template <= 64 * MiB, beyond_template
+    assert snap.bytes == stats.snapshot_bytes
+    assert not (kid.dir / "ram").exists(), "a fork keeps no RAM file of its own"
+    await kid.wake()
+    assert await ask_token(kid) == token
+    assert await kid.read_file("/work/mine.txt") == b"fork data"
+    # Sleep again after running: the delta is still relative to the template, not growing per cycle.
+    await kid.sleep()
+    await kid.wake()
+    assert await kid.read_file("/work/mine.txt") == b"fork data"
+    await kid.destroy()
+
+
+async def test_host_restart_readopts_running_and_sleeping(driver: MicroVMDriver, root: Path, template: TemplateRef) -> None:
+    running, sleeping = await driver.fork(template, ["restart-run", "restart-sleep"])
+    await asyncio.gather(running.wake(), sleeping.wake())
+    await running.write_file("/work/r.txt", b"r")
+    await sleeping.write_file("/work/s.txt", b"s")
+    token = await ask_token(sleeping)
+    pid = running.pid
+    await sleeping.sleep()
+    # A new driver instance is the host after a restart: same disk, no memory of the old process.
+    d2 = make_driver(root)
+    r2 = await d2.open("restart-run")
+    assert r2.state is SandboxState.RUNNING and r2.pid == pid
+    assert await r2.read_file("/work/r.txt") == b"r"
+    s2 = await d2.open("restart-sleep")
+    assert s2.state is SandboxState.SLEEPING
+    await s2.wake()
+    assert await ask_token(s2) == token
+    assert await s2.read_file("/work/s.txt") == b"s"
+    await r2.destroy()
+    await s2.destroy()
+    await d2.close()
+
+
+async def test_checkpoint_rollback_restores_files_and_memory(driver: MicroVMDriver, template: TemplateRef) -> None:
+    (kid,) = await driver.fork(template, ["fork-ckpt"])
+    await kid.wake()
+    await kid.write_file("/work/state.txt", b"v1")
+    token = await ask_token(kid)
+    ck = await kid.checkpoint("step1")
+    assert ck.includes_memory and ck.bytes > 0
+    await kid.write_file("/work/state.txt", b"v2")
+    await kid.write_file("/work/later.txt", b"later")
+    await out(kid, ["sh", "-c", "pkill -f token_server.py; rm -f /run/token.sock; true"])
+    await kid.rollback("step1")
+    assert kid.state is SandboxState.RUNNING and kid.last_wake_mode == "snapshot"
+    assert await kid.read_file("/work/state.txt") == b"v1"
+    assert await kid.stat("/work/later.txt") is None
+    assert await ask_token(kid) == token  # the killed process is back, with the same memory
+    await kid.destroy()
+
+
+async def test_damaged_snapshots_fall_back_to_a_cold_boot_with_files_intact(driver: MicroVMDriver, template: TemplateRef) -> None:
+    (kid,) = await driver.fork(template, ["fork-damaged"])
+    await kid.wake()
+    await kid.write_file("/work/keep.txt", b"kept on disk")
+    await kid.sleep()
+    # Truncated RAM delta: corrupt.
+    delta = kid.dir / "snapshot" / "ram.delta"
+    with open(delta, "r+b") as f:
+        f.truncate(delta.stat().st_size // 2)
+    await kid.wake()
+    assert isinstance(kid.last_wake_fallback, SnapshotCorrupt) and "checksum" in str(kid.last_wake_fallback)
+    assert kid.last_wake_mode == "cold" and kid.state is SandboxState.RUNNING
+    assert await kid.read_file("/work/keep.txt") == b"kept on disk"
+    # Taken by another QEMU build: incompatible.
+    await kid.write_file("/work/keep2.txt", b"also kept")
+    await kid.sleep()
+    meta = json.loads((kid.dir / "meta.json").read_text())
+    meta["snapshot"]["qemu"] = "QEMU emulator version 0.0.1"
+    (kid.dir / "meta.json").write_text(json.dumps(meta))
+    d2 = make_driver(driver.root)
+    k2 = await d2.open("fork-damaged")
+    await k2.wake()
+    assert isinstance(k2.last_wake_fallback, SnapshotIncompatible) and "0.0.1" in str(k2.last_wake_fallback)
+    assert await k2.read_file("/work/keep2.txt") == b"also kept"
+    # Corrupt device state after a cold boot (shared RAM mode now).
+    await k2.sleep()
+    (k2.dir / "snapshot" / "dev.state").write_bytes(b"\0" * 100)
+    await k2.wake()
+    assert isinstance(k2.last_wake_fallback, SnapshotCorrupt)
+    assert await k2.read_file("/work/keep.txt") == b"kept on disk"
+    await k2.destroy()
+    await d2.close()
+
+
+async def test_guest_is_isolated_and_abuse_is_contained(driver: MicroVMDriver, template: TemplateRef, tmp_path_factory: pytest.TempPathFactory) -> None:
+    canary = tmp_path_factory.mktemp("canary") / "host-canary.txt"
+    canary.write_text("host secret")
+    hits: list[bool] = []
+
+    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        hits.append(True)
+        w.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    abuser, bystander = await driver.fork(template, ["abuser", "bystander"])
+    await asyncio.gather(abuser.wake(), bystander.wake())
+    await bystander.write_file("/work/secret.txt", b"bystander secret")
+    try:
+        probe = f"""
+import glob, os, socket
+found = []
+for p in [{str(canary)!r}, {str(bystander.dir)!r} + "/disk.qcow2"]:
+    if os.path.exists(p): found.append("PATH " + p)
+for host in ["127.0.0.1", "10.0.2.2", "192.168.122.1"]:
+    try:
+        socket.create_connection((host, {port}), timeout=2).close(); found.append("TCP " + host)
+    except OSError:
+        pass
+disks = sorted(os.path.basename(d) for d in glob.glob("/sys/block/*") if not os.path.basename(d).startswith(("loop", "ram")))
+if disks != ["vda"]: found.append("DISKS " + ",".join(disks))
+print("|".join(found) or "ISOLATED")
+"""
+        await abuser.write_file("/work/probe.py", probe.encode())
+        assert await out(abuser, ["python3", "/work/probe.py"]) == "ISOLATED"
+        assert hits == []
+        # Memory hog: the VM's RAM is the bound; the guest kernel kills the hog, the host does not notice.
+        hog = await abuser.exec(["python3", "-c", "x = [bytearray(1 << 20) for _ in range(2048)]; print('ALL')"], timeout=120)
+        assert not hog.ok and b"ALL" not in hog.stdout
+        # Fork bomb: the pids cgroup stops it.
+        bomb = await abuser.exec(["python3", "-c", "import os\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n            import time; time.sleep(3); os._exit(0)\n        n += 1\nexcept OSError:\n    print('LIMITED', n)\n"], timeout=120)
+        assert bomb.stdout_text.startswith("LIMITED"), bomb.stdout_text
+        await asyncio.sleep(4)  # the bomb's children exit after 3 s and free their pids
+        # Disk filler, in files under the per-file cap: the overlay's virtual size is the bound.
+        script = "for i in $(seq 30); do yes moorage | dd of=/work/fill$i bs=1M count=100 iflag=fullblock conv=fsync 2>&1 || exit 1; done"
+        fill = await abuser.exec(["sh", "-c", script], timeout=400)
+        assert not fill.ok and b"No space left" in fill.stdout, fill
+        assert (await abuser.stats()).disk_bytes < 1200 * MiB
+        # Everyone else is fine, and the abuser's own supervisor still answers.
+        assert await bystander.read_file("/work/secret.txt") == b"bystander secret"
+        assert await out(bystander, ["echo", "alive"]) == "alive"
+        assert (await abuser.ping())["pong"]
+    finally:
+        server.close()
+        await server.wait_closed()
+        await abuser.destroy()
+        await bystander.destroy()
+
+
+async def test_destroy_kills_qemu_and_orphans_are_found(driver: MicroVMDriver, root: Path, template: TemplateRef) -> None:
+    gone, orphan = await driver.fork(template, ["to-destroy", "to-orphan"])
+    await asyncio.gather(gone.wake(), orphan.wake())
+    pid = gone.pid
+    await gone.destroy()
+    assert gone.state is SandboxState.DESTROYED and not gone.dir.exists()
+    assert not pid_is_ours(pid, str(gone.run_dir))
+    assert "to-destroy" not in await driver.list()
+    # A host crash in the middle of a sleep: the metadata says sleeping, the QEMU still runs.
+    opid = orphan.pid
+    meta = json.loads((orphan.dir / "meta.json").read_text())
+    meta["state"] = "sleeping"
+    (orphan.dir / "meta.json").write_text(json.dumps(meta))
+    d2 = make_driver(root)
+    assert opid in d2.find_orphans()
+    assert opid in d2.kill_orphans()
+    assert not pid_is_ours(opid, str(orphan.run_dir))
+    await orphan.destroy()
+    await d2.close()
+
+
+async def test_template_outlives_delete_while_forks_use_it(driver: MicroVMDriver, base: MicroVMSandbox) -> None:
+    tpl = await driver.make_template(base, "tpl-short")
+    (kid,) = await driver.fork(tpl, ["fork-late"])
+    await driver.delete_template(tpl)
+    assert tpl.path.exists(), "a fork still maps its RAM and disk"
+    with pytest.raises(Exception, match="deleted"):
+        await driver.fork(tpl, ["never"])
+    await kid.wake()
+    assert await kid.read_file("/work/from-template.txt") == b"template file"
+    await kid.destroy()
+    assert not tpl.path.exists()
