@@ -92,7 +92,7 @@ class Router:
             raise TenantScopeError(f"this key may only act for user {principal.user!r}")
 
     @staticmethod
-    def _resolve(ts: TenantStore, key: EntityKey) -> tuple[Agent, AgentLifecycle, Scope]:
+    def resolve(ts: TenantStore, key: EntityKey) -> tuple[Agent, AgentLifecycle, Scope]:
         agent = ts.agents.get(key.agent)  # NotFound: never provision an instance of an agent that does not exist
         lc = AgentLifecycle.of(agent)
         if lc.users == "auto":
@@ -129,7 +129,7 @@ class Router:
             session = key.session or key.workflow or "-"
             # The line is joined before the first await, so turns of one session keep the order they arrived in.
             async with self._in_session_line((ts.tenant_id, key.agent, key.user, session)):
-                agent, lc, scope = await asyncio.to_thread(self._resolve, ts, key)
+                agent, lc, scope = await asyncio.to_thread(self.resolve, ts, key)
                 async with self._on_instance((ts.tenant_id, scope.key), session, scope, lc):
 
                     async def template() -> TemplateRef:

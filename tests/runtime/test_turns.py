@@ -125,3 +125,15 @@ async def test_new_deploy_reaches_existing_users_with_their_files(env, tmp_path:
     assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"
     await env.runtime.rollback(env.principal, "echo")
     assert (await env.runtime.invoke(env.principal, k, "hi")).reply == "echo: hi"
+
+
+async def test_unknown_user_is_404_and_writes_nothing(env, tmp_path: Path) -> None:
+    root = write_agent(tmp_path / "strict", name="strict")
+    (root / "moorage.toml").write_text('[agent]\nname = "strict"\nentry = "agent.py"\n')  # users: existing (default)
+    await env.runtime.deploy(env.principal, root)
+    ts = env.store.tenant(env.principal)
+    with pytest.raises(NotFound, match="no user 'mallory'"):
+        await env.runtime.invoke(env.principal, EntityKey("strict", "mallory"), "count")
+    assert ts.runs.list() == [] and ts.sandboxes.list() == []
+    ts.users.ensure("carol")  # the product registers its end-user first
+    assert (await env.runtime.invoke(env.principal, EntityKey("strict", "carol"), "count")).reply == "count=1 user=carol"

@@ -7,6 +7,7 @@ is a durable workflow run keyed by its turn id, so a retried request replays ins
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import time
@@ -241,7 +242,8 @@ class Runtime:
         if len(message.encode()) > 64 * 1024:
             raise InvalidInput("the message is over 64 KiB", hint="send large inputs as files")
         ts = self.store.tenant(principal)
-        agent = await asyncio.to_thread(ts.agents.get, entity.agent)
+        # Unknown agent or user: a clear 404 before anything is written (no orphan run, no sandbox).
+        agent, _, _ = await asyncio.to_thread(self.router.resolve, ts, EntityKey(entity.agent, entity.user, "default"))
         if agent.live_deployment is None:
             raise NotFound(f"agent {entity.agent!r} has no live deployment", hint="deploy it with `moorage deploy`")
         entity = EntityKey(entity.agent, entity.user, entity.session or "default", entity.workflow)
@@ -401,9 +403,19 @@ class Runtime:
             getter.cancel()
             while not turn.events.empty():
                 yield turn.events.get_nowait()
+            if task.exception() is not None:
+                # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
+                await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
             # The turn itself is durable: a caller that stops listening does not cancel it.
             yield TurnEvent("done", task.result())
             return
+
+    @staticmethod
+    def _abandon(ts: TenantStore, run_id: str, error: BaseException) -> None:
+        run = ts.runs.get(run_id)
+        if run.status == "pending":
+            with contextlib.suppress(ConflictError):
+                ts.runs.update(run_id, expected_version=run.version, status="failed", error=f"not started: {error}")
 
     async def _forward_turn(self, sandbox: Sandbox, turn: _Turn) -> TurnResult:
         """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back."""
