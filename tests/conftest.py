@@ -67,3 +67,14 @@ def config(tmp_path: Path) -> Config:
 
 def system_principal(store: Store, tenant_id: str) -> Principal:
     return store.operator.principal(tenant_id)
+
+
+async def stop_all_sandboxes(driver) -> None:  # type: ignore[no-untyped-def]
+    """Test teardown: stop every sandbox a test left running (a host's close() only detaches from them)."""
+    import contextlib
+
+    for sid in await driver.list():
+        with contextlib.suppress(Exception):
+            sb = await driver.open(sid)
+            if sb.state.value == "running":
+                await sb.stop()

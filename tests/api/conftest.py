@@ -19,6 +19,7 @@ import uvicorn
 from moorage.api import create_app
 from moorage.config import Config
 from moorage.store import Store
+from tests.conftest import stop_all_sandboxes
 
 
 def free_port() -> int:
@@ -131,6 +132,7 @@ async def runtime(tmp_path: Path, store: Store):
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
     yield rt
     await manager.close()
+    await stop_all_sandboxes(driver)
     await driver.close()
 
 

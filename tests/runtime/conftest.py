@@ -13,6 +13,7 @@ from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
 from moorage.sandbox.process import ProcessDriver
 from moorage.store import Principal, Store, open_store
+from tests.conftest import stop_all_sandboxes
 
 
 class Env:
@@ -39,5 +40,6 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
     yield Env(rt, manager, principal, cfg)
     await manager.close()
+    await stop_all_sandboxes(driver)
     await driver.close()
     store.close()
