@@ -1,0 +1,175 @@
+"""Every deployed agent as an MCP server over Streamable HTTP: ``POST /mcp/{agent}`` (or ``/mcp`` with an end-user token).
+
+Each request is authenticated by the API's own ``Endpoint`` wrapper, then served by a per-request,
+per-principal MCP server built with the official SDK (stateless, JSON responses): nothing is shared
+between tenants, so no MCP session can outlive or cross the credential that opened it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import mcp_types as mt
+from mcp.server import Server, ServerRequestContext
+from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from moorage.api.invoke_shared import MAX_MESSAGE_CHARS
+from moorage.api.routing import Call, Endpoint
+from moorage.errors import InvalidInput, MoorageError, NotFound, TenantScopeError
+from moorage.store import EntityKey, Principal, Scope, TenantStore
+from moorage.store.model import check_id
+
+SEND_MESSAGE = "send_message"
+#: Events of one session shown when a client reads it as a resource (the newest ones).
+SESSION_EVENTS_SHOWN = 200
+_SEND_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "message": {"type": "string", "minLength": 1, "description": "what the user says to the agent"},
+        "session": {"type": "string", "description": "conversation id (default: 'default')"},
+        "user": {"type": "string", "description": "the end-user (tenant keys only; an end-user token pins its own)"},
+    },
+    "required": ["message"],
+}
+
+
+class AgentMcp:
+    """One request's view of one agent: the caller's principal, tenant store and end-user (if known)."""
+
+    def __init__(self, call: Call, agent: str, header_user: str | None) -> None:
+        self.call = call
+        self.agent = agent
+        self.principal: Principal = call.who
+        self.ts: TenantStore = call.tenant
+        self.header_user = header_user
+
+    def user_for(self, given: Any) -> str:
+        """The end-user a call acts for: an end-user token's own, else the argument or X-Moorage-User header."""
+        p = self.principal
+        if p.user is not None:
+            if given not in (None, "", p.user):
+                raise TenantScopeError("this end-user token is for another user", hint="omit `user`")
+            return p.user
+        user = given or self.header_user
+        if not isinstance(user, str) or not user:
+            raise InvalidInput("missing user", hint="pass `user` as a tool argument or the X-Moorage-User header")
+        return check_id(user, "user id")
+
+    # -- tools ---------------------------------------------------------------------------------
+
+    async def list_tools(self, _ctx: ServerRequestContext[Any, Any], _params: Any) -> mt.ListToolsResult:
+        agent = await run_in_threadpool(self.ts.agents.get, self.agent)
+        desc = (agent.config or {}).get("description") or f"Send a message to the agent {self.agent!r} and get its reply."
+        return mt.ListToolsResult(tools=[mt.Tool(name=SEND_MESSAGE, description=str(desc), input_schema=_SEND_SCHEMA)])
+
+    async def call_tool(self, _ctx: ServerRequestContext[Any, Any], params: mt.CallToolRequestParams) -> mt.CallToolResult:
+        if params.name != SEND_MESSAGE:
+            return _tool_error(f"unknown tool {params.name!r}; this server has {SEND_MESSAGE!r}")
+        args = dict(params.arguments or {})
+        try:
+            message, session = args.get("message"), args.get("session")
+            if not isinstance(message, str) or not message.strip():
+                raise InvalidInput("`message` must be a non-empty string")
+            if len(message) > MAX_MESSAGE_CHARS:
+                raise InvalidInput(f"message longer than {MAX_MESSAGE_CHARS} characters")
+            if session is not None:
+                session = check_id(session, "session id")
+            entity = EntityKey(self.agent, self.user_for(args.get("user")), session)
+            result = await self.call.runtime.invoke(self.principal, entity, message)
+        except MoorageError as e:
+            # Reported inside the tool result, as MCP asks, so the model calling us can react to it.
+            return _tool_error(str(e))
+        meta = {"status": result.status, "turn_id": result.turn_id, "trace_id": result.trace_id,
+                "run_id": result.run_id, "interrupt": result.interrupt}
+        if result.status == "waiting":
+            text = "The agent is waiting for a human answer: " + json.dumps(result.interrupt, default=str)
+        else:
+            reply = result.reply
+            text = reply if isinstance(reply, str) else json.dumps(reply, default=str)
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], structured_content=meta)
+
+    # -- resources: the caller's sessions, each readable as its recent log -----------------------
+
+    def _uri(self, user: str, session: str) -> str:
+        return f"moorage://agents/{self.agent}/users/{user}/sessions/{session}"
+
+    async def list_resources(self, _ctx: ServerRequestContext[Any, Any], _params: Any) -> mt.ListResourcesResult:
+        try:
+            user = self.user_for(None)
+        except InvalidInput:
+            return mt.ListResourcesResult(resources=[])  # a tenant key without a user: nothing is one user's
+        sessions = await run_in_threadpool(self.ts.sessions.list, self.agent, user, limit=1000)
+        return mt.ListResourcesResult(resources=[
+            mt.Resource(uri=self._uri(user, s.id), name=f"session {s.id}", mime_type="text/plain",
+                        description=f"the conversation log of session {s.id!r}")
+            for s in sessions])
+
+    async def read_resource(self, _ctx: ServerRequestContext[Any, Any],
+                            params: mt.ReadResourceRequestParams) -> mt.ReadResourceResult:
+        uri = str(params.uri)
+        user = self.user_for(None)
+        prefix = self._uri(user, "")
+        # Only the caller's own sessions resolve; any other URI is unknown rather than forbidden (nothing leaks).
+        if not uri.startswith(prefix):
+            raise NotFound(f"no resource {uri!r}")
+        session = check_id(uri[len(prefix):], "session id")
+        events = await run_in_threadpool(self.ts.events.list, Scope.session(self.agent, user, session), limit=100_000)
+        events = sorted(events, key=lambda e: e.id)[-SESSION_EVENTS_SHOWN:]
+        text = "\n".join(f"{e.speaker or e.kind}: {e.content}" for e in events)
+        return mt.ReadResourceResult(contents=[mt.TextResourceContents(uri=uri, mime_type="text/plain", text=text)])
+
+    def server(self) -> Server[Any]:
+        return Server(f"moorage-{self.agent}", version="1", instructions=f"The moorage agent {self.agent!r}.",
+                      on_list_tools=self.list_tools, on_call_tool=self.call_tool,
+                      on_list_resources=self.list_resources, on_read_resource=self.read_resource)
+
+
+def _tool_error(text: str) -> mt.CallToolResult:
+    return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], is_error=True)
+
+
+async def _serve(call: Call, agent: str) -> Response:
+    """Run the SDK's Streamable HTTP transport for this one request and hand its (JSON) answer back."""
+    # The agent must exist in the caller's tenant before any MCP traffic: another tenant's name is a plain 404.
+    await run_in_threadpool(call.tenant.agents.get, check_id(agent, "agent name"))
+    mcp = AgentMcp(call, agent, call.request.headers.get("x-moorage-user"))
+    # A fresh stateless manager per request: its task group lives exactly as long as this request, so the
+    # app needs no lifespan hook and no MCP state survives between requests (or tenants).
+    manager = StreamableHTTPSessionManager(mcp.server(), json_response=True, stateless=True, session_idle_timeout=None)
+    start: dict[str, Any] = {}
+    body: list[bytes] = []
+
+    async def capture(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
+
+    async with manager.run():
+        await manager.handle_request(call.request.scope, call.request.receive, capture)
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
+               if k.lower() not in (b"content-length", b"x-trace-id")}
+    return Response(b"".join(body), status_code=int(start.get("status", 500)), headers=headers)
+
+
+async def mcp_for_agent(call: Call) -> Response:
+    return await _serve(call, call.path["agent"])
+
+
+async def mcp_for_token(call: Call) -> Response:
+    if call.who.agent is None:
+        raise InvalidInput("this credential names no agent", hint="use /mcp/{agent} with a tenant key, or an end-user token")
+    return await _serve(call, call.who.agent)
+
+
+#: Mounted by ``create_app`` as plain routes (so the cross-tenant suite attacks them) but kept out of
+#: ``all_endpoints()``: MCP is JSON-RPC, described by its own spec, not by the REST OpenAPI document.
+ENDPOINTS = [
+    Endpoint("POST", "/mcp/{agent}", mcp_for_agent, "MCP server (Streamable HTTP) of one agent", "mcp", "mcpAgent",
+             scope="invoke", end_user=True, idempotency="none"),
+    Endpoint("POST", "/mcp", mcp_for_token, "MCP server of the end-user token's agent", "mcp", "mcpToken",
+             scope="invoke", end_user=True, idempotency="none"),
+]
