@@ -123,6 +123,8 @@ class AgentMcp:
 
     def server(self) -> Server[Any]:
         return Server(f"moorage-{self.agent}", version="1", instructions=f"The moorage agent {self.agent!r}.",
+                      # Modern-era calls validate arguments against this, not by re-running list_tools.
+                      get_tool_input_schema=lambda name: _SEND_SCHEMA if name == SEND_MESSAGE else None,
                       on_list_tools=self.list_tools, on_call_tool=self.call_tool,
                       on_list_resources=self.list_resources, on_read_resource=self.read_resource)
 

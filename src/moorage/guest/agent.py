@@ -273,6 +273,17 @@ class AgentContext:
                                                    "idempotency_key": idempotency_key, "timeout": timeout},
                                      timeout=timeout + 5)
 
+    async def mcp(self, server: str, tool: str, **arguments: Any) -> Dict[str, Any]:
+        """Call a tool of an external MCP server; the host connects and adds the credentials, never the sandbox.
+
+        Returns {"text", "content", "structured", "is_error"}.
+        """
+        return await self._host.call("mcp.call", {"server": server, "tool": tool, "arguments": arguments})
+
+    async def mcp_tools(self) -> List[Dict[str, Any]]:
+        """The external MCP tools this agent may call ({"server", "name", "description", "parameters"}), sorted."""
+        return (await self._host.call("mcp.tools", {}))["tools"]
+
     async def step(self, name: str, fn: Callable[..., Any], *args: Any, idempotency_key: Optional[str] = None,
                    retries: int = 3, **kwargs: Any) -> Any:
         """Run ``fn`` once: its result is journaled by the host before it is returned; a replay returns it."""

@@ -109,6 +109,8 @@ class GuestCalls:
             "durable.interrupt": self.durable_interrupt,
             "durable.history": self.durable_history,
             "net.fetch": self.net_fetch,
+            "mcp.tools": self.mcp_tools,
+            "mcp.call": self.mcp_call,
         }
 
     def _wrap(self, method: str, fn: Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]) -> Any:
@@ -238,3 +240,15 @@ class GuestCalls:
             r = await client.request(method, url, json=p.get("json"), headers=headers)
         body = r.content[:MAX_FETCH_BYTES].decode("utf-8", "replace")
         return {"status": r.status_code, "headers": dict(r.headers), "body": body}
+
+    # -- external MCP servers (runtime/mcp_tools.py; their credentials stay on the host) --------------
+
+    async def mcp_tools(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        from moorage.runtime.mcp_tools import McpTools
+
+        return {"tools": await McpTools.of(self.rt).tools(b)}
+
+    async def mcp_call(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        from moorage.runtime.mcp_tools import McpTools
+
+        return await McpTools.of(self.rt).call(b, p.get("server"), str(p.get("tool") or ""), p.get("arguments") or {})
