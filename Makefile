@@ -28,3 +28,6 @@ bench-lifecycle:
 
 bench-sandbox:
 	$(PY) bench/sandbox/run.py
+
+bench-api:
+	$(PY) bench/api/run.py

@@ -88,6 +88,7 @@ BENCH_SCRIPTS = {
     "durable": ["durable/run.py"],
     "lifecycle": ["lifecycle/run_sim.py", "lifecycle/wake_storm.py"],
     "sandbox": ["sandbox/run.py"],
+    "api": ["api/run.py"],
 }
 
 
