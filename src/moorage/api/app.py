@@ -25,6 +25,7 @@ from moorage.config import Config
 from moorage.log import get_logger
 from moorage.observability import Metrics, SpanSink, Tracer
 from moorage.store import Store
+from moorage.web import Dashboard
 
 log = get_logger(__name__)
 
@@ -110,7 +111,9 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
 
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(RequestContext, metrics=metrics, max_body=max(ep.max_body for ep in endpoints))],
+        # The dashboard (/ui, static files) sits inside RequestContext so its responses get trace ids and metrics.
+        middleware=[Middleware(RequestContext, metrics=metrics, max_body=max(ep.max_body for ep in endpoints)),
+                    Middleware(Dashboard)],
         exception_handlers={HTTPException: http_error, Exception: http_error},
     )
     app.state.moorage = ctx

@@ -9,9 +9,10 @@ from moorage.api.routing import Endpoint
 
 
 def all_endpoints() -> list[Endpoint]:
-    from moorage.api.routes import agents, invoke, keys, memory, openai_compat, sandboxes, tenants, traces, workflows
+    from moorage.api.routes import (agents, fleet, invoke, keys, memory, openai_compat, sandboxes, tenants, traces,
+                                    workflows)
 
     out: list[Endpoint] = []
-    for module in (tenants, keys, agents, invoke, memory, workflows, sandboxes, traces, openai_compat):
+    for module in (tenants, keys, agents, invoke, memory, workflows, sandboxes, fleet, traces, openai_compat):
         out.extend(module.ENDPOINTS)
     return out

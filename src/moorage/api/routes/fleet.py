@@ -1,0 +1,222 @@
+"""The fleet at a glance, for the dashboard: instance counts by state, each instance with its last activity,
+wake latency and (where this process has it open) RAM and disk, and an estimated cost split.
+
+Read-only and tenant-scoped: everything comes from the caller's tenant store (sandbox rows, lifecycle spans,
+the usage ledger) plus, for RAM/disk, the sandboxes this process's instance manager has open for that tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from moorage.api import schemas as S
+from moorage.api.pagination import parse_limit
+from moorage.api.routes._common import float_query
+from moorage.api.routing import Call, Endpoint, Param
+from moorage.cost.model import CostModel
+from moorage.log import get_logger
+from moorage.store import SandboxRecord, Span
+
+log = get_logger(__name__)
+
+#: States that hold compute (a sandbox process or VM exists and runs) versus those that only hold storage.
+AWAKE_STATES = frozenset({"provisioning", "running", "waking", "suspending"})
+ASLEEP_STATES = frozenset({"sleeping", "archived"})
+#: How far back lifecycle spans are read. Spans share one table with request spans, so the window is a count,
+#: and the figures derived from it (wake latency, awake/asleep seconds) cover at most this much history.
+SPAN_WINDOW = 5000
+#: Per-instance stats calls are bounded so one wedged sandbox cannot hang the dashboard.
+STATS_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Timeline:
+    """One instance's lifecycle as seen in the span window: transitions and wake timings."""
+
+    transitions: list[tuple[float, str, str]] = field(default_factory=list)  # (at, from, to)
+    wake_ms: list[tuple[float, float]] = field(default_factory=list)  # (at, ms)
+
+
+def _timelines(spans: list[Span]) -> dict[str, _Timeline]:
+    out: dict[str, _Timeline] = {}
+    for s in spans:
+        if not s.name.startswith("lifecycle.") or s.end_ts is None:
+            continue
+        instance = s.attrs.get("instance")
+        if not isinstance(instance, str):
+            continue
+        tl = out.setdefault(instance, _Timeline())
+        frm, to = s.attrs.get("from"), s.attrs.get("to")
+        if isinstance(to, str):
+            tl.transitions.append((s.end_ts, frm if isinstance(frm, str) else "", to))
+        # ``lifecycle.woke`` starts when the wake began (the manager passes its start time), so its length is
+        # the wake latency a request waited through: restore plus marking the instance running.
+        if s.name == "lifecycle.woke":
+            tl.wake_ms.append((s.end_ts, max(0.0, (s.end_ts - s.start_ts) * 1000.0)))
+    for tl in out.values():
+        tl.transitions.sort()
+        tl.wake_ms.sort()
+    return out
+
+
+def _seconds_by_kind(box: SandboxRecord, tl: _Timeline | None, since: float, now: float) -> tuple[float, float]:
+    """Awake and asleep seconds of one instance within [since, now], walking its transitions.
+
+    Before the first transition in the window the instance was in that transition's ``from`` state (or did not
+    exist yet, when it is the provisioning one); after the last it is in its current state.
+    """
+    start = max(since, box.created_at)
+    if start >= now:
+        return 0.0, 0.0
+    steps = [t for t in (tl.transitions if tl else []) if start < t[0] <= now]
+    awake = asleep = 0.0
+    state = steps[0][1] if steps else box.state
+    cursor = start
+    for at, _frm, to in steps:
+        span_s = at - cursor
+        if state in AWAKE_STATES:
+            awake += span_s
+        elif state in ASLEEP_STATES:
+            asleep += span_s
+        state, cursor = to, at
+    tail = now - cursor
+    if state in AWAKE_STATES:
+        awake += tail
+    elif state in ASLEEP_STATES:
+        asleep += tail
+    return awake, asleep
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    # Nearest-rank: always one of the observed values, never an interpolation that no request saw.
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+async def _live_stats(call: Call, boxes: list[SandboxRecord]) -> dict[str, Any]:
+    """RAM and disk of the instances this process has open; the rest stay unknown (None), never guessed."""
+    instances = getattr(call.ctx.runtime, "instances", None)
+    if instances is None:
+        return {}
+    ts = call.tenant
+    out: dict[str, Any] = {}
+    for box in boxes:
+        if box.state not in AWAKE_STATES:
+            continue
+        live = instances.live(ts, box.scope)
+        sandbox = getattr(live, "sandbox", None)
+        if sandbox is None or getattr(live, "record_id", None) != box.id:
+            continue
+        try:
+            out[box.id] = await asyncio.wait_for(sandbox.stats(), STATS_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a sandbox that cannot report is shown without numbers
+            log.warning("fleet: sandbox stats unavailable", instance=box.id, error=type(e).__name__)
+    return out
+
+
+def _collect(call: Call, since: float) -> tuple[list[SandboxRecord], list[Span], dict[str, float]]:
+    ts = call.tenant
+    boxes = ts.sandboxes.list(agent_id=call.query("agent"), limit=100_000)
+    spans = ts.spans.recent(limit=SPAN_WINDOW)
+    totals = ts.usage.totals(since=since, agent_id=call.query("agent"))
+    return boxes, spans, totals
+
+
+async def fleet(call: Call) -> dict[str, Any]:
+    now = time.time()
+    since = float_query(call, "since")
+    if since is None:
+        since = now - 30 * 86400.0
+    limit = parse_limit(call.query("limit") or "200")
+    boxes, spans, totals = await run_in_threadpool(_collect, call, since)
+    timelines = _timelines(spans)
+    counts: dict[str, int] = {}
+    for box in boxes:
+        counts[box.state] = counts.get(box.state, 0) + 1
+    boxes.sort(key=lambda b: b.last_active, reverse=True)
+    shown = boxes[:limit]
+    shown_ids = {b.id for b in shown}
+    stats = await _live_stats(call, shown)
+
+    awake_s = asleep_s = 0.0
+    instances = []
+    all_wakes: list[float] = []
+    for box in boxes:
+        tl = timelines.get(box.id)
+        a, z = _seconds_by_kind(box, tl, since, now)
+        awake_s, asleep_s = awake_s + a, asleep_s + z
+        st = stats.get(box.id)
+        wakes = [ms for at, ms in (tl.wake_ms if tl else []) if at >= since]
+        all_wakes += wakes
+        if box.id in shown_ids:
+            instances.append({
+                **S.sandbox(box), "user": box.scope.user, "session": box.scope.session,
+                "awake": box.state in AWAKE_STATES,
+                "wakes": len(wakes), "last_wake_ms": round(wakes[-1], 1) if wakes else None,
+                "ram_bytes": st.host_rss_bytes if st is not None else None,
+                "disk_bytes": (st.disk_bytes + st.snapshot_bytes + st.checkpoint_bytes) if st is not None else None,
+            })
+
+    # An estimate, labelled as such: awake instance-seconds at the cost model's vCPU+RAM rate and asleep
+    # instance-seconds at its snapshot-storage rate (default price table and instance profile, docs/cost.md).
+    # Model (LLM) spend is not estimated: it is the ledger's measured cost_usd.
+    model = CostModel()
+    compute_usd = awake_s * model.awake_per_s
+    storage_usd = asleep_s * model.asleep_per_s
+    return {
+        "generated_at": now,
+        "since": since,
+        "counts": counts,
+        "total": len(boxes),
+        "awake": sum(n for s, n in counts.items() if s in AWAKE_STATES),
+        "asleep": sum(n for s, n in counts.items() if s in ASLEEP_STATES),
+        "instances": instances,
+        "truncated": len(boxes) > len(shown),
+        "wake_ms": {"count": len(all_wakes), "p50": _round(_percentile(all_wakes, 0.5)),
+                    "p95": _round(_percentile(all_wakes, 0.95)), "max": _round(max(all_wakes, default=None))},
+        "cost": {
+            "currency": model.prices.currency,
+            # Not rounded: a small or idle fleet costs fractions of a micro-dollar, and the split must still show.
+            "compute": compute_usd,
+            "storage": storage_usd,
+            "model": float(totals.get("cost_usd", 0.0)),
+            "awake_s": round(awake_s, 1),
+            "asleep_s": round(asleep_s, 1),
+            "basis": "estimate: lifecycle spans x default cost model",
+        },
+        "usage": totals,
+    }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+
+ENDPOINTS = [
+    Endpoint("GET", "/v1/fleet", fleet, "Instances by state with activity, wake latency, RAM/disk and cost split",
+             "sandboxes", "getFleet",
+             query=(Param("since", S.NUM, "seconds since the epoch (default: 30 days ago)"), Param("agent", S.STR),
+                    Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 200},
+                          "most instances listed (most recently active first)")),
+             response=S.obj({
+                 "generated_at": S.NUM, "since": S.NUM,
+                 "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                 "total": {"type": "integer"}, "awake": {"type": "integer"}, "asleep": {"type": "integer"},
+                 "instances": {"type": "array", "items": {"type": "object"}},
+                 "truncated": {"type": "boolean"},
+                 "wake_ms": S.obj({"count": {"type": "integer"}, "p50": S.NNUM, "p95": S.NNUM,
+                                   "max": S.NNUM}),
+                 "cost": S.obj({"currency": S.STR, "compute": S.NUM, "storage": S.NUM, "model": S.NUM,
+                                "awake_s": S.NUM, "asleep_s": S.NUM, "basis": S.STR}),
+                 "usage": {"type": "object", "additionalProperties": S.NUM},
+             })),
+]

@@ -1,0 +1,349 @@
+// moorage dashboard: a hash-routed page over the JSON API. No build step, no dependencies.
+// Data is only ever put into the page with textContent (never innerHTML), so nothing stored by an agent or a
+// user can run as script here.
+"use strict";
+
+const KEY_STORAGE = "moorage.apiKey";
+const view = document.getElementById("view");
+const statusEl = document.getElementById("status");
+
+// --- the API -------------------------------------------------------------------------------------------------
+
+class Unauthorized extends Error {}
+
+function apiKey() {
+  return sessionStorage.getItem(KEY_STORAGE);
+}
+
+async function api(path) {
+  const res = await fetch(path, { headers: { Authorization: "Bearer " + apiKey(), Accept: "application/json" } });
+  if (res.status === 401) throw new Unauthorized("the key was refused");
+  const body = await res.json().catch(() => null);
+  if (!res.ok) {
+    const detail = body && body.detail ? body.detail : res.statusText;
+    throw new Error(`${res.status} ${detail}`);
+  }
+  return body;
+}
+
+const enc = encodeURIComponent;
+
+// --- DOM helpers ---------------------------------------------------------------------------------------------
+
+// el("tag.class", {attr: value}, ...children): strings become text nodes, so data is never parsed as HTML.
+function el(spec, attrs, ...children) {
+  const [tag, ...classes] = spec.split(".");
+  const node = document.createElement(tag);
+  if (classes.length) node.className = classes.join(" ");
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null) continue;
+    if (k === "style") Object.assign(node.style, v);
+    else if (k === "dataset") Object.assign(node.dataset, v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+function section(title, id, ...body) {
+  return el("section.panel", { id }, el("h2", {}, title), ...body);
+}
+
+function table(headers, rows, attrs) {
+  return el("table", attrs || {},
+    el("thead", {}, el("tr", {}, headers.map((h) => el("th", {}, h)))),
+    el("tbody", {}, rows));
+}
+
+function empty(text) {
+  return el("p.empty", {}, text);
+}
+
+function fmtTime(ts) {
+  if (ts === null || ts === undefined) return "—";
+  return new Date(ts * 1000).toISOString().replace("T", " ").replace(/\.\d+Z$/, "Z");
+}
+
+function ago(ts) {
+  if (!ts) return "—";
+  const s = Math.max(0, Date.now() / 1000 - ts);
+  if (s < 60) return `${Math.round(s)} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
+  return `${Math.round(s / 86400)} d ago`;
+}
+
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "—";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function fmtMs(ms) {
+  return ms === null || ms === undefined ? "—" : `${Number(ms).toFixed(1)} ms`;
+}
+
+function fmtMoney(v, currency) {
+  // Small fleets cost fractions of a cent; two significant digits keep the split visible.
+  const n = Number(v);
+  return `${n === 0 || n >= 0.01 ? n.toFixed(2) : n.toPrecision(2)} ${currency}`;
+}
+
+function badge(state) {
+  return el("span.badge.state-" + state.replace(/[^a-z_]/g, ""), {}, state);
+}
+
+function parseScope(key) {
+  // "session:agent/user/s1", "user:agent/user", "workflow:agent/user/ref" (see Scope.key in the store).
+  const [kind, rest] = [key.slice(0, key.indexOf(":")), key.slice(key.indexOf(":") + 1)];
+  const [agent, user, ref] = rest.split("/");
+  return { kind, agent, user: user === "-" ? null : user, ref };
+}
+
+function userLink(agent, user) {
+  return el("a", { href: `#/user/${enc(agent)}/${enc(user)}`, class: "user-link" }, user);
+}
+
+// --- views ---------------------------------------------------------------------------------------------------
+
+async function fleetView() {
+  const [fleet, spans, waiting] = await Promise.all([
+    api("/v1/fleet"),
+    api("/v1/traces?limit=500"),
+    api("/v1/workflows?status=waiting&limit=50"),
+  ]);
+  const cost = fleet.cost;
+  const spend = cost.compute + cost.storage;
+  const computePct = spend > 0 ? (100 * cost.compute) / spend : 0;
+
+  const cards = el("div.cards", {},
+    card("Awake", fleet.awake, "card-awake"),
+    card("Asleep", fleet.asleep, "card-asleep"),
+    card("Instances", fleet.total, "card-total"),
+    card("Wake p50 / p95", `${fmtMs(fleet.wake_ms.p50)} / ${fmtMs(fleet.wake_ms.p95)}`, "card-wake",
+         `${fleet.wake_ms.count} wakes`),
+  );
+
+  const costPanel = section("Cost (last 30 days)", "cost",
+    el("div.costbar", { role: "img", "aria-label": `compute ${computePct.toFixed(0)}%, storage ${(100 - computePct).toFixed(0)}%` },
+      el("div.costbar-compute", { style: { width: `${computePct}%` } }),
+      el("div.costbar-storage", { style: { width: `${100 - computePct}%` } })),
+    el("dl.costs", {},
+      el("dt.compute", {}, "Compute"), el("dd", { id: "cost-compute" }, fmtMoney(cost.compute, cost.currency)),
+      el("dt.storage", {}, "Storage"), el("dd", { id: "cost-storage" }, fmtMoney(cost.storage, cost.currency)),
+      el("dt", {}, "Model calls"), el("dd", { id: "cost-model" }, fmtMoney(cost.model, cost.currency))),
+    el("p.hint", {}, `Compute and storage are estimated from ${Math.round(cost.awake_s)} awake and `
+      + `${Math.round(cost.asleep_s)} asleep instance-seconds at the default cost model; model calls are metered.`));
+
+  const rows = fleet.instances.map((i) => el("tr", { dataset: { instance: i.id } },
+    el("td.mono", { title: i.id }, i.id.slice(0, 12)),
+    el("td", {}, i.agent_id),
+    el("td", {}, i.user ? userLink(i.agent_id, i.user) : "—"),
+    el("td", {}, badge(i.state)),
+    el("td", { title: fmtTime(i.last_active) }, ago(i.last_active)),
+    el("td.num", {}, fmtMs(i.last_wake_ms)),
+    el("td.num", {}, fmtBytes(i.ram_bytes)),
+    el("td.num", {}, fmtBytes(i.disk_bytes)),
+  ));
+  const instances = section("Instances", "instances",
+    rows.length
+      ? table(["Instance", "Agent", "User", "State", "Last activity", "Last wake", "RAM", "Disk"], rows, { id: "instances-table" })
+      : empty("No instances yet: invoke an agent to start one."),
+    fleet.truncated ? el("p.hint", {}, "Showing the most recently active instances only.") : null);
+
+  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting.data)), tracesPanel(spans.data)];
+}
+
+function card(label, value, cls, sub) {
+  return el("div.card." + cls, {}, el("div.card-label", {}, label), el("div.card-value", {}, String(value)),
+    sub ? el("div.card-sub", {}, sub) : null);
+}
+
+function waitingPanel(runs) {
+  const items = runs.map((r) => {
+    const s = parseScope(r.scope);
+    return el("li", {}, el("span.mono", {}, r.id.slice(0, 12)), " ", r.name || "turn", " · ",
+      s.user ? userLink(s.agent, s.user) : s.agent, " · waiting since ", ago(r.updated_at));
+  });
+  return section("Waiting for approval", "waiting", items.length ? el("ul", {}, items) : empty("Nothing is waiting."));
+}
+
+function tracesPanel(spans) {
+  // Group recent spans by trace; a trace's row is named after its root span (the request).
+  const traces = new Map();
+  for (const s of spans) {
+    const t = traces.get(s.trace_id) || { id: s.trace_id, spans: 0, start: Infinity, end: -Infinity, root: null };
+    t.spans += 1;
+    t.start = Math.min(t.start, s.start_ts);
+    t.end = Math.max(t.end, s.end_ts || s.start_ts);
+    if (!s.parent_id) t.root = s;
+    traces.set(s.trace_id, t);
+  }
+  const rows = [...traces.values()].sort((a, b) => b.start - a.start).slice(0, 15).map((t) => el("tr", {},
+    el("td", {}, el("a.trace-link", { href: `#/trace/${enc(t.id)}` }, t.root ? t.root.name : t.id.slice(0, 16))),
+    el("td", { title: fmtTime(t.start) }, ago(t.start)),
+    el("td.num", {}, fmtMs((t.end - t.start) * 1000)),
+    el("td.num", {}, t.spans)));
+  return section("Recent traces", "traces",
+    rows.length ? table(["Trace", "Started", "Duration", "Spans"], rows, { id: "traces-table" }) : empty("No spans recorded yet."));
+}
+
+async function userView(agent, user) {
+  const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
+  const [sessions, userEvents, facts, waiting] = await Promise.all([
+    api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
+    api(`${base}/events?limit=500`),
+    api(`${base}/facts?limit=200`),
+    api(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=200`),
+  ]);
+  // Turns log their messages in the session's scope, so the recent episodic events are those of the most
+  // recently active sessions, merged with the user-wide ones and ordered by time.
+  const recentSessions = [...sessions.data].sort((a, b) => b.last_active - a.last_active).slice(0, 5);
+  const perSession = await Promise.all(recentSessions.map((s) => api(`${base}/events?session=${enc(s.id)}&limit=500`)));
+  const events = { data: [userEvents, ...perSession].flatMap((p) => p.data).sort((a, b) => a.ts - b.ts || a.id - b.id) };
+  const mine = waiting.data.filter((r) => parseScope(r.scope).user === user);
+  // The question of an interrupt is in its waiting step's payload, so each waiting run is read in full.
+  const details = await Promise.all(mine.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
+
+  const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, `user of agent ${agent}`));
+
+  const sessionRows = sessions.data.map((s) => el("tr", {},
+    el("td", {}, s.id), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
+    el("td", { title: fmtTime(s.last_active) }, ago(s.last_active))));
+  const sessionsPanel = section("Sessions", "sessions",
+    sessionRows.length ? table(["Session", "Started", "Last active"], sessionRows) : empty("No sessions."));
+
+  // Working memory lives inside the agent's context builder; the API exposes it only when a summary was
+  // written to the episodic log, so that is what is shown.
+  const summaries = events.data.filter((e) => /summary/i.test(e.kind));
+  const working = section("Working memory", "working",
+    summaries.length
+      ? el("blockquote.summary", {}, summaries[summaries.length - 1].content)
+      : empty("No working-memory summary recorded for this user (it is kept inside the agent's context)."));
+
+  const recent = events.data.slice(-25).reverse();
+  const episodic = section("Episodic memory (recent events)", "events",
+    recent.length ? el("ol.events", {}, recent.map((e) => el("li", {},
+      el("span.speaker.speaker-" + (e.speaker || "x").replace(/[^a-z]/g, ""), {}, e.speaker || e.kind),
+      el("span.content", {}, e.content),
+      el("time", { title: fmtTime(e.ts) }, ago(e.ts))))) : empty("No events."));
+
+  const factRows = facts.data.map((f) => el("tr", {},
+    el("td", {}, f.subject), el("td", {}, f.attribute), el("td.fact-value", {}, f.value),
+    el("td", {}, f.source || "—"), el("td", { title: fmtTime(f.valid_from) }, ago(f.valid_from))));
+  const semantic = section("Facts (current)", "facts",
+    factRows.length ? table(["Subject", "Attribute", "Value", "Source", "Since"], factRows, { id: "facts-table" }) : empty("No facts."));
+
+  const approvals = section("Waiting for approval", "approvals",
+    details.length ? el("ul.approvals", {}, details.map((d) => {
+      const step = d.steps.filter((s) => s.status === "waiting").pop();
+      const payload = step && step.result ? step.result.payload : null;
+      const question = payload && typeof payload === "object" && payload.question ? payload.question : JSON.stringify(payload);
+      return el("li", {}, el("div.question", {}, question),
+        el("div.sub", {}, `run ${d.run.id.slice(0, 12)} · ${d.run.current_step || ""} · waiting since ${ago(d.run.updated_at)}`));
+    })) : empty("Nothing is waiting for this user."));
+
+  return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic];
+}
+
+async function traceView(traceId) {
+  const trace = await api(`/v1/traces/${enc(traceId)}`);
+  const spans = trace.spans;
+  const t0 = Math.min(...spans.map((s) => s.start_ts));
+  const t1 = Math.max(...spans.map((s) => s.end_ts || s.start_ts));
+  const total = Math.max(t1 - t0, 1e-6);
+
+  // Depth from the parent links, so children sit under their parent; orphans (a parent outside this trace)
+  // are drawn at the top level.
+  const byId = new Map(spans.map((s) => [s.span_id, s]));
+  const depth = (s, seen = new Set()) => {
+    if (!s.parent_id || !byId.has(s.parent_id) || seen.has(s.span_id)) return 0;
+    seen.add(s.span_id);
+    return 1 + depth(byId.get(s.parent_id), seen);
+  };
+
+  const rows = spans.map((s) => {
+    const end = s.end_ts || s.start_ts;
+    const left = (100 * (s.start_ts - t0)) / total;
+    // A zero-length span still gets a visible sliver.
+    const width = Math.max((100 * (end - s.start_ts)) / total, 0.4);
+    const attrs = Object.entries(s.attrs || {}).filter(([, v]) => v !== null).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join("\n");
+    return el("div.span-row", {},
+      el("div.span-label", { style: { paddingLeft: `${depth(s) * 14}px` }, title: s.name }, s.name),
+      el("div.span-track", {},
+        el("div.span-bar.status-" + (s.status === "error" ? "error" : "ok"),
+          { style: { left: `${left}%`, width: `${Math.min(width, 100 - left)}%` }, title: `${s.name}\n${fmtMs((end - s.start_ts) * 1000)}\n${attrs}` })),
+      el("div.span-ms.num", {}, fmtMs((end - s.start_ts) * 1000)));
+  });
+
+  const ticks = [0, 0.25, 0.5, 0.75, 1].map((f) => el("span.tick", { style: { left: `${f * 100}%` } }, fmtMs(f * total * 1000)));
+  return [
+    el("div.pagehead", {}, el("h1", {}, "Trace"), el("span.sub.mono", {}, traceId)),
+    section(`${spans.length} spans · ${fmtMs(total * 1000)} · started ${fmtTime(t0)}`, "timeline",
+      el("div.timeline", { id: "timeline" },
+        el("div.span-row.axis", {}, el("div.span-label", {}), el("div.span-track", {}, ticks), el("div.span-ms", {})),
+        rows)),
+  ];
+}
+
+// --- routing and sign-in -------------------------------------------------------------------------------------
+
+function showLogin(message) {
+  document.getElementById("login").hidden = false;
+  document.getElementById("signout").hidden = true;
+  view.replaceChildren();
+  document.getElementById("login-error").textContent = message || "";
+  document.getElementById("key").focus();
+}
+
+async function route() {
+  if (!apiKey()) { showLogin(); return; }
+  document.getElementById("login").hidden = true;
+  document.getElementById("signout").hidden = false;
+  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  let render;
+  let name = parts[0] || "fleet";
+  if (name === "user" && parts.length >= 3) render = () => userView(parts[1], parts[2]);
+  else if (name === "trace" && parts[1]) render = () => traceView(parts[1]);
+  else { name = "fleet"; render = fleetView; }
+  document.body.dataset.view = name;
+  statusEl.textContent = "loading…";
+  document.body.dataset.loaded = "";
+  try {
+    view.replaceChildren(...(await render()));
+    statusEl.textContent = `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.loaded = name;
+  } catch (e) {
+    if (e instanceof Unauthorized) {
+      sessionStorage.removeItem(KEY_STORAGE);
+      showLogin("That key was refused. Enter a valid tenant API key.");
+      return;
+    }
+    statusEl.textContent = "";
+    view.replaceChildren(el("p.error", { role: "alert" }, `Could not load this view: ${e.message}`));
+    document.body.dataset.loaded = "error";
+  }
+}
+
+document.getElementById("login-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const input = document.getElementById("key");
+  const key = input.value.trim();
+  input.value = "";  // the key lives in sessionStorage from here, not in the form
+  if (!key) return;
+  sessionStorage.setItem(KEY_STORAGE, key);
+  route();
+});
+
+document.getElementById("signout").addEventListener("click", () => {
+  sessionStorage.removeItem(KEY_STORAGE);
+  showLogin();
+});
+
+window.addEventListener("hashchange", route);
+route();
