@@ -235,7 +235,8 @@ def test_sigkill_mid_workflow_many_times(tmp_path: Path, payments: str) -> None:
             before = len(exec_lines(data))
             want = before + rng.randint(1, 4)
             round_deadline = time.monotonic() + 60
-            while len(exec_lines(data)) < want and time.monotonic() < round_deadline:
+            while (len(exec_lines(data)) < want and time.monotonic() < round_deadline
+                   and len(replies) < len(USERS) * TURNS_PER_USER):
                 assert server.proc is not None and server.proc.poll() is None, server.log.read_text()[-3000:]
                 time.sleep(0.02)
             assert len(exec_lines(data)) < total * 3, "the workflows keep re-running"
