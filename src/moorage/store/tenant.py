@@ -523,6 +523,12 @@ class Events(_Repo):
         if after_seq is not None:
             where += " AND id > ?"
             params.append(after_seq)
+            if after_seq > 0 and self._ts.dialect == "sqlite":
+                # An incremental read (the memory cache asks for what was written since its last look):
+                # with a plain ``scope = ?`` SQLite walks the whole scope in the (scope, ts, id) index to
+                # find a handful of new rows. ``+scope`` takes that index out of the running, so the
+                # rowid range ``id > ?`` is searched instead and the scope is checked per new row.
+                where = "+" + where
         order = "DESC" if newest_first else "ASC"
         with self._ts._tx(write=False) as c:
             rows = c.q(f"SELECT {_EVENT_COLS} FROM events WHERE {where} ORDER BY ts {order}, id {order} LIMIT ?", (*params, limit))
@@ -595,9 +601,13 @@ class Events(_Repo):
     def get_many(self, scope: Scope, ids: Sequence[int]) -> list[Event]:
         if not ids:
             return []
+        # ``+scope`` on SQLite: otherwise the planner prefers the scope index and scans the whole scope
+        # (1 ms at 10k events) instead of looking up each id by rowid (0.02 ms for 20 ids). The scope
+        # is still checked on every row, so an id from another scope is never returned.
+        col = "+scope" if self._ts.dialect == "sqlite" else "scope"
         with self._ts._tx(write=False) as c:
             rows = c.q(
-                f"SELECT {_EVENT_COLS} FROM events WHERE scope = ? AND id IN ({','.join('?' * len(ids))})",
+                f"SELECT {_EVENT_COLS} FROM events WHERE {col} = ? AND id IN ({','.join('?' * len(ids))})",
                 (scope.key, *ids),
             )
         by_id = {int(r[0]): _event(r) for r in rows}
