@@ -206,3 +206,42 @@ def test_misuse_gets_typed_errors(tenant: TenantStore) -> None:
     saver.put({"configurable": {"thread_id": "dst", "checkpoint_ns": ""}}, empty_checkpoint(), {}, {})
     with pytest.raises(ConflictError, match="already has checkpoints"):
         saver.copy_thread("src", "dst")
+
+
+def test_checkpoints_without_a_version_map_still_load(tenant: TenantStore) -> None:
+    """Rows written before migration 4 have no ``versions`` column value; get_tuple decodes the checkpoint instead."""
+    saver = MoorageSaver(tenant)
+    config = {"configurable": {"thread_id": "old", "checkpoint_ns": ""}}
+    first = None
+    for step, value in enumerate(["a", "b"]):
+        cp = empty_checkpoint()
+        cp["channel_values"] = {"v": value, "n": step}
+        cp["channel_versions"] = {"v": step + 1, "n": step + 1}
+        config = saver.put(config, cp, {"step": step}, {"v": step + 1, "n": step + 1})
+        first = first or config
+    saver.put_writes(config, [("v", "pending")], task_id="task-1")
+    fresh = saver.get_tuple({"configurable": {"thread_id": "old", "checkpoint_ns": ""}})
+    with tenant._tx() as c:
+        c.x("UPDATE lg_checkpoints SET versions = NULL WHERE thread_id = ?", ("old",))
+    for cfg in ({"configurable": {"thread_id": "old", "checkpoint_ns": ""}}, config, first):
+        legacy = saver.get_tuple(cfg)
+        assert legacy is not None
+        if cfg is first:
+            assert legacy.checkpoint["channel_values"] == {"v": "a", "n": 0}
+            assert legacy.pending_writes == []
+        else:
+            assert legacy.checkpoint["channel_values"] == fresh.checkpoint["channel_values"] == {"v": "b", "n": 1}
+            assert legacy.pending_writes == fresh.pending_writes == [("task-1", "v", "pending")]
+            assert legacy.parent_config == fresh.parent_config
+
+
+def test_read_joins_a_callers_transaction(tenant: TenantStore) -> None:
+    """Inside ts.transaction(), get_tuple sees the caller's uncommitted put (same connection, same snapshot)."""
+    saver = MoorageSaver(tenant)
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"v": 1}
+    cp["channel_versions"] = {"v": 1}
+    with tenant.transaction():
+        saver.put({"configurable": {"thread_id": "tx", "checkpoint_ns": ""}}, cp, {}, {"v": 1})
+        got = saver.get_tuple({"configurable": {"thread_id": "tx", "checkpoint_ns": ""}})
+        assert got is not None and got.checkpoint["channel_values"] == {"v": 1}

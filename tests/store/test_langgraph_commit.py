@@ -61,15 +61,18 @@ def test_queued_writers_commit_together_and_a_bad_one_fails_alone(tenant: Tenant
 def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore) -> None:
     saver = MoorageSaver(tenant)
     commits = 0
-    real_tx = tenant._tx
+    # Count write transactions where every path opens them: the backend (the saver may bypass
+    # TenantStore._tx, e.g. for pipelined transactions on PostgreSQL).
+    backend = tenant._backend
+    real_tx = backend.tenant_tx
 
-    def counting_tx(write: bool = True):
+    def counting_tx(tenant_id: str, *, write: bool = True, **kw):
         nonlocal commits
-        if write and getattr(tenant._local, "conn", None) is None:
+        if write:
             commits += 1
-        return real_tx(write)
+        return real_tx(tenant_id, write=write, **kw)
 
-    tenant._tx = counting_tx  # type: ignore[method-assign]
+    backend.tenant_tx = counting_tx  # type: ignore[method-assign]
     n_threads, per = 8, 15
 
     def run(i: int) -> None:
@@ -85,7 +88,7 @@ def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore)
         t.start()
     for t in threads:
         t.join(timeout=120)
-    del tenant._tx
+    del backend.tenant_tx
     for i in range(n_threads):
         listed = list(saver.list({"configurable": {"thread_id": f"g{i}"}}))
         assert [t.metadata["step"] for t in listed] == list(reversed(range(per)))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
+import threading
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from langchain_core.runnables import RunnableConfig
@@ -77,6 +79,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         self._page_size = max(1, page_size)
         # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
         self._commits = GroupCommit(ts, max_batch)
+        # Per-thread SQLite connection for single-statement reads (see _read).
+        self._rlocal = threading.local()
 
     @property
     def tenant_store(self) -> TenantStore:
@@ -103,8 +107,11 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             else:
                 vt, vb = _EMPTY, None
             blobs.append((thread_id, ns, channel, str(version), vt, vb))
+        # The version map as lg_blobs keys it (strings), so get_tuple joins blobs in SQL (migration 4).
+        versions = json.dumps({ch: str(v) for ch, v in checkpoint["channel_versions"].items()},
+                              separators=(",", ":"), ensure_ascii=False)
         row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
-               _metadata_json(md))
+               _metadata_json(md), versions)
         self._commits.write([(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])])
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
@@ -218,13 +225,58 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
+        if checkpoint_id:
+            rows = self._read(self._sql.get_by_id, (thread_id, ns, checkpoint_id))
+        else:
+            rows = self._read(self._sql.get_latest, (thread_id, ns))
+        cp = next((r for r in rows if r[0] == 0), None)
+        if cp is None:
+            return None
+        if cp[7] is None:
+            # Written before migration 4 (no version map to join on): read it the old way.
+            return self._get_tuple_slow(thread_id, ns, cp[1])
+        head = self.serde.loads_typed((cp[4], _bytes(cp[5])))
+        blobs = [(r[1], r[4], r[5]) for r in rows if r[0] == 1]
+        # writes_sort_key order: task_path, task_id, idx.
+        writes = sorted((r for r in rows if r[0] == 2), key=lambda r: (r[3], r[1], r[6]))
+        row = (thread_id, ns, cp[1], cp[2], cp[4], cp[5], cp[3])
+        return self._decode((row, head, blobs, [(r[1], r[2], r[4], r[5]) for r in writes]))
+
+    def _read(self, sql: str, params: tuple) -> list[tuple]:
+        """Run one read-only statement in its own snapshot, in as few round trips as the backend allows.
+
+        SQLite: a single statement is its own consistent snapshot, so it runs without BEGIN/COMMIT on
+        this thread's connection to the tenant's file. PostgreSQL: BEGIN, the tenant setting, the
+        statement and COMMIT go in one pipelined round trip. Inside a caller's ``ts.transaction()``
+        the statement joins that transaction.
+        """
+        ambient: Conn | None = getattr(self._ts._local, "conn", None)
+        if ambient is not None:
+            return ambient.q(sql, params)
+        if self._ts.dialect == "sqlite":
+            return self._sqlite_read(sql, params)
+        backend = self._ts._backend
+        with backend.tenant_tx(self._ts.tenant_id, write=False, pipeline=True) as c:
+            cur = c.raw.execute(c._sql(sql), params)
+        # The pipeline synced on exit; the results are on the cursor.
+        return cur.fetchall()
+
+    def _sqlite_read(self, sql: str, params: tuple) -> list[tuple]:
+        conn = getattr(self._rlocal, "conn", None)
+        if conn is not None:
+            try:
+                return conn.execute(sql, params).fetchall()
+            except sqlite3.ProgrammingError:
+                # The backend closed this connection (tenant dropped or store closed): ask it again,
+                # which also re-checks that the tenant still exists.
+                self._rlocal.conn = None
+        conn = self._rlocal.conn = self._ts._backend._tenant_conn(self._ts.tenant_id)
+        return conn.execute(sql, params).fetchall()
+
+    def _get_tuple_slow(self, thread_id: str, ns: str, checkpoint_id: str) -> CheckpointTuple | None:
         with self._ts._tx(write=False) as c:
-            if checkpoint_id:
-                row = c.one(self._sql.select_checkpoint + " WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
-                            (thread_id, ns, checkpoint_id))
-            else:
-                row = c.one(self._sql.select_checkpoint + " WHERE thread_id = ? AND checkpoint_ns = ? "
-                            "ORDER BY checkpoint_id DESC LIMIT 1", (thread_id, ns))
+            row = c.one(self._sql.select_checkpoint + " WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?",
+                        (thread_id, ns, checkpoint_id))
             if row is None:
                 return None
             raw = self._fetch_parts(c, row)

@@ -23,7 +23,7 @@ class _Job:
         self.error: BaseException | None = None
 
 
-def _apply(c: Any, jobs: Sequence[_Job]) -> None:
+def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False) -> None:
     # Rows of the same statement from every job go in one executemany (one round trip on PostgreSQL).
     # Reordering across statements is safe: blob inserts are idempotent per (channel, version), and
     # every other statement keys its rows by checkpoint, so the committed result is the same.
@@ -32,7 +32,7 @@ def _apply(c: Any, jobs: Sequence[_Job]) -> None:
         for sql, rows in job.ops:
             merged.setdefault(sql, []).extend(rows)
     todo = [(sql, rows) for sql, rows in merged.items() if rows]
-    if c.dialect == "postgres" and len(todo) > 1:
+    if c.dialect == "postgres" and len(todo) > 1 and not pipelined:
         # One round trip for all statements instead of one each; errors still surface before COMMIT.
         with c.raw.pipeline():
             for sql, rows in todo:
@@ -97,18 +97,30 @@ class GroupCommit:
         if job.error is not None:
             raise job.error
 
+    def _run(self, jobs: Sequence[_Job]) -> None:
+        """Apply ``jobs`` in one transaction of their own and commit it.
+
+        On PostgreSQL the transaction runs pipelined: BEGIN, the tenant setting, every statement and
+        COMMIT reach the server in one round trip. Writes read nothing back, so nothing waits in
+        between; a failure surfaces at the commit and rolls the whole transaction back.
+        """
+        if self._ts.dialect == "postgres":
+            with self._ts._backend.tenant_tx(self._ts.tenant_id, pipeline=True) as c:
+                _apply(c, jobs, pipelined=True)
+        else:
+            with self._ts._tx() as c:
+                _apply(c, jobs)
+
     def _commit(self, batch: list[_Job]) -> None:
         try:
-            with self._ts._tx() as c:
-                _apply(c, batch)
+            self._run(batch)
         except BaseException as e:
             if len(batch) == 1:
                 batch[0].error = e
             else:
                 for job in batch:
                     try:
-                        with self._ts._tx() as c:
-                            _apply(c, [job])
+                        self._run([job])
                     except BaseException as one:  # handed to that job's caller, re-raised in its thread
                         job.error = one
         with self._cv:

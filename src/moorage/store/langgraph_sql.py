@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-_CHECKPOINT_COLS = "thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata"
+_CHECKPOINT_COLS = "thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata, versions"
 _BLOB_COLS = "thread_id, checkpoint_ns, channel, version, type, blob"
 _WRITE_COLS = "thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob, task_path"
 # Metadata keys we can address with a JSON path literal on SQLite; anything else is filtered in Python.
@@ -22,9 +22,10 @@ class Statements:
         self.select_checkpoint = "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata FROM lg_checkpoints"
         self.insert_blob = f"INSERT INTO lg_blobs ({_BLOB_COLS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         self.upsert_checkpoint = (
-            f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET parent_id = excluded.parent_id, "
-            "run_id = excluded.run_id, type = excluded.type, checkpoint = excluded.checkpoint, metadata = excluded.metadata"
+            "run_id = excluded.run_id, type = excluded.type, checkpoint = excluded.checkpoint, metadata = excluded.metadata, "
+            "versions = excluded.versions"
         )
         self.insert_write = f"INSERT INTO lg_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
         self.upsert_write = (
@@ -32,11 +33,37 @@ class Statements:
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET "
             "channel = excluded.channel, type = excluded.type, blob = excluded.blob, task_path = excluded.task_path"
         )
+        # One checkpoint with its channel blobs and pending writes in one statement (one snapshot, one
+        # round trip). Rows: kind 0 = the checkpoint (id, parent, metadata, type, blob, -, versions),
+        # kind 1 = a channel blob (channel, -, -, type, blob), kind 2 = a pending write (task_id,
+        # channel, task_path, type, blob, idx). Blobs join through the ``versions`` JSON (migration 4).
+        each = ("CROSS JOIN LATERAL jsonb_each_text(CAST(cp.versions AS jsonb)) AS j" if dialect == "postgres"
+                else "CROSS JOIN json_each(cp.versions) AS j")
+        tail = (
+            "SELECT 0, checkpoint_id, parent_id, metadata, type, checkpoint, CAST(NULL AS INTEGER), versions FROM cp "
+            "UNION ALL "
+            # CROSS JOIN: SQLite keeps this join order, so each (channel, version) is one primary-key
+            # seek instead of a scan of the thread's blobs probed against the version map.
+            f"SELECT 1, b.channel, NULL, NULL, b.type, b.blob, NULL, NULL FROM cp {each} CROSS JOIN lg_blobs b "
+            "WHERE b.thread_id = cp.thread_id AND b.checkpoint_ns = cp.checkpoint_ns "
+            "AND b.channel = j.key AND b.version = j.value "
+            "UNION ALL "
+            "SELECT 2, w.task_id, w.channel, w.task_path, w.type, w.blob, w.idx, NULL FROM cp "
+            "JOIN lg_writes w ON w.thread_id = cp.thread_id AND w.checkpoint_ns = cp.checkpoint_ns "
+            "AND w.checkpoint_id = cp.checkpoint_id"
+        )
+        head = ("WITH cp AS (SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata, "
+                "versions FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? ")
+        #: Parameters (thread_id, checkpoint_ns).
+        self.get_latest = head + "ORDER BY checkpoint_id DESC LIMIT 1) " + tail
+        #: Parameters (thread_id, checkpoint_ns, checkpoint_id).
+        self.get_by_id = head + "AND checkpoint_id = ?) " + tail
         self.delete_thread = tuple(f"DELETE FROM {t} WHERE thread_id = ?" for t in ("lg_writes", "lg_blobs", "lg_checkpoints"))
         # Parameters (target, source); the SELECT sees only this tenant's rows on either backend.
         self.copy_thread = (
             f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) SELECT CAST(? AS TEXT), "
-            "checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata FROM lg_checkpoints WHERE thread_id = ?",
+            "checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata, versions FROM lg_checkpoints "
+            "WHERE thread_id = ?",
             f"INSERT INTO lg_blobs ({_BLOB_COLS}) SELECT CAST(? AS TEXT), checkpoint_ns, channel, version, type, blob "
             "FROM lg_blobs WHERE thread_id = ?",
             f"INSERT INTO lg_writes ({_WRITE_COLS}) SELECT CAST(? AS TEXT), checkpoint_ns, checkpoint_id, task_id, idx, "

@@ -61,6 +61,22 @@ def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration
             )
 
 
+def _begin(conn: psycopg.Connection, tenant_id: str) -> None:
+    """Open a transaction scoped to one tenant (queued; the caller's pipeline sends it)."""
+    conn.execute(b"BEGIN")
+    # is_local=true: the setting dies with this transaction, so a pooled connection never
+    # carries one tenant's identity into another's request.
+    conn.execute("SELECT set_config('moorage.tenant_id', %s, true)", (tenant_id,))
+
+
+def _rollback(conn: psycopg.Connection) -> None:
+    """Undo an open or failed transaction; a broken connection is left for the pool to discard."""
+    if conn.closed or conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        return
+    with contextlib.suppress(psycopg.Error):
+        conn.execute(b"ROLLBACK")
+
+
 class PostgresBackend(Backend):
     dialect = "postgres"
 
@@ -76,8 +92,10 @@ class PostgresBackend(Backend):
         except psycopg.OperationalError as e:
             raise UnavailableError(f"cannot connect to PostgreSQL: {str(e).strip()}", hint="check MOORAGE_STORE_URL and that the server runs") from e
         self.migrate(upto)
+        # autocommit: tenant_tx issues BEGIN itself, so it can send BEGIN and the tenant setting in
+        # one round trip (psycopg's implicit BEGIN would be a round trip of its own).
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
-                                    kwargs={"autocommit": False})
+                                    kwargs={"autocommit": True})
         try:
             self._pool.open(wait=True, timeout=30)
         except Exception as e:
@@ -119,15 +137,32 @@ class PostgresBackend(Backend):
         _apply(c, "tenant", TENANT_MIGRATIONS, True, self.app_role, upto)
 
     @contextlib.contextmanager
-    def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
+    def tenant_tx(self, tenant_id: str, *, write: bool = True, pipeline: bool = False) -> Iterator[Conn]:
+        """One transaction with ``moorage.tenant_id`` set locally (``is_local=true``) for RLS.
+
+        BEGIN and the setting travel in one round trip, and COMMIT is the last. With ``pipeline=True``
+        the whole transaction runs in psycopg pipeline mode: statements are queued and sent with the
+        COMMIT in one round trip, so a write transaction costs one round trip. In that mode results
+        (and ``rowcount``) are only certain once the block has exited; fetching inside the block
+        works but costs a round trip. Errors, integrity ones included, surface when the block exits.
+        """
         check_tenant_id(tenant_id)
         with self._pool.connection() as conn:
-            with conn.transaction():
-                # is_local=true: the setting dies with this transaction, so a pooled connection never
-                # carries one tenant's identity into another's request.
-                conn.execute("SELECT set_config('moorage.tenant_id', %s, true)", (tenant_id,))
+            try:
                 with translate_integrity(psycopg.errors.UniqueViolation):
-                    yield Conn(conn, "postgres")
+                    if pipeline:
+                        with conn.pipeline():
+                            _begin(conn, tenant_id)
+                            yield Conn(conn, "postgres")
+                            conn.execute(b"COMMIT")
+                    else:
+                        with conn.pipeline():
+                            _begin(conn, tenant_id)
+                        yield Conn(conn, "postgres")
+                        conn.execute(b"COMMIT")
+            except BaseException:
+                _rollback(conn)
+                raise
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:

@@ -180,6 +180,17 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         ),
         tenant_tables=("lg_checkpoints", "lg_blobs", "lg_writes"),
     ),
+    Migration(
+        4,
+        "langgraph checkpoint channel versions",
+        statements=(
+            # The checkpoint's channel -> version map as JSON (versions as strings, as lg_blobs keys
+            # them), so one statement can join a checkpoint to its blobs without decoding the
+            # serialised checkpoint first. NULL on rows written before this version: readers fall
+            # back to decoding the checkpoint.
+            "ALTER TABLE lg_checkpoints ADD COLUMN versions {json}",
+        ),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (
