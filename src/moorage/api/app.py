@@ -91,10 +91,6 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
     routes = [Route(ep.path, ep.asgi, methods=[ep.method], name=ep.operation_id) for ep in endpoints]
     routes += [Route("/openapi.json", openapi, methods=["GET"]), Route("/metrics", prometheus, methods=["GET"])]
 
-    # MCP (Streamable HTTP) per agent: plain routes, so the cross-tenant suite enumerates them; not in OpenAPI.
-    from moorage.api.mcp import ENDPOINTS as MCP_ENDPOINTS
-
-    routes += [Route(ep.path, ep.asgi, methods=[ep.method], name=ep.operation_id) for ep in MCP_ENDPOINTS]
     def http_error(request: Request, exc: Exception) -> Response:
         trace_id = request.scope.get("state", {}).get("trace_id")
         if isinstance(exc, HTTPException):

@@ -167,11 +167,13 @@ async def mcp_for_token(call: Call) -> Response:
     return await _serve(call, call.who.agent)
 
 
-#: Mounted by ``create_app`` as plain routes (so the cross-tenant suite attacks them) but kept out of
-#: ``all_endpoints()``: MCP is JSON-RPC, described by its own spec, not by the REST OpenAPI document.
+#: In ``all_endpoints()`` like every route (the cross-tenant suite and OpenAPI see them). No ``body`` is
+#: declared: the JSON-RPC message is read by the SDK's transport, not by the endpoint wrapper.
 ENDPOINTS = [
-    Endpoint("POST", "/mcp/{agent}", mcp_for_agent, "MCP server (Streamable HTTP) of one agent", "mcp", "mcpAgent",
-             scope="invoke", end_user=True, idempotency="none"),
-    Endpoint("POST", "/mcp", mcp_for_token, "MCP server of the end-user token's agent", "mcp", "mcpToken",
-             scope="invoke", end_user=True, idempotency="none"),
+    Endpoint("POST", "/mcp/{agent}", mcp_for_agent,
+             "MCP server of one agent (Streamable HTTP; the body is a JSON-RPC message, see docs/mcp.md)", "mcp",
+             "mcpAgent", scope="invoke", end_user=True, idempotency="none"),
+    Endpoint("POST", "/mcp", mcp_for_token,
+             "MCP server of the end-user token's agent (Streamable HTTP; see docs/mcp.md)", "mcp",
+             "mcpToken", scope="invoke", end_user=True, idempotency="none"),
 ]
