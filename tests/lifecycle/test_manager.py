@@ -13,7 +13,7 @@ from moorage.lifecycle.policies import Adaptive, FixedTimeout, SleepEconomics
 from moorage.lifecycle.ttl import sweep
 from moorage.sandbox import SandboxState
 from moorage.store import Scope
-from tests.lifecycle.test_manager_env import TEMPLATE_FILE, LcEnv, forward, lc_env  # noqa: F401  (fixture)
+from tests.lifecycle.test_manager_env import PROCESS_ONLY, TEMPLATE_FILE, LcEnv, forward, lc_env  # noqa: F401  (fixture)
 
 ALICE = Scope.for_user("helper", "alice")
 BOB = Scope.for_user("helper", "bob")
@@ -73,6 +73,7 @@ async def test_idle_agent_sleeps_under_fixed_timeout_but_never_mid_turn(lc_env: 
         assert await sb.read_file(TEMPLATE_FILE) == b"prepared in the template"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_adaptive_policy_sleeps_at_break_even_before_it_has_learned(lc_env: LcEnv) -> None:
     env = lc_env
     econ = SleepEconomics(awake_per_s=1.0, asleep_per_s=0.0, transition=0.4)  # break-even 0.4 s
@@ -91,6 +92,7 @@ async def test_adaptive_policy_sleeps_at_break_even_before_it_has_learned(lc_env
     assert li is not None and li.activity.turns == 1 and not li.activity.busy
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_agent_config_chooses_its_sleep_policy(lc_env: LcEnv) -> None:
     env = lc_env
     m = env.manager(policy=FixedTimeout(3600), tick_s=0.05)
@@ -106,6 +108,7 @@ async def test_agent_config_chooses_its_sleep_policy(lc_env: LcEnv) -> None:
     assert "fixed-0.2s" in env.spans("lifecycle.slept")[0].attrs["reason"]
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_capacity_evicts_least_recent_idle_instance_never_one_mid_turn(lc_env: LcEnv) -> None:
     env = lc_env
     m = env.manager(policy=FixedTimeout(3600), capacity=HostCapacity(max_awake=1))
@@ -179,6 +182,7 @@ async def test_archived_instance_wakes_on_request_with_its_files(lc_env: LcEnv) 
         assert await sb.read_file("kept.txt") == b"still here"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_second_manager_finds_the_instance_from_the_store(lc_env: LcEnv) -> None:
     env = lc_env
     first = env.manager(policy=FixedTimeout(3600))
@@ -194,6 +198,7 @@ async def test_second_manager_finds_the_instance_from_the_store(lc_env: LcEnv) -
     assert len(env.spans("lifecycle.provision")) == 1
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_instance_placed_on_another_host_is_not_served_here(lc_env: LcEnv) -> None:
     env = lc_env
     a = env.manager(policy=FixedTimeout(3600), host_id="host-a")

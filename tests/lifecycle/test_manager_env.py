@@ -1,6 +1,7 @@
 """Shared fixtures for the lifecycle and router tests (no tests here): a real store, real sandboxes, a template.
 
-``lc_env`` runs on every store backend and every driver in the sandbox suite's ``DRIVER_FACTORIES``.
+``lc_env`` runs on every driver in the sandbox suite's ``DRIVER_FACTORIES`` (and both store backends); tests of
+behaviour no driver changes narrow it with ``@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)``.
 """
 
 from __future__ import annotations
@@ -78,24 +79,45 @@ class LcEnv:
         return [s for s in self.ts.spans.recent(limit=100_000) if s.name == name]
 
 
-@pytest.fixture(params=sorted(DRIVER_FACTORIES))
-async def lc_env(request: pytest.FixtureRequest, store: Store, tenant: TenantStore, tmp_path: Path) -> AsyncIterator[LcEnv]:
+#: Every driver on SQLite, and the process driver on PostgreSQL too: the store backend is orthogonal to the
+#: driver (the store suite covers both backends), and micro-VM boots under TCG are what CI time is made of.
+FULL_MATRIX = [*(f"{d}-sqlite" for d in sorted(DRIVER_FACTORIES)), "process-postgres"]
+#: For behaviour that does not depend on the driver (turn ordering, 409/429, placement rules).
+PROCESS_ONLY = ["process-sqlite", "process-postgres"]
+
+
+async def _lc_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LcEnv]:
+    from tests.conftest import make_backend
+
+    driver_name, backend = request.param.split("-")
+    store = Store(make_backend(backend, tmp_path, request), max_value_bytes=64 * 1024)
+    _, key = store.operator.create_tenant("acme")
+    tenant = store.tenant(store.authenticate(key.secret))
     root = tmp_path / "sandboxes"
     cfg = Config(data_dir=tmp_path / "data")
-    factory = DRIVER_FACTORIES[request.param]
+    factory = DRIVER_FACTORIES[driver_name]
     drv = factory(root, cfg)
     sb = await drv.create("template-src")
     await sb.start()
     await sb.write_file(TEMPLATE_FILE, b"prepared in the template")
     tpl = await drv.make_template(sb, "tpl-helper")
     await sb.destroy()
-    env = LcEnv(store, tenant, request.param, root, cfg, tpl, drivers=[drv])
-    yield env
-    for m in env.managers:
-        await m.close()
-    for d in env.drivers:
-        await d.close()
-    cleaner = factory(root, cfg)
-    for sid in await cleaner.list():
-        await (await cleaner.open(sid)).destroy()
-    await cleaner.close()
+    env = LcEnv(store, tenant, driver_name, root, cfg, tpl, drivers=[drv])
+    try:
+        yield env
+    finally:
+        for m in env.managers:
+            await m.close()
+        for d in env.drivers:
+            await d.close()
+        cleaner = factory(root, cfg)
+        for sid in await cleaner.list():
+            await (await cleaner.open(sid)).destroy()
+        await cleaner.close()
+        store.close()
+
+
+@pytest.fixture(params=FULL_MATRIX)
+async def lc_env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LcEnv]:
+    async for env in _lc_env(request, tmp_path):
+        yield env

@@ -135,31 +135,27 @@ class Host:
             self.kill()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:{tmp_path / 'store'}"
-    return request.getfixturevalue("pg_url")
+def _matrix() -> list[str]:
+    from tests.lifecycle.test_manager_env import FULL_MATRIX
+
+    return FULL_MATRIX
 
 
-def _driver_names() -> list[str]:
-    from tests.sandbox.conftest import DRIVER_FACTORIES
-
-    return sorted(DRIVER_FACTORIES)
-
-
-@pytest.fixture(params=_driver_names())
-async def host_cfg(request: pytest.FixtureRequest, store_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+@pytest.fixture(params=_matrix())
+async def host_cfg(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, Any]]:
     from moorage.config import Config
     from moorage.store import open_store
     from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    driver_name, backend = request.param.split("-")
+    store_url = f"sqlite:{tmp_path / 'store'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
 
     store = open_store(Config(store_url=store_url))
     _, key = store.operator.create_tenant("acme")
     ts = store.tenant(store.authenticate(key.secret))
     ts.agents.create(AGENT, {"lifecycle": {"users": "auto", "concurrency": "parallel"}})
     root, data = tmp_path / "sandboxes", tmp_path / "data"
-    factory = DRIVER_FACTORIES[request.param]
+    factory = DRIVER_FACTORIES[driver_name]
     drv = factory(root, Config(data_dir=data))
     sb = await drv.create("template-src")
     await sb.start()
@@ -167,7 +163,7 @@ async def host_cfg(request: pytest.FixtureRequest, store_url: str, tmp_path: Pat
     tpl = await drv.make_template(sb, "tpl-helper")
     await sb.destroy()
     await drv.close()
-    cfg = {"store_url": store_url, "key": key.secret, "driver": request.param, "root": str(root), "data_dir": str(data),
+    cfg = {"store_url": store_url, "key": key.secret, "driver": driver_name, "root": str(root), "data_dir": str(data),
            "host": "host-a", "template": {"id": tpl.id, "driver": tpl.driver, "path": str(tpl.path)}, "_ts": ts}
     yield cfg
     cleaner = factory(root, Config(data_dir=data))
@@ -221,6 +217,10 @@ def test_sigkill_with_agents_awake_asleep_and_mid_wake_then_restart_serves_all_w
         second.stop()
 
 
+# Two moorage processes sharing one sandbox root is a process-driver arrangement: a micro-VM's channel takes one
+# host connection, so on microvm hosts one process owns the root (docs/lifecycle.md). Across hosts the store's
+# compare-and-set claim is what makes the wake single (covered on every driver by the hundred-request tests).
+@pytest.mark.parametrize("host_cfg", ["process-sqlite", "process-postgres"], indirect=True)
 def test_two_host_processes_wake_one_sleeping_agent_exactly_once(host_cfg: dict[str, Any]) -> None:
     ts = host_cfg["_ts"]
     a = Host(_public(host_cfg))

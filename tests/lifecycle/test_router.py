@@ -10,7 +10,7 @@ from moorage.errors import NotFound, TenantScopeError
 from moorage.lifecycle.policies import FixedTimeout
 from moorage.router import Busy, Overloaded
 from moorage.store import EntityKey, Principal, Scope
-from tests.lifecycle.test_manager_env import TEMPLATE_FILE, LcEnv, lc_env  # noqa: F401  (fixture)
+from tests.lifecycle.test_manager_env import PROCESS_ONLY, TEMPLATE_FILE, LcEnv, lc_env  # noqa: F401  (fixture)
 
 
 def _p(env: LcEnv) -> Principal:
@@ -22,6 +22,7 @@ async def _no_instances(env: LcEnv) -> None:
     assert await env.driver().list() == []
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_unknown_agent_or_user_is_not_found_and_provisions_nothing(lc_env: LcEnv) -> None:
     env = lc_env
     r = env.router(env.manager())
@@ -38,6 +39,7 @@ async def test_unknown_agent_or_user_is_not_found_and_provisions_nothing(lc_env:
     assert len(env.ts.sandboxes.list()) == 1
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_users_are_auto_created_only_where_the_agent_allows(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("open-agent", users="auto")
@@ -46,6 +48,7 @@ async def test_users_are_auto_created_only_where_the_agent_allows(lc_env: LcEnv)
     assert env.ts.users.get("newcomer").id == "newcomer"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_end_user_token_cannot_act_for_another_user(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", users="auto")
@@ -56,6 +59,7 @@ async def test_end_user_token_cannot_act_for_another_user(lc_env: LcEnv) -> None
     await _no_instances(env)
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_instances_are_scoped_per_user_or_per_session_as_configured(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("per-user", users="auto")
@@ -71,6 +75,7 @@ async def test_instances_are_scoped_per_user_or_per_session_as_configured(lc_env
     assert loc is not None and loc.host == "host-a" and loc.state == "running"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_turns_of_one_session_apply_in_arrival_order(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", users="auto", concurrency="parallel")
@@ -84,6 +89,7 @@ async def test_turns_of_one_session_apply_in_arrival_order(lc_env: LcEnv) -> Non
     assert log.split() == [f"t{i}" for i in range(20)]
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_reject_policy_answers_busy_409_for_a_second_session(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", users="auto", concurrency="reject")
@@ -100,6 +106,7 @@ async def test_reject_policy_answers_busy_409_for_a_second_session(lc_env: LcEnv
     assert await r.route(_p(env), EntityKey("helper", "alice", session="s2"), {"op": "echo", "text": "now"}) == "now"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_queue_policy_serves_the_second_session_after_the_first(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", users="auto", concurrency="queue")
@@ -119,6 +126,7 @@ async def test_queue_policy_serves_the_second_session_after_the_first(lc_env: Lc
     assert done == ["s1", "s2"]
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
 async def test_overload_is_a_typed_429_with_retry_after_never_a_hang(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", users="auto", concurrency="parallel")
