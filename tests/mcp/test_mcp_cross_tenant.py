@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import httpx2
 import pytest
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 
 from moorage.store import Store
@@ -75,8 +75,10 @@ async def test_mcp_refuses_other_tenants_and_users(live_rt, store: Store, acme: 
 
     # The official client cannot even open a session with another tenant's key.
     http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {acme}"}, timeout=60)
-    with pytest.raises(Exception) as failed:
+    with pytest.raises(ExceptionGroup) as failed:
         async with Client(streamable_http_client(f"{live_rt.url}/mcp/vagent", http_client=http)) as client:
             await client.list_tools()
-    assert PLANT not in str(failed.value)
+    # The transport surfaces the 404 as an MCP error: the agent is simply not there for this tenant.
+    assert failed.group_contains(MCPError, match="Not Found")
+    assert PLANT not in repr(failed.value)
     assert snapshot(store, globex) == before

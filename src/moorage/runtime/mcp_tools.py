@@ -7,6 +7,8 @@ Servers come from the agent's manifest (``[agent.mcp.<name>] url = ...``, no sec
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import re
 import time
@@ -158,8 +160,10 @@ class McpTools:
 
     @staticmethod
     def _key(b: "TurnBinding", server: McpServer) -> tuple[str, ...]:
+        # The credentials' digest is part of the key: a key rotated in mcp.toml opens a fresh connection.
+        creds = hashlib.sha256(json.dumps(server.headers, sort_keys=True).encode()).hexdigest()
         return (b.ts.tenant_id, b.entity.agent, b.entity.user, b.entity.session or "default", b.deployment_id,
-                server.name, server.url)
+                server.name, server.url, creds)
 
     async def _server_tools(self, b: "TurnBinding", server: McpServer) -> list[dict[str, Any]]:
         key = self._key(b, server)
