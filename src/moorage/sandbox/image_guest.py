@@ -82,7 +82,7 @@ if [ -n "$nproc" ] && mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; then
   echo "$nproc" > /sys/fs/cgroup/agent/pids.max
 fi
 cd /
-set -- python3 /opt/moorage/guest --virtio moorage.0
+set -- python3 /opt/moorage/guest --virtio moorage.0 --extension moorage_vm.after_wake
 [ -n "$fsize" ] && set -- prlimit --fsize="$fsize" "$@"
 if [ -n "$envb64" ]; then
   # The sandbox spec's environment (JSON, base64url): set for the supervisor and so for everything it runs.
@@ -103,6 +103,40 @@ while :; do
   sleep 1
 done
 """
+
+#: Guest extension for VM-only needs (the supervisor loads it with ``--extension moorage_vm.after_wake``).
+#: A VM woken from a snapshot has a clock that stood still while it slept, and a fork shares its template's
+#: kernel CRNG state; both are fixed from inside the running supervisor, without starting a process.
+VM_EXTENSION = '''"""microvm guest extension: set the clock and reseed the kernel CRNG after a wake (stdlib only)."""
+
+import base64
+import fcntl
+import os
+import struct
+import time
+
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
+
+
+async def after_wake(params, ctx):
+    if params.get("time") is not None:
+        time.clock_settime(time.CLOCK_REALTIME, float(params["time"]))
+    seed = base64.b64decode(params.get("seed") or "")
+    if seed:
+        fd = os.open("/dev/urandom", os.O_WRONLY)
+        try:
+            fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+        finally:
+            os.close(fd)
+    return {"time": time.time(), "reseeded": bool(seed)}
+
+
+def register(registry):
+    registry.add("vm.after_wake", after_wake)
+'''
+VM_EXTENSION_MODULE = "moorage_vm.after_wake"
 
 # Debian marks its Python "externally managed"; inside a throwaway sandbox the agent owns the system.
 PIP_CONF = "[global]\nbreak-system-packages = true\ndisable-pip-version-check = true\n"
@@ -138,6 +172,9 @@ def layer_guest_runtime(root: Path) -> None:
     _put(root / "etc" / "pip.conf", PIP_CONF, 0o644)
     _put(root / "etc" / "hostname", "sandbox\n", 0o644)
     (root / "work").mkdir(mode=0o755, exist_ok=True)  # the supervisor's default working directory
+    ext = root / "opt" / "moorage" / "moorage_vm"
+    _put(ext / "__init__.py", "", 0o644)
+    _put(ext / "after_wake.py", VM_EXTENSION, 0o644)
     dst = root / GUEST_DIR_IN_VM.lstrip("/")
     if dst.exists():
         shutil.rmtree(dst)

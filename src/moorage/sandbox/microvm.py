@@ -125,13 +125,20 @@ def _sparse_copy(src: Path, dst: Path) -> None:
         os.fsync(ofd)
 
 
-#: Guest-side reseed: RNDADDENTROPY with the host's seed from stdin, then RNDRESEEDCRNG (both need root).
-_RESEED_PY = """import fcntl, os, struct, sys
-seed = sys.stdin.buffer.read()
-fd = os.open("/dev/urandom", os.O_WRONLY)
-fcntl.ioctl(fd, 0x40085203, struct.pack("ii", len(seed) * 8, len(seed)) + seed)
-fcntl.ioctl(fd, 0x5207)
-"""
+class _Phases:
+    """Milliseconds per step of a sleep or wake, logged with it (where the time goes on a given host)."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic()
+        self.ms: dict[str, int] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.ms[name] = round((now - self._t) * 1000)
+        self._t = now
+
+    def total(self) -> int:
+        return sum(self.ms.values())
 
 
 def _collect_template(tdir: Path) -> None:
@@ -154,7 +161,6 @@ class MicroVMSandbox(Sandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._qmp: QMPClient | None = None
         self._channel: Channel | None = None
-        self._post_wake: asyncio.Task[None] | None = None
         #: Why the last wake fell back to a cold boot (SnapshotCorrupt / SnapshotIncompatible), or None.
         self.last_wake_fallback: SandboxError | None = None
         #: How the last wake went: "snapshot" (memory restored), "cold" (booted from disk) or None.
@@ -253,6 +259,7 @@ class MicroVMSandbox(Sandbox):
         deadline = time.monotonic() + timeout
         path = str(self._paths().chan_sock)
         last: Exception | None = None
+        attempt = 0  # short first timeouts: a ping sent before the guest reads is retried soon, not after 2 s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
@@ -262,17 +269,16 @@ class MicroVMSandbox(Sandbox):
                     # The guest's end of the port may still remember request ids of a connection from before a
                     # sleep (it cannot see a disconnect while frozen); start this session's ids where none can clash.
                     self._channel._ids = itertools.count(secrets.randbelow(1 << 40) + (1 << 20))
-                return await self._channel.call("ping", {}, timeout=min(2.0, max(deadline - time.monotonic(), 0.1)))
+                wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
+                return await self._channel.call("ping", {}, timeout=wait)
             except ChannelError as e:
                 last = e
+                attempt += 1
                 await asyncio.sleep(0.01)
         raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
 
     async def _teardown(self) -> None:
         """Kill QEMU and drop connections (no snapshot)."""
-        if self._post_wake is not None:
-            self._post_wake.cancel()
-            self._post_wake = None
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
             self._channel = None
@@ -349,28 +355,35 @@ class MicroVMSandbox(Sandbox):
         async with self._lock:
             if self.state is not SandboxState.RUNNING:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running sandbox can sleep", hint="call wake() first")
-            await self._finish_post_wake()
             if self._driver.drop_caches_on_sleep:
-                # Clean page cache is dropped so it is not saved; the disk is then consistent on its own too.
+                # Costs a process start in the guest (1-2 s under TCG) and saves nothing: freed pages keep their
+                # bytes, so they stay in the RAM file or delta. Off by default; kept for hosts that zero on free.
                 try:
                     await self.exec(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], timeout=30)
                 except ChannelError as e:
                     log.warning("drop caches before sleep failed", sandbox=self.id, error=str(e))
+            elif self._channel is not None:
+                # Flush the guest's dirty page cache (no process start: the supervisor calls sync()) so the disk
+                # alone holds every file written before the sleep, should the memory snapshot ever be unusable.
+                try:
+                    await self._channel.call("sys.sync", {}, timeout=30)
+                except ChannelError as e:
+                    log.warning("guest sync before sleep failed", sandbox=self.id, error=str(e))
             info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
             return info
 
     async def _snapshot_to(self, target: Path, *, keep_running: bool) -> SnapshotInfo:
         """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU."""
         assert self._qmp is not None and self.pid is not None
-        started = time.monotonic()
+        ph = _Phases()
         new = target.with_name(target.name + ".new")
         shutil.rmtree(new, ignore_errors=True)
         new.mkdir(parents=True)
-        if self._channel is not None and not keep_running:
-            await self._channel.close("sandbox sleeping")
-            self._channel = None
+        # The channel stays connected through the pause: the guest then never sees its port close, and after a
+        # wake it simply reads the new connection's frames (no reopen, no frames dropped in between).
         await self._qmp.execute("stop")  # also drains and flushes the disk
         await self._qmp.execute("xen-save-devices-state", {"filename": str(new / "dev.state"), "live": False})
+        ph.mark("pause_and_device_state")
         record: dict[str, Any] = {
             "kind": self.ram_mode,
             "qemu": qemu_version(),
@@ -382,12 +395,14 @@ class MicroVMSandbox(Sandbox):
             m = ram.find_mapping(self.pid, self._ram_path())
             record["delta_bytes"] = ram.save_delta(self.pid, m, self._ram_path(), new)
             record["delta_sha256"] = ram.sha256_file(new / "ram.delta")
+            ph.mark("ram_delta")
         elif keep_running:
             _sparse_copy(self.dir / "ram", new / "ram")  # a checkpoint needs its own copy of shared RAM
             record["ram_checksum"] = ram.sampled_checksum(new / "ram")
         else:
             ram.fsync_path(self.dir / "ram")
             record["ram_checksum"] = ram.sampled_checksum(self.dir / "ram")
+        ph.mark("ram")
         ram.fsync_path(new / "dev.state")
         ram.fsync_path(self.dir / "disk.qcow2")
         record["dev_sha256"] = ram.sha256_file(new / "dev.state")
@@ -404,7 +419,8 @@ class MicroVMSandbox(Sandbox):
         else:
             await self._teardown()
             self._set_state(SandboxState.SLEEPING, snapshot=record)
-        log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=round((time.monotonic() - started) * 1000))
+        ph.mark("commit")
+        log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=ph.total(), **ph.ms)
         size = _allocated(target) + (0 if self.ram_mode == "delta" or keep_running else _allocated(self.dir / "ram"))
         return SnapshotInfo(self.id, target, size, record["created_at"], True)
 
@@ -452,14 +468,16 @@ class MicroVMSandbox(Sandbox):
             await self._cold_boot()
 
     async def _restore(self, snap_dir: Path, record: dict[str, Any]) -> None:
-        started = time.monotonic()
+        ph = _Phases()
         fresh_fork = bool(self._meta.get("fresh_fork"))
         try:
             await self._launch(incoming=True)
+            ph.mark("qemu_start")
             assert self._qmp is not None and self._proc is not None
             if record["kind"] == "delta":
                 m = ram.find_mapping(self._proc.pid, self._ram_path())
                 ram.apply_delta(self._proc.pid, m, snap_dir)
+                ph.mark("ram_delta")
             fd = os.open(snap_dir / "dev.state", os.O_RDONLY)
             try:
                 await self._qmp.execute("getfd", {"fdname": "devstate"}, fds=[fd])
@@ -470,7 +488,11 @@ class MicroVMSandbox(Sandbox):
                 await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
             except QMPError as e:
                 raise SnapshotCorrupt(f"QEMU could not load the snapshot of {self.id}: {self._log_tail()}", hint="it cold-boots from its disk") from e
+            ph.mark("device_state")
             await self._connect_channel(WAKE_TIMEOUT_S)
+            ph.mark("first_reply")
+            await self._after_wake(fresh_fork)
+            ph.mark("clock_rng")
         except SnapshotCorrupt:
             await self._teardown()
             raise
@@ -482,33 +504,21 @@ class MicroVMSandbox(Sandbox):
         # RAM moves on from here: a shared RAM file no longer matches the old device state, so the snapshot is
         # spent; a crash while awake re-adopts the live QEMU or cold-boots from disk, never time-travels.
         self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
-        log.info("woke", sandbox=self.id, kind=record["kind"], ms=round((time.monotonic() - started) * 1000))
-        self._post_wake = asyncio.create_task(self._after_wake(fresh_fork))
-        if fresh_fork:
-            await self._finish_post_wake()
+        log.info("woke", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
 
     async def _after_wake(self, fresh_fork: bool) -> None:
-        """Set the guest clock (it stood still while asleep) and, for a new fork, stir its RNG so forks of one
-        template do not share a random stream."""
-        script = f"date -s @{time.time():.3f} >/dev/null 2>&1"
-        seed = None
+        """Set the guest clock (it stood still while asleep) and, for a new fork, reseed its kernel CRNG so forks
+        of one template never share a random stream. One RPC to the image's VM extension: no process start."""
+        params: dict[str, Any] = {"time": time.time()}
         if fresh_fork:
-            # Writing to /dev/urandom only mixes the input pool; the kernel's CRNG keeps its key until its next
-            # reseed, so every fork would return the same bytes. Credit fresh host entropy and force a reseed.
-            seed = secrets.token_bytes(64)
-            script += "; exec python3 -c " + shlex.quote(_RESEED_PY)
+            params["seed"] = base64.b64encode(secrets.token_bytes(64)).decode()
         try:
-            await self.exec(["sh", "-c", script], stdin=seed, timeout=30)
+            assert self._channel is not None
+            await self._channel.call("vm.after_wake", params, timeout=30)
         except ChannelError as e:
-            log.warning("post-wake setup failed", sandbox=self.id, error=str(e), fork=fresh_fork)
-
-    async def _finish_post_wake(self) -> None:
-        task, self._post_wake = self._post_wake, None
-        if task is not None:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            if fresh_fork:
+                raise SandboxError(f"could not reseed the random generator of fork {self.id}: {e}", hint="rebuild the image (`moorage image build`) and re-make the template") from e
+            log.warning("could not set the guest clock after wake", sandbox=self.id, error=str(e))
 
     async def stop(self) -> None:
         async with self._lock:
@@ -526,7 +536,6 @@ class MicroVMSandbox(Sandbox):
         async with self._lock:
             if self.state is not SandboxState.RUNNING or self._qmp is None:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; checkpoints are taken of a running sandbox", hint="call wake() first")
-            await self._finish_post_wake()
             target = self.dir / "checkpoints" / name
             target.parent.mkdir(exist_ok=True)
             tag = f"ckpt-{name}"
@@ -640,7 +649,7 @@ class MicroVMDriver(SandboxDriver):
         enforced_limits=frozenset({"memory", "disk"}),
     )
 
-    def __init__(self, root: Path, config: Config, *, images_dir: Path | None = None, drop_caches_on_sleep: bool = True) -> None:
+    def __init__(self, root: Path, config: Config, *, images_dir: Path | None = None, drop_caches_on_sleep: bool = False) -> None:
         super().__init__(root, config)
         self.root.mkdir(parents=True, exist_ok=True)
         self.root = self.root.resolve()  # QEMU command lines carry absolute paths; orphans are found by them
@@ -754,7 +763,6 @@ class MicroVMDriver(SandboxDriver):
         async with sandbox._lock:
             if sandbox.state is not SandboxState.RUNNING or sandbox._qmp is None or sandbox.pid is None:
                 raise SandboxStateError(f"sandbox {sandbox.id} must be running to become a template", hint="wake() it first")
-            await sandbox._finish_post_wake()
             try:
                 await sandbox.exec(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], timeout=30)
             except ChannelError:
