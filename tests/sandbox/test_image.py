@@ -116,3 +116,18 @@ def test_kvm_probe_boots_a_guest_or_explains_why_not(guest_image: GuestImage, tm
     assert (tmp_path / "cache" / "kvm-probe.json").exists()
     assert choose_accel(cfg) == ("kvm" if res.usable else "tcg")
     assert choose_accel(cfg.with_(accel="tcg")) == "tcg"
+
+
+def test_cli_image_build_reports_the_cached_image(guest_image: GuestImage, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from moorage.cli.main import app
+
+    r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "image", "build", "--images-dir", str(IMAGES_DIR), "--json"])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads(r.stdout[r.stdout.index("{") :])
+    assert manifest["id"] == guest_image.id and manifest["kernel_version"] == guest_image.kernel_version
+    r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "image", "list", "--images-dir", str(IMAGES_DIR)])
+    assert r.exit_code == 0 and guest_image.id in r.stdout
