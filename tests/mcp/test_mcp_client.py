@@ -25,7 +25,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 
 from moorage.store import EntityKey, Store
-from moorage.runtime.mcp_tools import HostMcpConfig, McpServer, McpTools, servers_for
+from moorage.runtime.mcp_tools import HostMcpConfig, McpServer, servers_for
 from tests.api.conftest import free_port
 
 AGENT = '''
@@ -177,7 +177,7 @@ async def test_agent_calls_external_mcp_server_through_the_host(runtime, store: 
     assert span.status == "ok" and span.attrs["mcp.server"] == "weather" and span.attrs["mcp.tool"] == "forecast"
     assert (span.attrs["agent"], span.attrs["user"], span.attrs["session"]) == ("wx", "ann", "s1")
     assert ws.secret not in json.dumps(span.attrs)
-    await McpTools.of(runtime).close()
+    await runtime.mcp.close()
 
 
 def test_host_entry_wins_over_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - the guest image ships Python 3.11
     tomllib = None  # type: ignore[assignment]
 
-from .rpc import APPLICATION_ERROR, Context, Registry, RpcError, log
+from .rpc import Context, Registry, RpcError, log
 
 NOT_LOADED = -32010
 AGENT_ERROR = -32011

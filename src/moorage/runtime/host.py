@@ -87,6 +87,5 @@ class Host:
                 await t
         await self.manager.close()
         await self.driver.close()
-        with contextlib.suppress(Exception):
-            await self.runtime.llm.aclose()
+        await self.runtime.aclose()
         self.store.close()

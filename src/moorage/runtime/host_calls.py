@@ -244,11 +244,7 @@ class GuestCalls:
     # -- external MCP servers (runtime/mcp_tools.py; their credentials stay on the host) --------------
 
     async def mcp_tools(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        from moorage.runtime.mcp_tools import McpTools
-
-        return {"tools": await McpTools.of(self.rt).tools(b)}
+        return {"tools": await self.rt.mcp.tools(b)}
 
     async def mcp_call(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        from moorage.runtime.mcp_tools import McpTools
-
-        return await McpTools.of(self.rt).call(b, p.get("server"), str(p.get("tool") or ""), p.get("arguments") or {})
+        return await self.rt.mcp.call(b, p.get("server"), str(p.get("tool") or ""), p.get("arguments") or {})

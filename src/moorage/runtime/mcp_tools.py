@@ -13,7 +13,6 @@ import os
 import re
 import time
 import tomllib
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,21 +124,12 @@ def _result_dict(result: Any) -> dict[str, Any]:
 class McpTools:
     """One per runtime: fetches each session's tool schemas once, and makes the calls guests ask for."""
 
-    _by_runtime: "weakref.WeakKeyDictionary[Any, McpTools]" = weakref.WeakKeyDictionary()
-
     def __init__(self, runtime: "Runtime") -> None:
         self.rt = runtime
         self.host_config = HostMcpConfig(runtime.config.data_dir / HOST_CONFIG_FILE)
         self._schemas: OrderedDict[tuple[str, ...], list[dict[str, Any]]] = OrderedDict()
         self._fetching: dict[tuple[str, ...], asyncio.Lock] = {}
         self._connections: OrderedDict[tuple[str, ...], _Connection] = OrderedDict()
-
-    @classmethod
-    def of(cls, runtime: "Runtime") -> "McpTools":
-        tools = cls._by_runtime.get(runtime)
-        if tools is None:
-            tools = cls._by_runtime[runtime] = cls(runtime)
-        return tools
 
     def servers(self, b: "TurnBinding") -> dict[str, McpServer]:
         return servers_for(b.manifest, self.host_config.servers(b.ts.tenant_id))

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine
-from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
+from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
@@ -122,6 +122,16 @@ class Runtime:
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
         self.router = Router(store, instances, self._forward_turn, self._template_for)
         self.rng = random.Random()
+        from moorage.runtime.mcp_tools import McpTools
+
+        #: Connections to external MCP servers the agents use (credentials stay here, on the host).
+        self.mcp = McpTools(self)
+
+    async def aclose(self) -> None:
+        """Close outside connections (MCP servers, model providers); instances and the store are the host's."""
+        await self.mcp.close()
+        with contextlib.suppress(Exception):
+            await self.llm.aclose()
 
     # -- memory tiers per tenant --------------------------------------------------------------------
 
