@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moorage.memory.embeddings import Embedder
 from moorage.memory.episodic import EpisodicMemory
+from moorage.memory.ranking import FusionWeights
 from moorage.store import EventIn, Scope, TenantStore
 
 T0 = 1_700_000_000.0
@@ -108,3 +109,58 @@ def test_full_text_query_drops_words_found_everywhere_but_keeps_the_answer(tenan
     assert [e.id for e, _ in hits] == [target.id]  # "meeting" (in every event) was pruned; "notary" decides
     # A query made only of common words still runs, on its rarest word.
     assert mem.search_lexical(ALICE, "weekly meeting", limit=3)
+
+
+def test_hybrid_lexical_side_is_scoped_and_a_rare_word_decides(tenant: TenantStore, embedder: Embedder) -> None:
+    # The hybrid search's BM25 runs on the scope's own in-process index (statistics included): another
+    # user's events with the same word neither match nor change the scores.
+    mem = EpisodicMemory(tenant, embedder)
+    _fill(mem, ALICE)
+    code = mem.remember(ALICE, "note", "Locker code for the Zanzibar storage unit is 4471.", speaker="user", ts=T0 + 86400)
+    mem.remember(BOB, "note", "Zanzibar Zanzibar Zanzibar trip photos.", speaker="user", ts=T0 + 86400)
+    hits = mem.search(ALICE, "Zanzibar", k=3)
+    assert hits[0].event.id == code.id and hits[0].lexical_rank == 1
+    assert all(h.event.scope == ALICE for h in hits)
+    assert [h.lexical_rank for h in hits[1:]] == [None, None]  # only one event of Alice's has the word
+
+
+def test_before_x_searches_what_came_before_the_event_naming_x(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
+    log = [
+        ("user", "I started a new job at Initech, the onboarding is intense."),
+        ("assistant", "Good luck with the onboarding!"),
+        ("user", "The supermarket was out of bread."),
+        ("user", "I handed in my notice and joined Hooli on Monday."),
+        ("user", "My brother read that Hooli is hiring again."),
+    ]
+    events = mem.remember_many(ALICE, [EventIn("message", t, s, None, T0 + 86400 * i) for i, (s, t) in enumerate(log)])
+    hits = mem.search(ALICE, "Where did I work before joining Hooli?", k=3)
+    assert hits[0].event.id == events[0].id
+    # Everything from the anchor ("joined Hooli") on is after the time asked about.
+    assert {h.event.id for h in hits}.isdisjoint({events[3].id, events[4].id})
+    # Without "before" nothing is cut off: the events naming Hooli are candidates again.
+    assert events[3].id in {h.event.id for h in mem.search(ALICE, "Where do I work since joining Hooli?", k=3)}
+
+
+def test_first_person_question_prefers_the_users_own_turns(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder)
+    _fill(mem, ALICE)
+    said = mem.remember(ALICE, "message", "My dentist is Dr. Novak, very gentle.", speaker="user", ts=T0)
+    echo = mem.remember(ALICE, "message", "Noted: your dentist is Dr. Novak. I will keep your dentist in mind.",
+                        speaker="assistant", ts=T0 + 60)
+    hits = mem.search(ALICE, "Who is my dentist?", k=2)
+    assert [h.event.id for h in hits] == [said.id, echo.id]  # a penalty, not a filter: the echo still ranks
+    neutral = EpisodicMemory(tenant, embedder, weights=FusionWeights(other_speaker_penalty=0.0))
+    assert neutral.search(ALICE, "Who is my dentist?", k=1)[0].event.id == echo.id
+
+
+def test_store_reads_the_cache_relies_on_stay_in_their_scope(tenant: TenantStore) -> None:
+    mine = tenant.events.append_many(ALICE, [EventIn("message", f"alice {i}", "user", None, T0 + i) for i in range(5)])
+    theirs = tenant.events.append(BOB, "message", "bob 0", speaker="user", ts=T0)
+    more = tenant.events.append_many(ALICE, [EventIn("message", f"alice late {i}", "user", None, T0 - 10 + i) for i in range(2)])
+    # get_many: an id of another scope is never returned, even when asked for by id.
+    assert [e.id for e in tenant.events.get_many(ALICE, [theirs.id, mine[2].id, mine[0].id])] == [mine[2].id, mine[0].id]
+    # list(after_seq): only this scope's events written after that id, in time order (backdated ones first).
+    after = tenant.events.list(ALICE, after_seq=mine[-1].id, limit=100)
+    assert [e.id for e in after] == [more[0].id, more[1].id]
+    assert tenant.events.list(BOB, after_seq=mine[0].id, limit=100)[0].id == theirs.id

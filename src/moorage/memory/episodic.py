@@ -33,6 +33,15 @@ _QUERY_STOP = frozenset(
 )
 
 
+#: A question in the first person is about the user.
+_FIRST_PERSON = re.compile(r"\b(?:i|me|my|mine|myself|i'm|i've)\b", re.I)
+
+#: "... before <the event that changed it>": the words after it name the anchor event.
+_BEFORE = re.compile(r"\bbefore\b(.+)$", re.I)
+
+#: Events with the anchor's words considered as the anchor.
+_ANCHOR_CANDIDATES = 10
+
 #: BM25 parameters (Robertson's defaults, as in rank-bm25 and Lucene).
 _BM25_K1 = 1.2
 _BM25_B = 0.75
@@ -62,6 +71,13 @@ class Recall:
     score: float
     lexical_rank: int | None
     dense_rank: int | None
+
+
+@dataclass(frozen=True)
+class _Anchor:
+    event_id: int
+    row: int
+    words: frozenset[str]
 
 
 @dataclass
@@ -155,11 +171,23 @@ class EpisodicMemory:
         if not 1 <= k <= 1000:
             raise InvalidInput(f"k={k} is out of range", hint="ask for 1 to 1000 results")
         vec = self._vectors(scope)
-        lexical = self._bm25(vec, query, limit=self.pool, since=since, until=until, speakers=speakers)
         # Embedded on this thread: the store reads left on the query path (a COUNT, then the head's
         # rows by id) take well under a millisecond, less than handing the work to a worker thread
         # and waking up again costs on a busy host.
         qv = self.embedder.embed_one(query)
+        words = _query_words(query)
+        # "Where did I work before joining Hooli?": the event naming Hooli is the reference point, not
+        # the answer, which is older. Search only before that event, without the words that name it.
+        anchor = self._anchor(vec, query, qv, since=since, until=until, speakers=speakers) if self.weights.anchor else None
+        if anchor is not None:
+            until = float(vec.lex_ts[anchor.row]) - 1e-6
+            words = [w for w in words if w not in anchor.words]
+        lexical = self._bm25(vec, words, limit=self.pool, since=since, until=until, speakers=speakers)
+        if anchor is not None and anchor.event_id in vec.pos:
+            # The answer is about the same thing as the anchor ("joined Hooli" -> another job): add the
+            # anchor's vector to the query's, so the older statements of that topic rank first.
+            q2 = qv + self.weights.anchor * vec.matrix[vec.pos[anchor.event_id]]
+            qv = (q2 / np.linalg.norm(q2)).astype(np.float32)
         dense = self._dense(vec, qv, limit=self.pool, since=since, until=until, speakers=speakers)
         lex_ids = [i for i, _ in lexical]
         dense_ids = [i for i, _ in dense]
@@ -171,6 +199,11 @@ class EpisodicMemory:
                 cos[i] = float(np.dot(vec.matrix[pos[i]], qv))
         times = self._times(vec, set(lex_ids) | set(dense_ids))
         fused = fuse(dict(lexical), cos, times, weights_for(query, self.weights), now=until)
+        if self.weights.other_speaker_penalty and _FIRST_PERSON.search(query):
+            # A question about the user themself ("where do I work?") is answered by what the user said;
+            # the assistant's turns ("Noted, I will keep that in mind.") echo the topic without the fact.
+            # A penalty, not a filter: an assistant turn that matches much better still ranks.
+            fused = self._prefer_speaker(vec, fused, self.weights.self_speaker, self.weights.other_speaker_penalty)
         # Fetch a few more than k: exact repeats ("ok, thanks") are collapsed into their newest copy.
         head = fused[: 2 * k]
         # Content always comes from the store, so an event deleted since the cache was filled is skipped.
@@ -204,9 +237,42 @@ class EpisodicMemory:
         vec = self._vectors(scope)
         return self._lexical(scope, vec, query, limit=limit, since=since, until=until, speakers=speakers)
 
+    def _anchor(
+        self, vec: _ScopeVectors, query: str, qv: np.ndarray, *, since: float | None, until: float | None,
+        speakers: Sequence[str] | None,
+    ) -> _Anchor | None:
+        """The event that ``before X`` in ``query`` refers to, if the scope has one.
+
+        Candidates are the events with X's words (BM25); of those, the one closest to the whole question
+        wins: "I joined Hooli" is what "before joining Hooli" points at, "Hooli is hiring" is not.
+        """
+        m = _BEFORE.search(query)
+        if not m:
+            return None
+        words = [w for w in _query_words(m.group(1)) if w in vec.postings]
+        if not words:
+            return None
+        hits = self._bm25(vec, words, limit=_ANCHOR_CANDIDATES, since=since, until=until, speakers=speakers)
+        if not hits:
+            return None
+        best = max(hits, key=lambda h: float(vec.matrix[vec.pos[h[0]]] @ qv) if h[0] in vec.pos else -2.0)
+        return _Anchor(best[0], vec.lex_pos[best[0]], frozenset(words))
+
+    @staticmethod
+    def _prefer_speaker(
+        vec: _ScopeVectors, fused: list[tuple[int, float]], speaker: str, penalty: float,
+    ) -> list[tuple[int, float]]:
+        out = []
+        for i, sc in fused:
+            row = vec.lex_pos.get(i)
+            if row is not None and vec.lex_speakers[row] != speaker:
+                sc -= penalty
+            out.append((i, sc))
+        return sorted(out, key=lambda kv: (-kv[1], -kv[0]))
+
     @staticmethod
     def _bm25(
-        vec: _ScopeVectors, query: str, *, limit: int, since: float | None, until: float | None,
+        vec: _ScopeVectors, words: Sequence[str], *, limit: int, since: float | None, until: float | None,
         speakers: Sequence[str] | None,
     ) -> list[tuple[int, float]]:
         """Okapi BM25 over the scope's in-process index: (event id, score) best first, only positive scores.
@@ -222,7 +288,7 @@ class EpisodicMemory:
         avgdl = float(vec.doclen.mean()) or 1.0
         norm = _BM25_K1 * (1.0 - _BM25_B + _BM25_B * vec.doclen / avgdl)
         scores = np.zeros(n_docs, dtype=np.float64)
-        for w in _query_words(query):
+        for w in words:
             post = vec.postings.get(w)
             if not post:
                 continue

@@ -32,6 +32,11 @@ class FusionWeights:
     half_life_s: float = 30 * 86400.0
     #: Multiplies ``recency`` for queries that ask for the current value ("now", "these days").
     current_boost: float = 3.0
+    #: "... before X": weight of the event naming X added to the query vector (0: no anchoring).
+    anchor: float = 1.0
+    #: Subtracted from turns not by ``self_speaker`` when the query is in the first person.
+    other_speaker_penalty: float = 0.3
+    self_speaker: str = "user"
 
 
 _CURRENT = re.compile(r"\b(?:now|current(?:ly)?|these days|at the moment|today|latest|still|any ?more|nowadays)\b", re.I)
