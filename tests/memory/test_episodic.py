@@ -164,3 +164,35 @@ def test_store_reads_the_cache_relies_on_stay_in_their_scope(tenant: TenantStore
     after = tenant.events.list(ALICE, after_seq=mine[-1].id, limit=100)
     assert [e.id for e in after] == [more[0].id, more[1].id]
     assert tenant.events.list(BOB, after_seq=mine[0].id, limit=100)[0].id == theirs.id
+
+
+def test_searches_in_other_threads_while_events_arrive_never_fail(tenant: TenantStore, embedder: Embedder) -> None:
+    # Searches read the scope's cache without its lock while another thread's search extends it.
+    import threading
+
+    mem = EpisodicMemory(tenant, embedder)
+    _fill(mem, ALICE)
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                mem.search(ALICE, "kitten named Miso", k=5)
+                mem.search(ALICE, "what did I do before the kitchen?", k=5, speakers=["user"])
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    last = None
+    for n in range(30):
+        last = mem.remember_many(ALICE, [EventIn("message", f"Batch {n} note {j} about the garden shed.", "user", None, T0 + 10**5 + 10 * n + j)
+                                         for j in range(5)])[-1]
+        mem.search(ALICE, "garden shed", k=3)
+    done.set()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert last.id in {h.event.id for h in mem.search(ALICE, "Batch 29 note 4 about the garden shed", k=3)}

@@ -282,37 +282,45 @@ class EpisodicMemory:
         events, 100+ ms at 100k). Here the postings are the scope's own, the statistics (document
         frequency, average length) are the scope's own, and scoring is a few array operations.
         """
-        n_docs = len(vec.lex_ids)
+        # A snapshot: rows past ``len(doclen)`` may be half-added by a concurrent refresh; ignore them.
+        doclen = vec.doclen
+        n_docs = len(doclen)
         if n_docs == 0:
             return []
-        avgdl = float(vec.doclen.mean()) or 1.0
-        norm = _BM25_K1 * (1.0 - _BM25_B + _BM25_B * vec.doclen / avgdl)
+        lex_ids, lex_ts = vec.lex_ids[:n_docs], vec.lex_ts[:n_docs]
+        avgdl = float(doclen.mean()) or 1.0
+        norm = _BM25_K1 * (1.0 - _BM25_B + _BM25_B * doclen / avgdl)
         scores = np.zeros(n_docs, dtype=np.float64)
         for w in words:
             post = vec.postings.get(w)
             if not post:
                 continue
-            rows = np.asarray(post[0], dtype=np.int64)
-            tf = np.asarray(post[1], dtype=np.float64)
+            m = min(len(post[0]), len(post[1]))
+            rows = np.asarray(post[0][:m], dtype=np.int64)
+            tf = np.asarray(post[1][:m], dtype=np.float64)
+            keep = int(np.searchsorted(rows, n_docs))  # rows of a word only grow
+            rows, tf = rows[:keep], tf[:keep]
             df = len(rows)
+            if df == 0:
+                continue
             idf = np.log1p((n_docs - df + 0.5) / (df + 0.5))
             scores[rows] += idf * tf * (_BM25_K1 + 1.0) / (tf + norm[rows])
         mask = scores > 0
         if since is not None:
-            mask &= vec.lex_ts >= since
+            mask &= lex_ts >= since
         if until is not None:
-            mask &= vec.lex_ts <= until
+            mask &= lex_ts <= until
         if speakers:
             allowed = set(speakers)
-            mask &= np.fromiter((sp in allowed for sp in vec.lex_speakers), dtype=bool, count=n_docs)
+            mask &= np.fromiter((sp in allowed for sp in vec.lex_speakers[:n_docs]), dtype=bool, count=n_docs)
         hit = np.flatnonzero(mask)
         if len(hit) == 0:
             return []
         if len(hit) > limit:
             hit = hit[np.argpartition(-scores[hit], limit - 1)[:limit]]
         # Best first; ties to the newer event, like the store's ``ORDER BY score DESC, id DESC``.
-        hit = hit[np.lexsort((-vec.lex_ids[hit], -scores[hit]))]
-        return [(int(vec.lex_ids[r]), float(scores[r])) for r in hit]
+        hit = hit[np.lexsort((-lex_ids[hit], -scores[hit]))]
+        return [(int(lex_ids[r]), float(scores[r])) for r in hit]
 
     def _lexical(
         self, scope: Scope, vec: _ScopeVectors, query: str, *, limit: int, since: float | None, until: float | None,
@@ -344,26 +352,30 @@ class EpisodicMemory:
         vec: _ScopeVectors, q: np.ndarray, *, limit: int, since: float | None, until: float | None,
         speakers: Sequence[str] | None,
     ) -> list[tuple[int, float]]:
-        if len(vec.ids) == 0:
+        # A snapshot sized by ``matrix``, which a concurrent refresh replaces after the other arrays.
+        matrix = vec.matrix
+        n_rows = len(matrix)
+        if n_rows == 0:
             return []
+        ids, ts = vec.ids[:n_rows], vec.ts[:n_rows]
         # einsum's own loop, not BLAS: OpenBLAS threads spin-wait on a busy host and made this
         # matrix-vector product 10x slower (8 ms vs 0.6 ms at 10k vectors, measured on 2 shared cores).
-        sims = np.einsum("ij,j->i", vec.matrix, q)
-        mask = np.ones(len(vec.ids), dtype=bool)
+        sims = np.einsum("ij,j->i", matrix, q)
+        mask = np.ones(n_rows, dtype=bool)
         if since is not None:
-            mask &= vec.ts >= since
+            mask &= ts >= since
         if until is not None:
-            mask &= vec.ts <= until
+            mask &= ts <= until
         if speakers:
             allowed = set(speakers)
-            mask &= np.fromiter((s in allowed for s in vec.speakers), dtype=bool, count=len(vec.speakers))
+            mask &= np.fromiter((s in allowed for s in vec.speakers[:n_rows]), dtype=bool, count=n_rows)
         sims = np.where(mask, sims, -np.inf)
         n = min(limit, int(mask.sum()))
         if n == 0:
             return []
         top = np.argpartition(-sims, n - 1)[:n] if n < len(sims) else np.arange(len(sims))
         top = top[np.argsort(-sims[top], kind="stable")]
-        return [(int(vec.ids[i]), float(sims[i])) for i in top]
+        return [(int(ids[i]), float(sims[i])) for i in top]
 
     # -- the per-scope vector cache ------------------------------------------------------------
 
@@ -374,24 +386,36 @@ class EpisodicMemory:
                 vec = self._cache[scope.key] = _ScopeVectors()
             self._cache.move_to_end(scope.key)
         with vec.lock:
-            self._refresh(scope, vec)
+            if self._refresh(scope, vec):
+                # Deletions: start over in a new object, so a search running on the old one in another
+                # thread keeps a consistent (if stale) view; content is read from the store afterwards,
+                # so a deleted event is still never returned.
+                fresh = _ScopeVectors()
+                with fresh.lock:
+                    self._refresh(scope, fresh)
+                with self._cache_lock:
+                    self._cache[scope.key] = fresh
+                vec = fresh
         self._evict()
         return vec
 
-    def _refresh(self, scope: Scope, vec: _ScopeVectors) -> None:
+    def _refresh(self, scope: Scope, vec: _ScopeVectors) -> bool:
+        """Add the scope's new events to ``vec``; True when events were deleted and it must be rebuilt.
+
+        Searches read ``vec`` without its lock, so everything is appended in an order that keeps a
+        reader safe: postings first, then the row arrays, then the array readers size themselves by
+        (``doclen`` for BM25, ``matrix`` for cosine), and ``pos`` (id -> row of ``matrix``) last.
+        """
         # Cheap when nothing changed: one COUNT. Fewer events than seen means retention or a user's
         # erasure deleted some: rebuild, so no vector of a deleted event is ever ranked again.
         count = self.ts.events.count(scope)
         if count == vec.seen:
-            return
+            return False
         if count < vec.seen:
-            fresh = _ScopeVectors()
-            for name in ("ids", "ts", "speakers", "matrix", "pos", "df", "max_id", "seen", "lex_ids", "lex_ts",
-                         "lex_speakers", "lex_pos", "doclen", "postings"):
-                setattr(vec, name, getattr(fresh, name))
+            return True
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
         if not new:
-            return
+            return False
         vec.seen += len(new)
         base = len(vec.lex_ids)
         lengths = []
@@ -417,12 +441,13 @@ class EpisodicMemory:
         if good:
             mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
             base = len(vec.ids)
-            vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})
-            vec.matrix = np.vstack([vec.matrix, mat]) if len(vec.ids) else mat.copy()
             vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
             vec.ts = np.concatenate([vec.ts, np.array([wanted[i].ts for i, _ in good], dtype=np.float64)])
             vec.speakers.extend(wanted[i].speaker for i, _ in good)
+            vec.matrix = np.vstack([vec.matrix, mat]) if base else mat.copy()
+            vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})  # only rows ``matrix`` has
         vec.max_id = max(vec.max_id, max(wanted))
+        return False
 
     def _drop(self, scope: Scope) -> None:
         with self._cache_lock:
