@@ -13,7 +13,7 @@ import secrets
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from moorage.errors import InvalidInput, NotFound, TenantScopeError
 from moorage.store.model import ApiKey, Tenant, check_id
@@ -43,6 +43,11 @@ class Backend(ABC):
     @abstractmethod
     def tenant_tx(self, tenant_id: str, *, write: bool = True) -> contextlib.AbstractContextManager[Conn]:
         """A transaction that can see and change only ``tenant_id``'s rows."""
+
+    def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """One read-only statement on ``tenant_id``'s rows; backends may run it without an explicit transaction."""
+        with self.tenant_tx(tenant_id, write=False) as c:
+            return c.q(sql, params)
 
     @abstractmethod
     def control_tx(self) -> contextlib.AbstractContextManager[Conn]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
-import threading
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from langchain_core.runnables import RunnableConfig
@@ -80,7 +78,6 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
         self._commits = GroupCommit(ts, max_batch)
         # Per-thread SQLite connection for single-statement reads (see _read).
-        self._rlocal = threading.local()
 
     @property
     def tenant_store(self) -> TenantStore:
@@ -243,35 +240,9 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         return self._decode((row, head, blobs, [(r[1], r[2], r[4], r[5]) for r in writes]))
 
     def _read(self, sql: str, params: tuple) -> list[tuple]:
-        """Run one read-only statement in its own snapshot, in as few round trips as the backend allows.
-
-        SQLite: a single statement is its own consistent snapshot, so it runs without BEGIN/COMMIT on
-        this thread's connection to the tenant's file. PostgreSQL: BEGIN, the tenant setting, the
-        statement and COMMIT go in one pipelined round trip. Inside a caller's ``ts.transaction()``
-        the statement joins that transaction.
-        """
-        ambient: Conn | None = getattr(self._ts._local, "conn", None)
-        if ambient is not None:
-            return ambient.q(sql, params)
-        if self._ts.dialect == "sqlite":
-            return self._sqlite_read(sql, params)
-        backend = self._ts._backend
-        with backend.tenant_tx(self._ts.tenant_id, write=False, pipeline=True) as c:
-            cur = c.raw.execute(c._sql(sql), params)
-        # The pipeline synced on exit; the results are on the cursor.
-        return cur.fetchall()
-
-    def _sqlite_read(self, sql: str, params: tuple) -> list[tuple]:
-        conn = getattr(self._rlocal, "conn", None)
-        if conn is not None:
-            try:
-                return conn.execute(sql, params).fetchall()
-            except sqlite3.ProgrammingError:
-                # The backend closed this connection (tenant dropped or store closed): ask it again,
-                # which also re-checks that the tenant still exists.
-                self._rlocal.conn = None
-        conn = self._rlocal.conn = self._ts._backend._tenant_conn(self._ts.tenant_id)
-        return conn.execute(sql, params).fetchall()
+        """One read-only statement in its own snapshot (``TenantStore.read``: no BEGIN/COMMIT on SQLite, one
+        pipelined round trip on PostgreSQL), or inside the caller's ``ts.transaction()`` if there is one."""
+        return self._ts.read(sql, params)
 
     def _get_tuple_slow(self, thread_id: str, ns: str, checkpoint_id: str) -> CheckpointTuple | None:
         with self._ts._tx(write=False) as c:

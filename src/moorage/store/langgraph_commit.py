@@ -61,7 +61,7 @@ class GroupCommit:
         self._inflight = 0
 
     def write(self, ops: Ops) -> None:
-        if getattr(self._ts._local, "conn", None) is not None:
+        if self._ts.ambient() is not None:
             # The caller grouped work with ``ts.transaction()``: join it, commit with it.
             with self._ts._tx() as c:
                 _apply(c, [_Job(ops)])
@@ -105,7 +105,7 @@ class GroupCommit:
         between; a failure surfaces at the commit and rolls the whole transaction back.
         """
         if self._ts.dialect == "postgres":
-            with self._ts._backend.tenant_tx(self._ts.tenant_id, pipeline=True) as c:
+            with self._ts.backend.tenant_tx(self._ts.tenant_id, pipeline=True) as c:  # type: ignore[call-arg]
                 _apply(c, jobs, pipelined=True)
         else:
             with self._ts._tx() as c:

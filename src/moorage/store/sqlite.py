@@ -12,7 +12,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
@@ -146,6 +146,10 @@ class SQLiteBackend(Backend):
     def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
         with _transaction(self._tenant_conn(tenant_id), write) as c:
             yield c
+
+    def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        # In autocommit mode one SELECT reads one consistent WAL snapshot: no BEGIN/COMMIT round needed.
+        return self._tenant_conn(tenant_id).execute(sql, tuple(params)).fetchall()
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:

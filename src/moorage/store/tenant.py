@@ -106,6 +106,22 @@ class TenantStore:
         with self._tx():
             yield self
 
+    @property
+    def backend(self) -> "Backend":
+        return self._backend
+
+    def ambient(self) -> Conn | None:
+        """The connection of the transaction this thread is inside (``with ts.transaction()``), if any."""
+        return getattr(self._local, "conn", None)
+
+    def read(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """Run one read-only statement on this tenant's data: inside the current transaction if there is one,
+        otherwise as a single statement that is its own consistent snapshot (cheaper than a transaction)."""
+        ambient = self.ambient()
+        if ambient is not None:
+            return ambient.q(sql, params)
+        return self._backend.tenant_read(self.principal.tenant_id, sql, params)
+
     @contextlib.contextmanager
     def _tx(self, write: bool = True) -> Iterator[Conn]:
         current: Conn | None = getattr(self._local, "conn", None)
