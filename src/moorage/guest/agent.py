@@ -323,6 +323,12 @@ class AgentContext:
             return r.get("answer")
         raise Suspended(payload)
 
+    async def correct(self, note: str) -> None:
+        """Record a user's correction in this workflow's log, so later steps (and replays) can take it into account."""
+        seq = self._step_seq
+        self._step_seq += 1
+        await self._host.call("durable.correct", {"seq": seq, "note": note})
+
     async def history(self) -> List[Dict[str, Any]]:
         """Attempted steps, failures and user corrections of this workflow so far."""
         return (await self._host.call("durable.history", {}))["history"]

@@ -108,6 +108,7 @@ class GuestCalls:
             "durable.fail": self.durable_fail,
             "durable.interrupt": self.durable_interrupt,
             "durable.history": self.durable_history,
+            "durable.correct": self.durable_correct,
             "net.fetch": self.net_fetch,
             "mcp.tools": self.mcp_tools,
             "mcp.call": self.mcp_call,
@@ -213,6 +214,13 @@ class GuestCalls:
     async def durable_interrupt(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         r = await asyncio.to_thread(b.engine.interrupt, b.run_id, int(p["seq"]), p.get("payload"))
         return {"answered": True, "answer": r.value} if isinstance(r, Answer) else {"answered": False}
+
+    async def durable_correct(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        note = p.get("note")
+        if not isinstance(note, str) or not note.strip():
+            raise InvalidInput("a correction needs a non-empty note")
+        await asyncio.to_thread(b.engine.record_correction, b.run_id, int(p["seq"]), note[:4000])
+        return {}
 
     async def durable_history(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         entries = await asyncio.to_thread(b.engine.history, b.run_id)
