@@ -155,8 +155,8 @@ def write_report(res: dict) -> str:
     (out / "sandbox.json").write_text(json.dumps(res, indent=2))
     rows = [
         ("cold boot (baseline, to first channel reply)", res["cold_boot"]),
-        ("sleep (fork, incl. guest cache drop + flush)", res["sleep"]),
-        ("wake (fork, to first channel reply)", res["wake"]),
+        ("sleep (fork, incl. guest sync, RAM delta, fsyncs)", res["sleep"]),
+        ("wake (fork, to first channel reply + clock set)", res["wake"]),
         ("fork per child (create + first wake)", res["fork_per_child"]),
         ("checkpoint", res["checkpoint"]),
         ("rollback (to first channel reply)", res["rollback"]),

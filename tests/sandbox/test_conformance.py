@@ -239,7 +239,8 @@ async def _start_background(sb: Sandbox) -> str:
     await sh(sb, f"nohup {PY} bg.py moorage-bg-marker >/dev/null 2>&1 &")
     for _ in range(200):
         if await sb.stat("token.out") is not None and await sb.stat("bg.pid") is not None:
-            break
+            if token := (await sb.read_file("token.out")).decode():  # written, not just opened
+                return token
         await asyncio.sleep(0.05)
     return (await sb.read_file("token.out")).decode()
 
@@ -251,7 +252,9 @@ async def _background_token(sb: Sandbox) -> str | None:
     await sh(sb, "rm -f token.out; kill -USR1 $(cat bg.pid)")
     for _ in range(200):
         if await sb.stat("token.out") is not None:
-            return (await sb.read_file("token.out")).decode()
+            data = (await sb.read_file("token.out")).decode()
+            if data:  # the process may have opened (truncated) the file but not written it yet
+                return data
         await asyncio.sleep(0.05)
     return None
 

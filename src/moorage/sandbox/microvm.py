@@ -332,8 +332,8 @@ class MicroVMSandbox(Sandbox):
         await self._teardown()
         if self.ram_mode == "delta":
             # Without its snapshot a fork no longer relates to the template's memory: it gets RAM of its own.
+            # (Its disk is still an overlay on the template's, so it stays registered as the template's child.)
             self._meta["ram_mode"] = "shared"
-            self._meta["template_dir"] = self._meta.get("template_dir")
         ram_file = self.dir / "ram"
         ram_file.unlink(missing_ok=True)
         with open(ram_file, "wb") as f:
@@ -489,21 +489,27 @@ class MicroVMSandbox(Sandbox):
             except QMPError as e:
                 raise SnapshotCorrupt(f"QEMU could not load the snapshot of {self.id}: {self._log_tail()}", hint="it cold-boots from its disk") from e
             ph.mark("device_state")
-            await self._connect_channel(WAKE_TIMEOUT_S)
-            ph.mark("first_reply")
-            await self._after_wake(fresh_fork)
-            ph.mark("clock_rng")
         except SnapshotCorrupt:
             await self._teardown()
             raise
         except BaseException:
             await self._teardown()
-            self._set_state(SandboxState.SLEEPING)
+            self._set_state(SandboxState.SLEEPING)  # the guest never ran: the snapshot is still good
+            raise
+        # The guest runs from here, so the snapshot is spent: a shared RAM file no longer matches the old device
+        # state and the disk moves on. A crash while awake re-adopts the live QEMU or cold-boots from disk, never
+        # resumes an older memory image.
+        self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
+        try:
+            await self._connect_channel(WAKE_TIMEOUT_S)
+            ph.mark("first_reply")
+            await self._after_wake(fresh_fork)
+            ph.mark("clock_rng")
+        except BaseException:
+            await self._teardown()
+            self._set_state(SandboxState.STOPPED, snapshot=None)
             raise
         self.last_wake_mode = "snapshot"
-        # RAM moves on from here: a shared RAM file no longer matches the old device state, so the snapshot is
-        # spent; a crash while awake re-adopts the live QEMU or cold-boots from disk, never time-travels.
-        self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
         log.info("woke", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
 
     async def _after_wake(self, fresh_fork: bool) -> None:
