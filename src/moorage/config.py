@@ -48,6 +48,10 @@ class Config:
     llm_base_url: str = ""
     llm_api_key: str = dataclasses.field(default="", repr=False)
     llm_model: str = ""
+    #: Working-memory compaction summaries: ``extractive`` (offline, deterministic) or ``model`` (through the gateway).
+    memory_summarizer: str = "extractive"
+    #: Semantic-memory fact extraction: ``patterns`` (offline) or ``model`` (through the gateway, tenant's budget).
+    memory_extractor: str = "patterns"
     log_level: str = "info"
     log_format: str = "text"
     #: Maximum size of one stored value (state value, event content, step result), bytes.

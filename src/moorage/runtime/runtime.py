@@ -122,6 +122,7 @@ class Runtime:
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
         self.router = Router(store, instances, self._forward_turn, self._template_for)
         self.rng = random.Random()
+        self._loop: asyncio.AbstractEventLoop | None = None
         from moorage.runtime.mcp_tools import McpTools
 
         #: Connections to external MCP servers the agents use (credentials stay here, on the host).
@@ -140,15 +141,29 @@ class Runtime:
         if m is None:
             from moorage.memory import EpisodicMemory, SemanticMemory, default_embedder
 
-            m = self._memories[ts.tenant_id] = _Memory(EpisodicMemory(ts, self.embedder or default_embedder()), SemanticMemory(ts))
+            extractor = None
+            if self.config.memory_extractor == "model":
+                from moorage.memory.llm_backed import GatewayFactExtractor
+
+                extractor = GatewayFactExtractor(self.llm, ts.tenant_id, lambda: self._loop)
+            m = self._memories[ts.tenant_id] = _Memory(EpisodicMemory(ts, self.embedder or default_embedder()),
+                                                        SemanticMemory(ts, extractor))
         return m
+
+    def _summarizer(self, b: TurnBinding) -> Any:
+        if self.config.memory_summarizer != "model":
+            return None  # the context builder's offline extractive summarizer
+        from moorage.memory.llm_backed import GatewaySummarizer
+
+        return GatewaySummarizer(self.llm, b.ts.tenant_id, lambda: self._loop,
+                                 entity={"agent": b.entity.agent, "user": b.entity.user})
 
     def working_memory_input(self, b: TurnBinding, message: str, system: str, tools: list[dict[str, Any]]) -> list[dict[str, str]]:
         """Model input for this turn from the session's context builder (stable prefix + append-only tail)."""
         from moorage.memory import ContextBuilder
 
         scope = b.session_scope
-        builder = ContextBuilder(system or "", tools)
+        builder = ContextBuilder(system or "", tools, summarizer=self._summarizer(b))
         rec = b.ts.state.get(scope, "working_memory")
         if rec is not None:
             builder.restore(rec.value)
@@ -430,6 +445,7 @@ class Runtime:
     async def _forward_turn(self, sandbox: Sandbox, turn: _Turn) -> TurnResult:
         """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back."""
         ts, turn_id = turn.ts, turn.turn_id
+        self._loop = asyncio.get_running_loop()  # model-backed memory helpers call the gateway on this loop
         deployment_id = (await asyncio.to_thread(ts.agents.get, turn.entity.agent)).live_deployment
         deployment = await asyncio.to_thread(ts.deployments.get, deployment_id)
         # The durable engine owns the run's state from here: it takes the run, journals steps and interrupts,
