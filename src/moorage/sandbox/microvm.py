@@ -159,6 +159,8 @@ class MicroVMSandbox(Sandbox):
         self.run_dir = run_dir_for(self.dir)
         self._lock = asyncio.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        #: A killed QEMU child not reaped yet (it must be gone before the next launch: it holds the disk lock).
+        self._dying: subprocess.Popen[bytes] | None = None
         self._qmp: QMPClient | None = None
         self._channel: Channel | None = None
         #: Why the last wake fell back to a cold boot (SnapshotCorrupt / SnapshotIncompatible), or None.
@@ -226,6 +228,7 @@ class MicroVMSandbox(Sandbox):
     # --- process plumbing -----------------------------------------------------------------------------------
 
     async def _launch(self, incoming: bool) -> None:
+        self._reap_dying()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
@@ -277,8 +280,17 @@ class MicroVMSandbox(Sandbox):
                 await asyncio.sleep(0.01)
         raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
 
-    async def _teardown(self) -> None:
-        """Kill QEMU and drop connections (no snapshot)."""
+    def _reap_dying(self) -> None:
+        if self._dying is not None:
+            try:
+                self._dying.wait(10)
+            except subprocess.TimeoutExpired:
+                log.warning("QEMU did not exit 10 s after SIGKILL", sandbox=self.id, pid=self._dying.pid)
+            self._dying = None
+
+    async def _teardown(self, *, wait: bool = True) -> None:
+        """Kill QEMU and drop connections (no snapshot). ``wait=False`` leaves reaping our own child to the next
+        launch or teardown (a 256 MiB process takes a while to unmap; a sleep need not wait for that)."""
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
             self._channel = None
@@ -286,8 +298,14 @@ class MicroVMSandbox(Sandbox):
             await self._qmp.close()
             self._qmp = None
         pid = self._meta.get("pid")
-        if pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
+        if pid and self._proc is not None and not wait:
+            self._reap_dying()
+            self._proc.kill()
+            self._dying = self._proc
+        elif pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
             kill_pid(pid, self._proc)
+        if wait:
+            self._reap_dying()
         self._proc = None
         self._meta["pid"] = None
         (self.dir / "qemu.pid").unlink(missing_ok=True)
@@ -406,7 +424,8 @@ class MicroVMSandbox(Sandbox):
         ram.fsync_path(new / "dev.state")
         ram.fsync_path(self.dir / "disk.qcow2")
         record["dev_sha256"] = ram.sha256_file(new / "dev.state")
-        _write_json(new / "snapshot.json", record)
+        if keep_running:
+            _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
         old = target.with_name(target.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if target.exists():
@@ -417,7 +436,7 @@ class MicroVMSandbox(Sandbox):
         if keep_running:
             await self._qmp.execute("cont")
         else:
-            await self._teardown()
+            await self._teardown(wait=False)
             self._set_state(SandboxState.SLEEPING, snapshot=record)
         ph.mark("commit")
         log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=ph.total(), **ph.ms)
@@ -460,18 +479,28 @@ class MicroVMSandbox(Sandbox):
             return
         snap_dir = self.dir / "snapshot"
         try:
-            record = self._validate_snapshot(snap_dir, self._meta.get("snapshot"))
-            await self._restore(snap_dir, record)
+            # QEMU starts while the snapshot's checksums are verified (both take tens of ms).
+            launch = asyncio.create_task(self._launch(incoming=True))
+            try:
+                record = await asyncio.to_thread(self._validate_snapshot, snap_dir, self._meta.get("snapshot"))
+            except BaseException:
+                try:
+                    await launch
+                except BaseException:
+                    pass
+                await self._teardown()
+                raise
+            await self._restore(snap_dir, record, launch)
         except (SnapshotCorrupt, SnapshotIncompatible) as e:
             log.warning("snapshot unusable, cold boot from disk", sandbox=self.id, error=str(e))
             self.last_wake_fallback = e
             await self._cold_boot()
 
-    async def _restore(self, snap_dir: Path, record: dict[str, Any]) -> None:
+    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]") -> None:
         ph = _Phases()
         fresh_fork = bool(self._meta.get("fresh_fork"))
         try:
-            await self._launch(incoming=True)
+            await launch
             ph.mark("qemu_start")
             assert self._qmp is not None and self._proc is not None
             if record["kind"] == "delta":
@@ -499,13 +528,15 @@ class MicroVMSandbox(Sandbox):
         # The guest runs from here, so the snapshot is spent: a shared RAM file no longer matches the old device
         # state and the disk moves on. A crash while awake re-adopts the live QEMU or cold-boots from disk, never
         # resumes an older memory image.
-        self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
+        persist = asyncio.create_task(asyncio.to_thread(self._set_state, SandboxState.RUNNING, snapshot=None, fresh_fork=False))
         try:
             await self._connect_channel(WAKE_TIMEOUT_S)
             ph.mark("first_reply")
             await self._after_wake(fresh_fork)
             ph.mark("clock_rng")
+            await persist
         except BaseException:
+            await asyncio.gather(persist, return_exceptions=True)
             await self._teardown()
             self._set_state(SandboxState.STOPPED, snapshot=None)
             raise
