@@ -115,7 +115,11 @@ def _boot_probe(exe: str, kernel: Path, initrd: Path) -> ProbeResult:
     if PROBE_MARKER.encode() in out:
         return ProbeResult(True, f"guest kernel booted in {elapsed:.1f} s")
     why = (err.decode(errors="replace").strip().splitlines() or ["no output"])[-1][:300]
-    return ProbeResult(False, f"QEMU with KVM exited without booting the guest: {why}", "check `dmesg` for KVM errors; moorage uses TCG meanwhile")
+    return ProbeResult(
+        False,
+        f"QEMU could not run a guest under this KVM (nested or paravirtual KVM, e.g. PVM?): {why}",
+        "use a host with hardware KVM for near-native speed (check `dmesg`); moorage uses TCG meanwhile",
+    )
 
 
 def choose_accel(cfg: Config) -> str:
