@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -137,6 +138,7 @@ async def main(args: argparse.Namespace) -> dict:
             except Exception as e:  # a benchmark cleans up what it can and says so
                 print("cleanup failed", sid, e, file=sys.stderr)
         await driver.close()
+        shutil.rmtree(work, ignore_errors=True)
     res["cold_over_wake"] = res["cold_boot"]["p50"] / res["wake"]["p50"]
     return res
 
