@@ -4,6 +4,8 @@ timeline) with screenshots decoded and checked to show a rendered page."""
 
 from __future__ import annotations
 
+import asyncio
+
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,8 @@ async def populate(live: Any, key: str, tmp_path: Path) -> dict[str, Any]:
 async def test_fleet_route_reports_states_wakes_resources_and_cost(live_rt, store: Store, acme: str, globex: str,
                                                                    tmp_path: Path):
     seen = await populate(live_rt, acme, tmp_path)
+    # Let bob spend a measurable while asleep, so the storage side of the cost split is not zero.
+    await asyncio.sleep(0.5)
     async with aclient(live_rt, acme) as c:
         r = await c.get("/v1/fleet")
         assert r.status_code == 200, r.text

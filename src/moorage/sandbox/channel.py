@@ -168,13 +168,16 @@ class Channel:
         *,
         name: str = "channel",
         max_frame: int = MAX_FRAME,
+        first_id: int = 1,
     ) -> None:
         self.name = name
         self.max_frame = max_frame
         self._reader = reader
         self._writer = writer
         self._write_lock = asyncio.Lock()
-        self._ids = itertools.count(1)
+        #: Request ids of this connection start here; a peer that may remember an earlier connection's ids
+        #: (a guest frozen by a snapshot never saw the disconnect) gets a fresh range.
+        self._ids = itertools.count(first_id)
         self._pending: dict[int, _Pending] = {}
         #: Calls the host gave up on: their late events and answer are dropped quietly, not counted as rejects.
         self._cancelled: set[int] = set()
@@ -189,7 +192,8 @@ class Channel:
     # --- construction ---------------------------------------------------------------------------------------
 
     @classmethod
-    async def open_unix(cls, path: str, *, name: str = "channel", max_frame: int = MAX_FRAME) -> "Channel":
+    async def open_unix(cls, path: str, *, name: str = "channel", max_frame: int = MAX_FRAME,
+                        first_id: int = 1) -> "Channel":
         dir_fd = None
         target = path
         if len(os.fsencode(path)) > 100:
@@ -206,7 +210,7 @@ class Channel:
         finally:
             if dir_fd is not None:
                 os.close(dir_fd)
-        ch = cls(reader, writer, name=name, max_frame=max_frame)
+        ch = cls(reader, writer, name=name, max_frame=max_frame, first_id=first_id)
         ch.start()
         return ch
 

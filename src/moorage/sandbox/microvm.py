@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
 import json
 import os
 import secrets
-import shlex
 import shutil
 import subprocess
 import time
@@ -268,10 +266,10 @@ class MicroVMSandbox(Sandbox):
                 raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
             try:
                 if self._channel is None or self._channel.closed:
-                    self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}")
                     # The guest's end of the port may still remember request ids of a connection from before a
                     # sleep (it cannot see a disconnect while frozen); start this session's ids where none can clash.
-                    self._channel._ids = itertools.count(secrets.randbelow(1 << 40) + (1 << 20))
+                    self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}",
+                                                            first_id=secrets.randbelow(1 << 40) + (1 << 20))
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
                 return await self._channel.call("ping", {}, timeout=wait)
             except ChannelError as e:
