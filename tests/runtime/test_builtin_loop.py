@@ -86,6 +86,9 @@ async def test_builtin_loop_calls_a_typed_tool_in_the_sandbox(tmp_path: Path) ->
             (rec,) = ts.sandboxes.list(agent_id="weather")
             sb = await host.driver.open(rec.id)
             assert (await sb.read_file("/work/weather-calls.txt")) == b"Oslo\n"
+            # The tool call is a span of the turn's trace, with the entity's attributes.
+            (span,) = [s for s in ts.spans.trace(r.trace_id) if s.name == "tool"]
+            assert span.attrs["tool"] == "get_weather" and span.attrs["user"] == "ada"
         finally:
             await stop_all_sandboxes(host.driver)
             await host.close()

@@ -126,15 +126,21 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     @app.command()
     def ps(as_json: bool = typer.Option(False, "--json"), state: Optional[str] = typer.Option(None, "--state")) -> None:
-        """Agent instances with their state, last activity and placement."""
-        data = call(cfg_of(), "GET", "/v1/sandboxes", params={"limit": 500, **({"state": state} if state else {})})
-        t = Table("sandbox", "instance", "state", "last active")
+        """Agent instances: state, last activity, RAM and disk (known for instances awake on this host)."""
         import time as _t
 
-        for s in data.get("data", []):
+        fleet = call(cfg_of(), "GET", "/v1/fleet")
+        rows = [i for i in fleet.get("instances", []) if state is None or i.get("state") == state]
+
+        def mib(v: Any) -> str:
+            return "-" if v is None else f"{v / (1 << 20):.1f} MiB"
+
+        t = Table("sandbox", "instance", "state", "last active", "RAM", "disk")
+        for s in rows:
             ago = _t.time() - float(s.get("last_active") or 0)
-            t.add_row(s["id"], s.get("scope", ""), s.get("state", ""), f"{ago:.0f}s ago")
-        _print(data, as_json, t)
+            t.add_row(s["id"], s.get("scope", ""), s.get("state", ""), f"{ago:.0f}s ago", mib(s.get("ram_bytes")),
+                      mib(s.get("disk_bytes")))
+        _print({"data": rows, "counts": fleet.get("counts", {})}, as_json, t)
 
     def _verb(verb: str) -> None:
         @app.command(name=verb, help=f"{verb.capitalize()} an agent instance's sandbox.")

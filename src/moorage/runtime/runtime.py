@@ -465,6 +465,9 @@ class Runtime:
             out: dict[str, Any] = {}
             async for item in self.forward(sandbox, binding, turn.message):
                 if isinstance(item, TurnEvent):
+                    if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
+                        tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
+                        self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
                     turn.events.put_nowait(item)
                 else:
                     out = item
