@@ -11,7 +11,6 @@ from moorage.config import Config
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
-from moorage.sandbox.process import ProcessDriver
 from moorage.store import Principal, Store, open_store
 from tests.conftest import stop_all_sandboxes
 
@@ -28,18 +27,28 @@ class Env:
         return self.runtime.store
 
 
-@pytest.fixture
-async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process")
+async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterator[Env]:
+    """A runtime on one sandbox driver of the sandbox suite's ``DRIVER_FACTORIES`` (torn down after the test)."""
+    from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    cfg = Config(data_dir=tmp_path / "data", sandbox_driver=driver_name)
     store = open_store(cfg)
     _, key = store.operator.create_tenant("acme")
     principal = store.authenticate(key.secret)
-    driver = ProcessDriver(cfg.sandboxes_dir, cfg)
+    driver = DRIVER_FACTORIES[driver_name](cfg.sandboxes_dir, cfg)
     manager = InstanceManager(store, driver)
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
-    yield Env(rt, manager, principal, cfg)
-    await manager.close()
-    await stop_all_sandboxes(driver)
-    await driver.close()
-    store.close()
+    try:
+        yield Env(rt, manager, principal, cfg)
+    finally:
+        await manager.close()
+        await stop_all_sandboxes(driver)
+        await driver.close()
+        store.close()
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async for e in make_env(tmp_path, "process"):
+        yield e

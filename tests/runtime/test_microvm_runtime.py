@@ -10,33 +10,16 @@ from typing import AsyncIterator
 
 import pytest
 
-from moorage.config import Config
-from moorage.lifecycle.manager import InstanceManager
-from moorage.llm import gateway_from_config
-from moorage.runtime.runtime import Runtime
-from moorage.store import EntityKey, Scope, open_store
-from tests.conftest import stop_all_sandboxes
-from tests.runtime.conftest import Env
-from tests.sandbox.conftest import DRIVER_FACTORIES
+from moorage.store import EntityKey, Scope
+from tests.runtime.conftest import Env, make_env
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture
 async def vm_env(tmp_path: Path) -> AsyncIterator[Env]:
-    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="microvm")
-    store = open_store(cfg)
-    _, key = store.operator.create_tenant("acme")
-    principal = store.authenticate(key.secret)
-    driver = DRIVER_FACTORIES["microvm"](cfg.sandboxes_dir, cfg)
-    manager = InstanceManager(store, driver)
-    await manager.start()
-    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
-    yield Env(rt, manager, principal, cfg)
-    await manager.close()
-    await stop_all_sandboxes(driver)
-    await driver.close()
-    store.close()
+    async for e in make_env(tmp_path, "microvm"):
+        yield e
 
 
 async def test_coder_in_a_micro_vm_keeps_its_package_and_files_across_sleep(vm_env: Env) -> None:

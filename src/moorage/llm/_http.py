@@ -123,3 +123,15 @@ def parse_json(provider: str, text: str | bytes) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise ProviderError(f"{provider} sent a body that is not JSON: {str(text)[:200]!r}", provider=provider) from e
+
+
+async def post_json(client: httpx.AsyncClient, path: str, body: Any, headers: dict[str, str], *, provider: str,
+                    base_url: str, secret: Secret, model: str) -> Any:
+    """POST a JSON body and return the parsed JSON answer; transport failures, error statuses and bad JSON
+    become the typed provider errors (with the credential scrubbed from any message)."""
+    try:
+        r = await client.post(path, json=body, headers=headers)
+    except httpx.TransportError as e:
+        raise connection_error(provider, base_url, e) from None
+    raise_for_status(provider, r, r.content, secret, model)
+    return parse_json(provider, r.content)

@@ -120,12 +120,8 @@ class AnthropicProvider:
     async def complete(self, request: ChatRequest) -> ChatResponse:
         model = request.model or self.default_model
         started = time.perf_counter()
-        try:
-            r = await self._client.post("/v1/messages", json=self._body(request, False), headers=self._headers())
-        except httpx.TransportError as e:
-            raise _http.connection_error(self.name, self.base_url, e) from None
-        _http.raise_for_status(self.name, r, r.content, self._key, model)
-        doc = _http.parse_json(self.name, r.content)
+        doc = await _http.post_json(self._client, "/v1/messages", self._body(request, False), self._headers(),
+                                    provider=self.name, base_url=self.base_url, secret=self._key, model=model)
         text: list[str] = []
         calls: list[ToolCall] = []
         for block in doc.get("content") or ():

@@ -16,6 +16,7 @@ import httpx
 from moorage.llm import _embedded_tools as tools_proto
 from moorage.llm._engine import MODEL_NAME, Engine, EngineSettings, get_engine
 from moorage.llm.errors import ModelNotFound
+from moorage.llm.openai import usage_from_wire
 from moorage.llm.provider import Capabilities
 from moorage.llm.types import ChatChunk, ChatRequest, ChatResponse, FinishReason, Message, ToolSpec, Usage
 from moorage.log import get_logger
@@ -96,7 +97,7 @@ class EmbeddedProvider:
         text = choice["message"].get("content") or ""
         finish = _FINISH.get(choice.get("finish_reason") or "stop", "stop")
         calls: tuple = ()
-        usage = _usage(doc.get("usage"))
+        usage = usage_from_wire(doc.get("usage"))
         if tools_proto.tools_active(request):
             text, calls = tools_proto.parse(request, text, truncated=finish == "length")
             if calls and request.tool_choice == "auto" and tools_proto.already_answered(request.messages, calls[0]):
@@ -108,7 +109,7 @@ class EmbeddedProvider:
                 choice = doc["choices"][0]
                 text, calls = choice["message"].get("content") or "", ()
                 finish = _FINISH.get(choice.get("finish_reason") or "stop", "stop")
-                again = _usage(doc.get("usage"))
+                again = usage_from_wire(doc.get("usage"))
                 usage = Usage(usage.input_tokens + again.input_tokens, usage.output_tokens + again.output_tokens,
                               usage.cached_input_tokens + again.cached_input_tokens)
             if calls:
@@ -163,7 +164,7 @@ class EmbeddedProvider:
                 if not isinstance(item, dict):
                     continue
                 if item.get("usage"):
-                    usage = _usage(item["usage"])
+                    usage = usage_from_wire(item["usage"])
                 for choice in item.get("choices") or ():
                     content = (choice.get("delta") or {}).get("content")
                     if content:
@@ -194,14 +195,3 @@ class EmbeddedProvider:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-
-
-def _usage(doc: Any) -> Usage:
-    if not isinstance(doc, dict):
-        return Usage()
-    details = doc.get("prompt_tokens_details") or {}
-    return Usage(
-        input_tokens=int(doc.get("prompt_tokens") or 0),
-        output_tokens=int(doc.get("completion_tokens") or 0),
-        cached_input_tokens=int(details.get("cached_tokens") or 0),
-    )

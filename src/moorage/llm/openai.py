@@ -106,12 +106,8 @@ class OpenAICompatibleProvider:
     async def complete(self, request: ChatRequest) -> ChatResponse:
         model = request.model or self.default_model
         started = time.perf_counter()
-        try:
-            r = await self._client.post("/chat/completions", json=self._body(request, False), headers=self._headers())
-        except httpx.TransportError as e:
-            raise _http.connection_error(self.name, self.base_url, e) from None
-        _http.raise_for_status(self.name, r, r.content, self._key, model)
-        doc = _http.parse_json(self.name, r.content)
+        doc = await _http.post_json(self._client, "/chat/completions", self._body(request, False), self._headers(),
+                                    provider=self.name, base_url=self.base_url, secret=self._key, model=model)
         try:
             choice = doc["choices"][0]
             msg = choice["message"]
@@ -122,7 +118,7 @@ class OpenAICompatibleProvider:
             text=msg.get("content") or "",
             tool_calls=calls,
             finish_reason="tool_calls" if calls else _FINISH.get(choice.get("finish_reason") or "stop", "stop"),
-            usage=_usage(doc.get("usage")),
+            usage=usage_from_wire(doc.get("usage")),
             model=doc.get("model") or model,
             provider=self.name,
             latency_ms=(time.perf_counter() - started) * 1000,
@@ -148,7 +144,7 @@ class OpenAICompatibleProvider:
                         raise ProviderError(f"{self.name} failed mid-stream: {msg}", provider=self.name)
                     seen_model = doc.get("model") or seen_model
                     if doc.get("usage"):
-                        usage = _usage(doc["usage"])
+                        usage = usage_from_wire(doc["usage"])
                     for choice in doc.get("choices") or ():
                         delta = choice.get("delta") or {}
                         for tc in delta.get("tool_calls") or ():
@@ -192,7 +188,8 @@ def _wire_message(m: Message) -> dict[str, Any]:
     return out
 
 
-def _usage(doc: Any) -> Usage:
+def usage_from_wire(doc: Any) -> Usage:
+    """Token counts from an OpenAI-format ``usage`` object (also what llama.cpp's server reports)."""
     if not isinstance(doc, dict):
         return Usage()
     details = doc.get("prompt_tokens_details") or {}
