@@ -32,6 +32,10 @@ from moorage.store.tenant import TenantStore
 # between snapshots): a row is written so the version is known, and it is skipped on load.
 _EMPTY = "empty"
 _PRUNE_STRATEGIES = ("keep_latest", "delete")
+# Serialised types that can be embedded in the checkpoint's own msgpack and come back unchanged.
+_INLINE_TYPES = ("msgpack", "null")
+# Bound on the memo of blobs a saver knows are stored (entries are small tuples).
+_STORED_MAX = 65536
 
 
 def _thread(config: RunnableConfig) -> tuple[str, str]:
@@ -68,7 +72,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     """
 
     def __init__(self, ts: TenantStore, *, serde: SerializerProtocol | None = None, page_size: int = 64,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, inline_max: int = 4096, inline_total: int = 16384) -> None:
         super().__init__(serde=serde)
         if not isinstance(ts, TenantStore):
             raise TypeError("MoorageSaver needs a TenantStore from Store.tenant(principal)")
@@ -77,7 +81,15 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         self._page_size = max(1, page_size)
         # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
         self._commits = GroupCommit(ts, max_batch)
-        # Per-thread SQLite connection for single-statement reads (see _read).
+        # A channel value whose serialised form is at most ``inline_max`` bytes is stored inside the
+        # checkpoint row, up to ``inline_total`` bytes per checkpoint; larger ones go to lg_blobs once
+        # per version. ``inline_max=0`` stores every value as a blob (the layout before inlining).
+        self._inline_max = max(0, inline_max)
+        self._inline_total = max(0, inline_total)
+        # (thread, ns, channel, version) of blobs this saver has committed: unchanged large values are
+        # then referenced without being serialised again. Only ever an optimisation: a miss re-sends
+        # the blob, which the insert ignores if it is already there.
+        self._stored: dict[tuple[str, str, str, str], None] = {}
 
     @property
     def tenant_store(self) -> TenantStore:
@@ -91,25 +103,56 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         thread_id, ns = _thread(config)
         parent_id = get_checkpoint_id(config)
         values = checkpoint["channel_values"]
-        # The checkpoint row holds everything but the channel values, which go to lg_blobs by version.
+        dumps = self.serde.dumps_typed
+        # Small channel values travel inline in the checkpoint row (one row written and read per step);
+        # the others go to lg_blobs keyed by (channel, version), written once per version.
+        inline: dict[str, Any] = {}
+        budget = self._inline_total
+        blobs = []
+        refs: dict[str, str] = {}
+        stored = self._stored
+        fresh: list[tuple] = []
+        for channel, version in checkpoint["channel_versions"].items():
+            sv = str(version)
+            if channel in values:
+                key = (thread_id, ns, channel, sv)
+                if key in stored and channel not in new_versions:
+                    refs[channel] = sv  # this saver wrote (or confirmed) that blob: skip serialising it again
+                    continue
+                value = values[channel]
+                vt, vb = dumps(value)
+                if vt in _INLINE_TYPES and len(vb) <= self._inline_max and len(vb) <= budget:
+                    inline[channel] = value
+                    budget -= len(vb)
+                    continue
+                # Written even when the version is not new (insert-or-ignore): an earlier checkpoint may
+                # have held this value inline, so a blob for this version need not exist yet.
+                blobs.append((thread_id, ns, channel, sv, vt, vb))
+                fresh.append(key)
+                refs[channel] = sv
+            elif channel in new_versions:
+                blobs.append((thread_id, ns, channel, sv, _EMPTY, None))
+                refs[channel] = sv
+            else:
+                refs[channel] = sv
         head = {k: v for k, v in checkpoint.items() if k != "channel_values"}
-        head["channel_values"] = {}
-        cp_type, cp_blob = self.serde.dumps_typed(head)
+        head["channel_values"] = inline
+        cp_type, cp_blob = dumps(head)
         md = get_serializable_checkpoint_metadata(config, metadata)
         run_id = md.get("run_id")
-        blobs = []
-        for channel, version in new_versions.items():
-            if channel in values:
-                vt, vb = self.serde.dumps_typed(values[channel])
-            else:
-                vt, vb = _EMPTY, None
-            blobs.append((thread_id, ns, channel, str(version), vt, vb))
-        # The version map as lg_blobs keys it (strings), so get_tuple joins blobs in SQL (migration 4).
-        versions = json.dumps({ch: str(v) for ch, v in checkpoint["channel_versions"].items()},
-                              separators=(",", ":"), ensure_ascii=False)
+        # The blob-held channels' versions as lg_blobs keys them (strings), so get_tuple joins blobs in SQL
+        # (migration 4). Inline channels are not in it: their values are in the checkpoint itself.
+        versions = json.dumps(refs, separators=(",", ":"), ensure_ascii=False)
         row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
                _metadata_json(md), versions)
-        self._commits.write([(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])])
+        if blobs:
+            self._commits.write([(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])])
+        else:
+            self._commits.write([(self._sql.upsert_checkpoint, [row])])
+        if fresh:
+            if len(stored) > _STORED_MAX:
+                stored.clear()
+            stored.update(dict.fromkeys(fresh))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
@@ -322,9 +365,10 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         thread_id, ns, checkpoint_id = row[0], row[1], row[2]
         head = self.serde.loads_typed((row[4], _bytes(row[5])))
         versions = head.get("channel_versions") or {}
+        inline = head.get("channel_values") or {}
         blobs: list[tuple] = []
-        if versions:
-            pairs = [(ch, str(v)) for ch, v in versions.items()]
+        pairs = [(ch, str(v)) for ch, v in versions.items() if ch not in inline]
+        if pairs:
             rowvals = ", ".join(["(?, ?)"] * len(pairs))
             blobs = c.q(
                 "SELECT channel, type, blob FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? "
@@ -341,9 +385,14 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def _decode(self, raw: tuple) -> CheckpointTuple:
         row, head, blobs, writes = raw
         thread_id, ns, checkpoint_id, parent_id = row[0], row[1], row[2], row[3]
-        head["channel_values"] = {
-            ch: self.serde.loads_typed((t, _bytes(b))) for ch, t, b in blobs if t != _EMPTY and b is not None
-        }
+        # Inline values (in the checkpoint itself) plus those held in lg_blobs; rows written before
+        # values were inlined have an empty inline map.
+        values = head.get("channel_values")
+        if not isinstance(values, dict):
+            values = head["channel_values"] = {}
+        for ch, t, b in blobs:
+            if t != _EMPTY and b is not None:
+                values[ch] = self.serde.loads_typed((t, _bytes(b)))
         return CheckpointTuple(
             config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}},
             checkpoint=head,

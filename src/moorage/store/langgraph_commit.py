@@ -8,55 +8,84 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+from moorage.store.langgraph_sql import BatchInsert
 from moorage.store.tenant import TenantStore
 
-#: One write: statement -> parameter rows, applied with executemany.
-Ops = Sequence[tuple[str, Sequence[tuple]]]
+#: One write: statement -> parameter rows. A plain SQL string is applied with executemany; a
+#: ``BatchInsert`` becomes one multi-row statement per batch on PostgreSQL.
+Ops = Sequence[tuple[Any, Sequence[tuple]]]
 
 
 class _Job:
-    __slots__ = ("ops", "done", "error")
+    __slots__ = ("ops", "done", "leading", "batch", "error", "wake")
 
     def __init__(self, ops: Ops) -> None:
         self.ops = ops
         self.done = False
+        #: True while this job's own thread holds a commit slot (it is never woken by a commit).
+        self.leading = False
+        #: The batch this job's thread was handed along with a commit slot.
+        self.batch: list[_Job] | None = None
         self.error: BaseException | None = None
+        # Held until the job is committed or its thread is handed a slot: waiting on it wakes only this thread.
+        self.wake = threading.Lock()
+        self.wake.acquire()
 
 
-def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False) -> None:
-    # Rows of the same statement from every job go in one executemany (one round trip on PostgreSQL).
-    # Reordering across statements is safe: blob inserts are idempotent per (channel, version), and
-    # every other statement keys its rows by checkpoint, so the committed result is the same.
-    merged: dict[str, list[tuple]] = {}
+def _merge(jobs: Sequence[_Job]) -> list[tuple[Any, list[tuple]]]:
+    # Rows of the same statement from every job go together: one multi-row statement per table on
+    # PostgreSQL (one executemany on SQLite). Reordering across statements is safe: blob inserts are
+    # idempotent per (channel, version), and every other statement keys its rows by checkpoint, so the
+    # committed result is the same.
+    merged: dict[Any, list[tuple]] = {}
     for job in jobs:
         for sql, rows in job.ops:
             merged.setdefault(sql, []).extend(rows)
-    todo = [(sql, rows) for sql, rows in merged.items() if rows]
-    if c.dialect == "postgres" and len(todo) > 1 and not pipelined:
+    return [(sql, rows) for sql, rows in merged.items() if rows]
+
+
+def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False) -> None:
+    todo = _merge(jobs)
+    pg = c.dialect == "postgres"
+    if pg and len(todo) > 1 and not pipelined:
         # One round trip for all statements instead of one each; errors still surface before COMMIT.
         with c.raw.pipeline():
             for sql, rows in todo:
-                c.many(sql, rows)
+                _one(c, sql, rows, pg)
         return
     for sql, rows in todo:
+        _one(c, sql, rows, pg)
+
+
+def _one(c: Any, sql: Any, rows: list[tuple], pg: bool) -> None:
+    if isinstance(sql, BatchInsert):
+        if pg:
+            c.raw.execute(sql.pg_batch, sql.columns(rows))
+        else:
+            c.raw.executemany(sql.sqlite, sql.dedupe(rows))
+    else:
         c.many(sql, rows)
 
 
 class GroupCommit:
     """Leader/follower batching: whoever finds a free commit slot leads and commits everything queued.
 
-    While one transaction commits, later writers queue; the next leader takes them all in one
-    transaction. A lone writer pays only an uncontended lock. If a batch fails, each job is retried in
-    its own transaction so one bad write never fails its neighbours.
+    While a transaction commits, later writers queue; the next leader takes them all (up to
+    ``max_batch``) in one transaction. A leader whose own write committed hands the role to the
+    oldest queued writer and returns, so no caller waits for other callers' batches. Each waiter sleeps
+    on its own lock, so a commit wakes exactly the writers it acknowledged. A lone writer pays only
+    uncontended locks. If a batch fails, each job is retried in its own transaction so one bad write
+    never fails its neighbours.
     """
 
     def __init__(self, ts: TenantStore, max_batch: int = 64, max_inflight: int | None = None) -> None:
         self._ts = ts
         self._max = max(1, max_batch)
-        # SQLite serialises writers on the file lock, so one batch at a time; PostgreSQL commits
-        # concurrent transactions in parallel (and merges their WAL flushes), so let a few overlap.
-        self._max_inflight = max(1, max_inflight if max_inflight is not None else (4 if ts.dialect == "postgres" else 1))
-        self._cv = threading.Condition()
+        # SQLite serialises writers on the file lock, so one batch at a time. On PostgreSQL, two
+        # transactions in flight let one batch's statements be built and sent while the other's
+        # COMMIT waits for its WAL flush; more would only split the queue into smaller batches.
+        self._max_inflight = max(1, max_inflight if max_inflight is not None else (2 if ts.dialect == "postgres" else 1))
+        self._mu = threading.Lock()
         self._queue: list[_Job] = []
         self._inflight = 0
 
@@ -67,30 +96,60 @@ class GroupCommit:
                 _apply(c, [_Job(ops)])
             return
         job = _Job(ops)
-        with self._cv:
+        with self._mu:
             self._queue.append(job)
-            while self._inflight >= self._max_inflight and not job.done:
-                self._cv.wait()
+            if self._inflight < self._max_inflight:
+                self._inflight += 1
+                batch: list[_Job] | None = self._take(job)
+            else:
+                batch = None
+        if batch is None:
+            job.wake.acquire()  # released once: the job committed, or this thread was handed a slot and a batch
             if job.done:
                 return self._outcome(job)
-            self._inflight += 1
-        try:
-            while not job.done:
-                with self._cv:
-                    batch = self._queue[: self._max]
-                    del self._queue[: self._max]
-                if not batch:
-                    # Another leader took our job and is committing it: wait for that commit.
-                    with self._cv:
-                        while not job.done:
-                            self._cv.wait()
-                    break
-                self._commit(batch)
-        finally:
-            with self._cv:
-                self._inflight -= 1
-                self._cv.notify_all()
+            batch = job.batch
+            assert batch is not None
+        self._lead(job, batch)
         return self._outcome(job)
+
+    def _take(self, leader: _Job) -> list[_Job]:
+        """Pop the next batch for ``leader``'s thread (caller holds ``_mu``)."""
+        batch = self._queue[: self._max]
+        del self._queue[: self._max]
+        leader.leading = True
+        leader.batch = batch
+        return batch
+
+    def _pass_slot(self) -> _Job | None:
+        """Give up a commit slot (caller holds ``_mu``): to the oldest waiter with the next batch, whose
+        thread the caller must then wake, or back to the free pool when nobody waits."""
+        if self._queue:
+            nxt = self._queue[0]
+            self._take(nxt)
+            return nxt
+        self._inflight -= 1
+        return None
+
+    def _lead(self, job: _Job, batch: list[_Job]) -> None:
+        """Commit batches until ``job`` is done, then hand the commit slot on (or free it)."""
+        wait = False
+        while True:
+            self._commit(batch)
+            nxt: _Job | None = None
+            with self._mu:
+                if not job.done and job in self._queue:
+                    batch = self._take(job)  # our job is still queued (behind a full batch): keep leading
+                    continue
+                if not job.done:
+                    # Another leader took our job into its batch: give the slot up and wait for that commit.
+                    job.leading = False
+                    wait = True
+                nxt = self._pass_slot()
+            if nxt is not None:
+                nxt.wake.release()
+            break
+        if wait:
+            job.wake.acquire()
 
     @staticmethod
     def _outcome(job: _Job) -> None:
@@ -100,11 +159,23 @@ class GroupCommit:
     def _run(self, jobs: Sequence[_Job]) -> None:
         """Apply ``jobs`` in one transaction of their own and commit it.
 
-        On PostgreSQL the transaction runs pipelined: BEGIN, the tenant setting, every statement and
-        COMMIT reach the server in one round trip. Writes read nothing back, so nothing waits in
+        On PostgreSQL the saver's own statements go to ``moorage_lg_write`` as one statement, its own
+        transaction: one round trip, one execution per batch. Anything else runs pipelined: BEGIN, the
+        tenant setting, every statement and COMMIT reach the server in one round trip. Writes read nothing back, so nothing waits in
         between; a failure surfaces at the commit and rolls the whole transaction back.
         """
         if self._ts.dialect == "postgres":
+            todo = _merge(jobs)
+            if todo and all(isinstance(sql, BatchInsert) and sql.fn_args for sql, _ in todo):
+                # The whole batch in one autocommitted call of moorage_lg_write (schema migration 5).
+                args: list[str] = []
+                params: list[Any] = []
+                for spec, rows in todo:
+                    args += spec.fn_args
+                    params += spec.columns(rows)
+                self._ts.backend.tenant_call(  # type: ignore[attr-defined]
+                    self._ts.tenant_id, f"SELECT moorage_lg_write(%s, {', '.join(args)})", params)
+                return
             with self._ts.backend.tenant_tx(self._ts.tenant_id, pipeline=True) as c:  # type: ignore[call-arg]
                 _apply(c, jobs, pipelined=True)
         else:
@@ -123,7 +194,9 @@ class GroupCommit:
                         self._run([job])
                     except BaseException as one:  # handed to that job's caller, re-raised in its thread
                         job.error = one
-        with self._cv:
+        with self._mu:
             for job in batch:
                 job.done = True
-            self._cv.notify_all()
+            sleepers = [job for job in batch if not job.leading]
+        for job in sleepers:
+            job.wake.release()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Sequence
 
 _CHECKPOINT_COLS = "thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata, versions"
 _BLOB_COLS = "thread_id, checkpoint_ns, channel, version, type, blob"
@@ -16,22 +16,69 @@ _WRITE_COLS = "thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, t
 _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_\-]{1,200}$")
 
 
+_CHECKPOINT_TYPES = ("text",) * 6 + ("bytea", "text", "text")
+_BLOB_TYPES = ("text",) * 5 + ("bytea",)
+_WRITE_TYPES = ("text",) * 4 + ("integer", "text", "text", "bytea", "text")
+
+
+# Column -> the suffix of its moorage_lg_write parameter (schema migration 5).
+_FN_NAMES = {"thread_id": "thread", "checkpoint_ns": "ns", "checkpoint_id": "id", "parent_id": "parent", "run_id": "run",
+             "checkpoint": "blob", "metadata": "meta", "task_id": "task", "task_path": "path"}
+
+
+class BatchInsert:
+    """An INSERT that group commit applies to many rows at once.
+
+    SQLite: ``sqlite`` (one row per execution) through ``executemany``, which runs in C against the
+    open transaction. PostgreSQL: ``pg_batch``, one statement for the whole batch whose parameters are
+    one binary array per column, unnested into rows: one Bind/Execute and one plan per table per
+    transaction however many puts share it, instead of one per row.
+    """
+
+    __slots__ = ("sqlite", "pg_batch", "key", "fn_args")
+
+    def __init__(self, table: str, cols: str, types: Sequence[str], conflict: str, key: int = 0,
+                 fn_prefix: str = "") -> None:
+        marks = ", ".join("?" * len(types))
+        self.sqlite = f"INSERT INTO {table} ({cols}) VALUES ({marks}) {conflict}"
+        arrays = ", ".join(f"%b::{t}[]" for t in types)
+        self.pg_batch = f"INSERT INTO {table} ({cols}) SELECT * FROM unnest({arrays}) {conflict}"
+        #: DO UPDATE may not touch a row twice in one statement: rows sharing their first ``key``
+        #: columns (the conflict key) are reduced to the last one. 0: DO NOTHING, duplicates are fine.
+        self.key = key
+        #: The ``moorage_lg_write`` arguments (migration 5) taking this statement's columns, with casts.
+        names = [c.strip() for c in cols.split(",")]
+        self.fn_args = tuple(f"{fn_prefix}_{_FN_NAMES.get(n, n)} => %b::{t}[]" for n, t in zip(names, types)) if fn_prefix else ()
+
+    def dedupe(self, rows: Sequence[tuple]) -> Sequence[tuple]:
+        if not self.key or len(rows) < 2:
+            return rows
+        last = {r[: self.key]: r for r in rows}
+        return rows if len(last) == len(rows) else list(last.values())
+
+    def columns(self, rows: Sequence[tuple]) -> list[list[Any]]:
+        """The rows as one list per column (the ``pg_batch`` parameters)."""
+        return [list(col) for col in zip(*self.dedupe(rows))]
+
+
 class Statements:
     def __init__(self, dialect: str) -> None:
         tpk = "tenant_id, " if dialect == "postgres" else ""
         self.select_checkpoint = "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata FROM lg_checkpoints"
-        self.insert_blob = f"INSERT INTO lg_blobs ({_BLOB_COLS}) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
-        self.upsert_checkpoint = (
-            f"INSERT INTO lg_checkpoints ({_CHECKPOINT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        self.insert_blob = BatchInsert("lg_blobs", _BLOB_COLS, _BLOB_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="b")
+        self.upsert_checkpoint = BatchInsert(
+            "lg_checkpoints", _CHECKPOINT_COLS, _CHECKPOINT_TYPES,
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET parent_id = excluded.parent_id, "
             "run_id = excluded.run_id, type = excluded.type, checkpoint = excluded.checkpoint, metadata = excluded.metadata, "
-            "versions = excluded.versions"
+            "versions = excluded.versions",
+            key=3, fn_prefix="c",
         )
-        self.insert_write = f"INSERT INTO lg_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
-        self.upsert_write = (
-            f"INSERT INTO lg_writes ({_WRITE_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        self.insert_write = BatchInsert("lg_writes", _WRITE_COLS, _WRITE_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="w")
+        self.upsert_write = BatchInsert(
+            "lg_writes", _WRITE_COLS, _WRITE_TYPES,
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET "
-            "channel = excluded.channel, type = excluded.type, blob = excluded.blob, task_path = excluded.task_path"
+            "channel = excluded.channel, type = excluded.type, blob = excluded.blob, task_path = excluded.task_path",
+            key=5, fn_prefix="u",
         )
         # One checkpoint with its channel blobs and pending writes in one statement (one snapshot, one
         # round trip). Rows: kind 0 = the checkpoint (id, parent, metadata, type, blob, -, versions),

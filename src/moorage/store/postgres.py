@@ -164,6 +164,23 @@ class PostgresBackend(Backend):
                 _rollback(conn)
                 raise
 
+    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> None:
+        """Run one statement that scopes itself to ``tenant_id`` as its own autocommitted transaction.
+
+        For functions such as ``moorage_lg_write`` that take the tenant as their first argument and set
+        ``moorage.tenant_id`` locally before touching a table: ``sql`` gets ``tenant_id`` as its first
+        parameter, then ``params``. One round trip; when this returns the transaction has committed
+        (with the server's ``synchronous_commit``), and on error it has rolled back.
+        """
+        check_tenant_id(tenant_id)
+        with self._pool.connection() as conn:
+            try:
+                with translate_integrity(psycopg.errors.UniqueViolation):
+                    conn.execute(sql, (tenant_id, *params))
+            except BaseException:
+                _rollback(conn)
+                raise
+
     def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         # BEGIN, the tenant setting, the statement and COMMIT leave in one pipelined round trip.
         with self.tenant_tx(tenant_id, write=False, pipeline=True) as c:

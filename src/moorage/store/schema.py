@@ -191,6 +191,66 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE lg_checkpoints ADD COLUMN versions {json}",
         ),
     ),
+    Migration(
+        5,
+        "langgraph batched checkpoint writes",
+        statements=(),
+        # PostgreSQL: one function applies a whole group-committed batch (checkpoints, channel blobs,
+        # pending writes; one array per column) as a single autocommitted statement: one round trip and
+        # one cached plan per table instead of BEGIN, the tenant setting, the inserts and COMMIT. It runs
+        # with the caller's rights (SECURITY INVOKER), so forced row-level security applies to every row
+        # exactly as in any other transaction: it sets moorage.tenant_id locally (is_local=true) first,
+        # from the tenant the caller's TenantStore was authenticated for. SQLite needs nothing here.
+        postgres_only=(
+            """CREATE OR REPLACE FUNCTION moorage_lg_write(
+                tenant TEXT,
+                c_thread TEXT[] DEFAULT NULL, c_ns TEXT[] DEFAULT NULL, c_id TEXT[] DEFAULT NULL,
+                c_parent TEXT[] DEFAULT NULL, c_run TEXT[] DEFAULT NULL, c_type TEXT[] DEFAULT NULL,
+                c_blob BYTEA[] DEFAULT NULL, c_meta TEXT[] DEFAULT NULL, c_versions TEXT[] DEFAULT NULL,
+                b_thread TEXT[] DEFAULT NULL, b_ns TEXT[] DEFAULT NULL, b_channel TEXT[] DEFAULT NULL,
+                b_version TEXT[] DEFAULT NULL, b_type TEXT[] DEFAULT NULL, b_blob BYTEA[] DEFAULT NULL,
+                w_thread TEXT[] DEFAULT NULL, w_ns TEXT[] DEFAULT NULL, w_id TEXT[] DEFAULT NULL,
+                w_task TEXT[] DEFAULT NULL, w_idx INTEGER[] DEFAULT NULL, w_channel TEXT[] DEFAULT NULL,
+                w_type TEXT[] DEFAULT NULL, w_blob BYTEA[] DEFAULT NULL, w_path TEXT[] DEFAULT NULL,
+                u_thread TEXT[] DEFAULT NULL, u_ns TEXT[] DEFAULT NULL, u_id TEXT[] DEFAULT NULL,
+                u_task TEXT[] DEFAULT NULL, u_idx INTEGER[] DEFAULT NULL, u_channel TEXT[] DEFAULT NULL,
+                u_type TEXT[] DEFAULT NULL, u_blob BYTEA[] DEFAULT NULL, u_path TEXT[] DEFAULT NULL)
+            RETURNS void LANGUAGE plpgsql SECURITY INVOKER AS $$
+            BEGIN
+                IF tenant IS NULL OR tenant = '' THEN
+                    RAISE EXCEPTION 'moorage_lg_write needs a tenant';
+                END IF;
+                PERFORM set_config('moorage.tenant_id', tenant, true);
+                IF b_thread IS NOT NULL THEN
+                    INSERT INTO lg_blobs (thread_id, checkpoint_ns, channel, version, type, blob)
+                    SELECT * FROM unnest(b_thread, b_ns, b_channel, b_version, b_type, b_blob)
+                    ON CONFLICT DO NOTHING;
+                END IF;
+                IF c_thread IS NOT NULL THEN
+                    INSERT INTO lg_checkpoints (thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type,
+                                                checkpoint, metadata, versions)
+                    SELECT * FROM unnest(c_thread, c_ns, c_id, c_parent, c_run, c_type, c_blob, c_meta, c_versions)
+                    ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+                        parent_id = excluded.parent_id, run_id = excluded.run_id, type = excluded.type,
+                        checkpoint = excluded.checkpoint, metadata = excluded.metadata, versions = excluded.versions;
+                END IF;
+                IF w_thread IS NOT NULL THEN
+                    INSERT INTO lg_writes (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,
+                                           task_path)
+                    SELECT * FROM unnest(w_thread, w_ns, w_id, w_task, w_idx, w_channel, w_type, w_blob, w_path)
+                    ON CONFLICT DO NOTHING;
+                END IF;
+                IF u_thread IS NOT NULL THEN
+                    INSERT INTO lg_writes (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,
+                                           task_path)
+                    SELECT * FROM unnest(u_thread, u_ns, u_id, u_task, u_idx, u_channel, u_type, u_blob, u_path)
+                    ON CONFLICT (tenant_id, thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET
+                        channel = excluded.channel, type = excluded.type, blob = excluded.blob,
+                        task_path = excluded.task_path;
+                END IF;
+            END $$""",
+        ),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (

@@ -1,0 +1,102 @@
+"""Probe one concurrent-put cell: puts/s plus CPU seconds per put in this process and in the PostgreSQL server.
+
+``.venv/bin/python bench/store/probe.py [--backend postgres|sqlite] [--size 1KiB] [--mode full] [--workers 8] [--n 60] [--reps 3]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from contenders import open_contenders  # noqa: E402
+from run import SIZES, concurrent  # noqa: E402
+
+from moorage.devservices.postgres import start_cluster  # noqa: E402
+
+
+def _server_cpu(root: Path) -> float:
+    """CPU seconds (user+sys) of every process whose command line names the cluster's directory, or its children."""
+    tck = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            comm = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"postgres" not in comm:
+            continue
+        f = stat.rsplit(")", 1)[1].split()
+        total += (int(f[11]) + int(f[12])) / tck
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="postgres")
+    ap.add_argument("--size", default="1KiB")
+    ap.add_argument("--mode", default="full")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--n", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    cluster = start_cluster()
+    try:
+        with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-probe-") as tmpd:
+            urls: dict[str, str] = {}
+
+            def pg_url(name: str) -> str:
+                if name not in urls:
+                    urls[name] = cluster.create_database(name)
+                return urls[name]
+
+            cs = [c for c in open_contenders(stack, Path(tmpd), pg_url, args.workers) if c.backend == args.backend]
+            if args.only:
+                cs = [c for c in cs if c.name == args.only]
+            txs = [0]
+            for c in cs:
+                if c.name == "moorage":
+                    be = c.saver_for(0).tenant_store.backend
+                    real = be.tenant_tx
+
+                    def counting(tenant_id, *, _real=real, **kw):
+                        txs[0] += 1
+                        return _real(tenant_id, **kw)
+
+                    be.tenant_tx = counting
+                    if hasattr(be, "tenant_call"):
+                        real_call = be.tenant_call
+
+                        def counting_call(tenant_id, sql, params=(), _real=real_call):
+                            txs[0] += 1
+                            return _real(tenant_id, sql, params)
+
+                        be.tenant_call = counting_call
+            for rep in range(args.reps):
+                for c in cs:
+                    txs[0] = 0
+                    t0, s0 = os.times(), _server_cpu(cluster.root)
+                    rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
+                    t1, s1 = os.times(), _server_cpu(cluster.root)
+                    puts = args.workers * args.n
+                    cl = (t1.user - t0.user + t1.system - t0.system) / puts * 1e3
+                    sys_ = (t1.system - t0.system) / puts * 1e3
+                    sv = (s1 - s0) / puts * 1e3
+                    print(f"{c.backend} {c.name:13s} {args.size} {args.mode} w={args.workers}: {rate:7.0f} puts/s  "
+                          f"client {cl:.3f} ms/put (sys {sys_:.3f})  server {sv:.3f} ms/put"
+                          + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else ""), flush=True)
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
