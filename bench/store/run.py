@@ -138,11 +138,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     args = ap.parse_args()
     n = 60 if args.quick else 300
-    workers, per_worker = (4, 20) if args.quick else (8, 60)
+    # Throughput is measured at each writer-thread count; the first is the headline's.
+    levels, per_worker = ((4,), 20) if args.quick else ((8, 32), 60)
+    workers = levels[0]
     cas_procs, cas_incs = (4, 25) if args.quick else (4, 100)
     modes = ("full", "one")
 
     report: dict[str, Any] = {"settings": {"quick": args.quick, "sequential_n": n, "workers": workers,
+                                           "worker_levels": list(levels),
                                            "puts_per_worker": per_worker, "cas_processes": cas_procs,
                                            "cas_increments": cas_incs, "python": platform.python_version(),
                                            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count()},
@@ -158,7 +161,7 @@ def main() -> None:
                     urls[name] = cluster.create_database(name)
                 return urls[name]
 
-            contenders = open_contenders(stack, tmp, pg_url, workers)
+            contenders = open_contenders(stack, tmp, pg_url, max(levels))
             pg_store = stack.enter_context(Store(PostgresBackend(pg_url("moorage_bench"), pool_size=1)))
             report["durability"] = durability_settings(tmp, pg_store)
             report["durability"]["moorage sqlite"] = contenders[0].saver_for(0).tenant_store._backend.describe()
@@ -169,13 +172,13 @@ def main() -> None:
                     for c in contenders:
                         tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
                         seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
-                        thr = concurrent(c, f"conc-{tag}", size, mode, workers, per_w)
+                        thr = {str(w): concurrent(c, f"conc{w}-{tag}", size, mode, w, per_w) for w in levels}
                         row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
-                               "concurrent_put_per_s": thr, "setup": c.settings}
+                               "concurrent_put_per_s": thr[str(workers)], "concurrent": thr, "setup": c.settings}
                         report["checkpoints"].append(row)
                         print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
                               f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
-                              f"{workers} writers {thr:.0f} puts/s", flush=True)
+                              + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
             # CAS contention through the store API, one store per process.
             for kind in ("sqlite", "postgres"):
                 if kind == "sqlite":
@@ -195,72 +198,93 @@ def main() -> None:
     write_report(report)
 
 
-def _ratio(rows: list[dict], backend: str, peer: str, key: str, size: str, mode: str) -> float:
-    def get(name: str) -> float:
-        r = next(r for r in rows if r["backend"] == backend and r["saver"] == name and r["size"] == size and r["mode"] == mode)
-        return r[key] if not isinstance(key, tuple) else r[key[0]][key[1]]
-    return get("moorage") / get(peer)
+def _row(rows: list[dict], backend: str, saver: str, size: str, mode: str) -> dict:
+    return next(r for r in rows if r["backend"] == backend and r["saver"] == saver and r["size"] == size and r["mode"] == mode)
 
 
 def write_report(report: dict[str, Any]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = report["checkpoints"]
     peers = {"sqlite": "SqliteSaver", "postgres": "PostgresSaver"}
+    levels = [str(w) for w in report["settings"]["worker_levels"]]
     ratios = []
     for r in rows:
         if r["saver"] != "moorage":
             continue
         peer = peers[r["backend"]]
+        p = _row(rows, r["backend"], peer, r["size"], r["mode"])
         ratios.append({"backend": r["backend"], "size": r["size"], "mode": r["mode"], "peer": peer,
-                       "seq_put": _ratio(rows, r["backend"], peer, "put_per_s", r["size"], r["mode"]),
-                       "seq_get": _ratio(rows, r["backend"], peer, "get_per_s", r["size"], r["mode"]),
-                       "concurrent_put": _ratio(rows, r["backend"], peer, "concurrent_put_per_s", r["size"], r["mode"])})
+                       "seq_put": r["put_per_s"] / p["put_per_s"], "seq_get": r["get_per_s"] / p["get_per_s"],
+                       "concurrent_put": r["concurrent_put_per_s"] / p["concurrent_put_per_s"],
+                       "concurrent": {w: r["concurrent"][w] / p["concurrent"][w] for w in levels}})
     report["ratios"] = ratios
     (OUT / "store.json").write_text(json.dumps(report, indent=2))
 
     s = report["settings"]
     lines = ["# Store bench: durable LangGraph checkpoints and compare-and-set", "",
              f"Settings: quick={s['quick']}, sequential puts/gets per case={s['sequential_n']} (¼ of that at 256 KiB), "
-             f"{s['workers']} writer threads x {s['puts_per_worker']} puts (¼ at 256 KiB), "
+             f"{' and '.join(levels)} writer threads x {s['puts_per_worker']} puts each (¼ at 256 KiB), "
              f"CAS {s['cas_processes']} processes x {s['cas_increments']} increments; Python {s['python']}, "
-             f"SQLite {s['sqlite']}, {s['cpus']} CPUs.", "",
+             f"SQLite {s['sqlite']}, {s['cpus']} CPUs (shared: timings are noisy, compare within one run).", "",
              "Durability (equal for every contender: an acknowledged write is on disk):", ""]
     lines += [f"- {k}: {v}" for k, v in report["durability"].items()]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
               "State: four channels sharing the size; mode `full` rewrites all four each step, `one` rewrites one.", "",
-              "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | seq puts/s | concurrent puts/s |",
+              "## Throughput: concurrent puts/s (each writer thread drives its own LangGraph thread)", "",
+              "| backend | size | mode | " + " | ".join(f"moorage {w}w | peer {w}w | ratio {w}w" for w in levels) + " |",
+              "|---|---|---|" + "---|---|---|" * len(levels)]
+    for q in ratios:
+        m = _row(rows, q["backend"], "moorage", q["size"], q["mode"])
+        p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
+        cells = " | ".join(f"{m['concurrent'][w]:.0f} | {p['concurrent'][w]:.0f} | {q['concurrent'][w]:.2f}x" for w in levels)
+        lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {cells} |")
+    lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint", "",
+              "Each put waits for its own commit and fsync, on every saver: this is latency, not throughput.", "",
+              "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | seq puts/s | seq gets/s |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, g = r["put"], r["get"]
         lines.append(f"| {r['backend']} | {r['saver']} | {r['size']} | {r['mode']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
                      f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {r['put_per_s']:.0f} | "
-                     f"{r['concurrent_put_per_s']:.0f} |")
+                     f"{r['get_per_s']:.0f} |")
     lines += ["", "Ratios moorage / peer (higher is better for moorage):", "",
-              "| backend | size | mode | peer | sequential put | get | concurrent put |", "|---|---|---|---|---|---|---|"]
+              "| backend | size | mode | peer | sequential put | get | " + " | ".join(f"concurrent put {w}w" for w in levels) + " |",
+              "|---|---|---|---|---|---|" + "---|" * len(levels)]
     for q in ratios:
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {q['peer']} | {q['seq_put']:.2f}x | {q['seq_get']:.2f}x | "
-                     f"{q['concurrent_put']:.2f}x |")
+                     + " | ".join(f"{q['concurrent'][w]:.2f}x" for w in levels) + " |")
     lines += ["", "| CAS backend | processes x increments | final | lost updates | retries | increments/s |", "|---|---|---|---|---|---|"]
     for c in report["cas"]:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
                      f"{c['retries']} | {c['increments_per_s']:.0f} |")
-    headline = _headline(ratios, report["cas"])
+    headline = _headline(ratios, report["cas"], levels)
     lines += ["", headline, ""]
     (OUT / "store.md").write_text("\n".join(lines))
     print(f"report: {OUT / 'store.md'}")
     print(headline)
 
 
-def _headline(ratios: list[dict], cas: list[dict]) -> str:
+def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
+    """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
+    parts = []
+    for w in levels:
+        per = []
+        for backend in ("sqlite", "postgres"):
+            qs = [q for q in ratios if q["backend"] == backend]
+            worst = min(q["concurrent"][w] for q in qs)
+            below = [f"{q['size']} {q['mode']} {q['concurrent'][w]:.2f}x" for q in qs if q["concurrent"][w] < 2.0]
+            per.append(f"{backend} min {worst:.2f}x" + (f" (below 2x: {', '.join(below)})" if below else " (all >= 2x)"))
+        parts.append(f"{w} writers: " + "; ".join(per))
+
     def med(backend: str, key: str) -> float:
         return statistics.median(q[key] for q in ratios if q["backend"] == backend)
 
     lost = "/".join(str(c["lost_updates"]) for c in cas)
     cas_rate = "/".join(f"{c['increments_per_s']:.0f}" for c in cas)
-    return (f"checkpoint put vs peers (median over sizes/modes): sqlite seq {med('sqlite', 'seq_put'):.2f}x "
-            f"concurrent {med('sqlite', 'concurrent_put'):.2f}x, postgres seq {med('postgres', 'seq_put'):.2f}x "
-            f"concurrent {med('postgres', 'concurrent_put'):.2f}x; get sqlite {med('sqlite', 'seq_get'):.2f}x "
-            f"postgres {med('postgres', 'seq_get'):.2f}x; CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
+    return ("concurrent put throughput moorage/peer per size and mode, " + " | ".join(parts)
+            + f". Sequential (latency-bound, median): put sqlite {med('sqlite', 'seq_put'):.2f}x postgres "
+            f"{med('postgres', 'seq_put'):.2f}x, get sqlite {med('sqlite', 'seq_get'):.2f}x postgres {med('postgres', 'seq_get'):.2f}x; "
+            f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 
 
 if __name__ == "__main__":
