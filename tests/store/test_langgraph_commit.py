@@ -119,3 +119,43 @@ def test_put_inside_a_caller_transaction_joins_it(tenant: TenantStore) -> None:
             saver.put(config, empty_checkpoint(), {}, {})
             raise RuntimeError("abort the caller's transaction")
     assert saver.get_tuple(config) is None
+
+
+def test_batched_saver_statements_isolate_a_bad_write(tenant: TenantStore) -> None:
+    """The saver's own statements (one moorage_lg_write call per batch on PostgreSQL): a bad row fails alone."""
+    saver = MoorageSaver(tenant)
+    gc = GroupCommit(tenant, max_inflight=1)
+    sql = saver._sql
+    good = [[(sql.insert_blob, [("b", "", f"ch{i}", "1", "bytes", b"x")])] for i in range(5)]
+    # lg_writes.blob is NOT NULL: this job's transaction fails, and only this job's.
+    bad = [(sql.insert_blob, [("b", "", "ch0", "2", "bytes", b"y")]),
+           (sql.insert_write, [("b", "", "cp", "task", 0, "ch", "bytes", None, "")])]
+    results: dict = {}
+    _queued_batch(gc, [*good, bad], results)
+    assert [results[i] for i in range(5)] == ["ok"] * 5
+    assert isinstance(results[5], Exception)
+    with tenant._tx(write=False) as c:
+        rows = c.q("SELECT channel, version FROM lg_blobs WHERE thread_id = 'b' ORDER BY channel, version")
+        assert c.q("SELECT 1 FROM lg_writes WHERE thread_id = 'b'") == []
+    assert rows == [(f"ch{i}", "1") for i in range(5)]
+
+
+def test_one_batch_may_upsert_the_same_checkpoint_twice(tenant: TenantStore) -> None:
+    """Two queued puts of the same checkpoint id share a batch: the multi-row upsert keeps one (no error)."""
+    saver = MoorageSaver(tenant)
+    gc = saver._commits
+    cfg = {"configurable": {"thread_id": "dup", "checkpoint_ns": ""}}
+    ops = []
+    saver._commits = type("Capture", (), {"write": lambda self, o: ops.append(o)})()
+    for v in ("first", "second"):
+        cp = empty_checkpoint()
+        cp["id"] = "same-id"
+        cp["channel_values"] = {"v": v}
+        cp["channel_versions"] = {"v": 1}
+        saver.put(cfg, cp, {}, {"v": 1})
+    saver._commits = gc
+    results: dict = {}
+    _queued_batch(gc, ops, results)
+    assert results == {0: "ok", 1: "ok"}
+    got = saver.get_tuple(cfg)
+    assert got is not None and got.checkpoint["channel_values"]["v"] in ("first", "second")

@@ -37,6 +37,7 @@ def test_sqlite_upgrades_a_v1_database(tmp_path: Path) -> None:
     hits = ts.events.search_text(S, "fox")
     assert [e.content for e, _ in hits] == ["the quick brown fox jumps"]
     assert b2.schema_version("a" * 32) == LATEST_TENANT_VERSION
+    _checkpoint_round_trip(ts)
     store2.close()
 
 
@@ -53,4 +54,48 @@ def test_postgres_upgrades_a_v1_database(pg_url: str) -> None:
     ts = store2.tenant(store2.operator.principal(t.id))
     hits = ts.events.search_text(S, "fox")
     assert [e.content for e, _ in hits] == ["the quick brown fox jumps"]
+    _checkpoint_round_trip(ts)
+    store2.close()
+
+
+def _checkpoint_round_trip(ts) -> None:  # type: ignore[no-untyped-def]
+    """The upgraded database takes checkpoints (on PostgreSQL through moorage_lg_write, migration 5)."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from moorage.store.langgraph import MoorageSaver
+
+    saver = MoorageSaver(ts)
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"v": "x", "big": "y" * 10000}
+    cp["channel_versions"] = {"v": 1, "big": 1}
+    cfg = saver.put({"configurable": {"thread_id": "m", "checkpoint_ns": ""}}, cp, {}, {"v": 1, "big": 1})
+    saver.put_writes(cfg, [("v", "w")], task_id="t1")
+    got = saver.get_tuple(cfg)
+    assert got is not None and got.checkpoint["channel_values"] == {"v": "x", "big": "y" * 10000}
+    assert got.pending_writes == [("t1", "v", "w")]
+
+
+def test_postgres_checkpoints_from_v4_read_after_the_upgrade(pg_url: str) -> None:
+    """Checkpoints written at schema 4 (every value in lg_blobs, no moorage_lg_write) load after migration 5."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from moorage.store.langgraph import MoorageSaver
+
+    store = Store(PostgresBackend(pg_url, upto=4))
+    t, _ = store.operator.create_tenant("old")
+    ts = store.tenant(store.operator.principal(t.id))
+    saver = MoorageSaver(ts, inline_max=0)
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"v": "old", "n": 3}
+    cp["channel_versions"] = {"v": 1, "n": 1}
+    with ts.transaction():  # joins the caller's transaction: plain statements, no migration-5 function
+        cfg = saver.put({"configurable": {"thread_id": "v4", "checkpoint_ns": ""}}, cp, {"step": 0}, {"v": 1, "n": 1})
+    store.close()
+
+    store2 = Store(PostgresBackend(pg_url))
+    assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
+    ts2 = store2.tenant(store2.operator.principal(t.id))
+    got = MoorageSaver(ts2).get_tuple(cfg)
+    assert got is not None and got.checkpoint["channel_values"] == {"v": "old", "n": 3}
+    _checkpoint_round_trip(ts2)
     store2.close()
