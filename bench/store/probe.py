@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=60)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="")
+    ap.add_argument("--inline-max", type=int, default=-1, help="override MoorageSaver's inline_max (and inline_total x4)")
+    ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
     args = ap.parse_args()
     cluster = start_cluster()
     try:
@@ -65,6 +67,11 @@ def main() -> None:
             txs = [0]
             for c in cs:
                 if c.name == "moorage":
+                    if args.inline_max >= 0:
+                        c.saver_for(0)._inline_max = args.inline_max
+                        c.saver_for(0)._inline_total = 4 * args.inline_max
+                    if args.inflight:
+                        c.saver_for(0)._commits._max_inflight = args.inflight
                     be = c.saver_for(0).tenant_store.backend
                     real = be.tenant_tx
 
