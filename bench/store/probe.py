@@ -21,9 +21,14 @@ from moorage.devservices.postgres import start_cluster  # noqa: E402
 
 
 def _server_cpu(root: Path) -> float:
-    """CPU seconds (user+sys) of every process whose command line names the cluster's directory, or its children."""
+    """CPU seconds (user+sys) of every PostgreSQL process on this host."""
+    return sum(_server_cpu_by().values())
+
+
+def _server_cpu_by() -> dict[str, float]:
+    """CPU seconds (user+sys) per PostgreSQL process kind (backend of a database and role, walwriter, ...)."""
     tck = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    total: dict[str, float] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -35,7 +40,9 @@ def _server_cpu(root: Path) -> float:
         if b"postgres" not in comm:
             continue
         f = stat.rsplit(")", 1)[1].split()
-        total += (int(f[11]) + int(f[12])) / tck
+        words = comm.replace(b"\0", b" ").decode(errors="replace").split()
+        kind = " ".join(w for w in words[1:3] if "(" not in w) if words and words[0] == "postgres:" else "postmaster"
+        total[kind] = total.get(kind, 0.0) + (int(f[11]) + int(f[12])) / tck
     return total
 
 
@@ -50,6 +57,9 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--inline-max", type=int, default=-1, help="override MoorageSaver's inline_max (and inline_total x4)")
     ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
+    ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
+    ap.add_argument("--pg-alter", action="append", default=[],
+                    help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
     args = ap.parse_args()
     cluster = start_cluster()
     try:
@@ -64,6 +74,8 @@ def main() -> None:
             cs = [c for c in open_contenders(stack, Path(tmpd), pg_url, args.workers) if c.backend == args.backend]
             if args.only:
                 cs = [c for c in cs if c.name == args.only]
+            for sql in args.pg_alter:
+                cluster.psql(sql, db="moorage_bench", user="moorage_owner")
             txs = [0]
             for c in cs:
                 if c.name == "moorage":
@@ -91,9 +103,9 @@ def main() -> None:
             for rep in range(args.reps):
                 for c in cs:
                     txs[0] = 0
-                    t0, s0 = os.times(), _server_cpu(cluster.root)
+                    t0, s0, b0 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
                     rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
-                    t1, s1 = os.times(), _server_cpu(cluster.root)
+                    t1, s1, b1 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
                     puts = args.workers * args.n
                     cl = (t1.user - t0.user + t1.system - t0.system) / puts * 1e3
                     sys_ = (t1.system - t0.system) / puts * 1e3
@@ -101,6 +113,10 @@ def main() -> None:
                     print(f"{c.backend} {c.name:13s} {args.size} {args.mode} w={args.workers}: {rate:7.0f} puts/s  "
                           f"client {cl:.3f} ms/put (sys {sys_:.3f})  server {sv:.3f} ms/put"
                           + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else ""), flush=True)
+                    if args.breakdown:
+                        parts = {k: (b1.get(k, 0.0) - b0.get(k, 0.0)) / puts * 1e3 for k in b1}
+                        print("    server by process: " + ", ".join(
+                            f"{k} {v:.3f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0), flush=True)
     finally:
         cluster.stop()
 

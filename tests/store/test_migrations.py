@@ -99,3 +99,50 @@ def test_postgres_checkpoints_from_v4_read_after_the_upgrade(pg_url: str) -> Non
     assert got is not None and got.checkpoint["channel_values"] == {"v": "old", "n": 3}
     _checkpoint_round_trip(ts2)
     store2.close()
+
+
+def test_postgres_migration_6_keeps_pglz_values_readable(pg_url: str) -> None:
+    """Values TOASTed with pglz at schema 5 still load after migration 6 (toast_tuple_target, lz4); new ones too."""
+    import os
+
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from moorage.store.langgraph import MoorageSaver
+
+    store = Store(PostgresBackend(pg_url, upto=5))
+    t, _ = store.operator.create_tenant("old")
+    ts = store.tenant(store.operator.principal(t.id))
+    saver = MoorageSaver(ts)
+    # Compressible (pglz shrinks it) and incompressible values, large enough to be TOASTed out of line.
+    old = {"text": "abc" * 20000, "noise": os.urandom(30000).hex(), "small": 1}
+    cp = empty_checkpoint()
+    cp["channel_values"] = dict(old)
+    cp["channel_versions"] = {k: 1 for k in old}
+    cfg = saver.put({"configurable": {"thread_id": "v5", "checkpoint_ns": ""}}, cp, {"step": 0}, {k: 1 for k in old})
+    saver.put_writes(cfg, [("text", "w" * 9000)], task_id="t1")
+    store.close()
+
+    store2 = Store(PostgresBackend(pg_url))
+    assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
+    with store2.backend._owner.cursor() as cur:  # type: ignore[attr-defined]
+        opts = dict(cur.execute("SELECT relname, array_to_string(reloptions, ',') FROM pg_class WHERE relname IN "
+                                "('lg_checkpoints', 'lg_blobs', 'lg_writes')").fetchall())
+        lz4 = cur.execute("SELECT count(*) FROM pg_attribute WHERE attrelid IN ('lg_checkpoints'::regclass, "
+                          "'lg_blobs'::regclass, 'lg_writes'::regclass) AND attcompression = 'l'").fetchone()[0]
+    assert opts == {name: "toast_tuple_target=8160" for name in ("lg_checkpoints", "lg_blobs", "lg_writes")}
+    assert lz4 in (0, 3)  # all three columns, or none where the server lacks lz4
+    ts2 = store2.tenant(store2.operator.principal(t.id))
+    saver2 = MoorageSaver(ts2)
+    got = saver2.get_tuple(cfg)
+    assert got is not None and got.checkpoint["channel_values"] == old
+    assert got.pending_writes == [("t1", "text", "w" * 9000)]
+    cp2 = empty_checkpoint()
+    new = {"text": "xyz" * 20000, "noise": os.urandom(30000).hex(), "small": 2, "mid": os.urandom(3000).hex()}
+    cp2["channel_values"] = dict(new)
+    cp2["channel_versions"] = {k: 2 for k in new}
+    cfg2 = saver2.put(cfg, cp2, {"step": 1}, {k: 2 for k in new})
+    got2 = saver2.get_tuple(cfg2)
+    assert got2 is not None and got2.checkpoint["channel_values"] == new
+    assert saver2.get_tuple(cfg).checkpoint["channel_values"] == old  # type: ignore[union-attr]
+    _checkpoint_round_trip(ts2)
+    store2.close()

@@ -251,6 +251,32 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             END $$""",
         ),
     ),
+    Migration(
+        6,
+        "langgraph value storage without pglz",
+        statements=(),
+        # PostgreSQL TOASTs a row over ~2 KB: it first tries to compress its large values (pglz by
+        # default, slow and useless on incompressible data: ~10% of the server CPU of a 16 KiB put went
+        # to pglz_compress), then moves them out of line in ~2 KB chunks (a TOAST row and index entry
+        # each). Rows of the checkpoint tables now stay whole in the heap up to toast_tuple_target
+        # (8160, about one page: no compression attempt, no TOAST rows), and larger values are
+        # compressed with lz4 where the server has it (PostgreSQL 14+ built --with-lz4); elsewhere the
+        # column keeps the server's default. Neither rewrites existing rows: old values read as before.
+        # SQLite needs nothing here.
+        postgres_only=(
+            "ALTER TABLE lg_checkpoints SET (toast_tuple_target = 8160)",
+            "ALTER TABLE lg_blobs SET (toast_tuple_target = 8160)",
+            "ALTER TABLE lg_writes SET (toast_tuple_target = 8160)",
+            """DO $$
+            BEGIN
+                EXECUTE 'ALTER TABLE lg_checkpoints ALTER COLUMN checkpoint SET COMPRESSION lz4';
+                EXECUTE 'ALTER TABLE lg_blobs ALTER COLUMN blob SET COMPRESSION lz4';
+                EXECUTE 'ALTER TABLE lg_writes ALTER COLUMN blob SET COMPRESSION lz4';
+            EXCEPTION WHEN feature_not_supported OR syntax_error OR invalid_parameter_value THEN
+                RAISE NOTICE 'lz4 TOAST compression unavailable (%): keeping the default', SQLERRM;
+            END $$""",
+        ),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (
