@@ -10,6 +10,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -17,7 +19,8 @@ import pytest
 import pytest_asyncio
 
 from moorage.config import Config
-from moorage.sandbox import SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
+from moorage.errors import InvalidInput
+from moorage.sandbox import SandboxSpec, SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
 from moorage.sandbox.microvm import MicroVMDriver, MicroVMSandbox
 from moorage.sandbox.microvm_qemu import pid_is_ours
 
@@ -113,8 +116,11 @@ async def test_sleep_wake_keeps_process_memory_and_installed_wheel(base: MicroVM
     info = await base.sleep()
     assert base.state is SandboxState.SLEEPING and info.includes_memory and info.bytes > 0
     assert not pid_is_ours(pid, str(base.run_dir)), "QEMU must be gone while asleep"
+    await asyncio.sleep(3)  # the guest clock stands still while asleep; the wake's first call sets it
     await base.wake()
     assert base.last_wake_mode == "snapshot" and base.last_wake_fallback is None
+    guest_now = float(await out(base, ["date", "+%s.%N"]))
+    assert abs(guest_now - time.time()) < 1.5, guest_now - time.time()
     assert await ask_token(base) == token
     assert await out(base, CHECK_WHEEL) == "from-the-wheel"
 
@@ -123,6 +129,9 @@ async def test_forks_are_independent_and_inherit_memory(driver: MicroVMDriver, b
     token = await ask_token(base)
     kids = await driver.fork(template, ["fork-a", "fork-b"])
     assert [k.state for k in kids] == [SandboxState.SLEEPING] * 2
+    # Each fork's disk is a copy of the template's empty child overlay, backed by the template's disk.
+    for k in kids:
+        assert _backing(k.dir / "disk.qcow2") == str(template.path / "disk.qcow2")
     await asyncio.gather(*(k.wake() for k in kids))
     for k in kids:
         assert k.last_wake_mode == "snapshot"
@@ -320,7 +329,10 @@ async def test_destroy_kills_qemu_and_orphans_are_found(driver: MicroVMDriver, r
 
 async def test_template_outlives_delete_while_forks_use_it(driver: MicroVMDriver, base: MicroVMSandbox) -> None:
     tpl = await driver.make_template(base, "tpl-short")
+    # A template made before templates kept a child overlay: its forks create their own disk overlay.
+    (tpl.path / "child.qcow2").unlink()
     (kid,) = await driver.fork(tpl, ["fork-late"])
+    assert _backing(kid.dir / "disk.qcow2") == str(tpl.path / "disk.qcow2")
     await driver.delete_template(tpl)
     assert tpl.path.exists(), "a fork still maps its RAM and disk"
     with pytest.raises(Exception, match="deleted"):
@@ -329,3 +341,34 @@ async def test_template_outlives_delete_while_forks_use_it(driver: MicroVMDriver
     assert await kid.read_file("/work/from-template.txt") == b"template file"
     await kid.destroy()
     assert not tpl.path.exists()
+
+
+def _qemu_img_info(path: Path) -> dict:
+    return json.loads(subprocess.run(["qemu-img", "info", "-U", "--output=json", str(path)], check=True,
+                                     capture_output=True, text=True).stdout)
+
+
+def _backing(path: Path) -> str:
+    return _qemu_img_info(path)["backing-filename"]
+
+
+async def test_disk_size_follows_the_spec(driver: MicroVMDriver) -> None:
+    """disk_mib is the agent's own space: the disk is the (shrunk) image root plus disk_mib, grown into at boot."""
+    image_mib = (await asyncio.to_thread(driver.image)).disk_mib
+    with pytest.raises(InvalidInput, match="disk_mib"):
+        await driver.create("no-disk", SandboxSpec(disk_mib=0))
+    assert not (driver.root / "no-disk").exists()
+    sb = await driver.create("sized-disk", SandboxSpec(disk_mib=200))
+    try:
+        assert _qemu_img_info(sb.dir / "disk.qcow2")["virtual-size"] == (image_mib + 200) * MiB
+        await sb.start()
+        # Free space: the 200 MiB plus the image's slack (32 MiB and resize2fs's margin), less ext4 metadata.
+        avail_mib = int((await out(sb, ["sh", "-c", "df -m / | tail -1"])).split()[3])
+        assert 180 <= avail_mib <= 200 + 64, avail_mib
+        # Filling it stops at the limit; the host file stays bounded by it.
+        await out(sb, ["sh", "-c", "dd if=/dev/zero of=/work/fill bs=1M count=400 2>/dev/null; sync; true"], timeout=120)
+        written = (await sb.stat("/work/fill")).size
+        assert written <= (200 + 64) * MiB, written
+        assert (sb.dir / "disk.qcow2").stat().st_size <= (200 + 96) * MiB
+    finally:
+        await sb.destroy()

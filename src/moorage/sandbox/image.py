@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,8 @@ log = get_logger(__name__)
 
 #: Bump when the build steps change in a way the recipe fields do not capture.
 BUILDER_VERSION = "3"
+#: Bump when the final layer (guest runtime + root filesystem) is made differently; names images, not the caches.
+FINAL_LAYER_VERSION = "2"  # 2: the root filesystem is shrunk to its contents; each sandbox grows it to its disk
 
 #: Progress callback: (step, detail). The CLI renders these with rich; tests ignore them.
 Progress = Callable[[str, str], None]
@@ -48,7 +51,7 @@ class ImageRecipe:
     kernel_package: str = "linux-image-cloud-amd64"
     #: Loaded by the initramfs in this order (their dependencies first, resolved from the .ko files).
     modules: tuple[str, ...] = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
-    #: Size of the guest's root filesystem, which also bounds each agent's writable overlay.
+    #: Size the root filesystem is made at (then shrunk to its contents; each sandbox's disk adds its own space).
     disk_mib: int = 1024
 
     def rootfs_key(self) -> str:
@@ -119,7 +122,7 @@ class ImageBuilder:
     # --- public -------------------------------------------------------------------------------------------------
 
     def image_id(self) -> str:
-        return _digest({"recipe": self.recipe.key(), "guest": image_guest.guest_code_hash()})
+        return _digest({"recipe": self.recipe.key(), "guest": image_guest.guest_code_hash(), "final": FINAL_LAYER_VERSION})
 
     def cached(self) -> GuestImage | None:
         d = self.images_dir / self.image_id()
@@ -248,6 +251,8 @@ class ImageBuilder:
             with open(rootfs, "wb") as f:
                 f.truncate(self.recipe.disk_mib << 20)
             _run("mkfs.ext4", ["mkfs.ext4", "-q", "-F", "-L", "moorage-root", "-m", "0", "-E", "root_owner=0:0", "-d", str(staging), str(rootfs)])
+            self._progress("ext4", "shrinking the root filesystem to its contents")
+            root_mib = _shrink_ext4(rootfs)
             shutil.copy2(kdir / "vmlinuz", final / "vmlinuz")
             shutil.copy2(kdir / "initrd.img", final / "initrd.img")
             img = GuestImage(
@@ -259,7 +264,7 @@ class ImageBuilder:
                 kernel_version=(kdir / "version").read_text().strip(),
                 recipe_key=self.recipe.key(),
                 guest_code_hash=image_guest.guest_code_hash(),
-                disk_mib=self.recipe.disk_mib,
+                disk_mib=root_mib,
                 built_at=time.time(),
             )
             for p in final.iterdir():
@@ -270,6 +275,26 @@ class ImageBuilder:
             os.rename(final, out)
         self._progress("done", f"image {image_id}")
         return img
+
+
+#: Free space left in the shrunk root filesystem (a booting guest writes a little before it grows the filesystem).
+_ROOT_SLACK_MIB = 32
+
+
+def _shrink_ext4(path: Path) -> int:
+    """Shrink the ext4 image at ``path`` to its contents plus a little slack; return its new size in MiB.
+
+    An agent's disk is an overlay sized to the image plus the sandbox's ``disk_mib`` and the guest grows the
+    filesystem to it at boot, so ``disk_mib`` is the agent's own space on the micro-VM as on the process driver.
+    """
+    _run("e2fsck", ["e2fsck", "-f", "-p", str(path)])
+    header = _run("dumpe2fs", ["dumpe2fs", "-h", str(path)])
+    block = int(re.search(r"^Block size:\s+(\d+)", header, re.M).group(1))  # type: ignore[union-attr]
+    minimum = int(re.search(r"(\d+)\s*$", _run("resize2fs -P", ["resize2fs", "-P", str(path)]).strip()).group(1))  # type: ignore[union-attr]
+    mib = -(-(minimum * block) // (1 << 20)) + _ROOT_SLACK_MIB
+    _run("resize2fs", ["resize2fs", str(path), f"{mib}M"])
+    os.truncate(path, mib << 20)
+    return mib
 
 
 def _module_load_order(wanted: tuple[str, ...], index: dict[str, Path]) -> list[str]:

@@ -76,6 +76,10 @@ for arg in $(cat /proc/cmdline); do
     moorage.env=*) envb64=${arg#moorage.env=} ;;
   esac
 done
+case " $(cat /proc/cmdline) " in
+  # The host made this agent's disk bigger than the image's root filesystem: grow it online to fill the disk.
+  *" moorage.growfs "*) resize2fs /dev/vda >/dev/null 2>&1 || echo "moorage-init: resize2fs /dev/vda failed" > /dev/console ;;
+esac
 if [ -n "$nproc" ] && mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; then
   mkdir -p /sys/fs/cgroup/agent
   echo "+pids" > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null

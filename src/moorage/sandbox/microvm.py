@@ -17,7 +17,7 @@ import subprocess
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
@@ -28,6 +28,7 @@ from moorage.sandbox.base import (
     Capabilities,
     ChannelError,
     CheckpointInfo,
+    RemoteError,
     Sandbox,
     SandboxDriver,
     SandboxError,
@@ -62,6 +63,8 @@ log = get_logger(__name__)
 COLD_BOOT_TIMEOUT_S = 90.0
 WAKE_TIMEOUT_S = 30.0
 _TEMPLATES = ".templates"
+#: The empty overlay on a template's disk that each fork's disk starts as (a copy, no qemu-img run per fork).
+CHILD_DISK = "child.qcow2"
 #: Which sandbox object holds the (single-client) QEMU sockets of a sandbox directory in this process.
 _ATTACHED: "weakref.WeakValueDictionary[str, MicroVMSandbox]" = weakref.WeakValueDictionary()
 
@@ -121,6 +124,16 @@ def _sparse_copy(src: Path, dst: Path) -> None:
                 pos += n
             off = hole
         os.fsync(ofd)
+
+
+async def _qemu_img(*args: str, sandbox_dir: Path | None = None) -> None:
+    """Run ``qemu-img``; on failure remove ``sandbox_dir`` (a half-made sandbox) and raise ``SandboxError``."""
+    r = await asyncio.create_subprocess_exec("qemu-img", *args, stderr=asyncio.subprocess.PIPE)
+    _, err = await r.communicate()
+    if r.returncode != 0:
+        if sandbox_dir is not None:
+            shutil.rmtree(sandbox_dir, ignore_errors=True)
+        raise SandboxError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()}")
 
 
 class _Phases:
@@ -255,12 +268,17 @@ class MicroVMSandbox(Sandbox):
                 out.append(f"{name}: ...{text[-600:]}")
         return " | ".join(out) or "no output"
 
-    async def _connect_channel(self, timeout: float) -> dict[str, Any]:
-        """Connect to the guest's port and wait for its first answer to ``ping``."""
+    async def _connect_channel(self, timeout: float, first: Callable[[], tuple[str, dict[str, Any]]] | None = None) -> Any:
+        """Connect to the guest's port and wait for its first answer: to ``ping``, or to the call ``first()`` makes.
+
+        A wake makes its first call the after-wake fix-up itself, so the first reply also means the guest's clock
+        (and a fork's random generator) are right: one round trip to a cold guest instead of two. ``first`` is
+        called again for each attempt (the clock it sends must be current). An error answer is not retried.
+        """
         deadline = time.monotonic() + timeout
         path = str(self._paths().chan_sock)
         last: Exception | None = None
-        attempt = 0  # short first timeouts: a ping sent before the guest reads is retried soon, not after 2 s
+        attempt = 0  # short first timeouts: a call sent before the guest reads is retried soon, not after 2 s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
@@ -271,7 +289,10 @@ class MicroVMSandbox(Sandbox):
                     self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}",
                                                             first_id=secrets.randbelow(1 << 40) + (1 << 20))
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
-                return await self._channel.call("ping", {}, timeout=wait)
+                method, params = first() if first is not None else ("ping", {})
+                return await self._channel.call(method, params, timeout=wait)
+            except RemoteError:
+                raise
             except ChannelError as e:
                 last = e
                 attempt += 1
@@ -476,11 +497,13 @@ class MicroVMSandbox(Sandbox):
             await self._cold_boot()
             return
         snap_dir = self.dir / "snapshot"
+        ph = _Phases()
         try:
             # QEMU starts while the snapshot's checksums are verified (both take tens of ms).
             launch = asyncio.create_task(self._launch(incoming=True))
             try:
                 record = await asyncio.to_thread(self._validate_snapshot, snap_dir, self._meta.get("snapshot"))
+                ph.mark("validate")
             except BaseException:
                 try:
                     await launch
@@ -488,23 +511,25 @@ class MicroVMSandbox(Sandbox):
                     pass
                 await self._teardown()
                 raise
-            await self._restore(snap_dir, record, launch)
+            await self._restore(snap_dir, record, launch, ph)
         except (SnapshotCorrupt, SnapshotIncompatible) as e:
             log.warning("snapshot unusable, cold boot from disk", sandbox=self.id, error=str(e))
             self.last_wake_fallback = e
             await self._cold_boot()
 
-    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]") -> None:
-        ph = _Phases()
+    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]", ph: _Phases) -> None:
         fresh_fork = bool(self._meta.get("fresh_fork"))
         try:
-            await launch
-            ph.mark("qemu_start")
-            assert self._qmp is not None and self._proc is not None
             if record["kind"] == "delta":
-                m = ram.find_mapping(self._proc.pid, self._ram_path())
-                ram.apply_delta(self._proc.pid, m, snap_dir)
-                ph.mark("ram_delta")
+                # The delta goes into QEMU's private RAM mapping as soon as it exists, while QEMU finishes starting.
+                results = await asyncio.gather(launch, self._apply_delta_when_mapped(snap_dir), return_exceptions=True)
+                for r in results:
+                    if isinstance(r, BaseException):
+                        raise r
+            else:
+                await launch
+            ph.mark("qemu_start_and_ram")
+            assert self._qmp is not None and self._proc is not None
             fd = os.open(snap_dir / "dev.state", os.O_RDONLY)
             try:
                 await self._qmp.execute("getfd", {"fdname": "devstate"}, fds=[fd])
@@ -528,10 +553,8 @@ class MicroVMSandbox(Sandbox):
         # resumes an older memory image.
         persist = asyncio.create_task(asyncio.to_thread(self._set_state, SandboxState.RUNNING, snapshot=None, fresh_fork=False))
         try:
-            await self._connect_channel(WAKE_TIMEOUT_S)
+            await self._first_reply_after_wake(fresh_fork)
             ph.mark("first_reply")
-            await self._after_wake(fresh_fork)
-            ph.mark("clock_rng")
             await persist
         except BaseException:
             await asyncio.gather(persist, return_exceptions=True)
@@ -541,16 +564,45 @@ class MicroVMSandbox(Sandbox):
         self.last_wake_mode = "snapshot"
         log.info("woke", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
 
-    async def _after_wake(self, fresh_fork: bool) -> None:
-        """Set the guest clock (it stood still while asleep) and, for a new fork, reseed its kernel CRNG so forks
-        of one template never share a random stream. One RPC to the image's VM extension: no process start."""
-        params: dict[str, Any] = {"time": time.time()}
-        if fresh_fork:
-            params["seed"] = base64.b64encode(secrets.token_bytes(64)).decode()
+    async def _apply_delta_when_mapped(self, snap_dir: Path) -> None:
+        """Write a fork's saved RAM delta into the starting QEMU's private mapping of the template RAM.
+
+        QEMU maps guest RAM early in its start-up and does not write it before the incoming migration, so the
+        delta can go in while the rest of QEMU initialises (the monitor answers only after that).
+        """
+        size = self._vm_config().memory_mib << 20
+        deadline = time.monotonic() + 10
+        while True:
+            proc = self._proc
+            if proc is not None:
+                if proc.poll() is not None:
+                    return  # QEMU exited at start: the launch reports why
+                try:
+                    m = ram.find_mapping(proc.pid, self._ram_path())
+                    if m.end - m.start >= size:
+                        break
+                except (ram.RamError, OSError):
+                    pass
+            if time.monotonic() > deadline:
+                raise BootError("QEMU did not map the guest RAM within 10 s", hint="the host may be overloaded")
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(ram.apply_delta, proc.pid, m, snap_dir)
+
+    async def _first_reply_after_wake(self, fresh_fork: bool) -> None:
+        """The first call to a woken guest sets its clock (it stood still while asleep) and, for a new fork, reseeds
+        its kernel CRNG so forks of one template never share a random stream. One RPC to the image's VM extension,
+        no process start; its answer is the wake's first channel reply."""
+        seed = base64.b64encode(secrets.token_bytes(64)).decode() if fresh_fork else None
+
+        def after_wake() -> tuple[str, dict[str, Any]]:
+            params: dict[str, Any] = {"time": time.time()}
+            if seed is not None:
+                params["seed"] = seed
+            return "vm.after_wake", params
+
         try:
-            assert self._channel is not None
-            await self._channel.call("vm.after_wake", params, timeout=30)
-        except ChannelError as e:
+            await self._connect_channel(WAKE_TIMEOUT_S, first=after_wake)
+        except RemoteError as e:
             if fresh_fork:
                 raise SandboxError(f"could not reseed the random generator of fork {self.id}: {e}", hint="rebuild the image (`moorage image build`) and re-make the template") from e
             log.warning("could not set the guest clock after wake", sandbox=self.id, error=str(e))
@@ -722,22 +774,21 @@ class MicroVMDriver(SandboxDriver):
         await asyncio.to_thread(lambda: self.accel)
         if spec.memory_mib < 128:
             raise InvalidInput(f"memory_mib={spec.memory_mib} is too small for the guest", hint="use at least 128")
-        d.mkdir(parents=True)
-        r = await asyncio.create_subprocess_exec(
-            "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(img.rootfs), "-F", "raw", str(d / "disk.qcow2"),
-            stderr=asyncio.subprocess.PIPE,
-        )
-        _, err = await r.communicate()
-        if r.returncode != 0:
-            shutil.rmtree(d, ignore_errors=True)
-            raise SandboxError(f"qemu-img could not create the disk of {sandbox_id}: {err.decode(errors='replace').strip()}")
+        if spec.disk_mib < 1:
+            raise InvalidInput(f"disk_mib={spec.disk_mib} leaves the agent no disk space", hint="use disk_mib >= 1")
         # Limits and environment reach the guest's init on the kernel command line (there is no other way in
         # before the channel is up, and it is part of the snapshot's layout, which forks share anyway).
-        extra = f" moorage.nproc={spec.max_processes} moorage.fsize={spec.max_file_mib << 20}"
+        extra = f" moorage.nproc={spec.max_processes} moorage.fsize={spec.max_file_mib << 20} moorage.growfs"
         if spec.env:
             extra += " moorage.env=" + base64.urlsafe_b64encode(json.dumps(dict(spec.env)).encode()).decode()
         if len(extra) > 1024:
             raise InvalidInput("sandbox environment too large for a micro-VM (1 KiB encoded)", hint="pass large settings as a file instead")
+        d.mkdir(parents=True)
+        # The agent's disk: a copy-on-write overlay on the image's root filesystem (shrunk to its contents),
+        # disk_mib larger; the guest grows the filesystem to fill it at boot. So disk_mib is the agent's own space,
+        # and a guest can never make its disk hold more than image + disk_mib (+ qcow2 metadata) on the host.
+        await _qemu_img("create", "-q", "-f", "qcow2", "-b", str(img.rootfs), "-F", "raw", str(d / "disk.qcow2"),
+                        f"{img.disk_mib + spec.disk_mib}M", sandbox_dir=d)
         vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel, kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel))
         meta = {
             "id": sandbox_id,
@@ -840,6 +891,15 @@ class MicroVMDriver(SandboxDriver):
             _write_json(tmp / "template.json", meta)
             os.rename(tmp, tdir)
             _fsync_dir(tdir.parent)
+        # The empty overlay every fork's disk starts as (its backing path is the template's final place). Forks
+        # made before it exists, or if this fails, create their overlay themselves.
+        try:
+            await _qemu_img("create", "-q", "-f", "qcow2", "-b", str(tdir / "disk.qcow2"), "-F", "qcow2",
+                            str(tdir / (CHILD_DISK + ".new")))
+            ram.fsync_path(tdir / (CHILD_DISK + ".new"))
+            os.rename(tdir / (CHILD_DISK + ".new"), tdir / CHILD_DISK)
+        except SandboxError as e:
+            log.warning("no child overlay for template; forks create theirs", template=tid, error=str(e))
         log.info("template made", template=tid, source=sandbox.id)
         return TemplateRef(id=tid, driver=self.name, path=tdir, source_sandbox=sandbox.id, created_at=meta["created_at"], includes_memory=True)
 
@@ -872,14 +932,12 @@ class MicroVMDriver(SandboxDriver):
         async def one(sid: str) -> MicroVMSandbox:
             d = self._dir(sid)
             (d / "snapshot").mkdir(parents=True)
-            r = await asyncio.create_subprocess_exec(
-                "qemu-img", "create", "-q", "-f", "qcow2", "-b", str(tdir / "disk.qcow2"), "-F", "qcow2", str(d / "disk.qcow2"),
-                stderr=asyncio.subprocess.PIPE,
-            )
-            _, err = await r.communicate()
-            if r.returncode != 0:
-                shutil.rmtree(d, ignore_errors=True)
-                raise SandboxError(f"qemu-img could not create the disk of {sid}: {err.decode(errors='replace').strip()}")
+            if (tdir / CHILD_DISK).exists():
+                # Every child's disk starts as the same empty overlay on the template's disk: copy it (no process).
+                await asyncio.to_thread(shutil.copyfile, tdir / CHILD_DISK, d / "disk.qcow2")
+            else:  # a template made before child overlays were kept
+                await _qemu_img("create", "-q", "-f", "qcow2", "-b", str(tdir / "disk.qcow2"), "-F", "qcow2",
+                                str(d / "disk.qcow2"), sandbox_dir=d)
             # A fresh fork's snapshot is the template's device state with an empty RAM delta.
             shutil.copyfile(tdir / "dev.state", d / "snapshot" / "dev.state")
             (d / "snapshot" / "ram.delta").write_bytes(b"")

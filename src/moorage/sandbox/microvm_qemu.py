@@ -106,7 +106,6 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
         "-object", f"memory-backend-file,id=mem,size={mem},mem-path={paths.ram},share={'on' if ram_shared else 'off'}",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-serial", f"file:{paths.console_log}",
-        "-kernel", str(paths.kernel), "-initrd", str(paths.initrd), "-append", cfg.kernel_cmdline,
         # No network device at all: the guest's only way out is the channel.
         "-drive", f"id=disk,file={paths.disk},format=qcow2,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
         "-device", "virtio-blk-device,drive=disk",
@@ -119,6 +118,8 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
     ]
     if incoming:
         argv += ["-incoming", "defer"]
+    else:
+        argv += ["-kernel", str(paths.kernel), "-initrd", str(paths.initrd), "-append", cfg.kernel_cmdline]
     return argv
 
 
