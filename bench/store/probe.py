@@ -37,7 +37,10 @@ def _server_cpu_by() -> dict[str, float]:
             comm = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"postgres" not in comm:
+        # Server processes only: the postmaster binary and its retitled children ("postgres: ..."). This
+        # process's own command line names "postgres" too (--backend postgres) and must not count.
+        argv0 = comm.split(b"\0", 1)[0]
+        if not (argv0.endswith(b"/postgres") or argv0.startswith(b"postgres:")) or int(pid) == os.getpid():
             continue
         f = stat.rsplit(")", 1)[1].split()
         words = comm.replace(b"\0", b" ").decode(errors="replace").split()
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--inline-max", type=int, default=-1, help="override MoorageSaver's inline_max (and inline_total x4)")
     ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
+    ap.add_argument("--extra-min", type=int, default=0, help="override GroupCommit's queue length for a second transaction")
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
     ap.add_argument("--pg-alter", action="append", default=[],
                     help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
@@ -77,6 +81,7 @@ def main() -> None:
             for sql in args.pg_alter:
                 cluster.psql(sql, db="moorage_bench", user="moorage_owner")
             txs = [0]
+            call_s = [0.0]
             for c in cs:
                 if c.name == "moorage":
                     if args.inline_max >= 0:
@@ -84,6 +89,8 @@ def main() -> None:
                         c.saver_for(0)._inline_total = 4 * args.inline_max
                     if args.inflight:
                         c.saver_for(0)._commits._max_inflight = args.inflight
+                    if args.extra_min:
+                        c.saver_for(0)._commits._extra_min = args.extra_min
                     be = c.saver_for(0).tenant_store.backend
                     real = be.tenant_tx
 
@@ -97,12 +104,17 @@ def main() -> None:
 
                         def counting_call(tenant_id, sql, params=(), _real=real_call):
                             txs[0] += 1
-                            return _real(tenant_id, sql, params)
+                            t = time.perf_counter()
+                            try:
+                                return _real(tenant_id, sql, params)
+                            finally:
+                                call_s[0] += time.perf_counter() - t
 
                         be.tenant_call = counting_call
             for rep in range(args.reps):
                 for c in cs:
                     txs[0] = 0
+                    call_s[0] = 0.0
                     t0, s0, b0 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
                     rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
                     t1, s1, b1 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
@@ -112,7 +124,9 @@ def main() -> None:
                     sv = (s1 - s0) / puts * 1e3
                     print(f"{c.backend} {c.name:13s} {args.size} {args.mode} w={args.workers}: {rate:7.0f} puts/s  "
                           f"client {cl:.3f} ms/put (sys {sys_:.3f})  server {sv:.3f} ms/put"
-                          + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else ""), flush=True)
+                          + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else "")
+                          + (f"  {call_s[0] / txs[0] * 1e3:.2f} ms/call, calls busy {call_s[0] * rate / puts:.0%} of wall"
+                             if txs[0] and call_s[0] else ""), flush=True)
                     if args.breakdown:
                         parts = {k: (b1.get(k, 0.0) - b0.get(k, 0.0)) / puts * 1e3 for k in b1}
                         print("    server by process: " + ", ".join(

@@ -21,7 +21,8 @@ _INSERT = "INSERT INTO lg_blobs (thread_id, checkpoint_ns, channel, version, typ
 def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
     """Start one thread per writer while a commit is "in flight", then let them all go at once."""
     with gc._mu:
-        gc._inflight = gc._max_inflight
+        gc._max_inflight = 1  # one commit "in flight": the queued writers wait for its slot
+        gc._inflight = 1
 
     def writer(i: int, ops) -> None:
         try:
@@ -159,3 +160,47 @@ def test_one_batch_may_upsert_the_same_checkpoint_twice(tenant: TenantStore) -> 
     assert results == {0: "ok", 1: "ok"}
     got = saver.get_tuple(cfg)
     assert got is not None and got.checkpoint["channel_values"]["v"] in ("first", "second")
+
+
+def test_a_second_transaction_runs_alongside_only_for_a_full_batch(tenant: TenantStore) -> None:
+    """With two slots, a finishing leader hands its slot on only if it is the last one in flight or a full
+    batch (``extra_min`` writers) waits; otherwise it frees the slot and the other leader takes the queue."""
+    from moorage.store.langgraph_commit import _Job
+
+    gc = GroupCommit(tenant, max_inflight=2, extra_min=3)
+    with gc._mu:
+        gc._inflight = 2
+        gc._queue = [_Job([]) for _ in range(2)]
+        assert gc._pass_slot() is None and gc._inflight == 1  # two waiting: not enough for a second one
+        gc._inflight = 2
+        gc._queue.append(_Job([]))
+        head = gc._queue[0]
+        assert gc._pass_slot() is head and gc._inflight == 2 and head.batch is not None and len(head.batch) == 3
+        gc._inflight = 1
+        gc._queue = [_Job([])]
+        head = gc._queue[0]
+        assert gc._pass_slot() is head and gc._inflight == 1  # the last slot always serves the queue
+        gc._queue = []
+        assert gc._pass_slot() is None and gc._inflight == 0
+
+
+def test_two_slots_commit_every_concurrent_writer(tenant: TenantStore) -> None:
+    """Many threads through two slots: every write commits exactly once, none is left waiting."""
+    gc = GroupCommit(tenant, max_inflight=2, extra_min=2)
+    n = 24
+    results: dict = {}
+
+    def writer(i: int) -> None:
+        for j in range(5):
+            gc.write([(_INSERT, [("t", "", f"w{i}", str(j), "bytes", b"x")])])
+        results[i] = "ok"
+
+    threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {i: "ok" for i in range(n)}
+    with tenant._tx() as c:
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 't'")[0] == n * 5
+    assert gc._inflight == 0 and not gc._queue
