@@ -106,11 +106,14 @@ async def main(args: argparse.Namespace) -> dict:
         # Sleep / wake cycles on a fork (the normal path: agents are forked from a template).
         a = kids[0]
         await a.write_file("/work/agent-state.json", json.dumps({"turns": 1}).encode())
-        f_sleep, f_wake = [], []
+        f_sleep, f_wake, phases = [], [], {}
         for _ in range(args.reps):
             f_sleep.append(await timed(a.sleep()))
             f_wake.append(await timed(a.wake()))
+            for name, v in a.last_wake_phases.items():
+                phases.setdefault(name, []).append(v)
         res["sleep"], res["wake"] = summary(f_sleep), summary(f_wake)
+        res["wake_phases_p50_ms"] = {name: statistics.median(v) for name, v in phases.items()}
         print("fork: sleep", ms(res["sleep"]), "| wake", ms(res["wake"]), flush=True)
 
         # Disk per sleeping agent beyond the template.
@@ -158,7 +161,7 @@ def write_report(res: dict) -> str:
     rows = [
         ("cold boot (baseline, to first channel reply)", res["cold_boot"]),
         ("sleep (fork, incl. guest sync, RAM delta, fsyncs)", res["sleep"]),
-        ("wake (fork, to first channel reply + clock set)", res["wake"]),
+        ("wake (fork, to the first channel reply, which also sets the clock)", res["wake"]),
         ("fork per child (create + first wake)", res["fork_per_child"]),
         ("checkpoint", res["checkpoint"]),
         ("rollback (to first channel reply)", res["rollback"]),
@@ -183,6 +186,7 @@ def write_report(res: dict) -> str:
         f"- disk of a sleeping sandbox with its own RAM file (not forked): {res['own_ram_sleeping_bytes'] / MiB:.0f} MiB",
         f"- template on disk: {res['template_bytes'] / MiB:.0f} MiB; making it took {res['make_template_s'] * 1000:.0f} ms",
         f"- host memory per awake forked agent: RSS {res['rss_per_awake_fork_mib']:.0f} MiB, PSS {res['pss_per_awake_fork_mib']:.0f} MiB (template pages shared); own-RAM sandbox RSS {res['rss_own_ram_mib']:.0f} MiB",
+        "- wake phases, p50 ms: " + ", ".join(f"{k} {v:.0f}" for k, v in res["wake_phases_p50_ms"].items()),
         f"- cold boot / wake: {res['cold_over_wake']:.0f}x",
         "",
         f"**{head}**",

@@ -178,6 +178,8 @@ class MicroVMSandbox(Sandbox):
         self.last_wake_fallback: SandboxError | None = None
         #: How the last wake went: "snapshot" (memory restored), "cold" (booted from disk) or None.
         self.last_wake_mode: str | None = None
+        #: Milliseconds per step of the last wake from a snapshot (validate, QEMU start, device state, first reply).
+        self.last_wake_phases: dict[str, int] = {}
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -562,6 +564,7 @@ class MicroVMSandbox(Sandbox):
             self._set_state(SandboxState.STOPPED, snapshot=None)
             raise
         self.last_wake_mode = "snapshot"
+        self.last_wake_phases = dict(ph.ms)
         log.info("woke", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
 
     async def _apply_delta_when_mapped(self, snap_dir: Path) -> None:
@@ -849,10 +852,14 @@ class MicroVMDriver(SandboxDriver):
         async with sandbox._lock:
             if sandbox.state is not SandboxState.RUNNING or sandbox._qmp is None or sandbox.pid is None:
                 raise SandboxStateError(f"sandbox {sandbox.id} must be running to become a template", hint="wake() it first")
+            # Flush the guest's dirty pages so the template's disk alone holds every file (a fork whose snapshot
+            # is unusable cold-boots from it). The page cache stays: in the template's RAM it is shared by every
+            # fork, where dropping it would make each fork read the same files from disk into private pages.
             try:
-                await sandbox.exec(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], timeout=30)
-            except ChannelError:
-                pass
+                assert sandbox._channel is not None
+                await sandbox._channel.call("sys.sync", {}, timeout=30)
+            except ChannelError as e:
+                log.warning("guest sync before template failed", sandbox=sandbox.id, error=str(e))
             tmp = tdir.with_name(tid + ".new")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
