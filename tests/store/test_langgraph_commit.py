@@ -31,20 +31,24 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
         except Exception as e:
             results[i] = e
 
-    threads = [threading.Thread(target=writer, args=(i, ops)) for i, ops in enumerate(ops_by_writer)]
+    # Daemon threads and deadlines: a regression in the commit hand-over fails the test instead of hanging pytest.
+    threads = [threading.Thread(target=writer, args=(i, ops), daemon=True) for i, ops in enumerate(ops_by_writer)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
     while True:
         with gc._mu:
             if len(gc._queue) == len(threads):
                 # Hand the held slot over, as a finishing leader does: the oldest waiter commits them all.
                 nxt = gc._pass_slot()
                 break
+        assert time.monotonic() < deadline, f"only {len(gc._queue)} of {len(threads)} writers queued"
         time.sleep(0.005)
     assert nxt is not None
     nxt.wake.release()
     for t in threads:
         t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a writer never returned"
 
 
 def test_queued_writers_commit_together_and_a_bad_one_fails_alone(tenant: TenantStore) -> None:
@@ -96,11 +100,12 @@ def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore)
             cp["channel_versions"] = {"step": step + 1}
             config = saver.put(config, cp, {"step": step}, {"step": step + 1})
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_threads)]
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n_threads)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a writer never returned"
     del backend.tenant_tx
     backend.__dict__.pop("tenant_call", None)
     for i in range(n_threads):
