@@ -107,7 +107,7 @@ async def test_cancel_kills_running_exec(start_guest) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(") ")[1].startswith("Z"):
                     break
-        except FileNotFoundError:
+        except OSError:  # gone (ENOENT), or reaped between open and read (ESRCH)
             break
         await asyncio.sleep(0.05)
     else:
