@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -46,6 +47,16 @@ async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterato
         await stop_all_sandboxes(driver)
         await driver.close()
         store.close()
+
+
+def write_agent(root: Path, name: str, body: str, extra_manifest: str = "") -> Path:
+    """An SDK agent directory: ``agent.py`` (dedented ``body``) and a manifest whose users are created on first
+    contact; ``extra_manifest`` (TOML tables) goes between ``[agent]`` and ``[agent.lifecycle]``."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n{extra_manifest}'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(textwrap.dedent(body))
+    return root
 
 
 @pytest.fixture

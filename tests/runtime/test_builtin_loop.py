@@ -14,6 +14,7 @@ from moorage.config import Config
 from moorage.runtime.host import Host
 from moorage.store import EntityKey
 from tests.conftest import stop_all_sandboxes
+from tests.runtime.conftest import write_agent
 from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
 
 TOOLS = '''
@@ -95,10 +96,7 @@ async def test_builtin_loop_calls_a_typed_tool_in_the_sandbox(tmp_path: Path) ->
 
 
 async def test_agent_reads_its_step_log_and_the_users_corrections(env, tmp_path: Path) -> None:
-    agent = tmp_path / "wf"
-    agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "wf"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (agent / "agent.py").write_text(WORKFLOW)
+    agent = write_agent(tmp_path / "wf", "wf", WORKFLOW)
     await env.runtime.deploy(env.principal, agent)
     r = await env.runtime.invoke(env.principal, EntityKey("wf", "ada"), "no, use the other supplier")
     log = json.loads(r.reply)

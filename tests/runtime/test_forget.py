@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 from moorage.store import EntityKey, Scope
+from tests.runtime.conftest import write_agent
 
 AGENT = '''
 async def on_message(ctx, message):
@@ -31,10 +32,7 @@ def _files_containing(root: Path, needle: bytes) -> list[Path]:
 
 
 async def test_forget_removes_every_byte_of_the_user(env, tmp_path: Path) -> None:
-    root = tmp_path / "agent"
-    root.mkdir()
-    (root / "moorage.toml").write_text('[agent]\nname = "diary"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (root / "agent.py").write_text(AGENT)
+    root = write_agent(tmp_path / "agent", "diary", AGENT)
     await env.runtime.deploy(env.principal, root)
     alice_secret = f"alicesecret{uuid.uuid4().hex}"
     bob_secret = f"bobsecret{uuid.uuid4().hex}"

@@ -29,6 +29,7 @@ from moorage.config import Config
 from moorage.devservices.postgres import free_port
 from moorage.durable import DurableEngine
 from moorage.store import open_store
+from tests.runtime.conftest import write_agent
 
 ROOT = Path(__file__).resolve().parents[2]
 MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
@@ -181,12 +182,8 @@ def exec_lines(data: Path) -> list[dict[str, Any]]:
 def test_sigkill_mid_workflow_many_times(tmp_path: Path, payments: str) -> None:
     rng = random.Random(int.from_bytes(os.urandom(4), "big"))
     seed_note = f"rng state {rng.getstate()[1][:2]}"
-    agent = tmp_path / "pipeline"
-    agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "pipeline"\nentry = "agent.py"\n'
-                                        '[agent.egress]\nallow = ["http://127.0.0.1:"]\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n')
-    (agent / "agent.py").write_text(AGENT % {"steps": STEPS, "paying": sorted(PAYING)})
+    agent = write_agent(tmp_path / "pipeline", "pipeline", AGENT % {"steps": STEPS, "paying": sorted(PAYING)},
+                        '[agent.egress]\nallow = ["http://127.0.0.1:"]\n')
     data = tmp_path / "data"
     server = Server(data, free_port())
     server.start()

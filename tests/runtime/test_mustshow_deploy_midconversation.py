@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from moorage.store import EntityKey
+from tests.runtime.conftest import write_agent
 
 AGENT = '''
 import asyncio, os
@@ -31,18 +32,11 @@ async def on_message(ctx, message):
 USERS = [f"user{i}" for i in range(4)]
 
 
-def _write(path: Path, version: str) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "moorage.toml").write_text('[agent]\nname = "notes"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (path / "agent.py").write_text(AGENT % version)
-    return path
-
-
 @pytest.mark.timeout(170)
 async def test_deploy_while_users_talk_loses_no_turn(env, tmp_path: Path) -> None:
     rt = env.runtime
-    await rt.deploy(env.principal, _write(tmp_path / "v1", "v1"))
-    v2_dir = _write(tmp_path / "v2", "v2")
+    await rt.deploy(env.principal, write_agent(tmp_path / "v1", "notes", AGENT % "v1"))
+    v2_dir = write_agent(tmp_path / "v2", "notes", AGENT % "v2")
     deployed, deploying = asyncio.Event(), asyncio.Event()
     during_deploy: list[str] = []
     started = {u: asyncio.Event() for u in USERS}

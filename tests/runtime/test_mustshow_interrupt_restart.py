@@ -16,6 +16,7 @@ from moorage.config import Config
 from moorage.durable import DurableEngine
 from moorage.runtime.host import Host
 from moorage.store import EntityKey, Scope
+from tests.runtime.conftest import write_agent
 
 AGENT = '''
 import json, os
@@ -67,10 +68,7 @@ def _executions(cfg: Config) -> list[dict[str, str]]:
 
 @pytest.mark.timeout(170)
 async def test_interrupt_survives_sleep_and_host_restart(tmp_path: Path) -> None:
-    agent = tmp_path / "shipper"
-    agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "shipper"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (agent / "agent.py").write_text(AGENT)
+    agent = write_agent(tmp_path / "shipper", "shipper", AGENT)
     cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process")
 
     host = Host.open(cfg)

@@ -21,6 +21,7 @@ from moorage.runtime.host import Host
 from moorage.sandbox import process_limits as limits
 from moorage.store import EntityKey
 from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
+from tests.runtime.conftest import write_agent
 
 AGENT = '''
 import os
@@ -73,11 +74,7 @@ async def test_no_credential_inside_the_sandbox(tmp_path: Path) -> None:
     with WireServer(openai_app, secret) as wire:
         cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process", llm_provider="openai",
                      llm_base_url=f"{wire.url}/v1", llm_api_key=secret, llm_model=MODEL)
-        agent = tmp_path / "talker"
-        agent.mkdir()
-        (agent / "moorage.toml").write_text('[agent]\nname = "talker"\nentry = "agent.py"\n'
-                                            '[agent.lifecycle]\nusers = "auto"\n')
-        (agent / "agent.py").write_text(AGENT)
+        agent = write_agent(tmp_path / "talker", "talker", AGENT)
         host = Host.open(cfg)
         await host.start()
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ from moorage.errors import NotFound, TenantScopeError
 from moorage.runtime.package import AgentPackageError
 from moorage.runtime.runtime import AgentTurnFailed
 from moorage.store import EntityKey, Principal
+from tests.runtime.conftest import write_agent
 
 AGENT = '''
 import os
@@ -38,15 +38,8 @@ async def on_message(ctx, message):
 '''
 
 
-def write_agent(root: Path, body: str = AGENT, name: str = "echo") -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (root / "agent.py").write_text(textwrap.dedent(body))
-    return root
-
-
 async def test_deploy_and_turns_keep_files_per_user(env, tmp_path: Path) -> None:
-    dep = await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    dep = await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     assert dep.number == 1
     r1 = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "count")
     r2 = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "count")
@@ -55,7 +48,7 @@ async def test_deploy_and_turns_keep_files_per_user(env, tmp_path: Path) -> None
 
 
 async def test_memory_round_trip_through_the_host(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     alice = EntityKey("echo", "alice", session="s1")
     await env.runtime.invoke(env.principal, alice, "remember my locker code is 4512")
     later = EntityKey("echo", "alice", session="s2")
@@ -66,14 +59,14 @@ async def test_memory_round_trip_through_the_host(env, tmp_path: Path) -> None:
 
 
 async def test_no_host_secret_in_the_sandbox_environment(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     r = await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "env")
     names = set(r.reply.split())
     assert not any("KEY" in n or "TOKEN" in n or "SECRET" in n or n.startswith("MOORAGE_LLM") for n in names), names
 
 
 async def test_idempotent_turns_replay(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     k = EntityKey("echo", "alice")
     a = await env.runtime.invoke(env.principal, k, "count", idempotency_key="req-1")
     b = await env.runtime.invoke(env.principal, k, "count", idempotency_key="req-1")
@@ -82,7 +75,7 @@ async def test_idempotent_turns_replay(env, tmp_path: Path) -> None:
 
 
 async def test_interrupt_then_answer_resumes_after_it(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     k = EntityKey("echo", "alice")
     r = await env.runtime.invoke(env.principal, k, "approve")
     assert r.status == "waiting" and r.interrupt == {"question": "ship it?", "draft": "draft-1"}
@@ -94,10 +87,10 @@ async def test_interrupt_then_answer_resumes_after_it(env, tmp_path: Path) -> No
 
 async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:
     with pytest.raises(AgentPackageError, match="syntax error in agent.py line"):
-        await env.runtime.deploy(env.principal, write_agent(tmp_path / "bad", "def on_message(ctx, m):\n  return (\n"))
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "bad", "echo", "def on_message(ctx, m):\n  return (\n"))
     with pytest.raises(AgentPackageError, match="ModuleNotFoundError"):
-        await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp", "import not_a_module_xyz\n", name="imp"))
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp", "imp", "import not_a_module_xyz\n"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     with pytest.raises(AgentTurnFailed, match="the agent broke"):
         await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "boom")
     # The agent is not stuck: the next turn works.
@@ -105,7 +98,7 @@ async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:
 
 
 async def test_unknown_agent_and_foreign_tokens(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     with pytest.raises(NotFound):
         await env.runtime.invoke(env.principal, EntityKey("ghost", "alice"), "hi")
     assert env.store.tenant(env.principal).sandboxes.list() == [] or all(
@@ -116,11 +109,11 @@ async def test_unknown_agent_and_foreign_tokens(env, tmp_path: Path) -> None:
 
 
 async def test_new_deploy_reaches_existing_users_with_their_files(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v1"))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v1", "echo", AGENT))
     k = EntityKey("echo", "alice")
     await env.runtime.invoke(env.principal, k, "count")
     v2 = AGENT.replace('"echo: " + message', '"v2: " + message')
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v2", v2))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v2", "echo", v2))
     assert (await env.runtime.invoke(env.principal, k, "hi")).reply == "v2: hi"
     assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"
     await env.runtime.rollback(env.principal, "echo")
@@ -128,7 +121,7 @@ async def test_new_deploy_reaches_existing_users_with_their_files(env, tmp_path:
 
 
 async def test_unknown_user_is_404_and_writes_nothing(env, tmp_path: Path) -> None:
-    root = write_agent(tmp_path / "strict", name="strict")
+    root = write_agent(tmp_path / "strict", "strict", AGENT)
     (root / "moorage.toml").write_text('[agent]\nname = "strict"\nentry = "agent.py"\n')  # users: existing (default)
     await env.runtime.deploy(env.principal, root)
     ts = env.store.tenant(env.principal)
