@@ -13,9 +13,12 @@ import secrets
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from moorage.errors import InvalidInput, NotFound, TenantScopeError
+
+if TYPE_CHECKING:
+    from moorage.store.bloblog import BlobLog
 from moorage.store.model import ApiKey, Tenant, check_id
 from moorage.store.sql import Conn
 
@@ -70,6 +73,14 @@ class Backend(ABC):
 
     def purge(self, tenant_id: str) -> None:
         """Make deletions physical where the backend can (called after forgetting a user)."""
+
+    def blob_log(self, tenant_id: str) -> "BlobLog | None":
+        """Where this tenant's large LangGraph channel values go instead of a table, or None (kept in rows)."""
+        return None
+
+    def vacuum_blobs(self, tenant_id: str) -> tuple[int, int]:
+        """Reclaim blob-log space no row refers to; (segments removed, bytes punched)."""
+        return 0, 0
 
     @abstractmethod
     def describe(self) -> str: ...

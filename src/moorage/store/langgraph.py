@@ -22,7 +22,8 @@ from langgraph.checkpoint.base import (
 )
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
-from moorage.errors import ConflictError, InvalidInput
+from moorage.errors import ConflictError, InvalidInput, UnavailableError
+from moorage.store.bloblog import BlobGone
 from moorage.store.langgraph_commit import GroupCommit
 from moorage.store.langgraph_sql import Statements, metadata_predicates
 from moorage.store.sql import Conn
@@ -36,6 +37,19 @@ _PRUNE_STRATEGIES = ("keep_latest", "delete")
 _INLINE_TYPES = ("msgpack", "null")
 # Bound on the memo of blobs a saver knows are stored (entries are small tuples).
 _STORED_MAX = 65536
+# lg_blobs.type prefix of a value held in the tenant's blob log; lg_blobs.blob then holds its locator.
+_LOG = "log:"
+_LOG_ROWS = "SELECT blob FROM lg_blobs WHERE thread_id = ? AND type LIKE 'log:%'"
+
+
+class _Spill:
+    """A large value on its way to the blob log: the group-commit leader appends it and puts the locator
+    in its row (``MoorageSaver._spill``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
 
 def _thread(config: RunnableConfig) -> tuple[str, str]:
@@ -72,18 +86,28 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     """
 
     def __init__(self, ts: TenantStore, *, serde: SerializerProtocol | None = None, page_size: int = 64,
-                 max_batch: int = 64, inline_max: int = 4096, inline_total: int = 16384) -> None:
+                 max_batch: int = 64, inline_max: int = 4096, inline_total: int = 16384,
+                 log_min: int = 16384) -> None:
         super().__init__(serde=serde)
         if not isinstance(ts, TenantStore):
             raise TypeError("MoorageSaver needs a TenantStore from Store.tenant(principal)")
         self._ts = ts
         self._sql = Statements(ts.dialect)
         self._page_size = max(1, page_size)
+        # Where the backend has one (SQLite files), values of at least ``log_min`` serialised bytes go to the
+        # tenant's blob log, written once instead of twice (WAL, then database file); see bloblog.py.
+        # ``log_min=0`` keeps every value in rows. Rows already in the log stay readable either way.
+        self._blobs = ts.backend.blob_log(ts.tenant_id)
+        self._log_min = log_min if log_min > 0 and self._blobs is not None else 0
         # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
-        self._commits = GroupCommit(ts, max_batch)
+        self._commits = GroupCommit(ts, max_batch, prepare=self._spill if self._log_min else None)
         # A channel value whose serialised form is at most ``inline_max`` bytes is stored inside the
         # checkpoint row, up to ``inline_total`` bytes per checkpoint; larger ones go to lg_blobs once
         # per version. ``inline_max=0`` stores every value as a blob (the layout before inlining).
+        # A step that rewrote every value (nothing would be shared with the next checkpoint anyway)
+        # inlines values up to twice those limits: the whole state in one row, as the official savers
+        # store it. A step that changed part of the state keeps the smaller limits, so unchanged values
+        # are not copied into every later checkpoint.
         self._inline_max = max(0, inline_max)
         self._inline_total = max(0, inline_total)
         # (thread, ns, channel, version) of blobs this saver has committed: unchanged large values are
@@ -107,7 +131,9 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         # Small channel values travel inline in the checkpoint row (one row written and read per step);
         # the others go to lg_blobs keyed by (channel, version), written once per version.
         inline: dict[str, Any] = {}
-        budget = self._inline_total
+        rewrite = len(new_versions) >= len(values) and all(ch in new_versions for ch in values)
+        limit = self._inline_max * (2 if rewrite else 1)
+        budget = self._inline_total * (2 if rewrite else 1)
         blobs = []
         refs: dict[str, str] = {}
         stored = self._stored
@@ -121,13 +147,16 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                     continue
                 value = values[channel]
                 vt, vb = dumps(value)
-                if vt in _INLINE_TYPES and len(vb) <= self._inline_max and len(vb) <= budget:
+                if vt in _INLINE_TYPES and len(vb) <= limit and len(vb) <= budget:
                     inline[channel] = value
                     budget -= len(vb)
                     continue
                 # Written even when the version is not new (insert-or-ignore): an earlier checkpoint may
                 # have held this value inline, so a blob for this version need not exist yet.
-                blobs.append((thread_id, ns, channel, sv, vt, vb))
+                if self._log_min and len(vb) >= self._log_min:
+                    blobs.append((thread_id, ns, channel, sv, _LOG + vt, _Spill(vb)))
+                else:
+                    blobs.append((thread_id, ns, channel, sv, vt, vb))
                 fresh.append(key)
                 refs[channel] = sv
             elif channel in new_versions:
@@ -155,6 +184,27 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             stored.update(dict.fromkeys(fresh))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
+    def _spill(self, todo: list[tuple[Any, list[tuple]]]) -> None:
+        """GroupCommit's ``prepare``, inside the write transaction: append the batch's spilled values to the
+        blob log in one write and one fdatasync, and put their locators in the rows about to be inserted."""
+        for sql, rows in todo:
+            if sql is not self._sql.insert_blob:
+                continue
+            at = [i for i, r in enumerate(rows) if isinstance(r[5], _Spill)]
+            if at:
+                locs = self._blobs.append([rows[i][5].data for i in at])  # type: ignore[union-attr]
+                for i, loc in zip(at, locs):
+                    rows[i] = rows[i][:5] + (loc,)
+
+    def _release(self, locs: list[bytes]) -> None:
+        """Punch deleted values out of the blob log, once their delete has committed. Inside a caller's
+        transaction that might still roll back they are left for the next vacuum."""
+        if locs and self._blobs is not None and self._ts.ambient() is None:
+            self._blobs.release(locs)
+
+    def _logged(self, c: Conn, thread_id: str) -> list[bytes]:
+        return [r[0] for r in c.q(_LOG_ROWS, (thread_id,))] if self._blobs is not None else []
+
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
@@ -173,14 +223,17 @@ class MoorageSaver(BaseCheckpointSaver[int]):
 
     def delete_thread(self, thread_id: str) -> None:
         with self._ts._tx() as c:
+            locs = self._logged(c, str(thread_id))
             for stmt in self._sql.delete_thread:
                 c.x(stmt, (str(thread_id),))
+        self._release(locs)
 
     def delete_for_runs(self, run_ids: Sequence[str]) -> None:
         ids = [str(r) for r in run_ids]
         if not ids:
             return
         marks = ", ".join("?" * len(ids))
+        locs: list[bytes] = []
         with self._ts._tx() as c:
             doomed = c.q(f"SELECT thread_id, checkpoint_ns, checkpoint_id FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
             if not doomed:
@@ -188,7 +241,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", doomed)
             c.x(f"DELETE FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
             for thread_id, ns in sorted({(r[0], r[1]) for r in doomed}):
-                self._drop_unreferenced_blobs(c, thread_id, ns)
+                locs += self._drop_unreferenced_blobs(c, thread_id, ns)
+        self._release(locs)
 
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
         src, dst = str(source_thread_id), str(target_thread_id)
@@ -200,6 +254,20 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 )
             for stmt in self._sql.copy_thread:
                 c.x(stmt, (dst, src))
+            self._copy_logged(c, dst)
+
+    def _copy_logged(self, c: Conn, thread_id: str) -> None:
+        """Give a copied thread its own copies of its blob-log values (the rows were copied with the
+        source's locators), so deleting either thread never punches values the other still uses."""
+        if self._blobs is None:
+            return
+        rows = c.q("SELECT checkpoint_ns, channel, version, blob FROM lg_blobs WHERE thread_id = ? AND type LIKE 'log:%'",
+                   (thread_id,))
+        for i in range(0, len(rows), 64):
+            part = rows[i: i + 64]
+            locs = self._blobs.append([self._blobs.read(r[3]) for r in part])
+            c.many("UPDATE lg_blobs SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?",
+                   [(loc, thread_id, r[0], r[1], r[2]) for loc, r in zip(locs, part)])
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         if strategy not in _PRUNE_STRATEGIES:
@@ -211,6 +279,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 self._keep_latest(str(tid))
 
     def _keep_latest(self, thread_id: str) -> None:
+        locs: list[bytes] = []
         with self._ts._tx() as c:
             rows = c.q(
                 "SELECT checkpoint_ns, checkpoint_id, parent_id, metadata FROM lg_checkpoints WHERE thread_id = ? "
@@ -227,7 +296,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                     continue
                 c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
                 c.many("DELETE FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
-                self._drop_unreferenced_blobs(c, thread_id, ns)
+                locs += self._drop_unreferenced_blobs(c, thread_id, ns)
+        self._release(locs)
 
     @staticmethod
     def _kept_chain(cps: list[tuple]) -> set[str]:
@@ -249,20 +319,34 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             n -= 1
         return keep
 
-    def _drop_unreferenced_blobs(self, c: Conn, thread_id: str, ns: str) -> None:
-        """Delete channel blobs no remaining checkpoint of (thread, namespace) refers to."""
+    def _drop_unreferenced_blobs(self, c: Conn, thread_id: str, ns: str) -> list[bytes]:
+        """Delete channel blobs no remaining checkpoint of (thread, namespace) refers to; returns the blob-log
+        locators among them, for ``_release`` once this transaction committed."""
         live: set[tuple[str, str]] = set()
         for t, b in c.q("SELECT type, checkpoint FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns)):
             head = self.serde.loads_typed((t, _bytes(b)))
             live.update((ch, str(v)) for ch, v in head.get("channel_versions", {}).items())
-        stored = c.q("SELECT channel, version FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns))
-        dead = [(thread_id, ns, ch, v) for ch, v in stored if (ch, v) not in live]
+        stored = c.q("SELECT channel, version, CASE WHEN type LIKE 'log:%' THEN blob END FROM lg_blobs "
+                     "WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns))
+        dead = [(thread_id, ns, ch, v) for ch, v, _ in stored if (ch, v) not in live]
         if dead:
             c.many("DELETE FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?", dead)
+        return [loc for ch, v, loc in stored if loc is not None and (ch, v) not in live]
 
     # -- reading ----------------------------------------------------------------------------------
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        try:
+            return self._get_tuple(config)
+        except BlobGone:
+            # A delete committed between reading the rows and reading a value from the blob log: read
+            # again, which sees the delete. A value still missing then is damage, reported as such.
+            try:
+                return self._get_tuple(config)
+            except BlobGone as e:
+                raise _damaged(e) from e
+
+    def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
         if checkpoint_id:
@@ -349,7 +433,15 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                     if py_filter and not _matches(json.loads(r[6]), py_filter):
                         continue
                     raws.append(self._fetch_parts(c, r))
-            out = [self._decode(raw) for raw in raws]
+            out = []
+            for raw in raws:
+                try:
+                    out.append(self._decode(raw))
+                except BlobGone as e:
+                    # Deleted while this page was being read (then it is simply not listed), or damaged.
+                    if self._ts.read("SELECT 1 FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? "
+                                     "AND checkpoint_id = ?", raw[0][:3]):
+                        raise _damaged(e) from e
             if remaining is not None:
                 out = out[:remaining]
                 remaining -= len(out)
@@ -391,6 +483,10 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         if not isinstance(values, dict):
             values = head["channel_values"] = {}
         for ch, t, b in blobs:
+            if t.startswith(_LOG):
+                if self._blobs is None:
+                    raise BlobGone(f"channel {ch!r} is in a blob log this store has none of")
+                t, b = t[len(_LOG):], self._blobs.read(b)
             if t != _EMPTY and b is not None:
                 values[ch] = self.serde.loads_typed((t, _bytes(b)))
         return CheckpointTuple(
@@ -447,6 +543,13 @@ class MoorageSaver(BaseCheckpointSaver[int]):
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+
+
+def _damaged(e: BlobGone) -> UnavailableError:
+    return UnavailableError(
+        f"a checkpoint's channel value is missing from the tenant's blob log ({e})",
+        hint="the store's files were changed or damaged outside moorage; restore them from a backup",
+    )
 
 
 def _matches(md: dict[str, Any], wanted: dict[str, Any]) -> bool:

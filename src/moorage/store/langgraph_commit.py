@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from moorage.store.langgraph_sql import BatchInsert
 from moorage.store.tenant import TenantStore
@@ -15,6 +15,9 @@ from moorage.store.tenant import TenantStore
 #: One write: statement -> parameter rows. A plain SQL string is applied with executemany; a
 #: ``BatchInsert`` becomes one multi-row statement per batch on PostgreSQL.
 Ops = Sequence[tuple[Any, Sequence[tuple]]]
+#: Called inside the write transaction with the batch's merged (statement, rows) lists, before they are
+#: applied; may replace rows in those lists (the blob log turns spilled values into locators here).
+Prepare = Callable[[list[tuple[Any, list[tuple]]]], None]
 
 
 class _EventSignal:
@@ -95,8 +98,10 @@ def _merge(jobs: Sequence[_Job]) -> list[tuple[Any, list[tuple]]]:
     return [(sql, rows) for sql, rows in merged.items() if rows]
 
 
-def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False) -> None:
+def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False, prepare: Prepare | None = None) -> None:
     todo = _merge(jobs)
+    if prepare is not None:
+        prepare(todo)
     pg = c.dialect == "postgres"
     if pg and len(todo) > 1 and not pipelined:
         # One round trip for all statements instead of one each; errors still surface before COMMIT.
@@ -131,8 +136,9 @@ class GroupCommit:
     """
 
     def __init__(self, ts: TenantStore, max_batch: int = 64, max_inflight: int | None = None,
-                 extra_min: int = 4) -> None:
+                 extra_min: int = 4, prepare: Prepare | None = None) -> None:
         self._ts = ts
+        self._prepare = prepare
         self._max = max(1, max_batch)
         # SQLite serialises writers on the file lock: one batch in flight. On PostgreSQL a commit is
         # mostly server work and fsync, during which the client and the other CPU idle, so a second
@@ -150,7 +156,7 @@ class GroupCommit:
         if self._ts.ambient() is not None:
             # The caller grouped work with ``ts.transaction()``: join it, commit with it.
             with self._ts._tx() as c:
-                _apply(c, [_Job(ops)])
+                _apply(c, [_Job(ops)], prepare=self._prepare)
             return
         job = _Job(ops)
         with self._mu:
@@ -247,7 +253,7 @@ class GroupCommit:
                 _apply(c, jobs, pipelined=True)
         else:
             with self._ts._tx() as c:
-                _apply(c, jobs)
+                _apply(c, jobs, prepare=self._prepare)
 
     def _commit(self, batch: list[_Job]) -> _Job | None:
         """Commit ``batch``; returns the first of its sleeping writers (the others chained behind it),

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from typing import Any, Sequence
+
+import psycopg
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 
 _CHECKPOINT_COLS = "thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata, versions"
 _BLOB_COLS = "thread_id, checkpoint_ns, channel, version, type, blob"
@@ -26,6 +31,80 @@ _FN_NAMES = {"thread_id": "thread", "checkpoint_ns": "ns", "checkpoint_id": "id"
              "checkpoint": "blob", "metadata": "meta", "task_id": "task", "task_path": "path"}
 
 
+class _Array(list):
+    """A column of a batch, sent to PostgreSQL as one binary array (``array_send`` format) built here.
+
+    psycopg's generic list adaptation inspects every element's type to pick its dumper; for the
+    batch's columns, whose element types are fixed, that was the largest part of the client's CPU per
+    put (~40% on 1 KiB states). Subclasses fix the element type; None is SQL NULL.
+    """
+
+    __slots__ = ()
+    elem_oid = 0
+
+    @staticmethod
+    def item(v: Any) -> bytes:
+        raise NotImplementedError
+
+
+class _TextArray(_Array):
+    __slots__ = ()
+    elem_oid = 25
+
+    @staticmethod
+    def item(v: Any) -> bytes:
+        return v.encode() if isinstance(v, str) else str(v).encode()
+
+
+class _ByteaArray(_Array):
+    __slots__ = ()
+    elem_oid = 17
+
+    @staticmethod
+    def item(v: Any) -> bytes:
+        return v if isinstance(v, bytes) else bytes(v)
+
+
+class _Int4Array(_Array):
+    __slots__ = ()
+    elem_oid = 23
+
+    @staticmethod
+    def item(v: Any) -> bytes:
+        return struct.pack(">i", v)
+
+
+_ARRAY_OIDS = {25: 1009, 17: 1001, 23: 1007}
+_HEAD = struct.Struct(">iiiii")
+_LEN = struct.Struct(">i")
+_NULL = _LEN.pack(-1)
+
+
+class _ArrayDumper(Dumper):
+    format = Format.BINARY
+
+    def __init__(self, cls: type, context: Any = None) -> None:
+        super().__init__(cls, context)
+        self.oid = _ARRAY_OIDS[cls.elem_oid]  # type: ignore[attr-defined]
+
+    def dump(self, obj: _Array) -> bytes:
+        item = obj.item
+        parts = [_HEAD.pack(1, 1 if None in obj else 0, obj.elem_oid, len(obj), 1)]
+        for v in obj:
+            if v is None:
+                parts.append(_NULL)
+            else:
+                b = item(v)
+                parts.append(_LEN.pack(len(b)))
+                parts.append(b)
+        return b"".join(parts)
+
+
+for _cls in (_TextArray, _ByteaArray, _Int4Array):
+    psycopg.adapters.register_dumper(_cls, _ArrayDumper)
+_ARRAY_TYPES = {"text": _TextArray, "bytea": _ByteaArray, "integer": _Int4Array}
+
+
 class BatchInsert:
     """An INSERT that group commit applies to many rows at once.
 
@@ -35,10 +114,11 @@ class BatchInsert:
     transaction however many puts share it, instead of one per row.
     """
 
-    __slots__ = ("sqlite", "pg_batch", "key", "fn_args")
+    __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "_arrays")
 
     def __init__(self, table: str, cols: str, types: Sequence[str], conflict: str, key: int = 0,
                  fn_prefix: str = "") -> None:
+        self._arrays = tuple(_ARRAY_TYPES[t] for t in types)
         marks = ", ".join("?" * len(types))
         self.sqlite = f"INSERT INTO {table} ({cols}) VALUES ({marks}) {conflict}"
         arrays = ", ".join(f"%b::{t}[]" for t in types)
@@ -57,8 +137,8 @@ class BatchInsert:
         return rows if len(last) == len(rows) else list(last.values())
 
     def columns(self, rows: Sequence[tuple]) -> list[list[Any]]:
-        """The rows as one list per column (the ``pg_batch`` parameters)."""
-        return [list(col) for col in zip(*self.dedupe(rows))]
+        """The rows as one binary array per column (the ``pg_batch`` parameters)."""
+        return [arr(col) for arr, col in zip(self._arrays, zip(*self.dedupe(rows)))]
 
 
 class Statements:

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Sequence
 
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
+from moorage.store.bloblog import BlobLog
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
 from moorage.store.sql import Conn
 
@@ -124,13 +125,21 @@ class SQLiteBackend(Backend):
         self._migrated: set[str] = set()
         self._mlock = threading.Lock()
         self._control = str(self.root / "control.db")
+        self._logs: dict[str, BlobLog] = {}
+        self._paths: dict[str, str] = {}
         migrate(self._files.get(self._control), CONTROL_MIGRATIONS)
 
     def tenant_path(self, tenant_id: str) -> Path:
         return self.root / "tenants" / f"{check_tenant_id(tenant_id)}.db"
 
     def _tenant_conn(self, tenant_id: str) -> sqlite3.Connection:
-        path = str(self.tenant_path(tenant_id))
+        # Every transaction comes through here: the checked path string is cached per tenant id.
+        path = self._paths.get(tenant_id)
+        if path is None:
+            path = str(self.tenant_path(tenant_id))
+            if len(self._paths) > 4096:
+                self._paths.clear()
+            self._paths[tenant_id] = path
         if path not in self._migrated:
             with self._mlock:
                 if not os.path.exists(path):
@@ -169,10 +178,31 @@ class SQLiteBackend(Backend):
         if upto is None:
             self._migrated.add(path)
 
+    def blob_log(self, tenant_id: str) -> BlobLog:
+        path = str(self.tenant_path(tenant_id))
+        log = self._logs.get(path)
+        if log is None:
+            self._tenant_conn(tenant_id)  # an unknown tenant gets the same error as any other access
+            with self._mlock:
+                log = self._logs.setdefault(path, BlobLog(Path(path[: -len(".db")] + ".lg")))
+        return log
+
+    def vacuum_blobs(self, tenant_id: str) -> tuple[int, int]:
+        log = self.blob_log(tenant_id)
+        if not log.segments():
+            return 0, 0
+        # Under the write lock no append is in flight anywhere: every range not in a row is garbage.
+        with _transaction(self._tenant_conn(tenant_id), True) as c:
+            live = [r[0] for r in c.q("SELECT blob FROM lg_blobs WHERE type LIKE 'log:%'")]
+            return log.vacuum(live)
+
     def drop_tenant(self, tenant_id: str) -> None:
         path = str(self.tenant_path(tenant_id))
         self._files.drop(path)
         self._migrated.discard(path)
+        with self._mlock:
+            log = self._logs.pop(path, None)
+        (log or BlobLog(Path(path[: -len(".db")] + ".lg"))).destroy()
         for suffix in ("", "-wal", "-shm", "-journal"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path + suffix)
@@ -181,6 +211,7 @@ class SQLiteBackend(Backend):
         """After an erasure: merge the full-text index (dropping deleted terms) and empty the WAL into the file."""
         conn = self._tenant_conn(tenant_id)
         conn.execute("INSERT INTO events_fts(events_fts) VALUES ('optimize')")
+        self.vacuum_blobs(tenant_id)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def schema_version(self, tenant_id: str | None = None) -> int:
@@ -191,6 +222,11 @@ class SQLiteBackend(Backend):
         return f"sqlite {sqlite3.sqlite_version} at {self.root} (WAL, synchronous=FULL)"
 
     def close(self) -> None:
+        with self._mlock:
+            logs = list(self._logs.values())
+            self._logs.clear()
+        for log in logs:
+            log.close()
         self._files.close()
 
 

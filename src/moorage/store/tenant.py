@@ -162,6 +162,8 @@ class TenantStore:
                 if row is None or row[0] is None or row[0] >= now:
                     continue
                 removed += _delete_scopes(c, [key])
+        # LangGraph values deleted since (or orphaned by a crash before their commit) leave the blob log.
+        self._backend.vacuum_blobs(self.tenant_id)
         return SweepReport(scopes=len(expired), rows=removed)
 
     def forget_user(self, user: str, agent: str | None = None) -> int:

@@ -1,0 +1,284 @@
+"""Append-only segment files for one SQLite tenant's large LangGraph channel values.
+
+A value stored in a SQLite table is written twice (to the WAL, then into the database file at the
+checkpoint) plus the B-tree's overflow pages. A value in the blob log is written once: the group-commit
+leader appends the whole batch's large values with one ``pwritev`` and one ``fdatasync``, and the
+transaction that commits afterwards stores only a 24-byte locator per value. Durability is unchanged: the
+bytes are on disk before any row can refer to them.
+
+Rules that keep it correct:
+
+- Appends happen only inside a write transaction of the tenant's database (``BEGIN IMMEDIATE`` holds the
+  file's single writer lock), so appends from threads and processes never interleave, and a vacuum run
+  under that lock sees every range that any committed row refers to, with none in flight.
+- A range whose transaction failed or never committed (crash) is garbage; ``vacuum`` reclaims it.
+- Deleted values are punched out of the file (``fallocate(PUNCH_HOLE)``: the blocks are freed and read
+  back as zeros), so forgetting a thread leaves none of its bytes in the files; a segment with nothing
+  live is unlinked.
+- Each record carries a header (magic, length, random id) that its locator repeats: a read of a range
+  that was punched or reused fails with ``BlobGone`` instead of returning someone else's bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import shutil
+import struct
+import threading
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from moorage.errors import MoorageError
+
+_MAGIC = b"MLG1"
+_HEADER = struct.Struct("<4sIQ")  # magic, value length, record id
+#: A locator as stored in lg_blobs.blob: segment, offset of the record header, value length, record id.
+LOCATOR = struct.Struct("<IQIQ")
+_SEGMENT_MAX = 1 << 30
+_IOV_MAX = 512
+_EDGE = 8192
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class BlobGone(MoorageError):
+    """A locator's record is not (or no longer) in the log: it was deleted, or the file was damaged."""
+
+
+def _libc_fallocate():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate()
+
+
+def _punch(fd: int, off: int, length: int) -> None:
+    """Free ``length`` bytes at ``off`` (they read back as zeros), or overwrite them with zeros where the
+    filesystem cannot punch holes."""
+    if length <= 0:
+        return
+    if _fallocate is not None and _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, off, length) == 0:
+        return
+    err = ctypes.get_errno() if _fallocate is not None else errno.EOPNOTSUPP
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS, 0):
+        raise OSError(err, os.strerror(err))
+    zeros = bytes(min(length, 1 << 20))
+    done = 0
+    while done < length:
+        done += os.pwrite(fd, zeros[: min(len(zeros), length - done)], off + done)
+
+
+class BlobLog:
+    """One tenant's blob log: numbered segment files in ``directory`` (created on the first append)."""
+
+    def __init__(self, directory: Path, segment_max: int = _SEGMENT_MAX) -> None:
+        self.directory = Path(directory)
+        self._segment_max = max(1, segment_max)
+        self._mu = threading.Lock()
+        self._write: tuple[int, int] | None = None  # (segment, fd) appends go to
+        self._readers: dict[int, int] = {}
+
+    # -- paths and descriptors ------------------------------------------------------------------
+
+    def _path(self, seg: int) -> Path:
+        return self.directory / f"{seg:08d}.seg"
+
+    def segments(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
+
+    def _open_append(self) -> tuple[int, int]:
+        """The segment to append to (caller holds the tenant's write lock): the newest one unless it is full."""
+        cur = self._write
+        if cur is not None:
+            try:
+                if os.fstat(cur[1]).st_size < self._segment_max and os.path.exists(self._path(cur[0])):
+                    return cur
+            except OSError:
+                pass
+            os.close(cur[1])
+            self._write = None
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        segs = self.segments()
+        seg = segs[-1] if segs else 0
+        fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(fd).st_size >= self._segment_max:
+            os.close(fd)
+            seg += 1
+            fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # The new segment's directory entry must survive a crash before rows point into it.
+            dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        self._write = (seg, fd)
+        return self._write
+
+    def _reader(self, seg: int) -> int:
+        with self._mu:
+            fd = self._readers.get(seg)
+            if fd is None:
+                try:
+                    fd = os.open(self._path(seg), os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise BlobGone(f"blob log segment {seg} is gone") from None
+                self._readers[seg] = fd
+            return fd
+
+    # -- the operations ---------------------------------------------------------------------------
+
+    def append(self, values: Sequence[bytes]) -> list[bytes]:
+        """Write ``values`` and make them durable; returns one locator per value.
+
+        The caller must hold the tenant database's write lock (be inside its write transaction), and
+        commit rows referring to the locators only after this returned.
+        """
+        if not values:
+            return []
+        seg, fd = self._open_append()
+        start = end = os.fstat(fd).st_size
+        bufs: list[bytes] = []
+        locs: list[bytes] = []
+        for v in values:
+            rid = int.from_bytes(os.urandom(8), "little")
+            bufs.append(_HEADER.pack(_MAGIC, len(v), rid))
+            bufs.append(v)
+            locs.append(LOCATOR.pack(seg, end, len(v), rid))
+            end += _HEADER.size + len(v)
+        pos = start
+        for i in range(0, len(bufs), _IOV_MAX):
+            chunk = bufs[i: i + _IOV_MAX]
+            want = sum(len(b) for b in chunk)
+            wrote = os.pwritev(fd, chunk, pos)
+            if wrote != want:  # a short write on a regular file means the disk is full
+                os.ftruncate(fd, start)
+                raise OSError(errno.ENOSPC, f"short write to the blob log ({wrote} of {want} bytes)")
+            pos += wrote
+        os.fdatasync(fd)
+        return locs
+
+    def read(self, loc: bytes) -> bytes:
+        seg, off, length, rid = LOCATOR.unpack(bytes(loc))
+        data = os.pread(self._reader(seg), _HEADER.size + length, off)
+        if len(data) != _HEADER.size + length or _HEADER.unpack_from(data) != (_MAGIC, length, rid):
+            raise BlobGone(f"blob log record at segment {seg} offset {off} is not there")
+        return data[_HEADER.size:]
+
+    def release(self, locs: Iterable[bytes]) -> int:
+        """Punch the records of deleted rows out of their segments (call after the delete committed).
+        Returns the bytes freed."""
+        by_seg: dict[int, list[tuple[int, int]]] = {}
+        for loc in locs:
+            seg, off, length, _ = LOCATOR.unpack(bytes(loc))
+            by_seg.setdefault(seg, []).append((off, _HEADER.size + length))
+        freed = 0
+        for seg, ranges in by_seg.items():
+            try:
+                fd = os.open(self._path(seg), os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                for off, length in ranges:
+                    _punch(fd, off, length)
+                    freed += length
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        return freed
+
+    def vacuum(self, live: Iterable[bytes]) -> tuple[int, int]:
+        """Reclaim everything no live locator points at: unlink segments with nothing live (except the
+        newest, which appends continue into) and punch the gaps of the others. The caller must hold the
+        tenant's write lock and pass every locator its rows hold. Returns (segments removed, bytes punched)."""
+        by_seg: dict[int, list[tuple[int, int]]] = {}
+        for loc in live:
+            seg, off, length, _ = LOCATOR.unpack(bytes(loc))
+            by_seg.setdefault(seg, []).append((off, off + _HEADER.size + length))
+        segs = self.segments()
+        removed = punched = 0
+        for seg in segs:
+            ranges = sorted(by_seg.get(seg, ()))
+            if not ranges and seg != segs[-1]:
+                self._forget_fd(seg)
+                os.unlink(self._path(seg))
+                removed += 1
+                continue
+            fd = os.open(self._path(seg), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                pos = 0
+                for lo, hi in ranges + [(size, size)]:
+                    if lo > pos:
+                        punched += self._punch_data(fd, pos, lo)
+                    pos = max(pos, hi)
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        return removed, punched
+
+    @staticmethod
+    def _punch_data(fd: int, lo: int, hi: int) -> int:
+        """Punch [lo, hi), skipping what is already a hole; returns the bytes that held data."""
+        n = 0
+        pos = lo
+        while pos < hi:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # only holes from here to the end of the file
+                    break
+                raise
+            if data >= hi:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), hi)
+            # A block shared with a live record stays allocated with its dead part zeroed: do not count
+            # (or rewrite) such an edge again once it is all zeros.
+            if hole - data > _EDGE or any(os.pread(fd, hole - data, data)):
+                _punch(fd, data, hole - data)
+                n += hole - data
+            pos = hole
+        return n
+
+    def _forget_fd(self, seg: int) -> None:
+        with self._mu:
+            fd = self._readers.pop(seg, None)
+        if fd is not None:
+            os.close(fd)
+        if self._write is not None and self._write[0] == seg:
+            os.close(self._write[1])
+            self._write = None
+
+    def close(self) -> None:
+        with self._mu:
+            fds = list(self._readers.values())
+            self._readers.clear()
+        if self._write is not None:
+            fds.append(self._write[1])
+            self._write = None
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def destroy(self) -> None:
+        """Close and remove every segment (the tenant is being dropped)."""
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+__all__ = ["BlobGone", "BlobLog", "LOCATOR"]

@@ -1,0 +1,299 @@
+"""The SQLite blob log: large LangGraph values written once, outside the tenant's database file.
+
+Unit tests of ``BlobLog`` (append, read, punch, vacuum, segments, a second opener), then the saver on a
+real SQLite store: where the bytes land, that deletes and forgetting remove them from the files, copies
+stay independent, orphans of failed or killed writers are reclaimed, and a writer killed with SIGKILL
+never loses an acknowledged checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from langgraph.checkpoint.base import empty_checkpoint
+
+from moorage.config import Config
+from moorage.errors import UnavailableError
+from moorage.store import Store, TenantStore, open_store
+from moorage.store.bloblog import LOCATOR, BlobGone, BlobLog
+from moorage.store.langgraph import MoorageSaver
+from moorage.store.sqlite import SQLiteBackend
+from tests.store.workers import lg_value
+
+WORKERS = Path(__file__).with_name("workers.py")
+ROOT = Path(__file__).resolve().parents[2]
+BIG = 64 * 1024
+
+
+def _files_with(root: Path, needle: bytes) -> list[str]:
+    hits = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            if needle in p.read_bytes():
+                hits.append(p.name)
+    return sorted(hits)
+
+
+def _allocated(path: Path) -> int:
+    return sum(os.stat(p).st_blocks * 512 for p in path.glob("*.seg"))
+
+
+# -- BlobLog itself --------------------------------------------------------------------------------
+
+
+def test_append_read_and_release(tmp_path: Path) -> None:
+    log = BlobLog(tmp_path / "t.lg")
+    values = [os.urandom(n) for n in (0, 1, 5000, 300_000)]
+    locs = log.append(values)
+    assert [len(x) for x in locs] == [LOCATOR.size] * 4
+    assert [log.read(x) for x in locs] == values
+    before = _allocated(tmp_path / "t.lg")
+    assert log.release([locs[3]]) > 300_000
+    # The punched record reads back as zeros: the header check refuses it instead of returning garbage.
+    with pytest.raises(BlobGone):
+        log.read(locs[3])
+    assert log.read(locs[2]) == values[2]
+    assert _allocated(tmp_path / "t.lg") <= before - 290_000
+    log.close()
+
+
+def test_a_second_opener_appends_after_the_first(tmp_path: Path) -> None:
+    # Two BlobLog objects on one directory stand for two processes (each under the database's write lock).
+    a, b = BlobLog(tmp_path / "t.lg"), BlobLog(tmp_path / "t.lg")
+    la = a.append([b"first" * 100])
+    lb = b.append([b"second" * 100])
+    la2 = a.append([b"third" * 100])
+    assert (a.read(la[0]), b.read(lb[0]), b.read(la2[0])) == (b"first" * 100, b"second" * 100, b"third" * 100)
+    a.close()
+    b.close()
+
+
+def test_segments_rotate_and_vacuum_keeps_only_live_records(tmp_path: Path) -> None:
+    log = BlobLog(tmp_path / "t.lg", segment_max=100_000)
+    locs = [log.append([bytes([i]) * 40_000])[0] for i in range(10)]
+    segs = log.segments()
+    assert len(segs) >= 3, segs
+    keep = [locs[1], locs[9]]
+    removed, punched = log.vacuum(keep)
+    assert removed >= 1 and punched > 0
+    assert [log.read(x) for x in keep] == [bytes([1]) * 40_000, bytes([9]) * 40_000]
+    for i, loc in enumerate(locs):
+        if loc not in keep:
+            with pytest.raises(BlobGone):
+                log.read(loc)
+    # The newest segment is kept even when nothing in it is live: appends continue there.
+    assert log.segments()[-1] == segs[-1]
+    assert _allocated(tmp_path / "t.lg") < 3 * 45_000
+    # A second vacuum finds nothing more to do.
+    assert log.vacuum(keep) == (0, 0)
+    log.close()
+
+
+def test_a_damaged_locator_is_refused(tmp_path: Path) -> None:
+    log = BlobLog(tmp_path / "t.lg")
+    (loc,) = log.append([b"x" * 1000])
+    seg, off, n, rid = LOCATOR.unpack(loc)
+    with pytest.raises(BlobGone):
+        log.read(LOCATOR.pack(seg, off, n, rid ^ 1))
+    with pytest.raises(BlobGone):
+        log.read(LOCATOR.pack(seg + 1, off, n, rid))
+    log.close()
+
+
+# -- the saver on a SQLite store -----------------------------------------------------------------
+
+
+@pytest.fixture
+def sq(tmp_path: Path):
+    store = Store(SQLiteBackend(tmp_path / "store"))
+    _, key = store.operator.create_tenant("lg")
+    ts = store.tenant(store.authenticate(key.secret))
+    yield store, ts
+    store.close()
+
+
+def _put(saver: MoorageSaver, thread: str, values: dict, step: int, config: dict | None = None) -> dict:
+    cp = empty_checkpoint()
+    cp["channel_values"] = values
+    cp["channel_versions"] = {ch: step for ch in values}
+    config = config or {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+    return saver.put(config, cp, {"step": step}, dict(cp["channel_versions"]))
+
+
+def _latest(saver: MoorageSaver, thread: str) -> dict:
+    tup = saver.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": ""}})
+    assert tup is not None
+    return tup.checkpoint["channel_values"]
+
+
+def _marker(tag: str) -> str:
+    m = f"{tag}-{uuid.uuid4().hex}-"
+    return (m * (BIG // len(m) + 1))[:BIG]
+
+
+def test_large_values_live_in_the_log_not_in_the_database(sq) -> None:
+    store, ts = sq
+    saver = MoorageSaver(ts)
+    big, small = _marker("big"), _marker("small")[:300]
+    _put(saver, "th", {"doc": big, "title": small}, 1)
+    assert _latest(saver, "th") == {"doc": big, "title": small}
+    rows = ts.read("SELECT channel, type, length(blob) FROM lg_blobs")
+    assert rows == [("doc", "log:msgpack", LOCATOR.size)]
+    root = store.backend.root  # type: ignore[attr-defined]
+    needle = big[:40].encode()
+    # Written once: in a log segment, neither in the database file nor its WAL.
+    assert _files_with(root, needle) == ["00000000.seg"]
+    # A saver with the log switched off still reads what is in it, and writes rows again.
+    plain = MoorageSaver(ts, log_min=0)
+    assert _latest(plain, "th")["doc"] == big
+    _put(plain, "th2", {"doc": big}, 1)
+    assert ts.read("SELECT type FROM lg_blobs WHERE thread_id = 'th2'") == [("msgpack",)]
+    # list() merges log values too.
+    listed = list(saver.list({"configurable": {"thread_id": "th"}}))
+    assert listed[0].checkpoint["channel_values"]["doc"] == big
+
+
+def test_deleting_a_thread_removes_its_bytes_from_every_file(sq) -> None:
+    store, ts = sq
+    saver = MoorageSaver(ts)
+    gone, kept = _marker("gone"), _marker("kept")
+    _put(saver, "a", {"doc": gone}, 1)
+    _put(saver, "b", {"doc": kept}, 1)
+    saver.delete_thread("a")
+    root = store.backend.root  # type: ignore[attr-defined]
+    assert _files_with(root, gone[:40].encode()) == []
+    assert _latest(saver, "b")["doc"] == kept
+    assert saver.get_tuple({"configurable": {"thread_id": "a", "checkpoint_ns": ""}}) is None
+
+
+def test_prune_and_delete_for_runs_release_values(sq) -> None:
+    store, ts = sq
+    saver = MoorageSaver(ts)
+    olds = [_marker(f"old{i}") for i in range(3)]
+    config = None
+    for i, v in enumerate(olds, start=1):
+        config = _put(saver, "p", {"doc": v}, i, config)
+    saver.prune(["p"])
+    root = store.backend.root  # type: ignore[attr-defined]
+    assert _files_with(root, olds[0][:40].encode()) == []
+    assert _files_with(root, olds[1][:40].encode()) == []
+    assert _latest(saver, "p")["doc"] == olds[2]
+
+    run_value = _marker("run")
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"doc": run_value}
+    cp["channel_versions"] = {"doc": 1}
+    saver.put({"configurable": {"thread_id": "r", "checkpoint_ns": ""}}, cp, {"run_id": "run-1"}, {"doc": 1})
+    saver.delete_for_runs(["run-1"])
+    assert _files_with(root, run_value[:40].encode()) == []
+
+
+def test_a_copied_thread_keeps_its_values_when_the_source_is_deleted(sq) -> None:
+    _, ts = sq
+    saver = MoorageSaver(ts)
+    v = _marker("copy")
+    _put(saver, "src", {"doc": v}, 1)
+    saver.copy_thread("src", "dst")
+    src_loc = ts.read("SELECT blob FROM lg_blobs WHERE thread_id = 'src'")[0][0]
+    dst_loc = ts.read("SELECT blob FROM lg_blobs WHERE thread_id = 'dst'")[0][0]
+    assert src_loc != dst_loc
+    saver.delete_thread("src")
+    assert _latest(saver, "dst")["doc"] == v
+
+
+def test_inside_a_callers_transaction_deletes_wait_for_the_commit(sq) -> None:
+    _, ts = sq
+    saver = MoorageSaver(ts)
+    v = _marker("tx")
+    _put(saver, "t", {"doc": v}, 1)
+    with pytest.raises(RuntimeError):
+        with ts.transaction():
+            saver.delete_thread("t")
+            raise RuntimeError("roll back")
+    # The delete rolled back, and nothing was punched while it could still roll back.
+    assert _latest(saver, "t")["doc"] == v
+
+
+def test_orphans_of_a_failed_batch_are_vacuumed(sq) -> None:
+    store, ts = sq
+    saver = MoorageSaver(ts)
+    keep, orphan = _marker("keep"), _marker("orphan")
+    _put(saver, "k", {"doc": keep}, 1)
+    # A transaction that appended to the log and then rolled back leaves an orphan record.
+    with pytest.raises(RuntimeError):
+        with ts.transaction():
+            _put(saver, "o", {"doc": orphan}, 1)
+            raise RuntimeError("roll back")
+    root = store.backend.root  # type: ignore[attr-defined]
+    assert _files_with(root, orphan[:40].encode()) == ["00000000.seg"]
+    removed, punched = store.backend.vacuum_blobs(ts.tenant_id)
+    assert punched >= BIG
+    assert _files_with(root, orphan[:40].encode()) == []
+    assert _latest(saver, "k")["doc"] == keep
+    # The sweeper runs the same vacuum.
+    ts.sweep()
+
+
+def test_a_value_missing_from_the_log_is_reported_as_damage(sq) -> None:
+    _, ts = sq
+    saver = MoorageSaver(ts)
+    _put(saver, "d", {"doc": _marker("dmg")}, 1)
+    loc = ts.read("SELECT blob FROM lg_blobs")[0][0]
+    ts.backend.blob_log(ts.tenant_id).release([loc])  # type: ignore[union-attr]
+    with pytest.raises(UnavailableError, match="blob log"):
+        saver.get_tuple({"configurable": {"thread_id": "d", "checkpoint_ns": ""}})
+    with pytest.raises(UnavailableError, match="blob log"):
+        list(saver.list({"configurable": {"thread_id": "d"}}))
+
+
+def test_dropping_the_tenant_removes_its_log(sq) -> None:
+    store, ts = sq
+    _put(MoorageSaver(ts), "x", {"doc": _marker("drop")}, 1)
+    lg = store.backend.tenant_path(ts.tenant_id).with_suffix(".lg")  # type: ignore[attr-defined]
+    assert any(lg.iterdir())
+    store.backend.drop_tenant(ts.tenant_id)
+    assert not lg.exists()
+
+
+def test_sigkill_of_a_writer_never_loses_an_acknowledged_checkpoint(tmp_path: Path) -> None:
+    url = f"sqlite:{tmp_path / 'store'}"
+    store = open_store(Config(store_url=url))
+    _, key = store.operator.create_tenant("crash")
+    ts: TenantStore = store.tenant(store.authenticate(key.secret))
+    env = {**os.environ, "MOORAGE_TEST_KEY": key.secret, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT)}
+    rng = random.Random(11)
+    acked: list[tuple[str, int, str]] = []
+    for kill in range(6):
+        p = subprocess.Popen([sys.executable, str(WORKERS), "lgput", url, str(kill * 100_000)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.stderr else ""
+        time.sleep(rng.uniform(0.3, 1.0))
+        os.kill(p.pid, signal.SIGKILL)
+        out, _ = p.communicate(timeout=30)
+        # Only complete lines were acknowledged (a line cut by the kill was not fully printed).
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1].isdigit():
+                acked.append((parts[0], int(parts[1]), parts[2]))
+    assert len(acked) > 20, "the writer acknowledged too little for the test to mean anything"
+    saver = MoorageSaver(ts)
+    for thread, step, cid in acked:
+        tup = saver.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": cid}})
+        assert tup is not None, (thread, step)
+        assert tup.checkpoint["channel_values"] == {ch: lg_value(thread, step, ch) for ch in ("a", "b")}
+    # Records appended by puts the kill cut short are orphans; a vacuum reclaims them and keeps the rest.
+    store.backend.vacuum_blobs(ts.tenant_id)  # type: ignore[attr-defined]
+    thread, step, cid = acked[-1]
+    tup = saver.get_tuple({"configurable": {"thread_id": thread, "checkpoint_ns": "", "checkpoint_id": cid}})
+    assert tup is not None and tup.checkpoint["channel_values"]["a"] == lg_value(thread, step, "a")
+    store.close()
