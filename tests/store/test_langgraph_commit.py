@@ -209,3 +209,18 @@ def test_two_slots_commit_every_concurrent_writer(tenant: TenantStore) -> None:
     with tenant._tx() as c:
         assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 't'")[0] == n * 5
     assert gc._inflight == 0 and not gc._queue
+
+
+def test_batch_columns_reach_postgresql_as_typed_arrays(pg_url: str) -> None:
+    """The batch's binary array parameters (built without psycopg's per-element type lookup) round-trip
+    NULLs, non-ASCII text, empty and binary bytes, and integers."""
+    import psycopg
+
+    from moorage.store.langgraph_sql import BatchInsert
+
+    spec = BatchInsert("t", "a, b, c", ("text", "bytea", "integer"), "")
+    rows = [("é✓", b"\x00\xff", -7), (None, b"", 2**31 - 1), ("", None, None)]
+    cols = spec.columns(rows)
+    with psycopg.connect(pg_url) as conn:
+        got = conn.execute("SELECT %b::text[], %b::bytea[], %b::integer[]", cols).fetchone()
+    assert got == (["é✓", None, ""], [b"\x00\xff", b"", None], [-7, 2**31 - 1, None])

@@ -78,6 +78,14 @@ def _punch(fd: int, off: int, length: int) -> None:
         done += os.pwrite(fd, zeros[: min(len(zeros), length - done)], off + done)
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class BlobLog:
     """One tenant's blob log: numbered segment files in ``directory`` (created on the first append)."""
 
@@ -111,20 +119,21 @@ class BlobLog:
                 pass
             os.close(cur[1])
             self._write = None
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self.directory.exists():
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _fsync_dir(self.directory.parent)
         segs = self.segments()
         seg = segs[-1] if segs else 0
         fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if os.fstat(fd).st_size >= self._segment_max:
+        size = os.fstat(fd).st_size
+        if size >= self._segment_max:
             os.close(fd)
             seg += 1
             fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            # The new segment's directory entry must survive a crash before rows point into it.
-            dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            size = 0
+        if size == 0:
+            # A new segment's directory entry must survive a crash before any row points into it.
+            _fsync_dir(self.directory)
         self._write = (seg, fd)
         return self._write
 
@@ -213,8 +222,7 @@ class BlobLog:
         for seg in segs:
             ranges = sorted(by_seg.get(seg, ()))
             if not ranges and seg != segs[-1]:
-                self._forget_fd(seg)
-                os.unlink(self._path(seg))
+                self._drop_segment(seg)
                 removed += 1
                 continue
             fd = os.open(self._path(seg), os.O_RDWR | os.O_CLOEXEC)
@@ -253,14 +261,21 @@ class BlobLog:
             pos = hole
         return n
 
-    def _forget_fd(self, seg: int) -> None:
-        with self._mu:
-            fd = self._readers.pop(seg, None)
-        if fd is not None:
-            os.close(fd)
+    def _drop_segment(self, seg: int) -> None:
+        """Free and unlink a segment with nothing live (caller holds the write lock, so no append is in
+        flight). It is truncated first: a reader descriptor still open on it (here or in another process)
+        must not keep its blocks allocated. Reader descriptors stay open until ``close``: closing one that
+        another thread is reading through could hand its number to an unrelated file; segment numbers are
+        never reused."""
         if self._write is not None and self._write[0] == seg:
             os.close(self._write[1])
             self._write = None
+        fd = os.open(self._path(seg), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)
+        os.unlink(self._path(seg))
 
     def close(self) -> None:
         with self._mu:

@@ -199,6 +199,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def _release(self, locs: list[bytes]) -> None:
         """Punch deleted values out of the blob log, once their delete has committed. Inside a caller's
         transaction that might still roll back they are left for the next vacuum."""
+        # Deleted blobs leave the memo too: a later put must write such a version again, not refer to it.
+        self._stored.clear()
         if locs and self._blobs is not None and self._ts.ambient() is None:
             self._blobs.release(locs)
 

@@ -163,7 +163,8 @@ class TenantStore:
                     continue
                 removed += _delete_scopes(c, [key])
         # LangGraph values deleted since (or orphaned by a crash before their commit) leave the blob log.
-        self._backend.vacuum_blobs(self.tenant_id)
+        if self.ambient() is None:
+            self._backend.vacuum_blobs(self.tenant_id)
         return SweepReport(scopes=len(expired), rows=removed)
 
     def forget_user(self, user: str, agent: str | None = None) -> int:
