@@ -61,6 +61,10 @@ def main() -> None:
     ap.add_argument("--inline-max", type=int, default=-1, help="override MoorageSaver's inline_max (and inline_total x4)")
     ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
     ap.add_argument("--extra-min", type=int, default=0, help="override GroupCommit's queue length for a second transaction")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="first put this many 1 KiB checkpoints per writer into every contender (as earlier cells do)")
+    ap.add_argument("--prefill-rounds", type=int, default=1, help="prefill in this many rounds (new writer threads each)")
+    ap.add_argument("--prefill-workers", type=int, default=0, help="writer threads per prefill round (default --workers)")
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
     ap.add_argument("--pg-alter", action="append", default=[],
                     help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
@@ -111,6 +115,14 @@ def main() -> None:
                                 call_s[0] += time.perf_counter() - t
 
                         be.tenant_call = counting_call
+            if args.prefill:
+                pw = args.prefill_workers or args.workers
+                for c in cs:
+                    t = time.perf_counter()
+                    for r in range(args.prefill_rounds):
+                        concurrent(c, f"prefill{r}-{c.name}", SIZES["1KiB"], "full", pw, args.prefill)
+                    print(f"prefilled {c.name}: {args.prefill_rounds} x {pw} x {args.prefill} puts in "
+                          f"{time.perf_counter() - t:.1f} s", flush=True)
             for rep in range(args.reps):
                 for c in cs:
                     txs[0] = 0

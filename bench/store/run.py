@@ -124,6 +124,24 @@ def concurrent(c: Contender, tag: str, size: int, mode: str, workers: int, per_w
     return workers * per_worker / wall
 
 
+def settle(cluster: Any, sqlite_files: list[Path], databases: list[str]) -> None:
+    """Start every cell from the same quiet state for all contenders: earlier cells' WAL checkpointed into
+    the SQLite files, the PostgreSQL tables vacuumed and analysed (so autovacuum has nothing pending) and
+    checkpointed, and all dirty pages written back. Without it, the previous cell's writeback and
+    autovacuum ran during the next cell's first samples (measured: a cell's first 8-writer round right
+    after a 32-writer one at ~65% of the following rounds' rate, on both savers)."""
+    for f in sqlite_files:
+        conn = sqlite3.connect(str(f), timeout=60)
+        try:
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            conn.close()
+    for db in databases:
+        cluster.psql("VACUUM (ANALYZE)", db=db)
+    cluster.psql("CHECKPOINT")
+    os.sync()
+
+
 def durability_settings(tmp: Path, pg_store: Store) -> dict[str, str]:
     conn = sqlite3.connect(str(tmp / "peer.sqlite"))
     conn.execute("PRAGMA journal_mode=WAL")
@@ -136,6 +154,7 @@ def durability_settings(tmp: Path, pg_store: Store) -> dict[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
+    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
     args = ap.parse_args()
     n = 60 if args.quick else 300
     # Throughput is measured at each writer-thread count; the first is the headline's.
@@ -166,7 +185,11 @@ def main() -> None:
             pg_store = stack.enter_context(Store(PostgresBackend(pg_url("moorage_bench"), pool_size=1)))
             report["durability"] = durability_settings(tmp, pg_store)
             report["durability"]["moorage sqlite"] = contenders[0].saver_for(0).tenant_store._backend.describe()
+            mts = contenders[0].saver_for(0).tenant_store
+            sqlite_files = [tmp / "peer.sqlite", mts.backend.tenant_path(mts.tenant_id)]
             for size_name, size in SIZES.items():
+                if size_name not in args.sizes.split(","):
+                    continue
                 reps = max(10, n // 4) if size >= 256 * 1024 else n
                 per_w = max(5, per_worker // 4) if size >= 256 * 1024 else per_worker
                 for mode in modes:
@@ -175,17 +198,22 @@ def main() -> None:
                     # this shared host hits both alike; the median is reported, every sample is kept.
                     samples: dict[int, dict[str, list[float]]] = {id(c): {str(w): [] for w in levels} for c in contenders}
                     for w in levels:
+                        settle(cluster, sqlite_files, list(urls))
                         # One unmeasured round each first: connections (the peer's pool opens them on
                         # demand), prepared statements and caches are warm before anything counts.
                         for c in contenders:
                             concurrent(c, f"warm{w}-{c.backend}-{c.name}-{size_name}-{mode}", size, mode, w,
-                                       max(2, per_w // 10))
+                                       max(2, per_w // 5))
                         for rnd in range(rounds):
                             for c in (contenders if rnd % 2 == 0 else contenders[::-1]):
                                 tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                                # The previous sample's dirty pages are written back first, so no contender's
+                                # sample pays for its predecessor's writeback.
+                                os.sync()
                                 samples[id(c)][str(w)].append(concurrent(c, f"conc{w}r{rnd}-{tag}", size, mode, w, per_w))
                     for c in contenders:
                         tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                        os.sync()
                         seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
                         thr = {w: statistics.median(xs) for w, xs in samples[id(c)].items()}
                         row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
@@ -241,7 +269,7 @@ def write_report(report: dict[str, Any]) -> None:
              f"Settings: quick={s['quick']}, sequential puts/gets per case={s['sequential_n']} (¼ of that at 256 KiB), "
              f"{' and '.join(levels)} writer threads x {s['puts_per_worker']} puts each (¼ at 256 KiB), "
              f"median of {s.get('throughput_rounds', 1)} rounds per throughput cell (moorage and peer alternating, "
-             "after one unmeasured warm-up round each), "
+             "after one unmeasured warm-up round each; every cell starts from checkpointed, vacuumed, synced files and every sample after a sync), "
              f"CAS {s['cas_processes']} processes x {s['cas_increments']} increments; Python {s['python']}, "
              f"SQLite {s['sqlite']}, {s['cpus']} CPUs (shared: timings are noisy, compare within one run).", "",
              "Durability (equal for every contender: an acknowledged write is on disk):", ""]

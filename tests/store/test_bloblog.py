@@ -48,14 +48,18 @@ def _allocated(path: Path) -> int:
 
 
 # -- BlobLog itself --------------------------------------------------------------------------------
+# The database records the log's end; here a variable plays that part.
 
 
 def test_append_read_and_release(tmp_path: Path) -> None:
     log = BlobLog(tmp_path / "t.lg")
     values = [os.urandom(n) for n in (0, 1, 5000, 300_000)]
-    locs = log.append(values)
+    locs, pos = log.append(values, None)
     assert [len(x) for x in locs] == [LOCATOR.size] * 4
     assert [log.read(x) for x in locs] == values
+    # Space ahead of the end is zero-filled (written), so the next appends need no allocation.
+    seg_file = tmp_path / "t.lg" / "00000000.seg"
+    assert seg_file.stat().st_size > pos[1] + 1_000_000
     before = _allocated(tmp_path / "t.lg")
     assert log.release([locs[3]]) > 300_000
     # The punched record reads back as zeros: the header check refuses it instead of returning garbage.
@@ -66,41 +70,62 @@ def test_append_read_and_release(tmp_path: Path) -> None:
     log.close()
 
 
-def test_a_second_opener_appends_after_the_first(tmp_path: Path) -> None:
-    # Two BlobLog objects on one directory stand for two processes (each under the database's write lock).
+def test_appends_continue_at_the_recorded_end(tmp_path: Path) -> None:
+    # Two BlobLog objects on one directory stand for two processes (each under the database's write lock);
+    # an append whose transaction rolled back is written over, because the recorded end did not move.
     a, b = BlobLog(tmp_path / "t.lg"), BlobLog(tmp_path / "t.lg")
-    la = a.append([b"first" * 100])
-    lb = b.append([b"second" * 100])
-    la2 = a.append([b"third" * 100])
+    la, pos = a.append([b"first" * 100], None)
+    lost, _ = b.append([b"rolled back" * 100], pos)
+    lb, pos = b.append([b"second" * 100], pos)
+    la2, pos = a.append([b"third" * 100], pos)
     assert (a.read(la[0]), b.read(lb[0]), b.read(la2[0])) == (b"first" * 100, b"second" * 100, b"third" * 100)
+    with pytest.raises(BlobGone):
+        a.read(lost[0])
     a.close()
     b.close()
 
 
+def test_a_log_without_a_recorded_end_continues_after_its_data(tmp_path: Path) -> None:
+    # Logs written before the end was recorded (no zero-filled space): appends start at the file's end.
+    d = tmp_path / "t.lg"
+    d.mkdir()
+    (d / "00000000.seg").write_bytes(b"x" * 1000)
+    log = BlobLog(d)
+    (loc,), pos = log.append([b"new"], None)
+    assert LOCATOR.unpack(loc)[1] == 1000 and log.read(loc) == b"new"
+    assert (d / "00000000.seg").read_bytes()[:1000] == b"x" * 1000
+    log.close()
+
+
 def test_segments_rotate_and_vacuum_keeps_only_live_records(tmp_path: Path) -> None:
     log = BlobLog(tmp_path / "t.lg", segment_max=100_000)
-    locs = [log.append([bytes([i]) * 40_000])[0] for i in range(10)]
+    locs, pos = [], None
+    for i in range(10):
+        (loc,), pos = log.append([bytes([i]) * 40_000], pos)
+        locs.append(loc)
     segs = log.segments()
     assert len(segs) >= 3, segs
     keep = [locs[1], locs[9]]
-    removed, punched = log.vacuum(keep)
+    removed, punched = log.vacuum(keep, pos)
     assert removed >= 1 and punched > 0
     assert [log.read(x) for x in keep] == [bytes([1]) * 40_000, bytes([9]) * 40_000]
     for i, loc in enumerate(locs):
         if loc not in keep:
             with pytest.raises(BlobGone):
                 log.read(loc)
-    # The newest segment is kept even when nothing in it is live: appends continue there.
+    # The segment appends continue into is kept, with its zero-filled space after the end.
     assert log.segments()[-1] == segs[-1]
-    assert _allocated(tmp_path / "t.lg") < 3 * 45_000
-    # A second vacuum finds nothing more to do.
-    assert log.vacuum(keep) == (0, 0)
+    assert _allocated(tmp_path / "t.lg") < 3 * 100_000
+    # A second vacuum finds nothing more to do, and appends go on.
+    assert log.vacuum(keep, pos) == (0, 0)
+    (loc,), pos = log.append([b"after"], pos)
+    assert log.read(loc) == b"after"
     log.close()
 
 
 def test_a_damaged_locator_is_refused(tmp_path: Path) -> None:
     log = BlobLog(tmp_path / "t.lg")
-    (loc,) = log.append([b"x" * 1000])
+    (loc,), _ = log.append([b"x" * 1000], None)
     seg, off, n, rid = LOCATOR.unpack(loc)
     with pytest.raises(BlobGone):
         log.read(LOCATOR.pack(seg, off, n, rid ^ 1))
@@ -223,24 +248,28 @@ def test_inside_a_callers_transaction_deletes_wait_for_the_commit(sq) -> None:
     assert _latest(saver, "t")["doc"] == v
 
 
-def test_orphans_of_a_failed_batch_are_vacuumed(sq) -> None:
+def test_a_rolled_back_append_is_written_over_and_deletes_are_vacuumed(sq) -> None:
     store, ts = sq
     saver = MoorageSaver(ts)
-    keep, orphan = _marker("keep"), _marker("orphan")
+    keep, orphan, later = _marker("keep"), _marker("orphan"), _marker("later")
     _put(saver, "k", {"doc": keep}, 1)
-    # A transaction that appended to the log and then rolled back leaves an orphan record.
+    # A transaction that appended to the log and then rolled back did not move the recorded end...
     with pytest.raises(RuntimeError):
         with ts.transaction():
             _put(saver, "o", {"doc": orphan}, 1)
             raise RuntimeError("roll back")
     root = store.backend.root  # type: ignore[attr-defined]
     assert _files_with(root, orphan[:40].encode()) == ["00000000.seg"]
-    removed, punched = store.backend.vacuum_blobs(ts.tenant_id)
-    assert punched >= BIG
+    # ...so the next append writes over its bytes.
+    _put(saver, "l", {"doc": later}, 1)
     assert _files_with(root, orphan[:40].encode()) == []
-    assert _latest(saver, "k")["doc"] == keep
-    # The sweeper runs the same vacuum.
+    # A delete inside a caller's transaction leaves its bytes for the vacuum (the sweeper runs it).
+    with ts.transaction():
+        saver.delete_thread("l")
+    assert _files_with(root, later[:40].encode()) == ["00000000.seg"]
     ts.sweep()
+    assert _files_with(root, later[:40].encode()) == []
+    assert _latest(saver, "k")["doc"] == keep
 
 
 def test_a_value_missing_from_the_log_is_reported_as_damage(sq) -> None:

@@ -11,7 +11,14 @@ Rules that keep it correct:
 - Appends happen only inside a write transaction of the tenant's database (``BEGIN IMMEDIATE`` holds the
   file's single writer lock), so appends from threads and processes never interleave, and a vacuum run
   under that lock sees every range that any committed row refers to, with none in flight.
-- A range whose transaction failed or never committed (crash) is garbage; ``vacuum`` reclaims it.
+- The end of the log (segment, offset) is a row of the tenant database (``lg_log``, migration 7),
+  advanced by the same transaction that commits the rows pointing at the new values: space written by a
+  transaction that rolled back or never committed (crash) is simply written over by the next append.
+- Appends go into space zero-filled ahead of them (``_PREFILL`` at a time, in the same ``fdatasync``):
+  ``fdatasync`` of data written over already-allocated, already-written blocks needs no filesystem journal
+  commit, while every append that grew the file did, and a journal commit waits for other files' data
+  (measured here with another process writing: append + fdatasync of 1 MiB p50 3.0 ms, the same write
+  into zero-filled space 0.39 ms).
 - Deleted values are punched out of the file (``fallocate(PUNCH_HOLE)``: the blocks are freed and read
   back as zeros), so forgetting a thread leaves none of its bytes in the files; a segment with nothing
   live is unlinked.
@@ -29,7 +36,7 @@ import shutil
 import struct
 import threading
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from moorage.errors import MoorageError
 
@@ -39,6 +46,8 @@ _HEADER = struct.Struct("<4sIQ")  # magic, value length, record id
 LOCATOR = struct.Struct("<IQIQ")
 _SEGMENT_MAX = 1 << 30
 _IOV_MAX = 512
+_PREFILL = 16 << 20
+_ZEROS = bytes(1 << 20)
 _EDGE = 8192
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -78,6 +87,17 @@ def _punch(fd: int, off: int, length: int) -> None:
         done += os.pwrite(fd, zeros[: min(len(zeros), length - done)], off + done)
 
 
+def load_position(c: Any) -> tuple[int, int] | None:
+    """The log's recorded end, inside the caller's transaction (``c``: a store ``Conn``)."""
+    row = c.one("SELECT segment, end_offset FROM lg_log WHERE id = 0")
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def store_position(c: Any, position: tuple[int, int]) -> None:
+    c.x("INSERT INTO lg_log (id, segment, end_offset) VALUES (0, ?, ?) "
+        "ON CONFLICT (id) DO UPDATE SET segment = excluded.segment, end_offset = excluded.end_offset", position)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -108,34 +128,31 @@ class BlobLog:
             return []
         return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
 
-    def _open_append(self) -> tuple[int, int]:
-        """The segment to append to (caller holds the tenant's write lock): the newest one unless it is full."""
+    def _open_segment(self, seg: int) -> int:
+        """A descriptor to write segment ``seg`` (created if missing; caller holds the write lock)."""
         cur = self._write
         if cur is not None:
-            try:
-                if os.fstat(cur[1]).st_size < self._segment_max and os.path.exists(self._path(cur[0])):
-                    return cur
-            except OSError:
-                pass
+            if cur[0] == seg and os.path.exists(self._path(seg)):
+                return cur[1]
             os.close(cur[1])
             self._write = None
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             _fsync_dir(self.directory.parent)
-        segs = self.segments()
-        seg = segs[-1] if segs else 0
         fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        size = os.fstat(fd).st_size
-        if size >= self._segment_max:
-            os.close(fd)
-            seg += 1
-            fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            size = 0
-        if size == 0:
+        if os.fstat(fd).st_size == 0:
             # A new segment's directory entry must survive a crash before any row points into it.
             _fsync_dir(self.directory)
         self._write = (seg, fd)
-        return self._write
+        return fd
+
+    def _start(self) -> tuple[int, int]:
+        """Where appends continue when the database has no position yet (a new log, or one written before
+        migration 7, which never zero-filled ahead): the end of the newest segment."""
+        segs = self.segments()
+        if not segs:
+            return 0, 0
+        return segs[-1], os.stat(self._path(segs[-1])).st_size
 
     def _reader(self, seg: int) -> int:
         with self._mu:
@@ -150,16 +167,21 @@ class BlobLog:
 
     # -- the operations ---------------------------------------------------------------------------
 
-    def append(self, values: Sequence[bytes]) -> list[bytes]:
-        """Write ``values`` and make them durable; returns one locator per value.
+    def append(self, values: Sequence[bytes], position: tuple[int, int] | None) -> tuple[list[bytes], tuple[int, int]]:
+        """Write ``values`` at ``position`` (the log's end as the database records it, or None if it has
+        none yet) and make them durable. Returns one locator per value and the new end.
 
-        The caller must hold the tenant database's write lock (be inside its write transaction), and
-        commit rows referring to the locators only after this returned.
+        The caller must hold the tenant database's write lock (be inside its write transaction) and record
+        the new end in that transaction, which then commits the rows referring to the locators.
         """
+        seg, end = position if position is not None else self._start()
         if not values:
-            return []
-        seg, fd = self._open_append()
-        start = end = os.fstat(fd).st_size
+            return [], (seg, end)
+        need = sum(_HEADER.size + len(v) for v in values)
+        if end > 0 and end + need > self._segment_max:
+            seg, end = seg + 1, 0
+        fd = self._open_segment(seg)
+        start = end
         bufs: list[bytes] = []
         locs: list[bytes] = []
         for v in values:
@@ -177,8 +199,17 @@ class BlobLog:
                 os.ftruncate(fd, start)
                 raise OSError(errno.ENOSPC, f"short write to the blob log ({wrote} of {want} bytes)")
             pos += wrote
+        # Keep zero-filled space ahead of the end, so later appends write over allocated blocks. It goes
+        # out with this fdatasync (the one journal commit per _PREFILL bytes).
+        size = os.fstat(fd).st_size
+        if size < end + _PREFILL // 4:
+            target = min(max(end + _PREFILL, size), max(self._segment_max, end))
+            at = max(size, end)
+            while at < target:
+                n = os.pwrite(fd, _ZEROS[: min(len(_ZEROS), target - at)], at)
+                at += n
         os.fdatasync(fd)
-        return locs
+        return locs, (seg, end)
 
     def read(self, loc: bytes) -> bytes:
         seg, off, length, rid = LOCATOR.unpack(bytes(loc))
@@ -209,10 +240,13 @@ class BlobLog:
                 os.close(fd)
         return freed
 
-    def vacuum(self, live: Iterable[bytes]) -> tuple[int, int]:
-        """Reclaim everything no live locator points at: unlink segments with nothing live (except the
-        newest, which appends continue into) and punch the gaps of the others. The caller must hold the
-        tenant's write lock and pass every locator its rows hold. Returns (segments removed, bytes punched)."""
+    def vacuum(self, live: Iterable[bytes], position: tuple[int, int] | None) -> tuple[int, int]:
+        """Reclaim everything no live locator points at: unlink segments with nothing live (except the one
+        appends continue into) and punch the gaps of the others, below the log's end in its current
+        segment (the zero-filled space after it is kept for the next appends). The caller must hold the
+        tenant's write lock and pass every locator its rows hold and the recorded end. Returns (segments
+        removed, bytes punched)."""
+        cur_seg, cur_end = position if position is not None else self._start()
         by_seg: dict[int, list[tuple[int, int]]] = {}
         for loc in live:
             seg, off, length, _ = LOCATOR.unpack(bytes(loc))
@@ -220,14 +254,16 @@ class BlobLog:
         segs = self.segments()
         removed = punched = 0
         for seg in segs:
+            if seg > cur_seg:
+                continue  # written by a transaction that never committed: the next appends reuse it
             ranges = sorted(by_seg.get(seg, ()))
-            if not ranges and seg != segs[-1]:
+            if not ranges and seg != cur_seg:
                 self._drop_segment(seg)
                 removed += 1
                 continue
             fd = os.open(self._path(seg), os.O_RDWR | os.O_CLOEXEC)
             try:
-                size = os.fstat(fd).st_size
+                size = cur_end if seg == cur_seg else os.fstat(fd).st_size
                 pos = 0
                 for lo, hi in ranges + [(size, size)]:
                     if lo > pos:
@@ -296,4 +332,4 @@ class BlobLog:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-__all__ = ["BlobGone", "BlobLog", "LOCATOR"]
+__all__ = ["BlobGone", "BlobLog", "LOCATOR", "load_position", "store_position"]

@@ -23,7 +23,7 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from moorage.errors import ConflictError, InvalidInput, UnavailableError
-from moorage.store.bloblog import BlobGone
+from moorage.store.bloblog import BlobGone, load_position, store_position
 from moorage.store.langgraph_commit import GroupCommit
 from moorage.store.langgraph_sql import Statements, metadata_predicates
 from moorage.store.sql import Conn
@@ -184,7 +184,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             stored.update(dict.fromkeys(fresh))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
-    def _spill(self, todo: list[tuple[Any, list[tuple]]]) -> None:
+    def _spill(self, c: Conn, todo: list[tuple[Any, list[tuple]]]) -> None:
         """GroupCommit's ``prepare``, inside the write transaction: append the batch's spilled values to the
         blob log in one write and one fdatasync, and put their locators in the rows about to be inserted."""
         for sql, rows in todo:
@@ -192,9 +192,15 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 continue
             at = [i for i, r in enumerate(rows) if isinstance(r[5], _Spill)]
             if at:
-                locs = self._blobs.append([rows[i][5].data for i in at])  # type: ignore[union-attr]
+                locs = self._append(c, [rows[i][5].data for i in at])
                 for i, loc in zip(at, locs):
                     rows[i] = rows[i][:5] + (loc,)
+
+    def _append(self, c: Conn, values: list[bytes]) -> list[bytes]:
+        """Append to the blob log at its recorded end and advance that end in the same transaction."""
+        locs, end = self._blobs.append(values, load_position(c))  # type: ignore[union-attr]
+        store_position(c, end)
+        return locs
 
     def _release(self, locs: list[bytes]) -> None:
         """Punch deleted values out of the blob log, once their delete has committed. Inside a caller's
@@ -267,7 +273,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                    (thread_id,))
         for i in range(0, len(rows), 64):
             part = rows[i: i + 64]
-            locs = self._blobs.append([self._blobs.read(r[3]) for r in part])
+            locs = self._append(c, [self._blobs.read(r[3]) for r in part])
             c.many("UPDATE lg_blobs SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?",
                    [(loc, thread_id, r[0], r[1], r[2]) for loc, r in zip(locs, part)])
 

@@ -15,9 +15,10 @@ from moorage.store.tenant import TenantStore
 #: One write: statement -> parameter rows. A plain SQL string is applied with executemany; a
 #: ``BatchInsert`` becomes one multi-row statement per batch on PostgreSQL.
 Ops = Sequence[tuple[Any, Sequence[tuple]]]
-#: Called inside the write transaction with the batch's merged (statement, rows) lists, before they are
-#: applied; may replace rows in those lists (the blob log turns spilled values into locators here).
-Prepare = Callable[[list[tuple[Any, list[tuple]]]], None]
+#: Called inside the write transaction with its connection and the batch's merged (statement, rows) lists,
+#: before they are applied; may replace rows in those lists (the blob log turns spilled values into
+#: locators here).
+Prepare = Callable[[Any, list[tuple[Any, list[tuple]]]], None]
 
 
 class _EventSignal:
@@ -101,7 +102,7 @@ def _merge(jobs: Sequence[_Job]) -> list[tuple[Any, list[tuple]]]:
 def _apply(c: Any, jobs: Sequence[_Job], pipelined: bool = False, prepare: Prepare | None = None) -> None:
     todo = _merge(jobs)
     if prepare is not None:
-        prepare(todo)
+        prepare(c, todo)
     pg = c.dialect == "postgres"
     if pg and len(todo) > 1 and not pipelined:
         # One round trip for all statements instead of one each; errors still surface before COMMIT.

@@ -277,6 +277,18 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             END $$""",
         ),
     ),
+    Migration(
+        7,
+        "blob log position",
+        statements=(),
+        # SQLite's blob log (moorage/store/bloblog.py) appends into space it zero-filled ahead of time, so
+        # the end of its data is not the file size: it is kept here, advanced in the transaction that
+        # commits the rows pointing at the appended values. PostgreSQL keeps values in rows.
+        sqlite_only=(
+            """CREATE TABLE lg_log (
+                id INTEGER PRIMARY KEY CHECK (id = 0), segment INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
+        ),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (

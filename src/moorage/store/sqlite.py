@@ -11,12 +11,13 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
-from moorage.store.bloblog import BlobLog
+from moorage.store.bloblog import BlobLog, load_position
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
 from moorage.store.sql import Conn
 
@@ -59,42 +60,61 @@ def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: i
     return int(row[0])
 
 
+class _Held:
+    """One thread's connection to one file. Only the owning thread's ``threading.local`` holds it strongly,
+    so when that thread ends the connection is closed (a host whose threads come and go does not keep one
+    open connection, descriptor and page cache per dead thread)."""
+
+    __slots__ = ("conn", "path", "__weakref__")
+
+    def __init__(self, conn: sqlite3.Connection, path: str) -> None:
+        self.conn = conn
+        self.path = path
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.close()
+
+
 class _Files:
     """Per-thread connections to a set of database files (sqlite3 connections are not shareable concurrently)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
+        self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def get(self, path: str) -> sqlite3.Connection:
-        conns: dict[str, sqlite3.Connection] = getattr(self._local, "conns", None) or {}
-        self._local.conns = conns
-        c = conns.get(path)
-        if c is None:
-            c = conns[path] = _connect(path)
+        conns: dict[str, _Held] | None = getattr(self._local, "conns", None)
+        if conns is None:
+            conns = self._local.conns = {}
+        held = conns.get(path)
+        if held is None:
+            held = conns[path] = _Held(_connect(path), path)
             with self._lock:
-                self._all.append(c)
-        return c
+                self._all.add(held)
+        return held.conn
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._all)
 
     def drop(self, path: str) -> None:
         with self._lock:
-            for c in list(self._all):
-                try:
-                    if c.execute("PRAGMA database_list").fetchone()[2] == path:
-                        c.close()
-                        self._all.remove(c)
-                except sqlite3.ProgrammingError:
-                    self._all.remove(c)
+            for held in list(self._all):
+                if held.path == path:
+                    with contextlib.suppress(Exception):
+                        held.conn.close()
+                    self._all.discard(held)
         conns = getattr(self._local, "conns", None)
         if conns:
             conns.pop(path, None)
 
     def close(self) -> None:
         with self._lock:
-            for c in self._all:
+            for held in list(self._all):
                 with contextlib.suppress(Exception):
-                    c.close()
+                    held.conn.close()
             self._all.clear()
 
 
@@ -194,7 +214,7 @@ class SQLiteBackend(Backend):
         # Under the write lock no append is in flight anywhere: every range not in a row is garbage.
         with _transaction(self._tenant_conn(tenant_id), True) as c:
             live = [r[0] for r in c.q("SELECT blob FROM lg_blobs WHERE type LIKE 'log:%'")]
-            return log.vacuum(live)
+            return log.vacuum(live, load_position(c))
 
     def drop_tenant(self, tenant_id: str) -> None:
         path = str(self.tenant_path(tenant_id))
