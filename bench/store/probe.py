@@ -62,7 +62,8 @@ def main() -> None:
     ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
     ap.add_argument("--extra-min", type=int, default=0, help="override GroupCommit's queue length for a second transaction")
     ap.add_argument("--prefill", type=int, default=0,
-                    help="first put this many 1 KiB checkpoints per writer into every contender (as earlier cells do)")
+                    help="first put this many checkpoints per writer into every contender (as earlier cells do)")
+    ap.add_argument("--prefill-size", default="1KiB", help="state size of the prefill checkpoints")
     ap.add_argument("--prefill-rounds", type=int, default=1, help="prefill in this many rounds (new writer threads each)")
     ap.add_argument("--prefill-workers", type=int, default=0, help="writer threads per prefill round (default --workers)")
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
@@ -120,7 +121,7 @@ def main() -> None:
                 for c in cs:
                     t = time.perf_counter()
                     for r in range(args.prefill_rounds):
-                        concurrent(c, f"prefill{r}-{c.name}", SIZES["1KiB"], "full", pw, args.prefill)
+                        concurrent(c, f"prefill{r}-{c.name}", SIZES[args.prefill_size], "full", pw, args.prefill)
                     print(f"prefilled {c.name}: {args.prefill_rounds} x {pw} x {args.prefill} puts in "
                           f"{time.perf_counter() - t:.1f} s", flush=True)
             for rep in range(args.reps):

@@ -187,42 +187,46 @@ def main() -> None:
             report["durability"]["moorage sqlite"] = contenders[0].saver_for(0).tenant_store._backend.describe()
             mts = contenders[0].saver_for(0).tenant_store
             sqlite_files = [tmp / "peer.sqlite", mts.backend.tenant_path(mts.tenant_id)]
-            for size_name, size in SIZES.items():
-                if size_name not in args.sizes.split(","):
-                    continue
-                reps = max(10, n // 4) if size >= 256 * 1024 else n
-                per_w = max(5, per_worker // 4) if size >= 256 * 1024 else per_worker
-                for mode in modes:
-                    # Throughput: ``rounds`` short samples per contender and writer count, moorage and its
-                    # peer alternating (order flipped every round) so a burst of load from elsewhere on
-                    # this shared host hits both alike; the median is reported, every sample is kept.
-                    samples: dict[int, dict[str, list[float]]] = {id(c): {str(w): [] for w in levels} for c in contenders}
-                    for w in levels:
-                        settle(cluster, sqlite_files, list(urls))
-                        # One unmeasured round each first: connections (the peer's pool opens them on
-                        # demand), prepared statements and caches are warm before anything counts.
-                        for c in contenders:
-                            concurrent(c, f"warm{w}-{c.backend}-{c.name}-{size_name}-{mode}", size, mode, w,
-                                       max(2, per_w // 5))
-                        for rnd in range(rounds):
-                            for c in (contenders if rnd % 2 == 0 else contenders[::-1]):
-                                tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
-                                # The previous sample's dirty pages are written back first, so no contender's
-                                # sample pays for its predecessor's writeback.
-                                os.sync()
-                                samples[id(c)][str(w)].append(concurrent(c, f"conc{w}r{rnd}-{tag}", size, mode, w, per_w))
-                    for c in contenders:
-                        tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
-                        os.sync()
-                        seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
-                        thr = {w: statistics.median(xs) for w, xs in samples[id(c)].items()}
-                        row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
-                               "concurrent_put_per_s": thr[str(workers)], "concurrent": thr,
-                               "concurrent_samples": samples[id(c)], "setup": c.settings}
-                        report["checkpoints"].append(row)
-                        print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
-                              f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
-                              + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
+            # One backend at a time: PostgreSQL's background work (checkpointer, autovacuum) must not land
+            # in the SQLite samples, nor SQLite's writeback in PostgreSQL's.
+            for backend in ("sqlite", "postgres"):
+                group = [c for c in contenders if c.backend == backend]
+                for size_name, size in SIZES.items():
+                    if size_name not in args.sizes.split(","):
+                        continue
+                    reps = max(10, n // 4) if size >= 256 * 1024 else n
+                    per_w = max(5, per_worker // 4) if size >= 256 * 1024 else per_worker
+                    for mode in modes:
+                        # Throughput: ``rounds`` short samples per contender and writer count, moorage and its
+                        # peer alternating (order flipped every round) so a burst of load from elsewhere on
+                        # this shared host hits both alike; the median is reported, every sample is kept.
+                        samples: dict[int, dict[str, list[float]]] = {id(c): {str(w): [] for w in levels} for c in group}
+                        for w in levels:
+                            settle(cluster, sqlite_files, list(urls))
+                            # One unmeasured round each first: connections (the peer's pool opens them on
+                            # demand), prepared statements and caches are warm before anything counts.
+                            for c in group:
+                                concurrent(c, f"warm{w}-{c.backend}-{c.name}-{size_name}-{mode}", size, mode, w,
+                                           max(2, per_w // 5))
+                            for rnd in range(rounds):
+                                for c in (group if rnd % 2 == 0 else group[::-1]):
+                                    tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                                    # The previous sample's dirty pages are written back first, so no contender's
+                                    # sample pays for its predecessor's writeback.
+                                    os.sync()
+                                    samples[id(c)][str(w)].append(concurrent(c, f"conc{w}r{rnd}-{tag}", size, mode, w, per_w))
+                        for c in group:
+                            tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                            os.sync()
+                            seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
+                            thr = {w: statistics.median(xs) for w, xs in samples[id(c)].items()}
+                            row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
+                                   "concurrent_put_per_s": thr[str(workers)], "concurrent": thr,
+                                   "concurrent_samples": samples[id(c)], "setup": c.settings}
+                            report["checkpoints"].append(row)
+                            print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
+                                  f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
+                                  + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
             # CAS contention through the store API, one store per process.
             for kind in ("sqlite", "postgres"):
                 if kind == "sqlite":

@@ -26,6 +26,7 @@ from moorage.store import Store, TenantStore, open_store
 from moorage.store.bloblog import LOCATOR, BlobGone, BlobLog
 from moorage.store.langgraph import MoorageSaver
 from moorage.store.sqlite import SQLiteBackend
+from tests.store.scan import files_containing
 from tests.store.workers import lg_value
 
 WORKERS = Path(__file__).with_name("workers.py")
@@ -34,13 +35,7 @@ BIG = 64 * 1024
 
 
 def _files_with(root: Path, needle: bytes) -> list[str]:
-    hits = []
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = Path(dirpath) / f
-            if needle in p.read_bytes():
-                hits.append(p.name)
-    return sorted(hits)
+    return sorted(p.name for p in files_containing(root, needle))
 
 
 def _allocated(path: Path) -> int:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
 from moorage.store import Scope, Store
 from moorage.store.sqlite import SQLiteBackend
-
-
-def _scan(root: Path, needle: bytes) -> list[Path]:
-    hits = []
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = Path(dirpath) / f
-            if needle in p.read_bytes():
-                hits.append(p)
-    return hits
+from tests.store.scan import files_containing
 
 
 def test_ephemeral_handle_writes_nothing_to_disk(tmp_path: Path) -> None:
@@ -35,7 +25,7 @@ def test_ephemeral_handle_writes_nothing_to_disk(tmp_path: Path) -> None:
     assert eph.state.get(S, "k").value == planted
     assert eph.events.search_text(S, planted.split("-")[1])  # it works like the durable store
     # Nothing of it is on disk, in the tenant's file or anywhere else under the data dir.
-    assert _scan(tmp_path, planted.encode()) == []
+    assert files_containing(tmp_path, planted.encode()) == []
     # The durable handle of the same tenant does not see it either.
     assert store.tenant(principal).state.get(S, "k") is None
     store.close()

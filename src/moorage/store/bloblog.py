@@ -46,7 +46,7 @@ _HEADER = struct.Struct("<4sIQ")  # magic, value length, record id
 LOCATOR = struct.Struct("<IQIQ")
 _SEGMENT_MAX = 1 << 30
 _IOV_MAX = 512
-_PREFILL = 16 << 20
+_PREFILL = 4 << 20
 _ZEROS = bytes(1 << 20)
 _EDGE = 8192
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -199,11 +199,12 @@ class BlobLog:
                 os.ftruncate(fd, start)
                 raise OSError(errno.ENOSPC, f"short write to the blob log ({wrote} of {want} bytes)")
             pos += wrote
-        # Keep zero-filled space ahead of the end, so later appends write over allocated blocks. It goes
-        # out with this fdatasync (the one journal commit per _PREFILL bytes).
+        # Keep zero-filled space ahead of the end for the next appends (at least two more batches like
+        # this one, filled for eight at a time), so they write over allocated blocks. It goes out with
+        # this fdatasync: one journal commit per refill instead of one per append.
         size = os.fstat(fd).st_size
-        if size < end + _PREFILL // 4:
-            target = min(max(end + _PREFILL, size), max(self._segment_max, end))
+        if size < end + max(_PREFILL // 4, 2 * need):
+            target = min(max(end + max(_PREFILL, 8 * need), size), max(self._segment_max, end))
             at = max(size, end)
             while at < target:
                 n = os.pwrite(fd, _ZEROS[: min(len(_ZEROS), target - at)], at)
