@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--prefill-size", default="1KiB", help="state size of the prefill checkpoints")
     ap.add_argument("--prefill-rounds", type=int, default=1, help="prefill in this many rounds (new writer threads each)")
     ap.add_argument("--prefill-workers", type=int, default=0, help="writer threads per prefill round (default --workers)")
+    ap.add_argument("--sync", action="store_true", help="os.sync() before every sample (as run.py does)")
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
     ap.add_argument("--pg-alter", action="append", default=[],
                     help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
@@ -128,6 +129,8 @@ def main() -> None:
                 for c in cs:
                     txs[0] = 0
                     call_s[0] = 0.0
+                    if args.sync:
+                        os.sync()
                     t0, s0, b0 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
                     rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
                     t1, s1, b1 = os.times(), _server_cpu(cluster.root), _server_cpu_by()

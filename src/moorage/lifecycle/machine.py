@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moorage.errors import ConflictError
+from moorage.sandbox.process_fs import proc_starttime
 from moorage.store import SandboxRecord, Span, TenantStore
 
 
@@ -105,16 +106,6 @@ def target(state: str, verb: Verb) -> InstanceState | None:
 # Claims: who is moving an instance through a transitional state
 
 
-def _proc_starttime(pid: int) -> int | None:
-    """(pid, start time) names one process across pid reuse; None when the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 @dataclass(frozen=True)
 class Owner:
     """One manager incarnation: its host, a unique id, and the OS process that holds its claims."""
@@ -127,7 +118,7 @@ class Owner:
     @classmethod
     def this_process(cls, host: str) -> "Owner":
         pid = os.getpid()
-        return cls(host, uuid.uuid4().hex[:16], pid, _proc_starttime(pid))
+        return cls(host, uuid.uuid4().hex[:16], pid, proc_starttime(pid))
 
     def claim(self, now: float | None = None) -> dict[str, Any]:
         return {"owner": self.id, "host": self.host, "pid": self.pid, "pid_start": self.pid_start,
@@ -146,7 +137,7 @@ def claim_is_dead(record: SandboxRecord, me: Owner, timeout_s: float, now: float
         return True
     now = time.time() if now is None else now
     if c.get("host") == me.host and isinstance(c.get("pid"), int):
-        if c.get("owner") != me.id and _proc_starttime(c["pid"]) != c.get("pid_start"):
+        if c.get("owner") != me.id and proc_starttime(c["pid"]) != c.get("pid_start"):
             return True
     return now - float(c.get("at", 0.0)) > timeout_s
 

@@ -42,7 +42,7 @@ from moorage.sandbox.base import (
     validate_id,
 )
 from moorage.sandbox.channel import Channel
-from moorage.sandbox.process_fs import copy_tree, disk_usage, write_json_durable
+from moorage.sandbox.process_fs import copy_tree, disk_usage, proc_starttime, write_json_durable
 
 log = get_logger(__name__)
 
@@ -66,18 +66,6 @@ def _bwrap() -> str:
     if path is None:
         raise SandboxError("bubblewrap (bwrap) is not installed", hint="run scripts/bootstrap.sh or apt-get install bubblewrap")
     return path
-
-
-def _proc_starttime(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks: (pid, starttime) identifies a process across pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        if fields[0] == "Z":
-            return None
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 class ProcessSandbox(Sandbox):
@@ -130,7 +118,7 @@ class ProcessSandbox(Sandbox):
             return self._proc.poll() is None
         if self._pid is None:
             return False
-        return _proc_starttime(self._pid) == self.meta.get("pid_starttime")
+        return proc_starttime(self._pid) == self.meta.get("pid_starttime")
 
     def _save(self, **changes: Any) -> None:
         self.meta.update(changes)
@@ -189,7 +177,7 @@ class ProcessSandbox(Sandbox):
             await self._kill()
             raise
         self._state = SandboxState.RUNNING
-        self._save(pid=self._pid, pid_starttime=_proc_starttime(self._pid), boot_count=self.meta.get("boot_count", 0) + 1)
+        self._save(pid=self._pid, pid_starttime=proc_starttime(self._pid), boot_count=self.meta.get("boot_count", 0) + 1)
         self._start_watchdog()
         log.info("sandbox started", sandbox=self.id, pid=self._pid)
 

@@ -1,4 +1,5 @@
-"""Filesystem helpers of the process driver: layer copies (reflink where possible), disk usage, durable JSON.
+"""Filesystem helpers of the process driver: layer copies (reflink where possible), disk usage, durable JSON,
+the start time of a process (/proc).
 
 Kept apart from process.py so the copy and accounting rules are in one small place.
 """
@@ -58,6 +59,17 @@ def disk_usage(path: Path) -> int:
                     seen.add(key)
                 total += st.st_blocks * 512
     return total
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks: (pid, start time) names one process across pid reuse. None when
+    the process is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def write_json_durable(path: Path, data: Any) -> None:

@@ -16,11 +16,11 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.store.model import ApiKey, Tenant, check_id
+from moorage.store.sql import Conn
 
 if TYPE_CHECKING:
     from moorage.store.bloblog import BlobLog
-from moorage.store.model import ApiKey, Tenant, check_id
-from moorage.store.sql import Conn
 
 _TENANT_ID = re.compile(r"^[0-9a-f]{32}$")
 KEY_PREFIX = "mrg_"
