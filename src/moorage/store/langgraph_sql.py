@@ -40,11 +40,8 @@ class _Array(list):
     """
 
     __slots__ = ()
+    #: The element type's oid; subclasses also define ``item(value) -> bytes``, its binary form.
     elem_oid = 0
-
-    @staticmethod
-    def item(v: Any) -> bytes:
-        raise NotImplementedError
 
 
 class _TextArray(_Array):
@@ -88,7 +85,7 @@ class _ArrayDumper(Dumper):
         self.oid = _ARRAY_OIDS[cls.elem_oid]  # type: ignore[attr-defined]
 
     def dump(self, obj: _Array) -> bytes:
-        item = obj.item
+        item = obj.item  # type: ignore[attr-defined]
         parts = [_HEAD.pack(1, 1 if None in obj else 0, obj.elem_oid, len(obj), 1)]
         for v in obj:
             if v is None:
