@@ -23,7 +23,8 @@ from langgraph.checkpoint.base import (
 from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from moorage.errors import ConflictError, InvalidInput, UnavailableError
-from moorage.store.bloblog import BlobGone, load_position, store_position
+from moorage.store.bloblog import LOG_TYPE as _LOG
+from moorage.store.bloblog import BlobGone, live_locators, load_position, store_position
 from moorage.store.langgraph_commit import GroupCommit
 from moorage.store.langgraph_sql import Statements, metadata_predicates
 from moorage.store.sql import Conn
@@ -37,9 +38,6 @@ _PRUNE_STRATEGIES = ("keep_latest", "delete")
 _INLINE_TYPES = ("msgpack", "null")
 # Bound on the memo of blobs a saver knows are stored (entries are small tuples).
 _STORED_MAX = 65536
-# lg_blobs.type prefix of a value held in the tenant's blob log; lg_blobs.blob then holds its locator.
-_LOG = "log:"
-_LOG_ROWS = "SELECT blob FROM lg_blobs WHERE thread_id = ? AND type LIKE 'log:%'"
 
 
 class _Spill:
@@ -210,9 +208,6 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         if locs and self._blobs is not None and self._ts.ambient() is None:
             self._blobs.release(locs)
 
-    def _logged(self, c: Conn, thread_id: str) -> list[bytes]:
-        return [r[0] for r in c.q(_LOG_ROWS, (thread_id,))] if self._blobs is not None else []
-
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
@@ -231,7 +226,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
 
     def delete_thread(self, thread_id: str) -> None:
         with self._ts._tx() as c:
-            locs = self._logged(c, str(thread_id))
+            locs = live_locators(c, str(thread_id)) if self._blobs is not None else []
             for stmt in self._sql.delete_thread:
                 c.x(stmt, (str(thread_id),))
         self._release(locs)
@@ -269,7 +264,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         source's locators), so deleting either thread never punches values the other still uses."""
         if self._blobs is None:
             return
-        rows = c.q("SELECT checkpoint_ns, channel, version, blob FROM lg_blobs WHERE thread_id = ? AND type LIKE 'log:%'",
+        rows = c.q(f"SELECT checkpoint_ns, channel, version, blob FROM lg_blobs WHERE thread_id = ? AND type LIKE '{_LOG}%'",
                    (thread_id,))
         for i in range(0, len(rows), 64):
             part = rows[i: i + 64]
@@ -334,12 +329,13 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         for t, b in c.q("SELECT type, checkpoint FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns)):
             head = self.serde.loads_typed((t, _bytes(b)))
             live.update((ch, str(v)) for ch, v in head.get("channel_versions", {}).items())
-        stored = c.q("SELECT channel, version, CASE WHEN type LIKE 'log:%' THEN blob END FROM lg_blobs "
+        stored = c.q(f"SELECT channel, version, CASE WHEN type LIKE '{_LOG}%' THEN blob END FROM lg_blobs "
                      "WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns))
-        dead = [(thread_id, ns, ch, v) for ch, v, _ in stored if (ch, v) not in live]
+        dead = [(ch, v, loc) for ch, v, loc in stored if (ch, v) not in live]
         if dead:
-            c.many("DELETE FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?", dead)
-        return [loc for ch, v, loc in stored if loc is not None and (ch, v) not in live]
+            c.many("DELETE FROM lg_blobs WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?",
+                   [(thread_id, ns, ch, v) for ch, v, _ in dead])
+        return [loc for _, _, loc in dead if loc is not None]
 
     # -- reading ----------------------------------------------------------------------------------
 

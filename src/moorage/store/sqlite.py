@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
-from moorage.store.bloblog import BlobLog, load_position
+from moorage.store.bloblog import BlobLog, live_locators, load_position
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
 from moorage.store.sql import Conn
 
@@ -118,6 +118,11 @@ class _Files:
             self._all.clear()
 
 
+def _log_dir(tenant_db: str) -> Path:
+    """A tenant's blob-log directory, next to its database file (``<tenant>.lg``)."""
+    return Path(tenant_db[: -len(".db")] + ".lg")
+
+
 @contextlib.contextmanager
 def _transaction(conn: sqlite3.Connection, write: bool) -> Iterator[Conn]:
     conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
@@ -204,7 +209,7 @@ class SQLiteBackend(Backend):
         if log is None:
             self._tenant_conn(tenant_id)  # an unknown tenant gets the same error as any other access
             with self._mlock:
-                log = self._logs.setdefault(path, BlobLog(Path(path[: -len(".db")] + ".lg")))
+                log = self._logs.setdefault(path, BlobLog(_log_dir(path)))
         return log
 
     def vacuum_blobs(self, tenant_id: str) -> tuple[int, int]:
@@ -213,8 +218,7 @@ class SQLiteBackend(Backend):
             return 0, 0
         # Under the write lock no append is in flight anywhere: every range not in a row is garbage.
         with _transaction(self._tenant_conn(tenant_id), True) as c:
-            live = [r[0] for r in c.q("SELECT blob FROM lg_blobs WHERE type LIKE 'log:%'")]
-            return log.vacuum(live, load_position(c))
+            return log.vacuum(live_locators(c), load_position(c))
 
     def drop_tenant(self, tenant_id: str) -> None:
         path = str(self.tenant_path(tenant_id))
@@ -222,7 +226,7 @@ class SQLiteBackend(Backend):
         self._migrated.discard(path)
         with self._mlock:
             log = self._logs.pop(path, None)
-        (log or BlobLog(Path(path[: -len(".db")] + ".lg"))).destroy()
+        (log or BlobLog(_log_dir(path))).destroy()
         for suffix in ("", "-wal", "-shm", "-journal"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path + suffix)
