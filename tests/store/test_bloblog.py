@@ -8,6 +8,9 @@ never loses an acknowledged checkpoint.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import os
 import random
 import signal
@@ -126,6 +129,49 @@ def test_a_damaged_locator_is_refused(tmp_path: Path) -> None:
         log.read(LOCATOR.pack(seg, off, n, rid ^ 1))
     with pytest.raises(BlobGone):
         log.read(LOCATOR.pack(seg + 1, off, n, rid))
+    log.close()
+
+
+def _resident(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (mincore(2) of a shared read-only mapping)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    size = path.stat().st_size
+    page = mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer((size + page - 1) // page)
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return [b & 1 == 1 for b in vec.raw]
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_appended_bytes_leave_the_page_cache_behind_a_window(tmp_path: Path) -> None:
+    # Only the newest cache_keep bytes stay cached once durable; everything older is dropped, so a
+    # sustained write rate does not grow the page cache (and the values still read back).
+    keep = 1 << 20
+    log = BlobLog(tmp_path / "t.lg", cache_keep=keep)
+    locs, pos = [], None
+    for i in range(24):
+        (loc,), pos = log.append([bytes([i + 1]) * 256 * 1024], pos)
+        locs.append(loc)
+    seg_end = pos[1]
+    pages = _resident(tmp_path / "t.lg" / "00000000.seg")
+    page = mmap.PAGESIZE
+    old = pages[: (seg_end - 2 * keep) // page]
+    new = pages[(seg_end - keep // 2) // page: seg_end // page]
+    assert old and not any(old), f"{sum(old)} of {len(old)} old pages still cached"
+    assert new and all(new)
+    assert [log.read(x) for x in locs] == [bytes([i + 1]) * 256 * 1024 for i in range(24)]
     log.close()
 
 
