@@ -127,10 +127,13 @@ def test_put_inside_a_caller_transaction_joins_it(tenant: TenantStore) -> None:
     assert saver.get_tuple(config) is None
 
 
-def test_batched_saver_statements_isolate_a_bad_write(tenant: TenantStore) -> None:
-    """The saver's own statements (one moorage_lg_write call per batch on PostgreSQL): a bad row fails alone."""
+@pytest.mark.parametrize("single", [True, False], ids=["one-statement", "transaction"])
+def test_batched_saver_statements_isolate_a_bad_write(tenant: TenantStore, single: bool) -> None:
+    """The saver's own statements, as the saver sends them (one statement per batch: moorage_lg_write on
+    PostgreSQL, lg_batch on SQLite) and as a transaction (pipelined on PostgreSQL): a bad row fails alone,
+    and the connection it failed on stays usable."""
     saver = MoorageSaver(tenant)
-    gc = GroupCommit(tenant, max_inflight=1)
+    gc = GroupCommit(tenant, max_inflight=1, single=saver._one_statement if single else None)
     sql = saver._sql
     good = [[(sql.insert_blob, [("b", "", f"ch{i}", "1", "bytes", b"x")])] for i in range(5)]
     # lg_writes.blob is NOT NULL: this job's transaction fails, and only this job's.
@@ -224,3 +227,51 @@ def test_batch_columns_reach_postgresql_as_typed_arrays(pg_url: str) -> None:
     with psycopg.connect(pg_url) as conn:
         got = conn.execute("SELECT %b::text[], %b::bytea[], %b::integer[]", cols).fetchone()
     assert got == (["é✓", None, ""], [b"\x00\xff", b"", None], [-7, 2**31 - 1, None])
+
+
+def test_one_statement_batches_store_what_transactions_store(tenant: TenantStore) -> None:
+    """Every kind of saver row (checkpoint upsert, channel blob, pending write kept, pending write replaced),
+    repeated keys included, leaves the same rows whether the batch ran as one statement (lg_batch /
+    moorage_lg_write) or as a transaction of the statements themselves, and one statement means one
+    ``tenant_call`` per batch."""
+    saver = MoorageSaver(tenant)
+    sql = saver._sql
+
+    def batch(thread: str) -> list:
+        cp = (thread, "", "c1", None, "run", "msgpack", b"\x01", "{}", "{}")
+        return [
+            (sql.insert_blob, [(thread, "", "ch", "1", "bytes", b"a"), (thread, "", "ch", "1", "bytes", b"ignored")]),
+            (sql.upsert_checkpoint, [cp, cp[:6] + (b"\x02",) + cp[7:]]),
+            (sql.insert_write, [(thread, "", "c1", "task", 0, "ch", "bytes", b"w1", ""),
+                                (thread, "", "c1", "task", 0, "ch", "bytes", b"ignored", "")]),
+            (sql.upsert_write, [(thread, "", "c1", "task", -1, "__error__", "bytes", b"e1", "p"),
+                                (thread, "", "c1", "task", -1, "__error__", "bytes", b"e2", "p2")]),
+        ]
+
+    calls = []
+    backend = tenant._backend
+    real_call = backend.tenant_call
+    backend.tenant_call = lambda *a: (calls.append(a[1]), real_call(*a))[1]  # type: ignore[method-assign]
+    try:
+        GroupCommit(tenant, single=saver._one_statement).write(batch("one"))
+    finally:
+        backend.__dict__.pop("tenant_call", None)
+    GroupCommit(tenant).write(batch("tx"))
+    assert len(calls) == 1
+
+    def rows(thread: str) -> list:
+        with tenant._tx(write=False) as c:
+            return [
+                [tuple(bytes(v) if isinstance(v, memoryview) else v for v in r[1:]) for r in c.q(q, (thread,))]
+                for q in ("SELECT thread_id, checkpoint_ns, channel, version, type, blob FROM lg_blobs WHERE thread_id = ?",
+                          "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type, checkpoint, metadata, "
+                          "versions FROM lg_checkpoints WHERE thread_id = ?",
+                          "SELECT thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob, task_path "
+                          "FROM lg_writes WHERE thread_id = ? ORDER BY idx")
+            ]
+
+    got = rows("one")
+    assert got == rows("tx")
+    assert got[0] == [("", "ch", "1", "bytes", b"a")]
+    assert [r[5] for r in got[1]] == [b"\x02"]
+    assert [(r[3], r[6]) for r in got[2]] == [(-1, b"e2"), (0, b"w1")]

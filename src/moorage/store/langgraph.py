@@ -98,7 +98,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         self._blobs = ts.backend.blob_log(ts.tenant_id)
         self._log_min = log_min if log_min > 0 and self._blobs is not None else 0
         # Concurrent put/put_writes calls (many graphs, or async tasks) share transactions; see GroupCommit.
-        self._commits = GroupCommit(ts, max_batch, prepare=self._spill if self._log_min else None)
+        self._commits = GroupCommit(ts, max_batch, prepare=self._spill if self._log_min else None,
+                                    single=self._one_statement)
         # A channel value whose serialised form is at most ``inline_max`` bytes is stored inside the
         # checkpoint row, up to ``inline_total`` bytes per checkpoint; larger ones go to lg_blobs once
         # per version. ``inline_max=0`` stores every value as a blob (the layout before inlining).
@@ -193,6 +194,15 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 locs = self._append(c, [rows[i][5].data for i in at])
                 for i, loc in zip(at, locs):
                     rows[i] = rows[i][:5] + (loc,)
+
+    def _one_statement(self, todo: list[tuple[Any, list[tuple]]]) -> tuple[str, list[Any]] | None:
+        """GroupCommit's ``single``: the batch as one statement, unless it holds values for the blob log
+        (those are appended under the transaction's write lock first, see ``_spill``)."""
+        if self._log_min:
+            for sql, rows in todo:
+                if sql is self._sql.insert_blob and any(isinstance(r[5], _Spill) for r in rows):
+                    return None
+        return self._sql.batch(todo)
 
     def _append(self, c: Conn, values: list[bytes]) -> list[bytes]:
         """Append to the blob log at its recorded end and advance that end in the same transaction."""

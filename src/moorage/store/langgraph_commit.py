@@ -15,6 +15,9 @@ from moorage.store.tenant import TenantStore
 #: One write: statement -> parameter rows. A plain SQL string is applied with executemany; a
 #: ``BatchInsert`` becomes one multi-row statement per batch on PostgreSQL.
 Ops = Sequence[tuple[Any, Sequence[tuple]]]
+#: Renders a batch's merged (statement, rows) lists as one statement and its parameters for
+#: ``Backend.tenant_call``, or returns None (the batch then runs as a transaction).
+Single = Callable[[list[tuple[Any, list[tuple]]]], "tuple[str, Sequence[Any]] | None"]
 #: Called inside the write transaction with its connection and the batch's merged (statement, rows) lists,
 #: before they are applied; may replace rows in those lists (the blob log turns spilled values into
 #: locators here).
@@ -137,9 +140,10 @@ class GroupCommit:
     """
 
     def __init__(self, ts: TenantStore, max_batch: int = 64, max_inflight: int | None = None,
-                 extra_min: int = 4, prepare: Prepare | None = None) -> None:
+                 extra_min: int = 4, prepare: Prepare | None = None, single: Single | None = None) -> None:
         self._ts = ts
         self._prepare = prepare
+        self._single = single
         self._max = max(1, max_batch)
         # SQLite serialises writers on the file lock: one batch in flight. On PostgreSQL a commit is
         # mostly server work and fsync, during which the client and the other CPU idle, so a second
@@ -233,23 +237,19 @@ class GroupCommit:
     def _run(self, jobs: Sequence[_Job]) -> None:
         """Apply ``jobs`` in one transaction of their own and commit it.
 
-        On PostgreSQL the saver's own statements go to ``moorage_lg_write`` as one statement, its own
-        transaction: one round trip, one execution per batch. Anything else runs pipelined: BEGIN, the
-        tenant setting, every statement and COMMIT reach the server in one round trip. Writes read nothing back, so nothing waits in
-        between; a failure surfaces at the commit and rolls the whole transaction back.
+        Where the batch can be one statement (``single``: the saver's statements, nothing for ``prepare``
+        to do), it is: ``Backend.tenant_call`` runs it as its own transaction (PostgreSQL: one round trip,
+        one execution; SQLite: lock, rows and commit in one call). Anything else runs as a transaction:
+        on PostgreSQL pipelined (BEGIN, the tenant setting, every statement and COMMIT reach the server in
+        one round trip; writes read nothing back, so nothing waits in between; a failure surfaces at the
+        commit and rolls the whole transaction back).
         """
-        if self._ts.dialect == "postgres":
-            todo = _merge(jobs)
-            if todo and all(isinstance(sql, BatchInsert) and sql.fn_args for sql, _ in todo):
-                # The whole batch in one autocommitted call of moorage_lg_write (schema migration 5).
-                args: list[str] = []
-                params: list[Any] = []
-                for spec, rows in todo:
-                    args += spec.fn_args
-                    params += spec.columns(rows)
-                self._ts.backend.tenant_call(  # type: ignore[attr-defined]
-                    self._ts.tenant_id, f"SELECT moorage_lg_write(%s, {', '.join(args)})", params)
+        if self._single is not None:
+            one = self._single(_merge(jobs))
+            if one is not None:
+                self._ts.backend.tenant_call(self._ts.tenant_id, *one)
                 return
+        if self._ts.dialect == "postgres":
             with self._ts.backend.tenant_tx(self._ts.tenant_id, pipeline=True) as c:  # type: ignore[call-arg]
                 _apply(c, jobs, pipelined=True)
         else:

@@ -101,6 +101,11 @@ for _cls in (_TextArray, _ByteaArray, _Int4Array):
     psycopg.adapters.register_dumper(_cls, _ArrayDumper)
 _ARRAY_TYPES = {"text": _TextArray, "bytea": _ByteaArray, "integer": _Int4Array}
 
+#: Value columns of SQLite's lg_batch view (migration 8), after its ``kind``.
+_BATCH_WIDTH = 9
+#: Rows per lg_batch statement at most: 32766 is SQLite's default limit of bound parameters.
+_BATCH_ROWS = 32766 // (1 + _BATCH_WIDTH)
+
 
 class BatchInsert:
     """An INSERT that group commit applies to many rows at once.
@@ -111,10 +116,10 @@ class BatchInsert:
     transaction however many puts share it, instead of one per row.
     """
 
-    __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "_arrays")
+    __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "kind", "_arrays")
 
     def __init__(self, table: str, cols: str, types: Sequence[str], conflict: str, key: int = 0,
-                 fn_prefix: str = "") -> None:
+                 fn_prefix: str = "", kind: int | None = None) -> None:
         self._arrays = tuple(_ARRAY_TYPES[t] for t in types)
         marks = ", ".join("?" * len(types))
         self.sqlite = f"INSERT INTO {table} ({cols}) VALUES ({marks}) {conflict}"
@@ -126,6 +131,9 @@ class BatchInsert:
         #: The ``moorage_lg_write`` arguments (migration 5) taking this statement's columns, with casts.
         names = [c.strip() for c in cols.split(",")]
         self.fn_args = tuple(f"{fn_prefix}_{_FN_NAMES.get(n, n)} => %b::{t}[]" for n, t in zip(names, types)) if fn_prefix else ()
+        #: The ``lg_batch`` row kind that applies this statement on SQLite (migration 8), if any.
+        self.kind = kind
+        assert kind is None or len(types) <= _BATCH_WIDTH
 
     def dedupe(self, rows: Sequence[tuple]) -> Sequence[tuple]:
         if not self.key or len(rows) < 2:
@@ -142,21 +150,24 @@ class Statements:
     def __init__(self, dialect: str) -> None:
         tpk = "tenant_id, " if dialect == "postgres" else ""
         self.select_checkpoint = "SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata FROM lg_checkpoints"
-        self.insert_blob = BatchInsert("lg_blobs", _BLOB_COLS, _BLOB_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="b")
+        self.dialect = dialect
+        self.insert_blob = BatchInsert("lg_blobs", _BLOB_COLS, _BLOB_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="b", kind=1)
         self.upsert_checkpoint = BatchInsert(
             "lg_checkpoints", _CHECKPOINT_COLS, _CHECKPOINT_TYPES,
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET parent_id = excluded.parent_id, "
             "run_id = excluded.run_id, type = excluded.type, checkpoint = excluded.checkpoint, metadata = excluded.metadata, "
             "versions = excluded.versions",
-            key=3, fn_prefix="c",
+            key=3, fn_prefix="c", kind=0,
         )
-        self.insert_write = BatchInsert("lg_writes", _WRITE_COLS, _WRITE_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="w")
+        self.insert_write = BatchInsert("lg_writes", _WRITE_COLS, _WRITE_TYPES, "ON CONFLICT DO NOTHING", fn_prefix="w",
+                                        kind=2)
         self.upsert_write = BatchInsert(
             "lg_writes", _WRITE_COLS, _WRITE_TYPES,
             f"ON CONFLICT ({tpk}thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET "
             "channel = excluded.channel, type = excluded.type, blob = excluded.blob, task_path = excluded.task_path",
-            key=5, fn_prefix="u",
+            key=5, fn_prefix="u", kind=3,
         )
+        self._batch_sql: dict[int, str] = {}
         # One checkpoint with its channel blobs and pending writes in one statement (one snapshot, one
         # round trip). Rows: kind 0 = the checkpoint (id, parent, metadata, type, blob, -, versions),
         # kind 1 = a channel blob (channel, -, -, type, blob), kind 2 = a pending write (task_id,
@@ -200,6 +211,46 @@ class Statements:
             f"INSERT INTO lg_writes ({_WRITE_COLS}) SELECT CAST(? AS TEXT), checkpoint_ns, checkpoint_id, task_id, idx, "
             "channel, type, blob, task_path FROM lg_writes WHERE thread_id = ?",
         )
+
+    def batch(self, todo: Sequence[tuple[Any, Sequence[tuple]]]) -> tuple[str, list[Any]] | None:
+        """A whole group-committed batch as one statement for ``Backend.tenant_call``, or None where it
+        cannot be one (a statement that is not a ``BatchInsert``, or too many rows).
+
+        PostgreSQL: one ``moorage_lg_write`` call (migration 5), one binary array per column; it takes the
+        tenant as its first parameter. SQLite: one multi-row INSERT into ``lg_batch`` (migration 8), whose
+        triggers route each row by its kind; the row count is rounded up to a power of two with padding
+        rows (kind NULL, ignored) so a handful of statements stay in the connection's statement cache.
+        """
+        if self.dialect == "postgres":
+            if not all(isinstance(spec, BatchInsert) and spec.fn_args for spec, _ in todo):
+                return None
+            args: list[str] = []
+            params: list[Any] = []
+            for spec, rows in todo:
+                args += spec.fn_args
+                params += spec.columns(rows)
+            return f"SELECT moorage_lg_write(%s, {', '.join(args)})", params
+        n = 0
+        for spec, rows in todo:
+            if not isinstance(spec, BatchInsert) or spec.kind is None:
+                return None
+            n += len(rows)
+        if not 0 < n <= _BATCH_ROWS:
+            return None
+        flat: list[Any] = []
+        for spec, rows in todo:
+            for row in rows:
+                flat.append(spec.kind)
+                flat += row
+                flat += (None,) * (_BATCH_WIDTH - len(row))
+        size = min(1 << (n - 1).bit_length(), _BATCH_ROWS)
+        flat += (None,) * ((size - n) * (1 + _BATCH_WIDTH))
+        sql = self._batch_sql.get(size)
+        if sql is None:
+            row = "(" + ", ".join("?" * (1 + _BATCH_WIDTH)) + ")"
+            cols = ", ".join(["kind"] + [f"c{i}" for i in range(1, _BATCH_WIDTH + 1)])
+            sql = self._batch_sql[size] = f"INSERT INTO lg_batch ({cols}) VALUES " + ", ".join([row] * size)
+        return sql, flat
 
 
 def metadata_predicates(dialect: str, wanted: dict[str, Any]) -> tuple[list[str], list[Any], dict[str, Any]]:

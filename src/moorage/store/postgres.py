@@ -161,7 +161,13 @@ class PostgresBackend(Backend):
                         yield Conn(conn, "postgres")
                         conn.execute(b"COMMIT")
             except BaseException:
-                _rollback(conn)
+                if pipeline:
+                    # psycopg may record a statement as prepared whose Parse the server skipped after the
+                    # error aborted the pipeline; the next use of that name would fail ("prepared
+                    # statement ... does not exist"). A closed connection is replaced by the pool.
+                    conn.close()
+                else:
+                    _rollback(conn)
                 raise
 
     def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> None:

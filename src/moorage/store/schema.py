@@ -289,6 +289,49 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
                 id INTEGER PRIMARY KEY CHECK (id = 0), segment INTEGER NOT NULL, end_offset INTEGER NOT NULL)""",
         ),
     ),
+    Migration(
+        8,
+        "langgraph batched checkpoint writes on SQLite",
+        statements=(),
+        # SQLite's counterpart of migration 5: a group-committed batch (checkpoints, channel blobs, pending
+        # writes) is one multi-row INSERT into this view, run in autocommit mode, so taking the write lock,
+        # every row and the commit (with its fsync) happen inside one call into SQLite. Python's sqlite3
+        # module releases the GIL around each call and must win it back after each; with BEGIN, one step per
+        # row and COMMIT, the committing thread queued for the GIL behind the writers preparing the next
+        # batch several times per transaction. Each row names its target (``kind``: 0 checkpoint upsert,
+        # 1 channel blob, 2 pending write kept as first written, 3 pending write replaced); a row of
+        # another kind (NULL: padding) does nothing. PostgreSQL has moorage_lg_write.
+        sqlite_only=(
+            """CREATE VIEW lg_batch AS SELECT NULL AS kind, NULL AS c1, NULL AS c2, NULL AS c3, NULL AS c4,
+                NULL AS c5, NULL AS c6, NULL AS c7, NULL AS c8, NULL AS c9 WHERE 0""",
+            """CREATE TRIGGER lg_batch_checkpoint INSTEAD OF INSERT ON lg_batch WHEN NEW.kind = 0 BEGIN
+                INSERT INTO lg_checkpoints (thread_id, checkpoint_ns, checkpoint_id, parent_id, run_id, type,
+                                            checkpoint, metadata, versions)
+                VALUES (NEW.c1, NEW.c2, NEW.c3, NEW.c4, NEW.c5, NEW.c6, NEW.c7, NEW.c8, NEW.c9)
+                ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id) DO UPDATE SET
+                    parent_id = excluded.parent_id, run_id = excluded.run_id, type = excluded.type,
+                    checkpoint = excluded.checkpoint, metadata = excluded.metadata, versions = excluded.versions;
+            END""",
+            """CREATE TRIGGER lg_batch_blob INSTEAD OF INSERT ON lg_batch WHEN NEW.kind = 1 BEGIN
+                INSERT INTO lg_blobs (thread_id, checkpoint_ns, channel, version, type, blob)
+                VALUES (NEW.c1, NEW.c2, NEW.c3, NEW.c4, NEW.c5, NEW.c6) ON CONFLICT DO NOTHING;
+            END""",
+            """CREATE TRIGGER lg_batch_write INSTEAD OF INSERT ON lg_batch WHEN NEW.kind = 2 BEGIN
+                INSERT INTO lg_writes (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,
+                                       task_path)
+                VALUES (NEW.c1, NEW.c2, NEW.c3, NEW.c4, NEW.c5, NEW.c6, NEW.c7, NEW.c8, NEW.c9)
+                ON CONFLICT DO NOTHING;
+            END""",
+            """CREATE TRIGGER lg_batch_write_replace INSTEAD OF INSERT ON lg_batch WHEN NEW.kind = 3 BEGIN
+                INSERT INTO lg_writes (thread_id, checkpoint_ns, checkpoint_id, task_id, idx, channel, type, blob,
+                                       task_path)
+                VALUES (NEW.c1, NEW.c2, NEW.c3, NEW.c4, NEW.c5, NEW.c6, NEW.c7, NEW.c8, NEW.c9)
+                ON CONFLICT (thread_id, checkpoint_ns, checkpoint_id, task_id, idx) DO UPDATE SET
+                    channel = excluded.channel, type = excluded.type, blob = excluded.blob,
+                    task_path = excluded.task_path;
+            END""",
+        ),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (
