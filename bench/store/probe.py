@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", default="")
     ap.add_argument("--inline-max", type=int, default=-1, help="override MoorageSaver's inline_max (and inline_total x4)")
+    ap.add_argument("--log-min", type=int, default=-1, help="override MoorageSaver's log_min (SQLite blob log threshold)")
     ap.add_argument("--inflight", type=int, default=0, help="override GroupCommit's transactions in flight")
     ap.add_argument("--extra-min", type=int, default=0, help="override GroupCommit's queue length for a second transaction")
     ap.add_argument("--prefill", type=int, default=0,
@@ -93,6 +94,8 @@ def main() -> None:
                     if args.inline_max >= 0:
                         c.saver_for(0)._inline_max = args.inline_max
                         c.saver_for(0)._inline_total = 4 * args.inline_max
+                    if args.log_min >= 0:
+                        c.saver_for(0)._log_min = args.log_min
                     if args.inflight:
                         c.saver_for(0)._commits._max_inflight = args.inflight
                     if args.extra_min:
