@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -54,3 +56,22 @@ def test_connections_of_finished_threads_are_closed(tmp_path: Path) -> None:
     # Everything the threads wrote is there, and this thread can still use the store.
     assert sorted(ts.state.get(scope, f"k{i}").value for i in range(40)) == list(range(40))
     store.close()
+
+
+def test_opening_a_store_raises_the_soft_open_files_limit(tmp_path: Path) -> None:
+    # A process started with the common soft limit of 1024 (or less) gets room for many tenants' files.
+    code = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from moorage.store.sqlite import SQLiteBackend, _OPEN_FILES\n"
+        "SQLiteBackend(Path(sys.argv[1])).close()\n"
+        "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "want = _OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES)\n"
+        "assert now == max(256, want), (now, hard)\n"
+        "print('soft', now)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) > 256
