@@ -75,3 +75,28 @@ def test_opening_a_store_raises_the_soft_open_files_limit(tmp_path: Path) -> Non
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) > 256
+
+
+def test_a_thread_keeps_a_bounded_number_of_connections_never_closing_one_in_a_transaction(tmp_path: Path) -> None:
+    backend = SQLiteBackend(tmp_path / "store")
+    backend._files._per_thread = 3
+    store = Store(backend)
+    tenants = []
+    for i in range(6):
+        _, key = store.operator.create_tenant(f"lru{i}")
+        tenants.append(store.tenant(store.authenticate(key.secret)))
+    scope = Scope.for_user("bot", "u")
+    files = [backend.tenant_path(ts.tenant_id) for ts in tenants]
+    # Tenant 0's transaction stays open while this thread works on five other tenants' files.
+    with tenants[0].transaction():
+        tenants[0].state.put(scope, "held", "open", expected_version=0)
+        for ts in tenants[1:]:
+            ts.state.put(scope, "k", ts.tenant_id, expected_version=0)
+        assert _open_fds_to(files[0]) >= 1  # still open: it is inside a transaction
+    gc.collect()
+    assert sum(1 for f in files if _open_fds_to(f)) <= 3
+    # Everything committed, the held transaction included; evicted tenants reopen on use.
+    assert tenants[0].state.get(scope, "held").value == "open"
+    for ts in tenants[1:]:
+        assert ts.state.get(scope, "k").value == ts.tenant_id
+    store.close()

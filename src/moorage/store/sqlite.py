@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -23,6 +24,7 @@ from moorage.store.sql import Conn
 
 _BUSY_TIMEOUT_MS = 60_000
 _OPEN_FILES = 65536
+_CONNS_PER_THREAD = 64
 
 
 def _raise_open_files_limit() -> None:
@@ -97,23 +99,42 @@ class _Held:
 
 
 class _Files:
-    """Per-thread connections to a set of database files (sqlite3 connections are not shareable concurrently)."""
+    """Per-thread connections to a set of database files (sqlite3 connections are not shareable concurrently).
 
-    def __init__(self) -> None:
+    A thread keeps at most ``per_thread`` of them open, least recently used closed first (never one inside
+    a transaction): a worker thread that served thousands of tenants does not hold thousands of
+    connections, descriptors and page caches."""
+
+    def __init__(self, per_thread: int = _CONNS_PER_THREAD) -> None:
         self._local = threading.local()
         self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._per_thread = max(1, per_thread)
 
     def get(self, path: str) -> sqlite3.Connection:
-        conns: dict[str, _Held] | None = getattr(self._local, "conns", None)
+        conns: OrderedDict[str, _Held] | None = getattr(self._local, "conns", None)
         if conns is None:
-            conns = self._local.conns = {}
+            conns = self._local.conns = OrderedDict()
         held = conns.get(path)
         if held is None:
+            if len(conns) >= self._per_thread:
+                self._evict(conns)
             held = conns[path] = _Held(_connect(path), path)
             with self._lock:
                 self._all.add(held)
+        else:
+            conns.move_to_end(path)
         return held.conn
+
+    def _evict(self, conns: "OrderedDict[str, _Held]") -> None:
+        for path, held in conns.items():
+            if not held.conn.in_transaction:
+                del conns[path]
+                with self._lock:
+                    self._all.discard(held)
+                with contextlib.suppress(Exception):
+                    held.conn.close()
+                return
 
     def open_count(self) -> int:
         with self._lock:
