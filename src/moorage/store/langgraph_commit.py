@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 from moorage.store.langgraph_sql import BatchInsert
 from moorage.store.tenant import TenantStore
 
-#: One write: statement -> parameter rows. A plain SQL string is applied with executemany; a
-#: ``BatchInsert`` becomes one multi-row statement per batch on PostgreSQL.
+#: One write: statement -> parameter rows. A plain SQL string is applied with executemany; the rows of a
+#: ``BatchInsert`` are merged across the batch (one statement per batch, see ``Single``).
 Ops = Sequence[tuple[Any, Sequence[tuple]]]
 #: Renders a batch's merged (statement, rows) lists as one statement and its parameters for
 #: ``Backend.tenant_call``, or returns None (the batch then runs as a transaction).

@@ -110,10 +110,11 @@ _BATCH_ROWS = 32766 // (1 + _BATCH_WIDTH)
 class BatchInsert:
     """An INSERT that group commit applies to many rows at once.
 
-    SQLite: ``sqlite`` (one row per execution) through ``executemany``, which runs in C against the
-    open transaction. PostgreSQL: ``pg_batch``, one statement for the whole batch whose parameters are
-    one binary array per column, unnested into rows: one Bind/Execute and one plan per table per
-    transaction however many puts share it, instead of one per row.
+    Usually the whole batch is one statement (``Statements.batch``: ``moorage_lg_write`` on PostgreSQL,
+    ``lg_batch`` on SQLite, through ``kind`` and ``fn_args``). Inside a transaction (a caller's, or a
+    SQLite batch with values for the blob log): on SQLite ``sqlite`` (one row per execution) through
+    ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose parameters are one
+    binary array per column, unnested into rows (one Bind/Execute and one plan per table).
     """
 
     __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "kind", "_arrays")

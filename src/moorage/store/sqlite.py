@@ -30,11 +30,11 @@ _CONNS_PER_THREAD = 64
 def _raise_open_files_limit() -> None:
     """Raise this process's soft limit on open descriptors towards the hard one (at most ``_OPEN_FILES``).
 
-    Every thread holds a connection per tenant file it used (the database and its WAL: two descriptors,
-    plus one shared-memory file per database), and each tenant's blob log a descriptor or two per segment:
-    a host process serving a few hundred tenants from a handful of threads passes the usual soft limit of
-    1024 long before the hard one (often 524288) and would fail with "too many open files". Go's runtime
-    raises it the same way at start."""
+    Every thread keeps up to ``_CONNS_PER_THREAD`` tenant connections open (the database and its WAL: two
+    descriptors each, plus one shared-memory file per database), and each tenant's blob log a descriptor
+    or two per segment: a host process serving a few hundred tenants from a pool of worker threads passes
+    the usual soft limit of 1024 long before the hard one (often 524288) and would fail with "too many
+    open files". Go's runtime raises it the same way at start."""
     try:
         import resource
 
