@@ -68,6 +68,20 @@ def test_append_read_and_release(tmp_path: Path) -> None:
     log.close()
 
 
+def test_large_batches_do_not_refill_zeroed_space(tmp_path: Path) -> None:
+    # A batch of 2 MiB or more writes over what zero-filled space there is and grows the file past it,
+    # without writing as many zeros again; a small batch after it refills.
+    log = BlobLog(tmp_path / "t.lg")
+    big = [os.urandom(1 << 20) for _ in range(6)]
+    locs, pos = log.append(big, None)
+    seg_file = tmp_path / "t.lg" / "00000000.seg"
+    assert seg_file.stat().st_size == pos[1]
+    (small,), pos = log.append([b"s" * 1000], pos)
+    assert seg_file.stat().st_size > pos[1] + 1_000_000
+    assert [log.read(x) for x in locs] == big and log.read(small) == b"s" * 1000
+    log.close()
+
+
 def test_appends_continue_at_the_recorded_end(tmp_path: Path) -> None:
     # Two BlobLog objects on one directory stand for two processes (each under the database's write lock);
     # an append whose transaction rolled back is written over, because the recorded end did not move.
