@@ -290,6 +290,52 @@ def test_a_copied_thread_keeps_its_values_when_the_source_is_deleted(sq) -> None
     assert _latest(saver, "dst")["doc"] == v
 
 
+def test_large_pending_writes_live_in_the_log_and_leave_with_their_checkpoints(sq) -> None:
+    # A task's large write goes to the log like a large channel value: written once, read back with its
+    # checkpoint (get and list), copied with a copied thread, punched out when prune, delete_for_runs or
+    # delete_thread removes it, and kept by the vacuum while its row lives.
+    store, ts = sq
+    saver = MoorageSaver(ts)
+    root = store.backend.root  # type: ignore[attr-defined]
+    w1, w2, w3, small = _marker("w1"), _marker("w2"), _marker("w3"), "tiny"
+
+    def step(thread: str, n: int, config: dict | None, write: str, run: str | None = None) -> dict:
+        cp = empty_checkpoint()
+        cp["channel_values"] = {"n": n}
+        cp["channel_versions"] = {"n": n}
+        config = config or {"configurable": {"thread_id": thread, "checkpoint_ns": ""}}
+        config = saver.put(config, cp, {"step": n, **({"run_id": run} if run else {})}, {"n": n})
+        saver.put_writes(config, [("doc", write), ("note", small)], task_id=f"task{n}")
+        return config
+
+    config = step("pw", 1, None, w1)
+    assert ts.read("SELECT channel, type, length(blob) FROM lg_writes ORDER BY channel") == [
+        ("doc", "log:msgpack", LOCATOR.size), ("note", "msgpack", len(saver.serde.dumps_typed(small)[1]))]
+    assert _files_with(root, w1[:40].encode()) == ["00000000.seg"]
+    got = saver.get_tuple(config)
+    assert got is not None and got.pending_writes == [("task1", "doc", w1), ("task1", "note", small)]
+    assert next(iter(saver.list({"configurable": {"thread_id": "pw"}}))).pending_writes[0] == ("task1", "doc", w1)
+
+    saver.copy_thread("pw", "pw-copy")
+    assert len({r[0] for r in ts.read("SELECT blob FROM lg_writes WHERE type LIKE 'log:%'")}) == 2  # own records
+    step("pw", 2, config, w2)
+    saver.prune(["pw"])  # keeps checkpoint 2 only: w1's write goes, the copy's stays
+    # The vacuum keeps every write a row refers to (and finds nothing else to reclaim).
+    assert store.backend.vacuum_blobs(ts.tenant_id)[1] == 0
+    copy = saver.get_tuple({"configurable": {"thread_id": "pw-copy", "checkpoint_ns": ""}})
+    assert copy is not None and copy.pending_writes[0] == ("task1", "doc", w1)
+    saver.delete_thread("pw-copy")
+    assert _files_with(root, w1[:40].encode()) == []
+    assert saver.get_tuple({"configurable": {"thread_id": "pw", "checkpoint_ns": ""}}).pending_writes[0][2] == w2
+
+    step("runs", 1, None, w3, run="run-9")
+    saver.delete_for_runs(["run-9"])
+    assert _files_with(root, w3[:40].encode()) == []
+    saver.delete_thread("pw")
+    assert _files_with(root, w2[:40].encode()) == []
+    assert ts.read("SELECT count(*) FROM lg_writes") == [(0,)]
+
+
 def test_inside_a_callers_transaction_deletes_wait_for_the_commit(sq) -> None:
     _, ts = sq
     saver = MoorageSaver(ts)

@@ -101,15 +101,16 @@ def _punch(fd: int, off: int, length: int) -> None:
         done += os.pwrite(fd, zeros[: min(len(zeros), length - done)], off + done)
 
 
-#: lg_blobs.type prefix of a value held in the log; lg_blobs.blob then holds its locator.
+#: lg_blobs.type / lg_writes.type prefix of a value held in the log; the row's blob then holds its locator.
 LOG_TYPE = "log:"
 
 
 def live_locators(c: Any, thread_id: str | None = None) -> list[bytes]:
-    """Locators of every log-held value in lg_blobs (of one thread, or all), inside the caller's transaction."""
-    if thread_id is None:
-        return [r[0] for r in c.q(f"SELECT blob FROM lg_blobs WHERE type LIKE '{LOG_TYPE}%'")]
-    return [r[0] for r in c.q(f"SELECT blob FROM lg_blobs WHERE thread_id = ? AND type LIKE '{LOG_TYPE}%'", (thread_id,))]
+    """Locators of every log-held value in lg_blobs and lg_writes (of one thread, or all), inside the
+    caller's transaction."""
+    where = f"type LIKE '{LOG_TYPE}%'" + ("" if thread_id is None else " AND thread_id = ?")
+    params = () if thread_id is None else (thread_id,)
+    return [r[0] for table in ("lg_blobs", "lg_writes") for r in c.q(f"SELECT blob FROM {table} WHERE {where}", params)]
 
 
 def load_position(c: Any) -> tuple[int, int] | None:

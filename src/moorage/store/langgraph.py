@@ -183,24 +183,35 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             stored.update(dict.fromkeys(fresh))
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
+    def _spill_column(self, sql: Any) -> int | None:
+        """The column of ``sql``'s rows that may hold a value for the blob log (a ``_Spill``), or None."""
+        if sql is self._sql.insert_blob:
+            return 5
+        if sql is self._sql.insert_write or sql is self._sql.upsert_write:
+            return 7
+        return None
+
     def _spill(self, c: Conn, todo: list[tuple[Any, list[tuple]]]) -> None:
-        """GroupCommit's ``prepare``, inside the write transaction: append the batch's spilled values to the
-        blob log in one write and one fdatasync, and put their locators in the rows about to be inserted."""
+        """GroupCommit's ``prepare``, inside the write transaction: append the batch's spilled values (channel
+        values and pending writes) to the blob log in one write and one fdatasync, and put their locators in
+        the rows about to be inserted."""
+        at: list[tuple[list[tuple], int, int]] = []
         for sql, rows in todo:
-            if sql is not self._sql.insert_blob:
-                continue
-            at = [i for i, r in enumerate(rows) if isinstance(r[5], _Spill)]
-            if at:
-                locs = self._append(c, [rows[i][5].data for i in at])
-                for i, loc in zip(at, locs):
-                    rows[i] = rows[i][:5] + (loc,)
+            col = self._spill_column(sql)
+            if col is not None:
+                at += [(rows, i, col) for i, r in enumerate(rows) if isinstance(r[col], _Spill)]
+        if at:
+            locs = self._append(c, [rows[i][col].data for rows, i, col in at])
+            for (rows, i, col), loc in zip(at, locs):
+                rows[i] = rows[i][:col] + (loc,) + rows[i][col + 1:]
 
     def _one_statement(self, todo: list[tuple[Any, list[tuple]]]) -> tuple[str, list[Any]] | None:
         """GroupCommit's ``single``: the batch as one statement, unless it holds values for the blob log
         (those are appended under the transaction's write lock first, see ``_spill``)."""
         if self._log_min:
             for sql, rows in todo:
-                if sql is self._sql.insert_blob and any(isinstance(r[5], _Spill) for r in rows):
+                col = self._spill_column(sql)
+                if col is not None and any(isinstance(r[col], _Spill) for r in rows):
                     return None
         return self._sql.batch(todo)
 
@@ -226,6 +237,8 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         rows = []
         for i, (channel, value) in enumerate(writes):
             vt, vb = self.serde.dumps_typed(value)
+            if self._log_min and len(vb) >= self._log_min:
+                vt, vb = _LOG + vt, _Spill(vb)  # a large write goes to the blob log, as channel values do
             rows.append((thread_id, ns, checkpoint_id, task_id, WRITES_IDX_MAP.get(channel, i), channel, vt, vb, task_path))
         if not rows:
             return
@@ -251,7 +264,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             doomed = c.q(f"SELECT thread_id, checkpoint_ns, checkpoint_id FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
             if not doomed:
                 return
-            c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", doomed)
+            locs += self._delete_writes(c, doomed)
             c.x(f"DELETE FROM lg_checkpoints WHERE run_id IN ({marks})", ids)
             for thread_id, ns in sorted({(r[0], r[1]) for r in doomed}):
                 locs += self._drop_unreferenced_blobs(c, thread_id, ns)
@@ -270,17 +283,24 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             self._copy_logged(c, dst)
 
     def _copy_logged(self, c: Conn, thread_id: str) -> None:
-        """Give a copied thread its own copies of its blob-log values (the rows were copied with the
-        source's locators), so deleting either thread never punches values the other still uses."""
+        """Give a copied thread its own copies of its blob-log values and pending writes (the rows were
+        copied with the source's locators), so deleting either thread never punches values the other
+        still uses."""
         if self._blobs is None:
             return
-        rows = c.q(f"SELECT checkpoint_ns, channel, version, blob FROM lg_blobs WHERE thread_id = ? AND type LIKE '{_LOG}%'",
-                   (thread_id,))
-        for i in range(0, len(rows), 64):
-            part = rows[i: i + 64]
-            locs = self._append(c, [self._blobs.read(r[3]) for r in part])
-            c.many("UPDATE lg_blobs SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?",
-                   [(loc, thread_id, r[0], r[1], r[2]) for loc, r in zip(locs, part)])
+        for select, update in (
+            (f"SELECT blob, checkpoint_ns, channel, version FROM lg_blobs WHERE thread_id = ? AND type LIKE '{_LOG}%'",
+             "UPDATE lg_blobs SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?"),
+            ("SELECT blob, checkpoint_ns, checkpoint_id, task_id, idx FROM lg_writes WHERE thread_id = ? "
+             f"AND type LIKE '{_LOG}%'",
+             "UPDATE lg_writes SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
+             "AND task_id = ? AND idx = ?"),
+        ):
+            rows = c.q(select, (thread_id,))
+            for i in range(0, len(rows), 64):
+                part = rows[i: i + 64]
+                locs = self._append(c, [self._blobs.read(r[0]) for r in part])
+                c.many(update, [(loc, thread_id, *r[1:]) for loc, r in zip(locs, part)])
 
     def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
         if strategy not in _PRUNE_STRATEGIES:
@@ -307,7 +327,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 drop = [(thread_id, ns, r[1]) for r in cps if r[1] not in keep]
                 if not drop:
                     continue
-                c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
+                locs += self._delete_writes(c, drop)
                 c.many("DELETE FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", drop)
                 locs += self._drop_unreferenced_blobs(c, thread_id, ns)
         self._release(locs)
@@ -331,6 +351,18 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             cur = parents[cur]
             n -= 1
         return keep
+
+    def _delete_writes(self, c: Conn, keys: Sequence[tuple]) -> list[bytes]:
+        """Delete the pending writes of these (thread, namespace, checkpoint) keys; returns the blob-log
+        locators among them, for ``_release`` once this transaction committed."""
+        locs: list[bytes] = []
+        if self._blobs is not None:
+            for key in keys:
+                locs += [r[0] for r in c.q(
+                    "SELECT blob FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
+                    f"AND type LIKE '{_LOG}%'", tuple(key))]
+        c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
+        return locs
 
     def _drop_unreferenced_blobs(self, c: Conn, thread_id: str, ns: str) -> list[bytes]:
         """Delete channel blobs no remaining checkpoint of (thread, namespace) refers to; returns the blob-log
@@ -497,12 +529,9 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         if not isinstance(values, dict):
             values = head["channel_values"] = {}
         for ch, t, b in blobs:
-            if t.startswith(_LOG):
-                if self._blobs is None:
-                    raise BlobGone(f"channel {ch!r} is in a blob log this store has none of")
-                t, b = t[len(_LOG):], self._blobs.read(b)
+            t, b = self._logged(ch, t, b)
             if t != _EMPTY and b is not None:
-                values[ch] = self.serde.loads_typed((t, _bytes(b)))
+                values[ch] = self.serde.loads_typed((t, b))
         return CheckpointTuple(
             config={"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}},
             checkpoint=head,
@@ -511,8 +540,16 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": parent_id}}
                 if parent_id else None
             ),
-            pending_writes=[(tid, ch, self.serde.loads_typed((t, _bytes(b)))) for tid, ch, t, b in writes],
+            pending_writes=[(tid, ch, self.serde.loads_typed(self._logged(ch, t, b))) for tid, ch, t, b in writes],
         )
+
+    def _logged(self, channel: str, t: str, b: Any) -> tuple[str, Any]:
+        """A stored (type, bytes) pair, with a value held in the blob log read back from it."""
+        if not t.startswith(_LOG):
+            return t, (None if b is None else _bytes(b))
+        if self._blobs is None:
+            raise BlobGone(f"channel {channel!r} is in a blob log this store has none of")
+        return t[len(_LOG):], self._blobs.read(b)
 
     # -- async: the same code in a worker thread (each thread has its own store connection) ---------
 
