@@ -103,12 +103,14 @@ def _punch(fd: int, off: int, length: int) -> None:
 
 #: lg_blobs.type / lg_writes.type prefix of a value held in the log; the row's blob then holds its locator.
 LOG_TYPE = "log:"
+#: SQL predicate: the row's value is held in the log (its blob column is a locator).
+LOGGED = f"type LIKE '{LOG_TYPE}%'"
 
 
 def live_locators(c: Any, thread_id: str | None = None) -> list[bytes]:
     """Locators of every log-held value in lg_blobs and lg_writes (of one thread, or all), inside the
     caller's transaction."""
-    where = f"type LIKE '{LOG_TYPE}%'" + ("" if thread_id is None else " AND thread_id = ?")
+    where = LOGGED + ("" if thread_id is None else " AND thread_id = ?")
     params = () if thread_id is None else (thread_id,)
     return [r[0] for table in ("lg_blobs", "lg_writes") for r in c.q(f"SELECT blob FROM {table} WHERE {where}", params)]
 
@@ -375,4 +377,4 @@ class BlobLog:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-__all__ = ["BlobGone", "BlobLog", "LOCATOR", "LOG_TYPE", "live_locators", "load_position", "store_position"]
+__all__ = ["BlobGone", "BlobLog", "LOCATOR", "LOGGED", "LOG_TYPE", "live_locators", "load_position", "store_position"]

@@ -24,7 +24,7 @@ from langgraph.checkpoint.serde.base import SerializerProtocol
 
 from moorage.errors import ConflictError, InvalidInput, UnavailableError
 from moorage.store.bloblog import LOG_TYPE as _LOG
-from moorage.store.bloblog import BlobGone, live_locators, load_position, store_position
+from moorage.store.bloblog import LOGGED, BlobGone, live_locators, load_position, store_position
 from moorage.store.langgraph_commit import GroupCommit
 from moorage.store.langgraph_sql import Statements, metadata_predicates
 from moorage.store.sql import Conn
@@ -289,10 +289,10 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         if self._blobs is None:
             return
         for select, update in (
-            (f"SELECT blob, checkpoint_ns, channel, version FROM lg_blobs WHERE thread_id = ? AND type LIKE '{_LOG}%'",
+            (f"SELECT blob, checkpoint_ns, channel, version FROM lg_blobs WHERE thread_id = ? AND {LOGGED}",
              "UPDATE lg_blobs SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND channel = ? AND version = ?"),
             ("SELECT blob, checkpoint_ns, checkpoint_id, task_id, idx FROM lg_writes WHERE thread_id = ? "
-             f"AND type LIKE '{_LOG}%'",
+             f"AND {LOGGED}",
              "UPDATE lg_writes SET blob = ? WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
              "AND task_id = ? AND idx = ?"),
         ):
@@ -360,7 +360,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             for key in keys:
                 locs += [r[0] for r in c.q(
                     "SELECT blob FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
-                    f"AND type LIKE '{_LOG}%'", tuple(key))]
+                    f"AND {LOGGED}", tuple(key))]
         c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
         return locs
 
@@ -371,7 +371,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         for t, b in c.q("SELECT type, checkpoint FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns)):
             head = self.serde.loads_typed((t, _bytes(b)))
             live.update((ch, str(v)) for ch, v in head.get("channel_versions", {}).items())
-        stored = c.q(f"SELECT channel, version, CASE WHEN type LIKE '{_LOG}%' THEN blob END FROM lg_blobs "
+        stored = c.q(f"SELECT channel, version, CASE WHEN {LOGGED} THEN blob END FROM lg_blobs "
                      "WHERE thread_id = ? AND checkpoint_ns = ?", (thread_id, ns))
         dead = [(ch, v, loc) for ch, v, loc in stored if (ch, v) not in live]
         if dead:
