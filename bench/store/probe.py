@@ -14,39 +14,11 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bounds import server_cpu_by  # noqa: E402
 from contenders import open_contenders  # noqa: E402
 from run import SIZES, concurrent  # noqa: E402
 
 from moorage.devservices.postgres import start_cluster  # noqa: E402
-
-
-def _server_cpu(root: Path) -> float:
-    """CPU seconds (user+sys) of every PostgreSQL process on this host."""
-    return sum(_server_cpu_by().values())
-
-
-def _server_cpu_by() -> dict[str, float]:
-    """CPU seconds (user+sys) per PostgreSQL process kind (backend of a database and role, walwriter, ...)."""
-    tck = os.sysconf("SC_CLK_TCK")
-    total: dict[str, float] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            comm = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        # Server processes only: the postmaster binary and its retitled children ("postgres: ..."). This
-        # process's own command line names "postgres" too (--backend postgres) and must not count.
-        argv0 = comm.split(b"\0", 1)[0]
-        if not (argv0.endswith(b"/postgres") or argv0.startswith(b"postgres:")) or int(pid) == os.getpid():
-            continue
-        f = stat.rsplit(")", 1)[1].split()
-        words = comm.replace(b"\0", b" ").decode(errors="replace").split()
-        kind = " ".join(w for w in words[1:3] if "(" not in w) if words and words[0] == "postgres:" else "postmaster"
-        total[kind] = total.get(kind, 0.0) + (int(f[11]) + int(f[12])) / tck
-    return total
 
 
 def main() -> None:
@@ -134,13 +106,13 @@ def main() -> None:
                     call_s[0] = 0.0
                     if args.sync:
                         os.sync()
-                    t0, s0, b0 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
+                    t0, b0 = os.times(), server_cpu_by()
                     rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
-                    t1, s1, b1 = os.times(), _server_cpu(cluster.root), _server_cpu_by()
+                    t1, b1 = os.times(), server_cpu_by()
                     puts = args.workers * args.n
                     cl = (t1.user - t0.user + t1.system - t0.system) / puts * 1e3
                     sys_ = (t1.system - t0.system) / puts * 1e3
-                    sv = (s1 - s0) / puts * 1e3
+                    sv = (sum(b1.values()) - sum(b0.values())) / puts * 1e3
                     print(f"{c.backend} {c.name:13s} {args.size} {args.mode} w={args.workers}: {rate:7.0f} puts/s  "
                           f"client {cl:.3f} ms/put (sys {sys_:.3f})  server {sv:.3f} ms/put"
                           + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else "")

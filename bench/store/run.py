@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
+from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bounds import cpu_now, sqlite_ceiling  # noqa: E402
 from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
 
@@ -92,6 +94,26 @@ def sequential(saver: BaseCheckpointSaver, thread: str, size: int, mode: str, n:
         gets.append(time.perf_counter() - t)
     assert tup is not None and tup.checkpoint["channel_values"] == steps.values, "read back a different state"
     return {"put": _summary(puts), "get": _summary(gets), "put_per_s": n / sum(puts), "get_per_s": n / sum(gets)}
+
+
+def ceiling(tmp: Path, size_name: str, size: int, levels: tuple[int, ...]) -> dict[str, Any]:
+    """SQLite's own gain from batching at equal bytes (``bounds.sqlite_ceiling``) for mode ``full`` at ``size``:
+    rows of the size SqliteSaver writes per put, one per transaction and ``w // 2`` per transaction (with
+    ``w`` writers, group commit's batches alternate between two halves). Median of 3 rounds, orders
+    alternating."""
+    cp = Steps(size, "full", 0).next()[0]
+    row = len(JsonPlusSerializer().dumps_typed(cp)[1])
+    ks = [1] + [max(1, w // 2) for w in levels]
+    puts = 4000 if size < 256 * 1024 else 400
+    runs: dict[int, list[float]] = {k: [] for k in ks}
+    for rnd in range(3):
+        for k in (ks if rnd % 2 == 0 else ks[::-1]):
+            runs[k].append(sqlite_ceiling(tmp, row, k, puts))
+    per_s = {str(k): statistics.median(v) for k, v in runs.items()}
+    print(f"sqlite ceiling {size_name}: row {row} bytes, " + ", ".join(f"{k} per tx {v:.0f} puts/s" for k, v in per_s.items()),
+          flush=True)
+    return {"size": size_name, "row_bytes": row, "per_s": per_s, "samples": {str(k): v for k, v in runs.items()},
+            "batch_for_level": {str(w): str(max(1, w // 2)) for w in levels}}
 
 
 def concurrent(c: Contender, tag: str, size: int, mode: str, workers: int, per_worker: int) -> float:
@@ -169,7 +191,7 @@ def main() -> None:
                                            "puts_per_worker": per_worker, "throughput_rounds": rounds, "cas_processes": cas_procs,
                                            "cas_increments": cas_incs, "python": platform.python_version(),
                                            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count()},
-                              "versions": peer_versions(), "checkpoints": [], "cas": []}
+                              "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": []}
     cluster = start_cluster()
     try:
         with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-bench-") as tmpd:
@@ -201,6 +223,8 @@ def main() -> None:
                         # peer alternating (order flipped every round) so a burst of load from elsewhere on
                         # this shared host hits both alike; the median is reported, every sample is kept.
                         samples: dict[int, dict[str, list[float]]] = {id(c): {str(w): [] for w in levels} for c in group}
+                        # CPU ms per put of each sample: (this process, PostgreSQL server processes).
+                        cpu: dict[int, dict[str, list[tuple[float, float]]]] = {id(c): {str(w): [] for w in levels} for c in group}
                         for w in levels:
                             settle(cluster, sqlite_files, list(urls))
                             # One unmeasured round each first: connections (the peer's pool opens them on
@@ -214,7 +238,10 @@ def main() -> None:
                                     # The previous sample's dirty pages are written back first, so no contender's
                                     # sample pays for its predecessor's writeback.
                                     os.sync()
+                                    before = cpu_now()
                                     samples[id(c)][str(w)].append(concurrent(c, f"conc{w}r{rnd}-{tag}", size, mode, w, per_w))
+                                    after = cpu_now()
+                                    cpu[id(c)][str(w)].append(tuple((b - a) / (w * per_w) * 1e3 for a, b in zip(before, after)))
                         for c in group:
                             tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
                             os.sync()
@@ -222,11 +249,16 @@ def main() -> None:
                             thr = {w: statistics.median(xs) for w, xs in samples[id(c)].items()}
                             row = {"saver": c.name, "backend": c.backend, "size": size_name, "mode": mode, **seq,
                                    "concurrent_put_per_s": thr[str(workers)], "concurrent": thr,
-                                   "concurrent_samples": samples[id(c)], "setup": c.settings}
+                                   "concurrent_samples": samples[id(c)], "setup": c.settings,
+                                   "cpu_ms_per_put": {w: [statistics.median(x[i] for x in xs) for i in (0, 1)]
+                                                      for w, xs in cpu[id(c)].items()},
+                                   "cpu_samples": cpu[id(c)]}
                             report["checkpoints"].append(row)
                             print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
                                   f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
                                   + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
+                    if backend == "sqlite":
+                        report["ceiling"].append(ceiling(tmp, size_name, size, levels))
             # CAS contention through the store API, one store per process.
             for kind in ("sqlite", "postgres"):
                 if kind == "sqlite":
@@ -288,6 +320,8 @@ def write_report(report: dict[str, Any]) -> None:
         p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
         cells = " | ".join(f"{m['concurrent'][w]:.0f} | {p['concurrent'][w]:.0f} | {q['concurrent'][w]:.2f}x" for w in levels)
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {cells} |")
+    lines += _cpu_lines(rows, ratios, levels)
+    lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
     lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint", "",
               "Each put waits for its own commit and fsync, on every saver: this is latency, not throughput.", "",
               "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | seq puts/s | seq gets/s |",
@@ -312,6 +346,54 @@ def write_report(report: dict[str, Any]) -> None:
     (OUT / "store.md").write_text("\n".join(lines))
     print(f"report: {OUT / 'store.md'}")
     print(headline)
+
+
+def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
+    """CPU per put of each throughput cell, and the cores that makes at the cell's rate (the host has few)."""
+    if not all("cpu_ms_per_put" in r for r in rows):
+        return []
+
+    def cell(r: dict, w: str) -> str:
+        client, server = r["cpu_ms_per_put"][w]
+        cores = (client + server) / 1e3 * r["concurrent"][w]
+        return (f"{client:.3f} + {server:.3f}" if r["backend"] == "postgres" else f"{client:.3f}") + f" ({cores:.1f})"
+
+    lines = ["", "## CPU per put in the throughput cells", "",
+             "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer threads; "
+             "kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores that is at the "
+             "cell's rate. A cell whose peer already uses about every core can only be beaten by using less CPU per put.", "",
+             "| backend | size | mode | " + " | ".join(f"moorage {w}w | peer {w}w" for w in levels) + " |",
+             "|---|---|---|" + "---|---|" * len(levels)]
+    for q in ratios:
+        m = _row(rows, q["backend"], "moorage", q["size"], q["mode"])
+        p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
+        lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | "
+                     + " | ".join(f"{cell(m, w)} | {cell(p, w)}" for w in levels) + " |")
+    return lines
+
+
+def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
+    """SQLite's own gain from batching at equal bytes, next to what moorage measured over its peer."""
+    if not ceilings:
+        return []
+    lines = ["", "## SQLite: what batching alone can gain when both savers write the same bytes", "",
+             "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small channel "
+             "values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; group commit "
+             "saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, no LangGraph and "
+             "no writer threads, WAL + synchronous=FULL: rows of the size SqliteSaver writes, 1 per transaction (as "
+             "the peer commits) and k per transaction (the batch each half of the writers forms). Median of 3.", "",
+             "| size | row bytes | raw 1/tx puts/s | " + " | ".join(f"raw k/tx for {w}w | batching gain | moorage/peer full {w}w" for w in levels) + " |",
+             "|---|---|---|" + "---|---|---|" * len(levels)]
+    for c in ceilings:
+        q = next((q for q in ratios if q["backend"] == "sqlite" and q["size"] == c["size"] and q["mode"] == "full"), None)
+        one = c["per_s"]["1"]
+        cells = []
+        for w in levels:
+            k = c["batch_for_level"][w]
+            cells.append(f"k={k}: {c['per_s'][k]:.0f} | {c['per_s'][k] / one:.2f}x | "
+                         + (f"{q['concurrent'][w]:.2f}x" if q else "-"))
+        lines.append(f"| {c['size']} | {c['row_bytes']} | {one:.0f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
