@@ -117,13 +117,17 @@ class BatchInsert:
     binary array per column, unnested into rows (one Bind/Execute and one plan per table).
     """
 
-    __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "kind", "_arrays")
+    __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "kind", "_arrays", "_width", "_head", "_conflict", "_multi")
 
     def __init__(self, table: str, cols: str, types: Sequence[str], conflict: str, key: int = 0,
                  fn_prefix: str = "", kind: int | None = None) -> None:
         self._arrays = tuple(_ARRAY_TYPES[t] for t in types)
         marks = ", ".join("?" * len(types))
         self.sqlite = f"INSERT INTO {table} ({cols}) VALUES ({marks}) {conflict}"
+        self._width = len(types)
+        self._head = f"INSERT INTO {table} ({cols}) VALUES "
+        self._conflict = conflict
+        self._multi: dict[int, str] = {}
         arrays = ", ".join(f"%b::{t}[]" for t in types)
         self.pg_batch = f"INSERT INTO {table} ({cols}) SELECT * FROM unnest({arrays}) {conflict}"
         #: DO UPDATE may not touch a row twice in one statement: rows sharing their first ``key``
@@ -141,6 +145,14 @@ class BatchInsert:
             return rows
         last = {r[: self.key]: r for r in rows}
         return rows if len(last) == len(rows) else list(last.values())
+
+    def sqlite_rows(self, n: int) -> str:
+        """SQLite: ``n`` rows in one INSERT (same conflict rule as ``sqlite``, applied row after row)."""
+        sql = self._multi.get(n)
+        if sql is None:
+            row = "(" + ", ".join("?" * self._width) + ")"
+            sql = self._multi[n] = self._head + ", ".join([row] * n) + " " + self._conflict
+        return sql
 
     def columns(self, rows: Sequence[tuple]) -> list[list[Any]]:
         """The rows as one binary array per column (the ``pg_batch`` parameters)."""
@@ -238,6 +250,13 @@ class Statements:
             n += len(rows)
         if not 0 < n <= _BATCH_ROWS:
             return None
+        if len(todo) == 1:
+            # One table: a plain multi-row INSERT. Through the view, SQLite first copies every row into a
+            # temporary table (it does for any INSERT that fires row triggers), which cost ~20% more CPU per
+            # batch of 16 KiB rows than inserting them directly.
+            spec, rows = todo[0]
+            rows = spec.dedupe(rows)
+            return spec.sqlite_rows(len(rows)), [v for row in rows for v in row]
         flat: list[Any] = []
         for spec, rows in todo:
             for row in rows:
