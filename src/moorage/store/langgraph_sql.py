@@ -111,7 +111,7 @@ class BatchInsert:
     """An INSERT that group commit applies to many rows at once.
 
     Usually the whole batch is one statement (``Statements.batch``: ``moorage_lg_write`` on PostgreSQL,
-    ``lg_batch`` on SQLite, through ``kind`` and ``fn_args``). Inside a transaction (a caller's, or a
+    on SQLite ``sqlite_rows`` or ``lg_batch``, through ``kind`` and ``fn_args``). Inside a transaction (a caller's, or a
     SQLite batch with values for the blob log): on SQLite ``sqlite`` (one row per execution) through
     ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose parameters are one
     binary array per column, unnested into rows (one Bind/Execute and one plan per table).
@@ -230,9 +230,10 @@ class Statements:
         cannot be one (a statement that is not a ``BatchInsert``, or too many rows).
 
         PostgreSQL: one ``moorage_lg_write`` call (migration 5), one binary array per column; it takes the
-        tenant as its first parameter. SQLite: one multi-row INSERT into ``lg_batch`` (migration 8), whose
-        triggers route each row by its kind; the row count is rounded up to a power of two with padding
-        rows (kind NULL, ignored) so a handful of statements stay in the connection's statement cache.
+        tenant as its first parameter. SQLite: rows for one table are one plain multi-row INSERT into it;
+        rows for several tables one multi-row INSERT into ``lg_batch`` (migration 8), whose triggers route
+        each row by its kind, its row count rounded up to a power of two with padding rows (kind NULL,
+        ignored) so a handful of statements stay in the connection's statement cache.
         """
         if self.dialect == "postgres":
             if not all(isinstance(spec, BatchInsert) and spec.fn_args for spec, _ in todo):
