@@ -348,6 +348,11 @@ def write_report(report: dict[str, Any]) -> None:
     print(headline)
 
 
+def _section(title: str, prose: str, columns: list[str]) -> list[str]:
+    """A report section's heading, its explanation and the head of its table."""
+    return ["", f"## {title}", "", prose, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
     """CPU per put of each throughput cell, and the cores that makes at the cell's rate (the host has few)."""
     if not all("cpu_ms_per_put" in r for r in rows):
@@ -358,12 +363,12 @@ def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[
         cores = (client + server) / 1e3 * r["concurrent"][w]
         return (f"{client:.3f} + {server:.3f}" if r["backend"] == "postgres" else f"{client:.3f}") + f" ({cores:.1f})"
 
-    lines = ["", "## CPU per put in the throughput cells", "",
-             "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer threads; "
-             "kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores that is at the "
-             "cell's rate. A cell whose peer already uses about every core can only be beaten by using less CPU per put.", "",
-             "| backend | size | mode | " + " | ".join(f"moorage {w}w | peer {w}w" for w in levels) + " |",
-             "|---|---|---|" + "---|---|" * len(levels)]
+    lines = _section("CPU per put in the throughput cells",
+                     "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer "
+                     "threads; kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores "
+                     "that is at the cell's rate. A cell whose peer already uses about every core can only be beaten by "
+                     "using less CPU per put.",
+                     ["backend", "size", "mode"] + [f"{who} {w}w" for w in levels for who in ("moorage", "peer")])
     for q in ratios:
         m = _row(rows, q["backend"], "moorage", q["size"], q["mode"])
         p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
@@ -376,14 +381,15 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
     """SQLite's own gain from batching at equal bytes, next to what moorage measured over its peer."""
     if not ceilings:
         return []
-    lines = ["", "## SQLite: what batching alone can gain when both savers write the same bytes", "",
-             "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small channel "
-             "values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; group commit "
-             "saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, no LangGraph and "
-             "no writer threads, WAL + synchronous=FULL: rows of the size SqliteSaver writes, 1 per transaction (as "
-             "the peer commits) and k per transaction (the batch each half of the writers forms). Median of 3.", "",
-             "| size | row bytes | raw 1/tx puts/s | " + " | ".join(f"raw k/tx for {w}w | batching gain | moorage/peer full {w}w" for w in levels) + " |",
-             "|---|---|---|" + "---|---|---|" * len(levels)]
+    lines = _section("SQLite: what batching alone can gain when both savers write the same bytes",
+                     "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small "
+                     "channel values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; "
+                     "group commit saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, "
+                     "no LangGraph and no writer threads, WAL + synchronous=FULL: rows of the size SqliteSaver writes, 1 "
+                     "per transaction (as the peer commits) and k per transaction (the batch each half of the writers "
+                     "forms). Median of 3.",
+                     ["size", "row bytes", "raw 1/tx puts/s"]
+                     + [c for w in levels for c in (f"raw k/tx for {w}w", "batching gain", f"moorage/peer full {w}w")])
     for c in ceilings:
         q = next((q for q in ratios if q["backend"] == "sqlite" and q["size"] == c["size"] and q["mode"] == "full"), None)
         one = c["per_s"]["1"]
