@@ -110,10 +110,10 @@ _BATCH_ROWS = 32766 // (1 + _BATCH_WIDTH)
 class BatchInsert:
     """An INSERT that group commit applies to many rows at once.
 
-    Usually the whole batch is one statement (``Statements.batch``: ``moorage_lg_write`` on PostgreSQL,
-    on SQLite ``sqlite_rows`` or ``lg_batch``, through ``kind`` and ``fn_args``). Inside a transaction (a caller's, or a
-    SQLite batch with values for the blob log): on SQLite ``sqlite`` (one row per execution) through
-    ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose parameters are one
+    Usually the whole batch is one statement (``Statements.batch``: ``moorage_lg_write`` on PostgreSQL
+    through ``fn_args``; on SQLite ``sqlite_rows``, or ``lg_batch`` through ``kind``). Inside a transaction
+    (a caller's, or a SQLite batch with values for the blob log): on SQLite ``sqlite`` (one row per
+    execution) through ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose parameters are one
     binary array per column, unnested into rows (one Bind/Execute and one plan per table).
     """
 
@@ -122,12 +122,11 @@ class BatchInsert:
     def __init__(self, table: str, cols: str, types: Sequence[str], conflict: str, key: int = 0,
                  fn_prefix: str = "", kind: int | None = None) -> None:
         self._arrays = tuple(_ARRAY_TYPES[t] for t in types)
-        marks = ", ".join("?" * len(types))
-        self.sqlite = f"INSERT INTO {table} ({cols}) VALUES ({marks}) {conflict}"
         self._width = len(types)
         self._head = f"INSERT INTO {table} ({cols}) VALUES "
         self._conflict = conflict
         self._multi: dict[int, str] = {}
+        self.sqlite = self.sqlite_rows(1)
         arrays = ", ".join(f"%b::{t}[]" for t in types)
         self.pg_batch = f"INSERT INTO {table} ({cols}) SELECT * FROM unnest({arrays}) {conflict}"
         #: DO UPDATE may not touch a row twice in one statement: rows sharing their first ``key``
