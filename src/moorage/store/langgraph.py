@@ -195,25 +195,26 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         """GroupCommit's ``prepare``, inside the write transaction: append the batch's spilled values (channel
         values and pending writes) to the blob log in one write and one fdatasync, and put their locators in
         the rows about to be inserted."""
-        at: list[tuple[list[tuple], int, int]] = []
-        for sql, rows in todo:
-            col = self._spill_column(sql)
-            if col is not None:
-                at += [(rows, i, col) for i, r in enumerate(rows) if isinstance(r[col], _Spill)]
+        at = self._spilled(todo)
         if at:
             locs = self._append(c, [rows[i][col].data for rows, i, col in at])
             for (rows, i, col), loc in zip(at, locs):
                 rows[i] = rows[i][:col] + (loc,) + rows[i][col + 1:]
 
-    def _one_statement(self, todo: list[tuple[Any, list[tuple]]]) -> tuple[str, list[Any]] | None:
-        """GroupCommit's ``single``: the batch as one statement, unless it holds values for the blob log
-        (those are appended under the transaction's write lock first, see ``_spill``)."""
+    def _spilled(self, todo: list[tuple[Any, list[tuple]]]) -> list[tuple[list[tuple], int, int]]:
+        """Where the batch holds values for the blob log: (rows, row index, column) of each ``_Spill``."""
+        at: list[tuple[list[tuple], int, int]] = []
         if self._log_min:
             for sql, rows in todo:
                 col = self._spill_column(sql)
-                if col is not None and any(isinstance(r[col], _Spill) for r in rows):
-                    return None
-        return self._sql.batch(todo)
+                if col is not None:
+                    at += [(rows, i, col) for i, r in enumerate(rows) if isinstance(r[col], _Spill)]
+        return at
+
+    def _one_statement(self, todo: list[tuple[Any, list[tuple]]]) -> tuple[str, list[Any]] | None:
+        """GroupCommit's ``single``: the batch as one statement, unless it holds values for the blob log
+        (those are appended under the transaction's write lock first, see ``_spill``)."""
+        return None if self._spilled(todo) else self._sql.batch(todo)
 
     def _append(self, c: Conn, values: list[bytes]) -> list[bytes]:
         """Append to the blob log at its recorded end and advance that end in the same transaction."""
