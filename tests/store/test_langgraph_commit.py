@@ -39,13 +39,13 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
     while True:
         with gc._mu:
             if len(gc._queue) == len(threads):
-                # Hand the held slot over, as a finishing leader does: the oldest waiter commits them all.
+                # Hand the held slot over, as a finishing leader does: a committer thread commits them all.
                 nxt = gc._pass_slot()
                 break
         assert time.monotonic() < deadline, f"only {len(gc._queue)} of {len(threads)} writers queued"
         time.sleep(0.005)
     assert nxt is not None
-    nxt.wake.release()
+    nxt.resume()
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a writer never returned"
@@ -63,6 +63,53 @@ def test_queued_writers_commit_together_and_a_bad_one_fails_alone(tenant: Tenant
         rows = c.q("SELECT channel, blob FROM lg_blobs WHERE thread_id = 't' ORDER BY channel")
     # The failed writer left nothing behind (its duplicate of ch0 was rolled back with it).
     assert [(ch, bytes(b)) for ch, b in rows] == [(f"ch{i}", b"x") for i in range(6)]
+
+
+def test_a_committer_thread_takes_queued_batches_and_a_lone_writer_commits_itself(
+        tenant: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone writer commits on its own thread; a finishing leader with writers queued behind it hands the
+    slot to a committer thread, which commits them, parks, is reused by the next burst and exits when idle."""
+    from moorage.store import langgraph_commit
+
+    monkeypatch.setattr(langgraph_commit, "_COMMITTER_IDLE_S", 0.5)
+    gc = GroupCommit(tenant, max_inflight=1)
+    backend = tenant._backend
+    real_tx = backend.tenant_tx
+    committed_by: list[str] = []
+
+    def recording_tx(tenant_id: str, *, write: bool = True, **kw):
+        if write:
+            committed_by.append(threading.current_thread().name)
+        return real_tx(tenant_id, write=write, **kw)
+
+    monkeypatch.setattr(backend, "tenant_tx", recording_tx)
+    gc.write([(_INSERT, [("c", "", "lone", "1", "bytes", b"x")])])
+    assert committed_by == [threading.current_thread().name]
+
+    def burst(tag: str) -> langgraph_commit._Committer:
+        results: dict = {}
+        committed_by.clear()
+        _queued_batch(gc, [[(_INSERT, [("c", "", f"{tag}{i}", "1", "bytes", b"x")])] for i in range(5)], results)
+        assert results == {i: "ok" for i in range(5)}
+        assert committed_by == ["moorage-group-commit"]  # all five in one transaction, on the committer
+        deadline = time.monotonic() + 10
+        while not gc._parked and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(gc._parked) == 1 and gc._inflight == 0  # parked, its slot given back
+        return gc._parked[0]
+
+    first = burst("a")
+    assert burst("b") is first  # a parked committer is reused
+    thread = first._thread
+    assert thread is not None
+    thread.join(timeout=10)
+    assert not thread.is_alive() and not gc._parked  # it exited after idling
+    burst("c")  # and a new one serves the next burst
+    committed_by.clear()
+    gc.write([(_INSERT, [("c", "", "lone2", "1", "bytes", b"x")])])
+    assert committed_by == [threading.current_thread().name]
+    with tenant._tx(write=False) as c:
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 'c'")[0] == 17
 
 
 def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore) -> None:
@@ -175,6 +222,8 @@ def test_a_second_transaction_runs_alongside_only_for_a_full_batch(tenant: Tenan
     batch (``extra_min`` writers) waits; otherwise it frees the slot and the other leader takes the queue."""
     from moorage.store.langgraph_commit import _Job
 
+    from moorage.store.langgraph_commit import _Committer
+
     gc = GroupCommit(tenant, max_inflight=2, extra_min=3)
     with gc._mu:
         gc._inflight = 2
@@ -182,12 +231,11 @@ def test_a_second_transaction_runs_alongside_only_for_a_full_batch(tenant: Tenan
         assert gc._pass_slot() is None and gc._inflight == 1  # two waiting: not enough for a second one
         gc._inflight = 2
         gc._queue.append(_Job([]))
-        head = gc._queue[0]
-        assert gc._pass_slot() is head and gc._inflight == 2 and head.batch is not None and len(head.batch) == 3
+        # A full batch waits: the slot stays in use, handed to a committer (which takes the queue itself).
+        assert isinstance(gc._pass_slot(), _Committer) and gc._inflight == 2 and len(gc._queue) == 3
         gc._inflight = 1
         gc._queue = [_Job([])]
-        head = gc._queue[0]
-        assert gc._pass_slot() is head and gc._inflight == 1  # the last slot always serves the queue
+        assert isinstance(gc._pass_slot(), _Committer) and gc._inflight == 1  # the last slot always serves
         gc._queue = []
         assert gc._pass_slot() is None and gc._inflight == 0
 
@@ -211,6 +259,10 @@ def test_two_slots_commit_every_concurrent_writer(tenant: TenantStore) -> None:
     assert results == {i: "ok" for i in range(n)}
     with tenant._tx() as c:
         assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 't'")[0] == n * 5
+    # A committer thread gives its slot back once it finds the queue empty, just after waking its writers.
+    deadline = time.monotonic() + 10
+    while gc._inflight and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert gc._inflight == 0 and not gc._queue
 
 
