@@ -23,7 +23,7 @@ from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bounds import cpu_now, sqlite_ceiling  # noqa: E402
+from bounds import cpu_now, server_cpu_by, sqlite_ceiling  # noqa: E402
 from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
 
@@ -177,6 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
+    ap.add_argument("--backends", default="sqlite,postgres", help="comma-separated subset of sqlite, postgres")
     args = ap.parse_args()
     n = 60 if args.quick else 300
     # Throughput is measured at each writer-thread count; the first is the headline's.
@@ -212,6 +213,8 @@ def main() -> None:
             # One backend at a time: PostgreSQL's background work (checkpointer, autovacuum) must not land
             # in the SQLite samples, nor SQLite's writeback in PostgreSQL's.
             for backend in ("sqlite", "postgres"):
+                if backend not in args.backends.split(","):
+                    continue
                 group = [c for c in contenders if c.backend == backend]
                 for size_name, size in SIZES.items():
                     if size_name not in args.sizes.split(","):
@@ -223,8 +226,11 @@ def main() -> None:
                         # peer alternating (order flipped every round) so a burst of load from elsewhere on
                         # this shared host hits both alike; the median is reported, every sample is kept.
                         samples: dict[int, dict[str, list[float]]] = {id(c): {str(w): [] for w in levels} for c in group}
-                        # CPU ms per put of each sample: (this process, PostgreSQL server processes).
+                        # CPU ms per put of each sample: (this process, PostgreSQL server processes), and the
+                        # server's by process kind (a backend, autovacuum, the checkpointer, ...).
                         cpu: dict[int, dict[str, list[tuple[float, float]]]] = {id(c): {str(w): [] for w in levels} for c in group}
+                        server_by: dict[int, dict[str, list[dict[str, float]]]] = {id(c): {str(w): [] for w in levels}
+                                                                                   for c in group}
                         for w in levels:
                             settle(cluster, sqlite_files, list(urls))
                             # One unmeasured round each first: connections (the peer's pool opens them on
@@ -238,10 +244,13 @@ def main() -> None:
                                     # The previous sample's dirty pages are written back first, so no contender's
                                     # sample pays for its predecessor's writeback.
                                     os.sync()
-                                    before = cpu_now()
+                                    before, kinds0 = cpu_now(), server_cpu_by()
                                     samples[id(c)][str(w)].append(concurrent(c, f"conc{w}r{rnd}-{tag}", size, mode, w, per_w))
-                                    after = cpu_now()
+                                    after, kinds1 = cpu_now(), server_cpu_by()
                                     cpu[id(c)][str(w)].append(tuple((b - a) / (w * per_w) * 1e3 for a, b in zip(before, after)))
+                                    server_by[id(c)][str(w)].append(
+                                        {k: round((v - kinds0.get(k, 0.0)) / (w * per_w) * 1e3, 4) for k, v in kinds1.items()
+                                         if v - kinds0.get(k, 0.0) > 0})
                         for c in group:
                             tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
                             os.sync()
@@ -252,7 +261,7 @@ def main() -> None:
                                    "concurrent_samples": samples[id(c)], "setup": c.settings,
                                    "cpu_ms_per_put": {w: [statistics.median(x[i] for x in xs) for i in (0, 1)]
                                                       for w, xs in cpu[id(c)].items()},
-                                   "cpu_samples": cpu[id(c)]}
+                                   "cpu_samples": cpu[id(c)], "server_cpu_by_kind": server_by[id(c)]}
                             report["checkpoints"].append(row)
                             print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
                                   f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
@@ -405,9 +414,10 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
 def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
     """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
     parts = []
+    backends = [b for b in ("sqlite", "postgres") if any(q["backend"] == b for q in ratios)]  # --backends
     for w in levels:
         per = []
-        for backend in ("sqlite", "postgres"):
+        for backend in backends:
             qs = [q for q in ratios if q["backend"] == backend]
             worst = min(q["concurrent"][w] for q in qs)
             below = [f"{q['size']} {q['mode']} {q['concurrent'][w]:.2f}x" for q in qs if q["concurrent"][w] < 2.0]
@@ -419,9 +429,10 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
 
     lost = "/".join(str(c["lost_updates"]) for c in cas)
     cas_rate = "/".join(f"{c['increments_per_s']:.0f}" for c in cas)
+    put = " ".join(f"{b} {med(b, 'seq_put'):.2f}x" for b in backends)
+    get = " ".join(f"{b} {med(b, 'seq_get'):.2f}x" for b in backends)
     return ("concurrent put throughput moorage/peer per size and mode, " + " | ".join(parts)
-            + f". Sequential (latency-bound, median): put sqlite {med('sqlite', 'seq_put'):.2f}x postgres "
-            f"{med('postgres', 'seq_put'):.2f}x, get sqlite {med('sqlite', 'seq_get'):.2f}x postgres {med('postgres', 'seq_get'):.2f}x; "
+            + f". Sequential (latency-bound, median): put {put}, get {get}; "
             f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 
 

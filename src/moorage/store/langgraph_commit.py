@@ -26,8 +26,8 @@ Prepare = Callable[[Any, list[tuple[Any, list[tuple]]]], None]
 
 
 class _EventSignal:
-    """One thread's wake-up signal: an eventfd read (to wait) and written (to wake), reused by every job
-    of that thread, closed when the thread ends.
+    """A wake-up signal: an eventfd read (to wait) and written (to wake). A writer thread's is reused by
+    every job of that thread and closed when the thread ends; each committer has its own.
 
     Unlike releasing a ``threading.Lock``, writing it releases the GIL around the system call: the
     woken thread often preempts its waker right there, and a waker preempted while holding the GIL
@@ -40,8 +40,12 @@ class _EventSignal:
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_SEMAPHORE)
 
-    def acquire(self) -> None:
+    def acquire(self, timeout: float = -1) -> bool:
+        """Wait for a ``release`` (at most ``timeout`` seconds unless negative), as ``Lock.acquire``."""
+        if timeout >= 0 and not select.select([self.fd], [], [], timeout)[0]:
+            return False
         os.eventfd_read(self.fd)
+        return True
 
     def release(self) -> None:
         os.eventfd_write(self.fd, 1)
@@ -53,12 +57,19 @@ class _EventSignal:
 _local = threading.local()
 
 
-def _signal() -> Any:
-    """The calling thread's wake-up signal, held (``acquire`` blocks until someone calls ``release``)."""
+def _held_signal() -> Any:
+    """A new wake-up signal, held (``acquire`` blocks until someone calls ``release``)."""
     if not hasattr(os, "eventfd"):
         lock = threading.Lock()
         lock.acquire()
         return lock
+    return _EventSignal()
+
+
+def _signal() -> Any:
+    """The calling thread's wake-up signal, held."""
+    if not hasattr(os, "eventfd"):
+        return _held_signal()
     sig = getattr(_local, "signal", None)
     if sig is None:
         sig = _local.signal = _EventSignal()
@@ -142,10 +153,7 @@ class _Committer:
 
     def __init__(self, gc: GroupCommit) -> None:
         self._gc = gc
-        self._signal = _EventSignal() if hasattr(os, "eventfd") else None
-        self._lock = threading.Lock() if self._signal is None else None
-        if self._lock is not None:
-            self._lock.acquire()
+        self._signal = _held_signal()
         self._thread: threading.Thread | None = None
 
     def resume(self) -> None:
@@ -153,18 +161,8 @@ class _Committer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="moorage-group-commit", daemon=True)
             self._thread.start()
-        elif self._signal is not None:
-            self._signal.release()
         else:
-            self._lock.release()  # type: ignore[union-attr]
-
-    def _wait(self, timeout: float | None) -> bool:
-        if self._signal is None:
-            return self._lock.acquire(timeout=-1 if timeout is None else timeout)  # type: ignore[union-attr]
-        if timeout is not None and not select.select([self._signal.fd], [], [], timeout)[0]:
-            return False
-        self._signal.acquire()
-        return True
+            self._signal.release()
 
     def _run(self) -> None:
         gc = self._gc
@@ -179,12 +177,12 @@ class _Committer:
                 if sleepers is not None:
                     sleepers.wake.release()
                 continue
-            if not self._wait(_COMMITTER_IDLE_S):
+            if not self._signal.acquire(timeout=_COMMITTER_IDLE_S):
                 with gc._mu:
                     if self in gc._parked:  # idle: nobody chose this committer meanwhile
                         gc._parked.remove(self)
                         return
-                self._wait(None)  # chosen just as the wait timed out: its wake-up is on the way
+                self._signal.acquire()  # chosen just as the wait timed out: its wake-up is on the way
 
 
 class GroupCommit:
