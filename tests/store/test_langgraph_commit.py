@@ -112,6 +112,48 @@ def test_a_committer_thread_takes_queued_batches_and_a_lone_writer_commits_itsel
         assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 'c'")[0] == 17
 
 
+def test_a_committer_that_cannot_start_a_thread_commits_on_the_callers(tenant: TenantStore) -> None:
+    """Out of threads, the slot's queue is committed by the thread that handed the slot over, not stranded."""
+    from moorage.store import langgraph_commit
+
+    gc = GroupCommit(tenant, max_inflight=1)
+    with gc._mu:
+        gc._inflight = 1  # a commit "in flight": writers queue behind it
+    results: dict = {}
+
+    def writer(i: int) -> None:
+        gc.write([(_INSERT, [("nothread", "", f"w{i}", "1", "bytes", b"x")])])
+        results[i] = "ok"
+
+    threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(gc._queue) < 3:
+        assert time.monotonic() < deadline, "writers never queued"
+        time.sleep(0.005)
+
+    class NoThreads(threading.Thread):
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    real = langgraph_commit.threading.Thread
+    langgraph_commit.threading.Thread = NoThreads  # type: ignore[misc]
+    try:
+        with gc._mu:
+            nxt = gc._pass_slot()
+        assert nxt is not None
+        nxt.resume()  # commits the queue right here
+    finally:
+        langgraph_commit.threading.Thread = real  # type: ignore[misc]
+    for t in threads:
+        t.join(timeout=60)
+    assert results == {0: "ok", 1: "ok", 2: "ok"}
+    assert gc._inflight == 0 and not gc._queue and not gc._parked
+    with tenant._tx(write=False) as c:
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 'nothread'")[0] == 3
+
+
 def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore) -> None:
     saver = MoorageSaver(tenant)
     commits = 0

@@ -157,20 +157,28 @@ class _Committer:
         self._thread: threading.Thread | None = None
 
     def resume(self) -> None:
-        """Give this committer the slot it was chosen for (start its thread, or wake it from parking)."""
+        """Give this committer the slot it was chosen for (start its thread, or wake it from parking).
+
+        If no thread can be started (the process is out of threads), the calling thread commits the queue
+        itself, so a chosen committer never leaves its slot, and the writers queued for it, stranded."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="moorage-group-commit", daemon=True)
-            self._thread.start()
+            try:
+                self._thread.start()
+            except RuntimeError:
+                self._run(park=False)
         else:
             self._signal.release()
 
-    def _run(self) -> None:
+    def _run(self, park: bool = True) -> None:
         gc = self._gc
         while True:
             with gc._mu:
                 batch = gc._take(None) if gc._serves_queue() else None
                 if batch is None:
                     gc._inflight -= 1
+                    if not park:
+                        return
                     gc._parked.append(self)
             if batch is not None:
                 sleepers = gc._commit(batch)
