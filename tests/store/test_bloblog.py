@@ -373,6 +373,64 @@ def test_a_rolled_back_append_is_written_over_and_deletes_are_vacuumed(sq) -> No
     assert _latest(saver, "k")["doc"] == keep
 
 
+def test_the_vacuum_lets_writers_go_on_and_locks_only_to_unlink_a_segment(sq) -> None:
+    """The sweeper's vacuum reads its snapshot and punches while another connection holds the tenant's write
+    lock (writers are not stopped for a scan of every row); unlinking a dead segment waits for the lock."""
+    import sqlite3
+    import threading
+
+    from moorage.store.sqlite import _log_dir
+
+    store, ts = sq
+    backend = store.backend
+    db = str(backend.tenant_path(ts.tenant_id))  # type: ignore[attr-defined]
+    backend._tenant_conn(ts.tenant_id)  # type: ignore[attr-defined]
+    backend._logs[db] = BlobLog(_log_dir(db), segment_max=3 * BIG)  # type: ignore[attr-defined]  # two values a segment
+    saver = MoorageSaver(ts)
+    values = [_marker(f"v{i}") for i in range(7)]
+    for i, v in enumerate(values):
+        _put(saver, f"t{i}", {"doc": v}, 1)
+    log = backend.blob_log(ts.tenant_id)  # type: ignore[attr-defined]
+    assert len(log.segments()) >= 4
+    root = backend.root  # type: ignore[attr-defined]
+
+    def vacuum_while_locked(release_after: float | None) -> tuple[float, tuple[int, int]]:
+        blocker = sqlite3.connect(db, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # a writer in the middle of its transaction
+        out: list = []
+        t0 = time.monotonic()
+        th = threading.Thread(target=lambda: out.append(backend.vacuum_blobs(ts.tenant_id)), daemon=True)
+        th.start()
+        th.join(timeout=release_after if release_after is not None else 10)
+        if release_after is not None:
+            assert th.is_alive(), "the vacuum unlinked a segment without the write lock"
+            blocker.execute("ROLLBACK")
+            th.join(timeout=30)
+        else:
+            blocker.execute("ROLLBACK")
+        blocker.close()
+        assert not th.is_alive() and out, "the vacuum never finished"
+        return time.monotonic() - t0, out[0]
+
+    # Dead bytes in a segment that still holds a live value: punched with the lock held elsewhere.
+    with ts.transaction():
+        saver.delete_thread("t3")  # inside a caller's transaction: left for the vacuum
+    took, (removed, punched) = vacuum_while_locked(None)
+    assert removed == 0 and punched > 0 and took < 10
+    assert _files_with(root, values[3][:40].encode()) == []
+    # A whole segment dead: unlinking it waits for the write lock, then happens.
+    with ts.transaction():
+        saver.delete_thread("t0")
+        saver.delete_thread("t1")
+    first = log.segments()[0]
+    _, (removed, _) = vacuum_while_locked(0.5)
+    assert removed == 1 and first not in log.segments()
+    for i in (2, 4, 5, 6):
+        assert _latest(saver, f"t{i}")["doc"] == values[i]
+    _put(saver, "after", {"doc": values[0]}, 1)  # appends go on
+    assert _latest(saver, "after")["doc"] == values[0]
+
+
 def test_a_value_missing_from_the_log_is_reported_as_damage(sq) -> None:
     _, ts = sq
     saver = MoorageSaver(ts)

@@ -9,8 +9,10 @@ bytes are on disk before any row can refer to them.
 Rules that keep it correct:
 
 - Appends happen only inside a write transaction of the tenant's database (``BEGIN IMMEDIATE`` holds the
-  file's single writer lock), so appends from threads and processes never interleave, and a vacuum run
-  under that lock sees every range that any committed row refers to, with none in flight.
+  file's single writer lock), so appends from threads and processes never interleave. The vacuum needs
+  that lock only to unlink a segment: rows refer only to records below the recorded end and appends go
+  only at or above it, so what no row of one read snapshot refers to below that snapshot's end is garbage
+  for good, and the scan of every row and the punching run while writers go on.
 - The end of the log (segment, offset) is a row of the tenant database (``lg_log``, migration 7),
   advanced by the same transaction that commits the rows pointing at the new values: space written by a
   transaction that rolled back or never committed (crash) is simply written over by the next append.
@@ -47,7 +49,7 @@ import shutil
 import struct
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 from moorage.errors import MoorageError
 
@@ -285,12 +287,18 @@ class BlobLog:
                 os.close(fd)
         return freed
 
-    def vacuum(self, live: Iterable[bytes], position: tuple[int, int] | None) -> tuple[int, int]:
+    def vacuum(self, live: Iterable[bytes], position: tuple[int, int] | None,
+               locked: Callable[[], ContextManager[Any]] | None = None) -> tuple[int, int]:
         """Reclaim everything no live locator points at: unlink segments with nothing live (except the one
         appends continue into) and punch the gaps of the others, below the log's end in its current
-        segment (the zero-filled space after it is kept for the next appends). The caller must hold the
-        tenant's write lock and pass every locator its rows hold and the recorded end. Returns (segments
-        removed, bytes punched)."""
+        segment (the zero-filled space after it is kept for the next appends). Returns (segments removed,
+        bytes punched).
+
+        ``live`` and ``position`` are every locator the tenant's rows hold and the recorded end, read in one
+        snapshot. Rows only ever refer to records below the recorded end, and appends only ever go at or
+        above it, so a range no row of a snapshot refers to, below that snapshot's end, stays garbage for
+        good: with ``locked`` (a context manager taking the tenant's write lock) only unlinking a segment
+        happens under it, and writers go on while the rest runs. Without it the caller holds the lock."""
         cur_seg, cur_end = position if position is not None else self._start()
         by_seg: dict[int, list[tuple[int, int]]] = {}
         for loc in live:
@@ -303,7 +311,11 @@ class BlobLog:
                 continue  # written by a transaction that never committed: the next appends reuse it
             ranges = sorted(by_seg.get(seg, ()))
             if not ranges and seg != cur_seg:
-                self._drop_segment(seg)
+                if locked is None:
+                    self._drop_segment(seg)
+                else:
+                    with locked():  # no append in flight while its descriptor may be closed
+                        self._drop_segment(seg)
                 removed += 1
                 continue
             fd = os.open(self._path(seg), os.O_RDWR | os.O_CLOEXEC)
@@ -344,7 +356,7 @@ class BlobLog:
 
     def _drop_segment(self, seg: int) -> None:
         """Free and unlink a segment with nothing live (caller holds the write lock, so no append is in
-        flight). It is truncated first: a reader descriptor still open on it (here or in another process)
+        flight and the write descriptor is not in use). It is truncated first: a reader descriptor still open on it (here or in another process)
         must not keep its blocks allocated. Reader descriptors stay open until ``close``: closing one that
         another thread is reading through could hand its number to an unrelated file; segment numbers are
         never reused."""

@@ -267,8 +267,17 @@ class SQLiteBackend(Backend):
         log = self.blob_log(tenant_id)
         if not log.segments():
             return 0, 0
-        # Under the write lock no append is in flight anywhere: every range not in a row is garbage.
-        with _transaction(self._tenant_conn(tenant_id), True) as c:
+        conn = self._tenant_conn(tenant_id)
+        # The scan of every row that holds a locator, and the punching, run from a read snapshot: writers go
+        # on meanwhile (see BlobLog.vacuum), the write lock is taken only to unlink a segment.
+        with _transaction(conn, False) as c:
+            position = load_position(c)
+            live = live_locators(c) if position is not None else []
+        if position is not None:
+            return log.vacuum(live, position, locked=lambda: _transaction(conn, True))
+        # No recorded end (a log written before migration 7): its end is the newest file's size, which
+        # only the write lock keeps still.
+        with _transaction(conn, True) as c:
             return log.vacuum(live_locators(c), load_position(c))
 
     def drop_tenant(self, tenant_id: str) -> None:
