@@ -45,7 +45,7 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
         assert time.monotonic() < deadline, f"only {len(gc._queue)} of {len(threads)} writers queued"
         time.sleep(0.005)
     assert nxt is not None
-    nxt.resume()
+    assert nxt.resume()
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a writer never returned"
@@ -143,7 +143,8 @@ def test_a_committer_that_cannot_start_a_thread_commits_on_the_callers(tenant: T
         with gc._mu:
             nxt = gc._pass_slot()
         assert nxt is not None
-        nxt.resume()  # commits the queue right here
+        assert nxt.resume() is False  # no thread: the handing thread drains the queue, as _lead does
+        nxt.drain()
     finally:
         langgraph_commit.threading.Thread = real  # type: ignore[misc]
     for t in threads:

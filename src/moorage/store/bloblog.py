@@ -356,10 +356,10 @@ class BlobLog:
 
     def _drop_segment(self, seg: int) -> None:
         """Free and unlink a segment with nothing live (caller holds the write lock, so no append is in
-        flight and the write descriptor is not in use). It is truncated first: a reader descriptor still open on it (here or in another process)
-        must not keep its blocks allocated. Reader descriptors stay open until ``close``: closing one that
-        another thread is reading through could hand its number to an unrelated file; segment numbers are
-        never reused."""
+        flight and the write descriptor is not in use). It is truncated first: a reader descriptor still
+        open on it (here or in another process) must not keep its blocks allocated. Reader descriptors stay
+        open until ``close``: closing one that another thread is reading through could hand its number to
+        an unrelated file; segment numbers are never reused."""
         if self._write is not None and self._write[0] == seg:
             os.close(self._write[1])
             self._write = None

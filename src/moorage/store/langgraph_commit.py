@@ -156,19 +156,24 @@ class _Committer:
         self._signal = _held_signal()
         self._thread: threading.Thread | None = None
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
         """Give this committer the slot it was chosen for (start its thread, or wake it from parking).
 
-        If no thread can be started (the process is out of threads), the calling thread commits the queue
-        itself, so a chosen committer never leaves its slot, and the writers queued for it, stranded."""
+        False if no thread could be started (the process is out of threads): the caller must then
+        ``drain`` the queue itself, so the slot, and the writers queued for it, are never stranded."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="moorage-group-commit", daemon=True)
             try:
                 self._thread.start()
             except RuntimeError:
-                self._run(park=False)
+                return False
         else:
             self._signal.release()
+        return True
+
+    def drain(self) -> None:
+        """Commit the queue on the calling thread until it is empty, then give the slot back."""
+        self._run(park=False)
 
     def _run(self, park: bool = True) -> None:
         gc = self._gc
@@ -288,10 +293,11 @@ class GroupCommit:
                 nxt = self._pass_slot()
             # The committer first (the next commit starts sooner), then the first acknowledged writer,
             # whose thread wakes the next one, and so on: the leader pays one wake-up, not one per writer.
-            if nxt is not None:
-                nxt.resume()
+            drain = nxt is not None and not nxt.resume()
             if sleepers is not None:
                 sleepers.wake.release()
+            if drain:
+                nxt.drain()  # type: ignore[union-attr]
             break
         if wait:
             job.wake.acquire()
