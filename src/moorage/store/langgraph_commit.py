@@ -293,11 +293,11 @@ class GroupCommit:
                 nxt = self._pass_slot()
             # The committer first (the next commit starts sooner), then the first acknowledged writer,
             # whose thread wakes the next one, and so on: the leader pays one wake-up, not one per writer.
-            drain = nxt is not None and not nxt.resume()
+            stranded = nxt if nxt is not None and not nxt.resume() else None
             if sleepers is not None:
                 sleepers.wake.release()
-            if drain:
-                nxt.drain()  # type: ignore[union-attr]
+            if stranded is not None:
+                stranded.drain()
             break
         if wait:
             job.wake.acquire()
