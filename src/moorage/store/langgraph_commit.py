@@ -178,23 +178,17 @@ class _Committer:
     def _run(self, park: bool = True) -> None:
         gc = self._gc
         while True:
-            with gc._mu:
-                batch = gc._take(None) if gc._serves_queue() else None
-                if batch is None:
-                    gc._inflight -= 1
-                    if not park:
-                        return
-                    gc._parked.append(self)
+            batch = gc._committer_batch(self, park)
             if batch is not None:
                 sleepers = gc._commit(batch)
                 if sleepers is not None:
                     sleepers.wake.release()
                 continue
+            if not park:
+                return
             if not self._signal.acquire(timeout=_COMMITTER_IDLE_S):
-                with gc._mu:
-                    if self in gc._parked:  # idle: nobody chose this committer meanwhile
-                        gc._parked.remove(self)
-                        return
+                if gc._retire(self):
+                    return
                 self._signal.acquire()  # chosen just as the wait timed out: its wake-up is on the way
 
 
@@ -264,6 +258,25 @@ class GroupCommit:
         """Whether a slot that just finished a commit goes on to the queue (caller holds ``_mu``): the last
         slot in flight always does; a second one only for a full batch (see __init__)."""
         return bool(self._queue) and (self._inflight == 1 or len(self._queue) >= self._extra_min)
+
+    def _committer_batch(self, committer: _Committer, park: bool) -> list[_Job] | None:
+        """The next batch for ``committer``, which holds a slot; or None once it gave the slot back (and,
+        if ``park``, joined the parked committers)."""
+        with self._mu:
+            if self._serves_queue():
+                return self._take(None)
+            self._inflight -= 1
+            if park:
+                self._parked.append(committer)
+            return None
+
+    def _retire(self, committer: _Committer) -> bool:
+        """Whether an idle parked ``committer`` may exit: not if it was chosen for a slot meanwhile."""
+        with self._mu:
+            if committer in self._parked:
+                self._parked.remove(committer)
+                return True
+            return False
 
     def _pass_slot(self) -> _Committer | None:
         """Give up a commit slot (caller holds ``_mu``): to a committer, which the caller must then

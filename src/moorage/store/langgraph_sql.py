@@ -113,8 +113,9 @@ class BatchInsert:
     Usually the whole batch is one statement (``Statements.batch``: ``moorage_lg_write`` on PostgreSQL
     through ``fn_args``; on SQLite ``sqlite_rows``, or ``lg_batch`` through ``kind``). Inside a transaction
     (a caller's, or a SQLite batch with values for the blob log): on SQLite ``sqlite`` (one row per
-    execution) through ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose parameters are one
-    binary array per column, unnested into rows (one Bind/Execute and one plan per table).
+    execution) through ``executemany``; on PostgreSQL ``pg_batch``, one statement for the batch whose
+    parameters are one binary array per column, unnested into rows (one Bind/Execute and one plan per
+    table).
     """
 
     __slots__ = ("sqlite", "pg_batch", "key", "fn_args", "kind", "_arrays", "_width", "_head", "_conflict", "_multi")
