@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounds import server_cpu_by  # noqa: E402
 from contenders import open_contenders  # noqa: E402
+from pagecache import PageCacheBound  # noqa: E402
 from run import SIZES, concurrent  # noqa: E402
 
 from moorage.devservices.postgres import start_cluster  # noqa: E402
@@ -43,7 +44,15 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
     ap.add_argument("--pg-alter", action="append", default=[],
                     help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
+    ap.add_argument("--page-cache-gib", type=float, default=4.0,
+                    help="memory cgroup limit around the run, as run.py (0: unbounded)")
     args = ap.parse_args()
+    with PageCacheBound(int(args.page_cache_gib * (1 << 30))) as bound:
+        print(f"page cache: {bound.description}", flush=True)
+        _probe(args)
+
+
+def _probe(args: argparse.Namespace) -> None:
     cluster = start_cluster()
     try:
         with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-probe-") as tmpd:

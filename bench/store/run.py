@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounds import cpu_now, server_cpu_by, sqlite_ceiling  # noqa: E402
 from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
+from pagecache import PageCacheBound  # noqa: E402
 
 from moorage.devservices.postgres import start_cluster  # noqa: E402
 from moorage.store import Store  # noqa: E402
@@ -178,7 +179,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (CI smoke run)")
     ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated subset of " + ", ".join(SIZES))
     ap.add_argument("--backends", default="sqlite,postgres", help="comma-separated subset of sqlite, postgres")
+    ap.add_argument("--page-cache-gib", type=float, default=4.0,
+                    help="memory cgroup limit around the run, see pagecache.py (0: unbounded)")
     args = ap.parse_args()
+    with PageCacheBound(int(args.page_cache_gib * (1 << 30))) as bound:
+        print(f"page cache: {bound.description}", flush=True)
+        _run(args, bound.description)
+
+
+def _run(args: argparse.Namespace, page_cache: str) -> None:
     n = 60 if args.quick else 300
     # Throughput is measured at each writer-thread count; the first is the headline's.
     levels, per_worker = ((4,), 20) if args.quick else ((8, 32), 150)
@@ -191,7 +200,8 @@ def main() -> None:
                                            "worker_levels": list(levels),
                                            "puts_per_worker": per_worker, "throughput_rounds": rounds, "cas_processes": cas_procs,
                                            "cas_increments": cas_incs, "python": platform.python_version(),
-                                           "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count()},
+                                           "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(),
+                                           "page_cache": page_cache},
                               "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": []}
     cluster = start_cluster()
     try:
@@ -317,6 +327,7 @@ def write_report(report: dict[str, Any]) -> None:
              "after one unmeasured warm-up round each; every cell starts from checkpointed, vacuumed, synced files and every sample after a sync), "
              f"CAS {s['cas_processes']} processes x {s['cas_increments']} increments; Python {s['python']}, "
              f"SQLite {s['sqlite']}, {s['cpus']} CPUs (shared: timings are noisy, compare within one run).", "",
+             f"Page cache: {s.get('page_cache', 'not bounded')} (why: bench/store/pagecache.py).", "",
              "Durability (equal for every contender: an acknowledged write is on disk):", ""]
     lines += [f"- {k}: {v}" for k, v in report["durability"].items()]
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
