@@ -269,6 +269,7 @@ def test_a_second_transaction_runs_alongside_only_for_a_full_batch(tenant: Tenan
 
     gc = GroupCommit(tenant, max_inflight=2, extra_min=3)
     with gc._mu:
+        gc._writers = 8  # many writers about (see the next test for few)
         gc._inflight = 2
         gc._queue = [_Job([]) for _ in range(2)]
         assert gc._pass_slot() is None and gc._inflight == 1  # two waiting: not enough for a second one
@@ -281,6 +282,38 @@ def test_a_second_transaction_runs_alongside_only_for_a_full_batch(tenant: Tenan
         assert isinstance(gc._pass_slot(), _Committer) and gc._inflight == 1  # the last slot always serves
         gc._queue = []
         assert gc._pass_slot() is None and gc._inflight == 0
+
+
+def test_few_writers_get_a_second_transaction_without_waiting_for_a_full_batch(tenant: TenantStore) -> None:
+    """With two slots and two writer threads about, a writer that finds the other's transaction in flight
+    starts its own at once (as a saver with a connection per writer does) instead of waiting for
+    ``extra_min`` writers that never come; with many writers about it still waits for a full batch."""
+    gc = GroupCommit(tenant, max_inflight=2, extra_min=4)
+
+    def burst(tag: str) -> None:
+        for j in range(40):
+            gc.write([(_INSERT, [("t", "", tag, str(j), "bytes", b"x")])])
+
+    threads = [threading.Thread(target=burst, args=(f"w{i}",), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert gc._writers == 2  # counted from the commits of the last _WINDOW
+    with gc._mu:
+        gc._inflight = gc._committing = 1  # the other writer's transaction is in flight
+
+    lone = threading.Thread(target=burst, args=("lone",), daemon=True)
+    lone.start()
+    lone.join(timeout=20)
+    assert not lone.is_alive(), "a writer waited for a full batch that never came"
+    with tenant._tx() as c:
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE channel = 'lone'")[0] == 40
+    with gc._mu:
+        assert gc._inflight == 1 and gc._committing == 1 and not gc._queue
+        gc._writers = 8
+        assert gc._second_min() == 4  # many writers: a second transaction only for a full batch
+        gc._inflight = gc._committing = 0
 
 
 def test_two_slots_commit_every_concurrent_writer(tenant: TenantStore) -> None:

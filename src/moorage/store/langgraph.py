@@ -60,9 +60,14 @@ def _thread(config: RunnableConfig) -> tuple[str, str]:
     return str(conf["thread_id"]), str(conf.get("checkpoint_ns") or "")
 
 
+# One encoder each, built once: ``json.dumps`` with options builds a new encoder on every call.
+_METADATA_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_VERSIONS_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def _metadata_json(md: dict[str, Any]) -> str:
     try:
-        return json.dumps(md, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _METADATA_JSON.encode(md)
     except (TypeError, ValueError) as e:
         raise InvalidInput(
             f"checkpoint metadata is not JSON-serialisable: {e}",
@@ -170,7 +175,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         run_id = md.get("run_id")
         # The blob-held channels' versions as lg_blobs keys them (strings), so get_tuple joins blobs in SQL
         # (migration 4). Inline channels are not in it: their values are in the checkpoint itself.
-        versions = json.dumps(refs, separators=(",", ":"), ensure_ascii=False)
+        versions = _VERSIONS_JSON.encode(refs)
         row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
                _metadata_json(md), versions)
         if blobs:

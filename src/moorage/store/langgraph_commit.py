@@ -137,6 +137,8 @@ def _one(c: Any, sql: Any, rows: list[tuple], pg: bool) -> None:
         c.many(sql, rows)
 
 
+#: Commits over which GroupCommit counts the writer threads about (see ``_second_min``).
+_WINDOW = 64
 #: Seconds a committer thread waits, parked, for another slot before it exits.
 _COMMITTER_IDLE_S = 5.0
 
@@ -216,12 +218,22 @@ class GroupCommit:
         # transaction may run alongside, but only for a full batch: ``extra_min`` writers queued. A
         # second transaction for whoever arrives first just splits the queue into small batches (8
         # writers averaged 2.4 puts per transaction instead of 4) and each transaction costs CPU.
+        # With fewer writers than that, waiting for ``extra_min`` would serialise them (2 writers: one
+        # transaction at a time, where a saver with a connection per writer commits both at once), so
+        # the bar is also capped by how many writers are about: the threads that wrote during the last
+        # ``_WINDOW`` commits, less the writers committing now.
         default = 2 if ts.dialect == "postgres" else 1
         self._max_inflight = max(1, max_inflight if max_inflight is not None else default)
         self._extra_min = max(1, extra_min)
         self._mu = threading.Lock()
         self._queue: list[_Job] = []
         self._inflight = 0
+        #: Jobs in batches being committed now; commits done; each writer thread's last write (in commits
+        #: done); how many threads wrote within the last ``_WINDOW`` commits (recounted every 16).
+        self._committing = 0
+        self._done = 0
+        self._seen: dict[int, int] = {}
+        self._writers = 0
         #: Committer threads waiting for a slot (newest last).
         self._parked: list[_Committer] = []
 
@@ -234,7 +246,8 @@ class GroupCommit:
         job = _Job(ops)
         with self._mu:
             self._queue.append(job)
-            if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._extra_min):
+            self._seen[threading.get_ident()] = self._done
+            if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._second_min()):
                 self._inflight += 1
                 batch: list[_Job] | None = self._take(job)
             else:
@@ -250,6 +263,7 @@ class GroupCommit:
         """Pop the next batch for ``leader``'s thread, or for a committer (caller holds ``_mu``)."""
         batch = self._queue[: self._max]
         del self._queue[: self._max]
+        self._committing += len(batch)
         if leader is not None:
             leader.leading = True
         return batch
@@ -257,7 +271,11 @@ class GroupCommit:
     def _serves_queue(self) -> bool:
         """Whether a slot that just finished a commit goes on to the queue (caller holds ``_mu``): the last
         slot in flight always does; a second one only for a full batch (see __init__)."""
-        return bool(self._queue) and (self._inflight == 1 or len(self._queue) >= self._extra_min)
+        return bool(self._queue) and (self._inflight == 1 or len(self._queue) >= self._second_min())
+
+    def _second_min(self) -> int:
+        """Writers queued that justify a transaction alongside one in flight (caller holds ``_mu``)."""
+        return min(self._extra_min, max(1, self._writers - self._committing))
 
     def _committer_batch(self, committer: _Committer, park: bool) -> list[_Job] | None:
         """The next batch for ``committer``, which holds a slot; or None once it gave the slot back (and,
@@ -358,6 +376,12 @@ class GroupCommit:
                     except BaseException as one:  # handed to that job's caller, re-raised in its thread
                         job.error = one
         with self._mu:
+            self._committing -= len(batch)
+            self._done += 1
+            if self._done % 16 == 0:
+                cut = self._done - _WINDOW
+                self._seen = {t: d for t, d in self._seen.items() if d >= cut}
+                self._writers = len(self._seen)
             for job in batch:
                 job.done = True
             sleepers = [job for job in batch if not job.leading]
