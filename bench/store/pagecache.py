@@ -9,8 +9,8 @@ SQLite files in the page cache before the PostgreSQL half starts, so every page 
 (WAL, heap, TOAST) is such a page: perf showed ``copy_folio_from_iter_atomic`` (pwrite into the page
 cache) at 57% of moorage's backend CPU in that half against 25% when the half ran first, and the server
 CPU per 16 KiB put at 0.31-0.46 ms against 0.11-0.14 ms. The cost is per byte written, the same for
-either saver, so it compressed every ratio towards 1 (16 KiB ``full``: 1.6-1.9x after the SQLite half,
-2.4-2.7x with the cgroup or when the half runs alone).
+either saver, so it compressed every ratio towards 1 (16 KiB ``full``, 8 writers: 1.6-1.9x after the
+SQLite half, 2.3-2.5x in the cgroup, 2.4-2.7x when the half ran alone).
 
 A memory cgroup holding this process and everything it starts (the PostgreSQL cluster, the CAS
 processes) makes the kernel reclaim the bench's own older page cache at the limit and reuse those pages,

@@ -363,10 +363,14 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         locators among them, for ``_release`` once this transaction committed."""
         locs: list[bytes] = []
         if self._blobs is not None:
-            for key in keys:
-                locs += [r[0] for r in c.q(
-                    "SELECT blob FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ? "
-                    f"AND {LOGGED}", tuple(key))]
+            # One read per (thread, namespace), not per checkpoint (a logged write's blob is its locator: small).
+            doomed: dict[tuple[str, str], set[str]] = {}
+            for thread_id, ns, checkpoint_id in keys:
+                doomed.setdefault((thread_id, ns), set()).add(checkpoint_id)
+            for (thread_id, ns), ids in doomed.items():
+                locs += [r[1] for r in c.q(
+                    f"SELECT checkpoint_id, blob FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND {LOGGED}",
+                    (thread_id, ns)) if r[0] in ids]
         c.many("DELETE FROM lg_writes WHERE thread_id = ? AND checkpoint_ns = ? AND checkpoint_id = ?", keys)
         return locs
 
