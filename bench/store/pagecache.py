@@ -2,7 +2,7 @@
 has been up for a while, instead of growing into memory the host has not backed recently.
 
 Why: on a virtual machine the host may take back guest memory that the guest is not using (free page
-reporting, a balloon). Measured on the bench's machine (``python3`` touching one byte per 4 KiB page of a
+reporting, a balloon; the bench's machine boots with ``page_reporting.page_reporting_order=11``). Measured on the bench's machine (``python3`` touching one byte per 4 KiB page of a
 fresh mapping): the first ~4-6 GB took 0.53 s/GB, every GB after that ~5 s/GB, ~19 µs per page, in
 every round, also right after the same memory had been touched and freed. A full run leaves ~10 GB of
 SQLite files in the page cache before the PostgreSQL half starts, so every page the server then writes
