@@ -289,8 +289,10 @@ def test_few_writers_get_a_second_transaction_without_waiting_for_a_full_batch(t
     starts its own at once (as a saver with a connection per writer does) instead of waiting for
     ``extra_min`` writers that never come; with many writers about it still waits for a full batch."""
     gc = GroupCommit(tenant, max_inflight=2, extra_min=4)
+    both = threading.Barrier(2)  # both alive at once: two distinct thread ids
 
     def burst(tag: str) -> None:
+        both.wait(timeout=60)
         for j in range(40):
             gc.write([(_INSERT, [("t", "", tag, str(j), "bytes", b"x")])])
 
@@ -303,12 +305,14 @@ def test_few_writers_get_a_second_transaction_without_waiting_for_a_full_batch(t
     with gc._mu:
         gc._inflight = gc._committing = 1  # the other writer's transaction is in flight
 
-    lone = threading.Thread(target=burst, args=("lone",), daemon=True)
+    # One write: its decision is taken with the two writers counted (a recount after later commits
+    # would also count this thread, unless it reuses a finished writer's thread id).
+    lone = threading.Thread(target=gc.write, args=([(_INSERT, [("t", "", "lone", "0", "bytes", b"x")])],), daemon=True)
     lone.start()
     lone.join(timeout=20)
     assert not lone.is_alive(), "a writer waited for a full batch that never came"
     with tenant._tx() as c:
-        assert c.one("SELECT count(*) FROM lg_blobs WHERE channel = 'lone'")[0] == 40
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE channel = 'lone'")[0] == 1
     with gc._mu:
         assert gc._inflight == 1 and gc._committing == 1 and not gc._queue
         gc._writers = 8
