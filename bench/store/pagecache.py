@@ -22,6 +22,7 @@ cgroup is the one process sandboxes get (``moorage.sandbox.process_limits``).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from moorage.sandbox.process_limits import CGROUP_ROOT, SandboxCgroup, detect
@@ -74,13 +75,16 @@ class PageCacheBound:
     def _leave(self) -> None:
         if self._cgroup is None:
             return
-        for d in self._home:
+        cg, self._cgroup = self._cgroup, None
+        if os.getpid() in cg.pids():
             try:
-                (d / "cgroup.procs").write_text(str(os.getpid()))
-            except OSError:
-                pass  # never moved in
-        self._cgroup.remove()  # kills what is left inside: the server's exiting processes, helpers
-        self._cgroup = None
+                for d in self._home:
+                    (d / "cgroup.procs").write_text(str(os.getpid()))
+            except OSError as e:
+                # remove() kills every process inside, this one included: leave the cgroup to the operator.
+                print(f"page cache: cgroup {cg.name} left in place, could not move back: {e}", file=sys.stderr)
+                return
+        cg.remove()  # kills what is left inside: the server's exiting processes, helpers
 
 
 def _own_cgroups() -> dict[str, str]:
