@@ -54,17 +54,16 @@ class PageCacheBound:
         own = _own_cgroups()
         home = {"v2": [CGROUP_ROOT / own.get("", "/").lstrip("/")],
                 "v1": [CGROUP_ROOT / c / own.get(c, "/").lstrip("/") for c in ("pids", "memory")]}[support.cgroup]
-        cg = SandboxCgroup(support, f"bench-store-{os.getpid()}")
+        cg = self._cgroup = SandboxCgroup(support, f"bench-store-{os.getpid()}")
+        self._home = home
         try:
             cg.create(_MAX_TASKS, self.limit)
             for f in cg.procs_files:
                 f.write_text(str(os.getpid()))
         except OSError as e:
-            self._cgroup, self._home = cg, home
             self._leave()
             self.description = f"not bounded: {e}"
             return self
-        self._cgroup, self._home = cg, home
         self.description = (f"memory cgroup ({support.cgroup}) of {self.limit / (1 << 30):g} GiB around the bench, both "
                             "savers' processes and the PostgreSQL cluster: page cache is reclaimed and reused at the limit")
         return self
