@@ -12,7 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from moorage.config import Config
 from moorage.devservices.postgres import free_port
+from moorage.sandbox.process import ProcessDriver
+from moorage.store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
@@ -37,6 +40,19 @@ def test_readme_main_command_runs_example_one_end_to_end(tmp_path: Path) -> None
     friday = out.split("ada (friday)")[1]
     assert "green tea" in friday.lower()
     assert (tmp_path / "data" / "local-admin.key").stat().st_mode & 0o777 == 0o600
+    # A process sandbox dies with its host, so the host put the demo's agent to sleep before it exited: the
+    # store says so, and nothing of the sandbox (processes, cgroup) is left on this machine.
+    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process")
+    store = open_store(cfg)
+    try:
+        states = [r.state for ts in store.operator.tenants() for r in ts.sandboxes.list()]
+    finally:
+        store.close()
+    assert states and set(states) == {"sleeping"}, states
+    driver = ProcessDriver(cfg.sandboxes_dir, cfg)
+    support = driver.limit_support
+    parents = [p for p in (support.v2_dir, support.v1_pids, support.v1_memory) if p is not None]
+    assert not [c for p in parents for c in p.glob(f"{driver.instance_tag}-*")]
 
 
 def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:

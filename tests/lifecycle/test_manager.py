@@ -142,6 +142,34 @@ async def test_capacity_evicts_least_recent_idle_instance_never_one_mid_turn(lc_
     assert _state(env, BOB) == "sleeping"
 
 
+@pytest.mark.parametrize("lc_env", PROCESS_ONLY, indirect=True)
+async def test_sleep_all_sleeps_every_idle_instance_it_owns_but_not_one_mid_turn(lc_env: LcEnv) -> None:
+    """What a host whose sandboxes die with it (the process driver) does as it shuts down."""
+    env = lc_env
+    m = env.manager(policy=FixedTimeout(3600))
+    for scope in (ALICE, BOB):
+        async with m.turn(env.ts, scope, env.template) as sb:
+            await sb.write_file("note.txt", scope.user.encode())
+    carol = Scope.for_user("helper", "carol")
+    hold, release = asyncio.Event(), asyncio.Event()
+
+    async def carol_turn() -> None:
+        async with m.turn(env.ts, carol, env.template):
+            hold.set()
+            await release.wait()
+
+    task = asyncio.create_task(carol_turn())
+    await hold.wait()
+    assert await m.sleep_all("host shutting down") == 2
+    assert _state(env, ALICE) == _state(env, BOB) == "sleeping" and _state(env, carol) == "running"
+    assert {s.attrs["reason"] for s in env.spans("lifecycle.slept")} == {"host shutting down"}
+    release.set()
+    await task
+    assert await m.sleep_all("host shutting down") == 1  # Carol, now idle; the sleeping ones are left alone
+    async with m.turn(env.ts, ALICE, env.template) as sb:
+        assert await sb.read_file("note.txt") == b"alice"
+
+
 async def test_ttl_archives_then_deletes_with_the_disk(lc_env: LcEnv) -> None:
     env = lc_env
     env.agent("helper", archive_after_s=100, delete_after_s=200)

@@ -77,6 +77,9 @@ async def test_adopting_a_dead_sandbox_reports_stopped(pdriver: ProcessDriver, t
     fresh = ProcessDriver(pdriver.root, Config(data_dir=tmp_path))
     again = await fresh.open("dead")
     assert again.state is SandboxState.STOPPED
+    assert isinstance(again, ProcessSandbox)
+    # Its cgroup outlived it (the host that would have removed it "crashed"); adoption removes it.
+    assert not [d for d in again.cgroup.dirs if d.exists()]
     await again.wake()
     assert (await again.ping())["pong"]
     await fresh.close()

@@ -43,6 +43,24 @@ def test_scoped_and_revoked_keys(store: Store, tenant: TenantStore) -> None:
         tenant.keys.create(["root"])
 
 
+def test_control_plane_calls_from_many_threads_at_once(store: Store) -> None:
+    """Hosts call the control plane from worker threads concurrently (e.g. sleeping every instance at
+    shutdown): transactions on it must not interleave."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = [store.operator.create_tenant(f"t{i}")[0].id for i in range(4)]
+
+    def work(i: int) -> str:
+        tid = ids[i % len(ids)]
+        store.operator.principal(tid)
+        store.operator.create_tenant(f"made-{i}")
+        return store.operator.get_tenant(tid).id
+
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(work, range(40))) == [ids[i % len(ids)] for i in range(40)]
+    assert len(store.operator.list_tenants()) == 44
+
+
 def test_unknown_tenant_principal_cannot_read(store: Store, tenant: TenantStore) -> None:
     forged = store.tenant(Principal("0" * 32))
     with pytest.raises(TenantScopeError) if store.backend.dialect == "sqlite" else _nothing():

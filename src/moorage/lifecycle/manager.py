@@ -462,6 +462,22 @@ class InstanceManager:
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
             return True
 
+    async def sleep_all(self, reason: str) -> int:
+        """Sleep every instance this manager owns that is awake and idle (a few at a time); returns how many
+        slept. For a host shutting down whose sandboxes would not survive it (``survives_host_exit``)."""
+        gate = asyncio.Semaphore(8)
+
+        async def one(li: LiveInstance) -> bool:
+            async with gate:
+                try:
+                    return await self._sleep(li, reason)
+                except Exception as e:  # one instance must not keep the others awake
+                    log.warning("sleep at shutdown failed", scope=str(li.scope), error=str(e))
+                    return False
+
+        done = await asyncio.gather(*(one(li) for li in list(self._live.values()) if li.owned and li.awake))
+        return sum(done)
+
     async def _make_room(self, li: LiveInstance) -> None:
         """Sleep least-recently-active idle instances until one more fits the host's capacity."""
         for _ in range(8):

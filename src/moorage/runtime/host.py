@@ -85,6 +85,12 @@ class Host:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if not self.driver.capabilities.survives_host_exit:
+            # Its sandboxes die with this process: sleep them now (files synced, state recorded), rather than
+            # leave them to be killed at exit and found dead by the next start.
+            slept = await self.manager.sleep_all("host shutting down")
+            if slept:
+                log.info("slept instances at shutdown", count=slept)
         await self.manager.close()
         await self.driver.close()
         await self.runtime.aclose()

@@ -125,6 +125,9 @@ class Capabilities:
     own_kernel: bool = False
     #: Resource limits actually enforced, e.g. {"processes", "memory", "file_size", "disk"}.
     enforced_limits: frozenset[str] = frozenset()
+    #: Whether a running sandbox outlives the host process that started it (a micro-VM's QEMU does; a
+    #: process sandbox is killed with it), so a host that shuts down cleanly knows to put them to sleep.
+    survives_host_exit: bool = True
 
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")

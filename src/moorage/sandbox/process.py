@@ -402,6 +402,10 @@ class ProcessSandbox(Sandbox):
             except SandboxError as e:
                 log.warning("live sandbox did not answer; stopping it", sandbox=self.id, error=str(e))
                 await self._kill()
+        else:
+            # It died with its host: nothing of it runs, but its cgroup was never removed (the host that
+            # would have removed it is gone). Removed now; the next boot makes a new one.
+            self.cgroup.remove()
         self._state = SandboxState.STOPPED
         self._save(pid=None, pid_starttime=None)
 
@@ -422,6 +426,7 @@ class ProcessDriver(SandboxDriver):
             network_isolated=True,
             own_kernel=False,
             enforced_limits=self.limit_support.enforced,
+            survives_host_exit=False,  # bwrap --die-with-parent: the sandbox dies with the host process
         )
         # Cgroup names must be unique per root directory on this host (two test roots may reuse sandbox ids).
         # Stable across host restarts (str hash() is salted per process), so a re-adopted sandbox finds its cgroup.

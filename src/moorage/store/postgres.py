@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
@@ -92,6 +93,9 @@ class PostgresBackend(Backend):
             self._owner = psycopg.connect(owner_url, autocommit=True)
         except psycopg.OperationalError as e:
             raise UnavailableError(f"cannot connect to PostgreSQL: {str(e).strip()}", hint="check MOORAGE_STORE_URL and that the server runs") from e
+        # One owner connection serves the whole control plane: its transactions must not interleave between
+        # threads (psycopg: "transaction commit at the wrong nesting level"); re-entrant for nested use.
+        self._owner_lock = threading.RLock()
         self.migrate(upto)
         # autocommit: tenant_tx issues BEGIN itself, so it can send BEGIN and the tenant setting in
         # one round trip (psycopg's implicit BEGIN would be a round trip of its own).
@@ -199,7 +203,7 @@ class PostgresBackend(Backend):
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:
-        with self._owner.transaction():
+        with self._owner_lock, self._owner.transaction():
             yield Conn(self._owner, "postgres")
 
     def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
@@ -227,13 +231,16 @@ class PostgresBackend(Backend):
 
     def schema_version(self, tenant_id: str | None = None) -> int:
         component = "control" if tenant_id is None else "tenant"
-        r = self._owner.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s", (component,)).fetchone()
+        with self._owner_lock:
+            r = self._owner.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
+                                    (component,)).fetchone()
         return int(r[0])
 
     def describe(self) -> str:
-        v = self._owner.execute("SHOW server_version").fetchone()[0]
-        sync = self._owner.execute("SHOW synchronous_commit").fetchone()[0]
-        fsync = self._owner.execute("SHOW fsync").fetchone()[0]
+        with self._owner_lock:
+            v = self._owner.execute("SHOW server_version").fetchone()[0]
+            sync = self._owner.execute("SHOW synchronous_commit").fetchone()[0]
+            fsync = self._owner.execute("SHOW fsync").fetchone()[0]
         return f"postgresql {v} (app role {self.app_role}, row-level security forced, synchronous_commit={sync}, fsync={fsync})"
 
     def close(self) -> None:
