@@ -86,17 +86,16 @@ class PreparedCalls:
         values = tx.dump_sequence(params, q.formats)
         types, formats = tuple(tx.types), list(tx.formats)
         pg = conn.pgconn
-        encoding = conn.info.encoding
         with conn.lock:
             for attempt in (0, 1):
-                name = self._name(conn, pg, q.raw, types, encoding)
+                name = self._name(conn, pg, q.raw, types)
                 if name is None:
                     res = pg.exec_params(q.raw, values, types, formats)
                 else:
                     res = pg.exec_prepared(name, values, formats)
                 if res.status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
                     return
-                err = errors.error_from_result(res, encoding=encoding)
+                err = _error(conn, res)
                 if name is not None and attempt == 0 and isinstance(err, errors.InvalidSqlStatementName):
                     # The server forgot the statement (DEALLOCATE, DISCARD ALL, a pooler's other server
                     # connection): nothing ran, so prepare it again and run it once more.
@@ -104,7 +103,7 @@ class PreparedCalls:
                     continue
                 raise err
 
-    def _name(self, conn: psycopg.Connection, pg: Any, raw: bytes, types: tuple[int, ...], encoding: str) -> bytes | None:
+    def _name(self, conn: psycopg.Connection, pg: Any, raw: bytes, types: tuple[int, ...]) -> bytes | None:
         """The name ``raw`` with these parameter types is prepared under on ``conn`` (preparing it now if
         needed), or None where the connection already holds its share of statements."""
         names = self._names.get(conn)
@@ -118,7 +117,7 @@ class PreparedCalls:
             name = b"moorage_call_%d" % len(names)
             res = pg.prepare(name, raw, types)
             if res.status != pq.ExecStatus.COMMAND_OK:
-                err = errors.error_from_result(res, encoding=encoding)
+                err = _error(conn, res)
                 if not isinstance(err, errors.DuplicatePreparedStatement):
                     raise err
                 # Left on the server by an earlier cache of this connection (after a retry above):
@@ -126,6 +125,11 @@ class PreparedCalls:
                 pg.exec_(b"DEALLOCATE " + name)
                 res = pg.prepare(name, raw, types)
                 if res.status != pq.ExecStatus.COMMAND_OK:
-                    raise errors.error_from_result(res, encoding=encoding)
+                    raise _error(conn, res)
             names[key] = name
         return name
+
+
+def _error(conn: psycopg.Connection, res: Any) -> psycopg.Error:
+    """The psycopg exception (its class by SQLSTATE, with diagnostics) for a failed result."""
+    return errors.error_from_result(res, encoding=conn.info.encoding)
