@@ -72,6 +72,21 @@ def test_a_statement_the_server_forgot_is_prepared_again(backend: PostgresBacken
         assert [r[0] for r in conn.execute("SELECT k FROM t ORDER BY k").fetchall()] == ["a", "b"]
 
 
+def test_a_lost_connection_is_an_operational_error_and_the_pool_replaces_it(backend: PostgresBackend,
+                                                                            pg_cluster) -> None:
+    calls = PreparedCalls()
+    with backend._pool.connection() as conn:
+        calls.run(conn, "SELECT %s::int", (1,))
+        pid = conn.info.backend_pid
+    pg_cluster.psql(f"SELECT pg_terminate_backend({pid})")
+    with pytest.raises(psycopg.OperationalError):
+        with backend._pool.connection() as conn:
+            calls.run(conn, "SELECT %s::int", (1,))
+    with backend._pool.connection() as conn:
+        assert conn.info.backend_pid != pid
+        calls.run(conn, "SELECT %s::int", (1,))
+
+
 def test_beyond_its_share_of_prepared_statements_a_call_runs_unnamed(backend: PostgresBackend) -> None:
     calls = PreparedCalls()
     with backend._pool.connection() as conn:

@@ -131,5 +131,9 @@ class PreparedCalls:
 
 
 def _error(conn: psycopg.Connection, res: Any) -> psycopg.Error:
-    """The psycopg exception (its class by SQLSTATE, with diagnostics) for a failed result."""
+    """The psycopg exception (its class by SQLSTATE, with diagnostics) for a failed result; a connection
+    lost on the way is an ``OperationalError``, as ``execute`` reports it (the pool then discards it)."""
+    if conn.pgconn.status == pq.ConnStatus.BAD:
+        msg = res.error_message.decode(conn.info.encoding, "replace").strip() or "connection lost"
+        return psycopg.OperationalError(f"the connection to the server was lost: {msg}")
     return errors.error_from_result(res, encoding=conn.info.encoding)
