@@ -135,3 +135,26 @@ def test_tenant_call_writes_only_for_its_tenant(backend: PostgresBackend) -> Non
     with backend.tenant_tx(ids[1]) as c:
         assert c.q("SELECT count(*) FROM lg_checkpoints") == [(0,)]
     assert "moorage_call_0" in _prepared_names(backend)
+
+
+def test_checkpoint_reads_scope_themselves_to_the_tenant_given_and_only_for_that_statement(
+        backend: PostgresBackend) -> None:
+    """migration 9's moorage_lg_get, as the saver calls it: rows of the calling tenant only; the tenant
+    setting it makes ends with its statement; no tenant, no rows."""
+    from moorage.store.langgraph_sql import Statements
+
+    ids = [backend.create_tenant(n).id for n in ("acme", "globex")]
+    sql = Statements("postgres")
+    write = sql.batch([(sql.upsert_checkpoint, [("thread", "", "cp1", None, None, "msgpack", b"\x80", "{}", "{}")])])
+    assert write is not None
+    backend.tenant_call(ids[0], *write)
+    latest = backend.tenant_call(ids[0], sql.get_call, ("thread", "", None))
+    assert [(r[0], r[1], r[5]) for r in latest] == [(0, "cp1", b"\x80")]
+    assert backend.tenant_call(ids[0], sql.get_call, ("thread", "", "cp1")) == latest
+    assert backend.tenant_call(ids[0], sql.get_call, ("thread", "", "cp2")) == []
+    assert backend.tenant_call(ids[1], sql.get_call, ("thread", "", None)) == []
+    with backend._pool.connection() as conn:  # the pool's only connection: the one the calls above used
+        assert conn.execute("SELECT current_setting('moorage.tenant_id', true)").fetchone()[0] in (None, "")
+        assert conn.execute("SELECT count(*) FROM lg_checkpoints").fetchone()[0] == 0
+        with pytest.raises(psycopg.errors.RaiseException, match="needs a tenant"):
+            conn.execute("SELECT * FROM moorage_lg_get('', 'thread', '', NULL)")

@@ -52,16 +52,16 @@ class Backend(ABC):
         with self.tenant_tx(tenant_id, write=False) as c:
             return c.q(sql, params)
 
-    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> None:
-        """Run one write statement on ``tenant_id``'s rows as its own transaction: committed when this
-        returns, rolled back if it raises.
+    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """Run one statement on ``tenant_id``'s rows as its own transaction and return its rows: committed
+        when this returns, rolled back if it raises.
 
         SQLite: the tenant's file is the scope; ``params`` are bound as given. PostgreSQL: the statement
         must scope itself (``moorage_lg_write`` sets ``moorage.tenant_id`` from its first argument), so it
         receives ``tenant_id`` as its first parameter, then ``params``.
         """
         with self.tenant_tx(tenant_id) as c:
-            c.x(sql, params)
+            return c.q(sql, params)
 
     @abstractmethod
     def control_tx(self) -> contextlib.AbstractContextManager[Conn]:

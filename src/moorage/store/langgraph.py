@@ -405,10 +405,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def _get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
-        if checkpoint_id:
-            rows = self._read(self._sql.get_by_id, (thread_id, ns, checkpoint_id))
-        else:
-            rows = self._read(self._sql.get_latest, (thread_id, ns))
+        rows = self._checkpoint_rows(thread_id, ns, checkpoint_id)
         cp = next((r for r in rows if r[0] == 0), None)
         if cp is None:
             return None
@@ -422,10 +419,24 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         row = (thread_id, ns, cp[1], cp[2], cp[4], cp[5], cp[3])
         return self._decode((row, head, blobs, [(r[1], r[2], r[4], r[5]) for r in writes]))
 
-    def _read(self, sql: str, params: tuple) -> list[tuple]:
-        """One read-only statement in its own snapshot (``TenantStore.read``: no BEGIN/COMMIT on SQLite, one
-        pipelined round trip on PostgreSQL), or inside the caller's ``ts.transaction()`` if there is one."""
-        return self._ts.read(sql, params)
+    def _checkpoint_rows(self, thread_id: str, ns: str, checkpoint_id: str | None) -> list[tuple]:
+        """The checkpoint (the latest if no id) with its channel blobs and pending writes, as rows of one
+        statement in one snapshot (see ``Statements``), inside the caller's ``ts.transaction()`` if there is one.
+
+        SQLite: one query without BEGIN/COMMIT (``TenantStore.read``). PostgreSQL: one call of
+        ``moorage_lg_get`` (migration 9), which scopes itself to the saver's tenant: through
+        ``Backend.tenant_call`` it is prepared once per connection and runs without the GIL.
+        """
+        ts = self._ts
+        if ts.dialect != "postgres":
+            if checkpoint_id:
+                return ts.read(self._sql.get_by_id, (thread_id, ns, checkpoint_id))
+            return ts.read(self._sql.get_latest, (thread_id, ns))
+        params = (thread_id, ns, checkpoint_id or None)
+        ambient = ts.ambient()
+        if ambient is not None:
+            return ambient.q(self._sql.get_in_tx, (ts.tenant_id, *params))
+        return ts.backend.tenant_call(ts.tenant_id, self._sql.get_call, params)
 
     def _get_tuple_slow(self, thread_id: str, ns: str, checkpoint_id: str) -> CheckpointTuple | None:
         with self._ts._tx(write=False) as c:

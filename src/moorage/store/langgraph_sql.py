@@ -185,33 +185,30 @@ class Statements:
         # round trip). Rows: kind 0 = the checkpoint (id, parent, metadata, type, blob, -, versions),
         # kind 1 = a channel blob (channel, -, -, type, blob), kind 2 = a pending write (task_id,
         # channel, task_path, type, blob, idx). Blobs join through the ``versions`` JSON (migration 4).
-        if dialect == "postgres":
-            # PostgreSQL reorders a plain join (and, misled by row estimates, hashes every blob of the
-            # thread); a LATERAL subquery with LIMIT 1 is not flattened, so each (channel, version)
-            # is one primary-key probe. The key is unique, so LIMIT 1 drops nothing.
-            blobs = ("SELECT 1, b.channel, NULL, NULL, b.type, b.blob, NULL, NULL FROM cp "
-                     "CROSS JOIN LATERAL jsonb_each_text(CAST(cp.versions AS jsonb)) AS j "
-                     "CROSS JOIN LATERAL (SELECT channel, type, blob FROM lg_blobs x WHERE x.thread_id = cp.thread_id "
-                     "AND x.checkpoint_ns = cp.checkpoint_ns AND x.channel = j.key AND x.version = j.value LIMIT 1) AS b ")
-        else:
-            # CROSS JOIN: SQLite keeps this join order, so each (channel, version) is one primary-key
-            # seek instead of a scan of the thread's blobs probed against the version map.
-            blobs = ("SELECT 1, b.channel, NULL, NULL, b.type, b.blob, NULL, NULL FROM cp "
-                     "CROSS JOIN json_each(cp.versions) AS j CROSS JOIN lg_blobs b "
-                     "WHERE b.thread_id = cp.thread_id AND b.checkpoint_ns = cp.checkpoint_ns "
-                     "AND b.channel = j.key AND b.version = j.value ")
+        #: PostgreSQL: migration 9's function, parameters (tenant, thread_id, checkpoint_ns, checkpoint_id or
+        #: None for the latest). ``get_call`` for ``Backend.tenant_call`` (which passes the tenant first),
+        #: ``get_in_tx`` inside a caller's transaction.
+        self.get_call = "SELECT * FROM moorage_lg_get(%s, %s, %s, %s)"
+        self.get_in_tx = "SELECT * FROM moorage_lg_get(?, ?, ?, ?)"
+        # SQLite: the same rows from one query. CROSS JOIN: SQLite keeps this join order, so each (channel,
+        # version) is one primary-key seek instead of a scan of the thread's blobs probed against the map.
         tail = (
             "SELECT 0, checkpoint_id, parent_id, metadata, type, checkpoint, CAST(NULL AS INTEGER), versions FROM cp "
-            "UNION ALL " + blobs + "UNION ALL "
+            "UNION ALL "
+            "SELECT 1, b.channel, NULL, NULL, b.type, b.blob, NULL, NULL FROM cp "
+            "CROSS JOIN json_each(cp.versions) AS j CROSS JOIN lg_blobs b "
+            "WHERE b.thread_id = cp.thread_id AND b.checkpoint_ns = cp.checkpoint_ns "
+            "AND b.channel = j.key AND b.version = j.value "
+            "UNION ALL "
             "SELECT 2, w.task_id, w.channel, w.task_path, w.type, w.blob, w.idx, NULL FROM cp "
             "JOIN lg_writes w ON w.thread_id = cp.thread_id AND w.checkpoint_ns = cp.checkpoint_ns "
             "AND w.checkpoint_id = cp.checkpoint_id"
         )
         head = ("WITH cp AS (SELECT thread_id, checkpoint_ns, checkpoint_id, parent_id, type, checkpoint, metadata, "
                 "versions FROM lg_checkpoints WHERE thread_id = ? AND checkpoint_ns = ? ")
-        #: Parameters (thread_id, checkpoint_ns).
+        #: SQLite, parameters (thread_id, checkpoint_ns).
         self.get_latest = head + "ORDER BY checkpoint_id DESC LIMIT 1) " + tail
-        #: Parameters (thread_id, checkpoint_ns, checkpoint_id).
+        #: SQLite, parameters (thread_id, checkpoint_ns, checkpoint_id).
         self.get_by_id = head + "AND checkpoint_id = ?) " + tail
         self.delete_thread = tuple(f"DELETE FROM {t} WHERE thread_id = ?" for t in ("lg_writes", "lg_blobs", "lg_checkpoints"))
         # Parameters (target, source); the SELECT sees only this tenant's rows on either backend.

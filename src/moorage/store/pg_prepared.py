@@ -24,6 +24,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 _PLACEHOLDER = re.compile(rb"%(.?)", re.DOTALL)
 _FORMATS = {b"s": PyFormat.AUTO, b"b": PyFormat.BINARY, b"t": PyFormat.TEXT}
+_BINARY = pq.Format.BINARY
 #: Statements prepared per connection at most; beyond that a statement runs unnamed (parsed each time).
 _MAX_PREPARED = 16
 #: Converted queries kept (query text -> libpq form); the callers' statements are few and fixed.
@@ -76,9 +77,10 @@ class PreparedCalls:
             self._queries[sql] = q
         return q
 
-    def run(self, conn: psycopg.Connection, sql: str, params: Sequence[Any]) -> None:
-        """Execute ``sql`` with ``params`` on ``conn`` (autocommit, idle) as one round trip; raises the
-        psycopg error for the statement's failure, as ``conn.execute`` would."""
+    def run(self, conn: psycopg.Connection, sql: str, params: Sequence[Any]) -> list[tuple]:
+        """Execute ``sql`` with ``params`` on ``conn`` (autocommit, idle) as one round trip and return its rows
+        (in binary, loaded by psycopg's loaders); raises the psycopg error for the statement's failure, as
+        ``conn.execute`` would."""
         q = self._query(sql)
         if len(params) != len(q.formats):
             raise psycopg.ProgrammingError(f"the query has {len(q.formats)} placeholders but {len(params)} parameters were passed")
@@ -90,11 +92,14 @@ class PreparedCalls:
             for attempt in (0, 1):
                 name = self._name(conn, pg, q.raw, types)
                 if name is None:
-                    res = pg.exec_params(q.raw, values, types, formats)
+                    res = pg.exec_params(q.raw, values, types, formats, _BINARY)
                 else:
-                    res = pg.exec_prepared(name, values, formats)
-                if res.status in (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK):
-                    return
+                    res = pg.exec_prepared(name, values, formats, _BINARY)
+                if res.status == pq.ExecStatus.TUPLES_OK:
+                    tx.set_pgresult(res)
+                    return tx.load_rows(0, res.ntuples, tuple)
+                if res.status == pq.ExecStatus.COMMAND_OK:
+                    return []
                 err = _error(conn, res)
                 if name is not None and attempt == 0 and isinstance(err, errors.InvalidSqlStatementName):
                     # The server forgot the statement (DEALLOCATE, DISCARD ALL, a pooler's other server
@@ -102,6 +107,7 @@ class PreparedCalls:
                     self._names.pop(conn, None)
                     continue
                 raise err
+        raise AssertionError("unreachable")  # the second attempt returns or raises
 
     def _name(self, conn: psycopg.Connection, pg: Any, raw: bytes, types: tuple[int, ...]) -> bytes | None:
         """The name ``raw`` with these parameter types is prepared under on ``conn`` (preparing it now if

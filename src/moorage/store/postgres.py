@@ -176,7 +176,7 @@ class PostgresBackend(Backend):
                     _rollback(conn)
                 raise
 
-    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> None:
+    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         """Run one statement that scopes itself to ``tenant_id`` as its own autocommitted transaction.
 
         For functions such as ``moorage_lg_write`` that take the tenant as their first argument and set
@@ -184,13 +184,13 @@ class PostgresBackend(Backend):
         parameter, then ``params``. One round trip; when this returns the transaction has committed
         (with the server's ``synchronous_commit``), and on error it has rolled back. The statement is
         prepared once per connection and the round trip runs inside libpq without the GIL (see
-        ``pg_prepared``): this is the group commit's path for every checkpoint batch.
+        ``pg_prepared``): the group commit's path for every checkpoint batch, and the saver's reads.
         """
         check_tenant_id(tenant_id)
         with self._pool.connection() as conn:
             try:
                 with translate_integrity(psycopg.errors.UniqueViolation):
-                    self._calls.run(conn, sql, (tenant_id, *params))
+                    return self._calls.run(conn, sql, (tenant_id, *params))
             except BaseException:
                 _rollback(conn)
                 raise

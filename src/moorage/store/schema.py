@@ -24,6 +24,24 @@ class Migration:
     after: tuple[str, ...] = field(default=())
 
 
+# Migration 9's read of one checkpoint (PostgreSQL): the checkpoint row...
+_LG_GET_CP = ("SELECT k.thread_id, k.checkpoint_ns, k.checkpoint_id, k.parent_id, k.type, k.checkpoint, k.metadata, "
+              "k.versions FROM lg_checkpoints k WHERE k.thread_id = p_thread AND k.checkpoint_ns = p_ns")
+# ...then its rows, as langgraph_sql.Statements documents them (SQLite reads the same rows with one query).
+# Blobs join through the version map (migration 4); a LATERAL subquery with LIMIT 1 is not flattened, so each
+# (channel, version) is one primary-key probe (a plain join was reordered to hash every blob of the thread).
+_LG_GET_ROWS = (
+    "SELECT 0, cp.checkpoint_id, cp.parent_id, cp.metadata, cp.type, cp.checkpoint, NULL::INTEGER, cp.versions FROM cp "
+    "UNION ALL "
+    "SELECT 1, b.channel, NULL, NULL, b.type, b.blob, NULL, NULL FROM cp "
+    "CROSS JOIN LATERAL jsonb_each_text(cp.versions::jsonb) AS j "
+    "CROSS JOIN LATERAL (SELECT x.channel, x.type, x.blob FROM lg_blobs x WHERE x.thread_id = cp.thread_id "
+    "AND x.checkpoint_ns = cp.checkpoint_ns AND x.channel = j.key AND x.version = j.value LIMIT 1) AS b "
+    "UNION ALL "
+    "SELECT 2, w.task_id, w.channel, w.task_path, w.type, w.blob, w.idx, NULL FROM cp "
+    "JOIN lg_writes w ON w.thread_id = cp.thread_id AND w.checkpoint_ns = cp.checkpoint_ns "
+    "AND w.checkpoint_id = cp.checkpoint_id")
+
 # Template placeholders:
 #   {tenant_col}  tenant_id column (PostgreSQL) or nothing (SQLite: one file per tenant)
 #   {tpk}         "tenant_id, " inside primary/unique keys on PostgreSQL, "" on SQLite
@@ -330,6 +348,34 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
                     channel = excluded.channel, type = excluded.type, blob = excluded.blob,
                     task_path = excluded.task_path;
             END""",
+        ),
+    ),
+    Migration(
+        9,
+        "langgraph checkpoint reads in one call",
+        statements=(),
+        # PostgreSQL: a checkpoint with its channel blobs and pending writes is read by one function call, the
+        # counterpart of moorage_lg_write: one autocommitted statement (prepared once per connection and run
+        # without the GIL, see pg_prepared.py) instead of BEGIN, the tenant setting, the query and COMMIT
+        # through psycopg's pipeline. SECURITY INVOKER: forced row-level security applies as in any
+        # transaction, for the tenant it sets locally. ``p_id`` NULL reads the latest checkpoint; each case
+        # is its own statement (one snapshot each, and a plan that probes the key for either).
+        postgres_only=(
+            f"""CREATE OR REPLACE FUNCTION moorage_lg_get(tenant TEXT, p_thread TEXT, p_ns TEXT, p_id TEXT)
+            RETURNS TABLE (r_kind INTEGER, r_a TEXT, r_b TEXT, r_c TEXT, r_type TEXT, r_blob BYTEA, r_idx INTEGER,
+                           r_versions TEXT)
+            LANGUAGE plpgsql SECURITY INVOKER AS $$
+            BEGIN
+                IF tenant IS NULL OR tenant = '' THEN
+                    RAISE EXCEPTION 'moorage_lg_get needs a tenant';
+                END IF;
+                PERFORM set_config('moorage.tenant_id', tenant, true);
+                IF p_id IS NULL THEN
+                    RETURN QUERY WITH cp AS ({_LG_GET_CP} ORDER BY k.checkpoint_id DESC LIMIT 1) {_LG_GET_ROWS};
+                ELSE
+                    RETURN QUERY WITH cp AS ({_LG_GET_CP} AND k.checkpoint_id = p_id) {_LG_GET_ROWS};
+                END IF;
+            END $$""",
         ),
     ),
 )

@@ -223,14 +223,14 @@ class SQLiteBackend(Backend):
         with _transaction(self._tenant_conn(tenant_id), write) as c:
             yield c
 
-    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> None:
+    def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         # In autocommit mode one statement is one transaction: SQLite takes the write lock (waiting like
         # BEGIN IMMEDIATE), runs it and commits, fsync included, inside one call that releases the GIL once.
         conn = self._tenant_conn(tenant_id)
         if conn.in_transaction:
             raise RuntimeError("tenant_call inside an open transaction would not commit on return")
         with translate_integrity(sqlite3.IntegrityError):
-            conn.execute(sql, params)
+            return conn.execute(sql, params).fetchall()
 
     def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         # In autocommit mode one SELECT reads one consistent WAL snapshot: no BEGIN/COMMIT round needed.
