@@ -94,7 +94,20 @@ def sequential(saver: BaseCheckpointSaver, thread: str, size: int, mode: str, n:
         tup = saver.get_tuple(latest)
         gets.append(time.perf_counter() - t)
     assert tup is not None and tup.checkpoint["channel_values"] == steps.values, "read back a different state"
-    return {"put": _summary(puts), "get": _summary(gets), "put_per_s": n / sum(puts), "get_per_s": n / sum(gets)}
+    # The thread's history as LangGraph's get_state_history reads it (thread and namespace, newest first).
+    lists = []
+    want = min(n, LIST_LIMIT)
+    for _ in range(max(5, n // 30)):
+        t = time.perf_counter()
+        listed = list(saver.list(latest, limit=LIST_LIMIT))
+        lists.append(time.perf_counter() - t)
+    assert len(listed) == want and listed[0].checkpoint["channel_values"] == steps.values, "listed a different history"
+    return {"put": _summary(puts), "get": _summary(gets), "list": {**_summary(lists), "checkpoints": want},
+            "put_per_s": n / sum(puts), "get_per_s": n / sum(gets)}
+
+
+#: Checkpoints per ``list`` in the sequential measurement (at most; fewer where fewer were put).
+LIST_LIMIT = 100
 
 
 def ceiling(tmp: Path, size_name: str, size: int, levels: tuple[int, ...]) -> dict[str, Any]:
@@ -275,6 +288,7 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                             report["checkpoints"].append(row)
                             print(f"{c.backend:8s} {c.name:13s} {size_name:6s} {mode:4s} put p50 {seq['put']['p50_ms']:.2f} ms "
                                   f"p99 {seq['put']['p99_ms']:.2f} | get p50 {seq['get']['p50_ms']:.2f} ms | "
+                                  f"list p50 {seq['list']['p50_ms']:.2f} ms | "
                                   + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
                     if backend == "sqlite":
                         report["ceiling"].append(ceiling(tmp, size_name, size, levels))
@@ -314,6 +328,7 @@ def write_report(report: dict[str, Any]) -> None:
         p = _row(rows, r["backend"], peer, r["size"], r["mode"])
         ratios.append({"backend": r["backend"], "size": r["size"], "mode": r["mode"], "peer": peer,
                        "seq_put": r["put_per_s"] / p["put_per_s"], "seq_get": r["get_per_s"] / p["get_per_s"],
+                       "list": p["list"]["p50_ms"] / r["list"]["p50_ms"] if "list" in r else None,
                        "concurrent_put": r["concurrent_put_per_s"] / p["concurrent_put_per_s"],
                        "concurrent": {w: r["concurrent"][w] / p["concurrent"][w] for w in levels}})
     report["ratios"] = ratios
@@ -342,21 +357,27 @@ def write_report(report: dict[str, Any]) -> None:
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {cells} |")
     lines += _cpu_lines(rows, ratios, levels)
     lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
-    lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint", "",
-              "Each put waits for its own commit and fsync, on every saver: this is latency, not throughput.", "",
-              "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | seq puts/s | seq gets/s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint, then lists of the history", "",
+              "Each put waits for its own commit and fsync, on every saver: this is latency, not throughput. A list reads "
+              f"the thread's newest {LIST_LIMIT} checkpoints (fewer where fewer were put: ¼ at 256 KiB) with their values "
+              "and pending writes, as LangGraph's `get_state_history` does.", "",
+              "| backend | saver | size | mode | put p50 ms | put p99 ms | put min–max ms | get p50 ms | get p99 ms | "
+              "list p50 ms | seq puts/s | seq gets/s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, g = r["put"], r["get"]
+        li = f"{r['list']['p50_ms']:.2f}" if "list" in r else "-"
         lines.append(f"| {r['backend']} | {r['saver']} | {r['size']} | {r['mode']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
-                     f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {r['put_per_s']:.0f} | "
-                     f"{r['get_per_s']:.0f} |")
-    lines += ["", "Ratios moorage / peer (higher is better for moorage):", "",
-              "| backend | size | mode | peer | sequential put | get | " + " | ".join(f"concurrent put {w}w" for w in levels) + " |",
-              "|---|---|---|---|---|---|" + "---|" * len(levels)]
+                     f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {li} | "
+                     f"{r['put_per_s']:.0f} | {r['get_per_s']:.0f} |")
+    lines += ["", "Ratios moorage / peer (higher is better for moorage; list: the peer's time over moorage's):", "",
+              "| backend | size | mode | peer | sequential put | get | list | "
+              + " | ".join(f"concurrent put {w}w" for w in levels) + " |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(levels)]
     for q in ratios:
+        li = f"{q['list']:.2f}x" if q.get("list") else "-"
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {q['peer']} | {q['seq_put']:.2f}x | {q['seq_get']:.2f}x | "
-                     + " | ".join(f"{q['concurrent'][w]:.2f}x" for w in levels) + " |")
+                     f"{li} | " + " | ".join(f"{q['concurrent'][w]:.2f}x" for w in levels) + " |")
     lines += ["", "| CAS backend | processes x increments | final | lost updates | retries | increments/s |", "|---|---|---|---|---|---|"]
     for c in report["cas"]:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
@@ -442,8 +463,9 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
     cas_rate = "/".join(f"{c['increments_per_s']:.0f}" for c in cas)
     put = " ".join(f"{b} {med(b, 'seq_put'):.2f}x" for b in backends)
     get = " ".join(f"{b} {med(b, 'seq_get'):.2f}x" for b in backends)
+    lst = " ".join(f"{b} {med(b, 'list'):.2f}x" for b in backends)
     return ("concurrent put throughput moorage/peer per size and mode, " + " | ".join(parts)
-            + f". Sequential (latency-bound, median): put {put}, get {get}; "
+            + f". Sequential (latency-bound, median): put {put}, get {get}, list {lst}; "
             f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 
 

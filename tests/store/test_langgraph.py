@@ -178,6 +178,55 @@ def test_list_pages_and_filters_across_threads(tenant: TenantStore) -> None:
     assert len(list(saver.list(None, filter={"tags": {"team": "x1"}, "step": 4}, limit=1))) == 1
 
 
+@pytest.mark.parametrize("inline_max", [0, 64])
+def test_list_returns_what_get_tuple_returns_one_statement_per_page(
+        tenant: TenantStore, inline_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each listed checkpoint equals get_tuple's for its id (values held in blobs or inline, pending writes in
+    their order, parents, metadata) across pages, threads and namespaces; a page is read by one statement."""
+    saver = MoorageSaver(tenant, page_size=4, inline_max=inline_max)
+    for thread in ("a", "b"):
+        for ns in ("", "sub"):
+            config = {"configurable": {"thread_id": thread, "checkpoint_ns": ns}}
+            for step in range(5):
+                cp = empty_checkpoint()
+                # "doc" grows past inline_max=64 from step 1; "n" stays small; "tag" changes every other step.
+                cp["channel_values"] = {"doc": f"{thread}{ns}" * 20 * step, "n": step, "tag": f"t{step // 2}"}
+                cp["channel_versions"] = {"doc": step + 1, "n": step + 1, "tag": step // 2 + 1}
+                changed = {"doc": step + 1, "n": step + 1} | ({"tag": step // 2 + 1} if step % 2 == 0 else {})
+                config = saver.put(config, cp, {"step": step, "ns": ns}, changed)
+                if step % 2:
+                    saver.put_writes(config, [("n", step), ("doc", "pending")], task_id=f"task-{step}")
+                    saver.put_writes(config, [("tag", "early")], task_id="a-task")
+    reads: list[tuple] = []
+    real_read = tenant.backend.tenant_read
+    monkeypatch.setattr(tenant.backend, "tenant_read", lambda *a: reads.append(a) or real_read(*a))
+
+    def same(listed: list) -> None:
+        for t in listed:
+            got = saver.get_tuple(t.config)
+            assert got is not None
+            assert (t.config, t.checkpoint, t.metadata, t.parent_config, t.pending_writes) == \
+                (got.config, got.checkpoint, got.metadata, got.parent_config, got.pending_writes)
+
+    everything = list(saver.list(None))
+    assert len(everything) == 20 and len(reads) == 6  # five full pages of 4, then an empty one ends it
+    keys = [(t.checkpoint["id"], t.config["configurable"]["thread_id"], t.config["configurable"]["checkpoint_ns"])
+            for t in everything]
+    assert keys == sorted(keys, reverse=True)
+    same(everything)
+    # Pending writes in LangGraph's order (task_path, task_id, idx) on every step-3 checkpoint.
+    assert [t.pending_writes for t in everything if t.metadata["step"] == 3] == \
+        [[("a-task", "tag", "early"), ("task-3", "n", 3), ("task-3", "doc", "pending")]] * 4
+    assert any(len(t.checkpoint["channel_values"]["doc"]) > inline_max for t in everything)
+    one_ns = list(saver.list({"configurable": {"thread_id": "b", "checkpoint_ns": "sub"}}, limit=3))
+    assert [t.metadata["step"] for t in one_ns] == [4, 3, 2]
+    same(one_ns)
+    older = list(saver.list({"configurable": {"thread_id": "a"}}, before=everything[2].config, filter={"ns": "sub"}))
+    assert older and all(t.config["configurable"]["checkpoint_ns"] == "sub" for t in older)
+    assert all(t.checkpoint["id"] < everything[2].checkpoint["id"] for t in older)
+    same(older)
+
+
 @pytest.mark.parametrize("inline_max", [0, 4096])
 def test_prune_keeps_latest_state_and_drops_old_blobs(tenant: TenantStore, inline_max: int) -> None:
     # inline_max=0: every value is a blob; 4096: the small title lives in the checkpoint row, so only
@@ -237,6 +286,10 @@ def test_checkpoints_without_a_version_map_still_load(tenant: TenantStore) -> No
             assert legacy.checkpoint["channel_values"] == fresh.checkpoint["channel_values"] == {"v": "b", "n": 1}
             assert legacy.pending_writes == fresh.pending_writes == [("task-1", "v", "pending")]
             assert legacy.parent_config == fresh.parent_config
+    # list reads such rows the old way too.
+    listed = list(saver.list({"configurable": {"thread_id": "old"}}))
+    assert [t.checkpoint["channel_values"] for t in listed] == [{"v": "b", "n": 1}, {"v": "a", "n": 0}]
+    assert [t.pending_writes for t in listed] == [[("task-1", "v", "pending")], []]
 
 
 def test_read_joins_a_callers_transaction(tenant: TenantStore) -> None:

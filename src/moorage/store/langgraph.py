@@ -461,7 +461,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def _pages(
         self, config: RunnableConfig | None, filter: dict[str, Any] | None, before: RunnableConfig | None, limit: int | None
     ) -> Iterator[list[CheckpointTuple]]:
-        """Pages of results, each read in its own short transaction (never held open while the caller iterates)."""
+        """Pages of results, each read by one statement (never a transaction held open while the caller iterates)."""
         where: list[str] = []
         params: list[Any] = []
         conf = (config or {}).get("configurable") or {}
@@ -491,15 +491,7 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 page_where.append("(checkpoint_id, thread_id, checkpoint_ns) < (?, ?, ?)")
                 page_params += cursor
             size = self._page_size if remaining is None or py_filter else min(self._page_size, remaining)
-            sql = (self._sql.select_checkpoint + (" WHERE " + " AND ".join(page_where) if page_where else "")
-                   + " ORDER BY checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC LIMIT ?")
-            with self._ts._tx(write=False) as c:
-                rows = c.q(sql, (*page_params, size))
-                raws = []
-                for r in rows:
-                    if py_filter and not _matches(json.loads(r[6]), py_filter):
-                        continue
-                    raws.append(self._fetch_parts(c, r))
+            held, end, raws = self._page(page_where, (*page_params, size), py_filter)
             out = []
             for raw in raws:
                 try:
@@ -514,10 +506,45 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 remaining -= len(out)
             if out:
                 yield out
-            if len(rows) < size or remaining == 0:
+            if held < size or remaining == 0 or end is None:
                 return
-            last = rows[-1]
-            cursor = (last[2], last[0], last[1])
+            cursor = end
+
+    def _page(self, where: list[str], params: tuple,
+              py_filter: dict[str, Any]) -> tuple[int, tuple[str, str, str] | None, list[tuple]]:
+        """One page of checkpoints (``Statements.list_page``) in one statement: how many checkpoints it held
+        (before ``py_filter``), the key the next page continues below (None if it held none), and what
+        ``_decode`` needs for each checkpoint that matches, newest first."""
+        rows = self._ts.read(self._sql.list_page(where), params)
+        cps = sorted((r for r in rows if r[0] == 0), key=lambda r: (r[3], r[1], r[2]), reverse=True)
+        end = (cps[-1][3], cps[-1][1], cps[-1][2]) if cps else None
+        if any(r[10] is None for r in cps):
+            # Written before migration 4 (no version map to join blobs on): read the page the old way.
+            return self._page_slow(where, params, py_filter)
+        parts: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
+        for r in rows:
+            if r[0]:
+                parts.setdefault(r[1:4], ([], []))[r[0] - 1].append(r)
+        raws = []
+        for r in cps:
+            if py_filter and not _matches(json.loads(r[5]), py_filter):
+                continue
+            blobs, writes = parts.get(r[1:4], ((), ()))
+            writes = sorted(writes, key=lambda w: (w[6], w[4], w[9]))  # writes_sort_key: task_path, task_id, idx
+            raws.append(((r[1], r[2], r[3], r[4], r[7], r[8], r[5]), self.serde.loads_typed((r[7], _bytes(r[8]))),
+                         [(b[4], b[7], b[8]) for b in blobs], [(w[4], w[5], w[7], w[8]) for w in writes]))
+        return len(cps), end, raws
+
+    def _page_slow(self, where: list[str], params: tuple,
+                   py_filter: dict[str, Any]) -> tuple[int, tuple[str, str, str] | None, list[tuple]]:
+        """``_page`` for checkpoints without a version map: the page, then each one's blobs and writes, in one
+        transaction."""
+        sql = (self._sql.select_checkpoint + (" WHERE " + " AND ".join(where) if where else "")
+               + " ORDER BY checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC LIMIT ?")
+        with self._ts._tx(write=False) as c:
+            rows = c.q(sql, params)
+            raws = [self._fetch_parts(c, r) for r in rows if not py_filter or _matches(json.loads(r[6]), py_filter)]
+        return len(rows), ((rows[-1][2], rows[-1][0], rows[-1][1]) if rows else None), raws
 
     def _fetch_parts(self, c: Conn, row: tuple) -> tuple:
         """Everything needed to rebuild one CheckpointTuple, read inside the caller's transaction."""
