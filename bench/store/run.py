@@ -5,7 +5,6 @@ plus compare-and-set under multi-process contention. Run: ``.venv/bin/python ben
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import platform
@@ -19,14 +18,16 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from langgraph.checkpoint.base import BaseCheckpointSaver, empty_checkpoint
+from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bounds import cpu_now, server_cpu_by, sqlite_ceiling  # noqa: E402
 from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
+from asyncbench import ASYNC_SIZES, async_cells, async_headline, async_lines  # noqa: E402
 from pagecache import PageCacheBound  # noqa: E402
+from steps import Steps  # noqa: E402
 
 from moorage.devservices.postgres import start_cluster  # noqa: E402
 from moorage.store import Store  # noqa: E402
@@ -36,37 +37,6 @@ from moorage.store.sqlite import SQLiteBackend  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "latest"
 SIZES = {"1KiB": 1024, "16KiB": 16 * 1024, "256KiB": 256 * 1024}
-CHANNELS = ("messages", "context", "plan", "scratch")
-
-
-class Steps:
-    """A graph-like sequence of checkpoints: four channels sharing ``size`` bytes of state.
-
-    mode "full": every step rewrites all four channels (the whole state is new each time);
-    mode "one": every step rewrites one channel, as a node that updates one key of the state.
-    """
-
-    def __init__(self, size: int, mode: str, seed: int) -> None:
-        per = max(1, size // len(CHANNELS))
-        rnd = os.urandom(per * 8 + seed % 7)
-        self._pool = [base64.b64encode(rnd[i * per:(i + 1) * per]).decode()[:per] for i in range(8)]
-        self.mode = mode
-        self.step = 0
-        self.versions = {c: 0 for c in CHANNELS}
-        self.values: dict[str, Any] = {}
-
-    def next(self) -> tuple[dict, dict, dict]:
-        changed = CHANNELS if self.mode == "full" or self.step == 0 else (CHANNELS[self.step % len(CHANNELS)],)
-        for i, ch in enumerate(changed):
-            self.versions[ch] += 1
-            self.values[ch] = self._pool[(self.step + i) % len(self._pool)]
-        cp = empty_checkpoint()
-        cp["channel_values"] = dict(self.values)
-        cp["channel_versions"] = dict(self.versions)
-        cp["versions_seen"] = {"agent": dict(self.versions)}
-        md = {"source": "loop", "step": self.step, "parents": {}}
-        self.step += 1
-        return cp, md, {ch: self.versions[ch] for ch in changed}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -215,7 +185,7 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                                            "cas_increments": cas_incs, "python": platform.python_version(),
                                            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(),
                                            "page_cache": page_cache},
-                              "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": []}
+                              "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": [], "async": []}
     cluster = start_cluster()
     try:
         with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-bench-") as tmpd:
@@ -292,6 +262,16 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                                   + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
                     if backend == "sqlite":
                         report["ceiling"].append(ceiling(tmp, size_name, size, levels))
+            # Async: tasks of one event loop through aput, the same moorage savers against the async peers.
+            backends = [b for b in ("sqlite", "postgres") if b in args.backends.split(",")]
+            sizes = [z for z in args.sizes.split(",") if z in ASYNC_SIZES]
+            if backends and sizes:
+                moorage = {c.backend: c.saver_for(0) for c in contenders if c.name == "moorage"}
+                async_levels, per_task, async_rounds = ((4,), 20, 1) if args.quick else ((8, 32), 100, 3)
+                report["settings"].update({"async_task_levels": list(async_levels), "async_puts_per_task": per_task,
+                                           "async_rounds": async_rounds})
+                report["async"] = async_cells(moorage, tmp, pg_url("async_peer_bench"), async_levels, per_task,
+                                              async_rounds, backends, sizes)
             # CAS contention through the store API, one store per process.
             for kind in ("sqlite", "postgres"):
                 if kind == "sqlite":
@@ -355,6 +335,7 @@ def write_report(report: dict[str, Any]) -> None:
         p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
         cells = " | ".join(f"{m['concurrent'][w]:.0f} | {p['concurrent'][w]:.0f} | {q['concurrent'][w]:.2f}x" for w in levels)
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {cells} |")
+    lines += async_lines(report.get("async", []))
     lines += _cpu_lines(rows, ratios, levels)
     lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
     lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint, then lists of the history", "",
@@ -382,7 +363,7 @@ def write_report(report: dict[str, Any]) -> None:
     for c in report["cas"]:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
                      f"{c['retries']} | {c['increments_per_s']:.0f} |")
-    headline = _headline(ratios, report["cas"], levels)
+    headline = _headline(ratios, report["cas"], levels, async_headline(report.get("async", [])))
     lines += ["", headline, ""]
     (OUT / "store.md").write_text("\n".join(lines))
     print(f"report: {OUT / 'store.md'}")
@@ -443,7 +424,7 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
     return lines
 
 
-def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
+def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "") -> str:
     """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
     parts = []
     backends = [b for b in ("sqlite", "postgres") if any(q["backend"] == b for q in ratios)]  # --backends
@@ -465,6 +446,7 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str]) -> str:
     get = " ".join(f"{b} {med(b, 'seq_get'):.2f}x" for b in backends)
     lst = " ".join(f"{b} {med(b, 'list'):.2f}x" for b in backends)
     return ("concurrent put throughput moorage/peer per size and mode, " + " | ".join(parts)
+            + (f". {async_part[0].upper()}{async_part[1:]}" if async_part else "")
             + f". Sequential (latency-bound, median): put {put}, get {get}, list {lst}; "
             f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 

@@ -5,8 +5,11 @@ Uses real stores on both backends; the batch is formed deterministically by hold
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -49,6 +52,22 @@ def _queued_batch(gc: GroupCommit, ops_by_writer: list, results: dict) -> None:
     for t in threads:
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "a writer never returned"
+
+
+class _NoThreads(threading.Thread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+@contextlib.contextmanager
+def _no_new_threads() -> Iterator[None]:
+    """Within: starting a thread fails as it does in a process out of threads."""
+    real = threading.Thread
+    threading.Thread = _NoThreads  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        threading.Thread = real  # type: ignore[misc]
 
 
 def test_queued_writers_commit_together_and_a_bad_one_fails_alone(tenant: TenantStore) -> None:
@@ -114,8 +133,6 @@ def test_a_committer_thread_takes_queued_batches_and_a_lone_writer_commits_itsel
 
 def test_a_committer_that_cannot_start_a_thread_commits_on_the_callers(tenant: TenantStore) -> None:
     """Out of threads, the slot's queue is committed by the thread that handed the slot over, not stranded."""
-    from moorage.store import langgraph_commit
-
     gc = GroupCommit(tenant, max_inflight=1)
     with gc._mu:
         gc._inflight = 1  # a commit "in flight": writers queue behind it
@@ -132,21 +149,12 @@ def test_a_committer_that_cannot_start_a_thread_commits_on_the_callers(tenant: T
     while len(gc._queue) < 3:
         assert time.monotonic() < deadline, "writers never queued"
         time.sleep(0.005)
-
-    class NoThreads(threading.Thread):
-        def start(self) -> None:
-            raise RuntimeError("can't start new thread")
-
-    real = langgraph_commit.threading.Thread
-    langgraph_commit.threading.Thread = NoThreads  # type: ignore[misc]
-    try:
+    with _no_new_threads():
         with gc._mu:
             nxt = gc._pass_slot()
         assert nxt is not None
         assert nxt.resume() is False  # no thread: the handing thread drains the queue, as _lead does
         nxt.drain()
-    finally:
-        langgraph_commit.threading.Thread = real  # type: ignore[misc]
     for t in threads:
         t.join(timeout=60)
     assert results == {0: "ok", 1: "ok", 2: "ok"}
@@ -155,40 +163,42 @@ def test_a_committer_that_cannot_start_a_thread_commits_on_the_callers(tenant: T
         assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 'nothread'")[0] == 3
 
 
-def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore) -> None:
-    saver = MoorageSaver(tenant)
-    commits = 0
-    # Count write transactions where every path opens them: the backend (the saver may bypass
-    # TenantStore._tx, e.g. for pipelined transactions on PostgreSQL).
-    backend = tenant._backend
-    real_tx = backend.tenant_tx
+def _count_commits(backend, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count write transactions where every path opens them: the backend's ``tenant_tx`` (the saver may
+    bypass TenantStore._tx, e.g. for pipelined transactions on PostgreSQL) and ``tenant_call`` (a batch as
+    one autocommitted statement). Returns a one-element list holding the count."""
+    commits = [0]
+    real_tx, real_call = backend.tenant_tx, backend.tenant_call
 
     def counting_tx(tenant_id: str, *, write: bool = True, **kw):
-        nonlocal commits
-        if write:
-            commits += 1
+        commits[0] += bool(write)
         return real_tx(tenant_id, write=write, **kw)
 
-    backend.tenant_tx = counting_tx  # type: ignore[method-assign]
-    if hasattr(backend, "tenant_call"):
-        # PostgreSQL: a batch is one autocommitted moorage_lg_write call (a transaction of its own).
-        real_call = backend.tenant_call
+    def counting_call(tenant_id: str, sql: str, params=()):
+        commits[0] += 1
+        return real_call(tenant_id, sql, params)
 
-        def counting_call(tenant_id: str, sql: str, params=()):
-            nonlocal commits
-            commits += 1
-            return real_call(tenant_id, sql, params)
+    monkeypatch.setattr(backend, "tenant_tx", counting_tx)
+    monkeypatch.setattr(backend, "tenant_call", counting_call)
+    return commits
 
-        backend.tenant_call = counting_call  # type: ignore[method-assign]
+
+def _step(step: int) -> dict:
+    cp = empty_checkpoint()
+    cp["channel_values"] = {"step": step}
+    cp["channel_versions"] = {"step": step + 1}
+    return cp
+
+
+def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    saver = MoorageSaver(tenant)
+    commits = _count_commits(tenant._backend, monkeypatch)
     n_threads, per = 8, 15
 
     def run(i: int) -> None:
         config = {"configurable": {"thread_id": f"g{i}", "checkpoint_ns": ""}}
         for step in range(per):
-            cp = empty_checkpoint()
-            cp["channel_values"] = {"step": step}
-            cp["channel_versions"] = {"step": step + 1}
-            config = saver.put(config, cp, {"step": step}, {"step": step + 1})
+            config = saver.put(config, _step(step), {"step": step}, {"step": step + 1})
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n_threads)]
     for t in threads:
@@ -196,15 +206,98 @@ def test_concurrent_puts_share_transactions_and_all_survive(tenant: TenantStore)
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a writer never returned"
-    del backend.tenant_tx
-    backend.__dict__.pop("tenant_call", None)
+    monkeypatch.undo()
     for i in range(n_threads):
         listed = list(saver.list({"configurable": {"thread_id": f"g{i}"}}))
         assert [t.metadata["step"] for t in listed] == list(reversed(range(per)))
         assert listed[0].checkpoint["channel_values"] == {"step": per - 1}
     # Every put was acknowledged after a commit, and at least some commits carried several puts.
-    assert 0 < commits <= n_threads * per
-    print(f"{n_threads * per} puts in {commits} transactions")
+    assert 0 < commits[0] <= n_threads * per
+    print(f"{n_threads * per} puts in {commits[0]} transactions")
+
+
+def test_async_puts_share_transactions_without_a_thread_per_writer(
+        tenant: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks of one event loop: every aput and aput_writes is durable when it returns, batches form across
+    tasks, and no thread is held per waiting task (only the committer threads run)."""
+    saver = MoorageSaver(tenant)
+    commits = _count_commits(tenant._backend, monkeypatch)
+    n_tasks, per = 24, 10
+    before = threading.active_count()
+    peak = before
+
+    async def run(i: int) -> None:
+        nonlocal peak
+        config = {"configurable": {"thread_id": f"a{i}", "checkpoint_ns": ""}}
+        for step in range(per):
+            config = await saver.aput(config, _step(step), {"step": step}, {"step": step + 1})
+            peak = max(peak, threading.active_count())
+        await saver.aput_writes(config, [("step", "pending")], task_id=f"task-{i}")
+
+    async def main() -> None:
+        await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(n_tasks))), 120)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    for i in range(n_tasks):
+        listed = list(saver.list({"configurable": {"thread_id": f"a{i}"}}))
+        assert [t.metadata["step"] for t in listed] == list(reversed(range(per)))
+        assert listed[0].pending_writes == [(f"task-{i}", "step", "pending")]
+    writes = n_tasks * (per + 1)
+    assert 0 < commits[0] <= writes // 2, f"{writes} writes in {commits[0]} transactions"
+    assert peak - before <= saver._commits._max_inflight
+
+
+def test_a_bad_async_write_fails_alone_and_a_cancelled_waiter_still_commits(tenant: TenantStore) -> None:
+    gc = GroupCommit(tenant, max_inflight=1)
+    with gc._mu:
+        gc._inflight = 1  # a commit "in flight": the writes queue behind it, into one batch
+    good = [[(_INSERT, [("aq", "", f"ch{i}", "1", "bytes", b"x")])] for i in range(5)]
+    bad = [(_INSERT, [("aq", "", "ch0", "1", "bytes", b"dup")]), ("INSERT INTO no_such_table VALUES (?)", [(1,)])]
+    cancelled = [(_INSERT, [("aq", "", "gone", "1", "bytes", b"x")])]
+
+    async def main() -> list:
+        tasks = [asyncio.create_task(gc.awrite(ops)) for ops in [*good, bad, cancelled]]
+        while len(gc._queue) < len(tasks):
+            await asyncio.sleep(0.001)
+        tasks[-1].cancel()
+        with gc._mu:
+            nxt = gc._pass_slot()  # hand the held slot over, as a finishing leader does
+        assert nxt is not None and nxt.resume()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert results[:5] == [None] * 5
+    assert isinstance(results[5], Exception) and not isinstance(results[5], asyncio.CancelledError)
+    assert isinstance(results[6], asyncio.CancelledError)
+    with tenant._tx(write=False) as c:
+        rows = c.q("SELECT channel, blob FROM lg_blobs WHERE thread_id = 'aq' ORDER BY channel")
+    # The failed write left nothing behind; the cancelled task's write was queued already and committed.
+    assert [(ch, bytes(b)) for ch, b in rows] == [(f"ch{i}", b"x") for i in range(5)] + [("gone", b"x")]
+
+
+def test_an_async_write_commits_on_the_loop_thread_when_no_thread_can_start(tenant: TenantStore) -> None:
+    gc = GroupCommit(tenant)
+    with _no_new_threads():
+        asyncio.run(asyncio.wait_for(gc.awrite([(_INSERT, [("anothread", "", "w", "1", "bytes", b"x")])]), 60))
+    assert gc._inflight == 0 and not gc._queue and not gc._parked
+    with tenant._tx(write=False) as c:
+        assert c.one("SELECT count(*) FROM lg_blobs WHERE thread_id = 'anothread'")[0] == 1
+
+
+def test_aput_inside_a_caller_transaction_joins_it(tenant: TenantStore) -> None:
+    """``with ts.transaction():`` around an ``await saver.aput`` on the loop's thread: the put is part of it."""
+    saver = MoorageSaver(tenant)
+    config = {"configurable": {"thread_id": "ajoined", "checkpoint_ns": ""}}
+
+    async def main() -> None:
+        with tenant.transaction():
+            await saver.aput(config, empty_checkpoint(), {}, {})
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError, match="roll back"):
+        asyncio.run(main())
+    assert saver.get_tuple(config) is None
 
 
 def test_put_inside_a_caller_transaction_joins_it(tenant: TenantStore) -> None:

@@ -128,6 +128,15 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     def put(
         self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
     ) -> RunnableConfig:
+        ops, fresh, out = self._put_ops(config, checkpoint, metadata, new_versions)
+        self._commits.write(ops)
+        self._remember(fresh)
+        return out
+
+    def _put_ops(
+        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
+    ) -> tuple[list[tuple[Any, list[tuple]]], list[tuple], RunnableConfig]:
+        """A put's statements and rows (for group commit), the blob keys it writes, and the config it returns."""
         thread_id, ns = _thread(config)
         parent_id = get_checkpoint_id(config)
         values = checkpoint["channel_values"]
@@ -178,15 +187,17 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         versions = _VERSIONS_JSON.encode(refs)
         row = (thread_id, ns, checkpoint["id"], parent_id, None if run_id is None else str(run_id), cp_type, cp_blob,
                _metadata_json(md), versions)
-        if blobs:
-            self._commits.write([(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])])
-        else:
-            self._commits.write([(self._sql.upsert_checkpoint, [row])])
+        ops = [(self._sql.insert_blob, blobs), (self._sql.upsert_checkpoint, [row])] if blobs else \
+            [(self._sql.upsert_checkpoint, [row])]
+        return ops, fresh, {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
+
+    def _remember(self, fresh: list[tuple]) -> None:
+        """Note blobs this saver has committed, so later puts need not serialise those values again."""
         if fresh:
+            stored = self._stored
             if len(stored) > _STORED_MAX:
                 stored.clear()
             stored.update(dict.fromkeys(fresh))
-        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint["id"]}}
 
     def _spill_column(self, sql: Any) -> int | None:
         """The column of ``sql``'s rows that may hold a value for the blob log (a ``_Spill``), or None."""
@@ -236,6 +247,13 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             self._blobs.release(locs)
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
+        ops = self._writes_ops(config, writes, task_id, task_path)
+        if ops:
+            self._commits.write(ops)
+
+    def _writes_ops(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
+                    task_path: str) -> list[tuple[Any, list[tuple]]]:
+        """put_writes' statement and rows (none for no writes)."""
         thread_id, ns = _thread(config)
         checkpoint_id = get_checkpoint_id(config)
         if checkpoint_id is None:
@@ -247,11 +265,11 @@ class MoorageSaver(BaseCheckpointSaver[int]):
                 vt, vb = _LOG + vt, _Spill(vb)  # a large write goes to the blob log, as channel values do
             rows.append((thread_id, ns, checkpoint_id, task_id, WRITES_IDX_MAP.get(channel, i), channel, vt, vb, task_path))
         if not rows:
-            return
+            return []
         # Special channels (error, interrupt, ...) are replaced on retry; a task's regular writes are
         # kept as first written, so replaying a task never duplicates or changes them.
         special = all(w[0] in WRITES_IDX_MAP for w in writes)
-        self._commits.write([(self._sql.upsert_write if special else self._sql.insert_write, rows)])
+        return [(self._sql.upsert_write if special else self._sql.insert_write, rows)]
 
     def delete_thread(self, thread_id: str) -> None:
         with self._ts._tx() as c:
@@ -599,7 +617,10 @@ class MoorageSaver(BaseCheckpointSaver[int]):
             raise BlobGone(f"channel {channel!r} is in a blob log this store has none of")
         return t[len(_LOG):], self._blobs.read(b)
 
-    # -- async: the same code in a worker thread (each thread has its own store connection) ---------
+    # -- async ----------------------------------------------------------------------------------------
+    # Writes are serialised on the event loop and queued for group commit without a worker thread
+    # (``GroupCommit.awrite``); everything else runs the sync code in a worker thread (each thread has
+    # its own store connection).
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         return await asyncio.to_thread(self.get_tuple, config)
@@ -624,12 +645,17 @@ class MoorageSaver(BaseCheckpointSaver[int]):
     async def aput(
         self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
     ) -> RunnableConfig:
-        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+        ops, fresh, out = self._put_ops(config, checkpoint, metadata, new_versions)
+        await self._commits.awrite(ops)
+        self._remember(fresh)
+        return out
 
     async def aput_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
     ) -> None:
-        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+        ops = self._writes_ops(config, writes, task_id, task_path)
+        if ops:
+            await self._commits.awrite(ops)
 
     async def adelete_thread(self, thread_id: str) -> None:
         await asyncio.to_thread(self.delete_thread, thread_id)

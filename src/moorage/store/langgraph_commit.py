@@ -5,10 +5,11 @@ A caller's write is acknowledged only after the transaction holding it committed
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from moorage.store.langgraph_sql import BatchInsert
 from moorage.store.tenant import TenantStore
@@ -77,18 +78,20 @@ def _signal() -> Any:
 
 
 class _Job:
-    __slots__ = ("ops", "done", "leading", "error", "wake", "chain")
+    __slots__ = ("ops", "done", "leading", "error", "wake", "chain", "future")
 
-    def __init__(self, ops: Ops) -> None:
+    def __init__(self, ops: Ops, future: asyncio.Future | None = None) -> None:
         self.ops = ops
         self.done = False
         #: True while this job's own thread holds a commit slot (it is never woken by a commit).
         self.leading = False
         self.error: BaseException | None = None
+        #: An async writer's (``GroupCommit.awrite``): resolved on its event loop once committed; no thread waits.
+        self.future = future
         # Held until the job is committed: waiting on it wakes only this thread. Each release is matched
         # by one acquire of the job's own thread, so the signal is balanced again when the job returns
         # and the thread's next job can reuse it.
-        self.wake = _signal()
+        self.wake = _signal() if future is None else None
         #: The next sleeper of the same committed batch: this job's thread wakes it once woken itself.
         self.chain: _Job | None = None
 
@@ -98,6 +101,29 @@ class _Job:
         if nxt is not None:
             self.chain = None
             nxt.wake.release()
+
+
+def _settle(jobs: Sequence[_Job]) -> None:
+    """On their event loop: resolve committed async jobs' futures (a cancelled waiter's is left alone)."""
+    for job in jobs:
+        fut = job.future
+        if fut is not None and not fut.done():
+            if job.error is not None:
+                fut.set_exception(job.error)
+            else:
+                fut.set_result(None)
+
+
+def _notify(jobs: Sequence[_Job]) -> None:
+    """Hand committed async jobs to their event loops: one wake-up per loop and batch, not one per job."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+    for job in jobs:
+        by_loop.setdefault(job.future.get_loop(), []).append(job)  # type: ignore[union-attr]
+    for loop, mine in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, mine)
+        except RuntimeError:  # the loop was closed meanwhile: nobody is waiting any more
+            pass
 
 
 def _merge(jobs: Sequence[_Job]) -> list[tuple[Any, list[tuple]]]:
@@ -204,7 +230,9 @@ class GroupCommit:
     signal, so a commit wakes exactly the writers it acknowledged: the committing thread wakes the first
     of them, and each woken writer wakes the next. A lone writer commits on its own thread and pays only
     uncontended locks. If a batch fails, each job is retried in its own transaction so one bad write
-    never fails its neighbours.
+    never fails its neighbours. Coroutines queue with ``awrite``: their jobs carry a future instead of a
+    sleeping thread, are committed by committer threads in the same batches, and each batch wakes each
+    event loop once.
     """
 
     def __init__(self, ts: TenantStore, max_batch: int = 64, max_inflight: int | None = None,
@@ -232,7 +260,7 @@ class GroupCommit:
         #: done); how many threads wrote within the last ``_WINDOW`` commits (recounted every 16).
         self._committing = 0
         self._done = 0
-        self._seen: dict[int, int] = {}
+        self._seen: dict[Hashable, int] = {}
         self._writers = 0
         #: Committer threads waiting for a slot (newest last).
         self._parked: list[_Committer] = []
@@ -258,6 +286,29 @@ class GroupCommit:
             return self._outcome(job)
         self._lead(job, batch)
         return self._outcome(job)
+
+    async def awrite(self, ops: Ops) -> None:
+        """``write`` for a coroutine: the job is queued from the event loop's thread and committed by a
+        committer thread; the coroutine waits on a future, so no thread is held per waiting writer and
+        each batch wakes the loop once. Concurrent tasks form batches as threads do (each task counts as
+        a writer). Cancelling the waiting task does not withdraw a write already queued."""
+        if self._ts.ambient() is not None:
+            # Inside ``ts.transaction()`` on this thread: join it, as ``write`` does.
+            return self.write(ops)
+        job = _Job(ops, asyncio.get_running_loop().create_future())
+        task = asyncio.current_task()
+        with self._mu:
+            self._queue.append(job)
+            self._seen[("task", id(task))] = self._done
+            if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._second_min()):
+                # A slot for the queue, handed straight to a committer: this thread must not block.
+                self._inflight += 1
+                nxt: _Committer | None = self._parked.pop() if self._parked else _Committer(self)
+            else:
+                nxt = None
+        if nxt is not None and not nxt.resume():
+            nxt.drain()  # no thread could be started: commit here (this loop waits until the queue is empty)
+        await job.future
 
     def _take(self, leader: _Job | None) -> list[_Job]:
         """Pop the next batch for ``leader``'s thread, or for a committer (caller holds ``_mu``)."""
@@ -362,8 +413,8 @@ class GroupCommit:
                 _apply(c, jobs, prepare=self._prepare)
 
     def _commit(self, batch: list[_Job]) -> _Job | None:
-        """Commit ``batch``; returns the first of its sleeping writers (the others chained behind it),
-        for the caller to wake."""
+        """Commit ``batch``; hands its async jobs to their event loops and returns the first of its sleeping
+        writer threads (the others chained behind it), for the caller to wake."""
         try:
             self._run(batch)
         except BaseException as e:
@@ -384,7 +435,10 @@ class GroupCommit:
                 self._writers = len(self._seen)
             for job in batch:
                 job.done = True
-            sleepers = [job for job in batch if not job.leading]
+            sleepers = [job for job in batch if not job.leading and job.future is None]
             for a, b in zip(sleepers, sleepers[1:]):
                 a.chain = b
+        waiting = [job for job in batch if job.future is not None]
+        if waiting:
+            _notify(waiting)
         return sleepers[0] if sleepers else None

@@ -1,0 +1,134 @@
+"""Async put throughput: N tasks of one event loop, each driving its own LangGraph thread with ``aput``.
+
+moorage's ``MoorageSaver`` (the same instance the sync cells use) against ``AsyncSqliteSaver`` and
+``AsyncPostgresSaver`` at the same durability as the sync cells. Each peer task gets its own saver (as the
+sync bench gives each writer thread its own): ``AsyncSqliteSaver`` on its own ``aiosqlite`` connection (WAL,
+synchronous=FULL), ``AsyncPostgresSaver`` on one shared ``AsyncConnectionPool`` with the documented
+settings (autocommit, prepare_threshold=0, dict_row).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import aiosqlite
+from langgraph.checkpoint.base import BaseCheckpointSaver
+from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from steps import Steps
+
+#: The state sizes and mode of the async cells (a subset of the sync cells: the async path differs only in
+#: how a write is queued and acknowledged).
+ASYNC_SIZES = {"1KiB": 1024, "16KiB": 16 * 1024}
+ASYNC_MODE = "full"
+
+
+async def _rate(savers: Callable[[int], BaseCheckpointSaver], tag: str, size: int, tasks: int, per_task: int) -> float:
+    """Puts/s of ``tasks`` concurrent tasks, each putting ``per_task`` checkpoints into its own thread id."""
+    work = [[s.next() for _ in range(per_task)] for s in (Steps(size, ASYNC_MODE, i) for i in range(tasks))]
+
+    async def run(i: int) -> None:
+        saver = savers(i)
+        config = {"configurable": {"thread_id": f"{tag}-t{i}", "checkpoint_ns": ""}}
+        for cp, md, nv in work[i]:
+            config = await saver.aput(config, cp, md, nv)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(run(i) for i in range(tasks)))
+    return tasks * per_task / (time.perf_counter() - t)
+
+
+async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url: str, levels: tuple[int, ...],
+                 per_task: int, rounds: int, backends: list[str], sizes: list[str]) -> list[dict[str, Any]]:
+    conns: list[aiosqlite.Connection] = []
+    pool = AsyncConnectionPool(peer_pg_url, min_size=1, max_size=max(10, max(levels)), open=False,
+                               kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row})
+    await pool.open()
+    try:
+        await AsyncPostgresSaver(pool).setup()
+        sqlite_peers: list[AsyncSqliteSaver] = []
+        for _ in range(max(levels)):
+            conn = await aiosqlite.connect(str(tmp / "async-peer.sqlite"), timeout=60)
+            conns.append(conn)
+            await conn.execute("PRAGMA journal_mode=WAL")
+            await conn.execute("PRAGMA synchronous=FULL")
+            sqlite_peers.append(AsyncSqliteSaver(conn))
+        await sqlite_peers[0].setup()
+        pg_peers = [AsyncPostgresSaver(pool) for _ in range(max(levels))]
+        contenders: dict[str, list[tuple[str, Callable[[int], BaseCheckpointSaver]]]] = {
+            "sqlite": [("moorage", lambda i: moorage["sqlite"]), ("AsyncSqliteSaver", sqlite_peers.__getitem__)],
+            "postgres": [("moorage", lambda i: moorage["postgres"]), ("AsyncPostgresSaver", pg_peers.__getitem__)],
+        }
+        out = []
+        for backend in backends:
+            for size_name in sizes:
+                size = ASYNC_SIZES[size_name]
+                for tasks in levels:
+                    group = contenders[backend]
+                    samples: dict[str, list[float]] = {name: [] for name, _ in group}
+                    for name, savers in group:  # one unmeasured round each (connections, caches)
+                        await _rate(savers, f"awarm{tasks}-{backend}-{name}-{size_name}", size, tasks, max(2, per_task // 5))
+                    for rnd in range(rounds):
+                        for name, savers in (group if rnd % 2 == 0 else group[::-1]):
+                            os.sync()
+                            samples[name].append(await _rate(savers, f"a{tasks}r{rnd}-{backend}-{name}-{size_name}", size,
+                                                             tasks, per_task))
+                    (m, ms), (peer, ps) = samples.items()
+                    row = {"backend": backend, "size": size_name, "mode": ASYNC_MODE, "tasks": tasks, "peer": peer,
+                           "moorage_per_s": statistics.median(ms), "peer_per_s": statistics.median(ps),
+                           "samples": samples}
+                    row["ratio"] = row["moorage_per_s"] / row["peer_per_s"]
+                    print(f"async {backend:8s} {size_name:6s} {tasks} tasks: moorage {row['moorage_per_s']:.0f} puts/s, "
+                          f"{peer} {row['peer_per_s']:.0f} ({row['ratio']:.2f}x)", flush=True)
+                    out.append(row)
+        return out
+    finally:
+        for conn in conns:
+            await conn.close()
+        await pool.close()
+
+
+def async_cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url: str, levels: tuple[int, ...],
+                per_task: int, rounds: int, backends: list[str], sizes: list[str]) -> list[dict[str, Any]]:
+    """Median puts/s of ``rounds`` samples per cell (moorage and its peer alternating), for each backend, size
+    of ``ASYNC_SIZES`` and task count in ``levels``."""
+    return asyncio.run(_cells(moorage, tmp, peer_pg_url, levels, per_task, rounds, backends, sizes))
+
+
+def async_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's section for the async cells."""
+    if not rows:
+        return []
+    levels = sorted({r["tasks"] for r in rows})
+    lines = ["", "## Async throughput: puts/s from tasks of one event loop (`aput`, each task its own LangGraph thread)", "",
+             "Mode `full`. Peers: `AsyncSqliteSaver` (its own aiosqlite connection per task, WAL, synchronous=FULL) "
+             "and `AsyncPostgresSaver` (one saver per task on an `AsyncConnectionPool`, autocommit, "
+             "prepare_threshold=0); moorage: the same `MoorageSaver` as above. Median of the rounds, alternating.", "",
+             "| backend | size | " + " | ".join(f"moorage {t} tasks | peer {t} tasks | ratio {t} tasks" for t in levels) + " |",
+             "|---|---|" + "---|---|---|" * len(levels)]
+    for backend, size in dict.fromkeys((r["backend"], r["size"]) for r in rows):
+        cells = []
+        for t in levels:
+            r = next(x for x in rows if (x["backend"], x["size"], x["tasks"]) == (backend, size, t))
+            cells.append(f"{r['moorage_per_s']:.0f} | {r['peer_per_s']:.0f} | {r['ratio']:.2f}x")
+        lines.append(f"| {backend} | {size} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def async_headline(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    per = []
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        worst = min(r["ratio"] for r in rows if r["backend"] == backend)
+        per.append(f"{backend} min {worst:.2f}x")
+    return "async put throughput (" + ", ".join(dict.fromkeys(r["size"] for r in rows)) + " full, " + \
+        "/".join(str(t) for t in sorted({r["tasks"] for r in rows})) + " tasks): " + ", ".join(per)
