@@ -4,7 +4,7 @@ moorage's ``MoorageSaver`` (the same instance the sync cells use) against ``Asyn
 ``AsyncPostgresSaver`` at the same durability as the sync cells. Each peer task gets its own saver (as the
 sync bench gives each writer thread its own): ``AsyncSqliteSaver`` on its own ``aiosqlite`` connection (WAL,
 synchronous=FULL), ``AsyncPostgresSaver`` on one shared ``AsyncConnectionPool`` with the documented
-settings (autocommit, prepare_threshold=0, dict_row).
+settings (autocommit, prepare_threshold=0, dict_row), opened anew for every cell.
 """
 
 from __future__ import annotations
@@ -47,13 +47,25 @@ async def _rate(savers: Callable[[int], BaseCheckpointSaver], tag: str, size: in
 
 
 async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url: str, levels: tuple[int, ...],
-                 per_task: int, rounds: int, backends: list[str], sizes: list[str]) -> list[dict[str, Any]]:
+                 per_task: int, rounds: int, warm_rounds: int, backends: list[str],
+                 sizes: list[str]) -> list[dict[str, Any]]:
     conns: list[aiosqlite.Connection] = []
-    pool = AsyncConnectionPool(peer_pg_url, min_size=1, max_size=max(10, max(levels)), open=False,
-                               kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row})
-    await pool.open()
+    pools: list[AsyncConnectionPool] = []
+
+    async def fresh_pool() -> AsyncConnectionPool:
+        # Opened anew per cell, as the sync bench does (contenders.py: a pool grown by an earlier 32-writer
+        # cell made PostgresSaver's 8-writer cells about twice as costly per put).
+        while pools:
+            await pools.pop().close()
+        pools.append(AsyncConnectionPool(peer_pg_url, min_size=1, max_size=max(10, max(levels)), open=False,
+                                         kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row}))
+        await pools[0].open()
+        pg_peers[:] = [AsyncPostgresSaver(pools[0]) for _ in range(max(levels))]
+        return pools[0]
+
+    pg_peers: list[AsyncPostgresSaver] = []
     try:
-        await AsyncPostgresSaver(pool).setup()
+        await AsyncPostgresSaver(await fresh_pool()).setup()
         sqlite_peers: list[AsyncSqliteSaver] = []
         for _ in range(max(levels)):
             conn = await aiosqlite.connect(str(tmp / "async-peer.sqlite"), timeout=60)
@@ -62,7 +74,6 @@ async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url
             await conn.execute("PRAGMA synchronous=FULL")
             sqlite_peers.append(AsyncSqliteSaver(conn))
         await sqlite_peers[0].setup()
-        pg_peers = [AsyncPostgresSaver(pool) for _ in range(max(levels))]
         contenders: dict[str, list[tuple[str, Callable[[int], BaseCheckpointSaver]]]] = {
             "sqlite": [("moorage", lambda i: moorage["sqlite"]), ("AsyncSqliteSaver", sqlite_peers.__getitem__)],
             "postgres": [("moorage", lambda i: moorage["postgres"]), ("AsyncPostgresSaver", pg_peers.__getitem__)],
@@ -72,10 +83,13 @@ async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url
             for size_name in sizes:
                 size = ASYNC_SIZES[size_name]
                 for tasks in levels:
+                    if backend == "postgres":
+                        await fresh_pool()
                     group = contenders[backend]
                     samples: dict[str, list[float]] = {name: [] for name, _ in group}
-                    for name, savers in group:  # one unmeasured round each (connections, caches)
-                        await _rate(savers, f"awarm{tasks}-{backend}-{name}-{size_name}", size, tasks, max(2, per_task // 5))
+                    for rnd in range(warm_rounds):  # unmeasured, as large as a sample (connections, caches)
+                        for name, savers in (group if rnd % 2 == 0 else group[::-1]):
+                            await _rate(savers, f"awarm{tasks}r{rnd}-{backend}-{name}-{size_name}", size, tasks, per_task)
                     for rnd in range(rounds):
                         for name, savers in (group if rnd % 2 == 0 else group[::-1]):
                             os.sync()
@@ -93,14 +107,15 @@ async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url
     finally:
         for conn in conns:
             await conn.close()
-        await pool.close()
+        while pools:
+            await pools.pop().close()
 
 
 def async_cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url: str, levels: tuple[int, ...],
-                per_task: int, rounds: int, backends: list[str], sizes: list[str]) -> list[dict[str, Any]]:
-    """Median puts/s of ``rounds`` samples per cell (moorage and its peer alternating), for each backend, size
-    of ``ASYNC_SIZES`` and task count in ``levels``."""
-    return asyncio.run(_cells(moorage, tmp, peer_pg_url, levels, per_task, rounds, backends, sizes))
+                per_task: int, rounds: int, warm_rounds: int, backends: list[str], sizes: list[str]) -> list[dict[str, Any]]:
+    """Median puts/s of ``rounds`` samples per cell (moorage and its peer alternating, after ``warm_rounds``
+    unmeasured ones), for each backend, size of ``ASYNC_SIZES`` and task count in ``levels``."""
+    return asyncio.run(_cells(moorage, tmp, peer_pg_url, levels, per_task, rounds, warm_rounds, backends, sizes))
 
 
 def async_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -110,8 +125,9 @@ def async_lines(rows: list[dict[str, Any]]) -> list[str]:
     levels = sorted({r["tasks"] for r in rows})
     lines = ["", "## Async throughput: puts/s from tasks of one event loop (`aput`, each task its own LangGraph thread)", "",
              "Mode `full`. Peers: `AsyncSqliteSaver` (its own aiosqlite connection per task, WAL, synchronous=FULL) "
-             "and `AsyncPostgresSaver` (one saver per task on an `AsyncConnectionPool`, autocommit, "
-             "prepare_threshold=0); moorage: the same `MoorageSaver` as above. Median of the rounds, alternating.", "",
+             "and `AsyncPostgresSaver` (one saver per task on an `AsyncConnectionPool` opened anew per cell, autocommit, "
+             "prepare_threshold=0); moorage: the same `MoorageSaver` as above. Median of the rounds, alternating, after "
+             "warm-up rounds as large as a sample.", "",
              "| backend | size | " + " | ".join(f"moorage {t} tasks | peer {t} tasks | ratio {t} tasks" for t in levels) + " |",
              "|---|---|" + "---|---|---|" * len(levels)]
     for backend, size in dict.fromkeys((r["backend"], r["size"]) for r in rows):

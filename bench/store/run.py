@@ -76,6 +76,13 @@ def sequential(saver: BaseCheckpointSaver, thread: str, size: int, mode: str, n:
             "put_per_s": n / sum(puts), "get_per_s": n / sum(gets)}
 
 
+#: Unmeasured rounds per contender before a throughput cell's samples, each as large as a sample. Until
+#: session 9 it was one round of a fifth of a sample; PostgresSaver was still warming up in the first
+#: samples after it (1 KiB `full`, 8 writers: 4,050 and 4,776 puts/s in the first sample after settling,
+#: 6,200-8,300 from the second on, its client CPU per put falling from 0.20-0.31 to 0.12-0.15 ms), which
+#: lowered its median and flattered moorage.
+WARM_ROUNDS = 2
+
 #: Checkpoints per ``list`` in the sequential measurement (at most; fewer where fewer were put).
 LIST_LIMIT = 100
 
@@ -181,7 +188,7 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
 
     report: dict[str, Any] = {"settings": {"quick": args.quick, "sequential_n": n, "workers": workers,
                                            "worker_levels": list(levels),
-                                           "puts_per_worker": per_worker, "throughput_rounds": rounds, "cas_processes": cas_procs,
+                                           "puts_per_worker": per_worker, "throughput_rounds": rounds, "warm_rounds": WARM_ROUNDS, "cas_processes": cas_procs,
                                            "cas_increments": cas_incs, "python": platform.python_version(),
                                            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(),
                                            "page_cache": page_cache},
@@ -226,11 +233,14 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                                                                                    for c in group}
                         for w in levels:
                             settle(cluster, sqlite_files, list(urls))
-                            # One unmeasured round each first: connections (the peer's pool opens them on
-                            # demand), prepared statements and caches are warm before anything counts.
                             for c in group:
-                                concurrent(c, f"warm{w}-{c.backend}-{c.name}-{size_name}-{mode}", size, mode, w,
-                                           max(2, per_w // 5))
+                                c.reset()
+                            # Unmeasured full-size rounds first (see WARM_ROUNDS): connections (the peer's pool
+                            # opens them on demand), prepared statements and caches are warm before anything counts.
+                            for rnd in range(WARM_ROUNDS):
+                                for c in (group if rnd % 2 == 0 else group[::-1]):
+                                    concurrent(c, f"warm{w}r{rnd}-{c.backend}-{c.name}-{size_name}-{mode}", size, mode,
+                                               w, per_w)
                             for rnd in range(rounds):
                                 for c in (group if rnd % 2 == 0 else group[::-1]):
                                     tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
@@ -271,7 +281,7 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                 report["settings"].update({"async_task_levels": list(async_levels), "async_puts_per_task": per_task,
                                            "async_rounds": async_rounds})
                 report["async"] = async_cells(moorage, tmp, pg_url("async_peer_bench"), async_levels, per_task,
-                                              async_rounds, backends, sizes)
+                                              async_rounds, WARM_ROUNDS, backends, sizes)
             # CAS contention through the store API, one store per process.
             for kind in ("sqlite", "postgres"):
                 if kind == "sqlite":
@@ -319,7 +329,8 @@ def write_report(report: dict[str, Any]) -> None:
              f"Settings: quick={s['quick']}, sequential puts/gets per case={s['sequential_n']} (¼ of that at 256 KiB), "
              f"{' and '.join(levels)} writer threads x {s['puts_per_worker']} puts each (¼ at 256 KiB), "
              f"median of {s.get('throughput_rounds', 1)} rounds per throughput cell (moorage and peer alternating, "
-             "after one unmeasured warm-up round each; every cell starts from checkpointed, vacuumed, synced files and every sample after a sync), "
+             f"after {s.get('warm_rounds', 1)} unmeasured warm-up rounds each; every cell starts from checkpointed, vacuumed, synced files, "
+             "PostgresSaver's connection pool opened anew, and every sample after a sync), "
              f"CAS {s['cas_processes']} processes x {s['cas_increments']} increments; Python {s['python']}, "
              f"SQLite {s['sqlite']}, {s['cpus']} CPUs (shared: timings are noisy, compare within one run).", "",
              f"Page cache: {s.get('page_cache', 'not bounded')} (why: bench/store/pagecache.py).", "",
@@ -424,6 +435,12 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
     return lines
 
 
+def _under(ratio: float) -> str:
+    """A ratio under the 2x target, with enough digits not to print as 2.00."""
+    text = f"{ratio:.2f}"
+    return f"{ratio:.3f}" if text == "2.00" else text
+
+
 def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "") -> str:
     """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
     parts = []
@@ -433,8 +450,8 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part
         for backend in backends:
             qs = [q for q in ratios if q["backend"] == backend]
             worst = min(q["concurrent"][w] for q in qs)
-            below = [f"{q['size']} {q['mode']} {q['concurrent'][w]:.2f}x" for q in qs if q["concurrent"][w] < 2.0]
-            per.append(f"{backend} min {worst:.2f}x" + (f" (below 2x: {', '.join(below)})" if below else " (all >= 2x)"))
+            below = [f"{q['size']} {q['mode']} {_under(q['concurrent'][w])}x" for q in qs if q["concurrent"][w] < 2.0]
+            per.append(f"{backend} min {_under(worst) if worst < 2.0 else format(worst, '.2f')}x" + (f" (below 2x: {', '.join(below)})" if below else " (all >= 2x)"))
         parts.append(f"{w} writers: " + "; ".join(per))
 
     def med(backend: str, key: str) -> float:
