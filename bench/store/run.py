@@ -67,7 +67,7 @@ def sequential(saver: BaseCheckpointSaver, thread: str, size: int, mode: str, n:
     # The thread's history as LangGraph's get_state_history reads it (thread and namespace, newest first).
     lists = []
     want = min(n, LIST_LIMIT)
-    for _ in range(max(5, n // 30)):
+    for _ in range(max(9, n // 10)):
         t = time.perf_counter()
         listed = list(saver.list(latest, limit=LIST_LIMIT))
         lists.append(time.perf_counter() - t)
