@@ -534,7 +534,11 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         (before ``py_filter``), the key the next page continues below (None if it held none), and what
         ``_decode`` needs for each checkpoint that matches, newest first."""
         rows = self._ts.read(self._sql.list_page(where), params)
-        cps = sorted((r for r in rows if r[0] == 0), key=lambda r: (r[3], r[1], r[2]), reverse=True)
+        cps = [r for r in rows if r[0] == 0]
+        if self._ts.dialect == "postgres":
+            cps.sort(key=lambda r: r[9])  # the server's order: the database's collation may not be Python's
+        else:
+            cps.sort(key=lambda r: (r[3], r[1], r[2]), reverse=True)
         end = (cps[-1][3], cps[-1][1], cps[-1][2]) if cps else None
         if any(r[10] is None for r in cps):
             # Written before migration 4 (no version map to join blobs on): read the page the old way.

@@ -214,37 +214,44 @@ class Statements:
         # A page of ``list``: its checkpoints with their channel blobs and pending writes, as rows of one
         # statement (one snapshot, one round trip), keyed by (thread_id, checkpoint_ns, checkpoint_id). Rows:
         # (kind, thread_id, checkpoint_ns, checkpoint_id, a, b, c, type, blob, idx, versions) where kind 0 is a
-        # checkpoint (a = parent_id, b = metadata), 1 a channel blob (a = channel), 2 a pending write
-        # (a = task_id, b = channel, c = task_path). In the template, ``{where}`` picks the page (its predicates,
-        # order and LIMIT), ``{cp}`` restricts a branch's ``cp`` to the page and ``{table}`` is what ``cp`` is.
-        cols = ("0, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, cp.parent_id, cp.metadata, CAST(NULL AS TEXT), "
-                "cp.type, cp.checkpoint, CAST(NULL AS INTEGER), cp.versions")
+        # checkpoint (a = parent_id, b = metadata, idx = its place in the page's order on PostgreSQL, counted by
+        # the server so that the database's collation decides; NULL on SQLite), 1 a channel blob (a = channel), 2 a pending write (a = task_id,
+        # b = channel, c = task_path). In the template, ``{where}`` picks the page (its predicates, order and
+        # LIMIT) and ``{cp}`` restricts a branch's ``cp`` to the page.
+        order = "checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC"
+        head = ("0, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, cp.parent_id, cp.metadata, CAST(NULL AS TEXT), "
+                "cp.type, cp.checkpoint, CAST({n} AS INTEGER), cp.versions")
         if dialect == "postgres":
             # The page is a CTE (materialised: PostgreSQL keeps large values as TOAST pointers until output).
-            self._list_page = (f"WITH cp AS (SELECT {_LIST_COLS} FROM lg_checkpoints{{where}}) "
-                               f"SELECT {cols} FROM cp{{cp}} UNION ALL "
+            self._list_page = (f"WITH cp AS (SELECT {_LIST_COLS}, row_number() OVER (ORDER BY {order}) AS n "
+                               "FROM lg_checkpoints{where}) "
+                               f"SELECT {head.format(n='cp.n')} FROM cp UNION ALL "
                                "SELECT 1, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, b.channel, NULL, NULL, b.type, "
                                "b.blob, NULL, NULL FROM cp CROSS JOIN LATERAL jsonb_each_text(cp.versions::jsonb) AS j "
                                "CROSS JOIN LATERAL (SELECT x.channel, x.type, x.blob FROM lg_blobs x "
                                "WHERE x.thread_id = cp.thread_id AND x.checkpoint_ns = cp.checkpoint_ns AND x.channel = j.key "
-                               "AND x.version = j.value LIMIT 1) AS b{cp} UNION ALL ")
-            self._list_cp, self._list_table = "", "cp"
+                               "AND x.version = j.value LIMIT 1) AS b UNION ALL ")
+            self._list_cp, table = "", "cp"
         else:
             # SQLite sorts whole rows, values included, when the order is not the key's (a thread's checkpoints
             # across namespaces), and a CTE of whole rows is copied (materialised) or read once per branch: the
             # page is a CTE of rowids picked through the key index, and each branch reads only the columns
             # it needs (64 checkpoints of 16 KiB: 662 -> 271 µs; a thread's 64 of 200 across namespaces,
             # 1 KiB: 570 -> 125 µs for the checkpoint rows).
+            # SQLite compares text as UTF-8 bytes, which is Python's order: the caller sorts (a row number
+            # here cost ~12% of the page's time).
             self._list_page = ("WITH k AS MATERIALIZED (SELECT rowid AS r FROM lg_checkpoints{where}) "
-                               f"SELECT {cols} FROM lg_checkpoints cp{{cp}} UNION ALL "
+                               f"SELECT {head.format(n='NULL')} FROM lg_checkpoints cp WHERE cp.rowid IN (SELECT r FROM k) "
+                               "UNION ALL "
                                "SELECT 1, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, b.channel, NULL, NULL, b.type, "
                                "b.blob, NULL, NULL FROM lg_checkpoints cp CROSS JOIN json_each(cp.versions) AS j "
-                               "CROSS JOIN lg_blobs b{cp} AND b.thread_id = cp.thread_id "
+                               "CROSS JOIN lg_blobs b WHERE cp.rowid IN (SELECT r FROM k) AND b.thread_id = cp.thread_id "
                                "AND b.checkpoint_ns = cp.checkpoint_ns AND b.channel = j.key AND b.version = j.value UNION ALL ")
-            self._list_cp, self._list_table = " WHERE cp.rowid IN k", "lg_checkpoints cp"
+            self._list_cp, table = " WHERE cp.rowid IN (SELECT r FROM k)", "lg_checkpoints cp"
         self._list_page += ("SELECT 2, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, w.task_id, w.channel, w.task_path, "
-                            "w.type, w.blob, w.idx, NULL FROM {table} JOIN lg_writes w ON w.thread_id = cp.thread_id "
+                            f"w.type, w.blob, w.idx, NULL FROM {table} JOIN lg_writes w ON w.thread_id = cp.thread_id "
                             "AND w.checkpoint_ns = cp.checkpoint_ns AND w.checkpoint_id = cp.checkpoint_id{cp}")
+        self._list_order = order
         self.delete_thread = tuple(f"DELETE FROM {t} WHERE thread_id = ?" for t in ("lg_writes", "lg_blobs", "lg_checkpoints"))
         # Parameters (target, source); the SELECT sees only this tenant's rows on either backend.
         self.copy_thread = (
@@ -260,9 +267,8 @@ class Statements:
     def list_page(self, where: Sequence[str]) -> str:
         """One page of ``list``: checkpoints matching every predicate of ``where`` (``?`` placeholders), newest
         first, at most the statement's last parameter, with their blobs and writes (rows as documented above)."""
-        cond = (" WHERE " + " AND ".join(where) if where else "") + \
-            " ORDER BY checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC LIMIT ?"
-        return self._list_page.format(where=cond, cp=self._list_cp, table=self._list_table)
+        cond = (" WHERE " + " AND ".join(where) if where else "") + f" ORDER BY {self._list_order} LIMIT ?"
+        return self._list_page.format(where=cond, cp=self._list_cp)
 
     def batch(self, todo: Sequence[tuple[Any, Sequence[tuple]]]) -> tuple[str, list[Any]] | None:
         """A whole group-committed batch as one statement for ``Backend.tenant_call``, or None where it
