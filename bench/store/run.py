@@ -318,7 +318,7 @@ def write_report(report: dict[str, Any]) -> None:
         p = _row(rows, r["backend"], peer, r["size"], r["mode"])
         ratios.append({"backend": r["backend"], "size": r["size"], "mode": r["mode"], "peer": peer,
                        "seq_put": r["put_per_s"] / p["put_per_s"], "seq_get": r["get_per_s"] / p["get_per_s"],
-                       "list": p["list"]["p50_ms"] / r["list"]["p50_ms"] if "list" in r else None,
+                       "list": p["list"]["p50_ms"] / r["list"]["p50_ms"],
                        "concurrent_put": r["concurrent_put_per_s"] / p["concurrent_put_per_s"],
                        "concurrent": {w: r["concurrent"][w] / p["concurrent"][w] for w in levels}})
     report["ratios"] = ratios
@@ -358,18 +358,16 @@ def write_report(report: dict[str, Any]) -> None:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, g = r["put"], r["get"]
-        li = f"{r['list']['p50_ms']:.2f}" if "list" in r else "-"
         lines.append(f"| {r['backend']} | {r['saver']} | {r['size']} | {r['mode']} | {p['p50_ms']:.2f} | {p['p99_ms']:.2f} | "
-                     f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {li} | "
+                     f"{p['min_ms']:.2f}–{p['max_ms']:.2f} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {r['list']['p50_ms']:.2f} | "
                      f"{r['put_per_s']:.0f} | {r['get_per_s']:.0f} |")
     lines += ["", "Ratios moorage / peer (higher is better for moorage; list: the peer's time over moorage's):", "",
               "| backend | size | mode | peer | sequential put | get | list | "
               + " | ".join(f"concurrent put {w}w" for w in levels) + " |",
               "|---|---|---|---|---|---|---|" + "---|" * len(levels)]
     for q in ratios:
-        li = f"{q['list']:.2f}x" if q.get("list") else "-"
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {q['peer']} | {q['seq_put']:.2f}x | {q['seq_get']:.2f}x | "
-                     f"{li} | " + " | ".join(f"{q['concurrent'][w]:.2f}x" for w in levels) + " |")
+                     f"{q['list']:.2f}x | " + " | ".join(f"{q['concurrent'][w]:.2f}x" for w in levels) + " |")
     lines += ["", "| CAS backend | processes x increments | final | lost updates | retries | increments/s |", "|---|---|---|---|---|---|"]
     for c in report["cas"]:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
