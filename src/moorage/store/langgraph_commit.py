@@ -273,13 +273,7 @@ class GroupCommit:
             return
         job = _Job(ops)
         with self._mu:
-            self._queue.append(job)
-            self._seen[threading.get_ident()] = self._done
-            if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._second_min()):
-                self._inflight += 1
-                batch: list[_Job] | None = self._take(job)
-            else:
-                batch = None
+            batch = self._take(job) if self._enqueue(job, threading.get_ident()) else None
         if batch is None:
             job.wake.acquire()  # released once, when the job has committed (a waiter is never handed a slot)
             job.woken()
@@ -296,19 +290,24 @@ class GroupCommit:
             # Inside ``ts.transaction()`` on this thread: join it, as ``write`` does.
             return self.write(ops)
         job = _Job(ops, asyncio.get_running_loop().create_future())
-        task = asyncio.current_task()
         with self._mu:
-            self._queue.append(job)
-            self._seen[("task", id(task))] = self._done
-            if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._second_min()):
-                # A slot for the queue, handed straight to a committer: this thread must not block.
-                self._inflight += 1
-                nxt: _Committer | None = self._parked.pop() if self._parked else _Committer(self)
-            else:
-                nxt = None
+            nxt: _Committer | None = None
+            if self._enqueue(job, ("task", id(asyncio.current_task()))):
+                # The slot goes straight to a committer: this thread must not block.
+                nxt = self._parked.pop() if self._parked else _Committer(self)
         if nxt is not None and not nxt.resume():
             nxt.drain()  # no thread could be started: commit here (this loop waits until the queue is empty)
         await job.future
+
+    def _enqueue(self, job: _Job, writer: Hashable) -> bool:
+        """Queue ``job`` of ``writer`` (a thread or a task); whether the caller now holds a new commit slot for
+        the queue: none is in flight, or a second transaction is worth it (caller holds ``_mu``)."""
+        self._queue.append(job)
+        self._seen[writer] = self._done
+        if self._inflight == 0 or (self._inflight < self._max_inflight and len(self._queue) >= self._second_min()):
+            self._inflight += 1
+            return True
+        return False
 
     def _take(self, leader: _Job | None) -> list[_Job]:
         """Pop the next batch for ``leader``'s thread, or for a committer (caller holds ``_mu``)."""
