@@ -27,6 +27,7 @@ from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
 from asyncbench import ASYNC_SIZES, async_cells, async_headline, async_lines  # noqa: E402
 from pagecache import PageCacheBound  # noqa: E402
+from scaling import SCALING_LEVELS, SCALING_MODE, SCALING_PUTS, SCALING_SIZE, scaling_headline, scaling_lines, sweep  # noqa: E402
 from steps import Steps  # noqa: E402
 
 from moorage.devservices.postgres import start_cluster  # noqa: E402
@@ -185,14 +186,16 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
     workers = levels[0]
     cas_procs, cas_incs = (4, 25) if args.quick else (4, 100)
     modes = ("full", "one")
+    scale_levels, scale_puts = ((1, 4), SCALING_PUTS // 10) if args.quick else (SCALING_LEVELS, SCALING_PUTS)
 
     report: dict[str, Any] = {"settings": {"quick": args.quick, "sequential_n": n, "workers": workers,
                                            "worker_levels": list(levels),
                                            "puts_per_worker": per_worker, "throughput_rounds": rounds, "warm_rounds": WARM_ROUNDS, "cas_processes": cas_procs,
-                                           "cas_increments": cas_incs, "python": platform.python_version(),
+                                           "cas_increments": cas_incs, "scaling_levels": list(scale_levels),
+                                           "scaling_puts": scale_puts, "python": platform.python_version(),
                                            "sqlite": sqlite3.sqlite_version, "cpus": os.cpu_count(),
                                            "page_cache": page_cache},
-                              "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": [], "async": []}
+                              "versions": peer_versions(), "checkpoints": [], "cas": [], "ceiling": [], "async": [], "scaling": []}
     cluster = start_cluster()
     try:
         with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="moorage-bench-") as tmpd:
@@ -204,7 +207,7 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                     urls[name] = cluster.create_database(name)
                 return urls[name]
 
-            contenders = open_contenders(stack, tmp, pg_url, max(levels))
+            contenders = open_contenders(stack, tmp, pg_url, max(*levels, *scale_levels))
             pg_store = stack.enter_context(Store(PostgresBackend(pg_url("moorage_bench"), pool_size=1)))
             report["durability"] = durability_settings(tmp, pg_store)
             report["durability"]["moorage sqlite"] = contenders[0].saver_for(0).tenant_store._backend.describe()
@@ -272,6 +275,18 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                                   + ", ".join(f"{w} writers {r:.0f} puts/s" for w, r in thr.items()), flush=True)
                     if backend == "sqlite":
                         report["ceiling"].append(ceiling(tmp, size_name, size, levels))
+                if SCALING_SIZE in args.sizes.split(","):
+                    # Each saver's puts/s from 1 to 64 writers, and its best (see scaling.py).
+                    def measure(c: Contender, tag: str, w: int, per_w: int) -> float:
+                        os.sync()
+                        return concurrent(c, tag, SIZES[SCALING_SIZE], SCALING_MODE, w, per_w)
+
+                    def prepare(group: list[Contender] = group) -> None:
+                        settle(cluster, sqlite_files, list(urls))
+                        for c in group:
+                            c.reset()
+
+                    report["scaling"] += sweep(group, measure, prepare, scale_levels, scale_puts, rounds, WARM_ROUNDS)
             # Async: tasks of one event loop through aput, the same moorage savers against the async peers.
             backends = [b for b in ("sqlite", "postgres") if b in args.backends.split(",")]
             sizes = [z for z in args.sizes.split(",") if z in ASYNC_SIZES]
@@ -347,6 +362,7 @@ def write_report(report: dict[str, Any]) -> None:
         cells = " | ".join(f"{m['concurrent'][w]:.0f} | {p['concurrent'][w]:.0f} | {q['concurrent'][w]:.2f}x" for w in levels)
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | {cells} |")
     lines += async_lines(report.get("async", []))
+    lines += scaling_lines(report.get("scaling", []))
     lines += _cpu_lines(rows, ratios, levels)
     lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
     lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint, then lists of the history", "",
@@ -372,7 +388,8 @@ def write_report(report: dict[str, Any]) -> None:
     for c in report["cas"]:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
                      f"{c['retries']} | {c['increments_per_s']:.0f} |")
-    headline = _headline(ratios, report["cas"], levels, async_headline(report.get("async", [])))
+    headline = _headline(ratios, report["cas"], levels, async_headline(report.get("async", [])),
+                         scaling_headline(report.get("scaling", [])))
     lines += ["", headline, ""]
     (OUT / "store.md").write_text("\n".join(lines))
     print(f"report: {OUT / 'store.md'}")
@@ -439,7 +456,7 @@ def _under(ratio: float) -> str:
     return f"{ratio:.3f}" if text == "2.00" else text
 
 
-def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "") -> str:
+def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "", scaling_part: str = "") -> str:
     """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
     parts = []
     backends = [b for b in ("sqlite", "postgres") if any(q["backend"] == b for q in ratios)]  # --backends
@@ -462,6 +479,7 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part
     lst = " ".join(f"{b} {med(b, 'list'):.2f}x" for b in backends)
     return ("concurrent put throughput moorage/peer per size and mode, " + " | ".join(parts)
             + (f". {async_part[0].upper()}{async_part[1:]}" if async_part else "")
+            + (f". {scaling_part[0].upper()}{scaling_part[1:]}" if scaling_part else "")
             + f". Sequential (latency-bound, median): put {put}, get {get}, list {lst}; "
             f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 
