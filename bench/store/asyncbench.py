@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +22,7 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from contenders import versus
 from steps import Steps
 
 #: The state sizes and mode of the async cells (a subset of the sync cells: the async path differs only in
@@ -95,13 +95,9 @@ async def _cells(moorage: dict[str, BaseCheckpointSaver], tmp: Path, peer_pg_url
                             os.sync()
                             samples[name].append(await _rate(savers, f"a{tasks}r{rnd}-{backend}-{name}-{size_name}", size,
                                                              tasks, per_task))
-                    (m, ms), (peer, ps) = samples.items()
-                    row = {"backend": backend, "size": size_name, "mode": ASYNC_MODE, "tasks": tasks, "peer": peer,
-                           "moorage_per_s": statistics.median(ms), "peer_per_s": statistics.median(ps),
-                           "samples": samples}
-                    row["ratio"] = row["moorage_per_s"] / row["peer_per_s"]
+                    row = versus(samples, backend=backend, size=size_name, mode=ASYNC_MODE, tasks=tasks)
                     print(f"async {backend:8s} {size_name:6s} {tasks} tasks: moorage {row['moorage_per_s']:.0f} puts/s, "
-                          f"{peer} {row['peer_per_s']:.0f} ({row['ratio']:.2f}x)", flush=True)
+                          f"{row['peer']} {row['peer_per_s']:.0f} ({row['ratio']:.2f}x)", flush=True)
                     out.append(row)
         return out
     finally:

@@ -7,11 +7,12 @@ synchronous_commit=on, shared by moorage's PostgreSQL backend and langgraph-chec
 from __future__ import annotations
 
 import sqlite3
+import statistics
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from langgraph.checkpoint.base import BaseCheckpointSaver
 from langgraph.checkpoint.postgres import PostgresSaver
@@ -35,6 +36,16 @@ class Contender:
     settings: str
     #: Called before each throughput cell: puts the contender's connections back in their starting state.
     reset: Callable[[], None] = lambda: None
+
+
+def versus(samples: dict[str, list[float]], **fields: Any) -> dict[str, Any]:
+    """A result row from one cell's samples, moorage's first and its peer's second: ``fields``, the peer's name,
+    both medians, their ratio and every sample."""
+    (_, mine), (peer, theirs) = samples.items()
+    row = {**fields, "peer": peer, "moorage_per_s": statistics.median(mine), "peer_per_s": statistics.median(theirs),
+           "samples": samples}
+    row["ratio"] = row["moorage_per_s"] / row["peer_per_s"]
+    return row
 
 
 def peer_versions() -> dict[str, str]:

@@ -259,6 +259,10 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                                          if v - kinds0.get(k, 0.0) > 0})
                         for c in group:
                             tag = f"{c.backend}-{c.name}-{size_name}-{mode}"
+                            # One writer: the peer's pool as one writer would have it, not as the 32-writer
+                            # samples just grew it (until session 10 its sequential puts and gets went through
+                            # every connection of that pool in turn; see contenders.py).
+                            c.reset()
                             os.sync()
                             seq = sequential(c.saver_for(0), f"seq-{tag}", size, mode, reps)
                             thr = {w: statistics.median(xs) for w, xs in samples[id(c)].items()}

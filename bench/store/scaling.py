@@ -8,10 +8,9 @@ for large batches. Both views are reported; neither replaces the other.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any, Callable, Sequence
 
-from contenders import Contender
+from contenders import Contender, versus
 
 #: Writer threads per level of the sweep.
 SCALING_LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -42,13 +41,10 @@ def sweep(group: Sequence[Contender], measure: Measure, prepare: Callable[[], No
         for rnd in range(rounds):
             for c in (group if rnd % 2 == 0 else group[::-1]):
                 samples[c.name].append(measure(c, f"sweep{w}r{rnd}-{backend}-{c.name}", w, per_w))
-        (m, ms), (peer, ps) = samples.items()
-        row = {"backend": backend, "size": SCALING_SIZE, "mode": SCALING_MODE, "writers": w, "peer": peer,
-               "puts": puts, "puts_per_writer": per_w, "moorage_per_s": statistics.median(ms), "peer_per_s": statistics.median(ps),
-               "samples": samples}
-        row["ratio"] = row["moorage_per_s"] / row["peer_per_s"]
+        row = versus(samples, backend=backend, size=SCALING_SIZE, mode=SCALING_MODE, writers=w, puts=puts,
+                     puts_per_writer=per_w)
         print(f"scaling {backend:8s} {SCALING_SIZE} {SCALING_MODE} {w:2d} writers: moorage {row['moorage_per_s']:.0f} "
-              f"puts/s, {peer} {row['peer_per_s']:.0f} ({row['ratio']:.2f}x)", flush=True)
+              f"puts/s, {row['peer']} {row['peer_per_s']:.0f} ({row['ratio']:.2f}x)", flush=True)
         out.append(row)
     return out
 
