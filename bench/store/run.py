@@ -27,6 +27,7 @@ from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
 from asyncbench import ASYNC_SIZES, async_cells, async_headline, async_lines  # noqa: E402
 from pagecache import PageCacheBound  # noqa: E402
+from pgceiling import SECONDS as PG_CEILING_SECONDS, ceiling_headline, ceiling_lines, pg_ceiling  # noqa: E402
 from scaling import SCALING_LEVELS, SCALING_MODE, SCALING_PUTS, SCALING_SIZE, scaling_headline, scaling_lines, sweep  # noqa: E402
 from steps import Steps  # noqa: E402
 
@@ -302,6 +303,15 @@ def _run(args: argparse.Namespace, page_cache: str) -> None:
                             c.reset()
 
                     report["scaling"] += sweep(group, measure, prepare, scale_levels, scale_puts, rounds, WARM_ROUNDS)
+                if backend == "postgres" and "1KiB" in args.sizes.split(","):
+                    # What any client reaches here: pgbench on the same cluster (see pgceiling.py).
+                    def open_tenant(name: str) -> str:
+                        s = stack.enter_context(Store(PostgresBackend(pg_url(name), pool_size=1)))
+                        return s.operator.create_tenant("ceiling")[0].id
+
+                    settle(cluster, sqlite_files, list(urls))
+                    report["pg_ceiling"] = pg_ceiling(cluster, pg_url, open_tenant, levels, 1 if args.quick else 2,
+                                                      1 if args.quick else PG_CEILING_SECONDS)
             # Async: tasks of one event loop through aput, the same moorage savers against the async peers.
             backends = [b for b in ("sqlite", "postgres") if b in args.backends.split(",")]
             sizes = [z for z in args.sizes.split(",") if z in ASYNC_SIZES]
@@ -383,6 +393,7 @@ def write_report(report: dict[str, Any]) -> None:
     lines += _spread_lines(rows, ratios, levels)
     lines += _cpu_lines(rows, ratios, levels)
     lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
+    lines += ceiling_lines(report.get("pg_ceiling", []), rows)
     lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint, then lists of the history", "",
               "Each put waits for its own commit and fsync, on every saver: this is latency, not throughput. A list reads "
               f"the thread's newest {LIST_LIMIT} checkpoints (fewer where fewer were put: ¼ at 256 KiB) with their values "
@@ -407,7 +418,7 @@ def write_report(report: dict[str, Any]) -> None:
         lines.append(f"| {c['backend']} | {c['processes']} x {c['increments']} | {c['final']} | {c['lost_updates']} | "
                      f"{c['retries']} | {c['increments_per_s']:.0f} |")
     headline = _headline(ratios, report["cas"], levels, async_headline(report.get("async", [])),
-                         scaling_headline(report.get("scaling", [])))
+                         scaling_headline(report.get("scaling", [])), ceiling_headline(report.get("pg_ceiling", []), rows))
     lines += ["", headline, ""]
     (OUT / "store.md").write_text("\n".join(lines))
     print(f"report: {OUT / 'store.md'}")
@@ -501,7 +512,8 @@ def _under(ratio: float) -> str:
     return f"{ratio:.3f}" if text == "2.00" else text
 
 
-def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "", scaling_part: str = "") -> str:
+def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part: str = "", scaling_part: str = "",
+              ceiling_part: str = "") -> str:
     """Throughput first: the worst cell per backend and every cell under the 2x target, by name."""
     parts = []
     backends = [b for b in ("sqlite", "postgres") if any(q["backend"] == b for q in ratios)]  # --backends
@@ -531,6 +543,7 @@ def _headline(ratios: list[dict], cas: list[dict], levels: list[str], async_part
             + f"; against the peer's fastest sample (conservative): {' | '.join(best)}"
             + (f". {async_part[0].upper()}{async_part[1:]}" if async_part else "")
             + (f". {scaling_part[0].upper()}{scaling_part[1:]}" if scaling_part else "")
+            + (f". {ceiling_part}" if ceiling_part else "")
             + f". Sequential (latency-bound, median): put {put}, get {get}, list {lst}; "
             f"CAS lost updates {lost} (sqlite/postgres) at {cas_rate} inc/s")
 
