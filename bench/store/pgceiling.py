@@ -68,8 +68,8 @@ def _moorage_sql(k: int, tenant_id: str) -> str:
 def pg_ceiling(cluster: Any, create_db: Callable[[str], str], open_tenant: Callable[[str], str],
                levels: Sequence[int], rounds: int, seconds: int = SECONDS) -> list[dict[str, Any]]:
     """pgbench's committed rows/s at each level of ``levels`` (puts in flight) for every grouping of
-    ``GROUPINGS`` that fits, on both targets; ``rounds`` samples each (targets and groupings alternating in
-    order), every sample from an emptied table after a checkpoint. ``create_db(name)`` makes a database owned
+    ``GROUPINGS`` that fits, on both targets, and ``python_floor``'s at each level; ``rounds`` samples each
+    (in alternating order), every sample from an emptied table after a checkpoint. ``create_db(name)`` makes a database owned
     by the owner role; ``open_tenant(name)`` migrates a database for moorage and returns a new tenant's id."""
     create_db("ceiling_plain")
     cluster.psql("CREATE TABLE ceiling_rows (thread_id TEXT NOT NULL, checkpoint_ns TEXT NOT NULL, "
