@@ -23,6 +23,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from contenders import versus
+from report import section
 from steps import Steps
 
 #: The state sizes and mode of the async cells (a subset of the sync cells: the async path differs only in
@@ -119,13 +120,13 @@ def async_lines(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     levels = sorted({r["tasks"] for r in rows})
-    lines = ["", "## Async throughput: puts/s from tasks of one event loop (`aput`, each task its own LangGraph thread)", "",
-             "Mode `full`. Peers: `AsyncSqliteSaver` (its own aiosqlite connection per task, WAL, synchronous=FULL) "
-             "and `AsyncPostgresSaver` (one saver per task on an `AsyncConnectionPool` opened anew per cell, autocommit, "
-             "prepare_threshold=0); moorage: the same `MoorageSaver` as above. Median of the rounds, alternating, after "
-             "warm-up rounds as large as a sample.", "",
-             "| backend | size | " + " | ".join(f"moorage {t} tasks | peer {t} tasks | ratio {t} tasks" for t in levels) + " |",
-             "|---|---|" + "---|---|---|" * len(levels)]
+    lines = section("Async throughput: puts/s from tasks of one event loop (`aput`, each task its own LangGraph thread)",
+                    "Mode `full`. Peers: `AsyncSqliteSaver` (its own aiosqlite connection per task, WAL, synchronous=FULL) "
+                    "and `AsyncPostgresSaver` (one saver per task on an `AsyncConnectionPool` opened anew per cell, "
+                    "autocommit, prepare_threshold=0); moorage: the same `MoorageSaver` as above. Median of the rounds, "
+                    "alternating, after warm-up rounds as large as a sample.",
+                    ["backend", "size"]
+                    + [c for t in levels for c in (f"moorage {t} tasks", f"peer {t} tasks", f"ratio {t} tasks")])
     for backend, size in dict.fromkeys((r["backend"], r["size"]) for r in rows):
         cells = []
         for t in levels:

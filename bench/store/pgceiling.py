@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 import psycopg
 from psycopg import pq
 
+from report import section, table_head
+
 #: Rows per transaction tried at each level (``w // k`` connections each); the best is the ceiling.
 GROUPINGS = (1, 2, 4, 8)
 #: Seconds per pgbench sample.
@@ -183,17 +185,16 @@ def ceiling_lines(rows: list[dict[str, Any]], checkpoints: list[dict[str, Any]])
         return []
     levels = sorted({r["writers"] for r in rows})
     ks = [k for k in GROUPINGS if any(r["rows_per_tx"] == k for r in rows)]
-    lines = ["", "## PostgreSQL: what any client reaches on this host (pgbench, a ceiling for the cells)", "",
-             "PostgreSQL's C client writes one durable 1 KiB row per put on the same cluster in the same run: `w` puts "
-             "in flight as `w/k` connections committing `k` rows per transaction, closed loop (see "
-             "bench/store/pgceiling.py). Rows/s, best of the samples, for a plain table and for moorage's own write "
-             "path (its write function as the application role, forced row-level security). The best grouping bounds "
-             "any saver with `w` writers on this host: every put writes at least that row, and a saver's Python "
-             "shares the cores. Last row per level: one Python thread per writer, each on its own connection "
-             "committing one prepared row per put through libpq, nothing else (the floor of the peer's pattern "
-             "in Python).", "",
-             "| in flight | target | " + " | ".join(f"{k} row{'s' if k > 1 else ''}/tx" for k in ks) + " |",
-             "|---|---|" + "---|" * len(ks)]
+    lines = section("PostgreSQL: what any client reaches on this host (pgbench, a ceiling for the cells)",
+                    "PostgreSQL's C client writes one durable 1 KiB row per put on the same cluster in the same run: "
+                    "`w` puts in flight as `w/k` connections committing `k` rows per transaction, closed loop (see "
+                    "bench/store/pgceiling.py). Rows/s, best of the samples, for a plain table and for moorage's own "
+                    "write path (its write function as the application role, forced row-level security). The best "
+                    "grouping bounds any saver with `w` writers on this host: every put writes at least that row, and a "
+                    "saver's Python shares the cores. Last row per level: one Python thread per writer, each on its own "
+                    "connection committing one prepared row per put through libpq, nothing else (the floor of the "
+                    "peer's pattern in Python).",
+                    ["in flight", "target"] + [f"{k} row{'s' if k > 1 else ''}/tx" for k in ks])
     for w in levels:
         for target in ("plain", "moorage", "python"):
             cells = []
@@ -203,10 +204,9 @@ def ceiling_lines(rows: list[dict[str, Any]], checkpoints: list[dict[str, Any]])
             if any(c != "-" for c in cells):
                 lines.append(f"| {w} | {_TARGETS[target]} | " + " | ".join(cells) + " |")
     lines += ["", "Against the cells (PostgreSQL 1 KiB `full`, medians):", "",
-              "| writers | peer puts/s | 2x the peer | ceiling, plain (best grouping) | ceiling, moorage's path | "
-              "2x the peer / ceiling (moorage's path) | moorage puts/s | moorage / ceiling (moorage's path) | "
-              "peer's pattern in Python |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              *table_head(["writers", "peer puts/s", "2x the peer", "ceiling, plain (best grouping)",
+                           "ceiling, moorage's path", "2x the peer / ceiling (moorage's path)", "moorage puts/s",
+                           "moorage / ceiling (moorage's path)", "peer's pattern in Python"])]
     plain, mine, py = best_by_level(rows, "plain"), best_by_level(rows, "moorage"), best_by_level(rows, "python")
     for w in levels:
         pm = _peer_and_moorage(checkpoints, w)

@@ -27,6 +27,7 @@ from cas import run_cas  # noqa: E402
 from contenders import Contender, open_contenders, peer_versions  # noqa: E402
 from asyncbench import ASYNC_SIZES, async_cells, async_headline, async_lines  # noqa: E402
 from pagecache import PageCacheBound  # noqa: E402
+from report import section  # noqa: E402
 from pgceiling import SECONDS as PG_CEILING_SECONDS, ceiling_headline, ceiling_lines, pg_ceiling  # noqa: E402
 from scaling import SCALING_LEVELS, SCALING_MODE, SCALING_PUTS, SCALING_SIZE, scaling_headline, scaling_lines, sweep  # noqa: E402
 from steps import Steps  # noqa: E402
@@ -425,11 +426,6 @@ def write_report(report: dict[str, Any]) -> None:
     print(headline)
 
 
-def _section(title: str, prose: str, columns: list[str]) -> list[str]:
-    """A report section's heading, its explanation and the head of its table."""
-    return ["", f"## {title}", "", prose, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-
-
 #: A cell's samples of one saver spread "wide" when the fastest is this many times the slowest.
 WIDE_SPREAD = 1.5
 
@@ -448,7 +444,7 @@ def _spread_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> li
                             f"{min(ps):.0f}–{max(ps):.0f} | {q['concurrent'][w]:.2f}x | {q['concurrent_vs_best'][w]:.2f}x |")
     if not wide:
         return []
-    return _section("Throughput cells whose samples spread widely",
+    return section("Throughput cells whose samples spread widely",
                     f"Cells where a saver's fastest sample was more than {WIDE_SPREAD}x its slowest (this host is shared "
                     "and `PostgresSaver` at 8 writers sometimes runs whole samples at about half its rate, with about "
                     "twice the client CPU per put): the ratio of the medians as above, and moorage's median against "
@@ -467,7 +463,7 @@ def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[
         cores = (client + server) / 1e3 * r["concurrent"][w]
         return (f"{client:.3f} + {server:.3f}" if r["backend"] == "postgres" else f"{client:.3f}") + f" ({cores:.1f})"
 
-    lines = _section("CPU per put in the throughput cells",
+    lines = section("CPU per put in the throughput cells",
                      "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer "
                      "threads; kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores "
                      "that is at the cell's rate. A cell whose peer already uses about every core can only be beaten by "
@@ -485,7 +481,7 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
     """SQLite's own gain from batching at equal bytes, next to what moorage measured over its peer."""
     if not ceilings:
         return []
-    lines = _section("SQLite: what batching alone can gain when both savers write the same bytes",
+    lines = section("SQLite: what batching alone can gain when both savers write the same bytes",
                      "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small "
                      "channel values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; "
                      "group commit saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, "

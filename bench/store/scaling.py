@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from contenders import Contender, versus
+from report import section, table_head
 
 #: Writer threads per level of the sweep.
 SCALING_LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -68,20 +69,20 @@ def scaling_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     levels = sorted({r["writers"] for r in rows})
     backends = {r["backend"]: r["peer"] for r in rows}
-    lines = ["", f"## Scaling: puts/s by writer threads ({SCALING_SIZE} `{SCALING_MODE}`), and each saver's best", "",
-             f"The same savers and setup as the throughput cells, {rows[0]['puts']} puts per sample split across the writers "
-             f"(at least {_MIN_PER_WRITER} each); median of the rounds, alternating, after warm-up rounds; every level "
-             "starts from settled files and a fresh peer pool. The cells above compare at equal writer counts; here "
-             "each saver's best rate over all the counts is compared too (capacity on this host).", "",
-             "| writers | " + " | ".join(f"{b} moorage | {peer} | ratio" for b, peer in backends.items()) + " |",
-             "|---|" + "---|---|---|" * len(backends)]
+    lines = section(f"Scaling: puts/s by writer threads ({SCALING_SIZE} `{SCALING_MODE}`), and each saver's best",
+                    f"The same savers and setup as the throughput cells, {rows[0]['puts']} puts per sample split across "
+                    f"the writers (at least {_MIN_PER_WRITER} each); median of the rounds, alternating, after warm-up "
+                    "rounds; every level starts from settled files and a fresh peer pool. The cells above compare at "
+                    "equal writer counts; here each saver's best rate over all the counts is compared too (capacity on "
+                    "this host).",
+                    ["writers"] + [c for b, peer in backends.items() for c in (f"{b} moorage", peer, "ratio")])
     for w in levels:
         cells = []
         for backend in backends:
             r = next((x for x in rows if x["backend"] == backend and x["writers"] == w), None)
             cells.append(f"{r['moorage_per_s']:.0f} | {r['peer_per_s']:.0f} | {r['ratio']:.2f}x" if r else "- | - | -")
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
-    lines += ["", "| backend | moorage best (writers) | peer best (writers) | best / best |", "|---|---|---|---|"]
+    lines += ["", *table_head(["backend", "moorage best (writers)", "peer best (writers)", "best / best"])]
     for backend, pk in peaks(rows).items():
         lines.append(f"| {backend} | {pk['moorage_per_s']:.0f} ({pk['moorage_writers']}) | {pk['peer_per_s']:.0f} "
                      f"({pk['peer']}, {pk['peer_writers']}) | {pk['ratio']:.2f}x |")
