@@ -133,7 +133,10 @@ def python_floor(url: str, writers: int, seconds: float) -> float:
         pg = conns[i].pgconn
         res = pg.prepare(b"floor", sql)
         blob = os.urandom(ROW_BYTES)
-        start.wait()
+        start.wait()  # every thread reaches it, so a failed one cannot leave the others waiting
+        if res.status != pq.ExecStatus.COMMAND_OK:
+            errors.append(res.error_message.decode(errors="replace"))
+            return
         n = 0
         while not stop.is_set():
             res = pg.exec_prepared(b"floor", [str(i).encode(), b"%d-%d" % (i, n), blob], [0, 0, 1])
