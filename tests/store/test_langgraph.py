@@ -227,6 +227,25 @@ def test_list_returns_what_get_tuple_returns_one_statement_per_page(
     same(older)
 
 
+def test_list_gives_each_checkpoint_its_own_copy_of_a_shared_value(tenant: TenantStore) -> None:
+    """A channel value that several listed checkpoints share (one blob version, read once per page) is decoded
+    for each of them: equal values, separate objects, so changing one checkpoint's value leaves the others'."""
+    saver = MoorageSaver(tenant, inline_max=0)
+    config = {"configurable": {"thread_id": "shared", "checkpoint_ns": ""}}
+    for step in range(3):
+        cp = empty_checkpoint()
+        cp["channel_values"] = {"items": [1, 2, {"k": "v"}], "step": step}
+        cp["channel_versions"] = {"items": 1, "step": step + 1}
+        config = saver.put(config, cp, {"step": step}, {"items": 1, "step": step + 1} if step == 0 else {"step": step + 1})
+    listed = list(saver.list({"configurable": {"thread_id": "shared"}}))
+    values = [t.checkpoint["channel_values"] for t in listed]
+    assert [v["step"] for v in values] == [2, 1, 0]
+    assert all(v["items"] == [1, 2, {"k": "v"}] for v in values)
+    values[0]["items"].append("changed")
+    values[0]["items"][2]["k"] = "changed"
+    assert values[1]["items"] == values[2]["items"] == [1, 2, {"k": "v"}]
+
+
 @pytest.mark.parametrize("inline_max", [0, 4096])
 def test_prune_keeps_latest_state_and_drops_old_blobs(tenant: TenantStore, inline_max: int) -> None:
     # inline_max=0: every value is a blob; 4096: the small title lives in the checkpoint row, so only

@@ -543,18 +543,23 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         if any(r[10] is None for r in cps):
             # Written before migration 4 (no version map to join blobs on): read the page the old way.
             return self._page_slow(where, params, py_filter)
-        parts: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
+        # Channel blobs by (thread_id, checkpoint_ns, channel, version), each once per page; pending writes by
+        # checkpoint. Each checkpoint decodes its own copy of a shared blob (values may be mutable).
+        blobs: dict[tuple, tuple] = {}
+        writes_of: dict[tuple, list[tuple]] = {}
         for r in rows:
-            if r[0]:
-                parts.setdefault(r[1:4], ([], []))[r[0] - 1].append(r)
+            if r[0] == 1:
+                blobs[(r[1], r[2], r[4], r[5])] = (r[4], r[7], r[8])
+            elif r[0] == 2:
+                writes_of.setdefault(r[1:4], []).append(r)
         raws = []
         for r in cps:
             if py_filter and not _matches(json.loads(r[5]), py_filter):
                 continue
-            blobs, writes = parts.get(r[1:4], ((), ()))
-            writes = sorted(writes, key=lambda w: (w[6], w[4], w[9]))  # writes_sort_key: task_path, task_id, idx
+            mine = [b for b in (blobs.get((r[1], r[2], ch, v)) for ch, v in json.loads(r[10]).items()) if b is not None]
+            writes = sorted(writes_of.get(r[1:4], ()), key=lambda w: (w[6], w[4], w[9]))  # writes_sort_key: task_path, task_id, idx
             raws.append(((r[1], r[2], r[3], r[4], r[7], r[8], r[5]), self.serde.loads_typed((r[7], _bytes(r[8]))),
-                         [(b[4], b[7], b[8]) for b in blobs], [(w[4], w[5], w[7], w[8]) for w in writes]))
+                         mine, [(w[4], w[5], w[7], w[8]) for w in writes]))
         return len(cps), end, raws
 
     def _page_slow(self, where: list[str], params: tuple,

@@ -212,10 +212,12 @@ class Statements:
         #: SQLite, parameters (thread_id, checkpoint_ns, checkpoint_id).
         self.get_by_id = head + "AND checkpoint_id = ?) " + tail
         # A page of ``list``: its checkpoints with their channel blobs and pending writes, as rows of one
-        # statement (one snapshot, one round trip), keyed by (thread_id, checkpoint_ns, checkpoint_id). Rows:
-        # (kind, thread_id, checkpoint_ns, checkpoint_id, a, b, c, type, blob, idx, versions) where kind 0 is a
-        # checkpoint (a = parent_id, b = metadata, idx = its place in the page's order on PostgreSQL, counted by
-        # the server so that the database's collation decides; NULL on SQLite), 1 a channel blob (a = channel), 2 a pending write (a = task_id,
+        # statement (one snapshot, one round trip). Rows: (kind, thread_id, checkpoint_ns, checkpoint_id, a, b, c,
+        # type, blob, idx, versions) where kind 0 is a checkpoint (a = parent_id, b = metadata, idx = its place in
+        # the page's order on PostgreSQL, counted by the server so that the database's collation decides; NULL on
+        # SQLite, versions = its channel -> version map), 1 a channel blob (a = channel, b = version; no
+        # checkpoint_id: each blob the page's checkpoints refer to comes once, however many refer to it: a
+        # channel that did not change is shared by consecutive checkpoints), 2 a pending write (a = task_id,
         # b = channel, c = task_path). In the template, ``{where}`` picks the page (its predicates, order and
         # LIMIT) and ``{cp}`` restricts a branch's ``cp`` to the page.
         order = "checkpoint_id DESC, thread_id DESC, checkpoint_ns DESC"
@@ -226,11 +228,12 @@ class Statements:
             self._list_page = (f"WITH cp AS (SELECT {_LIST_COLS}, row_number() OVER (ORDER BY {order}) AS n "
                                "FROM lg_checkpoints{where}) "
                                f"SELECT {head.format(n='cp.n')} FROM cp UNION ALL "
-                               "SELECT 1, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, b.channel, NULL, NULL, b.type, "
-                               "b.blob, NULL, NULL FROM cp CROSS JOIN LATERAL jsonb_each_text(cp.versions::jsonb) AS j "
+                               "SELECT 1, d.t, d.ns, NULL, b.channel, d.v, NULL, b.type, b.blob, NULL, NULL FROM "
+                               "(SELECT DISTINCT cp.thread_id AS t, cp.checkpoint_ns AS ns, j.key AS ch, j.value AS v "
+                               "FROM cp CROSS JOIN LATERAL jsonb_each_text(cp.versions::jsonb) AS j) AS d "
                                "CROSS JOIN LATERAL (SELECT x.channel, x.type, x.blob FROM lg_blobs x "
-                               "WHERE x.thread_id = cp.thread_id AND x.checkpoint_ns = cp.checkpoint_ns AND x.channel = j.key "
-                               "AND x.version = j.value LIMIT 1) AS b UNION ALL ")
+                               "WHERE x.thread_id = d.t AND x.checkpoint_ns = d.ns AND x.channel = d.ch "
+                               "AND x.version = d.v LIMIT 1) AS b UNION ALL ")
             self._list_cp, table = "", "cp"
         else:
             # SQLite sorts whole rows, values included, when the order is not the key's (a thread's checkpoints
@@ -243,10 +246,12 @@ class Statements:
             self._list_page = ("WITH k AS MATERIALIZED (SELECT rowid AS r FROM lg_checkpoints{where}) "
                                f"SELECT {head.format(n='NULL')} FROM lg_checkpoints cp WHERE cp.rowid IN (SELECT r FROM k) "
                                "UNION ALL "
-                               "SELECT 1, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, b.channel, NULL, NULL, b.type, "
-                               "b.blob, NULL, NULL FROM lg_checkpoints cp CROSS JOIN json_each(cp.versions) AS j "
-                               "CROSS JOIN lg_blobs b WHERE cp.rowid IN (SELECT r FROM k) AND b.thread_id = cp.thread_id "
-                               "AND b.checkpoint_ns = cp.checkpoint_ns AND b.channel = j.key AND b.version = j.value UNION ALL ")
+                               "SELECT 1, d.t, d.ns, NULL, b.channel, d.v, NULL, b.type, b.blob, NULL, NULL FROM "
+                               "(SELECT DISTINCT cp.thread_id AS t, cp.checkpoint_ns AS ns, j.key AS ch, j.value AS v "
+                               "FROM lg_checkpoints cp CROSS JOIN json_each(cp.versions) AS j "
+                               "WHERE cp.rowid IN (SELECT r FROM k)) AS d "
+                               "CROSS JOIN lg_blobs b WHERE b.thread_id = d.t AND b.checkpoint_ns = d.ns "
+                               "AND b.channel = d.ch AND b.version = d.v UNION ALL ")
             self._list_cp, table = " WHERE cp.rowid IN (SELECT r FROM k)", "lg_checkpoints cp"
         self._list_page += ("SELECT 2, cp.thread_id, cp.checkpoint_ns, cp.checkpoint_id, w.task_id, w.channel, w.task_path, "
                             f"w.type, w.blob, w.idx, NULL FROM {table} JOIN lg_writes w ON w.thread_id = cp.thread_id "
