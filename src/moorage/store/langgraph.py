@@ -556,8 +556,12 @@ class MoorageSaver(BaseCheckpointSaver[int]):
         for r in cps:
             if py_filter and not _matches(json.loads(r[5]), py_filter):
                 continue
-            mine = [b for b in (blobs.get((r[1], r[2], ch, v)) for ch, v in json.loads(r[10]).items()) if b is not None]
-            writes = sorted(writes_of.get(r[1:4], ()), key=lambda w: (w[6], w[4], w[9]))  # writes_sort_key: task_path, task_id, idx
+            mine = []
+            if blobs and r[10] != "{}":  # "{}": every value inline
+                refs = json.loads(r[10]).items()
+                mine = [b for b in (blobs.get((r[1], r[2], ch, v)) for ch, v in refs) if b is not None]
+            # LangGraph's writes_sort_key: task_path, task_id, idx.
+            writes = sorted(writes_of.get(r[1:4], ()), key=lambda w: (w[6], w[4], w[9]))
             raws.append(((r[1], r[2], r[3], r[4], r[7], r[8], r[5]), self.serde.loads_typed((r[7], _bytes(r[8]))),
                          mine, [(w[4], w[5], w[7], w[8]) for w in writes]))
         return len(cps), end, raws
