@@ -10,7 +10,7 @@ import random
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable
 
 
 class ChargeTarget:
@@ -23,6 +23,8 @@ class ChargeTarget:
         self.rejected_keys: set[str] = set()
         self._flaky = flaky
         self._rng = random.Random(seed)
+        #: Called with a key just applied, before the response leaves (a test's hook to kill the caller there).
+        self.on_applied: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         target = self
 
@@ -55,8 +57,11 @@ class ChargeTarget:
                 self.rejected_keys.add(key)
                 return 503, {"error": "try again"}
             self.balance += int(body["amount"])
-            self.applied[key] = {"receipt": len(self.applied) + 1, "amount": int(body["amount"])}
-            return 200, self.applied[key]
+            out = self.applied[key] = {"receipt": len(self.applied) + 1, "amount": int(body["amount"])}
+        hook = self.on_applied
+        if hook is not None:
+            hook(key)
+        return 200, out
 
     def __enter__(self) -> "ChargeTarget":
         self._thread.start()
