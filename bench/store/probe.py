@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--prefill-workers", type=int, default=0, help="writer threads per prefill round (default --workers)")
     ap.add_argument("--sync", action="store_true", help="os.sync() before every sample (as run.py does)")
     ap.add_argument("--breakdown", action="store_true", help="server CPU per put by PostgreSQL process kind")
+    ap.add_argument("--unix", action="store_true",
+                    help="connect both savers over the cluster's Unix socket instead of TCP to 127.0.0.1")
+    ap.add_argument("--wal", action="store_true", help="WAL bytes per put")
     ap.add_argument("--pg-alter", action="append", default=[],
                     help="SQL run as the owner on moorage's PostgreSQL database before measuring (repeatable)")
     ap.add_argument("--page-cache-gib", type=float, default=4.0,
@@ -61,6 +64,8 @@ def _probe(args: argparse.Namespace) -> None:
             def pg_url(name: str) -> str:
                 if name not in urls:
                     urls[name] = cluster.create_database(name)
+                    if args.unix:
+                        urls[name] = urls[name].replace("@127.0.0.1:", "@:") + f"?host={cluster.root}"
                 return urls[name]
 
             cs = [c for c in open_contenders(stack, Path(tmpd), pg_url, args.workers) if c.backend == args.backend]
@@ -115,9 +120,11 @@ def _probe(args: argparse.Namespace) -> None:
                     call_s[0] = 0.0
                     if args.sync:
                         os.sync()
+                    w0 = _wal(cluster) if args.wal else None
                     t0, b0 = os.times(), server_cpu_by()
                     rate = concurrent(c, f"p{rep}-{c.name}", SIZES[args.size], args.mode, args.workers, args.n)
                     t1, b1 = os.times(), server_cpu_by()
+                    w1 = _wal(cluster) if args.wal else None
                     puts = args.workers * args.n
                     cl = (t1.user - t0.user + t1.system - t0.system) / puts * 1e3
                     sys_ = (t1.system - t0.system) / puts * 1e3
@@ -127,12 +134,20 @@ def _probe(args: argparse.Namespace) -> None:
                           + (f"  {puts / txs[0]:.1f} puts/tx" if txs[0] else "")
                           + (f"  {call_s[0] / txs[0] * 1e3:.2f} ms/call, calls busy {call_s[0] * rate / puts:.0%} of wall"
                              if txs[0] and call_s[0] else ""), flush=True)
+                    if w0 is not None and w1 is not None:
+                        print("    WAL per put: " + ", ".join(
+                            f"{k} {(w1[k] - w0[k]) / puts:.2f}" for k in w0), flush=True)
                     if args.breakdown:
                         parts = {k: (b1.get(k, 0.0) - b0.get(k, 0.0)) / puts * 1e3 for k in b1}
                         print("    server by process: " + ", ".join(
                             f"{k} {v:.3f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0), flush=True)
     finally:
         cluster.stop()
+
+
+def _wal(cluster) -> dict[str, float]:
+    """WAL bytes written so far (the insert position; pg_stat_wal's counters reach the view up to seconds late)."""
+    return {"bytes": float(cluster.psql("SELECT pg_current_wal_insert_lsn() - '0/0'").strip())}
 
 
 if __name__ == "__main__":

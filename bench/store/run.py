@@ -392,7 +392,7 @@ def write_report(report: dict[str, Any]) -> None:
     lines += async_lines(report.get("async", []))
     lines += scaling_lines(report.get("scaling", []))
     lines += _spread_lines(rows, ratios, levels)
-    lines += _cpu_lines(rows, ratios, levels)
+    lines += _cpu_lines(rows, ratios, levels, s["cpus"])
     lines += _ceiling_lines(report.get("ceiling", []), ratios, levels)
     lines += ceiling_lines(report.get("pg_ceiling", []), rows)
     lines += ["", "## Latency: one writer, sequential puts then gets of the latest checkpoint, then lists of the history", "",
@@ -453,7 +453,7 @@ def _spread_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> li
                      "against peer's best"]) + wide
 
 
-def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
+def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str], cpus: int) -> list[str]:
     """CPU per put of each throughput cell, and the cores that makes at the cell's rate (the host has few)."""
     if not all("cpu_ms_per_put" in r for r in rows):
         return []
@@ -474,7 +474,29 @@ def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> list[
         p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
         lines.append(f"| {q['backend']} | {q['size']} | {q['mode']} | "
                      + " | ".join(f"{cell(m, w)} | {cell(p, w)}" for w in levels) + " |")
-    return lines
+    return lines + _cpu_bound_lines(rows, ratios, levels, cpus)
+
+
+def _cpu_bound_lines(rows: list[dict], ratios: list[dict], levels: list[str], cpus: int) -> list[str]:
+    """For each cell under 2x: the most moorage's measured CPU per put allows on this host's cores."""
+    out = []
+    for q in ratios:
+        for w in levels:
+            if q["concurrent"][w] >= 2.0:
+                continue
+            m = _row(rows, q["backend"], "moorage", q["size"], q["mode"])
+            p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
+            per_put = sum(m["cpu_ms_per_put"][w])
+            leanest = min(sum(x) for x in m["cpu_samples"][w])
+            busy = per_put / 1e3 * m["concurrent"][w]
+            out.append(f"- {q['backend']} {q['size']} {q['mode']}, {w} writers: moorage's median {m['concurrent'][w]:.0f} "
+                       f"puts/s used {per_put:.3f} ms of CPU per put, {busy:.1f} of {cpus} cores; with all {cpus} busy "
+                       f"that CPU per put allows at most {cpus / per_put * 1e3:.0f} puts/s, its leanest sample's "
+                       f"({leanest:.3f} ms) {cpus / leanest * 1e3:.0f}. 2x the peer's median is {2 * p['concurrent'][w]:.0f}.")
+    if not out:
+        return out
+    return ["", f"Cells under 2x, against the cores: a rate above {cpus} cores / (CPU per put) cannot be reached "
+            "with that CPU per put, however the work is arranged.", ""] + out
 
 
 def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
