@@ -19,7 +19,7 @@ from contenders import open_contenders  # noqa: E402
 from pagecache import PageCacheBound  # noqa: E402
 from run import SIZES, concurrent  # noqa: E402
 
-from moorage.devservices.postgres import start_cluster  # noqa: E402
+from moorage.devservices.postgres import PostgresCluster, start_cluster  # noqa: E402
 
 
 def main() -> None:
@@ -135,8 +135,7 @@ def _probe(args: argparse.Namespace) -> None:
                           + (f"  {call_s[0] / txs[0] * 1e3:.2f} ms/call, calls busy {call_s[0] * rate / puts:.0%} of wall"
                              if txs[0] and call_s[0] else ""), flush=True)
                     if w0 is not None and w1 is not None:
-                        print("    WAL per put: " + ", ".join(
-                            f"{k} {(w1[k] - w0[k]) / puts:.2f}" for k in w0), flush=True)
+                        print(f"    WAL per put: {(w1 - w0) / puts:.0f} bytes", flush=True)
                     if args.breakdown:
                         parts = {k: (b1.get(k, 0.0) - b0.get(k, 0.0)) / puts * 1e3 for k in b1}
                         print("    server by process: " + ", ".join(
@@ -145,9 +144,9 @@ def _probe(args: argparse.Namespace) -> None:
         cluster.stop()
 
 
-def _wal(cluster) -> dict[str, float]:
+def _wal(cluster: PostgresCluster) -> int:
     """WAL bytes written so far (the insert position; pg_stat_wal's counters reach the view up to seconds late)."""
-    return {"bytes": float(cluster.psql("SELECT pg_current_wal_insert_lsn() - '0/0'").strip())}
+    return int(cluster.psql("SELECT pg_current_wal_insert_lsn() - '0/0'").strip().split(".")[0])
 
 
 if __name__ == "__main__":
