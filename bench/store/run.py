@@ -496,7 +496,8 @@ def _cpu_bound_lines(rows: list[dict], ratios: list[dict], levels: list[str], cp
     if not out:
         return out
     return ["", f"Cells under 2x, against the cores: a rate above {cpus} cores / (CPU per put) cannot be reached "
-            "with that CPU per put, however the work is arranged.", ""] + out
+            "with that CPU per put, however the work is arranged. Where that bound is above 2x the peer, the cores "
+            "are not what holds the cell back (on SQLite: one writer at a time per file).", ""] + out
 
 
 def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) -> list[str]:
