@@ -445,12 +445,12 @@ def _spread_lines(rows: list[dict], ratios: list[dict], levels: list[str]) -> li
     if not wide:
         return []
     return section("Throughput cells whose samples spread widely",
-                    f"Cells where a saver's fastest sample was more than {WIDE_SPREAD}x its slowest (this host is shared "
-                    "and `PostgresSaver` at 8 writers sometimes runs whole samples at about half its rate, with about "
-                    "twice the client CPU per put): the ratio of the medians as above, and moorage's median against "
-                    "the peer's fastest sample, the conservative reading.",
-                    ["backend", "size", "mode", "writers", "moorage samples", "peer samples", "median ratio",
-                     "against peer's best"]) + wide
+                   f"Cells where a saver's fastest sample was more than {WIDE_SPREAD}x its slowest (this host is shared "
+                   "and `PostgresSaver` at 8 writers sometimes runs whole samples at about half its rate, with about "
+                   "twice the client CPU per put): the ratio of the medians as above, and moorage's median against "
+                   "the peer's fastest sample, the conservative reading.",
+                   ["backend", "size", "mode", "writers", "moorage samples", "peer samples", "median ratio",
+                    "against peer's best"]) + wide
 
 
 def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str], cpus: int) -> list[str]:
@@ -464,11 +464,11 @@ def _cpu_lines(rows: list[dict], ratios: list[dict], levels: list[str], cpus: in
         return (f"{client:.3f} + {server:.3f}" if r["backend"] == "postgres" else f"{client:.3f}") + f" ({cores:.1f})"
 
     lines = section("CPU per put in the throughput cells",
-                     "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer "
-                     "threads; kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores "
-                     "that is at the cell's rate. A cell whose peer already uses about every core can only be beaten by "
-                     "using less CPU per put.",
-                     ["backend", "size", "mode"] + [f"{who} {w}w" for w in levels for who in ("moorage", "peer")])
+                    "Milliseconds of CPU per put, median of the rounds: this process (saver, serialisation, writer "
+                    "threads; kernel time included) and, on PostgreSQL, + the server processes; in brackets the cores "
+                    "that is at the cell's rate. A cell whose peer already uses about every core can only be beaten by "
+                    "using less CPU per put.",
+                    ["backend", "size", "mode"] + [f"{who} {w}w" for w in levels for who in ("moorage", "peer")])
     for q in ratios:
         m = _row(rows, q["backend"], "moorage", q["size"], q["mode"])
         p = _row(rows, q["backend"], q["peer"], q["size"], q["mode"])
@@ -505,14 +505,14 @@ def _ceiling_lines(ceilings: list[dict], ratios: list[dict], levels: list[str]) 
     if not ceilings:
         return []
     lines = section("SQLite: what batching alone can gain when both savers write the same bytes",
-                     "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small "
-                     "channel values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; "
-                     "group commit saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, "
-                     "no LangGraph and no writer threads, WAL + synchronous=FULL: rows of the size SqliteSaver writes, 1 "
-                     "per transaction (as the peer commits) and k per transaction (the batch each half of the writers "
-                     "forms). Median of 3.",
-                     ["size", "row bytes", "raw 1/tx puts/s"]
-                     + [c for w in levels for c in (f"raw k/tx for {w}w", "batching gain", f"moorage/peer full {w}w")])
+                    "In mode `full` each put of either saver is one row of the serialised state (moorage keeps small "
+                    "channel values inline in its checkpoint row), written to the WAL and again at the WAL checkpoint; "
+                    "group commit saves only each transaction's fixed part (its fsync). Raw `sqlite3` from one thread, "
+                    "no LangGraph and no writer threads, WAL + synchronous=FULL: rows of the size SqliteSaver writes, 1 "
+                    "per transaction (as the peer commits) and k per transaction (the batch each half of the writers "
+                    "forms). Median of 3.",
+                    ["size", "row bytes", "raw 1/tx puts/s"]
+                    + [c for w in levels for c in (f"raw k/tx for {w}w", "batching gain", f"moorage/peer full {w}w")])
     for c in ceilings:
         q = next((q for q in ratios if q["backend"] == "sqlite" and q["size"] == c["size"] and q["mode"] == "full"), None)
         one = c["per_s"]["1"]
