@@ -60,6 +60,23 @@ class AgentTurnFailed(InvalidInput):
     http_status = 502
 
 
+class _TurnEvents(asyncio.Queue):  # type: ignore[type-arg]
+    """A turn's streamed events, bounded: the turn runs on when nobody reads (it is durable), so once full the
+    oldest unread event gives way to the newest (the result never travels here) and ``dropped`` counts them."""
+
+    LIMIT = 1024
+
+    def __init__(self) -> None:
+        super().__init__(maxsize=self.LIMIT)
+        self.dropped = 0
+
+    def put_nowait(self, item: Any) -> None:
+        if self.full():
+            self.get_nowait()
+            self.dropped += 1
+        super().put_nowait(item)
+
+
 @dataclass
 class _Turn:
     """One turn on its way through the router to a sandbox; streamed events flow back through ``events``."""
@@ -70,7 +87,7 @@ class _Turn:
     message: str
     resume: bool
     trace_id: str
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue = field(default_factory=_TurnEvents)
 
 
 @dataclass
