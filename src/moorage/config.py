@@ -30,7 +30,8 @@ class Config:
     store_app_role: str = "moorage_app"
     #: Full URL the application connects with on PostgreSQL; derived from store_url and the role if empty.
     store_app_url: str = dataclasses.field(default="", repr=False)
-    #: Sandbox driver: ``auto`` (microvm when QEMU is present, else process), ``microvm`` or ``process``.
+    #: Sandbox driver: ``auto`` (microvm; an error when QEMU is missing), ``microvm`` or ``process``. The process
+    #: driver shares the host kernel, so it is never picked silently: naming it is the operator's opt-in.
     sandbox_driver: str = "auto"
     #: Accelerator for the microvm driver: ``auto`` (probe KVM by booting), ``kvm`` or ``tcg``.
     accel: str = "auto"
@@ -56,6 +57,14 @@ class Config:
     log_format: str = "text"
     #: Maximum size of one stored value (state value, event content, step result), bytes.
     max_value_bytes: int = 1 << 20
+    #: Host uid (and gid) that process sandboxes and QEMU run as when moorage runs as root; no account should
+    #: use it (never 0). Ignored when moorage itself runs unprivileged.
+    sandbox_uid: int = 64000
+    #: Guest-initiated requests (model calls, memory, steps) served at once per sandbox; more are answered busy.
+    guest_calls_per_channel: int = 32
+    #: Guest-initiated requests served at once per tenant over all its sandboxes; more wait their turn, so one
+    #: tenant cannot hold every worker of the host's shared executor.
+    guest_calls_per_tenant: int = 8
 
     @property
     def images_dir(self) -> Path:
