@@ -62,7 +62,8 @@ DRIVERS: dict[str, tuple[str, str]] = {
 def get_driver(config: "Config", root: Path | None = None) -> SandboxDriver:
     """The configured driver over ``root`` (default ``config.sandboxes_dir``).
 
-    ``auto`` picks microvm when QEMU is installed and its driver module is present, else process.
+    ``auto`` means microvm, and fails when QEMU is missing: the process driver shares the host kernel, so a host
+    gets it only when the operator names it (``sandbox_driver = "process"``).
     """
     import importlib
     import importlib.util
@@ -73,7 +74,14 @@ def get_driver(config: "Config", root: Path | None = None) -> SandboxDriver:
     name = config.sandbox_driver
     if name == "auto":
         has_microvm = importlib.util.find_spec(DRIVERS["microvm"][0]) is not None
-        name = "microvm" if shutil.which("qemu-system-x86_64") and has_microvm else "process"
+        if not (shutil.which("qemu-system-x86_64") and has_microvm):
+            raise ConfigError(
+                "sandbox_driver is auto but QEMU (qemu-system-x86_64) is not installed, so no micro-VM can run",
+                hint="install qemu-system-x86 (scripts/bootstrap.sh), or accept the weaker process driver (guests "
+                     "share the host kernel) with sandbox_driver = \"process\" in moorage.toml or "
+                     "MOORAGE_SANDBOX_DRIVER=process",
+            )
+        name = "microvm"
     if name not in DRIVERS:
         raise ConfigError(f"unknown sandbox driver {name!r}", hint=f"set sandbox_driver to auto, {', '.join(DRIVERS)}")
     module, cls = DRIVERS[name]
