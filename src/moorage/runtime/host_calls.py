@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -29,6 +30,18 @@ log = get_logger(__name__)
 MAX_TOKENS_CAP = 4096
 #: Largest response body handed back to a guest from ``net.fetch``.
 MAX_FETCH_BYTES = 1 << 20
+
+
+#: Per runtime, per tenant: how many guest-initiated calls may run at once (``Config.guest_calls_per_tenant``).
+_SHARES: "weakref.WeakKeyDictionary[Any, dict[str, asyncio.Semaphore]]" = weakref.WeakKeyDictionary()
+
+
+def _tenant_share(rt: Any, tenant_id: str) -> asyncio.Semaphore:
+    shares = _SHARES.setdefault(rt, {})
+    sem = shares.get(tenant_id)
+    if sem is None:
+        sem = shares[tenant_id] = asyncio.Semaphore(max(1, int(rt.config.guest_calls_per_tenant)))
+    return sem
 
 
 @dataclass
@@ -123,13 +136,16 @@ class GuestCalls:
             if binding is None or binding.sandbox_id != self.sandbox_id:
                 log.warning("guest call outside its turns rejected", sandbox=self.sandbox_id, method=method)
                 raise HandlerError("no such turn in this sandbox", code=-32000, data={"type": "TenantScopeError"})
-            started = time.perf_counter()
-            try:
-                return await fn(binding, params)
-            except MoorageError as e:
-                raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__}) from e
-            finally:
-                self.rt.tracer.span(binding, method, started)
+            # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
+            # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
+            async with _tenant_share(self.rt, binding.ts.tenant_id):
+                started = time.perf_counter()
+                try:
+                    return await fn(binding, params)
+                except MoorageError as e:
+                    raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__}) from e
+                finally:
+                    self.rt.tracer.span(binding, method, started)
 
         return handler
 
