@@ -57,6 +57,23 @@ class Config:
     log_format: str = "text"
     #: Maximum size of one stored value (state value, event content, step result), bytes.
     max_value_bytes: int = 1 << 20
+    #: Egress (docs/egress.md): admit private ranges (RFC 1918, unique-local, 100.64/10) after resolving;
+    #: loopback, link-local and metadata addresses stay refused unless a range below names them.
+    egress_allow_private: bool = False
+    #: Address ranges egress may reach whatever their kind, comma-separated (tests: 127.0.0.0/8,::1/128).
+    egress_allow_cidrs: str = ""
+    #: Package indexes an agent reaches with ``[agent.network] packages = true`` (and deploy-time installs),
+    #: as egress rules, comma-separated.
+    egress_package_index: str = "https://pypi.org,https://files.pythonhosted.org,http://deb.debian.org/debian/"
+    #: Per-instance egress limits: open connections, new connections per second, bytes per second (0: no
+    #: limit) and bytes per wake (0: no limit).
+    egress_max_connections: int = 32
+    egress_connects_per_s: int = 20
+    egress_bytes_per_s: int = 0
+    egress_max_bytes: int = 1 << 30
+    #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
+    #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
+    secrets_keys: str = dataclasses.field(default="", repr=False)
     #: Host uid (and gid) that process sandboxes and QEMU run as when moorage runs as root; no account should
     #: use it (never 0). Ignored when moorage itself runs unprivileged.
     sandbox_uid: int = 64000

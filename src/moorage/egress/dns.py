@@ -1,0 +1,97 @@
+"""The gateway's DNS responder: answers only for names the agent's policy admits, from the host's resolver.
+
+Names outside the policy get NXDOMAIN without any upstream query, so a guest cannot leak data through
+lookups of names it makes up; answers hold only addresses the operator's address policy allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
+
+from moorage.egress.addresses import IPAddress
+from moorage.egress.connector import InstanceEgress
+from moorage.egress.resolve import NameNotFound
+from moorage.egress.rules import normalize_host
+from moorage.log import get_logger
+
+log = get_logger(__name__)
+
+TTL_S = 30
+
+
+async def answer(inst: InstanceEgress, packet: bytes) -> bytes | None:
+    """The reply to one DNS query packet (None for a packet that is not a query we can parse)."""
+    try:
+        q = DNSRecord.parse(packet)
+    except Exception:  # noqa: BLE001 - dnslib raises several types on garbage; garbage gets no reply
+        return None
+    reply = q.reply()
+    if len(q.questions) != 1:
+        reply.header.rcode = RCODE.FORMERR
+        return reply.pack()
+    question = q.questions[0]
+    started = time.time()
+    try:
+        name = normalize_host(str(question.qname))
+    except (ValueError, UnicodeError):
+        reply.header.rcode = RCODE.NXDOMAIN
+        return reply.pack()
+    if not any(r.host_matches(name) for r in inst.policy.rules):
+        reply.header.rcode = RCODE.NXDOMAIN
+        inst.span(started, "denied", **{"egress.via": "dns", "egress.host": name, "egress.decision": "no-rule"})
+        return reply.pack()
+    try:
+        addresses: list[IPAddress] = await inst.egress.resolver.resolve(name)
+    except NameNotFound:
+        reply.header.rcode = RCODE.NXDOMAIN
+        return reply.pack()
+    verdicts = [inst.policy.operator.addresses.judge(ip) for ip in addresses]
+    refused = next((v.category for v in verdicts if not v.allowed), None)
+    if refused is not None:
+        # The same rule as for connections: one internal address refuses the name.
+        reply.header.rcode = RCODE.NXDOMAIN
+        inst.span(started, "denied", **{"egress.via": "dns", "egress.host": name, "egress.decision": refused})
+        return reply.pack()
+    for ip in addresses:
+        if question.qtype in (QTYPE.A, QTYPE.ANY) and ip.version == 4:
+            reply.add_answer(RR(question.qname, QTYPE.A, rdata=A(str(ip)), ttl=TTL_S))
+        elif question.qtype in (QTYPE.AAAA, QTYPE.ANY) and ip.version == 6:
+            reply.add_answer(RR(question.qname, QTYPE.AAAA, rdata=AAAA(str(ip)), ttl=TTL_S))
+    return reply.pack()
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, inst: InstanceEgress) -> None:
+        self.inst = inst
+        self.transport: Any = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if len(self._tasks) >= 64:  # a flood of lookups is dropped rather than queued without bound
+            return
+        task = asyncio.get_running_loop().create_task(self._answer(data, addr))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, data: bytes, addr: Any) -> None:
+        try:
+            out = await answer(self.inst, data)
+        except Exception as e:  # noqa: BLE001 - one bad query must not stop the responder
+            log.info("dns query failed", error=type(e).__name__)
+            return
+        if out is not None and self.transport is not None:
+            self.transport.sendto(out, addr)
+
+
+async def serve_udp(inst: InstanceEgress, host: str, port: int = 0) -> tuple[asyncio.DatagramTransport, int]:
+    """Start a UDP responder for ``inst``; returns the transport (close it to stop) and the bound port."""
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), local_addr=(host, port))
+    return transport, transport.get_extra_info("sockname")[1]
