@@ -163,3 +163,80 @@ def test_get_driver_picks_process_when_asked(tmp_path: Path) -> None:
     assert isinstance(d, ProcessDriver) and d.root == tmp_path / "sandboxes"
     with pytest.raises(ConfigError):
         get_driver(Config(data_dir=tmp_path, sandbox_driver="teleport"))
+
+
+def test_auto_never_falls_back_to_the_process_driver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorage.errors import ConfigError
+    from moorage.sandbox import get_driver
+
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # a host without QEMU
+    with pytest.raises(ConfigError) as e:
+        get_driver(Config(data_dir=tmp_path, sandbox_driver="auto"))
+    assert "QEMU" in str(e.value) and 'sandbox_driver = "process"' in (e.value.hint or "")
+
+
+#: Each line tries one kernel surface from inside the sandbox and prints what happened.
+SURFACES = r"""
+import ctypes, errno, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+def sys(name, nr, *args):
+    r = libc.syscall(nr, *args)
+    print(name, "OK" if r >= 0 else errno.errorcode[ctypes.get_errno()])
+sys("unshare-user", 272, 0x10000000)
+sys("unshare-net", 272, 0x40000000)
+sys("clone-newuser", 56, 0x10000000 | 17, 0, 0, 0, 0)
+sys("io_uring_setup", 425, 8, ctypes.create_string_buffer(120))
+sys("keyctl", 250, 0, 0, 0)
+sys("bpf", 321, 0, 0, 0)
+sys("perf_event_open", 298, 0, 0, -1, -1, 0)
+sys("userfaultfd", 323, 0)
+sys("ptrace", 101, 0, 1, 0, 0)
+sys("mount", 165, b"none", b"/tmp", b"tmpfs", 0, 0)
+for name, fam, kind, proto in [("packet", 17, socket.SOCK_RAW, 0), ("raw-icmp", socket.AF_INET, socket.SOCK_RAW, 1),
+                               ("alg", 38, socket.SOCK_SEQPACKET, 0)]:
+    try:
+        socket.socket(fam, kind, proto).close(); print(name, "OK")
+    except OSError as e:
+        print(name, errno.errorcode[e.errno])
+print("uid", os.getuid(), "userns-max", open("/proc/sys/user/max_user_namespaces").read().strip())
+"""
+
+
+async def test_kernel_surfaces_are_filtered(pdriver: ProcessDriver) -> None:
+    sb = await pdriver.create("seccomp")
+    await sb.start()
+    await sb.write_file("/work/surfaces.py", SURFACES.encode())
+    r = await sb.exec(["python3", "/work/surfaces.py"])
+    got = dict(line.split(" ", 1) for line in r.stdout_text.strip().splitlines())
+    assert r.ok, r.stderr_text
+    for name in ("unshare-user", "unshare-net", "clone-newuser", "io_uring_setup", "keyctl", "bpf", "perf_event_open",
+                 "userfaultfd", "ptrace", "mount", "raw-icmp"):
+        assert got[name] == "EPERM", (name, got)
+    assert got["packet"] == "EAFNOSUPPORT" and got["alg"] == "EAFNOSUPPORT", got
+    assert got["uid"].startswith("1000 ")
+    # Ordinary work still runs under the filter: processes, threads, files, loopback sockets.
+    ok = await sb.exec(["sh", "-c", "python3 -c 'import threading, socket; t = threading.Thread(target=print); t.start();"
+                        " t.join(); s = socket.socket(); s.bind((\"127.0.0.1\", 0)); s.listen()' && echo fine > f && cat f"])
+    assert ok.ok and ok.stdout_text.strip() == "fine", ok.stderr_text
+
+
+async def test_sandbox_processes_run_as_an_unprivileged_host_uid(pdriver: ProcessDriver) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("this test checks the uid drop a root host makes; run the suite as root (scripts/test.sh)")
+    sb = await pdriver.create("uid")
+    await sb.start()
+    assert isinstance(sb, ProcessSandbox)
+    await sb.exec(["sh", "-c", "sleep 30 & echo started"])
+    uids = {}
+    for pid in [sb._pid or 0, *process_limits.descendants(sb._pid or 0)]:
+        status = Path(f"/proc/{pid}/status").read_text()
+        uids[pid] = {int(x) for x in next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1:]}
+    # The launcher's root shells exec'd into bubblewrap: every process of the sandbox, bubblewrap included,
+    # runs as the sandbox uid (real, effective, saved and filesystem uid alike).
+    assert len(uids) >= 3 and all(u == {pdriver.config.sandbox_uid} for u in uids.values()), uids
+    # Its files on the host are the sandbox uid's, inside directories only the host can enter.
+    assert (sb.layer / "work").stat().st_uid == pdriver.config.sandbox_uid
+    assert oct(sb.dir.stat().st_mode & 0o777) == "0o700" and oct(pdriver.root.stat().st_mode & 0o777) == "0o700"
+    assert oct((sb.dir / "meta.json").stat().st_mode & 0o777) == "0o600"

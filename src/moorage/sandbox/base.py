@@ -95,6 +95,13 @@ class RemoteError(ChannelError):
         self.data = data
 
 
+class GuestFileTooLarge(SandboxError):
+    """``read_file`` stopped at its byte cap: the file is larger, or the guest never said end-of-file."""
+
+    code = "sandbox-file-too-large"
+    http_status = 413
+
+
 class GuestFileNotFound(SandboxError, NotFound):
     """A path asked for through ``read_file``/``list_files`` does not exist inside the sandbox."""
 
@@ -135,7 +142,7 @@ _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 def validate_id(value: str, what: str = "sandbox id") -> str:
     """Ids become directory names; accept only a safe subset so no id can escape the root directory."""
-    if not isinstance(value, str) or not _ID_RE.match(value) or ".." in value:
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value) or ".." in value:
         from moorage.errors import InvalidInput
 
         raise InvalidInput(
@@ -251,6 +258,8 @@ OutputCallback = Callable[[str, bytes], "Awaitable[None] | None"]
 
 #: Raw bytes per fs.read / fs.write frame; base64 makes it 4/3 larger, well under the frame limit.
 FILE_CHUNK_BYTES = 1 << 20
+#: Most bytes ``read_file`` returns by default; a guest that never says end-of-file is cut off here.
+READ_FILE_MAX_BYTES = 64 << 20
 #: Output kept in ExecResult per stream; the rest is only streamed to ``on_output``.
 EXEC_CAPTURE_BYTES = 16 << 20
 #: Extra seconds the host waits beyond an exec timeout for the guest's own kill to be reported.
@@ -373,12 +382,25 @@ class Sandbox(ABC):
                 raise GuestFileNotFound(f"{params.get('path')}: no such file in sandbox {self.id}") from e
             raise
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, *, max_bytes: int = READ_FILE_MAX_BYTES) -> bytes:
+        """The whole file, up to ``max_bytes``: the guest decides when a file ends, so the host bounds it."""
         data = bytearray()
         while True:
-            r = await self._fs("fs.read", {"path": path, "offset": len(data), "length": FILE_CHUNK_BYTES})
-            chunk = base64.b64decode(r["data"])
+            want = min(FILE_CHUNK_BYTES, max_bytes + 1 - len(data))
+            r = await self._fs("fs.read", {"path": path, "offset": len(data), "length": want})
+            if not isinstance(r, dict) or not isinstance(r.get("data"), str) or len(r["data"]) > (want + 2) // 3 * 4:
+                raise GuestProtocolError(f"sandbox {self.id} answered fs.read of {path} with more than it was asked for",
+                                         hint="the guest may be compromised; destroy it or roll it back")
+            try:
+                chunk = base64.b64decode(r["data"], validate=True)
+            except ValueError as e:
+                raise GuestProtocolError(f"sandbox {self.id} sent invalid base64 for {path}: {e}") from e
             data += chunk
+            if len(data) > max_bytes:
+                raise GuestFileTooLarge(
+                    f"{path} in sandbox {self.id} is larger than {max_bytes} bytes (or never ends)",
+                    hint="read it in parts with exec (e.g. head -c) or raise max_bytes",
+                )
             if r.get("eof") or not chunk:
                 return bytes(data)
 

@@ -1,7 +1,8 @@
 """Host side of the host<->guest channel: length-prefixed JSON frames carrying JSON-RPC-like messages.
 
 Bidirectional: the host calls guest methods (with streamed events and cancellation) and serves methods the
-guest calls on the host. A malformed frame from the guest is logged and rejected, never raised into the host.
+guest calls on the host. A malformed frame from the guest is logged and rejected, never raised into the host;
+everything a guest can make the host hold (frames, unread events, its own requests) is bounded.
 The wire format is documented in docs/channel.md; the guest has its own stdlib-only copy (guest/rpc.py).
 """
 
@@ -23,6 +24,15 @@ log = get_logger(__name__)
 
 #: Largest frame either side accepts (payload bytes, without the 4-byte header).
 MAX_FRAME = 8 << 20
+#: Deepest JSON nesting a frame may carry; deeper is a protocol error (no real message nests past ~6).
+MAX_DEPTH = 64
+#: Guest-initiated requests served at once per channel; more are answered BUSY at once, without a task.
+MAX_GUEST_INFLIGHT = 32
+#: Unread events buffered per host call (count and payload bytes); a guest streaming past either fails the call.
+MAX_PENDING_EVENTS = 4096
+MAX_PENDING_EVENT_BYTES = 32 << 20
+#: Ids of calls the host gave up on, remembered to drop their late answers quietly (oldest forgotten first).
+_MAX_CANCELLED = 4096
 _HEADER = struct.Struct(">I")
 
 # Error codes (JSON-RPC 2.0 where one exists).
@@ -33,7 +43,35 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 CANCELLED = -32800
 TOO_LARGE = -32001
+BUSY = -32002
 APPLICATION_ERROR = -32000
+
+
+def json_depth_exceeds(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests containers deeper than ``limit`` (iterative: a deep value cannot overflow the stack)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        cur, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(cur, dict):
+            stack.extend((v, depth + 1) for v in cur.values() if isinstance(v, (dict, list)))
+        elif isinstance(cur, list):
+            stack.extend((v, depth + 1) for v in cur if isinstance(v, (dict, list)))
+    return False
+
+
+def decode_payload(payload: bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse one frame's payload; raises ``ValueError`` for bad UTF-8, bad JSON or nesting past ``max_depth``."""
+    # A payload with fewer brackets than the limit cannot nest past it: the common case skips the walk.
+    brackets = payload.count(b"[") + payload.count(b"{")
+    try:
+        msg = json.loads(payload.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+    if brackets > max_depth and json_depth_exceeds(msg, max_depth):
+        raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    return msg
 
 
 def encode_frame(msg: Any, max_frame: int = MAX_FRAME) -> bytes:
@@ -78,11 +116,14 @@ class HandlerError(Exception):
 
 
 class _Pending:
-    __slots__ = ("events", "future")
+    __slots__ = ("events", "future", "buffered_bytes")
 
     def __init__(self) -> None:
-        self.events: asyncio.Queue[Event | None] = asyncio.Queue()
+        # Unbounded as a queue, bounded by the reader: it fails the call before it holds more than
+        # MAX_PENDING_EVENTS events or MAX_PENDING_EVENT_BYTES of their payloads.
+        self.events: asyncio.Queue[tuple[Event, int] | None] = asyncio.Queue()
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.buffered_bytes = 0
 
 
 class CallStream:
@@ -128,7 +169,7 @@ class CallStream:
         try:
             if remaining is not None and remaining <= 0:
                 raise asyncio.TimeoutError
-            ev = await asyncio.wait_for(self._pending.events.get(), remaining)
+            item = await asyncio.wait_for(self._pending.events.get(), remaining)
         except asyncio.TimeoutError:
             await self.cancel()
             raise ChannelTimeout(
@@ -138,7 +179,9 @@ class CallStream:
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel())
             raise
-        if ev is not None:
+        if item is not None:
+            ev, size = item
+            self._pending.buffered_bytes -= size
             return ev
         self.done = True
         self.result = self._pending.future.result()  # raises RemoteError / ChannelClosed
@@ -151,7 +194,7 @@ class CallStream:
             return
         self.done = True
         self._channel._pending.pop(self._id, None)
-        self._channel._cancelled.add(self._id)
+        self._channel._forget_call(self._id)
         try:
             await self._channel.notify("$cancel", {"id": self._id})
         except ChannelError:
@@ -169,9 +212,11 @@ class Channel:
         name: str = "channel",
         max_frame: int = MAX_FRAME,
         first_id: int = 1,
+        max_guest_inflight: int = MAX_GUEST_INFLIGHT,
     ) -> None:
         self.name = name
         self.max_frame = max_frame
+        self.max_guest_inflight = max_guest_inflight
         self._reader = reader
         self._writer = writer
         self._write_lock = asyncio.Lock()
@@ -180,7 +225,7 @@ class Channel:
         self._ids = itertools.count(first_id)
         self._pending: dict[int, _Pending] = {}
         #: Calls the host gave up on: their late events and answer are dropped quietly, not counted as rejects.
-        self._cancelled: set[int] = set()
+        self._cancelled: dict[int, None] = {}  # insertion-ordered set, trimmed to _MAX_CANCELLED
         self._handlers: dict[str, Handler] = {}
         self._serving: dict[Any, asyncio.Task[None]] = {}
         self._read_task: asyncio.Task[None] | None = None
@@ -188,12 +233,14 @@ class Channel:
         self._close_reason: str = "closed"
         #: Frames rejected as malformed since the channel opened (observable for tests and metrics).
         self.rejected_frames = 0
+        #: Guest requests answered BUSY because ``max_guest_inflight`` were already being served.
+        self.busy_rejects = 0
 
     # --- construction ---------------------------------------------------------------------------------------
 
     @classmethod
     async def open_unix(cls, path: str, *, name: str = "channel", max_frame: int = MAX_FRAME,
-                        first_id: int = 1) -> "Channel":
+                        first_id: int = 1, max_guest_inflight: int = MAX_GUEST_INFLIGHT) -> "Channel":
         dir_fd = None
         target = path
         if len(os.fsencode(path)) > 100:
@@ -210,7 +257,8 @@ class Channel:
         finally:
             if dir_fd is not None:
                 os.close(dir_fd)
-        ch = cls(reader, writer, name=name, max_frame=max_frame, first_id=first_id)
+        ch = cls(reader, writer, name=name, max_frame=max_frame, first_id=first_id,
+                 max_guest_inflight=max_guest_inflight)
         ch.start()
         return ch
 
@@ -295,7 +343,9 @@ class Channel:
 
     def _reject(self, why: str, **fields: Any) -> None:
         self.rejected_frames += 1
-        log.warning("rejected guest frame", channel=self.name, reason=why, **fields)
+        # A flooding guest must not flood the host's log too: the first few, then one line per thousand.
+        if self.rejected_frames <= 20 or self.rejected_frames % 1000 == 0:
+            log.warning("rejected guest frame", channel=self.name, reason=why, rejected=self.rejected_frames, **fields)
 
     async def _read_loop(self) -> None:
         reason = "guest closed the connection"
@@ -318,12 +368,18 @@ class Channel:
                     reason = "guest closed the connection mid-frame"
                     break
                 try:
-                    msg = json.loads(payload.decode("utf-8"))
-                except (UnicodeDecodeError, ValueError) as e:
+                    msg = decode_payload(payload)
+                except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors too
                     self._reject("invalid JSON", error=str(e)[:200])
-                    await self._safe_send({"id": None, "error": {"code": PARSE_ERROR, "message": "invalid JSON"}})
+                    await self._safe_send({"id": None, "error": {"code": PARSE_ERROR, "message": f"invalid JSON: {str(e)[:200]}"}})
                     continue
-                await self._dispatch(msg)
+                del payload
+                try:
+                    await self._dispatch(msg, length)
+                except (asyncio.CancelledError, OSError, ConnectionError):
+                    raise
+                except Exception as e:  # a frame must never kill the reader: the guest cannot take the host down
+                    self._reject("frame could not be handled", error=f"{type(e).__name__}: {str(e)[:200]}")
         except asyncio.CancelledError:
             reason = "closed by host"
             raise
@@ -338,7 +394,12 @@ class Channel:
         except ChannelError:
             pass
 
-    async def _dispatch(self, msg: Any) -> None:
+    def _forget_call(self, rid: int) -> None:
+        self._cancelled[rid] = None
+        while len(self._cancelled) > _MAX_CANCELLED:
+            del self._cancelled[next(iter(self._cancelled))]
+
+    async def _dispatch(self, msg: Any, size: int = 0) -> None:
         if not isinstance(msg, dict):
             self._reject("frame is not a JSON object")
             await self._safe_send({"id": None, "error": {"code": INVALID_REQUEST, "message": "frame must be an object"}})
@@ -356,19 +417,41 @@ class Channel:
                 return
             if rid is None:
                 self._on_notification(method, msg.get("params"))
+            elif rid in self._serving:
+                self._reject("duplicate request id", id=repr(rid)[:50])
+            elif len(self._serving) >= self.max_guest_inflight:
+                # Answered inline (no task): a flood costs the host one small frame per request, never memory.
+                self.busy_rejects += 1
+                await self._safe_send({"id": rid, "error": {
+                    "code": BUSY, "message": f"host is serving {self.max_guest_inflight} requests of this sandbox; retry later",
+                    "data": {"type": "Busy", "limit": self.max_guest_inflight}}})
             else:
                 self._on_request(rid, method, msg.get("params"))
             return
         if isinstance(rid, int) and rid in self._cancelled:
             if "result" in msg or "error" in msg:
-                self._cancelled.discard(rid)
+                self._cancelled.pop(rid, None)
             return
         if "event" in msg:
             pending = self._pending.get(rid) if isinstance(rid, int) else None
             if pending is None or not isinstance(msg["event"], str):
                 self._reject("event for unknown call", id=repr(rid)[:50])
                 return
-            pending.events.put_nowait(Event(msg["event"], msg.get("data")))
+            if pending.events.qsize() >= MAX_PENDING_EVENTS or pending.buffered_bytes + size > MAX_PENDING_EVENT_BYTES:
+                # The caller is not keeping up (or the guest floods): fail this call rather than buffer without end.
+                self._reject("too many unread events", id=repr(rid)[:50])
+                self._pending.pop(rid, None)
+                self._forget_call(rid)
+                if not pending.future.done():
+                    pending.future.set_exception(GuestProtocolError(
+                        f"{self.name}: the guest streamed more than {MAX_PENDING_EVENTS} events or "
+                        f"{MAX_PENDING_EVENT_BYTES >> 20} MiB ahead of the reader",
+                        hint="the call was cancelled; read events as they come or ask for less output"))
+                pending.events.put_nowait(None)
+                await self._safe_send({"method": "$cancel", "params": {"id": rid}})
+                return
+            pending.buffered_bytes += size
+            pending.events.put_nowait((Event(msg["event"], msg.get("data")), size))
             return
         if "result" in msg or "error" in msg:
             pending = self._pending.pop(rid, None) if isinstance(rid, int) else None
@@ -390,16 +473,13 @@ class Channel:
     def _on_notification(self, method: str, params: Any) -> None:
         if method == "$cancel":
             target = params.get("id") if isinstance(params, dict) else None
-            task = self._serving.get(target)
+            task = self._serving.get(target) if isinstance(target, (int, str)) else None
             if task is not None:
                 task.cancel()
             return
         self._reject("unknown notification", method=method[:100])
 
     def _on_request(self, rid: Any, method: str, params: Any) -> None:
-        if rid in self._serving:
-            self._reject("duplicate request id", id=repr(rid)[:50])
-            return
         task = asyncio.get_running_loop().create_task(self._serve(rid, method, params))
         self._serving[rid] = task
 

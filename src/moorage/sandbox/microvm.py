@@ -54,6 +54,7 @@ from moorage.sandbox.microvm_qemu import (
     pid_is_ours,
     qemu_version,
     run_dir_for,
+    ensure_private_dir,
     spawn,
 )
 from moorage.sandbox.qmp import QMPClient, QMPError
@@ -242,7 +243,7 @@ class MicroVMSandbox(Sandbox):
 
     async def _launch(self, incoming: bool) -> None:
         self._reap_dying()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self.run_dir)
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
         paths = self._paths()
@@ -289,7 +290,8 @@ class MicroVMSandbox(Sandbox):
                     # The guest's end of the port may still remember request ids of a connection from before a
                     # sleep (it cannot see a disconnect while frozen); start this session's ids where none can clash.
                     self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}",
-                                                            first_id=secrets.randbelow(1 << 40) + (1 << 20))
+                                                            first_id=secrets.randbelow(1 << 40) + (1 << 20),
+                                                            max_guest_inflight=self._driver.config.guest_calls_per_channel)
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
                 method, params = first() if first is not None else ("ping", {})
                 return await self._channel.call(method, params, timeout=wait)
@@ -437,10 +439,10 @@ class MicroVMSandbox(Sandbox):
             ph.mark("ram_delta")
         elif keep_running:
             _sparse_copy(self.dir / "ram", new / "ram")  # a checkpoint needs its own copy of shared RAM
-            record["ram_checksum"] = ram.sampled_checksum(new / "ram")
+            record["ram_checksum"] = ram.file_digest(new / "ram")
         else:
             ram.fsync_path(self.dir / "ram")
-            record["ram_checksum"] = ram.sampled_checksum(self.dir / "ram")
+            record["ram_checksum"] = ram.file_digest(self.dir / "ram")
         ph.mark("ram")
         ram.fsync_path(new / "dev.state")
         ram.fsync_path(self.dir / "disk.qcow2")
@@ -481,7 +483,7 @@ class MicroVMSandbox(Sandbox):
                 raise SnapshotCorrupt(f"RAM delta of {self.id} is missing or fails its checksum", hint="it cold-boots from its disk")
         else:
             ram_file = snap_dir / "ram" if (snap_dir / "ram").exists() else self.dir / "ram"
-            if not ram_file.exists() or ram.sampled_checksum(ram_file) != record.get("ram_checksum"):
+            if not ram_file.exists() or not ram.digest_matches(ram_file, record.get("ram_checksum")):
                 raise SnapshotCorrupt(f"RAM file of {self.id} is missing, truncated or changed", hint="it cold-boots from its disk")
         return record
 
@@ -742,6 +744,7 @@ class MicroVMDriver(SandboxDriver):
     def __init__(self, root: Path, config: Config, *, images_dir: Path | None = None, drop_caches_on_sleep: bool = False) -> None:
         super().__init__(root, config)
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)  # RAM files, disks and snapshots are this host's alone
         self.root = self.root.resolve()  # QEMU command lines carry absolute paths; orphans are found by them
         self.images_dir = Path(images_dir) if images_dir else config.images_dir
         self.drop_caches_on_sleep = drop_caches_on_sleep

@@ -1,28 +1,39 @@
 """QEMU command lines and processes for the micro-VM driver: one ``-M microvm`` process per awake sandbox.
 
 The device layout built here is part of every snapshot's identity (a snapshot restores only into the same
-QEMU binary and layout), so it is hashed into ``layout_id`` and checked before a wake.
+QEMU binary and layout), so it is hashed into ``layout_id`` and checked before a wake. QEMU runs under its own
+seccomp sandbox, with its sockets in the sandbox's private run directory and its console capped on disk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import select
 import shutil
 import signal
+import stat
 import subprocess
-import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from moorage.errors import UnavailableError
+from moorage.sandbox.base import SandboxError
 from moorage.sandbox.accel import QEMU, accel_args
 from moorage.sandbox.image_guest import CHANNEL_PORT
 
 #: Bumped when the layout below changes in a way its inputs do not show.
 LAYOUT_VERSION = "1"
+#: QEMU's own seccomp filter: no exec/fork, no set*id, no scheduler/affinity changes, no obsolete syscalls.
+#: Nothing in this driver needs what it denies (migration goes through fd:, snapshots through QMP).
+SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#: The guest's serial console on disk: console.log up to this size, then it becomes console.log.1 (one kept).
+CONSOLE_CAP_BYTES = 512 << 10
+#: Longest unix socket path bind()/connect() take (sun_path); longer ones are reached through a directory fd.
+_SUN_PATH_MAX = 100
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,12 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
         # for forks (pages the guest writes are copied on write, and only those are saved).
         "-object", f"memory-backend-file,id=mem,size={mem},mem-path={paths.ram},share={'on' if ram_shared else 'off'}",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-serial", f"file:{paths.console_log}",
+        "-sandbox", SANDBOX_ARG,
+        # The console goes through a FIFO the host drains into a capped, rotated console.log (a guest printing
+        # forever must not fill the host's disk); no host reading it means its output is dropped.
+        "-serial", f"file:{console_pipe(paths.console_log)}",
+        # Names the run directory on the command line (how a QEMU of this sandbox is recognised after a restart).
+        "-pidfile", str(paths.qmp_sock.parent / "qemu.pid"),
         # No network device at all: the guest's only way out is the channel.
         "-drive", f"id=disk,file={paths.disk},format=qcow2,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
         "-device", "virtio-blk-device,drive=disk",
@@ -124,15 +140,109 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
 
 
 def run_dir_for(sandbox_dir: Path) -> Path:
-    """Short directory for the unix sockets (sun_path is limited to 107 bytes; sandbox paths can be long)."""
-    h = hashlib.sha256(str(sandbox_dir.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "moorage-vm" / h
+    """The sandbox's private run directory (its monitor and channel sockets), inside its own directory."""
+    return sandbox_dir / "run"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create ``path`` mode 0700, or accept an existing one only if it is a real directory of ours, mode 0700.
+
+    Whoever can create files in it can pose as the guest's channel or the monitor: a directory someone else made
+    first (or made group/world accessible) is refused, not repaired.
+    """
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise SandboxError(
+            f"refusing run directory {path}: owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}"
+            f"{'' if stat.S_ISDIR(st.st_mode) else ' (not a directory)'}; it must be ours (uid {os.geteuid()}), mode 700",
+            hint=f"remove {path} (no QEMU of this sandbox may be running) and try again",
+        )
+    return path
+
+
+def console_pipe(console_log: Path) -> Path:
+    return console_log.with_name("console.pipe")
+
+
+def _arg_after(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
 
 
 def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start QEMU in its own session so it outlives a crashed host process (it is re-adopted via its pidfile)."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+    """Start QEMU in its own session so it outlives a crashed host process (it is re-adopted via its pidfile).
+
+    Sockets whose path is too long for sun_path are bound through an inherited descriptor of the run directory;
+    the console FIFO is opened for reading first (QEMU would block opening it) and drained by a thread.
+    """
+    run_dir = Path(_arg_after(argv, "-pidfile")).parent
+    pipe = Path(_arg_after(argv, "-serial").removeprefix("file:"))
+    dir_fd = os.open(run_dir, os.O_PATH | os.O_DIRECTORY)
+    via_fd = f"/proc/self/fd/{dir_fd}/"
+    argv = [a.replace(f"{run_dir}/", via_fd) if _is_socket_arg(a) and len(str(run_dir)) + 12 > _SUN_PATH_MAX else a
+            for a in argv]
+    if pipe.exists() and not stat.S_ISFIFO(os.lstat(pipe).st_mode):
+        pipe.unlink()
+    if not pipe.exists():
+        os.mkfifo(pipe, 0o600)
+    console_fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        with open(log_path, "ab") as log:
+            os.fchmod(log.fileno(), 0o600)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    close_fds=True, pass_fds=[dir_fd])
+    except BaseException:
+        os.close(console_fd)
+        raise
+    finally:
+        os.close(dir_fd)
+    threading.Thread(target=_drain_console, args=(console_fd, proc, pipe.with_name("console.log")),
+                     name=f"console-{proc.pid}", daemon=True).start()
+    return proc
+
+
+def _is_socket_arg(arg: str) -> bool:
+    return arg.startswith(("socket,", "unix:"))
+
+
+def _drain_console(fd: int, proc: subprocess.Popen[bytes], log_path: Path, cap: int = CONSOLE_CAP_BYTES) -> None:
+    """Copy the console FIFO into ``log_path``, rotating at ``cap``: at most 2 x cap bytes on disk, ever."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    out = None
+    try:
+        out = open(log_path, "ab")
+        os.fchmod(out.fileno(), 0o600)
+        size = out.tell()
+        while True:
+            if not poller.poll(1000):
+                if proc.poll() is not None:
+                    return
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not data:  # every writer closed: QEMU exited
+                return
+            if size + len(data) > cap:
+                out.close()
+                os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+                out = open(log_path, "wb")
+                os.fchmod(out.fileno(), 0o600)
+                size = 0
+            out.write(data[-cap:])
+            out.flush()
+            size += min(len(data), cap)
+    except OSError:
+        return  # the sandbox directory went away (destroyed): nothing left to log to
+    finally:
+        os.close(fd)
+        if out is not None:
+            out.close()
 
 
 def pid_is_ours(pid: int, marker: str) -> bool:

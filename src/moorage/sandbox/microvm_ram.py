@@ -1,4 +1,4 @@
-"""Guest RAM files for the micro-VM driver: cheap checksums, sparse copies, and copy-on-write deltas.
+"""Guest RAM files for the micro-VM driver: whole-file digests, sparse copies, and copy-on-write deltas.
 
 A forked VM maps its template's RAM file privately (MAP_PRIVATE): pages the guest writes become anonymous pages
 of the QEMU process. The host finds them in /proc/PID/pagemap and saves only those ("the delta") when the VM
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from moorage.sandbox.base import SandboxError, SnapshotCorrupt
 
@@ -25,6 +26,8 @@ _PM_FILE = 1 << 61  # file-backed or shared-anon: for a private file mapping, "s
 #: Pages per pagemap read / per /proc/PID/mem read: big sequential reads keep the scan in the ms range.
 _CHUNK_PAGES = 8192
 _IDX = struct.Struct("<II")  # (first page, page count) runs
+_EXTENT = struct.Struct("<QQ")  # (start, end) of a data extent, hashed before its bytes
+_READ_BYTES = 4 << 20
 
 
 class RamError(SandboxError):
@@ -171,9 +174,50 @@ def read_all(pid: int, m: Mapping, out: Path) -> None:
         os.close(mem)
 
 
+def file_digest(path: Path) -> str:
+    """Digest of every byte of a (sparse) RAM file: XXH3-128 over its data extents, each with its offset, plus
+    the size. Holes read as zeros and stay unread, so this costs what the guest touched, not the RAM size; any
+    change anywhere (a byte in a hole included: it becomes data) changes the digest."""
+    h = xxhash.xxh3_128()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    buf = bytearray(_READ_BYTES)
+    view = memoryview(buf)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pos = 0
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:  # ENXIO: only a hole is left
+                break
+            end = os.lseek(fd, start, os.SEEK_HOLE)
+            h.update(_EXTENT.pack(start, end))
+            off = start
+            while off < end:
+                n = os.preadv(fd, [view[: min(_READ_BYTES, end - off)]], off)
+                if n <= 0:
+                    break
+                h.update(view[:n])
+                off += n
+            pos = end
+    finally:
+        os.close(fd)
+    return f"xxh3:{size}:{h.hexdigest()}"
+
+
+def digest_matches(path: Path, recorded: object) -> bool:
+    """Does ``path`` still have the digest recorded at sleep? Records from before full digests used a sample."""
+    if not isinstance(recorded, str):
+        return False
+    if recorded.startswith("xxh3:"):
+        return file_digest(path) == recorded
+    return sampled_checksum(path) == recorded
+
+
 def sampled_checksum(path: Path, samples: int = 512) -> str:
-    """A cheap fingerprint of a big RAM file: its size plus CRCs of pages spread across it (catches truncation
-    and overwritten regions without reading 256 MiB on every sleep)."""
+    """The fingerprint snapshots recorded before ``file_digest`` (size plus CRCs of 512 pages); still verified so
+    a sandbox that slept under an older version wakes from its snapshot."""
     size = path.stat().st_size
     crc = zlib.crc32(str(size).encode())
     npages = max(size // PAGE, 1)

@@ -2,6 +2,8 @@
 
 Filesystem-only persistence: the host root is bound read-only, each sandbox owns a writable layer (/work, /tmp)
 that is its snapshot; sleep stops every process, wake cold-starts the supervisor; fork and checkpoint copy the layer.
+Confinement: every namespace, no nested user namespaces, a seccomp filter (process_seccomp.py) and, on a host
+running as root, an unprivileged host uid (``Config.sandbox_uid``) for everything in the sandbox.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import time
@@ -18,9 +21,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from moorage.config import Config
-from moorage.errors import ConflictError, InvalidInput
+from moorage.errors import ConfigError, ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import process_limits as limits
+from moorage.sandbox import process_seccomp
 from moorage.sandbox.base import (
     Capabilities,
     ChannelError,
@@ -58,6 +62,10 @@ _ETC_ALLOWLIST = (
     "services", "debian_version", "os-release",
 )
 _START_TIMEOUT_S = 30.0
+#: Where a root host's launcher binds the sandbox's own directories in its private mount namespace, so the
+#: unprivileged sandbox uid never needs to traverse the data directory's parents (e.g. /root, mode 0700).
+_STAGE = "/tmp"
+_STAGED = ("layer", "run", "etc", "guest")
 _STOP_TIMEOUT_S = 5.0
 
 
@@ -152,24 +160,51 @@ class ProcessSandbox(Sandbox):
     async def _boot(self) -> None:
         spec = self.spec
         self.quota_exceeded = False
-        (self.dir / "run").mkdir(exist_ok=True)
+        run = self.dir / "run"
+        run.mkdir(mode=0o700, exist_ok=True)
         if self.socket_path.exists():
             self.socket_path.unlink()
+        uid = self.driver.host_uid
+        if uid is not None:
+            _own_tree(self.layer, uid)
+            os.chown(run, uid, uid)
+            os.chmod(run, 0o700)
         mem = spec.memory_mib << 20
         self.cgroup.create(spec.max_processes, mem)
         # Per-process address space: the only memory bound without a cgroup; a generous backstop with one.
         address_space = max(mem, 1 << 30) if self.cgroup.dirs else mem
-        argv = self.driver.bwrap_argv(self)
-        prlimit = limits.rlimit_args(
-            max_processes=spec.max_processes, max_file_bytes=spec.max_file_mib << 20, address_space_bytes=address_space
-        )
-        # A tiny shell moves itself into the cgroup before exec'ing bwrap, so no sandbox process ever runs outside it.
-        join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
-        wrapper = ["/bin/sh", "-c", join, "moorage-sandbox", *map(str, self.cgroup.procs_files), "--", *prlimit, *argv]
-        with open(self.dir / "supervisor.log", "ab") as logf:
-            self._proc = subprocess.Popen(
-                wrapper, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env={}, close_fds=True, start_new_session=True
+        staged = uid is not None
+        # Above fd 9: the staging shell uses 3-6 for the directories it binds.
+        seccomp_fd = process_seccomp.filter_fd(min_fd=10)
+        try:
+            argv = _with_seccomp(self.driver.bwrap_argv(self, staged=staged), seccomp_fd)
+            # A uid shared by every sandbox counts its processes host-wide: the cgroup bounds each sandbox instead.
+            nproc = spec.max_processes if not (staged and self.cgroup.dirs) else None
+            prlimit = limits.rlimit_args(
+                max_processes=nproc, max_file_bytes=spec.max_file_mib << 20, address_space_bytes=address_space
             )
+            launch = [*prlimit, *argv]
+            if staged:
+                # As root: bind the sandbox's directories into a private mount namespace, then drop to the sandbox
+                # uid (no capabilities, no groups) before bubblewrap runs; bubblewrap then needs no privilege.
+                sources = {"layer": self.layer, "run": run, "etc": self.dir / "etc", "guest": self.driver._guest_dir}
+                launch = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                          _stage_script(sources), "moorage-stage", *prlimit,
+                          "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                          "--bounding-set=-all", "--", *argv]
+            # A tiny shell moves itself into the cgroup before exec'ing the rest, so no sandbox process ever runs
+            # outside it.
+            join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
+            wrapper = ["/bin/sh", "-c", join, "moorage-sandbox", *map(str, self.cgroup.procs_files), "--", *launch]
+            with open(self.dir / "supervisor.log", "ab") as logf:
+                os.fchmod(logf.fileno(), 0o600)
+                self._proc = subprocess.Popen(
+                    wrapper, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, close_fds=True, pass_fds=[seccomp_fd],
+                    start_new_session=True,
+                )
+        finally:
+            os.close(seccomp_fd)
         self._pid = self._proc.pid
         try:
             self._channel = await self._connect(_START_TIMEOUT_S)
@@ -190,7 +225,8 @@ class ProcessSandbox(Sandbox):
                 raise SandboxError(f"sandbox {self.id} exited while starting", hint=f"supervisor log: {tail}")
             if self.socket_path.exists():
                 try:
-                    ch = await Channel.open_unix(str(self.socket_path), name=f"sandbox:{self.id}")
+                    ch = await Channel.open_unix(str(self.socket_path), name=f"sandbox:{self.id}",
+                                                 max_guest_inflight=self.driver.config.guest_calls_per_channel)
                 except ChannelError as e:
                     last_error = str(e)
                     await asyncio.sleep(0.02)
@@ -433,12 +469,25 @@ class ProcessDriver(SandboxDriver):
         self.instance_tag = hashlib.sha256(str(self.root.resolve()).encode()).hexdigest()[:12]
         self._open: dict[str, ProcessSandbox] = {}
         self._guest_dir = Path(__file__).resolve().parent.parent / "guest"
+        #: The host uid sandbox processes run as: ``config.sandbox_uid`` when this host runs as root (bubblewrap
+        #: would otherwise map the guest to host root), None when the host is already unprivileged.
+        self.host_uid: int | None = config.sandbox_uid if os.geteuid() == 0 else None
+        if self.host_uid == 0:
+            raise ConfigError("sandbox_uid = 0 would run process sandboxes as host root",
+                              hint="set sandbox_uid to an unprivileged uid no account uses (default 64000)")
+        os.chmod(self.root, 0o700)
+        process_seccomp.compile_filter()  # fail at start, not at the first wake, when libseccomp is missing
 
     # --- bubblewrap command ----------------------------------------------------------------------------------
 
-    def bwrap_argv(self, sb: ProcessSandbox) -> list[str]:
-        a = [_bwrap(), "--unshare-all", "--unshare-user", "--uid", str(GUEST_UID), "--gid", str(GUEST_UID),
-             "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+    def bwrap_argv(self, sb: ProcessSandbox, *, staged: bool = False) -> list[str]:
+        """The bubblewrap command. ``staged``: the sandbox's directories are bound under ``_STAGE`` by a root launcher."""
+        src = {"layer": sb.layer, "run": sb.dir / "run", "etc": sb.dir / "etc", "guest": self._guest_dir}
+        if staged:
+            src = {name: Path(_STAGE) / name for name in _STAGED}
+        a = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--assert-userns-disabled",
+             "--uid", str(GUEST_UID), "--gid", str(GUEST_UID), "--die-with-parent", "--new-session",
+             "--hostname", "sandbox"]
         a += ["--ro-bind", "/usr", "/usr"]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = Path("/") / top
@@ -449,11 +498,11 @@ class ProcessDriver(SandboxDriver):
         for name in _ETC_ALLOWLIST:
             a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for name in ("passwd", "group", "hosts"):
-            a += ["--ro-bind", str(sb.dir / "etc" / name), f"/etc/{name}"]
+            a += ["--ro-bind", str(src["etc"] / name), f"/etc/{name}"]
         a += ["--proc", "/proc", "--dev", "/dev"]
-        a += ["--bind", str(sb.layer / "work"), "/work", "--bind", str(sb.layer / "tmp"), "/tmp"]
-        a += ["--bind", str(sb.dir / "run"), "/run/moorage"]
-        a += ["--ro-bind", str(self._guest_dir), GUEST_MOUNT]
+        a += ["--bind", str(src["layer"] / "work"), "/work", "--bind", str(src["layer"] / "tmp"), "/tmp"]
+        a += ["--bind", str(src["run"]), "/run/moorage"]
+        a += ["--ro-bind", str(src["guest"]), GUEST_MOUNT]
         a += ["--chdir", "/work", "--clearenv"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "USER": "agent",
                "TMPDIR": "/tmp", "MOORAGE_WORKDIR": "/work", "MOORAGE_SANDBOX_ID": sb.id, **dict(sb.spec.env)}
@@ -472,7 +521,8 @@ class ProcessDriver(SandboxDriver):
         return d
 
     def _init_dir(self, d: Path, spec: SandboxSpec) -> None:
-        (d / "run").mkdir(parents=True)
+        d.mkdir(mode=0o700, parents=True)
+        (d / "run").mkdir(mode=0o700)
         (d / "etc").mkdir()
         (d / "etc" / "passwd").write_text(f"root:x:0:0:root:/root:/bin/sh\nagent:x:{GUEST_UID}:{GUEST_UID}:agent:/work:/bin/sh\n"
                                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
@@ -584,6 +634,37 @@ class ProcessDriver(SandboxDriver):
                 await sb._channel.close()
                 sb._channel = None
         self._open.clear()
+
+
+def _with_seccomp(argv: list[str], fd: int) -> list[str]:
+    """``argv`` (a bubblewrap command) with the seccomp filter on ``fd`` applied to the sandbox."""
+    return [argv[0], "--seccomp", str(fd), *argv[1:]]
+
+
+def _stage_script(sources: dict[str, Path]) -> str:
+    """Shell run as root in the launcher's private mount namespace: binds each source under ``_STAGE``.
+
+    Sources are opened before the stage's tmpfs goes up (a source may live under the stage's path, e.g. /tmp)
+    and bound from their descriptors, which are closed again before the rest of the command runs.
+    """
+    fds = {name: 3 + i for i, name in enumerate(_STAGED)}
+    lines = ["set -e"]
+    lines += [f"exec {fds[name]}<{shlex.quote(str(sources[name]))}" for name in _STAGED]
+    lines.append(f"mount -t tmpfs -o mode=0755,size=64k moorage {_STAGE}")
+    lines += [f"mkdir {_STAGE}/{name}; mount --bind /proc/self/fd/{fds[name]} {_STAGE}/{name}" for name in _STAGED]
+    lines.append("exec " + " ".join(f"{fd}<&-" for fd in fds.values()) + ' "$@"')
+    return "\n".join(lines)
+
+
+def _own_tree(path: Path, uid: int) -> None:
+    """Give a sandbox layer to the sandbox uid (layers made before it ran unprivileged belong to root)."""
+    if path.stat().st_uid == uid:
+        return
+    for top, dirs, files in os.walk(path):
+        os.lchown(top, uid, uid)
+        for name in dirs + files:
+            os.lchown(os.path.join(top, name), uid, uid)
+    os.chmod(path, 0o700)
 
 
 def _tail(path: Path, n: int = 2000) -> str:

@@ -75,7 +75,9 @@ def proc_starttime(pid: int) -> int | None:
 def write_json_durable(path: Path, data: Any) -> None:
     """Replace ``path`` atomically and durably: a crash leaves the old or the new content, never a torn file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    # Host-only metadata: owner read/write, whatever the umask (sandbox files are never world-readable).
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)
         json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

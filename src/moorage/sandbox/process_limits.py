@@ -151,11 +151,13 @@ def kill_pids(pids: Iterable[int]) -> None:
             pass
 
 
-def rlimit_args(*, max_processes: int, max_file_bytes: int, address_space_bytes: int) -> list[str]:
-    """``prlimit`` arguments applied to the sandbox's first process and inherited by everything in it."""
+def rlimit_args(*, max_processes: int | None, max_file_bytes: int, address_space_bytes: int) -> list[str]:
+    """``prlimit`` arguments applied to the sandbox's first process and inherited by everything in it.
+
+    ``max_processes=None`` leaves RLIMIT_NPROC as it is (a cgroup bounds the processes instead)."""
     return [
         "prlimit",
-        f"--nproc={max_processes}",
+        *([f"--nproc={max_processes}"] if max_processes is not None else []),
         f"--fsize={max_file_bytes}",
         f"--as={address_space_bytes}",
         "--core=0",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 from typing import Any
 
@@ -45,11 +46,17 @@ class QMPClient:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
+        dir_fd = None
+        target = path
+        if len(os.fsencode(path)) > 100:
+            # sun_path holds ~107 bytes; reach a deeper socket through its directory's descriptor instead.
+            dir_fd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+            target = f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}"
         try:
             deadline = loop.time() + timeout
             while True:
                 try:
-                    await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+                    await asyncio.wait_for(loop.sock_connect(sock, target), timeout)
                     break
                 except ConnectionRefusedError:
                     # QEMU binds the socket a moment before it listens on it.
@@ -60,6 +67,9 @@ class QMPClient:
         except (OSError, asyncio.TimeoutError) as e:
             sock.close()
             raise QMPError(f"cannot connect to the QEMU monitor at {path}: {e}", hint="is the QEMU process still running?") from e
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
         client = cls(sock, reader, writer)
         try:
             greeting = json.loads(await asyncio.wait_for(reader.readline(), timeout))
