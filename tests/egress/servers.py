@@ -7,6 +7,7 @@ never reached it; a few paths answer specially (redirects, an endless body, a bi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -53,6 +54,13 @@ def start_upstream(name: str) -> Upstream:
         def _serve(self) -> None:
             n = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(n) if n else b""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0], 16)
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                    if size == 0:
+                        break
             up.hits.append(Hit(self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
             path = self.path.split("?", 1)[0]
             if path in up.redirects:
@@ -74,6 +82,15 @@ def start_upstream(name: str) -> Upstream:
                         self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     return
+            if path == "/slow":
+                # Headers and a first byte, then nothing for a long time: only a total deadline ends this.
+                self.send_response(200)
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                self.wfile.write(b"s")
+                self.wfile.flush()
+                time.sleep(30)
+                return
             if path.startswith("/bytes/"):
                 size = int(path.rsplit("/", 1)[1])
                 self.send_response(200)
