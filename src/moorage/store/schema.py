@@ -378,6 +378,20 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             END $$""",
         ),
     ),
+    Migration(
+        11,
+        "secrets: encrypted at rest, per agent and optionally per end-user",
+        statements=(
+            # Only ciphertext is stored (AES-GCM under the operator's key ``key_id``, bound to tenant, agent,
+            # user and name); user_id '' is an agent-wide secret.
+            """CREATE TABLE secrets (
+                {tenant_col}
+                agent_id TEXT NOT NULL, user_id TEXT NOT NULL, name TEXT NOT NULL, ciphertext {blob} NOT NULL,
+                key_id TEXT NOT NULL, version INTEGER NOT NULL, created_at {real} NOT NULL, updated_at {real} NOT NULL,
+                PRIMARY KEY ({tpk}agent_id, user_id, name))""",
+        ),
+        tenant_tables=("secrets",),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (

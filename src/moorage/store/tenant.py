@@ -91,6 +91,9 @@ class TenantStore:
         self.spans = Spans(self)
         self.usage = Usage(self)
         self.retention = Retention(self)
+        from moorage.store.repos.secrets import Secrets as SecretsRepo  # its own module (late: no cycle)
+
+        self.secrets = SecretsRepo(self)
 
     @property
     def tenant_id(self) -> str:
@@ -178,6 +181,7 @@ class TenantStore:
             else:
                 keys = [r[0] for r in c.q("SELECT scope FROM scopes WHERE agent_id = ? AND user_id = ?", (agent, user))]
             n = _delete_scopes(c, sorted(set(keys)))
+            n += self.secrets.delete_user(user, agent)  # the user's own secrets go with them
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))
