@@ -160,12 +160,12 @@ async def test_sleep_all_sleeps_every_idle_instance_it_owns_but_not_one_mid_turn
 
     task = asyncio.create_task(carol_turn())
     await hold.wait()
-    assert await m.sleep_all("host shutting down") == 2
+    assert await m.sleep_all("host shutting down") == (2, 1)
     assert _state(env, ALICE) == _state(env, BOB) == "sleeping" and _state(env, carol) == "running"
     assert {s.attrs["reason"] for s in env.spans("lifecycle.slept")} == {"host shutting down"}
     release.set()
     await task
-    assert await m.sleep_all("host shutting down") == 1  # Carol, now idle; the sleeping ones are left alone
+    assert await m.sleep_all("host shutting down") == (1, 0)  # Carol, now idle; the sleeping ones are left alone
     async with m.turn(env.ts, ALICE, env.template) as sb:
         assert await sb.read_file("note.txt") == b"alice"
 

@@ -14,7 +14,7 @@ from moorage.store import Agent
 InstanceScope = Literal["user", "session", "workflow"]
 Concurrency = Literal["queue", "reject", "parallel"]
 
-_KEYS = {"scope", "sleep", "archive_after_s", "delete_after_s", "users", "concurrency", "max_queue"}
+_KEYS = {"scope", "sleep", "archive_after_s", "delete_after_s", "users", "concurrency", "max_queue", "pool"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class AgentLifecycle:
     concurrency: Concurrency = "queue"
     #: Turns allowed to wait for the instance (queue policy); beyond it the request is Overloaded (429).
     max_queue: int = 32
+    #: Sleeping forks of the live template kept ready on each host, so a new user's first turn skips the fork.
+    pool: int = 0
 
     @classmethod
     def of(cls, agent: Agent) -> "AgentLifecycle":
@@ -59,5 +61,8 @@ class AgentLifecycle:
             v = getattr(self, what)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise InvalidInput(f"agent {name!r}: lifecycle.{what} must be a positive number of seconds or unset")
+        if not isinstance(self.pool, int) or isinstance(self.pool, bool) or not 0 <= self.pool <= 64:
+            raise InvalidInput(f"agent {name!r}: lifecycle.pool must be an integer from 0 to 64",
+                               hint="the number of pre-forked sleeping instances kept ready for new users")
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise InvalidInput(f"agent {name!r}: lifecycle.max_queue must be an integer ≥ 1")

@@ -21,6 +21,7 @@ from moorage.lifecycle.config import AgentLifecycle
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
+from moorage.lifecycle.pool import WarmPool
 from moorage.lifecycle.policies import FixedTimeout, InstanceActivity, SleepEconomics, SleepPolicy, parse_policy
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
@@ -89,6 +90,28 @@ class ManagerStats:
     evictions: int
 
 
+class WakeKind:
+    """How an instance's sandbox came up, recorded in its record's ``meta.wake_kind`` and its lifecycle span."""
+
+    #: A new instance restored from its template's snapshot (copy-on-write fork, no boot).
+    FORK = "fork"
+    #: A sleeping instance restored from its own snapshot, processes and memory included.
+    SNAPSHOT = "snapshot"
+    #: Booted from disk because the driver keeps no memory snapshot (the process driver).
+    COLD = "cold"
+    #: Booted from disk because the snapshot that should have been restored was damaged or incompatible.
+    COLD_FALLBACK = "cold-fallback"
+
+
+def wake_kind(sandbox: Sandbox, *, fork: bool) -> str:
+    mode = getattr(sandbox, "last_wake_mode", None)
+    if mode == "snapshot":
+        return WakeKind.FORK if fork else WakeKind.SNAPSHOT
+    if getattr(sandbox, "last_wake_fallback", None) is not None:
+        return WakeKind.COLD_FALLBACK
+    return WakeKind.COLD
+
+
 def default_host_id() -> str:
     return socket.gethostname() or "localhost"
 
@@ -130,6 +153,8 @@ class InstanceManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._counts = {"wakes": 0, "provisions": 0, "sleeps": 0, "evictions": 0}
+        #: Pre-forked sleeping sandboxes per live template (set by the host; None: every new user forks).
+        self.pool: WarmPool | None = None
 
     @property
     def host(self) -> str:
@@ -146,6 +171,8 @@ class InstanceManager:
         from moorage.lifecycle.recovery import recover
 
         report = await recover(self)
+        if self.pool is not None and background:
+            self.pool.start()
         if background:
             self._tasks.append(asyncio.create_task(self._idle_loop(), name="lifecycle-idle"))
             self._tasks.append(asyncio.create_task(self._ttl_loop(), name="lifecycle-ttl"))
@@ -160,6 +187,8 @@ class InstanceManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        if self.pool is not None:
+            await self.pool.close()
         for li in self._live.values():
             if li.peer_driver is not None:
                 await li.peer_driver.close()
@@ -265,12 +294,16 @@ class InstanceManager:
                     raise InvalidInput(f"{scope} has no instance and no template to provision it from",
                                        hint="deploy the agent (which makes its template) before sending it requests")
                 await self._make_room(li)
+                pooled = await self.pool.take(template) if self.pool is not None else None
                 try:
                     rec = await self.io(machine.provision, ts, scope, owner=self.owner, template_ref=template.id,
-                                        sandbox_id=uuid.uuid4().hex, trace=trace)
+                                        sandbox_id=pooled or uuid.uuid4().hex, trace=trace,
+                                        meta={"pooled": True} if pooled else None)
                 except ConflictError:
+                    if pooled:
+                        await self._destroy_quietly(pooled)
                     continue  # someone else provisioned it first: follow their record
-                return await self._provision(ts, li, rec, template, trace, fresh=True)
+                return await self._provision(ts, li, rec, template, trace, fresh=True, pooled=pooled is not None)
             if rec.host not in (None, self.host):
                 raise Misplaced(rec)
             state = S(rec.state)
@@ -363,18 +396,30 @@ class InstanceManager:
                 await self._give_up(ts, rec, trace, f"wake failed: {e}")
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
-            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes")
+            kind = wake_kind(sandbox, fork=False)
+            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes", kind)
             self._counts["wakes"] += 1
             self._adopted(li, rec, sandbox)
-            log.info("instance woke", instance=rec.id, scope=str(li.scope), ms=round((time.time() - started) * 1000, 1))
+            self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
             return sandbox
 
+    @staticmethod
+    def _log_bring_up(what: str, rec: SandboxRecord, li: LiveInstance, kind: str, started: float, sandbox: Sandbox,
+                      **extra: Any) -> None:
+        ms = round((time.time() - started) * 1000, 1)
+        if kind == WakeKind.COLD_FALLBACK:
+            # The declared fallback: the snapshot (a fork's template, or the instance's own) could not be restored.
+            log.warning(f"{what} by a cold boot: its snapshot was unusable", instance=rec.id, scope=str(li.scope),
+                        ms=ms, reason=str(getattr(sandbox, "last_wake_fallback", "") or ""), **extra)
+        else:
+            log.info(what, instance=rec.id, scope=str(li.scope), kind=kind, ms=ms, **extra)
+
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
-                      usage: str | None) -> SandboxRecord:
-        meta = {**rec.meta, "owner": self.owner.claim()}
+                      usage: str | None, kind: str) -> SandboxRecord:
+        meta = {**rec.meta, "owner": self.owner.claim(), "wake_kind": kind}
         with ts.transaction():
             new = machine.apply(ts, rec, verb, owner=self.owner, trace=trace, claim=False, host=self.host, meta=meta,
-                                last_active=time.time(), started_at=started)
+                                last_active=time.time(), started_at=started, reason=f"wake kind: {kind}")
             if usage:
                 ts.usage.add(usage, 1, agent_id=rec.scope.agent, user_id=rec.scope.user, scope=rec.scope)
         return new
@@ -389,8 +434,9 @@ class InstanceManager:
             log.warning("could not mark instance failed", instance=rec.id, error=str(e))
 
     async def _provision(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, template: TemplateRef,
-                         trace: TraceContext, *, fresh: bool, locked: bool = False) -> Sandbox:
-        """We hold the ``provisioning`` claim on ``rec``: fork the template into its sandbox and start it."""
+                         trace: TraceContext, *, fresh: bool, locked: bool = False, pooled: bool = False) -> Sandbox:
+        """We hold the ``provisioning`` claim on ``rec``: fork the template into its sandbox (or take the pooled
+        fork ``rec`` names) and bring it up from the template's snapshot."""
         started = time.time()
         async with contextlib.AsyncExitStack() as stack:
             if not locked:
@@ -398,17 +444,26 @@ class InstanceManager:
             try:
                 if not fresh:
                     await self._destroy_quietly(rec.id)  # a half-made sandbox from a dead claimant
-                (sandbox,) = await self.driver.fork(template, [rec.id])
-                await sandbox.start()
+                if pooled:
+                    sandbox = await self.driver.open(rec.id)
+                else:
+                    (sandbox,) = await self.driver.fork(template, [rec.id])
+                if sandbox.state is SandboxState.CREATED:
+                    await sandbox.start()  # a driver without memory snapshots: its forks boot
+                else:
+                    # The fork is the template's snapshot: restoring it keeps its RAM a delta of the template's
+                    # and skips the boot. The driver falls back to a cold boot only if that snapshot is unusable.
+                    await sandbox.wake()
             except Exception as e:
                 await self._destroy_quietly(rec.id)
                 await self._give_up(ts, rec, trace, f"provisioning failed: {e}")
                 raise WakeFailed(f"could not provision the instance of {li.scope} from template {template.id}: {e}",
                                  hint="check the template (redeploy the agent) and retry") from e
-            rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None)
+            kind = wake_kind(sandbox, fork=True)
+            rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)
             self._counts["provisions"] += 1
             self._adopted(li, rec, sandbox)
-            log.info("instance provisioned", instance=rec.id, scope=str(li.scope), template=template.id)
+            self._log_bring_up("instance provisioned", rec, li, kind, started, sandbox, template=template.id)
             return sandbox
 
     async def _destroy_quietly(self, sandbox_id: str) -> None:
@@ -462,12 +517,15 @@ class InstanceManager:
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
             return True
 
-    async def sleep_all(self, reason: str) -> int:
-        """Sleep every instance this manager owns that is awake and idle (a few at a time); returns how many
-        slept. For a host shutting down whose sandboxes would not survive it (``survives_host_exit``)."""
+    async def sleep_all(self, reason: str, *, wait_busy_s: float = 0.0) -> tuple[int, int]:
+        """Sleep every instance this manager owns that is awake (a few at a time), waiting up to ``wait_busy_s``
+        for turns in flight to end first. Returns (slept, still awake). For a host that stops cleanly."""
         gate = asyncio.Semaphore(8)
+        deadline = time.monotonic() + wait_busy_s
 
         async def one(li: LiveInstance) -> bool:
+            while li.activity.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             async with gate:
                 try:
                     return await self._sleep(li, reason)
@@ -475,8 +533,10 @@ class InstanceManager:
                     log.warning("sleep at shutdown failed", scope=str(li.scope), error=str(e))
                     return False
 
-        done = await asyncio.gather(*(one(li) for li in list(self._live.values()) if li.owned and li.awake))
-        return sum(done)
+        mine = [li for li in list(self._live.values()) if li.owned and li.awake]
+        done = await asyncio.gather(*(one(li) for li in mine))
+        slept = sum(done)
+        return slept, len(mine) - slept
 
     async def _make_room(self, li: LiveInstance) -> None:
         """Sleep least-recently-active idle instances until one more fits the host's capacity."""

@@ -1,0 +1,167 @@
+"""The warm pool: a few already-forked, sleeping sandboxes per live template, so a new user is a bind plus a wake.
+
+Pool members belong to no tenant's records (they are never counted as users); a manifest per template under
+``<data_dir>/pool`` lists them, so a restarted host finds its pool again and a crash never binds one twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from moorage.log import get_logger
+from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
+
+log = get_logger(__name__)
+
+#: The most pooled sandboxes one template may ask for (each is a fork on disk: a few MiB, no compute).
+MAX_POOL = 64
+
+
+class WarmPool:
+    """Pre-forked sleeping sandboxes per template id; ``take`` hands one out, a background task refills."""
+
+    def __init__(self, driver: SandboxDriver, root: Path) -> None:
+        self.driver = driver
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._want: dict[str, tuple[TemplateRef, int]] = {}
+        self._lock = asyncio.Lock()  # one manifest change at a time (take, add, drain)
+        self._refill: asyncio.Task[None] | None = None
+        self._wakeup = asyncio.Event()
+        self._closed = False
+        #: Called with no arguments after every refill pass (tests wait on it).
+        self.on_refilled: Callable[[], None] | None = None
+
+    # --- the manifest ----------------------------------------------------------------------------------------
+
+    def _manifest(self, template_id: str) -> Path:
+        return self.root / f"{template_id}.json"
+
+    def members(self, template_id: str) -> list[str]:
+        try:
+            return list(json.loads(self._manifest(template_id).read_text()))
+        except (FileNotFoundError, ValueError):
+            return []
+
+    def _write(self, template_id: str, ids: list[str]) -> None:
+        path = self._manifest(template_id)
+        if not ids:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(ids, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    # --- what the manager calls ------------------------------------------------------------------------------
+
+    def want(self, template: TemplateRef, size: int) -> None:
+        """Keep ``size`` sleeping forks of ``template`` ready (0 stops refilling it; ``drain`` empties it)."""
+        size = max(0, min(int(size), MAX_POOL))
+        if size:
+            self._want[template.id] = (template, size)
+        else:
+            self._want.pop(template.id, None)
+        self._kick()
+
+    async def take(self, template: TemplateRef) -> str | None:
+        """The id of a pooled sleeping fork of ``template``, removed from the pool (durably) before it is returned;
+        None when the pool is empty. The caller owns the sandbox from here."""
+        async with self._lock:
+            ids = self.members(template.id)
+            while ids:
+                sid = ids.pop(0)
+                await asyncio.to_thread(self._write, template.id, ids)
+                try:
+                    sb = await self.driver.open(sid)
+                except SandboxNotFound:
+                    continue
+                if sb.state in (SandboxState.SLEEPING, SandboxState.CREATED):
+                    self._kick()
+                    return sid
+                await _destroy(sb)
+        self._kick()
+        return None
+
+    async def drain(self, template_id: str) -> int:
+        """Destroy every pooled fork of a template (a redeploy made it stale); returns how many."""
+        self._want.pop(template_id, None)
+        async with self._lock:
+            ids = self.members(template_id)
+            await asyncio.to_thread(self._write, template_id, [])
+        for sid in ids:
+            with contextlib.suppress(SandboxNotFound):
+                await _destroy(await self.driver.open(sid))
+        if ids:
+            log.info("warm pool drained", template=template_id, count=len(ids))
+        return len(ids)
+
+    async def drain_except(self, keep: set[str]) -> int:
+        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live)."""
+        n = 0
+        for p in sorted(self.root.glob("*.json")):
+            if p.stem not in keep:
+                n += await self.drain(p.stem)
+        return n
+
+    # --- refilling -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._refill is None:
+            self._refill = asyncio.create_task(self._refill_loop(), name="warm-pool-refill")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._refill is not None:
+            self._refill.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refill
+            self._refill = None
+
+    def _kick(self) -> None:
+        self._wakeup.set()
+
+    async def fill_once(self) -> int:
+        """Fork what is missing in every wanted pool, one fork at a time (refilling must not starve turns)."""
+        made = 0
+        for tid, (template, size) in list(self._want.items()):
+            while not self._closed and len(self.members(tid)) < size and self._want.get(tid, (None, 0))[1] == size:
+                sid = uuid.uuid4().hex  # the id it keeps once bound to a user: binding is a record, not a rename
+                try:
+                    (sb,) = await self.driver.fork(template, [sid])
+                except Exception as e:  # a deleted or damaged template: stop wanting it, the next deploy asks again
+                    log.warning("warm pool fork failed", template=tid, error=str(e))
+                    self._want.pop(tid, None)
+                    break
+                async with self._lock:
+                    if tid not in self._want:  # drained while forking
+                        await _destroy(sb)
+                        break
+                    await asyncio.to_thread(self._write, tid, self.members(tid) + [sid])
+                made += 1
+        return made
+
+    async def _refill_loop(self) -> None:
+        while not self._closed:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            try:
+                await self.fill_once()
+            except Exception as e:  # the loop outlives one bad pass
+                log.error("warm pool refill failed", error=str(e))
+            if self.on_refilled is not None:
+                self.on_refilled()
+
+
+async def _destroy(sb: Sandbox) -> None:
+    with contextlib.suppress(Exception):
+        await sb.destroy()
