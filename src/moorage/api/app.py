@@ -19,7 +19,7 @@ from starlette.routing import Route
 from moorage.api.auth import Authenticator
 from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
-from moorage.api.problem import internal, problem
+from moorage.api.problem import from_error, internal, problem
 from moorage.api.routes import all_endpoints
 from moorage.config import Config
 from moorage.log import get_logger
@@ -57,11 +57,12 @@ class AppContext:
 
 
 def _instance_counts(store: Store):
+    # One aggregate per tenant (rows never leave the database); Metrics caches the result between scrapes.
     def count() -> dict[str, int]:
         out: dict[str, int] = {}
         for ts in store.operator.tenants():
-            for box in ts.sandboxes.list(limit=1_000_000):
-                out[box.state] = out.get(box.state, 0) + 1
+            for state, n in ts.read("SELECT state, COUNT(*) FROM sandboxes GROUP BY state"):
+                out[state] = out.get(state, 0) + int(n)
         return out
 
     return count
@@ -83,9 +84,17 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
     async def openapi(_: Request) -> Response:
         return JSONResponse(spec)
 
-    async def prometheus(_: Request) -> Response:
+    async def prometheus(request: Request) -> Response:
         from starlette.concurrency import run_in_threadpool
 
+        from moorage.errors import MoorageError
+
+        # Host-wide figures, outside every tenant: the operator token or the scrape-only metrics token.
+        try:
+            ctx.auth.require_metrics(request.headers.get("authorization"))
+        except MoorageError as e:
+            metrics.observe_error(e.code)
+            return from_error(e, request.scope.get("state", {}).get("trace_id"))
         return Response(await run_in_threadpool(metrics.render), media_type=metrics.content_type)
 
     routes = [Route(ep.path, ep.asgi, methods=[ep.method], name=ep.operation_id) for ep in endpoints]

@@ -7,6 +7,8 @@ path or body. End-user tokens are HMAC-signed with a per-installation secret kep
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -16,9 +18,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moorage.errors import NotFound, TenantScopeError, Unauthenticated
+from moorage.errors import ConfigError, InvalidInput, NotFound, TenantScopeError, Unauthenticated
+from moorage.log import get_logger
 from moorage.store import Principal, Store
 from moorage.store.model import check_id
+
+log = get_logger(__name__)
 
 USER_TOKEN_PREFIX = "mrgu_"
 #: End-user tokens live at most this long; issue a fresh one rather than a long-lived one.
@@ -34,18 +39,80 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def load_or_create_secret(path: Path, nbytes: int = 32) -> str:
-    """Read a secret file, creating it (mode 0600, never overwritten) on first use."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+#: A secret shorter than this was not written by moorage (``token_urlsafe(32)`` is 43 characters).
+MIN_SECRET_CHARS = 32
+
+
+def _read_secret(path: Path) -> str | None:
+    """The secret in ``path``, ``None`` when the file is missing or empty (an interrupted legacy creation)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(nbytes))
-        f.flush()
-        os.fsync(f.fileno())
-    return path.read_text().strip()
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text:
+        return None
+    if len(text) < MIN_SECRET_CHARS:
+        raise ConfigError(f"the secret file {path} holds only {len(text)} characters",
+                          hint=f"delete it (a new one is created on the next start) or write at least "
+                               f"{MIN_SECRET_CHARS} random characters into it; tokens signed with it stop working")
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)  # written by hand or by an older version: nobody but the owner may read it
+    return text
+
+
+def _install_secret(path: Path, text: str, *, replace: bool) -> None:
+    """Write ``text`` to a private temp file, fsync it, then link it into place: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # fails if a file appeared meanwhile: the existing one wins, never overwritten
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # the new name survives a crash too
+    finally:
+        os.close(dfd)
+
+
+def load_or_create_secret(path: Path, nbytes: int = 32) -> str:
+    """Read a secret file, creating it (mode 0600, directory 0700) on first use; never returns an empty secret.
+
+    The file appears complete or not at all (temp file, fsync, link). Concurrent first openers, threads or
+    processes, serialize on a lock file and all get the one secret written. An empty file, the trace of a
+    crash in an older version's creation, is replaced under the same lock and logged.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    found = _read_secret(path)
+    if found is not None:
+        return found
+    lock_fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        found = _read_secret(path)  # another opener may have created it while we waited
+        if found is not None:
+            return found
+        empty = path.exists()
+        if empty:
+            log.warning("secret file was empty (a creation was interrupted); writing a new one", path=str(path))
+        try:
+            _install_secret(path, secrets.token_urlsafe(nbytes), replace=empty)
+        except FileExistsError:
+            pass  # created by an opener that does not take the lock (another host on shared storage)
+        found = _read_secret(path)
+        if found is None:
+            raise ConfigError(f"could not create the secret file {path}", hint="check that the data directory is writable")
+        return found
+    finally:
+        os.close(lock_fd)  # closing releases the lock
 
 
 @dataclass(frozen=True)
@@ -59,16 +126,22 @@ class UserToken:
 class Authenticator:
     """Turns an ``Authorization`` header into a ``Principal`` (or the operator), and signs end-user tokens."""
 
-    def __init__(self, store: Store, signing_secret: str, operator_token: str) -> None:
+    def __init__(self, store: Store, signing_secret: str, operator_token: str, metrics_token: str | None = None) -> None:
+        if not signing_secret or not operator_token:
+            raise ConfigError("the end-user token secret and the operator token must not be empty",
+                              hint="delete the empty file under <data_dir>/api/; a new one is created on the next start")
         self.store = store
         self._key = hashlib.sha256(b"moorage-user-token\0" + signing_secret.encode()).digest()
         self._operator_token = operator_token
+        self._metrics_token = metrics_token
 
     @classmethod
     def for_data_dir(cls, store: Store, data_dir: Path) -> "Authenticator":
-        """Secrets live in ``<data_dir>/api/``; frontends sharing one store must share these two files."""
-        return cls(store, load_or_create_secret(data_dir / "api" / "token-secret"),
-                   load_or_create_secret(data_dir / "api" / "operator-token"))
+        """Secrets live in ``<data_dir>/api/``; frontends sharing one store must share the token secret and the
+        operator token. ``metrics-token`` only lets a scraper read ``/metrics``."""
+        api = data_dir / "api"
+        return cls(store, load_or_create_secret(api / "token-secret"), load_or_create_secret(api / "operator-token"),
+                   load_or_create_secret(api / "metrics-token"))
 
     @staticmethod
     def bearer(header: str | None) -> str:
@@ -91,6 +164,15 @@ class Authenticator:
             raise Unauthenticated("this route needs the operator token",
                                   hint="find it in <data_dir>/api/operator-token on the moorage host")
 
+    def require_metrics(self, header: str | None) -> None:
+        """``/metrics``: the operator token, or the metrics token that can do nothing else."""
+        given = self.bearer(header).encode()
+        tokens = [self._operator_token] + ([self._metrics_token] if self._metrics_token else [])
+        # Compare with every token (no early exit), so timing says nothing about which one nearly matched.
+        if not sum(hmac.compare_digest(given, t.encode()) for t in tokens):
+            raise Unauthenticated("/metrics needs the metrics token or the operator token",
+                                  hint="point the scraper's credentials_file at <data_dir>/api/metrics-token")
+
     # -- end-user tokens ---------------------------------------------------------------------------
 
     def issue_user_token(self, principal: Principal, agent: str, user: str, ttl_s: float | None = None) -> UserToken:
@@ -100,12 +182,13 @@ class Authenticator:
         if "admin" not in principal.scopes and "deploy" not in principal.scopes:
             raise TenantScopeError("issuing end-user tokens needs the admin or deploy scope",
                                    hint="use a key with the deploy scope")
+        if not principal.key_id:
+            # The key id is what revocation checks: a token without one could never be revoked.
+            raise TenantScopeError("only a tenant API key can issue end-user tokens", hint="use a key with the deploy scope")
         check_id(agent, "agent id")
         check_id(user, "user id")
         ttl = DEFAULT_USER_TOKEN_TTL_S if ttl_s is None else float(ttl_s)
         if not 0 < ttl <= MAX_USER_TOKEN_TTL_S:
-            from moorage.errors import InvalidInput
-
             raise InvalidInput(f"ttl_s must be between 1 and {MAX_USER_TOKEN_TTL_S}", hint="issue short-lived tokens and refresh them")
         exp = int(time.time() + ttl)
         payload = {"v": 1, "t": principal.tenant_id, "a": agent, "u": user, "k": principal.key_id, "exp": exp,
@@ -124,9 +207,12 @@ class Authenticator:
             raise bad
         try:
             p = json.loads(_unb64(body))
-            tenant, agent, user, exp, key_id = p["t"], p["a"], p["u"], float(p["exp"]), p.get("k")
+            tenant, agent, user, exp, key_id = p["t"], p["a"], p["u"], float(p["exp"]), p["k"]
         except (ValueError, KeyError, TypeError) as e:
             raise bad from e
+        # Every token names the key that issued it; one without is refused, so revocation always applies.
+        if not isinstance(key_id, str) or not key_id or not isinstance(tenant, str):
+            raise bad
         if exp <= time.time():
             raise Unauthenticated("end-user token expired", hint="ask the application for a fresh token")
         try:
@@ -134,7 +220,7 @@ class Authenticator:
         except NotFound as e:
             raise bad from e
         # A token dies with the key that issued it: revoking a leaked key revokes its tokens too.
-        if key_id is not None and not any(
+        if not any(
             k.id == key_id and (k.revoked_at is None or k.revoked_at > time.time()) for k in self.store.backend.list_api_keys(tenant)
         ):
             raise Unauthenticated("the key that issued this token was revoked", hint="ask the application for a fresh token")

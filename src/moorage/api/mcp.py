@@ -17,12 +17,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from moorage.api.invoke_shared import MAX_MESSAGE_CHARS
+from moorage.api.jsonbody import JsonTooDeep, loads_bounded
+from moorage.api.problem import PayloadTooLarge
 from moorage.api.routing import Call, Endpoint
 from moorage.errors import InvalidInput, MoorageError, NotFound, TenantScopeError
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
 
 SEND_MESSAGE = "send_message"
+#: Largest JSON-RPC message an MCP route accepts: a send_message of MAX_MESSAGE_CHARS fits even fully escaped.
+MCP_BODY_LIMIT = 2 << 20
 #: Events of one session shown when a client reads it as a resource (the newest ones).
 SESSION_EVENTS_SHOWN = 200
 _SEND_SCHEMA: dict[str, Any] = {
@@ -150,11 +154,44 @@ async def _serve(call: Call, agent: str) -> Response:
         elif message["type"] == "http.response.body":
             body.append(message.get("body", b""))
 
+    receive = await _bounded_body(call)
     async with manager.run():
-        await manager.handle_request(call.request.scope, call.request.receive, capture)
+        await manager.handle_request(call.request.scope, receive, capture)
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
                if k.lower() not in (b"content-length", b"x-trace-id")}
     return Response(b"".join(body), status_code=int(start.get("status", 500)), headers=headers)
+
+
+async def _bounded_body(call: Call) -> Any:
+    """Read the JSON-RPC body here, counting bytes as they arrive, and hand the SDK a replay of it.
+
+    The SDK would buffer a body of any size before its own check; reading it here first bounds it to
+    ``MCP_BODY_LIMIT`` (413) and refuses deep nesting (400) before the SDK parses anything.
+    """
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in call.request.stream():
+        size += len(chunk)
+        if size > MCP_BODY_LIMIT:
+            raise PayloadTooLarge(f"MCP message exceeds {MCP_BODY_LIMIT} bytes", hint="send a smaller message")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        loads_bounded(raw)
+    except JsonTooDeep:
+        raise
+    except InvalidInput:
+        pass  # not JSON at all: the SDK answers that with its own JSON-RPC parse error
+    replayed = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await call.request.receive()  # after the body: only a disconnect can arrive
+
+    return receive
 
 
 async def mcp_for_agent(call: Call) -> Response:
@@ -168,12 +205,12 @@ async def mcp_for_token(call: Call) -> Response:
 
 
 #: In ``all_endpoints()`` like every route (the cross-tenant suite and OpenAPI see them). No ``body`` is
-#: declared: the JSON-RPC message is read by the SDK's transport, not by the endpoint wrapper.
+#: declared: the JSON-RPC message is read by ``_bounded_body`` (same limit as ``max_body``) for the SDK.
 ENDPOINTS = [
     Endpoint("POST", "/mcp/{agent}", mcp_for_agent,
              "MCP server of one agent (Streamable HTTP; the body is a JSON-RPC message, see docs/mcp.md)", "mcp",
-             "mcpAgent", scope="invoke", end_user=True, idempotency="none"),
+             "mcpAgent", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT),
     Endpoint("POST", "/mcp", mcp_for_token,
              "MCP server of the end-user token's agent (Streamable HTTP; see docs/mcp.md)", "mcp",
-             "mcpToken", scope="invoke", end_user=True, idempotency="none"),
+             "mcpToken", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT),
 ]

@@ -1,6 +1,8 @@
 """The outermost request layer: a trace id per request (``X-Trace-Id``), a hard body-size cap, request metrics.
 
-It also turns any failure that escaped the routes into a problem+json 500, so no traceback ever leaves.
+The cap counts body bytes as they arrive (chunked or not, whatever Content-Length claims), for every route;
+routes apply their own smaller limits the same way. Any failure that escaped the routes becomes a
+problem+json answer, so no traceback ever leaves.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moorage.api.problem import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE
+from moorage.api.problem import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, PayloadTooLarge
 from moorage.log import get_logger
 from moorage.observability import Metrics, new_span_id, new_trace_id, use_trace_id
 
@@ -19,6 +21,30 @@ log = get_logger(__name__)
 def _problem_bytes(status: int, code: str, title: str, detail: str, hint: str, trace_id: str) -> bytes:
     return json.dumps({"type": PROBLEM_TYPE_BASE + code, "title": title, "status": status, "detail": detail,
                        "hint": hint, "trace_id": trace_id}).encode()
+
+
+class BodyTooLarge(PayloadTooLarge):
+    """Raised from ``receive`` once a body passes its limit: routes map it to 413 like any typed error."""
+
+
+def limited_receive(receive: Receive, limit: int) -> Receive:
+    """``receive`` that counts request body bytes as they arrive and raises ``BodyTooLarge`` past ``limit``.
+
+    The server reads no further than the application asks (flow control), so refusing here keeps the rest of
+    an oversized or endless body out of host memory.
+    """
+    seen = 0
+
+    async def counted() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes", hint="send a smaller body")
+        return message
+
+    return counted
 
 
 class RequestContext:
@@ -51,7 +77,11 @@ class RequestContext:
                                   "send a smaller body", trace_id)
                 return
             with use_trace_id(trace_id, span_id):
-                await self.app(scope, receive, send_with_trace)
+                await self.app(scope, limited_receive(receive, self.max_body), send_with_trace)
+        except BodyTooLarge as e:  # read by something that is not an Endpoint (which answers it itself)
+            if not status["started"]:
+                await self._reply(send_with_trace, 413, "payload-too-large", "Payload too large", e.message,
+                                  e.hint or "send a smaller body", trace_id)
         except Exception:  # noqa: BLE001 - last resort; routes normally answer errors themselves
             log.exception("request failed outside a route", trace_id=trace_id)
             if not status["started"]:

@@ -1,11 +1,14 @@
 """Prometheus metrics of one moorage process: requests, errors, turn and wake latency, tokens, instances.
 
-Labels are route templates, error codes and states only: never tenant ids, agent names, users or secrets,
-because ``/metrics`` is scraped by the operator's monitoring, outside any tenant boundary.
+Labels are route templates, known methods, error codes and states only: never tenant ids, agent names, users
+or secrets, because ``/metrics`` is scraped by the operator's monitoring, outside any tenant boundary. Every
+label has a bounded set of values, so no client can grow the series count.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -16,22 +19,47 @@ from prometheus_client.registry import Collector
 #: Latency buckets from 1 ms to 2 min: wakes are tens of ms, turns with a model can take a minute.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
+#: Methods that get their own label; any other (a client may invent one per request) is counted as "other".
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+#: The instance gauge is recounted at most this often, however often (or by how many) it is scraped.
+INSTANCE_COUNT_TTL_S = 15.0
+
 InstanceCounter = Callable[[], Mapping[str, int]]
 
 
 class _Instances(Collector):
-    """Asks for sandbox counts by state at scrape time, so the gauge is never stale."""
+    """Sandbox counts by state, recounted at most every ``ttl_s`` by one scraper at a time (others get the last)."""
 
-    def __init__(self, count: InstanceCounter) -> None:
+    def __init__(self, count: InstanceCounter, ttl_s: float = INSTANCE_COUNT_TTL_S) -> None:
         self._count = count
+        self._ttl_s = ttl_s
+        self._counts: Mapping[str, int] = {}
+        self._at = float("-inf")
+        self._lock = threading.Lock()
+
+    def _current(self) -> Mapping[str, int]:
+        if time.monotonic() - self._at < self._ttl_s or not self._lock.acquire(blocking=False):
+            return self._counts
+        try:
+            try:
+                self._counts = dict(self._count())
+            except Exception:  # noqa: BLE001 - a scrape must not fail because the store is briefly unreachable
+                pass
+            self._at = time.monotonic()
+        finally:
+            self._lock.release()
+        return self._counts
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily("moorage_instances", "Agent sandboxes by lifecycle state", labels=["state"])
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        yield self._family()  # registration needs the name only: no count at start-up
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        g = GaugeMetricFamily("moorage_instances", "Agent sandboxes by lifecycle state", labels=["state"])
-        try:
-            counts = self._count()
-        except Exception:  # noqa: BLE001 - a scrape must not fail because the store is briefly unreachable
-            counts = {}
-        for state, n in sorted(counts.items()):
+        g = self._family()
+        for state, n in sorted(self._current().items()):
             g.add_metric([state], float(n))
         yield g
 
@@ -41,7 +69,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, instances: InstanceCounter | None = None) -> None:
+    def __init__(self, instances: InstanceCounter | None = None, *, instance_ttl_s: float = INSTANCE_COUNT_TTL_S) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("moorage_http_requests", "HTTP requests served", ["method", "route", "status"], registry=r)
@@ -50,10 +78,10 @@ class Metrics:
         self.wake_seconds = Histogram("moorage_wake_seconds", "Sandbox wake latency", buckets=_BUCKETS, registry=r)
         self.tokens = Counter("moorage_tokens", "Model tokens used by turns", ["kind"], registry=r)
         if instances is not None:
-            r.register(_Instances(instances))
+            r.register(_Instances(instances, instance_ttl_s))
 
     def observe_request(self, method: str, route: str, status: int) -> None:
-        self.requests.labels(method, route, str(status)).inc()
+        self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()
 
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()

@@ -183,7 +183,7 @@ class McpTools:
 
     async def call(self, b: "TurnBinding", server_name: str, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """Call one tool for this turn; recorded as a span with the trace id and entity key."""
-        if not isinstance(server_name, str) or not _NAME.match(server_name):
+        if not isinstance(server_name, str) or not _NAME.fullmatch(server_name):
             raise InvalidInput("mcp.call needs a server name")
         if not isinstance(arguments, dict):
             raise InvalidInput("mcp.call arguments must be an object")

@@ -11,11 +11,13 @@ import io
 import os
 import tarfile
 import tomllib
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from moorage.errors import InvalidInput
+from moorage.runtime.private_files import private_dir, write_private
 from moorage.store.model import check_id
 
 MAX_PACKAGE_BYTES = 20 << 20
@@ -78,12 +80,11 @@ def _read_dir(root: Path) -> dict[str, bytes]:
             if p.is_symlink() or not p.is_file() or fn.endswith((".pyc", ".pyo")):
                 continue
             rel = p.relative_to(root).as_posix()
-            data = p.read_bytes()
-            total += len(data)
+            total += p.stat().st_size  # checked before reading, so a huge file is refused unread
             if total > MAX_PACKAGE_BYTES or len(files) >= MAX_FILES:
                 raise AgentPackageError(f"the agent folder is over {MAX_PACKAGE_BYTES >> 20} MiB or {MAX_FILES} files",
                                         hint="keep data out of the agent package; the agent can fetch or create it in its sandbox")
-            files[rel] = data
+            files[rel] = p.read_bytes()
     return files
 
 
@@ -124,31 +125,124 @@ def load_dir(root: Path) -> AgentPackage:
     return validate_files(_read_dir(Path(root)))
 
 
+def save_archive(packages: Path, pkg: AgentPackage) -> Path:
+    """Store ``pkg``'s archive as ``<packages>/<sha256>.tar.gz``, private (0600 in a 0700 folder), atomically."""
+    return write_private(private_dir(packages) / f"{pkg.sha256}.tar.gz", pkg.archive)
+
+
 def load_archive(archive: bytes) -> AgentPackage:
     """Validate an uploaded tar.gz of an agent folder (the API's deploy body)."""
     return validate_files(unpack(archive))
 
 
+#: What an archive may unpack to in all (the same bound as an agent folder); checked from the tar headers
+#: before any member is read.
+MAX_UNPACKED_BYTES = MAX_PACKAGE_BYTES
+#: Entries of every kind (files, directories) an archive may hold; each costs a header parse and a record.
+MAX_ENTRIES = 2 * MAX_FILES
+#: Decompressed bytes an archive may yield in all: the files plus their headers (PAX and long-name records
+#: are read whole by ``tarfile``, so they too must come out of a bounded stream).
+MAX_TAR_STREAM_BYTES = MAX_UNPACKED_BYTES + MAX_ENTRIES * 4 * 512 + (1 << 20)
+_READ_CHUNK = 1 << 16
+
+
+class _BoundedTarStream:
+    """A read-only stream of an archive's tar bytes (gunzipped if gzip) that refuses to yield more than ``limit``.
+
+    ``tarfile`` reads header records whole, whatever size they claim; decompressing here, bounded, is
+    what keeps a small gzip from becoming gigabytes in host memory.
+    """
+
+    def __init__(self, archive: bytes, limit: int) -> None:
+        self._src = archive
+        self._pos = 0
+        self._inflate = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS) if archive[:2] == b"\x1f\x8b" else None
+        self._pending = b""
+        self._yielded = 0
+        self._limit = limit
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = _READ_CHUNK
+        if self._inflate is None:
+            out = self._src[self._pos:self._pos + size]
+            self._pos += len(out)
+        else:
+            out = self._pending[:size]
+            self._pending = self._pending[size:]
+            while len(out) < size and not self._inflate.eof:
+                data = self._inflate.unconsumed_tail
+                if not data:
+                    data = self._src[self._pos:self._pos + _READ_CHUNK]
+                    self._pos += len(data)
+                chunk = self._inflate.decompress(data, size - len(out))
+                if not chunk and not data:
+                    break  # input exhausted and nothing left inside the decompressor
+                out += chunk
+        self._yielded += len(out)
+        if self._yielded > self._limit:
+            raise AgentPackageError("the package unpacks to too much data",
+                                    hint="keep data out of the agent package; the agent can fetch or create it in its sandbox")
+        return out
+
+
+def _member_path(m: tarfile.TarInfo) -> str:
+    p = PurePosixPath(m.name)
+    if not m.name or p.is_absolute() or ".." in p.parts or "\\" in m.name or "\0" in m.name or len(m.name) > 1024:
+        raise AgentPackageError(f"unsafe path in package: {m.name!r}", hint="package only relative paths inside the agent folder")
+    return p.as_posix()
+
+
+def _read_member(tar: tarfile.TarFile, m: tarfile.TarInfo, budget: int) -> bytes:
+    """A regular member's bytes, read in chunks and never more than its header said or the budget left."""
+    f = tar.extractfile(m)
+    if f is None:
+        return b""
+    out = bytearray()
+    while len(out) < m.size:
+        chunk = f.read(min(_READ_CHUNK, m.size - len(out)))
+        if not chunk:
+            raise AgentPackageError(f"package member {m.name!r} is shorter than its header says")
+        out += chunk
+        if len(out) > budget:
+            raise AgentPackageError("the package unpacks to too much data")
+    return bytes(out)
+
+
 def unpack(archive: bytes) -> dict[str, bytes]:
-    """The files of an archive, refusing anything that could escape the package folder."""
+    """The files of an archive, refusing anything that could escape the package folder or exhaust the host.
+
+    Sizes come from each member's header and are checked before the member is read; every entry counts
+    towards the entry limit; links, devices, FIFOs and sparse files are refused. Memory stays within
+    ``MAX_UNPACKED_BYTES`` whatever the archive claims or compresses to.
+    """
     if len(archive) > MAX_PACKAGE_BYTES:
         raise AgentPackageError(f"the package is over {MAX_PACKAGE_BYTES >> 20} MiB")
     files: dict[str, bytes] = {}
-    total = 0
+    total = entries = 0
+    too_much = AgentPackageError(
+        f"the package unpacks to more than {MAX_UNPACKED_BYTES >> 20} MiB or {MAX_FILES} files",
+        hint="keep data out of the agent package; the agent can fetch or create it in its sandbox")
     try:
-        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
+        # Stream mode: members are visited once, in order; the bytes come from the bounded stream.
+        stream = _BoundedTarStream(archive, MAX_TAR_STREAM_BYTES)
+        with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
             for m in tar:
-                if not m.isfile():
+                entries += 1
+                if entries > MAX_ENTRIES:
+                    raise too_much
+                name = _member_path(m)
+                if m.isdir():
                     continue
-                p = PurePosixPath(m.name)
-                if p.is_absolute() or ".." in p.parts:
-                    raise AgentPackageError(f"unsafe path in package: {m.name!r}")
-                f = tar.extractfile(m)
-                data = f.read() if f else b""
-                total += len(data)
-                if total > 4 * MAX_PACKAGE_BYTES or len(files) >= MAX_FILES:
-                    raise AgentPackageError("the package unpacks to too much data")
-                files[p.as_posix()] = data
-    except (tarfile.TarError, EOFError, OSError) as e:
+                if not m.isreg() or m.issparse():
+                    raise AgentPackageError(f"package member {m.name!r} is not a regular file or directory",
+                                            hint="links, devices and FIFOs cannot be deployed; copy the file itself")
+                if m.size < 0 or total + m.size > MAX_UNPACKED_BYTES or len(files) >= MAX_FILES:
+                    raise too_much
+                if name in files:
+                    raise AgentPackageError(f"package member {name!r} appears twice", hint="pack each file once")
+                files[name] = _read_member(tar, m, MAX_UNPACKED_BYTES - total)
+                total += len(files[name])
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         raise AgentPackageError(f"not a valid tar.gz agent package: {e}") from e
     return files

@@ -1,13 +1,15 @@
 """Template snapshots per deployment: a booted guest with the agent's code loaded, ready to fork.
 
 Templates are host-local files (under ``<data_dir>/templates``); any host rebuilds a missing one from the
-deployment's package, so the store stays the only source of truth.
+deployment's package, so the store stays the only source of truth. Fork templates, snapshots of one user's
+instance, are recorded with that user (``templates/forks/``) so that forgetting the user deletes them too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,8 +17,9 @@ from typing import Any
 from moorage.errors import MoorageError
 from moorage.log import get_logger
 from moorage.runtime.package import AgentPackageError, unpack
+from moorage.runtime.private_files import private_dir, write_private
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
-from moorage.store import Deployment
+from moorage.store import Deployment, Scope
 
 log = get_logger(__name__)
 
@@ -47,12 +50,21 @@ async def push_and_load(sandbox: Sandbox, deployment: Deployment, archive: bytes
         raise AgentLoadFailed(f"{e.message}", hint=(detail.strip().splitlines() or ["fix the agent and deploy again"])[-1]) from e
 
 
+def _ref_json(ref: TemplateRef) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(ref).items()}
+
+
+def _ref_of(d: dict[str, Any]) -> TemplateRef:
+    return TemplateRef(d["id"], d["driver"], Path(d["path"]), d.get("source_sandbox"), d.get("created_at", 0.0),
+                       d.get("includes_memory", False))
+
+
 class Templates:
     def __init__(self, root: Path, driver: SandboxDriver, packages: Path) -> None:
         self.root = root
         self.driver = driver
         self.packages = packages
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         self._locks: dict[str, asyncio.Lock] = {}
 
     def archive(self, deployment: Deployment) -> bytes:
@@ -72,8 +84,7 @@ class Templates:
         d = json.loads(p.read_text())
         if d.get("driver") != self.driver.name or not Path(d["path"]).exists():
             return None
-        return TemplateRef(d["id"], d["driver"], Path(d["path"]), d.get("source_sandbox"), d.get("created_at", 0.0),
-                           d.get("includes_memory", False))
+        return _ref_of(d)
 
     async def ensure(self, deployment: Deployment, on_progress: Any = None) -> TemplateRef:
         """The deployment's template, built now if this host has none (single-flight per deployment)."""
@@ -103,9 +114,46 @@ class Templates:
             ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}")
         finally:
             await sb.destroy()
-        meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(ref).items()}
-        tmp = self._meta(deployment.id).with_suffix(".tmp")
-        tmp.write_text(json.dumps(meta))
-        tmp.replace(self._meta(deployment.id))
+        write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         say("template ready")
         return ref
+
+    # -- fork templates: snapshots of one user's instance, so that user's data ----------------------------
+
+    def _forks_dir(self) -> Path:
+        return private_dir(self.root / "forks")
+
+    async def make_fork(self, sandbox: Sandbox, tenant_id: str, scope: Scope) -> TemplateRef:
+        """Snapshot ``sandbox`` as a template and record whose instance it came from (for ``forget``)."""
+        ref = await self.driver.make_template(sandbox, f"fork-{uuid.uuid4().hex[:12]}")
+        record = {"template": _ref_json(ref), "tenant_id": tenant_id, "agent": scope.agent, "user": scope.user,
+                  "sandbox_id": sandbox.id}
+        try:
+            write_private(self._forks_dir() / f"{ref.id}.json", json.dumps(record).encode())
+        except BaseException:
+            await self.driver.delete_template(ref)  # a fork nobody could find again must not outlive this call
+            raise
+        return ref
+
+    def forks_of(self, tenant_id: str, agent: str, user: str) -> list[tuple[Path, TemplateRef]]:
+        """The fork templates on this host made from ``user``'s instances of ``agent`` in one tenant."""
+        out = []
+        for p in sorted(self._forks_dir().glob("*.json")):
+            try:
+                d = json.loads(p.read_text())
+            except (OSError, ValueError):
+                continue
+            if (d.get("tenant_id"), d.get("agent"), d.get("user")) == (tenant_id, agent, user):
+                out.append((p, _ref_of(d["template"])))
+        return out
+
+    async def delete_forks(self, tenant_id: str, agent: str, user: str) -> int:
+        """Delete every fork template of ``user`` on this host (the record last, so a crash can be retried)."""
+        forks = self.forks_of(tenant_id, agent, user)
+        for record, ref in forks:
+            if ref.driver == self.driver.name:
+                await self.driver.delete_template(ref)
+            else:
+                log.warning("fork template of another driver left on disk", template=ref.id, driver=ref.driver)
+            record.unlink(missing_ok=True)
+        return len(forks)

@@ -338,7 +338,7 @@ def metadata_predicates(dialect: str, wanted: dict[str, Any]) -> tuple[list[str]
     params: list[Any] = []
     rest: dict[str, Any] = {}
     for key, value in wanted.items():
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _PLAIN_KEY.match(key):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool) and _PLAIN_KEY.fullmatch(key):
             preds.append("json_extract(metadata, ?) = ?")
             params += [f'$."{key}"', value]
         else:

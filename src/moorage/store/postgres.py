@@ -84,7 +84,7 @@ class PostgresBackend(Backend):
 
     def __init__(self, owner_url: str, app_role: str = "moorage_app", app_url: str | None = None,
                  pool_size: int = 10, upto: int | None = None) -> None:
-        if not _ROLE.match(app_role):
+        if not _ROLE.fullmatch(app_role):
             raise ConfigError(f"invalid application role name {app_role!r}")
         self.owner_url = owner_url
         self.app_role = app_role
