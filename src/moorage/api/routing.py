@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
+from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
 from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError
 from moorage.log import get_logger
@@ -198,10 +199,7 @@ class Endpoint:
         if ctype not in ("application/json", "") and not ctype.endswith("+json"):
             raise UnsupportedMediaType(f"this route takes application/json, not {ctype}",
                                        hint="send Content-Type: application/json")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise InvalidInput(f"request body is not valid JSON: {e}", hint="send a JSON object") from e
+        body = loads_bounded(raw)  # 422 for bad JSON, 400 past the nesting limit (never a RecursionError)
         if not isinstance(body, dict):
             raise InvalidInput("request body must be a JSON object", hint="see the request schema in /openapi.json")
         return body
@@ -210,7 +208,7 @@ class Endpoint:
                    trace_id: str) -> Response:
         body = await self._read_body(request)
         idem = request.headers.get("idempotency-key")
-        if idem is not None and not _IDEM_KEY.match(idem):
+        if idem is not None and not _IDEM_KEY.fullmatch(idem):
             raise InvalidInput("malformed Idempotency-Key", hint="use 1-200 printable ASCII characters, e.g. a UUID")
         call = Call(request, ctx, principal, ts, body, trace_id, idem)
         if idem is None or ts is None or self.method not in MUTATING or self.idempotency != "http":

@@ -27,7 +27,7 @@ KEY_PREFIX = "mrg_"
 
 
 def check_tenant_id(tenant_id: str) -> str:
-    if not isinstance(tenant_id, str) or not _TENANT_ID.match(tenant_id):
+    if not isinstance(tenant_id, str) or not _TENANT_ID.fullmatch(tenant_id):
         raise TenantScopeError(f"invalid tenant id {tenant_id!r}")
     return tenant_id
 

@@ -22,7 +22,7 @@ API_KEY_SCOPES: tuple[str, ...] = ("admin", "deploy", "invoke")
 
 def check_id(value: object, what: str) -> str:
     """Validate an identifier that comes from outside (agent name, user id, session id, key)."""
-    if not isinstance(value, str) or not _ID_RE.match(value):
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise InvalidInput(
             f"malformed {what}: {value!r}",
             hint="use 1-128 characters from A-Z a-z 0-9 . _ : @ + = -, starting with a letter or digit",
