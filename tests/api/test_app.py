@@ -153,6 +153,9 @@ def test_metrics_have_no_tenant_labels(live, acme, store: Store):
     with live.client(acme) as c:
         c.get("/v1/agents/secret-agent-name")
         c.get("/v1/agents/nope")
+        problem_ok(c.get("/metrics"), 401)  # host-wide figures: not for a tenant key
+    metrics_token = (live.data_dir / "api" / "metrics-token").read_text().strip()
+    with live.client(metrics_token) as c:
         text = c.get("/metrics").text
     assert 'moorage_instances{state="sleeping"} 1.0' in text
     assert 'moorage_http_requests_total{method="GET",route="/v1/agents/{agent}",status="404"} 1.0' in text

@@ -26,7 +26,8 @@ from moorage.observability import current_trace_id
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
-from moorage.runtime.package import AgentPackage, AgentPackageError, load_archive, load_dir
+from moorage.runtime.package import AgentPackage, AgentPackageError, load_archive, load_dir, save_archive
+from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Agent, Deployment, EntityKey, Principal, Scope, Span, Store, TenantStore
@@ -130,7 +131,7 @@ class Runtime:
         self.instances = instances
         self.embedder = embedder
         self.packages = config.data_dir / "packages"
-        self.packages.mkdir(parents=True, exist_ok=True)
+        private_dir(self.packages)
         self.templates = Templates(config.data_dir / "templates", driver, self.packages)
         self.turns: dict[str, TurnBinding] = {}
         self.tracer = Tracer()
@@ -214,7 +215,7 @@ class Runtime:
             AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
         except InvalidInput as e:
             raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        (self.packages / f"{pkg.sha256}.tar.gz").write_bytes(pkg.archive)
+        save_archive(self.packages, pkg)
         try:
             agent = ts.agents.get(pkg.name)
         except NotFound:
@@ -366,7 +367,7 @@ class Runtime:
                 self._loaded.pop(sb.id, None)
                 return {"id": sandbox_id, "rolled_back_to": label}
             if verb == "fork":
-                ref = await self.driver.make_template(sb, f"fork-{uuid.uuid4().hex[:12]}")
+                ref = await self.templates.make_fork(sb, ts.tenant_id, rec.scope)  # recorded: forget finds it
                 return {"id": sandbox_id, "template": ref.id}
         raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
 
@@ -394,7 +395,8 @@ class Runtime:
             except Exception as e:  # already gone on this host
                 log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
             self.instances.forget(ts.tenant_id, rec.scope)
-        removed = await asyncio.to_thread(ts.forget_user, user, agent)
+        removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
+        removed += await asyncio.to_thread(ts.forget_user, user, agent)
         self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
         return removed + len(recs)
 
