@@ -115,8 +115,9 @@ async def test_no_route_crosses_tenants(live_rt, store: Store, acme: str, globex
     }
     routes = app_routes(live_rt.app)
     assert len(routes) >= 30
-    guessed = {**victim, "sandbox_id": victim["sandbox_id"], "key_id": victim["key_id"]}
-    random_ids = {k: uuid.uuid4().hex for k in ("agent", "user", "run_id", "sandbox_id", "trace_id", "key_id")}
+    # "name": a secret the victim could hold (routes under /secrets/{name}); random ids get a malformed one.
+    guessed = {**victim, "sandbox_id": victim["sandbox_id"], "key_id": victim["key_id"], "name": "GITHUB_TOKEN"}
+    random_ids = {k: uuid.uuid4().hex for k in ("agent", "user", "run_id", "sandbox_id", "trace_id", "key_id", "name")}
     tried = 0
     async with httpx.AsyncClient(base_url=live_rt.url, timeout=120) as c:
         for who, headers in attackers.items():

@@ -32,7 +32,9 @@ async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterato
     """A runtime on one sandbox driver of the sandbox suite's ``DRIVER_FACTORIES`` (torn down after the test)."""
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
-    cfg = Config(data_dir=tmp_path / "data", sandbox_driver=driver_name)
+    # The operator policy of these tests: "the internet" is loopback servers the tests start (egress refuses
+    # loopback by default; docs/egress.md).
+    cfg = Config(data_dir=tmp_path / "data", sandbox_driver=driver_name, egress_allow_cidrs="127.0.0.0/8")
     store = open_store(cfg)
     _, key = store.operator.create_tenant("acme")
     principal = store.authenticate(key.secret)

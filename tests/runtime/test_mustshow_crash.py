@@ -117,7 +117,9 @@ class Server:
         self.data, self.port = data, port
         self.url = f"http://127.0.0.1:{port}"
         self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port),
-                    "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning"}
+                    "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning",
+                    # the payment service is a loopback server: the operator policy of this test allows it
+                    "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8"}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data.parent / "server.log"
 

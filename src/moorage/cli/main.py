@@ -120,6 +120,7 @@ SUBCOMMANDS = {
     "memory": "moorage.cli.memory",
     "llm": "moorage.cli.llm",
     "store": "moorage.cli.store",
+    "secrets": "moorage.cli.secrets",
 }
 
 

@@ -263,15 +263,26 @@ class AgentContext:
         return await asyncio.get_running_loop().run_in_executor(None, run)
 
     async def fetch(self, url: str, *, method: str = "GET", json: Any = None, headers: Optional[Dict[str, str]] = None,
-                    idempotency_key: Optional[str] = None, timeout: float = 30.0) -> Dict[str, Any]:
-        """An HTTP call made by the host on the agent's behalf (the sandbox has no network of its own).
+                    body: Optional[str] = None, idempotency_key: Optional[str] = None,
+                    timeout: float = 30.0) -> Dict[str, Any]:
+        """An HTTP call made by the host on the agent's behalf, under the agent's egress policy.
 
-        Only URLs the agent's moorage.toml allows under [agent.egress] are reachable. Returns
-        {"status", "headers", "body"}.
+        Only destinations listed under [agent.egress] allow are reachable (and only public addresses, unless
+        the operator allows more). Secrets bound in [agent.secrets] are added by the host for their hosts and
+        never come here. Redirects are followed only to allowed destinations; the body is cut at 1 MiB.
+        Returns {"status", "headers", "body", "truncated", "url"}.
         """
         return await self._host.call("net.fetch", {"url": url, "method": method, "json": json, "headers": headers or {},
-                                                   "idempotency_key": idempotency_key, "timeout": timeout},
+                                                   "body": body, "idempotency_key": idempotency_key,
+                                                   "timeout": timeout},
                                      timeout=timeout + 5)
+
+    async def _secret_env(self) -> None:
+        """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code."""
+        if not ((self.agent.manifest.get("secrets") or {}).get("env")):
+            return
+        env = (await self._host.call("secrets.env", {}))["env"]
+        os.environ.update({str(k): str(v) for k, v in env.items()})
 
     async def mcp(self, server: str, tool: str, **arguments: Any) -> Dict[str, Any]:
         """Call a tool of an external MCP server; the host connects and adds the credentials, never the sandbox.
@@ -390,6 +401,7 @@ class AgentRuntime:
         ctx = AgentContext(rpc, agent, params, self.workdir)
         message = params.get("message", "")
         try:
+            await ctx._secret_env()
             if agent.handler is None:
                 reply = await builtin_loop(ctx, message)
             elif inspect.iscoroutinefunction(agent.handler):

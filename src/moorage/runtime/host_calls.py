@@ -7,14 +7,14 @@ words: a call names a ``turn_id`` and the host looks up which tenant, agent, use
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import httpx
-
-from moorage.errors import InvalidInput, MoorageError, TenantScopeError
+from moorage.errors import InvalidInput, MoorageError
 from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, Replay
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
@@ -28,7 +28,7 @@ log = get_logger(__name__)
 
 #: Largest model output a guest may ask for in one call.
 MAX_TOKENS_CAP = 4096
-#: Largest response body handed back to a guest from ``net.fetch``.
+#: Largest response body handed back to a guest from ``net.fetch`` (read up to this, then cut).
 MAX_FETCH_BYTES = 1 << 20
 
 
@@ -123,6 +123,7 @@ class GuestCalls:
             "durable.history": self.durable_history,
             "durable.correct": self.durable_correct,
             "net.fetch": self.net_fetch,
+            "secrets.env": self.secrets_env,
             "mcp.tools": self.mcp_tools,
             "mcp.call": self.mcp_call,
         }
@@ -243,27 +244,83 @@ class GuestCalls:
         return {"history": [{"kind": e.kind, "step": e.name, "status": e.status, "attempt": e.attempt, "error": e.error}
                             for e in entries]}
 
-    # -- egress -------------------------------------------------------------------------------------
+    # -- egress (moorage/egress: the same policy and connector as the VM's gateway) -----------------------
+
+    def _egress(self) -> Any:
+        """The runtime's egress service, made from its config on first use (tests may set ``rt.egress``)."""
+        eg = getattr(self.rt, "egress", None)
+        if eg is None:
+            from moorage.egress import Egress
+
+            eg = self.rt.egress = Egress.from_config(self.rt.config)
+        return eg
+
+    def _secrets(self) -> Any:
+        store = getattr(self.rt, "secrets", None)
+        if store is None:
+            from moorage.secrets import SecretStore
+
+            store = self.rt.secrets = SecretStore.from_config(self.rt.config)
+        return store
+
+    def _egress_for(self, b: TurnBinding) -> Any:
+        """This instance's egress: its agent's policy, its limits, spans into the turn's trace, secret headers."""
+        from moorage.secrets import Bindings
+
+        egress = self._egress()
+        bindings = Bindings.from_manifest(b.manifest)
+
+        def record(started: float, status: str, attrs: dict[str, Any]) -> None:
+            from moorage.store import Span
+
+            b.ts.spans.record(Span(b.trace_id, uuid.uuid4().hex[:16], None, "egress", started, time.time(), status,
+                                   {"agent": b.entity.agent, "user": b.entity.user, **attrs}, b.session_scope))
+
+        async def headers(t: Any) -> dict[str, str]:
+            if not bindings.for_host(t.host, t.port):
+                return {}
+            return await asyncio.to_thread(self._secrets().headers, b.ts, b.entity.agent, b.entity.user, bindings,
+                                           t.host, t.port)
+
+        return egress.instance(b.manifest, record=record, headers=headers, usage=egress.usage_for(self.sandbox_id))
 
     async def net_fetch(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        """HTTP on the agent's behalf, only to prefixes its manifest allows; secrets are added here, never in the guest."""
-        url = p.get("url")
-        allow = (b.manifest.get("egress") or {}).get("allow") or []
-        if not isinstance(url, str) or not any(isinstance(a, str) and url.startswith(a) for a in allow):
-            raise TenantScopeError(f"egress to {url!r} is not allowed for this agent",
-                                   hint="list the URL prefix under [agent.egress] allow in moorage.toml")
-        method = str(p.get("method") or "GET").upper()
-        if method not in ("GET", "POST", "PUT", "PATCH", "DELETE"):
-            raise InvalidInput(f"unsupported HTTP method {method!r}")
-        headers = {str(k): str(v) for k, v in (p.get("headers") or {}).items()
-                   if str(k).lower() not in ("host", "authorization", "cookie")}
+        """HTTP on the agent's behalf under its egress policy; bound secrets are added here, never in the guest."""
+        from moorage.egress import EgressFailed, fetch
+
+        body: bytes | None = None
+        headers = dict(p.get("headers") or {}) if isinstance(p.get("headers"), dict) else {}
+        if p.get("json") is not None:
+            body = json.dumps(p["json"]).encode()
+            if not any(str(k).lower() == "content-type" for k in headers):
+                headers["Content-Type"] = "application/json"
+        elif isinstance(p.get("body"), str):
+            body = p["body"].encode()
         if p.get("idempotency_key"):
             headers["Idempotency-Key"] = str(p["idempotency_key"])
         timeout = max(1.0, min(float(p.get("timeout") or 30.0), 120.0))
-        async with httpx.AsyncClient(timeout=timeout, follow_redirects=False) as client:
-            r = await client.request(method, url, json=p.get("json"), headers=headers)
-        body = r.content[:MAX_FETCH_BYTES].decode("utf-8", "replace")
-        return {"status": r.status_code, "headers": dict(r.headers), "body": body}
+        try:
+            r = await fetch(self._egress_for(b), str(p.get("method") or "GET"), p.get("url"), headers=headers,
+                            body=body, timeout_s=timeout, max_body=MAX_FETCH_BYTES)
+        except MoorageError:
+            raise  # typed and worded for the guest (denied, limited, failed): never a raw socket error
+        except Exception as e:  # noqa: BLE001 - anything else is reported as generically as a failed connection
+            log.warning("fetch failed unexpectedly", error=type(e).__name__)
+            raise EgressFailed("the request failed", hint="retry later") from None
+        merged: dict[str, str] = {}
+        for k, v in r.headers:
+            merged[k.lower()] = f"{merged[k.lower()]}, {v}" if k.lower() in merged else v
+        return {"status": r.status, "headers": merged, "body": r.body.decode("utf-8", "replace"),
+                "truncated": r.truncated, "url": r.url}
+
+    async def secrets_env(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        """The secrets this agent opted into its environment (``[agent.secrets] env``); none otherwise."""
+        from moorage.secrets import Bindings
+
+        bindings = Bindings.from_manifest(b.manifest)
+        if not bindings.env:
+            return {"env": {}}
+        return {"env": await asyncio.to_thread(self._secrets().env, b.ts, b.entity.agent, b.entity.user, bindings)}
 
     # -- external MCP servers (runtime/mcp_tools.py; their credentials stay on the host) --------------
 

@@ -1,0 +1,119 @@
+"""``moorage secrets``: set, list and remove an agent's secrets through the server; rotate the operator's key.
+
+A value is read from standard input or a hidden prompt, never from the command line (shell history, ps).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, help="Agent secrets: stored encrypted, added by the host, never shown.")
+console = Console()
+err_console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+
+USER = typer.Option(None, "--user", "-u", help="One end-user's own secret (default: the agent's, for every user).")
+
+
+def _clear_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moorage.errors import MoorageError
+
+        try:
+            return fn(*args, **kwargs)
+        except MoorageError as e:
+            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _cfg() -> Any:
+    from moorage.cli.main import state
+
+    return state.cfg
+
+
+def _base(agent: str, user: Optional[str]) -> str:
+    return f"/v1/agents/{agent}" + (f"/users/{user}" if user else "") + "/secrets"
+
+
+@app.command("set")
+@_clear_errors
+def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
+    """Set NAME for AGENT; the value comes from standard input (or a hidden prompt). A new value is used from
+    the agent's next request on; nothing is rebuilt."""
+    from moorage.cli.client import call
+
+    if sys.stdin.isatty():
+        value = typer.prompt(f"value of {name}", hide_input=True)
+    else:
+        value = sys.stdin.read()
+    value = value.rstrip("\r\n")  # `echo $TOKEN | moorage secrets set ...` ends in a newline
+    info = call(_cfg(), "PUT", f"{_base(agent, user)}/{name}", json={"value": value})
+    console.print(f"[green]set[/] {name} for {agent}{' user ' + user if user else ''} (version {info['version']})",
+                  highlight=False)
+
+
+@app.command("list")
+@_clear_errors
+def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List AGENT's secrets: names, versions and when they changed (never values)."""
+    import datetime
+    import json
+
+    from moorage.cli.client import call
+
+    rows = call(_cfg(), "GET", _base(agent, user))["data"]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("name", "version", "updated")
+    for r in rows:
+        table.add_row(r["name"], str(r["version"]),
+                      datetime.datetime.fromtimestamp(r["updated_at"]).isoformat(timespec="seconds"))
+    console.print(table)
+
+
+@app.command("rm")
+@_clear_errors
+def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
+    """Remove NAME from AGENT (requests stop carrying it at once)."""
+    from moorage.cli.client import call
+
+    call(_cfg(), "DELETE", f"{_base(agent, user)}/{name}")
+    console.print(f"[green]removed[/] {name} from {agent}", highlight=False)
+
+
+@app.command("rotate-key")
+@_clear_errors
+def rotate_key() -> None:
+    """Operator: put a new encryption key first in the data directory's key file (or use the first of
+    secrets_keys) and re-encrypt every tenant's secrets under it. Old keys stay for reading; restart servers
+    so that they encrypt new values with the new key."""
+    from moorage.secrets import KEY_FILE_NAME, SecretStore, rotate_key_file
+    from moorage.store import open_store
+
+    cfg = _cfg()
+    if cfg.secrets_keys:
+        # The keys live in the config: the operator put the new one first there; re-encrypt under it.
+        note = "keys from secrets_keys"
+    else:
+        path = cfg.data_dir / KEY_FILE_NAME
+        note = f"new key {rotate_key_file(path)} in {path}"
+    secrets = SecretStore.from_config(cfg)
+    store = open_store(cfg)
+    moved = 0
+    try:
+        for ts in store.operator.tenants():
+            moved += secrets.reencrypt(ts)
+    finally:
+        store.close()
+    console.print(f"{note}; {moved} secrets re-encrypted under key {secrets.keyring.primary}", highlight=False)
