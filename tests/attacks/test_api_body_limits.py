@@ -16,7 +16,8 @@ from moorage.store import Store
 from moorage.store.base import check_tenant_id
 from moorage.store.model import check_id
 from tests.api.conftest import LiveServer
-from tests.attacks.conftest import MIB, peak_rss_growth, stream_endless_body
+from tests.attacks.api_support import MIB, peak_rss_growth, stream_endless_body
+from tests.attacks.api_support import server, sqlite_store, tenant_key  # noqa: F401 - fixtures, found by name
 
 #: Peak host memory an endless body may add before it is refused (the limits themselves are 1-2 MiB).
 RSS_BOUND = 50 * MIB

@@ -12,6 +12,7 @@ from moorage.api.app import _instance_counts
 from moorage.observability.metrics import KNOWN_METHODS, Metrics
 from moorage.store import Scope, Store
 from tests.api.conftest import LiveServer
+from tests.attacks.api_support import server, sqlite_store, tenant_key  # noqa: F401 - fixtures, found by name
 
 INVENTED = 300
 

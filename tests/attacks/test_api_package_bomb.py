@@ -11,7 +11,7 @@ import zlib
 import pytest
 
 from moorage.runtime.package import MAX_ENTRIES, MAX_PACKAGE_BYTES, AgentPackageError, load_archive, unpack
-from tests.attacks.conftest import MIB, peak_rss_growth
+from tests.attacks.api_support import MIB, peak_rss_growth
 
 #: Peak host memory an attack archive may add while it is refused.
 RSS_BOUND = 50 * MIB

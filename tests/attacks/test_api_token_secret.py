@@ -22,6 +22,7 @@ import pytest
 from moorage.api.auth import MIN_SECRET_CHARS, USER_TOKEN_PREFIX, Authenticator, load_or_create_secret
 from moorage.errors import ConfigError, Unauthenticated
 from moorage.store import Store
+from tests.attacks.api_support import sqlite_store  # noqa: F401 - fixtures, found by name
 
 THREADS = 12
 PROCESSES = 4
