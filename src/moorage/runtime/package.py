@@ -65,7 +65,20 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
             raise AgentPackageError(f"tool {t!r}: file {t.split(':', 1)[0]!r} is not in the package")
     if agent.get("scope", "user") not in SCOPES:
         raise AgentPackageError(f"scope must be one of {', '.join(SCOPES)}, not {agent.get('scope')!r}")
+    _check_egress(agent)
     return agent
+
+
+def _check_egress(agent: dict[str, Any]) -> None:
+    """[agent.egress], [agent.network] and [agent.secrets] fail the deploy, not the agent's first request."""
+    from moorage.egress import EgressPolicy
+    from moorage.secrets import Bindings
+
+    try:
+        EgressPolicy.from_manifest(agent)
+        Bindings.from_manifest(agent)
+    except InvalidInput as e:
+        raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint or "fix the file and deploy again; nothing was changed") from e
 
 
 def _read_dir(root: Path) -> dict[str, bytes]:
