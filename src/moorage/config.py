@@ -40,6 +40,9 @@ class Config:
     object_store_url: str = ""
     host: str = "127.0.0.1"
     port: int = 7700
+    #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
+    #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
+    shutdown: str = "sleep"
     #: Where the CLI's client commands reach a moorage server (default: http://host:port).
     api_url: str = ""
     #: API key the CLI uses (default: the local tenant's admin key that `moorage up` wrote in data_dir).
@@ -138,4 +141,7 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
     for k, v in overrides.items():
         if v is not None:
             values[k] = _coerce(k, v, types[k])
+    if values.get("shutdown", "sleep") not in ("sleep", "detach"):
+        raise ConfigError(f"shutdown={values['shutdown']!r} is not one of sleep, detach",
+                          hint="set shutdown = \"sleep\" (default) or \"detach\" in moorage.toml or MOORAGE_SHUTDOWN")
     return Config(**values)

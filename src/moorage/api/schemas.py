@@ -61,7 +61,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "WorkflowDetail": obj({"run": ref("WorkflowRun"), "steps": {"type": "array", "items": ref("Step")},
                            "history": {"type": "array", "items": OBJ}}),
     "Sandbox": obj({"id": STR, "agent_id": STR, "scope": STR, "state": STR, "last_active": NUM, "ttl_s": NNUM,
-                    "created_at": NUM, "version": INT}),
+                    "created_at": NUM, "version": INT, "wake_kind": NSTR}),
     "Span": obj({"trace_id": STR, "span_id": STR, "parent_id": NSTR, "name": STR, "start_ts": NUM, "end_ts": NNUM,
                  "status": STR, "attrs": OBJ, "scope": NSTR}),
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
@@ -122,7 +122,9 @@ def step(s: Step) -> dict[str, Any]:
 def sandbox(s: SandboxRecord) -> dict[str, Any]:
     # Host, snapshot and disk refs are placement internals of the installation, not tenant-facing.
     return {"id": s.id, "agent_id": s.agent_id, "scope": s.scope.key, "state": s.state, "last_active": s.last_active,
-            "ttl_s": s.ttl_s, "created_at": s.created_at, "version": s.version}
+            "ttl_s": s.ttl_s, "created_at": s.created_at, "version": s.version,
+            # How its sandbox last came up: fork, snapshot, cold (no memory snapshot) or cold-fallback.
+            "wake_kind": s.meta.get("wake_kind")}
 
 
 def span(s: Span) -> dict[str, Any]:

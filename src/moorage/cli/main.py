@@ -69,6 +69,8 @@ def up(
     exit_after_demo: bool = typer.Option(False, "--exit-after-demo", help="Stop once the demo conversation is done."),
     host: Optional[str] = typer.Option(None, "--host"),
     port: Optional[int] = typer.Option(None, "--port"),
+    detach: bool = typer.Option(False, "--detach", help="On stop, leave awake micro-VMs running (a live upgrade; "
+                                "the next start re-adopts them) instead of putting them to sleep."),
 ) -> None:
     """Run moorage on this machine with the embedded defaults and serve the HTTP API."""
     import asyncio
@@ -76,6 +78,8 @@ def up(
     from moorage.cli.up import serve
 
     cfg = state.cfg.with_(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    if detach:
+        cfg = cfg.with_(shutdown="detach")
     try:
         asyncio.run(serve(cfg, demo, exit_after_demo))
     except KeyboardInterrupt:

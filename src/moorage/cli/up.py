@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import signal
 import tarfile
 from pathlib import Path
 
@@ -110,12 +111,25 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
         if not exit_after_demo:
             console.print("serving; Ctrl-C to stop")
 
+    # uvicorn turns SIGTERM/SIGINT into a graceful stop, then raises the signal again once it has stopped serving.
+    # With the default handlers back in place that would kill this process before the host could put its awake
+    # instances to sleep; these handlers make that second delivery a no-op, so the clean stop below always runs.
+    def stop_serving(sig: int, frame: object) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGTERM, signal.SIGINT)}
     task = asyncio.create_task(after_start())
     try:
         await server.serve()
     finally:
         if not task.done():
             task.cancel()
-        await host.close()
+        how = "leaving instances running (detach)" if cfg.shutdown == "detach" else "putting awake instances to sleep"
+        console.print(f"moorage is stopping: {how}")
+        try:
+            await host.close()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     if task.done() and not task.cancelled() and task.exception():
         raise task.exception()  # type: ignore[misc]

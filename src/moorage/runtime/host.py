@@ -16,6 +16,8 @@ from moorage.store import Store, open_store
 
 log = get_logger(__name__)
 
+#: How long a clean stop waits for turns in flight before it sleeps their instances anyway left awake.
+SHUTDOWN_TURN_WAIT_S = 30.0
 #: How often expired scopes (retention TTLs) are swept.
 RETENTION_SWEEP_S = 300.0
 
@@ -60,11 +62,15 @@ class Host:
         store = open_store(config)
         driver = get_driver(config)
         manager = InstanceManager(store, driver)
+        from moorage.lifecycle.pool import WarmPool
+
+        manager.pool = WarmPool(driver, config.data_dir / "pool")
         llm = gateway_from_config(config, usage_sink=StoreUsageSink(store))
         return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
 
     async def start(self) -> None:
         await self.manager.start()
+        await self.runtime.start_pools()
         resumed = await self.runtime.recover()
         if resumed:
             log.info("resumed interrupted turns", count=resumed)
@@ -80,17 +86,27 @@ class Host:
                 log.error("retention sweep failed", error=str(e))
             await asyncio.sleep(RETENTION_SWEEP_S)
 
-    async def close(self) -> None:
+    async def close(self, *, detach: bool | None = None) -> None:
+        """Stop serving. By default every awake instance is put to sleep first (a durable snapshot each), so
+        nothing keeps running with nobody to sleep it. ``detach=True`` (or ``shutdown = "detach"``) leaves
+        micro-VMs running for a live upgrade: the next ``start()`` on this host re-adopts them."""
         for t in self._tasks:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        if not self.driver.capabilities.survives_host_exit:
-            # Its sandboxes die with this process: sleep them now (files synced, state recorded), rather than
-            # leave them to be killed at exit and found dead by the next start.
-            slept = await self.manager.sleep_all("host shutting down")
-            if slept:
-                log.info("slept instances at shutdown", count=slept)
+        if detach is None:
+            detach = self.config.shutdown == "detach"
+        if detach and not self.driver.capabilities.survives_host_exit:
+            # These sandboxes die with this process: leaving them would lose their memory, so they sleep anyway.
+            log.warning("detach asked, but sandboxes of this driver die with the host: sleeping them",
+                        driver=self.driver.name)
+            detach = False
+        if detach:
+            awake = len(self.manager.awake_instances())
+            log.info("host stopping, instances left running (detach); the next start re-adopts them", count=awake)
+        else:
+            slept, left = await self.manager.sleep_all("host shutting down", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
+            log.info("host stopping, awake instances put to sleep", slept=slept, still_awake=left)
         await self.manager.close()
         await self.driver.close()
         await self.runtime.aclose()

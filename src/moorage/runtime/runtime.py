@@ -226,9 +226,43 @@ class Runtime:
         dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
         # Build the template before going live: an import error fails the deploy, not a user's turn.
         await self.templates.ensure(dep, on_progress)
-        self._set_live(ts, agent, dep)
+        previous = agent.live_deployment
+        agent = self._set_live(ts, agent, dep)
+        await self._refresh_pool(ts, agent, previous)
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
+
+    async def _refresh_pool(self, ts: TenantStore, agent: Agent, previous: str | None) -> None:
+        """After a deployment went live: empty the warm pool of the one it replaced (users keep their own
+        instances) and keep the agent's ``lifecycle.pool`` forks of the new template ready."""
+        pool = self.instances.pool
+        if pool is None:
+            return
+        if previous and previous != agent.live_deployment:
+            old = self.templates.cached(previous)
+            if old is not None:
+                await pool.drain(old.id)
+        await self._template_for(ts, agent)
+
+    async def start_pools(self) -> None:
+        """At host start: keep the pools of every live agent that asks for one; drop pools of stale templates."""
+        pool = self.instances.pool
+        if pool is None:
+            return
+        live: set[str] = set()
+        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+            for agent in await asyncio.to_thread(ts.agents.list):
+                if agent.live_deployment is None:
+                    continue
+                ref = self.templates.cached(agent.live_deployment)
+                if ref is not None:
+                    live.add(ref.id)
+                if AgentLifecycle.of(agent).pool:
+                    try:
+                        live.add((await self._template_for(ts, agent)).id)
+                    except Exception as e:  # one agent's broken template must not stop the host
+                        log.warning("warm pool not started", agent=agent.name, error=str(e))
+        await pool.drain_except(live)
 
     @staticmethod
     def _lifecycle_config(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +296,9 @@ class Runtime:
             if target is None:
                 raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
         await self.templates.ensure(target)
-        self._set_live(ts, agent, target)
+        previous = agent.live_deployment
+        agent = self._set_live(ts, agent, target)
+        await self._refresh_pool(ts, agent, previous)
         return target
 
     # -- turns --------------------------------------------------------------------------------------
@@ -428,7 +464,10 @@ class Runtime:
     async def _template_for(self, ts: TenantStore, agent: Agent) -> TemplateRef:
         if agent.live_deployment is None:
             raise NotFound(f"agent {agent.name!r} has no live deployment", hint="deploy it with `moorage deploy`")
-        return await self.templates.ensure(await asyncio.to_thread(ts.deployments.get, agent.live_deployment))
+        ref = await self.templates.ensure(await asyncio.to_thread(ts.deployments.get, agent.live_deployment))
+        if self.instances.pool is not None:
+            self.instances.pool.want(ref, AgentLifecycle.of(agent).pool)
+        return ref
 
     async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
                    resume: bool, principal: Principal | None = None) -> AsyncIterator[TurnEvent]:
