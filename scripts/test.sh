@@ -5,7 +5,10 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export MOORAGE_TEST_STRICT=1   # a missing service fails the suite instead of skipping
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers, a test file each at a time (module fixtures such as a booted VM stay shared within a file); every
+# worker starts its own PostgreSQL cluster and servers on free ports and uses its own temp dirs. The slowest
+# tests are printed so the CI budget stays visible.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${MOORAGE_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
 rc=$?
 set -e
 # pytest's "no tests collected" (5) must not pass as green.

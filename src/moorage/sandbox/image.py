@@ -6,6 +6,7 @@ re-layers the final ext4 (seconds). ``ImageBuilder.build()`` returns a ready ``G
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -136,10 +137,17 @@ class ImageBuilder:
             self._progress("cached", f"image {img.id}")
             return img
         self.images_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        kdir = self.kernel_layer(force=force)
-        tree = self._rootfs_tree(force)
-        img = self._final_image(kdir, tree)
+        # One builder at a time per images dir (hosts or test workers sharing a cache): the others wait, then
+        # find the image the first one built instead of racing it layer by layer.
+        with open(self.images_dir / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not force and (img := self.cached()) is not None:
+                self._progress("cached", f"image {img.id}")
+                return img
+            started = time.monotonic()
+            kdir = self.kernel_layer(force=force)
+            tree = self._rootfs_tree(force)
+            img = self._final_image(kdir, tree)
         log.info("image built", image=img.id, seconds=round(time.monotonic() - started, 1))
         return img
 
