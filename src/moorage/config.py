@@ -38,6 +38,12 @@ class Config:
     guest_memory_mib: int = 256
     #: S3-compatible object store for snapshots and disks at fleet scale (empty: local disk only).
     object_store_url: str = ""
+    #: S3 endpoint for an ``s3://`` object store (e.g. ``http://127.0.0.1:8333``); empty: AWS's own.
+    object_store_endpoint: str = ""
+    object_store_region: str = "us-east-1"
+    #: Credentials for an ``s3://`` object store (both required: moorage never falls back to instance metadata).
+    object_store_access_key: str = dataclasses.field(default="", repr=False)
+    object_store_secret_key: str = dataclasses.field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 7700
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
