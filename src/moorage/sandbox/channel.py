@@ -235,6 +235,9 @@ class Channel:
         self.rejected_frames = 0
         #: Guest requests answered BUSY because ``max_guest_inflight`` were already being served.
         self.busy_rejects = 0
+        #: Set when the channel closed because the guest broke the protocol (a frame that cannot be skipped):
+        #: drivers stop such a guest instead of reconnecting to it.
+        self.protocol_error: GuestProtocolError | None = None
 
     # --- construction ---------------------------------------------------------------------------------------
 
@@ -518,6 +521,8 @@ class Channel:
         if self._closed.is_set():
             return
         self._close_reason = reason
+        if isinstance(error, GuestProtocolError):
+            self.protocol_error = error
         self._closed.set()
         exc = error or ChannelClosed(f"{self.name} closed: {reason}", hint="wake or restart the sandbox")
         for pending in self._pending.values():

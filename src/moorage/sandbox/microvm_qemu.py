@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import select
 import shutil
 import signal
 import stat
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from moorage.errors import UnavailableError
+from moorage.sandbox import capped_log
 from moorage.sandbox.base import SandboxError
 from moorage.sandbox.accel import QEMU, accel_args
 from moorage.sandbox.image_guest import CHANNEL_PORT
@@ -199,50 +198,13 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         raise
     finally:
         os.close(dir_fd)
-    threading.Thread(target=_drain_console, args=(console_fd, proc, pipe.with_name("console.log")),
-                     name=f"console-{proc.pid}", daemon=True).start()
+    capped_log.start(console_fd, pipe.with_name("console.log"), alive=lambda: proc.poll() is None,
+                     cap=CONSOLE_CAP_BYTES, name=f"console-{proc.pid}")
     return proc
 
 
 def _is_socket_arg(arg: str) -> bool:
     return arg.startswith(("socket,", "unix:"))
-
-
-def _drain_console(fd: int, proc: subprocess.Popen[bytes], log_path: Path, cap: int = CONSOLE_CAP_BYTES) -> None:
-    """Copy the console FIFO into ``log_path``, rotating at ``cap``: at most 2 x cap bytes on disk, ever."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN | select.POLLHUP)
-    out = None
-    try:
-        out = open(log_path, "ab")
-        os.fchmod(out.fileno(), 0o600)
-        size = out.tell()
-        while True:
-            if not poller.poll(1000):
-                if proc.poll() is not None:
-                    return
-                continue
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                continue
-            if not data:  # every writer closed: QEMU exited
-                return
-            if size + len(data) > cap:
-                out.close()
-                os.replace(log_path, log_path.with_name(log_path.name + ".1"))
-                out = open(log_path, "wb")
-                os.fchmod(out.fileno(), 0o600)
-                size = 0
-            out.write(data[-cap:])
-            out.flush()
-            size += min(len(data), cap)
-    except OSError:
-        return  # the sandbox directory went away (destroyed): nothing left to log to
-    finally:
-        os.close(fd)
-        if out is not None:
-            out.close()
 
 
 def pid_is_ours(pid: int, marker: str) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput
 from moorage.log import get_logger
+from moorage.sandbox import capped_log
 from moorage.sandbox import process_limits as limits
 from moorage.sandbox import process_seccomp
 from moorage.sandbox.base import (
@@ -62,6 +63,8 @@ _ETC_ALLOWLIST = (
     "services", "debian_version", "os-release",
 )
 _START_TIMEOUT_S = 30.0
+#: supervisor.log (the sandbox's stdout and stderr) up to this size, then rotated to supervisor.log.1.
+SUPERVISOR_LOG_CAP_BYTES = 512 << 10
 #: Where a root host's launcher binds the sandbox's own directories in its private mount namespace, so the
 #: unprivileged sandbox uid never needs to traverse the data directory's parents (e.g. /root, mode 0700).
 _STAGE = "/tmp"
@@ -196,13 +199,22 @@ class ProcessSandbox(Sandbox):
             # outside it.
             join = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 111; shift; done; shift; exec "$@"'
             wrapper = ["/bin/sh", "-c", join, "moorage-sandbox", *map(str, self.cgroup.procs_files), "--", *launch]
-            with open(self.dir / "supervisor.log", "ab") as logf:
-                os.fchmod(logf.fileno(), 0o600)
+            # The sandbox's output reaches supervisor.log through a pipe the host drains with a cap.
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            try:
                 self._proc = subprocess.Popen(
-                    wrapper, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                    wrapper, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
                     env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, close_fds=True, pass_fds=[seccomp_fd],
                     start_new_session=True,
                 )
+            except BaseException:
+                os.close(out_r)
+                raise
+            finally:
+                os.close(out_w)
+            proc = self._proc
+            capped_log.start(out_r, self.dir / "supervisor.log", alive=lambda: proc.poll() is None,
+                             cap=SUPERVISOR_LOG_CAP_BYTES, name=f"log-{self.id}")
         finally:
             os.close(seccomp_fd)
         self._pid = self._proc.pid
@@ -248,6 +260,21 @@ class ProcessSandbox(Sandbox):
     def _start_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._quota_watchdog(), name=f"quota-{self.id}")
+        if self._channel is not None:
+            asyncio.get_running_loop().create_task(self._stop_on_protocol_error(self._channel), name=f"guard-{self.id}")
+
+    async def _stop_on_protocol_error(self, channel: Channel) -> None:
+        """A guest that broke the channel protocol is stopped (its disk kept), not trusted with a reconnect; the
+        next turn starts it afresh."""
+        await channel.wait_closed()
+        if channel.protocol_error is None or self._channel is not channel:
+            return
+        log.warning("guest broke the channel protocol; stopping it", sandbox=self.id, error=str(channel.protocol_error))
+        async with self._lock:
+            if self._channel is channel:
+                await self._kill()
+                self._state = SandboxState.STOPPED
+                self._save(pid=None, pid_starttime=None)
 
     async def _quota_watchdog(self) -> None:
         """Disk quota check: a layer grown past ``disk_mib`` gets every process but the supervisor killed.
@@ -258,6 +285,7 @@ class ProcessSandbox(Sandbox):
         quota = self.spec.disk_mib << 20
         loop = asyncio.get_running_loop()
         last = 0
+        strikes = orphan_growth = 0
         try:
             while self._state is SandboxState.RUNNING and self._alive():
                 t0 = time.monotonic()
@@ -267,13 +295,31 @@ class ProcessSandbox(Sandbox):
                 if used > quota and used > last:
                     self.quota_exceeded = True
                     victims = self._guest_workers()
+                    strikes += 1
+                    orphan_growth = 0 if victims else orphan_growth + 1
+                    if orphan_growth > 1 or strikes > 3:
+                        # Still growing with no worker left to blame: the writer is the supervisor itself (agent
+                        # code runs there). The whole sandbox stops; its disk stays as it is.
+                        log.warning("disk quota exceeded by the supervisor; stopping the sandbox", sandbox=self.id,
+                                    used=used, quota=quota)
+                        loop.create_task(self._stop_over_quota())
+                        return
                     limits.kill_pids(victims)
                     log.warning("disk quota exceeded; killed sandbox processes", sandbox=self.id, used=used, quota=quota,
                                 killed=len(victims))
+                else:
+                    strikes = orphan_growth = 0
                 last = used
                 await asyncio.sleep(min(max(cost * 20, 0.2), 5.0))
         except asyncio.CancelledError:
             pass
+
+    async def _stop_over_quota(self) -> None:
+        async with self._lock:
+            if self._state is SandboxState.RUNNING:
+                await self._kill()
+                self._state = SandboxState.STOPPED
+                self._save(pid=None, pid_starttime=None)
 
     def _guest_workers(self) -> list[int]:
         """Host pids of everything the supervisor started (its descendants), not bwrap and not the supervisor."""

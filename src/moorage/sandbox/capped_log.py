@@ -1,0 +1,64 @@
+"""Guest-written output on host disk, bounded: a thread copies a pipe into a log file rotated at a cap.
+
+Used for a micro-VM's serial console and a process sandbox's supervisor output: a guest printing forever costs
+the host at most two files of ``cap`` bytes (``NAME`` and ``NAME.1``), never its disk.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from pathlib import Path
+from typing import Callable
+
+#: Default cap of one log file; the previous one is kept as NAME.1.
+DEFAULT_CAP_BYTES = 512 << 10
+
+
+def start(fd: int, log_path: Path, *, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES, name: str = "") -> None:
+    """Drain ``fd`` (owned from now on: closed at the end) into ``log_path`` on a daemon thread until every writer
+    has closed it, or ``alive()`` turns false while it is quiet."""
+    threading.Thread(target=drain, args=(fd, log_path, alive, cap), name=name or f"log-{log_path.name}",
+                     daemon=True).start()
+
+
+def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES) -> None:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    out = None
+    try:
+        out = _open(log_path, "ab")
+        size = out.tell()
+        while True:
+            if not poller.poll(1000):
+                if not alive():
+                    return
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            if not data:  # every writer closed
+                return
+            data = data[-cap:]
+            if size + len(data) > cap:
+                out.close()
+                os.replace(log_path, log_path.with_name(log_path.name + ".1"))
+                out = _open(log_path, "wb")
+                size = 0
+            out.write(data)
+            out.flush()
+            size += len(data)
+    except OSError:
+        return  # the sandbox directory went away (destroyed): nothing left to log to
+    finally:
+        os.close(fd)
+        if out is not None:
+            out.close()
+
+
+def _open(path: Path, mode: str):  # type: ignore[no-untyped-def]
+    f = open(path, mode)
+    os.fchmod(f.fileno(), 0o600)
+    return f

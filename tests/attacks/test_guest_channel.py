@@ -1,0 +1,102 @@
+"""Attacks on the host through the channel, from a hostile agent's code, on both sandbox drivers.
+
+Each attack is contained: the host's resident memory stays under the stated bound while it runs, the host keeps
+serving the bystander instance, and the attacker is still usable afterwards (or was stopped cleanly and comes
+back on its next turn). One runtime per driver serves the whole module (booting guests is the slow part).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from moorage.errors import MoorageError
+from moorage.sandbox.base import GuestFileTooLarge, READ_FILE_MAX_BYTES
+from moorage.sandbox.capped_log import DEFAULT_CAP_BYTES
+from moorage.sandbox.channel import MAX_GUEST_INFLIGHT
+from tests.attacks.conftest import Hostile, MiB, RssWatch, hostile_env
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["process", "microvm"])
+async def hostile(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Hostile]:
+    async for h in hostile_env(tmp_path_factory.mktemp(f"attack-{request.param}"), request.param):
+        yield h
+
+
+async def still_fine(h: Hostile) -> None:
+    assert await h.say("ping", h.bystander) == "pong"
+    assert await h.say("ping") == "pong"
+
+
+async def test_request_flood_is_capped_per_channel(hostile: Hostile) -> None:
+    sb = await hostile.sandbox()
+    # A small flood first: the host's worker threads and their store connections start once, whatever the load.
+    assert await hostile.say("flood 500") == "flooded 500"
+    with RssWatch() as rss:
+        reply = await hostile.say("flood 20000")
+    assert reply == "flooded 20000"
+    assert rss.growth < 32 * MiB, rss.growth
+    # Past the cap the host answered "busy" inline instead of starting a task per request.
+    assert sb.channel.busy_rejects > 0
+    assert sb.channel.max_guest_inflight == MAX_GUEST_INFLIGHT
+    await still_fine(hostile)
+
+
+async def test_deeply_nested_frames_are_refused_and_the_turn_goes_on(hostile: Hostile) -> None:
+    sb = await hostile.sandbox()
+    before = sb.channel.rejected_frames
+    with RssWatch() as rss:
+        assert await hostile.say("deep 200000") == "survived"
+    assert sb.channel.rejected_frames >= before + 2
+    assert rss.growth < 64 * MiB, rss.growth
+    await still_fine(hostile)
+
+
+async def test_event_flood_is_bounded(hostile: Hostile) -> None:
+    with RssWatch() as rss:
+        reply = await hostile.say("events 20000")  # 80 MB of events, streamed to nobody
+    assert reply == "emitted 20000"
+    assert rss.growth < 64 * MiB, rss.growth
+    await still_fine(hostile)
+
+
+async def test_file_read_that_never_ends_is_cut_off(hostile: Hostile) -> None:
+    assert await hostile.say("endless-read") == "armed"
+    sb = await hostile.sandbox()
+    with RssWatch() as rss:
+        with pytest.raises(GuestFileTooLarge) as e:
+            await sb.read_file("/work/anything")
+    assert str(READ_FILE_MAX_BYTES) in str(e.value) and e.value.hint
+    assert rss.growth < 3 * READ_FILE_MAX_BYTES, rss.growth  # the capped buffer, never more
+    with pytest.raises(GuestFileTooLarge):
+        await sb.read_file("/work/anything", max_bytes=4 * MiB)
+    await still_fine(hostile)
+
+
+async def test_console_flood_is_capped_on_disk(hostile: Hostile) -> None:
+    sb = await hostile.sandbox()
+    name = "console.log" if hostile.driver == "microvm" else "supervisor.log"
+    amount = 3 * DEFAULT_CAP_BYTES if hostile.driver == "microvm" else 64 * MiB
+    assert (await hostile.say(f"console {amount}")).startswith("wrote")
+    log, rotated = sb.dir / name, sb.dir / f"{name}.1"
+    on_disk = sum(p.stat().st_size for p in (log, rotated) if p.exists())
+    assert rotated.exists() and on_disk <= 2 * DEFAULT_CAP_BYTES, on_disk
+    assert oct(log.stat().st_mode & 0o777) == "0o600"
+    await still_fine(hostile)
+
+
+async def test_huge_frame_stops_the_attacker_cleanly_and_it_comes_back(hostile: Hostile) -> None:
+    with RssWatch() as rss:
+        with pytest.raises(MoorageError):
+            await hostile.say("huge")
+    assert rss.growth < 64 * MiB, rss.growth  # the announced 4 GiB were never read or allocated
+    sb = await hostile.sandbox()
+    assert sb.state.value == "stopped"
+    await still_fine(hostile)  # the next turn starts the attacker afresh
+    assert json.loads(await hostile.say('host-paths ["/work"]')) == ["/work"]
