@@ -9,7 +9,7 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from dnslib import QTYPE, RCODE, DNSRecord
+from dnslib import RCODE, DNSRecord
 
 from moorage.egress import Egress, Gateway, Limits, OperatorPolicy, StaticResolver, Target, store_recorder
 from moorage.store import Store
@@ -198,3 +198,22 @@ async def test_a_binding_can_listen_on_a_unix_socket(tmp_path: Path, egress: Egr
     finally:
         await g.close()
     assert not sock.exists() and g.get("vm-1") is None
+
+
+async def test_dns_over_a_stream_socket_for_guestfwd(tmp_path: Path) -> None:
+    eg = Egress(TEST_OPERATOR, StaticResolver({"api.test": ["127.0.0.1"]}))
+    g = Gateway(eg)
+    sock = tmp_path / "dns.sock"
+    await g.bind("i1", eg.instance({"egress": {"allow": ["https://api.test"]}}), dns=False, dns_unix_path=sock)
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(sock))
+        for name, rcode in (("api.test", RCODE.NOERROR), ("leak.other.test", RCODE.NXDOMAIN)):
+            q = DNSRecord.question(name).pack()
+            writer.write(len(q).to_bytes(2, "big") + q)
+            size = int.from_bytes(await reader.readexactly(2), "big")
+            reply = DNSRecord.parse(await reader.readexactly(size))
+            assert reply.header.rcode == rcode
+        writer.close()
+    finally:
+        await g.close()
+    assert not sock.exists()

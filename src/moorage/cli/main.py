@@ -91,7 +91,7 @@ BENCH_SCRIPTS = {
     "memory": ["memory/run.py"],
     "durable": ["durable/run.py"],
     "lifecycle": ["lifecycle/run_sim.py", "lifecycle/wake_storm.py"],
-    "sandbox": ["sandbox/run.py"],
+    "sandbox": ["sandbox/run.py", "sandbox/egress.py"],
     "api": ["api/run.py"],
 }
 

@@ -90,6 +90,22 @@ class _Protocol(asyncio.DatagramProtocol):
             self.transport.sendto(out, addr)
 
 
+async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """DNS over a stream (TCP, or the unix socket a VM's guestfwd reaches): 2-byte length, message, repeated."""
+    try:
+        while True:
+            size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 30), "big")
+            out = await answer(inst, await asyncio.wait_for(reader.readexactly(size), 30))
+            if out is None:
+                break
+            writer.write(len(out).to_bytes(2, "big") + out)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
 async def serve_udp(inst: InstanceEgress, host: str, port: int = 0) -> tuple[asyncio.DatagramTransport, int]:
     """Start a UDP responder for ``inst``; returns the transport (close it to stop) and the bound port."""
     loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moorage.egress.connector import Egress, InstanceEgress, SpanRecorder
-from moorage.egress.dns import serve_udp
+from moorage.egress.dns import serve_stream, serve_udp
 from moorage.egress.proxy import serve_connection
 from moorage.log import get_logger
 
@@ -52,8 +52,10 @@ class GatewayBinding:
     proxy_port: int | None
     dns_port: int | None
     unix_path: Path | None = None
+    dns_unix_path: Path | None = None
     _server: Any = field(default=None, repr=False)
     _dns: Any = field(default=None, repr=False)
+    _dns_stream: Any = field(default=None, repr=False)
 
     @property
     def proxy_url(self) -> str:
@@ -62,13 +64,18 @@ class GatewayBinding:
     async def close(self) -> None:
         if self._dns is not None:
             self._dns.close()
+        if self._dns_stream is not None:
+            self._dns_stream.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._dns_stream.wait_closed(), 5)
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-        if self.unix_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.unix_path.unlink()
+        for path in (self.unix_path, self.dns_unix_path):
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
 
 class Gateway:
@@ -83,9 +90,10 @@ class Gateway:
         return self._bound.get(key)
 
     async def bind(self, key: str, inst: InstanceEgress, *, unix_path: Path | None = None, dns: bool = True,
-                   port: int = 0, dns_port: int = 0) -> GatewayBinding:
+                   port: int = 0, dns_port: int = 0, dns_unix_path: Path | None = None) -> GatewayBinding:
         """Open ``key``'s listeners (replacing any it had). The proxy listens on ``unix_path`` if given (for a
-        per-VM socket that QEMU's guestfwd connects to), else on ``host:port``."""
+        per-VM socket that QEMU's guestfwd connects to), else on ``host:port``; DNS on UDP ``host:dns_port``
+        and, if ``dns_unix_path`` is given, as DNS-over-TCP framing on that unix socket (guestfwd is TCP only)."""
         await self.unbind(key)
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -101,7 +109,18 @@ class Gateway:
             server = await asyncio.start_server(handle, self.host, port)
             proxy_port = server.sockets[0].getsockname()[1]
         transport, bound_dns = (await serve_udp(inst, self.host, dns_port)) if dns else (None, None)
-        b = GatewayBinding(key, inst, self.host, proxy_port, bound_dns, unix_path, server, transport)
+        dns_stream = None
+        if dns_unix_path is not None:
+            dns_unix_path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                dns_unix_path.unlink()
+
+            async def handle_dns(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await serve_stream(inst, reader, writer)
+
+            dns_stream = await asyncio.start_unix_server(handle_dns, path=str(dns_unix_path))
+        b = GatewayBinding(key, inst, self.host, proxy_port, bound_dns, unix_path, dns_unix_path, server, transport,
+                           dns_stream)
         self._bound[key] = b
         return b
 

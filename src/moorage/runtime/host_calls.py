@@ -265,10 +265,7 @@ class GuestCalls:
 
     def _egress_for(self, b: TurnBinding) -> Any:
         """This instance's egress: its agent's policy, its limits, spans into the turn's trace, secret headers."""
-        from moorage.secrets import Bindings
-
         egress = self._egress()
-        bindings = Bindings.from_manifest(b.manifest)
 
         def record(started: float, status: str, attrs: dict[str, Any]) -> None:
             from moorage.store import Span
@@ -276,12 +273,7 @@ class GuestCalls:
             b.ts.spans.record(Span(b.trace_id, uuid.uuid4().hex[:16], None, "egress", started, time.time(), status,
                                    {"agent": b.entity.agent, "user": b.entity.user, **attrs}, b.session_scope))
 
-        async def headers(t: Any) -> dict[str, str]:
-            if not bindings.for_host(t.host, t.port):
-                return {}
-            return await asyncio.to_thread(self._secrets().headers, b.ts, b.entity.agent, b.entity.user, bindings,
-                                           t.host, t.port)
-
+        headers = self._secrets().header_source(b.ts, b.entity.agent, b.entity.user, b.manifest)
         return egress.instance(b.manifest, record=record, headers=headers, usage=egress.usage_for(self.sandbox_id))
 
     async def net_fetch(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:

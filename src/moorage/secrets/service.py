@@ -6,6 +6,7 @@ Values are encrypted before they reach the store and decrypted only where a head
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,6 +84,18 @@ class SecretStore:
             if value is not None:
                 out[b.header] = b.render(value)
         return out
+
+    def header_source(self, ts: Any, agent: str, user: str | None, manifest: dict[str, Any] | None) -> Any:
+        """What an instance's egress calls for the headers of a request (``InstanceEgress.headers``): its
+        agent's bindings, values read (and decrypted) only for a request to a bound host."""
+        bindings = Bindings.from_manifest(manifest)
+
+        async def headers(t: Any) -> dict[str, str]:
+            if not bindings.for_host(t.host, t.port):
+                return {}
+            return await asyncio.to_thread(self.headers, ts, agent, user, bindings, t.host, t.port)
+
+        return headers
 
     def env(self, ts: Any, agent: str, user: str | None, bindings: Bindings) -> dict[str, str]:
         """The opted-in secrets for the guest's environment (``[agent.secrets] env``)."""
