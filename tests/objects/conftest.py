@@ -44,6 +44,12 @@ class Harness:
     open_another: Callable[[], ObjectStore]
     #: Replace an object's bytes with same-sized garbage, keeping the digest it recorded.
     corrupt: Callable[[str], None]
+    #: Whether a put of this key has started to land in storage without being finished.
+    in_progress: Callable[[str], bool]
+    #: Whether anything of an unfinished put is still in storage.
+    leftovers: Callable[[], bool]
+    #: MOORAGE_* settings with which another process opens the same store.
+    env: dict[str, str]
 
 
 def _local(tmp_path: Path) -> Harness:
@@ -58,7 +64,12 @@ def _local(tmp_path: Path) -> Harness:
             f.seek(size // 2)
             f.write(bytes([b[0] ^ 0xFF]))
 
-    return Harness("local", LocalObjectStore(root), lambda: LocalObjectStore(root), corrupt)
+    def in_progress(key: str) -> bool:
+        tmp = root / ".tmp"
+        return tmp.is_dir() and any(e.stat().st_size >= (1 << 20) for e in os.scandir(tmp))
+
+    return Harness("local", LocalObjectStore(root), lambda: LocalObjectStore(root), corrupt, in_progress,
+                   lambda: bool(os.listdir(root / ".tmp")), {"MOORAGE_OBJECT_STORE_URL": root.as_uri()})
 
 
 def _s3(tmp_path: Path, server: SeaweedFS, bucket: str) -> Harness:
@@ -73,7 +84,17 @@ def _s3(tmp_path: Path, server: SeaweedFS, bucket: str) -> Harness:
         # A bad copy with the right size and the original's metadata, written past the store.
         raw.put_object(Bucket=bucket, Key=full, Body=os.urandom(size), Metadata=head["Metadata"])
 
-    return Harness("s3", open_object_store(config), lambda: open_object_store(config), corrupt)
+    def in_progress(key: str) -> bool:
+        full = f"{prefix}/{key}"
+        uploads = raw.list_multipart_uploads(Bucket=bucket, Prefix=full).get("Uploads", [])
+        return any(raw.list_parts(Bucket=bucket, Key=full, UploadId=u["UploadId"]).get("Parts") for u in uploads)
+
+    def leftovers() -> bool:
+        return bool(raw.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads"))
+
+    env = {f"MOORAGE_{k.upper()}": v for k, v in server.settings(bucket, prefix).items()}
+    return Harness("s3", open_object_store(config), lambda: open_object_store(config), corrupt, in_progress,
+                   leftovers, env)
 
 
 @pytest.fixture(params=BACKENDS)

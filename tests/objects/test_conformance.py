@@ -6,7 +6,10 @@ import hashlib
 import io
 import os
 import stat
+import subprocess
+import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -163,6 +166,46 @@ def test_damaged_object_raises_and_never_hands_over_bytes(harness: Harness, tmp_
     if size <= MiB:
         with pytest.raises(ObjectCorrupt):
             store.get_bytes("instances/t1/i1/snapshots/2/disk")
+
+
+_WRITER = """
+import os, sys
+from pathlib import Path
+from moorage.config import load
+from moorage.objects import open_object_store
+open_object_store(load(env=os.environ)).put_file(sys.argv[1], Path(sys.argv[2]))
+"""
+
+
+def test_a_writer_killed_mid_put_leaves_the_old_object_whole(harness: Harness, tmp_path: Path) -> None:
+    """SIGKILL a process halfway through replacing an object: readers see the old one, whole, and nothing else."""
+    key = "instances/t1/i1/snapshots/latest/disk"
+    harness.store.put_bytes(key, b"the previous snapshot")
+    src = tmp_path / "disk"
+    digest = write_random(src, 128 * MiB)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, key, str(src)], cwd=tmp_path,
+                              env={**os.environ, "MOORAGE_DATA_DIR": str(tmp_path / "writer"), **harness.env})
+    try:
+        deadline = time.monotonic() + 300
+        while not harness.in_progress(key):
+            assert writer.poll() is None, "the writer ended before it could be killed halfway"
+            assert time.monotonic() < deadline, "the writer never started to write"
+            time.sleep(0.002)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == -9
+    assert harness.store.get_bytes(key) == b"the previous snapshot"
+    assert [o.key for o in harness.store.iter("")] == [key]
+    # What the dead writer left is swept (by age; a live writer's recent parts are spared).
+    assert harness.leftovers()
+    assert harness.store.sweep_incomplete(older_than_s=3600) == 0 and harness.leftovers()
+    assert harness.store.sweep_incomplete(older_than_s=0) >= 1
+    assert not harness.leftovers()
+    with harness.open_another() as restarted:  # the host comes back and stores the snapshot again
+        restarted.put_file(key, src)
+    (tmp_path / "out").mkdir()
+    assert harness.store.get_file(key, tmp_path / "out" / "disk").sha256 == digest
 
 
 def test_missing_object_is_typed(object_store: ObjectStore, tmp_path: Path) -> None:

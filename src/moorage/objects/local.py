@@ -22,7 +22,7 @@ from moorage.objects.store import ObjectInfo, ObjectPage, ObjectStore, check_del
 
 #: Extended attribute holding an object's sha256 (hex); set on the temp file before the rename publishes it.
 XATTR = "user.moorage.sha256"
-#: Temp files older than this are left-overs of a crashed writer and are removed when a store opens.
+#: Temp files older than this are left-overs of a writer that died; opening a store removes them.
 _STALE_TMP_S = 24 * 3600
 
 
@@ -39,7 +39,7 @@ class LocalObjectStore(ObjectStore):
             raise ObjectStoreConfigError(f"cannot use {self.root} as an object store: {e.strerror}",
                                          hint="choose a writable directory for MOORAGE_OBJECT_STORE_URL") from e
         self._probe_xattr()
-        self._remove_stale_tmp()
+        self.sweep_incomplete(_STALE_TMP_S)
 
     def _probe_xattr(self) -> None:
         fd, name = tempfile.mkstemp(prefix="probe-", dir=self._tmp)
@@ -53,12 +53,15 @@ class LocalObjectStore(ObjectStore):
             os.close(fd)
             os.unlink(name)
 
-    def _remove_stale_tmp(self) -> None:
-        cutoff = time.time() - _STALE_TMP_S
+    def sweep_incomplete(self, older_than_s: float = _STALE_TMP_S) -> int:
+        cutoff = time.time() - older_than_s
+        n = 0
         for entry in os.scandir(self._tmp):
             with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                if entry.stat(follow_symlinks=False).st_mtime <= cutoff:
                     os.unlink(entry.path)
+                    n += 1
+        return n
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)

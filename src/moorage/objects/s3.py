@@ -380,6 +380,23 @@ class S3ObjectStore(ObjectStore):
                 return n
             after = page.next_token
 
+    def sweep_incomplete(self, older_than_s: float = 24 * 3600) -> int:
+        # Parts of an upload nobody will complete cost storage until aborted (AWS can also do this by a
+        # lifecycle rule; other servers may not).
+        cutoff = time.time() - older_than_s
+        n = 0
+        kw: dict[str, Any] = {"Prefix": self._prefix}
+        while True:
+            r = self._call("list_multipart_uploads", None, **kw)
+            for u in r.get("Uploads", []):
+                if u["Initiated"].timestamp() <= cutoff:
+                    with contextlib.suppress(ObjectNotFound, ObjectStoreUnavailable):  # finished or aborted meanwhile
+                        self._call("abort_multipart_upload", u["Key"], Key=u["Key"], UploadId=u["UploadId"])
+                        n += 1
+            if not r.get("IsTruncated"):
+                return n
+            kw.update(KeyMarker=r.get("NextKeyMarker", ""), UploadIdMarker=r.get("NextUploadIdMarker", ""))
+
     # -- lifetime -------------------------------------------------------------------------------------
 
     def _spool_dir(self) -> str | None:

@@ -139,6 +139,11 @@ class ObjectStore(ABC):
     def delete_prefix(self, prefix: str) -> int:
         """Remove every object under ``prefix``; returns how many were removed. An empty prefix is refused."""
 
+    @abstractmethod
+    def sweep_incomplete(self, older_than_s: float = 24 * 3600) -> int:
+        """Remove what writers that died mid-put left behind (temp files, unfinished multipart uploads) that is
+        older than ``older_than_s``; returns how many. Never touches a finished object."""
+
     # -- capabilities and lifetime ------------------------------------------------------------------
 
     @property
