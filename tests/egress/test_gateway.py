@@ -217,3 +217,14 @@ async def test_dns_over_a_stream_socket_for_guestfwd(tmp_path: Path) -> None:
     finally:
         await g.close()
     assert not sock.exists()
+
+
+async def test_expect_continue_is_answered_by_the_gateway(gateway: Gateway, egress: Egress, upstream: Upstream) -> None:
+    b = await gateway.bind("i1", egress.instance({"egress": {"allow": [f"http://api.test:{upstream.port}"]}}), dns=False)
+    reader, writer = await asyncio.open_connection("127.0.0.1", b.proxy_port)
+    writer.write(f"PUT http://api.test:{upstream.port}/up HTTP/1.1\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n".encode())
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"data")
+    assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
+    writer.close()
+    assert upstream.hits[0].body == b"data" and "expect" not in upstream.hits[0].headers

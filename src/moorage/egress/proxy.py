@@ -21,7 +21,7 @@ HEAD_TIMEOUT_S = 30.0
 IDLE_TIMEOUT_S = 300.0
 CHUNK = 64 * 1024
 _HOP = {b"connection", b"keep-alive", b"proxy-authorization", b"proxy-connection", b"proxy-authenticate", b"te",
-        b"trailer", b"upgrade", b"host"}
+        b"trailer", b"upgrade", b"host", b"expect"}
 
 
 class BadRequest(Exception):
@@ -198,6 +198,10 @@ async def _forward(inst: InstanceEgress, reader: asyncio.StreamReader, writer: a
             head = b"".join(out)
             await inst.usage.spend(len(head))
             up_w.write(head)
+            if (chunked or lengths) and any(v.lower() == b"100-continue" for v in _header(headers, b"expect")):
+                # The body is read here, exactly to its end, so the client may send it now.
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
             if chunked:
                 await _copy_chunked(reader, up_w, inst, count)
             elif lengths:

@@ -97,6 +97,26 @@ def _to_tools(raw: Any) -> tuple[ToolSpec, ...]:
                  for t in raw)
 
 
+def egress_of(rt: Any) -> Any:
+    """The runtime's egress service (``rt.egress``), made from its config on first use; tests may set their own."""
+    eg = getattr(rt, "egress", None)
+    if eg is None:
+        from moorage.egress import Egress
+
+        eg = rt.egress = Egress.from_config(rt.config)
+    return eg
+
+
+def secrets_of(rt: Any) -> Any:
+    """The runtime's secret store (``rt.secrets``, the operator's keys), made from its config on first use."""
+    store = getattr(rt, "secrets", None)
+    if store is None:
+        from moorage.secrets import SecretStore
+
+        store = rt.secrets = SecretStore.from_config(rt.config)
+    return store
+
+
 class GuestCalls:
     """The handlers one sandbox's channel gets. Registered again after every wake (new connection)."""
 
@@ -247,21 +267,10 @@ class GuestCalls:
     # -- egress (moorage/egress: the same policy and connector as the VM's gateway) -----------------------
 
     def _egress(self) -> Any:
-        """The runtime's egress service, made from its config on first use (tests may set ``rt.egress``)."""
-        eg = getattr(self.rt, "egress", None)
-        if eg is None:
-            from moorage.egress import Egress
-
-            eg = self.rt.egress = Egress.from_config(self.rt.config)
-        return eg
+        return egress_of(self.rt)
 
     def _secrets(self) -> Any:
-        store = getattr(self.rt, "secrets", None)
-        if store is None:
-            from moorage.secrets import SecretStore
-
-            store = self.rt.secrets = SecretStore.from_config(self.rt.config)
-        return store
+        return secrets_of(self.rt)
 
     def _egress_for(self, b: TurnBinding) -> Any:
         """This instance's egress: its agent's policy, its limits, spans into the turn's trace, secret headers."""

@@ -20,14 +20,15 @@ NAME = {"type": "string", "pattern": r"^[A-Z_][A-Z0-9_]{0,127}$"}
 
 def _store(call: Call) -> Any:
     """The host's secret store: the runtime's (it decrypts for ctx.fetch with the same keys), else this app's."""
-    owner = call.ctx.runtime if call.ctx.runtime is not None else call.ctx
-    store = getattr(owner, "secrets", None)
+    if call.ctx.runtime is not None:
+        from moorage.runtime.host_calls import secrets_of
+
+        return secrets_of(call.ctx.runtime)
+    store = getattr(call.ctx, "secrets", None)
     if store is None:
         from moorage.secrets import SecretStore
 
-        cfg = call.ctx.runtime.config if call.ctx.runtime is not None else call.ctx.config
-        store = SecretStore.from_config(cfg)
-        setattr(owner, "secrets", store)
+        store = call.ctx.secrets = SecretStore.from_config(call.ctx.config)  # type: ignore[attr-defined]
     return store
 
 
