@@ -7,6 +7,7 @@ appear in any response, and the victim's data must be unchanged afterwards. Runs
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from pathlib import Path
@@ -30,6 +31,11 @@ async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[
                          headers={"content-type": "application/gzip"})
         assert r.status_code == 201, r.text
         turn = (await c.post("/v1/agents/vagent/invoke", json={"message": f"hello {PLANT}", "user": "vuser"})).json()
+        hook = (await c.post("/v1/agents/vagent/webhooks", json={"url": "http://127.0.0.1:9/victim"})).json()
+        execution = (await c.post("/v1/agents/vagent/invoke?async=true", json={"message": "later", "user": "vuser"})).json()
+        assert (await c.put("/v1/agents/vagent/users/vuser", json={"metadata": {"note": PLANT}})).status_code == 201
+        while (await c.get(f"/v1/executions/{execution['id']}")).json()["status"] != "succeeded":
+            await asyncio.sleep(0.05)
         waiting = (await c.post("/v1/agents/vagent/invoke", json={"message": "approve", "user": "vuser"})).json()
         assert waiting["status"] == "waiting"
         fact = await c.post("/v1/agents/vagent/users/vuser/facts",
@@ -43,7 +49,9 @@ async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[
     return {
         "agent": "vagent", "user": "vuser", "run_id": waiting["run_id"], "sandbox_id": sandbox.id,
         "trace_id": turn["trace_id"], "key_id": key["id"], "tenant_id": ts.tenant_id,
-        "secrets": [globex, key["secret"], token, other_user_token], "token": token,
+        "webhook_id": hook["id"], "execution_id": execution["id"],
+        "delivery_id": ts.deliveries.list(hook["id"])[0].id,
+        "secrets": [globex, key["secret"], token, other_user_token, hook["secret"]], "token": token,
         "other_user_token": other_user_token,
     }
 
@@ -58,6 +66,9 @@ def snapshot(store: Store, globex: str) -> dict[str, Any]:
         # vother's own token may legitimately run turns for vother; everything of vuser must stay as it was.
         "runs": sorted((r.id, r.status, r.version) for r in ts.runs.list(limit=1000) if r.scope.user == "vuser"),
         "sandboxes": [(s.id, s.state) for s in ts.sandboxes.list() if s.scope.user == "vuser"],
+        "users": [(u.user, u.version) for u in ts.agent_users.list("vagent")],
+        "webhooks": [(h.id, h.url, h.version) for h in ts.webhooks.list()],
+        "deliveries": [(d.id, d.status, d.version) for h in ts.webhooks.list() for d in ts.deliveries.list(h.id)],
     }
 
 
@@ -117,7 +128,8 @@ async def test_no_route_crosses_tenants(live_rt, store: Store, acme: str, globex
     assert len(routes) >= 30
     # "name": a secret the victim could hold (routes under /secrets/{name}); random ids get a malformed one.
     guessed = {**victim, "sandbox_id": victim["sandbox_id"], "key_id": victim["key_id"], "name": "GITHUB_TOKEN"}
-    random_ids = {k: uuid.uuid4().hex for k in ("agent", "user", "run_id", "sandbox_id", "trace_id", "key_id", "name")}
+    random_ids = {k: uuid.uuid4().hex for k in ("agent", "user", "run_id", "sandbox_id", "trace_id", "key_id",
+                                                 "webhook_id", "execution_id", "delivery_id", "name")}
     tried = 0
     async with httpx.AsyncClient(base_url=live_rt.url, timeout=120) as c:
         for who, headers in attackers.items():

@@ -37,6 +37,8 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         "parameters": params,
         "responses": {
             str(ep.status): {"description": "success", "content": content},
+            **{str(status): {"description": "success", "content": {"application/json": {"schema": schema}}}
+               for status, schema in ep.other_responses},
             "default": {"description": "an error (RFC 9457 problem)",
                         "content": {"application/problem+json": {"schema": S.ref("Problem")}}},
         },
@@ -49,7 +51,7 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
     elif ep.auth == "operator":
         op["security"] = [{"operatorToken": []}]
     else:
-        scope = f"needs the `{ep.scope}` key scope" if ep.scope else "any key of the tenant"
+        scope = "needs a key with the " + " or ".join(f"`{s}`" for s in sorted(ep.scopes - {"admin"}) or ["admin"]) + " scope"
         op["description"] = scope + ("; end-user tokens allowed for their own agent and user" if ep.end_user else "")
     return op
 

@@ -6,6 +6,7 @@ A problem never contains a traceback; unexpected failures become a 500 that poin
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.responses import Response
@@ -20,6 +21,22 @@ _TITLES = {
     406: "Not acceptable", 409: "Conflict", 413: "Payload too large", 415: "Unsupported media type",
     422: "Invalid input", 429: "Too many requests", 500: "Internal error", 503: "Unavailable",
 }
+
+
+#: ``Retry-After`` for a 429 or 503 whose error names no wait of its own: every such answer carries the header,
+#: so clients that honour it (the official ``openai`` SDK, moorage's own) back off instead of hammering.
+DEFAULT_RETRY_AFTER_S = {429: 1, 503: 5}
+#: Error attributes that say how long to wait, in the order they are trusted.
+_RETRY_ATTRS = ("retry_after", "retry_after_s", "resets_in")
+
+
+def retry_after_of(err: BaseException) -> float | None:
+    """Seconds the error asks a caller to wait before retrying, if it says (any of ``_RETRY_ATTRS``)."""
+    for name in _RETRY_ATTRS:
+        value = getattr(err, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and 0 <= value < 1e9:
+            return float(value)
+    return None
 
 
 class PayloadTooLarge(MoorageError):
@@ -48,6 +65,10 @@ def problem(status: int, code: str, detail: str, *, hint: str | None = None, tra
         "trace_id": trace_id,
         **(extra or {}),
     }
+    headers = dict(headers or {})
+    if status in DEFAULT_RETRY_AFTER_S and not any(k.lower() == "retry-after" for k in headers):
+        headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S[status])
+        body.setdefault("retry_after", DEFAULT_RETRY_AFTER_S[status])
     return Response(json.dumps(body), status_code=status, media_type=PROBLEM_CONTENT_TYPE, headers=headers)
 
 
@@ -56,9 +77,10 @@ def from_error(err: MoorageError, trace_id: str | None) -> Response:
     status = int(getattr(err, "http_status", 500) or 500)
     headers: dict[str, str] = {}
     extra: dict[str, Any] = {}
-    retry_after = getattr(err, "retry_after", None)
-    if isinstance(retry_after, (int, float)) and retry_after >= 0:
-        headers["Retry-After"] = str(max(1, int(round(retry_after))))
+    retry_after = retry_after_of(err)
+    if retry_after is not None and status in DEFAULT_RETRY_AFTER_S:
+        # Whole seconds (RFC 9110), rounded up so a client never comes back before the wait is over.
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
         extra["retry_after"] = retry_after
     current = getattr(err, "current_version", None)
     if isinstance(current, int):

@@ -24,6 +24,7 @@ from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScop
 from moorage.log import get_logger
 from moorage.observability.tracer import current_trace_id, use_trace_id
 from moorage.store import Principal, TenantStore
+from moorage.store.model import API_KEY_SCOPES
 
 if TYPE_CHECKING:
     from moorage.api.app import AppContext
@@ -120,10 +121,16 @@ class Endpoint:
     tag: str
     operation_id: str
     auth: Auth = "tenant"
-    #: Scope a tenant key needs (None: any key of the tenant).
+    #: Scope a tenant key needs; every tenant route declares one (``admin`` keys hold every scope). This
+    #: declaration is the one source of truth: the wrapper enforces it and tests/api/test_scopes.py walks it.
     scope: str | None = None
-    #: End-user tokens may call this route, for their own agent and user only.
+    #: Further scopes that are also enough (e.g. an execution is readable with ``invoke`` or ``read``).
+    also_scopes: tuple[str, ...] = ()
+    #: End-user tokens may call this route, for their own agent and user only (instead of a scope).
     end_user: bool = False
+    #: The handler itself keeps a key limited to one agent to that agent (routes without ``{agent}``);
+    #: other routes without ``{agent}`` in the path refuse such keys.
+    agent_checked: bool = False
     body: dict[str, Any] | None = None
     body_type: str = "application/json"
     response: dict[str, Any] | None = None
@@ -133,8 +140,23 @@ class Endpoint:
     #: The route may answer ``text/event-stream`` instead of JSON.
     streams: bool = False
     idempotency: Idempotency = "http"
+    #: Other success statuses the route may answer, with their JSON schema (documented in OpenAPI).
+    other_responses: tuple[tuple[int, dict[str, Any]], ...] = ()
     #: Response fields holding a secret shown once: a replay returns them as null (the journal never keeps them).
     secret_fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.auth == "tenant":
+            bad = [sc for sc in (self.scope, *self.also_scopes) if sc not in API_KEY_SCOPES]
+            if bad:
+                raise ValueError(f"{self.method} {self.path} must declare a key scope from {API_KEY_SCOPES}, not {bad}")
+
+    @property
+    def scopes(self) -> frozenset[str]:
+        """Every key scope that may call this route (``admin`` included)."""
+        if self.auth != "tenant":
+            return frozenset()
+        return frozenset({self.scope or "admin", *self.also_scopes, "admin"})
 
     async def asgi(self, request: Request) -> Response:
         ctx: AppContext = request.app.state.moorage
@@ -173,8 +195,19 @@ class Endpoint:
             if (pa is not None and pa != principal.agent) or (pu is not None and pu != principal.user):
                 raise TenantScopeError("this end-user token is for another agent or user",
                                        hint="use the token issued for this agent and user")
-        if self.scope is not None:
-            principal.require(self.scope)
+        else:
+            accepted = sorted(self.scopes - {"admin"}) or ["admin"]
+            if not principal.allows(*accepted):
+                raise TenantScopeError(f"this key lacks the {' or '.join(repr(a) for a in accepted)} scope",
+                                       hint=f"use a key with the {accepted[0]} scope (or ask an admin for one)")
+            if principal.agent is not None:
+                pa = request.path_params.get("agent")
+                if pa is None and not self.agent_checked:
+                    raise TenantScopeError(f"this key is limited to agent {principal.agent!r}; this route spans agents",
+                                           hint="use a key that is not limited to one agent")
+                if pa is not None and pa != principal.agent:
+                    raise TenantScopeError(f"this key is limited to agent {principal.agent!r}",
+                                           hint=f"use a key for agent {pa!r}")
         return principal, ctx.store.tenant(principal)
 
     async def _read_body(self, request: Request) -> Any:
@@ -228,7 +261,7 @@ class Endpoint:
         return json_response(result, self.status)
 
     async def _idempotent(self, call: Call, idem: str, body: Any) -> Response:
-        """Run once per key; a replay gets the stored first response (a retry of a 5xx runs again)."""
+        """Run once per key; a replay gets the stored first response (a retry of a 5xx or 429 runs again)."""
         ts, p = call.tenant, call.who
         ident = f"{p.key_id}|{p.user}|{self.method}|{call.request.url.path}|{idem}"
         key = "http:" + hashlib.sha256(ident.encode()).hexdigest()
@@ -248,14 +281,14 @@ class Endpoint:
         try:
             response = self._respond(await self._invoke(call))
         except MoorageError as e:
-            if e.http_status >= 500:
+            if _retryable(e.http_status):
                 await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
                 raise
             response = from_error(e, call.trace_id)
         except BaseException:
             await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
             raise
-        if response.status_code >= 500 or not hasattr(response, "body"):
+        if _retryable(response.status_code) or not hasattr(response, "body"):
             await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
             return response
         stored_body = json.loads(response.body) if response.body else None
@@ -281,6 +314,11 @@ class Endpoint:
             if status >= 500:
                 active.status = "error"
             ctx.tracer.finish(ts, active)
+
+
+def _retryable(status: int) -> bool:
+    """A 5xx or a 429 is not the request's answer: a retry with the same Idempotency-Key runs it again."""
+    return status >= 500 or status == 429
 
 
 def _redact(body: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

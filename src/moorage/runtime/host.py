@@ -53,6 +53,7 @@ class Host:
 
     @classmethod
     def open(cls, config: Config) -> "Host":
+        from moorage.cost.model import CostModel
         from moorage.lifecycle.manager import InstanceManager
         from moorage.llm import gateway_from_config
         from moorage.runtime.runtime import Runtime
@@ -66,6 +67,8 @@ class Host:
 
         manager.pool = WarmPool(driver, config.data_dir / "pool")
         llm = gateway_from_config(config, usage_sink=StoreUsageSink(store))
+        # Prices let agents with sleep = "adaptive" weigh staying awake against a snapshot (it needs them).
+        manager.economics = CostModel().economics()
         return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
 
     async def start(self) -> None:
@@ -75,6 +78,12 @@ class Host:
         if resumed:
             log.info("resumed interrupted turns", count=resumed)
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="retention-sweeper"))
+        from moorage.webhooks import Dispatcher
+        from moorage.webhooks.executions import ExecutionRunner
+
+        # Async turns lost before their run existed start again; then the webhook outbox is drained.
+        await ExecutionRunner.of(self.runtime).resubmit_orphans(self.store, min_age_s=0.0)
+        self._tasks.append(asyncio.create_task(Dispatcher(self.store).run(), name="webhook-deliveries"))
 
     async def _sweep_loop(self) -> None:
         while True:

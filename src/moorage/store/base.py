@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from moorage.errors import InvalidInput, NotFound, TenantScopeError
-from moorage.store.model import ApiKey, Tenant, check_id
+from moorage.store.model import AGENT_SCOPE_PREFIX, ApiKey, Tenant, check_id, split_scopes
 from moorage.store.sql import Conn
 
 if TYPE_CHECKING:
@@ -131,27 +131,34 @@ class Backend(ABC):
             c.x("DELETE FROM api_keys WHERE tenant_id = ?", (tenant_id,))
             c.x("DELETE FROM tenants WHERE id = ?", (tenant_id,))
 
-    def create_api_key(self, tenant_id: str, scopes: Sequence[str], label: str = "") -> ApiKey:
+    def create_api_key(self, tenant_id: str, scopes: Sequence[str], label: str = "", agent: str | None = None) -> ApiKey:
         from moorage.store.tenant import _check_scopes
 
         sc = _check_scopes(scopes)
+        if agent is not None:
+            check_id(agent, "agent name")
         if not isinstance(label, str) or len(label) > 200:
             raise InvalidInput("key label must be a string of at most 200 characters")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
-        key = ApiKey(uuid.uuid4().hex[:16], tenant_id, sc, label, time.time(), None, secret)
+        key = ApiKey(uuid.uuid4().hex[:16], tenant_id, sc, label, time.time(), None, secret, agent)
+        stored = ",".join(sorted(sc)) + ("" if agent is None else f",{AGENT_SCOPE_PREFIX}{agent}")
         with self.control_tx() as c:
             if not c.one("SELECT 1 FROM tenants WHERE id = ?", (tenant_id,)):
                 raise NotFound(f"no tenant {tenant_id!r}")
             c.x(
                 "INSERT INTO api_keys (id, tenant_id, key_hash, scopes, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?, NULL)",
-                (key.id, tenant_id, hash_key(secret), ",".join(sorted(sc)), label, key.created_at),
+                (key.id, tenant_id, hash_key(secret), stored, label, key.created_at),
             )
         return key
 
     def list_api_keys(self, tenant_id: str) -> list[ApiKey]:
         with self.control_tx() as c:
             rows = c.q("SELECT id, tenant_id, scopes, label, created_at, revoked_at FROM api_keys WHERE tenant_id = ? ORDER BY created_at", (tenant_id,))
-        return [ApiKey(r[0], r[1], frozenset(r[2].split(",")), r[3], r[4], r[5]) for r in rows]
+        out = []
+        for r in rows:
+            scopes, agent = split_scopes(r[2])
+            out.append(ApiKey(r[0], r[1], scopes, r[3], r[4], r[5], agent=agent))
+        return out
 
     def revoke_api_key(self, tenant_id: str, key_id: str) -> None:
         with self.control_tx() as c:

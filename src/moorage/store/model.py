@@ -17,7 +17,23 @@ SCOPE_KINDS: tuple[str, ...] = ("session", "user", "workflow")
 #: Identifiers that become part of keys: short, printable, no separators we use ("/" and " ").
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,127}$")
 
-API_KEY_SCOPES: tuple[str, ...] = ("admin", "deploy", "invoke")
+#: What a tenant API key may do. ``admin`` implies every other scope; the others imply nothing but themselves:
+#: ``provision`` end-users, ``invoke`` agents (turns, answers, executions), ``deploy`` agents and operate their
+#: sandboxes and webhooks, ``secrets`` manage secrets, ``read`` everything else of the tenant.
+API_KEY_SCOPES: tuple[str, ...] = ("admin", "deploy", "invoke", "provision", "read", "secrets")
+#: Stored among a key's scopes (``agent:<name>``): the key may act on that one agent only.
+AGENT_SCOPE_PREFIX = "agent:"
+
+
+def split_scopes(stored: str) -> tuple[frozenset[str], str | None]:
+    """A key's stored scope list as (scopes, the one agent it is limited to or None)."""
+    scopes, agent = set(), None
+    for part in stored.split(","):
+        if part.startswith(AGENT_SCOPE_PREFIX):
+            agent = part[len(AGENT_SCOPE_PREFIX):]
+        elif part:
+            scopes.add(part)
+    return frozenset(scopes), agent
 
 
 def check_id(value: object, what: str) -> str:
@@ -34,7 +50,8 @@ def check_id(value: object, what: str) -> str:
 class Principal:
     """Who is calling, as established by authentication. The only source of a tenant id.
 
-    ``user`` and ``agent`` are set for end-user tokens, which may act for one user of one agent only.
+    ``user`` and ``agent`` are set for end-user tokens, which may act for one user of one agent only; ``agent``
+    alone is set for an API key limited to one agent.
     """
 
     tenant_id: str
@@ -46,8 +63,12 @@ class Principal:
     def require(self, scope: str) -> None:
         from moorage.errors import TenantScopeError
 
-        if scope not in self.scopes and "admin" not in self.scopes:
+        if not self.allows(scope):
             raise TenantScopeError(f"this key lacks the {scope!r} scope", hint=f"use a key with the {scope} scope")
+
+    def allows(self, *scopes: str) -> bool:
+        """Whether this principal holds any of ``scopes`` (``admin`` holds them all)."""
+        return "admin" in self.scopes or any(s in self.scopes for s in scopes)
 
 
 @dataclass(frozen=True)
@@ -157,6 +178,8 @@ class ApiKey:
     revoked_at: float | None
     #: Only set on creation; never stored (the store keeps a hash).
     secret: str | None = field(default=None, repr=False)
+    #: The one agent this key may act on (None: every agent of the tenant).
+    agent: str | None = None
 
 
 @dataclass(frozen=True)

@@ -392,6 +392,48 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         ),
         tenant_tables=("secrets",),
     ),
+    Migration(
+        12,
+        "end-users per agent, async executions, webhooks with a durable delivery outbox",
+        statements=(
+            # The product's own user id under one agent: metadata and per-user limits (end_users stays the
+            # tenant-wide registry the router checks).
+            """CREATE TABLE agent_users (
+                {tenant_col}
+                agent_id TEXT NOT NULL, user_id TEXT NOT NULL, meta {json} NOT NULL, limits {json} NOT NULL,
+                created_at {real} NOT NULL, updated_at {real} NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}agent_id, user_id))""",
+            # An async turn: its status and result live in its workflow run (same id); this row keeps what
+            # the caller streamed back and what has been announced to webhooks, so a restart loses neither.
+            """CREATE TABLE executions (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT NOT NULL, session TEXT NOT NULL,
+                input {json} NOT NULL, events {json} NOT NULL, announced TEXT, created_at {real} NOT NULL, updated_at {real} NOT NULL,
+                version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            "CREATE INDEX executions_open ON executions (announced, created_at)",
+            """CREATE TABLE webhooks (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, url TEXT NOT NULL, events {json} NOT NULL,
+                secret TEXT NOT NULL, enabled INTEGER NOT NULL, created_at {real} NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            # The outbox: a delivery is written in the transaction that decides it, then sent (and re-sent with
+            # backoff) by whichever host claims it first; ``next_at`` doubles as the claim's lease.
+            """CREATE TABLE webhook_deliveries (
+                {tenant_col}
+                id TEXT NOT NULL, webhook_id TEXT NOT NULL, event TEXT NOT NULL, payload {json} NOT NULL,
+                status TEXT NOT NULL, attempts INTEGER NOT NULL, next_at {real}, created_at {real} NOT NULL,
+                updated_at {real} NOT NULL, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            "CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_at)",
+            """CREATE TABLE webhook_attempts (
+                {tenant_col}
+                delivery_id TEXT NOT NULL, seq INTEGER NOT NULL, at {real} NOT NULL, status_code INTEGER,
+                error TEXT, duration_ms {real} NOT NULL,
+                PRIMARY KEY ({tpk}delivery_id, seq))""",
+        ),
+        tenant_tables=("agent_users", "executions", "webhooks", "webhook_deliveries", "webhook_attempts"),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from moorage.errors import Unauthenticated
 from moorage.store.base import KEY_PREFIX, Backend, hash_key
-from moorage.store.model import ApiKey, Principal, Tenant
+from moorage.store.model import ApiKey, Principal, Tenant, split_scopes
 from moorage.store.sqlite import EphemeralBackend
 from moorage.store.tenant import SweepReport, TenantStore
 
@@ -68,7 +68,8 @@ class Store:
         row = self.backend.authenticate_hash(hash_key(secret))
         if row is None or (row[3] is not None and row[3] <= time.time()):
             raise Unauthenticated("unknown or revoked API key")
-        return Principal(row[1], frozenset(row[2].split(",")), key_id=row[0])
+        scopes, agent = split_scopes(row[2])
+        return Principal(row[1], scopes, key_id=row[0], agent=agent)
 
     def tenant(self, principal: Principal) -> TenantStore:
         if not isinstance(principal, Principal):

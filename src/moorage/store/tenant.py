@@ -94,6 +94,14 @@ class TenantStore:
         from moorage.store.repos.secrets import Secrets as SecretsRepo  # its own module (late: no cycle)
 
         self.secrets = SecretsRepo(self)
+        # Repositories in their own modules (they import _Repo from here, hence the late import).
+        from moorage.store.agent_users import AgentUsers
+        from moorage.store.webhooks import Deliveries, Executions, Webhooks
+
+        self.agent_users = AgentUsers(self)
+        self.executions = Executions(self)
+        self.webhooks = Webhooks(self)
+        self.deliveries = Deliveries(self)
 
     @property
     def tenant_id(self) -> str:
@@ -237,9 +245,10 @@ class _Repo:
 class ApiKeys(_Repo):
     """This tenant's API keys. Secrets are returned once, at creation; only hashes are stored."""
 
-    def create(self, scopes: Sequence[str], label: str = "") -> ApiKey:
+    def create(self, scopes: Sequence[str], label: str = "", agent: str | None = None) -> ApiKey:
+        """A new key with ``scopes``; with ``agent`` it may act on that one agent of the tenant only."""
         self._ts.principal.require("admin")
-        return self._ts._backend.create_api_key(self._ts.tenant_id, scopes, label)
+        return self._ts._backend.create_api_key(self._ts.tenant_id, scopes, label, agent)
 
     def list(self) -> list[ApiKey]:
         return self._ts._backend.list_api_keys(self._ts.tenant_id)

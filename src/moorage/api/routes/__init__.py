@@ -9,12 +9,13 @@ from moorage.api.routing import Endpoint
 
 
 def all_endpoints() -> list[Endpoint]:
-    from moorage.api.routes import (agents, fleet, invoke, keys, memory, openai_compat, sandboxes, secrets, tenants, traces,
-                                    workflows)
+    from moorage.api.routes import (agents, executions, fleet, invoke, keys, memory, openai_compat, sandboxes, secrets, tenants,
+                                    traces, users, webhooks, workflows)
 
     from moorage.api import mcp  # MCP Streamable HTTP per agent (JSON-RPC inside; auth and routing as here)
 
     out: list[Endpoint] = []
-    for module in (tenants, keys, agents, invoke, memory, workflows, sandboxes, secrets, fleet, traces, openai_compat, mcp):
+    for module in (tenants, keys, agents, users, invoke, executions, webhooks, memory, workflows, sandboxes, secrets, fleet, traces,
+                   openai_compat, mcp):
         out.extend(module.ENDPOINTS)
     return out

@@ -68,11 +68,11 @@ def issue_token(call: Call) -> Reply:
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/v1/agents", list_agents, "List agents", "agents", "listAgents", query=PAGE,
+    Endpoint("GET", "/v1/agents", list_agents, "List agents", "agents", "listAgents", scope="read", query=PAGE,
              response=S.page_of("Agent")),
-    Endpoint("GET", "/v1/agents/{agent}", get_agent, "Get an agent", "agents", "getAgent", response=S.ref("Agent")),
+    Endpoint("GET", "/v1/agents/{agent}", get_agent, "Get an agent", "agents", "getAgent", scope="read", response=S.ref("Agent")),
     Endpoint("GET", "/v1/agents/{agent}/deployments", list_deployments, "List an agent's deployments", "agents",
-             "listDeployments", query=PAGE, response=S.page_of("Deployment")),
+             "listDeployments", scope="read", query=PAGE, response=S.page_of("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/deployments", deploy, "Deploy an agent directory (tar.gz body)", "agents",
              "deployAgent", scope="deploy", status=201, body={"type": "string", "format": "binary"},
              body_type="application/gzip", max_body=DEPLOY_BODY_LIMIT, response=S.ref("Deployment")),

@@ -203,7 +203,7 @@ def _round(v: float | None) -> float | None:
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/fleet", fleet, "Instances by state with activity, wake latency, RAM/disk and cost split",
-             "sandboxes", "getFleet",
+             "sandboxes", "getFleet", scope="read",
              query=(Param("since", S.NUM, "seconds since the epoch (default: 30 days ago)"), Param("agent", S.STR),
                     Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 200},
                           "most instances listed (most recently active first)")),

@@ -1,6 +1,6 @@
-"""API keys of the caller's tenant: list, create (secret shown once), revoke. Admin scope.
+"""API keys of the caller's tenant: list, create (secret shown once; scopes, optionally one agent), revoke.
 
-Revoking a key also invalidates every end-user token it issued.
+Admin scope. Revoking a key also invalidates every end-user token it issued.
 """
 
 from __future__ import annotations
@@ -12,19 +12,26 @@ from moorage.api.routes._common import PAGE
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import InvalidInput
+from moorage.store import ApiKey
+from moorage.store.model import API_KEY_SCOPES
+
+
+def _key(k: ApiKey) -> dict[str, Any]:
+    return {**S.key(k), "agent": k.agent}
 
 
 def list_keys(call: Call) -> dict[str, Any]:
     keys = call.tenant.keys.list()
-    return offset_page(lambda n: keys[:n], parse_limit(call.query("limit")), call.query("cursor"), S.key)
+    return offset_page(lambda n: keys[:n], parse_limit(call.query("limit")), call.query("cursor"), _key)
 
 
 def create_key(call: Call) -> Reply:
     scopes = call.field("scopes", list)
     if not all(isinstance(s, str) for s in scopes):
-        raise InvalidInput("scopes must be a list of strings", hint="choose from admin, deploy, invoke")
+        raise InvalidInput("scopes must be a list of strings", hint=f"choose from {', '.join(API_KEY_SCOPES)}")
     label = call.field("label", str, required=False, default="")
-    return Reply(S.key(call.tenant.keys.create(scopes, label)), 201)
+    agent = call.field("agent", str, required=False)
+    return Reply(_key(call.tenant.keys.create(scopes, label, agent)), 201)
 
 
 def revoke_key(call: Call) -> dict[str, Any]:
@@ -37,8 +44,8 @@ ENDPOINTS = [
              response=S.page_of("ApiKey")),
     Endpoint("POST", "/v1/keys", create_key, "Create an API key (its secret is returned once)", "keys", "createKey",
              scope="admin", status=201, secret_fields=("secret",),
-             body=S.obj({"scopes": {"type": "array", "items": {"enum": ["admin", "deploy", "invoke"]}, "minItems": 1},
-                         "label": S.STR}, ["scopes"]),
+             body=S.obj({"scopes": {"type": "array", "items": {"enum": list(API_KEY_SCOPES)}, "minItems": 1},
+                         "label": S.STR, "agent": S.ID}, ["scopes"]),
              response=S.ref("ApiKey")),
     Endpoint("DELETE", "/v1/keys/{key_id}", revoke_key, "Revoke an API key", "keys", "revokeKey", scope="admin",
              response=S.obj({"revoked": S.STR})),

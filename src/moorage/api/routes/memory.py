@@ -1,4 +1,4 @@
-"""An agent's memory of its users: sessions, the episodic log (list, search), facts (list, as-of, edit), forget.
+"""An agent's memory of its users: sessions, the episodic log (list, search), facts (list, as-of, edit).
 
 Every read names one agent and one user (and optionally a session) of the caller's tenant.
 """
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import decode_cursor, encode_cursor, offset_page, parse_limit
@@ -87,32 +86,21 @@ def add_fact(call: Call) -> Reply:
                   "previous": S.fact(change.previous) if change.previous else None}, 201)
 
 
-async def forget(call: Call) -> dict[str, Any]:
-    agent = await run_in_threadpool(agent_of, call)
-    user = check_id(call.path["user"], "user id")
-    forget_in_runtime = getattr(call.ctx.runtime, "forget", None)
-    if forget_in_runtime is not None:  # the runtime also drops the user's sandboxes
-        removed = await forget_in_runtime(call.who, agent.name, user)
-    else:
-        removed = await run_in_threadpool(call.tenant.forget_user, user, agent.name)
-    return {"agent": agent.name, "user": user, "removed": removed if isinstance(removed, int) else 0}
-
-
 _USER = "/v1/agents/{agent}/users/{user}"
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/agents/{agent}/sessions", list_sessions, "List sessions (of one user with ?user=)",
-             "memory", "listSessions", end_user=True, query=(*PAGE, Param("user", S.ID, "only this user's sessions")),
+             "memory", "listSessions", scope="read", end_user=True, query=(*PAGE, Param("user", S.ID, "only this user's sessions")),
              response=S.page_of("Session")),
     Endpoint("GET", f"{_USER}/events", list_events, "List the user's episodic log, oldest first", "memory",
-             "listEvents", end_user=True, query=(*PAGE, SESSION), response=S.page_of("Event")),
+             "listEvents", scope="read", end_user=True, query=(*PAGE, SESSION), response=S.page_of("Event")),
     Endpoint("GET", f"{_USER}/events/search", search_events, "Search the user's episodic memory", "memory",
-             "searchEvents", end_user=True,
+             "searchEvents", scope="read", end_user=True,
              query=(Param("q", {"type": "string", "minLength": 1}, "what to recall", required=True),
                     Param("k", {"type": "integer", "minimum": 1, "maximum": 500}, "how many results"), SESSION),
              response=S.page_of("Recall")),
     Endpoint("GET", f"{_USER}/facts", list_facts, "List the user's facts (current, as of a time, or as known then)",
-             "memory", "listFacts", end_user=True,
+             "memory", "listFacts", scope="read", end_user=True,
              query=(*PAGE, SESSION, Param("subject", S.STR), Param("attribute", S.STR),
                     Param("as_of", S.NUM, "facts true at this time"),
                     Param("known_at", S.NUM, "facts as recorded by this time"),
@@ -124,6 +112,4 @@ ENDPOINTS = [
                          "value": {"type": "string", "minLength": 1}, "text": S.STR},
                         ["subject", "attribute", "value"]),
              response=S.ref("FactChange")),
-    Endpoint("DELETE", _USER, forget, "Forget everything stored about this user of this agent", "memory",
-             "forgetUser", scope="admin", response=S.ref("Forgotten")),
 ]

@@ -135,12 +135,12 @@ _MESSAGE = {"type": "object", "properties": {"role": S.STR, "content": {"type": 
 
 ENDPOINTS = [
     Endpoint("POST", "/v1/chat/completions", chat_completions, "OpenAI-compatible chat completion (model = agent)",
-             "openai", "createChatCompletion", scope="invoke", end_user=True, streams=True, idempotency="runtime",
+             "openai", "createChatCompletion", scope="invoke", end_user=True, agent_checked=True, streams=True, idempotency="runtime",
              body=S.obj({"model": S.ID, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                          "stream": {"type": "boolean"}, "user": S.ID}, ["model", "messages"]),
              response=S.obj({"id": S.STR, "object": S.STR, "created": S.INT, "model": S.STR,
                              "choices": {"type": "array"}, "usage": S.OBJ}, ["id", "object", "choices"])),
     Endpoint("GET", "/v1/models", list_models, "OpenAI-compatible model list (one model per agent)", "openai",
-             "listModels", end_user=True,
+             "listModels", scope="invoke", also_scopes=("read",), end_user=True, agent_checked=True,
              response=S.obj({"object": S.STR, "data": {"type": "array", "items": S.OBJ}})),
 ]

@@ -86,9 +86,9 @@ async def read_file(call: Call) -> dict[str, Any]:
 _BOX = "/v1/sandboxes/{sandbox_id}"
 
 ENDPOINTS = [
-    Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes",
+    Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
              query=(*PAGE, Param("state", S.STR), Param("agent", S.STR)), response=S.page_of("Sandbox")),
-    Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", response=S.ref("Sandbox")),
+    Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", scope="read", response=S.ref("Sandbox")),
     *[Endpoint("POST", f"{_BOX}/{verb}", _verb(verb), f"{verb.capitalize()} a sandbox", "sandboxes",
                f"{verb}Sandbox", scope="deploy",
                body=S.obj({"checkpoint": S.STR, "label": S.STR}, []), response=S.ref("Result"))

@@ -34,11 +34,11 @@ def usage(call: Call) -> dict[str, Any]:
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/v1/traces", recent_spans, "Recent spans, newest first", "observability", "listSpans",
+    Endpoint("GET", "/v1/traces", recent_spans, "Recent spans, newest first", "observability", "listSpans", scope="read",
              query=PAGE, response=S.page_of("Span")),
-    Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace",
+    Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace", scope="read",
              response=S.ref("Trace")),
-    Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage",
+    Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage", scope="read",
              query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR)),
              response=S.ref("Usage")),
 ]

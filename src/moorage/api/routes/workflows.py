@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE
+from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
 from moorage.errors import InvalidInput
 from moorage.store.tenant import RUN_STATUSES
@@ -44,7 +45,9 @@ async def answer(call: Call) -> dict[str, Any]:
     body = call.body if isinstance(call.body, dict) else {}
     if "answer" not in body:
         raise InvalidInput("missing field 'answer'", hint="send the reply to the interrupt as `answer`")
-    return S.turn(await call.runtime.answer(call.who, call.path["run_id"], body["answer"]))
+    result = await call.runtime.answer(call.who, call.path["run_id"], body["answer"])
+    await run_in_threadpool(announce_interrupt, call, result)  # asked again: a new interrupt
+    return S.turn(result)
 
 
 async def cancel(call: Call) -> dict[str, Any]:
@@ -54,11 +57,11 @@ async def cancel(call: Call) -> dict[str, Any]:
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/v1/workflows", list_runs, "List workflow runs", "workflows", "listWorkflows",
+    Endpoint("GET", "/v1/workflows", list_runs, "List workflow runs", "workflows", "listWorkflows", scope="read",
              query=(*PAGE, Param("status", {"enum": list(RUN_STATUSES)}), Param("agent", S.ID)),
              response=S.page_of("WorkflowRun")),
     Endpoint("GET", "/v1/workflows/{run_id}", get_run, "Get a run with its steps and journal history", "workflows",
-             "getWorkflow", response=S.ref("WorkflowDetail")),
+             "getWorkflow", scope="read", response=S.ref("WorkflowDetail")),
     Endpoint("POST", "/v1/workflows/{run_id}/answer", answer, "Answer a run's interrupt (human approval)",
              "workflows", "answerWorkflow", scope="invoke", body=S.obj({"answer": S.ANY}), response=S.ref("TurnResult")),
     Endpoint("POST", "/v1/workflows/{run_id}/cancel", cancel, "Cancel a run", "workflows", "cancelWorkflow",

@@ -1,0 +1,284 @@
+"""Async executions, per-agent webhooks and their durable delivery outbox (with every attempt recorded).
+
+Reached as ``TenantStore.executions``, ``.webhooks`` and ``.deliveries``. A delivery is written in the same
+transaction as the decision to send it and is claimed by compare-and-set, so no restart loses or doubles one.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.store.model import check_id
+from moorage.store.sql import loads
+from moorage.store.tenant import _Repo
+
+#: Events a webhook can subscribe to. ``interrupt.waiting``: a turn stopped for a human answer (approval).
+WEBHOOK_EVENTS: tuple[str, ...] = ("execution.succeeded", "execution.failed", "execution.cancelled", "interrupt.waiting")
+#: Streamed events kept per execution (the oldest go first): output is bounded, not a log of everything.
+MAX_EXECUTION_EVENTS = 500
+SECRET_PREFIX = "whsec_"
+
+
+def new_secret() -> str:
+    """A Standard Webhooks signing secret: ``whsec_`` + base64 of 24 random bytes."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+# -- executions -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Execution:
+    id: str
+    agent: str
+    user: str
+    session: str
+    input: dict[str, Any]
+    events: list[Any]
+    #: The last run status announced to webhooks (None: none yet).
+    announced: str | None
+    created_at: float
+    updated_at: float
+    version: int
+
+
+_EXEC_COLS = "id, agent_id, user_id, session, input, events, announced, created_at, updated_at, version"
+
+
+def _execution(r: tuple) -> Execution:
+    return Execution(r[0], r[1], r[2], r[3], loads(r[4]) or {}, loads(r[5]) or [], r[6], r[7], r[8], r[9])
+
+
+class Executions(_Repo):
+    def create(self, execution_id: str, agent: str, user: str, session: str, input: dict[str, Any]) -> tuple[Execution, bool]:
+        """Record an async turn (True when new; the same id again returns the first one)."""
+        now = time.time()
+        with self._ts._tx() as c:
+            n = c.x(f"INSERT INTO executions ({_EXEC_COLS}) VALUES (?, ?, ?, ?, ?, '[]', NULL, ?, ?, 1) "
+                    "ON CONFLICT DO NOTHING",
+                    (execution_id, agent, user, session, self._json(input, "execution input"), now, now))
+            r = c.one(f"SELECT {_EXEC_COLS} FROM executions WHERE id = ?", (execution_id,))
+        return _execution(r), n == 1
+
+    def get(self, execution_id: str) -> Execution:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_EXEC_COLS} FROM executions WHERE id = ?", (execution_id,))
+        if r is None:
+            raise NotFound(f"no execution {execution_id!r}", hint="execution ids come from a 202 answer's `id`")
+        return _execution(r)
+
+    def add_events(self, execution_id: str, events: Sequence[Any]) -> None:
+        """Append streamed events, keeping the newest ``MAX_EXECUTION_EVENTS``."""
+        if not events:
+            return
+        with self._ts._tx() as c:
+            r = c.one("SELECT events FROM executions WHERE id = ?", (execution_id,))
+            if r is None:
+                return
+            kept = ((loads(r[0]) or []) + list(events))[-MAX_EXECUTION_EVENTS:]
+            c.x("UPDATE executions SET events = ?, updated_at = ?, version = version + 1 WHERE id = ?",
+                (self._json(kept, "execution events"), time.time(), execution_id))
+
+    def unsettled(self, *, limit: int = 200) -> list[Execution]:
+        """Executions not yet announced as finished (none announced, or only an interrupt)."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_EXEC_COLS} FROM executions WHERE announced IS NULL OR announced = 'waiting' "
+                       "ORDER BY created_at LIMIT ?", (limit,))
+        return [_execution(r) for r in rows]
+
+    def mark_announced(self, execution_id: str, status: str, *, expected_version: int) -> bool:
+        with self._ts._tx() as c:
+            return c.x("UPDATE executions SET announced = ?, updated_at = ?, version = version + 1 "
+                       "WHERE id = ? AND version = ?", (status, time.time(), execution_id, expected_version)) == 1
+
+
+# -- webhooks ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Webhook:
+    id: str
+    agent: str
+    url: str
+    events: tuple[str, ...]
+    secret: str
+    enabled: bool
+    created_at: float
+    version: int
+
+
+_HOOK_COLS = "id, agent_id, url, events, secret, enabled, created_at, version"
+
+
+def _webhook(r: tuple) -> Webhook:
+    return Webhook(r[0], r[1], r[2], tuple(loads(r[3]) or ()), r[4], bool(r[5]), r[6], r[7])
+
+
+def check_url(url: object) -> str:
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 2048 or any(
+            ch.isspace() for ch in url):
+        raise InvalidInput(f"webhook url must be an http(s) URL, got {url!r}", hint="e.g. https://example.com/hooks/moorage")
+    return url
+
+
+def check_events(events: object) -> tuple[str, ...]:
+    if events is None:
+        return WEBHOOK_EVENTS
+    if not isinstance(events, list) or not events or not all(isinstance(e, str) for e in events):
+        raise InvalidInput("events must be a non-empty list of event names", hint=f"from {', '.join(WEBHOOK_EVENTS)}")
+    unknown = [e for e in events if e not in WEBHOOK_EVENTS]
+    if unknown:
+        raise InvalidInput(f"unknown webhook events {unknown}", hint=f"from {', '.join(WEBHOOK_EVENTS)}")
+    return tuple(dict.fromkeys(events))
+
+
+class Webhooks(_Repo):
+    def create(self, agent: str, url: str, events: Sequence[str] | None = None, secret: str | None = None) -> Webhook:
+        check_id(agent, "agent name")
+        ev = check_events(None if events is None else list(events))
+        if secret is not None and (not isinstance(secret, str) or not secret.startswith(SECRET_PREFIX)):
+            raise InvalidInput("a webhook secret must start with whsec_", hint="omit it to have one generated")
+        hook = Webhook("wh_" + uuid.uuid4().hex[:24], agent, check_url(url), ev, secret or new_secret(), True,
+                       time.time(), 1)
+        with self._ts._tx() as c:
+            c.x(f"INSERT INTO webhooks ({_HOOK_COLS}) VALUES (?, ?, ?, ?, ?, 1, ?, 1)",
+                (hook.id, agent, hook.url, self._json(list(ev)), hook.secret, hook.created_at))
+        return hook
+
+    def get(self, webhook_id: str) -> Webhook:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_HOOK_COLS} FROM webhooks WHERE id = ?", (webhook_id,))
+        if r is None:
+            raise NotFound(f"no webhook {webhook_id!r}")
+        return _webhook(r)
+
+    def list(self, agent: str | None = None) -> list[Webhook]:
+        with self._ts._tx(write=False) as c:
+            if agent is None:
+                rows = c.q(f"SELECT {_HOOK_COLS} FROM webhooks ORDER BY created_at, id")
+            else:
+                rows = c.q(f"SELECT {_HOOK_COLS} FROM webhooks WHERE agent_id = ? ORDER BY created_at, id", (agent,))
+        return [_webhook(r) for r in rows]
+
+    def delete(self, webhook_id: str) -> None:
+        with self._ts._tx() as c:
+            if c.x("DELETE FROM webhooks WHERE id = ?", (webhook_id,)) != 1:
+                raise NotFound(f"no webhook {webhook_id!r}")
+
+    def subscribed(self, agent: str, event: str) -> list[Webhook]:
+        return [h for h in self.list(agent) if h.enabled and event in h.events]
+
+
+# -- deliveries (the outbox) and their attempts -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class Delivery:
+    id: str
+    webhook_id: str
+    event: str
+    payload: dict[str, Any]
+    status: str  # pending | delivered | failed
+    attempts: int
+    next_at: float | None
+    created_at: float
+    updated_at: float
+    version: int
+
+
+@dataclass(frozen=True)
+class Attempt:
+    delivery_id: str
+    seq: int
+    at: float
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+
+
+_DLV_COLS = "id, webhook_id, event, payload, status, attempts, next_at, created_at, updated_at, version"
+
+
+def _delivery(r: tuple) -> Delivery:
+    return Delivery(r[0], r[1], r[2], loads(r[3]) or {}, r[4], r[5], r[6], r[7], r[8], r[9])
+
+
+class Deliveries(_Repo):
+    def enqueue(self, agent: str, event: str, data: dict[str, Any], *, at: float | None = None) -> list[Delivery]:
+        """One pending delivery per webhook of ``agent`` subscribed to ``event``; joins the caller's transaction."""
+        now = time.time() if at is None else at
+        out = []
+        with self._ts._tx() as c:
+            for hook in self._ts.webhooks.subscribed(agent, event):
+                payload = {"type": event, "timestamp": now, "data": data}
+                d = Delivery("msg_" + uuid.uuid4().hex, hook.id, event, payload, "pending", 0, now, now, now, 1)
+                c.x(f"INSERT INTO webhook_deliveries ({_DLV_COLS}) VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, 1)",
+                    (d.id, hook.id, event, self._json(payload, "webhook payload"), now, now, now))
+                out.append(d)
+        return out
+
+    def get(self, delivery_id: str) -> Delivery:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE id = ?", (delivery_id,))
+        if r is None:
+            raise NotFound(f"no webhook delivery {delivery_id!r}")
+        return _delivery(r)
+
+    def list(self, webhook_id: str, *, limit: int = 50, before: float | None = None) -> list[Delivery]:
+        """Newest first."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE webhook_id = ? AND created_at < ? "
+                       "ORDER BY created_at DESC, id DESC LIMIT ?", (webhook_id, before or float("inf"), limit))
+        return [_delivery(r) for r in rows]
+
+    def attempts(self, delivery_id: str) -> list[Attempt]:
+        with self._ts._tx(write=False) as c:
+            rows = c.q("SELECT delivery_id, seq, at, status_code, error, duration_ms FROM webhook_attempts "
+                       "WHERE delivery_id = ? ORDER BY seq", (delivery_id,))
+        return [Attempt(*r) for r in rows]
+
+    def claim_due(self, now: float, lease_s: float, *, limit: int = 50) -> list[Delivery]:
+        """Pending deliveries whose time has come, each claimed by moving ``next_at`` out by ``lease_s``
+        (compare-and-set): another host skips them, and a host that dies mid-attempt leaves them due again."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE status = 'pending' AND next_at <= ? "
+                       "ORDER BY next_at LIMIT ?", (now, limit))
+        out = []
+        for d in map(_delivery, rows):
+            with self._ts._tx() as c:
+                n = c.x("UPDATE webhook_deliveries SET next_at = ?, version = version + 1 WHERE id = ? AND version = ?",
+                        (now + lease_s, d.id, d.version))
+            if n == 1:
+                out.append(Delivery(d.id, d.webhook_id, d.event, d.payload, d.status, d.attempts, now + lease_s,
+                                    d.created_at, d.updated_at, d.version + 1))
+        return out
+
+    def record_attempt(self, d: Delivery, *, at: float, status_code: int | None, error: str | None,
+                       duration_ms: float, delivered: bool, retry_at: float | None) -> Delivery:
+        """Record one attempt and move the delivery on: delivered, retried at ``retry_at``, or failed (None)."""
+        status = "delivered" if delivered else ("pending" if retry_at is not None else "failed")
+        seq = d.attempts + 1
+        with self._ts._tx() as c:
+            n = c.x("UPDATE webhook_deliveries SET status = ?, attempts = ?, next_at = ?, updated_at = ?, "
+                    "version = version + 1 WHERE id = ? AND version = ?",
+                    (status, seq, None if status != "pending" else retry_at, at, d.id, d.version))
+            if n != 1:
+                raise ConflictError(f"delivery {d.id} was claimed by another sender", hint="nothing to do")
+            c.x("INSERT INTO webhook_attempts (delivery_id, seq, at, status_code, error, duration_ms) "
+                "VALUES (?, ?, ?, ?, ?, ?)", (d.id, seq, at, status_code, (error or "")[:500] or None, duration_ms))
+        return Delivery(d.id, d.webhook_id, d.event, d.payload, status, seq, retry_at if status == "pending" else None,
+                        d.created_at, at, d.version + 1)
+
+    def replay(self, delivery_id: str) -> Delivery:
+        """Send a delivery again now (same id, so a receiver can tell it is the same message)."""
+        now = time.time()
+        with self._ts._tx() as c:
+            r = c.one(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE id = ?", (delivery_id,))
+            if r is None:
+                raise NotFound(f"no webhook delivery {delivery_id!r}")
+            c.x("UPDATE webhook_deliveries SET status = 'pending', next_at = ?, updated_at = ?, version = version + 1 "
+                "WHERE id = ?", (now, now, delivery_id))
+        return self.get(delivery_id)

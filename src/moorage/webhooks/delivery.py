@@ -1,0 +1,146 @@
+"""The delivery loop: announce finished or interrupted executions into the outbox, then send what is due.
+
+Each round claims due deliveries by compare-and-set, signs and POSTs them, records every attempt, and
+schedules a retry with backoff; a host killed at any point leaves every delivery due again after restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from moorage.errors import ConflictError, NotFound
+from moorage.log import get_logger
+from moorage.store import Store, TenantStore
+from moorage.store.webhooks import Delivery, Execution
+from moorage.webhooks.signing import sign
+
+log = get_logger(__name__)
+
+#: Run statuses an execution is announced with, and the webhook event of each.
+ANNOUNCED = {"waiting": "interrupt.waiting", "succeeded": "execution.succeeded", "failed": "execution.failed",
+             "cancelled": "execution.cancelled"}
+
+
+@dataclass(frozen=True)
+class RetrySchedule:
+    """Seconds to wait after each failed attempt; once they are used up the delivery is ``failed``."""
+
+    delays_s: tuple[float, ...] = (5, 30, 120, 600, 1800, 3600, 7200, 14400, 28800)
+
+    def after(self, attempts_done: int) -> float | None:
+        if attempts_done > len(self.delays_s):
+            return None
+        return self.delays_s[attempts_done - 1]
+
+    @property
+    def max_attempts(self) -> int:
+        return len(self.delays_s) + 1
+
+
+def execution_data(ex: Execution, run: Any, waiting_for: Any = None) -> dict[str, Any]:
+    """What a webhook says about an execution (the same fields as ``GET /v1/executions/{id}``)."""
+    result = run.result if isinstance(run.result, dict) else {}
+    return {"execution_id": ex.id, "agent": ex.agent, "user": ex.user, "session": ex.session, "status": run.status,
+            "reply": result.get("reply"), "error": run.error, "interrupt": waiting_for,
+            "url": f"/v1/executions/{ex.id}"}
+
+
+def announce(ts: TenantStore) -> int:
+    """Queue one webhook event per execution status change not yet announced (interrupt, then the end)."""
+    from moorage.durable import DurableEngine
+
+    queued = 0
+    for ex in ts.executions.unsettled():
+        try:
+            run = ts.runs.get(ex.id)
+        except NotFound:
+            continue  # not started yet (or refused before it started: the runner records that)
+        if run.status not in ANNOUNCED or run.status == ex.announced:
+            continue
+        waiting_for = DurableEngine(ts).waiting_for(run.id) if run.status == "waiting" else None
+        with ts.transaction():
+            # The mark and the deliveries commit together: announced exactly once, even across hosts.
+            if not ts.executions.mark_announced(ex.id, run.status, expected_version=ex.version):
+                continue
+            ts.deliveries.enqueue(ex.agent, ANNOUNCED[run.status], execution_data(ex, run, waiting_for))
+        queued += 1
+    return queued
+
+
+class Dispatcher:
+    """Drains every tenant's outbox. One per host; several hosts on one store share the work safely."""
+
+    def __init__(self, store: Store, *, schedule: RetrySchedule | None = None, poll_s: float = 0.5,
+                 timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.store = store
+        self.schedule = schedule or RetrySchedule()
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        #: A claim outlives one attempt; a sender that dies mid-attempt leaves the delivery due after it.
+        self.lease_s = timeout_s + 5.0
+        self._client = httpx.AsyncClient(timeout=timeout_s, transport=transport, follow_redirects=False)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except Exception as e:  # noqa: BLE001 - the loop must outlive a bad round
+                    log.error("webhook round failed", error=str(e))
+                await asyncio.sleep(self.poll_s)
+        finally:
+            await self._client.aclose()
+
+    async def tick(self) -> int:
+        """One round over every tenant; returns how many attempts were made."""
+        sent = 0
+        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+            await asyncio.to_thread(announce, ts)
+            due = await asyncio.to_thread(ts.deliveries.claim_due, time.time(), self.lease_s)
+            if due:
+                await asyncio.gather(*(self.send(ts, d) for d in due))
+                sent += len(due)
+        return sent
+
+    async def send(self, ts: TenantStore, d: Delivery) -> Delivery | None:
+        """One attempt at ``d`` (already claimed): POST it signed, record the attempt, schedule what follows."""
+        try:
+            hook = await asyncio.to_thread(ts.webhooks.get, d.webhook_id)
+        except NotFound:
+            hook = None
+        started = time.time()
+        status: int | None = None
+        error: str | None = None
+        if hook is None or not hook.enabled:
+            error = "the webhook was deleted or disabled"
+        else:
+            body = json.dumps(d.payload, separators=(",", ":"), default=str)
+            headers = {"content-type": "application/json", "user-agent": "moorage-webhooks/1",
+                       **sign(hook.secret, d.id, int(started), body)}
+            try:
+                r = await self._client.post(hook.url, content=body.encode(), headers=headers)
+                status = r.status_code
+                if not 200 <= status < 300:
+                    error = f"receiver answered {status}"
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+        delivered = error is None
+        done = d.attempts + 1
+        wait = None if delivered or hook is None else self.schedule.after(done)
+        try:
+            out = await asyncio.to_thread(
+                ts.deliveries.record_attempt, d, at=started, status_code=status, error=error,
+                duration_ms=round((time.time() - started) * 1000.0, 1), delivered=delivered,
+                retry_at=None if wait is None else time.time() + wait)
+        except ConflictError:
+            return None  # its lease ran out and another sender took it; that one records its own attempt
+        if not delivered:
+            log.info("webhook attempt failed", delivery=d.id, attempt=done, error=error,
+                     retry_in_s=wait)
+        return out

@@ -1,0 +1,133 @@
+"""Async turns ("executions"): submitted, answered at once with an id, run detached, their events kept.
+
+An execution is a turn like any other (a durable run with the same id), so a host restart resumes it through
+``Runtime.recover``; one whose run was never created before a crash is submitted again by ``resubmit_orphans``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+from typing import Any
+
+from moorage.errors import MoorageError, NotFound
+from moorage.log import get_logger
+from moorage.store import EntityKey, Principal, TenantStore
+from moorage.store.webhooks import Execution
+
+log = get_logger(__name__)
+
+#: An execution with no run this long after it was submitted was lost before it started (a crash): run it again.
+ORPHAN_AFTER_S = 30.0
+#: Streamed events are written to the store in batches of at most this many (and at the end).
+EVENT_BATCH = 20
+
+#: Statuses of an execution as shown to callers: the run's, or ``queued`` before the run exists.
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def _turn_id(principal: Principal, entity: EntityKey, key: str) -> str:
+    from moorage.runtime.runtime import _turn_id as runtime_turn_id
+
+    return runtime_turn_id(principal, entity, key)
+
+
+class ExecutionRunner:
+    """Runs executions of one runtime in the background; one per runtime (``ExecutionRunner.of``)."""
+
+    _instances: "weakref.WeakKeyDictionary[Any, ExecutionRunner]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    @classmethod
+    def of(cls, runtime: Any) -> "ExecutionRunner":
+        runner = cls._instances.get(runtime)
+        if runner is None:
+            runner = cls._instances[runtime] = cls(runtime)
+        return runner
+
+    async def submit(self, principal: Principal, ts: TenantStore, entity: EntityKey, message: str,
+                     idempotency_key: str | None) -> tuple[Execution, bool]:
+        """Record the execution and start it (True when new). The same Idempotency-Key gives the same one."""
+        rt = self.runtime
+        rt.router.check_principal(principal, entity)
+        # The refusals a turn would give at once (unknown agent or user, nothing deployed) come before the 202.
+        agent, _, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(entity.agent, entity.user, "default"))
+        if agent.live_deployment is None:
+            raise NotFound(f"agent {entity.agent!r} has no live deployment", hint="deploy it with `moorage deploy`")
+        key = idempotency_key or f"execution-{uuid.uuid4().hex}"
+        session = entity.session or "default"
+        exec_id = _turn_id(principal, EntityKey(entity.agent, entity.user, session), key)
+        ex, created = await asyncio.to_thread(ts.executions.create, exec_id, entity.agent, entity.user, session,
+                                              {"message": message, "idempotency_key": key})
+        if created:
+            self._start(principal, ts, ex)
+        return ex, created
+
+    def _start(self, principal: Principal, ts: TenantStore, ex: Execution) -> None:
+        if ex.id in self._tasks:
+            return
+        task = asyncio.create_task(self._drive(principal, ts, ex), name=f"execution-{ex.id}")
+        self._tasks[ex.id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(ex.id, None))
+
+    def running(self, execution_id: str) -> bool:
+        return execution_id in self._tasks
+
+    async def _drive(self, principal: Principal, ts: TenantStore, ex: Execution) -> None:
+        entity = EntityKey(ex.agent, ex.user, ex.session)
+        batch: list[Any] = []
+        try:
+            async for ev in self.runtime.stream(principal, entity, ex.input.get("message", ""),
+                                                idempotency_key=ex.input.get("idempotency_key")):
+                if ev.kind == "done":
+                    continue  # the result is the run's own; the GET reads it from there
+                batch.append({"kind": ev.kind, "data": ev.data, "at": time.time()})
+                if len(batch) >= EVENT_BATCH:
+                    await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
+                    batch = []
+        except MoorageError as e:
+            batch.append({"kind": "error", "data": {"type": e.code, "status": e.http_status, "detail": e.message,
+                                                    "hint": e.hint}, "at": time.time()})
+        except Exception as e:  # noqa: BLE001 - recorded on the execution; details stay in the log
+            log.exception("execution failed", execution=ex.id)
+            batch.append({"kind": "error", "data": {"type": "internal", "status": 500,
+                                                    "detail": f"the turn failed ({type(e).__name__})"},
+                          "at": time.time()})
+        finally:
+            if batch:
+                await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
+
+    async def resubmit_orphans(self, store: Any, *, min_age_s: float = ORPHAN_AFTER_S) -> int:
+        """Start again executions whose run was never created (the host died between the 202 and the run).
+        At a host's start nothing of its own is in flight, so ``min_age_s=0`` is right there."""
+        count = 0
+        cutoff = time.time() - min_age_s
+        for ts in await asyncio.to_thread(lambda: list(store.operator.tenants())):
+            for ex in await asyncio.to_thread(ts.executions.unsettled):
+                if ex.created_at > cutoff or self.running(ex.id) or any(e.get("kind") == "error" for e in ex.events):
+                    continue
+                try:
+                    await asyncio.to_thread(ts.runs.get, ex.id)
+                    continue
+                except NotFound:
+                    pass
+                self._start(store.operator.principal(ts.tenant_id), ts, ex)
+                count += 1
+        return count
+
+
+def status_of(ts: TenantStore, ex: Execution, running_here: bool) -> tuple[str, Any]:
+    """(status, run or None): the run's status once it exists; before that ``queued`` or ``failed``."""
+    try:
+        run = ts.runs.get(ex.id)
+    except NotFound:
+        if any(e.get("kind") == "error" for e in ex.events) and not running_here:
+            return "failed", None
+        return "queued", None
+    status = "running" if run.status == "pending" else run.status
+    return status, run
