@@ -113,3 +113,16 @@ async def test_unsupported_methods_are_refused(egress: Egress, upstream: Upstrea
 
 def test_names_used_here_stay_in_loopback() -> None:
     assert all(a.startswith("127.") or a == "::1" for v in NAMES.values() for a in v)
+
+
+async def test_bound_headers_follow_the_binding_not_the_redirect(egress: Egress, upstream: Upstream) -> None:
+    async def headers(t: Target) -> dict[str, str]:
+        return {"Authorization": "Bearer bound-to-api"} if t.host == "api.test" else {}
+
+    A = upstream.port
+    upstream.redirects["/away"] = (302, f"http://a.wild.test:{A}/landed")
+    r = await fetch(_inst(egress, f"http://api.test:{A}", f"http://*.wild.test:{A}", headers=headers), "GET",
+                    f"http://api.test:{A}/away")
+    assert r.status == 200 and upstream.paths() == ["/away", "/landed"]
+    assert upstream.hits[0].headers["authorization"] == "Bearer bound-to-api"
+    assert "authorization" not in upstream.hits[1].headers  # the redirect's target is not a bound host
