@@ -188,8 +188,8 @@ class GuestCalls:
             "text": resp.text,
             "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in resp.tool_calls],
             "finish_reason": resp.finish_reason,
-            "usage": {"input_tokens": resp.usage.input_tokens, "output_tokens": resp.usage.output_tokens,
-                      "cached_input_tokens": resp.usage.cached_input_tokens},
+            # No prompt-cache counts: a guest that saw them could test guesses at prompts it does not know.
+            "usage": {"input_tokens": resp.usage.input_tokens, "output_tokens": resp.usage.output_tokens},
             "model": resp.model,
         }
 
