@@ -386,7 +386,7 @@ class Runtime:
 
     async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
         """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
-        principal.require("admin")
+        principal.require("deploy")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
         if verb == "sleep":
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
@@ -420,7 +420,7 @@ class Runtime:
 
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
-        principal.require("admin")
+        principal.require("provision")
         ts = self.store.tenant(principal)
         recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
         for rec in recs:
