@@ -13,7 +13,7 @@ from moorage.objects.errors import (
     ObjectStoreUnavailable,
     ObjectStoreUnsupported,
 )
-from moorage.objects.factory import object_store_url, open_object_store
+from moorage.objects.factory import object_store_url, open_object_store, open_package_blobs
 from moorage.objects.keys import check_key, check_prefix, sha256_file
 from moorage.objects.local import LocalObjectStore
 from moorage.objects.store import ObjectInfo, ObjectPage, ObjectStore
@@ -35,5 +35,6 @@ __all__ = [
     "check_prefix",
     "object_store_url",
     "open_object_store",
+    "open_package_blobs",
     "sha256_file",
 ]

@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 from moorage.config import Config
 from moorage.errors import InvalidInput
+from moorage.objects.blobs import Blobs
 from moorage.objects.errors import ObjectStoreConfigError
 from moorage.objects.keys import check_prefix
 from moorage.objects.store import ObjectStore
@@ -58,3 +59,11 @@ def open_object_store(config: Config) -> ObjectStore:
         store.close()
         raise
     return store
+
+
+def open_package_blobs(config: Config) -> Blobs | None:
+    """Deployment packages in the configured object store (``packages/<sha256>.tar.gz``), or None when no
+    ``object_store_url`` is set: on one machine the host's own ``<data_dir>/packages`` is the only copy needed."""
+    if not config.object_store_url:
+        return None
+    return Blobs(open_object_store(config), "packages", suffix=".tar.gz")

@@ -8,6 +8,7 @@ instance, are recorded with that user (``templates/forks/``) so that forgetting 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from typing import Any
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
+from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
 from moorage.runtime.private_files import private_dir, write_private
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
@@ -60,15 +62,20 @@ def _ref_of(d: dict[str, Any]) -> TemplateRef:
 
 
 class Templates:
-    def __init__(self, root: Path, driver: SandboxDriver, packages: Path) -> None:
+    def __init__(self, root: Path, driver: SandboxDriver, packages: Path, package_blobs: Blobs | None = None) -> None:
         self.root = root
         self.driver = driver
         self.packages = packages
+        #: Every deployment's package in the object store (a fleet): a host that lacks one fetches it from there.
+        self.package_blobs = package_blobs
         private_dir(self.root)
         self._locks: dict[str, asyncio.Lock] = {}
 
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
+        if not path.exists() and self.package_blobs is not None:
+            with contextlib.suppress(ObjectNotFound):  # verified against its digest; damage raises ObjectCorrupt
+                self.package_blobs.get_blob(deployment.package_sha256, path)
         if not path.exists():
             raise MoorageError(f"package of deployment {deployment.number} is missing on this host ({path})",
                                hint="deploy the agent again")
