@@ -132,7 +132,9 @@ class Runtime:
         self.embedder = embedder
         self.packages = config.data_dir / "packages"
         private_dir(self.packages)
-        self.templates = Templates(config.data_dir / "templates", driver, self.packages)
+        from moorage.objects import open_package_blobs
+
+        self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
         self.turns: dict[str, TurnBinding] = {}
         self.tracer = Tracer()
         self._memories: dict[str, _Memory] = {}
@@ -215,7 +217,9 @@ class Runtime:
             AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
         except InvalidInput as e:
             raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        save_archive(self.packages, pkg)
+        saved = save_archive(self.packages, pkg)
+        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
+            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
         try:
             agent = ts.agents.get(pkg.name)
         except NotFound:
@@ -386,7 +390,7 @@ class Runtime:
 
     async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
         """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
-        principal.require("deploy")
+        principal.require("admin")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
         if verb == "sleep":
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
@@ -420,7 +424,7 @@ class Runtime:
 
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
-        principal.require("provision")
+        principal.require("admin")
         ts = self.store.tenant(principal)
         recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
         for rec in recs:
@@ -554,13 +558,10 @@ class Runtime:
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
         for attempt in (1, 2):
-            # A fork of the deployment's template already has its code loaded (the template was snapshotted with
-            # it), and so has an instance that ran it before a sleep: the turn is sent straight away, and only a
-            # guest that answers NOT_LOADED (a cold boot, a redeploy) gets the code pushed before the second try.
-            if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2:
-                dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
+            if self._loaded.get(sandbox.id) != binding.deployment_id:
+                dep = binding.ts.deployments.get(binding.deployment_id)
                 await push_and_load(sandbox, dep, self.templates.archive(dep))
-            self._loaded[sandbox.id] = binding.deployment_id
+                self._loaded[sandbox.id] = binding.deployment_id
             try:
                 async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
                     async for ev in call:
