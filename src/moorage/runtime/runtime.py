@@ -390,7 +390,7 @@ class Runtime:
 
     async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
         """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
-        principal.require("admin")
+        principal.require("deploy")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
         if verb == "sleep":
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
@@ -424,7 +424,7 @@ class Runtime:
 
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
-        principal.require("admin")
+        principal.require("provision")
         ts = self.store.tenant(principal)
         recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
         for rec in recs:
@@ -558,10 +558,13 @@ class Runtime:
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
         for attempt in (1, 2):
-            if self._loaded.get(sandbox.id) != binding.deployment_id:
-                dep = binding.ts.deployments.get(binding.deployment_id)
+            # A fork of the deployment's template already has its code loaded (the template was snapshotted with
+            # it), and so has an instance that ran it before a sleep: the turn is sent straight away, and only a
+            # guest that answers NOT_LOADED (a cold boot, a redeploy) gets the code pushed before the second try.
+            if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2:
+                dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
                 await push_and_load(sandbox, dep, self.templates.archive(dep))
-                self._loaded[sandbox.id] = binding.deployment_id
+            self._loaded[sandbox.id] = binding.deployment_id
             try:
                 async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
                     async for ev in call:
