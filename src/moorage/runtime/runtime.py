@@ -132,9 +132,7 @@ class Runtime:
         self.embedder = embedder
         self.packages = config.data_dir / "packages"
         private_dir(self.packages)
-        from moorage.objects import open_package_blobs
-
-        self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
+        self.templates = Templates(config.data_dir / "templates", driver, self.packages)
         self.turns: dict[str, TurnBinding] = {}
         self.tracer = Tracer()
         self._memories: dict[str, _Memory] = {}
@@ -217,9 +215,7 @@ class Runtime:
             AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
         except InvalidInput as e:
             raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        saved = save_archive(self.packages, pkg)
-        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
-            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
+        save_archive(self.packages, pkg)
         try:
             agent = ts.agents.get(pkg.name)
         except NotFound:
