@@ -66,11 +66,39 @@ def test_new_events_are_seen_by_an_existing_memory_object(tenant: TenantStore, e
 
 
 def test_backfill_embeds_events_appended_straight_to_the_store(tenant: TenantStore, embedder: Embedder) -> None:
-    mem = EpisodicMemory(tenant, embedder)
+    mem = EpisodicMemory(tenant, embedder, lazy_embed=0)  # searches leave missing vectors to backfill
     ev = tenant.events.append(ALICE, "message", "Our kitten Miso chewed the charger cable.", speaker="user", ts=T0)
     assert mem.search_dense(ALICE, "cat damage") == []
     assert mem.backfill(ALICE) == 1
     assert mem.search_dense(ALICE, "cat damage")[0][0] == ev.id
+
+
+def test_events_written_for_later_embedding_are_found_at_once_and_by_meaning_once_embedded(
+        tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder, lazy_embed=0)
+    _fill(mem, ALICE)
+    (ev,) = mem.remember_pending(ALICE, [EventIn("message", "Our kitten Miso chewed the charger cable.", "user")])
+    assert [e.id for e in tenant.events.unembedded()] == [ev.id]
+    # Full text finds it before it has a vector; the cosine ranking does not know it yet.
+    assert mem.search(ALICE, "charger cable", k=1)[0].event.id == ev.id
+    assert ev.id not in {i for i, _ in mem.search_dense(ALICE, "cat damage")}
+    # Embedded by someone else (the background queue, another host): the cached scope picks the vector up.
+    assert EpisodicMemory(tenant, embedder).embed_pending() == 1
+    assert tenant.events.unembedded() == []
+    assert mem.search_dense(ALICE, "cat damage")[0][0] == ev.id
+    hit = mem.search(ALICE, "what did the cat break?", k=1)[0]
+    assert hit.event.id == ev.id and hit.dense_rank is not None
+
+
+def test_a_search_embeds_the_newest_events_still_without_a_vector(tenant: TenantStore, embedder: Embedder) -> None:
+    mem = EpisodicMemory(tenant, embedder, lazy_embed=2)
+    evs = mem.remember_pending(ALICE, [EventIn("message", t, "user", ts=T0 + n) for n, t in enumerate(
+        ["I planted tomatoes on the balcony.", "Our kitten Miso chewed the charger cable.", "The train was late again."])])
+    assert mem.search_dense(ALICE, "cat damage")[0][0] == evs[1].id  # the two newest were embedded by the search
+    assert [e.id for e in tenant.events.unembedded()] == [evs[0].id]
+    mem.search_dense(ALICE, "gardening")  # the next search takes the rest
+    assert tenant.events.unembedded() == []
+    assert {i for i, _ in mem.search_dense(ALICE, "gardening")} == {e.id for e in evs}
 
 
 def test_other_users_and_other_tenants_see_nothing(tenant: TenantStore, other_tenant: TenantStore, embedder: Embedder) -> None:

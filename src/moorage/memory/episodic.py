@@ -1,4 +1,4 @@
-"""Episodic memory: the time-ordered event log of a scope, embedded on write, searched hybrid.
+"""Episodic memory: the time-ordered event log of a scope, embedded on write or soon after, searched hybrid.
 
 Lexical (the store's full-text search) and dense (exact cosine over one scope's vectors) rankings are fused and re-ranked by recency.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -71,6 +71,9 @@ def _query_words(query: str) -> list[str]:
     return words or list(dict.fromkeys(_tokens(query)))
 
 
+#: Events seen without a vector whose vectors one refresh looks up (the newest of them).
+_MISSING_CHECK = 512
+
 #: Pruning starts once a scope has this many events (below it every query is cheap anyway).
 _PRUNE_MIN_EVENTS = 2000
 #: Words in more than this share of a scope's events are left out of the full-text query.
@@ -104,6 +107,8 @@ class _ScopeVectors:
     max_id: int = 0
     #: Event id -> row of ``matrix``.
     pos: dict[int, int] = field(default_factory=dict)
+    #: Events seen without a vector (written for embedding later): looked up again on every refresh.
+    missing: set[int] = field(default_factory=set)
     #: Document frequency of lower-cased words over the scope's events, for pruning the full-text query.
     df: Counter[str] = field(default_factory=Counter)
     #: Events of the scope seen so far (with or without a vector): compared with the store's count.
@@ -136,12 +141,15 @@ class EpisodicMemory:
         weights: FusionWeights = FusionWeights(),
         pool: int = 50,
         max_cached_vectors: int = 500_000,
+        lazy_embed: int = 64,
     ) -> None:
         self.ts = ts
         self.embedder = embedder or default_embedder()
         self.weights = weights
         self.pool = pool
         self.max_cached_vectors = max_cached_vectors
+        #: A search embeds at most this many of its scope's events still without a vector (newest first).
+        self.lazy_embed = lazy_embed
         self._cache: OrderedDict[str, _ScopeVectors] = OrderedDict()
         self._cache_lock = threading.Lock()
 
@@ -161,6 +169,34 @@ class EpisodicMemory:
         vectors = self.embedder.embed([it.content for it in items])
         rows = [EventIn(it.kind, it.content, it.speaker, it.meta, it.ts, to_bytes(v)) for it, v in zip(items, vectors)]
         return self.ts.events.append_many(scope, rows)
+
+    def remember_pending(self, scope: Scope, items: Sequence[EventIn]) -> list[Event]:
+        """Append events now and embed them later (``embed_pending``, or the next search of their scope).
+
+        Nothing is computed here, so it is cheap inside a caller's transaction: a turn writes its messages in
+        the same commit as its result. Full-text search finds them at once; the NULL embedding is the marker
+        (indexed, migration 10) by which a restarted host finds what is still to embed.
+        """
+        return self.ts.events.append_many(scope, [EventIn(it.kind, it.content, it.speaker, it.meta, it.ts) for it in items])
+
+    def embed_pending(self, *, batch: int = 64) -> int:
+        """Embed every event of this tenant still without a vector, oldest first; one commit per batch."""
+        done, after = 0, 0
+        while True:
+            events = self.ts.events.unembedded(after=after, limit=batch)
+            if not events:
+                return done
+            after = events[-1].id
+            vectors = self.embedder.embed([e.content for e in events])
+            by_scope: dict[Scope, list[tuple[int, bytes]]] = defaultdict(list)
+            for e, v in zip(events, vectors):
+                by_scope[e.scope].append((e.id, to_bytes(v)))
+            with self.ts.transaction():
+                for scope, rows in by_scope.items():
+                    self.ts.events.put_embeddings(scope, rows)
+            done += len(events)
+            if len(events) < batch:
+                return done
 
     def backfill(self, scope: Scope, *, batch: int = 256) -> int:
         """Embed events of ``scope`` that were appended without a vector (e.g. straight through the store)."""
@@ -212,6 +248,14 @@ class EpisodicMemory:
         for i in lex_ids:
             if i not in cos and i in pos:
                 cos[i] = float(np.dot(vec.matrix[pos[i]], qv))
+        unembedded = [i for i in lex_ids if i not in cos]
+        if unembedded and cos:
+            # No vector yet (written for embedding later): its lexical evidence stands in for the dense one,
+            # rather than counting as the least similar event of the pool.
+            hi, lo, top = max(cos.values()), min(cos.values()), lexical[0][1]
+            lex_score = dict(lexical)
+            for i in unembedded:
+                cos[i] = lo + (hi - lo) * lex_score[i] / top
         times = self._times(vec, set(lex_ids) | set(dense_ids))
         fused = fuse(dict(lexical), cos, times, weights_for(query, self.weights), now=until)
         if self.weights.other_speaker_penalty and _FIRST_PERSON.search(query):
@@ -409,13 +453,18 @@ class EpisodicMemory:
         # Cheap when nothing changed: one COUNT. Fewer events than seen means retention or a user's
         # erasure deleted some: rebuild, so no vector of a deleted event is ever ranked again.
         count = self.ts.events.count(scope)
-        if count == vec.seen:
-            return False
         if count < vec.seen:
             return True
+        if count > vec.seen:
+            self._load_new(scope, vec)
+        if vec.missing:
+            self._fill_missing(scope, vec)
+        return False
+
+    def _load_new(self, scope: Scope, vec: _ScopeVectors) -> None:
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
         if not new:
-            return False
+            return
         vec.seen += len(new)
         base = len(vec.lex_ids)
         lengths = []
@@ -438,16 +487,45 @@ class EpisodicMemory:
         good = [(i, b) for i, b in rows if len(b) == DIMENSION * 4]
         if len(good) != len(rows):
             log.warning("ignoring embeddings of the wrong size", scope=scope.key, count=len(rows) - len(good))
-        if good:
-            mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
-            base = len(vec.ids)
-            vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
-            vec.ts = np.concatenate([vec.ts, np.array([wanted[i].ts for i, _ in good], dtype=np.float64)])
-            vec.speakers.extend(wanted[i].speaker for i, _ in good)
-            vec.matrix = np.vstack([vec.matrix, mat]) if base else mat.copy()
-            vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})  # only rows ``matrix`` has
+        self._add_vectors(vec, good)
+        have = {i for i, _ in rows}
+        vec.missing.update(i for i in wanted if i not in have)
         vec.max_id = max(vec.max_id, max(wanted))
-        return False
+
+    def _fill_missing(self, scope: Scope, vec: _ScopeVectors) -> None:
+        """Vectors of events seen without one: embedded since (in the background, by another host), or now.
+
+        Embedding here is the fallback of a turn's deferred embedding (a host killed before it ran, a model
+        error): the newest few are embedded and stored, so a search never misses a recent event for long.
+        """
+        ids = sorted(vec.missing)[-_MISSING_CHECK:]
+        found = dict(self.ts.events.embeddings(scope, ids=ids))
+        still = [i for i in ids if i not in found][-self.lazy_embed:] if self.lazy_embed > 0 else []
+        if still:
+            events = self.ts.events.get_many(scope, still)
+            vectors = self.embedder.embed([e.content for e in events])
+            rows = [(e.id, to_bytes(v)) for e, v in zip(events, vectors)]
+            self.ts.events.put_embeddings(scope, rows)
+            found.update(rows)
+            vec.missing.difference_update(set(still) - {e.id for e in events})  # deleted meanwhile
+        good = [(i, b) for i, b in found.items() if len(b) == DIMENSION * 4]
+        vec.missing.difference_update(found)
+        self._add_vectors(vec, good)
+
+    @staticmethod
+    def _add_vectors(vec: _ScopeVectors, good: list[tuple[int, bytes]]) -> None:
+        """Append rows to the cosine matrix of events already in the lexical index (reader-safe order)."""
+        good = [(i, b) for i, b in good if i in vec.lex_pos and i not in vec.pos]
+        if not good:
+            return
+        rows = [vec.lex_pos[i] for i, _ in good]
+        mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
+        base = len(vec.ids)
+        vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
+        vec.ts = np.concatenate([vec.ts, vec.lex_ts[rows]])
+        vec.speakers.extend(vec.lex_speakers[r] for r in rows)
+        vec.matrix = np.vstack([vec.matrix, mat]) if base else mat.copy()
+        vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})  # only rows ``matrix`` has
 
     def _drop(self, scope: Scope) -> None:
         with self._cache_lock:

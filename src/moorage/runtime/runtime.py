@@ -30,7 +30,7 @@ from moorage.runtime.package import AgentPackage, AgentPackageError, load_archiv
 from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
-from moorage.store import Agent, Deployment, EntityKey, Principal, Scope, Span, Store, TenantStore
+from moorage.store import Agent, Deployment, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
 
 log = get_logger(__name__)
 
@@ -88,6 +88,8 @@ class _Turn:
     message: str
     resume: bool
     trace_id: str
+    #: No run exists yet: the turn's first commit creates it (a retried request finds it from then on).
+    create: bool = False
     events: asyncio.Queue = field(default_factory=_TurnEvents)
 
 
@@ -98,17 +100,51 @@ class _Memory:
 
 
 class Tracer:
-    """Records spans of guest calls and turns into the tenant's own store (tenant-scoped trace reads)."""
+    """Records spans of guest calls and turns into the tenant's own store (tenant-scoped trace reads).
+
+    Spans of a turn in progress are held and written with the turn's last commit (``flush``), so tracing adds
+    no commit of its own to a turn; a host killed mid-turn loses that turn's spans, never its journal.
+    """
+
+    #: Spans one turn holds at most; past it they are written in a commit of their own.
+    BUFFER = 256
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[Span]] = {}
+
+    def open(self, turn_id: str) -> None:
+        """Hold the spans of ``turn_id`` until ``flush``."""
+        self._held.setdefault(turn_id, [])
+
+    def close(self, turn_id: str) -> None:
+        """Stop holding spans of ``turn_id``; any not flushed are dropped."""
+        self._held.pop(turn_id, None)
 
     def span(self, b: TurnBinding, name: str, started_perf: float, status: str = "ok", **attrs: Any) -> None:
         end = time.time()
         start = end - (time.perf_counter() - started_perf)
+        span = Span(b.trace_id, uuid.uuid4().hex[:16], None, name, start, end, status,
+                    {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session, **attrs},
+                    b.session_scope)
+        held = self._held.get(b.turn_id)
+        if held is not None:
+            held.append(span)
+            if len(held) < self.BUFFER:
+                return
+            spans, held[:] = list(held), []
+        else:
+            spans = [span]
         try:
-            b.ts.spans.record(Span(b.trace_id, uuid.uuid4().hex[:16], None, name, start, end, status,
-                                   {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session, **attrs},
-                                   b.session_scope))
+            with b.ts.transaction():
+                for sp in spans:
+                    b.ts.spans.record(sp)
         except Exception as e:  # tracing never breaks a turn
             log.warning("span not recorded", error=str(e))
+
+    def flush(self, b: TurnBinding) -> None:
+        """Write the spans held for ``b``'s turn, inside the caller's transaction; later spans are written at once."""
+        for sp in self._held.pop(b.turn_id, []):
+            b.ts.spans.record(sp)
 
 
 def _turn_id(principal: Principal, entity: EntityKey, idempotency_key: str | None) -> str:
@@ -135,6 +171,12 @@ class Runtime:
         self.templates = Templates(config.data_dir / "templates", driver, self.packages)
         self.turns: dict[str, TurnBinding] = {}
         self.tracer = Tracer()
+        from moorage.memory.embed_queue import EmbedQueue
+
+        #: Embeds turns' messages after their replies went out (they are committed without a vector).
+        self.embed_queue = EmbedQueue()
+        #: Working memory of turns in progress (turn id -> state, version read): written with the turn's result.
+        self._working: dict[str, tuple[Any, int]] = {}
         self._memories: dict[str, _Memory] = {}
         self._loaded: dict[str, str] = {}  # sandbox id -> deployment id loaded in it (this process's view)
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
@@ -149,6 +191,7 @@ class Runtime:
     async def aclose(self) -> None:
         """Close outside connections (MCP servers, model providers); instances and the store are the host's."""
         await self.mcp.close()
+        await asyncio.to_thread(self.embed_queue.close)
         with contextlib.suppress(Exception):
             await self.llm.aclose()
 
@@ -168,6 +211,13 @@ class Runtime:
                                                         SemanticMemory(ts, extractor))
         return m
 
+    def _writer(self, ts: TenantStore) -> _Memory:
+        """The tenant's memory tiers bound to ``ts`` itself, so their writes join a transaction open on it."""
+        from moorage.memory import EpisodicMemory, SemanticMemory
+
+        m = self.memory(ts)
+        return _Memory(EpisodicMemory(ts, m.episodic.embedder), SemanticMemory(ts, m.semantic.extractor))
+
     def _summarizer(self, b: TurnBinding) -> Any:
         if self.config.memory_summarizer != "model":
             return None  # the context builder's offline extractive summarizer
@@ -177,32 +227,47 @@ class Runtime:
                                  entity={"agent": b.entity.agent, "user": b.entity.user})
 
     def working_memory_input(self, b: TurnBinding, message: str, system: str, tools: list[dict[str, Any]]) -> list[dict[str, str]]:
-        """Model input for this turn from the session's context builder (stable prefix + append-only tail)."""
+        """Model input for this turn from the session's context builder (stable prefix + append-only tail).
+
+        The updated builder is kept with the turn and written with its result (``_save_working_memory``): a
+        turn that never finishes leaves working memory as it was, so its retry adds the message once.
+        """
         from moorage.memory import ContextBuilder
 
         scope = b.session_scope
         builder = ContextBuilder(system or "", tools, summarizer=self._summarizer(b))
-        rec = b.ts.state.get(scope, "working_memory")
-        if rec is not None:
-            builder.restore(rec.value)
+        held = self._working.get(b.turn_id)
+        if held is not None:
+            builder.restore(held[0])
+            version = held[1]
+        else:
+            rec = b.ts.state.get(scope, "working_memory")
+            if rec is not None:
+                builder.restore(rec.value)
+            version = rec.version if rec else 0
         facts = self.memory(b.ts).semantic.recall(b.user_scope)
         note = "; ".join(f.text or f"{f.subject} {f.attribute}: {f.value}" for f in facts[-12:])
         # Known facts ride in the new user turn, never in the prefix, so the prefix stays byte-identical.
         builder.add("user", f"[known about the user: {note}]\n{message}" if note else message)
         out = builder.build()
-        b.ts.state.put(scope, "working_memory", builder.to_state(), expected_version=rec.version if rec else 0)
+        self._working[b.turn_id] = (builder.to_state(), version)
         return [m if isinstance(m, dict) else m.to_dict() for m in out.messages]
 
     def _remember_reply(self, b: TurnBinding, reply: Any) -> None:
+        """Write the turn's working memory with the reply appended (inside the turn's last transaction)."""
         from moorage.memory import ContextBuilder
 
-        rec = b.ts.state.get(b.session_scope, "working_memory")
-        if rec is None or not isinstance(reply, str):
-            return
+        held = self._working.pop(b.turn_id, None)
+        if held is None:
+            rec = b.ts.state.get(b.session_scope, "working_memory")
+            if rec is None or not isinstance(reply, str):
+                return
+            held = (rec.value, rec.version)
         builder = ContextBuilder("", [])
-        builder.restore(rec.value)
-        builder.add("assistant", reply)
-        b.ts.state.put(b.session_scope, "working_memory", builder.to_state(), expected_version=rec.version)
+        builder.restore(held[0])
+        if isinstance(reply, str):
+            builder.add("assistant", reply)
+        b.ts.state.put(b.session_scope, "working_memory", builder.to_state(), expected_version=held[1])
 
     # -- deploy -------------------------------------------------------------------------------------
 
@@ -327,18 +392,25 @@ class Runtime:
             raise NotFound(f"agent {entity.agent!r} has no live deployment", hint="deploy it with `moorage deploy`")
         entity = EntityKey(entity.agent, entity.user, entity.session or "default", entity.workflow)
         turn_id = _turn_id(principal, entity, idempotency_key)
-        run_scope = Scope.workflow(entity.agent, turn_id, user=entity.user)
-        try:
-            run = await asyncio.to_thread(ts.runs.create, run_scope, "turn", {"message": message, "session": entity.session})
-        except ConflictError:
-            run = await asyncio.to_thread(ts.runs.get, turn_id)
+        # A retried request (same Idempotency-Key) finds the first one's run. A new turn's run is created by
+        # the turn's first commit, once the router has placed it (a refused turn leaves nothing behind).
+        run = await asyncio.to_thread(self._existing_run, ts, turn_id)
+        if run is not None:
             if run.status in ("succeeded", "waiting"):
                 yield TurnEvent("done", await asyncio.to_thread(self._result_of, ts, run))
                 return
-            if run.status == "running" and turn_id in self.turns:
+            if run.status in ("running", "pending") and turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
-        async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal):
+        async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal,
+                                  create=run is None):
             yield ev
+
+    @staticmethod
+    def _existing_run(ts: TenantStore, run_id: str) -> Any:
+        try:
+            return ts.runs.get(run_id)
+        except NotFound:
+            return None
 
     async def answer(self, principal: Principal, run_id: str, answer: Any) -> TurnResult:
         """Give a waiting workflow its human answer and resume it from the interrupt."""
@@ -439,7 +511,10 @@ class Runtime:
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""
         resumed = 0
-        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+        tenants = await asyncio.to_thread(lambda: list(self.store.operator.tenants()))
+        for ts in tenants:  # messages a killed host committed but did not embed: embedded in the background
+            self.embed_queue.submit(self.memory(ts).episodic)
+        for ts in tenants:
             runs = await asyncio.to_thread(ts.runs.list, status=["running", "pending"], limit=10_000)
             for run in runs:
                 if run.name != "turn" or run.id in self.turns or run.scope.user is None:
@@ -470,11 +545,11 @@ class Runtime:
         return ref
 
     async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
-                   resume: bool, principal: Principal | None = None) -> AsyncIterator[TurnEvent]:
+                   resume: bool, principal: Principal | None = None, create: bool = False) -> AsyncIterator[TurnEvent]:
         """Route the turn (ordering, wake, backpressure) and stream its events; ends with ``done``."""
         if AgentLifecycle.of(agent).scope == "workflow":
             entity = EntityKey(entity.agent, entity.user, entity.session, workflow=turn_id)
-        turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex)
+        turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex, create)
         who = principal or self.store.operator.principal(ts.tenant_id)
         task = asyncio.create_task(self.router.route(who, entity, turn), name=f"turn-{turn_id}")
         while True:
@@ -495,13 +570,21 @@ class Runtime:
 
     @staticmethod
     def _abandon(ts: TenantStore, run_id: str, error: BaseException) -> None:
-        run = ts.runs.get(run_id)
+        try:
+            run = ts.runs.get(run_id)
+        except NotFound:  # a new turn refused before its first commit: nothing to clean up
+            return
         if run.status == "pending":
             with contextlib.suppress(ConflictError):
                 ts.runs.update(run_id, expected_version=run.version, status="failed", error=f"not started: {error}")
 
     async def _forward_turn(self, sandbox: Sandbox, turn: _Turn) -> TurnResult:
-        """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back."""
+        """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back.
+
+        The turn's own writes are two commits: before the agent runs (``_begin_turn``) and after it answered,
+        before the reply goes out (``_end_turn``). Host calls in between (steps, interrupts) commit when they
+        happen; the turn's messages are embedded after the reply, in the background.
+        """
         ts, turn_id = turn.ts, turn.turn_id
         self._loop = asyncio.get_running_loop()  # model-backed memory helpers call the gateway on this loop
         deployment_id = (await asyncio.to_thread(ts.agents.get, turn.entity.agent)).live_deployment
@@ -512,41 +595,94 @@ class Runtime:
         binding = TurnBinding(turn_id, sandbox.id, ts, turn.entity, turn_id, deployment.id, deployment.manifest,
                               turn.trace_id, engine)
         started = time.perf_counter()
-        await asyncio.to_thread(engine.open_run, turn_id)
-        if not turn.resume:
-            await asyncio.to_thread(ts.sessions.open, turn.entity.agent, turn.entity.user, turn.entity.session)
-            ev = await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message",
-                                         turn.message, speaker="user")
-            await asyncio.to_thread(self.memory(ts).semantic.observe, binding.user_scope, ev)
+        memory = self.memory(ts)
+        # Facts are extracted before the transaction: a model-backed extractor must not hold the store's lock.
+        facts = [] if turn.resume else await asyncio.to_thread(memory.semantic.extractor.extract, turn.message,
+                                                                speaker="user")
+        replayed = await asyncio.to_thread(self._begin_turn, engine, binding, turn, facts)
+        if replayed is not None:
+            return replayed
         self.turns[turn_id] = binding
+        self.tracer.open(turn_id)
         try:
             out: dict[str, Any] = {}
-            async for item in self.forward(sandbox, binding, turn.message):
-                if isinstance(item, TurnEvent):
-                    if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
-                        tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
-                        self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
-                    turn.events.put_nowait(item)
-                else:
-                    out = item
-        except Exception as e:
-            await asyncio.to_thread(engine.fail_run, turn_id, str(e))
-            self.tracer.span(binding, "turn", started, status="error", error=type(e).__name__)
-            raise
+            try:
+                async for item in self.forward(sandbox, binding, turn.message):
+                    if isinstance(item, TurnEvent):
+                        if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
+                            tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
+                            self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
+                        turn.events.put_nowait(item)
+                    else:
+                        out = item
+            except Exception as e:
+                await asyncio.to_thread(self._end_turn, engine, binding, started, error=e)
+                raise
+            if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
+                await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
+                return TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
+            reply = out.get("reply")
+            await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+            return TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
         finally:
             self.turns.pop(turn_id, None)
-        if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
-            res = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
-        else:
-            reply = out.get("reply")
-            res = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
-            if isinstance(reply, str) and reply:
-                await asyncio.to_thread(self.memory(ts).episodic.remember, binding.session_scope, "message", reply,
-                                        speaker="assistant")
-                await asyncio.to_thread(self._remember_reply, binding, reply)
-            await asyncio.to_thread(engine.finish_run, turn_id, {"reply": reply, "trace_id": turn.trace_id})
-        self.tracer.span(binding, "turn", started, status=res.status)
-        return res
+            self._working.pop(turn_id, None)
+            self.tracer.close(turn_id)
+            self.embed_queue.submit(memory.episodic)  # the turn's messages, now that the reply is out
+
+    def _begin_turn(self, engine: DurableEngine, b: TurnBinding, turn: _Turn, facts: list[Any]) -> TurnResult | None:
+        """The turn's first commit: its run created (or taken) and running, the session touched, the user's
+        message logged (to be embedded later) with the facts it states. None: run the turn; a result: the
+        same turn (same Idempotency-Key) finished meanwhile, and this is its outcome."""
+        from moorage.memory.semantic import origin_of
+
+        ts = b.ts
+        try:
+            with ts.transaction():
+                if turn.create:
+                    ts.runs.create(Scope.workflow(turn.entity.agent, turn.turn_id, user=turn.entity.user), "turn",
+                                   {"message": turn.message, "session": turn.entity.session}, run_id=turn.turn_id)
+                engine.open_run(turn.turn_id)
+                if not turn.resume:
+                    ts.sessions.open(turn.entity.agent, turn.entity.user, turn.entity.session)
+                    mem = self._writer(ts)
+                    (ev,) = mem.episodic.remember_pending(b.session_scope, [EventIn("message", turn.message, "user")])
+                    for cand in facts:
+                        mem.semantic.record(b.user_scope, cand, origin=origin_of(ev), evidence=[str(ev.id)],
+                                            valid_from=ev.ts)
+        except ConflictError:
+            run = self._existing_run(ts, turn.turn_id) if turn.create else None
+            if run is None:
+                raise
+            # A request with the same Idempotency-Key created the run first.
+            if run.status in ("succeeded", "waiting"):
+                return self._result_of(ts, run)
+            if run.status in ("running", "pending") and turn.turn_id in self.turns:
+                raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
+            turn.create = False
+            return self._begin_turn(engine, b, turn, facts)
+        return None
+
+    def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
+                  waiting: bool = False, error: BaseException | None = None) -> None:
+        """The turn's last commit, before its reply goes out: the reply logged (to be embedded later), working
+        memory, the run's result and the turn's spans, in one transaction. A failed turn records its failure
+        and spans; a waiting one (its interrupt is already journaled) only its spans."""
+        ts = b.ts
+        with ts.transaction():
+            if error is not None:
+                engine.fail_run(b.run_id, str(error))
+                self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
+            elif waiting:
+                self.tracer.span(b, "turn", started, status="waiting")
+            else:
+                said = reply if isinstance(reply, str) and reply else None
+                if said is not None:
+                    self._writer(ts).episodic.remember_pending(b.session_scope, [EventIn("message", said, "assistant")])
+                self._remember_reply(b, said)
+                engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id})
+                self.tracer.span(b, "turn", started, status="done")
+            self.tracer.flush(b)
 
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""

@@ -379,6 +379,15 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         ),
     ),
     Migration(
+        10,
+        "events waiting for their embedding",
+        statements=(
+            # A turn's events are written without a vector (the reply does not wait for the model) and embedded
+            # right after; a NULL embedding is the marker, and this partial index finds them after a restart.
+            "CREATE INDEX events_unembedded ON events ({tpk}id) WHERE embedding IS NULL",
+        ),
+    ),
+    Migration(
         11,
         "secrets: encrypted at rest, per agent and optionally per end-user",
         statements=(

@@ -1,0 +1,82 @@
+"""The background embedding of events written without a vector: one thread per host, soon after each turn.
+
+A turn commits its messages unembedded (the reply does not wait for the model); this embeds them right after.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from moorage.log import get_logger
+
+if TYPE_CHECKING:
+    from moorage.memory.episodic import EpisodicMemory
+
+log = get_logger(__name__)
+
+#: The worker thread's name (tests tell its commits from the turn's by it).
+THREAD_NAME = "moorage-embed-events"
+#: An idle worker thread exits after this long; the next submit starts another.
+IDLE_EXIT_S = 30.0
+
+
+class EmbedQueue:
+    """Tenants with events to embed, worked through by one daemon thread (``EpisodicMemory.embed_pending``).
+
+    What it has not done when the process dies stays marked in the store (a NULL embedding): the next start
+    submits every tenant again, and a search embeds its scope's newest missing vectors itself meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[str, EpisodicMemory] = {}  # tenant id -> its memory, in submit order
+        self._busy = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, memory: "EpisodicMemory") -> None:
+        """Embed ``memory``'s tenant's unembedded events soon (submitting it again before then is free)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._due[memory.ts.tenant_id] = memory
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=THREAD_NAME, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                if not self._due and not self._closed:
+                    self._cond.wait(IDLE_EXIT_S)
+                if not self._due:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+                tenant_id = next(iter(self._due))
+                memory = self._due.pop(tenant_id)
+                self._busy += 1
+            try:
+                memory.embed_pending()
+            except Exception as e:  # left marked in the store: the next submit, search or start embeds it
+                log.warning("background embedding failed", tenant=tenant_id, error=str(e))
+            finally:
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until everything submitted so far has been embedded (or has failed); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._due and not self._busy, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish what was submitted (up to ``timeout``), then stop; later submits are ignored."""
+        with self._cond:
+            self._closed = True
+            thread = self._thread
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join(timeout)
