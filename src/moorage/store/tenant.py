@@ -617,14 +617,23 @@ class Events(_Repo):
     def put_embeddings(self, scope: Scope, items: Sequence[tuple[int, bytes]]) -> None:
         with self._ts._tx() as c:
             for event_id, vec in items:
+                if not isinstance(vec, (bytes, bytearray)) or len(vec) > 64 * 1024:
+                    raise InvalidInput("an embedding must be at most 64 KiB of bytes")
+                c.x("UPDATE events SET embedding = ? WHERE scope = ? AND id = ?", (bytes(vec), scope.key, event_id))
+
+    def embeddings(
+        self, scope: Scope, *, since: float | None = None, until: float | None = None,
+        speakers: Sequence[str] | None = None, ids: Sequence[int] | None = None,
+    ) -> list[tuple[int, bytes]]:
+        where, params = self._filters(scope, since, until, speakers)
         if ids is not None:
             if not ids:
                 return []
             where += f" AND id IN ({','.join('?' * len(ids))})"
             params += [int(i) for i in ids]
-                if not isinstance(vec, (bytes, bytearray)) or len(vec) > 64 * 1024:
-                    raise InvalidInput("an embedding must be at most 64 KiB of bytes")
-                c.x("UPDATE events SET embedding = ? WHERE scope = ? AND id = ?", (bytes(vec), scope.key, event_id))
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT id, embedding FROM events WHERE {where} AND embedding IS NOT NULL ORDER BY id", params)
+        return [(int(r[0]), bytes(r[1])) for r in rows]
 
     def unembedded(self, *, after: int = 0, limit: int = 256) -> list[Event]:
         """Events of any scope still waiting for their embedding (NULL) with ids above ``after``, oldest first
@@ -633,15 +642,6 @@ class Events(_Repo):
             rows = c.q(f"SELECT {_EVENT_COLS} FROM events WHERE embedding IS NULL AND id > ? ORDER BY id LIMIT ?",
                        (after, limit))
         return [_event(r) for r in rows]
-
-    def embeddings(
-        self, scope: Scope, *, since: float | None = None, until: float | None = None,
-        speakers: Sequence[str] | None = None, ids: Sequence[int] | None = None,
-    ) -> list[tuple[int, bytes]]:
-        where, params = self._filters(scope, since, until, speakers)
-        with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT id, embedding FROM events WHERE {where} AND embedding IS NOT NULL ORDER BY id", params)
-        return [(int(r[0]), bytes(r[1])) for r in rows]
 
     def get_many(self, scope: Scope, ids: Sequence[int]) -> list[Event]:
         if not ids:
