@@ -12,6 +12,7 @@ import socket
 import struct
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -199,5 +200,60 @@ def test_truncated_frames_end_the_connection_cleanly(payload: bytes, cut: int) -
             assert ch.closed
         finally:
             await ch.close()
+
+    run(body())
+
+
+def test_event_flood_gets_backpressure_and_a_reader_that_stops_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorage.sandbox import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "EVENT_STALL_S", 0.5)
+    total = channel_mod.MAX_PENDING_EVENTS * 3
+
+    async def body() -> None:
+        ch, gr, gw = await _pair()
+        try:
+            async def guest_streams(rid: Any) -> None:
+                for i in range(total):
+                    gw.write(frame(json.dumps({"id": rid, "event": "tick", "data": i}).encode()))
+                    if i % 256 == 0:
+                        await gw.drain()
+                gw.write(frame(json.dumps({"id": rid, "result": "done"}).encode()))
+                await gw.drain()
+
+            async def next_request_id() -> Any:
+                while True:
+                    (n,) = HEADER.unpack(await gr.readexactly(4))
+                    msg = json.loads(await gr.readexactly(n))
+                    if "method" in msg and msg["method"] != "$cancel":
+                        return msg["id"]
+
+            # A slow but steady reader gets every event: the guest waits instead of the host buffering.
+            async with ch.stream("produce") as s:
+                writer = asyncio.ensure_future(guest_streams(await next_request_id()))
+                got, peak = 0, 0
+                async for _ in s:
+                    got += 1
+                    peak = max(peak, s._pending.events.qsize())  # type: ignore[union-attr]
+                    if got % 1000 == 0:
+                        await asyncio.sleep(0.01)
+                await writer
+            assert got == total and s.result == "done"
+            assert peak <= channel_mod.MAX_PENDING_EVENTS
+            # A caller that stops reading for longer than the stall time: its call fails, the channel lives on.
+            async with ch.stream("produce") as s2:
+                writer = asyncio.ensure_future(guest_streams(await next_request_id()))
+                seen = 0
+                with pytest.raises(GuestProtocolError):
+                    async for _ in s2:
+                        seen += 1
+                        if seen == 1:
+                            await asyncio.sleep(1.5)
+                assert seen <= channel_mod.MAX_PENDING_EVENTS + 1
+                writer.cancel()
+            assert not ch.closed
+        finally:
+            await ch.close()
+            gw.close()
 
     run(body())

@@ -28,9 +28,13 @@ MAX_FRAME = 8 << 20
 MAX_DEPTH = 64
 #: Guest-initiated requests served at once per channel; more are answered BUSY at once, without a task.
 MAX_GUEST_INFLIGHT = 32
-#: Unread events buffered per host call (count and payload bytes); a guest streaming past either fails the call.
+#: Unread events buffered per host call (count and payload bytes). Past either the reader stops reading (the guest
+#: waits: backpressure); if the caller reads nothing for EVENT_STALL_S the call fails instead.
 MAX_PENDING_EVENTS = 4096
 MAX_PENDING_EVENT_BYTES = 32 << 20
+EVENT_STALL_S = 30.0
+#: The reader yields to other tasks after this many frames in a row, so a flooding guest cannot hog the loop.
+_FRAMES_PER_YIELD = 64
 #: Ids of calls the host gave up on, remembered to drop their late answers quietly (oldest forgotten first).
 _MAX_CANCELLED = 4096
 _HEADER = struct.Struct(">I")
@@ -116,7 +120,7 @@ class HandlerError(Exception):
 
 
 class _Pending:
-    __slots__ = ("events", "future", "buffered_bytes")
+    __slots__ = ("events", "future", "buffered_bytes", "drained")
 
     def __init__(self) -> None:
         # Unbounded as a queue, bounded by the reader: it fails the call before it holds more than
@@ -124,6 +128,11 @@ class _Pending:
         self.events: asyncio.Queue[tuple[Event, int] | None] = asyncio.Queue()
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.buffered_bytes = 0
+        #: Set whenever the caller has taken events (or gave up): the reader waits on it while the buffer is full.
+        self.drained = asyncio.Event()
+
+    def full(self, incoming: int = 0) -> bool:
+        return self.events.qsize() >= MAX_PENDING_EVENTS or self.buffered_bytes + incoming > MAX_PENDING_EVENT_BYTES
 
 
 class CallStream:
@@ -182,6 +191,7 @@ class CallStream:
         if item is not None:
             ev, size = item
             self._pending.buffered_bytes -= size
+            self._pending.drained.set()
             return ev
         self.done = True
         self.result = self._pending.future.result()  # raises RemoteError / ChannelClosed
@@ -193,6 +203,8 @@ class CallStream:
             self.done = True
             return
         self.done = True
+        if self._pending is not None:
+            self._pending.drained.set()  # a reader waiting for room in this call's buffer moves on
         self._channel._pending.pop(self._id, None)
         self._channel._forget_call(self._id)
         try:
@@ -352,8 +364,12 @@ class Channel:
 
     async def _read_loop(self) -> None:
         reason = "guest closed the connection"
+        frames = 0
         try:
             while True:
+                frames += 1
+                if frames % _FRAMES_PER_YIELD == 0:
+                    await asyncio.sleep(0)  # buffered frames are read without suspending: let other tasks run
                 try:
                     header = await self._reader.readexactly(_HEADER.size)
                 except asyncio.IncompleteReadError:
@@ -440,16 +456,26 @@ class Channel:
             if pending is None or not isinstance(msg["event"], str):
                 self._reject("event for unknown call", id=repr(rid)[:50])
                 return
-            if pending.events.qsize() >= MAX_PENDING_EVENTS or pending.buffered_bytes + size > MAX_PENDING_EVENT_BYTES:
-                # The caller is not keeping up (or the guest floods): fail this call rather than buffer without end.
+            if pending.full(size):
+                # Backpressure: stop reading until the caller takes events; the guest's writes then wait too.
+                pending.drained.clear()
+                try:
+                    await asyncio.wait_for(pending.drained.wait(), EVENT_STALL_S)
+                except asyncio.TimeoutError:
+                    pass
+                if self._pending.get(rid) is not pending:
+                    return  # the caller gave up on the call meanwhile: its late events are dropped
+            if pending.full(size):
+                # The caller read nothing for EVENT_STALL_S: fail this call rather than buffer without end.
                 self._reject("too many unread events", id=repr(rid)[:50])
                 self._pending.pop(rid, None)
                 self._forget_call(rid)
                 if not pending.future.done():
                     pending.future.set_exception(GuestProtocolError(
                         f"{self.name}: the guest streamed more than {MAX_PENDING_EVENTS} events or "
-                        f"{MAX_PENDING_EVENT_BYTES >> 20} MiB ahead of the reader",
+                        f"{MAX_PENDING_EVENT_BYTES >> 20} MiB that nobody read for {EVENT_STALL_S:g} s",
                         hint="the call was cancelled; read events as they come or ask for less output"))
+                    pending.future.exception()  # mark retrieved: the caller may be gone for good
                 pending.events.put_nowait(None)
                 await self._safe_send({"method": "$cancel", "params": {"id": rid}})
                 return
@@ -530,6 +556,7 @@ class Channel:
                 pending.future.set_exception(exc)
                 pending.future.exception()  # mark retrieved: a caller may have given up already
             pending.events.put_nowait(None)
+            pending.drained.set()
         self._pending.clear()
         for task in self._serving.values():
             task.cancel()
