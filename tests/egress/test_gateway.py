@@ -78,6 +78,9 @@ async def test_request_bodies_are_framed_and_nothing_after_them_is_forwarded(gat
     assert upstream.paths() == ["/v1/a", "/v1/b"] and upstream.hits[0].body == b"hello"
     both = f"POST {url}/v1/c HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
     assert (await _exchange(b.proxy_port, both.encode())).startswith(b"HTTP/1.1 400")
+    not_last = f"POST {url}/v1/d HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n"
+    assert (await _exchange(b.proxy_port, not_last.encode())).startswith(b"HTTP/1.1 400")
+    assert upstream.paths() == ["/v1/a", "/v1/b"]
 
 
 async def test_an_endless_body_streams_through_without_being_held(gateway: Gateway, egress: Egress,

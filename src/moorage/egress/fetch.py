@@ -85,7 +85,7 @@ class _Pinned(httpcore.AsyncNetworkBackend):
 
     async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                           socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
-        if host != self._d.host or port != self._d.port:  # httpcore asked for something the decision did not cover
+        if host.strip("[]") != self._d.host or port != self._d.port:  # not what the decision covered
             raise EgressDenied(f"egress to {host}:{port} was not decided")
         r, w, self.address = await self._inst.egress.open(self._d)
         return _Stream(r, w, self._inst.usage)
@@ -158,13 +158,15 @@ async def _follow(inst: InstanceEgress, method: str, url: str, guest: dict[str, 
                                                 "egress.decision": d.reason, "egress.redirect": True})
             raise EgressDenied(f"the response redirected to {t.origin}, which is not allowed for this agent",
                                hint="list it under [agent.egress] allow, or fetch with redirects you follow yourself")
-        added = await inst.headers(t) if inst.headers is not None else {}
-        send = _merge(guest, added)
-        send["Host"] = t.authority
-        if body is not None:
-            send["Content-Length"] = str(len(body))
-        async with inst.attempt("fetch", d, **{"http.method": method, "egress.path": t.path.split("?", 1)[0][:200],
-                                               "egress.secrets": len(added)}) as info:
+        async with inst.attempt("fetch", d, **{"http.method": method,
+                                               "egress.path": t.path.split("?", 1)[0][:200]}) as info:
+            # Bound secrets are read only once the request is allowed, and only for a bound host.
+            added = await inst.headers(t) if inst.headers is not None else {}
+            info["egress.secrets"] = len(added)
+            send = _merge(guest, added)
+            send["Host"] = t.authority
+            if body is not None:
+                send["Content-Length"] = str(len(body))
             backend = _Pinned(inst, d)
             pool = httpcore.AsyncConnectionPool(ssl_context=tls, network_backend=backend, max_connections=1, retries=0)
             try:

@@ -177,7 +177,10 @@ async def _forward(inst: InstanceEgress, reader: asyncio.StreamReader, writer: a
     async with inst.attempt("proxy-http", d, **{"http.method": method.decode("ascii", "replace")[:16],
                                                  "egress.path": t.path.split("?", 1)[0][:200]}) as info:
         lengths = _header(headers, b"content-length")
-        chunked = any(b"chunked" in v.lower() for v in _header(headers, b"transfer-encoding"))
+        codings = [c.strip().lower() for v in _header(headers, b"transfer-encoding") for c in v.split(b",")]
+        chunked = bool(codings)
+        if codings and codings[-1] != b"chunked":
+            raise BadRequest(400, "a transfer-coded request body must end in chunked")
         if len(set(lengths)) > 1 or (lengths and chunked) or (lengths and not lengths[0].isdigit()):
             raise BadRequest(400, "ambiguous request body length")
         added = await inst.headers(t) if inst.headers is not None else {}
