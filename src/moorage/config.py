@@ -36,6 +36,11 @@ class Config:
     #: Accelerator for the microvm driver: ``auto`` (probe KVM by booting), ``kvm`` or ``tcg``.
     accel: str = "auto"
     guest_memory_mib: int = 256
+    #: Largest ``memory_mib`` / ``vcpus`` / ``disk_mib`` one agent may ask for in its moorage.toml (0: what the
+    #: host has: its memory less a reserve, its CPUs, the free disk under the sandboxes directory).
+    agent_max_memory_mib: int = 0
+    agent_max_vcpus: int = 0
+    agent_max_disk_mib: int = 0
     #: S3-compatible object store for snapshots and disks at fleet scale (empty: local disk only).
     object_store_url: str = ""
     #: S3 endpoint for an ``s3://`` object store (e.g. ``http://127.0.0.1:8333``); empty: AWS's own.

@@ -66,7 +66,19 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
     if agent.get("scope", "user") not in SCOPES:
         raise AgentPackageError(f"scope must be one of {', '.join(SCOPES)}, not {agent.get('scope')!r}")
     _check_egress(agent)
+    _check_sizing(agent)
     return agent
+
+
+def _check_sizing(agent: dict[str, Any]) -> None:
+    """memory_mib, vcpus, disk_mib and ports fail the deploy when malformed (the host's own limits are
+    checked when the template is built: runtime/sizing.py)."""
+    from moorage.runtime.sizing import check_manifest_sizing
+
+    try:
+        check_manifest_sizing(agent)
+    except InvalidInput as e:
+        raise AgentPackageError(e.message, hint=e.hint) from e
 
 
 def _check_egress(agent: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from moorage.log import get_logger
 from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
 from moorage.runtime.private_files import private_dir, write_private
+from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Deployment, Scope
 
@@ -111,8 +112,11 @@ class Templates:
         builder_id = f"tpl-{deployment.id[:24]}"
         if builder_id in await self.driver.list():
             await (await self.driver.open(builder_id)).destroy()
-        say("starting a sandbox for the template")
-        sb = await self.driver.create(builder_id)
+        # The template's size is the agent's (every fork inherits it); a size this host cannot give fails here,
+        # before anything boots, and the deploy with it.
+        spec = spec_for(deployment.manifest, self.driver.config, self.driver.root)
+        say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
+        sb = await self.driver.create(builder_id, spec)
         try:
             await sb.start()
             say("loading the agent's code")
