@@ -22,7 +22,8 @@ from moorage.lifecycle.machine import InstanceState as S
 from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
 from moorage.lifecycle.pool import WarmPool
-from moorage.lifecycle.policies import FixedTimeout, InstanceActivity, SleepEconomics, SleepPolicy, parse_policy
+from moorage.lifecycle.policies import (FixedTimeout, IdleGapHistogram, InstanceActivity, SleepEconomics, SleepPolicy,
+                                        parse_policy)
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import SandboxRecord, Scope, Store, TenantStore
@@ -76,6 +77,8 @@ class LiveInstance:
     pending: "asyncio.Future[Sandbox] | None" = None
     #: A second driver view used to attach to an instance another live process on this host keeps awake.
     peer_driver: SandboxDriver | None = None
+    #: The learned idle gaps kept in the record (``meta.activity``, written as it sleeps) were read back.
+    restored: bool = False
 
     @property
     def awake(self) -> bool:
@@ -110,6 +113,18 @@ def wake_kind(sandbox: Sandbox, *, fork: bool) -> str:
     if getattr(sandbox, "last_wake_fallback", None) is not None:
         return WakeKind.COLD_FALLBACK
     return WakeKind.COLD
+
+
+def _restore_activity(li: LiveInstance, rec: SandboxRecord | None) -> None:
+    """Give a newly seen instance the idle gaps and turn count its record kept from earlier hosts."""
+    doc = (rec.meta if rec is not None else {}).get("activity")
+    if not isinstance(doc, dict) or li.activity.gaps.count:
+        return
+    try:
+        li.activity.gaps = IdleGapHistogram.from_dict(doc.get("gaps") or {})
+        li.activity.turns += int(doc.get("turns") or 0)
+    except (InvalidInput, TypeError, ValueError, KeyError) as e:  # an unreadable history only costs the learning
+        log.warning("learned idle gaps not restored", instance=rec.id if rec else None, error=str(e))
 
 
 def default_host_id() -> str:
@@ -288,6 +303,9 @@ class InstanceManager:
                 raise UnavailableError(f"instance of {scope} stayed in a transitional state too long",
                                        hint="retry; if it persists, check the host named in its record")
             rec = await self.io(ts.sandboxes.for_scope, scope)
+            if not li.restored:
+                li.restored = True
+                _restore_activity(li, rec)
             if rec is None:
                 template = await _resolve(source)
                 if template is None:
@@ -510,6 +528,8 @@ class InstanceManager:
                 log.error("instance failed to sleep", instance=rec.id, error=str(e))
                 return False
             meta = {k: v for k, v in rec.meta.items() if k != "owner"}
+            # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
+            meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
             await self.io(machine.apply, ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
                           snapshot_ref=str(snap.path), last_active=time.time(), started_at=started, reason=reason)
             li.owned = False
