@@ -62,3 +62,16 @@ async def test_host_written_files_are_private(env, tmp_path: Path) -> None:  # n
     assert package.stat().st_mode & 0o777 == 0o600
     assert (templates / f"{dep.id}.json").stat().st_mode & 0o777 == 0o600
     assert not [p for p in packages.iterdir() if p.name.endswith(".tmp")]
+
+
+async def test_a_host_keeps_its_data_dir_private(tmp_path: Path) -> None:
+    from moorage.config import Config
+    from moorage.runtime.host import Host
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)  # made by hand with a wide mode: narrowed when the host opens it
+    host = Host.open(Config(data_dir=data, sandbox_driver="process"))
+    try:
+        assert data.stat().st_mode & 0o777 == 0o700
+    finally:
+        await host.close()

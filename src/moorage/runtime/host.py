@@ -59,7 +59,9 @@ class Host:
         from moorage.runtime.runtime import Runtime
         from moorage.sandbox import get_driver
 
-        config.data_dir.mkdir(parents=True, exist_ok=True)
+        from moorage.runtime.private_files import private_dir
+
+        private_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
         store = open_store(config)
         driver = get_driver(config)
         manager = InstanceManager(store, driver)
