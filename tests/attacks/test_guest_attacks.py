@@ -1,4 +1,5 @@
-"""Attacks on the host through the channel, from a hostile agent's code, on both sandbox drivers.
+"""Attacks on the host from a hostile agent's code, on both sandbox drivers: through the channel, the console,
+the filesystem, and against the process that confines the guest (bubblewrap or QEMU).
 
 Each attack is contained: the host's resident memory stays under the stated bound while it runs, the host keeps
 serving the bystander instance, and the attacker is still usable afterwards (or was stopped cleanly and comes
@@ -8,6 +9,7 @@ back on its next turn). One runtime per driver serves the whole module (booting 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -100,3 +102,45 @@ async def test_huge_frame_stops_the_attacker_cleanly_and_it_comes_back(hostile: 
     assert sb.state.value == "stopped"
     await still_fine(hostile)  # the next turn starts the attacker afresh
     assert json.loads(await hostile.say('host-paths ["/work"]')) == ["/work"]
+
+
+def _status(pid: int) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+
+
+async def test_the_confining_process_is_confined_itself(hostile: Hostile) -> None:
+    sb = await hostile.sandbox()
+    root = os.geteuid() == 0
+    if hostile.driver == "microvm":
+        st = _status(sb.pid)
+        # QEMU: its own seccomp filter, no capability, no way back to privileges.
+        assert st["Seccomp"].strip() == "2" and st["NoNewPrivs"].strip() == "1", st
+        if root:
+            assert int(st["CapEff"], 16) == 0 and int(st["CapBnd"], 16) == 0, st
+        run = sb.run_dir
+        assert run.parent == sb.dir and oct(run.stat().st_mode & 0o777) == "0o700"
+        assert {p.name for p in run.iterdir()} >= {"qmp.sock", "chan.sock"}
+    else:
+        from moorage.sandbox import process_limits
+
+        supervisor = [p for p in process_limits.descendants(sb._pid) if b"/opt/moorage/guest" in
+                      Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert supervisor
+        st = _status(supervisor[0])
+        assert st["Seccomp"].strip() == "2" and st["NoNewPrivs"].strip() == "1" and int(st["CapEff"], 16) == 0, st
+        if root:
+            assert st["Uid"].split()[0] == str(hostile.env.cfg.sandbox_uid)
+    # Nothing of a sandbox is readable by other local users.
+    assert oct(sb.dir.parent.stat().st_mode & 0o777) == "0o700"
+
+
+async def test_host_paths_and_networks_are_out_of_reach(hostile: Hostile) -> None:
+    sb = await hostile.sandbox()
+    bystander = await hostile.sandbox(hostile.bystander)
+    data_dir = hostile.env.cfg.data_dir
+    probes = ["/etc/shadow-host-canary", str(data_dir), str(data_dir / "store"), str(sb.dir), str(bystander.dir),
+              str(Path.cwd() / "pyproject.toml"), str(Path.home() / ".bash_history")]
+    assert json.loads(await hostile.say("host-paths " + json.dumps(probes))) == []
+    net = json.loads(await hostile.say("raw-socket"))
+    assert net["interfaces"] == ["lo"], net  # whatever sockets it may open, there is no network to use them on
+    await still_fine(hostile)
