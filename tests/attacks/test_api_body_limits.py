@@ -62,7 +62,7 @@ def test_an_endless_body_to_a_route_that_reads_none_is_not_buffered(server: Live
     assert growth.bytes < RSS_BOUND
 
 
-def test_a_lying_small_content_length_cannot_smuggle_a_big_body(server: LiveServer, tenant_key: str,
+def test_an_oversized_mcp_body_with_its_length_declared_is_refused(server: LiveServer, tenant_key: str,
                                                               agent: str) -> None:
     with server.client(tenant_key, **MCP_HEADERS) as c:
         r = c.post(f"/mcp/{agent}", content=b"[" * (MCP_BODY_LIMIT + 1))

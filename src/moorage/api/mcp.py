@@ -168,6 +168,9 @@ async def _bounded_body(call: Call) -> Any:
     The SDK would buffer a body of any size before its own check; reading it here first bounds it to
     ``MCP_BODY_LIMIT`` (413) and refuses deep nesting (400) before the SDK parses anything.
     """
+    declared = call.request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MCP_BODY_LIMIT:
+        raise PayloadTooLarge(f"MCP message is {declared} bytes; the limit is {MCP_BODY_LIMIT}", hint="send a smaller message")
     chunks: list[bytes] = []
     size = 0
     async for chunk in call.request.stream():
