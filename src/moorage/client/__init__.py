@@ -1,0 +1,15 @@
+"""The Python SDK for a moorage server: ``Client`` (blocking) and ``AsyncClient`` (asyncio), typed methods for
+the public routes, page iterators, retries with idempotency keys that honour ``Retry-After``, streaming turns,
+waiting on executions, and ``verify_webhook`` for receivers. See docs/sdk.md.
+
+It speaks HTTP only; nothing here imports the host's internals.
+"""
+
+from moorage.client.aio import AsyncClient
+from moorage.client.errors import (ApiError, AuthError, BadRequest, Conflict, NotFound, RateLimited, ServerError,
+                                   Unavailable)
+from moorage.client.sync import Client
+from moorage.client.webhooks import WebhookSignatureError, verify_webhook
+
+__all__ = ["ApiError", "AsyncClient", "AuthError", "BadRequest", "Client", "Conflict", "NotFound", "RateLimited",
+           "ServerError", "Unavailable", "WebhookSignatureError", "verify_webhook"]

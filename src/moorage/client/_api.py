@@ -1,0 +1,262 @@
+"""The public routes as typed methods, written once: each builds a ``Request`` and hands it to ``_send``, which
+the sync client answers with the value and the async client with an awaitable of it.
+
+Shapes of the answers are in ``moorage.client.types``; every route is described in docs/api.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+from urllib.parse import quote
+
+from moorage.client import types as T
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    params: dict[str, Any] = field(default_factory=dict)
+    json: Any = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _p(value: str) -> str:
+    return quote(str(value), safe="")
+
+
+def _page(limit: int | None, cursor: str | None, **extra: Any) -> dict[str, Any]:
+    params = {k: v for k, v in extra.items() if v is not None}
+    if limit is not None:
+        params["limit"] = limit
+    if cursor is not None:
+        params["cursor"] = cursor
+    return params
+
+
+def _idem(key: str | None) -> dict[str, str]:
+    return {"Idempotency-Key": key} if key else {}
+
+
+def _archive(source: bytes | str | Path) -> bytes:
+    if isinstance(source, bytes):
+        return source
+    import io
+    import tarfile
+
+    root = Path(source)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts and ".git" not in p.parts:
+                tar.add(p, arcname=str(p.relative_to(root)))
+    return buf.getvalue()
+
+
+class Api:
+    """Typed methods for the public routes. ``_send`` is supplied by ``Client`` / ``AsyncClient``."""
+
+    def _send(self, req: Request) -> Any:  # pragma: no cover - provided by the concrete clients
+        raise NotImplementedError
+
+    # -- agents and deployments ----------------------------------------------------------------------------
+
+    def list_agents(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.Agent]:
+        return self._send(Request("GET", "/v1/agents", _page(limit, cursor)))
+
+    def get_agent(self, agent: str) -> T.Agent:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}"))
+
+    def deploy(self, agent: str, source: bytes | str | Path, *, idempotency_key: str | None = None) -> T.Deployment:
+        """Deploy an agent directory (packed here) or a ready ``tar.gz``; the server validates and builds it."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/deployments", content=_archive(source),
+                                  headers={"content-type": "application/gzip", **_idem(idempotency_key)}))
+
+    def list_deployments(self, agent: str, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.Deployment]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/deployments", _page(limit, cursor)))
+
+    def rollback(self, agent: str, number: int | None = None) -> T.Deployment:
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/rollback",
+                                  json={} if number is None else {"number": number}))
+
+    # -- end-users ------------------------------------------------------------------------------------------
+
+    def put_user(self, agent: str, user: str, *, metadata: Mapping[str, Any] | None = None,
+                 limits: Mapping[str, float | None] | None = None, provision: bool = False) -> T.User:
+        """Get or create ``user`` (the product's own id); given metadata/limits replace the stored ones."""
+        body: dict[str, Any] = {}
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        if limits is not None:
+            body["limits"] = dict(limits)
+        return self._send(Request("PUT", f"/v1/agents/{_p(agent)}/users/{_p(user)}",
+                                  {"provision": "true"} if provision else {}, json=body))
+
+    def get_user(self, agent: str, user: str) -> T.User:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}"))
+
+    def list_users(self, agent: str, *, metadata: Mapping[str, Any] | None = None, limit: int | None = None,
+                   cursor: str | None = None) -> T.Page[T.User]:
+        """One page of the agent's users; ``metadata={"plan": "pro"}`` keeps users whose metadata has those values."""
+        import json as _json
+
+        extra = {f"metadata.{k}": v if isinstance(v, str) else _json.dumps(v) for k, v in (metadata or {}).items()}
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users", _page(limit, cursor, **extra)))
+
+    def delete_user(self, agent: str, user: str) -> T.Forgotten:
+        """Forget everything stored about ``user`` of ``agent`` and remove the user."""
+        return self._send(Request("DELETE", f"/v1/agents/{_p(agent)}/users/{_p(user)}"))
+
+    def issue_user_token(self, agent: str, user: str, *, ttl_s: float | None = None) -> T.UserToken:
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/tokens",
+                                  json={} if ttl_s is None else {"ttl_s": ttl_s}))
+
+    # -- turns and executions -------------------------------------------------------------------------------
+
+    def invoke(self, agent: str, message: str, *, user: str | None = None, session: str | None = None,
+               idempotency_key: str | None = None) -> T.Turn:
+        """Run one turn and wait for its result (see ``invoke_async`` for long turns)."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/invoke", json=_turn_body(message, user, session),
+                                  headers=_idem(idempotency_key)))
+
+    def invoke_async(self, agent: str, message: str, *, user: str | None = None, session: str | None = None,
+                     idempotency_key: str | None = None) -> T.Execution:
+        """Start a turn detached: the answer (202) is its execution; poll ``get_execution`` or
+        ``wait_execution``, or receive the agent's webhooks."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/invoke", {"async": "true"},
+                                  json=_turn_body(message, user, session), headers=_idem(idempotency_key)))
+
+    def get_execution(self, execution_id: str) -> T.Execution:
+        return self._send(Request("GET", f"/v1/executions/{_p(execution_id)}"))
+
+    # -- memory ---------------------------------------------------------------------------------------------
+
+    def list_sessions(self, agent: str, *, user: str | None = None, limit: int | None = None,
+                      cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/sessions", _page(limit, cursor, user=user)))
+
+    def list_events(self, agent: str, user: str, *, session: str | None = None, limit: int | None = None,
+                    cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/events",
+                                  _page(limit, cursor, session=session)))
+
+    def search_events(self, agent: str, user: str, query: str, *, k: int | None = None,
+                      session: str | None = None) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/events/search",
+                                  {k2: v for k2, v in {"q": query, "k": k, "session": session}.items() if v is not None}))
+
+    def list_facts(self, agent: str, user: str, *, limit: int | None = None,
+                   cursor: str | None = None, **filters: Any) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts",
+                                  _page(limit, cursor, **filters)))
+
+    def add_fact(self, agent: str, user: str, subject: str, attribute: str, value: str,
+                 text: str | None = None) -> dict[str, Any]:
+        body = {"subject": subject, "attribute": attribute, "value": value, **({"text": text} if text else {})}
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts", json=body))
+
+    # -- workflows ------------------------------------------------------------------------------------------
+
+    def list_workflows(self, *, status: str | None = None, agent: str | None = None, limit: int | None = None,
+                       cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", "/v1/workflows", _page(limit, cursor, status=status, agent=agent)))
+
+    def get_workflow(self, run_id: str) -> dict[str, Any]:
+        return self._send(Request("GET", f"/v1/workflows/{_p(run_id)}"))
+
+    def answer(self, run_id: str, answer: Any) -> T.Turn:
+        """Give a waiting run (an interrupt) its human answer; the turn resumes from there."""
+        return self._send(Request("POST", f"/v1/workflows/{_p(run_id)}/answer", json={"answer": answer}))
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        return self._send(Request("POST", f"/v1/workflows/{_p(run_id)}/cancel", json={}))
+
+    # -- webhooks -------------------------------------------------------------------------------------------
+
+    def create_webhook(self, agent: str, url: str, *, events: Sequence[str] | None = None,
+                       secret: str | None = None) -> T.Webhook:
+        """Subscribe ``url`` to the agent's events; the answer holds the ``whsec_`` secret (shown once)."""
+        body: dict[str, Any] = {"url": url}
+        if events is not None:
+            body["events"] = list(events)
+        if secret is not None:
+            body["secret"] = secret
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/webhooks", json=body))
+
+    def list_webhooks(self, agent: str) -> T.Page[T.Webhook]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/webhooks"))
+
+    def get_webhook(self, agent: str, webhook_id: str) -> T.Webhook:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/webhooks/{_p(webhook_id)}"))
+
+    def delete_webhook(self, agent: str, webhook_id: str) -> dict[str, Any]:
+        return self._send(Request("DELETE", f"/v1/agents/{_p(agent)}/webhooks/{_p(webhook_id)}"))
+
+    def list_deliveries(self, agent: str, webhook_id: str, *, limit: int | None = None,
+                        cursor: str | None = None) -> T.Page[T.Delivery]:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/webhooks/{_p(webhook_id)}/deliveries",
+                                  _page(limit, cursor)))
+
+    def get_delivery(self, agent: str, webhook_id: str, delivery_id: str) -> T.Delivery:
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/webhooks/{_p(webhook_id)}/deliveries/{_p(delivery_id)}"))
+
+    def replay_delivery(self, agent: str, webhook_id: str, delivery_id: str) -> T.Delivery:
+        return self._send(Request(
+            "POST", f"/v1/agents/{_p(agent)}/webhooks/{_p(webhook_id)}/deliveries/{_p(delivery_id)}/replay", json={}))
+
+    # -- keys, sandboxes, traces, usage ---------------------------------------------------------------------
+
+    def list_keys(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.ApiKey]:
+        return self._send(Request("GET", "/v1/keys", _page(limit, cursor)))
+
+    def create_key(self, scopes: Sequence[str], *, label: str = "", agent: str | None = None) -> T.ApiKey:
+        body: dict[str, Any] = {"scopes": list(scopes), "label": label}
+        if agent is not None:
+            body["agent"] = agent
+        return self._send(Request("POST", "/v1/keys", json=body))
+
+    def revoke_key(self, key_id: str) -> dict[str, Any]:
+        return self._send(Request("DELETE", f"/v1/keys/{_p(key_id)}"))
+
+    def list_sandboxes(self, *, state: str | None = None, agent: str | None = None, limit: int | None = None,
+                       cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        return self._send(Request("GET", "/v1/sandboxes", _page(limit, cursor, state=state, agent=agent)))
+
+    def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
+        return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}"))
+
+    def sandbox_action(self, sandbox_id: str, verb: str, *, label: str | None = None) -> dict[str, Any]:
+        """``sleep``, ``wake``, ``checkpoint``, ``rollback`` or ``fork`` (``label`` names a checkpoint)."""
+        return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/{_p(verb)}",
+                                  json={} if label is None else {"label": label}))
+
+    def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
+        return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}/files", {"path": path}))
+
+    def read_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
+        return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}/files/content", {"path": path}))
+
+    def get_trace(self, trace_id: str) -> dict[str, Any]:
+        return self._send(Request("GET", f"/v1/traces/{_p(trace_id)}"))
+
+    def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None) -> T.Usage:
+        return self._send(Request("GET", "/v1/usage", {k: v for k, v in
+                                                       {"since": since, "agent": agent, "user": user}.items()
+                                                       if v is not None}))
+
+    def health(self) -> dict[str, Any]:
+        return self._send(Request("GET", "/healthz"))
+
+
+def _turn_body(message: str, user: str | None, session: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"message": message}
+    if user is not None:
+        body["user"] = user
+    if session is not None:
+        body["session"] = session
+    return body

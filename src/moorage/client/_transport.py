@@ -1,0 +1,108 @@
+"""What the sync and async clients share around one HTTP exchange: settings, retry decisions, answer decoding.
+
+Retries cover 429, 502, 503, 504 and connection failures. A mutating request gets an ``Idempotency-Key``
+before its first attempt (unless the caller gave one), so a retry never acts twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+
+from moorage.client._api import Request
+from moorage.client.errors import ApiError, Unavailable, error_for
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    base_url: str
+    api_key: str | None
+    timeout_s: float = 600.0
+    #: Further attempts after the first, for retryable answers only.
+    max_retries: int = 3
+    #: Backoff when the server names no wait: base * 2**attempt, with jitter, at most ``max_wait_s``.
+    backoff_s: float = 0.5
+    #: The longest wait honoured (a longer ``Retry-After`` is an error handed to the caller at once).
+    max_wait_s: float = 60.0
+
+    @classmethod
+    def resolve(cls, base_url: str | None, api_key: str | None, **kw: Any) -> "Settings":
+        url = base_url or os.environ.get("MOORAGE_API_URL") or "http://127.0.0.1:7700"
+        key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY")
+        return cls(url.rstrip("/"), key, **{k: v for k, v in kw.items() if v is not None})
+
+    def headers(self) -> dict[str, str]:
+        h = {"user-agent": "moorage-python"}
+        if self.api_key:
+            h["authorization"] = f"Bearer {self.api_key}"
+        return h
+
+
+def prepare(req: Request) -> Request:
+    """The request as first sent: a mutating one carries an Idempotency-Key from here on."""
+    if req.method in MUTATING and not any(k.lower() == "idempotency-key" for k in req.headers):
+        return Request(req.method, req.path, req.params, req.json, req.content,
+                       {**req.headers, "Idempotency-Key": f"sdk-{uuid.uuid4().hex}"})
+    return req
+
+
+def kwargs(req: Request) -> dict[str, Any]:
+    kw: dict[str, Any] = {"params": req.params or None, "headers": req.headers}
+    if req.content is not None:
+        kw["content"] = req.content
+    elif req.json is not None:
+        kw["json"] = req.json
+    return kw
+
+
+def decode(response: httpx.Response) -> Any:
+    if response.status_code == 204 or not response.content:
+        return None
+    try:
+        body = response.json()
+    except ValueError:
+        body = response.text
+    if response.status_code >= 400:
+        raise error_for(response.status_code, body, response.headers)
+    return body
+
+
+def wait_before_retry(settings: Settings, attempt: int, error: ApiError) -> float | None:
+    """Seconds to wait before attempt ``attempt + 1``, or None when the error must reach the caller."""
+    if attempt >= settings.max_retries or error.status not in RETRY_STATUSES:
+        return None
+    if error.retry_after is not None:
+        return None if error.retry_after > settings.max_wait_s else error.retry_after
+    return min(settings.max_wait_s, settings.backoff_s * (2 ** attempt) * (0.5 + random.random()))
+
+
+def unreachable(settings: Settings, e: Exception) -> Unavailable:
+    return Unavailable(503, f"cannot reach {settings.base_url}: {type(e).__name__}: {e}",
+                       type="unreachable", hint="check the URL and that `moorage up` is running")
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
+    """(event, data) pairs from server-sent event lines."""
+    event, data = "message", []
+    for line in lines:
+        if line == "":
+            if data:
+                text = "\n".join(data)
+                try:
+                    yield event, json.loads(text)
+                except ValueError:
+                    yield event, text
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())

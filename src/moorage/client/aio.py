@@ -1,0 +1,115 @@
+"""``AsyncClient``: the asyncio client; the same methods as ``Client``, each awaited."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from moorage.client import _transport as tr
+from moorage.client import types as T
+from moorage.client._api import TERMINAL, Api, Request, _p, _turn_body
+from moorage.client.errors import ApiError
+
+
+class AsyncClient(Api):
+    """``AsyncClient(base_url, api_key)``; use ``async with`` or ``await client.aclose()``."""
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float | None = None,
+                 max_retries: int | None = None, backoff_s: float | None = None, max_wait_s: float | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
+                                            backoff_s=backoff_s, max_wait_s=max_wait_s)
+        self._http = httpx.AsyncClient(base_url=self.settings.base_url, headers=self.settings.headers(),
+                                       timeout=self.settings.timeout_s, transport=transport)
+        self._sleep = sleep
+        self.attempts: list[tuple[str, str, int]] = []
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send(self, req: Request) -> Any:  # type: ignore[override]
+        req = tr.prepare(req)
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(req.method, req.path, **tr.kwargs(req))
+                self._note(req, response.status_code)
+                return tr.decode(response)
+            except httpx.TransportError as e:
+                self._note(req, 0)
+                error: ApiError = tr.unreachable(self.settings, e)
+            except ApiError as e:
+                error = e
+            wait = tr.wait_before_retry(self.settings, attempt, error)
+            if wait is None:
+                raise error
+            await self._sleep(wait)
+            attempt += 1
+
+    def _note(self, req: Request, status: int) -> None:
+        self.attempts.append((req.method, req.path, status))
+        del self.attempts[:-1000]
+
+    async def paginate(self, list_method: Callable[..., Any], *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Every item of a list method: ``async for u in c.paginate(c.list_users, "bot"): ...``."""
+        cursor = kwargs.pop("cursor", None)
+        while True:
+            page = await list_method(*args, cursor=cursor, **kwargs)
+            for item in page["data"]:
+                yield item
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    async def stream(self, agent: str, message: str, *, user: str | None = None, session: str | None = None,
+                     idempotency_key: str | None = None) -> AsyncIterator[T.StreamEvent]:
+        """A turn's events as they happen, then ``done`` with the result."""
+        req = tr.prepare(Request("POST", f"/v1/agents/{_p(agent)}/invoke", {"stream": "true"},
+                                 json=_turn_body(message, user, session),
+                                 headers={"accept": "text/event-stream",
+                                          **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
+        attempt = 0
+        while True:
+            async with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+                self._note(req, response.status_code)
+                if response.status_code < 400:
+                    buffer: list[str] = []
+                    async for line in response.aiter_lines():
+                        buffer.append(line)
+                        if line == "":
+                            for event, data in tr.sse_events(iter(buffer)):
+                                yield {"event": event, "data": data}
+                            buffer = []
+                    for event, data in tr.sse_events(iter([*buffer, ""])):
+                        yield {"event": event, "data": data}
+                    return
+                await response.aread()
+                try:
+                    tr.decode(response)
+                except ApiError as e:
+                    wait = tr.wait_before_retry(self.settings, attempt, e)
+                    if wait is None:
+                        raise
+            await self._sleep(wait)
+            attempt += 1
+
+    async def wait_execution(self, execution_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5,
+                             until: tuple[str, ...] = (*TERMINAL, "waiting")) -> T.Execution:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ex = await self.get_execution(execution_id)
+            if ex["status"] in until:
+                return ex
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"execution {execution_id} is still {ex['status']} after {timeout_s:g} s")
+            await self._sleep(poll_s)

@@ -1,0 +1,114 @@
+"""``Client``: the blocking client (httpx), with retries that honour ``Retry-After``, page iterators,
+streaming turns and waiting on executions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+
+from moorage.client import _transport as tr
+from moorage.client import types as T
+from moorage.client._api import TERMINAL, Api, Request, _p, _turn_body
+from moorage.client.errors import ApiError
+
+
+class Client(Api):
+    """``Client(base_url, api_key)``; both default to ``MOORAGE_API_URL`` / ``MOORAGE_API_KEY``.
+
+    Every method of ``Api`` (see docs/sdk.md) returns the decoded answer or raises an ``ApiError`` subclass.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float | None = None,
+                 max_retries: int | None = None, backoff_s: float | None = None, max_wait_s: float | None = None,
+                 transport: httpx.BaseTransport | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
+                                            backoff_s=backoff_s, max_wait_s=max_wait_s)
+        self._http = httpx.Client(base_url=self.settings.base_url, headers=self.settings.headers(),
+                                  timeout=self.settings.timeout_s, transport=transport)
+        self._sleep = sleep
+        #: (method, path, status) of every attempt, newest last (bounded): what the retries did.
+        self.attempts: list[tuple[str, str, int]] = []
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, req: Request) -> Any:
+        req = tr.prepare(req)
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(req.method, req.path, **tr.kwargs(req))
+                self._note(req, response.status_code)
+                return tr.decode(response)
+            except httpx.TransportError as e:
+                self._note(req, 0)
+                error: ApiError = tr.unreachable(self.settings, e)
+            except ApiError as e:
+                error = e
+            wait = tr.wait_before_retry(self.settings, attempt, error)
+            if wait is None:
+                raise error
+            self._sleep(wait)
+            attempt += 1
+
+    def _note(self, req: Request, status: int) -> None:
+        self.attempts.append((req.method, req.path, status))
+        del self.attempts[:-1000]
+
+    # -- iteration, streaming, waiting ----------------------------------------------------------------------
+
+    def paginate(self, list_method: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[Any]:
+        """Every item of a list method, page after page: ``for u in c.paginate(c.list_users, "bot"): ...``."""
+        cursor = kwargs.pop("cursor", None)
+        while True:
+            page = list_method(*args, cursor=cursor, **kwargs)
+            yield from page["data"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    def stream(self, agent: str, message: str, *, user: str | None = None, session: str | None = None,
+               idempotency_key: str | None = None) -> Iterator[T.StreamEvent]:
+        """A turn's events as they happen (``token``, ``tool``, ``event``), then ``done`` with the result."""
+        req = tr.prepare(Request("POST", f"/v1/agents/{_p(agent)}/invoke", {"stream": "true"},
+                                 json=_turn_body(message, user, session),
+                                 headers={"accept": "text/event-stream",
+                                          **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
+        attempt = 0
+        while True:
+            with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+                self._note(req, response.status_code)
+                if response.status_code < 400:
+                    for event, data in tr.sse_events(response.iter_lines()):
+                        yield {"event": event, "data": data}
+                    return
+                response.read()
+                try:
+                    tr.decode(response)
+                except ApiError as e:
+                    wait = tr.wait_before_retry(self.settings, attempt, e)
+                    if wait is None:
+                        raise
+            self._sleep(wait)
+            attempt += 1
+
+    def wait_execution(self, execution_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5,
+                       until: tuple[str, ...] = (*TERMINAL, "waiting")) -> T.Execution:
+        """Poll an execution until its status is one of ``until`` (default: finished or waiting for a human)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ex = self.get_execution(execution_id)
+            if ex["status"] in until:
+                return ex
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"execution {execution_id} is still {ex['status']} after {timeout_s:g} s")
+            self._sleep(poll_s)

@@ -1,0 +1,126 @@
+"""Shapes of the API's answers as TypedDicts (plain dicts at run time, typed for editors and checkers).
+
+Fields follow docs/api.md and /openapi.json; the server may add fields, never remove these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypedDict, TypeVar
+
+Item = TypeVar("Item")
+
+
+class Page(TypedDict, Generic[Item]):
+    data: list[Item]
+    next_cursor: str | None
+
+
+class Agent(TypedDict, total=False):
+    id: str
+    name: str
+    config: dict[str, Any]
+    live_deployment: str | None
+    created_at: float
+    updated_at: float
+    version: int
+
+
+class Deployment(TypedDict, total=False):
+    id: str
+    agent_id: str
+    number: int
+    status: str
+    created_at: float
+
+
+class User(TypedDict, total=False):
+    agent: str
+    id: str
+    metadata: dict[str, Any]
+    limits: dict[str, float]
+    created_at: float
+    updated_at: float
+    instance: dict[str, Any] | None
+
+
+class Forgotten(TypedDict, total=False):
+    agent: str
+    user: str
+    removed: int
+    deleted: bool
+
+
+class UserToken(TypedDict):
+    token: str
+    agent: str
+    user: str
+    expires_at: float
+
+
+class Turn(TypedDict, total=False):
+    turn_id: str
+    status: str  # done | waiting
+    reply: Any
+    trace_id: str
+    interrupt: Any
+    run_id: str | None
+
+
+class Execution(TypedDict, total=False):
+    id: str
+    agent: str
+    user: str
+    session: str
+    status: str  # queued | running | waiting | succeeded | failed | cancelled
+    reply: Any
+    error: str | None
+    interrupt: Any
+    run_id: str | None
+    trace_id: str | None
+    events: list[dict[str, Any]]
+    created_at: float
+    updated_at: float
+
+
+class Webhook(TypedDict, total=False):
+    id: str
+    agent: str
+    url: str
+    events: list[str]
+    enabled: bool
+    created_at: float
+    secret: str | None
+
+
+class Delivery(TypedDict, total=False):
+    id: str
+    webhook_id: str
+    event: str
+    status: str  # pending | delivered | failed
+    attempts: int
+    next_attempt_at: float | None
+    created_at: float
+    updated_at: float
+    payload: dict[str, Any]
+    attempt_log: list[dict[str, Any]]
+
+
+class ApiKey(TypedDict, total=False):
+    id: str
+    scopes: list[str]
+    label: str
+    agent: str | None
+    created_at: float
+    revoked_at: float | None
+    secret: str | None
+
+
+class Usage(TypedDict):
+    since: float
+    totals: dict[str, float]
+    cost_usd: float
+
+
+class StreamEvent(TypedDict):
+    event: str  # token | tool | event | done | error
+    data: Any
