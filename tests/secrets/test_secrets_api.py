@@ -59,10 +59,11 @@ def test_secret_routes_stay_inside_the_tenant(live: LiveServer, store: Store, ac
     assert SecretStore.from_config(Config(data_dir=live.data_dir)).reveal(ts, "gh", "TOKEN", "ada") == VALUE + "-ada"
 
 
-def test_secret_routes_need_the_deploy_scope_and_valid_input(live: LiveServer, store: Store, acme: str) -> None:
+def test_secret_routes_need_the_secrets_scope_and_valid_input(live: LiveServer, store: Store, acme: str) -> None:
     _deploy_store_only(store, acme, "gh")
     with live.client(acme) as admin:
-        invoke_key = admin.post("/v1/keys", json={"scopes": ["invoke"]}).json()["secret"]
+        invoke_key = admin.post("/v1/keys", json={"scopes": ["invoke", "deploy", "read"]}).json()["secret"]
+        secrets_key = admin.post("/v1/keys", json={"scopes": ["secrets"]}).json()["secret"]
         token = admin.post("/v1/agents/gh/users/ada/tokens", json={}).json()["token"]
         assert admin.put("/v1/agents/gh/secrets/lower-case", json={"value": "x"}).status_code == 422
         assert admin.put("/v1/agents/gh/secrets/TOKEN", json={}).status_code == 422
@@ -71,6 +72,9 @@ def test_secret_routes_need_the_deploy_scope_and_valid_input(live: LiveServer, s
     with live.client(invoke_key) as invoker:
         assert invoker.get("/v1/agents/gh/secrets").status_code == 403
         assert invoker.put("/v1/agents/gh/secrets/TOKEN", json={"value": "x"}).status_code == 403
+    with live.client(secrets_key) as manager:
+        assert manager.put("/v1/agents/gh/secrets/TOKEN", json={"value": "x"}).json()["version"] == 1
+        assert [x["name"] for x in manager.get("/v1/agents/gh/secrets").json()["data"]] == ["TOKEN"]
     with live.client(token) as end_user:
         assert end_user.get("/v1/agents/gh/users/ada/secrets").status_code == 403
         assert end_user.put("/v1/agents/gh/users/ada/secrets/TOKEN", json={"value": "x"}).status_code == 403

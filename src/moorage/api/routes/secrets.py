@@ -1,7 +1,6 @@
 """An agent's secrets (and an end-user's own): set, list, remove. Values go in, never out.
 
-Scope ``deploy``: whoever deploys an agent already decides where its secrets are sent (``[agent.secrets]``
-in moorage.toml), so a separate scope would not be a boundary. Responses carry names, versions and times.
+Scope ``secrets`` (an ``admin`` key holds it too). Responses carry names, versions and times, never values.
 """
 
 from __future__ import annotations
@@ -67,11 +66,11 @@ _BODY = S.obj({"value": {"type": "string", "minLength": 1, "maxLength": 16384,
 def _endpoints(base: str, who: str, op: str) -> list[Endpoint]:
     return [
         Endpoint("GET", base, list_secrets, f"List {who} secrets (names, versions, times; never values)", "secrets",
-                 f"list{op}Secrets", scope="deploy", response=_LIST),
+                 f"list{op}Secrets", scope="secrets", response=_LIST),
         Endpoint("PUT", base + "/{name}", set_secret, f"Set {who} secret (a new value is a new version)", "secrets",
-                 f"set{op}Secret", scope="deploy", body=_BODY, response=SECRET),
+                 f"set{op}Secret", scope="secrets", body=_BODY, response=SECRET),
         Endpoint("DELETE", base + "/{name}", remove_secret, f"Remove {who} secret", "secrets", f"remove{op}Secret",
-                 scope="deploy", response=S.obj({"removed": S.STR})),
+                 scope="secrets", response=S.obj({"removed": S.STR})),
     ]
 
 
