@@ -163,6 +163,8 @@ def test_new_users_restore_the_fork_and_state_survives_pool_sleep_redeploy_and_r
         # The deploy asked for a pool of one: a pre-forked sleeping instance appears, owned by no user.
         _wait(lambda: len(_pool(data)) == 1, "the warm pool to fill")
         pooled = _pool(data)[0]
+        # Prepared: its QEMU is already up with the template's state loaded, the guest paused.
+        _wait(lambda: _qemu_pid(data, pooled) is not None, "the pool member's QEMU")
         assert up.turn("ada", "hello") == "1: hello"
         ada = up.sandbox("ada")
         # Provisioned from the template's snapshot (a fork restored), not a cold boot; from the pool.

@@ -176,6 +176,50 @@ async def test_sleeping_fork_stores_only_its_changes(driver: MicroVMDriver, temp
     await kid.destroy()
 
 
+async def test_a_prepared_sandbox_wakes_by_resuming_its_started_qemu(driver: MicroVMDriver, root: Path, template: TemplateRef) -> None:
+    """A sleeping sandbox can be prepared: QEMU up, its snapshot loaded, the guest paused. The wake then only
+    resumes it, and what the guest had (memory, files) is there; unprepare stops that QEMU and leaves the snapshot."""
+    (kid,) = await driver.fork(template, ["prep-a"])
+    assert await kid.prepare() is True and kid.prepared
+    pid = kid.pid
+    assert kid.state is SandboxState.SLEEPING and pid is not None and Path(f"/proc/{pid}").exists()
+    await kid.wake()
+    assert kid.pid == pid and kid.last_wake_mode == "snapshot" and "resume" in kid.last_wake_phases
+    token = await ask_token(kid)
+    await kid.write_file("/work/prep.txt", b"prepared")
+    await kid.sleep()
+    # Prepared, then unprepared: its QEMU goes, the sandbox is asleep as before and wakes the usual way.
+    assert await kid.prepare() is True
+    pid = kid.pid
+    await kid.unprepare()
+    assert not kid.prepared and kid.state is SandboxState.SLEEPING and not _alive(pid)
+    await kid.wake()
+    assert "resume" not in kid.last_wake_phases and await ask_token(kid) == token
+    assert await kid.read_file("/work/prep.txt") == b"prepared"
+    await kid.sleep()
+    # A host that restarts while a sandbox is prepared kills that QEMU; the sandbox still wakes from its snapshot.
+    assert await kid.prepare() is True
+    pid = kid.pid
+    d2 = make_driver(root)
+    k2 = await d2.open("prep-a")
+    assert k2.state is SandboxState.SLEEPING and not _alive(pid)
+    await k2.wake()
+    assert await ask_token(k2) == token
+    await k2.destroy()
+    await d2.close()
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text().split()
+    return stat[2] != "Z"
+
+
 async def test_host_restart_readopts_running_and_sleeping(driver: MicroVMDriver, root: Path, template: TemplateRef) -> None:
     running, sleeping = await driver.fork(template, ["restart-run", "restart-sleep"])
     await asyncio.gather(running.wake(), sleeping.wake())

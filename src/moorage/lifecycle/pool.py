@@ -1,4 +1,5 @@
-"""The warm pool: a few already-forked, sleeping sandboxes per live template, so a new user is a bind plus a wake.
+"""The warm pool: a few already-forked sandboxes per live template (paused in a started QEMU where the driver can), so
+a new user is a bind plus a resume.
 
 Pool members belong to no tenant's records (they are never counted as users); a manifest per template under
 ``<data_dir>/pool`` lists them, so a restarted host finds its pool again and a crash never binds one twice.
@@ -120,20 +121,34 @@ class WarmPool:
             self._refill = asyncio.create_task(self._refill_loop(), name="warm-pool-refill")
 
     async def close(self) -> None:
+        """Stop refilling and stop the paused QEMUs of prepared members (they stay in the pool, asleep on disk)."""
         self._closed = True
         if self._refill is not None:
             self._refill.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._refill
             self._refill = None
+        for tid in list(self._want):
+            for sid in self.members(tid):
+                with contextlib.suppress(Exception):
+                    sb = await self.driver.open(sid)
+                    unprepare = getattr(sb, "unprepare", None)
+                    if unprepare is not None:
+                        await unprepare()
 
     def _kick(self) -> None:
         self._wakeup.set()
 
     async def fill_once(self) -> int:
-        """Fork what is missing in every wanted pool, one fork at a time (refilling must not starve turns)."""
+        """Fork what is missing in every wanted pool, one fork at a time (refilling must not starve turns), and
+        prepare each member where the driver can: its QEMU started with the template's state loaded and the guest
+        paused, so binding a new user is a resume, not a process start."""
         made = 0
         for tid, (template, size) in list(self._want.items()):
+            for sid in self.members(tid):
+                if self._closed:
+                    return made
+                await self._prepare(sid)
             while not self._closed and len(self.members(tid)) < size and self._want.get(tid, (None, 0))[1] == size:
                 sid = uuid.uuid4().hex  # the id it keeps once bound to a user: binding is a record, not a rename
                 try:
@@ -148,7 +163,17 @@ class WarmPool:
                         break
                     await asyncio.to_thread(self._write, tid, self.members(tid) + [sid])
                 made += 1
+                await self._prepare(sid)
         return made
+
+    async def _prepare(self, sid: str) -> None:
+        try:
+            sb = await self.driver.open(sid)
+            prepare = getattr(sb, "prepare", None)
+            if prepare is not None and not getattr(sb, "prepared", False):
+                await prepare()
+        except Exception as e:  # an unprepared member still works: its bind is a plain wake
+            log.warning("warm pool member not prepared", sandbox=sid, error=str(e))
 
     async def _refill_loop(self) -> None:
         while not self._closed:

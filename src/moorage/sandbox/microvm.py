@@ -181,6 +181,9 @@ class MicroVMSandbox(Sandbox):
         self.last_wake_mode: str | None = None
         #: Milliseconds per step of the last wake from a snapshot (validate, QEMU start, device state, first reply).
         self.last_wake_phases: dict[str, int] = {}
+        #: A QEMU is up with this sleeping sandbox's snapshot loaded and the guest paused (``prepare``): the next
+        #: wake only resumes it. In this process's memory only: a restarted host kills such a QEMU (``open``).
+        self._prepared = False
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -236,18 +239,20 @@ class MicroVMSandbox(Sandbox):
             chan_sock=self.run_dir / "chan.sock",
         )
 
-    def _argv(self, incoming: bool) -> list[str]:
-        return build_argv(self.id, self._vm_config(), self._paths(), ram_shared=self.ram_mode == "shared", incoming=incoming)
+    def _argv(self, incoming: bool, paused: bool = False) -> list[str]:
+        argv = build_argv(self.id, self._vm_config(), self._paths(), ram_shared=self.ram_mode == "shared", incoming=incoming)
+        # -S: the guest does not run once the incoming state is loaded; a prepared sandbox waits for `cont`.
+        return argv + ["-S"] if paused else argv
 
     # --- process plumbing -----------------------------------------------------------------------------------
 
-    async def _launch(self, incoming: bool) -> None:
+    async def _launch(self, incoming: bool, paused: bool = False) -> None:
         self._reap_dying()
         ensure_private_dir(self.run_dir)
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
         paths = self._paths()
-        self._proc = spawn(self._argv(incoming), self.dir / "qemu.log")
+        self._proc = spawn(self._argv(incoming, paused), self.dir / "qemu.log")
         (self.dir / "qemu.pid").write_text(str(self._proc.pid))
         self._meta["pid"] = self._proc.pid
         deadline = time.monotonic() + 10
@@ -327,6 +332,7 @@ class MicroVMSandbox(Sandbox):
     async def _teardown(self, *, wait: bool = True) -> None:
         """Kill QEMU and drop connections (no snapshot). ``wait=False`` leaves reaping our own child to the next
         launch or teardown (a 256 MiB process takes a while to unmap; a sleep need not wait for that)."""
+        self._prepared = False
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
             self._channel = None
@@ -504,12 +510,56 @@ class MicroVMSandbox(Sandbox):
         async with self._lock:
             await self._wake_locked()
 
+    @property
+    def prepared(self) -> bool:
+        return self._prepared and self._proc is not None and self._proc.poll() is None
+
+    async def prepare(self) -> bool:
+        """Start QEMU for this sleeping sandbox and load its snapshot with the guest held paused, so the next
+        ``wake`` only resumes it (no process start, no state to load). Costs a QEMU process (its RSS) while
+        prepared, no guest CPU. Returns False when there is nothing to prepare or the snapshot is unusable (the
+        wake then takes its usual path, cold-boot fallback included)."""
+        async with self._lock:
+            if self.state is not SandboxState.SLEEPING or self.prepared or not self._meta.get("snapshot"):
+                return False
+            snap_dir = self.dir / "snapshot"
+            ph = _Phases()
+            launch = asyncio.create_task(self._launch(incoming=True, paused=True))
+            try:
+                record = await asyncio.to_thread(self._validate_snapshot, snap_dir, self._meta.get("snapshot"))
+                ph.mark("validate")
+            except BaseException as e:
+                await asyncio.gather(launch, return_exceptions=True)
+                await self._teardown()
+                if isinstance(e, (SnapshotCorrupt, SnapshotIncompatible)):
+                    return False
+                raise
+            try:
+                await self._restore(snap_dir, record, launch, ph, paused=True)
+            except (SnapshotCorrupt, SnapshotIncompatible):
+                return False
+            self._prepared = True
+            self._save_meta()  # its pid: a host that restarts kills this QEMU instead of leaving it behind
+            log.info("prepared", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
+            return True
+
+    async def unprepare(self) -> None:
+        """Stop the paused QEMU of a prepared sandbox; it stays asleep on disk, its snapshot untouched."""
+        async with self._lock:
+            if self._prepared and self.state is SandboxState.SLEEPING:
+                await self._teardown()
+                self._save_meta()
+
     async def _wake_locked(self) -> None:
         if self.state is SandboxState.RUNNING:
             return
         if self.state is SandboxState.DESTROYED:
             raise SandboxStateError(f"sandbox {self.id} is destroyed")
         self.last_wake_fallback = None
+        if self._prepared:
+            self._prepared = False
+            if await self._resume_prepared():
+                return
         if self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot"):
             await self._cold_boot()
             return
@@ -534,7 +584,25 @@ class MicroVMSandbox(Sandbox):
             self.last_wake_fallback = e
             await self._cold_boot()
 
-    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]", ph: _Phases) -> None:
+    async def _resume_prepared(self) -> bool:
+        """Wake a prepared sandbox: resume its paused guest. False (QEMU torn down) if that QEMU is gone."""
+        ph = _Phases()
+        if self._qmp is None or self._proc is None or self._proc.poll() is not None:
+            await self._teardown()
+            return False
+        try:
+            await self._qmp.execute("cont")
+            await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
+        except QMPError as e:
+            log.warning("prepared QEMU did not resume; waking the usual way", sandbox=self.id, error=str(e))
+            await self._teardown()
+            return False
+        ph.mark("resume")
+        await self._run_restored(ph, bool(self._meta.get("fresh_fork")), str(self._meta["snapshot"]["kind"]))
+        return True
+
+    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]", ph: _Phases,
+                       *, paused: bool = False) -> None:
         fresh_fork = bool(self._meta.get("fresh_fork"))
         try:
             if record["kind"] == "delta":
@@ -554,7 +622,10 @@ class MicroVMSandbox(Sandbox):
                 os.close(fd)
             await self._qmp.execute("migrate-incoming", {"uri": "fd:devstate"})
             try:
-                await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
+                if paused:
+                    await self._incoming_done()
+                else:
+                    await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
             except QMPError as e:
                 raise SnapshotCorrupt(f"QEMU could not load the snapshot of {self.id}: {self._log_tail()}", hint="it cold-boots from its disk") from e
             ph.mark("device_state")
@@ -565,6 +636,26 @@ class MicroVMSandbox(Sandbox):
             await self._teardown()
             self._set_state(SandboxState.SLEEPING)  # the guest never ran: the snapshot is still good
             raise
+        if paused:
+            return  # loaded, guest not running: the snapshot is still the sandbox's state
+        await self._run_restored(ph, fresh_fork, record["kind"])
+
+    async def _incoming_done(self) -> None:
+        """Wait until a paused (-S) QEMU has loaded the incoming state (it then stays paused, no RESUME event)."""
+        assert self._qmp is not None
+        deadline = time.monotonic() + WAKE_TIMEOUT_S
+        while True:
+            status = (await self._qmp.execute("query-status")).get("status")
+            if status != "inmigrate":
+                if status != "paused":
+                    raise QMPError(f"incoming state ended in status {status!r}")
+                return
+            if time.monotonic() > deadline:
+                raise QMPError(f"QEMU did not load the state within {WAKE_TIMEOUT_S:.0f} s")
+            await asyncio.sleep(0.002)
+
+    async def _run_restored(self, ph: _Phases, fresh_fork: bool, kind: str) -> None:
+        """The restored guest runs: record it running and wait for its first reply (which fixes clock and CRNG)."""
         # The guest runs from here, so the snapshot is spent: a shared RAM file no longer matches the old device
         # state and the disk moves on. A crash while awake re-adopts the live QEMU or cold-boots from disk, never
         # resumes an older memory image.
@@ -580,7 +671,7 @@ class MicroVMSandbox(Sandbox):
             raise
         self.last_wake_mode = "snapshot"
         self.last_wake_phases = dict(ph.ms)
-        log.info("woke", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
+        log.info("woke", sandbox=self.id, kind=kind, ms=ph.total(), **ph.ms)
 
     async def _apply_delta_when_mapped(self, snap_dir: Path) -> None:
         """Write a fork's saved RAM delta into the starting QEMU's private mapping of the template RAM.
