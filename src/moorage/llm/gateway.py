@@ -88,7 +88,8 @@ class LLMGateway:
         route = self.route(tenant_id)
         provider = self._provider(route)
         model = request.model or route.model
-        return provider, (replace(request, model=model) if model != request.model else request)
+        # The tenant is the prompt-cache scope: a cache hit (its count, its speed) never crosses tenants.
+        return provider, replace(request, model=model, cache_scope=tenant_id)
 
     # --- calls -------------------------------------------------------------------------
 

@@ -85,6 +85,9 @@ class ChatRequest:
     max_tokens: int | None = None
     temperature: float | None = None
     stop: Sequence[str] = ()
+    #: Whose prompt cache the call may use. The gateway sets it to the tenant id (a caller cannot choose
+    #: it); a provider that keeps a prompt cache in this process never reuses it across scopes.
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if not self.messages:
