@@ -19,7 +19,7 @@ log = get_logger(__name__)
 HEAD_LIMIT = 64 * 1024
 HEAD_TIMEOUT_S = 30.0
 IDLE_TIMEOUT_S = 300.0
-CHUNK = 64 * 1024
+CHUNK = 256 * 1024
 _HOP = {b"connection", b"keep-alive", b"proxy-authorization", b"proxy-connection", b"proxy-authenticate", b"te",
         b"trailer", b"upgrade", b"host", b"expect"}
 
@@ -64,15 +64,19 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> list[bytes]:
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inst: InstanceEgress,
                 count: dict[str, int], key: str) -> None:
+    loop = asyncio.get_running_loop()
     try:
-        while True:
-            data = await asyncio.wait_for(reader.read(CHUNK), IDLE_TIMEOUT_S)
-            if not data:
-                break
-            await inst.usage.spend(len(data))
-            count[key] += len(data)
-            writer.write(data)
-            await writer.drain()
+        # One idle deadline, pushed out after every read (cheaper than a wait_for task per chunk).
+        async with asyncio.timeout(IDLE_TIMEOUT_S) as idle:
+            while True:
+                data = await reader.read(CHUNK)
+                if not data:
+                    break
+                idle.reschedule(loop.time() + IDLE_TIMEOUT_S)
+                await inst.usage.spend(len(data))
+                count[key] += len(data)
+                writer.write(data)
+                await writer.drain()
     finally:
         with contextlib.suppress(Exception):
             if writer.can_write_eof():
@@ -159,7 +163,9 @@ async def _tunnel(inst: InstanceEgress, reader: asyncio.StreamReader, writer: as
             writer.write(b"HTTP/1.1 200 Connection Established\r\n\r\n")
             await writer.drain()
             # The tunnel carries TLS end to end: the host sees only how many bytes pass.
-            await asyncio.gather(_pipe(reader, up_w, inst, count, "sent"), _pipe(up_r, writer, inst, count, "received"))
+            async with asyncio.TaskGroup() as tg:  # one side failing ends the other
+                tg.create_task(_pipe(reader, up_w, inst, count, "sent"))
+                tg.create_task(_pipe(up_r, writer, inst, count, "received"))
         finally:
             info["egress.bytes_sent"], info["egress.bytes_received"] = count["sent"], count["received"]
             up_w.close()
