@@ -3,7 +3,8 @@
 Starts ``moorage up`` (microvm driver, embedded defaults, a temp data dir) as a separate process, deploys an echo
 agent that reads and writes one file per turn (no model call), and measures with ``openai.AsyncOpenAI``:
 
-* new user: the first turn of an end-user the host has never seen (provisioned from the agent's template);
+* new user: the first turn of an end-user the host has never seen, with the agent's warm pool (``pool = 2``:
+  prepared forks, the headline figure) and without one (fork + restore of the template's snapshot);
 * awake turn: a turn to an instance that is running;
 * asleep turn: a turn to an instance put to sleep through the API just before (also with 10 others awake);
 * storm: 50 new users at once (wall time, errors).
@@ -50,13 +51,29 @@ async def on_message(ctx, message):
 '''
 
 
-def _agent_dir(base: Path) -> Path:
-    d = base / AGENT
+#: The same echo agent with a warm pool of this many prepared forks per host.
+POOLED, POOL = "echopool", 2
+
+
+def _agent_dir(base: Path, name: str = AGENT, pool: int = 0) -> Path:
+    d = base / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "moorage.toml").write_text(f'[agent]\nname = "{AGENT}"\nentry = "agent.py"\n'
-                                    '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n'
+                                    f'[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\npool = {pool}\n')
     (d / "agent.py").write_text(AGENT_PY)
     return d
+
+
+def _pool_ready(data: Path, size: int) -> bool:
+    """The pooled agent's pool is full and every member's QEMU is up (prepared)."""
+    members = [sid for p in (data / "pool").glob("*.json") for sid in json.loads(p.read_text())]
+    if len(members) < size:
+        return False
+    for sid in members:
+        pid = json.loads((data / "sandboxes" / sid / "meta.json").read_text()).get("pid")
+        if not pid or not Path(f"/proc/{pid}").exists():
+            return False
+    return True
 
 
 def _free_port() -> int:
@@ -141,13 +158,13 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
         r.raise_for_status()
         res["deploy_s"] = time.perf_counter() - t0
 
-        async def turn(user: str, text: str) -> str:
-            out = await oai.chat.completions.create(model=AGENT, user=user, messages=[{"role": "user", "content": text}])
+        async def turn(user: str, text: str, agent: str = AGENT) -> str:
+            out = await oai.chat.completions.create(model=agent, user=user, messages=[{"role": "user", "content": text}])
             return out.choices[0].message.content or ""
 
-        async def timed(user: str, text: str) -> tuple[float, str]:
+        async def timed(user: str, text: str, agent: str = AGENT) -> tuple[float, str]:
             t = time.perf_counter()
-            reply = await turn(user, text)
+            reply = await turn(user, text, agent)
             return time.perf_counter() - t, reply
 
         async def sandbox_of(user: str) -> str:
@@ -171,7 +188,23 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
             dt, reply = await timed(f"new{i}", "hello")
             assert reply == "1: hello", reply
             new_lat.append(dt)
-        res["new_user"] = _summary(new_lat)
+        res["new_user_no_pool"] = _summary(new_lat)
+
+        # 1b. New users of the same agent with a warm pool, each arriving once the pool has refilled.
+        r = await api.post(f"/v1/agents/{POOLED}/deployments", content=tar_dir(_agent_dir(agent_dir.parent, POOLED, POOL)),
+                           headers={"Content-Type": "application/gzip"})
+        r.raise_for_status()
+        pooled_lat = []
+        for i in range(args.new_users):
+            deadline = time.monotonic() + 300
+            while not _pool_ready(server.data, POOL):
+                assert time.monotonic() < deadline, "the warm pool did not refill in 300 s"
+                await asyncio.sleep(0.1)
+            dt, reply = await timed(f"pooled{i}", "hello", POOLED)
+            assert reply == "1: hello", reply
+            pooled_lat.append(dt)
+        res["new_user"] = _summary(pooled_lat)
+        res["pool"] = POOL
 
         # 2. Awake turns to one instance.
         awake_lat = []
@@ -320,7 +353,8 @@ def report(res: dict[str, Any]) -> str:
         f"are taken in the same run on the template the server made (`{d['template']}`), after the server stopped.", "",
         "## Through `moorage up` and HTTP", "",
         "| what the user does | n | p50 | p99 | min | max |", "|---|---:|---:|---:|---:|---:|",
-        _row("first turn of a new end-user", res["new_user"]),
+        _row(f"first turn of a new end-user, warm pool of {res['pool']} (prepared forks)", res["new_user"]),
+        _row("first turn of a new end-user, no pool (fork + restore)", res["new_user_no_pool"]),
         _row("turn to an awake agent", res["awake_turn"]),
         _row("turn to a sleeping agent", res["asleep_turn"]),
         _row("turn to a sleeping agent, 10 others awake and busy", res["asleep_turn_10_awake"]),
@@ -338,7 +372,8 @@ def report(res: dict[str, Any]) -> str:
         _row("agent turn over the channel, first after a wake", d["turn_after_wake"]),
         _row("agent turn over the channel, the next one", d["turn_next"]),
         "", "## What the product path adds", "",
-        f"- new user over fork + first wake: {res['new_user']['p50_ms'] - d['fork']['p50_ms'] - d['fork_restore']['p50_ms']:.1f} ms at p50",
+        f"- new user (no pool) over fork + first wake: "
+        f"{res['new_user_no_pool']['p50_ms'] - d['fork']['p50_ms'] - d['fork_restore']['p50_ms']:.1f} ms at p50",
         f"- asleep turn over driver wake + awake turn: "
         f"{res['asleep_turn']['p50_ms'] - d['wake']['p50_ms'] - res['awake_turn']['p50_ms']:.1f} ms at p50",
         f"- of which the guest's own first turn after a wake costs over a later one, with no moorage code between "
