@@ -93,6 +93,7 @@ BENCH_SCRIPTS = {
     "lifecycle": ["lifecycle/run_sim.py", "lifecycle/wake_storm.py"],
     "sandbox": ["sandbox/run.py", "sandbox/egress.py"],
     "api": ["api/run.py"],
+    "e2e": ["e2e/run.py"],
     "attacks": ["attacks/run.py"],
 }
 
