@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from moorage import AsyncClient, Client
-from moorage.client import NotFound, WebhookSignatureError, verify_webhook
+from moorage.client import NotFound, RateLimited, WebhookSignatureError, verify_webhook
 from moorage.store import Store
 from moorage.webhooks import Dispatcher, RetrySchedule
 from tests.api.conftest import agent_archive
@@ -54,6 +54,23 @@ async def test_backend_integration_through_the_sdk(live_rt, store: Store, acme: 
                 await sdk.get_user("echo", "nobody")
             assert missing.value.status == 404 and missing.value.trace_id
             assert (await sdk.usage(user="cust-1"))["since"] == 0.0
+            # A per-user compute cap: the turn over it is a 429 naming the cap, and the instance is put to sleep.
+            await sdk.put_user("echo", "cust-1", limits={"compute_seconds_per_day": 1.5})
+            assert (await sdk.get_user("echo", "cust-1"))["instance"]["state"] == "running"
+            await asyncio.sleep(1.6)  # the instance stays awake (default policy) and uses up the cap
+            async with AsyncClient(live_rt.url, acme, max_retries=0) as no_retry:
+                with pytest.raises(RateLimited) as capped:
+                    await no_retry.invoke("echo", "more", user="cust-1")
+            assert capped.value.code == "cap-exceeded" and "compute_seconds_per_day" in capped.value.detail
+            assert capped.value.retry_after and capped.value.retry_after >= 1
+            assert (await sdk.get_user("echo", "cust-1"))["instance"]["state"] == "sleeping"
+            usage = (await sdk.usage(agent="echo", user="cust-1"))["totals"]
+            spans = [s for s in (await sdk.list_spans(limit=500))["data"] if s["attrs"].get("user") == "cust-1"
+                     and s["name"] in ("lifecycle.provisioned", "lifecycle.woke", "lifecycle.slept")]
+            awake = max(s["end_ts"] for s in spans if s["name"] == "lifecycle.slept") - \
+                min(s["end_ts"] for s in spans if s["name"] != "lifecycle.slept")
+            assert abs(usage["compute_seconds"] - awake) <= 0.05 * awake, (usage, awake)
+
             gone = await sdk.delete_user("echo", "cust-1")
             assert gone["deleted"] is True
     finally:

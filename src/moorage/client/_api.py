@@ -241,6 +241,10 @@ class Api:
     def read_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}/files/content", {"path": path}))
 
+    def list_spans(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        """Recent spans of the tenant, newest first (requests, turns, lifecycle transitions)."""
+        return self._send(Request("GET", "/v1/traces", _page(limit, cursor)))
+
     def get_trace(self, trace_id: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/traces/{_p(trace_id)}"))
 

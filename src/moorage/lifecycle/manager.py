@@ -434,12 +434,26 @@ class InstanceManager:
 
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
                       usage: str | None, kind: str) -> SandboxRecord:
-        meta = {**rec.meta, "owner": self.owner.claim(), "wake_kind": kind}
+        # ``awake_since``: compute is metered from here to the sleep (usage ``compute_seconds``, see _mark_slept).
+        meta = {**rec.meta, "owner": self.owner.claim(), "wake_kind": kind, "awake_since": time.time()}
         with ts.transaction():
             new = machine.apply(ts, rec, verb, owner=self.owner, trace=trace, claim=False, host=self.host, meta=meta,
                                 last_active=time.time(), started_at=started, reason=f"wake kind: {kind}")
             if usage:
                 ts.usage.add(usage, 1, agent_id=rec.scope.agent, user_id=rec.scope.user, scope=rec.scope)
+        return new
+
+    def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
+                    snapshot_ref: str, started: float, reason: str) -> SandboxRecord:
+        """Record the sleep and, in the same transaction, the awake seconds since the instance was marked running
+        (per agent and end-user, measured from state changes, not estimated)."""
+        with ts.transaction():
+            new = machine.apply(ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
+                                snapshot_ref=snapshot_ref, last_active=time.time(), started_at=started, reason=reason)
+            since = rec.meta.get("awake_since")
+            if isinstance(since, (int, float)):
+                ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
+                             user_id=rec.scope.user, scope=rec.scope, meta={"instance": rec.id, "reason": reason})
         return new
 
     async def _give_up(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, reason: str) -> None:
@@ -527,11 +541,10 @@ class InstanceManager:
                 await self._give_up(ts, rec, trace, f"sleep failed: {e}")
                 log.error("instance failed to sleep", instance=rec.id, error=str(e))
                 return False
-            meta = {k: v for k, v in rec.meta.items() if k != "owner"}
+            meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
             meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
-            await self.io(machine.apply, ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
-                          snapshot_ref=str(snap.path), last_active=time.time(), started_at=started, reason=reason)
+            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason)
             li.owned = False
             self._counts["evictions" if evict else "sleeps"] += 1
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)

@@ -86,6 +86,9 @@ class Host:
         # Async turns lost before their run existed start again; then the webhook outbox is drained.
         await ExecutionRunner.of(self.runtime).resubmit_orphans(self.store, min_age_s=0.0)
         self._tasks.append(asyncio.create_task(Dispatcher(self.store).run(), name="webhook-deliveries"))
+        from moorage.usage.caps import enforce_loop
+
+        self._tasks.append(asyncio.create_task(enforce_loop(self.runtime), name="cap-enforcement"))
 
     async def _sweep_loop(self) -> None:
         while True:

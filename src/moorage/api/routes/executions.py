@@ -17,6 +17,13 @@ from moorage.store import EntityKey
 from moorage.webhooks.executions import ExecutionRunner, status_of
 
 
+async def enforce_caps(call: Call, entity: EntityKey) -> None:
+    """Refuse a turn of an end-user over one of their caps (429 naming it; over compute, the instance sleeps)."""
+    from moorage.usage.caps import enforce
+
+    await enforce(call.ctx.runtime, call.tenant, entity)
+
+
 def wants_async(call: Call) -> bool:
     raw = (call.query("async") or "").lower()
     if raw in ("1", "true", "yes"):

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
 from moorage.api.invoke_shared import entity_for, event_data, message_of, run_turn, stream_turn, wants_stream
-from moorage.api.routes.executions import EXECUTION, announce_interrupt, submit, wants_async
+from moorage.api.routes.executions import EXECUTION, announce_interrupt, enforce_caps, submit, wants_async
 from moorage.api.routing import Call, Endpoint, Param
 from starlette.concurrency import run_in_threadpool
 from moorage.api.sse import error_payload, event_stream, frame
@@ -21,6 +21,7 @@ async def invoke(call: Call) -> Any:
     entity = entity_for(call, call.path["agent"], call.field("user", str, required=False),
                         call.field("session", str, required=False))
     message = message_of(call)
+    await enforce_caps(call, entity)
     if wants_async(call):
         return await submit(call, entity, message)
     if not wants_stream(call):

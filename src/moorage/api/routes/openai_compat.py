@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
 from moorage.api.invoke_shared import entity_for, run_turn, stream_turn
+from moorage.api.routes.executions import enforce_caps
 from moorage.api.routing import Call, Endpoint
 from moorage.api.sse import error_payload
 from moorage.errors import InvalidInput
@@ -88,6 +89,7 @@ async def chat_completions(call: Call) -> Any:
         user = None  # an end-user token names its own user; a body field cannot change it
     entity = entity_for(call, agent, user, session)
     message = last_user_message((call.body or {}).get("messages"))
+    await enforce_caps(call, entity)
     if not call.field("stream", bool, required=False, default=False):
         return completion(agent, await run_turn(call, entity, message))
 

@@ -1,0 +1,130 @@
+"""Caps per end-user of an agent: compute seconds per day, model tokens and cost per month (UTC windows).
+
+Consumption comes from the tenant's usage ledger (awake seconds are recorded as each instance sleeps, plus the
+running part of an instance awake now, from its record); a turn over a cap is refused with ``CapExceeded``
+(HTTP 429 naming the cap and when it resets), and an instance over its compute cap is put to sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from moorage.errors import MoorageError
+from moorage.log import get_logger
+from moorage.store import EntityKey, Scope, TenantStore
+
+log = get_logger(__name__)
+
+#: Instance states that hold compute (their awake seconds are still running).
+AWAKE_STATES = ("running", "suspending")
+#: How often awake instances are checked against their users' compute caps.
+ENFORCE_EVERY_S = 5.0
+
+
+class CapExceeded(MoorageError):
+    """An end-user reached one of their caps; nothing was started. Retry after the cap resets."""
+
+    code = "cap-exceeded"
+    http_status = 429
+
+    def __init__(self, agent: str, user: str, cap: str, limit: float, used: float, resets_at: float,
+                 now: float) -> None:
+        when = datetime.fromtimestamp(resets_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        super().__init__(f"user {user!r} of agent {agent!r} reached the cap {cap} ({used:.6g} of {limit:.6g})",
+                         hint=f"it resets at {when}; raise it with PUT /v1/agents/{agent}/users/{user} (limits)")
+        self.cap = cap
+        self.limit = limit
+        self.used = used
+        self.resets_at = resets_at
+        #: Read by the API's problem+json: the ``Retry-After`` header says when the cap resets.
+        self.retry_after = max(1.0, resets_at - now)
+
+
+def day_window(now: float) -> tuple[float, float]:
+    d = datetime.fromtimestamp(now, tz=timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    start = d.timestamp()
+    return start, start + 86400.0
+
+
+def month_window(now: float) -> tuple[float, float]:
+    d = datetime.fromtimestamp(now, tz=timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    nxt = d.replace(year=d.year + 1, month=1) if d.month == 12 else d.replace(month=d.month + 1)
+    return d.timestamp(), nxt.timestamp()
+
+
+def _awake_now(ts: TenantStore, agent: str, user: str, since: float, now: float) -> float:
+    """Seconds the user's instances awake right now have run since ``since`` (not yet in the ledger)."""
+    rec = ts.sandboxes.for_scope(Scope.for_user(agent, user))
+    recs = [rec] if rec is not None else [r for r in ts.sandboxes.list(agent_id=agent, states=list(AWAKE_STATES))
+                                          if r.scope.user == user]
+    total = 0.0
+    for r in recs:
+        started = r.meta.get("awake_since")
+        if r.state in AWAKE_STATES and isinstance(started, (int, float)):
+            total += max(0.0, now - max(started, since))
+    return total
+
+
+def compute_seconds(ts: TenantStore, agent: str, user: str, *, since: float, now: float | None = None) -> float:
+    """Awake seconds of ``user``'s instances of ``agent`` since ``since``: recorded plus still running."""
+    now = time.time() if now is None else now
+    recorded = ts.usage.totals(since=since, agent_id=agent, user_id=user).get("compute_seconds", 0.0)
+    return recorded + _awake_now(ts, agent, user, since, now)
+
+
+def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> None:
+    """Raise ``CapExceeded`` for the first of the user's caps that is used up (nothing when none is set)."""
+    now = time.time() if now is None else now
+    u = ts.agent_users.find(agent, user)
+    limits = u.limits if u is not None else {}
+    if not limits:
+        return
+    cap = limits.get("compute_seconds_per_day")
+    if cap is not None:
+        start, end = day_window(now)
+        used = compute_seconds(ts, agent, user, since=start, now=now)
+        if used >= cap:
+            raise CapExceeded(agent, user, "compute_seconds_per_day", cap, used, end, now)
+    start, end = month_window(now)
+    totals: dict[str, float] = {}
+    if "tokens_per_month" in limits or "cost_usd_per_month" in limits:
+        totals = ts.usage.totals(since=start, agent_id=agent, user_id=user)
+    tokens = totals.get("input_tokens", 0.0) + totals.get("output_tokens", 0.0)
+    for name, used in (("tokens_per_month", tokens), ("cost_usd_per_month", totals.get("cost_usd", 0.0))):
+        limit = limits.get(name)
+        if limit is not None and used >= limit:
+            raise CapExceeded(agent, user, name, limit, used, end, now)
+
+
+async def enforce(runtime: Any, ts: TenantStore, entity: EntityKey) -> None:
+    """Before a turn: refuse it if the user is over a cap; over the compute cap, their instance also sleeps."""
+    try:
+        await asyncio.to_thread(check, ts, entity.agent, entity.user)
+    except CapExceeded as e:
+        if e.cap == "compute_seconds_per_day" and runtime is not None:
+            await runtime.instances.sleep(ts, Scope.for_user(entity.agent, entity.user), reason="compute cap reached")
+        raise
+
+
+async def enforce_loop(runtime: Any, *, every_s: float = ENFORCE_EVERY_S) -> None:
+    """Put to sleep every instance this host keeps awake whose user is over the compute cap."""
+    manager = runtime.instances
+    while True:
+        try:
+            for awake in manager.awake_instances():
+                tenant_id, _, scope_key = awake.instance_id.partition("/")
+                scope = Scope.parse(scope_key)
+                if scope.user is None:
+                    continue
+                ts = manager.system_tenant(tenant_id)
+                try:
+                    await asyncio.to_thread(check, ts, scope.agent, scope.user)
+                except CapExceeded as e:
+                    if e.cap == "compute_seconds_per_day" and await manager.sleep(ts, scope, reason="compute cap reached"):
+                        log.info("instance slept: its user reached the compute cap", scope=scope_key)
+        except Exception as e:  # noqa: BLE001 - the loop must outlive a bad round
+            log.error("cap enforcement round failed", error=str(e))
+        await asyncio.sleep(every_s)
