@@ -102,7 +102,7 @@ async def test_no_rule_means_nothing_is_resolved() -> None:
             Counting.calls += 1
             return await super().resolve(host)
 
-    eg = Egress(OperatorPolicy(), Counting(PUBLIC | {}))
+    eg = Egress(OperatorPolicy(), Counting({k: [v] for k, v in PUBLIC.items()}))
     d = await eg.check(_policy(eg, "other.test"), Target.parse("https://public.test/"))
     assert not d.allowed and d.reason == "no-rule" and Counting.calls == 0
 
