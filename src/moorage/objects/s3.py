@@ -179,7 +179,7 @@ class S3ObjectStore(ObjectStore):
                     self._put_multipart(key, Path(path), size, digest, cond)
                 return ObjectInfo(key, size, digest, time.time())
             except ObjectCorrupt:
-                if sha256 is None:
+                if sha256 is None or size > self.part_size:  # a part's checksum is taken from the bytes sent
                     raise
                 raise InvalidInput(f"{path} does not hash to the sha256 {sha256} given",
                                    hint="the file changed while it was stored, or the digest is wrong; nothing was stored") from None
