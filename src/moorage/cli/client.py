@@ -1,4 +1,4 @@
-"""The CLI's client commands: they talk to a running moorage server over its HTTP API.
+"""The CLI's client commands: they talk to a running moorage server through the Python SDK (``moorage.client``).
 
 Server URL and key come from the config (``api_url``/``api_key``, i.e. MOORAGE_API_URL/MOORAGE_API_KEY),
 defaulting to the local server and the admin key ``moorage up`` wrote in the data directory.
@@ -6,26 +6,30 @@ defaulting to the local server and the admin key ``moorage up`` wrote in the dat
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from moorage.client import Client
+from moorage.client import ApiError as SdkError
+from moorage.client._api import Request
 from moorage.config import Config
 from moorage.errors import ConfigError, MoorageError
 
 console = Console()
+R = TypeVar("R")
 
 
 class ApiError(MoorageError):
     """The server answered with a problem; its message and hint are shown as they are."""
 
 
-def _client(cfg: Config) -> httpx.Client:
+def _client(cfg: Config) -> Client:
     url = cfg.api_url or f"http://{cfg.host}:{cfg.port}"
     key = cfg.api_key
     if not key:
@@ -33,22 +37,32 @@ def _client(cfg: Config) -> httpx.Client:
         if not path.exists():
             raise ConfigError("no API key", hint=f"set MOORAGE_API_KEY, or run `moorage up` once to create {path}")
         key = path.read_text().strip()
-    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+    return Client(url, key)
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    """SDK errors shown the CLI's way: the server's title and detail, its hint, nothing else."""
+    try:
+        yield
+    except SdkError as e:
+        if e.code == "unreachable":
+            raise ConfigError(f"cannot reach the moorage server: {e.detail}",
+                              hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
+        raise ApiError(f"{e.status}: {e.detail}", hint=e.hint) from e
+
+
+def sdk(cfg: Config, use: Callable[[Client], R]) -> R:
+    """Run ``use`` with an SDK client for the configured server."""
+    with _client(cfg) as c, _translated():
+        return use(c)
 
 
 def call(cfg: Config, method: str, path: str, **kw: Any) -> Any:
-    try:
-        with _client(cfg) as c:
-            r = c.request(method, path, **kw)
-    except httpx.ConnectError as e:
-        raise ConfigError(f"cannot reach the moorage server: {e}", hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
-    if r.status_code >= 400:
-        try:
-            p = r.json()
-            raise ApiError(f"{p.get('title') or r.status_code}: {p.get('detail', '')}".strip(), hint=p.get("hint"))
-        except ValueError:
-            raise ApiError(f"HTTP {r.status_code}: {r.text[:300]}") from None
-    return r.json() if r.content else {}
+    """A route the SDK has no method for, sent through the SDK's transport (retries, errors)."""
+    req = Request(method, path, dict(kw.get("params") or {}), kw.get("json"), kw.get("content"),
+                  dict(kw.get("headers") or {}))
+    return sdk(cfg, lambda c: c._send(req)) or {}
 
 
 def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
@@ -70,14 +84,13 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
         pkg = load_dir(path)  # fails fast, locally, with the file and line to fix
         with console.status(f"deploying {pkg.name} (building its template sandbox)…"):
-            d = call(cfg_of(), "POST", f"/v1/agents/{pkg.name}/deployments", content=tar_dir(path),
-                     headers={"Content-Type": "application/gzip"})
+            d = sdk(cfg_of(), lambda c: c.deploy(pkg.name, tar_dir(path)))
         _print(d, True) if as_json else console.print(f"[green]deployed[/] {pkg.name} #{d['number']} ({d['id']})")
 
     @app.command()
     def rollback(agent: str, number: Optional[int] = typer.Option(None, "--to", help="Deployment number (default: previous).")) -> None:
         """Make an earlier deployment of an agent live again."""
-        d = call(cfg_of(), "POST", f"/v1/agents/{agent}/rollback", json={} if number is None else {"number": number})
+        d = sdk(cfg_of(), lambda c: c.rollback(agent, number))
         console.print(f"{agent} is now at deployment #{d['number']}")
 
     @app.command()
@@ -85,8 +98,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                session: Optional[str] = typer.Option(None, "--session", "-s"),
                as_json: bool = typer.Option(False, "--json")) -> None:
         """Run one turn of an agent for a user and print the reply."""
-        body = {"user": user, "message": message, **({"session": session} if session else {})}
-        r = call(cfg_of(), "POST", f"/v1/agents/{agent}/invoke", json=body)
+        r = sdk(cfg_of(), lambda c: c.invoke(agent, message, user=user, session=session))
         if as_json:
             _print(r, True)
         elif r.get("status") == "waiting":
@@ -96,9 +108,49 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
             console.print(r.get("reply"), highlight=False)
 
     @app.command()
+    def submit(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
+               session: Optional[str] = typer.Option(None, "--session", "-s"),
+               wait: bool = typer.Option(False, "--wait", help="Wait for the execution to finish.")) -> None:
+        """Run one turn detached (an execution); print its id, or with --wait its outcome."""
+        def go(c: Client) -> Any:
+            ex = c.invoke_async(agent, message, user=user, session=session)
+            return c.wait_execution(ex["id"]) if wait else ex
+        r = sdk(cfg_of(), go)
+        console.print(f"execution {r['id']}: {r['status']}" + (f" — {r.get('reply')}" if r.get("reply") else ""),
+                      highlight=False)
+
+    @app.command()
+    def execution(execution_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
+        """Show an execution (async turn): status, reply, what it waits for."""
+        r = sdk(cfg_of(), lambda c: c.get_execution(execution_id))
+        _print(r, True) if as_json else console.print(f"{r['status']}: {r.get('reply') or r.get('interrupt') or ''}",
+                                                      highlight=False)
+
+    @app.command()
+    def users(agent: str, as_json: bool = typer.Option(False, "--json"),
+              meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata filter (repeatable).")) -> None:
+        """The end-users of an agent, with their instance's state."""
+        filters = dict(m.split("=", 1) for m in meta if "=" in m)
+        rows = sdk(cfg_of(), lambda c: list(c.paginate(c.list_users, agent, metadata=filters or None)))
+        t = Table("user", "instance", "metadata", "limits")
+        for u in rows:
+            t.add_row(u["id"], (u.get("instance") or {}).get("state", "-"), json.dumps(u.get("metadata")),
+                      json.dumps(u.get("limits")))
+        _print({"data": rows}, as_json, t)
+
+    @app.command(name="user")
+    def put_user(agent: str, user: str,
+                 meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata (repeatable)."),
+                 provision: bool = typer.Option(False, "--provision", help="Fork the instance now (asleep).")) -> None:
+        """Create an end-user of an agent by your own id (or show it; --meta replaces its metadata)."""
+        metadata = dict(m.split("=", 1) for m in meta if "=" in m) or None
+        u = sdk(cfg_of(), lambda c: c.put_user(agent, user, metadata=metadata, provision=provision))
+        print(json.dumps(u, indent=2))
+
+    @app.command()
     def answer(run_id: str, text: str) -> None:
         """Answer a workflow waiting for a human; it resumes from where it asked."""
-        r = call(cfg_of(), "POST", f"/v1/workflows/{run_id}/answer", json={"answer": text})
+        r = sdk(cfg_of(), lambda c: c.answer(run_id, text))
         console.print(r.get("reply") if r.get("status") == "done" else r, highlight=False)
 
     @app.command()
@@ -114,10 +166,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                 break
             if not text.strip():
                 break
-            body = {"user": user, "message": text, **({"session": session} if session else {})}
             with console.status("…"):
                 try:
-                    r = call(cfg, "POST", f"/v1/agents/{agent}/invoke", json=body)
+                    r = sdk(cfg, lambda c: c.invoke(agent, text, user=user, session=session))
                 except MoorageError as e:
                     console.print(f"[red]{e}[/]")
                     continue
@@ -145,7 +196,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def _verb(verb: str) -> None:
         @app.command(name=verb, help=f"{verb.capitalize()} an agent instance's sandbox.")
         def _cmd(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label")) -> None:
-            r = call(cfg_of(), "POST", f"/v1/sandboxes/{sandbox_id}/{verb}", json={"label": label} if label else {})
+            r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb, label=label))
             print(json.dumps(r, indent=2))
 
     for v in ("sleep", "wake", "fork", "checkpoint"):
@@ -156,13 +207,13 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         """Remove everything moorage keeps about one user of an agent (memory, workflows, sandbox, snapshots)."""
         if not yes and not typer.confirm(f"forget everything about {user} in {agent}?"):
             raise typer.Exit(1)
-        r = call(cfg_of(), "DELETE", f"/v1/agents/{agent}/users/{user}")
+        r = sdk(cfg_of(), lambda c: c.delete_user(agent, user))
         console.print(f"forgot {user}: {r.get('removed', 0)} records removed")
 
     @app.command()
     def trace(trace_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
         """Show one trace's spans as a timeline."""
-        data = call(cfg_of(), "GET", f"/v1/traces/{trace_id}")
+        data = sdk(cfg_of(), lambda c: c.get_trace(trace_id))
         spans = data.get("spans", [])
         t = Table("span", "start (ms)", "duration (ms)", "status", "attributes")
         t0 = min((s["start_ts"] for s in spans), default=0.0)
@@ -175,7 +226,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json")) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
-        data = call(cfg_of(), "GET", "/v1/traces", params={"limit": limit})
+        data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit))
         t = Table("trace", "span", "status", "attributes")
         for s in data.get("data", []):
             t.add_row(s.get("trace_id", "")[:12], s.get("name", ""), s.get("status", ""),
@@ -185,7 +236,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def usage(as_json: bool = typer.Option(False, "--json")) -> None:
         """Tokens, compute and storage used by this tenant."""
-        data = call(cfg_of(), "GET", "/v1/usage")
+        data = sdk(cfg_of(), lambda c: c.usage())
         t = Table("kind", "amount")
         for k, v in sorted((data.get("totals") or data).items()):
             if isinstance(v, (int, float)):

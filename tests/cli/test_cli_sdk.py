@@ -1,0 +1,51 @@
+"""The CLI's end-user and execution commands (they go through the Python SDK) against a real `moorage up`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.devservices.postgres import free_port
+from tests.cli.test_cli_e2e import MOORAGE, ROOT, _env, run
+
+
+def test_users_and_executions_from_the_cli(tmp_path: Path) -> None:
+    port = free_port()
+    env = _env(tmp_path / "data", port)
+    server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None, server.stdout.read() if server.stdout else ""
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.3)
+        assert run(["deploy", "examples/coder"], env).returncode == 0
+        made = run(["user", "coder", "cust-1", "--meta", "plan=pro"], env)
+        assert made.returncode == 0 and json.loads(made.stdout)["metadata"] == {"plan": "pro"}, made.stderr
+        assert json.loads(run(["user", "coder", "cust-1"], env).stdout)["metadata"] == {"plan": "pro"}  # get, not reset
+        listed = json.loads(run(["users", "coder", "--json", "--meta", "plan=pro"], env).stdout)["data"]
+        assert [u["id"] for u in listed] == ["cust-1"]
+        done = run(["submit", "coder", "install", "-u", "cust-1", "--wait"], env)
+        assert done.returncode == 0 and "succeeded" in done.stdout and "installed slugkit" in done.stdout, done.stderr
+        ex_id = done.stdout.split()[1].rstrip(":")
+        shown = json.loads(run(["execution", ex_id, "--json"], env).stdout)
+        assert shown["status"] == "succeeded" and shown["user"] == "cust-1"
+        missing = run(["execution", "nope"], env)
+        assert missing.returncode != 0 and "404" in missing.stderr and "Traceback" not in missing.stderr
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
