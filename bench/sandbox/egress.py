@@ -73,6 +73,12 @@ def summary(xs: list[float]) -> dict[str, float]:
             "min": s[0], "max": s[-1]}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def spawn(code: str) -> tuple[subprocess.Popen, int]:
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -117,6 +123,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ctx.fetch client (host side)": lambda url: _flen(fetch(inst, "GET", url, max_body=2 * MiB)),
     }
     res: dict[str, Any] = {"host": platform.node(), "python": sys.version.split()[0], "cpus": os.cpu_count(),
+                           "loadavg_1m_at_start": os.getloadavg()[0],
                            "reps": args.reps, "small": args.small, "rounds": args.rounds, "big": {}, "small_total": {}}
     try:
         for name, get in ways.items():  # warm every path once
@@ -136,6 +143,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.small):
                     await get(base + "/small")
                 totals[name].append(time.perf_counter() - t)
+        # CPU the gateway process spends per request: unlike wall time, it does not depend on the host's load.
+        res["gateway_cpu_ms"] = {}
+        for name in ("gateway proxy (plain HTTP)", "gateway CONNECT tunnel"):
+            for label, path, n in (("1 MiB", "/big", max(10, args.reps)), ("small", "/small", args.small)):
+                before = cpu_seconds(gw.pid)
+                for _ in range(n):
+                    await ways[name](base + path)
+                res["gateway_cpu_ms"][f"{name}, {label}"] = (cpu_seconds(gw.pid) - before) / n * 1000
+        res["loadavg_1m_at_end"] = os.getloadavg()[0]
         for name in ways:
             res["big"][name], res["small_total"][name] = summary(lat[name]), summary(totals[name])
             print(f"{name:30} 1 MiB p50 {res['big'][name]['p50'] * 1000:6.2f} ms "
@@ -163,7 +179,9 @@ def write_report(res: dict[str, Any]) -> str:
     base_big = res["big"]["direct, new connection"]["p50"]
     base_small = res["small_total"]["direct, new connection"]["p50"]
     lines = ["# Egress: gateway and ctx.fetch against a direct loopback fetch", "",
-             f"host {res['host']}, {res['cpus']} CPUs, Python {res['python']}; {res['reps']} downloads of 1 MiB and "
+             f"host {res['host']}, {res['cpus']} CPUs (load average {res['loadavg_1m_at_start']:.1f} at the start, "
+             f"{res['loadavg_1m_at_end']:.1f} at the end: wall times on a busy host carry its scheduling delays, "
+             f"the gateway's CPU per request below does not), Python {res['python']}; {res['reps']} downloads of 1 MiB and "
              f"{res['rounds']} rounds of {res['small']} small requests per way, interleaved, sequential, upstream and gateway in their own "
              "processes.", "",
              "| way | 1 MiB p50 | p99 | MiB/s at p50 | added to direct (new connection) | "
@@ -174,6 +192,9 @@ def write_report(res: dict[str, Any]) -> str:
         lines.append(f"| {name} | {big['p50'] * 1000:.2f} ms | {big['p99'] * 1000:.2f} ms | {1 / big['p50']:.0f} | "
                      f"{(big['p50'] - base_big) * 1000:+.2f} ms | {small * 1000:.1f} ms | "
                      f"{(small - base_small) / res['small'] * 1000:+.3f} ms |")
+    lines += ["", "CPU the gateway process spends per request (load-independent; 10 ms clock ticks, so small figures are "
+              "averages over many requests):", "", "| way, size | gateway CPU per request |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} ms |" for k, v in res["gateway_cpu_ms"].items()]
     (out / "egress.md").write_text("\n".join(lines) + "\n")
     gw_big, gw_small = res["big"]["gateway proxy (plain HTTP)"]["p50"], res["small_total"]["gateway proxy (plain HTTP)"]["p50"]
     fe_big = res["big"]["ctx.fetch client (host side)"]["p50"]
@@ -181,7 +202,9 @@ def write_report(res: dict[str, Any]) -> str:
             f"{base_big * 1000:.1f} ms ({(gw_big - base_big) * 1000:+.1f} ms); {res['small']} small requests "
             f"{gw_small * 1000:.0f} ms against {base_small * 1000:.0f} ms "
             f"({(gw_small - base_small) / res['small'] * 1000:+.2f} ms each); ctx.fetch client 1 MiB p50 "
-            f"{fe_big * 1000:.1f} ms")
+            f"{fe_big * 1000:.1f} ms; gateway CPU per request: 1 MiB "
+            f"{res['gateway_cpu_ms']['gateway proxy (plain HTTP), 1 MiB']:.2f} ms, small "
+            f"{res['gateway_cpu_ms']['gateway proxy (plain HTTP), small']:.2f} ms")
 
 
 if __name__ == "__main__":
