@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from moorage.durable.errors import NonDeterminismError, RunNotWaiting, RunTakenOver
 from moorage.errors import ConflictError, InvalidInput
-from moorage.store import Step, TenantStore, WorkflowRun
+from moorage.store import Scope, Step, TenantStore, WorkflowRun
 from moorage.store.model import check_id
 
 T = TypeVar("T")
@@ -34,6 +34,15 @@ POSITIONAL = frozenset({STEP_OK, STEP_FAILED, WAITING, ANSWERED, CORRECTION})
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
 _KIND = {STEP_OK: "step", STEP_FAILED: "step", ATTEMPT_FAILED: "attempt", WAITING: "interrupt",
          ANSWERED: "interrupt", CORRECTION: "correction", NOTE: "note"}
+
+#: Rows that also go to the user's log (state records under the user scope), so that later turns of the same
+#: user's agent see them: corrections, outside notes, failed attempts and steps that failed for good.
+USER_LOGGED = frozenset({CORRECTION, NOTE, ATTEMPT_FAILED, STEP_FAILED})
+#: Key prefix of the user's log. The rest of the key is the time inverted (newest first, so a prefix listing
+#: reads the most recent entries), then the run and the row: one record per entry, never a shared record that
+#: two turns of the user would have to compare-and-set.
+USER_LOG_PREFIX = "durable_log:"
+_INVERT_MS = 10**13
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ class RunLog:
         self._open_start: int | None = None  # first failed attempt of the position not yet settled
         self._tail_failures = 0
         self._key_prefix = "wf:" + hashlib.sha256(ts.tenant_id.encode()).hexdigest()[:8] + ":" + run.id + ":"
+        self._user_scope = Scope.for_user(run.scope.agent, run.scope.user) if run.scope.user else None
         for r in rows:
             self._index(r)
 
@@ -196,8 +206,16 @@ class RunLog:
 
     def _record(self, seq: int, name: str, status: str, *, attempt: int, result: Any = None, error: str | None = None,
                 started_at: float | None = None) -> Step:
-        return self.ts.runs.record_step(self.run.id, seq, name, status, attempts=attempt, result=result, error=error,
-                                        started_at=started_at, finished_at=time.time())
+        row = self.ts.runs.record_step(self.run.id, seq, name, status, attempts=attempt, result=result, error=error,
+                                       started_at=started_at, finished_at=time.time())
+        if status in USER_LOGGED and self._user_scope is not None:
+            # In the same transaction as the row: the user's log never holds what the run's log does not.
+            at = row.finished_at or row.started_at
+            entry = {"kind": _KIND[status], "step": name, "status": status, "attempt": attempt, "error": error,
+                     "note": result.get("note") if isinstance(result, dict) else None, "turn_id": self.run.id, "at": at}
+            key = f"{USER_LOG_PREFIX}{_INVERT_MS - int(at * 1000):013d}:{self.run.id}:{seq}"
+            self.ts.state.put(self._user_scope, key, entry, expected_version=0)
+        return row
 
     def mark_running(self) -> None:
         """Take the run: pending or left running by a dead executor becomes running at a new version."""
@@ -330,3 +348,21 @@ def _note(note: object) -> str:
     if not isinstance(note, str) or not note.strip():
         raise InvalidInput("a correction needs a non-empty text", hint="say what should be done differently")
     return note[:4000]
+
+
+def earlier_entries(ts: TenantStore, run_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
+    """The user's log as the run's earlier turns left it: corrections, notes and failures written by other runs
+    of the same user's agent before this run was created (oldest first, at most ``limit``, the most recent).
+
+    Entries written after the run was created are left out, so a resumed run reads the same history as its
+    first execution did and takes the same path. A run without a user has no such log.
+    """
+    run = ts.runs.get(run_id)
+    if run.scope.user is None:
+        return []
+    scope = Scope.for_user(run.scope.agent, run.scope.user)
+    # Newest first; entries of this run or newer than it are skipped, hence the margin over ``limit``.
+    recs = ts.state.list(scope, prefix=USER_LOG_PREFIX, limit=limit + 200)
+    out = [r.value for r in recs
+           if isinstance(r.value, dict) and r.value.get("turn_id") != run_id and float(r.value.get("at") or 0) < run.created_at]
+    return sorted(out[:limit], key=lambda e: e["at"])

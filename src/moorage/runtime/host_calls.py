@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from moorage.errors import InvalidInput, MoorageError
 from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, Replay
+from moorage.durable.runlog import earlier_entries
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
 from moorage.sandbox.channel import HandlerError
@@ -260,9 +261,16 @@ class GuestCalls:
         return {}
 
     async def durable_history(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        entries = await asyncio.to_thread(b.engine.history, b.run_id)
-        return {"history": [{"kind": e.kind, "step": e.name, "status": e.status, "attempt": e.attempt, "error": e.error}
-                            for e in entries]}
+        """The user's log from earlier turns of this agent (corrections, notes, failures), then this run's log;
+        every entry names the turn that wrote it."""
+
+        def read() -> tuple[list[dict[str, Any]], Any]:
+            return earlier_entries(b.ts, b.run_id), b.engine.history(b.run_id)
+
+        earlier, entries = await asyncio.to_thread(read)
+        return {"history": earlier + [{"kind": e.kind, "step": e.name, "status": e.status, "attempt": e.attempt,
+                                       "error": e.error, "note": e.note, "turn_id": b.run_id,
+                                       "at": e.finished_at or e.started_at} for e in entries]}
 
     # -- egress (moorage/egress: the same policy and connector as the VM's gateway) -----------------------
 
