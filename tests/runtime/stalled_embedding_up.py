@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from moorage.memory.episodic import EpisodicMemory  # noqa: E402
 
 
-def _stalled(self: EpisodicMemory, *, batch: int = 64) -> int:
+def _stalled(self: EpisodicMemory, **_: object) -> int:
     threading.Event().wait()  # never set: the turn's messages stay unembedded until the process dies
     return 0
 

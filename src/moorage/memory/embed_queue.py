@@ -5,7 +5,9 @@ A turn commits its messages unembedded (the reply does not wait for the model); 
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 from moorage.log import get_logger
@@ -19,6 +21,10 @@ log = get_logger(__name__)
 THREAD_NAME = "moorage-embed-events"
 #: An idle worker thread exits after this long; the next submit starts another.
 IDLE_EXIT_S = 30.0
+#: At interpreter exit, how long an embedding in progress may take to finish (the rest stays marked).
+EXIT_WAIT_S = 10.0
+
+_queues: "weakref.WeakSet[EmbedQueue]" = weakref.WeakSet()
 
 
 class EmbedQueue:
@@ -34,6 +40,8 @@ class EmbedQueue:
         self._busy = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stopping = False  # closed without draining: the tenant in progress stops after its batch
+        _queues.add(self)
 
     def submit(self, memory: "EpisodicMemory") -> None:
         """Embed ``memory``'s tenant's unembedded events soon (submitting it again before then is free)."""
@@ -59,7 +67,7 @@ class EmbedQueue:
                 memory = self._due.pop(tenant_id)
                 self._busy += 1
             try:
-                memory.embed_pending()
+                memory.embed_pending(stop=lambda: self._stopping)
             except Exception as e:  # left marked in the store: the next submit, search or start embeds it
                 log.warning("background embedding failed", tenant=tenant_id, error=str(e))
             finally:
@@ -72,11 +80,23 @@ class EmbedQueue:
         with self._cond:
             return self._cond.wait_for(lambda: not self._due and not self._busy, timeout)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Finish what was submitted (up to ``timeout``), then stop; later submits are ignored."""
+    def close(self, timeout: float = 10.0, *, drain: bool = True) -> None:
+        """Finish what was submitted (or, without ``drain``, only the batch in progress) up to ``timeout``,
+        then stop; later submits are ignored."""
         with self._cond:
             self._closed = True
+            if not drain:
+                self._due.clear()
+                self._stopping = True
             thread = self._thread
             self._cond.notify_all()
         if thread is not None:
             thread.join(timeout)
+
+
+@atexit.register
+def _stop_all() -> None:
+    # A daemon thread still inside the model while the interpreter tears down aborts the process
+    # ("terminate called without an active exception"): let the embedding in progress end first.
+    for queue in list(_queues):
+        queue.close(EXIT_WAIT_S, drain=False)

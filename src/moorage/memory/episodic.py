@@ -9,7 +9,7 @@ import re
 import threading
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -179,10 +179,11 @@ class EpisodicMemory:
         """
         return self.ts.events.append_many(scope, [EventIn(it.kind, it.content, it.speaker, it.meta, it.ts) for it in items])
 
-    def embed_pending(self, *, batch: int = 64) -> int:
-        """Embed every event of this tenant still without a vector, oldest first; one commit per batch."""
+    def embed_pending(self, *, batch: int = 64, stop: Callable[[], bool] = lambda: False) -> int:
+        """Embed every event of this tenant still without a vector, oldest first; one commit per batch
+        (``stop`` is asked before each batch)."""
         done, after = 0, 0
-        while True:
+        while not stop():
             events = self.ts.events.unembedded(after=after, limit=batch)
             if not events:
                 return done
@@ -197,6 +198,7 @@ class EpisodicMemory:
             done += len(events)
             if len(events) < batch:
                 return done
+        return done
 
     def backfill(self, scope: Scope, *, batch: int = 256) -> int:
         """Embed events of ``scope`` that were appended without a vector (e.g. straight through the store)."""

@@ -587,19 +587,12 @@ class Runtime:
         """
         ts, turn_id = turn.ts, turn.turn_id
         self._loop = asyncio.get_running_loop()  # model-backed memory helpers call the gateway on this loop
-        deployment_id = (await asyncio.to_thread(ts.agents.get, turn.entity.agent)).live_deployment
-        deployment = await asyncio.to_thread(ts.deployments.get, deployment_id)
         # The durable engine owns the run's state from here: it takes the run, journals steps and interrupts,
         # and finishes it; this executor loses the run if another one takes it over.
         engine = DurableEngine(ts, rng=self.rng)
-        binding = TurnBinding(turn_id, sandbox.id, ts, turn.entity, turn_id, deployment.id, deployment.manifest,
-                              turn.trace_id, engine)
         started = time.perf_counter()
         memory = self.memory(ts)
-        # Facts are extracted before the transaction: a model-backed extractor must not hold the store's lock.
-        facts = [] if turn.resume else await asyncio.to_thread(memory.semantic.extractor.extract, turn.message,
-                                                                speaker="user")
-        replayed = await asyncio.to_thread(self._begin_turn, engine, binding, turn, facts)
+        binding, replayed = await asyncio.to_thread(self._prepare_turn, engine, sandbox.id, turn)
         if replayed is not None:
             return replayed
         self.turns[turn_id] = binding
@@ -629,6 +622,16 @@ class Runtime:
             self._working.pop(turn_id, None)
             self.tracer.close(turn_id)
             self.embed_queue.submit(memory.episodic)  # the turn's messages, now that the reply is out
+
+    def _prepare_turn(self, engine: DurableEngine, sandbox_id: str, turn: _Turn) -> tuple[TurnBinding, TurnResult | None]:
+        """The turn's binding to its deployment, then its first commit (``_begin_turn``): one worker-thread hop."""
+        ts = turn.ts
+        deployment = ts.deployments.get(ts.agents.get(turn.entity.agent).live_deployment)
+        binding = TurnBinding(turn.turn_id, sandbox_id, ts, turn.entity, turn.turn_id, deployment.id,
+                              deployment.manifest, turn.trace_id, engine)
+        # Facts are extracted before the transaction: a model-backed extractor must not hold the store's lock.
+        facts = [] if turn.resume else self.memory(ts).semantic.extractor.extract(turn.message, speaker="user")
+        return binding, self._begin_turn(engine, binding, turn, facts)
 
     def _begin_turn(self, engine: DurableEngine, b: TurnBinding, turn: _Turn, facts: list[Any]) -> TurnResult | None:
         """The turn's first commit: its run created (or taken) and running, the session touched, the user's
