@@ -20,8 +20,11 @@ from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 PUBLIC = {"/healthz", "/openapi.json"}  # /metrics needs the metrics or operator token: attacked like the rest
+# Share links need no key: the token in the path is the credential (a wrong one is a 404; tests/app proves
+# a link opens one user's app and nothing else).
+PUBLIC |= {"/v1/shared/{token}", "/v1/shared/{token}/{path:path}"}
 PLANT = f"PLANTED-{uuid.uuid4().hex}"
-_PARAM = re.compile(r"{([^}]+)}")
+_PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
 
 
 async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[str, Any]:
@@ -83,7 +86,8 @@ def app_routes(app: Any) -> list[tuple[str, str]]:
 
 
 def fill(path: str, ids: dict[str, Any]) -> str:
-    return _PARAM.sub(lambda m: str(ids[m.group(1)]), path)
+    # A parameter no id names (a share token, an app's path) gets a placeholder.
+    return _PARAM.sub(lambda m: str(ids.get(m.group(1), f"no-{m.group(1)}")), path)
 
 
 def body_for(method: str, path: str, ids: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from moorage import __version__
 from moorage.api import schemas as S
 from moorage.api.routing import Endpoint
 
-_PARAM = re.compile(r"{([^}]+)}")
+#: A path parameter, with Starlette's converter (``{path:path}``) left out of the document.
+_PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
 
 
 def _operation(ep: Endpoint) -> dict[str, Any]:
@@ -59,7 +60,7 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
 def build_spec(endpoints: list[Endpoint]) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for ep in endpoints:
-        paths.setdefault(ep.path, {})[ep.method.lower()] = _operation(ep)
+        paths.setdefault(_PARAM.sub(r"{\1}", ep.path), {})[ep.method.lower()] = _operation(ep)
     return {
         "openapi": "3.1.0",
         "info": {"title": "moorage", "version": __version__,
