@@ -85,6 +85,12 @@ class Config:
     egress_connects_per_s: int = 20
     egress_bytes_per_s: int = 0
     egress_max_bytes: int = 1 << 30
+    #: An agent's own web app (docs/app.md): request and response body caps, seconds until the app's answer
+    #: starts, and the longest one exchange may last (a streamed answer included).
+    app_max_request_bytes: int = 16 << 20
+    app_max_response_bytes: int = 256 << 20
+    app_timeout_s: int = 60
+    app_max_duration_s: int = 600
     #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
     #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
     secrets_keys: str = dataclasses.field(default="", repr=False)

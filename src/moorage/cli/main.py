@@ -145,6 +145,10 @@ from moorage.cli import client as _client  # noqa: E402
 
 _client.register(app, lambda: state.cfg)
 
+from moorage.cli import share as _share  # noqa: E402
+
+_share.register(app, lambda: state.cfg)
+
 
 def run() -> None:
     """Console entry point: turns moorage's typed errors into one clear line, not a traceback."""

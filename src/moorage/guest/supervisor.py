@@ -145,8 +145,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--extension", action="append", default=[], metavar="MODULE")
     args = ap.parse_args(argv)
 
-    # The agent runtime (guest/agent.py) is part of every guest; more extensions may be named.
-    extensions = ["agent"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
+    # The agent runtime (guest/agent.py) and the app relay (guest/app_relay.py) are part of every guest.
+    extensions = ["agent", "app_relay"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
     extensions = list(dict.fromkeys(extensions))
     workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
 

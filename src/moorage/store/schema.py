@@ -443,6 +443,20 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         ),
         tenant_tables=("agent_users", "executions", "webhooks", "webhook_deliveries", "webhook_attempts"),
     ),
+    Migration(
+        14,
+        "share links: signed, expiring, revocable access to one user's app",
+        statements=(
+            # The token carries tenant, id and expiry under the host's signature; this row makes it revocable.
+            """CREATE TABLE share_links (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT NOT NULL, label TEXT NOT NULL,
+                created_at {real} NOT NULL, expires_at {real} NOT NULL, revoked_at {real}, version INTEGER NOT NULL,
+                PRIMARY KEY ({tpk}id))""",
+            "CREATE INDEX share_links_user ON share_links ({tpk}agent_id, user_id)",
+        ),
+        tenant_tables=("share_links",),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (

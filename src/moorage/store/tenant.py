@@ -102,6 +102,9 @@ class TenantStore:
         self.executions = Executions(self)
         self.webhooks = Webhooks(self)
         self.deliveries = Deliveries(self)
+        from moorage.store.share_links import ShareLinks
+
+        self.share_links = ShareLinks(self)
 
     @property
     def tenant_id(self) -> str:
@@ -190,6 +193,7 @@ class TenantStore:
                 keys = [r[0] for r in c.q("SELECT scope FROM scopes WHERE agent_id = ? AND user_id = ?", (agent, user))]
             n = _delete_scopes(c, sorted(set(keys)))
             n += self.secrets.delete_user(user, agent)  # the user's own secrets go with them
+            n += self.share_links.delete_user(user, agent)  # and every link to their app
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))

@@ -9,6 +9,7 @@ from moorage.api.routing import Endpoint
 
 
 def all_endpoints() -> list[Endpoint]:
+    from moorage.api.routes import app as app_routes
     from moorage.api.routes import (agents, executions, fleet, invoke, keys, memory, openai_compat, sandboxes, secrets, tenants,
                                     traces, users, webhooks, workflows)
 
@@ -16,6 +17,6 @@ def all_endpoints() -> list[Endpoint]:
 
     out: list[Endpoint] = []
     for module in (tenants, keys, agents, users, invoke, executions, webhooks, memory, workflows, sandboxes, secrets, fleet, traces,
-                   openai_compat, mcp):
+                   openai_compat, mcp, app_routes):
         out.extend(module.ENDPOINTS)
     return out

@@ -1,0 +1,141 @@
+"""An agent's own web app over HTTP: the owner's route, share links that open it without a key, and their admin.
+
+``/v1/agents/{agent}/users/{user}/app/...`` needs a key with the ``invoke`` scope (or that user's end-user
+token); ``/v1/shared/{token}/...`` needs only a live share link, and reaches that one user's app and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from urllib.parse import quote
+
+from starlette.responses import RedirectResponse, Response, StreamingResponse
+
+from moorage.api import schemas as S
+from moorage.api.routes._common import agent_of
+from moorage.api.routing import Call, Endpoint, Reply
+from moorage.errors import InvalidInput
+from moorage.store.model import check_id
+
+#: Request bodies the app routes accept (the runtime's own cap, app_max_request_bytes, applies too).
+APP_BODY_LIMIT = 16 << 20
+APP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+_APP = "/v1/agents/{agent}/users/{user}/app"
+_SHARED = "/v1/shared/{token}"
+_LINKS = "/v1/agents/{agent}/users/{user}/share-links"
+
+
+def _target(call: Call, prefix: str) -> bytes:
+    """The path and query the app sees: the raw request path after ``prefix`` (percent-encoding kept)."""
+    raw = call.request.scope.get("raw_path") or call.request.url.path.encode()
+    rest = raw[len(prefix):] if raw.startswith(prefix.encode()) else quote(call.path.get("path", "")).encode()
+    if not rest.startswith(b"/"):
+        rest = b"/" + rest
+    qs = call.request.scope.get("query_string") or b""
+    return rest + (b"?" + qs if qs else b"")
+
+
+async def _relay(call: Call, ts: Any, agent: str, user: str, prefix: str) -> Response:
+    from moorage.runtime.app_proxy import AppRequest, app_request
+
+    async def body() -> Any:
+        async for chunk in call.request.stream():
+            yield chunk
+
+    req = AppRequest(call.request.method, _target(call, prefix), list(call.request.headers.raw), body(), prefix)
+    resp = await app_request(call.runtime, ts, agent, user, req)
+    out = StreamingResponse(resp.body, status_code=resp.status)
+    out.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
+    return out
+
+
+def _ids(call: Call) -> tuple[str, str]:
+    return check_id(call.path["agent"], "agent name"), check_id(call.path["user"], "user id")
+
+
+async def serve_app(call: Call) -> Response:
+    agent, user = _ids(call)
+    return await _relay(call, call.tenant, agent, user, f"/v1/agents/{agent}/users/{user}/app")
+
+
+async def app_root(call: Call) -> Response:
+    agent, user = _ids(call)
+    await asyncio.to_thread(agent_of, call)  # another tenant's agent is a 404 here too
+    return RedirectResponse(f"/v1/agents/{agent}/users/{user}/app/", status_code=308)
+
+
+async def _open_link(call: Call) -> tuple[Any, Any]:
+    from moorage.runtime.share_links import signer_of
+
+    return await asyncio.to_thread(signer_of(call.runtime).open, call.ctx.store, call.path["token"])
+
+
+async def serve_shared(call: Call) -> Response:
+    ts, link = await _open_link(call)
+    return await _relay(call, ts, link.agent, link.user, f"/v1/shared/{call.path['token']}")
+
+
+async def shared_root(call: Call) -> Response:
+    await _open_link(call)
+    return RedirectResponse(f"/v1/shared/{call.path['token']}/", status_code=308)
+
+
+def _render(link: Any) -> dict[str, Any]:
+    return {"id": link.id, "agent": link.agent, "user": link.user, "label": link.label,
+            "created_at": link.created_at, "expires_at": link.expires_at, "revoked_at": link.revoked_at}
+
+
+def create_link(call: Call) -> Reply:
+    from moorage.runtime.share_links import signer_of
+
+    agent, user = _ids(call)
+    agent_of(call)
+    call.tenant.users.get(user)  # a link to a user who does not exist is a 404, not a dangling link
+    ttl = call.field("ttl_s", (int, float), required=False, default=3600)
+    label = call.field("label", str, required=False, default="")
+    if isinstance(ttl, bool):
+        raise InvalidInput("ttl_s must be a number of seconds")
+    link = call.tenant.share_links.create(agent, user, ttl, label)
+    token = signer_of(call.runtime).token(call.tenant.tenant_id, link)
+    return Reply({**_render(link), "token": token, "url": f"/v1/shared/{token}/"}, 201)
+
+
+def list_links(call: Call) -> dict[str, Any]:
+    agent, user = _ids(call)
+    agent_of(call)
+    return {"data": [_render(link) for link in call.tenant.share_links.list(agent, user)]}
+
+
+def revoke_link(call: Call) -> dict[str, Any]:
+    agent, user = _ids(call)
+    agent_of(call)
+    return _render(call.tenant.share_links.revoke(agent, user, call.path["link_id"]))
+
+
+LINK = S.obj({"id": S.STR, "agent": S.STR, "user": S.STR, "label": S.STR, "created_at": S.NUM,
+              "expires_at": S.NUM, "revoked_at": S.NNUM})
+NEW_LINK = S.obj({**LINK["properties"], "token": S.NSTR, "url": S.NSTR})
+_LINK_BODY = S.obj({"ttl_s": {"type": "number", "minimum": 1, "description": "seconds the link works (default 3600)"},
+                    "label": {"type": "string", "maxLength": 200}}, [])
+_ANY = {"description": "whatever the agent's app answers"}
+
+ENDPOINTS = [
+    *(Endpoint(m, _APP + "/{path:path}", serve_app, "The user's instance of the agent serves this request on its app port",
+               "apps", f"app{m.capitalize()}", scope="invoke", end_user=True, idempotency="none",
+               max_body=APP_BODY_LIMIT, response=_ANY) for m in APP_METHODS),
+    Endpoint("GET", _APP, app_root, "Redirect to the app's root (a trailing slash keeps relative links inside it)",
+             "apps", "appRoot", scope="invoke", end_user=True, idempotency="none"),
+    *(Endpoint(m, _SHARED + "/{path:path}", serve_shared, "A share link serves this request from one user's app",
+               "apps", f"shared{m.capitalize()}", auth="none", idempotency="none", max_body=APP_BODY_LIMIT,
+               response=_ANY) for m in APP_METHODS),
+    Endpoint("GET", _SHARED, shared_root, "Redirect to a shared app's root", "apps", "sharedRoot", auth="none",
+             idempotency="none"),
+    Endpoint("POST", _LINKS, create_link, "Create a share link to one user's app (its token is shown once)", "apps",
+             "createShareLink", scope="invoke", body=_LINK_BODY, response=NEW_LINK, status=201,
+             secret_fields=("token", "url")),
+    Endpoint("GET", _LINKS, list_links, "List one user's share links (never their tokens)", "apps", "listShareLinks",
+             scope="invoke", response=S.obj({"data": {"type": "array", "items": LINK}})),
+    Endpoint("DELETE", _LINKS + "/{link_id}", revoke_link, "Revoke a share link", "apps", "revokeShareLink",
+             scope="invoke", response=LINK),
+]

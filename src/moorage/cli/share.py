@@ -1,0 +1,63 @@
+"""``moorage share AGENT USER``: a link that opens one user's app without an API key; list and revoke them.
+
+The link's token is shown once, when it is made (the server keeps only its record); ``--revoke`` stops it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moorage.errors import InvalidInput
+
+console = Console()
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``1h``, ``7d`` -> seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text or "")
+    if m is None:
+        raise InvalidInput(f"cannot read a duration from {text!r}", hint="write e.g. 90s, 15m, 1h or 7d")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
+    """Attach ``moorage share`` to the main app (``cfg_of()`` returns the loaded Config)."""
+
+    @app.command()
+    def share(agent: str = typer.Argument(..., help="The agent whose app to share."),
+              user: str = typer.Argument(..., help="The end-user whose instance serves it."),
+              ttl: str = typer.Option("1h", "--ttl", help="How long the link works: 90s, 15m, 1h, 7d."),
+              label: str = typer.Option("", "--label", help="A note for whoever lists the links."),
+              list_: bool = typer.Option(False, "--list", help="List this user's links instead (never their tokens)."),
+              revoke: Optional[str] = typer.Option(None, "--revoke", metavar="LINK_ID", help="Revoke one link."),
+              as_json: bool = typer.Option(False, "--json")) -> None:
+        """Make a signed, expiring link to USER's app of AGENT (declared with ports = [...] in moorage.toml)."""
+        from moorage.cli.client import call
+
+        cfg = cfg_of()
+        base = f"/v1/agents/{agent}/users/{user}/share-links"
+        if revoke:
+            out = call(cfg, "DELETE", f"{base}/{revoke}")
+            print(json.dumps(out, indent=2) if as_json else f"revoked {out.get('id', revoke)}")
+            return
+        if list_:
+            rows = call(cfg, "GET", base).get("data", [])
+            if as_json:
+                print(json.dumps(rows, indent=2))
+                return
+            table = Table("id", "label", "expires_at", "revoked_at")
+            for r in rows:
+                table.add_row(r["id"], r["label"], str(r["expires_at"]), str(r["revoked_at"] or ""))
+            console.print(table)
+            return
+        out = call(cfg, "POST", base, json={"ttl_s": parse_ttl(ttl), "label": label})
+        server = (cfg.api_url or f"http://{cfg.host}:{cfg.port}").rstrip("/")
+        out["url"] = server + out["url"]
+        print(json.dumps(out, indent=2) if as_json else out["url"])

@@ -1,0 +1,127 @@
+"""The guest end of an agent's web app: TCP connections to 127.0.0.1:PORT inside the sandbox, relayed in frames.
+
+Stdlib only. The host opens a connection (``app.open``), writes the request's bytes (``app.write``), pulls the
+answer (``app.read``: the host asks for more only when its client took the last chunk, so a slow client never
+piles bytes up in either memory) and closes it (``app.close``). No VM network is involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import time
+from typing import Any, Dict
+
+from .rpc import INVALID_PARAMS, Context, Registry, RpcError, log
+
+#: Connections open at once; a host that forgets to close some cannot exhaust the guest.
+MAX_CONNECTIONS = 64
+#: Largest chunk one ``app.read`` returns (base64 inside one frame stays far below the frame limit).
+MAX_READ = 512 * 1024
+#: Longest one ``app.read`` waits for bytes before answering with none (the host asks again or gives up).
+READ_WAIT_S = 25.0
+#: A connection nobody touched for this long is closed (a host that died mid-request leaves none behind).
+IDLE_S = 300.0
+#: Whoever asks for a connection gets an error with this code when the app is not listening.
+APP_UNREACHABLE = -32020
+
+
+class _Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.touched = time.monotonic()
+        self.lock = asyncio.Lock()
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+class AppRelay:
+    def __init__(self) -> None:
+        self._conns: Dict[int, _Conn] = {}
+        self._ids = itertools.count(1)
+        self._reaper: "asyncio.Task[None] | None" = None
+
+    def _get(self, params: Any) -> _Conn:
+        conn = self._conns.get(params.get("conn")) if isinstance(params, dict) else None
+        if conn is None:
+            raise RpcError("no such app connection", INVALID_PARAMS)
+        conn.touched = time.monotonic()
+        return conn
+
+    async def open(self, params: Any, ctx: Context) -> Dict[str, Any]:
+        port = params.get("port")
+        if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise RpcError("port must be a TCP port number", INVALID_PARAMS)
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self._reap(time.monotonic())
+            if len(self._conns) >= MAX_CONNECTIONS:
+                raise RpcError("too many app connections open", APP_UNREACHABLE)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, limit=MAX_READ), 10)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise RpcError("nothing listens on port %d" % port, APP_UNREACHABLE, {"errno": getattr(e, "errno", None)})
+        cid = next(self._ids)
+        self._conns[cid] = _Conn(reader, writer)
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        return {"conn": cid}
+
+    async def write(self, params: Any, ctx: Context) -> Dict[str, Any]:
+        conn = self._get(params)
+        data = base64.b64decode(params.get("data") or "")
+        try:
+            if data:
+                conn.writer.write(data)
+                await conn.writer.drain()
+            if params.get("eof") and conn.writer.can_write_eof():
+                conn.writer.write_eof()
+        except OSError as e:
+            raise RpcError("the app closed the connection", APP_UNREACHABLE, {"errno": e.errno})
+        return {"written": len(data)}
+
+    async def read(self, params: Any, ctx: Context) -> Dict[str, Any]:
+        conn = self._get(params)
+        want = params.get("max", MAX_READ)
+        if isinstance(want, bool) or not isinstance(want, int) or want < 1:
+            raise RpcError("max must be a positive number of bytes", INVALID_PARAMS)
+        async with conn.lock:
+            try:
+                data = await asyncio.wait_for(conn.reader.read(min(want, MAX_READ)), READ_WAIT_S)
+            except asyncio.TimeoutError:
+                return {"data": "", "eof": False}
+            except OSError:
+                data = b""
+        conn.touched = time.monotonic()
+        return {"data": base64.b64encode(data).decode(), "eof": not data}
+
+    async def close(self, params: Any, ctx: Context) -> Dict[str, Any]:
+        conn = self._conns.pop(params.get("conn") if isinstance(params, dict) else None, None)
+        if conn is not None:
+            conn.close()
+        return {"closed": conn is not None}
+
+    def _reap(self, now: float) -> None:
+        for cid, conn in list(self._conns.items()):
+            if now - conn.touched > IDLE_S and not conn.lock.locked():
+                self._conns.pop(cid, None)
+                conn.close()
+                log("app connection closed idle", conn=cid)
+
+    async def _reap_loop(self) -> None:
+        while self._conns:
+            await asyncio.sleep(30)
+            self._reap(time.monotonic())
+
+
+def register(registry: Registry) -> None:
+    relay = AppRelay()
+    registry.add("app.open", relay.open)
+    registry.add("app.write", relay.write)
+    registry.add("app.read", relay.read)
+    registry.add("app.close", relay.close)

@@ -1,0 +1,288 @@
+"""An agent's own web app: one HTTP request from the API relayed to a port inside the user's sandbox.
+
+The instance is woken like for a turn and held awake while the exchange lasts; bytes travel over the
+host↔guest channel (``guest/app_relay.py``), never a VM network. The host frames the request and parses the
+answer itself (h11), with a cap on both bodies, deadlines, and generic errors: the guest is untrusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+
+import h11
+
+from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.log import get_logger
+from moorage.runtime.sizing import app_ports
+from moorage.sandbox import ChannelError, RemoteError
+from moorage.store import EntityKey, TenantStore
+
+log = get_logger(__name__)
+
+#: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
+APP_UNREACHABLE = -32020
+#: Bytes asked of the guest per read (its own cap is the same).
+READ_CHUNK = 512 * 1024
+#: Largest request chunk sent in one frame.
+WRITE_CHUNK = 256 * 1024
+#: A response head larger than this is refused (h11 keeps it in memory until it is complete).
+MAX_HEAD_BYTES = 64 * 1024
+
+#: Request headers never passed to the app: hop-by-hop, the caller's credentials for moorage (an API key or
+#: cookies of the API's origin are not the app's business), and what the host sets itself.
+_DROP_REQUEST = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+    "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
+    "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded",
+})
+#: Response headers never passed back: hop-by-hop, framing (the host re-frames) and cookies (the app is served
+#: from the API's origin, where it must not set or replace cookies).
+_DROP_RESPONSE = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "set-cookie", "set-cookie2", "proxy-authenticate", "content-security-policy", "strict-transport-security",
+})
+#: Served on the API's origin, the app's pages get a sandboxed origin of their own: their scripts cannot read
+#: the dashboard's storage or call the API with the visitor's credentials.
+APP_CSP = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
+
+
+class AppUnavailable(UnavailableError):
+    """The agent's app did not answer properly (not listening, closed early, malformed, too slow)."""
+
+    code = "app-unavailable"
+    http_status = 502
+
+
+class AppTooLarge(MoorageError):
+    code = "app-too-large"
+    http_status = 413
+
+
+@dataclass
+class AppRequest:
+    method: str
+    #: Path and query as the app should see them (``/x?y=1``), raw (percent-encoded) bytes.
+    target: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: AsyncIterator[bytes]
+    #: Where the app is mounted on the API (sent as ``X-Forwarded-Prefix``).
+    prefix: str
+
+
+@dataclass
+class AppResponse:
+    status: int
+    headers: list[tuple[str, str]]
+    body: AsyncIterator[bytes]
+    #: Ends the exchange early (the caller went away); the body iterator does this itself when it finishes.
+    aclose: Callable[[], Awaitable[None]]
+
+
+def _limits(config: Any) -> tuple[int, int, float, float]:
+    return (config.app_max_request_bytes, config.app_max_response_bytes, float(config.app_timeout_s),
+            float(config.app_max_duration_s))
+
+
+def _request_head(req: AppRequest, port: int) -> tuple[h11.Request, bool]:
+    if not req.target.startswith(b"/") or any(c <= 0x20 or c == 0x7f for c in req.target):
+        raise InvalidInput("malformed path for the agent's app")
+    headers = [(k, v) for k, v in req.headers if k.lower().decode("latin-1") not in _DROP_REQUEST]
+    declared = next((v for k, v in req.headers if k.lower() == b"content-length"), None)
+    chunked = any(k.lower() == b"transfer-encoding" for k, _ in req.headers)
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidInput("malformed Content-Length")
+        headers.append((b"content-length", declared))
+    elif chunked:
+        headers.append((b"transfer-encoding", b"chunked"))
+    headers += [(b"host", f"127.0.0.1:{port}".encode()), (b"connection", b"close"),
+                (b"x-forwarded-prefix", req.prefix.encode()), (b"x-forwarded-proto", b"http")]
+    try:
+        return h11.Request(method=req.method.encode(), target=req.target, headers=headers), declared is not None or chunked
+    except h11.LocalProtocolError as e:
+        raise InvalidInput(f"the request cannot be passed to the agent's app: {e}") from None
+
+
+class _Exchange:
+    """One request/response over one relayed guest connection."""
+
+    def __init__(self, sandbox: Any, conn_id: int, deadline: float, max_response: int) -> None:
+        self.sandbox = sandbox
+        self.conn_id = conn_id
+        self.deadline = deadline
+        self.max_response = max_response
+        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.received = 0
+        self.closed = False
+
+    async def write(self, data: bytes) -> None:
+        for i in range(0, len(data), WRITE_CHUNK):
+            await self._call("app.write", {"conn": self.conn_id,
+                                           "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()})
+
+    async def _call(self, method: str, params: dict[str, Any], until: float | None = None) -> Any:
+        left = (until or self.deadline) - time.monotonic()
+        if left <= 0:
+            raise AppUnavailable("the agent's app took too long to answer", hint="make the app answer sooner")
+        try:
+            return await self.sandbox.channel.call(method, params, timeout=min(left, 35.0))
+        except RemoteError as e:
+            raise AppUnavailable("the agent's app closed the connection",
+                                 hint="check the app's own log in the sandbox") from e
+        except ChannelError as e:
+            if time.monotonic() >= (until or self.deadline):
+                raise AppUnavailable("the agent's app took too long to answer", hint="make the app answer sooner") from e
+            raise AppUnavailable("the sandbox stopped answering", hint="retry; the agent's instance may be restarting") from e
+
+    async def next_event(self, until: float) -> Any:
+        """The next parsed event, reading from the guest as needed (its answers are checked by h11)."""
+        while True:
+            try:
+                ev = self.h11.next_event()
+            except h11.RemoteProtocolError:
+                raise AppUnavailable("the agent's app sent a malformed HTTP response",
+                                     hint="serve HTTP/1.1 on the declared port") from None
+            if ev is not h11.NEED_DATA:
+                return ev
+            while True:
+                got = await self._call("app.read", {"conn": self.conn_id, "max": READ_CHUNK}, until)
+                data = base64.b64decode(got.get("data") or "") if isinstance(got, dict) else b""
+                if data or (isinstance(got, dict) and got.get("eof")):
+                    break
+                # An empty read without eof: the guest waited its longest; ask again until the deadline.
+            self.received += len(data)
+            if self.received > self.max_response + MAX_HEAD_BYTES:
+                raise AppTooLarge(f"the agent's app answered with more than {self.max_response} bytes",
+                                  hint="serve smaller responses, or raise app_max_response_bytes")
+            self.h11.receive_data(data)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            await self.sandbox.channel.call("app.close", {"conn": self.conn_id}, timeout=5)
+
+
+async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str, req: AppRequest) -> AppResponse:
+    """Relay ``req`` to the app of ``user``'s instance of ``agent_name`` in tenant ``ts``, waking it if asleep.
+
+    Raises NotFound (no such agent or user, or the agent serves no app), AppUnavailable (502), AppTooLarge (413).
+    The response body must be consumed or ``aclose``d: the instance stays awake until then.
+    """
+    max_request, max_response, head_timeout, max_duration = _limits(runtime.config)
+    agent, lc, scope = await asyncio.to_thread(runtime.router.resolve, ts, EntityKey(agent_name, user, "default"))
+    if agent.live_deployment is None:
+        raise NotFound(f"agent {agent_name!r} has no live deployment", hint="deploy it with `moorage deploy`")
+    deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
+    ports = app_ports(deployment.manifest)
+    if not ports:
+        raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
+    port = ports[0]
+    head, has_body = _request_head(req, port)
+
+    async def template() -> Any:
+        return await runtime._template_for(ts, agent)
+
+    stack = contextlib.AsyncExitStack()
+    started = time.monotonic()
+    deadline = started + max_duration
+    exchange: _Exchange | None = None
+    try:
+        # Held like a turn: the instance is woken once however many requests arrive, and never slept meanwhile.
+        sandbox = await stack.enter_async_context(runtime.instances.turn(ts, scope, template, lifecycle=lc))
+        try:
+            opened = await sandbox.channel.call("app.open", {"port": port}, timeout=15)
+        except RemoteError as e:
+            if e.rpc_code == APP_UNREACHABLE:
+                raise AppUnavailable(f"the agent's app is not listening on port {port}",
+                                     hint=f"start a server on 127.0.0.1:{port} in the sandbox") from None
+            raise AppUnavailable("the sandbox could not reach the agent's app") from None
+        exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
+        stack.push_async_callback(exchange.close)
+        await exchange.write(exchange.h11.send(head))
+        sent = 0
+        if has_body:
+            async for chunk in req.body:
+                sent += len(chunk)
+                if sent > max_request:
+                    raise AppTooLarge(f"the request body is over {max_request} bytes",
+                                      hint="send a smaller body, or raise app_max_request_bytes")
+                if chunk:
+                    try:
+                        await exchange.write(exchange.h11.send(h11.Data(data=chunk)))
+                    except h11.LocalProtocolError:
+                        raise InvalidInput("the request body does not match its Content-Length") from None
+        try:
+            await exchange.write(exchange.h11.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:
+            raise InvalidInput("the request body does not match its Content-Length") from None
+        head_until = min(deadline, time.monotonic() + head_timeout)
+        while True:
+            ev = await exchange.next_event(head_until)
+            if isinstance(ev, h11.InformationalResponse):
+                continue  # 100 Continue and the like: the host already sent the whole body
+            if isinstance(ev, h11.Response):
+                break
+            raise AppUnavailable("the agent's app closed the connection before answering",
+                                 hint="check the app's own log in the sandbox")
+        declared = next((v for k, v in ev.headers if k == b"content-length"), None)
+        if declared is not None and int(declared) > max_response:
+            raise AppTooLarge(f"the agent's app answered with {int(declared)} bytes; the limit is {max_response}",
+                              hint="serve smaller responses, or raise app_max_response_bytes")
+        headers = _response_headers(ev.headers)
+        status = ev.status_code
+    except BaseException:
+        await stack.aclose()
+        raise
+
+    ex = exchange
+    assert ex is not None
+
+    async def body() -> AsyncIterator[bytes]:
+        # One chunk is held back: the instance is released before the caller has the last bytes, so whoever
+        # acts on a complete answer (and sleeps the instance, say) never finds it still busy.
+        held = b""
+        try:
+            while True:
+                item = await ex.next_event(deadline)
+                if isinstance(item, h11.Data):
+                    if held:
+                        yield held
+                    held = bytes(item.data)
+                elif isinstance(item, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+        except BaseException:
+            # Cut short (the caller went away, a limit): cleanup must not wait on a cancelled caller, so the
+            # guest connection is closed and the instance released in the background, by a task held until done.
+            task = asyncio.ensure_future(stack.aclose())
+            _CLEANUPS.add(task)
+            task.add_done_callback(_cleaned)
+            raise
+        await stack.aclose()
+        if held:
+            yield held
+
+    log.info("app request", agent=agent_name, status=status, ms=int((time.monotonic() - started) * 1000))
+    return AppResponse(status, headers, body(), stack.aclose)
+
+
+_CLEANUPS: set["asyncio.Future[None]"] = set()
+
+
+def _cleaned(task: "asyncio.Future[None]") -> None:
+    _CLEANUPS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("app exchange cleanup failed", error=str(task.exception()))
+
+
+def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in _DROP_RESPONSE]
+    out.append(("content-security-policy", APP_CSP))
+    out.append(("x-content-type-options", "nosniff"))
+    return out
