@@ -64,17 +64,32 @@ async def answer(inst: InstanceEgress, packet: bytes) -> bytes | None:
     return reply.pack()
 
 
+#: Queries per second one instance's responder answers (a burst of twice this); the rest are dropped.
+QUERIES_PER_S = 50.0
+
+
 class _Protocol(asyncio.DatagramProtocol):
     def __init__(self, inst: InstanceEgress) -> None:
         self.inst = inst
         self.transport: Any = None
         self._tasks: set[asyncio.Task] = set()
+        self._tokens = 2 * QUERIES_PER_S
+        self._last = time.monotonic()
+
+    def _take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(2 * QUERIES_PER_S, self._tokens + (now - self._last) * QUERIES_PER_S)
+        self._last = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if len(self._tasks) >= 64:  # a flood of lookups is dropped rather than queued without bound
+        if len(self._tasks) >= 64 or not self._take():  # a flood of lookups is dropped, not queued
             return
         task = asyncio.get_running_loop().create_task(self._answer(data, addr))
         self._tasks.add(task)
