@@ -179,6 +179,14 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """
     run_dir = Path(_arg_after(argv, "-pidfile")).parent
     pipe = Path(_arg_after(argv, "-serial").removeprefix("file:"))
+    # The guest's memory and disk are readable by this host user only (their directories are 0700 as well).
+    os.chmod(run_dir.parent, 0o700)
+    for arg in argv:
+        for key in ("mem-path=", "file="):
+            if key in arg:
+                target = Path(arg.split(key, 1)[1].split(",", 1)[0])
+                if target.exists() and target.stat().st_mode & 0o077:
+                    os.chmod(target, stat.S_IMODE(target.stat().st_mode) & 0o700)
     dir_fd = os.open(run_dir, os.O_PATH | os.O_DIRECTORY)
     via_fd = f"/proc/self/fd/{dir_fd}/"
     argv = [a.replace(f"{run_dir}/", via_fd) if _is_socket_arg(a) and len(str(run_dir)) + 12 > _SUN_PATH_MAX else a
