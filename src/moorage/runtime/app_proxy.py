@@ -196,13 +196,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
     try:
         # Held like a turn: the instance is woken once however many requests arrive, and never slept meanwhile.
         sandbox = await stack.enter_async_context(runtime.instances.turn(ts, scope, template, lifecycle=lc))
-        try:
-            opened = await sandbox.channel.call("app.open", {"port": port}, timeout=15)
-        except RemoteError as e:
-            if e.rpc_code == APP_UNREACHABLE:
-                raise AppUnavailable(f"the agent's app is not listening on port {port}",
-                                     hint=f"start a server on 127.0.0.1:{port} in the sandbox") from None
-            raise AppUnavailable("the sandbox could not reach the agent's app") from None
+        opened = await _open(runtime, sandbox, deployment, port)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
         stack.push_async_callback(exchange.close)
         await exchange.write(exchange.h11.send(head))
@@ -270,6 +264,36 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
 
     log.info("app request", agent=agent_name, status=status, ms=int((time.monotonic() - started) * 1000))
     return AppResponse(status, headers, body(), stack.aclose)
+
+
+async def _open(runtime: Any, sandbox: Any, deployment: Any, port: int) -> dict[str, Any]:
+    """A guest connection to the app's port. A guest that booted without the agent's code (a sandbox whose
+    processes did not survive its sleep, a cold boot) gets it loaded first, which starts an app the agent
+    module runs, and is asked again for a few seconds while the app binds its port."""
+    from moorage.runtime.templates import push_and_load
+
+    loaded = False
+    give_up = time.monotonic() + 10
+    while True:
+        try:
+            return await sandbox.channel.call("app.open", {"port": port}, timeout=15)
+        except RemoteError as e:
+            if e.rpc_code != APP_UNREACHABLE:
+                raise AppUnavailable("the sandbox could not reach the agent's app") from None
+        if not loaded:
+            info = await sandbox.channel.call("agent.info", {}, timeout=15)
+            if deployment.id not in (info.get("loaded") or [] if isinstance(info, dict) else []):
+                archive = await asyncio.to_thread(runtime.templates.archive, deployment)
+                await push_and_load(sandbox, deployment, archive)
+                runtime._loaded[sandbox.id] = deployment.id
+                loaded = True
+                continue
+            loaded = True
+            give_up = time.monotonic()  # its code is loaded and still nothing listens: the app is down
+        if time.monotonic() >= give_up:
+            raise AppUnavailable(f"the agent's app is not listening on port {port}",
+                                 hint=f"start a server on 127.0.0.1:{port} in the sandbox")
+        await asyncio.sleep(0.1)
 
 
 _CLEANUPS: set["asyncio.Future[None]"] = set()
