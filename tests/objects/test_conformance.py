@@ -348,6 +348,28 @@ def test_concurrent_put_of_the_same_blob_is_safe(harness: Harness, tmp_path: Pat
         other.close()
 
 
+def test_puts_racing_a_delete_of_their_prefix_never_fail(object_store: ObjectStore) -> None:
+    """A delete of a prefix (retention) and puts under it at once: each put either stays or was deleted whole."""
+    stop = threading.Event()
+
+    def deleter() -> int:
+        n = 0
+        while not stop.is_set():
+            n += object_store.delete_prefix("instances/t1/i1/")
+        return n
+
+    with ThreadPoolExecutor(1) as pool:
+        deleted = pool.submit(deleter)
+        try:
+            for n in range(60):
+                object_store.put_bytes(f"instances/t1/i1/snapshots/{n % 4}/meta", f"{n}".encode())
+        finally:
+            stop.set()
+        deleted.result()
+    for o in object_store.iter("instances/t1/i1/"):
+        assert object_store.get_bytes(o.key).isdigit()
+
+
 def test_blob_whose_bytes_do_not_match_its_key_is_refused(object_store: ObjectStore, tmp_path: Path) -> None:
     blobs = Blobs(object_store)
     digest = hashlib.sha256(b"what the key promises").hexdigest()
