@@ -63,6 +63,9 @@ class Config:
     llm_base_url: str = ""
     llm_api_key: str = dataclasses.field(default="", repr=False)
     llm_model: str = ""
+    #: The operator's per-tenant LLM policy (TOML: allowed models, rate limits, monthly tokens, unpriced models;
+    #: docs/llm.md); empty: every tenant may call any model, unlimited.
+    llm_policy: str = ""
     #: Working-memory compaction summaries: ``extractive`` (offline, deterministic) or ``model`` (through the gateway).
     memory_summarizer: str = "extractive"
     #: Semantic-memory fact extraction: ``patterns`` (offline) or ``model`` (through the gateway, tenant's budget).
