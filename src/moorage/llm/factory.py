@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 from moorage.config import Config
 from moorage.errors import ConfigError
 from moorage.llm.anthropic import AnthropicProvider
@@ -39,6 +42,16 @@ def provider_from_config(cfg: Config) -> Provider:
     raise ConfigError(f"unknown llm_provider {kind!r}", hint=f"use one of: {', '.join(PROVIDERS)}")
 
 
-def gateway_from_config(cfg: Config, *, usage_sink: UsageSink | None = None) -> LLMGateway:
+def gateway_from_config(cfg: Config, *, usage_sink: UsageSink | None = None,
+                        tenant_name: Callable[[str], str | None] | None = None) -> LLMGateway:
+    """The gateway ``cfg`` describes; with ``llm_policy`` set, the operator's per-tenant policy applies (tenants
+    are named through ``tenant_name``, tenant id -> name)."""
     provider = provider_from_config(cfg)
-    return LLMGateway({provider.name: provider}, default_route=Route(provider.name), usage_sink=usage_sink)
+    if not cfg.llm_policy:
+        return LLMGateway({provider.name: provider}, default_route=Route(provider.name), usage_sink=usage_sink)
+    from moorage.llm.policy import PolicyResolver, load_policy
+
+    policy = load_policy(Path(cfg.llm_policy))
+    return LLMGateway({provider.name: provider}, default_route=Route(provider.name), usage_sink=usage_sink,
+                      policy=PolicyResolver(policy, tenant_name or (lambda _tid: None)),
+                      prices=policy.price_table(), refuse_unpriced=policy.unknown_models == "refuse")

@@ -14,6 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 from moorage.errors import ConfigError, NotFound
 from moorage.llm.limits import Admission
+from moorage.llm.policy import ModelNotAllowed, TenantPolicy, is_priced
 from moorage.llm.pricing import PriceTable
 from moorage.llm.provider import Provider
 from moorage.llm.retry import RetryPolicy
@@ -46,6 +47,8 @@ class LLMGateway:
         usage_sink: UsageSink | None = None,
         retry: RetryPolicy = RetryPolicy(),
         sleep: Sleep = asyncio.sleep,
+        policy: "Callable[[str], TenantPolicy] | None" = None,
+        refuse_unpriced: bool = False,
     ) -> None:
         if not isinstance(providers, Mapping):
             providers = {p.name: p for p in providers}
@@ -63,6 +66,11 @@ class LLMGateway:
         self.usage_sink = usage_sink
         self.retry = retry
         self._sleep = sleep
+        #: The operator's per-tenant policy (models, limits, budget); None: every tenant may call any model.
+        self.policy = policy
+        #: Refuse models the price table does not name (the operator's rule: never free by accident).
+        self.refuse_unpriced = refuse_unpriced
+        self._policed: set[str] = set()
 
     def __repr__(self) -> str:
         return f"LLMGateway(providers={sorted(self._providers)}, default={self._default.provider!r})"
@@ -91,6 +99,22 @@ class LLMGateway:
         # The tenant is the prompt-cache scope: a cache hit (its count, its speed) never crosses tenants.
         return provider, replace(request, model=model, cache_scope=tenant_id)
 
+    def _check_policy(self, tenant_id: str, provider: Provider, request: ChatRequest) -> None:
+        """The operator's rules for this tenant, before anything is reserved or sent: the model must be allowed
+        (whatever the guest asked for) and priced; the tenant's limits are installed on first use."""
+        model = request.model or getattr(provider, "default_model", "") or ""
+        if self.policy is not None:
+            pol = self.policy(tenant_id)
+            if tenant_id not in self._policed:
+                self.admission.set_limits(tenant_id, pol.limits())
+                self._policed.add(tenant_id)
+            if not pol.allows(provider.name, model):
+                raise ModelNotAllowed(f"model {model!r} is not allowed for this tenant",
+                                      hint=f"allowed: {', '.join(pol.models or ())}; the operator sets this in the LLM policy")
+        if self.refuse_unpriced and not is_priced(self.prices, provider.name, model):
+            raise ModelNotAllowed(f"model {model!r} has no price and this installation refuses unpriced models",
+                                  hint="the operator adds it under [llm.prices] or sets unknown_models = \"price\"")
+
     # --- calls -------------------------------------------------------------------------
 
     async def count_tokens(self, tenant_id: str, messages: Sequence[Message] | str, tools: Sequence[ToolSpec] = ()) -> int:
@@ -114,6 +138,7 @@ class LLMGateway:
     ) -> ChatResponse:
         """One model call for ``tenant_id``, retried on transient provider failures."""
         provider, request = self._resolve(tenant_id, request)
+        self._check_policy(tenant_id, provider, request)
         _, reservation = await self._reserve(tenant_id, provider, request)
         started = time.perf_counter()
         attempt = 0
@@ -146,6 +171,7 @@ class LLMGateway:
         """Stream one call. Retries happen only before the first chunk: after that the caller has
         already seen part of an answer, and a retry would produce a different one."""
         provider, request = self._resolve(tenant_id, request)
+        self._check_policy(tenant_id, provider, request)
         input_estimate, reservation = await self._reserve(tenant_id, provider, request)
         started = time.perf_counter()
         attempt = 0

@@ -68,7 +68,8 @@ class Host:
         from moorage.lifecycle.pool import WarmPool
 
         manager.pool = WarmPool(driver, config.data_dir / "pool")
-        llm = gateway_from_config(config, usage_sink=StoreUsageSink(store))
+        llm = gateway_from_config(config, usage_sink=StoreUsageSink(store),
+                                  tenant_name=lambda tenant_id: store.operator.get_tenant(tenant_id).name)
         # Prices let agents with sleep = "adaptive" weigh staying awake against a snapshot (it needs them).
         manager.economics = CostModel().economics()
         return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
