@@ -224,3 +224,21 @@ def test_searches_in_other_threads_while_events_arrive_never_fail(tenant: Tenant
         t.join()
     assert errors == []
     assert last.id in {h.event.id for h in mem.search(ALICE, "Batch 29 note 4 about the garden shed", k=3)}
+
+
+def test_the_embedding_queue_embeds_a_tenants_pending_events_in_the_background(
+        tenant: TenantStore, embedder: Embedder) -> None:
+    from moorage.memory.embed_queue import EmbedQueue
+
+    mem = EpisodicMemory(tenant, embedder)
+    mem.remember_pending(ALICE, [EventIn("message", t, "user") for t in ("I planted tomatoes.", "The train was late.")])
+    queue = EmbedQueue()
+    try:
+        queue.submit(mem)
+        assert queue.wait_idle(60)
+        assert tenant.events.unembedded() == []
+        assert len(tenant.events.embeddings(ALICE)) == 2
+    finally:
+        queue.close()
+    queue.submit(mem)  # closed: ignored
+    assert queue.wait_idle(0)

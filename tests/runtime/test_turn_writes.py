@@ -173,6 +173,29 @@ async def test_a_step_commits_when_it_happens(env: Env, commits: Commits, tmp_pa
     assert commits.turn(start, len(commits)) == TURN_COMMITS + 1  # + the step
 
 
+COUNTER = """
+import os
+
+async def on_message(ctx, message):
+    n = int(open("/work/n").read()) + 1 if os.path.exists("/work/n") else 1
+    with open("/work/n", "w") as f:
+        f.write(str(n))
+    return "run %d: %s" % (n, message)
+"""
+
+
+async def test_two_requests_with_one_idempotency_key_run_the_turn_once(env: Env, tmp_path: Path) -> None:
+    # The run is created by the turn's first commit: requests that both found no run meet there, and the
+    # second one answers with the first one's result.
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "counter", "counter", COUNTER))
+    k = EntityKey("counter", "ada", "s1")
+    a, b = await asyncio.gather(*(env.runtime.invoke(env.principal, k, "hi", idempotency_key="req-1") for _ in range(2)))
+    assert a.reply == b.reply == "run 1: hi" and a.run_id == b.run_id
+    ts = env.store.tenant(env.principal)
+    assert [r.id for r in ts.runs.list(limit=100) if r.name == "turn"] == [a.run_id]
+    assert [e.content for e in ts.events.list(Scope.session("counter", "ada", "s1"), limit=100)] == ["hi", "run 1: hi"]
+
+
 # -- must show: a host killed after the reply, before the embedding --------------------------------------------
 
 NOTES = "async def on_message(ctx, message):\n    return 'Noted.'\n"
