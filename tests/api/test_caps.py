@@ -38,6 +38,9 @@ async def test_compute_cap_refuses_turns_and_sleeps_the_instance(live_rt, store:
         assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "free"})).status_code == 200
 
         usage = (await c.get("/v1/usage", params={"agent": "echo", "user": "capped"})).json()["totals"]
+        daily = (await c.get("/v1/usage", params={"agent": "echo", "user": "capped", "group": "day"})).json()["days"]
+        assert [d["day"] for d in daily] == [time.strftime("%Y-%m-%d", time.gmtime())]
+        assert daily[0]["totals"]["compute_seconds"] == usage["compute_seconds"]
     spans = [s for s in ts.spans.recent(limit=500) if s.attrs.get("scope") == scope.key]
     up = min(s.end_ts for s in spans if s.name in ("lifecycle.provisioned", "lifecycle.woke"))
     down = max(s.end_ts for s in spans if s.name == "lifecycle.slept")

@@ -248,10 +248,13 @@ class Api:
     def get_trace(self, trace_id: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/traces/{_p(trace_id)}"))
 
-    def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None) -> T.Usage:
-        return self._send(Request("GET", "/v1/usage", {k: v for k, v in
-                                                       {"since": since, "agent": agent, "user": user}.items()
-                                                       if v is not None}))
+    def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None,
+              by_day: bool = False) -> T.Usage:
+        """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …); ``by_day`` adds ``days`` (UTC)."""
+        params = {k: v for k, v in {"since": since, "agent": agent, "user": user}.items() if v is not None}
+        if by_day:
+            params["group"] = "day"
+        return self._send(Request("GET", "/v1/usage", params))
 
     def health(self) -> dict[str, Any]:
         return self._send(Request("GET", "/healthz"))

@@ -11,7 +11,7 @@ from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, float_query
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import NotFound
+from moorage.errors import InvalidInput, NotFound
 
 
 def get_trace(call: Call) -> dict[str, Any]:
@@ -30,7 +30,15 @@ def recent_spans(call: Call) -> dict[str, Any]:
 def usage(call: Call) -> dict[str, Any]:
     since = float_query(call, "since") or 0.0
     totals = call.tenant.usage.totals(since=since, agent_id=call.query("agent"), user_id=call.query("user"))
-    return {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
+    out: dict[str, Any] = {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
+    group = call.query("group")
+    if group not in (None, "", "day"):
+        raise InvalidInput(f"group must be day, got {group!r}")
+    if group == "day":
+        from moorage.usage.ledger import by_day
+
+        out["days"] = by_day(call.tenant, since=since, agent=call.query("agent"), user=call.query("user"))
+    return out
 
 
 ENDPOINTS = [
@@ -39,6 +47,7 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace", scope="read",
              response=S.ref("Trace")),
     Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage", scope="read",
-             query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR)),
+             query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR),
+                    Param("group", {"enum": ["day"]}, "also break the totals down by UTC day")),
              response=S.ref("Usage")),
 ]
