@@ -9,14 +9,13 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import io
 import math
 import os
 import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -32,6 +31,7 @@ from moorage.objects.errors import (
 )
 from moorage.objects.keys import CHUNK, check_digest, check_key, check_prefix, sha256_file
 from moorage.objects.store import ObjectInfo, ObjectPage, ObjectStore, check_delete_prefix, check_limit
+from moorage.objects.transfer import FileWindow, hash_stream, wait_all
 
 #: S3's smallest part (all but the last) and its most parts per upload.
 MIN_PART = 5 << 20
@@ -226,12 +226,12 @@ class S3ObjectStore(ObjectStore):
         futures = [self._pool.submit(self._upload_part, key, full, upload_id, n + 1, path, start,
                                      min(part_size, size - start))
                    for n, start in enumerate(range(0, size, part_size))]
-        _wait_all(futures)
+        wait_all(futures)
         return [f.result() for f in futures]
 
     def _upload_part(self, key: str, full: str, upload_id: str, number: int, path: Path, start: int,
                      length: int) -> dict[str, Any]:
-        with _FileWindow(path, start, length) as body:
+        with FileWindow(path, start, length) as body:
             h = hashlib.sha256()
             while chunk := body.read(CHUNK):
                 h.update(chunk)
@@ -264,7 +264,7 @@ class S3ObjectStore(ObjectStore):
                 else:
                     self._get_ranges(key, out.fileno(), size, etag)
                     out.seek(0)
-                    digest, got = _hash_stream(out)
+                    digest, got = hash_stream(out)
                 if got != size or digest != recorded:
                     raise ObjectCorrupt(key, f"its {got} bytes hash to {digest}, {recorded} was recorded for {size}")
                 out.flush()
@@ -314,7 +314,7 @@ class S3ObjectStore(ObjectStore):
             if off != end + 1:
                 raise ObjectCorrupt(key, f"range {start}-{end} ended at byte {off}")
 
-        _wait_all([self._pool.submit(fetch, s, min(s + self.part_size, size) - 1)
+        wait_all([self._pool.submit(fetch, s, min(s + self.part_size, size) - 1)
                    for s in range(0, size, self.part_size)])
 
     def get_stream(self, key: str, out: BinaryIO) -> ObjectInfo:
@@ -408,65 +408,3 @@ class S3ObjectStore(ObjectStore):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._client.close()
-
-
-def _wait_all(futures: list[Future[Any]]) -> None:
-    """Wait for every transfer step; on the first failure cancel the ones not started and raise it."""
-    finished, _ = wait(futures, return_when=FIRST_EXCEPTION)
-    failed = next((f for f in futures if f in finished and f.exception() is not None), None)
-    if failed is not None:
-        for f in futures:
-            f.cancel()
-        wait(futures)
-        raise failed.exception()  # type: ignore[misc]
-
-
-class _FileWindow(io.RawIOBase):
-    """``length`` bytes of a file from ``start``, as a seekable stream of its own (one upload part)."""
-
-    def __init__(self, path: Path, start: int, length: int) -> None:
-        super().__init__()
-        self._f = open(path, "rb")
-        self._start, self._len, self._pos = start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def read(self, n: int | None = -1) -> bytes:
-        left = self._len - self._pos
-        n = left if n is None or n < 0 else min(n, left)
-        if n <= 0:
-            return b""
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def _hash_stream(f: io.BufferedIOBase | BinaryIO) -> tuple[str, int]:
-    h = hashlib.sha256()
-    n = 0
-    while chunk := f.read(CHUNK):
-        h.update(chunk)
-        n += len(chunk)
-    return h.hexdigest(), n

@@ -51,8 +51,9 @@ class ObjectStore(ABC):
         """Store the file at ``path`` under ``key`` (atomically: readers see the old object or the new one).
 
         ``if_absent``: raise ``ObjectExists`` instead of replacing an existing object. ``sha256``: the caller
-        already knows the file's digest (saves a read pass); a wrong one makes every later get raise
-        ``ObjectCorrupt``, never return the bytes. The file must not change while it is stored.
+        already knows the file's digest (saves a read pass); a wrong one is refused (``InvalidInput``) where the
+        backend can tell while storing, and otherwise makes every later get raise ``ObjectCorrupt``: it never
+        returns the bytes. The file must not change while it is stored.
         """
 
     def put_stream(self, key: str, stream: BinaryIO, *, if_absent: bool = False) -> ObjectInfo:
