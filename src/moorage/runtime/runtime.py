@@ -168,7 +168,9 @@ class Runtime:
         self.embedder = embedder
         self.packages = config.data_dir / "packages"
         private_dir(self.packages)
-        self.templates = Templates(config.data_dir / "templates", driver, self.packages)
+        from moorage.objects import open_package_blobs
+
+        self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
         self.turns: dict[str, TurnBinding] = {}
         self.tracer = Tracer()
         from moorage.memory.embed_queue import EmbedQueue
@@ -280,7 +282,9 @@ class Runtime:
             AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
         except InvalidInput as e:
             raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        save_archive(self.packages, pkg)
+        saved = save_archive(self.packages, pkg)
+        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
+            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
         try:
             agent = ts.agents.get(pkg.name)
         except NotFound:
