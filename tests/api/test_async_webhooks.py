@@ -257,3 +257,34 @@ async def test_webhooks_and_executions_do_not_cross_tenants(live_rt, acme: str, 
         assert (await a.delete(f"/v1/agents/echo/webhooks/{hook['id']}")).status_code == 404
         r = await a.get(f"/v1/agents/echo/webhooks/{hook['id']}/deliveries")
         assert r.status_code == 404 and "msg_" not in r.text and hook["secret"] not in r.text
+
+
+async def test_deliveries_obey_the_egress_address_policy(live_rt, store: Store, acme: str, tmp_path: Path,
+                                                         receiver: Receiver):
+    """A webhook URL on the host's own network (loopback here) is refused unless the operator admits it."""
+    from moorage.config import Config
+    from moorage.egress.connector import Egress
+
+    async with aclient(live_rt, acme) as c:
+        await deploy(c, tmp_path)
+        hook = (await c.post("/v1/agents/echo/webhooks", json={"url": receiver.url})).json()
+        await c.post("/v1/agents/echo/invoke", json={"message": "approve", "user": "zed"})  # one delivery queued
+    ts = store.tenant(store.authenticate(acme))
+    (d,) = ts.deliveries.list(hook["id"])
+
+    guarded = Dispatcher(store, schedule=RetrySchedule((0.05,) * 3),
+                         egress=Egress.from_config(Config(data_dir=tmp_path / "x")))
+    await guarded.tick()
+    await guarded.aclose()
+    (attempt,) = ts.deliveries.attempts(d.id)
+    assert attempt.status_code is None and "loopback" in (attempt.error or ""), attempt.error
+    assert receiver.requests == []  # nothing was sent
+
+    await asyncio.sleep(0.1)
+    admitted = Dispatcher(store, schedule=FAST,
+                          egress=Egress.from_config(Config(data_dir=tmp_path / "x", egress_allow_cidrs="127.0.0.0/8")))
+    await admitted.tick()
+    await admitted.aclose()
+    assert ts.deliveries.get(d.id).status == "delivered"
+    payload = verify(hook["secret"], receiver.delivered()[0][1], receiver.delivered()[0][0])
+    assert payload["type"] == "interrupt.waiting"

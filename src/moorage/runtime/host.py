@@ -86,7 +86,11 @@ class Host:
 
         # Async turns lost before their run existed start again; then the webhook outbox is drained.
         await ExecutionRunner.of(self.runtime).resubmit_orphans(self.store, min_age_s=0.0)
-        self._tasks.append(asyncio.create_task(Dispatcher(self.store).run(), name="webhook-deliveries"))
+        from moorage.egress.connector import Egress
+
+        # Deliveries go through the egress address policy: a webhook URL cannot reach the host's own network.
+        dispatcher = Dispatcher(self.store, egress=Egress.from_config(self.config))
+        self._tasks.append(asyncio.create_task(dispatcher.run(), name="webhook-deliveries"))
         from moorage.usage.caps import enforce_loop
 
         self._tasks.append(asyncio.create_task(enforce_loop(self.runtime), name="cap-enforcement"))

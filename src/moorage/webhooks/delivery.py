@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from moorage.errors import ConflictError, NotFound
+from moorage.errors import ConflictError, MoorageError, NotFound
 from moorage.log import get_logger
 from moorage.store import Store, TenantStore
 from moorage.store.webhooks import Delivery, Execution
@@ -77,8 +77,13 @@ class Dispatcher:
     """Drains every tenant's outbox. One per host; several hosts on one store share the work safely."""
 
     def __init__(self, store: Store, *, schedule: RetrySchedule | None = None, poll_s: float = 0.5,
-                 timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None,
+                 egress: Any = None) -> None:
         self.store = store
+        #: The host's egress service (``moorage.egress.Egress``): with it, a delivery connects only to addresses the
+        #: operator's address policy admits (no loopback, private or metadata address unless allowed), judged
+        #: before connecting and pinned for the connection. Without it (tests of the outbox) plain HTTP is used.
+        self.egress = egress
         self.schedule = schedule or RetrySchedule()
         self.poll_s = poll_s
         self.timeout_s = timeout_s
@@ -97,6 +102,10 @@ class Dispatcher:
         finally:
             await self._client.aclose()
 
+    async def aclose(self) -> None:
+        """Close the HTTP client (``run`` does this itself when it is cancelled)."""
+        await self._client.aclose()
+
     async def tick(self) -> int:
         """One round over every tenant; returns how many attempts were made."""
         sent = 0
@@ -107,6 +116,17 @@ class Dispatcher:
                 await asyncio.gather(*(self.send(ts, d) for d in due))
                 sent += len(due)
         return sent
+
+    async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> int:
+        if self.egress is None:
+            return (await self._client.post(url, content=body, headers=headers)).status_code
+        from moorage.egress.fetch import fetch
+
+        # The webhook's own URL is the only rule: no redirects elsewhere, the answer body is not kept.
+        inst = self.egress.instance({"egress": {"allow": [url]}})
+        result = await fetch(inst, "POST", url, headers=headers, body=body, timeout_s=self.timeout_s,
+                             max_body=4096, max_redirects=0)
+        return result.status
 
     async def send(self, ts: TenantStore, d: Delivery) -> Delivery | None:
         """One attempt at ``d`` (already claimed): POST it signed, record the attempt, schedule what follows."""
@@ -124,11 +144,14 @@ class Dispatcher:
             headers = {"content-type": "application/json", "user-agent": "moorage-webhooks/1",
                        **sign(hook.secret, d.id, int(started), body)}
             try:
-                r = await self._client.post(hook.url, content=body.encode(), headers=headers)
-                status = r.status_code
+                status = await self._post(hook.url, body.encode(), headers)
                 if not 200 <= status < 300:
                     error = f"receiver answered {status}"
             except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+            except MoorageError as e:  # refused by the address policy, or the connection failed
+                error = f"{e.code}: {e.message}"
+            except Exception as e:  # noqa: BLE001 - any other failure is this attempt's, recorded and retried
                 error = f"{type(e).__name__}: {e}"
         delivered = error is None
         done = d.attempts + 1
