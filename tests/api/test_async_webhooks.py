@@ -288,3 +288,40 @@ async def test_deliveries_obey_the_egress_address_policy(live_rt, store: Store, 
     assert ts.deliveries.get(d.id).status == "delivered"
     payload = verify(hook["secret"], receiver.delivered()[0][1], receiver.delivered()[0][0])
     assert payload["type"] == "interrupt.waiting"
+
+
+async def test_an_execution_refused_after_its_202_fails_and_is_announced(live_rt, store: Store, acme: str,
+                                                                          tmp_path: Path, receiver: Receiver):
+    from tests.api.test_retry_after import SLOW_AGENT, archive
+
+    dispatcher = Dispatcher(store, schedule=FAST, poll_s=0.05)
+    loop_task = asyncio.create_task(dispatcher.run())
+    try:
+        async with aclient(live_rt, acme) as c:
+            r = await c.post("/v1/agents/slow/deployments", headers=GZ,
+                             content=archive(tmp_path, "slow", SLOW_AGENT.replace("sleep(6)", "sleep(3)"), "max_queue = 1\n"))
+            assert r.status_code == 201
+            hook = (await c.post("/v1/agents/slow/webhooks", json={"url": receiver.url,
+                                                                   "events": ["execution.failed"]})).json()
+            first = asyncio.create_task(c.post("/v1/agents/slow/invoke", json={"message": "slow", "user": "ann"}))
+            ts = store.tenant(store.authenticate(acme))
+            while not any(run.status == "running" for run in ts.runs.list(limit=100)):
+                await asyncio.sleep(0.05)
+            ids = [(await c.post("/v1/agents/slow/invoke?async=true",
+                                 json={"message": f"m{i}", "user": "ann", "session": f"s{i}"})).json()["id"]
+                   for i in range(4)]
+            await first
+            shown = [(await c.get(f"/v1/executions/{i}")).json() for i in ids]
+            while any(s["status"] in ("queued", "running") for s in shown):
+                await asyncio.sleep(0.1)
+                shown = [(await c.get(f"/v1/executions/{i}")).json() for i in ids]
+        failed = {s["id"] for s in shown if s["status"] == "failed"}
+        assert len(failed) >= 2 and all("too many turns" in (s["error"] or "") for s in shown if s["id"] in failed)
+        await until(lambda: len(receiver.delivered()) == len(failed), "each refusal is announced")
+        await asyncio.sleep(0.3)
+        events = [verify(hook["secret"], b, h) for h, b in receiver.delivered()]
+        assert {e["data"]["execution_id"] for e in events} == failed and len(events) == len(failed)
+        assert all(e["type"] == "execution.failed" for e in events)
+    finally:
+        loop_task.cancel()
+        await asyncio.gather(loop_task, return_exceptions=True)

@@ -60,7 +60,18 @@ def announce(ts: TenantStore) -> int:
         try:
             run = ts.runs.get(ex.id)
         except NotFound:
-            continue  # not started yet (or refused before it started: the runner records that)
+            # Not started yet, or refused before its run existed (the runner recorded why): the latter is final.
+            refusal = next((e.get("data") for e in ex.events if e.get("kind") == "error"), None)
+            if refusal is not None:
+                with ts.transaction():
+                    if ts.executions.mark_announced(ex.id, "failed", expected_version=ex.version):
+                        ts.deliveries.enqueue(ex.agent, "execution.failed", {
+                            "execution_id": ex.id, "agent": ex.agent, "user": ex.user, "session": ex.session,
+                            "status": "failed", "reply": None,
+                            "error": refusal.get("detail") if isinstance(refusal, dict) else str(refusal),
+                            "interrupt": None, "url": f"/v1/executions/{ex.id}"})
+                        queued += 1
+            continue
         if run.status not in ANNOUNCED or run.status == ex.announced:
             continue
         waiting_for = DurableEngine(ts).waiting_for(run.id) if run.status == "waiting" else None
