@@ -146,13 +146,13 @@ async def fleet(call: Call) -> dict[str, Any]:
     shown_ids = {b.id for b in shown}
     stats = await _live_stats(call, shown)
 
-    awake_s = asleep_s = 0.0
+    asleep_s = 0.0
     instances = []
     all_wakes: list[float] = []
     for box in boxes:
         tl = timelines.get(box.id)
-        a, z = _seconds_by_kind(box, tl, since, now)
-        awake_s, asleep_s = awake_s + a, asleep_s + z
+        _, z = _seconds_by_kind(box, tl, since, now)
+        asleep_s += z
         st = stats.get(box.id)
         wakes = [ms for at, ms in (tl.wake_ms if tl else []) if at >= since]
         all_wakes += wakes
@@ -165,7 +165,14 @@ async def fleet(call: Call) -> dict[str, Any]:
                 "disk_bytes": (st.disk_bytes + st.snapshot_bytes + st.checkpoint_bytes) if st is not None else None,
             })
 
-    # An estimate, labelled as such: awake instance-seconds at the cost model's vCPU+RAM rate and asleep
+    # Awake seconds are metered: what the usage ledger recorded at each sleep, plus the running part of the
+    # instances awake now (from their records). Asleep seconds are still read from the lifecycle span window.
+    awake_s = float(totals.get("compute_seconds", 0.0))
+    for box in boxes:
+        started = box.meta.get("awake_since")
+        if box.state in ("running", "suspending") and isinstance(started, (int, float)):
+            awake_s += max(0.0, now - max(started, since))
+    # Costs are estimates, labelled as such: awake instance-seconds at the cost model's vCPU+RAM rate and asleep
     # instance-seconds at its snapshot-storage rate (default price table and instance profile, docs/cost.md).
     # Model (LLM) spend is not estimated: it is the ledger's measured cost_usd.
     model = CostModel()
@@ -190,7 +197,7 @@ async def fleet(call: Call) -> dict[str, Any]:
             "model": float(totals.get("cost_usd", 0.0)),
             "awake_s": round(awake_s, 3),
             "asleep_s": round(asleep_s, 3),
-            "basis": "estimate: lifecycle spans x default cost model",
+            "basis": "awake: metered; asleep: lifecycle spans; prices: default cost model",
         },
         "usage": totals,
     }
