@@ -147,6 +147,9 @@ async def sample_neighbour(b: Bench, n: int) -> list[float]:
 async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]:
     lat: list[float] = []
     outcomes: list[str] = []
+    queue = getattr(b.rt, "embed_queue", None)  # earlier turns' background embedding is not this attack's
+    if queue is not None:
+        await asyncio.to_thread(queue.wait_idle, 60)
     start = rss()
     peak = start
     stop = asyncio.Event()

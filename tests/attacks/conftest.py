@@ -9,10 +9,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator
-
-import pytest
-import pytest_asyncio
+from typing import AsyncIterator
 
 from moorage.store import EntityKey
 from tests.attacks.hostile_agent import AGENT
@@ -55,11 +52,6 @@ class RssWatch:
         return self.peak - self.start
 
 
-@pytest.fixture
-def rss() -> Iterator[type[RssWatch]]:
-    yield RssWatch
-
-
 class Hostile:
     """The runtime, the hostile agent's entity and a bystander instance of the same deployment."""
 
@@ -76,6 +68,7 @@ class Hostile:
     async def settle(self) -> None:
         """Turns until the host's memory is steady: its first turns load models (embeddings) once, which is no
         attack's doing and would otherwise be counted against the first attack measured."""
+        await self.say("recall warm up")  # a memory search loads the host's embedding model now
         last = rss_bytes()
         steady = 0
         for _ in range(40):
@@ -85,7 +78,19 @@ class Hostile:
             steady = steady + 1 if abs(now - last) < 2 * MiB else 0
             last = now
             if steady >= 3:
+                await self.quiet()
                 return
+
+    async def quiet(self) -> None:
+        """Wait for the host's background work of earlier turns (embedding their messages) to finish."""
+        queue = getattr(self.env.runtime, "embed_queue", None)
+        if queue is not None:
+            await asyncio.to_thread(queue.wait_idle, 60)
+
+    async def measured(self) -> RssWatch:
+        """An RSS watch to wrap one attack in, started once earlier turns' background work is done."""
+        await self.quiet()
+        return RssWatch()
 
     async def sandbox(self, who: EntityKey | None = None):  # type: ignore[no-untyped-def]
         """The running sandbox of ``who`` (attacker by default)."""

@@ -23,6 +23,8 @@ async def on_message(ctx, message):
     cmd, _, arg = message.partition(" ")
     if cmd == "ping":
         return "pong"
+    if cmd == "recall":
+        return json.dumps(await ctx.memory.recall(arg or "anything", k=1))
     if cmd == "flood":
         # Requests to the host as fast as the pipe takes them, never waiting for an answer.
         n = int(arg)

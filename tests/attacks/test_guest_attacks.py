@@ -20,7 +20,7 @@ from moorage.errors import MoorageError
 from moorage.sandbox.base import GuestFileTooLarge, READ_FILE_MAX_BYTES
 from moorage.sandbox.capped_log import DEFAULT_CAP_BYTES
 from moorage.sandbox.channel import MAX_GUEST_INFLIGHT
-from tests.attacks.conftest import Hostile, MiB, RssWatch, hostile_env
+from tests.attacks.conftest import Hostile, MiB, hostile_env
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -40,7 +40,7 @@ async def test_request_flood_is_capped_per_channel(hostile: Hostile) -> None:
     sb = await hostile.sandbox()
     # A small flood first: the host's worker threads and their store connections start once, whatever the load.
     assert await hostile.say("flood 500") == "flooded 500"
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         reply = await hostile.say("flood 20000")
     assert reply == "flooded 20000"
     assert rss.growth < 32 * MiB, rss.growth
@@ -53,7 +53,7 @@ async def test_request_flood_is_capped_per_channel(hostile: Hostile) -> None:
 async def test_deeply_nested_frames_are_refused_and_the_turn_goes_on(hostile: Hostile) -> None:
     sb = await hostile.sandbox()
     before = sb.channel.rejected_frames
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         assert await hostile.say("deep 200000") == "survived"
     assert sb.channel.rejected_frames >= before + 2
     assert rss.growth < 64 * MiB, rss.growth
@@ -61,7 +61,7 @@ async def test_deeply_nested_frames_are_refused_and_the_turn_goes_on(hostile: Ho
 
 
 async def test_event_flood_is_bounded(hostile: Hostile) -> None:
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         reply = await hostile.say("events 20000")  # 80 MB of events, streamed to nobody
     assert reply == "emitted 20000"
     assert rss.growth < 64 * MiB, rss.growth
@@ -71,7 +71,7 @@ async def test_event_flood_is_bounded(hostile: Hostile) -> None:
 async def test_file_read_that_never_ends_is_cut_off(hostile: Hostile) -> None:
     assert await hostile.say("endless-read") == "armed"
     sb = await hostile.sandbox()
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         with pytest.raises(GuestFileTooLarge) as e:
             await sb.read_file("/work/anything")
     assert str(READ_FILE_MAX_BYTES) in str(e.value) and e.value.hint
@@ -94,7 +94,7 @@ async def test_console_flood_is_capped_on_disk(hostile: Hostile) -> None:
 
 
 async def test_huge_frame_stops_the_attacker_cleanly_and_it_comes_back(hostile: Hostile) -> None:
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         with pytest.raises(MoorageError):
             await hostile.say("huge")
     assert rss.growth < 64 * MiB, rss.growth  # the announced 4 GiB were never read or allocated

@@ -17,7 +17,7 @@ import pytest_asyncio
 
 from moorage.errors import MoorageError
 from moorage.sandbox.process_fs import disk_usage
-from tests.attacks.conftest import Hostile, MiB, RssWatch, hostile_env
+from tests.attacks.conftest import Hostile, MiB, hostile_env
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -55,7 +55,7 @@ async def test_host_paths_are_not_reachable(hostile: Hostile) -> None:
 async def test_disk_filled_by_the_supervisor_itself_stops_the_sandbox(hostile: Hostile) -> None:
     sb = await hostile.sandbox()
     quota = sb.spec.disk_mib * MiB
-    with RssWatch() as rss:
+    with await hostile.measured() as rss:
         with pytest.raises(MoorageError):
             await hostile.say("fill-disk")  # writes in-process: no worker for the watchdog to kill
     assert rss.growth < 64 * MiB, rss.growth
