@@ -47,6 +47,8 @@ class Supervisor:
         self.registry.add("sys.shutdown", self.shutdown)
         ops_exec.register(self.registry, dict(os.environ), workdir)
         ops_fs.register(self.registry, workdir)
+        # Extensions that call the host outside a request (guest/egress_relay.py) use whichever peer is open.
+        self.registry.peers = self.peers  # type: ignore[attr-defined]
         for name in extensions:
             self._load_extension(name)
 
@@ -145,8 +147,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--extension", action="append", default=[], metavar="MODULE")
     args = ap.parse_args(argv)
 
-    # The agent runtime (guest/agent.py) and the app relay (guest/app_relay.py) are part of every guest.
-    extensions = ["agent", "app_relay"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
+    # The agent runtime (guest/agent.py), the app relay and the egress relay (its network, when the agent has
+    # one) are part of every guest.
+    extensions = ["agent", "app_relay", "egress_relay"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
     extensions = list(dict.fromkeys(extensions))
     workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
 

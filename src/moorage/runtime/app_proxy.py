@@ -196,6 +196,9 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
     try:
         # Held like a turn: the instance is woken once however many requests arrive, and never slept meanwhile.
         sandbox = await stack.enter_async_context(runtime.instances.turn(ts, scope, template, lifecycle=lc))
+        from moorage.runtime.vm_network import attach
+
+        attach(runtime, sandbox.id, sandbox.channel, ts, agent_name, user, deployment.manifest)  # its own network
         opened = await _open(runtime, sandbox, deployment, port)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
         stack.push_async_callback(exchange.close)

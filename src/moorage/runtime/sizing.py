@@ -116,4 +116,7 @@ def spec_for(agent: Mapping[str, Any], config: Config, sandboxes_root: Path) -> 
         raise AgentSizingError(f"disk_mib = {disk} is more than this host can give one agent: {disk_why}",
                                hint=f"use disk_mib <= {disk_cap} (the agent's own space, on top of the guest image) "
                                     "and deploy again; nothing was changed")
-    return SandboxSpec(memory_mib=memory, vcpus=vcpus, disk_mib=disk)
+    from moorage.runtime.vm_network import guest_env
+
+    # An agent with [agent.network] gets its proxy relay and HTTP(S)_PROXY in every process of its sandbox.
+    return SandboxSpec(memory_mib=memory, vcpus=vcpus, disk_mib=disk, env=guest_env(agent))

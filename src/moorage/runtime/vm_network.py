@@ -1,0 +1,157 @@
+"""An agent's own network: the host end of the sandbox's proxy address (``guest/egress_relay.py``).
+
+Agents that declare ``[agent.network]`` get ``HTTP(S)_PROXY`` pointing at a relay inside their sandbox; each
+connection arrives here over the host↔guest channel and is served by the egress gateway's proxy
+(``egress.proxy.serve_connection``) under the agent's policy, limits, spans and secret headers. The sandbox has
+no network device: a connection that skips the proxy has nowhere to go (decisions/0009).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import socket
+import uuid
+from typing import Any, Mapping
+
+from moorage.log import get_logger
+from moorage.sandbox.channel import HandlerError
+
+log = get_logger(__name__)
+
+#: Where the guest's relay listens; what HTTP_PROXY/HTTPS_PROXY name inside the sandbox.
+PROXY_URL = "http://127.0.0.1:3128"
+#: Connections one sandbox may have open through its relay (the gateway's own limits apply as well).
+MAX_CONNECTIONS = 16
+CHUNK = 256 * 1024
+#: Longest one ``egress.recv`` waits for bytes before answering with none (the guest asks again).
+RECV_WAIT_S = 25.0
+
+
+def has_network(manifest: Mapping[str, Any]) -> bool:
+    return isinstance(manifest.get("network"), dict)
+
+
+def guest_env(manifest: Mapping[str, Any]) -> dict[str, str]:
+    """The environment a network agent's sandbox gets: its relay on, and every proxy-aware tool pointed at it.
+    The sandbox's own loopback stays direct (its app, its own servers)."""
+    if not has_network(manifest):
+        return {}
+    no_proxy = "localhost,127.0.0.1,::1"
+    return {"MOORAGE_NETWORK": "1", "HTTP_PROXY": PROXY_URL, "HTTPS_PROXY": PROXY_URL, "http_proxy": PROXY_URL,
+            "https_proxy": PROXY_URL, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
+
+
+class _Relay:
+    """One sandbox's relayed connections, each a socket pair whose far end the gateway's proxy serves."""
+
+    def __init__(self, inst: Any) -> None:
+        self.inst = inst
+        self.conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None]]] = {}
+        self.ids = itertools.count(1)
+
+    def _conn(self, params: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, "asyncio.Task[None]"]:
+        conn = self.conns.get(params.get("conn")) if isinstance(params, dict) else None
+        if conn is None:
+            raise HandlerError("no such connection", code=-32602)
+        return conn
+
+    async def open(self, params: Any, ctx: Any) -> dict[str, Any]:
+        from moorage.egress.proxy import serve_connection
+
+        if len(self.conns) >= MAX_CONNECTIONS:
+            raise HandlerError(f"at most {MAX_CONNECTIONS} connections at once", code=-32000)
+        near, far = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=near)
+        p_reader, p_writer = await asyncio.open_connection(sock=far)
+        task = asyncio.ensure_future(serve_connection(self.inst, p_reader, p_writer))
+        cid = next(self.ids)
+        self.conns[cid] = (reader, writer, task)
+        return {"conn": cid}
+
+    async def send(self, params: Any, ctx: Any) -> dict[str, Any]:
+        _, writer, _ = self._conn(params)
+        try:
+            data = base64.b64decode(params.get("data") or "", validate=True)
+        except ValueError:
+            raise HandlerError("data must be base64", code=-32602) from None
+        try:
+            if data:
+                writer.write(data)
+                await writer.drain()
+            if params.get("eof") and writer.can_write_eof():
+                writer.write_eof()
+        except (ConnectionError, OSError):
+            raise HandlerError("the connection is closed", code=-32000) from None
+        return {}
+
+    async def recv(self, params: Any, ctx: Any) -> dict[str, Any]:
+        reader, _, _ = self._conn(params)
+        want = params.get("max", CHUNK)
+        want = CHUNK if not isinstance(want, int) or isinstance(want, bool) or want < 1 else min(want, CHUNK)
+        try:
+            data = await asyncio.wait_for(reader.read(want), RECV_WAIT_S)
+        except asyncio.TimeoutError:
+            return {"data": "", "eof": False}
+        except (ConnectionError, OSError):
+            data = b""
+        return {"data": base64.b64encode(data).decode(), "eof": not data}
+
+    async def close(self, params: Any, ctx: Any) -> dict[str, Any]:
+        conn = self.conns.pop(params.get("conn") if isinstance(params, dict) else None, None)
+        if conn is not None:
+            _, writer, task = conn
+            writer.close()
+            # The proxy ends on its own when its client side closes; a tunnel still open is cut.
+            asyncio.get_running_loop().call_later(5, task.cancel)
+        return {"closed": conn is not None}
+
+    def close_all(self) -> None:
+        for _, writer, task in self.conns.values():
+            writer.close()
+            task.cancel()
+        self.conns.clear()
+
+
+def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, user: str,
+           manifest: Mapping[str, Any]) -> bool:
+    """Serve the network of ``sandbox_id``'s agent on ``channel`` (its current connection; a wake makes a new
+    one, attached again on its first turn or app request). Does nothing for agents without [agent.network]."""
+    if not has_network(manifest) or getattr(channel, "_moorage_network", None) is not None:
+        return False
+    from moorage.egress.gateway import store_recorder
+    from moorage.runtime.host_calls import egress_of, secrets_of
+    from moorage.store import Scope
+
+    egress = egress_of(runtime)
+    trace_id = uuid.uuid4().hex  # the attempts of one connection of the sandbox share a trace
+    inst = egress.instance(dict(manifest), record=store_recorder(ts, lambda: trace_id, Scope.for_user(agent, user),
+                                                                   agent=agent, user=user),
+                           headers=secrets_of(runtime).header_source(ts, agent, user, dict(manifest)),
+                           usage=egress.usage_for(sandbox_id))
+    relay = _Relay(inst)
+    channel.register("egress.open", relay.open)
+    channel.register("egress.send", relay.send)
+    channel.register("egress.recv", relay.recv)
+    channel.register("egress.close", relay.close)
+    channel._moorage_network = relay
+    with contextlib.suppress(Exception):
+        asyncio.get_running_loop().create_task(_close_with(channel, relay))
+    log.info("network attached", sandbox=sandbox_id, agent=agent)
+    return True
+
+
+async def _close_with(channel: Any, relay: _Relay) -> None:
+    await channel.wait_closed()
+    relay.close_all()
+
+
+def attach_from_turn(runtime: Any, sandbox_id: str, channel: Any) -> bool:
+    """``attach`` with the context of the turn the runtime is starting in ``sandbox_id`` (if any)."""
+    binding = next((b for b in list(runtime.turns.values()) if b.sandbox_id == sandbox_id), None)
+    if binding is None:
+        return False
+    return attach(runtime, sandbox_id, channel, binding.ts, binding.entity.agent, binding.entity.user,
+                  binding.manifest)

@@ -1,0 +1,158 @@
+"""A micro-VM's own network: off by default, and for an agent that declares [agent.network] only a proxy inside
+its sandbox whose every connection the host's gateway decides. pip works unchanged through it; a connection
+that skips the proxy has nowhere to go. "The internet" is loopback servers this test starts."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from moorage.egress import Egress, StaticResolver
+from moorage.store import EntityKey, Scope
+from tests.egress.conftest import NAMES, TEST_OPERATOR
+from tests.egress.servers import Upstream, start_upstream, stop
+from tests.runtime.conftest import Env, make_env, write_agent
+from tests.sandbox.test_conformance import _make_wheel
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+AGENT = r'''
+import os, socket
+
+GET = """
+import sys, urllib.request, urllib.error
+try:
+    print(urllib.request.urlopen(sys.argv[1], timeout=60).read().decode())
+except urllib.error.HTTPError as e:
+    print("ERR", e.code, e.read().decode()[:200])
+except Exception as e:
+    print("ERR", type(e).__name__)
+"""
+
+
+async def on_message(ctx, message):
+    cmd, _, arg = message.partition(" ")
+    if cmd == "get":
+        return (await ctx.exec(["python3", "-c", GET, arg]))["stdout"].strip()
+    if cmd == "raw":  # straight to an address, skipping the proxy
+        host, port = arg.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            return "connected"
+        except OSError as e:
+            return "refused: " + type(e).__name__
+    if cmd == "proxy":
+        return os.environ.get("HTTPS_PROXY", "none")
+    if cmd == "pip":
+        # A plain-HTTP index (the test's) must be named trusted; HTTPS indexes need nothing.
+        r = await ctx.exec(["python3", "-m", "pip", "install", "--no-cache-dir", "--index-url", arg,
+                            "--trusted-host", arg.split("/")[2].split(":")[0], "moorage-canary-pkg"], timeout=300)
+        return "%d %s" % (r["exit_code"], (r["stdout"] + r["stderr"])[-600:])
+    if cmd == "import":
+        r = await ctx.exec(["python3", "-c", "import moorage_canary_pkg as m; print(m.VALUE)"])
+        return (r["stdout"] + r["stderr"]).strip()[-200:]
+    return "?"
+'''
+
+
+class World:
+    env: Env
+    allowed: Upstream
+    outside: Upstream
+    index_port: int
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A PEP 503 package index on loopback: /simple/moorage-canary-pkg/ links one wheel."""
+    root = tmp_path_factory.mktemp("index")
+    wheel = _make_wheel(root)
+    pkg = root / "simple" / "moorage-canary-pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "index.html").write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>\n')
+    (root / "simple" / "index.html").write_text('<a href="moorage-canary-pkg/">moorage-canary-pkg</a>\n')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIterator[World]:
+    allowed, outside = start_upstream("A"), start_upstream("B")
+    names = {**NAMES, "pypi.test": ["127.0.0.1"], "mirror.test": ["127.0.0.1"]}
+    tmp = tmp_path_factory.mktemp("vmnet")
+    async for env in make_env(tmp, "microvm"):
+        env.runtime.egress = Egress(TEST_OPERATOR, StaticResolver(names))  # test names -> loopback
+        src = write_agent(tmp / "netty", "netty", AGENT,
+                          f'[agent.network]\nallow = ["http://api.test:{allowed.port}", "http://pypi.test:{index}"]\n')
+        await env.runtime.deploy(env.principal, src)
+        w = World()
+        w.env, w.allowed, w.outside, w.index_port = env, allowed, outside, index
+        try:
+            yield w
+        finally:
+            stop(allowed)
+            stop(outside)
+
+
+async def ask(w: World, message: str, user: str = "ada", agent: str = "netty") -> str:
+    return (await w.env.runtime.invoke(w.env.principal, EntityKey(agent, user), message)).reply
+
+
+async def test_the_gateway_decides_every_connection_of_the_vm(world: World) -> None:
+    w = world
+    assert await ask(w, "proxy") == "http://127.0.0.1:3128"
+    assert await ask(w, f"get http://api.test:{w.allowed.port}/hello?x=1") == "A GET /hello?x=1"
+    assert w.allowed.paths() == ["/hello?x=1"]
+    # Outside the policy: refused by the gateway with its reason, and the server never sees a byte.
+    refused = await ask(w, f"get http://evil.test:{w.outside.port}/steal")
+    assert refused.startswith("ERR 403") and "evil.test" in refused
+    refused = await ask(w, f"get http://api.test:{w.outside.port}/other-port")
+    assert refused.startswith("ERR 403")
+    assert w.outside.hits == []
+    # Skipping the proxy: the VM has no network device, so a raw connection reaches nothing on the host.
+    for target in (f"127.0.0.1:{w.allowed.port}", f"10.0.2.2:{w.allowed.port}", f"192.0.2.1:{w.allowed.port}"):
+        assert (await ask(w, f"raw {target}")).startswith("refused"), target
+    assert w.allowed.paths() == ["/hello?x=1"]
+    # Every attempt is a span in the tenant's traces.
+    ts = w.env.store.tenant(w.env.principal)
+    spans = [s for s in ts.spans.recent(limit=1000) if s.name == "egress"]
+    decisions = sorted((s.attrs.get("egress.host"), s.attrs.get("egress.decision")) for s in spans)
+    assert ("api.test", "allowed") in decisions and any(h == "evil.test" and d != "allowed" for h, d in decisions)
+
+
+async def test_network_is_off_by_default(world: World, tmp_path: Path) -> None:
+    w = world
+    src = write_agent(tmp_path / "quiet", "quiet", AGENT)
+    await w.env.runtime.deploy(w.env.principal, src)
+    assert await ask(w, "proxy", agent="quiet") == "none"
+    assert (await ask(w, f"get http://api.test:{w.allowed.port}/nope", agent="quiet")).startswith("ERR")
+    assert (await ask(w, f"raw 127.0.0.1:{w.allowed.port}", agent="quiet")).startswith("refused")
+    assert "/nope" not in w.allowed.paths()
+
+
+async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(world: World) -> None:
+    w = world
+    out = await ask(w, f"pip http://mirror.test:{w.index_port}/simple/", user="bob")
+    # An index the policy does not name: pip fails (it reads the gateway's 403 as an empty index), and the
+    # refusal is in the tenant's traces.
+    assert not out.startswith("0 ") and "No matching distribution" in out
+    ts = w.env.store.tenant(w.env.principal)
+    assert any(s.attrs.get("egress.host") == "mirror.test" and s.attrs.get("egress.decision") != "allowed"
+               for s in ts.spans.recent(limit=1000) if s.name == "egress")
+    out = await ask(w, f"pip http://pypi.test:{w.index_port}/simple/", user="bob")
+    assert out.startswith("0 "), out
+    assert await ask(w, "import", user="bob") == "from-the-wheel"
+    assert await w.env.manager.sleep(ts, Scope.for_user("netty", "bob"))
+    assert await ask(w, "import", user="bob") == "from-the-wheel"
+    # After the wake the network is attached again on the new channel.
+    assert await ask(w, f"get http://api.test:{w.allowed.port}/after-wake", user="bob") == "A GET /after-wake"
