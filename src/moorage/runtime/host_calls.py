@@ -128,6 +128,9 @@ class GuestCalls:
     def register(self, channel: Any) -> None:
         for method, fn in self.methods().items():
             channel.register(method, self._wrap(method, fn))
+        from moorage.runtime.vm_network import attach_from_turn
+
+        attach_from_turn(self.rt, self.sandbox_id, channel)  # the agent's own network, if it declares one
 
     def methods(self) -> dict[str, Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]]:
         return {
