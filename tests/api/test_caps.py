@@ -88,3 +88,30 @@ async def test_awake_instances_over_the_compute_cap_are_put_to_sleep(live_rt, ru
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
+
+
+async def test_an_agent_sets_default_limits_for_its_users(live_rt, store: Store, acme: str, tmp_path: Path):
+    import io
+    import tarfile
+
+    files = {"moorage.toml": '[agent]\nname = "metered"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n'
+                             '[agent.limits]\ncompute_seconds_per_day = 1\n',
+             "agent.py": 'async def on_message(ctx, message):\n    return "ok"\n'}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    ts = store.tenant(store.authenticate(acme))
+    async with aclient(live_rt, acme) as c:
+        assert (await c.post("/v1/agents/metered/deployments", content=buf.getvalue(), headers=GZ)).status_code == 201
+        # "vip" has a limit of their own, which overrides the agent's default.
+        assert (await c.put("/v1/agents/metered/users/vip", json={"limits": {"compute_seconds_per_day": 3600}})).status_code == 201
+        for user in ("plain", "vip"):
+            assert (await c.post("/v1/agents/metered/invoke", json={"message": "hi", "user": user})).status_code == 200
+        while caps.compute_seconds(ts, "metered", "plain", since=caps.day_window(time.time())[0]) < 1:
+            await asyncio.sleep(0.05)
+        r = await c.post("/v1/agents/metered/invoke", json={"message": "again", "user": "plain"})
+        assert r.status_code == 429 and "compute_seconds_per_day (" in r.json()["detail"]
+        assert (await c.post("/v1/agents/metered/invoke", json={"message": "again", "user": "vip"})).status_code == 200

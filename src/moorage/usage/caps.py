@@ -75,11 +75,31 @@ def compute_seconds(ts: TenantStore, agent: str, user: str, *, since: float, now
     return recorded + _awake_now(ts, agent, user, since, now)
 
 
+def agent_limits(ts: TenantStore, agent: str) -> dict[str, float]:
+    """The per-user limits an agent's live deployment sets for all its users (``[agent.limits]``)."""
+    from moorage.errors import NotFound
+    from moorage.store.agent_users import check_limits
+
+    try:
+        a = ts.agents.get(agent)
+        if a.live_deployment is None:
+            return {}
+        raw = (ts.deployments.get(a.live_deployment).manifest or {}).get("limits") or {}
+    except NotFound:
+        return {}
+    return check_limits(raw)
+
+
+def limits_of(ts: TenantStore, agent: str, user: str) -> dict[str, float]:
+    """The user's effective limits: the agent's ``[agent.limits]``, overridden by the user's own."""
+    u = ts.agent_users.find(agent, user)
+    return {**agent_limits(ts, agent), **(u.limits if u is not None else {})}
+
+
 def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> None:
     """Raise ``CapExceeded`` for the first of the user's caps that is used up (nothing when none is set)."""
     now = time.time() if now is None else now
-    u = ts.agent_users.find(agent, user)
-    limits = u.limits if u is not None else {}
+    limits = limits_of(ts, agent, user)
     if not limits:
         return
     cap = limits.get("compute_seconds_per_day")
