@@ -325,3 +325,19 @@ async def test_an_execution_refused_after_its_202_fails_and_is_announced(live_rt
     finally:
         loop_task.cancel()
         await asyncio.gather(loop_task, return_exceptions=True)
+
+
+async def test_end_user_tokens_submit_and_read_only_their_own_executions(live_rt, acme: str, tmp_path: Path):
+    async with aclient(live_rt, acme) as c:
+        await deploy(c, tmp_path)
+        ann = (await c.post("/v1/agents/echo/users/ann/tokens", json={})).json()["token"]
+        bob = (await c.post("/v1/agents/echo/users/bob/tokens", json={})).json()["token"]
+    async with aclient(live_rt, ann) as a:
+        r = await a.post("/v1/agents/echo/invoke", json={"message": "mine"}, headers={"Prefer": "respond-async"})
+        assert r.status_code == 202 and r.json()["user"] == "ann"
+        ex = r.json()["id"]
+        while (await a.get(f"/v1/executions/{ex}")).json()["status"] != "succeeded":
+            await asyncio.sleep(0.05)
+        assert (await a.get(f"/v1/executions/{ex}")).json()["reply"] == "echo: mine"
+    async with aclient(live_rt, bob) as b:
+        assert (await b.get(f"/v1/executions/{ex}")).status_code == 404  # another user's execution: not found

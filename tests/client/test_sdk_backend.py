@@ -88,6 +88,8 @@ async def test_sync_client_pages_and_errors(live_rt, acme: str, tmp_path: Path):
             assert [u["id"] for u in sdk.paginate(sdk.list_users, "echo", limit=2)] == [f"u{i}" for i in range(5)]
             assert [u["id"] for u in sdk.list_users("echo", metadata={"even": True})["data"]] == ["u0", "u2", "u4"]
             assert sdk.invoke("echo", "hi", user="u1")["reply"] == "echo: hi"
+            events = list(sdk.stream("echo", "stream p q", user="u1"))
+            assert [e["event"] for e in events][-1] == "done" and events[-1]["data"]["reply"] == "streamed"
             ex = sdk.invoke_async("echo", "later", user="u2", idempotency_key="job-7")
             assert sdk.invoke_async("echo", "later", user="u2", idempotency_key="job-7")["id"] == ex["id"]
             assert sdk.wait_execution(ex["id"], timeout_s=60, poll_s=0.05)["reply"] == "echo: later"
