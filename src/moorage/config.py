@@ -82,6 +82,9 @@ class Config:
     #: Package indexes an agent reaches with ``[agent.network] packages = true`` (and deploy-time installs),
     #: as egress rules, comma-separated.
     egress_package_index: str = "https://pypi.org,https://files.pythonhosted.org,http://deb.debian.org/debian/"
+    #: The package index pip uses for an agent's requirements.txt at deploy time (empty: PyPI's); it must be
+    #: admitted by egress_package_index.
+    package_index_url: str = ""
     #: Per-instance egress limits: open connections, new connections per second, bytes per second (0: no
     #: limit) and bytes per wake (0: no limit).
     egress_max_connections: int = 32

@@ -13,11 +13,18 @@ from typing import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-from moorage.egress import Egress, StaticResolver
+from moorage.config import Config
+from moorage.egress import Egress, OperatorPolicy, StaticResolver
+from moorage.lifecycle.manager import InstanceManager
+from moorage.llm import gateway_from_config
+from moorage.runtime.deploy_packages import PackageInstallFailed, install
+from moorage.runtime.runtime import Runtime
 from moorage.store import EntityKey, Scope
-from tests.egress.conftest import NAMES, TEST_OPERATOR
+from moorage.store import open_store
+from tests.conftest import stop_all_sandboxes
+from tests.egress.conftest import NAMES
 from tests.egress.servers import Upstream, start_upstream, stop
-from tests.runtime.conftest import Env, make_env, write_agent
+from tests.runtime.conftest import Env, write_agent
 from tests.sandbox.test_conformance import _make_wheel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -61,6 +68,17 @@ async def on_message(ctx, message):
 '''
 
 
+INDEX_HITS: list[str] = []
+
+PKG_AGENT = """
+import moorage_canary_pkg  # installed at deploy time from requirements.txt
+
+
+async def on_message(ctx, message):
+    return moorage_canary_pkg.VALUE + VERSION
+"""
+
+
 class World:
     env: Env
     allowed: Upstream
@@ -77,12 +95,34 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     pkg.mkdir(parents=True)
     (pkg / "index.html").write_text(f'<a href="../../{wheel.name}">{wheel.name}</a>\n')
     (root / "simple" / "index.html").write_text('<a href="moorage-canary-pkg/">moorage-canary-pkg</a>\n')
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *a: None  # type: ignore[attr-defined]
+    class Index(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            INDEX_HITS.append(self.path)
+
+    handler = functools.partial(Index, directory=str(root))
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv.server_address[1]
     srv.shutdown()
+
+
+async def _env(tmp: Path, cfg: Config) -> AsyncIterator[Env]:
+    """A runtime on the micro-VM driver with this module's operator settings (its package index)."""
+    from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    store = open_store(cfg)
+    principal = store.authenticate(store.operator.create_tenant("acme")[1].secret)
+    driver = DRIVER_FACTORIES["microvm"](cfg.sandboxes_dir, cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    try:
+        yield Env(rt, manager, principal, cfg)
+    finally:
+        await manager.close()
+        await stop_all_sandboxes(driver)
+        await driver.close()
+        store.close()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -90,8 +130,12 @@ async def world(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIt
     allowed, outside = start_upstream("A"), start_upstream("B")
     names = {**NAMES, "pypi.test": ["127.0.0.1"], "mirror.test": ["127.0.0.1"]}
     tmp = tmp_path_factory.mktemp("vmnet")
-    async for env in make_env(tmp, "microvm"):
-        env.runtime.egress = Egress(TEST_OPERATOR, StaticResolver(names))  # test names -> loopback
+    # The operator's policy: loopback is "the internet"; the package index is the test's (pypi.test).
+    cfg = Config(data_dir=tmp / "data", sandbox_driver="microvm", egress_allow_cidrs="127.0.0.0/8",
+                 egress_package_index=f"http://pypi.test:{index}", package_index_url=f"http://pypi.test:{index}/simple/")
+    async for env in _env(tmp, cfg):
+        egress = Egress(OperatorPolicy.from_config(cfg), StaticResolver(names))  # test names -> loopback
+        env.runtime.egress = env.runtime.templates.egress = egress
         src = write_agent(tmp / "netty", "netty", AGENT,
                           f'[agent.network]\nallow = ["http://api.test:{allowed.port}", "http://pypi.test:{index}"]\n')
         await env.runtime.deploy(env.principal, src)
@@ -156,3 +200,45 @@ async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(w
     assert await ask(w, "import", user="bob") == "from-the-wheel"
     # After the wake the network is attached again on the new channel.
     assert await ask(w, f"get http://api.test:{w.allowed.port}/after-wake", user="bob") == "A GET /after-wake"
+
+
+async def test_requirements_are_installed_into_the_template_once(world: World, tmp_path: Path) -> None:
+    w = world
+    progress: list[str] = []
+
+    def agent(version: str, requirements: str) -> Path:
+        src = write_agent(tmp_path / f"pkgd{version}", "pkgd", PKG_AGENT + f"\nVERSION = {version!r}\n")
+        (src / "requirements.txt").write_text(requirements)
+        return src
+
+    await w.env.runtime.deploy(w.env.principal, agent("", "moorage-canary-pkg\n"), on_progress=progress.append)
+    assert any("installing requirements.txt" in p for p in progress), progress
+    assert any("/simple/moorage-canary-pkg/" in h for h in INDEX_HITS)
+    assert await ask(w, "hi", user="ada", agent="pkgd") == "from-the-wheel"
+    assert await ask(w, "hi", user="eve", agent="pkgd") == "from-the-wheel"  # another fork of the template
+    ts = w.env.store.tenant(w.env.principal)
+    assert await w.env.manager.sleep(ts, Scope.for_user("pkgd", "ada"))
+    assert await ask(w, "hi", user="ada", agent="pkgd") == "from-the-wheel"
+    # Redeploying unchanged requirements (new code) asks the index nothing.
+    hits, progress[:] = len(INDEX_HITS), []
+    await w.env.runtime.deploy(w.env.principal, agent("-2", "moorage-canary-pkg\n"), on_progress=progress.append)
+    assert any("from the cache" in p for p in progress) and len(INDEX_HITS) == hits
+    assert await ask(w, "hi", user="zed", agent="pkgd") == "from-the-wheel-2"
+    # A package that does not exist fails the deploy with pip's own words; the live version stays.
+    with pytest.raises(PackageInstallFailed) as e:
+        await w.env.runtime.deploy(w.env.principal, agent("-3", "no-such-package-here\n"))
+    assert "No matching distribution found for no-such-package-here" in e.value.message
+    assert await ask(w, "hi", user="zed", agent="pkgd") == "from-the-wheel-2"
+
+
+async def test_an_index_outside_the_operator_policy_fails_clearly(world: World) -> None:
+    w = world
+    ts = w.env.store.tenant(w.env.principal)
+    rec = ts.sandboxes.for_scope(Scope.for_user("pkgd", "ada"))
+    async with w.env.manager.turn(ts, rec.scope, None) as sandbox:  # type: ignore[arg-type]
+        cfg = w.env.cfg.with_(package_index_url=f"http://mirror.test:{w.index_port}/simple/")
+        with pytest.raises(PackageInstallFailed) as e:
+            await install(sandbox, b"moorage-canary-pkg\n", cfg, w.env.runtime.egress, w.env.cfg.data_dir / "pc",
+                          lambda _: None)
+    assert "mirror.test" in e.value.message and "not allowed" in e.value.message
+    assert "egress_package_index" in (e.value.hint or "")

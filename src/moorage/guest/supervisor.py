@@ -149,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     # The agent runtime (guest/agent.py), the app relay and the egress relay (its network, when the agent has
     # one) are part of every guest.
-    extensions = ["agent", "app_relay", "egress_relay"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
+    extensions = ["agent", "app_relay", "egress_relay", "packages"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
     extensions = list(dict.fromkeys(extensions))
     workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import uuid
 from dataclasses import asdict
@@ -20,6 +21,7 @@ from moorage.log import get_logger
 from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
 from moorage.runtime.private_files import private_dir, write_private
+from moorage.runtime import deploy_packages
 from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Deployment, Scope
@@ -70,7 +72,17 @@ class Templates:
         #: Every deployment's package in the object store (a fleet): a host that lacks one fetches it from there.
         self.package_blobs = package_blobs
         private_dir(self.root)
+        #: Deploy-time package installs go through this (``egress_of(runtime)`` when the runtime set it).
+        self.egress: Any = None
         self._locks: dict[str, asyncio.Lock] = {}
+
+    def _egress(self) -> Any:
+        """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
+        if self.egress is None:
+            from moorage.egress import Egress
+
+            self.egress = Egress.from_config(self.driver.config)
+        return self.egress
 
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
@@ -115,12 +127,20 @@ class Templates:
         # The template's size is the agent's (every fork inherits it); a size this host cannot give fails here,
         # before anything boots, and the deploy with it.
         spec = spec_for(deployment.manifest, self.driver.config, self.driver.root)
+        archive = self.archive(deployment)
+        requirements = deploy_packages.requirements_of(unpack(archive))
+        if requirements:
+            spec = dataclasses.replace(spec, env={**spec.env, **deploy_packages.guest_env(requirements)})
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
         try:
             await sb.start()
+            if requirements:
+                await deploy_packages.install(sb, requirements, self.driver.config, self._egress(),
+                                              self.root / "package-cache", say)
+                await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
-            await push_and_load(sb, deployment, self.archive(deployment))
+            await push_and_load(sb, deployment, archive)
             say("snapshotting the template")
             ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}")
         finally:

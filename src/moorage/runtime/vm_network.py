@@ -131,6 +131,16 @@ def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, use
                                                                    agent=agent, user=user),
                            headers=secrets_of(runtime).header_source(ts, agent, user, dict(manifest)),
                            usage=egress.usage_for(sandbox_id))
+    attach_instance(channel, inst, sandbox_id)
+    log.info("network attached", sandbox=sandbox_id, agent=agent)
+    return True
+
+
+def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
+    """Serve the guest relay's connections on ``channel`` with the egress of ``inst`` (replacing any before)."""
+    old = getattr(channel, "_moorage_network", None)
+    if old is not None:
+        old.close_all()
     relay = _Relay(inst)
     channel.register("egress.open", relay.open)
     channel.register("egress.send", relay.send)
@@ -139,8 +149,6 @@ def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, use
     channel._moorage_network = relay
     with contextlib.suppress(Exception):
         asyncio.get_running_loop().create_task(_close_with(channel, relay))
-    log.info("network attached", sandbox=sandbox_id, agent=agent)
-    return True
 
 
 async def _close_with(channel: Any, relay: _Relay) -> None:
