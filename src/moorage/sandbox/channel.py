@@ -28,6 +28,9 @@ MAX_FRAME = 8 << 20
 MAX_DEPTH = 64
 #: Guest-initiated requests served at once per channel; more are answered BUSY at once, without a task.
 MAX_GUEST_INFLIGHT = 32
+#: After each BUSY answer the reader pauses this long: a guest that floods is slowed to its own pace, and the
+#: host's event loop stays free for other tenants (a guest within the cap never waits here).
+BUSY_PAUSE_S = 0.002
 #: Unread events buffered per host call (count and payload bytes). Past either the reader stops reading (the guest
 #: waits: backpressure); if the caller reads nothing for EVENT_STALL_S the call fails instead.
 MAX_PENDING_EVENTS = 4096
@@ -444,6 +447,7 @@ class Channel:
                 await self._safe_send({"id": rid, "error": {
                     "code": BUSY, "message": f"host is serving {self.max_guest_inflight} requests of this sandbox; retry later",
                     "data": {"type": "Busy", "limit": self.max_guest_inflight}}})
+                await asyncio.sleep(BUSY_PAUSE_S)
             else:
                 self._on_request(rid, method, msg.get("params"))
             return
