@@ -2,15 +2,16 @@
 
 The page is a small HTTP server on port 8080 inside the sandbox, started when the agent is loaded; the host
 serves it to the user (and to share links) over the sandbox's channel. Results live on the sandbox's disk,
-so they survive sleep and wake.
+so they survive sleep and wake. ``tabulate`` comes from requirements.txt, installed when the agent is deployed.
 """
 
-import html
 import http.server
 import json
 import os
 import threading
 import time
+
+from tabulate import tabulate
 
 RESULTS = "/work/digest/results.json"
 
@@ -37,12 +38,9 @@ class Page(http.server.BaseHTTPRequestHandler):
         if self.path.startswith("/results.json"):
             body, ctype = json.dumps(results).encode(), "application/json"
         else:
-            rows = "".join(
-                "<tr><td>%s</td><td>%s</td><td>%s</td></tr>"
-                % (html.escape(r["at"]), html.escape(r["url"]), html.escape(json.dumps(r["value"])))
-                for r in reversed(results))
-            body = ("<!doctype html><title>digest</title><h1>Tracked values</h1>"
-                    "<table><tr><th>when</th><th>source</th><th>value</th></tr>%s</table>" % rows).encode()
+            rows = [(r["at"], r["url"], json.dumps(r["value"])) for r in reversed(results)]
+            table = tabulate(rows, headers=["when", "source", "value"], tablefmt="html")  # cells HTML-escaped
+            body = ("<!doctype html><title>digest</title><h1>Tracked values</h1>%s" % table).encode()
             ctype = "text/html; charset=utf-8"
         self.send_response(200)
         self.send_header("Content-Type", ctype)
