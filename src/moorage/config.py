@@ -66,6 +66,11 @@ class Config:
     #: The operator's per-tenant LLM policy (TOML: allowed models, rate limits, monthly tokens, unpriced models;
     #: docs/llm.md); empty: every tenant may call any model, unlimited.
     llm_policy: str = ""
+    #: Awake instances (and their guest RAM, MiB) one host keeps at most; past it the least recently active
+    #: idle instance is put to sleep first. Awake instances one tenant may have on one host. 0: no limit.
+    max_awake_instances: int = 0
+    max_awake_ram_mib: int = 0
+    max_awake_per_tenant: int = 0
     #: Working-memory compaction summaries: ``extractive`` (offline, deterministic) or ``model`` (through the gateway).
     memory_summarizer: str = "extractive"
     #: Semantic-memory fact extraction: ``patterns`` (offline) or ``model`` (through the gateway, tenant's budget).

@@ -52,6 +52,19 @@ class Misplaced(UnavailableError):
         self.host = record.host
 
 
+class TenantAwakeLimit(MoorageError):
+    """The tenant already has its maximum of awake instances on this host, every one of them mid-turn."""
+
+    code = "tenant-awake-limit"
+    http_status = 429
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this tenant already has {limit} awake instance(s) on this host, all busy",
+                         hint="retry when a turn ends, or ask the operator to raise max_awake_per_tenant")
+        #: Read by the API's problem+json: a turn usually ends within seconds.
+        self.retry_after = 5.0
+
+
 class WakeFailed(UnavailableError):
     """Provisioning or waking a sandbox failed; the instance is marked failed and the next request retries."""
 
@@ -170,6 +183,9 @@ class InstanceManager:
         self._counts = {"wakes": 0, "provisions": 0, "sleeps": 0, "evictions": 0}
         #: Pre-forked sleeping sandboxes per live template (set by the host; None: every new user forks).
         self.pool: WarmPool | None = None
+        #: Awake instances one tenant may have on this host (set by the host; None: no limit). A tenant at its
+        #: limit has its least recently active idle instance put to sleep; if all are busy: ``TenantAwakeLimit``.
+        self.tenant_max_awake: int | None = None
 
     @property
     def host(self) -> str:
@@ -311,6 +327,7 @@ class InstanceManager:
                 if template is None:
                     raise InvalidInput(f"{scope} has no instance and no template to provision it from",
                                        hint="deploy the agent (which makes its template) before sending it requests")
+                await self._tenant_room(li)
                 await self._make_room(li)
                 pooled = await self.pool.take(template) if self.pool is not None else None
                 try:
@@ -344,6 +361,7 @@ class InstanceManager:
                     await finish_delete(self, ts, rec, trace)
                     continue
                 verb = V.RECLAIM
+            await self._tenant_room(li)
             try:
                 rec = await self.io(machine.apply, ts, rec, verb, owner=self.owner, trace=trace, host=self.host)
             except ConflictError:
@@ -584,6 +602,25 @@ class InstanceManager:
                 await self._sleep(by_id[v], "host capacity: least recently active", evict=True)
         raise CapacityExhausted("could not make room on this host: its idle instances kept getting new turns",
                                 hint="retry shortly or raise the host's capacity")
+
+    async def _tenant_room(self, li: LiveInstance) -> None:
+        """Before bringing an instance up (no claim taken yet): keep its tenant within ``tenant_max_awake`` on this
+        host by sleeping the tenant's least recently active idle instance; all of them busy: ``TenantAwakeLimit``."""
+        if self.tenant_max_awake is None:
+            return
+        for _ in range(8):
+            me = f"{li.tenant_id}/{li.scope.key}"
+            mine = [a for a in self.awake_instances() if a.instance_id != me and a.instance_id.startswith(f"{li.tenant_id}/")]
+            try:
+                victims = HostCapacity(max_awake=self.tenant_max_awake).victims(mine, incoming=1)
+            except CapacityExhausted as e:
+                raise TenantAwakeLimit(self.tenant_max_awake) from e
+            if not victims:
+                return
+            by_id = {f"{x.tenant_id}/{x.scope.key}": x for x in self._live.values()}
+            for v in victims:
+                await self._sleep(by_id[v], "tenant's awake limit: least recently active", evict=True)
+        raise TenantAwakeLimit(self.tenant_max_awake)
 
     async def tick(self) -> int:
         """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""

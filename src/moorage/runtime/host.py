@@ -72,6 +72,11 @@ class Host:
                                   tenant_name=lambda tenant_id: store.operator.get_tenant(tenant_id).name)
         # Prices let agents with sleep = "adaptive" weigh staying awake against a snapshot (it needs them).
         manager.economics = CostModel().economics()
+        from moorage.lifecycle.capacity import HostCapacity
+
+        manager.capacity = HostCapacity(max_awake=config.max_awake_instances or None,
+                                        max_ram_mib=config.max_awake_ram_mib or None)
+        manager.tenant_max_awake = config.max_awake_per_tenant or None
         return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
 
     async def start(self) -> None:
