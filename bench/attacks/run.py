@@ -122,8 +122,8 @@ ATTACKS = [
     Attack("endless file read", 3 * 64, endless_read),
     Attack("console flood", 32, lambda b: b.say("console 4000000")),
     Attack("huge frame (4 GiB)", 32, lambda b: expect_error(b.say("huge"))),
-    Attack("user namespaces", 16, lambda b: b.say("userns"), ("process",)),
-    Attack("raw sockets", 16, lambda b: b.say("raw-socket"), ("process",)),
+    Attack("user namespaces", 32, lambda b: b.say("userns"), ("process",)),
+    Attack("raw sockets", 32, lambda b: b.say("raw-socket"), ("process",)),
     Attack("disk fill by the supervisor", 64, lambda b: expect_error(b.say("fill-disk")), ("process",)),
 ]
 
