@@ -148,12 +148,15 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
     channel.register("egress.close", relay.close)
     channel._moorage_network = relay
     with contextlib.suppress(Exception):
-        asyncio.get_running_loop().create_task(_close_with(channel, relay))
+        asyncio.get_running_loop().create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
-async def _close_with(channel: Any, relay: _Relay) -> None:
+async def _close_with(channel: Any, relay: _Relay, inst: Any, sandbox_id: str) -> None:
     await channel.wait_closed()
     relay.close_all()
+    # The channel closes when the sandbox sleeps or stops: its per-wake egress counters start afresh.
+    if getattr(channel, "_moorage_network", None) is relay:
+        inst.egress.forget(sandbox_id)
 
 
 def attach_from_turn(runtime: Any, sandbox_id: str, channel: Any) -> bool:
