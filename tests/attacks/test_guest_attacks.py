@@ -144,3 +144,30 @@ async def test_host_paths_and_networks_are_out_of_reach(hostile: Hostile) -> Non
     net = json.loads(await hostile.say("raw-socket"))
     assert net["interfaces"] == ["lo"], net  # whatever sockets it may open, there is no network to use them on
     await still_fine(hostile)
+
+
+async def test_a_run_directory_someone_else_made_is_refused(tmp_path: Path) -> None:
+    """A local user who creates a sandbox's run directory first could pose as its guest or monitor: refused."""
+    from moorage.sandbox.base import SandboxError
+    from moorage.sandbox.microvm_qemu import ensure_private_dir
+
+    mine = ensure_private_dir(tmp_path / "fresh")
+    assert oct(mine.stat().st_mode & 0o777) == "0o700"
+    assert ensure_private_dir(mine) == mine  # ours, 0700: reused
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(SandboxError) as e:
+        ensure_private_dir(open_dir)
+    assert "mode 777" in str(e.value) and e.value.hint
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(SandboxError):
+        ensure_private_dir(link)
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 64001, 64001)
+        with pytest.raises(SandboxError) as e:
+            ensure_private_dir(theirs)
+        assert "owned by uid 64001" in str(e.value)
