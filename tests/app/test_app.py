@@ -167,6 +167,7 @@ async def test_owner_reaches_each_users_app_and_other_tenants_do_not(world: Worl
             assert r.headers["content-type"] == "text/html"
             # Served on the API's origin, the page gets a sandboxed origin and cannot set the API's cookies.
             assert r.headers["content-security-policy"].startswith("sandbox")
+            assert r.headers["referrer-policy"] == "no-referrer"
             assert "set-cookie" not in r.headers
         r = await c.get("/v1/agents/web/users/ada/app", follow_redirects=False)
         assert r.status_code == 308 and r.headers["location"] == "/v1/agents/web/users/ada/app/"

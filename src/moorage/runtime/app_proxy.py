@@ -45,6 +45,7 @@ _DROP_REQUEST = frozenset({
 _DROP_RESPONSE = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
     "set-cookie", "set-cookie2", "proxy-authenticate", "content-security-policy", "strict-transport-security",
+    "referrer-policy",
 })
 #: Served on the API's origin, the app's pages get a sandboxed origin of their own: their scripts cannot read
 #: the dashboard's storage or call the API with the visitor's credentials.
@@ -312,4 +313,5 @@ def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str
     out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in _DROP_RESPONSE]
     out.append(("content-security-policy", APP_CSP))
     out.append(("x-content-type-options", "nosniff"))
+    out.append(("referrer-policy", "no-referrer"))  # a share link's token never leaves in a Referer
     return out

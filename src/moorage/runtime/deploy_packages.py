@@ -50,15 +50,19 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, cache_dir: Path,
-                  say: Callable[[str], None]) -> str:
-    """Install ``requirements`` into ``sandbox`` (the template's builder); returns "cached" or "installed"."""
+                  say: Callable[[str], None], owner: str = "") -> str:
+    """Install ``requirements`` into ``sandbox`` (the template's builder); returns "cached" or "installed".
+
+    ``owner`` (the agent's id) is part of the cache key: an installed tree came out of a sandbox that ran the
+    packages' own build code, so it is reused for the agent that asked for it, never handed to another.
+    """
     from moorage.egress import EgressDenied, Target
     from moorage.runtime.vm_network import PROXY_URL, attach_instance
 
     index = config.package_index_url or "https://pypi.org/simple/"
     py = await sandbox.exec(["python3", "-c", "import sys, sysconfig; print(sys.version, sysconfig.get_platform())"],
                             timeout=30)
-    key = hashlib.sha256(b"\0".join([requirements, index.encode(), py.stdout.strip()])).hexdigest()
+    key = hashlib.sha256(b"\0".join([owner.encode(), requirements, index.encode(), py.stdout.strip()])).hexdigest()
     cached = private_dir(cache_dir) / f"{key}.tar.gz"
     await sandbox.exec(["mkdir", "-p", SITE_DIR], timeout=30)
     if cached.exists():

@@ -137,7 +137,7 @@ class Templates:
             await sb.start()
             if requirements:
                 await deploy_packages.install(sb, requirements, self.driver.config, self._egress(),
-                                              self.root / "package-cache", say)
+                                              self.root / "package-cache", say, owner=deployment.agent_id)
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
