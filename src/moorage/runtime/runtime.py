@@ -494,6 +494,13 @@ class Runtime:
         async with self.instances.turn(ts, rec.scope, template) as sb:
             return await sb.read_file(path)
 
+    async def exec(self, principal: Principal, sandbox_id: str, argv: list[str], **kw: Any) -> Any:
+        """Run a command in one instance's sandbox, held awake until it ends (detached: ``runtime.exec_jobs``)."""
+        principal.require("deploy")
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return await sb.exec(argv, **kw)
+
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
         principal.require("provision")
