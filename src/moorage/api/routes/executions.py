@@ -49,6 +49,12 @@ def execution_json(call: Call, execution_id: str) -> dict[str, Any]:
     # A key limited to one agent, or an end-user token, sees only executions of its own agent (and user).
     if (p.agent is not None and ex.agent != p.agent) or (p.user is not None and ex.user != p.user):
         raise NotFound(f"no execution {execution_id!r}", hint="execution ids come from a 202 answer's `id`")
+    from moorage.runtime import exec_jobs
+
+    if exec_jobs.is_exec(ex):  # a detached exec in a sandbox: a deploy-level operation, shown by its runner
+        if p.user is not None or not p.allows("deploy"):
+            raise NotFound(f"no execution {execution_id!r}", hint="exec executions need a key with the deploy scope")
+        return exec_jobs.ExecJobs.of(call.runtime).view(ts, ex)
     running_here = call.ctx.runtime is not None and ExecutionRunner.of(call.ctx.runtime).running(ex.id)
     status, run = status_of(ts, ex, running_here)
     result = run.result if run is not None and isinstance(run.result, dict) else {}
@@ -59,7 +65,7 @@ def execution_json(call: Call, execution_id: str) -> dict[str, Any]:
         interrupt = DurableEngine(ts).waiting_for(run.id)
     error = run.error if run is not None else next(
         (e["data"].get("detail") for e in ex.events if e.get("kind") == "error" and isinstance(e.get("data"), dict)), None)
-    return {"id": ex.id, "object": "execution", "agent": ex.agent, "user": ex.user, "session": ex.session,
+    return {"id": ex.id, "object": "execution", "kind": "turn", "agent": ex.agent, "user": ex.user, "session": ex.session,
             "status": status, "reply": result.get("reply"), "error": error, "interrupt": interrupt,
             "run_id": run.id if run is not None else None, "trace_id": result.get("trace_id"),
             "events": ex.events, "created_at": ex.created_at, "updated_at": run.updated_at if run else ex.updated_at}
@@ -87,13 +93,20 @@ def announce_interrupt(call: Call, result: Any) -> None:
         "url": f"/v1/workflows/{run_id}"})
 
 
-EXECUTION = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR, "session": S.STR,
+EXECUTION = S.obj({"id": S.STR, "object": S.STR, "kind": {"enum": ["turn", "exec"]}, "agent": S.STR, "user": S.STR,
+                   "session": S.STR,
                    "status": {"enum": ["queued", "running", "waiting", "succeeded", "failed", "cancelled"]},
                    "reply": S.ANY, "error": S.NSTR, "interrupt": S.ANY, "run_id": S.NSTR, "trace_id": S.NSTR,
                    "events": {"type": "array"}, "created_at": S.NUM, "updated_at": S.NUM})
 
+def _exec_view() -> dict[str, Any]:
+    from moorage.api.routes.sandboxes import EXEC_VIEW  # a detached exec (kind "exec"), documented with its route
+
+    return EXEC_VIEW
+
+
 ENDPOINTS = [
     Endpoint("GET", "/v1/executions/{execution_id}", get_execution, "Get an async turn: status, result, events",
              "invoke", "getExecution", scope="invoke", also_scopes=("read",), end_user=True, agent_checked=True,
-             response=EXECUTION),
+             response={"oneOf": [EXECUTION, _exec_view()]}),
 ]

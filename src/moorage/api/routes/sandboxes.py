@@ -1,6 +1,7 @@
-"""Agent sandboxes: list, get, the lifecycle verbs (sleep, wake, checkpoint, rollback, fork), files.
+"""Agent sandboxes: list, get, the lifecycle verbs (sleep, wake, checkpoint, rollback, fork), files, exec.
 
-Every verb first finds the sandbox in the caller's tenant store; the runtime then acts on it.
+Every verb first finds the sandbox in the caller's tenant store; the runtime then acts on it. A detached exec is
+an execution (``kind: "exec"``) under /v1/executions, followed and cancelled by the routes at the end here.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from starlette.concurrency import run_in_threadpool
 from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE
-from moorage.api.routing import Call, Endpoint, Param
+from moorage.api.routing import Call, Endpoint, Param, Reply
+from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, UnavailableError
+from moorage.runtime import exec_jobs
 
 VERBS = ("sleep", "wake", "checkpoint", "rollback", "fork")
 PATH = Param("path", {"type": "string", "minLength": 1}, "a path inside the sandbox", required=True)
@@ -83,7 +86,58 @@ async def read_file(call: Call) -> dict[str, Any]:
         return {"path": _path(call), "encoding": "base64", "content": base64.b64encode(bytes(data)).decode()}
 
 
+async def exec_command(call: Call) -> Any:
+    """Run a command in the sandbox: the result at the end, or with ``detach`` a 202 and an execution at once."""
+    sid = call.path["sandbox_id"]
+    await run_in_threadpool(call.tenant.sandboxes.get, sid)  # another tenant's sandbox is a 404 before anything
+    argv = call.field("argv", list)
+    if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv) or len(argv) > 4096:
+        raise InvalidInput("argv must be a non-empty list of strings", hint='e.g. {"argv": ["ls", "-la"]}')
+    env = call.field("env", dict, required=False)
+    if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise InvalidInput("env must map strings to strings")
+    cwd = call.field("cwd", str, required=False)
+    timeout_s = exec_jobs.check_timeout((call.body or {}).get("timeout_s"))
+    jobs = exec_jobs.ExecJobs.of(call.runtime)
+    if not call.field("detach", bool, required=False, default=False):
+        return await jobs.run(call.who, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
+    job = await jobs.start(call.who, call.tenant, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
+    ex = await run_in_threadpool(call.tenant.executions.get, job.id)
+    body = await run_in_threadpool(jobs.view, call.tenant, ex)
+    return Reply(body, 202, {"Location": f"/v1/executions/{job.id}"})
+
+
+async def cancel_exec(call: Call) -> dict[str, Any]:
+    ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    return await exec_jobs.ExecJobs.of(call.runtime).cancel(call.tenant, ex)
+
+
+async def follow_exec(call: Call) -> Any:
+    """Server-sent events: ``output`` ({stream, offset, text}) as it arrives, from the oldest byte kept, then ``end``."""
+    ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    events = exec_jobs.ExecJobs.of(call.runtime).follow(call.tenant, ex)
+
+    async def frames() -> Any:
+        try:
+            async for kind, data in events:
+                yield frame(kind, data)
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield frame("error", error_payload(e, call.trace_id))
+
+    return event_stream(frames(), call.trace_id)
+
+
 _BOX = "/v1/sandboxes/{sandbox_id}"
+_EXEC = "/v1/executions/{execution_id}"
+EXEC_VIEW = S.obj({"id": S.STR, "object": S.STR, "kind": {"enum": ["exec"]}, "sandbox_id": S.STR, "agent": S.STR,
+                   "user": S.NSTR, "argv": {"type": "array", "items": S.STR}, "timeout_s": S.NUM,
+                   "status": {"enum": ["running", *exec_jobs.TERMINAL]}, "exit_code": {"type": ["integer", "null"]},
+                   "error": S.NSTR, "stdout": S.STR, "stderr": S.STR, "stdout_bytes": S.INT, "stderr_bytes": S.INT,
+                   "truncated": {"type": "boolean"}, "created_at": S.NUM, "updated_at": S.NUM})
+EXEC_RESULT = S.obj({"object": S.STR, "sandbox_id": S.STR, "argv": {"type": "array", "items": S.STR},
+                     "status": {"enum": ["succeeded", "failed", "timed_out"]}, "exit_code": {"type": ["integer", "null"]},
+                     "timed_out": {"type": "boolean"}, "stdout": S.STR, "stderr": S.STR,
+                     "truncated": {"type": "boolean"}, "duration_s": S.NUM})
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
@@ -99,4 +153,16 @@ ENDPOINTS = [
     Endpoint("GET", f"{_BOX}/files/content", read_file, "Read a file inside the sandbox", "sandboxes",
              "readSandboxFile", scope="deploy", query=(PATH,),
              response=S.obj({"path": S.STR, "encoding": {"enum": ["utf-8", "base64"]}, "content": S.STR})),
+    # Exec runs anything in the sandbox: the same scope as the other sandbox verbs.
+    Endpoint("POST", f"{_BOX}/exec", exec_command, "Run a command in the sandbox (detach: 202 and an execution)",
+             "sandboxes", "execSandbox", scope="deploy",
+             body=S.obj({"argv": {"type": "array", "items": S.STR, "minItems": 1},
+                         "detach": {"type": "boolean"}, "timeout_s": {"type": "number", "exclusiveMinimum": 0,
+                                                                      "maximum": exec_jobs.MAX_TIMEOUT_S},
+                         "cwd": S.STR, "env": {"type": "object", "additionalProperties": S.STR}}, ["argv"]),
+             response=EXEC_RESULT, other_responses=((202, EXEC_VIEW),)),
+    Endpoint("POST", f"{_EXEC}/cancel", cancel_exec, "Cancel a detached exec (kills its processes)", "sandboxes",
+             "cancelExecution", scope="deploy", agent_checked=True, response=EXEC_VIEW),
+    Endpoint("GET", f"{_EXEC}/output", follow_exec, "Follow a detached exec's output (server-sent events)",
+             "sandboxes", "followExecution", scope="deploy", agent_checked=True, streams=True, response=EXEC_VIEW),
 ]

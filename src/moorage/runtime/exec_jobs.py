@@ -1,0 +1,302 @@
+"""Detached exec: a command run in an instance's sandbox in the background, answered at once with an execution id.
+
+Its output is kept bounded (the newest ``KEEP_BYTES`` per stream) and followed live; its record lives in the
+tenant's ``executions`` table (``input.kind == "exec"``) so a restart shows it ``interrupted``, never running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Sequence
+
+from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.log import get_logger
+from moorage.store import Principal, TenantStore
+from moorage.store.webhooks import Execution
+
+log = get_logger(__name__)
+
+#: Output kept in memory per stream of a detached exec (older bytes are dropped; ``truncated`` says so).
+KEEP_BYTES = 1 << 20
+#: Output written to the execution's record per stream when it ends, at most (less where the store's value limit
+#: ``max_value_bytes`` is smaller).
+RECORD_BYTES = 192 << 10
+#: Default and largest timeout of an exec, seconds.
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 24 * 3600.0
+#: Finished jobs kept in memory (full ``KEEP_BYTES`` output) before only their record remains.
+KEEP_FINISHED = 200
+#: A record with no end this long past its deadline was lost with its host: it is shown as interrupted.
+LOST_AFTER_S = 30.0
+#: Marks the execution record as an exec job; the turn machinery (webhook announcements, orphan resubmission)
+#: only looks at records whose ``announced`` is NULL or ``waiting``, so it never touches these.
+KIND = "exec"
+ID_PREFIX = "exec_"
+
+TERMINAL = ("succeeded", "failed", "timed_out", "cancelled", "interrupted")
+
+
+class _Stream:
+    """One output stream: the newest ``KEEP_BYTES`` bytes, with absolute offsets so followers can resume."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.total = 0
+
+    @property
+    def start(self) -> int:
+        return self.total - len(self.buf)
+
+    @property
+    def truncated(self) -> bool:
+        return self.start > 0
+
+    def add(self, chunk: bytes) -> None:
+        self.buf += chunk
+        self.total += len(chunk)
+        if len(self.buf) > KEEP_BYTES:
+            del self.buf[: len(self.buf) - KEEP_BYTES]
+
+    def since(self, offset: int) -> tuple[int, bytes]:
+        """(offset of the first byte returned, bytes from ``offset`` on; from the oldest kept if it was dropped)."""
+        at = max(offset, self.start)
+        return at, bytes(self.buf[at - self.start:])
+
+
+@dataclass
+class ExecJob:
+    id: str
+    tenant_id: str
+    sandbox_id: str
+    argv: list[str]
+    timeout_s: float
+    created_at: float
+    status: str = "running"
+    exit_code: int | None = None
+    ended_at: float | None = None
+    streams: dict[str, _Stream] = field(default_factory=lambda: {"stdout": _Stream(), "stderr": _Stream()})
+    task: "asyncio.Task[None] | None" = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str | None = None
+
+    def _notify(self) -> None:
+        old, self.changed = self.changed, asyncio.Event()
+        old.set()
+
+    def output(self, stream: str, chunk: bytes) -> None:
+        self.streams[stream].add(chunk)
+        self._notify()
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+class ExecJobs:
+    """The detached execs of one runtime (``ExecJobs.of(runtime)``); the runtime runs each in its sandbox."""
+
+    _instances: "weakref.WeakKeyDictionary[Any, ExecJobs]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.jobs: dict[str, ExecJob] = {}
+        #: Names this process: a record started by another boot of this host and never ended was interrupted.
+        self.boot = uuid.uuid4().hex
+        self.host = getattr(getattr(runtime, "instances", None), "host", None)
+
+    @classmethod
+    def of(cls, runtime: Any) -> "ExecJobs":
+        jobs = cls._instances.get(runtime)
+        if jobs is None:
+            jobs = cls._instances[runtime] = cls(runtime)
+        return jobs
+
+    # -- running --------------------------------------------------------------------------------------------
+
+    async def run(self, principal: Principal, sandbox_id: str, argv: Sequence[str], *, timeout_s: float,
+                  cwd: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Run to the end and answer the result (output capped as the sandbox caps it)."""
+        res = await self.runtime.exec(principal, sandbox_id, list(argv), timeout=timeout_s, cwd=cwd, env=env)
+        return {"object": "exec_result", "sandbox_id": sandbox_id, "argv": list(argv),
+                "status": _status(res.exit_code, res.timed_out), "exit_code": None if res.timed_out else res.exit_code,
+                "timed_out": res.timed_out, "stdout": res.stdout_text, "stderr": _text(res.stderr),
+                "truncated": res.truncated, "duration_s": res.duration_s}
+
+    async def start(self, principal: Principal, ts: TenantStore, sandbox_id: str, argv: Sequence[str], *,
+                    timeout_s: float, cwd: str | None = None, env: Mapping[str, str] | None = None) -> ExecJob:
+        """Record the exec and start it in the background; the caller answers 202 with ``job.id`` at once."""
+        principal.require("deploy")
+        rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)  # 404 for another tenant's sandbox
+        job = ExecJob(ID_PREFIX + uuid.uuid4().hex, ts.tenant_id, sandbox_id, list(argv), timeout_s, time.time())
+        record = {"kind": KIND, "sandbox_id": sandbox_id, "argv": job.argv, "timeout_s": timeout_s,
+                  "host": self.host, "boot": self.boot}
+
+        def create() -> None:
+            with ts.transaction():  # never visible to the turn machinery as an unsettled turn
+                ex, _ = ts.executions.create(job.id, rec.scope.agent, rec.scope.user or "", "", record)
+                ts.executions.mark_announced(job.id, KIND, expected_version=ex.version)
+
+        await asyncio.to_thread(create)
+        self._prune()
+        self.jobs[job.id] = job
+        job.task = asyncio.create_task(self._drive(principal, ts, job, cwd, env), name=f"exec-{job.id}")
+        return job
+
+    async def _drive(self, principal: Principal, ts: TenantStore, job: ExecJob, cwd: str | None,
+                     env: Mapping[str, str] | None) -> None:
+        try:
+            res = await self.runtime.exec(principal, job.sandbox_id, job.argv, timeout=job.timeout_s, cwd=cwd,
+                                          env=env, on_output=job.output)
+            job.status = _status(res.exit_code, res.timed_out)
+            job.exit_code = None if res.timed_out else res.exit_code
+        except asyncio.CancelledError:
+            job.status = "cancelled"  # leaving sb.exec sent the guest a cancel: it killed the process group
+        except Exception as e:  # noqa: BLE001 - recorded on the execution; details stay in the log
+            log.warning("detached exec failed", execution=job.id, error=str(e))
+            job.status, job.error = "failed", getattr(e, "message", None) or f"the exec failed ({type(e).__name__})"
+        job.ended_at = time.time()
+        job._notify()
+        await asyncio.to_thread(self._record_end, ts, job)
+
+    @staticmethod
+    def _record_end(ts: TenantStore, job: ExecJob) -> None:
+        # The tail of each stream that fits the store's value limit (halved until the JSON fits).
+        keep = min(RECORD_BYTES, max(1024, getattr(ts, "max_value_bytes", RECORD_BYTES) // 2 - 4096))
+        while True:
+            end = {"status": job.status, "exit_code": job.exit_code, "error": job.error, "ended_at": job.ended_at,
+                   **{name: _recorded(s, keep) for name, s in job.streams.items()}}
+            try:
+                ts.executions.add_events(job.id, [{"kind": "exec.ended", "data": end, "at": job.ended_at}])
+                return
+            except InvalidInput:
+                if keep == 0:
+                    break
+                keep //= 4
+            except Exception as e:  # noqa: BLE001 - the in-memory job still answers; the record says interrupted later
+                log.error("could not record the end of a detached exec", execution=job.id, error=str(e))
+                return
+        log.error("could not record the end of a detached exec: too large", execution=job.id)
+
+    def _prune(self) -> None:
+        done = [j for j in self.jobs.values() if j.status != "running"]
+        for j in sorted(done, key=lambda j: j.ended_at or 0)[: max(0, len(done) - KEEP_FINISHED)]:
+            self.jobs.pop(j.id, None)
+
+    def local(self, ts: TenantStore, execution_id: str) -> ExecJob | None:
+        job = self.jobs.get(execution_id)
+        return job if job is not None and job.tenant_id == ts.tenant_id else None
+
+    async def cancel(self, ts: TenantStore, ex: Execution) -> dict[str, Any]:
+        """Kill a running exec; cancelling one that already ended is a 409."""
+        job = self.local(ts, ex.id)
+        if job is None or job.status != "running" or job.task is None:
+            view = await asyncio.to_thread(self.view, ts, ex)
+            if view["status"] == "running":
+                raise ConflictError(f"execution {ex.id} runs on another host",
+                                    hint=f"cancel it through host {ex.input.get('host')!r}")
+            raise ConflictError(f"execution {ex.id} already {view['status']}")
+        job.task.cancel()
+        await asyncio.shield(job.task)  # _drive records the cancel and ends normally
+        return await asyncio.to_thread(self.view, ts, ex)
+
+    # -- reading --------------------------------------------------------------------------------------------
+
+    def view(self, ts: TenantStore, ex: Execution) -> dict[str, Any]:
+        """The execution as callers see it: from the running job here, else from its record."""
+        inp = ex.input
+        base = {"id": ex.id, "object": "execution", "kind": KIND, "sandbox_id": inp.get("sandbox_id"),
+                "agent": ex.agent, "user": ex.user or None, "argv": inp.get("argv"), "timeout_s": inp.get("timeout_s"),
+                "created_at": ex.created_at}
+        job = self.local(ts, ex.id)
+        if job is not None:
+            out = {name: {"text": _text(bytes(s.buf)), "bytes": s.total, "truncated": s.truncated}
+                   for name, s in job.streams.items()}
+            return {**base, "status": job.status, "exit_code": job.exit_code, "error": job.error, **_flat(out),
+                    "updated_at": job.ended_at or time.time()}
+        end = next((e.get("data") for e in ex.events if e.get("kind") == "exec.ended"), None)
+        if isinstance(end, dict):
+            out = {name: end.get(name) or {"text": "", "bytes": 0, "truncated": False} for name in ("stdout", "stderr")}
+            return {**base, "status": end.get("status"), "exit_code": end.get("exit_code"), "error": end.get("error"),
+                    **_flat(out), "updated_at": ex.updated_at}
+        empty = {"text": "", "bytes": 0, "truncated": False}
+        timeout = float(inp.get("timeout_s") or DEFAULT_TIMEOUT_S)
+        lost = (inp.get("host") == self.host and inp.get("boot") != self.boot) or \
+            time.time() > ex.created_at + timeout + LOST_AFTER_S
+        if lost:
+            return {**base, "status": "interrupted", "exit_code": None,
+                    "error": "the host running it stopped before it ended; its output is lost",
+                    **_flat({"stdout": empty, "stderr": empty}), "updated_at": ex.updated_at}
+        return {**base, "status": "running", "exit_code": None, "error": None,
+                **_flat({"stdout": empty, "stderr": empty}), "updated_at": ex.updated_at}
+
+    async def follow(self, ts: TenantStore, ex: Execution) -> AsyncIterator[tuple[str, Any]]:
+        """``("output", {...})`` for each piece of output from the oldest kept byte on, then ``("end", view)``."""
+        job = self.local(ts, ex.id)
+        if job is None:  # ended before this host's start, or runs elsewhere: what the record holds
+            view = await asyncio.to_thread(self.view, ts, ex)
+            for name in ("stdout", "stderr"):
+                if view[name]:
+                    yield "output", {"stream": name, "offset": view[f"{name}_bytes"] - len(view[name].encode()),
+                                     "text": view[name]}
+            yield "end", _without_output(view)
+            return
+        offsets = {"stdout": 0, "stderr": 0}
+        while True:
+            changed = job.changed
+            for name, s in job.streams.items():
+                at, data = s.since(offsets[name])
+                if data:
+                    offsets[name] = at + len(data)
+                    yield "output", {"stream": name, "offset": at, "text": _text(data)}
+            if job.status != "running":
+                yield "end", _without_output(await asyncio.to_thread(self.view, ts, ex))
+                return
+            await changed.wait()
+
+
+def _status(exit_code: int, timed_out: bool) -> str:
+    return "timed_out" if timed_out else ("succeeded" if exit_code == 0 else "failed")
+
+
+def _recorded(s: _Stream, keep: int) -> dict[str, Any]:
+    tail = bytes(s.buf[len(s.buf) - min(keep, len(s.buf)):])
+    return {"text": _text(tail), "bytes": s.total, "truncated": s.total > len(tail)}
+
+
+def _flat(out: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, o in out.items():
+        flat[name] = o["text"]
+        flat[f"{name}_bytes"] = o["bytes"]
+    flat["truncated"] = any(o["truncated"] for o in out.values())
+    return flat
+
+
+def _without_output(view: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in view.items() if k not in ("stdout", "stderr")}
+
+
+def is_exec(ex: Execution) -> bool:
+    return isinstance(ex.input, dict) and ex.input.get("kind") == KIND
+
+
+def check_timeout(value: Any) -> float:
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_S:
+        raise InvalidInput(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]",
+                           hint=f"leave it out for the default of {DEFAULT_TIMEOUT_S:g} s")
+    return float(value)
+
+
+def get_exec(ts: TenantStore, principal: Principal, execution_id: str) -> Execution:
+    """The exec execution ``execution_id`` of this tenant, visible to ``principal`` (a 404 otherwise)."""
+    ex = ts.executions.get(execution_id)
+    if not is_exec(ex) or principal.user is not None or (principal.agent is not None and ex.agent != principal.agent):
+        raise NotFound(f"no exec execution {execution_id!r}",
+                       hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true")
+    return ex
