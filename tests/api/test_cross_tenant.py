@@ -49,10 +49,16 @@ async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[
         other_user_token = (await c.post("/v1/agents/vagent/users/vother/tokens", json={})).json()["token"]
     ts = store.tenant(store.authenticate(globex))
     sandbox = ts.sandboxes.list()[0]
+    async with aclient(live, globex) as c:  # a detached exec whose kept output is the planted string
+        r = await c.post(f"/v1/sandboxes/{sandbox.id}/exec", json={"argv": ["echo", PLANT], "detach": True})
+        assert r.status_code == 202, r.text
+        while (exec_view := (await c.get(r.headers["location"])).json())["status"] == "running":
+            await asyncio.sleep(0.05)
+        assert exec_view["stdout"] == PLANT + "\n"
     return {
         "agent": "vagent", "user": "vuser", "run_id": waiting["run_id"], "sandbox_id": sandbox.id,
         "trace_id": turn["trace_id"], "key_id": key["id"], "tenant_id": ts.tenant_id,
-        "webhook_id": hook["id"], "execution_id": execution["id"],
+        "webhook_id": hook["id"], "execution_id": execution["id"], "exec_execution_id": exec_view["id"],
         "delivery_id": ts.deliveries.list(hook["id"])[0].id,
         "secrets": [globex, key["secret"], token, other_user_token, hook["secret"]], "token": token,
         "other_user_token": other_user_token,
@@ -155,6 +161,17 @@ async def test_no_route_crosses_tenants(live_rt, store: Store, acme: str, globex
                     elif _PARAM.search(path) and ids is guessed and who != "end-user token of another user of the same agent":
                         assert r.status_code in (401, 403, 404, 422), f"{what}: {r.status_code} {r.text[:200]}"
     assert tried == len(attackers) * 2 * len(routes)
+    # Executions have one namespace: every execution route is also tried with the victim's detached exec.
+    exec_ids = {**guessed, "execution_id": victim["exec_execution_id"]}
+    async with httpx.AsyncClient(base_url=live_rt.url, timeout=120) as c:
+        for who, headers in attackers.items():
+            for method, path in routes:
+                if "{execution_id}" not in path:
+                    continue
+                kw = body_for(method, path, exec_ids)
+                r = await c.request(method, fill(path, exec_ids), **kw, headers=headers)
+                assert_no_leak(r, victim, f"{who}: {method} {path} (exec)")
+                assert r.status_code in (401, 403, 404, 422), f"{who}: {method} {path} (exec): {r.status_code}"
     assert snapshot(store, globex) == before
 
     # The victim still sees its own data (the suite did not pass by breaking the routes).
