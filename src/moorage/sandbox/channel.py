@@ -253,6 +253,9 @@ class Channel:
         #: Set when the channel closed because the guest broke the protocol (a frame that cannot be skipped):
         #: drivers stop such a guest instead of reconnecting to it.
         self.protocol_error: GuestProtocolError | None = None
+        #: Called (synchronously, once) when the guest breaks the protocol: drivers stop the guest before any
+        #: other task can pick the sandbox up as still running.
+        self.on_protocol_error: Callable[[], None] | None = None
 
     # --- construction ---------------------------------------------------------------------------------------
 
@@ -554,6 +557,11 @@ class Channel:
         if isinstance(error, GuestProtocolError):
             self.protocol_error = error
         self._closed.set()
+        if self.protocol_error is not None and self.on_protocol_error is not None:
+            try:
+                self.on_protocol_error()
+            except Exception:  # the driver's reaction must not break the shutdown of the channel
+                log.exception("protocol-error callback failed", channel=self.name)
         exc = error or ChannelClosed(f"{self.name} closed: {reason}", hint="wake or restart the sandbox")
         for pending in self._pending.values():
             if not pending.future.done():

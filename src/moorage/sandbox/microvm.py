@@ -297,7 +297,8 @@ class MicroVMSandbox(Sandbox):
                     self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}",
                                                             first_id=secrets.randbelow(1 << 40) + (1 << 20),
                                                             max_guest_inflight=self._driver.config.guest_calls_per_channel)
-                    asyncio.get_running_loop().create_task(self._stop_on_protocol_error(self._channel))
+                    channel = self._channel
+                    channel.on_protocol_error = lambda: self._protocol_broken(channel)
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
                 method, params = first() if first is not None else ("ping", {})
                 return await self._channel.call(method, params, timeout=wait)
@@ -309,17 +310,27 @@ class MicroVMSandbox(Sandbox):
                 await asyncio.sleep(0.01)
         raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
 
-    async def _stop_on_protocol_error(self, channel: Channel) -> None:
-        """A guest that broke the channel protocol is stopped (disk kept, memory dropped), not trusted with a
-        reconnect; the next wake cold-boots it."""
-        await channel.wait_closed()
-        if channel.protocol_error is None or self._channel is not channel:
+    def _protocol_broken(self, channel: Channel) -> None:
+        """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with
+        a reconnect: QEMU is killed and the sandbox marked stopped before any other task sees it running; the next
+        wake cold-boots it (and tears down what is left first)."""
+        if self._channel is not channel or self.state is not SandboxState.RUNNING:
             return
         log.warning("guest broke the channel protocol; stopping it", sandbox=self.id, error=str(channel.protocol_error))
+        pid = self.pid
+        if pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        self._set_state(SandboxState.STOPPED, snapshot=None)
+        asyncio.get_running_loop().create_task(self._reap_after_protocol_error(channel))
+
+    async def _reap_after_protocol_error(self, channel: Channel) -> None:
         async with self._lock:
-            if self._channel is channel and self.state is SandboxState.RUNNING:
+            if self._channel is channel:  # not woken meanwhile (a cold boot tears down what is left itself)
                 await self._teardown()
-                self._set_state(SandboxState.STOPPED, snapshot=None)
+                self._save_meta()
 
     def _reap_dying(self) -> None:
         if self._dying is not None:

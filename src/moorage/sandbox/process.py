@@ -260,21 +260,32 @@ class ProcessSandbox(Sandbox):
     def _start_watchdog(self) -> None:
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = asyncio.get_running_loop().create_task(self._quota_watchdog(), name=f"quota-{self.id}")
-        if self._channel is not None:
-            asyncio.get_running_loop().create_task(self._stop_on_protocol_error(self._channel), name=f"guard-{self.id}")
+        channel = self._channel
+        if channel is not None:
+            channel.on_protocol_error = lambda: self._protocol_broken(channel)
 
-    async def _stop_on_protocol_error(self, channel: Channel) -> None:
-        """A guest that broke the channel protocol is stopped (its disk kept), not trusted with a reconnect; the
-        next turn starts it afresh."""
-        await channel.wait_closed()
-        if channel.protocol_error is None or self._channel is not channel:
+    def _protocol_broken(self, channel: Channel) -> None:
+        """A guest that broke the channel protocol is stopped at once (its disk kept), not trusted with a
+        reconnect: killed and marked stopped before any other task sees it running; the next turn starts it
+        afresh. Reaping and cgroup removal follow under the lock."""
+        if self._channel is not channel or self._state is not SandboxState.RUNNING:
             return
         log.warning("guest broke the channel protocol; stopping it", sandbox=self.id, error=str(channel.protocol_error))
+        if self._pid is not None:
+            victims = limits.descendants(self._pid)
+            try:
+                os.killpg(self._pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            limits.kill_pids(victims)
+        self._state = SandboxState.STOPPED
+        self._save(pid=None, pid_starttime=None)
+        asyncio.get_running_loop().create_task(self._reap_after_protocol_error(channel), name=f"reap-{self.id}")
+
+    async def _reap_after_protocol_error(self, channel: Channel) -> None:
         async with self._lock:
-            if self._channel is channel:
+            if self._channel is channel:  # not restarted meanwhile
                 await self._kill()
-                self._state = SandboxState.STOPPED
-                self._save(pid=None, pid_starttime=None)
 
     async def _quota_watchdog(self) -> None:
         """Disk quota check: a layer grown past ``disk_mib`` gets every process but the supervisor killed.
