@@ -172,3 +172,27 @@ async def test_after_a_restart_the_record_says_interrupted(live_rt, store: Store
         # The turn machinery never mistakes it for an async turn to resubmit or announce.
         assert ex_id not in [e.id for e in ts.executions.unsettled()]
         assert (await c.post(f"/v1/executions/{ex_id}/cancel")).json()["status"] == "cancelled"
+
+
+async def test_sdk_exec_detached_follow_wait_cancel(live_rt, store: Store, globex: str, tmp_path: Path):
+    from moorage import AsyncClient
+
+    sid = await sandbox_of(live_rt, store, globex, tmp_path)
+    async with AsyncClient(live_rt.url, globex) as c:
+        res = await c.exec(sid, ["sh", "-c", "echo $X", "x"], env={"X": "from-env"})
+        assert (res["status"], res["stdout"]) == ("succeeded", "from-env\n")
+        ex = await c.exec_detached(sid, GATED, timeout_s=30)
+        assert (ex["kind"], ex["status"]) == ("exec", "running")
+        events = []
+        async for ev in c.follow_exec(ex["id"]):
+            events.append(ev)
+            if ev["event"] == "output" and ev["data"]["text"] == "started\n":
+                await c.exec(sid, ["touch", "go"])
+        assert events[-1]["event"] == "end"
+        done = await c.wait(ex["id"], poll_s=0.05)
+        assert (done["status"], done["exit_code"], done["stdout"]) == ("failed", 3, "started\nfinished\n")
+
+        await c.exec(sid, ["rm", "-f", "go"])
+        ex = await c.exec_detached(sid, GATED)
+        assert (await c.cancel_execution(ex["id"]))["status"] == "cancelled"
+        assert (await c.wait(ex["id"]))["status"] == "cancelled"

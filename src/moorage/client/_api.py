@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 from moorage.client import types as T
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+#: Statuses an execution never leaves (``timed_out`` and ``interrupted`` are an exec's only).
+TERMINAL = ("succeeded", "failed", "cancelled", "timed_out", "interrupted")
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,24 @@ class Api:
     def read_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}/files/content", {"path": path}))
 
+    def exec(self, sandbox_id: str, argv: Sequence[str], *, timeout_s: float | None = None, cwd: str | None = None,
+             env: Mapping[str, str] | None = None) -> T.ExecResult:
+        """Run a command in the sandbox and wait for it (``timeout_s`` defaults to 60 on the server)."""
+        return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/exec",
+                                  json=_exec_body(argv, timeout_s, cwd, env, detach=False)))
+
+    def exec_detached(self, sandbox_id: str, argv: Sequence[str], *, timeout_s: float | None = None,
+                      cwd: str | None = None, env: Mapping[str, str] | None = None,
+                      idempotency_key: str | None = None) -> T.ExecExecution:
+        """Start a command in the sandbox and answer at once with its execution (``kind == "exec"``): follow it
+        with ``follow_exec``, wait with ``wait``, stop it with ``cancel_execution``."""
+        return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/exec",
+                                  json=_exec_body(argv, timeout_s, cwd, env, detach=True), headers=_idem(idempotency_key)))
+
+    def cancel_execution(self, execution_id: str) -> T.ExecExecution:
+        """Kill a running detached exec (its whole process group); it ends ``cancelled``."""
+        return self._send(Request("POST", f"/v1/executions/{_p(execution_id)}/cancel", json={}))
+
     def list_spans(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[dict[str, Any]]:
         """Recent spans of the tenant, newest first (requests, turns, lifecycle transitions)."""
         return self._send(Request("GET", "/v1/traces", _page(limit, cursor)))
@@ -258,6 +277,18 @@ class Api:
 
     def health(self) -> dict[str, Any]:
         return self._send(Request("GET", "/healthz"))
+
+
+def _exec_body(argv: Sequence[str], timeout_s: float | None, cwd: str | None, env: Mapping[str, str] | None, *,
+               detach: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"argv": list(argv), "detach": detach}
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s
+    if cwd is not None:
+        body["cwd"] = cwd
+    if env is not None:
+        body["env"] = dict(env)
+    return body
 
 
 def _turn_body(message: str, user: str | None, session: str | None) -> dict[str, Any]:

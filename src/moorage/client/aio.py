@@ -113,3 +113,26 @@ class AsyncClient(Api):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"execution {execution_id} is still {ex['status']} after {timeout_s:g} s")
             await self._sleep(poll_s)
+
+    async def wait(self, execution_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> T.Execution:
+        """Wait until an execution (turn or exec) has ended, or a turn waits for a human answer."""
+        return await self.wait_execution(execution_id, timeout_s=timeout_s, poll_s=poll_s)
+
+    async def follow_exec(self, execution_id: str) -> AsyncIterator[T.StreamEvent]:
+        """A detached exec's output as it arrives (``output`` events), then one ``end`` with the execution."""
+        req = tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
+                                 headers={"accept": "text/event-stream"}))
+        async with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+            self._note(req, response.status_code)
+            if response.status_code >= 400:
+                await response.aread()
+                tr.decode(response)  # raises the typed error
+            buffer: list[str] = []
+            async for line in response.aiter_lines():
+                buffer.append(line)
+                if line == "":
+                    for event, data in tr.sse_events(iter(buffer)):
+                        yield {"event": event, "data": data}
+                    buffer = []
+            for event, data in tr.sse_events(iter([*buffer, ""])):
+                yield {"event": event, "data": data}

@@ -112,3 +112,20 @@ class Client(Api):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"execution {execution_id} is still {ex['status']} after {timeout_s:g} s")
             self._sleep(poll_s)
+
+    def wait(self, execution_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> T.Execution:
+        """Wait until an execution (turn or exec) has ended, or a turn waits for a human answer."""
+        return self.wait_execution(execution_id, timeout_s=timeout_s, poll_s=poll_s)
+
+    def follow_exec(self, execution_id: str) -> Iterator[T.StreamEvent]:
+        """A detached exec's output as it arrives: ``output`` events ({stream, offset, text}) from the oldest byte
+        kept, then one ``end`` with the execution (without its output)."""
+        req = tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
+                                 headers={"accept": "text/event-stream"}))
+        with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+            self._note(req, response.status_code)
+            if response.status_code >= 400:
+                response.read()
+                tr.decode(response)  # raises the typed error
+            for event, data in tr.sse_events(response.iter_lines()):
+                yield {"event": event, "data": data}

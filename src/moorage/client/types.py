@@ -68,10 +68,13 @@ class Turn(TypedDict, total=False):
 
 class Execution(TypedDict, total=False):
     id: str
+    kind: str  # turn | exec
     agent: str
     user: str
     session: str
-    status: str  # queued | running | waiting | succeeded | failed | cancelled
+    #: turn: queued | running | waiting | succeeded | failed | cancelled;
+    #: exec: running | succeeded | failed | timed_out | cancelled | interrupted
+    status: str
     reply: Any
     error: str | None
     interrupt: Any
@@ -80,6 +83,32 @@ class Execution(TypedDict, total=False):
     events: list[dict[str, Any]]
     created_at: float
     updated_at: float
+
+
+class ExecExecution(Execution, total=False):
+    """A detached exec (``kind == "exec"``): the newest output kept per stream, ``truncated`` when older was dropped."""
+
+    sandbox_id: str
+    argv: list[str]
+    timeout_s: float
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    stdout_bytes: int
+    stderr_bytes: int
+    truncated: bool
+
+
+class ExecResult(TypedDict, total=False):
+    sandbox_id: str
+    argv: list[str]
+    status: str  # succeeded | failed | timed_out
+    exit_code: int | None
+    timed_out: bool
+    stdout: str
+    stderr: str
+    truncated: bool
+    duration_s: float
 
 
 class Webhook(TypedDict, total=False):
