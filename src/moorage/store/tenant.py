@@ -1070,7 +1070,9 @@ class Spans(_Repo):
             return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans ORDER BY start_ts DESC LIMIT ?", (limit,))]
 
 
-USAGE_KINDS = ("input_tokens", "output_tokens", "cached_input_tokens", "compute_seconds", "storage_bytes", "cost_usd", "wakes")
+USAGE_KINDS = ("input_tokens", "output_tokens", "cached_input_tokens", "compute_seconds", "storage_bytes", "cost_usd", "wakes",
+               # Levels, not amounts: an instance's bytes at each sleep (read as gauges by moorage.usage.ledger).
+               "disk_bytes", "snapshot_bytes")
 
 
 class Usage(_Repo):
