@@ -23,6 +23,10 @@ async def on_message(ctx, message):
     cmd, _, arg = message.partition(" ")
     if cmd == "ping":
         return "pong"
+    if cmd == "burst":
+        # Honest code can start more host calls at once than the host serves per sandbox: all must succeed.
+        got = await asyncio.gather(*(ctx.memory.facts() for _ in range(int(arg))))
+        return "served %d" % len(got)
     if cmd == "recall":
         return json.dumps(await ctx.memory.recall(arg or "anything", k=1))
     if cmd == "flood":

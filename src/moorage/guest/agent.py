@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - the guest image ships Python 3.11
     tomllib = None  # type: ignore[assignment]
 
-from .rpc import Context, Registry, RpcError, log
+from .rpc import BUSY as HOST_BUSY, Context, Registry, RpcError, log
 
 NOT_LOADED = -32010
 AGENT_ERROR = -32011
@@ -160,7 +160,17 @@ class _Host:
         self.turn_id = turn_id
 
     async def call(self, method: str, params: Dict[str, Any], timeout: float = 300.0) -> Any:
-        return await self._rpc.peer.call(method, dict(params, turn_id=self.turn_id), timeout=timeout)
+        # The host serves a bounded number of this sandbox's calls at once and answers the rest "busy": wait and
+        # retry, so an agent that starts many calls together (asyncio.gather) just gets them served in turn.
+        delay = 0.005
+        while True:
+            try:
+                return await self._rpc.peer.call(method, dict(params, turn_id=self.turn_id), timeout=timeout)
+            except RpcError as e:
+                if e.code != HOST_BUSY:
+                    raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
 
 class LLM:

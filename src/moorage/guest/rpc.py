@@ -22,6 +22,7 @@ INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 CANCELLED = -32800
 TOO_LARGE = -32001
+BUSY = -32002  # the peer serves too many of our requests at once: retry later
 APPLICATION_ERROR = -32000
 
 
