@@ -27,6 +27,7 @@ from moorage.lifecycle.policies import (FixedTimeout, IdleGapHistogram, Instance
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import SandboxRecord, Scope, Store, TenantStore
+from moorage.usage import ledger as usage_ledger
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -462,7 +463,7 @@ class InstanceManager:
         return new
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
-                    snapshot_ref: str, started: float, reason: str) -> SandboxRecord:
+                    snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
         """Record the sleep and, in the same transaction, the awake seconds since the instance was marked running
         (per agent and end-user, measured from state changes, not estimated)."""
         with ts.transaction():
@@ -472,6 +473,7 @@ class InstanceManager:
             if isinstance(since, (int, float)):
                 ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
                              user_id=rec.scope.user, scope=rec.scope, meta={"instance": rec.id, "reason": reason})
+            usage_ledger.record(ts, rec, sizes or {})
         return new
 
     async def _give_up(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, reason: str) -> None:
@@ -562,7 +564,8 @@ class InstanceManager:
             meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
             meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
-            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason)
+            sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
+            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
             li.owned = False
             self._counts["evictions" if evict else "sleeps"] += 1
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)

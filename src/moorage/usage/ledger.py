@@ -1,17 +1,23 @@
-"""Usage totals by UTC day (per tenant, optionally one agent and end-user), read from the usage ledger."""
+"""Usage totals by UTC day (per tenant, optionally one agent and end-user), read from the usage ledger, and the
+storage an instance holds (disk and snapshot bytes, measured at each sleep) as levels rather than sums."""
 
 from __future__ import annotations
 
 import time
 from datetime import datetime, timezone
+from typing import Any
 
+from moorage.log import get_logger
 from moorage.store import TenantStore
 
+log = get_logger(__name__)
 
-def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: str | None = None,
-           user: str | None = None) -> list[dict[str, object]]:
-    """``[{"day": "YYYY-MM-DD", "totals": {kind: amount}}]``, oldest first, days with usage only."""
-    bucket = "FLOOR(ts / 86400)" if ts.dialect == "postgres" else "CAST(ts / 86400 AS INTEGER)"
+#: Ledger kinds that are levels: each row is an instance's bytes at one sleep. A day shows, per instance, its
+#: value at its last sleep that day, summed over instances; totals show each instance's latest value, summed.
+GAUGES = ("disk_bytes", "snapshot_bytes")
+
+
+def _where(since: float, until: float | None, agent: str | None, user: str | None) -> tuple[str, list[Any]]:
     where, params = "ts >= ? AND ts < ?", [since, until if until is not None else time.time() + 86400.0]
     if agent is not None:
         where += " AND agent_id = ?"
@@ -19,10 +25,61 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
     if user is not None:
         where += " AND user_id = ?"
         params.append(user)
-    rows = ts.read(f"SELECT {bucket} AS d, kind, SUM(amount) FROM usage WHERE {where} GROUP BY d, kind ORDER BY d",
-                   params)
+    return where, params
+
+
+def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: str | None = None,
+           user: str | None = None) -> list[dict[str, object]]:
+    """``[{"day": "YYYY-MM-DD", "totals": {kind: amount}}]``, oldest first, days with usage only."""
+    bucket = "FLOOR(ts / 86400)" if ts.dialect == "postgres" else "CAST(ts / 86400 AS INTEGER)"
+    where, params = _where(since, until, agent, user)
+    gauges = ", ".join("?" for _ in GAUGES)
+    rows = ts.read(f"SELECT {bucket} AS d, kind, SUM(amount) FROM usage WHERE {where} AND kind NOT IN ({gauges}) "
+                   "GROUP BY d, kind ORDER BY d", [*params, *GAUGES])
     days: dict[int, dict[str, float]] = {}
     for d, kind, amount in rows:
         days.setdefault(int(d), {})[kind] = float(amount)
+    last: dict[tuple[int, str, str], float] = {}  # (day, kind, instance scope) -> bytes at its last sleep that day
+    for at, kind, amount, scope in _gauge_rows(ts, where, params):
+        last[(int(at // 86400), kind, scope)] = float(amount)
+    for (d, kind, _), amount in last.items():
+        totals = days.setdefault(d, {})
+        totals[kind] = totals.get(kind, 0.0) + amount
     return [{"day": datetime.fromtimestamp(d * 86400, tz=timezone.utc).strftime("%Y-%m-%d"), "totals": totals}
             for d, totals in sorted(days.items())]
+
+
+def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
+    """Each gauge kind: the latest value of every instance that slept since ``since``, summed."""
+    where, params = _where(since, None, agent, user)
+    last: dict[tuple[str, str], float] = {}
+    for _, kind, amount, scope in _gauge_rows(ts, where, params):
+        last[(kind, scope)] = float(amount)
+    out: dict[str, float] = {}
+    for (kind, _), amount in last.items():
+        out[kind] = out.get(kind, 0.0) + amount
+    return out
+
+
+def _gauge_rows(ts: TenantStore, where: str, params: list[Any]) -> list[tuple[float, str, float, str]]:
+    gauges = ", ".join("?" for _ in GAUGES)
+    rows = ts.read(f"SELECT ts, kind, amount, scope FROM usage WHERE {where} AND kind IN ({gauges}) ORDER BY ts, id",
+                   [*params, *GAUGES])
+    return [(float(r[0]), r[1], float(r[2]), r[3] or "") for r in rows]
+
+
+async def measure(sandbox: Any) -> dict[str, int]:
+    """A sandbox's disk and snapshot bytes for the ledger (nothing when the driver cannot tell)."""
+    try:
+        st = await sandbox.stats()
+    except Exception as e:  # noqa: BLE001 - metering must never fail a sleep
+        log.warning("could not measure a sandbox's storage", sandbox=getattr(sandbox, "id", None), error=str(e))
+        return {}
+    return {"disk_bytes": int(st.disk_bytes), "snapshot_bytes": int(st.snapshot_bytes)}
+
+
+def record(ts: TenantStore, rec: Any, sizes: dict[str, int]) -> None:
+    """Write an instance's measured bytes (call inside the transaction that records its sleep)."""
+    for kind, amount in sizes.items():
+        ts.usage.add(kind, amount, agent_id=rec.scope.agent, user_id=rec.scope.user, scope=rec.scope,
+                     meta={"instance": rec.id})
