@@ -84,6 +84,16 @@ async def test_sync_and_detached_exec_with_streamed_output(live_rt, store: Store
         # Cancelling an exec that ended is a conflict.
         assert (await c.post(f"/v1/executions/{ex['id']}/cancel")).status_code == 409
 
+        # The same Idempotency-Key gives the same execution: the command runs once.
+        once = {"argv": ["sh", "-c", "echo x >> runs"], "detach": True}
+        first = await c.post(f"/v1/sandboxes/{sid}/exec", json=once, headers={"Idempotency-Key": "k1"})
+        await settled(c, first.headers["location"])
+        again = await c.post(f"/v1/sandboxes/{sid}/exec", json=once, headers={"Idempotency-Key": "k1"})
+        assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+        assert again.json()["status"] == "succeeded"
+        runs = await c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["cat", "runs"]})
+        assert runs.json()["stdout"] == "x\n"
+
 
 async def test_output_is_bounded(live_rt, store: Store, globex: str, tmp_path: Path):
     sid = await sandbox_of(live_rt, store, globex, tmp_path)
@@ -181,6 +191,9 @@ async def test_sdk_exec_detached_follow_wait_cancel(live_rt, store: Store, globe
     async with AsyncClient(live_rt.url, globex) as c:
         res = await c.exec(sid, ["sh", "-c", "echo $X", "x"], env={"X": "from-env"})
         assert (res["status"], res["stdout"]) == ("succeeded", "from-env\n")
+        # Output larger than a store value: a synchronous exec is answered, not journaled for replay.
+        big = await c.exec(sid, ["sh", "-c", "head -c 300000 /dev/zero | tr '\\0' b"])
+        assert big["stdout"] == "b" * 300000
         ex = await c.exec_detached(sid, GATED, timeout_s=30)
         assert (ex["kind"], ex["status"]) == ("exec", "running")
         events = []

@@ -7,6 +7,7 @@ tenant's ``executions`` table (``input.kind == "exec"``) so a restart shows it `
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 import weakref
@@ -127,24 +128,34 @@ class ExecJobs:
                 "truncated": res.truncated, "duration_s": res.duration_s}
 
     async def start(self, principal: Principal, ts: TenantStore, sandbox_id: str, argv: Sequence[str], *,
-                    timeout_s: float, cwd: str | None = None, env: Mapping[str, str] | None = None) -> ExecJob:
-        """Record the exec and start it in the background; the caller answers 202 with ``job.id`` at once."""
+                    timeout_s: float, cwd: str | None = None, env: Mapping[str, str] | None = None,
+                    idempotency_key: str | None = None) -> str:
+        """Record the exec and start it in the background; the caller answers 202 with the id at once. The same
+        Idempotency-Key (same key, same sandbox) gives the same execution and starts nothing more."""
         principal.require("deploy")
         rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)  # 404 for another tenant's sandbox
-        job = ExecJob(ID_PREFIX + uuid.uuid4().hex, ts.tenant_id, sandbox_id, list(argv), timeout_s, time.time())
+        if idempotency_key is None:
+            exec_id = ID_PREFIX + uuid.uuid4().hex
+        else:
+            ident = f"{principal.key_id}|{sandbox_id}|{idempotency_key}".encode()
+            exec_id = ID_PREFIX + hashlib.sha256(ident).hexdigest()[:32]
+        job = ExecJob(exec_id, ts.tenant_id, sandbox_id, list(argv), timeout_s, time.time())
         record = {"kind": KIND, "sandbox_id": sandbox_id, "argv": job.argv, "timeout_s": timeout_s,
                   "host": self.host, "boot": self.boot}
 
-        def create() -> None:
+        def create() -> bool:
             with ts.transaction():  # never visible to the turn machinery as an unsettled turn
-                ex, _ = ts.executions.create(job.id, rec.scope.agent, rec.scope.user or "", "", record)
-                ts.executions.mark_announced(job.id, KIND, expected_version=ex.version)
+                ex, created = ts.executions.create(job.id, rec.scope.agent, rec.scope.user or "", "", record)
+                if created:
+                    ts.executions.mark_announced(job.id, KIND, expected_version=ex.version)
+                return created
 
-        await asyncio.to_thread(create)
+        if not await asyncio.to_thread(create):
+            return exec_id
         self._prune()
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._drive(principal, ts, job, cwd, env), name=f"exec-{job.id}")
-        return job
+        return exec_id
 
     async def _drive(self, principal: Principal, ts: TenantStore, job: ExecJob, cwd: str | None,
                      env: Mapping[str, str] | None) -> None:

@@ -101,10 +101,11 @@ async def exec_command(call: Call) -> Any:
     jobs = exec_jobs.ExecJobs.of(call.runtime)
     if not call.field("detach", bool, required=False, default=False):
         return await jobs.run(call.who, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
-    job = await jobs.start(call.who, call.tenant, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
-    ex = await run_in_threadpool(call.tenant.executions.get, job.id)
+    exec_id = await jobs.start(call.who, call.tenant, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env,
+                               idempotency_key=call.idempotency_key)
+    ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, exec_id)
     body = await run_in_threadpool(jobs.view, call.tenant, ex)
-    return Reply(body, 202, {"Location": f"/v1/executions/{job.id}"})
+    return Reply(body, 202, {"Location": f"/v1/executions/{exec_id}"})
 
 
 async def cancel_exec(call: Call) -> dict[str, Any]:
@@ -156,6 +157,9 @@ ENDPOINTS = [
     # Exec runs anything in the sandbox: the same scope as the other sandbox verbs.
     Endpoint("POST", f"{_BOX}/exec", exec_command, "Run a command in the sandbox (detach: 202 and an execution)",
              "sandboxes", "execSandbox", scope="deploy",
+             # Detached: the Idempotency-Key names the execution (a retry gets it, nothing runs twice). A
+             # synchronous exec's output can exceed what the HTTP replay journal keeps, so it is not journaled.
+             idempotency="runtime",
              body=S.obj({"argv": {"type": "array", "items": S.STR, "minItems": 1},
                          "detach": {"type": "boolean"}, "timeout_s": {"type": "number", "exclusiveMinimum": 0,
                                                                       "maximum": exec_jobs.MAX_TIMEOUT_S},
