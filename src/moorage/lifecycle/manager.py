@@ -335,10 +335,12 @@ class InstanceManager:
                     rec = await self.io(machine.provision, ts, scope, owner=self.owner, template_ref=template.id,
                                         sandbox_id=pooled or uuid.uuid4().hex, trace=trace,
                                         meta={"pooled": True} if pooled else None)
-                except ConflictError:
-                    if pooled:
+                except BaseException as e:
+                    if pooled:  # out of the pool already: nobody else would ever remove it
                         await self._destroy_quietly(pooled)
-                    continue  # someone else provisioned it first: follow their record
+                    if isinstance(e, ConflictError):
+                        continue  # someone else provisioned it first: follow their record
+                    raise
                 return await self._provision(ts, li, rec, template, trace, fresh=True, pooled=pooled is not None)
             if rec.host not in (None, self.host):
                 raise Misplaced(rec)
