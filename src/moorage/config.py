@@ -75,6 +75,9 @@ class Config:
     memory_summarizer: str = "extractive"
     #: Semantic-memory fact extraction: ``patterns`` (offline) or ``model`` (through the gateway, tenant's budget).
     memory_extractor: str = "patterns"
+    #: OTLP/HTTP traces endpoint ``moorage up`` sends a copy of every span to (e.g.
+    #: ``http://127.0.0.1:4318/v1/traces``); empty: spans are kept in the store only.
+    otlp_endpoint: str = ""
     log_level: str = "info"
     log_format: str = "text"
     #: Maximum size of one stored value (state value, event content, step result), bytes.

@@ -93,7 +93,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     host = Host.open(cfg)
     key = ensure_local_tenant(host, cfg)
     await host.start()
-    app = create_app(host.runtime, cfg)
+    app = create_app(host.runtime, cfg, span_sink=host.span_sink)
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off"))
     url = f"http://{cfg.host}:{cfg.port}"
 

@@ -14,13 +14,20 @@ from moorage.store import Span
 class OtelSink:
     """Converts each finished span to an SDK ``ReadableSpan`` and exports it (synchronously, one at a time)."""
 
-    def __init__(self, exporter: Any, service_name: str = "moorage") -> None:
+    def __init__(self, exporter: Any, service_name: str = "moorage", *, batch: bool = False) -> None:
         try:
             from opentelemetry.sdk.resources import Resource
         except ImportError as e:  # pragma: no cover - depends on the installation
             raise ConfigError("OTLP export needs opentelemetry-sdk", hint="pip install opentelemetry-sdk") from e
         self.exporter = exporter
         self.resource = Resource.create({"service.name": service_name})
+        #: With ``batch``, spans are queued and sent by the SDK's background thread, so a slow or absent
+        #: collector never holds up the request whose span it is.
+        self.processor: Any = None
+        if batch:
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            self.processor = BatchSpanProcessor(exporter)
 
     def export(self, tenant_id: str, span: Span) -> None:
         from opentelemetry.sdk.trace import ReadableSpan
@@ -40,7 +47,17 @@ class OtelSink:
             status=Status(StatusCode.ERROR if span.status == "error" else StatusCode.OK),
             start_time=int(span.start_ts * 1e9), end_time=int((span.end_ts or span.start_ts) * 1e9),
         )
-        self.exporter.export([readable])
+        if self.processor is not None:
+            self.processor.on_end(readable)
+        else:
+            self.exporter.export([readable])
+
+    def close(self) -> None:
+        """Send what is queued, then stop the exporter."""
+        if self.processor is not None:
+            self.processor.shutdown()  # flushes the queue, then shuts the exporter down
+        else:
+            self.exporter.shutdown()
 
 
 def otlp_sink(endpoint: str) -> OtelSink:
@@ -50,4 +67,4 @@ def otlp_sink(endpoint: str) -> OtelSink:
     except ImportError as e:
         raise ConfigError("OTLP export needs the OTLP exporter",
                           hint="pip install opentelemetry-exporter-otlp-proto-http, or leave the endpoint empty") from e
-    return OtelSink(OTLPSpanExporter(endpoint=endpoint))
+    return OtelSink(OTLPSpanExporter(endpoint=endpoint), batch=True)

@@ -49,6 +49,8 @@ class Host:
         self.driver = driver
         self.manager = manager
         self.runtime = runtime
+        #: Where spans are also exported (``otlp_endpoint``); the API's tracer gets it too. None: store only.
+        self.span_sink: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -77,7 +79,13 @@ class Host:
         manager.capacity = HostCapacity(max_awake=config.max_awake_instances or None,
                                         max_ram_mib=config.max_awake_ram_mib or None)
         manager.tenant_max_awake = config.max_awake_per_tenant or None
-        return cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
+        host = cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
+        if config.otlp_endpoint:
+            from moorage.observability.otlp import otlp_sink
+
+            host.span_sink = otlp_sink(config.otlp_endpoint)
+            host.runtime.tracer.sink = host.span_sink
+        return host
 
     async def start(self) -> None:
         await self.manager.start()
@@ -134,4 +142,7 @@ class Host:
         await self.manager.close()
         await self.driver.close()
         await self.runtime.aclose()
+        if self.span_sink is not None:
+            # Spans still queued are sent before the process goes.
+            await asyncio.to_thread(self.span_sink.close)
         self.store.close()

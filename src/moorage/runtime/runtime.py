@@ -111,6 +111,8 @@ class Tracer:
 
     def __init__(self) -> None:
         self._held: dict[str, list[Span]] = {}
+        #: Where each span is also exported as it ends (``otlp_endpoint``); None: the store only.
+        self.sink: Any = None
 
     def open(self, turn_id: str) -> None:
         """Hold the spans of ``turn_id`` until ``flush``."""
@@ -126,6 +128,11 @@ class Tracer:
         span = Span(b.trace_id, uuid.uuid4().hex[:16], None, name, start, end, status,
                     {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session, **attrs},
                     b.session_scope)
+        if self.sink is not None:
+            try:
+                self.sink.export(b.ts.tenant_id, span)
+            except Exception as e:  # noqa: BLE001 - exporting never breaks a turn
+                log.warning("span not exported", error=str(e))
         held = self._held.get(b.turn_id)
         if held is not None:
             held.append(span)
