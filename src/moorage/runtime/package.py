@@ -67,7 +67,26 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
         raise AgentPackageError(f"scope must be one of {', '.join(SCOPES)}, not {agent.get('scope')!r}")
     _check_egress(agent)
     _check_sizing(agent)
+    retention_ttl_s(agent)
     return agent
+
+
+def retention_ttl_s(agent: dict[str, Any]) -> float | None:
+    """The ``[agent.retention] ttl_s`` of a manifest (None when absent); malformed, it fails the deploy."""
+    table = agent.get("retention")
+    if table is None:
+        return None
+    hint = "[agent.retention] takes ttl_s = <seconds>: an idle session, user or workflow of this agent is deleted after it"
+    if not isinstance(table, dict):
+        raise AgentPackageError("moorage.toml: [agent.retention] must be a table", hint=hint)
+    unknown = sorted(set(table) - {"ttl_s"})
+    if unknown:
+        raise AgentPackageError(f"moorage.toml: unknown [agent.retention] setting {unknown[0]!r}", hint=hint)
+    ttl = table.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+        raise AgentPackageError(f"moorage.toml: [agent.retention] ttl_s must be a positive number of seconds, not {ttl!r}",
+                                hint=hint)
+    return float(ttl)
 
 
 def _check_sizing(agent: dict[str, Any]) -> None:

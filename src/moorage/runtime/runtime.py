@@ -26,7 +26,8 @@ from moorage.observability import current_trace_id
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
-from moorage.runtime.package import AgentPackage, AgentPackageError, load_archive, load_dir, save_archive
+from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
+                                     save_archive)
 from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
@@ -304,6 +305,9 @@ class Runtime:
         await self.templates.ensure(dep, on_progress)
         previous = agent.live_deployment
         agent = self._set_live(ts, agent, dep)
+        ttl = retention_ttl_s(pkg.manifest)
+        if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
+            await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
         await self._refresh_pool(ts, agent, previous)
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
