@@ -47,6 +47,8 @@ async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[
         key = (await c.post("/v1/keys", json={"scopes": ["invoke"], "label": PLANT})).json()
         token = (await c.post("/v1/agents/vagent/users/vuser/tokens", json={})).json()["token"]
         other_user_token = (await c.post("/v1/agents/vagent/users/vother/tokens", json={})).json()["token"]
+        retention = await c.put("/v1/agents/vagent/retention", json={"ttl_s": 86400})
+        assert retention.json() == {"agent": "vagent", "ttl_s": 86400}, retention.text
     ts = store.tenant(store.authenticate(globex))
     sandbox = ts.sandboxes.list()[0]
     async with aclient(live, globex) as c:  # a detached exec whose kept output is the planted string
@@ -77,6 +79,7 @@ def snapshot(store: Store, globex: str) -> dict[str, Any]:
         "sandboxes": [(s.id, s.state) for s in ts.sandboxes.list() if s.scope.user == "vuser"],
         "users": [(u.user, u.version) for u in ts.agent_users.list("vagent")],
         "webhooks": [(h.id, h.url, h.version) for h in ts.webhooks.list()],
+        "retention": ts.retention.agents(),
         "deliveries": [(d.id, d.status, d.version) for h in ts.webhooks.list() for d in ts.deliveries.list(h.id)],
     }
 

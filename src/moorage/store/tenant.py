@@ -1163,5 +1163,6 @@ _AGENT_RETENTION = "agent:"
 
 def _check_ttl(ttl_s: float | None) -> float | None:
     if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
-        raise InvalidInput("ttl_s must be a positive number of seconds, or None to keep forever")
+        raise InvalidInput(f"ttl_s must be a positive number of seconds, not {ttl_s!r}",
+                           hint="give the idle seconds after which data is deleted, or null (None) to keep it forever")
     return ttl_s
