@@ -85,6 +85,14 @@ class Api:
         return self._send(Request("POST", f"/v1/agents/{_p(agent)}/rollback",
                                   json={} if number is None else {"number": number}))
 
+    def get_retention(self, agent: str) -> T.Retention:
+        """The agent's own data retention (``ttl_s`` None: none of its own)."""
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/retention"))
+
+    def set_retention(self, agent: str, ttl_s: float | None) -> T.Retention:
+        """Delete the agent's sessions, users and runs once idle ``ttl_s`` seconds (None clears it)."""
+        return self._send(Request("PUT", f"/v1/agents/{_p(agent)}/retention", json={"ttl_s": ttl_s}))
+
     # -- end-users ------------------------------------------------------------------------------------------
 
     def put_user(self, agent: str, user: str, *, metadata: Mapping[str, Any] | None = None,

@@ -33,6 +33,11 @@ class Deployment(TypedDict, total=False):
     created_at: float
 
 
+class Retention(TypedDict, total=False):
+    agent: str
+    ttl_s: float | None
+
+
 class User(TypedDict, total=False):
     agent: str
     id: str
