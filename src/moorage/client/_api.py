@@ -6,6 +6,7 @@ Shapes of the answers are in ``moorage.client.types``; every route is described 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -59,11 +60,12 @@ def _archive(source: bytes | str | Path) -> bytes:
     return buf.getvalue()
 
 
-class Api:
+class Api(ABC):
     """Typed methods for the public routes. ``_send`` is supplied by ``Client`` / ``AsyncClient``."""
 
-    def _send(self, req: Request) -> Any:  # pragma: no cover - provided by the concrete clients
-        raise NotImplementedError
+    @abstractmethod
+    def _send(self, req: Request) -> Any:
+        """Send one request (the sync client returns its result, the async one an awaitable of it)."""
 
     # -- agents and deployments ----------------------------------------------------------------------------
 
