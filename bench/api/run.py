@@ -26,8 +26,6 @@ import os
 import platform
 import random
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -40,10 +38,14 @@ import httpx
 
 from moorage import __version__
 from moorage.config import Config
+from moorage.devservices.postgres import free_port
 from moorage.runtime.host import Host
 from moorage.store import EntityKey
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "store"))
+from report import latency_summary  # noqa: E402  (bench/store/report.py: what the areas share)
+
 OUT = ROOT / "bench" / "results" / "latest"
 AGENT = "async def on_message(ctx, message):\n    return message\n"
 
@@ -65,25 +67,9 @@ def _tar(d: Path) -> bytes:
     return buf.getvalue()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def _summary(xs: list[float]) -> dict[str, float]:
-    return {"n": len(xs), "p50_ms": statistics.median(xs) * 1e3, "p99_ms": _pct(xs, 0.99) * 1e3,
-            "min_ms": min(xs) * 1e3, "max_ms": max(xs) * 1e3}
-
-
 class Server:
     def __init__(self, data: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
                "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning"}
@@ -136,7 +122,7 @@ async def _closed_loop(users: list[Any], total: int, call: Callable[[Any, int], 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(u) for u in users))
     wall = time.perf_counter() - t0
-    return {"turns": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall, **_summary(lat)}
+    return {"turns": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall, **latency_summary(lat)}
 
 
 async def run(reps: int, n_users: int, n_agents: int, requests: int) -> dict[str, Any]:
@@ -211,7 +197,7 @@ async def run(reps: int, n_users: int, n_agents: int, requests: int) -> dict[str
                     t0 = time.perf_counter()
                     await paths[k](i)
                     samples[k].append(time.perf_counter() - t0)
-            single = {k: _summary(v) for k, v in samples.items()}
+            single = {k: latency_summary(v) for k, v in samples.items()}
 
             # (b) N concurrent users over several agents: HTTP against the server, direct channel as baseline
             async def http_call(u: tuple[str, str], i: int) -> None:

@@ -26,8 +26,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +35,12 @@ from typing import Any
 
 import httpx
 
+from moorage.devservices.postgres import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "store"))
+from report import latency_summary  # noqa: E402  (bench/store/report.py: what the areas share)
+
 OUT = ROOT / "bench" / "results" / "latest"
 AGENT = "echo"
 AGENT_PY = '''\
@@ -76,29 +79,11 @@ def _pool_ready(data: Path, size: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def _summary(xs: list[float]) -> dict[str, Any]:
-    if not xs:
-        return {"n": 0}
-    return {"n": len(xs), "p50_ms": statistics.median(xs) * 1e3, "p99_ms": _pct(xs, 0.99) * 1e3,
-            "min_ms": min(xs) * 1e3, "max_ms": max(xs) * 1e3}
-
-
 class Server:
     """``moorage up`` in its own process group, on its own data dir and port."""
 
     def __init__(self, data: Path, images: Path | None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data = data
         data.mkdir(parents=True, exist_ok=True)
@@ -188,7 +173,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
             dt, reply = await timed(f"new{i}", "hello")
             assert reply == "1: hello", reply
             new_lat.append(dt)
-        res["new_user_no_pool"] = _summary(new_lat)
+        res["new_user_no_pool"] = latency_summary(new_lat)
 
         # 1b. New users of the same agent with a warm pool, each arriving once the pool has refilled.
         r = await api.post(f"/v1/agents/{POOLED}/deployments", content=tar_dir(_agent_dir(agent_dir.parent, POOLED, POOL)),
@@ -203,7 +188,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
             dt, reply = await timed(f"pooled{i}", "hello", POOLED)
             assert reply == "1: hello", reply
             pooled_lat.append(dt)
-        res["new_user"] = _summary(pooled_lat)
+        res["new_user"] = latency_summary(pooled_lat)
         res["pool"] = POOL
 
         # 2. Awake turns to one instance.
@@ -212,7 +197,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
             dt, reply = await timed("new0", f"m{i}")
             assert reply == f"{i + 2}: m{i}", reply
             awake_lat.append(dt)
-        res["awake_turn"] = _summary(awake_lat)
+        res["awake_turn"] = latency_summary(awake_lat)
 
         # 3. Turns to a sleeping instance: sleep it through the API, then one turn.
         asleep_lat = []
@@ -221,7 +206,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
             await put_to_sleep(user)
             dt, _ = await timed(user, f"after sleep {i}")
             asleep_lat.append(dt)
-        res["asleep_turn"] = _summary(asleep_lat)
+        res["asleep_turn"] = latency_summary(asleep_lat)
 
         # 4. A sleeping-instance turn while 10 others are awake (and take turns meanwhile).
         others = [f"busy{i}" for i in range(10)]
@@ -242,7 +227,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
         finally:
             stop.set()
             await asyncio.gather(*bg, return_exceptions=True)
-        res["asleep_turn_10_awake"] = _summary(loaded)
+        res["asleep_turn_10_awake"] = latency_summary(loaded)
 
         # 5. The storm: N new users at once.
         t0 = time.perf_counter()
@@ -250,7 +235,7 @@ async def _http_part(server: Server, args: argparse.Namespace, agent_dir: Path) 
         res["storm"] = {"users": args.storm, "wall_s": time.perf_counter() - t0,
                         "errors": sum(1 for o in outs if isinstance(o, BaseException)),
                         "error_kinds": sorted({type(o).__name__ + ": " + str(o)[:120] for o in outs if isinstance(o, BaseException)}),
-                        **_summary([o[0] for o in outs if not isinstance(o, BaseException)])}
+                        **latency_summary([o[0] for o in outs if not isinstance(o, BaseException)])}
 
         r = await api.get("/v1/sandboxes", params={"agent": AGENT, "limit": 100})
         kinds: dict[str, int] = {}
@@ -309,9 +294,9 @@ async def _driver_part(data: Path, forks: int, reps: int) -> dict[str, Any]:
             await sb.destroy()
     finally:
         await drv.close()
-    return {"template": tpl.id, "accel": meta["vm"]["accel"], "fork": _summary(fork_s), "fork_restore": _summary(first_wake_s),
-            "wake": _summary(wake_s), "sleep": _summary(sleep_s), "turn_after_wake": _summary(turn_first_s),
-            "turn_next": _summary(turn_next_s)}
+    return {"template": tpl.id, "accel": meta["vm"]["accel"], "fork": latency_summary(fork_s), "fork_restore": latency_summary(first_wake_s),
+            "wake": latency_summary(wake_s), "sleep": latency_summary(sleep_s), "turn_after_wake": latency_summary(turn_first_s),
+            "turn_next": latency_summary(turn_next_s)}
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
