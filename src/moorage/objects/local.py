@@ -10,6 +10,7 @@ import bisect
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -122,7 +123,8 @@ class LocalObjectStore(ObjectStore):
         else:
             raise InvalidInput(f"could not store {key!r}: its directory kept disappearing",
                                hint="a delete of the same prefix is running; retry")
-        self._fsync_dir(final.parent)
+        with contextlib.suppress(FileNotFoundError):  # a delete of the prefix took the object (and its folder) since
+            self._fsync_dir(final.parent)
 
     def _mkdirs(self, d: Path) -> None:
         # Path.mkdir(parents=True) creates the parents with the umask's mode; every level here is 0700.
@@ -133,7 +135,11 @@ class LocalObjectStore(ObjectStore):
             try:
                 os.mkdir(cur, 0o700)
             except FileExistsError:
-                if not cur.is_dir():
+                try:
+                    is_dir = stat.S_ISDIR(os.lstat(cur).st_mode)
+                except FileNotFoundError:  # a concurrent delete pruned it just now: the caller retries
+                    raise FileNotFoundError(errno.ENOENT, "pruned while being created", str(cur)) from None
+                if not is_dir:
                     raise
 
     @staticmethod
