@@ -10,7 +10,8 @@ import pytest
 
 from moorage.egress import (AddressPolicy, Egress, EgressDenied, EgressPolicy, EgressPolicyError, OperatorPolicy,
                             Rule, StaticResolver, Target, classify)
-from moorage.egress.rules import parse_rules
+from moorage.egress.rules import normalize_host, parse_rules
+from moorage.secrets.bindings import Bindings
 
 INTERNAL = {
     "private10.test": ("10.1.2.3", "private"),
@@ -127,6 +128,18 @@ def test_rules_parse_the_documented_forms() -> None:
 def test_rules_refuse_what_would_be_ambiguous(bad: str) -> None:
     with pytest.raises(EgressPolicyError):
         parse_rules([bad], "[agent.egress] allow")
+
+
+@pytest.mark.parametrize("raw", ["api\n.example.com", "api.example\n.com", "api.example.com\n.", "a\nb.example.com"])
+def test_host_names_with_a_newline_in_a_label_are_refused(raw: str) -> None:
+    # A ``$``-anchored label pattern matched with ``match`` let a label end in a newline.
+    with pytest.raises(ValueError):
+        normalize_host(raw)
+
+
+def test_secret_bindings_refuse_a_host_with_a_newline() -> None:
+    with pytest.raises(EgressPolicyError):
+        Bindings.from_manifest({"secrets": {"TOKEN": {"header": "Authorization", "hosts": ["api\n.github.com"]}}})
 
 
 def test_path_rules_match_by_segment() -> None:

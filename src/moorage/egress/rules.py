@@ -16,7 +16,8 @@ from moorage.errors import InvalidInput, TenantScopeError
 
 SCHEMES = {"http": 80, "https": 443}
 MAX_URL = 8192
-_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
+# Matched with ``fullmatch``: a ``$`` anchor would let a label end in a newline.
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
 _BAD_CHARS = re.compile(r"[\x00-\x20\x7f\\]")
 
 
@@ -46,7 +47,7 @@ def normalize_host(raw: str) -> str:
     if not host.isascii():
         host = host.encode("idna").decode("ascii")
     labels = host.split(".")
-    if not all(_LABEL.match(label) for label in labels):
+    if not all(_LABEL.fullmatch(label) for label in labels):
         raise ValueError(f"{raw!r} is not a host name")
     if len(host) > 253:
         raise ValueError("host name too long")
