@@ -105,6 +105,10 @@ class Config:
     app_max_response_bytes: int = 256 << 20
     app_timeout_s: int = 60
     app_max_duration_s: int = 600
+    #: WebSockets to an agent's app: the largest message relayed either way (a larger one closes the socket with
+    #: 1009), and how many sockets one instance may have open at once.
+    app_ws_max_message_bytes: int = 1 << 20
+    app_ws_max_sockets: int = 32
     #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
     #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
     secrets_keys: str = dataclasses.field(default="", repr=False)
