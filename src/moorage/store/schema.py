@@ -457,6 +457,36 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         ),
         tenant_tables=("share_links",),
     ),
+    Migration(
+        15,
+        "agent checkpoints: per-instance manifests of row images, deduplicated bodies, branch heads",
+        statements=(
+            # One checkpoint of one instance (agent, end-user): the sandbox checkpoint it names, the highest event id
+            # then (events are append-only) and a manifest (zlib JSON: table -> primary key -> digest) of the
+            # instance's mutable rows; see docs/decisions/0011.
+            """CREATE TABLE checkpoints (
+                {tenant_col}
+                id TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT NOT NULL, seq INTEGER NOT NULL,
+                branch TEXT NOT NULL, parent_id TEXT, kind TEXT NOT NULL, name TEXT, turn_id TEXT,
+                summary {json} NOT NULL, event_mark INTEGER NOT NULL, manifest {blob} NOT NULL,
+                sandbox_id TEXT, sandbox_checkpoint TEXT, store_bytes INTEGER NOT NULL, created_at {real} NOT NULL,
+                PRIMARY KEY ({tpk}id), UNIQUE ({tpk}agent_id, user_id, seq))""",
+            # Row images by digest, per instance: a row unchanged since the last checkpoint costs no new body.
+            """CREATE TABLE checkpoint_rows (
+                {tenant_col}
+                agent_id TEXT NOT NULL, user_id TEXT NOT NULL, digest TEXT NOT NULL, tbl TEXT NOT NULL,
+                body TEXT NOT NULL,
+                PRIMARY KEY ({tpk}agent_id, user_id, digest))""",
+            # Where the instance is: its current branch and the checkpoint that branch grows from; ``pending`` holds a
+            # rollback whose sandbox half may be done and whose store half is not (finished on the next operation).
+            """CREATE TABLE checkpoint_heads (
+                {tenant_col}
+                agent_id TEXT NOT NULL, user_id TEXT NOT NULL, branch TEXT NOT NULL, head_id TEXT,
+                pending {json}, version INTEGER NOT NULL, updated_at {real} NOT NULL,
+                PRIMARY KEY ({tpk}agent_id, user_id))""",
+        ),
+        tenant_tables=("checkpoints", "checkpoint_rows", "checkpoint_heads"),
+    ),
 )
 
 CONTROL_MIGRATIONS: tuple[Migration, ...] = (
@@ -471,6 +501,16 @@ CONTROL_MIGRATIONS: tuple[Migration, ...] = (
                 id TEXT PRIMARY KEY, tenant_id TEXT NOT NULL, key_hash TEXT NOT NULL UNIQUE,
                 scopes TEXT NOT NULL, label TEXT NOT NULL, created_at {real} NOT NULL, revoked_at {real})""",
             "CREATE INDEX api_keys_tenant ON api_keys (tenant_id)",
+        ),
+    ),
+    Migration(
+        2,
+        "fleet hosts: registration and heartbeats (a host's leases are valid while its heartbeat is fresh)",
+        statements=(
+            """CREATE TABLE hosts (
+                id TEXT PRIMARY KEY, url TEXT NOT NULL, state TEXT NOT NULL, started_at {real} NOT NULL,
+                heartbeat_at {real} NOT NULL, incarnation TEXT NOT NULL, load {json} NOT NULL,
+                version INTEGER NOT NULL)""",
         ),
     ),
 )

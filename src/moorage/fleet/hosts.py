@@ -1,0 +1,108 @@
+"""The fleet's host table: each host registers, heartbeats, drains and leaves; the table says who is alive.
+
+A host's leases on instances are valid while its heartbeat is younger than the lease TTL: an instance recorded
+awake on a host whose heartbeat is older may be taken over by any other host (with a new fencing epoch).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.store.base import Backend
+
+#: active: serves and takes new instances; draining: finishing, takes none; gone: left cleanly.
+HOST_STATES = ("active", "draining", "gone")
+_HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_COLS = "id, url, state, started_at, heartbeat_at, incarnation, load, version"
+
+
+def check_host_id(host_id: object) -> str:
+    if not isinstance(host_id, str) or not _HOST_ID.fullmatch(host_id):
+        raise InvalidInput(f"malformed host id {host_id!r}",
+                           hint="letters, digits, '.', '_' and '-', at most 128 (MOORAGE_HOST_ID)")
+    return host_id
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    id: str
+    url: str
+    state: str
+    started_at: float
+    heartbeat_at: float
+    #: Changes each time the host process starts: a restarted host is a new incarnation of the same id.
+    incarnation: str
+    load: dict[str, Any]
+    version: int
+
+    def alive(self, ttl_s: float, now: float | None = None) -> bool:
+        return self.state != "gone" and (time.time() if now is None else now) - self.heartbeat_at <= ttl_s
+
+
+def _host(r: tuple) -> HostInfo:
+    return HostInfo(r[0], r[1], r[2], float(r[3]), float(r[4]), r[5], json.loads(r[6] or "{}"), int(r[7]))
+
+
+class HostRegistry:
+    """Operator-plane access to the ``hosts`` table (not tenant data: no tenant scope applies)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def register(self, host_id: str, url: str, incarnation: str) -> HostInfo:
+        """Insert or re-activate ``host_id`` at ``url``; a restart takes its old row over (same id)."""
+        check_host_id(host_id)
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/]+", url.rstrip("/")):
+            raise InvalidInput(f"malformed host URL {url!r}", hint="the URL other hosts reach this one at, like http://10.0.0.5:8000")
+        now = time.time()
+        with self.backend.control_tx() as c:
+            if c.one("SELECT 1 FROM hosts WHERE id = ?", (host_id,)):
+                c.x("UPDATE hosts SET url = ?, state = 'active', started_at = ?, heartbeat_at = ?, incarnation = ?, "
+                    "load = '{}', version = version + 1 WHERE id = ?", (url.rstrip("/"), now, now, incarnation, host_id))
+            else:
+                c.x(f"INSERT INTO hosts ({_COLS}) VALUES (?, ?, 'active', ?, ?, ?, '{{}}', 1)",
+                    (host_id, url.rstrip("/"), now, now, incarnation))
+        return self.get(host_id)
+
+    def heartbeat(self, host_id: str, incarnation: str, load: dict[str, Any] | None = None) -> float:
+        """Renew the host's leases; ``ConflictError`` when another incarnation registered the same id since."""
+        now = time.time()
+        with self.backend.control_tx() as c:
+            n = c.x("UPDATE hosts SET heartbeat_at = ?, load = ?, version = version + 1 "
+                    "WHERE id = ? AND incarnation = ? AND state != 'gone'",
+                    (now, json.dumps(load or {}, sort_keys=True), host_id, incarnation))
+        if n != 1:
+            raise ConflictError(f"host {host_id!r} was registered again by another process (or left)",
+                                hint="two hosts must not share MOORAGE_HOST_ID")
+        return now
+
+    def set_state(self, host_id: str, state: str, incarnation: str | None = None) -> None:
+        if state not in HOST_STATES:
+            raise InvalidInput(f"unknown host state {state!r}", hint=f"one of {', '.join(HOST_STATES)}")
+        with self.backend.control_tx() as c:
+            sql, params = "UPDATE hosts SET state = ?, version = version + 1 WHERE id = ?", [state, host_id]
+            if incarnation is not None:
+                sql += " AND incarnation = ?"
+                params.append(incarnation)
+            if c.x(sql, params) != 1:
+                raise NotFound(f"no host {host_id!r}" + ("" if incarnation is None else " in this incarnation"))
+
+    def get(self, host_id: str) -> HostInfo:
+        with self.backend.control_tx() as c:
+            r = c.one(f"SELECT {_COLS} FROM hosts WHERE id = ?", (host_id,))
+        if r is None:
+            raise NotFound(f"no host {host_id!r}", hint="`moorage hosts` lists the fleet's hosts")
+        return _host(r)
+
+    def list(self) -> list[HostInfo]:
+        with self.backend.control_tx() as c:
+            return [_host(r) for r in c.q(f"SELECT {_COLS} FROM hosts ORDER BY id")]
+
+    def remove(self, host_id: str) -> None:
+        with self.backend.control_tx() as c:
+            c.x("DELETE FROM hosts WHERE id = ?", (host_id,))

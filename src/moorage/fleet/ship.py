@@ -1,0 +1,330 @@
+"""Ships a sleeping sandbox's directory to the object store and back, so any host can wake it.
+
+A shipped snapshot is a manifest (``<prefix>/snapshots/<name>.json``: every directory, symlink and file with its
+mode and owner, each file as a list of fixed-size chunks) plus the chunks themselves, stored under the sha256 of
+their bytes (``<prefix>/chunks/<sha256>``). A chunk already stored is never sent again, so shipping after a turn
+that changed one file sends that file's changed chunks only; all-zero chunks are holes (sparse files stay sparse).
+Memory use is one chunk per worker, never a whole file.
+
+A local index (``.ship-index.json`` in the directory) remembers each file's chunks by (inode, size, ctime), so an
+unchanged file is not read again; ctime cannot be set from inside a sandbox, so a guest cannot make a changed file
+look unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from moorage.errors import MoorageError
+from moorage.objects import ObjectCorrupt, ObjectExists, ObjectNotFound, ObjectStore
+
+CHUNK_BYTES = 4 << 20
+INDEX_NAME = ".ship-index.json"
+MANIFEST_VERSION = 1
+_ZERO = bytes(CHUNK_BYTES)
+
+
+class SnapshotUnavailable(MoorageError):
+    """The shipped snapshot is missing or damaged in the object store; nothing local was changed."""
+
+    code = "snapshot-unavailable"
+    http_status = 503
+
+
+@dataclass
+class ShipReport:
+    key: str
+    files: int
+    bytes_total: int
+    #: Chunks sent (push) or fetched (pull); the rest were already there.
+    chunks_moved: int
+    bytes_moved: int
+    seconds: float
+
+
+def _digest_of(data: bytes) -> str | None:
+    if data == _ZERO[:len(data)]:
+        return None  # a hole: nothing stored, nothing sent
+    return hashlib.sha256(data).hexdigest()
+
+
+class Shipper:
+    """Pushes and pulls sandbox directories under ``prefix`` of ``store`` (one prefix per instance)."""
+
+    def __init__(self, store: ObjectStore, *, chunk_bytes: int = CHUNK_BYTES, workers: int = 4) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+        self.workers = workers
+
+    # -- keys -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def manifest_key(prefix: str, name: str) -> str:
+        return f"{prefix}/snapshots/{name}.json"
+
+    @staticmethod
+    def _chunk_key(prefix: str, digest: str) -> str:
+        return f"{prefix}/chunks/{digest}"
+
+    # -- push -----------------------------------------------------------------------------------------
+
+    def push(self, src: Path, prefix: str, name: str, *, include: Callable[[str], bool],
+             meta: dict[str, Any] | None = None) -> ShipReport:
+        """Ship ``src`` (quiescent: the sandbox is asleep) as snapshot ``name``; durable when this returns."""
+        started = time.monotonic()
+        src = Path(src)
+        index = self._load_index(src)
+        old_files: dict[str, Any] = index.get("files", {})
+        stored: set[str] = set(index.get("stored", {}).get(prefix, []))
+        entries: list[dict[str, Any]] = []
+        files: dict[str, Any] = {}
+        moved = [0, 0]
+        with ThreadPoolExecutor(self.workers) as pool:
+            pending = []
+            for rel, st in self._walk(src, include):
+                entry: dict[str, Any] = {"path": rel, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
+                if stat.S_ISDIR(st.st_mode):
+                    entry["type"] = "dir"
+                elif stat.S_ISLNK(st.st_mode):
+                    entry.update(type="link", target=os.readlink(src / rel))
+                else:
+                    entry.update(type="file", size=st.st_size, mtime_ns=st.st_mtime_ns)
+                    sig = [st.st_ino, st.st_size, st.st_ctime_ns]
+                    known = old_files.get(rel)
+                    if known is not None and known.get("sig") == sig and all(d is None or d in stored for d in known["chunks"]):
+                        chunks = known["chunks"]
+                    else:
+                        chunks = self._chunk_file(src / rel, prefix, stored, pool, pending, moved)
+                    entry["chunks"] = chunks
+                    files[rel] = {"sig": sig, "chunks": chunks}
+                entries.append(entry)
+            for f in pending:
+                f.result()  # an upload that failed fails the push: the manifest is never written
+        body = {"version": MANIFEST_VERSION, "chunk_bytes": self.chunk_bytes, "created_at": time.time(),
+                "meta": meta or {}, "entries": entries}
+        key = self.manifest_key(prefix, name)
+        self.store.put_bytes(key, json.dumps(body, separators=(",", ":")).encode())
+        stored.update(d for e in entries for d in e.get("chunks", []) if d)
+        self._save_index(src, {"files": files, "stored": {prefix: sorted(stored)}})
+        return ShipReport(key, len(files), sum(e.get("size", 0) for e in entries), moved[0], moved[1],
+                          time.monotonic() - started)
+
+    def _chunk_file(self, path: Path, prefix: str, stored: set[str], pool: ThreadPoolExecutor, pending: list,
+                    moved: list[int]) -> list[str | None]:
+        chunks: list[str | None] = []
+        with open(path, "rb") as f:
+            while True:
+                data = f.read(self.chunk_bytes)
+                if not data:
+                    break
+                digest = _digest_of(data)
+                chunks.append(digest)
+                if digest is not None and digest not in stored:
+                    stored.add(digest)
+                    moved[0] += 1
+                    moved[1] += len(data)
+                    # Bounded: never more chunks in flight than workers (each holds one chunk in memory).
+                    while sum(1 for p in pending if not p.done()) >= self.workers:
+                        next(p for p in pending if not p.done()).result()
+                    pending.append(pool.submit(self._put_chunk, prefix, digest, data))
+        return chunks
+
+    def _put_chunk(self, prefix: str, digest: str, data: bytes) -> None:
+        key = self._chunk_key(prefix, digest)
+        if self.store.exists(key):
+            return
+        with contextlib.suppress(ObjectExists):
+            self.store.put_bytes(key, data, if_absent=self.store.supports_if_absent)
+
+    @staticmethod
+    def _walk(root: Path, include: Callable[[str], bool]) -> list[tuple[str, os.stat_result]]:
+        out: list[tuple[str, os.stat_result]] = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel_dir = os.path.relpath(dirpath, root)
+            keep = []
+            for d in sorted(dirnames):
+                rel = d if rel_dir == "." else f"{rel_dir}/{d}"
+                st = os.lstat(os.path.join(dirpath, d))
+                if not include(rel):
+                    continue
+                out.append((rel, st))
+                if stat.S_ISDIR(st.st_mode):
+                    keep.append(d)  # a symlink to a directory is shipped as a link, never followed
+            dirnames[:] = keep
+            for name in sorted(filenames):
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if rel == INDEX_NAME or not include(rel):
+                    continue
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    out.append((rel, st))  # sockets, fifos and devices are host-local: never shipped
+        return out
+
+    # -- pull -----------------------------------------------------------------------------------------
+
+    def read_manifest(self, key: str) -> dict[str, Any]:
+        try:
+            body = json.loads(self.store.get_bytes(key, max_bytes=256 << 20))
+        except ObjectNotFound as e:
+            raise SnapshotUnavailable(f"snapshot {key} is not in the object store",
+                                      hint="it was deleted or never shipped; the instance falls back to its last good copy") from e
+        except (ObjectCorrupt, ValueError) as e:
+            raise SnapshotUnavailable(f"snapshot manifest {key} is damaged: {e}") from e
+        if not isinstance(body, dict) or body.get("version") != MANIFEST_VERSION or not isinstance(body.get("entries"), list):
+            raise SnapshotUnavailable(f"snapshot manifest {key} has an unknown format")
+        return body
+
+    def pull(self, key: str, prefix: str, dest: Path) -> ShipReport:
+        """Make ``dest`` exactly the shipped snapshot ``key``; files a local copy already has are not fetched.
+
+        Built in a temp directory beside ``dest`` and swapped in with renames: a failure (missing or damaged
+        chunk) leaves ``dest`` as it was and raises ``SnapshotUnavailable``."""
+        started = time.monotonic()
+        body = self.read_manifest(key)
+        chunk_bytes = int(body.get("chunk_bytes") or CHUNK_BYTES)
+        dest = Path(dest)
+        tmp = dest.parent / f".pull-{dest.name}-{uuid.uuid4().hex[:8]}"
+        old = self._load_index(dest).get("files", {}) if dest.is_dir() else {}
+        files: dict[str, Any] = {}
+        moved = [0, 0]
+        as_root = os.geteuid() == 0
+        links: set[str] = set()
+        dir_modes: list[tuple[Path, int]] = []
+        try:
+            tmp.mkdir(mode=0o700)
+            for e in body["entries"]:
+                rel = _safe_rel(e.get("path"), key)
+                if any("/".join(rel.split("/")[:n]) in links for n in range(1, rel.count("/") + 1)):
+                    raise SnapshotUnavailable(f"snapshot manifest {key} puts {rel!r} under a symlink")
+                p = tmp / rel
+                kind = e.get("type")
+                if kind == "dir":
+                    p.mkdir(mode=0o700)
+                    dir_modes.append((p, int(e["mode"]) & 0o7777))
+                elif kind == "link":
+                    os.symlink(str(e["target"]), p)
+                    links.add(rel)
+                elif kind == "file":
+                    chunks = list(e.get("chunks") or [])
+                    self._write_file(p, dest / rel, old.get(rel), chunks, int(e["size"]), chunk_bytes, prefix, key, moved)
+                    os.utime(p, ns=(int(e["mtime_ns"]), int(e["mtime_ns"])))
+                    st = os.lstat(p)
+                    files[rel] = {"sig": [st.st_ino, st.st_size, st.st_ctime_ns], "chunks": chunks}
+                else:
+                    raise SnapshotUnavailable(f"snapshot manifest {key} has an entry of unknown type {kind!r}")
+                if as_root:
+                    os.lchown(p, int(e["uid"]), int(e["gid"]))
+                if kind == "file":
+                    os.chmod(p, int(e["mode"]) & 0o7777)
+            for p, mode in reversed(dir_modes):  # last, deepest first: a read-only folder was still filled
+                os.chmod(p, mode)
+            self._save_index(tmp, {"files": {}, "stored": {}})
+            self._swap(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # ctime changed with the chmod/chown above: record the final signatures so the next push reads nothing.
+        for rel, rec in files.items():
+            st = os.lstat(dest / rel)
+            rec["sig"] = [st.st_ino, st.st_size, st.st_ctime_ns]
+        stored = sorted({d for rec in files.values() for d in rec["chunks"] if d})
+        self._save_index(dest, {"files": files, "stored": {prefix: stored}})
+        return ShipReport(key, len(files), sum(int(e.get("size", 0)) for e in body["entries"]), moved[0], moved[1],
+                          time.monotonic() - started)
+
+    def _write_file(self, p: Path, local: Path, known: dict[str, Any] | None, chunks: list[str | None], size: int,
+                    chunk_bytes: int, prefix: str, key: str, moved: list[int]) -> None:
+        # A chunk the local copy has at the same place (per its index, checked by signature) is copied, not fetched.
+        reuse = None
+        if known is not None:
+            with contextlib.suppress(OSError):
+                st = os.lstat(local)
+                if known.get("sig") == [st.st_ino, st.st_size, st.st_ctime_ns]:
+                    reuse = open(local, "rb")  # noqa: SIM115 - closed below
+        try:
+            with open(p, "wb") as out:
+                for i, digest in enumerate(chunks):
+                    if digest is None:
+                        continue  # a hole: left unwritten, the final truncate gives the file its size
+                    data = None
+                    if reuse is not None and i < len(known["chunks"]) and known["chunks"][i] == digest:
+                        reuse.seek(i * chunk_bytes)
+                        data = reuse.read(chunk_bytes)
+                        if hashlib.sha256(data).hexdigest() != digest:
+                            data = None
+                    if data is None:
+                        data = self._get_chunk(prefix, digest, key)
+                        moved[0] += 1
+                        moved[1] += len(data)
+                    out.seek(i * chunk_bytes)
+                    out.write(data)
+                out.truncate(size)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            if reuse is not None:
+                reuse.close()
+
+    def _get_chunk(self, prefix: str, digest: str, key: str) -> bytes:
+        try:
+            data = self.store.get_bytes(self._chunk_key(prefix, digest), max_bytes=self.chunk_bytes * 2)
+        except ObjectNotFound as e:
+            raise SnapshotUnavailable(f"snapshot {key} is incomplete: chunk {digest[:12]} is missing",
+                                      hint="the instance falls back to its last good copy") from e
+        except ObjectCorrupt as e:
+            raise SnapshotUnavailable(f"snapshot {key} is damaged: chunk {digest[:12]}: {e}") from e
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise SnapshotUnavailable(f"snapshot {key} is damaged: chunk {digest[:12]} holds other bytes")
+        return data
+
+    @staticmethod
+    def _swap(tmp: Path, dest: Path) -> None:
+        if dest.exists():
+            aside = dest.parent / f".old-{dest.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(dest, aside)
+            os.rename(tmp, dest)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+        fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- the local index ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _load_index(d: Path) -> dict[str, Any]:
+        try:
+            data = json.loads((Path(d) / INDEX_NAME).read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _save_index(d: Path, data: dict[str, Any]) -> None:
+        tmp = Path(d) / f"{INDEX_NAME}.tmp"
+        tmp.write_text(json.dumps(data, separators=(",", ":")))
+        os.replace(tmp, Path(d) / INDEX_NAME)
+
+
+def _safe_rel(path: object, key: str) -> str:
+    """A manifest path is relative and stays inside the directory (a damaged or hostile manifest cannot escape)."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\x00" in path:
+        raise SnapshotUnavailable(f"snapshot manifest {key} has a malformed path {path!r}")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise SnapshotUnavailable(f"snapshot manifest {key} has a path outside its directory: {path!r}")
+    return path
