@@ -23,6 +23,7 @@ from moorage.api.routing import Call, Endpoint
 from moorage.errors import InvalidInput, MoorageError, NotFound, TenantScopeError
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
+from moorage.usage.caps import enforce as enforce_caps
 
 SEND_MESSAGE = "send_message"
 #: Largest JSON-RPC message an MCP route accepts: a send_message of MAX_MESSAGE_CHARS fits even fully escaped.
@@ -82,10 +83,13 @@ class AgentMcp:
             if session is not None:
                 session = check_id(session, "session id")
             entity = EntityKey(self.agent, self.user_for(args.get("user")), session)
+            # The same caps as an HTTP turn (compute, tokens, cost per user); the tenant's awake limit is the
+            # instance manager's, on every path.
+            await enforce_caps(self.call.ctx.runtime, self.ts, entity)
             result = await self.call.runtime.invoke(self.principal, entity, message)
         except MoorageError as e:
             # Reported inside the tool result, as MCP asks, so the model calling us can react to it.
-            return _tool_error(str(e))
+            return _tool_error(e)
         meta = {"status": result.status, "turn_id": result.turn_id, "trace_id": result.trace_id,
                 "run_id": result.run_id, "interrupt": result.interrupt}
         if result.status == "waiting":
@@ -133,8 +137,18 @@ class AgentMcp:
                       on_list_resources=self.list_resources, on_read_resource=self.read_resource)
 
 
-def _tool_error(text: str) -> mt.CallToolResult:
-    return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], is_error=True)
+def _tool_error(error: str | MoorageError) -> mt.CallToolResult:
+    """A failed call as a tool result; a typed error also carries its code, hint and retry time."""
+    if isinstance(error, str):
+        return mt.CallToolResult(content=[mt.TextContent(type="text", text=error)], is_error=True)
+    text = error.message + (f" ({error.hint})" if error.hint else "")
+    meta: dict[str, Any] = {"error": error.code, "detail": error.message, "hint": error.hint}
+    retry = getattr(error, "retry_after", None) or getattr(error, "retry_after_s", None)
+    if isinstance(retry, (int, float)):
+        meta["retry_after_s"] = float(retry)
+    if isinstance(getattr(error, "cap", None), str):
+        meta["cap"] = error.cap  # type: ignore[attr-defined]
+    return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], structured_content=meta, is_error=True)
 
 
 async def _serve(call: Call, agent: str) -> Response:
