@@ -470,3 +470,10 @@ class SandboxDriver(ABC):
     async def close(self) -> None:
         """Detach from every open sandbox (channels closed). Does not sleep or stop them."""
 
+    def forget_handle(self, sandbox_id: str) -> None:
+        """Drop the cached handle of a sleeping sandbox whose directory was replaced (fetched from the fleet's
+        object store), so the next ``open`` reads it again."""
+        cache = getattr(self, "_open", None)
+        if isinstance(cache, dict):
+            cache.pop(sandbox_id, None)
+

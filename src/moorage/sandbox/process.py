@@ -683,6 +683,15 @@ class ProcessDriver(SandboxDriver):
     async def list(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / "meta.json").exists())
 
+    #: Parts of a sandbox directory that belong to this host only: the channel socket and the supervisor's log.
+    _HOST_LOCAL = ("run", "supervisor.log")
+
+    @classmethod
+    def portable(cls, rel: str) -> bool:
+        """Whether ``rel`` (a path in a sandbox's directory) is part of its sleeping state on any host: the
+        layer (its files), etc, meta.json and checkpoints travel; sockets, pids and logs stay."""
+        return rel.split("/", 1)[0] not in cls._HOST_LOCAL and not rel.startswith(".")
+
     async def close(self) -> None:
         for sb in list(self._open.values()):
             if sb._watchdog is not None:
