@@ -51,6 +51,13 @@ class Config:
     object_store_secret_key: str = dataclasses.field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 7700
+    #: A fleet (docs/fleet.md) forms when the store is PostgreSQL and ``object_store_url`` is set: this host's
+    #: unique id (default: the machine's hostname), the URL other hosts reach it at (default http://host:port),
+    #: how long its leases on awake instances outlive its last heartbeat, and how often it heartbeats.
+    host_id: str = ""
+    host_url: str = ""
+    lease_ttl_s: float = 15.0
+    heartbeat_s: float = 3.0
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
     #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
     shutdown: str = "sleep"
@@ -129,6 +136,11 @@ class Config:
     def sandboxes_dir(self) -> Path:
         return self.data_dir / "sandboxes"
 
+    @property
+    def fleet(self) -> bool:
+        """Whether this host is one of a fleet: instances ship to the object store and any host may wake them."""
+        return bool(self.object_store_url) and self.store_url.startswith(("postgres://", "postgresql://"))
+
     def with_(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
@@ -139,6 +151,8 @@ def _coerce(name: str, raw: Any, target: Any) -> Any:
             return Path(str(raw)).expanduser()
         if target is int or target == "int":
             return int(raw)
+        if target is float or target == "float":
+            return float(raw)
         if target is bool or target == "bool":
             return str(raw).lower() in ("1", "true", "yes", "on")
         return str(raw)
