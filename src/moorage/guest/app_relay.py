@@ -2,7 +2,8 @@
 
 Stdlib only. The host opens a connection (``app.open``), writes the request's bytes (``app.write``), pulls the
 answer (``app.read``: the host asks for more only when its client took the last chunk, so a slow client never
-piles bytes up in either memory) and closes it (``app.close``). No VM network is involved.
+piles bytes up in either memory) and closes it (``app.close``). No VM network is involved. A WebSocket is the
+same: the host writes the upgrade and frames and keeps one ``app.read`` waiting; the relay never parses either.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ MAX_READ = 512 * 1024
 READ_WAIT_S = 25.0
 #: A connection nobody touched for this long is closed (a host that died mid-request leaves none behind).
 IDLE_S = 300.0
+#: The shortest idle time a host may ask for (``idle_s`` of ``app.open``): a WebSocket's host keeps a read
+#: waiting at all times, so its connection can be dropped soon after the host stops asking (it slept, or went).
+MIN_IDLE_S = 5.0
 #: Whoever asks for a connection gets an error with this code when the app is not listening.
 APP_UNREACHABLE = -32020
 
 
 class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, idle_s: float = IDLE_S) -> None:
         self.reader = reader
         self.writer = writer
+        self.idle_s = idle_s
         self.touched = time.monotonic()
         self.lock = asyncio.Lock()
 
@@ -58,6 +63,9 @@ class AppRelay:
         port = params.get("port")
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             raise RpcError("port must be a TCP port number", INVALID_PARAMS)
+        idle_s = params.get("idle_s", IDLE_S)
+        if isinstance(idle_s, bool) or not isinstance(idle_s, (int, float)) or not MIN_IDLE_S <= idle_s <= IDLE_S:
+            raise RpcError("idle_s must be between %g and %g seconds" % (MIN_IDLE_S, IDLE_S), INVALID_PARAMS)
         if len(self._conns) >= MAX_CONNECTIONS:
             self._reap(time.monotonic())
             if len(self._conns) >= MAX_CONNECTIONS:
@@ -67,7 +75,7 @@ class AppRelay:
         except (OSError, asyncio.TimeoutError) as e:
             raise RpcError("nothing listens on port %d" % port, APP_UNREACHABLE, {"errno": getattr(e, "errno", None)})
         cid = next(self._ids)
-        self._conns[cid] = _Conn(reader, writer)
+        self._conns[cid] = _Conn(reader, writer, float(idle_s))
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         return {"conn": cid}
@@ -97,7 +105,6 @@ class AppRelay:
                 return {"data": "", "eof": False}
             except OSError:
                 data = b""
-        conn.touched = time.monotonic()
         return {"data": base64.b64encode(data).decode(), "eof": not data}
 
     async def close(self, params: Any, ctx: Context) -> Dict[str, Any]:
@@ -108,14 +115,14 @@ class AppRelay:
 
     def _reap(self, now: float) -> None:
         for cid, conn in list(self._conns.items()):
-            if now - conn.touched > IDLE_S and not conn.lock.locked():
+            if now - conn.touched > conn.idle_s and not conn.lock.locked():
                 self._conns.pop(cid, None)
                 conn.close()
                 log("app connection closed idle", conn=cid)
 
     async def _reap_loop(self) -> None:
         while self._conns:
-            await asyncio.sleep(30)
+            await asyncio.sleep(MIN_IDLE_S)
             self._reap(time.monotonic())
 
 

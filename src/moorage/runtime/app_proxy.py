@@ -177,14 +177,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
     The response body must be consumed or ``aclose``d: the instance stays awake until then.
     """
     max_request, max_response, head_timeout, max_duration = _limits(runtime.config)
-    agent, lc, scope = await asyncio.to_thread(runtime.router.resolve, ts, EntityKey(agent_name, user, "default"))
-    if agent.live_deployment is None:
-        raise NotFound(f"agent {agent_name!r} has no live deployment", hint="deploy it with `moorage deploy`")
-    deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
-    ports = app_ports(deployment.manifest)
-    if not ports:
-        raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
-    port = ports[0]
+    agent, lc, scope, deployment, port = await app_of(runtime, ts, agent_name, user)
     head, has_body = _request_head(req, port)
 
     async def template() -> Any:
@@ -200,7 +193,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         from moorage.runtime.vm_network import attach
 
         attach(runtime, sandbox.id, sandbox.channel, ts, agent_name, user, deployment.manifest)  # its own network
-        opened = await _open(runtime, sandbox, deployment, port)
+        opened = await open_connection(runtime, sandbox, deployment, port)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
         stack.push_async_callback(exchange.close)
         await exchange.write(exchange.h11.send(head))
@@ -270,17 +263,29 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
     return AppResponse(status, headers, body(), stack.aclose)
 
 
-async def _open(runtime: Any, sandbox: Any, deployment: Any, port: int) -> dict[str, Any]:
-    """A guest connection to the app's port. A guest that booted without the agent's code (a sandbox whose
-    processes did not survive its sleep, a cold boot) gets it loaded first, which starts an app the agent
-    module runs, and is asked again for a few seconds while the app binds its port."""
+async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> tuple[Any, Any, Any, Any, int]:
+    """(agent, lifecycle, scope, live deployment, app port) of ``user``'s instance; NotFound if it serves no app."""
+    agent, lc, scope = await asyncio.to_thread(runtime.router.resolve, ts, EntityKey(agent_name, user, "default"))
+    if agent.live_deployment is None:
+        raise NotFound(f"agent {agent_name!r} has no live deployment", hint="deploy it with `moorage deploy`")
+    deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
+    ports = app_ports(deployment.manifest)
+    if not ports:
+        raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
+    return agent, lc, scope, deployment, ports[0]
+
+
+async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, **options: Any) -> dict[str, Any]:
+    """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
+    agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
+    starts an app the agent module runs, and is asked again for a few seconds while the app binds its port."""
     from moorage.runtime.templates import push_and_load
 
     loaded = False
     give_up = time.monotonic() + 10
     while True:
         try:
-            return await sandbox.channel.call("app.open", {"port": port}, timeout=15)
+            return await sandbox.channel.call("app.open", {"port": port, **options}, timeout=15)
         except RemoteError as e:
             if e.rpc_code != APP_UNREACHABLE:
                 raise AppUnavailable("the sandbox could not reach the agent's app") from None

@@ -2,20 +2,28 @@
 
 ``/v1/agents/{agent}/users/{user}/app/...`` needs a key with the ``invoke`` scope (or that user's end-user
 token); ``/v1/shared/{token}/...`` needs only a live share link, and reaches that one user's app and nothing else.
+WebSockets to the same paths are authorized exactly like the ``GET`` route of that path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 from urllib.parse import quote
 
+from starlette.requests import HTTPConnection
 from starlette.responses import RedirectResponse, Response, StreamingResponse
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket
 
 from moorage.api import schemas as S
 from moorage.api.routes._common import agent_of
 from moorage.api.routing import Call, Endpoint, Reply
-from moorage.errors import InvalidInput
+from moorage.api.problem import from_error, internal
+from moorage.errors import InvalidInput, MoorageError
+from moorage.log import get_logger
+from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
 
 #: Request bodies the app routes accept (the runtime's own cap, app_max_request_bytes, applies too).
@@ -26,13 +34,16 @@ _SHARED = "/v1/shared/{token}"
 _LINKS = "/v1/agents/{agent}/users/{user}/share-links"
 
 
-def _target(call: Call, prefix: str) -> bytes:
+log = get_logger(__name__)
+
+
+def _target(conn: HTTPConnection, prefix: str) -> bytes:
     """The path and query the app sees: the raw request path after ``prefix`` (percent-encoding kept)."""
-    raw = call.request.scope.get("raw_path") or call.request.url.path.encode()
-    rest = raw[len(prefix):] if raw.startswith(prefix.encode()) else quote(call.path.get("path", "")).encode()
+    raw = conn.scope.get("raw_path") or conn.url.path.encode()
+    rest = raw[len(prefix):] if raw.startswith(prefix.encode()) else quote(conn.path_params.get("path", "")).encode()
     if not rest.startswith(b"/"):
         rest = b"/" + rest
-    qs = call.request.scope.get("query_string") or b""
+    qs = conn.scope.get("query_string") or b""
     return rest + (b"?" + qs if qs else b"")
 
 
@@ -43,15 +54,16 @@ async def _relay(call: Call, ts: Any, agent: str, user: str, prefix: str) -> Res
         async for chunk in call.request.stream():
             yield chunk
 
-    req = AppRequest(call.request.method, _target(call, prefix), list(call.request.headers.raw), body(), prefix)
+    req = AppRequest(call.request.method, _target(call.request, prefix), list(call.request.headers.raw), body(), prefix)
     resp = await app_request(call.runtime, ts, agent, user, req)
     out = StreamingResponse(resp.body, status_code=resp.status)
     out.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers]
     return out
 
 
-def _ids(call: Call) -> tuple[str, str]:
-    return check_id(call.path["agent"], "agent name"), check_id(call.path["user"], "user id")
+def _ids(call: Call | HTTPConnection) -> tuple[str, str]:
+    path = call.path if isinstance(call, Call) else call.path_params
+    return check_id(path["agent"], "agent name"), check_id(path["user"], "user id")
 
 
 async def serve_app(call: Call) -> Response:
@@ -66,9 +78,13 @@ async def app_root(call: Call) -> Response:
 
 
 async def _open_link(call: Call) -> tuple[Any, Any]:
+    return await _open_token(call.runtime, call.ctx.store, call.path["token"])
+
+
+async def _open_token(runtime: Any, store: Any, token: str) -> tuple[Any, Any]:
     from moorage.runtime.share_links import signer_of
 
-    return await asyncio.to_thread(signer_of(call.runtime).open, call.ctx.store, call.path["token"])
+    return await asyncio.to_thread(signer_of(runtime).open, store, token)
 
 
 async def serve_shared(call: Call) -> Response:
@@ -138,4 +154,111 @@ ENDPOINTS = [
              scope="invoke", response=S.obj({"data": {"type": "array", "items": LINK}})),
     Endpoint("DELETE", _LINKS + "/{link_id}", revoke_link, "Revoke a share link", "apps", "revokeShareLink",
              scope="invoke", response=LINK),
+]
+
+
+# -- WebSockets -------------------------------------------------------------------------------------------------------
+
+#: The HTTP routes whose declaration (auth, scope, end-user tokens) a WebSocket to the same path follows.
+_OWNER_GET = next(ep for ep in ENDPOINTS if ep.operation_id == "appGet")
+
+
+class _Caller:
+    """The caller's accepted WebSocket as ``runtime.app_socket`` expects it."""
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+
+    async def receive(self) -> Any:
+        from moorage.runtime.app_socket import CallerClose
+
+        message = await self.ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return CallerClose(int(message.get("code") or 1000), str(message.get("reason") or ""))
+        text = message.get("text")
+        return text if text is not None else (message.get("bytes") or b"")
+
+    async def send(self, message: str | bytes) -> None:
+        if isinstance(message, str):
+            await self.ws.send_text(message)
+        else:
+            await self.ws.send_bytes(message)
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code, reason[:120])
+
+
+async def _socket(ws: WebSocket, shared: bool) -> None:
+    """Authorize like the HTTP route, open the app's socket (its handshake decides ours), then relay."""
+    from moorage.runtime.app_socket import AppSocketRequest, open_app_socket
+
+    ctx = ws.app.state.moorage
+    trace_id = new_trace_id()
+    ts = None
+    with use_trace_id(trace_id):
+        try:
+            if ctx.runtime is None:
+                raise MoorageError("this server runs without an agent runtime")
+            if shared:
+                token = ws.path_params["token"]
+                ts, link = await _open_token(ctx.runtime, ctx.store, token)
+                agent, user, prefix = link.agent, link.user, f"/v1/shared/{token}"
+            else:
+                # The same checks as the HTTP route: a key with its scope, or that user's end-user token.
+                _, ts = await _OWNER_GET._authorize(ctx, ws)
+                agent, user = _ids(ws)
+                prefix = f"/v1/agents/{agent}/users/{user}/app"
+            req = AppSocketRequest(_target(ws, prefix), list(ws.headers.raw), list(ws.scope.get("subprotocols") or []),
+                                   prefix)
+            sock = await open_app_socket(ctx.runtime, ts, agent, user, req)
+        except MoorageError as e:
+            ctx.metrics.observe_error(e.code)
+            await _deny(ws, from_error(e, trace_id))
+            return
+        except Exception:  # noqa: BLE001 - never a traceback to the caller
+            log.exception("app socket failed to open", trace_id=trace_id)
+            await _deny(ws, internal(trace_id))
+            return
+        started = time.time()
+        try:
+            await ws.accept(subprotocol=sock.subprotocol)
+        except BaseException:
+            await sock.close_unused()
+            raise
+        outcome = await sock.relay(_Caller(ws))
+        await asyncio.to_thread(_record_span, ctx, ts, agent, user, shared, started, outcome, sock)
+
+
+async def _deny(ws: WebSocket, response: Response) -> None:
+    try:
+        await ws.send_denial_response(response)
+    except RuntimeError:  # a server without the denial extension: a close before accepting (HTTP 403)
+        await ws.close(1008)
+
+
+def _record_span(ctx: Any, ts: Any, agent: str, user: str, shared: bool, started: float, outcome: Any,
+                 sock: Any) -> None:
+    route = _SHARED if shared else _APP
+    active = ctx.tracer.start(ts, f"WEBSOCKET {route}/{{path}}", **{
+        "http.route": route + "/{path}", "http.status_code": 101, "moorage.agent": agent, "moorage.user": user,
+        "websocket.close_code": outcome.code, "websocket.closed_by": outcome.why,
+        "websocket.messages_in": sock.messages_in, "websocket.messages_out": sock.messages_out})
+    active.start_ts = started
+    ctx.tracer.finish(ts, active)
+
+
+async def socket_app(ws: WebSocket) -> None:
+    await _socket(ws, shared=False)
+
+
+async def socket_shared(ws: WebSocket) -> None:
+    await _socket(ws, shared=True)
+
+
+#: WebSocket routes (OpenAPI has no words for them; docs/app.md describes them). ``api/app.py`` mounts them.
+WEBSOCKET_ROUTES = [
+    WebSocketRoute(_APP + "/{path:path}", socket_app, name="appSocket"),
+    WebSocketRoute(_APP, socket_app, name="appSocketRoot"),
+    WebSocketRoute(_SHARED + "/{path:path}", socket_shared, name="sharedSocket"),
+    WebSocketRoute(_SHARED, socket_shared, name="sharedSocketRoot"),
 ]

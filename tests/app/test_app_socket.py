@@ -1,0 +1,409 @@
+"""WebSockets to an agent's own app, end to end on the process driver with a real client (``websockets``): messages
+both ways through the owner's route and share links, subprotocols, closes from either side, caps, the socket
+closed when the instance sleeps (which it does not prevent), and nothing across tenants, users or dead links."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import tarfile
+import textwrap
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from moorage.api import create_app
+from moorage.config import Config
+from moorage.lifecycle.manager import InstanceManager
+from moorage.llm import gateway_from_config
+from moorage.runtime.runtime import Runtime
+from moorage.store import Scope, open_store
+from tests.api.conftest import free_port
+from tests.conftest import stop_all_sandboxes
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+MAX_MESSAGE = 64 << 10
+MAX_SOCKETS = 4
+
+# A WebSocket server written with the standard library only (the sandbox's Python has nothing else), started
+# by the agent module in a thread; plain HTTP on the same port. What it saw is kept for the test to ask about.
+WS_AGENT = r'''
+import base64, hashlib, json, os, socket, socketserver, struct, threading
+
+NOTE = "/work/note.txt"
+SEEN = "/work/ws-seen.json"
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+def _note():
+    try:
+        return open(NOTE).read()
+    except OSError:
+        return "(none)"
+
+
+def _remember(**kv):
+    try:
+        seen = json.load(open(SEEN))
+    except (OSError, ValueError):
+        seen = {}
+    seen.update(kv)
+    with open(SEEN, "w") as f:
+        json.dump(seen, f)
+
+
+class Handler(socketserver.StreamRequestHandler):
+    def handle(self):
+        line = self.rfile.readline(65537).decode("latin-1")
+        if not line:
+            return
+        method, target, _ = line.split(" ", 2)
+        headers = {}
+        while True:
+            h = self.rfile.readline(65537).decode("latin-1")
+            if h in ("\r\n", "\n", ""):
+                break
+            k, _, v = h.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if headers.get("upgrade", "").lower() != "websocket":
+            body = ("<p>note: %s</p>" % _note()).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n" % len(body) + body)
+            return
+        if target.startswith("/ws/refuse"):
+            self.wfile.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno")
+            return
+        key = headers["sec-websocket-key"].encode()
+        accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+        offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        extra = b"Sec-WebSocket-Protocol: chat.v1\r\n" if "chat.v1" in offered else b""
+        self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Accept: " + accept + b"\r\n" + extra + b"\r\n")
+        self.wfile.flush()
+        self.seen = {"path": target, "auth": headers.get("authorization"), "cookie": headers.get("cookie"),
+                     "prefix": headers.get("x-forwarded-prefix"), "custom": headers.get("x-custom")}
+        self.serve_socket()
+
+    def frame(self, opcode, data):
+        n = len(data)
+        if n < 126:
+            head = struct.pack("!BB", 0x80 | opcode, n)
+        elif n < 65536:
+            head = struct.pack("!BBH", 0x80 | opcode, 126, n)
+        else:
+            head = struct.pack("!BBQ", 0x80 | opcode, 127, n)
+        self.wfile.write(head + data)
+        self.wfile.flush()
+
+    def read_frame(self):
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None, b""
+        opcode, n = head[0] & 0x0F, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+        data = bytearray(self.rfile.read(n))
+        for i in range(len(data)):
+            data[i] ^= mask[i % 4]
+        return opcode, bytes(data)
+
+    def serve_socket(self):
+        while True:
+            opcode, data = self.read_frame()
+            if opcode is None:
+                _remember(last_close="eof")
+                return
+            if opcode == 8:  # close: answer it and remember what the client said
+                code = struct.unpack("!H", data[:2])[0] if len(data) >= 2 else None
+                _remember(last_close=code)
+                self.frame(8, data[:2])
+                return
+            if opcode == 9:
+                self.frame(10, data)
+                continue
+            if opcode == 2:
+                self.frame(2, data)
+                continue
+            text = data.decode()
+            if text == "seen":
+                self.frame(1, json.dumps(self.seen).encode())
+            elif text == "note":
+                self.frame(1, _note().encode())
+            elif text == "last-close":
+                try:
+                    self.frame(1, json.dumps(json.load(open(SEEN)).get("last_close")).encode())
+                except (OSError, ValueError):
+                    self.frame(1, b"null")
+            elif text.startswith("push "):
+                for i in range(int(text[5:])):
+                    self.frame(1, ("n=%d" % i).encode())
+            elif text.startswith("big "):
+                self.frame(2, b"b" * int(text[4:]))
+            elif text == "close":
+                self.frame(8, struct.pack("!H", 4000) + b"bye")
+                self.read_frame()
+                return
+            else:
+                self.frame(1, data)
+
+
+class Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+def _serve():
+    try:
+        Server(("127.0.0.1", 8080), Handler).serve_forever()
+    except OSError:
+        pass  # loaded again in the same sandbox: the first server keeps serving
+
+
+threading.Thread(target=_serve, daemon=True).start()
+
+
+async def on_message(ctx, message):
+    with open(NOTE, "w") as f:
+        f.write(message)
+    return "noted"
+'''
+
+
+def _archive(tmp: Path) -> bytes:
+    root = tmp / "ws"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text('[agent]\nname = "ws"\nentry = "agent.py"\nports = [8080]\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(textwrap.dedent(WS_AGENT))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+class World:
+    http: str
+    ws: str
+    runtime: Runtime
+    acme: str
+    globex: str
+    store: Any
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+    from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    tmp = tmp_path_factory.mktemp("appsocket")
+    cfg = Config(data_dir=tmp / "data", sandbox_driver="process", app_ws_max_message_bytes=MAX_MESSAGE,
+                 app_ws_max_sockets=MAX_SOCKETS)
+    store = open_store(cfg)
+    acme = store.operator.create_tenant("acme")[1].secret
+    globex = store.operator.create_tenant("globex")[1].secret
+    driver = DRIVER_FACTORIES["process"](cfg.sandboxes_dir, cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    app = create_app(rt, cfg)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                           ws_max_size=1 << 20))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    w = World()
+    w.http, w.ws, w.runtime, w.acme, w.globex, w.store = (f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", rt,
+                                                           acme, globex, store)
+    async with httpx.AsyncClient(base_url=w.http, headers={"Authorization": f"Bearer {acme}"}, timeout=300) as c:
+        r = await c.post("/v1/agents/ws/deployments", content=_archive(tmp), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        for user, note in (("ada", "ada-only"), ("bob", "bob-only")):
+            r = await c.post("/v1/agents/ws/invoke", json={"message": note, "user": user})
+            assert r.json()["reply"] == "noted", r.text
+    try:
+        yield w
+    finally:
+        server.should_exit = True
+        await task
+        await manager.close()
+        await stop_all_sandboxes(driver)
+        await driver.close()
+        store.close()
+
+
+def owner(w: World, user: str, path: str = "ws/echo", key: str | None = None, **kw: Any) -> Any:
+    headers = {"Authorization": f"Bearer {key or w.acme}"} if key != "" else {}
+    return connect(f"{w.ws}/v1/agents/ws/users/{user}/app/{path}", additional_headers={**headers, **kw.pop("headers", {})},
+                   open_timeout=120, **kw)
+
+
+async def refused(url: str, headers: dict[str, str] | None = None) -> int:
+    with pytest.raises(InvalidStatus) as e:
+        async with connect(url, additional_headers=headers or {}, open_timeout=120):
+            pass
+    return e.value.response.status_code
+
+
+async def closed_with(ws: ClientConnection) -> tuple[int | None, str]:
+    with pytest.raises(ConnectionClosed) as e:
+        for _ in range(100):
+            await asyncio.wait_for(ws.recv(), 60)
+    rcvd = e.value.rcvd
+    return (rcvd.code, rcvd.reason) if rcvd is not None else (None, "")
+
+
+async def test_owner_socket_relays_both_ways(world: World) -> None:
+    async with owner(world, "ada", "ws/echo%20x?q=1", subprotocols=["chat.v1"],
+                     headers={"X-Custom": "kept", "Cookie": "k=v"}) as ws:
+        assert ws.subprotocol == "chat.v1"
+        await ws.send("hello")
+        assert await ws.recv() == "hello"
+        blob = bytes(range(256)) * 200  # 50 KiB, under the cap, in several relay chunks
+        await ws.send(blob)
+        assert await ws.recv() == blob
+        await ws.send("note")
+        assert await ws.recv() == "ada-only"  # ada's own sandbox
+        # The app sees its own path and query and the caller's headers, never the key or cookies.
+        await ws.send("seen")
+        assert json.loads(await ws.recv()) == {"path": "/ws/echo%20x?q=1", "auth": None, "cookie": None,
+                                               "prefix": "/v1/agents/ws/users/ada/app", "custom": "kept"}
+        # The app talks first, many messages in order, while the client reads them as it likes.
+        await ws.send("push 200")
+        assert [await ws.recv() for _ in range(200)] == [f"n={i}" for i in range(200)]
+        await asyncio.wait_for(await ws.ping(), 30)
+        # The app closes: the caller gets its code and reason.
+        await ws.send("close")
+        assert await closed_with(ws) == (4000, "bye")
+    # The caller closes: the app hears a WebSocket close with the caller's code.
+    async with owner(world, "ada") as ws:
+        await ws.send("x")
+        assert await ws.recv() == "x"
+        await ws.close(4001, "done")
+    async with owner(world, "ada") as ws:
+        for _ in range(50):
+            await ws.send("last-close")
+            if json.loads(await ws.recv()) == 4001:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the app never heard the caller's close")
+    # The same app still serves plain HTTP.
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        r = await c.get("/v1/agents/ws/users/bob/app/")
+        assert r.status_code == 200 and r.text == "<p>note: bob-only</p>"
+
+
+async def test_other_tenants_users_and_anonymous_cannot_open_a_socket(world: World) -> None:
+    url = f"{world.ws}/v1/agents/ws/users/ada/app/ws/echo"
+    assert await refused(url, {"Authorization": f"Bearer {world.globex}"}) == 404
+    assert await refused(url) == 401
+    assert await refused(f"{world.ws}/v1/agents/ws/users/ada/app") == 401
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        bob_token = (await c.post("/v1/agents/ws/users/bob/tokens", json={})).json()["token"]
+    assert await refused(url, {"Authorization": f"Bearer {bob_token}"}) == 403
+    async with connect(f"{world.ws}/v1/agents/ws/users/bob/app/ws/echo",
+                       additional_headers={"Authorization": f"Bearer {bob_token}"}, open_timeout=120) as ws:
+        await ws.send("note")
+        assert await ws.recv() == "bob-only"
+
+
+async def test_share_links_open_a_socket_until_expiry_or_revocation(world: World) -> None:
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        link = (await c.post("/v1/agents/ws/users/ada/share-links", json={"ttl_s": 3600})).json()
+        short = (await c.post("/v1/agents/ws/users/ada/share-links", json={"ttl_s": 1})).json()
+    base = world.ws + link["url"]
+    async with connect(base + "ws/echo", open_timeout=120) as ws:
+        await ws.send("note")
+        assert await ws.recv() == "ada-only"
+        await ws.send("seen")
+        assert json.loads(await ws.recv())["prefix"] == link["url"].rstrip("/")
+    async with connect(base.rstrip("/"), open_timeout=120) as ws:  # the app's root, no trailing slash
+        await ws.send("root")
+        assert await ws.recv() == "root"
+    # A link is no key for the owner's route; altered, expired or revoked links are the same 404.
+    assert await refused(f"{world.ws}/v1/agents/ws/users/ada/app/ws", {"Authorization": f"Bearer {link['token']}"}) == 401
+    tenant, link_id, expires, kid, mac = link["token"].split(".")
+    globex_tenant = world.store.authenticate(world.globex).tenant_id
+    for forged in (f"{globex_tenant}.{link_id}.{expires}.{kid}.{mac}", f"{tenant}.{link_id}.{int(expires) + 99}.{kid}.{mac}",
+                   link["token"] + "x"):
+        assert await refused(f"{world.ws}/v1/shared/{forged}/ws") == 404
+    await asyncio.sleep(1.2)
+    assert await refused(world.ws + short["url"] + "ws") == 404
+    async with connect(base + "ws/echo", open_timeout=120) as open_before_revocation:
+        async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+            assert (await c.delete(f"/v1/agents/ws/users/ada/share-links/{link['id']}")).status_code == 200
+        assert await refused(base + "ws/echo") == 404
+        async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.globex}"}) as other:
+            r = await other.post("/v1/agents/ws/users/ada/share-links", json={"ttl_s": 60})
+            assert r.status_code == 404
+        # A socket opened before the revocation is not cut by it (like an HTTP answer already under way).
+        await open_before_revocation.send("still")
+        assert await open_before_revocation.recv() == "still"
+
+
+async def test_sleep_closes_the_socket_and_the_next_one_wakes_the_instance(world: World) -> None:
+    rt = world.runtime
+    ts = world.store.tenant(world.store.authenticate(world.acme))
+    scope = Scope.for_user("ws", "bob")
+    async with owner(world, "bob") as ws:
+        await ws.send("note")
+        assert await ws.recv() == "bob-only"
+        # An open socket does not keep the instance awake: its lifecycle may sleep it, and the socket then ends.
+        assert await rt.instances.sleep(ts, scope)
+        assert await closed_with(ws) == (1001, "the agent's instance went to sleep")
+    assert ts.sandboxes.for_scope(scope).state == "sleeping"
+    async with owner(world, "bob") as ws:
+        await ws.send("note")
+        assert await ws.recv() == "bob-only"
+    assert ts.sandboxes.for_scope(scope).state == "running"
+
+
+async def test_messages_and_sockets_are_capped(world: World) -> None:
+    # A caller's message over app_ws_max_message_bytes closes the socket (1009) instead of reaching the app.
+    async with owner(world, "ada") as ws:
+        await ws.send(b"x" * (MAX_MESSAGE + 1))
+        code, _ = await closed_with(ws)
+        assert code == 1009
+    # So does an app's (the host stops reading it at the cap).
+    async with owner(world, "ada") as ws:
+        await ws.send(f"big {MAX_MESSAGE - 100}")
+        assert len(await ws.recv()) == MAX_MESSAGE - 100
+        await ws.send(f"big {4 * MAX_MESSAGE}")
+        code, reason = await closed_with(ws)
+        assert code == 1011 and "over" in reason
+    # An app that refuses the upgrade: its 4xx reaches the caller, nothing else.
+    assert await refused(f"{world.ws}/v1/agents/ws/users/ada/app/ws/refuse", {"Authorization": f"Bearer {world.acme}"}) == 403
+    # At most app_ws_max_sockets at once per instance; a closed one frees its place.
+    held = [await owner(world, "ada").__aenter__() for _ in range(MAX_SOCKETS)]
+    try:
+        assert await refused(f"{world.ws}/v1/agents/ws/users/ada/app/ws", {"Authorization": f"Bearer {world.acme}"}) == 429
+        for ws in held:
+            await ws.send("alive")
+            assert await ws.recv() == "alive"
+    finally:
+        for ws in held:
+            await ws.close()
+    for _ in range(100):  # the host releases a place once the close has been relayed
+        try:
+            async with owner(world, "ada") as ws:
+                await ws.send("again")
+                assert await ws.recv() == "again"
+            break
+        except InvalidStatus:
+            await asyncio.sleep(0.1)
+    else:
+        pytest.fail("closed sockets never freed their places")
