@@ -21,6 +21,7 @@ from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
 from moorage.api.problem import from_error, internal, problem
 from moorage.api.routes import all_endpoints
+from moorage.api.routes.app import WEBSOCKET_ROUTES
 from moorage.config import Config
 from moorage.log import get_logger
 from moorage.observability import Metrics, SpanSink, Tracer
@@ -99,6 +100,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
 
     routes = [Route(ep.path, ep.asgi, methods=[ep.method], name=ep.operation_id) for ep in endpoints]
     routes += [Route("/openapi.json", openapi, methods=["GET"]), Route("/metrics", prometheus, methods=["GET"])]
+    routes += WEBSOCKET_ROUTES  # an agent's app over WebSocket (authorized like its GET route)
 
     def http_error(request: Request, exc: Exception) -> Response:
         trace_id = request.scope.get("state", {}).get("trace_id")
