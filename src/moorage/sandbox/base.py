@@ -309,6 +309,11 @@ class Sandbox(ABC):
     @abstractmethod
     async def checkpoints(self) -> list[CheckpointInfo]: ...
 
+    async def delete_checkpoint(self, name: str) -> None:
+        """Remove one checkpoint (retention). A driver that cannot says so; its checkpoints stay until destroy."""
+        raise SandboxError(f"the {type(self).__name__} driver cannot delete a checkpoint",
+                           hint="checkpoints go with the sandbox when it is destroyed")
+
     @abstractmethod
     async def destroy(self) -> None:
         """Stop everything and remove every byte this sandbox has on disk."""

@@ -433,6 +433,17 @@ class ProcessSandbox(Sandbox):
             out.append(CheckpointInfo(d.name, self.id, d, disk_usage(d), info["created_at"], includes_memory=False))
         return out
 
+    async def delete_checkpoint(self, name: str) -> None:
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            src = self.dir / "checkpoints" / name
+            if not src.exists():
+                raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
+            # Renamed aside first: a crash mid-removal never leaves a half checkpoint under its name.
+            gone = self.dir / "checkpoints" / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
+            os.rename(src, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+
     async def rollback(self, name: str) -> None:
         validate_id(name, "checkpoint name")
         async with self._lock:
