@@ -94,7 +94,9 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     key = ensure_local_tenant(host, cfg)
     await host.start()
     app = create_app(host.runtime, cfg, span_sink=host.span_sink)
-    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off"))
+    # A WebSocket message past the apps' cap is refused by the server itself, before it is buffered (docs/app.md).
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
+                                           ws_max_size=cfg.app_ws_max_message_bytes + 1))
     url = f"http://{cfg.host}:{cfg.port}"
 
     async def after_start() -> None:
