@@ -28,8 +28,9 @@ from moorage.store.model import (
     UsageEntry,
     WorkflowRun,
 )
+from moorage.store.repos.events import EventIn
 from moorage.store.store import Operator, Store
-from moorage.store.tenant import EventIn, SweepReport, TenantStore
+from moorage.store.tenant import SweepReport, TenantStore
 
 
 def open_backend(config: Config) -> Backend:

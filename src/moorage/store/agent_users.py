@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import check_id
 from moorage.store.sql import loads
-from moorage.store.tenant import _Repo
+from moorage.store.repos.common import _Repo
 
 #: Per-user limits an agent user may carry (all optional, non-negative numbers).
 USER_LIMITS: tuple[str, ...] = ("compute_seconds_per_day", "tokens_per_month", "cost_usd_per_month")

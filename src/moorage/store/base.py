@@ -132,7 +132,7 @@ class Backend(ABC):
             c.x("DELETE FROM tenants WHERE id = ?", (tenant_id,))
 
     def create_api_key(self, tenant_id: str, scopes: Sequence[str], label: str = "", agent: str | None = None) -> ApiKey:
-        from moorage.store.tenant import _check_scopes
+        from moorage.store.repos.keys import _check_scopes
 
         sc = _check_scopes(scopes)
         if agent is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from moorage.errors import InvalidInput, NotFound
 from moorage.store.model import check_id
-from moorage.store.tenant import _Repo
+from moorage.store.repos.common import _Repo
 
 _COLS = "id, agent_id, user_id, label, created_at, expires_at, revoked_at, version"
 #: Longest a link may live (a forgotten link should not open an app for years).

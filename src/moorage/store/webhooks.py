@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import check_id
 from moorage.store.sql import loads
-from moorage.store.tenant import _Repo
+from moorage.store.repos.common import _Repo
 
 #: Events a webhook can subscribe to. ``interrupt.waiting``: a turn stopped for a human answer (approval).
 WEBHOOK_EVENTS: tuple[str, ...] = ("execution.succeeded", "execution.failed", "execution.cancelled", "interrupt.waiting")

@@ -15,7 +15,7 @@ from moorage.api.routes._common import PAGE
 from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
 from moorage.errors import InvalidInput
-from moorage.store.tenant import RUN_STATUSES
+from moorage.store.repos.workflows import RUN_STATUSES
 
 
 def list_runs(call: Call) -> dict[str, Any]:

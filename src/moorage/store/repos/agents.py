@@ -1,0 +1,70 @@
+"""The tenant's agents: a name, its config and which deployment is live, changed by compare-and-set
+on its version."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.errors import ConflictError, NotFound
+from moorage.store.model import Agent, check_id
+from moorage.store.repos.common import _check_version, _new_id, _now, _Repo
+from moorage.store.sql import loads
+
+
+def _agent(r: tuple) -> Agent:
+    return Agent(r[0], r[1], loads(r[2]), r[3], r[4], r[5], r[6])
+
+
+_AGENT_COLS = "id, name, config, live_deployment, created_at, updated_at, version"
+
+
+class Agents(_Repo):
+    def create(self, name: str, config: dict[str, Any] | None = None) -> Agent:
+        check_id(name, "agent name")
+        now = _now()
+        a = Agent(_new_id(), name, config or {}, None, now, now, 1)
+        with self._ts._tx() as c:
+            n = c.x(
+                f"INSERT INTO agents ({_AGENT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (a.id, a.name, self._json(a.config, "agent config"), None, now, now, 1),
+            )
+            if n != 1:
+                raise ConflictError(f"an agent named {name!r} already exists", hint="pick another name or deploy to it")
+        return a
+
+    def get(self, name_or_id: str) -> Agent:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_AGENT_COLS} FROM agents WHERE id = ? OR name = ?", (name_or_id, name_or_id))
+        if r is None:
+            raise NotFound(f"no agent {name_or_id!r}", hint="list agents with `moorage agents` or deploy one")
+        return _agent(r)
+
+    def list(self) -> list[Agent]:
+        with self._ts._tx(write=False) as c:
+            return [_agent(r) for r in c.q(f"SELECT {_AGENT_COLS} FROM agents ORDER BY name")]
+
+    def update(
+        self, agent_id: str, *, expected_version: int, config: dict[str, Any] | None = None,
+        live_deployment: str | None = None,
+    ) -> Agent:
+        _check_version(expected_version)
+        with self._ts._tx() as c:
+            cur = c.one(f"SELECT {_AGENT_COLS} FROM agents WHERE id = ?", (agent_id,))
+            if cur is None:
+                raise NotFound(f"no agent {agent_id!r}")
+            a = _agent(cur)
+            new_cfg = a.config if config is None else config
+            new_live = a.live_deployment if live_deployment is None else live_deployment
+            if live_deployment is not None and not c.one(
+                "SELECT 1 FROM deployments WHERE id = ? AND agent_id = ?", (live_deployment, agent_id)
+            ):
+                raise NotFound(f"no deployment {live_deployment!r} of agent {a.name!r}")
+            now = _now()
+            n = c.x(
+                "UPDATE agents SET config = ?, live_deployment = ?, updated_at = ?, version = version + 1 "
+                "WHERE id = ? AND version = ?",
+                (self._json(new_cfg, "agent config"), new_live, now, agent_id, expected_version),
+            )
+            if n != 1:
+                raise ConflictError(f"agent {a.name!r} changed (now version {a.version})", current_version=a.version)
+        return Agent(a.id, a.name, new_cfg, new_live, a.created_at, now, expected_version + 1)

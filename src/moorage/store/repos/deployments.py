@@ -1,0 +1,43 @@
+"""The numbered deployments of each agent: its manifest and the package it was built from (append-only;
+which one is live is the agent's field)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.errors import NotFound
+from moorage.store.model import Deployment
+from moorage.store.repos.common import _new_id, _now, _Repo
+from moorage.store.sql import loads
+
+
+def _deployment(r: tuple) -> Deployment:
+    return Deployment(r[0], r[1], r[2], loads(r[3]), r[4], r[5], r[6], r[7])
+
+
+_DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status, created_at"
+
+
+class Deployments(_Repo):
+    def create(self, agent_id: str, manifest: dict[str, Any], package_ref: str, package_sha256: str) -> Deployment:
+        with self._ts._tx() as c:
+            if not c.one("SELECT 1 FROM agents WHERE id = ?", (agent_id,)):
+                raise NotFound(f"no agent {agent_id!r}")
+            row = c.one("SELECT COALESCE(MAX(number), 0) FROM deployments WHERE agent_id = ?", (agent_id,))
+            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, "ready", _now())
+            c.x(
+                f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status, d.created_at),
+            )
+        return d
+
+    def get(self, deployment_id: str) -> Deployment:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_DEP_COLS} FROM deployments WHERE id = ?", (deployment_id,))
+        if r is None:
+            raise NotFound(f"no deployment {deployment_id!r}")
+        return _deployment(r)
+
+    def list(self, agent_id: str) -> list[Deployment]:
+        with self._ts._tx(write=False) as c:
+            return [_deployment(r) for r in c.q(f"SELECT {_DEP_COLS} FROM deployments WHERE agent_id = ? ORDER BY number", (agent_id,))]

@@ -1,0 +1,119 @@
+"""Raw semantic fact rows, bi-temporal (valid and recorded time); their lifecycle fields change by
+compare-and-set, their content never."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.store.model import FACT_STATUS, FACT_TRUST, Fact, Scope
+from moorage.store.repos.common import _check_version, _new_id, _now, _Repo
+from moorage.store.sql import loads
+
+
+_FACT_COLS = (
+    "id, scope, subject, attribute, value, text, valid_from, valid_to, recorded_at, superseded_at, "
+    "superseded_by, trust, status, provenance, source, version"
+)
+
+
+def _fact(r: tuple) -> Fact:
+    return Fact(r[0], Scope.parse(r[1]), r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+                tuple(loads(r[13])), r[14], r[15])
+
+
+class Facts(_Repo):
+    """Raw fact rows; the supersede/merge rules live in ``moorage.memory.semantic``."""
+
+    def insert(
+        self, scope: Scope, subject: str, attribute: str, value: str, text: str, *, valid_from: float | None = None,
+        trust: str = "user_stated", status: str = "active", provenance: Sequence[str] = (), source: str = "user",
+    ) -> Fact:
+        if trust not in FACT_TRUST:
+            raise InvalidInput(f"unknown trust {trust!r}", hint=f"one of {', '.join(FACT_TRUST)}")
+        if status not in FACT_STATUS:
+            raise InvalidInput(f"unknown fact status {status!r}", hint=f"one of {', '.join(FACT_STATUS)}")
+        now = _now()
+        f = Fact(
+            _new_id(), scope, self._text(subject, "subject"), self._text(attribute, "attribute"),
+            self._text(value, "value"), self._text(text, "text"), now if valid_from is None else valid_from, None, now,
+            None, None, trust, status, tuple(str(p) for p in provenance), self._text(source, "source"), 1,
+        )
+        with self._ts._tx() as c:
+            c.x(
+                f"INSERT INTO facts ({_FACT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (f.id, scope.key, f.subject, f.attribute, f.value, f.text, f.valid_from, None, now, None, None, trust,
+                 status, self._json(list(f.provenance), "provenance"), f.source, 1),
+            )
+            self._ts._touch(c, scope, now)
+        return f
+
+    def get(self, fact_id: str) -> Fact:
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_FACT_COLS} FROM facts WHERE id = ?", (fact_id,))
+        if r is None:
+            raise NotFound(f"no fact {fact_id!r}")
+        return _fact(r)
+
+    def update(
+        self, fact_id: str, *, expected_version: int, valid_to: float | None = None, superseded_by: str | None = None,
+        status: str | None = None, provenance: Sequence[str] | None = None, trust: str | None = None,
+    ) -> Fact:
+        """Compare-and-set change of a fact's lifecycle fields (its content never changes)."""
+        _check_version(expected_version)
+        with self._ts._tx() as c:
+            cur = c.one(f"SELECT {_FACT_COLS} FROM facts WHERE id = ?", (fact_id,))
+            if cur is None:
+                raise NotFound(f"no fact {fact_id!r}")
+            f = _fact(cur)
+            now = _now()
+            new = Fact(
+                f.id, f.scope, f.subject, f.attribute, f.value, f.text, f.valid_from,
+                f.valid_to if valid_to is None else valid_to, f.recorded_at,
+                f.superseded_at if superseded_by is None else now, f.superseded_by if superseded_by is None else superseded_by,
+                f.trust if trust is None else trust, f.status if status is None else status,
+                f.provenance if provenance is None else tuple(provenance), f.source, expected_version + 1,
+            )
+            if new.status not in FACT_STATUS or new.trust not in FACT_TRUST:
+                raise InvalidInput("unknown fact status or trust")
+            n = c.x(
+                "UPDATE facts SET valid_to = ?, superseded_at = ?, superseded_by = ?, trust = ?, status = ?, provenance = ?, "
+                "version = version + 1 WHERE id = ? AND version = ?",
+                (new.valid_to, new.superseded_at, new.superseded_by, new.trust, new.status,
+                 self._json(list(new.provenance), "provenance"), fact_id, expected_version),
+            )
+            if n != 1:
+                raise ConflictError(f"fact {fact_id} changed (now version {f.version})", current_version=f.version)
+        return new
+
+    def close(self, fact_id: str, *, expected_version: int, valid_to: float, superseded_by: str | None = None) -> Fact:
+        return self.update(fact_id, expected_version=expected_version, valid_to=valid_to, superseded_by=superseded_by)
+
+    def list(
+        self, scope: Scope, *, subject: str | None = None, attribute: str | None = None, valid_at: float | None = None,
+        known_at: float | None = None, include_closed: bool = False, statuses: Sequence[str] = ("active",),
+        limit: int = 1000,
+    ) -> list[Fact]:
+        """Facts of a scope. ``valid_at``: true at that time; ``known_at``: as recorded by then (bi-temporal)."""
+        where = "scope = ?"
+        params: list[Any] = [scope.key]
+        if subject is not None:
+            where += " AND subject = ?"
+            params.append(subject)
+        if attribute is not None:
+            where += " AND attribute = ?"
+            params.append(attribute)
+        if statuses:
+            where += f" AND status IN ({','.join('?' * len(statuses))})"
+            params += list(statuses)
+        if known_at is not None:
+            where += " AND recorded_at <= ? AND (superseded_at IS NULL OR superseded_at > ?)"
+            params += [known_at, known_at]
+        if valid_at is not None:
+            where += " AND valid_from <= ? AND (valid_to IS NULL OR valid_to > ?)"
+            params += [valid_at, valid_at]
+        elif not include_closed and known_at is None:
+            where += " AND valid_to IS NULL"
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at LIMIT ?", (*params, limit))
+        return [_fact(r) for r in rows]

@@ -1,0 +1,76 @@
+"""The side-effect journal: each effect keyed by an idempotency key, claimed as pending and then
+completed exactly once (or released for a retry)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.errors import ConflictError, NotFound
+from moorage.store.model import JournalEntry, Scope
+from moorage.store.repos.common import _check_key, _check_version, _now, _Repo
+from moorage.store.sql import loads
+
+
+_JOURNAL_COLS = "key, run_id, step, status, result, error, created_at, updated_at, version"
+
+
+def _journal(r: tuple) -> JournalEntry:
+    return JournalEntry(r[0], r[1], r[2], r[3], loads(r[4]), r[5], r[6], r[7], r[8])
+
+
+class Journal(_Repo):
+    """Side effects keyed by idempotency key: claimed, then completed exactly once."""
+
+    def get(self, key: str) -> JournalEntry | None:
+        _check_key(key)
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+        return None if r is None else _journal(r)
+
+    def claim(self, key: str, *, run_id: str | None = None, step: str | None = None, scope: Scope | None = None) -> tuple[JournalEntry, bool]:
+        """Return the entry for ``key``, creating it as ``pending``; the bool says whether this call created it."""
+        _check_key(key)
+        now = _now()
+        with self._ts._tx() as c:
+            n = c.x(
+                "INSERT INTO journal (key, scope, run_id, step, status, result, error, created_at, updated_at, version) "
+                "VALUES (?, ?, ?, ?, 'pending', NULL, NULL, ?, ?, 1) ON CONFLICT DO NOTHING",
+                (key, scope.key if scope else None, run_id, step, now, now),
+            )
+            if n != 1:
+                r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+                return _journal(r), False
+            if scope is not None:
+                self._ts._touch(c, scope, now)
+        return JournalEntry(key, run_id, step, "pending", None, None, now, now, 1), True
+
+    def complete(self, key: str, *, expected_version: int, result: Any = None, error: str | None = None) -> JournalEntry:
+        _check_version(expected_version)
+        status = "failed" if error is not None else "done"
+        now = _now()
+        with self._ts._tx() as c:
+            n = c.x(
+                "UPDATE journal SET status = ?, result = ?, error = ?, updated_at = ?, version = version + 1 "
+                "WHERE key = ? AND version = ? AND status = 'pending'",
+                (status, None if result is None else self._json(result, "journal result"), error, now, key, expected_version),
+            )
+            if n != 1:
+                cur = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+                if cur is None:
+                    raise NotFound(f"no journal entry {key!r}")
+                raise ConflictError(f"journal entry {key!r} is {cur[3]} at version {cur[8]}", current_version=cur[8])
+            r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+        return _journal(r)
+
+    def release(self, key: str, *, expected_version: int) -> None:
+        """Drop a pending claim whose side effect failed before it happened, so a retry may claim it again."""
+        with self._ts._tx() as c:
+            c.x("DELETE FROM journal WHERE key = ? AND version = ? AND status = 'pending'", (key, expected_version))
+
+    def list(self, *, run_id: str | None = None, limit: int = 1000) -> list[JournalEntry]:
+        with self._ts._tx(write=False) as c:
+            if run_id is None:
+                rows = c.q(f"SELECT {_JOURNAL_COLS} FROM journal ORDER BY created_at LIMIT ?", (limit,))
+            else:
+                rows = c.q(f"SELECT {_JOURNAL_COLS} FROM journal WHERE run_id = ? ORDER BY created_at LIMIT ?", (run_id, limit))
+        return [_journal(r) for r in rows]

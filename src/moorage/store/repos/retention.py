@@ -1,0 +1,69 @@
+"""Time to live per scope kind and per agent, and the re-derivation of every scope's expiry when a
+policy changes (the sweeper deletes what has expired)."""
+
+from __future__ import annotations
+
+from moorage.errors import InvalidInput
+from moorage.store.model import SCOPE_KINDS, check_id
+from moorage.store.repos.common import _Repo
+
+
+class Retention(_Repo):
+    """Time to live per scope kind and per agent; the sweeper deletes a scope's data once it has been idle
+    for the shorter of its kind's and its agent's TTL."""
+
+    def set(self, kind: str, ttl_s: float | None) -> None:
+        if kind not in SCOPE_KINDS:
+            raise InvalidInput(f"unknown scope kind {kind!r}", hint=f"one of {', '.join(SCOPE_KINDS)}")
+        self._put(kind, _check_ttl(ttl_s))
+
+    def set_agent(self, agent: str, ttl_s: float | None) -> None:
+        """Every scope of ``agent`` (sessions, users, workflows) is swept once idle ``ttl_s`` seconds, or sooner
+        if its kind's TTL is shorter; None: the agent adds no limit of its own."""
+        check_id(agent, "agent id")
+        self._put(_AGENT_RETENTION + agent, _check_ttl(ttl_s))
+
+    def _put(self, key: str, ttl_s: float | None) -> None:
+        pk = "tenant_id, " if self._ts.dialect == "postgres" else ""
+        with self._ts._tx() as c:
+            if ttl_s is None and key.startswith(_AGENT_RETENTION):
+                c.x("DELETE FROM retention WHERE kind = ?", (key,))
+            else:
+                c.x(f"INSERT INTO retention (kind, ttl_s) VALUES (?, ?) ON CONFLICT ({pk}kind) "
+                    "DO UPDATE SET ttl_s = excluded.ttl_s", (key, ttl_s))
+            # Re-derive the expiry of existing scopes so the new policy applies to them too: per kind, then
+            # tightened for each agent with a shorter TTL of its own.
+            rows = dict(c.q("SELECT kind, ttl_s FROM retention"))
+            for kind in SCOPE_KINDS:
+                ttl = rows.get(kind)
+                if ttl is None:
+                    c.x("UPDATE scopes SET expires_at = NULL WHERE kind = ?", (kind,))
+                else:
+                    c.x("UPDATE scopes SET expires_at = last_active + ? WHERE kind = ?", (ttl, kind))
+                for name, agent_ttl in rows.items():
+                    if name.startswith(_AGENT_RETENTION) and agent_ttl is not None and (ttl is None or agent_ttl < ttl):
+                        c.x("UPDATE scopes SET expires_at = last_active + ? WHERE kind = ? AND agent_id = ?",
+                            (agent_ttl, kind, name[len(_AGENT_RETENTION):]))
+
+    def get(self) -> dict[str, float | None]:
+        """TTL per scope kind."""
+        with self._ts._tx(write=False) as c:
+            return {r[0]: r[1] for r in c.q("SELECT kind, ttl_s FROM retention") if not r[0].startswith(_AGENT_RETENTION)}
+
+    def agents(self) -> dict[str, float]:
+        """TTL per agent that has one of its own."""
+        with self._ts._tx(write=False) as c:
+            return {r[0][len(_AGENT_RETENTION):]: r[1] for r in c.q("SELECT kind, ttl_s FROM retention")
+                    if r[0].startswith(_AGENT_RETENTION) and r[1] is not None}
+
+
+#: Rows of the retention table keyed by this prefix and an agent id hold that agent's own TTL (kinds never
+#: contain a colon, so the two cannot collide).
+_AGENT_RETENTION = "agent:"
+
+
+def _check_ttl(ttl_s: float | None) -> float | None:
+    if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or ttl_s <= 0):
+        raise InvalidInput(f"ttl_s must be a positive number of seconds, not {ttl_s!r}",
+                           hint="give the idle seconds after which data is deleted, or null (None) to keep it forever")
+    return ttl_s

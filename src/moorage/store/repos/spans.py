@@ -1,0 +1,36 @@
+"""Trace spans of the tenant's turns and workflows: recorded (replacing a span of the same id), read
+per trace or newest first."""
+
+from __future__ import annotations
+
+from moorage.store.model import Scope, Span
+from moorage.store.repos.common import _now, _Repo
+from moorage.store.sql import loads
+
+
+_SPAN_COLS = "trace_id, span_id, parent_id, name, start_ts, end_ts, status, attrs, scope"
+
+
+def _span(r: tuple) -> Span:
+    return Span(r[0], r[1], r[2], r[3], r[4], r[5], r[6], loads(r[7]), Scope.parse(r[8]) if r[8] else None)
+
+
+class Spans(_Repo):
+    def record(self, span: Span) -> None:
+        with self._ts._tx() as c:
+            c.x("DELETE FROM spans WHERE span_id = ?", (span.span_id,))
+            c.x(
+                f"INSERT INTO spans ({_SPAN_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (span.trace_id, span.span_id, span.parent_id, span.name, span.start_ts, span.end_ts, span.status,
+                 self._json(span.attrs, "span attributes"), span.scope.key if span.scope else None),
+            )
+            if span.scope is not None:
+                self._ts._touch(c, span.scope, _now())
+
+    def trace(self, trace_id: str) -> list[Span]:
+        with self._ts._tx(write=False) as c:
+            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans WHERE trace_id = ? ORDER BY start_ts", (trace_id,))]
+
+    def recent(self, *, limit: int = 100) -> list[Span]:
+        with self._ts._tx(write=False) as c:
+            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans ORDER BY start_ts DESC LIMIT ?", (limit,))]

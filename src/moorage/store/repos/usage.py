@@ -1,0 +1,46 @@
+"""The usage ledger: append-only amounts per kind (tokens, compute, storage, cost, wakes, byte levels),
+summed for reports and budgets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorage.errors import InvalidInput
+from moorage.store.model import Scope, UsageEntry
+from moorage.store.repos.common import _now, _Repo
+from moorage.store.sql import loads
+
+
+USAGE_KINDS = ("input_tokens", "output_tokens", "cached_input_tokens", "compute_seconds", "storage_bytes", "cost_usd", "wakes",
+               # Levels, not amounts: an instance's bytes at each sleep (read as gauges by moorage.usage.ledger).
+               "disk_bytes", "snapshot_bytes")
+
+
+class Usage(_Repo):
+    """The usage ledger: append-only amounts per kind, summed for reports and budgets."""
+
+    def add(self, kind: str, amount: float, *, agent_id: str | None = None, user_id: str | None = None,
+            scope: Scope | None = None, meta: dict[str, Any] | None = None, ts: float | None = None) -> None:
+        if kind not in USAGE_KINDS:
+            raise InvalidInput(f"unknown usage kind {kind!r}", hint=f"one of {', '.join(USAGE_KINDS)}")
+        with self._ts._tx() as c:
+            c.x(
+                "INSERT INTO usage (ts, kind, amount, agent_id, user_id, scope, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (ts or _now(), kind, float(amount), agent_id, user_id, scope.key if scope else None, self._json(meta or {})),
+            )
+
+    def totals(self, *, since: float | None = None, agent_id: str | None = None, user_id: str | None = None) -> dict[str, float]:
+        where, params = "ts >= ?", [since or 0.0]
+        if agent_id is not None:
+            where += " AND agent_id = ?"
+            params.append(agent_id)
+        if user_id is not None:
+            where += " AND user_id = ?"
+            params.append(user_id)
+        with self._ts._tx(write=False) as c:
+            return {r[0]: float(r[1]) for r in c.q(f"SELECT kind, SUM(amount) FROM usage WHERE {where} GROUP BY kind", params)}
+
+    def entries(self, *, limit: int = 100) -> list[UsageEntry]:
+        with self._ts._tx(write=False) as c:
+            rows = c.q("SELECT id, ts, kind, amount, agent_id, user_id, meta FROM usage ORDER BY id DESC LIMIT ?", (limit,))
+        return [UsageEntry(int(r[0]), r[1], r[2], r[3], r[4], r[5], loads(r[6])) for r in rows]
