@@ -197,6 +197,10 @@ class Runtime:
 
         #: Connections to external MCP servers the agents use (credentials stay here, on the host).
         self.mcp = McpTools(self)
+        from moorage.timetravel import TimeTravel
+
+        #: Checkpoints of whole instances (sandbox and store state together), rollback and fork.
+        self.timetravel = TimeTravel(self)
 
     async def aclose(self) -> None:
         """Close outside connections (MCP servers, model providers); instances and the store are the host's."""
@@ -526,6 +530,7 @@ class Runtime:
                 log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
             self.instances.forget(ts.tenant_id, rec.scope)
         removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
+        removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
         removed += await asyncio.to_thread(ts.forget_user, user, agent)
         self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
         return removed + len(recs)
@@ -635,9 +640,11 @@ class Runtime:
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
                 await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
+                await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
                 return TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
             reply = out.get("reply")
             await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+            await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
             return TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
         finally:
             self.turns.pop(turn_id, None)
