@@ -444,6 +444,14 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         tenant_tables=("agent_users", "executions", "webhooks", "webhook_deliveries", "webhook_attempts"),
     ),
     Migration(
+        13,
+        "fleet leases: the fencing epoch of the host that owns an instance",
+        statements=(
+            # Changes whenever another host takes the instance over; a turn commit checks it (docs/fleet.md).
+            "ALTER TABLE sandboxes ADD COLUMN lease_epoch INTEGER NOT NULL DEFAULT 0",
+        ),
+    ),
+    Migration(
         14,
         "share links: signed, expiring, revocable access to one user's app",
         statements=(
@@ -468,7 +476,8 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
                 {tenant_col}
                 id TEXT NOT NULL, agent_id TEXT NOT NULL, user_id TEXT NOT NULL, seq INTEGER NOT NULL,
                 branch TEXT NOT NULL, parent_id TEXT, kind TEXT NOT NULL, name TEXT, turn_id TEXT,
-                summary {json} NOT NULL, event_mark INTEGER NOT NULL, manifest {blob} NOT NULL,
+                summary {json} NOT NULL, event_mark INTEGER NOT NULL, event_ranges {json} NOT NULL,
+                manifest {blob} NOT NULL,
                 sandbox_id TEXT, sandbox_checkpoint TEXT, store_bytes INTEGER NOT NULL, created_at {real} NOT NULL,
                 PRIMARY KEY ({tpk}id), UNIQUE ({tpk}agent_id, user_id, seq))""",
             # Row images by digest, per instance: a row unchanged since the last checkpoint costs no new body.
@@ -477,15 +486,24 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
                 agent_id TEXT NOT NULL, user_id TEXT NOT NULL, digest TEXT NOT NULL, tbl TEXT NOT NULL,
                 body TEXT NOT NULL,
                 PRIMARY KEY ({tpk}agent_id, user_id, digest))""",
-            # Where the instance is: its current branch and the checkpoint that branch grows from; ``pending`` holds a
-            # rollback whose sandbox half may be done and whose store half is not (finished on the next operation).
+            # Where the instance is: its current branch, the checkpoint that branch grows from and the event ids its
+            # lineage holds (closed intervals, the last one open); ``pending`` holds an operation whose sandbox half
+            # may be done and whose store half is not (finished on the next operation on the instance).
             """CREATE TABLE checkpoint_heads (
                 {tenant_col}
                 agent_id TEXT NOT NULL, user_id TEXT NOT NULL, branch TEXT NOT NULL, head_id TEXT,
-                pending {json}, version INTEGER NOT NULL, updated_at {real} NOT NULL,
+                event_ranges {json} NOT NULL, pending {json}, version INTEGER NOT NULL, updated_at {real} NOT NULL,
                 PRIMARY KEY ({tpk}agent_id, user_id))""",
+            # Events a rollback took off the instance (another branch's), kept with their ids so that rolling
+            # back to that branch puts them back; ``event_ranges`` above say which event ids a lineage holds.
+            """CREATE TABLE checkpoint_events (
+                {tenant_col}
+                agent_id TEXT NOT NULL, user_id TEXT NOT NULL, id BIGINT NOT NULL, scope TEXT NOT NULL,
+                ts {real} NOT NULL, kind TEXT NOT NULL, speaker TEXT, content TEXT NOT NULL, meta {json} NOT NULL,
+                embedding {blob},
+                PRIMARY KEY ({tpk}agent_id, user_id, id))""",
         ),
-        tenant_tables=("checkpoints", "checkpoint_rows", "checkpoint_heads"),
+        tenant_tables=("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"),
     ),
 )
 

@@ -1,0 +1,330 @@
+"""Time travel for a whole agent instance: checkpoints of its sandbox and its store state taken together,
+rollback of both to one of them (what came after kept as an abandoned branch), and forks into new end-users.
+
+The sandbox half is the driver's own checkpoint (``Sandbox.checkpoint/rollback``); the store half is
+``store.repos.checkpoints``. Every operation holds the instance the way a turn does (its line in the router
+and the instance manager's turn), so no turn of the instance runs in between. See docs/timetravel.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+
+from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.log import get_logger
+from moorage.store import EntityKey, Principal, Scope, TenantStore
+from moorage.store.model import check_id
+from moorage.store.repos.checkpoints import Checkpoint, checkpoints_of, new_checkpoint_id
+
+if TYPE_CHECKING:
+    from moorage.runtime.host_calls import TurnBinding
+    from moorage.sandbox import Sandbox
+
+log = get_logger(__name__)
+
+#: At most this many end-users one fork call creates.
+MAX_FORKS = 16
+
+
+class CheckpointGone(ConflictError):
+    """The sandbox half of a checkpoint no longer exists (the instance was provisioned again since)."""
+
+    code = "checkpoint-gone"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
+
+    #: None (the default): on where the driver can delete checkpoints, so retention bounds their disk.
+    auto: bool | None = None
+    #: The newest checkpoints of the current branch kept.
+    keep: int = 20
+    #: Besides those, the newest checkpoint of each of the last ``daily`` days.
+    daily: int = 30
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any] | None) -> "Policy":
+        raw = (manifest or {}).get("timetravel") or {}
+        if not isinstance(raw, dict):
+            return cls()
+        out = cls()
+        try:
+            auto = raw.get("auto", out.auto)
+            keep = int(raw.get("keep", out.keep))
+            daily = int(raw.get("daily", out.daily))
+        except (TypeError, ValueError):
+            log.warning("ignoring a malformed [agent.timetravel] table", table=str(raw)[:200])
+            return out
+        return cls(None if auto is None else bool(auto), max(1, keep), max(0, daily))
+
+
+def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None) -> dict[str, Any]:
+    d = asdict(ck)
+    d["object"] = "checkpoint"
+    d["current_branch"] = ck.branch == current_branch
+    return d
+
+
+def to_keep(cks: Sequence[Checkpoint], branch: str | None, policy: Policy, now: float) -> set[str]:
+    """Ids retention keeps: the newest ``keep`` of the current branch, the newest of each of the last ``daily``
+    days, every named one, and the tip of every other branch (an abandoned branch stays restorable)."""
+    newest_first = sorted(cks, key=lambda c: -c.seq)
+    keep = {c.id for c in [c for c in newest_first if c.branch == branch][: policy.keep]}
+    keep |= {c.id for c in newest_first if c.name}
+    tips: dict[str, str] = {}
+    days: dict[int, str] = {}
+    for c in newest_first:
+        tips.setdefault(c.branch, c.id)
+        day = int(c.created_at // 86400)
+        if now - c.created_at <= policy.daily * 86400:
+            days.setdefault(day, c.id)
+    return keep | set(tips.values()) | set(days.values())
+
+
+def _can_delete(sandbox: Any) -> bool:
+    from moorage.sandbox import Sandbox
+
+    return type(sandbox).delete_checkpoint is not Sandbox.delete_checkpoint
+
+
+class TimeTravel:
+    """Checkpoints, rollback and fork of agent instances, on one runtime."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.rt = runtime
+        #: Checkpoints taken after turns (counted for retention: it runs every ``PRUNE_EVERY``).
+        self._taken = 0
+
+    PRUNE_EVERY = 10
+
+    # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
+
+    async def after_turn(self, sandbox: "Sandbox", b: "TurnBinding") -> Checkpoint | None:
+        """Called by the runtime while the turn still holds its instance; never fails the turn."""
+        policy = Policy.of(b.manifest)
+        auto = policy.auto if policy.auto is not None else _can_delete(sandbox)
+        if not auto or (b.manifest.get("lifecycle") or {}).get("scope", b.manifest.get("scope", "user")) != "user":
+            return None
+        try:
+            ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
+            self._taken += 1
+            if ck.seq % self.PRUNE_EVERY == 0:
+                await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, policy)
+            return ck
+        except Exception as e:  # noqa: BLE001 - a checkpoint that fails costs a restore point, never the turn
+            log.warning("checkpoint after turn failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
+            return None
+
+    async def _take(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", *, kind: str,
+                    name: str | None = None, turn_id: str | None = None,
+                    summary: dict[str, Any] | None = None) -> Checkpoint:
+        # The sandbox half first: a store row never names a sandbox checkpoint that does not exist (a crash in
+        # between leaves an unnamed sandbox checkpoint, which costs disk and nothing else).
+        cid = new_checkpoint_id()
+        vm = None
+        if sandbox is not None:
+            vm = (await sandbox.checkpoint(f"tt-{cid}")).name
+        return await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
+                                       sandbox_id=sandbox.id if sandbox is not None else None,
+                                       sandbox_checkpoint=vm, checkpoint_id=cid, summary=summary)
+
+    async def _prune(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", policy: Policy) -> int:
+        repo = checkpoints_of(ts)
+        cks = await asyncio.to_thread(repo.list, agent, user, limit=100_000)
+        head = await asyncio.to_thread(repo.head, agent, user)
+        keep = to_keep(cks, head.branch if head else None, policy, time.time())
+        gone = await asyncio.to_thread(repo.prune, agent, user, keep)
+        for ck in gone:
+            if sandbox is not None and ck.sandbox_checkpoint and ck.sandbox_id == sandbox.id and _can_delete(sandbox):
+                with contextlib.suppress(Exception):
+                    await sandbox.delete_checkpoint(ck.sandbox_checkpoint)
+        return len(gone)
+
+    # -- holding an instance --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _hold(self, ts: TenantStore, agent: str, user: str) -> AsyncIterator["Sandbox"]:
+        """The instance's running sandbox, held like a turn: in its line in the router (turns of a ``queue`` or
+        ``reject`` agent wait) and in the instance manager (never slept or evicted meanwhile)."""
+        rt = self.rt
+        agent_rec, lc, scope = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
+        if lc.scope != "user":
+            raise InvalidInput(f"agent {agent!r} has one instance per {lc.scope}; time travel works on per-user instances",
+                               hint='set [agent] scope = "user"')
+
+        async def template() -> Any:
+            return await rt._template_for(ts, agent_rec)
+
+        async with rt.router._on_instance((ts.tenant_id, scope.key), "-time-travel", scope, lc):
+            async with rt.instances.turn(ts, scope, template, lifecycle=lc) as sandbox:
+                await self._finish_pending(ts, agent, user, sandbox)
+                yield sandbox
+
+    async def _finish_pending(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox") -> None:
+        """Finish an operation a killed host left half done, so the instance is entirely at one point."""
+        repo = checkpoints_of(ts)
+        head = await asyncio.to_thread(repo.head, agent, user)
+        pending = head.pending if head else None
+        if not pending:
+            return
+        log.warning("finishing an interrupted time-travel operation", agent=agent, user=user, op=pending.get("op"))
+        if pending.get("op") == "rollback":
+            target = await asyncio.to_thread(repo.get, agent, user, pending["to"])
+            await self._vm_rollback(sandbox, target)
+            await asyncio.to_thread(repo.rollback, agent, user, target.id)
+        elif pending.get("op") == "fork-restore":
+            await sandbox.rollback(pending["vm"])
+            self.rt._loaded.pop(sandbox.id, None)
+            await asyncio.to_thread(repo.set_pending, agent, user, None)
+        self._forget_cached(ts)
+
+    def _forget_cached(self, ts: TenantStore) -> None:
+        # The runtime's per-tenant memory tiers may hold vectors of rows that are gone now.
+        self.rt._memories.pop(ts.tenant_id, None)
+
+    async def _vm_rollback(self, sandbox: "Sandbox", target: Checkpoint) -> None:
+        if not target.sandbox_checkpoint:
+            return
+        if target.sandbox_id != sandbox.id:
+            raise CheckpointGone(f"checkpoint {target.id} was taken of sandbox {target.sandbox_id}; the instance now "
+                                 f"runs in {sandbox.id}", hint="roll back to a checkpoint taken since")
+        await sandbox.rollback(target.sandbox_checkpoint)
+        self.rt._loaded.pop(sandbox.id, None)  # a process sandbox restarted: the agent's code is loaded again
+
+    # -- the verbs ------------------------------------------------------------------------------------------
+
+    def _ts(self, principal: Principal, agent: str, user: str, scope: str) -> TenantStore:
+        principal.require(scope)
+        check_id(agent, "agent id"), check_id(user, "user id")
+        if principal.agent is not None and principal.agent != agent:
+            from moorage.errors import TenantScopeError
+
+            raise TenantScopeError(f"this key may only act on agent {principal.agent!r}")
+        if principal.user is not None and principal.user != user:
+            from moorage.errors import TenantScopeError
+
+            raise TenantScopeError(f"this key may only act for user {principal.user!r}")
+        return self.rt.store.tenant(principal)
+
+    async def list(self, principal: Principal, agent: str, user: str, *, limit: int = 100) -> dict[str, Any]:
+        """The instance's checkpoints (newest first) with what each turn did, and its branches."""
+        ts = self._ts(principal, agent, user, "read")
+        repo = checkpoints_of(ts)
+        await asyncio.to_thread(ts.agents.get, agent)
+        cks = await asyncio.to_thread(repo.list, agent, user, limit=100_000)
+        head = await asyncio.to_thread(repo.head, agent, user)
+        current = head.branch if head else None
+        branches: dict[str, dict[str, Any]] = {}
+        for c in sorted(cks, key=lambda c: c.seq):
+            br = branches.setdefault(c.branch, {"id": c.branch, "from": c.parent_id, "current": c.branch == current,
+                                                "checkpoints": 0, "tip": None})
+            br["checkpoints"] += 1
+            br["tip"] = c.id
+        if head is not None and head.branch not in branches:
+            branches[head.branch] = {"id": head.branch, "from": head.head_id, "current": True, "checkpoints": 0,
+                                     "tip": None}
+        storage = await asyncio.to_thread(repo.storage_bytes, agent, user)
+        return {"object": "list", "agent": agent, "user": user, "head": head.head_id if head else None,
+                "branch": current, "store_bytes": storage,
+                "data": [checkpoint_view(c, current_branch=current) for c in cks[:limit]],
+                "branches": list(branches.values())}
+
+    async def take(self, principal: Principal, agent: str, user: str, name: str | None = None) -> Checkpoint:
+        ts = self._ts(principal, agent, user, "provision")
+        async with self._hold(ts, agent, user) as sandbox:
+            return await self._take(ts, agent, user, sandbox, kind="manual", name=name)
+
+    async def take_in_turn(self, b: "TurnBinding", sandbox: "Sandbox", name: str | None) -> Checkpoint:
+        """``ctx.checkpoint(name)`` from the agent's code: the turn already holds the instance."""
+        return await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="manual", name=name,
+                                turn_id=None, summary={"during_turn": b.turn_id})
+
+    async def rollback(self, principal: Principal, agent: str, user: str, checkpoint_id: str) -> dict[str, Any]:
+        """Put the instance's sandbox and store state back to the checkpoint. The state it leaves is checkpointed
+        first (``before-rollback``): the abandoned branch's tip, listable and restorable by another rollback."""
+        ts = self._ts(principal, agent, user, "provision")
+        repo = checkpoints_of(ts)
+        target = await asyncio.to_thread(repo.get, agent, user, checkpoint_id)
+        started = time.perf_counter()
+        async with self._hold(ts, agent, user) as sandbox:
+            if target.sandbox_checkpoint and target.sandbox_id != sandbox.id:
+                raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone (the instance was provisioned "
+                                     "again since)", hint="roll back to a checkpoint taken since")
+            left = await self._take(ts, agent, user, sandbox, kind="before-rollback",
+                                    summary={"rolled_back_to": target.id})
+            # The intent first: a host killed between the sandbox's rollback and the store's finishes both later.
+            await asyncio.to_thread(repo.set_pending, agent, user, {"op": "rollback", "to": target.id})
+            await self._vm_rollback(sandbox, target)
+            branch = await asyncio.to_thread(repo.rollback, agent, user, target.id)
+            self._forget_cached(ts)
+        ms = round((time.perf_counter() - started) * 1000, 1)
+        log.info("instance rolled back", agent=agent, user=user, to=target.id, ms=ms)
+        return {"object": "rollback", "agent": agent, "user": user, "rolled_back_to": target.id, "branch": branch,
+                "abandoned": {"branch": left.branch, "tip": left.id}, "ms": ms}
+
+    async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
+                   to_users: Sequence[str]) -> dict[str, Any]:
+        """New end-users of the same agent, each starting from the checkpoint: its sandbox (a copy-on-write fork
+        of a template made from it) and its store state (copied, new ids). The source instance is unchanged."""
+        ts = self._ts(principal, agent, user, "provision")
+        if not to_users or len(to_users) > MAX_FORKS or len(set(to_users)) != len(to_users):
+            raise InvalidInput(f"name 1-{MAX_FORKS} distinct new users to fork into")
+        for u in to_users:
+            check_id(u, "user id")
+            if u == user:
+                raise InvalidInput("a fork needs another user id", hint="roll back to stay on the same user")
+            if await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, u)) is not None:
+                raise ConflictError(f"user {u!r} of agent {agent!r} already has an instance",
+                                    hint="fork into a new user id")
+        repo = checkpoints_of(ts)
+        target = await asyncio.to_thread(repo.get, agent, user, checkpoint_id)
+        rt = self.rt
+        started = time.perf_counter()
+        template = None
+        async with self._hold(ts, agent, user) as sandbox:
+            agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
+            if target.sandbox_checkpoint:
+                if target.sandbox_id != sandbox.id:
+                    raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone", hint="fork a later checkpoint")
+                # The driver makes templates of a sandbox's present state: the source goes to the checkpoint for the
+                # template and back. The way back is recorded first, so a killed host returns it on the next call.
+                here = f"tt-fork-{uuid.uuid4().hex[:12]}"
+                await sandbox.checkpoint(here)
+                await asyncio.to_thread(repo.set_pending, agent, user, {"op": "fork-restore", "vm": here})
+                try:
+                    await sandbox.rollback(target.sandbox_checkpoint)
+                    template = await rt.driver.make_template(sandbox, f"tt-{uuid.uuid4().hex[:16]}")
+                finally:
+                    await sandbox.rollback(here)
+                    rt._loaded.pop(sandbox.id, None)
+                    await asyncio.to_thread(repo.set_pending, agent, user, None)
+                    if _can_delete(sandbox):
+                        with contextlib.suppress(Exception):
+                            await sandbox.delete_checkpoint(here)
+        out = []
+        try:
+            for u in to_users:
+                rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
+                new_scope = Scope.for_user(agent, u)
+                sb = None
+                if template is not None:
+                    sb = await rt.instances.ensure_running(ts, new_scope, template, lifecycle=lc)
+                first = await self._take(ts, agent, u, sb, kind="fork",
+                                         summary={"forked_from": {"user": user, "checkpoint": target.id}})
+                out.append({"user": u, "rows": rows, "checkpoint": first.id, "sandbox_id": sb.id if sb else None})
+        finally:
+            if template is not None:
+                with contextlib.suppress(Exception):
+                    await rt.driver.delete_template(template)
+        ms = round((time.perf_counter() - started) * 1000, 1)
+        log.info("instance forked", agent=agent, user=user, checkpoint=target.id, into=list(to_users), ms=ms)
+        return {"object": "fork", "agent": agent, "user": user, "checkpoint": target.id, "forks": out, "ms": ms}
+
+    async def forget(self, ts: TenantStore, agent: str, user: str) -> int:
+        return await asyncio.to_thread(checkpoints_of(ts).delete_user, agent, user)

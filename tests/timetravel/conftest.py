@@ -1,0 +1,58 @@
+"""A real runtime (SQLite store, process sandboxes) and an agent whose every turn writes a file, learns a fact,
+records an event and journals a step: what time-travel tests roll back and fork."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+
+from moorage.store import Scope, TenantStore
+from moorage.store.model import FACT_STATUS
+from moorage.store.repos.checkpoints import Checkpoints
+from tests.runtime.conftest import Env, make_env
+
+AGENT = '''
+import json
+
+async def on_message(ctx, message):
+    if message.startswith("turn "):
+        n = int(message.split()[1])
+        ctx.files.write(f"notes/{n}.txt", f"note {n} for {ctx.user}")
+        await ctx.memory.learn("user", "last_turn", str(n), f"the last turn was number {n}")
+        await ctx.memory.remember(f"milestone {n} reached by the user")
+        got = await ctx.step(f"side-{n}", lambda: n * 10)
+        return f"done {n} step={got} files={len(ctx.files.list('notes'))}"
+    if message == "ls":
+        names = ctx.files.list("notes") if ctx.files.exists("notes") else []
+        return json.dumps({n: ctx.files.read("notes/" + n) for n in names})
+    if message.startswith("recall "):
+        hits = await ctx.memory.recall(message[len("recall "):], k=20)
+        return json.dumps(sorted(h["text"] for h in hits))
+    return "echo: " + message
+'''
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async for e in make_env(tmp_path, "process"):
+        yield e
+
+
+def store_view(ts: TenantStore, agent: str, user: str) -> dict[str, Any]:
+    """What the store holds for one instance, as a reader sees it: facts (all, with validity), events, runs with
+    their steps, journal entries and the user's state records."""
+    scope = Scope.for_user(agent, user)
+    facts = sorted((f.attribute, f.value, f.status, f.valid_from, f.valid_to, f.superseded_by is not None)
+                   for f in ts.facts.list(scope, include_closed=True, statuses=FACT_STATUS))
+    events = [(e.kind, e.content) for e in ts.events.list(scope, limit=10_000)]
+    events += [(e.kind, e.content) for e in ts.events.list(Scope.session(agent, user, "default"), limit=10_000)]
+    runs = sorted((r.id, r.status, json.dumps(r.result, sort_keys=True)) for r in ts.runs.list(limit=10_000)
+                  if r.scope.user == user and r.scope.agent == agent)
+    steps = sorted((r[0], s.seq, s.name, s.status) for r in runs for s in ts.runs.steps(r[0]))
+    state = sorted((r.key, r.version) for r in ts.state.list(scope))
+    with ts.transaction():
+        image = Checkpoints._image(ts.ambient(), agent, user).manifest()  # type: ignore[arg-type]
+    return {"facts": facts, "events": events, "runs": runs, "steps": steps, "state": state, "image": image}

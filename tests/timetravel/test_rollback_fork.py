@@ -1,0 +1,125 @@
+"""Ten turns that each write a file, learn a fact, record an event and journal a step; roll back to turn 4 and
+fork at turn 4 — through the real runtime with process sandboxes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moorage.store import EntityKey
+from moorage.store.repos.checkpoints import Checkpoints
+from tests.runtime.conftest import write_agent
+from tests.timetravel.conftest import AGENT, store_view
+
+
+async def _turns(env, user: str, numbers) -> list[str]:
+    out = []
+    for n in numbers:
+        out.append((await env.runtime.invoke(env.principal, EntityKey("tt", user), f"turn {n}")).reply)
+    return out
+
+
+async def _turn_checkpoint(env, user: str, n: int) -> str:
+    listing = await env.runtime.timetravel.list(env.principal, "tt", user)
+    ids = [c["id"] for c in listing["data"] if c["kind"] == "turn" and c["current_branch"]
+           and (c["summary"].get("turn") or {}).get("message") == f"turn {n}"]
+    assert len(ids) == 1, listing["data"]
+    return ids[0]
+
+
+async def _ask(env, user: str, message: str) -> str:
+    return (await env.runtime.invoke(env.principal, EntityKey("tt", user), message)).reply
+
+
+async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    ts = env.store.tenant(env.principal)
+    first = await _turns(env, "ada", range(1, 5))
+    after4 = store_view(ts, "tt", "ada")
+    files4 = await _ask(env, "ada", "ls")
+    recall4 = await _ask(env, "ada", "recall milestone reached")
+    # ls and recall are turns too: the state to come back to is the one after them.
+    after4 = store_view(ts, "tt", "ada")
+    first += await _turns(env, "ada", range(5, 11))
+    assert first[3] == "done 4 step=40 files=4" and first[9] == "done 10 step=100 files=10"
+    after10 = store_view(ts, "tt", "ada")
+    files10 = await _ask(env, "ada", "ls")
+    assert len(json.loads(files10)) == 10
+
+    listing = await env.runtime.timetravel.list(env.principal, "tt", "ada")
+    turn = next(c for c in listing["data"] if (c["summary"].get("turn") or {}).get("message") == "turn 7")
+    assert turn["summary"]["turn"]["reply"] == "done 7 step=70 files=7"
+    assert [s["name"] for s in turn["summary"]["turn"]["steps"]] == ["side-7"]
+
+    # The checkpoint after the "recall" turn that followed turn 4 is the point to return to.
+    recall_ck = next(c["id"] for c in listing["data"]
+                     if (c["summary"].get("turn") or {}).get("message") == "recall milestone reached")
+    result = await env.runtime.timetravel.rollback(env.principal, "tt", "ada", recall_ck)
+    assert result["rolled_back_to"] == recall_ck
+
+    assert store_view(ts, "tt", "ada") == after4  # facts (current and as-of), events, runs, steps, journal, state
+    assert await _ask(env, "ada", "ls") == files4  # the sandbox's files
+    after_ls = store_view(ts, "tt", "ada")
+    assert await _ask(env, "ada", "recall milestone reached") == recall4  # memory search
+    assert after_ls["facts"] == after4["facts"]
+
+    # Turn 5 again behaves as the first turn 5 did.
+    assert await _ask(env, "ada", "turn 5") == first[4] == "done 5 step=50 files=5"
+
+    # The abandoned branch is listed and can be restored.
+    listing = await env.runtime.timetravel.list(env.principal, "tt", "ada")
+    assert len(listing["branches"]) == 2
+    abandoned = next(b for b in listing["branches"] if not b["current"])
+    assert abandoned["tip"] == result["abandoned"]["tip"]
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", abandoned["tip"])
+    assert await _ask(env, "ada", "ls") == files10
+    back = store_view(ts, "tt", "ada")
+    assert back["facts"] == after10["facts"]
+    assert [e for e in back["events"] if e[0] == "note"] == [e for e in after10["events"] if e[0] == "note"]
+
+
+async def test_fork_at_turn_4_into_three_users_that_diverge(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    ts = env.store.tenant(env.principal)
+    await _turns(env, "ada", range(1, 7))
+    original = store_view(ts, "tt", "ada")
+    original_files = await _ask(env, "ada", "ls")
+    original = store_view(ts, "tt", "ada")
+    ck4 = await _turn_checkpoint(env, "ada", 4)
+
+    out = await env.runtime.timetravel.fork(env.principal, "tt", "ada", ck4, ["b1", "b2", "b3"])
+    assert [f["user"] for f in out["forks"]] == ["b1", "b2", "b3"]
+    assert store_view(ts, "tt", "ada") == original  # the source is unchanged
+    assert await _ask(env, "ada", "ls") == original_files
+
+    for i, user in enumerate(("b1", "b2", "b3")):
+        files = json.loads(await _ask(env, user, "ls"))
+        assert sorted(files) == ["1.txt", "2.txt", "3.txt", "4.txt"]  # the sandbox as of turn 4
+        assert files["4.txt"] == "note 4 for ada"
+        facts = [f.value for f in ts.facts.list(__import__("moorage.store", fromlist=["Scope"]).Scope.for_user("tt", user),
+                                                  statuses=("active", "pending"))]
+        assert facts and facts[-1] == "4"
+        assert await _ask(env, user, f"turn {50 + i}") == f"done {50 + i} step={(50 + i) * 10} files=5"
+
+    for i, user in enumerate(("b1", "b2", "b3")):
+        files = json.loads(await _ask(env, user, "ls"))
+        assert sorted(files) == sorted(["1.txt", "2.txt", "3.txt", "4.txt", f"{50 + i}.txt"])  # none sees another's
+        hits = json.loads(await _ask(env, user, "recall milestone reached"))
+        assert f"milestone {50 + i} reached by the user" in hits
+        assert not any(f"milestone {50 + j} " in h for j in range(3) if j != i for h in hits)
+        assert "milestone 6 reached by the user" not in hits  # nor the source's later writes
+    assert json.loads(await _ask(env, "ada", "ls")).keys() == json.loads(original_files).keys()
+
+
+async def test_store_checkpoint_costs_only_changed_rows(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    ts = env.store.tenant(env.principal)
+    await _turns(env, "ada", range(1, 4))
+    cks = Checkpoints(ts).list("tt", "ada")
+    assert [c.seq for c in cks] == [3, 2, 1]
+    with ts.transaction():
+        bodies = ts.ambient().q("SELECT COUNT(*) FROM checkpoint_rows")[0][0]  # type: ignore[union-attr]
+        image = Checkpoints._image(ts.ambient(), "tt", "ada")  # type: ignore[arg-type]
+    rows_now = sum(len(r) for r in image.rows.values())
+    # Three checkpoints of a growing instance store fewer bodies than three full copies would.
+    assert bodies < 2 * rows_now
