@@ -20,6 +20,7 @@ from starlette.responses import Response
 
 from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
+from moorage.lifecycle.manager import Misplaced
 from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError
 from moorage.log import get_logger
 from moorage.observability.tracer import current_trace_id, use_trace_id
@@ -167,7 +168,10 @@ class Endpoint:
         started = time.time()
         try:
             principal, ts = await self._authorize(ctx, request)
-            response = await self._run(ctx, request, principal, ts, trace_id)
+            try:
+                response = await self._run(ctx, request, principal, ts, trace_id)
+            except Misplaced as e:
+                response = await self._forward(ctx, request, e)
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
             response = from_error(e, trace_id)
@@ -178,6 +182,18 @@ class Endpoint:
         if ts is not None:
             await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started, trace_id)
         return response
+
+    @staticmethod
+    async def _forward(ctx: "AppContext", request: Request, e: "Misplaced") -> Response:
+        """The instance is awake on another host of the fleet: that host answers (docs/fleet.md)."""
+        fleet = getattr(getattr(ctx.runtime, "instances", None), "fleet", None)
+        if fleet is None or e.host is None:
+            raise e
+        owner = await run_in_threadpool(fleet.host, e.host)
+        if owner is None:
+            raise e
+        body = request.scope["state"].get("raw_body", b"")
+        return await fleet.forwarder.forward(request, body, owner.id, owner.url)
 
     async def _authorize(self, ctx: "AppContext", request: Request) -> tuple[Principal | None, TenantStore | None]:
         header = request.headers.get("authorization")
@@ -224,6 +240,7 @@ class Endpoint:
                 raise PayloadTooLarge(f"request body exceeds {self.max_body} bytes", hint="send a smaller body")
             chunks.append(chunk)
         raw = b"".join(chunks)
+        request.scope["state"]["raw_body"] = raw  # what a fleet forward sends on (the stream is consumed)
         if self.body_type != "application/json":
             return raw
         if not raw.strip():

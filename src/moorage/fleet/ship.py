@@ -80,7 +80,7 @@ class Shipper:
     # -- push -----------------------------------------------------------------------------------------
 
     def push(self, src: Path, prefix: str, name: str, *, include: Callable[[str], bool],
-             meta: dict[str, Any] | None = None) -> ShipReport:
+             meta: dict[str, Any] | None = None, epoch: int = 0) -> ShipReport:
         """Ship ``src`` (quiescent: the sandbox is asleep) as snapshot ``name``; durable when this returns."""
         started = time.monotonic()
         src = Path(src)
@@ -116,7 +116,7 @@ class Shipper:
         key = self.manifest_key(prefix, name)
         self.store.put_bytes(key, json.dumps(body, separators=(",", ":")).encode())
         stored.update(d for e in entries for d in e.get("chunks", []) if d)
-        self._save_index(src, {"files": files, "stored": {prefix: sorted(stored)}})
+        self._save_index(src, {"key": key, "epoch": epoch, "files": files, "stored": {prefix: sorted(stored)}})
         return ShipReport(key, len(files), sum(e.get("size", 0) for e in entries), moved[0], moved[1],
                           time.monotonic() - started)
 
@@ -185,7 +185,7 @@ class Shipper:
             raise SnapshotUnavailable(f"snapshot manifest {key} has an unknown format")
         return body
 
-    def pull(self, key: str, prefix: str, dest: Path) -> ShipReport:
+    def pull(self, key: str, prefix: str, dest: Path, *, epoch: int = 0) -> ShipReport:
         """Make ``dest`` exactly the shipped snapshot ``key``; files a local copy already has are not fetched.
 
         Built in a temp directory beside ``dest`` and swapped in with renames: a failure (missing or damaged
@@ -239,7 +239,7 @@ class Shipper:
             st = os.lstat(dest / rel)
             rec["sig"] = [st.st_ino, st.st_size, st.st_ctime_ns]
         stored = sorted({d for rec in files.values() for d in rec["chunks"] if d})
-        self._save_index(dest, {"files": files, "stored": {prefix: stored}})
+        self._save_index(dest, {"key": key, "epoch": epoch, "files": files, "stored": {prefix: stored}})
         return ShipReport(key, len(files), sum(int(e.get("size", 0)) for e in body["entries"]), moved[0], moved[1],
                           time.monotonic() - started)
 
@@ -304,6 +304,21 @@ class Shipper:
             os.close(fd)
 
     # -- the local index ------------------------------------------------------------------------------
+
+    def local_state(self, d: Path) -> tuple[str | None, int | None]:
+        """(the shipped snapshot the directory is exactly, or None once it ran since; the lease epoch under which
+        this host last held it, or None when it has no copy)."""
+        if not Path(d).is_dir():
+            return None, None
+        index = self._load_index(d)
+        key, epoch = index.get("key"), index.get("epoch")
+        return (key if isinstance(key, str) else None), (epoch if isinstance(epoch, int) else None)
+
+    def mark_running(self, d: Path, epoch: int) -> None:
+        """The directory is about to change (its sandbox wakes): it is no longer exactly any shipped snapshot."""
+        index = self._load_index(d)
+        index.update(key=None, epoch=epoch)
+        self._save_index(d, index)
 
     @staticmethod
     def _load_index(d: Path) -> dict[str, Any]:

@@ -12,9 +12,10 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
-from moorage.errors import ConflictError, InvalidInput, MoorageError, UnavailableError
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
 from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
 from moorage.lifecycle.config import AgentLifecycle
@@ -28,6 +29,9 @@ from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import SandboxRecord, Scope, Store, TenantStore
 from moorage.usage import ledger as usage_ledger
+
+if TYPE_CHECKING:
+    from moorage.fleet.member import FleetMember
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -93,6 +97,8 @@ class LiveInstance:
     peer_driver: SandboxDriver | None = None
     #: The learned idle gaps kept in the record (``meta.activity``, written as it sleeps) were read back.
     restored: bool = False
+    #: The lease epoch under which this manager holds it (fleet: checked by every turn commit).
+    epoch: int = 0
 
     @property
     def awake(self) -> bool:
@@ -178,6 +184,7 @@ class InstanceManager:
         self.ttl_every_s = ttl_every_s
         self.clock = clock
         self._live: dict[tuple[str, str], LiveInstance] = {}
+        self._by_record: dict[str, LiveInstance] = {}
         self._system: dict[str, TenantStore] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
@@ -187,6 +194,8 @@ class InstanceManager:
         #: Awake instances one tenant may have on this host (set by the host; None: no limit). A tenant at its
         #: limit has its least recently active idle instance put to sleep; if all are busy: ``TenantAwakeLimit``.
         self.tenant_max_awake: int | None = None
+        #: This host's fleet membership (set by the host when the store is shared; None: one host).
+        self.fleet: FleetMember | None = None
 
     @property
     def host(self) -> str:
@@ -226,6 +235,7 @@ class InstanceManager:
                 await li.peer_driver.close()
         await self.driver.close()
         self._live.clear()
+        self._by_record.clear()
 
     # --- helpers --------------------------------------------------------------------------------------------
 
@@ -293,7 +303,9 @@ class InstanceManager:
             # Placement is still confirmed in the store: another host or a TTL job may have moved it meanwhile.
             rec = await self.io(ts.sandboxes.for_scope, scope)
             if rec is not None and rec.id == li.record_id and rec.state == S.RUNNING.value and li.awake:
-                return li.sandbox  # type: ignore[return-value]
+                if rec.host == self.host and rec.lease_epoch == li.epoch:
+                    return li.sandbox  # type: ignore[return-value]
+                await self._lost(li, rec)  # another host took it over while we were cut off
         if li.pending is not None:  # another caller started a bring-up while we read the store
             return await asyncio.shield(li.pending)
         fut: asyncio.Future[Sandbox] = asyncio.get_running_loop().create_future()
@@ -342,11 +354,15 @@ class InstanceManager:
                         continue  # someone else provisioned it first: follow their record
                     raise
                 return await self._provision(ts, li, rec, template, trace, fresh=True, pooled=pooled is not None)
-            if rec.host not in (None, self.host):
+            takeover = rec.host not in (None, self.host)
+            if takeover and (self.fleet is None or await self.io(fleet_rules.placement, self.fleet, rec) == "forward"):
                 raise Misplaced(rec)
+            previous_epoch = rec.lease_epoch
             state = S(rec.state)
             verb: V | None = None
-            if state is S.RUNNING:
+            if state is S.RUNNING and takeover:
+                verb = V.CLAIM_WAKE  # its host's lease lapsed: wake it here from what it last shipped
+            elif state is S.RUNNING:
                 sandbox = await self._attach(li, rec)
                 if sandbox is not None:
                     self._adopted(li, rec, sandbox)
@@ -355,7 +371,7 @@ class InstanceManager:
             elif state in (S.SLEEPING, S.ARCHIVED, S.FAILED):
                 verb = V.CLAIM_WAKE
             elif state in (S.WAKING, S.PROVISIONING, S.SUSPENDING, S.DELETED):
-                if not machine.claim_is_dead(rec, self.owner, self.claim_timeout_s):
+                if not takeover and not machine.claim_is_dead(rec, self.owner, self.claim_timeout_s):
                     await asyncio.sleep(self.poll_s)  # the claimant will move it on; follow the record
                     continue
                 if state is S.DELETED:
@@ -374,7 +390,7 @@ class InstanceManager:
                 if template is None:
                     raise InvalidInput(f"{scope} must be provisioned again but no template was given")
                 return await self._provision(ts, li, rec, template, trace, fresh=False)
-            return await self._wake(ts, li, rec, source, trace)
+            return await self._wake(ts, li, rec, source, trace, previous_epoch)
 
     async def _attach(self, li: LiveInstance, rec: SandboxRecord) -> Sandbox | None:
         """The running sandbox the record points at, or None when its processes are gone."""
@@ -403,18 +419,26 @@ class InstanceManager:
     def _adopted(self, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox) -> None:
         li.record_id = rec.id
         li.sandbox = sandbox
+        li.epoch = rec.lease_epoch
+        self._by_record[rec.id] = li
         li.ram_mib = self._ram_of(sandbox)
         owner = rec.meta.get("owner") or {}
         li.owned = owner.get("owner") == self.owner.id
 
     async def _wake(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, source: TemplateSource,
-                    trace: TraceContext) -> Sandbox:
+                    trace: TraceContext, previous_epoch: int | None = None) -> Sandbox:
         """We hold the ``waking`` claim on ``rec``: restore its sandbox and mark it running."""
         started = time.time()
+        resumed: dict[str, Any] | None = None
         async with li.op_lock:
             try:
                 await self._make_room(li)
                 try:
+                    if self.fleet is not None:
+                        resumed = await self.io(self.fleet.make_local, ts.tenant_id, rec,
+                                                rec.lease_epoch if previous_epoch is None else previous_epoch)
+                        if resumed["from"] == "none":
+                            raise SandboxNotFound(f"no copy of instance {rec.id} on this host or in the object store")
                     sandbox = await self.driver.open(rec.id)
                 except SandboxNotFound:
                     template = await _resolve(source)
@@ -436,7 +460,7 @@ class InstanceManager:
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
             kind = wake_kind(sandbox, fork=False)
-            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes", kind)
+            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes", kind, resumed)
             self._counts["wakes"] += 1
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
@@ -454,9 +478,11 @@ class InstanceManager:
             log.info(what, instance=rec.id, scope=str(li.scope), kind=kind, ms=ms, **extra)
 
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
-                      usage: str | None, kind: str) -> SandboxRecord:
+                      usage: str | None, kind: str, resumed: dict[str, Any] | None = None) -> SandboxRecord:
         # ``awake_since``: compute is metered from here to the sleep (usage ``compute_seconds``, see _mark_slept).
         meta = {**rec.meta, "owner": self.owner.claim(), "wake_kind": kind, "awake_since": time.time()}
+        if resumed is not None:  # fleet: which copy it resumed from (its own disk, or a shipped snapshot)
+            meta["resumed_from"] = resumed
         with ts.transaction():
             new = machine.apply(ts, rec, verb, owner=self.owner, trace=trace, claim=False, host=self.host, meta=meta,
                                 last_active=time.time(), started_at=started, reason=f"wake kind: {kind}")
@@ -514,6 +540,8 @@ class InstanceManager:
                 raise WakeFailed(f"could not provision the instance of {li.scope} from template {template.id}: {e}",
                                  hint="check the template (redeploy the agent) and retry") from e
             kind = wake_kind(sandbox, fork=True)
+            if self.fleet is not None:
+                await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
             rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)
             self._counts["provisions"] += 1
             self._adopted(li, rec, sandbox)
@@ -525,11 +553,54 @@ class InstanceManager:
             sandbox = await self.driver.open(sandbox_id)
             await sandbox.destroy()
 
+    # --- fleet leases ---------------------------------------------------------------------------------------
+
+    def lease(self, sandbox_id: str) -> tuple[str, int] | None:
+        """(host, epoch) a turn commit must find on the record of the instance whose sandbox is ``sandbox_id``
+        (fleet only; None: no check)."""
+        if self.fleet is None:
+            return None
+        li = self._by_record.get(sandbox_id)
+        return None if li is None else (self.host, li.epoch)
+
+    async def _lost(self, li: LiveInstance, rec: SandboxRecord | None) -> None:
+        """Another host owns the instance now: stop our copy of it (never two awake), forget we held it."""
+        sandbox, li.sandbox, li.owned = li.sandbox, None, False
+        log.warning("instance was taken over by another host; stopping this host's copy", scope=str(li.scope),
+                    now_on=rec.host if rec else None, epoch=rec.lease_epoch if rec else None)
+        if sandbox is not None:
+            try:
+                await sandbox.stop()
+            except Exception as e:
+                log.error("could not stop a lost instance", scope=str(li.scope), error=str(e))
+
+    async def verify_leases(self) -> int:
+        """After this host was cut off longer than its lease: stop every instance another host took meanwhile."""
+        lost = 0
+        for li in list(self._live.values()):
+            if not li.owned or li.record_id is None:
+                continue
+            ts = await self.io(self.system_tenant, li.tenant_id)
+            try:
+                rec = await self.io(ts.sandboxes.get, li.record_id)
+            except NotFound:
+                rec = None
+            if rec is None or rec.host != self.host or rec.lease_epoch != li.epoch:
+                async with li.op_lock:
+                    await self._lost(li, rec)
+                lost += 1
+        return lost
+
     # --- sleeping -------------------------------------------------------------------------------------------
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
         """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
         li = self.live(ts, scope)
+        if (li is None or not li.owned) and self.fleet is not None:
+            rec = await self.io(ts.sandboxes.for_scope, scope)
+            if rec is not None and rec.host not in (None, self.host) and \
+                    await self.io(fleet_rules.placement, self.fleet, rec) == "forward":
+                raise Misplaced(rec)  # awake on another host: that host sleeps it
         return False if li is None else await self._sleep(li, reason)
 
     async def _sleep(self, li: LiveInstance, reason: str, *, evict: bool = False) -> bool:
@@ -566,6 +637,15 @@ class InstanceManager:
             meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
             meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
+            if self.fleet is not None:
+                # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
+                # and this host (whose disk has the newest copy) keeps serving it.
+                try:
+                    meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                    meta["shipped_current"] = True
+                except Exception as e:
+                    meta["shipped_current"] = False
+                    log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
             sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
             await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
             li.owned = False
@@ -664,4 +744,6 @@ class InstanceManager:
         li = self._live.get((tenant_id, scope.key))
         if li is not None and not li.activity.busy and li.pending is None:
             del self._live[(tenant_id, scope.key)]
+            if li.record_id is not None:
+                self._by_record.pop(li.record_id, None)
 

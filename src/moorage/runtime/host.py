@@ -66,7 +66,17 @@ class Host:
         private_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
         store = open_store(config)
         driver = get_driver(config)
-        manager = InstanceManager(store, driver)
+        manager = InstanceManager(store, driver, host_id=config.host_id or None)
+        if config.fleet:
+            from moorage.fleet.member import FleetMember
+            from moorage.objects import open_object_store
+
+            # One of a fleet: sleeps ship to the object store, any host wakes any agent (docs/fleet.md).
+            manager.fleet = FleetMember(store.backend, open_object_store(config), driver, host_id=manager.host,
+                                        url=config.host_url or f"http://{config.host}:{config.port}",
+                                        lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
+            manager.fleet.on_lease_gap = manager.verify_leases
+            manager.fleet.load = lambda: {"awake": len(manager.awake_instances())}
         from moorage.lifecycle.pool import WarmPool
 
         manager.pool = WarmPool(driver, config.data_dir / "pool")
@@ -88,6 +98,8 @@ class Host:
         return host
 
     async def start(self) -> None:
+        if self.manager.fleet is not None:
+            await self.manager.fleet.join()
         await self.manager.start()
         await self.runtime.start_pools()
         resumed = await self.runtime.recover()
@@ -139,6 +151,8 @@ class Host:
         else:
             slept, left = await self.manager.sleep_all("host shutting down", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
             log.info("host stopping, awake instances put to sleep", slept=slept, still_awake=left)
+        if self.manager.fleet is not None:
+            await self.manager.fleet.leave("active" if detach else "gone")
         await self.manager.close()
         await self.driver.close()
         await self.runtime.aclose()

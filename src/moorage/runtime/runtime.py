@@ -671,6 +671,7 @@ class Runtime:
         ts = b.ts
         try:
             with ts.transaction():
+                self._fence(ts, b.sandbox_id)
                 if turn.create:
                     ts.runs.create(Scope.workflow(turn.entity.agent, turn.turn_id, user=turn.entity.user), "turn",
                                    {"message": turn.message, "session": turn.entity.session}, run_id=turn.turn_id)
@@ -695,6 +696,13 @@ class Runtime:
             return self._begin_turn(engine, b, turn, facts)
         return None
 
+    def _fence(self, ts: TenantStore, sandbox_id: str) -> None:
+        """Fleet: the turn's commit holds only while this host still owns the instance under the epoch it woke
+        it with (``LeaseLost`` otherwise); the check locks the record until the commit, so no takeover slips in."""
+        lease = self.instances.lease(sandbox_id)
+        if lease is not None:
+            ts.sandboxes.fence(sandbox_id, *lease)
+
     def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
                   waiting: bool = False, error: BaseException | None = None) -> None:
         """The turn's last commit, before its reply goes out: the reply logged (to be embedded later), working
@@ -702,6 +710,7 @@ class Runtime:
         and spans; a waiting one (its interrupt is already journaled) only its spans."""
         ts = b.ts
         with ts.transaction():
+            self._fence(ts, b.sandbox_id)
             if error is not None:
                 engine.fail_run(b.run_id, str(error))
                 self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)

@@ -336,6 +336,9 @@ class SandboxRecord:
     meta: dict[str, Any]
     created_at: float
     version: int
+    #: Fencing epoch of the host lease: it changes whenever another host takes the instance, and a host's turn
+    #: commits check it, so a host that lost the instance (cut off, then back) cannot write it any more.
+    lease_epoch: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,177 @@
+"""This host's membership in a fleet: registered and heartbeating in the store, shipping instance snapshots.
+
+An instance is owned by the host its record names, under a fencing epoch that changes whenever another host
+takes it; the owner's lease holds while its heartbeat is fresh (``lease_ttl_s``). A sleeping instance whose last
+sleep was shipped can be woken by any host; one that is awake elsewhere is served by its owner (requests are
+forwarded); one whose owner stopped heartbeating is taken over from its last shipped snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from moorage.errors import ConflictError, MoorageError, NotFound
+from moorage.fleet.forward import Forwarder
+from moorage.fleet.hosts import HostInfo, HostRegistry, check_host_id
+from moorage.fleet.ship import Shipper, ShipReport, SnapshotUnavailable
+from moorage.log import get_logger
+from moorage.objects import ObjectStore
+from moorage.store import SandboxRecord
+from moorage.store.base import Backend
+
+log = get_logger(__name__)
+
+
+class FleetMember:
+    def __init__(self, backend: Backend, objects: ObjectStore, driver: Any, *, host_id: str, url: str,
+                 lease_ttl_s: float = 15.0, heartbeat_s: float = 3.0) -> None:
+        if not callable(getattr(driver, "portable", None)):
+            raise MoorageError(f"the {driver.name} driver cannot ship snapshots between hosts",
+                               hint="a fleet (object_store_url with a PostgreSQL store) needs the process driver today")
+        if heartbeat_s * 2 > lease_ttl_s:
+            raise MoorageError(f"heartbeat every {heartbeat_s} s cannot keep a {lease_ttl_s} s lease",
+                               hint="make lease_ttl_s at least twice heartbeat_s")
+        self.registry = HostRegistry(backend)
+        self.objects = objects
+        self.shipper = Shipper(objects)
+        self.driver = driver
+        self.host_id = check_host_id(host_id)
+        self.url = url.rstrip("/")
+        self.lease_ttl_s = lease_ttl_s
+        self.heartbeat_s = heartbeat_s
+        self.incarnation = uuid.uuid4().hex
+        #: Called with no argument after a heartbeat gap longer than the lease: our leases may have been taken.
+        self.on_lease_gap: Callable[[], Any] | None = None
+        self.load: Callable[[], dict[str, Any]] = dict
+        self._last_beat = 0.0
+        self._hosts: dict[str, tuple[float, HostInfo]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.forwarder = Forwarder(self.host_id)
+
+    # -- membership -----------------------------------------------------------------------------------
+
+    async def join(self) -> None:
+        await asyncio.to_thread(self.registry.register, self.host_id, self.url, self.incarnation)
+        self._last_beat = time.time()
+        self._task = asyncio.create_task(self._beat_loop(), name="fleet-heartbeat")
+        log.info("joined the fleet", host=self.host_id, url=self.url, lease_ttl_s=self.lease_ttl_s)
+
+    async def leave(self, state: str = "gone") -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        await self.forwarder.close()
+        with contextlib.suppress(MoorageError):
+            await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
+
+    async def drain(self) -> None:
+        """Take no new instances (other hosts stop sending them); the caller sleeps or hands off the rest."""
+        await asyncio.to_thread(self.registry.set_state, self.host_id, "draining", self.incarnation)
+
+    async def _beat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            gap = time.time() - self._last_beat
+            try:
+                self._last_beat = await asyncio.to_thread(self.registry.heartbeat, self.host_id, self.incarnation,
+                                                          self.load())
+            except ConflictError as e:
+                log.error("fleet heartbeat refused", host=self.host_id, error=str(e))
+                continue
+            except Exception as e:  # the store is unreachable: leases lapse, other hosts take over
+                log.warning("fleet heartbeat failed", host=self.host_id, error=str(e))
+                continue
+            if gap > self.lease_ttl_s and self.on_lease_gap is not None:
+                log.warning("heartbeat gap longer than the lease: checking which instances are still ours",
+                            host=self.host_id, gap_s=round(gap, 1))
+                try:
+                    await self.on_lease_gap()
+                except Exception as e:
+                    log.error("lease check after a gap failed", error=str(e))
+
+    def lease_valid(self) -> bool:
+        """Whether this host's own lease still holds (its last heartbeat is fresh)."""
+        return time.time() - self._last_beat <= self.lease_ttl_s
+
+    def host(self, host_id: str, *, max_age_s: float = 1.0) -> HostInfo | None:
+        """The host's row (cached for ``max_age_s``), or None when it never registered. Blocking."""
+        now = time.monotonic()
+        hit = self._hosts.get(host_id)
+        if hit is not None and now - hit[0] <= max_age_s:
+            return hit[1]
+        try:
+            info = self.registry.get(host_id)
+        except NotFound:
+            return None
+        self._hosts[host_id] = (now, info)
+        return info
+
+    def alive(self, host_id: str) -> bool:
+        if host_id == self.host_id:
+            return True
+        info = self.host(host_id)
+        return info is not None and info.alive(self.lease_ttl_s)
+
+    # -- snapshots ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def prefix(tenant_id: str, record: SandboxRecord) -> str:
+        return f"instances/{tenant_id}/{record.id}"
+
+    def _dir(self, record: SandboxRecord) -> Path:
+        return Path(self.driver.root) / record.id
+
+    def ship(self, tenant_id: str, record: SandboxRecord, epoch: int) -> dict[str, Any]:
+        """Ship the sleeping sandbox of ``record``; returns what its record keeps (``meta.shipped``). Blocking."""
+        name = f"{epoch:06d}-{time.time_ns()}"
+        rep: ShipReport = self.shipper.push(self._dir(record), self.prefix(tenant_id, record), name,
+                                            include=self.driver.portable, meta={"host": self.host_id, "epoch": epoch},
+                                            epoch=epoch)
+        log.info("snapshot shipped", instance=record.id, key=rep.key, chunks=rep.chunks_moved,
+                 bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
+        return {"key": rep.key, "at": time.time(), "host": self.host_id, "epoch": epoch,
+                "bytes": rep.bytes_total, "ms": round(rep.seconds * 1000, 1)}
+
+    def make_local(self, tenant_id: str, record: SandboxRecord, previous_epoch: int) -> dict[str, Any]:
+        """Before waking ``record`` here (we hold its claim, at ``record.lease_epoch``): make the local copy the
+        right one. Returns where it resumes from (``meta.resumed_from``): ``from`` is ``local`` (this host's
+        disk), ``shipped`` (fetched; ``key`` and ``at`` name the snapshot) or ``none`` (no usable copy anywhere:
+        the caller provisions it again from the template; its acknowledged turns are in the store). Blocking.
+
+        The local copy is used as it is when this host held the instance under ``previous_epoch`` (it never left,
+        so its copy is the newest, run or not), or when it is exactly the last shipped snapshot. A damaged or
+        missing shipped snapshot falls back to the instance's older ones, newest first; never another's."""
+        d = self._dir(record)
+        local_key, local_epoch = self.shipper.local_state(d)
+        shipped = record.meta.get("shipped") if isinstance(record.meta.get("shipped"), dict) else None
+        key = shipped.get("key") if shipped else None
+        if local_epoch is not None and (local_epoch == previous_epoch == record.lease_epoch or (key and local_key == key)):
+            self.shipper.mark_running(d, record.lease_epoch)
+            return {"from": "local", "key": local_key, "host": self.host_id}
+        prefix = self.prefix(tenant_id, record)
+        candidates = [key] if key else []
+        candidates += sorted((o.key for o in self.objects.iter(f"{prefix}/snapshots/") if o.key != key), reverse=True)
+        for i, k in enumerate(candidates):
+            try:
+                rep = self.shipper.pull(k, prefix, d, epoch=record.lease_epoch)
+            except SnapshotUnavailable as e:
+                log.error("shipped snapshot unusable; trying an older one", instance=record.id, key=k, error=str(e))
+                continue
+            self.driver.forget_handle(record.id)
+            self.shipper.mark_running(d, record.lease_epoch)
+            log.info("snapshot fetched", instance=record.id, key=k, chunks=rep.chunks_moved, bytes=rep.bytes_moved,
+                     ms=round(rep.seconds * 1000, 1), fallback=i > 0)
+            return {"from": "shipped", "key": k, "host": self.host_id, "fallback": i > 0,
+                    "at": shipped.get("at") if shipped and k == key else None}
+        return {"from": "none", "key": None, "host": self.host_id}
+
+    def delete_instance(self, tenant_id: str, record: SandboxRecord) -> int:
+        """Remove every shipped object of the instance (retention, forget). Blocking."""
+        return self.objects.delete_prefix(self.prefix(tenant_id, record) + "/")
