@@ -95,14 +95,15 @@ class Router:
     def resolve(ts: TenantStore, key: EntityKey) -> tuple[Agent, AgentLifecycle, Scope]:
         agent = ts.agents.get(key.agent)  # NotFound: never provision an instance of an agent that does not exist
         lc = AgentLifecycle.of(agent)
-        if lc.users == "auto":
-            ts.users.ensure(key.user)
-        else:
-            try:
-                ts.users.get(key.user)
-            except NotFound:
+        # End-users are a resource of one agent: a user of agent A is no user of agent B (a read on the hot path).
+        if ts.agent_users.find(key.agent, key.user) is None:
+            # A user who already talked to this agent before users were per agent (a session of theirs exists)
+            # is registered now rather than locked out.
+            if lc.users != "auto" and not ts.sessions.list(key.agent, key.user, limit=1):
                 raise NotFound(f"agent {key.agent!r} has no user {key.user!r}",
-                               hint="create the end-user first, or set lifecycle.users = \"auto\" on the agent") from None
+                               hint=f"create the end-user first (PUT /v1/agents/{key.agent}/users/{key.user}), "
+                                    "or set lifecycle.users = \"auto\" on the agent")
+            ts.agent_users.put(key.agent, key.user)
         return agent, lc, key.scope(lc.scope)
 
     async def locate(self, principal: Principal, key: EntityKey) -> SandboxRecord | None:

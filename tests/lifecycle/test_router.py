@@ -34,7 +34,7 @@ async def test_unknown_agent_or_user_is_not_found_and_provisions_nothing(lc_env:
         await r.route(_p(env), EntityKey("helper", "mallory"), {"op": "echo", "text": "x"})
     assert "mallory" in e.value.message and "lifecycle.users" in (e.value.hint or "")
     await _no_instances(env)
-    env.ts.users.ensure("alice")
+    env.ts.agent_users.put("helper", "alice")
     assert await r.route(_p(env), EntityKey("helper", "alice"), {"op": "echo", "text": "hello"}) == "hello"
     assert len(env.ts.sandboxes.list()) == 1
 

@@ -128,5 +128,5 @@ async def test_unknown_user_is_404_and_writes_nothing(env, tmp_path: Path) -> No
     with pytest.raises(NotFound, match="no user 'mallory'"):
         await env.runtime.invoke(env.principal, EntityKey("strict", "mallory"), "count")
     assert ts.runs.list() == [] and ts.sandboxes.list() == []
-    ts.users.ensure("carol")  # the product registers its end-user first
+    ts.agent_users.put("strict", "carol")  # the product registers its end-user with this agent first
     assert (await env.runtime.invoke(env.principal, EntityKey("strict", "carol"), "count")).reply == "count=1 user=carol"
