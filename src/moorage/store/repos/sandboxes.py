@@ -11,11 +11,23 @@ from moorage.store.repos.common import _check_version, _new_id, _now, _Repo
 from moorage.store.sql import loads
 
 
-_SBX_COLS = "id, agent_id, scope, state, host, snapshot_ref, disk_ref, template_ref, last_active, ttl_s, meta, created_at, version"
+_SBX_COLS = ("id, agent_id, scope, state, host, snapshot_ref, disk_ref, template_ref, last_active, ttl_s, meta, created_at, "
+             "version, lease_epoch")
 
 
 def _sandbox(r: tuple) -> SandboxRecord:
-    return SandboxRecord(r[0], r[1], Scope.parse(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], loads(r[10]), r[11], r[12])
+    return SandboxRecord(r[0], r[1], Scope.parse(r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9], loads(r[10]), r[11], r[12],
+                         int(r[13]))
+
+
+class LeaseLost(ConflictError):
+    """This host no longer owns the instance: another host took it over under a newer fencing epoch."""
+
+    code = "lease-lost"
+
+    def __init__(self, sandbox_id: str, host: str | None, epoch: int) -> None:
+        super().__init__(f"instance {sandbox_id} is now owned by host {host!r} (epoch {epoch}); this host lost it",
+                         hint="retry: the request is served by the instance's current host")
 
 
 class Sandboxes(_Repo):
@@ -28,7 +40,7 @@ class Sandboxes(_Repo):
                             meta or {}, now, 1)
         with self._ts._tx() as c:
             n = c.x(
-                f"INSERT INTO sandboxes ({_SBX_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1) ON CONFLICT DO NOTHING",
+                f"INSERT INTO sandboxes ({_SBX_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 1, 0) ON CONFLICT DO NOTHING",
                 (rec.id, rec.agent_id, scope.key, state, host, None, None, template_ref, now, ttl_s, self._json(rec.meta), now),
             )
             if n != 1:
@@ -76,21 +88,34 @@ class Sandboxes(_Repo):
                 raise NotFound(f"no sandbox {sandbox_id!r}")
             r = _sandbox(cur)
             u = self._UNSET
+            new_host = r.host if host is u else host
+            # The fencing epoch moves with ownership: a record taken by another host gets a new one.
+            epoch = r.lease_epoch + 1 if new_host is not None and new_host != r.host else r.lease_epoch
             new = SandboxRecord(
-                r.id, r.agent_id, r.scope, r.state if state is None else state, r.host if host is u else host,
+                r.id, r.agent_id, r.scope, r.state if state is None else state, new_host,
                 r.snapshot_ref if snapshot_ref is u else snapshot_ref, r.disk_ref if disk_ref is u else disk_ref,
                 r.template_ref, r.last_active if last_active is None else last_active, r.ttl_s,
-                r.meta if meta is None else meta, r.created_at, expected_version + 1,
+                r.meta if meta is None else meta, r.created_at, expected_version + 1, epoch,
             )
             n = c.x(
                 "UPDATE sandboxes SET state = ?, host = ?, snapshot_ref = ?, disk_ref = ?, last_active = ?, meta = ?, "
-                "version = version + 1 WHERE id = ? AND version = ?",
-                (new.state, new.host, new.snapshot_ref, new.disk_ref, new.last_active, self._json(new.meta), sandbox_id, expected_version),
+                "lease_epoch = ?, version = version + 1 WHERE id = ? AND version = ?",
+                (new.state, new.host, new.snapshot_ref, new.disk_ref, new.last_active, self._json(new.meta), epoch,
+                 sandbox_id, expected_version),
             )
             if n != 1:
                 raise ConflictError(f"sandbox {sandbox_id} changed (now version {r.version}, state {r.state})", current_version=r.version)
             self._ts._touch(c, r.scope, _now())
         return new
+
+    def fence(self, sandbox_id: str, host: str, epoch: int) -> None:
+        """Inside a transaction: raise ``LeaseLost`` unless ``host`` still owns the instance under ``epoch``. On
+        PostgreSQL the row stays share-locked until the transaction ends, so a takeover waits for this commit."""
+        lock = " FOR SHARE" if self._ts.dialect == "postgres" else ""
+        with self._ts._tx() as c:
+            r = c.one(f"SELECT host, lease_epoch FROM sandboxes WHERE id = ?{lock}", (sandbox_id,))
+        if r is None or r[0] != host or int(r[1]) != epoch:
+            raise LeaseLost(sandbox_id, None if r is None else r[0], -1 if r is None else int(r[1]))
 
     def delete(self, sandbox_id: str, *, expected_version: int) -> None:
         with self._ts._tx() as c:
