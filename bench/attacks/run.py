@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import shutil
 import sys
@@ -61,6 +62,24 @@ def rss() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+def tree_cpu_s(pid: int | None) -> float:
+    """CPU seconds of a process tree: each live process's own time, plus what its reaped children used."""
+    if not pid:
+        return 0.0
+    from moorage.sandbox.process_limits import descendants
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for i, p in enumerate([pid, *descendants(pid)]):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # utime stime cutime cstime are fields 14-17 of stat (11-14 after the command name)
+        total += sum(int(x) for x in fields[11:15])
+    return total / tick
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))] if s else float("nan")
@@ -90,6 +109,10 @@ class Bench:
         r = await self.rt.invoke(self.neighbour, self.echo, "hello")
         assert r.reply == "hello", r.reply
         return time.perf_counter() - t
+
+    async def attacker_pid(self) -> int | None:
+        sb = await self.attacker_sandbox()
+        return getattr(sb, "pid", None) or getattr(sb, "_pid", None)
 
     async def attacker_sandbox(self) -> Any:
         ts = self.rt.store.tenant(self.attacker)
@@ -153,12 +176,17 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
     start = rss()
     peak = start
     stop = asyncio.Event()
+    lags: list[float] = []
 
     async def watch() -> None:
+        # Also the host event loop's lag: how late a 5 ms sleep wakes up says whether the loop is the bottleneck.
         nonlocal peak
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
             peak = max(peak, rss())
+            t = loop.time()
             await asyncio.sleep(0.005)
+            lags.append(loop.time() - t - 0.005)
 
     async def attacker() -> None:
         while not stop.is_set():
@@ -169,6 +197,8 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
             if len(lat) >= samples:
                 return
 
+    apid = await b.attacker_pid()
+    cpu0, acpu0 = time.process_time(), tree_cpu_s(apid)
     watcher = asyncio.create_task(watch())
     attacking = asyncio.create_task(attacker())
     t0 = time.perf_counter()
@@ -177,6 +207,10 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
         if time.perf_counter() - t0 > 600:
             break
     await attacking
+    wall = time.perf_counter() - t0
+    host_cpu = time.process_time() - cpu0
+    # The attacker's tree as it stands now (a guest stopped by the attack restarts with a new tree: then unknown).
+    acpu = tree_cpu_s(apid) - acpu0 if apid == await b.attacker_pid() else float("nan")
     stop.set()
     await watcher
     try:
@@ -188,7 +222,9 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
     contained = ok and growth < attack.bound_mib and after == "pong"
     return {"attack": attack.name, "runs": len(outcomes), "outcomes": sorted(set(outcomes)), "rss_growth_mib": growth,
             "bound_mib": attack.bound_mib, "attacker_after": after, "contained": contained,
-            "neighbour_p50_ms": pct(lat, 0.5) * 1e3, "neighbour_p99_ms": pct(lat, 0.99) * 1e3, "n": len(lat)}
+            "neighbour_p50_ms": pct(lat, 0.5) * 1e3, "neighbour_p99_ms": pct(lat, 0.99) * 1e3, "n": len(lat),
+            "wall_s": wall, "host_cpu_pct": 100 * host_cpu / wall, "attacker_cpu_pct": 100 * acpu / wall,
+            "loop_lag_p99_ms": pct(lags, 0.99) * 1e3}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -211,23 +247,23 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         assert await b.say("ping") == "pong"
         await sample_neighbour(b, 20)  # warm: models load, caches fill, the neighbour is awake
         # Each attack once before measuring (first uses start threads and connections that stay).
-        for a in ATTACKS:
-            if args.driver in a.drivers:
-                await a.run(b)
-                await b.say("clean-disk")
+        chosen = [a for a in ATTACKS if args.driver in a.drivers and (not args.only or any(
+            o.lower() in a.name.lower() for o in args.only))]
+        for a in chosen:
+            await a.run(b)
+            await b.say("clean-disk")
         quiet = await sample_neighbour(b, args.samples * 2)
         res["quiet"] = {"p50_ms": pct(quiet, 0.5) * 1e3, "p99_ms": pct(quiet, 0.99) * 1e3, "n": len(quiet)}
         print(f"quiet: neighbour p50 {res['quiet']['p50_ms']:.1f} ms p99 {res['quiet']['p99_ms']:.1f} ms", flush=True)
         res["attacks"] = []
-        for a in ATTACKS:
-            if args.driver not in a.drivers:
-                continue
+        for a in chosen:
             r = await under_attack(b, a, args.samples)
             await b.say("clean-disk")
             res["attacks"].append(r)
             print(f"{a.name}: {'contained' if r['contained'] else 'NOT CONTAINED'}; neighbour p99 "
                   f"{r['neighbour_p99_ms']:.1f} ms; host RSS +{r['rss_growth_mib']:.1f} MiB (bound {a.bound_mib}); "
-                  f"{r['runs']} runs: {', '.join(r['outcomes'])[:160]}", flush=True)
+                  f"host CPU {r['host_cpu_pct']:.0f}%, attacker CPU {r['attacker_cpu_pct']:.0f}%, loop lag p99 "
+                  f"{r['loop_lag_p99_ms']:.1f} ms; {r['runs']} runs: {', '.join(r['outcomes'])[:160]}", flush=True)
     finally:
         await manager.close()
         for sid in await driver.list():
@@ -263,7 +299,8 @@ def write_report(res: dict[str, Any]) -> str:
     for r in attacks:
         md.append(f"| {r['attack']} | {'yes' if r['contained'] else '**no**'} | {r['neighbour_p50_ms']:.1f} | "
                   f"{r['neighbour_p99_ms']:.1f} | {r['neighbour_p99_ms'] / res['quiet']['p99_ms']:.1f}x | "
-                  f"{r['rss_growth_mib']:.1f} ({r['bound_mib']}) | {r['runs']} | {'; '.join(r['outcomes'])[:120]} |")
+                  f"{r['rss_growth_mib']:.1f} ({r['bound_mib']}) | {r['host_cpu_pct']:.0f} | {r['attacker_cpu_pct']:.0f} | "
+                  f"{r['loop_lag_p99_ms']:.1f} | {r['runs']} | {'; '.join(r['outcomes'])[:120]} |")
     md += ["", f"**{head}**", ""]
     (OUT / f"attacks-{res['driver']}.md").write_text("\n".join(md))
     return head
@@ -274,6 +311,8 @@ if __name__ == "__main__":
     ap.add_argument("--driver", choices=["process", "microvm"], default="process")
     ap.add_argument("--samples", type=int, default=60)
     ap.add_argument("--quick", action="store_true", help="20 neighbour turns per attack")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only the attacks whose name contains NAME (repeatable)")
     a = ap.parse_args()
     if a.quick:
         a.samples = 20

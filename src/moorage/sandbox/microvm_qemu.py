@@ -13,13 +13,16 @@ import shutil
 import signal
 import stat
 import subprocess
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from moorage.errors import UnavailableError
-from moorage.sandbox import capped_log
+from moorage.log import get_logger
+from moorage.sandbox import capped_log, cgroups
 from moorage.sandbox.base import SandboxError
 from moorage.sandbox.accel import QEMU, accel_args
 from moorage.sandbox.image_guest import CHANNEL_PORT
@@ -33,6 +36,8 @@ SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontro
 CONSOLE_CAP_BYTES = 512 << 10
 #: Longest unix socket path bind()/connect() take (sun_path); longer ones are reached through a directory fd.
 _SUN_PATH_MAX = 100
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -196,19 +201,65 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     if not pipe.exists():
         os.mkfifo(pipe, 0o600)
     console_fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    cgroup = _cpu_cgroup(run_dir, int(_arg_after(argv, "-smp")))
     try:
-        with open(log_path, "ab") as log:
-            os.fchmod(log.fileno(), 0o600)
-            proc = subprocess.Popen(_confined(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True, close_fds=True, pass_fds=[dir_fd])
+        with open(log_path, "ab") as out:
+            os.fchmod(out.fileno(), 0o600)
+            proc = subprocess.Popen(_in_cgroup(cgroup, _confined(argv)), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=out, start_new_session=True, close_fds=True, pass_fds=[dir_fd])
     except BaseException:
         os.close(console_fd)
+        if cgroup is not None:
+            cgroups.remove_when_empty(cgroup)
         raise
     finally:
         os.close(dir_fd)
     capped_log.start(console_fd, pipe.with_name("console.log"), alive=lambda: proc.poll() is None,
                      cap=CONSOLE_CAP_BYTES, name=f"console-{proc.pid}")
+    if cgroup is not None:
+        threading.Thread(target=_remove_cgroup_after, args=(proc.pid, cgroup), name=f"cgroup-{proc.pid}",
+                         daemon=True).start()
     return proc
+
+
+#: CPU a QEMU may use beyond its vCPUs: its main loop and I/O threads (device emulation, the channel, migration).
+EMULATOR_CPU = 0.5
+
+
+def _cpu_cgroup(run_dir: Path, vcpus: int) -> Path | None:
+    """A CPU cgroup for one QEMU process: the same weight as every other sandbox, at most its vCPUs plus
+    ``EMULATOR_CPU`` cores. Named per start, so a QEMU still dying after a stop never shares (or loses) its cgroup
+    with the next one."""
+    control = cgroups.cpu_control()
+    if not control.kind:
+        return None
+    tag = hashlib.sha256(str(run_dir.parent.resolve()).encode()).hexdigest()[:12]
+    try:
+        return control.create(f"vm-{tag}-{uuid.uuid4().hex[:8]}", vcpus + EMULATOR_CPU)
+    except OSError as e:  # fairness, not confinement: the sandbox starts without its share, and says so
+        log.warning("could not make the CPU cgroup of a micro-VM; it runs without a CPU share", error=str(e))
+        return None
+
+
+def _in_cgroup(cgroup: Path | None, argv: list[str]) -> list[str]:
+    """A shell joins the cgroup, then execs QEMU (same pid): no QEMU thread ever runs outside it."""
+    if cgroup is None:
+        return argv
+    join = 'echo $$ > "$1" || echo "moorage: could not join CPU cgroup $1" >&2; shift; exec "$@"'
+    return ["/bin/sh", "-c", join, "moorage-vm", str(cgroup / "cgroup.procs"), *argv]
+
+
+def _remove_cgroup_after(pid: int, cgroup: Path) -> None:
+    """Wait for QEMU to exit without reaping it (its owner does that), then remove its empty cgroup."""
+    try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        pass  # already reaped: it has exited
+    for _ in range(100):  # the kernel moves an exited process out of its cgroup a moment after exit
+        if cgroups.remove_when_empty(cgroup):
+            return
+        time.sleep(0.05)
+    log.warning("CPU cgroup of a stopped micro-VM not removed", cgroup=str(cgroup))
 
 
 def _confined(argv: list[str]) -> list[str]:

@@ -173,16 +173,16 @@ class ProcessSandbox(Sandbox):
             os.chown(run, uid, uid)
             os.chmod(run, 0o700)
         mem = spec.memory_mib << 20
-        self.cgroup.create(spec.max_processes, mem)
+        self.cgroup.create(spec.max_processes, mem, cpus=spec.vcpus)
         # Per-process address space: the only memory bound without a cgroup; a generous backstop with one.
-        address_space = max(mem, 1 << 30) if self.cgroup.dirs else mem
+        address_space = max(mem, 1 << 30) if self.cgroup.bounds_memory_and_processes else mem
         staged = uid is not None
         # Above fd 9: the staging shell uses 3-6 for the directories it binds.
         seccomp_fd = process_seccomp.filter_fd(min_fd=10)
         try:
             argv = _with_seccomp(self.driver.bwrap_argv(self, staged=staged), seccomp_fd)
             # A uid shared by every sandbox counts its processes host-wide: the cgroup bounds each sandbox instead.
-            nproc = spec.max_processes if not (staged and self.cgroup.dirs) else None
+            nproc = spec.max_processes if not (staged and self.cgroup.bounds_memory_and_processes) else None
             prlimit = limits.rlimit_args(
                 max_processes=nproc, max_file_bytes=spec.max_file_mib << 20, address_space_bytes=address_space
             )

@@ -1,6 +1,7 @@
-"""Resource limits for process sandboxes: a per-sandbox cgroup (v2, else v1 pids+memory) plus rlimits.
+"""Resource limits for process sandboxes: a per-sandbox cgroup (v2, else v1 pids+memory+cpu) plus rlimits.
 
 What is enforced depends on the host; ``LimitSupport.enforced`` says which, and the driver declares it.
+Where the cgroups live (the host process's own, delegated cgroup) is ``cgroups``' business.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from pathlib import Path
 from typing import Iterable
 
 from moorage.log import get_logger
+from moorage.sandbox import cgroups
 
 log = get_logger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: Name of the parent cgroup every process sandbox lives under.
-PARENT = "moorage-sandboxes"
+PARENT = cgroups.SANDBOXES
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class LimitSupport:
     v2_dir: Path | None = None
     v1_pids: Path | None = None
     v1_memory: Path | None = None
+    #: The CPU share of each sandbox (v2: in the same cgroup; v1: the ``cpu`` hierarchy), if the host has one.
+    cpu: cgroups.CpuControl = cgroups.CpuControl("")
 
     @property
     def enforced(self) -> frozenset[str]:
@@ -37,6 +41,8 @@ class LimitSupport:
         base = {"file_size", "disk", "memory"}
         if self.cgroup:
             base.add("processes")
+        if self.cpu.kind:
+            base.add("cpu")
         return frozenset(base)
 
 
@@ -45,29 +51,22 @@ def _writable_dir(p: Path) -> bool:
 
 
 def detect() -> LimitSupport:
-    """Probe once per driver: cgroup v2 with pids+memory delegated, else writable v1 hierarchies, else nothing."""
-    controllers = CGROUP_ROOT / "cgroup.controllers"
-    if controllers.exists():
-        avail = set(controllers.read_text().split())
-        if {"pids", "memory"} <= avail and _writable_dir(CGROUP_ROOT):
-            parent = CGROUP_ROOT / PARENT
-            try:
-                parent.mkdir(exist_ok=True)
-                # Children of PARENT need the controllers enabled in every level's subtree_control.
-                for level in (CGROUP_ROOT, parent):
-                    (level / "cgroup.subtree_control").write_text("+pids +memory")
-                return LimitSupport("v2", v2_dir=parent)
-            except OSError as e:
-                log.warning("cgroup v2 present but not usable; using rlimits", error=str(e))
+    """Probe once per driver: cgroup v2 with pids+memory delegated, else writable v1 hierarchies, else nothing.
+    The CPU share comes from wherever the host offers it (both are probed once per process by ``cgroups``)."""
+    cpu = cgroups.cpu_control()
+    found = cgroups.v2_parent()
+    if found is not None and {"pids", "memory"} <= found[1]:
+        return LimitSupport("v2", v2_dir=found[0], cpu=cpu if cpu.parent == found[0] else cgroups.CpuControl(""))
     pids, mem = CGROUP_ROOT / "pids", CGROUP_ROOT / "memory"
     if _writable_dir(pids) and _writable_dir(mem) and (pids / "cgroup.procs").exists():
         try:
             (pids / PARENT).mkdir(exist_ok=True)
             (mem / PARENT).mkdir(exist_ok=True)
-            return LimitSupport("v1", v1_pids=pids / PARENT, v1_memory=mem / PARENT)
+            return LimitSupport("v1", v1_pids=pids / PARENT, v1_memory=mem / PARENT, cpu=cpu)
         except OSError as e:
             log.warning("cgroup v1 present but not writable; using rlimits", error=str(e))
-    return LimitSupport("")
+    # No pids/memory cgroups: the CPU share alone, where the host has one.
+    return LimitSupport("", cpu=cpu)
 
 
 class SandboxCgroup:
@@ -78,17 +77,26 @@ class SandboxCgroup:
         self.name = name
         self.dirs: list[Path] = []
         if support.cgroup == "v2" and support.v2_dir:
-            self.dirs = [support.v2_dir / name]
+            self.dirs = [support.v2_dir / name]  # the CPU share, where delegated, is in this same cgroup
         elif support.cgroup == "v1" and support.v1_pids and support.v1_memory:
             self.dirs = [support.v1_pids / name, support.v1_memory / name]
+        cpu_dir = support.cpu.dir_for(name)
+        if cpu_dir is not None and cpu_dir not in self.dirs:
+            self.dirs.append(cpu_dir)
+
+    @property
+    def bounds_memory_and_processes(self) -> bool:
+        """Whether pids and memory cgroups bound this sandbox (a cgroup for the CPU share alone does not)."""
+        return bool(self.support.cgroup) and bool(self.dirs)
 
     @property
     def procs_files(self) -> list[Path]:
         return [d / "cgroup.procs" for d in self.dirs]
 
-    def create(self, max_processes: int, memory_bytes: int) -> None:
+    def create(self, max_processes: int, memory_bytes: int, cpus: float = 1) -> None:
         for d in self.dirs:
             d.mkdir(exist_ok=True)
+        self.support.cpu.create(self.name, cpus)  # its weight among sandboxes and a ceiling of ``cpus`` cores
         if self.support.cgroup == "v2":
             d = self.dirs[0]
             (d / "pids.max").write_text(str(max_processes))
