@@ -1,0 +1,199 @@
+"""A fleet of three `moorage up` hosts on one PostgreSQL and one S3 server (SeaweedFS): any host serves any agent.
+
+Users spread over the hosts continue on another host with their files; 100 concurrent requests through three
+hosts wake a sleeping agent once; damaged snapshots fall back to the instance's older ones (never another's);
+a killed host's users come back on the survivors within the lease TTL + 5 s with no acknowledged turn lost; a
+host stopped past its lease and resumed cannot write the instance it lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.fleet.harness import Fleet, _pids_under
+
+LEASE_TTL_S = 4.0
+
+
+@pytest.fixture
+def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
+    return seaweedfs.settings(s3_bucket, f"fleet-{tmp_path.name}")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, pg_url: str, s3: dict[str, str]) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, pg_url, s3)
+    f.deploy()
+    yield f
+    f.close()
+
+
+def _ok(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["reply"]
+
+
+def _sleep(f: Fleet, user: str, via: int = 0) -> None:
+    sid = f.records()[user].id
+    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
+    assert r.status_code == 200 and r.json()["slept"] is True, r.text
+
+
+def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fleet) -> None:
+    users = [f"u{i:02d}" for i in range(30)]
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda iu: _ok(fleet.turn(iu[0] % 3, iu[1])), enumerate(users))) == ["1: hi"] * 30
+        recs = fleet.records()
+        assert {recs[u].host for u in users} == {"h1", "h2", "h3"}  # each provisioned where its first turn went
+        # Asleep: each sleep is shipped (the request reaches the owner wherever it is sent).
+        list(pool.map(lambda iu: _sleep(fleet, iu[1], via=(iu[0] + 2) % 3), enumerate(users)))
+        # The next turn of every user lands on a different host, which wakes it from the object store.
+        assert list(pool.map(lambda iu: _ok(fleet.turn((iu[0] + 1) % 3, iu[1])), enumerate(users))) == ["2: hi"] * 30
+    recs = fleet.records()
+    for i, u in enumerate(users):
+        assert recs[u].host == f"h{(i + 1) % 3 + 1}" and recs[u].state == "running"
+        assert recs[u].lease_epoch == 1 and recs[u].meta["resumed_from"]["from"] == "shipped"
+    # An awake instance asked through another host is served by its owner (forwarded, one hop).
+    r = fleet.turn(0, "u01")
+    assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h3"
+
+
+def test_a_hundred_concurrent_requests_through_three_hosts_wake_a_sleeping_agent_once(fleet: Fleet) -> None:
+    assert _ok(fleet.turn(0, "crowd")) == "1: hi"
+    _sleep(fleet, "crowd")
+    sid = fleet.records()["crowd"].id
+    before = len([s for s in fleet.spans("lifecycle.claim_wake") if s.attrs.get("instance") == sid])
+    with ThreadPoolExecutor(100) as pool:
+        codes = list(pool.map(lambda i: fleet.api[i % 3].post("/v1/agents/echo/invoke", json={
+            "message": "hi", "user": "crowd", "session": f"s{i}"}).status_code, range(100)))
+    assert set(codes) <= {200, 429} and codes.count(200) >= 1, codes
+    wakes = [s for s in fleet.spans("lifecycle.claim_wake") if s.attrs.get("instance") == sid]
+    assert len(wakes) - before == 1
+    assert fleet.records()["crowd"].state == "running"
+
+
+def test_a_damaged_snapshot_falls_back_to_the_instances_older_one_never_another(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
+                                                                                s3: dict[str, str]) -> None:
+    assert _ok(fleet.turn(0, "dmg")) == "1: hi"
+    _sleep(fleet, "dmg")                              # snapshot A: counter 1
+    assert _ok(fleet.turn(1, "dmg")) == "2: hi"       # woken on h2 from A
+    _sleep(fleet, "dmg", via=1)                       # snapshot B: counter 2
+    assert _ok(fleet.turn(0, "other")) == "1: hi"     # another user with snapshots of its own
+    _sleep(fleet, "other")
+    rec = fleet.records()["dmg"]
+    prefix = s3["object_store_url"].split("/", 3)[3]
+    raw = seaweedfs.client()
+    chunks = [o["Key"] for o in raw.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]
+              if f"/{rec.id}/chunks/" in o["Key"]]
+    manifest_b = rec.meta["shipped"]["key"]
+    import json
+
+    body = json.loads(raw.get_object(Bucket=s3_bucket, Key=f"{prefix}/{manifest_b}")["Body"].read())
+    counter = next(e for e in body["entries"] if e["path"].endswith("counter.txt"))["chunks"][0]
+    key = next(k for k in chunks if k.endswith(counter))
+    head = raw.head_object(Bucket=s3_bucket, Key=key)
+    raw.put_object(Bucket=s3_bucket, Key=key, Body=b"9" * head["ContentLength"], Metadata=head["Metadata"])
+    # Woken on h3: B is damaged, so it resumes from A (its own older snapshot), with a clear record of that.
+    assert _ok(fleet.turn(2, "dmg")) == "2: hi"
+    resumed = fleet.records()["dmg"].meta["resumed_from"]
+    assert resumed["fallback"] is True and resumed["key"] != manifest_b
+    # Nothing of its own left in the bucket: provisioned again from the template (its turns are all in the store).
+    _sleep(fleet, "dmg", via=2)
+    for o in raw.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]:
+        if f"/{rec.id}/" in o["Key"]:
+            raw.delete_object(Bucket=s3_bucket, Key=o["Key"])
+    assert _ok(fleet.turn(0, "dmg")) == "1: hi"
+    assert _ok(fleet.turn(1, "other")) == "2: hi"  # the other user's state was never touched
+
+
+def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_turn_lost(fleet: Fleet) -> None:
+    users = [f"k{i}" for i in range(9)]
+    for i, u in enumerate(users):
+        assert _ok(fleet.turn(i % 3, u)) == "1: hi"
+        _sleep(fleet, u)
+        assert _ok(fleet.turn(i % 3, u)) == "2: hi"  # awake again, this turn not shipped yet
+    victims = [u for i, u in enumerate(users) if i % 3 == 1]
+    in_flight = threading.Thread(target=lambda: _swallow(lambda: fleet.turn(1, victims[0], "slow")))
+    in_flight.start()
+    time.sleep(1.0)
+    fleet.hosts[1].kill()
+    killed_at = time.time()
+    in_flight.join()
+    assert _pids_under(fleet.hosts[1].data) == []  # nothing of h2 runs any more
+
+    def back(u: str) -> float:
+        while True:
+            r = fleet.turn(0, u)
+            if r.status_code == 200:
+                return time.time() - killed_at
+            assert r.status_code in (409, 503), r.text
+            time.sleep(0.2)
+
+    with ThreadPoolExecutor(3) as pool:
+        took = list(pool.map(back, victims))
+    assert max(took) <= LEASE_TTL_S + 5, took
+    recs = fleet.records()
+    for u in victims:
+        assert recs[u].host == "h1" and recs[u].state == "running" and recs[u].lease_epoch >= 1
+        assert recs[u].meta["resumed_from"]["from"] == "shipped"  # from the sleep after its first turn
+    # Every acknowledged turn is in the store (replies came back, so their runs committed).
+    from moorage.config import Config
+    from moorage.store import open_store
+
+    store = open_store(Config(store_url=fleet.store_url))
+    try:
+        ts = next(store.operator.tenants())
+        for u in users:
+            done = [r for r in ts.runs.list(limit=10000) if r.scope.user == u and r.status == "succeeded"]
+            assert len(done) >= 2, (u, done)
+    finally:
+        store.close()
+    # Survivors' own users were never moved.
+    for i, u in enumerate(users):
+        if i % 3 != 1:
+            assert recs[u].host == f"h{i % 3 + 1}"
+
+
+def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: Fleet) -> None:
+    assert _ok(fleet.turn(2, "stale")) == "1: hi"
+    _sleep(fleet, "stale", via=2)
+    result: dict[str, httpx.Response] = {}
+    slow = threading.Thread(target=lambda: result.setdefault("r", fleet.turn(2, "stale", "slow")))
+    slow.start()
+    time.sleep(1.5)  # h3 woke it and the slow turn is in the agent
+    h3 = fleet.hosts[2]
+    os.killpg(h3.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(LEASE_TTL_S + 1.5)
+        taken = fleet.turn(0, "stale")  # h1 takes it over from the last shipped snapshot
+        assert _ok(taken) == "2: hi"
+    finally:
+        os.killpg(h3.proc.pid, signal.SIGCONT)
+    slow.join(timeout=60)
+    # h3's turn finished in its (now stale) copy, but its commit fails the epoch check: nothing of it is written.
+    assert result["r"].status_code == 409 and result["r"].json()["type"].endswith("/lease-lost"), result["r"].text
+    rec = fleet.records()["stale"]
+    assert rec.host == "h1" and rec.lease_epoch >= 1
+    # Asked through h3 now, the request is served by the owner; h3 stopped its copy.
+    r = fleet.turn(2, "stale")
+    assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+    deadline = time.time() + 10
+    while _pids_under(h3.data / "sandboxes" / rec.id) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _pids_under(h3.data / "sandboxes" / rec.id) == []
+
+
+def _swallow(fn) -> None:  # noqa: ANN001
+    try:
+        fn()
+    except httpx.HTTPError:
+        pass
