@@ -127,6 +127,7 @@ SUBCOMMANDS = {
     "llm": "moorage.cli.llm",
     "store": "moorage.cli.store",
     "secrets": "moorage.cli.secrets",
+    "checkpoints": "moorage.cli.checkpoints",
 }
 
 

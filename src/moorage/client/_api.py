@@ -171,6 +171,29 @@ class Api(ABC):
         body = {"subject": subject, "attribute": attribute, "value": value, **({"text": text} if text else {})}
         return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts", json=body))
 
+    # -- checkpoints of a user's instance (time travel) ------------------------------------------------------
+
+    def list_checkpoints(self, agent: str, user: str, *, limit: int | None = None) -> dict[str, Any]:
+        """The instance's checkpoints, newest first, with what each turn did; its branches and storage."""
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints", _page(limit, None)))
+
+    def take_checkpoint(self, agent: str, user: str, *, name: str | None = None) -> dict[str, Any]:
+        body = {"name": name} if name is not None else {}
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints", json=body))
+
+    def rollback_checkpoint(self, agent: str, user: str, checkpoint_id: str, *,
+                            idempotency_key: str | None = None) -> dict[str, Any]:
+        """Roll the instance (sandbox and store state) back; what came after stays as an abandoned branch."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints/{_p(checkpoint_id)}"
+                                  "/rollback", json={}, headers=_idem(idempotency_key)))
+
+    def fork_checkpoint(self, agent: str, user: str, checkpoint_id: str, to_users: str | Sequence[str], *,
+                        idempotency_key: str | None = None) -> dict[str, Any]:
+        """New end-users of the agent, each starting from the checkpoint (sandbox and store state copied)."""
+        users = [to_users] if isinstance(to_users, str) else list(to_users)
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints/{_p(checkpoint_id)}"
+                                  "/fork", json={"to_users": users}, headers=_idem(idempotency_key)))
+
     # -- workflows ------------------------------------------------------------------------------------------
 
     def list_workflows(self, *, status: str | None = None, agent: str | None = None, limit: int | None = None,

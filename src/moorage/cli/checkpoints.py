@@ -1,0 +1,109 @@
+"""``moorage checkpoints``: list, take, roll back to and fork checkpoints of one end-user's agent instance.
+
+Each talks to the server through the SDK; a checkpoint holds the sandbox and the store state together.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, List, Optional, TypeVar
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
+console = Console()
+err_console = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+JSON = typer.Option(False, "--json", help="Machine-readable output.")
+
+
+def _clear_errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from moorage.errors import MoorageError
+
+        try:
+            return fn(*args, **kwargs)
+        except MoorageError as e:
+            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _sdk(use: Callable[[Any], Any]) -> Any:
+    from moorage.cli.client import sdk
+    from moorage.cli.main import state
+
+    return sdk(state.cfg, use)
+
+
+def _did(c: dict[str, Any]) -> str:
+    """One line on what the checkpoint's turn (or operation) did."""
+    s = c.get("summary") or {}
+    turn = s.get("turn")
+    if turn:
+        steps = ", ".join(x["name"] for x in turn.get("steps") or [])
+        return f"{turn.get('message', '')!r} -> {turn.get('reply', '')!r}" + (f" [{steps}]" if steps else "")
+    if "rolled_back_to" in s:
+        return f"left for {s['rolled_back_to']}"
+    if "forked_from" in s:
+        return f"forked from {s['forked_from'].get('user')} at {s['forked_from'].get('checkpoint')}"
+    return ""
+
+
+@app.command("list")
+@_clear_errors
+def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_json: bool = JSON) -> None:
+    """USER's checkpoints of AGENT, newest first, with what each turn did; then the branches."""
+    out = _sdk(lambda c: c.list_checkpoints(agent, user, limit=limit))
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    table = Table("seq", "id", "kind", "branch", "name", "what happened")
+    for c in out["data"]:
+        branch = c["branch"] + ("" if c["current_branch"] else " (abandoned)")
+        table.add_row(str(c["seq"]), c["id"], c["kind"], branch, escape(c.get("name") or ""), escape(_did(c)))
+    console.print(table)
+    for b in out["branches"]:
+        console.print(f"branch {b['id']}: {b['checkpoints']} checkpoints, tip {b['tip']}"
+                      + (" (current)" if b["current"] else " (abandoned: `moorage checkpoints rollback` to its tip)"))
+
+
+@app.command("take")
+@_clear_errors
+def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name", help="Kept by retention."),
+         as_json: bool = JSON) -> None:
+    """Checkpoint USER's instance of AGENT now."""
+    out = _sdk(lambda c: c.take_checkpoint(agent, user, name=name))
+    print(json.dumps(out, indent=2) if as_json else out["id"])
+
+
+@app.command("rollback")
+@_clear_errors
+def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> None:
+    """Roll USER's instance of AGENT back to CHECKPOINT (files, processes, memory, facts, journal)."""
+    out = _sdk(lambda c: c.rollback_checkpoint(agent, user, checkpoint))
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"rolled back to {out['rolled_back_to']} in {out['ms']} ms; the state it left is checkpoint "
+          f"{out['abandoned']['tip']} (branch {out['abandoned']['branch']})")
+
+
+@app.command("fork")
+@_clear_errors
+def fork(agent: str, user: str, checkpoint: str,
+         to: List[str] = typer.Option(..., "--to", help="A new end-user (repeat for several)."),
+         as_json: bool = JSON) -> None:
+    """Fork USER's instance of AGENT at CHECKPOINT into new end-users."""
+    out = _sdk(lambda c: c.fork_checkpoint(agent, user, checkpoint, to))
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    for f in out["forks"]:
+        print(f"{f['user']}: {f['rows']} rows copied, sandbox {f['sandbox_id']}, first checkpoint {f['checkpoint']}")
