@@ -91,7 +91,7 @@ BENCH_SCRIPTS = {
     "memory": ["memory/run.py"],
     "durable": ["durable/run.py"],
     "lifecycle": ["lifecycle/run_sim.py", "lifecycle/wake_storm.py"],
-    "sandbox": ["sandbox/run.py", "sandbox/egress.py"],
+    "sandbox": ["sandbox/run.py", "sandbox/egress.py", "sandbox/vm_network.py"],
     "api": ["api/run.py"],
     "e2e": ["e2e/run.py"],
     "attacks": ["attacks/run.py"],
