@@ -197,3 +197,26 @@ def _swallow(fn) -> None:  # noqa: ANN001
         fn()
     except httpx.HTTPError:
         pass
+
+
+def test_forgetting_a_user_removes_their_snapshots_from_the_bucket(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
+                                                                  s3: dict[str, str]) -> None:
+    assert _ok(fleet.turn(0, "gone")) == "1: hi"
+    _sleep(fleet, "gone")
+    assert _ok(fleet.turn(1, "gone")) == "2: hi"  # awake on h2 now, shipped once from h1
+    assert _ok(fleet.turn(0, "kept")) == "1: hi"
+    _sleep(fleet, "kept")
+    ids = {u: fleet.records()[u].id for u in ("gone", "kept")}
+    prefix = s3["object_store_url"].split("/", 3)[3]
+    raw = seaweedfs.client()
+
+    def objects_of(sid: str) -> list[str]:
+        listed = raw.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/").get("Contents", [])
+        return [o["Key"] for o in listed if f"/{sid}/" in o["Key"]]
+
+    assert objects_of(ids["gone"]) and objects_of(ids["kept"])
+    r = fleet.api[2].delete("/v1/agents/echo/users/gone")  # asked through a third host
+    assert r.status_code in (200, 204), r.text
+    assert objects_of(ids["gone"]) == []
+    assert objects_of(ids["kept"])  # another user's snapshots stay
+    assert "gone" not in fleet.records()

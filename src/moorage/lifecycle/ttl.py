@@ -81,6 +81,8 @@ async def finish_delete(manager: "InstanceManager", ts: TenantStore, rec: Sandbo
     with contextlib.suppress(SandboxNotFound):
         sandbox = await manager.driver.open(rec.id)
         await sandbox.destroy()
+    if manager.fleet is not None:  # its shipped snapshots too, before the row: a retry still finds what to delete
+        await manager.io(manager.fleet.delete_instance, ts.tenant_id, rec)
     with contextlib.suppress(ConflictError):  # another manager finished it first
         await manager.io(machine.remove, ts, rec, owner=manager.owner, trace=trace)
     manager.forget(ts.tenant_id, rec.scope)

@@ -528,6 +528,8 @@ class Runtime:
                 await sb.destroy()
             except Exception as e:  # already gone on this host
                 log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
+            if self.instances.fleet is not None:  # its shipped snapshots in the object store
+                await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
             self.instances.forget(ts.tenant_id, rec.scope)
         removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
         removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
