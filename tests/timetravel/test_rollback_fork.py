@@ -123,3 +123,20 @@ async def test_store_checkpoint_costs_only_changed_rows(env, tmp_path: Path) -> 
     rows_now = sum(len(r) for r in image.rows.values())
     # Three checkpoints of a growing instance store fewer bodies than three full copies would.
     assert bodies < 2 * rows_now
+
+
+async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_their_sandbox_copies(env, tmp_path: Path) -> None:
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest="[agent.timetravel]\nkeep = 3\ndaily = 0\n")
+    await env.runtime.deploy(env.principal, root)
+    ts = env.store.tenant(env.principal)
+    await _turns(env, "ada", range(1, 3))
+    named = await env.runtime.timetravel.take(env.principal, "tt", "ada", "keep-me")
+    await _turns(env, "ada", range(3, 12))  # the 10th checkpoint prunes
+    left = Checkpoints(ts).list("tt", "ada")
+    assert named.id in {c.id for c in left}
+    assert [c.seq for c in left] == [12, 11, 10, 9, 8, 3]  # newest three at the prune (8-10), the named one, later ones
+    sandbox = await env.runtime.driver.open(left[0].sandbox_id)
+    on_disk = {c.name for c in await sandbox.checkpoints()}
+    assert on_disk == {c.sandbox_checkpoint for c in left}
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", named.id)
+    assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]
