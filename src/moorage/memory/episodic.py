@@ -533,6 +533,13 @@ class EpisodicMemory:
         with self._cache_lock:
             self._cache.pop(scope.key, None)
 
+    def drop_cached(self, match: Callable[[str], bool]) -> None:
+        """Forget the cached vectors of every scope whose key ``match`` accepts: after a deletion the event
+        count cannot reveal (deleted, then as many written again, as a zero-retention agent does each turn)."""
+        with self._cache_lock:
+            for key in [k for k in self._cache if match(k)]:
+                del self._cache[key]
+
     def _evict(self) -> None:
         with self._cache_lock:
             total = sum(len(v.ids) for v in self._cache.values())
