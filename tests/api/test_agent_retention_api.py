@@ -16,9 +16,9 @@ async def test_agent_retention_over_http(live_rt, store: Store, acme: str, tmp_p
             r = await c.post(f"/v1/agents/{name}/deployments", content=agent_archive(tmp_path / name, name),
                              headers={"content-type": "application/gzip"})
             assert r.status_code == 201, r.text
-        assert (await c.get("/v1/agents/brief/retention")).json() == {"agent": "brief", "ttl_s": None}
+        assert (await c.get("/v1/agents/brief/retention")).json() == {"agent": "brief", "ttl_s": None, "zero_retention": False}
         r = await c.put("/v1/agents/brief/retention", json={"ttl_s": 60})
-        assert r.status_code == 200 and r.json() == {"agent": "brief", "ttl_s": 60}, r.text
+        assert r.status_code == 200 and r.json() == {"agent": "brief", "ttl_s": 60, "zero_retention": False}, r.text
         assert (await c.get("/v1/agents/brief/retention")).json()["ttl_s"] == 60
         for bad in ({"ttl_s": 0}, {"ttl_s": -1}, {"ttl_s": "1d"}, {}):
             r = await c.put("/v1/agents/brief/retention", json=bad)
@@ -34,4 +34,4 @@ async def test_agent_retention_over_http(live_rt, store: Store, acme: str, tmp_p
     assert ts.events.list(Scope.session("keeper", "ada", "default"))
     async with aclient(live_rt, acme) as c:
         r = await c.put("/v1/agents/brief/retention", json={"ttl_s": None})
-        assert r.json() == {"agent": "brief", "ttl_s": None}
+        assert r.json() == {"agent": "brief", "ttl_s": None, "zero_retention": False}

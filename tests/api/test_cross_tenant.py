@@ -48,7 +48,9 @@ async def plant_victim(live, store: Store, globex: str, tmp_path: Path) -> dict[
         token = (await c.post("/v1/agents/vagent/users/vuser/tokens", json={})).json()["token"]
         other_user_token = (await c.post("/v1/agents/vagent/users/vother/tokens", json={})).json()["token"]
         retention = await c.put("/v1/agents/vagent/retention", json={"ttl_s": 86400})
-        assert retention.json() == {"agent": "vagent", "ttl_s": 86400}, retention.text
+        assert retention.json() == {"agent": "vagent", "ttl_s": 86400, "zero_retention": False}, retention.text
+        tenant_retention = await c.put("/v1/retention", json={"ttl_s": {"session": 7 * 86400}})
+        assert tenant_retention.json()["ttl_s"]["session"] == 7 * 86400, tenant_retention.text
     ts = store.tenant(store.authenticate(globex))
     sandbox = ts.sandboxes.list()[0]
     async with aclient(live, globex) as c:  # a detached exec whose kept output is the planted string
@@ -80,6 +82,8 @@ def snapshot(store: Store, globex: str) -> dict[str, Any]:
         "users": [(u.user, u.version) for u in ts.agent_users.list("vagent")],
         "webhooks": [(h.id, h.url, h.version) for h in ts.webhooks.list()],
         "retention": ts.retention.agents(),
+        "tenant_retention": ts.retention.get(),
+        "agent_configs": [(a.name, a.config) for a in ts.agents.list()],
         "deliveries": [(d.id, d.status, d.version) for h in ts.webhooks.list() for d in ts.deliveries.list(h.id)],
     }
 

@@ -91,9 +91,22 @@ class Api(ABC):
         """The agent's own data retention (``ttl_s`` None: none of its own)."""
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/retention"))
 
-    def set_retention(self, agent: str, ttl_s: float | None) -> T.Retention:
-        """Delete the agent's sessions, users and runs once idle ``ttl_s`` seconds (None clears it)."""
-        return self._send(Request("PUT", f"/v1/agents/{_p(agent)}/retention", json={"ttl_s": ttl_s}))
+    def set_retention(self, agent: str, ttl_s: float | None = None, *,
+                      zero_retention: bool | None = None) -> T.Retention:
+        """Delete the agent's sessions, users and runs once idle ``ttl_s`` seconds (None clears it); or, with
+        ``zero_retention=True``, keep nothing of its turns once they end (False turns that off again)."""
+        body: dict[str, Any] = {"ttl_s": ttl_s}
+        if zero_retention is not None:
+            body = {"zero_retention": zero_retention, **({"ttl_s": ttl_s} if ttl_s is not None else {})}
+        return self._send(Request("PUT", f"/v1/agents/{_p(agent)}/retention", json=body))
+
+    def get_tenant_retention(self) -> T.TenantRetention:
+        """The tenant's TTL per scope kind (None: kept) and the agents with a retention of their own."""
+        return self._send(Request("GET", "/v1/retention"))
+
+    def set_tenant_retention(self, ttl_s: Mapping[str, float | None]) -> T.TenantRetention:
+        """Set or clear the TTL of the given scope kinds (``session``, ``user``, ``workflow``); others stay."""
+        return self._send(Request("PUT", "/v1/retention", json={"ttl_s": dict(ttl_s)}))
 
     # -- end-users ------------------------------------------------------------------------------------------
 

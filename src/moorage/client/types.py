@@ -36,6 +36,14 @@ class Deployment(TypedDict, total=False):
 class Retention(TypedDict, total=False):
     agent: str
     ttl_s: float | None
+    zero_retention: bool
+
+
+class TenantRetention(TypedDict, total=False):
+    #: TTL per scope kind: ``session``, ``user``, ``workflow`` (None: kept).
+    ttl_s: dict[str, float | None]
+    #: Agents with a TTL or zero retention of their own.
+    agents: list[Retention]
 
 
 class User(TypedDict, total=False):

@@ -126,6 +126,11 @@ class Host:
                 rep = await asyncio.to_thread(self.store.operator.sweep_all)
                 if rep.scopes:
                     log.info("retention sweep", scopes=rep.scopes, rows=rep.rows)
+                # Zero-retention agents: what async executions kept until their outcome was announced.
+                from moorage.store.zero_retention import sweep as zero_sweep
+
+                for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+                    await asyncio.to_thread(zero_sweep, ts)
             except Exception as e:  # the sweeper must outlive a bad round
                 log.error("retention sweep failed", error=str(e))
             await asyncio.sleep(RETENTION_SWEEP_S)

@@ -67,26 +67,48 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
         raise AgentPackageError(f"scope must be one of {', '.join(SCOPES)}, not {agent.get('scope')!r}")
     _check_egress(agent)
     _check_sizing(agent)
-    retention_ttl_s(agent)
+    _retention(agent)
     return agent
 
 
 def retention_ttl_s(agent: dict[str, Any]) -> float | None:
     """The ``[agent.retention] ttl_s`` of a manifest (None when absent); malformed, it fails the deploy."""
+    return _retention(agent)[0]
+
+
+def retention_zero(agent: dict[str, Any]) -> bool | None:
+    """The ``[agent.retention] zero_retention`` of a manifest: None without the table (a deploy then leaves the
+    setting as it was), else whether the agent keeps nothing of its turns (default false)."""
+    return _retention(agent)[1]
+
+
+def _retention(agent: dict[str, Any]) -> tuple[float | None, bool | None]:
     table = agent.get("retention")
     if table is None:
-        return None
-    hint = "[agent.retention] takes ttl_s = <seconds>: an idle session, user or workflow of this agent is deleted after it"
+        return None, None
+    hint = ("[agent.retention] takes ttl_s = <seconds> (an idle session, user or workflow of this agent is deleted "
+            "after it) or zero_retention = true (nothing of a turn is kept once it ends)")
     if not isinstance(table, dict):
         raise AgentPackageError("moorage.toml: [agent.retention] must be a table", hint=hint)
-    unknown = sorted(set(table) - {"ttl_s"})
+    unknown = sorted(set(table) - {"ttl_s", "zero_retention"})
     if unknown:
         raise AgentPackageError(f"moorage.toml: unknown [agent.retention] setting {unknown[0]!r}", hint=hint)
+    zero = table.get("zero_retention", False)
+    if not isinstance(zero, bool):
+        raise AgentPackageError(f"moorage.toml: [agent.retention] zero_retention must be true or false, not {zero!r}",
+                                hint=hint)
+    if "ttl_s" not in table:
+        if not zero:
+            raise AgentPackageError("moorage.toml: [agent.retention] sets nothing", hint=hint)
+        return None, True
+    if zero:
+        raise AgentPackageError("moorage.toml: [agent.retention] sets both ttl_s and zero_retention = true",
+                                hint="zero retention keeps nothing after a turn, so a TTL has nothing to expire: keep one")
     ttl = table.get("ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
         raise AgentPackageError(f"moorage.toml: [agent.retention] ttl_s must be a positive number of seconds, not {ttl!r}",
                                 hint=hint)
-    return float(ttl)
+    return float(ttl), False
 
 
 def _check_sizing(agent: dict[str, Any]) -> None:

@@ -27,11 +27,12 @@ from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
 from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
-                                     save_archive)
+                                     retention_zero, save_archive)
 from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Agent, Deployment, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
+from moorage.store import zero_retention
 
 log = get_logger(__name__)
 
@@ -312,6 +313,9 @@ class Runtime:
         ttl = retention_ttl_s(pkg.manifest)
         if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
             await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
+        zero = retention_zero(pkg.manifest)
+        if zero is not None:  # the same: without the table, zero retention stays as the API left it
+            await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
         await self._refresh_pool(ts, agent, previous)
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
@@ -593,9 +597,23 @@ class Runtime:
             if task.exception() is not None:
                 # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
                 await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
+            if zero_retention.is_zero(agent) and (task.exception() is not None or task.result().status != "waiting"):
+                # The agent keeps nothing of a turn once it ended (a waiting one keeps its run until answered).
+                await asyncio.to_thread(zero_retention.purge, ts, entity.agent, entity.user)
+                self.drop_cached_vectors(ts, entity.agent, entity.user)
             # The turn itself is durable: a caller that stops listening does not cancel it.
             yield TurnEvent("done", task.result())
             return
+
+    def drop_cached_vectors(self, ts: TenantStore, agent: str, user: str | None = None) -> None:
+        """After a purge: the episodic cache of the user's (or every user's) scopes of ``agent`` is stale in a
+        way its event count may not show."""
+        m = self._memories.get(ts.tenant_id)
+        if m is not None:
+            if user is None:
+                m.episodic.drop_cached(lambda key: key.startswith((f"user:{agent}/", f"session:{agent}/")))
+            else:
+                m.episodic.drop_cached(lambda key: key == f"user:{agent}/{user}" or key.startswith(f"session:{agent}/{user}/"))
 
     @staticmethod
     def _abandon(ts: TenantStore, run_id: str, error: BaseException) -> None:

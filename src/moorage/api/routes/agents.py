@@ -1,4 +1,4 @@
-"""Agents and their deployments: list, get, deploy a tar.gz, roll back; their data retention; end-user tokens.
+"""Agents and their deployments: list, get, deploy a tar.gz, roll back; end-user tokens (retention: retention.py).
 
 Deploy and rollback go to the runtime; listing reads the tenant's store.
 """
@@ -67,24 +67,6 @@ def issue_token(call: Call) -> Reply:
     return Reply({"token": tok.token, "agent": tok.agent, "user": tok.user, "expires_at": tok.expires_at}, 201)
 
 
-def _retention(call: Call, name: str) -> dict[str, Any]:
-    return {"agent": name, "ttl_s": call.tenant.retention.agents().get(name)}
-
-
-def get_retention(call: Call) -> dict[str, Any]:
-    return _retention(call, agent_of(call).name)
-
-
-def set_retention(call: Call) -> dict[str, Any]:
-    agent = agent_of(call)
-    if not isinstance(call.body, dict) or "ttl_s" not in call.body:
-        raise InvalidInput("missing field 'ttl_s'", hint='send {"ttl_s": <seconds>}, or {"ttl_s": null} to clear it')
-    call.tenant.retention.set_agent(agent.name, call.field("ttl_s", (int, float), required=False))
-    return _retention(call, agent.name)
-
-
-RETENTION = S.obj({"agent": {"type": "string"}, "ttl_s": {"type": ["number", "null"]}})
-
 ENDPOINTS = [
     Endpoint("GET", "/v1/agents", list_agents, "List agents", "agents", "listAgents", scope="read", query=PAGE,
              response=S.page_of("Agent")),
@@ -101,11 +83,4 @@ ENDPOINTS = [
              "Issue an end-user token limited to one user of this agent", "agents", "issueUserToken",
              scope="deploy", status=201, secret_fields=("token",), body=S.obj({"ttl_s": {"type": "number", "exclusiveMinimum": 0}}, []),
              response=S.ref("UserToken")),
-    Endpoint("GET", "/v1/agents/{agent}/retention", get_retention,
-             "An agent's own data retention (ttl_s: idle seconds before its sessions, users and runs are deleted)",
-             "agents", "getAgentRetention", scope="read", response=RETENTION),
-    Endpoint("PUT", "/v1/agents/{agent}/retention", set_retention,
-             "Set or clear an agent's own data retention (the shorter of it and the tenant's per-kind TTL wins)",
-             "agents", "setAgentRetention", scope="deploy",
-             body=S.obj({"ttl_s": {"type": ["number", "null"], "exclusiveMinimum": 0}}), response=RETENTION),
 ]

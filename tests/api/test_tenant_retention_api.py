@@ -1,0 +1,60 @@
+"""``GET``/``PUT /v1/retention``: the tenant's default TTL per scope kind, read (``read``) and set (``admin``)
+over HTTP, validated as a whole before anything is written, applied by the sweeper, invisible to another
+tenant and refused to keys limited to one agent."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from moorage.store import Scope, Store
+from tests.api.conftest import aclient, agent_archive
+
+GZ = {"content-type": "application/gzip"}
+NONE = {"session": None, "user": None, "workflow": None}
+
+
+async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, globex: str, tmp_path: Path) -> None:
+    async with aclient(live_rt, acme) as c, aclient(live_rt, globex) as g:
+        assert (await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ)).status_code == 201
+        assert (await c.get("/v1/retention")).json() == {"ttl_s": NONE, "agents": []}
+        r = await c.put("/v1/retention", json={"ttl_s": {"session": 60, "workflow": 3600}})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"ttl_s": {"session": 60, "user": None, "workflow": 3600}, "agents": []}
+        # An agent with a retention of its own is listed beside the tenant's defaults.
+        assert (await c.put("/v1/agents/echo/retention", json={"ttl_s": 30})).status_code == 200
+        assert (await c.get("/v1/retention")).json()["agents"] == [{"agent": "echo", "ttl_s": 30, "zero_retention": False}]
+        assert (await c.put("/v1/agents/echo/retention", json={"ttl_s": None})).status_code == 200
+        # Nothing is written unless every entry is valid.
+        for bad in ({"ttl_s": {"session": 10, "events": 5}}, {"ttl_s": {"session": 0}}, {"ttl_s": {"user": "1d"}},
+                    {"ttl_s": {}}, {"ttl_s": 60}, {}, {"ttl_s": {"user": 5}, "extra": 1}):
+            r = await c.put("/v1/retention", json=bad)
+            assert r.status_code == 422, (bad, r.text)
+        assert (await c.get("/v1/retention")).json()["ttl_s"] == {"session": 60, "user": None, "workflow": 3600}
+        # Another tenant's retention is its own.
+        assert (await g.get("/v1/retention")).json() == {"ttl_s": NONE, "agents": []}
+        assert (await g.put("/v1/retention", json={"ttl_s": {"user": 5}})).status_code == 200
+        assert (await c.get("/v1/retention")).json()["ttl_s"]["user"] is None
+
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})).status_code == 200
+        ts = store.tenant(store.authenticate(acme))
+        assert ts.events.list(Scope.session("echo", "ada", "default"))
+        store.operator.sweep_all(now=time.time() + 120)
+        assert ts.events.list(Scope.session("echo", "ada", "default")) == []  # the tenant's session TTL applied
+
+        # Clearing a kind keeps its data again.
+        r = await c.put("/v1/retention", json={"ttl_s": {"session": None}})
+        assert r.json()["ttl_s"] == {"session": None, "user": None, "workflow": 3600}
+
+        # Scopes: read may read, only admin may set; a key limited to one agent reaches neither.
+        read = (await c.post("/v1/keys", json={"scopes": ["read"]})).json()["secret"]
+        deploy = (await c.post("/v1/keys", json={"scopes": ["deploy"]})).json()["secret"]
+        limited = (await c.post("/v1/keys", json={"scopes": ["read", "deploy"], "agent": "echo"})).json()["secret"]
+    async with aclient(live_rt, read) as r_key, aclient(live_rt, deploy) as d_key, aclient(live_rt, limited) as l_key:
+        assert (await r_key.get("/v1/retention")).status_code == 200
+        assert (await r_key.put("/v1/retention", json={"ttl_s": {"user": 5}})).status_code == 403
+        assert (await d_key.put("/v1/retention", json={"ttl_s": {"user": 5}})).status_code == 403
+        assert (await l_key.get("/v1/retention")).status_code == 403
+        assert (await l_key.get("/v1/agents/echo/retention")).status_code == 200
+    async with aclient(live_rt, acme) as c:
+        assert (await c.get("/v1/retention")).json()["ttl_s"]["user"] is None
