@@ -100,6 +100,11 @@ class Config:
     #: The package index pip uses for an agent's requirements.txt at deploy time (empty: PyPI's); it must be
     #: admitted by egress_package_index.
     package_index_url: str = ""
+    #: The Debian mirror apt uses for an agent's ``[agent] apt`` packages at deploy time (empty: Debian's own,
+    #: http://deb.debian.org/debian); it must be admitted by egress_package_index. ``package_apt_trusted`` skips
+    #: apt's signature check, for a local mirror the operator built without a key (never for a public one).
+    package_apt_url: str = ""
+    package_apt_trusted: bool = False
     #: Per-instance egress limits: open connections, new connections per second, bytes per second (0: no
     #: limit) and bytes per wake (0: no limit).
     egress_max_connections: int = 32
