@@ -21,7 +21,7 @@ from moorage.log import get_logger
 from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
 from moorage.runtime.private_files import private_dir, write_private
-from moorage.runtime import deploy_packages
+from moorage.runtime import deploy_apt, deploy_packages
 from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Deployment, Scope
@@ -129,12 +129,18 @@ class Templates:
         spec = spec_for(deployment.manifest, self.driver.config, self.driver.root)
         archive = self.archive(deployment)
         requirements = deploy_packages.requirements_of(unpack(archive))
+        apt = deploy_apt.packages_of(deployment.manifest)
         if requirements:
             spec = dataclasses.replace(spec, env={**spec.env, **deploy_packages.guest_env(requirements)})
+        if apt:  # the builder's relay carries apt's downloads
+            spec = dataclasses.replace(spec, env={**spec.env, "MOORAGE_NETWORK": "1"})
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
         try:
             await sb.start()
+            if apt:
+                await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
+                                         say, owner=deployment.agent_id)
             if requirements:
                 await deploy_packages.install(sb, requirements, self.driver.config, self._egress(),
                                               self.root / "package-cache", say, owner=deployment.agent_id)
