@@ -1,4 +1,4 @@
-"""WebSockets to an agent's own app, end to end on the process driver with a real client (``websockets``): messages
+"""WebSockets to an agent's own app, end to end on both drivers with a real client (``websockets``): messages
 both ways through the owner's route and share links, subprotocols, closes from either side, caps, the socket
 closed when the instance sleeps (which it does not prevent), and nothing across tenants, users or dead links."""
 
@@ -202,17 +202,17 @@ class World:
     store: Any
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["process", "microvm"])
+async def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
-    tmp = tmp_path_factory.mktemp("appsocket")
-    cfg = Config(data_dir=tmp / "data", sandbox_driver="process", app_ws_max_message_bytes=MAX_MESSAGE,
+    tmp = tmp_path_factory.mktemp(f"appsocket-{request.param}")
+    cfg = Config(data_dir=tmp / "data", sandbox_driver=request.param, app_ws_max_message_bytes=MAX_MESSAGE,
                  app_ws_max_sockets=MAX_SOCKETS)
     store = open_store(cfg)
     acme = store.operator.create_tenant("acme")[1].secret
     globex = store.operator.create_tenant("globex")[1].secret
-    driver = DRIVER_FACTORIES["process"](cfg.sandboxes_dir, cfg)
+    driver = DRIVER_FACTORIES[request.param](cfg.sandboxes_dir, cfg)
     manager = InstanceManager(store, driver)
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
@@ -362,6 +362,12 @@ async def test_sleep_closes_the_socket_and_the_next_one_wakes_the_instance(world
     async with owner(world, "bob") as ws:
         await ws.send("note")
         assert await ws.recv() == "bob-only"
+        # Its messages are activity for the instance's idle policy, as turns are.
+        activity = rt.instances.live(ts, scope).activity
+        before = (activity.turns, activity.idle_since)
+        await ws.send("note")
+        assert await ws.recv() == "bob-only"
+        assert activity.turns > before[0] and activity.idle_since > before[1] and not activity.busy
         # An open socket does not keep the instance awake: its lifecycle may sleep it, and the socket then ends.
         assert await rt.instances.sleep(ts, scope)
         assert await closed_with(ws) == (1001, "the agent's instance went to sleep")
