@@ -65,6 +65,16 @@ def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fl
     # An awake instance asked through another host is served by its owner (forwarded, one hop).
     r = fleet.turn(0, "u01")
     assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h3"
+    # `moorage hosts` lists the three with their instances.
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts", "--json"], capture_output=True, text=True,
+                         env={**os.environ, "MOORAGE_STORE_URL": fleet.store_url}, timeout=120, check=True)
+    listed = {h["id"]: h for h in json.loads(out.stdout)}
+    assert set(listed) == {"h1", "h2", "h3"} and all(h["state"] == "active" for h in listed.values())
+    assert sum(h["instances"].get("running", 0) for h in listed.values()) == 30
 
 
 def test_a_hundred_concurrent_requests_through_three_hosts_wake_a_sleeping_agent_once(fleet: Fleet) -> None:

@@ -71,13 +71,19 @@ def up(
     port: Optional[int] = typer.Option(None, "--port"),
     detach: bool = typer.Option(False, "--detach", help="On stop, leave awake micro-VMs running (a live upgrade; "
                                 "the next start re-adopts them) instead of putting them to sleep."),
+    store_url: Optional[str] = typer.Option(None, "--store-url", help="A postgresql:// store shared with other hosts."),
+    object_store_url: Optional[str] = typer.Option(None, "--object-store-url",
+                                                   help="s3://bucket/prefix shared with other hosts (with --store-url: join a fleet)."),
+    host_id: Optional[str] = typer.Option(None, "--host-id", help="This host's unique id in the fleet."),
 ) -> None:
     """Run moorage on this machine with the embedded defaults and serve the HTTP API."""
     import asyncio
 
     from moorage.cli.up import serve
 
-    cfg = state.cfg.with_(**{k: v for k, v in (("host", host), ("port", port)) if v is not None})
+    cfg = state.cfg.with_(**{k: v for k, v in (("host", host), ("port", port), ("store_url", store_url),
+                                               ("object_store_url", object_store_url), ("host_id", host_id))
+                             if v is not None})
     if detach:
         cfg = cfg.with_(shutdown="detach")
     try:
@@ -128,6 +134,7 @@ SUBCOMMANDS = {
     "store": "moorage.cli.store",
     "secrets": "moorage.cli.secrets",
     "checkpoints": "moorage.cli.checkpoints",
+    "hosts": "moorage.cli.hosts",
 }
 
 
