@@ -119,8 +119,57 @@ def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -
             raise CapExceeded(agent, user, name, limit, used, end, now)
 
 
+#: The window of an operator's per-tenant ``tokens_per_month`` (the LLM policy's; see llm/policy.py).
+TENANT_BUDGET_WINDOW_S = 30 * 86400.0
+
+
+class TenantBudgetExceeded(MoorageError):
+    """The tenant used up the operator's ``tokens_per_month`` across the fleet; nothing was started."""
+
+    code = "budget-exceeded"
+    http_status = 429
+
+    def __init__(self, limit: float, used: float, retry_after: float) -> None:
+        super().__init__(f"this tenant reached the cap tokens_per_month of its LLM policy ({used:.6g} of {limit:.6g} "
+                         "tokens in the last 30 days, counted on every host)",
+                         hint="retry when older usage leaves the window, or ask the operator to raise the budget")
+        self.cap = "tokens_per_month"
+        self.limit = limit
+        self.used = used
+        #: Read by the API's problem+json: when the oldest counted usage leaves the 30-day window.
+        self.retry_after = max(1.0, retry_after)
+
+
+def tenant_token_budget(runtime: Any, tenant_id: str) -> float | None:
+    """The operator's ``tokens_per_month`` for this tenant (None: no policy or no budget)."""
+    policy = getattr(getattr(runtime, "llm", None), "policy", None)
+    if policy is None:
+        return None
+    limit = policy(tenant_id).tokens_per_month
+    return float(limit) if limit else None
+
+
+def check_tenant_budget(ts: TenantStore, limit: float, *, now: float | None = None) -> None:
+    """Raise ``TenantBudgetExceeded`` when the tenant's model tokens in the ledger over the last 30 days reach
+    ``limit``. The ledger is the shared store, so this counts every host's calls (the gateway's own budget is
+    per host process)."""
+    now = time.time() if now is None else now
+    since = now - TENANT_BUDGET_WINDOW_S
+    totals = ts.usage.totals(since=since)
+    used = totals.get("input_tokens", 0.0) + totals.get("output_tokens", 0.0)
+    if used < limit:
+        return
+    oldest = ts.read("SELECT MIN(ts) FROM usage WHERE ts >= ? AND kind IN ('input_tokens', 'output_tokens')", [since])
+    first = float(oldest[0][0]) if oldest and oldest[0][0] is not None else now
+    raise TenantBudgetExceeded(limit, used, first + TENANT_BUDGET_WINDOW_S - now)
+
+
 async def enforce(runtime: Any, ts: TenantStore, entity: EntityKey) -> None:
-    """Before a turn: refuse it if the user is over a cap; over the compute cap, their instance also sleeps."""
+    """Before a turn: refuse it if the user is over a cap, or the tenant over its LLM budget (fleet-wide, from
+    the ledger); over the compute cap, the user's instance also sleeps."""
+    budget = tenant_token_budget(runtime, ts.tenant_id)
+    if budget is not None:
+        await asyncio.to_thread(check_tenant_budget, ts, budget)
     try:
         await asyncio.to_thread(check, ts, entity.agent, entity.user)
     except CapExceeded as e:
