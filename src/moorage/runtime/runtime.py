@@ -544,6 +544,8 @@ class Runtime:
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""
         resumed = 0
+        # A rollback or fork a killed host left half done is finished first: turns then see one point in time.
+        await self.timetravel.recover()
         tenants = await asyncio.to_thread(lambda: list(self.store.operator.tenants()))
         for ts in tenants:  # messages a killed host committed but did not embed: embedded in the background
             self.embed_queue.submit(self.memory(ts).episodic)

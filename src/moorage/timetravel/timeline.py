@@ -326,5 +326,18 @@ class TimeTravel:
         log.info("instance forked", agent=agent, user=user, checkpoint=target.id, into=list(to_users), ms=ms)
         return {"object": "fork", "agent": agent, "user": user, "checkpoint": target.id, "forks": out, "ms": ms}
 
+    async def recover(self) -> int:
+        """At host start, before turns resume: finish every operation a killed host left half done."""
+        done = 0
+        for ts in await asyncio.to_thread(lambda: list(self.rt.store.operator.tenants())):
+            for agent, user in await asyncio.to_thread(checkpoints_of(ts).pending):
+                try:
+                    async with self._hold(ts, agent, user):
+                        done += 1  # _hold finished it
+                except Exception as e:  # noqa: BLE001 - one broken instance must not stop the host
+                    log.warning("could not finish an interrupted time-travel operation", agent=agent, user=user,
+                                error=str(e))
+        return done
+
     async def forget(self, ts: TenantStore, agent: str, user: str) -> int:
         return await asyncio.to_thread(checkpoints_of(ts).delete_user, agent, user)

@@ -205,6 +205,11 @@ class Checkpoints:
             c.x("INSERT INTO checkpoint_heads (agent_id, user_id, branch, head_id, pending, event_ranges, version, "
                 "updated_at) VALUES (?, ?, ?, ?, ?, ?, 1, ?)", (agent, user, branch, head_id, pend, rj, now))
 
+    def pending(self) -> list[tuple[str, str]]:
+        """Instances with an operation left half done (agent, user)."""
+        with self._ts._tx(write=False) as c:
+            return [(r[0], r[1]) for r in c.q("SELECT agent_id, user_id FROM checkpoint_heads WHERE pending IS NOT NULL")]
+
     def set_pending(self, agent: str, user: str, pending: dict[str, Any] | None) -> None:
         """Record (or clear) an operation whose sandbox half runs outside the store's transaction."""
         with self._ts._tx() as c:
