@@ -18,7 +18,7 @@ from typing import Any, Callable
 from moorage.errors import ConflictError, MoorageError, NotFound
 from moorage.fleet.forward import Forwarder
 from moorage.fleet.hosts import HostInfo, HostRegistry, check_host_id
-from moorage.fleet.ship import Shipper, ShipReport, SnapshotUnavailable
+from moorage.fleet.ship import INDEX_NAME, Shipper, ShipReport, SnapshotUnavailable
 from moorage.log import get_logger
 from moorage.objects import ObjectStore
 from moorage.store import SandboxRecord
@@ -165,6 +165,12 @@ class FleetMember:
                 log.error("shipped snapshot unusable; trying an older one", instance=record.id, key=k, error=str(e))
                 continue
             self.driver.forget_handle(record.id)
+            try:
+                # Paths of the host that shipped it (template, image, disk backing) become this host's.
+                self.driver.adopt_fetched(record.id)
+            except BaseException:
+                (d / INDEX_NAME).unlink(missing_ok=True)  # not "exactly the shipped snapshot": fetched again next time
+                raise
             self.shipper.mark_running(d, record.lease_epoch)
             log.info("snapshot fetched", instance=record.id, key=k, chunks=rep.chunks_moved, bytes=rep.bytes_moved,
                      ms=round(rep.seconds * 1000, 1), fallback=i > 0)

@@ -482,3 +482,8 @@ class SandboxDriver(ABC):
         if isinstance(cache, dict):
             cache.pop(sandbox_id, None)
 
+    def adopt_fetched(self, sandbox_id: str) -> None:
+        """Make a sleeping sandbox's directory, just fetched from the fleet's object store, refer to this host's
+        files (its template, image, disk backing) instead of those of the host that shipped it. Blocking. Drivers
+        whose sandbox directories are self-contained need nothing."""
+
