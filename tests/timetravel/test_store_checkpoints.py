@@ -92,10 +92,12 @@ def test_copy_to_a_new_user_then_both_diverge(ts: TenantStore) -> None:
     assert ts.state.get(Scope.for_user(A, "twin"), "counter").value == 9
     with pytest.raises(ConflictError):
         cps.copy_to_user(A, U, ck.id, "twin")  # that user has data now
-    # Forgetting the twin removes everything, copied rows included.
-    ts.forget_user("twin", A)
-    cps.delete_user(A, "twin")
+    cps.take(A, "twin")
+    # Forgetting the twin (of every agent) removes everything, copied rows and checkpoints included.
+    ts.forget_user("twin")
     assert store_view(ts, A, "twin")["events"] == [] and ts.facts.list(Scope.for_user(A, "twin")) == []
+    assert ts.checkpoints.list(A, "twin") == [] and ts.checkpoints.head(A, "twin") is None
+    assert ts.checkpoints.list(A, U) != []  # the source's stay
 
 
 def test_prune_keeps_what_it_is_told_and_what_those_need(ts: TenantStore) -> None:

@@ -71,6 +71,9 @@ class TenantStore:
         from moorage.store.share_links import ShareLinks
 
         self.share_links = ShareLinks(self)
+        from moorage.store.repos.checkpoints import Checkpoints
+
+        self.checkpoints = Checkpoints(self)
 
     @property
     def tenant_id(self) -> str:
@@ -162,6 +165,7 @@ class TenantStore:
             n = _delete_scopes(c, sorted(set(keys)))
             n += self.secrets.delete_user(user, agent)  # the user's own secrets go with them
             n += self.share_links.delete_user(user, agent)  # and every link to their app
+            n += self.checkpoints.forget_user(user, agent)  # and their instances' checkpoints
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))

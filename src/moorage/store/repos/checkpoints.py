@@ -455,10 +455,15 @@ class Checkpoints:
 
     def delete_user(self, agent: str, user: str) -> int:
         """Forget every checkpoint of the instance (with the user)."""
+        return self.forget_user(user, agent)
+
+    def forget_user(self, user: str, agent: str | None = None) -> int:
+        """Forget every checkpoint of ``user``'s instances (of one agent, or of all)."""
+        where, params = ("user_id = ?", (user,)) if agent is None else ("agent_id = ? AND user_id = ?", (agent, user))
         with self._ts._tx() as c:
             n = 0
             for t in ("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"):
-                n += c.x(f"DELETE FROM {t} WHERE agent_id = ? AND user_id = ?", (agent, user))
+                n += c.x(f"DELETE FROM {t} WHERE {where}", params)
         return n
 
 
