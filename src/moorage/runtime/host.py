@@ -90,6 +90,17 @@ class Host:
                                         max_ram_mib=config.max_awake_ram_mib or None)
         manager.tenant_max_awake = config.max_awake_per_tenant or None
         host = cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
+        if config.object_store_url:
+            from moorage.fleet.templates import PublishedTemplates
+            from moorage.objects import open_object_store
+
+            # Deployment templates (and their guest images) go to the object store: every host forks the same one,
+            # and a fetched instance finds the template its memory and disk were made against (docs/fleet.md).
+            objects = manager.fleet.objects if manager.fleet is not None else open_object_store(config)
+            published = PublishedTemplates(objects, driver)
+            host.runtime.templates.published = published
+            if hasattr(driver, "template_source"):
+                driver.template_source = published.fetch
         if config.otlp_endpoint:
             from moorage.observability.otlp import otlp_sink
 

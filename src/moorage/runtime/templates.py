@@ -1,8 +1,10 @@
 """Template snapshots per deployment: a booted guest with the agent's code loaded, ready to fork.
 
-Templates are host-local files (under ``<data_dir>/templates``); any host rebuilds a missing one from the
-deployment's package, so the store stays the only source of truth. Fork templates, snapshots of one user's
-instance, are recorded with that user (``templates/forks/``) so that forgetting the user deletes them too.
+Templates are files on the host (under ``<data_dir>/templates``). With an object store (a fleet) the first host
+to build a deployment's template publishes it and every other host fetches that one (``fleet/templates.py``): an
+instance's memory and disk are only valid against the template it was forked from. Without one, a host rebuilds a
+missing template from the deployment's package. Fork templates, snapshots of one user's instance, are recorded with
+that user (``templates/forks/``) so that forgetting the user deletes them too.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Templates:
         #: Deploy-time package installs go through this (``egress_of(runtime)`` when the runtime set it).
         self.egress: Any = None
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Templates in the object store (a fleet, set by the host): fetched instead of built, published when built.
+        self.published: Any = None
 
     def _egress(self) -> Any:
         """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
@@ -113,7 +117,25 @@ class Templates:
             ref = self.cached(deployment.id)
             if ref is not None:
                 return ref
+            if self.published is not None:
+                ref = await self._fetch_published(deployment)
+                if ref is not None:
+                    return ref
             return await self._build(deployment, on_progress)
+
+    async def _fetch_published(self, deployment: Deployment, claim: dict[str, Any] | None = None) -> TemplateRef | None:
+        """The deployment's published template, fetched to this host (None: none published, or it is unusable)."""
+        try:
+            claim = claim or await asyncio.to_thread(self.published.chosen, deployment.id)
+            if claim is None:
+                return None
+            path = await asyncio.to_thread(self.published.fetch, str(claim["template_id"]))
+        except (MoorageError, OSError, ValueError, KeyError) as e:
+            log.error("published template unusable; building one on this host", deployment=deployment.id, error=str(e))
+            return None
+        ref = self.published.ref_of(claim, path)
+        write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
+        return ref
 
     async def _build(self, deployment: Deployment, on_progress: Any) -> TemplateRef:
         def say(msg: str) -> None:
@@ -148,9 +170,22 @@ class Templates:
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
             say("snapshotting the template")
-            ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}")
+            # Unique per build: two hosts never hold different templates under one id (the fleet ships by id).
+            ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}-{uuid.uuid4().hex[:6]}")
         finally:
             await sb.destroy()
+        if self.published is not None:
+            say("publishing the template")
+            claim = await asyncio.to_thread(self.published.publish, ref, deployment.id)
+            if claim["template_id"] != ref.id:
+                # Another host published first: forks everywhere use that one. Ours is deleted here and in the
+                # object store (no fork was made from it); if theirs cannot be fetched, ours stays and is used.
+                theirs = await self._fetch_published(deployment, claim)
+                if theirs is not None:
+                    await self.driver.delete_template(ref)
+                    await asyncio.to_thread(self.published.unpublish, ref.id)
+                    say("template ready (another host's)")
+                    return theirs
         write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         say("template ready")
         return ref

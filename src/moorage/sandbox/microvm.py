@@ -137,6 +137,40 @@ async def _qemu_img(*args: str, sandbox_dir: Path | None = None) -> None:
         raise SandboxError(f"qemu-img {args[0]} failed: {err.decode(errors='replace').strip()}")
 
 
+def _qcow2_backing(path: Path) -> str | None:
+    """The backing file name written in a qcow2 header (None: no backing, or not a qcow2 file)."""
+    with open(path, "rb") as f:
+        head = f.read(20)
+        if len(head) < 20 or head[:4] != b"QFI\xfb":
+            return None
+        offset, size = int.from_bytes(head[8:16], "big"), int.from_bytes(head[16:20], "big")
+        if not offset or not size:
+            return None
+        f.seek(offset)
+        return f.read(size).decode(errors="replace")
+
+
+def _rebase(disk: Path, backing: Path, fmt: str) -> bool:
+    """Point ``disk``'s qcow2 header at ``backing`` (same bytes, another path: ``-u`` copies nothing). Blocking;
+    returns whether the header changed. A read-only file (a template's disk) is made writable for the call."""
+    if _qcow2_backing(disk) == str(backing):
+        return False
+    mode = disk.stat().st_mode & 0o777
+    if not mode & 0o200:
+        disk.chmod(mode | 0o200)
+    try:
+        r = subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(backing), "-F", fmt, str(disk)],
+                           capture_output=True, text=True)
+    finally:
+        if not mode & 0o200:
+            disk.chmod(mode)
+    if r.returncode != 0:
+        raise SandboxError(f"qemu-img rebase of {disk} failed: {r.stderr.strip()}",
+                           hint="check the disk file; it may be damaged")
+    ram.fsync_path(disk)
+    return True
+
+
 class _Phases:
     """Milliseconds per step of a sleep or wake, logged with it (where the time goes on a given host)."""
 
@@ -954,6 +988,103 @@ class MicroVMDriver(SandboxDriver):
 
     async def list(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / "meta.json").exists())
+
+    # --- the fleet: what travels between hosts, and making a fetched copy this host's ------------------------
+
+    #: A sandbox directory's sleeping state on any host. Sockets (run/), pids, logs and half-written snapshot
+    #: directories (*.new, *.old) are this host's only.
+    _PORTABLE = frozenset({"meta.json", "disk.qcow2", "ram", "snapshot", "checkpoints"})
+    #: A template directory's state on any host. ``children/`` and ``deleted`` are this host's bookkeeping and the
+    #: child overlay is remade against this host's path (``adopt_template``).
+    _TEMPLATE_PORTABLE = frozenset({"template.json", "dev.state", "ram", "disk.qcow2"})
+
+    #: Set by a fleet member: called with a template id when a fetched sandbox's template is not on this host;
+    #: it brings the template into ``template_dir(id)`` (blocking) or raises.
+    template_source: Callable[[str], Any] | None = None
+
+    @classmethod
+    def portable(cls, rel: str) -> bool:
+        """Whether ``rel`` (a path in a sandbox's directory) travels with its snapshot to another host."""
+        return rel.split("/", 1)[0] in cls._PORTABLE
+
+    @classmethod
+    def template_portable(cls, rel: str) -> bool:
+        """Whether ``rel`` (a path in a template's directory) travels when the template is published."""
+        return rel.split("/", 1)[0] in cls._TEMPLATE_PORTABLE
+
+    def template_dir(self, template_id: str) -> Path:
+        return self._templates_dir() / validate_id(template_id, "template id")
+
+    @staticmethod
+    def template_image_id(tdir: Path) -> str | None:
+        """The guest image a template's disk and memory were made on (its disk is an overlay on that rootfs)."""
+        return json.loads((Path(tdir) / "template.json").read_text()).get("image_id")
+
+    @staticmethod
+    def template_image_dir(tdir: Path) -> Path:
+        return Path(json.loads((Path(tdir) / "template.json").read_text())["image_dir"])
+
+    def adopt_template(self, staging: Path, final: Path, image: GuestImage) -> None:
+        """A template fetched into ``staging`` (renamed to ``final`` by the caller) made this host's: its disk
+        backed by ``image`` (the same bytes as where it was made, checked by the caller), its metadata naming this
+        host's image, and a child overlay for forks on ``final``'s disk. Blocking."""
+        tmeta = json.loads((staging / "template.json").read_text())
+        if tmeta.get("image_id") != image.id:
+            raise SnapshotIncompatible(f"template {tmeta.get('id')} was made on image {tmeta.get('image_id')}, not {image.id}",
+                                       hint="publish the template's own image with it")
+        old = _qcow2_backing(staging / "disk.qcow2")
+        if old is None or Path(old).name != image.rootfs.name:
+            # A template made from a fork's snapshot would chain onto another template: not a publishable one.
+            raise SnapshotIncompatible(f"template {tmeta.get('id')} disk is not an overlay on its image ({old})",
+                                       hint="publish templates made from a sandbox booted from the image")
+        _rebase(staging / "disk.qcow2", image.rootfs, "raw")
+        child = staging / CHILD_DISK
+        r = subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(staging / "disk.qcow2"), "-F", "qcow2",
+                            str(child)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SandboxError(f"qemu-img create of a child overlay failed: {r.stderr.strip()}")
+        _rebase(child, final / "disk.qcow2", "qcow2")
+        (staging / "children").mkdir(exist_ok=True)
+        tmeta["image_dir"] = str(image.dir)
+        _write_json(staging / "template.json", tmeta)
+
+    def adopt_fetched(self, sandbox_id: str) -> None:
+        """A sleeping sandbox fetched from another host: its metadata and disk now name this host's template (fetched
+        through ``template_source`` when missing) and image, and no process of the other host. Idempotent."""
+        d = self._dir(sandbox_id)
+        meta = json.loads((d / "meta.json").read_text())
+        tid = meta.get("template_id")
+        if tid:
+            tdir = self.template_dir(tid)
+            if not (tdir / "template.json").exists() and self.template_source is not None:
+                self.template_source(tid)
+            try:
+                tmeta = json.loads((tdir / "template.json").read_text())
+            except FileNotFoundError as e:
+                raise SnapshotCorrupt(f"sandbox {sandbox_id} was forked from template {tid}, which is on no host here",
+                                      hint="the template was not published to the object store; its forks wake only "
+                                           "on the host that made it") from e
+            if tmeta.get("image_id") != meta.get("image_id"):
+                raise SnapshotIncompatible(f"template {tid} here is on image {tmeta.get('image_id')}, sandbox "
+                                           f"{sandbox_id} on {meta.get('image_id')}")
+            if meta.get("template_dir") is not None:
+                meta["template_dir"] = str(tdir)
+            meta["image_dir"] = tmeta["image_dir"]
+            (tdir / "children").mkdir(exist_ok=True)
+            (tdir / "children" / sandbox_id).write_text("")  # keeps a deleted template's files while it lives here
+            _rebase(d / "disk.qcow2", tdir / "disk.qcow2", "qcow2")
+        else:
+            # Booted from the image itself: its disk is an overlay on this host's copy of the image by id.
+            img_dir = self.images_dir / str(meta.get("image_id"))
+            if not (img_dir / "manifest.json").exists():
+                raise SnapshotIncompatible(f"sandbox {sandbox_id} needs guest image {meta.get('image_id')}, not on this host",
+                                           hint="build the same image on this host (`moorage image build`)")
+            img = GuestImage.load(img_dir)
+            meta["image_dir"] = str(img.dir)
+            _rebase(d / "disk.qcow2", img.rootfs, "raw")
+        meta["pid"] = None
+        _write_json(d / "meta.json", meta)
+        self._open.pop(sandbox_id, None)
 
     # --- templates and forks --------------------------------------------------------------------------------
 

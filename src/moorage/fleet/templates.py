@@ -1,0 +1,267 @@
+"""Deployment templates (and the guest images under them) in the object store, so every host forks the same one.
+
+An instance's RAM delta and disk overlay are only valid against the very template, and guest image, it was forked
+from; a host that lacks a template therefore fetches the published one instead of building its own.
+
+Layout: ``templates/<template id>/`` is the template directory shipped like an instance (``Shipper``, manifest
+``snapshots/template.json``); ``deployments/<deployment id>/template.json`` names the template new forks of that
+deployment use (written if-absent: the first host to publish wins, a host that loses the race uses the winner's);
+``images/<sha256>/`` holds the guest image files a micro-VM template's disk is an overlay on, by the digest of their
+bytes, so a host whose own image of that id differs fetches the right bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from moorage.errors import MoorageError
+from moorage.fleet.ship import Shipper, SnapshotUnavailable
+from moorage.log import get_logger
+from moorage.objects import ObjectExists, ObjectNotFound, ObjectStore, sha256_file
+from moorage.sandbox import SnapshotIncompatible, TemplateRef
+from moorage.sandbox.base import validate_id
+from moorage.sandbox.image import GuestImage
+
+log = get_logger(__name__)
+
+#: The manifest name of a published template (``templates/<id>/snapshots/template.json``).
+MANIFEST = "template"
+_IMAGE_FILES = ("kernel", "initrd", "rootfs")
+#: One fetch of a template or image at a time per local path, across every publisher object of the process.
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _lock(path: Path) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(str(path), threading.Lock())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_portable(rel: str) -> bool:
+    # A template directory without a driver filter (the process driver's): all but this host's bookkeeping.
+    return not rel.startswith(".") and rel.split("/", 1)[0] not in ("children", "deleted")
+
+
+class PublishedTemplates:
+    """Publishes this host's deployment templates and fetches other hosts' into the driver's templates directory."""
+
+    def __init__(self, objects: ObjectStore, driver: Any) -> None:
+        self.objects = objects
+        self.driver = driver
+        self.shipper = Shipper(objects)
+        self.root = Path(driver.root)
+
+    # -- keys and places ------------------------------------------------------------------------------
+
+    @staticmethod
+    def prefix(template_id: str) -> str:
+        return f"templates/{validate_id(template_id, 'template id')}"
+
+    @staticmethod
+    def marker_key(deployment_id: str) -> str:
+        return f"deployments/{deployment_id}/template.json"
+
+    @staticmethod
+    def image_prefix(digest: str) -> str:
+        return f"images/{digest}"
+
+    def local_dir(self, template_id: str) -> Path:
+        fn = getattr(self.driver, "template_dir", None)
+        return fn(template_id) if callable(fn) else self.root / ".templates" / validate_id(template_id, "template id")
+
+    def _portable(self) -> Any:
+        fn = getattr(self.driver, "template_portable", None)
+        return fn if callable(fn) else _default_portable
+
+    # -- guest images ---------------------------------------------------------------------------------
+
+    def _file_sha256(self, path: Path) -> str:
+        """sha256 of a (large, read-only) image file, remembered by inode, size and mtime in the driver root."""
+        cache_path = self.root / ".image-digests.json"
+        st = path.stat()
+        sig = [st.st_ino, st.st_size, st.st_mtime_ns]
+        try:
+            cache = json.loads(cache_path.read_text())
+        except (OSError, ValueError):
+            cache = {}
+        hit = cache.get(str(path))
+        if isinstance(hit, dict) and hit.get("sig") == sig:
+            return str(hit["sha256"])
+        digest = sha256_file(path)
+        with _lock(cache_path):
+            try:
+                cache = json.loads(cache_path.read_text())
+            except (OSError, ValueError):
+                cache = {}
+            cache[str(path)] = {"sig": sig, "sha256": digest}
+            tmp = cache_path.with_name(f"{cache_path.name}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(cache))
+            os.replace(tmp, cache_path)
+        return digest
+
+    def image_files(self, image: GuestImage) -> dict[str, str]:
+        return {k: self._file_sha256(Path(getattr(image, k))) for k in _IMAGE_FILES}
+
+    @staticmethod
+    def _digest_of(files: dict[str, str]) -> str:
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+    def image_digest(self, image: GuestImage) -> str:
+        """The digest of an image's bytes (kernel, initrd, root filesystem): equal digests, same guest."""
+        return self._digest_of(self.image_files(image))
+
+    def publish_image(self, image: GuestImage) -> dict[str, Any]:
+        """Store the image's files under ``images/<digest>/`` unless they are there; returns its record."""
+        files = self.image_files(image)
+        digest = self._digest_of(files)
+        prefix = self.image_prefix(digest)
+        record = {"id": image.id, "digest": digest, "files": files,
+                  "names": {k: Path(getattr(image, k)).name for k in _IMAGE_FILES},
+                  "manifest": {k: v for k, v in image.to_json().items() if k not in ("dir", *_IMAGE_FILES)}}
+        if not self.objects.exists(f"{prefix}/image.json"):
+            for k in _IMAGE_FILES:
+                key = f"{prefix}/{record['names'][k]}"
+                if not self.objects.exists(key):
+                    with contextlib.suppress(ObjectExists):
+                        self.objects.put_file(key, Path(getattr(image, k)), sha256=files[k])
+            # Written last: an image.json means every file is there.
+            self.objects.put_bytes(f"{prefix}/image.json", json.dumps(record).encode())
+            log.info("guest image published", image=image.id, digest=digest[:16])
+        return {"id": image.id, "digest": digest}
+
+    def local_image(self, wanted: dict[str, Any]) -> GuestImage:
+        """This host's copy of the image ``{"id", "digest"}``: its own build when the bytes match, else fetched by
+        digest into ``<driver root>/.images/`` (once). Blocking."""
+        images_dir = getattr(self.driver, "images_dir", None)
+        own = Path(images_dir) / str(wanted["id"]) if images_dir else None
+        if own is not None and (own / "manifest.json").exists():
+            img = GuestImage.load(own)
+            if self.image_digest(img) == wanted["digest"]:
+                return img
+            log.info("this host's guest image differs from the template's; fetching the template's",
+                     image=wanted["id"], digest=str(wanted["digest"])[:16])
+        digest = str(wanted["digest"])
+        dest = self.root / ".images" / digest[:32]
+        with _lock(dest):
+            if (dest / "manifest.json").exists():
+                return GuestImage.load(dest)
+            prefix = self.image_prefix(digest)
+            try:
+                record = json.loads(self.objects.get_bytes(f"{prefix}/image.json"))
+            except ObjectNotFound as e:
+                raise SnapshotUnavailable(f"guest image {digest[:16]} of a published template is not in the object store",
+                                          hint="publish the template again from a host that has the image") from e
+            if self._digest_of(record["files"]) != digest:
+                raise SnapshotUnavailable(f"guest image record {prefix}/image.json does not match its digest")
+            tmp = dest.with_name(f".fetch-{dest.name}-{uuid.uuid4().hex[:8]}")
+            tmp.mkdir(parents=True)
+            try:
+                manifest = dict(record["manifest"], dir=str(dest))
+                for k in _IMAGE_FILES:
+                    name = validate_id(str(record["names"][k]), "image file name")
+                    # Verified against the digest while it streams; damage raises ObjectCorrupt.
+                    self.objects.get_file(f"{prefix}/{name}", tmp / name, sha256=record["files"][k])
+                    (tmp / name).chmod(0o444)
+                    manifest[k] = str(dest / name)
+                (tmp / "manifest.json").write_text(json.dumps(manifest))
+                os.rename(tmp, dest)
+                _fsync_dir(dest.parent)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            log.info("guest image fetched", image=wanted["id"], digest=digest[:16])
+            return GuestImage.load(dest)
+
+    # -- templates ------------------------------------------------------------------------------------
+
+    def chosen(self, deployment_id: str) -> dict[str, Any] | None:
+        """The published template new forks of the deployment use, or None when no host published one."""
+        try:
+            return json.loads(self.objects.get_bytes(self.marker_key(deployment_id)))
+        except ObjectNotFound:
+            return None
+
+    def publish(self, ref: TemplateRef, deployment_id: str) -> dict[str, Any]:
+        """Ship the template (and its image), then claim the deployment for it; returns the winning claim (ours,
+        or another host's that got there first; ours stays fetchable by id either way). Blocking."""
+        tdir = Path(ref.path)
+        image = None
+        image_dir_of = getattr(self.driver, "template_image_dir", None)
+        if callable(image_dir_of):
+            image = self.publish_image(GuestImage.load(image_dir_of(tdir)))
+        meta = {"driver": ref.driver, "template_id": ref.id, "deployment_id": deployment_id, "image": image,
+                "source_sandbox": ref.source_sandbox, "created_at": ref.created_at,
+                "includes_memory": ref.includes_memory}
+        rep = self.shipper.push(tdir, self.prefix(ref.id), MANIFEST, include=self._portable(), meta=meta)
+        log.info("template published", template=ref.id, deployment=deployment_id, bytes=rep.bytes_moved,
+                 ms=round(rep.seconds * 1000, 1))
+        claim = json.dumps({**meta, "published_at": time.time()}).encode()
+        key = self.marker_key(deployment_id)
+        if self.objects.supports_if_absent:
+            with contextlib.suppress(ObjectExists):
+                self.objects.put_bytes(key, claim, if_absent=True)
+        elif not self.objects.exists(key):
+            # Without conditional writes two hosts racing may both write; each template is published, so every
+            # instance wakes anywhere, and new forks follow whichever claim is read.
+            self.objects.put_bytes(key, claim)
+        winner = self.chosen(deployment_id)
+        if winner is None:
+            raise MoorageError(f"the template claim of deployment {deployment_id} vanished after it was written",
+                               hint="check the object store")
+        return winner
+
+    def fetch(self, template_id: str) -> Path:
+        """Make the published template ``template_id`` this host's (pulled into the driver's templates directory
+        and adopted: paths, disk backing, image); returns its directory. Blocking, single-flight per template."""
+        final = self.local_dir(template_id)
+        with _lock(final):
+            if (final / "template.json").exists():
+                return final
+            prefix = self.prefix(template_id)
+            key = self.shipper.manifest_key(prefix, MANIFEST)
+            meta = self.shipper.read_manifest(key).get("meta") or {}
+            if meta.get("driver") != self.driver.name:
+                raise SnapshotIncompatible(f"published template {template_id} was made by the {meta.get('driver')} "
+                                           f"driver, this host runs {self.driver.name}",
+                                           hint="run every host of a fleet on the same sandbox driver")
+            image = self.local_image(meta["image"]) if meta.get("image") else None
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging = final.with_name(f".fetch-{final.name}-{uuid.uuid4().hex[:8]}")
+            started = time.monotonic()
+            try:
+                rep = self.shipper.pull(key, prefix, staging)
+                if image is not None:
+                    self.driver.adopt_template(staging, final, image)
+                os.rename(staging, final)
+                _fsync_dir(final.parent)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            log.info("template fetched", template=template_id, bytes=rep.bytes_moved,
+                     ms=round((time.monotonic() - started) * 1000, 1))
+            return final
+
+    def unpublish(self, template_id: str) -> int:
+        """Remove a published template's objects (one no instance was forked from). Blocking."""
+        return self.objects.delete_prefix(self.prefix(template_id) + "/")
+
+    def ref_of(self, claim: dict[str, Any], path: Path) -> TemplateRef:
+        return TemplateRef(str(claim["template_id"]), str(claim["driver"]), path, claim.get("source_sandbox"),
+                           float(claim.get("created_at") or 0.0), bool(claim.get("includes_memory")))
