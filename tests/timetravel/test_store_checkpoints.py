@@ -3,6 +3,8 @@ copy to a new user, prune, forget — on rows written through the ordinary repos
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from moorage.errors import ConflictError, NotFound
@@ -129,3 +131,16 @@ def test_another_tenant_sees_no_checkpoint(store: Store, ts: TenantStore) -> Non
     with pytest.raises(NotFound):
         Checkpoints(other).copy_to_user(A, U, ck.id, "thief")
     assert store_view(other, A, "thief")["events"] == []
+
+
+def test_an_expired_scope_takes_its_instance_checkpoints_with_it(ts: TenantStore) -> None:
+    _turn(ts, 1)
+    ts.state.put(Scope.for_user("other", U), "counter", 1, expected_version=0)
+    Checkpoints(ts).take(A, U)
+    Checkpoints(ts).take("other", U)
+    ts.retention.set_agent(A, 60.0)  # agent A's data lives a minute; "other" keeps its own
+    _turn(ts, 2)
+    report = ts.sweep(now=time.time() + 3600)
+    assert report.scopes >= 1
+    assert Checkpoints(ts).list(A, U) == []  # images of expired rows do not outlive them
+    assert Checkpoints(ts).list("other", U) != []

@@ -195,6 +195,10 @@ def _delete_scopes(c: Conn, keys: Sequence[str]) -> int:
     for table in _SCOPED_TABLES:
         n += c.x(f"DELETE FROM {table} WHERE scope IN ({marks})", keys)
     n += c.x(f"DELETE FROM scopes WHERE scope IN ({marks})", keys)
+    # Checkpoints hold images of these rows: an instance that lost a scope to retention loses its checkpoints.
+    from moorage.store.repos.checkpoints import forget_instances
+
+    n += forget_instances(c, keys)
     return n
 
 

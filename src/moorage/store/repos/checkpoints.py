@@ -504,6 +504,23 @@ def _turn_summary(img: _Image, turn_id: str) -> dict[str, Any]:
     return out
 
 
+def forget_instances(c: "Conn", scope_keys: Sequence[str]) -> int:
+    """Delete the checkpoints of every instance (agent, user) one of ``scope_keys`` belongs to, in ``c``."""
+    pairs = set()
+    for key in scope_keys:
+        try:
+            sc = Scope.parse(key)
+        except InvalidInput:
+            continue
+        if sc.user is not None:
+            pairs.add((sc.agent, sc.user))
+    n = 0
+    for agent, user in sorted(pairs):
+        for t in ("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"):
+            n += c.x(f"DELETE FROM {t} WHERE agent_id = ? AND user_id = ?", (agent, user))
+    return n
+
+
 def new_checkpoint_id() -> str:
     return "ck" + uuid.uuid4().hex[:18]
 
