@@ -140,3 +140,18 @@ async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_th
     assert on_disk == {c.sandbox_checkpoint for c in left}
     await env.runtime.timetravel.rollback(env.principal, "tt", "ada", named.id)
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]
+
+
+async def test_a_zero_retention_agent_gets_no_checkpoints(env, tmp_path: Path) -> None:
+    from moorage.errors import InvalidInput
+
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest="[agent.retention]\nzero_retention = true\n")
+    await env.runtime.deploy(env.principal, root)
+    await _turns(env, "ada", range(1, 3))
+    assert Checkpoints(env.store.tenant(env.principal)).list("tt", "ada") == []
+    try:
+        await env.runtime.timetravel.take(env.principal, "tt", "ada", "keep-me")
+    except InvalidInput as e:
+        assert "zero retention" in str(e)
+    else:
+        raise AssertionError("a checkpoint of a zero-retention agent was taken")

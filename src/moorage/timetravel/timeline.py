@@ -87,6 +87,12 @@ def to_keep(cks: Sequence[Checkpoint], branch: str | None, policy: Policy, now: 
     return keep | set(tips.values()) | set(days.values())
 
 
+def _keeps_nothing(ts: TenantStore, agent: str, rec: Any = None) -> bool:
+    from moorage.store import zero_retention
+
+    return zero_retention.is_zero(rec if rec is not None else ts.agents.get(agent))
+
+
 def _can_delete(sandbox: Any) -> bool:
     from moorage.sandbox import Sandbox
 
@@ -112,6 +118,8 @@ class TimeTravel:
         if not auto or (b.manifest.get("lifecycle") or {}).get("scope", b.manifest.get("scope", "user")) != "user":
             return None
         try:
+            if await asyncio.to_thread(_keeps_nothing, b.ts, b.entity.agent):
+                return None  # zero retention: a checkpoint would keep what the turn's end purges
             ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
             self._taken += 1
             if ck.seq % self.PRUNE_EVERY == 0:
@@ -157,6 +165,9 @@ class TimeTravel:
         if lc.scope != "user":
             raise InvalidInput(f"agent {agent!r} has one instance per {lc.scope}; time travel works on per-user instances",
                                hint='set [agent] scope = "user"')
+        if _keeps_nothing(ts, agent, agent_rec):
+            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would",
+                               hint="turn zero retention off to checkpoint, roll back or fork its users")
 
         async def template() -> Any:
             return await rt._template_for(ts, agent_rec)
