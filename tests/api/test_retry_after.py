@@ -20,7 +20,7 @@ from moorage.api.problem import DEFAULT_RETRY_AFTER_S, from_error
 from moorage.errors import MoorageError
 from moorage.store import Store
 from tests.api.conftest import aclient
-from tests.api.test_cross_tenant import _PARAM, app_routes, body_for
+from tests.api.test_cross_tenant import _PARAM, app_routes, body_for, send
 
 SLOW_AGENT = '''
 import asyncio
@@ -93,7 +93,7 @@ async def test_every_503_route_of_a_server_without_runtime_has_retry_after(live,
                "execution_id": "e", "webhook_id": "w", "delivery_id": "d"}
         for method, path in app_routes(live.app):
             kw = body_for(method, path, {**ids, "agent": "a", "user": "u"})
-            r = await c.request(method, fill(path, ids), **kw)
+            r = await send(c, method, fill(path, ids), **kw)
             if r.status_code in (429, 503):
                 seen_503 += r.status_code == 503
                 assert r.headers.get("retry-after", "").isdigit(), f"{method} {path}: {r.status_code} without Retry-After"

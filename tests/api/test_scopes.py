@@ -14,7 +14,7 @@ from moorage.api.routes import all_endpoints
 from moorage.store import Store
 from moorage.store.model import API_KEY_SCOPES
 from tests.api.conftest import aclient, agent_archive
-from tests.api.test_cross_tenant import _PARAM, app_routes, body_for
+from tests.api.test_cross_tenant import _PARAM, WEBSOCKET, app_routes, body_for, send
 
 GZ = {"content-type": "application/gzip"}
 
@@ -61,6 +61,8 @@ async def _fresh_ids(c: httpx.AsyncClient, method: str, path: str, ids: dict[str
 
 async def test_every_route_allows_exactly_its_declared_scopes(live_rt, store: Store, acme: str, tmp_path: Path):
     declared = {(ep.method, ep.path): ep for ep in all_endpoints()}
+    # A WebSocket route is authorized by the declaration of the GET route of its path.
+    declared |= {(WEBSOCKET, p): ep for (m, p), ep in declared.items() if m == "GET"}
     async with aclient(live_rt, acme) as admin:
         ids = await _plant(admin, tmp_path, store, acme)
         keys = {s: (await admin.post("/v1/keys", json={"scopes": [s], "label": s})).json()["secret"]
@@ -77,7 +79,7 @@ async def test_every_route_allows_exactly_its_declared_scopes(live_rt, store: St
                     call_ids = await _fresh_ids(admin, method, path, ids)
                     kw = body_for(method, path, call_ids)
                     kw["headers"] = {"Authorization": f"Bearer {keys[scope]}", **kw.get("headers", {})}
-                    r = await c.request(method, fill(path, call_ids), **kw)
+                    r = await send(c, method, fill(path, call_ids), **kw)
                     what = f"{scope} key: {method} {path} -> {r.status_code} {r.text[:200]}"
                     if scope in ep.scopes:
                         assert r.status_code != 403, what

@@ -21,7 +21,7 @@ from moorage.api import schemas as S
 from moorage.api.routes._common import agent_of
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
-from moorage.errors import InvalidInput, MoorageError
+from moorage.errors import InvalidInput, MoorageError, UnavailableError
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
@@ -197,15 +197,17 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
     ts = None
     with use_trace_id(trace_id):
         try:
+            if not shared:
+                # The same checks as the HTTP route, first: a key with its scope, or that user's end-user token.
+                _, ts = await _OWNER_GET._authorize(ctx, ws)
             if ctx.runtime is None:
-                raise MoorageError("this server runs without an agent runtime")
+                raise UnavailableError("this server runs without an agent runtime",
+                                       hint="start it with `moorage up` (store-only servers serve data routes only)")
             if shared:
                 token = ws.path_params["token"]
                 ts, link = await _open_token(ctx.runtime, ctx.store, token)
                 agent, user, prefix = link.agent, link.user, f"/v1/shared/{token}"
             else:
-                # The same checks as the HTTP route: a key with its scope, or that user's end-user token.
-                _, ts = await _OWNER_GET._authorize(ctx, ws)
                 agent, user = _ids(ws)
                 prefix = f"/v1/agents/{agent}/users/{user}/app"
             req = AppSocketRequest(_target(ws, prefix), list(ws.headers.raw), list(ws.scope.get("subprotocols") or []),
