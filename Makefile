@@ -1,13 +1,13 @@
 # Developer shortcuts. The README's two commands (scripts/up.sh, scripts/test.sh) need no make.
 PY := .venv/bin/python
 
-.PHONY: test bench bench-quick bench-store bench-memory bench-durable bench-lifecycle bench-sandbox bench-e2e
+.PHONY: test bench bench-quick bench-store bench-memory bench-durable bench-lifecycle bench-sandbox bench-e2e bench-fleet
 
 test:
 	bash scripts/test.sh
 
 # Every benchmark writes bench/results/latest/<area>.{md,json} and prints a headline as its last line.
-bench: bench-store bench-memory bench-durable bench-lifecycle bench-sandbox bench-e2e
+bench: bench-store bench-memory bench-durable bench-lifecycle bench-sandbox bench-e2e bench-fleet
 
 bench-quick:
 	$(PY) bench/store/run.py --quick
@@ -31,6 +31,9 @@ bench-sandbox:
 
 bench-e2e:
 	$(PY) bench/e2e/run.py
+
+bench-fleet:
+	$(PY) bench/fleet/run.py
 
 bench-api:
 	$(PY) bench/api/run.py

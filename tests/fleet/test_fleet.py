@@ -19,7 +19,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.fleet.harness import Fleet, _pids_under
+from moorage.devservices.fleet import pids_under
+from tests.fleet.harness import Fleet
 
 LEASE_TTL_S = 4.0
 
@@ -138,7 +139,7 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
     fleet.hosts[1].kill()
     killed_at = time.time()
     in_flight.join()
-    assert _pids_under(fleet.hosts[1].data) == []  # nothing of h2 runs any more
+    assert pids_under(fleet.hosts[1].data) == []  # nothing of h2 runs any more
 
     def back(u: str) -> float:
         while True:
@@ -197,9 +198,9 @@ def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: 
     r = fleet.turn(2, "stale")
     assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
     deadline = time.time() + 10
-    while _pids_under(h3.data / "sandboxes" / rec.id) and time.time() < deadline:
+    while pids_under(h3.data / "sandboxes" / rec.id) and time.time() < deadline:
         time.sleep(0.2)
-    assert _pids_under(h3.data / "sandboxes" / rec.id) == []
+    assert pids_under(h3.data / "sandboxes" / rec.id) == []
 
 
 def _swallow(fn) -> None:  # noqa: ANN001

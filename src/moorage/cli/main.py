@@ -100,6 +100,7 @@ BENCH_SCRIPTS = {
     "sandbox": ["sandbox/run.py", "sandbox/egress.py", "sandbox/vm_network.py"],
     "api": ["api/run.py"],
     "e2e": ["e2e/run.py"],
+    "fleet": ["fleet/run.py"],
     "attacks": ["attacks/run.py"],
 }
 

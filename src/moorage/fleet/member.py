@@ -13,7 +13,7 @@ import contextlib
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from moorage.errors import ConflictError, MoorageError, NotFound
 from moorage.fleet.forward import Forwarder
@@ -156,9 +156,14 @@ class FleetMember:
             self.shipper.mark_running(d, record.lease_epoch)
             return {"from": "local", "key": local_key, "host": self.host_id}
         prefix = self.prefix(tenant_id, record)
-        candidates = [key] if key else []
-        candidates += sorted((o.key for o in self.objects.iter(f"{prefix}/snapshots/") if o.key != key), reverse=True)
-        for i, k in enumerate(candidates):
+
+        def candidates() -> Iterator[str]:
+            if key:
+                yield key
+            # Listed only when the newest one failed (or none was recorded): the instance's own, newest first.
+            yield from sorted((o.key for o in self.objects.iter(f"{prefix}/snapshots/") if o.key != key), reverse=True)
+
+        for i, k in enumerate(candidates()):
             try:
                 rep = self.shipper.pull(k, prefix, d, epoch=record.lease_epoch)
             except SnapshotUnavailable as e:

@@ -201,8 +201,11 @@ class Shipper:
         as_root = os.geteuid() == 0
         links: set[str] = set()
         dir_modes: list[tuple[Path, int]] = []
+        fetched = dest.parent / f".chunks-{dest.name}-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir(mode=0o700)
+            fetched.mkdir(mode=0o700)
+            self._prefetch(body["entries"], dest, old, prefix, key, fetched, moved)
             for e in body["entries"]:
                 rel = _safe_rel(e.get("path"), key)
                 if any("/".join(rel.split("/")[:n]) in links for n in range(1, rel.count("/") + 1)):
@@ -217,7 +220,8 @@ class Shipper:
                     links.add(rel)
                 elif kind == "file":
                     chunks = list(e.get("chunks") or [])
-                    self._write_file(p, dest / rel, old.get(rel), chunks, int(e["size"]), chunk_bytes, prefix, key, moved)
+                    self._write_file(p, dest / rel, old.get(rel), chunks, int(e["size"]), chunk_bytes, prefix, key, moved,
+                                     fetched)
                     os.utime(p, ns=(int(e["mtime_ns"]), int(e["mtime_ns"])))
                     st = os.lstat(p)
                     files[rel] = {"sig": [st.st_ino, st.st_size, st.st_ctime_ns], "chunks": chunks}
@@ -234,6 +238,8 @@ class Shipper:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        finally:
+            shutil.rmtree(fetched, ignore_errors=True)
         # ctime changed with the chmod/chown above: record the final signatures so the next push reads nothing.
         for rel, rec in files.items():
             st = os.lstat(dest / rel)
@@ -243,15 +249,48 @@ class Shipper:
         return ShipReport(key, len(files), sum(int(e.get("size", 0)) for e in body["entries"]), moved[0], moved[1],
                           time.monotonic() - started)
 
+    @staticmethod
+    def _reusable(local: Path, known: dict[str, Any] | None) -> bool:
+        """Whether the local copy of a file is still what its index says (by signature; bytes are re-hashed)."""
+        if known is None:
+            return False
+        try:
+            st = os.lstat(local)
+        except OSError:
+            return False
+        return known.get("sig") == [st.st_ino, st.st_size, st.st_ctime_ns]
+
+    def _prefetch(self, entries: list[dict[str, Any]], dest: Path, old: dict[str, Any], prefix: str, key: str,
+                  into: Path, moved: list[int]) -> None:
+        """Fetch, in parallel and onto disk (never all in memory), every chunk the local copy cannot supply."""
+        need: set[str] = set()
+        for e in entries:
+            if e.get("type") != "file":
+                continue
+            rel = _safe_rel(e.get("path"), key)
+            known = old.get(rel) if self._reusable(dest / rel, old.get(rel)) else None
+            have = known["chunks"] if known else []
+            for i, d in enumerate(e.get("chunks") or []):
+                if isinstance(d, str) and not (i < len(have) and have[i] == d):
+                    need.add(_check_digest(d, key))
+
+        def one(digest: str) -> int:
+            data = self._get_chunk(prefix, digest, key)
+            (into / digest).write_bytes(data)
+            return len(data)
+
+        with ThreadPoolExecutor(self.workers * 2) as pool:
+            for n in pool.map(one, sorted(need)):
+                moved[0] += 1
+                moved[1] += n
+
     def _write_file(self, p: Path, local: Path, known: dict[str, Any] | None, chunks: list[str | None], size: int,
-                    chunk_bytes: int, prefix: str, key: str, moved: list[int]) -> None:
+                    chunk_bytes: int, prefix: str, key: str, moved: list[int], fetched: Path) -> None:
         # A chunk the local copy has at the same place (per its index, checked by signature) is copied, not fetched.
         reuse = None
-        if known is not None:
+        if self._reusable(local, known):
             with contextlib.suppress(OSError):
-                st = os.lstat(local)
-                if known.get("sig") == [st.st_ino, st.st_size, st.st_ctime_ns]:
-                    reuse = open(local, "rb")  # noqa: SIM115 - closed below
+                reuse = open(local, "rb")  # noqa: SIM115 - closed below
         try:
             with open(p, "wb") as out:
                 for i, digest in enumerate(chunks):
@@ -263,7 +302,9 @@ class Shipper:
                         data = reuse.read(chunk_bytes)
                         if hashlib.sha256(data).hexdigest() != digest:
                             data = None
-                    if data is None:
+                    if data is None and (fetched / digest).is_file():
+                        data = (fetched / digest).read_bytes()  # verified when it was fetched
+                    if data is None:  # the local copy changed under us: fetch it after all
                         data = self._get_chunk(prefix, digest, key)
                         moved[0] += 1
                         moved[1] += len(data)
@@ -333,6 +374,13 @@ class Shipper:
         tmp = Path(d) / f"{INDEX_NAME}.tmp"
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, Path(d) / INDEX_NAME)
+
+
+def _check_digest(digest: str, key: str) -> str:
+    """A chunk name from a manifest is a sha256 (it becomes a key and a file name)."""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise SnapshotUnavailable(f"snapshot manifest {key} names a malformed chunk {digest[:80]!r}")
+    return digest
 
 
 def _safe_rel(path: object, key: str) -> str:

@@ -1,0 +1,103 @@
+"""A local fleet for tests and benchmarks: N `moorage up` processes sharing one PostgreSQL store and one S3 bucket.
+
+Each host has its own data directory, port and host id, as separate machines would. ``LocalHost.kill`` ends the
+host and every sandbox process it started, as a machine that dies would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.devservices.postgres import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class LocalHost:
+    def __init__(self, name: str, data: Path, env: dict[str, str], *, driver: str = "process",
+                 start_timeout_s: float = 900.0) -> None:
+        self.name, self.data = name, data
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        data.mkdir(parents=True, exist_ok=True)
+        images = env.get("MOORAGE_TEST_IMAGES_DIR")
+        if images and not (data / "images").exists():  # built once, shared by every host (tests, benches)
+            Path(images).mkdir(parents=True, exist_ok=True)
+            (data / "images").symlink_to(images)
+        self.log = data.parent / f"{name}.log"
+        full = {**os.environ, **env, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
+                "MOORAGE_HOST_ID": name, "MOORAGE_HOST_URL": self.url, "MOORAGE_SANDBOX_DRIVER": driver}
+        full.setdefault("MOORAGE_LOG_LEVEL", "info")
+        self.proc = subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "up"], env=full, cwd=ROOT,
+                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + start_timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"host {name} did not come up: {self.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.2)
+        self.key = (data / "local-admin.key").read_text().strip()
+
+    def client(self, key: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
+
+    def pids(self) -> list[int]:
+        """Processes whose command line names a path under this host's data directory (its sandboxes)."""
+        return pids_under(self.data)
+
+    def kill(self) -> None:
+        """The machine dies: the host process and every sandbox process it started."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for pid in self.pids():
+            with _gone():
+                os.kill(pid, signal.SIGKILL)
+
+
+class _gone:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: object, exc: object, tb: object) -> bool:
+        return typ is ProcessLookupError
+
+
+def pids_under(data: Path) -> list[int]:
+    out = []
+    needle = str(data).encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                continue
+    return out
+
+
+def fleet_env(store_url: str, s3: dict[str, str], **settings: str) -> dict[str, str]:
+    """The MOORAGE_* settings every host of one fleet shares."""
+    return {"MOORAGE_STORE_URL": store_url, **{f"MOORAGE_{k.upper()}": v for k, v in s3.items()},
+            **{f"MOORAGE_{k.upper()}": v for k, v in settings.items()}}
