@@ -601,7 +601,10 @@ class Runtime:
                 await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
             if zero_retention.is_zero(agent) and (task.exception() is not None or task.result().status != "waiting"):
                 # The agent keeps nothing of a turn once it ended (a waiting one keeps its run until answered).
-                await asyncio.to_thread(zero_retention.purge, ts, entity.agent, entity.user)
+                try:
+                    await asyncio.to_thread(zero_retention.purge, ts, entity.agent, entity.user)
+                except Exception as e:  # noqa: BLE001 - the answer still goes out; the host's sweep purges later
+                    log.error("zero-retention purge failed", agent=entity.agent, error=str(e))
                 self.drop_cached_vectors(ts, entity.agent, entity.user)
             # The turn itself is durable: a caller that stops listening does not cancel it.
             yield TurnEvent("done", task.result())
