@@ -156,3 +156,30 @@ async def test_retention_table_is_validated_at_deploy(tmp_path: Path) -> None:
         with pytest.raises(AgentPackageError) as e:
             retention_zero({"retention": bad})
         assert "[agent.retention]" in e.value.message and e.value.hint, bad
+
+
+async def test_zero_retention_on_both_store_backends(live_rt, store, acme: str, tmp_path: Path) -> None:
+    """The purge's SQL on SQLite and on PostgreSQL (row-level security): a synchronous turn and a failed one."""
+    ts = store.tenant(store.authenticate(acme))
+    body = AGENT.replace('    await ctx.step("stamp", lambda: message)\n',
+                         '    await ctx.step("stamp", lambda: message)\n    if message == "boom":\n'
+                         '        raise RuntimeError("boom")\n')
+    files = {"moorage.toml": '[agent]\nname = "ghost"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n'
+                             '[agent.retention]\nzero_retention = true\n', "agent.py": body.replace("{ctx.agent}", "ghost")}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for n, text in files.items():
+            info = tarfile.TarInfo(n)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    async with httpx.AsyncClient(base_url=live_rt.url, headers={"Authorization": f"Bearer {acme}"}, timeout=120) as c:
+        assert (await c.post("/v1/agents/ghost/deployments", content=buf.getvalue(),
+                             headers={"content-type": "application/gzip"})).status_code == 201
+        for message in ("tea", "cake"):
+            r = await c.post("/v1/agents/ghost/invoke", json={"message": message, "user": "ada"})
+            assert r.json()["reply"] == f"ghost: {message} ['note: {message}']", r.text
+            assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+        r = await c.post("/v1/agents/ghost/invoke", json={"message": "boom", "user": "ada"})
+        assert r.status_code == 502  # the agent failed: its failed run goes too
+        assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+        assert kept(ts, "ghost", "ada")["sandboxes"] == 1
