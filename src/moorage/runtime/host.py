@@ -101,6 +101,10 @@ class Host:
             host.runtime.templates.published = published
             if hasattr(driver, "template_source"):
                 driver.template_source = published.fetch
+                import threading
+
+                # The first cross-host wake of a template this host lacks checks the guest image by digest.
+                threading.Thread(target=published.warm, name="image-digest", daemon=True).start()
         if config.otlp_endpoint:
             from moorage.observability.otlp import otlp_sink
 

@@ -1056,14 +1056,21 @@ class MicroVMDriver(SandboxDriver):
         tid = meta.get("template_id")
         if tid:
             tdir = self.template_dir(tid)
+            why = "no template source is set"
             if not (tdir / "template.json").exists() and self.template_source is not None:
-                self.template_source(tid)
+                try:
+                    self.template_source(tid)
+                except SandboxError:
+                    raise
+                except Exception as e:  # not published (a fork template), or the object store failed
+                    why = str(e)
             try:
                 tmeta = json.loads((tdir / "template.json").read_text())
             except FileNotFoundError as e:
-                raise SnapshotCorrupt(f"sandbox {sandbox_id} was forked from template {tid}, which is on no host here",
-                                      hint="the template was not published to the object store; its forks wake only "
-                                           "on the host that made it") from e
+                raise SnapshotCorrupt(f"sandbox {sandbox_id} was forked from template {tid}, which is not on this "
+                                      f"host and could not be fetched: {why}",
+                                      hint="only deployment templates are published to the object store; forks of "
+                                           "other templates wake on the host that made them") from e
             if tmeta.get("image_id") != meta.get("image_id"):
                 raise SnapshotIncompatible(f"template {tid} here is on image {tmeta.get('image_id')}, sandbox "
                                            f"{sandbox_id} on {meta.get('image_id')}")
