@@ -4,6 +4,7 @@ tenant and refused to keys limited to one agent."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 GZ = {"content-type": "application/gzip"}
-NONE = {"session": None, "user": None, "workflow": None}
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None}
 
 
 async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, globex: str, tmp_path: Path) -> None:
@@ -20,17 +21,18 @@ async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, glob
         assert (await c.get("/v1/retention")).json() == {"ttl_s": NONE, "agents": []}
         r = await c.put("/v1/retention", json={"ttl_s": {"session": 60, "workflow": 3600}})
         assert r.status_code == 200, r.text
-        assert r.json() == {"ttl_s": {"session": 60, "user": None, "workflow": 3600}, "agents": []}
+        assert r.json() == {"ttl_s": {**NONE, "session": 60, "workflow": 3600}, "agents": []}
         # An agent with a retention of its own is listed beside the tenant's defaults.
         assert (await c.put("/v1/agents/echo/retention", json={"ttl_s": 30})).status_code == 200
         assert (await c.get("/v1/retention")).json()["agents"] == [{"agent": "echo", "ttl_s": 30, "zero_retention": False}]
         assert (await c.put("/v1/agents/echo/retention", json={"ttl_s": None})).status_code == 200
         # Nothing is written unless every entry is valid.
         for bad in ({"ttl_s": {"session": 10, "events": 5}}, {"ttl_s": {"session": 0}}, {"ttl_s": {"user": "1d"}},
-                    {"ttl_s": {}}, {"ttl_s": 60}, {}, {"ttl_s": {"user": 5}, "extra": 1}):
+                    {"ttl_s": {}}, {"ttl_s": 60}, {}, {"ttl_s": {"user": 5}, "extra": 1},
+                    {"ttl_s": {"user": 5, "usage": 86400}}):  # the ledger must cover a month of caps
             r = await c.put("/v1/retention", json=bad)
             assert r.status_code == 422, (bad, r.text)
-        assert (await c.get("/v1/retention")).json()["ttl_s"] == {"session": 60, "user": None, "workflow": 3600}
+        assert (await c.get("/v1/retention")).json()["ttl_s"] == {**NONE, "session": 60, "workflow": 3600}
         # Another tenant's retention is its own.
         assert (await g.get("/v1/retention")).json() == {"ttl_s": NONE, "agents": []}
         assert (await g.put("/v1/retention", json={"ttl_s": {"user": 5}})).status_code == 200
@@ -44,7 +46,22 @@ async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, glob
 
         # Clearing a kind keeps its data again.
         r = await c.put("/v1/retention", json={"ttl_s": {"session": None}})
-        assert r.json()["ttl_s"] == {"session": None, "user": None, "workflow": 3600}
+        assert r.json()["ttl_s"] == {**NONE, "workflow": 3600}
+
+        # Record kinds: finished executions and the usage ledger, by age.
+        r = await c.put("/v1/retention", json={"ttl_s": {"executions": 3600, "usage": 40 * 86400}})
+        assert r.status_code == 200 and r.json()["ttl_s"] == {**NONE, "workflow": 3600, "executions": 3600,
+                                                              "usage": 40 * 86400}
+        ex = await c.post("/v1/agents/echo/invoke?async=true", json={"message": "later", "user": "ada"})
+        while (await c.get(ex.headers["location"])).json()["status"] != "succeeded":
+            await asyncio.sleep(0.05)
+        from moorage.webhooks.delivery import announce
+
+        await asyncio.to_thread(announce, ts)  # the outcome is announced (no webhooks: nothing to send)
+        ts.usage.add("input_tokens", 3, agent_id="echo", user_id="ada", ts=time.time() - 41 * 86400)
+        store.operator.sweep_all(now=time.time() + 3700)
+        assert (await c.get(ex.headers["location"])).status_code == 404
+        assert ts.read("SELECT COUNT(*) FROM usage WHERE ts < ?", [time.time() - 40 * 86400])[0][0] == 0
 
         # Scopes: read may read, only admin may set; a key limited to one agent reaches neither.
         read = (await c.post("/v1/keys", json={"scopes": ["read"]})).json()["secret"]

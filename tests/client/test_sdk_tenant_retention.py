@@ -11,14 +11,15 @@ from moorage import AsyncClient, Client
 from moorage.client import AuthError, BadRequest
 from tests.api.conftest import agent_archive
 
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None}
+
 
 async def test_tenant_retention_and_zero_retention_through_the_sdk(live_rt, acme: str, tmp_path: Path):
     async with AsyncClient(live_rt.url, acme) as sdk:
         await sdk.deploy("echo", agent_archive(tmp_path))
-        assert await sdk.get_tenant_retention() == {"ttl_s": {"session": None, "user": None, "workflow": None},
-                                                    "agents": []}
+        assert await sdk.get_tenant_retention() == {"ttl_s": NONE, "agents": []}
         got = await sdk.set_tenant_retention({"session": 86400})
-        assert got["ttl_s"] == {"session": 86400, "user": None, "workflow": None}
+        assert got["ttl_s"] == {**NONE, "session": 86400}
         zero = await sdk.set_retention("echo", zero_retention=True)
         assert zero == {"agent": "echo", "ttl_s": None, "zero_retention": True}
         assert (await sdk.get_tenant_retention())["agents"] == [zero]
@@ -28,8 +29,7 @@ async def test_tenant_retention_and_zero_retention_through_the_sdk(live_rt, acme
 
     def sync() -> None:
         with Client(live_rt.url, acme) as sdk:
-            assert sdk.set_tenant_retention({"session": None, "user": 3600})["ttl_s"] == \
-                {"session": None, "user": 3600, "workflow": None}
+            assert sdk.set_tenant_retention({"session": None, "user": 3600})["ttl_s"] == {**NONE, "user": 3600}
             assert sdk.set_retention("echo", zero_retention=False)["zero_retention"] is False
             assert sdk.get_tenant_retention()["agents"] == []
             with pytest.raises(BadRequest):

@@ -101,11 +101,12 @@ class Api(ABC):
         return self._send(Request("PUT", f"/v1/agents/{_p(agent)}/retention", json=body))
 
     def get_tenant_retention(self) -> T.TenantRetention:
-        """The tenant's TTL per scope kind (None: kept) and the agents with a retention of their own."""
+        """The tenant's TTL per kind (None: kept) and the agents with a retention of their own."""
         return self._send(Request("GET", "/v1/retention"))
 
     def set_tenant_retention(self, ttl_s: Mapping[str, float | None]) -> T.TenantRetention:
-        """Set or clear the TTL of the given scope kinds (``session``, ``user``, ``workflow``); others stay."""
+        """Set or clear the TTL of the given kinds (``session``, ``user``, ``workflow``: idle seconds;
+        ``executions``, ``usage``: the record's age, usage at least 31 days); others stay."""
         return self._send(Request("PUT", "/v1/retention", json={"ttl_s": dict(ttl_s)}))
 
     # -- end-users ------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class Retention(TypedDict, total=False):
 
 
 class TenantRetention(TypedDict, total=False):
-    #: TTL per scope kind: ``session``, ``user``, ``workflow`` (None: kept).
+    #: TTL per kind: ``session``, ``user``, ``workflow``, ``executions``, ``usage`` (None: kept).
     ttl_s: dict[str, float | None]
     #: Agents with a TTL or zero retention of their own.
     agents: list[Retention]

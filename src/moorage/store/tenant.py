@@ -147,6 +147,7 @@ class TenantStore:
                 if row is None or row[0] is None or row[0] >= now:
                     continue
                 removed += _delete_scopes(c, [key])
+        removed += self.retention.sweep_records(now)  # finished executions and usage rows past their kind's TTL
         # LangGraph values deleted since (or orphaned by a crash before their commit) leave the blob log.
         if self.ambient() is None:
             self._backend.vacuum_blobs(self.tenant_id)

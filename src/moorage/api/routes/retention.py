@@ -1,5 +1,5 @@
-"""Data retention over HTTP: the tenant's default TTL per scope kind (``/v1/retention``) and one agent's own
-TTL or zero retention (``/v1/agents/{agent}/retention``). The store applies them (see docs/lifecycle.md)."""
+"""Data retention over HTTP: the tenant's TTL per scope kind and record kind (``/v1/retention``) and one agent's
+own TTL or zero retention (``/v1/agents/{agent}/retention``). The store applies them (see docs/lifecycle.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from moorage.api.routing import Call, Endpoint
 from moorage.errors import InvalidInput
 from moorage.store import TenantStore
 from moorage.store import zero_retention
-from moorage.store.model import SCOPE_KINDS
+from moorage.store.repos.retention import RETENTION_KINDS
 
 _TTL = {"type": ["number", "null"], "exclusiveMinimum": 0}
 
@@ -28,7 +28,7 @@ def _tenant_json(ts: TenantStore) -> dict[str, Any]:
     own = ts.retention.agents()
     agents = [{"agent": a.name, "ttl_s": own.get(a.name), "zero_retention": zero_retention.is_zero(a)}
               for a in ts.agents.list() if a.name in own or zero_retention.is_zero(a)]
-    return {"ttl_s": {k: kinds.get(k) for k in SCOPE_KINDS}, "agents": agents}
+    return {"ttl_s": {k: kinds.get(k) for k in RETENTION_KINDS}, "agents": agents}
 
 
 def get_agent_retention(call: Call) -> dict[str, Any]:
@@ -68,12 +68,12 @@ async def set_tenant_retention(call: Call) -> dict[str, Any]:
     body = call.body if isinstance(call.body, dict) else {}
     unknown = sorted(set(body) - {"ttl_s"})
     if unknown or not isinstance(body.get("ttl_s"), dict) or not body["ttl_s"]:
-        raise InvalidInput("send the TTLs to set by scope kind", hint='e.g. {"ttl_s": {"session": 86400, "user": null}} '
-                                                                      f"(kinds: {', '.join(SCOPE_KINDS)}; null keeps forever)")
+        raise InvalidInput("send the TTLs to set by kind", hint='e.g. {"ttl_s": {"session": 86400, "user": null}} '
+                                                               f"(kinds: {', '.join(RETENTION_KINDS)}; null keeps forever)")
     ttls: dict[str, Any] = body["ttl_s"]
     for kind, ttl in ttls.items():  # all validated before any is written
-        if kind not in SCOPE_KINDS:
-            raise InvalidInput(f"unknown scope kind {kind!r}", hint=f"one of {', '.join(SCOPE_KINDS)}")
+        if kind not in RETENTION_KINDS:
+            raise InvalidInput(f"unknown retention kind {kind!r}", hint=f"one of {', '.join(RETENTION_KINDS)}")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0):
             raise InvalidInput(f"ttl_s.{kind} must be a positive number of seconds or null, not {ttl!r}")
     ts = call.tenant
@@ -88,18 +88,20 @@ async def set_tenant_retention(call: Call) -> dict[str, Any]:
 
 
 AGENT_RETENTION = S.obj({"agent": S.STR, "ttl_s": {"type": ["number", "null"]}, "zero_retention": {"type": "boolean"}})
-TENANT_RETENTION = S.obj({"ttl_s": S.obj({k: {"type": ["number", "null"]} for k in SCOPE_KINDS}),
+TENANT_RETENTION = S.obj({"ttl_s": S.obj({k: {"type": ["number", "null"]} for k in RETENTION_KINDS}),
                           "agents": {"type": "array", "items": AGENT_RETENTION}})
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/retention", get_tenant_retention,
-             "The tenant's data retention: idle seconds before a session, user or workflow is deleted, per kind "
-             "(null: kept), and the agents with a retention of their own", "retention", "getRetention", scope="read",
+             "The tenant's data retention: idle seconds before a session, user or workflow is deleted, seconds "
+             "before a finished execution or a usage row is, per kind (null: kept), and the agents with a retention "
+             "of their own", "retention", "getRetention", scope="read",
              response=TENANT_RETENTION),
     Endpoint("PUT", "/v1/retention", set_tenant_retention,
-             "Set or clear the tenant's TTL of one or more scope kinds (an agent's shorter TTL still wins for it)",
+             "Set or clear the tenant's TTL of one or more kinds (an agent's shorter TTL still wins for its scopes; "
+             "usage: at least 31 days)",
              "retention", "setRetention", scope="admin",
-             body=S.obj({"ttl_s": S.obj({k: _TTL for k in SCOPE_KINDS}, [])}, ["ttl_s"]), response=TENANT_RETENTION),
+             body=S.obj({"ttl_s": S.obj({k: _TTL for k in RETENTION_KINDS}, [])}, ["ttl_s"]), response=TENANT_RETENTION),
     Endpoint("GET", "/v1/agents/{agent}/retention", get_agent_retention,
              "An agent's own data retention (ttl_s: idle seconds before its sessions, users and runs are deleted; "
              "zero_retention: nothing of a turn is kept once it ends)", "retention", "getAgentRetention", scope="read",

@@ -1,5 +1,5 @@
 """Time to live per scope kind and per agent, and the re-derivation of every scope's expiry when a
-policy changes (the sweeper deletes what has expired)."""
+policy changes (the sweeper deletes what has expired); TTLs of record kinds (executions, the usage ledger)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,43 @@ from moorage.errors import InvalidInput
 from moorage.store.model import SCOPE_KINDS, check_id
 from moorage.store.repos.common import _Repo
 
+#: Kinds of record with a TTL of their own, counted from the record's last change (not a scope's idleness).
+RECORD_KINDS: tuple[str, ...] = ("executions", "usage")
+#: Every kind a tenant-wide TTL can be set for.
+RETENTION_KINDS: tuple[str, ...] = SCOPE_KINDS + RECORD_KINDS
+#: The ledger must cover the longest cap window (a calendar month; the LLM policy's 30 days), or caps undercount.
+MIN_USAGE_TTL_S = 31 * 86400.0
+#: A detached exec runs at most this long (runtime/exec_jobs.py MAX_TIMEOUT_S): its record is never swept sooner.
+EXEC_MAX_S = 24 * 3600.0
+
 
 class Retention(_Repo):
     """Time to live per scope kind and per agent; the sweeper deletes a scope's data once it has been idle
     for the shorter of its kind's and its agent's TTL."""
 
     def set(self, kind: str, ttl_s: float | None) -> None:
-        if kind not in SCOPE_KINDS:
-            raise InvalidInput(f"unknown scope kind {kind!r}", hint=f"one of {', '.join(SCOPE_KINDS)}")
-        self._put(kind, _check_ttl(ttl_s))
+        """A scope kind's TTL (idle seconds), or a record kind's (seconds since the record last changed)."""
+        if kind not in RETENTION_KINDS:
+            raise InvalidInput(f"unknown retention kind {kind!r}", hint=f"one of {', '.join(RETENTION_KINDS)}")
+        ttl_s = _check_ttl(ttl_s)
+        if kind == "usage" and ttl_s is not None and ttl_s < MIN_USAGE_TTL_S:
+            raise InvalidInput(f"the usage ledger's ttl_s must be at least {MIN_USAGE_TTL_S:g} s (31 days), not {ttl_s:g}",
+                               hint="caps count a calendar month of usage; a shorter TTL would let users past them")
+        self._put(kind, ttl_s)
+
+    def sweep_records(self, now: float) -> int:
+        """Delete the records older than their kind's TTL (finished executions, usage rows); rows deleted."""
+        with self._ts._tx() as c:
+            ttls = {k: v for k, v in c.q("SELECT kind, ttl_s FROM retention") if k in RECORD_KINDS and v is not None}
+            n = 0
+            if "usage" in ttls:
+                n += c.x("DELETE FROM usage WHERE ts < ?", (now - ttls["usage"],))
+            if "executions" in ttls:
+                cutoff = now - ttls["executions"]
+                # Turn executions once their outcome is announced; detached execs once they cannot be running.
+                n += c.x("DELETE FROM executions WHERE updated_at < ? AND (announced IN ('succeeded', 'failed', "
+                         "'cancelled') OR (announced = 'exec' AND created_at < ?))", (cutoff, cutoff - EXEC_MAX_S))
+        return n
 
     def set_agent(self, agent: str, ttl_s: float | None) -> None:
         """Every scope of ``agent`` (sessions, users, workflows) is swept once idle ``ttl_s`` seconds, or sooner
@@ -46,7 +74,7 @@ class Retention(_Repo):
                             (agent_ttl, kind, name[len(_AGENT_RETENTION):]))
 
     def get(self) -> dict[str, float | None]:
-        """TTL per scope kind."""
+        """TTL per scope kind and record kind (only those ever set)."""
         with self._ts._tx(write=False) as c:
             return {r[0]: r[1] for r in c.q("SELECT kind, ttl_s FROM retention") if not r[0].startswith(_AGENT_RETENTION)}
 

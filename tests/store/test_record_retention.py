@@ -1,0 +1,52 @@
+"""TTLs of record kinds on both backends: the usage ledger's rows and finished executions are deleted once older
+than their kind's TTL; an execution not yet announced, or a detached exec that may still run, is kept; the
+ledger's TTL cannot be shorter than the longest cap window."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from moorage.errors import InvalidInput, NotFound
+from moorage.store import TenantStore
+from moorage.store.repos.retention import EXEC_MAX_S, MIN_USAGE_TTL_S
+
+
+def test_usage_rows_older_than_the_ttl_are_swept(tenant: TenantStore) -> None:
+    now = time.time()
+    tenant.usage.add("input_tokens", 5, agent_id="a", user_id="u", ts=now - MIN_USAGE_TTL_S - 60)
+    tenant.usage.add("input_tokens", 7, agent_id="a", user_id="u", ts=now - 60)
+    tenant.sweep(now=now)
+    assert tenant.usage.totals(agent_id="a")["input_tokens"] == 12  # no TTL set: the ledger is kept
+    with pytest.raises(InvalidInput, match="31 days"):
+        tenant.retention.set("usage", 86400)
+    tenant.retention.set("usage", MIN_USAGE_TTL_S)
+    assert tenant.retention.get() == {"usage": MIN_USAGE_TTL_S}
+    assert tenant.sweep(now=now).rows >= 1
+    assert tenant.usage.totals(agent_id="a")["input_tokens"] == 7
+    with pytest.raises(InvalidInput, match="unknown retention kind"):
+        tenant.retention.set("events", 60)
+
+
+def test_finished_executions_older_than_the_ttl_are_swept(tenant: TenantStore) -> None:
+    for name in ("done", "open", "execjob"):
+        tenant.executions.create(name, "a", "u", "default", {"message": name})
+    for name, status in (("done", "succeeded"), ("execjob", "exec")):
+        tenant.executions.mark_announced(name, status, expected_version=tenant.executions.get(name).version)
+    tenant.retention.set("executions", 3600)
+    now = time.time()
+    tenant.sweep(now=now + 60)
+    assert {n: _exists(tenant, n) for n in ("done", "open", "execjob")} == dict.fromkeys(("done", "open", "execjob"), True)
+    tenant.sweep(now=now + 3700)  # the announced turn's record is old enough; the open one is kept
+    assert _exists(tenant, "done") is False and _exists(tenant, "open") and _exists(tenant, "execjob")
+    tenant.sweep(now=now + 3700 + EXEC_MAX_S)  # a detached exec goes once it cannot be running any more
+    assert _exists(tenant, "execjob") is False and _exists(tenant, "open")
+
+
+def _exists(tenant: TenantStore, execution_id: str) -> bool:
+    try:
+        tenant.executions.get(execution_id)
+    except NotFound:
+        return False
+    return True
