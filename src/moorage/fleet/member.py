@@ -68,6 +68,7 @@ class FleetMember:
                 await self._task
             self._task = None
         await self.forwarder.close()
+        self.shipper.close()
         with contextlib.suppress(MoorageError):
             await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
 

@@ -66,6 +66,11 @@ class Shipper:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.workers = workers
+        #: Shared by pushes and pulls (threads started once, not per transfer).
+        self._pool = ThreadPoolExecutor(workers * 2, thread_name_prefix="ship")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- keys -----------------------------------------------------------------------------------------
 
@@ -90,33 +95,34 @@ class Shipper:
         entries: list[dict[str, Any]] = []
         files: dict[str, Any] = {}
         moved = [0, 0]
-        with ThreadPoolExecutor(self.workers) as pool:
-            pending = []
-            for rel, st in self._walk(src, include):
-                entry: dict[str, Any] = {"path": rel, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
-                if stat.S_ISDIR(st.st_mode):
-                    entry["type"] = "dir"
-                elif stat.S_ISLNK(st.st_mode):
-                    entry.update(type="link", target=os.readlink(src / rel))
+        pool = self._pool
+        pending = []
+        for rel, st in self._walk(src, include):
+            entry: dict[str, Any] = {"path": rel, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
+            if stat.S_ISDIR(st.st_mode):
+                entry["type"] = "dir"
+            elif stat.S_ISLNK(st.st_mode):
+                entry.update(type="link", target=os.readlink(src / rel))
+            else:
+                entry.update(type="file", size=st.st_size, mtime_ns=st.st_mtime_ns)
+                sig = [st.st_ino, st.st_size, st.st_ctime_ns]
+                known = old_files.get(rel)
+                if known is not None and known.get("sig") == sig and all(d is None or d in stored for d in known["chunks"]):
+                    chunks = known["chunks"]
                 else:
-                    entry.update(type="file", size=st.st_size, mtime_ns=st.st_mtime_ns)
-                    sig = [st.st_ino, st.st_size, st.st_ctime_ns]
-                    known = old_files.get(rel)
-                    if known is not None and known.get("sig") == sig and all(d is None or d in stored for d in known["chunks"]):
-                        chunks = known["chunks"]
-                    else:
-                        chunks = self._chunk_file(src / rel, prefix, stored, pool, pending, moved)
-                    entry["chunks"] = chunks
-                    files[rel] = {"sig": sig, "chunks": chunks}
-                entries.append(entry)
-            for f in pending:
-                f.result()  # an upload that failed fails the push: the manifest is never written
+                    chunks = self._chunk_file(src / rel, prefix, stored, pool, pending, moved)
+                entry["chunks"] = chunks
+                files[rel] = {"sig": sig, "chunks": chunks}
+            entries.append(entry)
+        for f in pending:
+            f.result()  # an upload that failed fails the push: the manifest is never written
         body = {"version": MANIFEST_VERSION, "chunk_bytes": self.chunk_bytes, "created_at": time.time(),
                 "meta": meta or {}, "entries": entries}
         key = self.manifest_key(prefix, name)
         self.store.put_bytes(key, json.dumps(body, separators=(",", ":")).encode())
         stored.update(d for e in entries for d in e.get("chunks", []) if d)
-        self._save_index(src, {"key": key, "epoch": epoch, "files": files, "stored": {prefix: sorted(stored)}})
+        self._save_index(src, {"key": key, "epoch": epoch, "boot": _BOOT_ID, "files": files,
+                               "stored": {prefix: sorted(stored)}})
         return ShipReport(key, len(files), sum(e.get("size", 0) for e in entries), moved[0], moved[1],
                           time.monotonic() - started)
 
@@ -234,6 +240,8 @@ class Shipper:
             for p, mode in reversed(dir_modes):  # last, deepest first: a read-only folder was still filled
                 os.chmod(p, mode)
             self._save_index(tmp, {"files": {}, "stored": {}})
+            # Not fsynced: a pulled copy is a cache of the object store. Only a machine crash loses unsynced pages,
+            # and the index records the boot it was written in: after a reboot the copy is never taken as clean.
             self._swap(tmp, dest)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -245,7 +253,7 @@ class Shipper:
             st = os.lstat(dest / rel)
             rec["sig"] = [st.st_ino, st.st_size, st.st_ctime_ns]
         stored = sorted({d for rec in files.values() for d in rec["chunks"] if d})
-        self._save_index(dest, {"key": key, "epoch": epoch, "files": files, "stored": {prefix: stored}})
+        self._save_index(dest, {"key": key, "epoch": epoch, "boot": _BOOT_ID, "files": files, "stored": {prefix: stored}})
         return ShipReport(key, len(files), sum(int(e.get("size", 0)) for e in body["entries"]), moved[0], moved[1],
                           time.monotonic() - started)
 
@@ -279,10 +287,9 @@ class Shipper:
             (into / digest).write_bytes(data)
             return len(data)
 
-        with ThreadPoolExecutor(self.workers * 2) as pool:
-            for n in pool.map(one, sorted(need)):
-                moved[0] += 1
-                moved[1] += n
+        for n in self._pool.map(one, sorted(need)):
+            moved[0] += 1
+            moved[1] += n
 
     def _write_file(self, p: Path, local: Path, known: dict[str, Any] | None, chunks: list[str | None], size: int,
                     chunk_bytes: int, prefix: str, key: str, moved: list[int], fetched: Path) -> None:
@@ -311,8 +318,6 @@ class Shipper:
                     out.seek(i * chunk_bytes)
                     out.write(data)
                 out.truncate(size)
-                out.flush()
-                os.fsync(out.fileno())
         finally:
             if reuse is not None:
                 reuse.close()
@@ -353,6 +358,8 @@ class Shipper:
             return None, None
         index = self._load_index(d)
         key, epoch = index.get("key"), index.get("epoch")
+        if index.get("boot") != _BOOT_ID:
+            key = None  # written before a reboot: its pages may not all have reached the disk
         return (key if isinstance(key, str) else None), (epoch if isinstance(epoch, int) else None)
 
     def mark_running(self, d: Path, epoch: int) -> None:
@@ -374,6 +381,16 @@ class Shipper:
         tmp = Path(d) / f"{INDEX_NAME}.tmp"
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, Path(d) / INDEX_NAME)
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+_BOOT_ID = _boot_id()
 
 
 def _check_digest(digest: str, key: str) -> str:
