@@ -173,6 +173,11 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
     queue = getattr(b.rt, "embed_queue", None)  # earlier turns' background embedding is not this attack's
     if queue is not None:
         await asyncio.to_thread(queue.wait_idle, 60)
+    # Quiet turns right before the attack: on a machine shared with other work the load moves within a run, and
+    # the ratio to the quiet turns next to it says what the attack did, not what the neighbours of the host did.
+    before = await sample_neighbour(b, max(10, samples // 2))
+    if queue is not None:
+        await asyncio.to_thread(queue.wait_idle, 60)
     start = rss()
     peak = start
     stop = asyncio.Event()
@@ -223,6 +228,7 @@ async def under_attack(b: Bench, attack: Attack, samples: int) -> dict[str, Any]
     return {"attack": attack.name, "runs": len(outcomes), "outcomes": sorted(set(outcomes)), "rss_growth_mib": growth,
             "bound_mib": attack.bound_mib, "attacker_after": after, "contained": contained,
             "neighbour_p50_ms": pct(lat, 0.5) * 1e3, "neighbour_p99_ms": pct(lat, 0.99) * 1e3, "n": len(lat),
+            "quiet_before_p99_ms": pct(before, 0.99) * 1e3, "quiet_before_n": len(before),
             "wall_s": wall, "host_cpu_pct": 100 * host_cpu / wall, "attacker_cpu_pct": 100 * acpu / wall,
             "loop_lag_p99_ms": pct(lags, 0.99) * 1e3}
 
@@ -261,7 +267,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await b.say("clean-disk")
             res["attacks"].append(r)
             print(f"{a.name}: {'contained' if r['contained'] else 'NOT CONTAINED'}; neighbour p99 "
-                  f"{r['neighbour_p99_ms']:.1f} ms; host RSS +{r['rss_growth_mib']:.1f} MiB (bound {a.bound_mib}); "
+                  f"{r['neighbour_p99_ms']:.1f} ms (quiet just before {r['quiet_before_p99_ms']:.1f} ms); host RSS +{r['rss_growth_mib']:.1f} MiB (bound {a.bound_mib}); "
                   f"host CPU {r['host_cpu_pct']:.0f}%, attacker CPU {r['attacker_cpu_pct']:.0f}%, loop lag p99 "
                   f"{r['loop_lag_p99_ms']:.1f} ms; {r['runs']} runs: {', '.join(r['outcomes'])[:160]}", flush=True)
     finally:
@@ -293,15 +299,25 @@ def write_report(res: dict[str, Any]) -> str:
           *section("Neighbour turns under each attack",
                    f"The neighbour (another tenant's echo agent, awake) takes {res['samples']} turns one after another "
                    f"while the attack repeats; quiet: p50 {res['quiet']['p50_ms']:.1f} ms, p99 "
-                   f"{res['quiet']['p99_ms']:.1f} ms ({res['quiet']['n']} turns).",
-                   ["attack", "contained", "neighbour p50 ms", "neighbour p99 ms", "p99 / quiet", "host RSS +MiB (bound)",
-                    "attack runs", "outcome"])]
+                   f"{res['quiet']['p99_ms']:.1f} ms ({res['quiet']['n']} turns). Before each attack it also takes "
+                   f"{max(10, res['samples'] // 2)} quiet turns: the ratio to those is the one to read when other work "
+                   "shares the machine. Host CPU is this process (event loop and executor threads), attacker CPU "
+                   "the attacking sandbox's processes, both in % of one core; the loop lag is how late a 5 ms sleep "
+                   "of the host's event loop wakes.",
+                   ["attack", "contained", "neighbour p50 ms", "neighbour p99 ms", "p99 / quiet",
+                    "quiet p99 just before ms", "p99 / just before", "host RSS +MiB (bound)",
+                    "host CPU %", "attacker CPU %", "host loop lag p99 ms", "attack runs", "outcome"])]
     for r in attacks:
         md.append(f"| {r['attack']} | {'yes' if r['contained'] else '**no**'} | {r['neighbour_p50_ms']:.1f} | "
                   f"{r['neighbour_p99_ms']:.1f} | {r['neighbour_p99_ms'] / res['quiet']['p99_ms']:.1f}x | "
+                  f"{r['quiet_before_p99_ms']:.1f} | {r['neighbour_p99_ms'] / r['quiet_before_p99_ms']:.1f}x | "
                   f"{r['rss_growth_mib']:.1f} ({r['bound_mib']}) | {r['host_cpu_pct']:.0f} | {r['attacker_cpu_pct']:.0f} | "
                   f"{r['loop_lag_p99_ms']:.1f} | {r['runs']} | {'; '.join(r['outcomes'])[:120]} |")
-    md += ["", f"**{head}**", ""]
+    by_ratio = max(attacks, key=lambda r: r["neighbour_p99_ms"] / r["quiet_before_p99_ms"])
+    res["worst_ratio"] = {"attack": by_ratio["attack"],
+                          "ratio": by_ratio["neighbour_p99_ms"] / by_ratio["quiet_before_p99_ms"]}
+    md += ["", f"Worst p99 against the quiet turns just before it: {res['worst_ratio']['ratio']:.1f}x "
+           f"({by_ratio['attack']}); target 3x.", "", f"**{head}**", ""]
     (OUT / f"attacks-{res['driver']}.md").write_text("\n".join(md))
     return head
 
@@ -317,4 +333,7 @@ if __name__ == "__main__":
     if a.quick:
         a.samples = 20
     result = asyncio.run(main(a))
-    print(write_report(result))
+    headline = write_report(result)
+    print(f"worst p99 against the quiet turns just before it: {result['worst_ratio']['ratio']:.1f}x "
+          f"({result['worst_ratio']['attack']})")
+    print(headline)
