@@ -35,6 +35,28 @@ async def on_message(ctx, message):
 '''
 
 
+#: Automatic checkpoints after every turn are opted into.
+TIMETRAVEL = "[agent.timetravel]\nauto = true\n"
+
+
+def tt_archive(tmp_path: Path, name: str = "tt", body: str = AGENT, manifest: str = TIMETRAVEL) -> bytes:
+    """An agent directory packed as the tar.gz a client uploads, with automatic checkpoints on."""
+    import io
+    import tarfile
+    import textwrap
+
+    root = tmp_path / f"agent-src-{name}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n{manifest}'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(textwrap.dedent(body))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     async for e in make_env(tmp_path, "process"):

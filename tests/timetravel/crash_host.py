@@ -65,7 +65,8 @@ async def main(data: Path, phase: str) -> None:
         if phase == "setup":
             src = data / "agent"
             src.mkdir()
-            (src / "moorage.toml").write_text('[agent]\nname = "tt"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+            (src / "moorage.toml").write_text('[agent]\nname = "tt"\nentry = "agent.py"\n[agent.timetravel]\nauto = true\n'
+                                              '[agent.lifecycle]\nusers = "auto"\n')
             (src / "agent.py").write_text(AGENT)
             await rt.deploy(who, src)
             for n in range(1, 5):

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 from moorage.store import Store
-from tests.api.conftest import acme, aclient, agent_archive, globex, live_rt, runtime  # noqa: F401 - fixtures
-from tests.timetravel.conftest import AGENT
+from tests.api.conftest import acme, aclient, globex, live_rt, runtime  # noqa: F401 - fixtures
+from tests.timetravel.conftest import tt_archive
 
 BASE = "/v1/agents/tt/users/ada/checkpoints"
 
 
 async def _deploy_and_turns(live, secret: str, tmp_path: Path, n: int) -> None:
     async with aclient(live, secret) as c:
-        r = await c.post("/v1/agents/tt/deployments", content=agent_archive(tmp_path, "tt", AGENT),
+        r = await c.post("/v1/agents/tt/deployments", content=tt_archive(tmp_path),
                          headers={"content-type": "application/gzip"})
         assert r.status_code == 201, r.text
         for i in range(1, n + 1):

@@ -38,7 +38,7 @@ async def vm_env(tmp_path: Path) -> AsyncIterator[Env]:
 async def test_rollback_and_fork_carry_the_guest_memory(vm_env: Env, tmp_path: Path) -> None:
     env = vm_env
     assert env.runtime.driver.name == "microvm"
-    # The micro-VM driver cannot delete checkpoints yet: automatic ones are opted into.
+    # Automatic checkpoints are opted into (and the micro-VM driver cannot delete them yet: no retention here).
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT,
                                                         extra_manifest="[agent.timetravel]\nauto = true\n"))
     ts = env.store.tenant(env.principal)

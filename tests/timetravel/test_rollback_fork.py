@@ -9,7 +9,7 @@ from pathlib import Path
 from moorage.store import EntityKey
 from moorage.store.repos.checkpoints import Checkpoints
 from tests.runtime.conftest import write_agent
-from tests.timetravel.conftest import AGENT, store_view
+from tests.timetravel.conftest import AGENT, TIMETRAVEL, store_view
 
 
 async def _turns(env, user: str, numbers) -> list[str]:
@@ -32,7 +32,7 @@ async def _ask(env, user: str, message: str) -> str:
 
 
 async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
     ts = env.store.tenant(env.principal)
     first = await _turns(env, "ada", range(1, 5))
     after4 = store_view(ts, "tt", "ada")
@@ -79,7 +79,7 @@ async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(env, t
 
 
 async def test_fork_at_turn_4_into_three_users_that_diverge(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
     ts = env.store.tenant(env.principal)
     await _turns(env, "ada", range(1, 7))
     original = store_view(ts, "tt", "ada")
@@ -112,7 +112,7 @@ async def test_fork_at_turn_4_into_three_users_that_diverge(env, tmp_path: Path)
 
 
 async def test_store_checkpoint_costs_only_changed_rows(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
     ts = env.store.tenant(env.principal)
     await _turns(env, "ada", range(1, 4))
     cks = Checkpoints(ts).list("tt", "ada")
@@ -126,7 +126,7 @@ async def test_store_checkpoint_costs_only_changed_rows(env, tmp_path: Path) -> 
 
 
 async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_their_sandbox_copies(env, tmp_path: Path) -> None:
-    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest="[agent.timetravel]\nkeep = 3\ndaily = 0\n")
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL + "keep = 3\ndaily = 0\n")
     await env.runtime.deploy(env.principal, root)
     ts = env.store.tenant(env.principal)
     await _turns(env, "ada", range(1, 3))
@@ -145,7 +145,7 @@ async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_th
 async def test_a_zero_retention_agent_gets_no_checkpoints(env, tmp_path: Path) -> None:
     from moorage.errors import InvalidInput
 
-    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest="[agent.retention]\nzero_retention = true\n")
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL + "[agent.retention]\nzero_retention = true\n")
     await env.runtime.deploy(env.principal, root)
     await _turns(env, "ada", range(1, 3))
     assert Checkpoints(env.store.tenant(env.principal)).list("tt", "ada") == []
@@ -155,3 +155,14 @@ async def test_a_zero_retention_agent_gets_no_checkpoints(env, tmp_path: Path) -
         assert "zero retention" in str(e)
     else:
         raise AssertionError("a checkpoint of a zero-retention agent was taken")
+
+
+async def test_without_opting_in_turns_take_no_checkpoint_and_one_can_still_be_taken(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+    await _turns(env, "ada", range(1, 3))
+    ts = env.store.tenant(env.principal)
+    assert Checkpoints(ts).list("tt", "ada") == []
+    ck = await env.runtime.timetravel.take(env.principal, "tt", "ada", "by-hand")
+    await _turns(env, "ada", range(3, 5))
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", ck.id)
+    assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]

@@ -10,15 +10,15 @@ import sys
 from pathlib import Path
 
 from moorage import AsyncClient, Client
-from tests.api.conftest import acme, agent_archive, live_rt, runtime  # noqa: F401 - fixtures
-from tests.timetravel.conftest import AGENT
+from tests.api.conftest import acme, live_rt, runtime  # noqa: F401 - fixtures
+from tests.timetravel.conftest import tt_archive
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_checkpoints_through_the_sdk_and_the_cli(live_rt, acme: str, tmp_path: Path) -> None:  # noqa: F811
     async with AsyncClient(live_rt.url, acme) as sdk:
-        await sdk.deploy("tt", agent_archive(tmp_path, "tt", AGENT))
+        await sdk.deploy("tt", tt_archive(tmp_path))
         for i in (1, 2):
             await sdk.invoke("tt", f"turn {i}", user="ada")
         listing = await sdk.list_checkpoints("tt", "ada")

@@ -41,8 +41,9 @@ class CheckpointGone(ConflictError):
 class Policy:
     """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
 
-    #: None (the default): on where the driver can delete checkpoints, so retention bounds their disk.
-    auto: bool | None = None
+    #: Off by default: the sandbox half is taken before the reply goes out and costs ~130 ms with today's
+    #: drivers (docs/timetravel.md), which an agent opts into.
+    auto: bool = False
     #: The newest checkpoints of the current branch kept.
     keep: int = 20
     #: Besides those, the newest checkpoint of each of the last ``daily`` days.
@@ -61,7 +62,10 @@ class Policy:
         except (TypeError, ValueError):
             log.warning("ignoring a malformed [agent.timetravel] table", table=str(raw)[:200])
             return out
-        return cls(None if auto is None else bool(auto), max(1, keep), max(0, daily))
+        if not isinstance(auto, bool):
+            log.warning("ignoring a malformed [agent.timetravel] auto", auto=str(auto)[:50])
+            auto = out.auto
+        return cls(auto, max(1, keep), max(0, daily))
 
 
 def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None) -> dict[str, Any]:
@@ -114,8 +118,7 @@ class TimeTravel:
     async def after_turn(self, sandbox: "Sandbox", b: "TurnBinding") -> Checkpoint | None:
         """Called by the runtime while the turn still holds its instance; never fails the turn."""
         policy = Policy.of(b.manifest)
-        auto = policy.auto if policy.auto is not None else _can_delete(sandbox)
-        if not auto or (b.manifest.get("lifecycle") or {}).get("scope", b.manifest.get("scope", "user")) != "user":
+        if not policy.auto or (b.manifest.get("lifecycle") or {}).get("scope", b.manifest.get("scope", "user")) != "user":
             return None
         try:
             if await asyncio.to_thread(_keeps_nothing, b.ts, b.entity.agent):
