@@ -23,7 +23,7 @@ from websockets.http11 import Response
 from websockets.protocol import SEND_EOF, State
 from websockets.uri import parse_uri
 
-from moorage.errors import MoorageError
+from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
 from moorage.runtime.app_proxy import (_DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, AppUnavailable, app_of,
                                        open_connection)
@@ -191,8 +191,8 @@ class AppSocket:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._finish(outcome)
             if outcome.why != "caller-closed":
-                with contextlib.suppress(Exception):
-                    await caller.close(outcome.code, outcome.reason)
+                with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
+                    await asyncio.wait_for(caller.close(outcome.code, outcome.reason), 10)
         log.info("app socket closed", code=outcome.code, why=outcome.why, messages_in=self.messages_in,
                  messages_out=self.messages_out)
         return outcome
@@ -357,8 +357,6 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
     agent, lc, scope, deployment, port = await app_of(runtime, ts, agent_name, user)
     target = req.target.decode("latin-1")
     if not target.startswith("/") or any(c <= " " or c == "\x7f" for c in target):
-        from moorage.errors import InvalidInput
-
         raise InvalidInput("malformed path for the agent's app")
 
     async def template() -> Any:
