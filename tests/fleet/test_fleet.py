@@ -231,3 +231,43 @@ def test_forgetting_a_user_removes_their_snapshots_from_the_bucket(fleet: Fleet,
     assert objects_of(ids["gone"]) == []
     assert objects_of(ids["kept"])  # another user's snapshots stay
     assert "gone" not in fleet.records()
+
+
+def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fleet) -> None:
+    import subprocess
+    import sys
+
+    users = [f"d{i}" for i in range(6)]
+    for u in users:
+        assert _ok(fleet.turn(1, u)) == "1: hi"  # awake on h2
+    stop = threading.Event()
+    codes: list[int] = []
+
+    def traffic() -> None:  # the load balancer has taken h2 out of rotation: requests go to h1 and h3
+        i = 0
+        while not stop.is_set():
+            codes.append(fleet.turn((i % 2) * 2, users[i % len(users)]).status_code)
+            i += 1
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts", "drain", "h2"], check=True, timeout=60,
+                       env={**os.environ, "MOORAGE_STORE_URL": fleet.store_url}, capture_output=True)
+        assert fleet.hosts[1].proc.wait(timeout=90) == 0  # h2 slept everything and left cleanly
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join()
+    assert codes and set(codes) == {200}, codes
+    recs = fleet.records()
+    # Nothing is left awake on h2: each user is on a survivor, or asleep with its last sleep shipped.
+    for u in users:
+        assert recs[u].host in ("h1", "h3") or (recs[u].state == "sleeping" and recs[u].meta["shipped_current"]), recs[u]
+        assert fleet.turn(0, u).status_code == 200
+    from moorage.config import Config
+    from moorage.fleet.hosts import HostRegistry
+    from moorage.store import open_store
+
+    with open_store(Config(store_url=fleet.store_url)) as store:
+        assert HostRegistry(store.backend).get("h2").state == "gone"

@@ -47,3 +47,15 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
         inst = ", ".join(f"{n} {st}" for st, n in sorted(h["instances"].items())) or "no instances"
         console.print(f"{h['id']}\t{h['state']}\t{h['url']}\theartbeat {h['heartbeat_age_s']} s ago\t"
                       f"awake {h['load'].get('awake', 0)}\t{inst}")
+
+
+@app.command()
+def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moorage hosts`).")) -> None:
+    """Drain a host for an upgrade: it sleeps and ships every instance (new ones start elsewhere), then exits."""
+    from moorage.cli.main import state
+    from moorage.fleet.hosts import HostRegistry
+    from moorage.store import open_store
+
+    with open_store(state.cfg) as store:
+        HostRegistry(store.backend).set_state(host_id, "draining")
+    console.print(f"{host_id} is draining: it sleeps its instances and leaves within a heartbeat or two")

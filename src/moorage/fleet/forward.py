@@ -7,6 +7,8 @@ finds the instance moved again is answered 503 with ``Retry-After`` and the clie
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,6 +16,8 @@ from starlette.responses import Response
 from moorage.errors import UnavailableError
 
 FORWARDED_BY = "x-moorage-forwarded-by"
+#: Set while serving a request another host forwarded here: it must be served here, never sent on again.
+forwarded: ContextVar[bool] = ContextVar("moorage_forwarded", default=False)
 #: Headers that describe one connection, not the request (RFC 9110 section 7.6.1), plus those httpx sets itself.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})

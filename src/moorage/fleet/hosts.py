@@ -69,17 +69,19 @@ class HostRegistry:
                     (host_id, url.rstrip("/"), now, now, incarnation))
         return self.get(host_id)
 
-    def heartbeat(self, host_id: str, incarnation: str, load: dict[str, Any] | None = None) -> float:
-        """Renew the host's leases; ``ConflictError`` when another incarnation registered the same id since."""
+    def heartbeat(self, host_id: str, incarnation: str, load: dict[str, Any] | None = None) -> tuple[float, str]:
+        """Renew the host's leases; returns (when, the host's state: an operator may have set ``draining``).
+        ``ConflictError`` when another incarnation registered the same id since."""
         now = time.time()
         with self.backend.control_tx() as c:
             n = c.x("UPDATE hosts SET heartbeat_at = ?, load = ?, version = version + 1 "
                     "WHERE id = ? AND incarnation = ? AND state != 'gone'",
                     (now, json.dumps(load or {}, sort_keys=True), host_id, incarnation))
-        if n != 1:
+            row = c.one("SELECT state FROM hosts WHERE id = ?", (host_id,)) if n == 1 else None
+        if row is None:
             raise ConflictError(f"host {host_id!r} was registered again by another process (or left)",
                                 hint="two hosts must not share MOORAGE_HOST_ID")
-        return now
+        return now, row[0]
 
     def set_state(self, host_id: str, state: str, incarnation: str | None = None) -> None:
         if state not in HOST_STATES:

@@ -47,6 +47,10 @@ class FleetMember:
         self.incarnation = uuid.uuid4().hex
         #: Called with no argument after a heartbeat gap longer than the lease: our leases may have been taken.
         self.on_lease_gap: Callable[[], Any] | None = None
+        #: Called once when an operator marks this host ``draining`` (``moorage hosts drain``).
+        self.on_drain: Callable[[], Any] | None = None
+        #: Draining: instances this host does not already hold awake are brought up on other hosts.
+        self.draining = False
         self.load: Callable[[], dict[str, Any]] = dict
         self._last_beat = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
@@ -72,23 +76,25 @@ class FleetMember:
         with contextlib.suppress(MoorageError):
             await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
 
-    async def drain(self) -> None:
-        """Take no new instances (other hosts stop sending them); the caller sleeps or hands off the rest."""
-        await asyncio.to_thread(self.registry.set_state, self.host_id, "draining", self.incarnation)
 
     async def _beat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
             gap = time.time() - self._last_beat
             try:
-                self._last_beat = await asyncio.to_thread(self.registry.heartbeat, self.host_id, self.incarnation,
-                                                          self.load())
+                self._last_beat, state = await asyncio.to_thread(self.registry.heartbeat, self.host_id,
+                                                                 self.incarnation, self.load())
             except ConflictError as e:
                 log.error("fleet heartbeat refused", host=self.host_id, error=str(e))
                 continue
             except Exception as e:  # the store is unreachable: leases lapse, other hosts take over
                 log.warning("fleet heartbeat failed", host=self.host_id, error=str(e))
                 continue
+            if state == "draining" and not self.draining:
+                self.draining = True
+                log.info("draining: sleeping and shipping every instance, then leaving", host=self.host_id)
+                if self.on_drain is not None:
+                    asyncio.create_task(self.on_drain(), name="fleet-drain")
             if gap > self.lease_ttl_s and self.on_lease_gap is not None:
                 log.warning("heartbeat gap longer than the lease: checking which instances are still ours",
                             host=self.host_id, gap_s=round(gap, 1))
@@ -113,6 +119,12 @@ class FleetMember:
             return None
         self._hosts[host_id] = (now, info)
         return info
+
+    def elsewhere(self) -> HostInfo | None:
+        """An active host other than this one, alive, with the fewest awake instances (for a draining host). Blocking."""
+        others = [h for h in self.registry.list() if h.id != self.host_id and h.state == "active"
+                  and h.alive(self.lease_ttl_s)]
+        return min(others, key=lambda h: (int(h.load.get("awake", 0)), h.id), default=None)
 
     def alive(self, host_id: str) -> bool:
         if host_id == self.host_id:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.fleet.forward import forwarded
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
 from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
@@ -51,10 +52,11 @@ class Misplaced(UnavailableError):
 
     code = "instance-misplaced"
 
-    def __init__(self, record: SandboxRecord) -> None:
-        super().__init__(f"instance of {record.scope} is placed on host {record.host!r}",
-                         hint=f"route requests for this agent to host {record.host!r}")
-        self.host = record.host
+    def __init__(self, record: SandboxRecord | None, host: str | None = None) -> None:
+        where = host if record is None else record.host
+        what = "this instance" if record is None else f"instance of {record.scope}"
+        super().__init__(f"{what} is placed on host {where!r}", hint=f"route requests for this agent to host {where!r}")
+        self.host = where
 
 
 class TenantAwakeLimit(MoorageError):
@@ -326,6 +328,10 @@ class InstanceManager:
     async def _bring_up(self, ts: TenantStore, li: LiveInstance, source: TemplateSource,
                         trace: TraceContext) -> Sandbox:
         scope = li.scope
+        if self.fleet is not None and self.fleet.draining and not forwarded.get():
+            other = await self.io(self.fleet.elsewhere)
+            if other is not None:  # draining: bring it up on another host (a forwarded request is served here)
+                raise Misplaced(None, other.id)
         deadline = time.monotonic() + 2 * self.claim_timeout_s
         while True:
             if time.monotonic() > deadline:

@@ -90,6 +90,8 @@ class Host:
                                         max_ram_mib=config.max_awake_ram_mib or None)
         manager.tenant_max_awake = config.max_awake_per_tenant or None
         host = cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
+        if manager.fleet is not None:
+            manager.fleet.on_drain = host._drain
         if config.object_store_url:
             from moorage.fleet.templates import PublishedTemplates
             from moorage.objects import open_object_store
@@ -134,6 +136,20 @@ class Host:
         from moorage.usage.caps import enforce_loop
 
         self._tasks.append(asyncio.create_task(enforce_loop(self.runtime), name="cap-enforcement"))
+
+    async def _drain(self) -> None:
+        """An operator marked this host draining: sleep (and ship) every instance, then stop cleanly. Requests
+        keep being served meanwhile: new bring-ups go to other hosts, instances still here answer until slept."""
+        import os
+        import signal
+
+        for _ in range(20):  # an instance woken by a forwarded request meanwhile is slept on the next pass
+            slept, left = await self.manager.sleep_all("host draining", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
+            log.info("drain pass", slept=slept, still_awake=left)
+            if not self.manager.awake_instances():
+                break
+            await asyncio.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)  # the clean stop: leaves the fleet as gone
 
     async def _sweep_loop(self) -> None:
         while True:
