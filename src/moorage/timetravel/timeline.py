@@ -15,7 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
 
-from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.errors import ConflictError, InvalidInput, TenantScopeError
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
@@ -213,22 +213,21 @@ class TimeTravel:
 
     # -- the verbs ------------------------------------------------------------------------------------------
 
-    def _ts(self, principal: Principal, agent: str, user: str, scope: str) -> TenantStore:
-        principal.require(scope)
+    def _ts(self, principal: Principal, agent: str, user: str, *scopes: str) -> TenantStore:
+        """The caller's tenant store, once it may act on this agent and user with one of ``scopes``."""
+        if not principal.allows(*scopes):
+            raise TenantScopeError(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope",
+                                   hint=f"use a key with the {scopes[0]} scope")
         check_id(agent, "agent id"), check_id(user, "user id")
         if principal.agent is not None and principal.agent != agent:
-            from moorage.errors import TenantScopeError
-
             raise TenantScopeError(f"this key may only act on agent {principal.agent!r}")
         if principal.user is not None and principal.user != user:
-            from moorage.errors import TenantScopeError
-
             raise TenantScopeError(f"this key may only act for user {principal.user!r}")
         return self.rt.store.tenant(principal)
 
     async def list(self, principal: Principal, agent: str, user: str, *, limit: int = 100) -> dict[str, Any]:
         """The instance's checkpoints (newest first) with what each turn did, and its branches."""
-        ts = self._ts(principal, agent, user, "read")
+        ts = self._ts(principal, agent, user, "read", "provision")
         repo = checkpoints_of(ts)
         await asyncio.to_thread(ts.agents.get, agent)
         cks = await asyncio.to_thread(repo.list, agent, user, limit=100_000)
