@@ -193,7 +193,8 @@ class FleetMember:
             log.info("snapshot fetched", instance=record.id, key=k, chunks=rep.chunks_moved, bytes=rep.bytes_moved,
                      ms=round(rep.seconds * 1000, 1), fallback=i > 0)
             return {"from": "shipped", "key": k, "host": self.host_id, "fallback": i > 0,
-                    "at": shipped.get("at") if shipped and k == key else None}
+                    "at": shipped.get("at") if shipped and k == key else None,
+                    "fetch_ms": round(rep.seconds * 1000, 1), "fetched_bytes": rep.bytes_moved}
         return {"from": "none", "key": None, "host": self.host_id}
 
     def delete_instance(self, tenant_id: str, record: SandboxRecord) -> int:
