@@ -61,7 +61,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "WorkflowDetail": obj({"run": ref("WorkflowRun"), "steps": {"type": "array", "items": ref("Step")},
                            "history": {"type": "array", "items": OBJ}}),
     "Sandbox": obj({"id": STR, "agent_id": STR, "scope": STR, "state": STR, "last_active": NUM, "ttl_s": NNUM,
-                    "created_at": NUM, "version": INT, "wake_kind": NSTR}),
+                    "created_at": NUM, "version": INT, "wake_kind": NSTR,
+                    "resumed_from": {"oneOf": [obj({"from": STR, "at": NNUM, "fallback": {"type": "boolean"}}),
+                                               {"type": "null"}]}}),
     "Span": obj({"trace_id": STR, "span_id": STR, "parent_id": NSTR, "name": STR, "start_ts": NUM, "end_ts": NNUM,
                  "status": STR, "attrs": OBJ, "scope": NSTR}),
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
@@ -124,7 +126,15 @@ def sandbox(s: SandboxRecord) -> dict[str, Any]:
     return {"id": s.id, "agent_id": s.agent_id, "scope": s.scope.key, "state": s.state, "last_active": s.last_active,
             "ttl_s": s.ttl_s, "created_at": s.created_at, "version": s.version,
             # How its sandbox last came up: fork, snapshot, cold (no memory snapshot) or cold-fallback.
-            "wake_kind": s.meta.get("wake_kind")}
+            "wake_kind": s.meta.get("wake_kind"),
+            # Fleet: which copy its last wake started from (this host's disk, or a shipped snapshot of when).
+            "resumed_from": _resumed(s.meta.get("resumed_from"))}
+
+
+def _resumed(r: Any) -> dict[str, Any] | None:
+    if not isinstance(r, dict):
+        return None
+    return {"from": str(r.get("from")), "at": r.get("at"), "fallback": bool(r.get("fallback", False))}
 
 
 def span(s: Span) -> dict[str, Any]:
