@@ -29,6 +29,7 @@ async def test_list_take_rollback_fork_over_http(live_rt, acme: str, tmp_path: P
         listing = (await c.get(BASE)).json()
         assert [x["summary"]["turn"]["message"] for x in listing["data"]] == ["turn 3", "turn 2", "turn 1"]
         assert listing["data"][0]["summary"]["turn"]["steps"] == [{"name": "side-3", "status": "succeeded"}]
+        assert listing["store_bytes"] > 0 and listing["sandbox_bytes"] > 0  # storage of this user's checkpoints
         two = listing["data"][1]["id"]
 
         taken = await c.post(BASE, json={"name": "before the experiment"})

@@ -102,6 +102,7 @@ BENCH_SCRIPTS = {
     "e2e": ["e2e/run.py"],
     "fleet": ["fleet/run.py"],
     "attacks": ["attacks/run.py"],
+    "timetravel": ["timetravel/run.py"],
 }
 
 

@@ -244,9 +244,20 @@ class TimeTravel:
                                      "tip": None}
         storage = await asyncio.to_thread(repo.storage_bytes, agent, user)
         return {"object": "list", "agent": agent, "user": user, "head": head.head_id if head else None,
-                "branch": current, "store_bytes": storage,
+                "branch": current, "store_bytes": storage, "sandbox_bytes": await self._sandbox_bytes(ts, agent, user),
                 "data": [checkpoint_view(c, current_branch=current) for c in cks[:limit]],
                 "branches": list(branches.values())}
+
+    async def _sandbox_bytes(self, ts: TenantStore, agent: str, user: str) -> int | None:
+        """Disk the instance's sandbox checkpoints take on this host (None: its sandbox is not here)."""
+        rec = await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, user))
+        if rec is None:
+            return None
+        try:
+            sandbox = await self.rt.driver.open(rec.id)
+            return sum(c.bytes for c in await sandbox.checkpoints() if c.name.startswith("tt-"))
+        except Exception:  # noqa: BLE001 - on another host, or gone: not known here
+            return None
 
     async def take(self, principal: Principal, agent: str, user: str, name: str | None = None) -> Checkpoint:
         ts = self._ts(principal, agent, user, "provision")
@@ -323,13 +334,19 @@ class TimeTravel:
         out = []
         try:
             for u in to_users:
-                rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
                 new_scope = Scope.for_user(agent, u)
-                sb = None
-                if template is not None:
-                    sb = await rt.instances.ensure_running(ts, new_scope, template, lifecycle=lc)
-                first = await self._take(ts, agent, u, sb, kind="fork",
-                                         summary={"forked_from": {"user": user, "checkpoint": target.id}})
+                # In the new user's line: a first turn for them waits, instead of provisioning from the agent's
+                # template before the fork's does.
+                async with rt.router._on_instance((ts.tenant_id, new_scope.key), "-time-travel", new_scope, lc):
+                    if await asyncio.to_thread(ts.sandboxes.for_scope, new_scope) is not None:
+                        raise ConflictError(f"user {u!r} of agent {agent!r} got an instance meanwhile",
+                                            hint="fork into a new user id")
+                    rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
+                    sb = None
+                    if template is not None:
+                        sb = await rt.instances.ensure_running(ts, new_scope, template, lifecycle=lc)
+                    first = await self._take(ts, agent, u, sb, kind="fork",
+                                             summary={"forked_from": {"user": user, "checkpoint": target.id}})
                 out.append({"user": u, "rows": rows, "checkpoint": first.id, "sandbox_id": sb.id if sb else None})
         finally:
             if template is not None:

@@ -23,7 +23,8 @@ CHECKPOINT = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR,
                     "sandbox_id": S.NSTR, "sandbox_checkpoint": S.NSTR, "store_bytes": S.INT, "created_at": S.NUM,
                     "current_branch": {"type": "boolean"}})
 LISTING = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "head": S.NSTR, "branch": S.NSTR,
-                 "store_bytes": S.INT, "data": {"type": "array", "items": CHECKPOINT},
+                 "store_bytes": S.INT, "sandbox_bytes": {"type": ["integer", "null"]},
+                 "data": {"type": "array", "items": CHECKPOINT},
                  "branches": {"type": "array", "items": S.obj({"id": S.STR, "from": S.NSTR, "current": {"type": "boolean"},
                                                                "checkpoints": S.INT, "tip": S.NSTR})}})
 ROLLBACK = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "rolled_back_to": S.STR, "branch": S.STR,

@@ -1,0 +1,180 @@
+"""Time-travel benchmark: the cost of checkpointing a whole agent instance after each turn, of rolling it back,
+of forking it, and the storage per checkpoint — on one sandbox driver, through the runtime (SQLite store).
+
+The agent writes a small file, learns a fact, records an event and journals a step every turn (what the
+issue's must-show turns do), with automatic checkpoints on (``[agent.timetravel] auto = true``).
+
+    .venv/bin/python bench/timetravel/run.py [--driver process|microvm] [--turns 30] [--images DIR] [--quick]
+
+``--images``: where the micro-VM guest image is built or found (default: the default data directory's, the one
+``moorage up`` built), so a run does not build one of its own.
+
+Writes bench/results/latest/timetravel-<driver>.{md,json}; the last line printed is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from moorage.config import Config
+from moorage.lifecycle.manager import InstanceManager
+from moorage.llm import gateway_from_config
+from moorage.runtime.runtime import Runtime
+from moorage.sandbox import get_driver
+from moorage.store import EntityKey, open_store
+from moorage.store.repos.checkpoints import Checkpoints
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "store"))
+from report import latency_summary  # noqa: E402  (bench/store/report.py: what the areas share)
+
+OUT = ROOT / "bench" / "results" / "latest"
+AGENT_PY = '''\
+async def on_message(ctx, message):
+    n = int(message.split()[1])
+    ctx.files.write(f"notes/{n}.txt", f"note {n}")
+    await ctx.memory.learn("user", "last_turn", str(n), f"the last turn was {n}")
+    await ctx.memory.remember(f"milestone {n}")
+    await ctx.step(f"side-{n}", lambda: n)
+    return f"done {n}"
+'''
+
+
+class Timed:
+    """Wraps the two halves of a checkpoint to time them (the runtime's own objects, not copies)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.whole: list[float] = []
+        self.store: list[float] = []
+        tt = rt.timetravel
+        take = tt._take
+
+        async def timed_take(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await take(*a, **kw)
+            finally:
+                self.whole.append(time.perf_counter() - t0)
+
+        tt._take = timed_take  # type: ignore[method-assign]
+        store_take = Checkpoints.take
+
+        def timed_store(repo: Checkpoints, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return store_take(repo, *a, **kw)
+            finally:
+                self.store.append(time.perf_counter() - t0)
+
+        Checkpoints.take = timed_store  # type: ignore[method-assign]
+
+
+async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp: Path, images: Path) -> dict[str, Any]:
+    cfg = Config(data_dir=tmp / "data", sandbox_driver=driver_name)
+    store = open_store(cfg)
+    principal = store.authenticate(store.operator.create_tenant("bench")[1].secret)
+    if driver_name == "microvm":
+        from moorage.sandbox.microvm import MicroVMDriver
+
+        driver: Any = MicroVMDriver(cfg.sandboxes_dir, cfg, images_dir=images)
+    else:
+        driver = get_driver(cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    try:
+        timed = Timed(rt)
+        src = tmp / "agent"
+        src.mkdir()
+        (src / "moorage.toml").write_text('[agent]\nname = "tt"\nentry = "agent.py"\n[agent.timetravel]\nauto = true\n'
+                                          f'keep = {turns + 10}\n[agent.lifecycle]\nusers = "auto"\n')
+        (src / "agent.py").write_text(AGENT_PY)
+        await rt.deploy(principal, src)
+        who = EntityKey("tt", "ada")
+        turn_s = []
+        for i in range(1, turns + 1):
+            t0 = time.perf_counter()
+            await rt.invoke(principal, who, f"turn {i}")
+            turn_s.append(time.perf_counter() - t0)
+        ts = store.tenant(principal)
+        cks = Checkpoints(ts).list("tt", "ada", limit=turns + 10)
+        target = next(c for c in cks if c.summary.get("turn", {}).get("message") == f"turn {max(1, turns - 5)}")
+        rb = []
+        for _ in range(rollbacks):
+            t0 = time.perf_counter()
+            await rt.timetravel.rollback(principal, "tt", "ada", target.id)
+            rb.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await rt.timetravel.fork(principal, "tt", "ada", target.id, [f"fork{i}" for i in range(forks)])
+        fork_s = time.perf_counter() - t0
+        sandbox = await driver.open(cks[0].sandbox_id)
+        vm_sizes = sorted(c.bytes for c in await sandbox.checkpoints() if c.name.startswith("tt-"))
+        store_sizes = sorted(c.store_bytes for c in cks if c.kind == "turn")
+        return {
+            "driver": driver_name, "turns": turns,
+            "turn": latency_summary(turn_s),
+            "checkpoint": latency_summary(timed.whole[:turns]),
+            "checkpoint_store_half": latency_summary(timed.store[:turns]),
+            "rollback": latency_summary(rb),
+            "fork_per_user_ms": fork_s * 1e3 / forks,
+            "store_bytes_per_checkpoint_p50": store_sizes[len(store_sizes) // 2],
+            "sandbox_bytes_per_checkpoint_p50": vm_sizes[len(vm_sizes) // 2] if vm_sizes else None,
+        }
+    finally:
+        await manager.close()
+        for sid in await driver.list():
+            sb = await driver.open(sid)
+            await sb.destroy()
+        await driver.close()
+        store.close()
+
+
+def report(r: dict[str, Any]) -> str:
+    f = lambda s: f"{s['p50_ms']:.1f} ms (p99 {s['p99_ms']:.1f}, n={s['n']})"  # noqa: E731
+    sb = r["sandbox_bytes_per_checkpoint_p50"]
+    lines = [
+        f"# Time travel ({r['driver']} driver, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+        "",
+        "| what | measured | issue's target |",
+        "|---|---|---|",
+        f"| turn with its automatic checkpoint, p50 | {f(r['turn'])} | |",
+        f"| checkpoint added to a turn, p50 | {f(r['checkpoint'])} | ≤ 5 ms |",
+        f"| of which the store half, p50 | {f(r['checkpoint_store_half'])} | |",
+        f"| rollback of the whole instance, p50 | {f(r['rollback'])} | ≤ 100 ms |",
+        f"| fork per new user | {r['fork_per_user_ms']:.0f} ms | |",
+        f"| store bytes per turn checkpoint, p50 | {r['store_bytes_per_checkpoint_p50']} | |",
+        f"| sandbox bytes per checkpoint, p50 | {sb if sb is not None else 'n/a'} | |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--driver", default="process", choices=("process", "microvm"))
+    ap.add_argument("--turns", type=int, default=30)
+    ap.add_argument("--images", type=Path, default=Config().images_dir)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    turns, rollbacks, forks = (8, 2, 2) if a.quick else (a.turns, 5, 3)
+    with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
+        r = asyncio.run(measure(a.driver, turns, rollbacks, forks, Path(d), a.images))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"timetravel-{a.driver}.json").write_text(json.dumps(r, indent=1))
+    (OUT / f"timetravel-{a.driver}.md").write_text(report(r))
+    print(report(r))
+    print(f"time travel ({a.driver}): checkpoint p50 {r['checkpoint']['p50_ms']:.1f} ms (store half "
+          f"{r['checkpoint_store_half']['p50_ms']:.1f} ms), rollback p50 {r['rollback']['p50_ms']:.0f} ms, "
+          f"fork {r['fork_per_user_ms']:.0f} ms per user")
+
+
+if __name__ == "__main__":
+    main()
