@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import tarfile
 import textwrap
 from pathlib import Path
@@ -41,6 +42,7 @@ import base64, hashlib, json, os, socket, socketserver, struct, threading
 NOTE = "/work/note.txt"
 SEEN = "/work/ws-seen.json"
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+FLOODED = [0]  # how many messages of the last flood the app has written so far
 
 
 def _note():
@@ -148,6 +150,13 @@ class Handler(socketserver.StreamRequestHandler):
             elif text.startswith("push "):
                 for i in range(int(text[5:])):
                     self.frame(1, ("n=%d" % i).encode())
+            elif text.startswith("flood "):  # n messages of size bytes, as fast as the socket takes them
+                n, size = map(int, text[6:].split())
+                for i in range(n):
+                    self.frame(2, i.to_bytes(4, "big") + b"f" * (size - 4))
+                    FLOODED[0] = i + 1
+            elif text == "flooded":
+                self.frame(1, str(FLOODED[0]).encode())
             elif text.startswith("big "):
                 self.frame(2, b"b" * int(text[4:]))
             elif text == "close":
@@ -413,3 +422,54 @@ async def test_messages_and_sockets_are_capped(world: World) -> None:
             await asyncio.sleep(0.1)
     else:
         pytest.fail("closed sockets never freed their places")
+
+
+#: A caller in a process of its own (so that its buffers are not counted as the host's): it asks for a flood,
+#: reads nothing until told to on stdin, then checks every message.
+SLOW_CALLER = r'''
+import asyncio, sys
+from websockets.asyncio.client import connect
+
+async def main(url, key, n, size):
+    async with connect(url, additional_headers={"Authorization": "Bearer " + key}, max_queue=4, open_timeout=120) as ws:
+        await ws.send("flood %d %d" % (n, size))
+        print("flooding", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        for i in range(n):
+            m = await asyncio.wait_for(ws.recv(), 120)
+            assert int.from_bytes(m[:4], "big") == i and len(m) == size, (i, len(m))
+        print("all %d in order" % n, flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+'''
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_caller_that_does_not_read_costs_the_host_no_memory(world: World) -> None:
+    # 48 MiB the app wants to send to a caller that reads nothing for a while: the host pulls the app's bytes only
+    # as the caller takes messages, so its memory stays flat (the rest waits in socket buffers and in the app).
+    size, n = MAX_MESSAGE - 1024, 768
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SLOW_CALLER, f"{world.ws}/v1/agents/ws/users/ada/app/ws", world.acme, str(n), str(size),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 120) == b"flooding\n"
+        base = peak = _rss()
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            peak = max(peak, _rss())
+        assert peak - base < 16 << 20, f"host memory grew by {(peak - base) >> 20} MiB while the caller read nothing"
+        proc.stdin.write(b"read\n")
+        await proc.stdin.drain()
+        assert await asyncio.wait_for(proc.stdout.readline(), 300) == f"all {n} in order\n".encode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
