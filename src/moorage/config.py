@@ -58,6 +58,9 @@ class Config:
     host_url: str = ""
     lease_ttl_s: float = 15.0
     heartbeat_s: float = 3.0
+    #: Fleet: an awake instance's state is shipped after turns (at most every 2 s) and at least this often, so a
+    #: host crash loses at most what came after (drivers that can freeze a running sandbox: process).
+    checkpoint_interval_s: float = 60.0
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
     #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
     shutdown: str = "sleep"

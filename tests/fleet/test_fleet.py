@@ -133,6 +133,7 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
         _sleep(fleet, u)
         assert _ok(fleet.turn(i % 3, u)) == "2: hi"  # awake again, this turn not shipped yet
     victims = [u for i, u in enumerate(users) if i % 3 == 1]
+    time.sleep(3.0)  # awake instances are shipped after their turns (at most every 2 s)
     in_flight = threading.Thread(target=lambda: _swallow(lambda: fleet.turn(1, victims[0], "slow")))
     in_flight.start()
     time.sleep(1.0)
@@ -141,10 +142,13 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
     in_flight.join()
     assert pids_under(fleet.hosts[1].data) == []  # nothing of h2 runs any more
 
+    replies: list[str] = []
+
     def back(u: str) -> float:
         while True:
             r = fleet.turn(0, u)
             if r.status_code == 200:
+                replies.append(r.json()["reply"])
                 return time.time() - killed_at
             assert r.status_code in (409, 503), r.text
             time.sleep(0.2)
@@ -155,7 +159,9 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
     recs = fleet.records()
     for u in victims:
         assert recs[u].host == "h1" and recs[u].state == "running" and recs[u].lease_epoch >= 1
-        assert recs[u].meta["resumed_from"]["from"] == "shipped"  # from the sleep after its first turn
+        assert recs[u].meta["resumed_from"]["from"] == "shipped"  # from what h2 shipped while it was awake
+    # Their files came back as of their last acknowledged turn (shipped while awake), not their last sleep.
+    assert [r for r in replies if r != "3: hi"] == []
     # Every acknowledged turn is in the store (replies came back, so their runs committed).
     from moorage.config import Config
     from moorage.store import open_store

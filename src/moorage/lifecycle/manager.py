@@ -27,12 +27,15 @@ from moorage.lifecycle.pool import WarmPool
 from moorage.lifecycle.policies import (FixedTimeout, IdleGapHistogram, InstanceActivity, SleepEconomics, SleepPolicy,
                                         parse_policy)
 from moorage.log import get_logger
-from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
+from moorage.sandbox import Sandbox, SandboxDriver, SandboxError, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import SandboxRecord, Scope, Store, TenantStore
 from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember
+
+#: Fleet: the least time between two shipments of one awake instance (turns in between are coalesced).
+SHIP_MIN_INTERVAL_S = 2.0
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -101,6 +104,11 @@ class LiveInstance:
     restored: bool = False
     #: The lease epoch under which this manager holds it (fleet: checked by every turn commit).
     epoch: int = 0
+    #: Fleet: shipping its awake state (after turns, and every ``ship_interval_s``); when it last finished
+    #: (monotonic); whether a turn ended since the pending ship started.
+    ship_task: "asyncio.Task[None] | None" = None
+    last_ship: float = 0.0
+    ship_dirty: bool = False
 
     @property
     def awake(self) -> bool:
@@ -198,6 +206,10 @@ class InstanceManager:
         self.tenant_max_awake: int | None = None
         #: This host's fleet membership (set by the host when the store is shared; None: one host).
         self.fleet: FleetMember | None = None
+        #: Fleet: an awake instance's state is shipped at most every ``SHIP_MIN_INTERVAL_S`` after turns, and at
+        #: least every ``ship_interval_s`` (``checkpoint_interval_s``) while awake; False once the driver cannot.
+        self.ship_interval_s = 60.0
+        self._ship_awake_ok = True
 
     @property
     def host(self) -> str:
@@ -219,6 +231,8 @@ class InstanceManager:
         if background:
             self._tasks.append(asyncio.create_task(self._idle_loop(), name="lifecycle-idle"))
             self._tasks.append(asyncio.create_task(self._ttl_loop(), name="lifecycle-ttl"))
+            if self.fleet is not None:
+                self._tasks.append(asyncio.create_task(self._ship_loop(), name="fleet-ship"))
         return report
 
     async def close(self) -> None:
@@ -230,6 +244,9 @@ class InstanceManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
+        for li in self._live.values():
+            if li.ship_task is not None and not li.ship_task.done():
+                li.ship_task.cancel()
         if self.pool is not None:
             await self.pool.close()
         for li in self._live.values():
@@ -291,6 +308,8 @@ class InstanceManager:
             yield sandbox
         finally:
             li.activity.turn_ended(self.clock())
+            if self.fleet is not None:
+                self._ship_soon(li)
 
     async def ensure_running(self, ts: TenantStore, scope: Scope, template: TemplateSource, *,
                              lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None) -> Sandbox:
@@ -596,6 +615,61 @@ class InstanceManager:
                     await self._lost(li, rec)
                 lost += 1
         return lost
+
+    def _ship_soon(self, li: LiveInstance) -> None:
+        """A turn ended (or the interval passed): ship the instance's awake state soon, coalescing turns."""
+        if not self._ship_awake_ok or not li.owned or li.sandbox is None or self._closed:
+            return
+        if li.ship_task is not None and not li.ship_task.done():
+            li.ship_dirty = True  # the pending ship goes round once more
+            return
+        li.ship_task = asyncio.create_task(self._ship_awake(li), name=f"ship-{li.scope.key}")
+
+    async def _ship_awake(self, li: LiveInstance) -> None:
+        """Ship the awake instance's directory, frozen for the copy, so a host crash loses at most what came after
+        (the record's ``meta.shipped``; ``shipped_current`` stays false: the instance runs on)."""
+        assert self.fleet is not None
+        while True:
+            await asyncio.sleep(max(0.0, li.last_ship + SHIP_MIN_INTERVAL_S - time.monotonic()))
+            for _ in range(200):  # between turns when it can: a freeze stalls a turn for the copy's duration
+                if not li.activity.busy:
+                    break
+                await asyncio.sleep(0.05)
+            li.ship_dirty = False
+            try:
+                async with li.op_lock:
+                    if not li.owned or li.sandbox is None or li.record_id is None or self._closed:
+                        return
+                    ts = await self.io(self.system_tenant, li.tenant_id)
+                    rec = await self.io(ts.sandboxes.get, li.record_id)
+                    if rec.state != S.RUNNING.value or rec.host != self.host or rec.lease_epoch != li.epoch:
+                        return
+                    async with li.sandbox.frozen():
+                        shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                    li.last_ship = time.monotonic()
+                    with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
+                        await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
+                                      meta={**rec.meta, "shipped": {**shipped, "awake": True}, "shipped_current": False})
+            except SandboxError as e:
+                self._ship_awake_ok = False
+                log.info("awake instances are shipped only when they sleep with this driver", reason=str(e))
+                return
+            except Exception as e:  # the object store is down, say: the sleep ships it, or the next turn tries again
+                log.warning("shipping an awake instance failed", scope=str(li.scope), error=str(e))
+                li.last_ship = time.monotonic()
+                return
+            if not li.ship_dirty:
+                return
+
+    async def _ship_loop(self) -> None:
+        """At least every ``ship_interval_s``, ship awake instances not shipped since (a process may write
+        between turns)."""
+        while not self._closed:
+            await asyncio.sleep(self.ship_interval_s)
+            now = time.monotonic()
+            for li in list(self._live.values()):
+                if li.owned and li.awake and now - li.last_ship >= self.ship_interval_s:
+                    self._ship_soon(li)
 
     # --- sleeping -------------------------------------------------------------------------------------------
 

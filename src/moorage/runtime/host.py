@@ -76,6 +76,7 @@ class Host:
                                         url=config.host_url or f"http://{config.host}:{config.port}",
                                         lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
             manager.fleet.on_lease_gap = manager.verify_leases
+            manager.ship_interval_s = config.checkpoint_interval_s
             manager.fleet.load = lambda: {"awake": len(manager.awake_instances())}
         from moorage.lifecycle.pool import WarmPool
 

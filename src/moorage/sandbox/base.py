@@ -7,6 +7,7 @@ Every driver (``microvm``, ``process``) implements ``SandboxDriver`` and ``Sandb
 from __future__ import annotations
 
 import base64
+import contextlib
 import enum
 import inspect
 import re
@@ -308,6 +309,12 @@ class Sandbox(ABC):
 
     @abstractmethod
     async def checkpoints(self) -> list[CheckpointInfo]: ...
+
+    def frozen(self) -> "contextlib.AbstractAsyncContextManager[None]":
+        """While the block runs, nothing in the sandbox runs, so its directory is one point in time (a fleet ships
+        an awake instance's copy inside it). A driver that cannot freeze a running sandbox says so."""
+        raise SandboxError(f"the {type(self).__name__} driver cannot freeze a running sandbox",
+                           hint="its state is shipped when it sleeps")
 
     async def delete_checkpoint(self, name: str) -> None:
         """Remove one checkpoint (retention). A driver that cannot says so; its checkpoints stay until destroy."""

@@ -9,16 +9,18 @@ running as root, an unprivileged host uid (``Config.sandbox_uid``) for everythin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput
@@ -382,6 +384,18 @@ class ProcessSandbox(Sandbox):
                 log.warning("guest did not shut down cleanly; killing", sandbox=self.id, error=str(e))
         await self._kill()
 
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[None]:
+        """SIGSTOP the whole sandbox tree (its wrapper started a session: one process group) for the block."""
+        async with self._lock:
+            self._require(SandboxState.RUNNING, verb="freeze")
+            os.killpg(self._pid, signal.SIGSTOP)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._pid, signal.SIGCONT)
+
     async def sleep(self) -> SnapshotInfo:
         async with self._lock:
             self._require(SandboxState.RUNNING, verb="sleep")
@@ -696,6 +710,14 @@ class ProcessDriver(SandboxDriver):
 
     #: Parts of a sandbox directory that belong to this host only: the channel socket and the supervisor's log.
     _HOST_LOCAL = ("run", "supervisor.log")
+
+    def adopt_fetched(self, sandbox_id: str) -> None:
+        """A copy shipped while awake records the other host's process: here nothing of it runs (it boots)."""
+        path = self.root / validate_id(sandbox_id) / "meta.json"
+        meta = json.loads(path.read_text())
+        if meta.get("state") == SandboxState.RUNNING.value or meta.get("pid") is not None:
+            meta.update(state=SandboxState.STOPPED.value, pid=None, pid_starttime=None)
+            write_json_durable(path, meta)
 
     @classmethod
     def portable(cls, rel: str) -> bool:
