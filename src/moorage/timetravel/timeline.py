@@ -41,7 +41,7 @@ class CheckpointGone(ConflictError):
 class Policy:
     """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
 
-    #: Off by default: the sandbox half is taken before the reply goes out and costs ~130 ms with today's
+    #: Off by default: the sandbox half is taken before the reply goes out and costs 100-170 ms with today's
     #: drivers (docs/timetravel.md), which an agent opts into.
     auto: bool = False
     #: The newest checkpoints of the current branch kept.
@@ -106,12 +106,11 @@ def _can_delete(sandbox: Any) -> bool:
 class TimeTravel:
     """Checkpoints, rollback and fork of agent instances, on one runtime."""
 
+    #: Retention runs when an instance's checkpoint sequence number is a multiple of this.
+    PRUNE_EVERY = 10
+
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
-        #: Checkpoints taken after turns (counted for retention: it runs every ``PRUNE_EVERY``).
-        self._taken = 0
-
-    PRUNE_EVERY = 10
 
     # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
 
@@ -124,7 +123,6 @@ class TimeTravel:
             if await asyncio.to_thread(_keeps_nothing, b.ts, b.entity.agent):
                 return None  # zero retention: a checkpoint would keep what the turn's end purges
             ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
-            self._taken += 1
             if ck.seq % self.PRUNE_EVERY == 0:
                 await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, policy)
             return ck
