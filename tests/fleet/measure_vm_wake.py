@@ -100,6 +100,9 @@ def main(rounds: int = 5) -> None:
               f"({[round(x[0]) for x in cross]})")
         print(f"local wake: server p50 {p50(local, 0):.0f} ms, turn p50 {p50(local, 1):.0f} ms "
               f"({[round(x[0]) for x in local]})")
+        pulls = sorted(float(m) for h in ("h1", "h3") for m in
+                       re.findall(r"snapshot fetched .*?ms=([\d.]+)", hosts[h].log.read_text(errors="replace")))
+        print(f"of which the instance's snapshot pull (chunks it lacked): p50 {statistics.median(pulls):.0f} ms ({pulls})")
         for c in api.values():
             c.close()
     finally:
