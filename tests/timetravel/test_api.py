@@ -43,12 +43,14 @@ async def test_list_take_rollback_fork_over_http(live_rt, acme: str, tmp_path: P
         branches = (await c.get(BASE)).json()["branches"]
         assert len(branches) == 2 and sum(b["current"] for b in branches) == 1
 
+        assert (await c.put("/v1/agents/tt/users/ada", json={"metadata": {"plan": "pro"}})).status_code in (200, 201)
         r = await c.post(f"{BASE}/{two}/fork", json={"to_users": ["bea", "cy"]})
         assert r.status_code == 201, r.text
         assert [f["user"] for f in r.json()["forks"]] == ["bea", "cy"]
         for u in ("bea", "cy"):
             reply = (await c.post("/v1/agents/tt/invoke", json={"message": "ls", "user": u})).json()["reply"]
             assert sorted(json.loads(reply)) == ["1.txt", "2.txt"]
+            assert (await c.get(f"/v1/agents/tt/users/{u}")).json()["metadata"] == {"plan": "pro"}  # a user like any
             forked = (await c.get(f"/v1/agents/tt/users/{u}/checkpoints")).json()["data"]
             assert forked[-1]["kind"] == "fork" and forked[-1]["summary"]["forked_from"]["checkpoint"] == two
         r = await c.post(f"{BASE}/{two}/fork", json={"to_user": "bea"})
