@@ -61,6 +61,9 @@ class Config:
     #: Fleet: an awake instance's state is shipped after turns (at most every 2 s) and at least this often, so a
     #: host crash loses at most what came after (drivers that can freeze a running sandbox: process).
     checkpoint_interval_s: float = 60.0
+    #: Fleet: MiB of sleeping instances' copies a host keeps on its disk (a cache of the object store; least
+    #: recently used evicted first, checked every checkpoint_interval_s); 0: no bound.
+    fleet_cache_mib: float = 20480.0
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
     #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
     shutdown: str = "sleep"

@@ -277,3 +277,32 @@ def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fl
 
     with open_store(Config(store_url=fleet.store_url)) as store:
         assert HostRegistry(store.backend).get("h2").state == "gone"
+
+
+def test_a_hosts_copies_of_sleeping_agents_are_a_bounded_cache(tmp_path: Path, pg_url: str, s3: dict[str, str]) -> None:
+    f = Fleet(tmp_path, pg_url, s3, n=2, fleet_cache_mib="0.2", checkpoint_interval_s="1")
+    try:
+        f.deploy()
+        users = [f"c{i}" for i in range(8)]
+        for u in users:
+            assert _ok(f.turn(0, u)) == "1: hi"
+            _sleep(f, u)
+        root = f.hosts[0].data / "sandboxes"
+        ids = {u: f.records()[u].id for u in users}
+
+        def held() -> list[str]:
+            return [u for u in users if (root / ids[u]).is_dir()]
+
+        deadline = time.time() + 20
+        while len(held()) == len(users) and time.time() < deadline:
+            time.sleep(0.5)
+        kept = held()
+        assert len(kept) < len(users)  # least recently used copies evicted; only shipped ones may go
+        # Every user still wakes where it slept, from the object store when its copy was evicted.
+        for u in users:
+            assert _ok(f.turn(0, u)) == "2: hi"
+        recs = f.records()
+        assert {recs[u].meta["resumed_from"]["from"] for u in users if u not in kept} == {"shipped"}
+        assert {recs[u].meta["resumed_from"]["from"] for u in kept} <= {"local", "shipped"}
+    finally:
+        f.close()

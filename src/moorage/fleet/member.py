@@ -197,6 +197,26 @@ class FleetMember:
                     "fetch_ms": round(rep.seconds * 1000, 1), "fetched_bytes": rep.bytes_moved}
         return {"from": "none", "key": None, "host": self.host_id}
 
+    def evictable(self) -> list[tuple[float, str, int]]:
+        """Sandbox directories on this host that are exactly a shipped snapshot (the object store has them):
+        (last used, sandbox id, bytes), least recently used first. Blocking."""
+        from moorage.sandbox.process_fs import disk_usage
+
+        out = []
+        root = Path(self.driver.root)
+        for d in root.iterdir() if root.is_dir() else ():
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            key, _ = self.shipper.local_state(d)
+            if key is None:
+                continue  # running, or changed since its last shipment: this host's copy is the only newest one
+            try:
+                used = (d / INDEX_NAME).stat().st_mtime
+            except OSError:
+                continue
+            out.append((used, d.name, disk_usage(d)))
+        return sorted(out)
+
     def delete_instance(self, tenant_id: str, record: SandboxRecord) -> int:
         """Remove every shipped object of the instance (retention, forget). Blocking."""
         return self.objects.delete_prefix(self.prefix(tenant_id, record) + "/")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import time
 import uuid
@@ -210,6 +211,10 @@ class InstanceManager:
         #: least every ``ship_interval_s`` (``checkpoint_interval_s``) while awake; False once the driver cannot.
         self.ship_interval_s = 60.0
         self._ship_awake_ok = True
+        #: Fleet: bytes of sleeping instances' copies this host keeps (least recently used evicted; 0: no bound).
+        self.cache_max_bytes = 0
+        #: Fleet: held while a sandbox's directory is made local and woken, or evicted from this host's cache.
+        self._dir_locks: dict[str, asyncio.Lock] = {}
 
     @property
     def host(self) -> str:
@@ -459,12 +464,13 @@ class InstanceManager:
             try:
                 await self._make_room(li)
                 try:
-                    if self.fleet is not None:
-                        resumed = await self.io(self.fleet.make_local, ts.tenant_id, rec,
-                                                rec.lease_epoch if previous_epoch is None else previous_epoch)
-                        if resumed["from"] == "none":
-                            raise SandboxNotFound(f"no copy of instance {rec.id} on this host or in the object store")
-                    sandbox = await self.driver.open(rec.id)
+                    async with self._dir_lock(rec.id):
+                        if self.fleet is not None:
+                            resumed = await self.io(self.fleet.make_local, ts.tenant_id, rec,
+                                                    rec.lease_epoch if previous_epoch is None else previous_epoch)
+                            if resumed["from"] == "none":
+                                raise SandboxNotFound(f"no copy of instance {rec.id} on this host or in the object store")
+                        sandbox = await self.driver.open(rec.id)
                 except SandboxNotFound:
                     template = await _resolve(source)
                     if template is None:
@@ -663,13 +669,48 @@ class InstanceManager:
 
     async def _ship_loop(self) -> None:
         """At least every ``ship_interval_s``, ship awake instances not shipped since (a process may write
-        between turns)."""
+        between turns), and keep this host's copies of sleeping instances within ``cache_max_bytes``."""
         while not self._closed:
             await asyncio.sleep(self.ship_interval_s)
             now = time.monotonic()
             for li in list(self._live.values()):
                 if li.owned and li.awake and now - li.last_ship >= self.ship_interval_s:
                     self._ship_soon(li)
+            try:
+                await self.evict_cache()
+            except Exception as e:
+                log.warning("cache eviction failed", error=str(e))
+
+    def _dir_lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._dir_locks.setdefault(sandbox_id, asyncio.Lock())
+
+    async def evict_cache(self) -> int:
+        """Remove this host's copies of sleeping instances, least recently used first, while they exceed
+        ``cache_max_bytes``. Only copies that are exactly a shipped snapshot go (``make_local`` marks a copy as
+        changed before it wakes): the object store has them, and the next wake here fetches what it needs."""
+        if self.fleet is None or not self.cache_max_bytes:
+            return 0
+        copies = await self.io(self.fleet.evictable)
+        total = sum(size for _, _, size in copies)
+        removed = 0
+        for _, sid, size in copies:
+            if total <= self.cache_max_bytes:
+                break
+            li = self._by_record.get(sid)
+            if li is not None and (li.awake or li.pending is not None):
+                continue
+            async with self._dir_lock(sid):
+                key, _ = await self.io(self.fleet.shipper.local_state, self.driver.root / sid)
+                if key is None:
+                    continue  # woken meanwhile
+                self.driver.forget_handle(sid)
+                await self.io(shutil.rmtree, self.driver.root / sid, True)
+            self._dir_locks.pop(sid, None)
+            total -= size
+            removed += 1
+        if removed:
+            log.info("evicted sleeping instances' copies from this host's cache", count=removed, bytes_left=total)
+        return removed
 
     # --- sleeping -------------------------------------------------------------------------------------------
 

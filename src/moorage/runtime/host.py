@@ -77,6 +77,7 @@ class Host:
                                         lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
             manager.fleet.on_lease_gap = manager.verify_leases
             manager.ship_interval_s = config.checkpoint_interval_s
+            manager.cache_max_bytes = int(config.fleet_cache_mib * (1 << 20))
             manager.fleet.load = lambda: {"awake": len(manager.awake_instances())}
         from moorage.lifecycle.pool import WarmPool
 
