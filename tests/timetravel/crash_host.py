@@ -1,5 +1,7 @@
 """A host for the crash tests, run as its own process: ``setup`` (deploy, four turns), or a rollback / fork
-that SIGKILLs its own process inside the operation, between its sandbox half and its store half."""
+that SIGKILLs its own process inside the operation, between its sandbox half and its store half.
+
+The sandbox driver (``process`` or ``microvm``) is chosen at setup and kept in the data directory."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from moorage.config import Config
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
-from moorage.sandbox.process import ProcessDriver
+from moorage.sandbox import SandboxDriver
 from moorage.store import EntityKey, open_store
 from moorage.store.repos.checkpoints import Checkpoints
 
@@ -34,13 +36,14 @@ async def on_message(ctx, message):
 @asynccontextmanager
 async def host(data: Path) -> AsyncIterator[tuple[Runtime, Any]]:
     """A runtime over ``data`` (SQLite, process sandboxes), its tenant created on first use."""
-    cfg = Config(data_dir=data, sandbox_driver="process")
+    name = (data / "driver").read_text()
+    cfg = Config(data_dir=data, sandbox_driver=name)
     store = open_store(cfg)
     key_file = data / "tenant.key"
     if not key_file.exists():
         key_file.write_text(store.operator.create_tenant("acme")[1].secret)
     principal = store.authenticate(key_file.read_text())
-    driver = ProcessDriver(cfg.sandboxes_dir, cfg)
+    driver = _driver(name, cfg)
     manager = InstanceManager(store, driver)
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
@@ -54,6 +57,18 @@ async def host(data: Path) -> AsyncIterator[tuple[Runtime, Any]]:
                 await sb.stop()
         await driver.close()
         store.close()
+
+
+def _driver(name: str, cfg: Config) -> SandboxDriver:
+    if name == "microvm":
+        from moorage.sandbox.microvm import MicroVMDriver
+
+        # The guest image the test suite builds once (tests/sandbox/conftest.py).
+        images = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
+        return MicroVMDriver(cfg.sandboxes_dir, cfg, images_dir=images)
+    from moorage.sandbox.process import ProcessDriver
+
+    return ProcessDriver(cfg.sandboxes_dir, cfg)
 
 
 def _die(*_: Any, **__: Any) -> Any:
@@ -84,4 +99,7 @@ async def main(data: Path, phase: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[2] == "setup":
+        Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+        (Path(sys.argv[1]) / "driver").write_text(sys.argv[3])
     asyncio.run(main(Path(sys.argv[1]), sys.argv[2]))

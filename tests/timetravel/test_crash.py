@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from moorage.store import EntityKey, Scope
 from moorage.store.repos.checkpoints import Checkpoints
 from tests.timetravel.crash_host import host
@@ -32,8 +34,12 @@ async def _state(data: Path) -> tuple[str, list[str]]:
         return files, facts
 
 
-async def test_killed_mid_rollback_the_instance_ends_at_the_new_point(tmp_path: Path) -> None:
-    setup = _run(tmp_path, "setup")
+DRIVERS = pytest.mark.parametrize("driver", ["process", "microvm"])
+
+
+@DRIVERS
+async def test_killed_mid_rollback_the_instance_ends_at_the_new_point(tmp_path: Path, driver: str) -> None:
+    setup = _run(tmp_path, "setup", driver)
     assert setup.returncode == 0, setup.stderr[-2000:]
     ids = json.loads(setup.stdout.strip().splitlines()[-1])
     killed = _run(tmp_path, "rollback", ids["turn 2"])
@@ -42,8 +48,9 @@ async def test_killed_mid_rollback_the_instance_ends_at_the_new_point(tmp_path: 
     assert files == "1.txt,2.txt" and facts[-1] == "2"  # sandbox and store both at turn 2
 
 
-async def test_killed_mid_fork_the_source_ends_at_the_old_point(tmp_path: Path) -> None:
-    setup = _run(tmp_path, "setup")
+@DRIVERS
+async def test_killed_mid_fork_the_source_ends_at_the_old_point(tmp_path: Path, driver: str) -> None:
+    setup = _run(tmp_path, "setup", driver)
     assert setup.returncode == 0, setup.stderr[-2000:]
     ids = json.loads(setup.stdout.strip().splitlines()[-1])
     killed = _run(tmp_path, "fork", ids["turn 2"])
