@@ -63,6 +63,13 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
         yield e
 
 
+@pytest.fixture(params=["process", "microvm"])
+async def both_env(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    """A runtime on each sandbox driver: the issue's must-show scenarios run on both."""
+    async for e in make_env(tmp_path, request.param):
+        yield e
+
+
 def store_view(ts: TenantStore, agent: str, user: str) -> dict[str, Any]:
     """What the store holds for one instance, as a reader sees it: facts (all, with validity), events, runs with
     their steps, journal entries and the user's state records."""

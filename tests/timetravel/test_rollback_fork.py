@@ -31,7 +31,8 @@ async def _ask(env, user: str, message: str) -> str:
     return (await env.runtime.invoke(env.principal, EntityKey("tt", user), message)).reply
 
 
-async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(env, tmp_path: Path) -> None:
+async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(both_env, tmp_path: Path) -> None:
+    env = both_env
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
     ts = env.store.tenant(env.principal)
     first = await _turns(env, "ada", range(1, 5))
@@ -78,7 +79,8 @@ async def test_rollback_to_turn_4_restores_files_facts_search_and_journal(env, t
     assert [e for e in back["events"] if e[0] == "note"] == [e for e in after10["events"] if e[0] == "note"]
 
 
-async def test_fork_at_turn_4_into_three_users_that_diverge(env, tmp_path: Path) -> None:
+async def test_fork_at_turn_4_into_three_users_that_diverge(both_env, tmp_path: Path) -> None:
+    env = both_env
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
     ts = env.store.tenant(env.principal)
     await _turns(env, "ada", range(1, 7))
