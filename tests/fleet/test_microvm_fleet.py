@@ -3,7 +3,8 @@ there (shipped), and host B, with its own data directory and no template, wakes 
 
 B fetches A's template (not a rebuild: the instance's RAM delta and disk overlay are only valid against it), so the
 wake restores memory (a counter kept by the agent's process continues) as well as files; B's copies name B's paths
-only (A's data directory is gone by then), and a new user on B forks the same fetched template.
+only (A's data directory is gone by then), and a new user on B forks the same fetched template. Then B, with the
+VM awake, dies: a third host wakes it from the copy shipped while it ran, its memory of that instant included.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -138,4 +140,27 @@ def test_a_sleeping_vm_wakes_on_a_host_without_its_template_with_memory_and_file
     log = (tmp_path / "h2.log").read_text(errors="replace")
     assert "starting a sandbox for the template" not in log
     assert _turn(b, "u1", "again") == "4|from A"
+
+    # Awake on B, the VM is shipped after its turns (paused for the copy, a memory snapshot of that instant with it).
+    assert _turn(b, "u1", "write on B") == "5|on B"
+    after = time.time()
+    deadline = time.time() + 120
+    while not (hosts.record("u1").meta.get("shipped") or {}).get("at", 0) > after:
+        assert time.time() < deadline, hosts.record("u1").meta
+        time.sleep(0.5)
+    assert hosts.record("u1").meta["shipped"]["awake"] is True
+    # B dies with its VMs; a third host takes the user over once B's lease lapsed, from that copy: memory included.
     b.close()
+    hosts.up["h2"].kill()
+    c = hosts.start("h3")
+    deadline = time.time() + 120
+    while True:
+        r = c.post("/v1/agents/echo/invoke", json={"message": "again", "user": "u1"})
+        if r.status_code == 200:
+            break
+        assert time.time() < deadline, r.text
+        time.sleep(1)
+    assert r.json()["reply"] == "6|on B"
+    rec = hosts.record("u1")
+    assert rec.host == "h3" and rec.meta["wake_kind"] == "snapshot" and rec.meta["resumed_from"]["from"] == "shipped"
+    c.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -17,7 +18,7 @@ import subprocess
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
@@ -772,6 +773,55 @@ class MicroVMSandbox(Sandbox):
             if self.state is not SandboxState.DESTROYED:
                 self._set_state(SandboxState.STOPPED, snapshot=None)
 
+    @contextlib.asynccontextmanager
+    async def frozen(self) -> AsyncIterator[None]:
+        """The guest paused for the block, with a memory snapshot of that instant in ``snapshot/`` (device state, the
+        RAM delta or, for an own RAM file, that file itself while paused; ``snapshot.json`` marked ``live``): a copy
+        of the directory taken inside the block (a fleet ships one) wakes elsewhere exactly there
+        (``adopt_fetched``). Here the guest runs on afterwards and that snapshot is never used: the disk moves on."""
+        async with self._lock:
+            if self.state is not SandboxState.RUNNING or self._qmp is None or self.pid is None:
+                raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running sandbox can be frozen",
+                                        hint="its state is shipped when it sleeps")
+            if self._channel is not None:
+                try:  # the disk alone then holds every file, should the copy's memory image be unusable
+                    await self._channel.call("sys.sync", {}, timeout=30)
+                except ChannelError as e:
+                    log.warning("guest sync before freeze failed", sandbox=self.id, error=str(e))
+            qmp = self._qmp
+            await qmp.execute("stop")  # also drains and flushes the disk: the file is consistent while paused
+            try:
+                await self._live_snapshot()
+                yield
+            finally:
+                with contextlib.suppress(QMPError):
+                    await qmp.execute("cont")
+
+    async def _live_snapshot(self) -> None:
+        """Write ``snapshot/`` of the paused guest, marked live (see ``frozen``)."""
+        assert self._qmp is not None and self.pid is not None
+        target = self.dir / "snapshot"
+        new = target.with_name(target.name + ".new")
+        shutil.rmtree(new, ignore_errors=True)
+        new.mkdir(parents=True)
+        await self._qmp.execute("xen-save-devices-state", {"filename": str(new / "dev.state"), "live": False})
+        record: dict[str, Any] = {"kind": self.ram_mode, "qemu": qemu_version(), "layout": self._vm_config().layout_id(),
+                                  "image": self._meta["image_id"], "created_at": time.time(), "live": True}
+        if self.ram_mode == "delta":
+            m = ram.find_mapping(self.pid, self._ram_path())
+            record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
+            record["delta_sha256"] = ram.sha256_file(new / "ram.delta")
+        else:
+            record["ram_checksum"] = ram.file_digest(self.dir / "ram")
+        record["dev_sha256"] = ram.sha256_file(new / "dev.state")
+        _write_json(new / "snapshot.json", record)
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(new, target)
+        shutil.rmtree(old, ignore_errors=True)
+
     async def checkpoint(self, name: str) -> CheckpointInfo:
         validate_id(name, "checkpoint name")
         async with self._lock:
@@ -1089,6 +1139,17 @@ class MicroVMDriver(SandboxDriver):
             img = GuestImage.load(img_dir)
             meta["image_dir"] = str(img.dir)
             _rebase(d / "disk.qcow2", img.rootfs, "raw")
+        if meta.get("state") == SandboxState.RUNNING.value:
+            # Shipped while it ran (``frozen``): its memory image of that instant, if the copy has one, is this
+            # copy's snapshot; otherwise it boots from the disk it was shipped with.
+            try:
+                live = json.loads((d / "snapshot" / "snapshot.json").read_text())
+            except (OSError, ValueError):
+                live = None
+            if isinstance(live, dict) and live.get("live"):
+                meta.update(state=SandboxState.SLEEPING.value, snapshot=live, fresh_fork=False)
+            else:
+                meta.update(state=SandboxState.STOPPED.value, snapshot=None)
         meta["pid"] = None
         _write_json(d / "meta.json", meta)
         self._open.pop(sandbox_id, None)
