@@ -306,3 +306,18 @@ def test_a_hosts_copies_of_sleeping_agents_are_a_bounded_cache(tmp_path: Path, p
         assert {recs[u].meta["resumed_from"]["from"] for u in kept} <= {"local", "shipped"}
     finally:
         f.close()
+
+
+def test_a_tenants_awake_limit_counts_its_instances_on_every_host(tmp_path: Path, pg_url: str,
+                                                                  s3: dict[str, str]) -> None:
+    f = Fleet(tmp_path, pg_url, s3, max_awake_per_tenant="2")
+    try:
+        f.deploy()
+        assert _ok(f.turn(0, "a1")) == "1: hi"  # awake on h1
+        assert _ok(f.turn(1, "a2")) == "1: hi"  # awake on h2: the tenant's limit of 2 is reached fleet-wide
+        r = f.turn(2, "a3")
+        assert r.status_code == 429 and r.headers.get("Retry-After"), r.text
+        _sleep(f, "a1")
+        assert _ok(f.turn(2, "a3")) == "1: hi"  # room again, on any host
+    finally:
+        f.close()

@@ -810,15 +810,21 @@ class InstanceManager:
                                 hint="retry shortly or raise the host's capacity")
 
     async def _tenant_room(self, li: LiveInstance) -> None:
-        """Before bringing an instance up (no claim taken yet): keep its tenant within ``tenant_max_awake`` on this
-        host by sleeping the tenant's least recently active idle instance; all of them busy: ``TenantAwakeLimit``."""
+        """Before bringing an instance up (no claim taken yet): keep its tenant within ``tenant_max_awake`` by
+        sleeping the tenant's least recently active idle instance here; all of them busy: ``TenantAwakeLimit``. In a
+        fleet the limit counts the tenant's instances awake on every host (read from the store)."""
         if self.tenant_max_awake is None:
             return
         for _ in range(8):
             me = f"{li.tenant_id}/{li.scope.key}"
             mine = [a for a in self.awake_instances() if a.instance_id != me and a.instance_id.startswith(f"{li.tenant_id}/")]
+            here = self.tenant_max_awake
+            if self.fleet is not None:
+                here -= await self.io(self._awake_elsewhere, li.tenant_id, li.scope)
+                if here <= 0:
+                    raise TenantAwakeLimit(self.tenant_max_awake)
             try:
-                victims = HostCapacity(max_awake=self.tenant_max_awake).victims(mine, incoming=1)
+                victims = HostCapacity(max_awake=here).victims(mine, incoming=1)
             except CapacityExhausted as e:
                 raise TenantAwakeLimit(self.tenant_max_awake) from e
             if not victims:
@@ -827,6 +833,13 @@ class InstanceManager:
             for v in victims:
                 await self._sleep(by_id[v], "tenant's awake limit: least recently active", evict=True)
         raise TenantAwakeLimit(self.tenant_max_awake)
+
+    def _awake_elsewhere(self, tenant_id: str, scope: Scope) -> int:
+        """The tenant's instances awake (or coming up) on other hosts of the fleet, other than ``scope``'s."""
+        ts = self.system_tenant(tenant_id)
+        rows = ts.read("SELECT COUNT(*) FROM sandboxes WHERE state IN ('running', 'waking', 'provisioning') "
+                       "AND host IS NOT NULL AND host != ? AND scope != ?", (self.host, scope.key))
+        return int(rows[0][0]) if rows else 0
 
     async def tick(self) -> int:
         """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
