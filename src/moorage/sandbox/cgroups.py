@@ -180,13 +180,18 @@ def v2_parent() -> tuple[Path, set[str]] | None:
     global _v2_parent
     with _detect_lock:
         if _v2_parent is False:
+            _v2_parent = None
             v2, _ = mounts()
-            try:
-                _v2_parent = delegate_v2(v2, set(_CONTROLLERS)) if v2 is not None else None
-            except OSError as e:
-                log.info("cgroup v2 is not delegated to this process; no cgroups of our own there", error=str(e),
-                         cgroup=str(v2.own_dir) if v2 else None)
-                _v2_parent = None
+            # Our own cgroup first (delegated); then the hierarchy's root, where a root host may always delegate
+            # (a session scope that other processes share cannot, however privileged we are).
+            tries = [] if v2 is None else [v2] + ([Mount(v2.root, "/")] if v2.own != "/" else [])
+            for where in tries:
+                try:
+                    _v2_parent = delegate_v2(where, set(_CONTROLLERS))
+                except OSError as e:
+                    log.info("cgroup v2 not delegated here", cgroup=str(where.own_dir), error=str(e))
+                if _v2_parent is not None:
+                    break
         return _v2_parent
 
 
