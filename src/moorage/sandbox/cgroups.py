@@ -99,8 +99,14 @@ def _read(p: Path) -> str:
 def _enable(level: Path, controllers: set[str]) -> set[str]:
     """Hand ``controllers`` (those ``level`` has) to its children; returns the ones now enabled."""
     want = controllers & set(_read(level / "cgroup.controllers").split())
-    if want - set(_read(level / "cgroup.subtree_control").split()):
-        (level / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in sorted(want)))
+    for c in sorted(want - set(_read(level / "cgroup.subtree_control").split())):
+        try:
+            (level / "cgroup.subtree_control").write_text(f"+{c}")
+        except OSError as e:
+            if e.errno == errno.EBUSY:  # processes live in ``level``: the caller may move them and retry
+                raise
+            # One controller refused (cpu, while a real-time thread runs below) must not cost the others.
+            log.info("cgroup controller not enabled", cgroup=str(level), controller=c, error=str(e))
     return want & set(_read(level / "cgroup.subtree_control").split())
 
 
