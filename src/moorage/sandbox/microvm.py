@@ -1099,8 +1099,9 @@ class MicroVMDriver(SandboxDriver):
         _write_json(staging / "template.json", tmeta)
 
     def adopt_fetched(self, sandbox_id: str) -> None:
-        """A sleeping sandbox fetched from another host: its metadata and disk now name this host's template (fetched
-        through ``template_source`` when missing) and image, and no process of the other host. Idempotent."""
+        """A sandbox fetched from another host (asleep, or copied while it ran there, see ``frozen``): its metadata
+        and disk now name this host's template (fetched through ``template_source`` when missing) and image, and no
+        process of the other host. Idempotent."""
         d = self._dir(sandbox_id)
         meta = json.loads((d / "meta.json").read_text())
         tid = meta.get("template_id")
