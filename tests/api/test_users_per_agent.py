@@ -30,6 +30,9 @@ async def test_a_user_of_one_agent_is_not_a_user_of_another(live_rt, acme: str, 
         assert r.status_code == 404
         assert (await c.get("/v1/agents/beta/users/cust-1")).status_code == 404
         assert [u["id"] for u in (await c.get("/v1/agents/beta/users")).json()["data"]] == []
+        # No share link to beta's app for alpha's user either.
+        r = await c.post("/v1/agents/beta/users/cust-1/share-links", json={"ttl_s": 60})
+        assert r.status_code == 404 and "no user 'cust-1'" in r.json()["detail"]
     async with mcp_client(f"{live_rt.url}/mcp/beta", acme) as client:
         refused = await client.call_tool("send_message", {"message": "hi", "user": "cust-1"})
         assert refused.is_error and "no user 'cust-1'" in refused.content[0].text

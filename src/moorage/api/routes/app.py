@@ -21,7 +21,7 @@ from moorage.api import schemas as S
 from moorage.api.routes._common import agent_of
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
-from moorage.errors import InvalidInput, MoorageError, UnavailableError
+from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
@@ -107,7 +107,9 @@ def create_link(call: Call) -> Reply:
 
     agent, user = _ids(call)
     agent_of(call)
-    call.tenant.users.get(user)  # a link to a user who does not exist is a 404, not a dangling link
+    if call.tenant.agent_users.find(agent, user) is None:  # a link to nobody is a 404, not a dangling link
+        raise NotFound(f"agent {agent!r} has no user {user!r}",
+                       hint=f"create the end-user first (PUT /v1/agents/{agent}/users/{user}) or let them talk to it")
     ttl = call.field("ttl_s", (int, float), required=False, default=3600)
     label = call.field("label", str, required=False, default="")
     if isinstance(ttl, bool):
