@@ -27,7 +27,7 @@ from typing import Any
 
 from moorage.cli.up import tar_dir
 from moorage.config import Config
-from moorage.devservices.fleet import LocalHost, fleet_env
+from moorage.devservices.fleet import LocalHost, fleet_env, write_counter_agent
 from moorage.devservices.postgres import start_cluster
 from moorage.devservices.seaweedfs import start_seaweedfs
 from moorage.store import open_store
@@ -38,26 +38,6 @@ from report import latency_summary  # noqa: E402  (bench/store/report.py: what t
 
 OUT = ROOT / "bench" / "results" / "latest"
 LEASE_TTL_S = 4.0
-AGENT_PY = '''\
-async def on_message(ctx, message):
-    try:
-        n = int(ctx.files.read("counter.txt"))
-    except Exception:
-        n = 0
-    ctx.files.write("counter.txt", str(n + 1))
-    return f"{n + 1}: {message}"
-'''
-
-
-def _agent(base: Path) -> Path:
-    d = base / "echo"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n'
-                                    '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
-    (d / "agent.py").write_text(AGENT_PY)
-    return d
-
-
 class Bench:
     def __init__(self, base: Path, driver: str) -> None:
         self.base, self.driver = base, driver
@@ -130,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for _ in range(3):
             b.add_host()
-        r = b.api[0].post("/v1/agents/echo/deployments", content=tar_dir(_agent(base)),
+        r = b.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(base)),
                           headers={"Content-Type": "application/gzip"})
         assert r.status_code == 201, r.text
         users = [f"u{i:03d}" for i in range(args.users)]

@@ -1,7 +1,7 @@
 """Three `moorage up` processes, one PostgreSQL database and one S3 server (SeaweedFS): a fleet on one machine.
 
 Each host has its own data directory and port, as separate machines would; the process driver keeps the suite
-fast (the fleet's logic does not depend on the driver; the microvm driver cannot ship snapshots yet).
+fast (the fleet's logic does not depend on the driver; tests/fleet/test_microvm_fleet.py runs micro-VMs).
 """
 
 from __future__ import annotations
@@ -13,31 +13,8 @@ import httpx
 
 from moorage.cli.up import tar_dir
 from moorage.config import Config
-from moorage.devservices.fleet import LocalHost, fleet_env
+from moorage.devservices.fleet import LocalHost, fleet_env, write_counter_agent
 from moorage.store import open_store
-
-AGENT_PY = '''\
-import asyncio
-
-async def on_message(ctx, message):
-    try:
-        n = int(ctx.files.read("counter.txt"))
-    except Exception:
-        n = 0
-    if message == "slow":
-        await asyncio.sleep(4)
-    ctx.files.write("counter.txt", str(n + 1))
-    return f"{n + 1}: {message}"
-'''
-
-
-def write_agent(base: Path) -> Path:
-    d = base / "echo"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n'
-                                    '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
-    (d / "agent.py").write_text(AGENT_PY)
-    return d
 
 
 class Fleet:
@@ -51,7 +28,7 @@ class Fleet:
         self.api = [h.client(self.key) for h in self.hosts]
 
     def deploy(self) -> None:
-        r = self.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_agent(self.base)),
+        r = self.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(self.base)),
                              headers={"Content-Type": "application/gzip"})
         assert r.status_code == 201, r.text
 

@@ -18,6 +18,30 @@ import httpx
 from moorage.devservices.postgres import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
+#: An agent whose turns count in a file (so a reply shows whether its disk came along); "slow" takes 4 s.
+COUNTER_AGENT_PY = '''\
+import asyncio
+
+async def on_message(ctx, message):
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    if message == "slow":
+        await asyncio.sleep(4)
+    ctx.files.write("counter.txt", str(n + 1))
+    return f"{n + 1}: {message}"
+'''
+
+
+def write_counter_agent(base: Path, name: str = "echo") -> Path:
+    """The counter agent's folder (``users = "auto"``, asleep only when told), ready to deploy."""
+    d = base / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n'
+                                    '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (d / "agent.py").write_text(COUNTER_AGENT_PY)
+    return d
 
 
 class LocalHost:
