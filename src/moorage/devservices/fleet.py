@@ -51,7 +51,7 @@ class LocalHost:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data.mkdir(parents=True, exist_ok=True)
-        images = env.get("MOORAGE_TEST_IMAGES_DIR")
+        images = env.get("MOORAGE_TEST_IMAGES_DIR") or os.environ.get("MOORAGE_TEST_IMAGES_DIR")
         if images and not (data / "images").exists():  # built once, shared by every host (tests, benches)
             Path(images).mkdir(parents=True, exist_ok=True)
             (data / "images").symlink_to(images)
