@@ -9,7 +9,8 @@
 
     .venv/bin/python bench/fleet/run.py [--users 20] [--kill-users 9] [--driver process] [--quick]
 
-Writes bench/results/latest/fleet.{md,json}; the last line printed is the headline.
+Writes bench/results/latest/fleet-<driver>.{md,json}; the last line printed is the headline. The micro-VM run
+(``--driver microvm``) shares the guest image directory named by MOORAGE_TEST_IMAGES_DIR when set.
 """
 
 from __future__ import annotations
@@ -183,8 +184,8 @@ def main() -> None:
                 f"{k['acknowledged_lost']}; snapshot to S3 p50 {res['ship_ms']['p50']:.0f} ms")
     res["headline"] = headline
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "fleet.json").write_text(json.dumps(res, indent=2))
-    (OUT / "fleet.md").write_text(
+    (OUT / f"fleet-{res['driver']}.json").write_text(json.dumps(res, indent=2))
+    (OUT / f"fleet-{res['driver']}.md").write_text(
         f"# Fleet ({res['driver']} driver, lease TTL {LEASE_TTL_S} s, {res['users']} users)\n\n"
         "| what | p50 ms | p99 ms |\n|---|---|---|\n"
         f"| local wake (turn through the host that slept it) | {res['local_wake_ms']['p50']:.1f} | {res['local_wake_ms']['p99']:.1f} |\n"

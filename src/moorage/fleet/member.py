@@ -32,7 +32,8 @@ class FleetMember:
                  lease_ttl_s: float = 15.0, heartbeat_s: float = 3.0) -> None:
         if not callable(getattr(driver, "portable", None)):
             raise MoorageError(f"the {driver.name} driver cannot ship snapshots between hosts",
-                               hint="a fleet (object_store_url with a PostgreSQL store) needs the process driver today")
+                               hint="a fleet (object_store_url with a PostgreSQL store) needs a driver whose sandboxes "
+                                    "can move between hosts: process or microvm")
         if heartbeat_s * 2 > lease_ttl_s:
             raise MoorageError(f"heartbeat every {heartbeat_s} s cannot keep a {lease_ttl_s} s lease",
                                hint="make lease_ttl_s at least twice heartbeat_s")
