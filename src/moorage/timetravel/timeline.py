@@ -13,7 +13,7 @@ import contextlib
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, TenantScopeError
 from moorage.log import get_logger
@@ -95,6 +95,23 @@ def _keeps_nothing(ts: TenantStore, agent: str, rec: Any = None) -> bool:
     from moorage.store import zero_retention
 
     return zero_retention.is_zero(rec if rec is not None else ts.agents.get(agent))
+
+
+async def _settled(op: Callable[[], Awaitable[None]], tries: int = 4, pause_s: float = 0.5) -> None:
+    """A sandbox rollback after a host crash, tried again a few times: the micro-VM the dead host started is
+    killed by the rollback, and its disk lock can outlive the moment its pid looks gone (a multi-threaded QEMU's
+    leader exits before its other threads close the image)."""
+    from moorage.sandbox import SandboxError
+
+    for attempt in range(tries):
+        try:
+            await op()
+            return
+        except SandboxError as e:
+            if attempt == tries - 1:
+                raise
+            log.warning("sandbox rollback after a crash failed; trying again", error=str(e)[:300])
+            await asyncio.sleep(pause_s * (attempt + 1))
 
 
 def _can_delete(sandbox: Any) -> bool:
@@ -188,10 +205,10 @@ class TimeTravel:
         log.warning("finishing an interrupted time-travel operation", agent=agent, user=user, op=pending.get("op"))
         if pending.get("op") == "rollback":
             target = await asyncio.to_thread(repo.get, agent, user, pending["to"])
-            await self._vm_rollback(sandbox, target)
+            await _settled(lambda: self._vm_rollback(sandbox, target))
             await asyncio.to_thread(repo.rollback, agent, user, target.id)
         elif pending.get("op") == "fork-restore":
-            await sandbox.rollback(pending["vm"])
+            await _settled(lambda: sandbox.rollback(pending["vm"]))
             self.rt._loaded.pop(sandbox.id, None)
             await asyncio.to_thread(repo.set_pending, agent, user, None)
         self._forget_cached(ts)
