@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
-from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.errors import ConflictError, InvalidInput, MoorageError, UnavailableError
 from moorage.fleet.forward import forwarded
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
@@ -28,15 +27,12 @@ from moorage.lifecycle.pool import WarmPool
 from moorage.lifecycle.policies import (FixedTimeout, IdleGapHistogram, InstanceActivity, SleepEconomics, SleepPolicy,
                                         parse_policy)
 from moorage.log import get_logger
-from moorage.sandbox import Sandbox, SandboxDriver, SandboxError, SandboxNotFound, SandboxState, TemplateRef
+from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import SandboxRecord, Scope, Store, TenantStore
 from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember
-
-#: Fleet: the least time between two shipments of one awake instance (turns in between are coalesced).
-SHIP_MIN_INTERVAL_S = 2.0
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -162,7 +158,7 @@ def default_host_id() -> str:
     return socket.gethostname() or "localhost"
 
 
-class InstanceManager:
+class InstanceManager(fleet_rules.FleetDuties):
     """Brings agent instances up on this host and puts them to sleep when the policy or capacity says so.
 
     ``host_id`` names this host in the store's placement; managers sharing a sandbox root share a host id.
@@ -584,134 +580,6 @@ class InstanceManager:
             sandbox = await self.driver.open(sandbox_id)
             await sandbox.destroy()
 
-    # --- fleet leases ---------------------------------------------------------------------------------------
-
-    def lease(self, sandbox_id: str) -> tuple[str, int] | None:
-        """(host, epoch) a turn commit must find on the record of the instance whose sandbox is ``sandbox_id``
-        (fleet only; None: no check)."""
-        if self.fleet is None:
-            return None
-        li = self._by_record.get(sandbox_id)
-        return None if li is None else (self.host, li.epoch)
-
-    async def _lost(self, li: LiveInstance, rec: SandboxRecord | None) -> None:
-        """Another host owns the instance now: stop our copy of it (never two awake), forget we held it."""
-        sandbox, li.sandbox, li.owned = li.sandbox, None, False
-        log.warning("instance was taken over by another host; stopping this host's copy", scope=str(li.scope),
-                    now_on=rec.host if rec else None, epoch=rec.lease_epoch if rec else None)
-        if sandbox is not None:
-            try:
-                await sandbox.stop()
-            except Exception as e:
-                log.error("could not stop a lost instance", scope=str(li.scope), error=str(e))
-
-    async def verify_leases(self) -> int:
-        """After this host was cut off longer than its lease: stop every instance another host took meanwhile."""
-        lost = 0
-        for li in list(self._live.values()):
-            if not li.owned or li.record_id is None:
-                continue
-            ts = await self.io(self.system_tenant, li.tenant_id)
-            try:
-                rec = await self.io(ts.sandboxes.get, li.record_id)
-            except NotFound:
-                rec = None
-            if rec is None or rec.host != self.host or rec.lease_epoch != li.epoch:
-                async with li.op_lock:
-                    await self._lost(li, rec)
-                lost += 1
-        return lost
-
-    def _ship_soon(self, li: LiveInstance) -> None:
-        """A turn ended (or the interval passed): ship the instance's awake state soon, coalescing turns."""
-        if not self._ship_awake_ok or not li.owned or li.sandbox is None or self._closed:
-            return
-        if li.ship_task is not None and not li.ship_task.done():
-            li.ship_dirty = True  # the pending ship goes round once more
-            return
-        li.ship_task = asyncio.create_task(self._ship_awake(li), name=f"ship-{li.scope.key}")
-
-    async def _ship_awake(self, li: LiveInstance) -> None:
-        """Ship the awake instance's directory, frozen for the copy, so a host crash loses at most what came after
-        (the record's ``meta.shipped``; ``shipped_current`` stays false: the instance runs on)."""
-        assert self.fleet is not None
-        while True:
-            await asyncio.sleep(max(0.0, li.last_ship + SHIP_MIN_INTERVAL_S - time.monotonic()))
-            for _ in range(200):  # between turns when it can: a freeze stalls a turn for the copy's duration
-                if not li.activity.busy:
-                    break
-                await asyncio.sleep(0.05)
-            li.ship_dirty = False
-            try:
-                async with li.op_lock:
-                    if not li.owned or li.sandbox is None or li.record_id is None or self._closed:
-                        return
-                    ts = await self.io(self.system_tenant, li.tenant_id)
-                    rec = await self.io(ts.sandboxes.get, li.record_id)
-                    if rec.state != S.RUNNING.value or rec.host != self.host or rec.lease_epoch != li.epoch:
-                        return
-                    async with li.sandbox.frozen():
-                        shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
-                    li.last_ship = time.monotonic()
-                    with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
-                        await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
-                                      meta={**rec.meta, "shipped": {**shipped, "awake": True}, "shipped_current": False})
-            except SandboxError as e:
-                self._ship_awake_ok = False
-                log.info("awake instances are shipped only when they sleep with this driver", reason=str(e))
-                return
-            except Exception as e:  # the object store is down, say: the sleep ships it, or the next turn tries again
-                log.warning("shipping an awake instance failed", scope=str(li.scope), error=str(e))
-                li.last_ship = time.monotonic()
-                return
-            if not li.ship_dirty:
-                return
-
-    async def _ship_loop(self) -> None:
-        """At least every ``ship_interval_s``, ship awake instances not shipped since (a process may write
-        between turns), and keep this host's copies of sleeping instances within ``cache_max_bytes``."""
-        while not self._closed:
-            await asyncio.sleep(self.ship_interval_s)
-            now = time.monotonic()
-            for li in list(self._live.values()):
-                if li.owned and li.awake and now - li.last_ship >= self.ship_interval_s:
-                    self._ship_soon(li)
-            try:
-                await self.evict_cache()
-            except Exception as e:
-                log.warning("cache eviction failed", error=str(e))
-
-    def _dir_lock(self, sandbox_id: str) -> asyncio.Lock:
-        return self._dir_locks.setdefault(sandbox_id, asyncio.Lock())
-
-    async def evict_cache(self) -> int:
-        """Remove this host's copies of sleeping instances, least recently used first, while they exceed
-        ``cache_max_bytes``. Only copies that are exactly a shipped snapshot go (``make_local`` marks a copy as
-        changed before it wakes): the object store has them, and the next wake here fetches what it needs."""
-        if self.fleet is None or not self.cache_max_bytes:
-            return 0
-        copies = await self.io(self.fleet.evictable)
-        total = sum(size for _, _, size in copies)
-        removed = 0
-        for _, sid, size in copies:
-            if total <= self.cache_max_bytes:
-                break
-            li = self._by_record.get(sid)
-            if li is not None and (li.awake or li.pending is not None):
-                continue
-            async with self._dir_lock(sid):
-                key, _ = await self.io(self.fleet.shipper.local_state, self.driver.root / sid)
-                if key is None:
-                    continue  # woken meanwhile
-                self.driver.forget_handle(sid)
-                await self.io(shutil.rmtree, self.driver.root / sid, True)
-            self._dir_locks.pop(sid, None)
-            total -= size
-            removed += 1
-        if removed:
-            log.info("evicted sleeping instances' copies from this host's cache", count=removed, bytes_left=total)
-        return removed
-
     # --- sleeping -------------------------------------------------------------------------------------------
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
@@ -833,13 +701,6 @@ class InstanceManager:
             for v in victims:
                 await self._sleep(by_id[v], "tenant's awake limit: least recently active", evict=True)
         raise TenantAwakeLimit(self.tenant_max_awake)
-
-    def _awake_elsewhere(self, tenant_id: str, scope: Scope) -> int:
-        """The tenant's instances awake (or coming up) on other hosts of the fleet, other than ``scope``'s."""
-        ts = self.system_tenant(tenant_id)
-        rows = ts.read("SELECT COUNT(*) FROM sandboxes WHERE state IN ('running', 'waking', 'provisioning') "
-                       "AND host IS NOT NULL AND host != ? AND scope != ?", (self.host, scope.key))
-        return int(rows[0][0]) if rows else 0
 
     async def tick(self) -> int:
         """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
