@@ -159,29 +159,38 @@ class ExecJobs:
 
     async def _drive(self, principal: Principal, ts: TenantStore, job: ExecJob, cwd: str | None,
                      env: Mapping[str, str] | None) -> None:
+        exit_code: int | None = None
+        error: str | None = None
         try:
             res = await self.runtime.exec(principal, job.sandbox_id, job.argv, timeout=job.timeout_s, cwd=cwd,
                                           env=env, on_output=job.output)
-            job.status = _status(res.exit_code, res.timed_out)
-            job.exit_code = None if res.timed_out else res.exit_code
+            status = _status(res.exit_code, res.timed_out)
+            exit_code = None if res.timed_out else res.exit_code
         except asyncio.CancelledError:
-            job.status = "cancelled"  # leaving sb.exec sent the guest a cancel: it killed the process group
+            status = "cancelled"  # leaving sb.exec sent the guest a cancel: it killed the process group
         except Exception as e:  # noqa: BLE001 - recorded on the execution; details stay in the log
             log.warning("detached exec failed", execution=job.id, error=str(e))
-            job.status, job.error = "failed", getattr(e, "message", None) or f"the exec failed ({type(e).__name__})"
-        job.ended_at = time.time()
+            status, error = "failed", getattr(e, "message", None) or f"the exec failed ({type(e).__name__})"
+        ended = time.time()
+        # The end is recorded before anyone sees it: a view from any host (or after a restart) agrees with this one.
+        write = asyncio.ensure_future(asyncio.to_thread(self._record_end, ts, job, status, exit_code, error, ended))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await write  # a cancel after the command ended changes nothing: finish recording how it ended
+        job.status, job.exit_code, job.error, job.ended_at = status, exit_code, error, ended
         job._notify()
-        await asyncio.to_thread(self._record_end, ts, job)
 
     @staticmethod
-    def _record_end(ts: TenantStore, job: ExecJob) -> None:
+    def _record_end(ts: TenantStore, job: ExecJob, status: str, exit_code: int | None, error: str | None,
+                    ended: float) -> None:
         # The tail of each stream that fits the store's value limit (halved until the JSON fits).
         keep = min(RECORD_BYTES, max(1024, getattr(ts, "max_value_bytes", RECORD_BYTES) // 2 - 4096))
         while True:
-            end = {"status": job.status, "exit_code": job.exit_code, "error": job.error, "ended_at": job.ended_at,
+            end = {"status": status, "exit_code": exit_code, "error": error, "ended_at": ended,
                    **{name: _recorded(s, keep) for name, s in job.streams.items()}}
             try:
-                ts.executions.add_events(job.id, [{"kind": "exec.ended", "data": end, "at": job.ended_at}])
+                ts.executions.add_events(job.id, [{"kind": "exec.ended", "data": end, "at": ended}])
                 return
             except InvalidInput:
                 if keep == 0:
