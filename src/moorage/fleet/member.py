@@ -28,6 +28,8 @@ log = get_logger(__name__)
 
 
 class FleetMember:
+    """This host in the fleet: its row in ``hosts`` kept fresh, its shipments, fetches and forwards."""
+
     def __init__(self, backend: Backend, objects: ObjectStore, driver: Any, *, host_id: str, url: str,
                  lease_ttl_s: float = 15.0, heartbeat_s: float = 3.0) -> None:
         if not callable(getattr(driver, "portable", None)):
@@ -56,6 +58,7 @@ class FleetMember:
         self._last_beat = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._drain_task: asyncio.Task[Any] | None = None
         self.forwarder = Forwarder(self.host_id)
 
     # -- membership -----------------------------------------------------------------------------------
@@ -77,7 +80,6 @@ class FleetMember:
         with contextlib.suppress(MoorageError):
             await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
 
-
     async def _beat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
@@ -95,7 +97,7 @@ class FleetMember:
                 self.draining = True
                 log.info("draining: sleeping and shipping every instance, then leaving", host=self.host_id)
                 if self.on_drain is not None:
-                    asyncio.create_task(self.on_drain(), name="fleet-drain")
+                    self._drain_task = asyncio.create_task(self.on_drain(), name="fleet-drain")
             if gap > self.lease_ttl_s and self.on_lease_gap is not None:
                 log.warning("heartbeat gap longer than the lease: checking which instances are still ours",
                             host=self.host_id, gap_s=round(gap, 1))
@@ -103,10 +105,6 @@ class FleetMember:
                     await self.on_lease_gap()
                 except Exception as e:
                     log.error("lease check after a gap failed", error=str(e))
-
-    def lease_valid(self) -> bool:
-        """Whether this host's own lease still holds (its last heartbeat is fresh)."""
-        return time.time() - self._last_beat <= self.lease_ttl_s
 
     def host(self, host_id: str, *, max_age_s: float = 1.0) -> HostInfo | None:
         """The host's row (cached for ``max_age_s``), or None when it never registered. Blocking."""
@@ -127,12 +125,6 @@ class FleetMember:
                   and h.alive(self.lease_ttl_s)]
         return min(others, key=lambda h: (int(h.load.get("awake", 0)), h.id), default=None)
 
-    def alive(self, host_id: str) -> bool:
-        if host_id == self.host_id:
-            return True
-        info = self.host(host_id)
-        return info is not None and info.alive(self.lease_ttl_s)
-
     # -- snapshots ------------------------------------------------------------------------------------
 
     @staticmethod
@@ -143,7 +135,8 @@ class FleetMember:
         return Path(self.driver.root) / record.id
 
     def ship(self, tenant_id: str, record: SandboxRecord, epoch: int) -> dict[str, Any]:
-        """Ship the sleeping sandbox of ``record``; returns what its record keeps (``meta.shipped``). Blocking."""
+        """Ship the sandbox of ``record`` (asleep, or frozen by the caller for the copy); returns what its record
+        keeps (``meta.shipped``). Blocking."""
         name = f"{epoch:06d}-{time.time_ns()}"
         rep: ShipReport = self.shipper.push(self._dir(record), self.prefix(tenant_id, record), name,
                                             include=self.driver.portable, meta={"host": self.host_id, "epoch": epoch},
