@@ -5,34 +5,19 @@ Each talks to the server through the SDK; a checkpoint holds the sandbox and the
 
 from __future__ import annotations
 
-import functools
 import json
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moorage.cli.errors import clear_errors
+
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
 console = Console()
-err_console = Console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
 JSON = typer.Option(False, "--json", help="Machine-readable output.")
-
-
-def _clear_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moorage.errors import MoorageError
-
-        try:
-            return fn(*args, **kwargs)
-        except MoorageError as e:
-            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _sdk(use: Callable[[Any], Any]) -> Any:
@@ -57,7 +42,7 @@ def _did(c: dict[str, Any]) -> str:
 
 
 @app.command("list")
-@_clear_errors
+@clear_errors
 def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_json: bool = JSON) -> None:
     """USER's checkpoints of AGENT, newest first, with what each turn did; then the branches."""
     out = _sdk(lambda c: c.list_checkpoints(agent, user, limit=limit))
@@ -75,7 +60,7 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
 
 
 @app.command("take")
-@_clear_errors
+@clear_errors
 def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name", help="Kept by retention."),
          as_json: bool = JSON) -> None:
     """Checkpoint USER's instance of AGENT now."""
@@ -84,7 +69,7 @@ def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name
 
 
 @app.command("rollback")
-@_clear_errors
+@clear_errors
 def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> None:
     """Roll USER's instance of AGENT back to CHECKPOINT (files, processes, memory, facts, journal)."""
     out = _sdk(lambda c: c.rollback_checkpoint(agent, user, checkpoint))
@@ -96,7 +81,7 @@ def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> No
 
 
 @app.command("fork")
-@_clear_errors
+@clear_errors
 def fork(agent: str, user: str, checkpoint: str,
          to: List[str] = typer.Option(..., "--to", help="A new end-user (repeat for several)."),
          as_json: bool = JSON) -> None:

@@ -5,41 +5,24 @@ Rendering only; the work is done by ``moorage.memory``.
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from moorage.cli.errors import clear_errors
+
 app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
 eval_app = typer.Typer(invoke_without_command=True, help="Retrieval quality: moorage vs BM25-only vs dense-only.")
 app.add_typer(eval_app, name="eval")
 console = Console()
-err_console = Console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _clear_errors(fn: F) -> F:
-    """Typed errors become one line with what to do next (typer would otherwise print a traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moorage.errors import MoorageError
-
-        try:
-            return fn(*args, **kwargs)
-        except MoorageError as e:
-            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 @eval_app.callback()
-@_clear_errors
+@clear_errors
 def eval_run(
     ctx: typer.Context,
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="Dataset file (format in docs/memory.md)."),
@@ -75,7 +58,7 @@ def eval_run(
 
 
 @eval_app.command("generate")
-@_clear_errors
+@clear_errors
 def eval_generate(
     out: Path = typer.Option(..., "--out", help="Where to write the dataset (JSON)."),
     seed: int = typer.Option(7, "--seed", help="Same seed, same file."),
@@ -103,7 +86,7 @@ def _tenant_store(tenant: str):  # noqa: ANN202 - returns (Store, TenantStore)
 
 
 @app.command("facts")
-@_clear_errors
+@clear_errors
 def facts(
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
     agent: str = typer.Option(..., "--agent"),
@@ -134,7 +117,7 @@ def facts(
 
 
 @app.command("search")
-@_clear_errors
+@clear_errors
 def search(
     query: str = typer.Argument(..., help="What to recall."),
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),

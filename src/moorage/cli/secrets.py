@@ -5,34 +5,19 @@ A value is read from standard input or a hidden prompt, never from the command l
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from moorage.cli.errors import clear_errors
+
 app = typer.Typer(no_args_is_help=True, help="Agent secrets: stored encrypted, added by the host, never shown.")
 console = Console()
-err_console = Console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
 
 USER = typer.Option(None, "--user", "-u", help="One end-user's own secret (default: the agent's, for every user).")
-
-
-def _clear_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moorage.errors import MoorageError
-
-        try:
-            return fn(*args, **kwargs)
-        except MoorageError as e:
-            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _cfg() -> Any:
@@ -46,7 +31,7 @@ def _base(agent: str, user: Optional[str]) -> str:
 
 
 @app.command("set")
-@_clear_errors
+@clear_errors
 def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Set NAME for AGENT; the value comes from standard input (or a hidden prompt). A new value is used from
     the agent's next request on; nothing is rebuilt."""
@@ -63,7 +48,7 @@ def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
 
 
 @app.command("list")
-@_clear_errors
+@clear_errors
 def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(False, "--json")) -> None:
     """List AGENT's secrets: names, versions and when they changed (never values)."""
     import datetime
@@ -83,7 +68,7 @@ def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(F
 
 
 @app.command("rm")
-@_clear_errors
+@clear_errors
 def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Remove NAME from AGENT (requests stop carrying it at once)."""
     from moorage.cli.client import call
@@ -93,7 +78,7 @@ def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
 
 
 @app.command("rotate-key")
-@_clear_errors
+@clear_errors
 def rotate_key() -> None:
     """Operator: put a new encryption key first in the data directory's key file (or use the first of
     secrets_keys) and re-encrypt every tenant's secrets under it. Old keys stay for reading; restart servers
