@@ -100,3 +100,65 @@ def test_a_thread_keeps_a_bounded_number_of_connections_never_closing_one_in_a_t
     for ts in tenants[1:]:
         assert ts.state.get(scope, "k").value == ts.tenant_id
     store.close()
+
+
+_CLOSE_UNDER_A_TRANSACTION = """
+import sqlite3, sys, threading, time
+from pathlib import Path
+from moorage.errors import TenantScopeError
+from moorage.store import Scope, Store
+from moorage.store.sqlite import SQLiteBackend
+
+backend = SQLiteBackend(Path(sys.argv[1]))
+store = Store(backend)
+_, key = store.operator.create_tenant("closing")
+ts = store.tenant(store.authenticate(key.secret))
+scope = Scope.for_user("bot", "u")
+inside, closed, outcome = threading.Event(), threading.Event(), []
+
+def writer():
+    with ts.transaction():
+        ts.state.put(scope, "k", "v", expected_version=0)
+        inside.set()
+        time.sleep(0.5)  # the other thread closes meanwhile: it must wait for this commit
+    outcome.append("committed")
+    closed.wait(30)
+    try:
+        ts.state.get(scope, "k")
+    except (sqlite3.ProgrammingError, TenantScopeError) as e:  # a clean error, not a crash
+        outcome.append(type(e).__name__)
+
+t = threading.Thread(target=writer)
+t.start()
+inside.wait()
+t0 = time.monotonic()
+if sys.argv[2] == "close":
+    backend.close()
+else:
+    store.operator.delete_tenant(ts.tenant_id)
+waited = time.monotonic() - t0
+closed.set()
+t.join()
+print(sys.argv[2], outcome, round(waited, 2))
+"""
+
+
+def _close_under_a_transaction(tmp_path: Path, how: str) -> str:
+    out = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_A_TRANSACTION, str(tmp_path / how), how],
+                         capture_output=True, text=True, timeout=120)
+    # Closing a connection another thread is using freed the database under its statement: a segfault.
+    assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+    return out.stdout
+
+
+def test_closing_the_store_waits_for_another_threads_transaction(tmp_path: Path) -> None:
+    for _ in range(3):
+        line = _close_under_a_transaction(tmp_path / str(_), "close")
+        assert "'committed'" in line and "ProgrammingError" in line, line
+        assert float(line.split()[-1]) >= 0.3, line  # close waited for the commit
+
+
+def test_dropping_a_tenant_waits_for_another_threads_transaction(tmp_path: Path) -> None:
+    line = _close_under_a_transaction(tmp_path, "drop")
+    assert "'committed'" in line and "TenantScopeError" in line, line
+    assert float(line.split()[-1]) >= 0.3, line

@@ -85,13 +85,32 @@ def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: i
 class _Held:
     """One thread's connection to one file. Only the owning thread's ``threading.local`` holds it strongly,
     so when that thread ends the connection is closed (a host whose threads come and go does not keep one
-    open connection, descriptor and page cache per dead thread)."""
+    open connection, descriptor and page cache per dead thread).
 
-    __slots__ = ("conn", "path", "__weakref__")
+    ``lock`` is held while the owner uses the connection: another thread that closes it (the store closing,
+    a tenant dropped) waits for the statement or transaction in progress instead of freeing the database
+    under it, which crashes the process inside SQLite."""
+
+    __slots__ = ("conn", "path", "lock", "depth", "closed", "__weakref__")
 
     def __init__(self, conn: sqlite3.Connection, path: str) -> None:
         self.conn = conn
         self.path = path
+        self.lock = threading.RLock()
+        self.depth = 0  # the owner's nesting of ``_Files.use`` (only changed under ``lock``)
+        self.closed = False
+
+    def close(self, wait_s: float) -> None:
+        """Close now if no thread is using the connection, else as soon as its user lets go of it (after
+        ``wait_s``, the user closes it itself on its way out)."""
+        self.closed = True
+        if self.lock.acquire(timeout=wait_s):
+            try:
+                if self.depth == 0:
+                    with contextlib.suppress(Exception):
+                        self.conn.close()
+            finally:
+                self.lock.release()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -103,19 +122,28 @@ class _Files:
 
     A thread keeps at most ``per_thread`` of them open, least recently used closed first (never one inside
     a transaction): a worker thread that served thousands of tenants does not hold thousands of
-    connections, descriptors and page caches."""
+    connections, descriptors and page caches. Every use goes through ``use``."""
+
+    #: How long closing waits for another thread's transaction on a connection before leaving the close to it.
+    CLOSE_WAIT_S = 30.0
 
     def __init__(self, per_thread: int = _CONNS_PER_THREAD) -> None:
         self._local = threading.local()
         self._all: weakref.WeakSet[_Held] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._per_thread = max(1, per_thread)
+        self._closed = False
 
-    def get(self, path: str) -> sqlite3.Connection:
+    def _held(self, path: str) -> _Held:
+        if self._closed:
+            raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
         conns: OrderedDict[str, _Held] | None = getattr(self._local, "conns", None)
         if conns is None:
             conns = self._local.conns = OrderedDict()
         held = conns.get(path)
+        if held is not None and held.closed and held.depth == 0:
+            del conns[path]  # closed by another thread (a dropped tenant, say): open a fresh one
+            held = None
         if held is None:
             if len(conns) >= self._per_thread:
                 self._evict(conns)
@@ -124,16 +152,29 @@ class _Files:
                 self._all.add(held)
         else:
             conns.move_to_end(path)
-        return held.conn
+        return held
+
+    @contextlib.contextmanager
+    def use(self, path: str) -> Iterator[sqlite3.Connection]:
+        """This thread's connection to ``path``, kept open until the block ends."""
+        held = self._held(path)
+        with held.lock:
+            held.depth += 1
+            try:
+                yield held.conn
+            finally:
+                held.depth -= 1
+                if held.closed and held.depth == 0:  # closed by another thread meanwhile: it left this to us
+                    with contextlib.suppress(Exception):
+                        held.conn.close()
 
     def _evict(self, conns: "OrderedDict[str, _Held]") -> None:
         for path, held in conns.items():
-            if not held.conn.in_transaction:
+            if not held.conn.in_transaction and held.depth == 0:
                 del conns[path]
                 with self._lock:
                     self._all.discard(held)
-                with contextlib.suppress(Exception):
-                    held.conn.close()
+                held.close(0)
                 return
 
     def open_count(self) -> int:
@@ -142,21 +183,22 @@ class _Files:
 
     def drop(self, path: str) -> None:
         with self._lock:
-            for held in list(self._all):
-                if held.path == path:
-                    with contextlib.suppress(Exception):
-                        held.conn.close()
-                    self._all.discard(held)
+            helds = [h for h in self._all if h.path == path]
+            for held in helds:
+                self._all.discard(held)
+        for held in helds:
+            held.close(self.CLOSE_WAIT_S)
         conns = getattr(self._local, "conns", None)
         if conns:
             conns.pop(path, None)
 
     def close(self) -> None:
+        self._closed = True
         with self._lock:
-            for held in list(self._all):
-                with contextlib.suppress(Exception):
-                    held.conn.close()
+            helds = list(self._all)
             self._all.clear()
+        for held in helds:
+            held.close(self.CLOSE_WAIT_S)
 
 
 def _log_dir(tenant_db: str) -> Path:
@@ -194,12 +236,13 @@ class SQLiteBackend(Backend):
         self._control = str(self.root / "control.db")
         self._logs: dict[str, BlobLog] = {}
         self._paths: dict[str, str] = {}
-        migrate(self._files.get(self._control), CONTROL_MIGRATIONS)
+        with self._files.use(self._control) as conn:
+            migrate(conn, CONTROL_MIGRATIONS)
 
     def tenant_path(self, tenant_id: str) -> Path:
         return self.root / "tenants" / f"{check_tenant_id(tenant_id)}.db"
 
-    def _tenant_conn(self, tenant_id: str) -> sqlite3.Connection:
+    def _tenant_file(self, tenant_id: str) -> str:
         # Every transaction comes through here: the checked path string is cached per tenant id.
         path = self._paths.get(tenant_id)
         if path is None:
@@ -214,35 +257,40 @@ class SQLiteBackend(Backend):
                     from moorage.errors import TenantScopeError
 
                     raise TenantScopeError(f"unknown tenant {tenant_id}")
-                migrate(self._files.get(path), TENANT_MIGRATIONS)
+                with self._files.use(path) as conn:
+                    migrate(conn, TENANT_MIGRATIONS)
                 self._migrated.add(path)
-        return self._files.get(path)
+        return path
+
+    def _tenant_conn(self, tenant_id: str) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self._files.use(self._tenant_file(tenant_id))
 
     @contextlib.contextmanager
     def tenant_tx(self, tenant_id: str, *, write: bool = True) -> Iterator[Conn]:
-        with _transaction(self._tenant_conn(tenant_id), write) as c:
+        with self._tenant_conn(tenant_id) as conn, _transaction(conn, write) as c:
             yield c
 
     def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         # In autocommit mode one statement is one transaction: SQLite takes the write lock (waiting like
         # BEGIN IMMEDIATE), runs it and commits, fsync included, inside one call that releases the GIL once.
-        conn = self._tenant_conn(tenant_id)
-        if conn.in_transaction:
-            raise RuntimeError("tenant_call inside an open transaction would not commit on return")
-        with translate_integrity(sqlite3.IntegrityError):
-            return conn.execute(sql, params).fetchall()
+        with self._tenant_conn(tenant_id) as conn:
+            if conn.in_transaction:
+                raise RuntimeError("tenant_call inside an open transaction would not commit on return")
+            with translate_integrity(sqlite3.IntegrityError):
+                return conn.execute(sql, params).fetchall()
 
     def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         # In autocommit mode one SELECT reads one consistent WAL snapshot: no BEGIN/COMMIT round needed.
-        return self._tenant_conn(tenant_id).execute(sql, tuple(params)).fetchall()
+        with self._tenant_conn(tenant_id) as conn:
+            return conn.execute(sql, tuple(params)).fetchall()
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:
-        with _transaction(self._files.get(self._control), True) as c:
+        with self._files.use(self._control) as conn, _transaction(conn, True) as c:
             yield c
 
     def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
-        with _transaction(self._files.get(self._control), False) as c:
+        with self._files.use(self._control) as conn, _transaction(conn, False) as c:
             r = c.one("SELECT id, tenant_id, scopes, revoked_at FROM api_keys WHERE key_hash = ?", (key_hash,))
         return None if r is None else (r[0], r[1], r[2], r[3])
 
@@ -250,7 +298,8 @@ class SQLiteBackend(Backend):
         path = str(self.tenant_path(tenant_id))
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
         os.close(fd)
-        migrate(self._files.get(path), TENANT_MIGRATIONS, upto=upto)
+        with self._files.use(path) as conn:
+            migrate(conn, TENANT_MIGRATIONS, upto=upto)
         if upto is None:
             self._migrated.add(path)
 
@@ -258,7 +307,7 @@ class SQLiteBackend(Backend):
         path = str(self.tenant_path(tenant_id))
         log = self._logs.get(path)
         if log is None:
-            self._tenant_conn(tenant_id)  # an unknown tenant gets the same error as any other access
+            self._tenant_file(tenant_id)  # an unknown tenant gets the same error as any other access
             with self._mlock:
                 log = self._logs.setdefault(path, BlobLog(_log_dir(path)))
         return log
@@ -267,23 +316,23 @@ class SQLiteBackend(Backend):
         log = self.blob_log(tenant_id)
         if not log.segments():
             return 0, 0
-        conn = self._tenant_conn(tenant_id)
-        # The scan of every row that holds a locator, and the punching, run from a read snapshot: writers go
-        # on meanwhile (see BlobLog.vacuum), the write lock is taken only to unlink a segment.
-        with _transaction(conn, False) as c:
-            position = load_position(c)
-            live = live_locators(c) if position is not None else []
-        if position is not None:
-            return log.vacuum(live, position, locked=lambda: _transaction(conn, True))
-        # No recorded end (a log written before migration 7): its end is the newest file's size, which
-        # only the write lock keeps still.
-        with _transaction(conn, True) as c:
-            return log.vacuum(live_locators(c), load_position(c))
+        with self._tenant_conn(tenant_id) as conn:
+            # The scan of every row that holds a locator, and the punching, run from a read snapshot: writers
+            # go on meanwhile (see BlobLog.vacuum), the write lock is taken only to unlink a segment.
+            with _transaction(conn, False) as c:
+                position = load_position(c)
+                live = live_locators(c) if position is not None else []
+            if position is not None:
+                return log.vacuum(live, position, locked=lambda: _transaction(conn, True))
+            # No recorded end (a log written before migration 7): its end is the newest file's size, which
+            # only the write lock keeps still.
+            with _transaction(conn, True) as c:
+                return log.vacuum(live_locators(c), load_position(c))
 
     def drop_tenant(self, tenant_id: str) -> None:
         path = str(self.tenant_path(tenant_id))
+        self._migrated.discard(path)  # first: a thread that lets go of its connection below finds no tenant
         self._files.drop(path)
-        self._migrated.discard(path)
         with self._mlock:
             log = self._logs.pop(path, None)
         (log or BlobLog(_log_dir(path))).destroy()
@@ -293,14 +342,14 @@ class SQLiteBackend(Backend):
 
     def purge(self, tenant_id: str) -> None:
         """After an erasure: merge the full-text index (dropping deleted terms) and empty the WAL into the file."""
-        conn = self._tenant_conn(tenant_id)
-        conn.execute("INSERT INTO events_fts(events_fts) VALUES ('optimize')")
-        self.vacuum_blobs(tenant_id)
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with self._tenant_conn(tenant_id) as conn:
+            conn.execute("INSERT INTO events_fts(events_fts) VALUES ('optimize')")
+            self.vacuum_blobs(tenant_id)
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def schema_version(self, tenant_id: str | None = None) -> int:
-        conn = self._files.get(self._control if tenant_id is None else str(self.tenant_path(tenant_id)))
-        return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
+        with self._files.use(self._control if tenant_id is None else str(self.tenant_path(tenant_id))) as conn:
+            return int(conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0])
 
     def describe(self) -> str:
         return f"sqlite {sqlite3.sqlite_version} at {self.root} (WAL, synchronous=FULL)"
@@ -355,5 +404,5 @@ class EphemeralBackend(Backend):
         return "ephemeral in-memory sqlite (zero retention)"
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        with self._lock, contextlib.suppress(Exception):  # never under a transaction of another thread
             self._conn.close()
