@@ -150,6 +150,10 @@ def _attach_subcommands() -> None:
 
 
 _attach_subcommands()
+# `moorage host drain` reads as naturally as `moorage hosts drain`: the same group under both names.
+from moorage.cli import hosts as _hosts  # noqa: E402
+
+app.add_typer(_hosts.app, name="host", hidden=True)
 
 from moorage.cli import client as _client  # noqa: E402
 
