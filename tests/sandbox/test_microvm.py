@@ -115,6 +115,10 @@ async def test_sleep_wake_keeps_process_memory_and_installed_wheel(base: MicroVM
     pid = base.pid
     info = await base.sleep()
     assert base.state is SandboxState.SLEEPING and info.includes_memory and info.bytes > 0
+    # Sleep returns once the snapshot is durable and QEMU is killed; unmapping its RAM may take a moment more.
+    deadline = time.monotonic() + 10
+    while pid_is_ours(pid, str(base.run_dir)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert not pid_is_ours(pid, str(base.run_dir)), "QEMU must be gone while asleep"
     await asyncio.sleep(3)  # the guest clock stands still while asleep; the wake's first call sets it
     await base.wake()
