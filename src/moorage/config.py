@@ -64,6 +64,13 @@ class Config:
     #: Fleet: MiB of sleeping instances' copies a host keeps on its disk (a cache of the object store; least
     #: recently used evicted first, checked every checkpoint_interval_s); 0: no bound.
     fleet_cache_mib: float = 20480.0
+    #: Templates nobody needs any more (a redeploy replaced them, their user was forgotten) are deleted from this
+    #: host and from the object store every ``template_gc_interval_s`` and after each deploy; one younger than
+    #: ``template_gc_grace_s`` always stays, and one retired in the object store is deleted no sooner than
+    #: ``template_gc_settle_s`` later (docs/fleet.md, "Retention").
+    template_gc_interval_s: float = 300.0
+    template_gc_grace_s: float = 600.0
+    template_gc_settle_s: float = 60.0
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
     #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
     shutdown: str = "sleep"

@@ -8,6 +8,9 @@ Layout: ``templates/<template id>/`` is the template directory shipped like an i
 deployment use (written if-absent: the first host to publish wins, a host that loses the race uses the winner's);
 ``images/<sha256>/`` holds the guest image files a micro-VM template's disk is an overlay on, by the digest of their
 bytes, so a host whose own image of that id differs fetches the right bytes.
+
+Templates and images nobody needs any more are removed by ``fleet/gc.py`` in two steps; a ``retired.json`` marker
+in their prefix says so. A template whose marker says ``deleting`` is refused by ``fetch`` (never half a template).
 """
 
 from __future__ import annotations
@@ -161,6 +164,33 @@ class PublishedTemplates:
             log.info("guest image published", image=image.id, digest=digest[:16])
         return {"id": image.id, "digest": digest}
 
+    def _keep_image(self, image: GuestImage, wait_s: float = 120.0) -> None:
+        """After a template naming ``image`` was published: undo a collection's retirement of the image, or, if
+        it is being deleted, wait for that to finish and publish the image again. Blocking."""
+        from moorage.fleet.gc import MARKER
+
+        prefix = self.image_prefix(self.image_digest(image))
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                marker = json.loads(self.objects.get_bytes(f"{prefix}/{MARKER}"))
+            except ObjectNotFound:
+                marker = None
+            except ValueError:
+                marker = {"state": "deleting"}
+            if marker is None:
+                break
+            if marker.get("state") == "retired":
+                with contextlib.suppress(ObjectNotFound):
+                    self.objects.delete(f"{prefix}/{MARKER}")
+                break
+            if time.monotonic() > deadline:
+                raise MoorageError(f"guest image {prefix} stayed marked for deletion for {wait_s:.0f} s",
+                                   hint="check the object store; publishing the template again retries")
+            time.sleep(0.5)
+        if not self.objects.exists(f"{prefix}/image.json"):
+            self.publish_image(image)
+
     def local_image(self, wanted: dict[str, Any]) -> GuestImage:
         """This host's copy of the image ``{"id", "digest"}``: its own build when the bytes match, else fetched by
         digest into ``<driver root>/.images/`` (once). Blocking."""
@@ -225,6 +255,10 @@ class PublishedTemplates:
                 "source_sandbox": ref.source_sandbox, "created_at": ref.created_at,
                 "includes_memory": ref.includes_memory}
         rep = self.shipper.push(tdir, self.prefix(ref.id), MANIFEST, include=self._portable(), meta=meta)
+        if image is not None and image_dir_of is not None:
+            # Checked after the template names its image: a collection deleting that image meanwhile either
+            # sees this template (and keeps the image) or is seen here (and the image is published again).
+            self._keep_image(GuestImage.load(image_dir_of(tdir)))
         log.info("template published", template=ref.id, deployment=deployment_id, bytes=rep.bytes_moved,
                  ms=round(rep.seconds * 1000, 1))
         claim = json.dumps({**meta, "published_at": time.time()}).encode()
@@ -250,6 +284,7 @@ class PublishedTemplates:
             if (final / "template.json").exists():
                 return final
             prefix = self.prefix(template_id)
+            self._refuse_deleting(template_id)
             key = self.shipper.manifest_key(prefix, MANIFEST)
             meta = self.shipper.read_manifest(key).get("meta") or {}
             if meta.get("driver") != self.driver.name:
@@ -262,6 +297,7 @@ class PublishedTemplates:
             started = time.monotonic()
             try:
                 rep = self.shipper.pull(key, prefix, staging)
+                self._refuse_deleting(template_id)  # the collection began while we copied: not a whole template
                 if image is not None:
                     self.driver.adopt_template(staging, final, image)
                 os.rename(staging, final)
@@ -272,6 +308,19 @@ class PublishedTemplates:
             log.info("template fetched", template=template_id, bytes=rep.bytes_moved,
                      ms=round((time.monotonic() - started) * 1000, 1))
             return final
+
+    def _refuse_deleting(self, template_id: str) -> None:
+        from moorage.fleet.gc import MARKER
+
+        try:
+            marker = json.loads(self.objects.get_bytes(f"{self.prefix(template_id)}/{MARKER}"))
+        except ObjectNotFound:
+            return
+        except ValueError:
+            marker = {"state": "deleting"}
+        if marker.get("state") == "deleting":
+            raise SnapshotUnavailable(f"published template {template_id} is being deleted (no instance needs it)",
+                                      hint="the next request provisions from the agent's live template")
 
     def unpublish(self, template_id: str) -> int:
         """Remove a published template's objects (one no instance was forked from). Blocking."""

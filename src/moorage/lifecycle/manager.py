@@ -567,6 +567,9 @@ class InstanceManager(fleet_rules.FleetDuties):
                 raise WakeFailed(f"could not provision the instance of {li.scope} from template {template.id}: {e}",
                                  hint="check the template (redeploy the agent) and retry") from e
             kind = wake_kind(sandbox, fork=True)
+            # The template this sandbox is a fork of (a reprovisioned instance's is today's, not the one its row
+            # was created with): the template collector keeps it while the instance lives (fleet/gc.py).
+            rec = SandboxRecord(**{**rec.__dict__, "meta": {**rec.meta, "template": template.id}})
             if self.fleet is not None:
                 await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
             rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)

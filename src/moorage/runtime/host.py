@@ -109,6 +109,13 @@ class Host:
 
                 # The first cross-host wake of a template this host lacks checks the guest image by digest.
                 threading.Thread(target=published.warm, name="image-digest", daemon=True).start()
+        from moorage.fleet.gc import TemplateGC
+
+        # Templates nobody needs any more go, from this host's disk and (once for the fleet) the object store.
+        host.runtime.templates.gc = TemplateGC(store, host.runtime.templates, host.runtime.templates.published,
+                                               host=manager.host, grace_s=config.template_gc_grace_s,
+                                               settle_s=config.template_gc_settle_s,
+                                               interval_s=config.template_gc_interval_s)
         if config.otlp_endpoint:
             from moorage.observability.otlp import otlp_sink
 
@@ -125,6 +132,8 @@ class Host:
         if resumed:
             log.info("resumed interrupted turns", count=resumed)
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="retention-sweeper"))
+        if self.runtime.templates.gc is not None:
+            self._tasks.append(asyncio.create_task(self.runtime.templates.gc.loop(), name="template-gc"))
         from moorage.webhooks import Dispatcher
         from moorage.webhooks.executions import ExecutionRunner
 
@@ -176,6 +185,8 @@ class Host:
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        if self.runtime.templates.gc is not None:
+            await self.runtime.templates.gc.close()
         if detach is None:
             detach = self.config.shutdown == "detach"
         if detach and not self.driver.capabilities.survives_host_exit:

@@ -317,6 +317,7 @@ class Runtime:
         if zero is not None:  # the same: without the table, zero retention stays as the API left it
             await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
         await self._refresh_pool(ts, agent, previous)
+        self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
 

@@ -5,6 +5,10 @@ to build a deployment's template publishes it and every other host fetches that 
 instance's memory and disk are only valid against the template it was forked from. Without one, a host rebuilds a
 missing template from the deployment's package. Fork templates, snapshots of one user's instance, are recorded with
 that user (``templates/forks/``) so that forgetting the user deletes them too.
+
+``collect`` removes this host's templates nobody needs any more (after a redeploy; forks of forgotten users), as
+``fleet/gc.py`` decides from the store; in a fleet a cached template is used only while its deployment's claim in
+the object store still names it (a retired one is replaced by a new build or the published one).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -27,6 +32,9 @@ from moorage.runtime import deploy_apt, deploy_packages
 from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Deployment, Scope
+
+if TYPE_CHECKING:
+    from moorage.fleet.gc import TemplateGC, TemplateUse
 
 log = get_logger(__name__)
 
@@ -79,6 +87,8 @@ class Templates:
         self._locks: dict[str, asyncio.Lock] = {}
         #: Templates in the object store (a fleet, set by the host): fetched instead of built, published when built.
         self.published: Any = None
+        #: The host's template collector (set by the host); a deploy asks it to run soon.
+        self.gc: "TemplateGC | None" = None
 
     def _egress(self) -> Any:
         """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
@@ -115,6 +125,8 @@ class Templates:
         lock = self._locks.setdefault(deployment.id, asyncio.Lock())
         async with lock:
             ref = self.cached(deployment.id)
+            if ref is not None and self.published is not None:
+                ref = await self._still_chosen(deployment, ref)
             if ref is not None:
                 return ref
             if self.published is not None:
@@ -122,6 +134,37 @@ class Templates:
                 if ref is not None:
                     return ref
             return await self._build(deployment, on_progress)
+
+    async def _still_chosen(self, deployment: Deployment, ref: TemplateRef) -> TemplateRef | None:
+        """Fleet: the cached template while the deployment's claim names it; the claimed one when another is
+        claimed (and fetchable); None when the claim is gone (the collector retired the template: build anew)."""
+        try:
+            claim = await asyncio.to_thread(self.published.chosen, deployment.id)
+        except Exception as e:  # noqa: BLE001 - the object store is out of reach: what this host has will do
+            log.warning("could not check the published template; using this host's", deployment=deployment.id,
+                        error=str(e))
+            return ref
+        if claim is not None and str(claim.get("template_id")) == ref.id:
+            return ref
+        if claim is not None:
+            # Another host's claim won (or ours could not be fetched when we built): theirs when it can be had.
+            theirs = await self._fetch_published(deployment, claim)
+            if theirs is None or theirs.id == ref.id:
+                return theirs or ref
+            await self._drop(ref)
+            return theirs
+        log.info("this host's template of the deployment was retired; making it again", deployment=deployment.id,
+                 template=ref.id)
+        self._meta(deployment.id).unlink(missing_ok=True)
+        await self._drop(ref)
+        return None
+
+    async def _drop(self, ref: TemplateRef) -> None:
+        """Delete this host's copy of a template (a micro-VM template's files stay while a fork here maps them)."""
+        if ref.driver != self.driver.name:
+            return
+        with contextlib.suppress(MoorageError, OSError):
+            await self.driver.delete_template(ref)
 
     async def _fetch_published(self, deployment: Deployment, claim: dict[str, Any] | None = None) -> TemplateRef | None:
         """The deployment's published template, fetched to this host (None: none published, or it is unusable)."""
@@ -229,3 +272,90 @@ class Templates:
                 log.warning("fork template of another driver left on disk", template=ref.id, driver=ref.driver)
             record.unlink(missing_ok=True)
         return len(forks)
+
+    # -- collection: templates nobody needs any more --------------------------------------------------
+
+    def _templates_dir(self) -> Path:
+        fn = getattr(self.driver, "template_dir", None)
+        return fn("x").parent if callable(fn) else Path(self.driver.root) / ".templates"
+
+    def collect_soon(self) -> None:
+        """After a deploy or rollback: let the collector look at the template that stopped being live."""
+        if self.gc is not None:
+            self.gc.soon()
+
+    async def collect(self, use: "TemplateUse", *, grace_s: float, now: float | None = None,
+                      pins: Callable[[str], bool] | None = None) -> int:
+        """Delete this host's templates that ``use`` (read from the store) says nobody needs: those of deployments
+        neither live nor fresh, fork templates whose user has no instance left (forgotten, or deleted by its TTL),
+        and templates fetched for instances none of which names them any more. Anything younger than
+        ``grace_s`` stays (a build or fetch in progress). Returns how many went."""
+        from moorage.fleet.gc import forks_need_template
+
+        now = time.time() if now is None else now
+        pins = pins or forks_need_template
+        removed = 0
+        named: set[str] = set()
+        for meta in sorted(self.root.glob("*.json")):
+            dep = meta.stem
+            try:
+                ref = _ref_of(json.loads(meta.read_text()))
+                age = now - meta.stat().st_mtime
+            except (OSError, ValueError, KeyError):
+                continue
+            if dep in use.deployments or age < grace_s:
+                named.add(ref.id)
+                continue
+            # Under the deployment's lock: an ensure() of it (a rollback) waits, then builds or fetches anew.
+            async with self._locks.setdefault(dep, asyncio.Lock()):
+                meta.unlink(missing_ok=True)
+                await self._drop(ref)
+            removed += 1
+            log.info("template of a replaced deployment deleted from this host", deployment=dep, template=ref.id)
+        for record in sorted(self._forks_dir().glob("*.json")):
+            try:
+                d = json.loads(record.read_text())
+                ref = _ref_of(d["template"])
+                age = now - record.stat().st_mtime
+            except (OSError, ValueError, KeyError):
+                continue
+            if (d.get("tenant_id"), d.get("agent"), d.get("user")) in use.users or age < grace_s:
+                named.add(ref.id)
+                continue
+            await self._drop(ref)
+            record.unlink(missing_ok=True)
+            removed += 1
+            log.info("fork template of a user without instances deleted", template=ref.id, agent=d.get("agent"))
+        tdir = self._templates_dir()
+        for path in sorted(tdir.iterdir()) if tdir.is_dir() else ():
+            tid = path.name
+            if tid.startswith(".") or tid.endswith((".new", ".old")) or tid in named or not path.is_dir():
+                continue
+            if not (path / "template.json").exists():
+                continue
+            if tid in use.pinned and pins(self.driver.name):
+                continue  # an instance's fork needs it (fetched here for its wake, or made here)
+            try:
+                age = now - (path / "template.json").stat().st_mtime
+            except OSError:
+                continue
+            if age < grace_s:
+                continue
+            self._prune_children(path)
+            if (path / "deleted").exists() and (path / "children").is_dir() and any((path / "children").iterdir()):
+                continue  # already deleted here; a fork on this host still maps it
+            await self._drop(TemplateRef(tid, self.driver.name, path, None, 0.0, False))
+            if not path.exists():
+                removed += 1
+                log.info("template nobody names deleted from this host", template=tid)
+        return removed
+
+    def _prune_children(self, tdir: Path) -> None:
+        """A micro-VM template keeps its files while ``children/<sandbox>`` entries name forks on this host; a
+        fork whose directory is gone (evicted from a fleet host's cache, removed by hand) no longer holds it."""
+        children = tdir / "children"
+        if not children.is_dir():
+            return
+        for child in list(children.iterdir()):
+            if not (Path(self.driver.root) / child.name).exists():
+                child.unlink(missing_ok=True)

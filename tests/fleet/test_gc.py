@@ -1,0 +1,148 @@
+"""The object store's template collection: what the store names stays, the rest goes in two steps (retired, then
+deleted after the settle time), an instance that names a retired template brings it back, a template being deleted
+is refused by fetchers, and guest images go once no template names them.
+
+In process, on both store backends (SQLite, PostgreSQL) and both object stores (local files, SeaweedFS S3); the
+fleet test at the end of tests/fleet/test_gc_fleet.py runs it in `moorage up` hosts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moorage.config import Config
+from moorage.fleet.gc import MARKER, BucketCollector, template_use
+from moorage.fleet.ship import SnapshotUnavailable
+from moorage.fleet.templates import PublishedTemplates
+from moorage.objects import ObjectStore
+from moorage.sandbox.process import ProcessDriver
+from moorage.store import Scope, Store
+from tests.fleet.test_templates import _image, _template
+
+
+def _keys(objects: ObjectStore, prefix: str) -> list[str]:
+    return [o.key for o in objects.iter(prefix)]
+
+
+def test_published_templates_are_kept_while_the_store_names_them_then_retired_then_deleted(
+        store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path / "cfg")
+    a, b = ProcessDriver(tmp_path / "a", cfg), ProcessDriver(tmp_path / "b", cfg)
+    pa, pb = PublishedTemplates(object_store, a), PublishedTemplates(object_store, b)
+    _, key = store.operator.create_tenant("acme")
+    ts = store.tenant(store.authenticate(key.secret))
+    agent = ts.agents.create("counter")
+    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
+    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
+    t1 = _template(a, "builder-1", f"dep-{d1.id[:24]}-aaaaaa", "one")
+    t2 = _template(a, "builder-2", f"dep-{d2.id[:24]}-bbbbbb", "two")
+    assert pa.publish(t1, d1.id)["template_id"] == t1.id and pa.publish(t2, d2.id)["template_id"] == t2.id
+    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    # Ann's instance was forked from d1's template (before the redeploy to d2).
+    ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
+
+    def use():  # noqa: ANN202
+        return template_use(store, grace_s=0)
+
+    # A driver whose forks need their template (micro-VM): ann's row keeps t1.
+    gc = BucketCollector(pa, host="h1", grace_s=0, settle_s=60, pins=lambda driver: True)
+    rep = gc.collect(use, now=1e10)
+    assert rep.kept == {"deployment": 1, "instance": 1} and rep.retired == 0
+    assert pa.chosen(d1.id) is not None and _keys(object_store, f"templates/{t1.id}/")
+
+    # Ann is forgotten: t1 is retired (no new fork uses it: its claim goes) but still whole and fetchable.
+    ts.forget_user("ann", "counter")
+    rep = gc.collect(use, now=1e10)
+    assert rep.retired == 1 and rep.claims_deleted == 1 and rep.deleted == 0
+    assert pa.chosen(d1.id) is None and pa.chosen(d2.id) is not None
+    assert json.loads(object_store.get_bytes(f"templates/{t1.id}/{MARKER}"))["state"] == "retired"
+    assert (pb.fetch(t1.id) / "layer" / "work" / "agent.txt").read_text() == "one"
+    assert gc.collect(use, now=1e10 + 30).deleted == 0  # not before the settle time
+
+    # An instance names it again before the settle time is up (a host that forked it just before it was
+    # retired): it stays, marker gone.
+    ts.sandboxes.create(Scope.for_user("counter", "bea"), state="provisioning", template_ref=t1.id)
+    rep = gc.collect(use, now=1e10 + 61)
+    assert rep.restored == 1 and rep.deleted == 0
+    assert not object_store.exists(f"templates/{t1.id}/{MARKER}")
+    ts.forget_user("bea", "counter")
+    assert gc.collect(use, now=1e10 + 100).retired == 1
+    rep = gc.collect(use, now=1e10 + 200)
+    assert rep.deleted == 1 and rep.objects_deleted > 1
+    assert _keys(object_store, f"templates/{t1.id}/") == [] and _keys(object_store, f"deployments/{d1.id}/") == []
+    assert _keys(object_store, f"templates/{t2.id}/") and pa.chosen(d2.id)["template_id"] == t2.id
+    assert gc.collect(use, now=1e10 + 300).any() is False  # idempotent: nothing left to do
+
+    # Within the grace nothing is touched, even a template nobody names.
+    t3 = _template(a, "builder-3", "dep-orphan-cccccc", "three")
+    pa.publish(t3, "d-gone")
+    young = BucketCollector(pa, grace_s=3600, settle_s=0)
+    assert young.collect(use).any() is False and _keys(object_store, f"templates/{t3.id}/")
+
+
+def test_a_process_drivers_instances_do_not_keep_their_template(store: Store, object_store: ObjectStore,
+                                                               tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path / "cfg")
+    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
+    _, key = store.operator.create_tenant("acme")
+    ts = store.tenant(store.authenticate(key.secret))
+    agent = ts.agents.create("counter")
+    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
+    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
+    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one")
+    pa.publish(t1, d1.id)
+    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
+    # A process fork is a copy of its template's files: with settle 0 both steps happen in one run.
+    rep = BucketCollector(pa, grace_s=0, settle_s=0).collect(lambda: template_use(store, grace_s=0))
+    assert rep.retired == 1 and rep.deleted == 1
+    assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
+
+
+def test_a_template_being_deleted_is_refused_by_fetchers(object_store: ObjectStore, tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path / "cfg")
+    pa, pb = (PublishedTemplates(object_store, ProcessDriver(tmp_path / n, cfg)) for n in ("a", "b"))
+    t = _template(pa.driver, "builder", "dep-x-dddddd", "x")
+    pa.publish(t, "dep-x")
+    object_store.put_bytes(f"templates/{t.id}/{MARKER}", json.dumps({"state": "deleting", "at": 0}).encode())
+    with pytest.raises(SnapshotUnavailable, match="being deleted"):
+        pb.fetch(t.id)
+    assert not pb.local_dir(t.id).exists() and not list((tmp_path / "b" / ".templates").glob(".fetch-*"))
+
+
+def test_guest_images_go_once_no_template_names_them(store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
+    from moorage.sandbox.microvm import MicroVMDriver
+
+    cfg = Config(data_dir=tmp_path / "cfg")
+    vm = MicroVMDriver(tmp_path / "vm", cfg, images_dir=tmp_path / "images")
+    pv = PublishedTemplates(object_store, vm)
+    used = pv.publish_image(_image(tmp_path / "images" / "img1", "img1", b"A" * 300_000))
+    unused = pv.publish_image(_image(tmp_path / "images" / "img2", "img2", b"B" * 300_000))
+    # A published template made on img1 (its manifest names the image, as a micro-VM template's does).
+    src = tmp_path / "tpl"
+    (src / "x").mkdir(parents=True)
+    (src / "x" / "f").write_text("t")
+    pv.shipper.push(src, "templates/dep-vm-eeeeee", "template", include=lambda rel: True,
+                    meta={"driver": "microvm", "deployment_id": "dep-vm", "image": used})
+    store.operator.create_tenant("acme")
+
+    def use():  # noqa: ANN202
+        return template_use(store, grace_s=0)
+
+    gc = BucketCollector(pv, grace_s=0, settle_s=10)
+    gc.collect(use, now=1e10)  # retires the template (no deployment of that id is live) and img2
+    assert object_store.exists(f"images/{unused['digest']}/{MARKER}")
+    assert not object_store.exists(f"images/{used['digest']}/{MARKER}")
+    rep = gc.collect(use, now=1e10 + 11)  # the template goes, then img2; img1 is retired in this run
+    assert rep.deleted == 1 and rep.images_deleted == 1
+    assert _keys(object_store, f"images/{unused['digest']}/") == []
+    assert _keys(object_store, f"images/{used['digest']}/")
+    gc.collect(use, now=1e10 + 12)
+    rep = gc.collect(use, now=1e10 + 30)
+    assert rep.images_deleted == 1 and _keys(object_store, "images/") == [] and _keys(object_store, "templates/") == []
+    # A new template on img1 publishes the image again.
+    assert pv.publish_image(_image(tmp_path / "images2" / "img1", "img1", b"A" * 300_000))["digest"] == used["digest"]
+    assert object_store.exists(f"images/{used['digest']}/image.json")
