@@ -12,6 +12,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from moorage.api.problem import PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_BASE, PayloadTooLarge
+from moorage.fleet.forward import forwarded_trace_id
 from moorage.log import get_logger
 from moorage.observability import Metrics, new_span_id, new_trace_id, use_trace_id
 
@@ -57,7 +58,10 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        trace_id, span_id = new_trace_id(), new_span_id()
+        # A request another host of the fleet forwarded keeps the trace id the caller was given there.
+        forwarded = forwarded_trace_id({k.decode("latin-1").lower(): v.decode("latin-1")
+                                        for k, v in scope.get("headers", [])})
+        trace_id, span_id = forwarded or new_trace_id(), new_span_id()
         state = scope.setdefault("state", {})
         state.update(trace_id=trace_id, span_id=span_id)
         status = {"code": 500, "started": False}

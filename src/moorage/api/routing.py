@@ -174,7 +174,7 @@ class Endpoint:
             try:
                 response = await self._run(ctx, request, principal, ts, trace_id)
             except Misplaced as e:
-                response = await self._forward(ctx, request, e)
+                response = await self._forward(ctx, request, e, trace_id)
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
             response = from_error(e, trace_id)
@@ -187,7 +187,7 @@ class Endpoint:
         return response
 
     @staticmethod
-    async def _forward(ctx: "AppContext", request: Request, e: "Misplaced") -> Response:
+    async def _forward(ctx: "AppContext", request: Request, e: "Misplaced", trace_id: str) -> Response:
         """The instance is awake on another host of the fleet: that host answers (docs/fleet.md)."""
         fleet = getattr(getattr(ctx.runtime, "instances", None), "fleet", None)
         if fleet is None or e.host is None:
@@ -195,8 +195,9 @@ class Endpoint:
         owner = await run_in_threadpool(fleet.host, e.host)
         if owner is None:
             raise e
-        body = request.scope["state"].get("raw_body", b"")
-        return await fleet.forwarder.forward(request, body, owner.id, owner.url)
+        # A body the route read is sent as read; one it relays itself (an app's) is still unread: it streams on.
+        body = request.scope["state"].get("raw_body")
+        return await fleet.forwarder.forward(request, body, owner.id, owner.url, trace_id)
 
     async def _authorize(self, ctx: "AppContext", request: Request) -> tuple[Principal | None, TenantStore | None]:
         header = request.headers.get("authorization")

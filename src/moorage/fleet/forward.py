@@ -1,27 +1,86 @@
-"""Host-to-host forwarding: a request for an instance awake on another host is sent on to that host.
+"""Host-to-host forwarding: a request or an app WebSocket for an instance awake on another host is sent on to that host.
 
-The request goes as it came (method, path, query, body, the caller's own credentials and trace headers), so the
-owner authenticates and authorises it again: forwarding grants nothing. One hop only: a forwarded request that
-finds the instance moved again is answered 503 with ``Retry-After`` and the client retries.
+The request goes as it came (method, path, query, body, the caller's own credentials), so the owner authenticates
+and authorises it again: forwarding grants nothing. It carries this host's trace id (``traceparent``), so the
+caller's ``X-Trace-Id`` names the owner's spans too. Answers of unknown or large size (server-sent events, app
+downloads) stream back as they come; WebSockets are relayed message by message. One hop only: a forwarded request
+that finds the instance moved again is answered 503 with ``Retry-After`` and the client retries.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import re
 from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Mapping
 
+import anyio
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.frames import Close
 
-from moorage.errors import UnavailableError
+from moorage.errors import MoorageError, UnavailableError
+from moorage.log import get_logger
+
+log = get_logger(__name__)
 
 FORWARDED_BY = "x-moorage-forwarded-by"
+SERVED_BY = "x-moorage-served-by"
 #: Set while serving a request another host forwarded here: it must be served here, never sent on again.
 forwarded: ContextVar[bool] = ContextVar("moorage_forwarded", default=False)
-#: Headers that describe one connection, not the request (RFC 9110 section 7.6.1), plus those httpx sets itself.
+#: Headers that describe one connection, not the request (RFC 9110 section 7.6.1), plus those httpx sets itself;
+#: ``traceparent`` is replaced by this host's own.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length"})
+                  "transfer-encoding", "upgrade", "host", "content-length", "traceparent"})
+#: A WebSocket handshake's own headers: the forwarding host makes its own handshake with the owner.
+_HANDSHAKE = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                     "sec-websocket-protocol", "sec-websocket-accept", "user-agent"}
 _TIMEOUT = httpx.Timeout(connect=5.0, read=660.0, write=60.0, pool=5.0)
+#: Answers up to this size with a declared length are read whole and sent on as one body (every JSON route);
+#: anything else (no length: server-sent events, chunked app answers; or larger) streams through.
+BUFFERED_MAX = 1 << 20
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+#: Close codes the caller may be sent (RFC 6455 7.4.1): reserved ones stand for what they mean.
+NORMAL, GOING_AWAY, TOO_BIG, INTERNAL = 1000, 1001, 1009, 1011
+
+
+def forwarded_trace_id(headers: Mapping[str, str]) -> str | None:
+    """The trace id a forwarding host sent with a forwarded request (``traceparent``), else None.
+
+    Only a request marked as forwarded keeps it; a trace id only ever names spans in the caller's own tenant, so a
+    caller that sets one itself can only mislabel its own traces.
+    """
+    if not headers.get(FORWARDED_BY):
+        return None
+    m = _TRACEPARENT.fullmatch(headers.get("traceparent", "").strip())
+    return m.group(1) if m and m.group(1) != "0" * 32 else None
+
+
+def _traceparent(trace_id: str | None) -> list[tuple[str, str]]:
+    if not trace_id or not re.fullmatch(r"[0-9a-f]{32}", trace_id):
+        return []
+    import secrets
+
+    return [("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")]
+
+
+class ForwardRefused(MoorageError):
+    """The owner host refused a forwarded WebSocket's handshake: its own answer goes to the caller."""
+
+    code = "forward-refused"
+    http_status = 502
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(f"the owner host refused the WebSocket (HTTP {response.status_code})")
+        self.response = response
 
 
 class Forwarder:
@@ -29,25 +88,217 @@ class Forwarder:
         self.host_id = host_id
         self._client: httpx.AsyncClient | None = None
 
-    async def forward(self, request: Request, body: bytes, owner_id: str, owner_url: str) -> Response:
-        if request.headers.get(FORWARDED_BY):
+    def _check_hop(self, headers: Mapping[str, str], owner_id: str) -> None:
+        if headers.get(FORWARDED_BY):
             raise UnavailableError(f"the instance moved again (now on host {owner_id!r}) while this request was forwarded",
                                    hint="retry the request")
+
+    @staticmethod
+    def _unreachable(owner_id: str, e: BaseException) -> UnavailableError:
+        return UnavailableError(f"host {owner_id!r}, where this agent is awake, did not answer: {type(e).__name__}",
+                                hint="retry; if that host is down its lease lapses and another host takes over")
+
+    async def forward(self, request: Request, body: bytes | None, owner_id: str, owner_url: str,
+                      trace_id: str | None = None) -> Response:
+        """The owner's answer to ``request``. ``body`` is the request body already read, or None to stream it
+        from the caller (routes that relay their body, such as an app's, have not read it)."""
+        self._check_hop(request.headers, owner_id)
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False)
+            # Hosts talk to each other directly, never through a proxy named in the environment.
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        headers.append((FORWARDED_BY, self.host_id))
+        headers += [(FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        content: bytes | AsyncIterator[bytes] | None = body
+        declared = request.headers.get("content-length")
+        if body is None and declared is not None and declared != "0":
+            headers.append(("content-length", declared))  # kept: the owner's app sees the same framing
+            content = request.stream()
+        elif body is None and "chunked" in request.headers.get("transfer-encoding", "").lower():
+            content = request.stream()
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
-            resp = await self._client.request(request.method, url, content=body, headers=headers)
+            upstream = await self._client.send(self._client.build_request(request.method, url, content=content,
+                                                                          headers=headers), stream=True)
         except httpx.HTTPError as e:
-            raise UnavailableError(f"host {owner_id!r}, where this agent is awake, did not answer: {type(e).__name__}",
-                                   hint="retry; if that host is down its lease lapses and another host takes over") from e
-        out = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP and k.lower() != "content-encoding"}
-        out["x-moorage-served-by"] = owner_id
-        return Response(resp.content, resp.status_code, out)
+            raise self._unreachable(owner_id, e) from e
+        declared_len = upstream.headers.get("content-length")
+        if declared_len is not None and declared_len.isdigit() and int(declared_len) <= BUFFERED_MAX:
+            try:
+                await upstream.aread()
+            except httpx.HTTPError as e:
+                raise self._unreachable(owner_id, e) from e
+            finally:
+                await upstream.aclose()
+            out = {k: v for k, v in upstream.headers.items()
+                   if k.lower() not in _HOP and k.lower() != "content-encoding"}
+            out[SERVED_BY] = owner_id
+            return Response(upstream.content, upstream.status_code, out)
+        return self._streamed(upstream, owner_id)
+
+    def _streamed(self, upstream: httpx.Response, owner_id: str) -> Response:
+        """The owner's answer as it arrives, raw (its own content encoding and length kept). When the caller goes
+        away the stream is cancelled and the connection to the owner closed, which ends the owner's stream too."""
+        event_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+        async def close() -> None:
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                log.warning("forwarded stream cut", owner=owner_id, error=type(e).__name__)
+                if event_stream:  # the status is sent already: say it in-band, as the owner itself would
+                    problem = {"type": "unavailable", "status": 503, "hint": "retry the request",
+                               "detail": f"host {owner_id!r} stopped answering in the middle of the stream"}
+                    yield f"event: error\ndata: {json.dumps(problem)}\n\n".encode()
+            finally:
+                await close()
+
+        keep = {k: v for k, v in upstream.headers.items()
+                if k.lower() not in _HOP or k.lower() == "content-length"}
+        keep[SERVED_BY] = owner_id
+        return StreamingResponse(body(), upstream.status_code, keep, background=BackgroundTask(close))
+
+    async def open_socket(self, ws: WebSocket, owner_id: str, owner_url: str, *, max_message: int,
+                          open_timeout_s: float, trace_id: str | None = None) -> "ForwardedSocket":
+        """A WebSocket to the owner host for the caller's ``ws`` (not yet accepted), made with the caller's own
+        handshake headers and subprotocols. Raises ForwardRefused with the owner's answer when the owner refuses,
+        UnavailableError when it cannot be reached."""
+        self._check_hop(ws.headers, owner_id)
+        base = owner_url.rstrip("/")
+        base = "wss" + base[5:] if base.startswith("https") else "ws" + base[4:] if base.startswith("http") else base
+        raw = ws.scope.get("raw_path") or ws.url.path.encode()
+        qs = ws.scope.get("query_string") or b""
+        url = base + raw.decode("latin-1") + (("?" + qs.decode("latin-1")) if qs else "")
+        headers = [(k, v) for k, v in ws.headers.items() if k.lower() not in _HANDSHAKE]
+        headers += [(FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        if ws.headers.get("user-agent"):
+            headers.append(("user-agent", ws.headers["user-agent"]))
+        try:
+            conn = await connect(url, additional_headers=headers, user_agent_header=None, proxy=None,
+                                 subprotocols=list(ws.scope.get("subprotocols") or []) or None,  # type: ignore[arg-type]
+                                 compression=None, open_timeout=open_timeout_s, max_size=max_message,
+                                 # Few messages queued from the owner: a caller that stops reading stops the owner
+                                 # through TCP, and the owner stops the app the same way (docs/decisions/0012).
+                                 max_queue=4, ping_interval=20, ping_timeout=20, close_timeout=10)
+        except InvalidStatus as e:
+            answer = e.response
+            keep = {k: v for k, v in answer.headers.raw_items()
+                    if k.lower() in ("content-type", "retry-after", "www-authenticate")}
+            keep[SERVED_BY] = owner_id
+            raise ForwardRefused(Response(answer.body or b"", answer.status_code, keep)) from None
+        except (OSError, InvalidHandshake, asyncio.TimeoutError, TimeoutError) as e:
+            raise self._unreachable(owner_id, e) from e
+        return ForwardedSocket(conn, owner_id, max_message)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+@dataclass
+class SocketOutcome:
+    """How a forwarded socket ended (for the log and the span)."""
+
+    code: int
+    reason: str
+    why: str
+    messages_in: int = 0
+    messages_out: int = 0
+
+
+class ForwardedSocket:
+    """A WebSocket to the owner host; ``relay`` carries the caller's messages both ways until either side closes."""
+
+    def __init__(self, conn: ClientConnection, owner_id: str, max_message: int) -> None:
+        self.conn = conn
+        self.owner_id = owner_id
+        self.max_message = max_message
+        self.subprotocol: str | None = conn.subprotocol
+        self.messages_in = 0
+        self.messages_out = 0
+
+    async def relay(self, ws: WebSocket) -> SocketOutcome:
+        """Relay between the accepted caller ``ws`` and the owner; the side that did not close first is closed
+        with the code and reason of the side that did."""
+        up = asyncio.ensure_future(self._upstream(ws))
+        down = asyncio.ensure_future(self._downstream(ws))
+        outcome = SocketOutcome(INTERNAL, "the forwarded socket failed", "error")
+        try:
+            done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                outcome = next(iter(done)).result()
+            except Exception as e:  # noqa: BLE001 - the socket ends; the caller gets a generic close
+                log.warning("forwarded app socket failed", owner=self.owner_id, error=f"{type(e).__name__}: {e}")
+        finally:
+            for t in (up, down):
+                t.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+            if outcome.why != "owner-closed":
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.conn.close(_sendable(outcome.code), outcome.reason[:120]), 12)
+            if outcome.why != "caller-closed":
+                with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
+                    await asyncio.wait_for(ws.close(outcome.code, outcome.reason[:120]), 10)
+        outcome.messages_in, outcome.messages_out = self.messages_in, self.messages_out
+        log.info("forwarded app socket closed", owner=self.owner_id, code=outcome.code, why=outcome.why,
+                 messages_in=self.messages_in, messages_out=self.messages_out)
+        return outcome
+
+    async def close_unused(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.conn.close(GOING_AWAY, "the caller went away"), 12)
+
+    async def _upstream(self, ws: WebSocket) -> SocketOutcome:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return SocketOutcome(_sendable(int(message.get("code") or NORMAL)), str(message.get("reason") or ""),
+                                     "caller-closed")
+            text = message.get("text")
+            data: str | bytes = text if text is not None else (message.get("bytes") or b"")
+            size = len(data.encode()) if isinstance(data, str) else len(data)
+            if size > self.max_message:
+                return SocketOutcome(TOO_BIG, f"messages are limited to {self.max_message} bytes", "caller-too-big")
+            try:
+                await self.conn.send(data)  # waits while the owner's side is not reading (backpressure)
+            except ConnectionClosed as e:
+                return _owner_closed(e)
+            self.messages_in += 1
+
+    async def _downstream(self, ws: WebSocket) -> SocketOutcome:
+        while True:
+            try:
+                data = await self.conn.recv()
+            except ConnectionClosed as e:
+                return _owner_closed(e)
+            try:
+                if isinstance(data, str):
+                    await ws.send_text(data)
+                else:
+                    await ws.send_bytes(data)
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                return SocketOutcome(GOING_AWAY, "the caller went away", "caller-closed")
+            self.messages_out += 1
+
+
+def _owner_closed(e: ConnectionClosed) -> SocketOutcome:
+    if e.rcvd is not None:
+        return SocketOutcome(_sendable(e.rcvd.code), e.rcvd.reason, "owner-closed")
+    if e.sent is not None and e.sent.code == TOO_BIG:
+        return SocketOutcome(INTERNAL, "the agent's app sent a message over the size limit", "owner-too-big")
+    return SocketOutcome(INTERNAL, "the host that holds the agent closed the connection", "owner-lost")
+
+
+def _sendable(code: int) -> int:
+    """A close code that may be sent on: the reserved ones (no status, abnormal, TLS) say what they stand for."""
+    code = {1005: NORMAL, 1006: GOING_AWAY, 1015: INTERNAL}.get(code, code)
+    try:
+        Close(code, "").check()
+    except Exception:  # noqa: BLE001 - a code no endpoint may send: the plain one
+        return NORMAL
+    return code

@@ -22,6 +22,7 @@ from moorage.api.routes._common import agent_of
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
 from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.fleet.forward import FORWARDED_BY, ForwardedSocket, ForwardRefused, forwarded, forwarded_trace_id
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
@@ -191,12 +192,16 @@ class _Caller:
 
 
 async def _socket(ws: WebSocket, shared: bool) -> None:
-    """Authorize like the HTTP route, open the app's socket (its handshake decides ours), then relay."""
+    """Authorize like the HTTP route, open the app's socket (its handshake decides ours), then relay; an
+    instance awake on another host of the fleet gets the socket relayed from there (fleet/forward.py)."""
+    from moorage.lifecycle.manager import Misplaced
     from moorage.runtime.app_socket import AppSocketRequest, open_app_socket
 
     ctx = ws.app.state.moorage
-    trace_id = new_trace_id()
+    trace_id = forwarded_trace_id(ws.headers) or new_trace_id()
     ts = None
+    if ws.headers.get(FORWARDED_BY):
+        forwarded.set(True)  # another host sent it here to be served here (never sent on again)
     with use_trace_id(trace_id):
         try:
             if not shared:
@@ -214,7 +219,13 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
                 prefix = f"/v1/agents/{agent}/users/{user}/app"
             req = AppSocketRequest(_target(ws, prefix), list(ws.headers.raw), list(ws.scope.get("subprotocols") or []),
                                    prefix)
-            sock = await open_app_socket(ctx.runtime, ts, agent, user, req)
+            try:
+                sock = await open_app_socket(ctx.runtime, ts, agent, user, req)
+            except Misplaced as e:
+                sock = await _open_on_owner(ctx, ws, e, trace_id)
+        except ForwardRefused as e:
+            await _deny(ws, e.response)  # the owner's own answer (its refusal, as it would give it to the caller)
+            return
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
             await _deny(ws, from_error(e, trace_id))
@@ -225,12 +236,26 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
             return
         started = time.time()
         try:
-            await ws.accept(subprotocol=sock.subprotocol)
+            served_by = [(b"x-moorage-served-by", sock.owner_id.encode())] if isinstance(sock, ForwardedSocket) else []
+            await ws.accept(subprotocol=sock.subprotocol, headers=served_by)
         except BaseException:
             await sock.close_unused()
             raise
-        outcome = await sock.relay(_Caller(ws))
+        outcome = await (sock.relay(ws) if isinstance(sock, ForwardedSocket) else sock.relay(_Caller(ws)))
         await asyncio.to_thread(_record_span, ctx, ts, agent, user, shared, started, outcome, sock)
+
+
+async def _open_on_owner(ctx: Any, ws: WebSocket, e: Any, trace_id: str) -> Any:
+    """The instance is awake on another host: a socket to that host, made with the caller's own credentials."""
+    fleet = getattr(getattr(ctx.runtime, "instances", None), "fleet", None)
+    if fleet is None or e.host is None:
+        raise e
+    owner = await asyncio.to_thread(fleet.host, e.host)
+    if owner is None:
+        raise e
+    config = ctx.runtime.config
+    return await fleet.forwarder.open_socket(ws, owner.id, owner.url, max_message=int(config.app_ws_max_message_bytes),
+                                             open_timeout_s=float(config.app_timeout_s) + 10, trace_id=trace_id)
 
 
 async def _deny(ws: WebSocket, response: Response) -> None:

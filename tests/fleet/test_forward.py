@@ -1,0 +1,333 @@
+"""Forwarding through a host that does not hold the instance: streamed turns arrive event by event while the turn
+runs (native SSE and the OpenAI-compatible stream), with the caller's trace id; an app's WebSocket is relayed to
+the owner both ways, closes cleanly from either side, keeps the message cap, and refuses other tenants, other users
+and dead share links through the forwarding host as the owner does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import textwrap
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from moorage.cli.up import tar_dir
+from moorage.config import Config
+from moorage.secrets.keyring import _encode, new_key
+from moorage.store import open_store
+from tests.fleet.harness import Fleet
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_MESSAGE = 64 << 10
+
+# A turn that streams "one", then waits until the test says (through the app: GET /release) before it streams
+# "two" and ends: its first event can only reach the caller before the turn ends if it is forwarded as it comes.
+# The app on port 8080 also speaks WebSocket (standard library only: the sandbox's Python has nothing else).
+AGENT_PY = r'''
+import asyncio, base64, hashlib, json, os, socketserver, struct, threading
+
+RELEASED = "/work/released"
+CLOSES = "/work/last-close"
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+
+class Handler(socketserver.StreamRequestHandler):
+    def handle(self):
+        line = self.rfile.readline(65537).decode("latin-1")
+        if not line:
+            return
+        target = line.split(" ")[1]
+        headers = {}
+        while True:
+            h = self.rfile.readline(65537).decode("latin-1")
+            if h in ("\r\n", "\n", ""):
+                break
+            k, _, v = h.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if headers.get("upgrade", "").lower() == "websocket":
+            accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest())
+            self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                             b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+            self.wfile.flush()
+            self.custom = headers.get("x-custom")
+            return self.serve_socket()
+        body = self.rfile.read(int(headers.get("content-length") or 0))
+        if target.startswith("/release"):
+            open(RELEASED, "w").write("yes")
+        out = json.dumps({"path": target, "body": len(body)}).encode()
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n" % len(out) + out)
+
+    def frame(self, opcode, data):
+        n = len(data)
+        head = (struct.pack("!BB", 0x80 | opcode, n) if n < 126 else struct.pack("!BBH", 0x80 | opcode, 126, n)
+                if n < 65536 else struct.pack("!BBQ", 0x80 | opcode, 127, n))
+        self.wfile.write(head + data)
+        self.wfile.flush()
+
+    def read_frame(self):
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None, b""
+        opcode, n = head[0] & 0x0F, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+        data = bytearray(self.rfile.read(n))
+        for i in range(len(data)):
+            data[i] ^= mask[i % 4]
+        return opcode, bytes(data)
+
+    def serve_socket(self):
+        while True:
+            opcode, data = self.read_frame()
+            if opcode is None:
+                return
+            if opcode == 8:  # the caller's close: remember its code, answer it
+                open(CLOSES, "w").write(str(struct.unpack("!H", data[:2])[0]) if len(data) >= 2 else "none")
+                self.frame(8, data[:2])
+                return
+            if opcode == 9:
+                self.frame(10, data)
+            elif opcode == 2:
+                self.frame(2, data)
+            elif data == b"custom":
+                self.frame(1, json.dumps(self.custom).encode())
+            elif data == b"last-close":
+                self.frame(1, open(CLOSES).read().encode() if os.path.exists(CLOSES) else b"none")
+            elif data == b"close":
+                self.frame(8, struct.pack("!H", 4000) + b"bye")
+                self.read_frame()
+                return
+            else:
+                self.frame(1, data)
+
+
+class Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+def _serve():
+    try:
+        Server(("127.0.0.1", 8080), Handler).serve_forever()
+    except OSError:
+        pass  # loaded again in the same sandbox: the first server keeps serving
+
+
+threading.Thread(target=_serve, daemon=True).start()
+
+
+async def on_message(ctx, message):
+    if message != "stream":
+        return "ok"
+    if os.path.exists(RELEASED):
+        os.remove(RELEASED)
+    await ctx.emit("token", {"text": "one"})
+    for _ in range(1200):  # at most a minute: a caller that never saw "one" never releases the turn
+        if os.path.exists(RELEASED):
+            break
+        await asyncio.sleep(0.05)
+    released = os.path.exists(RELEASED)
+    await ctx.emit("token", {"text": "two"})
+    return "released" if released else "never released"
+'''
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket) -> Iterator[Fleet]:  # noqa: ANN001
+    base = tmp_path_factory.mktemp("forward")
+    # Hosts of one fleet share the end-user token secret (docs/api.md) and the secrets key (a share link made on
+    # one host opens on every host).
+    token_secret = secrets.token_urlsafe(32)
+    for i in (1, 2, 3):
+        (base / f"h{i}" / "api").mkdir(parents=True, mode=0o700)
+        (base / f"h{i}" / "api" / "token-secret").write_text(token_secret)
+        (base / f"h{i}" / "api" / "token-secret").chmod(0o600)
+    f = Fleet(base, pg_cluster.create_database("forward"), seaweedfs.settings(s3_bucket, f"fleet-{base.name}"),
+              secrets_keys=_encode(*new_key()), app_ws_max_message_bytes=str(MAX_MESSAGE))
+    agent = base / "fw"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "fw"\nentry = "agent.py"\nports = [8080]\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (agent / "agent.py").write_text(textwrap.dedent(AGENT_PY))
+    try:
+        r = f.api[0].post("/v1/agents/fw/deployments", content=tar_dir(agent), headers={"Content-Type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        for user in ("ada", "bob"):  # both awake on h1: the other hosts forward to it
+            r = f.api[0].post("/v1/agents/fw/invoke", json={"message": "hi", "user": user})
+            assert r.status_code == 200 and r.json()["reply"] == "ok", r.text
+        assert {f.records()[u].host for u in ("ada", "bob")} == {"h1"}
+        yield f
+    finally:
+        f.close()
+
+
+def _sse(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
+    """(event, data) of each server-sent event, as it arrives."""
+    event, data = "message", []
+    for line in lines:
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())
+        elif line == "" and data:
+            text = "\n".join(data)
+            yield event, (text if text == "[DONE]" else json.loads(text))
+            event, data = "message", []
+
+
+def _release(f: Fleet) -> None:
+    # Through the third host (forwarded too), with a body the app must receive whole.
+    r = f.api[2].post("/v1/agents/fw/users/ada/app/release", content=b"x" * 5000)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"path": "/release", "body": 5000} and r.headers["x-moorage-served-by"] == "h1"
+
+
+def test_a_streamed_turn_through_another_host_arrives_event_by_event_with_the_callers_trace_id(fleet: Fleet) -> None:
+    with fleet.api[1].stream("POST", "/v1/agents/fw/invoke", json={"message": "stream", "user": "ada"},
+                             headers={"Accept": "text/event-stream"}) as r:
+        assert r.status_code == 200 and r.headers["x-moorage-served-by"] == "h1"
+        assert r.headers["content-type"].startswith("text/event-stream")
+        trace_id = r.headers["x-trace-id"]
+        events = _sse(r.iter_lines())
+        first = next(events)
+        # The turn is still waiting for the release, which only this first event triggers.
+        assert first[0] == "token" and "one" in json.dumps(first[1])
+        _release(fleet)
+        rest = list(events)
+    assert [e for e, _ in rest] == ["token", "done"] and "two" in json.dumps(rest[0][1])
+    done = rest[-1][1]
+    assert done["reply"] == "released"
+    # The owner served the turn under the trace id the caller was given by the forwarding host.
+    assert done["trace_id"] == trace_id
+    for api in (fleet.api[0], fleet.api[1]):
+        spans = api.get(f"/v1/traces/{trace_id}").json()["spans"]
+        assert any(s["name"] == "POST /v1/agents/{agent}/invoke" for s in spans)
+        assert len({s["trace_id"] for s in spans}) == 1 and len(spans) > 2  # the owner's turn spans too
+
+    # The OpenAI-compatible stream, through the third host, the same way.
+    with fleet.api[2].stream("POST", "/v1/chat/completions", headers={"X-Moorage-User": "ada"},
+                             json={"model": "fw", "stream": True,
+                                   "messages": [{"role": "user", "content": "stream"}]}) as r:
+        assert r.status_code == 200 and r.headers["x-moorage-served-by"] == "h1"
+        chunks = _sse(r.iter_lines())
+        texts = []
+        for _, data in chunks:
+            texts.append(data["choices"][0]["delta"].get("content"))
+            if texts[-1] == "one":
+                break
+        _release(fleet)
+        rest = [d for _, d in chunks]
+    assert [d["choices"][0]["delta"].get("content") for d in rest[:-2]] == ["two"]
+    assert rest[-2]["choices"][0]["finish_reason"] == "stop" and rest[-1] == "[DONE]"
+
+    # A plain (not streamed) answer comes back whole, as before.
+    r = fleet.api[1].post("/v1/agents/fw/invoke", json={"message": "hi", "user": "ada"})
+    assert r.status_code == 200 and r.json()["reply"] == "ok" and r.headers["x-moorage-served-by"] == "h1"
+    assert r.headers["content-length"] == str(len(r.content))
+
+
+def _ws(f: Fleet, i: int, path: str) -> str:
+    return f.hosts[i].url.replace("http://", "ws://") + path
+
+
+async def _closed_with(ws: Any) -> tuple[int | None, str]:
+    with pytest.raises(ConnectionClosed) as e:
+        for _ in range(100):
+            await asyncio.wait_for(ws.recv(), 60)
+    rcvd = e.value.rcvd
+    return (rcvd.code, rcvd.reason) if rcvd is not None else (None, "")
+
+
+async def _refused(url: str, headers: dict[str, str] | None = None) -> int:
+    with pytest.raises(InvalidStatus) as e:
+        async with connect(url, additional_headers=headers or {}, open_timeout=120):
+            pass
+    return e.value.response.status_code
+
+
+def test_an_app_websocket_through_another_host_is_relayed_to_its_owner(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+    url = _ws(fleet, 1, "/v1/agents/fw/users/ada/app/ws")
+
+    async def run() -> None:
+        async with connect(url, additional_headers={**auth, "X-Custom": "kept"}, open_timeout=120) as ws:
+            assert ws.response.headers["x-moorage-served-by"] == "h1"
+            await ws.send("hello")
+            assert await ws.recv() == "hello"
+            blob = bytes(range(256)) * 200  # 50 KiB, under the cap
+            await ws.send(blob)
+            assert await ws.recv() == blob
+            await ws.send("custom")
+            assert json.loads(await ws.recv()) == "kept"
+            await ws.send("close")  # the app closes: its code and reason reach the caller through both hosts
+            assert await _closed_with(ws) == (4000, "bye")
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:  # the caller closes
+            await ws.send("x")
+            assert await ws.recv() == "x"
+            await ws.close(4001, "done")
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            for _ in range(50):
+                await ws.send("last-close")
+                if await ws.recv() == "4001":
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the app never heard the caller's close")
+            await ws.send(b"y" * (MAX_MESSAGE + 1))  # over the cap: closed 1009, by the forwarding host
+            code, _ = await _closed_with(ws)
+            assert code == 1009
+
+        # A share link opens through any host; revoked, it is refused there too.
+        link = fleet.api[0].post("/v1/agents/fw/users/ada/share-links", json={}).json()
+        shared = _ws(fleet, 2, f"/v1/shared/{link['token']}/ws")
+        async with connect(shared, open_timeout=120) as ws:
+            assert ws.response.headers["x-moorage-served-by"] == "h1"
+            await ws.send("via link")
+            assert await ws.recv() == "via link"
+        assert fleet.api[0].delete(f"/v1/agents/fw/users/ada/share-links/{link['id']}").status_code == 200
+        assert await _refused(shared) == 404
+
+    asyncio.run(run())
+
+
+def test_other_tenants_and_users_are_refused_through_the_forwarding_host_too(fleet: Fleet) -> None:
+    store = open_store(Config(store_url=fleet.store_url))
+    try:
+        globex = store.operator.create_tenant("globex-fw")[1].secret
+    finally:
+        store.close()
+    bob_token = fleet.api[0].post("/v1/agents/fw/users/bob/tokens", json={}).json()["token"]
+    ada = "/v1/agents/fw/users/ada/app/ws"
+
+    async def run() -> None:
+        for i in (1, 2):  # forwarding hosts
+            assert await _refused(_ws(fleet, i, ada), {"Authorization": f"Bearer {globex}"}) == 404
+            assert await _refused(_ws(fleet, i, ada), {"Authorization": f"Bearer {bob_token}"}) == 403
+            assert await _refused(_ws(fleet, i, ada)) == 401
+            assert await _refused(_ws(fleet, i, "/v1/shared/acme.0123456789abcdef0123456789abcdef.9999999999."
+                                                "abcdefgh." + "A" * 43 + "/ws")) == 404
+        # The owner refuses the same callers when the request claims to come from another host.
+        forged = {"x-moorage-forwarded-by": "h2"}
+        assert await _refused(_ws(fleet, 0, ada), {**forged, "Authorization": f"Bearer {globex}"}) == 404
+        assert await _refused(_ws(fleet, 0, ada), {**forged, "Authorization": f"Bearer {bob_token}"}) == 403
+        # Bob's own token reaches bob's app through the forwarding host.
+        async with connect(_ws(fleet, 1, "/v1/agents/fw/users/bob/app/ws"),
+                           additional_headers={"Authorization": f"Bearer {bob_token}"}, open_timeout=120) as ws:
+            await ws.send("bob")
+            assert await ws.recv() == "bob"
+
+    asyncio.run(run())
+    # Plain HTTP through a forwarding host: another tenant's key is a 404 for a turn and for the app.
+    with httpx.Client(base_url=fleet.hosts[1].url, headers={"Authorization": f"Bearer {globex}"}, timeout=120) as c:
+        assert c.post("/v1/agents/fw/invoke", json={"message": "hi", "user": "ada"}).status_code == 404
+        assert c.get("/v1/agents/fw/users/ada/app/").status_code == 404
