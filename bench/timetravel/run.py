@@ -4,6 +4,12 @@ of forking it, and the storage per checkpoint — on one sandbox driver, through
 The agent writes a small file, learns a fact, records an event and journals a step every turn (what the
 issue's must-show turns do), with automatic checkpoints on (``[agent.timetravel] auto = true``).
 
+Two phases. Through ``moorage up`` and HTTP: the same agent deployed twice, automatic checkpoints on and off,
+turns alternating between the two, each turn followed by a listing of its user's checkpoints (which waits for
+a checkpoint still being taken): the reply path's added cost is the difference of the two p50s, and how long
+after the reply its checkpoint is done is the listing's extra time. In process: the checkpoint's own duration
+(both halves timed inside the runtime), rollback, fork and storage.
+
     .venv/bin/python bench/timetravel/run.py [--driver process|microvm] [--turns 30] [--images DIR] [--quick]
 
 ``--images``: where the micro-VM guest image is built or found (default: the default data directory's, the one
@@ -24,7 +30,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from moorage.cli.up import tar_dir
 from moorage.config import Config
+from moorage.devservices.fleet import LocalHost
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
@@ -137,16 +147,71 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
         store.close()
 
 
+def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[str, Any]:
+    """Turns through a real ``moorage up`` over HTTP, automatic checkpoints on vs off (see the docstring)."""
+    env = {"MOORAGE_TEST_IMAGES_DIR": str(images)} if driver_name == "microvm" else {}
+    host = LocalHost("tt", tmp / "host", env, driver=driver_name)
+    try:
+        c = host.client(host.key)
+        for name, auto in (("ckon", "true"), ("ckoff", "false")):
+            d = tmp / f"src-{name}"
+            d.mkdir()
+            (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.timetravel]\n'
+                                            f'auto = {auto}\n[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+            (d / "agent.py").write_text(AGENT_PY)
+            r = c.post(f"/v1/agents/{name}/deployments", content=tar_dir(d), headers={"Content-Type": "application/gzip"})
+            assert r.status_code == 201, r.text
+        reply: dict[str, list[float]] = {"ckon": [], "ckoff": []}
+        listing: dict[str, list[float]] = {"ckon": [], "ckoff": []}
+
+        def turn(agent: str, i: int) -> None:
+            t0 = time.perf_counter()
+            r = c.post(f"/v1/agents/{agent}/invoke", json={"message": f"turn {i}", "user": "ada"})
+            t1 = time.perf_counter()
+            assert r.status_code == 200 and r.json().get("reply") == f"done {i}", r.text
+            lr = c.get(f"/v1/agents/{agent}/users/ada/checkpoints")  # waits for a checkpoint still being taken
+            t2 = time.perf_counter()
+            assert lr.status_code == 200, lr.text
+            if i > 2:  # the first turns provision and warm the instance
+                reply[agent].append(t1 - t0)
+                listing[agent].append(t2 - t1)
+
+        for i in range(1, turns + 1):
+            for agent in (("ckon", "ckoff") if i % 2 else ("ckoff", "ckon")):
+                turn(agent, i)
+        final = c.get("/v1/agents/ckon/users/ada/checkpoints").json()
+        took = sorted(ck["summary"].get("sandbox_ms", 0.0) for ck in final["data"] if ck["kind"] == "turn")
+        missing = sum(1 for ck in final["data"] if ck["kind"] == "missing")
+        on, off = latency_summary(reply["ckon"]), latency_summary(reply["ckoff"])
+        lon, loff = latency_summary(listing["ckon"]), latency_summary(listing["ckoff"])
+        return {"turn_auto_on": on, "turn_auto_off": off, "reply_path_added_p50_ms": on["p50_ms"] - off["p50_ms"],
+                "listing_after_reply_on": lon, "listing_after_reply_off": loff,
+                "checkpoint_done_after_reply_p50_ms": lon["p50_ms"] - loff["p50_ms"],
+                "checkpoint_sandbox_ms_p50": took[len(took) // 2] if took else None,
+                "checkpoints": len(final["data"]), "missing": missing}
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"the host failed: {e}; its log: {host.log}") from e
+    finally:
+        host.stop()
+
+
 def report(r: dict[str, Any]) -> str:
     f = lambda s: f"{s['p50_ms']:.1f} ms (p99 {s['p99_ms']:.1f}, n={s['n']})"  # noqa: E731
     sb = r["sandbox_bytes_per_checkpoint_p50"]
+    h = r["http"]
     lines = [
         f"# Time travel ({r['driver']} driver, {platform.node()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
         "",
         "| what | measured | issue's target |",
         "|---|---|---|",
-        f"| turn with its automatic checkpoint, p50 | {f(r['turn'])} | |",
-        f"| checkpoint added to a turn, p50 | {f(r['checkpoint'])} | ≤ 5 ms |",
+        f"| HTTP turn (`moorage up`), automatic checkpoints on, p50 | {f(h['turn_auto_on'])} | |",
+        f"| HTTP turn, automatic checkpoints off, p50 | {f(h['turn_auto_off'])} | |",
+        f"| **added to the reply path**, p50 difference | {h['reply_path_added_p50_ms']:.1f} ms | ≤ 5 ms |",
+        f"| checkpoint done after the reply (listing's extra wait), p50 | {h['checkpoint_done_after_reply_p50_ms']:.1f} ms | |",
+        f"| its sandbox half (the host's record, `summary.sandbox_ms`), p50 | {h['checkpoint_sandbox_ms_p50']} ms | |",
+        f"| checkpoints missing (failed) | {h['missing']} of {h['checkpoints']} | 0 |",
+        f"| in process: turn with its automatic checkpoint, p50 | {f(r['turn'])} | |",
+        f"| in process: the checkpoint's own duration, p50 | {f(r['checkpoint'])} | |",
         f"| of which the store half, p50 | {f(r['checkpoint_store_half'])} | |",
         f"| rollback of the whole instance, p50 | {f(r['rollback'])} | ≤ 100 ms |",
         f"| fork per new user | {r['fork_per_user_ms']:.0f} ms | |",
@@ -167,13 +232,17 @@ def main() -> None:
     turns, rollbacks, forks = (8, 2, 2) if a.quick else (a.turns, 5, 3)
     with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
         r = asyncio.run(measure(a.driver, turns, rollbacks, forks, Path(d), a.images))
+        r["http"] = http_phase(a.driver, turns, Path(d), a.images)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"timetravel-{a.driver}.json").write_text(json.dumps(r, indent=1))
     (OUT / f"timetravel-{a.driver}.md").write_text(report(r))
     print(report(r))
-    print(f"time travel ({a.driver}): checkpoint p50 {r['checkpoint']['p50_ms']:.1f} ms (store half "
-          f"{r['checkpoint_store_half']['p50_ms']:.1f} ms), rollback p50 {r['rollback']['p50_ms']:.0f} ms, "
-          f"fork {r['fork_per_user_ms']:.0f} ms per user")
+    h = r["http"]
+    print(f"time travel ({a.driver}): reply path {h['reply_path_added_p50_ms']:+.1f} ms p50 (HTTP, "
+          f"{h['turn_auto_on']['p50_ms']:.1f} vs {h['turn_auto_off']['p50_ms']:.1f} ms), checkpoint itself p50 "
+          f"{r['checkpoint']['p50_ms']:.1f} ms (store half {r['checkpoint_store_half']['p50_ms']:.1f} ms; done "
+          f"{h['checkpoint_done_after_reply_p50_ms']:.0f} ms after the reply), rollback p50 "
+          f"{r['rollback']['p50_ms']:.0f} ms, fork {r['fork_per_user_ms']:.0f} ms per user")
 
 
 if __name__ == "__main__":

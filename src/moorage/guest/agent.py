@@ -351,6 +351,12 @@ class AgentContext:
         self._step_seq += 1
         await self._host.call("durable.correct", {"seq": seq, "note": note})
 
+    async def checkpoint(self, name: str) -> Dict[str, Any]:
+        """A named checkpoint of this agent instance at this point of the turn: its sandbox (files; with the
+        micro-VM driver its memory and processes too) and its memory, facts and journal as written so far.
+        Rolled back to or forked from, it is this point again; this turn then counts as failed there."""
+        return await self._host.call("timetravel.checkpoint", {"name": name})
+
     async def history(self) -> List[Dict[str, Any]]:
         """Corrections, notes and failures from this user's earlier turns of this agent (oldest first), then the
         attempted steps, failures and corrections of this turn so far. Each entry is a dict with ``kind`` (step,

@@ -211,6 +211,9 @@ class InstanceManager(fleet_rules.FleetDuties):
         self.cache_max_bytes = 0
         #: Fleet: held while a sandbox's directory is made local and woken, or evicted from this host's cache.
         self._dir_locks: dict[str, asyncio.Lock] = {}
+        #: Awaited (tenant id, scope) by a requested ``sleep`` before it looks at the instance: the runtime's wait
+        #: for an automatic checkpoint still being taken after a reply went out (None: nothing to wait for).
+        self.settle: Callable[[str, Scope], Awaitable[None]] | None = None
 
     @property
     def host(self) -> str:
@@ -587,6 +590,8 @@ class InstanceManager(fleet_rules.FleetDuties):
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
         """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
+        if self.settle is not None:
+            await self.settle(ts.tenant_id, scope)
         li = self.live(ts, scope)
         if (li is None or not li.owned) and self.fleet is not None:
             rec = await self.io(ts.sandboxes.for_scope, scope)

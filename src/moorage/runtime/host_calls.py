@@ -154,6 +154,7 @@ class GuestCalls:
             "secrets.env": self.secrets_env,
             "mcp.tools": self.mcp_tools,
             "mcp.call": self.mcp_call,
+            "timetravel.checkpoint": self.timetravel_checkpoint,
         }
 
     def _wrap(self, method: str, fn: Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]) -> Any:
@@ -345,3 +346,14 @@ class GuestCalls:
 
     async def mcp_call(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         return await self.rt.mcp.call(b, p.get("server"), str(p.get("tool") or ""), p.get("arguments") or {})
+
+    # -- time travel (moorage/timetravel) -------------------------------------------------------------
+
+    async def timetravel_checkpoint(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        """``ctx.checkpoint(name)``: a named checkpoint of this instance at this point of the turn."""
+        name = p.get("name")
+        if not isinstance(name, str) or not 1 <= len(name) <= 100:
+            raise InvalidInput("ctx.checkpoint needs a name of 1-100 characters")
+        sandbox = await self.rt.driver.open(self.sandbox_id)
+        ck = await self.rt.timetravel.take_in_turn(b, sandbox, name)
+        return {"id": ck.id, "name": ck.name, "seq": ck.seq, "branch": ck.branch, "created_at": ck.created_at}

@@ -93,6 +93,9 @@ class _Turn:
     #: No run exists yet: the turn's first commit creates it (a retried request finds it from then on).
     create: bool = False
     events: asyncio.Queue = field(default_factory=_TurnEvents)
+    #: Set with the turn's result as soon as its reply may go out, before the automatic checkpoint that still
+    #: holds the instance (time travel); None: the reply goes out when the whole turn has ended.
+    answered: asyncio.Future | None = None
 
 
 @dataclass
@@ -202,6 +205,7 @@ class Runtime:
 
         #: Checkpoints of whole instances (sandbox and store state together), rollback and fork.
         self.timetravel = TimeTravel(self)
+        instances.settle = self.timetravel.settled_scope  # a requested sleep waits for a checkpoint after a reply
 
     async def aclose(self) -> None:
         """Close outside connections (MCP servers, model providers); instances and the store are the host's."""
@@ -484,6 +488,8 @@ class Runtime:
         """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
         principal.require("deploy")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
+        if rec.scope.user is not None:  # a reply just sent: its automatic checkpoint first
+            await self.timetravel.settled(ts.tenant_id, rec.scope.agent, rec.scope.user)
         if verb == "sleep":
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
             return {"id": sandbox_id, "slept": slept}
@@ -525,6 +531,7 @@ class Runtime:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
         principal.require("provision")
         ts = self.store.tenant(principal)
+        await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
         recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
         for rec in recs:
             await self.instances.sleep(ts, rec.scope, reason="forget")
@@ -586,17 +593,25 @@ class Runtime:
         if AgentLifecycle.of(agent).scope == "workflow":
             entity = EntityKey(entity.agent, entity.user, entity.session, workflow=turn_id)
         turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex, create)
+        if not zero_retention.is_zero(agent):  # (a zero-retention turn is purged once it has wholly ended)
+            turn.answered = asyncio.get_running_loop().create_future()
         who = principal or self.store.operator.principal(ts.tenant_id)
         task = asyncio.create_task(self.router.route(who, entity, turn), name=f"turn-{turn_id}")
         while True:
             getter = asyncio.ensure_future(turn.events.get())
-            done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({getter, task} | ({turn.answered} if turn.answered else set()),
+                                         return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
                 yield getter.result()
                 continue
             getter.cancel()
             while not turn.events.empty():
                 yield turn.events.get_nowait()
+            if turn.answered is not None and turn.answered.done() and not task.done():
+                # The reply goes out now; the turn's automatic checkpoint runs on, still holding the instance.
+                self.timetravel.keep_tail(task)
+                yield TurnEvent("done", turn.answered.result())
+                return
             if task.exception() is not None:
                 # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
                 await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
@@ -666,12 +681,15 @@ class Runtime:
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
                 await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
-                await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
-                return TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
-            reply = out.get("reply")
-            await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+                result = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
+            else:
+                reply = out.get("reply")
+                await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+                result = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
+            if turn.answered is not None and not turn.answered.done() and self.timetravel.will_checkpoint(binding):
+                turn.answered.set_result(result)  # the reply goes out before the checkpoint below
             await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
-            return TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
+            return result
         finally:
             self.turns.pop(turn_id, None)
             self._working.pop(turn_id, None)

@@ -3,7 +3,8 @@ rollback of both to one of them (what came after kept as an abandoned branch), a
 
 The sandbox half is the driver's own checkpoint (``Sandbox.checkpoint/rollback``); the store half is
 ``store.repos.checkpoints``. Every operation holds the instance the way a turn does (its line in the router
-and the instance manager's turn), so no turn of the instance runs in between. See docs/timetravel.md.
+and the instance manager's turn), so no turn of the instance runs in between; the automatic one runs after the
+turn's reply went out, while the turn still holds the instance. See docs/timetravel.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from moorage.errors import ConflictError, InvalidInput, TenantScopeError
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
-from moorage.store.repos.checkpoints import Checkpoint, checkpoints_of, new_checkpoint_id
+from moorage.store.repos.checkpoints import MISSING, Checkpoint, checkpoints_of, new_checkpoint_id
 
 if TYPE_CHECKING:
     from moorage.runtime.host_calls import TurnBinding
@@ -41,9 +42,9 @@ class CheckpointGone(ConflictError):
 class Policy:
     """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
 
-    #: Off by default: the sandbox half is taken before the reply goes out and costs 100-170 ms with today's
-    #: drivers (docs/timetravel.md), which an agent opts into.
-    auto: bool = False
+    #: On by default: taken after the turn's reply went out, while the turn still holds the instance, so it adds
+    #: nothing to the reply path; it delays only a next turn of the same instance arriving meanwhile.
+    auto: bool = True
     #: The newest checkpoints of the current branch kept.
     keep: int = 20
     #: Besides those, the newest checkpoint of each of the last ``daily`` days.
@@ -78,8 +79,10 @@ def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None) -> dic
 def to_keep(cks: Sequence[Checkpoint], branch: str | None, policy: Policy, now: float) -> set[str]:
     """Ids retention keeps: the newest ``keep`` of the current branch, the newest of each of the last ``daily``
     days, every named one, and the tip of every other branch (an abandoned branch stays restorable)."""
-    newest_first = sorted(cks, key=lambda c: -c.seq)
-    keep = {c.id for c in [c for c in newest_first if c.branch == branch][: policy.keep]}
+    # A missing one (a failed automatic checkpoint) counts in the newest ``keep`` like the turn it stands for,
+    # and is never a branch's tip or a day's checkpoint.
+    keep = {c.id for c in sorted((c for c in cks if c.branch == branch), key=lambda c: -c.seq)[: policy.keep]}
+    newest_first = sorted((c for c in cks if c.kind != MISSING), key=lambda c: -c.seq)
     keep |= {c.id for c in newest_first if c.name}
     tips: dict[str, str] = {}
     days: dict[int, str] = {}
@@ -114,6 +117,10 @@ async def _settled(op: Callable[[], Awaitable[None]], tries: int = 4, pause_s: f
             await asyncio.sleep(pause_s * (attempt + 1))
 
 
+def _scope_of(manifest: dict[str, Any]) -> str:
+    return str((manifest.get("lifecycle") or {}).get("scope", manifest.get("scope", "user")))
+
+
 def _can_delete(sandbox: Any) -> bool:
     from moorage.sandbox import Sandbox
 
@@ -128,24 +135,75 @@ class TimeTravel:
 
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
+        #: (tenant, agent, user) -> set once the automatic checkpoint after a turn whose reply went out is taken.
+        self._inflight: dict[tuple[str, str, str], asyncio.Event] = {}
+        #: Turns whose reply went out and whose automatic checkpoint runs on (asyncio keeps only weak references).
+        self._tails: set[asyncio.Task[Any]] = set()
 
     # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
 
+    @staticmethod
+    def will_checkpoint(b: "TurnBinding") -> bool:
+        """Whether this turn ends with an automatic checkpoint (its agent's policy; per-user instances only)."""
+        return Policy.of(b.manifest).auto and _scope_of(b.manifest) == "user"
+
     async def after_turn(self, sandbox: "Sandbox", b: "TurnBinding") -> Checkpoint | None:
-        """Called by the runtime while the turn still holds its instance; never fails the turn."""
-        policy = Policy.of(b.manifest)
-        if not policy.auto or (b.manifest.get("lifecycle") or {}).get("scope", b.manifest.get("scope", "user")) != "user":
+        """The automatic checkpoint, called by the runtime after the turn's reply went out while the turn still
+        holds its instance (no next turn of it starts before this ends). Never fails the turn: a failure is
+        logged and recorded as a ``missing`` checkpoint in the turn's place in the list."""
+        if not self.will_checkpoint(b):
             return None
+        key = (b.ts.tenant_id, b.entity.agent, b.entity.user)
+        done = self._inflight[key] = asyncio.Event()  # before the first await: ``settled`` finds it
+        started = time.perf_counter()
         try:
             if await asyncio.to_thread(_keeps_nothing, b.ts, b.entity.agent):
                 return None  # zero retention: a checkpoint would keep what the turn's end purges
-            ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
+            try:
+                ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
+            except Exception as e:  # noqa: BLE001 - a checkpoint that fails costs a restore point, never the turn
+                log.warning("checkpoint after turn failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(checkpoints_of(b.ts).record_missing, b.entity.agent, b.entity.user,
+                                            turn_id=b.turn_id, error=f"{type(e).__name__}: {e}")
+                return None
             if ck.seq % self.PRUNE_EVERY == 0:
-                await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, policy)
+                try:
+                    await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, Policy.of(b.manifest))
+                except Exception as e:  # noqa: BLE001 - retention runs again at the next tenth checkpoint
+                    log.warning("checkpoint retention failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
+            log.debug("checkpoint after turn", agent=b.entity.agent, user=b.entity.user, checkpoint=ck.id,
+                      ms=round((time.perf_counter() - started) * 1000, 1))
             return ck
-        except Exception as e:  # noqa: BLE001 - a checkpoint that fails costs a restore point, never the turn
-            log.warning("checkpoint after turn failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
-            return None
+        finally:
+            done.set()
+            if self._inflight.get(key) is done:
+                del self._inflight[key]
+
+    def keep_tail(self, task: "asyncio.Task[Any]") -> None:
+        """Hold a turn's task whose reply went out while its automatic checkpoint runs on; log how it ends."""
+        self._tails.add(task)
+
+        def ended(t: "asyncio.Task[Any]") -> None:
+            self._tails.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("a turn failed after its reply went out", task=t.get_name(), error=str(t.exception()))
+
+        task.add_done_callback(ended)
+
+    async def settled_scope(self, tenant_id: str, scope: Scope) -> None:
+        """``settled`` for the instance of ``scope`` (the instance manager's hook before a requested sleep)."""
+        if scope.user is not None:
+            await self.settled(tenant_id, scope.agent, scope.user)
+
+    async def settled(self, tenant_id: str, agent: str, user: str | None, timeout_s: float = 120.0) -> None:
+        """Wait for the automatic checkpoint of the user's (or, without a user, any user's) last turn if it is
+        still being taken: a listing, a sleep or a forget that follows a reply sees that turn's checkpoint."""
+        waits = [ev.wait() for (t, a, u), ev in list(self._inflight.items())
+                 if t == tenant_id and a == agent and (user is None or u == user)]
+        if waits:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
 
     async def _take(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", *, kind: str,
                     name: str | None = None, turn_id: str | None = None,
@@ -155,7 +213,9 @@ class TimeTravel:
         cid = new_checkpoint_id()
         vm = None
         if sandbox is not None:
+            t0 = time.perf_counter()
             vm = (await sandbox.checkpoint(f"tt-{cid}")).name
+            summary = {**(summary or {}), "sandbox_ms": round((time.perf_counter() - t0) * 1000, 1)}
         return await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
                                        sandbox_id=sandbox.id if sandbox is not None else None,
                                        sandbox_checkpoint=vm, checkpoint_id=cid, summary=summary)
@@ -245,11 +305,14 @@ class TimeTravel:
         ts = self._ts(principal, agent, user, "read", "provision")
         repo = checkpoints_of(ts)
         await asyncio.to_thread(ts.agents.get, agent)
+        await self.settled(ts.tenant_id, agent, user)
         cks = await asyncio.to_thread(repo.list, agent, user, limit=100_000)
         head = await asyncio.to_thread(repo.head, agent, user)
         current = head.branch if head else None
         branches: dict[str, dict[str, Any]] = {}
         for c in sorted(cks, key=lambda c: c.seq):
+            if c.kind == MISSING:
+                continue  # a failed automatic checkpoint: listed, but no point of any branch
             br = branches.setdefault(c.branch, {"id": c.branch, "from": c.parent_id, "current": c.branch == current,
                                                 "checkpoints": 0, "tip": None})
             br["checkpoints"] += 1
@@ -279,17 +342,31 @@ class TimeTravel:
         async with self._hold(ts, agent, user) as sandbox:
             return await self._take(ts, agent, user, sandbox, kind="manual", name=name)
 
-    async def take_in_turn(self, b: "TurnBinding", sandbox: "Sandbox", name: str | None) -> Checkpoint:
-        """``ctx.checkpoint(name)`` from the agent's code: the turn already holds the instance."""
-        return await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="manual", name=name,
-                                turn_id=None, summary={"during_turn": b.turn_id})
+    async def take_in_turn(self, b: "TurnBinding", sandbox: "Sandbox", name: str) -> Checkpoint:
+        """``ctx.checkpoint(name)`` from the agent's code, at that point of the turn (which already holds the
+        instance): the sandbox as it is now, and the store as the turn's writes so far left it (each host call
+        commits when it happens). The turn itself is recorded as running in it (``summary.during_turn``); a
+        rollback or fork to it ends that run as failed. A turn replayed after a crash that asks again for the same
+        name gets the checkpoint it already took."""
+        ts, agent, user = b.ts, b.entity.agent, b.entity.user
+        if _scope_of(b.manifest) != "user":
+            raise InvalidInput(f"agent {agent!r} has one instance per {_scope_of(b.manifest)}; checkpoints are "
+                               "taken of per-user instances", hint='set [agent] scope = "user"')
+        if await asyncio.to_thread(_keeps_nothing, ts, agent):
+            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would",
+                               hint="turn zero retention off to checkpoint its users")
+        for ck in await asyncio.to_thread(checkpoints_of(ts).list, agent, user, limit=200):
+            if ck.name == name and ck.summary.get("during_turn") == b.turn_id:
+                return ck
+        return await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
+                                summary={"during_turn": b.turn_id})
 
     async def rollback(self, principal: Principal, agent: str, user: str, checkpoint_id: str) -> dict[str, Any]:
         """Put the instance's sandbox and store state back to the checkpoint. The state it leaves is checkpointed
         first (``before-rollback``): the abandoned branch's tip, listable and restorable by another rollback."""
         ts = self._ts(principal, agent, user, "provision")
         repo = checkpoints_of(ts)
-        target = await asyncio.to_thread(repo.get, agent, user, checkpoint_id)
+        target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
         async with self._hold(ts, agent, user) as sandbox:
             if target.sandbox_checkpoint and target.sandbox_id != sandbox.id:
@@ -322,7 +399,7 @@ class TimeTravel:
                 raise ConflictError(f"user {u!r} of agent {agent!r} already has an instance",
                                     hint="fork into a new user id")
         repo = checkpoints_of(ts)
-        target = await asyncio.to_thread(repo.get, agent, user, checkpoint_id)
+        target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         rt = self.rt
         started = time.perf_counter()
         template = None
@@ -348,6 +425,14 @@ class TimeTravel:
                             await sandbox.delete_checkpoint(here)
         out = []
         try:
+            if template is not None and rt.templates.published is not None:
+                # A fleet: the template goes to the object store before any fork is made from it, so the forks
+                # wake on any host (a micro-VM fork needs its template for life; fleet/templates.py publish_fork).
+                try:
+                    await asyncio.to_thread(rt.templates.published.publish_fork, template,
+                                            {"tenant": ts.tenant_id, "agent": agent, "user": user})
+                except Exception as e:  # noqa: BLE001 - the forks still work, on this host only
+                    log.warning("fork template not published; its forks wake only on this host", error=str(e))
             for u in to_users:
                 new_scope = Scope.for_user(agent, u)
                 # In the new user's line: a first turn for them waits, instead of provisioning from the agent's

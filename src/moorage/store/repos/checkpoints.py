@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from moorage.store.tenant import TenantStore
 
 KINDS = ("turn", "manual", "before-rollback", "fork")
+#: A turn's automatic checkpoint that failed: listed where it would be, never a point to go back to.
+MISSING = "missing"
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,31 @@ class Checkpoints:
 
     # -- reading -------------------------------------------------------------------------------------------
 
+    def record_missing(self, agent: str, user: str, *, turn_id: str | None, error: str) -> Checkpoint:
+        """Record that the turn's automatic checkpoint failed: a row of kind ``missing`` in the turn's place in the
+        list (what the turn did, and why there is no checkpoint), which moves no head and holds nothing."""
+        check_id(agent, "agent id"), check_id(user, "user id")
+        cid = new_checkpoint_id()
+        summary: dict[str, Any] = {"error": str(error)[:500]}
+        with self._ts._tx() as c:
+            head = self._head(c, agent, user)
+            branch = head.branch if head else _new_branch()
+            if turn_id is not None:
+                turn: dict[str, Any] = {"id": turn_id}
+                r = c.one("SELECT status, input FROM workflow_runs WHERE id = ?", (turn_id,))
+                if r is not None:
+                    inp = json.loads(r[1]) if r[1] else {}
+                    turn.update(status=r[0], message=str((inp or {}).get("message", ""))[:200])
+                summary["turn"] = turn
+            seq_row = c.one("SELECT MAX(seq) FROM checkpoints WHERE agent_id = ? AND user_id = ?", (agent, user))
+            seq = int(seq_row[0] or 0) + 1 if seq_row else 1
+            now = time.time()
+            c.x(f"INSERT INTO checkpoints ({_COLS}, manifest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (cid, agent, user, seq, branch, head.head_id if head else None, MISSING, None, turn_id,
+                 json.dumps(summary), 0, "[]", None, None, 0, now, c.blob(_pack({}))))
+        return Checkpoint(cid, agent, user, seq, branch, head.head_id if head else None, MISSING, None, turn_id,
+                          summary, 0, [], None, None, 0, now)
+
     def list(self, agent: str, user: str, *, limit: int = 1000) -> list[Checkpoint]:
         check_id(agent, "agent id"), check_id(user, "user id")
         with self._ts._tx(write=False) as c:
@@ -286,6 +313,15 @@ class Checkpoints:
                            hint="list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
         return _checkpoint(r)
 
+    def restorable(self, agent: str, user: str, checkpoint_id: str) -> Checkpoint:
+        """``get``, refusing a ``missing`` one (a failed automatic checkpoint holds nothing to go back to)."""
+        ck = self.get(agent, user, checkpoint_id)
+        if ck.kind == MISSING:
+            raise ConflictError(f"checkpoint {checkpoint_id!r} is missing: the automatic checkpoint after that turn "
+                                f"failed ({ck.summary.get('error', 'no reason recorded')})",
+                                hint="roll back to the checkpoint before or after it")
+        return ck
+
     def storage_bytes(self, agent: str, user: str) -> int:
         """Bytes the store keeps for this instance's checkpoints (manifests and row images)."""
         with self._ts._tx(write=False) as c:
@@ -299,8 +335,11 @@ class Checkpoints:
 
     def rollback(self, agent: str, user: str, checkpoint_id: str) -> str:
         """Make the instance's rows exactly those of the checkpoint, in one transaction; the instance continues
-        on a new branch growing from it (returned). What came after stays in the checkpoints taken of it."""
-        target = self.get(agent, user, checkpoint_id)
+        on a new branch growing from it (returned). What came after stays in the checkpoints taken of it.
+
+        A checkpoint taken during a turn (``ctx.checkpoint``) holds that turn's run as running; the rollback ends it
+        as failed (nothing runs it on from there: the agent process that ran it is not the one that continues)."""
+        target = self.restorable(agent, user, checkpoint_id)
         with self._ts._tx() as c:
             r = c.one("SELECT manifest FROM checkpoints WHERE id = ?", (target.id,))
             assert r is not None
@@ -316,6 +355,11 @@ class Checkpoints:
                 if add:
                     c.many(f"INSERT INTO {t.name} ({', '.join(t.cols)}) VALUES ({', '.join('?' * len(t.cols))})", add)
             self._rewind_events(c, agent, user, target.event_ranges)
+            during = target.summary.get("during_turn")
+            if isinstance(during, str):
+                c.x("UPDATE workflow_runs SET status = 'failed', error = ?, updated_at = ?, version = version + 1 "
+                    "WHERE id = ? AND status IN ('running', 'pending')",
+                    (f"rolled back to checkpoint {target.id}, taken during this turn", time.time(), during))
             branch = _new_branch()
             # The new branch's events get ids above every id given out so far (ids are never reused).
             lineage = [*target.event_ranges, [self._event_mark(c) + 1, None]]
@@ -361,7 +405,7 @@ class Checkpoints:
         check_id(to_user, "user id")
         if to_user == user:
             raise InvalidInput("a fork needs another user id", hint="roll back to stay on the same user")
-        target = self.get(agent, user, checkpoint_id)
+        target = self.restorable(agent, user, checkpoint_id)
         ts = self._ts
         with ts._tx() as c:
             if c.one("SELECT 1 FROM scopes WHERE agent_id = ? AND user_id = ?", (agent, to_user)) or \
@@ -374,8 +418,12 @@ class Checkpoints:
             bodies = self._bodies(c, agent, user, {d for rows in want.values() for d in rows.values()})
             rows = {t: [json.loads(bodies[d]) for d in m.values()] for t, m in want.items()}
             sub = _Renamer(agent, user, to_user)
+            during = target.summary.get("during_turn")
             for run in rows.get("workflow_runs", []):
                 sub.ids[run[0]] = uuid.uuid4().hex
+                if run[0] == during and run[3] in ("running", "pending"):
+                    # The turn a ``ctx.checkpoint`` was taken in: the fork does not run it on (as for rollback).
+                    run[3], run[8] = "failed", f"forked from checkpoint {target.id}, taken during this turn"
             for f in rows.get("facts", []):
                 sub.ids[f[0]] = uuid.uuid4().hex
             n = 0
