@@ -41,6 +41,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the ones between the agent's answer and the reply.
 TURN_COMMITS = 2
 REPLY_PATH_COMMITS = 1
+#: The turn's own commits are counted: the automatic checkpoint after the reply (time travel, on by default; its
+#: commit comes after the reply, off the reply path: tests/timetravel/test_auto.py) is turned off here.
+OWN_COMMITS_ONLY = "[agent.timetravel]\nauto = false\n"
 
 # Waits at "wait" for the test's go-ahead (a file on its disk), so the test can mark the moment the agent is
 # running: commits before the mark are the turn's start, commits after it are the reply path.
@@ -120,7 +123,7 @@ async def _turn(env: Env, commits: Commits, message: str) -> tuple[Any, int, int
 
 
 async def test_an_awake_turn_commits_twice_and_once_on_the_reply_path(env: Env, commits: Commits, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "notes", "notes", AGENT))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "notes", "notes", AGENT, extra_manifest=OWN_COMMITS_ONLY))
     await _turn(env, commits, "hello")  # provisions the instance and opens the session
     await asyncio.to_thread(env.runtime.embed_queue.wait_idle, 60)
 
@@ -152,7 +155,7 @@ async def test_an_awake_turn_commits_twice_and_once_on_the_reply_path(env: Env, 
 
 
 async def test_a_step_commits_when_it_happens(env: Env, commits: Commits, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "notes", "notes", AGENT))
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "notes", "notes", AGENT, extra_manifest=OWN_COMMITS_ONLY))
     await _turn(env, commits, "hello")
     ts = env.store.tenant(env.principal)
     k = EntityKey("notes", "ada", "s1")
