@@ -9,7 +9,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from moorage.store import EntityKey
+from moorage.store import EntityKey, Scope
 from tests.runtime.conftest import Env, make_env, write_agent
 from tests.timetravel.conftest import store_view
 
@@ -38,7 +38,7 @@ async def vm_env(tmp_path: Path) -> AsyncIterator[Env]:
 async def test_rollback_and_fork_carry_the_guest_memory(vm_env: Env, tmp_path: Path) -> None:
     env = vm_env
     assert env.runtime.driver.name == "microvm"
-    # Automatic checkpoints are opted into (and the micro-VM driver cannot delete them yet: no retention here).
+    # Automatic checkpoints (on by default) with the default retention.
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT,
                                                         extra_manifest="[agent.timetravel]\nauto = true\n"))
     ts = env.store.tenant(env.principal)
@@ -60,3 +60,52 @@ async def test_rollback_and_fork_carry_the_guest_memory(vm_env: Env, tmp_path: P
     assert await say("bea", "fork") == "count=3"
     assert json.loads(await say("bea", "ls")) == ["1.txt", "2.txt", "3.txt"]
     assert await say("ada", "next") == "count=4"  # the source is where it was
+
+
+def _disk_snapshots(sandbox_dir: Path) -> set[str]:
+    """The qcow2 internal snapshots of a sandbox's disk (``-U``: readable while QEMU holds the image)."""
+    import subprocess
+
+    out = subprocess.run(["qemu-img", "snapshot", "-l", "-U", str(sandbox_dir / "disk.qcow2")], capture_output=True,
+                         text=True, check=True).stdout
+    return {line.split()[1] for line in out.splitlines()[2:] if len(line.split()) > 1}
+
+
+async def test_retention_deletes_micro_vm_checkpoints(vm_env: Env, tmp_path: Path) -> None:
+    env = vm_env
+    # Automatic checkpoints by default; retention keeps the newest 2 of the branch (and every branch's tip).
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT,
+                                                        extra_manifest="[agent.timetravel]\nkeep = 2\ndaily = 0\n"))
+
+    async def say(message: str) -> str:
+        return (await env.runtime.invoke(env.principal, EntityKey("vm", "ada"), message)).reply
+
+    for i in range(1, 10):
+        await say(f"m{i}")
+    listing = await env.runtime.timetravel.list(env.principal, "vm", "ada")
+    sandbox = await env.runtime.driver.open(listing["data"][0]["sandbox_id"])
+    assert len(await sandbox.checkpoints()) == 9  # retention runs at every 10th checkpoint
+
+    assert await say("m10") == "count=10"  # the 10th checkpoint: retention prunes
+    listing = await env.runtime.timetravel.list(env.principal, "vm", "ada")
+    kept = {c["sandbox_checkpoint"] for c in listing["data"]}
+    assert [c["summary"]["turn"]["message"] for c in listing["data"]] == ["m10", "m9"]
+    # The pruned ones are gone from the driver too: their RAM and device state, and their disk snapshots.
+    assert {c.name for c in await sandbox.checkpoints()} == kept
+    assert _disk_snapshots(sandbox.dir) == {f"ckpt-{n}" for n in kept}
+    assert sorted(p.name for p in (sandbox.dir / "checkpoints").iterdir()) == sorted(kept)
+
+    # What is kept still restores, memory included.
+    nine = next(c for c in listing["data"] if c["summary"]["turn"]["message"] == "m9")
+    await env.runtime.timetravel.rollback(env.principal, "vm", "ada", nine["id"])
+    assert await say("again") == "count=10"
+    assert json.loads(await say("ls")) == sorted(f"{i}.txt" for i in range(1, 11))
+
+    # A sleeping VM's checkpoint is deleted without QEMU (qemu-img on the disk).
+    extra = await sandbox.checkpoint("extra")
+    assert f"ckpt-{extra.name}" in _disk_snapshots(sandbox.dir)
+    assert await env.runtime.instances.sleep(env.store.tenant(env.principal), Scope.for_user("vm", "ada"))
+    await sandbox.delete_checkpoint("extra")
+    assert "extra" not in {c.name for c in await sandbox.checkpoints()}
+    assert "ckpt-extra" not in _disk_snapshots(sandbox.dir) and not (sandbox.dir / "checkpoints" / "extra").exists()
+    assert await say("after sleep") == "count=11"  # wakes from its sleep snapshot as before

@@ -866,6 +866,30 @@ class MicroVMSandbox(Sandbox):
             self._set_state(SandboxState.SLEEPING, snapshot=record)
             await self._wake_locked()
 
+    async def delete_checkpoint(self, name: str) -> None:
+        """Remove one checkpoint (retention): its RAM delta and device state, and the disk's internal snapshot,
+        whose clusters qcow2 frees (a running QEMU deletes it itself, the image being locked by it)."""
+        validate_id(name, "checkpoint name")
+        async with self._lock:
+            src = self.dir / "checkpoints" / name
+            if not (src / "snapshot.json").exists():
+                raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
+            # Its record first: a crash mid-removal leaves no half checkpoint that lists or restores, only disk.
+            (src / "snapshot.json").unlink()
+            _fsync_dir(src)
+            tag = f"ckpt-{name}"
+            if self.state is SandboxState.RUNNING and self._qmp is not None:
+                try:
+                    await self._qmp.execute("blockdev-snapshot-delete-internal-sync", {"device": "disk", "name": tag})
+                except QMPError as e:
+                    log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=str(e))
+            else:
+                r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-d", tag,
+                                                             str(self.dir / "disk.qcow2")], capture_output=True, text=True)
+                if r.returncode != 0:
+                    log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=r.stderr.strip())
+            await asyncio.to_thread(shutil.rmtree, src, True)
+
     async def checkpoints(self) -> list[CheckpointInfo]:
         out = []
         base = self.dir / "checkpoints"
