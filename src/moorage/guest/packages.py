@@ -7,6 +7,8 @@ system as "nothing here"; after the host installed packages into it (deploy time
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any, Dict
 
 from .rpc import Context, Registry
@@ -17,5 +19,16 @@ async def refresh(params: Any, ctx: Context) -> Dict[str, Any]:
     return {}
 
 
+def _honour_pythonpath() -> None:
+    """A supervisor run isolated (``python3 -I``, the process driver) ignores PYTHONPATH, where a template with
+    packages names their directory: its entries are put on the path here, as a plain run would have."""
+    if not sys.flags.isolated:
+        return
+    for entry in reversed([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if entry not in sys.path:
+            sys.path.insert(1, entry)
+
+
 def register(registry: Registry) -> None:
+    _honour_pythonpath()
     registry.add("packages.refresh", refresh)
