@@ -137,7 +137,10 @@ class GuestCalls:
         attach_from_turn(self.rt, self.sandbox_id, channel)  # the agent's own network, if it declares one
 
     def methods(self) -> dict[str, Callable[[TurnBinding, dict[str, Any]], Awaitable[Any]]]:
+        from moorage.runtime.graph_calls import GraphCalls
+
         return {
+            **GraphCalls().methods(),  # a LangGraph checkpointer's store (runtime/graph_calls.py)
             "llm.complete": self.llm_complete,
             "memory.append": self.memory_append,
             "memory.search": self.memory_search,

@@ -1,0 +1,173 @@
+"""Example 5 (examples/langgraph) end to end on process sandboxes: an unchanged LangGraph graph whose
+checkpointer is moorage's store reached over the channel (bound to the turn's user), its interrupt() as a
+moorage interrupt resumed through the runtime's answer path, and time travel moving the graph's checkpoints
+with the rest of the instance. LangGraph reaches the sandbox the documented way: the example's requirements.txt,
+installed at deploy time from a package index (a loopback one serving wheels repacked from this venv)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+import pytest_asyncio
+
+from moorage.config import Config
+from moorage.egress import Egress, OperatorPolicy, StaticResolver
+from moorage.lifecycle.manager import InstanceManager
+from moorage.llm import gateway_from_config
+from moorage.runtime.graph_calls import PREFIX
+from moorage.runtime.runtime import Runtime
+from moorage.store import EntityKey, Scope, open_store
+from tests.conftest import stop_all_sandboxes
+from tests.langgraph.wheelhouse import build_index, serve
+from tests.runtime.conftest import Env
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "langgraph"
+AGENT = "notebook"
+
+
+@pytest.fixture(scope="module")
+def index() -> Iterator[int]:
+    with tempfile.TemporaryDirectory(prefix="lg-index-") as root:
+        build_index(Path(root), "langgraph")
+        yield from serve(Path(root))
+
+
+async def _env(tmp: Path, index: int, driver_name: str) -> AsyncIterator[Env]:
+    from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    # The index by a name (pip inside the sandbox reaches loopback addresses directly, skipping the gateway).
+    url = f"http://pypi.test:{index}"
+    cfg = Config(data_dir=tmp / "data", sandbox_driver=driver_name, egress_allow_cidrs="127.0.0.0/8",
+                 egress_package_index=url, package_index_url=url + "/simple/")
+    store = open_store(cfg)
+    principal = store.authenticate(store.operator.create_tenant("acme")[1].secret)
+    driver = DRIVER_FACTORIES[driver_name](cfg.sandboxes_dir, cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    rt.egress = rt.templates.egress = Egress(OperatorPolicy.from_config(cfg), StaticResolver({"pypi.test": ["127.0.0.1"]}))
+    try:
+        yield Env(rt, manager, principal, cfg)
+    finally:
+        await manager.close()
+        await stop_all_sandboxes(driver)
+        await driver.close()
+        store.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def env(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIterator[Env]:
+    async for e in _env(tmp_path_factory.mktemp("lg"), index, "process"):
+        await e.runtime.deploy(e.principal, EXAMPLE)  # pip installs requirements.txt into the template
+        yield e
+
+
+async def ask(env: Env, user: str, message: str, session: str = "default"):
+    return await env.runtime.invoke(env.principal, EntityKey(AGENT, user, session), message)
+
+
+def graph_rows(env: Env, user: str) -> list[str]:
+    ts = env.store.tenant(env.principal)
+    return [r.key for r in ts.state.list(Scope.for_user(AGENT, user), prefix=PREFIX, limit=10_000)]
+
+
+async def test_the_graph_keeps_its_state_in_the_users_store_rows(env: Env) -> None:
+    assert (await ask(env, "ada", "note buy milk")).reply == "notes: buy milk"
+    assert (await ask(env, "ada", "note call mum")).reply == "notes: buy milk, call mum"
+    # Another session is another thread of the same user's graph; another user has a graph of their own.
+    assert (await ask(env, "ada", "note elsewhere", session="s2")).reply == "notes: elsewhere"
+    assert (await ask(env, "bob", "note bob's")).reply == "notes: bob's"
+    ada, bob = graph_rows(env, "ada"), graph_rows(env, "bob")
+    assert any(k.startswith(PREFIX + "default/") for k in ada) and any(k.startswith(PREFIX + "s2/") for k in ada)
+    assert ada and bob and not set(ada) & {k for k in bob if "/c/" in k}
+    # The state survives the sandbox sleeping (the checkpoints are in the store, not the sandbox).
+    ts = env.store.tenant(env.principal)
+    assert await env.manager.sleep(ts, Scope.for_user(AGENT, "ada"))
+    assert (await ask(env, "ada", "note after sleep")).reply == "notes: buy milk, call mum, after sleep"
+
+
+async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env) -> None:
+    first = await ask(env, "cy", "do water the plants")
+    assert first.status == "waiting"
+    assert first.interrupt["plan"].startswith("water the plants: ")
+    assert first.interrupt["question"] == f"Go ahead with '{first.interrupt['plan']}'?"
+    ts = env.store.tenant(env.principal)
+    assert ts.runs.get(first.run_id).status == "waiting"  # what the API, the webhook and the dashboard show
+    done = await env.runtime.answer(env.principal, first.run_id, "yes")
+    assert done.status == "done"
+    assert done.reply == f"done: {first.interrupt['plan']} (1 done so far)"
+    assert ts.runs.get(first.run_id).status == "succeeded"
+    # The model was asked once: the resumed turn replayed the journaled plan step, the graph did not re-plan.
+    steps = [s.name for s in ts.runs.steps(first.run_id)]
+    assert steps.count("langgraph") == 1 and steps.count("langgraph:resume") == 1
+    # A refusal takes the other branch, and the graph's notes are still there on the same thread.
+    second = await ask(env, "cy", "do paint the fence")
+    refused = await env.runtime.answer(env.principal, second.run_id, "no")
+    assert refused.reply.startswith("not approved: paint the fence")
+    assert (await ask(env, "cy", "note ok")).reply == "notes: ok"
+
+
+async def _checkpoint_after(env: Env, user: str, message: str) -> str:
+    listing = await env.runtime.timetravel.list(env.principal, AGENT, user)
+    return next(c["id"] for c in listing["data"] if c["kind"] == "turn" and c["current_branch"]
+                and (c["summary"].get("turn") or {}).get("message") == message)
+
+
+async def test_rollback_and_fork_move_the_graphs_checkpoints_with_the_instance(env: Env) -> None:
+    for n in range(1, 5):
+        assert (await ask(env, "dee", f"note n{n}")).reply == "notes: " + ", ".join(f"n{i}" for i in range(1, n + 1))
+    at2 = await _checkpoint_after(env, "dee", "note n2")
+    rows2 = None
+    # What the graph's rows were after turn 2: as the checkpoint recorded them.
+    listing = await env.runtime.timetravel.list(env.principal, AGENT, "dee")
+    assert len([c for c in listing["data"] if c["kind"] == "turn"]) == 4
+
+    # Fork at turn 2 into two users: each continues the graph from n1, n2 on its own.
+    await env.runtime.timetravel.fork(env.principal, AGENT, "dee", at2, to_users=["dee-a", "dee-b"])
+    assert (await ask(env, "dee-a", "note a")).reply == "notes: n1, n2, a"
+    assert (await ask(env, "dee-b", "note b")).reply == "notes: n1, n2, b"
+    assert (await ask(env, "dee", "note n5")).reply == "notes: n1, n2, n3, n4, n5"  # the source is unchanged
+
+    # Roll back to turn 2: the graph continues from n1, n2 as the first turn 3 did.
+    rows_before = graph_rows(env, "dee")
+    await env.runtime.timetravel.rollback(env.principal, AGENT, "dee", at2)
+    rows2 = graph_rows(env, "dee")
+    assert len(rows2) < len(rows_before)
+    assert (await ask(env, "dee", "note n3")).reply == "notes: n1, n2, n3"
+    # The abandoned branch comes back whole, the graph's state with it.
+    listing = await env.runtime.timetravel.list(env.principal, AGENT, "dee")
+    tip = next(b["tip"] for b in listing["branches"] if not b["current"])
+    await env.runtime.timetravel.rollback(env.principal, AGENT, "dee", tip)
+    assert graph_rows(env, "dee") == rows_before
+    assert (await ask(env, "dee", "note n6")).reply == "notes: n1, n2, n3, n4, n5, n6"
+
+
+async def test_a_waiting_graph_rolled_back_before_its_question_asks_again(env: Env) -> None:
+    await ask(env, "eve", "note first")
+    before = await _checkpoint_after(env, "eve", "note first")
+    waiting = await ask(env, "eve", "do sweep the floor")
+    assert (await env.runtime.answer(env.principal, waiting.run_id, "yes")).reply.startswith("done: sweep the floor")
+    await env.runtime.timetravel.rollback(env.principal, AGENT, "eve", before)
+    again = await ask(env, "eve", "do sweep the floor")
+    assert again.status == "waiting"
+    done = await env.runtime.answer(env.principal, again.run_id, "yes")
+    assert done.reply.endswith("(1 done so far)")  # the earlier "done" is gone with what came after
+
+
+async def test_a_graph_call_names_no_user(env: Env) -> None:
+    """The checkpointer's calls carry a thread only: a thread id that looks like another user's path is just a
+    thread of the calling user's own graph."""
+    from moorage.runtime.graph_calls import GraphRows, _ns_key
+
+    ts = env.store.tenant(env.principal)
+    rows = GraphRows(ts, Scope.for_user(AGENT, "mallory"))
+    key = _ns_key({"thread": "../ada/default", "ns": ""})
+    assert "/" not in key[len(PREFIX):].split("/")[0] + "x".replace("x", "")  # the thread is one escaped segment
+    assert rows.get(key, None) is None
+    assert rows.get(_ns_key({"thread": "default", "ns": ""}), None) is None  # ada's default thread is not mallory's
