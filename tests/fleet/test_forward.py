@@ -331,3 +331,27 @@ def test_other_tenants_and_users_are_refused_through_the_forwarding_host_too(fle
     with httpx.Client(base_url=fleet.hosts[1].url, headers={"Authorization": f"Bearer {globex}"}, timeout=120) as c:
         assert c.post("/v1/agents/fw/invoke", json={"message": "hi", "user": "ada"}).status_code == 404
         assert c.get("/v1/agents/fw/users/ada/app/").status_code == 404
+
+
+def test_a_detached_exec_is_followed_and_cancelled_through_another_host(fleet: Fleet) -> None:
+    sid = fleet.records()["ada"].id
+    script = "echo first; while [ ! -e go-$0 ]; do sleep 0.05; done; echo second"
+    r = fleet.api[1].post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", script, "a"], "detach": True,
+                                                             "timeout_s": 60})
+    assert r.status_code == 202 and r.headers["x-moorage-served-by"] == "h1", r.text
+    exec_id = r.json()["id"]
+    # Followed through a host that does not run it: "first" arrives while the command waits for the test.
+    with fleet.api[2].stream("GET", f"/v1/executions/{exec_id}/output") as out:
+        assert out.status_code == 200 and out.headers["x-moorage-served-by"] == "h1"
+        events = _sse(out.iter_lines())
+        first = next(events)
+        assert first[0] == "output" and first[1]["text"] == "first\n"
+        r = fleet.api[1].post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["touch", "go-a"]})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        rest = list(events)
+    assert [(e, d.get("text") or d.get("status")) for e, d in rest] == [("output", "second\n"), ("end", "succeeded")]
+    # A running exec is cancelled through any host.
+    r = fleet.api[1].post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["sleep", "50"], "detach": True})
+    assert r.status_code == 202, r.text
+    r = fleet.api[2].post(f"/v1/executions/{r.json()['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.headers["x-moorage-served-by"] == "h1"

@@ -89,7 +89,7 @@ async def read_file(call: Call) -> dict[str, Any]:
 async def exec_command(call: Call) -> Any:
     """Run a command in the sandbox: the result at the end, or with ``detach`` a 202 and an execution at once."""
     sid = call.path["sandbox_id"]
-    await run_in_threadpool(call.tenant.sandboxes.get, sid)  # another tenant's sandbox is a 404 before anything
+    rec = await run_in_threadpool(call.tenant.sandboxes.get, sid)  # another tenant's sandbox is a 404 before anything
     argv = call.field("argv", list)
     if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv) or len(argv) > 4096:
         raise InvalidInput("argv must be a non-empty list of strings", hint='e.g. {"argv": ["ls", "-la"]}')
@@ -101,6 +101,14 @@ async def exec_command(call: Call) -> Any:
     jobs = exec_jobs.ExecJobs.of(call.runtime)
     if not call.field("detach", bool, required=False, default=False):
         return await jobs.run(call.who, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
+    # A detached exec runs where the sandbox is awake: started here, its background task would find it elsewhere.
+    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
+    if fleet is not None and rec.host not in (None, jobs.host):
+        from moorage.lifecycle import fleet as fleet_rules
+        from moorage.lifecycle.manager import Misplaced
+
+        if await run_in_threadpool(fleet_rules.placement, fleet, rec) == "forward":
+            raise Misplaced(rec)
     exec_id = await jobs.start(call.who, call.tenant, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env,
                                idempotency_key=call.idempotency_key)
     ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, exec_id)
@@ -108,14 +116,33 @@ async def exec_command(call: Call) -> Any:
     return Reply(body, 202, {"Location": f"/v1/executions/{exec_id}"})
 
 
+async def _held_elsewhere(call: Call, ex: Any) -> None:
+    """A detached exec still running on another live host of the fleet is followed and cancelled there: raising
+    ``Misplaced`` has the request forwarded to that host (docs/fleet.md), which holds its output and its process."""
+    from moorage.lifecycle.manager import Misplaced
+
+    jobs = exec_jobs.ExecJobs.of(call.runtime)
+    host = ex.input.get("host")
+    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
+    if fleet is None or not host or host == jobs.host or jobs.local(call.tenant, ex.id) is not None:
+        return
+    if (await run_in_threadpool(jobs.view, call.tenant, ex))["status"] != "running":
+        return
+    owner = await run_in_threadpool(fleet.host, host)
+    if owner is not None and owner.alive(fleet.lease_ttl_s):
+        raise Misplaced(None, host)
+
+
 async def cancel_exec(call: Call) -> dict[str, Any]:
     ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    await _held_elsewhere(call, ex)
     return await exec_jobs.ExecJobs.of(call.runtime).cancel(call.tenant, ex)
 
 
 async def follow_exec(call: Call) -> Any:
     """Server-sent events: ``output`` ({stream, offset, text}) as it arrives, from the oldest byte kept, then ``end``."""
     ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    await _held_elsewhere(call, ex)
     events = exec_jobs.ExecJobs.of(call.runtime).follow(call.tenant, ex)
 
     async def frames() -> Any:
