@@ -26,6 +26,22 @@ async function api(path) {
   return body;
 }
 
+// A change through the API (roll back, fork): the API checks the key's scopes, the page only asks.
+async function apiSend(method, path, body) {
+  const res = await fetch(path, {
+    method,
+    headers: { Authorization: "Bearer " + apiKey(), Accept: "application/json", "Content-Type": "application/json" },
+    body: JSON.stringify(body || {}),
+  });
+  if (res.status === 401) throw new Unauthorized("the key was refused");
+  const out = await res.json().catch(() => null);
+  if (!res.ok) {
+    const detail = out && out.detail ? out.detail : res.statusText;
+    throw new Error(`${res.status} ${detail}`);
+  }
+  return out;
+}
+
 const enc = encodeURIComponent;
 
 // --- DOM helpers ---------------------------------------------------------------------------------------------
@@ -195,11 +211,17 @@ function tracesPanel(spans) {
 
 async function userView(agent, user) {
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
-  const [sessions, userEvents, facts, waiting] = await Promise.all([
+  const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
     api(`${base}/events?limit=500`),
     api(`${base}/facts?limit=200`),
     api(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=200`),
+    // Time travel may not apply (an agent with one instance per session, zero retention) or the key may lack
+    // the scope: the rest of the view still renders, the timeline says why it is empty.
+    api(`${base}/checkpoints?limit=200`).catch((e) => {
+      if (e instanceof Unauthorized) throw e;
+      return { error: e.message };
+    }),
   ]);
   // Turns log their messages in the session's scope, so the recent episodic events are those of the most
   // recently active sessions, merged with the user-wide ones and ordered by time.
@@ -248,7 +270,106 @@ async function userView(agent, user) {
         el("div.sub", {}, `run ${d.run.id.slice(0, 12)} · ${d.run.current_step || ""} · waiting since ${ago(d.run.updated_at)}`));
     })) : empty("Nothing is waiting for this user."));
 
-  return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic];
+  return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
+    checkpointsPanel(agent, user, checkpoints)];
+}
+
+// What the last change from the timeline did, shown once on the view it re-rendered (links to new users).
+let timelineNotice = null;
+
+// The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
+// turn did, where the instance is now, and buttons to roll back to one or fork it into new users.
+function checkpointsPanel(agent, user, listing) {
+  const title = "Timeline (checkpoints)";
+  if (listing.error) return section(title, "checkpoints", el("p.error", {}, `No timeline: ${listing.error}`));
+  if (!listing.data.length) return section(title, "checkpoints", empty("No checkpoints yet: one is taken after every turn."));
+  const base = `/v1/agents/${enc(agent)}/users/${enc(user)}/checkpoints`;
+  const bySeq = new Map(listing.data.map((c) => [c.id, c.seq]));
+  const ref = (id) => (bySeq.has(id) ? `#${bySeq.get(id)}` : (id || "").slice(0, 10));
+  const message = el("p.error", { id: "checkpoints-error", role: "alert" });
+  const notice = el("p.notice", { id: "checkpoints-notice", role: "status" }, timelineNotice || []);
+  timelineNotice = null;
+
+  async function act(button, run) {
+    button.disabled = true;
+    message.textContent = "";
+    try {
+      await run();
+      await route();  // the whole view again: files, facts and events moved with the instance
+    } catch (e) {
+      if (e instanceof Unauthorized) { route(); return; }
+      message.textContent = `Could not do that: ${e.message}`;
+      button.disabled = false;
+    }
+  }
+
+  function what(c) {
+    const s = c.summary || {};
+    const t = s.turn;
+    const parts = [];
+    if (c.kind === "missing") parts.push(el("span.error", {}, `checkpoint failed: ${s.error || "no reason recorded"}`));
+    if (t) {
+      parts.push(el("span.turn-message", {}, `“${t.message ?? ""}”`));
+      if (t.reply !== undefined) parts.push(" → ", el("span.turn-reply", {}, `“${t.reply ?? ""}”`));
+      if (t.status && t.status !== "succeeded") parts.push(" ", badge(t.status));
+      if (t.steps && t.steps.length) parts.push(el("span.steps", {}, ` steps: ${t.steps.map((x) => x.name).join(", ")}`));
+    }
+    if (s.during_turn) parts.push(el("span.sub", {}, `during turn ${s.during_turn.slice(0, 12)}`));
+    if (s.rolled_back_to) parts.push(el("span.sub", {}, `left when rolling back to ${ref(s.rolled_back_to)}`));
+    if (s.forked_from) {
+      parts.push("forked from ", userLink(agent, s.forked_from.user), el("span.sub", {}, ` at ${s.forked_from.checkpoint.slice(0, 10)}`));
+    }
+    return parts;
+  }
+
+  function row(c, branch) {
+    const isHead = c.id === listing.head;
+    const buttons = [];
+    if (c.kind !== "missing") {
+      const back = el("button.rollback", { type: "button", title: "Put files, memory, facts and journal back to this point" },
+        branch.current ? "Roll back here" : "Restore");
+      back.addEventListener("click", () => {
+        if (!confirm(`Roll ${user}'s agent back to checkpoint ${ref(c.id)}? What came after stays restorable as an abandoned branch.`)) return;
+        act(back, async () => {
+          const out = await apiSend("POST", `${base}/${enc(c.id)}/rollback`);
+          timelineNotice = [`Rolled back to ${ref(c.id)} in ${fmtMs(out.ms)}.`];
+        });
+      });
+      const fork = el("button.fork", { type: "button", title: "Copy this point into new users of the agent" }, "Fork…");
+      fork.addEventListener("click", () => {
+        const answer = prompt("Fork into new user id(s), separated by commas:");
+        const users = (answer || "").split(",").map((u) => u.trim()).filter(Boolean);
+        if (!users.length) return;
+        act(fork, async () => {
+          const out = await apiSend("POST", `${base}/${enc(c.id)}/fork`, { to_users: users });
+          timelineNotice = [`Forked ${ref(c.id)} into `, ...out.forks.flatMap((f, i) => [i ? ", " : "", userLink(agent, f.user)])];
+        });
+      });
+      buttons.push(back, fork);
+    }
+    return el("li.ck.kind-" + c.kind.replace(/[^a-z-]/g, "") + (isHead ? ".head" : ""),
+      { dataset: { checkpoint: c.id, kind: c.kind, head: isHead ? "true" : "false" } },
+      el("span.seq.num", {}, `#${c.seq}`),
+      el("span.badge.ck-kind", {}, c.kind),
+      c.name ? el("span.ck-name", {}, c.name) : null,
+      el("span.what", {}, what(c)),
+      el("time", { title: fmtTime(c.created_at) }, ago(c.created_at)),
+      isHead ? el("span.here", {}, "◀ current") : null,
+      el("span.actions", {}, buttons));
+  }
+
+  const branches = [...listing.branches].sort((a, b) => (b.current - a.current));
+  const groups = branches.map((b) => {
+    const cks = listing.data.filter((c) => c.branch === b.id);  // newest first, as listed
+    const label = b.current ? "Current branch" : "Abandoned branch";
+    const from = b.from ? ` · grew from ${ref(b.from)}` : "";
+    return el("div.branch" + (b.current ? ".current" : ".abandoned"), { dataset: { branch: b.id } },
+      el("h3", {}, `${label}${from} · ${cks.length} checkpoint${cks.length === 1 ? "" : "s"}`),
+      cks.length ? el("ol.checkpoints", {}, cks.map((c) => row(c, b))) : empty("No checkpoint on this branch yet."));
+  });
+  const stats = el("p.hint", {}, `${listing.data.length} checkpoints · store ${fmtBytes(listing.store_bytes)}`
+    + ` · sandbox ${fmtBytes(listing.sandbox_bytes)} · retention keeps the newest turns, one a day, named ones and every branch's tip.`);
+  return section(title, "checkpoints", stats, notice, message, groups);
 }
 
 async function traceView(traceId) {
