@@ -420,3 +420,102 @@ async def test_disk_size_follows_the_spec(driver: MicroVMDriver) -> None:
         assert (sb.dir / "disk.qcow2").stat().st_size <= (200 + 96) * MiB
     finally:
         await sb.destroy()
+
+
+def _ids(pid: int) -> dict[str, list[int]]:
+    st = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return {"uid": [int(x) for x in st["Uid"].split()], "gid": [int(x) for x in st["Gid"].split()],
+            "groups": [int(x) for x in st["Groups"].split()], "cap_eff": [int(st["CapEff"], 16)]}
+
+
+#: Run as a QEMU's own uid, gid and groups: open each target, report "opened" or the error.
+_PROBE = """
+import json, os, sys
+out = {}
+for label, target, flag in json.loads(sys.argv[1]):
+    try:
+        os.close(os.open(target, getattr(os, flag)))
+        out[label] = "opened"
+    except OSError as e:
+        out[label] = e.strerror
+print(json.dumps(out))
+"""
+
+
+def _open_as(pid: int, targets: dict[str, tuple[Path | str, str]]) -> dict[str, str]:
+    """Try to open each file as the QEMU ``pid`` runs (a setpriv probe). A file is handed to the probe as an O_PATH
+    descriptor (``/proc/self/fd/N``), so no 0700 directory above it stands in the way: its owner and mode alone
+    decide. A target given as ``str`` is opened by name."""
+    ids = _ids(pid)
+    fds, spec = [], []
+    try:
+        for label, (path, flag) in targets.items():
+            if isinstance(path, str):
+                spec.append((label, str(path), flag))
+                continue
+            fd = os.open(path, os.O_PATH)
+            fds.append(fd)
+            spec.append((label, f"/proc/self/fd/{fd}", flag))
+        groups = f"--groups={','.join(map(str, ids['groups']))}" if ids["groups"] else "--clear-groups"
+        r = subprocess.run(["setpriv", f"--reuid={ids['uid'][0]}", f"--regid={ids['gid'][0]}", groups, "--",
+                            "/usr/bin/python3", "-c", _PROBE, json.dumps(spec)],
+                           capture_output=True, text=True, pass_fds=fds, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(driver: MicroVMDriver, base: MicroVMSandbox, template: TemplateRef) -> None:
+    """On a root host each QEMU runs as its sandbox's own unprivileged uid (booted, woken, forked, rolled back), and
+    that uid can open its own disk and its template's files but no other sandbox's RAM, disk or memory."""
+    from moorage.sandbox.microvm_user import VM_ID_BASE, VM_ID_SLOTS
+
+    await base.wake()
+    a, b = await driver.fork(template, ["uid-a", "uid-b"])
+    await asyncio.gather(a.wake(), b.wake())
+    if os.geteuid() != 0:  # an unprivileged host: QEMU simply runs as the host's own uid
+        assert _ids(a.pid)["uid"][0] == os.geteuid()
+        return
+    seen = {}
+    for sb in (base, a, b):
+        ids = _ids(sb.pid)
+        uid = ids["uid"][0]
+        assert ids["uid"] == [uid] * 4 and ids["gid"] == [uid] * 4, ids  # real, effective, saved and fs ids
+        assert VM_ID_BASE <= uid < VM_ID_BASE + VM_ID_SLOTS and ids["cap_eff"] == [0], ids
+        seen[sb.id] = uid
+    assert len(set(seen.values())) == 3, seen  # one uid per sandbox
+    tpl_gid = (template.path / "ram").stat().st_gid
+    assert _ids(a.pid)["groups"] == [tpl_gid] and _ids(base.pid)["groups"] == [], "only a fork gets its template's group"
+    # After a sleep and a wake, and after a rollback: the same uid again, never 0.
+    await a.sleep()
+    await a.wake()
+    assert _ids(a.pid)["uid"] == [seen["uid-a"]] * 4
+    await a.checkpoint("c1")
+    sets = await a._qmp.execute("query-fdsets")  # device state went by descriptor, and none stays behind
+    assert not [s for s in sets for f in s["fds"] if f.get("opaque", "").endswith("dev.state")], sets
+    await a.rollback("c1")
+    assert a.last_wake_mode == "snapshot" and _ids(a.pid)["uid"] == [seen["uid-a"]] * 4
+    # What a's uid may open: its own disk, its template's RAM (mapped privately) and disk (read only). Nothing of b
+    # (a fork of the same template), of base, or of b's process.
+    got = _open_as(a.pid, {
+        "own disk": (a.dir / "disk.qcow2", "O_RDWR"),
+        "template ram": (template.path / "ram", "O_RDWR"),
+        "template disk, read": (template.path / "disk.qcow2", "O_RDONLY"),
+        "template disk, write": (template.path / "disk.qcow2", "O_WRONLY"),
+        "sibling disk": (b.dir / "disk.qcow2", "O_RDONLY"),
+        "base ram": (base.dir / "ram", "O_RDONLY"),
+        "base disk": (base.dir / "disk.qcow2", "O_RDONLY"),
+        "base ram by name": (str(base.dir / "ram"), "O_RDONLY"),
+        "sibling memory": (f"/proc/{b.pid}/mem", "O_RDONLY"),
+        "own checkpoint state": (a.dir / "checkpoints" / "c1" / "dev.state", "O_RDONLY"),
+    })
+    denied = "Permission denied"
+    assert got == {
+        "own disk": "opened", "template ram": "opened", "template disk, read": "opened",
+        "template disk, write": denied, "sibling disk": denied, "base ram": denied, "base disk": denied,
+        "base ram by name": denied, "sibling memory": denied, "own checkpoint state": denied,
+    }, got
+    await a.destroy()
+    await b.destroy()

@@ -488,7 +488,7 @@ class MicroVMSandbox(Sandbox):
         # The channel stays connected through the pause: the guest then never sees its port close, and after a
         # wake it simply reads the new connection's frames (no reopen, no frames dropped in between).
         await self._qmp.execute("stop")  # also drains and flushes the disk
-        await self._qmp.execute("xen-save-devices-state", {"filename": str(new / "dev.state"), "live": False})
+        await self._qmp.save_device_state(new / "dev.state")  # by descriptor: QEMU cannot reach the path
         ph.mark("pause_and_device_state")
         record: dict[str, Any] = {
             "kind": self.ram_mode,
@@ -804,7 +804,7 @@ class MicroVMSandbox(Sandbox):
         new = target.with_name(target.name + ".new")
         shutil.rmtree(new, ignore_errors=True)
         new.mkdir(parents=True)
-        await self._qmp.execute("xen-save-devices-state", {"filename": str(new / "dev.state"), "live": False})
+        await self._qmp.save_device_state(new / "dev.state")
         record: dict[str, Any] = {"kind": self.ram_mode, "qemu": qemu_version(), "layout": self._vm_config().layout_id(),
                                   "image": self._meta["image_id"], "created_at": time.time(), "live": True}
         if self.ram_mode == "delta":
@@ -1208,7 +1208,7 @@ class MicroVMDriver(SandboxDriver):
             qmp = sandbox._qmp
             await qmp.execute("stop")
             try:
-                await qmp.execute("xen-save-devices-state", {"filename": str(tmp / "dev.state"), "live": False})
+                await qmp.save_device_state(tmp / "dev.state")
                 m = ram.find_mapping(sandbox.pid, sandbox._ram_path())
                 await asyncio.to_thread(ram.read_all, sandbox.pid, m, tmp / "ram")
                 await asyncio.to_thread(shutil.copyfile, sandbox.dir / "disk.qcow2", tmp / "disk.qcow2")
@@ -1330,7 +1330,9 @@ class MicroVMDriver(SandboxDriver):
                 args = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            serial = next((a.decode(errors="replace") for a in args if a.decode(errors="replace").startswith(marker)), None)
+            # ``-serial file:<pipe>``, or the label of the console's descriptor (``-add-fd ...,opaque=file:<pipe>``)
+            serial = next((s for s in (a.decode(errors="replace").split(",opaque=", 1)[-1] for a in args)
+                           if s.startswith(marker)), None)
             if serial is None or not pid_is_ours(int(proc.name), marker):
                 continue
             sandbox_dir = Path(serial.removeprefix("file:")).parent

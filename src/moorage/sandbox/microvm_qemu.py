@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moorage.errors import UnavailableError
 from moorage.log import get_logger
-from moorage.sandbox import capped_log, cgroups
+from moorage.sandbox import capped_log, cgroups, microvm_user
 from moorage.sandbox.base import SandboxError
 from moorage.sandbox.accel import QEMU, accel_args
 from moorage.sandbox.image_guest import CHANNEL_PORT
@@ -184,9 +184,12 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """
     run_dir = Path(_arg_after(argv, "-pidfile")).parent
     pipe = Path(_arg_after(argv, "-serial").removeprefix("file:"))
+    # On a root host QEMU runs as the sandbox's own unprivileged uid and opens no host path by name: its files,
+    # sockets and console are passed as descriptors, their owners and modes set there (sandbox/microvm_user.py).
+    launch = microvm_user.prepare(argv, run_dir, pipe) if os.geteuid() == 0 else None
     # The guest's memory and disk are readable by this host user only (their directories are 0700 as well).
     os.chmod(run_dir.parent, 0o700)
-    for arg in argv:
+    for arg in argv if launch is None else ():
         for key in ("mem-path=", "file="):
             if key in arg:
                 target = Path(arg.split(key, 1)[1].split(",", 1)[0])
@@ -205,7 +208,7 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     try:
         with open(log_path, "ab") as out:
             os.fchmod(out.fileno(), 0o600)
-            proc = subprocess.Popen(_in_cgroup(cgroup, _confined(argv)), stdin=subprocess.DEVNULL, stdout=out,
+            proc = microvm_user.popen(launch, _in_cgroup(cgroup, launch.argv if launch else argv), stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=out, start_new_session=True, close_fds=True, pass_fds=[dir_fd])
     except BaseException:
         os.close(console_fd)
@@ -214,6 +217,8 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         raise
     finally:
         os.close(dir_fd)
+        if launch is not None:
+            launch.close()
     capped_log.start(console_fd, pipe.with_name("console.log"), alive=lambda: proc.poll() is None,
                      cap=CONSOLE_CAP_BYTES, name=f"console-{proc.pid}")
     if cgroup is not None:
@@ -260,15 +265,6 @@ def _remove_cgroup_after(pid: int, cgroup: Path) -> None:
             return
         time.sleep(0.05)
     log.warning("CPU cgroup of a stopped micro-VM not removed", cgroup=str(cgroup))
-
-
-def _confined(argv: list[str]) -> list[str]:
-    """On a root host QEMU keeps uid 0 (the files it opens by path are root's, see docs/security.md) but no
-    capability at all: no bypassing file modes, no mounts, no raw network, no signals to other users, no
-    ptrace; and no way to gain privileges again (no_new_privs), on top of its own seccomp filter."""
-    if os.geteuid() != 0:
-        return argv
-    return ["setpriv", "--no-new-privs", "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--", *argv]
 
 
 def _is_socket_arg(arg: str) -> bool:

@@ -6,10 +6,12 @@ One ``QMPClient`` per QEMU process; commands are serialised (QMP answers in orde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
-from typing import Any
+from pathlib import Path
+from typing import Any, AsyncIterator
 
 from moorage.log import get_logger
 from moorage.sandbox.base import SandboxError
@@ -40,6 +42,9 @@ class QMPClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._closed = False
         self.greeting: dict[str, Any] = {}
+        #: fd sets removed while the guest was paused: QEMU 7.2 closes a removed descriptor only while the guest
+        #: runs, so they are removed again after the next ``cont`` (else each checkpoint would leave one open).
+        self._removed_while_paused: set[int] = set()
 
     @classmethod
     async def connect(cls, path: str, *, timeout: float = 10.0) -> "QMPClient":
@@ -72,7 +77,15 @@ class QMPClient:
                 os.close(dir_fd)
         client = cls(sock, reader, writer)
         try:
-            greeting = json.loads(await asyncio.wait_for(reader.readline(), timeout))
+            try:
+                line = await asyncio.wait_for(reader.readline(), timeout)
+            except (OSError, ConnectionError):
+                line = b""
+            if not line:
+                # A socket the host bound for QEMU accepts connections before QEMU runs; one that dies at start
+                # closes it (the host then finds out why from QEMU's log).
+                raise QMPError(f"the QEMU monitor at {path} closed before greeting", hint="the QEMU process exited at start; see qemu.log")
+            greeting = json.loads(line)
             if "QMP" not in greeting:
                 raise QMPError(f"unexpected QMP greeting: {greeting!r}")
             client.greeting = greeting["QMP"]
@@ -120,7 +133,50 @@ class QMPClient:
         if "error" in reply:
             err = reply["error"]
             raise QMPError(f"QEMU refused {command}: {err.get('desc')}", qmp_class=err.get("class", ""))
+        if command == "cont" and self._removed_while_paused:
+            await self._close_removed_fdsets()
         return reply.get("return")
+
+    async def _close_removed_fdsets(self) -> None:
+        """Remove again, now that the guest runs, the fd sets removed while it was paused; QEMU then closes them."""
+        for fdset in sorted(self._removed_while_paused):
+            try:
+                await self.execute("remove-fd", {"fdset-id": fdset})
+            except QMPError:
+                pass  # gone already
+        try:
+            left = {s["fdset-id"] for s in await self.execute("query-fdsets")}
+        except QMPError:
+            return
+        self._removed_while_paused &= left
+
+    async def add_fd(self, fd: int, opaque: str = "") -> int:
+        """Hand QEMU a copy of ``fd`` in a new fd set (``add-fd``); it opens it as ``/dev/fdset/<id>``. Returns the
+        set's id; ``remove-fd`` it when done (QEMU keeps it until then)."""
+        args: dict[str, Any] = {"opaque": opaque} if opaque else {}
+        reply = await self.execute("add-fd", args, fds=[fd])
+        return int(reply["fdset-id"])
+
+    @contextlib.asynccontextmanager
+    async def passed_file(self, path: Path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode: int = 0o600) -> AsyncIterator[str]:
+        """``path`` opened here (by the host, with its rights) and handed to QEMU for the block: yields the name
+        QEMU opens it by (``/dev/fdset/N``). A QEMU running as an unprivileged uid never needs to reach the path."""
+        fd = os.open(path, flags | os.O_CLOEXEC, mode)
+        try:
+            fdset = await self.add_fd(fd, str(path))
+        finally:
+            os.close(fd)
+        try:
+            yield f"/dev/fdset/{fdset}"
+        finally:
+            with contextlib.suppress(QMPError):
+                await self.execute("remove-fd", {"fdset-id": fdset})
+                self._removed_while_paused.add(fdset)  # closed at once if the guest runs; else after ``cont``
+
+    async def save_device_state(self, path: Path, *, timeout: float = 30.0) -> None:
+        """``xen-save-devices-state`` of a paused guest into ``path`` (created 0600 by the host, passed by descriptor)."""
+        async with self.passed_file(path) as name:
+            await self.execute("xen-save-devices-state", {"filename": name, "live": False}, timeout=timeout)
 
     async def next_event(self, name: str | None = None, *, timeout: float = 30.0) -> dict[str, Any]:
         """Wait for the next event (named ``name`` if given), dropping others."""
