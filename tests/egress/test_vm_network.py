@@ -1,6 +1,7 @@
-"""A micro-VM's own network: off by default, and for an agent that declares [agent.network] only a proxy inside
-its sandbox whose every connection the host's gateway decides. pip works unchanged through it; a connection
-that skips the proxy has nowhere to go. "The internet" is loopback servers this test starts."""
+"""A micro-VM's own network: off by default, and for an agent that declares [agent.network] a NIC whose namespace
+holds only the host's gateway (decisions/0013), which decides every connection. pip works unchanged through it,
+after a wake and in a fork; a connection that skips the proxy has nowhere to go. "The internet" is loopback
+servers this test starts."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.deploy_packages import PackageInstallFailed, install
 from moorage.runtime.runtime import Runtime
+from moorage.runtime.vm_network import attach_instance
+from moorage.sandbox import microvm_net
 from moorage.store import EntityKey, Scope
 from moorage.store import open_store
 from tests.conftest import stop_all_sandboxes
@@ -30,7 +33,7 @@ from tests.sandbox.test_conformance import _make_wheel
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 AGENT = r'''
-import os, socket
+import errno, os, socket
 
 GET = """
 import sys, urllib.request, urllib.error
@@ -53,7 +56,7 @@ async def on_message(ctx, message):
             socket.create_connection((host, int(port)), timeout=5).close()
             return "connected"
         except OSError as e:
-            return "refused: " + type(e).__name__
+            return "refused: " + errno.errorcode.get(e.errno or 0, type(e).__name__)
     if cmd == "proxy":
         return os.environ.get("HTTPS_PROXY", "none")
     if cmd == "pip":
@@ -154,7 +157,7 @@ async def ask(w: World, message: str, user: str = "ada", agent: str = "netty") -
 
 async def test_the_gateway_decides_every_connection_of_the_vm(world: World) -> None:
     w = world
-    assert await ask(w, "proxy") == "http://127.0.0.1:3128"
+    assert await ask(w, "proxy") == "http://10.0.2.2:3128"  # the gateway behind its NIC (decisions/0013)
     assert await ask(w, f"get http://api.test:{w.allowed.port}/hello?x=1") == "A GET /hello?x=1"
     assert w.allowed.paths() == ["/hello?x=1"]
     # Outside the policy: refused by the gateway with its reason, and the server never sees a byte.
@@ -163,12 +166,18 @@ async def test_the_gateway_decides_every_connection_of_the_vm(world: World) -> N
     refused = await ask(w, f"get http://api.test:{w.outside.port}/other-port")
     assert refused.startswith("ERR 403")
     assert w.outside.hits == []
-    # Skipping the proxy: the VM has no network device, so a raw connection reaches nothing on the host.
-    for target in (f"127.0.0.1:{w.allowed.port}", f"10.0.2.2:{w.allowed.port}", f"192.0.2.1:{w.allowed.port}"):
-        assert (await ask(w, f"raw {target}")).startswith("refused"), target
+    # Skipping the proxy reaches nothing: the VM's own loopback, the gateway's address (only the proxy listens
+    # there) and anything off the tap's link (no route: no packet leaves the guest).
+    assert await ask(w, f"raw 127.0.0.1:{w.allowed.port}") == "refused: ECONNREFUSED"
+    assert await ask(w, f"raw 10.0.2.2:{w.allowed.port}") == "refused: ECONNREFUSED"
+    assert await ask(w, f"raw 192.0.2.1:{w.allowed.port}") == "refused: ENETUNREACH"
     assert w.allowed.paths() == ["/hello?x=1"]
-    # Every attempt is a span in the tenant's traces.
+    # On the host, the VM's namespace holds its tap and loopback, nothing else (no veth, no route out).
     ts = w.env.store.tenant(w.env.principal)
+    async with w.env.manager.turn(ts, Scope.for_user("netty", "ada"), None) as sandbox:  # type: ignore[arg-type]
+        nic = microvm_net.of_channel(sandbox.channel)
+        assert nic is not None and nic.interfaces() == ["lo", microvm_net.TAP_NAME]
+    # Every attempt is a span in the tenant's traces.
     spans = [s for s in ts.spans.recent(limit=1000) if s.name == "egress"]
     decisions = sorted((s.attrs.get("egress.host"), s.attrs.get("egress.decision")) for s in spans)
     assert ("api.test", "allowed") in decisions and any(h == "evil.test" and d != "allowed" for h, d in decisions)
@@ -198,8 +207,27 @@ async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(w
     assert await ask(w, "import", user="bob") == "from-the-wheel"
     assert await w.env.manager.sleep(ts, Scope.for_user("netty", "bob"))
     assert await ask(w, "import", user="bob") == "from-the-wheel"
-    # After the wake the network is attached again on the new channel.
+    # After the wake the network is attached again on the new channel (a new namespace and tap, same addresses).
     assert await ask(w, f"get http://api.test:{w.allowed.port}/after-wake", user="bob") == "A GET /after-wake"
+    # A fork of bob's VM (its memory and disk) has the package and a network of its own.
+    driver = w.env.runtime.driver
+    async with w.env.manager.turn(ts, Scope.for_user("netty", "bob"), None) as sandbox:  # type: ignore[arg-type]
+        tpl = await driver.make_template(sandbox, "bob-netty-fork-src")
+    (fork,) = await driver.fork(tpl, ["bob-netty-fork"])
+    try:
+        await fork.wake()
+        nic = microvm_net.of_channel(fork.channel)
+        assert nic is not None and nic.interfaces() == ["lo", microvm_net.TAP_NAME]
+        attach_instance(fork.channel, w.env.runtime.egress.instance(
+            {"network": {"allow": [f"http://api.test:{w.allowed.port}"]}}), fork.id)
+        r = await fork.exec(["python3", "-c", "import moorage_canary_pkg as m; print(m.VALUE)"], timeout=60)
+        assert r.stdout.strip() == b"from-the-wheel"
+        get = f"import urllib.request; print(urllib.request.urlopen('http://api.test:{w.allowed.port}/fork').read().decode())"
+        r = await fork.exec(["python3", "-c", get], timeout=60)
+        assert r.stdout.strip() == b"A GET /fork", r.stderr
+    finally:
+        await fork.destroy()
+        await driver.delete_template(tpl)
 
 
 async def test_requirements_are_installed_into_the_template_once(world: World, tmp_path: Path) -> None:

@@ -1,18 +1,23 @@
-"""The guest end of an agent's network: a proxy address inside the sandbox whose connections go to the host.
+"""The guest end of an agent's network: its NIC brought up, or a proxy address relayed to the host over the channel.
 
-Stdlib only. Started only in sandboxes of agents that declare ``[agent.network]`` (the host puts
-``MOORAGE_NETWORK=1`` and ``HTTP(S)_PROXY`` in their environment). Each connection to 127.0.0.1:3128 becomes a
-host call (``egress.open``) and its bytes travel in frames (``egress.send``/``egress.recv``) to the host's egress
-gateway, which decides every request; the sandbox has no network device, so nothing else leaves it.
+Stdlib only. Active only in sandboxes of agents that declare ``[agent.network]`` (the host puts
+``MOORAGE_NETWORK=1`` and ``HTTP(S)_PROXY`` in their environment). A micro-VM with a network device (decisions/0013)
+gets ``eth0`` at a fixed address and its proxy variables pointed at the gateway on the other end of the tap. Every
+sandbox also keeps the relay: each connection to 127.0.0.1:3128 becomes a host call (``egress.open``) and its bytes
+travel in frames (``egress.send``/``egress.recv``) to the host's egress gateway (decisions/0009), which decides
+every request either way; nothing else leaves the sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import os
+import socket
+import struct
 import time
-from typing import Any, Optional
+from typing import Any, MutableMapping, Optional
 
 from .rpc import METHOD_NOT_FOUND, Peer, Registry, RpcError, log
 
@@ -21,6 +26,60 @@ PROXY_PORT = 3128
 CHUNK = 256 * 1024
 #: How long a new connection waits for the host to be connected and serving egress (a wake, a first turn).
 ATTACH_WAIT_S = 15.0
+#: The NIC's side of the host's namespace (the same in every VM and after every wake; sandbox/microvm_net.py).
+NIC_NAME = "eth0"
+NIC_MAC = "52:54:00:6d:6f:0f"
+NIC_ADDRESS = "10.0.2.15"
+NIC_NETMASK = "255.255.255.0"
+GATEWAY_PROXY = "http://10.0.2.2:3128"
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
+_PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+
+
+def _ifreq(name: str, payload: bytes = b"") -> bytes:
+    return struct.pack("16s24s", name.encode(), payload)
+
+
+def _addr(ip: str) -> bytes:
+    return struct.pack("HH4s8x", socket.AF_INET, 0, socket.inet_aton(ip))
+
+
+def bring_up_nic(name: str = NIC_NAME) -> bool:
+    """Give the VM's virtio-net device its fixed address and bring it up. False when there is none (no NIC: the
+    relay is the network). Only the on-link route exists: there is no gateway to route anything else to."""
+    try:
+        with open("/sys/class/net/%s/address" % name) as f:
+            # Only the device the host made for this (its fixed address): never some other interface by that name.
+            if f.read().strip() != NIC_MAC:
+                return False
+    except OSError:
+        return False
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ctl:
+        fcntl.ioctl(ctl, _SIOCSIFADDR, _ifreq(name, _addr(NIC_ADDRESS)))
+        fcntl.ioctl(ctl, _SIOCSIFNETMASK, _ifreq(name, _addr(NIC_NETMASK)))
+        flags = struct.unpack("16sH22x", fcntl.ioctl(ctl, _SIOCGIFFLAGS, _ifreq(name)))[1]
+        fcntl.ioctl(ctl, _SIOCSIFFLAGS, _ifreq(name, struct.pack("H", flags | 0x1)))
+    return True
+
+
+def configure(environ: MutableMapping[str, str]) -> str:
+    """Called by the supervisor before it starts anything: a network agent's VM with a NIC uses it, and every
+    process started from here on gets the gateway as its proxy. Returns "nic", "relay" or "none"."""
+    if environ.get("MOORAGE_NETWORK") != "1":
+        return "none"
+    try:
+        has_nic = bring_up_nic()
+    except OSError as e:
+        log("network device unusable; using the relay", error=str(e))
+        has_nic = False
+    if not has_nic:
+        return "relay"
+    for var in _PROXY_VARS:
+        if var in environ:
+            environ[var] = GATEWAY_PROXY
+    environ["MOORAGE_EGRESS"] = "nic"
+    log("network device up", address=NIC_ADDRESS)
+    return "nic"
 
 
 class EgressRelay:

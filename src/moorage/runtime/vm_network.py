@@ -1,9 +1,10 @@
-"""An agent's own network: the host end of the sandbox's proxy address (``guest/egress_relay.py``).
+"""An agent's own network: the host end of its VM's NIC, or of the proxy relay inside its sandbox.
 
-Agents that declare ``[agent.network]`` get ``HTTP(S)_PROXY`` pointing at a relay inside their sandbox; each
-connection arrives here over the host↔guest channel and is served by the egress gateway's proxy
-(``egress.proxy.serve_connection``) under the agent's policy, limits, spans and secret headers. The sandbox has
-no network device: a connection that skips the proxy has nowhere to go (decisions/0009).
+Agents that declare ``[agent.network]`` get ``HTTP(S)_PROXY`` pointing at the egress gateway's proxy
+(``egress.proxy.serve_connection``, under the agent's policy, limits, spans and secret headers). On a micro-VM with
+a NIC (decisions/0013) the proxy listens on the tap's address inside the VM's own network namespace, which holds
+nothing else; elsewhere each connection to the sandbox's relay arrives over the host↔guest channel
+(decisions/0009). Either way a connection that skips the proxy has nowhere to go.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import uuid
 from typing import Any, Mapping
 
 from moorage.log import get_logger
+from moorage.sandbox import microvm_net
 from moorage.sandbox.channel import HandlerError
 
 log = get_logger(__name__)
@@ -40,7 +42,9 @@ def guest_env(manifest: Mapping[str, Any]) -> dict[str, str]:
     if not has_network(manifest):
         return {}
     no_proxy = "localhost,127.0.0.1,::1"
-    return {"MOORAGE_NETWORK": "1", "HTTP_PROXY": PROXY_URL, "HTTPS_PROXY": PROXY_URL, "http_proxy": PROXY_URL,
+    # MOORAGE_NIC asks the micro-VM driver for a NIC (it makes one where the host can); the guest points the proxy
+    # variables at the gateway behind it when it finds the device, and keeps the relay's address otherwise.
+    return {"MOORAGE_NETWORK": "1", microvm_net.WANT_ENV: "1", "HTTP_PROXY": PROXY_URL, "HTTPS_PROXY": PROXY_URL, "http_proxy": PROXY_URL,
             "https_proxy": PROXY_URL, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
 
 
@@ -51,6 +55,9 @@ class _Relay:
         self.inst = inst
         self.conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None]]] = {}
         self.ids = itertools.count(1)
+        #: The proxy served on the VM's NIC (decisions/0013), when it has one.
+        self.nic_server: asyncio.Task[None] | None = None
+        self.nic_conns: set[asyncio.Task[None]] = set()
 
     def _conn(self, params: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, "asyncio.Task[None]"]:
         conn = self.conns.get(params.get("conn")) if isinstance(params, dict) else None
@@ -113,6 +120,9 @@ class _Relay:
             writer.close()
             task.cancel()
         self.conns.clear()
+        if self.nic_server is not None:
+            self.nic_server.cancel()
+            self.nic_server = None
 
 
 def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, user: str,
@@ -148,7 +158,40 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
     channel.register("egress.close", relay.close)
     channel._moorage_network = relay
     with contextlib.suppress(Exception):
-        asyncio.get_running_loop().create_task(_close_with(channel, relay, inst, sandbox_id))
+        loop = asyncio.get_running_loop()
+        nic = microvm_net.of_channel(channel)
+        if nic is not None and nic.proxy_listener is not None:
+            relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, relay, inst))
+        loop.create_task(_close_with(channel, relay, inst, sandbox_id))
+
+
+async def _serve_nic(listener: socket.socket, relay: _Relay, inst: Any) -> None:
+    """The gateway's proxy on the NIC's side of the VM's namespace, until the channel (this wake) ends."""
+    from moorage.egress.proxy import serve_connection
+
+    open_conns: set[asyncio.Task[None]] = set()
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(open_conns) >= MAX_CONNECTIONS:
+            writer.close()  # the same bound as the relay's: the gateway's own limits apply as well
+            return
+        task = asyncio.current_task()
+        open_conns.add(task)  # type: ignore[arg-type]
+        try:
+            await serve_connection(inst, reader, writer)
+        finally:
+            open_conns.discard(task)  # type: ignore[arg-type]
+
+    # A duplicate of the launch's listener: closing this server (a re-attach, the end of the wake) leaves the
+    # namespace's address bound, so a later attach on the same launch serves it again.
+    server = await asyncio.start_server(one, sock=listener.dup())
+    relay.nic_conns = open_conns
+    try:
+        await server.serve_forever()
+    finally:
+        server.close()
+        for task in list(open_conns):
+            task.cancel()
 
 
 async def _close_with(channel: Any, relay: _Relay, inst: Any, sandbox_id: str) -> None:

@@ -51,7 +51,8 @@ class ImageRecipe:
     packages: tuple[str, ...] = ("python3", "python3-pip", "iproute2")
     kernel_package: str = "linux-image-cloud-amd64"
     #: Loaded by the initramfs in this order (their dependencies first, resolved from the .ko files).
-    modules: tuple[str, ...] = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
+    # virtio_net: the NIC of network agents' VMs (sandbox/microvm_net.py); VMs without one just do not use it.
+    modules: tuple[str, ...] = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console", "virtio_net")
     #: Size the root filesystem is made at (then shrunk to its contents; each sandbox's disk adds its own space).
     disk_mib: int = 1024
 

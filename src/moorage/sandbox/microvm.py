@@ -46,6 +46,7 @@ from moorage.sandbox.base import (
 )
 from moorage.sandbox.channel import Channel
 from moorage.sandbox.image import GuestImage, ImageBuilder
+from moorage.sandbox import microvm_net
 from moorage.sandbox.microvm_qemu import (
     VMConfig,
     VMPaths,
@@ -219,6 +220,8 @@ class MicroVMSandbox(Sandbox):
         #: A QEMU is up with this sleeping sandbox's snapshot loaded and the guest paused (``prepare``): the next
         #: wake only resumes it. In this process's memory only: a restarted host kills such a QEMU (``open``).
         self._prepared = False
+        #: This launch's namespace and tap when the layout has a NIC (a new one every launch: wake, fork, boot).
+        self._net: microvm_net.VMNetwork | None = None
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -275,7 +278,8 @@ class MicroVMSandbox(Sandbox):
         )
 
     def _argv(self, incoming: bool, paused: bool = False) -> list[str]:
-        argv = build_argv(self.id, self._vm_config(), self._paths(), ram_shared=self.ram_mode == "shared", incoming=incoming)
+        argv = build_argv(self.id, self._vm_config(), self._paths(), ram_shared=self.ram_mode == "shared", incoming=incoming,
+                          tap_fd=self._net.tap_fd if self._net is not None else None)
         # -S: the guest does not run once the incoming state is loaded; a prepared sandbox waits for `cont`.
         return argv + ["-S"] if paused else argv
 
@@ -287,7 +291,17 @@ class MicroVMSandbox(Sandbox):
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
         paths = self._paths()
-        self._proc = spawn(self._argv(incoming, paused), self.dir / "qemu.log")
+        if self._net is not None:
+            self._net.close()
+            self._net = None
+        if self._vm_config().nic:
+            self._net = await asyncio.to_thread(microvm_net.VMNetwork.create)
+        try:
+            self._proc = spawn(self._argv(incoming, paused), self.dir / "qemu.log",
+                               pass_fds=(self._net.tap_fd,) if self._net is not None and self._net.tap_fd is not None else ())
+        finally:
+            if self._net is not None:
+                self._net.release_tap()  # QEMU holds its own; the tap goes when QEMU does
         (self.dir / "qemu.pid").write_text(str(self._proc.pid))
         self._meta["pid"] = self._proc.pid
         deadline = time.monotonic() + 10
@@ -334,6 +348,7 @@ class MicroVMSandbox(Sandbox):
                                                             max_guest_inflight=self._driver.config.guest_calls_per_channel)
                     channel = self._channel
                     channel.on_protocol_error = lambda: self._protocol_broken(channel)
+                    microvm_net.bind_channel(channel, self._net)
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
                 method, params = first() if first is not None else ("ping", {})
                 return await self._channel.call(method, params, timeout=wait)
@@ -395,6 +410,9 @@ class MicroVMSandbox(Sandbox):
         if wait:
             self._reap_dying()
         self._proc = None
+        if self._net is not None:
+            self._net.close()
+            self._net = None
         self._meta["pid"] = None
         (self.dir / "qemu.pid").unlink(missing_ok=True)
         for s in ("qmp.sock", "chan.sock"):
@@ -1018,7 +1036,9 @@ class MicroVMDriver(SandboxDriver):
         # and a guest can never make its disk hold more than image + disk_mib (+ qcow2 metadata) on the host.
         await _qemu_img("create", "-q", "-f", "qcow2", "-b", str(img.rootfs), "-F", "raw", str(d / "disk.qcow2"),
                         f"{img.disk_mib + spec.disk_mib}M", sandbox_dir=d)
-        vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel, kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel))
+        # A network agent's VM gets a NIC where this host can make a tap (else its relay is its network).
+        nic = await asyncio.to_thread(microvm_net.wanted, spec.env)
+        vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel, kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel), nic=nic)
         meta = {
             "id": sandbox_id,
             "driver": self.name,

@@ -48,9 +48,12 @@ class VMConfig:
     vcpus: int
     accel: str
     kernel_cmdline: str
+    #: A virtio-net device on a tap in a namespace of its own (sandbox/microvm_net.py); network agents only.
+    nic: bool = False
 
     def layout_id(self) -> str:
-        return hashlib.sha256(f"{LAYOUT_VERSION}|{self.memory_mib}|{self.vcpus}|{self.accel}|{self.kernel_cmdline}".encode()).hexdigest()[:16]
+        nic = "|nic" if self.nic else ""  # layouts without a NIC keep the ids they always had
+        return hashlib.sha256(f"{LAYOUT_VERSION}|{self.memory_mib}|{self.vcpus}|{self.accel}|{self.kernel_cmdline}{nic}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,12 @@ def kernel_cmdline(base: str, accel: str) -> str:
     return base
 
 
-def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, incoming: bool) -> list[str]:
-    """The full QEMU command line. Wakes use the same one plus ``-incoming defer``."""
+def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, incoming: bool,
+               tap_fd: int | None = None) -> list[str]:
+    """The full QEMU command line. Wakes use the same one plus ``-incoming defer``. ``tap_fd``: the launch's tap
+    (inherited by QEMU), required when the layout has a NIC."""
+    if cfg.nic and tap_fd is None:
+        raise SandboxError("this micro-VM's layout has a network device but no tap was made for it")
     mem = f"{cfg.memory_mib}M"
     argv = [
         qemu_binary(),
@@ -126,7 +133,7 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
         "-serial", f"file:{console_pipe(paths.console_log)}",
         # Names the run directory on the command line (how a QEMU of this sandbox is recognised after a restart).
         "-pidfile", str(paths.qmp_sock.parent / "qemu.pid"),
-        # No network device at all: the guest's only way out is the channel.
+        # No network device unless the layout has one (then a tap whose namespace holds only the gateway).
         "-drive", f"id=disk,file={paths.disk},format=qcow2,if=none,cache=writeback,discard=unmap,detect-zeroes=unmap",
         "-device", "virtio-blk-device,drive=disk",
         "-device", "virtio-serial-device,max_ports=2",
@@ -136,6 +143,10 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
         # Our device-state files come from xen-save-devices-state, which writes no configuration section.
         "-global", "migration.send-configuration=off",
     ]
+    if cfg.nic:
+        from moorage.sandbox.microvm_net import netdev_args
+
+        argv += netdev_args(tap_fd)  # type: ignore[arg-type]
     if incoming:
         argv += ["-incoming", "defer"]
     else:
@@ -176,7 +187,7 @@ def _arg_after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], log_path: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     """Start QEMU in its own session so it outlives a crashed host process (it is re-adopted via its pidfile).
 
     Sockets whose path is too long for sun_path are bound through an inherited descriptor of the run directory;
@@ -209,7 +220,7 @@ def spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         with open(log_path, "ab") as out:
             os.fchmod(out.fileno(), 0o600)
             proc = microvm_user.popen(launch, _in_cgroup(cgroup, launch.argv if launch else argv), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=out, start_new_session=True, close_fds=True, pass_fds=[dir_fd])
+                                    stderr=out, start_new_session=True, close_fds=True, pass_fds=[dir_fd, *pass_fds])
     except BaseException:
         os.close(console_fd)
         if cgroup is not None:
