@@ -123,6 +123,8 @@ async def test_the_confining_process_is_confined_itself(hostile: Hostile) -> Non
         assert st["Seccomp"].strip() == "2" and st["NoNewPrivs"].strip() == "1", st
         if root:
             assert int(st["CapEff"], 16) == 0 and int(st["CapBnd"], 16) == 0, st
+            # ...and not root: its sandbox's own uid and gid (real, effective, saved, filesystem).
+            assert "0" not in st["Uid"].split() + st["Gid"].split(), st
         run = sb.run_dir
         assert run.parent == sb.dir and oct(run.stat().st_mode & 0o777) == "0o700"
         assert {p.name for p in run.iterdir()} >= {"qmp.sock", "chan.sock"}
