@@ -86,6 +86,7 @@ async def main(data: Path, phase: str) -> None:
             await rt.deploy(who, src)
             for n in range(1, 5):
                 await rt.invoke(who, EntityKey("tt", "ada"), f"turn {n}")
+            await rt.timetravel.settled(rt.store.tenant(who).tenant_id, "tt", "ada")  # turn 4's, after its reply
             cks = Checkpoints(rt.store.tenant(who)).list("tt", "ada")
             print(json.dumps({c.summary["turn"]["message"]: c.id for c in cks}))
             return

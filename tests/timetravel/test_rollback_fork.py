@@ -16,6 +16,8 @@ async def _turns(env, user: str, numbers) -> list[str]:
     out = []
     for n in numbers:
         out.append((await env.runtime.invoke(env.principal, EntityKey("tt", user), f"turn {n}")).reply)
+    # The last turn's automatic checkpoint is taken after its reply: wait for it before reading the store.
+    await env.runtime.timetravel.settled(env.store.tenant(env.principal).tenant_id, "tt", user)
     return out
 
 
@@ -159,8 +161,9 @@ async def test_a_zero_retention_agent_gets_no_checkpoints(env, tmp_path: Path) -
         raise AssertionError("a checkpoint of a zero-retention agent was taken")
 
 
-async def test_without_opting_in_turns_take_no_checkpoint_and_one_can_still_be_taken(env, tmp_path: Path) -> None:
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT))
+async def test_with_automatic_checkpoints_off_turns_take_none_and_one_can_still_be_taken(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT,
+                                                        extra_manifest="[agent.timetravel]\nauto = false\n"))
     await _turns(env, "ada", range(1, 3))
     ts = env.store.tenant(env.principal)
     assert Checkpoints(ts).list("tt", "ada") == []
