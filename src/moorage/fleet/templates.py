@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 import uuid
@@ -38,6 +39,8 @@ log = get_logger(__name__)
 
 #: The manifest name of a published template (``templates/<id>/snapshots/template.json``).
 MANIFEST = "template"
+#: In a template directory fetched from the object store (never published itself: a dot-name, host bookkeeping).
+FETCHED = ".fetched"
 _IMAGE_FILES = ("kernel", "initrd", "rootfs")
 #: One fetch of a template or image at a time per local path, across every publisher object of the process.
 _LOCKS: dict[str, threading.Lock] = {}
@@ -51,6 +54,35 @@ def _lock(path: Path) -> threading.Lock:
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _flatten_onto(disk: Path, rootfs: Path) -> None:
+    """Make the qcow2 ``disk`` an overlay directly on the raw ``rootfs`` without changing what it reads (a safe
+    rebase copies in what its present backing chain adds). Nothing may have it open. Blocking."""
+    info = subprocess.run(["qemu-img", "info", "-U", "--output=json", str(disk)], capture_output=True, text=True)
+    if info.returncode != 0:
+        raise SnapshotIncompatible(f"qemu-img info of {disk} failed: {info.stderr.strip()}")
+    if json.loads(info.stdout).get("backing-filename") == str(rootfs):
+        return
+    mode = disk.stat().st_mode & 0o777
+    disk.chmod(mode | 0o200)
+    try:
+        r = subprocess.run(["qemu-img", "rebase", "-q", "-f", "qcow2", "-b", str(rootfs), "-F", "raw", str(disk)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SnapshotIncompatible(f"could not make {disk} an overlay on its guest image: {r.stderr.strip()}",
+                                       hint="the fork still works on this host; its forks wake only here")
+        _fsync_file(disk)
+    finally:
+        disk.chmod(mode)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -276,6 +308,36 @@ class PublishedTemplates:
                                hint="check the object store")
         return winner
 
+    def publish_fork(self, ref: TemplateRef, owner: dict[str, str]) -> bool:
+        """Publish a fork template (a snapshot of one user's instance that new end-users are forked from: time
+        travel) so those forks wake on any host. No claim: no deployment forks it; the collector keeps it while an
+        instance names it. Only for drivers whose forks need their template (a process fork is a copy); returns
+        whether it was published. Blocking.
+
+        A micro-VM fork template's disk is a copy of the instance's overlay, itself on its deployment template's
+        disk; it is first made an overlay on the guest image itself (same contents, the deployment template's
+        changes copied in), as every published template's is, before any fork is made from it."""
+        from moorage.fleet.gc import forks_need_template
+
+        if not forks_need_template(ref.driver):
+            return False
+        tdir = Path(ref.path)
+        image = None
+        img: GuestImage | None = None
+        image_dir_of = getattr(self.driver, "template_image_dir", None)
+        if callable(image_dir_of):
+            img = GuestImage.load(image_dir_of(tdir))
+            _flatten_onto(tdir / "disk.qcow2", img.rootfs)
+            image = self.publish_image(img)
+        meta = {"driver": ref.driver, "template_id": ref.id, "deployment_id": None, "image": image,
+                "source_sandbox": ref.source_sandbox, "created_at": ref.created_at,
+                "includes_memory": ref.includes_memory, "fork_of": owner}
+        rep = self.shipper.push(tdir, self.prefix(ref.id), MANIFEST, include=self._portable(), meta=meta)
+        if img is not None:
+            self._keep_image(img)
+        log.info("fork template published", template=ref.id, bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
+        return True
+
     def fetch(self, template_id: str) -> Path:
         """Make the published template ``template_id`` this host's (pulled into the driver's templates directory
         and adopted: paths, disk backing, image); returns its directory. Blocking, single-flight per template."""
@@ -300,6 +362,8 @@ class PublishedTemplates:
                 self._refuse_deleting(template_id)  # the collection began while we copied: not a whole template
                 if image is not None:
                     self.driver.adopt_template(staging, final, image)
+                # This host's collection may delete a fetched copy once nothing names it (the bucket has it).
+                (staging / FETCHED).write_text(str(time.time()))
                 os.rename(staging, final)
                 _fsync_dir(final.parent)
             except BaseException:

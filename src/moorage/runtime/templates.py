@@ -288,8 +288,9 @@ class Templates:
                       pins: Callable[[str], bool] | None = None) -> int:
         """Delete this host's templates that ``use`` (read from the store) says nobody needs: those of deployments
         neither live nor fresh, fork templates whose user has no instance left (forgotten, or deleted by its TTL),
-        and templates fetched for instances none of which names them any more. Anything younger than
-        ``grace_s`` stays (a build or fetch in progress). Returns how many went."""
+        and templates fetched for instances none of which names them any more (templates made here are their
+        maker's to delete). Anything younger than ``grace_s`` stays (a build or fetch in progress). Returns how
+        many went."""
         from moorage.fleet.gc import forks_need_template
 
         now = time.time() if now is None else now
@@ -333,11 +334,17 @@ class Templates:
                 continue
             if not (path / "template.json").exists():
                 continue
+            if not (path / ".fetched").exists() and not (path / "deleted").exists():
+                # Made on this host (a build or fork in progress, a time-travel fork's): whoever made it deletes
+                # it; only copies fetched from the object store, and ones the driver already marked deleted
+                # (kept for forks that may be gone), are this collection's to delete.
+                continue
             if tid in use.pinned and pins(self.driver.name):
                 continue  # an instance's fork needs it (fetched here for its wake, or made here)
             try:
-                age = now - (path / "template.json").stat().st_mtime
-            except OSError:
+                age = now - max((path / n).stat().st_mtime for n in ("template.json", ".fetched", "deleted")
+                                if (path / n).exists())
+            except (OSError, ValueError):
                 continue
             if age < grace_s:
                 continue
