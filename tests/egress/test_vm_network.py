@@ -225,6 +225,16 @@ async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(w
         get = f"import urllib.request; print(urllib.request.urlopen('http://api.test:{w.allowed.port}/fork').read().decode())"
         r = await fork.exec(["python3", "-c", get], timeout=60)
         assert r.stdout.strip() == b"A GET /fork", r.stderr
+        # A host restart (a new driver on the same directory) re-adopts the running fork with its network: the
+        # namespace is found again through QEMU's tap.
+        again = type(driver)(driver.root, driver.config, images_dir=driver.images_dir)
+        fork = await again.open("bob-netty-fork")
+        nic = microvm_net.of_channel(fork.channel)
+        assert nic is not None and nic.interfaces() == ["lo", microvm_net.TAP_NAME]
+        attach_instance(fork.channel, w.env.runtime.egress.instance(
+            {"network": {"allow": [f"http://api.test:{w.allowed.port}"]}}), fork.id)
+        r = await fork.exec(["python3", "-c", get.replace("/fork", "/re-adopted")], timeout=60)
+        assert r.stdout.strip() == b"A GET /re-adopted", r.stderr
     finally:
         await fork.destroy()
         await driver.delete_template(tpl)

@@ -54,6 +54,11 @@ def bring_up_nic(name: str = NIC_NAME) -> bool:
                 return False
     except OSError:
         return False
+    try:  # IPv4 only: no link-local IPv6 address, no neighbour discovery on the tap
+        with open("/proc/sys/net/ipv6/conf/%s/disable_ipv6" % name, "w") as f:
+            f.write("1")
+    except OSError:
+        pass
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ctl:
         fcntl.ioctl(ctl, _SIOCSIFADDR, _ifreq(name, _addr(NIC_ADDRESS)))
         fcntl.ioctl(ctl, _SIOCSIFNETMASK, _ifreq(name, _addr(NIC_NETMASK)))

@@ -432,6 +432,11 @@ class MicroVMSandbox(Sandbox):
         try:
             self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
             _ATTACHED[str(self.dir)] = self
+            if self._vm_config().nic and self._net is None:
+                try:  # its namespace outlived the host process through QEMU's tap: serve the gateway there again
+                    self._net = await asyncio.to_thread(microvm_net.recover, pid)
+                except microvm_net.NicUnavailable as e:
+                    log.warning("re-attached without its network until its next wake", sandbox=self.id, error=str(e))
             status = await self._qmp.execute("query-status")
             if not status.get("running"):
                 await self._qmp.execute("cont")
@@ -967,6 +972,9 @@ class MicroVMSandbox(Sandbox):
         if self._qmp is not None:
             await self._qmp.close()
             self._qmp = None
+        if self._net is not None:  # QEMU keeps its tap; whoever re-attaches finds the namespace through it
+            self._net.close()
+            self._net = None
 
 
 class MicroVMDriver(SandboxDriver):

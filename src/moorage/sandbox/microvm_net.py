@@ -38,6 +38,8 @@ _TUNSETIFF = 0x400454CA
 _IFF_TAP, _IFF_NO_PI, _IFF_VNET_HDR, _IFF_UP = 0x0002, 0x1000, 0x4000, 0x1
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK, _SIOCSIFHWADDR = 0x8913, 0x8914, 0x8916, 0x891C, 0x8924
 _ARPHRD_ETHER = 1
+_TUNGETDEVNETNS = 0x54E3
+_SYS_PIDFD_GETFD = 438
 
 T = TypeVar("T")
 
@@ -95,6 +97,16 @@ def _set_up(ctl: socket.socket, name: str) -> None:
     fcntl.ioctl(ctl, _SIOCSIFFLAGS, _ifreq(name, struct.pack("H", flags | _IFF_UP)))
 
 
+def _no_ipv6(name: str) -> None:
+    """IPv4 only on the tap (the proxy listens there): no link-local IPv6 address, no neighbour discovery. The
+    sysctl is the calling thread's namespace's."""
+    try:
+        with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+            f.write("1")
+    except FileNotFoundError:
+        pass  # a kernel without IPv6
+
+
 class VMNetwork:
     """One launch's namespace and tap. QEMU gets the tap's descriptor; the host binds listeners in the namespace.
 
@@ -118,6 +130,7 @@ class VMNetwork:
             try:
                 tap_fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
                 fcntl.ioctl(tap_fd, _TUNSETIFF, _ifreq(TAP_NAME, struct.pack("H", _IFF_TAP | _IFF_NO_PI | _IFF_VNET_HDR)))
+                _no_ipv6(TAP_NAME)
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as ctl:
                     _set_up(ctl, "lo")
                     fcntl.ioctl(ctl, _SIOCSIFHWADDR, _ifreq(TAP_NAME, struct.pack("H6s", _ARPHRD_ETHER, _mac(GATEWAY_MAC))))
@@ -193,9 +206,55 @@ class VMNetwork:
             self.ns_fd = None
 
 
+def recover(pid: int) -> VMNetwork:
+    """The network of a QEMU still running from before a host restart: its namespace, found through QEMU's own tap
+    descriptor (``pidfd_getfd``, then ``TUNGETDEVNETNS``), with the proxy's address bound there again."""
+    fdinfo = f"/proc/{pid}/fdinfo"
+    try:
+        fd = next(int(n) for n in os.listdir(fdinfo) if f"iff:\t{TAP_NAME}\n" in _read(f"{fdinfo}/{n}"))
+    except (OSError, StopIteration) as e:
+        raise NicUnavailable(f"QEMU {pid} holds no tap of ours", hint="sleep and wake the sandbox") from e
+    pidfd = os.pidfd_open(pid)
+    try:
+        tap = _libc().syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+        if tap < 0:
+            _check(-1, "pidfd_getfd")
+    except OSError as e:
+        raise NicUnavailable(f"could not reach the tap of QEMU {pid}: {e}", hint="sleep and wake the sandbox") from e
+    finally:
+        os.close(pidfd)
+    try:
+        ns_fd = fcntl.ioctl(tap, _TUNGETDEVNETNS)
+    except OSError as e:
+        raise NicUnavailable(f"could not find the namespace of QEMU {pid}'s tap: {e}", hint="sleep and wake the sandbox") from e
+    finally:
+        os.close(tap)
+    os.set_inheritable(ns_fd, False)
+    net = VMNetwork(ns_fd, -1)
+    net.tap_fd = None
+    try:
+        net.proxy_listener = net.listen(PROXY_PORT)
+    except BaseException:
+        net.close()
+        raise
+    return net
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def netdev_args(tap_fd: int) -> list[str]:
     """QEMU's side: the tap by descriptor (QEMU, confined and without capabilities, never opens one itself)."""
-    return ["-netdev", f"tap,id=net0,fd={tap_fd}", "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC}"]
+    # No announcements after a restore (neither QEMU's nor the guest's gratuitous ARPs): each launch's namespace is
+    # new and learns the guest's address from its first packet, and announcing only costs the woken guest time.
+    return ["-netdev", f"tap,id=net0,fd={tap_fd}",
+            "-device", f"virtio-net-device,netdev=net0,mac={GUEST_MAC},guest_announce=off",
+            "-global", "migration.announce-rounds=0"]
 
 
 def wanted(env: Mapping[str, str]) -> bool:
