@@ -146,3 +146,26 @@ def test_guest_images_go_once_no_template_names_them(store: Store, object_store:
     # A new template on img1 publishes the image again.
     assert pv.publish_image(_image(tmp_path / "images2" / "img1", "img1", b"A" * 300_000))["digest"] == used["digest"]
     assert object_store.exists(f"images/{used['digest']}/image.json")
+
+
+def test_a_host_deletes_fetched_copies_nobody_names_never_templates_made_here(object_store: ObjectStore,
+                                                                              tmp_path: Path) -> None:
+    import asyncio
+
+    from moorage.fleet.gc import TemplateUse
+    from moorage.runtime.templates import Templates
+
+    cfg = Config(data_dir=tmp_path / "cfg")
+    a, b = ProcessDriver(tmp_path / "a", cfg), ProcessDriver(tmp_path / "b", cfg)
+    pa, pb = PublishedTemplates(object_store, a), PublishedTemplates(object_store, b)
+    t = _template(a, "builder", "dep-x-ffffff", "x")
+    pa.publish(t, "dep-x")
+    fetched = pb.fetch(t.id)  # for an instance's wake, say: no deployment meta names it on b
+    mine = _template(b, "maker", "tt-made-here", "y")  # a fork in progress on b
+    templates = Templates(tmp_path / "b-templates", b, tmp_path / "packages")
+    pinned = TemplateUse(frozenset(), frozenset({t.id}), frozenset())
+    assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda driver: True)) == 0  # an instance names it
+    assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=3600)) == 0
+    assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=0)) == 1
+    assert not fetched.exists() and Path(mine.path).exists()
+    assert pb.fetch(t.id).exists()  # fetched again when needed
