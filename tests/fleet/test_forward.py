@@ -62,7 +62,7 @@ class Handler(socketserver.StreamRequestHandler):
             open(RELEASED, "w").write("yes")
         out = json.dumps({"path": target, "body": len(body)}).encode()
         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n" % len(out) + out)
+                         b"X-Seen: a\r\nX-Seen: b\r\nConnection: close\r\n\r\n" % len(out) + out)
 
     def frame(self, opcode, data):
         n = len(data)
@@ -190,6 +190,7 @@ def _release(f: Fleet) -> None:
     r = f.api[2].post("/v1/agents/fw/users/ada/app/release", content=b"x" * 5000)
     assert r.status_code == 200, r.text
     assert r.json() == {"path": "/release", "body": 5000} and r.headers["x-moorage-served-by"] == "h1"
+    assert r.headers.get_list("x-seen") == ["a", "b"]  # a repeated header stays repeated
 
 
 def test_a_streamed_turn_through_another_host_arrives_event_by_event_with_the_callers_trace_id(fleet: Fleet) -> None:

@@ -129,10 +129,9 @@ class Forwarder:
                 raise self._unreachable(owner_id, e) from e
             finally:
                 await upstream.aclose()
-            out = {k: v for k, v in upstream.headers.items()
-                   if k.lower() not in _HOP and k.lower() != "content-encoding"}
-            out[SERVED_BY] = owner_id
-            return Response(upstream.content, upstream.status_code, out)
+            whole = Response(upstream.content, upstream.status_code)  # its own Content-Length: decoded bytes
+            whole.raw_headers += _answer_headers(upstream, owner_id, _HOP | {"content-encoding"})
+            return whole
         return self._streamed(upstream, owner_id)
 
     def _streamed(self, upstream: httpx.Response, owner_id: str) -> Response:
@@ -157,10 +156,9 @@ class Forwarder:
             finally:
                 await close()
 
-        keep = {k: v for k, v in upstream.headers.items()
-                if k.lower() not in _HOP or k.lower() == "content-length"}
-        keep[SERVED_BY] = owner_id
-        return StreamingResponse(body(), upstream.status_code, keep, background=BackgroundTask(close))
+        streamed = StreamingResponse(body(), upstream.status_code, background=BackgroundTask(close))
+        streamed.raw_headers = _answer_headers(upstream, owner_id, _HOP - {"content-length"})
+        return streamed
 
     async def open_socket(self, ws: WebSocket, owner_id: str, owner_url: str, *, max_message: int,
                           open_timeout_s: float, trace_id: str | None = None) -> "ForwardedSocket":
@@ -284,6 +282,13 @@ class ForwardedSocket:
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return SocketOutcome(GOING_AWAY, "the caller went away", "caller-closed")
             self.messages_out += 1
+
+
+def _answer_headers(upstream: httpx.Response, owner_id: str, drop: frozenset[str]) -> list[tuple[bytes, bytes]]:
+    """The owner's answer headers to send on, repeated ones (``Set-Cookie``) kept apart, plus who served it."""
+    out = [(k.lower(), v) for k, v in upstream.headers.raw
+           if k.lower().decode("latin-1") not in drop and k.lower() != SERVED_BY.encode()]
+    return out + [(SERVED_BY.encode(), owner_id.encode("latin-1"))]
 
 
 def _owner_closed(e: ConnectionClosed) -> SocketOutcome:
