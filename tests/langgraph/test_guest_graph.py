@@ -6,7 +6,7 @@ installed at deploy time from a package index (a loopback one serving wheels rep
 
 from __future__ import annotations
 
-import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -18,11 +18,12 @@ from moorage.config import Config
 from moorage.egress import Egress, OperatorPolicy, StaticResolver
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
-from moorage.runtime.graph_calls import PREFIX
+from moorage.runtime.graph_calls import PREFIX, GraphRows, _ns_key
 from moorage.runtime.runtime import Runtime
 from moorage.store import EntityKey, Scope, open_store
 from tests.conftest import stop_all_sandboxes
 from tests.langgraph.wheelhouse import build_index, serve
+from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
 from tests.runtime.conftest import Env
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,19 +33,34 @@ AGENT = "notebook"
 
 
 @pytest.fixture(scope="module")
+def wire() -> Iterator[WireServer]:
+    """The model: an OpenAI-wire server on loopback answering the plan node's question from a script."""
+    with WireServer(openai_app, "sk-test") as w:
+        yield w
+
+
+def will_say(wire: WireServer, text: str) -> None:
+    wire.script.push(Canned(body={"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": MODEL,
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                               "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}}))
+
+
+@pytest.fixture(scope="module")
 def index() -> Iterator[int]:
     with tempfile.TemporaryDirectory(prefix="lg-index-") as root:
         build_index(Path(root), "langgraph")
         yield from serve(Path(root))
 
 
-async def _env(tmp: Path, index: int, driver_name: str) -> AsyncIterator[Env]:
+async def _env(tmp: Path, index: int, wire: WireServer, driver_name: str) -> AsyncIterator[Env]:
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
     # The index by a name (pip inside the sandbox reaches loopback addresses directly, skipping the gateway).
     url = f"http://pypi.test:{index}"
     cfg = Config(data_dir=tmp / "data", sandbox_driver=driver_name, egress_allow_cidrs="127.0.0.0/8",
-                 egress_package_index=url, package_index_url=url + "/simple/")
+                 egress_package_index=url, package_index_url=url + "/simple/", llm_provider="openai",
+                 llm_base_url=f"{wire.url}/v1", llm_api_key="sk-test", llm_model=MODEL)
     store = open_store(cfg)
     principal = store.authenticate(store.operator.create_tenant("acme")[1].secret)
     driver = DRIVER_FACTORIES[driver_name](cfg.sandboxes_dir, cfg)
@@ -61,10 +77,22 @@ async def _env(tmp: Path, index: int, driver_name: str) -> AsyncIterator[Env]:
         store.close()
 
 
+def example_copy(tmp: Path) -> Path:
+    """The example as it is, but checkpoints taken when a test asks: with the process driver a checkpoint copies
+    the sandbox's layer, LangGraph's ~50 MB of packages included (seconds per turn; docs/langgraph.md)."""
+    dst = tmp / "langgraph-example"
+    shutil.copytree(EXAMPLE, dst)
+    manifest = (dst / "moorage.toml").read_text()
+    assert "auto = true" in manifest
+    (dst / "moorage.toml").write_text(manifest.replace("auto = true", "auto = false"))
+    return dst
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def env(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIterator[Env]:
-    async for e in _env(tmp_path_factory.mktemp("lg"), index, "process"):
-        await e.runtime.deploy(e.principal, EXAMPLE)  # pip installs requirements.txt into the template
+async def env(tmp_path_factory: pytest.TempPathFactory, index: int, wire: WireServer) -> AsyncIterator[Env]:
+    tmp = tmp_path_factory.mktemp("lg")
+    async for e in _env(tmp, index, wire, "process"):
+        await e.runtime.deploy(e.principal, example_copy(tmp))  # pip installs requirements.txt into the template
         yield e
 
 
@@ -86,16 +114,24 @@ async def test_the_graph_keeps_its_state_in_the_users_store_rows(env: Env) -> No
     ada, bob = graph_rows(env, "ada"), graph_rows(env, "bob")
     assert any(k.startswith(PREFIX + "default/") for k in ada) and any(k.startswith(PREFIX + "s2/") for k in ada)
     assert ada and bob and not set(ada) & {k for k in bob if "/c/" in k}
+    # The checkpointer's calls carry a thread only, the user is the turn's: a thread id shaped like a path to
+    # another user's rows is one escaped segment under the caller's own scope.
+    sneaky = _ns_key({"thread": "../../user:notebook/ada/default", "ns": ""})
+    assert sneaky.count("/") == 3  # langgraph/<one segment>/-/
+    mallory = GraphRows(env.store.tenant(env.principal), Scope.for_user(AGENT, "mallory"))
+    assert mallory.get(sneaky, None) is None and mallory.get(_ns_key({"thread": "default", "ns": ""}), None) is None
     # The state survives the sandbox sleeping (the checkpoints are in the store, not the sandbox).
     ts = env.store.tenant(env.principal)
     assert await env.manager.sleep(ts, Scope.for_user(AGENT, "ada"))
     assert (await ask(env, "ada", "note after sleep")).reply == "notes: buy milk, call mum, after sleep"
 
 
-async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env) -> None:
+async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env,
+                                                                                     wire: WireServer) -> None:
+    will_say(wire, "Use a watering can.")
     first = await ask(env, "cy", "do water the plants")
     assert first.status == "waiting"
-    assert first.interrupt["plan"].startswith("water the plants: ")
+    assert first.interrupt["plan"] == "water the plants: Use a watering can."
     assert first.interrupt["question"] == f"Go ahead with '{first.interrupt['plan']}'?"
     ts = env.store.tenant(env.principal)
     assert ts.runs.get(first.run_id).status == "waiting"  # what the API, the webhook and the dashboard show
@@ -103,71 +139,61 @@ async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the
     assert done.status == "done"
     assert done.reply == f"done: {first.interrupt['plan']} (1 done so far)"
     assert ts.runs.get(first.run_id).status == "succeeded"
-    # The model was asked once: the resumed turn replayed the journaled plan step, the graph did not re-plan.
+    # The model was asked once: the resumed turn replayed the journaled graph run, the graph did not re-plan.
+    assert not wire.script.queue
     steps = [s.name for s in ts.runs.steps(first.run_id)]
     assert steps.count("langgraph") == 1 and steps.count("langgraph:resume") == 1
     # A refusal takes the other branch, and the graph's notes are still there on the same thread.
+    will_say(wire, "Two coats.")
     second = await ask(env, "cy", "do paint the fence")
     refused = await env.runtime.answer(env.principal, second.run_id, "no")
     assert refused.reply.startswith("not approved: paint the fence")
     assert (await ask(env, "cy", "note ok")).reply == "notes: ok"
 
 
-async def _checkpoint_after(env: Env, user: str, message: str) -> str:
-    listing = await env.runtime.timetravel.list(env.principal, AGENT, user)
-    return next(c["id"] for c in listing["data"] if c["kind"] == "turn" and c["current_branch"]
-                and (c["summary"].get("turn") or {}).get("message") == message)
+async def take(env: Env, user: str, name: str) -> str:
+    return (await env.runtime.timetravel.take(env.principal, AGENT, user, name=name)).id
 
 
 async def test_rollback_and_fork_move_the_graphs_checkpoints_with_the_instance(env: Env) -> None:
-    for n in range(1, 5):
-        assert (await ask(env, "dee", f"note n{n}")).reply == "notes: " + ", ".join(f"n{i}" for i in range(1, n + 1))
-    at2 = await _checkpoint_after(env, "dee", "note n2")
-    rows2 = None
-    # What the graph's rows were after turn 2: as the checkpoint recorded them.
-    listing = await env.runtime.timetravel.list(env.principal, AGENT, "dee")
-    assert len([c for c in listing["data"] if c["kind"] == "turn"]) == 4
-
-    # Fork at turn 2 into two users: each continues the graph from n1, n2 on its own.
-    await env.runtime.timetravel.fork(env.principal, AGENT, "dee", at2, to_users=["dee-a", "dee-b"])
-    assert (await ask(env, "dee-a", "note a")).reply == "notes: n1, n2, a"
-    assert (await ask(env, "dee-b", "note b")).reply == "notes: n1, n2, b"
-    assert (await ask(env, "dee", "note n5")).reply == "notes: n1, n2, n3, n4, n5"  # the source is unchanged
-
-    # Roll back to turn 2: the graph continues from n1, n2 as the first turn 3 did.
-    rows_before = graph_rows(env, "dee")
-    await env.runtime.timetravel.rollback(env.principal, AGENT, "dee", at2)
+    for n in (1, 2):
+        await ask(env, "dee", f"note n{n}")
+    at2 = await take(env, "dee", "after-n2")
     rows2 = graph_rows(env, "dee")
-    assert len(rows2) < len(rows_before)
+    for n in (3, 4):
+        await ask(env, "dee", f"note n{n}")
+    rows4 = graph_rows(env, "dee")
+    assert len(rows4) > len(rows2)
+
+    # Fork at turn 2 into a new user: it continues the graph from n1, n2 on its own; the source is unchanged.
+    await env.runtime.timetravel.fork(env.principal, AGENT, "dee", at2, to_users=["dee-what-if"])
+    assert graph_rows(env, "dee-what-if") == rows2
+    assert (await ask(env, "dee-what-if", "note w")).reply == "notes: n1, n2, w"
+    assert graph_rows(env, "dee") == rows4
+
+    # Roll back to turn 2: the graph's rows are those of turn 2, and it continues from n1, n2.
+    await env.runtime.timetravel.rollback(env.principal, AGENT, "dee", at2)
+    assert graph_rows(env, "dee") == rows2
     assert (await ask(env, "dee", "note n3")).reply == "notes: n1, n2, n3"
     # The abandoned branch comes back whole, the graph's state with it.
     listing = await env.runtime.timetravel.list(env.principal, AGENT, "dee")
     tip = next(b["tip"] for b in listing["branches"] if not b["current"])
     await env.runtime.timetravel.rollback(env.principal, AGENT, "dee", tip)
-    assert graph_rows(env, "dee") == rows_before
-    assert (await ask(env, "dee", "note n6")).reply == "notes: n1, n2, n3, n4, n5, n6"
+    assert graph_rows(env, "dee") == rows4
+    assert (await ask(env, "dee", "note n5")).reply == "notes: n1, n2, n3, n4, n5"
 
 
-async def test_a_waiting_graph_rolled_back_before_its_question_asks_again(env: Env) -> None:
-    await ask(env, "eve", "note first")
-    before = await _checkpoint_after(env, "eve", "note first")
+async def test_a_graph_rolled_back_to_before_its_question_asks_again(env: Env, wire: WireServer) -> None:
+    await ask(env, "eve", "note start")
+    before = await take(env, "eve", "start")
+    rows = graph_rows(env, "eve")
+    will_say(wire, "With a broom.")
     waiting = await ask(env, "eve", "do sweep the floor")
     assert (await env.runtime.answer(env.principal, waiting.run_id, "yes")).reply.startswith("done: sweep the floor")
     await env.runtime.timetravel.rollback(env.principal, AGENT, "eve", before)
+    assert graph_rows(env, "eve") == rows
+    will_say(wire, "With a broom.")
     again = await ask(env, "eve", "do sweep the floor")
     assert again.status == "waiting"
     done = await env.runtime.answer(env.principal, again.run_id, "yes")
-    assert done.reply.endswith("(1 done so far)")  # the earlier "done" is gone with what came after
-
-
-async def test_a_graph_call_names_no_user(env: Env) -> None:
-    """The checkpointer's calls carry a thread only: a thread id that looks like another user's path is just a
-    thread of the calling user's own graph."""
-    from moorage.runtime.graph_calls import GraphRows, _ns_key
-
-    ts = env.store.tenant(env.principal)
-    rows = GraphRows(ts, Scope.for_user(AGENT, "mallory"))
-    key = _ns_key({"thread": "../ada/default", "ns": ""})
-    assert "/" not in key[len(PREFIX):].split("/")[0] + "x".replace("x", "")  # the thread is one escaped segment
-    assert rows.get(key, None) is None
-    assert rows.get(_ns_key({"thread": "default", "ns": ""}), None) is None  # ada's default thread is not mallory's
+    assert done.reply.endswith("(1 done so far)")  # the first "done" went with what came after the checkpoint
