@@ -235,7 +235,10 @@ class GraphCalls:
     async def list(self, b: "TurnBinding", p: dict[str, Any]) -> dict[str, Any]:
         ns_key = _ns_key(p)
         before = p.get("before")
-        limit = max(1, min(int(p.get("limit") or HISTORY), HISTORY))
+        limit = p.get("limit") or HISTORY
+        if not isinstance(limit, int):
+            raise InvalidInput("graph.list needs limit as an integer")
+        limit = max(1, min(limit, HISTORY))
         rows, more = await asyncio.to_thread(self._rows(b).list, ns_key,
                                              None if before is None else _checkpoint_id(before), limit)
         return {"checkpoints": rows, "more": more}
