@@ -57,7 +57,6 @@ class _Relay:
         self.ids = itertools.count(1)
         #: The proxy served on the VM's NIC (decisions/0013), when it has one.
         self.nic_server: asyncio.Task[None] | None = None
-        self.nic_conns: set[asyncio.Task[None]] = set()
 
     def _conn(self, params: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, "asyncio.Task[None]"]:
         conn = self.conns.get(params.get("conn")) if isinstance(params, dict) else None
@@ -161,11 +160,11 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
         loop = asyncio.get_running_loop()
         nic = microvm_net.of_channel(channel)
         if nic is not None and nic.proxy_listener is not None:
-            relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, relay, inst))
+            relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, inst))
         loop.create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
-async def _serve_nic(listener: socket.socket, relay: _Relay, inst: Any) -> None:
+async def _serve_nic(listener: socket.socket, inst: Any) -> None:
     """The gateway's proxy on the NIC's side of the VM's namespace, until the channel (this wake) ends."""
     from moorage.egress.proxy import serve_connection
 
@@ -185,7 +184,6 @@ async def _serve_nic(listener: socket.socket, relay: _Relay, inst: Any) -> None:
     # A duplicate of the launch's listener: closing this server (a re-attach, the end of the wake) leaves the
     # namespace's address bound, so a later attach on the same launch serves it again.
     server = await asyncio.start_server(one, sock=listener.dup())
-    relay.nic_conns = open_conns
     try:
         await server.serve_forever()
     finally:
