@@ -4,20 +4,15 @@ binding (the hop the channel adds is covered end to end in test_guest_graph.py).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.conformance.report import ProgressCallbacks
 
+from moorage.guest.langgraph_saver import MoorageCheckpointer  # in the sandbox: guest.langgraph_saver
 from moorage.runtime.graph_calls import GraphCalls
 from moorage.store import EntityKey, Scope, TenantStore
-
-# The guest package as the sandbox imports it (``guest``), from the source tree.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src" / "moorage"))
-from guest.langgraph_saver import MoorageCheckpointer  # noqa: E402
 
 
 class _Host:

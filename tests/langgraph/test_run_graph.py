@@ -5,19 +5,15 @@ over with its input again, and a finished one is read rather than run."""
 from __future__ import annotations
 
 import operator
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, TypedDict
 
 import pytest
 from langgraph.graph import END, START, StateGraph
 
+from moorage.guest.langgraph_saver import MoorageCheckpointer, _advance  # in the sandbox: guest.langgraph_saver
 from moorage.store import TenantStore
 from tests.langgraph.test_conformance import _Host
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src" / "moorage"))
-from guest.langgraph_saver import MoorageCheckpointer, _advance  # noqa: E402
 
 
 class Log(TypedDict):
