@@ -169,3 +169,24 @@ def test_a_host_deletes_fetched_copies_nobody_names_never_templates_made_here(ob
     assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=0)) == 1
     assert not fetched.exists() and Path(mine.path).exists()
     assert pb.fetch(t.id).exists()  # fetched again when needed
+
+
+def test_a_build_a_crash_abandoned_goes_one_in_progress_stays(tmp_path: Path) -> None:
+    import asyncio
+
+    from moorage.fleet.gc import TemplateUse
+    from moorage.runtime.templates import Templates
+
+    driver = ProcessDriver(tmp_path / "h", Config(data_dir=tmp_path / "cfg"))
+    templates = Templates(tmp_path / "templates", driver, tmp_path / "packages")
+    dead, building, live = ("d" * 32, "b" * 32, "l" * 32)
+    made = {d: _template(driver, f"builder-{d[:4]}", f"dep-{d[:24]}-abcdef", d) for d in (dead, building, live)}
+
+    async def go() -> int:
+        lock = templates._locks.setdefault(building, asyncio.Lock())
+        async with lock:  # an ensure() of that deployment is building it right now
+            return await templates.collect(TemplateUse(frozenset({live}), frozenset(), frozenset()), grace_s=0)
+
+    assert asyncio.run(go()) == 1
+    assert not Path(made[dead].path).exists()
+    assert Path(made[building].path).exists() and Path(made[live].path).exists()

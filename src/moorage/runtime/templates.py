@@ -334,10 +334,10 @@ class Templates:
                 continue
             if not (path / "template.json").exists():
                 continue
-            if not (path / ".fetched").exists() and not (path / "deleted").exists():
+            if not (path / ".fetched").exists() and not (path / "deleted").exists() and not self._abandoned(tid, use):
                 # Made on this host (a build or fork in progress, a time-travel fork's): whoever made it deletes
-                # it; only copies fetched from the object store, and ones the driver already marked deleted
-                # (kept for forks that may be gone), are this collection's to delete.
+                # it; only copies fetched from the object store, ones the driver already marked deleted (kept for
+                # forks that may be gone), and builds a crash abandoned are this collection's to delete.
                 continue
             if tid in use.pinned and pins(self.driver.name):
                 continue  # an instance's fork needs it (fetched here for its wake, or made here)
@@ -356,6 +356,17 @@ class Templates:
                 removed += 1
                 log.info("template nobody names deleted from this host", template=tid)
         return removed
+
+    def _abandoned(self, template_id: str, use: "TemplateUse") -> bool:
+        """Whether ``template_id`` is a deployment build (``dep-<deployment id, 24>-<hex>``) no ensure() of this
+        process is making and whose deployment the store no longer needs (a deploy a crash cut short)."""
+        parts = template_id.split("-")
+        if len(parts) != 3 or parts[0] != "dep" or len(parts[2]) != 6:
+            return False
+        prefix = parts[1]
+        if any(d.startswith(prefix) for d in use.deployments):
+            return False
+        return not any(dep.startswith(prefix) and lock.locked() for dep, lock in self._locks.items())
 
     def _prune_children(self, tdir: Path) -> None:
         """A micro-VM template keeps its files while ``children/<sandbox>`` entries name forks on this host; a
