@@ -519,3 +519,24 @@ async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(drive
     }, got
     await a.destroy()
     await b.destroy()
+
+
+async def test_a_disk_header_rewritten_by_its_qemu_names_no_other_file(driver: MicroVMDriver, base: MicroVMSandbox, template: TemplateRef) -> None:
+    """A sandbox's QEMU can write its own disk's qcow2 header. One that names another sandbox's disk as its backing
+    file is refused before any QEMU starts, and that disk is neither handed over nor given to the attacker's uid;
+    a template is never made from such a disk."""
+    from moorage.sandbox.microvm_user import VMUserError, check_backing
+
+    (kid,) = await driver.fork(template, ["uid-tampered"])
+    victim = base.dir / "disk.qcow2"
+    before = victim.stat()
+    subprocess.run(["qemu-img", "rebase", "-u", "-f", "qcow2", "-b", str(victim), "-F", "qcow2", str(kid.dir / "disk.qcow2")],
+                   check=True, capture_output=True)
+    with pytest.raises(VMUserError, match="backing file"):
+        await kid.wake()
+    assert kid.state is SandboxState.SLEEPING and kid.pid is None
+    after = victim.stat()
+    assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
+    with pytest.raises(VMUserError):  # what make_template checks on its copy of a sandbox's disk
+        check_backing(kid.dir / "disk.qcow2", kid.dir)
+    await kid.destroy()

@@ -24,6 +24,7 @@ from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import microvm_ram as ram
+from moorage.sandbox import microvm_user
 from moorage.sandbox.accel import choose_accel, probe_kvm
 from moorage.sandbox.base import (
     Capabilities,
@@ -1240,6 +1241,9 @@ class MicroVMDriver(SandboxDriver):
                 m = ram.find_mapping(sandbox.pid, sandbox._ram_path())
                 await asyncio.to_thread(ram.read_all, sandbox.pid, m, tmp / "ram")
                 await asyncio.to_thread(shutil.copyfile, sandbox.dir / "disk.qcow2", tmp / "disk.qcow2")
+                # Its QEMU can write the disk's header: a template (root's, shared) never inherits a backing file
+                # other than the one the host gave the sandbox.
+                microvm_user.check_backing(tmp / "disk.qcow2", sandbox.dir)
             finally:
                 await qmp.execute("cont")
             # Internal snapshots (checkpoints) of the source are not part of the template.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import socket
 import stat
@@ -120,9 +121,9 @@ def _own(path: Path, uid: int, gid: int, mode: int) -> None:
         os.chmod(path, mode)
 
 
-def _qcow2_backing(path: Path) -> tuple[Path, str] | None:
-    """(backing file, its format) from a qcow2 header; None when it has none. The format comes from the header's
-    backing-format extension (written by ``qemu-img create -F`` and ``rebase -F``), probed only when absent."""
+def _qcow2_backing(path: Path) -> tuple[Path, str | None] | None:
+    """(backing file, its format or None) from a qcow2 header; None when it has none. The format comes from the
+    header's backing-format extension (written by ``qemu-img create -F`` and ``rebase -F``)."""
     with open(path, "rb") as f:
         head = f.read(104)
         if len(head) < 72 or head[:4] != b"QFI\xfb":
@@ -131,8 +132,13 @@ def _qcow2_backing(path: Path) -> tuple[Path, str] | None:
         offset, size = int.from_bytes(head[8:16], "big"), int.from_bytes(head[16:20], "big")
         if not offset or not size:
             return None
+        if size > 1023:  # qcow2's own limit
+            raise VMUserError(f"{path} names a backing file of {size} bytes", hint="the disk's header is damaged")
         f.seek(offset)
-        name = f.read(size).decode()
+        try:
+            name = f.read(size).decode()
+        except UnicodeDecodeError as e:
+            raise VMUserError(f"{path} names a backing file that is not UTF-8", hint="the disk's header is damaged") from e
         fmt = None
         pos = int.from_bytes(head[100:104], "big") if version >= 3 and len(head) >= 104 else 72
         f.seek(pos)
@@ -143,14 +149,45 @@ def _qcow2_backing(path: Path) -> tuple[Path, str] | None:
             n = int.from_bytes(ext[4:8], "big")
             data = f.read((n + 7) & ~7)
             if int.from_bytes(ext[:4], "big") == 0xE2792ACA:
-                fmt = data[:n].decode()
-    backing = Path(name) if name.startswith("/") else path.parent / name
-    if fmt is None:
-        with open(backing, "rb") as b:
-            fmt = "qcow2" if b.read(4) == b"QFI\xfb" else "raw"
-    if fmt not in ("qcow2", "raw"):
-        raise VMUserError(f"{path} is backed by {backing} in format {fmt!r}", hint="only qcow2 and raw backing files are used")
-    return backing, fmt
+                fmt = data[:n].decode(errors="replace")
+    return (Path(name) if name.startswith("/") else path.parent / name), fmt
+
+
+class _Backing:
+    """Which backing files a sandbox's disk chain may name. Its own disk is written by its QEMU, header and all, so
+    the first level must be exactly what the host gave it (read from the host's ``meta.json``): its template's
+    disk, or a file of its guest image. Deeper levels are root's read-only files: template disks (whose headers
+    were checked when the template was made) or guest image files. Nothing else is opened, not even to probe it."""
+
+    def __init__(self, sandbox_dir: Path) -> None:
+        meta = json.loads((sandbox_dir / "meta.json").read_text())
+        self.templates = (sandbox_dir.parent / ".templates").resolve()
+        tdir = meta.get("template_dir") or (self.templates / meta["template_id"] if meta.get("template_id") else None)
+        self.first = (Path(tdir) / "disk.qcow2").resolve() if tdir else None
+        self.image_dir = Path(meta["image_dir"]).resolve()
+
+    def is_template_disk(self, path: Path) -> bool:
+        return path.name == "disk.qcow2" and path.parent.parent == self.templates
+
+    def check(self, disk: Path, backing: Path, level: int) -> Path:
+        path = Path(os.path.realpath(backing))
+        if level == 0:
+            ok = path == self.first if self.first is not None else path.parent == self.image_dir
+        else:
+            ok = self.is_template_disk(path) or path.parent.parent == self.image_dir.parent
+        if not ok or not stat.S_ISREG(os.stat(path).st_mode):
+            raise VMUserError(f"the disk {disk} names {backing} as its backing file, not one this sandbox was given",
+                              hint="its QEMU may have rewritten the disk's header; keep the sandbox stopped and "
+                                   "inspect it (`qemu-img info`) before destroying it")
+        return path
+
+
+def check_backing(disk: Path, sandbox_dir: Path) -> None:
+    """Refuse a sandbox disk whose header names a backing file other than the one the host gave it (before the host
+    copies it into a template, or starts a QEMU on it)."""
+    found = _qcow2_backing(disk)
+    if found is not None:
+        _Backing(sandbox_dir).check(disk, found[0], 0)
 
 
 class _Builder:
@@ -234,17 +271,20 @@ def prepare(argv: list[str], run_dir: Path, console_pipe: Path) -> Launch:
                 disk = Path(str(dict(opts)["file"]))
                 _own(disk, uid, uid, 0o600)
                 opts = [(k, b.path_fd(disk) if k == "file" else v) for k, v in opts]
-                prefix, cur = "backing.", disk
-                while (backing := _qcow2_backing(cur)) is not None:  # each level named by descriptor, not by header
-                    path, fmt = backing
-                    if path.parent.parent.resolve() == sandbox_dir.parent.resolve() / ".templates":
+                rule, prefix, cur = _Backing(sandbox_dir), "backing.", disk
+                while (found := _qcow2_backing(cur)) is not None:  # each level named by descriptor, not by header
+                    path = rule.check(disk, found[0], prefix.count("backing.") - 1)
+                    fmt = found[1] or ("qcow2" if rule.is_template_disk(path) else "raw")
+                    if fmt not in ("qcow2", "raw"):
+                        raise VMUserError(f"{cur} names a backing file in format {fmt!r}", hint="only qcow2 and raw are used")
+                    if rule.is_template_disk(path):
                         b.shared_file(path, writable=False)
                     else:
                         b.readable(path)
                     opts += [(f"{prefix}driver", fmt), (f"{prefix}file.filename", b.path_fd(path))]
                     prefix, cur = prefix + "backing.", path
-                    if len(prefix) > 8 * 32:
-                        raise VMUserError(f"backing chain of {disk} is too deep")
+                    if prefix.count("backing.") > 32:
+                        raise VMUserError(f"backing chain of {disk} is too deep", hint="make templates from forks less often")
                 out += [a, _join(opts)]
                 i += 2
                 continue
