@@ -190,3 +190,74 @@ def test_a_build_a_crash_abandoned_goes_one_in_progress_stays(tmp_path: Path) ->
     assert asyncio.run(go()) == 1
     assert not Path(made[dead].path).exists()
     assert Path(made[building].path).exists() and Path(made[live].path).exists()
+
+
+def test_several_collectors_at_once_leave_exactly_what_is_needed(store: Store, object_store: ObjectStore,
+                                                                tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = Config(data_dir=tmp_path / "cfg")
+    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
+    _, key = store.operator.create_tenant("acme")
+    ts = store.tenant(store.authenticate(key.secret))
+    agent = ts.agents.create("counter")
+    deps = [ts.deployments.create(agent.id, {}, f"packages/{i}.tar.gz", f"{i}" * 64) for i in range(6)]
+    tids = []
+    for i, d in enumerate(deps):
+        t = _template(pa.driver, f"builder-{i}", f"dep-{d.id[:24]}-{i:06d}", str(i))
+        pa.publish(t, d.id)
+        tids.append(t.id)
+    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=deps[-1].id)
+    ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=tids[0])
+
+    def use():  # noqa: ANN202
+        return template_use(store, grace_s=0)
+
+    def collector(i: int) -> None:
+        gc = BucketCollector(pa, host=f"h{i}", grace_s=0, settle_s=0, pins=lambda driver: True)
+        for _ in range(3):
+            gc.collect(use)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(collector, range(4)))  # re-raises any collector's error
+    assert {k.split("/")[1] for k in _keys(object_store, "templates/")} == {tids[0], tids[-1]}
+    assert {k.split("/")[1] for k in _keys(object_store, "deployments/")} == {deps[-1].id, deps[0].id}
+    assert not [k for k in _keys(object_store, "templates/") if k.endswith(MARKER)]
+
+
+def test_a_template_published_on_an_image_being_deleted_publishes_the_image_again(object_store: ObjectStore,
+                                                                                 tmp_path: Path) -> None:
+    import threading
+
+    from moorage.sandbox import TemplateRef
+    from moorage.sandbox.microvm import MicroVMDriver
+
+    vm = MicroVMDriver(tmp_path / "vm", Config(data_dir=tmp_path / "cfg"), images_dir=tmp_path / "images")
+    pv = PublishedTemplates(object_store, vm)
+    img = _image(tmp_path / "images" / "img1", "img1", b"A" * 300_000)
+    digest = pv.publish_image(img)["digest"]
+    # A collection is deleting the image: marker first, then its files (image.json already gone).
+    object_store.put_bytes(f"images/{digest}/{MARKER}", json.dumps({"state": "deleting", "at": 0}).encode())
+    object_store.delete(f"images/{digest}/image.json")
+    tdir = tmp_path / "tpl"
+    tdir.mkdir()
+    (tdir / "template.json").write_text(json.dumps({"id": "dep-y-000001", "image_id": "img1", "image_dir": str(img.dir)}))
+    (tdir / "ram").write_bytes(b"r" * 1000)
+
+    def collection_finishes() -> None:
+        import time
+
+        time.sleep(1.5)
+        for o in list(object_store.iter(f"images/{digest}/")):
+            if not o.key.endswith(MARKER):
+                object_store.delete(o.key)
+        object_store.delete(f"images/{digest}/{MARKER}")
+
+    t = threading.Thread(target=collection_finishes)
+    t.start()
+    pv.publish(TemplateRef("dep-y-000001", "microvm", tdir, None, 0.0, True), "dep-y")
+    t.join()
+    # The template names its image, and the image is whole in the bucket again.
+    assert object_store.exists(f"images/{digest}/image.json") and not object_store.exists(f"images/{digest}/{MARKER}")
+    assert sorted(k.rsplit("/", 1)[1] for k in _keys(object_store, f"images/{digest}/")) == \
+        ["image.json", "initrd.img", "rootfs.ext4", "vmlinuz"]
