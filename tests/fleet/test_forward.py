@@ -9,6 +9,7 @@ import asyncio
 import json
 import secrets
 import textwrap
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -35,6 +36,7 @@ import asyncio, base64, hashlib, json, os, socketserver, struct, threading
 RELEASED = "/work/released"
 CLOSES = "/work/last-close"
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+FLOODED = [0]  # how many messages of the last flood the app has written so far
 
 
 class Handler(socketserver.StreamRequestHandler):
@@ -103,6 +105,13 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(1, json.dumps(self.custom).encode())
             elif data == b"last-close":
                 self.frame(1, open(CLOSES).read().encode() if os.path.exists(CLOSES) else b"none")
+            elif data.startswith(b"flood "):  # n messages of size bytes, as fast as the socket takes them
+                n, size = map(int, data[6:].split())
+                for i in range(n):
+                    self.frame(2, i.to_bytes(4, "big") + b"f" * (size - 4))
+                    FLOODED[0] = i + 1
+            elif data == b"flooded":
+                self.frame(1, str(FLOODED[0]).encode())
             elif data == b"close":
                 self.frame(8, struct.pack("!H", 4000) + b"bye")
                 self.read_frame()
@@ -356,3 +365,43 @@ def test_a_detached_exec_is_followed_and_cancelled_through_another_host(fleet: F
     assert r.status_code == 202, r.text
     r = fleet.api[2].post(f"/v1/executions/{r.json()['id']}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled" and r.headers["x-moorage-served-by"] == "h1"
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_caller_that_does_not_read_costs_the_hosts_no_memory(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+    n, size = 1000, MAX_MESSAGE - 1024  # 63 MB the app sends to a caller that reads nothing for a while
+
+    async def flooded() -> int:
+        async with connect(_ws(fleet, 2, "/v1/agents/fw/users/ada/app/ws"), additional_headers=auth,
+                           open_timeout=120) as other:
+            await other.send("flooded")
+            return int(await other.recv())
+
+    async def run() -> None:
+        pids = [fleet.hosts[0].proc.pid, fleet.hosts[1].proc.pid]  # the owner and the forwarding host
+        async with connect(_ws(fleet, 1, "/v1/agents/fw/users/ada/app/ws"), additional_headers=auth,
+                           open_timeout=120, max_queue=4) as ws:
+            base = [_rss(p) for p in pids]
+            peak = list(base)
+            await ws.send(f"flood {n} {size}")
+            # Until the app has written all it will write while nobody reads (the rest waits in the sandbox):
+            # neither host holds the flood; each pulls messages only as the next one along takes them.
+            seen = [-1, -2]
+            while seen[-1] != seen[-2]:
+                await asyncio.sleep(0.5)
+                seen.append(await flooded())
+                peak = [max(p, _rss(pid)) for p, pid in zip(peak, pids)]
+            grown = [(p - b) >> 20 for p, b in zip(peak, base)]
+            assert max(grown) < 16, f"the owner and the forwarding host grew by {grown} MiB"
+            got = [await asyncio.wait_for(ws.recv(), 120) for _ in range(n)]
+            assert [int.from_bytes(m[:4], "big") for m in got] == list(range(n))
+            assert all(len(m) == size for m in got)
+
+    asyncio.run(run())
