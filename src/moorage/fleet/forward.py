@@ -15,7 +15,7 @@ import json
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import AsyncIterator, Mapping
 
 import anyio
 import httpx
