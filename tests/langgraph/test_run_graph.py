@@ -58,3 +58,18 @@ async def test_a_run_stopped_half_way_is_continued_not_started_over(tenant: Tena
     # The next turn's run is a new one: its input is applied.
     await _advance(SimpleNamespace(turn_id="turn-2"), graph, {"log": ["again"]}, cfg, 0)
     assert (await graph.aget_state(cfg)).values["log"] == ["in", "a", "b", "again", "a", "b"]
+
+
+async def test_the_sync_api_works_from_a_worker_thread_and_is_refused_on_the_loop(tenant: TenantStore) -> None:
+    import asyncio
+
+    fail, runs = {"b": False}, []
+    graph = _graph(tenant, fail, runs)  # the checkpointer is bound here, on the loop serving its calls
+    cfg = {"configurable": {"thread_id": "sync"}}
+    out = await asyncio.to_thread(graph.invoke, {"log": ["in"]}, cfg)
+    assert out["log"] == ["in", "a", "b"]
+    assert [t.config["configurable"]["checkpoint_id"] for t in await asyncio.to_thread(lambda: list(
+        graph.checkpointer.list(cfg)))] == [t.config["configurable"]["checkpoint_id"]
+                                            async for t in graph.checkpointer.alist(cfg)]
+    with pytest.raises(RuntimeError, match="would block the loop"):
+        graph.invoke({"log": ["again"]}, cfg)
