@@ -85,6 +85,29 @@ class Timed:
                 self.store.append(time.perf_counter() - t0)
 
         Checkpoints.take = timed_store  # type: ignore[method-assign]
+        # What a rollback is made of: the sandbox's rollback and the store's (besides its before-rollback checkpoint).
+        self.vm_rollback: list[float] = []
+        self.store_rollback: list[float] = []
+        vm_rollback = tt._vm_rollback
+
+        async def timed_vm_rollback(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await vm_rollback(*a, **kw)
+            finally:
+                self.vm_rollback.append(time.perf_counter() - t0)
+
+        tt._vm_rollback = timed_vm_rollback  # type: ignore[method-assign]
+        store_rollback = Checkpoints.rollback
+
+        def timed_store_rollback(repo: Checkpoints, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return store_rollback(repo, *a, **kw)
+            finally:
+                self.store_rollback.append(time.perf_counter() - t0)
+
+        Checkpoints.rollback = timed_store_rollback  # type: ignore[method-assign]
 
 
 async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp: Path, images: Path) -> dict[str, Any]:
@@ -122,6 +145,7 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
             t0 = time.perf_counter()
             await rt.timetravel.rollback(principal, "tt", "ada", target.id)
             rb.append(time.perf_counter() - t0)
+        rollback_ck = timed.whole[turns:]  # the before-rollback checkpoints
         t0 = time.perf_counter()
         await rt.timetravel.fork(principal, "tt", "ada", target.id, [f"fork{i}" for i in range(forks)])
         fork_s = time.perf_counter() - t0
@@ -134,6 +158,9 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
             "checkpoint": latency_summary(timed.whole[:turns]),
             "checkpoint_store_half": latency_summary(timed.store[:turns]),
             "rollback": latency_summary(rb),
+            "rollback_parts": {"before_rollback_checkpoint": latency_summary(rollback_ck),
+                               "sandbox_rollback": latency_summary(timed.vm_rollback),
+                               "store_rollback": latency_summary(timed.store_rollback)},
             "fork_per_user_ms": fork_s * 1e3 / forks,
             "store_bytes_per_checkpoint_p50": store_sizes[len(store_sizes) // 2],
             "sandbox_bytes_per_checkpoint_p50": vm_sizes[len(vm_sizes) // 2] if vm_sizes else None,
@@ -163,6 +190,7 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
             assert r.status_code == 201, r.text
         reply: dict[str, list[float]] = {"ckon": [], "ckoff": []}
         listing: dict[str, list[float]] = {"ckon": [], "ckoff": []}
+        inside: dict[str, list[float]] = {"ckon": [], "ckoff": []}  # the host's own "turn" span of each turn
 
         def turn(agent: str, i: int) -> None:
             t0 = time.perf_counter()
@@ -175,6 +203,8 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
             if i > 2:  # the first turns provision and warm the instance
                 reply[agent].append(t1 - t0)
                 listing[agent].append(t2 - t1)
+                spans = c.get(f"/v1/traces/{r.json()['trace_id']}").json().get("spans", [])
+                inside[agent] += [s["end_ts"] - s["start_ts"] for s in spans if s["name"] == "turn" and s.get("end_ts")]
 
         for i in range(1, turns + 1):
             for agent in (("ckon", "ckoff") if i % 2 else ("ckoff", "ckon")):
@@ -185,6 +215,7 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
         on, off = latency_summary(reply["ckon"]), latency_summary(reply["ckoff"])
         lon, loff = latency_summary(listing["ckon"]), latency_summary(listing["ckoff"])
         return {"turn_auto_on": on, "turn_auto_off": off, "reply_path_added_p50_ms": on["p50_ms"] - off["p50_ms"],
+                "turn_span_on": latency_summary(inside["ckon"]), "turn_span_off": latency_summary(inside["ckoff"]),
                 "listing_after_reply_on": lon, "listing_after_reply_off": loff,
                 "checkpoint_done_after_reply_p50_ms": lon["p50_ms"] - loff["p50_ms"],
                 "checkpoint_sandbox_ms_p50": took[len(took) // 2] if took else None,
@@ -214,6 +245,9 @@ def report(r: dict[str, Any]) -> str:
         f"| in process: the checkpoint's own duration, p50 | {f(r['checkpoint'])} | |",
         f"| of which the store half, p50 | {f(r['checkpoint_store_half'])} | |",
         f"| rollback of the whole instance, p50 | {f(r['rollback'])} | ≤ 100 ms |",
+        f"| of which its before-rollback checkpoint, p50 | {f(r['rollback_parts']['before_rollback_checkpoint'])} | |",
+        f"| of which the sandbox's rollback, p50 | {f(r['rollback_parts']['sandbox_rollback'])} | |",
+        f"| of which the store's rollback, p50 | {f(r['rollback_parts']['store_rollback'])} | |",
         f"| fork per new user | {r['fork_per_user_ms']:.0f} ms | |",
         f"| store bytes per turn checkpoint, p50 | {r['store_bytes_per_checkpoint_p50']} | |",
         f"| sandbox bytes per checkpoint, p50 | {sb if sb is not None else 'n/a'} | |",
@@ -228,8 +262,17 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--images", type=Path, default=Config().images_dir)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--http-only", action="store_true", help="only the reply-path phase; prints it, writes no report")
     a = ap.parse_args()
     turns, rollbacks, forks = (8, 2, 2) if a.quick else (a.turns, 5, 3)
+    if a.http_only:
+        with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
+            h = http_phase(a.driver, turns, Path(d), a.images)
+        print(json.dumps(h, indent=1))
+        print(f"time travel ({a.driver}, HTTP only): reply path {h['reply_path_added_p50_ms']:+.1f} ms p50 "
+              f"({h['turn_auto_on']['p50_ms']:.1f} vs {h['turn_auto_off']['p50_ms']:.1f} ms), checkpoint done "
+              f"{h['checkpoint_done_after_reply_p50_ms']:.0f} ms after the reply")
+        return
     with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
         r = asyncio.run(measure(a.driver, turns, rollbacks, forks, Path(d), a.images))
         r["http"] = http_phase(a.driver, turns, Path(d), a.images)

@@ -38,7 +38,7 @@ async def vm_env(tmp_path: Path) -> AsyncIterator[Env]:
 async def test_rollback_and_fork_carry_the_guest_memory(vm_env: Env, tmp_path: Path) -> None:
     env = vm_env
     assert env.runtime.driver.name == "microvm"
-    # Automatic checkpoints (on by default) with the default retention.
+    # Automatic checkpoints opted into (the micro-VM driver's default is off), with the default retention.
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT,
                                                         extra_manifest="[agent.timetravel]\nauto = true\n"))
     ts = env.store.tenant(env.principal)
@@ -73,9 +73,10 @@ def _disk_snapshots(sandbox_dir: Path) -> set[str]:
 
 async def test_retention_deletes_micro_vm_checkpoints(vm_env: Env, tmp_path: Path) -> None:
     env = vm_env
-    # Automatic checkpoints by default; retention keeps the newest 2 of the branch (and every branch's tip).
-    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT,
-                                                        extra_manifest="[agent.timetravel]\nkeep = 2\ndaily = 0\n"))
+    # Automatic checkpoints (opted into on this driver); retention keeps the newest 2 of the branch (and every
+    # branch's tip).
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "vm", AGENT, extra_manifest=(
+        "[agent.timetravel]\nauto = true\nkeep = 2\ndaily = 0\n")))
 
     async def say(message: str) -> str:
         return (await env.runtime.invoke(env.principal, EntityKey("vm", "ada"), message)).reply

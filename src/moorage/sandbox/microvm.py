@@ -521,21 +521,23 @@ class MicroVMSandbox(Sandbox):
             "image": self._meta["image_id"],
             "created_at": time.time(),
         }
+        # The file work below runs on worker threads: on the event loop it held every other request of the host
+        # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
         if self.ram_mode == "delta":
             m = ram.find_mapping(self.pid, self._ram_path())
-            record["delta_bytes"] = ram.save_delta(self.pid, m, self._ram_path(), new)
-            record["delta_sha256"] = ram.sha256_file(new / "ram.delta")
+            record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
+            record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "ram.delta")
             ph.mark("ram_delta")
         elif keep_running:
-            _sparse_copy(self.dir / "ram", new / "ram")  # a checkpoint needs its own copy of shared RAM
-            record["ram_checksum"] = ram.file_digest(new / "ram")
+            await asyncio.to_thread(_sparse_copy, self.dir / "ram", new / "ram")  # a checkpoint's own copy of shared RAM
+            record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, new / "ram")
         else:
-            ram.fsync_path(self.dir / "ram")
-            record["ram_checksum"] = ram.file_digest(self.dir / "ram")
+            await asyncio.to_thread(ram.fsync_path, self.dir / "ram")
+            record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, self.dir / "ram")
         ph.mark("ram")
-        ram.fsync_path(new / "dev.state")
-        ram.fsync_path(self.dir / "disk.qcow2")
-        record["dev_sha256"] = ram.sha256_file(new / "dev.state")
+        await asyncio.to_thread(ram.fsync_path, new / "dev.state")
+        await asyncio.to_thread(ram.fsync_path, self.dir / "disk.qcow2")
+        record["dev_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "dev.state")
         if keep_running:
             _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
         old = target.with_name(target.name + ".old")

@@ -30,6 +30,11 @@ log = get_logger(__name__)
 
 #: At most this many end-users one fork call creates.
 MAX_FORKS = 16
+#: Sandbox drivers on which automatic checkpoints are on unless an agent says otherwise: those whose automatic
+#: checkpoint, taken after the reply, adds at most 5 ms p50 to an awake turn (``bench/timetravel``: the process
+#: driver, within noise). On the micro-VM driver the turn after a checkpoint runs slower (its in-host turn span
+#: +20-50 ms p50 under TCG), so there an agent opts in (docs/timetravel.md).
+AUTO_DRIVERS = frozenset({"process"})
 
 
 class CheckpointGone(ConflictError):
@@ -42,9 +47,9 @@ class CheckpointGone(ConflictError):
 class Policy:
     """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
 
-    #: On by default: taken after the turn's reply went out, while the turn still holds the instance, so it adds
-    #: nothing to the reply path; it delays only a next turn of the same instance arriving meanwhile.
-    auto: bool = True
+    #: Taken after the turn's reply went out, while the turn still holds the instance (it delays only a next turn
+    #: of the same instance arriving meanwhile). None: the driver's default (``AUTO_DRIVERS``).
+    auto: bool | None = None
     #: The newest checkpoints of the current branch kept.
     keep: int = 20
     #: Besides those, the newest checkpoint of each of the last ``daily`` days.
@@ -63,7 +68,7 @@ class Policy:
         except (TypeError, ValueError):
             log.warning("ignoring a malformed [agent.timetravel] table", table=str(raw)[:200])
             return out
-        if not isinstance(auto, bool):
+        if auto is not None and not isinstance(auto, bool):
             log.warning("ignoring a malformed [agent.timetravel] auto", auto=str(auto)[:50])
             auto = out.auto
         return cls(auto, max(1, keep), max(0, daily))
@@ -142,10 +147,13 @@ class TimeTravel:
 
     # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
 
-    @staticmethod
-    def will_checkpoint(b: "TurnBinding") -> bool:
-        """Whether this turn ends with an automatic checkpoint (its agent's policy; per-user instances only)."""
-        return Policy.of(b.manifest).auto and _scope_of(b.manifest) == "user"
+    def will_checkpoint(self, b: "TurnBinding") -> bool:
+        """Whether this turn ends with an automatic checkpoint (its agent's policy, else the driver's default;
+        per-user instances only)."""
+        auto = Policy.of(b.manifest).auto
+        if auto is None:
+            auto = getattr(self.rt.driver, "name", None) in AUTO_DRIVERS
+        return auto and _scope_of(b.manifest) == "user"
 
     async def after_turn(self, sandbox: "Sandbox", b: "TurnBinding") -> Checkpoint | None:
         """The automatic checkpoint, called by the runtime after the turn's reply went out while the turn still
