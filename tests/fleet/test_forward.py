@@ -405,3 +405,13 @@ def test_a_caller_that_does_not_read_costs_the_hosts_no_memory(fleet: Fleet) -> 
             assert all(len(m) == size for m in got)
 
     asyncio.run(run())
+
+
+def test_an_mcp_turn_through_another_host_is_served_by_the_owner(fleet: Fleet) -> None:
+    headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "send_message", "arguments": {"message": "hi", "user": "ada"}}}
+    r = fleet.api[2].post("/mcp/fw", json=call, headers=headers)
+    assert r.status_code == 200 and r.headers["x-moorage-served-by"] == "h1", r.text
+    result = r.json()["result"]
+    assert not result.get("isError") and result["content"][0]["text"] == "ok", result

@@ -21,6 +21,7 @@ from moorage.api.jsonbody import JsonTooDeep, loads_bounded
 from moorage.api.problem import PayloadTooLarge
 from moorage.api.routing import Call, Endpoint
 from moorage.errors import InvalidInput, MoorageError, NotFound, TenantScopeError
+from moorage.lifecycle.manager import Misplaced
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
 from moorage.usage.caps import enforce as enforce_caps
@@ -50,6 +51,8 @@ class AgentMcp:
         self.principal: Principal = call.who
         self.ts: TenantStore = call.tenant
         self.header_user = header_user
+        #: The instance a tool call addressed is awake on another host: the request goes there (``_serve``).
+        self.misplaced: MoorageError | None = None
 
     def user_for(self, given: Any) -> str:
         """The end-user a call acts for: an end-user token's own, else the argument or X-Moorage-User header."""
@@ -87,6 +90,9 @@ class AgentMcp:
             # instance manager's, on every path.
             await enforce_caps(self.call.ctx.runtime, self.ts, entity)
             result = await self.call.runtime.invoke(self.principal, entity, message)
+        except Misplaced as e:
+            self.misplaced = e
+            return _tool_error(e)
         except MoorageError as e:
             # Reported inside the tool result, as MCP asks, so the model calling us can react to it.
             return _tool_error(e)
@@ -171,6 +177,10 @@ async def _serve(call: Call, agent: str) -> Response:
     receive = await _bounded_body(call)
     async with manager.run():
         await manager.handle_request(call.request.scope, receive, capture)
+    if mcp.misplaced is not None and _single_message(call):
+        # Nothing ran here (the turn refused before starting): the host that holds the instance answers the
+        # whole request (docs/fleet.md). A batch is answered here, with that call's error, so nothing runs twice.
+        raise mcp.misplaced
     headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
                if k.lower() not in (b"content-length", b"x-trace-id")}
     return Response(b"".join(body), status_code=int(start.get("status", 500)), headers=headers)
@@ -193,6 +203,7 @@ async def _bounded_body(call: Call) -> Any:
             raise PayloadTooLarge(f"MCP message exceeds {MCP_BODY_LIMIT} bytes", hint="send a smaller message")
         chunks.append(chunk)
     raw = b"".join(chunks)
+    call.request.scope["state"]["raw_body"] = raw  # what a fleet forward sends on (the stream is consumed)
     try:
         loads_bounded(raw)
     except JsonTooDeep:
@@ -209,6 +220,11 @@ async def _bounded_body(call: Call) -> Any:
         return await call.request.receive()  # after the body: only a disconnect can arrive
 
     return receive
+
+
+def _single_message(call: Call) -> bool:
+    raw = call.request.scope["state"].get("raw_body", b"")
+    return raw.lstrip().startswith(b"{")
 
 
 async def mcp_for_agent(call: Call) -> Response:
