@@ -524,7 +524,7 @@ async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(drive
 async def test_a_disk_header_rewritten_by_its_qemu_names_no_other_file(driver: MicroVMDriver, base: MicroVMSandbox, template: TemplateRef) -> None:
     """A sandbox's QEMU can write its own disk's qcow2 header. One that names another sandbox's disk as its backing
     file is refused before any QEMU starts, and that disk is neither handed over nor given to the attacker's uid;
-    a template is never made from such a disk."""
+    a template is never made from such a disk, and a rollback does not hand it to qemu-img."""
     from moorage.sandbox.microvm_user import VMUserError, check_backing
 
     (kid,) = await driver.fork(template, ["uid-tampered"])
@@ -539,4 +539,9 @@ async def test_a_disk_header_rewritten_by_its_qemu_names_no_other_file(driver: M
     assert (after.st_uid, after.st_gid, after.st_mode) == (before.st_uid, before.st_gid, before.st_mode)
     with pytest.raises(VMUserError):  # what make_template checks on its copy of a sandbox's disk
         check_backing(kid.dir / "disk.qcow2", kid.dir)
+    # A rollback runs qemu-img (as root) on the disk, which would open that backing file: refused first.
+    (kid.dir / "checkpoints" / "c").mkdir(parents=True)
+    (kid.dir / "checkpoints" / "c" / "snapshot.json").write_text(json.dumps({"kind": "delta"}))
+    with pytest.raises(VMUserError):
+        await kid.rollback("c")
     await kid.destroy()

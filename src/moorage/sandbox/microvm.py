@@ -877,6 +877,8 @@ class MicroVMSandbox(Sandbox):
                 raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
             record = json.loads((src / "snapshot.json").read_text())
             await self._teardown()
+            # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
+            microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
             r = subprocess.run(["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(self.dir / "disk.qcow2")], capture_output=True, text=True)
             if r.returncode != 0:
                 raise SnapshotCorrupt(f"cannot restore the disk of checkpoint {name}: {r.stderr.strip()}")
