@@ -106,3 +106,28 @@ async def test_a_deploy_asks_the_hosts_collector_to_run(env, tmp_path: Path) -> 
     await gc._soon  # the run the second deploy started, in the background
     assert _local(env)[0] == {d2.id} and d1.id not in _local(env)[0]
     await gc.close()
+
+
+async def test_a_host_drops_its_cached_template_once_the_bucket_retired_it(env, tmp_path: Path) -> None:
+    from moorage.fleet.gc import BucketCollector
+    from moorage.fleet.templates import PublishedTemplates
+    from moorage.objects.local import LocalObjectStore
+
+    objects = LocalObjectStore(tmp_path / "bucket")
+    published = PublishedTemplates(objects, env.runtime.driver)
+    env.runtime.templates.published = published
+    root = write_agent(tmp_path / "agent", "counter", V1)
+    d1 = await env.runtime.deploy(env.principal, root)
+    t1 = env.runtime.templates.cached(d1.id)
+    assert published.chosen(d1.id)["template_id"] == t1.id
+    (root / "agent.py").write_text(V2)
+    await env.runtime.deploy(env.principal, root)
+    # Another host's collection retired d1's template in the bucket; this host still has it cached.
+    rep = BucketCollector(published, grace_s=0, settle_s=60).collect(lambda: template_use(env.store, grace_s=0))
+    assert rep.retired == 1 and published.chosen(d1.id) is None and env.runtime.templates.cached(d1.id) == t1
+    # A rollback to d1 does not fork the retired template: this host drops it and makes (and publishes) a new one.
+    await env.runtime.rollback(env.principal, "counter", d1.number)
+    t1b = env.runtime.templates.cached(d1.id)
+    assert t1b is not None and t1b.id != t1.id and not Path(t1.path).exists()
+    assert published.chosen(d1.id)["template_id"] == t1b.id
+    assert (await env.runtime.invoke(env.principal, EntityKey("counter", "dan"), "hi")).reply == "v1 1"

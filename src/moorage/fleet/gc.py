@@ -314,6 +314,8 @@ class TemplateGC:
         self.pins = pins
         self.bucket = BucketCollector(published, host=host, grace_s=grace_s, settle_s=settle_s, pins=pins) \
             if published is not None else None
+        # A host trusts a claim check for at most a quarter of the settle time (see Templates.claim_ttl_s).
+        templates.claim_ttl_s = min(5.0, settle_s / 4)
         self._lock = asyncio.Lock()
         self._soon: asyncio.Task[Any] | None = None
 

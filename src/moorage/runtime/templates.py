@@ -89,6 +89,12 @@ class Templates:
         self.published: Any = None
         #: The host's template collector (set by the host); a deploy asks it to run soon.
         self.gc: "TemplateGC | None" = None
+        #: Fleet: how long a check that the deployment's claim names the cached template is trusted (one GET per
+        #: provisioning otherwise, 12 ms against SeaweedFS here). Kept well under the collector's settle time
+        #: (``TemplateGC`` sets it): a fork made from a template retired meanwhile names it in the store before the
+        #: collector looks again, and so brings it back.
+        self.claim_ttl_s = 0.0
+        self._claim_checked: dict[str, tuple[str, float]] = {}
 
     def _egress(self) -> Any:
         """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
@@ -138,6 +144,9 @@ class Templates:
     async def _still_chosen(self, deployment: Deployment, ref: TemplateRef) -> TemplateRef | None:
         """Fleet: the cached template while the deployment's claim names it; the claimed one when another is
         claimed (and fetchable); None when the claim is gone (the collector retired the template: build anew)."""
+        hit = self._claim_checked.get(deployment.id)
+        if hit is not None and hit[0] == ref.id and time.monotonic() - hit[1] < self.claim_ttl_s:
+            return ref
         try:
             claim = await asyncio.to_thread(self.published.chosen, deployment.id)
         except Exception as e:  # noqa: BLE001 - the object store is out of reach: what this host has will do
@@ -145,7 +154,9 @@ class Templates:
                         error=str(e))
             return ref
         if claim is not None and str(claim.get("template_id")) == ref.id:
+            self._claim_checked[deployment.id] = (ref.id, time.monotonic())
             return ref
+        self._claim_checked.pop(deployment.id, None)
         if claim is not None:
             # Another host's claim won (or ours could not be fetched when we built): theirs when it can be had.
             theirs = await self._fetch_published(deployment, claim)
