@@ -51,7 +51,7 @@ class TemplateUse:
     #: Template ids named by an instance record in any state: its fork may need it (``forks_need_template``).
     pinned: frozenset[str]
     #: (tenant, agent, user) of every instance record: fork templates of a user without one have no owner left.
-    users: frozenset[tuple[str, str, str]]
+    users: frozenset[tuple[str, str, str | None]]
 
 
 def template_use(store: "Store", *, grace_s: float, now: float | None = None) -> TemplateUse:
@@ -59,7 +59,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
     now = time.time() if now is None else now
     deployments: set[str] = set()
     pinned: set[str] = set()
-    users: set[tuple[str, str, str]] = set()
+    users: set[tuple[str, str, str | None]] = set()
     for ts in store.operator.tenants():
         deployments.update(str(r[0]) for r in ts.read("SELECT live_deployment FROM agents WHERE live_deployment IS NOT NULL"))
         deployments.update(str(r[0]) for r in ts.read("SELECT id FROM deployments WHERE created_at > ?", (now - grace_s,)))
@@ -70,8 +70,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
             for tid in (rec.template_ref, rec.meta.get("template")):
                 if isinstance(tid, str) and tid:
                     pinned.add(tid)
-            if rec.scope.user is not None:
-                users.add((ts.tenant_id, rec.scope.agent, rec.scope.user))
+            users.add((ts.tenant_id, rec.scope.agent, rec.scope.user))  # user None: an agent-wide instance
     return TemplateUse(frozenset(deployments), frozenset(pinned), frozenset(users))
 
 
