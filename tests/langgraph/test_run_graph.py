@@ -55,9 +55,12 @@ async def test_a_run_stopped_half_way_is_continued_not_started_over(tenant: Tena
     # The step executed once more (a replay that found no journal entry): the finished run is read, not run.
     assert await _advance(turn, graph, {"log": ["in"]}, cfg, 0) == {"interrupts": []}
     assert runs == ["a", "b", "b"]
+    # A second graph run of the same turn (another step position) is a run of its own: its input is applied.
+    await _advance(turn, graph, {"log": ["more"]}, cfg, 1)
+    assert (await graph.aget_state(cfg)).values["log"] == ["in", "a", "b", "more", "a", "b"]
     # The next turn's run is a new one: its input is applied.
     await _advance(SimpleNamespace(turn_id="turn-2"), graph, {"log": ["again"]}, cfg, 0)
-    assert (await graph.aget_state(cfg)).values["log"] == ["in", "a", "b", "again", "a", "b"]
+    assert (await graph.aget_state(cfg)).values["log"] == ["in", "a", "b", "more", "a", "b", "again", "a", "b"]
 
 
 async def test_the_sync_api_works_from_a_worker_thread_and_is_refused_on_the_loop(tenant: TenantStore) -> None:

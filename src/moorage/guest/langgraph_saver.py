@@ -230,17 +230,17 @@ def _pending(snapshot: Any) -> List[Dict[str, Any]]:
     return [{"id": i.id, "value": _json(i.value)} for i in (getattr(snapshot, "interrupts", None) or ())]
 
 
-async def _advance(ctx: Any, graph: Any, payload: Any, config: Dict[str, Any], call: int) -> Dict[str, Any]:
+async def _advance(ctx: Any, graph: Any, payload: Any, config: Dict[str, Any], step: int) -> Dict[str, Any]:
     """One run of the graph as a journaled step's body: to the end or to its next interrupt.
 
-    The run is marked in its checkpoints' metadata (this turn, this call), so a step that runs again after a
+    The run is marked in its checkpoints' metadata (this turn, this step), so a step that runs again after a
     crash continues the run it had started (input ``None``) instead of starting the input over, and one that
     had finished just reads where it stopped.
     """
-    mark = {"moorage_turn": ctx.turn_id, "moorage_call": call}
+    mark = {"moorage_turn": ctx.turn_id, "moorage_step": step}
     before = await graph.aget_state(config)
     md = getattr(before, "metadata", None) or {}
-    ours = md.get("moorage_turn") == ctx.turn_id and md.get("moorage_call") == call
+    ours = md.get("moorage_turn") == ctx.turn_id and md.get("moorage_step") == step
     if ours and not before.next:
         return {"interrupts": []}
     if ours and _pending(before):
@@ -286,8 +286,12 @@ async def run_graph(ctx: Any, graph: Any, input: Any, *, thread_id: Optional[str
         payload, call = input, 0
         while True:
 
-            async def body(payload: Any = payload, call: int = call) -> Dict[str, Any]:
-                return await _advance(ctx, graph, payload, cfg, call)
+            # The step's position in the turn marks the run: unique per graph run of the turn (a handler may run
+            # graphs several times), the same when the turn is replayed.
+            position = int(getattr(ctx, "_step_seq", call))
+
+            async def body(payload: Any = payload, position: int = position) -> Dict[str, Any]:
+                return await _advance(ctx, graph, payload, cfg, position)
 
             outcome = await ctx.step("langgraph" if call == 0 else "langgraph:resume", body, retries=0)
             interrupts = outcome.get("interrupts") or []
