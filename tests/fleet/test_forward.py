@@ -9,6 +9,7 @@ import asyncio
 import json
 import secrets
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -415,3 +416,14 @@ def test_an_mcp_turn_through_another_host_is_served_by_the_owner(fleet: Fleet) -
     assert r.status_code == 200 and r.headers["x-moorage-served-by"] == "h1", r.text
     result = r.json()["result"]
     assert not result.get("isError") and result["content"][0]["text"] == "ok", result
+
+
+def test_an_async_turn_through_another_host_runs_on_the_owner(fleet: Fleet) -> None:
+    r = fleet.api[1].post("/v1/agents/fw/invoke?async=true", json={"message": "hi", "user": "ada"})
+    assert r.status_code == 202 and r.headers["x-moorage-served-by"] == "h1", r.text
+    for _ in range(600):
+        ex = fleet.api[2].get(f"/v1/executions/{r.json()['id']}").json()
+        if ex["status"] not in ("queued", "running"):
+            break
+        time.sleep(0.1)
+    assert ex["status"] == "succeeded" and ex["reply"] == "ok", ex

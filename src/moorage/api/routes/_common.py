@@ -5,6 +5,10 @@ Lookups go through the tenant's store handle, so another tenant's ids are simply
 
 from __future__ import annotations
 
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
 from moorage.api.routing import Call, Param
 from moorage.errors import InvalidInput
 from moorage.store import Agent
@@ -18,6 +22,19 @@ PAGE = (LIMIT, CURSOR)
 def agent_of(call: Call) -> Agent:
     """The path's agent in the caller's tenant (404 if it is not there)."""
     return call.tenant.agents.get(check_id(call.path["agent"], "agent name"))
+
+
+async def forward_if_awake_elsewhere(call: Call, rec: Any) -> None:
+    """Raise ``Misplaced`` (the request is forwarded, docs/fleet.md) when ``rec``'s instance is held by another
+    live host of the fleet: for work started in the background here, which would otherwise find it elsewhere."""
+    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
+    if fleet is None or rec is None or rec.host in (None, fleet.host_id):
+        return
+    from moorage.lifecycle import fleet as fleet_rules
+    from moorage.lifecycle.manager import Misplaced
+
+    if await run_in_threadpool(fleet_rules.placement, fleet, rec) == "forward":
+        raise Misplaced(rec)
 
 
 def float_query(call: Call, name: str) -> float | None:

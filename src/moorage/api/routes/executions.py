@@ -36,6 +36,11 @@ def wants_async(call: Call) -> bool:
 
 async def submit(call: Call, entity: EntityKey, message: str) -> Reply:
     """Start the turn detached and answer 202 at once (the same Idempotency-Key gives the same execution)."""
+    from moorage.api.routes._common import forward_if_awake_elsewhere
+
+    # It runs in the background on the host that holds the instance (here, it would find the instance elsewhere).
+    located = EntityKey(entity.agent, entity.user, entity.session or "default")
+    await forward_if_awake_elsewhere(call, await call.runtime.router.locate(call.who, located))
     runner = ExecutionRunner.of(call.runtime)
     ex, _ = await runner.submit(call.who, call.tenant, entity, message, call.idempotency_key)
     body = await run_in_threadpool(execution_json, call, ex.id)

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
-from moorage.api.routes._common import PAGE
+from moorage.api.routes._common import PAGE, forward_if_awake_elsewhere
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, UnavailableError
@@ -101,14 +101,7 @@ async def exec_command(call: Call) -> Any:
     jobs = exec_jobs.ExecJobs.of(call.runtime)
     if not call.field("detach", bool, required=False, default=False):
         return await jobs.run(call.who, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env)
-    # A detached exec runs where the sandbox is awake: started here, its background task would find it elsewhere.
-    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
-    if fleet is not None and rec.host not in (None, jobs.host):
-        from moorage.lifecycle import fleet as fleet_rules
-        from moorage.lifecycle.manager import Misplaced
-
-        if await run_in_threadpool(fleet_rules.placement, fleet, rec) == "forward":
-            raise Misplaced(rec)
+    await forward_if_awake_elsewhere(call, rec)  # a detached exec runs on the host where its sandbox is awake
     exec_id = await jobs.start(call.who, call.tenant, sid, argv, timeout_s=timeout_s, cwd=cwd, env=env,
                                idempotency_key=call.idempotency_key)
     ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, exec_id)
