@@ -39,7 +39,12 @@ async def test_backend_integration_through_the_sdk(live_rt, store: Store, acme: 
 
             done = await sdk.wait_execution(ex["id"], timeout_s=60, poll_s=0.05)
             assert done["status"] == "succeeded" and done["reply"] == "echo: hello"
-            deliveries = (await sdk.list_deliveries("echo", hook["id"]))["data"]
+            # The receiver has the webhook before the dispatcher records its answer: wait for the record.
+            for _ in range(600):
+                deliveries = (await sdk.list_deliveries("echo", hook["id"]))["data"]
+                if [d["status"] for d in deliveries] != ["pending"]:
+                    break
+                await asyncio.sleep(0.05)
             assert [d["status"] for d in deliveries] == ["delivered"]
 
             events = [e async for e in sdk.stream("echo", "stream x y", user="cust-1")]
