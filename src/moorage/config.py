@@ -137,8 +137,9 @@ class Config:
     #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
     #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
     secrets_keys: str = dataclasses.field(default="", repr=False)
-    #: Host uid (and gid) that process sandboxes and QEMU run as when moorage runs as root; no account should
-    #: use it (never 0). Ignored when moorage itself runs unprivileged.
+    #: Host uid (and gid) that process sandboxes run as when moorage runs as root; no account should use it
+    #: (never 0). Ignored when moorage itself runs unprivileged. QEMU runs as a uid of each sandbox's own
+    #: (``sandbox/microvm_user.py``).
     sandbox_uid: int = 64000
     #: Guest-initiated requests (model calls, memory, steps) served at once per sandbox; more are answered busy.
     guest_calls_per_channel: int = 32

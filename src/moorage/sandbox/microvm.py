@@ -879,7 +879,8 @@ class MicroVMSandbox(Sandbox):
             await self._teardown()
             # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
             microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
-            r = subprocess.run(["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(self.dir / "disk.qcow2")], capture_output=True, text=True)
+            r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(self.dir / "disk.qcow2")],
+                                        capture_output=True, text=True)
             if r.returncode != 0:
                 raise SnapshotCorrupt(f"cannot restore the disk of checkpoint {name}: {r.stderr.strip()}")
             snap = self.dir / "snapshot"
@@ -912,6 +913,8 @@ class MicroVMSandbox(Sandbox):
                 except QMPError as e:
                     log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=str(e))
             else:
+                # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
+                microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
                 r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-d", tag,
                                                              str(self.dir / "disk.qcow2")], capture_output=True, text=True)
                 if r.returncode != 0:
