@@ -238,6 +238,7 @@ def report(r: dict[str, Any]) -> str:
         f"| HTTP turn (`moorage up`), automatic checkpoints on, p50 | {f(h['turn_auto_on'])} | |",
         f"| HTTP turn, automatic checkpoints off, p50 | {f(h['turn_auto_off'])} | |",
         f"| **added to the reply path**, p50 difference | {h['reply_path_added_p50_ms']:.1f} ms | ≤ 5 ms |",
+        f"| the host's own turn span, on vs off, p50 | {h['turn_span_on']['p50_ms']:.1f} vs {h['turn_span_off']['p50_ms']:.1f} ms | |",
         f"| checkpoint done after the reply (listing's extra wait), p50 | {h['checkpoint_done_after_reply_p50_ms']:.1f} ms | |",
         f"| its sandbox half (the host's record, `summary.sandbox_ms`), p50 | {h['checkpoint_sandbox_ms_p50']} ms | |",
         f"| checkpoints missing (failed) | {h['missing']} of {h['checkpoints']} | 0 |",
