@@ -18,7 +18,7 @@ from moorage.timetravel import checkpoint_view
 _BASE = "/v1/agents/{agent}/users/{user}/checkpoints"
 
 CHECKPOINT = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR, "seq": S.INT, "branch": S.STR,
-                    "parent_id": S.NSTR, "kind": {"enum": ["turn", "manual", "before-rollback", "fork"]},
+                    "parent_id": S.NSTR, "kind": {"enum": ["turn", "manual", "before-rollback", "fork", "missing"]},
                     "name": S.NSTR, "turn_id": S.NSTR, "summary": S.OBJ, "event_mark": S.INT,
                     "sandbox_id": S.NSTR, "sandbox_checkpoint": S.NSTR, "store_bytes": S.INT, "created_at": S.NUM,
                     "current_branch": {"type": "boolean"}})
