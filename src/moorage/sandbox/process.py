@@ -50,6 +50,7 @@ from moorage.sandbox.base import (
 )
 from moorage.sandbox.channel import Channel
 from moorage.sandbox.process_fs import copy_tree, disk_usage, proc_starttime, write_json_durable
+from moorage.sandbox.process_snapshot import INDEX, snapshot_tree, write_index
 
 log = get_logger(__name__)
 
@@ -428,24 +429,52 @@ class ProcessSandbox(Sandbox):
                                     hint="pick another name or roll back to it")
             tmp = self.dir / "checkpoints" / f".{name}.{uuid.uuid4().hex[:8]}"
             tmp.mkdir(parents=True)
-            await copy_tree(self.layer, tmp / "layer")
+            # Incremental: files unchanged since the newest checkpoint are linked to its copy (process_snapshot).
+            prev = self._newest_checkpoint()
+            t0 = time.perf_counter()
+            try:
+                index = await asyncio.to_thread(snapshot_tree, self.layer, tmp / "layer", prev)
+                write_index(tmp, index)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             created = time.time()
             write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
             os.rename(tmp, dest)
-            return CheckpointInfo(name, self.id, dest, disk_usage(dest), created, includes_memory=False)
+            log.info("checkpoint", sandbox=self.id, name=name, linked=index["linked"], copied=index["copied"],
+                     ms=round((time.perf_counter() - t0) * 1e3, 1))
+            seen: set[tuple[int, int]] = set()
+            for older in self._checkpoint_dirs():
+                if older != dest:
+                    disk_usage(older, seen)
+            return CheckpointInfo(name, self.id, dest, disk_usage(dest, seen), created, includes_memory=False)
 
-    async def checkpoints(self) -> list[CheckpointInfo]:
-        out = []
+    def _checkpoint_dirs(self) -> list[Path]:
+        """Checkpoint directories, oldest first."""
         base = self.dir / "checkpoints"
-        for d in sorted(base.iterdir()) if base.exists() else []:
+        found = []
+        for d in base.iterdir() if base.exists() else []:
             if d.name.startswith("."):
                 continue
             try:
-                info = json.loads((d / "checkpoint.json").read_text())
-            except (OSError, ValueError):
+                found.append((json.loads((d / "checkpoint.json").read_text())["created_at"], d))
+            except (OSError, ValueError, KeyError):
                 continue
-            out.append(CheckpointInfo(d.name, self.id, d, disk_usage(d), info["created_at"], includes_memory=False))
-        return out
+        return [d for _, d in sorted(found)]
+
+    def _newest_checkpoint(self) -> Path | None:
+        dirs = [d for d in self._checkpoint_dirs() if (d / INDEX).exists()]
+        return dirs[-1] if dirs else None
+
+    async def checkpoints(self) -> list[CheckpointInfo]:
+        """Each checkpoint's bytes are what it added to the older ones (files it shares with an older checkpoint
+        count there), so their sum is the disk all of them take."""
+        out = []
+        seen: set[tuple[int, int]] = set()
+        for d in self._checkpoint_dirs():
+            info = json.loads((d / "checkpoint.json").read_text())
+            out.append(CheckpointInfo(d.name, self.id, d, disk_usage(d, seen), info["created_at"], includes_memory=False))
+        return sorted(out, key=lambda c: c.name)
 
     async def delete_checkpoint(self, name: str) -> None:
         validate_id(name, "checkpoint name")

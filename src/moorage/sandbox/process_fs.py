@@ -27,10 +27,12 @@ async def copy_tree(src: Path, dst: Path) -> None:
                            hint="check free disk space under the sandboxes directory")
 
 
-def disk_usage(path: Path) -> int:
-    """Bytes allocated under ``path`` (like ``du -s``: blocks, hard links counted once, symlinks not followed)."""
+def disk_usage(path: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes allocated under ``path`` (like ``du -s``: blocks, hard links counted once, symlinks not followed).
+    Files whose inode is in ``seen`` are not counted (and those counted are added to it): shared across calls, it
+    attributes a file linked from several trees to the first one measured."""
     total = 0
-    seen: set[tuple[int, int]] = set()
+    seen = set() if seen is None else seen
     stack = [str(path)]
     while stack:
         top = stack.pop()
