@@ -66,6 +66,11 @@ async def answer(inst: InstanceEgress, packet: bytes) -> bytes | None:
 
 #: Queries per second one instance's responder answers (a burst of twice this); the rest are dropped.
 QUERIES_PER_S = 50.0
+#: Queries one responder answers at once; more are dropped, not queued.
+MAX_IN_FLIGHT = 64
+#: A UDP query with one question fits in far less; a bigger datagram is not parsed. A reply over this size (without
+#: EDNS, what a stub resolver takes) goes back truncated (TC set, no records), never in pieces.
+MAX_UDP_BYTES = 512
 
 
 class _Protocol(asyncio.DatagramProtocol):
@@ -89,8 +94,8 @@ class _Protocol(asyncio.DatagramProtocol):
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if len(self._tasks) >= 64 or not self._take():  # a flood of lookups is dropped, not queued
-            return
+        if len(data) > MAX_UDP_BYTES or len(self._tasks) >= MAX_IN_FLIGHT or not self._take():
+            return  # a flood of lookups is dropped, not queued
         task = asyncio.get_running_loop().create_task(self._answer(data, addr))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -101,6 +106,8 @@ class _Protocol(asyncio.DatagramProtocol):
         except Exception as e:  # noqa: BLE001 - one bad query must not stop the responder
             log.info("dns query failed", error=type(e).__name__)
             return
+        if out is not None and len(out) > MAX_UDP_BYTES:
+            out = DNSRecord.parse(out).truncate().pack()
         if out is not None and self.transport is not None:
             self.transport.sendto(out, addr)
 
@@ -121,8 +128,13 @@ async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, write
         writer.close()
 
 
-async def serve_udp(inst: InstanceEgress, host: str, port: int = 0) -> tuple[asyncio.DatagramTransport, int]:
-    """Start a UDP responder for ``inst``; returns the transport (close it to stop) and the bound port."""
+async def serve_udp(inst: InstanceEgress, host: str = "", port: int = 0, *,
+                    sock: Any = None) -> tuple[asyncio.DatagramTransport, int]:
+    """Start a UDP responder for ``inst`` on ``host:port``, or on ``sock`` (a UDP socket already bound, e.g. in a
+    VM's network namespace; the transport owns it); returns the transport (close it to stop) and the bound port."""
     loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), local_addr=(host, port))
+    if sock is not None:
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), sock=sock)
+    else:
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), local_addr=(host, port))
     return transport, transport.get_extra_info("sockname")[1]
