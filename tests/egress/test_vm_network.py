@@ -1,6 +1,7 @@
 """A micro-VM's own network: off by default, and for an agent that declares [agent.network] a NIC whose namespace
 holds only the host's gateway (decisions/0013), which decides every connection. pip works unchanged through it,
-after a wake and in a fork; a connection that skips the proxy has nowhere to go. "The internet" is loopback
+after a wake and in a fork; its resolver asks the gateway's DNS, which answers only names the policy admits; a
+connection that skips the proxy has nowhere to go. "The internet" is loopback
 servers this test starts."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest_asyncio
 
 from moorage.config import Config
 from moorage.egress import Egress, OperatorPolicy, StaticResolver
+from moorage.guest import egress_relay
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.deploy_packages import PackageInstallFailed, install
@@ -33,7 +35,7 @@ from tests.sandbox.test_conformance import _make_wheel
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 AGENT = r'''
-import errno, os, socket
+import errno, os, socket, struct
 
 GET = """
 import sys, urllib.request, urllib.error
@@ -59,6 +61,29 @@ async def on_message(ctx, message):
             return "refused: " + errno.errorcode.get(e.errno or 0, type(e).__name__)
     if cmd == "proxy":
         return os.environ.get("HTTPS_PROXY", "none")
+    if cmd == "dns":  # one A query of our own to the gateway (its rcode), then the guest's resolver (getaddrinfo)
+        query = struct.pack(">6H", 0x6d6f, 0x0100, 1, 0, 0, 0) + b"".join(
+            bytes([len(label)]) + label.encode() for label in arg.split(".")) + b"\0" + struct.pack(">2H", 1, 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.settimeout(10)
+            s.sendto(query, ("10.0.2.2", 53))
+            reply = s.recv(512)
+            rcode = "rcode=%d" % (reply[3] & 15) if reply[:2] == query[:2] else "wrong-id"
+        except OSError as e:
+            rcode = "noanswer:" + errno.errorcode.get(e.errno or 0, type(e).__name__)
+        finally:
+            s.close()
+        try:
+            found = sorted({a[4][0] for a in socket.getaddrinfo(arg, 80, socket.AF_INET, socket.SOCK_STREAM)})
+        except socket.gaierror as e:
+            found = ["gaierror:%d" % e.errno]
+        return rcode + " " + ",".join(found)
+    if cmd == "resolv":
+        try:
+            return open("/etc/resolv.conf").read()
+        except OSError:
+            return "none"
     if cmd == "pip":
         # A plain-HTTP index (the test's) must be named trusted; HTTPS indexes need nothing.
         r = await ctx.exec(["python3", "-m", "pip", "install", "--no-cache-dir", "--index-url", arg,
@@ -183,6 +208,44 @@ async def test_the_gateway_decides_every_connection_of_the_vm(world: World) -> N
     assert ("api.test", "allowed") in decisions and any(h == "evil.test" and d != "allowed" for h, d in decisions)
 
 
+async def test_the_vm_resolves_only_names_its_policy_admits(world: World) -> None:
+    w = world
+    # The guest's resolver is the gateway on the tap (decisions/0013)...
+    assert "nameserver 10.0.2.2" in await ask(w, "resolv")
+    # ...which answers a name the policy admits with the address the test resolver gives it (loopback, which the
+    # test's operator policy admits)...
+    assert await ask(w, "dns api.test") == "rcode=0 127.0.0.1"
+    # ...and a made-up name, or one the host could resolve but the policy does not name, with NXDOMAIN (no upstream
+    # query: nothing made up leaves through lookups). -2 is EAI_NONAME, what getaddrinfo makes of NXDOMAIN.
+    assert await ask(w, "dns made-up-bf3c91.example") == "rcode=3 gaierror:-2"
+    assert await ask(w, "dns evil.test") == "rcode=3 gaierror:-2"
+    # The resolved address is no way around the proxy: in the guest it is its own loopback (the test's "internet" is
+    # the host's loopback), and nothing on the tap's link but the gateway's two ports answers; the name still works
+    # through the proxy.
+    assert await ask(w, f"raw 127.0.0.1:{w.allowed.port}") == "refused: ECONNREFUSED"
+    assert await ask(w, f"raw 10.0.2.2:{w.allowed.port}") == "refused: ECONNREFUSED"
+    assert await ask(w, f"get http://api.test:{w.allowed.port}/by-name") == "A GET /by-name"
+    # Each refused lookup is a span in the tenant's traces, like a refused connection.
+    ts = w.env.store.tenant(w.env.principal)
+    refused = {s.attrs.get("egress.host") for s in ts.spans.recent(limit=1000)
+               if s.name == "egress" and s.attrs.get("egress.via") == "dns"}
+    assert {"made-up-bf3c91.example", "evil.test"} <= refused
+
+
+async def test_the_guest_resolver_points_at_the_gateway_only_with_a_nic(tmp_path: Path) -> None:
+    # The guest's function on a file of the test's: with a NIC it names the gateway (the host's address on the tap);
+    # without one (the relay fallback) it removes what it wrote before and leaves anyone else's file alone.
+    assert egress_relay.GATEWAY_DNS == microvm_net.GATEWAY_IP
+    conf = tmp_path / "resolv.conf"
+    egress_relay.point_resolver(True, str(conf))
+    assert f"nameserver {microvm_net.GATEWAY_IP}" in conf.read_text()
+    egress_relay.point_resolver(False, str(conf))
+    assert not conf.exists()
+    conf.write_text("nameserver 192.0.2.53\n")
+    egress_relay.point_resolver(False, str(conf))
+    assert conf.read_text() == "nameserver 192.0.2.53\n"
+
+
 async def test_network_is_off_by_default(world: World, tmp_path: Path) -> None:
     w = world
     src = write_agent(tmp_path / "quiet", "quiet", AGENT)
@@ -190,6 +253,7 @@ async def test_network_is_off_by_default(world: World, tmp_path: Path) -> None:
     assert await ask(w, "proxy", agent="quiet") == "none"
     assert (await ask(w, f"get http://api.test:{w.allowed.port}/nope", agent="quiet")).startswith("ERR")
     assert (await ask(w, f"raw 127.0.0.1:{w.allowed.port}", agent="quiet")).startswith("refused")
+    assert "10.0.2.2" not in await ask(w, "resolv", agent="quiet")  # no NIC, no DNS of ours
     assert "/nope" not in w.allowed.paths()
 
 

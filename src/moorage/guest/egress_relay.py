@@ -2,8 +2,9 @@
 
 Stdlib only. Active only in sandboxes of agents that declare ``[agent.network]`` (the host puts
 ``MOORAGE_NETWORK=1`` and ``HTTP(S)_PROXY`` in their environment). A micro-VM with a network device (decisions/0013)
-gets ``eth0`` at a fixed address and its proxy variables pointed at the gateway on the other end of the tap. Every
-sandbox also keeps the relay: each connection to 127.0.0.1:3128 becomes a host call (``egress.open``) and its bytes
+gets ``eth0`` at a fixed address, its proxy variables pointed at the gateway on the other end of the tap and its
+resolver at the gateway's DNS responder there (only names the agent's policy admits resolve). Every sandbox also keeps
+the relay (and no DNS where it is the only way out): each connection to 127.0.0.1:3128 becomes a host call (``egress.open``) and its bytes
 travel in frames (``egress.send``/``egress.recv``) to the host's egress gateway (decisions/0009), which decides
 every request either way; nothing else leaves the sandbox.
 """
@@ -32,6 +33,10 @@ NIC_MAC = "52:54:00:6d:6f:0f"
 NIC_ADDRESS = "10.0.2.15"
 NIC_NETMASK = "255.255.255.0"
 GATEWAY_PROXY = "http://10.0.2.2:3128"
+GATEWAY_DNS = "10.0.2.2"
+RESOLV_CONF = "/etc/resolv.conf"
+#: The first line of a resolv.conf this module wrote (and so may replace or remove).
+RESOLV_MARK = "# moorage: the egress gateway's DNS (decisions/0013)"
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 
@@ -67,16 +72,44 @@ def bring_up_nic(name: str = NIC_NAME) -> bool:
     return True
 
 
+def point_resolver(on_nic: bool, path: str = RESOLV_CONF) -> None:
+    """With a NIC, the resolver asks the gateway on the tap (written on the root disk, which is read-write in a
+    VM). Without one there is no DNS: a file this module wrote before (the same disk booted where no NIC could be
+    made) is removed; anyone else's is left alone."""
+    if on_nic:
+        tmp = path + ".moorage"
+        with open(tmp, "w") as f:
+            # Short timeouts: a lookup the gateway drops (its rate bound) fails fast instead of hanging the caller.
+            f.write("%s\nnameserver %s\noptions timeout:2 attempts:2\n" % (RESOLV_MARK, GATEWAY_DNS))
+        os.replace(tmp, path)  # replaces a symlink itself, never writes through it
+        return
+    try:
+        with open(path) as f:
+            ours = f.readline().rstrip("\n") == RESOLV_MARK
+    except OSError:
+        return
+    if ours:
+        os.unlink(path)
+
+
 def configure(environ: MutableMapping[str, str]) -> str:
     """Called by the supervisor before it starts anything: a network agent's VM with a NIC uses it, and every
     process started from here on gets the gateway as its proxy. Returns "nic", "relay" or "none"."""
     if environ.get("MOORAGE_NETWORK") != "1":
+        try:
+            point_resolver(False)
+        except OSError as e:
+            log("resolver not configured", error=str(e))
         return "none"
     try:
         has_nic = bring_up_nic()
     except OSError as e:
         log("network device unusable; using the relay", error=str(e))
         has_nic = False
+    try:
+        point_resolver(has_nic)
+    except OSError as e:
+        log("resolver not configured", error=str(e))
     if not has_nic:
         return "relay"
     for var in _PROXY_VARS:

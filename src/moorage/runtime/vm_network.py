@@ -3,8 +3,8 @@
 Agents that declare ``[agent.network]`` get ``HTTP(S)_PROXY`` pointing at the egress gateway's proxy
 (``egress.proxy.serve_connection``, under the agent's policy, limits, spans and secret headers). On a micro-VM with
 a NIC (decisions/0013) the proxy listens on the tap's address inside the VM's own network namespace, which holds
-nothing else; elsewhere each connection to the sandbox's relay arrives over the host↔guest channel
-(decisions/0009). Either way a connection that skips the proxy has nowhere to go.
+nothing else, and so does the gateway's DNS responder (``egress.dns``: only names the policy admits); elsewhere each
+connection to the sandbox's relay arrives over the host↔guest channel (decisions/0009). Either way a connection that skips the proxy has nowhere to go.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class _Relay:
         self.inst = inst
         self.conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Task[None]]] = {}
         self.ids = itertools.count(1)
-        #: The proxy served on the VM's NIC (decisions/0013), when it has one.
+        #: The proxy and the DNS responder served on the VM's NIC (decisions/0013), when it has one.
         self.nic_server: asyncio.Task[None] | None = None
+        self.nic_dns: asyncio.Task[None] | None = None
 
     def _conn(self, params: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, "asyncio.Task[None]"]:
         conn = self.conns.get(params.get("conn")) if isinstance(params, dict) else None
@@ -122,6 +123,9 @@ class _Relay:
         if self.nic_server is not None:
             self.nic_server.cancel()
             self.nic_server = None
+        if self.nic_dns is not None:
+            self.nic_dns.cancel()
+            self.nic_dns = None
 
 
 def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, user: str,
@@ -161,6 +165,8 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
         nic = microvm_net.of_channel(channel)
         if nic is not None and nic.proxy_listener is not None:
             relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, inst))
+        if nic is not None and nic.dns_socket is not None:
+            relay.nic_dns = loop.create_task(_serve_nic_dns(nic.dns_socket, inst))
         loop.create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
@@ -190,6 +196,21 @@ async def _serve_nic(listener: socket.socket, inst: Any) -> None:
         server.close()
         for task in list(open_conns):
             task.cancel()
+
+
+async def _serve_nic_dns(sock: socket.socket, inst: Any) -> None:
+    """The gateway's DNS responder on the NIC's side of the VM's namespace, until the channel (this wake) ends: the
+    same ``egress.dns`` responder as the gateway's own listener (only names the policy admits, NXDOMAIN without an
+    upstream query otherwise; its rate, in-flight and size bounds; a span for each refusal)."""
+    from moorage.egress.dns import serve_udp
+
+    # A duplicate, as for the proxy: closing this transport leaves the launch's socket bound for a later attach,
+    # and queries sent before now are read from the buffer they wait in.
+    transport, _ = await serve_udp(inst, sock=sock.dup())
+    try:
+        await asyncio.Event().wait()
+    finally:
+        transport.close()
 
 
 async def _close_with(channel: Any, relay: _Relay, inst: Any, sandbox_id: str) -> None:

@@ -1,7 +1,8 @@
 """A micro-VM's network device on the host: a tap in a private network namespace that holds nothing else.
 
 The namespace has only ``lo`` and the tap (no veth, no route out), so the guest reaches the addresses the host binds
-inside it (the egress gateway's proxy, see ``runtime/vm_network.py``) and nothing else (decisions/0013).
+inside it (the egress gateway's proxy and DNS responder, see ``runtime/vm_network.py``) and nothing else
+(decisions/0013).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ GATEWAY_IP = "10.0.2.2"
 GUEST_IP = "10.0.2.15"
 NETMASK = "255.255.255.0"
 PROXY_PORT = 3128
+DNS_PORT = 53
 #: Fixed hardware addresses: a restored guest's neighbour entry for the gateway stays right across wakes and forks.
 GUEST_MAC = "52:54:00:6d:6f:0f"
 GATEWAY_MAC = "52:54:00:6d:6f:02"
@@ -120,6 +122,9 @@ class VMNetwork:
         #: The proxy's address in the namespace, bound from the start: a guest connecting before the host serves
         #: it (a wake, before the first turn) waits in the backlog instead of being refused.
         self.proxy_listener: socket.socket | None = None
+        #: The DNS responder's address, bound from the start for the same reason: a query sent before the host
+        #: serves it waits in the socket's buffer.
+        self.dns_socket: socket.socket | None = None
 
     @classmethod
     def create(cls) -> "VMNetwork":
@@ -150,12 +155,17 @@ class VMNetwork:
             raise NicUnavailable(f"could not make the network device of a micro-VM: {e}",
                                  hint="the host needs /dev/net/tun and CAP_SYS_ADMIN + CAP_NET_ADMIN (run as root), "
                                       "or leave the agent on the channel relay (decisions/0013)") from e
-        try:
-            net.proxy_listener = net.listen(PROXY_PORT)
-        except BaseException:
-            net.close()
-            raise
+        net._bind_gateway()
         return net
+
+    def _bind_gateway(self) -> None:
+        """Bind the gateway's addresses in the namespace (the proxy's TCP, DNS's UDP); closes it all on failure."""
+        try:
+            self.proxy_listener = self.listen(PROXY_PORT)
+            self.dns_socket = self.bind_udp(DNS_PORT)
+        except BaseException:
+            self.close()
+            raise
 
     def run_inside(self, fn: Callable[[], T]) -> T:
         """``fn`` on a thread inside this namespace (sockets it makes belong to it)."""
@@ -186,6 +196,21 @@ class VMNetwork:
 
         return self.run_inside(make)
 
+    def bind_udp(self, port: int = DNS_PORT) -> socket.socket:
+        """A UDP socket bound on the gateway's address inside the namespace (non-blocking, for asyncio)."""
+
+        def make() -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.bind((GATEWAY_IP, port))
+                s.setblocking(False)
+            except BaseException:
+                s.close()
+                raise
+            return s
+
+        return self.run_inside(make)
+
     def interfaces(self) -> list[str]:
         """The namespace's interfaces (what a check of "nothing but the tap" reads)."""
         return sorted(name for _, name in self.run_inside(socket.if_nameindex))
@@ -201,6 +226,9 @@ class VMNetwork:
         if self.proxy_listener is not None:
             self.proxy_listener.close()
             self.proxy_listener = None
+        if self.dns_socket is not None:
+            self.dns_socket.close()
+            self.dns_socket = None
         if self.ns_fd is not None:
             os.close(self.ns_fd)
             self.ns_fd = None
@@ -208,7 +236,7 @@ class VMNetwork:
 
 def recover(pid: int) -> VMNetwork:
     """The network of a QEMU still running from before a host restart: its namespace, found through QEMU's own tap
-    descriptor (``pidfd_getfd``, then ``TUNGETDEVNETNS``), with the proxy's address bound there again."""
+    descriptor (``pidfd_getfd``, then ``TUNGETDEVNETNS``), with the gateway's addresses bound there again."""
     fdinfo = f"/proc/{pid}/fdinfo"
     try:
         fd = next(int(n) for n in os.listdir(fdinfo) if f"iff:\t{TAP_NAME}\n" in _read(f"{fdinfo}/{n}"))
@@ -232,11 +260,7 @@ def recover(pid: int) -> VMNetwork:
     os.set_inheritable(ns_fd, False)
     net = VMNetwork(ns_fd, -1)
     net.tap_fd = None
-    try:
-        net.proxy_listener = net.listen(PROXY_PORT)
-    except BaseException:
-        net.close()
-        raise
+    net._bind_gateway()
     return net
 
 
