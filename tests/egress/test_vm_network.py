@@ -273,6 +273,7 @@ async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(w
     assert await ask(w, "import", user="bob") == "from-the-wheel"
     # After the wake the network is attached again on the new channel (a new namespace and tap, same addresses).
     assert await ask(w, f"get http://api.test:{w.allowed.port}/after-wake", user="bob") == "A GET /after-wake"
+    assert await ask(w, "dns api.test", user="bob") == "rcode=0 127.0.0.1"  # and its DNS, bound again at launch
     # A fork of bob's VM (its memory and disk) has the package and a network of its own.
     driver = w.env.runtime.driver
     async with w.env.manager.turn(ts, Scope.for_user("netty", "bob"), None) as sandbox:  # type: ignore[arg-type]
@@ -299,6 +300,8 @@ async def test_pip_installs_through_the_gateway_and_the_package_survives_sleep(w
             {"network": {"allow": [f"http://api.test:{w.allowed.port}"]}}), fork.id)
         r = await fork.exec(["python3", "-c", get.replace("/fork", "/re-adopted")], timeout=60)
         assert r.stdout.strip() == b"A GET /re-adopted", r.stderr
+        r = await fork.exec(["python3", "-c", "import socket; print(socket.gethostbyname('api.test'))"], timeout=60)
+        assert r.stdout.strip() == b"127.0.0.1", r.stderr  # DNS's address is bound again in the found namespace
     finally:
         await fork.destroy()
         await driver.delete_template(tpl)
