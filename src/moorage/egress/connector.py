@@ -23,6 +23,8 @@ from moorage.log import get_logger
 
 log = get_logger(__name__)
 
+#: Longest a connection waits for its turn under the instance's connection rate before it is refused instead.
+RATE_WAIT_S = 5.0
 #: Records one connection attempt: (started wall time, status, attributes). Never given header values.
 SpanRecorder = Callable[[float, str, dict[str, Any]], None]
 #: Headers the host adds for a target (bound secrets); values never leave the host's process except upstream.
@@ -122,12 +124,15 @@ class InstanceEgress:
             self.span(started, "denied", **info)
             d.raise_if_denied()
         try:
-            self.usage.admit()
+            wait = self.usage.reserve(RATE_WAIT_S)
         except Exception as e:
             self.span(started, "limited", **info, **{"egress.error": getattr(e, "code", type(e).__name__)})
             raise
         status = "ok"
         try:
+            if wait:
+                info["egress.rate_wait_ms"] = round(wait * 1e3, 1)
+                await asyncio.sleep(wait)
             yield info
         except BaseException as e:
             status = "error"

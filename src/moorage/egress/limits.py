@@ -51,19 +51,29 @@ class Usage:
         self._last = now
 
     def admit(self) -> None:
-        """Take one connection slot, or raise ``EgressLimited``; pair with ``release()``."""
+        """Take one connection slot now, or raise ``EgressLimited``; pair with ``release()``."""
+        self.reserve(0.0)
+
+    def reserve(self, max_wait_s: float) -> float:
+        """Take one connection slot and a place in the connection-rate queue; returns how long to wait before
+        connecting (0 within the burst). Past the rate, connections are spaced out rather than refused (a
+        ``pip install`` opens dozens in a row) until the wait would exceed ``max_wait_s``; past the open-connection
+        limit or the byte budget it raises ``EgressLimited``. Pair with ``release()``."""
         if self.open >= self.limits.max_connections:
             raise EgressLimited(f"too many open egress connections (limit {self.limits.max_connections})",
                                 hint="close connections you no longer need, or ask the operator for a higher limit")
-        self._refill()
-        if self._tokens < 1:
-            raise EgressLimited(f"too many new egress connections (limit {self.limits.connects_per_s:g}/s)",
-                                hint="retry after a short pause")
         if self.limits.max_bytes and self.bytes >= self.limits.max_bytes:
             raise EgressLimited(f"egress byte budget of {self.limits.max_bytes} bytes used up for this instance",
                                 hint="the budget renews when the instance wakes again")
+        self._refill()
+        # Tokens may go below zero: each waiter holds its place, so the rate holds however many wait at once.
+        wait = max(0.0, (1 - self._tokens) / self.limits.connects_per_s)
+        if wait > max_wait_s:
+            raise EgressLimited(f"too many new egress connections (limit {self.limits.connects_per_s:g}/s)",
+                                hint="retry after a short pause")
         self._tokens -= 1
         self.open += 1
+        return wait
 
     def release(self) -> None:
         self.open = max(0, self.open - 1)

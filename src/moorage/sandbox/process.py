@@ -441,7 +441,7 @@ class ProcessSandbox(Sandbox):
             created = time.time()
             write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
             os.rename(tmp, dest)
-            log.info("checkpoint", sandbox=self.id, name=name, linked=index["linked"], copied=index["copied"],
+            log.info("checkpoint", sandbox=self.id, checkpoint=name, linked=index["linked"], copied=index["copied"],
                      ms=round((time.perf_counter() - t0) * 1e3, 1))
             seen: set[tuple[int, int]] = set()
             for older in self._checkpoint_dirs():
