@@ -25,10 +25,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
-from websockets.frames import Close
 
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
+from moorage.runtime.app_socket import sendable_close_code
 
 log = get_logger(__name__)
 
@@ -238,7 +238,7 @@ class ForwardedSocket:
             await asyncio.gather(up, down, return_exceptions=True)
             if outcome.why != "owner-closed":
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.conn.close(_sendable(outcome.code), outcome.reason[:120]), 12)
+                    await asyncio.wait_for(self.conn.close(sendable_close_code(outcome.code), outcome.reason[:120]), 12)
             if outcome.why != "caller-closed":
                 with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
                     await asyncio.wait_for(ws.close(outcome.code, outcome.reason[:120]), 10)
@@ -255,7 +255,7 @@ class ForwardedSocket:
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
-                return SocketOutcome(_sendable(int(message.get("code") or NORMAL)), str(message.get("reason") or ""),
+                return SocketOutcome(sendable_close_code(int(message.get("code") or NORMAL)), str(message.get("reason") or ""),
                                      "caller-closed")
             text = message.get("text")
             data: str | bytes = text if text is not None else (message.get("bytes") or b"")
@@ -293,17 +293,8 @@ def _answer_headers(upstream: httpx.Response, owner_id: str, drop: frozenset[str
 
 def _owner_closed(e: ConnectionClosed) -> SocketOutcome:
     if e.rcvd is not None:
-        return SocketOutcome(_sendable(e.rcvd.code), e.rcvd.reason, "owner-closed")
+        return SocketOutcome(sendable_close_code(e.rcvd.code), e.rcvd.reason, "owner-closed")
     if e.sent is not None and e.sent.code == TOO_BIG:
         return SocketOutcome(INTERNAL, "the agent's app sent a message over the size limit", "owner-too-big")
     return SocketOutcome(INTERNAL, "the host that holds the agent closed the connection", "owner-lost")
 
-
-def _sendable(code: int) -> int:
-    """A close code that may be sent on: the reserved ones (no status, abnormal, TLS) say what they stand for."""
-    code = {1005: NORMAL, 1006: GOING_AWAY, 1015: INTERNAL}.get(code, code)
-    try:
-        Close(code, "").check()
-    except Exception:  # noqa: BLE001 - a code no endpoint may send: the plain one
-        return NORMAL
-    return code

@@ -232,7 +232,7 @@ class AppSocket:
                 if ev.opcode is Opcode.CLOSE:
                     await self._flush()  # the protocol's answering close frame
                     rcvd = self.protocol.close_rcvd
-                    code = _sendable(rcvd.code) if rcvd is not None else NORMAL
+                    code = sendable_close_code(rcvd.code) if rcvd is not None else NORMAL
                     return Outcome(code, rcvd.reason if rcvd is not None else "", "app-closed")
                 if ev.opcode in (Opcode.TEXT, Opcode.BINARY):
                     kind, parts = ev.opcode, [ev.data]
@@ -318,7 +318,7 @@ class AppSocket:
             if self.protocol.state is State.OPEN and outcome.why in ("caller-closed", "caller-too-big", "error"):
                 # The app hears the caller's close (or ours), as a WebSocket close; nobody waits for its answer.
                 code = outcome.code if outcome.why != "error" else GOING_AWAY
-                self.protocol.send_close(_sendable(code), outcome.reason)
+                self.protocol.send_close(sendable_close_code(code), outcome.reason)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._flush(), 5)
             with contextlib.suppress(Exception):
@@ -327,7 +327,7 @@ class AppSocket:
             _release(self.sandbox.id)
 
 
-def _sendable(code: int) -> int:
+def sendable_close_code(code: int) -> int:
     """A close code that may be sent on: the reserved ones (no status, abnormal, TLS) say what they stand for."""
     code = {1005: NORMAL, 1006: GOING_AWAY, 1015: INTERNAL}.get(code, code)
     try:
