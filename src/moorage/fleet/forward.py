@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
-from moorage.runtime.app_socket import sendable_close_code
+from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
 
 log = get_logger(__name__)
 
@@ -48,8 +48,6 @@ _TIMEOUT = httpx.Timeout(connect=5.0, read=660.0, write=60.0, pool=5.0)
 #: anything else (no length: server-sent events, chunked app answers; or larger) streams through.
 BUFFERED_MAX = 1 << 20
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
-#: Close codes the caller may be sent (RFC 6455 7.4.1): reserved ones stand for what they mean.
-NORMAL, GOING_AWAY, TOO_BIG, INTERNAL = 1000, 1001, 1009, 1011
 
 
 def forwarded_trace_id(headers: Mapping[str, str]) -> str | None:

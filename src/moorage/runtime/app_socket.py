@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol
 from websockets.client import ClientProtocol
 from websockets.datastructures import Headers
 from websockets.exceptions import InvalidStatus
-from websockets.frames import Close, Frame, Opcode
+from websockets.frames import Frame, Opcode
 from websockets.http11 import Response
 from websockets.protocol import SEND_EOF, State
 from websockets.uri import parse_uri
@@ -29,11 +29,10 @@ from moorage.runtime.app_proxy import (_DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, A
                                        open_connection)
 from moorage.sandbox import ChannelError, RemoteError
 from moorage.store import TenantStore
+from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
 
 log = get_logger(__name__)
 
-#: Close codes the caller may see (RFC 6455 §7.4.1).
-NORMAL, GOING_AWAY, PROTOCOL_ERROR, TOO_BIG, INTERNAL = 1000, 1001, 1002, 1009, 1011
 #: The guest drops a socket's connection when the host has not asked for its bytes for this long: the host keeps a
 #: read waiting at all times (each waits at most 25 s in the guest), so only a host that went away stops asking.
 GUEST_IDLE_S = 60
@@ -326,15 +325,6 @@ class AppSocket:
         finally:
             _release(self.sandbox.id)
 
-
-def sendable_close_code(code: int) -> int:
-    """A close code that may be sent on: the reserved ones (no status, abnormal, TLS) say what they stand for."""
-    code = {1005: NORMAL, 1006: GOING_AWAY, 1015: INTERNAL}.get(code, code)
-    try:
-        Close(code, "").check()
-    except Exception:  # noqa: BLE001 - a code no endpoint may send: the plain one
-        return NORMAL
-    return code
 
 
 def _release(sandbox_id: str) -> None:
