@@ -37,7 +37,21 @@ async def forever(params, ctx):
             f.write("cancelled")
         raise
 
+async def ask_and_note(params, ctx):
+    try:
+        await ctx.peer.call("host.never", {})
+    except asyncio.CancelledError:
+        note = "cancelled"
+        raise
+    except Exception as e:  # agent code may catch an error and go on: it must not get one when its host is gone
+        note = "caught " + type(e).__name__
+    finally:
+        with open(params["marker"], "w") as f:
+            f.write(note)
+    return {}
+
 def register(registry):
+    registry.add("t.ask_and_note", ask_and_note)
     registry.add("t.count", count)
     registry.add("t.ask_host", ask_host)
     registry.add("t.forever", forever)
@@ -184,6 +198,30 @@ async def test_timeout_cancels_guest_handler(start_guest, guest_copy: Path) -> N
     assert marker.read_text() == "cancelled"
     assert (await g.channel.call("ping"))["pong"]
     assert g.channel.rejected_frames == 0  # the late "cancelled" answer is dropped quietly
+
+
+async def test_a_handler_waiting_on_the_host_when_the_host_goes_away_is_cancelled_not_failed(
+        start_guest, guest_copy: Path) -> None:
+    """A VM restored from a snapshot sees its old host connection end while a turn waits on a host call: that
+    turn is cancelled (its code sees CancelledError, which it does not catch as an error and go on from), so
+    nothing it does after the restore point runs after a rollback."""
+    (guest_copy / "testext.py").write_text(EXT_SOURCE)
+    g = await start_guest("testext")
+    marker = g.workdir / "note"
+    asked = asyncio.Event()
+
+    async def never(params, ctx):
+        asked.set()
+        await asyncio.sleep(3600)
+
+    g.channel.register("host.never", never)
+    pending = asyncio.ensure_future(g.channel.call("t.ask_and_note", {"marker": str(marker)}, timeout=60))
+    await asyncio.wait_for(asked.wait(), 30)
+    await g.channel.close()
+    with pytest.raises(ChannelClosed):
+        await pending
+    assert await asyncio.to_thread(g.proc.wait, 30) is not None
+    assert marker.read_text() == "cancelled"
 
 
 # --- malformed frames --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ long-running process) with its files and store state; a fork carries that memory
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import AsyncIterator
@@ -110,3 +111,45 @@ async def test_retention_deletes_micro_vm_checkpoints(vm_env: Env, tmp_path: Pat
     assert "extra" not in {c.name for c in await sandbox.checkpoints()}
     assert "ckpt-extra" not in _disk_snapshots(sandbox.dir) and not (sandbox.dir / "checkpoints" / "extra").exists()
     assert await say("after sleep") == "count=11"  # wakes from its sleep snapshot as before
+
+
+MIGRATING = '''
+import json
+
+async def on_message(ctx, message):
+    if message == "migrate":
+        ctx.files.write("old.txt", "before")
+        try:
+            await ctx.checkpoint("before-migration")
+        except Exception as e:  # what a restored guest's agent would see if its call were failed, not cancelled
+            ctx.files.write("failed.txt", repr(e))
+            raise
+        ctx.files.write("new.txt", "after")
+        return "migrated"
+    if message == "ls":
+        return json.dumps(sorted(n for n in ctx.files.list(".") if n.endswith(".txt")))
+    return "echo: " + message
+'''
+
+
+async def test_a_rollback_to_a_checkpoint_taken_during_a_turn_leaves_no_turn_waiting_in_the_guest(
+        vm_env: Env, tmp_path: Path) -> None:
+    """The guest restored at ``ctx.checkpoint`` is inside that call, whose host is gone: the wake's first call
+    tells it so, and the old turn's code is cancelled there (it writes nothing more), not left waiting for an
+    answer while the next turns run."""
+    env = vm_env
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "mig", MIGRATING,
+                                                        extra_manifest="[agent.timetravel]\nauto = false\n"))
+
+    async def say(message: str) -> str:
+        # A guard, not a timing: a turn stuck behind the restored one would wait for the call's 300 s timeout.
+        return (await asyncio.wait_for(env.runtime.invoke(env.principal, EntityKey("mig", "ada"), message), 120)).reply
+
+    assert await say("migrate") == "migrated"
+    (ck,) = (await env.runtime.timetravel.list(env.principal, "mig", "ada"))["data"]
+    assert ck["summary"]["during_turn"]
+    await env.runtime.timetravel.rollback(env.principal, "mig", "ada", ck["id"])
+    assert json.loads(await say("ls")) == ["old.txt"]
+    assert json.loads(await say("ls")) == ["old.txt"]  # the restored turn wrote neither new.txt nor failed.txt
+    assert await say("migrate") == "migrated"
+    assert json.loads(await say("ls")) == ["new.txt", "old.txt"]

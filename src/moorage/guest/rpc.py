@@ -93,6 +93,8 @@ class Peer:
         self._ids = itertools.count(1)
         self._pending: Dict[int, "tuple[asyncio.Future, Optional[Callable[[str, Any], Any]]]"] = {}
         self._serving: Dict[Any, asyncio.Task] = {}
+        #: Tasks serving requests of a host that went away (cancelled at shutdown): see ``call``.
+        self._abandoned: "set[asyncio.Task]" = set()
         self.closed = False
         self.rejected_frames = 0
 
@@ -128,6 +130,14 @@ class Peer:
         except (asyncio.TimeoutError, asyncio.CancelledError):
             if not self.closed:
                 await self._safe_send({"method": "$cancel", "params": {"id": rid}})
+            raise
+        except PeerClosed:
+            # The host went away (for a VM, also a restore from a snapshot: the host that would answer this call
+            # is gone, and a rollback may have put everything after it aside). A task serving that host's request
+            # is cancelled; it must see the cancellation, not an error its code may catch and go on from (3.11's
+            # wait_for hands back the future's error when both happen at once).
+            if asyncio.current_task() in self._abandoned:
+                raise asyncio.CancelledError() from None
             raise
         finally:
             self._pending.pop(rid, None)
@@ -267,12 +277,15 @@ class Peer:
         if self.closed:
             return
         self.closed = True
+        # Requests of a host that went away are cancelled: an exec is killed, not left running unowned, and a
+        # turn stops where it is (nothing of it is answered or wanted any more).
+        self._abandoned = set(self._serving.values())
+        for task in self._abandoned:
+            task.cancel()
         for fut, _ in self._pending.values():
             if not fut.done():
                 fut.set_exception(PeerClosed(reason))
                 fut.exception()
-        for task in list(self._serving.values()):
-            task.cancel()  # an exec whose host went away is killed, not left running unowned
         try:
             self.writer.close()
         except Exception:
