@@ -469,7 +469,8 @@ def _open_as(pid: int, targets: dict[str, tuple[Path | str, str]]) -> dict[str, 
 
 async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(driver: MicroVMDriver, base: MicroVMSandbox, template: TemplateRef) -> None:
     """On a root host each QEMU runs as its sandbox's own unprivileged uid (booted, woken, forked, rolled back), and
-    that uid can open its own disk and its template's files but no other sandbox's RAM, disk or memory."""
+    that uid can open its own disk and its template's disk but not its template's RAM file, nor any other sandbox's
+    RAM, disk or memory."""
     from moorage.sandbox.microvm_user import VM_ID_BASE, VM_ID_SLOTS
 
     await base.wake()
@@ -486,7 +487,7 @@ async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(drive
         assert VM_ID_BASE <= uid < VM_ID_BASE + VM_ID_SLOTS and ids["cap_eff"] == [0], ids
         seen[sb.id] = uid
     assert len(set(seen.values())) == 3, seen  # one uid per sandbox
-    tpl_gid = (template.path / "ram").stat().st_gid
+    tpl_gid = (template.path / "disk.qcow2").stat().st_gid
     assert _ids(a.pid)["groups"] == [tpl_gid] and _ids(base.pid)["groups"] == [], "only a fork gets its template's group"
     # After a sleep and a wake, and after a rollback: the same uid again, never 0.
     await a.sleep()
@@ -497,11 +498,12 @@ async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(drive
     assert not [s for s in sets for f in s["fds"] if f.get("opaque", "").endswith("dev.state")], sets
     await a.rollback("c1")
     assert a.last_wake_mode == "snapshot" and _ids(a.pid)["uid"] == [seen["uid-a"]] * 4
-    # What a's uid may open: its own disk, its template's RAM (mapped privately) and disk (read only). Nothing of b
-    # (a fork of the same template), of base, or of b's process.
+    # What a's uid may open: its own disk and its template's disk (read only). Not its template's RAM file (it maps
+    # a sealed copy, see below), nothing of b (a fork of the same template), of base, or of b's process.
     got = _open_as(a.pid, {
         "own disk": (a.dir / "disk.qcow2", "O_RDWR"),
         "template ram": (template.path / "ram", "O_RDWR"),
+        "template ram, read": (template.path / "ram", "O_RDONLY"),
         "template disk, read": (template.path / "disk.qcow2", "O_RDONLY"),
         "template disk, write": (template.path / "disk.qcow2", "O_WRONLY"),
         "sibling disk": (b.dir / "disk.qcow2", "O_RDONLY"),
@@ -513,10 +515,116 @@ async def test_qemu_runs_as_a_uid_of_its_own_that_opens_no_other_vms_files(drive
     })
     denied = "Permission denied"
     assert got == {
-        "own disk": "opened", "template ram": "opened", "template disk, read": "opened",
+        "own disk": "opened", "template ram": denied, "template ram, read": denied, "template disk, read": "opened",
         "template disk, write": denied, "sibling disk": denied, "base ram": denied, "base disk": denied,
         "base ram by name": denied, "sibling memory": denied, "own checkpoint state": denied,
     }, got
+    await a.destroy()
+    await b.destroy()
+
+
+#: Run as a fork's QEMU uid with the descriptor of its template's RAM that QEMU holds (inherited as fd N): every
+#: way to change its bytes, each reported as "changed" or the error.
+_RAM_PROBE = """
+import ctypes, errno, fcntl, json, mmap, os, sys
+fd_no = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+out = {}
+def attempt(label, f):
+    try:
+        f()
+        out[label] = "changed"
+    except OSError as e:
+        out[label] = errno.errorcode.get(e.errno, str(e.errno))
+def punch(fd):
+    if libc.fallocate(fd, 3, 0, 4096):  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        raise OSError(ctypes.get_errno(), "fallocate")
+size = os.fstat(fd_no).st_size
+first = os.pread(fd_no, 4096, 0)
+fd = os.open(f"/proc/self/fd/{fd_no}", os.O_RDWR)  # as QEMU 7.2 opens mem-path: this works
+attempt("write", lambda: os.write(fd, b"owned"))
+attempt("pwrite", lambda: os.pwrite(fd, b"owned", 4096))
+attempt("punch hole", lambda: punch(fd))
+attempt("truncate shorter", lambda: os.ftruncate(fd, 4096))
+attempt("truncate longer", lambda: os.ftruncate(fd, size + 4096))
+attempt("map shared writable", lambda: mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
+attempt("remove seals", lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0))
+private = mmap.mmap(fd, 4096, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+private[:5] = b"owned"  # copy-on-write: this process's page only
+out["private copy written"] = private[:5] == b"owned"
+out["seals"] = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+out["unchanged"] = os.pread(fd, 4096, 0) == first and os.fstat(fd).st_size == size
+print(json.dumps(out))
+"""
+
+
+def _same_bytes(fd: int, path: Path) -> bool:
+    """Does the descriptor read exactly the file's bytes? (Not a digest of extents: a fork's read of a hole fills the
+    memfd's hole with a zero page, which changes where its data is, not what it reads.)"""
+    with open(path, "rb") as f:
+        if os.fstat(fd).st_size != os.fstat(f.fileno()).st_size:
+            return False
+        off = 0
+        while chunk := f.read(4 * MiB):
+            if os.pread(fd, len(chunk), off) != chunk:
+                return False
+            off += len(chunk)
+    return True
+
+
+async def test_a_forks_qemu_cannot_write_the_ram_its_siblings_map(driver: MicroVMDriver, template: TemplateRef) -> None:
+    """A fork's QEMU maps its template's RAM from a sealed memfd, not from the file: as that QEMU's uid, with the very
+    descriptor QEMU holds, writing, punching, truncating, mapping it shared and writable, and unsealing all fail;
+    the template RAM file is root's 0400 and no QEMU holds it; siblings wake with the template's memory."""
+    from moorage.sandbox import microvm_memfd
+    from moorage.sandbox import microvm_ram as ram
+
+    a, b = await driver.fork(template, ["seal-a", "seal-b"])
+    await asyncio.gather(a.wake(), b.wake())
+    if os.geteuid() != 0:  # an unprivileged host: QEMU runs as the host's own uid and maps the file itself
+        return
+    tram = template.path / "ram"
+    st = tram.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o400)
+    # What the QEMU holds: the memfd (by the name the driver gives it), never the file.
+    name = f"/memfd:{microvm_memfd.memfd_name(tram)} (deleted)"
+    links = {n: os.readlink(f"/proc/{a.pid}/fd/{n}") for n in os.listdir(f"/proc/{a.pid}/fd")}
+    assert str(tram) not in links.values(), links
+    held = [n for n, target in links.items() if target == name]  # the one inherited, the one QEMU opened through it
+    assert held, links
+    qemu_fd = held[-1]
+    m = ram.find_mapping(a.pid, tram)
+    maps = Path(f"/proc/{a.pid}/maps").read_text()
+    assert f"{m.start:x}-{m.end:x} rw-p" in maps and name in maps and str(tram) not in maps
+    fd = os.open(f"/proc/{a.pid}/fd/{qemu_fd}", os.O_RDONLY)
+    try:
+        assert _same_bytes(fd, tram)  # a faithful copy
+        ids = _ids(a.pid)
+        r = subprocess.run(["setpriv", f"--reuid={ids['uid'][0]}", f"--regid={ids['gid'][0]}",
+                            f"--groups={','.join(map(str, ids['groups']))}", "--",
+                            "/usr/bin/python3", "-c", _RAM_PROBE, str(fd)],
+                           capture_output=True, text=True, pass_fds=[fd], timeout=30)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got == {
+            "write": "EPERM", "pwrite": "EPERM", "punch hole": "EPERM", "truncate shorter": "EPERM",
+            "truncate longer": "EPERM", "map shared writable": "EPERM", "remove seals": "EPERM",
+            "private copy written": True, "seals": microvm_memfd.SEALS, "unchanged": True,
+        }, got
+        assert _same_bytes(fd, tram)
+    finally:
+        os.close(fd)
+    # Siblings still run from the template's memory (the token lives only in the memory of a process the template
+    # holds), and sleep and wake as their own copies.
+    token = await ask_token(a)
+    assert await ask_token(b) == token
+    await a.write_file("/work/only-a.txt", b"a")
+    await asyncio.gather(a.sleep(), b.sleep())
+    await asyncio.gather(a.wake(), b.wake())
+    assert await a.read_file("/work/only-a.txt") == b"a" and await ask_token(a) == token
+    assert await out(b, ["sh", "-c", "test -e /work/only-a.txt && echo yes || echo no"]) == "no"
+    assert await ask_token(b) == token
     await a.destroy()
     await b.destroy()
 

@@ -1,7 +1,7 @@
 """Guest RAM files for the micro-VM driver: whole-file digests, sparse copies, and copy-on-write deltas.
 
-A forked VM maps its template's RAM file privately (MAP_PRIVATE): pages the guest writes become anonymous pages
-of the QEMU process. The host finds them in /proc/PID/pagemap and saves only those ("the delta") when the VM
+A forked VM maps its template's RAM privately (MAP_PRIVATE; on a root host from a sealed memfd copy of the file,
+``microvm_memfd``): pages the guest writes become anonymous pages of the QEMU process. The host finds them in /proc/PID/pagemap and saves only those ("the delta") when the VM
 sleeps; waking maps the template again and writes the delta back through /proc/PID/mem before the guest runs.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from moorage.sandbox import microvm_memfd
 from moorage.sandbox.base import SandboxError, SnapshotCorrupt
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -42,13 +43,16 @@ class Mapping:
 
 
 def find_mapping(pid: int, path: Path) -> Mapping:
-    """The address range where QEMU mapped the guest RAM file ``path`` (the biggest mapping of it)."""
-    target = str(path)
+    """The address range where QEMU mapped the guest RAM file ``path`` (the biggest mapping of it), or the sealed
+    memfd copy of it a fork maps (``microvm_memfd``; by its name, so QEMUs an earlier host process started count)."""
+    targets = {str(path)}
+    if (name := microvm_memfd.memfd_name(path)) is not None:
+        targets.add(f"/memfd:{name}")
     best: Mapping | None = None
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5].rstrip("\n").removesuffix(" (deleted)") == target:
+            if len(parts) == 6 and parts[5].rstrip("\n").removesuffix(" (deleted)") in targets:
                 start, end = (int(x, 16) for x in parts[0].split("-"))
                 m = Mapping(start, end, int(parts[2], 16))
                 if best is None or (m.end - m.start) > (best.end - best.start):
@@ -78,10 +82,11 @@ def dirty_runs(pid: int, m: Mapping) -> list[tuple[int, int]]:
 
 
 def save_delta(pid: int, m: Mapping, template_ram: Path, out_dir: Path) -> int:
-    """Write ``ram.delta`` + ``ram.idx`` (pages that differ from the template) into ``out_dir``; returns bytes."""
+    """Write ``ram.delta`` + ``ram.idx`` (pages that differ from the template) into ``out_dir``; returns bytes.
+    The template's pages are read from its sealed memfd where this process has one (the pages forks map)."""
     runs = dirty_runs(pid, m)
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    tpl = os.open(template_ram, os.O_RDONLY)
+    tpl = microvm_memfd.open_for_reading(template_ram)
     kept: list[tuple[int, int]] = []
     data_path, idx_path = out_dir / "ram.delta.tmp", out_dir / "ram.idx.tmp"
     total = 0

@@ -2,7 +2,8 @@
 
 Every sandbox has a uid of its own (``VM_ID_BASE`` + a slot from a machine-wide registry); QEMU starts already as
 that uid (setpriv, no capabilities, ``no_new_privs``) and opens no host path by name: RAM, disks (the whole backing
-chain), kernel, initrd, console and sockets are opened or bound here and passed down (docs/security.md).
+chain), kernel, initrd, console and sockets are opened or bound here and passed down, a fork's template RAM as a
+sealed memfd (``microvm_memfd``; docs/security.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moorage.sandbox import microvm_memfd
 from moorage.sandbox.base import SandboxError
 
 #: First uid (and gid) of the micro-VM range: above the container ranges systemd hands out (up to 0x6FFFFFFF),
@@ -211,12 +213,12 @@ class _Builder:
         self._fdset += 1
         return self._fdset, f"fd={fd},set={self._fdset},opaque={what}"
 
-    def shared_file(self, path: Path, writable: bool) -> None:
-        """A file this VM shares with others of its template (template RAM or disk): group access through the
+    def shared_file(self, path: Path) -> None:
+        """A file this VM shares read-only with others of its template (a template disk): group access through the
         template's own gid, which this VM gets as a supplementary group; never world access."""
         owner = path.parent
         gid = vm_id(owner)
-        _own(path, 0, gid, 0o660 if writable else 0o440)
+        _own(path, 0, gid, 0o440)
         self.groups.add(gid)
 
     def readable(self, path: Path) -> None:
@@ -242,7 +244,8 @@ def _join(opts: list[tuple[str, str | None]]) -> str:
 
 def prepare(argv: list[str], run_dir: Path, console_pipe: Path) -> Launch:
     """Rewrite a QEMU command line (``microvm_qemu.build_argv``) to run as the sandbox's own uid: the files it
-    names get that uid (or its template's group) and mode 0600/0660/0440, and are passed as descriptors; its
+    names get that uid (or its template's group) and mode 0600/0440 (a template's RAM root's 0400: forks map a
+    sealed memfd copy of it), and are passed as descriptors; its
     sockets are bound here in the root-owned run directory and passed listening. Nothing that can block long, and
     no process is started (a wake stays fast)."""
     sandbox_dir = run_dir.parent
@@ -260,9 +263,16 @@ def prepare(argv: list[str], run_dir: Path, console_pipe: Path) -> Launch:
                 path = Path(str(dict(opts)["mem-path"]))
                 if path.parent.resolve() == sandbox_dir.resolve():
                     _own(path, uid, uid, 0o600)
-                else:  # a fork maps its template's RAM privately; QEMU 7.2 still opens it read-write
-                    b.shared_file(path, writable=True)
-                opts = [(k, b.path_fd(path) if k == "mem-path" else v) for k, v in opts]
+                    mem_path = b.path_fd(path)
+                else:
+                    # A fork maps its template's RAM privately, but QEMU 7.2 opens it read-write all the same: it
+                    # gets a memfd copy sealed against every write instead (copy-on-write still works), and the
+                    # file itself stays root's alone.
+                    _own(path, 0, 0, 0o400)
+                    fd = microvm_memfd.lease(path)
+                    b.fds.append(fd)
+                    mem_path = f"/proc/self/fd/{fd}"
+                opts = [(k, mem_path if k == "mem-path" else v) for k, v in opts]
                 out += [a, _join(opts)]
                 i += 2
                 continue
@@ -278,7 +288,7 @@ def prepare(argv: list[str], run_dir: Path, console_pipe: Path) -> Launch:
                     if fmt not in ("qcow2", "raw"):
                         raise VMUserError(f"{cur} names a backing file in format {fmt!r}", hint="only qcow2 and raw are used")
                     if rule.is_template_disk(path):
-                        b.shared_file(path, writable=False)
+                        b.shared_file(path)
                     else:
                         b.readable(path)
                     opts += [(f"{prefix}driver", fmt), (f"{prefix}file.filename", b.path_fd(path))]
