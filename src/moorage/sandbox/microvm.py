@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
 from moorage.log import get_logger
+from moorage.sandbox import microvm_memfd
 from moorage.sandbox import microvm_ram as ram
 from moorage.sandbox import microvm_user
 from moorage.sandbox.accel import choose_accel, probe_kvm
@@ -194,6 +195,7 @@ def _collect_template(tdir: Path) -> None:
     """Remove a deleted template once no fork depends on its RAM and disk any more."""
     children = tdir / "children"
     if (tdir / "deleted").exists() and not (children.exists() and any(children.iterdir())):
+        microvm_memfd.release(tdir / "ram")
         shutil.rmtree(tdir, ignore_errors=True)
 
 
@@ -292,6 +294,10 @@ class MicroVMSandbox(Sandbox):
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
         paths = self._paths()
+        if self.ram_mode == "delta" and os.geteuid() == 0:
+            # A fork's QEMU maps its template's RAM from a sealed memfd: the first launch in this process copies
+            # the file into it, off the event loop (later ones find it made).
+            await asyncio.to_thread(microvm_memfd.sealed_ram, self._ram_path())
         if self._net is not None:
             self._net.close()
             self._net = None
@@ -1393,3 +1399,4 @@ class MicroVMDriver(SandboxDriver):
         for sb in list(self._open.values()):
             await sb._detach()
         self._open.clear()
+        microvm_memfd.release_under(self.root)  # running QEMUs keep their own references
