@@ -234,6 +234,9 @@ class ProcessSandbox(Sandbox):
     async def _connect(self, timeout: float) -> Channel:
         deadline = time.monotonic() + timeout
         last_error = "no socket yet"
+        # The supervisor listens some 50-100 ms after the start (Python and asyncio imports): polled at 2 ms,
+        # then less often, so a boot (and a rollback, which is one) is not rounded up to the next 20 ms.
+        delay = 0.002
         while time.monotonic() < deadline:
             if not self._alive():
                 tail = _tail(self.dir / "supervisor.log")
@@ -244,7 +247,8 @@ class ProcessSandbox(Sandbox):
                                                  max_guest_inflight=self.driver.config.guest_calls_per_channel)
                 except ChannelError as e:
                     last_error = str(e)
-                    await asyncio.sleep(0.02)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.02)
                     continue
                 try:
                     await ch.call("ping", timeout=10)
@@ -257,7 +261,8 @@ class ProcessSandbox(Sandbox):
                 except ChannelError as e:
                     await ch.close()
                     last_error = str(e)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.02)
         raise SandboxError(f"sandbox {self.id} did not answer within {timeout:g}s ({last_error})", hint="see supervisor.log")
 
     def _start_watchdog(self) -> None:
@@ -501,11 +506,17 @@ class ProcessSandbox(Sandbox):
             if not (src / "layer").is_dir():
                 raise SnapshotCorrupt(f"checkpoint {name!r} of sandbox {self.id} has no layer directory")
             was_running = self._state is SandboxState.RUNNING
-            if was_running:
-                await self._kill()  # processes and memory are not part of a process-driver checkpoint
             # Swap in a copy so the checkpoint itself stays reusable; the old layer is removed only after the swap.
+            # The copy is made while the processes are killed (processes and memory are not part of a
+            # process-driver checkpoint): the checkpoint does not change, and nothing uses the copy until the swap.
             fresh = self.dir / f".layer-rollback-{uuid.uuid4().hex[:8]}"
-            await copy_tree(src / "layer", fresh)
+            copied, killed = await asyncio.gather(copy_tree(src / "layer", fresh),
+                                                  self._kill() if was_running else asyncio.sleep(0),
+                                                  return_exceptions=True)
+            for err in (killed, copied):
+                if isinstance(err, BaseException):
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    raise err
             old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
             os.rename(self.layer, old)
             os.rename(fresh, self.layer)
