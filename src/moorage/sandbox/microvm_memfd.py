@@ -78,10 +78,15 @@ def sealed_ram(path: Path) -> SealedRam:
             return entry
         fresh = _build(path, st)
         with _lock:
-            old = _cache.get(key)
+            old = [e for e in (_cache.get(key),) if e is not None]
             _cache[key] = fresh
-        if old is not None:  # QEMUs that mapped the old copy keep their own reference to it
-            os.close(old.fd)
+            # Copies of files gone meanwhile (a template another host process collected) go too, so none is kept
+            # for longer than until the next copy is made.
+            for k in [k for k in _cache if k != key and not os.path.exists(k)]:
+                old.append(_cache.pop(k))
+                _building.pop(k, None)
+        for entry in old:  # QEMUs that mapped an old copy keep their own reference to it
+            os.close(entry.fd)
     return fresh
 
 
