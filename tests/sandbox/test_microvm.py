@@ -22,6 +22,7 @@ from moorage.config import Config
 from moorage.errors import InvalidInput
 from moorage.sandbox import SandboxSpec, SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
 from moorage.sandbox.microvm import MicroVMDriver, MicroVMSandbox
+from moorage.sandbox import microvm_user
 from moorage.sandbox.microvm_qemu import pid_is_ours
 
 from .test_conformance import _make_wheel
@@ -358,8 +359,15 @@ async def test_destroy_kills_qemu_and_orphans_are_found(driver: MicroVMDriver, r
     gone, orphan = await driver.fork(template, ["to-destroy", "to-orphan"])
     await asyncio.gather(gone.wake(), orphan.wake())
     pid = gone.pid
+    key = str(gone.dir.resolve())
+
+    def claims() -> set[str]:
+        return {os.readlink(e) for e in microvm_user.REGISTRY.iterdir() if e.is_symlink()}
+
+    assert key in claims()  # its QEMU ran as a uid of its own
     await gone.destroy()
     assert gone.state is SandboxState.DESTROYED and not gone.dir.exists()
+    assert key not in claims()  # given back: the registry holds directories that exist
     assert not pid_is_ours(pid, str(gone.run_dir))
     assert "to-destroy" not in await driver.list()
     # A host crash in the middle of a sleep: the metadata says sleeping, the QEMU still runs.

@@ -196,6 +196,7 @@ def _collect_template(tdir: Path) -> None:
     children = tdir / "children"
     if (tdir / "deleted").exists() and not (children.exists() and any(children.iterdir())):
         microvm_memfd.release(tdir / "ram")
+        microvm_user.release(tdir)  # the group id its forks had
         shutil.rmtree(tdir, ignore_errors=True)
 
 
@@ -944,6 +945,7 @@ class MicroVMSandbox(Sandbox):
             if tpl:
                 (Path(tpl) / "children" / self.id).unlink(missing_ok=True)
                 _collect_template(Path(tpl))
+            microvm_user.release(self.dir)  # its QEMU is gone: the uid goes back to the machine's registry
             shutil.rmtree(self.dir, ignore_errors=True)
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self._meta["state"] = SandboxState.DESTROYED.value
@@ -1253,6 +1255,9 @@ class MicroVMDriver(SandboxDriver):
                 await qmp.save_device_state(tmp / "dev.state")
                 m = ram.find_mapping(sandbox.pid, sandbox._ram_path())
                 await asyncio.to_thread(ram.read_all, sandbox.pid, m, tmp / "ram")
+                # Root's alone from the start on a root host (forks map a sealed copy, microvm_memfd); an
+                # unprivileged host's QEMU maps the file itself and opens it read-write.
+                os.chmod(tmp / "ram", 0o400 if os.geteuid() == 0 else 0o600)
                 await asyncio.to_thread(shutil.copyfile, sandbox.dir / "disk.qcow2", tmp / "disk.qcow2")
                 # Its QEMU can write the disk's header: a template (root's, shared) never inherits a backing file
                 # other than the one the host gave the sandbox.

@@ -49,47 +49,71 @@ def _registry() -> Path:
 def vm_id(owner: Path) -> int:
     """The uid (or gid) that belongs to ``owner`` (a sandbox or template directory), claimed on first use.
 
-    Slots are found from a hash of the path, so a lookup is one readlink. A claim whose directory is gone is
-    stale and may be taken over (under the registry's lock): ids are unique among directories that exist.
+    Slots are found from a hash of the path, so a lookup is usually one readlink. A claim whose directory is gone
+    is stale and may be taken over (under the registry's lock): ids are unique among directories that exist. A
+    removed directory's claim is given back (``release``), so the probe window may have holes: a key is looked for
+    across the whole window, not only up to the first free slot.
     """
-    owner = Path(owner).resolve()
-    key = str(owner)
-    start = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % VM_ID_SLOTS
+    key = str(Path(owner).resolve())
+    start = _start(key)
     reg = _registry()
-    for i in range(_PROBES):
+    slot = _find(reg, key, start)
+    return VM_ID_BASE + slot if slot is not None else _claim(reg, key, start)
+
+
+def release(owner: Path) -> None:
+    """Give back the slot of ``owner`` (a sandbox or template directory being removed, its QEMU gone), so the
+    registry holds the directories that exist rather than every one ever made."""
+    if not REGISTRY.is_dir():
+        return
+    key = str(Path(owner).resolve())
+    with open(REGISTRY / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        slot = _find(REGISTRY, key, _start(key))
+        if slot is not None:
+            (REGISTRY / str(slot)).unlink(missing_ok=True)
+
+
+def _start(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % VM_ID_SLOTS
+
+
+def _find(reg: Path, key: str, start: int) -> int | None:
+    """The slot in ``start``'s probe window that ``key`` holds, or None: the first slot (almost always), else
+    the window's entries that exist (one directory listing, not thousands of failed readlinks)."""
+    with contextlib.suppress(FileNotFoundError):
+        if os.readlink(reg / str(start)) == key:
+            return start
+    names = set(os.listdir(reg))
+    for i in range(1, _PROBES):
         slot = (start + i) % VM_ID_SLOTS
-        try:
-            held = os.readlink(reg / str(slot))
-        except FileNotFoundError:
-            return _claim(reg, slot, key, start)
-        if held == key:
-            return VM_ID_BASE + slot
-        if not os.path.isdir(held):
-            return _claim(reg, slot, key, start)
-    raise VMUserError(f"no free micro-VM uid near slot {start} in {reg}",
-                      hint=f"remove entries of sandboxes that no longer exist from {reg}")
+        if str(slot) in names:
+            with contextlib.suppress(FileNotFoundError):
+                if os.readlink(reg / str(slot)) == key:
+                    return slot
+    return None
 
 
-def _claim(reg: Path, first: int, key: str, start: int) -> int:
-    """Take the first free or stale slot from ``first`` on, holding the registry lock (claims are rare)."""
+def _claim(reg: Path, key: str, start: int) -> int:
+    """Take the first free or stale slot of the window, holding the registry lock (claims are rare)."""
     with open(reg / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        slot = first
-        for _ in range(_PROBES):
+        found = _find(reg, key, start)  # another host process may have claimed it meanwhile
+        if found is not None:
+            return VM_ID_BASE + found
+        for i in range(_PROBES):
+            slot = (start + i) % VM_ID_SLOTS
             entry = reg / str(slot)
             try:
-                held = os.readlink(entry)
+                held: str | None = os.readlink(entry)
             except FileNotFoundError:
                 held = None
-            if held == key:
-                return VM_ID_BASE + slot
             if held is None or not os.path.isdir(held):
                 tmp = reg / f".{slot}.{os.getpid()}"
                 tmp.unlink(missing_ok=True)
                 os.symlink(key, tmp)
                 os.replace(tmp, entry)
                 return VM_ID_BASE + slot
-            slot = (slot + 1) % VM_ID_SLOTS
     raise VMUserError(f"no free micro-VM uid near slot {start} in {reg}",
                       hint=f"remove entries of sandboxes that no longer exist from {reg}")
 
