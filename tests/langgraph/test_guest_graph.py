@@ -56,7 +56,9 @@ def index() -> Iterator[int]:
 async def _env(tmp: Path, index: int, wire: WireServer, driver_name: str) -> AsyncIterator[Env]:
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
-    # The index by a name (pip inside the sandbox reaches loopback addresses directly, skipping the gateway).
+    # The index by a name that the gateway's resolver maps to loopback, an address the operator's policy admits
+    # here: pip in the template's builder reaches it through the egress relay on the channel and the host's gateway
+    # (both drivers; the micro-VM's NIC and 10.0.2.2:3128 are for agents with [agent.network], not deploys).
     url = f"http://pypi.test:{index}"
     cfg = Config(data_dir=tmp / "data", sandbox_driver=driver_name, egress_allow_cidrs="127.0.0.0/8",
                  egress_package_index=url, package_index_url=url + "/simple/", llm_provider="openai",

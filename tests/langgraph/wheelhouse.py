@@ -48,7 +48,8 @@ def _digest(data: bytes) -> str:
 
 def repack(dist: md.Distribution, out_dir: Path) -> Path:
     """A wheel of an installed distribution: its files under site-packages, its dist-info and a RECORD of them.
-    Scripts outside site-packages (``../../bin``) are left out; nothing here needs them."""
+    Scripts outside site-packages (``../../bin``) are left out; nothing here needs them. Compressed, as PyPI's
+    are: a micro-VM's pip downloads them through the channel's relay (zstandard: 24 MB stored, 5.6 MB deflated)."""
     wheel_meta = dist.read_text("WHEEL") or ""
     tags = [l.split(":", 1)[1].strip() for l in wheel_meta.splitlines() if l.startswith("Tag:")]
     name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
@@ -56,7 +57,7 @@ def repack(dist: md.Distribution, out_dir: Path) -> Path:
     parts = [list(dict.fromkeys(t.split("-")[i] for t in tags)) for i in range(3)] if tags else [["py3"], ["none"], ["any"]]
     out = out_dir / f"{name}-{dist.version}-{'-'.join('.'.join(p) for p in parts)}.whl"
     record, info_dir = [], None
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for f in dist.files or ():
             rel = str(f)
             if rel.startswith("..") or "__pycache__" in rel:
