@@ -104,6 +104,18 @@ class Bench:
     async def say(self, msg: str) -> str:
         return str((await self.rt.invoke(self.attacker, self.mallory, msg)).reply)
 
+    async def clean_up(self) -> None:
+        """Between attacks: the attacker's disk emptied. An attack that ended with its sandbox stopped (a filled
+        disk, a broken protocol) may still be stopping when this turn starts, which then fails cleanly: retried."""
+        for attempt in range(3):
+            try:
+                await self.say("clean-disk")
+                return
+            except MoorageError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(0.5)
+
     async def neighbour_turn(self) -> float:
         t = time.perf_counter()
         r = await self.rt.invoke(self.neighbour, self.echo, "hello")
@@ -259,14 +271,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             o.lower() in a.name.lower() for o in args.only))]
         for a in chosen:
             await a.run(b)
-            await b.say("clean-disk")
+            await b.clean_up()
         quiet = await sample_neighbour(b, args.samples * 2)
         res["quiet"] = {"p50_ms": pct(quiet, 0.5) * 1e3, "p99_ms": pct(quiet, 0.99) * 1e3, "n": len(quiet)}
         print(f"quiet: neighbour p50 {res['quiet']['p50_ms']:.1f} ms p99 {res['quiet']['p99_ms']:.1f} ms", flush=True)
         res["attacks"] = []
         for a in chosen:
             r = await under_attack(b, a, args.samples)
-            await b.say("clean-disk")
+            await b.clean_up()
             res["attacks"].append(r)
             print(f"{a.name}: {'contained' if r['contained'] else 'NOT CONTAINED'}; neighbour p99 "
                   f"{r['neighbour_p99_ms']:.1f} ms (quiet just before {r['quiet_before_p99_ms']:.1f} ms); host RSS +{r['rss_growth_mib']:.1f} MiB (bound {a.bound_mib}); "

@@ -146,6 +146,10 @@ class Config:
     #: Guest-initiated requests served at once per tenant over all its sandboxes; more wait their turn, so one
     #: tenant cannot hold every worker of the host's shared executor.
     guest_calls_per_tenant: int = 8
+    #: CPU of the host's worker threads a tenant's guest calls may use, sustained, in cores (after a burst of a
+    #: quarter second): past it the tenant's next call waits. The host is one process whose threads share one
+    #: interpreter lock, so calls that keep a worker busy slow every tenant's turns (runtime/cpu_share.py).
+    guest_cpu_share: float = 0.25
 
     @property
     def images_dir(self) -> Path:

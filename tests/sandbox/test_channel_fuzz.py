@@ -208,6 +208,9 @@ def test_event_flood_gets_backpressure_and_a_reader_that_stops_fails_the_call(mo
     from moorage.sandbox import channel as channel_mod
 
     monkeypatch.setattr(channel_mod, "EVENT_STALL_S", 0.5)
+    # Backpressure, not the reader's frame rate (test_fairness.py), is what this tests: the rate is not in the way.
+    monkeypatch.setattr(channel_mod, "READ_FRAMES_PER_S", 1 << 30)
+    monkeypatch.setattr(channel_mod, "READ_BURST_FRAMES", 1 << 30)
     total = channel_mod.MAX_PENDING_EVENTS * 3
 
     async def body() -> None:

@@ -159,3 +159,39 @@ async def test_a_flooding_channel_hands_the_loop_back_between_large_frames() -> 
     finally:
         await ch.close()
         gw.close()
+
+
+async def test_a_guest_that_keeps_sending_gets_its_frames_read_at_the_readers_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past a burst, a reader takes at most READ_FRAMES_PER_S frames a second from one guest however fast they come
+    (each frame costs the host more than its decoding): the rest wait in the socket, the guest waits on them."""
+    from moorage.sandbox import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "READ_FRAMES_PER_S", 200)
+    monkeypatch.setattr(channel_mod, "READ_BURST_FRAMES", 100)
+    host_sock, guest_sock = socket.socketpair()
+    r, w = await asyncio.open_connection(sock=host_sock)
+    ch = Channel(r, w, name="rate")
+    ch.start()
+    gr, gw = await asyncio.open_connection(sock=guest_sock)
+    frames = 400
+    try:
+        stream = ch.stream("produce")
+        await stream._begin()
+        (n,) = struct.unpack(">I", await gr.readexactly(4))
+        rid = json.loads(await gr.readexactly(n))["id"]
+        started = asyncio.get_running_loop().time()
+        for i in range(frames):
+            p = json.dumps({"id": rid, "event": "tick", "data": i}).encode()
+            gw.write(struct.pack(">I", len(p)) + p)
+        done = json.dumps({"id": rid, "result": "done"}).encode()
+        gw.write(struct.pack(">I", len(done)) + done)
+        await gw.drain()
+        got = [ev.data async for ev in stream]
+        elapsed = asyncio.get_running_loop().time() - started
+        assert got == list(range(frames)) and stream.result == "done"  # all of them, in order
+        # 100 at once, then 200 a second (checked every 64 frames, so up to 63 more go free): the other 237 take at
+        # least 1.18 s, where the reader alone takes ~10 ms (a lower bound: a slow host only adds to it).
+        assert elapsed >= 1.1, elapsed
+    finally:
+        await ch.close()
+        gw.close()

@@ -8,6 +8,7 @@ import stat
 import time
 from pathlib import Path
 
+from moorage.sandbox.process_fs import disk_usage
 from moorage.sandbox.process_snapshot import snapshot_tree, write_index
 
 
@@ -17,6 +18,12 @@ def _take(layer: Path, base: Path, name: str, prev: Path | None) -> tuple[Path, 
     index = snapshot_tree(layer, ck / "layer", prev)
     write_index(ck, index)
     return ck, index
+
+
+def _inodes(tree: Path) -> set[tuple[int, int]]:
+    seen: set[tuple[int, int]] = set()
+    disk_usage(tree, seen)
+    return seen
 
 
 def _age(path: Path) -> None:
@@ -47,6 +54,10 @@ def test_unchanged_files_are_linked_changed_and_new_ones_copied(tmp_path: Path) 
     assert not (a / "layer" / "new.txt").exists()
     # The live layer never shares an inode with a checkpoint.
     assert os.stat(layer / "pkg" / "m5.py").st_ino != os.stat(b / "layer" / "pkg" / "m5.py").st_ino
+    # What each added is counted as it was made: exactly what a walk that skips files shared with older
+    # checkpoints finds (here its two copies and its two directories), without walking the older ones.
+    assert ia["added"] == disk_usage(a / "layer")
+    assert ib["added"] == disk_usage(b / "layer", seen=_inodes(a / "layer")) < ia["added"]
 
 
 def test_a_change_that_keeps_size_and_mtime_is_still_copied(tmp_path: Path) -> None:

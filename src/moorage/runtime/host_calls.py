@@ -7,6 +7,7 @@ words: a call names a ``turn_id`` and the host looks up which tenant, agent, use
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -20,6 +21,7 @@ from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, Replay
 from moorage.durable.runlog import earlier_entries
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
+from moorage.runtime import cpu_share
 from moorage.sandbox.channel import HandlerError
 from moorage.store import EntityKey, Scope, TenantStore
 
@@ -36,6 +38,20 @@ MAX_FETCH_BYTES = 1 << 20
 
 #: Per runtime, per tenant: how many guest-initiated calls may run at once (``Config.guest_calls_per_tenant``).
 _SHARES: "weakref.WeakKeyDictionary[Any, dict[str, asyncio.Semaphore]]" = weakref.WeakKeyDictionary()
+
+
+#: Guest calls whose host work is not charged to the tenant's CPU share.
+_UNMETERED = frozenset({"llm.complete"})
+_METERS: "weakref.WeakKeyDictionary[Any, dict[str, cpu_share.Meter]]" = weakref.WeakKeyDictionary()
+
+
+def _tenant_meter(rt: Any, tenant_id: str) -> cpu_share.Meter:
+    meters = _METERS.setdefault(rt, {})
+    meter = meters.get(tenant_id)
+    if meter is None:
+        cpu_share.install(asyncio.get_running_loop())
+        meter = meters[tenant_id] = cpu_share.Meter(max(0.01, float(rt.config.guest_cpu_share)))
+    return meter
 
 
 def _tenant_share(rt: Any, tenant_id: str) -> asyncio.Semaphore:
@@ -172,9 +188,15 @@ class GuestCalls:
             # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
             # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
             async with _tenant_share(self.rt, binding.ts.tenant_id):
+                # And its share of the host's CPU: past it, this call waits (and with it the guest that made it).
+                # Model calls are not metered here: the model has its own per-tenant limits (llm/policy.py).
+                meter = _tenant_meter(self.rt, binding.ts.tenant_id) if method not in _UNMETERED else None
+                if meter is not None:
+                    await cpu_share.wait_for_share(meter)
                 started = time.perf_counter()
                 try:
-                    return await fn(binding, params)
+                    with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
+                        return await fn(binding, params)
                 except MoorageError as e:
                     raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__}) from e
                 finally:

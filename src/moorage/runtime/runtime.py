@@ -80,6 +80,14 @@ class _TurnEvents(asyncio.Queue):  # type: ignore[type-arg]
         super().put_nowait(item)
 
 
+class _NoEvents(_TurnEvents):
+    """A turn whose caller wants only its result (``invoke``): streamed events are counted and dropped as they come,
+    so a guest that streams a flood costs the host its frames' decoding and nothing per event after that."""
+
+    def put_nowait(self, item: Any) -> None:
+        self.dropped += 1
+
+
 @dataclass
 class _Turn:
     """One turn on its way through the router to a sandbox; streamed events flow back through ``events``."""
@@ -111,11 +119,16 @@ class Tracer:
     no commit of its own to a turn; a host killed mid-turn loses that turn's spans, never its journal.
     """
 
-    #: Spans one turn holds at most; past it they are written in a commit of their own.
+    #: Spans one turn holds at most; past it they are written in a commit of their own, off the event loop.
     BUFFER = 256
+    #: Spans one turn records at most: a guest that makes thousands of calls in a turn costs its store, and the
+    #: host's commits, no more than this; the rest are counted and logged once per turn.
+    MAX_PER_TURN = 2048
 
     def __init__(self) -> None:
         self._held: dict[str, list[Span]] = {}
+        self._counts: dict[str, int] = {}
+        self._writes: set[asyncio.Future[None]] = set()
         #: Where each span is also exported as it ends (``otlp_endpoint``); None: the store only.
         self.sink: Any = None
 
@@ -126,8 +139,18 @@ class Tracer:
     def close(self, turn_id: str) -> None:
         """Stop holding spans of ``turn_id``; any not flushed are dropped."""
         self._held.pop(turn_id, None)
+        self._done(turn_id)
+
+    def _done(self, turn_id: str) -> None:
+        dropped = self._counts.pop(turn_id, 0) - self.MAX_PER_TURN
+        if dropped > 0:
+            log.warning("spans of a turn over its limit were not recorded", turn=turn_id, dropped=dropped)
 
     def span(self, b: TurnBinding, name: str, started_perf: float, status: str = "ok", **attrs: Any) -> None:
+        if b.turn_id in self._held:
+            count = self._counts[b.turn_id] = self._counts.get(b.turn_id, 0) + 1
+            if count > self.MAX_PER_TURN:
+                return
         end = time.time()
         start = end - (time.perf_counter() - started_perf)
         span = Span(b.trace_id, uuid.uuid4().hex[:16], None, name, start, end, status,
@@ -146,17 +169,30 @@ class Tracer:
             spans, held[:] = list(held), []
         else:
             spans = [span]
+
+        def write() -> None:
+            try:
+                with b.ts.transaction():
+                    for sp in spans:
+                        b.ts.spans.record(sp)
+            except Exception as e:  # tracing never breaks a turn
+                log.warning("span not recorded", error=str(e))
+
         try:
-            with b.ts.transaction():
-                for sp in spans:
-                    b.ts.spans.record(sp)
-        except Exception as e:  # tracing never breaks a turn
-            log.warning("span not recorded", error=str(e))
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called from a worker thread: write here
+            write()
+            return
+        # A commit (an fsync) never runs on the host's one event loop, which every tenant's turns share.
+        fut = loop.run_in_executor(None, write)
+        self._writes.add(fut)
+        fut.add_done_callback(self._writes.discard)
 
     def flush(self, b: TurnBinding) -> None:
         """Write the spans held for ``b``'s turn, inside the caller's transaction; later spans are written at once."""
         for sp in self._held.pop(b.turn_id, []):
             b.ts.spans.record(sp)
+        self._done(b.turn_id)
 
 
 def _turn_id(principal: Principal, entity: EntityKey, idempotency_key: str | None) -> str:
@@ -399,15 +435,16 @@ class Runtime:
     async def invoke(self, principal: Principal, entity: EntityKey, message: str, *,
                      idempotency_key: str | None = None) -> TurnResult:
         result: TurnResult | None = None
-        async for ev in self.stream(principal, entity, message, idempotency_key=idempotency_key):
+        async for ev in self.stream(principal, entity, message, idempotency_key=idempotency_key, events=False):
             if ev.kind == "done":
                 result = ev.data
         assert result is not None
         return result
 
     async def stream(self, principal: Principal, entity: EntityKey, message: str, *,
-                     idempotency_key: str | None = None) -> AsyncIterator[TurnEvent]:
-        """Run one turn; yields streamed events and finally ``done`` with the ``TurnResult``."""
+                     idempotency_key: str | None = None, events: bool = True) -> AsyncIterator[TurnEvent]:
+        """Run one turn; yields streamed events (none with ``events=False``) and finally ``done`` with the
+        ``TurnResult``."""
         self.router.check_principal(principal, entity)
         if not isinstance(message, str) or not message.strip():
             raise InvalidInput("the message is empty")
@@ -430,7 +467,7 @@ class Runtime:
             if run.status in ("running", "pending") and turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
         async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal,
-                                  create=run is None):
+                                  create=run is None, events=events):
             yield ev
 
     @staticmethod
@@ -565,7 +602,8 @@ class Runtime:
                 entity = EntityKey(run.scope.agent, run.scope.user, (run.input or {}).get("session") or "default")
                 try:
                     agent = await asyncio.to_thread(ts.agents.get, entity.agent)
-                    async for _ in self._run(ts, agent, entity, run.id, (run.input or {}).get("message", ""), resume=True):
+                    async for _ in self._run(ts, agent, entity, run.id, (run.input or {}).get("message", ""), resume=True,
+                                             events=False):
                         pass
                     resumed += 1
                 except Exception as e:  # one broken run must not stop the others from finishing
@@ -588,16 +626,20 @@ class Runtime:
         return ref
 
     async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
-                   resume: bool, principal: Principal | None = None, create: bool = False) -> AsyncIterator[TurnEvent]:
+                   resume: bool, principal: Principal | None = None, create: bool = False,
+                   events: bool = True) -> AsyncIterator[TurnEvent]:
         """Route the turn (ordering, wake, backpressure) and stream its events; ends with ``done``."""
         if AgentLifecycle.of(agent).scope == "workflow":
             entity = EntityKey(entity.agent, entity.user, entity.session, workflow=turn_id)
-        turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex, create)
+        turn = _Turn(ts, entity, turn_id, message, resume, current_trace_id() or uuid.uuid4().hex, create,
+                     events=_TurnEvents() if events else _NoEvents())
         if not zero_retention.is_zero(agent):  # (a zero-retention turn is purged once it has wholly ended)
             turn.answered = asyncio.get_running_loop().create_future()
         who = principal or self.store.operator.principal(ts.tenant_id)
         task = asyncio.create_task(self.router.route(who, entity, turn), name=f"turn-{turn_id}")
         while True:
+            while not turn.events.empty():  # events that came together go out without a wait each
+                yield turn.events.get_nowait()
             getter = asyncio.ensure_future(turn.events.get())
             done, _ = await asyncio.wait({getter, task} | ({turn.answered} if turn.answered else set()),
                                          return_when=asyncio.FIRST_COMPLETED)

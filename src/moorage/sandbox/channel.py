@@ -42,6 +42,17 @@ EVENT_STALL_S = 30.0
 #: for a whole burst and every other tenant's work waits behind it. Measured on frames, not counted in them (a
 #: 4 KB event and an 8 MiB chunk cost very different time).
 READ_SLICE_S = 0.0005
+#: A reader's share of the host's event loop when its guest keeps it busy: it may work at full speed for a burst of
+#: READ_BURST_S of loop time, then pauses so that it uses at most READ_SHARE of the loop's time. Handing the loop
+#: back (READ_SLICE_S) alone is not enough: a reader that is always ready again takes a slice in every loop
+#: iteration, and every other tenant's turn, a chain of awaits one iteration each, waits a slice per step.
+READ_SHARE = 0.5
+READ_BURST_S = 0.02
+#: Frames a reader takes per second from a guest that keeps sending, after a burst of READ_BURST_FRAMES: each frame
+#: costs the host more than its decoding (the socket read, the call's event queue, its consumer), and a legitimate
+#: guest sends far fewer (a model's tokens, exec output, file and network chunks of up to 64 KiB).
+READ_FRAMES_PER_S = 2000
+READ_BURST_FRAMES = 4096
 #: Ids of calls the host gave up on, remembered to drop their late answers quietly (oldest forgotten first).
 _MAX_CANCELLED = 4096
 _HEADER = struct.Struct(">I")
@@ -376,11 +387,18 @@ class Channel:
         reason = "guest closed the connection"
         clock = time.perf_counter
         used = 0.0  # loop time spent on frames since the reader last yielded
+        budget, mark = READ_BURST_S, clock()  # loop time it may still use at full speed; refilled at READ_SHARE
+        frames, frame_budget = 0, float(READ_BURST_FRAMES)  # the same for frames, refilled at READ_FRAMES_PER_S
         try:
             while True:
-                if used >= READ_SLICE_S:
-                    await asyncio.sleep(0)  # buffered frames are read without suspending: let other tasks run
-                    used = 0.0
+                if used >= READ_SLICE_S or frames >= 64:
+                    now = clock()
+                    budget = min(READ_BURST_S, budget + (now - mark) * READ_SHARE) - used
+                    frame_budget = min(READ_BURST_FRAMES, frame_budget + (now - mark) * READ_FRAMES_PER_S) - frames
+                    mark, used, frames = now, 0.0, 0
+                    # Buffered frames are read without suspending: let other tasks run, and past its burst wait
+                    # until its share has refilled what it overspent (the guest meanwhile waits: backpressure).
+                    await asyncio.sleep(max(0.0, -budget / READ_SHARE, -frame_budget / READ_FRAMES_PER_S))
                 try:
                     header = await self._reader.readexactly(_HEADER.size)
                 except asyncio.IncompleteReadError:
@@ -398,6 +416,7 @@ class Channel:
                     reason = "guest closed the connection mid-frame"
                     break
                 started = clock()
+                frames += 1
                 try:
                     msg = decode_payload(payload)
                 except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors too

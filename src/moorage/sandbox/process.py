@@ -435,27 +435,31 @@ class ProcessSandbox(Sandbox):
             if dest.exists():
                 raise ConflictError(f"checkpoint {name!r} already exists in sandbox {self.id}",
                                     hint="pick another name or roll back to it")
-            tmp = self.dir / "checkpoints" / f".{name}.{uuid.uuid4().hex[:8]}"
-            tmp.mkdir(parents=True)
-            # Incremental: files unchanged since the newest checkpoint are linked to its copy (process_snapshot).
-            prev = self._newest_checkpoint()
-            t0 = time.perf_counter()
-            try:
-                index = await asyncio.to_thread(snapshot_tree, self.layer, tmp / "layer", prev)
-                write_index(tmp, index)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            created = time.time()
-            write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
-            os.rename(tmp, dest)
-            log.info("checkpoint", sandbox=self.id, checkpoint=name, linked=index["linked"], copied=index["copied"],
-                     ms=round((time.perf_counter() - t0) * 1e3, 1))
-            seen: set[tuple[int, int]] = set()
-            for older in self._checkpoint_dirs():
-                if older != dest:
-                    disk_usage(older, seen)
-            return CheckpointInfo(name, self.id, dest, disk_usage(dest, seen), created, includes_memory=False)
+            # All of it off the event loop (the host's one loop serves every tenant): the copy, the fsyncs, and
+            # the walk of older checkpoints that tells what this one adds.
+            return await asyncio.to_thread(self._take_checkpoint, name, dest)
+
+    def _take_checkpoint(self, name: str, dest: Path) -> CheckpointInfo:
+        tmp = self.dir / "checkpoints" / f".{name}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        # Incremental: files unchanged since the newest checkpoint are linked to its copy (process_snapshot).
+        prev = self._newest_checkpoint()
+        t0 = time.perf_counter()
+        try:
+            index = snapshot_tree(self.layer, tmp / "layer", prev)
+            write_index(tmp, index)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        created = time.time()
+        write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
+        os.rename(tmp, dest)
+        log.info("checkpoint", sandbox=self.id, checkpoint=name, linked=index["linked"], copied=index["copied"],
+                 ms=round((time.perf_counter() - t0) * 1e3, 1))
+        # What it added to the older ones: its copies and directories (counted as they were made, not by walking
+        # every older checkpoint, which grows with their number), its index and record.
+        added = index["added"] + sum(os.lstat(p).st_blocks * 512 for p in (dest, dest / INDEX, dest / "checkpoint.json"))
+        return CheckpointInfo(name, self.id, dest, added, created, includes_memory=False)
 
     def _checkpoint_dirs(self) -> list[Path]:
         """Checkpoint directories, oldest first."""
@@ -477,6 +481,9 @@ class ProcessSandbox(Sandbox):
     async def checkpoints(self) -> list[CheckpointInfo]:
         """Each checkpoint's bytes are what it added to the older ones (files it shares with an older checkpoint
         count there), so their sum is the disk all of them take."""
+        return await asyncio.to_thread(self._list_checkpoints)
+
+    def _list_checkpoints(self) -> list[CheckpointInfo]:
         out = []
         seen: set[tuple[int, int]] = set()
         for d in self._checkpoint_dirs():
@@ -493,7 +500,7 @@ class ProcessSandbox(Sandbox):
             # Renamed aside first: a crash mid-removal never leaves a half checkpoint under its name.
             gone = self.dir / "checkpoints" / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
             os.rename(src, gone)
-            shutil.rmtree(gone, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, gone, True)
 
     async def rollback(self, name: str) -> None:
         validate_id(name, "checkpoint name")
@@ -520,7 +527,7 @@ class ProcessSandbox(Sandbox):
             old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
             os.rename(self.layer, old)
             os.rename(fresh, self.layer)
-            shutil.rmtree(old, ignore_errors=True)
+            await asyncio.to_thread(shutil.rmtree, old, True)
             if was_running:
                 await self._boot()
             else:

@@ -49,7 +49,7 @@ def snapshot_tree(src: Path, dst: Path, prev: Path | None) -> dict[str, Any]:
         old = {}
     files: dict[str, list[int]] = {}
     inodes: dict[int, str] = {}  # live inode -> its first copy here (hard links inside the layer stay links)
-    linked = copied = 0
+    linked = copied = added = 0  # added: bytes allocated to what this checkpoint does not share with ``prev``
     dirs: list[tuple[str, os.stat_result]] = []
     stack = [""]
     while stack:
@@ -88,9 +88,11 @@ def snapshot_tree(src: Path, dst: Path, prev: Path | None) -> dict[str, Any]:
                     except OSError:
                         _copy_file(s_path, d_path, est)
                         copied += 1
+                        added += os.lstat(d_path).st_blocks * 512
                 else:
                     _copy_file(s_path, d_path, est)
                     copied += 1
+                    added += os.lstat(d_path).st_blocks * 512
                 if time.time_ns() - est.st_ctime_ns > _RACY_NS:
                     files[r] = ident
             # Sockets and device nodes are not copied (like a sandbox restart, which recreates its sockets).
@@ -98,7 +100,8 @@ def snapshot_tree(src: Path, dst: Path, prev: Path | None) -> dict[str, Any]:
         os.chown(d_dir, st.st_uid, st.st_gid)
         os.chmod(d_dir, stat.S_IMODE(st.st_mode))
         os.utime(d_dir, ns=(st.st_atime_ns, st.st_mtime_ns))
-    return {"dev": src_dev, "files": files, "linked": linked, "copied": copied}
+        added += os.lstat(d_dir).st_blocks * 512
+    return {"dev": src_dev, "files": files, "linked": linked, "copied": copied, "added": added}
 
 
 def write_index(checkpoint_dir: Path, index: dict[str, Any]) -> None:
