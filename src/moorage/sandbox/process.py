@@ -435,8 +435,7 @@ class ProcessSandbox(Sandbox):
             if dest.exists():
                 raise ConflictError(f"checkpoint {name!r} already exists in sandbox {self.id}",
                                     hint="pick another name or roll back to it")
-            # All of it off the event loop (the host's one loop serves every tenant): the copy, the fsyncs, and
-            # the walk of older checkpoints that tells what this one adds.
+            # All of it off the event loop (the host's one loop serves every tenant): the copy and the fsyncs.
             return await asyncio.to_thread(self._take_checkpoint, name, dest)
 
     def _take_checkpoint(self, name: str, dest: Path) -> CheckpointInfo:
