@@ -295,9 +295,9 @@ class MicroVMSandbox(Sandbox):
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
         paths = self._paths()
-        if self.ram_mode == "delta" and os.geteuid() == 0:
+        if self.ram_mode == "delta" and os.geteuid() == 0 and not microvm_memfd.ready(self._ram_path()):
             # A fork's QEMU maps its template's RAM from a sealed memfd: the first launch in this process copies
-            # the file into it, off the event loop (later ones find it made).
+            # the file into it, off the event loop (later ones find it made, without a thread hop per wake).
             await asyncio.to_thread(microvm_memfd.sealed_ram, self._ram_path())
         if self._net is not None:
             self._net.close()

@@ -90,6 +90,17 @@ def sealed_ram(path: Path) -> SealedRam:
     return fresh
 
 
+def ready(path: Path) -> bool:
+    """Whether ``path``'s sealed copy is made and current (one stat: cheap enough for the event loop)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    with _lock:
+        entry = _cache.get(str(Path(path).resolve()))
+    return entry is not None and entry.key == _key(st)
+
+
 def lease(path: Path) -> int:
     """A new descriptor (close-on-exec; the caller closes it) of ``path``'s sealed memfd, made if need be."""
     while True:
