@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from moorage.log import get_logger
 
@@ -180,18 +181,24 @@ def _build(path: Path, st: os.stat_result) -> SealedRam:
     return SealedRam(fd, name, _key(st), st.st_size, copied, ms)
 
 
+def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each data extent of a sparse file of ``size`` bytes, in order; holes are skipped."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            return
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end
+        pos = end
+
+
 def _copy_extents(src: int, dst: int, size: int) -> int:
     """Copy the data extents of ``src`` into ``dst`` at the same offsets (holes are skipped); returns bytes copied."""
     copied = 0
-    pos = 0
-    buf = bytearray(_COPY_BYTES)
-    view = memoryview(buf)
-    while pos < size:
-        try:
-            start = os.lseek(src, pos, os.SEEK_DATA)
-        except OSError:  # ENXIO: only a hole is left
-            break
-        end = os.lseek(src, start, os.SEEK_HOLE)
+    view = memoryview(bytearray(_COPY_BYTES))
+    for start, end in data_extents(src, size):
         off = start
         while off < end:
             n = os.preadv(src, [view[: min(_COPY_BYTES, end - off)]], off)
@@ -202,5 +209,4 @@ def _copy_extents(src: int, dst: int, size: int) -> int:
                 done += os.pwrite(dst, view[done:n], off + done)
             off += n
         copied += end - start
-        pos = end
     return copied

@@ -186,17 +186,10 @@ def file_digest(path: Path) -> str:
     h = xxhash.xxh3_128()
     size = path.stat().st_size
     h.update(str(size).encode())
-    buf = bytearray(_READ_BYTES)
-    view = memoryview(buf)
+    view = memoryview(bytearray(_READ_BYTES))
     fd = os.open(path, os.O_RDONLY)
     try:
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError:  # ENXIO: only a hole is left
-                break
-            end = os.lseek(fd, start, os.SEEK_HOLE)
+        for start, end in microvm_memfd.data_extents(fd, size):
             h.update(_EXTENT.pack(start, end))
             off = start
             while off < end:
@@ -205,7 +198,6 @@ def file_digest(path: Path) -> str:
                     break
                 h.update(view[:n])
                 off += n
-            pos = end
     finally:
         os.close(fd)
     return f"xxh3:{size}:{h.hexdigest()}"
