@@ -128,8 +128,8 @@ async def test_the_graph_keeps_its_state_in_the_users_store_rows(env: Env) -> No
     assert (await ask(env, "ada", "note after sleep")).reply == "notes: buy milk, call mum, after sleep"
 
 
-async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env,
-                                                                                     wire: WireServer) -> None:
+async def approve_a_plan(env: Env, wire: WireServer) -> None:
+    """The graph's interrupt() waits as a moorage interrupt; the answer resumes it without re-planning (both drivers)."""
     will_say(wire, "Use a watering can.")
     first = await ask(env, "cy", "do water the plants")
     assert first.status == "waiting"
@@ -145,6 +145,11 @@ async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the
     assert not wire.script.queue
     steps = [s.name for s in ts.runs.steps(first.run_id)]
     assert steps.count("langgraph") == 1 and steps.count("langgraph:resume") == 1
+
+
+async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env,
+                                                                                     wire: WireServer) -> None:
+    await approve_a_plan(env, wire)
     # A refusal takes the other branch, and the graph's notes are still there on the same thread.
     will_say(wire, "Two coats.")
     second = await ask(env, "cy", "do paint the fence")

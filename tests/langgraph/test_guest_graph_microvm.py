@@ -12,8 +12,8 @@ import pytest_asyncio
 
 from moorage.runtime.graph_calls import PREFIX
 from moorage.store import Scope
-from tests.langgraph.test_guest_graph import (AGENT, EXAMPLE, _env, ask, graph_rows, index,  # noqa: F401
-                                              will_say, wire)
+from tests.langgraph.test_guest_graph import (AGENT, EXAMPLE, _env, approve_a_plan, ask, graph_rows,  # noqa: F401
+                                              index, will_say, wire)
 from tests.llm.wire_servers import WireServer
 from tests.runtime.conftest import Env
 
@@ -56,19 +56,7 @@ async def test_the_graph_keeps_its_state_in_the_users_store_rows(env: Env) -> No
 
 async def test_interrupt_waits_as_a_moorage_interrupt_and_the_answer_resumes_the_graph(env: Env,
                                                                                      wire: WireServer) -> None:
-    will_say(wire, "Use a watering can.")
-    first = await ask(env, "cy", "do water the plants")
-    assert first.status == "waiting"
-    assert first.interrupt["plan"] == "water the plants: Use a watering can."
-    ts = env.store.tenant(env.principal)
-    assert ts.runs.get(first.run_id).status == "waiting"
-    done = await env.runtime.answer(env.principal, first.run_id, "yes")
-    assert done.status == "done"
-    assert done.reply == f"done: {first.interrupt['plan']} (1 done so far)"
-    assert ts.runs.get(first.run_id).status == "succeeded"
-    assert not wire.script.queue  # the model was asked once: the resumed turn did not re-plan
-    steps = [s.name for s in ts.runs.steps(first.run_id)]
-    assert steps.count("langgraph") == 1 and steps.count("langgraph:resume") == 1
+    await approve_a_plan(env, wire)
 
 
 async def test_rollback_and_fork_move_the_graphs_checkpoints_with_the_vm(env: Env, wire: WireServer) -> None:

@@ -181,28 +181,21 @@ class VMNetwork:
 
     def listen(self, port: int = PROXY_PORT, backlog: int = 64) -> socket.socket:
         """A listening TCP socket on the gateway's address inside the namespace (non-blocking, for asyncio)."""
-
-        def make() -> socket.socket:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((GATEWAY_IP, port))
-                s.listen(backlog)
-                s.setblocking(False)
-            except BaseException:
-                s.close()
-                raise
-            return s
-
-        return self.run_inside(make)
+        return self._bound(socket.SOCK_STREAM, port, backlog)
 
     def bind_udp(self, port: int = DNS_PORT) -> socket.socket:
         """A UDP socket bound on the gateway's address inside the namespace (non-blocking, for asyncio)."""
+        return self._bound(socket.SOCK_DGRAM, port, None)
 
+    def _bound(self, kind: int, port: int, backlog: int | None) -> socket.socket:
         def make() -> socket.socket:
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s = socket.socket(socket.AF_INET, kind)
             try:
+                if backlog is not None:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((GATEWAY_IP, port))
+                if backlog is not None:
+                    s.listen(backlog)
                 s.setblocking(False)
             except BaseException:
                 s.close()
