@@ -11,6 +11,7 @@ import pytest
 
 from moorage.store import Scope, TenantStore
 from moorage.store.model import FACT_STATUS
+from moorage.store.repos import checkpoint_image
 from moorage.store.repos.checkpoints import Checkpoints
 from tests.runtime.conftest import Env, make_env
 
@@ -83,5 +84,6 @@ def store_view(ts: TenantStore, agent: str, user: str) -> dict[str, Any]:
     steps = sorted((r[0], s.seq, s.name, s.status) for r in runs for s in ts.runs.steps(r[0]))
     state = sorted((r.key, r.version) for r in ts.state.list(scope))
     with ts.transaction():
-        image = Checkpoints._image(ts.ambient(), agent, user).manifest()  # type: ignore[arg-type]
+        # Every row read whole: what the incremental manifests must add up to.
+        image = checkpoint_image.read(ts.ambient(), agent, user).manifest.rows  # type: ignore[arg-type]
     return {"facts": facts, "events": events, "runs": runs, "steps": steps, "state": state, "image": image}

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from moorage.store import EntityKey
+from moorage.store.repos import checkpoint_image
 from moorage.store.repos.checkpoints import Checkpoints
 from tests.runtime.conftest import write_agent
 from tests.timetravel.conftest import AGENT, TIMETRAVEL, store_view
@@ -123,7 +124,7 @@ async def test_store_checkpoint_costs_only_changed_rows(env, tmp_path: Path) -> 
     assert [c.seq for c in cks] == [3, 2, 1]
     with ts.transaction():
         bodies = ts.ambient().q("SELECT COUNT(*) FROM checkpoint_rows")[0][0]  # type: ignore[union-attr]
-        image = Checkpoints._image(ts.ambient(), "tt", "ada")  # type: ignore[arg-type]
+        image = checkpoint_image.read(ts.ambient(), "tt", "ada").manifest  # type: ignore[arg-type]
     rows_now = sum(len(r) for r in image.rows.values())
     # Three checkpoints of a growing instance store fewer bodies than three full copies would.
     assert bodies < 2 * rows_now

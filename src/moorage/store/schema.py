@@ -42,6 +42,9 @@ _LG_GET_ROWS = (
     "JOIN lg_writes w ON w.thread_id = cp.thread_id AND w.checkpoint_ns = cp.checkpoint_ns "
     "AND w.checkpoint_id = cp.checkpoint_id")
 
+# The tables whose rows agent checkpoints image (store/repos/checkpoint_image.py IMAGED).
+_IMAGED = ("state", "facts", "workflow_runs", "steps", "journal", "sessions")
+
 # Template placeholders:
 #   {tenant_col}  tenant_id column (PostgreSQL) or nothing (SQLite: one file per tenant)
 #   {tpk}         "tenant_id, " inside primary/unique keys on PostgreSQL, "" on SQLite
@@ -504,6 +507,54 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
                 PRIMARY KEY ({tpk}agent_id, user_id, id))""",
         ),
         tenant_tables=("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"),
+    ),
+    Migration(
+        16,
+        "incremental checkpoints: a row version on every row a checkpoint images, kept by triggers",
+        statements=(
+            # ``rv``: when the row was last written (see store/repos/checkpoint_image.py); a checkpoint reads the
+            # rows written since the head's ``row_mark``, not all of the instance's rows.
+            *(f"ALTER TABLE {t} ADD COLUMN rv BIGINT NOT NULL DEFAULT 0" for t in _IMAGED),
+            *(f"CREATE INDEX {t}_rv ON {t} ({{tpk}}rv)" for t in _IMAGED),
+            # The instance's runs and journal entries by scope and run: a checkpoint's key scan and forget.
+            "CREATE INDEX workflow_runs_scope ON workflow_runs ({tpk}scope)",
+            "CREATE INDEX journal_scope ON journal ({tpk}scope)",
+            "CREATE INDEX journal_run ON journal ({tpk}run_id)",
+            "ALTER TABLE checkpoint_heads ADD COLUMN row_mark TEXT",
+        ),
+        sqlite_only=(
+            # One writer at a time per database file: a clock each checkpoint moves on orders every write.
+            "CREATE TABLE row_clock (id INTEGER PRIMARY KEY CHECK (id = 1), n INTEGER NOT NULL)",
+            "INSERT INTO row_clock (id, n) VALUES (1, 1)",
+            *(f"""CREATE TRIGGER {t}_rv_ins AFTER INSERT ON {t} BEGIN
+                UPDATE {t} SET rv = (SELECT n FROM row_clock WHERE id = 1) WHERE rowid = NEW.rowid; END"""
+              for t in _IMAGED),
+            *(f"""CREATE TRIGGER {t}_rv_upd AFTER UPDATE ON {t}
+                WHEN NEW.rv IS NOT (SELECT n FROM row_clock WHERE id = 1) BEGIN
+                UPDATE {t} SET rv = (SELECT n FROM row_clock WHERE id = 1) WHERE rowid = NEW.rowid; END"""
+              for t in _IMAGED),
+        ),
+        postgres_only=(
+            # Concurrent writers: the writing transaction's id, compared with a snapshot (a late commit is seen).
+            """CREATE OR REPLACE FUNCTION moorage_row_version() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN NEW.rv := pg_current_xact_id()::text::bigint; RETURN NEW; END $$""",
+            *(f"CREATE TRIGGER {t}_rv BEFORE INSERT OR UPDATE ON {t} FOR EACH ROW EXECUTE FUNCTION "
+              "moorage_row_version()" for t in _IMAGED),
+        ),
+    ),
+    Migration(
+        17,
+        "facts: the comparable form of each value, and an index of the current facts by it",
+        statements=(
+            # ``value_key``: the value as the memory layer compares values (memory/extraction.normalize_value),
+            # written with the row; NULL on rows written before this version or restored from a checkpoint
+            # image, and filled in when a write first looks at them (store/repos/facts.current_matching).
+            "ALTER TABLE facts ADD COLUMN value_key TEXT",
+            # Only the facts not closed: a write's lookups (is this value already believed? already waiting?)
+            # cost what the attribute holds now, not every value it ever had or every pending row piled up.
+            "CREATE INDEX facts_current ON facts ({tpk}scope, subject, attribute, status, value_key) "
+            "WHERE valid_to IS NULL",
+        ),
     ),
 )
 

@@ -5,22 +5,23 @@ What a checkpoint holds (docs/decisions/0011): the event ids its lineage holds (
 append-only, so the events of a checkpoint are the instance's events in those id ranges; a rollback keeps the
 events it takes off in ``checkpoint_events``) and a manifest of the instance's *mutable*
 rows (state, facts, workflow runs, steps, journal, sessions): primary key -> digest of the row's image, the
-images kept once per instance in ``checkpoint_rows``. Spans, usage and executions are history of what
-happened and was said to the outside; they are never rolled back.
+images kept once per instance in ``checkpoint_rows``; a checkpoint reads only the rows written since the one
+before and stores its manifest as a delta on it (``checkpoint_image``). Spans, usage and executions are history
+of what happened and was said to the outside; they are never rolled back.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import Scope, check_id
+from moorage.store.repos import checkpoint_image as ci
+from moorage.store.repos.checkpoint_image import IMAGED as TABLES
 
 if TYPE_CHECKING:
     from moorage.store.sql import Conn
@@ -31,34 +32,6 @@ KINDS = ("turn", "manual", "before-rollback", "fork")
 MISSING = "missing"
 
 
-@dataclass(frozen=True)
-class _Table:
-    name: str
-    cols: tuple[str, ...]
-    pk: tuple[str, ...]
-    #: WHERE clause selecting the instance's rows; ``{S}`` is the instance-scope condition.
-    where: str
-
-
-# ``{S}``: the row's scope is the instance's user scope or one of its session / workflow scopes. Prefixes are
-# compared with substr, not LIKE: ids may contain "_", which LIKE would read as a wildcard (another user).
-_S = "(scope = ? OR substr(scope, 1, ?) = ? OR substr(scope, 1, ?) = ?)"
-_RUNS = f"SELECT id FROM workflow_runs WHERE {_S}"
-TABLES: tuple[_Table, ...] = (
-    _Table("state", ("scope", "key", "value", "version", "updated_at"), ("scope", "key"), _S),
-    _Table("facts", ("id", "scope", "subject", "attribute", "value", "text", "valid_from", "valid_to", "recorded_at",
-                     "superseded_at", "superseded_by", "trust", "status", "provenance", "source", "version"),
-           ("id",), _S),
-    _Table("workflow_runs", ("id", "scope", "name", "status", "input", "state", "current_step", "result", "error",
-                             "created_at", "updated_at", "version"), ("id",), _S),
-    _Table("steps", ("run_id", "seq", "name", "status", "attempts", "result", "error", "started_at", "finished_at"),
-           ("run_id", "seq"), f"run_id IN ({_RUNS})"),
-    _Table("journal", ("key", "scope", "run_id", "step", "status", "result", "error", "created_at", "updated_at",
-                       "version"), ("key",), f"({_S} OR run_id IN ({_RUNS}))"),
-    _Table("sessions", ("id", "agent_id", "user_id", "created_at", "last_active", "meta", "version"),
-           ("agent_id", "user_id", "id"), "agent_id = ? AND user_id = ?"),
-)
-_BY_NAME = {t.name: t for t in TABLES}
 _EVENT_COLS = ("scope", "ts", "kind", "speaker", "content", "meta", "embedding")
 
 
@@ -92,16 +65,8 @@ class Head:
     version: int
     #: Event ids of the current lineage: closed intervals, the last one open (None).
     event_ranges: list[list[int | None]] = field(default_factory=lambda: [[0, None]])
-
-
-@dataclass
-class _Image:
-    """The instance's mutable rows now: table -> primary key (JSON) -> (digest, body)."""
-
-    rows: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict)
-
-    def manifest(self) -> dict[str, dict[str, str]]:
-        return {t: {k: d for k, (d, _) in rows.items()} for t, rows in self.rows.items()}
+    #: Since when the instance's rows may differ from the head checkpoint's manifest (None: read them whole).
+    row_mark: str | None = None
 
 
 _COLS = ("id, agent_id, user_id, seq, branch, parent_id, kind, name, turn_id, summary, event_mark, event_ranges, "
@@ -130,31 +95,6 @@ def _contains(ranges: Sequence[Sequence[int | None]], i: int) -> bool:
     return any(lo <= i and (hi is None or i <= hi) for lo, hi in ranges)  # type: ignore[operator]
 
 
-def _scope_params(agent: str, user: str) -> tuple[Any, ...]:
-    sp, wp = f"session:{agent}/{user}/", f"workflow:{agent}/{user}/"
-    return (Scope.for_user(agent, user).key, len(sp), sp, len(wp), wp)
-
-
-def _params(t: _Table, agent: str, user: str) -> tuple[Any, ...]:
-    if t.name == "sessions":
-        return (agent, user)
-    if t.name == "journal":
-        return _scope_params(agent, user) * 2
-    return _scope_params(agent, user)
-
-
-def _digest(table: str, body: str) -> str:
-    return hashlib.sha256(f"{table}\x00{body}".encode()).hexdigest()[:32]
-
-
-def _pack(manifest: dict[str, dict[str, str]]) -> bytes:
-    return zlib.compress(json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode(), 6)
-
-
-def _unpack(blob: Any) -> dict[str, dict[str, str]]:
-    return json.loads(zlib.decompress(bytes(blob)))
-
-
 class Checkpoints:
     """``Checkpoints(ts)``: the store half of agent checkpoints of one tenant (see the module docstring)."""
 
@@ -162,19 +102,6 @@ class Checkpoints:
         self._ts = ts
 
     # -- reading the instance ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _image(c: "Conn", agent: str, user: str) -> _Image:
-        img = _Image()
-        for t in TABLES:
-            rows = c.q(f"SELECT {', '.join(t.cols)} FROM {t.name} WHERE {t.where}", _params(t, agent, user))
-            out: dict[str, tuple[str, str]] = {}
-            npk = [t.cols.index(k) for k in t.pk]
-            for r in rows:
-                body = json.dumps(list(r), separators=(",", ":"))
-                out[json.dumps([r[i] for i in npk], separators=(",", ":"))] = (_digest(t.name, body), body)
-            img.rows[t.name] = out
-        return img
 
     @staticmethod
     def _event_mark(c: "Conn") -> int:
@@ -190,22 +117,29 @@ class Checkpoints:
 
     @staticmethod
     def _head(c: "Conn", agent: str, user: str) -> Head | None:
-        r = c.one("SELECT branch, head_id, pending, version, event_ranges FROM checkpoint_heads "
+        r = c.one("SELECT branch, head_id, pending, version, event_ranges, row_mark FROM checkpoint_heads "
                   "WHERE agent_id = ? AND user_id = ?", (agent, user))
         return None if r is None else Head(agent, user, r[0], r[1], json.loads(r[2]) if r[2] else None, int(r[3]),
-                                           json.loads(r[4]))
+                                           json.loads(r[4]), r[5])
 
     def _set_head(self, c: "Conn", agent: str, user: str, branch: str, head_id: str | None,
-                  pending: dict[str, Any] | None, ranges: Sequence[Sequence[int | None]]) -> None:
+                  pending: dict[str, Any] | None, ranges: Sequence[Sequence[int | None]], row_mark: str | None) -> None:
         now = time.time()
         pend = json.dumps(pending) if pending else None
         rj = json.dumps([list(r) for r in ranges])
-        n = c.x("UPDATE checkpoint_heads SET branch = ?, head_id = ?, pending = ?, event_ranges = ?, "
+        n = c.x("UPDATE checkpoint_heads SET branch = ?, head_id = ?, pending = ?, event_ranges = ?, row_mark = ?, "
                 "version = version + 1, updated_at = ? WHERE agent_id = ? AND user_id = ?",
-                (branch, head_id, pend, rj, now, agent, user))
+                (branch, head_id, pend, rj, row_mark, now, agent, user))
         if n == 0:
-            c.x("INSERT INTO checkpoint_heads (agent_id, user_id, branch, head_id, pending, event_ranges, version, "
-                "updated_at) VALUES (?, ?, ?, ?, ?, ?, 1, ?)", (agent, user, branch, head_id, pend, rj, now))
+            c.x("INSERT INTO checkpoint_heads (agent_id, user_id, branch, head_id, pending, event_ranges, row_mark, "
+                "version, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 1, ?)",
+                (agent, user, branch, head_id, pend, rj, row_mark, now))
+
+    def _now(self, c: "Conn", agent: str, user: str, head: Head | None) -> ci.Image:
+        """The instance's rows now: read against the head checkpoint's manifest when the head has a mark."""
+        if head is None or head.head_id is None or head.row_mark is None:
+            return ci.read(c, agent, user)
+        return ci.read(c, agent, user, ci.resolve(c, self._ts.tenant_id, head.head_id), head.row_mark)
 
     def pending(self) -> list[tuple[str, str]]:
         """Instances with an operation left half done (agent, user)."""
@@ -217,9 +151,9 @@ class Checkpoints:
         with self._ts._tx() as c:
             h = self._head(c, agent, user)
             if h is None:
-                self._set_head(c, agent, user, _new_branch(), None, pending, [[0, None]])
+                self._set_head(c, agent, user, _new_branch(), None, pending, [[0, None]], None)
             else:
-                self._set_head(c, agent, user, h.branch, h.head_id, pending, h.event_ranges)
+                self._set_head(c, agent, user, h.branch, h.head_id, pending, h.event_ranges, h.row_mark)
 
     # -- taking --------------------------------------------------------------------------------------------
 
@@ -237,24 +171,26 @@ class Checkpoints:
             head = self._head(c, agent, user)
             branch = head.branch if head else _new_branch()
             parent = head.head_id if head else None
-            img = self._image(c, agent, user)
-            known: set[str] = set()
-            if parent is not None:
-                prev = c.one("SELECT manifest FROM checkpoints WHERE id = ?", (parent,))
-                if prev is not None:
-                    known = {d for rows in _unpack(prev[0]).values() for d in rows.values()}
-            fresh = [(agent, user, d, t, body) for t, rows in img.rows.items() for d, body in rows.values()
-                     if d not in known]
-            # ON CONFLICT: a body may be known from a checkpoint older than the parent (after a rollback).
+            row_mark = ci.new_mark(c)  # before reading: a row written after this is read by the next checkpoint
+            img = self._now(c, agent, user, head)
+            known = ci.resolve(c, self._ts.tenant_id, parent).digests() if parent is not None and img.changed is None \
+                else set()
+            if img.changed is not None:
+                # Read against the parent: only the rows read are new to it (their digests may still be known).
+                fresh_d = {d for t in img.changed.values() for d in t.values()}
+            else:
+                fresh_d = set(img.bodies) - known
+            fresh = [(agent, user, d, *img.bodies[d]) for d in sorted(fresh_d)]
+            # ON CONFLICT: a body may be known from an earlier checkpoint (unchanged rows, or after a rollback).
             if fresh:
                 c.many("INSERT INTO checkpoint_rows (agent_id, user_id, digest, tbl, body) VALUES (?, ?, ?, ?, ?) "
                        "ON CONFLICT DO NOTHING", fresh)
-            manifest = _pack(img.manifest())
+            manifest, stored = ci.pack(img, parent)
             seq_row = c.one("SELECT MAX(seq) FROM checkpoints WHERE agent_id = ? AND user_id = ?", (agent, user))
             seq = int(seq_row[0] or 0) + 1 if seq_row else 1
             summ = dict(summary or {})
             if turn_id is not None:
-                summ.setdefault("turn", _turn_summary(img, turn_id))
+                summ.setdefault("turn", _turn_summary(c, turn_id))
             store_bytes = len(manifest) + sum(len(f[4]) for f in fresh)
             now, mark = time.time(), self._event_mark(c)
             lineage = head.event_ranges if head else [[0, None]]
@@ -263,7 +199,8 @@ class Checkpoints:
             c.x(f"INSERT INTO checkpoints ({_COLS}, manifest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (cid, agent, user, seq, branch, parent, kind, name, turn_id, json.dumps(summ), mark,
                  json.dumps(ranges), sandbox_id, sandbox_checkpoint, store_bytes, now, c.blob(manifest)))
-            self._set_head(c, agent, user, branch, cid, head.pending if head else None, lineage)
+            self._set_head(c, agent, user, branch, cid, head.pending if head else None, lineage, row_mark)
+        ci.CACHE.put((self._ts.tenant_id, cid), stored)
         return Checkpoint(cid, agent, user, seq, branch, parent, kind, name, turn_id, summ, mark, ranges,  # type: ignore[arg-type]
                           sandbox_id, sandbox_checkpoint, store_bytes, now)
 
@@ -290,7 +227,7 @@ class Checkpoints:
             now = time.time()
             c.x(f"INSERT INTO checkpoints ({_COLS}, manifest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (cid, agent, user, seq, branch, head.head_id if head else None, MISSING, None, turn_id,
-                 json.dumps(summary), 0, "[]", None, None, 0, now, c.blob(_pack({}))))
+                 json.dumps(summary), 0, "[]", None, None, 0, now, c.blob(ci.pack_whole(ci.Manifest({})))))
         return Checkpoint(cid, agent, user, seq, branch, head.head_id if head else None, MISSING, None, turn_id,
                           summary, 0, [], None, None, 0, now)
 
@@ -341,17 +278,19 @@ class Checkpoints:
         as failed (nothing runs it on from there: the agent process that ran it is not the one that continues)."""
         target = self.restorable(agent, user, checkpoint_id)
         with self._ts._tx() as c:
-            r = c.one("SELECT manifest FROM checkpoints WHERE id = ?", (target.id,))
-            assert r is not None
-            want = _unpack(r[0])
-            bodies = self._bodies(c, agent, user, {d for rows in want.values() for d in rows.values()})
-            now_img = self._image(c, agent, user)
+            head = self._head(c, agent, user)
+            row_mark = ci.new_mark(c)  # before reading and writing: the rows written here are read again next time
+            want = ci.resolve(c, self._ts.tenant_id, target.id).rows
+            have_all = self._now(c, agent, user, head).manifest.rows
+            adds = {t.name: [d for k, d in want.get(t.name, {}).items() if have_all.get(t.name, {}).get(k) != d]
+                    for t in TABLES}
+            bodies = self._bodies(c, agent, user, {d for ds in adds.values() for d in ds})
             for t in TABLES:
-                have, goal = now_img.rows.get(t.name, {}), want.get(t.name, {})
-                gone = [k for k, (d, _) in have.items() if goal.get(k) != d]
+                have, goal = have_all.get(t.name, {}), want.get(t.name, {})
+                gone = [k for k, d in have.items() if goal.get(k) != d]
                 for k in gone:
                     c.x(f"DELETE FROM {t.name} WHERE {' AND '.join(f'{p} = ?' for p in t.pk)}", json.loads(k))
-                add = [json.loads(bodies[d]) for k, d in goal.items() if have.get(k, (None,))[0] != d]
+                add = [json.loads(bodies[d]) for d in adds[t.name]]
                 if add:
                     c.many(f"INSERT INTO {t.name} ({', '.join(t.cols)}) VALUES ({', '.join('?' * len(t.cols))})", add)
             self._rewind_events(c, agent, user, target.event_ranges)
@@ -363,19 +302,20 @@ class Checkpoints:
             branch = _new_branch()
             # The new branch's events get ids above every id given out so far (ids are never reused).
             lineage = [*target.event_ranges, [self._event_mark(c) + 1, None]]
-            self._set_head(c, agent, user, branch, target.id, None, lineage)
+            self._set_head(c, agent, user, branch, target.id, None, lineage, row_mark)
         return branch
 
     def _rewind_events(self, c: "Conn", agent: str, user: str, ranges: list[list[int]]) -> None:
         """Make the instance's events exactly those whose ids lie in ``ranges``: others are moved aside (kept for
         a rollback to their branch), and those moved aside earlier that lie in ``ranges`` come back."""
-        sp = _scope_params(agent, user)
+        sp = ci.scope_params(c.dialect, agent, user)
+        s = ci.scope_sql(c.dialect)
         inside, rp = _in_ranges(ranges)
         pg = self._ts.dialect == "postgres"
         c.x(f"INSERT INTO checkpoint_events (agent_id, user_id, id, {', '.join(_EVENT_COLS)}) "
-            f"SELECT ?, ?, id, {', '.join(_EVENT_COLS)} FROM events WHERE {_S} AND NOT {inside} "
+            f"SELECT ?, ?, id, {', '.join(_EVENT_COLS)} FROM events WHERE {s} AND NOT {inside} "
             "ON CONFLICT DO NOTHING", (agent, user, *sp, *rp))
-        c.x(f"DELETE FROM events WHERE {_S} AND NOT {inside}", (*sp, *rp))
+        c.x(f"DELETE FROM events WHERE {s} AND NOT {inside}", (*sp, *rp))
         back = f"SELECT id, {', '.join(_EVENT_COLS)} FROM checkpoint_events WHERE agent_id = ? AND user_id = ? AND {inside}"
         c.x(f"INSERT INTO events (id, {', '.join(_EVENT_COLS)}) {'OVERRIDING SYSTEM VALUE ' if pg else ''}{back}",
             (agent, user, *rp))
@@ -412,9 +352,7 @@ class Checkpoints:
                     c.one("SELECT 1 FROM checkpoint_heads WHERE agent_id = ? AND user_id = ?", (agent, to_user)):
                 raise ConflictError(f"user {to_user!r} of agent {agent!r} already has data",
                                     hint="fork into a new user id (or forget that user first)")
-            r = c.one("SELECT manifest FROM checkpoints WHERE id = ?", (target.id,))
-            assert r is not None
-            want = _unpack(r[0])
+            want = ci.resolve(c, ts.tenant_id, target.id).rows
             bodies = self._bodies(c, agent, user, {d for rows in want.values() for d in rows.values()})
             rows = {t: [json.loads(bodies[d]) for d in m.values()] for t, m in want.items()}
             sub = _Renamer(agent, user, to_user)
@@ -431,7 +369,9 @@ class Checkpoints:
             ev_map: dict[str, str] = {}
             cols = ", ".join(_EVENT_COLS)
             inside, rp = _in_ranges(target.event_ranges)
-            live = c.q(f"SELECT id, {cols} FROM events WHERE {inside} AND {_S}", (*rp, *_scope_params(agent, user)))
+            s = ci.scope_sql(c.dialect)
+            live = c.q(f"SELECT id, {cols} FROM events WHERE {inside} AND {s}",
+                       (*rp, *ci.scope_params(c.dialect, agent, user)))
             aside = c.q(f"SELECT id, {cols} FROM checkpoint_events WHERE agent_id = ? AND user_id = ? AND {inside}",
                         (agent, user, *rp))
             for old_id, *vals in sorted(live + aside, key=lambda r: r[0]):
@@ -458,7 +398,8 @@ class Checkpoints:
                     n += len(out)
             now = time.time()
             scopes = {r[1] for t in ("state", "facts", "workflow_runs") for r in rows.get(t, [])}
-            scopes |= {r[0] for r in c.q(f"SELECT DISTINCT scope FROM events WHERE {_S}", _scope_params(agent, to_user))}
+            scopes |= {r[0] for r in c.q(f"SELECT DISTINCT scope FROM events WHERE {s}",
+                                         ci.scope_params(c.dialect, agent, to_user))}
             for key in sorted(scopes):
                 if key.startswith(("user:", "session:", "workflow:")):
                     ts._touch(c, Scope.parse(sub.text(key)), now)
@@ -481,12 +422,20 @@ class Checkpoints:
             gone = [_checkpoint(r) for r in rows if r[0] not in keep]
             if not gone:
                 return []
+            gone_ids = {g.id for g in gone}
+            live: set[str] = set()
+            for (cid, blob) in c.q("SELECT id, manifest FROM checkpoints WHERE agent_id = ? AND user_id = ?",
+                                   (agent, user)):
+                if cid in gone_ids:
+                    continue
+                m = ci.resolve(c, self._ts.tenant_id, cid)  # before any checkpoint it builds on is deleted
+                live |= m.digests()
+                if ci.base_of(blob) in gone_ids:
+                    # Its chain would lose a link: it is stored whole from now on (same rows, same cache entry).
+                    c.x("UPDATE checkpoints SET manifest = ? WHERE id = ?", (c.blob(ci.pack_whole(m)), cid))
             for i in range(0, len(gone), 500):
                 part = [g.id for g in gone[i:i + 500]]
                 c.x(f"DELETE FROM checkpoints WHERE id IN ({','.join('?' * len(part))})", part)
-            live: set[str] = set()
-            for (m,) in c.q("SELECT manifest FROM checkpoints WHERE agent_id = ? AND user_id = ?", (agent, user)):
-                live |= {d for t in _unpack(m).values() for d in t.values()}
             dead = [d for (d,) in c.q("SELECT digest FROM checkpoint_rows WHERE agent_id = ? AND user_id = ?",
                                       (agent, user)) if d not in live]
             for i in range(0, len(dead), 500):
@@ -537,20 +486,19 @@ class _Renamer:
         return v
 
 
-def _turn_summary(img: _Image, turn_id: str) -> dict[str, Any]:
-    """What the turn did, from the rows just read: its message, reply, status and the steps it journaled."""
-    run_body = next((b for k, (_, b) in img.rows.get("workflow_runs", {}).items() if json.loads(k) == [turn_id]), None)
+def _turn_summary(c: "Conn", turn_id: str) -> dict[str, Any]:
+    """What the turn did: its message, reply, status and the steps it journaled."""
     out: dict[str, Any] = {"id": turn_id}
-    if run_body is not None:
-        run = json.loads(run_body)
-        inp = json.loads(run[4]) if run[4] else {}
-        res = json.loads(run[7]) if run[7] else {}
-        out["status"] = run[3]
+    run = c.one("SELECT status, input, result FROM workflow_runs WHERE id = ?", (turn_id,))
+    if run is not None:
+        inp = json.loads(run[1]) if run[1] else {}
+        res = json.loads(run[2]) if run[2] else {}
+        out["status"] = run[0]
         out["message"] = str((inp or {}).get("message", ""))[:200]
         reply = (res or {}).get("reply") if isinstance(res, dict) else None
         out["reply"] = reply[:200] if isinstance(reply, str) else reply if reply is None else str(reply)[:200]
-    steps = [json.loads(b) for k, (_, b) in img.rows.get("steps", {}).items() if json.loads(k)[0] == turn_id]
-    out["steps"] = [{"name": s[2], "status": s[3]} for s in sorted(steps, key=lambda s: s[1])][:50]
+    steps = c.q("SELECT name, status FROM steps WHERE run_id = ? ORDER BY seq LIMIT 50", (turn_id,))
+    out["steps"] = [{"name": n, "status": st} for n, st in steps]
     return out
 
 
