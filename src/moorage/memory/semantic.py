@@ -104,30 +104,33 @@ class SemanticMemory:
         trust = trust_for(origin, c.inferred)
         when = self.clock() if valid_from is None else valid_from
         key = normalize_value(c.value)
-        rows = self.ts.facts.list(scope, subject=c.subject, attribute=c.attribute, statuses=("active", "pending"))
-        active = [f for f in rows if f.status == "active"]
-        pending = [f for f in rows if f.status == "pending"]
-
-        same = next((f for f in active if normalize_value(f.value) == key), None)
+        facts = self.ts.facts
+        # Only the rows this write can touch are read: those with the same value (by its comparable form), then
+        # the attribute's current value. Pending rows pile up (an agent that records a new value every turn) and
+        # closed ones never go, so reading all of them made every write cost the user's whole history.
+        same = next(iter(facts.current_matching(scope, c.subject, c.attribute, status="active", key=key,
+                                                keyer=normalize_value)), None)
         if same is not None:
             return FactChange("merged", self._merge(same, evidence, trust if origin == "user" else None))
         if origin != "user":
-            waiting = next((f for f in pending if normalize_value(f.value) == key), None)
+            waiting = next(iter(facts.current_matching(scope, c.subject, c.attribute, status="pending", key=key,
+                                                       keyer=normalize_value)), None)
             if waiting is not None:
                 return FactChange("merged", self._merge(waiting, evidence, None))
-            f = self.ts.facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
-                                     status="pending", provenance=evidence, source=origin)
+            f = facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
+                             status="pending", provenance=evidence, source=origin, value_key=key)
             return FactChange("pending", f)
 
-        if c.attribute in MULTI_VALUED or not active:
-            f = self.ts.facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
-                                     status="active", provenance=evidence, source=origin)
+        active = [] if c.attribute in MULTI_VALUED else facts.current(scope, c.subject, c.attribute)
+        if not active:
+            f = facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
+                             status="active", provenance=evidence, source=origin, value_key=key)
             return FactChange("inserted", f)
 
         current = max(active, key=lambda f: (f.valid_from, f.recorded_at))
         if TRUST_RANK[trust] < TRUST_RANK[current.trust]:
-            f = self.ts.facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
-                                     status="pending", provenance=evidence, source=origin)
+            f = facts.insert(scope, c.subject, c.attribute, c.value, c.text, valid_from=when, trust=trust,
+                             status="pending", provenance=evidence, source=origin, value_key=key)
             return FactChange("pending", f)
         return self._supersede(scope, current, c.subject, c.attribute, c.value, c.text, when, trust, evidence, origin)
 
@@ -136,7 +139,7 @@ class SemanticMemory:
         # A statement dated before the current fact began still only ends it from its own start.
         when = max(when, current.valid_from)
         new = self.ts.facts.insert(scope, subject, attribute, value, text, valid_from=when, trust=trust,
-                                   status="active", provenance=evidence, source=source)
+                                   status="active", provenance=evidence, source=source, value_key=normalize_value(value))
         closed = self.ts.facts.close(current.id, expected_version=current.version, valid_to=when, superseded_by=new.id)
         return FactChange("superseded", new, closed)
 

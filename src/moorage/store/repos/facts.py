@@ -3,7 +3,7 @@ compare-and-set, their content never."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import FACT_STATUS, FACT_TRUST, Fact, Scope
@@ -15,6 +15,10 @@ _FACT_COLS = (
     "id, scope, subject, attribute, value, text, valid_from, valid_to, recorded_at, superseded_at, "
     "superseded_by, trust, status, provenance, source, version"
 )
+
+# The facts of one subject's attribute in one status that are not closed: what the index of current facts
+# (migration 17: scope, subject, attribute, status, value_key WHERE valid_to IS NULL) holds.
+_CURRENT = "facts WHERE scope = ? AND subject = ? AND attribute = ? AND status = ? AND valid_to IS NULL"
 
 
 def _fact(r: tuple) -> Fact:
@@ -28,7 +32,10 @@ class Facts(_Repo):
     def insert(
         self, scope: Scope, subject: str, attribute: str, value: str, text: str, *, valid_from: float | None = None,
         trust: str = "user_stated", status: str = "active", provenance: Sequence[str] = (), source: str = "user",
+        value_key: str | None = None,
     ) -> Fact:
+        """A new fact row; ``value_key`` is the value's comparable form, if the caller has one (see
+        ``current_matching``)."""
         if trust not in FACT_TRUST:
             raise InvalidInput(f"unknown trust {trust!r}", hint=f"one of {', '.join(FACT_TRUST)}")
         if status not in FACT_STATUS:
@@ -41,9 +48,10 @@ class Facts(_Repo):
         )
         with self._ts._tx() as c:
             c.x(
-                f"INSERT INTO facts ({_FACT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO facts ({_FACT_COLS}, value_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (f.id, scope.key, f.subject, f.attribute, f.value, f.text, f.valid_from, None, now, None, None, trust,
-                 status, self._json(list(f.provenance), "provenance"), f.source, 1),
+                 status, self._json(list(f.provenance), "provenance"), f.source, 1,
+                 None if value_key is None else self._text(value_key, "value key")),
             )
             self._ts._touch(c, scope, now)
         return f
@@ -117,3 +125,39 @@ class Facts(_Repo):
         with self._ts._tx(write=False) as c:
             rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at LIMIT ?", (*params, limit))
         return [_fact(r) for r in rows]
+
+    def current(self, scope: Scope, subject: str, attribute: str, *, status: str = "active") -> list[Fact]:
+        """The facts of one subject's attribute in ``status`` that are not closed, oldest first: read through the
+        index of current facts (migration 17), so closed values do not count, however many there were."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_FACT_COLS} FROM {_CURRENT}", (scope.key, subject, attribute, status))
+        # Sorted here: an ORDER BY in SQL makes SQLite prefer the (scope, subject, attribute, valid_from) index,
+        # which walks the closed values too.
+        return sorted((_fact(r) for r in rows), key=lambda f: (f.valid_from, f.recorded_at))
+
+    def current_matching(
+        self, scope: Scope, subject: str, attribute: str, *, status: str, key: str, keyer: Callable[[str], str],
+    ) -> list[Fact]:
+        """The facts ``current`` returns whose value's comparable form ``keyer(value)`` is ``key``, oldest first.
+
+        The form is stored with the row (``value_key``), so this reads only the rows with that form. Rows written
+        without it (before migration 17, by a caller that had none, or restored from a checkpoint image) are read
+        too and get theirs written here, once: a write transaction.
+        """
+        with self._ts._tx() as c:
+            # Two probes of the index (an OR of the two would walk every key of the attribute).
+            where = (scope.key, subject, attribute, status)
+            rows = c.q(f"SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key = ? UNION ALL "
+                       f"SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key IS NULL", (*where, key, *where))
+            out = []
+            for r in rows:
+                have = r[-1]
+                if have is None:
+                    have = keyer(r[4])
+                    # Not a change of the fact (its version stays): the form is derived from its value, which never
+                    # changes.
+                    c.x("UPDATE facts SET value_key = ? WHERE id = ? AND value_key IS NULL",
+                        (self._text(have, "value key"), r[0]))
+                if have == key:
+                    out.append(_fact(r[:-1]))
+        return sorted(out, key=lambda f: (f.valid_from, f.recorded_at))
