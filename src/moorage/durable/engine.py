@@ -97,6 +97,7 @@ class DurableEngine:
 
     async def answer(self, run_id: str, value: Any, fn: Workflow | None = None, *, resume: bool = True) -> WorkflowRun:
         """Answer the run's open interrupt and (unless ``resume=False``) continue it right after the interrupt."""
+        self._channel_logs.pop(run_id, None)  # written here, not through the channel's copy
         runlog = RunLog.load(self.ts, run_id)
         runlog.answer(value)
         if not resume:
@@ -108,6 +109,7 @@ class DurableEngine:
 
         A finished run is returned as it is.
         """
+        self._channel_logs.pop(run_id, None)
         while True:
             run = self.ts.runs.get(run_id)
             if run.status in TERMINAL:
@@ -126,13 +128,18 @@ class DurableEngine:
 
     def correct(self, run_id: str, note: str) -> None:
         """Record a correction from outside (e.g. the user, while the run waits); the workflow sees it in history."""
+        self._channel_logs.pop(run_id, None)
         RunLog.load(self.ts, run_id).add_note(note)
 
     def get(self, run_id: str) -> WorkflowRun:
         return self.ts.runs.get(run_id)
 
     def history(self, run_id: str) -> list[HistoryEntry]:
-        return RunLog.load(self.ts, run_id).history()
+        # A run this engine drives for a guest: its log is here, extended by each of its writes (a write by another
+        # executor makes our next one fail and drops this copy), so a guest's history call does not re-read the
+        # run's whole log each time.
+        runlog = self._channel_logs.get(run_id)
+        return (runlog if runlog is not None else RunLog.load(self.ts, run_id)).history()
 
     def waiting_for(self, run_id: str) -> Any:
         """The payload of the interrupt the run is waiting at (``RunNotWaiting`` if it is not)."""
