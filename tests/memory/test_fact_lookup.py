@@ -90,3 +90,25 @@ def test_a_user_value_supersedes_the_one_current_value_among_many_closed(tenant:
     assert _learn(mem, "coffee", origin="user", attribute="likes").action == "inserted"
     assert _learn(mem, "Tea", origin="user", attribute="likes").action == "merged"
     assert sorted(f.value for f in mem.recall(BOB, attribute="likes")) == ["coffee", "tea"]
+
+
+def test_after_a_rollback_and_a_copy_the_same_value_still_merges(tenant: TenantStore) -> None:
+    """A checkpoint images a fact's own columns: rows it restores or copies come back without their form."""
+    from moorage.store.repos.checkpoints import Checkpoints
+
+    mem = SemanticMemory(tenant)
+    cps = Checkpoints(tenant)
+    first = _learn(mem, "Harbour", at=T0)
+    ck = cps.take("concierge", "bob")
+    _learn(mem, "Lighthouse", at=T0 + 1)
+    cps.rollback("concierge", "bob", ck.id)
+    assert [f.value for f in mem.pending(BOB)] == ["Harbour"]
+    again = _learn(mem, "the harbour", at=T0 + 2)
+    assert again.action == "merged" and again.fact.id == first.fact.id
+
+    cps.copy_to_user("concierge", "bob", ck.id, "twin")
+    twin = Scope.for_user("concierge", "twin")
+    [copied] = mem.pending(twin)
+    got = mem.record(twin, FactCandidate("user", "last_turn", "HARBOUR", "t"), origin="agent", evidence=["x"])
+    assert got.action == "merged" and got.fact.id == copied.id
+    assert len(mem.pending(twin)) == 1
