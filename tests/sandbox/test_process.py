@@ -240,3 +240,31 @@ async def test_sandbox_processes_run_as_an_unprivileged_host_uid(pdriver: Proces
     assert (sb.layer / "work").stat().st_uid == pdriver.config.sandbox_uid
     assert oct(sb.dir.stat().st_mode & 0o777) == "0o700" and oct(pdriver.root.stat().st_mode & 0o777) == "0o700"
     assert oct((sb.dir / "meta.json").stat().st_mode & 0o777) == "0o600"
+
+
+async def test_the_guest_package_is_byte_compiled_for_the_supervisors_interpreter(pdriver: ProcessDriver) -> None:
+    # The package is mounted read-only: without bytecode made on the host, every supervisor start (each wake and
+    # rollback) would compile the modules it imports again. Checked from inside, with the sandbox's interpreter.
+    sb = await pdriver.create("pyc")
+    await sb.start()
+    check = (
+        "import importlib.util, os, struct\n"
+        "bad = []\n"
+        "g = '/opt/moorage/guest'\n"
+        "for n in sorted(os.listdir(g)):\n"
+        "    if not n.endswith('.py') or n == '__main__.py':\n"
+        "        continue\n"
+        "    src = os.path.join(g, n)\n"
+        "    pyc = importlib.util.cache_from_source(src)\n"
+        "    try:\n"
+        "        head = open(pyc, 'rb').read(16)\n"
+        "    except OSError:\n"
+        "        bad.append(n); continue\n"
+        "    st = os.stat(src)\n"
+        "    magic, flags, mtime, size = head[:4], *struct.unpack('<III', head[4:])\n"
+        "    if magic != importlib.util.MAGIC_NUMBER or flags or mtime != int(st.st_mtime) & 0xFFFFFFFF or size != st.st_size:\n"
+        "        bad.append(n)\n"
+        "print('stale:', bad)\n")
+    r = await sb.exec(["/usr/bin/python3", "-I", "-c", check])
+    assert r.exit_code == 0, r.stderr_text
+    assert r.stdout_text.strip() == "stale: []"

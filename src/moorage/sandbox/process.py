@@ -75,6 +75,24 @@ _STAGED = ("layer", "run", "etc", "guest")
 _STOP_TIMEOUT_S = 5.0
 
 
+_guest_compiled: set[Path] = set()
+
+
+def _compile_guest(guest: Path) -> None:
+    """Byte-compile the guest package with the supervisor's own interpreter, once per host process. Sandboxes
+    mount it read-only, where Python cannot cache bytecode, so every supervisor start (each wake and rollback)
+    would compile the modules it imports again: ~15 ms of a ~110 ms start here."""
+    if guest in _guest_compiled:
+        return
+    _guest_compiled.add(guest)
+    try:
+        subprocess.run([SUPERVISOR_PYTHON, "-I", "-m", "compileall", "-q", "-x", "__main__", str(guest)],
+                       check=True, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:  # a read-only install: slower starts, nothing else
+        log.warning("could not byte-compile the guest package; sandbox starts compile it each time",
+                    path=str(guest), error=str(e)[:200])
+
+
 def _bwrap() -> str:
     path = shutil.which("bwrap")
     if path is None:
@@ -608,6 +626,7 @@ class ProcessDriver(SandboxDriver):
                               hint="set sandbox_uid to an unprivileged uid no account uses (default 64000)")
         os.chmod(self.root, 0o700)
         process_seccomp.compile_filter()  # fail at start, not at the first wake, when libseccomp is missing
+        _compile_guest(self._guest_dir)
 
     # --- bubblewrap command ----------------------------------------------------------------------------------
 
