@@ -268,3 +268,25 @@ async def test_the_guest_package_is_byte_compiled_for_the_supervisors_interprete
     r = await sb.exec(["/usr/bin/python3", "-I", "-c", check])
     assert r.exit_code == 0, r.stderr_text
     assert r.stdout_text.strip() == "stale: []"
+
+
+async def test_a_rollback_interrupted_by_a_host_stop_leaves_nothing_behind_after_the_next_boot(pdriver: ProcessDriver) -> None:
+    sb = await pdriver.create("leftover")
+    await sb.start()
+    await sb.write_file("/work/a.txt", b"one")
+    await sb.checkpoint("c1")
+    await sb.write_file("/work/a.txt", b"two")
+    await sb.rollback("c1")
+    assert await sb.read_file("/work/a.txt") == b"one"
+    # What a host stopped mid-rollback leaves: a half-made copy and a replaced layer, hidden in the sandbox dir.
+    for name in (".layer-rollback-dead0001", ".layer-old-dead0002"):
+        (sb.dir / name / "work").mkdir(parents=True)
+        (sb.dir / name / "work" / "big.bin").write_bytes(b"x" * 4096)
+    await sb.sleep()
+    await sb.wake()
+    for _ in range(100):
+        if not [p for p in sb.dir.iterdir() if p.name.startswith(".layer-")]:
+            break
+        await asyncio.sleep(0.05)
+    assert [p.name for p in sb.dir.iterdir() if p.name.startswith(".layer-")] == []
+    assert await sb.read_file("/work/a.txt") == b"one"

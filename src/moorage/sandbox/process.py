@@ -76,6 +76,14 @@ _STOP_TIMEOUT_S = 5.0
 
 
 _guest_compiled: set[Path] = set()
+_tasks: set[asyncio.Task] = set()
+
+
+def _background(coro: Any, name: str) -> None:
+    """Run ``coro`` without awaiting it, keeping a reference until it ends (the loop only holds weak ones)."""
+    t = asyncio.get_running_loop().create_task(coro, name=name)
+    _tasks.add(t)
+    t.add_done_callback(_tasks.discard)
 
 
 def _compile_guest(guest: Path) -> None:
@@ -184,6 +192,7 @@ class ProcessSandbox(Sandbox):
     async def _boot(self) -> None:
         spec = self.spec
         self.quota_exceeded = False
+        self._sweep_layer_leftovers()
         run = self.dir / "run"
         run.mkdir(mode=0o700, exist_ok=True)
         if self.socket_path.exists():
@@ -248,6 +257,14 @@ class ProcessSandbox(Sandbox):
         self._save(pid=self._pid, pid_starttime=proc_starttime(self._pid), boot_count=self.meta.get("boot_count", 0) + 1)
         self._start_watchdog()
         log.info("sandbox started", sandbox=self.id, pid=self._pid)
+
+    def _sweep_layer_leftovers(self) -> None:
+        """Remove what a rollback interrupted by a host stop left: its half-made copy or the layer it replaced
+        (both hidden names; the layer itself is always whole). Runs under the sandbox's lock, so no rollback is
+        making one now; a removal still running from the last rollback is harmless to repeat."""
+        for d in self.dir.iterdir():
+            if d.name.startswith((".layer-rollback-", ".layer-old-")) and d.is_dir():
+                _background(asyncio.to_thread(shutil.rmtree, d, True), f"rm-layer-{self.id}")
 
     async def _connect(self, timeout: float) -> Channel:
         deadline = time.monotonic() + timeout
@@ -544,11 +561,15 @@ class ProcessSandbox(Sandbox):
             old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
             os.rename(self.layer, old)
             os.rename(fresh, self.layer)
-            await asyncio.to_thread(shutil.rmtree, old, True)
-            if was_running:
-                await self._boot()
-            else:
-                self._save()
+            try:
+                if was_running:
+                    await self._boot()
+                else:
+                    self._save()
+            finally:
+                # Not on the rollback's path: a layer with installed packages is thousands of files. A host that
+                # stops before this is done leaves the directory to the next boot's sweep (_sweep_layer_leftovers).
+                _background(asyncio.to_thread(shutil.rmtree, old, True), f"rm-layer-{self.id}")
 
     async def destroy(self) -> None:
         async with self._lock:
