@@ -112,3 +112,20 @@ def test_after_a_rollback_and_a_copy_the_same_value_still_merges(tenant: TenantS
     got = mem.record(twin, FactCandidate("user", "last_turn", "HARBOUR", "t"), origin="agent", evidence=["x"])
     assert got.action == "merged" and got.fact.id == copied.id
     assert len(mem.pending(twin)) == 1
+
+
+def test_current_facts_of_a_scope_in_order_and_cut_at_the_limit(tenant: TenantStore) -> None:
+    mem = SemanticMemory(tenant)
+    for n in range(5):  # closed values of one attribute, then its current one
+        _learn(mem, f"city {n}", origin="user", attribute="city", at=T0 + n)
+    for n in range(5):  # pending values that pile up
+        _learn(mem, f"guess {n}", attribute="city", at=T0 + 10 + n)
+    _learn(mem, "tea", origin="user", attribute="likes", at=T0 + 2.5)
+    _learn(mem, "Rex", origin="user", attribute="dog", at=T0 - 1)
+    assert [f.value for f in mem.recall(BOB)] == ["Rex", "tea", "city 4"]  # oldest first by valid time
+    assert [f.value for f in tenant.facts.list(BOB, limit=2)] == ["Rex", "tea"]
+    assert [f.value for f in mem.recall(BOB, subject="user", attribute="city")] == ["city 4"]
+    assert [f.value for f in mem.recall(BOB, attribute="city", include_pending=True)] == (
+        ["city 4"] + [f"guess {n}" for n in range(5)])
+    assert [f.value for f in mem.recall(BOB, attribute="city", valid_at=T0 + 2.5)] == ["city 2"]
+    assert len(mem.history(BOB, "user", "city")) == 5

@@ -551,8 +551,9 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             # image, and filled in when a write first looks at them (store/repos/facts.current_matching).
             "ALTER TABLE facts ADD COLUMN value_key TEXT",
             # Only the facts not closed: a write's lookups (is this value already believed? already waiting?)
-            # cost what the attribute holds now, not every value it ever had or every pending row piled up.
-            "CREATE INDEX facts_current ON facts ({tpk}scope, subject, attribute, status, value_key) "
+            # and a read of the current facts (of a scope, a subject or an attribute, by status) cost what is
+            # current now, not every value ever held or every pending row piled up.
+            "CREATE INDEX facts_current ON facts ({tpk}scope, status, subject, attribute, value_key) "
             "WHERE valid_to IS NULL",
         ),
     ),
