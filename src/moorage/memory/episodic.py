@@ -104,6 +104,9 @@ class _ScopeVectors:
     ts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
     speakers: list[str | None] = field(default_factory=list)
     matrix: np.ndarray = field(default_factory=lambda: np.zeros((0, DIMENSION), dtype=np.float32))
+    #: ``matrix`` is a view of the first rows of this buffer, which has room for more: a refresh writes the new
+    #: vectors past the rows any reader's snapshot of ``matrix`` covers, instead of copying the whole matrix.
+    room: np.ndarray = field(default_factory=lambda: np.zeros((0, DIMENSION), dtype=np.float32))
     max_id: int = 0
     #: Event id -> row of ``matrix``.
     pos: dict[int, int] = field(default_factory=dict)
@@ -523,10 +526,18 @@ class EpisodicMemory:
         rows = [vec.lex_pos[i] for i, _ in good]
         mat = np.frombuffer(b"".join(b for _, b in good), dtype="<f4").reshape(len(good), DIMENSION)
         base = len(vec.ids)
+        need = base + len(good)
+        if need > len(vec.room):
+            # Grown by a quarter at a time: each vector is copied a bounded number of times on average, and the
+            # spare room stays a small share of the cache.
+            grown = np.empty((max(need, len(vec.room) * 5 // 4, 256), DIMENSION), dtype=np.float32)
+            grown[:base] = vec.matrix
+            vec.room = grown
+        vec.room[base:need] = mat
         vec.ids = np.concatenate([vec.ids, np.array([i for i, _ in good], dtype=np.int64)])
         vec.ts = np.concatenate([vec.ts, vec.lex_ts[rows]])
         vec.speakers.extend(vec.lex_speakers[r] for r in rows)
-        vec.matrix = np.vstack([vec.matrix, mat]) if base else mat.copy()
+        vec.matrix = vec.room[:need]
         vec.pos.update({i: base + n for n, (i, _) in enumerate(good)})  # only rows ``matrix`` has
 
     def _drop(self, scope: Scope) -> None:
