@@ -529,8 +529,8 @@ class EpisodicMemory:
         need = base + len(good)
         if need > len(vec.room):
             # Grown by a quarter at a time: each vector is copied a bounded number of times on average, and the
-            # spare room stays a small share of the cache.
-            grown = np.empty((max(need, len(vec.room) * 5 // 4, 256), DIMENSION), dtype=np.float32)
+            # spare room stays a small share of the cache (a few rows for a small scope: there may be many).
+            grown = np.empty((max(need + 8, len(vec.room) * 5 // 4), DIMENSION), dtype=np.float32)
             grown[:base] = vec.matrix
             vec.room = grown
         vec.room[base:need] = mat
