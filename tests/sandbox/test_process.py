@@ -290,3 +290,40 @@ async def test_a_rollback_interrupted_by_a_host_stop_leaves_nothing_behind_after
         await asyncio.sleep(0.05)
     assert [p.name for p in sb.dir.iterdir() if p.name.startswith(".layer-")] == []
     assert await sb.read_file("/work/a.txt") == b"one"
+
+
+async def test_a_rollback_of_a_running_sandbox_restarts_the_agent_inside_the_same_sandbox(pdriver: ProcessDriver) -> None:
+    # The zygote (the sandbox's first process) forks a fresh supervisor: the sandbox and its namespaces stay,
+    # every process the agent had is gone, the files are the checkpoint's, and the supervisor never holds the
+    # zygote's control socket.
+    sb = await pdriver.create("inplace")
+    await sb.start()
+    await sb.write_file("/work/a.txt", b"one")
+    await sb.checkpoint("c1")
+    await sb.write_file("/work/a.txt", b"two")
+    await sb.write_file("/work/b.txt", b"later")
+    await sb.write_file("/tmp/t.txt", b"tmp")
+    who = ("import os\n"
+           "sup = os.getppid()\n"
+           "zyg = int(open(f'/proc/{sup}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+           "argv = open(f'/proc/{zyg}/cmdline', 'rb').read().split(b'\\0')\n"
+           "n = argv[argv.index(b'--zygote-fd') + 1].decode()\n"
+           "print(sup, zyg, os.path.exists(f'/proc/{sup}/fd/{n}'), os.path.exists(f'/proc/self/fd/{n}'))\n")
+    before = (await sb.exec(["/usr/bin/python3", "-I", "-c", who])).stdout_text.split()
+    # A daemon the agent left behind (its own session, reparented to the sandbox's init once its parent exits).
+    await sb.exec(["/bin/sh", "-c", "setsid sleep 300 >/dev/null 2>&1 < /dev/null & echo started"])
+    running = (await sb.exec(["/bin/sh", "-c", "ls /tmp; ps -eo comm"])).stdout_text.split()
+    assert "sleep" in running and "t.txt" in running
+    host_pid = sb._pid  # type: ignore[attr-defined]
+    await sb.rollback("c1")
+    after = (await sb.exec(["/usr/bin/python3", "-I", "-c", who])).stdout_text.split()
+    assert sb._pid == host_pid  # type: ignore[attr-defined]  # the same sandbox, not a new one
+    assert after[1] == before[1] and after[0] != before[0]  # same zygote, a new supervisor
+    assert before[2:] == after[2:] == ["False", "False"]  # the control socket stays the zygote's
+    assert await sb.read_file("/work/a.txt") == b"one"
+    names = (await sb.exec(["/bin/sh", "-c", "ls /work /tmp; ps -eo comm"])).stdout_text.split()
+    assert "b.txt" not in names and "t.txt" not in names and "sleep" not in names
+    await sb.write_file("/work/c.txt", b"after")  # the restored layer is the agent's to write
+    await sb.sleep()
+    await sb.wake()
+    assert await sb.read_file("/work/a.txt") == b"one" and await sb.read_file("/work/c.txt") == b"after"

@@ -10,6 +10,8 @@ import asyncio
 import glob
 import importlib
 import os
+import select
+import signal
 import socket
 import sys
 import time
@@ -139,6 +141,46 @@ class Supervisor:
             await asyncio.sleep(0.05)
 
 
+def zygote(fd: int, modules: List[str]) -> None:
+    """Process driver: this process (imports done, no event loop, no agent code) stays as the sandbox's first
+    process and forks each supervisor from itself; it returns only in a supervisor child.
+
+    ``fd`` is a socket whose other end only the host holds (the child closes it, so agent code never sees it).
+    The host sends ``K``: the running supervisor is killed and reaped (answer ``k``); then ``G``: a fresh one is
+    forked. A rollback restarts the agent this way in a few milliseconds, without a new sandbox or interpreter.
+    A supervisor that ends on its own ends the sandbox, as it would without a zygote; so does the host's end
+    closing."""
+    for name in modules:  # what each supervisor loads, imported once here (stdlib-only guest modules)
+        try:
+            importlib.import_module(f"{__package__}.{name}")
+        except Exception as e:  # the supervisor reports it when it loads the extension
+            log("zygote could not preload a module", module=name, error=str(e))
+    ctl = socket.socket(fileno=fd)
+    while True:
+        pid = os.fork()
+        if pid == 0:
+            ctl.close()
+            return
+        pidfd = os.pidfd_open(pid)
+        while True:
+            ready, _, _ = select.select([ctl, pidfd], [], [])
+            if pidfd in ready:
+                _, status = os.waitpid(pid, 0)
+                os._exit(os.waitstatus_to_exitcode(status) & 0x7F)
+            cmd = ctl.recv(1)
+            if cmd == b"K":
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(pidfd)
+                ctl.sendall(b"k")
+                if ctl.recv(1) != b"G":
+                    os._exit(0)
+                break
+            if cmd == b"":
+                os.kill(pid, signal.SIGKILL)
+                os._exit(0)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="moorage-guest", description="moorage guest supervisor")
     t = ap.add_mutually_exclusive_group(required=True)
@@ -147,12 +189,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     t.add_argument("--virtio", metavar="NAME", nargs="?", const=VIRTIO_PORT_NAME, help="serve a virtio-serial port")
     ap.add_argument("--workdir", default=os.environ.get("MOORAGE_WORKDIR", "/work"))
     ap.add_argument("--extension", action="append", default=[], metavar="MODULE")
+    ap.add_argument("--zygote-fd", type=int, metavar="N",
+                    help="stay as the parent that forks each supervisor on the host's word on this inherited socket")
     args = ap.parse_args(argv)
 
     # The agent runtime (guest/agent.py), the app relay and the egress relay (its network, when the agent has
     # one) are part of every guest.
     extensions = ["agent", "app_relay", "egress_relay", "packages"] + list(args.extension) + [e for e in os.environ.get("MOORAGE_GUEST_EXTENSIONS", "").split(",") if e]
     extensions = list(dict.fromkeys(extensions))
+    if args.zygote_fd is not None:
+        zygote(args.zygote_fd, [e for e in extensions if "." not in e])
     workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
 
     async def run() -> None:

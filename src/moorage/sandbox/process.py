@@ -27,7 +27,7 @@ from moorage.errors import ConfigError, ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import capped_log
 from moorage.sandbox import process_limits as limits
-from moorage.sandbox import process_seccomp
+from moorage.sandbox import process_restart, process_seccomp
 from moorage.sandbox.base import (
     Capabilities,
     ChannelError,
@@ -101,6 +101,16 @@ def _compile_guest(guest: Path) -> None:
                     path=str(guest), error=str(e)[:200])
 
 
+def _is_guest(pid: int) -> bool:
+    """Whether ``pid`` runs the guest package (the zygote or a supervisor; bwrap's own argv names it too)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return argv[0] == SUPERVISOR_PYTHON.encode() and GUEST_MOUNT.encode() in argv
+
+
 def _bwrap() -> str:
     path = shutil.which("bwrap")
     if path is None:
@@ -121,6 +131,8 @@ class ProcessSandbox(Sandbox):
         self._pid: int | None = meta.get("pid")
         self._lock = asyncio.Lock()
         self._watchdog: asyncio.Task[None] | None = None
+        #: The host's end of the zygote's control socket (process_restart), while the sandbox runs.
+        self._zygote: Any = None
         self.cgroup = limits.SandboxCgroup(driver.limit_support, f"{driver.instance_tag}-{sandbox_id}")
         #: Set when the disk quota watchdog killed the sandbox's processes (cleared on the next start).
         self.quota_exceeded = False
@@ -209,8 +221,9 @@ class ProcessSandbox(Sandbox):
         staged = uid is not None
         # Above fd 9: the staging shell uses 3-6 for the directories it binds.
         seccomp_fd = process_seccomp.filter_fd(min_fd=10)
+        zygote, zygote_fd = process_restart.control_pair(min_fd=10)
         try:
-            argv = _with_seccomp(self.driver.bwrap_argv(self, staged=staged), seccomp_fd)
+            argv = _with_seccomp(self.driver.bwrap_argv(self, staged=staged, zygote_fd=zygote_fd), seccomp_fd)
             # A uid shared by every sandbox counts its processes host-wide: the cgroup bounds each sandbox instead.
             nproc = spec.max_processes if not (staged and self.cgroup.bounds_memory_and_processes) else None
             prlimit = limits.rlimit_args(
@@ -234,7 +247,7 @@ class ProcessSandbox(Sandbox):
             try:
                 self._proc = subprocess.Popen(
                     wrapper, stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
-                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, close_fds=True, pass_fds=[seccomp_fd],
+                    env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, close_fds=True, pass_fds=[seccomp_fd, zygote_fd],
                     start_new_session=True,
                 )
             except BaseException:
@@ -245,8 +258,13 @@ class ProcessSandbox(Sandbox):
             proc = self._proc
             capped_log.start(out_r, self.dir / "supervisor.log", alive=lambda: proc.poll() is None,
                              cap=SUPERVISOR_LOG_CAP_BYTES, name=f"log-{self.id}")
+        except BaseException:
+            zygote.close()
+            raise
         finally:
             os.close(seccomp_fd)
+            os.close(zygote_fd)
+        self._zygote = zygote
         self._pid = self._proc.pid
         try:
             self._channel = await self._connect(_START_TIMEOUT_S)
@@ -383,20 +401,20 @@ class ProcessSandbox(Sandbox):
         if self._pid is None:
             return []
         for pid in limits.descendants(self._pid):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            # bwrap's own argv names the guest too; the supervisor is the python process running it.
-            if argv[0] == SUPERVISOR_PYTHON.encode() and GUEST_MOUNT.encode() in argv:
-                return limits.descendants(pid)
+            if _is_guest(pid):
+                # The first guest process is the zygote; the supervisor is its guest child (none while a
+                # rollback restarts it).
+                sup = next((c for c in limits.descendants(pid) if _is_guest(c)), None)
+                return limits.descendants(sup) if sup is not None else []
         return []
 
     async def _kill(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -547,6 +565,12 @@ class ProcessSandbox(Sandbox):
             if not (src / "layer").is_dir():
                 raise SnapshotCorrupt(f"checkpoint {name!r} of sandbox {self.id} has no layer directory")
             was_running = self._state is SandboxState.RUNNING
+            if was_running and self._zygote is not None and self._alive():
+                try:
+                    await self._rollback_in_place(src)
+                    return
+                except process_restart.ZygoteGone as e:
+                    log.warning("restart in place failed; restarting the sandbox", sandbox=self.id, error=str(e))
             # Swap in a copy so the checkpoint itself stays reusable; the old layer is removed only after the swap.
             # The copy is made while the processes are killed (processes and memory are not part of a
             # process-driver checkpoint): the checkpoint does not change, and nothing uses the copy until the swap.
@@ -570,6 +594,51 @@ class ProcessSandbox(Sandbox):
                 # Not on the rollback's path: a layer with installed packages is thousands of files. A host that
                 # stops before this is done leaves the directory to the next boot's sweep (_sweep_layer_leftovers).
                 _background(asyncio.to_thread(shutil.rmtree, old, True), f"rm-layer-{self.id}")
+
+    async def _rollback_in_place(self, src: Path) -> None:
+        """Rollback of a running sandbox through its zygote (process_restart): the agent's processes are killed
+        while the checkpoint's layer is copied, the copy's files are moved into the layer the sandbox has bound,
+        and the zygote forks a fresh supervisor. The sandbox itself (bubblewrap, its namespaces) stays."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        fresh = self.dir / f".layer-rollback-{uuid.uuid4().hex[:8]}"
+        trash = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
+        assert self._pid is not None
+        try:
+            copied, killed = await asyncio.gather(copy_tree(src / "layer", fresh),
+                                                  process_restart.kill_agent(self._zygote, self._pid, _is_guest),
+                                                  return_exceptions=True)
+            for err in (killed, copied):
+                if isinstance(err, BaseException):
+                    raise err
+            uid = self.driver.host_uid
+            if uid is not None:
+                _own_tree(fresh, uid)
+            process_restart.swap_contents(self.layer, fresh, trash)
+            if self.socket_path.exists():
+                self.socket_path.unlink()
+            self.quota_exceeded = False
+            await process_restart.start_agent(self._zygote)
+            self._channel = await self._connect(_START_TIMEOUT_S)
+        except process_restart.ZygoteGone:
+            raise  # the caller restarts the sandbox the slow way, from the checkpoint again
+        except BaseException:
+            # No agent running and the layer maybe half swapped: stopped; the next start begins from the layer
+            # (the caller's intent, recorded before, finishes the rollback).
+            await self._kill()
+            self._state = SandboxState.STOPPED
+            self._save(pid=None, pid_starttime=None)
+            raise
+        finally:
+            _background(asyncio.to_thread(shutil.rmtree, fresh, True), f"rm-layer-{self.id}")
+            _background(asyncio.to_thread(shutil.rmtree, trash, True), f"rm-layer-{self.id}")
+        self._save(boot_count=self.meta.get("boot_count", 0) + 1)
+        self._start_watchdog()
+        log.info("sandbox rolled back in place", sandbox=self.id)
 
     async def destroy(self) -> None:
         async with self._lock:
@@ -651,7 +720,7 @@ class ProcessDriver(SandboxDriver):
 
     # --- bubblewrap command ----------------------------------------------------------------------------------
 
-    def bwrap_argv(self, sb: ProcessSandbox, *, staged: bool = False) -> list[str]:
+    def bwrap_argv(self, sb: ProcessSandbox, *, staged: bool = False, zygote_fd: int | None = None) -> list[str]:
         """The bubblewrap command. ``staged``: the sandbox's directories are bound under ``_STAGE`` by a root launcher."""
         src = {"layer": sb.layer, "run": sb.dir / "run", "etc": sb.dir / "etc", "guest": self._guest_dir}
         if staged:
@@ -680,6 +749,8 @@ class ProcessDriver(SandboxDriver):
         for k, v in env.items():
             a += ["--setenv", k, v]
         a += ["--", SUPERVISOR_PYTHON, "-I", GUEST_MOUNT, "--listen", f"/run/moorage/{SOCKET_NAME}", "--workdir", "/work"]
+        if zygote_fd is not None:
+            a += ["--zygote-fd", str(zygote_fd)]
         return a
 
     # --- driver verbs ----------------------------------------------------------------------------------------
