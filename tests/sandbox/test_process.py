@@ -327,3 +327,20 @@ async def test_a_rollback_of_a_running_sandbox_restarts_the_agent_inside_the_sam
     await sb.sleep()
     await sb.wake()
     assert await sb.read_file("/work/a.txt") == b"one" and await sb.read_file("/work/c.txt") == b"after"
+
+
+async def test_a_sandbox_outlives_its_zygotes_control_socket_and_still_rolls_back(pdriver: ProcessDriver) -> None:
+    # The host's end closing (a handle on the sandbox dropped; a host that exits takes the sandbox with it anyway)
+    # does not stop the agent; a rollback then restarts the sandbox the slow way.
+    sb = await pdriver.create("ctlgone")
+    await sb.start()
+    await sb.write_file("/work/a.txt", b"one")
+    await sb.checkpoint("c1")
+    await sb.write_file("/work/a.txt", b"two")
+    sb._zygote.close()  # type: ignore[attr-defined]
+    await asyncio.sleep(0.2)
+    assert (await sb.exec(["/bin/echo", "alive"])).stdout_text.strip() == "alive"
+    host_pid = sb._pid  # type: ignore[attr-defined]
+    await sb.rollback("c1")
+    assert await sb.read_file("/work/a.txt") == b"one"
+    assert sb._pid != host_pid  # type: ignore[attr-defined]  # a new sandbox this time

@@ -148,37 +148,41 @@ def zygote(fd: int, modules: List[str]) -> None:
     ``fd`` is a socket whose other end only the host holds (the child closes it, so agent code never sees it).
     The host sends ``K``: the running supervisor is killed and reaped (answer ``k``); then ``G``: a fresh one is
     forked. A rollback restarts the agent this way in a few milliseconds, without a new sandbox or interpreter.
-    A supervisor that ends on its own ends the sandbox, as it would without a zygote; so does the host's end
-    closing."""
+    A supervisor that ends on its own ends the sandbox, as it would without a zygote. When the host's end closes
+    (its handle on the sandbox went away; the sandbox itself may live on) the zygote only waits for the supervisor."""
     for name in modules:  # what each supervisor loads, imported once here (stdlib-only guest modules)
         try:
             importlib.import_module(f"{__package__}.{name}")
         except Exception as e:  # the supervisor reports it when it loads the extension
             log("zygote could not preload a module", module=name, error=str(e))
-    ctl = socket.socket(fileno=fd)
+    ctl: Optional[socket.socket] = socket.socket(fileno=fd)
     while True:
         pid = os.fork()
         if pid == 0:
-            ctl.close()
+            if ctl is not None:
+                ctl.close()
             return
         pidfd = os.pidfd_open(pid)
         while True:
-            ready, _, _ = select.select([ctl, pidfd], [], [])
+            ready, _, _ = select.select([pidfd] if ctl is None else [ctl, pidfd], [], [])
             if pidfd in ready:
                 _, status = os.waitpid(pid, 0)
-                os._exit(os.waitstatus_to_exitcode(status) & 0x7F)
+                code = os.waitstatus_to_exitcode(status)
+                os._exit(code if code >= 0 else 128 - code)
+            assert ctl is not None
             cmd = ctl.recv(1)
+            if cmd == b"":
+                ctl.close()
+                ctl = None
+                continue
             if cmd == b"K":
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 os.close(pidfd)
                 ctl.sendall(b"k")
                 if ctl.recv(1) != b"G":
-                    os._exit(0)
+                    os._exit(0)  # the host went away mid-restart: nothing is left to serve
                 break
-            if cmd == b"":
-                os.kill(pid, signal.SIGKILL)
-                os._exit(0)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
