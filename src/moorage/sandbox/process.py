@@ -408,16 +408,20 @@ class ProcessSandbox(Sandbox):
                 return limits.descendants(sup) if sup is not None else []
         return []
 
-    async def _kill(self) -> None:
+    async def _let_go(self) -> None:
+        """Stop watching the guest and drop the channel to it (its processes are the caller's to end)."""
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._zygote is not None:
-            self._zygote.close()
-            self._zygote = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+    async def _kill(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        await self._let_go()
         if self._pid is not None and self._alive():
             try:
                 os.killpg(self._pid, 9)  # the wrapper started a session: its group is the whole sandbox tree
@@ -599,12 +603,7 @@ class ProcessSandbox(Sandbox):
         """Rollback of a running sandbox through its zygote (process_restart): the agent's processes are killed
         while the checkpoint's layer is copied, the copy's files are moved into the layer the sandbox has bound,
         and the zygote forks a fresh supervisor. The sandbox itself (bubblewrap, its namespaces) stays."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        await self._let_go()
         fresh = self.dir / f".layer-rollback-{uuid.uuid4().hex[:8]}"
         trash = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
         assert self._pid is not None
