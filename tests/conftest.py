@@ -101,3 +101,14 @@ def _reap_leftover_guests(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 os.kill(int(pid), signal.SIGKILL)
             except OSError:
                 pass
+
+
+def unspelled(text: str) -> str:
+    """A grep (basic regex) pattern that matches ``text`` without containing it: one character goes in brackets.
+    A test that searches a sandbox for a secret must not send the secret in, when it then scans the sandbox's
+    memory (the pattern passes through the supervisor, and freed memory may still hold it)."""
+    special = set(".[]*^$\\")
+    i = next(k for k in range(len(text) // 2, len(text)) if text[k].isalnum())
+    esc = ["\\" + c if c in special else c for c in text]
+    esc[i] = f"[{text[i]}]"
+    return "".join(esc)

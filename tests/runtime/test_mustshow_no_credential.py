@@ -21,6 +21,7 @@ from moorage.runtime.host import Host
 from moorage.sandbox import process_limits as limits
 from moorage.store import EntityKey
 from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
+from tests.conftest import unspelled
 from tests.runtime.conftest import write_agent
 
 AGENT = '''
@@ -99,13 +100,12 @@ async def test_no_credential_inside_the_sandbox(tmp_path: Path) -> None:
             assert needle not in env.stdout and b"sk-canary" not in env.stdout
 
             # 2a. files, from inside: everything the guest can read, recursively. The pattern matches the key
-            # without spelling it (a bracket around one character): the key itself never enters the sandbox,
-            # whose supervisor's memory step 3 searches.
-            pattern = f"{secret[:5]}[{secret[5]}]{secret[6:]}"
+            # without spelling it: the key itself never enters the sandbox, whose memory step 3 searches.
+            pattern = unspelled(secret)
             for root in ("/work", "/tmp", "/run", "/etc", "/home", "/root", "/opt"):
                 g = await sb.exec(["grep", "-r", "-l", "-s", "-e", pattern, root], timeout=60)
                 assert g.exit_code != 0 and g.stdout == b"", (root, g.stdout[:500])
-            ctl = await sb.exec(["grep", "-r", "-l", "-e", f"{marker[:5]}[{marker[5]}]{marker[6:]}", "/work"])
+            ctl = await sb.exec(["grep", "-r", "-l", "-e", unspelled(marker), "/work"])
             assert ctl.stdout.strip() == b"/work/replies.txt"  # the search (same kind of pattern) sees what is there
 
             # 2b. files, from the host: the whole sandbox directory (layer, logs, metadata, socket dir)

@@ -22,6 +22,7 @@ from moorage.runtime.host import Host
 from moorage.sandbox import process_limits as limits
 from tests.api.conftest import free_port
 from tests.egress.servers import start_upstream, stop
+from tests.conftest import unspelled
 from tests.runtime.conftest import write_agent
 from tests.runtime.test_mustshow_no_credential import _scan_memory
 
@@ -140,9 +141,10 @@ GITHUB_TOKEN = {{ header = "Authorization", format = "Bearer {{}}", hosts = ["12
         assert env.exit_code == 0 and not any(n.encode() in env.stdout for n in needles)
         for root in ("/work", "/tmp", "/run", "/etc", "/home", "/root", "/opt"):
             for n in needles:
-                g = await sb.exec(["grep", "-r", "-l", "-s", "-F", n, root], timeout=60)
+                g = await sb.exec(["grep", "-r", "-l", "-s", "-e", unspelled(n), root], timeout=60)
                 assert g.stdout == b"", (root, g.stdout[:300])
-        assert (await sb.exec(["grep", "-r", "-l", "-F", "api GET /user", "/work"])).stdout.strip() == b"/work/fetched.txt"
+        assert (await sb.exec(["grep", "-r", "-l", "-e", unspelled("api GET /user"), "/work"])).stdout.strip() == \
+            b"/work/fetched.txt"  # the search (same kind of pattern) sees what is there
         pid = sb.meta.get("pid")  # type: ignore[attr-defined]
         control_seen = False
         for p in [pid, *limits.descendants(pid)]:
