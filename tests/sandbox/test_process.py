@@ -228,7 +228,7 @@ async def test_sandbox_processes_run_as_an_unprivileged_host_uid(pdriver: Proces
     sb = await pdriver.create("uid")
     await sb.start()
     assert isinstance(sb, ProcessSandbox)
-    await sb.exec(["sh", "-c", "sleep 30 & echo started"])
+    await sb.exec(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo started"])  # not holding the reply open
     uids = {}
     for pid in [sb._pid or 0, *process_limits.descendants(sb._pid or 0)]:
         status = Path(f"/proc/{pid}/status").read_text()
