@@ -16,6 +16,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from moorage.sandbox import process_limits as limits
 
@@ -51,7 +52,7 @@ async def _ask(ctl: socket.socket, cmd: bytes, want: bytes | None) -> None:
         raise ZygoteGone(str(e)) from e
 
 
-async def kill_agent(ctl: socket.socket, root_pid: int, is_guest: "callable[[int], bool]") -> None:  # type: ignore[valid-type]
+async def kill_agent(ctl: socket.socket, root_pid: int, is_guest: Callable[[int], bool]) -> None:
     """Have the zygote kill and reap the supervisor, then kill every other process of the sandbox (the agent's
     workers, orphans adopted by the sandbox's init) except the zygote and the sandbox's own init."""
     await _ask(ctl, b"K", b"k")
@@ -71,7 +72,7 @@ async def start_agent(ctl: socket.socket) -> None:
     await _ask(ctl, b"G", None)
 
 
-def _zygote_and_ancestors(root_pid: int, is_guest: "callable[[int], bool]") -> list[int]:  # type: ignore[valid-type]
+def _zygote_and_ancestors(root_pid: int, is_guest: Callable[[int], bool]) -> list[int]:
     """The zygote (the outermost guest process) and the processes between it and ``root_pid``."""
     for pid in limits.descendants(root_pid):  # breadth first: the outermost guest process comes first
         if is_guest(pid):

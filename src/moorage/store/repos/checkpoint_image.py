@@ -214,15 +214,16 @@ def pack(img: Image, base_id: str | None) -> tuple[bytes, Manifest]:
     m = img.manifest
     if base_id is None or img.changed is None or m.depth >= FULL_EVERY:
         m = Manifest(m.rows, 0, m._keys)
-        doc: dict[str, Any] = {"v": 2, "base": None, "depth": 0, "set": m.rows}
-    else:
-        doc = {"v": 2, "base": base_id, "depth": m.depth, "set": img.changed, "del": img.deleted or {}}
-    return zlib.compress(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), 6), m
+        return pack_whole(m), m
+    return _compress({"v": 2, "base": base_id, "depth": m.depth, "set": img.changed, "del": img.deleted or {}}), m
 
 
 def pack_whole(m: Manifest) -> bytes:
-    return zlib.compress(json.dumps({"v": 2, "base": None, "depth": 0, "set": m.rows}, separators=(",", ":"),
-                                    sort_keys=True).encode(), 6)
+    return _compress({"v": 2, "base": None, "depth": 0, "set": m.rows})
+
+
+def _compress(doc: dict[str, Any]) -> bytes:
+    return zlib.compress(json.dumps(doc, separators=(",", ":"), sort_keys=True).encode(), 6)
 
 
 def _unpack(blob: Any) -> dict[str, Any]:
