@@ -920,6 +920,8 @@ class MicroVMSandbox(Sandbox):
                 except QMPError as e:
                     log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=str(e))
             else:
+                # A sleep leaves its killed QEMU to exit on its own; until it has, it holds the image's write lock.
+                await asyncio.to_thread(self._reap_dying)
                 # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
                 microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
                 r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-d", tag,
