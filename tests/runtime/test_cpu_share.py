@@ -1,5 +1,6 @@
-"""A tenant's share of the host's worker-thread CPU for its guests' calls (runtime/cpu_share.py): the CPU its calls'
-work uses on worker threads is charged to that tenant alone, and once past its share its next call waits."""
+"""A tenant's share of the host's CPU for its guests' calls (runtime/cpu_share.py): the CPU its calls' work uses on
+worker threads and on the event loop is charged to that tenant alone, and once past its share its guest's frames
+wait unread."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moorage.runtime import cpu_share, host_calls
+from moorage.sandbox import channel_share
 from moorage.store import EntityKey
 from tests.runtime.conftest import Env, write_agent
 
@@ -65,7 +67,7 @@ async def test_a_guest_past_its_tenants_share_waits_and_its_turn_still_completes
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # A share so small that the first calls spend it: the rest wait (briefly here), the turn is slowed, not failed.
     env.runtime.config = dataclasses.replace(env.runtime.config, guest_cpu_share=0.0001)
-    monkeypatch.setattr(cpu_share, "MAX_WAIT_S", 0.005)
+    monkeypatch.setattr(channel_share, "MAX_WAIT_S", 0.005)
     monkeypatch.setattr(cpu_share, "BURST_S", 0.0)
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "hungry", HUNGRY))
     r = await env.runtime.invoke(env.principal, EntityKey("hungry", "ada"), "60")

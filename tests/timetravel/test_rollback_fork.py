@@ -147,6 +147,47 @@ async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_th
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]
 
 
+async def test_the_turn_after_a_prune_does_not_wait_for_the_pruned_sandbox_halves(env, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """Retention removes the pruned checkpoints' rows with the turn that pruned and their sandbox halves after the
+    instance is let go: a next turn runs while that deletion is stuck; a listing waits for it."""
+    import asyncio
+
+    from moorage.sandbox.process import ProcessSandbox
+
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL + "keep = 3\ndaily = 0\n")
+    await env.runtime.deploy(env.principal, root)
+    ts = env.store.tenant(env.principal)
+    release, deleting = asyncio.Event(), asyncio.Event()
+    real = ProcessSandbox.delete_checkpoint
+
+    async def stuck(self, name: str) -> None:
+        deleting.set()
+        await release.wait()
+        await real(self, name)
+
+    monkeypatch.setattr(ProcessSandbox, "delete_checkpoint", stuck)
+    for n in range(1, 11):  # the 10th checkpoint prunes
+        await _ask(env, "ada", f"turn {n}")
+    await asyncio.wait_for(deleting.wait(), 30)
+    # The instance is free: the next turn and its own checkpoint go ahead while the deletion waits.
+    assert await asyncio.wait_for(_ask(env, "ada", "turn 11"), 30) == "done 11 step=110 files=11"
+    for _ in range(300):  # turn 11's own checkpoint is taken after its reply, without waiting for the deletion
+        left = Checkpoints(ts).list("tt", "ada")
+        if len(left) == 4:  # 8-10 kept by the prune (its pruned rows went with the turn that pruned), and 11
+            break
+        await asyncio.sleep(0.05)
+    assert [c.seq for c in left] == [11, 10, 9, 8]
+    sandbox = await env.runtime.driver.open(left[0].sandbox_id)
+    assert len(await sandbox.checkpoints()) > 4  # their sandbox halves are still there
+    listing = asyncio.get_running_loop().create_task(env.runtime.timetravel.list(env.principal, "tt", "ada"))
+    await asyncio.sleep(0.2)
+    assert not listing.done()  # a listing waits for the deletion
+    release.set()
+    assert len((await asyncio.wait_for(listing, 30))["data"]) == 4
+    assert {c.name for c in await sandbox.checkpoints()} == {c.sandbox_checkpoint for c in left}
+
+
 async def test_a_zero_retention_agent_gets_no_checkpoints(env, tmp_path: Path) -> None:
     from moorage.errors import InvalidInput
 

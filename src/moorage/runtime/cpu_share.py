@@ -1,12 +1,14 @@
-"""Each tenant's share of the host's worker-thread CPU for the calls its guests make: metered, and enforced by
-making the tenant's next call wait once it has used more than its share (its guest waits: backpressure).
+"""Each tenant's share of the host's CPU for what its guests make the host do: metered, and enforced by the
+channel, which stops reading a guest's frames while its tenant has used more than its share (the guest waits:
+backpressure; sandbox/channel_share.py).
 
 The host is one Python process. Its event loop and its worker threads share one interpreter lock, so a guest that
 keeps a worker busy with cheap calls (thousands a second, each well inside every concurrency cap) takes that lock
 from the loop that serves every other tenant's turns. A concurrency cap bounds how many calls run, not how much
 CPU they burn; this bounds the CPU. The work of a call runs on the loop's default executor (``asyncio.to_thread``),
 which is replaced by a ``MeteredExecutor``: it charges each job's thread CPU time to the meter current in the
-submitting task (``metered``), read when the job is submitted.
+submitting task (``metered``), read when the job is submitted. The call's own steps on the event loop, and the
+decoding of every frame the guest sends, are charged by the channel to the same meter.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from typing import Any, Callable, Iterator
 
 #: A tenant may run at full speed for this much CPU before its share applies.
 BURST_S = 0.25
-#: The longest one call waits for its share (then it runs): a tenant is slowed, never starved.
-MAX_WAIT_S = 2.0
 
 _current: contextvars.ContextVar["Meter | None"] = contextvars.ContextVar("moorage_cpu_meter", default=None)
 
@@ -40,7 +40,7 @@ class Meter:
         self._budget = self.burst_s
         self._mark = clock()
         self.used_s = 0.0  # all CPU charged so far (for tests and stats)
-        self.waits = 0  # calls that waited for the share
+        self.waits = 0  # times a reader found the share spent and waited
 
     def charge(self, seconds: float) -> None:
         with self._lock:
@@ -53,7 +53,10 @@ class Meter:
             now = self._clock()
             self._budget = min(self.burst_s, self._budget + (now - self._mark) * self.share)
             self._mark = now
-            return -self._budget / self.share if self._budget < 0 else 0.0
+            if self._budget >= 0:
+                return 0.0
+            self.waits += 1
+            return -self._budget / self.share
 
 
 class MeteredExecutor(ThreadPoolExecutor):
@@ -97,12 +100,3 @@ def metered(meter: Meter) -> Iterator[None]:
         yield
     finally:
         _current.reset(token)
-
-
-async def wait_for_share(meter: Meter) -> float:
-    """Wait until the meter's tenant is within its share again (at most MAX_WAIT_S); returns the seconds waited."""
-    wait = min(meter.wait_s(), MAX_WAIT_S)
-    if wait > 0:
-        meter.waits += 1
-        await asyncio.sleep(wait)
-    return wait

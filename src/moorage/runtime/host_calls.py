@@ -141,13 +141,17 @@ def secrets_of(rt: Any) -> Any:
 class GuestCalls:
     """The handlers one sandbox's channel gets. Registered again after every wake (new connection)."""
 
-    def __init__(self, runtime: "Runtime", sandbox_id: str) -> None:
+    def __init__(self, runtime: "Runtime", sandbox_id: str, tenant_id: str) -> None:
         self.rt = runtime
         self.sandbox_id = sandbox_id
+        self.tenant_id = tenant_id
 
     def register(self, channel: Any) -> None:
         for method, fn in self.methods().items():
             channel.register(method, self._wrap(method, fn))
+        # The sandbox's cost to the host's event loop (its frames, its calls' steps) is charged to the same share
+        # of the host's CPU as its calls' thread work; past it, the channel stops reading the guest.
+        channel.share = _tenant_meter(self.rt, self.tenant_id)
         from moorage.runtime.vm_network import attach_from_turn
 
         attach_from_turn(self.rt, self.sandbox_id, channel)  # the agent's own network, if it declares one
@@ -188,11 +192,11 @@ class GuestCalls:
             # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
             # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
             async with _tenant_share(self.rt, binding.ts.tenant_id):
-                # And its share of the host's CPU: past it, this call waits (and with it the guest that made it).
-                # Model calls are not metered here: the model has its own per-tenant limits (llm/policy.py).
+                # And its share of the host's CPU: the thread work of the call is charged to it here, its steps on
+                # the event loop by the channel, which stops reading the guest once the share is spent (the guest
+                # waits; calls already read finish). Model calls' threads are not metered here: the model has its
+                # own per-tenant limits (llm/policy.py).
                 meter = _tenant_meter(self.rt, binding.ts.tenant_id) if method not in _UNMETERED else None
-                if meter is not None:
-                    await cpu_share.wait_for_share(meter)
                 started = time.perf_counter()
                 try:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():

@@ -813,7 +813,7 @@ class Runtime:
 
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
-        GuestCalls(self, sandbox.id).register(sandbox.channel)
+        GuestCalls(self, sandbox.id, binding.ts.tenant_id).register(sandbox.channel)
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
         for attempt in (1, 2):

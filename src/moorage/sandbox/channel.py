@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 
 from moorage.log import get_logger
 from moorage.sandbox.base import ChannelClosed, ChannelError, ChannelTimeout, GuestProtocolError, RemoteError
+from moorage.sandbox import channel_share
+from moorage.sandbox.channel_share import Charged, Share
 
 log = get_logger(__name__)
 
@@ -271,6 +273,9 @@ class Channel:
         #: Called (synchronously, once) when the guest breaks the protocol: drivers stop the guest before any
         #: other task can pick the sandbox up as still running.
         self.on_protocol_error: Callable[[], None] | None = None
+        #: The budget this guest's cost to the host's event loop is charged to (its tenant's CPU share; set by
+        #: the runtime): frames it sends and calls it makes are charged, and past it the reader stops reading.
+        self.share: Share | None = None
 
     # --- construction ---------------------------------------------------------------------------------------
 
@@ -391,6 +396,10 @@ class Channel:
         frames, frame_budget = 0, float(READ_BURST_FRAMES)  # the same for frames, refilled at READ_FRAMES_PER_S
         try:
             while True:
+                share = self.share
+                if share is not None and (wait := share.wait_s()) > 0:
+                    # Overspent: the guest's frames wait in its socket until its share has refilled.
+                    await asyncio.sleep(min(wait, channel_share.MAX_WAIT_S))
                 if used >= READ_SLICE_S or frames >= 64:
                     now = clock()
                     budget = min(READ_BURST_S, budget + (now - mark) * READ_SHARE) - used
@@ -415,7 +424,7 @@ class Channel:
                 except asyncio.IncompleteReadError:
                     reason = "guest closed the connection mid-frame"
                     break
-                started = clock()
+                started, cpu = clock(), time.thread_time()
                 frames += 1
                 try:
                     msg = decode_payload(payload)
@@ -423,6 +432,8 @@ class Channel:
                     self._reject("invalid JSON", error=str(e)[:200])
                     await self._safe_send({"id": None, "error": {"code": PARSE_ERROR, "message": f"invalid JSON: {str(e)[:200]}"}})
                     used += clock() - started
+                    if share is not None:
+                        share.charge(time.thread_time() - cpu)
                     continue
                 del payload
                 try:
@@ -432,6 +443,8 @@ class Channel:
                 except Exception as e:  # a frame must never kill the reader: the guest cannot take the host down
                     self._reject("frame could not be handled", error=f"{type(e).__name__}: {str(e)[:200]}")
                 used += clock() - started
+                if share is not None:
+                    share.charge(time.thread_time() - cpu)
         except asyncio.CancelledError:
             reason = "closed by host"
             raise
@@ -543,8 +556,14 @@ class Channel:
         self._reject("unknown notification", method=method[:100])
 
     def _on_request(self, rid: Any, method: str, params: Any) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(rid, method, params))
-        self._serving[rid] = task
+        serve = self._serve(rid, method, params)
+        if self.share is not None:
+            serve = self._charged(serve, self.share)
+        self._serving[rid] = asyncio.get_running_loop().create_task(serve)
+
+    @staticmethod
+    async def _charged(serve: Awaitable[None], share: Share) -> None:
+        await Charged(serve, share)  # type: ignore[arg-type]
 
     async def _serve(self, rid: Any, method: str, params: Any) -> None:
         try:

@@ -278,11 +278,14 @@ class ProcessSandbox(Sandbox):
 
     def _sweep_layer_leftovers(self) -> None:
         """Remove what a rollback interrupted by a host stop left: its half-made copy or the layer it replaced
-        (both hidden names; the layer itself is always whole). Runs under the sandbox's lock, so no rollback is
+        (both hidden names; the layer itself is always whole), and checkpoints whose removal it interrupted. Runs under the sandbox's lock, so no rollback is
         making one now; a removal still running from the last rollback is harmless to repeat."""
         for d in self.dir.iterdir():
             if d.name.startswith((".layer-rollback-", ".layer-old-")) and d.is_dir():
                 _background(asyncio.to_thread(shutil.rmtree, d, True), f"rm-layer-{self.id}")
+        cks = self.dir / "checkpoints"
+        for d in cks.glob(".*.deleting-*") if cks.is_dir() else ():
+            _background(asyncio.to_thread(shutil.rmtree, d, True), f"rm-checkpoint-{self.id}")
 
     async def _connect(self, timeout: float) -> Channel:
         deadline = time.monotonic() + timeout
@@ -556,7 +559,7 @@ class ProcessSandbox(Sandbox):
             # Renamed aside first: a crash mid-removal never leaves a half checkpoint under its name.
             gone = self.dir / "checkpoints" / f".{name}.deleting-{uuid.uuid4().hex[:8]}"
             os.rename(src, gone)
-            await asyncio.to_thread(shutil.rmtree, gone, True)
+        await asyncio.to_thread(shutil.rmtree, gone, True)  # no longer a checkpoint: removed outside the lock
 
     async def rollback(self, name: str) -> None:
         validate_id(name, "checkpoint name")

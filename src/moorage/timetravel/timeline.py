@@ -144,6 +144,8 @@ class TimeTravel:
         self._inflight: dict[tuple[str, str, str], asyncio.Event] = {}
         #: Turns whose reply went out and whose automatic checkpoint runs on (asyncio keeps only weak references).
         self._tails: set[asyncio.Task[Any]] = set()
+        #: (tenant, agent, user) -> the task deleting the sandbox halves of checkpoints its last retention pruned.
+        self._retention: dict[tuple[str, str, str], asyncio.Task[None]] = {}
 
     # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
 
@@ -177,9 +179,19 @@ class TimeTravel:
                 return None
             if ck.seq % self.PRUNE_EVERY == 0:
                 try:
-                    await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, Policy.of(b.manifest))
+                    names = await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, Policy.of(b.manifest))
                 except Exception as e:  # noqa: BLE001 - retention runs again at the next tenth checkpoint
                     log.warning("checkpoint retention failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
+                    names = []
+                if names:
+                    # The pruned checkpoints' sandbox halves are removed after the instance is let go: nothing can
+                    # restore them any more (their rows are gone), and the next turn need not wait for the disk.
+                    # ``settled`` (a listing, a sleep, a forget) still waits for them.
+                    task = asyncio.get_running_loop().create_task(self._delete_sandbox_checkpoints(
+                        sandbox, names, self._retention.get(key)), name="checkpoint-retention")
+                    self._retention[key] = task
+                    task.add_done_callback(lambda t: self._retention.pop(key, None) if self._retention.get(key) is t else None)
+                    self.keep_tail(task)
             log.debug("checkpoint after turn", agent=b.entity.agent, user=b.entity.user, checkpoint=ck.id,
                       ms=round((time.perf_counter() - started) * 1000, 1))
             return ck
@@ -187,6 +199,15 @@ class TimeTravel:
             done.set()
             if self._inflight.get(key) is done:
                 del self._inflight[key]
+
+    @staticmethod
+    async def _delete_sandbox_checkpoints(sandbox: "Sandbox", names: list[str],
+                                          before: "asyncio.Task[None] | None") -> None:
+        if before is not None:  # the previous retention's deletions of this instance first (one at a time)
+            await asyncio.wait([before])
+        for name in names:
+            with contextlib.suppress(Exception):  # a sandbox destroyed meanwhile took them with it
+                await sandbox.delete_checkpoint(name)
 
     def keep_tail(self, task: "asyncio.Task[Any]") -> None:
         """Hold a turn's task whose reply went out while its automatic checkpoint runs on; log how it ends."""
@@ -206,12 +227,21 @@ class TimeTravel:
 
     async def settled(self, tenant_id: str, agent: str, user: str | None, timeout_s: float = 120.0) -> None:
         """Wait for the automatic checkpoint of the user's (or, without a user, any user's) last turn if it is
-        still being taken: a listing, a sleep or a forget that follows a reply sees that turn's checkpoint."""
-        waits = [ev.wait() for (t, a, u), ev in list(self._inflight.items())
-                 if t == tenant_id and a == agent and (user is None or u == user)]
-        if waits:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*waits), timeout_s)
+        still being taken, and for the deletions its retention started: a listing, a sleep or a forget that follows
+        a reply sees that turn's checkpoint and no checkpoint it pruned."""
+
+        def mine(d: dict[tuple[str, str, str], Any]) -> list[Any]:
+            return [v for (t, a, u), v in list(d.items()) if t == tenant_id and a == agent and (user is None or u == user)]
+
+        async def both() -> None:
+            await asyncio.gather(*(ev.wait() for ev in mine(self._inflight)))
+            # Then the sandbox halves its retention deletes (started by the checkpoints just waited for).
+            tasks = mine(self._retention)
+            if tasks:
+                await asyncio.wait(tasks)
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(both(), timeout_s)
 
     async def _take(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", *, kind: str,
                     name: str | None = None, turn_id: str | None = None,
@@ -228,17 +258,19 @@ class TimeTravel:
                                        sandbox_id=sandbox.id if sandbox is not None else None,
                                        sandbox_checkpoint=vm, checkpoint_id=cid, summary=summary)
 
-    async def _prune(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", policy: Policy) -> int:
+    async def _prune(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", policy: Policy) -> list[str]:
+        """Apply the retention policy to the store; returns the pruned checkpoints' sandbox halves to delete."""
         repo = checkpoints_of(ts)
-        cks = await asyncio.to_thread(repo.list, agent, user, limit=100_000)
-        head = await asyncio.to_thread(repo.head, agent, user)
-        keep = to_keep(cks, head.branch if head else None, policy, time.time())
-        gone = await asyncio.to_thread(repo.prune, agent, user, keep)
-        for ck in gone:
-            if sandbox is not None and ck.sandbox_checkpoint and ck.sandbox_id == sandbox.id and _can_delete(sandbox):
-                with contextlib.suppress(Exception):
-                    await sandbox.delete_checkpoint(ck.sandbox_checkpoint)
-        return len(gone)
+
+        def prune() -> list[Any]:
+            cks = repo.list(agent, user, limit=100_000)
+            head = repo.head(agent, user)
+            return repo.prune(agent, user, to_keep(cks, head.branch if head else None, policy, time.time()))
+
+        gone = await asyncio.to_thread(prune)
+        if sandbox is None or not _can_delete(sandbox):
+            return []
+        return [ck.sandbox_checkpoint for ck in gone if ck.sandbox_checkpoint and ck.sandbox_id == sandbox.id]
 
     # -- holding an instance --------------------------------------------------------------------------------
 
