@@ -395,8 +395,10 @@ class ProcessSandbox(Sandbox):
     async def _stop_over_quota(self) -> None:
         async with self._lock:
             if self._state is SandboxState.RUNNING:
-                await self._kill()
+                # Stopped before the kill: the turn it fails ends when the kill closes the channel, and the next
+                # turn must find a stopped sandbox to restart (after this lock), not a running one being killed.
                 self._state = SandboxState.STOPPED
+                await self._kill()
                 self._save(pid=None, pid_starttime=None)
 
     def _guest_workers(self) -> list[int]:
