@@ -8,7 +8,6 @@ paths, and a disk quota that holds even when the writer is the supervisor proces
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import AsyncIterator
 
