@@ -146,10 +146,13 @@ class Config:
     #: Guest-initiated requests served at once per tenant over all its sandboxes; more wait their turn, so one
     #: tenant cannot hold every worker of the host's shared executor.
     guest_calls_per_tenant: int = 8
-    #: CPU of the host's worker threads a tenant's guest calls may use, sustained, in cores (after a burst of a
-    #: quarter second): past it the tenant's next call waits. The host is one process whose threads share one
-    #: interpreter lock, so calls that keep a worker busy slow every tenant's turns (runtime/cpu_share.py).
-    guest_cpu_share: float = 0.25
+    #: Host CPU a tenant's guests may make the host spend, sustained, in cores (after a burst of a quarter second):
+    #: their calls' worker-thread time and the event loop's time on their frames and calls. Past it the channels of
+    #: that tenant's sandboxes are not read until the share refills (the guests wait). The host is one process
+    #: whose event loop every tenant's turns go through, so what one tenant's guests make it do delays the others
+    #: (runtime/cpu_share.py, sandbox/channel_share.py). A cheap guest call costs the host ~0.5 ms: 0.1 is ~200
+    #: calls a second sustained, ~500 at once.
+    guest_cpu_share: float = 0.1
 
     @property
     def images_dir(self) -> Path:
