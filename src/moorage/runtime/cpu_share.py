@@ -30,11 +30,16 @@ _current: contextvars.ContextVar["Meter | None"] = contextvars.ContextVar("moora
 
 
 class Meter:
-    """CPU seconds one tenant's calls used, against a budget refilled at ``share`` cores."""
+    """CPU seconds one tenant's calls used, against a budget refilled at ``share`` cores.
 
-    def __init__(self, share: float, burst_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    With ``contended``, the share applies only while it returns true (another tenant's turn is running): a tenant
+    alone on the host is never held back, and what it overspent alone is forgiven when the others come back."""
+
+    def __init__(self, share: float, burst_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 contended: Callable[[], bool] | None = None) -> None:
         self.share = share
         self.burst_s = BURST_S if burst_s is None else burst_s
+        self.contended = contended
         self._clock = clock
         self._lock = threading.Lock()
         self._budget = self.burst_s
@@ -53,6 +58,8 @@ class Meter:
             now = self._clock()
             self._budget = min(self.burst_s, self._budget + (now - self._mark) * self.share)
             self._mark = now
+            if self._budget < 0 and self.contended is not None and not self.contended():
+                self._budget = 0.0
             if self._budget >= 0:
                 return 0.0
             self.waits += 1

@@ -50,7 +50,11 @@ def _tenant_meter(rt: Any, tenant_id: str) -> cpu_share.Meter:
     meter = meters.get(tenant_id)
     if meter is None:
         cpu_share.install(asyncio.get_running_loop())
-        meter = meters[tenant_id] = cpu_share.Meter(max(0.01, float(rt.config.guest_cpu_share)))
+        # The share applies while another tenant's turns run (runtime/activity.py): alone, a tenant has the host.
+        activity = getattr(rt, "activity", None)
+        meter = meters[tenant_id] = cpu_share.Meter(
+            max(0.01, float(rt.config.guest_cpu_share)),
+            contended=(lambda: activity.others_active(tenant_id)) if activity is not None else None)
     return meter
 
 

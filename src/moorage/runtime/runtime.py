@@ -23,6 +23,7 @@ from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
 from moorage.observability import current_trace_id
+from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
@@ -220,6 +221,7 @@ class Runtime:
 
         self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
         self.turns: dict[str, TurnBinding] = {}
+        self.activity = TenantActivity()  # which tenants run turns: their CPU shares apply while others do
         self.tracer = Tracer()
         from moorage.memory.embed_queue import EmbedQueue
 
@@ -706,6 +708,7 @@ class Runtime:
         if replayed is not None:
             return replayed
         self.turns[turn_id] = binding
+        self.activity.begin(ts.tenant_id)
         self.tracer.open(turn_id)
         try:
             out: dict[str, Any] = {}
@@ -733,7 +736,8 @@ class Runtime:
             await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
             return result
         finally:
-            self.turns.pop(turn_id, None)
+            if self.turns.pop(turn_id, None) is not None:
+                self.activity.end(ts.tenant_id)
             self._working.pop(turn_id, None)
             self.tracer.close(turn_id)
             self.embed_queue.submit(memory.episodic)  # the turn's messages, now that the reply is out
