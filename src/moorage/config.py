@@ -146,8 +146,9 @@ class Config:
     #: Guest-initiated requests served at once per tenant over all its sandboxes; more wait their turn, so one
     #: tenant cannot hold every worker of the host's shared executor.
     guest_calls_per_tenant: int = 8
-    #: Host CPU a tenant's guests may make the host spend, sustained, in cores (after a burst of a quarter second):
-    #: their calls' worker-thread time and the event loop's time on their frames and calls. Past it the channels of
+    #: Host CPU a tenant's guests may make the host spend, sustained, in cores (after a burst of a quarter second),
+    #: while another tenant's turns run (now or within the last second; alone, a tenant is never held back): their
+    #: calls' worker-thread time and the event loop's time on their frames and calls. Past it the channels of
     #: that tenant's sandboxes are not read until the share refills (the guests wait). The host is one process
     #: whose event loop every tenant's turns go through, so what one tenant's guests make it do delays the others
     #: (runtime/cpu_share.py, sandbox/channel_share.py). A cheap guest call costs the host ~0.5 ms: 0.1 is ~200
