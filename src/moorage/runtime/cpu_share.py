@@ -1,6 +1,6 @@
 """Each tenant's share of the host's CPU for what its guests make the host do: metered, and enforced by the
-channel, which stops reading a guest's frames while its tenant has used more than its share (the guest waits:
-backpressure; sandbox/channel_share.py).
+channel, which stops reading a guest's frames while its tenant has used more than its share and other tenants run
+turns (the guest waits: backpressure; sandbox/channel_share.py, runtime/activity.py).
 
 The host is one Python process. Its event loop and its worker threads share one interpreter lock, so a guest that
 keeps a worker busy with cheap calls (thousands a second, each well inside every concurrency cap) takes that lock
@@ -32,8 +32,8 @@ _current: contextvars.ContextVar["Meter | None"] = contextvars.ContextVar("moora
 class Meter:
     """CPU seconds one tenant's calls used, against a budget refilled at ``share`` cores.
 
-    With ``contended``, the share applies only while it returns true (another tenant's turn is running): a tenant
-    alone on the host is never held back, and what it overspent alone is forgiven when the others come back."""
+    With ``contended``, the share applies only while it returns true (another tenant runs turns: runtime/activity.py):
+    a tenant alone on the host is never held back, and what it overspent alone is forgiven when the others come back."""
 
     def __init__(self, share: float, burst_s: float | None = None, clock: Callable[[], float] = time.monotonic,
                  contended: Callable[[], bool] | None = None) -> None:
