@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator
 
+from moorage.memory.embeddings import MAX_BATCH_TOKENS, MAX_TOKENS, default_embedder
 from moorage.store import EntityKey
 from tests.attacks.hostile_agent import AGENT
 from tests.runtime.conftest import Env, make_env, write_agent
@@ -69,6 +70,10 @@ class Hostile:
         """Turns until the host's memory is steady: its first turns load models (embeddings) once, which is no
         attack's doing and would otherwise be counted against the first attack measured."""
         await self.say("recall warm up")  # a memory search loads the host's embedding model now
+        # ...and one run of full-length texts takes its working memory to the bound it keeps for reuse (~140 MiB,
+        # MAX_BATCH_TOKENS): embedding a later turn's long reply would otherwise grow the host during an attack.
+        embedder = self.env.runtime.embedder or default_embedder()
+        await asyncio.to_thread(embedder.embed, ["warm " * MAX_TOKENS] * (MAX_BATCH_TOKENS // MAX_TOKENS))
         last = rss_bytes()
         steady = 0
         for _ in range(40):

@@ -24,6 +24,11 @@ MODEL_ID = "all-MiniLM-L6-v2-onnx-int8"
 DIMENSION = 384
 #: sentence-transformers trains all-MiniLM-L6-v2 with 256 word pieces; longer text is truncated.
 MAX_TOKENS = 256
+#: Padded tokens one model run may hold. The model's working memory grows with batch x length^2 and onnxruntime
+#: keeps its peak for reuse: measured here, a batch of 32 full-length texts took 750 MiB (64: 1.3 GiB, kept), and
+#: text is the guest's to choose. 1024 bounds the peak near 140 MiB (4 full-length texts) at the same throughput;
+#: short texts (chat turns, ~20 tokens) still go 32 at a time.
+MAX_BATCH_TOKENS = 1024
 _TOKENIZER_REL = Path("embeddings") / "data" / MODEL_ID / "tokenizer.json"
 
 
@@ -85,12 +90,14 @@ class Embedder:
         tokenizer_path: Path | None = None,
         *,
         batch_size: int = 32,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
         threads: int = 0,
         verify: bool = True,
     ) -> None:
         self._model_path = model_path
         self._tokenizer_path = tokenizer_path
         self._batch_size = max(1, batch_size)
+        self._max_batch_tokens = max(MAX_TOKENS, max_batch_tokens)
         self._threads = threads
         self._verify = verify
         self._lock = threading.Lock()
@@ -113,8 +120,7 @@ class Embedder:
             if self._verify and self._model_path is None:
                 self._check_checksum(path)
             tokenizer = load_tokenizer(self._tokenizer_path)
-            tokenizer.enable_truncation(max_length=MAX_TOKENS)
-            tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+            tokenizer.enable_truncation(max_length=MAX_TOKENS)  # padded per model run, in _run
             opts = ort.SessionOptions()
             opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             opts.log_severity_level = 3
@@ -157,11 +163,19 @@ class Embedder:
         out = np.zeros((n, DIMENSION), dtype=np.float32)
         if n == 0:
             return out
-        # Sorting by length keeps padding (wasted compute) low inside each batch.
-        order = sorted(range(n), key=lambda i: len(texts[i]))
-        for start in range(0, n, self._batch_size):
-            idx = order[start : start + self._batch_size]
-            out[idx] = self._run([texts[i] for i in idx])
+        enc = self._tokenizer.encode_batch(list(texts))
+        # Sorting by length keeps padding (wasted compute) low inside each run; a run ends at the count or at the
+        # padded-token budget, whichever comes first (one text alone always fits: MAX_TOKENS <= the budget).
+        order = sorted(range(n), key=lambda i: len(enc[i].ids))
+        start = 0
+        while start < n:
+            end = start + 1
+            while (end < n and end - start < self._batch_size
+                   and len(enc[order[end]].ids) * (end - start + 1) <= self._max_batch_tokens):
+                end += 1
+            idx = order[start:end]
+            out[idx] = self._run([enc[i] for i in idx])
+            start = end
         return out
 
     def embed_one(self, text: str) -> np.ndarray:
@@ -178,10 +192,13 @@ class Embedder:
                     self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moorage-embed")
         return self._pool.submit(self.embed_one, text)
 
-    def _run(self, batch: list[str]) -> np.ndarray:
-        enc = self._tokenizer.encode_batch(batch)
-        ids = np.array([e.ids for e in enc], dtype=np.int64)
-        mask = np.array([e.attention_mask for e in enc], dtype=np.int64)
+    def _run(self, enc: list[Any]) -> np.ndarray:
+        width = max(len(e.ids) for e in enc)
+        ids = np.zeros((len(enc), width), dtype=np.int64)  # 0 is [PAD]
+        mask = np.zeros((len(enc), width), dtype=np.int64)
+        for row, e in enumerate(enc):
+            ids[row, : len(e.ids)] = e.ids
+            mask[row, : len(e.ids)] = 1
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self._input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
