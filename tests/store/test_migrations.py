@@ -146,3 +146,62 @@ def test_postgres_migration_6_keeps_pglz_values_readable(pg_url: str) -> None:
     assert saver2.get_tuple(cfg).checkpoint["channel_values"] == old  # type: ignore[union-attr]
     _checkpoint_round_trip(ts2)
     store2.close()
+
+
+def _rows_written_before_migration_18_have_their_instance(store: Store, tenant_id: str) -> None:
+    """Rows of two instances written at schema 17 name their instance after the upgrade, and the instance's
+    checkpoints read by it: a deletion after the upgrade is seen by the next (incremental) checkpoint."""
+    from moorage.store.repos.checkpoints import Checkpoints
+    from tests.timetravel.test_checkpoint_image import _kinds, _stored, _whole
+    from tests.timetravel.test_store_checkpoints import A, U
+
+    ts = store.tenant(store.operator.principal(tenant_id))
+    with ts.transaction():
+        c = ts.ambient()
+        for t in ("state", "facts", "workflow_runs", "steps", "journal"):
+            got = sorted({r[0] for r in c.q(f"SELECT owner FROM {t}")})  # type: ignore[union-attr]
+            assert got == [f"{A}/{U}", f"{A}/v"], (t, got)
+    cps = Checkpoints(ts)
+    cps.take(A, U)
+    scope = Scope.for_user(A, U)
+    ts.state.delete(scope, "counter", expected_version=ts.state.get(scope, "counter").version)  # type: ignore[union-attr]
+    ck = cps.take(A, U)
+    assert _kinds(ts)[-1] == "delta" and _stored(ts, ck.id) == _whole(ts)
+    assert not any("counter" in k for k in _whole(ts)["state"]) and _whole(ts, "v")["state"]
+
+
+def test_sqlite_rows_written_before_migration_18_get_their_instance(tmp_path: Path) -> None:
+    from tests.timetravel.test_store_checkpoints import U, _turn
+
+    b = SQLiteBackend(tmp_path / "store")
+    tid = "b" * 32
+    with b.control_tx() as c:
+        c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
+    b.init_tenant(tid, upto=17)
+    b._migrated.add(str(b.tenant_path(tid)))
+    store = Store(b)
+    ts = store.tenant(store.operator.principal(tid))
+    for user in (U, "v"):
+        _turn(ts, 1, user)
+    b.close()
+    store2 = Store(SQLiteBackend(tmp_path / "store"))
+    _rows_written_before_migration_18_have_their_instance(store2, tid)
+    store2.close()
+
+
+def test_postgres_rows_written_before_migration_18_get_their_instance(pg_url: str) -> None:
+    from tests.timetravel.test_store_checkpoints import U, _turn
+
+    store = Store(PostgresBackend(pg_url, upto=17))
+    t, _ = store.operator.create_tenant("old18")
+    other, _ = store.operator.create_tenant("other18")  # another tenant's rows are backfilled too, apart
+    for tid in (t.id, other.id):
+        ts = store.tenant(store.operator.principal(tid))
+        for user in (U, "v"):
+            _turn(ts, 1, user)
+    store.close()
+    store2 = Store(PostgresBackend(pg_url))
+    assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
+    for tid in (t.id, other.id):
+        _rows_written_before_migration_18_have_their_instance(store2, tid)
+    store2.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from moorage.store import Scope, Store, TenantStore
 from moorage.store.postgres import PostgresBackend
 from moorage.store.repos import checkpoint_image as ci
 from moorage.store.repos.checkpoints import Checkpoints
+from moorage.store.sql import Conn
 from tests.timetravel.test_store_checkpoints import A, U, _run_id, _turn
 
 
@@ -186,3 +188,58 @@ def test_checkpoints_written_before_migration_16_still_resolve_and_the_next_one_
     assert _kinds(ts) == ["whole", "whole"] and _stored(ts, new.id) == _whole(ts)
     cps.rollback(A, U, old.id)
     assert _whole(ts) == before
+
+
+def test_a_checkpoints_reads_follow_what_changed_not_the_instances_history(ts: TenantStore,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every turn adds a run (with its step and journal entry) to the instance for good: a read that scanned the
+    # instance's keys to see deletions grew by a few ms per thousand turns, on every turn (migration 18).
+    cps = Checkpoints(ts)
+    for n in range(1, 201):
+        _turn(ts, n)
+    cps.take(A, U)  # the first reads the instance whole
+    _turn(ts, 201)
+    fetched: list[tuple[str, int]] = []
+    real_q = Conn.q
+
+    def counting(self: Conn, sql: str, params=()):  # type: ignore[no-untyped-def]
+        out = real_q(self, sql, params)
+        fetched.append((sql.split(" FROM ")[1].split()[0] if " FROM " in sql else sql[:20], len(out)))
+        return out
+
+    monkeypatch.setattr(Conn, "q", counting)
+    ck = cps.take(A, U)
+    monkeypatch.undo()
+    assert sum(n for _, n in fetched) < 20, fetched  # turn 201's rows, not 200 turns' keys
+    assert _stored(ts, ck.id) == _whole(ts)
+
+
+def test_deletions_are_kept_for_recent_heads_and_an_older_head_reads_whole(ts: TenantStore) -> None:
+    cps = Checkpoints(ts)
+    scope = Scope.for_user(A, U)
+    for user in (U, "v"):
+        _turn(ts, 1, user)
+        cps.take(A, user)
+    ts.state.delete(scope, "counter", expected_version=ts.state.get(scope, "counter").version)  # type: ignore[union-attr]
+
+    def deletions() -> int:
+        with ts.transaction():
+            return ts.ambient().one("SELECT COUNT(*) FROM row_deletions")[0]  # type: ignore[index,union-attr]
+
+    with ts.transaction():
+        ci.prune_deletions(ts.ambient(), time.time())  # type: ignore[arg-type]
+    assert deletions() == 1  # U's head was taken before the delete: it needs it
+    ck = cps.take(A, U)
+    assert _kinds(ts)[-1] == "delta" and _stored(ts, ck.id) == _whole(ts)
+    assert not any("counter" in k for k in _whole(ts)["state"])
+
+    _turn(ts, 2)
+    rec = ts.state.get(scope, "counter")
+    ts.state.delete(scope, "counter", expected_version=rec.version)  # type: ignore[union-attr]
+    cps.take(A, "v")  # writes go on after the delete (on SQLite: the clock moves past it)
+    with ts.transaction():  # a week on, no head is recent: every deletion goes, and the floor rises
+        assert ci.prune_deletions(ts.ambient(), time.time() + ci.DELETIONS_KEPT_S + 60) >= 1  # type: ignore[arg-type]
+    assert deletions() == 0
+    ck = cps.take(A, U)
+    assert _kinds(ts)[-1] == "whole" and _stored(ts, ck.id) == _whole(ts)  # below the floor: read whole
+    assert not any("counter" in k for k in _whole(ts)["state"])

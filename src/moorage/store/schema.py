@@ -45,6 +45,49 @@ _LG_GET_ROWS = (
 # The tables whose rows agent checkpoints image (store/repos/checkpoint_image.py IMAGED).
 _IMAGED = ("state", "facts", "workflow_runs", "steps", "journal", "sessions")
 
+# Migration 18: the instance ("agent/user") a row of an imaged table belongs to, from its scope key
+# (``user:a/u``, ``session:a/u/s``, ``workflow:a/u/r``; other scopes belong to no instance).
+def _owner_of_scope_sqlite(col: str) -> str:
+    def two(r: str) -> str:  # "a/u/x" -> "a/u" (NULL when there is no second "/")
+        return (f"CASE WHEN instr(substr({r}, instr({r}, '/') + 1), '/') > 0 THEN "
+                f"substr({r}, 1, instr({r}, '/') + instr(substr({r}, instr({r}, '/') + 1), '/') - 1) END")
+    return (f"(CASE WHEN substr({col}, 1, 5) = 'user:' THEN substr({col}, 6) "
+            f"WHEN substr({col}, 1, 8) = 'session:' THEN {two(f'substr({col}, 9)')} "
+            f"WHEN substr({col}, 1, 9) = 'workflow:' THEN {two(f'substr({col}, 10)')} END)")
+
+
+def _owner_of_scope_postgres(col: str) -> str:
+    def two(r: str) -> str:
+        return f"NULLIF(split_part({r}, '/', 1) || '/' || split_part({r}, '/', 2), split_part({r}, '/', 1) || '/')"
+    return (f"(CASE WHEN left({col}, 5) = 'user:' THEN substr({col}, 6) "
+            f"WHEN left({col}, 8) = 'session:' THEN {two(f'substr({col}, 9)')} "
+            f"WHEN left({col}, 9) = 'workflow:' THEN {two(f'substr({col}, 10)')} END)")
+
+
+def _owner_sqlite(t: str, row: str) -> str:
+    """The owner of row ``row`` (NEW, OLD or the table itself) of imaged table ``t``, in SQLite."""
+    run = f"(SELECT w.owner FROM workflow_runs w WHERE w.id = {row}.run_id)"
+    if t == "sessions":
+        return f"{row}.agent_id || '/' || {row}.user_id"
+    if t == "steps":
+        return run
+    if t == "journal":
+        return f"COALESCE({_owner_of_scope_sqlite(row + '.scope')}, {run})"
+    return _owner_of_scope_sqlite(f"{row}.scope")
+
+
+# Primary keys of the imaged tables (checkpoint_image.IMAGED), as a deletion records them.
+_IMAGED_PK = {"state": ("scope", "key"), "facts": ("id",), "workflow_runs": ("id",), "steps": ("run_id", "seq"),
+              "journal": ("key",), "sessions": ("agent_id", "user_id", "id")}
+
+
+def _gone_sqlite(t: str) -> str:
+    ks = [f"CAST(OLD.{k} AS TEXT)" for k in _IMAGED_PK[t]] + ["NULL"] * (3 - len(_IMAGED_PK[t]))
+    return (f"CREATE TRIGGER {t}_gone AFTER DELETE ON {t} WHEN OLD.owner IS NOT NULL BEGIN "
+            f"INSERT INTO row_deletions (owner, tbl, k1, k2, k3, rv) VALUES (OLD.owner, '{t}', {', '.join(ks)}, "
+            "(SELECT n FROM row_clock WHERE id = 1)); END")
+
+
 # Template placeholders:
 #   {tenant_col}  tenant_id column (PostgreSQL) or nothing (SQLite: one file per tenant)
 #   {tpk}         "tenant_id, " inside primary/unique keys on PostgreSQL, "" on SQLite
@@ -555,6 +598,86 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             # current now, not every value ever held or every pending row piled up.
             "CREATE INDEX facts_current ON facts ({tpk}scope, status, subject, attribute, value_key) "
             "WHERE valid_to IS NULL",
+        ),
+    ),
+    Migration(
+        18,
+        "incremental checkpoints that do not grow with history: each imaged row's instance, and deletions",
+        statements=(
+            # ``owner``: the instance ("agent/user") the row belongs to, set on insert (scopes and runs never
+            # change); a checkpoint reads the rows written since its mark by (owner, rv), not by scanning the
+            # instance's rows, which grow by a run per turn (docs/decisions/0011).
+            *(f"ALTER TABLE {t} ADD COLUMN owner TEXT" for t in _IMAGED),
+            *(f"CREATE INDEX {t}_owner ON {t} ({{tpk}}owner, rv)" for t in _IMAGED),
+            # What a checkpoint must drop from its parent's manifest: instance rows deleted since its mark.
+            # Deletions are rare (state deletes, released claims, rollbacks); rows older than every recent head's
+            # mark are removed, and ``checkpoint_floor`` says below which they are gone (a head older than that
+            # reads its instance whole once).
+            """CREATE TABLE row_deletions (
+                {tenant_col}
+                owner TEXT NOT NULL, tbl TEXT NOT NULL, k1 TEXT, k2 TEXT, k3 TEXT, rv BIGINT NOT NULL)""",
+            "CREATE INDEX row_deletions_owner ON row_deletions ({tpk}owner, rv)",
+            "CREATE INDEX row_deletions_rv ON row_deletions ({tpk}rv)",
+            """CREATE TABLE checkpoint_floor (
+                {tenant_col}
+                id INTEGER NOT NULL, rv BIGINT NOT NULL, PRIMARY KEY ({tpk}id))""",
+        ),
+        tenant_tables=("row_deletions", "checkpoint_floor"),
+        sqlite_only=(
+            *(f"DROP TRIGGER {t}_rv_ins" for t in _IMAGED),
+            *(f"""CREATE TRIGGER {t}_rv_ins AFTER INSERT ON {t} BEGIN
+                UPDATE {t} SET rv = (SELECT n FROM row_clock WHERE id = 1), owner = {_owner_sqlite(t, "NEW")}
+                WHERE rowid = NEW.rowid; END""" for t in _IMAGED),
+            *(_gone_sqlite(t) for t in _IMAGED),
+            # Rows written before: runs first (steps and journal entries take their run's owner).
+            *(f"UPDATE {t} SET owner = {_owner_sqlite(t, t)}" for t in ("workflow_runs", "state", "facts", "steps",
+                                                                      "journal", "sessions")),
+        ),
+        postgres_only=(
+            f"""CREATE OR REPLACE FUNCTION moorage_scope_owner(s TEXT) RETURNS TEXT LANGUAGE sql IMMUTABLE AS
+            $$ SELECT {_owner_of_scope_postgres("s")} $$""",
+            """CREATE OR REPLACE FUNCTION moorage_row_owner() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF TG_TABLE_NAME = 'sessions' THEN
+                    NEW.owner := NEW.agent_id || '/' || NEW.user_id;
+                ELSIF TG_TABLE_NAME = 'steps' THEN
+                    NEW.owner := (SELECT w.owner FROM workflow_runs w WHERE w.tenant_id = NEW.tenant_id
+                                  AND w.id = NEW.run_id);
+                ELSE
+                    NEW.owner := moorage_scope_owner(NEW.scope);
+                    IF NEW.owner IS NULL AND TG_TABLE_NAME = 'journal' THEN
+                        NEW.owner := (SELECT w.owner FROM workflow_runs w WHERE w.tenant_id = NEW.tenant_id
+                                      AND w.id = NEW.run_id);
+                    END IF;
+                END IF;
+                RETURN NEW;
+            END $$""",
+            """CREATE OR REPLACE FUNCTION moorage_row_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE r JSONB := to_jsonb(OLD);
+            BEGIN
+                IF OLD.owner IS NOT NULL THEN
+                    INSERT INTO row_deletions (tenant_id, owner, tbl, k1, k2, k3, rv) VALUES (
+                        OLD.tenant_id, OLD.owner, TG_TABLE_NAME, r ->> TG_ARGV[0],
+                        CASE WHEN TG_NARGS > 1 THEN r ->> TG_ARGV[1] END,
+                        CASE WHEN TG_NARGS > 2 THEN r ->> TG_ARGV[2] END, pg_current_xact_id()::text::bigint);
+                END IF;
+                RETURN NULL;
+            END $$""",
+            *(f"CREATE TRIGGER {t}_owner BEFORE INSERT ON {t} FOR EACH ROW EXECUTE FUNCTION moorage_row_owner()"
+              for t in _IMAGED),
+            *(f"CREATE TRIGGER {t}_gone AFTER DELETE ON {t} FOR EACH ROW EXECUTE FUNCTION "
+              f"moorage_row_gone({', '.join(repr(k) for k in _IMAGED_PK[t])})" for t in _IMAGED),
+            # Rows written before, every tenant's: the owner role runs migrations, and forced row-level security
+            # binds it too, so it is lifted for the backfill inside this migration's transaction.
+            *(f"ALTER TABLE {t} NO FORCE ROW LEVEL SECURITY" for t in _IMAGED),
+            "UPDATE workflow_runs SET owner = moorage_scope_owner(scope)",
+            "UPDATE state SET owner = moorage_scope_owner(scope)",
+            "UPDATE facts SET owner = moorage_scope_owner(scope)",
+            "UPDATE steps s SET owner = w.owner FROM workflow_runs w WHERE w.tenant_id = s.tenant_id AND w.id = s.run_id",
+            "UPDATE journal j SET owner = COALESCE(moorage_scope_owner(j.scope), (SELECT w.owner FROM workflow_runs w "
+            "WHERE w.tenant_id = j.tenant_id AND w.id = j.run_id))",
+            "UPDATE sessions SET owner = agent_id || '/' || user_id",
+            *(f"ALTER TABLE {t} FORCE ROW LEVEL SECURITY" for t in _IMAGED),
         ),
     ),
 )

@@ -4,9 +4,10 @@ digests, manifests (full, or a delta on the checkpoint before), and the rows wri
 Every imaged row carries ``rv``, set by triggers on each insert and update (migration 16): on SQLite the value of
 a per-database clock that each checkpoint moves on; on PostgreSQL the id of the writing transaction. A mark is
 the clock's value (SQLite: rows with ``rv >= mark`` came after) or a transaction snapshot (PostgreSQL: rows whose
-transaction the snapshot does not see came after, so a writer that committed late is not missed). A checkpoint
-then reads the bodies of the rows written since the head's mark and the primary keys of the instance's rows (to
-see deletions), instead of every row's body (docs/decisions/0011).
+transaction the snapshot does not see came after, so a writer that committed late is not missed). Every imaged
+row also names its instance (``owner``, "agent/user", set on insert: migration 18), and a deleted one leaves a
+row in ``row_deletions`` with the same ``rv``. A checkpoint then reads, by (owner, rv), only the rows written and
+deleted since the head's mark: its cost follows what changed, not the instance's history (docs/decisions/0011).
 """
 
 from __future__ import annotations
@@ -147,34 +148,42 @@ def _since(dialect: str, mark: str) -> tuple[str, tuple[Any, ...]]:
 
 # -- reading the instance --------------------------------------------------------------------------------------
 
+def owner(agent: str, user: str) -> str:
+    """The instance as imaged rows name it (their ``owner`` column)."""
+    return f"{agent}/{user}"
+
+
 def read(c: "Conn", agent: str, user: str, base: Manifest | None = None, mark: str | None = None) -> Image:
-    """The instance's rows now: every row's body (``base`` None), or the base manifest with the rows written
-    since ``mark`` re-read and the rows no longer there dropped."""
+    """The instance's rows now: every row's body (``base`` None), or the base manifest with the rows deleted since
+    ``mark`` dropped and the rows written since re-read. The caller checks the mark is not below the floor."""
     if base is None or mark is None:
         return _read_whole(c, agent, user)
+    since, sparams = _since(c.dialect, mark)
+    who = owner(agent, user)
+    gone: dict[str, set[tuple[str, ...]]] = {}
+    for tbl, *ks in c.q(f"SELECT tbl, k1, k2, k3 FROM row_deletions WHERE owner = ? AND {since}", (who, *sparams)):
+        gone.setdefault(tbl, set()).add(tuple(k for k in ks if k is not None))
     rows: dict[str, dict[str, str]] = {}
     keys: dict[str, dict[tuple, str]] = {}
     bodies: dict[str, tuple[str, str]] = {}
     changed: dict[str, dict[str, str]] = {}
     deleted: dict[str, list[str]] = {}
-    since, sparams = _since(c.dialect, mark)
     for t in IMAGED:
-        w, p = where(t, c.dialect, agent, user)
         known = base.keys(t.name)
         now = dict(base.rows.get(t.name, {}))
         now_keys = dict(known)
         npk = [t.cols.index(k) for k in t.pk]
-        # Rows no longer there: the base's keys the instance's primary keys now do not cover.
-        if known:
-            live = set(c.q(f"SELECT {', '.join(t.pk)} FROM {t.name} WHERE {w}", p))
-            gone = [pk for pk in known if pk not in live]
-            if gone:
-                deleted[t.name] = [now_keys.pop(pk) for pk in gone]
+        # Deleted first: a row deleted and written again since the mark is read again below.
+        if t.name in gone:
+            by_text = {tuple(str(v) for v in pk): pk for pk in known}
+            hit = [by_text[k] for k in gone[t.name] if k in by_text]
+            if hit:
+                deleted[t.name] = [now_keys.pop(pk) for pk in hit]
                 for k in deleted[t.name]:
                     del now[k]
         # Rows written since the mark: their bodies, digests and keys.
         ch: dict[str, str] = {}
-        for r in c.q(f"SELECT {', '.join(t.cols)} FROM {t.name} WHERE {w} AND {since}", (*p, *sparams)):
+        for r in c.q(f"SELECT {', '.join(t.cols)} FROM {t.name} WHERE owner = ? AND {since}", (who, *sparams)):
             pk = tuple(r[i] for i in npk)
             key = now_keys.get(pk)
             if key is None:
@@ -184,10 +193,54 @@ def read(c: "Conn", agent: str, user: str, base: Manifest | None = None, mark: s
             bodies[d] = (t.name, body)
             if now.get(key) != d:
                 now[key] = ch[key] = d
+        # A row deleted since the mark and written again is not deleted: it was set again above.
+        if t.name in deleted:
+            deleted[t.name] = [k for k in deleted[t.name] if k not in now]
+            if not deleted[t.name]:
+                del deleted[t.name]
         rows[t.name], keys[t.name] = now, now_keys
         if ch:
             changed[t.name] = ch
     return Image(Manifest(rows, base.depth + 1, keys), bodies, changed, deleted)
+
+
+# -- deletions kept for checkpoints ----------------------------------------------------------------------------
+
+#: Deletions are kept for the heads updated within this long; an older head reads its instance whole once.
+DELETIONS_KEPT_S = 7 * 86400
+
+
+def _lowest(dialect: str, mark: str) -> int:
+    """The lowest ``rv`` a checkpoint from ``mark`` still needs to see."""
+    return int(mark.split(":", 1)[0]) if dialect == "postgres" else int(mark)
+
+
+def below_floor(c: "Conn", mark: str) -> bool:
+    """Whether deletions a checkpoint from ``mark`` needs may have been removed (then it reads the instance whole)."""
+    r = c.one("SELECT rv FROM checkpoint_floor WHERE id = 1")
+    return r is not None and _lowest(c.dialect, mark) < int(r[0])
+
+
+def prune_deletions(c: "Conn", now: float) -> int:
+    """Remove the deletions no recent head needs and raise the floor to match; returns how many went."""
+    if c.dialect == "postgres":
+        low = c.one("SELECT MIN(split_part(row_mark, ':', 1)::bigint) FROM checkpoint_heads "
+                    "WHERE row_mark IS NOT NULL AND updated_at > ?", (now - DELETIONS_KEPT_S,))
+        cur = c.one("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
+    else:
+        low = c.one("SELECT MIN(CAST(row_mark AS INTEGER)) FROM checkpoint_heads "
+                    "WHERE row_mark IS NOT NULL AND updated_at > ?", (now - DELETIONS_KEPT_S,))
+        cur = c.one("SELECT n FROM row_clock WHERE id = 1")
+    floor = int(low[0]) if low is not None and low[0] is not None else int(cur[0])  # type: ignore[index]
+    old = c.one("SELECT rv FROM checkpoint_floor WHERE id = 1")
+    if old is not None and int(old[0]) >= floor:
+        return 0
+    n = c.x("DELETE FROM row_deletions WHERE rv < ?", (floor,))
+    if old is None:
+        c.x("INSERT INTO checkpoint_floor (id, rv) VALUES (1, ?)", (floor,))
+    else:
+        c.x("UPDATE checkpoint_floor SET rv = ? WHERE id = 1", (floor,))
+    return n
 
 
 def _read_whole(c: "Conn", agent: str, user: str) -> Image:

@@ -137,7 +137,7 @@ class Checkpoints:
 
     def _now(self, c: "Conn", agent: str, user: str, head: Head | None) -> ci.Image:
         """The instance's rows now: read against the head checkpoint's manifest when the head has a mark."""
-        if head is None or head.head_id is None or head.row_mark is None:
+        if head is None or head.head_id is None or head.row_mark is None or ci.below_floor(c, head.row_mark):
             return ci.read(c, agent, user)
         return ci.read(c, agent, user, ci.resolve(c, self._ts.tenant_id, head.head_id), head.row_mark)
 
@@ -200,6 +200,8 @@ class Checkpoints:
                 (cid, agent, user, seq, branch, parent, kind, name, turn_id, json.dumps(summ), mark,
                  json.dumps(ranges), sandbox_id, sandbox_checkpoint, store_bytes, now, c.blob(manifest)))
             self._set_head(c, agent, user, branch, cid, head.pending if head else None, lineage, row_mark)
+            if stored.depth == 0:  # every FULL_EVERY-th checkpoint of an instance: deletions no head needs go
+                ci.prune_deletions(c, now)
         ci.CACHE.put((self._ts.tenant_id, cid), stored)
         return Checkpoint(cid, agent, user, seq, branch, parent, kind, name, turn_id, summ, mark, ranges,  # type: ignore[arg-type]
                           sandbox_id, sandbox_checkpoint, store_bytes, now)
