@@ -6,10 +6,13 @@ sampled quiet first, then while each attack runs (the attack repeats until the n
 An attack counts as contained when it ended the way the suite expects (an answer, or a clean moorage error),
 the host's RSS grew less than the attack's bound, and the attacker answers a turn afterwards.
 
-Writes bench/results/latest/attacks.{md,json}; the last line printed is the headline:
+Then the same through ``moorage up`` and HTTP (``http_phase.py``): two tenants of a real host, the official client,
+the attacks a turn starts; its line is printed just before the headline.
+
+Writes bench/results/latest/attacks-<driver>.{md,json}; the last line printed is the headline (the in-process run):
 ``attacks N contained of N; neighbour p99 X ms quiet, worst X ms under attack (ATTACK)``.
 
-    .venv/bin/python bench/attacks/run.py [--driver process|microvm] [--samples 60] [--quick]
+    .venv/bin/python bench/attacks/run.py [--driver process|microvm] [--samples 60] [--quick] [--no-http]
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench" / "store"))
 
 from report import section  # noqa: E402  (bench/store/report.py: the report pieces the areas share)
+
+sys.path.insert(0, str(ROOT / "bench" / "attacks"))
+from http_phase import chosen, http_line, http_section, run_http_phase  # noqa: E402
 
 from moorage import __version__  # noqa: E402
 from moorage.config import Config  # noqa: E402
@@ -352,7 +358,10 @@ def write_report(res: dict[str, Any]) -> str:
     res["worst_ratio"] = {"attack": by_ratio["attack"],
                           "ratio": by_ratio["neighbour_p99_ms"] / by_ratio["quiet_before_p99_ms"]}
     md += ["", f"Worst p99 against the quiet turns just before it: {res['worst_ratio']['ratio']:.1f}x "
-           f"({by_ratio['attack']}); target 3x.", "", *bound_note(attacks), "", f"**{head}**", ""]
+           f"({by_ratio['attack']}); target 3x.", "", *bound_note(attacks)]
+    if res.get("http"):
+        md += http_section(res["http"])
+    md += ["", f"**{head}**", ""]
     (OUT / f"attacks-{res['driver']}.md").write_text("\n".join(md))
     return head
 
@@ -364,11 +373,18 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="20 neighbour turns per attack")
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
                     help="run only the attacks whose name contains NAME (repeatable)")
+    ap.add_argument("--no-http", action="store_true", help="skip the phase through moorage up and HTTP")
     a = ap.parse_args()
     if a.quick:
         a.samples = 20
     result = asyncio.run(main(a))
+    if not a.no_http and chosen(a.only):
+        with tempfile.TemporaryDirectory(prefix="moorage-bench-attacks-http-") as d:
+            srcs = {"hostile": agent_dir(Path(d), "hostile", HOSTILE), "echo": agent_dir(Path(d), "echo", ECHO)}
+            result["http"] = run_http_phase(a.driver, Path(d), srcs, a.samples, MAX_TURNS_PER_SAMPLE, {}, a.only)
     headline = write_report(result)
     print(f"worst p99 against the quiet turns just before it: {result['worst_ratio']['ratio']:.1f}x "
           f"({result['worst_ratio']['attack']})")
+    if result.get("http"):
+        print(http_line(result["http"]))
     print(headline)
