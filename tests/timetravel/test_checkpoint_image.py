@@ -243,3 +243,22 @@ def test_deletions_are_kept_for_recent_heads_and_an_older_head_reads_whole(ts: T
     ck = cps.take(A, U)
     assert _kinds(ts)[-1] == "whole" and _stored(ts, ck.id) == _whole(ts)  # below the floor: read whole
     assert not any("counter" in k for k in _whole(ts)["state"])
+
+
+def test_deletions_are_logged_only_for_instances_with_a_checkpoint_and_forget_removes_them(ts: TenantStore) -> None:
+    def logged() -> list[str]:
+        with ts.transaction():
+            return sorted(r[0] for r in ts.ambient().q("SELECT owner FROM row_deletions"))  # type: ignore[union-attr]
+
+    scope = Scope.for_user(A, "nocheck")
+    ts.state.put(scope, "secret-key", 1, expected_version=0)
+    ts.state.delete(scope, "secret-key", expected_version=1)
+    assert logged() == []  # no checkpoint of that instance: nothing reads its deletions, nothing is kept
+    cps = Checkpoints(ts)
+    _turn(ts, 1)
+    cps.take(A, U)
+    rec = ts.state.get(Scope.for_user(A, U), "counter")
+    ts.state.delete(Scope.for_user(A, U), "counter", expected_version=rec.version)  # type: ignore[union-attr]
+    assert logged() == [f"{A}/{U}"]
+    ts.forget_user(U)
+    assert logged() == []  # the user's keys do not outlive them

@@ -81,9 +81,15 @@ _IMAGED_PK = {"state": ("scope", "key"), "facts": ("id",), "workflow_runs": ("id
               "journal": ("key",), "sessions": ("agent_id", "user_id", "id")}
 
 
+# Only instances with a checkpoint to read from need their deletions (a primary-key probe of the head).
+_HAS_HEAD_SQLITE = ("EXISTS (SELECT 1 FROM checkpoint_heads h WHERE h.agent_id = substr(OLD.owner, 1, "
+                    "instr(OLD.owner, '/') - 1) AND h.user_id = substr(OLD.owner, instr(OLD.owner, '/') + 1) "
+                    "AND h.row_mark IS NOT NULL)")
+
+
 def _gone_sqlite(t: str) -> str:
     ks = [f"CAST(OLD.{k} AS TEXT)" for k in _IMAGED_PK[t]] + ["NULL"] * (3 - len(_IMAGED_PK[t]))
-    return (f"CREATE TRIGGER {t}_gone AFTER DELETE ON {t} WHEN OLD.owner IS NOT NULL BEGIN "
+    return (f"CREATE TRIGGER {t}_gone AFTER DELETE ON {t} WHEN OLD.owner IS NOT NULL AND {_HAS_HEAD_SQLITE} BEGIN "
             f"INSERT INTO row_deletions (owner, tbl, k1, k2, k3, rv) VALUES (OLD.owner, '{t}', {', '.join(ks)}, "
             "(SELECT n FROM row_clock WHERE id = 1)); END")
 
@@ -609,10 +615,11 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             # instance's rows, which grow by a run per turn (docs/decisions/0011).
             *(f"ALTER TABLE {t} ADD COLUMN owner TEXT" for t in _IMAGED),
             *(f"CREATE INDEX {t}_owner ON {t} ({{tpk}}owner, rv)" for t in _IMAGED),
-            # What a checkpoint must drop from its parent's manifest: instance rows deleted since its mark.
-            # Deletions are rare (state deletes, released claims, rollbacks); rows older than every recent head's
-            # mark are removed, and ``checkpoint_floor`` says below which they are gone (a head older than that
-            # reads its instance whole once).
+            # What a checkpoint must drop from its parent's manifest: rows deleted since its mark, of instances
+            # that have a checkpoint (no log for instances nobody checkpoints). Deletions are rare (state deletes,
+            # released claims, rollbacks); those older than every recent head's mark are removed, and
+            # ``checkpoint_floor`` says below which they are gone (a head older than that reads its instance whole
+            # once). Forgetting a user removes theirs.
             """CREATE TABLE row_deletions (
                 {tenant_col}
                 owner TEXT NOT NULL, tbl TEXT NOT NULL, k1 TEXT, k2 TEXT, k3 TEXT, rv BIGINT NOT NULL)""",
@@ -655,7 +662,9 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             """CREATE OR REPLACE FUNCTION moorage_row_gone() RETURNS trigger LANGUAGE plpgsql AS $$
             DECLARE r JSONB := to_jsonb(OLD);
             BEGIN
-                IF OLD.owner IS NOT NULL THEN
+                IF OLD.owner IS NOT NULL AND EXISTS (SELECT 1 FROM checkpoint_heads h
+                        WHERE h.tenant_id = OLD.tenant_id AND h.agent_id = split_part(OLD.owner, '/', 1)
+                        AND h.user_id = split_part(OLD.owner, '/', 2) AND h.row_mark IS NOT NULL) THEN
                     INSERT INTO row_deletions (tenant_id, owner, tbl, k1, k2, k3, rv) VALUES (
                         OLD.tenant_id, OLD.owner, TG_TABLE_NAME, r ->> TG_ARGV[0],
                         CASE WHEN TG_NARGS > 1 THEN r ->> TG_ARGV[1] END,

@@ -465,6 +465,12 @@ class Checkpoints:
             n = 0
             for t in ("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"):
                 n += c.x(f"DELETE FROM {t} WHERE {where}", params)
+            # The keys of their rows deleted since their last checkpoint (state keys, ids) go too.
+            if agent is not None:
+                n += c.x("DELETE FROM row_deletions WHERE owner = ?", (ci.owner(agent, user),))
+            else:
+                tail = "split_part(owner, '/', 2)" if c.dialect == "postgres" else "substr(owner, instr(owner, '/') + 1)"
+                n += c.x(f"DELETE FROM row_deletions WHERE {tail} = ?", (user,))
         return n
 
 
@@ -518,6 +524,7 @@ def forget_instances(c: "Conn", scope_keys: Sequence[str]) -> int:
     for agent, user in sorted(pairs):
         for t in ("checkpoints", "checkpoint_rows", "checkpoint_heads", "checkpoint_events"):
             n += c.x(f"DELETE FROM {t} WHERE agent_id = ? AND user_id = ?", (agent, user))
+        n += c.x("DELETE FROM row_deletions WHERE owner = ?", (ci.owner(agent, user),))
     return n
 
 
