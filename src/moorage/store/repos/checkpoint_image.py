@@ -242,9 +242,9 @@ def prune_deletions(c: "Conn", now: float) -> int:
         return 0
     n = c.x("DELETE FROM row_deletions WHERE rv < ?", (floor,))
     if old is None:
-        c.x("INSERT INTO checkpoint_floor (id, rv) VALUES (1, ?)", (floor,))
-    else:
-        c.x("UPDATE checkpoint_floor SET rv = ? WHERE id = 1", (floor,))
+        c.x("INSERT INTO checkpoint_floor (id, rv) VALUES (1, 0) ON CONFLICT DO NOTHING")
+    # Only ever up: on PostgreSQL two prunes may race, and the one with the lower floor must not undo the other's.
+    c.x("UPDATE checkpoint_floor SET rv = ? WHERE id = 1 AND rv < ?", (floor, floor))
     return n
 
 
