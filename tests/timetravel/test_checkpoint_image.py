@@ -262,3 +262,15 @@ def test_deletions_are_logged_only_for_instances_with_a_checkpoint_and_forget_re
     assert logged() == [f"{A}/{U}"]
     ts.forget_user(U)
     assert logged() == []  # the user's keys do not outlive them
+
+
+def test_a_deleted_step_with_its_integer_key_leaves_the_next_manifest(ts: TenantStore) -> None:
+    # A deletion records every key column as text; a step's key is (run id, integer seq).
+    cps = Checkpoints(ts)
+    _turn(ts, 1)
+    cps.take(A, U)
+    with ts.transaction():
+        assert ts.ambient().x("DELETE FROM steps WHERE run_id = ? AND seq = 0", (_run_id(1, U),)) == 1  # type: ignore[union-attr]
+    ck = cps.take(A, U)
+    assert _kinds(ts)[-1] == "delta" and _stored(ts, ck.id) == _whole(ts)
+    assert _whole(ts)["steps"] == {}

@@ -55,6 +55,9 @@ IMAGED: tuple[Table, ...] = (
           ("agent_id", "user_id", "id"), "agent_id = ? AND user_id = ?"),
 )
 
+# Primary-key columns that are integers (by position): a deletion records every key column as text.
+_INT_PK: dict[str, tuple[int, ...]] = {"steps": (1,)}
+
 # The row's scope is the instance's user scope or one of its session / workflow scopes. SQLite compares bytes, so
 # a prefix is a key range its indexes serve; PostgreSQL's collation may not order by bytes, so there the prefix is
 # compared with substr. Never LIKE: ids may contain "_", which LIKE reads as a wildcard (another user).
@@ -180,8 +183,9 @@ def read(c: "Conn", agent: str, user: str, base: Manifest | None = None, mark: s
         npk = [t.cols.index(k) for k in t.pk]
         # Deleted first: a row deleted and written again since the mark is read again below.
         if t.name in gone:
-            by_text = {tuple(str(v) for v in pk): pk for pk in known}
-            hit = [by_text[k] for k in gone[t.name] if k in by_text]
+            ints = _INT_PK.get(t.name, ())
+            typed = (tuple(int(v) if i in ints else v for i, v in enumerate(k)) for k in gone[t.name])
+            hit = [pk for pk in typed if pk in known]
             if hit:
                 deleted[t.name] = [now_keys.pop(pk) for pk in hit]
                 for k in deleted[t.name]:
