@@ -12,7 +12,10 @@ the attacks a turn starts; its line is printed just before the headline.
 Writes bench/results/latest/attacks-<driver>.{md,json}; the last line printed is the headline (the in-process run):
 ``attacks N contained of N; neighbour p99 X ms quiet, worst X ms under attack (ATTACK)``.
 
-    .venv/bin/python bench/attacks/run.py [--driver process|microvm] [--samples 60] [--quick] [--no-http]
+    .venv/bin/python bench/attacks/run.py [--driver process|microvm] [--samples 60] [--quick] [--no-http] [--images DIR]
+
+``--images``: where the micro-VM guest image is built or found (default: the default data directory's, the one
+``moorage up`` built), so a run does not build one of its own.
 """
 
 from __future__ import annotations
@@ -266,7 +269,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     _, akey = store.operator.create_tenant("attacker")
     _, nkey = store.operator.create_tenant("neighbour")
     attacker, neighbour = store.authenticate(akey.secret), store.authenticate(nkey.secret)
-    driver = get_driver(cfg)
+    if args.driver == "microvm":
+        from moorage.sandbox.microvm import MicroVMDriver
+
+        driver: Any = MicroVMDriver(cfg.sandboxes_dir, cfg, images_dir=args.images)
+    else:
+        driver = get_driver(cfg)
     manager = InstanceManager(store, driver)
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
@@ -374,6 +382,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
                     help="run only the attacks whose name contains NAME (repeatable)")
     ap.add_argument("--no-http", action="store_true", help="skip the phase through moorage up and HTTP")
+    ap.add_argument("--images", type=Path, default=Config().images_dir,
+                    help="where the micro-VM guest image is built or found")
     a = ap.parse_args()
     if a.quick:
         a.samples = 20
@@ -381,7 +391,9 @@ if __name__ == "__main__":
     if not a.no_http and chosen(a.only):
         with tempfile.TemporaryDirectory(prefix="moorage-bench-attacks-http-") as d:
             srcs = {"hostile": agent_dir(Path(d), "hostile", HOSTILE), "echo": agent_dir(Path(d), "echo", ECHO)}
-            result["http"] = run_http_phase(a.driver, Path(d), srcs, a.samples, MAX_TURNS_PER_SAMPLE, {}, a.only)
+            result["http"] = run_http_phase(a.driver, Path(d), srcs, a.samples, MAX_TURNS_PER_SAMPLE,
+                                            {"MOORAGE_TEST_IMAGES_DIR": str(a.images)} if a.driver == "microvm" else {},
+                                            a.only)
     headline = write_report(result)
     print(f"worst p99 against the quiet turns just before it: {result['worst_ratio']['ratio']:.1f}x "
           f"({result['worst_ratio']['attack']})")
