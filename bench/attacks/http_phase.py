@@ -9,6 +9,7 @@ process's own. Reported beside the in-process figures of the same run; the in-pr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -57,9 +58,10 @@ def run_http_phase(driver: str, tmp: Path, agents: dict[str, Path], samples: int
     """``agents``: the hostile and echo agents' source directories. Returns the phase's figures."""
     attacks = chosen(only)
     host = LocalHost("attacks-http", tmp / "host", env, driver=driver)
-    try:
-        attacker = Client(host.url, _tenant(host, "attacker"), max_retries=0)
-        neighbour = Client(host.url, _tenant(host, "neighbour"), max_retries=0)
+    with contextlib.ExitStack() as done:
+        done.callback(host.stop)  # last: the clients below close first (last in, first out)
+        attacker = done.enter_context(Client(host.url, _tenant(host, "attacker"), max_retries=0))
+        neighbour = done.enter_context(Client(host.url, _tenant(host, "neighbour"), max_retries=0))
         attacker.deploy("hostile", agents["hostile"])
         neighbour.deploy("echo", agents["echo"])
         assert attacker.invoke("hostile", "ping", user="mallory")["reply"] == "pong"
@@ -119,11 +121,7 @@ def run_http_phase(driver: str, tmp: Path, agents: dict[str, Path], samples: int
             print(f"http {name}: {'contained' if r['contained'] else 'NOT CONTAINED'}; neighbour p99 "
                   f"{r['neighbour_p99_ms']:.1f} ms (quiet just before {r['quiet_before_p99_ms']:.1f} ms); "
                   f"host RSS +{r['host_rss_growth_mib']:.1f} MiB; {r['runs']} runs", flush=True)
-        attacker.close()
-        neighbour.close()
         return out
-    finally:
-        host.stop()
 
 
 def http_line(h: dict[str, Any]) -> str:
