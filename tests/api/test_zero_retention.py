@@ -81,41 +81,42 @@ async def test_zero_retention_agent_keeps_nothing_of_its_turns(tmp_path: Path) -
 
             # Within a turn the agent has its memory: the note it just wrote is there.
             for name in ("ghost", "keeper"):
-                r = await c.post(f"/v1/agents/{name}/invoke", json={"message": "tea", "user": "ada", "session": "s1"})
+                r = await c.post(f"/v1/agents/{name}/invoke", json={"message": "tea", "user": "ylva", "session": "s1"})
                 assert r.status_code == 200, r.text
                 assert r.json()["reply"] == f"{name}: tea ['note: tea']"
             trace = r.json()["trace_id"]
-            ghost_trace = (await c.post("/v1/agents/ghost/invoke", json={"message": "cake", "user": "ada"})).json()
+            ghost_trace = (await c.post("/v1/agents/ghost/invoke", json={"message": "cake", "user": "ylva"})).json()
             # ... but nothing from the earlier turn: it was not kept.
             assert ghost_trace["reply"] == "ghost: cake ['note: cake']"
-            left = kept(ts, "ghost", "ada")
+            left = kept(ts, "ghost", "ylva")
             assert {t: left[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0), left
             assert left["sandboxes"] == 1  # the user's sandbox stays
             # The usage ledger stays too: the awake seconds written as the instance sleeps outlive the next turn.
-            box = ts.sandboxes.for_scope(Scope.for_user("ghost", "ada"))
+            box = ts.sandboxes.for_scope(Scope.for_user("ghost", "ylva"))
             assert (await c.post(f"/v1/sandboxes/{box.id}/sleep")).status_code == 200
-            assert (await c.post("/v1/agents/ghost/invoke", json={"message": "bun", "user": "ada"})).status_code == 200
-            left = kept(ts, "ghost", "ada")
+            assert (await c.post("/v1/agents/ghost/invoke", json={"message": "bun", "user": "ylva"})).status_code == 200
+            left = kept(ts, "ghost", "ylva")
             assert {t: left[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0), left
-            assert left["usage"] >= 1 and ts.usage.totals(agent_id="ghost", user_id="ada")["compute_seconds"] > 0
+            assert left["usage"] >= 1 and ts.usage.totals(agent_id="ghost", user_id="ylva")["compute_seconds"] > 0
             # The trace keeps only the API's request span (method, route, status: an access log, no user, no
             # content); the turn's own spans went with it.
             spans = (await c.get(f"/v1/traces/{ghost_trace['trace_id']}")).json()["spans"]
             assert [s["name"] for s in spans] == ["POST /v1/agents/{agent}/invoke"], spans
-            assert "ada" not in str(spans) and "cake" not in str(spans)
+            # (the user id has letters no hex trace or span id can hold, so a match is the user, not an id)
+            assert "ylva" not in str(spans) and "cake" not in str(spans)
             assert (await c.get(f"/v1/traces/{trace}")).status_code == 200  # keeper's trace is there
-            kept_keeper = kept(ts, "keeper", "ada")
+            kept_keeper = kept(ts, "keeper", "ylva")
             assert all(kept_keeper[t] > 0 for t in ("events", "facts", "workflow_runs", "sessions")), kept_keeper
 
             # Streamed turns too.
             async with c.stream("POST", "/v1/agents/ghost/invoke?stream=true",
-                                json={"message": "jam", "user": "ada"}) as r:
+                                json={"message": "jam", "user": "ylva"}) as r:
                 assert r.status_code == 200 and "ghost: jam" in "".join([x async for x in r.aiter_text()])
-            assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+            assert {t: kept(ts, "ghost", "ylva")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
 
             # An async turn: its run and execution stay until the outcome is announced (GET and webhooks read
             # them), then they go too.
-            r = await c.post("/v1/agents/ghost/invoke?async=true", json={"message": "pie", "user": "ada"})
+            r = await c.post("/v1/agents/ghost/invoke?async=true", json={"message": "pie", "user": "ylva"})
             assert r.status_code == 202
             for _ in range(600):
                 view = (await c.get(r.headers["location"])).json()
@@ -125,17 +126,17 @@ async def test_zero_retention_agent_keeps_nothing_of_its_turns(tmp_path: Path) -
             assert view["reply"] == "ghost: pie ['note: pie']"
             await asyncio.to_thread(announce, ts)  # what the host's delivery loop does each round
             await asyncio.to_thread(zero_retention.sweep, ts)  # what its retention sweep does
-            assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+            assert {t: kept(ts, "ghost", "ylva")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
             assert (await c.get(r.headers["location"])).status_code == 404
 
             # Turning zero retention on through the API purges what keeper had kept; off again, it keeps.
             r = await c.put("/v1/agents/keeper/retention", json={"zero_retention": True})
             assert r.status_code == 200 and r.json() == {"agent": "keeper", "ttl_s": None, "zero_retention": True}
-            assert {t: kept(ts, "keeper", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+            assert {t: kept(ts, "keeper", "ylva")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
             assert (await c.put("/v1/agents/keeper/retention", json={"zero_retention": False})).status_code == 200
-            assert (await c.post("/v1/agents/keeper/invoke", json={"message": "egg", "user": "ada"})).status_code == 200
-            assert kept(ts, "keeper", "ada")["events"] > 0
-            assert ts.sandboxes.for_scope(Scope.for_user("ghost", "ada")) is not None
+            assert (await c.post("/v1/agents/keeper/invoke", json={"message": "egg", "user": "ylva"})).status_code == 200
+            assert kept(ts, "keeper", "ylva")["events"] > 0
+            assert ts.sandboxes.for_scope(Scope.for_user("ghost", "ylva")) is not None
 
             # The tenant-wide view lists both agents' own settings.
             tenant = (await c.get("/v1/retention")).json()
@@ -176,10 +177,10 @@ async def test_zero_retention_on_both_store_backends(live_rt, store, acme: str, 
         assert (await c.post("/v1/agents/ghost/deployments", content=buf.getvalue(),
                              headers={"content-type": "application/gzip"})).status_code == 201
         for message in ("tea", "cake"):
-            r = await c.post("/v1/agents/ghost/invoke", json={"message": message, "user": "ada"})
+            r = await c.post("/v1/agents/ghost/invoke", json={"message": message, "user": "ylva"})
             assert r.json()["reply"] == f"ghost: {message} ['note: {message}']", r.text
-            assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
-        r = await c.post("/v1/agents/ghost/invoke", json={"message": "boom", "user": "ada"})
+            assert {t: kept(ts, "ghost", "ylva")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+        r = await c.post("/v1/agents/ghost/invoke", json={"message": "boom", "user": "ylva"})
         assert r.status_code == 502  # the agent failed: its failed run goes too
-        assert {t: kept(ts, "ghost", "ada")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
-        assert kept(ts, "ghost", "ada")["sandboxes"] == 1
+        assert {t: kept(ts, "ghost", "ylva")[t] for t in CONTENT} == dict.fromkeys(CONTENT, 0)
+        assert kept(ts, "ghost", "ylva")["sandboxes"] == 1
