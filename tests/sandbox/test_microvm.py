@@ -22,6 +22,7 @@ from moorage.config import Config
 from moorage.errors import InvalidInput
 from moorage.sandbox import SandboxSpec, SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
 from moorage.sandbox.microvm import MicroVMDriver, MicroVMSandbox
+from moorage.sandbox import microvm_ram, microvm_ram_chain as ram_chain
 from moorage.sandbox import microvm_user
 from moorage.sandbox.microvm_qemu import pid_is_ours
 
@@ -263,6 +264,111 @@ async def test_checkpoint_rollback_restores_files_and_memory(driver: MicroVMDriv
     assert await kid.read_file("/work/state.txt") == b"v1"
     assert await kid.stat("/work/later.txt") is None
     assert await ask_token(kid) == token  # the killed process is back, with the same memory
+    await kid.destroy()
+
+
+#: A process that keeps 4 MiB of memory filled with a value it is sent, and answers with the value (a "!" after it
+#: when the buffer no longer holds it everywhere).
+MEMORY_HOLDER = r"""
+import socket
+buf = bytearray(4 << 20)
+val = b""
+def fill(v):
+    global val
+    val = v
+    page = (v * (4096 // len(v) + 1))[:4096]
+    for i in range(0, len(buf), 4096):
+        buf[i : i + 4096] = page
+fill(b"v0")
+s = socket.socket(socket.AF_UNIX)
+s.bind("/run/mem.sock")
+s.listen()
+while True:
+    c, _ = s.accept()
+    cmd = c.recv(64)
+    if cmd.startswith(b"put "):
+        fill(cmd[4:])
+    whole = all(buf[i : i + len(val)] == val for i in range(0, len(buf), 4096))
+    c.sendall(val + (b"" if whole else b"!"))
+    c.close()
+"""
+
+
+async def held(sb: MicroVMSandbox, put: str | None = None) -> str:
+    cmd = f"put {put}" if put else "get"
+    return await out(sb, ["python3", "-c", "import socket; s = socket.socket(socket.AF_UNIX); "
+                          f"s.connect('/run/mem.sock'); s.sendall(b'{cmd}'); print(s.recv(64).decode())"])
+
+
+async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_through_the_chain(
+        driver: MicroVMDriver, template: TemplateRef) -> None:
+    (kid,) = await driver.fork(template, ["fork-chain"])
+    await kid.wake()
+    await kid.write_file("/work/holder.py", MEMORY_HOLDER.encode())
+    await out(kid, ["sh", "-c", "nohup python3 /work/holder.py >/dev/null 2>&1 & "
+                    "while [ ! -S /run/mem.sock ]; do sleep 0.05; done"])
+    cps = kid.dir / "checkpoints"
+
+    def record(name: str) -> dict:
+        return json.loads((cps / name / "snapshot.json").read_text())
+
+    # c1..c10; the held value changes before c3, c5, c6 and c10 (4 MiB of changed pages each time).
+    values = {}
+    for i in range(1, 11):
+        if i in (3, 5, 6, 10):
+            assert await held(kid, f"v{i}") == f"v{i}"
+        await kid.write_file("/work/state.txt", f"s{i}".encode())
+        await kid.checkpoint(f"c{i}")
+        values[i] = await held(kid)
+    chains = {i: ram_chain.info(cps / f"c{i}") for i in range(1, 11)}
+    # Whole at the first and after MAX_DEPTH, each of the others on the one before.
+    assert [chains[i]["depth"] for i in range(1, 11)] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    assert all(chains[i]["base"] == f"c{i - 1}" for i in (2, 3, 4, 5, 6, 7, 8, 10))
+    assert record("c1")["delta_bytes"] == record("c1")["ram_bytes"] >= 4 * MiB
+    # A checkpoint stores what changed: with the 4 MiB unchanged, well under the whole; with it changed, over 4 MiB.
+    for i in (2, 4, 7, 8):
+        assert record(f"c{i}")["delta_bytes"] < record(f"c{i}")["ram_bytes"] - 3 * MiB, (i, record(f"c{i}"))
+    for i in (3, 5, 6, 10):
+        assert record(f"c{i}")["delta_bytes"] >= 4 * MiB, (i, record(f"c{i}"))
+    assert record("c9")["delta_bytes"] == record("c9")["ram_bytes"]
+
+    # Roll back into the middle of a chain: memory and files as they were at c4 (built on c3, c2, c1).
+    await kid.rollback("c4")
+    assert await held(kid) == values[4] == "v3"
+    assert await kid.read_file("/work/state.txt") == b"s4"
+    # A checkpoint after a rollback builds on the checkpoint rolled back to.
+    await kid.checkpoint("after")
+    assert ram_chain.info(cps / "after")["base"] == "c4"
+
+    # Retention deletes bases still built on: they stop listing and keep their pages until nothing needs them.
+    for i in (1, 2, 3):
+        await kid.delete_checkpoint(f"c{i}")
+    assert {c.name for c in await kid.checkpoints()} == {f"c{i}" for i in range(4, 11)} | {"after"}
+    assert all((cps / f"c{i}").is_dir() and not (cps / f"c{i}" / "snapshot.json").exists() for i in (1, 2, 3))
+    await kid.rollback("c6")
+    assert await held(kid) == "v6" and await kid.read_file("/work/state.txt") == b"s6"
+    for i in (4, 5, 6, 7, 8):
+        await kid.delete_checkpoint(f"c{i}")
+    assert (cps / "c4").is_dir()  # "after" builds on it
+    await kid.delete_checkpoint("after")
+    assert sorted(p.name for p in cps.iterdir()) == ["c10", "c9"]
+
+    # A base's page changed on the host: the rollback is refused before anything stops, the guest runs on.
+    assert await held(kid, "v11") == "v11"
+    def pages(name: str, f: str) -> list[int]:
+        return [p for a, n in microvm_ram.read_runs(cps / name / f) for p in range(a, a + n)]
+
+    # One that c10 takes from c9 (in c10's whole set, not stored by c10 itself).
+    c9_own, c10_own = pages("c9", "ram.own"), set(pages("c10", "ram.own"))
+    k = next(i for i, p in enumerate(c9_own) if p not in c10_own and p in set(pages("c10", "ram.idx")))
+    with open(cps / "c9" / "ram.delta", "r+b") as f:
+        f.seek(4096 * k)
+        byte = f.read(1)
+        f.seek(4096 * k)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(SnapshotCorrupt, match="changed"):
+        await kid.rollback("c10")
+    assert kid.state is SandboxState.RUNNING and await held(kid) == "v11"
     await kid.destroy()
 
 

@@ -25,6 +25,7 @@ from moorage.errors import ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import microvm_memfd
 from moorage.sandbox import microvm_ram as ram
+from moorage.sandbox import microvm_ram_chain as ram_chain
 from moorage.sandbox import microvm_user
 from moorage.sandbox.accel import choose_accel, probe_kvm
 from moorage.sandbox.base import (
@@ -509,8 +510,10 @@ class MicroVMSandbox(Sandbox):
             info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
             return info
 
-    async def _snapshot_to(self, target: Path, *, keep_running: bool) -> SnapshotInfo:
-        """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU."""
+    async def _snapshot_to(self, target: Path, *, keep_running: bool, ram_base: Path | None = None,
+                           chained: bool = False) -> SnapshotInfo:
+        """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU. ``chained`` (a
+        checkpoint): the RAM as the pages changed since the checkpoint ``ram_base`` (``microvm_ram_chain``)."""
         assert self._qmp is not None and self.pid is not None
         ph = _Phases()
         new = target.with_name(target.name + ".new")
@@ -530,7 +533,13 @@ class MicroVMSandbox(Sandbox):
         }
         # The file work below runs on worker threads: on the event loop it held every other request of the host
         # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
-        if self.ram_mode == "delta":
+        if self.ram_mode == "delta" and chained:
+            m = ram.find_mapping(self.pid, self._ram_path())
+            saved = await asyncio.to_thread(ram_chain.save, self.pid, m, self._ram_path(), new, ram_base)
+            record.update(delta_bytes=saved["delta_bytes"], ram_bytes=saved["ram_bytes"], ram_base=saved["base"])
+            record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "ram.delta")
+            ph.mark("ram_delta")
+        elif self.ram_mode == "delta":
             m = ram.find_mapping(self.pid, self._ram_path())
             record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
             record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "ram.delta")
@@ -860,10 +869,19 @@ class MicroVMSandbox(Sandbox):
         async with self._lock:
             if self.state is not SandboxState.RUNNING or self._qmp is None:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; checkpoints are taken of a running sandbox", hint="call wake() first")
-            target = self.dir / "checkpoints" / name
-            target.parent.mkdir(exist_ok=True)
+            cps = self.dir / "checkpoints"
+            target = cps / name
+            cps.mkdir(exist_ok=True)
             tag = f"ckpt-{name}"
-            info = await self._snapshot_to(target, keep_running=True)
+            # RAM as the pages changed since the checkpoint this guest last passed (taken or rolled back to).
+            tip = self._meta.get("ram_tip")
+            base = cps / tip if tip and (cps / tip / ram_chain.CHAIN).exists() else None
+            if base is not None and tip == name:
+                base = None  # taken again under the same name: a whole one (what built on the old one keeps it)
+            await asyncio.to_thread(ram_chain.set_aside, cps, name)
+            info = await self._snapshot_to(target, keep_running=True, ram_base=base, chained=True)
+            self._meta["ram_tip"] = name
+            self._save_meta()
             # The disk's state at the same instant, as a qcow2 internal snapshot (QEMU is paused then resumed).
             await self._qmp.execute("stop")
             try:
@@ -883,8 +901,26 @@ class MicroVMSandbox(Sandbox):
             if not (src / "snapshot.json").exists():
                 raise SandboxNotFound(f"sandbox {self.id} has no checkpoint {name!r}", hint="list them with checkpoints()")
             record = json.loads((src / "snapshot.json").read_text())
+            # qemu-img opens the backing file the header names (as root): only the one the host gave this disk
+            # (checked first here, before any work).
+            microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
+            # The memory image first, while the guest still runs: a checkpoint whose RAM cannot be put together
+            # (a base's pages gone or changed) is refused here and leaves the sandbox as it was.
+            staged = self.dir / "snapshot.rollback"
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir()
+            try:
+                shutil.copyfile(src / "dev.state", staged / "dev.state")
+                if record["kind"] == "delta":
+                    # The whole delta, put together from the pages of this checkpoint and those it builds on.
+                    record["delta_bytes"] = await asyncio.to_thread(ram_chain.materialize, src.parent, name, staged)
+                    record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, staged / "ram.delta")
+                _write_json(staged / "snapshot.json", record)
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
             await self._teardown()
-            # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
+            # Again now that its QEMU (which can write the header) is gone: this is the check qemu-img relies on.
             microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
             r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(self.dir / "disk.qcow2")],
                                         capture_output=True, text=True)
@@ -892,13 +928,11 @@ class MicroVMSandbox(Sandbox):
                 raise SnapshotCorrupt(f"cannot restore the disk of checkpoint {name}: {r.stderr.strip()}")
             snap = self.dir / "snapshot"
             shutil.rmtree(snap, ignore_errors=True)
-            snap.mkdir()
-            for f in ("dev.state", "ram.delta", "ram.idx", "snapshot.json"):
-                if (src / f).exists():
-                    shutil.copyfile(src / f, snap / f)
-            if record["kind"] == "shared":
+            os.rename(staged, snap)
+            if record["kind"] != "delta":
                 _sparse_copy(src / "ram", self.dir / "ram")
             self._meta["ram_mode"] = record["kind"]
+            self._meta["ram_tip"] = name
             self._set_state(SandboxState.SLEEPING, snapshot=record)
             await self._wake_locked()
 
@@ -928,7 +962,8 @@ class MicroVMSandbox(Sandbox):
                                                              str(self.dir / "disk.qcow2")], capture_output=True, text=True)
                 if r.returncode != 0:
                     log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=r.stderr.strip())
-            await asyncio.to_thread(shutil.rmtree, src, True)
+            # Its RAM goes unless a later checkpoint builds on it (then with the last of those).
+            await asyncio.to_thread(ram_chain.collect, src.parent)
 
     async def checkpoints(self) -> list[CheckpointInfo]:
         out = []

@@ -13,6 +13,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import xxhash
@@ -81,56 +82,78 @@ def dirty_runs(pid: int, m: Mapping) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts, ends)]
 
 
-def save_delta(pid: int, m: Mapping, template_ram: Path, out_dir: Path) -> int:
-    """Write ``ram.delta`` + ``ram.idx`` (pages that differ from the template) into ``out_dir``; returns bytes.
-    The template's pages are read from its sealed memfd where this process has one (the pages forks map)."""
+def changed_pages(pid: int, m: Mapping, template_ram: Path) -> Iterator[tuple[int, bytes]]:
+    """(page number, bytes) of each guest page that differs from the template, in page order: the private copies
+    the guest wrote, less those it wrote back to the template's content. The template's pages are read from its
+    sealed memfd where this process has one (the pages forks map)."""
     runs = dirty_runs(pid, m)
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     tpl = microvm_memfd.open_for_reading(template_ram)
-    kept: list[tuple[int, int]] = []
-    data_path, idx_path = out_dir / "ram.delta.tmp", out_dir / "ram.idx.tmp"
-    total = 0
     try:
-        with open(data_path, "wb") as data:
-            for first, count in runs:
-                for off in range(0, count, _CHUNK_PAGES):
-                    n = min(_CHUNK_PAGES, count - off)
-                    start = first + off
-                    cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
-                    old = os.pread(tpl, n * PAGE, m.offset + start * PAGE)
-                    # A page the guest wrote back to its template content costs nothing to keep out.
-                    i = 0
-                    while i < n:
-                        if cur[i * PAGE : (i + 1) * PAGE] == old[i * PAGE : (i + 1) * PAGE]:
-                            i += 1
-                            continue
-                        j = i + 1
-                        while j < n and cur[j * PAGE : (j + 1) * PAGE] != old[j * PAGE : (j + 1) * PAGE]:
-                            j += 1
-                        data.write(cur[i * PAGE : j * PAGE])
-                        kept.append((start + i, j - i))
-                        total += (j - i) * PAGE
-                        i = j
-            data.flush()
-            os.fsync(data.fileno())
-        with open(idx_path, "wb") as idx:
-            idx.write(b"".join(_IDX.pack(a, b) for a, b in kept))
-            idx.flush()
-            os.fsync(idx.fileno())
+        for first, count in runs:
+            for off in range(0, count, _CHUNK_PAGES):
+                n = min(_CHUNK_PAGES, count - off)
+                start = first + off
+                cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
+                old = os.pread(tpl, n * PAGE, m.offset + start * PAGE)
+                for i in range(n):
+                    page = cur[i * PAGE : (i + 1) * PAGE]
+                    if page != old[i * PAGE : (i + 1) * PAGE]:
+                        yield start + i, page
     finally:
         os.close(mem)
         os.close(tpl)
+
+
+def runs_of(pages: Iterable[int]) -> list[tuple[int, int]]:
+    """(first page, count) runs of ascending page numbers."""
+    out: list[tuple[int, int]] = []
+    for p in pages:
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+def pack_runs(runs: Iterable[tuple[int, int]]) -> bytes:
+    return b"".join(_IDX.pack(a, b) for a, b in runs)
+
+
+def read_runs(path: Path) -> list[tuple[int, int]]:
+    """The runs of an index file (``ram.idx``); a truncated one is a corrupt snapshot."""
+    data = path.read_bytes()
+    if len(data) % _IDX.size:
+        raise SnapshotCorrupt(f"RAM delta index {path} is truncated", hint="the sandbox cold-boots from its disk")
+    return [_IDX.unpack_from(data, i) for i in range(0, len(data), _IDX.size)]
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_delta(pid: int, m: Mapping, template_ram: Path, out_dir: Path) -> int:
+    """Write ``ram.delta`` + ``ram.idx`` (pages that differ from the template) into ``out_dir``; returns bytes."""
+    kept: list[int] = []
+    data_path, idx_path = out_dir / "ram.delta.tmp", out_dir / "ram.idx.tmp"
+    with open(data_path, "wb") as data:
+        for page, content in changed_pages(pid, m, template_ram):
+            data.write(content)
+            kept.append(page)
+        data.flush()
+        os.fsync(data.fileno())
+    write_synced(idx_path, pack_runs(runs_of(kept)))
     os.replace(data_path, out_dir / "ram.delta")
     os.replace(idx_path, out_dir / "ram.idx")
-    return total
+    return len(kept) * PAGE
 
 
 def apply_delta(pid: int, m: Mapping, snap_dir: Path) -> int:
     """Write a saved delta into a paused QEMU's private RAM mapping (copy-on-write); returns bytes written."""
-    idx_bytes = (snap_dir / "ram.idx").read_bytes()
-    if len(idx_bytes) % _IDX.size:
-        raise SnapshotCorrupt(f"RAM delta index {snap_dir / 'ram.idx'} is truncated", hint="the sandbox cold-boots from its disk")
-    runs = [_IDX.unpack_from(idx_bytes, i) for i in range(0, len(idx_bytes), _IDX.size)]
+    runs = read_runs(snap_dir / "ram.idx")
     npages = (m.end - m.start) // PAGE
     expected = sum(c for _, c in runs) * PAGE
     data_path = snap_dir / "ram.delta"
