@@ -537,12 +537,12 @@ class MicroVMSandbox(Sandbox):
             m = ram.find_mapping(self.pid, self._ram_path())
             saved = await asyncio.to_thread(ram_chain.save, self.pid, m, self._ram_path(), new, ram_base)
             record.update(delta_bytes=saved["delta_bytes"], ram_bytes=saved["ram_bytes"], ram_base=saved["base"])
-            record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "ram.delta")
+            record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
             ph.mark("ram_delta")
         elif self.ram_mode == "delta":
             m = ram.find_mapping(self.pid, self._ram_path())
             record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
-            record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "ram.delta")
+            record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
             ph.mark("ram_delta")
         elif keep_running:
             await asyncio.to_thread(_sparse_copy, self.dir / "ram", new / "ram")  # a checkpoint's own copy of shared RAM
@@ -586,7 +586,7 @@ class MicroVMSandbox(Sandbox):
             raise SnapshotCorrupt(f"device state of {self.id} is missing or fails its checksum", hint="it cold-boots from its disk")
         if record["kind"] == "delta":
             delta = snap_dir / "ram.delta"
-            if not delta.exists() or not (snap_dir / "ram.idx").exists() or ram.sha256_file(delta) != record.get("delta_sha256"):
+            if not delta.exists() or not (snap_dir / "ram.idx").exists() or not ram.delta_matches(delta, record):
                 raise SnapshotCorrupt(f"RAM delta of {self.id} is missing or fails its checksum", hint="it cold-boots from its disk")
         else:
             ram_file = snap_dir / "ram" if (snap_dir / "ram").exists() else self.dir / "ram"
@@ -852,7 +852,7 @@ class MicroVMSandbox(Sandbox):
         if self.ram_mode == "delta":
             m = ram.find_mapping(self.pid, self._ram_path())
             record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
-            record["delta_sha256"] = ram.sha256_file(new / "ram.delta")
+            record["delta_xxh3"] = ram.delta_digest(new / "ram.delta")
         else:
             record["ram_checksum"] = ram.file_digest(self.dir / "ram")
         record["dev_sha256"] = ram.sha256_file(new / "dev.state")
@@ -913,8 +913,9 @@ class MicroVMSandbox(Sandbox):
                 shutil.copyfile(src / "dev.state", staged / "dev.state")
                 if record["kind"] == "delta":
                     # The whole delta, put together from the pages of this checkpoint and those it builds on.
-                    record["delta_bytes"] = await asyncio.to_thread(ram_chain.materialize, src.parent, name, staged)
-                    record["delta_sha256"] = await asyncio.to_thread(ram.sha256_file, staged / "ram.delta")
+                    record.pop("delta_sha256", None)
+                    record["delta_bytes"], record["delta_xxh3"] = await asyncio.to_thread(
+                        ram_chain.materialize, src.parent, name, staged)
                 _write_json(staged / "snapshot.json", record)
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -1377,7 +1378,7 @@ class MicroVMDriver(SandboxDriver):
             shutil.copyfile(tdir / "dev.state", d / "snapshot" / "dev.state")
             (d / "snapshot" / "ram.delta").write_bytes(b"")
             (d / "snapshot" / "ram.idx").write_bytes(b"")
-            record = dict(tmeta["snapshot"], delta_bytes=0, delta_sha256=ram.sha256_file(d / "snapshot" / "ram.delta"))
+            record = dict(tmeta["snapshot"], delta_bytes=0, delta_xxh3=ram.delta_digest(d / "snapshot" / "ram.delta"))
             _write_json(d / "snapshot" / "snapshot.json", record)
             (tdir / "children" / sid).write_text("")
             meta = {

@@ -20,6 +20,7 @@ checkpoint and stays on the host, so the guest cannot choose pages that collide 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -120,15 +121,16 @@ def _kept_name(name: str, chain_id: str) -> str:
     return f".{name}.{chain_id}"
 
 
-def materialize(checkpoints: Path, name: str, out_dir: Path) -> int:
+def materialize(checkpoints: Path, name: str, out_dir: Path) -> tuple[int, str]:
     """Write the whole RAM delta of checkpoint ``name`` (``ram.delta`` + ``ram.idx``, what a sleep leaves) into
-    ``out_dir``, each page checked against its recorded hash; returns its bytes."""
+    ``out_dir``, each page checked against its recorded hash; returns its bytes and its digest
+    (``microvm_ram.delta_digest``, what a wake checks it against). Not synced: a rollback that a crash interrupts is taken again from the checkpoint."""
     members = chain(checkpoints, name)
     top = members[0]
     if info(top) is None:  # a whole checkpoint from before chains: already in that form
         for f in ("ram.delta", "ram.idx"):
             shutil.copyfile(top / f, out_dir / f)
-        return (out_dir / "ram.delta").stat().st_size
+        return (out_dir / "ram.delta").stat().st_size, ram.delta_digest(out_dir / "ram.delta")
     pages, hashes = _hashes(top)
     seed = int(info(top)["seed"])  # type: ignore[index]
     # Where each page's bytes are: the newest member that stores it.
@@ -139,22 +141,25 @@ def materialize(checkpoints: Path, name: str, out_dir: Path) -> int:
             raise SnapshotCorrupt(f"RAM delta of checkpoint {d.name} does not match its index", hint="roll back to another checkpoint")
         for k, p in enumerate(own.tolist()):
             where.setdefault(p, (i, k * ram.PAGE))
-    fds = [os.open(d / "ram.delta", os.O_RDONLY) for d in members]
-    try:
-        with open(out_dir / "ram.delta", "wb") as out:
-            for p, h in zip(pages.tolist(), hashes):
-                src = where.get(p)
-                content = os.pread(fds[src[0]], ram.PAGE, src[1]) if src is not None else b""
-                if src is None or xxhash.xxh3_128_digest(content, seed=seed) != h:
-                    raise SnapshotCorrupt(f"RAM page {p} of checkpoint {name} is missing or changed", hint="roll back to another checkpoint")
-                out.write(content)
-            out.flush()
-            os.fsync(out.fileno())
-    finally:
-        for fd in fds:
-            os.close(fd)
+    views = [_map(d / "ram.delta") for d in members]
+    digest = xxhash.xxh3_128()
+    with open(out_dir / "ram.delta", "wb") as out:
+        for p, h in zip(pages.tolist(), hashes):
+            src = where.get(p)
+            content = views[src[0]][src[1] : src[1] + ram.PAGE] if src is not None else b""
+            if src is None or xxhash.xxh3_128_digest(content, seed=seed) != h:
+                raise SnapshotCorrupt(f"RAM page {p} of checkpoint {name} is missing or changed", hint="roll back to another checkpoint")
+            out.write(content)
+            digest.update(content)
     shutil.copyfile(top / "ram.idx", out_dir / "ram.idx")
-    return len(pages) * ram.PAGE
+    return len(pages) * ram.PAGE, digest.hexdigest()
+
+
+def _map(path: Path) -> bytes | mmap.mmap:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def set_aside(checkpoints: Path, name: str) -> None:
