@@ -150,7 +150,11 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
         await rt.timetravel.fork(principal, "tt", "ada", target.id, [f"fork{i}" for i in range(forks)])
         fork_s = time.perf_counter() - t0
         sandbox = await driver.open(cks[0].sandbox_id)
-        vm_sizes = sorted(c.bytes for c in await sandbox.checkpoints() if c.name.startswith("tt-"))
+        listed = [c for c in await sandbox.checkpoints() if c.name.startswith("tt-")]
+        vm_sizes = sorted(c.bytes for c in listed)
+        # Micro-VM: the whole RAM delta each checkpoint stands for (it stores the pages changed since the last).
+        whole_ram = sorted(json.loads((c.path / "snapshot.json").read_text()).get("ram_bytes", 0) for c in listed
+                           if (c.path / "snapshot.json").exists())
         store_sizes = sorted(c.store_bytes for c in cks if c.kind == "turn")
         return {
             "driver": driver_name, "turns": turns,
@@ -164,6 +168,7 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
             "fork_per_user_ms": fork_s * 1e3 / forks,
             "store_bytes_per_checkpoint_p50": store_sizes[len(store_sizes) // 2],
             "sandbox_bytes_per_checkpoint_p50": vm_sizes[len(vm_sizes) // 2] if vm_sizes else None,
+            "whole_ram_delta_per_checkpoint_p50": whole_ram[len(whole_ram) // 2] if any(whole_ram) else None,
         }
     finally:
         await manager.close()
@@ -252,6 +257,8 @@ def report(r: dict[str, Any]) -> str:
         f"| fork per new user | {r['fork_per_user_ms']:.0f} ms | |",
         f"| store bytes per turn checkpoint, p50 | {r['store_bytes_per_checkpoint_p50']} | |",
         f"| sandbox bytes per checkpoint, p50 | {sb if sb is not None else 'n/a'} | |",
+        *([f"| the whole RAM delta each stands for (micro-VM: stored are the pages changed since the last), p50 | "
+           f"{r['whole_ram_delta_per_checkpoint_p50']} | |"] if r.get("whole_ram_delta_per_checkpoint_p50") else []),
         "",
     ]
     return "\n".join(lines)
