@@ -536,7 +536,7 @@ class MicroVMSandbox(Sandbox):
         if self.ram_mode == "delta" and chained:
             m = ram.find_mapping(self.pid, self._ram_path())
             saved = await asyncio.to_thread(ram_chain.save, self.pid, m, self._ram_path(), new, ram_base)
-            record.update(delta_bytes=saved["delta_bytes"], ram_bytes=saved["ram_bytes"], ram_base=saved["base"])
+            record.update(delta_bytes=saved["delta_bytes"], ram_bytes=saved["ram_bytes"])
             record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
             ph.mark("ram_delta")
         elif self.ram_mode == "delta":
