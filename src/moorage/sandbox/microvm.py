@@ -874,10 +874,9 @@ class MicroVMSandbox(Sandbox):
             cps.mkdir(exist_ok=True)
             tag = f"ckpt-{name}"
             # RAM as the pages changed since the checkpoint this guest last passed (taken or rolled back to).
+            # Taken again under the same name: a whole one (what built on the old one keeps it, ``set_aside``).
             tip = self._meta.get("ram_tip")
-            base = cps / tip if tip and (cps / tip / ram_chain.CHAIN).exists() else None
-            if base is not None and tip == name:
-                base = None  # taken again under the same name: a whole one (what built on the old one keeps it)
+            base = cps / tip if tip and tip != name and (cps / tip / ram_chain.CHAIN).exists() else None
             await asyncio.to_thread(ram_chain.set_aside, cps, name)
             info = await self._snapshot_to(target, keep_running=True, ram_base=base, chained=True)
             self._meta["ram_tip"] = name
