@@ -109,6 +109,30 @@ class Timed:
 
         Checkpoints.rollback = timed_store_rollback  # type: ignore[method-assign]
 
+    def time_vm_steps(self) -> None:
+        """Micro-VM: how long each checkpoint holds the guest paused, and how long the guest a rollback restores
+        takes to answer its first call (TCG translating a guest whose code caches start cold: what bounds it)."""
+        from moorage.sandbox.microvm import MicroVMSandbox
+
+        self.vm_pause: list[float] = []
+        self.vm_first_reply: list[float] = []
+        snapshot_to, rollback = MicroVMSandbox._snapshot_to, MicroVMSandbox.rollback
+
+        async def timed_snapshot_to(sb: MicroVMSandbox, *a: Any, **kw: Any) -> Any:
+            r = await snapshot_to(sb, *a, **kw)
+            if kw.get("disk_tag"):
+                ph = sb.last_snapshot_phases
+                self.vm_pause.append((ph.get("pause_and_device_state", 0) + ph.get("ram_capture", 0)) / 1e3)
+            return r
+
+        async def timed_rollback(sb: MicroVMSandbox, *a: Any, **kw: Any) -> Any:
+            r = await rollback(sb, *a, **kw)
+            self.vm_first_reply.append(sb.last_wake_phases.get("first_reply", 0) / 1e3)
+            return r
+
+        MicroVMSandbox._snapshot_to = timed_snapshot_to  # type: ignore[method-assign]
+        MicroVMSandbox.rollback = timed_rollback  # type: ignore[method-assign]
+
 
 async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp: Path, images: Path) -> dict[str, Any]:
     cfg = Config(data_dir=tmp / "data", sandbox_driver=driver_name)
@@ -125,6 +149,8 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
     try:
         timed = Timed(rt)
+        if driver_name == "microvm":
+            timed.time_vm_steps()
         src = tmp / "agent"
         src.mkdir()
         (src / "moorage.toml").write_text('[agent]\nname = "tt"\nentry = "agent.py"\n[agent.timetravel]\nauto = true\n'
@@ -169,6 +195,8 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
             "store_bytes_per_checkpoint_p50": store_sizes[len(store_sizes) // 2],
             "sandbox_bytes_per_checkpoint_p50": vm_sizes[len(vm_sizes) // 2] if vm_sizes else None,
             "whole_ram_delta_per_checkpoint_p50": whole_ram[len(whole_ram) // 2] if any(whole_ram) else None,
+            **({"vm_pause_per_checkpoint": latency_summary(timed.vm_pause[:turns]),
+                "vm_first_reply_after_rollback": latency_summary(timed.vm_first_reply)} if driver_name == "microvm" else {}),
         }
     finally:
         await manager.close()
@@ -254,6 +282,9 @@ def report(r: dict[str, Any]) -> str:
         f"| of which its before-rollback checkpoint, p50 | {f(r['rollback_parts']['before_rollback_checkpoint'])} | |",
         f"| of which the sandbox's rollback, p50 | {f(r['rollback_parts']['sandbox_rollback'])} | |",
         f"| of which the store's rollback, p50 | {f(r['rollback_parts']['store_rollback'])} | |",
+        *([f"| micro-VM: the guest paused per checkpoint, p50 | {f(r['vm_pause_per_checkpoint'])} | |",
+           f"| micro-VM: the restored guest's first reply in the sandbox's rollback, p50 (TCG translating a cold guest: "
+           f"the bound) | {f(r['vm_first_reply_after_rollback'])} | |"] if "vm_pause_per_checkpoint" in r else []),
         f"| fork per new user | {r['fork_per_user_ms']:.0f} ms | |",
         f"| store bytes per turn checkpoint, p50 | {r['store_bytes_per_checkpoint_p50']} | |",
         f"| sandbox bytes per checkpoint, p50 | {sb if sb is not None else 'n/a'} | |",

@@ -17,6 +17,7 @@ from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
+import zstandard
 
 from moorage.config import Config
 from moorage.errors import InvalidInput
@@ -353,6 +354,15 @@ async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_
     await kid.delete_checkpoint("after")
     assert sorted(p.name for p in cps.iterdir()) == ["c10", "c9"]
 
+    # Stored compressed: the echo of a held buffer's pages shrinks on disk.
+    assert all(record(f"c{i}")["stored_bytes"] < record(f"c{i}")["delta_bytes"] / 2 for i in (9, 10))
+    # A base stored raw (checkpoints from before compression) still rolls back, under a compressed top.
+    c9 = cps / "c9"
+    (c9 / "ram.delta").write_bytes(zstandard.ZstdDecompressor().decompress((c9 / "ram.zst").read_bytes()))
+    (c9 / "ram.zst").unlink()
+    await kid.rollback("c10")
+    assert await held(kid) == values[10] and await kid.read_file("/work/state.txt") == b"s10"
+
     # A base's page changed on the host: the rollback is refused before anything stops, the guest runs on.
     assert await held(kid, "v11") == "v11"
     def pages(name: str, f: str) -> list[int]:
@@ -367,6 +377,11 @@ async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_
         f.seek(4096 * k)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(SnapshotCorrupt, match="changed"):
+        await kid.rollback("c10")
+    assert kid.state is SandboxState.RUNNING and await held(kid) == "v11"
+    # A compressed frame that claims another size is refused before it is decompressed.
+    (cps / "c10" / "ram.zst").write_bytes(zstandard.ZstdCompressor().compress(bytes(4096)))
+    with pytest.raises(SnapshotCorrupt, match="do not match its index"):
         await kid.rollback("c10")
     assert kid.state is SandboxState.RUNNING and await held(kid) == "v11"
     await kid.destroy()

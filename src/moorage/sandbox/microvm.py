@@ -222,6 +222,7 @@ class MicroVMSandbox(Sandbox):
         self.last_wake_mode: str | None = None
         #: Milliseconds per step of the last wake from a snapshot (validate, QEMU start, device state, first reply).
         self.last_wake_phases: dict[str, int] = {}
+        self.last_snapshot_phases: dict[str, int] = {}  # ms per step of the last sleep or checkpoint
         #: A QEMU is up with this sleeping sandbox's snapshot loaded and the guest paused (``prepare``): the next
         #: wake only resumes it. In this process's memory only: a restarted host kills such a QEMU (``open``).
         self._prepared = False
@@ -511,9 +512,11 @@ class MicroVMSandbox(Sandbox):
             return info
 
     async def _snapshot_to(self, target: Path, *, keep_running: bool, ram_base: Path | None = None,
-                           chained: bool = False) -> SnapshotInfo:
-        """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU. ``chained`` (a
-        checkpoint): the RAM as the pages changed since the checkpoint ``ram_base`` (``microvm_ram_chain``)."""
+                           disk_tag: str | None = None) -> SnapshotInfo:
+        """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU. ``disk_tag`` (a
+        checkpoint): the disk's qcow2 internal snapshot of that name is taken in the same pause, and the RAM is
+        stored as the pages changed since the checkpoint ``ram_base`` (``microvm_ram_chain``), read while paused
+        and written after the guest runs again."""
         assert self._qmp is not None and self.pid is not None
         ph = _Phases()
         new = target.with_name(target.name + ".new")
@@ -522,56 +525,75 @@ class MicroVMSandbox(Sandbox):
         # The channel stays connected through the pause: the guest then never sees its port close, and after a
         # wake it simply reads the new connection's frames (no reopen, no frames dropped in between).
         await self._qmp.execute("stop")  # also drains and flushes the disk
-        await self._qmp.save_device_state(new / "dev.state")  # by descriptor: QEMU cannot reach the path
-        ph.mark("pause_and_device_state")
-        record: dict[str, Any] = {
-            "kind": self.ram_mode,
-            "qemu": qemu_version(),
-            "layout": self._vm_config().layout_id(),
-            "image": self._meta["image_id"],
-            "created_at": time.time(),
-        }
-        # The file work below runs on worker threads: on the event loop it held every other request of the host
-        # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
-        if self.ram_mode == "delta" and chained:
-            m = ram.find_mapping(self.pid, self._ram_path())
-            saved = await asyncio.to_thread(ram_chain.save, self.pid, m, self._ram_path(), new, ram_base)
-            record.update(delta_bytes=saved["delta_bytes"], ram_bytes=saved["ram_bytes"])
-            record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
-            ph.mark("ram_delta")
-        elif self.ram_mode == "delta":
-            m = ram.find_mapping(self.pid, self._ram_path())
-            record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
-            record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
-            ph.mark("ram_delta")
-        elif keep_running:
-            await asyncio.to_thread(_sparse_copy, self.dir / "ram", new / "ram")  # a checkpoint's own copy of shared RAM
-            record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, new / "ram")
-        else:
-            await asyncio.to_thread(ram.fsync_path, self.dir / "ram")
-            record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, self.dir / "ram")
-        ph.mark("ram")
-        await asyncio.to_thread(ram.fsync_path, new / "dev.state")
-        await asyncio.to_thread(ram.fsync_path, self.dir / "disk.qcow2")
-        record["dev_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "dev.state")
-        if keep_running:
-            _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
-        old = target.with_name(target.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if target.exists():
-            os.rename(target, old)
-        os.rename(new, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_running:
-            await self._qmp.execute("cont")
-        else:
+        paused = True
+        try:
+            await self._qmp.save_device_state(new / "dev.state")  # by descriptor: QEMU cannot reach the path
+            if disk_tag is not None:
+                await self._disk_snapshot(disk_tag)  # the disk at the same instant as memory and devices
+            ph.mark("pause_and_device_state")
+            record: dict[str, Any] = {
+                "kind": self.ram_mode,
+                "qemu": qemu_version(),
+                "layout": self._vm_config().layout_id(),
+                "image": self._meta["image_id"],
+                "created_at": time.time(),
+            }
+            # The file work below runs on worker threads: on the event loop it held every other request of the host
+            # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
+            if self.ram_mode == "delta" and disk_tag is not None:
+                m = ram.find_mapping(self.pid, self._ram_path())
+                cap = await asyncio.to_thread(ram_chain.capture, self.pid, m, self._ram_path(), ram_base)
+                ph.mark("ram_capture")
+                await self._qmp.execute("cont")  # the guest runs on while its pages are compressed and stored
+                paused = False
+                saved = await asyncio.to_thread(ram_chain.write, cap, new)
+                record.update(delta_bytes=saved["delta_bytes"], stored_bytes=saved["stored_bytes"], ram_bytes=saved["ram_bytes"])
+                ph.mark("ram_write")
+            elif self.ram_mode == "delta":
+                m = ram.find_mapping(self.pid, self._ram_path())
+                record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
+                record["delta_xxh3"] = await asyncio.to_thread(ram.delta_digest, new / "ram.delta")
+                ph.mark("ram_delta")
+            elif keep_running:
+                await asyncio.to_thread(_sparse_copy, self.dir / "ram", new / "ram")  # a checkpoint's own copy of shared RAM
+                record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, new / "ram")
+            else:
+                await asyncio.to_thread(ram.fsync_path, self.dir / "ram")
+                record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, self.dir / "ram")
+            ph.mark("ram")
+            await asyncio.to_thread(ram.fsync_path, new / "dev.state")
+            await asyncio.to_thread(ram.fsync_path, self.dir / "disk.qcow2")  # the disk snapshot's table too
+            record["dev_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "dev.state")
+            if keep_running:
+                _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
+            old = target.with_name(target.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            if target.exists():
+                os.rename(target, old)
+            os.rename(new, target)
+            _fsync_dir(target.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if keep_running and paused and self._qmp is not None:
+                await self._qmp.execute("cont")  # a checkpoint that failed leaves the guest running, as it was
+                paused = False
+        if not keep_running:
             await self._teardown(wait=False)
             self._set_state(SandboxState.SLEEPING, snapshot=record)
         ph.mark("commit")
         log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=ph.total(), **ph.ms)
+        self.last_snapshot_phases = dict(ph.ms)
         size = _allocated(target) + (0 if self.ram_mode == "delta" or keep_running else _allocated(self.dir / "ram"))
         return SnapshotInfo(self.id, target, size, record["created_at"], True)
+
+    async def _disk_snapshot(self, tag: str) -> None:
+        """The disk's qcow2 internal snapshot ``tag`` of a paused guest (one of that name replaced)."""
+        assert self._qmp is not None
+        try:
+            await self._qmp.execute("blockdev-snapshot-delete-internal-sync", {"device": "disk", "name": tag})
+        except QMPError:
+            pass
+        await self._qmp.execute("blockdev-snapshot-internal-sync", {"device": "disk", "name": tag})
 
     def _validate_snapshot(self, snap_dir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
         if not record:
@@ -872,25 +894,15 @@ class MicroVMSandbox(Sandbox):
             cps = self.dir / "checkpoints"
             target = cps / name
             cps.mkdir(exist_ok=True)
-            tag = f"ckpt-{name}"
             # RAM as the pages changed since the checkpoint this guest last passed (taken or rolled back to).
             # Taken again under the same name: a whole one (what built on the old one keeps it, ``set_aside``).
             tip = self._meta.get("ram_tip")
             base = cps / tip if tip and tip != name and (cps / tip / ram_chain.CHAIN).exists() else None
             await asyncio.to_thread(ram_chain.set_aside, cps, name)
-            info = await self._snapshot_to(target, keep_running=True, ram_base=base, chained=True)
+            # The disk's state at the same instant, as a qcow2 internal snapshot taken in the same pause.
+            info = await self._snapshot_to(target, keep_running=True, ram_base=base, disk_tag=f"ckpt-{name}")
             self._meta["ram_tip"] = name
             self._save_meta()
-            # The disk's state at the same instant, as a qcow2 internal snapshot (QEMU is paused then resumed).
-            await self._qmp.execute("stop")
-            try:
-                try:
-                    await self._qmp.execute("blockdev-snapshot-delete-internal-sync", {"device": "disk", "name": tag})
-                except QMPError:
-                    pass
-                await self._qmp.execute("blockdev-snapshot-internal-sync", {"device": "disk", "name": tag})
-            finally:
-                await self._qmp.execute("cont")
             return CheckpointInfo(name, self.id, target, info.bytes, info.created_at, True)
 
     async def rollback(self, name: str) -> None:

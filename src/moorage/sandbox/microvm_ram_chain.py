@@ -5,8 +5,14 @@ A checkpoint directory holds, besides its device state and record:
 
 - ``ram.idx``: every page that differs from the template at that point (the set a whole delta would hold);
 - ``ram.hash``: a seeded XXH3-128 of each of those pages, in page order;
-- ``ram.own`` and ``ram.delta``: the pages stored here (new since the base, or changed), and their bytes;
+- ``ram.own`` and ``ram.zst``: the pages stored here (new since the base, or changed), and their bytes as one
+  zstd frame (level 1: guest pages compress 4-5x here, at ~300 MB/s; checkpoints from before hold them raw in
+  ``ram.delta``, still read);
 - ``ram.json``: ``{"id", "base", "base_id", "depth", "seed"}``.
+
+A checkpoint is taken in two steps: ``capture`` reads the pages while the guest is paused (comparing and hashing
+them in memory, nothing written), and ``write`` compresses and stores them after the guest runs again, so the pause
+lasts only as long as reading the guest's changed pages takes.
 
 A page in ``ram.idx`` but not in ``ram.own`` hashed the same at the base, so its bytes are the base's (found the
 same way there). Pages are compared by content, not by dirty bits (the kernels here have no soft-dirty bits), so
@@ -24,11 +30,13 @@ import mmap
 import os
 import secrets
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import xxhash
+import zstandard
 
 from moorage.sandbox import microvm_ram as ram
 from moorage.sandbox.base import SnapshotCorrupt
@@ -37,6 +45,8 @@ CHAIN = "ram.json"
 #: Checkpoints in a chain, the whole one included: a rollback reads at most this many deltas.
 MAX_DEPTH = 8
 _HASH = 16
+#: zstd level of the stored pages: level 1 keeps most of the ratio (4.6x vs 5.1x at 3 on guest pages) at half the time.
+ZSTD_LEVEL = 1
 
 
 def info(cp_dir: Path) -> dict[str, Any] | None:
@@ -63,10 +73,21 @@ def _pages(runs: list[tuple[int, int]]) -> np.ndarray:
     return np.concatenate([np.arange(a, a + b, dtype=np.int64) for a, b in runs])
 
 
-def save(pid: int, m: ram.Mapping, template_ram: Path, out_dir: Path, base: Path | None) -> dict[str, Any]:
-    """Write the RAM of a paused guest into the new checkpoint directory ``out_dir``: only pages that differ from
-    ``base`` (a checkpoint directory of the same sandbox, or None for a whole one). Returns the chain record plus
-    ``delta_bytes`` (stored here) and ``ram_bytes`` (the whole delta it stands for)."""
+@dataclass
+class Capture:
+    """The RAM of a paused guest, read for a checkpoint and not yet written (``write``)."""
+
+    record: dict[str, Any]
+    every: list[int]
+    own: list[int]
+    digests: list[bytes]
+    data: bytes  # the bytes of the ``own`` pages, in page order
+
+
+def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None) -> Capture:
+    """Read the RAM of a paused guest for a checkpoint: every page that differs from the template, hashed, and the
+    bytes of those that differ from ``base`` (a checkpoint directory of the same sandbox, or None for a whole one).
+    Holds the stored pages in memory (at most the guest's RAM) until ``write``."""
     base_info = info(base) if base is not None else None
     known: dict[int, bytes] = {}
     if base_info is not None and base_info["depth"] + 1 < MAX_DEPTH:
@@ -81,21 +102,34 @@ def save(pid: int, m: ram.Mapping, template_ram: Path, out_dir: Path, base: Path
     every: list[int] = []
     own: list[int] = []
     digests: list[bytes] = []
-    with open(out_dir / "ram.delta", "wb") as data:
-        for page, content in ram.changed_pages(pid, m, template_ram):
-            h = xxhash.xxh3_128_digest(content, seed=seed)
-            every.append(page)
-            digests.append(h)
-            if known.get(page) != h:
-                data.write(content)
-                own.append(page)
-        data.flush()
-        os.fsync(data.fileno())
-    ram.write_synced(out_dir / "ram.idx", ram.pack_runs(ram.runs_of(every)))
-    ram.write_synced(out_dir / "ram.own", ram.pack_runs(ram.runs_of(own)))
-    ram.write_synced(out_dir / "ram.hash", b"".join(digests))
-    ram.write_synced(out_dir / CHAIN, json.dumps(record).encode())
-    return {**record, "delta_bytes": len(own) * ram.PAGE, "ram_bytes": len(every) * ram.PAGE}
+    stored: list[bytes] = []
+    for page, content in ram.changed_pages(pid, m, template_ram):
+        h = xxhash.xxh3_128_digest(content, seed=seed)
+        every.append(page)
+        digests.append(h)
+        if known.get(page) != h:
+            stored.append(content)
+            own.append(page)
+    return Capture(record, every, own, digests, b"".join(stored))
+
+
+def write(cap: Capture, out_dir: Path) -> dict[str, Any]:
+    """Store a capture in the new checkpoint directory ``out_dir`` (synced). Returns the chain record plus
+    ``delta_bytes`` (the pages stored here, uncompressed), ``stored_bytes`` (on disk) and ``ram_bytes`` (the whole
+    delta it stands for)."""
+    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(cap.data)
+    ram.write_synced(out_dir / "ram.zst", packed)
+    ram.write_synced(out_dir / "ram.idx", ram.pack_runs(ram.runs_of(cap.every)))
+    ram.write_synced(out_dir / "ram.own", ram.pack_runs(ram.runs_of(cap.own)))
+    ram.write_synced(out_dir / "ram.hash", b"".join(cap.digests))
+    ram.write_synced(out_dir / CHAIN, json.dumps(cap.record).encode())
+    return {**cap.record, "delta_bytes": len(cap.own) * ram.PAGE, "stored_bytes": len(packed),
+            "ram_bytes": len(cap.every) * ram.PAGE}
+
+
+def save(pid: int, m: ram.Mapping, template_ram: Path, out_dir: Path, base: Path | None) -> dict[str, Any]:
+    """``capture`` then ``write`` (the guest paused throughout)."""
+    return write(capture(pid, m, template_ram, base), out_dir)
 
 
 def chain(checkpoints: Path, name: str) -> list[Path]:
@@ -135,13 +169,14 @@ def materialize(checkpoints: Path, name: str, out_dir: Path) -> tuple[int, str]:
     seed = int(info(top)["seed"])  # type: ignore[index]
     # Where each page's bytes are: the newest member that stores it.
     where: dict[int, tuple[int, int]] = {}
+    views = []
     for i, d in enumerate(members):
         own = _pages(ram.read_runs(d / "ram.own"))
-        if (d / "ram.delta").stat().st_size != len(own) * ram.PAGE:
+        views.append(_stored(d, len(own) * ram.PAGE))
+        if len(views[-1]) != len(own) * ram.PAGE:
             raise SnapshotCorrupt(f"RAM delta of checkpoint {d.name} does not match its index", hint="roll back to another checkpoint")
         for k, p in enumerate(own.tolist()):
             where.setdefault(p, (i, k * ram.PAGE))
-    views = [_map(d / "ram.delta") for d in members]
     digest = xxhash.xxh3_128()
     with open(out_dir / "ram.delta", "wb") as out:
         for p, h in zip(pages.tolist(), hashes):
@@ -153,6 +188,21 @@ def materialize(checkpoints: Path, name: str, out_dir: Path) -> tuple[int, str]:
             digest.update(content)
     shutil.copyfile(top / "ram.idx", out_dir / "ram.idx")
     return len(pages) * ram.PAGE, digest.hexdigest()
+
+
+def _stored(cp_dir: Path, size: int) -> bytes | mmap.mmap:
+    """The bytes of the pages a checkpoint stores (``size`` by its index): its ``ram.zst`` decompressed, or its raw
+    ``ram.delta``. A frame that says it holds another size is refused before anything is decompressed."""
+    packed = cp_dir / "ram.zst"
+    if not packed.exists():
+        return _map(cp_dir / "ram.delta")
+    data = packed.read_bytes()
+    try:
+        if zstandard.frame_content_size(data) != size:
+            raise SnapshotCorrupt(f"RAM pages of checkpoint {cp_dir.name} do not match its index", hint="roll back to another checkpoint")
+        return zstandard.ZstdDecompressor().decompress(data)
+    except zstandard.ZstdError as e:
+        raise SnapshotCorrupt(f"RAM pages of checkpoint {cp_dir.name} do not decompress: {e}", hint="roll back to another checkpoint") from e
 
 
 def _map(path: Path) -> bytes | mmap.mmap:
