@@ -55,9 +55,22 @@ def get_logger(name: str) -> _Adapter:
     return _Adapter(logging.getLogger(name), {})
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to ``sys.stderr`` as it is when a record is emitted, not as it was at ``configure``: a command run
+    in-process with its streams swapped for a while (a test's runner) leaves no handler on a closed stream."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
     """Configure the root ``moorage`` logger once, at process start."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     root = logging.getLogger("moorage")
     root.handlers[:] = [handler]
