@@ -45,6 +45,9 @@ async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterato
     try:
         yield Env(rt, manager, principal, cfg)
     finally:
+        # The runtime's background work (a checkpoint after the last reply, the embedding of the last turn's
+        # messages) ends first: it uses the instances, the driver and the store closed below.
+        await rt.aclose()
         await manager.close()
         await stop_all_sandboxes(driver)
         await driver.close()

@@ -80,9 +80,11 @@ class EmbedQueue:
         with self._cond:
             return self._cond.wait_for(lambda: not self._due and not self._busy, timeout)
 
-    def close(self, timeout: float = 10.0, *, drain: bool = True) -> None:
+    def close(self, timeout: float = 10.0, *, drain: bool = True) -> bool:
         """Finish what was submitted (or, without ``drain``, only the batch in progress) up to ``timeout``,
-        then stop; later submits are ignored."""
+        then stop: past ``timeout`` the rest stays marked and the batch in progress is the last, waited for up to
+        ``EXIT_WAIT_S`` more. Later submits are ignored. True once the worker thread has ended (the caller may then
+        close the store it used)."""
         with self._cond:
             self._closed = True
             if not drain:
@@ -90,8 +92,18 @@ class EmbedQueue:
                 self._stopping = True
             thread = self._thread
             self._cond.notify_all()
-        if thread is not None:
-            thread.join(timeout)
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive() and drain:
+            with self._cond:  # the drain ran out of time: what is left stays marked for the next start
+                self._due.clear()
+                self._stopping = True
+            thread.join(EXIT_WAIT_S)
+        if thread.is_alive():
+            log.warning("background embedding still running after close", waited_s=timeout + (EXIT_WAIT_S if drain else 0))
+            return False
+        return True
 
 
 @atexit.register

@@ -200,6 +200,9 @@ class Host:
         else:
             slept, left = await self.manager.sleep_all("host shutting down", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
             log.info("host stopping, awake instances put to sleep", slept=slept, still_awake=left)
+        # Automatic checkpoints after replies and background embeddings use the driver, the instances and the
+        # store: they end before any of those closes.
+        await self.runtime.settle_background()
         if self.manager.fleet is not None:
             await self.manager.fleet.leave("active" if detach else "gone")
         await self.manager.close()

@@ -245,10 +245,20 @@ class Runtime:
         self.timetravel = TimeTravel(self)
         instances.settle = self.timetravel.settled_scope  # a requested sleep waits for a checkpoint after a reply
 
-    async def aclose(self) -> None:
-        """Close outside connections (MCP servers, model providers); instances and the store are the host's."""
-        await self.mcp.close()
+    async def settle_background(self) -> None:
+        """Let the runtime's own background work end while the driver, the instances and the store it uses are
+        still open: turns whose reply went out and whose automatic checkpoint runs on (waited for, cancelled past a
+        bound), then the embedding of turns' messages (drained, then stopped). The host calls this before closing
+        those; callable again."""
+        await self.timetravel.close()
+        # After the tails: each ending turn submits its messages to the queue.
         await asyncio.to_thread(self.embed_queue.close)
+
+    async def aclose(self) -> None:
+        """Close outside connections (MCP servers, model providers) after the background work ended
+        (``settle_background``); instances and the store are the host's."""
+        await self.settle_background()
+        await self.mcp.close()
         with contextlib.suppress(Exception):
             await self.llm.aclose()
 

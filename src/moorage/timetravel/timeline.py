@@ -35,6 +35,10 @@ MAX_FORKS = 16
 #: driver, within noise). On the micro-VM driver the turn after a checkpoint runs slower (its in-host turn span
 #: +20-50 ms p50 under TCG), so there an agent opts in (docs/timetravel.md).
 AUTO_DRIVERS = frozenset({"process"})
+#: At close, how long automatic checkpoints still being taken may run before they are cancelled: one takes
+#: milliseconds to seconds. A cancel stops the turn's task but not a copy or store write already handed to a worker
+#: thread (that finishes on its own), so the wait is generous and cancelling is for a checkpoint that hangs.
+CLOSE_WAIT_S = 60.0
 
 
 class CheckpointGone(ConflictError):
@@ -219,6 +223,34 @@ class TimeTravel:
                 log.warning("a turn failed after its reply went out", task=t.get_name(), error=str(t.exception()))
 
         task.add_done_callback(ended)
+
+    async def close(self, timeout_s: float = CLOSE_WAIT_S) -> tuple[int, int]:
+        """Let the work this timeline runs in the background end before the driver, the instance manager and the
+        store it uses are closed: turns whose reply went out and whose automatic checkpoint runs on, and the
+        deletions retention started. Waits up to ``timeout_s`` for them to finish, then cancels what is left and
+        waits for it to unwind. Returns (finished, cancelled); callable again (a later tail is waited for too)."""
+        finished = cancelled = 0
+        deadline = time.monotonic() + timeout_s
+        # A tail that ends may have started a retention task (added before it ended): loop until none is left.
+        while self._tails:
+            pending = set(self._tails)
+            left = deadline - time.monotonic()
+            if left > 0:
+                done, late = await asyncio.wait(pending, timeout=left)
+                finished += len(done)
+                if not late:
+                    continue
+            else:
+                late = pending
+            log.warning("closing with automatic checkpoints still running: cancelling them",
+                        tasks=sorted(t.get_name() for t in late), waited_s=timeout_s)
+            for t in late:
+                t.cancel()
+            # Cancelled, each unwinds (the turn lets its instance go) before the caller closes what it used.
+            await asyncio.wait(late)
+            cancelled += sum(1 for t in late if t.cancelled())
+            finished += sum(1 for t in late if not t.cancelled())
+        return finished, cancelled
 
     async def settled_scope(self, tenant_id: str, scope: Scope) -> None:
         """``settled`` for the instance of ``scope`` (the instance manager's hook before a requested sleep)."""
