@@ -131,6 +131,7 @@ async def runtime(tmp_path: Path, store: Store):
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
     yield rt
+    await rt.aclose()  # its background work ends before what it uses closes
     await manager.close()
     await stop_all_sandboxes(driver)
     await driver.close()

@@ -147,6 +147,7 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
     finally:
         server.should_exit = True
         await task
+        await rt.aclose()  # its background work ends before what it uses closes
         await manager.close()
         await stop_all_sandboxes(driver)
         await driver.close()

@@ -248,6 +248,7 @@ async def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     finally:
         server.should_exit = True
         await task
+        await rt.aclose()  # its background work ends before what it uses closes
         await manager.close()
         await stop_all_sandboxes(driver)
         await driver.close()

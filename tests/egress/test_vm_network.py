@@ -147,6 +147,7 @@ async def _env(tmp: Path, cfg: Config) -> AsyncIterator[Env]:
     try:
         yield Env(rt, manager, principal, cfg)
     finally:
+        await rt.aclose()  # its background work ends before what it uses closes
         await manager.close()
         await stop_all_sandboxes(driver)
         await driver.close()

@@ -73,6 +73,7 @@ async def _env(tmp: Path, index: int, wire: WireServer, driver_name: str) -> Asy
     try:
         yield Env(rt, manager, principal, cfg)
     finally:
+        await rt.aclose()  # its background work ends before what it uses closes
         await manager.close()
         await stop_all_sandboxes(driver)
         await driver.close()

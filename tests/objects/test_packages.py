@@ -54,8 +54,8 @@ async def test_a_host_without_the_package_fetches_it_from_the_object_store(
         assert (local_b.stat().st_mode & 0o777) == 0o600
     finally:
         for rt, manager, driver in hosts:
+            await rt.aclose()  # its background work ends before what it uses closes
             await manager.close()
             await stop_all_sandboxes(driver)
             await driver.close()
-            await rt.aclose()
         store.close()
