@@ -50,6 +50,7 @@ async def host(data: Path) -> AsyncIterator[tuple[Runtime, Any]]:
     try:
         yield rt, principal
     finally:
+        await rt.aclose()  # its background work ends before what it uses closes
         await manager.close()
         for sid in await driver.list():
             sb = await driver.open(sid)
