@@ -68,6 +68,8 @@ log = get_logger(__name__)
 
 COLD_BOOT_TIMEOUT_S = 90.0
 WAKE_TIMEOUT_S = 30.0
+#: How long a sleep waits for QEMU to quit (closing its disk cleanly) before it kills it.
+QUIT_WAIT_S = 5.0
 _TEMPLATES = ".templates"
 #: The empty overlay on a template's disk that each fork's disk starts as (a copy, no qemu-img run per fork).
 CHILD_DISK = "child.qcow2"
@@ -400,18 +402,29 @@ class MicroVMSandbox(Sandbox):
                 log.warning("QEMU did not exit 10 s after SIGKILL", sandbox=self.id, pid=self._dying.pid)
             self._dying = None
 
-    async def _teardown(self, *, wait: bool = True) -> None:
+    async def _teardown(self, *, wait: bool = True, quit: bool = False) -> None:
         """Kill QEMU and drop connections (no snapshot). ``wait=False`` leaves reaping our own child to the next
-        launch or teardown (a 256 MiB process takes a while to unmap; a sleep need not wait for that)."""
+        launch or teardown (a 256 MiB process takes a while to unmap). ``quit``: ask QEMU to exit and wait for it
+        (``QUIT_WAIT_S``), so it closes its disk cleanly; killed if it does not."""
         self._prepared = False
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
             self._channel = None
+        if quit and self._qmp is not None and self._proc is not None and self._proc.poll() is None:
+            proc = self._proc
+            with contextlib.suppress(QMPError):
+                await self._qmp.execute("quit", timeout=QUIT_WAIT_S)
+            try:
+                await asyncio.to_thread(proc.wait, QUIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("QEMU did not quit; killing it (its disk is repaired when next opened)", sandbox=self.id)
         if self._qmp is not None:
             await self._qmp.close()
             self._qmp = None
         pid = self._meta.get("pid")
-        if pid and self._proc is not None and not wait:
+        if self._proc is not None and self._proc.poll() is not None:
+            pass  # exited (and reaped): its pid may already be another process's
+        elif pid and self._proc is not None and not wait:
             self._reap_dying()
             self._proc.kill()
             self._dying = self._proc
@@ -578,7 +591,9 @@ class MicroVMSandbox(Sandbox):
                 await self._qmp.execute("cont")  # a checkpoint that failed leaves the guest running, as it was
                 paused = False
         if not keep_running:
-            await self._teardown(wait=False)
+            # QEMU quits rather than being killed: it closes the disk cleanly (its refcounts written, the image
+            # no longer marked dirty), so the wake and anything that ships the directory find a clean image.
+            await self._teardown(quit=True)
             self._set_state(SandboxState.SLEEPING, snapshot=record)
         ph.mark("commit")
         log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=keep_running, ms=ph.total(), **ph.ms)
