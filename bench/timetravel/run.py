@@ -243,6 +243,10 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
             for agent in (("ckon", "ckoff") if i % 2 else ("ckoff", "ckon")):
                 turn(agent, i)
         final = c.get("/v1/agents/ckon/users/ada/checkpoints").json()
+        # What the user's instance holds on disk (disk, snapshot and checkpoints: the fleet view's figure), with
+        # the default retention (keep 20) pruning: the per-user cost of automatic checkpoints.
+        disk = {agent: sum(i["disk_bytes"] or 0 for i in c.get("/v1/fleet", params={"agent": agent}).json()["instances"]
+                           if i["user"] == "ada") for agent in ("ckon", "ckoff")}
         took = sorted(ck["summary"].get("sandbox_ms", 0.0) for ck in final["data"] if ck["kind"] == "turn")
         missing = sum(1 for ck in final["data"] if ck["kind"] == "missing")
         on, off = latency_summary(reply["ckon"]), latency_summary(reply["ckoff"])
@@ -252,7 +256,8 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
                 "listing_after_reply_on": lon, "listing_after_reply_off": loff,
                 "checkpoint_done_after_reply_p50_ms": lon["p50_ms"] - loff["p50_ms"],
                 "checkpoint_sandbox_ms_p50": took[len(took) // 2] if took else None,
-                "checkpoints": len(final["data"]), "missing": missing}
+                "checkpoints": len(final["data"]), "missing": missing,
+                "disk_bytes_per_user_on": disk["ckon"], "disk_bytes_per_user_off": disk["ckoff"]}
     except httpx.HTTPError as e:
         raise RuntimeError(f"the host failed: {e}; its log: {host.log}") from e
     finally:
@@ -275,6 +280,8 @@ def report(r: dict[str, Any]) -> str:
         f"| checkpoint done after the reply (listing's extra wait), p50 | {h['checkpoint_done_after_reply_p50_ms']:.1f} ms | |",
         f"| its sandbox half (the host's record, `summary.sandbox_ms`), p50 | {h['checkpoint_sandbox_ms_p50']} ms | |",
         f"| checkpoints missing (failed) | {h['missing']} of {h['checkpoints']} | 0 |",
+        f"| the user's disk after {r['turns']} turns (disk, snapshot, checkpoints; default retention), on vs off | "
+        f"{h['disk_bytes_per_user_on'] / 2**20:.1f} vs {h['disk_bytes_per_user_off'] / 2**20:.1f} MiB | |",
         f"| in process: turn with its automatic checkpoint, p50 | {f(r['turn'])} | |",
         f"| in process: the checkpoint's own duration, p50 | {f(r['checkpoint'])} | |",
         f"| of which the store half, p50 | {f(r['checkpoint_store_half'])} | |",
