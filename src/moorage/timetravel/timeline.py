@@ -31,10 +31,9 @@ log = get_logger(__name__)
 #: At most this many end-users one fork call creates.
 MAX_FORKS = 16
 #: Sandbox drivers on which automatic checkpoints are on unless an agent says otherwise: those whose automatic
-#: checkpoint, taken after the reply, adds at most 5 ms p50 to an awake turn (``bench/timetravel``: the process
-#: driver, within noise). On the micro-VM driver the turn after a checkpoint runs slower (its in-host turn span
-#: +20-50 ms p50 under TCG), so there an agent opts in (docs/timetravel.md).
-AUTO_DRIVERS = frozenset({"process"})
+#: checkpoint, taken after the reply, adds at most 5 ms p50 to an awake turn on a quiet host (``bench/timetravel``;
+#: the micro-VM driver since its disk runs with lazy refcounts: docs/timetravel.md has the loaded-host figures).
+AUTO_DRIVERS = frozenset({"process", "microvm"})
 #: At close, how long automatic checkpoints still being taken may run before they are cancelled: one takes
 #: milliseconds to seconds. A cancel stops the turn's task but not a copy or store write already handed to a worker
 #: thread (that finishes on its own), so the wait is generous and cancelling is for a checkpoint that hangs.
