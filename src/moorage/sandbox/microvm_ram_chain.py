@@ -127,11 +127,6 @@ def write(cap: Capture, out_dir: Path) -> dict[str, Any]:
             "ram_bytes": len(cap.every) * ram.PAGE}
 
 
-def save(pid: int, m: ram.Mapping, template_ram: Path, out_dir: Path, base: Path | None) -> dict[str, Any]:
-    """``capture`` then ``write`` (the guest paused throughout)."""
-    return write(capture(pid, m, template_ram, base), out_dir)
-
-
 def chain(checkpoints: Path, name: str) -> list[Path]:
     """The checkpoint directory ``name`` and the bases it builds on, newest first."""
     out = [checkpoints / name]
