@@ -387,6 +387,40 @@ async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_
     await kid.destroy()
 
 
+#: Holds 96 MiB of random (incompressible) bytes in memory, then says so in /run (a tmpfs: guest RAM too).
+HOLD_RANDOM = r"""
+import os, time
+held = os.urandom(96 << 20)
+open("/run/held", "w").write("held")
+time.sleep(1e9)
+"""
+
+
+async def test_a_guest_full_of_random_memory_checkpoints_and_rolls_back_with_the_host_flat(
+        driver: MicroVMDriver, template: TemplateRef) -> None:
+    """The pages a checkpoint stores are streamed through files, both when taken (read in the pause, compressed
+    after) and when a rollback decompresses them: a guest that fills its RAM with what does not compress costs the
+    host disk, never memory."""
+    from tests.attacks.conftest import RssWatch
+
+    (kid,) = await driver.fork(template, ["fork-random-ram"])
+    await kid.wake()
+    await kid.write_file("/work/hold.py", HOLD_RANDOM.encode())
+    await out(kid, ["sh", "-c", "nohup python3 /work/hold.py >/dev/null 2>&1 & "
+                    "while [ ! -e /run/held ]; do sleep 0.05; done"], timeout=180)
+    with RssWatch() as rss:
+        await kid.checkpoint("full")
+    rec = json.loads((kid.dir / "checkpoints" / "full" / "snapshot.json").read_text())
+    assert rec["stored_bytes"] >= 90 * MiB, rec  # it did not compress: the pages went through the host
+    assert rss.growth < 32 * MiB, rss.growth
+    await out(kid, ["rm", "/run/held"])
+    with RssWatch() as rss:
+        await kid.rollback("full")
+    assert rss.growth < 32 * MiB, rss.growth
+    assert await out(kid, ["cat", "/run/held"]) == "held"
+    await kid.destroy()
+
+
 def _qcow2_dirty(path: Path) -> bool:
     """The qcow2 header's dirty bit (incompatible features, bit 0): refcounts behind, repaired on the next open."""
     with open(path, "rb") as f:

@@ -555,7 +555,7 @@ class MicroVMSandbox(Sandbox):
             # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
             if self.ram_mode == "delta" and disk_tag is not None:
                 m = ram.find_mapping(self.pid, self._ram_path())
-                cap = await asyncio.to_thread(ram_chain.capture, self.pid, m, self._ram_path(), ram_base)
+                cap = await asyncio.to_thread(ram_chain.capture, self.pid, m, self._ram_path(), ram_base, new)
                 ph.mark("ram_capture")
                 await self._qmp.execute("cont")  # the guest runs on while its pages are compressed and stored
                 paused = False

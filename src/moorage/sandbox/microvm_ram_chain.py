@@ -10,9 +10,10 @@ A checkpoint directory holds, besides its device state and record:
   ``ram.delta``, still read);
 - ``ram.json``: ``{"id", "base", "base_id", "depth", "seed"}``.
 
-A checkpoint is taken in two steps: ``capture`` reads the pages while the guest is paused (comparing and hashing
-them in memory, nothing written), and ``write`` compresses and stores them after the guest runs again, so the pause
-lasts only as long as reading the guest's changed pages takes.
+A checkpoint is taken in two steps: ``capture`` reads the pages while the guest is paused (compared and hashed,
+the new ones copied raw into the page cache, nothing synced), and ``write`` compresses and syncs them after the
+guest runs again, so the pause lasts only as long as reading the guest's changed pages takes. Both stream through
+files, as does a rollback's decompression: host memory stays flat whatever the guest holds.
 
 A page in ``ram.idx`` but not in ``ram.own`` hashed the same at the base, so its bytes are the base's (found the
 same way there). Pages are compared by content, not by dirty bits (the kernels here have no soft-dirty bits), so
@@ -26,7 +27,6 @@ checkpoint and stays on the host, so the guest cannot choose pages that collide 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import secrets
 import shutil
@@ -47,6 +47,7 @@ MAX_DEPTH = 8
 _HASH = 16
 #: zstd level of the stored pages: level 1 keeps most of the ratio (4.6x vs 5.1x at 3 on guest pages) at half the time.
 ZSTD_LEVEL = 1
+_ZSTD_HEADER_MAX = 18  # the longest zstd frame header: enough to read the content size it declares
 
 
 def info(cp_dir: Path) -> dict[str, Any] | None:
@@ -75,19 +76,19 @@ def _pages(runs: list[tuple[int, int]]) -> np.ndarray:
 
 @dataclass
 class Capture:
-    """The RAM of a paused guest, read for a checkpoint and not yet written (``write``)."""
+    """The RAM of a paused guest, read for a checkpoint and not yet stored (``write``)."""
 
     record: dict[str, Any]
     every: list[int]
     own: list[int]
     digests: list[bytes]
-    data: bytes  # the bytes of the ``own`` pages, in page order
+    raw: Path  # the ``own`` pages' bytes in page order, unsynced and uncompressed
 
 
-def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None) -> Capture:
+def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None, out_dir: Path) -> Capture:
     """Read the RAM of a paused guest for a checkpoint: every page that differs from the template, hashed, and the
-    bytes of those that differ from ``base`` (a checkpoint directory of the same sandbox, or None for a whole one).
-    Holds the stored pages in memory (at most the guest's RAM) until ``write``."""
+    bytes of those that differ from ``base`` (a checkpoint directory of the same sandbox, or None for a whole one),
+    written raw to ``out_dir`` (page cache, no sync: a file, so host memory stays flat whatever the guest holds)."""
     base_info = info(base) if base is not None else None
     known: dict[int, bytes] = {}
     if base_info is not None and base_info["depth"] + 1 < MAX_DEPTH:
@@ -102,29 +103,33 @@ def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None) -> 
     every: list[int] = []
     own: list[int] = []
     digests: list[bytes] = []
-    stored: list[bytes] = []
-    for page, content in ram.changed_pages(pid, m, template_ram):
-        h = xxhash.xxh3_128_digest(content, seed=seed)
-        every.append(page)
-        digests.append(h)
-        if known.get(page) != h:
-            stored.append(content)
-            own.append(page)
-    return Capture(record, every, own, digests, b"".join(stored))
+    raw = out_dir / "ram.raw"
+    with open(raw, "wb") as data:
+        for page, content in ram.changed_pages(pid, m, template_ram):
+            h = xxhash.xxh3_128_digest(content, seed=seed)
+            every.append(page)
+            digests.append(h)
+            if known.get(page) != h:
+                data.write(content)
+                own.append(page)
+    return Capture(record, every, own, digests, raw)
 
 
 def write(cap: Capture, out_dir: Path) -> dict[str, Any]:
-    """Store a capture in the new checkpoint directory ``out_dir`` (synced). Returns the chain record plus
-    ``delta_bytes`` (the pages stored here, uncompressed), ``stored_bytes`` (on disk) and ``ram_bytes`` (the whole
-    delta it stands for)."""
-    packed = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(cap.data)
-    ram.write_synced(out_dir / "ram.zst", packed)
+    """Store a capture in the new checkpoint directory ``out_dir`` (synced): its raw pages compressed, streamed.
+    Returns the chain record plus ``delta_bytes`` (the pages stored here, uncompressed), ``stored_bytes`` (on disk)
+    and ``ram_bytes`` (the whole delta it stands for)."""
+    size = len(cap.own) * ram.PAGE
+    with open(cap.raw, "rb") as src, open(out_dir / "ram.zst", "wb") as dst:
+        _, stored = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).copy_stream(src, dst, size=size)
+        dst.flush()
+        os.fsync(dst.fileno())
+    cap.raw.unlink()
     ram.write_synced(out_dir / "ram.idx", ram.pack_runs(ram.runs_of(cap.every)))
     ram.write_synced(out_dir / "ram.own", ram.pack_runs(ram.runs_of(cap.own)))
     ram.write_synced(out_dir / "ram.hash", b"".join(cap.digests))
     ram.write_synced(out_dir / CHAIN, json.dumps(cap.record).encode())
-    return {**cap.record, "delta_bytes": len(cap.own) * ram.PAGE, "stored_bytes": len(packed),
-            "ram_bytes": len(cap.every) * ram.PAGE}
+    return {**cap.record, "delta_bytes": size, "stored_bytes": stored, "ram_bytes": len(cap.every) * ram.PAGE}
 
 
 def chain(checkpoints: Path, name: str) -> list[Path]:
@@ -164,47 +169,68 @@ def materialize(checkpoints: Path, name: str, out_dir: Path) -> tuple[int, str]:
     seed = int(info(top)["seed"])  # type: ignore[index]
     # Where each page's bytes are: the newest member that stores it.
     where: dict[int, tuple[int, int]] = {}
-    views = []
-    for i, d in enumerate(members):
-        own = _pages(ram.read_runs(d / "ram.own"))
-        views.append(_stored(d, len(own) * ram.PAGE))
-        if len(views[-1]) != len(own) * ram.PAGE:
-            raise SnapshotCorrupt(f"RAM delta of checkpoint {d.name} does not match its index", hint="roll back to another checkpoint")
-        for k, p in enumerate(own.tolist()):
-            where.setdefault(p, (i, k * ram.PAGE))
-    digest = xxhash.xxh3_128()
-    with open(out_dir / "ram.delta", "wb") as out:
-        for p, h in zip(pages.tolist(), hashes):
-            src = where.get(p)
-            content = views[src[0]][src[1] : src[1] + ram.PAGE] if src is not None else b""
-            if src is None or xxhash.xxh3_128_digest(content, seed=seed) != h:
-                raise SnapshotCorrupt(f"RAM page {p} of checkpoint {name} is missing or changed", hint="roll back to another checkpoint")
-            out.write(content)
-            digest.update(content)
+    views: list[_Pages] = []
+    scratch = out_dir / "ram.members"  # compressed members decompressed here (files: host memory stays flat)
+    scratch.mkdir(exist_ok=True)
+    try:
+        for i, d in enumerate(members):
+            own = _pages(ram.read_runs(d / "ram.own"))
+            views.append(_stored(d, len(own) * ram.PAGE, scratch / f"{i}.raw"))
+            if len(views[-1]) != len(own) * ram.PAGE:
+                raise SnapshotCorrupt(f"RAM delta of checkpoint {d.name} does not match its index", hint="roll back to another checkpoint")
+            for k, p in enumerate(own.tolist()):
+                where.setdefault(p, (i, k * ram.PAGE))
+        digest = xxhash.xxh3_128()
+        with open(out_dir / "ram.delta", "wb") as out:
+            for p, h in zip(pages.tolist(), hashes):
+                src = where.get(p)
+                content = views[src[0]][src[1] : src[1] + ram.PAGE] if src is not None else b""
+                if src is None or xxhash.xxh3_128_digest(content, seed=seed) != h:
+                    raise SnapshotCorrupt(f"RAM page {p} of checkpoint {name} is missing or changed", hint="roll back to another checkpoint")
+                out.write(content)
+                digest.update(content)
+    finally:
+        for v in views:
+            v.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     shutil.copyfile(top / "ram.idx", out_dir / "ram.idx")
     return len(pages) * ram.PAGE, digest.hexdigest()
 
 
-def _stored(cp_dir: Path, size: int) -> bytes | mmap.mmap:
-    """The bytes of the pages a checkpoint stores (``size`` by its index): its ``ram.zst`` decompressed, or its raw
-    ``ram.delta``. A frame that says it holds another size is refused before anything is decompressed."""
+def _stored(cp_dir: Path, size: int, scratch: Path) -> _Pages:
+    """The bytes of the pages a checkpoint stores (``size`` by its index): its ``ram.zst`` decompressed
+    into the file ``scratch``, or its raw ``ram.delta``. A frame whose header names another size is refused before
+    anything is decompressed (and zstd refuses content that differs from its header)."""
     packed = cp_dir / "ram.zst"
     if not packed.exists():
-        return _map(cp_dir / "ram.delta")
-    data = packed.read_bytes()
+        return _Pages(cp_dir / "ram.delta")
     try:
-        if zstandard.frame_content_size(data) != size:
-            raise SnapshotCorrupt(f"RAM pages of checkpoint {cp_dir.name} do not match its index", hint="roll back to another checkpoint")
-        return zstandard.ZstdDecompressor().decompress(data)
+        with open(packed, "rb") as src:
+            if zstandard.frame_content_size(src.read(_ZSTD_HEADER_MAX)) != size:
+                raise SnapshotCorrupt(f"RAM pages of checkpoint {cp_dir.name} do not match its index", hint="roll back to another checkpoint")
+            src.seek(0)
+            with open(scratch, "wb") as dst:
+                zstandard.ZstdDecompressor().copy_stream(src, dst)
     except zstandard.ZstdError as e:
         raise SnapshotCorrupt(f"RAM pages of checkpoint {cp_dir.name} do not decompress: {e}", hint="roll back to another checkpoint") from e
+    return _Pages(scratch)
 
 
-def _map(path: Path) -> bytes | mmap.mmap:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+class _Pages:
+    """A file's bytes, read on demand with ``pread``: through the page cache, never mapped into this process."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._size = os.fstat(self._fd).st_size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, span: slice) -> bytes:
+        return os.pread(self._fd, span.stop - span.start, span.start)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def set_aside(checkpoints: Path, name: str) -> None:
