@@ -59,9 +59,12 @@ ECHO = "async def on_message(ctx, message):\n    return message\n"
 
 
 def agent_dir(base: Path, name: str, code: str) -> Path:
+    """An agent with automatic checkpoints off: what is measured is an attack's effect on the neighbour, not the
+    neighbour's own checkpoint after each of its back-to-back turns (bench/timetravel measures that)."""
     d = base / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+    (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.timetravel]\nauto = false\n'
+                                    '[agent.lifecycle]\nusers = "auto"\n')
     (d / "agent.py").write_text(code)
     return d
 
@@ -345,7 +348,8 @@ def write_report(res: dict[str, Any]) -> str:
           f"Driver **{res['driver']}**, host `{res['host']}`, Python {res['python']}, moorage {res['moorage']}. "
           "Shared 2-core machine: read the ratio to the quiet p99 in the same run, not single numbers.",
           *section("Neighbour turns under each attack",
-                   f"The neighbour (another tenant's echo agent, awake) takes {res['samples']} turns one after another "
+                   f"The neighbour (another tenant's echo agent, awake; both agents with automatic checkpoints off) "
+                   f"takes {res['samples']} turns one after another "
                    f"while the attack repeats (a longer attack: its first {MAX_TURNS_PER_SAMPLE * res['samples']} turns, "
                    f"then the attack is waited for); quiet: p50 {res['quiet']['p50_ms']:.1f} ms, p99 "
                    f"{res['quiet']['p99_ms']:.1f} ms ({res['quiet']['n']} turns). Before each attack it also takes "
