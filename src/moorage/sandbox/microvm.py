@@ -215,7 +215,6 @@ class MicroVMSandbox(Sandbox):
         self._lock = asyncio.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         #: A killed QEMU child not reaped yet (it must be gone before the next launch: it holds the disk lock).
-        self._dying: subprocess.Popen[bytes] | None = None
         self._qmp: QMPClient | None = None
         self._channel: Channel | None = None
         #: Why the last wake fell back to a cold boot (SnapshotCorrupt / SnapshotIncompatible), or None.
@@ -294,7 +293,6 @@ class MicroVMSandbox(Sandbox):
     # --- process plumbing -----------------------------------------------------------------------------------
 
     async def _launch(self, incoming: bool, paused: bool = False) -> None:
-        self._reap_dying()
         ensure_private_dir(self.run_dir)
         for s in ("qmp.sock", "chan.sock"):
             (self.run_dir / s).unlink(missing_ok=True)
@@ -394,18 +392,9 @@ class MicroVMSandbox(Sandbox):
                 await self._teardown()
                 self._save_meta()
 
-    def _reap_dying(self) -> None:
-        if self._dying is not None:
-            try:
-                self._dying.wait(10)
-            except subprocess.TimeoutExpired:
-                log.warning("QEMU did not exit 10 s after SIGKILL", sandbox=self.id, pid=self._dying.pid)
-            self._dying = None
-
-    async def _teardown(self, *, wait: bool = True, quit: bool = False) -> None:
-        """Kill QEMU and drop connections (no snapshot). ``wait=False`` leaves reaping our own child to the next
-        launch or teardown (a 256 MiB process takes a while to unmap). ``quit``: ask QEMU to exit and wait for it
-        (``QUIT_WAIT_S``), so it closes its disk cleanly; killed if it does not."""
+    async def _teardown(self, *, quit: bool = False) -> None:
+        """Kill QEMU, wait until it is gone, and drop connections (no snapshot). ``quit``: ask QEMU to exit instead
+        and wait for it (``QUIT_WAIT_S``), so it closes its disk cleanly; killed if it does not."""
         self._prepared = False
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
@@ -424,14 +413,8 @@ class MicroVMSandbox(Sandbox):
         pid = self._meta.get("pid")
         if self._proc is not None and self._proc.poll() is not None:
             pass  # exited (and reaped): its pid may already be another process's
-        elif pid and self._proc is not None and not wait:
-            self._reap_dying()
-            self._proc.kill()
-            self._dying = self._proc
         elif pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
             kill_pid(pid, self._proc)
-        if wait:
-            self._reap_dying()
         self._proc = None
         if self._net is not None:
             self._net.close()
@@ -998,8 +981,6 @@ class MicroVMSandbox(Sandbox):
                 except QMPError as e:
                     log.warning("could not delete a checkpoint's disk snapshot", sandbox=self.id, error=str(e))
             else:
-                # A sleep leaves its killed QEMU to exit on its own; until it has, it holds the image's write lock.
-                await asyncio.to_thread(self._reap_dying)
                 # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
                 microvm_user.check_backing(self.dir / "disk.qcow2", self.dir)
                 r = await asyncio.to_thread(subprocess.run, ["qemu-img", "snapshot", "-d", tag,
