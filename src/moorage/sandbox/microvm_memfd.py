@@ -7,6 +7,7 @@ file could write the RAM every sibling maps. It gets a memfd sealed against writ
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -172,13 +173,27 @@ def _build(path: Path, st: os.stat_result) -> SealedRam:
                 os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(src)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        _seal(fd)
     except BaseException:
         os.close(fd)
         raise
     ms = (time.monotonic() - t0) * 1000
     log.info("template RAM sealed in memory", path=str(path), bytes=st.st_size, copied=copied, ms=round(ms, 1))
     return SealedRam(fd, name, _key(st), st.st_size, copied, ms)
+
+
+def _seal(fd: int, tries: int = 20) -> None:
+    """Seal the copy. The kernel refuses a write seal (EBUSY) while some page of the file still has an extra
+    reference after its own short wait (seen under load: CI of session 21, with DAMON scanning pages); the pages
+    were only written by this process with ``pwrite``, so waiting a little and trying again is all it takes."""
+    for i in range(tries):
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or i == tries - 1:
+                raise
+            time.sleep(0.01 * (i + 1))
 
 
 def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
