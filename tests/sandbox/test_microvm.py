@@ -387,6 +387,47 @@ async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_
     await kid.destroy()
 
 
+async def test_a_checkpoint_written_behind_lets_the_guest_run_on_and_every_other_verb_waits_for_its_files(
+        driver: MicroVMDriver, template: TemplateRef, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoint(durable=False)`` (the automatic one after a turn) returns once the guest runs again; its pages
+    are compressed and its files written behind. The next verb (a listing, a checkpoint, a rollback) waits for
+    them; a write that fails leaves no checkpoint of that name and the guest running."""
+    (kid,) = await driver.fork(template, ["fork-behind"])
+    await kid.wake()
+    await kid.write_file("/work/holder.py", MEMORY_HOLDER.encode())
+    await out(kid, ["sh", "-c", "nohup python3 /work/holder.py >/dev/null 2>&1 & "
+                    "while [ ! -S /run/mem.sock ]; do sleep 0.05; done"])
+    cps = kid.dir / "checkpoints"
+    assert await held(kid, "b1") == "b1"
+    await kid.checkpoint("b1", durable=False)
+    # Returned with the guest running and nothing of the checkpoint in place yet.
+    assert kid._lock.behind is not None and not kid._lock.behind.done()
+    assert not (cps / "b1").exists() and (cps / "b1.new").is_dir()
+    assert await held(kid, "b2") == "b2"  # the guest's work goes on meanwhile
+    assert [c.name for c in await kid.checkpoints()] == ["b1"]  # a listing waits for the files
+    await kid.checkpoint("b2", durable=False)
+    await kid.checkpoint("b3")  # waits for b2's files, and builds on them
+    assert ram_chain.info(cps / "b3")["base"] == "b2" and ram_chain.info(cps / "b2")["base"] == "b1"
+    await kid.rollback("b1")
+    assert await held(kid) == "b1"
+
+    # A write that fails (the disk full, here made to fail): no checkpoint b4, no leftovers, the guest runs on.
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ram_chain, "write", full)
+    await kid.checkpoint("b4", durable=False)
+    assert "b4" not in {c.name for c in await kid.checkpoints()}
+    assert not (cps / "b4").exists() and not (cps / "b4.new").exists()
+    assert kid.state is SandboxState.RUNNING and await held(kid, "b5") == "b5"
+    monkeypatch.undo()
+    await kid.checkpoint("b5")  # its base (b4) was never written: a whole one
+    assert ram_chain.info(cps / "b5")["depth"] == 0
+    await kid.rollback("b5")
+    assert await held(kid) == "b5"
+    await kid.destroy()
+
+
 #: Holds 96 MiB of random (incompressible) bytes in memory, then says so in /run (a tmpfs: guest RAM too).
 HOLD_RANDOM = r"""
 import os, time
@@ -421,8 +462,8 @@ async def test_a_guest_full_of_random_memory_checkpoints_and_rolls_back_with_the
     await kid.destroy()
 
 
-async def _clock_skew(sb: MicroVMSandbox) -> float:
-    """Guest minus host wall clock, from the tightest of three reads (an exec's latency is the error)."""
+async def _clock_skew_and_rtt(sb: MicroVMSandbox) -> tuple[float, float]:
+    """Guest minus host wall clock, from the tightest of three reads, and that read's latency (the error)."""
     best: tuple[float, float] | None = None
     for _ in range(3):
         t0 = time.time()
@@ -431,20 +472,34 @@ async def _clock_skew(sb: MicroVMSandbox) -> float:
         if best is None or t1 - t0 < best[0]:
             best = (t1 - t0, guest - (t0 + t1) / 2)
     assert best is not None
-    return best[1]
+    return best[1], best[0]
 
 
-async def test_checkpoints_leave_the_guest_clock_where_the_host_is(driver: MicroVMDriver, template: TemplateRef) -> None:
+async def _clock_skew(sb: MicroVMSandbox) -> float:
+    return (await _clock_skew_and_rtt(sb))[0]
+
+
+async def test_checkpoints_and_wakes_leave_the_guest_clock_where_the_host_is(driver: MicroVMDriver,
+                                                                               template: TemplateRef) -> None:
     """A checkpoint pauses the guest, and its clock stands still meanwhile (~25 ms each here): the host sets it
-    again once the guest runs on, as after a wake."""
+    again once the guest runs on (a checkpoint written behind too), as after a wake."""
     (kid,) = await driver.fork(template, ["fork-clock"])
     await kid.wake()
     for i in range(12):
-        await kid.checkpoint(f"c{i % 3}")
+        await kid.checkpoint(f"c{i % 3}", durable=bool(i % 2))
+    await kid.checkpoints()  # the last one's files, and its clock call
     # 12 pauses left uncorrected: ~0.3 s behind, more on a loaded host (the wake's own setting is sent before the
     # cold guest reads it, so it starts some tens of ms behind; the one after a pause reaches a warm guest).
     skew = await _clock_skew(kid)
     assert abs(skew) < 0.1, skew
+    # A wake: its first reply's setting reaches a cold guest late; it is set again once the guest is warm.
+    await kid.sleep()
+    await asyncio.sleep(1.0)
+    await kid.wake()
+    assert kid._clock_again is not None
+    await kid._clock_again  # (nothing else runs in the guest meanwhile: a busy guest would read it late too)
+    skew, rtt = await _clock_skew_and_rtt(kid)
+    assert abs(skew) < 0.02 + rtt / 2, (skew, rtt)  # uncorrected: 40-110 ms behind here
     await kid.destroy()
 
 

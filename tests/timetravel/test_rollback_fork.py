@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moorage.store import EntityKey
+from moorage.store import EntityKey, Scope
 from moorage.store.repos import checkpoint_image
 from moorage.store.repos.checkpoints import Checkpoints
 from tests.runtime.conftest import write_agent
@@ -213,3 +213,31 @@ async def test_with_automatic_checkpoints_off_turns_take_none_and_one_can_still_
     await _turns(env, "ada", range(3, 5))
     await env.runtime.timetravel.rollback(env.principal, "tt", "ada", ck.id)
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]
+
+
+async def test_a_checkpoint_whose_sandbox_half_was_never_written_is_refused_before_anything_changes(env, tmp_path: Path) -> None:
+    """The automatic checkpoint's sandbox files are written behind its turn; a host that dies meanwhile leaves a
+    row naming a sandbox checkpoint that is not there. Rollback and fork to it are refused, and nothing moves: no
+    before-rollback checkpoint, no pending operation, no new user, and the instance's turns go on."""
+    import pytest
+
+    from moorage.timetravel.timeline import CheckpointGone
+
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL))
+    ts = env.store.tenant(env.principal)
+    await _turns(env, "ada", range(1, 4))
+    lost = Checkpoints(ts).get("tt", "ada", await _turn_checkpoint(env, "ada", 2))
+    sandbox = await env.runtime.driver.open(lost.sandbox_id)
+    await sandbox.delete_checkpoint(lost.sandbox_checkpoint)  # as if the host had died before writing it
+    before = [c.id for c in Checkpoints(ts).list("tt", "ada")]
+    with pytest.raises(CheckpointGone, match="never written"):
+        await env.runtime.timetravel.rollback(env.principal, "tt", "ada", lost.id)
+    with pytest.raises(CheckpointGone, match="never written"):
+        await env.runtime.timetravel.fork(env.principal, "tt", "ada", lost.id, ["bob"])
+    assert [c.id for c in Checkpoints(ts).list("tt", "ada")] == before
+    assert Checkpoints(ts).head("tt", "ada").pending is None
+    assert ts.sandboxes.for_scope(Scope.for_user("tt", "bob")) is None and Checkpoints(ts).list("tt", "bob") == []
+    assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt", "3.txt"]
+    ok = await _turn_checkpoint(env, "ada", 1)  # another checkpoint still rolls back
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", ok)
+    assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt"]

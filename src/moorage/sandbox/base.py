@@ -302,7 +302,11 @@ class Sandbox(ABC):
         """Shut down without a memory snapshot; the disk is kept."""
 
     @abstractmethod
-    async def checkpoint(self, name: str) -> CheckpointInfo: ...
+    async def checkpoint(self, name: str, *, durable: bool = True) -> CheckpointInfo:
+        """The sandbox's state now (files, and memory where the driver has it), kept under ``name`` while the
+        sandbox runs on. ``durable=False``: return once that state is captured and the guest runs again, its files
+        written behind; every other verb of the sandbox (``checkpoints()`` included) waits for them, and a host
+        that dies before they are written has no such checkpoint (a driver may always write them first)."""
 
     @abstractmethod
     async def rollback(self, name: str) -> None: ...

@@ -203,6 +203,34 @@ def _collect_template(tdir: Path) -> None:
         shutil.rmtree(tdir, ignore_errors=True)
 
 
+class _VerbLock:
+    """A sandbox's lock: one lifecycle verb at a time, and none before the files of a checkpoint written behind
+    (``checkpoint(durable=False)``) are on disk."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        #: The task writing the last checkpoint's files while the guest runs on (it logs its own failure).
+        self.behind: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> None:
+        await self._lock.acquire()
+        try:
+            await self.caught_up()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    async def caught_up(self) -> None:
+        task = self.behind
+        if task is not None:
+            await asyncio.wait([task])  # a cancelled waiter leaves the write running
+            if self.behind is task:
+                self.behind = None
+
+
 class MicroVMSandbox(Sandbox):
     """One micro-VM. All lifecycle verbs are serialised by a per-sandbox lock; state is persisted in meta.json."""
 
@@ -212,7 +240,7 @@ class MicroVMSandbox(Sandbox):
         self._meta = meta
         self.dir = driver.root / sandbox_id
         self.run_dir = run_dir_for(self.dir)
-        self._lock = asyncio.Lock()
+        self._lock = _VerbLock()
         self._proc: subprocess.Popen[bytes] | None = None
         #: A killed QEMU child not reaped yet (it must be gone before the next launch: it holds the disk lock).
         self._qmp: QMPClient | None = None
@@ -229,6 +257,8 @@ class MicroVMSandbox(Sandbox):
         self._prepared = False
         #: This launch's namespace and tap when the layout has a NIC (a new one every launch: wake, fork, boot).
         self._net: microvm_net.VMNetwork | None = None
+        #: The clock set again after a wake, once the guest is warm (held: asyncio keeps weak references).
+        self._clock_again: asyncio.Task[None] | None = None
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -508,16 +538,18 @@ class MicroVMSandbox(Sandbox):
             return info
 
     async def _snapshot_to(self, target: Path, *, keep_running: bool, ram_base: Path | None = None,
-                           disk_tag: str | None = None) -> SnapshotInfo:
+                           disk_tag: str | None = None, behind: bool = False) -> SnapshotInfo:
         """Pause, save device state + RAM (+ flush disk) into ``target``, then resume or kill QEMU. ``disk_tag`` (a
         checkpoint): the disk's qcow2 internal snapshot of that name is taken in the same pause, and the RAM is
         stored as the pages changed since the checkpoint ``ram_base`` (``microvm_ram_chain``), read while paused
-        and written after the guest runs again."""
+        and written after the guest runs again: before this returns, or with ``behind`` by a task the sandbox's
+        lock waits for (``_VerbLock``), so the caller goes on once the guest runs."""
         assert self._qmp is not None and self.pid is not None
         ph = _Phases()
         new = target.with_name(target.name + ".new")
         shutil.rmtree(new, ignore_errors=True)
         new.mkdir(parents=True)
+        cap: ram_chain.Capture | None = None
         # The channel stays connected through the pause: the guest then never sees its port close, and after a
         # wake it simply reads the new connection's frames (no reopen, no frames dropped in between).
         await self._qmp.execute("stop")  # also drains and flushes the disk
@@ -544,9 +576,11 @@ class MicroVMSandbox(Sandbox):
                 await self._qmp.execute("cont")  # the guest runs on while its pages are compressed and stored
                 paused = False
                 clock = asyncio.create_task(self._set_guest_clock())
-                saved = await asyncio.to_thread(ram_chain.write, cap, new)
-                record.update(delta_bytes=saved["delta_bytes"], stored_bytes=saved["stored_bytes"], ram_bytes=saved["ram_bytes"])
-                ph.mark("ram_write")
+                if behind:
+                    self._lock.behind = asyncio.get_running_loop().create_task(
+                        self._write_behind(cap, new, target, record, ph, clock), name=f"checkpoint-write-{self.id}")
+                    clock = None
+                    return SnapshotInfo(self.id, target, 0, record["created_at"], True)
             elif self.ram_mode == "delta":
                 m = ram.find_mapping(self.pid, self._ram_path())
                 record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
@@ -559,18 +593,7 @@ class MicroVMSandbox(Sandbox):
                 await asyncio.to_thread(ram.fsync_path, self.dir / "ram")
                 record["ram_checksum"] = await asyncio.to_thread(ram.file_digest, self.dir / "ram")
             ph.mark("ram")
-            await asyncio.to_thread(ram.fsync_path, new / "dev.state")
-            await asyncio.to_thread(ram.fsync_path, self.dir / "disk.qcow2")  # the disk snapshot's table too
-            record["dev_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "dev.state")
-            if keep_running:
-                _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
-            old = target.with_name(target.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            if target.exists():
-                os.rename(target, old)
-            os.rename(new, target)
-            _fsync_dir(target.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            await self._commit_snapshot(cap, new, target, record, keep_running, ph)
         finally:
             if keep_running and paused and self._qmp is not None:
                 await self._qmp.execute("cont")  # a checkpoint that failed leaves the guest running, as it was
@@ -589,16 +612,54 @@ class MicroVMSandbox(Sandbox):
         size = _allocated(target) + (0 if self.ram_mode == "delta" or keep_running else _allocated(self.dir / "ram"))
         return SnapshotInfo(self.id, target, size, record["created_at"], True)
 
+    async def _commit_snapshot(self, cap: "ram_chain.Capture | None", new: Path, target: Path, record: dict[str, Any],
+                               keep_running: bool, ph: _Phases) -> None:
+        """Store a captured checkpoint's pages (``cap``), sync the directory ``new`` and put it in ``target``'s place."""
+        if cap is not None:
+            saved = await asyncio.to_thread(ram_chain.write, cap, new)
+            record.update(delta_bytes=saved["delta_bytes"], stored_bytes=saved["stored_bytes"], ram_bytes=saved["ram_bytes"])
+            ph.mark("ram_write")
+        await asyncio.to_thread(ram.fsync_path, new / "dev.state")
+        await asyncio.to_thread(ram.fsync_path, self.dir / "disk.qcow2")  # the disk snapshot's table too
+        record["dev_sha256"] = await asyncio.to_thread(ram.sha256_file, new / "dev.state")
+        if keep_running:
+            _write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
+        old = target.with_name(target.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(new, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+    async def _write_behind(self, cap: "ram_chain.Capture", new: Path, target: Path, record: dict[str, Any],
+                            ph: _Phases, clock: "asyncio.Task[None]") -> None:
+        """A checkpoint's files, written while the guest runs on (``checkpoint(durable=False)``). A failure leaves
+        no checkpoint of that name (it is logged; a rollback to it is refused as to any missing one)."""
+        try:
+            await self._commit_snapshot(cap, new, target, record, True, ph)
+            ph.mark("commit")
+            log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=True, behind=True,
+                     ms=ph.total(), **ph.ms)
+            self.last_snapshot_phases = dict(ph.ms)
+        except Exception as e:  # noqa: BLE001 - the guest runs on; only this checkpoint is lost
+            log.warning("checkpoint not written", sandbox=self.id, checkpoint=target.name, error=str(e))
+            shutil.rmtree(new, ignore_errors=True)
+        finally:
+            await clock
+
     async def _set_guest_clock(self) -> None:
         """After a pause the guest runs on from (a checkpoint, a freeze): its clock stood still through the pause,
         so it is set again, as a wake sets it (no seed). Each checkpoint would otherwise leave it ~25 ms behind. A
         failure is logged; the guest runs on with its clock behind."""
-        if self._channel is None or self._channel.closed:
+        channel = self._channel
+        if channel is None or channel.closed:
             return
         try:
-            await self._channel.call("vm.after_wake", {"time": time.time()}, timeout=10)
+            await channel.call("vm.after_wake", {"time": time.time()}, timeout=10)
         except ChannelError as e:
-            log.warning("could not set the guest clock after a pause", sandbox=self.id, error=str(e))
+            if not channel.closed:  # one closed meanwhile (a sleep, a stop) has no clock left to set
+                log.warning("could not set the guest clock after a pause", sandbox=self.id, error=str(e))
 
     async def _disk_snapshot(self, tag: str) -> None:
         """The disk's qcow2 internal snapshot ``tag`` of a paused guest (one of that name replaced)."""
@@ -796,6 +857,9 @@ class MicroVMSandbox(Sandbox):
         self.last_wake_mode = "snapshot"
         self.last_wake_phases = dict(ph.ms)
         log.info("woke", sandbox=self.id, kind=kind, ms=ph.total(), **ph.ms)
+        # The first reply's clock was read on the host before the cold guest got to it (tens of ms under TCG): set
+        # once more now that the guest is warm, off the wake's path.
+        self._clock_again = asyncio.get_running_loop().create_task(self._set_guest_clock(), name=f"clock-{self.id}")
 
     async def _apply_delta_when_mapped(self, snap_dir: Path) -> None:
         """Write a fork's saved RAM delta into the starting QEMU's private mapping of the template RAM.
@@ -901,7 +965,7 @@ class MicroVMSandbox(Sandbox):
         os.rename(new, target)
         shutil.rmtree(old, ignore_errors=True)
 
-    async def checkpoint(self, name: str) -> CheckpointInfo:
+    async def checkpoint(self, name: str, *, durable: bool = True) -> CheckpointInfo:
         validate_id(name, "checkpoint name")
         async with self._lock:
             if self.state is not SandboxState.RUNNING or self._qmp is None:
@@ -915,7 +979,10 @@ class MicroVMSandbox(Sandbox):
             base = cps / tip if tip and tip != name and (cps / tip / ram_chain.CHAIN).exists() else None
             await asyncio.to_thread(ram_chain.set_aside, cps, name)
             # The disk's state at the same instant, as a qcow2 internal snapshot taken in the same pause.
-            info = await self._snapshot_to(target, keep_running=True, ram_base=base, disk_tag=f"ckpt-{name}")
+            info = await self._snapshot_to(target, keep_running=True, ram_base=base, disk_tag=f"ckpt-{name}",
+                                           behind=not durable)
+            # The next checkpoint's base (under this lock, so once the files are written; one that failed to be
+            # written is then missing, and the next is a whole one).
             self._meta["ram_tip"] = name
             self._save_meta()
             return CheckpointInfo(name, self.id, target, info.bytes, info.created_at, True)
@@ -991,6 +1058,7 @@ class MicroVMSandbox(Sandbox):
             await asyncio.to_thread(ram_chain.collect, src.parent)
 
     async def checkpoints(self) -> list[CheckpointInfo]:
+        await self._lock.caught_up()
         out = []
         base = self.dir / "checkpoints"
         if base.exists():
@@ -1464,6 +1532,7 @@ class MicroVMDriver(SandboxDriver):
 
     async def close(self) -> None:
         for sb in list(self._open.values()):
+            await sb._lock.caught_up()  # a checkpoint still being written is finished first
             await sb._detach()
         self._open.clear()
         microvm_memfd.release_under(self.root)  # running QEMUs keep their own references

@@ -486,7 +486,7 @@ class ProcessSandbox(Sandbox):
                 self._state = SandboxState.STOPPED
             self._save(pid=None, pid_starttime=None)
 
-    async def checkpoint(self, name: str) -> CheckpointInfo:
+    async def checkpoint(self, name: str, *, durable: bool = True) -> CheckpointInfo:  # always written first
         validate_id(name, "checkpoint name")
         async with self._lock:
             self._require(SandboxState.RUNNING, SandboxState.SLEEPING, SandboxState.STOPPED, SandboxState.CREATED,

@@ -41,7 +41,8 @@ CLOSE_WAIT_S = 60.0
 
 
 class CheckpointGone(ConflictError):
-    """The sandbox half of a checkpoint no longer exists (the instance was provisioned again since)."""
+    """The sandbox half of a checkpoint does not exist (the instance was provisioned again since, or it was never
+    written: the host stopped while it was written behind its turn)."""
 
     code = "checkpoint-gone"
 
@@ -173,7 +174,8 @@ class TimeTravel:
             if await asyncio.to_thread(_keeps_nothing, b.ts, b.entity.agent):
                 return None  # zero retention: a checkpoint would keep what the turn's end purges
             try:
-                ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id)
+                ck = await self._take(b.ts, b.entity.agent, b.entity.user, sandbox, kind="turn", turn_id=b.turn_id,
+                                      durable=False)
             except Exception as e:  # noqa: BLE001 - a checkpoint that fails costs a restore point, never the turn
                 log.warning("checkpoint after turn failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
                 with contextlib.suppress(Exception):
@@ -276,14 +278,17 @@ class TimeTravel:
 
     async def _take(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", *, kind: str,
                     name: str | None = None, turn_id: str | None = None,
-                    summary: dict[str, Any] | None = None) -> Checkpoint:
-        # The sandbox half first: a store row never names a sandbox checkpoint that does not exist (a crash in
-        # between leaves an unnamed sandbox checkpoint, which costs disk and nothing else).
+                    summary: dict[str, Any] | None = None, durable: bool = True) -> Checkpoint:
+        # The sandbox half first: a store row never names a sandbox checkpoint that was not taken (a crash in
+        # between leaves an unnamed sandbox checkpoint, which costs disk and nothing else). ``durable=False`` (the
+        # automatic one after a turn): the sandbox's files are written behind, while the next turn may already run;
+        # a host that dies meanwhile leaves a row whose sandbox half is missing, which rollback and fork refuse
+        # (``_sandbox_half``) before they change anything.
         cid = new_checkpoint_id()
         vm = None
         if sandbox is not None:
             t0 = time.perf_counter()
-            vm = (await sandbox.checkpoint(f"tt-{cid}")).name
+            vm = (await sandbox.checkpoint(f"tt-{cid}", durable=durable)).name
             summary = {**(summary or {}), "sandbox_ms": round((time.perf_counter() - t0) * 1000, 1)}
         return await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
                                        sandbox_id=sandbox.id if sandbox is not None else None,
@@ -347,6 +352,19 @@ class TimeTravel:
     def _forget_cached(self, ts: TenantStore) -> None:
         # The runtime's per-tenant memory tiers may hold vectors of rows that are gone now.
         self.rt._memories.pop(ts.tenant_id, None)
+
+    @staticmethod
+    async def _sandbox_half(sandbox: "Sandbox", target: Checkpoint) -> None:
+        """Refuse a checkpoint whose sandbox half is not there (taken of another sandbox, or never written: the
+        host died, or the disk failed, while it was written behind its turn) before anything changes."""
+        if not target.sandbox_checkpoint:
+            return
+        if target.sandbox_id != sandbox.id:
+            raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone (the instance was provisioned "
+                                 "again since)", hint="use a checkpoint taken since")
+        if target.sandbox_checkpoint not in {c.name for c in await sandbox.checkpoints()}:
+            raise CheckpointGone(f"the sandbox half of checkpoint {target.id} was never written (the host stopped "
+                                 "or its disk failed while it was written)", hint="use another checkpoint")
 
     async def _vm_rollback(self, sandbox: "Sandbox", target: Checkpoint) -> None:
         if not target.sandbox_checkpoint:
@@ -440,9 +458,7 @@ class TimeTravel:
         target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
         async with self._hold(ts, agent, user) as sandbox:
-            if target.sandbox_checkpoint and target.sandbox_id != sandbox.id:
-                raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone (the instance was provisioned "
-                                     "again since)", hint="roll back to a checkpoint taken since")
+            await self._sandbox_half(sandbox, target)
             left = await self._take(ts, agent, user, sandbox, kind="before-rollback",
                                     summary={"rolled_back_to": target.id})
             # The intent first: a host killed between the sandbox's rollback and the store's finishes both later.
@@ -477,8 +493,7 @@ class TimeTravel:
         async with self._hold(ts, agent, user) as sandbox:
             agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
             if target.sandbox_checkpoint:
-                if target.sandbox_id != sandbox.id:
-                    raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone", hint="fork a later checkpoint")
+                await self._sandbox_half(sandbox, target)
                 # The driver makes templates of a sandbox's present state: the source goes to the checkpoint for the
                 # template and back. The way back is recorded first, so a killed host returns it on the next call.
                 here = f"tt-fork-{uuid.uuid4().hex[:12]}"
