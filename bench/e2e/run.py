@@ -6,7 +6,8 @@ agent that reads and writes one file per turn (no model call), and measures with
 * new user: the first turn of an end-user the host has never seen, with the agent's warm pool (``pool = 2``:
   prepared forks, the headline figure) and without one (fork + restore of the template's snapshot);
 * awake turn: a turn to an instance that is running, back to back (each waits for the automatic checkpoint
-  after the one before) and once that checkpoint is done;
+  after the one before: on the micro-VM driver until the guest runs again, its files written behind) and once
+  that checkpoint is done;
 * asleep turn: a turn to an instance put to sleep through the API just before (also with 10 others awake);
 * storm: 50 new users at once (wall time, errors).
 
@@ -351,7 +352,8 @@ def report(res: dict[str, Any]) -> str:
         "| what the user does | n | p50 | p99 | min | max |", "|---|---:|---:|---:|---:|---:|",
         _row(f"first turn of a new end-user, warm pool of {res['pool']} (prepared forks)", res["new_user"]),
         _row("first turn of a new end-user, no pool (fork + restore)", res["new_user_no_pool"]),
-        _row("turn to an awake agent, back to back (each waits for the automatic checkpoint after the one before)",
+        _row("turn to an awake agent, back to back (each waits for the automatic checkpoint after the one before; "
+             "micro-VM: its pause, the files are written behind)",
              res["awake_turn"]),
         _row("turn to an awake agent, once the checkpoint after the one before is done", res["awake_turn_spaced"]),
         _row("turn to a sleeping agent", res["asleep_turn"]),
@@ -389,7 +391,7 @@ def report(res: dict[str, Any]) -> str:
          "fork restore itself: see the driver rows" if tcg else "—"),
         ("awake turn ≤ 10 ms", res["awake_turn"]["p50_ms"], 10,
          f"the agent's own turn over the channel is {d['turn_next']['p50_ms']:.0f} ms here (driver, no moorage code); "
-         f"back to back, each turn also waits for the checkpoint after the one before (spaced: "
+         f"back to back, each turn also waits for the checkpoint after the one before (its pause; spaced: "
          f"{res['awake_turn_spaced']['p50_ms']:.0f} ms)"),
         ("asleep turn ≤ 150 ms", res["asleep_turn"]["p50_ms"], 150,
          f"driver wake {d['wake']['p50_ms']:.0f} ms + the first turn's extra {first_turn:.0f} ms" if tcg else "—"),

@@ -387,6 +387,12 @@ async def test_checkpoints_store_the_pages_changed_since_the_last_and_roll_back_
     await kid.destroy()
 
 
+async def _disk_snapshot_tags(sb: MicroVMSandbox) -> set[str]:
+    """The internal snapshots of the running sandbox's disk, as its QEMU reports them."""
+    disk = next(b for b in await sb._qmp.execute("query-block") if b["device"] == "disk")
+    return {s["name"] for s in disk["inserted"]["image"].get("snapshots", [])}
+
+
 async def test_a_checkpoint_written_behind_lets_the_guest_run_on_and_every_other_verb_waits_for_its_files(
         driver: MicroVMDriver, template: TemplateRef, monkeypatch: pytest.MonkeyPatch) -> None:
     """``checkpoint(durable=False)`` (the automatic one after a turn) returns once the guest runs again; its pages
@@ -419,6 +425,8 @@ async def test_a_checkpoint_written_behind_lets_the_guest_run_on_and_every_other
     await kid.checkpoint("b4", durable=False)
     assert "b4" not in {c.name for c in await kid.checkpoints()}
     assert not (cps / "b4").exists() and not (cps / "b4.new").exists()
+    tags = await _disk_snapshot_tags(kid)
+    assert "ckpt-b4" not in tags and "ckpt-b3" in tags  # nor its disk snapshot
     assert kid.state is SandboxState.RUNNING and await held(kid, "b5") == "b5"
     monkeypatch.undo()
     await kid.checkpoint("b5")  # its base (b4) was never written: a whole one

@@ -577,6 +577,7 @@ class MicroVMSandbox(Sandbox):
                 paused = False
                 clock = asyncio.create_task(self._set_guest_clock())
                 if behind:
+                    self.last_snapshot_phases = dict(ph.ms)  # the pause's steps; the write's once it is done
                     self._lock.behind = asyncio.get_running_loop().create_task(
                         self._write_behind(cap, new, target, record, ph, clock), name=f"checkpoint-write-{self.id}")
                     clock = None
@@ -645,6 +646,10 @@ class MicroVMSandbox(Sandbox):
         except Exception as e:  # noqa: BLE001 - the guest runs on; only this checkpoint is lost
             log.warning("checkpoint not written", sandbox=self.id, checkpoint=target.name, error=str(e))
             shutil.rmtree(new, ignore_errors=True)
+            if self._qmp is not None:  # its disk snapshot would keep clusters that nothing lists
+                with contextlib.suppress(QMPError):
+                    await self._qmp.execute("blockdev-snapshot-delete-internal-sync",
+                                            {"device": "disk", "name": f"ckpt-{target.name}"})
         finally:
             await clock
 
