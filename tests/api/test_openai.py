@@ -21,56 +21,56 @@ async def _deploy(live, secret: str, tmp_path: Path) -> None:
 
 async def test_official_client_chat_and_stream(live_rt, acme, tmp_path: Path):
     await _deploy(live_rt, acme, tmp_path)
-    client = openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key=acme, max_retries=0)
-    models = await client.models.list()
-    assert [m.id for m in models.data] == ["echo"]
+    async with openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key=acme, max_retries=0) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["echo"]
 
-    # Only the last user message is the new turn; the history the client resends is not replayed.
-    out = await client.chat.completions.create(
-        model="echo", user="alice",
-        messages=[{"role": "system", "content": "be nice"}, {"role": "user", "content": "old"},
-                  {"role": "assistant", "content": "echo: old"}, {"role": "user", "content": "new"}],
-    )
-    assert out.choices[0].message.content == "echo: new" and out.choices[0].finish_reason == "stop"
-    async with aclient(live_rt, acme) as c:
-        events = (await c.get("/v1/agents/echo/users/alice/events", params={"session": "default"})).json()["data"]
-    assert [e["content"] for e in events] == ["new", "echo: new"]
+        # Only the last user message is the new turn; the history the client resends is not replayed.
+        out = await client.chat.completions.create(
+            model="echo", user="alice",
+            messages=[{"role": "system", "content": "be nice"}, {"role": "user", "content": "old"},
+                      {"role": "assistant", "content": "echo: old"}, {"role": "user", "content": "new"}],
+        )
+        assert out.choices[0].message.content == "echo: new" and out.choices[0].finish_reason == "stop"
+        async with aclient(live_rt, acme) as c:
+            events = (await c.get("/v1/agents/echo/users/alice/events", params={"session": "default"})).json()["data"]
+        assert [e["content"] for e in events] == ["new", "echo: new"]
 
-    stream = await client.chat.completions.create(model="echo", user="alice", stream=True,
-                                                  messages=[{"role": "user", "content": "stream x y"}])
-    parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
-    assert "".join(parts) == "x y "
+        stream = await client.chat.completions.create(model="echo", user="alice", stream=True,
+                                                      messages=[{"role": "user", "content": "stream x y"}])
+        parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+        assert "".join(parts) == "x y "
 
-    whole = await client.chat.completions.create(model="echo", user="bob", stream=True,
-                                                 messages=[{"role": "user", "content": "hi"}])
-    assert "".join([ch.choices[0].delta.content or "" async for ch in whole if ch.choices]) == "echo: hi"
+        whole = await client.chat.completions.create(model="echo", user="bob", stream=True,
+                                                     messages=[{"role": "user", "content": "hi"}])
+        assert "".join([ch.choices[0].delta.content or "" async for ch in whole if ch.choices]) == "echo: hi"
 
-    # The user may also come from the X-Moorage-User header (tenant keys only).
-    hdr = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "whoami"}],
-                                               extra_headers={"X-Moorage-User": "carol"})
-    assert hdr.choices[0].message.content == "user=carol"
+        # The user may also come from the X-Moorage-User header (tenant keys only).
+        hdr = await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "whoami"}],
+                                                   extra_headers={"X-Moorage-User": "carol"})
+        assert hdr.choices[0].message.content == "user=carol"
 
-    with pytest.raises(openai.UnprocessableEntityError):
-        await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "no user"}])
-    with pytest.raises(openai.NotFoundError):
-        await client.chat.completions.create(model="ghost", user="a", messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.UnprocessableEntityError):
+            await client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "no user"}])
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="ghost", user="a", messages=[{"role": "user", "content": "x"}])
 
 
 async def test_official_client_with_an_end_user_token(live_rt, acme, tmp_path: Path):
     await _deploy(live_rt, acme, tmp_path)
     async with aclient(live_rt, acme) as c:
         tok = (await c.post("/v1/agents/echo/users/dana/tokens", json={})).json()["token"]
-    client = openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key=tok, max_retries=0)
-    out = await client.chat.completions.create(model="echo", user="mallory",
-                                               messages=[{"role": "user", "content": "whoami"}],
-                                               extra_headers={"X-Moorage-User": "mallory"})
-    assert out.choices[0].message.content == "user=dana"
-    assert [m.id for m in (await client.models.list()).data] == ["echo"]
-    with pytest.raises(openai.PermissionDeniedError):
-        await client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
-    bad = openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key="mrg_nope", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        await bad.chat.completions.create(model="echo", user="a", messages=[{"role": "user", "content": "x"}])
+    async with openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key=tok, max_retries=0) as client:
+        out = await client.chat.completions.create(model="echo", user="mallory",
+                                                   messages=[{"role": "user", "content": "whoami"}],
+                                                   extra_headers={"X-Moorage-User": "mallory"})
+        assert out.choices[0].message.content == "user=dana"
+        assert [m.id for m in (await client.models.list()).data] == ["echo"]
+        with pytest.raises(openai.PermissionDeniedError):
+            await client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+        async with openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key="mrg_nope", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.chat.completions.create(model="echo", user="a", messages=[{"role": "user", "content": "x"}])
 
 
 def test_last_user_message_translation():
