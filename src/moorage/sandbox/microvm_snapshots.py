@@ -1,0 +1,153 @@
+"""The files of a micro-VM's snapshots and checkpoints: records, checks, atomic replacement, a rollback's staged
+memory image and the disk's internal snapshots. Blocking functions (callers run them on a worker thread); what
+needs QEMU (pausing, saving device state, reading RAM) stays with the sandbox (``microvm_sandbox``).
+
+A directory holds ``dev.state`` (device state), the RAM (``ram.delta`` + ``ram.idx`` for a fork, a checkpoint's
+chained pages, or a copy of the RAM file) and, for checkpoints and copies, ``snapshot.json`` (its record). It is
+written as ``<name>.new`` and renamed into place, so a crash leaves the old or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from moorage.log import get_logger
+from moorage.sandbox import microvm_ram as ram
+from moorage.sandbox import microvm_ram_chain as ram_chain
+from moorage.sandbox.base import CheckpointInfo, SnapshotCorrupt, SnapshotIncompatible
+from moorage.sandbox.microvm_files import allocated, fsync_dir, write_json
+from moorage.sandbox.microvm_qemu import qemu_version
+
+log = get_logger(__name__)
+
+
+class Phases:
+    """Milliseconds per step of a sleep or wake, logged with it (where the time goes on a given host)."""
+
+    def __init__(self) -> None:
+        self._t = time.monotonic()
+        self.ms: dict[str, int] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.ms[name] = round((now - self._t) * 1000)
+        self._t = now
+
+    def total(self) -> int:
+        return sum(self.ms.values())
+
+
+def new_record(kind: str, layout: str, image_id: str, **extra: Any) -> dict[str, Any]:
+    """What a snapshot was taken with: a wake checks it against this host before loading anything."""
+    return {"kind": kind, "qemu": qemu_version(), "layout": layout, "image": image_id, "created_at": time.time(), **extra}
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Put the finished directory ``new`` in ``target``'s place (the old one, if any, removed after)."""
+    old = target.with_name(target.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.rename(target, old)
+    os.rename(new, target)
+    fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def commit(cap: "ram_chain.Capture | None", new: Path, target: Path, record: dict[str, Any], disk: Path, *,
+           keep_running: bool, ph: Phases) -> None:
+    """Store a captured checkpoint's pages (``cap``), sync the directory ``new`` (and ``disk``, whose internal
+    snapshot table may have changed) and put it in ``target``'s place."""
+    if cap is not None:
+        saved = ram_chain.write(cap, new)
+        record.update(delta_bytes=saved["delta_bytes"], stored_bytes=saved["stored_bytes"], ram_bytes=saved["ram_bytes"])
+        ph.mark("ram_write")
+    ram.fsync_path(new / "dev.state")
+    ram.fsync_path(disk)
+    record["dev_sha256"] = ram.sha256_file(new / "dev.state")
+    if keep_running:
+        write_json(new / "snapshot.json", record)  # checkpoints carry their own record; sleeps use meta.json
+    swap_in(new, target)
+
+
+def validate(sandbox_id: str, sandbox_dir: Path, snap_dir: Path, record: dict[str, Any] | None, layout: str) -> dict[str, Any]:
+    """``record`` once the snapshot in ``snap_dir`` is found whole and loadable on this host, else
+    ``SnapshotCorrupt`` / ``SnapshotIncompatible`` (the wake then cold-boots from the disk)."""
+    if not record:
+        raise SnapshotCorrupt(f"sandbox {sandbox_id} has no snapshot record", hint="it cold-boots from its disk")
+    if record.get("qemu") != qemu_version() or record.get("layout") != layout:
+        raise SnapshotIncompatible(
+            f"snapshot of {sandbox_id} was taken by {record.get('qemu')} with layout {record.get('layout')}; this host runs {qemu_version()} with layout {layout}",
+            hint="it cold-boots from its disk; processes in memory are lost, files are kept",
+        )
+    dev = snap_dir / "dev.state"
+    if not dev.exists() or ram.sha256_file(dev) != record.get("dev_sha256"):
+        raise SnapshotCorrupt(f"device state of {sandbox_id} is missing or fails its checksum", hint="it cold-boots from its disk")
+    if record["kind"] == "delta":
+        delta = snap_dir / "ram.delta"
+        if not delta.exists() or not (snap_dir / "ram.idx").exists() or not ram.delta_matches(delta, record):
+            raise SnapshotCorrupt(f"RAM delta of {sandbox_id} is missing or fails its checksum", hint="it cold-boots from its disk")
+    else:
+        ram_file = snap_dir / "ram" if (snap_dir / "ram").exists() else sandbox_dir / "ram"
+        if not ram_file.exists() or not ram.digest_matches(ram_file, record.get("ram_checksum")):
+            raise SnapshotCorrupt(f"RAM file of {sandbox_id} is missing, truncated or changed", hint="it cold-boots from its disk")
+    return record
+
+
+def chain_base(checkpoints: Path, tip: str | None, name: str) -> Path | None:
+    """The checkpoint a new one named ``name`` stores its pages against: the one this guest last passed (taken
+    or rolled back to), while its pages exist; None for a whole one. Taken again under the same name: a whole one
+    (what built on the old one keeps it, ``ram_chain.set_aside``)."""
+    if tip and tip != name and (checkpoints / tip / ram_chain.CHAIN).exists():
+        return checkpoints / tip
+    return None
+
+
+def stage_rollback(src: Path, staged: Path) -> dict[str, Any]:
+    """The memory image of checkpoint ``src`` put together as a snapshot directory ``staged`` (its record
+    returned): a checkpoint whose RAM cannot be put together (a base's pages gone or changed) raises here, before
+    anything of the sandbox changed."""
+    record: dict[str, Any] = json.loads((src / "snapshot.json").read_text())
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir()
+    try:
+        shutil.copyfile(src / "dev.state", staged / "dev.state")
+        if record["kind"] == "delta":
+            # The whole delta, put together from the pages of this checkpoint and those it builds on.
+            record.pop("delta_sha256", None)
+            record["delta_bytes"], record["delta_xxh3"] = ram_chain.materialize(src.parent, src.name, staged)
+        write_json(staged / "snapshot.json", record)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return record
+
+
+def revert_disk(disk: Path, name: str) -> None:
+    """The disk (no QEMU holding it) back to checkpoint ``name``'s internal snapshot."""
+    r = subprocess.run(["qemu-img", "snapshot", "-a", f"ckpt-{name}", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SnapshotCorrupt(f"cannot restore the disk of checkpoint {name}: {r.stderr.strip()}")
+
+
+def drop_disk_snapshot(sandbox_id: str, disk: Path, tag: str) -> None:
+    """Delete the internal snapshot ``tag`` of a disk no QEMU holds (a failure is logged: only space is lost)."""
+    r = subprocess.run(["qemu-img", "snapshot", "-d", tag, str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        log.warning("could not delete a checkpoint's disk snapshot", sandbox=sandbox_id, error=r.stderr.strip())
+
+
+def listing(sandbox_id: str, checkpoints: Path) -> list[CheckpointInfo]:
+    """The checkpoints written under ``checkpoints`` (a directory without its record is not one), by name."""
+    out = []
+    if checkpoints.exists():
+        for d in sorted(checkpoints.iterdir()):
+            if (d / "snapshot.json").exists():
+                rec = json.loads((d / "snapshot.json").read_text())
+                out.append(CheckpointInfo(d.name, sandbox_id, d, allocated(d), rec["created_at"], True))
+    return out
