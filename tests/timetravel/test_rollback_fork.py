@@ -217,8 +217,9 @@ async def test_with_automatic_checkpoints_off_turns_take_none_and_one_can_still_
 
 async def test_a_checkpoint_whose_sandbox_half_was_never_written_is_refused_before_anything_changes(env, tmp_path: Path) -> None:
     """The automatic checkpoint's sandbox files are written behind its turn; a host that dies meanwhile leaves a
-    row naming a sandbox checkpoint that is not there. Rollback and fork to it are refused, and nothing moves: no
-    before-rollback checkpoint, no pending operation, no new user, and the instance's turns go on."""
+    row naming a sandbox checkpoint that is not there. The listing marks it, rollback and fork to it are refused,
+    and nothing moves: no before-rollback checkpoint, no pending operation, no new user, and the instance's turns go
+    on."""
     import pytest
 
     from moorage.timetravel.timeline import CheckpointGone
@@ -238,6 +239,10 @@ async def test_a_checkpoint_whose_sandbox_half_was_never_written_is_refused_befo
     assert Checkpoints(ts).head("tt", "ada").pending is None
     assert ts.sandboxes.for_scope(Scope.for_user("tt", "bob")) is None and Checkpoints(ts).list("tt", "bob") == []
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt", "3.txt"]
+    # The listing says which one cannot be restored (the dashboard and the CLI show it, without its buttons).
+    listing = await env.runtime.timetravel.list(env.principal, "tt", "ada")
+    marks = {c["id"]: c["restorable"] for c in listing["data"]}
+    assert marks.pop(lost.id) is False and marks and set(marks.values()) == {True}
     ok = await _turn_checkpoint(env, "ada", 1)  # another checkpoint still rolls back
     await env.runtime.timetravel.rollback(env.principal, "tt", "ada", ok)
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt"]

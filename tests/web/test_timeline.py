@@ -1,7 +1,8 @@
 """The dashboard's timeline of a user's agent, in headless Chromium over a real server and runtime: the
 checkpoints with what each turn did and where the instance is; rolling back from the page (the abandoned
-branch then listed and restorable), forking into a new user (whose page says where it came from), and a key
-without the ``provision`` scope refused by the API with the page saying so."""
+branch then listed and restorable), forking into a new user (whose page says where it came from), a checkpoint
+that cannot be restored marked as such, and a key without the ``provision`` scope refused by the API with the page
+saying so."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ async def _open_user(page, url: str, key: str, user: str) -> None:
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
-async def test_timeline_rollback_and_fork_from_the_dashboard(live_rt, acme: str, tmp_path: Path, browser_context):
+async def test_timeline_rollback_and_fork_from_the_dashboard(live_rt, runtime, acme: str, tmp_path: Path, browser_context):
     async with aclient(live_rt, acme) as c:
         # No [agent.timetravel] table: a checkpoint after every turn is the default.
         r = await c.post("/v1/agents/tt/deployments", content=tt_archive(tmp_path, manifest=""),
@@ -114,6 +115,20 @@ async def test_timeline_rollback_and_fork_from_the_dashboard(live_rt, acme: str,
     fork = await page.inner_text("#checkpoints li.ck[data-kind=fork]")
     assert "forked from carol" in fork
     assert await page.locator("#checkpoints li.ck[data-kind=fork] a.user-link").get_attribute("href") == "#/user/tt/carol"
+
+    # A checkpoint whose sandbox half is not there (as if the host had died while writing it behind its turn) is
+    # marked, without buttons: no rollback or fork to it could work.
+    async with aclient(live_rt, acme) as c:
+        listing = (await c.get(BASE)).json()
+    lost = next(ck for ck in listing["data"] if (ck["summary"].get("turn") or {}).get("message") == "turn 3")
+    assert lost["restorable"] is True
+    await (await runtime.driver.open(lost["sandbox_id"])).delete_checkpoint(lost["sandbox_checkpoint"])
+    await _open_user(page, live_rt.url, acme, "carol")
+    marked = page.locator(f"#checkpoints li.ck[data-checkpoint='{lost['id']}']")
+    assert "cannot be restored" in await marked.locator(".unrestorable").inner_text()
+    assert await marked.locator("button").count() == 0
+    async with aclient(live_rt, acme) as c:
+        assert {ck["id"]: ck["restorable"] for ck in (await c.get(BASE)).json()["data"]}[lost["id"]] is False
 
     # A key that may only read sees the timeline; the API refuses its rollback and the page says so.
     await page.click("#signout")

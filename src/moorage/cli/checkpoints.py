@@ -30,6 +30,8 @@ def _sdk(use: Callable[[Any], Any]) -> Any:
 def _did(c: dict[str, Any]) -> str:
     """One line on what the checkpoint's turn (or operation) did."""
     s = c.get("summary") or {}
+    if c.get("restorable") is False and c.get("kind") != "missing":
+        return "(cannot be restored: its sandbox half is not there) " + _did({**c, "restorable": None})
     turn = s.get("turn")
     if turn:
         steps = ", ".join(x["name"] for x in turn.get("steps") or [])

@@ -78,11 +78,28 @@ class Policy:
         return cls(auto, max(1, keep), max(0, daily))
 
 
-def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None) -> dict[str, Any]:
+def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restorable: bool | None = None) -> dict[str, Any]:
+    """A checkpoint as the API shows it. ``restorable``: whether a rollback or fork to it can work here (None:
+    not known, its sandbox is not on this host)."""
     d = asdict(ck)
     d["object"] = "checkpoint"
     d["current_branch"] = ck.branch == current_branch
+    d["restorable"] = restorable
     return d
+
+
+def restorable(ck: Checkpoint, sandbox_id: str | None, halves: dict[str, int] | None) -> bool | None:
+    """Whether ``ck`` can be rolled back to or forked, given the checkpoints its instance's sandbox ``sandbox_id``
+    holds on this host (``halves``, name to bytes; None: not known here). Not: a failed one, one taken of a sandbox
+    the instance has left, one whose sandbox half was never written (the host stopped or the disk failed while it
+    was written behind its turn)."""
+    if ck.kind == MISSING:
+        return False
+    if not ck.sandbox_checkpoint:
+        return True
+    if halves is None:
+        return None
+    return ck.sandbox_id == sandbox_id and ck.sandbox_checkpoint in halves
 
 
 def to_keep(cks: Sequence[Checkpoint], branch: str | None, policy: Policy, now: float) -> set[str]:
@@ -410,21 +427,25 @@ class TimeTravel:
             branches[head.branch] = {"id": head.branch, "from": head.head_id, "current": True, "checkpoints": 0,
                                      "tip": None}
         storage = await asyncio.to_thread(repo.storage_bytes, agent, user)
+        sandbox_id, halves = await self._sandbox_halves(ts, agent, user)
         return {"object": "list", "agent": agent, "user": user, "head": head.head_id if head else None,
-                "branch": current, "store_bytes": storage, "sandbox_bytes": await self._sandbox_bytes(ts, agent, user),
-                "data": [checkpoint_view(c, current_branch=current) for c in cks[:limit]],
+                "branch": current, "store_bytes": storage,
+                "sandbox_bytes": None if halves is None else sum(b for n, b in halves.items() if n.startswith("tt-")),
+                "data": [checkpoint_view(c, current_branch=current, restorable=restorable(c, sandbox_id, halves))
+                         for c in cks[:limit]],
                 "branches": list(branches.values())}
 
-    async def _sandbox_bytes(self, ts: TenantStore, agent: str, user: str) -> int | None:
-        """Disk the instance's sandbox checkpoints take on this host (None: its sandbox is not here)."""
+    async def _sandbox_halves(self, ts: TenantStore, agent: str, user: str) -> tuple[str | None, dict[str, int] | None]:
+        """The instance's sandbox and the checkpoints it holds on this host, name to bytes (None: its sandbox is
+        not here)."""
         rec = await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, user))
         if rec is None:
-            return None
+            return None, None
         try:
             sandbox = await self.rt.driver.open(rec.id)
-            return sum(c.bytes for c in await sandbox.checkpoints() if c.name.startswith("tt-"))
+            return rec.id, {c.name: c.bytes for c in await sandbox.checkpoints()}
         except Exception:  # noqa: BLE001 - on another host, or gone: not known here
-            return None
+            return rec.id, None
 
     async def take(self, principal: Principal, agent: str, user: str, name: str | None = None) -> Checkpoint:
         ts = self._ts(principal, agent, user, "provision")

@@ -21,7 +21,7 @@ CHECKPOINT = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR,
                     "parent_id": S.NSTR, "kind": {"enum": ["turn", "manual", "before-rollback", "fork", "missing"]},
                     "name": S.NSTR, "turn_id": S.NSTR, "summary": S.OBJ, "event_mark": S.INT,
                     "sandbox_id": S.NSTR, "sandbox_checkpoint": S.NSTR, "store_bytes": S.INT, "created_at": S.NUM,
-                    "current_branch": {"type": "boolean"}})
+                    "current_branch": {"type": "boolean"}, "restorable": {"type": ["boolean", "null"]}})
 LISTING = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "head": S.NSTR, "branch": S.NSTR,
                  "store_bytes": S.INT, "sandbox_bytes": {"type": ["integer", "null"]},
                  "data": {"type": "array", "items": CHECKPOINT},
@@ -56,7 +56,7 @@ async def take_checkpoint(call: Call) -> Reply:
     agent, user = _who(call)
     name = call.field("name", str, required=False)
     ck = await call.runtime.timetravel.take(call.who, agent, user, name)
-    return Reply(checkpoint_view(ck, current_branch=ck.branch), 201)
+    return Reply(checkpoint_view(ck, current_branch=ck.branch, restorable=True), 201)
 
 
 async def rollback_checkpoint(call: Call) -> dict[str, Any]:

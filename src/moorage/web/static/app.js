@@ -308,6 +308,7 @@ function checkpointsPanel(agent, user, listing) {
     const t = s.turn;
     const parts = [];
     if (c.kind === "missing") parts.push(el("span.error", {}, `checkpoint failed: ${s.error || "no reason recorded"}`));
+    else if (c.restorable === false) parts.push(el("span.error.unrestorable", {}, "its sandbox half is not there: it cannot be restored"));
     if (t) {
       parts.push(el("span.turn-message", {}, `“${t.message ?? ""}”`));
       if (t.reply !== undefined) parts.push(" → ", el("span.turn-reply", {}, `“${t.reply ?? ""}”`));
@@ -325,7 +326,7 @@ function checkpointsPanel(agent, user, listing) {
   function row(c, branch) {
     const isHead = c.id === listing.head;
     const buttons = [];
-    if (c.kind !== "missing") {
+    if (c.kind !== "missing" && c.restorable !== false) {
       const back = el("button.rollback", { type: "button", title: "Put files, memory, facts and journal back to this point" },
         branch.current ? "Roll back here" : "Restore");
       back.addEventListener("click", () => {
