@@ -83,6 +83,8 @@ class ExecJob:
     task: "asyncio.Task[None] | None" = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
+    #: Why the host ended it (``stop_all``): recorded as its error.
+    stopped_because: str | None = None
 
     def _notify(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
@@ -168,6 +170,7 @@ class ExecJobs:
             exit_code = None if res.timed_out else res.exit_code
         except asyncio.CancelledError:
             status = "cancelled"  # leaving sb.exec sent the guest a cancel: it killed the process group
+            error = job.stopped_because
         except Exception as e:  # noqa: BLE001 - recorded on the execution; details stay in the log
             log.warning("detached exec failed", execution=job.id, error=str(e))
             status, error = "failed", getattr(e, "message", None) or f"the exec failed ({type(e).__name__})"
@@ -222,6 +225,20 @@ class ExecJobs:
         job.task.cancel()
         await asyncio.shield(job.task)  # _drive records the cancel and ends normally
         return await asyncio.to_thread(self.view, ts, ex)
+
+    async def stop_all(self, why: str) -> int:
+        """End every detached exec this host runs (its clean stop): each is killed in its sandbox and recorded as
+        ``cancelled`` with ``why`` and its output so far, so the instances they held sleep at once instead of
+        after the shutdown's wait for busy instances. Returns how many were running."""
+        running = [j for j in self.jobs.values() if j.status == "running" and j.task is not None and not j.task.done()]
+        for job in running:
+            job.stopped_because = why
+            assert job.task is not None
+            job.task.cancel()
+        await asyncio.gather(*(asyncio.shield(j.task) for j in running if j.task is not None), return_exceptions=True)
+        if running:
+            log.info("detached execs ended by the host", count=len(running), why=why)
+        return len(running)
 
     # -- reading --------------------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from moorage.config import Config
 from moorage.log import get_logger
+from moorage.runtime.exec_jobs import ExecJobs
 from moorage.store import Store, open_store
 
 log = get_logger(__name__)
@@ -154,11 +155,13 @@ class Host:
         import os
         import signal
 
-        for _ in range(20):  # an instance woken by a forwarded request meanwhile is slept on the next pass
+        for i in range(20):  # an instance woken by a forwarded request meanwhile is slept on the next pass
             slept, left = await self.manager.sleep_all("host draining", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
             log.info("drain pass", slept=slept, still_awake=left)
             if not self.manager.awake_instances():
                 break
+            if i == 0:  # a detached exec still running after the first pass's wait holds its instance: it ends
+                await ExecJobs.of(self.runtime).stop_all("the host was drained before the command ended")
             await asyncio.sleep(0.5)
         os.kill(os.getpid(), signal.SIGTERM)  # the clean stop: leaves the fleet as gone
 
@@ -198,6 +201,9 @@ class Host:
             awake = len(self.manager.awake_instances())
             log.info("host stopping, instances left running (detach); the next start re-adopts them", count=awake)
         else:
+            # A detached exec holds its instance awake until it ends: nothing could sleep it after this process,
+            # and waiting for it only delays the stop, so it ends now (recorded as cancelled, with its output).
+            await ExecJobs.of(self.runtime).stop_all("the host stopped before the command ended")
             slept, left = await self.manager.sleep_all("host shutting down", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
             log.info("host stopping, awake instances put to sleep", slept=slept, still_awake=left)
         # Automatic checkpoints after replies and background embeddings use the driver, the instances and the
