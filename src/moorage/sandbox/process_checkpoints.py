@@ -1,0 +1,78 @@
+"""A process sandbox's checkpoints on disk. ``checkpoints/<name>/`` holds a copy of the layer (files unchanged
+since the newest checkpoint are hard links to its copy: process_snapshot.py), that copy's index and
+``checkpoint.json``. Processes and memory are not part of it. Everything here blocks: callers run it in a thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from moorage.log import get_logger
+from moorage.sandbox.base import CheckpointInfo
+from moorage.sandbox.process_fs import disk_usage, write_json_durable
+from moorage.sandbox.process_snapshot import INDEX, snapshot_tree, write_index
+
+log = get_logger(__name__)
+
+
+def take(sandbox_dir: Path, sandbox_id: str, name: str) -> CheckpointInfo:
+    """Checkpoint ``sandbox_dir``'s layer as ``name`` (the caller checked that the name is free). Made under a
+    hidden name and renamed: a crash never leaves half a checkpoint under its name."""
+    base = sandbox_dir / "checkpoints"
+    dest = base / name
+    tmp = base / f".{name}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    # Incremental: files unchanged since the newest checkpoint are linked to its copy (process_snapshot).
+    prev = newest(sandbox_dir)
+    t0 = time.perf_counter()
+    try:
+        index = snapshot_tree(sandbox_dir / "layer", tmp / "layer", prev)
+        write_index(tmp, index)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    created = time.time()
+    write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
+    os.rename(tmp, dest)
+    log.info("checkpoint", sandbox=sandbox_id, checkpoint=name, linked=index["linked"], copied=index["copied"],
+             ms=round((time.perf_counter() - t0) * 1e3, 1))
+    # What it added to the older ones: its copies and directories (counted as they were made, not by walking
+    # every older checkpoint, which grows with their number), its index and record.
+    added = index["added"] + sum(os.lstat(p).st_blocks * 512 for p in (dest, dest / INDEX, dest / "checkpoint.json"))
+    return CheckpointInfo(name, sandbox_id, dest, added, created, includes_memory=False)
+
+
+def dirs(sandbox_dir: Path) -> list[Path]:
+    """Checkpoint directories, oldest first (hidden ones, being made or removed, left out)."""
+    base = sandbox_dir / "checkpoints"
+    found = []
+    for d in base.iterdir() if base.exists() else []:
+        if d.name.startswith("."):
+            continue
+        try:
+            found.append((json.loads((d / "checkpoint.json").read_text())["created_at"], d))
+        except (OSError, ValueError, KeyError):
+            continue
+    return [d for _, d in sorted(found)]
+
+
+def newest(sandbox_dir: Path) -> Path | None:
+    """The newest checkpoint with an index (the one a new checkpoint links its unchanged files to)."""
+    found = [d for d in dirs(sandbox_dir) if (d / INDEX).exists()]
+    return found[-1] if found else None
+
+
+def listing(sandbox_dir: Path, sandbox_id: str) -> list[CheckpointInfo]:
+    """Every checkpoint, by name. Each one's bytes are what it added to the older ones (files it shares with an
+    older checkpoint count there), so their sum is the disk all of them take."""
+    out = []
+    seen: set[tuple[int, int]] = set()
+    for d in dirs(sandbox_dir):
+        info = json.loads((d / "checkpoint.json").read_text())
+        out.append(CheckpointInfo(d.name, sandbox_id, d, disk_usage(d, seen), info["created_at"], includes_memory=False))
+    return sorted(out, key=lambda c: c.name)
