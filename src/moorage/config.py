@@ -134,6 +134,9 @@ class Config:
     #: 1009), and how many sockets one instance may have open at once.
     app_ws_max_message_bytes: int = 1 << 20
     app_ws_max_sockets: int = 32
+    #: A server-sent event stream (a streamed turn, an exec's output) that has sent nothing for this many seconds
+    #: sends a comment line, so proxies and the fleet's forwarding do not cut a quiet stream (0: never).
+    sse_keepalive_s: float = 15.0
     #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
     #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
     secrets_keys: str = dataclasses.field(default="", repr=False)

@@ -5,12 +5,13 @@ The server runs in a thread of the test process, so tests can also look at the s
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -141,9 +142,15 @@ async def runtime(tmp_path: Path, store: Store):
 async def live_rt(tmp_path: Path, runtime: Any):
     """A live uvicorn server over the real runtime, served on the test's own event loop (the runtime's
     locks and background tasks live there), used with async clients."""
+    async with serve_runtime(runtime, Config(data_dir=tmp_path / "data")) as live:
+        yield live
+
+
+@contextlib.asynccontextmanager
+async def serve_runtime(runtime: Any, config: Config) -> AsyncIterator[LiveServer]:
+    """``live_rt`` with the server's own ``config``."""
     import asyncio
 
-    config = Config(data_dir=tmp_path / "data")
     app = create_app(runtime, config)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
@@ -152,9 +159,11 @@ async def live_rt(tmp_path: Path, runtime: Any):
         if task.done():
             task.result()
         await asyncio.sleep(0.01)
-    yield LiveServer(f"http://127.0.0.1:{port}", app, config.data_dir)
-    server.should_exit = True
-    await task
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", app, config.data_dir)
+    finally:
+        server.should_exit = True
+        await task
 
 
 def aclient(live: LiveServer, secret: str | None = None, **headers: str) -> httpx.AsyncClient:

@@ -121,7 +121,7 @@ async def chat_completions(call: Call) -> Any:
 
     from moorage.api.sse import event_stream
 
-    return event_stream(frames(), call.trace_id)
+    return event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
 
 
 def list_models(call: Call) -> dict[str, Any]:

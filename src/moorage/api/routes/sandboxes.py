@@ -145,7 +145,7 @@ async def follow_exec(call: Call) -> Any:
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
             yield frame("error", error_payload(e, call.trace_id))
 
-    return event_stream(frames(), call.trace_id)
+    return event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
 
 
 _BOX = "/v1/sandboxes/{sandbox_id}"
