@@ -4,6 +4,7 @@ spans in the tenant's store, the DNS responder, and per-instance listeners (TCP 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 import tracemalloc
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from dnslib import RCODE, DNSRecord
 
+from moorage.egress import dns
 from moorage.egress import Egress, Gateway, Limits, OperatorPolicy, StaticResolver, Target, store_recorder
 from moorage.store import Store
 from moorage.store.sqlite import SQLiteBackend
@@ -231,3 +233,51 @@ async def test_expect_continue_is_answered_by_the_gateway(gateway: Gateway, egre
     assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
     writer.close()
     assert upstream.hits[0].body == b"data" and "expect" not in upstream.hits[0].headers
+
+
+async def test_dns_over_tcp_gives_the_whole_answer_a_datagram_truncates_within_one_rate() -> None:
+    """The responder a VM's NIC reaches (runtime/vm_network.py) over UDP and TCP: a name with more addresses than fit
+    in 512 bytes comes back truncated over UDP (TC set) and whole over TCP; both sides take from one rate; at most
+    ``MAX_TCP_CONNECTIONS`` connections are served at once."""
+    many = [f"127.0.1.{i}" for i in range(1, 61)]
+    eg = Egress(TEST_OPERATOR, StaticResolver({"many.test": many}))
+    inst = eg.instance({"egress": {"allow": ["https://many.test"]}})
+    limiter = dns.Limiter()
+    transport, udp_port = await dns.serve_udp(inst, "127.0.0.1", 0, limiter=limiter)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    server = await dns.serve_tcp(inst, listener, limiter)
+    port = listener.getsockname()[1]
+
+    async def over_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str) -> DNSRecord | None:
+        q = DNSRecord.question(name).pack()
+        writer.write(len(q).to_bytes(2, "big") + q)
+        try:
+            size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 5), "big")
+        except asyncio.IncompleteReadError:
+            return None  # the responder closed the connection
+        return DNSRecord.parse(await reader.readexactly(size))
+
+    try:
+        short = await _dns(udp_port, "many.test")
+        # Truncated with its question kept (a resolver ignores a reply to a question it did not ask).
+        assert short.header.tc == 1 and short.rr == [] and [str(q.qname) for q in short.questions] == ["many.test."]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        whole = await over_tcp(reader, writer, "many.test")
+        assert whole is not None and whole.header.tc == 0 and sorted(str(r.rdata) for r in whole.rr) == sorted(many)
+        # The policy holds over TCP as over UDP.
+        refused = await over_tcp(reader, writer, "leak.other.test")
+        assert refused is not None and refused.header.rcode == RCODE.NXDOMAIN
+        # Connections past the cap are closed at once; the open ones are still served.
+        extra = [await asyncio.open_connection("127.0.0.1", port) for _ in range(dns.MAX_TCP_CONNECTIONS)]
+        closed = [await asyncio.wait_for(r.read(), 5) for r, _ in extra[dns.MAX_TCP_CONNECTIONS - 1:]]
+        assert closed == [b""]
+        # One rate for both: spent over UDP, the next TCP query ends its connection unanswered.
+        while limiter.take():
+            pass
+        assert await over_tcp(reader, writer, "many.test") is None
+        for _, w in [*extra, (reader, writer)]:
+            w.close()
+    finally:
+        server.close()
+        transport.close()

@@ -79,6 +79,22 @@ async def on_message(ctx, message):
         except socket.gaierror as e:
             found = ["gaierror:%d" % e.errno]
         return rcode + " " + ",".join(found)
+    if cmd == "dnstcp":  # the same query over TCP (2-byte length first): its rcode and how many answers
+        query = struct.pack(">6H", 0x6d6f, 0x0100, 1, 0, 0, 0) + b"".join(
+            bytes([len(label)]) + label.encode() for label in arg.split(".")) + b"\0" + struct.pack(">2H", 1, 1)
+        try:
+            with socket.create_connection(("10.0.2.2", 53), timeout=10) as s:
+                s.sendall(struct.pack(">H", len(query)) + query)
+                data = b""
+                while len(data) < 2 or len(data) < 2 + struct.unpack(">H", data[:2])[0]:
+                    more = s.recv(65536)
+                    if not more:
+                        return "closed after %d bytes" % len(data)
+                    data += more
+            reply = data[2:]
+            return "rcode=%d tc=%d answers=%d" % (reply[3] & 15, (reply[2] >> 1) & 1, struct.unpack(">H", reply[6:8])[0])
+        except OSError as e:
+            return "tcp error: " + errno.errorcode.get(e.errno or 0, type(e).__name__)
     if cmd == "resolv":
         try:
             return open("/etc/resolv.conf").read()
@@ -97,6 +113,8 @@ async def on_message(ctx, message):
 
 
 INDEX_HITS: list[str] = []
+#: A name whose answer does not fit in a 512-byte datagram (60 A records).
+MANY = [f"127.0.1.{i}" for i in range(1, 61)]
 
 PKG_AGENT = """
 import moorage_canary_pkg  # installed at deploy time from requirements.txt
@@ -157,7 +175,7 @@ async def _env(tmp: Path, cfg: Config) -> AsyncIterator[Env]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def world(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIterator[World]:
     allowed, outside = start_upstream("A"), start_upstream("B")
-    names = {**NAMES, "pypi.test": ["127.0.0.1"], "mirror.test": ["127.0.0.1"]}
+    names = {**NAMES, "pypi.test": ["127.0.0.1"], "mirror.test": ["127.0.0.1"], "many.test": MANY}
     tmp = tmp_path_factory.mktemp("vmnet")
     # The operator's policy: loopback is "the internet"; the package index is the test's (pypi.test).
     cfg = Config(data_dir=tmp / "data", sandbox_driver="microvm", egress_allow_cidrs="127.0.0.0/8",
@@ -166,7 +184,8 @@ async def world(tmp_path_factory: pytest.TempPathFactory, index: int) -> AsyncIt
         egress = Egress(OperatorPolicy.from_config(cfg), StaticResolver(names))  # test names -> loopback
         env.runtime.egress = env.runtime.templates.egress = egress
         src = write_agent(tmp / "netty", "netty", AGENT,
-                          f'[agent.network]\nallow = ["http://api.test:{allowed.port}", "http://pypi.test:{index}"]\n')
+                          f'[agent.network]\nallow = ["http://api.test:{allowed.port}", "http://pypi.test:{index}", '
+                          f'"http://many.test:{allowed.port}"]\n')
         await env.runtime.deploy(env.principal, src)
         w = World()
         w.env, w.allowed, w.outside, w.index_port = env, allowed, outside, index
@@ -220,8 +239,12 @@ async def test_the_vm_resolves_only_names_its_policy_admits(world: World) -> Non
     # query: nothing made up leaves through lookups). -2 is EAI_NONAME, what getaddrinfo makes of NXDOMAIN.
     assert await ask(w, "dns made-up-bf3c91.example") == "rcode=3 gaierror:-2"
     assert await ask(w, "dns evil.test") == "rcode=3 gaierror:-2"
+    # A name with more addresses than fit in a 512-byte datagram: the UDP answer comes back truncated, and the
+    # guest's resolver (glibc) asks again over TCP, which the gateway serves on the same address.
+    assert await ask(w, "dnstcp many.test") == "rcode=0 tc=0 answers=60"
+    assert await ask(w, "dns many.test") == "rcode=0 " + ",".join(sorted(MANY))
     # The resolved address is no way around the proxy: in the guest it is its own loopback (the test's "internet" is
-    # the host's loopback), and nothing on the tap's link but the gateway's two ports answers; the name still works
+    # the host's loopback), and nothing on the tap's link but the gateway's ports answers; the name still works
     # through the proxy.
     assert await ask(w, f"raw 127.0.0.1:{w.allowed.port}") == "refused: ECONNREFUSED"
     assert await ask(w, f"raw 10.0.2.2:{w.allowed.port}") == "refused: ECONNREFUSED"

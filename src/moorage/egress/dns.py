@@ -69,19 +69,22 @@ QUERIES_PER_S = 50.0
 #: Queries one responder answers at once; more are dropped, not queued.
 MAX_IN_FLIGHT = 64
 #: A UDP query with one question fits in far less; a bigger datagram is not parsed. A reply over this size (without
-#: EDNS, what a stub resolver takes) goes back truncated (TC set, no records), never in pieces.
+#: EDNS, what a stub resolver takes) goes back truncated (TC set, no records), never in pieces; the resolver then
+#: asks again over TCP, where a responder serves it.
 MAX_UDP_BYTES = 512
+#: TCP connections one responder serves at once (a resolver opens one per truncated answer); more are closed.
+MAX_TCP_CONNECTIONS = 8
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, inst: InstanceEgress) -> None:
-        self.inst = inst
-        self.transport: Any = None
-        self._tasks: set[asyncio.Task] = set()
+class Limiter:
+    """Queries one responder answers: a token bucket of ``QUERIES_PER_S`` (a burst of twice that), shared by its
+    UDP and TCP sides so neither is a way around the other."""
+
+    def __init__(self) -> None:
         self._tokens = 2 * QUERIES_PER_S
         self._last = time.monotonic()
 
-    def _take(self) -> bool:
+    def take(self) -> bool:
         now = time.monotonic()
         self._tokens = min(2 * QUERIES_PER_S, self._tokens + (now - self._last) * QUERIES_PER_S)
         self._last = now
@@ -90,11 +93,19 @@ class _Protocol(asyncio.DatagramProtocol):
         self._tokens -= 1
         return True
 
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, inst: InstanceEgress, limiter: Limiter) -> None:
+        self.inst = inst
+        self.transport: Any = None
+        self._tasks: set[asyncio.Task] = set()
+        self._limiter = limiter
+
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if len(data) > MAX_UDP_BYTES or len(self._tasks) >= MAX_IN_FLIGHT or not self._take():
+        if len(data) > MAX_UDP_BYTES or len(self._tasks) >= MAX_IN_FLIGHT or not self._limiter.take():
             return  # a flood of lookups is dropped, not queued
         task = asyncio.get_running_loop().create_task(self._answer(data, addr))
         self._tasks.add(task)
@@ -107,17 +118,31 @@ class _Protocol(asyncio.DatagramProtocol):
             log.info("dns query failed", error=type(e).__name__)
             return
         if out is not None and len(out) > MAX_UDP_BYTES:
-            out = DNSRecord.parse(out).truncate().pack()
+            out = truncated(out)
         if out is not None and self.transport is not None:
             self.transport.sendto(out, addr)
 
 
-async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """DNS over a stream (TCP, or the unix socket a VM's guestfwd reaches): 2-byte length, message, repeated."""
+def truncated(reply: bytes) -> bytes:
+    """``reply`` without its records and with TC set, its question kept: a resolver ignores a reply whose question
+    is not the one it asked (dnslib's own ``truncate`` drops it), and asks again over TCP on this one."""
+    r = DNSRecord.parse(reply)
+    r.rr, r.auth, r.ar = [], [], []
+    r.header.tc = 1
+    return r.pack()
+
+
+async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       limiter: Limiter | None = None) -> None:
+    """DNS over a stream (TCP, or the unix socket a VM's guestfwd reaches): 2-byte length, message, repeated, until
+    the client closes, stays idle 30 s, sends what is not a query, or (with ``limiter``) asks past its rate."""
     try:
         while True:
             size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 30), "big")
-            out = await answer(inst, await asyncio.wait_for(reader.readexactly(size), 30))
+            query = await asyncio.wait_for(reader.readexactly(size), 30)
+            if limiter is not None and not limiter.take():
+                break
+            out = await answer(inst, query)
             if out is None:
                 break
             writer.write(len(out).to_bytes(2, "big") + out)
@@ -128,13 +153,32 @@ async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, write
         writer.close()
 
 
-async def serve_udp(inst: InstanceEgress, host: str = "", port: int = 0, *,
-                    sock: Any = None) -> tuple[asyncio.DatagramTransport, int]:
+async def serve_udp(inst: InstanceEgress, host: str = "", port: int = 0, *, sock: Any = None,
+                    limiter: Limiter | None = None) -> tuple[asyncio.DatagramTransport, int]:
     """Start a UDP responder for ``inst`` on ``host:port``, or on ``sock`` (a UDP socket already bound, e.g. in a
     VM's network namespace; the transport owns it); returns the transport (close it to stop) and the bound port."""
     loop = asyncio.get_running_loop()
+    limiter = limiter or Limiter()
     if sock is not None:
-        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), sock=sock)
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst, limiter), sock=sock)
     else:
-        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst), local_addr=(host, port))
+        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(inst, limiter), local_addr=(host, port))
     return transport, transport.get_extra_info("sockname")[1]
+
+
+async def serve_tcp(inst: InstanceEgress, sock: Any, limiter: Limiter) -> asyncio.Server:
+    """Start a TCP responder for ``inst`` on ``sock`` (a listening socket; the server owns it): at most
+    ``MAX_TCP_CONNECTIONS`` at once, each query taken from ``limiter``. Close the server to stop."""
+    open_conns: set[asyncio.StreamWriter] = set()
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(open_conns) >= MAX_TCP_CONNECTIONS:
+            writer.close()
+            return
+        open_conns.add(writer)
+        try:
+            await serve_stream(inst, reader, writer, limiter)
+        finally:
+            open_conns.discard(writer)
+
+    return await asyncio.start_server(one, sock=sock)

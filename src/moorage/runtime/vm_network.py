@@ -166,7 +166,7 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
         if nic is not None and nic.proxy_listener is not None:
             relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, inst))
         if nic is not None and nic.dns_socket is not None:
-            relay.nic_dns = loop.create_task(_serve_nic_dns(nic.dns_socket, inst))
+            relay.nic_dns = loop.create_task(_serve_nic_dns(nic.dns_socket, nic.dns_listener, inst))
         loop.create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
@@ -198,19 +198,24 @@ async def _serve_nic(listener: socket.socket, inst: Any) -> None:
             task.cancel()
 
 
-async def _serve_nic_dns(sock: socket.socket, inst: Any) -> None:
+async def _serve_nic_dns(sock: socket.socket, listener: socket.socket | None, inst: Any) -> None:
     """The gateway's DNS responder on the NIC's side of the VM's namespace, until the channel (this wake) ends: the
     same ``egress.dns`` responder as the gateway's own listener (only names the policy admits, NXDOMAIN without an
-    upstream query otherwise; its rate, in-flight and size bounds; a span for each refusal)."""
-    from moorage.egress.dns import serve_udp
+    upstream query otherwise; its rate, in-flight and size bounds; a span for each refusal), over UDP and, for the
+    answers a datagram truncates, TCP (one rate for both)."""
+    from moorage.egress.dns import Limiter, serve_tcp, serve_udp
 
-    # A duplicate, as for the proxy: closing this transport leaves the launch's socket bound for a later attach,
-    # and queries sent before now are read from the buffer they wait in.
-    transport, _ = await serve_udp(inst, sock=sock.dup())
+    # Duplicates, as for the proxy: closing them leaves the launch's sockets bound for a later attach, and queries
+    # sent before now are read from the buffer (or backlog) they wait in.
+    limiter = Limiter()
+    transport, _ = await serve_udp(inst, sock=sock.dup(), limiter=limiter)
+    server = await serve_tcp(inst, listener.dup(), limiter) if listener is not None else None
     try:
         await asyncio.Event().wait()
     finally:
         transport.close()
+        if server is not None:
+            server.close()
 
 
 async def _close_with(channel: Any, relay: _Relay, inst: Any, sandbox_id: str) -> None:

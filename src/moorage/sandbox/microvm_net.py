@@ -123,8 +123,9 @@ class VMNetwork:
         #: it (a wake, before the first turn) waits in the backlog instead of being refused.
         self.proxy_listener: socket.socket | None = None
         #: The DNS responder's address, bound from the start for the same reason: a query sent before the host
-        #: serves it waits in the socket's buffer.
+        #: serves it waits in the socket's buffer. UDP, and TCP for answers too long for a datagram.
         self.dns_socket: socket.socket | None = None
+        self.dns_listener: socket.socket | None = None
 
     @classmethod
     def create(cls) -> "VMNetwork":
@@ -159,10 +160,12 @@ class VMNetwork:
         return net
 
     def _bind_gateway(self) -> None:
-        """Bind the gateway's addresses in the namespace (the proxy's TCP, DNS's UDP); closes it all on failure."""
+        """Bind the gateway's addresses in the namespace (the proxy's TCP, DNS's UDP and TCP); closes it all on
+        failure."""
         try:
             self.proxy_listener = self.listen(PROXY_PORT)
             self.dns_socket = self.bind_udp(DNS_PORT)
+            self.dns_listener = self.listen(DNS_PORT, backlog=16)
         except BaseException:
             self.close()
             raise
@@ -219,9 +222,10 @@ class VMNetwork:
         if self.proxy_listener is not None:
             self.proxy_listener.close()
             self.proxy_listener = None
-        if self.dns_socket is not None:
-            self.dns_socket.close()
-            self.dns_socket = None
+        for s in (self.dns_socket, self.dns_listener):
+            if s is not None:
+                s.close()
+        self.dns_socket = self.dns_listener = None
         if self.ns_fd is not None:
             os.close(self.ns_fd)
             self.ns_fd = None
