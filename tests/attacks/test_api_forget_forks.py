@@ -1,5 +1,6 @@
 """Forgetting a user also deletes the fork templates made from that user's instances (they hold the user's
-files), and what the host writes under its data dir (packages, templates, records) is private to it.
+files: time-travel forks, docs/timetravel.md, and those earlier versions' sandbox `fork` verb left on a host), and
+what the host writes under its data dir (packages, templates, records) is private to it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import uuid
 from pathlib import Path
 
 from moorage.store import EntityKey
-from tests.runtime.conftest import env, write_agent  # noqa: F401 - pytest finds the fixture by name
+from tests.runtime.conftest import earlier_fork_template, env, write_agent  # noqa: F401 - pytest finds the fixture by name
 
 AGENT = '''
 async def on_message(ctx, message):
@@ -38,11 +39,10 @@ async def test_forget_deletes_fork_templates_of_the_user(env, tmp_path: Path) ->
     await env.runtime.invoke(env.principal, EntityKey("diary", "bob"), bob)
     ts = env.store.tenant(env.principal)
     boxes = {b.scope.user: b.id for b in ts.sandboxes.list(agent_id="diary")}
-    fork_a = await env.runtime.sandbox(env.principal, boxes["alice"], "fork")
-    fork_b = await env.runtime.sandbox(env.principal, boxes["bob"], "fork")
+    fork_a = await earlier_fork_template(env.runtime, ts.tenant_id, boxes["alice"], "diary", "alice")
+    fork_b = await earlier_fork_template(env.runtime, ts.tenant_id, boxes["bob"], "diary", "bob")
     [(record_a, ref_a)] = env.runtime.templates.forks_of(ts.tenant_id, "diary", "alice")
-    assert ref_a.id == fork_a["template"] and Path(ref_a.path).exists()
-    assert record_a.stat().st_mode & 0o777 == 0o600
+    assert (record_a, ref_a.id) == (fork_a[0], fork_a[1].id) and Path(ref_a.path).exists()
     assert _files_containing(Path(ref_a.path), alice.encode()), "the fork holds none of alice's files; proves nothing"
 
     await env.runtime.forget(env.principal, "diary", "alice")
@@ -50,7 +50,7 @@ async def test_forget_deletes_fork_templates_of_the_user(env, tmp_path: Path) ->
     assert not Path(ref_a.path).exists() and not record_a.exists()
     assert _files_containing(env.cfg.data_dir, alice.encode()) == []
     [(_, ref_b)] = env.runtime.templates.forks_of(ts.tenant_id, "diary", "bob")
-    assert ref_b.id == fork_b["template"] and _files_containing(Path(ref_b.path), bob.encode())
+    assert ref_b.id == fork_b[1].id and _files_containing(Path(ref_b.path), bob.encode())
 
 
 async def test_host_written_files_are_private(env, tmp_path: Path) -> None:  # noqa: F811

@@ -104,7 +104,8 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
         assert {k.split("/")[1] for k in keys() if k.startswith("templates/")} == {t2}
         assert {k.split("/")[1] for k in keys() if k.startswith("deployments/")} == {d2}
 
-        # Xia has a sandbox fork template and a time-travel fork (into yan); then she is forgotten.
+        # Xia is forked twice, at a checkpoint (into yan) and as she is now by the sandbox verb (into zoe); then she
+        # is forgotten.
         assert _ok(f.turn(0, "xia")) == "v2 1: hi"
         r = f.api[0].post("/v1/agents/echo/users/xia/checkpoints", json={"name": "one"})
         assert r.status_code == 201, r.text
@@ -113,10 +114,9 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
         r = f.api[0].post(f"/v1/agents/echo/users/xia/checkpoints/{ck}/fork", json={"to_users": ["yan"]})
         assert r.status_code == 201, r.text
         xia = f.records()["xia"].id
-        r = f.api[1].post(f"/v1/sandboxes/{xia}/fork")  # on whichever host holds her instance
+        r = f.api[1].post(f"/v1/sandboxes/{xia}/fork", json={"to_user": "zoe"})  # whichever host holds her
         assert r.status_code == 200, r.text
-        fork_tpl = r.json()["template"]
-        assert on_hosts(fork_tpl)
+        assert [x["user"] for x in r.json()["forks"]] == ["zoe"]
         for user in ("xia", "yan"):
             r = f.api[0].post(f"/v1/sandboxes/{f.records()[user].id}/sleep")
             assert r.status_code == 200, r.text
@@ -126,14 +126,15 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
         r = f.api[1].delete("/v1/agents/echo/users/xia")
         assert r.status_code in (200, 204), r.text
         assert not [k for k in keys() if xia in k]
-        _until(lambda: not on_hosts(fork_tpl) and not on_hosts("tt-") and not on_hosts("fork-"),
+        _until(lambda: not on_hosts("tt-") and not on_hosts("fork-"),
                "the user's fork templates leave every host")
         assert "xia" not in f.records()
         leftover = [k for k in keys() if not k.startswith(("instances/", f"templates/{t2}/", f"deployments/{d2}/",
                                                            "packages/"))]
         assert leftover == []
-        # Yan is a user of her own: her copy of xia at checkpoint "one" runs on.
+        # Yan and zoe are users of their own: their copies of xia (at checkpoint "one", and after turn 2) run on.
         assert _ok(f.turn(1, "yan")) == "v2 2: hi"
+        assert _ok(f.turn(1, "zoe")) == "v2 3: hi"
         assert [k for k in keys() if f"/{yan}/" in k]
     finally:
         f.close()

@@ -68,3 +68,20 @@ def write_agent(root: Path, name: str, body: str, extra_manifest: str = "") -> P
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     async for e in make_env(tmp_path, "process"):
         yield e
+
+
+async def earlier_fork_template(runtime: Runtime, tenant_id: str, sandbox_id: str, agent: str, user: str) -> tuple[Path, object]:
+    """A fork template as earlier versions' sandbox `fork` verb left them on a host (a template of the user's
+    instance, and ``forks/<template>.json`` naming the user): what an upgraded host must still clean up."""
+    import json
+    import uuid
+
+    from moorage.runtime.private_files import write_private
+    from moorage.runtime.templates import _ref_json
+
+    sb = await runtime.driver.open(sandbox_id)
+    ref = await runtime.driver.make_template(sb, f"fork-{uuid.uuid4().hex[:12]}")
+    record = runtime.templates._forks_dir() / f"{ref.id}.json"
+    write_private(record, json.dumps({"template": _ref_json(ref), "tenant_id": tenant_id, "agent": agent,
+                                      "user": user, "sandbox_id": sandbox_id}).encode())
+    return record, ref

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moorage.fleet.gc import TemplateGC, template_use
 from moorage.store import EntityKey
-from tests.runtime.conftest import write_agent
+from tests.runtime.conftest import earlier_fork_template, write_agent
 
 V1 = '''
 async def on_message(ctx, message):
@@ -77,7 +77,7 @@ async def test_fork_templates_go_once_their_user_has_no_instance(env, tmp_path: 
     await env.runtime.invoke(env.principal, EntityKey("counter", "bob"), "hi")
     ts = env.store.tenant(env.principal)
     sid = {r.scope.user: r.id for r in ts.sandboxes.list()}
-    made = {u: (await env.runtime.sandbox(env.principal, sid[u], "fork"))["template"] for u in ("ann", "bob")}
+    made = {u: (await earlier_fork_template(env.runtime, ts.tenant_id, sid[u], "counter", u))[1].id for u in ("ann", "bob")}
     forks = env.runtime.templates._forks_dir()
     assert {json.loads(p.read_text())["user"] for p in forks.glob("*.json")} == {"ann", "bob"}
 

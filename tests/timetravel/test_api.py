@@ -86,3 +86,55 @@ async def test_checkpoint_routes_refuse_other_tenants_scopes_agents_and_users(li
         after = (await c.get(BASE)).json()
         assert [x["id"] for x in after["data"]] == [x["id"] for x in victim["data"]]  # nothing was taken or rolled
         assert (await c.get("/v1/agents/tt/users/thief/checkpoints")).json()["data"] == []
+
+
+async def test_the_sandbox_verbs_checkpoint_roll_back_and_fork_the_whole_instance(live_rt, store: Store,  # noqa: F811
+                                                                                  acme: str, tmp_path: Path) -> None:
+    """`POST /v1/sandboxes/{id}/checkpoint|rollback|fork` act on the whole instance, as the checkpoint routes do: a
+    sandbox rolled back alone would leave the user's memory and journal where they were. The routes' own scope
+    (deploy) is enough."""
+    await _deploy_and_turns(live_rt, acme, tmp_path, 2)
+    ts = store.tenant(store.authenticate(acme))
+    sid = ts.sandboxes.list()[0].id
+    async with aclient(live_rt, acme) as admin:
+        deploy_key = (await admin.post("/v1/keys", json={"scopes": ["deploy"]})).json()["secret"]
+
+        async def ask(user: str, message: str) -> str:
+            r = await admin.post("/v1/agents/tt/invoke", json={"message": message, "user": user})
+            assert r.status_code == 200, r.text
+            return r.json()["reply"]
+
+        async with aclient(live_rt, deploy_key) as c:
+            r = await c.post(f"/v1/sandboxes/{sid}/checkpoint", json={"label": "after-two"})
+            assert r.status_code == 200, r.text
+            ck = r.json()["checkpoint"]
+            listed = {x["id"]: x for x in (await admin.get(BASE)).json()["data"]}
+            assert listed[ck]["kind"] == "manual" and listed[ck]["name"] == "after-two"
+            assert await ask("ada", "turn 3") == "done 3 step=30 files=3"
+
+            # Rolled back by the checkpoint's name: files and memory together.
+            r = await c.post(f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": "after-two"})
+            assert r.status_code == 200, r.text
+            assert r.json()["rolled_back_to"] == ck and r.json()["abandoned"]["tip"]
+            assert sorted(json.loads(await ask("ada", "ls"))) == ["1.txt", "2.txt"]
+            assert json.loads(await ask("ada", "recall milestone reached")) == [
+                "milestone 1 reached by the user", "milestone 2 reached by the user"]
+            assert await ask("ada", "turn 3") == "done 3 step=30 files=3"  # as a first turn 3 would
+
+            # Forked as it is now into a new user, who starts with all of it; ada is unchanged.
+            r = await c.post(f"/v1/sandboxes/{sid}/fork", json={"to_users": ["bea"]})
+            assert r.status_code == 200, r.text
+            assert [x["user"] for x in r.json()["forks"]] == ["bea"]
+            assert sorted(json.loads(await ask("bea", "ls"))) == ["1.txt", "2.txt", "3.txt"]
+            assert await ask("bea", "turn 4") == "done 4 step=40 files=4"
+            assert sorted(json.loads(await ask("ada", "ls"))) == ["1.txt", "2.txt", "3.txt"]
+
+            # Bad input is refused before anything is taken: no stray checkpoint.
+            before = len((await admin.get(BASE)).json()["data"])
+            for body, status in (({}, 422), ({"to_users": ["ada"]}, 422), ({"to_users": "bea"}, 422),
+                                 ({"to_user": "bea"}, 409)):
+                r = await c.post(f"/v1/sandboxes/{sid}/fork", json=body)
+                assert r.status_code == status, (body, r.text)
+            assert (await c.post(f"/v1/sandboxes/{sid}/rollback", json={})).status_code == 422
+            assert (await c.post(f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": "nope"})).status_code == 404
+            assert len((await admin.get(BASE)).json()["data"]) == before

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -193,14 +193,22 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                       mib(s.get("disk_bytes")))
         _print({"data": rows, "counts": fleet.get("counts", {})}, as_json, t)
 
-    def _verb(verb: str) -> None:
-        @app.command(name=verb, help=f"{verb.capitalize()} an agent instance's sandbox.")
-        def _cmd(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label")) -> None:
+    def _verb(verb: str, help: str) -> None:
+        @app.command(name=verb, help=help)
+        def _cmd(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name")) -> None:
             r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb, label=label))
             print(json.dumps(r, indent=2))
 
-    for v in ("sleep", "wake", "fork", "checkpoint"):
-        _verb(v)
+    _verb("sleep", "Sleep an agent instance's sandbox.")
+    _verb("wake", "Wake an agent instance's sandbox.")
+    _verb("checkpoint", "Checkpoint an end-user's whole instance (sandbox and memory) by its sandbox id.")
+
+    @app.command(name="fork")
+    def _fork(sandbox_id: str, to: List[str] = typer.Option(..., "--to", help="a new end-user (repeat for more)"),
+              label: Optional[str] = typer.Option(None, "--label", help="name of the checkpoint forked from")) -> None:
+        """Fork an end-user's whole instance, as it is now, into new end-users of the same agent."""
+        r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "fork", label=label, to_users=to))
+        print(json.dumps(r, indent=2))
 
     @app.command()
     def forget(agent: str, user: str, yes: bool = typer.Option(False, "--yes", help="Do not ask.")) -> None:

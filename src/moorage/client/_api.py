@@ -278,10 +278,15 @@ class Api(ABC):
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}"))
 
-    def sandbox_action(self, sandbox_id: str, verb: str, *, label: str | None = None) -> dict[str, Any]:
-        """``sleep``, ``wake``, ``checkpoint``, ``rollback`` or ``fork`` (``label`` names a checkpoint)."""
-        return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/{_p(verb)}",
-                                  json={} if label is None else {"label": label}))
+    def sandbox_action(self, sandbox_id: str, verb: str, *, label: str | None = None,
+                       to_users: str | Sequence[str] | None = None) -> dict[str, Any]:
+        """``sleep``, ``wake``, ``checkpoint``, ``rollback`` or ``fork`` of the sandbox's instance. The last three are
+        the whole instance's (sandbox and memory): ``label`` names the checkpoint taken, or the one to roll back to
+        (its id or name); ``fork`` makes new end-users ``to_users``, each starting as the instance is now."""
+        body: dict[str, Any] = {} if label is None else {"label": label}
+        if to_users is not None:
+            body["to_users"] = [to_users] if isinstance(to_users, str) else list(to_users)
+        return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/{_p(verb)}", json=body))
 
     def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/sandboxes/{_p(sandbox_id)}/files", {"path": path}))

@@ -534,29 +534,47 @@ class Runtime:
         return ts, rec, template
 
     async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
-        """Operator verbs on one instance's sandbox: sleep, wake, checkpoint, rollback, fork."""
+        """Operator verbs on one instance's sandbox: sleep and wake; checkpoint, rollback and fork are the whole
+        instance's (``timetravel``: the sandbox and the store state of its scopes together, never one without the
+        other), of an end-user's instance."""
         principal.require("deploy")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
+        if verb in ("checkpoint", "rollback", "fork"):
+            return await self._whole_instance(principal, rec, verb, kw.get("checkpoint") or kw.get("label"),
+                                              kw.get("to_users"))
         if rec.scope.user is not None:  # a reply just sent: its automatic checkpoint first
             await self.timetravel.settled(ts.tenant_id, rec.scope.agent, rec.scope.user)
         if verb == "sleep":
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
             return {"id": sandbox_id, "slept": slept}
-        label = kw.get("checkpoint") or kw.get("label") or "manual"
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            if verb == "wake":
+        if verb == "wake":
+            async with self.instances.turn(ts, rec.scope, template) as sb:
                 return {"id": sandbox_id, "state": sb.state.value}
-            if verb == "checkpoint":
-                info = await sb.checkpoint(label)
-                return {"id": sandbox_id, "checkpoint": info.name}
-            if verb == "rollback":
-                await sb.rollback(label)
-                self._loaded.pop(sb.id, None)
-                return {"id": sandbox_id, "rolled_back_to": label}
-            if verb == "fork":
-                ref = await self.templates.make_fork(sb, ts.tenant_id, rec.scope)  # recorded: forget finds it
-                return {"id": sandbox_id, "template": ref.id}
         raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
+
+    async def _whole_instance(self, principal: Principal, rec: Any, verb: str, ref: str | None,
+                              to_users: list[str] | None) -> dict[str, Any]:
+        """The sandbox verbs checkpoint, rollback and fork as the timeline's (docs/timetravel.md). A sandbox
+        rolled back alone would leave memory, facts and journal where they were: the two would diverge."""
+        agent, user = rec.scope.agent, rec.scope.user
+        if rec.scope.kind != "user" or user is None:
+            raise InvalidInput(f"sandbox {rec.id} is a {rec.scope.kind}'s instance; checkpoints, rollbacks and forks "
+                               "are of one end-user's whole instance (its sandbox and its memory together)",
+                               hint='set [agent] scope = "user" (the default) to checkpoint instances')
+        tt = self.timetravel
+        if verb == "checkpoint":
+            ck = await tt.take(principal, agent, user, ref, as_scope="deploy")
+            return {"id": rec.id, "checkpoint": ck.id, "name": ck.name, "agent": agent, "user": user}
+        if verb == "rollback":
+            if not ref:
+                raise InvalidInput("name the checkpoint to roll back to", hint='{"checkpoint": "<its id or name>"}')
+            target = await tt.find(principal, agent, user, ref, as_scope="deploy")
+            out = await tt.rollback(principal, agent, user, target.id, as_scope="deploy")
+            return {"id": rec.id, **out}
+        if not to_users:
+            raise InvalidInput("name the new end-users the instance is forked into",
+                               hint='{"to_users": ["..."]}: each starts as this one is now (sandbox and memory)')
+        return {"id": rec.id, **await tt.fork_now(principal, agent, user, to_users, ref, as_scope="deploy")}
 
     async def list_files(self, principal: Principal, sandbox_id: str, path: str) -> list[dict[str, Any]]:
         ts, rec, template = await self._instance_of(principal, sandbox_id)

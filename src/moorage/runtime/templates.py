@@ -31,7 +31,7 @@ from moorage.runtime.private_files import private_dir, write_private
 from moorage.runtime import deploy_apt, deploy_packages
 from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
-from moorage.store import Deployment, Scope
+from moorage.store import Deployment
 
 if TYPE_CHECKING:
     from moorage.fleet.gc import TemplateGC, TemplateUse
@@ -244,22 +244,12 @@ class Templates:
         say("template ready")
         return ref
 
-    # -- fork templates: snapshots of one user's instance, so that user's data ----------------------------
+    # -- fork templates: snapshots of one user's instance, so that user's data. Earlier versions' sandbox `fork`
+    # verb made them (``forks/<template>.json`` names the user); it now forks into new users through the timeline,
+    # and what those left on a host still goes with its user's ``forget`` or with the collection below.
 
     def _forks_dir(self) -> Path:
         return private_dir(self.root / "forks")
-
-    async def make_fork(self, sandbox: Sandbox, tenant_id: str, scope: Scope) -> TemplateRef:
-        """Snapshot ``sandbox`` as a template and record whose instance it came from (for ``forget``)."""
-        ref = await self.driver.make_template(sandbox, f"fork-{uuid.uuid4().hex[:12]}")
-        record = {"template": _ref_json(ref), "tenant_id": tenant_id, "agent": scope.agent, "user": scope.user,
-                  "sandbox_id": sandbox.id}
-        try:
-            write_private(self._forks_dir() / f"{ref.id}.json", json.dumps(record).encode())
-        except BaseException:
-            await self.driver.delete_template(ref)  # a fork nobody could find again must not outlive this call
-            raise
-        return ref
 
     def forks_of(self, tenant_id: str, agent: str, user: str) -> list[tuple[Path, TemplateRef]]:
         """The fork templates on this host made from ``user``'s instances of ``agent`` in one tenant."""

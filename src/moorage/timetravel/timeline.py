@@ -395,7 +395,9 @@ class TimeTravel:
     # -- the verbs ------------------------------------------------------------------------------------------
 
     def _ts(self, principal: Principal, agent: str, user: str, *scopes: str) -> TenantStore:
-        """The caller's tenant store, once it may act on this agent and user with one of ``scopes``."""
+        """The caller's tenant store, once it may act on this agent and user with one of ``scopes``. The verbs'
+        ``as_scope`` is the scope of the route that calls them: ``provision`` for the checkpoint routes, ``deploy``
+        for the sandbox verbs (``Runtime.sandbox``)."""
         if not principal.allows(*scopes):
             raise TenantScopeError(f"this key lacks the {' or '.join(repr(s) for s in scopes)} scope",
                                    hint=f"use a key with the {scopes[0]} scope")
@@ -447,8 +449,15 @@ class TimeTravel:
         except Exception:  # noqa: BLE001 - on another host, or gone: not known here
             return rec.id, None
 
-    async def take(self, principal: Principal, agent: str, user: str, name: str | None = None) -> Checkpoint:
-        ts = self._ts(principal, agent, user, "provision")
+    async def find(self, principal: Principal, agent: str, user: str, ref: str, *,
+                   as_scope: str = "provision") -> Checkpoint:
+        """The instance's checkpoint whose id is ``ref``, else its newest one named ``ref``."""
+        ts = self._ts(principal, agent, user, as_scope, "read")
+        return await asyncio.to_thread(checkpoints_of(ts).by_ref, agent, user, ref)
+
+    async def take(self, principal: Principal, agent: str, user: str, name: str | None = None, *,
+                   as_scope: str = "provision") -> Checkpoint:
+        ts = self._ts(principal, agent, user, as_scope)
         async with self._hold(ts, agent, user) as sandbox:
             return await self._take(ts, agent, user, sandbox, kind="manual", name=name)
 
@@ -471,10 +480,11 @@ class TimeTravel:
         return await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
                                 summary={"during_turn": b.turn_id})
 
-    async def rollback(self, principal: Principal, agent: str, user: str, checkpoint_id: str) -> dict[str, Any]:
+    async def rollback(self, principal: Principal, agent: str, user: str, checkpoint_id: str, *,
+                       as_scope: str = "provision") -> dict[str, Any]:
         """Put the instance's sandbox and store state back to the checkpoint. The state it leaves is checkpointed
         first (``before-rollback``): the abandoned branch's tip, listable and restorable by another rollback."""
-        ts = self._ts(principal, agent, user, "provision")
+        ts = self._ts(principal, agent, user, as_scope)
         repo = checkpoints_of(ts)
         target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
@@ -492,11 +502,16 @@ class TimeTravel:
         return {"object": "rollback", "agent": agent, "user": user, "rolled_back_to": target.id, "branch": branch,
                 "abandoned": {"branch": left.branch, "tip": left.id}, "ms": ms}
 
-    async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
-                   to_users: Sequence[str]) -> dict[str, Any]:
-        """New end-users of the same agent, each starting from the checkpoint: its sandbox (a copy-on-write fork
-        of a template made from it) and its store state (copied, new ids). The source instance is unchanged."""
-        ts = self._ts(principal, agent, user, "provision")
+    async def fork_now(self, principal: Principal, agent: str, user: str, to_users: Sequence[str],
+                       name: str | None = None, *, as_scope: str = "provision") -> dict[str, Any]:
+        """``fork`` of the instance as it is now: a manual checkpoint (``name``, if given), then a fork at it. New
+        users that cannot be made are refused before the checkpoint is taken."""
+        ts = self._ts(principal, agent, user, as_scope)
+        await self._check_new_users(ts, agent, user, to_users)
+        ck = await self.take(principal, agent, user, name, as_scope=as_scope)
+        return await self.fork(principal, agent, user, ck.id, to_users, as_scope=as_scope)
+
+    async def _check_new_users(self, ts: TenantStore, agent: str, user: str, to_users: Sequence[str]) -> None:
         if not to_users or len(to_users) > MAX_FORKS or len(set(to_users)) != len(to_users):
             raise InvalidInput(f"name 1-{MAX_FORKS} distinct new users to fork into")
         for u in to_users:
@@ -506,6 +521,13 @@ class TimeTravel:
             if await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, u)) is not None:
                 raise ConflictError(f"user {u!r} of agent {agent!r} already has an instance",
                                     hint="fork into a new user id")
+
+    async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
+                   to_users: Sequence[str], *, as_scope: str = "provision") -> dict[str, Any]:
+        """New end-users of the same agent, each starting from the checkpoint: its sandbox (a copy-on-write fork
+        of a template made from it) and its store state (copied, new ids). The source instance is unchanged."""
+        ts = self._ts(principal, agent, user, as_scope)
+        await self._check_new_users(ts, agent, user, to_users)
         repo = checkpoints_of(ts)
         target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         rt = self.rt

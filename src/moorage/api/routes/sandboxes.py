@@ -21,6 +21,13 @@ from moorage.errors import InvalidInput, UnavailableError
 from moorage.runtime import exec_jobs
 
 VERBS = ("sleep", "wake", "checkpoint", "rollback", "fork")
+_SUMMARY = {
+    "sleep": "Sleep a sandbox",
+    "wake": "Wake a sandbox",
+    "checkpoint": "Checkpoint the sandbox's instance (sandbox and memory together)",
+    "rollback": "Roll the sandbox's instance back to a checkpoint by id or name",
+    "fork": "Fork the sandbox's instance as it is now into new end-users",
+}
 PATH = Param("path", {"type": "string", "minLength": 1}, "a path inside the sandbox", required=True)
 
 
@@ -46,10 +53,18 @@ def _verb(verb: str) -> Callable[[Call], Any]:
     async def handler(call: Call) -> dict[str, Any]:
         sid = call.path["sandbox_id"]
         await run_in_threadpool(call.tenant.sandboxes.get, sid)
-        kw = {k: v for k, v in (call.body or {}).items() if k in ("checkpoint", "label")}
+        body = call.body if isinstance(call.body, dict) else {}
+        kw: dict[str, Any] = {k: v for k, v in body.items() if k in ("checkpoint", "label")}
         for k, v in kw.items():
             if not isinstance(v, str):
                 raise InvalidInput(f"field {k!r} must be a string")
+        if verb == "fork":
+            one, many = body.get("to_user"), body.get("to_users")
+            users = [one] if one is not None else many
+            if (one is None) == (many is None) or not isinstance(users, list) or not all(isinstance(u, str) for u in users):
+                raise InvalidInput('name the new end-user(s): {"to_user": "..."} or {"to_users": ["...", ...]}',
+                                   hint="each starts as this instance is now: its sandbox and its memory")
+            kw["to_users"] = users
         started = time.perf_counter()
         result = await runtime_method(call, "sandbox")(call.who, sid, verb, **kw)
         if verb == "wake":
@@ -164,9 +179,11 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
              query=(*PAGE, Param("state", S.STR), Param("agent", S.STR)), response=S.page_of("Sandbox")),
     Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", scope="read", response=S.ref("Sandbox")),
-    *[Endpoint("POST", f"{_BOX}/{verb}", _verb(verb), f"{verb.capitalize()} a sandbox", "sandboxes",
-               f"{verb}Sandbox", scope="deploy",
-               body=S.obj({"checkpoint": S.STR, "label": S.STR}, []), response=S.ref("Result"))
+    *[Endpoint("POST", f"{_BOX}/{verb}", _verb(verb), _SUMMARY[verb], "sandboxes", f"{verb}Sandbox", scope="deploy",
+               body=S.obj({"checkpoint": S.STR, "label": S.STR,
+                           **({"to_user": S.STR, "to_users": {"type": "array", "items": S.STR, "minItems": 1,
+                                                              "maxItems": 16}} if verb == "fork" else {})}, []),
+               response=S.ref("Result"))
       for verb in VERBS],
     Endpoint("GET", f"{_BOX}/files", list_files, "List a directory inside the sandbox", "sandboxes",
              "listSandboxFiles", scope="deploy", query=(PATH,),

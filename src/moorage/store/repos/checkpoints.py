@@ -252,6 +252,19 @@ class Checkpoints:
                            hint="list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
         return _checkpoint(r)
 
+    def by_ref(self, agent: str, user: str, ref: str) -> Checkpoint:
+        """The checkpoint whose id is ``ref``, else the newest one named ``ref``."""
+        check_id(agent, "agent id"), check_id(user, "user id")
+        if not isinstance(ref, str) or not ref:
+            raise NotFound("no such checkpoint")
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_COLS} FROM checkpoints WHERE agent_id = ? AND user_id = ? AND (id = ? OR name = ?) "
+                      "ORDER BY (id = ?) DESC, seq DESC LIMIT 1", (agent, user, ref, ref, ref))
+        if r is None:
+            raise NotFound(f"user {user!r} of agent {agent!r} has no checkpoint with the id or name {ref!r}",
+                           hint="list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
+        return _checkpoint(r)
+
     def restorable(self, agent: str, user: str, checkpoint_id: str) -> Checkpoint:
         """``get``, refusing a ``missing`` one (a failed automatic checkpoint holds nothing to go back to)."""
         ck = self.get(agent, user, checkpoint_id)
