@@ -340,9 +340,18 @@ async def test_requirements_are_installed_into_the_template_once(world: World, t
         (src / "requirements.txt").write_text(requirements)
         return src
 
-    await w.env.runtime.deploy(w.env.principal, agent("", "moorage-canary-pkg\n"), on_progress=progress.append)
+    dep = await w.env.runtime.deploy(w.env.principal, agent("", "moorage-canary-pkg\n"), on_progress=progress.append)
     assert any("installing requirements.txt" in p for p in progress), progress
     assert any("/simple/moorage-canary-pkg/" in h for h in INDEX_HITS)
+    # The deploy is a trace of the tenant's: a "deploy" span, and under it a span for every request pip made
+    # through the gateway (what the build fetched, from where, allowed or not).
+    spans = w.env.store.tenant(w.env.principal).spans.recent(limit=2000)
+    [deploy] = [s for s in spans if s.name == "deploy" and s.attrs.get("deployment") == dep.id]
+    assert deploy.status == "ok" and deploy.attrs["agent"] == "pkgd" and deploy.end_ts >= deploy.start_ts
+    fetched = [s for s in spans if s.trace_id == deploy.trace_id and s.name == "egress"]
+    assert fetched and all(s.parent_id == deploy.span_id for s in fetched)
+    assert {s.attrs.get("egress.host") for s in fetched} == {"pypi.test"}
+    assert {s.attrs.get("egress.decision") for s in fetched} == {"allowed"}
     assert await ask(w, "hi", user="ada", agent="pkgd") == "from-the-wheel"
     assert await ask(w, "hi", user="eve", agent="pkgd") == "from-the-wheel"  # another fork of the template
     ts = w.env.store.tenant(w.env.principal)
@@ -357,6 +366,9 @@ async def test_requirements_are_installed_into_the_template_once(world: World, t
     with pytest.raises(PackageInstallFailed) as e:
         await w.env.runtime.deploy(w.env.principal, agent("-3", "no-such-package-here\n"))
     assert "No matching distribution found for no-such-package-here" in e.value.message
+    failed = [s for s in w.env.store.tenant(w.env.principal).spans.recent(limit=2000)
+              if s.name == "deploy" and s.status == "error"]
+    assert len(failed) == 1 and "no-such-package-here" in failed[0].attrs["error.message"]
     assert await ask(w, "hi", user="zed", agent="pkgd") == "from-the-wheel-2"
 
 

@@ -22,13 +22,15 @@ from moorage.log import get_logger
 log = get_logger(__name__)
 
 
-def store_recorder(ts: Any, trace_id: Callable[[], str], scope: Any = None, **attrs: Any) -> SpanRecorder:
+def store_recorder(ts: Any, trace_id: Callable[[], str], scope: Any = None, *, parent_id: str | None = None,
+                   **attrs: Any) -> SpanRecorder:
     """Spans into a tenant's own store, written off the event loop; ``trace_id()`` names the current trace
-    (an instance's turn, or its own gateway trace between turns). Attributes never hold header values."""
+    (an instance's turn, or its own gateway trace between turns; a deploy's, under its span ``parent_id``).
+    Attributes never hold header values."""
     from moorage.store import Span
 
     def record(started: float, status: str, span_attrs: dict[str, Any]) -> None:
-        span = Span(trace_id(), uuid.uuid4().hex[:16], None, "egress", started, time.time(), status,
+        span = Span(trace_id(), uuid.uuid4().hex[:16], parent_id, "egress", started, time.time(), status,
                     {**attrs, **span_attrs}, scope)
         try:
             loop = asyncio.get_running_loop()

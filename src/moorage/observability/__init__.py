@@ -7,10 +7,11 @@ from moorage.observability.metrics import Metrics
 from moorage.observability.tracer import (
     SpanSink,
     Tracer,
+    current_span_id,
     current_trace_id,
     new_span_id,
     new_trace_id,
     use_trace_id,
 )
 
-__all__ = ["Metrics", "SpanSink", "Tracer", "current_trace_id", "new_span_id", "new_trace_id", "use_trace_id"]
+__all__ = ["Metrics", "SpanSink", "Tracer", "current_span_id", "current_trace_id", "new_span_id", "new_trace_id", "use_trace_id"]

@@ -37,6 +37,12 @@ def current_trace_id() -> str | None:
     return cur[0] if cur else None
 
 
+def current_span_id() -> str | None:
+    """The span the current task works inside (a request's span), the parent of spans it starts."""
+    cur = _current.get()
+    return cur[1] if cur else None
+
+
 @contextlib.contextmanager
 def use_trace_id(trace_id: str, span_id: str | None = None) -> Iterator[None]:
     """Make ``trace_id`` (and ``span_id`` as the parent) current for code called inside the block."""

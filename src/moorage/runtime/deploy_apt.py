@@ -57,8 +57,9 @@ def _out(r: Any) -> str:
 
 
 async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, cache_dir: Path,
-                  say: Callable[[str], None], owner: str = "") -> str:
-    """Install ``packages`` into ``sandbox`` (the template's builder); returns "cached" or "installed".
+                  say: Callable[[str], None], owner: str = "", record: Any = None) -> str:
+    """Install ``packages`` into ``sandbox`` (the template's builder); returns "cached" or "installed". Each
+    request apt makes through the gateway is a span for ``record`` (the deploy's trace), if given.
 
     ``owner`` (the agent's id) is part of the cache key, as for pip's packages: what one agent's deploy fetched is
     reused for that agent only.
@@ -92,7 +93,7 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
         log.warning("apt cache entry unusable; installing again", key=key, error=_tail(_out(r), 2))
 
     # The mirror must be one the operator allows: said here, before apt turns a refusal into "403 Forbidden".
-    inst = egress.instance({"network": {"packages": True}})
+    inst = egress.instance({"network": {"packages": True}}, record=record)
     try:
         t = Target.parse(mirror + "/")
         decision = await egress.check(inst.policy, t)

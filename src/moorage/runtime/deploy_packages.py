@@ -54,8 +54,9 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, cache_dir: Path,
-                  say: Callable[[str], None], owner: str = "") -> str:
-    """Install ``requirements`` into ``sandbox`` (the template's builder); returns "cached" or "installed".
+                  say: Callable[[str], None], owner: str = "", record: Any = None) -> str:
+    """Install ``requirements`` into ``sandbox`` (the template's builder); returns "cached" or "installed". Each
+    request pip makes through the gateway is a span for ``record`` (the deploy's trace), if given.
 
     ``owner`` (the agent's id) is part of the cache key: an installed tree came out of a sandbox that ran the
     packages' own build code, so it is reused for the agent that asked for it, never handed to another.
@@ -79,7 +80,7 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
         log.warning("package cache entry unusable; installing again", key=key)
 
     # The index must be one the operator allows: said here, before pip turns a refusal into "no versions".
-    inst = egress.instance({"network": {"packages": True}})
+    inst = egress.instance({"network": {"packages": True}}, record=record)
     try:
         t = Target.parse(index)
         decision = await egress.check(inst.policy, t)

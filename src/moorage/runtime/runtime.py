@@ -18,11 +18,12 @@ from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine
-from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.egress.gateway import store_recorder
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
-from moorage.observability import current_trace_id
+from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
 from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
@@ -359,7 +360,7 @@ class Runtime:
                 agent = ts.agents.get(pkg.name)
         dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
         # Build the template before going live: an import error fails the deploy, not a user's turn.
-        await self.templates.ensure(dep, on_progress)
+        await self._build_traced(ts, dep, pkg.name, on_progress)
         previous = agent.live_deployment
         agent = self._set_live(ts, agent, dep)
         ttl = retention_ttl_s(pkg.manifest)
@@ -372,6 +373,28 @@ class Runtime:
         self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
+
+    async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
+        """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),
+        with a span under it for every request the build's package installs make through the egress gateway."""
+        trace_id, parent, span_id = current_trace_id() or new_trace_id(), current_span_id(), new_span_id()
+        attrs: dict[str, Any] = {"agent": agent, "deployment": dep.id, "deployment.number": dep.number}
+        record = store_recorder(ts, lambda: trace_id, None, parent_id=span_id, agent=agent, deployment=dep.id)
+        started, status = time.time(), "ok"
+        try:
+            await self.templates.ensure(dep, on_progress, record=record)
+        except BaseException as e:
+            status = "error"
+            attrs["error.message"] = (e.message if isinstance(e, MoorageError) else type(e).__name__)[:500]
+            raise
+        finally:
+            span = Span(trace_id, span_id, parent, "deploy", started, time.time(), status, attrs, None)
+            try:
+                await asyncio.to_thread(ts.spans.record, span)
+                if self.tracer.sink is not None:
+                    self.tracer.sink.export(ts.tenant_id, span)
+            except Exception as e:  # noqa: BLE001 - tracing never fails the deploy it describes
+                log.warning("deploy span not recorded", error=str(e))
 
     async def _refresh_pool(self, ts: TenantStore, agent: Agent, previous: str | None) -> None:
         """After a deployment went live: empty the warm pool of the one it replaced (users keep their own

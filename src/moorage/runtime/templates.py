@@ -126,8 +126,9 @@ class Templates:
             return None
         return _ref_of(d)
 
-    async def ensure(self, deployment: Deployment, on_progress: Any = None) -> TemplateRef:
-        """The deployment's template, built now if this host has none (single-flight per deployment)."""
+    async def ensure(self, deployment: Deployment, on_progress: Any = None, record: Any = None) -> TemplateRef:
+        """The deployment's template, built now if this host has none (single-flight per deployment). ``record``
+        takes a span for each request the build's package installs make (the deploy's trace)."""
         lock = self._locks.setdefault(deployment.id, asyncio.Lock())
         async with lock:
             ref = self.cached(deployment.id)
@@ -139,7 +140,7 @@ class Templates:
                 ref = await self._fetch_published(deployment)
                 if ref is not None:
                     return ref
-            return await self._build(deployment, on_progress)
+            return await self._build(deployment, on_progress, record)
 
     async def _still_chosen(self, deployment: Deployment, ref: TemplateRef) -> TemplateRef | None:
         """Fleet: the cached template while the deployment's claim names it; the claimed one when another is
@@ -191,7 +192,7 @@ class Templates:
         write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         return ref
 
-    async def _build(self, deployment: Deployment, on_progress: Any) -> TemplateRef:
+    async def _build(self, deployment: Deployment, on_progress: Any, record: Any = None) -> TemplateRef:
         def say(msg: str) -> None:
             log.info(msg, deployment=deployment.id)
             if on_progress:
@@ -216,10 +217,11 @@ class Templates:
             await sb.start()
             if apt:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
-                                         say, owner=deployment.agent_id)
+                                         say, owner=deployment.agent_id, record=record)
             if requirements:
                 await deploy_packages.install(sb, requirements, self.driver.config, self._egress(),
-                                              self.root / "package-cache", say, owner=deployment.agent_id)
+                                              self.root / "package-cache", say, owner=deployment.agent_id,
+                                              record=record)
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
