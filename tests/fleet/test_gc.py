@@ -192,6 +192,32 @@ def test_a_build_a_crash_abandoned_goes_one_in_progress_stays(tmp_path: Path) ->
     assert Path(made[building].path).exists() and Path(made[live].path).exists()
 
 
+def test_a_time_travel_fork_template_a_crash_left_goes_one_in_progress_or_needed_stays(tmp_path: Path) -> None:
+    """A time-travel fork makes a template of the checkpoint and deletes it once the forks are made; a host killed
+    in between leaves it. The collection takes it (after the grace), not while a fork of this process uses it, and
+    not while an instance forked from it names it (a micro-VM fork needs its template for life)."""
+    import asyncio
+
+    from moorage.fleet.gc import TemplateUse
+    from moorage.runtime.templates import Templates
+
+    driver = ProcessDriver(tmp_path / "h", Config(data_dir=tmp_path / "cfg"))
+    templates = Templates(tmp_path / "templates", driver, tmp_path / "packages")
+
+    with templates.fork_template() as busy_id:
+        busy = _template(driver, "builder-busy", busy_id, "busy")
+        left = _template(driver, "builder-left", "tt-" + "a" * 16, "left")
+        needed = _template(driver, "builder-needed", "tt-" + "b" * 16, "needed")
+        pinned = TemplateUse(frozenset(), frozenset({needed.id}), frozenset())
+        assert asyncio.run(templates.collect(pinned, grace_s=3600, pins=lambda driver: True)) == 0
+        assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda driver: True)) == 1
+        assert not Path(left.path).exists()
+        assert Path(busy.path).exists() and Path(needed.path).exists()
+    # The fork ended (without deleting it: as if its delete had failed) and nothing names the other any more.
+    assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=0)) == 2
+    assert not Path(busy.path).exists() and not Path(needed.path).exists()
+
+
 def test_several_collectors_at_once_leave_exactly_what_is_needed(store: Store, object_store: ObjectStore,
                                                                 tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -85,6 +85,8 @@ class Templates:
         #: Deploy-time package installs go through this (``egress_of(runtime)`` when the runtime set it).
         self.egress: Any = None
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Ids of the templates time-travel forks of this process are making or forking from (``fork_template``).
+        self._forking: set[str] = set()
         #: Templates in the object store (a fleet, set by the host): fetched instead of built, published when built.
         self.published: Any = None
         #: The host's template collector (set by the host); a deploy asks it to run soon.
@@ -246,6 +248,17 @@ class Templates:
         say("template ready")
         return ref
 
+    @contextlib.contextmanager
+    def fork_template(self) -> Iterator[str]:
+        """A new id for a time-travel fork's template (``tt-<16 hex>``), held as in progress for the block: the
+        collection leaves it alone meanwhile, and takes one a crash left behind (``_abandoned``)."""
+        tid = f"tt-{uuid.uuid4().hex[:16]}"
+        self._forking.add(tid)
+        try:
+            yield tid
+        finally:
+            self._forking.discard(tid)
+
     # -- fork templates: snapshots of one user's instance, so that user's data. Earlier versions' sandbox `fork`
     # verb made them (``forks/<template>.json`` names the user); it now forks into new users through the timeline,
     # and what those left on a host still goes with its user's ``forget`` or with the collection below.
@@ -362,7 +375,11 @@ class Templates:
 
     def _abandoned(self, template_id: str, use: "TemplateUse") -> bool:
         """Whether ``template_id`` is a deployment build (``dep-<deployment id, 24>-<hex>``) no ensure() of this
-        process is making and whose deployment the store no longer needs (a deploy a crash cut short)."""
+        process is making and whose deployment the store no longer needs (a deploy a crash cut short), or a
+        time-travel fork's template (``tt-<16 hex>``) no fork of this process is using (a fork a crash cut short:
+        its forks, if a micro-VM's need it, still pin it)."""
+        if template_id.startswith("tt-") and len(template_id) == 19:
+            return template_id not in self._forking
         parts = template_id.split("-")
         if len(parts) != 3 or parts[0] != "dep" or len(parts[2]) != 6:
             return False

@@ -528,11 +528,15 @@ class TimeTravel:
         of a template made from it) and its store state (copied, new ids). The source instance is unchanged."""
         ts = self._ts(principal, agent, user, as_scope)
         await self._check_new_users(ts, agent, user, to_users)
-        repo = checkpoints_of(ts)
-        target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
-        rt = self.rt
+        target = await asyncio.to_thread(checkpoints_of(ts).restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
-        template = None
+        with self.rt.templates.fork_template() as template_id:  # the collection leaves it alone while this runs
+            return await self._fork_through(ts, agent, user, target, to_users, template_id, started)
+
+    async def _fork_through(self, ts: TenantStore, agent: str, user: str, target: Checkpoint, to_users: Sequence[str],
+                            template_id: str, started: float) -> dict[str, Any]:
+        """``fork``'s work: a template ``template_id`` of the checkpoint's sandbox half, then each new user."""
+        rt, repo, template = self.rt, checkpoints_of(ts), None
         async with self._hold(ts, agent, user) as sandbox:
             agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
             if target.sandbox_checkpoint:
@@ -544,7 +548,7 @@ class TimeTravel:
                 await asyncio.to_thread(repo.set_pending, agent, user, {"op": "fork-restore", "vm": here})
                 try:
                     await sandbox.rollback(target.sandbox_checkpoint)
-                    template = await rt.driver.make_template(sandbox, f"tt-{uuid.uuid4().hex[:16]}")
+                    template = await rt.driver.make_template(sandbox, template_id)
                 finally:
                     await sandbox.rollback(here)
                     rt._loaded.pop(sandbox.id, None)
