@@ -83,8 +83,14 @@ def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:
         assert r.stdout.strip() == "hello-cli", r.stdout + r.stderr
         bad = run(["invoke", "ghost", "hi", "-u", "dev"], env)
         assert bad.returncode != 0 and "ghost" in bad.stderr and "Traceback" not in bad.stderr
-        f = run(["forget", "coder", "dev", "--yes"], env)
-        assert f.returncode == 0, f.stderr
+        # The README's `moorage fork SANDBOX_ID --to NEW_USER`: dev2 starts as dev is now (the package installed).
+        forked = run(["fork", boxes[0]["id"], "--to", "dev2"], env)
+        assert [f["user"] for f in json.loads(forked.stdout)["forks"]] == ["dev2"], forked.stdout + forked.stderr
+        r = run(["invoke", "coder", "run Hello Fork", "-u", "dev2"], env)
+        assert r.stdout.strip() == "hello-fork", r.stdout + r.stderr
+        for user in ("dev", "dev2"):
+            f = run(["forget", "coder", user, "--yes"], env)
+            assert f.returncode == 0, f.stderr
         assert json.loads(run(["ps", "--json"], env).stdout)["data"] == []
     finally:
         server.send_signal(signal.SIGINT)
