@@ -436,6 +436,34 @@ async def test_a_checkpoint_written_behind_lets_the_guest_run_on_and_every_other
     await kid.destroy()
 
 
+async def test_the_pause_copies_the_guests_pages_and_the_comparison_after_it_finds_the_same(
+        driver: MicroVMDriver, template: TemplateRef) -> None:
+    """A checkpoint's pause copies the guest's private pages (``copy_dirty``) and leaves their comparison with the
+    template for after it: the same pages as compared in the pause; too many to copy are compared in the pause."""
+    (kid,) = await driver.fork(template, ["fork-copy"])
+    await kid.wake()
+    await out(kid, ["sh", "-c", "head -c 3000000 /dev/urandom > /dev/shm/r; echo same > /dev/shm/s"])
+    assert kid._qmp is not None and kid.pid is not None
+    await kid._qmp.execute("stop")
+    try:
+        m = microvm_ram.find_mapping(kid.pid, kid._ram_path())
+        dirty = microvm_ram.copy_dirty(kid.pid, m)
+        assert dirty is not None and len(dirty.data) == sum(n for _, n in dirty.runs) * microvm_ram.PAGE
+        in_pause = list(microvm_ram.changed_pages(kid.pid, m, kid._ram_path()))
+        assert microvm_ram.copy_dirty(kid.pid, m, limit=len(dirty.data) - 1) is None
+    finally:
+        await kid._qmp.execute("cont")
+    await out(kid, ["sh", "-c", "head -c 1000000 /dev/urandom > /dev/shm/later"])  # the guest runs on
+    after = list(microvm_ram.changed_pages(kid.pid, m, kid._ram_path(), dirty))
+    assert len(in_pause) > 700 and after == in_pause
+    await kid.checkpoint("c1", durable=False)
+    await kid.checkpoint("c2")  # waits for c1's files, compared after its pause
+    assert "ram_compare" in kid.last_snapshot_phases and "ram_capture" in kid.last_snapshot_phases
+    await kid.rollback("c1")
+    assert await out(kid, ["cat", "/dev/shm/s"]) == "same"
+    await kid.destroy()
+
+
 #: Holds 96 MiB of random (incompressible) bytes in memory, then says so in /run (a tmpfs: guest RAM too).
 HOLD_RANDOM = r"""
 import os, time

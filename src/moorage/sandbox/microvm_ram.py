@@ -30,6 +30,9 @@ _CHUNK_PAGES = 8192
 #: Pages per read or write of guest memory and of delta files: 1 MiB, so the host's memory for copying a guest's
 #: pages stays flat however many it holds (32 MiB chunks, read twice to compare, took the host +73 MiB).
 _DATA_PAGES = 256
+#: A checkpoint copies the guest's private pages in its pause and compares them with the template once the guest
+#: runs again, when they take at most this much host memory; more are compared in the pause (memory stays flat).
+COPY_MAX_BYTES = 16 << 20
 _IDX = struct.Struct("<II")  # (first page, page count) runs
 _EXTENT = struct.Struct("<QQ")  # (start, end) of a data extent, hashed before its bytes
 _READ_BYTES = 4 << 20
@@ -85,26 +88,64 @@ def dirty_runs(pid: int, m: Mapping) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts, ends)]
 
 
-def changed_pages(pid: int, m: Mapping, template_ram: Path) -> Iterator[tuple[int, bytes]]:
-    """(page number, bytes) of each guest page that differs from the template, in page order: the private copies
-    the guest wrote, less those it wrote back to the template's content. The template's pages are read from its
-    sealed memfd where this process has one (the pages forks map)."""
+@dataclass(frozen=True)
+class Dirty:
+    """A paused guest's private pages, copied (``copy_dirty``): their runs, and their bytes in run order."""
+
+    runs: list[tuple[int, int]]
+    data: bytearray
+
+
+def copy_dirty(pid: int, m: Mapping, limit: int = COPY_MAX_BYTES) -> Dirty | None:
+    """The private pages of a paused guest, read now (None when they take more than ``limit`` bytes): what
+    ``changed_pages`` compares with the template, so that the comparison can wait until the guest runs again."""
     runs = dirty_runs(pid, m)
+    total = sum(n for _, n in runs) * PAGE
+    if total > limit:
+        return None
+    data = bytearray(total)
+    view = memoryview(data)
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+    try:
+        pos = 0
+        for first, count in runs:
+            size = count * PAGE
+            if os.preadv(mem, [view[pos : pos + size]], m.start + first * PAGE) != size:
+                raise RamError(f"short read of the guest memory of QEMU {pid}", hint="the VM stopped; wake it again")
+            pos += size
+    finally:
+        view.release()
+        os.close(mem)
+    return Dirty(runs, data)
+
+
+def changed_pages(pid: int, m: Mapping, template_ram: Path, dirty: Dirty | None = None) -> Iterator[tuple[int, bytes]]:
+    """(page number, bytes) of each guest page that differs from the template, in page order: the private copies
+    the guest wrote, less those it wrote back to the template's content; read from the paused guest, or from
+    ``dirty`` (copied while it was paused). The template's pages are read from its sealed memfd where this process
+    has one (the pages forks map)."""
+    runs = dirty.runs if dirty is not None else dirty_runs(pid, m)
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY) if dirty is None else -1
     tpl = microvm_memfd.open_for_reading(template_ram)
+    pos = 0
     try:
         for first, count in runs:
             for off in range(0, count, _DATA_PAGES):
                 n = min(_DATA_PAGES, count - off)
                 start = first + off
-                cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
+                if dirty is None:
+                    cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
+                else:
+                    cur = bytes(dirty.data[pos : pos + n * PAGE])
+                    pos += n * PAGE
                 old = os.pread(tpl, n * PAGE, m.offset + start * PAGE)
                 for i in range(n):
                     page = cur[i * PAGE : (i + 1) * PAGE]
                     if page != old[i * PAGE : (i + 1) * PAGE]:
                         yield start + i, page
     finally:
-        os.close(mem)
+        if mem >= 0:
+            os.close(mem)
         os.close(tpl)
 
 

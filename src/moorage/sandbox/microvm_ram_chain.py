@@ -85,10 +85,12 @@ class Capture:
     raw: Path  # the ``own`` pages' bytes in page order, unsynced and uncompressed
 
 
-def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None, out_dir: Path) -> Capture:
-    """Read the RAM of a paused guest for a checkpoint: every page that differs from the template, hashed, and the
-    bytes of those that differ from ``base`` (a checkpoint directory of the same sandbox, or None for a whole one),
-    written raw to ``out_dir`` (page cache, no sync: a file, so host memory stays flat whatever the guest holds)."""
+def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None, out_dir: Path,
+            dirty: ram.Dirty | None = None) -> Capture:
+    """Read the RAM of a paused guest for a checkpoint (or its pages ``dirty`` copied while it was paused): every
+    page that differs from the template, hashed, and the bytes of those that differ from ``base`` (a checkpoint
+    directory of the same sandbox, or None for a whole one), written raw to ``out_dir`` (page cache, no sync: a
+    file, so host memory stays flat whatever the guest holds)."""
     base_info = info(base) if base is not None else None
     known: dict[int, bytes] = {}
     if base_info is not None and base_info["depth"] + 1 < MAX_DEPTH:
@@ -105,7 +107,7 @@ def capture(pid: int, m: ram.Mapping, template_ram: Path, base: Path | None, out
     digests: list[bytes] = []
     raw = out_dir / "ram.raw"
     with open(raw, "wb") as data:
-        for page, content in ram.changed_pages(pid, m, template_ram):
+        for page, content in ram.changed_pages(pid, m, template_ram, dirty):
             h = xxhash.xxh3_128_digest(content, seed=seed)
             every.append(page)
             digests.append(h)

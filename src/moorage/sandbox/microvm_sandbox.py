@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -439,7 +440,13 @@ class MicroVMSandbox(Sandbox):
             # (and a reply just handed over, a checkpoint being taken right after the turn's reply) for its duration.
             if self.ram_mode == "delta" and disk_tag is not None:
                 m = ram.find_mapping(self.pid, self._ram_path())
-                cap = await asyncio.to_thread(ram_chain.capture, self.pid, m, self._ram_path(), ram_base, new)
+                # In the pause only the guest's private pages are copied; they are compared with the template and
+                # hashed once it runs again. Many of them (more than ram.COPY_MAX_BYTES) are read in the pause, as
+                # before, so host memory stays flat.
+                dirty = await asyncio.to_thread(ram.copy_dirty, self.pid, m)
+                capture = functools.partial(ram_chain.capture, self.pid, m, self._ram_path(), ram_base, new, dirty)
+                if dirty is None:
+                    cap = await asyncio.to_thread(capture)
                 ph.mark("ram_capture")
                 await self._qmp.execute("cont")  # the guest runs on while its pages are compressed and stored
                 paused = False
@@ -447,9 +454,13 @@ class MicroVMSandbox(Sandbox):
                 if behind:
                     self.last_snapshot_phases = dict(ph.ms)  # the pause's steps; the write's once it is done
                     self._lock.behind = asyncio.get_running_loop().create_task(
-                        self._write_behind(cap, new, target, record, ph, clock), name=f"checkpoint-write-{self.id}")
+                        self._write_behind(cap if cap is not None else capture, new, target, record, ph, clock),
+                        name=f"checkpoint-write-{self.id}")
                     clock = None
                     return SnapshotInfo(self.id, target, 0, record["created_at"], True)
+                if cap is None:
+                    cap = await asyncio.to_thread(capture)
+                    ph.mark("ram_compare")
             elif self.ram_mode == "delta":
                 m = ram.find_mapping(self.pid, self._ram_path())
                 record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
@@ -482,11 +493,15 @@ class MicroVMSandbox(Sandbox):
         size = allocated(target) + (0 if self.ram_mode == "delta" or keep_running else allocated(self.dir / "ram"))
         return SnapshotInfo(self.id, target, size, record["created_at"], True)
 
-    async def _write_behind(self, cap: "ram_chain.Capture", new: Path, target: Path, record: dict[str, Any],
-                            ph: snapshots.Phases, clock: "asyncio.Task[None]") -> None:
-        """A checkpoint's files, written while the guest runs on (``checkpoint(durable=False)``). A failure leaves
-        no checkpoint of that name (it is logged; a rollback to it is refused as to any missing one)."""
+    async def _write_behind(self, cap: "ram_chain.Capture | Callable[[], ram_chain.Capture]", new: Path, target: Path,
+                            record: dict[str, Any], ph: snapshots.Phases, clock: "asyncio.Task[None]") -> None:
+        """A checkpoint's files, written while the guest runs on (``checkpoint(durable=False)``); ``cap`` is its
+        RAM capture, or what makes it from the pages copied in the pause. A failure leaves no checkpoint of that
+        name (it is logged; a rollback to it is refused as to any missing one)."""
         try:
+            if callable(cap):
+                cap = await asyncio.to_thread(cap)
+                ph.mark("ram_compare")
             await asyncio.to_thread(snapshots.commit, cap, new, target, record, self.dir / "disk.qcow2",
                                     keep_running=True, ph=ph)
             ph.mark("commit")
