@@ -1,7 +1,9 @@
 """The runtime facade: deploy agents, run a user's turn in that user's sandbox, resume waiting workflows.
 
 Every public method takes the caller's ``Principal``; the tenant comes from it and nowhere else. Each turn
-is a durable workflow run keyed by its turn id, so a retried request replays instead of acting twice.
+is a durable workflow run keyed by its turn id, so a retried request replays instead of acting twice. The turns
+are here; deployments (``deployments.py``) and the operator verbs on an instance (``operator_verbs.py``) are parts
+of the same class.
 """
 
 from __future__ import annotations
@@ -13,27 +15,25 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine
-from moorage.egress.gateway import store_recorder
-from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
+from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
-from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
+from moorage.observability import current_trace_id
 from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
-from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
-                                     retention_zero, save_archive)
+from moorage.runtime.deployments import Deployments
+from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates, push_and_load
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
-from moorage.store import Agent, Deployment, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
+from moorage.store import Agent, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
 from moorage.store import zero_retention
 
 log = get_logger(__name__)
@@ -207,7 +207,7 @@ def _turn_id(principal: Principal, entity: EntityKey, idempotency_key: str | Non
     return h[:32]
 
 
-class Runtime:
+class Runtime(Deployments, OperatorVerbs):
     def __init__(self, config: Config, store: Store, driver: SandboxDriver, llm: LLMGateway,
                  instances: InstanceManager, *, embedder: Any = None) -> None:
         self.config = config
@@ -337,134 +337,6 @@ class Runtime:
             builder.add("assistant", reply)
         b.ts.state.put(b.session_scope, "working_memory", builder.to_state(), expected_version=held[1])
 
-    # -- deploy -------------------------------------------------------------------------------------
-
-    async def deploy(self, principal: Principal, source: Path | bytes, *, on_progress: Any = None) -> Deployment:
-        """Validate and package an agent, record a new deployment, build its template, make it live."""
-        principal.require("deploy")
-        pkg: AgentPackage = load_dir(source) if isinstance(source, Path) else load_archive(source)
-        ts = self.store.tenant(principal)
-        try:  # a bad [agent.lifecycle] table fails the deploy, not the first turn
-            AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
-        except InvalidInput as e:
-            raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        saved = save_archive(self.packages, pkg)
-        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
-            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
-        try:
-            agent = ts.agents.get(pkg.name)
-        except NotFound:
-            try:
-                agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
-            except ConflictError:
-                agent = ts.agents.get(pkg.name)
-        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
-        # Build the template before going live: an import error fails the deploy, not a user's turn.
-        await self._build_traced(ts, dep, pkg.name, on_progress)
-        previous = agent.live_deployment
-        agent = self._set_live(ts, agent, dep)
-        ttl = retention_ttl_s(pkg.manifest)
-        if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
-            await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
-        zero = retention_zero(pkg.manifest)
-        if zero is not None:  # the same: without the table, zero retention stays as the API left it
-            await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
-        await self._refresh_pool(ts, agent, previous)
-        self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
-        log.info("deployed", agent=pkg.name, number=dep.number)
-        return dep
-
-    async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
-        """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),
-        with a span under it for every request the build's package installs make through the egress gateway."""
-        trace_id, parent, span_id = current_trace_id() or new_trace_id(), current_span_id(), new_span_id()
-        attrs: dict[str, Any] = {"agent": agent, "deployment": dep.id, "deployment.number": dep.number}
-        record = store_recorder(ts, lambda: trace_id, None, parent_id=span_id, agent=agent, deployment=dep.id)
-        started, status = time.time(), "ok"
-        try:
-            await self.templates.ensure(dep, on_progress, record=record)
-        except BaseException as e:
-            status = "error"
-            attrs["error.message"] = (e.message if isinstance(e, MoorageError) else type(e).__name__)[:500]
-            raise
-        finally:
-            span = Span(trace_id, span_id, parent, "deploy", started, time.time(), status, attrs, None)
-            try:
-                await asyncio.to_thread(ts.spans.record, span)
-                if self.tracer.sink is not None:
-                    self.tracer.sink.export(ts.tenant_id, span)
-            except Exception as e:  # noqa: BLE001 - tracing never fails the deploy it describes
-                log.warning("deploy span not recorded", error=str(e))
-
-    async def _refresh_pool(self, ts: TenantStore, agent: Agent, previous: str | None) -> None:
-        """After a deployment went live: empty the warm pool of the one it replaced (users keep their own
-        instances) and keep the agent's ``lifecycle.pool`` forks of the new template ready."""
-        pool = self.instances.pool
-        if pool is None:
-            return
-        if previous and previous != agent.live_deployment:
-            old = self.templates.cached(previous)
-            if old is not None:
-                await pool.drain(old.id)
-        await self._template_for(ts, agent)
-
-    async def start_pools(self) -> None:
-        """At host start: keep the pools of every live agent that asks for one; drop pools of stale templates."""
-        pool = self.instances.pool
-        if pool is None:
-            return
-        live: set[str] = set()
-        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
-            for agent in await asyncio.to_thread(ts.agents.list):
-                if agent.live_deployment is None:
-                    continue
-                ref = self.templates.cached(agent.live_deployment)
-                if ref is not None:
-                    live.add(ref.id)
-                if AgentLifecycle.of(agent).pool:
-                    try:
-                        live.add((await self._template_for(ts, agent)).id)
-                    except Exception as e:  # one agent's broken template must not stop the host
-                        log.warning("warm pool not started", agent=agent.name, error=str(e))
-        await pool.drain_except(live)
-
-    @staticmethod
-    def _lifecycle_config(manifest: dict[str, Any]) -> dict[str, Any]:
-        """The agent's [agent.lifecycle] table, with the package's ``scope`` folded in."""
-        lc = dict(manifest.get("lifecycle") or {})
-        lc.setdefault("scope", manifest.get("scope", "user"))
-        return lc
-
-    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
-        while True:
-            try:
-                return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
-                                        config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
-            except ConflictError:
-                agent = ts.agents.get(agent.id)
-
-    async def rollback(self, principal: Principal, agent_name: str, number: int | None = None) -> Deployment:
-        """Make an earlier deployment live again (default: the one before the live one)."""
-        principal.require("deploy")
-        ts = self.store.tenant(principal)
-        agent = ts.agents.get(agent_name)
-        deps = ts.deployments.list(agent.id)
-        live = next((d for d in deps if d.id == agent.live_deployment), None)
-        if number is None:
-            older = [d for d in deps if live is None or d.number < live.number]
-            if not older:
-                raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
-            target = older[-1]
-        else:
-            target = next((d for d in deps if d.number == number), None)
-            if target is None:
-                raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
-        await self.templates.ensure(target)
-        previous = agent.live_deployment
-        agent = self._set_live(ts, agent, target)
-        await self._refresh_pool(ts, agent, previous)
-        return target
-
     # -- turns --------------------------------------------------------------------------------------
 
     async def invoke(self, principal: Principal, entity: EntityKey, message: str, *,
@@ -538,106 +410,6 @@ class Runtime:
         if run.status in ("succeeded", "failed", "cancelled"):
             raise ConflictError(f"workflow {run_id} already {run.status}")
         DurableEngine(ts).cancel(run_id)
-
-    # -- sandboxes and forgetting ---------------------------------------------------------------------
-
-    async def _instance_of(self, principal: Principal, sandbox_id: str) -> tuple[TenantStore, Any, Any]:
-        ts = self.store.tenant(principal)
-        rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)
-        if principal.user is not None and rec.scope.user != principal.user:
-            raise NotFound(f"no sandbox {sandbox_id!r}")
-        agent = await asyncio.to_thread(ts.agents.get, rec.scope.agent)
-        deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment) if agent.live_deployment else None
-
-        async def template() -> TemplateRef:
-            if deployment is None:
-                raise NotFound(f"agent {agent.name!r} has no live deployment to provision from")
-            return await self.templates.ensure(deployment)
-
-        return ts, rec, template
-
-    async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
-        """Operator verbs on one instance's sandbox: sleep and wake; checkpoint, rollback and fork are the whole
-        instance's (``timetravel``: the sandbox and the store state of its scopes together, never one without the
-        other), of an end-user's instance."""
-        principal.require("deploy")
-        ts, rec, template = await self._instance_of(principal, sandbox_id)
-        if verb in ("checkpoint", "rollback", "fork"):
-            return await self._whole_instance(principal, rec, verb, kw.get("checkpoint") or kw.get("label"),
-                                              kw.get("to_users"))
-        if rec.scope.user is not None:  # a reply just sent: its automatic checkpoint first
-            await self.timetravel.settled(ts.tenant_id, rec.scope.agent, rec.scope.user)
-        if verb == "sleep":
-            slept = await self.instances.sleep(ts, rec.scope, reason="api")
-            return {"id": sandbox_id, "slept": slept}
-        if verb == "wake":
-            async with self.instances.turn(ts, rec.scope, template) as sb:
-                return {"id": sandbox_id, "state": sb.state.value}
-        raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
-
-    async def _whole_instance(self, principal: Principal, rec: Any, verb: str, ref: str | None,
-                              to_users: list[str] | None) -> dict[str, Any]:
-        """The sandbox verbs checkpoint, rollback and fork as the timeline's (docs/timetravel.md). A sandbox
-        rolled back alone would leave memory, facts and journal where they were: the two would diverge."""
-        agent, user = rec.scope.agent, rec.scope.user
-        if rec.scope.kind != "user" or user is None:
-            raise InvalidInput(f"sandbox {rec.id} is a {rec.scope.kind}'s instance; checkpoints, rollbacks and forks "
-                               "are of one end-user's whole instance (its sandbox and its memory together)",
-                               hint='set [agent] scope = "user" (the default) to checkpoint instances')
-        tt = self.timetravel
-        if verb == "checkpoint":
-            ck = await tt.take(principal, agent, user, ref, as_scope="deploy")
-            return {"id": rec.id, "checkpoint": ck.id, "name": ck.name, "agent": agent, "user": user}
-        if verb == "rollback":
-            if not ref:
-                raise InvalidInput("name the checkpoint to roll back to", hint='{"checkpoint": "<its id or name>"}')
-            target = await tt.find(principal, agent, user, ref, as_scope="deploy")
-            out = await tt.rollback(principal, agent, user, target.id, as_scope="deploy")
-            return {"id": rec.id, **out}
-        if not to_users:
-            raise InvalidInput("name the new end-users the instance is forked into",
-                               hint='{"to_users": ["..."]}: each starts as this one is now (sandbox and memory)')
-        return {"id": rec.id, **await tt.fork_now(principal, agent, user, to_users, ref, as_scope="deploy")}
-
-    async def list_files(self, principal: Principal, sandbox_id: str, path: str) -> list[dict[str, Any]]:
-        ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return [{"name": f.name, "path": f.path, "type": f.type, "size": f.size, "mtime": f.mtime}
-                    for f in await sb.list_files(path)]
-
-    async def read_file(self, principal: Principal, sandbox_id: str, path: str) -> bytes:
-        ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return await sb.read_file(path)
-
-    async def exec(self, principal: Principal, sandbox_id: str, argv: list[str], **kw: Any) -> Any:
-        """Run a command in one instance's sandbox, held awake until it ends (detached: ``runtime.exec_jobs``)."""
-        principal.require("deploy")
-        ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return await sb.exec(argv, **kw)
-
-    async def forget(self, principal: Principal, agent: str, user: str) -> int:
-        """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
-        principal.require("provision")
-        ts = self.store.tenant(principal)
-        await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
-        recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
-        for rec in recs:
-            await self.instances.sleep(ts, rec.scope, reason="forget")
-            try:
-                sb = await self.driver.open(rec.id)
-                await sb.destroy()
-            except Exception as e:  # already gone on this host
-                log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
-            if self.instances.fleet is not None:  # its shipped snapshots in the object store
-                await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
-            self.instances.forget(ts.tenant_id, rec.scope)
-        removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
-        removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
-        removed += await asyncio.to_thread(ts.forget_user, user, agent)
-        self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
-        return removed + len(recs)
 
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""

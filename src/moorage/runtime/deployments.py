@@ -1,0 +1,151 @@
+"""Deployments of an agent, as ``Runtime`` does them: validate and package, build the template (a ``deploy`` trace
+of the tenant's), go live, roll back to an earlier one, and keep the agents' warm pools of the live template."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from moorage.egress.gateway import store_recorder
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
+from moorage.lifecycle.config import AgentLifecycle
+from moorage.log import get_logger
+from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
+from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
+                                     retention_zero, save_archive)
+from moorage.store import Agent, Deployment, Principal, Span, TenantStore
+from moorage.store import zero_retention
+
+log = get_logger(__name__)
+
+
+class Deployments:
+    """``Runtime``'s deployment verbs (a part of it: it reads the runtime's store, templates and instances)."""
+
+    async def deploy(self, principal: Principal, source: Path | bytes, *, on_progress: Any = None) -> Deployment:
+        """Validate and package an agent, record a new deployment, build its template, make it live."""
+        principal.require("deploy")
+        pkg: AgentPackage = load_dir(source) if isinstance(source, Path) else load_archive(source)
+        ts = self.store.tenant(principal)
+        try:  # a bad [agent.lifecycle] table fails the deploy, not the first turn
+            AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
+        except InvalidInput as e:
+            raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
+        saved = save_archive(self.packages, pkg)
+        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
+            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
+        try:
+            agent = ts.agents.get(pkg.name)
+        except NotFound:
+            try:
+                agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
+            except ConflictError:
+                agent = ts.agents.get(pkg.name)
+        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
+        # Build the template before going live: an import error fails the deploy, not a user's turn.
+        await self._build_traced(ts, dep, pkg.name, on_progress)
+        previous = agent.live_deployment
+        agent = self._set_live(ts, agent, dep)
+        ttl = retention_ttl_s(pkg.manifest)
+        if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
+            await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
+        zero = retention_zero(pkg.manifest)
+        if zero is not None:  # the same: without the table, zero retention stays as the API left it
+            await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
+        await self._refresh_pool(ts, agent, previous)
+        self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
+        log.info("deployed", agent=pkg.name, number=dep.number)
+        return dep
+
+    async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
+        """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),
+        with a span under it for every request the build's package installs make through the egress gateway."""
+        trace_id, parent, span_id = current_trace_id() or new_trace_id(), current_span_id(), new_span_id()
+        attrs: dict[str, Any] = {"agent": agent, "deployment": dep.id, "deployment.number": dep.number}
+        record = store_recorder(ts, lambda: trace_id, None, parent_id=span_id, agent=agent, deployment=dep.id)
+        started, status = time.time(), "ok"
+        try:
+            await self.templates.ensure(dep, on_progress, record=record)
+        except BaseException as e:
+            status = "error"
+            attrs["error.message"] = (e.message if isinstance(e, MoorageError) else type(e).__name__)[:500]
+            raise
+        finally:
+            span = Span(trace_id, span_id, parent, "deploy", started, time.time(), status, attrs, None)
+            try:
+                await asyncio.to_thread(ts.spans.record, span)
+                if self.tracer.sink is not None:
+                    self.tracer.sink.export(ts.tenant_id, span)
+            except Exception as e:  # noqa: BLE001 - tracing never fails the deploy it describes
+                log.warning("deploy span not recorded", error=str(e))
+
+    async def _refresh_pool(self, ts: TenantStore, agent: Agent, previous: str | None) -> None:
+        """After a deployment went live: empty the warm pool of the one it replaced (users keep their own
+        instances) and keep the agent's ``lifecycle.pool`` forks of the new template ready."""
+        pool = self.instances.pool
+        if pool is None:
+            return
+        if previous and previous != agent.live_deployment:
+            old = self.templates.cached(previous)
+            if old is not None:
+                await pool.drain(old.id)
+        await self._template_for(ts, agent)
+
+    async def start_pools(self) -> None:
+        """At host start: keep the pools of every live agent that asks for one; drop pools of stale templates."""
+        pool = self.instances.pool
+        if pool is None:
+            return
+        live: set[str] = set()
+        for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
+            for agent in await asyncio.to_thread(ts.agents.list):
+                if agent.live_deployment is None:
+                    continue
+                ref = self.templates.cached(agent.live_deployment)
+                if ref is not None:
+                    live.add(ref.id)
+                if AgentLifecycle.of(agent).pool:
+                    try:
+                        live.add((await self._template_for(ts, agent)).id)
+                    except Exception as e:  # one agent's broken template must not stop the host
+                        log.warning("warm pool not started", agent=agent.name, error=str(e))
+        await pool.drain_except(live)
+
+    @staticmethod
+    def _lifecycle_config(manifest: dict[str, Any]) -> dict[str, Any]:
+        """The agent's [agent.lifecycle] table, with the package's ``scope`` folded in."""
+        lc = dict(manifest.get("lifecycle") or {})
+        lc.setdefault("scope", manifest.get("scope", "user"))
+        return lc
+
+    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
+        while True:
+            try:
+                return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
+                                        config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
+            except ConflictError:
+                agent = ts.agents.get(agent.id)
+
+    async def rollback(self, principal: Principal, agent_name: str, number: int | None = None) -> Deployment:
+        """Make an earlier deployment live again (default: the one before the live one)."""
+        principal.require("deploy")
+        ts = self.store.tenant(principal)
+        agent = ts.agents.get(agent_name)
+        deps = ts.deployments.list(agent.id)
+        live = next((d for d in deps if d.id == agent.live_deployment), None)
+        if number is None:
+            older = [d for d in deps if live is None or d.number < live.number]
+            if not older:
+                raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
+            target = older[-1]
+        else:
+            target = next((d for d in deps if d.number == number), None)
+            if target is None:
+                raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
+        await self.templates.ensure(target)
+        previous = agent.live_deployment
+        agent = self._set_live(ts, agent, target)
+        await self._refresh_pool(ts, agent, previous)
+        return target

@@ -1,0 +1,117 @@
+"""The operator verbs on one instance, as ``Runtime`` does them: sleep and wake its sandbox; checkpoint, roll
+back and fork the whole instance (through the timeline); its files and commands; forgetting a user."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from moorage.errors import InvalidInput, NotFound
+from moorage.log import get_logger
+from moorage.sandbox import TemplateRef
+from moorage.store import Principal, TenantStore
+
+log = get_logger(__name__)
+
+
+class OperatorVerbs:
+    """``Runtime``'s verbs on an instance by its sandbox id, and ``forget`` (a part of it: it reads the runtime's
+    store, driver, instances, templates and timeline)."""
+
+    async def _instance_of(self, principal: Principal, sandbox_id: str) -> tuple[TenantStore, Any, Any]:
+        ts = self.store.tenant(principal)
+        rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)
+        if principal.user is not None and rec.scope.user != principal.user:
+            raise NotFound(f"no sandbox {sandbox_id!r}")
+        agent = await asyncio.to_thread(ts.agents.get, rec.scope.agent)
+        deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment) if agent.live_deployment else None
+
+        async def template() -> TemplateRef:
+            if deployment is None:
+                raise NotFound(f"agent {agent.name!r} has no live deployment to provision from")
+            return await self.templates.ensure(deployment)
+
+        return ts, rec, template
+
+    async def sandbox(self, principal: Principal, sandbox_id: str, verb: str, **kw: Any) -> dict[str, Any]:
+        """Operator verbs on one instance's sandbox: sleep and wake; checkpoint, rollback and fork are the whole
+        instance's (``timetravel``: the sandbox and the store state of its scopes together, never one without the
+        other), of an end-user's instance."""
+        principal.require("deploy")
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        if verb in ("checkpoint", "rollback", "fork"):
+            return await self._whole_instance(principal, rec, verb, kw.get("checkpoint") or kw.get("label"),
+                                              kw.get("to_users"))
+        if rec.scope.user is not None:  # a reply just sent: its automatic checkpoint first
+            await self.timetravel.settled(ts.tenant_id, rec.scope.agent, rec.scope.user)
+        if verb == "sleep":
+            slept = await self.instances.sleep(ts, rec.scope, reason="api")
+            return {"id": sandbox_id, "slept": slept}
+        if verb == "wake":
+            async with self.instances.turn(ts, rec.scope, template) as sb:
+                return {"id": sandbox_id, "state": sb.state.value}
+        raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
+
+    async def _whole_instance(self, principal: Principal, rec: Any, verb: str, ref: str | None,
+                              to_users: list[str] | None) -> dict[str, Any]:
+        """The sandbox verbs checkpoint, rollback and fork as the timeline's (docs/timetravel.md). A sandbox
+        rolled back alone would leave memory, facts and journal where they were: the two would diverge."""
+        agent, user = rec.scope.agent, rec.scope.user
+        if rec.scope.kind != "user" or user is None:
+            raise InvalidInput(f"sandbox {rec.id} is a {rec.scope.kind}'s instance; checkpoints, rollbacks and forks "
+                               "are of one end-user's whole instance (its sandbox and its memory together)",
+                               hint='set [agent] scope = "user" (the default) to checkpoint instances')
+        tt = self.timetravel
+        if verb == "checkpoint":
+            ck = await tt.take(principal, agent, user, ref, as_scope="deploy")
+            return {"id": rec.id, "checkpoint": ck.id, "name": ck.name, "agent": agent, "user": user}
+        if verb == "rollback":
+            if not ref:
+                raise InvalidInput("name the checkpoint to roll back to", hint='{"checkpoint": "<its id or name>"}')
+            target = await tt.find(principal, agent, user, ref, as_scope="deploy")
+            out = await tt.rollback(principal, agent, user, target.id, as_scope="deploy")
+            return {"id": rec.id, **out}
+        if not to_users:
+            raise InvalidInput("name the new end-users the instance is forked into",
+                               hint='{"to_users": ["..."]}: each starts as this one is now (sandbox and memory)')
+        return {"id": rec.id, **await tt.fork_now(principal, agent, user, to_users, ref, as_scope="deploy")}
+
+    async def list_files(self, principal: Principal, sandbox_id: str, path: str) -> list[dict[str, Any]]:
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return [{"name": f.name, "path": f.path, "type": f.type, "size": f.size, "mtime": f.mtime}
+                    for f in await sb.list_files(path)]
+
+    async def read_file(self, principal: Principal, sandbox_id: str, path: str) -> bytes:
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return await sb.read_file(path)
+
+    async def exec(self, principal: Principal, sandbox_id: str, argv: list[str], **kw: Any) -> Any:
+        """Run a command in one instance's sandbox, held awake until it ends (detached: ``runtime.exec_jobs``)."""
+        principal.require("deploy")
+        ts, rec, template = await self._instance_of(principal, sandbox_id)
+        async with self.instances.turn(ts, rec.scope, template) as sb:
+            return await sb.exec(argv, **kw)
+
+    async def forget(self, principal: Principal, agent: str, user: str) -> int:
+        """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
+        principal.require("provision")
+        ts = self.store.tenant(principal)
+        await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
+        recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
+        for rec in recs:
+            await self.instances.sleep(ts, rec.scope, reason="forget")
+            try:
+                sb = await self.driver.open(rec.id)
+                await sb.destroy()
+            except Exception as e:  # already gone on this host
+                log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
+            if self.instances.fleet is not None:  # its shipped snapshots in the object store
+                await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
+            self.instances.forget(ts.tenant_id, rec.scope)
+        removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
+        removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
+        removed += await asyncio.to_thread(ts.forget_user, user, agent)
+        self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
+        return removed + len(recs)
