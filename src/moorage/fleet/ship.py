@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moorage.errors import MoorageError
+from moorage.fsync import fsync_dir
 from moorage.objects import ObjectCorrupt, ObjectExists, ObjectNotFound, ObjectStore
 
 CHUNK_BYTES = 4 << 20
@@ -343,11 +344,7 @@ class Shipper:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, dest)
-        fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(dest.parent)
 
     # -- the local index ------------------------------------------------------------------------------
 

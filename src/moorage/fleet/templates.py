@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from moorage.errors import MoorageError
+from moorage.fsync import fsync_dir
 from moorage.fleet.ship import Shipper, SnapshotUnavailable
 from moorage.log import get_logger
 from moorage.objects import ObjectExists, ObjectNotFound, ObjectStore, sha256_file
@@ -50,14 +51,6 @@ _LOCKS_GUARD = threading.Lock()
 def _lock(path: Path) -> threading.Lock:
     with _LOCKS_GUARD:
         return _LOCKS.setdefault(str(path), threading.Lock())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _flatten_onto(disk: Path, rootfs: Path) -> None:
@@ -259,7 +252,7 @@ class PublishedTemplates:
                     manifest[k] = str(dest / name)
                 (tmp / "manifest.json").write_text(json.dumps(manifest))
                 os.rename(tmp, dest)
-                _fsync_dir(dest.parent)
+                fsync_dir(dest.parent)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -365,7 +358,7 @@ class PublishedTemplates:
                 # This host's collection may delete a fetched copy once nothing names it (the bucket has it).
                 (staging / FETCHED).write_text(str(time.time()))
                 os.rename(staging, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from moorage.errors import InvalidInput
+from moorage.fsync import fsync_dir
 from moorage.objects.errors import ObjectCorrupt, ObjectExists, ObjectNotFound, ObjectStoreConfigError
 from moorage.objects.keys import check_digest, check_key, check_prefix, copy_hashing
 from moorage.objects.store import ObjectInfo, ObjectPage, ObjectStore, check_delete_prefix, check_limit
@@ -124,7 +125,7 @@ class LocalObjectStore(ObjectStore):
             raise InvalidInput(f"could not store {key!r}: its directory kept disappearing",
                                hint="a delete of the same prefix is running; retry")
         with contextlib.suppress(FileNotFoundError):  # a delete of the prefix took the object (and its folder) since
-            self._fsync_dir(final.parent)
+            fsync_dir(final.parent)
 
     def _mkdirs(self, d: Path) -> None:
         # Path.mkdir(parents=True) creates the parents with the umask's mode; every level here is 0700.
@@ -146,14 +147,6 @@ class LocalObjectStore(ObjectStore):
     def _collision(key: str) -> InvalidInput:
         return InvalidInput(f"object key {key!r} collides with another key used as its folder (or the reverse)",
                             hint="a key must not also be the beginning 'folder/' of another key")
-
-    @staticmethod
-    def _fsync_dir(d: Path) -> None:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # -- reading --------------------------------------------------------------------------------------
 
@@ -192,7 +185,7 @@ class LocalObjectStore(ObjectStore):
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
-            self._fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
             return ObjectInfo(key, size, recorded, os.fstat(src.fileno()).st_mtime)
 
     def get_stream(self, key: str, out: BinaryIO) -> ObjectInfo:

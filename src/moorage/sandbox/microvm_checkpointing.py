@@ -29,7 +29,8 @@ from moorage.sandbox.base import (
     SnapshotInfo,
     validate_id,
 )
-from moorage.sandbox.microvm_files import allocated, fsync_dir, sparse_copy, write_json
+from moorage.fsync import fsync_dir
+from moorage.sandbox.microvm_files import allocated, sparse_copy, write_json
 from moorage.sandbox.qmp import QMPError
 
 log = get_logger(__name__)

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from moorage.fsync import fsync_dir
 from moorage.sandbox.base import SandboxError
 from moorage.sandbox.microvm_ram import fsync_path
 
@@ -24,13 +25,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def allocated(path: Path) -> int:

@@ -21,7 +21,8 @@ from moorage.log import get_logger
 from moorage.sandbox import microvm_ram as ram
 from moorage.sandbox import microvm_ram_chain as ram_chain
 from moorage.sandbox.base import CheckpointInfo, SnapshotCorrupt, SnapshotIncompatible
-from moorage.sandbox.microvm_files import allocated, fsync_dir, write_json
+from moorage.fsync import fsync_dir
+from moorage.sandbox.microvm_files import allocated, write_json
 from moorage.sandbox.microvm_qemu import qemu_version
 
 log = get_logger(__name__)

@@ -31,7 +31,8 @@ from moorage.sandbox.base import (
     TemplateRef,
     validate_id,
 )
-from moorage.sandbox.microvm_files import fsync_dir, qemu_img, write_json
+from moorage.fsync import fsync_dir
+from moorage.sandbox.microvm_files import qemu_img, write_json
 from moorage.sandbox.microvm_qemu import qemu_version
 
 if TYPE_CHECKING:

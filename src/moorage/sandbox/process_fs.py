@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moorage.fsync import fsync_dir
 from moorage.sandbox.base import SandboxError
 
 
@@ -84,8 +85,4 @@ def write_json_durable(path: Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_dir(path.parent)

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 from moorage.errors import MoorageError
+from moorage.fsync import fsync_dir
 
 _MAGIC = b"MLG1"
 _HEADER = struct.Struct("<4sIQ")  # magic, value length, record id
@@ -128,14 +129,6 @@ def store_position(c: Any, position: tuple[int, int]) -> None:
         "ON CONFLICT (id) DO UPDATE SET segment = excluded.segment, end_offset = excluded.end_offset", position)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class BlobLog:
     """One tenant's blob log: numbered segment files in ``directory`` (created on the first append)."""
 
@@ -170,11 +163,11 @@ class BlobLog:
             self._write = None
         if not self.directory.exists():
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _fsync_dir(self.directory.parent)
+            fsync_dir(self.directory.parent)
         fd = os.open(self._path(seg), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if os.fstat(fd).st_size == 0:
             # A new segment's directory entry must survive a crash before any row points into it.
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         self._write = (seg, fd)
         return fd
 
