@@ -127,16 +127,17 @@ def changed_pages(pid: int, m: Mapping, template_ram: Path, dirty: Dirty | None 
     runs = dirty.runs if dirty is not None else dirty_runs(pid, m)
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY) if dirty is None else -1
     tpl = microvm_memfd.open_for_reading(template_ram)
+    copied = memoryview(dirty.data) if dirty is not None else None
     pos = 0
     try:
         for first, count in runs:
             for off in range(0, count, _DATA_PAGES):
                 n = min(_DATA_PAGES, count - off)
                 start = first + off
-                if dirty is None:
+                if copied is None:
                     cur = os.pread(mem, n * PAGE, m.start + start * PAGE)
                 else:
-                    cur = bytes(dirty.data[pos : pos + n * PAGE])
+                    cur = copied[pos : pos + n * PAGE].tobytes()  # one copy, as a read from the guest is
                     pos += n * PAGE
                 old = os.pread(tpl, n * PAGE, m.offset + start * PAGE)
                 for i in range(n):
