@@ -88,6 +88,14 @@ class Hostile:
 
     async def quiet(self) -> None:
         """Wait for the host's background work of earlier turns (embedding their messages) to finish."""
+        # A turn's reply goes out before its checkpoint, and its messages are queued for embedding only after
+        # that: first wait for the turns still finishing, or their embedding lands inside the next measurement.
+        for _ in range(600):
+            if not self.env.runtime.turns:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"turns still running: {list(self.env.runtime.turns)}")
         queue = getattr(self.env.runtime, "embed_queue", None)
         if queue is not None:
             await asyncio.to_thread(queue.wait_idle, 60)

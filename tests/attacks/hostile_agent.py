@@ -68,8 +68,8 @@ async def on_message(ctx, message):
     if cmd == "console":
         n = int(arg)
         line = b"console flood " + b"x" * 1010 + b"\n"
-        try:
-            out = open("/dev/console", "wb", buffering=0)
+        try:  # never created: in a process sandbox /dev is the sandbox's own tmpfs, without a console
+            out = os.fdopen(os.open("/dev/console", os.O_WRONLY | os.O_NOCTTY), "wb", buffering=0)
         except OSError:
             out = sys.stderr.buffer
         written = 0
