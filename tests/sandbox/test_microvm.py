@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -236,10 +237,23 @@ async def test_host_restart_readopts_running_and_sleeping(driver: MicroVMDriver,
     pid = running.pid
     await sleeping.sleep()
     # A new driver instance is the host after a restart: same disk, no memory of the old process.
+    old_reader = next(t for t in threading.enumerate() if t.name == f"console-{pid}")
     d2 = make_driver(root)
     r2 = await d2.open("restart-run")
     assert r2.state is SandboxState.RUNNING and r2.pid == pid
     assert await r2.read_file("/work/r.txt") == b"r"
+    # The re-attached host reads its console again, alone: the earlier instance stopped reading at the hand-over
+    # (as a dead host's would), so what the guest prints now can only reach the log through the new reader.
+    old_reader.join(2)
+    assert not old_reader.is_alive()
+    assert sum(t.name == f"console-{pid}" for t in threading.enumerate()) == 1
+    assert (await r2.exec(["sh", "-c", "echo re-adopted-console-marker > /dev/console"])).exit_code == 0
+    console = r2.dir / "console.log"
+    for _ in range(100):
+        if b"re-adopted-console-marker" in console.read_bytes():
+            break
+        await asyncio.sleep(0.05)
+    assert b"re-adopted-console-marker" in console.read_bytes()
     s2 = await d2.open("restart-sleep")
     assert s2.state is SandboxState.SLEEPING
     await s2.wake()

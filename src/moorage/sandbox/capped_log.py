@@ -16,14 +16,17 @@ from typing import Callable
 DEFAULT_CAP_BYTES = 512 << 10
 
 
-def start(fd: int, log_path: Path, *, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES, name: str = "") -> None:
+def start(fd: int, log_path: Path, *, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES, name: str = "",
+          stop: threading.Event | None = None) -> None:
     """Drain ``fd`` (owned from now on: closed at the end) into ``log_path`` on a daemon thread until every writer
-    has closed it, or ``alive()`` turns false while it is quiet."""
-    threading.Thread(target=drain, args=(fd, log_path, alive, cap), name=name or f"log-{log_path.name}",
+    has closed it, or ``alive()`` turns false while it is quiet, or ``stop`` is set (checked between reads: the
+    writer's output left in the pipe is then another reader's)."""
+    threading.Thread(target=drain, args=(fd, log_path, alive, cap, stop), name=name or f"log-{log_path.name}",
                      daemon=True).start()
 
 
-def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES) -> None:
+def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES,
+          stop: threading.Event | None = None) -> None:
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP)
     out = None
@@ -31,7 +34,10 @@ def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT
         out = _open(log_path, "ab")
         size = out.tell()
         while True:
-            if not poller.poll(1000):
+            ready = poller.poll(200 if stop is not None else 1000)
+            if stop is not None and stop.is_set():
+                return  # what is left in the pipe is the next reader's
+            if not ready:
                 if not alive():
                     return
                 continue

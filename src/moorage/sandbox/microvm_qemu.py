@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from moorage.errors import UnavailableError
 from moorage.log import get_logger
@@ -189,6 +190,54 @@ def console_pipe(console_log: Path) -> Path:
     return console_log.with_name("console.pipe")
 
 
+#: The console FIFOs this process drains, each with the event that stops its reader: a driver that lets a running
+#: QEMU go (``console_release``) stops reading it, and one that re-attaches to it (``console_reattach``) reads it.
+_consoles: dict[str, threading.Event] = {}
+_consoles_lock = threading.Lock()
+
+
+def _drain_console(fd: int, pipe: Path, alive: Callable[[], bool], pid: int) -> None:
+    stop = threading.Event()
+    with _consoles_lock:
+        _consoles[str(pipe)] = stop
+    capped_log.start(fd, pipe.with_name("console.log"), alive=alive, cap=CONSOLE_CAP_BYTES, name=f"console-{pid}",
+                     stop=stop)
+
+
+def console_reattach(pipe: Path, pid: int) -> bool:
+    """Drain the console of a running QEMU this process did not start (re-adopted after a host restart): while no
+    host read it, the guest's console output was dropped (QEMU's writes to a FIFO without a reader fail); from here
+    it reaches console.log again. False if there is no console FIFO to read."""
+    console_release(pipe)  # an earlier driver instance in this process stops reading it first
+    try:
+        if not stat.S_ISFIFO(os.lstat(pipe).st_mode):
+            return False
+        fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    _drain_console(fd, pipe, lambda: _pid_alive(pid), pid)
+    return True
+
+
+def console_release(pipe: Path, *, stop: bool = True) -> None:
+    """This process no longer reads ``pipe``'s console: with ``stop`` its reader ends now (its QEMU runs on for
+    another host), without it the reader ends when the QEMU's end closes (the output before that is kept)."""
+    with _consoles_lock:
+        event = _consoles.pop(str(pipe), None)
+    if event is not None and stop:
+        event.set()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _arg_after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
@@ -236,8 +285,7 @@ def spawn(argv: list[str], log_path: Path, pass_fds: tuple[int, ...] = ()) -> su
         os.close(dir_fd)
         if launch is not None:
             launch.close()
-    capped_log.start(console_fd, pipe.with_name("console.log"), alive=lambda: proc.poll() is None,
-                     cap=CONSOLE_CAP_BYTES, name=f"console-{proc.pid}")
+    _drain_console(console_fd, pipe, lambda: proc.poll() is None, proc.pid)
     if cgroup is not None:
         threading.Thread(target=_remove_cgroup_after, args=(proc.pid, cgroup), name=f"cgroup-{proc.pid}",
                          daemon=True).start()

@@ -46,6 +46,9 @@ from moorage.sandbox.microvm_qemu import (
     VMConfig,
     VMPaths,
     build_argv,
+    console_pipe,
+    console_reattach,
+    console_release,
     kill_pid,
     pid_is_ours,
     run_dir_for,
@@ -317,6 +320,7 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         elif pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
             kill_pid(pid, self._proc)
         self._proc = None
+        console_release(console_pipe(self.dir / "console.log"), stop=False)  # its reader ends with QEMU's output
         if self._net is not None:
             self._net.close()
             self._net = None
@@ -339,6 +343,8 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         try:
             self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
             _ATTACHED[str(self.dir)] = self
+            if not console_reattach(console_pipe(self.dir / "console.log"), pid):
+                log.warning("re-attached without its console log", sandbox=self.id)
             if self._vm_config().nic and self._net is None:
                 try:  # its namespace outlived the host process through QEMU's tap: serve the gateway there again
                     self._net = await asyncio.to_thread(microvm_net.recover, pid)
@@ -710,6 +716,8 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         if self._qmp is not None:
             await self._qmp.close()
             self._qmp = None
+        # QEMU runs on: whoever re-attaches reads its console (until then what the guest prints there is dropped).
+        console_release(console_pipe(self.dir / "console.log"))
         if self._net is not None:  # QEMU keeps its tap; whoever re-attaches finds the namespace through it
             self._net.close()
             self._net = None
