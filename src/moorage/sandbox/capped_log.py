@@ -9,11 +9,17 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
 #: Default cap of one log file; the previous one is kept as NAME.1.
 DEFAULT_CAP_BYTES = 512 << 10
+#: Output that trickles in (a serial console's bytes come one write at a time) is read in batches: after a short
+#: read the reader waits this long before the next, so a guest printing line after line costs the host one read a
+#: batch, not one per line (a full read means more is waiting: read on at once).
+COALESCE_S = 0.02
+_READ_BYTES = 65536
 
 
 def start(fd: int, log_path: Path, *, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES, name: str = "",
@@ -42,11 +48,12 @@ def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT
                     return
                 continue
             try:
-                data = os.read(fd, 65536)
+                data = os.read(fd, _READ_BYTES)
             except BlockingIOError:
                 continue
             if not data:  # every writer closed
                 return
+            batch = len(data) == _READ_BYTES
             data = data[-cap:]
             if size + len(data) > cap:
                 out.close()
@@ -56,6 +63,8 @@ def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT
             out.write(data)
             out.flush()
             size += len(data)
+            if not batch:
+                time.sleep(COALESCE_S)
     except OSError:
         return  # the sandbox directory went away (destroyed): nothing left to log to
     finally:
