@@ -4,6 +4,7 @@ the guest writes, and handed over between readers without two of them reading on
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -91,3 +92,18 @@ def test_a_stopped_reader_leaves_what_follows_to_the_next(tmp_path: Path) -> Non
     capped_log.drain(r2, tmp_path / "b.log", alive=lambda: True)
     assert (tmp_path / "a.log").read_bytes() == b"before\n"
     assert (tmp_path / "b.log").read_bytes() == b"after\n"
+
+
+def test_the_last_words_of_a_writer_that_exited_are_in_the_file_once_settled(tmp_path: Path) -> None:
+    # The reader may be waiting out a batch when the writer prints its last line and exits: an error that quotes
+    # the log (a sandbox that exited while starting) settles the reader first.
+    for attempt in range(5):
+        r, w = os.pipe()
+        proc = subprocess.Popen(["sh", "-c", "echo starting; sleep 0.005; echo last-words-$0", str(attempt)],
+                                stdout=w, stderr=w)
+        os.close(w)
+        log = tmp_path / f"supervisor-{attempt}.log"
+        reader = capped_log.start(r, log, alive=lambda: proc.poll() is None)
+        proc.wait()
+        capped_log.settled(reader)
+        assert log.read_bytes() == f"starting\nlast-words-{attempt}\n".encode()

@@ -23,12 +23,22 @@ _READ_BYTES = 65536
 
 
 def start(fd: int, log_path: Path, *, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES, name: str = "",
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None) -> threading.Thread:
     """Drain ``fd`` (owned from now on: closed at the end) into ``log_path`` on a daemon thread until every writer
     has closed it, or ``alive()`` turns false while it is quiet, or ``stop`` is set (checked between reads: the
-    writer's output left in the pipe is then another reader's)."""
-    threading.Thread(target=drain, args=(fd, log_path, alive, cap, stop), name=name or f"log-{log_path.name}",
-                     daemon=True).start()
+    writer's output left in the pipe is then another reader's). Returns the thread: once the writer has exited,
+    joining it (``settled``) puts everything it wrote in the file, the last batch included."""
+    thread = threading.Thread(target=drain, args=(fd, log_path, alive, cap, stop), name=name or f"log-{log_path.name}",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def settled(thread: threading.Thread | None, timeout: float = 0.5) -> None:
+    """Wait (up to ``timeout``) for a reader whose writer has exited to write what was left in the pipe: an error
+    that quotes the log's tail reads it after this."""
+    if thread is not None:
+        thread.join(timeout)
 
 
 def drain(fd: int, log_path: Path, alive: Callable[[], bool], cap: int = DEFAULT_CAP_BYTES,

@@ -192,16 +192,23 @@ def console_pipe(console_log: Path) -> Path:
 
 #: The console FIFOs this process drains, each with the event that stops its reader: a driver that lets a running
 #: QEMU go (``console_release``) stops reading it, and one that re-attaches to it (``console_reattach``) reads it.
-_consoles: dict[str, threading.Event] = {}
+_consoles: dict[str, tuple[threading.Event, threading.Thread]] = {}
 _consoles_lock = threading.Lock()
 
 
 def _drain_console(fd: int, pipe: Path, alive: Callable[[], bool], pid: int) -> None:
     stop = threading.Event()
+    with _consoles_lock:  # registered before it starts: a release right after always finds it
+        thread = capped_log.start(fd, pipe.with_name("console.log"), alive=alive, cap=CONSOLE_CAP_BYTES,
+                                  name=f"console-{pid}", stop=stop)
+        _consoles[str(pipe)] = (stop, thread)
+
+
+def console_settled(pipe: Path, timeout: float = 0.1) -> None:
+    """Once its QEMU has exited, wait (up to ``timeout``) for the console's last output to reach console.log."""
     with _consoles_lock:
-        _consoles[str(pipe)] = stop
-    capped_log.start(fd, pipe.with_name("console.log"), alive=alive, cap=CONSOLE_CAP_BYTES, name=f"console-{pid}",
-                     stop=stop)
+        entry = _consoles.get(str(pipe))
+    capped_log.settled(entry[1] if entry else None, timeout)
 
 
 def console_reattach(pipe: Path, pid: int) -> bool:
@@ -223,9 +230,9 @@ def console_release(pipe: Path, *, stop: bool = True) -> None:
     """This process no longer reads ``pipe``'s console: with ``stop`` its reader ends now (its QEMU runs on for
     another host), without it the reader ends when the QEMU's end closes (the output before that is kept)."""
     with _consoles_lock:
-        event = _consoles.pop(str(pipe), None)
-    if event is not None and stop:
-        event.set()
+        entry = _consoles.pop(str(pipe), None)
+    if entry is not None and stop:
+        entry[0].set()
 
 
 def _pid_alive(pid: int) -> bool:

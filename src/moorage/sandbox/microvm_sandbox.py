@@ -49,6 +49,7 @@ from moorage.sandbox.microvm_qemu import (
     console_pipe,
     console_reattach,
     console_release,
+    console_settled,
     kill_pid,
     pid_is_ours,
     run_dir_for,
@@ -229,6 +230,8 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         _ATTACHED[str(self.dir)] = self
 
     def _log_tail(self) -> str:
+        if self._proc is not None and self._proc.poll() is not None:
+            console_settled(console_pipe(self.dir / "console.log"))  # its last lines, read in the reader's batch
         out = []
         for name in ("qemu.log", "console.log"):
             try:

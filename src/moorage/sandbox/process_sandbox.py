@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -102,6 +103,8 @@ class ProcessSandbox(Sandbox):
         self._watchdog: asyncio.Task[None] | None = None
         #: The host's end of the zygote's control socket (process_restart), while the sandbox runs.
         self._zygote: Any = None
+        #: The thread copying the sandbox's output into supervisor.log (capped_log), since its last start.
+        self._log_reader: threading.Thread | None = None
         self.cgroup = limits.SandboxCgroup(driver.limit_support, f"{driver.instance_tag}-{sandbox_id}")
         #: Set when the disk quota watchdog killed the sandbox's processes (cleared on the next start).
         self.quota_exceeded = False
@@ -225,8 +228,8 @@ class ProcessSandbox(Sandbox):
             finally:
                 os.close(out_w)
             proc = self._proc
-            capped_log.start(out_r, self.dir / "supervisor.log", alive=lambda: proc.poll() is None,
-                             cap=SUPERVISOR_LOG_CAP_BYTES, name=f"log-{self.id}")
+            self._log_reader = capped_log.start(out_r, self.dir / "supervisor.log", alive=lambda: proc.poll() is None,
+                                                cap=SUPERVISOR_LOG_CAP_BYTES, name=f"log-{self.id}")
         except BaseException:
             zygote.close()
             raise
@@ -264,6 +267,7 @@ class ProcessSandbox(Sandbox):
         delay = 0.002
         while time.monotonic() < deadline:
             if not self._alive():
+                await asyncio.to_thread(capped_log.settled, self._log_reader)
                 tail = _tail(self.dir / "supervisor.log")
                 raise SandboxError(f"sandbox {self.id} exited while starting", hint=f"supervisor log: {tail}")
             if self.socket_path.exists():

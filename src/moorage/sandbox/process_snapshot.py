@@ -198,6 +198,6 @@ def snapshot_tree(src: Path, dst: Path, prev: Path | None) -> dict[str, Any]:
 def write_index(checkpoint_dir: Path, index: dict[str, Any]) -> None:
     fd = os.open(checkpoint_dir / INDEX, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(fd, "w") as f:
-        # One ``dumps`` (the C encoder) rather than ``dump``, which encodes piece by piece in Python: ~10x faster for
-        # a layer of many files (150 -> 15 ms at 10,000), and this runs at every checkpoint.
+        # One ``dumps`` (the C encoder) rather than ``dump``, which encodes piece by piece in Python: for a layer of
+        # 10,000 files 33 -> 9 ms here, at every checkpoint.
         f.write(json.dumps({"dev": index["dev"], "files": index["files"]}, separators=(",", ":")))
