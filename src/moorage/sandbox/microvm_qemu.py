@@ -198,7 +198,7 @@ _consoles_lock = threading.Lock()
 
 def _drain_console(fd: int, pipe: Path, alive: Callable[[], bool], pid: int) -> None:
     stop = threading.Event()
-    with _consoles_lock:  # registered before it starts: a release right after always finds it
+    with _consoles_lock:  # started and registered under the lock: a release right after always finds it
         thread = capped_log.start(fd, pipe.with_name("console.log"), alive=alive, cap=CONSOLE_CAP_BYTES,
                                   name=f"console-{pid}", stop=stop)
         _consoles[str(pipe)] = (stop, thread)
