@@ -211,10 +211,10 @@ def console_settled(pipe: Path, timeout: float = 0.1) -> None:
     capped_log.settled(entry[1] if entry else None, timeout)
 
 
-def console_reattach(pipe: Path, pid: int) -> bool:
-    """Drain the console of a running QEMU this process did not start (re-adopted after a host restart): while no
-    host read it, the guest's console output was dropped (QEMU's writes to a FIFO without a reader fail); from here
-    it reaches console.log again. False if there is no console FIFO to read."""
+def console_reattach(pipe: Path, pid: int, marker: str) -> bool:
+    """Drain the console of a running QEMU this process did not start (re-adopted after a host restart; ``marker``
+    as for ``pid_is_ours``): while no host read it, the guest's console output was dropped (QEMU's writes to a FIFO
+    without a reader fail); from here it reaches console.log again. False if there is no console FIFO to read."""
     console_release(pipe)  # an earlier driver instance in this process stops reading it first
     try:
         if not stat.S_ISFIFO(os.lstat(pipe).st_mode):
@@ -222,7 +222,7 @@ def console_reattach(pipe: Path, pid: int) -> bool:
         fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return False
-    _drain_console(fd, pipe, lambda: _pid_alive(pid), pid)
+    _drain_console(fd, pipe, lambda: pid_is_ours(pid, marker), pid)
     return True
 
 
@@ -233,16 +233,6 @@ def console_release(pipe: Path, *, stop: bool = True) -> None:
         entry = _consoles.pop(str(pipe), None)
     if entry is not None and stop:
         entry[0].set()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _arg_after(argv: list[str], flag: str) -> str:

@@ -346,7 +346,7 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         try:
             self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
             _ATTACHED[str(self.dir)] = self
-            if not console_reattach(console_pipe(self.dir / "console.log"), pid):
+            if not console_reattach(console_pipe(self.dir / "console.log"), pid, str(self.run_dir)):
                 log.warning("re-attached without its console log", sandbox=self.id)
             if self._vm_config().nic and self._net is None:
                 try:  # its namespace outlived the host process through QEMU's tap: serve the gateway there again
