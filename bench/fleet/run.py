@@ -2,7 +2,8 @@
 
 * local wake: a turn to a sleeping user through the host that put it to sleep (its own disk is the newest copy);
 * cross-host wake: the same, through another host, which claims the instance and fetches its shipped snapshot;
-* cold-host first wake: a sleeping user's turn through a host that just started (nothing of it on that disk);
+* cold-host first wake: a sleeping user's turn through a host that just started (nothing of it on that disk), with
+  the agent's template fetched at that wake, and through a host that fetched it ahead (fleet/prefetch.py);
 * host kill: users awake on one host, the host and its sandboxes SIGKILLed, then every one of them asked through a
   survivor until it answers; acknowledged turns (those that had replied) counted in the store before and after;
 * snapshot to S3: the time each sleep took to ship (recorded by the host in the instance's record).
@@ -51,8 +52,9 @@ class Bench:
         self.hosts: list[LocalHost] = []
         self.api: list[Any] = []
 
-    def add_host(self) -> int:
-        h = LocalHost(f"h{len(self.hosts) + 1}", self.base / f"h{len(self.hosts) + 1}", self.env, driver=self.driver)
+    def add_host(self, **settings: str) -> int:
+        env = {**self.env, **{f"MOORAGE_{k.upper()}": v for k, v in settings.items()}}
+        h = LocalHost(f"h{len(self.hosts) + 1}", self.base / f"h{len(self.hosts) + 1}", env, driver=self.driver)
         self.hosts.append(h)
         self.api.append(h.client(self.hosts[0].key))
         return len(self.hosts) - 1
@@ -85,6 +87,10 @@ class Bench:
                     if s.name == "lifecycle.woke" and s.attrs.get("host") == host and s.end_ts:
                         out.setdefault(s.attrs["instance"], []).append((s.end_ts - s.start_ts) * 1000)
         return out
+
+    def live_deployment(self) -> str:
+        with open_store(Config(store_url=self.store_url)) as store:
+            return next(store.operator.tenants()).agents.get("echo").live_deployment
 
     def sleep(self, i: int, user: str) -> None:
         sid = self.records()[user].id
@@ -130,8 +136,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cross_in = [ms for sid, xs in b.wake_spans("h2").items() if sid in ids for ms in xs[-1:]]
         for u in users:
             b.sleep(1, u)
-        fresh = b.add_host()
-        cold_ms = b.ok(fresh, users[0])  # a host that just started: nothing of this user on its disk
+        # A host that just started, with nothing of this user or agent on its disk; it fetches the template at the
+        # first wake (templates are not fetched ahead here: the figure before fleet/prefetch.py).
+        fresh = b.add_host(template_prefetch="0")
+        cold_ms = b.ok(fresh, users[0])
+        # A host that joined a little earlier: it fetched the live deployment's template ahead (at its start).
+        ahead = b.add_host()
+        t = time.perf_counter()
+        dep = b.live_deployment()
+        while not (b.hosts[ahead].data / "templates" / f"{dep}.json").exists():
+            assert time.perf_counter() - t < 300, "the template was not fetched ahead within 300 s"
+            time.sleep(0.05)
+        ahead_fetch_s = time.perf_counter() - t
+        time.sleep(1.0)  # (the fetch's last writes settle; nothing else runs on that host)
+        ahead_ms = b.ok(ahead, users[1])
 
         victims = [f"k{i:02d}" for i in range(args.kill_users)]
         for u in victims:
@@ -156,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "hosts": 3, "driver": args.driver, "users": args.users, "lease_ttl_s": LEASE_TTL_S,
             "local_wake_ms": _ms(local), "cross_host_wake_ms": _ms(cross),
-            "cold_host_first_wake_ms": round(cold_ms, 1), "ship_ms": _ms(ships), "fetch_ms": _ms(fetches),
+            "cold_host_first_wake_ms": round(cold_ms, 1), "prefetched_first_wake_ms": round(ahead_ms, 1),
+            "prefetch_done_after_healthy_s": round(ahead_fetch_s, 2), "ship_ms": _ms(ships), "fetch_ms": _ms(fetches),
             "local_wake_in_host_ms": _ms(local_in), "cross_wake_in_host_ms": _ms(cross_in),
             "kill": {"users": len(victims), "back": len(times), "all_back_s": round(max(times), 2),
                      "acknowledged_before": acked, "acknowledged_lost": lost},
@@ -179,7 +198,8 @@ def main() -> None:
     res["machine"] = {"python": platform.python_version(), "cpus": __import__("os").cpu_count()}
     k = res["kill"]
     headline = (f"fleet hosts {res['hosts']}; cross-host wake p50 {res['cross_host_wake_ms']['p50']:.0f} ms "
-                f"(local {res['local_wake_ms']['p50']:.0f} ms); cold-host first wake {res['cold_host_first_wake_ms']:.0f} ms; "
+                f"(local {res['local_wake_ms']['p50']:.0f} ms); cold-host first wake {res['cold_host_first_wake_ms']:.0f} ms "
+                f"(template fetched ahead: {res['prefetched_first_wake_ms']:.0f} ms); "
                 f"host kill: users back {k['back']}/{k['users']} in {k['all_back_s']:.1f} s, acknowledged turns lost "
                 f"{k['acknowledged_lost']}; snapshot to S3 p50 {res['ship_ms']['p50']:.0f} ms")
     res["headline"] = headline
@@ -199,7 +219,10 @@ def main() -> None:
         f"{res['cross_wake_in_host_ms']['p99']:.1f} |\n\n"
         "What bounds cross-host wake over local: the fetch above (manifest, then the chunks the host lacks, in "
         "parallel) plus claiming the record under a new epoch; the rest of the wake is the same as local.\n\n"
-        f"Cold-host first wake: {res['cold_host_first_wake_ms']:.1f} ms. Host kill: {k['back']}/{k['users']} users back "
+        f"Cold-host first wake: {res['cold_host_first_wake_ms']:.1f} ms on a host that just started and fetches the "
+        f"agent's template at that wake (`template_prefetch = 0`); {res['prefetched_first_wake_ms']:.1f} ms on one "
+        f"that fetched it ahead (`fleet/prefetch.py`: done {res['prefetch_done_after_healthy_s']:.1f} s after the host "
+        f"answered its health check). Both fetch the user's snapshot, like a cross-host wake. Host kill: {k['back']}/{k['users']} users back "
         f"in {k['all_back_s']} s (lease TTL {LEASE_TTL_S} s); acknowledged turns lost: {k['acknowledged_lost']} "
         f"of {k['acknowledged_before']}.\n\n{headline}\n")
     print(headline)

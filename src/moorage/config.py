@@ -71,6 +71,11 @@ class Config:
     template_gc_interval_s: float = 300.0
     template_gc_grace_s: float = 600.0
     template_gc_settle_s: float = 60.0
+    #: Fleet: the templates of up to ``template_prefetch`` live deployments (those with most instances first) are
+    #: fetched to this host ahead of their first wake here, at start and every ``template_prefetch_interval_s``;
+    #: 0: each is fetched by the first wake that needs it (docs/fleet.md, "Templates fetched ahead").
+    template_prefetch: int = 8
+    template_prefetch_interval_s: float = 60.0
     #: What a clean stop of ``moorage up`` (SIGTERM, Ctrl-C) does with awake instances: ``sleep`` them (a durable
     #: snapshot each) or ``detach`` (micro-VMs keep running for a live upgrade; the next start re-adopts them).
     shutdown: str = "sleep"
@@ -223,4 +228,7 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
     if values.get("shutdown", "sleep") not in ("sleep", "detach"):
         raise ConfigError(f"shutdown={values['shutdown']!r} is not one of sleep, detach",
                           hint="set shutdown = \"sleep\" (default) or \"detach\" in moorage.toml or MOORAGE_SHUTDOWN")
+    if float(values.get("template_prefetch_interval_s", 60.0)) <= 0:
+        raise ConfigError("template_prefetch_interval_s must be more than 0",
+                          hint="set template_prefetch = 0 to fetch templates only when a wake needs them")
     return Config(**values)

@@ -20,12 +20,20 @@ from moorage.store import open_store
 class Fleet:
     def __init__(self, base: Path, store_url: str, s3: dict[str, str], n: int = 3, **settings: str) -> None:
         self.base, self.store_url = base, store_url
-        env = fleet_env(store_url, s3, lease_ttl_s="4", heartbeat_s="1", **settings)
+        self.env = fleet_env(store_url, s3, lease_ttl_s="4", heartbeat_s="1", **settings)
         self.hosts: list[LocalHost] = []
         for i in range(n):
-            self.hosts.append(LocalHost(f"h{i + 1}", base / f"h{i + 1}", env, start_timeout_s=120))
+            self.hosts.append(LocalHost(f"h{i + 1}", base / f"h{i + 1}", self.env, start_timeout_s=120))
         self.key = self.hosts[0].key
         self.api = [h.client(self.key) for h in self.hosts]
+
+    def add_host(self, **settings: str) -> int:
+        """Start one more host (a machine joining the fleet), with ``settings`` (MOORAGE_*) on top; its index."""
+        name = f"h{len(self.hosts) + 1}"
+        env = {**self.env, **{f"MOORAGE_{k.upper()}": v for k, v in settings.items()}}
+        self.hosts.append(LocalHost(name, self.base / name, env, start_timeout_s=120))
+        self.api.append(self.hosts[-1].client(self.key))
+        return len(self.hosts) - 1
 
     def deploy(self) -> None:
         r = self.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(self.base)),

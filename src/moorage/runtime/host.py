@@ -53,6 +53,8 @@ class Host:
         #: Where spans are also exported (``otlp_endpoint``); the API's tracer gets it too. None: store only.
         self.span_sink: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        #: Fleet: fetches live deployments' templates ahead of their first wake here (``fleet/prefetch.py``).
+        self.prefetch: Any = None
 
     @classmethod
     def open(cls, config: Config) -> "Host":
@@ -117,6 +119,12 @@ class Host:
                                                host=manager.host, grace_s=config.template_gc_grace_s,
                                                settle_s=config.template_gc_settle_s,
                                                interval_s=config.template_gc_interval_s)
+        if manager.fleet is not None and host.runtime.templates.published is not None and config.template_prefetch > 0:
+            from moorage.fleet.prefetch import TemplatePrefetch
+
+            # Live deployments' templates come to this host before their first wake here (docs/fleet.md).
+            host.prefetch = TemplatePrefetch(store, host.runtime.templates, limit=config.template_prefetch,
+                                             interval_s=config.template_prefetch_interval_s)
         if config.otlp_endpoint:
             from moorage.observability.otlp import otlp_sink
 
@@ -135,6 +143,8 @@ class Host:
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="retention-sweeper"))
         if self.runtime.templates.gc is not None:
             self._tasks.append(asyncio.create_task(self.runtime.templates.gc.loop(), name="template-gc"))
+        if self.prefetch is not None:
+            self._tasks.append(asyncio.create_task(self.prefetch.loop(), name="template-prefetch"))
         from moorage.webhooks import Dispatcher
         from moorage.webhooks.executions import ExecutionRunner
 

@@ -180,19 +180,32 @@ class Templates:
         with contextlib.suppress(MoorageError, OSError):
             await self.driver.delete_template(ref)
 
-    async def _fetch_published(self, deployment: Deployment, claim: dict[str, Any] | None = None) -> TemplateRef | None:
-        """The deployment's published template, fetched to this host (None: none published, or it is unusable)."""
+    async def _fetch_published(self, deployment: Deployment, claim: dict[str, Any] | None = None, *,
+                               then: str = "building one on this host") -> TemplateRef | None:
+        """The deployment's published template, fetched to this host (None: none published, or it is unusable;
+        ``then`` says in the log what the caller does instead)."""
         try:
             claim = claim or await asyncio.to_thread(self.published.chosen, deployment.id)
             if claim is None:
                 return None
             path = await asyncio.to_thread(self.published.fetch, str(claim["template_id"]))
         except (MoorageError, OSError, ValueError, KeyError) as e:
-            log.error("published template unusable; building one on this host", deployment=deployment.id, error=str(e))
+            log.error(f"published template unusable; {then}", deployment=deployment.id, error=str(e))
             return None
         ref = self.published.ref_of(claim, path)
         write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         return ref
+
+    async def prefetch(self, deployment: Deployment) -> TemplateRef | None:
+        """Fleet: fetch the deployment's published template before anything here needs it (``fleet/prefetch.py``),
+        so the first wake of one of its instances on this host does not wait for the object store. Never builds.
+        Returns what was fetched; None when this host already has it, or nothing (usable) is published yet."""
+        if self.published is None:
+            return None
+        async with self._locks.setdefault(deployment.id, asyncio.Lock()):
+            if self.cached(deployment.id) is not None:
+                return None
+            return await self._fetch_published(deployment, then="its first wake here fetches it")
 
     async def _build(self, deployment: Deployment, on_progress: Any, record: Any = None) -> TemplateRef:
         def say(msg: str) -> None:
