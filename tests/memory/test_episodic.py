@@ -242,3 +242,41 @@ def test_the_embedding_queue_embeds_a_tenants_pending_events_in_the_background(
         queue.close()
     queue.submit(mem)  # closed: ignored
     assert queue.wait_idle(0)
+
+
+def test_a_warm_cache_sees_events_deleted_and_as_many_written_again(tenant: TenantStore, embedder: Embedder) -> None:
+    # The cache's check was the scope's event count alone: deleting n events and writing n new ones between two
+    # searches left the new ones unsearchable. It now also compares the scope's highest event id.
+    mem = EpisodicMemory(tenant, embedder)
+    _fill(mem, ALICE)
+    assert mem.search(ALICE, "kitten named Miso", k=3)  # cached in this process
+    tenant.forget_user("alice", agent="concierge")
+    again = mem.remember_many(ALICE, [EventIn("message", f"Fresh start number {i}: I keep bees on the roof.", "user",
+                                              None, T0 + i) for i in range(len(LOG))])
+    assert len(again) == len(LOG) and tenant.events.count(ALICE) == len(LOG)
+    hits = mem.search(ALICE, "do I keep bees?", k=3)
+    assert hits and all(h.event.id in {e.id for e in again} for h in hits)
+    assert not mem.search_lexical(ALICE, "kitten Miso")
+
+
+def test_a_warm_cache_follows_a_restored_branch_with_as_many_events(tenant: TenantStore, embedder: Embedder) -> None:
+    # Time travel: restoring a branch brings its events back under their old ids, so the count can stay the same
+    # while the highest id goes down.
+    from moorage.store.repos.checkpoints import checkpoints_of
+
+    repo = checkpoints_of(tenant)
+    mem = EpisodicMemory(tenant, embedder)
+    mem.remember_many(ALICE, [EventIn("message", t, s, None, T0 + i) for i, (s, t) in enumerate(LOG[:4])])
+    a = repo.take("concierge", "alice", kind="manual", name="a")
+    first = mem.remember_many(ALICE, [EventIn("message", "I bought a red canoe for the lake.", "user", None, T0 + 10),
+                                      EventIn("message", "A canoe is lovely on a calm lake.", "assistant", None, T0 + 11)])
+    b = repo.take("concierge", "alice", kind="manual", name="b")
+    repo.rollback("concierge", "alice", a.id)
+    second = mem.remember_many(ALICE, [EventIn("message", "I started learning the cello.", "user", None, T0 + 20),
+                                       EventIn("message", "The cello is a wonderful instrument.", "assistant", None, T0 + 21)])
+    assert mem.search(ALICE, "what instrument am I learning?", k=1)[0].event.id == second[0].id  # cached: 6 events
+    repo.rollback("concierge", "alice", b.id)  # the canoe branch again: 6 events, the highest id lower
+    assert tenant.events.count(ALICE) == 6
+    hits = mem.search(ALICE, "what did I buy for the lake?", k=2)
+    assert hits[0].event.id == first[0].id
+    assert not any(h.event.id in {e.id for e in second} for h in mem.search(ALICE, "cello instrument", k=6))

@@ -114,7 +114,8 @@ class _ScopeVectors:
     missing: set[int] = field(default_factory=set)
     #: Document frequency of lower-cased words over the scope's events, for pruning the full-text query.
     df: Counter[str] = field(default_factory=Counter)
-    #: Events of the scope seen so far (with or without a vector): compared with the store's count.
+    #: Events of the scope seen so far (with or without a vector): compared with the store's count (and
+    #: ``max_id`` with its highest id).
     seen: int = 0
     #: The scope's in-process BM25 index. Its rows are all events seen (vector or not), in load order.
     lex_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -455,19 +456,30 @@ class EpisodicMemory:
         reader safe: postings first, then the row arrays, then the array readers size themselves by
         (``doclen`` for BM25, ``matrix`` for cosine), and ``pos`` (id -> row of ``matrix``) last.
         """
-        # Cheap when nothing changed: one COUNT. Fewer events than seen means retention or a user's
-        # erasure deleted some: rebuild, so no vector of a deleted event is ever ranked again.
-        count = self.ts.events.count(scope)
-        if count < vec.seen:
+        # Cheap when nothing changed: one pass over the scope's index (its count and highest id).
+        # - Fewer events than seen, or a lower highest id (a rollback; a restored branch brings events back
+        #   under their old ids): some were deleted. Rebuild, so no vector of a deleted event is ranked again.
+        # - A higher id, or more events: read the new ones. If the count still differs from what was seen,
+        #   events were also deleted meanwhile (as many as were written: an erasure or a rollback followed by
+        #   new turns, perhaps on another host), or one committed after a higher id was read (PostgreSQL
+        #   hands ids out before commit): rebuild as well.
+        count, top = self.ts.events.extent(scope)
+        if count < vec.seen or top < vec.max_id:  # (a lower highest id: a rollback or a branch restored)
             return True
-        if count > vec.seen:
-            self._load_new(scope, vec)
+        if top > vec.max_id or count > vec.seen:
+            self._load_new(scope, vec, upto=top)
+            if vec.seen != count:
+                return True
         if vec.missing:
             self._fill_missing(scope, vec)
         return False
 
-    def _load_new(self, scope: Scope, vec: _ScopeVectors) -> None:
+    def _load_new(self, scope: Scope, vec: _ScopeVectors, upto: int | None = None) -> None:
+        """Add the scope's events after ``vec.max_id`` (up to ``upto``, the highest id its count was read with:
+        one written since is left for the next refresh, so the two stay comparable)."""
         new = self.ts.events.list(scope, after_seq=vec.max_id, limit=10**9)
+        if upto is not None:
+            new = [e for e in new if e.id <= upto]
         if not new:
             return
         vec.seen += len(new)

@@ -88,6 +88,14 @@ class Events(_Repo):
         with self._ts._tx(write=False) as c:
             return int(c.one("SELECT COUNT(*) FROM events WHERE scope = ?", (scope.key,))[0])
 
+    def extent(self, scope: Scope) -> tuple[int, int]:
+        """(how many events the scope has, its highest event id; 0 when none): one pass over the scope's index
+        entries, like ``count``. Ids only grow (never reused), so a change the count alone hides (events deleted,
+        then as many written) shows in the highest id."""
+        with self._ts._tx(write=False) as c:
+            n, top = c.one("SELECT COUNT(*), MAX(id) FROM events WHERE scope = ?", (scope.key,))
+        return int(n), int(top or 0)
+
     @staticmethod
     def _filters(scope: Scope, since: float | None, until: float | None, speakers: Sequence[str] | None,
                  col: str = "") -> tuple[str, list[Any]]:
