@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -128,10 +129,22 @@ GITHUB_TOKEN = {{ header = "Authorization", format = "Bearer {{}}", hosts = ["12
         # ...and no API response, span or log line holds a value.
         for text in live.responses + [repr(ts.spans.recent(limit=1000)), caplog.text]:
             assert not any(n in text for n in needles)
-        # The store's files hold ciphertext only.
-        for p in (live.cfg.data_dir).rglob("*"):
-            if p.is_file():
-                data = p.read_bytes()
+        # The store's files hold ciphertext only. (The turns' automatic checkpoints are written after their
+        # replies: wait for the turns to end, and walk with os.walk, which skips what a background prune removes
+        # under it, where rglob raises.)
+        for _ in range(600):
+            if not live.host.runtime.turns:
+                break
+            await asyncio.sleep(0.05)
+        for dirpath, _, names in os.walk(live.cfg.data_dir):
+            for name in names:
+                p = Path(dirpath) / name
+                if p.is_symlink() or not p.is_file():  # (sockets, FIFOs)
+                    continue
+                try:
+                    data = p.read_bytes()
+                except FileNotFoundError:
+                    continue
                 assert not any(n.encode() in data for n in needles), p
 
         # The guest: environment, files (from inside and from the host), every process's memory.
