@@ -50,6 +50,14 @@ class Fleet:
         finally:
             store.close()
 
+    def live_deployment(self, agent: str = "echo") -> str:
+        store = open_store(Config(store_url=self.store_url))
+        try:
+            (ts,) = list(store.operator.tenants())
+            return ts.agents.get(agent).live_deployment
+        finally:
+            store.close()
+
     def spans(self, name: str) -> list[Any]:
         store = open_store(Config(store_url=self.store_url))
         try:

@@ -12,8 +12,6 @@ from typing import Callable
 import httpx
 import pytest
 
-from moorage.config import Config
-from moorage.store import open_store
 from tests.fleet.harness import Fleet
 
 
@@ -55,12 +53,7 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
             token = page["NextContinuationToken"]
 
     def live() -> tuple[str, str]:
-        store = open_store(Config(store_url=pg_url))
-        try:
-            (ts,) = list(store.operator.tenants())
-            dep = ts.agents.get("echo").live_deployment
-        finally:
-            store.close()
+        dep = f.live_deployment()
         import json
 
         claim = json.loads(raw.get_object(Bucket=s3_bucket, Key=f"{prefix}/deployments/{dep}/template.json")["Body"].read())

@@ -21,7 +21,7 @@ from moorage.fleet.templates import PublishedTemplates
 from moorage.objects import ObjectStore
 from moorage.runtime.templates import Templates
 from moorage.sandbox.process import ProcessDriver
-from moorage.store import Scope, Store, open_store
+from moorage.store import Scope, Store
 from tests.fleet.harness import Fleet
 from tests.fleet.test_templates import _template
 
@@ -97,12 +97,7 @@ def test_hosts_of_a_fleet_have_the_live_template_before_their_first_wake(tmp_pat
     f = Fleet(tmp_path, pg_url, s3, n=2, template_prefetch_interval_s="1")
     try:
         f.deploy()
-        store = open_store(Config(store_url=pg_url))
-        try:
-            (ts,) = list(store.operator.tenants())
-            dep_id = ts.agents.get("echo").live_deployment
-        finally:
-            store.close()
+        dep_id = f.live_deployment()
 
         def has(i: int) -> bool:
             return (f.hosts[i].data / "templates" / f"{dep_id}.json").exists()
