@@ -90,8 +90,8 @@ class Events(_Repo):
 
     def extent(self, scope: Scope) -> tuple[int, int]:
         """(how many events the scope has, its highest event id; 0 when none): one pass over the scope's index
-        entries, like ``count``. Ids only grow (never reused), so a change the count alone hides (events deleted,
-        then as many written) shows in the highest id."""
+        entries, like ``count``. An id is never given out twice, so a change the count alone hides (events deleted,
+        then as many written; a time-travel branch restored with its events' old ids) shows in the highest id."""
         with self._ts._tx(write=False) as c:
             n, top = c.one("SELECT COUNT(*), MAX(id) FROM events WHERE scope = ?", (scope.key,))
         return int(n), int(top or 0)
