@@ -25,3 +25,14 @@ def test_unknown_setting_is_a_clear_error(tmp_path: Path) -> None:
 def test_bad_value_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="MOORAGE_PORT"):
         load(Path("/nonexistent-dir/none.toml") if False else None, env={"MOORAGE_PORT": "abc"})
+
+
+def test_fleet_template_prefetch_settings_from_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "moorage.toml"
+    f.write_text("[moorage]\ntemplate_prefetch = 3\ntemplate_prefetch_interval_s = 15\n")
+    cfg = load(f, env={})
+    assert (cfg.template_prefetch, cfg.template_prefetch_interval_s) == (3, 15.0)
+    assert load(None, env={}).template_prefetch == 8  # on by default (it acts only in a fleet)
+    f.write_text("[moorage]\ntemplate_prefetch_interval_s = 0\n")
+    with pytest.raises(ConfigError, match="template_prefetch_interval_s must be more than 0"):
+        load(f, env={})
