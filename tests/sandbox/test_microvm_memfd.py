@@ -86,3 +86,25 @@ def test_one_copy_per_file_until_it_changes_goes_or_is_released(tmp_path: Path) 
         assert str(b.resolve()) not in mm.cached()
     finally:
         mm.release_under(tmp_path)
+
+
+def test_a_templates_ram_is_sealed_ahead_only_while_the_host_keeps_half_its_memory(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fleet host that fetched a template ahead of any wake makes its forks' sealed RAM copy then
+    # (fleet/prefetch.py), unless that would leave less than half the host's memory available.
+    from moorage.sandbox import microvm_templates
+
+    tdir = tmp_path / "dep-x"
+    tdir.mkdir()
+    ram = _ram_file(tdir / "ram")
+    try:
+        monkeypatch.setattr(microvm_templates, "WARM_KEEPS_AVAILABLE", 1.0)  # nothing to spare
+        assert microvm_templates.warm(tdir) is False and not mm.ready(ram)
+        monkeypatch.setattr(microvm_templates, "WARM_KEEPS_AVAILABLE", 0.0)
+        assert microvm_templates.warm(tdir) is True and mm.ready(ram)
+        assert microvm_templates.warm(tdir) is False  # made already: nothing more
+        (tdir / "deleted").touch()
+        mm.release(ram)
+        assert microvm_templates.warm(tdir) is False and not mm.ready(ram)  # a deleted template is left alone
+    finally:
+        mm.release(ram)

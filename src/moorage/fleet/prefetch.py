@@ -8,7 +8,9 @@ development host, 2-4 s under load (docs/fleet.md). Here each host looks at the 
 first, up to ``template_prefetch``, and fetches those whose published template it does not have, one at a time,
 in the background. It never builds one (a deployment nobody published yet is its deploying host's to build).
 
-The fetch is the one a wake would make (``Templates.prefetch``, under the deployment's lock: a wake that comes
+After the fetch (and for a live template the host already had, e.g. after a restart) the driver makes what the
+first fork in this process would make (``warm_template``: a micro-VM template's RAM sealed in memory, if the host
+keeps half its memory available afterwards). The fetch is the one a wake would make (``Templates.prefetch``, under the deployment's lock: a wake that comes
 meanwhile waits for it rather than fetching twice), and what it fetched is this host's collection's to delete
 once the deployment stops being live, like any fetched template. A host whose disk is short of room fetches
 nothing more (``MIN_FREE_BYTES``, or 5% of the filesystem): a wake still fetches what it needs.
@@ -89,18 +91,22 @@ class TemplatePrefetch:
             wanted = (await asyncio.to_thread(live_deployments, self.store))[:self.limit]
             fetched = 0
             for live in wanted:
-                if self.templates.cached(live.deployment_id) is not None:
-                    continue
-                if not await asyncio.to_thread(self._room):
-                    break
-                started = time.monotonic()
-                deployment = await asyncio.to_thread(self._deployment, live)
-                ref = await self.templates.prefetch(deployment)
-                if ref is not None:
+                ref = self.templates.cached(live.deployment_id)
+                if ref is None:
+                    if not await asyncio.to_thread(self._room):
+                        break
+                    started = time.monotonic()
+                    deployment = await asyncio.to_thread(self._deployment, live)
+                    ref = await self.templates.prefetch(deployment)
+                    if ref is None:
+                        continue
                     fetched += 1
                     log.info("template fetched ahead of its first wake", agent=live.agent,
                              deployment=live.deployment_id, template=ref.id, instances=live.instances,
                              ms=round((time.monotonic() - started) * 1000, 1))
+                # What the first fork in this process would make (micro-VMs: the template RAM's sealed copy),
+                # for a template fetched now or one this host had (after a restart, nothing of it is in memory).
+                await asyncio.to_thread(self.templates.driver.warm_template, ref)
             return fetched
 
     async def _quiet_run(self) -> None:

@@ -493,6 +493,12 @@ class SandboxDriver(ABC):
         if isinstance(cache, dict):
             cache.pop(sandbox_id, None)
 
+    def warm_template(self, template: TemplateRef) -> bool:
+        """Make ahead what the first fork of ``template`` in this process would make itself (a fleet host that
+        fetched the template ahead of any wake: ``fleet/prefetch.py``), where the host can spare it. Blocking.
+        Returns whether anything was made; drivers with nothing to make ahead return False."""
+        return False
+
     def adopt_fetched(self, sandbox_id: str) -> None:
         """Make a sleeping sandbox's directory, just fetched from the fleet's object store, refer to this host's
         files (its template, image, disk backing) instead of those of the host that shipped it. Blocking. Drivers

@@ -198,6 +198,10 @@ class MicroVMDriver(SandboxDriver):
         tid = validate_id(template_id or f"tpl-{sandbox.id}-{int(time.time())}", "template id")
         return await microvm_templates.make(self, sandbox, tid)
 
+    def warm_template(self, template: TemplateRef) -> bool:
+        """The template RAM's sealed in-memory copy that forks map, made now if the host can spare the memory."""
+        return microvm_templates.warm(Path(template.path))
+
     async def delete_template(self, template: TemplateRef) -> None:
         """No new forks from it; its files go when the last fork that maps its RAM and disk is destroyed."""
         microvm_templates.delete(template)
