@@ -149,12 +149,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             assert time.perf_counter() - t < 300, "the template was not fetched ahead within 300 s"
             time.sleep(0.05)
         ahead_fetch_s = time.perf_counter() - t
-        time.sleep(1.0)  # (the fetch's last writes settle; nothing else runs on that host)
+        time.sleep(1.0)  # (the fetch's last writes, and the RAM sealed ahead, settle; nothing else runs there)
+        before = len(b.hosts[ahead].log.read_bytes())
         ahead_ms = b.ok(ahead, users[1])
-        # What that first wake still did that a later one does not: the template RAM's sealed in-memory copy
-        # (micro-VM forks map it; made by the first launch in each host process), from the host's own log.
-        sealed = [float(m) for m in re.findall(r"template RAM sealed in memory .*?\bms=([0-9.]+)",
-                                                b.hosts[ahead].log.read_text(errors="replace"))]
+        # The template RAM's sealed in-memory copy (micro-VM forks map it), from the host's own log: made ahead
+        # with the fetch (fleet/prefetch.py), or by the first launch in the process (the wake just measured).
+        text = b.hosts[ahead].log.read_bytes()
+
+        def sealed_in(part: bytes) -> list[float]:
+            return [float(m) for m in re.findall(rb"template RAM sealed in memory .*?\bms=([0-9.]+)", part)]
 
         victims = [f"k{i:02d}" for i in range(args.kill_users)]
         for u in victims:
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hosts": 3, "driver": args.driver, "users": args.users, "lease_ttl_s": LEASE_TTL_S,
             "local_wake_ms": _ms(local), "cross_host_wake_ms": _ms(cross),
             "cold_host_first_wake_ms": round(cold_ms, 1), "prefetched_first_wake_ms": round(ahead_ms, 1),
-            "prefetch_done_after_healthy_s": round(ahead_fetch_s, 2), "first_wake_sealed_ram_ms": sealed, "ship_ms": _ms(ships), "fetch_ms": _ms(fetches),
+            "prefetch_done_after_healthy_s": round(ahead_fetch_s, 2), "sealed_ram_ahead_ms": sealed_in(text[:before]), "first_wake_sealed_ram_ms": sealed_in(text[before:]), "ship_ms": _ms(ships), "fetch_ms": _ms(fetches),
             "local_wake_in_host_ms": _ms(local_in), "cross_wake_in_host_ms": _ms(cross_in),
             "kill": {"users": len(victims), "back": len(times), "all_back_s": round(max(times), 2),
                      "acknowledged_before": acked, "acknowledged_lost": lost},
@@ -227,8 +230,9 @@ def main() -> None:
         f"Cold-host first wake: {res['cold_host_first_wake_ms']:.1f} ms on a host that just started and fetches the "
         f"agent's template at that wake (`template_prefetch = 0`); {res['prefetched_first_wake_ms']:.1f} ms on one "
         f"that fetched it ahead (`fleet/prefetch.py`: done {res['prefetch_done_after_healthy_s']:.1f} s after the host "
-        f"answered its health check; its first launch also made the template RAM's sealed in-memory copy: "
-        f"{', '.join(f'{x:.0f}' for x in res['first_wake_sealed_ram_ms']) or 'none'} ms). Both fetch the user's "
+        f"answered its health check; the template RAM sealed in memory ahead: "
+        f"{', '.join(f'{x:.0f}' for x in res['sealed_ram_ahead_ms']) or 'no'} ms, by that first wake: "
+        f"{', '.join(f'{x:.0f}' for x in res['first_wake_sealed_ram_ms']) or 'no'} ms). Both fetch the user's "
         f"snapshot, like a cross-host wake. Host kill: {k['back']}/{k['users']} users back "
         f"in {k['all_back_s']} s (lease TTL {LEASE_TTL_S} s); acknowledged turns lost: {k['acknowledged_lost']} "
         f"of {k['acknowledged_before']}.\n\n{headline}\n")
