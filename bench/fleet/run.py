@@ -193,6 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _listed_ms(xs: list[float]) -> str:
+    return ", ".join(f"{x:.0f} ms" for x in xs) or "none"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", type=int, default=20)
@@ -231,8 +235,8 @@ def main() -> None:
         f"agent's template at that wake (`template_prefetch = 0`); {res['prefetched_first_wake_ms']:.1f} ms on one "
         f"that fetched it ahead (`fleet/prefetch.py`: done {res['prefetch_done_after_healthy_s']:.1f} s after the host "
         f"answered its health check; the template RAM sealed in memory ahead: "
-        f"{', '.join(f'{x:.0f}' for x in res['sealed_ram_ahead_ms']) or 'no'} ms, by that first wake: "
-        f"{', '.join(f'{x:.0f}' for x in res['first_wake_sealed_ram_ms']) or 'no'} ms). Both fetch the user's "
+        f"{_listed_ms(res['sealed_ram_ahead_ms'])}, by that first wake: {_listed_ms(res['first_wake_sealed_ram_ms'])})."
+        f" Both fetch the user's "
         f"snapshot, like a cross-host wake. Host kill: {k['back']}/{k['users']} users back "
         f"in {k['all_back_s']} s (lease TTL {LEASE_TTL_S} s); acknowledged turns lost: {k['acknowledged_lost']} "
         f"of {k['acknowledged_before']}.\n\n{headline}\n")
