@@ -8,11 +8,11 @@ development host, 2-4 s under load (docs/fleet.md). Here each host looks at the 
 first, up to ``template_prefetch``, and fetches those whose published template it does not have, one at a time,
 in the background. It never builds one (a deployment nobody published yet is its deploying host's to build).
 
-After the fetch (and for a live template the host already had, e.g. after a restart) the driver makes what the
-first fork in this process would make (``warm_template``: a micro-VM template's RAM sealed in memory, if the host
-keeps half its memory available afterwards). The fetch is the one a wake would make (``Templates.prefetch``, under the deployment's lock: a wake that comes
+The fetch is the one a wake would make (``Templates.prefetch``, under the deployment's lock: a wake that comes
 meanwhile waits for it rather than fetching twice), and what it fetched is this host's collection's to delete
-once the deployment stops being live, like any fetched template. A host whose disk is short of room fetches
+once the deployment stops being live, like any fetched template. After the fetch (and for a live template the
+host already had, e.g. after a restart) the driver makes what the first fork in this process would make
+(``warm_template``: a micro-VM template's RAM sealed in memory, if the host keeps half its memory available). A host whose disk is short of room fetches
 nothing more (``MIN_FREE_BYTES``, or 5% of the filesystem): a wake still fetches what it needs.
 """
 

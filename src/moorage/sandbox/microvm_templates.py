@@ -82,7 +82,7 @@ def warm(tdir: Path) -> bool:
         return False
     available, total = _meminfo()
     if available - ram_file.stat().st_size < total * WARM_KEEPS_AVAILABLE:
-        log.info("template RAM not sealed ahead: the host's memory is needed elsewhere", template=tdir.name,
+        log.debug("template RAM not sealed ahead: the host's memory is needed elsewhere", template=tdir.name,
                  available_mib=available >> 20)
         return False
     microvm_memfd.sealed_ram(ram_file)
