@@ -12,8 +12,9 @@ The fetch is the one a wake would make (``Templates.prefetch``, under the deploy
 meanwhile waits for it rather than fetching twice), and what it fetched is this host's collection's to delete
 once the deployment stops being live, like any fetched template. After the fetch (and for a live template the
 host already had, e.g. after a restart) the driver makes what the first fork in this process would make
-(``warm_template``: a micro-VM template's RAM sealed in memory, if the host keeps half its memory available). A host whose disk is short of room fetches
-nothing more (``MIN_FREE_BYTES``, or 5% of the filesystem): a wake still fetches what it needs.
+(``warm_template``: a micro-VM template's RAM sealed in memory, if the host keeps half its memory available).
+A host whose disk is short of room fetches nothing more (``MIN_FREE_BYTES``, or 5% of the filesystem): a wake
+still fetches what it needs.
 """
 
 from __future__ import annotations
