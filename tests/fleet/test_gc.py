@@ -48,7 +48,7 @@ def test_published_templates_are_kept_while_the_store_names_them_then_retired_th
         return template_use(store, grace_s=0)
 
     # A driver whose forks need their template (micro-VM): ann's row keeps t1.
-    gc = BucketCollector(pa, host="h1", grace_s=0, settle_s=60, pins=lambda driver: True)
+    gc = BucketCollector(pa, host="h1", grace_s=0, settle_s=60, pins=lambda *_: True)
     rep = gc.collect(use, now=1e10)
     assert rep.kept == {"deployment": 1, "instance": 1} and rep.retired == 0
     assert pa.chosen(d1.id) is not None and _keys(object_store, f"templates/{t1.id}/")
@@ -98,6 +98,30 @@ def test_a_process_drivers_instances_do_not_keep_their_template(store: Store, ob
     ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
     # A process fork is a copy of its template's files: with settle 0 both steps happen in one run.
     rep = BucketCollector(pa, grace_s=0, settle_s=0).collect(lambda: template_use(store, grace_s=0))
+    assert rep.retired == 1 and rep.deleted == 1
+    assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
+
+
+def test_a_process_template_with_shared_packages_stays_while_an_instance_names_it(
+        store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path / "cfg")
+    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
+    _, key = store.operator.create_tenant("acme")
+    ts = store.tenant(store.authenticate(key.secret))
+    agent = ts.agents.create("counter")
+    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
+    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
+    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=True)
+    pa.publish(t1, d1.id)
+    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    rec = ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
+    # A fork of it binds its shared directory (an agent's packages; process_templates): kept while an instance
+    # names it, on any host (without one, it goes at once: the test above).
+    gc = BucketCollector(pa, grace_s=0, settle_s=0)
+    rep = gc.collect(lambda: template_use(store, grace_s=0))
+    assert rep.deleted == 0 and _keys(object_store, f"templates/{t1.id}/")
+    ts.sandboxes.delete(rec.id, expected_version=rec.version)
+    rep = gc.collect(lambda: template_use(store, grace_s=0))  # with settle 0 both steps happen in one run
     assert rep.retired == 1 and rep.deleted == 1
     assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
 
@@ -164,7 +188,7 @@ def test_a_host_deletes_fetched_copies_nobody_names_never_templates_made_here(ob
     mine = _template(b, "maker", "tt-made-here", "y")  # a fork in progress on b
     templates = Templates(tmp_path / "b-templates", b, tmp_path / "packages")
     pinned = TemplateUse(frozenset(), frozenset({t.id}), frozenset())
-    assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda driver: True)) == 0  # an instance names it
+    assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda *_: True)) == 0  # an instance names it
     assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=3600)) == 0
     assert asyncio.run(templates.collect(TemplateUse(frozenset(), frozenset(), frozenset()), grace_s=0)) == 1
     assert not fetched.exists() and Path(mine.path).exists()
@@ -209,8 +233,8 @@ def test_a_time_travel_fork_template_a_crash_left_goes_one_in_progress_or_needed
         left = _template(driver, "builder-left", "tt-" + "a" * 16, "left")
         needed = _template(driver, "builder-needed", "tt-" + "b" * 16, "needed")
         pinned = TemplateUse(frozenset(), frozenset({needed.id}), frozenset())
-        assert asyncio.run(templates.collect(pinned, grace_s=3600, pins=lambda driver: True)) == 0
-        assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda driver: True)) == 1
+        assert asyncio.run(templates.collect(pinned, grace_s=3600, pins=lambda *_: True)) == 0
+        assert asyncio.run(templates.collect(pinned, grace_s=0, pins=lambda *_: True)) == 1
         assert not Path(left.path).exists()
         assert Path(busy.path).exists() and Path(needed.path).exists()
     # The fork ended (without deleting it: as if its delete had failed) and nothing names the other any more.
@@ -240,7 +264,7 @@ def test_several_collectors_at_once_leave_exactly_what_is_needed(store: Store, o
         return template_use(store, grace_s=0)
 
     def collector(i: int) -> None:
-        gc = BucketCollector(pa, host=f"h{i}", grace_s=0, settle_s=0, pins=lambda driver: True)
+        gc = BucketCollector(pa, host=f"h{i}", grace_s=0, settle_s=0, pins=lambda *_: True)
         for _ in range(3):
             gc.collect(use)
 

@@ -21,11 +21,14 @@ from moorage.sandbox.microvm import MicroVMDriver
 from moorage.sandbox.process import ProcessDriver
 
 
-def _template(driver: ProcessDriver, sid: str, tid: str, text: str):  # noqa: ANN202
+def _template(driver: ProcessDriver, sid: str, tid: str, text: str, *, shared: bool = False):  # noqa: ANN202
     async def go():  # noqa: ANN202
         sb = await driver.create(sid)
         (sb.layer / "work" / "agent.txt").write_text(text)
-        return await driver.make_template(sb, tid)
+        if shared:  # packages its forks bind from it
+            (sb.layer / "work" / "site").mkdir()
+            (sb.layer / "work" / "site" / "pkg.py").write_text(text)
+        return await driver.make_template(sb, tid, shared=["/work/site"] if shared else [])
 
     return asyncio.run(go())
 

@@ -6,6 +6,7 @@ installed at deploy time from a package index (a loopback one serving wheels rep
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -81,8 +82,7 @@ async def _env(tmp: Path, index: int, wire: WireServer, driver_name: str) -> Asy
 
 
 def example_copy(tmp: Path) -> Path:
-    """The example as it is, but checkpoints taken when a test asks: with the process driver a checkpoint copies
-    the sandbox's layer, LangGraph's ~50 MB of packages included (seconds per turn; docs/langgraph.md)."""
+    """The example as it is, but checkpoints taken when a test asks (the rollback and fork tests name theirs)."""
     dst = tmp / "langgraph-example"
     shutil.copytree(EXAMPLE, dst)
     manifest = (dst / "moorage.toml").read_text()
@@ -127,6 +127,23 @@ async def test_the_graph_keeps_its_state_in_the_users_store_rows(env: Env) -> No
     ts = env.store.tenant(env.principal)
     assert await env.manager.sleep(ts, Scope.for_user(AGENT, "ada"))
     assert (await ask(env, "ada", "note after sleep")).reply == "notes: buy milk, call mum, after sleep"
+
+
+async def test_each_users_sandbox_reads_the_packages_from_the_template_not_a_copy(env: Env) -> None:
+    """The process driver binds the template's installed packages read-only into every user's sandbox: a new
+    user's layer (and each checkpoint, each fleet sleep) holds none of LangGraph's files."""
+    from moorage.sandbox.process_fs import disk_usage
+
+    assert (await ask(env, "dot", "note one")).reply == "notes: one"
+    rec = env.store.tenant(env.principal).sandboxes.for_scope(Scope.for_user(AGENT, "dot"))
+    assert rec is not None
+    sandbox = env.cfg.sandboxes_dir / rec.id
+    meta = json.loads((sandbox / "meta.json").read_text())
+    assert meta["shared"]["paths"] == ["work/.moorage/site"]
+    template_site = Path(meta["shared"]["dir"]) / "layer" / "work" / ".moorage" / "site"
+    assert (template_site / "langgraph").is_dir() and disk_usage(template_site) > 20 << 20
+    assert list((sandbox / "layer" / "work" / ".moorage" / "site").iterdir()) == []
+    assert disk_usage(sandbox / "layer") < 2 << 20
 
 
 async def approve_a_plan(env: Env, wire: WireServer) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.log import get_logger
@@ -33,13 +34,22 @@ log = get_logger(__name__)
 MARKER = "retired.json"
 
 
-def forks_need_template(driver: str) -> bool:
+def forks_need_template(driver: str, shared: bool = False) -> bool:
     """Whether an instance forked from a template of ``driver`` needs that template for as long as it lives.
 
-    A process-driver fork is a copy of its template's files. A micro-VM fork's RAM delta and disk overlay are
-    only valid against its template's RAM and disk, asleep or awake, on any host; a driver not named here is
-    treated the same way (never guess that a template may go)."""
-    return driver != "process"
+    A micro-VM fork's RAM delta and disk overlay are only valid against its template's RAM and disk, asleep or
+    awake, on any host; a driver not named here is treated the same way (never guess that a template may go). A
+    process-driver fork is a copy of its template's files except its ``shared`` directories (an agent's packages,
+    ``template.json``'s ``shared``), which it binds from the template: it needs a template that has any."""
+    return driver != "process" or shared
+
+
+def template_shares(tdir: Path) -> bool:
+    """Whether the template in ``tdir`` has shared directories its forks bind (``forks_need_template``)."""
+    try:
+        return bool(json.loads((tdir / "template.json").read_text()).get("shared"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -178,7 +188,7 @@ class BucketCollector:
         dep = meta.get("deployment_id")
         if dep and dep in use.deployments and claims.get(str(dep), (None, 0.0))[0] == template_id:
             return "deployment"
-        if template_id in use.pinned and self.pins(str(meta.get("driver") or "")):
+        if template_id in use.pinned and self.pins(str(meta.get("driver") or ""), bool(meta.get("shared"))):
             return "instance"
         return None
 
@@ -229,7 +239,8 @@ class BucketCollector:
             use = use_of()
             for tid in to_delete:
                 prefix = self.published.prefix(tid)
-                if tid in use.pinned and self.pins(str((metas.get(tid) or {}).get("driver") or "")):
+                tmeta = metas.get(tid) or {}
+                if tid in use.pinned and self.pins(str(tmeta.get("driver") or ""), bool(tmeta.get("shared"))):
                     with contextlib.suppress(ObjectNotFound):
                         self.objects.delete(f"{prefix}/{MARKER}")
                     rep.restored += 1

@@ -276,9 +276,11 @@ class PublishedTemplates:
         image_dir_of = getattr(self.driver, "template_image_dir", None)
         if callable(image_dir_of):
             image = self.publish_image(GuestImage.load(image_dir_of(tdir)))
+        from moorage.fleet.gc import template_shares
+
         meta = {"driver": ref.driver, "template_id": ref.id, "deployment_id": deployment_id, "image": image,
                 "source_sandbox": ref.source_sandbox, "created_at": ref.created_at,
-                "includes_memory": ref.includes_memory}
+                "includes_memory": ref.includes_memory, "shared": template_shares(tdir)}
         rep = self.shipper.push(tdir, self.prefix(ref.id), MANIFEST, include=self._portable(), meta=meta)
         if image is not None and image_dir_of is not None:
             # Checked after the template names its image: a collection deleting that image meanwhile either
@@ -304,17 +306,17 @@ class PublishedTemplates:
     def publish_fork(self, ref: TemplateRef, owner: dict[str, str]) -> bool:
         """Publish a fork template (a snapshot of one user's instance that new end-users are forked from: time
         travel) so those forks wake on any host. No claim: no deployment forks it; the collector keeps it while an
-        instance names it. Only for drivers whose forks need their template (a process fork is a copy); returns
-        whether it was published. Blocking.
+        instance names it. Only for templates whose forks need them (a process fork is a copy but for the
+        template's shared directories: ``forks_need_template``); returns whether it was published. Blocking.
 
         A micro-VM fork template's disk is a copy of the instance's overlay, itself on its deployment template's
         disk; it is first made an overlay on the guest image itself (same contents, the deployment template's
         changes copied in), as every published template's is, before any fork is made from it."""
-        from moorage.fleet.gc import forks_need_template
+        from moorage.fleet.gc import forks_need_template, template_shares
 
-        if not forks_need_template(ref.driver):
-            return False
         tdir = Path(ref.path)
+        if not forks_need_template(ref.driver, template_shares(tdir)):
+            return False
         image = None
         img: GuestImage | None = None
         image_dir_of = getattr(self.driver, "template_image_dir", None)
@@ -324,7 +326,7 @@ class PublishedTemplates:
             image = self.publish_image(img)
         meta = {"driver": ref.driver, "template_id": ref.id, "deployment_id": None, "image": image,
                 "source_sandbox": ref.source_sandbox, "created_at": ref.created_at,
-                "includes_memory": ref.includes_memory, "fork_of": owner}
+                "includes_memory": ref.includes_memory, "fork_of": owner, "shared": template_shares(tdir)}
         rep = self.shipper.push(tdir, self.prefix(ref.id), MANIFEST, include=self._portable(), meta=meta)
         if img is not None:
             self._keep_image(img)

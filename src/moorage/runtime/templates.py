@@ -242,7 +242,9 @@ class Templates:
             await push_and_load(sb, deployment, archive)
             say("snapshotting the template")
             # Unique per build: two hosts never hold different templates under one id (the fleet ships by id).
-            ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}-{uuid.uuid4().hex[:6]}")
+            # The packages are the same for every fork: a driver that copies files shares them instead.
+            ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}-{uuid.uuid4().hex[:6]}",
+                                                  shared=[deploy_packages.SITE_DIR] if requirements else [])
         finally:
             await sb.destroy()
         if self.published is not None:
@@ -320,7 +322,7 @@ class Templates:
         and templates fetched for instances none of which names them any more (templates made here are their
         maker's to delete). Anything younger than ``grace_s`` stays (a build or fetch in progress). Returns how
         many went."""
-        from moorage.fleet.gc import forks_need_template
+        from moorage.fleet.gc import forks_need_template, template_shares
 
         now = time.time() if now is None else now
         pins = pins or forks_need_template
@@ -368,7 +370,7 @@ class Templates:
                 # it; only copies fetched from the object store, ones the driver already marked deleted (kept for
                 # forks that may be gone), and builds a crash abandoned are this collection's to delete.
                 continue
-            if tid in use.pinned and pins(self.driver.name):
+            if tid in use.pinned and pins(self.driver.name, template_shares(path)):
                 continue  # an instance's fork needs it (fetched here for its wake, or made here)
             try:
                 age = now - max((path / n).stat().st_mtime for n in ("template.json", ".fetched", "deleted")

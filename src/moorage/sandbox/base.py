@@ -473,8 +473,11 @@ class SandboxDriver(ABC):
         """Create ``len(ids)`` independent copy-on-write children of ``template`` (not started)."""
 
     @abstractmethod
-    async def make_template(self, sandbox: Sandbox, template_id: str | None = None) -> TemplateRef:
-        """Snapshot a booted, warmed sandbox so it can be forked. The sandbox keeps its state."""
+    async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
+                            shared: Sequence[str] = ()) -> TemplateRef:
+        """Snapshot a booted, warmed sandbox so it can be forked. The sandbox keeps its state. ``shared``: paths
+        under /work that forks never write (an agent's deploy-time packages): a driver whose forks copy files may
+        let every fork read the template's own instead."""
 
     @abstractmethod
     async def delete_template(self, template: TemplateRef) -> None: ...

@@ -192,7 +192,9 @@ class MicroVMDriver(SandboxDriver):
 
     # --- templates and forks (microvm_templates) --------------------------------------------------------------
 
-    async def make_template(self, sandbox: Sandbox, template_id: str | None = None) -> TemplateRef:
+    async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
+                            shared: Sequence[str] = ()) -> TemplateRef:
+        # ``shared`` needs nothing here: every fork's disk is already a copy-on-write overlay on the template's.
         if not isinstance(sandbox, MicroVMSandbox):
             raise InvalidInput("make_template needs a sandbox of the microvm driver")
         tid = validate_id(template_id or f"tpl-{sandbox.id}-{int(time.time())}", "template id")

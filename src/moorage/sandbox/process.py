@@ -1,7 +1,9 @@
 """The ``process`` sandbox driver: the guest supervisor in bubblewrap namespaces on the host kernel.
 
 Filesystem-only persistence: the host root is bound read-only, each sandbox owns a writable layer (/work, /tmp)
-that is its snapshot; sleep stops every process, wake cold-starts the supervisor; fork and checkpoint copy the layer.
+that is its snapshot; sleep stops every process, wake cold-starts the supervisor; fork and checkpoint copy the layer
+(a template's shared directories, an agent's packages, are bound read-only into its forks instead:
+process_templates.py).
 Confinement: every namespace, no nested user namespaces, a seccomp filter (process_seccomp.py) and, on a host
 running as root, an unprivileged host uid (``Config.sandbox_uid``) for everything in the sandbox.
 """
@@ -9,6 +11,7 @@ running as root, an unprivileged host uid (``Config.sandbox_uid``) for everythin
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -17,13 +20,13 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import process_limits as limits
-from moorage.sandbox import process_seccomp
+from moorage.sandbox import process_seccomp, process_templates
 from moorage.sandbox.base import (
     Capabilities,
     Sandbox,
@@ -45,7 +48,6 @@ from moorage.sandbox.process_sandbox import (
     META_VERSION,
     SOCKET_NAME,
     STAGE,
-    STAGED,
     SUPERVISOR_PYTHON,
     ProcessSandbox,
 )
@@ -117,9 +119,9 @@ class ProcessDriver(SandboxDriver):
 
     def bwrap_argv(self, sb: ProcessSandbox, *, staged: bool = False, zygote_fd: int | None = None) -> list[str]:
         """The bubblewrap command. ``staged``: the sandbox's directories are bound under ``STAGE`` by a root launcher."""
-        src = {"layer": sb.layer, "run": sb.dir / "run", "etc": sb.dir / "etc", "guest": self._guest_dir}
+        src = sb.sources()
         if staged:
-            src = {name: Path(STAGE) / name for name in STAGED}
+            src = {name: Path(STAGE) / name for name in src}
         a = [_bwrap(), "--unshare-all", "--unshare-user", "--disable-userns", "--assert-userns-disabled",
              "--uid", str(GUEST_UID), "--gid", str(GUEST_UID), "--die-with-parent", "--new-session",
              "--hostname", "sandbox"]
@@ -136,6 +138,8 @@ class ProcessDriver(SandboxDriver):
             a += ["--ro-bind", str(src["etc"] / name), f"/etc/{name}"]
         a += ["--proc", "/proc", "--dev", "/dev"]
         a += ["--bind", str(src["layer"] / "work"), "/work", "--bind", str(src["layer"] / "tmp"), "/tmp"]
+        for name, target in sb.shared_targets():  # over the layer's (empty) mount points
+            a += ["--ro-bind", str(src[name]), target]
         a += ["--bind", str(src["run"]), "/run/moorage"]
         a += ["--ro-bind", str(src["guest"]), GUEST_MOUNT]
         a += ["--chdir", "/work", "--clearenv"]
@@ -166,9 +170,20 @@ class ProcessDriver(SandboxDriver):
         (d / "etc" / "group").write_text(f"root:x:0:\nagent:x:{GUEST_UID}:\nnogroup:x:65534:\n")
         (d / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
 
-    def _meta(self, sandbox_id: str, spec: SandboxSpec, template: TemplateRef | None) -> dict[str, Any]:
-        return {"version": META_VERSION, "driver": self.name, "id": sandbox_id, "state": SandboxState.CREATED.value,
+    def _meta(self, sandbox_id: str, spec: SandboxSpec, template: TemplateRef | None,
+              shared: list[str]) -> dict[str, Any]:
+        meta = {"version": META_VERSION, "driver": self.name, "id": sandbox_id, "state": SandboxState.CREATED.value,
                 "spec": spec.to_json(), "created_at": time.time(), "template": template.id if template else None}
+        if template is not None and shared:
+            meta["shared"] = {"template": template.id, "dir": str(template.path), "paths": shared}
+        return meta
+
+    #: Fleet: fetches a published template to this host by id (``PublishedTemplates.fetch``), for a sandbox that
+    #: arrives from another host binding a template this host lacks. Set by the host.
+    template_source: Callable[[str], Any] | None = None
+
+    def template_dir(self, template_id: str) -> Path:
+        return self.root / ".templates" / validate_id(template_id, "template id")
 
     def _check_template(self, template: TemplateRef) -> Path:
         if template.driver != self.name:
@@ -177,6 +192,8 @@ class ProcessDriver(SandboxDriver):
         layer = Path(template.path) / "layer"
         if not layer.is_dir() or not (Path(template.path) / "template.json").exists():
             raise SnapshotCorrupt(f"template {template.id} at {template.path} is incomplete", hint="make the template again")
+        if (Path(template.path) / process_templates.DELETED).exists():
+            raise SandboxNotFound(f"template {template.id} was deleted", hint="make a new template")
         return layer
 
     async def create(self, sandbox_id: str, spec: SandboxSpec | None = None, template: TemplateRef | None = None) -> Sandbox:
@@ -185,20 +202,27 @@ class ProcessDriver(SandboxDriver):
             raise InvalidInput("sandbox limits too small", hint="max_processes >= 8, memory_mib >= 32, disk_mib >= 1")
         d = self._new_dir(sandbox_id)
         src = self._check_template(template) if template else None
+        shared = process_templates.of_template(Path(template.path)) if template else []
         tmp = self.root / f".creating-{sandbox_id}-{uuid.uuid4().hex[:8]}"
         try:
             self._init_dir(tmp, spec)
-            if src is not None:
+            if src is not None and shared:
+                # Its shared directories stay the template's (bound read-only at start): not copied.
+                await process_templates.copy_layer(src, tmp / "layer", shared)
+                process_templates.add_child(Path(template.path), sandbox_id)
+            elif src is not None:
                 await copy_tree(src, tmp / "layer")
             else:
                 (tmp / "layer" / "work").mkdir(parents=True)
                 (tmp / "layer" / "tmp").mkdir()
             os.chmod(tmp / "layer" / "tmp", 0o1777)
-            meta = self._meta(sandbox_id, spec, template)
+            meta = self._meta(sandbox_id, spec, template, shared)
             write_json_durable(tmp / "meta.json", meta)
             os.rename(tmp, d)  # a half-created sandbox never appears under its id
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            if template is not None and shared:
+                process_templates.drop_child(Path(template.path), sandbox_id)
             raise
         sb = ProcessSandbox(self, sandbox_id, meta)
         self._open[sandbox_id] = sb
@@ -233,10 +257,15 @@ class ProcessDriver(SandboxDriver):
             if (Path(template.path) / "template.json").exists() else SandboxSpec()
         return [await self.create(i, spec, template) for i in ids]
 
-    async def make_template(self, sandbox: Sandbox, template_id: str | None = None) -> TemplateRef:
+    async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
+                            shared: Sequence[str] = ()) -> TemplateRef:
+        """A copy of the sandbox's layer. ``shared`` (paths under /work) are bound read-only into every fork
+        instead of copied; a sandbox that binds shared directories itself passes them on (``process_templates``)."""
         if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
             raise SnapshotIncompatible("make_template needs a sandbox of this process driver")
         tid = validate_id(template_id or f"tpl-{uuid.uuid4().hex[:12]}", "template id")
+        inherited = (sandbox.meta.get("shared") or {}).get("paths") or []
+        rels = process_templates.layer_paths([*shared, *map(process_templates.sandbox_path, inherited)])
         dest = self.root / ".templates" / tid
         if dest.exists():
             raise ConflictError(f"template {tid} already exists", hint="pick another template id")
@@ -247,9 +276,20 @@ class ProcessDriver(SandboxDriver):
             tmp.mkdir(parents=True)
             try:
                 await copy_tree(sandbox.layer, tmp / "layer")
+                for rel in rels:  # real directories only: a link there could name any host path
+                    if not process_templates.real_dir(tmp / "layer", rel, parents_only=rel in inherited):
+                        raise InvalidInput(f"shared path {process_templates.sandbox_path(rel)} is not a directory "
+                                           f"in sandbox {sandbox.id}", hint="no symbolic link on its way either")
+                if inherited:  # its mount points are empty here: the files are its own template's
+                    origin = process_templates.template_of(sandbox.meta, self.template_dir)
+                    for rel in inherited:
+                        await asyncio.to_thread(process_templates.link_tree, origin / "layer" / rel, tmp / "layer" / rel)
                 created = time.time()
-                write_json_durable(tmp / "template.json", {"id": tid, "driver": self.name, "source": sandbox.id,
-                                                           "created_at": created, "spec": sandbox.spec.to_json()})
+                record: dict[str, Any] = {"id": tid, "driver": self.name, "source": sandbox.id, "created_at": created,
+                                          "spec": sandbox.spec.to_json()}
+                if rels:
+                    record["shared"] = rels
+                write_json_durable(tmp / "template.json", record)
                 os.rename(tmp, dest)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -257,8 +297,12 @@ class ProcessDriver(SandboxDriver):
         return TemplateRef(tid, self.name, dest, sandbox.id, created, includes_memory=False)
 
     async def delete_template(self, template: TemplateRef) -> None:
+        """Gone now, or (a template whose shared directories forks on this host bind) marked deleted and gone
+        with the last of them."""
+        if (Path(template.path) / process_templates.DELETED).exists():
+            return
         self._check_template(template)
-        shutil.rmtree(template.path, ignore_errors=True)
+        process_templates.delete(Path(template.path))
 
     async def list(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / "meta.json").exists())
@@ -267,11 +311,31 @@ class ProcessDriver(SandboxDriver):
     _HOST_LOCAL = ("run", "supervisor.log")
 
     def adopt_fetched(self, sandbox_id: str) -> None:
-        """A copy shipped while awake records the other host's process: here nothing of it runs (it boots)."""
+        """A copy shipped while awake records the other host's process: here nothing of it runs (it boots). One
+        that binds a template's shared directories binds this host's copy of it. Blocking."""
         path = self.root / validate_id(sandbox_id) / "meta.json"
         meta = json.loads(path.read_text())
+        changed = False
         if meta.get("state") == SandboxState.RUNNING.value or meta.get("pid") is not None:
             meta.update(state=SandboxState.STOPPED.value, pid=None, pid_starttime=None)
+            changed = True
+        shared = meta.get("shared")
+        if shared:  # the template it binds, this host's copy (fetched when missing)
+            tdir = self.template_dir(shared["template"])
+            why = "no template source is set"
+            if not (tdir / "template.json").exists() and self.template_source is not None:
+                try:
+                    self.template_source(shared["template"])
+                except Exception as e:  # noqa: BLE001 - not published, or the object store failed: said below
+                    why = str(e)
+            if not (tdir / "template.json").exists():
+                raise SnapshotCorrupt(f"sandbox {sandbox_id} binds template {shared['template']}'s shared files, "
+                                      f"which is not on this host and could not be fetched: {why}",
+                                      hint="publish the template (fleet hosts publish deployment templates)")
+            process_templates.add_child(tdir, sandbox_id)
+            shared["dir"] = str(tdir)
+            changed = True
+        if changed:
             write_json_durable(path, meta)
 
     @classmethod

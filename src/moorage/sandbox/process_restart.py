@@ -92,26 +92,32 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
-def swap_contents(layer: Path, fresh: Path, trash: Path) -> None:
-    """Make ``layer`` hold ``fresh``'s files: in the bound directories the entries are moved (the directory
-    itself stays: the running sandbox's mounts point at it), anything else is renamed whole. What was there goes
-    to ``trash``."""
+def swap_contents(layer: Path, fresh: Path, trash: Path, mounted: tuple[str, ...] = ()) -> None:
+    """Make ``layer`` hold ``fresh``'s files: the bound directories (``BOUND``, and ``mounted``: the layer paths
+    of the template's shared directories bound over it, with each one's parents) stay, since the running
+    sandbox's mounts point at them, and their entries are moved; anything else is renamed whole. What was there
+    goes to ``trash``."""
+    stay = set(BOUND)
+    for rel in mounted:
+        parts = rel.split("/")
+        stay.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
     trash.mkdir(exist_ok=True)
-    for name in sorted({p.name for p in layer.iterdir()} | {p.name for p in fresh.iterdir()}):
-        cur, new = layer / name, fresh / name
-        if name in BOUND and cur.is_dir() and not cur.is_symlink() and new.is_dir() and not new.is_symlink():
+    _swap(layer, fresh, trash, "", stay)
+    shutil.rmtree(fresh, ignore_errors=True)
+
+
+def _swap(cur_dir: Path, new_dir: Path, trash: Path, rel: str, stay: set[str]) -> None:
+    for name in sorted({p.name for p in cur_dir.iterdir()} | {p.name for p in new_dir.iterdir()}):
+        cur, new, r = cur_dir / name, new_dir / name, f"{rel}/{name}" if rel else name
+        if r in stay and cur.is_dir() and not cur.is_symlink() and new.is_dir() and not new.is_symlink():
             held = trash / name
             held.mkdir(exist_ok=True)
-            for entry in list(cur.iterdir()):
-                os.rename(entry, held / entry.name)
-            for entry in list(new.iterdir()):
-                os.rename(entry, cur / entry.name)
+            _swap(cur, new, held, r, stay)
             st = new.stat()
             os.chmod(cur, st.st_mode & 0o7777)
             os.utime(cur, ns=(st.st_atime_ns, st.st_mtime_ns))
             continue
         if cur.exists() or cur.is_symlink():
-            os.rename(cur, trash / f"{name}.old")
+            os.rename(cur, trash / (name if rel else f"{name}.old"))
         if new.exists() or new.is_symlink():
             os.rename(new, cur)
-    shutil.rmtree(fresh, ignore_errors=True)

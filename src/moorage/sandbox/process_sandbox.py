@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from moorage.errors import ConflictError
 from moorage.log import get_logger
-from moorage.sandbox import capped_log, process_checkpoints, process_restart, process_seccomp
+from moorage.sandbox import capped_log, process_checkpoints, process_restart, process_seccomp, process_templates
 from moorage.sandbox import process_limits as limits
 from moorage.sandbox.base import (
     ChannelError,
@@ -65,7 +65,6 @@ SUPERVISOR_LOG_CAP_BYTES = 512 << 10
 #: Where a root host's launcher binds the sandbox's own directories in its private mount namespace, so the
 #: unprivileged sandbox uid never needs to traverse the data directory's parents (e.g. /root, mode 0700).
 STAGE = "/tmp"
-STAGED = ("layer", "run", "etc", "guest")
 _STOP_TIMEOUT_S = 5.0
 
 _tasks: set[asyncio.Task] = set()
@@ -118,6 +117,20 @@ class ProcessSandbox(Sandbox):
     @property
     def socket_path(self) -> Path:
         return self.dir / "run" / SOCKET_NAME
+
+    def sources(self) -> dict[str, Path]:
+        """The host directories bound into the sandbox, by name (a root host's launcher binds each under ``STAGE``
+        by that name): its layer, run and etc directories, the guest package, then ``shared<i>``, the template's
+        shared directories in the order of ``shared_targets``."""
+        out = {"layer": self.layer, "run": self.dir / "run", "etc": self.dir / "etc", "guest": self.driver._guest_dir}
+        for i, (host, _) in enumerate(process_templates.binds(self.meta, self.driver.template_dir)):
+            out[f"shared{i}"] = host
+        return out
+
+    def shared_targets(self) -> list[tuple[str, str]]:
+        """(source name, sandbox path) of each shared directory, bound read-only over the layer's mount point."""
+        paths = (self.meta.get("shared") or {}).get("paths") or []
+        return [(f"shared{i}", process_templates.sandbox_path(rel)) for i, rel in enumerate(paths)]
 
     # --- state -----------------------------------------------------------------------------------------------
 
@@ -205,9 +218,8 @@ class ProcessSandbox(Sandbox):
             if staged:
                 # As root: bind the sandbox's directories into a private mount namespace, then drop to the sandbox
                 # uid (no capabilities, no groups) before bubblewrap runs; bubblewrap then needs no privilege.
-                sources = {"layer": self.layer, "run": run, "etc": self.dir / "etc", "guest": self.driver._guest_dir}
                 launch = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
-                          _stage_script(sources), "moorage-stage", *prlimit,
+                          _stage_script(self.sources()), "moorage-stage", *prlimit,
                           "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                           "--bounding-set=-all", "--", *argv]
             # A tiny shell moves itself into the cgroup before exec'ing the rest, so no sandbox process ever runs
@@ -548,7 +560,8 @@ class ProcessSandbox(Sandbox):
             uid = self.driver.host_uid
             if uid is not None:
                 _own_tree(fresh, uid)
-            process_restart.swap_contents(self.layer, fresh, trash)
+            process_restart.swap_contents(self.layer, fresh, trash,
+                                          tuple((self.meta.get("shared") or {}).get("paths") or ()))
             if self.socket_path.exists():
                 self.socket_path.unlink()
             self.quota_exceeded = False
@@ -576,6 +589,9 @@ class ProcessSandbox(Sandbox):
             self._state = SandboxState.DESTROYED
             shutil.rmtree(self.dir, ignore_errors=True)
             self.driver._open.pop(self.id, None)
+            shared = self.meta.get("shared")
+            if shared:  # a deleted template it bound goes with its last fork
+                process_templates.drop_child(process_templates.template_of(self.meta, self.driver.template_dir), self.id)
             log.info("sandbox destroyed", sandbox=self.id)
 
     async def stats(self) -> SandboxStats:
@@ -626,11 +642,13 @@ def _stage_script(sources: dict[str, Path]) -> str:
     Sources are opened before the stage's tmpfs goes up (a source may live under the stage's path, e.g. /tmp)
     and bound from their descriptors, which are closed again before the rest of the command runs.
     """
-    fds = {name: 3 + i for i, name in enumerate(STAGED)}
+    fds = {name: 3 + i for i, name in enumerate(sources)}
+    if max(fds.values()) > 9:
+        raise SandboxError(f"too many directories to stage ({len(fds)})")
     lines = ["set -e"]
-    lines += [f"exec {fds[name]}<{shlex.quote(str(sources[name]))}" for name in STAGED]
+    lines += [f"exec {fds[name]}<{shlex.quote(str(path))}" for name, path in sources.items()]
     lines.append(f"mount -t tmpfs -o mode=0755,size=64k moorage {STAGE}")
-    lines += [f"mkdir {STAGE}/{name}; mount --bind /proc/self/fd/{fds[name]} {STAGE}/{name}" for name in STAGED]
+    lines += [f"mkdir {STAGE}/{name}; mount --bind /proc/self/fd/{fds[name]} {STAGE}/{name}" for name in sources]
     lines.append("exec " + " ".join(f"{fd}<&-" for fd in fds.values()) + ' "$@"')
     return "\n".join(lines)
 
