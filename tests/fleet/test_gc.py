@@ -83,8 +83,9 @@ def test_published_templates_are_kept_while_the_store_names_them_then_retired_th
     assert young.collect(use).any() is False and _keys(object_store, f"templates/{t3.id}/")
 
 
-def test_a_process_drivers_instances_do_not_keep_their_template(store: Store, object_store: ObjectStore,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["copied", "shared-packages"])
+def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared_packages(
+        store: Store, object_store: ObjectStore, tmp_path: Path, shared: bool) -> None:
     cfg = Config(data_dir=tmp_path / "cfg")
     pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
     _, key = store.operator.create_tenant("acme")
@@ -92,36 +93,19 @@ def test_a_process_drivers_instances_do_not_keep_their_template(store: Store, ob
     agent = ts.agents.create("counter")
     d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
     d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
-    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one")
-    pa.publish(t1, d1.id)
-    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
-    ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
-    # A process fork is a copy of its template's files: with settle 0 both steps happen in one run.
-    rep = BucketCollector(pa, grace_s=0, settle_s=0).collect(lambda: template_use(store, grace_s=0))
-    assert rep.retired == 1 and rep.deleted == 1
-    assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
-
-
-def test_a_process_template_with_shared_packages_stays_while_an_instance_names_it(
-        store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
-    cfg = Config(data_dir=tmp_path / "cfg")
-    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
-    _, key = store.operator.create_tenant("acme")
-    ts = store.tenant(store.authenticate(key.secret))
-    agent = ts.agents.create("counter")
-    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
-    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
-    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=True)
+    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=shared)
     pa.publish(t1, d1.id)
     ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
     rec = ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
-    # A fork of it binds its shared directory (an agent's packages; process_templates): kept while an instance
-    # names it, on any host (without one, it goes at once: the test above).
     gc = BucketCollector(pa, grace_s=0, settle_s=0)
+    if shared:
+        # A fork binds its template's shared directory (an agent's packages; process_templates): the template
+        # stays while an instance names it, on any host.
+        rep = gc.collect(lambda: template_use(store, grace_s=0))
+        assert rep.deleted == 0 and _keys(object_store, f"templates/{t1.id}/")
+        ts.sandboxes.delete(rec.id, expected_version=rec.version)
+    # Otherwise a process fork is a copy of its template's files: with settle 0 both steps happen in one run.
     rep = gc.collect(lambda: template_use(store, grace_s=0))
-    assert rep.deleted == 0 and _keys(object_store, f"templates/{t1.id}/")
-    ts.sandboxes.delete(rec.id, expected_version=rec.version)
-    rep = gc.collect(lambda: template_use(store, grace_s=0))  # with settle 0 both steps happen in one run
     assert rep.retired == 1 and rep.deleted == 1
     assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
 
