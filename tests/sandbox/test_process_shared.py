@@ -87,8 +87,19 @@ async def test_a_deleted_template_stays_while_a_fork_binds_it_and_goes_with_the_
     assert (await c1.exec(IMPORT)).stdout.strip() == b"42"
     await c1.destroy()
     assert Path(t.path).exists()
+    await pdriver.delete_template(t)  # again (a collection does): c2 still binds it
+    assert Path(t.path).exists()
     await c2.destroy()
     assert not Path(t.path).exists()
+    # A fork whose directory went without its destroy (removed by hand) no longer holds it once its marker goes
+    # (the host's template collection prunes such markers), and deleting again then removes it.
+    t3 = await _template(pdriver, "tpl-c")
+    (c3,) = await pdriver.fork(t3, ["c3"])
+    await pdriver.delete_template(t3)
+    shutil.rmtree(c3.dir)
+    (Path(t3.path) / "children" / "c3").unlink()
+    await pdriver.delete_template(t3)
+    assert not Path(t3.path).exists()
     # Without forks, deleting removes it at once.
     t2 = await _template(pdriver, "tpl-b")
     await pdriver.delete_template(t2)

@@ -300,6 +300,7 @@ class ProcessDriver(SandboxDriver):
         """Gone now, or (a template whose shared directories forks on this host bind) marked deleted and gone
         with the last of them."""
         if (Path(template.path) / process_templates.DELETED).exists():
+            process_templates.collect(Path(template.path))  # again: its last fork may have gone meanwhile
             return
         self._check_template(template)
         process_templates.delete(Path(template.path))

@@ -141,8 +141,12 @@ def link_tree(src: Path, dst: Path) -> None:
     elif os.path.lexists(dst):
         dst.unlink()
     p = subprocess.run(["cp", "-a", "--link", "--", str(src), str(dst)], capture_output=True, text=True)
+    if p.returncode != 0:  # another filesystem (no hard links across): a copy
+        shutil.rmtree(dst, ignore_errors=True)
+        p = subprocess.run(["cp", "-a", "--", str(src), str(dst)], capture_output=True, text=True)
     if p.returncode != 0:
-        raise SandboxError(f"linking {src} into {dst} failed: {p.stderr.strip() or p.returncode}")
+        raise SandboxError(f"copying {src} to {dst} failed: {p.stderr.strip() or p.returncode}",
+                           hint="check free disk space under the sandboxes directory")
 
 
 # -- forks that bind a template -------------------------------------------------------------------------------
