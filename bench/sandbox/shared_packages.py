@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,23 @@ from moorage.sandbox.process import ProcessDriver
 from moorage.sandbox.process_fs import disk_usage
 
 DEFAULT_SITE = Path("/var/tmp/moorage-bench-site")
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "latest"
+_lines: list[str] = []
+
+
+def say(line: str) -> None:
+    """Print ``line`` and keep it for the report (``bench/results/latest/shared-packages[-http].md``)."""
+    print(line, flush=True)
+    _lines.append(line)
+
+
+def _report(name: str, title: str) -> None:
+    import platform
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    head = [f"# {title}", "", f"Python {platform.python_version()}, {os.cpu_count()} CPUs (shared, noisy), "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. `{' '.join(sys.argv)}`", ""]
+    (RESULTS / name).write_text("\n".join(head + _lines) + "\n")
 
 
 def _site(path: Path | None) -> Path:
@@ -176,19 +194,22 @@ async def http_main(args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             for name, src in runs:
                 r = await _http_once(Path(src), args.users, args.awake, index_url, work)
-                print(name, {k: round(v, 1) for k, v in r.items()}, flush=True)
+                say(f"- {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in r.items()))
                 for k, v in r.items():
                     res.setdefault(name, {}).setdefault(k, []).append(v)
         ports.close()
-    print(f"| through `moorage up` and HTTP, p50 of {args.rounds} runs | " + " | ".join(n for n, _ in runs) + " |")
-    print("|---|" + "---:|" * len(runs))
+    say("")
+    say(f"| through `moorage up` and HTTP, p50 of {args.rounds} runs | " + " | ".join(n for n, _ in runs) + " |")
+    say("|---|" + "---:|" * len(runs))
     for label, key, unit in [("deploy (pip into the template)", "deploy_s", "s"), ("new user's first turn", "new_ms", "ms"),
                              ("turn to an awake agent (checkpoint after each)", "awake_ms", "ms"),
                              ("sandbox disk per user (templates apart)", "disk_mib", "MiB")]:
-        print(f"| {label} | " + " | ".join(f"{_p50(res[n][key]):.1f} {unit}" for n, _ in runs) + " |")
+        say(f"| {label} | " + " | ".join(f"{_p50(res[n][key]):.1f} {unit}" for n, _ in runs) + " |")
     line = "; ".join(f"{n}: new user {_p50(res[n]['new_ms']):.0f} ms, awake turn {_p50(res[n]['awake_ms']):.0f} ms, "
                      f"{_p50(res[n]['disk_mib']):.1f} MiB per user" for n, _ in runs)
-    print(f"langgraph example through moorage up (process): {line}")
+    say("")
+    say(f"**langgraph example through moorage up (process): {line}**")
+    _report("shared-packages-http.md", "Process driver: an agent's packages shared by its forks, through `moorage up`")
 
 
 async def main() -> None:
@@ -207,7 +228,9 @@ async def main() -> None:
         return
     site = _site(args.site)
     files = sum(1 for _ in site.rglob("*"))
-    print(f"site: {site} ({disk_usage(site) / 2**20:.0f} MiB, {files} entries); {args.forks} forks x {args.turns} turns")
+    say(f"site: {site} ({disk_usage(site) / 2**20:.0f} MiB, {files} entries); {args.forks} forks x {args.turns} "
+        "turns per mode, each mode twice, alternated")
+    say("")
     with tempfile.TemporaryDirectory(prefix="moorage-shared-bench-", dir="/var/tmp") as tmp:
         driver = ProcessDriver(Path(tmp) / "sandboxes", Config(data_dir=Path(tmp)))
         res = {}
@@ -218,18 +241,20 @@ async def main() -> None:
                     res.setdefault(shared, {}).setdefault(k, []).append(v)
         finally:
             await driver.close()
-    print("| per new user / turn, p50 | copied into each layer | bound from the template |")
-    print("|---|---:|---:|")
+    say("| per new user / turn, p50 | copied into each layer | bound from the template |")
+    say("|---|---:|---:|")
     rows = [("fork", "fork_ms", "ms"), ("fork + start + import langgraph", "first_ms", "ms"),
             ("checkpoint after a turn (all)", "ck_ms", "ms"), ("first checkpoint", "ck_first_ms", "ms"),
             ("later checkpoints", "ck_later_ms", "ms"), ("layer on disk", "disk_mib", "MiB")]
     for label, key, unit in rows:
         a, b = _p50(res[False][key]), _p50(res[True][key])
-        print(f"| {label} | {a:.1f} {unit} | {b:.1f} {unit} |")
+        say(f"| {label} | {a:.1f} {unit} | {b:.1f} {unit} |")
     c, s = res[False], res[True]
-    print(f"process packages: fork {_p50(c['fork_ms']):.0f} -> {_p50(s['fork_ms']):.0f} ms; "
+    say("")
+    say(f"**process packages: fork {_p50(c['fork_ms']):.0f} -> {_p50(s['fork_ms']):.0f} ms; "
           f"checkpoint p50 {_p50(c['ck_ms']):.1f} -> {_p50(s['ck_ms']):.1f} ms; "
-          f"layer {_p50(c['disk_mib']):.1f} -> {_p50(s['disk_mib']):.2f} MiB per user")
+          f"layer {_p50(c['disk_mib']):.1f} -> {_p50(s['disk_mib']):.2f} MiB per user**")
+    _report("shared-packages.md", "Process driver: an agent's packages copied into each fork, or shared")
 
 
 if __name__ == "__main__":

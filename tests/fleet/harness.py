@@ -6,8 +6,9 @@ fast (the fleet's logic does not depend on the driver; tests/fleet/test_microvm_
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -15,6 +16,15 @@ from moorage.cli.up import tar_dir
 from moorage.config import Config
 from moorage.devservices.fleet import LocalHost, fleet_env, write_counter_agent
 from moorage.store import open_store
+
+
+def until(cond: Callable[[], Any], what: str, timeout_s: float = 90.0, every_s: float = 0.5) -> None:
+    """Wait for ``cond()`` to hold (the fleet's background work: collections, prefetch, takeovers); fail naming
+    ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"still not true after {timeout_s:.0f} s: {what}"
+        time.sleep(every_s)
 
 
 class Fleet:

@@ -5,14 +5,12 @@ bucket or on any host, and the end-user forked from them runs on with their own 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import pytest
 
-from tests.fleet.harness import Fleet
+from tests.fleet.harness import Fleet, until
 
 
 @pytest.fixture
@@ -24,12 +22,6 @@ def _ok(r: httpx.Response) -> str:
     assert r.status_code in (200, 201), r.text
     return r.json()["reply"]
 
-
-def _until(cond: Callable[[], bool], what: str, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still not true after {timeout_s:.0f} s: {what}"
-        time.sleep(0.5)
 
 
 def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(tmp_path: Path, pg_url: str,
@@ -90,9 +82,9 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
         # claim race with (fleet/templates.py: shipped first, then claimed; the collector takes the loser too).
         old = f"dep-{d1[:24]}-"
         assert t1.startswith(old) and not t2.startswith(old)
-        _until(lambda: not [k for k in keys() if k.startswith((f"templates/{old}", f"deployments/{d1}/"))],
+        until(lambda: not [k for k in keys() if k.startswith((f"templates/{old}", f"deployments/{d1}/"))],
                "the old deployment's templates and claim leave the bucket")
-        _until(lambda: not on_hosts(old) and not [p for h in f.hosts for p in (h.data / "templates").glob(f"{d1}.json")],
+        until(lambda: not on_hosts(old) and not [p for h in f.hosts for p in (h.data / "templates").glob(f"{d1}.json")],
                "the old templates leave both hosts")
         assert {k.split("/")[1] for k in keys() if k.startswith("templates/")} == {t2}
         assert {k.split("/")[1] for k in keys() if k.startswith("deployments/")} == {d2}
@@ -119,7 +111,7 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
         r = f.api[1].delete("/v1/agents/echo/users/xia")
         assert r.status_code in (200, 204), r.text
         assert not [k for k in keys() if xia in k]
-        _until(lambda: not on_hosts("tt-") and not on_hosts("fork-"),
+        until(lambda: not on_hosts("tt-") and not on_hosts("fork-"),
                "the user's fork templates leave every host")
         assert "xia" not in f.records()
         leftover = [k for k in keys() if not k.startswith(("instances/", f"templates/{t2}/", f"deployments/{d2}/",

@@ -7,19 +7,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 from moorage.cli.up import tar_dir
+from tests.fleet.harness import until
 from tests.fleet.test_microvm_fleet import Hosts, _agent, _backing, _turn, hosts, s3  # noqa: F401 - fixtures
 
 GRACE_S = 30
 
-
-def _until(cond: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still not true after {timeout_s:.0f} s: {what}"
-        time.sleep(0.5)
 
 
 def test_a_forked_users_vm_wakes_on_another_host_and_its_template_goes_with_the_last_fork(
@@ -86,7 +80,7 @@ def test_a_forked_users_vm_wakes_on_another_host_and_its_template_goes_with_the_
     # Yan goes too: now nothing names the fork template, and it leaves the bucket.
     r = b.delete("/v1/agents/echo/users/yan")
     assert r.status_code in (200, 204), r.text
-    _until(lambda: templates() == {deployment_template}, "the fork template leaves the bucket")
+    until(lambda: templates() == {deployment_template}, "the fork template leaves the bucket", timeout_s=120)
     assert [k for k in keys() if k.startswith("instances/")] == []
     a.close()
     b.close()

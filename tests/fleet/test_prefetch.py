@@ -8,7 +8,6 @@ In process, on both store backends and both object stores; `test_fleet.py` has a
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from moorage.objects import ObjectStore
 from moorage.runtime.templates import Templates
 from moorage.sandbox.process import ProcessDriver
 from moorage.store import Scope, Store
-from tests.fleet.harness import Fleet
+from tests.fleet.harness import Fleet, until
 from tests.fleet.test_templates import _template
 
 
@@ -85,12 +84,6 @@ def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
     return seaweedfs.settings(s3_bucket, f"prefetch-{tmp_path.name}")
 
 
-def _until(cond: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"still not true after {timeout_s:.0f} s: {what}"
-        time.sleep(0.2)
-
 
 def test_hosts_of_a_fleet_have_the_live_template_before_their_first_wake(tmp_path: Path, pg_url: str,
                                                                          s3: dict[str, str]) -> None:
@@ -109,14 +102,16 @@ def test_hosts_of_a_fleet_have_the_live_template_before_their_first_wake(tmp_pat
                     sum(1 for ln in lines if "template fetched ahead of its first wake" in ln))
 
         # h2 was up before the deploy: its next pass fetches the new live template, with no request to it.
-        _until(lambda: has(1) and fetches(1) == (1, 1), "h2 fetches the deployed template ahead, once")
+        until(lambda: has(1) and fetches(1) == (1, 1), "h2 fetches the deployed template ahead, once",
+              timeout_s=60, every_s=0.2)
         assert _ok(f.turn(0, "ann")) == "1: hi"
         r = f.api[0].post(f"/v1/sandboxes/{f.records()['ann'].id}/sleep")
         assert r.status_code == 200 and r.json()["slept"] is True, r.text
 
         # h3 joins after the deploy: its first pass at start fetches the template; ann's wake there uses it.
         h3 = f.add_host(template_prefetch_interval_s="1")
-        _until(lambda: has(h3) and fetches(h3) == (1, 1), "h3 fetches the live template at start")
+        until(lambda: has(h3) and fetches(h3) == (1, 1), "h3 fetches the live template at start",
+              timeout_s=60, every_s=0.2)
         assert _ok(f.turn(h3, "ann")) == "2: hi"
         assert f.records()["ann"].host == "h3"
         assert fetches(h3) == (1, 1)  # the wake fetched nothing more
