@@ -181,15 +181,10 @@ async def http_main(args: argparse.Namespace) -> None:
         work = Path(tmp)
         (work / "index").mkdir()
         build_index(work / "index", "langgraph")
-        ports = serve(work / "index")
-        # By this host's name (a loopback address here, /etc/hosts): pip in the sandbox goes to its proxy for any
-        # name but localhost and the loopback literals, and the gateway resolves and admits it (127.0.0.0/8).
-        import socket
-
-        name = socket.gethostname()
-        if not socket.gethostbyname(name).startswith("127."):
-            raise SystemExit(f"this host's name {name} does not resolve to loopback: the index would not be local")
-        index_url = f"http://{name}:{next(ports)}"
+        # 127.0.0.2: a loopback address that pip in the sandbox reaches through its proxy (127.0.0.1 and localhost
+        # it would try directly), and the gateway admits (127.0.0.0/8).
+        ports = serve(work / "index", "127.0.0.2")
+        index_url = f"http://127.0.0.2:{next(ports)}"
         res: dict[str, dict[str, list[float]]] = {}
         for _ in range(args.rounds):
             for name, src in runs:

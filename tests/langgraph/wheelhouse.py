@@ -92,14 +92,15 @@ def build_index(root: Path, *roots: str) -> list[str]:
     return names
 
 
-def serve(root: Path) -> Iterator[int]:
-    """Serve ``root`` on a loopback port until the generator is closed."""
+def serve(root: Path, host: str = "127.0.0.1") -> Iterator[int]:
+    """Serve ``root`` on a loopback port until the generator is closed (``host``: another loopback address, e.g.
+    127.0.0.2, which a sandbox's pip reaches through its proxy: it goes direct to 127.0.0.1)."""
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
             pass
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    srv = http.server.ThreadingHTTPServer((host, 0), functools.partial(Quiet, directory=str(root)))
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield srv.server_address[1]

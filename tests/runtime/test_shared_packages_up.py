@@ -1,0 +1,107 @@
+"""The documented way, end to end: `moorage up` on the process driver, `moorage deploy` of an agent whose
+requirements.txt names a package (from a package index on loopback, admitted by the operator's settings), turns
+of several users over HTTP. Every user's sandbox imports the package from the template, read-only, and holds no
+copy of it (docs/sandbox.md, *A template's shared directories*), asleep and awake."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from moorage.client.sync import Client
+from moorage.devservices.postgres import free_port
+from moorage.sandbox.process_fs import disk_usage
+from tests.langgraph.wheelhouse import build_index, serve
+
+ROOT = Path(__file__).resolve().parents[2]
+MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
+AGENT_PY = '''
+import os
+from tabulate import tabulate
+
+
+async def on_message(ctx, message):
+    if message == "where":
+        import tabulate as t
+        return t.__file__
+    if message == "write":
+        try:
+            with open(os.path.join(os.path.dirname(__import__("tabulate").__file__), "x.txt"), "w") as f:
+                f.write("x")
+        except OSError as e:
+            return type(e).__name__ + ": " + e.strerror
+        return "written"
+    return tabulate([[message, len(message)]], tablefmt="plain")
+'''
+
+
+@pytest.fixture(scope="module")
+def index() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="tab-index-") as root:
+        build_index(Path(root), "tabulate")
+        # 127.0.0.2: a loopback address a sandbox's pip reaches through its proxy (it goes direct to 127.0.0.1).
+        for port in serve(Path(root), "127.0.0.2"):
+            yield f"http://127.0.0.2:{port}"
+
+
+def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path, index: str) -> None:
+    port, data = free_port(), tmp_path / "data"
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port), "MOORAGE_SANDBOX_DRIVER": "process",
+           "MOORAGE_LOG_LEVEL": "warning", "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
+           "MOORAGE_EGRESS_PACKAGE_INDEX": index, "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"}
+    agent = tmp_path / "tab"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "agent.py").write_text(AGENT_PY)
+    (agent / "requirements.txt").write_text("tabulate\n")
+    server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=open(tmp_path / "server.log", "wb"), start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            time.sleep(0.3)
+        d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
+                           cwd=ROOT)
+        assert d.returncode == 0 and "deployed tab #1" in d.stdout, d.stdout + d.stderr
+        key = (data / "local-admin.key").read_text().strip()
+        with Client(f"http://127.0.0.1:{port}", key) as api:
+            def say(user: str, text: str) -> str:
+                return str(api.invoke("tab", text, user=user)["reply"])
+
+            for user in ("ann", "bob", "cid"):
+                assert say(user, "hello") == "hello  5"
+            assert say("ann", "where") == "/work/.moorage/site/tabulate/__init__.py"
+            assert say("ann", "write") == "OSError: Read-only file system"
+            boxes = {b["scope"]: b["id"] for b in api.list_sandboxes(agent="tab")["data"]}
+            for user in ("ann", "bob", "cid"):
+                sandbox = data / "sandboxes" / boxes[f"user:tab/{user}"]
+                meta = json.loads((sandbox / "meta.json").read_text())
+                site = Path(meta["shared"]["dir"]) / "layer" / "work" / ".moorage" / "site"
+                assert (site / "tabulate").is_dir()
+                assert list((sandbox / "layer" / "work" / ".moorage" / "site").iterdir()) == []
+                assert disk_usage(sandbox / "layer") < disk_usage(site)
+            # Asleep and awake again, the package is still there.
+            assert api.sandbox_action(boxes["user:tab/bob"], "sleep")["slept"] is True
+            assert say("bob", "again") == "again  5"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
