@@ -45,6 +45,16 @@ async def on_message(ctx, message):
 '''
 
 
+def write_agent(base: Path) -> Path:
+    """Agent ``tab``: its turn formats the message with ``tabulate``, from its requirements.txt."""
+    agent = base / "tab"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "agent.py").write_text(AGENT_PY)
+    (agent / "requirements.txt").write_text("tabulate\n")
+    return agent
+
+
 @pytest.fixture(scope="module")
 def index() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="tab-index-") as root:
@@ -59,11 +69,7 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
     env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port), "MOORAGE_SANDBOX_DRIVER": "process",
            "MOORAGE_LOG_LEVEL": "warning", "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
            "MOORAGE_EGRESS_PACKAGE_INDEX": index, "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"}
-    agent = tmp_path / "tab"
-    agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (agent / "agent.py").write_text(AGENT_PY)
-    (agent / "requirements.txt").write_text("tabulate\n")
+    agent = write_agent(tmp_path)
     server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=open(tmp_path / "server.log", "wb"), start_new_session=True)
     try:
