@@ -7,19 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
 from moorage.client.sync import Client
-from moorage.devservices.postgres import free_port
+from moorage.devservices.fleet import LocalHost
 from moorage.sandbox.process_fs import disk_usage
 from tests.langgraph.wheelhouse import build_index, serve
 
@@ -65,28 +62,17 @@ def index() -> Iterator[str]:
 
 
 def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path, index: str) -> None:
-    port, data = free_port(), tmp_path / "data"
-    env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port), "MOORAGE_SANDBOX_DRIVER": "process",
-           "MOORAGE_LOG_LEVEL": "warning", "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
-           "MOORAGE_EGRESS_PACKAGE_INDEX": index, "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"}
+    data = tmp_path / "data"
     agent = write_agent(tmp_path)
-    server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                              stderr=open(tmp_path / "server.log", "wb"), start_new_session=True)
+    server = LocalHost("up", data, {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
+                                    "MOORAGE_EGRESS_PACKAGE_INDEX": index,
+                                    "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"}, start_timeout_s=120)
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(server.port)}  # for the CLI
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            time.sleep(0.3)
         d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
                            cwd=ROOT)
         assert d.returncode == 0 and "deployed tab #1" in d.stdout, d.stdout + d.stderr
-        key = (data / "local-admin.key").read_text().strip()
-        with Client(f"http://127.0.0.1:{port}", key) as api:
+        with Client(server.url, server.key) as api:
             def say(user: str, text: str) -> str:
                 return str(api.invoke("tab", text, user=user)["reply"])
 
@@ -106,8 +92,4 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
             assert api.sandbox_action(boxes["user:tab/bob"], "sleep")["slept"] is True
             assert say("bob", "again") == "again  5"
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        server.stop()
