@@ -175,7 +175,8 @@ async def test_installed_wheel_survives_sleep_and_is_in_forks(driver: SandboxDri
 async def test_forks_are_independent(driver: SandboxDriver) -> None:
     base = await started(driver, "tpl-src")
     await base.write_file("shared.txt", b"from template")
-    tpl = await driver.make_template(base)
+    await base.write_file("pkgs/mod.py", b"VALUE = 1\n")  # what forks never write (an agent's packages)
+    tpl = await driver.make_template(base, shared=["/work/pkgs"])
     assert isinstance(tpl, TemplateRef) and tpl.driver == driver.name
     kids = await driver.fork(tpl, ["kid-a", "kid-b"])
     assert [k.id for k in kids] == ["kid-a", "kid-b"]
@@ -197,6 +198,11 @@ async def test_forks_are_independent(driver: SandboxDriver) -> None:
     await direct.start()
     assert await direct.read_file("shared.txt") == b"from template"
     await driver.delete_template(tpl)
+    # A fork reads what the template shares for as long as it lives, the template deleted or not.
+    await kids[1].sleep()
+    await kids[1].wake()
+    for k in (*kids, kid_c, direct):
+        assert await k.read_file("/work/pkgs/mod.py") == b"VALUE = 1\n"
 
 
 async def test_templates_from_another_driver_are_rejected(driver: SandboxDriver, tmp_path: Path) -> None:
