@@ -102,12 +102,16 @@ async def test_a_quiet_streamed_turn_over_http_gets_keepalives_and_clients_skip_
                 text = "".join([ch.choices[0].delta.content or "" async for ch in chunks])
             assert text == "thinking "
 
-            # A detached exec that prints nothing for a while: its followed output gets them too.
+            # A detached exec that prints nothing for a while: its followed output gets them too. It stays quiet
+            # until the test has the output open (on a loaded host a fixed sleep could end before the GET, and
+            # then the whole output is replayed at once, with nothing to keep alive).
             sid = store.tenant(store.authenticate(secret)).sandboxes.list()[0].id
-            r = await c.post(f"/v1/sandboxes/{sid}/exec",
-                             json={"argv": ["sh", "-c", "sleep 0.5; echo late"], "detach": True})
+            r = await c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": [
+                "sh", "-c", "while [ ! -e /tmp/go ]; do sleep 0.05; done; sleep 0.5; echo late"], "detach": True})
             assert r.status_code == 202, r.text
             async with c.stream("GET", r.headers["location"] + "/output") as out:
                 assert out.status_code == 200
+                go = await c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["touch", "/tmp/go"]})
+                assert go.status_code == 200, go.text
                 raw = (await out.aread()).decode()
             assert raw.index(": keep-alive") < raw.index("late") < raw.index("event: end")
