@@ -151,9 +151,7 @@ async def _http_once(src: Path, users: int, awake: int, index_url: str, work: Pa
                     return (time.perf_counter() - t) * 1e3
                 new = [await turn(f"u{i}", "note hello") for i in range(users)]
                 awake_ms = [await turn("u0", f"note n{i}") for i in range(awake)]
-        return {"deploy_s": deploy_s, "new_ms": _p50(new), "awake_ms": _p50(awake_ms),
-                "disk_mib": sum(disk_usage(d) for d in (data / "sandboxes").iterdir()
-                                if not d.name.startswith(".")) / 2**20 / users}
+        disk = sum(disk_usage(d) for d in (data / "sandboxes").iterdir() if not d.name.startswith("."))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -161,6 +159,15 @@ async def _http_once(src: Path, users: int, awake: int, index_url: str, work: Pa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+    # The part beside the path: the sandbox half of each automatic checkpoint, as the server logged it.
+    import re
+
+    cks = [(float(m.group(2)), int(m.group(1))) for m in re.finditer(
+        r"process_checkpoints: checkpoint .*?linked=(\d+) .*?ms=([\d.]+)",
+        (work / f"server-{port}.log").read_text(errors="replace"))]
+    return {"deploy_s": deploy_s, "new_ms": _p50(new), "awake_ms": _p50(awake_ms),
+            "ck_ms": _p50([ms for ms, _ in cks]), "linked": _p50([float(n) for _, n in cks]),
+            "disk_mib": disk / 2**20 / users}
 
 
 def _free_port() -> int:
@@ -198,10 +205,13 @@ async def http_main(args: argparse.Namespace) -> None:
     say("|---|" + "---:|" * len(runs))
     for label, key, unit in [("deploy (pip into the template)", "deploy_s", "s"), ("new user's first turn", "new_ms", "ms"),
                              ("turn to an awake agent (checkpoint after each)", "awake_ms", "ms"),
+                             ("of which the sandbox's checkpoint (server log, same run)", "ck_ms", "ms"),
+                             ("files hard-linked per checkpoint", "linked", ""),
                              ("sandbox disk per user (templates apart)", "disk_mib", "MiB")]:
         say(f"| {label} | " + " | ".join(f"{_p50(res[n][key]):.1f} {unit}" for n, _ in runs) + " |")
-    line = "; ".join(f"{n}: new user {_p50(res[n]['new_ms']):.0f} ms, awake turn {_p50(res[n]['awake_ms']):.0f} ms, "
-                     f"{_p50(res[n]['disk_mib']):.1f} MiB per user" for n, _ in runs)
+    line = "; ".join(f"{n}: new user {_p50(res[n]['new_ms']):.0f} ms, awake turn {_p50(res[n]['awake_ms']):.0f} ms "
+                     f"(its checkpoint {_p50(res[n]['ck_ms']):.1f} ms), {_p50(res[n]['disk_mib']):.1f} MiB per user"
+                     for n, _ in runs)
     say("")
     say(f"**langgraph example through moorage up (process): {line}**")
     _report("shared-packages-http.md", "Process driver: an agent's packages shared by its forks, through `moorage up`")
