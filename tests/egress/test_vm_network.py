@@ -383,3 +383,27 @@ async def test_an_index_outside_the_operator_policy_fails_clearly(world: World) 
                           lambda _: None)
     assert "mirror.test" in e.value.message and "not allowed" in e.value.message
     assert "egress_package_index" in (e.value.hint or "")
+
+
+async def test_a_redeploy_that_adds_requirements_reaches_a_users_existing_vm(world: World, tmp_path: Path) -> None:
+    """An instance keeps its VM across a redeploy; when the new deployment asks for packages its template did not
+    have, they are installed into that VM (from the host's cache the template build filled) and it boots again, with
+    its files, the packages on the agent's path and on that of every process it starts (runtime/instance_packages.py)."""
+    w = world
+    ts = w.env.store.tenant(w.env.principal)
+    assert await ask(w, "import", user="bea") != "from-the-wheel"  # netty had no requirements: not installed
+    rec = ts.sandboxes.for_scope(Scope.for_user("netty", "bea"))
+    r = await (await w.env.runtime.driver.open(rec.id)).exec(["sh", "-c", "echo mine > /work/kept"], timeout=60)
+    assert r.exit_code == 0
+    src = write_agent(tmp_path / "netty2", "netty", AGENT + "\nimport moorage_canary_pkg  # from requirements.txt\n",
+                      f'[agent.network]\nallow = ["http://api.test:{w.allowed.port}", "http://pypi.test:{w.index_port}"]\n')
+    (src / "requirements.txt").write_text("moorage-canary-pkg\n")
+    await w.env.runtime.deploy(w.env.principal, src)
+    assert await ask(w, "import", user="bea") == "from-the-wheel"  # a process the agent starts imports it
+    assert ts.sandboxes.for_scope(Scope.for_user("netty", "bea")).id == rec.id  # the same instance and VM
+    r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/work/kept"], timeout=60)
+    assert r.stdout == b"mine\n"
+    # Asleep and awake (its RAM now that of the new boot), it still has them; the network is attached again.
+    assert await w.env.manager.sleep(ts, Scope.for_user("netty", "bea"))
+    assert await ask(w, "import", user="bea") == "from-the-wheel"
+    assert await ask(w, f"get http://api.test:{w.allowed.port}/upgraded", user="bea") == "A GET /upgraded"

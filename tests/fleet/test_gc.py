@@ -110,6 +110,30 @@ def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared
     assert _keys(object_store, "templates/") == [] and _keys(object_store, "deployments/") == []
 
 
+def test_a_template_an_instance_binds_since_a_redeploy_stays_while_its_record_names_it(
+        store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
+    """A redeploy that changed an agent's packages moves an instance's sandbox to the new template's shared
+    directories (runtime/instance_packages.py) while its record still names the template it was forked from: the
+    record's ``shared_template`` keeps the new one after it is retired by yet another deploy."""
+    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", Config(data_dir=tmp_path / "cfg")))
+    _, key = store.operator.create_tenant("acme")
+    ts = store.tenant(store.authenticate(key.secret))
+    agent = ts.agents.create("counter")
+    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
+    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
+    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=True)
+    pa.publish(t1, d1.id)
+    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    rec = ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref="dep-zero-aaaaaa",
+                              meta={"template": "dep-zero-aaaaaa", "shared_template": t1.id})
+    gc = BucketCollector(pa, grace_s=0, settle_s=0)
+    rep = gc.collect(lambda: template_use(store, grace_s=0))
+    assert rep.deleted == 0 and _keys(object_store, f"templates/{t1.id}/")
+    ts.sandboxes.update(rec.id, expected_version=rec.version, meta={"template": "dep-zero-aaaaaa"})
+    rep = gc.collect(lambda: template_use(store, grace_s=0))
+    assert rep.retired == 1 and rep.deleted == 1 and _keys(object_store, "templates/") == []
+
+
 def test_a_template_being_deleted_is_refused_by_fetchers(object_store: ObjectStore, tmp_path: Path) -> None:
     cfg = Config(data_dir=tmp_path / "cfg")
     pa, pb = (PublishedTemplates(object_store, ProcessDriver(tmp_path / n, cfg)) for n in ("a", "b"))

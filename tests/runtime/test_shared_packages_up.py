@@ -28,6 +28,11 @@ from tabulate import tabulate
 
 
 async def on_message(ctx, message):
+    if message == "keep":
+        ctx.files.write("keep.txt", "kept")
+        return "kept"
+    if message == "kept?":
+        return ctx.files.read("keep.txt")
     if message == "where":
         import tabulate as t
         return t.__file__
@@ -55,7 +60,7 @@ def write_agent(base: Path) -> Path:
 @pytest.fixture(scope="module")
 def index() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="tab-index-") as root:
-        build_index(Path(root), "tabulate")
+        build_index(Path(root), "tabulate", "sniffio")
         # 127.0.0.2: a loopback address a sandbox's pip reaches through its proxy (it goes direct to 127.0.0.1).
         for port in serve(Path(root), "127.0.0.2"):
             yield f"http://127.0.0.2:{port}"
@@ -91,5 +96,58 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
             # Asleep and awake again, the package is still there.
             assert api.sandbox_action(boxes["user:tab/bob"], "sleep")["slept"] is True
             assert say("bob", "again") == "again  5"
+
+            # A redeploy that adds a package reaches the users who have an instance (ann awake, bob asleep), not
+            # only new ones: their sandboxes bind the new template's packages, keep their files, copy nothing.
+            assert say("ann", "keep") == "kept"
+            first = json.loads((data / "sandboxes" / boxes["user:tab/ann"] / "meta.json").read_text())["shared"]
+            assert api.sandbox_action(boxes["user:tab/bob"], "sleep")["slept"] is True
+            (agent / "requirements.txt").write_text("tabulate\nsniffio\n")
+            (agent / "agent.py").write_text(AGENT_PY + SNIFFIO_PY)
+            d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
+                               cwd=ROOT)
+            assert d.returncode == 0 and "deployed tab #2" in d.stdout, d.stdout + d.stderr
+            for user in ("ann", "bob", "dan"):
+                assert say(user, "which") == "/work/.moorage/site/sniffio/__init__.py"
+            assert say("ann", "kept?") == "kept"
+            meta = json.loads((data / "sandboxes" / boxes["user:tab/ann"] / "meta.json").read_text())
+            assert meta["shared"]["template"] != first["template"]
+            assert not (Path(first["dir"]) / "children" / boxes["user:tab/ann"]).exists()
+            assert list((data / "sandboxes" / boxes["user:tab/ann"] / "layer/work/.moorage/site").iterdir()) == []
+            assert say("cid", "hello") == "hello  5"  # cid's first turn of #2 too (it was awake, idle)
+
+            # And one that drops its requirements leaves them no packages to import.
+            (agent / "requirements.txt").unlink()
+            (agent / "agent.py").write_text(PLAIN_PY)
+            d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
+                               cwd=ROOT)
+            assert d.returncode == 0 and "deployed tab #3" in d.stdout, d.stdout + d.stderr
+            for user in ("ann", "bob"):
+                assert say(user, "packages") == "none"
+            assert "shared" not in json.loads((data / "sandboxes" / boxes["user:tab/ann"] / "meta.json").read_text())
+            assert say("ann", "kept?") == "kept"
     finally:
         server.stop()
+
+
+SNIFFIO_PY = '''
+
+_plain = on_message
+
+
+async def on_message(ctx, message):
+    import sniffio
+    if message == "which":
+        return sniffio.__file__
+    return await _plain(ctx, message)
+'''
+
+PLAIN_PY = '''
+import importlib.util
+
+
+async def on_message(ctx, message):
+    if message == "kept?":
+        return ctx.files.read("keep.txt")
+    return "none" if importlib.util.find_spec("tabulate") is None else "tabulate"
+'''

@@ -15,7 +15,7 @@ from moorage.errors import InvalidInput
 from moorage.fleet.templates import PublishedTemplates
 from moorage.objects.local import LocalObjectStore
 from moorage.sandbox import SandboxNotFound
-from moorage.sandbox.base import SnapshotCorrupt
+from moorage.sandbox.base import SandboxStateError, SnapshotCorrupt
 from moorage.sandbox.process import ProcessDriver, ProcessSandbox
 
 SITE = "/work/.moorage/site"
@@ -74,6 +74,54 @@ async def test_forks_read_the_templates_shared_files_and_cannot_write_them(pdriv
     assert (await c2.exec(["wc", "-c", f"{SITE}/pkg/blob"])).stdout.split()[0] == str(BLOB).encode()
     await c1.rollback("one")
     assert (await c1.exec(IMPORT)).stdout.strip() == b"42"
+
+
+async def test_a_stopped_fork_binds_another_templates_shared_files(pdriver: ProcessDriver) -> None:
+    """``bind_shared`` (a redeploy's packages for an existing instance): from the next start the fork binds the new
+    template's directories, its own files kept, and no longer holds the old template, which then goes if deleted."""
+    t1 = await _template(pdriver, "tpl-a")
+    b = await pdriver.create("builder-b")
+    await b.start()
+    assert (await b.exec(["sh", "-c", f"mkdir -p {SITE}/pkg && echo 'VALUE = 43' > {SITE}/pkg/__init__.py"])).ok
+    t2 = await pdriver.make_template(b, "tpl-b", shared=[SITE])
+    await b.destroy()
+    (c,) = await pdriver.fork(t1, ["c"])
+    await c.start()
+    await c.write_file("/work/mine.txt", b"mine\n")
+    with pytest.raises(SandboxStateError):
+        await pdriver.bind_shared(c, t2)  # a running fork keeps what it binds
+    await c.stop()
+    assert await pdriver.bind_shared(c, t2) == [SITE]
+    await pdriver.delete_template(t1)
+    assert not Path(t1.path).exists()  # its only fork binds it no more
+    await c.start()
+    assert (await c.exec(IMPORT)).stdout.strip() == b"43"
+    assert await c.read_file("/work/mine.txt") == b"mine\n"
+    # A template that shares nothing: the fork binds nothing from the next start.
+    plain = await pdriver.make_template(await _bare(pdriver), "tpl-plain")
+    await c.stop()
+    assert await pdriver.bind_shared(c, plain) == []
+    assert "shared" not in json.loads((c.dir / "meta.json").read_text())
+    await c.start()
+    assert (await c.exec(IMPORT)).exit_code != 0 and await c.read_file("/work/mine.txt") == b"mine\n"
+    # Back to one that shares, with a link to a host path where the mount point goes (the guest's doing): the link
+    # is replaced by an empty directory, never followed.
+    await c.stop()
+    site = c.layer / "work" / ".moorage" / "site"
+    site.rmdir()
+    site.symlink_to(c.dir.parent.parent)
+    assert await pdriver.bind_shared(c, t2) == [SITE]
+    assert site.is_dir() and not site.is_symlink() and list(site.iterdir()) == []
+    assert (c.dir.parent.parent).is_dir() and any(c.dir.parent.parent.iterdir())
+    await c.start()
+    assert (await c.exec(IMPORT)).stdout.strip() == b"43"
+
+
+async def _bare(pdriver: ProcessDriver) -> ProcessSandbox:
+    b = await pdriver.create(f"bare-{len(await pdriver.list())}")
+    await b.start()
+    assert isinstance(b, ProcessSandbox)
+    return b
 
 
 async def test_a_deleted_template_stays_while_a_fork_binds_it_and_goes_with_the_last(pdriver: ProcessDriver) -> None:

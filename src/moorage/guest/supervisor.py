@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any, List, Optional, Set
 
-from . import egress_relay, ops_exec, ops_fs
+from . import egress_relay, ops_exec, ops_fs, packages
 from .rpc import MAX_FRAME, Context, Peer, Registry, log
 
 VIRTIO_PORT_NAME = "moorage.0"
@@ -49,6 +49,7 @@ class Supervisor:
         self.registry.add("sys.shutdown", self.shutdown)
         # A network agent's NIC comes up first, so every process (and the agent) gets its proxy settings.
         egress_relay.configure(os.environ)
+        packages.configure(os.environ)
         ops_exec.register(self.registry, dict(os.environ), workdir)
         ops_fs.register(self.registry, workdir)
         # Extensions that call the host outside a request (guest/egress_relay.py) use whichever peer is open.

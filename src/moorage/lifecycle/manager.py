@@ -572,7 +572,9 @@ class InstanceManager(fleet_rules.FleetDuties):
             kind = wake_kind(sandbox, fork=True)
             # The template this sandbox is a fork of (a reprovisioned instance's is today's, not the one its row
             # was created with): the template collector keeps it while the instance lives (fleet/gc.py).
-            rec = SandboxRecord(**{**rec.__dict__, "meta": {**rec.meta, "template": template.id}})
+            # A fresh fork binds nothing of another template (runtime/instance_packages.py).
+            meta = {k: v for k, v in rec.meta.items() if k != "shared_template"}
+            rec = SandboxRecord(**{**rec.__dict__, "meta": {**meta, "template": template.id}})
             if self.fleet is not None:
                 await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
             rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)

@@ -192,8 +192,11 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         sandbox = await stack.enter_async_context(runtime.instances.turn(ts, scope, template, lifecycle=lc))
         from moorage.runtime.vm_network import attach
 
-        attach(runtime, sandbox.id, sandbox.channel, ts, agent_name, user, deployment.manifest)  # its own network
-        opened = await open_connection(runtime, sandbox, deployment, port)
+        def network(channel: Any) -> None:  # its own network, on each connection
+            attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
+
+        network(sandbox.channel)
+        opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
         stack.push_async_callback(exchange.close)
         await exchange.write(exchange.h11.send(head))
@@ -275,11 +278,14 @@ async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> t
     return agent, lc, scope, deployment, ports[0]
 
 
-async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, **options: Any) -> dict[str, Any]:
+async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any,
+                          on_restart: Any = None, **options: Any) -> dict[str, Any]:
     """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
     agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
-    starts an app the agent module runs, and is asked again for a few seconds while the app binds its port."""
-    from moorage.runtime.templates import push_and_load
+    starts an app the agent module runs, and is asked again for a few seconds while the app binds its port.
+    Loading may restart the sandbox for the deployment's packages (``instance_packages``; ``on_restart`` gets the
+    new channel)."""
+    from moorage.runtime import instance_packages
 
     loaded = False
     give_up = time.monotonic() + 10
@@ -292,8 +298,7 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
         if not loaded:
             info = await sandbox.channel.call("agent.info", {}, timeout=15)
             if deployment.id not in (info.get("loaded") or [] if isinstance(info, dict) else []):
-                archive = await asyncio.to_thread(runtime.templates.archive, deployment)
-                await push_and_load(sandbox, deployment, archive)
+                await instance_packages.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
                 runtime._loaded[sandbox.id] = deployment.id
                 loaded = True
                 continue

@@ -361,8 +361,12 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
         try:
             from moorage.runtime.vm_network import attach
 
-            attach(runtime, sandbox.id, sandbox.channel, ts, agent_name, user, deployment.manifest)
-            opened = await open_connection(runtime, sandbox, deployment, port, idle_s=GUEST_IDLE_S)
+            def network(channel: Any) -> None:  # its own network, on each connection
+                attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
+
+            network(sandbox.channel)
+            opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network,
+                                           idle_s=GUEST_IDLE_S)
             conn = _GuestConnection(sandbox.channel, int(opened["conn"]))
             protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/"), subprotocols=req.subprotocols or None,
                                       max_size=max_message)

@@ -20,6 +20,9 @@ log = get_logger(__name__)
 REQUIREMENTS = "requirements.txt"
 #: Where the packages live inside the sandbox (on its disk: forks, sleep and wake keep them); on PYTHONPATH.
 SITE_DIR = "/work/.moorage/site"
+#: Written there last, once the packages are complete: the digest of the requirements they came from (``digest``).
+#: An instance whose marker differs from its deployment's gets that deployment's packages (instance_packages.py).
+MARKER = SITE_DIR + "/.moorage-requirements"
 #: The largest requirements.txt accepted, and the largest installed tree kept in the cache.
 MAX_REQUIREMENTS_BYTES = 64 << 10
 MAX_CACHED_BYTES = 256 << 20
@@ -40,6 +43,11 @@ def requirements_of(files: Mapping[str, bytes]) -> bytes | None:
     if data is not None and len(data) > MAX_REQUIREMENTS_BYTES:
         raise PackageInstallFailed(f"{REQUIREMENTS} is over {MAX_REQUIREMENTS_BYTES >> 10} KiB")
     return data
+
+
+def digest(requirements: bytes | None) -> str:
+    """What an instance's packages are compared by: the hash of the requirements asked for ("" for none)."""
+    return hashlib.sha256(requirements).hexdigest() if requirements else ""
 
 
 def guest_env(requirements: bytes | None) -> dict[str, str]:
@@ -76,6 +84,7 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
         r = await sandbox.exec(["tar", "xzf", "/tmp/moorage-site.tar.gz", "-C", SITE_DIR], timeout=300)
         if r.exit_code == 0:
             await sandbox.exec(["rm", "-f", "/tmp/moorage-site.tar.gz"], timeout=30)
+            await sandbox.write_file(MARKER, digest(requirements).encode())
             return "cached"
         log.warning("package cache entry unusable; installing again", key=key)
 
@@ -118,4 +127,5 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
         except Exception as e:  # a tree too large to cache is installed again next time, nothing worse
             log.info("installed packages not cached", error=type(e).__name__)
         await sandbox.exec(["rm", "-f", "/tmp/moorage-site.tar.gz"], timeout=30)
+    await sandbox.write_file(MARKER, digest(requirements).encode())
     return "installed"

@@ -28,10 +28,11 @@ from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
+from moorage.runtime import instance_packages
 from moorage.runtime.deployments import Deployments
 from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
-from moorage.runtime.templates import Templates, push_and_load
+from moorage.runtime.templates import Templates
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Agent, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
 from moorage.store import zero_retention
@@ -640,7 +641,10 @@ class Runtime(Deployments, OperatorVerbs):
 
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
-        GuestCalls(self, sandbox.id, binding.ts.tenant_id).register(sandbox.channel)
+        def register(channel: Any) -> None:
+            GuestCalls(self, sandbox.id, binding.ts.tenant_id).register(channel)
+
+        register(sandbox.channel)
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
         for attempt in (1, 2):
@@ -649,7 +653,8 @@ class Runtime(Deployments, OperatorVerbs):
             # guest that answers NOT_LOADED (a cold boot, a redeploy) gets the code pushed before the second try.
             if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2:
                 dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
-                await push_and_load(sandbox, dep, self.templates.archive(dep))
+                # Its packages made the deployment's first (a redeploy may have changed them: a restart).
+                await instance_packages.load(self, sandbox, dep, binding.ts, on_restart=register)
             self._loaded[sandbox.id] = binding.deployment_id
             try:
                 async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:

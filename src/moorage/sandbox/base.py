@@ -136,6 +136,9 @@ class Capabilities:
     #: Whether a running sandbox outlives the host process that started it (a micro-VM's QEMU does; a
     #: process sandbox is killed with it), so a host that shuts down cleanly knows to put them to sleep.
     survives_host_exit: bool = True
+    #: Whether forks bind their template's shared directories (``make_template(shared=...)``) rather than own a copy
+    #: of them (``bind_shared`` moves a fork to another template's).
+    shares_template_dirs: bool = False
 
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -478,6 +481,13 @@ class SandboxDriver(ABC):
         """Snapshot a booted, warmed sandbox so it can be forked. The sandbox keeps its state. ``shared``: paths
         under /work that forks never write (an agent's deploy-time packages): a driver whose forks copy files may
         let every fork read the template's own instead."""
+
+    async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
+        """From its next start, the stopped ``sandbox`` binds ``template``'s shared directories (``make_template``)
+        in place of those it binds now (a redeploy's instance takes the new deployment's packages); returns their
+        sandbox paths. A driver whose forks own all their files shares nothing and returns [] (the caller puts
+        new files into the sandbox itself)."""
+        return []
 
     @abstractmethod
     async def delete_template(self, template: TemplateRef) -> None: ...

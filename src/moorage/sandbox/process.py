@@ -99,6 +99,7 @@ class ProcessDriver(SandboxDriver):
             own_kernel=False,
             enforced_limits=self.limit_support.enforced,
             survives_host_exit=False,  # bwrap --die-with-parent: the sandbox dies with the host process
+            shares_template_dirs=True,
         )
         # Cgroup names must be unique per root directory on this host (two test roots may reuse sandbox ids).
         # Stable across host restarts (str hash() is salted per process), so a re-adopted sandbox finds its cgroup.
@@ -295,6 +296,23 @@ class ProcessDriver(SandboxDriver):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return TemplateRef(tid, self.name, dest, sandbox.id, created, includes_memory=False)
+
+    async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
+        if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
+            raise SnapshotIncompatible("bind_shared needs a sandbox of this process driver")
+        tdir = Path(template.path)
+        self._check_template(template)
+        async with sandbox._lock:
+            sandbox._require(SandboxState.CREATED, SandboxState.STOPPED, SandboxState.SLEEPING, verb="rebind")
+            before = process_templates.template_of(sandbox.meta, self.template_dir) if sandbox.meta.get("shared") \
+                else None
+            paths = await asyncio.to_thread(process_templates.rebind, sandbox.meta, sandbox.layer, tdir, template.id,
+                                            sandbox.id)
+            sandbox._save()
+            if before is not None and before != tdir:
+                await asyncio.to_thread(process_templates.drop_child, before, sandbox.id)
+        log.info("sandbox binds another template's shared directories", sandbox=sandbox.id, template=template.id)
+        return [process_templates.sandbox_path(p) for p in paths]
 
     async def delete_template(self, template: TemplateRef) -> None:
         """Gone now, or (a template whose shared directories forks on this host bind) marked deleted and gone

@@ -180,6 +180,45 @@ def delete(tdir: Path) -> None:
     shutil.rmtree(tdir, ignore_errors=True)
 
 
+def mount_point(layer: Path, rel: str) -> None:
+    """An empty directory at ``layer/rel`` to bind a template's shared directory over. What the guest left on the
+    way goes: a file or link where a directory belongs is removed (never followed), and so is the directory's
+    content; missing directories are made owned like ``layer/work``."""
+    owner = (layer / "work").lstat()
+    parts = rel.split("/")
+    for i in range(1, len(parts) + 1):
+        p = layer.joinpath(*parts[:i])
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (not stat.S_ISDIR(st.st_mode) or i == len(parts)):
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(p)  # does not follow links inside
+            else:
+                p.unlink()
+            st = None
+        if st is None:
+            p.mkdir(mode=0o755)
+            if os.geteuid() == 0 or owner.st_uid == os.geteuid():
+                os.lchown(p, owner.st_uid, owner.st_gid)
+
+
+def rebind(meta: dict[str, Any], layer: Path, tdir: Path, template_id: str, sandbox_id: str) -> list[str]:
+    """Make the fork whose ``meta`` and ``layer`` these are bind template ``tdir``'s shared directories (none, if it
+    shares none) from its next start; returns their layer paths. The caller saves ``meta`` and then drops the fork
+    from the template it bound before (``drop_child``)."""
+    paths = of_template(tdir)
+    for rel in paths:
+        mount_point(layer, rel)
+    if paths:
+        add_child(tdir, sandbox_id)
+        meta["shared"] = {"template": template_id, "dir": str(tdir), "paths": paths}
+    else:
+        meta.pop("shared", None)
+    return paths
+
+
 def template_of(meta: dict[str, Any], template_dir: Any) -> Path:
     """The directory of the template a fork binds (``meta["shared"]``)."""
     shared = meta["shared"]

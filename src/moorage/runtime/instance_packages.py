@@ -1,0 +1,112 @@
+"""A redeploy's packages reach the users who already have an instance: on the first load of the new deployment into
+their sandbox, before its code is imported.
+
+An instance keeps the sandbox it was forked from (docs/fleet.md), so its deploy-time packages (``requirements.txt``,
+``deploy_packages.SITE_DIR``) are those of that template. When the deployment being loaded asks for others (the
+sandbox's ``deploy_packages.MARKER`` differs from the deployment's digest):
+
+- a driver whose forks bind their template's packages (process) binds the new template's instead (``bind_shared``):
+  nothing is copied, and the instance's record names that template so the fleet's collector keeps it;
+- otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
+  shared them) the old packages are removed and the new ones installed into the sandbox, from this host's package
+  cache (filled when the template was built here), else by pip through the gateway as at deploy time (which needs
+  the sandbox's relay: an agent with packages or a network);
+
+and the sandbox is restarted before the code is loaded, so no module of the old versions stays imported (C
+extensions cannot be unloaded) and the supervisor starts with the packages on its path. Its files stay; its
+processes do not (a micro-VM boots cold, once). Every step can be repeated: the marker is written last, so an
+interrupted change is made again on the next load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any, Callable
+
+from moorage.errors import ConflictError
+from moorage.log import get_logger
+from moorage.runtime import deploy_packages
+from moorage.runtime.package import unpack
+from moorage.runtime.templates import push_and_load
+from moorage.sandbox import GuestFileNotFound, Sandbox
+
+log = get_logger(__name__)
+
+#: The key of an instance record's meta naming the template whose shared directories its sandbox binds, when that
+#: is not the template it was forked from (``fleet/gc.template_use`` keeps it).
+SHARED_TEMPLATE = "shared_template"
+
+_locks: dict[str, asyncio.Lock] = {}
+
+
+async def installed(sandbox: Sandbox) -> str | None:
+    """The digest of the requirements the sandbox's packages came from; None when it has no complete set."""
+    try:
+        return (await sandbox.read_file(deploy_packages.MARKER, max_bytes=256)).decode(errors="replace").strip()
+    except GuestFileNotFound:
+        return None
+
+
+async def load(rt: Any, sandbox: Sandbox, deployment: Any, ts: Any,
+               on_restart: Callable[[Any], Any] | None = None) -> bool:
+    """``push_and_load`` of ``deployment`` into ``sandbox``, its packages made the deployment's first. Returns
+    whether the sandbox was restarted for them; ``on_restart`` gets its new channel before the code is loaded."""
+    archive = await asyncio.to_thread(rt.templates.archive, deployment)
+    restarted = await ensure(rt, sandbox, deployment, archive, ts)
+    if restarted and on_restart is not None:
+        res = on_restart(sandbox.channel)
+        if inspect.isawaitable(res):
+            await res
+    await push_and_load(sandbox, deployment, archive)
+    return restarted
+
+
+async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts: Any) -> bool:
+    """Make the sandbox's packages those of ``deployment`` (see the module); returns whether it was restarted."""
+    requirements = deploy_packages.requirements_of(unpack(archive))
+    wanted = deploy_packages.digest(requirements)
+    if (await installed(sandbox) or "") == wanted:
+        return False
+    async with _locks.setdefault(sandbox.id, asyncio.Lock()):
+        if (await installed(sandbox) or "") == wanted:  # another load did it meanwhile
+            return False
+        started = time.perf_counter()
+        ref = await rt.templates.ensure(deployment)
+        driver = rt.driver
+        own_copy = True
+        if driver.capabilities.shares_template_dirs:
+            await asyncio.to_thread(_name_shared_template, ts, sandbox.id, ref.id)
+            await sandbox.stop()
+            bound = await driver.bind_shared(sandbox, ref)
+            await sandbox.start()
+            own_copy = bool(requirements) and deploy_packages.SITE_DIR not in bound
+        how = "bound from the template"
+        if own_copy:
+            await sandbox.exec(["rm", "-rf", deploy_packages.SITE_DIR], timeout=300)
+            how = "removed"
+            if requirements:
+                how = await deploy_packages.install(
+                    sandbox, requirements, driver.config, rt.templates._egress(), rt.templates.root / "package-cache",
+                    lambda msg: log.info(msg, sandbox=sandbox.id), owner=deployment.agent_id)
+            await sandbox.stop()
+            await sandbox.start()
+        log.info("instance packages changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,
+                 template=ref.id, how=how, ms=round((time.perf_counter() - started) * 1000, 1))
+        return True
+
+
+def _name_shared_template(ts: Any, sandbox_id: str, template_id: str) -> None:
+    """The instance's record names the template its sandbox is about to bind, before it does (a host that dies in
+    between leaves one template kept too long, never one collected while bound). Blocking."""
+    for _ in range(10):
+        rec = ts.sandboxes.get(sandbox_id)
+        if rec.meta.get(SHARED_TEMPLATE) == template_id:
+            return
+        try:
+            ts.sandboxes.update(sandbox_id, expected_version=rec.version, meta={**rec.meta, SHARED_TEMPLATE: template_id})
+            return
+        except ConflictError:
+            continue
+    raise ConflictError(f"instance {sandbox_id} kept changing; its packages were not changed", hint="retry the turn")
