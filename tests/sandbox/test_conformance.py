@@ -203,6 +203,20 @@ async def test_forks_are_independent(driver: SandboxDriver) -> None:
     await kids[1].wake()
     for k in (*kids, kid_c, direct):
         assert await k.read_file("/work/pkgs/mod.py") == b"VALUE = 1\n"
+    # A redeploy's packages for a fork that exists (``bind_shared``): a driver whose forks bind what their template
+    # shares binds another template's from the next start; one whose forks own their files binds nothing (the
+    # runtime installs into such a fork instead: runtime/instance_packages.py).
+    await kids[1].write_file("mine.txt", b"b's")
+    await kids[1].sleep()
+    if not driver.capabilities.shares_template_dirs:
+        assert await driver.bind_shared(kids[1], tpl) == []
+        return
+    await base.write_file("pkgs/mod.py", b"VALUE = 2\n")
+    tpl2 = await driver.make_template(base, shared=["/work/pkgs"])
+    assert await driver.bind_shared(kids[1], tpl2) == ["/work/pkgs"]
+    await kids[1].wake()
+    assert await kids[1].read_file("/work/pkgs/mod.py") == b"VALUE = 2\n"
+    assert await kids[1].read_file("mine.txt") == b"b's"
 
 
 async def test_templates_from_another_driver_are_rejected(driver: SandboxDriver, tmp_path: Path) -> None:

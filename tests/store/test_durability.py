@@ -46,7 +46,7 @@ def test_cas_contention_loses_no_update(store_url: str) -> None:
     store, key = _tenant_key(store_url)
     ts = store.tenant(store.authenticate(key))
     ts.state.put(SCOPE, "counter", 0, expected_version=0)
-    procs, n = 8, 500
+    procs, n = 8, 200
     ps = [subprocess.Popen([sys.executable, str(WORKERS), "cas", store_url, str(n)], env=_env(key),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(procs)]
     retries = 0

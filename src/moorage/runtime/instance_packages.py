@@ -70,30 +70,45 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
     if (await installed(sandbox) or "") == wanted:
         return False
     async with _locks.setdefault(sandbox.id, asyncio.Lock()):
-        if (await installed(sandbox) or "") == wanted:  # another load did it meanwhile
+        have = await installed(sandbox)
+        if (have or "") == wanted:  # another load did it meanwhile
             return False
         started = time.perf_counter()
         ref = await rt.templates.ensure(deployment)
         driver = rt.driver
-        own_copy = True
+        if have is None and wanted:
+            # No marker: packages from a template made before markers were written (or none). If the sandbox was
+            # forked from, or binds, the deployment's own template, it has that template's packages already.
+            rec = await asyncio.to_thread(ts.sandboxes.get, sandbox.id)
+            if (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get("template")) == ref.id:
+                return False
+        restart_s = 0.0
+
+        async def restart(between: Callable[[], Any] | None = None) -> Any:
+            """Stop the sandbox, do ``between`` (stopped), start it again; returns what ``between`` returned."""
+            nonlocal restart_s
+            t = time.perf_counter()
+            await sandbox.stop()
+            out = await between() if between is not None else None
+            await sandbox.start()
+            restart_s += time.perf_counter() - t
+            return out
+
+        own_copy, how = True, "bound from the template"
         if driver.capabilities.shares_template_dirs:
             await asyncio.to_thread(_name_shared_template, ts, sandbox.id, ref.id)
-            await sandbox.stop()
-            bound = await driver.bind_shared(sandbox, ref)
-            await sandbox.start()
+            bound = await restart(lambda: driver.bind_shared(sandbox, ref))
             own_copy = bool(requirements) and deploy_packages.SITE_DIR not in bound
-        how = "bound from the template"
         if own_copy:
             await sandbox.exec(["rm", "-rf", deploy_packages.SITE_DIR], timeout=300)
             how = "removed"
             if requirements:
-                how = await deploy_packages.install(
-                    sandbox, requirements, driver.config, rt.templates._egress(), rt.templates.root / "package-cache",
-                    lambda msg: log.info(msg, sandbox=sandbox.id), owner=deployment.agent_id)
-            await sandbox.stop()
-            await sandbox.start()
+                how = await rt.templates.install_packages(sandbox, requirements, deployment.agent_id,
+                                                          lambda msg: log.info(msg, sandbox=sandbox.id))
+            await restart()
+        ms = (time.perf_counter() - started) * 1000
         log.info("instance packages changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,
-                 template=ref.id, how=how, ms=round((time.perf_counter() - started) * 1000, 1))
+                 template=ref.id, how=how, restart_ms=round(restart_s * 1000, 1), ms=round(ms, 1))
         return True
 
 

@@ -106,6 +106,13 @@ class Templates:
             self.egress = Egress.from_config(self.driver.config)
         return self.egress
 
+    async def install_packages(self, sandbox: Sandbox, requirements: bytes, owner: str, say: Any,
+                               record: Any = None) -> str:
+        """``deploy_packages.install`` into ``sandbox`` with this host's package cache and deploy-time egress (a
+        template's builder, or an instance whose deployment's packages changed: ``instance_packages``)."""
+        return await deploy_packages.install(sandbox, requirements, self.driver.config, self._egress(),
+                                             self.root / "package-cache", say, owner=owner, record=record)
+
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
         if not path.exists() and self.package_blobs is not None:
@@ -234,9 +241,7 @@ class Templates:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
                                          say, owner=deployment.agent_id, record=record)
             if requirements:
-                await deploy_packages.install(sb, requirements, self.driver.config, self._egress(),
-                                              self.root / "package-cache", say, owner=deployment.agent_id,
-                                              record=record)
+                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record)
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
