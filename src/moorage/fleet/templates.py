@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -43,6 +44,8 @@ MANIFEST = "template"
 #: In a template directory fetched from the object store (never published itself: a dot-name, host bookkeeping).
 FETCHED = ".fetched"
 _IMAGE_FILES = ("kernel", "initrd", "rootfs")
+#: A package cache entry's key (``runtime/deploy_packages``): a sha256.
+_CACHE_KEY = re.compile(r"[0-9a-f]{64}")
 #: One fetch of a template or image at a time per local path, across every publisher object of the process.
 _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
@@ -380,6 +383,28 @@ class PublishedTemplates:
         if marker.get("state") == "deleting":
             raise SnapshotUnavailable(f"published template {template_id} is being deleted (no instance needs it)",
                                       hint="the next request provisions from the agent's live template")
+
+    # -- deploy-time packages ---------------------------------------------------------------------------
+
+    def packages_key(self, template_id: str, key: str) -> str:
+        """Where a template's installed ``requirements.txt`` tree (``runtime/deploy_packages``' cache entry ``key``)
+        is published: under the template, so it goes with it."""
+        if not _CACHE_KEY.fullmatch(key):
+            raise ValueError(f"not a package cache key: {key!r}")
+        return f"{self.prefix(template_id)}/packages/{key}.tar.gz"
+
+    def publish_packages(self, template_id: str, key: str, path: Path) -> None:
+        """Publish the tree the template's builder installed, for instances of the deployment on hosts that did not
+        build it (a redeploy's packages put into an instance's own disk: ``runtime/instance_packages``). Blocking."""
+        self.objects.put_file(self.packages_key(template_id, key), path)
+
+    def fetch_packages(self, template_id: str, key: str, dest: Path) -> bool:
+        """This template's published tree ``key`` into ``dest`` (atomically, verified); False if there is none."""
+        try:
+            self.objects.get_file(self.packages_key(template_id, key), dest)
+        except ObjectNotFound:
+            return False
+        return True
 
     def unpublish(self, template_id: str) -> int:
         """Remove a published template's objects (one no instance was forked from). Blocking."""

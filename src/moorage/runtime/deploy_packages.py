@@ -7,6 +7,7 @@ asked (requirements, index, guest Python), so redeploying unchanged requirements
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -62,12 +63,18 @@ def _tail(text: str, lines: int = 6) -> str:
 
 
 async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, cache_dir: Path,
-                  say: Callable[[str], None], owner: str = "", record: Any = None) -> str:
-    """Install ``requirements`` into ``sandbox`` (the template's builder); returns "cached" or "installed". Each
-    request pip makes through the gateway is a span for ``record`` (the deploy's trace), if given.
+                  say: Callable[[str], None], owner: str = "", record: Any = None,
+                  fetch: Callable[[str, Path], bool] | None = None,
+                  kept: Callable[[str, Path], None] | None = None) -> str:
+    """Install ``requirements`` into ``sandbox`` (the template's builder, or an instance whose deployment's packages
+    changed); returns "cached" or "installed". Each request pip makes through the gateway is a span for ``record``
+    (the deploy's trace), if given.
 
     ``owner`` (the agent's id) is part of the cache key: an installed tree came out of a sandbox that ran the
-    packages' own build code, so it is reused for the agent that asked for it, never handed to another.
+    packages' own build code, so it is reused for the agent that asked for it, never handed to another. A fleet
+    shares the entries (``fleet/templates.py``, beside the template): ``fetch(key, dest)`` is asked for a missing
+    one before pip runs (blocking; returns whether it brought it), and ``kept(key, path)`` hears of the one this
+    host has afterwards.
     """
     from moorage.egress import EgressDenied, Target
     from moorage.runtime.vm_network import PROXY_URL, attach_instance
@@ -78,13 +85,21 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
     key = hashlib.sha256(b"\0".join([owner.encode(), requirements, index.encode(), py.stdout.strip()])).hexdigest()
     cached = private_dir(cache_dir) / f"{key}.tar.gz"
     await sandbox.exec(["mkdir", "-p", SITE_DIR], timeout=30)
+    fetched = False
+    if not cached.exists() and fetch is not None:
+        try:
+            fetched = await asyncio.to_thread(fetch, key, cached)
+        except Exception as e:  # noqa: BLE001 - the object store failed: pip installs them instead
+            log.warning("published packages not fetched; installing", key=key, error=str(e))
     if cached.exists():
-        say("packages from the cache (requirements unchanged)")
+        say("packages from the template's published copy" if fetched else "packages from the cache (requirements unchanged)")
         await sandbox.write_file("/tmp/moorage-site.tar.gz", cached.read_bytes())
         r = await sandbox.exec(["tar", "xzf", "/tmp/moorage-site.tar.gz", "-C", SITE_DIR], timeout=300)
         if r.exit_code == 0:
             await sandbox.exec(["rm", "-f", "/tmp/moorage-site.tar.gz"], timeout=30)
             await sandbox.write_file(MARKER, digest(requirements).encode())
+            if kept is not None:
+                kept(key, cached)
             return "cached"
         log.warning("package cache entry unusable; installing again", key=key)
 
@@ -124,6 +139,8 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
         try:
             data = await sandbox.read_file("/tmp/moorage-site.tar.gz", max_bytes=MAX_CACHED_BYTES)
             write_private(cached, data)
+            if kept is not None:
+                kept(key, cached)
         except Exception as e:  # a tree too large to cache is installed again next time, nothing worse
             log.info("installed packages not cached", error=type(e).__name__)
         await sandbox.exec(["rm", "-f", "/tmp/moorage-site.tar.gz"], timeout=30)

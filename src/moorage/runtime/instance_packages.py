@@ -9,8 +9,8 @@ sandbox's ``deploy_packages.MARKER`` differs from the deployment's digest):
   nothing is copied, and the instance's record names that template so the fleet's collector keeps it;
 - otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
   shared them) the old packages are removed and the new ones installed into the sandbox, from this host's package
-  cache (filled when the template was built here), else by pip through the gateway as at deploy time (which needs
-  the sandbox's relay: an agent with packages or a network);
+  cache (filled when the template was built here; in a fleet, fetched from what the template's builder published
+  beside it), else by pip through the gateway as at deploy time (which needs the sandbox's relay);
 
 and the sandbox is restarted before the code is loaded, so no module of the old versions stays imported (C
 extensions cannot be unloaded) and the supervisor starts with the packages on its path. Its files stay; its
@@ -104,7 +104,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             how = "removed"
             if requirements:
                 how = await rt.templates.install_packages(sandbox, requirements, deployment.agent_id,
-                                                          lambda msg: log.info(msg, sandbox=sandbox.id))
+                                                          lambda msg: log.info(msg, sandbox=sandbox.id), template=ref)
             await restart()
         ms = (time.perf_counter() - started) * 1000
         log.info("instance packages changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,

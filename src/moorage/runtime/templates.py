@@ -107,11 +107,19 @@ class Templates:
         return self.egress
 
     async def install_packages(self, sandbox: Sandbox, requirements: bytes, owner: str, say: Any,
-                               record: Any = None) -> str:
+                               record: Any = None, template: TemplateRef | None = None,
+                               kept: Any = None) -> str:
         """``deploy_packages.install`` into ``sandbox`` with this host's package cache and deploy-time egress (a
-        template's builder, or an instance whose deployment's packages changed: ``instance_packages``)."""
+        template's builder, or an instance whose deployment's packages changed: ``instance_packages``). In a fleet,
+        a missing cache entry is fetched from what ``template``'s builder published beside it."""
+        published = self.published
+        fetch: Callable[[str, Path], bool] | None = None
+        if published is not None and template is not None:
+            tid = template.id
+            fetch = lambda key, dest: published.fetch_packages(tid, key, dest)  # noqa: E731
         return await deploy_packages.install(sandbox, requirements, self.driver.config, self._egress(),
-                                             self.root / "package-cache", say, owner=owner, record=record)
+                                             self.root / "package-cache", say, owner=owner, record=record,
+                                             fetch=fetch, kept=kept)
 
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
@@ -235,13 +243,15 @@ class Templates:
             spec = dataclasses.replace(spec, env={**spec.env, "MOORAGE_NETWORK": "1"})
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
+        entries: list[tuple[str, Path]] = []  # the installed packages in this host's cache (published with it)
         try:
             await sb.start()
             if apt:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
                                          say, owner=deployment.agent_id, record=record)
             if requirements:
-                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record)
+                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record,
+                                            kept=lambda key, path: entries.append((key, path)))
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
@@ -254,6 +264,8 @@ class Templates:
             await sb.destroy()
         if self.published is not None:
             say("publishing the template")
+            for key, path in entries:  # first: a host that forks the template may need them
+                await asyncio.to_thread(self.published.publish_packages, ref.id, key, path)
             claim = await asyncio.to_thread(self.published.publish, ref, deployment.id)
             if claim["template_id"] != ref.id:
                 # Another host published first: forks everywhere use that one. Ours is deleted here and in the
