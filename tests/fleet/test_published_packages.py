@@ -5,6 +5,7 @@ mechanism is the runtime's, not the driver's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -30,6 +31,9 @@ async def test_another_hosts_instance_installs_the_packages_the_templates_builde
     cfg = env.cfg.with_(egress_package_index=index, package_index_url=index + "/simple/")
     driver = env.runtime.driver
     driver.config = cfg
+    # As a driver whose forks own their files (micro-VM): the process driver's forks bind the template's packages
+    # instead, so its templates publish none.
+    driver.capabilities = dataclasses.replace(driver.capabilities, shares_template_dirs=False)
     env.runtime.templates.egress = Egress.from_config(cfg)
     objects = LocalObjectStore(tmp_path / "bucket")
     published = PublishedTemplates(objects, driver)

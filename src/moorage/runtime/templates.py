@@ -243,15 +243,20 @@ class Templates:
             spec = dataclasses.replace(spec, env={**spec.env, "MOORAGE_NETWORK": "1"})
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
-        entries: list[tuple[str, Path]] = []  # the installed packages in this host's cache (published with it)
+        # The installed packages in this host's cache, published with the template for a driver whose forks own
+        # their files (instance_packages installs a redeploy's into them; shared ones are bound from the template).
+        entries: list[tuple[str, Path]] = []
         try:
             await sb.start()
             if apt:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
                                          say, owner=deployment.agent_id, record=record)
             if requirements:
-                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record,
-                                            kept=lambda key, path: entries.append((key, path)))
+                def kept(key: str, path: Path) -> None:
+                    if not self.driver.capabilities.shares_template_dirs:
+                        entries.append((key, path))
+
+                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record, kept=kept)
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
