@@ -104,6 +104,7 @@ async def test_a_stopped_fork_binds_another_templates_shared_files(pdriver: Proc
     assert "shared" not in json.loads((c.dir / "meta.json").read_text())
     await c.start()
     assert (await c.exec(IMPORT)).exit_code != 0 and await c.read_file("/work/mine.txt") == b"mine\n"
+    await c.checkpoint("unbound")
     # Back to one that shares, with a link to a host path where the mount point goes (the guest's doing): the link
     # is replaced by an empty directory, never followed.
     await c.stop()
@@ -113,6 +114,13 @@ async def test_a_stopped_fork_binds_another_templates_shared_files(pdriver: Proc
     assert await pdriver.bind_shared(c, t2) == [SITE]
     assert site.is_dir() and not site.is_symlink() and list(site.iterdir()) == []
     assert (c.dir.parent.parent).is_dir() and any(c.dir.parent.parent.iterdir())
+    await c.start()
+    assert (await c.exec(IMPORT)).stdout.strip() == b"43"
+    # A rollback (in place, and of a stopped fork) to a checkpoint from before it bound them keeps what it binds now.
+    await c.rollback("unbound")
+    assert (await c.exec(IMPORT)).stdout.strip() == b"43"
+    await c.stop()
+    await c.rollback("unbound")
     await c.start()
     assert (await c.exec(IMPORT)).stdout.strip() == b"43"
 

@@ -529,6 +529,7 @@ class ProcessSandbox(Sandbox):
                 if isinstance(err, BaseException):
                     shutil.rmtree(fresh, ignore_errors=True)
                     raise err
+            await asyncio.to_thread(self._mount_points, fresh)
             old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
             os.rename(self.layer, old)
             os.rename(fresh, self.layer)
@@ -541,6 +542,13 @@ class ProcessSandbox(Sandbox):
                 # Not on the rollback's path: a layer with installed packages is thousands of files. A host that
                 # stops before this is done leaves the directory to the next boot's sweep (_sweep_layer_leftovers).
                 _background(asyncio.to_thread(shutil.rmtree, old, True), f"rm-layer-{self.id}")
+
+    def _mount_points(self, layer: Path) -> None:
+        """A checkpoint's copy of the layer made ready for the shared directories the sandbox binds now: one taken
+        before it bound them (a redeploy changed its packages since) has no mount point there, or files of its
+        own. Blocking."""
+        for rel in (self.meta.get("shared") or {}).get("paths") or []:
+            process_templates.mount_point(layer, rel)
 
     async def _rollback_in_place(self, src: Path) -> None:
         """Rollback of a running sandbox through its zygote (process_restart): the agent's processes are killed
@@ -560,6 +568,7 @@ class ProcessSandbox(Sandbox):
             uid = self.driver.host_uid
             if uid is not None:
                 _own_tree(fresh, uid)
+            self._mount_points(fresh)
             process_restart.swap_contents(self.layer, fresh, trash,
                                           tuple((self.meta.get("shared") or {}).get("paths") or ()))
             if self.socket_path.exists():
