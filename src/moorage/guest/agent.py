@@ -121,12 +121,40 @@ def _import_file(name: str, path: str) -> Any:
     return module
 
 
+#: The directories of the agent versions this process imported code from (``load_agent``).
+_AGENT_PATHS: List[str] = []
+
+
+def _under(module: Any, roots: List[str]) -> bool:
+    files = [getattr(module, "__file__", None) or ""] + list(getattr(module, "__path__", None) or [])
+    return any(f == r or f.startswith(r + os.sep) for f in files if f for r in roots)
+
+
+def forget_other_versions(path: str) -> None:
+    """Before the agent version at ``path`` is imported: the modules of versions loaded before it (its entry, tools
+    and its own modules beside them, such as ``helper.py``) leave the process and their directories leave
+    ``sys.path``, so the new version's ``import helper`` reads its own file and a module it no longer ships is
+    gone. (A redeploy loads the new version into a running sandbox.)"""
+    old = [p for p in _AGENT_PATHS if p != path]
+    if not old:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is not None and _under(module, old):
+            del sys.modules[name]
+    sys.path[:] = [p for p in sys.path if p not in old]
+    _AGENT_PATHS[:] = [p for p in _AGENT_PATHS if p not in old]
+    importlib.invalidate_caches()
+
+
 def load_agent(deployment_id: str, path: str) -> LoadedAgent:
     """Import the agent package at ``path`` (its moorage.toml, entry module and tools)."""
     manifest_path = os.path.join(path, "moorage.toml")
     with open(manifest_path, "rb") as f:
         doc = tomllib.load(f)
     manifest = doc.get("agent", {})
+    forget_other_versions(path)
+    if path not in _AGENT_PATHS:
+        _AGENT_PATHS.append(path)
     if path not in sys.path:
         sys.path.insert(0, path)  # sibling imports of the agent's own modules
     prefix = "moorage_agent_%s" % deployment_id.replace("-", "_")
