@@ -1,14 +1,14 @@
 """What a user who already has an instance waits for on the first turn after a redeploy, through ``moorage up`` and
 HTTP: a redeploy that changes only code (the baseline: the new code is loaded into the sandbox) against one whose
 ``requirements.txt`` adds a package (the sandbox gets the new packages first, then restarts:
-``runtime/instance_packages.py``), in the same run on the same users.
+``runtime/instance_update.py``), in the same run on the same users.
 
     python bench/sandbox/redeploy_packages.py [--driver process|microvm] [--users 4] [--rounds 2]
 
 Agent ``tab`` (``tabulate``, then ``tabulate`` + ``sniffio``) from a loopback package index built from this venv's
 wheels. Per round: a code-only redeploy, then a package-changing one, each followed by one turn of every existing
 user (half of them asleep when it lands) and a second turn; the server's own log gives the part-level figure of
-the same run (``instance packages changed ... ms=``). Last line: the headline.
+the same run (``instance changed with its deployment ... ms=``). Last line: the headline.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def main() -> None:
             ports.close()
         log = host.log.read_text(errors="replace")
         found = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(
-            r"instance packages changed with its deployment.*?restart_ms=([\d.]+) ms=([\d.]+)", log)]
+            r"instance changed with its deployment.*?restart_ms=([\d.]+) ms=([\d.]+)", log)]
         restarts, parts = [r for r, _ in found], [ms for _, ms in found]
     say(f"{args.driver} driver, {args.users} users (half asleep when each redeploy lands), {args.rounds} rounds; "
         f"through `moorage up` and the SDK client (HTTP)")

@@ -388,7 +388,7 @@ async def test_an_index_outside_the_operator_policy_fails_clearly(world: World) 
 async def test_a_redeploy_that_adds_requirements_reaches_a_users_existing_vm(world: World, tmp_path: Path) -> None:
     """An instance keeps its VM across a redeploy; when the new deployment asks for packages its template did not
     have, they are installed into that VM (from the host's cache the template build filled) and it boots again, with
-    its files, the packages on the agent's path and on that of every process it starts (runtime/instance_packages.py)."""
+    its files, the packages on the agent's path and on that of every process it starts (runtime/instance_update.py)."""
     w = world
     ts = w.env.store.tenant(w.env.principal)
     assert await ask(w, "import", user="bea") != "from-the-wheel"  # netty had no requirements: not installed

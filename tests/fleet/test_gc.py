@@ -113,7 +113,7 @@ def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared
 def test_a_template_an_instance_binds_since_a_redeploy_stays_while_its_record_names_it(
         store: Store, object_store: ObjectStore, tmp_path: Path) -> None:
     """A redeploy that changed an agent's packages moves an instance's sandbox to the new template's shared
-    directories (runtime/instance_packages.py) while its record still names the template it was forked from: the
+    directories (runtime/instance_update.py) while its record still names the template it was forked from: the
     record's ``shared_template`` keeps the new one after it is retired by yet another deploy."""
     pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", Config(data_dir=tmp_path / "cfg")))
     _, key = store.operator.create_tenant("acme")

@@ -1,5 +1,5 @@
 """In a fleet, the packages a template's builder installed are published beside the template, so an instance on
-another host whose deployment's packages changed (runtime/instance_packages.py: a micro-VM's own disk) gets them
+another host whose deployment's packages changed (runtime/instance_update.py: a micro-VM's own disk) gets them
 from there instead of running pip again (or failing, in a VM without a relay). Process driver, local bucket: the
 mechanism is the runtime's, not the driver's."""
 

@@ -1,7 +1,8 @@
 """The documented way, end to end: `moorage up` on the process driver, `moorage deploy` of an agent whose
 requirements.txt names a package (from a package index on loopback, admitted by the operator's settings), turns
 of several users over HTTP. Every user's sandbox imports the package from the template, read-only, and holds no
-copy of it (docs/sandbox.md, *A template's shared directories*), asleep and awake."""
+copy of it (docs/sandbox.md, *A template's shared directories*), asleep and awake. Redeploys that change the packages
+and the network reach the users who already have an instance (runtime/instance_update.py)."""
 
 from __future__ import annotations
 
@@ -104,11 +105,15 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
             assert api.sandbox_action(boxes["user:tab/bob"], "sleep")["slept"] is True
             (agent / "requirements.txt").write_text("tabulate\nsniffio\n")
             (agent / "agent.py").write_text(AGENT_PY + SNIFFIO_PY)
+            manifest = (agent / "moorage.toml").read_text()
+            # ... and a network: its proxy settings reach the existing sandboxes' processes too.
+            (agent / "moorage.toml").write_text(manifest.replace("[agent.lifecycle]", f'[agent.network]\nallow = ["{index}"]\n[agent.lifecycle]'))
             d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
                                cwd=ROOT)
             assert d.returncode == 0 and "deployed tab #2" in d.stdout, d.stdout + d.stderr
             for user in ("ann", "bob", "dan"):
                 assert say(user, "which") == "/work/.moorage/site/sniffio/__init__.py"
+                assert say(user, "proxy") == "http://127.0.0.1:3128"
             assert say("ann", "kept?") == "kept"
             meta = json.loads((data / "sandboxes" / boxes["user:tab/ann"] / "meta.json").read_text())
             assert meta["shared"]["template"] != first["template"]
@@ -119,11 +124,13 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
             # And one that drops its requirements leaves them no packages to import.
             (agent / "requirements.txt").unlink()
             (agent / "agent.py").write_text(PLAIN_PY)
+            (agent / "moorage.toml").write_text(manifest)
             d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
                                cwd=ROOT)
             assert d.returncode == 0 and "deployed tab #3" in d.stdout, d.stdout + d.stderr
             for user in ("ann", "bob"):
                 assert say(user, "packages") == "none"
+                assert say(user, "proxy") == ""
             assert "shared" not in json.loads((data / "sandboxes" / boxes["user:tab/ann"] / "meta.json").read_text())
             assert say("ann", "kept?") == "kept"
     finally:
@@ -139,6 +146,8 @@ async def on_message(ctx, message):
     import sniffio
     if message == "which":
         return sniffio.__file__
+    if message == "proxy":
+        return (await ctx.exec(["sh", "-c", "echo $HTTP_PROXY"]))["stdout"].strip()
     return await _plain(ctx, message)
 '''
 
@@ -149,5 +158,7 @@ import importlib.util
 async def on_message(ctx, message):
     if message == "kept?":
         return ctx.files.read("keep.txt")
+    if message == "proxy":
+        return (await ctx.exec(["sh", "-c", "echo $HTTP_PROXY"]))["stdout"].strip()
     return "none" if importlib.util.find_spec("tabulate") is None else "tabulate"
 '''

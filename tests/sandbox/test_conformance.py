@@ -205,7 +205,7 @@ async def test_forks_are_independent(driver: SandboxDriver) -> None:
         assert await k.read_file("/work/pkgs/mod.py") == b"VALUE = 1\n"
     # A redeploy's packages for a fork that exists (``bind_shared``): a driver whose forks bind what their template
     # shares binds another template's from the next start; one whose forks own their files binds nothing (the
-    # runtime installs into such a fork instead: runtime/instance_packages.py).
+    # runtime installs into such a fork instead: runtime/instance_update.py).
     await kids[1].write_file("mine.txt", b"b's")
     await kids[1].sleep()
     if not driver.capabilities.shares_template_dirs:

@@ -77,7 +77,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
             # ``meta.template``: the template its sandbox was last forked from (set when it is provisioned; a
             # reprovisioned instance's differs from the one its row was created with). Both are kept: a
             # provision in progress has only the row's. ``meta.shared_template``: the template whose shared
-            # directories it binds since a redeploy changed its packages (runtime/instance_packages.py).
+            # directories it binds since a redeploy changed its packages (runtime/instance_update.py).
             for tid in (rec.template_ref, rec.meta.get("template"), rec.meta.get("shared_template")):
                 if isinstance(tid, str) and tid:
                     pinned.add(tid)

@@ -395,7 +395,7 @@ class PublishedTemplates:
 
     def publish_packages(self, template_id: str, key: str, path: Path) -> None:
         """Publish the tree the template's builder installed, for instances of the deployment on hosts that did not
-        build it (a redeploy's packages put into an instance's own disk: ``runtime/instance_packages``). Blocking."""
+        build it (a redeploy's packages put into an instance's own disk: ``runtime/instance_update``). Blocking."""
         self.objects.put_file(self.packages_key(template_id, key), path)
 
     def fetch_packages(self, template_id: str, key: str, dest: Path) -> bool:

@@ -572,7 +572,7 @@ class InstanceManager(fleet_rules.FleetDuties):
             kind = wake_kind(sandbox, fork=True)
             # The template this sandbox is a fork of (a reprovisioned instance's is today's, not the one its row
             # was created with): the template collector keeps it while the instance lives (fleet/gc.py).
-            # A fresh fork binds nothing of another template (runtime/instance_packages.py).
+            # A fresh fork binds nothing of another template (runtime/instance_update.py).
             meta = {k: v for k, v in rec.meta.items() if k != "shared_template"}
             rec = SandboxRecord(**{**rec.__dict__, "meta": {**meta, "template": template.id}})
             if self.fleet is not None:

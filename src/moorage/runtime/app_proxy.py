@@ -283,9 +283,9 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
     """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
     agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
     starts an app the agent module runs, and is asked again for a few seconds while the app binds its port.
-    Loading may restart the sandbox for the deployment's packages (``instance_packages``; ``on_restart`` gets the
+    Loading may restart the sandbox for the deployment's packages (``instance_update``; ``on_restart`` gets the
     new channel)."""
-    from moorage.runtime import instance_packages
+    from moorage.runtime import instance_update
 
     loaded = False
     give_up = time.monotonic() + 10
@@ -298,7 +298,7 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
         if not loaded:
             info = await sandbox.channel.call("agent.info", {}, timeout=15)
             if deployment.id not in (info.get("loaded") or [] if isinstance(info, dict) else []):
-                await instance_packages.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
+                await instance_update.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
                 runtime._loaded[sandbox.id] = deployment.id
                 loaded = True
                 continue

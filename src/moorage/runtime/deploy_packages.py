@@ -22,7 +22,7 @@ REQUIREMENTS = "requirements.txt"
 #: Where the packages live inside the sandbox (on its disk: forks, sleep and wake keep them); on PYTHONPATH.
 SITE_DIR = "/work/.moorage/site"
 #: Written there last, once the packages are complete: the digest of the requirements they came from (``digest``).
-#: An instance whose marker differs from its deployment's gets that deployment's packages (instance_packages.py).
+#: An instance whose marker differs from its deployment's gets that deployment's packages (instance_update.py).
 MARKER = SITE_DIR + "/.moorage-requirements"
 #: The largest requirements.txt accepted, and the largest installed tree kept in the cache.
 MAX_REQUIREMENTS_BYTES = 64 << 10

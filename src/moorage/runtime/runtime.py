@@ -28,7 +28,7 @@ from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
-from moorage.runtime import instance_packages
+from moorage.runtime import instance_update
 from moorage.runtime.deployments import Deployments
 from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
@@ -654,7 +654,7 @@ class Runtime(Deployments, OperatorVerbs):
             if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2:
                 dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
                 # Its packages made the deployment's first (a redeploy may have changed them: a restart).
-                await instance_packages.load(self, sandbox, dep, binding.ts, on_restart=register)
+                await instance_update.load(self, sandbox, dep, binding.ts, on_restart=register)
             self._loaded[sandbox.id] = binding.deployment_id
             try:
                 async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -63,6 +63,20 @@ async def push_and_load(sandbox: Sandbox, deployment: Deployment, archive: bytes
     except RemoteError as e:
         detail = (e.data or {}).get("traceback", "") if isinstance(e.data, dict) else ""
         raise AgentLoadFailed(f"{e.message}", hint=(detail.strip().splitlines() or ["fix the agent and deploy again"])[-1]) from e
+
+
+def boot_env(manifest: Mapping[str, Any], archive: bytes) -> dict[str, str]:
+    """The environment of a deployment's sandboxes (its template's spec; every fork starts with it): the network's
+    (``vm_network.guest_env``), the packages' path when it has ``requirements.txt``, the relay for apt's downloads."""
+    from moorage.runtime.vm_network import guest_env
+
+    env = dict(guest_env(manifest))
+    requirements = deploy_packages.requirements_of(unpack(archive))
+    if requirements:
+        env.update(deploy_packages.guest_env(requirements))
+    if deploy_apt.packages_of(manifest):  # the builder's relay carries apt's downloads
+        env["MOORAGE_NETWORK"] = "1"
+    return env
 
 
 def _ref_json(ref: TemplateRef) -> dict[str, Any]:
@@ -110,7 +124,7 @@ class Templates:
                                record: Any = None, template: TemplateRef | None = None,
                                kept: Any = None) -> str:
         """``deploy_packages.install`` into ``sandbox`` with this host's package cache and deploy-time egress (a
-        template's builder, or an instance whose deployment's packages changed: ``instance_packages``). In a fleet,
+        template's builder, or an instance whose deployment's packages changed: ``instance_update``). In a fleet,
         a missing cache entry is fetched from what ``template``'s builder published beside it."""
         published = self.published
         fetch: Callable[[str, Path], bool] | None = None
@@ -237,14 +251,11 @@ class Templates:
         archive = self.archive(deployment)
         requirements = deploy_packages.requirements_of(unpack(archive))
         apt = deploy_apt.packages_of(deployment.manifest)
-        if requirements:
-            spec = dataclasses.replace(spec, env={**spec.env, **deploy_packages.guest_env(requirements)})
-        if apt:  # the builder's relay carries apt's downloads
-            spec = dataclasses.replace(spec, env={**spec.env, "MOORAGE_NETWORK": "1"})
+        spec = dataclasses.replace(spec, env=boot_env(deployment.manifest, archive))
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
         # The installed packages in this host's cache, published with the template for a driver whose forks own
-        # their files (instance_packages installs a redeploy's into them; shared ones are bound from the template).
+        # their files (instance_update installs a redeploy's into them; shared ones are bound from the template).
         entries: list[tuple[str, Path]] = []
         try:
             await sb.start()

@@ -482,6 +482,16 @@ class SandboxDriver(ABC):
         under /work that forks never write (an agent's deploy-time packages): a driver whose forks copy files may
         let every fork read the template's own instead."""
 
+    @abstractmethod
+    def boot_env(self, sandbox: Sandbox) -> dict[str, str]:
+        """The environment the sandbox's processes get at its next start (its spec's: the template's, for a fork)."""
+
+    @abstractmethod
+    async def set_boot_env(self, sandbox: Sandbox, env: Mapping[str, str]) -> None:
+        """From its next start, the stopped ``sandbox``'s processes get ``env`` instead (a redeploy's instance
+        follows the new deployment: its network, its packages' path). Raises ``InvalidInput`` for an environment
+        the driver cannot pass."""
+
     async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
         """From its next start, the stopped ``sandbox`` binds ``template``'s shared directories (``make_template``)
         in place of those it binds now (a redeploy's instance takes the new deployment's packages); returns their

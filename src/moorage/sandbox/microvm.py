@@ -15,7 +15,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
@@ -28,6 +28,8 @@ from moorage.sandbox.base import (
     SandboxNotFound,
     SandboxSpec,
     SandboxState,
+    SandboxStateError,
+    SnapshotIncompatible,
     TemplateRef,
     validate_id,
 )
@@ -96,10 +98,7 @@ class MicroVMDriver(SandboxDriver):
         # Limits and environment reach the guest's init on the kernel command line (there is no other way in
         # before the channel is up, and it is part of the snapshot's layout, which forks share anyway).
         extra = f" moorage.nproc={spec.max_processes} moorage.fsize={spec.max_file_mib << 20} moorage.growfs"
-        if spec.env:
-            extra += " moorage.env=" + base64.urlsafe_b64encode(json.dumps(dict(spec.env)).encode()).decode()
-        if len(extra) > 1024:
-            raise InvalidInput("sandbox environment too large for a micro-VM (1 KiB encoded)", hint="pass large settings as a file instead")
+        extra += _env_arg(spec.env)
         d.mkdir(parents=True)
         # The agent's disk: a copy-on-write overlay on the image's root filesystem (shrunk to its contents),
         # disk_mib larger; the guest grows the filesystem to fill it at boot. So disk_mib is the agent's own space,
@@ -200,6 +199,28 @@ class MicroVMDriver(SandboxDriver):
         tid = validate_id(template_id or f"tpl-{sandbox.id}-{int(time.time())}", "template id")
         return await microvm_templates.make(self, sandbox, tid)
 
+    def boot_env(self, sandbox: Sandbox) -> dict[str, str]:
+        assert isinstance(sandbox, MicroVMSandbox)
+        return dict(sandbox._meta["spec"].get("env") or {})
+
+    async def set_boot_env(self, sandbox: Sandbox, env: Mapping[str, str]) -> None:
+        """The environment is on the kernel command line, and a network agent's on a NIC: both change for the next
+        (cold) boot; a sleeping VM's snapshot was made with the old ones, so it boots cold either way."""
+        if not isinstance(sandbox, MicroVMSandbox) or sandbox._driver is not self:
+            raise SnapshotIncompatible("set_boot_env needs a sandbox of this micro-VM driver")
+        arg = _env_arg(env)
+        async with sandbox._lock:
+            if sandbox.state is SandboxState.RUNNING:
+                raise SandboxStateError(f"cannot change sandbox {sandbox.id}'s environment: it is running",
+                                        hint="stop it first")
+            vm = dict(sandbox._meta["vm"])
+            kept = [t for t in str(vm["kernel_cmdline"]).split(" ") if not t.startswith("moorage.env=")]
+            vm["kernel_cmdline"] = " ".join(kept) + arg
+            vm["nic"] = await asyncio.to_thread(microvm_net.wanted, env)
+            sandbox._meta["spec"] = {**sandbox._meta["spec"], "env": dict(env)}
+            sandbox._meta["vm"] = vm
+            sandbox._save_meta()
+
     def warm_template(self, template: TemplateRef) -> bool:
         """The template RAM's sealed in-memory copy that forks map, made now if the host can spare the memory."""
         return microvm_templates.warm(Path(template.path))
@@ -255,3 +276,14 @@ class MicroVMDriver(SandboxDriver):
             await sb._detach()
         self._open.clear()
         microvm_memfd.release_under(self.root)  # running QEMUs keep their own references
+
+
+def _env_arg(env: Mapping[str, str]) -> str:
+    """The kernel command line's ``moorage.env=`` argument for ``env`` (JSON, base64url; the guest's init reads it)."""
+    if not env:
+        return ""
+    arg = " moorage.env=" + base64.urlsafe_b64encode(json.dumps(dict(env)).encode()).decode()
+    if len(arg) > 1024:
+        raise InvalidInput("sandbox environment too large for a micro-VM (1 KiB encoded)",
+                           hint="pass large settings as a file instead")
+    return arg

@@ -12,6 +12,7 @@ running as root, an unprivileged host uid (``Config.sandbox_uid``) for everythin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -20,7 +21,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput
@@ -296,6 +297,18 @@ class ProcessDriver(SandboxDriver):
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return TemplateRef(tid, self.name, dest, sandbox.id, created, includes_memory=False)
+
+    def boot_env(self, sandbox: Sandbox) -> dict[str, str]:
+        assert isinstance(sandbox, ProcessSandbox)
+        return dict(sandbox.spec.env)
+
+    async def set_boot_env(self, sandbox: Sandbox, env: Mapping[str, str]) -> None:
+        if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
+            raise SnapshotIncompatible("set_boot_env needs a sandbox of this process driver")
+        async with sandbox._lock:
+            sandbox._require(SandboxState.CREATED, SandboxState.STOPPED, SandboxState.SLEEPING, verb="change")
+            sandbox.spec = dataclasses.replace(sandbox.spec, env=dict(env))
+            sandbox._save(spec=sandbox.spec.to_json())
 
     async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
         if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
