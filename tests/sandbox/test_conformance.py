@@ -134,6 +134,21 @@ async def test_files_survive_sleep_wake_and_host_restart(make_driver: Callable[[
     assert await third.read_file("notes.txt") == b"remember me"
 
 
+async def test_a_stopped_sandbox_starts_with_the_environment_it_is_given(driver: SandboxDriver) -> None:
+    """``set_boot_env`` (a redeploy's instance takes the new deployment's environment): from the next start, its
+    processes get the new environment instead of the one it was created with; its files stay."""
+    sb = await started(driver, "env", SandboxSpec(env={"OLD": "1"}))
+    await sb.write_file("kept.txt", b"kept")
+    with pytest.raises(SandboxStateError):
+        await driver.set_boot_env(sb, {"NEW": "2"})  # a running sandbox keeps its environment
+    await sb.stop()
+    await driver.set_boot_env(sb, {"NEW": "2"})
+    assert driver.boot_env(sb) == {"NEW": "2"}
+    await sb.start()
+    assert (await sh(sb, 'echo "${OLD:-none} $NEW"')).strip() == "none 2"
+    assert await sb.read_file("kept.txt") == b"kept"
+
+
 def _make_wheel(tmp: Path) -> Path:
     """A minimal pure-Python wheel built here on the host (no network, no build backend)."""
     name, version = "moorage_canary_pkg", "1.0"
