@@ -6,7 +6,9 @@ servers this test starts."""
 
 from __future__ import annotations
 
+import base64
 import functools
+import json
 import http.server
 import threading
 from pathlib import Path
@@ -20,7 +22,7 @@ from moorage.egress import Egress, OperatorPolicy, StaticResolver
 from moorage.guest import egress_relay
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
-from moorage.runtime.deploy_packages import PackageInstallFailed, install
+from moorage.runtime.deploy_packages import SITE_DIR, PackageInstallFailed, install
 from moorage.runtime.runtime import Runtime
 from moorage.runtime.vm_network import attach_instance
 from moorage.sandbox import microvm_net
@@ -403,6 +405,10 @@ async def test_a_redeploy_that_adds_requirements_reaches_a_users_existing_vm(wor
     assert ts.sandboxes.for_scope(Scope.for_user("netty", "bea")).id == rec.id  # the same instance and VM
     r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/work/kept"], timeout=60)
     assert r.stdout == b"mine\n"
+    # It booted with the new deployment's environment (set_boot_env: the kernel command line's moorage.env).
+    r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/proc/cmdline"], timeout=60)
+    arg = next(t for t in r.stdout.decode().split() if t.startswith("moorage.env="))
+    assert json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1]))["PYTHONPATH"] == SITE_DIR
     # Asleep and awake (its RAM now that of the new boot), it still has them; the network is attached again.
     assert await w.env.manager.sleep(ts, Scope.for_user("netty", "bea"))
     assert await ask(w, "import", user="bea") == "from-the-wheel"

@@ -134,19 +134,20 @@ async def test_files_survive_sleep_wake_and_host_restart(make_driver: Callable[[
     assert await third.read_file("notes.txt") == b"remember me"
 
 
-async def test_a_stopped_sandbox_starts_with_the_environment_it_is_given(driver: SandboxDriver) -> None:
+async def test_a_sandbox_starts_with_the_environment_it_is_given(driver: SandboxDriver) -> None:
     """``set_boot_env`` (a redeploy's instance takes the new deployment's environment): from the next start, its
-    processes get the new environment instead of the one it was created with; its files stay."""
-    sb = await started(driver, "env", SandboxSpec(env={"OLD": "1"}))
-    await sb.write_file("kept.txt", b"kept")
-    with pytest.raises(SandboxStateError):
-        await driver.set_boot_env(sb, {"NEW": "2"})  # a running sandbox keeps its environment
-    await sb.stop()
+    processes get the new environment instead of the one it was created with; a running sandbox keeps its own.
+    (One boot here; a stopped instance given a new one and started again: tests/runtime/test_shared_packages_up.py,
+    tests/egress/test_vm_network.py.)"""
+    sb = await driver.create("env", SandboxSpec(env={"OLD": "1"}))
+    assert driver.boot_env(sb) == {"OLD": "1"}
     await driver.set_boot_env(sb, {"NEW": "2"})
     assert driver.boot_env(sb) == {"NEW": "2"}
     await sb.start()
     assert (await sh(sb, 'echo "${OLD:-none} $NEW"')).strip() == "none 2"
-    assert await sb.read_file("kept.txt") == b"kept"
+    with pytest.raises(SandboxStateError):
+        await driver.set_boot_env(sb, {"NEWER": "3"})
+    assert driver.boot_env(sb) == {"NEW": "2"}
 
 
 def _make_wheel(tmp: Path) -> Path:
@@ -221,11 +222,11 @@ async def test_forks_are_independent(driver: SandboxDriver) -> None:
     # A redeploy's packages for a fork that exists (``bind_shared``): a driver whose forks bind what their template
     # shares binds another template's from the next start; one whose forks own their files binds nothing (the
     # runtime installs into such a fork instead: runtime/instance_update.py).
-    await kids[1].write_file("mine.txt", b"b's")
-    await kids[1].sleep()
     if not driver.capabilities.shares_template_dirs:
         assert await driver.bind_shared(kids[1], tpl) == []
         return
+    await kids[1].write_file("mine.txt", b"b's")
+    await kids[1].sleep()
     await base.write_file("pkgs/mod.py", b"VALUE = 2\n")
     tpl2 = await driver.make_template(base, shared=["/work/pkgs"])
     assert await driver.bind_shared(kids[1], tpl2) == ["/work/pkgs"]
