@@ -83,11 +83,10 @@ def test_published_templates_are_kept_while_the_store_names_them_then_retired_th
     assert young.collect(use).any() is False and _keys(object_store, f"templates/{t3.id}/")
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["copied", "shared-packages"])
-def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared_packages(
-        store: Store, object_store: ObjectStore, tmp_path: Path, shared: bool) -> None:
-    cfg = Config(data_dir=tmp_path / "cfg")
-    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", cfg))
+def _process_template_redeployed(store: Store, object_store: ObjectStore, tmp_path: Path, shared: bool):
+    """Agent ``counter``'s deployment d1 with a published process template (``shared``: one whose forks bind its
+    shared directory), and d2 live since: (publisher, tenant store, d1's template)."""
+    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", Config(data_dir=tmp_path / "cfg")))
     _, key = store.operator.create_tenant("acme")
     ts = store.tenant(store.authenticate(key.secret))
     agent = ts.agents.create("counter")
@@ -96,6 +95,13 @@ def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared
     t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=shared)
     pa.publish(t1, d1.id)
     ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    return pa, ts, t1
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["copied", "shared-packages"])
+def test_a_process_template_stays_for_its_instances_only_if_they_bind_its_shared_packages(
+        store: Store, object_store: ObjectStore, tmp_path: Path, shared: bool) -> None:
+    pa, ts, t1 = _process_template_redeployed(store, object_store, tmp_path, shared)
     rec = ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref=t1.id)
     gc = BucketCollector(pa, grace_s=0, settle_s=0)
     if shared:
@@ -115,15 +121,7 @@ def test_a_template_an_instance_binds_since_a_redeploy_stays_while_its_record_na
     """A redeploy that changed an agent's packages moves an instance's sandbox to the new template's shared
     directories (runtime/instance_update.py) while its record still names the template it was forked from: the
     record's ``shared_template`` keeps the new one after it is retired by yet another deploy."""
-    pa = PublishedTemplates(object_store, ProcessDriver(tmp_path / "a", Config(data_dir=tmp_path / "cfg")))
-    _, key = store.operator.create_tenant("acme")
-    ts = store.tenant(store.authenticate(key.secret))
-    agent = ts.agents.create("counter")
-    d1 = ts.deployments.create(agent.id, {}, "packages/x.tar.gz", "0" * 64)
-    d2 = ts.deployments.create(agent.id, {}, "packages/y.tar.gz", "1" * 64)
-    t1 = _template(pa.driver, "builder-1", "dep-one-aaaaaa", "one", shared=True)
-    pa.publish(t1, d1.id)
-    ts.agents.update(agent.id, expected_version=agent.version, live_deployment=d2.id)
+    pa, ts, t1 = _process_template_redeployed(store, object_store, tmp_path, shared=True)
     rec = ts.sandboxes.create(Scope.for_user("counter", "ann"), state="sleeping", template_ref="dep-zero-aaaaaa",
                               meta={"template": "dep-zero-aaaaaa", "shared_template": t1.id})
     gc = BucketCollector(pa, grace_s=0, settle_s=0)
