@@ -242,7 +242,8 @@ async def test_dns_over_tcp_gives_the_whole_answer_a_datagram_truncates_within_o
     many = [f"127.0.1.{i}" for i in range(1, 61)]
     eg = Egress(TEST_OPERATOR, StaticResolver({"many.test": many}))
     inst = eg.instance({"egress": {"allow": ["https://many.test"]}})
-    limiter = dns.Limiter()
+    now = [0.0]  # the rate's clock stands still unless the test moves it: a slow host refills nothing meanwhile
+    limiter = dns.Limiter(clock=lambda: now[0])
     transport, udp_port = await dns.serve_udp(inst, "127.0.0.1", 0, limiter=limiter)
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
@@ -276,6 +277,12 @@ async def test_dns_over_tcp_gives_the_whole_answer_a_datagram_truncates_within_o
         while limiter.take():
             pass
         assert await over_tcp(reader, writer, "many.test") is None
+        # And it refills with time: a new connection is answered again.
+        now[0] += 1.0
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        again = await over_tcp(r2, w2, "many.test")
+        assert again is not None and len(again.rr) == len(many)
+        w2.close()
         for _, w in [*extra, (reader, writer)]:
             w.close()
     finally:

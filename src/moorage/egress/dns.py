@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 
@@ -80,12 +80,13 @@ class Limiter:
     """Queries one responder answers: a token bucket of ``QUERIES_PER_S`` (a burst of twice that), shared by its
     UDP and TCP sides so neither is a way around the other."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._tokens = 2 * QUERIES_PER_S
-        self._last = time.monotonic()
+        self._last = clock()
 
     def take(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         self._tokens = min(2 * QUERIES_PER_S, self._tokens + (now - self._last) * QUERIES_PER_S)
         self._last = now
         if self._tokens < 1:
