@@ -70,7 +70,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
     """Make the sandbox's packages and environment those of ``deployment`` (see the module); returns whether it was
     restarted."""
     requirements = deploy_packages.requirements_of(unpack(archive))
-    wanted, env = deploy_packages.digest(requirements), boot_env(deployment.manifest, archive)
+    wanted, env = deploy_packages.digest(requirements), boot_env(deployment.manifest, requirements)
     driver = rt.driver
     if (await installed(sandbox) or "") == wanted and driver.boot_env(sandbox) == env:
         return False

@@ -65,13 +65,12 @@ async def push_and_load(sandbox: Sandbox, deployment: Deployment, archive: bytes
         raise AgentLoadFailed(f"{e.message}", hint=(detail.strip().splitlines() or ["fix the agent and deploy again"])[-1]) from e
 
 
-def boot_env(manifest: Mapping[str, Any], archive: bytes) -> dict[str, str]:
+def boot_env(manifest: Mapping[str, Any], requirements: bytes | None) -> dict[str, str]:
     """The environment of a deployment's sandboxes (its template's spec; every fork starts with it): the network's
     (``vm_network.guest_env``), the packages' path when it has ``requirements.txt``, the relay for apt's downloads."""
     from moorage.runtime.vm_network import guest_env
 
     env = dict(guest_env(manifest))
-    requirements = deploy_packages.requirements_of(unpack(archive))
     if requirements:
         env.update(deploy_packages.guest_env(requirements))
     if deploy_apt.packages_of(manifest):  # the builder's relay carries apt's downloads
@@ -251,7 +250,7 @@ class Templates:
         archive = self.archive(deployment)
         requirements = deploy_packages.requirements_of(unpack(archive))
         apt = deploy_apt.packages_of(deployment.manifest)
-        spec = dataclasses.replace(spec, env=boot_env(deployment.manifest, archive))
+        spec = dataclasses.replace(spec, env=boot_env(deployment.manifest, requirements))
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
         sb = await self.driver.create(builder_id, spec)
         # The installed packages in this host's cache, published with the template for a driver whose forks own
