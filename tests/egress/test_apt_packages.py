@@ -2,7 +2,9 @@
 egress gateway with the operator's package-index policy only, from a Debian mirror this test builds and serves on
 loopback (one package, unsigned: the operator's ``package_apt_trusted``). Every fork has the package, it survives a
 sleep, an unchanged list comes from the host's cache, and a missing package or a mirror outside the policy fails the
-deploy clearly without changing the live version."""
+deploy clearly without changing the live version. A redeploy that changes the list reaches users who already have a
+VM: added packages (with their dependencies) from the cache or, without it, through the gateway; dropped ones
+purged with what only they needed; no restart unless the environment changed."""
 
 from __future__ import annotations
 
@@ -35,18 +37,19 @@ async def on_message(ctx, message):
 """
 
 
-def _deb(root: Path) -> Path:
-    """A one-file Debian package, built with dpkg-deb: /usr/bin/moorage-canary prints a word."""
-    pkg = root / "build"
+def _deb(root: Path, name: str, depends: str = "") -> Path:
+    """A one-file Debian package, built with dpkg-deb: /usr/bin/<name> prints a word."""
+    pkg = root / "build" / name
     (pkg / "DEBIAN").mkdir(parents=True)
     (pkg / "usr" / "bin").mkdir(parents=True)
-    script = pkg / "usr" / "bin" / "moorage-canary"
-    script.write_text("#!/bin/sh\necho from-the-mirror\n")
+    script = pkg / "usr" / "bin" / name
+    script.write_text(f"#!/bin/sh\necho {'from-the-mirror' if name == 'moorage-canary' else name}\n")
     script.chmod(0o755)
-    (pkg / "DEBIAN" / "control").write_text("Package: moorage-canary\nVersion: 1.0\nArchitecture: all\n"
+    (pkg / "DEBIAN" / "control").write_text(f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
+                                            + (f"Depends: {depends}\n" if depends else "") +
                                             "Maintainer: moorage tests <tests@moorage.invalid>\n"
                                             "Description: a canary for apt at deploy time\n")
-    out = root / "moorage-canary_1.0_all.deb"
+    out = root / f"{name}_1.0_all.deb"
     subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg), str(out)], check=True, capture_output=True)
     return out
 
@@ -56,14 +59,16 @@ def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """A Debian mirror on loopback: dists/bookworm/{Release, main/binary-amd64/Packages} and the pool."""
     root = tmp_path_factory.mktemp("mirror")
     debian = root / "debian"
-    pool = debian / "pool" / "main" / "m" / "moorage-canary"
-    pool.mkdir(parents=True)
-    deb = _deb(root)
-    data = deb.read_bytes()
-    (pool / deb.name).write_bytes(data)
-    control = subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True, text=True).stdout
-    packages = (control.rstrip("\n") + f"\nFilename: pool/main/m/moorage-canary/{deb.name}\nSize: {len(data)}\n"
-                f"SHA256: {hashlib.sha256(data).hexdigest()}\n\n").encode()
+    packages = b""
+    for name, depends in (("moorage-canary", ""), ("moorage-extra", "moorage-extra-lib"), ("moorage-extra-lib", "")):
+        pool = debian / "pool" / "main" / "m" / name
+        pool.mkdir(parents=True)
+        deb = _deb(root, name, depends)
+        data = deb.read_bytes()
+        (pool / deb.name).write_bytes(data)
+        control = subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True, text=True).stdout
+        packages += (control.rstrip("\n") + f"\nFilename: pool/main/m/{name}/{deb.name}\nSize: {len(data)}\n"
+                     f"SHA256: {hashlib.sha256(data).hexdigest()}\n\n").encode()
     binary = debian / "dists" / "bookworm" / "main" / "binary-amd64"
     binary.mkdir(parents=True)
     (binary / "Packages").write_bytes(packages)
@@ -146,3 +151,69 @@ async def test_a_mirror_outside_the_operator_policy_fails_clearly(env: Env, mirr
                           lambda _: None)
     assert "other.test" in e.value.message and "not allowed" in e.value.message
     assert "egress_package_index" in (e.value.hint or "")
+
+
+SHELL = """
+async def on_message(ctx, message):
+    r = await ctx.exec(["sh", "-c", message])
+    return (r["stdout"] + r["stderr"]).strip() + VERSION
+"""
+#: What a turn reports: the two tools, dpkg's view of the three packages, and whether the guest can reach the
+#: mirror through its relay (the agent declares no network: only a deploy-time install's relay would carry it).
+REPORT = ("for t in moorage-canary moorage-extra; do command -v $t >/dev/null && $t || echo no-$t; done; "
+          "dpkg-query -W -f='${Package}:${db:Status-Abbrev} ' moorage-canary moorage-extra moorage-extra-lib "
+          "2>/dev/null; echo; apt-mark showauto | grep moorage || echo none-auto; "
+          "python3 -c \"import urllib.request as u; u.urlopen(u.Request('http://deb.test:%d/debian/'), timeout=20)\" "
+          ">/dev/null 2>&1 && echo mirror-reached || echo mirror-unreachable; "
+          "cat /work/keep.txt; kill -0 $(cat /work/bg.pid) 2>/dev/null && echo bg-alive || echo bg-gone; ")
+
+
+async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: Env, mirror: int,
+                                                                            tmp_path: Path) -> None:
+    def shelly(version: str, apt: str) -> Path:
+        return write_agent(tmp_path / f"shelly{version}", "shelly", SHELL + f"\nVERSION = {version!r}\n",
+                           f"apt = {apt}\n")
+
+    async def say(user: str, command: str) -> str:
+        return (await env.runtime.invoke(env.principal, EntityKey("shelly", user), command)).reply
+
+    report = "export HTTP_PROXY=http://127.0.0.1:3128; " + REPORT % mirror
+    ts = env.store.tenant(env.principal)
+    await env.runtime.deploy(env.principal, shelly("v1", '["moorage-canary"]'))
+    for user in ("kim", "lee"):  # a file and a long-running process each
+        await say(user, "echo kept > /work/keep.txt; (setsid sleep 100000 >/dev/null 2>&1 & echo $! > /work/bg.pid)")
+    out = await say("kim", report)
+    assert out.splitlines()[:2] == ["from-the-mirror", "no-moorage-extra"], out
+    assert await env.manager.sleep(ts, Scope.for_user("shelly", "lee"))
+
+    # Added: a package with a dependency. Awake kim gets them from the host's cache, in place (its process runs on).
+    await env.runtime.deploy(env.principal, shelly("v2", '["moorage-canary", "moorage-extra"]'))
+    hits = len(MIRROR_HITS)
+    out = await say("kim", report)
+    lines = out.splitlines()
+    assert lines[:2] == ["from-the-mirror", "moorage-extra"], out
+    assert "moorage-extra-lib:ii" in lines[2] and lines[3] == "moorage-extra-lib", out  # the dependency: automatic
+    assert lines[4:] == ["mirror-unreachable", "kept", "bg-alivev2"], out
+    assert len(MIRROR_HITS) == hits, MIRROR_HITS[hits:]
+    # Asleep lee, with this host's cache gone: apt-get downloads them through the gateway, and the relay that
+    # carried the downloads is gone afterwards (the agent declares no network).
+    for cached in (env.cfg.data_dir).rglob("apt-*.tar"):
+        cached.unlink()
+    out = await say("lee", report)
+    assert out.splitlines()[:2] == ["from-the-mirror", "moorage-extra"], out
+    assert out.splitlines()[4] == "mirror-unreachable", out
+    assert any(h.endswith("moorage-extra_1.0_all.deb") for h in MIRROR_HITS[hits:]), MIRROR_HITS[hits:]
+
+    # Dropped: the package goes (purged); the other, and the dependency it needs, stay.
+    await env.runtime.deploy(env.principal, shelly("v3", '["moorage-extra"]'))
+    lines = (await say("kim", report)).splitlines()
+    assert lines[:2] == ["no-moorage-canary", "moorage-extra"], lines
+    assert "moorage-canary" not in lines[2] and "moorage-extra-lib:ii" in lines[2], lines
+    assert lines[-2:] == ["kept", "bg-alivev3"], lines
+
+    # None left: the environment changes too (no relay for apt), so the VM restarts: the files stay.
+    await env.runtime.deploy(env.principal, shelly("v4", "[]"))
+    lines = (await say("kim", report)).splitlines()
+    assert lines[:2] == ["no-moorage-canary", "no-moorage-extra"], lines
+    assert "moorage" not in lines[2], lines
+    assert lines[-2:] == ["kept", "bg-gonev4"], lines

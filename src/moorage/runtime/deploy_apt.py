@@ -1,8 +1,9 @@
 """Debian packages at deploy time: ``[agent] apt = [...]`` installed into the template by apt-get, so every fork has them.
 
 apt-get runs as root in the template's builder micro-VM, through the egress relay and gateway with the operator's
-package-index policy only; the .deb files it fetched are kept on the host, keyed by what was asked and by the image's
-installed packages, so redeploying an unchanged list downloads nothing.
+package-index policy only; the .deb files it fetched are kept on the host, keyed by what was asked, so redeploying an
+unchanged list downloads nothing. A redeploy that changed the list reaches users who already have a VM
+(``update``, from ``instance_update``): the added packages from the same cache, the dropped ones purged.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ MAX_PACKAGES = 64
 #: The largest set of downloaded .deb files kept in the cache.
 MAX_CACHED_BYTES = 512 << 20
 _DEBS = "/var/cache/apt/archives"
+#: Written last, once the packages are installed: the list they came from, a name a line (``installed``). An
+#: instance whose list differs from its deployment's gets that deployment's (``update``).
+MARKER = "/var/lib/moorage/apt-packages"
 
 
 class AptInstallFailed(InvalidInput):
@@ -46,6 +50,23 @@ def packages_of(manifest: Mapping[str, Any]) -> list[str]:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise AptInstallFailed(f"moorage.toml: [agent] apt: {name!r} is not a Debian package name", hint=hint)
     return sorted(set(raw))
+
+
+async def installed(sandbox: Any) -> list[str] | None:
+    """The ``apt`` list the sandbox's Debian packages were installed from; None when it has no marker (a sandbox
+    of a template with no list, or one made before markers were written)."""
+    from moorage.sandbox import GuestFileNotFound
+
+    try:
+        data = await sandbox.read_file(MARKER, max_bytes=64 << 10)
+    except GuestFileNotFound:
+        return None
+    return sorted({n for n in data.decode(errors="replace").split() if _NAME.fullmatch(n)})
+
+
+async def _mark(sandbox: Any, packages: list[str]) -> None:
+    await sandbox.exec(["mkdir", "-p", MARKER.rsplit("/", 1)[0]], timeout=30)
+    await sandbox.write_file(MARKER, "".join(f"{n}\n" for n in packages).encode())
 
 
 def _tail(text: str, lines: int = 6) -> str:
@@ -73,22 +94,25 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
                                "as root inside", hint="deploy on a host whose sandbox_driver is microvm, or vendor "
                                                       "what the agent needs; nothing was changed")
     mirror = (config.package_apt_url or DEFAULT_MIRROR).rstrip("/")
-    facts = await sandbox.exec(["sh", "-c", ". /etc/os-release; echo $VERSION_CODENAME; dpkg --print-architecture; "
-                                            "sha256sum /var/lib/dpkg/status"], timeout=30)
+    facts = await sandbox.exec(["sh", "-c", ". /etc/os-release; echo $VERSION_CODENAME; dpkg --print-architecture"],
+                               timeout=30)
     lines = facts.stdout.decode(errors="replace").split()
-    if facts.exit_code != 0 or len(lines) < 3:
+    if facts.exit_code != 0 or len(lines) < 2:
         raise AptInstallFailed("the sandbox's image has no Debian release information for apt",
                                hint="use the default guest image")
-    codename, arch, status = lines[0], lines[1], lines[2]
+    codename, arch = lines[0], lines[1]
+    # Not keyed by what the sandbox has installed: apt-get checks the cached set against it before it changes
+    # anything (a dependency the set lacks, or a version older than the one installed, refuses the whole set, and
+    # apt then downloads as below), and an instance whose list changed has other packages than the builder had.
     key = hashlib.sha256("\0".join([owner, " ".join(packages), mirror, str(bool(config.package_apt_trusted)),
-                                    codename, arch, status]).encode()).hexdigest()
+                                    codename, arch]).encode()).hexdigest()
     cached = private_dir(cache_dir) / f"apt-{key}.tar"
     if cached.exists():
         say("Debian packages from the cache (list unchanged)")
-        names = await _unpack_debs(sandbox, cached.read_bytes())
-        r = await sandbox.exec(["dpkg", "-i", *names], env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+        r = await _install_debs(sandbox, cached.read_bytes(), packages)
+        await sandbox.exec(["rm", "-rf", "/tmp/moorage-debs"], timeout=30)
         if r.exit_code == 0:
-            await sandbox.exec(["rm", "-rf", "/tmp/moorage-debs"], timeout=30)
+            await _mark(sandbox, packages)
             return "cached"
         log.warning("apt cache entry unusable; installing again", key=key, error=_tail(_out(r), 2))
 
@@ -125,7 +149,32 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
         write_private(cached, data)
     # The template keeps the packages, not apt's downloads and lists (every fork would carry them).
     await sandbox.exec(["sh", "-c", "apt-get clean && rm -rf /var/lib/apt/lists/*"], timeout=120)
+    await _mark(sandbox, packages)
     return "installed"
+
+
+async def update(sandbox: Any, packages: list[str], have: list[str], config: Any, egress: Any, cache_dir: Path,
+                 say: Callable[[str], None], owner: str = "") -> str:
+    """Make an instance's Debian packages those of ``packages`` (its deployment's list) where they were those of
+    ``have``: the list installed (``install``: from this host's cache, else through the gateway), then what only
+    ``have`` named marked as installed automatically and removed with whatever it alone needed (``apt-get
+    autoremove --purge``: a package still needed by one on the new list, or installed by hand, stays). Returns
+    what was done."""
+    how = await install(sandbox, packages, config, egress, cache_dir, say, owner=owner) if packages else "none"
+    dropped = sorted(set(have) - set(packages))
+    if dropped:
+        say(f"removing Debian packages the list dropped: {' '.join(dropped)}")
+        # Each name alone: one the agent already removed is not an error.
+        r = await sandbox.exec(["sh", "-c", 'for p in "$@"; do apt-mark auto "$p" >/dev/null 2>&1; done; '
+                                            "apt-get autoremove --purge -y -q", "sh", *dropped],
+                               env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+        if r.exit_code != 0:
+            raise AptInstallFailed(f"apt-get could not remove the packages [agent] apt dropped:\n{_tail(_out(r))}",
+                                   hint="the turn can be retried; the next load tries again")
+        how = f"{how}, removed {len(dropped)}"
+    if not packages:
+        await _mark(sandbox, [])
+    return how
 
 
 async def _pack_debs(sandbox: Any) -> bytes | None:
@@ -142,10 +191,21 @@ async def _pack_debs(sandbox: Any) -> bytes | None:
         await sandbox.exec(["rm", "-f", "/tmp/moorage-debs.tar"], timeout=30)
 
 
-async def _unpack_debs(sandbox: Any, data: bytes) -> list[str]:
+async def _install_debs(sandbox: Any, data: bytes, packages: list[str]) -> Any:
+    """apt-get installs the cached .deb files (by path: apt checks that they and what is installed satisfy every
+    dependency before dpkg changes anything); the ones not on the list are marked installed automatically, as a
+    download by name would have marked them, so that a later list without their package removes them too."""
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         names = [m.name for m in tar.getmembers() if m.isfile() and re.fullmatch(r"[A-Za-z0-9+.~%_-]+\.deb", m.name)]
     await sandbox.exec(["mkdir", "-p", "/tmp/moorage-debs"], timeout=30)
     await sandbox.write_file("/tmp/moorage-debs/debs.tar", data)
     await sandbox.exec(["tar", "xf", "/tmp/moorage-debs/debs.tar", "-C", "/tmp/moorage-debs"], timeout=300)
-    return [f"/tmp/moorage-debs/{n}" for n in names]
+    manual = await sandbox.exec(["apt-mark", "showmanual"], timeout=60)
+    kept = set(manual.stdout.decode(errors="replace").split()) | set(packages)
+    r = await sandbox.exec(["apt-get", "install", "-y", "-q", "--no-install-recommends",
+                            *[f"/tmp/moorage-debs/{n}" for n in names]],
+                           env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
+    auto = sorted({n.split("_", 1)[0] for n in names} - kept)
+    if r.exit_code == 0 and auto:
+        await sandbox.exec(["apt-mark", "auto", *auto], timeout=60)
+    return r

@@ -2,22 +2,27 @@
 sandbox, before its code is imported, the sandbox takes the deployment's packages and environment.
 
 An instance keeps the sandbox it was forked from (docs/fleet.md), so its deploy-time packages (``requirements.txt``,
-``deploy_packages.SITE_DIR``) and its environment (``templates.boot_env``: the network's proxy settings, the
-packages' path) are those of that template. When the deployment being loaded asks for others (the sandbox's
-``deploy_packages.MARKER`` differs from the deployment's digest, or the driver's ``boot_env`` from the deployment's):
+``deploy_packages.SITE_DIR``; ``[agent] apt``, Debian packages), and its environment (``templates.boot_env``: the
+network's proxy settings, the packages' path) are those of that template. When the deployment being loaded asks
+for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment's digest, its
+``deploy_apt.MARKER`` from the deployment's list, or the driver's ``boot_env`` from the deployment's):
 
 - a driver whose forks bind their template's packages (process) binds the new template's instead (``bind_shared``):
-  nothing is copied, and the instance's record names that template so the fleet's collector keeps it;
+  nothing is copied, and the instance's record names that template so the fleet's collector keeps it; the
+  sandbox restarts with them;
 - otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
-  shared them) the old packages are removed and the new ones installed into the sandbox, from this host's package
-  cache (filled when the template was built here; in a fleet, fetched from what the template's builder published
-  beside it), else by pip through the gateway as at deploy time (which needs the sandbox's relay);
-- the sandbox's environment becomes the deployment's (``set_boot_env``);
+  shared them), a sandbox whose environment changed restarts with the new one first (so its relay carries the
+  downloads below, and no process keeps the old environment); the old packages are removed and the new ones
+  installed into the sandbox, from this host's package cache (filled when the template was built here; in a
+  fleet, fetched from what the template's builder published beside it), else by pip through the gateway as at
+  deploy time; the Debian packages the list added are installed (the host's cache, else apt-get through the
+  gateway) and the ones it dropped purged (``deploy_apt.update``); a sandbox not restarted yet whose Python
+  packages changed restarts now, so no module of the old ones stays imported (C extensions cannot be unloaded).
 
-and the sandbox is restarted before the code is loaded, so no module of the old versions stays imported (C
-extensions cannot be unloaded) and its processes start with the new environment. Its files stay; its processes do
-not (a micro-VM boots cold, once). Every step can be repeated: the marker is written last, so an interrupted
-change is made again on the next load.
+A change of the Debian packages alone restarts nothing (as an ``apt-get install`` on a running machine: processes
+running keep the binaries they started with). Files stay; processes do not survive a restart (a micro-VM boots
+cold, once). Every step can be repeated: each marker is written last, so an interrupted change is made again on
+the next load.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from typing import Any, Callable
 
 from moorage.errors import ConflictError
 from moorage.log import get_logger
-from moorage.runtime import deploy_packages
+from moorage.runtime import deploy_apt, deploy_packages
 from moorage.runtime.package import unpack
 from moorage.runtime.templates import boot_env, push_and_load
+from moorage.runtime.vm_network import detach
 from moorage.sandbox import GuestFileNotFound, Sandbox
 
 log = get_logger(__name__)
@@ -54,8 +60,8 @@ async def installed(sandbox: Sandbox) -> str | None:
 async def load(rt: Any, sandbox: Sandbox, deployment: Any, ts: Any,
                on_restart: Callable[[Any], Any] | None = None) -> bool:
     """``push_and_load`` of ``deployment`` into ``sandbox``, its packages and environment made the deployment's
-    first. Returns whether the sandbox was restarted for them; ``on_restart`` gets its new channel before the code
-    is loaded."""
+    first. Returns whether the sandbox changed for them; ``on_restart`` then gets its channel (a new one after a
+    restart) before the code is loaded, to set up the guest calls and network again."""
     archive = await asyncio.to_thread(rt.templates.archive, deployment)
     restarted = await ensure(rt, sandbox, deployment, archive, ts)
     if restarted and on_restart is not None:
@@ -67,38 +73,49 @@ async def load(rt: Any, sandbox: Sandbox, deployment: Any, ts: Any,
 
 
 async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts: Any) -> bool:
-    """Make the sandbox's packages and environment those of ``deployment`` (see the module); returns whether it was
-    restarted."""
+    """Make the sandbox's packages and environment those of ``deployment`` (see the module); returns whether it
+    changed (restarted, or Debian packages changed in place): its channel's guest calls are to be set up again."""
     requirements = deploy_packages.requirements_of(unpack(archive))
     wanted, env = deploy_packages.digest(requirements), boot_env(deployment.manifest, requirements)
+    apt = deploy_apt.packages_of(deployment.manifest)
     driver = rt.driver
-    if (await installed(sandbox) or "") == wanted and driver.boot_env(sandbox) == env:
+
+    async def current() -> tuple[str | None, list[str] | None, bool, bool, bool]:
+        have, have_apt = await installed(sandbox), await deploy_apt.installed(sandbox)
+        return (have, have_apt, (have or "") != wanted, (have_apt or []) != apt, driver.boot_env(sandbox) != env)
+
+    if not any((await current())[2:]):
         return False
     async with _locks.setdefault(sandbox.id, asyncio.Lock()):
-        have = await installed(sandbox)
-        packages, env_changed = (have or "") != wanted, driver.boot_env(sandbox) != env
-        if not (packages or env_changed):  # another load did it meanwhile
+        have, have_apt, packages, apt_changed, env_changed = await current()
+        if not (packages or apt_changed or env_changed):  # another load did it meanwhile
             return False
         started = time.perf_counter()
         ref = await rt.templates.ensure(deployment)
-        if packages and have is None and wanted:
+        if (packages and have is None and wanted) or (apt_changed and have_apt is None):
             # No marker: packages from a template made before markers were written (or none). If the sandbox was
             # forked from, or binds, the deployment's own template, it has that template's packages already.
             rec = await asyncio.to_thread(ts.sandboxes.get, sandbox.id)
-            packages = (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get("template")) != ref.id
-            if not (packages or env_changed):
+            own = (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get("template")) == ref.id
+            packages = packages and not (have is None and own)
+            apt_changed = apt_changed and not (have_apt is None and own)
+            if not (packages or apt_changed or env_changed):
                 return False
         shares = packages and driver.capabilities.shares_template_dirs
         restart_s = 0.0
 
+        def say(msg: str) -> None:
+            log.info(msg, sandbox=sandbox.id)
+
         async def restart() -> list[str]:
             """Stop the sandbox, give it the new environment and bound directories, start it; returns what it binds
             from the template when ``shares``."""
-            nonlocal restart_s
+            nonlocal restart_s, env_changed
             t = time.perf_counter()
             await sandbox.stop()
             if env_changed:
                 await driver.set_boot_env(sandbox, env)
+                env_changed = False
             bound = await driver.bind_shared(sandbox, ref) if shares else []
             await sandbox.start()
             restart_s += time.perf_counter() - t
@@ -109,25 +126,43 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             await sandbox.exec(["rm", "-rf", deploy_packages.SITE_DIR], timeout=300)
             if not requirements:
                 return "removed"
-            return await rt.templates.install_packages(sandbox, requirements, deployment.agent_id,
-                                                       lambda msg: log.info(msg, sandbox=sandbox.id), template=ref)
+            return await rt.templates.install_packages(sandbox, requirements, deployment.agent_id, say, template=ref)
 
-        how = "unchanged"
+        how, apt_how, restarts = "unchanged", "unchanged", 0
         if shares:
             await asyncio.to_thread(_name_shared_template, ts, sandbox.id, ref.id)
             how = "bound from the template" if requirements else "unbound"
             bound = await restart()
+            restarts += 1
             if requirements and deploy_packages.SITE_DIR not in bound:
                 how = await install()  # a process template made before templates shared their packages
-                env_changed = False
                 await restart()
+                restarts += 1
+            if apt_changed:  # not on this driver's sandboxes (apt needs root): says so
+                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say)
         else:
+            if env_changed:
+                # First, so the installs below have the new environment's relay (downloads through the gateway)
+                # and no process of the old one runs on; the packages' path is read again after them.
+                await restart()
+                restarts += 1
             if packages:
                 how = await install()
-            await restart()
+            if apt_changed:
+                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say)
+            if packages and not restarts:
+                # Started without them: modules of the old packages may be imported, C extensions cannot be
+                # unloaded; a restart is the one way to drop them.
+                await restart()
+                restarts += 1
+            elif packages:
+                await sandbox.channel.call("packages.refresh", {}, timeout=30)
+        # An install since the last restart served its downloads on this channel: that relay goes, and the caller
+        # attaches the agent's own network again (``load``'s ``on_restart``).
+        detach(sandbox.channel)
         ms = (time.perf_counter() - started) * 1000
         log.info("instance changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,
-                 template=ref.id, packages=how, env=env_changed, restart_ms=round(restart_s * 1000, 1),
+                 template=ref.id, packages=how, apt=apt_how, restarts=restarts, restart_ms=round(restart_s * 1000, 1),
                  ms=round(ms, 1))
         return True
 

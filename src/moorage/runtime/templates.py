@@ -134,6 +134,12 @@ class Templates:
                                              self.root / "package-cache", say, owner=owner, record=record,
                                              fetch=fetch, kept=kept)
 
+    async def update_apt(self, sandbox: Sandbox, packages: list[str], have: list[str], owner: str, say: Any) -> str:
+        """``deploy_apt.update`` of an instance whose deployment's ``apt`` list changed, with this host's cache (a
+        host that did not build the template downloads them through the gateway)."""
+        return await deploy_apt.update(sandbox, packages, have, self.driver.config, self._egress(),
+                                       self.root / "package-cache", say, owner=owner)
+
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
         if not path.exists() and self.package_blobs is not None:

@@ -170,6 +170,18 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
         loop.create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
+def detach(channel: Any) -> None:
+    """Stop serving the relay attached to ``channel`` (a deploy-time install's, in an instance whose packages
+    changed): until something attaches again, the guest's connections have nowhere to go."""
+    relay = getattr(channel, "_moorage_network", None)
+    if relay is None:
+        return
+    relay.close_all()
+    for method in ("egress.open", "egress.send", "egress.recv", "egress.close"):
+        channel.unregister(method)
+    channel._moorage_network = None
+
+
 async def _serve_nic(listener: socket.socket, inst: Any) -> None:
     """The gateway's proxy on the NIC's side of the VM's namespace, until the channel (this wake) ends."""
     from moorage.egress.proxy import serve_connection

@@ -320,6 +320,10 @@ class Channel:
         """Serve ``method`` for guest-originated calls: ``async def handler(params, ctx) -> result``."""
         self._handlers[method] = handler
 
+    def unregister(self, method: str) -> None:
+        """Stop serving ``method``: the guest's calls of it fail as unknown methods."""
+        self._handlers.pop(method, None)
+
     async def call(
         self,
         method: str,
