@@ -1,12 +1,14 @@
 """What a user who already has an instance waits for on the first turn after a redeploy, through ``moorage up`` and
 HTTP: a redeploy that changes only code (the baseline: the new code is loaded into the sandbox) against one whose
 ``requirements.txt`` adds a package (the sandbox gets the new packages first, then restarts:
-``runtime/instance_update.py``), in the same run on the same users.
+``runtime/instance_update.py``), or (``--what apt``, micro-VM) whose ``[agent] apt`` list adds a Debian package
+(installed in place, no restart), in the same run on the same users.
 
-    python bench/sandbox/redeploy_packages.py [--driver process|microvm] [--users 4] [--rounds 2]
+    python bench/sandbox/redeploy_packages.py [--driver process|microvm] [--what requirements|apt] [--users 4] [--rounds 2]
 
 Agent ``tab`` (``tabulate``, then ``tabulate`` + ``sniffio``) from a loopback package index built from this venv's
-wheels. Per round: a code-only redeploy, then a package-changing one, each followed by one turn of every existing
+wheels; with ``--what apt``, Debian packages ``bench-a``, then ``bench-a`` + ``bench-b`` from a loopback mirror
+(``tests/egress/debian_mirror.py``). Per round: a code-only redeploy, then a package-changing one, each followed by one turn of every existing
 user (half of them asleep when it lands) and a second turn; the server's own log gives the part-level figure of
 the same run (``instance changed with its deployment ... ms=``). Last line: the headline.
 """
@@ -28,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from moorage.cli.up import tar_dir  # noqa: E402
 from moorage.client.sync import Client  # noqa: E402
 from moorage.devservices.fleet import LocalHost  # noqa: E402
+from tests.egress.debian_mirror import build_mirror  # noqa: E402
 from tests.langgraph.wheelhouse import build_index, serve  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "latest"
@@ -39,6 +42,15 @@ VERSION = {version!r}
 
 async def on_message(ctx, message):
     return VERSION + " " + ",".join(m.__name__ for m in ({modules},))
+'''
+#: ``--what apt``: each package's command prints its name.
+AGENT_APT = '''
+VERSION = {version!r}
+
+
+async def on_message(ctx, message):
+    r = await ctx.exec(["sh", "-c", {script!r}])
+    return VERSION + " " + ",".join(r["stdout"].split())
 '''
 _lines: list[str] = []
 
@@ -52,41 +64,55 @@ def _p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _agent(base: Path, version: int, packages: list[str]) -> Path:
+def _agent(base: Path, version: int, packages: list[str], apt: bool) -> Path:
     d = base / f"tab-{version}"
     d.mkdir()
-    (d / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (d / "agent.py").write_text(AGENT.format(modules=", ".join(packages), version=f"v{version}"))
-    (d / "requirements.txt").write_text("".join(p + "\n" for p in packages))
+    listed = f"apt = {packages!r}\n".replace("'", '"') if apt else ""
+    (d / "moorage.toml").write_text(f'[agent]\nname = "tab"\nentry = "agent.py"\n{listed}'
+                                    '[agent.lifecycle]\nusers = "auto"\n')
+    if apt:
+        (d / "agent.py").write_text(AGENT_APT.format(script="; ".join(packages), version=f"v{version}"))
+    else:
+        (d / "agent.py").write_text(AGENT.format(modules=", ".join(packages), version=f"v{version}"))
+        (d / "requirements.txt").write_text("".join(p + "\n" for p in packages))
     return d
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--driver", default="process", choices=["process", "microvm"])
+    ap.add_argument("--what", default="requirements", choices=["requirements", "apt"])
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    apt = args.what == "apt"
+    if apt and args.driver != "microvm":
+        ap.error("--what apt needs --driver microvm (Debian packages install as root in a VM)")
+    changed = "[agent] apt" if apt else "requirements.txt"
     with tempfile.TemporaryDirectory(prefix="moorage-redeploy-", dir="/var/tmp") as tmp:
         work = Path(tmp)
         (work / "index").mkdir()
-        build_index(work / "index", "tabulate", "sniffio", "six")
+        if apt:
+            build_mirror(work / "index", {n: ("", n) for n in ("bench-a", "bench-b", "bench-c")})
+        else:
+            build_index(work / "index", "tabulate", "sniffio", "six")
         ports = serve(work / "index", "127.0.0.2")
         index = f"http://127.0.0.2:{next(ports)}"
-        host = LocalHost("up", work / "data", {"MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
-                                              "MOORAGE_EGRESS_PACKAGE_INDEX": index,
-                                              "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"},
+        settings = ({"MOORAGE_EGRESS_PACKAGE_INDEX": index + "/debian/", "MOORAGE_PACKAGE_APT_URL": index + "/debian",
+                     "MOORAGE_PACKAGE_APT_TRUSTED": "1"} if apt else
+                    {"MOORAGE_EGRESS_PACKAGE_INDEX": index, "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"})
+        host = LocalHost("up", work / "data", {"MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8", **settings},
                          driver=args.driver, start_timeout_s=900)
         times: dict[str, list[float]] = {}
         try:
             with Client(host.url, host.key) as api:
                 version = 0
-                packages = ["tabulate"]
+                packages = ["bench-a"] if apt else ["tabulate"]
 
                 def deploy() -> None:
                     nonlocal version
                     version += 1
-                    _post(host, tar_dir(_agent(work, version, packages)))
+                    _post(host, tar_dir(_agent(work, version, packages, apt)))
 
                 def turn(user: str) -> float:
                     t = time.perf_counter()
@@ -99,13 +125,13 @@ def main() -> None:
                 for u in users:
                     turn(u)
                 boxes = {b["scope"]: b["id"] for b in api.list_sandboxes(agent="tab")["data"]}
-                extra = ["sniffio", "six"]
+                extra = ["bench-b", "bench-c"] if apt else ["sniffio", "six"]
                 for r in range(args.rounds):
                     for kind in ("code only", "packages changed"):
                         for u in users[: len(users) // 2]:  # half of them asleep when the redeploy lands
                             api.sandbox_action(boxes[f"user:tab/{u}"], "sleep")
                         if kind == "packages changed":
-                            packages = ["tabulate", extra[r % len(extra)]]
+                            packages = [packages[0], extra[r % len(extra)]]
                         deploy()
                         times.setdefault(f"{kind}: first turn", []).extend(turn(u) for u in users)
                         times.setdefault(f"{kind}: second turn", []).extend(turn(u) for u in users)
@@ -116,27 +142,28 @@ def main() -> None:
         found = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(
             r"instance changed with its deployment.*?restart_ms=([\d.]+) ms=([\d.]+)", log)]
         restarts, parts = [r for r, _ in found], [ms for _, ms in found]
-    say(f"{args.driver} driver, {args.users} users (half asleep when each redeploy lands), {args.rounds} rounds; "
+    say(f"{args.driver} driver, {changed} changed, {args.users} users (half asleep when each redeploy lands), {args.rounds} rounds; "
         f"through `moorage up` and the SDK client (HTTP)")
     say("")
     say("| p50 (ms) | first turn after the redeploy | second turn |")
     say("|---|---:|---:|")
     for kind in ("code only", "packages changed"):
         say(f"| {kind} | {_p50(times[f'{kind}: first turn']):.0f} | {_p50(times[f'{kind}: second turn']):.0f} |")
-    say(f"| of which the sandbox's packages changed and restarted (server log, same run; n={len(parts)}) | "
+    say(f"| of which the sandbox's packages changed{'' if apt else ' and restarted'} (server log, same run; "
+        f"n={len(parts)}) | "
         f"{_p50(parts):.0f} | |")
     say(f"| of which the restart (stop, start{' cold boot' if args.driver == 'microvm' else ''}) | "
         f"{_p50(restarts):.0f} | |")
     say("")
     say(f"**redeploy reaches existing users ({args.driver}): first turn after a code-only redeploy p50 "
-        f"{_p50(times['code only: first turn']):.0f} ms; after one that changed requirements.txt "
+        f"{_p50(times['code only: first turn']):.0f} ms; after one that changed {changed} "
         f"{_p50(times['packages changed: first turn']):.0f} ms (packages + restart {_p50(parts):.0f} ms, of which "
         f"restart {_p50(restarts):.0f} ms, server log)**")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    head = [f"# A redeploy's packages reach existing users ({args.driver})", "",
+    head = [f"# A redeploy's packages ({changed}) reach existing users ({args.driver})", "",
             f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared, noisy), "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. `{' '.join(sys.argv)}`", ""]
-    (RESULTS / f"redeploy-packages-{args.driver}.md").write_text("\n".join(head + _lines) + "\n")
+    (RESULTS / f"redeploy-{'apt' if apt else 'packages'}-{args.driver}.md").write_text("\n".join(head + _lines) + "\n")
 
 
 def _post(host: LocalHost, archive: bytes) -> None:

@@ -9,9 +9,7 @@ purged with what only they needed; no restart unless the environment changed."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import http.server
-import subprocess
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -23,6 +21,7 @@ from moorage.config import Config
 from moorage.egress import Egress, OperatorPolicy, StaticResolver
 from moorage.runtime.deploy_apt import AptInstallFailed, install, packages_of
 from moorage.store import EntityKey, Scope
+from tests.egress.debian_mirror import build_mirror
 from tests.egress.test_vm_network import _env
 from tests.runtime.conftest import Env, write_agent
 
@@ -37,45 +36,13 @@ async def on_message(ctx, message):
 """
 
 
-def _deb(root: Path, name: str, depends: str = "") -> Path:
-    """A one-file Debian package, built with dpkg-deb: /usr/bin/<name> prints a word."""
-    pkg = root / "build" / name
-    (pkg / "DEBIAN").mkdir(parents=True)
-    (pkg / "usr" / "bin").mkdir(parents=True)
-    script = pkg / "usr" / "bin" / name
-    script.write_text(f"#!/bin/sh\necho {'from-the-mirror' if name == 'moorage-canary' else name}\n")
-    script.chmod(0o755)
-    (pkg / "DEBIAN" / "control").write_text(f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
-                                            + (f"Depends: {depends}\n" if depends else "") +
-                                            "Maintainer: moorage tests <tests@moorage.invalid>\n"
-                                            "Description: a canary for apt at deploy time\n")
-    out = root / f"{name}_1.0_all.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(pkg), str(out)], check=True, capture_output=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """A Debian mirror on loopback: dists/bookworm/{Release, main/binary-amd64/Packages} and the pool."""
+    """The Debian mirror on loopback (``debian_mirror``): a canary, and a package with a dependency."""
     root = tmp_path_factory.mktemp("mirror")
-    debian = root / "debian"
-    packages = b""
-    for name, depends in (("moorage-canary", ""), ("moorage-extra", "moorage-extra-lib"), ("moorage-extra-lib", "")):
-        pool = debian / "pool" / "main" / "m" / name
-        pool.mkdir(parents=True)
-        deb = _deb(root, name, depends)
-        data = deb.read_bytes()
-        (pool / deb.name).write_bytes(data)
-        control = subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True, text=True).stdout
-        packages += (control.rstrip("\n") + f"\nFilename: pool/main/m/{name}/{deb.name}\nSize: {len(data)}\n"
-                     f"SHA256: {hashlib.sha256(data).hexdigest()}\n\n").encode()
-    binary = debian / "dists" / "bookworm" / "main" / "binary-amd64"
-    binary.mkdir(parents=True)
-    (binary / "Packages").write_bytes(packages)
-    (debian / "dists" / "bookworm" / "Release").write_text(
-        "Origin: moorage-tests\nSuite: bookworm\nCodename: bookworm\nArchitectures: amd64 all\nComponents: main\n"
-        "Date: Tue, 01 Dec 2026 00:00:00 UTC\nSHA256:\n"
-        f" {hashlib.sha256(packages).hexdigest()} {len(packages)} main/binary-amd64/Packages\n")
+    build_mirror(root, {"moorage-canary": ("", "from-the-mirror"),
+                        "moorage-extra": ("moorage-extra-lib", "moorage-extra"),
+                        "moorage-extra-lib": ("", "moorage-extra-lib")})
 
     class Mirror(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *a: object) -> None:
