@@ -19,7 +19,10 @@ import pytest_asyncio
 
 from moorage.config import Config
 from moorage.egress import Egress, OperatorPolicy, StaticResolver
+from moorage.fleet.templates import PublishedTemplates
+from moorage.objects.local import LocalObjectStore
 from moorage.runtime.deploy_apt import AptInstallFailed, install, packages_of
+from moorage.runtime.templates import Templates
 from moorage.store import EntityKey, Scope
 from tests.egress.debian_mirror import build_mirror
 from tests.egress.test_vm_network import _env
@@ -184,3 +187,37 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
     assert lines[:2] == ["no-moorage-canary", "no-moorage-extra"], lines
     assert "moorage" not in lines[2], lines
     assert lines[-2:] == ["kept", "bg-gonev4"], lines
+
+
+async def test_another_hosts_vm_installs_the_debian_packages_the_templates_builder_published(
+        env: Env, tmp_path: Path) -> None:
+    """In a fleet, the .deb files a template's builder fetched are published beside the template, so a VM on a
+    host that did not build it gets a changed list from there (apt on that host may not reach the mirror)."""
+    objects = LocalObjectStore(tmp_path / "bucket")
+    published = PublishedTemplates(objects, env.runtime.driver)
+    env.runtime.templates.published = published
+    try:
+        src = write_agent(tmp_path / "pubby", "pubby", AGENT + "\nVERSION = ''\n", 'apt = ["moorage-extra"]\n')
+        dep = await env.runtime.deploy(env.principal, src)
+    finally:
+        env.runtime.templates.published = None
+    ref = env.runtime.templates.cached(dep.id)
+    assert ref is not None
+    [entry] = [o.key for o in objects.iter(f"templates/{ref.id}/packages/")]
+    assert entry.rsplit("/", 1)[1].startswith("apt-"), entry
+
+    # Another host: an empty cache, and an egress that admits no mirror (apt would be refused).
+    other = Templates(tmp_path / "templates-b", env.runtime.driver, tmp_path / "packages-b")
+    other.published = published
+    other.egress = Egress(OperatorPolicy.from_config(env.cfg.with_(egress_package_index="")),
+                          StaticResolver({"deb.test": ["127.0.0.1"]}))
+    ts = env.store.tenant(env.principal)
+    rec = ts.sandboxes.for_scope(Scope.for_user("apty", "ada"))
+    async with env.manager.turn(ts, rec.scope, None) as sandbox:  # type: ignore[arg-type]
+        said: list[str] = []
+        with pytest.raises(AptInstallFailed, match="not allowed"):  # without the template to fetch from
+            await other.update_apt(sandbox, ["moorage-extra"], [], dep.agent_id, said.append)
+        assert await other.update_apt(sandbox, ["moorage-extra"], [], dep.agent_id, said.append, ref) == "cached"
+        assert "Debian packages from the template's published copy" in said, said
+        r = await sandbox.exec(["moorage-extra"], timeout=30)
+        assert r.stdout.strip() == b"moorage-extra", r

@@ -386,22 +386,26 @@ class PublishedTemplates:
 
     # -- deploy-time packages ---------------------------------------------------------------------------
 
-    def packages_key(self, template_id: str, key: str) -> str:
-        """Where a template's installed ``requirements.txt`` tree (``runtime/deploy_packages``' cache entry ``key``)
-        is published: under the template, so it goes with it."""
-        if not _CACHE_KEY.fullmatch(key):
-            raise ValueError(f"not a package cache key: {key!r}")
-        return f"{self.prefix(template_id)}/packages/{key}.tar.gz"
+    def packages_key(self, template_id: str, key: str, kind: str = "site") -> str:
+        """Where a template's installed ``requirements.txt`` tree (``runtime/deploy_packages``' cache entry ``key``;
+        ``kind`` "apt": the .deb files of its ``[agent] apt`` list, ``runtime/deploy_apt``'s) is published: under
+        the template, so it goes with it."""
+        if not _CACHE_KEY.fullmatch(key) or kind not in ("site", "apt"):
+            raise ValueError(f"not a package cache key: {kind} {key!r}")
+        return f"{self.prefix(template_id)}/packages/{key}.tar.gz" if kind == "site" else \
+            f"{self.prefix(template_id)}/packages/apt-{key}.tar"
 
-    def publish_packages(self, template_id: str, key: str, path: Path) -> None:
-        """Publish the tree the template's builder installed, for instances of the deployment on hosts that did not
-        build it (a redeploy's packages put into an instance's own disk: ``runtime/instance_update``). Blocking."""
-        self.objects.put_file(self.packages_key(template_id, key), path)
+    def publish_packages(self, template_id: str, key: str, path: Path, kind: str = "site") -> None:
+        """Publish the packages the template's builder installed, for instances of the deployment on hosts that did
+        not build it (a redeploy's packages put into an instance's own disk: ``runtime/instance_update``).
+        Blocking."""
+        self.objects.put_file(self.packages_key(template_id, key, kind), path)
 
-    def fetch_packages(self, template_id: str, key: str, dest: Path) -> bool:
-        """This template's published tree ``key`` into ``dest`` (atomically, verified); False if there is none."""
+    def fetch_packages(self, template_id: str, key: str, dest: Path, kind: str = "site") -> bool:
+        """This template's published packages ``key`` into ``dest`` (atomically, verified); False if there are
+        none."""
         try:
-            self.objects.get_file(self.packages_key(template_id, key), dest)
+            self.objects.get_file(self.packages_key(template_id, key, kind), dest)
         except ObjectNotFound:
             return False
         return True

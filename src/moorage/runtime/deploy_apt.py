@@ -8,6 +8,7 @@ unchanged list downloads nothing. A redeploy that changed the list reaches users
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import re
@@ -78,12 +79,16 @@ def _out(r: Any) -> str:
 
 
 async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, cache_dir: Path,
-                  say: Callable[[str], None], owner: str = "", record: Any = None) -> str:
-    """Install ``packages`` into ``sandbox`` (the template's builder); returns "cached" or "installed". Each
-    request apt makes through the gateway is a span for ``record`` (the deploy's trace), if given.
+                  say: Callable[[str], None], owner: str = "", record: Any = None,
+                  fetch: Callable[[str, Path], bool] | None = None,
+                  kept: Callable[[str, Path], None] | None = None) -> str:
+    """Install ``packages`` into ``sandbox`` (the template's builder, or an instance whose deployment's list
+    changed: ``update``); returns "cached" or "installed". Each request apt makes through the gateway is a span for
+    ``record`` (the deploy's trace), if given.
 
     ``owner`` (the agent's id) is part of the cache key, as for pip's packages: what one agent's deploy fetched is
-    reused for that agent only.
+    reused for that agent only. A fleet shares the entries as pip's (``deploy_packages.install``): ``fetch(key,
+    dest)`` is asked for a missing one before apt runs, ``kept(key, path)`` hears of the one this host has after.
     """
     from moorage.egress import EgressDenied, Target
     from moorage.runtime.vm_network import PROXY_URL, attach_instance
@@ -107,12 +112,21 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
     key = hashlib.sha256("\0".join([owner, " ".join(packages), mirror, str(bool(config.package_apt_trusted)),
                                     codename, arch]).encode()).hexdigest()
     cached = private_dir(cache_dir) / f"apt-{key}.tar"
+    fetched = False
+    if not cached.exists() and fetch is not None:
+        try:
+            fetched = await asyncio.to_thread(fetch, key, cached)
+        except Exception as e:  # noqa: BLE001 - the object store failed: apt downloads them instead
+            log.warning("published Debian packages not fetched; downloading", key=key, error=str(e))
     if cached.exists():
-        say("Debian packages from the cache (list unchanged)")
+        say("Debian packages from the template's published copy" if fetched
+            else "Debian packages from the cache (list unchanged)")
         r = await _install_debs(sandbox, cached.read_bytes(), packages)
         await sandbox.exec(["rm", "-rf", "/tmp/moorage-debs"], timeout=30)
         if r.exit_code == 0:
             await _mark(sandbox, packages)
+            if kept is not None:
+                kept(key, cached)
             return "cached"
         log.warning("apt cache entry unusable; installing again", key=key, error=_tail(_out(r), 2))
 
@@ -147,6 +161,8 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
     data = await _pack_debs(sandbox)
     if data is not None:
         write_private(cached, data)
+        if kept is not None:
+            kept(key, cached)
     # The template keeps the packages, not apt's downloads and lists (every fork would carry them).
     await sandbox.exec(["sh", "-c", "apt-get clean && rm -rf /var/lib/apt/lists/*"], timeout=120)
     await _mark(sandbox, packages)
@@ -154,13 +170,15 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
 
 
 async def update(sandbox: Any, packages: list[str], have: list[str], config: Any, egress: Any, cache_dir: Path,
-                 say: Callable[[str], None], owner: str = "") -> str:
+                 say: Callable[[str], None], owner: str = "",
+                 fetch: Callable[[str, Path], bool] | None = None) -> str:
     """Make an instance's Debian packages those of ``packages`` (its deployment's list) where they were those of
     ``have``: the list installed (``install``: from this host's cache, else through the gateway), then what only
     ``have`` named marked as installed automatically and removed with whatever it alone needed (``apt-get
     autoremove --purge``: a package still needed by one on the new list, or installed by hand, stays). Returns
     what was done."""
-    how = await install(sandbox, packages, config, egress, cache_dir, say, owner=owner) if packages else "none"
+    how = (await install(sandbox, packages, config, egress, cache_dir, say, owner=owner, fetch=fetch)
+           if packages else "none")
     dropped = sorted(set(have) - set(packages))
     if dropped:
         say(f"removing Debian packages the list dropped: {' '.join(dropped)}")
@@ -200,12 +218,15 @@ async def _install_debs(sandbox: Any, data: bytes, packages: list[str]) -> Any:
     await sandbox.exec(["mkdir", "-p", "/tmp/moorage-debs"], timeout=30)
     await sandbox.write_file("/tmp/moorage-debs/debs.tar", data)
     await sandbox.exec(["tar", "xf", "/tmp/moorage-debs/debs.tar", "-C", "/tmp/moorage-debs"], timeout=300)
-    manual = await sandbox.exec(["apt-mark", "showmanual"], timeout=60)
-    kept = set(manual.stdout.decode(errors="replace").split()) | set(packages)
+    extra = {n.split("_", 1)[0] for n in names} - set(packages)
+    manual: set[str] = set()
+    if extra:  # each apt command costs a second or more under TCG: only when there is something to mark
+        r = await sandbox.exec(["apt-mark", "showmanual"], timeout=60)
+        manual = set(r.stdout.decode(errors="replace").split())
     r = await sandbox.exec(["apt-get", "install", "-y", "-q", "--no-install-recommends",
                             *[f"/tmp/moorage-debs/{n}" for n in names]],
                            env={"DEBIAN_FRONTEND": "noninteractive"}, timeout=900)
-    auto = sorted({n.split("_", 1)[0] for n in names} - kept)
+    auto = sorted(extra - manual)
     if r.exit_code == 0 and auto:
         await sandbox.exec(["apt-mark", "auto", *auto], timeout=60)
     return r

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import weakref
 from typing import Any, Callable
 
 from moorage.errors import ConflictError
@@ -46,7 +47,8 @@ log = get_logger(__name__)
 #: is not the template it was forked from (``fleet/gc.template_use`` keeps it).
 SHARED_TEMPLATE = "shared_template"
 
-_locks: dict[str, asyncio.Lock] = {}
+#: One change at a time per sandbox; an entry lives while a load holds or waits for it.
+_locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
 
 
 async def installed(sandbox: Sandbox) -> str | None:
@@ -139,7 +141,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
                 await restart()
                 restarts += 1
             if apt_changed:  # not on this driver's sandboxes (apt needs root): says so
-                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say)
+                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say, ref)
         else:
             if env_changed:
                 # First, so the installs below have the new environment's relay (downloads through the gateway)
@@ -149,7 +151,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             if packages:
                 how = await install()
             if apt_changed:
-                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say)
+                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say, ref)
             if packages and not restarts:
                 # Started without them: modules of the old packages may be imported, C extensions cannot be
                 # unloaded; a restart is the one way to drop them.

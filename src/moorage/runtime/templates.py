@@ -125,20 +125,25 @@ class Templates:
         """``deploy_packages.install`` into ``sandbox`` with this host's package cache and deploy-time egress (a
         template's builder, or an instance whose deployment's packages changed: ``instance_update``). In a fleet,
         a missing cache entry is fetched from what ``template``'s builder published beside it."""
-        published = self.published
-        fetch: Callable[[str, Path], bool] | None = None
-        if published is not None and template is not None:
-            tid = template.id
-            fetch = lambda key, dest: published.fetch_packages(tid, key, dest)  # noqa: E731
         return await deploy_packages.install(sandbox, requirements, self.driver.config, self._egress(),
                                              self.root / "package-cache", say, owner=owner, record=record,
-                                             fetch=fetch, kept=kept)
+                                             fetch=self._published_fetch(template, "site"), kept=kept)
 
-    async def update_apt(self, sandbox: Sandbox, packages: list[str], have: list[str], owner: str, say: Any) -> str:
-        """``deploy_apt.update`` of an instance whose deployment's ``apt`` list changed, with this host's cache (a
-        host that did not build the template downloads them through the gateway)."""
+    async def update_apt(self, sandbox: Sandbox, packages: list[str], have: list[str], owner: str, say: Any,
+                         template: TemplateRef | None = None) -> str:
+        """``deploy_apt.update`` of an instance whose deployment's ``apt`` list changed, with this host's cache; in
+        a fleet, a missing entry is fetched from what ``template``'s builder published beside it."""
         return await deploy_apt.update(sandbox, packages, have, self.driver.config, self._egress(),
-                                       self.root / "package-cache", say, owner=owner)
+                                       self.root / "package-cache", say, owner=owner,
+                                       fetch=self._published_fetch(template, "apt"))
+
+    def _published_fetch(self, template: TemplateRef | None, kind: str) -> Callable[[str, Path], bool] | None:
+        """Fetches a package cache entry of ``kind`` published beside ``template`` (a fleet), or None."""
+        published = self.published
+        if published is None or template is None:
+            return None
+        tid = template.id
+        return lambda key, dest: published.fetch_packages(tid, key, dest, kind)
 
     def archive(self, deployment: Deployment) -> bytes:
         path = self.packages / f"{deployment.package_sha256}.tar.gz"
@@ -261,18 +266,22 @@ class Templates:
         sb = await self.driver.create(builder_id, spec)
         # The installed packages in this host's cache, published with the template for a driver whose forks own
         # their files (instance_update installs a redeploy's into them; shared ones are bound from the template).
-        entries: list[tuple[str, Path]] = []
+        entries: list[tuple[str, str, Path]] = []
+
+        def kept(kind: str) -> Callable[[str, Path], None]:
+            def keep(key: str, path: Path) -> None:
+                if not self.driver.capabilities.shares_template_dirs:
+                    entries.append((kind, key, path))
+            return keep
+
         try:
             await sb.start()
             if apt:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
-                                         say, owner=deployment.agent_id, record=record)
+                                         say, owner=deployment.agent_id, record=record, kept=kept("apt"))
             if requirements:
-                def kept(key: str, path: Path) -> None:
-                    if not self.driver.capabilities.shares_template_dirs:
-                        entries.append((key, path))
-
-                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record, kept=kept)
+                await self.install_packages(sb, requirements, deployment.agent_id, say, record=record,
+                                            kept=kept("site"))
                 await sb.channel.call("packages.refresh", {}, timeout=30)
             say("loading the agent's code")
             await push_and_load(sb, deployment, archive)
@@ -285,8 +294,8 @@ class Templates:
             await sb.destroy()
         if self.published is not None:
             say("publishing the template")
-            for key, path in entries:  # first: a host that forks the template may need them
-                await asyncio.to_thread(self.published.publish_packages, ref.id, key, path)
+            for kind, key, path in entries:  # first: a host that forks the template may need them
+                await asyncio.to_thread(self.published.publish_packages, ref.id, key, path, kind)
             claim = await asyncio.to_thread(self.published.publish, ref, deployment.id)
             if claim["template_id"] != ref.id:
                 # Another host published first: forks everywhere use that one. Ours is deleted here and in the
