@@ -8,7 +8,6 @@ unchanged list downloads nothing. A redeploy that changed the list reaches users
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import re
@@ -18,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 from moorage.errors import InvalidInput
 from moorage.log import get_logger
+from moorage.runtime.deploy_packages import fetch_missing
 from moorage.runtime.private_files import private_dir, write_private
 
 log = get_logger(__name__)
@@ -112,12 +112,7 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
     key = hashlib.sha256("\0".join([owner, " ".join(packages), mirror, str(bool(config.package_apt_trusted)),
                                     codename, arch]).encode()).hexdigest()
     cached = private_dir(cache_dir) / f"apt-{key}.tar"
-    fetched = False
-    if not cached.exists() and fetch is not None:
-        try:
-            fetched = await asyncio.to_thread(fetch, key, cached)
-        except Exception as e:  # noqa: BLE001 - the object store failed: apt downloads them instead
-            log.warning("published Debian packages not fetched; downloading", key=key, error=str(e))
+    fetched = await fetch_missing(cached, key, fetch)
     if cached.exists():
         say("Debian packages from the template's published copy" if fetched
             else "Debian packages from the cache (list unchanged)")

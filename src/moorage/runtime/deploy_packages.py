@@ -58,6 +58,18 @@ def guest_env(requirements: bytes | None) -> dict[str, str]:
     return {"PYTHONPATH": SITE_DIR, "MOORAGE_NETWORK": "1"}
 
 
+async def fetch_missing(cached: Path, key: str, fetch: Callable[[str, Path], bool] | None) -> bool:
+    """A fleet's copy of cache entry ``key`` into ``cached`` when this host lacks it (``fetch``, blocking); returns
+    whether it came. An object store that fails is logged: the caller installs from the index instead."""
+    if cached.exists() or fetch is None:
+        return False
+    try:
+        return await asyncio.to_thread(fetch, key, cached)
+    except Exception as e:  # noqa: BLE001 - the object store failed: installed from the index instead
+        log.warning("published packages not fetched; installing", key=key, error=str(e))
+        return False
+
+
 def _tail(text: str, lines: int = 6) -> str:
     return "\n".join(l for l in text.strip().splitlines()[-lines:])
 
@@ -85,12 +97,7 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
     key = hashlib.sha256(b"\0".join([owner.encode(), requirements, index.encode(), py.stdout.strip()])).hexdigest()
     cached = private_dir(cache_dir) / f"{key}.tar.gz"
     await sandbox.exec(["mkdir", "-p", SITE_DIR], timeout=30)
-    fetched = False
-    if not cached.exists() and fetch is not None:
-        try:
-            fetched = await asyncio.to_thread(fetch, key, cached)
-        except Exception as e:  # noqa: BLE001 - the object store failed: pip installs them instead
-            log.warning("published packages not fetched; installing", key=key, error=str(e))
+    fetched = await fetch_missing(cached, key, fetch)
     if cached.exists():
         say("packages from the template's published copy" if fetched else "packages from the cache (requirements unchanged)")
         await sandbox.write_file("/tmp/moorage-site.tar.gz", cached.read_bytes())
