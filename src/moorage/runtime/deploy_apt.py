@@ -29,8 +29,10 @@ MAX_PACKAGES = 64
 #: The largest set of downloaded .deb files kept in the cache.
 MAX_CACHED_BYTES = 512 << 20
 _DEBS = "/var/cache/apt/archives"
-#: Written last, once the packages are installed: the list they came from, a name a line (``installed``). An
-#: instance whose list differs from its deployment's gets that deployment's (``update``).
+#: Written last, once the packages are installed: the list they came from, a name a line (``installed``), each
+#: one the sandbox had before moorage installed anything for the list (its image's, one installed by hand) marked
+#: ``=name``: a later list without it leaves it alone. An instance whose list differs from its deployment's gets
+#: that deployment's (``update``).
 MARKER = "/var/lib/moorage/apt-packages"
 
 
@@ -56,18 +58,25 @@ def packages_of(manifest: Mapping[str, Any]) -> list[str]:
 async def installed(sandbox: Any) -> list[str] | None:
     """The ``apt`` list the sandbox's Debian packages were installed from; None when it has no marker (a sandbox
     of a template with no list, or one made before markers were written)."""
+    marked = await _marked(sandbox)
+    return None if marked is None else sorted(marked)
+
+
+async def _marked(sandbox: Any) -> dict[str, bool] | None:
+    """The marker: each name of the list -> whether moorage installed it (False: the sandbox had it before)."""
     from moorage.sandbox import GuestFileNotFound
 
     try:
         data = await sandbox.read_file(MARKER, max_bytes=64 << 10)
     except GuestFileNotFound:
         return None
-    return sorted({n for n in data.decode(errors="replace").split() if _NAME.fullmatch(n)})
+    return {w.lstrip("="): not w.startswith("=") for w in data.decode(errors="replace").split()
+            if _NAME.fullmatch(w.lstrip("="))}
 
 
-async def _mark(sandbox: Any, packages: list[str]) -> None:
+async def _mark(sandbox: Any, packages: list[str], ours: set[str]) -> None:
     await sandbox.exec(["mkdir", "-p", MARKER.rsplit("/", 1)[0]], timeout=30)
-    await sandbox.write_file(MARKER, "".join(f"{n}\n" for n in packages).encode())
+    await sandbox.write_file(MARKER, "".join(f"{'' if n in ours else '='}{n}\n" for n in packages).encode())
 
 
 def _tail(text: str, lines: int = 6) -> str:
@@ -99,13 +108,20 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
                                "as root inside", hint="deploy on a host whose sandbox_driver is microvm, or vendor "
                                                       "what the agent needs; nothing was changed")
     mirror = (config.package_apt_url or DEFAULT_MIRROR).rstrip("/")
-    facts = await sandbox.exec(["sh", "-c", ". /etc/os-release; echo $VERSION_CODENAME; dpkg --print-architecture"],
-                               timeout=30)
+    # The release, and which names of the list the sandbox has already (one shell: each process costs under TCG).
+    facts = await sandbox.exec(["sh", "-c", ". /etc/os-release; echo $VERSION_CODENAME; dpkg --print-architecture; "
+                                            "dpkg-query -W -f='${db:Status-Abbrev}${Package}\\n' \"$@\" 2>/dev/null; true",
+                                "sh", *packages], timeout=30)
     lines = facts.stdout.decode(errors="replace").split()
     if facts.exit_code != 0 or len(lines) < 2:
         raise AptInstallFailed("the sandbox's image has no Debian release information for apt",
                                hint="use the default guest image")
     codename, arch = lines[0], lines[1]
+    had = {line[3:].split(":", 1)[0] for line in facts.stdout.decode(errors="replace").splitlines()[2:]
+           if line.startswith("ii ")}
+    # Moorage's: what an earlier list of moorage's installed, and what the sandbox does not have yet.
+    prior = await _marked(sandbox) or {}
+    ours = {n for n in packages if prior.get(n, n not in had)}
     # Not keyed by what the sandbox has installed: apt-get checks the cached set against it before it changes
     # anything (a dependency the set lacks, or a version older than the one installed, refuses the whole set, and
     # apt then downloads as below), and an instance whose list changed has other packages than the builder had.
@@ -119,7 +135,7 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
         r = await _install_debs(sandbox, cached.read_bytes(), packages)
         await sandbox.exec(["rm", "-rf", "/tmp/moorage-debs"], timeout=30)
         if r.exit_code == 0:
-            await _mark(sandbox, packages)
+            await _mark(sandbox, packages, ours)
             if kept is not None:
                 kept(key, cached)
             return "cached"
@@ -160,21 +176,22 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
             kept(key, cached)
     # The template keeps the packages, not apt's downloads and lists (every fork would carry them).
     await sandbox.exec(["sh", "-c", "apt-get clean && rm -rf /var/lib/apt/lists/*"], timeout=120)
-    await _mark(sandbox, packages)
+    await _mark(sandbox, packages, ours)
     return "installed"
 
 
-async def update(sandbox: Any, packages: list[str], have: list[str], config: Any, egress: Any, cache_dir: Path,
+async def update(sandbox: Any, packages: list[str], config: Any, egress: Any, cache_dir: Path,
                  say: Callable[[str], None], owner: str = "",
                  fetch: Callable[[str, Path], bool] | None = None) -> str:
     """Make an instance's Debian packages those of ``packages`` (its deployment's list) where they were those of
-    ``have``: the list installed (``install``: from this host's cache, else through the gateway), then what only
-    ``have`` named marked as installed automatically and removed with whatever it alone needed (``apt-get
-    autoremove --purge``: a package still needed by one on the new list, or installed by hand, stays). Returns
-    what was done."""
+    its marker: the list installed (``install``: from this host's cache, else through the gateway), then the ones
+    moorage installed for the old list alone marked as installed automatically and removed with whatever they
+    alone needed (``apt-get autoremove --purge``: a package still needed by one on the new list, or installed by
+    hand, stays; one the sandbox had before any list is never removed). Returns what was done."""
+    before = await _marked(sandbox) or {}
     how = (await install(sandbox, packages, config, egress, cache_dir, say, owner=owner, fetch=fetch)
            if packages else "none")
-    dropped = sorted(set(have) - set(packages))
+    dropped = sorted(n for n, ours in before.items() if ours and n not in packages)
     if dropped:
         say(f"removing Debian packages the list dropped: {' '.join(dropped)}")
         # Each name alone: one the agent already removed is not an error.
@@ -186,7 +203,7 @@ async def update(sandbox: Any, packages: list[str], have: list[str], config: Any
                                    hint="the turn can be retried; the next load tries again")
         how = f"{how}, removed {len(dropped)}"
     if not packages:
-        await _mark(sandbox, [])
+        await _mark(sandbox, [], set())
     return how
 
 

@@ -141,7 +141,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
                 await restart()
                 restarts += 1
             if apt_changed:  # not on this driver's sandboxes (apt needs root): says so
-                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say, ref)
+                apt_how = await rt.templates.update_apt(sandbox, apt, deployment.agent_id, say, ref)
         else:
             if env_changed:
                 # First, so the installs below have the new environment's relay (downloads through the gateway)
@@ -151,7 +151,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             if packages:
                 how = await install()
             if apt_changed:
-                apt_how = await rt.templates.update_apt(sandbox, apt, have_apt or [], deployment.agent_id, say, ref)
+                apt_how = await rt.templates.update_apt(sandbox, apt, deployment.agent_id, say, ref)
             if packages and not restarts:
                 # Started without them: modules of the old packages may be imported, C extensions cannot be
                 # unloaded; a restart is the one way to drop them.

@@ -129,11 +129,11 @@ class Templates:
                                              self.root / "package-cache", say, owner=owner, record=record,
                                              fetch=self._published_fetch(template, "site"), kept=kept)
 
-    async def update_apt(self, sandbox: Sandbox, packages: list[str], have: list[str], owner: str, say: Any,
+    async def update_apt(self, sandbox: Sandbox, packages: list[str], owner: str, say: Any,
                          template: TemplateRef | None = None) -> str:
         """``deploy_apt.update`` of an instance whose deployment's ``apt`` list changed, with this host's cache; in
         a fleet, a missing entry is fetched from what ``template``'s builder published beside it."""
-        return await deploy_apt.update(sandbox, packages, have, self.driver.config, self._egress(),
+        return await deploy_apt.update(sandbox, packages, self.driver.config, self._egress(),
                                        self.root / "package-cache", say, owner=owner,
                                        fetch=self._published_fetch(template, "apt"))
 
