@@ -218,8 +218,10 @@ async def test_another_hosts_vm_installs_the_debian_packages_the_templates_build
     async with env.manager.turn(ts, rec.scope, None) as sandbox:  # type: ignore[arg-type]
         said: list[str] = []
         with pytest.raises(AptInstallFailed, match="not allowed"):  # without the template to fetch from
-            await other.update_apt(sandbox, ["moorage-extra"], [], dep.agent_id, said.append)
-        assert await other.update_apt(sandbox, ["moorage-extra"], [], dep.agent_id, said.append, ref) == "cached"
+            await other.update_apt(sandbox, ["moorage-extra"], dep.agent_id, said.append)
+        # Installed from the published copy, and the list this VM had (apty's moorage-canary) removed.
+        assert await other.update_apt(sandbox, ["moorage-extra"], dep.agent_id, said.append, ref) == \
+            "cached, removed 1"
         assert "Debian packages from the template's published copy" in said, said
         r = await sandbox.exec(["moorage-extra"], timeout=30)
         assert r.stdout.strip() == b"moorage-extra", r
