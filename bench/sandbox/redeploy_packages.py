@@ -8,9 +8,9 @@ HTTP: a redeploy that changes only code (the baseline: the new code is loaded in
 
 Agent ``tab`` (``tabulate``, then ``tabulate`` + ``sniffio``) from a loopback package index built from this venv's
 wheels; with ``--what apt``, Debian packages ``bench-a``, then ``bench-a`` + ``bench-b`` from a loopback mirror
-(``tests/egress/debian_mirror.py``). Per round: a code-only redeploy, then a package-changing one, each followed by one turn of every existing
-user (half of them asleep when it lands) and a second turn; the server's own log gives the part-level figure of
-the same run (``instance changed with its deployment ... ms=``). Last line: the headline.
+(``tests/egress/debian_mirror.py``). Per round: a code-only redeploy, then a package-changing one, each followed by
+one turn of every existing user (half of them asleep when it lands) and a second turn; the server's own log gives
+the part-level figure of the same run (``instance changed with its deployment ... ms=``). Last line: the headline.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ def main() -> None:
         found = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(
             r"instance changed with its deployment.*?restart_ms=([\d.]+) ms=([\d.]+)", log)]
         restarts, parts = [r for r, _ in found], [ms for _, ms in found]
-    say(f"{args.driver} driver, {changed} changed, {args.users} users (half asleep when each redeploy lands), {args.rounds} rounds; "
-        f"through `moorage up` and the SDK client (HTTP)")
+    say(f"{args.driver} driver, {changed} changed, {args.users} users (half asleep when each redeploy lands), "
+        f"{args.rounds} rounds; through `moorage up` and the SDK client (HTTP)")
     say("")
     say("| p50 (ms) | first turn after the redeploy | second turn |")
     say("|---|---:|---:|")
