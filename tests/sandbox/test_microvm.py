@@ -22,10 +22,10 @@ import zstandard
 
 from moorage.config import Config
 from moorage.errors import InvalidInput
-from moorage.sandbox import SandboxSpec, SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
+from moorage.sandbox import SandboxError, SandboxSpec, SandboxState, SnapshotCorrupt, SnapshotIncompatible, TemplateRef
 from moorage.sandbox.microvm import MicroVMDriver, MicroVMSandbox
 from moorage.sandbox import microvm_ram, microvm_ram_chain as ram_chain
-from moorage.sandbox import microvm_user
+from moorage.sandbox import microvm_net, microvm_user
 from moorage.sandbox.microvm_qemu import pid_is_ours
 
 from .test_conformance import _make_wheel
@@ -280,6 +280,62 @@ async def test_checkpoint_rollback_restores_files_and_memory(driver: MicroVMDriv
     assert await kid.stat("/work/later.txt") is None
     assert await ask_token(kid) == token  # the killed process is back, with the same memory
     await kid.destroy()
+
+
+async def test_processes_restart_in_place_with_a_new_environment_while_the_kernel_and_files_stay(
+        driver: MicroVMDriver, template: TemplateRef) -> None:
+    """``restart_in_place``: the guest supervisor kills every other process and executes itself afresh (a redeploy
+    whose packages changed), about a second under TCG where a cold boot takes ten; its environment survives the
+    supervisor's own restart by init and the VM's next cold boot."""
+    (sb,) = await driver.fork(template, ["fork-inplace"])
+    await sb.wake()
+    kernel = await out(sb, ["cat", "/proc/sys/kernel/random/boot_id"])
+    await ask_token(sb)  # the template's background process runs in the fork
+    before = await sb.ping()
+    env = "echo ${MOORAGE_T_A:-_}${MOORAGE_T_B:-_}"
+
+    t = time.monotonic()
+    assert await driver.restart_in_place(sb, {"MOORAGE_T_A": "1", "MOORAGE_T_B": "2"}) is True
+    took = time.monotonic() - t
+    after = await sb.ping()
+    assert after["boot_id"] != before["boot_id"] and after["pid"] == before["pid"]  # executed itself: same pid
+    assert await out(sb, ["cat", "/proc/sys/kernel/random/boot_id"]) == kernel, "the kernel must not reboot"
+    assert not (await sb.exec(ASK_TOKEN)).ok, "every other process ends"
+    assert await out(sb, ["sh", "-c", env]) == "12"
+    assert await sb.read_file("/work/from-template.txt") == b"template file"
+    assert driver.boot_env(sb) == {"MOORAGE_T_A": "1", "MOORAGE_T_B": "2"}
+    assert took < 8, f"restart in place took {took:.1f} s"
+
+    # A key the new environment drops is gone; no environment given keeps the one it has.
+    assert await driver.restart_in_place(sb, {"MOORAGE_T_B": "3"}) is True
+    assert await out(sb, ["sh", "-c", env]) == "_3"
+    assert await driver.restart_in_place(sb) is True
+    assert await out(sb, ["sh", "-c", env]) == "_3"
+
+    # The supervisor dies on its own: the guest's init starts it again with the environment it was restarted with.
+    pid = (await sb.ping())["pid"]
+    await out(sb, ["sh", "-c", f"(sleep 0.5; kill -9 {pid}) >/dev/null 2>&1 &"])
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if (await sb.ping(timeout=2))["pid"] != pid:
+                break
+        except SandboxError:
+            pass
+        assert time.monotonic() < deadline, "the guest's init did not start the supervisor again"
+        await asyncio.sleep(0.2)
+    assert await out(sb, ["sh", "-c", env]) == "_3"
+
+    # A NIC comes only with a boot (where this host can make one): then nothing changes, the caller boots it.
+    nic = microvm_net.available()
+    assert await driver.restart_in_place(sb, {"MOORAGE_T_B": "3", microvm_net.WANT_ENV: "1"}) is (not nic)
+    if nic:
+        assert driver.boot_env(sb) == {"MOORAGE_T_B": "3"} and (await sb.ping())["pid"] != pid
+    # The next cold boot has the environment too (its kernel command line).
+    await sb.stop()
+    await sb.start()
+    assert await out(sb, ["sh", "-c", env]) == "_3"
+    await sb.destroy()
 
 
 #: A process that keeps 4 MiB of memory filled with a value it is sent, and answers with the value (a "!" after it

@@ -1,6 +1,6 @@
 """The supervisor: finds its transport (unix socket, inherited fd or virtio-serial port), serves the registry.
 
-Built-in methods: ping, exec, fs.*, sys.sync, sys.shutdown. Extensions add theirs via ``--extension MODULE``.
+Built-in methods: ping, exec, fs.*, sys.sync, sys.shutdown, sys.restart (a VM's). Extensions add theirs via ``--extension MODULE``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 import uuid
 from typing import Any, List, Optional, Set
 
-from . import egress_relay, ops_exec, ops_fs, packages
-from .rpc import MAX_FRAME, Context, Peer, Registry, log
+from . import egress_relay, ops_exec, ops_fs, packages, restart
+from .rpc import INVALID_PARAMS, MAX_FRAME, Context, Peer, Registry, RpcError, log
 
 VIRTIO_PORT_NAME = "moorage.0"
 
@@ -44,6 +44,8 @@ class Supervisor:
         self.started = time.monotonic()
         self.peers: Set[Peer] = set()
         self.stopping = asyncio.Event()
+        #: The environment this supervisor started with, before anything below configured it (``sys.restart``).
+        self.base_env = dict(os.environ)
         self.registry.add("ping", self.ping)
         self.registry.add("sys.sync", self.sync)
         self.registry.add("sys.shutdown", self.shutdown)
@@ -89,6 +91,19 @@ class Supervisor:
         asyncio.get_running_loop().call_later(0.05, self.stopping.set)
         return {}
 
+    async def restart(self, params: Any, ctx: Context) -> dict:
+        """Answer, then kill every other process of the guest and execute a fresh supervisor (guest/restart.py), with
+        ``env`` (the new spec's; absent: the same) in place of the old spec's keys named in ``unset``."""
+        params = params or {}
+        env, unset = params.get("env"), params.get("unset") or []
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                   for k, v in env.items())):
+            raise RpcError("env must be an object of strings", INVALID_PARAMS)
+        if not (isinstance(unset, list) and all(isinstance(k, str) for k in unset)):
+            raise RpcError("unset must be a list of strings", INVALID_PARAMS)
+        asyncio.get_running_loop().call_later(0.05, restart.exec_again, self.base_env, env, unset)
+        return {"boot_id": self.boot_id}
+
     async def serve_stream(self, reader: asyncio.StreamReader, writer: Any) -> str:
         peer = Peer(reader, writer, self.registry)
         self.peers.add(peer)
@@ -120,6 +135,8 @@ class Supervisor:
         stop.cancel()
 
     async def run_virtio(self, name: str) -> None:
+        # Only a VM's supervisor restarts in place: it is the guest's one service (a process sandbox's has a zygote).
+        self.registry.add("sys.restart", self.restart)
         loop = asyncio.get_running_loop()
         while not self.stopping.is_set():
             dev = find_virtio_port(name)

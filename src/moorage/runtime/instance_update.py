@@ -11,7 +11,9 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
   nothing is copied, and the instance's record names that template so the fleet's collector keeps it; the
   sandbox restarts with them;
 - otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
-  shared them), a sandbox whose environment changed restarts with the new one first (so its relay carries the
+  shared them), a sandbox whose environment changed restarts with the new one first (in place where the driver can,
+  ``restart_in_place``: a micro-VM's guest supervisor kills every other process and executes itself afresh, unless
+  the NIC comes or goes, which needs a boot) (so its relay carries the
   downloads below, and no process keeps the old environment); the old packages are removed and the new ones
   installed into the sandbox, from this host's package cache (filled when the template was built here; in a
   fleet, fetched from what the template's builder published beside it), else by pip through the gateway as at
@@ -20,8 +22,7 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
   packages changed restarts now, so no module of the old ones stays imported (C extensions cannot be unloaded).
 
 A change of the Debian packages alone restarts nothing (as an ``apt-get install`` on a running machine: processes
-running keep the binaries they started with). Files stay; processes do not survive a restart (a micro-VM boots
-cold, once). Every step can be repeated: each marker is written last, so an interrupted change is made again on
+running keep the binaries they started with). Files stay; processes do not survive a restart. Every step can be repeated: each marker is written last, so an interrupted change is made again on
 the next load.
 """
 
@@ -39,7 +40,7 @@ from moorage.runtime import deploy_apt, deploy_packages
 from moorage.runtime.package import unpack
 from moorage.runtime.templates import boot_env, push_and_load
 from moorage.runtime.vm_network import detach
-from moorage.sandbox import GuestFileNotFound, Sandbox
+from moorage.sandbox import GuestFileNotFound, Sandbox, SandboxError
 
 log = get_logger(__name__)
 
@@ -104,16 +105,24 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             if not (packages or apt_changed or env_changed):
                 return False
         shares = packages and driver.capabilities.shares_template_dirs
-        restart_s = 0.0
+        restart_s, in_place = 0.0, 0
 
         def say(msg: str) -> None:
             log.info(msg, sandbox=sandbox.id)
 
         async def restart() -> list[str]:
-            """Stop the sandbox, give it the new environment and bound directories, start it; returns what it binds
-            from the template when ``shares``."""
-            nonlocal restart_s, env_changed
+            """Restart the sandbox's processes with the new environment: in place where the driver can (a micro-VM's
+            supervisor executes itself afresh; the kernel stays), else stop the sandbox, give it the new environment
+            and bound directories, and start it; returns what it binds from the template when ``shares``."""
+            nonlocal restart_s, env_changed, in_place
             t = time.perf_counter()
+            try:
+                if not shares and await driver.restart_in_place(sandbox, env if env_changed else None):
+                    env_changed, in_place = False, in_place + 1
+                    restart_s += time.perf_counter() - t
+                    return []
+            except SandboxError as e:  # stopped, disk kept: boots cold below
+                log.warning("restart in place failed; booting cold", sandbox=sandbox.id, error=str(e))
             await sandbox.stop()
             if env_changed:
                 await driver.set_boot_env(sandbox, env)
@@ -164,7 +173,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
         detach(sandbox.channel)
         ms = (time.perf_counter() - started) * 1000
         log.info("instance changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,
-                 template=ref.id, packages=how, apt=apt_how, restarts=restarts, restart_ms=round(restart_s * 1000, 1),
+                 template=ref.id, packages=how, apt=apt_how, restarts=restarts, in_place=in_place, restart_ms=round(restart_s * 1000, 1),
                  ms=round(ms, 1))
         return True
 

@@ -492,6 +492,13 @@ class SandboxDriver(ABC):
         follows the new deployment: its network, its packages' path). Raises ``InvalidInput`` for an environment
         the driver cannot pass."""
 
+    async def restart_in_place(self, sandbox: Sandbox, env: Mapping[str, str] | None = None) -> bool:
+        """Restart the running ``sandbox``'s processes without restarting the sandbox: all of them end, its guest
+        supervisor starts afresh (with ``env`` as its environment from now on, as ``set_boot_env`` would give it
+        from the next start, when given) and ``sandbox.channel`` is a new one. Returns False, having changed nothing,
+        when this driver (or this change) cannot: the caller then stops and starts the sandbox."""
+        return False
+
     async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
         """From its next start, the stopped ``sandbox`` binds ``template``'s shared directories (``make_template``)
         in place of those it binds now (a redeploy's instance takes the new deployment's packages); returns their

@@ -86,21 +86,23 @@ if [ -n "$nproc" ] && mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null; then
   echo "$nproc" > /sys/fs/cgroup/agent/pids.max
 fi
 cd /
-set -- python3 /opt/moorage/guest --virtio moorage.0 --extension moorage_vm.after_wake
-[ -n "$fsize" ] && set -- prlimit --fsize="$fsize" "$@"
-if [ -n "$envb64" ]; then
-  # The sandbox spec's environment (JSON, base64url): set for the supervisor and so for everything it runs.
-  set -- python3 -c 'import base64, json, os, sys
-os.environ.update(json.loads(base64.urlsafe_b64decode(sys.argv[1])))
-os.execvp(sys.argv[2], sys.argv[2:])' "$envb64" "$@"
-fi
-if [ -f /sys/fs/cgroup/agent/pids.max ]; then
-  # The supervisor and all it starts go into the capped cgroup; PID 1 stays outside it, never a victim.
-  set -- sh -c 'echo $$ > /sys/fs/cgroup/agent/cgroup.procs && exec "$@"' moorage-agent "$@"
-fi
 # This shell stays PID 1: its wait reaps orphaned processes (which would otherwise pile up as zombies and use
 # up the process cap), and it restarts the supervisor should it ever exit.
 while :; do
+  # A supervisor restarted in place with another environment (guest/restart.py) left it here: it wins over the boot's.
+  [ -s /run/moorage/boot-env ] && envb64=$(cat /run/moorage/boot-env)
+  set -- python3 /opt/moorage/guest --virtio moorage.0 --extension moorage_vm.after_wake
+  [ -n "$fsize" ] && set -- prlimit --fsize="$fsize" "$@"
+  if [ -n "$envb64" ]; then
+    # The sandbox spec's environment (JSON, base64url): set for the supervisor and so for everything it runs.
+    set -- python3 -c 'import base64, json, os, sys
+os.environ.update(json.loads(base64.urlsafe_b64decode(sys.argv[1])))
+os.execvp(sys.argv[2], sys.argv[2:])' "$envb64" "$@"
+  fi
+  if [ -f /sys/fs/cgroup/agent/pids.max ]; then
+    # The supervisor and all it starts go into the capped cgroup; PID 1 stays outside it, never a victim.
+    set -- sh -c 'echo $$ > /sys/fs/cgroup/agent/cgroup.procs && exec "$@"' moorage-agent "$@"
+  fi
   "$@" &
   wait $!
   echo "moorage-init: supervisor exited ($?); restarting" > /dev/console

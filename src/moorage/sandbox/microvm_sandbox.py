@@ -277,6 +277,20 @@ class MicroVMSandbox(Checkpointing, Sandbox):
                 await asyncio.sleep(0.01)
         raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
 
+    async def _reconnect(self, accept: Callable[[dict[str, Any]], bool], timeout: float = COLD_BOOT_TIMEOUT_S) -> None:
+        """A new channel to the guest, kept once its answer to ``ping`` is one ``accept`` takes (a new supervisor's,
+        after ``sys.restart``; until then the old one may still answer)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._channel is not None:
+                await self._channel.close("connecting to the guest again")
+                self._channel = None
+            if accept(await self._connect_channel(max(deadline - time.monotonic(), 0.1))):
+                return
+            if time.monotonic() > deadline:
+                raise BootError(f"the guest of sandbox {self.id} did not restart within {timeout:.0f} s: {self._log_tail()}")
+            await asyncio.sleep(0.02)
+
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with
         a reconnect: QEMU is killed and the sandbox marked stopped before any other task sees it running; the next
