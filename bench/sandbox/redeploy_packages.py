@@ -139,9 +139,12 @@ def main() -> None:
             host.stop()
             ports.close()
         log = host.log.read_text(errors="replace")
-        found = [(float(m.group(1)), float(m.group(2))) for m in re.finditer(
-            r"instance changed with its deployment.*?restart_ms=([\d.]+) ms=([\d.]+)", log)]
-        restarts, parts = [r for r, _ in found], [ms for _, ms in found]
+        found = [(int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))) for m in re.finditer(
+            r"instance changed with its deployment.*?restarts=(\d+) in_place=(\d+) restart_ms=([\d.]+) ms=([\d.]+)",
+            log)]
+        restarts, parts = [r for _, _, r, _ in found], [ms for _, _, _, ms in found]
+        how = (f"{sum(n for _, n, _, _ in found)} of {sum(n for n, _, _, _ in found)} in place, the others "
+               f"stop + {'cold boot' if args.driver == 'microvm' else 'start'}")
     say(f"{args.driver} driver, {changed} changed, {args.users} users (half asleep when each redeploy lands), "
         f"{args.rounds} rounds; through `moorage up` and the SDK client (HTTP)")
     say("")
@@ -152,7 +155,7 @@ def main() -> None:
     say(f"| of which the sandbox's packages changed{'' if apt else ' and restarted'} (server log, same run; "
         f"n={len(parts)}) | "
         f"{_p50(parts):.0f} | |")
-    say(f"| of which the restart (stop, start{' cold boot' if args.driver == 'microvm' else ''}) | "
+    say(f"| of which the restart ({how}) | "
         f"{_p50(restarts):.0f} | |")
     say("")
     say(f"**redeploy reaches existing users ({args.driver}): first turn after a code-only redeploy p50 "

@@ -389,8 +389,9 @@ async def test_an_index_outside_the_operator_policy_fails_clearly(world: World) 
 
 async def test_a_redeploy_that_adds_requirements_reaches_a_users_existing_vm(world: World, tmp_path: Path) -> None:
     """An instance keeps its VM across a redeploy; when the new deployment asks for packages its template did not
-    have, they are installed into that VM (from the host's cache the template build filled) and it boots again, with
-    its files, the packages on the agent's path and on that of every process it starts (runtime/instance_update.py)."""
+    have, they are installed into that VM (from the host's cache the template build filled) and its processes restart
+    in place, with its files, the packages on the agent's path and on that of every process it starts
+    (runtime/instance_update.py)."""
     w = world
     ts = w.env.store.tenant(w.env.principal)
     assert await ask(w, "import", user="bea") != "from-the-wheel"  # netty had no requirements: not installed
@@ -405,10 +406,13 @@ async def test_a_redeploy_that_adds_requirements_reaches_a_users_existing_vm(wor
     assert ts.sandboxes.for_scope(Scope.for_user("netty", "bea")).id == rec.id  # the same instance and VM
     r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/work/kept"], timeout=60)
     assert r.stdout == b"mine\n"
-    # It booted with the new deployment's environment (set_boot_env: the kernel command line's moorage.env).
-    r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/proc/cmdline"], timeout=60)
-    arg = next(t for t in r.stdout.decode().split() if t.startswith("moorage.env="))
-    assert json.loads(base64.urlsafe_b64decode(arg.split("=", 1)[1]))["PYTHONPATH"] == SITE_DIR
+    # Its processes restarted in place with the new deployment's environment (the supervisor's, which init keeps
+    # for the supervisor's next start), and the next cold boot gets it too (the VM's recorded environment).
+    r = await (await w.env.runtime.driver.open(rec.id)).exec(["cat", "/run/moorage/boot-env"], timeout=60)
+    assert json.loads(base64.urlsafe_b64decode(r.stdout))["PYTHONPATH"] == SITE_DIR
+    r = await (await w.env.runtime.driver.open(rec.id)).exec(["sh", "-c", "echo $PYTHONPATH"], timeout=60)
+    assert r.stdout.decode().strip() == SITE_DIR
+    assert w.env.runtime.driver.boot_env(await w.env.runtime.driver.open(rec.id))["PYTHONPATH"] == SITE_DIR
     # Asleep and awake (its RAM now that of the new boot), it still has them; the network is attached again.
     assert await w.env.manager.sleep(ts, Scope.for_user("netty", "bea"))
     assert await ask(w, "import", user="bea") == "from-the-wheel"

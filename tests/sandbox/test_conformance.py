@@ -11,7 +11,6 @@ import base64
 import hashlib
 import io
 import os
-import socket
 import struct
 import uuid
 import zipfile
@@ -148,6 +147,18 @@ async def test_a_sandbox_starts_with_the_environment_it_is_given(driver: Sandbox
     with pytest.raises(SandboxStateError):
         await driver.set_boot_env(sb, {"NEWER": "3"})
     assert driver.boot_env(sb) == {"NEW": "2"}
+
+    # ``restart_in_place`` (a micro-VM's supervisor executes itself afresh; the process driver cannot): every process
+    # ends and the new ones have the new environment, or nothing changes and the caller stops and starts it.
+    await sh(sb, "nohup sleep 600 >/dev/null 2>&1 & echo $! > bg.pid")
+    done = await driver.restart_in_place(sb, {"NEWER": "3"})
+    assert done is (driver.name == "microvm")
+    alive = (await sh(sb, "kill -0 $(cat bg.pid) 2>/dev/null && echo alive || echo gone")).strip()
+    env = (await sh(sb, 'echo "${NEW:-none} ${NEWER:-none}"')).strip()
+    if done:
+        assert (alive, env, driver.boot_env(sb)) == ("gone", "none 3", {"NEWER": "3"})
+    else:
+        assert (alive, env, driver.boot_env(sb)) == ("alive", "2 none", {"NEW": "2"})
 
 
 def _make_wheel(tmp: Path) -> Path:

@@ -1,6 +1,7 @@
 """The supervisor: finds its transport (unix socket, inherited fd or virtio-serial port), serves the registry.
 
-Built-in methods: ping, exec, fs.*, sys.sync, sys.shutdown, sys.restart (a VM's). Extensions add theirs via ``--extension MODULE``.
+Built-in methods: ping, exec, fs.*, sys.sync, sys.shutdown, sys.restart (a VM's). Extensions add theirs via
+``--extension MODULE``.
 """
 
 from __future__ import annotations

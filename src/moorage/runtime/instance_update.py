@@ -22,8 +22,8 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
   packages changed restarts now, so no module of the old ones stays imported (C extensions cannot be unloaded).
 
 A change of the Debian packages alone restarts nothing (as an ``apt-get install`` on a running machine: processes
-running keep the binaries they started with). Files stay; processes do not survive a restart. Every step can be repeated: each marker is written last, so an interrupted change is made again on
-the next load.
+running keep the binaries they started with). Files stay; processes do not survive a restart. Every step can be
+repeated: each marker is written last, so an interrupted change is made again on the next load.
 """
 
 from __future__ import annotations
@@ -173,8 +173,8 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
         detach(sandbox.channel)
         ms = (time.perf_counter() - started) * 1000
         log.info("instance changed with its deployment", sandbox=sandbox.id, deployment=deployment.id,
-                 template=ref.id, packages=how, apt=apt_how, restarts=restarts, in_place=in_place, restart_ms=round(restart_s * 1000, 1),
-                 ms=round(ms, 1))
+                 template=ref.id, packages=how, apt=apt_how, restarts=restarts,
+                 in_place=in_place, restart_ms=round(restart_s * 1000, 1), ms=round(ms, 1))
         return True
 
 

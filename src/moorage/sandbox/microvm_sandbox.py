@@ -288,7 +288,8 @@ class MicroVMSandbox(Checkpointing, Sandbox):
             if accept(await self._connect_channel(max(deadline - time.monotonic(), 0.1))):
                 return
             if time.monotonic() > deadline:
-                raise BootError(f"the guest of sandbox {self.id} did not restart within {timeout:.0f} s: {self._log_tail()}")
+                raise BootError(f"the guest of sandbox {self.id} did not restart within {timeout:.0f} s: "
+                                f"{self._log_tail()}")
             await asyncio.sleep(0.02)
 
     def _protocol_broken(self, channel: Channel) -> None:
