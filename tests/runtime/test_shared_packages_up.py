@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -52,7 +54,8 @@ def write_agent(base: Path) -> Path:
     """Agent ``tab``: its turn formats the message with ``tabulate``, from its requirements.txt."""
     agent = base / "tab"
     agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "moorage.toml").write_text('[agent]\nname = "tab"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n'
+                                        'concurrency = "parallel"\n')
     (agent / "agent.py").write_text(AGENT_PY)
     (agent / "requirements.txt").write_text("tabulate\n")
     return agent
@@ -121,13 +124,24 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
             assert list((data / "sandboxes" / boxes["user:tab/ann"] / "layer/work/.moorage/site").iterdir()) == []
             assert say("cid", "hello") == "hello  5"  # cid's first turn of #2 too (it was awake, idle)
 
-            # And one that drops its requirements leaves them no packages to import.
-            (agent / "requirements.txt").unlink()
-            (agent / "agent.py").write_text(PLAIN_PY)
-            (agent / "moorage.toml").write_text(manifest)
-            d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True, timeout=600,
-                               cwd=ROOT)
-            assert d.returncode == 0 and "deployed tab #3" in d.stdout, d.stdout + d.stderr
+            # And one that drops its requirements leaves them no packages to import. A turn of another of ann's
+            # sessions (in parallel: the agent's concurrency), running on #2 when her first turn of #3 restarts the
+            # sandbox, is waited for, not cut.
+            with ThreadPoolExecutor(2) as pool:
+                slow = pool.submit(lambda: str(api.invoke("tab", "slow", user="ann", session="other")["reply"]))
+                _until(lambda: api.exec(boxes["user:tab/ann"], ["test", "-e", "/work/waiting"])["exit_code"] == 0)
+                (agent / "requirements.txt").unlink()
+                (agent / "agent.py").write_text(PLAIN_PY)
+                (agent / "moorage.toml").write_text(manifest)
+                d = subprocess.run([*MOORAGE, "deploy", str(agent)], env=env, capture_output=True, text=True,
+                                   timeout=600, cwd=ROOT)
+                assert d.returncode == 0 and "deployed tab #3" in d.stdout, d.stdout + d.stderr
+                first = pool.submit(say, "ann", "packages")
+                time.sleep(2)
+                assert not first.done() and not slow.done()  # the change waits for the running turn
+                assert api.exec(boxes["user:tab/ann"], ["touch", "/work/go"])["exit_code"] == 0
+                assert slow.result(timeout=120) == "went"
+                assert first.result(timeout=300) == "none"
             for user in ("ann", "bob"):
                 assert say(user, "packages") == "none"
                 assert say(user, "proxy") == ""
@@ -137,7 +151,15 @@ def test_users_of_an_agent_with_packages_share_the_templates_copy(tmp_path: Path
         server.stop()
 
 
+def _until(check: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
 SNIFFIO_PY = '''
+import asyncio
 
 _plain = on_message
 
@@ -148,6 +170,13 @@ async def on_message(ctx, message):
         return sniffio.__file__
     if message == "proxy":
         return (await ctx.exec(["sh", "-c", "echo $HTTP_PROXY"]))["stdout"].strip()
+    if message == "slow":  # runs until the test says go
+        ctx.files.write("waiting", "1")
+        for _ in range(1200):
+            if os.path.exists("/work/go"):
+                return "went"
+            await asyncio.sleep(0.05)
+        return "timed out"
     return await _plain(ctx, message)
 '''
 

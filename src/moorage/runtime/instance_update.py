@@ -11,15 +11,19 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
   nothing is copied, and the instance's record names that template so the fleet's collector keeps it; the
   sandbox restarts with them;
 - otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
-  shared them), a sandbox whose environment changed restarts with the new one first (in place where the driver can,
-  ``restart_in_place``: a micro-VM's guest supervisor kills every other process and executes itself afresh, unless
-  the NIC comes or goes, which needs a boot) (so its relay carries the
-  downloads below, and no process keeps the old environment); the old packages are removed and the new ones
-  installed into the sandbox, from this host's package cache (filled when the template was built here; in a
-  fleet, fetched from what the template's builder published beside it), else by pip through the gateway as at
-  deploy time; the Debian packages the list added are installed (the host's cache, else apt-get through the
-  gateway) and the ones it dropped purged (``deploy_apt.update``); a sandbox not restarted yet whose Python
-  packages changed restarts now, so no module of the old ones stays imported (C extensions cannot be unloaded).
+  shared them), a sandbox whose environment changed restarts with the new one first, so its relay carries the
+  downloads below and no process keeps the old environment (in place where the driver can, ``restart_in_place``:
+  a micro-VM's guest supervisor kills every other process and executes itself afresh, unless the NIC comes or
+  goes, which needs a boot); the old packages are removed and the new ones installed into the sandbox, from this
+  host's package cache (filled when the template was built here; in a fleet, fetched from what the template's
+  builder published beside it), else by pip through the gateway as at deploy time; the Debian packages the list
+  added are installed (the host's cache, else apt-get through the gateway) and the ones it dropped purged
+  (``deploy_apt.update``); a sandbox not restarted yet whose Python packages changed restarts now, so no module
+  of the old ones stays imported (C extensions cannot be unloaded).
+
+Before it touches the sandbox, a change waits (up to ``DRAIN_S``) for the agent turns running in it to end
+(``in_turn``: another of the user's sessions, still on the old deployment), so a restart does not cut them; turns
+that start meanwhile load the new deployment and wait for the change.
 
 A change of the Debian packages alone restarts nothing (as an ``apt-get install`` on a running machine: processes
 running keep the binaries they started with). Files stay; processes do not survive a restart. Every step can be
@@ -29,10 +33,11 @@ repeated: each marker is written last, so an interrupted change is made again on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from moorage.errors import ConflictError
 from moorage.log import get_logger
@@ -50,6 +55,30 @@ SHARED_TEMPLATE = "shared_template"
 
 #: One change at a time per sandbox; an entry lives while a load holds or waits for it.
 _locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
+#: How many agent turns run in each sandbox now (``in_turn``); an entry lives while one does.
+_running: dict[str, int] = {}
+#: How long a change waits for them; a turn still running then is cut by the restart (its connection ends).
+DRAIN_S = 120.0
+
+
+@contextlib.contextmanager
+def in_turn(sandbox_id: str) -> Iterator[None]:
+    """Around an agent turn running in the sandbox: a change of its packages waits for it to end."""
+    _running[sandbox_id] = _running.get(sandbox_id, 0) + 1
+    try:
+        yield
+    finally:
+        left = _running.pop(sandbox_id) - 1
+        if left:
+            _running[sandbox_id] = left
+
+
+async def drain(sandbox_id: str, timeout_s: float = DRAIN_S) -> int:
+    """Wait until no agent turn runs in the sandbox, up to ``timeout_s``; returns how many still run."""
+    deadline = time.monotonic() + timeout_s
+    while _running.get(sandbox_id) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return _running.get(sandbox_id, 0)
 
 
 async def installed(sandbox: Sandbox) -> str | None:
@@ -106,6 +135,11 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
                 return False
         shares = packages and driver.capabilities.shares_template_dirs
         restart_s, in_place = 0.0, 0
+        if _running.get(sandbox.id):
+            t, n = time.perf_counter(), _running[sandbox.id]
+            left = await drain(sandbox.id)
+            log.info("waited for the turns running in the sandbox", sandbox=sandbox.id, turns=n, still_running=left,
+                     ms=round((time.perf_counter() - t) * 1000))
 
         def say(msg: str) -> None:
             log.info(msg, sandbox=sandbox.id)

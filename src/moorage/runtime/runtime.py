@@ -657,11 +657,13 @@ class Runtime(Deployments, OperatorVerbs):
                 await instance_update.load(self, sandbox, dep, binding.ts, on_restart=register)
             self._loaded[sandbox.id] = binding.deployment_id
             try:
-                async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
-                    async for ev in call:
-                        yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
-                                        {"event": ev.event, "data": ev.data})
-                    result = call.result
+                # Counted while it runs: a redeploy's change of the sandbox waits for it (instance_update.drain).
+                with instance_update.in_turn(sandbox.id):
+                    async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
+                        async for ev in call:
+                            yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
+                                            {"event": ev.event, "data": ev.data})
+                        result = call.result
                 break
             except RemoteError as e:
                 if e.rpc_code == NOT_LOADED and attempt == 1:
