@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.log import get_logger
 from moorage.objects import ObjectNotFound, ObjectStore
+from moorage.store.model import FORKED_FROM, SHARED_TEMPLATE
 
 if TYPE_CHECKING:
     from moorage.fleet.templates import PublishedTemplates
@@ -78,7 +79,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
             # reprovisioned instance's differs from the one its row was created with). Both are kept: a
             # provision in progress has only the row's. ``meta.shared_template``: the template whose shared
             # directories it binds since a redeploy changed its packages (runtime/instance_update.py).
-            for tid in (rec.template_ref, rec.meta.get("template"), rec.meta.get("shared_template")):
+            for tid in (rec.template_ref, rec.meta.get(FORKED_FROM), rec.meta.get(SHARED_TEMPLATE)):
                 if isinstance(tid, str) and tid:
                     pinned.add(tid)
             users.add((ts.tenant_id, rec.scope.agent, rec.scope.user))  # user None: an agent-wide instance

@@ -28,7 +28,7 @@ from moorage.lifecycle.policies import (FixedTimeout, IdleGapHistogram, Instance
                                         parse_policy)
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
-from moorage.store import SandboxRecord, Scope, Store, TenantStore
+from moorage.store import FORKED_FROM, SHARED_TEMPLATE, SandboxRecord, Scope, Store, TenantStore
 from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
@@ -573,8 +573,8 @@ class InstanceManager(fleet_rules.FleetDuties):
             # The template this sandbox is a fork of (a reprovisioned instance's is today's, not the one its row
             # was created with): the template collector keeps it while the instance lives (fleet/gc.py).
             # A fresh fork binds nothing of another template (runtime/instance_update.py).
-            meta = {k: v for k, v in rec.meta.items() if k != "shared_template"}
-            rec = SandboxRecord(**{**rec.__dict__, "meta": {**meta, "template": template.id}})
+            meta = {k: v for k, v in rec.meta.items() if k != SHARED_TEMPLATE}
+            rec = SandboxRecord(**{**rec.__dict__, "meta": {**meta, FORKED_FROM: template.id}})
             if self.fleet is not None:
                 await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
             rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)

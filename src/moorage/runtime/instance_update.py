@@ -46,12 +46,9 @@ from moorage.runtime.package import unpack
 from moorage.runtime.templates import boot_env, push_and_load
 from moorage.runtime.vm_network import detach
 from moorage.sandbox import GuestFileNotFound, Sandbox, SandboxError
+from moorage.store.model import FORKED_FROM, SHARED_TEMPLATE
 
 log = get_logger(__name__)
-
-#: The key of an instance record's meta naming the template whose shared directories its sandbox binds, when that
-#: is not the template it was forked from (``fleet/gc.template_use`` keeps it).
-SHARED_TEMPLATE = "shared_template"
 
 #: One change at a time per sandbox; an entry lives while a load holds or waits for it.
 _locks: "weakref.WeakValueDictionary[str, asyncio.Lock]" = weakref.WeakValueDictionary()
@@ -128,7 +125,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             # No marker: packages from a template made before markers were written (or none). If the sandbox was
             # forked from, or binds, the deployment's own template, it has that template's packages already.
             rec = await asyncio.to_thread(ts.sandboxes.get, sandbox.id)
-            own = (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get("template")) == ref.id
+            own = (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get(FORKED_FROM)) == ref.id
             packages = packages and not (have is None and own)
             apt_changed = apt_changed and not (have_apt is None and own)
             if not (packages or apt_changed or env_changed):

@@ -9,6 +9,8 @@ from moorage.config import Config
 from moorage.errors import ConfigError
 from moorage.store.base import Backend
 from moorage.store.model import (
+    FORKED_FROM,
+    SHARED_TEMPLATE,
     Agent,
     ApiKey,
     Deployment,
@@ -55,4 +57,5 @@ __all__ = [
     "Agent", "ApiKey", "Backend", "Deployment", "EndUser", "EntityKey", "Event", "EventIn", "Fact", "JournalEntry",
     "Operator", "Principal", "Record", "SandboxRecord", "Scope", "Session", "Span", "Step", "Store", "SweepReport",
     "Tenant", "TenantStore", "UsageEntry", "WorkflowRun", "open_backend", "open_store",
+    "FORKED_FROM", "SHARED_TEMPLATE",
 ]

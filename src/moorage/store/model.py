@@ -321,6 +321,13 @@ class JournalEntry:
     version: int
 
 
+#: Keys of an instance record's ``meta`` naming templates the fleet's collector keeps while it lives (fleet/gc.py):
+#: the one its sandbox was forked from, and the one whose shared directories it binds since a redeploy changed its
+#: packages (runtime/instance_update.py).
+FORKED_FROM = "template"
+SHARED_TEMPLATE = "shared_template"
+
+
 @dataclass(frozen=True)
 class SandboxRecord:
     id: str
