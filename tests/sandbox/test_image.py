@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,8 +75,38 @@ def test_changed_guest_code_relayers_without_debootstrap(guest_image: GuestImage
         assert ("rootfs", "cached debootstrap tree") in steps and ("kernel", "cached") in steps
         out = subprocess.run(["debugfs", "-R", f"cat {image_guest.GUEST_DIR_IN_VM}/extra_marker.py", str(img.rootfs)], capture_output=True, text=True)
         assert "relayered" in out.stdout
+        # Compiled into the image when this host's Python is the guest's (Debian 12's 3.11), as here.
+        out = subprocess.run(["debugfs", "-R", f"ls {image_guest.GUEST_DIR_IN_VM}/__pycache__", str(img.rootfs)],
+                             capture_output=True, text=True)
+        assert ("extra_marker.cpython-311.pyc" in out.stdout) is (sys.version_info[:2] == (3, 11)), out.stdout
     finally:
         shutil.rmtree(img.dir, ignore_errors=True)
+
+
+def test_guest_modules_are_compiled_for_the_guests_python_and_checked_against_their_source(tmp_path: Path) -> None:
+    """The image carries the guest's byte code (a supervisor start under TCG does not compile it again), only for
+    the Python the tree has, and a source changed after the build is what runs."""
+    root = tmp_path / "root"
+    lib = root / "usr" / "lib" / ("python%d.%d" % sys.version_info[:2])
+    lib.mkdir(parents=True)
+    (lib / "os.py").write_text("")
+    pkg = root / "opt" / "moorage" / "demo"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "m.py").write_text("X = 1\n")
+    image_guest._precompile(root, root / "opt" / "moorage")
+    assert (pkg / "__pycache__" / f"m.{sys.implementation.cache_tag}.pyc").is_file()
+    (pkg / "m.py").write_text("X = 2\n")
+    out = subprocess.run([sys.executable, "-B", "-c", "import demo.m; print(demo.m.X)"], capture_output=True,
+                         text=True, cwd=root / "opt" / "moorage", timeout=60)
+    assert out.stdout.strip() == "2", out.stderr
+    # A tree of another Python: nothing compiled (this host's byte code would not be its).
+    other = tmp_path / "other"
+    (other / "usr" / "lib" / "python3.99").mkdir(parents=True)
+    (other / "usr" / "lib" / "python3.99" / "os.py").write_text("")
+    shutil.copytree(pkg, other / "opt" / "moorage" / "demo", ignore=shutil.ignore_patterns("__pycache__"))
+    image_guest._precompile(other, other / "opt" / "moorage")
+    assert not (other / "opt" / "moorage" / "demo" / "__pycache__").exists()
 
 
 def test_image_boots_to_its_python_under_tcg(guest_image: GuestImage, tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ log = get_logger(__name__)
 #: Bump when the build steps change in a way the recipe fields do not capture.
 BUILDER_VERSION = "3"
 #: Bump when the final layer (guest runtime + root filesystem) is made differently; names images, not the caches.
-FINAL_LAYER_VERSION = "2"  # 2: the root filesystem is shrunk to its contents; each sandbox grows it to its disk
+FINAL_LAYER_VERSION = "3"  # 2: the root filesystem is shrunk to its contents; each sandbox grows it to its disk
+# 3: the guest's modules are compiled in the image
 
 #: Progress callback: (step, detail). The CLI renders these with rich; tests ignore them.
 Progress = Callable[[str, str], None]

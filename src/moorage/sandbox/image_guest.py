@@ -5,9 +5,12 @@ Kept apart from the builder so the cheap final layer (and its hash) is easy to r
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import os
+import py_compile
 import shutil
+import sys
 from pathlib import Path
 
 from moorage.sandbox import guest_source_dir
@@ -190,3 +193,18 @@ def layer_guest_runtime(root: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(p, target)
         os.chmod(target, 0o644)
+    _precompile(root, root / "opt" / "moorage")
+
+
+def _precompile(root: Path, tree: Path) -> None:
+    """Compile the guest's modules into the image (its init sets PYTHONDONTWRITEBYTECODE): otherwise every
+    supervisor start, a cold boot's or a restart in place's, compiles them again (a restart in place under TCG:
+    1.3 s p50 compiling them, 1.1 s with them compiled). Checked against their sources' hashes when imported, so a
+    changed source is never run stale. Only a host of the guest's Python version can (byte code is per version);
+    another host's image just compiles them at each start."""
+    versions = {p.parent.name for p in (root / "usr" / "lib").glob("python3.*/os.py")}
+    if versions != {"python%d.%d" % sys.version_info[:2]}:
+        return
+    ok = compileall.compile_dir(str(tree), quiet=1, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    if not ok:
+        raise RuntimeError(f"the guest's modules under {tree} did not compile")
