@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -58,6 +59,22 @@ def test_second_build_reuses_the_cache(guest_image: GuestImage) -> None:
     img = ImageBuilder(IMAGES_DIR, progress=lambda step, detail: steps.append(step)).build()
     assert img.id == guest_image.id
     assert steps == ["cached"]
+
+
+def test_a_cached_image_is_found_where_it_lies_not_where_its_manifest_was_written(guest_image: GuestImage,
+                                                                                   tmp_path: Path) -> None:
+    """A host whose data dir links the shared image cache writes manifests with paths through that link; once the
+    data dir is gone, another user of the cache still finds the image's files."""
+    d = json.loads((guest_image.dir / "manifest.json").read_text())
+    for k in ("dir", "kernel", "initrd", "rootfs"):
+        d[k] = "/gone/data/images/" + d["id"] + ("" if k == "dir" else "/" + Path(d[k]).name)
+    here = tmp_path / guest_image.id
+    here.mkdir()
+    (here / "manifest.json").write_text(json.dumps(d))
+    img = GuestImage.load(here)
+    assert (img.dir, img.kernel, img.initrd, img.rootfs) == (
+        here, here / "vmlinuz", here / "initrd.img", here / "rootfs.ext4")
+    assert (img.id, img.guest_code_hash) == (guest_image.id, guest_image.guest_code_hash)
 
 
 def test_changed_guest_code_relayers_without_debootstrap(guest_image: GuestImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,9 +91,12 @@ class GuestImage:
 
     @classmethod
     def load(cls, image_dir: Path) -> "GuestImage":
+        """The image in ``image_dir``, its files found there: not at the paths the manifest was written with,
+        which may be another path to a shared cache (a host's data dir linking it), gone since."""
         d = json.loads((image_dir / "manifest.json").read_text())
-        for k in ("dir", "kernel", "initrd", "rootfs"):
-            d[k] = Path(d[k])
+        d["dir"] = Path(image_dir)
+        for k in ("kernel", "initrd", "rootfs"):
+            d[k] = Path(image_dir) / Path(d[k]).name
         return cls(**d)
 
 
