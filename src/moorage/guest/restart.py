@@ -1,20 +1,30 @@
-"""The supervisor restarted in place (``sys.restart``): every other process of the guest killed, then the supervisor
-executes itself afresh with a new environment. The kernel, its page cache and the disk stay: on a micro-VM this is a
-new interpreter (about a second under TCG) where a restart of the VM is a cold boot (about ten).
+"""The supervisor restarted in place (``sys.restart``): every other process of the guest killed, then a fresh
+supervisor with the new environment. The kernel, its page cache and the disk stay.
+
+On a micro-VM the process init starts is a *holder* (``hold``): the guest's Python with the supervisor's modules
+imported and no event loop, no agent code, which forks the supervisor and stays its parent. A restart kills every
+other process and forks a new supervisor from the holder, with the new environment: a fork where a new interpreter
+spent about a second under TCG importing the same modules again (``asyncio`` alone ~0.6 s). A change of what an
+interpreter reads as it starts (``STARTUP_PREFIXES``, ``STARTUP_KEYS``) executes the holder afresh instead, as does
+a supervisor with no holder (a guest image from before it).
 
 Stdlib only. A redeploy uses it when an instance's packages or environment changed (``runtime/instance_update.py``):
-no module of the old packages stays imported, no process keeps the old environment, as after a reboot.
+no module of the old packages stays imported (the holder never imported agent code), no process keeps the old
+environment, as after a reboot.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import os
+import select
 import signal
+import socket
 import sys
 import time
-from typing import Dict, Iterable, List, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 from .rpc import log
 
@@ -24,6 +34,18 @@ ENV_FILE = "/run/moorage/boot-env"
 _PF_KTHREAD = 0x00200000
 #: How long the killed processes get to be gone before the supervisor executes itself anyway.
 REAP_S = 5.0
+#: What a Python interpreter reads from the environment as it starts (its flags, locale, user site directory, time
+#: zone) and the guest's list of extensions: a restart that changes one of them executes a fresh interpreter. Not
+#: PYTHONPATH: the holder moves its entries on ``sys.path`` itself (``_swap_pythonpath``).
+STARTUP_PREFIXES = ("PYTHON", "LC_", "MOORAGE_GUEST_")
+STARTUP_KEYS = frozenset({"LANG", "LANGUAGE", "HOME", "TZ"})
+#: The most a supervisor's restart request to its holder may hold (its environment, JSON).
+MAX_REQUEST = 1 << 20
+#: Changes when the supervisor's interpreter is started afresh, not when a holder forks a supervisor (``ping``).
+INTERPRETER = os.urandom(8).hex()
+
+#: In a supervisor forked by a holder: its end of the socket over which it asks for its restart.
+_control: Optional[socket.socket] = None
 
 
 def _others() -> List[int]:
@@ -90,7 +112,121 @@ def exec_again(base: Mapping[str, str], env: "Mapping[str, str] | None", unset: 
     killed = kill_others()
     if env is not None:
         save_env(env)
-    log("restarting in place", killed=killed)
+    log("restarting in place", killed=killed, how="exec")
+    _execute(environment(base, env or {}, unset))
+
+
+def _execute(env: Mapping[str, str]) -> None:
     sys.stderr.flush()
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable] + sys.argv)
-    os.execve(sys.executable, [sys.executable] + argv[1:], environment(base, env or {}, unset))
+    os.execve(sys.executable, [sys.executable] + argv[1:], dict(env))
+
+
+def request(base: Mapping[str, str], env: "Mapping[str, str] | None", unset: Iterable[str]) -> None:
+    """The supervisor's side of ``sys.restart``: ask the holder (which kills this process with the others), or,
+    without one, execute itself afresh."""
+    if _control is not None:
+        try:
+            _control.sendall(json.dumps({"env": None if env is None else dict(env), "unset": list(unset)}).encode()
+                             + b"\n")
+            return
+        except OSError as e:
+            log("the holder did not take the restart; executing afresh", error=str(e))
+    exec_again(base, env, unset)
+
+
+def forks_alike(started: Mapping[str, str], env: Mapping[str, str]) -> bool:
+    """Whether a supervisor forked from an interpreter that started with ``started`` runs as one started afresh
+    with ``env`` would: no variable it read as it started differs."""
+    keys = {k for k in (*started, *env)
+            if k in STARTUP_KEYS or (k.startswith(STARTUP_PREFIXES) and k != "PYTHONPATH")}
+    return all(started.get(k) == env.get(k) for k in keys)
+
+
+def _entries(pythonpath: str) -> List[str]:
+    return [p for p in pythonpath.split(os.pathsep) if p]
+
+
+def _swap_pythonpath(old: str, new: str) -> None:
+    """``sys.path`` as an interpreter started with PYTHONPATH ``new`` has it, from one started with ``old``: its
+    entries come just before the standard library's."""
+    olds, news = _entries(old), _entries(new)
+    if olds == news:
+        return
+    for entry in olds:
+        if entry in sys.path:
+            sys.path.remove(entry)
+    stdlib = os.path.dirname(os.__file__)
+    at = next((i for i, p in enumerate(sys.path) if p.endswith(".zip") or p == stdlib), len(sys.path))
+    sys.path[at:at] = [p for p in news if p not in sys.path]
+
+
+def _wait(pid: int, ctl: Optional[socket.socket]) -> Dict[str, Any]:
+    """Wait for the supervisor ``pid``: its restart request (returned), or its end (this process ends with its
+    status, and the guest's init starts a fresh supervisor, as without a holder)."""
+    pidfd, buf = os.pidfd_open(pid), b""
+    try:
+        while True:
+            ready, _, _ = select.select([pidfd] if ctl is None else [ctl, pidfd], [], [])
+            if pidfd in ready:
+                _, status = os.waitpid(pid, 0)
+                code = os.waitstatus_to_exitcode(status)
+                log("supervisor ended", pid=pid, code=code)
+                os._exit(code if code >= 0 else 128 - code)
+            assert ctl is not None
+            data = ctl.recv(65536)
+            if not data:
+                ctl = None  # it closed its end: only its end is left to wait for
+                continue
+            buf += data
+            line, nl, buf = buf.partition(b"\n")
+            if not nl:
+                buf = line
+                if len(buf) > MAX_REQUEST:
+                    log("restart request over the limit; dropped", bytes=len(buf))
+                    buf = b""
+                continue
+            try:
+                req = json.loads(line)
+                env, unset = req["env"], req["unset"]
+                if not ((env is None or (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())))
+                        and isinstance(unset, list) and all(isinstance(k, str) for k in unset)):
+                    raise ValueError("env must be null or an object of strings, unset a list of strings")
+            except (ValueError, KeyError, TypeError) as e:
+                log("bad restart request; ignored", error=str(e))
+                continue
+            return req
+    finally:
+        os.close(pidfd)
+
+
+def hold() -> None:
+    """Become the holder (see the module; the caller imported what every supervisor needs): fork the supervisor,
+    and on its restart request kill every other process and fork a new one. Returns only in a supervisor child.
+    Without ``os.pidfd_open`` it returns at once: the supervisor is this process and restarts by executing itself."""
+    global _control
+    if not hasattr(os, "pidfd_open"):
+        return
+    started = dict(os.environ)
+    while True:
+        mine, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            _control = theirs
+            return
+        theirs.close()
+        req = _wait(pid, mine)
+        mine.close()
+        killed = kill_others()
+        env = environment(os.environ, req["env"] or {}, req["unset"])
+        if req["env"] is not None:
+            save_env(req["env"])
+        if not forks_alike(started, env):
+            log("restarting in place", killed=killed, how="exec")
+            _execute(env)
+        _swap_pythonpath(os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", ""))
+        os.environ.clear()
+        os.environ.update(env)
+        importlib.invalidate_caches()  # packages installed since: their directories are looked at again
+        log("restarting in place", killed=killed, how="fork")

@@ -81,6 +81,7 @@ class Supervisor:
             "uptime_s": time.monotonic() - self.started,
             "methods": self.registry.names(),
             "python": sys.version.split()[0],
+            "interpreter": restart.INTERPRETER,
         }
 
     async def sync(self, params: Any, ctx: Context) -> dict:
@@ -93,8 +94,9 @@ class Supervisor:
         return {}
 
     async def restart(self, params: Any, ctx: Context) -> dict:
-        """Answer, then kill every other process of the guest and execute a fresh supervisor (guest/restart.py), with
-        ``env`` (the new spec's; absent: the same) in place of the old spec's keys named in ``unset``."""
+        """Answer, then every other process of the guest is killed and a fresh supervisor started (forked by the
+        holder, or executed afresh: guest/restart.py), with ``env`` (the new spec's; absent: the same) in place of the
+        old spec's keys named in ``unset``."""
         params = params or {}
         env, unset = params.get("env"), params.get("unset") or []
         if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
@@ -102,7 +104,7 @@ class Supervisor:
             raise RpcError("env must be an object of strings", INVALID_PARAMS)
         if not (isinstance(unset, list) and all(isinstance(k, str) for k in unset)):
             raise RpcError("unset must be a list of strings", INVALID_PARAMS)
-        asyncio.get_running_loop().call_later(0.05, restart.exec_again, self.base_env, env, unset)
+        asyncio.get_running_loop().call_later(0.05, restart.request, self.base_env, env, unset)
         return {"boot_id": self.boot_id}
 
     async def serve_stream(self, reader: asyncio.StreamReader, writer: Any) -> str:
@@ -160,6 +162,15 @@ class Supervisor:
             await asyncio.sleep(0.05)
 
 
+def preload(modules: List[str]) -> None:
+    """Import what each supervisor loads (stdlib-only guest modules) in a process that forks supervisors."""
+    for name in modules:
+        try:
+            importlib.import_module(f"{__package__}.{name}")
+        except Exception as e:  # the supervisor reports it when it loads the extension
+            log("could not preload a module", module=name, error=str(e))
+
+
 def zygote(fd: int, modules: List[str]) -> None:
     """Process driver: this process (imports done, no event loop, no agent code) stays as the sandbox's first
     process and forks each supervisor from itself; it returns only in a supervisor child.
@@ -169,11 +180,7 @@ def zygote(fd: int, modules: List[str]) -> None:
     forked. A rollback restarts the agent this way in a few milliseconds, without a new sandbox or interpreter.
     A supervisor that ends on its own ends the sandbox, as it would without a zygote. When the host's end closes
     (its handle on the sandbox went away; the sandbox itself may live on) the zygote only waits for the supervisor."""
-    for name in modules:  # what each supervisor loads, imported once here (stdlib-only guest modules)
-        try:
-            importlib.import_module(f"{__package__}.{name}")
-        except Exception as e:  # the supervisor reports it when it loads the extension
-            log("zygote could not preload a module", module=name, error=str(e))
+    preload(modules)
     ctl: Optional[socket.socket] = socket.socket(fileno=fd)
     while True:
         pid = os.fork()
@@ -222,6 +229,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     extensions = list(dict.fromkeys(extensions))
     if args.zygote_fd is not None:
         zygote(args.zygote_fd, [e for e in extensions if "." not in e])
+    elif args.virtio is not None:
+        # A VM's supervisor is forked from a holder, which forks the next one on ``sys.restart`` (guest/restart.py).
+        preload([e for e in extensions if "." not in e])
+        restart.hold()
     workdir = args.workdir if os.path.isdir(args.workdir) else os.getcwd()
 
     async def run() -> None:
