@@ -77,6 +77,15 @@ def test_a_cached_image_is_found_where_it_lies_not_where_its_manifest_was_writte
     assert (img.id, img.guest_code_hash) == (guest_image.id, guest_image.guest_code_hash)
 
 
+def test_the_image_id_follows_the_building_hosts_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its byte code is in the image only when the host's Python is the guest's: two versions, two images."""
+    builder = ImageBuilder(IMAGES_DIR)
+    mine = builder.image_id()
+    assert builder.image_id() == mine
+    monkeypatch.setattr(sys, "version_info", (3, 99, 0, "final", 0))
+    assert builder.image_id() != mine
+
+
 def test_changed_guest_code_relayers_without_debootstrap(guest_image: GuestImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moorage.sandbox import guest_source_dir
 

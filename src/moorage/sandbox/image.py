@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -128,7 +129,10 @@ class ImageBuilder:
     # --- public -------------------------------------------------------------------------------------------------
 
     def image_id(self) -> str:
-        return _digest({"recipe": self.recipe.key(), "guest": image_guest.guest_code_hash(), "final": FINAL_LAYER_VERSION})
+        # The building host's Python version too: its image holds the guest modules' byte code only when it is the
+        # guest's (image_guest._precompile), so two hosts' builds of one recipe and code may differ.
+        return _digest({"recipe": self.recipe.key(), "guest": image_guest.guest_code_hash(), "final": FINAL_LAYER_VERSION,
+                        "built_by": "python%d.%d" % sys.version_info[:2]})
 
     def cached(self) -> GuestImage | None:
         d = self.images_dir / self.image_id()
