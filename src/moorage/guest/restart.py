@@ -32,7 +32,7 @@ from .rpc import log
 #: (base64url JSON, as the kernel command line's ``moorage.env=``; /run is a tmpfs: a boot reads the command line).
 ENV_FILE = "/run/moorage/boot-env"
 _PF_KTHREAD = 0x00200000
-#: How long the killed processes get to be gone before the supervisor executes itself anyway.
+#: How long the killed processes get to be gone before the restart goes on anyway.
 REAP_S = 5.0
 #: What a Python interpreter reads from the environment as it starts (its flags, locale, user site directory, time
 #: zone) and the guest's list of extensions: a restart that changes one of them executes a fresh interpreter. Not

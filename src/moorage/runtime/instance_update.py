@@ -13,7 +13,7 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
 - otherwise (a micro-VM: the packages are on the instance's own disk, or a process template made before templates
   shared them), a sandbox whose environment changed restarts with the new one first, so its relay carries the
   downloads below and no process keeps the old environment (in place where the driver can, ``restart_in_place``:
-  a micro-VM's guest supervisor kills every other process and executes itself afresh, unless the NIC comes or
+  a micro-VM's guest kills every other process and forks a fresh supervisor, unless the NIC comes or
   goes, which needs a boot); the old packages are removed and the new ones installed into the sandbox, from this
   host's package cache (filled when the template was built here; in a fleet, fetched from what the template's
   builder published beside it), else by pip through the gateway as at deploy time; the Debian packages the list
@@ -143,7 +143,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
 
         async def restart() -> list[str]:
             """Restart the sandbox's processes with the new environment: in place where the driver can (a micro-VM's
-            supervisor executes itself afresh; the kernel stays), else stop the sandbox, give it the new environment
+            guest forks a fresh supervisor; the kernel stays), else stop the sandbox, give it the new environment
             and bound directories, and start it; returns what it binds from the template when ``shares``."""
             nonlocal restart_s, env_changed, in_place
             t = time.perf_counter()
