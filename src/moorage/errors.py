@@ -13,6 +13,11 @@ class MoorageError(Exception):
     code = "moorage-error"
     #: HTTP status the API maps this error to.
     http_status = 500
+    #: A 5xx whose message and hint are written for the caller (others are kept in the log: the caller gets a
+    #: trace id to quote).
+    for_caller = False
+    #: False: the same request would fail the same way, a client must not retry it (``x-should-retry: false``).
+    retryable: bool | None = None
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)

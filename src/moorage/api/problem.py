@@ -85,10 +85,12 @@ def from_error(err: MoorageError, trace_id: str | None) -> Response:
     current = getattr(err, "current_version", None)
     if isinstance(current, int):
         extra["current_version"] = current
-    if status >= 500 and status != 503:
+    if getattr(err, "retryable", None) is False:
+        headers["x-should-retry"] = "false"  # honoured by this project's SDK and the openai client
+    if status >= 500 and status != 503 and not getattr(err, "for_caller", False):
         # Internal details stay in the log; the caller gets the trace id to quote.
         return problem(status, err.code, "the server failed to handle this request",
-                       hint=f"report trace id {trace_id} to the operator", trace_id=trace_id)
+                       hint=f"report trace id {trace_id} to the operator", trace_id=trace_id, headers=headers)
     return problem(status, err.code, err.message, hint=err.hint, trace_id=trace_id, headers=headers, extra=extra)
 
 

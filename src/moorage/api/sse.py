@@ -26,7 +26,7 @@ def frame(event: str, data: Any) -> bytes:
 
 
 def error_payload(e: BaseException, trace_id: str) -> dict[str, Any]:
-    if isinstance(e, MoorageError) and e.http_status < 500 or isinstance(e, MoorageError) and e.http_status == 503:
+    if isinstance(e, MoorageError) and (e.http_status < 500 or e.http_status == 503 or e.for_caller):
         return {"type": e.code, "status": e.http_status, "detail": e.message, "hint": e.hint, "trace_id": trace_id}
     log.error("stream failed", trace_id=trace_id, error=type(e).__name__, exc_info=e)
     return {"type": "internal", "status": 500, "detail": "the turn failed", "hint": f"report trace id {trace_id}",

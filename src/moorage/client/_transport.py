@@ -1,6 +1,7 @@
 """What the sync and async clients share around one HTTP exchange: settings, retry decisions, answer decoding.
 
-Retries cover 429, 502, 503, 504 and connection failures. A mutating request gets an ``Idempotency-Key``
+Retries cover 429, 502, 503, 504 and connection failures, unless the server says the same request would fail the
+same way (``x-should-retry: false``: the agent's own code raised). A mutating request gets an ``Idempotency-Key``
 before its first attempt (unless the caller gave one), so a retry never acts twice.
 """
 
@@ -78,7 +79,7 @@ def decode(response: httpx.Response) -> Any:
 
 def wait_before_retry(settings: Settings, attempt: int, error: ApiError) -> float | None:
     """Seconds to wait before attempt ``attempt + 1``, or None when the error must reach the caller."""
-    if attempt >= settings.max_retries or error.status not in RETRY_STATUSES:
+    if attempt >= settings.max_retries or error.status not in RETRY_STATUSES or error.retryable is False:
         return None
     if error.retry_after is not None:
         return None if error.retry_after > settings.max_wait_s else error.retry_after

@@ -1,6 +1,8 @@
 """Errors the client raises: one per kind of problem+json answer, each with the server's detail, hint and trace id.
 
-``ApiError.retry_after`` carries the server's ``Retry-After`` (seconds) when it sent one.
+``ApiError.retry_after`` carries the server's ``Retry-After`` (seconds) when it sent one; ``ApiError.retryable`` is
+False when the server said the same request would fail the same way (``x-should-retry: false``, e.g. the agent's own
+code raised), and then the client does not retry it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ class ApiError(Exception):
     """The server answered with an error (RFC 9457 problem+json), or could not be reached."""
 
     def __init__(self, status: int, detail: str, *, type: str = "", hint: str | None = None,
-                 trace_id: str | None = None, retry_after: float | None = None, body: Any = None) -> None:
+                 trace_id: str | None = None, retry_after: float | None = None, body: Any = None,
+                 retryable: bool | None = None) -> None:
         super().__init__(f"{status} {detail}" + (f" ({hint})" if hint else ""))
         self.status = status
         self.detail = detail
@@ -21,6 +24,7 @@ class ApiError(Exception):
         self.trace_id = trace_id
         self.retry_after = retry_after
         self.body = body
+        self.retryable = retryable
 
     @property
     def code(self) -> str:
@@ -76,7 +80,12 @@ def error_for(status: int, body: Any, headers: Any) -> ApiError:
         cls = BadRequest
     return cls(status, str(problem.get("detail") or body or f"HTTP {status}"), type=str(problem.get("type") or ""),
                hint=problem.get("hint"), trace_id=problem.get("trace_id") or (headers or {}).get("x-trace-id"),
-               retry_after=retry, body=body)
+               retry_after=retry, body=body, retryable=_should_retry(headers))
+
+
+def _should_retry(headers: Any) -> bool | None:
+    value = (headers.get("x-should-retry") if headers is not None else None) or ""
+    return {"true": True, "false": False}.get(value.strip().lower())
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -276,8 +276,8 @@ class DurableEngine:
         self._channel_logs.pop(run_id, None)
         return runlog.run
 
-    def fail_run(self, run_id: str, error: str, state: dict[str, Any] | None = None) -> WorkflowRun:
+    def fail_run(self, run_id: str, error: str, state: dict[str, Any] | None = None, result: Any = None) -> WorkflowRun:
         runlog = self._channel(run_id)
-        self._guarded(runlog, runlog.fail, error, state)
+        self._guarded(runlog, runlog.fail, error, state, result)
         self._channel_logs.pop(run_id, None)
         return runlog.run

@@ -332,8 +332,10 @@ class RunLog:
         value = to_json(result, "workflow result")
         self._commit(lambda: None, status="succeeded", result=value, error=None, current_step=None, **_state(state))
 
-    def fail(self, error: str, state: dict[str, Any] | None = None) -> None:
-        self._commit(lambda: None, status="failed", error=error[:4000], current_step=None, **_state(state))
+    def fail(self, error: str, state: dict[str, Any] | None = None, result: Any = None) -> None:
+        """Settle the run as failed; ``result``: what a caller asking for it again is to get (e.g. the failure)."""
+        extra = {} if result is None else {"result": to_json(result, "workflow result")}
+        self._commit(lambda: None, status="failed", error=error[:4000], current_step=None, **_state(state), **extra)
 
 
 def _state(state: dict[str, Any] | None) -> dict[str, Any]:

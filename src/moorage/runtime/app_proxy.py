@@ -57,6 +57,7 @@ class AppUnavailable(UnavailableError):
 
     code = "app-unavailable"
     http_status = 502
+    for_caller = True
 
 
 class AppTooLarge(MoorageError):

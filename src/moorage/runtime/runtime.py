@@ -60,10 +60,22 @@ class TurnEvent:
 
 
 class AgentTurnFailed(InvalidInput):
-    """The agent's own code raised during a turn; the message carries its error for the developer."""
+    """The agent's own code raised during a turn; the message carries its error for the developer. The run is
+    settled as failed with it: the same turn asked again (same Idempotency-Key) answers this again, not run twice."""
 
     code = "agent-error"
     http_status = 502
+    for_caller = True
+    retryable = False
+
+
+def _raise_agent_failure(run: Any) -> None:
+    """A turn asked again (same Idempotency-Key) whose run the agent's own code failed: that failure again. One
+    that failed for another reason (its sandbox stopped, the host went away) runs again; its journaled steps
+    replay."""
+    failure = (run.result or {}).get("failure") if run.status == "failed" and isinstance(run.result, dict) else None
+    if isinstance(failure, dict) and failure.get("code") == AgentTurnFailed.code:
+        raise AgentTurnFailed(str(failure.get("message") or run.error or "the agent failed"), hint=failure.get("hint"))
 
 
 class _TurnEvents(asyncio.Queue):  # type: ignore[type-arg]
@@ -372,6 +384,7 @@ class Runtime(Deployments, OperatorVerbs):
             if run.status in ("succeeded", "waiting"):
                 yield TurnEvent("done", await asyncio.to_thread(self._result_of, ts, run))
                 return
+            _raise_agent_failure(run)
             if run.status in ("running", "pending") and turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
         async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal,
@@ -604,6 +617,7 @@ class Runtime(Deployments, OperatorVerbs):
             # A request with the same Idempotency-Key created the run first.
             if run.status in ("succeeded", "waiting"):
                 return self._result_of(ts, run)
+            _raise_agent_failure(run)
             if run.status in ("running", "pending") and turn.turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
             turn.create = False
@@ -626,7 +640,9 @@ class Runtime(Deployments, OperatorVerbs):
         with ts.transaction():
             self._fence(ts, b.sandbox_id)
             if error is not None:
-                engine.fail_run(b.run_id, str(error))
+                failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
+                           if isinstance(error, AgentTurnFailed) else None)
+                engine.fail_run(b.run_id, str(error), result=failure)
                 self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
             elif waiting:
                 self.tracer.span(b, "turn", started, status="waiting")
