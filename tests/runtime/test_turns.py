@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moorage.errors import NotFound, TenantScopeError
+from moorage.errors import ConflictError, NotFound, TenantScopeError
 from moorage.runtime.package import AgentPackageError
 from moorage.runtime.runtime import AgentTurnFailed
 from moorage.store import EntityKey, Principal
@@ -95,6 +95,25 @@ async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:
         await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "boom")
     # The agent is not stuck: the next turn works.
     assert (await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "hi")).reply == "echo: hi"
+
+
+async def test_a_deploy_that_fails_to_build_is_listed_as_failed_and_never_live(env, tmp_path: Path) -> None:
+    ts = env.store.tenant(env.principal)
+    with pytest.raises(AgentPackageError, match="ModuleNotFoundError"):
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp", "imp", "import not_a_module_xyz\n"))
+    agent = ts.agents.get("imp")
+    assert [(d.number, d.status) for d in ts.deployments.list(agent.id)] == [(1, "failed")]
+    assert agent.live_deployment is None
+    with pytest.raises(ConflictError, match="is failed, it never went live"):
+        await env.runtime.rollback(env.principal, "imp", 1)
+    good = await env.runtime.deploy(env.principal, write_agent(tmp_path / "ok", "imp", AGENT))
+    assert (good.number, good.status) == (2, "ready")
+    with pytest.raises(AgentPackageError):
+        await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp3", "imp", "import not_a_module_xyz\n"))
+    assert [(d.number, d.status) for d in ts.deployments.list(agent.id)] == [(1, "failed"), (2, "ready"), (3, "failed")]
+    assert ts.agents.get("imp").live_deployment == good.id  # the failed one changed nothing
+    with pytest.raises(NotFound, match="no earlier deployment"):
+        await env.runtime.rollback(env.principal, "imp")  # the failed #1 is no target
 
 
 async def test_unknown_agent_and_foreign_tokens(env, tmp_path: Path) -> None:

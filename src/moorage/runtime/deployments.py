@@ -4,6 +4,7 @@ of the tenant's), go live, roll back to an earlier one, and keep the agents' war
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from moorage.observability import current_span_id, current_trace_id, new_span_id
 from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
                                      retention_zero, save_archive)
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
+from moorage.store.repos.deployments import FAILED, READY
 from moorage.store import zero_retention
 
 log = get_logger(__name__)
@@ -44,8 +46,15 @@ class Deployments:
             except ConflictError:
                 agent = ts.agents.get(pkg.name)
         dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
-        # Build the template before going live: an import error fails the deploy, not a user's turn.
-        await self._build_traced(ts, dep, pkg.name, on_progress)
+        # Build the template before going live: an import error fails the deploy, not a user's turn. A deploy that
+        # fails here stays listed as ``failed`` (its error is in its ``deploy`` span), never live.
+        try:
+            await self._build_traced(ts, dep, pkg.name, on_progress)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.to_thread(ts.deployments.set_status, dep.id, FAILED))
+            raise
+        dep = await asyncio.to_thread(ts.deployments.set_status, dep.id, READY)
         previous = agent.live_deployment
         agent = self._set_live(ts, agent, dep)
         ttl = retention_ttl_s(pkg.manifest)
@@ -136,7 +145,7 @@ class Deployments:
         deps = ts.deployments.list(agent.id)
         live = next((d for d in deps if d.id == agent.live_deployment), None)
         if number is None:
-            older = [d for d in deps if live is None or d.number < live.number]
+            older = [d for d in deps if (live is None or d.number < live.number) and d.status == READY]
             if not older:
                 raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
             target = older[-1]
@@ -144,6 +153,9 @@ class Deployments:
             target = next((d for d in deps if d.number == number), None)
             if target is None:
                 raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
+            if target.status != READY:
+                raise ConflictError(f"deployment {number} of agent {agent_name!r} is {target.status}, it never went live",
+                                    hint=f"roll back to a ready one: GET /v1/agents/{agent_name}/deployments lists them with their status")
         await self.templates.ensure(target)
         previous = agent.live_deployment
         agent = self._set_live(ts, agent, target)

@@ -1,5 +1,6 @@
 """The numbered deployments of each agent: its manifest and the package it was built from (append-only;
-which one is live is the agent's field)."""
+which one is live is the agent's field). A deployment is ``building`` until its template is made, then ``ready``,
+or ``failed`` (never live: kept as the record of that deploy)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def _deployment(r: tuple) -> Deployment:
 
 
 _DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status, created_at"
+BUILDING, READY, FAILED = "building", "ready", "failed"
 
 
 class Deployments(_Repo):
@@ -24,12 +26,19 @@ class Deployments(_Repo):
             if not c.one("SELECT 1 FROM agents WHERE id = ?", (agent_id,)):
                 raise NotFound(f"no agent {agent_id!r}")
             row = c.one("SELECT COALESCE(MAX(number), 0) FROM deployments WHERE agent_id = ?", (agent_id,))
-            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, "ready", _now())
+            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, BUILDING, _now())
             c.x(
                 f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status, d.created_at),
             )
         return d
+
+    def set_status(self, deployment_id: str, status: str) -> Deployment:
+        if status not in (BUILDING, READY, FAILED):
+            raise ValueError(f"not a deployment status: {status!r}")
+        with self._ts._tx() as c:
+            c.x("UPDATE deployments SET status = ? WHERE id = ?", (status, deployment_id))
+        return self.get(deployment_id)
 
     def get(self, deployment_id: str) -> Deployment:
         with self._ts._tx(write=False) as c:
