@@ -147,6 +147,24 @@ async def test_retention_keeps_the_newest_and_named_and_deletes_the_rest_with_th
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt"]
 
 
+async def test_retention_after_a_rollback_keeps_the_history_the_instance_grew_from(env, tmp_path: Path) -> None:
+    """The newest ``keep`` are counted along the instance's history: after a rollback to turn 3 and four turns,
+    turn 3's checkpoint is one of the newest five of it (it is on the branch the rollback left)."""
+    root = write_agent(tmp_path / "agent", "tt", AGENT, extra_manifest=TIMETRAVEL + "keep = 5\ndaily = 0\n")
+    await env.runtime.deploy(env.principal, root)
+    ts = env.store.tenant(env.principal)
+    await _turns(env, "ada", range(1, 6))
+    three = await _turn_checkpoint(env, "ada", 3)
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", three)
+    await _turns(env, "ada", range(6, 10))  # the 10th checkpoint prunes
+    left = {c.seq: c for c in Checkpoints(ts).list("tt", "ada")}
+    assert max(left) == 10 and {7, 8, 9, 10} <= set(left), sorted(left)
+    assert three in {c.id for c in left.values()} and 1 not in left and 2 not in left, sorted(left)
+    # It is still there to go back to, with its sandbox half.
+    await env.runtime.timetravel.rollback(env.principal, "tt", "ada", three)
+    assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt", "3.txt"]
+
+
 async def test_the_turn_after_a_prune_does_not_wait_for_the_pruned_sandbox_halves(env, tmp_path: Path,
                                                                                 monkeypatch) -> None:
     """Retention removes the pruned checkpoints' rows with the turn that pruned and their sandbox halves after the

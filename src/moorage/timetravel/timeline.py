@@ -102,12 +102,25 @@ def restorable(ck: Checkpoint, sandbox_id: str | None, halves: dict[str, int] | 
     return ck.sandbox_id == sandbox_id and ck.sandbox_checkpoint in halves
 
 
-def to_keep(cks: Sequence[Checkpoint], branch: str | None, policy: Policy, now: float) -> set[str]:
-    """Ids retention keeps: the newest ``keep`` of the current branch, the newest of each of the last ``daily``
-    days, every named one, and the tip of every other branch (an abandoned branch stays restorable)."""
-    # A missing one (a failed automatic checkpoint) counts in the newest ``keep`` like the turn it stands for,
-    # and is never a branch's tip or a day's checkpoint.
-    keep = {c.id for c in sorted((c for c in cks if c.branch == branch), key=lambda c: -c.seq)[: policy.keep]}
+def lineage(cks: Sequence[Checkpoint], head_id: str | None) -> list[Checkpoint]:
+    """The instance's history as it is now, newest first: the head checkpoint and its parents, across the branches
+    it grew from (after a rollback to checkpoint 3 and two turns: those two, then 3, 2, 1)."""
+    by_id, out = {c.id: c for c in cks}, []
+    c = by_id.get(head_id) if head_id else None
+    while c is not None and len(out) < len(by_id):
+        out.append(c)
+        c = by_id.get(c.parent_id) if c.parent_id else None
+    return out
+
+
+def to_keep(cks: Sequence[Checkpoint], branch: str | None, head_id: str | None, policy: Policy, now: float) -> set[str]:
+    """Ids retention keeps: the newest ``keep`` of the instance's current history (``lineage``: the points a
+    rollback after the last one grew from included), the newest of each of the last ``daily`` days, every named
+    one, and the tip of every other branch (an abandoned branch stays restorable)."""
+    # A missing one (a failed automatic checkpoint of the current branch: it moves no head, so no lineage has it)
+    # counts in the newest ``keep`` like the turn it stands for, and is never a branch's tip or a day's checkpoint.
+    history = lineage(cks, head_id) + [c for c in cks if c.kind == MISSING and c.branch == branch]
+    keep = {c.id for c in sorted(history, key=lambda c: -c.seq)[: policy.keep]}
     newest_first = sorted((c for c in cks if c.kind != MISSING), key=lambda c: -c.seq)
     keep |= {c.id for c in newest_first if c.name}
     tips: dict[str, str] = {}
@@ -318,7 +331,8 @@ class TimeTravel:
         def prune() -> list[Any]:
             cks = repo.list(agent, user, limit=100_000)
             head = repo.head(agent, user)
-            return repo.prune(agent, user, to_keep(cks, head.branch if head else None, policy, time.time()))
+            keep = to_keep(cks, head.branch if head else None, head.head_id if head else None, policy, time.time())
+            return repo.prune(agent, user, keep)
 
         gone = await asyncio.to_thread(prune)
         if sandbox is None or not _can_delete(sandbox):
