@@ -87,7 +87,11 @@ async def test_backend_integration_through_the_sdk(live_rt, store: Store, acme: 
 async def test_sync_client_pages_and_errors(live_rt, acme: str, tmp_path: Path):
     def backend() -> None:
         with Client(live_rt.url, acme) as sdk:
-            sdk.deploy("echo", agent_archive(tmp_path))
+            package = tmp_path / "echo.tar.gz"
+            package.write_bytes(agent_archive(tmp_path))
+            assert sdk.deploy("echo", package)["number"] == 1  # a ready tar.gz, as docs/sdk.md says
+            with pytest.raises(FileNotFoundError, match="no agent directory or package"):
+                sdk.deploy("echo", tmp_path / "missing")
             for i in range(5):
                 sdk.put_user("echo", f"u{i}", metadata={"n": i, "even": i % 2 == 0})
             assert [u["id"] for u in sdk.paginate(sdk.list_users, "echo", limit=2)] == [f"u{i}" for i in range(5)]

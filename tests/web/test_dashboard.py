@@ -59,6 +59,7 @@ async def test_fleet_route_reports_states_wakes_resources_and_cost(live_rt, stor
     alice, bob = by_user["alice"], by_user["bob"]
     assert (alice["id"], alice["state"], alice["awake"]) == (seen["alice"], "running", True)
     assert (bob["id"], bob["state"], bob["awake"]) == (seen["bob"], "sleeping", False)
+    assert alice["session"] is None and bob["session"] is None  # one instance per user: no session to name
     # Most recently active first: bob's instance moved (slept) last.
     assert [i["user"] for i in fleet["instances"]] == ["bob", "alice"]
     # bob woke once (the second turn), and that wake was timed from the lifecycle span.

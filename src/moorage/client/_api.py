@@ -46,12 +46,17 @@ def _idem(key: str | None) -> dict[str, str]:
 
 
 def _archive(source: bytes | str | Path) -> bytes:
+    """What ``deploy`` uploads: the bytes given, a file's (a ready ``tar.gz``), or a directory packed here."""
     if isinstance(source, bytes):
         return source
     import io
     import tarfile
 
     root = Path(source)
+    if root.is_file():
+        return root.read_bytes()  # the server checks it is an agent package
+    if not root.is_dir():
+        raise FileNotFoundError(f"no agent directory or package at {str(root)!r}")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for p in sorted(root.rglob("*")):

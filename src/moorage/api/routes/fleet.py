@@ -158,7 +158,8 @@ async def fleet(call: Call) -> dict[str, Any]:
         all_wakes += wakes
         if box.id in shown_ids:
             instances.append({
-                **S.sandbox(box), "user": box.scope.user, "session": box.scope.session,
+                **S.sandbox(box), "user": box.scope.user,
+                "session": box.scope.ref if box.scope.kind == "session" else None,
                 "awake": box.state in AWAKE_STATES,
                 "wakes": len(wakes), "last_wake_ms": round(wakes[-1], 1) if wakes else None,
                 "ram_bytes": st.host_rss_bytes if st is not None else None,
