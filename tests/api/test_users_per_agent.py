@@ -39,6 +39,9 @@ async def test_a_user_of_one_agent_is_not_a_user_of_another(live_rt, acme: str, 
     async with aclient(live_rt, acme) as c:
         # Created for beta too, the same product id now reaches both agents.
         assert (await c.put("/v1/agents/beta/users/cust-1", json={})).status_code == 201
+        # A user of beta now, but beta declares no app: no link that could only ever answer 404.
+        r = await c.post("/v1/agents/beta/users/cust-1/share-links", json={"ttl_s": 60})
+        assert r.status_code == 404 and "serves no app" in r.json()["detail"], r.text
         assert (await c.post("/v1/agents/beta/invoke", json={"message": "yo", "user": "cust-1"})).json()["reply"] == "hi cust-1: yo"
         # Deleting the user from alpha leaves them a user of beta.
         assert (await c.delete("/v1/agents/alpha/users/cust-1")).status_code == 200

@@ -46,6 +46,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        if self.path.startswith("/hangup"):
+            self.close_connection = True  # no answer at all
+            return
         if self.path.startswith("/big"):
             n = 3 << 20
             self.send_response(200)
@@ -183,6 +186,10 @@ async def test_owner_reaches_each_users_app_and_other_tenants_do_not(world: Worl
         # Bounded: an answer declared over app_max_response_bytes (2 MiB here) is refused, not relayed.
         r = await c.get("/v1/agents/web/users/ada/app/big")
         assert r.status_code == 413 and r.json()["type"].endswith("app-too-large")
+        # An app that hangs up without answering: a 502 that says so, not a generic server failure.
+        r = await c.get("/v1/agents/web/users/ada/app/hangup")
+        assert r.status_code == 502 and r.json()["type"].endswith("app-unavailable"), r.text
+        assert "app" in r.json()["detail"] and "report trace id" not in (r.json()["hint"] or ""), r.text
     async with client(world, world.globex) as other:
         for path in ("/v1/agents/web/users/ada/app/", "/v1/agents/web/users/ada/app",
                      "/v1/agents/web/users/ada/share-links"):

@@ -43,6 +43,21 @@ def test_users_and_executions_from_the_cli(tmp_path: Path) -> None:
         assert shown["status"] == "succeeded" and shown["user"] == "cust-1"
         missing = run(["execution", "nope"], env)
         assert missing.returncode != 0 and "404" in missing.stderr and "Traceback" not in missing.stderr
+
+        # A turn whose agent raises: the reason shown and a failing exit status, for scripts.
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "moorage.toml").write_text('[agent]\nname = "broken"\nentry = "agent.py"\n'
+                                             '[agent.lifecycle]\nusers = "auto"\n')
+        (broken / "agent.py").write_text("async def on_message(ctx, message):\n    raise ValueError('no [cash] left')\n")
+        assert run(["deploy", str(broken)], env).returncode == 0
+        failed = run(["submit", "broken", "pay", "-u", "cust-1", "--wait"], env)
+        assert failed.returncode == 1 and "failed — " in failed.stdout and "no [cash] left" in failed.stdout, failed
+        again = run(["execution", failed.stdout.split()[1].rstrip(":")], env)
+        assert again.returncode == 1 and "no [cash] left" in again.stdout
+        # An error's text reaches the terminal as written (brackets are not console markup).
+        sync = run(["invoke", "broken", "pay", "-u", "cust-1"], env)
+        assert sync.returncode != 0 and "no [cash] left" in sync.stderr and "Traceback" not in sync.stderr, sync
     finally:
         server.send_signal(signal.SIGINT)
         try:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moorage.client import Client
@@ -65,6 +66,13 @@ def call(cfg: Config, method: str, path: str, **kw: Any) -> Any:
     return sdk(cfg, lambda c: c._send(req)) or {}
 
 
+def _outcome(r: Any) -> str:
+    """An execution's status and what came of it: the reply, what it waits for, or why it failed."""
+    said = r.get("reply") if r.get("status") != "failed" else (r.get("error") or "no reason recorded")
+    said = said if said is not None else r.get("interrupt")
+    return f"{r['status']}" + (f" — {said}" if said not in (None, "") else "")
+
+
 def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
     if as_json or table is None:
         print(json.dumps(data, indent=2, default=str))
@@ -102,10 +110,11 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         if as_json:
             _print(r, True)
         elif r.get("status") == "waiting":
-            console.print(f"[yellow]waiting for approval[/] (workflow {r.get('run_id')}): {json.dumps(r.get('interrupt'))}")
+            console.print(f"[yellow]waiting for approval[/] (workflow {r.get('run_id')}): "
+                          f"{escape(json.dumps(r.get('interrupt')))}")
             console.print(f"answer with: moorage answer {r.get('run_id')} '<answer>'")
         else:
-            console.print(r.get("reply"), highlight=False)
+            console.print(r.get("reply"), highlight=False, markup=False)
 
     @app.command()
     def submit(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
@@ -116,15 +125,17 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
             ex = c.invoke_async(agent, message, user=user, session=session)
             return c.wait_execution(ex["id"]) if wait else ex
         r = sdk(cfg_of(), go)
-        console.print(f"execution {r['id']}: {r['status']}" + (f" — {r.get('reply')}" if r.get("reply") else ""),
-                      highlight=False)
+        console.print(escape(f"execution {r['id']}: {_outcome(r)}"), highlight=False, soft_wrap=True)
+        if r["status"] in ("failed", "cancelled"):
+            raise typer.Exit(1)
 
     @app.command()
     def execution(execution_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
         """Show an execution (async turn): status, reply, what it waits for."""
         r = sdk(cfg_of(), lambda c: c.get_execution(execution_id))
-        _print(r, True) if as_json else console.print(f"{r['status']}: {r.get('reply') or r.get('interrupt') or ''}",
-                                                      highlight=False)
+        _print(r, True) if as_json else console.print(escape(_outcome(r)), highlight=False, soft_wrap=True)
+        if r["status"] in ("failed", "cancelled"):
+            raise typer.Exit(1)
 
     @app.command()
     def users(agent: str, as_json: bool = typer.Option(False, "--json"),
@@ -170,9 +181,10 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                 try:
                     r = sdk(cfg, lambda c: c.invoke(agent, text, user=user, session=session))
                 except MoorageError as e:
-                    console.print(f"[red]{e}[/]")
+                    console.print(f"[red]{escape(str(e))}[/]")
                     continue
-            console.print(f"[bold]{agent}[/] › {r.get('reply') if r.get('status') == 'done' else r.get('interrupt')}",
+            said = r.get("reply") if r.get("status") == "done" else r.get("interrupt")
+            console.print(f"[bold]{agent}[/] › {escape(str(said))}",
                           highlight=False)
 
     @app.command()
@@ -186,7 +198,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         def mib(v: Any) -> str:
             return "-" if v is None else f"{v / (1 << 20):.1f} MiB"
 
-        t = Table("sandbox", "instance", "state", "last active", "RAM", "disk")
+        t = Table("sandbox", "instance", "state", "since", "RAM", "disk")  # since its last wake or sleep
         for s in rows:
             ago = _t.time() - float(s.get("last_active") or 0)
             t.add_row(s["id"], s.get("scope", ""), s.get("state", ""), f"{ago:.0f}s ago", mib(s.get("ram_bytes")),

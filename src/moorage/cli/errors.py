@@ -7,6 +7,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -20,7 +21,7 @@ def clear_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoorageError as e:
-            err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]

@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from moorage import __version__, config as config_mod, log
 from moorage.errors import MoorageError
@@ -169,7 +170,7 @@ def run() -> None:
     try:
         app()
     except MoorageError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
         sys.exit(2)
 
 

@@ -351,8 +351,8 @@ class TimeTravel:
             raise InvalidInput(f"agent {agent!r} has one instance per {lc.scope}; time travel works on per-user instances",
                                hint='set [agent] scope = "user"')
         if _keeps_nothing(ts, agent, agent_rec):
-            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would",
-                               hint="turn zero retention off to checkpoint, roll back or fork its users")
+            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would "
+                               "keep them", hint="turn zero retention off to checkpoint, roll back or fork its users")
 
         async def template() -> Any:
             return await rt._template_for(ts, agent_rec)
@@ -486,8 +486,8 @@ class TimeTravel:
             raise InvalidInput(f"agent {agent!r} has one instance per {_scope_of(b.manifest)}; checkpoints are "
                                "taken of per-user instances", hint='set [agent] scope = "user"')
         if await asyncio.to_thread(_keeps_nothing, ts, agent):
-            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would",
-                               hint="turn zero retention off to checkpoint its users")
+            raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would "
+                               "keep them", hint="turn zero retention off to checkpoint its users")
         for ck in await asyncio.to_thread(checkpoints_of(ts).list, agent, user, limit=200):
             if ck.name == name and ck.summary.get("during_turn") == b.turn_id:
                 return ck

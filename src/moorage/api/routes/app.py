@@ -106,11 +106,16 @@ def _render(link: Any) -> dict[str, Any]:
 def create_link(call: Call) -> Reply:
     from moorage.runtime.share_links import signer_of
 
+    from moorage.runtime.sizing import app_ports
+
     agent, user = _ids(call)
-    agent_of(call)
+    rec = agent_of(call)
     if call.tenant.agent_users.find(agent, user) is None:  # a link to nobody is a 404, not a dangling link
         raise NotFound(f"agent {agent!r} has no user {user!r}",
                        hint=f"create the end-user first (PUT /v1/agents/{agent}/users/{user}) or let them talk to it")
+    live = call.tenant.deployments.get(rec.live_deployment) if rec.live_deployment else None
+    if live is None or not app_ports(live.manifest):  # a link to no app would only ever answer 404
+        raise NotFound(f"agent {agent!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
     ttl = call.field("ttl_s", (int, float), required=False, default=3600)
     label = call.field("label", str, required=False, default="")
     if isinstance(ttl, bool):

@@ -36,7 +36,7 @@ class Agents(_Repo):
         with self._ts._tx(write=False) as c:
             r = c.one(f"SELECT {_AGENT_COLS} FROM agents WHERE id = ? OR name = ?", (name_or_id, name_or_id))
         if r is None:
-            raise NotFound(f"no agent {name_or_id!r}", hint="list agents with `moorage agents` or deploy one")
+            raise NotFound(f"no agent {name_or_id!r}", hint="GET /v1/agents lists them; `moorage deploy` makes one")
         return _agent(r)
 
     def list(self) -> list[Agent]:
