@@ -173,6 +173,8 @@ async def test_owner_reaches_each_users_app_and_other_tenants_do_not(world: Worl
             assert r.headers["content-security-policy"].startswith("sandbox")
             assert r.headers["referrer-policy"] == "no-referrer"
             assert "set-cookie" not in r.headers
+            # One Server and one Date, the host's (the app's own are not relayed beside them).
+            assert len(r.headers.get_list("server")) == 1 and len(r.headers.get_list("date")) == 1
         r = await c.get("/v1/agents/web/users/ada/app", follow_redirects=False)
         assert r.status_code == 308 and r.headers["location"] == "/v1/agents/web/users/ada/app/"
         # The app sees its own path and query, never the caller's key or cookies.

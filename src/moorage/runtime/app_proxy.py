@@ -40,12 +40,13 @@ _DROP_REQUEST = frozenset({
     "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
     "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded",
 })
-#: Response headers never passed back: hop-by-hop, framing (the host re-frames) and cookies (the app is served
-#: from the API's origin, where it must not set or replace cookies).
+#: Response headers never passed back: hop-by-hop, framing (the host re-frames), cookies (the app is served
+#: from the API's origin, where it must not set or replace cookies), and the two the host's server adds itself
+#: (``server``, ``date``: one of each, as a proxy sends).
 _DROP_RESPONSE = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
     "set-cookie", "set-cookie2", "proxy-authenticate", "content-security-policy", "strict-transport-security",
-    "referrer-policy",
+    "referrer-policy", "server", "date",
 })
 #: Served on the API's origin, the app's pages get a sandboxed origin of their own: their scripts cannot read
 #: the dashboard's storage or call the API with the visitor's credentials.
