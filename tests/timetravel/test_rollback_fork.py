@@ -160,6 +160,12 @@ async def test_retention_after_a_rollback_keeps_the_history_the_instance_grew_fr
     left = {c.seq: c for c in Checkpoints(ts).list("tt", "ada")}
     assert max(left) == 10 and {7, 8, 9, 10} <= set(left), sorted(left)
     assert three in {c.id for c in left.values()} and 1 not in left and 2 not in left, sorted(left)
+    # The listing tells the history (this branch, then 3 on the branch it left) from the abandoned rest (4, 5 and
+    # the state the rollback left).
+    listing = (await env.runtime.timetravel.list(env.principal, "tt", "ada"))["data"]
+    history = {c["seq"] for c in listing if c["in_history"]}
+    assert history == {3, 7, 8, 9, 10}, listing
+    assert all(not c["in_history"] and not c["current_branch"] for c in listing if c["seq"] not in history)
     # It is still there to go back to, with its sandbox half.
     await env.runtime.timetravel.rollback(env.principal, "tt", "ada", three)
     assert sorted(json.loads(await _ask(env, "ada", "ls"))) == ["1.txt", "2.txt", "3.txt"]

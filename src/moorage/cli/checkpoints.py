@@ -53,7 +53,7 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
         return
     table = Table("seq", "id", "kind", "branch", "name", "what happened")
     for c in out["data"]:
-        branch = c["branch"] + ("" if c["current_branch"] else " (abandoned)")
+        branch = c["branch"] + ("" if c["current_branch"] else " (history)" if c.get("in_history") else " (abandoned)")
         table.add_row(str(c["seq"]), c["id"], c["kind"], branch, escape(c.get("name") or ""), escape(_did(c)))
     console.print(table)
     for b in out["branches"]:

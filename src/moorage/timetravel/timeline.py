@@ -78,12 +78,15 @@ class Policy:
         return cls(auto, max(1, keep), max(0, daily))
 
 
-def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restorable: bool | None = None) -> dict[str, Any]:
+def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restorable: bool | None = None,
+                    in_history: bool | None = None) -> dict[str, Any]:
     """A checkpoint as the API shows it. ``restorable``: whether a rollback or fork to it can work here (None:
-    not known, its sandbox is not on this host)."""
+    not known, its sandbox is not on this host). ``in_history``: one of the points the instance's current state
+    grew from (``lineage``; on an earlier branch after a rollback), as opposed to an abandoned branch's."""
     d = asdict(ck)
     d["object"] = "checkpoint"
     d["current_branch"] = ck.branch == current_branch
+    d["in_history"] = (ck.branch == current_branch) if in_history is None else in_history
     d["restorable"] = restorable
     return d
 
@@ -442,12 +445,14 @@ class TimeTravel:
         if head is not None and head.branch not in branches:
             branches[head.branch] = {"id": head.branch, "from": head.head_id, "current": True, "checkpoints": 0,
                                      "tip": None}
+        history = {c.id for c in lineage(cks, head.head_id if head else None)}
         storage = await asyncio.to_thread(repo.storage_bytes, agent, user)
         sandbox_id, halves = await self._sandbox_halves(ts, agent, user)
         return {"object": "list", "agent": agent, "user": user, "head": head.head_id if head else None,
                 "branch": current, "store_bytes": storage,
                 "sandbox_bytes": None if halves is None else sum(b for n, b in halves.items() if n.startswith("tt-")),
-                "data": [checkpoint_view(c, current_branch=current, restorable=restorable(c, sandbox_id, halves))
+                "data": [checkpoint_view(c, current_branch=current, restorable=restorable(c, sandbox_id, halves),
+                                         in_history=c.id in history or (c.kind == MISSING and c.branch == current))
                          for c in cks[:limit]],
                 "branches": list(branches.values())}
 

@@ -21,7 +21,8 @@ CHECKPOINT = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR,
                     "parent_id": S.NSTR, "kind": {"enum": ["turn", "manual", "before-rollback", "fork", "missing"]},
                     "name": S.NSTR, "turn_id": S.NSTR, "summary": S.OBJ, "event_mark": S.INT,
                     "sandbox_id": S.NSTR, "sandbox_checkpoint": S.NSTR, "store_bytes": S.INT, "created_at": S.NUM,
-                    "current_branch": {"type": "boolean"}, "restorable": {"type": ["boolean", "null"]}})
+                    "current_branch": {"type": "boolean"}, "in_history": {"type": "boolean"},
+                    "restorable": {"type": ["boolean", "null"]}})
 LISTING = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "head": S.NSTR, "branch": S.NSTR,
                  "store_bytes": S.INT, "sandbox_bytes": {"type": ["integer", "null"]},
                  "data": {"type": "array", "items": CHECKPOINT},
