@@ -107,3 +107,34 @@ def test_pythonpath_entries_move_where_a_fresh_interpreter_puts_them(monkeypatch
     restart._swap_pythonpath("/new:/also", "")
     assert sys.path == ["/opt/moorage", "/opt/moorage/guest", "/usr/lib/python311.zip", stdlib,
                         "/usr/lib/python3/dist-packages"]
+
+
+ORPHAN = r'''
+import os, signal, time
+holder = os.fork()
+if holder == 0:
+    from moorage.guest import restart
+    restart.hold()
+    os.kill(os.getppid(), signal.SIGKILL)  # the supervisor's holder dies
+    time.sleep(30)
+    os._exit(0)
+os.waitpid(holder, 0)  # this process stands for the guest's init: the holder it started is gone
+time.sleep(1.0)
+left = []
+for n in os.listdir("/proc"):
+    if n.isdigit() and int(n) not in (1, os.getpid()):
+        with open("/proc/%s/stat" % n) as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                left.append(n)
+print("left", left, flush=True)
+'''
+
+
+def test_a_supervisor_does_not_outlive_its_holder(tmp_path: Path) -> None:
+    """Killed with it (the guest's init then starts a new pair; an orphan would compete for the channel)."""
+    (tmp_path / "orphan.py").write_text(ORPHAN)
+    src = str(Path(moorage.__file__).parent.parent)
+    proc = subprocess.run([shutil.which("bwrap") or "bwrap", "--unshare-pid", "--dev-bind", "/", "/", "--proc", "/proc",
+                           "--tmpfs", "/run", "--die-with-parent", "--setenv", "PYTHONPATH", src,
+                           sys.executable, str(tmp_path / "orphan.py")], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "left []", (proc.stdout, proc.stderr)

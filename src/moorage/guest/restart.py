@@ -192,12 +192,31 @@ def _wait(pid: int, ctl: Optional[socket.socket]) -> Dict[str, Any]:
                 if not ((env is None or (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())))
                         and isinstance(unset, list) and all(isinstance(k, str) for k in unset)):
                     raise ValueError("env must be null or an object of strings, unset a list of strings")
-            except (ValueError, KeyError, TypeError) as e:
-                log("bad restart request; ignored", error=str(e))
+            except (ValueError, KeyError, TypeError, RecursionError) as e:
+                log("bad restart request; ignored", error=str(e)[:200])
                 continue
             return req
     finally:
         os.close(pidfd)
+
+
+def _libc() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True)
+    except (ImportError, OSError) as e:
+        log("no libc through ctypes: a supervisor may outlive its holder", error=str(e))
+        return None
+
+
+def _die_with_parent(libc: Any) -> None:
+    """A supervisor whose holder is gone is killed (PR_SET_PDEATHSIG): init then starts a new pair, and no orphaned
+    supervisor competes with it for the channel."""
+    if libc is not None and libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        log("no parent-death signal for the supervisor")
+    if os.getppid() == 1:  # the holder died before the call above
+        os._exit(1)
 
 
 def hold() -> None:
@@ -207,13 +226,14 @@ def hold() -> None:
     global _control
     if not hasattr(os, "pidfd_open"):
         return
-    started = dict(os.environ)
+    started, libc = dict(os.environ), _libc()  # ctypes loaded here once, not in each supervisor
     while True:
         mine, theirs = socket.socketpair()
         pid = os.fork()
         if pid == 0:
             mine.close()
             _control = theirs
+            _die_with_parent(libc)
             return
         theirs.close()
         req = _wait(pid, mine)

@@ -105,7 +105,6 @@ def _render(link: Any) -> dict[str, Any]:
 
 def create_link(call: Call) -> Reply:
     from moorage.runtime.share_links import signer_of
-
     from moorage.runtime.sizing import app_ports
 
     agent, user = _ids(call)
