@@ -227,8 +227,9 @@ async def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
     app = create_app(rt, cfg)
     port = free_port()
+    # As `moorage up` runs it (cli/up.py): the server itself refuses a caller's message over the cap.
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                           ws_max_size=1 << 20))
+                                           ws_max_size=cfg.app_ws_max_message_bytes))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -391,9 +392,11 @@ async def test_sleep_closes_the_socket_and_the_next_one_wakes_the_instance(world
 async def test_messages_and_sockets_are_capped(world: World) -> None:
     # A caller's message over app_ws_max_message_bytes closes the socket (1009) instead of reaching the app.
     async with owner(world, "ada") as ws:
+        await ws.send(b"x" * MAX_MESSAGE)  # the cap itself passes
+        assert len(await ws.recv()) == MAX_MESSAGE
         await ws.send(b"x" * (MAX_MESSAGE + 1))
-        code, _ = await closed_with(ws)
-        assert code == 1009
+        code, reason = await closed_with(ws)
+        assert code == 1009 and f"{MAX_MESSAGE} bytes" in reason, reason
     # So does an app's (the host stops reading it at the cap).
     async with owner(world, "ada") as ws:
         await ws.send(f"big {MAX_MESSAGE - 100}")
