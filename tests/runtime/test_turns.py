@@ -149,3 +149,57 @@ async def test_unknown_user_is_404_and_writes_nothing(env, tmp_path: Path) -> No
     assert ts.runs.list() == [] and ts.sandboxes.list() == []
     ts.agent_users.put("strict", "carol")  # the product registers its end-user with this agent first
     assert (await env.runtime.invoke(env.principal, EntityKey("strict", "carol"), "count")).reply == "count=1 user=carol"
+
+
+STEPS = '''
+async def on_message(ctx, message):
+    if message == "tuple":
+        a = await ctx.step("t", lambda: (1, 2))
+        return type(a).__name__ + " " + str(a)
+    if message == "fail":
+        def boom():
+            raise ValueError("card declined")
+        try:
+            await ctx.step("bad", boom, retries=0)
+        except Exception as e:
+            return type(e).__name__ + ": " + str(e)
+    if message == "set":
+        try:
+            await ctx.step("obj", lambda: {1, 2})
+        except Exception as e:
+            failed = type(e).__name__ + ": " + str(e)
+        answer = await ctx.interrupt({"after": failed})
+        return answer
+    a = await ctx.step(STEP, lambda: (1, 2))
+    answer = await ctx.interrupt({"q": "ok?"})
+    return str(a) + " " + answer
+'''
+
+
+async def test_steps_return_and_fail_the_same_way_live_and_on_replay(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "a", "steps", 'STEP = "a"\n' + STEPS))
+    k = EntityKey("steps", "ada")
+    assert (await env.runtime.invoke(env.principal, k, "tuple")).reply == "list [1, 2]"  # as the journal holds it
+    assert (await env.runtime.invoke(env.principal, k, "fail")).reply.startswith("StepFailed: step 'bad' failed: ValueError")
+    # A result that is not a JSON value fails the step clearly, and the workflow goes on from the next position.
+    r = await env.runtime.invoke(env.principal, k, "set")
+    assert r.status == "waiting" and "is not a JSON value" in r.interrupt["after"], r.interrupt
+    assert (await env.runtime.answer(env.principal, r.run_id, "fine")).reply == "fine"
+
+
+async def test_a_non_deterministic_replay_leaves_the_run_for_a_corrected_deployment(env, tmp_path: Path) -> None:
+    from moorage.durable import NonDeterminismError
+
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v1", "nd", 'STEP = "a"\n' + STEPS))
+    k = EntityKey("nd", "ada")
+    r = await env.runtime.invoke(env.principal, k, "go", idempotency_key="order-1")
+    assert r.status == "waiting"
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v2", "nd", 'STEP = "b"\n' + STEPS))
+    with pytest.raises(NonDeterminismError, match="position 0"):
+        await env.runtime.answer(env.principal, r.run_id, "yes")
+    ts = env.store.tenant(env.principal)
+    assert ts.runs.get(r.run_id).status == "pending"  # not failed: left for a corrected deployment
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "v3", "nd", 'STEP = "a"\n' + STEPS))
+    done = await env.runtime.invoke(env.principal, k, "go", idempotency_key="order-1")  # the same turn, resumed
+    assert (done.status, done.reply) == ("done", "[1, 2] yes")
+    assert ts.runs.get(r.run_id).status == "succeeded"

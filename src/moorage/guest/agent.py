@@ -32,7 +32,8 @@ MAX_TOOL_ROUNDS = 6
 
 
 class StepFailed(Exception):
-    """A durable step that had failed for good in an earlier execution of this workflow."""
+    """A durable step that failed for good (no attempt left, or a result that is not a JSON value): raised the same
+    way when it happens and when a later execution of the workflow replays it."""
 
 
 class Suspended(Exception):
@@ -343,7 +344,7 @@ class AgentContext:
             begin = await self._host.call("durable.begin", {"seq": seq, "name": name, "idempotency_key": idempotency_key})
             if begin.get("replay"):
                 if begin.get("error"):
-                    raise StepFailed("step %r failed for good earlier: %s" % (name, begin["error"]))
+                    raise StepFailed("step %r failed: %s" % (name, begin["error"]))
                 return begin.get("result")
             key, attempt = begin["idempotency_key"], begin.get("attempt", 1)
             try:
@@ -353,12 +354,22 @@ class AgentContext:
                 if inspect.isawaitable(out):
                     out = await out
             except Exception as e:  # noqa: BLE001 - recorded in the step log, then retried or raised
+                error = "%s: %s" % (type(e).__name__, e)
                 verdict = await self._host.call("durable.fail", {"seq": seq, "name": name, "attempt": attempt,
-                                                                 "error": "%s: %s" % (type(e).__name__, e), "retries": retries})
+                                                                 "error": error, "retries": retries})
                 if verdict.get("retry"):
                     await asyncio.sleep(float(verdict.get("backoff_s", 0.0)))
                     continue
-                raise
+                raise StepFailed("step %r failed: %s" % (name, error)) from e
+            try:
+                # What is journaled is what the step returns, live as on replay (a tuple comes back a list).
+                out = json.loads(json.dumps(out))
+            except (TypeError, ValueError, RecursionError) as e:
+                error = "result of step %r is not a JSON value (%s: %s); return plain JSON values" % (
+                    name, type(e).__name__, e)
+                await self._host.call("durable.fail", {"seq": seq, "name": name, "attempt": attempt, "error": error,
+                                                       "retries": 0})
+                raise StepFailed("step %r failed: %s" % (name, error)) from e
             await self._host.call("durable.complete", {"seq": seq, "name": name, "idempotency_key": key,
                                                        "attempt": attempt, "result": out})
             return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from moorage.errors import InvalidInput, MoorageError
-from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, Replay
+from moorage.durable import DEFAULT_BACKOFF, Answer, DurableEngine, NonDeterminismError, Replay
 from moorage.durable.runlog import earlier_entries
 from moorage.llm.types import ChatRequest, Message, ResponseFormat, ToolCall, ToolSpec
 from moorage.log import get_logger
@@ -69,6 +69,14 @@ def _tenant_share(rt: Any, tenant_id: str) -> asyncio.Semaphore:
     return sem
 
 
+async def _noting_divergence(b: "TurnBinding", call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except NonDeterminismError as e:
+        b.diverged = e
+        raise
+
+
 @dataclass
 class TurnBinding:
     """A turn the host started in one sandbox: the only identity a guest call can act under."""
@@ -83,6 +91,9 @@ class TurnBinding:
     trace_id: str
     #: The durable engine that owns this turn's run (its step log, journal and interrupts).
     engine: DurableEngine = field(repr=False, default=None)  # type: ignore[assignment]
+    #: Set when the agent's replayed code asked for another step than the journal holds: the run is left for a
+    #: corrected deployment to resume, not failed.
+    diverged: NonDeterminismError | None = field(repr=False, default=None)
 
     @property
     def user_scope(self) -> Scope:
@@ -273,7 +284,8 @@ class GuestCalls:
     # -- durable steps ------------------------------------------------------------------------------
 
     async def durable_begin(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        r = await asyncio.to_thread(b.engine.begin_step, b.run_id, int(p["seq"]), str(p["name"]), p.get("idempotency_key"))
+        r = await _noting_divergence(b, asyncio.to_thread(b.engine.begin_step, b.run_id, int(p["seq"]), str(p["name"]),
+                                                          p.get("idempotency_key")))
         if isinstance(r, Replay):
             return {"replay": True, "result": r.result, "error": r.error}
         return {"replay": False, "idempotency_key": r.idempotency_key, "attempt": r.attempt}
@@ -291,7 +303,7 @@ class GuestCalls:
         return {"retry": retry, "backoff_s": DEFAULT_BACKOFF.delay(attempt, self.rt.rng) if retry else 0.0}
 
     async def durable_interrupt(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        r = await asyncio.to_thread(b.engine.interrupt, b.run_id, int(p["seq"]), p.get("payload"))
+        r = await _noting_divergence(b, asyncio.to_thread(b.engine.interrupt, b.run_id, int(p["seq"]), p.get("payload")))
         return {"answered": True, "answer": r.value} if isinstance(r, Answer) else {"answered": False}
 
     async def durable_correct(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:

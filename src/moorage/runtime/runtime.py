@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from moorage.config import Config
-from moorage.durable import DurableEngine
+from moorage.durable import DurableEngine, NonDeterminismError
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
@@ -493,8 +493,9 @@ class Runtime(Deployments, OperatorVerbs):
                 self.timetravel.keep_tail(task)
                 yield TurnEvent("done", turn.answered.result())
                 return
-            if task.exception() is not None:
+            if task.exception() is not None and not isinstance(task.exception(), NonDeterminismError):
                 # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
+                # (A run whose replay diverged is pending on purpose: left for a corrected deployment.)
                 await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
             if zero_retention.is_zero(agent) and (task.exception() is not None or task.result().status != "waiting"):
                 # The agent keeps nothing of a turn once it ended (a waiting one keeps its run until answered).
@@ -559,6 +560,11 @@ class Runtime(Deployments, OperatorVerbs):
                     else:
                         out = item
             except Exception as e:
+                if binding.diverged is not None:
+                    # Replayed code that asked for other steps than the journal holds: the run is left pending for
+                    # a corrected deployment (the same turn asked again, or the host's next start, resumes it).
+                    await asyncio.to_thread(self._end_turn, engine, binding, started, diverged=binding.diverged)
+                    raise binding.diverged from e
                 await asyncio.to_thread(self._end_turn, engine, binding, started, error=e)
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
@@ -632,14 +638,20 @@ class Runtime(Deployments, OperatorVerbs):
             ts.sandboxes.fence(sandbox_id, *lease)
 
     def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
-                  waiting: bool = False, error: BaseException | None = None) -> None:
+                  waiting: bool = False, error: BaseException | None = None,
+                  diverged: BaseException | None = None) -> None:
         """The turn's last commit, before its reply goes out: the reply logged (to be embedded later), working
         memory, the run's result and the turn's spans, in one transaction. A failed turn records its failure
         and spans; a waiting one (its interrupt is already journaled) only its spans."""
         ts = b.ts
         with ts.transaction():
             self._fence(ts, b.sandbox_id)
-            if error is not None:
+            if diverged is not None:
+                run = ts.runs.get(b.run_id)
+                if run.status == "running":
+                    ts.runs.update(b.run_id, expected_version=run.version, status="pending")
+                self.tracer.span(b, "turn", started, status="error", error=type(diverged).__name__)
+            elif error is not None:
                 failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
                            if isinstance(error, AgentTurnFailed) else None)
                 engine.fail_run(b.run_id, str(error), result=failure)
