@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moorage.errors import ConflictError, NotFound, TenantScopeError
+from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
 from moorage.runtime.package import AgentPackageError
 from moorage.runtime.runtime import AgentTurnFailed
 from moorage.store import EntityKey, Principal
@@ -90,6 +90,16 @@ async def test_broken_agents_give_clear_errors(env, tmp_path: Path) -> None:
         await env.runtime.deploy(env.principal, write_agent(tmp_path / "bad", "echo", "def on_message(ctx, m):\n  return (\n"))
     with pytest.raises(AgentPackageError, match="ModuleNotFoundError"):
         await env.runtime.deploy(env.principal, write_agent(tmp_path / "imp", "imp", "import not_a_module_xyz\n"))
+    # Settings a turn would trip on fail the deploy instead: a sleep policy nobody knows, a misplaced table.
+    with pytest.raises(AgentPackageError, match="unknown sleep policy 'sometimes'"):
+        root = write_agent(tmp_path / "lc", "lc", AGENT)
+        (root / "moorage.toml").write_text('[agent]\nname = "lc"\nentry = "agent.py"\n[agent.lifecycle]\n'
+                                           'sleep = "sometimes"\n')
+        await env.runtime.deploy(env.principal, root)
+    with pytest.raises(AgentPackageError, match=r"top-level \[lifecycle\]") as e:
+        (root / "moorage.toml").write_text('[agent]\nname = "lc"\nentry = "agent.py"\n[lifecycle]\nusers = "auto"\n')
+        await env.runtime.deploy(env.principal, root)
+    assert "[agent.lifecycle]" in (e.value.hint or "")
     await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
     with pytest.raises(AgentTurnFailed, match="the agent broke"):
         await env.runtime.invoke(env.principal, EntityKey("echo", "alice"), "boom")
@@ -203,3 +213,14 @@ async def test_a_non_deterministic_replay_leaves_the_run_for_a_corrected_deploym
     done = await env.runtime.invoke(env.principal, k, "go", idempotency_key="order-1")  # the same turn, resumed
     assert (done.status, done.reply) == ("done", "[1, 2] yes")
     assert ts.runs.get(r.run_id).status == "succeeded"
+
+
+async def test_an_idempotency_key_names_one_turn_and_one_message(env, tmp_path: Path) -> None:
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", AGENT))
+    k = EntityKey("echo", "alice")
+    first = await env.runtime.invoke(env.principal, k, "count", idempotency_key="k-1")
+    again = await env.runtime.invoke(env.principal, k, "count", idempotency_key="k-1")
+    assert first.reply == again.reply == "count=1 user=alice"  # the same turn, not a second one
+    with pytest.raises(InvalidInput, match="different request"):
+        await env.runtime.invoke(env.principal, k, "hi", idempotency_key="k-1")
+    assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"

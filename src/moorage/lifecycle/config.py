@@ -41,7 +41,7 @@ class AgentLifecycle:
     def of(cls, agent: Agent) -> "AgentLifecycle":
         raw: Any = (agent.config or {}).get("lifecycle", {})
         if not isinstance(raw, dict):
-            raise InvalidInput(f"agent {agent.name!r}: lifecycle config must be a table", hint="e.g. [lifecycle] scope = \"user\"")
+            raise InvalidInput(f"agent {agent.name!r}: lifecycle config must be a table", hint="e.g. [agent.lifecycle] scope = \"user\"")
         unknown = set(raw) - _KEYS
         if unknown:
             raise InvalidInput(f"agent {agent.name!r}: unknown lifecycle settings {sorted(unknown)}",
@@ -66,3 +66,14 @@ class AgentLifecycle:
                                hint="the number of pre-forked sleeping instances kept ready for new users")
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise InvalidInput(f"agent {name!r}: lifecycle.max_queue must be an integer ≥ 1")
+        if self.sleep is not None:  # checked here, at deploy, not by the first turn that needs it
+            from moorage.lifecycle.policies import parse_policy
+
+            if not isinstance(self.sleep, str):
+                raise InvalidInput(f"agent {name!r}: lifecycle.sleep must be a string",
+                                   hint="always-on, adaptive, or fixed:<seconds> (e.g. fixed:300)")
+            if self.sleep.strip().lower() != "adaptive":  # adaptive takes the host's prices, at run time
+                try:
+                    parse_policy(self.sleep)
+                except InvalidInput as e:
+                    raise InvalidInput(f"agent {name!r}: lifecycle.sleep: {e.message}", hint=e.hint) from e

@@ -44,10 +44,18 @@ class AgentPackage:
         return self.manifest.get("scope", "user")
 
 
+#: The agent's own tables: a top-level one of these names is a misplaced [agent.NAME], not something to ignore.
+_AGENT_TABLES = ("lifecycle", "retention", "timetravel", "egress", "network", "secrets", "mcp")
+
+
 def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
     agent = doc.get("agent")
     if not isinstance(agent, dict):
         raise AgentPackageError("moorage.toml has no [agent] table", hint='add [agent] with at least name = "my-agent"')
+    for name in _AGENT_TABLES:
+        if isinstance(doc.get(name), dict):
+            raise AgentPackageError(f"moorage.toml has a top-level [{name}] table: it would be ignored",
+                                    hint=f"write it as [agent.{name}]; nothing was changed")
     check_id(agent.get("name"), "agent name in moorage.toml")
     entry = agent.get("entry")
     if entry is not None and entry not in files:
