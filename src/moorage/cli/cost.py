@@ -23,7 +23,7 @@ app.add_typer(trace_app, name="trace")
 @app.command()
 def simulate(
     trace: Path = typer.Option(..., "--trace", help="Trace file (JSONL); see docs/cost.md."),
-    prices: Optional[Path] = typer.Option(None, "--prices", help="TOML with [prices] and [instance] tables (defaults: `moorage cost prices`)."),
+    prices: Optional[Path] = typer.Option(None, "--prices", help="TOML with \\[prices] and \\[instance] tables (defaults: `moorage cost prices`)."),
     policy: Optional[List[str]] = typer.Option(
         None, "--policy", help="Policy to replay, repeatable: always-on, adaptive, fixed:300, fixed-30s (default: a standard set)."
     ),

@@ -1,7 +1,7 @@
 """The operator's LLM policy per tenant: which models its agents may call (a guest cannot pick another), its
 rate limits and monthly token budget, and what a model without a price does (refused, or an explicit price).
 
-Read from the TOML file the ``llm_policy`` setting names; tenants are named as in ``moorage tenant create``.
+Read from the TOML file the ``llm_policy`` setting names; tenants are named as in ``moorage store create-tenant``.
 """
 
 from __future__ import annotations
