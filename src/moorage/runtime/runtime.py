@@ -406,10 +406,11 @@ class Runtime(Deployments, OperatorVerbs):
         principal.require("invoke")
         ts = self.store.tenant(principal)
         run = await asyncio.to_thread(ts.runs.get, run_id)
-        if run.status != "waiting":
-            raise ConflictError(f"workflow {run_id} is {run.status}, not waiting for an answer")
         entity = EntityKey(run.scope.agent, run.scope.user or "", (run.input or {}).get("session") or "default")
-        self.router.check_principal(principal, entity)
+        self.router.check_principal(principal, entity)  # before anything about the run is said
+        if run.status != "waiting":
+            raise ConflictError(f"workflow {run_id} is {run.status}, not waiting for an answer",
+                                hint=f"only a waiting run takes an answer; GET /v1/workflows/{run_id} shows where it is")
         await DurableEngine(ts).answer(run_id, answer, resume=False)
         agent = await asyncio.to_thread(ts.agents.get, entity.agent)
         result = None
