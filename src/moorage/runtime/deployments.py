@@ -16,8 +16,8 @@ from moorage.log import get_logger
 from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
 from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
                                      retention_zero, save_archive)
+from moorage.store import DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
-from moorage.store.repos.deployments import FAILED, READY
 from moorage.store import zero_retention
 
 log = get_logger(__name__)

@@ -9,6 +9,8 @@ from moorage.config import Config
 from moorage.errors import ConfigError
 from moorage.store.base import Backend
 from moorage.store.model import (
+    DEPLOYMENT_FAILED,
+    DEPLOYMENT_READY,
     FORKED_FROM,
     SHARED_TEMPLATE,
     Agent,
@@ -57,5 +59,5 @@ __all__ = [
     "Agent", "ApiKey", "Backend", "Deployment", "EndUser", "EntityKey", "Event", "EventIn", "Fact", "JournalEntry",
     "Operator", "Principal", "Record", "SandboxRecord", "Scope", "Session", "Span", "Step", "Store", "SweepReport",
     "Tenant", "TenantStore", "UsageEntry", "WorkflowRun", "open_backend", "open_store",
-    "FORKED_FROM", "SHARED_TEMPLATE",
+    "FORKED_FROM", "SHARED_TEMPLATE", "DEPLOYMENT_READY", "DEPLOYMENT_FAILED",
 ]

@@ -204,6 +204,10 @@ class Agent:
     version: int
 
 
+#: A deployment's ``status``: ``building`` until its template is made, then ``ready``, or ``failed`` (never live).
+DEPLOYMENT_BUILDING, DEPLOYMENT_READY, DEPLOYMENT_FAILED = "building", "ready", "failed"
+
+
 @dataclass(frozen=True)
 class Deployment:
     id: str

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moorage.errors import NotFound
-from moorage.store.model import Deployment
+from moorage.store.model import DEPLOYMENT_BUILDING, DEPLOYMENT_FAILED, DEPLOYMENT_READY, Deployment
 from moorage.store.repos.common import _new_id, _now, _Repo
 from moorage.store.sql import loads
 
@@ -17,7 +17,6 @@ def _deployment(r: tuple) -> Deployment:
 
 
 _DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status, created_at"
-BUILDING, READY, FAILED = "building", "ready", "failed"
 
 
 class Deployments(_Repo):
@@ -26,7 +25,7 @@ class Deployments(_Repo):
             if not c.one("SELECT 1 FROM agents WHERE id = ?", (agent_id,)):
                 raise NotFound(f"no agent {agent_id!r}")
             row = c.one("SELECT COALESCE(MAX(number), 0) FROM deployments WHERE agent_id = ?", (agent_id,))
-            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, BUILDING, _now())
+            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, DEPLOYMENT_BUILDING, _now())
             c.x(
                 f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status, d.created_at),
@@ -34,7 +33,7 @@ class Deployments(_Repo):
         return d
 
     def set_status(self, deployment_id: str, status: str) -> Deployment:
-        if status not in (BUILDING, READY, FAILED):
+        if status not in (DEPLOYMENT_BUILDING, DEPLOYMENT_READY, DEPLOYMENT_FAILED):
             raise ValueError(f"not a deployment status: {status!r}")
         with self._ts._tx() as c:
             c.x("UPDATE deployments SET status = ? WHERE id = ?", (status, deployment_id))
