@@ -23,8 +23,8 @@ async def on_message(ctx, message):
         r = await ctx.fetch(message)
         return json.dumps({"status": r["status"], "len": len(r["body"]), "truncated": r["truncated"],
                            "head": r["body"][:40]})
-    except Exception as e:
-        return json.dumps({"error": str(e)})
+    except ctx.HostError as e:  # the host's typed refusal: a stable kind beside the words
+        return json.dumps({"error": str(e), "kind": e.kind, "hint": e.hint})
 '''
 
 
@@ -55,6 +55,7 @@ async def test_the_old_bypasses_are_refused_inside_a_real_turn(env, tmp_path: Pa
         out = await _ask(env, url)
         assert "error" in out and ("not allowed" in out["error"] or "user name" in out["error"]
                                    or "segments" in out["error"]), (url, out)
+        assert out["kind"] == "egress-denied", out
     assert a.paths() == ["/api/x"] and b.hits == []
 
 
@@ -69,10 +70,11 @@ async def test_errors_are_generic_and_endless_bodies_are_cut(env, tmp_path: Path
     await env.runtime.deploy(env.principal, agent)
     refused = await _ask(env, f"http://127.0.0.1:{closed}/")
     assert "could not connect" in refused["error"] and "refused" not in refused["error"].lower()
+    assert refused["kind"] == "egress-failed"
     endless = await _ask(env, f"http://127.0.0.1:{a.port}/endless")
     assert endless["status"] == 200 and endless["truncated"] is True and endless["len"] == MIB
     redirected = await _ask(env, f"http://127.0.0.1:{a.port}/go")
-    assert "redirected" in redirected["error"]
+    assert "redirected" in redirected["error"] and redirected["kind"] == "egress-denied"
 
 
 async def test_a_rule_without_a_host_fails_the_deploy(env, tmp_path: Path) -> None:  # noqa: F811

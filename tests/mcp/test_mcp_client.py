@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import secrets
+import socket
 import tarfile
 import textwrap
 import threading
@@ -36,6 +37,12 @@ async def on_message(ctx, message):
         return json.dumps(await ctx.mcp_tools())
     if message == "env":
         return json.dumps(dict(os.environ))
+    if message == "down":
+        try:
+            await ctx.mcp("down", "forecast", city="Oslo")
+            return "called"
+        except ctx.HostError as e:
+            return json.dumps({"kind": e.kind, "error": str(e)})
     if message == "nokey":
         try:
             await ctx.mcp("nokey", "forecast", city="Oslo")
@@ -110,6 +117,12 @@ def weather() -> Iterator[tuple[WeatherServer, str]]:
     thread.join(timeout=30)
 
 
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def archive(manifest: str, body: str) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -144,7 +157,7 @@ async def test_agent_calls_external_mcp_server_through_the_host(runtime, store: 
     # The manifest's own URL for `weather` is ignored (the host's wins); `nokey` is manifest-only: no credentials.
     manifest = ('[agent]\nname = "wx"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n'
                 '[agent.mcp.weather]\nurl = "http://127.0.0.1:9/elsewhere"\n'
-                f'[agent.mcp.nokey]\nurl = "{url}"\n')
+                f'[agent.mcp.nokey]\nurl = "{url}"\n[agent.mcp.down]\nurl = "http://127.0.0.1:{closed_port()}/mcp/"\n')
     await runtime.deploy(principal, archive(manifest, AGENT))
     ann = EntityKey("wx", "ann", "s1")
 
@@ -164,6 +177,11 @@ async def test_agent_calls_external_mcp_server_through_the_host(runtime, store: 
     nokey = await runtime.invoke(principal, ann, "nokey")
     assert nokey.reply.startswith("refused: ") and "nokey" in nokey.reply and ws.secret not in nokey.reply
     assert ws.refused > refused_before  # a server only the manifest names gets no credentials
+
+    # A server that is down: the agent catches a typed error that names the failure, not the client's task group.
+    down = json.loads((await runtime.invoke(principal, ann, "down")).reply)
+    assert down["kind"] == "unavailable" and "'down'" in down["error"], down
+    assert "ExceptionGroup" not in down["error"] and "ConnectError" in down["error"], down
 
     # The secret is nowhere inside the sandbox: not in its environment, not in any file it holds.
     env = (await runtime.invoke(principal, ann, "env")).reply

@@ -171,7 +171,7 @@ async def on_message(ctx, message):
             raise ValueError("card declined")
         try:
             await ctx.step("bad", boom, retries=0)
-        except Exception as e:
+        except ctx.StepFailed as e:
             return type(e).__name__ + ": " + str(e)
     if message == "set":
         try:

@@ -36,6 +36,21 @@ class StepFailed(Exception):
     way when it happens and when a later execution of the workflow replays it."""
 
 
+class HostError(RpcError):
+    """A call to the host (``ctx.fetch``, ``ctx.mcp``, ``ctx.memory``, ...) that the host refused or could not serve.
+
+    ``kind`` is the stable code of the failure ("egress-denied", "egress-failed", "egress-limited", "invalid-input",
+    "not-found", "unavailable", ...), ``hint`` what would fix it (or None); ``str(e)`` has both. The agent catches it
+    as ``ctx.HostError``.
+    """
+
+    def __init__(self, message: str, code: int, data: Any) -> None:
+        super().__init__(message, code, data)
+        fields = data if isinstance(data, dict) else {}
+        self.kind = str(fields.get("kind") or "host-error")
+        self.hint = fields.get("hint") if isinstance(fields.get("hint"), str) else None
+
+
 class Suspended(Exception):
     """Raised by ``ctx.interrupt`` when the workflow must wait for a human: the turn ends as ``waiting``."""
 
@@ -196,7 +211,11 @@ class _Host:
             try:
                 return await self._rpc.peer.call(method, dict(params, turn_id=self.turn_id), timeout=timeout)
             except RpcError as e:
-                if e.code != HOST_BUSY:
+                if e.code == HOST_BUSY:
+                    pass
+                elif isinstance(e.data, dict) and "kind" in e.data and not isinstance(e, HostError):
+                    raise HostError(str(e), e.code, e.data) from None
+                else:
                     raise
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.5)
@@ -275,6 +294,10 @@ class Files:
 
 class AgentContext:
     """``ctx``: the entity this turn is for, model calls, memory, durable steps, files, exec, streaming."""
+
+    #: What the agent's code catches: a call the host refused or failed (``e.kind``), a durable step that failed.
+    HostError = HostError
+    StepFailed = StepFailed
 
     def __init__(self, rpc: Context, agent: LoadedAgent, params: Dict[str, Any], workdir: str) -> None:
         self._rpc = rpc

@@ -203,7 +203,8 @@ class GuestCalls:
             # A guest can only act inside a turn the host started in *this* sandbox.
             if binding is None or binding.sandbox_id != self.sandbox_id:
                 log.warning("guest call outside its turns rejected", sandbox=self.sandbox_id, method=method)
-                raise HandlerError("no such turn in this sandbox", code=-32000, data={"type": "TenantScopeError"})
+                raise HandlerError("no such turn in this sandbox", code=-32000,
+                                   data={"type": "TenantScopeError", "kind": "tenant-scope"})
             # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
             # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
             async with _tenant_share(self.rt, binding.ts.tenant_id):
@@ -217,7 +218,8 @@ class GuestCalls:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
                         return await fn(binding, params)
                 except MoorageError as e:
-                    raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__}) from e
+                    raise HandlerError(str(e), code=-32000,
+                                       data={"type": type(e).__name__, "kind": e.code, "hint": e.hint}) from e
                 finally:
                     self.rt.tracer.span(binding, method, started)
 

@@ -217,6 +217,7 @@ class McpTools:
         except UnavailableError:
             raise
         except Exception as e:  # noqa: BLE001 - any protocol failure: name the server, never its headers
+            e = _leaf(e)
             log.warning("mcp server call failed", server=server.name, error=type(e).__name__)
             raise UnavailableError(f"MCP server {server.name!r} failed: {type(e).__name__}: {_safe(e, server)}",
                                    hint="check that the server is up and its credentials in mcp.toml") from None
@@ -230,7 +231,14 @@ class McpTools:
         await asyncio.gather(*(c.task for c in conns), return_exceptions=True)
 
 
-def _safe(e: Exception, server: McpServer) -> str:
+def _leaf(e: BaseException) -> BaseException:
+    """The first real failure inside the task groups' exception groups the MCP client raises (anyio wraps them)."""
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return e
+
+
+def _safe(e: BaseException, server: McpServer) -> str:
     text = str(e)[:300]
     for value in server.headers.values():
         if value:
@@ -282,13 +290,14 @@ class _Connection:
                         if not fut.done():
                             fut.set_exception(e)
         except Exception as e:  # noqa: BLE001 - connect or transport failure: every waiting call gets it
-            failure = e
-            log.warning("mcp connection closed", server=self.server.name, error=type(e).__name__)
+            failure = _leaf(e)
+            log.warning("mcp connection closed", server=self.server.name, error=type(failure).__name__)
         finally:
             self.closed = True
             while not self._jobs.empty():
                 _, fut = self._jobs.get_nowait()
                 if not fut.done():
                     fut.set_exception(UnavailableError(
-                        f"MCP server {self.server.name!r} is unreachable" + (f": {type(failure).__name__}" if failure else ""),
+                        f"MCP server {self.server.name!r} is unreachable"
+                        + (f": {type(failure).__name__}: {_safe(failure, self.server)}" if failure else ""),
                         hint="check that the server is up and its credentials in mcp.toml"))
