@@ -104,6 +104,9 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
             await asyncio.sleep(0.05)
         console.print(f"moorage is up at [bold]{url}[/] (store: {host.store.describe()}; sandboxes: {host.driver.name})")
         console.print(f"local tenant admin key: {admin_key_path(cfg)}")
+        if cfg.shutdown == "detach" and not host.driver.capabilities.survives_host_exit:
+            console.print(f"[yellow]--detach has no effect here:[/] {host.driver.name} sandboxes end with the host; "
+                          "on stop they are put to sleep")
         if demo is not None:
             try:
                 await run_demo(url, key, demo)
@@ -126,7 +129,12 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     finally:
         if not task.done():
             task.cancel()
-        how = "leaving instances running (detach)" if cfg.shutdown == "detach" else "putting awake instances to sleep"
+        if cfg.shutdown == "detach" and host.driver.capabilities.survives_host_exit:
+            how = "leaving instances running (detach)"
+        elif cfg.shutdown == "detach":
+            how = f"putting awake instances to sleep ({host.driver.name} sandboxes end with the host, so none is detached)"
+        else:
+            how = "putting awake instances to sleep"
         console.print(f"moorage is stopping: {how}")
         try:
             await host.close()
