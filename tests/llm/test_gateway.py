@@ -133,6 +133,24 @@ async def test_stream_retries_before_the_first_chunk(gw: Any, openai_server: Wir
     assert rec.trace_id == "tr-s" and rec.output_tokens > 0 and rec.input_tokens > 0
 
 
+async def test_a_stream_answered_as_one_json_body_is_the_whole_answer(gw: Any, openai_server: WireServer,
+                                                                     anthropic_server: WireServer) -> None:
+    # Some compatible servers ignore "stream": true and answer the whole completion at once (application/json).
+    openai_server.script.push(openai_ok("all at once", prompt=12, completion=3))
+    anthropic_server.script.push(Canned(200, {
+        "id": "msg_2", "type": "message", "role": "assistant", "model": MODEL,
+        "content": [{"type": "text", "text": "whole "}, {"type": "text", "text": "reply"}],
+        "stop_reason": "max_tokens", "usage": {"input_tokens": 9, "output_tokens": 2},
+    }))
+    for tenant, text, finish, tokens in (("t1", "all at once", "stop", (12, 3)), ("tenant-claude", "whole reply", "length", (9, 2))):
+        chunks = [c async for c in gw.stream(tenant, hi())]
+        assert "".join(c.text for c in chunks) == text
+        assert chunks[-1].finish_reason == finish
+        rec = gw.sink.records[-1]
+        assert (rec.input_tokens, rec.output_tokens) == tokens  # accounted from the body's usage, not estimated
+    assert all(server.script.requests[-1]["body"]["stream"] is True for server in (openai_server, anthropic_server))
+
+
 async def test_request_rate_limit_is_per_tenant(gw: Any, openai_server: WireServer) -> None:
     gw.admission.set_limits("a", TenantLimits(requests=RateLimit(per_minute=2)))
     openai_server.script.push(*[openai_ok() for _ in range(5)])

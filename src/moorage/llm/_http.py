@@ -96,6 +96,11 @@ def connection_error(provider: str, base_url: str, exc: Exception) -> ProviderUn
     )
 
 
+def answered_whole(response: httpx.Response) -> bool:
+    """A streamed request answered with one JSON body: a compatible server that ignores ``"stream": true``."""
+    return response.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
+
+
 async def sse_events(response: httpx.Response) -> AsyncIterator[tuple[str, str]]:
     """(event name, data) pairs of a Server-Sent Events body; multi-line data joined with newlines."""
     event = ""

@@ -15,7 +15,7 @@ from moorage.errors import InvalidInput
 from moorage.llm import _http
 from moorage.llm.errors import BadToolCall, ProviderError, ProviderUnavailable, RateLimited
 from moorage.llm.estimate import estimate_tokens
-from moorage.llm.provider import Capabilities
+from moorage.llm.provider import Capabilities, whole_as_chunks
 from moorage.llm.secret import Secret
 from moorage.llm.types import (
     ChatChunk,
@@ -122,6 +122,11 @@ class AnthropicProvider:
         started = time.perf_counter()
         doc = await _http.post_json(self._client, "/v1/messages", self._body(request, False), self._headers(),
                                     provider=self.name, base_url=self.base_url, secret=self._key, model=model)
+        return self._response(doc, request, model, started)
+
+    def _response(self, doc: Any, request: ChatRequest, model: str, started: float) -> ChatResponse:
+        if not isinstance(doc, dict):
+            raise ProviderError(f"{self.name} answered without content: {str(doc)[:200]}", provider=self.name)
         text: list[str] = []
         calls: list[ToolCall] = []
         for block in doc.get("content") or ():
@@ -147,6 +152,11 @@ class AnthropicProvider:
             async with self._client.stream("POST", "/v1/messages", json=self._body(request, True), headers=self._headers()) as r:
                 if r.status_code >= 400:
                     _http.raise_for_status(self.name, r, await r.aread(), self._key, model)
+                if _http.answered_whole(r):  # a compatible server that ignores "stream": true
+                    whole = self._response(_http.parse_json(self.name, await r.aread()), request, model, time.perf_counter())
+                    for chunk in whole_as_chunks(whole):
+                        yield chunk
+                    return
                 blocks: dict[int, dict[str, Any]] = {}
                 start_usage: dict[str, Any] = {}
                 output_tokens = 0

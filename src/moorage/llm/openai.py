@@ -14,7 +14,7 @@ import httpx
 from moorage.llm import _http
 from moorage.llm.errors import BadToolCall, ProviderError
 from moorage.llm.estimate import estimate_tokens
-from moorage.llm.provider import Capabilities
+from moorage.llm.provider import Capabilities, whole_as_chunks
 from moorage.llm.secret import Secret
 from moorage.llm.types import (
     ChatChunk,
@@ -108,6 +108,9 @@ class OpenAICompatibleProvider:
         started = time.perf_counter()
         doc = await _http.post_json(self._client, "/chat/completions", self._body(request, False), self._headers(),
                                     provider=self.name, base_url=self.base_url, secret=self._key, model=model)
+        return self._response(doc, request, model, started)
+
+    def _response(self, doc: Any, request: ChatRequest, model: str, started: float) -> ChatResponse:
         try:
             choice = doc["choices"][0]
             msg = choice["message"]
@@ -130,6 +133,11 @@ class OpenAICompatibleProvider:
             async with self._client.stream("POST", "/chat/completions", json=self._body(request, True), headers=self._headers()) as r:
                 if r.status_code >= 400:
                     _http.raise_for_status(self.name, r, await r.aread(), self._key, model)
+                if _http.answered_whole(r):
+                    whole = self._response(_http.parse_json(self.name, await r.aread()), request, model, time.perf_counter())
+                    for chunk in whole_as_chunks(whole):
+                        yield chunk
+                    return
                 # Tool-call deltas arrive as fragments keyed by index; emit each call once it is whole.
                 pending: dict[int, dict[str, str]] = {}
                 finish: FinishReason | None = None

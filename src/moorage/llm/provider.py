@@ -72,3 +72,10 @@ async def collect(chunks: AsyncIterator[ChatChunk], *, provider: str = "", laten
         provider=provider,
         latency_ms=latency_ms,
     )
+
+
+def whole_as_chunks(response: ChatResponse) -> tuple[ChatChunk, ...]:
+    """A complete answer as the chunks a stream of it ends with (``collect`` of them gives it back)."""
+    text = (ChatChunk(text=response.text, model=response.model),) if response.text else ()
+    return text + (ChatChunk(tool_calls=response.tool_calls, finish_reason=response.finish_reason,
+                             usage=response.usage, model=response.model),)
