@@ -7,12 +7,13 @@ fail_step, interrupt, checkpoint_state) are plain methods for the host side of t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 from moorage.durable.context import Halted, Suspended, WorkflowContext
-from moorage.durable.errors import RunTakenOver, WorkflowNotRegistered
+from moorage.durable.errors import NonDeterminismError, RunTakenOver, WorkflowNotRegistered
 from moorage.durable.runlog import TERMINAL, Answer, HistoryEntry, Proceed, Replay, RunLog, Suspend, check_name
 from moorage.errors import ConflictError, MoorageError
 from moorage.log import get_logger
@@ -191,6 +192,9 @@ class DurableEngine:
             except Suspended:
                 return runlog.run
             except Halted as h:
+                if isinstance(h.error, NonDeterminismError):
+                    with contextlib.suppress(RunTakenOver):  # another executor has it: nothing to give back
+                        runlog.release()  # pending, as the guest's runs are: nothing executes it until a fixed resume
                 raise h.error from None
             except asyncio.CancelledError:
                 if runlog.run.id in self._cancelled:

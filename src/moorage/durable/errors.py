@@ -11,7 +11,7 @@ from moorage.errors import ConflictError, MoorageError, NotFound
 class NonDeterminismError(MoorageError):
     """Replayed workflow code asked for a different step than the one journaled at that position.
 
-    The run is left untouched so that a corrected deployment can resume it.
+    The journal is left untouched and the run pending, so that a corrected deployment can resume it.
     """
 
     code = "non-determinism"

@@ -222,6 +222,12 @@ class RunLog:
         if self.run.status in ("pending", "running"):
             self._commit(lambda: None, status="running")
 
+    def release(self) -> None:
+        """Give the run back (running -> pending), its journal untouched: nothing executes it now, a later resume
+        (a corrected deployment, a restart) may."""
+        if self.run.status == "running":
+            self._commit(lambda: None, status="pending", current_step=None)
+
     def begin_step(self, position: int, name: str, idempotency_key: str | None = None) -> Replay | Proceed:
         check_name(name)
         row = self._replayed(position, name, "step")
