@@ -36,3 +36,16 @@ def test_fleet_template_prefetch_settings_from_the_file(tmp_path: Path) -> None:
     f.write_text("[moorage]\ntemplate_prefetch_interval_s = 0\n")
     with pytest.raises(ConfigError, match="template_prefetch_interval_s must be more than 0"):
         load(f, env={})
+
+
+@pytest.mark.parametrize("name,bad", [("memory_extractor", "bogus"), ("memory_summarizer", "llm"), ("shutdown", "stop"),
+                                      ("accel", "hvf"), ("log_format", "xml"), ("log_level", "loud")])
+def test_a_word_setting_outside_its_choices_is_refused_not_replaced(tmp_path: Path, name: str, bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name}='{bad}' is not one of") as e:
+        load(None, env={"MOORAGE_" + name.upper(): bad})
+    assert f"MOORAGE_{name.upper()}" in (e.value.hint or "")
+    f = tmp_path / "moorage.toml"
+    f.write_text(f'[moorage]\n{name} = "{bad}"\n')
+    with pytest.raises(ConfigError, match="is not one of"):
+        load(f, env={})
+    assert load(None, env={"MOORAGE_LOG_LEVEL": "WARNING", "MOORAGE_MEMORY_EXTRACTOR": "model"}).log_level == "warning"

@@ -195,6 +195,18 @@ def _coerce(name: str, raw: Any, target: Any) -> Any:
         raise ConfigError(f"config value {name}={raw!r} is not a valid {target}", hint="fix moorage.toml or the MOORAGE_* variable") from e
 
 
+#: The settings that take one of a few words; anything else is refused at start, never silently replaced.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "shutdown": ("sleep", "detach"),
+    "accel": ("auto", "kvm", "tcg"),
+    "memory_summarizer": ("extractive", "model"),
+    "memory_extractor": ("patterns", "model"),
+    "log_level": ("debug", "info", "warning", "error"),
+    "log_format": ("text", "json"),
+}
+_DEFAULTS = {f.name: f.default for f in fields(Config) if f.name in CHOICES}
+
+
 def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
     """Read configuration once. ``path`` defaults to ``$MOORAGE_CONFIG`` or ``./moorage.toml`` if it exists.
 
@@ -225,9 +237,14 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
     for k, v in overrides.items():
         if v is not None:
             values[k] = _coerce(k, v, types[k])
-    if values.get("shutdown", "sleep") not in ("sleep", "detach"):
-        raise ConfigError(f"shutdown={values['shutdown']!r} is not one of sleep, detach",
-                          hint="set shutdown = \"sleep\" (default) or \"detach\" in moorage.toml or MOORAGE_SHUTDOWN")
+    if isinstance(values.get("log_level"), str):
+        values["log_level"] = values["log_level"].lower()  # INFO as well as info
+    for name, choices in CHOICES.items():
+        value = values.get(name, _DEFAULTS[name])
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}",
+                              hint=f"set {name} = \"{_DEFAULTS[name]}\" (default) or another of those in moorage.toml "
+                                   f"or MOORAGE_{name.upper()}")
     if float(values.get("template_prefetch_interval_s", 60.0)) <= 0:
         raise ConfigError("template_prefetch_interval_s must be more than 0",
                           hint="set template_prefetch = 0 to fetch templates only when a wake needs them")
