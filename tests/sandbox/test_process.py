@@ -147,6 +147,36 @@ async def test_ids_limits_and_duplicates_are_validated(pdriver: ProcessDriver) -
         await sb.sleep()  # never started
 
 
+THREADS = r"""
+import sys, threading, time
+started = []
+def work():
+    held = [bytearray(2000) for _ in range(200)]  # a little heap in each thread (its own malloc arena, unbounded)
+    started.append(len(held))
+    time.sleep(2)
+for i in range(int(sys.argv[1])):
+    threading.Thread(target=work).start()
+time.sleep(0.5)
+print(len(started))
+"""
+
+
+@pytest.mark.parametrize("support", ["host", "rlimits only"])
+async def test_a_thread_per_connection_program_gets_the_threads_its_memory_allows(pdriver: ProcessDriver,
+                                                                                 support: str) -> None:
+    # Address space reserved per thread (an 8 MiB stack, a 64 MiB malloc arena) is not memory used: a 256 MiB
+    # sandbox runs a server with a thread per connection past the app relay's 32 sockets. Without a cgroup,
+    # RLIMIT_AS is the bound, stacks count in full and malloc's arenas are capped (MALLOC_ARENA_MAX).
+    if support == "rlimits only":
+        pdriver.limit_support = process_limits.LimitSupport("")
+    want = 48 if pdriver.limit_support.cgroup else 16
+    sb = await pdriver.create("threads", SandboxSpec(memory_mib=256))
+    await sb.start()
+    await sb.write_file("threads.py", THREADS.encode())
+    r = await sb.exec(["python3", "threads.py", str(want)], timeout=60)
+    assert r.exit_code == 0 and r.stdout.strip() == str(want).encode(), r
+
+
 async def test_host_environment_is_not_passed(pdriver: ProcessDriver) -> None:
     sb = await pdriver.create("env")
     assert isinstance(sb, ProcessSandbox)

@@ -201,8 +201,10 @@ class ProcessSandbox(Sandbox):
             os.chmod(run, 0o700)
         mem = spec.memory_mib << 20
         self.cgroup.create(spec.max_processes, mem, cpus=spec.vcpus)
-        # Per-process address space: the only memory bound without a cgroup; a generous backstop with one.
-        address_space = max(mem, 1 << 30) if self.cgroup.bounds_memory_and_processes else mem
+        # Per-process address space: the only memory bound without a cgroup; with one (which bounds what is really
+        # used) only a backstop, far enough above it that reserved-but-unused address space (thread stacks, malloc
+        # arenas: 8 + 64 MiB a thread) never fails a thread the memory would allow.
+        address_space = max(8 * mem, 4 << 30) if self.cgroup.bounds_memory_and_processes else mem
         staged = uid is not None
         # Above fd 9: the staging shell uses 3-6 for the directories it binds.
         seccomp_fd = process_seccomp.filter_fd(min_fd=10)
