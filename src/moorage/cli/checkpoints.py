@@ -9,14 +9,14 @@ import json
 from typing import Any, Callable, List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moorage.cli.console import id_column, make_console
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
-console = Console()
+console = make_console()
 JSON = typer.Option(False, "--json", help="Machine-readable output.")
 
 
@@ -51,7 +51,7 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
     if as_json:
         print(json.dumps(out, indent=2))
         return
-    table = Table("seq", "id", "kind", "branch", "name", "what happened")
+    table = Table("seq", id_column("id"), "kind", "branch", "name", "what happened")
     for c in out["data"]:
         branch = c["branch"] + ("" if c["current_branch"] else " (history)" if c.get("in_history") else " (abandoned)")
         table.add_row(str(c["seq"]), c["id"], c["kind"], branch, escape(c.get("name") or ""), escape(_did(c)))

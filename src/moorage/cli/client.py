@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from moorage.cli.console import id_column, make_console
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
 from moorage.client._api import Request
 from moorage.config import Config
 from moorage.errors import ConfigError, MoorageError
 
-console = Console()
+console = make_console()
 R = TypeVar("R")
 
 
@@ -198,7 +198,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         def mib(v: Any) -> str:
             return "-" if v is None else f"{v / (1 << 20):.1f} MiB"
 
-        t = Table("sandbox", "instance", "state", "since", "RAM", "disk")  # since its last wake or sleep
+        t = Table(id_column("sandbox"), "instance", "state", "since", "RAM", "disk")  # since its last wake or sleep
         for s in rows:
             ago = _t.time() - float(s.get("last_active") or 0)
             t.add_row(s["id"], s.get("scope", ""), s.get("state", ""), f"{ago:.0f}s ago", mib(s.get("ram_bytes")),
@@ -247,7 +247,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json")) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
         data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit))
-        t = Table("trace", "span", "status", "attributes")
+        t = Table(id_column("trace"), "span", "status", "attributes")
         for s in data.get("data", []):
             t.add_row(s.get("trace_id", "")[:12], s.get("name", ""), s.get("status", ""),
                       json.dumps(s.get("attrs", {}))[:80])

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 
+from moorage.cli.console import make_console
 from moorage.cost import SCENARIOS, SimSettings, compare, generate, load_cost_model, read_trace, render, save_trace
 from moorage.lifecycle.policies import parse_policy
 
@@ -38,11 +38,7 @@ def simulate(
     if as_json:
         typer.echo(json.dumps(cmp.to_dict(), indent=2))
     else:
-        console = Console()
-        if not console.is_terminal:
-            # Piped output would wrap at rich's 80-column default and cut the table's figures.
-            console = Console(width=120)
-        render(cmp, console)
+        render(cmp, make_console())
 
 
 @trace_app.command("generate")

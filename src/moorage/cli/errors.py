@@ -6,10 +6,11 @@ import functools
 from typing import Any, Callable, TypeVar
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-err_console = Console(stderr=True)
+from moorage.cli.console import make_console
+
+err_console = make_console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 

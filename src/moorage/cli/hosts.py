@@ -10,9 +10,10 @@ import time
 from collections import Counter
 
 import typer
-from rich.console import Console
 
-console = Console()
+from moorage.cli.console import make_console
+
+console = make_console()
 app = typer.Typer(invoke_without_command=True, help="The fleet's hosts (operator, direct store access).")
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from moorage.cli.console import make_console
 from moorage.sandbox.image import GuestImage, ImageBuilder
 
 app = typer.Typer(no_args_is_help=True, help="Guest images for micro-VM sandboxes.")
-console = Console()
+console = make_console()
 
 
 def _images_dir(override: Optional[Path]) -> Path:

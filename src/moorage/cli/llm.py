@@ -12,8 +12,10 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from moorage.cli.console import make_console
+
 app = typer.Typer(no_args_is_help=True, help="Call the configured LLM provider (embedded llama.cpp, OpenAI-compatible, Anthropic).")
-console = Console()
+console = make_console()
 
 
 def _cfg():  # type: ignore[no-untyped-def]

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from moorage.cli.console import make_console
 from moorage import __version__, config as config_mod, log
 from moorage.errors import MoorageError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorage: persistent per-user AI agents, one micro-VM each.")
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 
 class State:

@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from moorage.cli.console import id_column, make_console
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
 eval_app = typer.Typer(invoke_without_command=True, help="Retrieval quality: moorage vs BM25-only vs dense-only.")
 app.add_typer(eval_app, name="eval")
-console = Console()
+console = make_console()
 
 
 @eval_app.callback()
@@ -109,7 +109,7 @@ def facts(
     if as_json:
         print(json.dumps([{**f.__dict__, "scope": f.scope.key} for f in rows], indent=2))
         return
-    table = Table("id", "attribute", "value", "trust", "status", "valid from", "valid to", "provenance")
+    table = Table(id_column("id"), "attribute", "value", "trust", "status", "valid from", "valid to", "provenance")
     for f in rows:
         table.add_row(f.id, f.attribute, f.value, f.trust, f.status, f"{f.valid_from:.0f}",
                       "" if f.valid_to is None else f"{f.valid_to:.0f}", ",".join(f.provenance))

@@ -9,13 +9,13 @@ import sys
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from moorage.cli.console import make_console
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent secrets: stored encrypted, added by the host, never shown.")
-console = Console()
+console = make_console()
 
 USER = typer.Option(None, "--user", "-u", help="One end-user's own secret (default: the agent's, for every user).")
 

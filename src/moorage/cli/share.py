@@ -10,12 +10,12 @@ import re
 from typing import Any, Callable, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from moorage.cli.console import id_column, make_console
 from moorage.errors import InvalidInput
 
-console = Console()
+console = make_console()
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -52,7 +52,7 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
             if as_json:
                 print(json.dumps(rows, indent=2))
                 return
-            table = Table("id", "label", "expires_at", "revoked_at")
+            table = Table(id_column("id"), "label", "expires_at", "revoked_at")
             for r in rows:
                 table.add_row(r["id"], r["label"], str(r["expires_at"]), str(r["revoked_at"] or ""))
             console.print(table)

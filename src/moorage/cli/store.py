@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 
 import typer
-from rich.console import Console
 
-console = Console()
+from moorage.cli.console import make_console
+
+console = make_console()
 app = typer.Typer(no_args_is_help=True, help="Operator commands for the durable store.")
 
 

@@ -13,13 +13,13 @@ import tarfile
 from pathlib import Path
 
 import httpx
-from rich.console import Console
 
+from moorage.cli.console import make_console
 from moorage.config import Config
 from moorage.log import get_logger
 
 log = get_logger(__name__)
-console = Console()
+console = make_console()
 
 LOCAL_TENANT = "local"
 

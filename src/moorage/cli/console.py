@@ -1,0 +1,20 @@
+"""The consoles the CLI prints with. Piped output (a script, a file, a pager) is not cut at rich's 80-column
+default: tables hold ids that are copied into the next command."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Column
+
+#: Width of piped output (a terminal's own width is used as it is).
+PIPED_WIDTH = 160
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=PIPED_WIDTH)
+
+
+def id_column(header: str) -> Column:
+    """A table column of ids: never cut or wrapped (the other columns give way), so it can be copied whole."""
+    return Column(header, no_wrap=True)
