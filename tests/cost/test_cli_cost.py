@@ -55,6 +55,9 @@ def test_warm_pool_and_cold_boot_options(tmp_path: Path) -> None:
     r = runner.invoke(app, ["cost", "simulate", "--trace", str(trace), "--json", "--policy", "always-on", "--warm-pool", "64"])
     pooled = json.loads(r.output)["results"][0]
     assert pooled["latency_max_s"] < 0.01 and pooled["pool_compute_s"] > 0
+    # The table shows what a new user's first turn waits too, not only the JSON.
+    r = runner.invoke(app, ["cost", "simulate", "--trace", str(trace), "--policy", "always-on", "--provisioning", "cold-boot"])
+    assert r.exit_code == 0 and "1st turn p99" in r.output and "3700 ms" in r.output, r.output
 
 
 def test_prices_and_scenarios_commands() -> None:

@@ -139,7 +139,9 @@ def render(cmp: Comparison, console: Console) -> None:
         "hindsight is a floor, not a policy",
     )
     base = next((r for r in cmp.results if r.policy == "always-on"), None)
-    cols = ["policy", "awake h", "snap GB-h", "wakes", "/turn", "p50", "p99", "longest up", "cost"]
+    new_users = any(r.provisions for r in cmp.results)  # what a new user's first turn waits (warm pool, fork, boot)
+    cols = ["policy", "awake h", "snap GB-h", "wakes", "/turn", "p50", "p99", *(["1st turn p99"] if new_users else []),
+            "longest up", "cost"]
     for col in cols + (["x always-on"] if base else []):
         t.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     cheapest = min((r.cost_total for r in cmp.results if r.policy != "hindsight"), default=0.0)
@@ -155,6 +157,7 @@ def render(cmp: Comparison, console: Console) -> None:
             f"{r.wakes_per_turn:.2f}",
             f"{r.latency_p50_s * 1000:.0f} ms",
             f"{r.latency_p99_s * 1000:.0f} ms",
+            *([f"{r.provision_p99_s * 1000:.0f} ms"] if new_users else []),
             _hours(r.longest_awake_s),
             total,
         ]
