@@ -6,6 +6,7 @@ Nothing here skips: CI sets MOORAGE_TEST_STRICT=1 and a missing service is an er
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +20,17 @@ from moorage.store.sqlite import SQLiteBackend
 
 STORE_BACKENDS = ("sqlite", "postgres")
 _db_counter = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _moorage_logging_as_found() -> Iterator[None]:
+    """A CLI command run in-process configures moorage's logger (info, on stderr): undone after its test, so the
+    rest of the worker does not print info lines outside any test's captured output."""
+    logger = logging.getLogger("moorage")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.level, logger.propagate = saved[1], saved[2]
 
 
 @pytest.fixture(scope="session")

@@ -7,22 +7,25 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from moorage.cli.console import PIPED_WIDTH, id_column, make_console
+from moorage.cli.console import PIPED_WIDTH, id_column, make_console, print_table
 
-SANDBOX = "sb-3f9a2b7c1d4e5f60718293a4b5c6d7e8"
+CHECKPOINT = "ck3a973b97bde941b9a1b2c3d4e5f6a7b8c9"
 
 
-def _render(width: int, first: object) -> str:
+def _render(width: int, id_header: object) -> str:
     out = io.StringIO()
-    t = Table(first, "instance", "state", "since", "RAM", "disk")  # type: ignore[arg-type]
-    t.add_row(SANDBOX, "assistant/user:ada-lovelace-the-first", "running", "12s ago", "120.5 MiB", "33.2 MiB")
-    Console(file=out, width=width).print(t)
+    t = Table("seq", id_header, "kind", "branch", "name", "what happened")  # type: ignore[arg-type]
+    # A long row squeezes the table: rich would cut even a column that may not wrap.
+    t.add_row("3", CHECKPOINT, "auto", "main (history)", "before-something-long",
+              "turn 'hello there, a long message' ran 3 steps and wrote 2 files")
+    print_table(Console(file=out, width=width), t)
     return out.getvalue()
 
 
-def test_an_id_column_is_never_cut_even_on_a_narrow_terminal() -> None:
-    assert SANDBOX not in _render(60, "sandbox")  # rich's default: cut with an ellipsis
-    assert SANDBOX in _render(60, id_column("sandbox"))
+def test_an_id_column_is_never_cut_even_when_a_long_row_squeezes_the_table() -> None:
+    assert CHECKPOINT not in _render(80, "id")  # rich's default: cut with an ellipsis
+    for width in (60, 80, 120):
+        assert CHECKPOINT in _render(width, id_column("id")), width
 
 
 def test_piped_output_is_not_held_to_80_columns(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console
+from moorage.cli.console import id_column, make_console, print_table
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
@@ -55,7 +55,7 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
     for c in out["data"]:
         branch = c["branch"] + ("" if c["current_branch"] else " (history)" if c.get("in_history") else " (abandoned)")
         table.add_row(str(c["seq"]), c["id"], c["kind"], branch, escape(c.get("name") or ""), escape(_did(c)))
-    console.print(table)
+    print_table(console, table)
     for b in out["branches"]:
         console.print(f"branch {b['id']}: {b['checkpoints']} checkpoints, tip {b['tip']}"
                       + (" (current)" if b["current"] else " (abandoned: `moorage checkpoints rollback` to its tip)"))

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console
+from moorage.cli.console import id_column, make_console, print_table
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
 from moorage.client._api import Request
@@ -77,7 +77,7 @@ def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
     if as_json or table is None:
         print(json.dumps(data, indent=2, default=str))
     else:
-        console.print(table)
+        print_table(console, table)
 
 
 def register(app: typer.Typer, cfg_of: Any) -> None:

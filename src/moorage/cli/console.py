@@ -4,7 +4,7 @@ default: tables hold ids that are copied into the next command."""
 from __future__ import annotations
 
 from rich.console import Console
-from rich.table import Column
+from rich.table import Column, Table
 
 #: Width of piped output (a terminal's own width is used as it is).
 PIPED_WIDTH = 160
@@ -15,6 +15,18 @@ def make_console(*, stderr: bool = False) -> Console:
     return console if console.is_terminal else Console(stderr=stderr, width=PIPED_WIDTH)
 
 
+class IdColumn(Column):
+    """A table column of ids (see ``id_column``)."""
+
+
 def id_column(header: str) -> Column:
-    """A table column of ids: never cut or wrapped (the other columns give way), so it can be copied whole."""
-    return Column(header, no_wrap=True)
+    """A table column of ids: never cut or wrapped (the other columns give way; ``print_table`` sizes it to its
+    longest id), so an id can be copied whole into the next command."""
+    return IdColumn(header, no_wrap=True)
+
+
+def print_table(console: Console, table: Table) -> None:
+    for column in table.columns:
+        if isinstance(column, IdColumn):
+            column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
+    console.print(table)

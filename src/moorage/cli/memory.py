@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console
+from moorage.cli.console import id_column, make_console, print_table
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
@@ -113,7 +113,7 @@ def facts(
     for f in rows:
         table.add_row(f.id, f.attribute, f.value, f.trust, f.status, f"{f.valid_from:.0f}",
                       "" if f.valid_to is None else f"{f.valid_to:.0f}", ",".join(f.provenance))
-    console.print(table)
+    print_table(console, table)
 
 
 @app.command("search")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import typer
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console
+from moorage.cli.console import id_column, make_console, print_table
 from moorage.errors import InvalidInput
 
 console = make_console()
@@ -55,7 +55,7 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
             table = Table(id_column("id"), "label", "expires_at", "revoked_at")
             for r in rows:
                 table.add_row(r["id"], r["label"], str(r["expires_at"]), str(r["revoked_at"] or ""))
-            console.print(table)
+            print_table(console, table)
             return
         out = call(cfg, "POST", base, json={"ttl_s": parse_ttl(ttl), "label": label})
         server = (cfg.api_url or f"http://{cfg.host}:{cfg.port}").rstrip("/")
