@@ -98,6 +98,8 @@ async def on_message(ctx, message):
         return f"{draft} -> {answer}"
     if message == "whoami":
         return f"user={ctx.user}"
+    if message == "ask the model":
+        return (await ctx.llm.complete([{"role": "user", "content": "Say hi."}], max_tokens=3))["text"]
     return "echo: " + message
 '''
 

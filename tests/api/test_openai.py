@@ -56,6 +56,34 @@ async def test_official_client_chat_and_stream(live_rt, acme, tmp_path: Path):
             await client.chat.completions.create(model="ghost", user="a", messages=[{"role": "user", "content": "x"}])
 
 
+async def test_a_turns_model_tokens_reach_the_caller_and_the_metrics(live_rt, acme, tmp_path: Path):
+    await _deploy(live_rt, acme, tmp_path)
+    async with aclient(live_rt, acme) as c:
+        first = await c.post("/v1/agents/echo/invoke", json={"message": "ask the model", "user": "ann"},
+                             headers={"Idempotency-Key": "usage-1"})
+        usage = first.json()["usage"]
+        assert usage["input_tokens"] > 0 and 0 < usage["output_tokens"] <= 3, first.text
+        assert "idempotent-replayed" not in first.headers
+        again = await c.post("/v1/agents/echo/invoke", json={"message": "ask the model", "user": "ann"},
+                             headers={"Idempotency-Key": "usage-1"})
+        # The turn asked again is told what it used, marked as a replay, and not run (or counted) again.
+        assert again.json()["usage"] == usage and again.headers["idempotent-replayed"] == "true"
+        plain = (await c.post("/v1/agents/echo/invoke", json={"message": "no model", "user": "ann"})).json()
+        assert plain["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    async with openai.AsyncOpenAI(base_url=f"{live_rt.url}/v1", api_key=acme, max_retries=0) as client:
+        out = await client.chat.completions.create(model="echo", user="ann",
+                                                   messages=[{"role": "user", "content": "ask the model"}])
+        assert out.usage is not None and out.usage.prompt_tokens > 0 and out.usage.completion_tokens > 0
+        assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    metrics_token = (live_rt.data_dir / "api" / "metrics-token").read_text().strip()
+    async with aclient(live_rt, metrics_token) as c:
+        text = (await c.get("/metrics")).text
+    counted = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("moorage_tokens_total{")}
+    assert counted['kind="input_tokens"'] == usage["input_tokens"] + out.usage.prompt_tokens, counted
+    assert counted['kind="output_tokens"'] == usage["output_tokens"] + out.usage.completion_tokens, counted
+
+
 async def test_official_client_with_an_end_user_token(live_rt, acme, tmp_path: Path):
     await _deploy(live_rt, acme, tmp_path)
     async with aclient(live_rt, acme) as c:

@@ -39,8 +39,13 @@ def entity_for(call: Call, agent: str, user: str | None, session: str | None) ->
 async def run_turn(call: Call, entity: EntityKey, message: str) -> Any:
     started = time.perf_counter()
     result = await call.runtime.invoke(call.who, entity, message, idempotency_key=call.idempotency_key)
-    call.ctx.metrics.observe_turn(time.perf_counter() - started, getattr(result, "usage", None))
+    call.ctx.metrics.observe_turn(time.perf_counter() - started, None if result.replayed else result.usage)
     return result
+
+
+def replay_headers(result: Any) -> dict[str, str]:
+    """``Idempotent-Replayed: true`` on the answer to a turn asked again, as on every other idempotent route."""
+    return {"Idempotent-Replayed": "true"} if getattr(result, "replayed", False) else {}
 
 
 async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncIterator[Any]:
@@ -59,7 +64,7 @@ async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncItera
             if first is not None:
                 yield first
             async for ev in events:
-                if ev.kind == "done":
+                if ev.kind == "done" and not getattr(ev.data, "replayed", False):
                     usage = dict(getattr(ev.data, "usage", None) or {})
                 yield ev
         finally:

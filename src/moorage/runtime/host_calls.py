@@ -94,6 +94,8 @@ class TurnBinding:
     #: Set when the agent's replayed code asked for another step than the journal holds: the run is left for a
     #: corrected deployment to resume, not failed.
     diverged: NonDeterminismError | None = field(repr=False, default=None)
+    #: Model tokens the turn's calls used so far (what the caller is told with the reply).
+    usage: dict[str, int] = field(default_factory=lambda: {"input_tokens": 0, "output_tokens": 0})
 
     @property
     def user_scope(self) -> Scope:
@@ -239,6 +241,8 @@ class GuestCalls:
         )
         entity = {"agent": b.entity.agent, "user": b.entity.user, "session": b.entity.session or ""}
         resp = await self.rt.llm.complete(b.ts.tenant_id, req, entity=entity, trace_id=b.trace_id)
+        b.usage["input_tokens"] += resp.usage.input_tokens
+        b.usage["output_tokens"] += resp.usage.output_tokens
         return {
             "text": resp.text,
             "tool_calls": [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in resp.tool_calls],

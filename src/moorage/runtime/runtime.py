@@ -51,6 +51,10 @@ class TurnResult:
     trace_id: str
     interrupt: Any = None
     run_id: str | None = None
+    #: Model tokens this execution of the turn used (``input_tokens``, ``output_tokens``).
+    usage: dict[str, int] | None = None
+    #: The answer of an earlier request with the same Idempotency-Key: nothing ran now.
+    replayed: bool = False
 
 
 @dataclass(frozen=True)
@@ -456,9 +460,10 @@ class Runtime(Deployments, OperatorVerbs):
     @staticmethod
     def _result_of(ts: TenantStore, run: Any) -> TurnResult:
         if run.status == "waiting":
-            return TurnResult(run.id, "waiting", None, "", DurableEngine(ts).waiting_for(run.id), run.id)
+            return TurnResult(run.id, "waiting", None, "", DurableEngine(ts).waiting_for(run.id), run.id, replayed=True)
         r = run.result or {}
-        return TurnResult(run.id, "done", r.get("reply"), r.get("trace_id", ""), None, run.id)
+        return TurnResult(run.id, "done", r.get("reply"), r.get("trace_id", ""), None, run.id, r.get("usage"),
+                          replayed=True)
 
     async def _template_for(self, ts: TenantStore, agent: Agent) -> TemplateRef:
         if agent.live_deployment is None:
@@ -573,11 +578,12 @@ class Runtime(Deployments, OperatorVerbs):
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
                 await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
-                result = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id)
+                result = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id,
+                                    dict(binding.usage))
             else:
                 reply = out.get("reply")
                 await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
-                result = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id)
+                result = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id, dict(binding.usage))
             if turn.answered is not None and not turn.answered.done() and self.timetravel.will_checkpoint(binding):
                 turn.answered.set_result(result)  # the reply goes out before the checkpoint below
             await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
@@ -667,7 +673,7 @@ class Runtime(Deployments, OperatorVerbs):
                 if said is not None:
                     self._writer(ts).episodic.remember_pending(b.session_scope, [EventIn("message", said, "assistant")])
                 self._remember_reply(b, said)
-                engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id})
+                engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id, "usage": dict(b.usage)})
                 self.tracer.span(b, "turn", started, status="done")
             self.tracer.flush(b)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
-from moorage.api.invoke_shared import entity_for, event_data, message_of, run_turn, stream_turn, wants_stream
+from moorage.api.invoke_shared import (entity_for, event_data, message_of, replay_headers, run_turn, stream_turn,
+                                       wants_stream)
 from moorage.api.routes.executions import EXECUTION, announce_interrupt, enforce_caps, submit, wants_async
-from moorage.api.routing import Call, Endpoint, Param
+from moorage.api.routing import Call, Endpoint, Param, Reply
 from starlette.concurrency import run_in_threadpool
 from moorage.api.sse import error_payload, event_stream, frame
 
@@ -27,7 +28,7 @@ async def invoke(call: Call) -> Any:
     if not wants_stream(call):
         result = await run_turn(call, entity, message)
         await run_in_threadpool(announce_interrupt, call, result)
-        return S.turn(result)
+        return Reply(S.turn(result), 200, replay_headers(result))
 
     events = await stream_turn(call, entity, message)
 

@@ -12,9 +12,9 @@ import time
 from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
-from moorage.api.invoke_shared import entity_for, run_turn, stream_turn
+from moorage.api.invoke_shared import entity_for, replay_headers, run_turn, stream_turn
 from moorage.api.routes.executions import enforce_caps
-from moorage.api.routing import Call, Endpoint
+from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.sse import error_payload
 from moorage.errors import InvalidInput
 
@@ -91,7 +91,8 @@ async def chat_completions(call: Call) -> Any:
     message = last_user_message((call.body or {}).get("messages"))
     await enforce_caps(call, entity)
     if not call.field("stream", bool, required=False, default=False):
-        return completion(agent, await run_turn(call, entity, message))
+        result = await run_turn(call, entity, message)
+        return Reply(completion(agent, result), 200, replay_headers(result))
 
     chunk_id = f"chatcmpl-{call.trace_id}"
     events = await stream_turn(call, entity, message)
