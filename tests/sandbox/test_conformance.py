@@ -19,6 +19,7 @@ from typing import Callable
 
 import pytest
 
+from moorage.errors import InvalidInput
 from moorage.sandbox import (
     GuestFileNotFound,
     Sandbox,
@@ -68,6 +69,13 @@ async def test_exec_streams_output_exit_code_and_timeout(driver: SandboxDriver) 
     r = await sb.exec(["cat"], stdin=b"fed via stdin", cwd="/tmp", env={"X": "1"})
     assert r.stdout == b"fed via stdin"
     assert (await sb.exec(["/bin/sh", "-c", 'echo "$X $PWD"'], cwd="/tmp", env={"X": "1"})).stdout == b"1 /tmp\n"
+    # A relative cwd is in the working directory (as the files API's paths are); a missing one is named as such,
+    # not reported as a missing command.
+    workdir = (await sb.exec(["pwd"])).stdout.decode().strip()
+    await sb.exec(["mkdir", "-p", "projects"])
+    assert (await sb.exec(["pwd"], cwd="projects")).stdout.decode().strip() == workdir + "/projects"
+    with pytest.raises(InvalidInput, match="cwd /nonexistent is not a directory"):
+        await sb.exec(["/bin/sh", "-c", "true"], cwd="/nonexistent")
 
 
 async def test_clean_environment_never_leaks_host_secrets(driver: SandboxDriver, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,6 +36,11 @@ class ExecService:
             raise RpcError("env must map strings to strings", INVALID_PARAMS)
         env.update(extra)
         cwd = params.get("cwd") or self.workdir
+        if not isinstance(cwd, str):
+            raise RpcError("cwd must be a path", INVALID_PARAMS)
+        cwd = os.path.join(self.workdir, cwd)  # a relative cwd is in the workdir, as the files API's paths are
+        if not os.path.isdir(cwd):
+            raise RpcError("cwd %s is not a directory" % cwd, INVALID_PARAMS)
         stdin_data: Optional[bytes] = base64.b64decode(params["stdin"]) if params.get("stdin") is not None else None
 
         try:

@@ -383,6 +383,13 @@ class Sandbox(ABC):
         except ChannelTimeout:
             # The guest did not report its own kill in time; the stream already sent $cancel.
             return ExecResult(-1, bytes(out["stdout"]), bytes(out["stderr"]), True, truncated, time.monotonic() - started)
+        except RemoteError as e:
+            from moorage.errors import InvalidInput
+            from moorage.sandbox.channel import INVALID_PARAMS
+
+            if e.rpc_code == INVALID_PARAMS:  # what the caller asked for cannot run (a cwd that is no directory)
+                raise InvalidInput(str(e), hint="a relative cwd is taken in the sandbox's working directory") from None
+            raise
         res = stream.result or {}
         return ExecResult(
             exit_code=int(res.get("exit_code", -1)),
