@@ -240,6 +240,29 @@ def test_forgetting_a_user_removes_their_snapshots_from_the_bucket(fleet: Fleet,
     assert "gone" not in fleet.records()
 
 
+def test_a_users_superseded_snapshots_leave_the_bucket(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
+                                                       s3: dict[str, str]) -> None:
+    import json
+
+    for i in range(6):  # awake on one host, then the other: every turn and every sleep ships a snapshot
+        assert _ok(fleet.turn(i % 2, "many")) == f"{i + 1}: hi"
+        _sleep(fleet, "many", via=i % 2)
+    rec = fleet.records()["many"]
+    prefix = s3["object_store_url"].split("/", 3)[3]
+    raw = seaweedfs.client()
+    mine = [o["Key"] for o in raw.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]
+            if f"/{rec.id}/" in o["Key"]]
+    manifests = sorted(k for k in mine if "/snapshots/" in k)
+    # The newest (what the record names) and two fallbacks; the chunks are exactly theirs.
+    assert len(manifests) == 3 and f"{prefix}/{rec.meta['shipped']['key']}" == manifests[-1], manifests
+    referenced = set()
+    for key in manifests:
+        body = json.loads(raw.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
+        referenced |= {d for e in body["entries"] for d in e.get("chunks") or () if d}
+    assert {k.rsplit("/", 1)[1] for k in mine if "/chunks/" in k} == referenced
+    assert _ok(fleet.turn(2, "many")) == "7: hi"  # a third host wakes it from the newest, whole
+
+
 def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fleet) -> None:
     import subprocess
     import sys

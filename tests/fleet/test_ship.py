@@ -126,3 +126,38 @@ def test_a_manifest_cannot_write_outside_its_directory(object_store: ObjectStore
         Shipper(object_store).pull(key, "instances/t/i3", tmp_path / "dst")
     assert not (tmp_path / "dst").exists() and not (tmp_path / "escape").exists()
     assert list(outside.iterdir()) == []
+
+
+def test_prune_keeps_the_newest_snapshots_and_only_their_chunks(object_store: ObjectStore, tmp_path: Path) -> None:
+    src = tmp_path / "a"
+    src.mkdir()
+    _make(src)
+    prefix = "instances/t/pruned"
+    ship = Shipper(object_store, chunk_bytes=CHUNK)
+    keys = []
+    for i in range(5):  # each shipment changes notes.txt (a chunk of its own), the big file stays shared
+        (src / "layer/work/notes.txt").write_text(f"turn {i}")
+        keys.append(ship.push(src, prefix, f"{i:06d}-s", include=_include).key)
+        assert ship.prune(src, prefix, keep=2) == ((0, 0) if i < 2 else (1, 1))  # the dropped one's own chunk
+
+    def chunks() -> set[str]:
+        return {o.key.rsplit("/", 1)[1] for o in object_store.iter(f"{prefix}/chunks/")}
+
+    assert sorted(o.key for o in object_store.iter(f"{prefix}/snapshots/")) == keys[-2:]
+    kept = set()
+    for key in keys[-2:]:
+        kept |= {d for e in ship.read_manifest(key)["entries"] for d in e.get("chunks") or () if d}
+    assert chunks() == kept  # nothing else is stored, and every kept snapshot still pulls whole
+    for key in keys[-2:]:
+        dst = tmp_path / key.rsplit("/", 1)[1]
+        ship.pull(key, prefix, dst)
+        assert (dst / "layer/work/deep/big.bin").read_bytes() == (src / "layer/work/deep/big.bin").read_bytes()
+    # The directory's index no longer counts on deleted chunks: going back to an older content sends it again,
+    # and the snapshot made then pulls whole.
+    (src / "layer/work/notes.txt").write_text("turn 0")
+    again = ship.push(src, prefix, "000009-s", include=_include)
+    assert again.chunks_moved == 1
+    ship.pull(again.key, prefix, tmp_path / "again")
+    assert (tmp_path / "again/layer/work/notes.txt").read_text() == "turn 0"
+    with pytest.raises(ValueError):
+        ship.prune(src, prefix, keep=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +26,9 @@ from moorage.store import SandboxRecord
 from moorage.store.base import Backend
 
 log = get_logger(__name__)
+
+#: Shipped snapshots kept per instance: the newest (what a wake uses) and two fallbacks should it be damaged.
+SNAPSHOTS_KEPT = 3
 
 
 class FleetMember:
@@ -60,6 +64,9 @@ class FleetMember:
         self._task: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[Any] | None = None
         self.forwarder = Forwarder(self.host_id)
+        #: One push or prune at a time per instance on this host (a prune must not delete what a push counts on).
+        self._ship_locks: dict[str, threading.Lock] = {}
+        self._ship_locks_guard = threading.Lock()
 
     # -- membership -----------------------------------------------------------------------------------
 
@@ -138,13 +145,24 @@ class FleetMember:
         """Ship the sandbox of ``record`` (asleep, or frozen by the caller for the copy); returns what its record
         keeps (``meta.shipped``). Blocking."""
         name = f"{epoch:06d}-{time.time_ns()}"
-        rep: ShipReport = self.shipper.push(self._dir(record), self.prefix(tenant_id, record), name,
-                                            include=self.driver.portable, meta={"host": self.host_id, "epoch": epoch},
-                                            epoch=epoch)
-        log.info("snapshot shipped", instance=record.id, key=rep.key, chunks=rep.chunks_moved,
-                 bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
+        prefix = self.prefix(tenant_id, record)
+        with self._ship_lock(record.id):
+            rep: ShipReport = self.shipper.push(self._dir(record), prefix, name, include=self.driver.portable,
+                                                meta={"host": self.host_id, "epoch": epoch}, epoch=epoch)
+            log.info("snapshot shipped", instance=record.id, key=rep.key, chunks=rep.chunks_moved,
+                     bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
+            try:  # the instance's older snapshots (all but its fallbacks) and the chunks only they used
+                snapshots, chunks = self.shipper.prune(self._dir(record), prefix, keep=SNAPSHOTS_KEPT)
+                if snapshots:
+                    log.debug("old snapshots deleted", instance=record.id, snapshots=snapshots, chunks=chunks)
+            except Exception as e:  # noqa: BLE001 - the shipment stands; the next one prunes again
+                log.warning("old snapshots could not be deleted", instance=record.id, error=str(e))
         return {"key": rep.key, "at": time.time(), "host": self.host_id, "epoch": epoch,
                 "bytes": rep.bytes_total, "ms": round(rep.seconds * 1000, 1)}
+
+    def _ship_lock(self, record_id: str) -> threading.Lock:
+        with self._ship_locks_guard:
+            return self._ship_locks.setdefault(record_id, threading.Lock())
 
     def make_local(self, tenant_id: str, record: SandboxRecord, previous_epoch: int) -> dict[str, Any]:
         """Before waking ``record`` here (we hold its claim, at ``record.lease_epoch``): make the local copy the

@@ -9,6 +9,9 @@ Memory use is one chunk per worker, never a whole file.
 A local index (``.ship-index.json`` in the directory) remembers each file's chunks by (inode, size, ctime), so an
 unchanged file is not read again; ctime cannot be set from inside a sandbox, so a guest cannot make a changed file
 look unchanged.
+
+``prune`` keeps an instance's newest few snapshots (the newest is the one to wake from, the others its fallbacks
+should it be damaged) and deletes the older ones with the chunks only they used.
 """
 
 from __future__ import annotations
@@ -126,6 +129,40 @@ class Shipper:
                                "stored": {prefix: sorted(stored)}})
         return ShipReport(key, len(files), sum(e.get("size", 0) for e in entries), moved[0], moved[1],
                           time.monotonic() - started)
+
+    # -- prune --------------------------------------------------------------------------------------------
+
+    def prune(self, src: Path, prefix: str, *, keep: int) -> tuple[int, int]:
+        """Delete the snapshots under ``prefix`` but the newest ``keep`` (names sort by epoch, then time), and the
+        chunks that only they used; ``src`` is the directory last pushed there. Returns (snapshots, chunks) deleted.
+
+        Blocking, and serialised with pushes to ``prefix`` by the caller. Chunks go before their manifest, so an
+        interrupted prune is finished by the next one; a manifest that cannot be read stops it (nothing of a
+        snapshot that may still be needed is ever guessed away)."""
+        if keep < 1:
+            raise ValueError("keep at least the newest snapshot")
+        names = sorted(o.key for o in self.store.iter(f"{prefix}/snapshots/"))
+        if len(names) <= keep:
+            return 0, 0
+        kept, dropped = names[-keep:], names[:-keep]
+        referenced = {d for k in kept for d in _chunks_of(self.read_manifest(k))}
+        # This directory's index must not believe in chunks about to go: a later push would skip sending them.
+        index = self._load_index(src)
+        stored = index.get("stored", {}).get(prefix)
+        if isinstance(stored, list):
+            index["stored"] = {prefix: sorted(set(stored) & referenced)}
+            self._save_index(src, index)
+        chunks = 0
+        for key in dropped:
+            try:
+                unused = _chunks_of(self.read_manifest(key)) - referenced
+            except SnapshotUnavailable:
+                unused = set()  # a damaged old manifest: it goes, its chunks wait for ``delete_prefix``
+            for digest in sorted(unused):
+                self.store.delete(self._chunk_key(prefix, digest))  # a missing one (an earlier try) is no error
+                chunks += 1
+            self.store.delete(key)
+        return len(dropped), chunks
 
     def _chunk_file(self, path: Path, prefix: str, stored: set[str], pool: ThreadPoolExecutor, pending: list,
                     moved: list[int]) -> list[str | None]:
@@ -378,6 +415,10 @@ class Shipper:
         tmp = Path(d) / f"{INDEX_NAME}.tmp"
         tmp.write_text(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, Path(d) / INDEX_NAME)
+
+
+def _chunks_of(manifest: dict[str, Any]) -> set[str]:
+    return {d for e in manifest.get("entries") or () for d in e.get("chunks") or () if d}
 
 
 def _boot_id() -> str:
