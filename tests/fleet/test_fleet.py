@@ -76,6 +76,16 @@ def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fl
     listed = {h["id"]: h for h in json.loads(out.stdout)}
     assert set(listed) == {"h1", "h2", "h3"} and all(h["state"] == "active" for h in listed.values())
     assert sum(h["instances"].get("running", 0) for h in listed.values()) == 30
+    # The store named on the command line does the same; without a fleet store it says so, creating nothing.
+    env = {k: v for k, v in os.environ.items() if k != "MOORAGE_STORE_URL"}
+    env["MOORAGE_DATA_DIR"] = str(fleet.base / "cli-data")
+    out = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts", "--json", "--store-url",
+                          fleet.store_url], capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert {h["id"] for h in json.loads(out.stdout)} == {"h1", "h2", "h3"}
+    bare = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert bare.returncode == 2 and "PostgreSQL store" in bare.stderr and "--store-url" in bare.stderr, bare
+    assert not (fleet.base / "cli-data").exists()
 
 
 def test_a_hundred_concurrent_requests_through_three_hosts_wake_a_sleeping_agent_once(fleet: Fleet) -> None:

@@ -1,6 +1,7 @@
 """``moorage hosts``: the fleet's hosts with their state, heartbeat age, load and instances (direct store access).
 
-An operator command: it reads the shared store the hosts register in (``--store-url`` / MOORAGE_STORE_URL).
+An operator command: it reads the shared PostgreSQL store the hosts register in (``--store-url`` /
+MOORAGE_STORE_URL); without one it says so (it never opens or creates a local store).
 """
 
 from __future__ import annotations
@@ -9,24 +10,47 @@ import json
 import time
 from collections import Counter
 
+from typing import Optional
+
 import typer
 
 from moorage.cli.console import make_console
+from moorage.cli.errors import clear_errors
 
 console = make_console()
 app = typer.Typer(invoke_without_command=True, help="The fleet's hosts (operator, direct store access).")
 
 
+def _fleet_config(store_url: str | None):  # type: ignore[no-untyped-def]
+    """The configuration with the fleet's shared store; a command here never opens (or creates) a local one."""
+    from moorage.cli.main import state
+    from moorage.errors import ConfigError
+
+    cfg = state.cfg.with_(store_url=store_url) if store_url else state.cfg
+    if not cfg.store_url.startswith(("postgresql://", "postgres://")):
+        raise ConfigError("moorage hosts reads the fleet's shared PostgreSQL store, and none is configured",
+                          hint="pass --store-url postgresql://... or set MOORAGE_STORE_URL (as the hosts have)")
+    return cfg
+
+
+STORE_URL = typer.Option(None, "--store-url", help="The fleet's PostgreSQL store (default: MOORAGE_STORE_URL).")
+
+
 @app.callback()
-def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+@clear_errors
+def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+          store_url: Optional[str] = STORE_URL) -> None:
     """List the hosts with their state, heartbeat age, load and the instances each holds."""
+    from moorage.cli.main import state
+
+    cfg = _fleet_config(store_url)
+    state.cfg = cfg  # the sub-commands (drain) use the same store
     if ctx.invoked_subcommand is not None:
         return
-    from moorage.cli.main import state
     from moorage.fleet.hosts import HostRegistry
     from moorage.store import open_store
 
-    with open_store(state.cfg) as store:
+    with open_store(cfg) as store:
         rows = HostRegistry(store.backend).list()
         held: Counter[tuple[str, str]] = Counter()
         for ts in store.operator.tenants():
@@ -36,9 +60,11 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
     out = []
     for h in rows:
         mine = {st: n for (host, st), n in held.items() if host == h.id}
-        alive = h.alive(state.cfg.lease_ttl_s, now)
+        alive = h.alive(cfg.lease_ttl_s, now)
         out.append({"id": h.id, "url": h.url, "state": h.state if alive or h.state == "gone" else "lapsed",
-                    "heartbeat_age_s": round(now - h.heartbeat_at, 1), "load": h.load, "instances": mine})
+                    "heartbeat_age_s": round(now - h.heartbeat_at, 1),
+                    "load": h.load if alive else {},  # what a host that left last said is no load
+                    "instances": mine})
     if as_json:
         print(json.dumps(out))
         return
@@ -51,6 +77,7 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 
 @app.command()
+@clear_errors
 def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moorage hosts`).")) -> None:
     """Drain a host for an upgrade: it sleeps and ships every instance (new ones start elsewhere), then exits."""
     from moorage.cli.main import state
