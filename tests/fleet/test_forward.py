@@ -245,6 +245,8 @@ def test_a_streamed_turn_through_another_host_arrives_event_by_event_with_the_ca
     r = fleet.api[1].post("/v1/agents/fw/invoke", json={"message": "hi", "user": "ada"})
     assert r.status_code == 200 and r.json()["reply"] == "ok" and r.headers["x-moorage-served-by"] == "h1"
     assert r.headers["content-length"] == str(len(r.content))
+    # The forwarding host's server says Date and Server once, as on any answer of its own.
+    assert len(r.headers.get_list("date")) == 1 and len(r.headers.get_list("server")) == 1, r.headers
 
 
 def _ws(f: Fleet, i: int, path: str) -> str:

@@ -40,6 +40,8 @@ forwarded: ContextVar[bool] = ContextVar("moorage_forwarded", default=False)
 #: ``traceparent`` is replaced by this host's own.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length", "traceparent"})
+#: Headers every answer of the forwarding host's server carries already.
+_OWN = frozenset({"date", "server"})
 #: A WebSocket handshake's own headers: the forwarding host makes its own handshake with the owner.
 _HANDSHAKE = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                      "sec-websocket-protocol", "sec-websocket-accept", "user-agent"}
@@ -283,9 +285,10 @@ class ForwardedSocket:
 
 
 def _answer_headers(upstream: httpx.Response, owner_id: str, drop: frozenset[str]) -> list[tuple[bytes, bytes]]:
-    """The owner's answer headers to send on, repeated ones (``Set-Cookie``) kept apart, plus who served it."""
+    """The owner's answer headers to send on, repeated ones (``Set-Cookie``) kept apart, plus who served it. Its
+    ``Date`` and ``Server`` are not: the forwarding host's server sends its own (a second copy is a duplicate)."""
     out = [(k.lower(), v) for k, v in upstream.headers.raw
-           if k.lower().decode("latin-1") not in drop and k.lower() != SERVED_BY.encode()]
+           if k.lower().decode("latin-1") not in drop | _OWN and k.lower() != SERVED_BY.encode()]
     return out + [(SERVED_BY.encode(), owner_id.encode("latin-1"))]
 
 
