@@ -284,6 +284,8 @@ async def test_guest_rejects_malformed_frames_and_keeps_serving(start_guest) -> 
     writer.write(struct.pack(">I", len(bad)) + bad)
     writer.write(encode_frame({"id": 5, "method": 17}))
     writer.write(encode_frame({"id": 12345, "result": "unknown id"}))
+    deep = b'{"id": 6, "method": "ping", "params": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # past any recursion
+    writer.write(struct.pack(">I", len(deep)) + deep)
     await writer.drain()
     assert (await g.channel.call("ping", timeout=10))["pong"]
     assert g.proc.poll() is None

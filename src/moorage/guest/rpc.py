@@ -13,6 +13,8 @@ import sys
 from typing import Any, Awaitable, Callable, Dict, Optional
 
 MAX_FRAME = 8 << 20
+#: Deepest JSON nesting a frame may carry, as on the host (sandbox/channel.py); deeper is invalid JSON.
+MAX_DEPTH = 64
 _HEADER = struct.Struct(">I")
 
 PARSE_ERROR = -32700
@@ -33,6 +35,22 @@ def log(event: str, **fields: Any) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+
+
+def _decode(payload: bytes) -> Any:
+    """One frame's JSON; ValueError for bad UTF-8, bad JSON, or containers nested deeper than MAX_DEPTH."""
+    try:
+        msg = json.loads(payload.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+    if payload.count(b"[") + payload.count(b"{") > MAX_DEPTH:  # else it cannot nest that deep: no walk
+        level, todo = 1, [msg]
+        while todo:  # breadth first, one level at a time (no recursion: a deep value cannot overflow the stack)
+            if level > MAX_DEPTH:
+                raise ValueError("JSON nested deeper than %d levels" % MAX_DEPTH)
+            todo = [v for c in todo for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+            level += 1
+    return msg
 
 
 class RpcError(Exception):
@@ -166,7 +184,7 @@ class Peer:
                     reason = "connection closed mid-frame"
                     break
                 try:
-                    msg = json.loads(payload.decode("utf-8"))
+                    msg = _decode(payload)
                 except ValueError as e:  # UnicodeDecodeError is a ValueError
                     self._reject("invalid JSON", error=str(e)[:200])
                     await self._safe_send({"id": None, "error": {"code": PARSE_ERROR, "message": "invalid JSON"}})
