@@ -81,7 +81,7 @@ def from_error(err: MoorageError, trace_id: str | None) -> Response:
     if retry_after is not None and status in DEFAULT_RETRY_AFTER_S:
         # Whole seconds (RFC 9110), rounded up so a client never comes back before the wait is over.
         headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        extra["retry_after"] = retry_after
+        extra["retry_after"] = round(retry_after, 3)  # the precise wait; the header rounds it up
     current = getattr(err, "current_version", None)
     if isinstance(current, int):
         extra["current_version"] = current

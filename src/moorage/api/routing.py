@@ -263,7 +263,7 @@ class Endpoint:
         body = await self._read_body(request)
         idem = request.headers.get("idempotency-key")
         if idem is not None and not _IDEM_KEY.fullmatch(idem):
-            raise InvalidInput("malformed Idempotency-Key", hint="use 1-200 printable ASCII characters, e.g. a UUID")
+            raise InvalidInput("malformed Idempotency-Key", hint="use 1-200 visible ASCII characters (no spaces), e.g. a UUID")
         call = Call(request, ctx, principal, ts, body, trace_id, idem)
         if idem is None or ts is None or self.method not in MUTATING or self.idempotency != "http":
             return self._respond(await self._invoke(call))
