@@ -134,7 +134,10 @@ async def test_interrupts_are_webhook_events_and_answers_finish_the_execution(li
             waiting = verify(hook["secret"], receiver.delivered()[0][1], receiver.delivered()[0][0])
             assert waiting["type"] == "interrupt.waiting"
             assert waiting["data"]["interrupt"]["question"] == "ship it?" and waiting["data"]["execution_id"] == ex["id"]
-            assert (await c.get(f"/v1/executions/{ex['id']}")).json()["status"] == "waiting"
+            view = (await c.get(f"/v1/executions/{ex['id']}")).json()
+            assert view["status"] == "waiting"
+            # A waiting turn names its trace already: its spans so far can be read while it waits.
+            assert view["trace_id"] and (await c.get(f"/v1/traces/{view['trace_id']}")).status_code == 200
 
             done = await c.post(f"/v1/workflows/{ex['id']}/answer", json={"answer": "yes"})
             assert done.json()["reply"] == "draft-1 -> yes"

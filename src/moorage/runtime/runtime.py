@@ -460,7 +460,8 @@ class Runtime(Deployments, OperatorVerbs):
     @staticmethod
     def _result_of(ts: TenantStore, run: Any) -> TurnResult:
         if run.status == "waiting":
-            return TurnResult(run.id, "waiting", None, "", DurableEngine(ts).waiting_for(run.id), run.id, replayed=True)
+            return TurnResult(run.id, "waiting", None, (run.input or {}).get("trace_id", ""),
+                              DurableEngine(ts).waiting_for(run.id), run.id, replayed=True)
         r = run.result or {}
         return TurnResult(run.id, "done", r.get("reply"), r.get("trace_id", ""), None, run.id, r.get("usage"),
                           replayed=True)
@@ -617,7 +618,8 @@ class Runtime(Deployments, OperatorVerbs):
                 self._fence(ts, b.sandbox_id)
                 if turn.create:
                     ts.runs.create(Scope.workflow(turn.entity.agent, turn.turn_id, user=turn.entity.user), "turn",
-                                   {"message": turn.message, "session": turn.entity.session}, run_id=turn.turn_id)
+                                   {"message": turn.message, "session": turn.entity.session, "trace_id": b.trace_id},
+                                   run_id=turn.turn_id)
                 engine.open_run(turn.turn_id)
                 if not turn.resume:
                     ts.sessions.open(turn.entity.agent, turn.entity.user, turn.entity.session)

@@ -72,7 +72,9 @@ def execution_json(call: Call, execution_id: str) -> dict[str, Any]:
         (e["data"].get("detail") for e in ex.events if e.get("kind") == "error" and isinstance(e.get("data"), dict)), None)
     return {"id": ex.id, "object": "execution", "kind": "turn", "agent": ex.agent, "user": ex.user, "session": ex.session,
             "status": status, "reply": result.get("reply"), "error": error, "interrupt": interrupt,
-            "run_id": run.id if run is not None else None, "trace_id": result.get("trace_id"),
+            "run_id": run.id if run is not None else None,
+            # The turn's trace: kept with its result, and from its start (a waiting turn has no result yet).
+            "trace_id": result.get("trace_id") or (run.input or {}).get("trace_id") if run is not None else None,
             "events": ex.events, "created_at": ex.created_at, "updated_at": run.updated_at if run else ex.updated_at}
 
 
