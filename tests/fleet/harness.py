@@ -68,6 +68,15 @@ class Fleet:
         finally:
             store.close()
 
+    def host_rows(self) -> list[Any]:
+        from moorage.fleet.hosts import HostRegistry
+
+        store = open_store(Config(store_url=self.store_url))
+        try:
+            return HostRegistry(store.backend).list()
+        finally:
+            store.close()
+
     def spans(self, name: str) -> list[Any]:
         store = open_store(Config(store_url=self.store_url))
         try:

@@ -250,6 +250,16 @@ def test_forgetting_a_user_removes_their_snapshots_from_the_bucket(fleet: Fleet,
     assert "gone" not in fleet.records()
 
 
+def test_a_host_with_other_installation_secrets_is_refused_as_it_joins(fleet: Fleet, tmp_path: Path) -> None:
+    from moorage.devservices.fleet import LocalHost
+
+    # Its own data directory elsewhere: its own token secret, operator token and secrets key (a forgotten copy).
+    with pytest.raises(RuntimeError, match=r"api/token-secret differs from host h\d's"):
+        LocalHost("stranger", tmp_path / "elsewhere" / "stranger", fleet.env, start_timeout_s=120)
+    assert "stranger" not in {h.id for h in fleet.host_rows()}
+    assert _ok(fleet.turn(1, "still")) == "1: hi"  # the fleet serves on
+
+
 def test_a_users_superseded_snapshots_leave_the_bucket(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
                                                        s3: dict[str, str]) -> None:
     import json

@@ -17,6 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from moorage.errors import ConfigError, InvalidInput, NotFound, TenantScopeError, Unauthenticated
 from moorage.log import get_logger
@@ -113,6 +114,18 @@ def load_or_create_secret(path: Path, nbytes: int = 32) -> str:
         return found
     finally:
         os.close(lock_fd)  # closing releases the lock
+
+
+def installation_fingerprints(config: Any) -> dict[str, Any]:
+    """Fingerprints of the secrets every host of a fleet must share (the end-user token secret, the operator
+    token, the agent-secrets keys), compared when a host joins (fleet/hosts.py); creates what is missing, as the
+    API's first start would."""
+    from moorage.fleet.hosts import fingerprints
+    from moorage.secrets.keyring import Keyring
+
+    api = Path(config.data_dir) / "api"
+    return fingerprints(load_or_create_secret(api / "token-secret"), load_or_create_secret(api / "operator-token"),
+                        list(Keyring.from_config(config).keys))
 
 
 @dataclass(frozen=True)

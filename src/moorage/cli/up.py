@@ -92,6 +92,10 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
 
     host = Host.open(cfg)
     key = ensure_local_tenant(host, cfg)
+    if host.manager.fleet is not None:  # a host whose secrets differ from the fleet's is refused as it joins
+        from moorage.api.auth import installation_fingerprints
+
+        host.manager.fleet.secrets = installation_fingerprints(cfg)
     await host.start()
     app = create_app(host.runtime, cfg, span_sink=host.span_sink)
     # A WebSocket message past the apps' cap is refused by the server itself, before it is buffered (docs/app.md).

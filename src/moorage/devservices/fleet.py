@@ -7,6 +7,7 @@ host and every sandbox process it started, as a machine that dies would.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,26 @@ def write_counter_agent(base: Path, name: str = "echo") -> Path:
     return d
 
 
+def share_installation_secrets(shared: Path, data: Path) -> None:
+    """What an operator does for a fleet (docs/fleet.md): one set of installation secrets, made once in ``shared``
+    and copied into each host's data directory before its first start (files already there are kept)."""
+    from moorage.api.auth import load_or_create_secret
+    from moorage.secrets.keyring import KEY_FILE, Keyring
+
+    for name in INSTALLATION_SECRETS[:-1]:
+        load_or_create_secret(shared / name)
+    Keyring.from_file(shared / KEY_FILE)
+    for name in INSTALLATION_SECRETS:
+        dst = data / name
+        if not dst.exists():
+            dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            shutil.copy2(shared / name, dst)  # its 0600 mode too
+
+
+#: The files under a data directory every host of a fleet must share (the secrets key last).
+INSTALLATION_SECRETS = ("api/token-secret", "api/operator-token", "api/metrics-token", "secrets.key")
+
+
 class LocalHost:
     def __init__(self, name: str, data: Path, env: dict[str, str], *, driver: str = "process",
                  start_timeout_s: float = 900.0) -> None:
@@ -51,6 +72,8 @@ class LocalHost:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data.mkdir(parents=True, exist_ok=True)
+        if "MOORAGE_OBJECT_STORE_URL" in env:  # one host of a fleet: the hosts beside it share its secrets
+            share_installation_secrets(data.parent / "fleet-secrets", data)
         images = env.get("MOORAGE_TEST_IMAGES_DIR") or os.environ.get("MOORAGE_TEST_IMAGES_DIR")
         if images and not (data / "images").exists():  # built once, shared by every host (tests, benches)
             Path(images).mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,9 @@ class FleetMember:
         self._task: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[Any] | None = None
         self.forwarder = Forwarder(self.host_id)
+        #: Fingerprints of the installation secrets this host runs with (``api.auth.installation_fingerprints``):
+        #: joining beside a live host whose differ is refused. None: not compared (a host made in a test).
+        self.secrets: dict[str, Any] | None = None
         #: One push or prune at a time per instance on this host (a prune must not delete what a push counts on).
         self._ship_locks: dict[str, threading.Lock] = {}
         self._ship_locks_guard = threading.Lock()
@@ -71,7 +74,8 @@ class FleetMember:
     # -- membership -----------------------------------------------------------------------------------
 
     async def join(self) -> None:
-        await asyncio.to_thread(self.registry.register, self.host_id, self.url, self.incarnation)
+        await asyncio.to_thread(self.registry.register, self.host_id, self.url, self.incarnation, self.secrets,
+                                ttl_s=self.lease_ttl_s)
         self._last_beat = time.time()
         self._task = asyncio.create_task(self._beat_loop(), name="fleet-heartbeat")
         log.info("joined the fleet", host=self.host_id, url=self.url, lease_ttl_s=self.lease_ttl_s)

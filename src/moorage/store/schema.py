@@ -715,6 +715,11 @@ CONTROL_MIGRATIONS: tuple[Migration, ...] = (
                 version INTEGER NOT NULL)""",
         ),
     ),
+    Migration(
+        3,
+        "fleet hosts: fingerprints of the installation secrets every host must share (checked when a host joins)",
+        statements=("ALTER TABLE hosts ADD COLUMN secrets {json} NOT NULL DEFAULT '{{}}'",),
+    ),
 )
 
 LATEST_TENANT_VERSION = TENANT_MIGRATIONS[-1].version
