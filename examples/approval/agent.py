@@ -3,6 +3,9 @@
 Each step's result is journaled by moorage before it is returned; if the host dies mid-way, the
 turn is resumed and finished steps replay from the journal. The payout carries an idempotency key
 so the payment service applies it once even if the call itself is retried.
+
+How to run it (with a stand-in payment service on 127.0.0.1, which the operator must admit with
+MOORAGE_EGRESS_ALLOW_CIDRS=127.0.0.0/8): README.md.
 """
 
 import json
