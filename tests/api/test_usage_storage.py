@@ -46,6 +46,9 @@ async def test_sleep_records_disk_and_snapshot_bytes(live_rt, store: Store, glob
         assert body["totals"]["disk_bytes"] == later["disk_bytes"]
         assert len(body["days"]) == 1 and body["days"][0]["totals"]["disk_bytes"] == later["disk_bytes"]
         assert body["days"][0]["totals"]["compute_seconds"] > 0  # sums still sum alongside
+        # The dashboard's /v1/fleet says the same: levels, each instance's latest.
+        fleet = (await c.get("/v1/fleet", params={"agent": "echo"})).json()["usage"]
+        assert fleet["disk_bytes"] == later["disk_bytes"] + sizes["u2"]["disk_bytes"]
 
     ts = store.tenant(store.authenticate(globex))
     rows = [e for e in ts.usage.entries(limit=1000) if e.kind == "disk_bytes"]

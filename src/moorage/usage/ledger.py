@@ -61,6 +61,14 @@ def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: st
     return out
 
 
+def totals(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
+    """The ledger's totals since ``since``; disk and snapshot bytes as levels (each instance's latest, summed), not
+    the sum of every sleep's measurement. What ``/v1/usage`` and ``/v1/fleet`` report."""
+    out = ts.usage.totals(since=since, agent_id=agent, user_id=user)
+    out.update(storage(ts, since=since, agent=agent, user=user))
+    return out
+
+
 def _gauge_rows(ts: TenantStore, where: str, params: list[Any]) -> list[tuple[float, str, float, str]]:
     gauges = ", ".join("?" for _ in GAUGES)
     rows = ts.read(f"SELECT ts, kind, amount, scope FROM usage WHERE {where} AND kind IN ({gauges}) ORDER BY ts, id",

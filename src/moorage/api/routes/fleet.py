@@ -22,6 +22,7 @@ from moorage.api.routing import Call, Endpoint, Param
 from moorage.cost.model import CostModel
 from moorage.log import get_logger
 from moorage.store import SandboxRecord, Span
+from moorage.usage.ledger import totals as ledger_totals
 
 log = get_logger(__name__)
 
@@ -126,7 +127,7 @@ def _collect(call: Call, since: float) -> tuple[list[SandboxRecord], list[Span],
     ts = call.tenant
     boxes = ts.sandboxes.list(agent_id=call.query("agent"), limit=100_000)
     spans = ts.spans.recent(limit=SPAN_WINDOW)
-    totals = ts.usage.totals(since=since, agent_id=call.query("agent"))
+    totals = ledger_totals(ts, since=since, agent=call.query("agent"))  # disk and snapshot bytes as levels
     return boxes, spans, totals
 
 

@@ -29,11 +29,9 @@ def recent_spans(call: Call) -> dict[str, Any]:
 
 def usage(call: Call) -> dict[str, Any]:
     since = float_query(call, "since") or 0.0
-    from moorage.usage.ledger import storage
+    from moorage.usage.ledger import totals as ledger_totals
 
-    totals = call.tenant.usage.totals(since=since, agent_id=call.query("agent"), user_id=call.query("user"))
-    # Disk and snapshot bytes are levels: each instance's latest, not the sum of every sleep's measurement.
-    totals.update(storage(call.tenant, since=since, agent=call.query("agent"), user=call.query("user")))
+    totals = ledger_totals(call.tenant, since=since, agent=call.query("agent"), user=call.query("user"))
     out: dict[str, Any] = {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
     group = call.query("group")
     if group not in (None, "", "day"):
