@@ -79,9 +79,12 @@ async def test_timeline_rollback_and_fork_from_the_dashboard(live_rt, runtime, a
     await page.wait_for_selector("#checkpoints-notice:has-text('Rolled back to #1')")
     assert await page.locator("#checkpoints li.ck[data-head=true]").get_attribute("data-checkpoint") == one_id
     current = await page.inner_text("#checkpoints .branch.current")
-    assert "grew from #1" in current and "No checkpoint on this branch yet" in current
+    # The current branch shows the history it grew from (turn 1, where the instance is); the abandoned one only
+    # what was left: turns 2-3 and the state the rollback left (its tip).
+    assert "grew from #1" in current and "turn 1" in current and "turn 2" not in current
+    assert await page.locator("#checkpoints .branch.current li.ck[data-head=true]").get_attribute("data-checkpoint") == one_id
     abandoned = page.locator("#checkpoints .branch.abandoned li.ck")
-    assert await abandoned.count() == 4  # turns 1-3 and the state the rollback left (its tip)
+    assert await abandoned.count() == 3
     tip = abandoned.first
     assert await tip.get_attribute("data-kind") == "before-rollback"
     assert "left when rolling back to #1" in await tip.inner_text()

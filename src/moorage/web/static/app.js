@@ -359,9 +359,13 @@ function checkpointsPanel(agent, user, listing) {
       el("span.actions", {}, buttons));
   }
 
+  // The current branch's group holds its own checkpoints and those of the history it grew from (a rollback's
+  // target and what came before it, recorded on an older branch): an abandoned branch shows only what was left.
+  const inCurrent = (c) => c.current_branch || c.in_history;
   const branches = [...listing.branches].sort((a, b) => (b.current - a.current));
   const groups = branches.map((b) => {
-    const cks = listing.data.filter((c) => c.branch === b.id);  // newest first, as listed
+    const cks = listing.data.filter((c) => (b.current ? inCurrent(c) : c.branch === b.id && !inCurrent(c)));  // newest first
+    if (!b.current && !cks.length) return null;  // all of it is history of the current branch
     const label = b.current ? "Current branch" : "Abandoned branch";
     const from = b.from ? ` · grew from ${ref(b.from)}` : "";
     return el("div.branch" + (b.current ? ".current" : ".abandoned"), { dataset: { branch: b.id } },
