@@ -75,6 +75,10 @@ class Host:
             from moorage.objects import open_object_store
 
             # One of a fleet: sleeps ship to the object store, any host wakes any agent (docs/fleet.md).
+            if not config.host_url and config.host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "::"):
+                log.warning("host_url is not set: other hosts will try to reach this one at "
+                            f"http://{config.host}:{config.port}, which only works on this machine",
+                            hint="set MOORAGE_HOST_URL to the address the other hosts reach this one at")
             manager.fleet = FleetMember(store.backend, open_object_store(config), driver, host_id=manager.host,
                                         url=config.host_url or f"http://{config.host}:{config.port}",
                                         lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
