@@ -138,6 +138,9 @@ async def test_interrupts_are_webhook_events_and_answers_finish_the_execution(li
             assert view["status"] == "waiting"
             # A waiting turn names its trace already: its spans so far can be read while it waits.
             assert view["trace_id"] and (await c.get(f"/v1/traces/{view['trace_id']}")).status_code == 200
+            # The exec route's cancel does not take a turn: it says how a turn is cancelled.
+            wrong = await c.post(f"/v1/executions/{ex['id']}/cancel")
+            assert wrong.status_code == 409 and "/v1/workflows/{run_id}/cancel" in wrong.json()["hint"], wrong.text
 
             done = await c.post(f"/v1/workflows/{ex['id']}/answer", json={"answer": "yes"})
             assert done.json()["reply"] == "draft-1 -> yes"

@@ -221,7 +221,7 @@ class ExecJobs:
             if view["status"] == "running":
                 raise ConflictError(f"execution {ex.id} runs on another host",
                                     hint=f"cancel it through host {ex.input.get('host')!r}")
-            raise ConflictError(f"execution {ex.id} already {view['status']}")
+            raise ConflictError(f"execution {ex.id} already {view['status']}", hint="nothing is left to cancel")
         job.task.cancel()
         await asyncio.shield(job.task)  # _drive records the cancel and ends normally
         return await asyncio.to_thread(self.view, ts, ex)
@@ -333,7 +333,12 @@ def check_timeout(value: Any) -> float:
 def get_exec(ts: TenantStore, principal: Principal, execution_id: str) -> Execution:
     """The exec execution ``execution_id`` of this tenant, visible to ``principal`` (a 404 otherwise)."""
     ex = ts.executions.get(execution_id)
-    if not is_exec(ex) or principal.user is not None or (principal.agent is not None and ex.agent != principal.agent):
+    visible = principal.user is None and (principal.agent is None or ex.agent == principal.agent)
+    if visible and not is_exec(ex):
+        raise ConflictError(f"execution {execution_id} is a turn, not an exec",
+                            hint="a turn is cancelled as its workflow run: POST /v1/workflows/{run_id}/cancel (the "
+                                 "run_id is in GET /v1/executions/{id})")
+    if not is_exec(ex) or not visible:
         raise NotFound(f"no exec execution {execution_id!r}",
                        hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true")
     return ex
