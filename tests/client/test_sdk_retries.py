@@ -121,3 +121,40 @@ async def test_overloaded_server_turns_all_succeed_through_the_sdk(live_rt, stor
     # Each turn ran once: a retried request carried the same Idempotency-Key, and refused ones never started.
     turns = [r for r in ts.runs.list(limit=100) if r.status == "succeeded"]
     assert len(turns) == 5
+
+
+def test_an_error_status_without_a_body_is_an_error_and_bad_ids_never_leave() -> None:
+    """A proxy's bare 404 (or a redirect) is not a success with no answer; ``..`` in an id cannot turn a call on a
+    share link into one on the user (URL rules resolve it away), so such an id is refused before sending."""
+    from moorage.client import InvalidArgument, NotFound
+
+    seen: list[str] = []
+
+    class Bare(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.path)
+            self.send_response(404 if "missing" in self.path else 307)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        do_DELETE = do_GET
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Bare)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with Client(f"http://127.0.0.1:{server.server_address[1]}", api_key="k", max_retries=0) as c:
+            with pytest.raises(NotFound):
+                c.get_trace("missing")
+            with pytest.raises(Exception) as redirected:
+                c.get_trace("elsewhere")
+            assert getattr(redirected.value, "status", None) == 307
+            for bad in ("", ".", ".."):
+                with pytest.raises(InvalidArgument, match="is not a valid id"):
+                    c.delete_user("coder", bad)
+        assert seen == ["/v1/traces/missing", "/v1/traces/elsewhere"]  # nothing else was sent
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -27,7 +27,9 @@ def _cfg() -> Any:
 
 
 def _base(agent: str, user: Optional[str]) -> str:
-    return f"/v1/agents/{agent}" + (f"/users/{user}" if user else "") + "/secrets"
+    from moorage.cli.client import seg
+
+    return f"/v1/agents/{seg(agent)}" + (f"/users/{seg(user)}" if user else "") + "/secrets"
 
 
 @app.command("set")
@@ -35,14 +37,14 @@ def _base(agent: str, user: Optional[str]) -> str:
 def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Set NAME for AGENT; the value comes from standard input (or a hidden prompt). A new value is used from
     the agent's next request on; nothing is rebuilt."""
-    from moorage.cli.client import call
+    from moorage.cli.client import call, seg
 
     if sys.stdin.isatty():
         value = typer.prompt(f"value of {name}", hide_input=True)
     else:
         value = sys.stdin.read()
     value = value.rstrip("\r\n")  # `echo $TOKEN | moorage secrets set ...` ends in a newline
-    info = call(_cfg(), "PUT", f"{_base(agent, user)}/{name}", json={"value": value})
+    info = call(_cfg(), "PUT", f"{_base(agent, user)}/{seg(name)}", json={"value": value})
     console.print(f"[green]set[/] {name} for {agent}{' user ' + user if user else ''} (version {info['version']})",
                   highlight=False)
 
@@ -71,9 +73,9 @@ def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(F
 @clear_errors
 def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Remove NAME from AGENT (requests stop carrying it at once)."""
-    from moorage.cli.client import call
+    from moorage.cli.client import call, seg
 
-    call(_cfg(), "DELETE", f"{_base(agent, user)}/{name}")
+    call(_cfg(), "DELETE", f"{_base(agent, user)}/{seg(name)}")
     console.print(f"[green]removed[/] {name} from {agent}", highlight=False)
 
 

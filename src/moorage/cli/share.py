@@ -39,12 +39,12 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
               revoke: Optional[str] = typer.Option(None, "--revoke", metavar="LINK_ID", help="Revoke one link."),
               as_json: bool = typer.Option(False, "--json")) -> None:
         """Make a signed, expiring link to USER's app of AGENT (declared with ports = [...] in moorage.toml)."""
-        from moorage.cli.client import call
+        from moorage.cli.client import call, seg
 
         cfg = cfg_of()
-        base = f"/v1/agents/{agent}/users/{user}/share-links"
+        base = f"/v1/agents/{seg(agent)}/users/{seg(user)}/share-links"
         if revoke:
-            out = call(cfg, "DELETE", f"{base}/{revoke}")
+            out = call(cfg, "DELETE", f"{base}/{seg(revoke)}")
             print(json.dumps(out, indent=2) if as_json else f"revoked {out.get('id', revoke)}")
             return
         if list_:

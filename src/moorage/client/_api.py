@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import quote
 
 from moorage.client import types as T
+from moorage.client.errors import InvalidArgument
 
 #: Statuses an execution never leaves (``timed_out`` and ``interrupted`` are an exec's only).
 TERMINAL = ("succeeded", "failed", "cancelled", "timed_out", "interrupted")
@@ -29,7 +30,12 @@ class Request:
 
 
 def _p(value: str) -> str:
-    return quote(str(value), safe="")
+    """One path segment: quoted whole, so an id can never reach another route (``/``, ``?``, ``#``); an empty
+    one, ``.`` or ``..`` (which URL rules resolve away) is refused before anything is sent."""
+    text = str(value)
+    if text in ("", ".", ".."):
+        raise InvalidArgument(f"{text!r} is not a valid id", hint="ids are letters, digits, '.', '_' and '-'")
+    return quote(text, safe="")
 
 
 def _page(limit: int | None, cursor: str | None, **extra: Any) -> dict[str, Any]:

@@ -66,15 +66,15 @@ def kwargs(req: Request) -> dict[str, Any]:
 
 
 def decode(response: httpx.Response) -> Any:
-    if response.status_code == 204 or not response.content:
-        return None
+    """The answer's JSON (None when it has none); any status outside 2xx is an error, with a body or without
+    (a proxy's bare 404, a redirect this API never sends)."""
     try:
-        body = response.json()
+        body = response.json() if response.content else None
     except ValueError:
         body = response.text
-    if response.status_code >= 400:
+    if not 200 <= response.status_code < 300:
         raise error_for(response.status_code, body, response.headers)
-    return body
+    return None if response.status_code == 204 else body
 
 
 def wait_before_retry(settings: Settings, attempt: int, error: ApiError) -> float | None:

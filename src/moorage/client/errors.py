@@ -60,6 +60,13 @@ class ServerError(ApiError):
     """500/502: the server failed; quote ``trace_id`` to the operator."""
 
 
+class InvalidArgument(BadRequest):
+    """Refused before anything was sent: an argument no route could take (an empty id, ``..``)."""
+
+    def __init__(self, detail: str, *, hint: str | None = None) -> None:
+        super().__init__(400, detail, type="invalid-input", hint=hint)
+
+
 def error_for(status: int, body: Any, headers: Any) -> ApiError:
     problem = body if isinstance(body, dict) else {}
     retry = _retry_after(headers.get("retry-after") if headers is not None else None)
