@@ -58,6 +58,28 @@ def test_users_and_executions_from_the_cli(tmp_path: Path) -> None:
         # An error's text reaches the terminal as written (brackets are not console markup).
         sync = run(["invoke", "broken", "pay", "-u", "cust-1"], env)
         assert sync.returncode != 0 and "no [cash] left" in sync.stderr and "Traceback" not in sync.stderr, sync
+
+        # A workflow that asks twice: each question printed as JSON with how to answer it; a reply's trace id is
+        # on stderr (stdout stays the reply) and whole in `moorage logs`, so `moorage trace` finds it.
+        asks = tmp_path / "asks"
+        asks.mkdir()
+        (asks / "moorage.toml").write_text('[agent]\nname = "asks"\nentry = "agent.py"\n'
+                                           '[agent.lifecycle]\nusers = "auto"\n')
+        (asks / "agent.py").write_text("async def on_message(ctx, message):\n"
+                                       "    a = await ctx.interrupt({'q': 'first?'})\n"
+                                       "    b = await ctx.interrupt({'q': 'second?'})\n"
+                                       "    return a + b\n")
+        assert run(["deploy", str(asks)], env).returncode == 0
+        first = run(["invoke", "asks", "go", "-u", "cust-1"], env)
+        assert '{"q": "first?"}' in first.stdout and "answer with: moorage answer" in first.stdout, first
+        run_id = first.stdout.split("answer with: moorage answer ")[1].split()[0]
+        second = run(["answer", run_id, "A"], env)
+        assert '{"q": "second?"}' in second.stdout and f"moorage answer {run_id}" in second.stdout, second
+        done = run(["answer", run_id, "B"], env)
+        assert done.stdout.strip() == "AB" and done.stderr.startswith("trace "), done
+        trace_id = done.stderr.split()[1]
+        assert trace_id in run(["logs", "--limit", "500"], env).stdout
+        assert run(["trace", trace_id], env).returncode == 0
     finally:
         server.send_signal(signal.SIGINT)
         try:

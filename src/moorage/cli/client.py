@@ -23,6 +23,7 @@ from moorage.config import Config
 from moorage.errors import ConfigError, InvalidInput, MoorageError
 
 console = make_console()
+err_console = make_console(stderr=True)
 R = TypeVar("R")
 
 
@@ -75,11 +76,29 @@ def call(cfg: Config, method: str, path: str, **kw: Any) -> Any:
     return sdk(cfg, lambda c: c._send(req)) or {}
 
 
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def _outcome(r: Any) -> str:
-    """An execution's status and what came of it: the reply, what it waits for, or why it failed."""
+    """An execution's status and what came of it: the reply, what it waits for (JSON), or why it failed."""
     said = r.get("reply") if r.get("status") != "failed" else (r.get("error") or "no reason recorded")
     said = said if said is not None else r.get("interrupt")
-    return f"{r['status']}" + (f" — {said}" if said not in (None, "") else "")
+    return f"{r['status']}" + (f" — {_text(said)}" if said not in (None, "") else "")
+
+
+def _print_turn(r: Any, as_json: bool) -> None:
+    """A turn's result: the reply on stdout (its trace id on stderr), or what it waits for and how to answer."""
+    if as_json:
+        _print(r, True)
+    elif r.get("status") == "waiting":
+        console.print(f"[yellow]waiting for approval[/] (workflow {r.get('run_id')}): "
+                      f"{escape(_text(r.get('interrupt')))}", highlight=False, soft_wrap=True)
+        console.print(f"answer with: moorage answer {r.get('run_id')} '<answer>'", highlight=False, soft_wrap=True)
+    else:
+        console.print(r.get("reply"), highlight=False, markup=False, soft_wrap=True)
+        if r.get("trace_id"):
+            err_console.print(f"[dim]trace {r['trace_id']}[/]", highlight=False)
 
 
 def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
@@ -115,15 +134,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                session: Optional[str] = typer.Option(None, "--session", "-s"),
                as_json: bool = typer.Option(False, "--json")) -> None:
         """Run one turn of an agent for a user and print the reply."""
-        r = sdk(cfg_of(), lambda c: c.invoke(agent, message, user=user, session=session))
-        if as_json:
-            _print(r, True)
-        elif r.get("status") == "waiting":
-            console.print(f"[yellow]waiting for approval[/] (workflow {r.get('run_id')}): "
-                          f"{escape(json.dumps(r.get('interrupt')))}")
-            console.print(f"answer with: moorage answer {r.get('run_id')} '<answer>'")
-        else:
-            console.print(r.get("reply"), highlight=False, markup=False)
+        _print_turn(sdk(cfg_of(), lambda c: c.invoke(agent, message, user=user, session=session)), as_json)
 
     @app.command()
     def submit(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
@@ -168,10 +179,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         print(json.dumps(u, indent=2))
 
     @app.command()
-    def answer(run_id: str, text: str) -> None:
-        """Answer a workflow waiting for a human; it resumes from where it asked."""
-        r = sdk(cfg_of(), lambda c: c.answer(run_id, text))
-        console.print(r.get("reply") if r.get("status") == "done" else r, highlight=False)
+    def answer(run_id: str, text: str, as_json: bool = typer.Option(False, "--json")) -> None:
+        """Answer a workflow waiting for a human; it resumes from where it asked (and may ask again)."""
+        _print_turn(sdk(cfg_of(), lambda c: c.answer(run_id, text)), as_json)
 
     @app.command()
     def chat(agent: str, user: str = typer.Option(..., "--user", "-u"),
@@ -192,9 +202,11 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                 except MoorageError as e:
                     console.print(f"[red]{escape(str(e))}[/]")
                     continue
-            said = r.get("reply") if r.get("status") == "done" else r.get("interrupt")
-            console.print(f"[bold]{agent}[/] › {escape(str(said))}",
-                          highlight=False)
+            if r.get("status") == "waiting":
+                console.print(f"[bold]{agent}[/] asks › {escape(_text(r.get('interrupt')))}", highlight=False)
+                console.print(f"answer with: moorage answer {r.get('run_id')} '<answer>'", highlight=False)
+            else:
+                console.print(f"[bold]{agent}[/] › {escape(_text(r.get('reply')))}", highlight=False)
 
     @app.command()
     def ps(as_json: bool = typer.Option(False, "--json"), state: Optional[str] = typer.Option(None, "--state")) -> None:
@@ -258,7 +270,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit))
         t = Table(id_column("trace"), "span", "status", "attributes")
         for s in data.get("data", []):
-            t.add_row(s.get("trace_id", "")[:12], s.get("name", ""), s.get("status", ""),
+            t.add_row(s.get("trace_id", ""), s.get("name", ""), s.get("status", ""),
                       json.dumps(s.get("attrs", {}))[:80])
         _print(data, as_json, t)
 
