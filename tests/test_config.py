@@ -49,3 +49,37 @@ def test_a_word_setting_outside_its_choices_is_refused_not_replaced(tmp_path: Pa
     with pytest.raises(ConfigError, match="is not one of"):
         load(f, env={})
     assert load(None, env={"MOORAGE_LOG_LEVEL": "WARNING", "MOORAGE_MEMORY_EXTRACTOR": "model"}).log_level == "warning"
+
+
+@pytest.mark.parametrize("name,bad,says", [
+    ("guest_calls_per_channel", "0", "at least 1"),        # every guest call answered busy: turns hung
+    ("egress_connects_per_s", "0", "at least 1"),          # a division by zero on every fetch
+    ("egress_max_connections", "0", "at least 1"),         # every fetch refused
+    ("template_gc_interval_s", "0", "at least 1"),         # a busy loop on an idle host
+    ("guest_memory_mib", "-5", "at least 128"),            # every deploy refused as "too small"
+    ("max_value_bytes", "0", "at least 65536"),            # every deploy's journal over the limit
+    ("app_timeout_s", "-1", "at least 1"),                 # every app request "took too long"
+    ("port", "70000", "from 1 to 65535"),                  # a traceback once the server tried to bind
+])
+def test_a_number_a_host_could_not_work_with_is_refused_at_start(name: str, bad: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name}={bad} is out of range: it must be {says}") as e:
+        load(None, env={"MOORAGE_" + name.upper(): bad})
+    assert f"MOORAGE_{name.upper()}" in (e.value.hint or "")
+
+
+def test_types_are_exact_and_related_settings_agree(tmp_path: Path) -> None:
+    f = tmp_path / "moorage.toml"
+    for text, says in (("port = 7872.9", "is not a valid int"), ("egress_allow_private = \"maybe\"", "not a valid bool"),
+                       ("guest_cpu_share = true", "is not a valid float"),
+                       ("agent_max_memory_mib = 200", "less than guest_memory_mib=256"),
+                       ("otlp_endpoint = \"not a url\"", "is not an http\\(s\\) URL"),
+                       ("secrets_keys = \"k1:short\"", "8-character id and 32 key bytes")):
+        f.write_text(f"[moorage]\n{text}\n")
+        with pytest.raises(ConfigError, match=says):
+            load(f, env={})
+    f.write_text("[moorage]\nport = 7872.0\negress_allow_private = \"off\"\nagent_max_memory_mib = 512\n")
+    cfg = load(f, env={"MOORAGE_PACKAGE_APT_TRUSTED": "yes"})
+    assert (cfg.port, cfg.egress_allow_private, cfg.package_apt_trusted) == (7872, False, True)
+    # A config file named by MOORAGE_CONFIG must exist, as one named by --config must.
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(None, env={"MOORAGE_CONFIG": str(tmp_path / "missing.toml")})

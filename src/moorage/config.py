@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -180,19 +181,81 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _coerce(name: str, raw: Any, target: Any) -> Any:
+    """``raw`` (a TOML value or an environment string) as the setting's type; anything that is not exactly one
+    (a truncated float, a word that is neither yes nor no, a boolean given for a number) is refused."""
     try:
         if target is Path or target == "Path":
             return Path(str(raw)).expanduser()
+        if isinstance(raw, bool) and target not in (bool, "bool"):
+            raise ValueError("a boolean")
         if target is int or target == "int":
+            if isinstance(raw, float):
+                if not raw.is_integer():
+                    raise ValueError("not a whole number")
+                return int(raw)
             return int(raw)
         if target is float or target == "float":
             return float(raw)
         if target is bool or target == "bool":
-            return str(raw).lower() in ("1", "true", "yes", "on")
+            if isinstance(raw, bool):
+                return raw
+            word = str(raw).strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError("neither true nor false")
+            return word in _TRUE
         return str(raw)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"config value {name}={raw!r} is not a valid {target}", hint="fix moorage.toml or the MOORAGE_* variable") from e
+        raise ConfigError(f"config value {name}={raw!r} is not a valid {getattr(target, '__name__', target)}",
+                          hint="fix moorage.toml or the MOORAGE_* variable") from e
+
+
+#: Numbers a setting may take (least, greatest or None); outside them a host would fail later, on every turn,
+#: deploy or request, so it does not start. Where 0 means "no limit" the comment on the setting says so.
+BOUNDS: dict[str, tuple[float, float | None]] = {
+    "port": (1, 65535), "guest_memory_mib": (128, None), "agent_max_memory_mib": (0, None),
+    "agent_max_vcpus": (0, None), "agent_max_disk_mib": (0, None), "lease_ttl_s": (0.5, None),
+    "heartbeat_s": (0.1, None), "checkpoint_interval_s": (0.1, None), "fleet_cache_mib": (0, None),
+    "template_gc_interval_s": (1, None), "template_gc_grace_s": (0, None), "template_gc_settle_s": (0, None),
+    "template_prefetch": (0, None), "max_awake_instances": (0, None),
+    "max_awake_ram_mib": (0, None), "max_awake_per_tenant": (0, None), "max_value_bytes": (64 << 10, None),
+    "egress_max_connections": (1, None), "egress_connects_per_s": (1, None), "egress_bytes_per_s": (0, None),
+    "egress_max_bytes": (0, None), "app_max_request_bytes": (1, None), "app_max_response_bytes": (1, None),
+    "app_timeout_s": (1, None), "app_max_duration_s": (1, None), "app_ws_max_message_bytes": (1, None),
+    "app_ws_max_sockets": (1, None), "sse_keepalive_s": (0, None), "sandbox_uid": (1, None),
+    "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
+}
+
+
+def _check_words(values: dict[str, Any]) -> None:
+    """Settings whose form is known: refused at start rather than on each request that would use them."""
+    endpoint = values.get("otlp_endpoint")
+    if endpoint and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(endpoint)):
+        raise ConfigError(f"otlp_endpoint={endpoint!r} is not an http(s) URL",
+                          hint="e.g. http://127.0.0.1:4318/v1/traces, or leave it empty")
+    if values.get("secrets_keys"):
+        from moorage.secrets.keyring import parse_keys
+
+        parse_keys(str(values["secrets_keys"]), "secrets_keys")  # ConfigError naming what is wrong with a key
+
+
+def _check_numbers(values: dict[str, Any]) -> None:
+    for name, (least, most) in BOUNDS.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if value < least or (most is not None and value > most):
+            span = f"from {least:g} to {most:g}" if most is not None else f"at least {least:g}"
+            raise ConfigError(f"{name}={value:g} is out of range: it must be {span}",
+                              hint=f"fix {name} in moorage.toml or MOORAGE_{name.upper()}")
+    cap, default = values.get("agent_max_memory_mib") or 0, values.get("guest_memory_mib", 256)
+    if cap and cap < default:
+        raise ConfigError(f"agent_max_memory_mib={cap} is less than guest_memory_mib={default}, what an agent that "
+                          "names no memory_mib gets: no such agent could deploy",
+                          hint="raise agent_max_memory_mib or lower guest_memory_mib")
 
 
 #: The settings that take one of a few words; anything else is refused at start, never silently replaced.
@@ -227,8 +290,9 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
             if k not in types:
                 raise ConfigError(f"unknown setting {k!r} in {cfg_path}", hint=f"known settings: {', '.join(sorted(types))}")
             values[k] = _coerce(k, v, types[k])
-    elif path is not None:
-        raise ConfigError(f"config file {path} does not exist")
+    elif path is not None or env.get("MOORAGE_CONFIG"):
+        raise ConfigError(f"config file {cfg_path} does not exist",
+                          hint="fix --config or MOORAGE_CONFIG (without either, ./moorage.toml is read if it exists)")
 
     for name, typ in types.items():
         key = "MOORAGE_" + name.upper()
@@ -237,6 +301,8 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
     for k, v in overrides.items():
         if v is not None:
             values[k] = _coerce(k, v, types[k])
+    _check_numbers(values)
+    _check_words(values)
     if isinstance(values.get("log_level"), str):
         values["log_level"] = values["log_level"].lower()  # INFO as well as info
     for name, choices in CHOICES.items():

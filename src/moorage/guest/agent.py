@@ -207,12 +207,15 @@ class _Host:
         # The host serves a bounded number of this sandbox's calls at once and answers the rest "busy": wait and
         # retry, so an agent that starts many calls together (asyncio.gather) just gets them served in turn.
         delay = 0.005
+        deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
                 return await self._rpc.peer.call(method, dict(params, turn_id=self.turn_id), timeout=timeout)
             except RpcError as e:
                 if e.code == HOST_BUSY:
-                    pass
+                    if asyncio.get_running_loop().time() + delay > deadline:  # busy for as long as the call may take
+                        raise HostError("the host stayed busy for %g s: %s" % (timeout, e), e.code,
+                                        {"kind": "busy", "hint": "retry later"}) from None
                 elif isinstance(e.data, dict) and "kind" in e.data and not isinstance(e, HostError):
                     raise HostError(str(e), e.code, e.data) from None
                 else:

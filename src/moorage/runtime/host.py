@@ -66,7 +66,14 @@ class Host:
 
         from moorage.runtime.private_files import private_dir
 
-        private_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
+        try:
+            private_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
+        except OSError as e:
+            from moorage.errors import ConfigError
+
+            raise ConfigError(f"cannot make the data directory {config.data_dir}: {e.strerror}",
+                              hint="set data_dir in moorage.toml or MOORAGE_DATA_DIR to a directory this user can "
+                                   "write") from None
         store = open_store(config)
         driver = get_driver(config)
         manager = InstanceManager(store, driver, host_id=config.host_id or None)

@@ -40,7 +40,7 @@ def _encode(kid: str, key: bytes) -> str:
     return f"{kid}:{base64.urlsafe_b64encode(key).decode()}"
 
 
-def _parse(text: str, where: str) -> list[tuple[str, bytes]]:
+def parse_keys(text: str, where: str) -> list[tuple[str, bytes]]:
     keys = []
     for item in text.replace("\n", ",").split(","):
         item = item.strip()
@@ -86,7 +86,7 @@ class Keyring:
     @classmethod
     def from_config(cls, cfg: Any) -> "Keyring":
         if cfg.secrets_keys:
-            return cls(tuple(_parse(cfg.secrets_keys, "secrets_keys")), "config")
+            return cls(tuple(parse_keys(cfg.secrets_keys, "secrets_keys")), "config")
         return cls.from_file(Path(cfg.data_dir) / KEY_FILE)
 
     @classmethod
@@ -100,7 +100,7 @@ class Keyring:
         mode = path.stat().st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"{path} is readable by other users", hint=f"chmod 600 {path}")
-        return cls(tuple(_parse(path.read_text(), str(path))), str(path))
+        return cls(tuple(parse_keys(path.read_text(), str(path))), str(path))
 
     def knows(self, blob: bytes) -> bool:
         """Whether the key that encrypted ``blob`` is in this keyring."""
