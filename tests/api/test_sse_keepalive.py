@@ -22,6 +22,9 @@ QUIET = '''
 import asyncio
 
 async def on_message(ctx, message):
+    if message == "silent":
+        await asyncio.sleep(0.6)  # quiet from the start (a cold start, a long first call)
+        return "late"
     await ctx.emit("token", "thinking ")
     await asyncio.sleep(0.6)  # a long model call or tool: nothing to say meanwhile
     return "done thinking"
@@ -91,6 +94,14 @@ async def test_a_quiet_streamed_turn_over_http_gets_keepalives_and_clients_skip_
             token, done = raw.index("event: token"), raw.index("event: done")
             assert raw.count(": keep-alive\n\n", token, done) >= 3
             assert ": keep-alive" not in raw[done:]
+            # Quiet from the start: the answer does not wait for a first event; keep-alives come before it.
+            async with c.stream("POST", "/v1/agents/quiet/invoke?stream=true", json={"message": "silent", "user": "u1"}) as r:
+                assert r.status_code == 200
+                raw = (await r.aread()).decode()
+            assert raw.count(": keep-alive\n\n", 0, raw.index("event: done")) >= 3 and '"reply": "late"' in raw
+            # A refusal found at once still has its own status.
+            r = await c.post("/v1/agents/nobody/invoke?stream=true", json={"message": "hi", "user": "u1"})
+            assert r.status_code == 404
 
             # The SDK and the OpenAI-compatible stream's clients see only the events.
             async with AsyncClient(live.url, secret) as sdk:

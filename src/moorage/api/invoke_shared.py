@@ -5,6 +5,7 @@ An end-user token pins the agent and user; a tenant key must name the user expli
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator
 
@@ -49,25 +50,35 @@ def replay_headers(result: Any) -> dict[str, str]:
 
 
 async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncIterator[Any]:
-    """Start the turn and wait for its first event, so that refusals (no such agent, wrong user) still
-    become a problem response with their own status; later failures can only be reported in-band."""
+    """Start the turn and wait for its first event, so that refusals (no such agent, wrong user: found at once)
+    still become a problem response with their own status; later failures can only be reported in-band. A first
+    event slower than ``sse_keepalive_s`` (a cold start, a quiet agent) does not hold the answer back: the stream
+    starts, with its keep-alives, and the event comes when it comes."""
     started = time.perf_counter()
     events = call.runtime.stream(call.who, entity, message, idempotency_key=call.idempotency_key).__aiter__()
-    try:
-        first = await events.__anext__()
-    except StopAsyncIteration:
-        first = None
+    first_event = asyncio.ensure_future(events.__anext__())
+    await asyncio.wait({first_event}, timeout=call.ctx.config.sse_keepalive_s or None)
+    if first_event.done():
+        try:
+            first_event.result()  # a refusal is raised here, before the answer's status is sent
+        except StopAsyncIteration:
+            pass
 
     async def rest() -> AsyncIterator[Any]:
         usage: dict[str, Any] = {}
         try:
-            if first is not None:
-                yield first
-            async for ev in events:
+            step: Any = first_event
+            while True:
+                try:
+                    ev = await step
+                except StopAsyncIteration:
+                    return
                 if ev.kind == "done" and not getattr(ev.data, "replayed", False):
                     usage = dict(getattr(ev.data, "usage", None) or {})
                 yield ev
+                step = events.__anext__()
         finally:
+            first_event.cancel()  # the caller left before the first event: the turn's stream is closed with it
             call.ctx.metrics.observe_turn(time.perf_counter() - started, usage)
 
     return rest()
