@@ -71,6 +71,10 @@ def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:
             assert server.poll() is None, server.stdout.read() if server.stdout else ""
             assert time.time() < deadline, "server did not come up"
             time.sleep(0.3)
+        # A second host on the same data directory would drive the same sandboxes: it does not start.
+        second = run(["up", "--port", str(free_port())], env, timeout=120)
+        assert second.returncode == 2 and f"in use by another moorage host (pid {server.pid})" in " ".join(
+            second.stderr.split()), second.stderr
         d = run(["deploy", "examples/coder"], env)
         assert d.returncode == 0 and "deployed coder #1" in d.stdout, d.stdout + d.stderr
         assert run(["invoke", "coder", "install", "-u", "dev"], env).stdout.strip() == "installed slugkit"

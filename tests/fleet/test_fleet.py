@@ -302,8 +302,9 @@ def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fl
     t = threading.Thread(target=traffic)
     t.start()
     try:
-        subprocess.run([str(Path(sys.executable).parent / "moorage"), "host", "drain", "h2"], check=True, timeout=60,
-                       env={**os.environ, "MOORAGE_STORE_URL": fleet.store_url}, capture_output=True)
+        subprocess.run([str(Path(sys.executable).parent / "moorage"), "host", "drain", "h2", "--store-url",
+                        fleet.store_url], check=True, timeout=60, capture_output=True,
+                       env={k: v for k, v in os.environ.items() if k != "MOORAGE_STORE_URL"})
         assert fleet.hosts[1].proc.wait(timeout=90) == 0  # h2 slept everything and left cleanly
         time.sleep(1.0)
     finally:

@@ -42,3 +42,18 @@ def test_a_lapsed_hosts_secrets_are_not_compared(tmp_path: Path) -> None:
     with reg.backend.control_tx() as c:
         c.x("UPDATE hosts SET heartbeat_at = ? WHERE id = 'h1'", (time.time() - 60,))
     reg.register("h2", "http://10.0.0.2:7700", "i2", fingerprints("new", "op", [OLD]), ttl_s=15)
+
+
+def test_hosts_commands_say_what_store_they_lack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from moorage.cli.main import app
+
+    monkeypatch.delenv("MOORAGE_STORE_URL", raising=False)
+    monkeypatch.setenv("MOORAGE_DATA_DIR", str(tmp_path / "data"))
+    for args, says in ((["hosts", "drain", "h1"], "none is configured"),
+                       (["hosts", "drain", "h1", "--store-url", "sqlite"], "none is configured"),
+                       (["hosts", "--store-url", "mysql://db/x"], "the store is 'mysql://db/x', not one")):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and says in " ".join(r.output.split()), (args, r.output)
+    assert not (tmp_path / "data").exists()  # no local store was made

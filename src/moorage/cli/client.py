@@ -76,6 +76,14 @@ def call(cfg: Config, method: str, path: str, **kw: Any) -> Any:
     return sdk(cfg, lambda c: c._send(req)) or {}
 
 
+def _pairs(items: list[str]) -> dict[str, str]:
+    """``--meta KEY=VALUE`` options as a dict; one without ``=`` (or without a key) is an error, not dropped."""
+    bad = [m for m in items if "=" not in m or not m.split("=", 1)[0]]
+    if bad:
+        raise InvalidInput(f"--meta {bad[0]!r} is not KEY=VALUE", hint="e.g. --meta plan=pro")
+    return dict(m.split("=", 1) for m in items)
+
+
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
@@ -161,7 +169,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def users(agent: str, as_json: bool = typer.Option(False, "--json"),
               meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata filter (repeatable).")) -> None:
         """The end-users of an agent, with their instance's state."""
-        filters = dict(m.split("=", 1) for m in meta if "=" in m)
+        filters = _pairs(meta)
         rows = sdk(cfg_of(), lambda c: list(c.paginate(c.list_users, agent, metadata=filters or None)))
         t = Table("user", "instance", "metadata", "limits")
         for u in rows:
@@ -174,7 +182,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                  meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata (repeatable)."),
                  provision: bool = typer.Option(False, "--provision", help="Fork the instance now (asleep).")) -> None:
         """Create an end-user of an agent by your own id (or show it; --meta replaces its metadata)."""
-        metadata = dict(m.split("=", 1) for m in meta if "=" in m) or None
+        metadata = _pairs(meta) or None
         u = sdk(cfg_of(), lambda c: c.put_user(agent, user, metadata=metadata, provision=provision))
         print(json.dumps(u, indent=2))
 
@@ -209,9 +217,17 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                 console.print(f"[bold]{agent}[/] › {escape(_text(r.get('reply')))}", highlight=False)
 
     @app.command()
-    def ps(as_json: bool = typer.Option(False, "--json"), state: Optional[str] = typer.Option(None, "--state")) -> None:
+    def ps(as_json: bool = typer.Option(False, "--json"),
+           state: Optional[str] = typer.Option(None, "--state", help="only instances in this state (running, "
+                                                                     "sleeping, ...)")) -> None:
         """Agent instances: state, last activity, RAM and disk (known for instances awake on this host)."""
         import time as _t
+
+        from moorage.lifecycle.machine import InstanceState
+
+        known = [s.value for s in InstanceState]
+        if state is not None and state not in known:
+            raise InvalidInput(f"--state {state!r} is not an instance state", hint=f"one of {', '.join(known)}")
 
         fleet = call(cfg_of(), "GET", "/v1/fleet")
         rows = [i for i in fleet.get("instances", []) if state is None or i.get("state") == state]
@@ -228,17 +244,21 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     def _verb(verb: str, help: str) -> None:
         @app.command(name=verb, help=help)
-        def _cmd(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name")) -> None:
-            r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb, label=label))
-            print(json.dumps(r, indent=2))
+        def _cmd(sandbox_id: str) -> None:
+            print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb)), indent=2))
 
     _verb("sleep", "Sleep an agent instance's sandbox.")
     _verb("wake", "Wake an agent instance's sandbox.")
-    _verb("checkpoint", "Checkpoint an end-user's whole instance (sandbox and memory) by its sandbox id.")
+
+    @app.command(name="checkpoint")
+    def _checkpoint(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name")) -> None:
+        """Checkpoint an end-user's whole instance (sandbox and memory) by its sandbox id."""
+        print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "checkpoint", label=label)), indent=2))
 
     @app.command(name="fork")
     def _fork(sandbox_id: str, to: List[str] = typer.Option(..., "--to", help="a new end-user (repeat for more)"),
-              label: Optional[str] = typer.Option(None, "--label", help="name of the checkpoint forked from")) -> None:
+              label: Optional[str] = typer.Option(None, "--label", help="a name for the checkpoint taken now to fork "
+                                                                         "from")) -> None:
         """Fork an end-user's whole instance, as it is now, into new end-users of the same agent."""
         r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "fork", label=label, to_users=to))
         print(json.dumps(r, indent=2))

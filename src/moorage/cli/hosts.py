@@ -28,7 +28,8 @@ def _fleet_config(store_url: str | None):  # type: ignore[no-untyped-def]
 
     cfg = state.cfg.with_(store_url=store_url) if store_url else state.cfg
     if not cfg.store_url.startswith(("postgresql://", "postgres://")):
-        raise ConfigError("moorage hosts reads the fleet's shared PostgreSQL store, and none is configured",
+        given = f"the store is {cfg.store_url!r}, not one" if cfg.store_url != "sqlite" else "none is configured"
+        raise ConfigError(f"moorage hosts reads the fleet's shared PostgreSQL store, and {given}",
                           hint="pass --store-url postgresql://... or set MOORAGE_STORE_URL (as the hosts have)")
     return cfg
 
@@ -43,10 +44,11 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
     """List the hosts with their state, heartbeat age, load and the instances each holds."""
     from moorage.cli.main import state
 
-    cfg = _fleet_config(store_url)
-    state.cfg = cfg  # the sub-commands (drain) use the same store
-    if ctx.invoked_subcommand is not None:
+    if ctx.invoked_subcommand is not None:  # a sub-command (drain) checks the store, given before or after it
+        if store_url:
+            state.cfg = state.cfg.with_(store_url=store_url)
         return
+    cfg = _fleet_config(store_url)
     from moorage.fleet.hosts import HostRegistry
     from moorage.store import open_store
 
@@ -78,12 +80,12 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 @app.command()
 @clear_errors
-def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moorage hosts`).")) -> None:
+def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moorage hosts`)."),
+          store_url: Optional[str] = STORE_URL) -> None:
     """Drain a host for an upgrade: it sleeps and ships every instance (new ones start elsewhere), then exits."""
-    from moorage.cli.main import state
     from moorage.fleet.hosts import HostRegistry
     from moorage.store import open_store
 
-    with open_store(state.cfg) as store:
+    with open_store(_fleet_config(store_url)) as store:
         HostRegistry(store.backend).set_state(host_id, "draining")
     console.print(f"{host_id} is draining: it sleeps its instances and leaves within a heartbeat or two")

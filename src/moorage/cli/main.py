@@ -170,7 +170,7 @@ def run() -> None:
     try:
         app()
     except MoorageError as e:
-        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

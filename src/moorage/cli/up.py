@@ -13,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 import httpx
+from rich.markup import escape
 
 from moorage.cli.console import make_console
 from moorage.config import Config
@@ -62,6 +63,57 @@ DEMO_TURNS = [
 ]
 
 
+def _raise_for(r: httpx.Response, what: str) -> None:
+    if r.is_success:
+        return
+    from moorage.errors import MoorageError
+
+    try:
+        problem = r.json()
+    except ValueError:
+        problem = {"detail": r.text[:500]}
+    raise MoorageError(f"{what} failed: {r.status_code} {problem.get('detail')}", hint=problem.get("hint"))
+
+
+def hold_data_dir(cfg: Config) -> int:
+    """Take the data directory for this process (a lock held until it exits): two hosts on one data directory
+    would drive the same sandboxes. Returns the lock's file descriptor."""
+    import fcntl
+
+    from moorage.errors import ConfigError
+    from moorage.runtime.private_files import private_dir
+
+    try:
+        private_dir(cfg.data_dir)
+        fd = os.open(cfg.data_dir / "moorage-up.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise ConfigError(f"cannot make the data directory {cfg.data_dir}: {e.strerror}",
+                          hint="set data_dir in moorage.toml or MOORAGE_DATA_DIR to a directory this user can write")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"the data directory {cfg.data_dir} is in use by another moorage host (pid {holder})",
+                          hint="stop it first, or give this one its own data_dir / MOORAGE_DATA_DIR") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def check_demo(demo: Path | None, exit_after_demo: bool) -> None:
+    """Before anything starts: the demo's folder is an agent, and --exit-after-demo comes with a demo."""
+    from moorage.errors import ConfigError
+
+    if demo is None:
+        if exit_after_demo:
+            raise ConfigError("--exit-after-demo needs --demo <agent folder>")
+        return
+    if not (demo / "moorage.toml").is_file():
+        raise ConfigError(f"--demo {demo}: no agent folder there (it needs a moorage.toml)",
+                          hint="e.g. --demo examples/assistant")
+
+
 async def run_demo(url: str, key: str, agent_dir: Path) -> None:
     """Deploy the example agent through the API and hold a two-session conversation with it."""
     import tomllib
@@ -72,15 +124,13 @@ async def run_demo(url: str, key: str, agent_dir: Path) -> None:
         with console.status(f"deploying {agent_dir} (builds its template sandbox)…"):
             r = await client.post(f"/v1/agents/{name}/deployments", content=tar_dir(agent_dir),
                                   headers={"Content-Type": "application/gzip"})
-        r.raise_for_status()
+        _raise_for(r, f"deploying {agent_dir}")
         console.print(f"[green]deployed[/] {name} #{r.json()['number']}")
         for session, text in DEMO_TURNS:
             console.print(f"[bold]ada[/] ({session}): {text}")
             with console.status("thinking…"):
                 r = await client.post(f"/v1/agents/{name}/invoke", json={"user": "ada", "session": session, "message": text})
-            if r.status_code != 200:
-                console.print(f"[red]error {r.status_code}[/] {r.text}")
-                r.raise_for_status()
+            _raise_for(r, "the demo's turn")
             console.print(f"[bold]{name}[/]: {r.json()['reply']}", highlight=False)
 
 
@@ -90,6 +140,8 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     from moorage.api.app import create_app
     from moorage.runtime.host import Host
 
+    check_demo(demo, exit_after_demo)
+    hold_data_dir(cfg)  # released when this process ends, however it ends
     host = Host.open(cfg)
     key = ensure_local_tenant(host, cfg)
     if host.manager.fleet is not None:  # a host whose secrets differ from the fleet's is refused as it joins
@@ -112,8 +164,14 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
             console.print(f"[yellow]--detach has no effect here:[/] {host.driver.name} sandboxes end with the host; "
                           "on stop they are put to sleep")
         if demo is not None:
+            from moorage.errors import MoorageError
+
             try:
                 await run_demo(url, key, demo)
+            except MoorageError as e:
+                if exit_after_demo:
+                    raise  # the command's own error: printed once, exit status 2
+                console.print(f"[red]the demo failed:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             finally:
                 if exit_after_demo:
                     server.should_exit = True
