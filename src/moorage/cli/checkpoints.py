@@ -57,7 +57,7 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
         table.add_row(str(c["seq"]), c["id"], c["kind"], branch, escape(c.get("name") or ""), escape(_did(c)))
     print_table(console, table)
     for b in out["branches"]:
-        console.print(f"branch {b['id']}: {b['checkpoints']} checkpoints, tip {b['tip']}"
+        console.print(f"branch {b['id']}: {b['checkpoints']} checkpoints, tip {b['tip'] or '(none yet)'}"
                       + (" (current)" if b["current"] else " (abandoned: `moorage checkpoints rollback` to its tip)"))
 
 

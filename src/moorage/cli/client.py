@@ -299,8 +299,10 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         """Tokens, compute and storage used by this tenant."""
         data = sdk(cfg_of(), lambda c: c.usage())
         t = Table("kind", "amount")
-        for k, v in sorted((data.get("totals") or data).items()):
+        totals = dict(data.get("totals") or {})
+        totals.setdefault("cost_usd", data.get("cost_usd", 0.0))
+        for k, v in sorted(totals.items()):
             if isinstance(v, (int, float)):
-                t.add_row(k, f"{v:g}")
+                t.add_row(k, f"{v:,.4f}" if k.endswith("usd") else f"{v:,.0f}" if float(v).is_integer() else f"{v:,.2f}")
         _print(data, as_json, t)
 
