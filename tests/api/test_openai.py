@@ -84,6 +84,27 @@ async def test_a_turns_model_tokens_reach_the_caller_and_the_metrics(live_rt, ac
     assert counted['kind="output_tokens"'] == usage["output_tokens"] + out.usage.completion_tokens, counted
 
 
+async def test_a_turn_ended_by_the_tenants_model_rate_is_a_429_and_runs_again_later(live_rt, runtime, acme, store,
+                                                                                  tmp_path: Path):
+    from moorage.llm.limits import RateLimit, TenantLimits
+
+    await _deploy(live_rt, acme, tmp_path)
+    tenant_id = store.authenticate(acme).tenant_id
+    runtime.llm.admission.set_limits(tenant_id, TenantLimits(requests=RateLimit(per_minute=1)))
+    async with aclient(live_rt, acme) as c:
+        ok = await c.post("/v1/agents/echo/invoke", json={"message": "ask the model", "user": "ann"})
+        assert ok.status_code == 200, ok.text
+        limited = await c.post("/v1/agents/echo/invoke", json={"message": "ask the model", "user": "ann"},
+                               headers={"Idempotency-Key": "limited-1"})
+        # The limit on the agent's own model call, not "the agent failed" (502): when to come back, and why.
+        assert limited.status_code == 429 and limited.json()["type"].endswith("/rate-limited"), limited.text
+        assert int(limited.headers["retry-after"]) >= 1 and "x-should-retry" not in limited.headers
+        runtime.llm.admission.set_limits(tenant_id, TenantLimits())  # the minute has passed
+        again = await c.post("/v1/agents/echo/invoke", json={"message": "ask the model", "user": "ann"},
+                             headers={"Idempotency-Key": "limited-1"})
+        assert again.status_code == 200 and again.json()["usage"]["output_tokens"] > 0, again.text  # ran this time
+
+
 async def test_official_client_with_an_end_user_token(live_rt, acme, tmp_path: Path):
     await _deploy(live_rt, acme, tmp_path)
     async with aclient(live_rt, acme) as c:

@@ -220,8 +220,10 @@ class GuestCalls:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
                         return await fn(binding, params)
                 except MoorageError as e:
+                    wait = getattr(e, "retry_after", None) or getattr(e, "resets_in", None)
                     raise HandlerError(str(e), code=-32000,
-                                       data={"type": type(e).__name__, "kind": e.code, "hint": e.hint}) from e
+                                       data={"type": type(e).__name__, "kind": e.code, "hint": e.hint,
+                                             **({"retry_after": float(wait)} if wait else {})}) from e
                 finally:
                     self.rt.tracer.span(binding, method, started)
 

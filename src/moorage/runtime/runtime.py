@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine, NonDeterminismError
-from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
@@ -71,6 +71,23 @@ class AgentTurnFailed(InvalidInput):
     http_status = 502
     for_caller = True
     retryable = False
+
+
+class TurnLimited(MoorageError):
+    """A limit on the agent's own host call (the tenant's model rate or token budget) ended the turn: answered
+    as that limit (429, with when to come back), not as the agent's failure, and a retry later runs it again."""
+
+    http_status = 429
+    for_caller = True
+
+    def __init__(self, message: str, *, code: str, retry_after: float | None, hint: str | None) -> None:
+        super().__init__(message, hint=hint)
+        self.code = code
+        self.retry_after = retry_after
+
+
+#: Kinds of host-call refusal that are limits, not failures (``TurnLimited``).
+_LIMIT_KINDS = frozenset({"rate-limited", "budget-exceeded"})
 
 
 def _raise_agent_failure(run: Any) -> None:
@@ -710,6 +727,11 @@ class Runtime(Deployments, OperatorVerbs):
                     # The guest restarted since we loaded it (cold wake, host restart): load and go again.
                     self._loaded.pop(sandbox.id, None)
                     continue
-                detail = e.data.get("traceback") if isinstance(e.data, dict) else None
+                data = e.data if isinstance(e.data, dict) else {}
+                if data.get("kind") in _LIMIT_KINDS:  # the agent let a limit on its own call end the turn
+                    wait = data.get("retry_after")
+                    raise TurnLimited(e.message, code=str(data["kind"]), hint=data.get("hint"),
+                                      retry_after=float(wait) if isinstance(wait, (int, float)) else None) from e
+                detail = data.get("traceback")
                 raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
         yield result
