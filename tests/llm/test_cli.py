@@ -11,6 +11,7 @@ from moorage.cli.main import app
 
 
 def test_chat_with_the_embedded_model(tmp_path: Path) -> None:
+    (tmp_path / "none.toml").write_text("")  # an empty configuration: nothing from a moorage.toml in the cwd
     r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "llm", "chat", "Say hello.", "--max-tokens", "4", "--temperature", "0", "--json"],
                            env={"MOORAGE_LLM_PROVIDER": "embedded", "MOORAGE_CONFIG": str(tmp_path / "none.toml")})
     assert r.exit_code == 0, r.output
@@ -20,6 +21,7 @@ def test_chat_with_the_embedded_model(tmp_path: Path) -> None:
 
 
 def test_providers_lists_the_configured_one(tmp_path: Path) -> None:
+    (tmp_path / "none.toml").write_text("")
     r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "llm", "providers", "--json"],
                            env={"MOORAGE_LLM_PROVIDER": "anthropic", "MOORAGE_CONFIG": str(tmp_path / "none.toml")})
     assert r.exit_code == 0, r.output
