@@ -81,14 +81,9 @@ def hold_data_dir(cfg: Config) -> int:
     import fcntl
 
     from moorage.errors import ConfigError
-    from moorage.runtime.private_files import private_dir
+    from moorage.runtime.private_files import data_dir
 
-    try:
-        private_dir(cfg.data_dir)
-        fd = os.open(cfg.data_dir / "moorage-up.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise ConfigError(f"cannot make the data directory {cfg.data_dir}: {e.strerror}",
-                          hint="set data_dir in moorage.toml or MOORAGE_DATA_DIR to a directory this user can write")
+    fd = os.open(data_dir(cfg.data_dir) / "moorage-up.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

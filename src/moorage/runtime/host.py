@@ -64,16 +64,9 @@ class Host:
         from moorage.runtime.runtime import Runtime
         from moorage.sandbox import get_driver
 
-        from moorage.runtime.private_files import private_dir
+        from moorage.runtime.private_files import data_dir
 
-        try:
-            private_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
-        except OSError as e:
-            from moorage.errors import ConfigError
-
-            raise ConfigError(f"cannot make the data directory {config.data_dir}: {e.strerror}",
-                              hint="set data_dir in moorage.toml or MOORAGE_DATA_DIR to a directory this user can "
-                                   "write") from None
+        data_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
         store = open_store(config)
         driver = get_driver(config)
         manager = InstanceManager(store, driver, host_id=config.host_id or None)

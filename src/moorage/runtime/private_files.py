@@ -23,6 +23,18 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def data_dir(path: Path) -> Path:
+    """The host's data directory, made private; one it cannot make is a configuration error naming it."""
+    try:
+        return private_dir(path)
+    except OSError as e:
+        from moorage.errors import ConfigError
+
+        raise ConfigError(f"cannot make the data directory {path}: {e.strerror}",
+                          hint="set data_dir in moorage.toml or MOORAGE_DATA_DIR to a directory this user can "
+                               "write") from None
+
+
 def write_private(path: Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` as a 0600 file, atomically (temp file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
