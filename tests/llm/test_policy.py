@@ -56,8 +56,10 @@ async def test_models_outside_the_allowlist_are_refused(openai_server: WireServe
         assert e.value.http_status == 403 and "not allowed" in e.value.message
         assert len(openai_server.script.requests) == 1  # the refused call never left the host
         # A glob in acme's list admits the model, but it has no price: refused, not free by accident.
-        with pytest.raises(ModelNotAllowed, match="no price"):
+        with pytest.raises(ModelNotAllowed, match="no price") as e:
             await gw.complete("t-acme", ask("cheap-1"))
+        # The advice is one the policy file accepts: "price" alone is refused at start without unknown_price.
+        assert "[llm.prices]" in e.value.hint and "unknown_price" in e.value.hint
         assert [r.cost_usd for r in sink.records] == [pytest.approx((20 * 2.0 + 5 * 8.0) / 1e6)]
     finally:
         await gw.aclose()

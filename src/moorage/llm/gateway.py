@@ -113,7 +113,8 @@ class LLMGateway:
                                       hint=f"allowed: {', '.join(pol.models or ())}; the operator sets this in the LLM policy")
         if self.refuse_unpriced and not is_priced(self.prices, provider.name, model):
             raise ModelNotAllowed(f"model {model!r} has no price and this installation refuses unpriced models",
-                                  hint="the operator adds it under [llm.prices] or sets unknown_models = \"price\"")
+                                  hint="the operator adds it under [llm.prices], or sets unknown_models = \"price\" "
+                                       "with the unknown_price it is charged")
 
     # --- calls -------------------------------------------------------------------------
 
