@@ -14,10 +14,13 @@ from rich.table import Table
 
 from moorage.cli.console import id_column, make_console, print_table
 from moorage.cli.errors import clear_errors
+from moorage.errors import InvalidInput, NotFound
 
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
 console = make_console()
 JSON = typer.Option(False, "--json", help="Machine-readable output.")
+#: The most checkpoints one listing returns (the API's cap): a name is looked for among the newest this many.
+NAME_WINDOW = 500
 
 
 def _sdk(use: Callable[[Any], Any]) -> Any:
@@ -41,6 +44,37 @@ def _did(c: dict[str, Any]) -> str:
     if "forked_from" in s:
         return f"forked from {s['forked_from'].get('user')} at {s['forked_from'].get('checkpoint')}"
     return ""
+
+
+def _resolve(c: Any, agent: str, user: str, ref: str) -> str:
+    """The id of USER's checkpoint ``ref``: an id as it is, or a name that only one of their checkpoints has."""
+    listed = c.list_checkpoints(agent, user, limit=NAME_WINDOW)["data"]
+    if any(ck["id"] == ref for ck in listed):
+        return ref
+    named = [ck["id"] for ck in listed if ck.get("name") == ref]
+    if len(named) > 1:
+        raise InvalidInput(f"{len(named)} checkpoints of user {user!r} of agent {agent!r} are named {ref!r}: "
+                           f"{', '.join(named)}", hint="give the id of the one you mean")
+    if named:
+        return named[0]
+    if len(listed) < NAME_WINDOW:  # every checkpoint was listed: nothing has that id or name
+        raise NotFound(f"user {user!r} of agent {agent!r} has no checkpoint with the id or name {ref!r}",
+                       hint=f"list them with `moorage checkpoints list {agent} {user}`")
+    return ref  # perhaps the id of one older than the listing: the server says
+
+
+def _act(agent: str, user: str, ref: str, act: Callable[[Any, str], Any]) -> Any:
+    """``act(client, checkpoint_id)`` on the checkpoint ``ref`` names (an id, or a unique name)."""
+    from moorage.cli.client import ApiError
+
+    checkpoint_id = _sdk(lambda c: _resolve(c, agent, user, ref))
+    try:
+        return _sdk(lambda c: act(c, checkpoint_id))
+    except ApiError as e:
+        if e.status != 404:
+            raise
+        # The server's hint names its HTTP route; here the way to see them is the CLI's.
+        raise NotFound(e.message, hint=f"list them with `moorage checkpoints list {agent} {user}`") from None
 
 
 @app.command("list")
@@ -73,8 +107,8 @@ def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name
 @app.command("rollback")
 @clear_errors
 def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> None:
-    """Roll USER's instance of AGENT back to CHECKPOINT (files, processes, memory, facts, journal)."""
-    out = _sdk(lambda c: c.rollback_checkpoint(agent, user, checkpoint))
+    """Roll USER's instance of AGENT back to CHECKPOINT, an id or a name (files, processes, memory, facts, journal)."""
+    out = _act(agent, user, checkpoint, lambda c, ck: c.rollback_checkpoint(agent, user, ck))
     if as_json:
         print(json.dumps(out, indent=2))
         return
@@ -87,8 +121,8 @@ def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> No
 def fork(agent: str, user: str, checkpoint: str,
          to: List[str] = typer.Option(..., "--to", help="A new end-user (repeat for several)."),
          as_json: bool = JSON) -> None:
-    """Fork USER's instance of AGENT at CHECKPOINT into new end-users."""
-    out = _sdk(lambda c: c.fork_checkpoint(agent, user, checkpoint, to))
+    """Fork USER's instance of AGENT at CHECKPOINT (an id or a name) into new end-users."""
+    out = _act(agent, user, checkpoint, lambda c, ck: c.fork_checkpoint(agent, user, ck, to))
     if as_json:
         print(json.dumps(out, indent=2))
         return

@@ -30,6 +30,10 @@ R = TypeVar("R")
 class ApiError(MoorageError):
     """The server answered with a problem; its message and hint are shown as they are."""
 
+    def __init__(self, message: str, *, status: int = 0, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
+
 
 def _client(cfg: Config) -> Client:
     url = cfg.api_url or f"http://{cfg.host}:{cfg.port}"
@@ -51,7 +55,7 @@ def _translated() -> Iterator[None]:
         if e.code == "unreachable":
             raise ConfigError(f"cannot reach the moorage server: {e.detail}",
                               hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
-        raise ApiError(f"{e.status}: {e.detail}", hint=e.hint) from e
+        raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=e.hint) from e
 
 
 def sdk(cfg: Config, use: Callable[[Client], R]) -> R:

@@ -1,0 +1,63 @@
+"""CLI client commands run in-process against a real server over the real runtime (process sandboxes, SQLite).
+
+Each command runs in a thread: the server and its runtime live on the test's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from click.testing import Result
+from typer.testing import CliRunner
+
+from moorage import AsyncClient
+from moorage.cli.main import app
+from moorage.store import Store
+from moorage.store.sqlite import SQLiteBackend
+from tests.api.conftest import acme, agent_archive, live_rt, runtime  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """The CLI is the subject here, not the backend: one store, SQLite."""
+    s = Store(SQLiteBackend(tmp_path / "store"), max_value_bytes=64 * 1024)
+    yield s
+    s.close()
+
+
+async def moorage(live: Any, key: str, *args: str) -> Result:
+    env = {"MOORAGE_API_URL": live.url, "MOORAGE_API_KEY": key, "MOORAGE_DATA_DIR": str(live.data_dir)}
+    return await asyncio.to_thread(CliRunner().invoke, app, list(args), env=env)
+
+
+async def test_checkpoints_rollback_and_fork_take_a_unique_name(live_rt, acme) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+        await sdk.invoke("echo", "one", user="ann")
+        first = await sdk.take_checkpoint("echo", "ann", name="before")
+        await sdk.invoke("echo", "two", user="ann")
+        twice = [(await sdk.take_checkpoint("echo", "ann", name="twice"))["id"] for _ in range(2)]
+
+    back = await moorage(live_rt, acme, "checkpoints", "rollback", "echo", "ann", "before", "--json")
+    assert back.exit_code == 0, back.output
+    assert json.loads(back.stdout)["rolled_back_to"] == first["id"]
+
+    forked = await moorage(live_rt, acme, "checkpoints", "fork", "echo", "ann", "before", "--to", "bob", "--json")
+    assert forked.exit_code == 0, forked.output
+    assert [f["user"] for f in json.loads(forked.stdout)["forks"]] == ["bob"]
+
+    # A name two checkpoints share: refused, naming both ids; nothing rolled back.
+    ambiguous = await moorage(live_rt, acme, "checkpoints", "rollback", "echo", "ann", "twice")
+    said = " ".join(ambiguous.output.split())
+    assert ambiguous.exit_code == 2 and "2 checkpoints" in said and all(i in said for i in twice), said
+    assert "Traceback" not in said
+
+    # Neither an id nor a name: the hint is the command that lists them, not an HTTP route.
+    for cmd in (["rollback", "echo", "ann", "nothing-by-that-name"], ["fork", "echo", "ann", "nope", "--to", "cy"]):
+        missing = await moorage(live_rt, acme, "checkpoints", *cmd)
+        said = " ".join(missing.output.split())
+        assert missing.exit_code == 2 and "moorage checkpoints list echo ann" in said and "/v1/" not in said, said
