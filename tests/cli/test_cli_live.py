@@ -61,3 +61,37 @@ async def test_checkpoints_rollback_and_fork_take_a_unique_name(live_rt, acme) -
         missing = await moorage(live_rt, acme, "checkpoints", *cmd)
         said = " ".join(missing.output.split())
         assert missing.exit_code == 2 and "moorage checkpoints list echo ann" in said and "/v1/" not in said, said
+
+
+def app_archive(tmp: Path, name: str) -> bytes:
+    """An agent that declares an app port (a share link needs one; nothing here opens the app)."""
+    import io
+    import tarfile
+
+    root = tmp / f"app-src-{name}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\nports = [8080]\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text("async def on_message(ctx, message):\n    return message\n")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+async def test_share_list_prints_utc_times_and_its_json_keeps_the_numbers(live_rt, acme) -> None:  # noqa: F811
+    import time
+
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("web", app_archive(live_rt.data_dir.parent, "web"))
+        await sdk.put_user("web", "ada")
+    made = await moorage(live_rt, acme, "share", "web", "ada", "--ttl", "1h", "--label", "review")
+    assert made.exit_code == 0, made.output
+    raw = await moorage(live_rt, acme, "share", "web", "ada", "--list", "--json")
+    (link,) = json.loads(raw.stdout)
+    assert isinstance(link["expires_at"], (int, float))
+    shown = await moorage(live_rt, acme, "share", "web", "ada", "--list")
+    assert shown.exit_code == 0, shown.output
+    readable = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(link["expires_at"]))
+    assert readable in shown.stdout and str(int(link["expires_at"])) not in shown.stdout, shown.stdout

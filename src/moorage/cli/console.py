@@ -3,6 +3,8 @@ default: tables hold ids that are copied into the next command."""
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.table import Column, Table
 
@@ -30,3 +32,8 @@ def print_table(console: Console, table: Table) -> None:
         if isinstance(column, IdColumn):
             column.min_width = max([len(str(cell)) for cell in column.cells] + [len(str(column.header))])
     console.print(table)
+
+
+def utc(ts: float | None) -> str:
+    """An epoch time as a person reads it, in UTC (``--json`` keeps the number); ``None`` as nothing."""
+    return "" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(ts)))

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import typer
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console, print_table
+from moorage.cli.console import id_column, make_console, print_table, utc
 from moorage.errors import InvalidInput
 
 console = make_console()
@@ -52,9 +52,9 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
             if as_json:
                 print(json.dumps(rows, indent=2))
                 return
-            table = Table(id_column("id"), "label", "expires_at", "revoked_at")
+            table = Table(id_column("id"), "label", "expires", "revoked")
             for r in rows:
-                table.add_row(r["id"], r["label"], str(r["expires_at"]), str(r["revoked_at"] or ""))
+                table.add_row(r["id"], r["label"], utc(r["expires_at"]), utc(r["revoked_at"]))
             print_table(console, table)
             return
         out = call(cfg, "POST", base, json={"ttl_s": parse_ttl(ttl), "label": label})
