@@ -27,7 +27,7 @@ from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
 from moorage.runtime.app_proxy import (_DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, AppUnavailable, app_of,
                                        open_connection)
-from moorage.sandbox import ChannelError, RemoteError
+from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
 from moorage.store import TenantStore
 from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
 
@@ -36,6 +36,8 @@ log = get_logger(__name__)
 #: The guest drops a socket's connection when the host has not asked for its bytes for this long: the host keeps a
 #: read waiting at all times (each waits at most 25 s in the guest), so only a host that went away stops asking.
 GUEST_IDLE_S = 60
+#: Longest one channel call waits for the guest (its ``app.read`` answers within 25 s, with bytes or without).
+READ_CALL_S = 35.0
 #: The caller's handshake headers the app never sees besides the HTTP ones: the host makes its own handshake.
 _DROP_HANDSHAKE = _DROP_REQUEST | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                                    "sec-websocket-protocol", "sec-websocket-accept"}
@@ -98,6 +100,11 @@ class _Asleep(Exception):
     """The instance went to sleep (or its channel closed) under the socket."""
 
 
+def _too_slow() -> AppUnavailable:
+    return AppUnavailable("the agent's app took too long to answer the WebSocket handshake",
+                          hint="make the app answer sooner, or raise app_timeout_s")
+
+
 class _GuestConnection:
     """One relayed connection to the app's port: bytes written in frames, bytes pulled one chunk at a time."""
 
@@ -116,10 +123,17 @@ class _GuestConnection:
     async def read(self, until: float | None = None) -> bytes | None:
         """The app's next bytes (None at its end of stream), waiting for them until ``until`` (or for ever)."""
         while True:
-            if until is not None and time.monotonic() >= until:
-                raise AppUnavailable("the agent's app took too long to answer the WebSocket handshake",
-                                     hint="make the app answer sooner")
-            got = await self._call("app.read", {"conn": self.conn_id, "max": READ_CHUNK})
+            # The guest answers an empty read only after waiting up to 25 s: a deadline sooner than that ends the
+            # call itself (its cancel frees the guest's read), so an app that never answers costs app_timeout_s.
+            left = READ_CALL_S if until is None else until - time.monotonic()
+            if left <= 0:
+                raise _too_slow()
+            try:
+                got = await self._call("app.read", {"conn": self.conn_id, "max": READ_CHUNK}, min(left, READ_CALL_S))
+            except _Asleep as e:
+                if until is not None and isinstance(e.__cause__, ChannelTimeout):
+                    raise _too_slow() from None
+                raise
             data = base64.b64decode(got.get("data") or "") if isinstance(got, dict) else b""
             if data:
                 return data
@@ -127,9 +141,9 @@ class _GuestConnection:
                 return None
             # An empty read without eof: the guest waited its longest for the app; ask again.
 
-    async def _call(self, method: str, params: dict[str, Any]) -> Any:
+    async def _call(self, method: str, params: dict[str, Any], timeout: float = READ_CALL_S) -> Any:
         try:
-            return await self.channel.call(method, params, timeout=35.0)
+            return await self.channel.call(method, params, timeout=timeout)
         except RemoteError:
             return {"data": "", "eof": True}  # the guest no longer has the connection: the app's end of stream
         except ChannelError as e:

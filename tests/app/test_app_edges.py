@@ -1,0 +1,213 @@
+"""An agent's app at its edges, on the process driver (nothing here is VM-specific): an app that never answers the
+WebSocket upgrade, close reasons at their longest, fragmented messages, and what a page's scripts need over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from moorage.api import create_app
+from moorage.config import Config
+from moorage.lifecycle.manager import InstanceManager
+from moorage.llm import gateway_from_config
+from moorage.runtime.runtime import Runtime
+from moorage.store import open_store
+from tests.api.conftest import free_port
+from tests.conftest import stop_all_sandboxes
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+APP_TIMEOUT_S = 3
+
+# A stdlib server on the app's port: plain HTTP answers what it was asked (as JSON), a WebSocket echoes and obeys a
+# few commands, and /silent takes the connection and never answers.
+AGENT = r'''
+import base64, hashlib, json, socketserver, struct, threading, time
+
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+LAST = {}
+
+
+class Handler(socketserver.StreamRequestHandler):
+    def handle(self):
+        line = self.rfile.readline(65537).decode("latin-1")
+        if not line:
+            return
+        method, target, _ = line.split(" ", 2)
+        headers = {}
+        while True:
+            h = self.rfile.readline(65537).decode("latin-1")
+            if h in ("\r\n", "\n", ""):
+                break
+            k, _, v = h.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if target.startswith("/silent"):
+            time.sleep(600)
+            return
+        if headers.get("upgrade", "").lower() != "websocket":
+            body = json.dumps({"method": method, "path": target}).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Access-Control-Allow-Origin: *\r\nAccess-Control-Allow-Methods: GET, POST\r\n"
+                             b"Access-Control-Allow-Headers: content-type\r\n"
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            return
+        accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest())
+        self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                         b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        self.wfile.flush()
+        self.serve_socket()
+
+    def frame(self, opcode, data, fin=True):
+        n, b0 = len(data), (0x80 if fin else 0) | opcode
+        head = struct.pack("!BB", b0, n) if n < 126 else struct.pack("!BBH", b0, 126, n)
+        self.wfile.write(head + data)
+        self.wfile.flush()
+
+    def read_frame(self):
+        head = self.rfile.read(2)
+        if len(head) < 2:
+            return None, b""
+        opcode, n = head[0] & 0x0F, head[1] & 0x7F
+        if n == 126:
+            n = struct.unpack("!H", self.rfile.read(2))[0]
+        elif n == 127:
+            n = struct.unpack("!Q", self.rfile.read(8))[0]
+        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
+        return opcode, bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(n)))
+
+    def serve_socket(self):
+        while True:
+            opcode, data = self.read_frame()
+            if opcode is None:
+                return
+            if opcode == 8:
+                LAST["close"] = [struct.unpack("!H", data[:2])[0], data[2:].decode()]
+                self.frame(8, data[:2])
+                return
+            if opcode == 10:
+                LAST["pong"] = data.decode()
+            elif opcode == 1 and data == b"last":
+                self.frame(1, json.dumps(LAST).encode())
+            elif opcode == 1 and data.startswith(b"close "):  # close with this reason
+                self.frame(8, struct.pack("!H", 4000) + data[6:])
+                self.read_frame()
+                return
+            elif opcode == 1 and data == b"fragments":  # one message in three frames, a ping between them
+                self.frame(1, b"ab", fin=False)
+                self.frame(9, b"app-ping")
+                self.frame(0, b"cd", fin=False)
+                self.frame(0, b"ef")
+            elif opcode in (1, 2):
+                self.frame(opcode, data)
+
+
+class Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+
+
+def _serve():
+    try:
+        Server(("127.0.0.1", 8080), Handler).serve_forever()
+    except OSError:
+        pass  # loaded again in the same sandbox: the first server keeps serving
+
+
+threading.Thread(target=_serve, daemon=True).start()
+
+
+async def on_message(ctx, message):
+    return "ok"
+'''
+
+
+def _archive(tmp: Path) -> bytes:
+    root = tmp / "edge"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text('[agent]\nname = "edge"\nentry = "agent.py"\nports = [8080]\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(textwrap.dedent(AGENT))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+class World:
+    http: str
+    ws: str
+    acme: str
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+    from tests.sandbox.conftest import DRIVER_FACTORIES
+
+    tmp = tmp_path_factory.mktemp("app-edges")
+    cfg = Config(data_dir=tmp / "data", sandbox_driver="process", app_timeout_s=APP_TIMEOUT_S)
+    store = open_store(cfg)
+    acme = store.operator.create_tenant("acme")[1].secret
+    driver = DRIVER_FACTORIES["process"](cfg.sandboxes_dir, cfg)
+    manager = InstanceManager(store, driver)
+    await manager.start()
+    rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)
+    port = free_port()
+    # As `moorage up` runs it (cli/up.py).
+    server = uvicorn.Server(uvicorn.Config(create_app(rt, cfg), host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off", ws_max_size=cfg.app_ws_max_message_bytes))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    w = World()
+    w.http, w.ws, w.acme = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", acme
+    async with httpx.AsyncClient(base_url=w.http, headers={"Authorization": f"Bearer {acme}"}, timeout=300) as c:
+        r = await c.post("/v1/agents/edge/deployments", content=_archive(tmp), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/agents/edge/invoke", json={"message": "hi", "user": "ada"})
+        assert r.json()["reply"] == "ok", r.text
+    try:
+        yield w
+    finally:
+        server.should_exit = True
+        await task
+        await rt.aclose()
+        await manager.close()
+        await stop_all_sandboxes(driver)
+        await driver.close()
+        store.close()
+
+
+def owner(w: World, path: str) -> Any:
+    return connect(f"{w.ws}/v1/agents/edge/users/ada/app/{path}", additional_headers={"Authorization": f"Bearer {w.acme}"},
+                   open_timeout=120)
+
+
+async def test_an_app_that_never_answers_the_upgrade_is_a_502_after_app_timeout_s(world: World) -> None:
+    started = time.monotonic()
+    with pytest.raises(InvalidStatus) as e:
+        async with owner(world, "silent"):
+            pass
+    took = time.monotonic() - started
+    assert e.value.response.status_code == 502
+    assert "took too long" in json.loads(e.value.response.body)["detail"]
+    # app_timeout_s, not the guest relay's own 25 s wait for bytes.
+    assert took < APP_TIMEOUT_S + 4, f"the refusal took {took:.1f}s"
+    async with owner(world, "ws") as ws:  # nothing was left holding the instance
+        await ws.send("x")
+        assert await ws.recv() == "x"
