@@ -7,48 +7,15 @@ Shapes of the answers are in ``moorage.client.types``; every route is described 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
-from urllib.parse import quote
 
 from moorage.client import types as T
-from moorage.client.errors import InvalidArgument
+from moorage.client._api_reach import ReachApi
+from moorage.client._request import Request, _idem, _p, _page
 
 #: Statuses an execution never leaves (``timed_out`` and ``interrupted`` are an exec's only).
 TERMINAL = ("succeeded", "failed", "cancelled", "timed_out", "interrupted")
-
-
-@dataclass(frozen=True)
-class Request:
-    method: str
-    path: str
-    params: dict[str, Any] = field(default_factory=dict)
-    json: Any = None
-    content: bytes | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def _p(value: str) -> str:
-    """One path segment: quoted whole, so an id can never reach another route (``/``, ``?``, ``#``); an empty
-    one, ``.`` or ``..`` (which URL rules resolve away) is refused before anything is sent."""
-    text = str(value)
-    if text in ("", ".", ".."):
-        raise InvalidArgument(f"{text!r} is not a valid id", hint="ids are letters, digits, '.', '_' and '-'")
-    return quote(text, safe="")
-
-
-def _page(limit: int | None, cursor: str | None, **extra: Any) -> dict[str, Any]:
-    params = {k: v for k, v in extra.items() if v is not None}
-    if limit is not None:
-        params["limit"] = limit
-    if cursor is not None:
-        params["cursor"] = cursor
-    return params
-
-
-def _idem(key: str | None) -> dict[str, str]:
-    return {"Idempotency-Key": key} if key else {}
 
 
 def _archive(source: bytes | str | Path) -> bytes:
@@ -71,8 +38,8 @@ def _archive(source: bytes | str | Path) -> bytes:
     return buf.getvalue()
 
 
-class Api(ABC):
-    """Typed methods for the public routes. ``_send`` is supplied by ``Client`` / ``AsyncClient``."""
+class Api(ReachApi, ABC):
+    """Typed methods for the public routes (those for secrets, share links and the fleet in ``ReachApi``). ``_send`` is supplied by ``Client`` / ``AsyncClient``."""
 
     @abstractmethod
     def _send(self, req: Request) -> Any:

@@ -166,3 +166,26 @@ class Usage(TypedDict):
 class StreamEvent(TypedDict):
     event: str  # token | tool | event | done | error
     data: Any
+
+
+class Secret(TypedDict, total=False):
+    agent: str
+    #: None: the agent's secret; else the end-user whose own it is.
+    user: str | None
+    name: str
+    version: int
+    created_at: float
+    updated_at: float
+
+
+class ShareLink(TypedDict, total=False):
+    id: str
+    agent: str
+    user: str
+    label: str
+    created_at: float
+    expires_at: float
+    revoked_at: float | None
+    #: Only in the answer that created it: the link's token and its path on the server (``/v1/shared/TOKEN/``).
+    token: str
+    url: str
