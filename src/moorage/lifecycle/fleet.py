@@ -52,6 +52,16 @@ def placement(fleet: "FleetMember", rec: SandboxRecord) -> str:
     return "forward"
 
 
+def disk_holder(fleet: "FleetMember", rec: SandboxRecord) -> str | None:
+    """The live host other than this one whose disk holds the instance's newest copy (the one its record names),
+    or None when that is this host or a dead one. A read of the instance's disk (its checkpoints' sandbox halves)
+    is answered there: another host's copy, if any, may be an older one. Blocking."""
+    if rec.host in (None, fleet.host_id):
+        return None
+    owner = fleet.host(rec.host)
+    return rec.host if owner is not None and owner.alive(fleet.lease_ttl_s) else None
+
+
 class FleetDuties:
     """The fleet half of ``InstanceManager`` (a mixin: it uses the manager's state, listed below)."""
 

@@ -462,6 +462,9 @@ class TimeTravel:
         rec = await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, user))
         if rec is None:
             return None, None
+        fleet = getattr(self.rt.instances, "fleet", None)
+        if fleet is not None and rec.host not in (None, fleet.host_id):
+            return rec.id, None  # its newest copy is on another host's disk (a copy here may be an older one)
         try:
             sandbox = await self.rt.driver.open(rec.id)
             return rec.id, {c.name: c.bytes for c in await sandbox.checkpoints()}

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from moorage.api import schemas as S
 from moorage.api.routes._common import LIMIT
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import InvalidInput
+from moorage.fleet.forward import forwarded
+from moorage.lifecycle import fleet as fleet_rules
+from moorage.lifecycle.manager import Misplaced
+from moorage.store import Scope
 from moorage.store.model import check_id
 from moorage.timetravel import checkpoint_view
 
@@ -39,6 +45,17 @@ def _who(call: Call) -> tuple[str, str]:
     return check_id(call.path["agent"], "agent name"), check_id(call.path["user"], "user id")
 
 
+async def _forward_to_disk_holder(call: Call, agent: str, user: str) -> None:
+    """In a fleet, the listing is answered by the host whose disk holds the instance's newest copy (awake there,
+    or asleep since it was last there), so ``restorable`` is the same through every host (docs/fleet.md)."""
+    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
+    if fleet is None or forwarded.get():
+        return
+    rec = await run_in_threadpool(call.tenant.sandboxes.for_scope, Scope.for_user(agent, user))
+    if rec is not None and await run_in_threadpool(fleet_rules.disk_holder, fleet, rec) is not None:
+        raise Misplaced(rec)
+
+
 def _limit(call: Call) -> int:
     raw = call.query("limit")
     if raw is None:
@@ -50,6 +67,7 @@ def _limit(call: Call) -> int:
 
 async def list_checkpoints(call: Call) -> dict[str, Any]:
     agent, user = _who(call)
+    await _forward_to_disk_holder(call, agent, user)
     return await call.runtime.timetravel.list(call.who, agent, user, limit=_limit(call))
 
 

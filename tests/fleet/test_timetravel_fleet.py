@@ -1,0 +1,101 @@
+"""Time travel in a fleet (process driver): checkpoints listed, rolled back to and forked through any host, after
+the instance moved hosts, and after its host died.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from tests.fleet.harness import Fleet, until
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket) -> Iterator[Fleet]:  # noqa: ANN001
+    base = tmp_path_factory.mktemp("ttfleet")
+    f = Fleet(base, pg_cluster.create_database("ttfleet"), seaweedfs.settings(s3_bucket, f"fleet-{base.name}"))
+    try:
+        f.deploy()
+        yield f
+    finally:
+        f.close()
+
+
+def _ok(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["reply"]
+
+
+def _sleep(f: Fleet, user: str, via: int = 0) -> None:
+    sid = f.records()[user].id
+    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
+    assert r.status_code == 200 and r.json()["slept"] is True, r.text
+
+
+def _listing(f: Fleet, via: int, user: str) -> dict[str, Any]:
+    r = f.api[via].get(f"/v1/agents/echo/users/{user}/checkpoints")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _turns(listing: dict[str, Any]) -> dict[str, str]:
+    """message of each turn checkpoint -> its id."""
+    return {c["summary"]["turn"]["reply"]: c["id"] for c in listing["data"] if c["kind"] == "turn"}
+
+
+def test_every_host_lists_an_awake_instances_checkpoints_as_its_owner_does(fleet: Fleet) -> None:
+    for _ in range(3):
+        _ok(fleet.turn(0, "lis"))
+    views = [_listing(fleet, i, "lis") for i in range(3)]
+    owner = {c["id"]: c["restorable"] for c in views[0]["data"]}
+    assert set(owner.values()) == {True}, views[0]
+    for v in views[1:]:
+        assert {c["id"]: c["restorable"] for c in v["data"]} == owner, v
+    # Asleep since, then awake on h2: h1's copy is an older one, which must not answer for the instance.
+    _sleep(fleet, "lis")
+    assert _ok(fleet.turn(1, "lis")) == "4: hi"
+    views = [_listing(fleet, i, "lis") for i in range(3)]
+    assert len(views[1]["data"]) == 4 and {c["restorable"] for c in views[1]["data"]} == {True}, views[1]
+    for v in (views[0], views[2]):
+        assert {c["id"]: c["restorable"] for c in v["data"]} == {c["id"]: True for c in views[1]["data"]}, v
+
+
+def test_a_rollback_through_another_host_and_after_the_instance_moved(fleet: Fleet) -> None:
+    for _ in range(3):
+        _ok(fleet.turn(0, "mv"))
+    ids = _turns(_listing(fleet, 0, "mv"))
+    r = fleet.api[1].post(f"/v1/agents/echo/users/mv/checkpoints/{ids['2: hi']}/rollback", json={})
+    assert r.status_code == 200, r.text
+    assert _ok(fleet.turn(2, "mv")) == "3: hi"
+    _sleep(fleet, "mv")
+    assert _ok(fleet.turn(1, "mv")) == "4: hi"       # woken on h2 from the object store
+    assert fleet.records()["mv"].host == "h2"
+    listing = _listing(fleet, 0, "mv")
+    ids = _turns(listing)
+    # a checkpoint taken on h1 rolls back on h2
+    r = fleet.api[0].post(f"/v1/agents/echo/users/mv/checkpoints/{ids['1: hi']}/rollback", json={})
+    assert r.status_code == 200, r.text
+    assert _ok(fleet.turn(0, "mv")) == "2: hi"
+    # the abandoned branch's tip (taken on h2) is listed and restorable from h1
+    listing = _listing(fleet, 0, "mv")
+    tips = [b["tip"] for b in listing["branches"] if not b["current"]]
+    assert tips
+    r = fleet.api[2].post(f"/v1/agents/echo/users/mv/checkpoints/{tips[-1]}/rollback", json={})
+    assert r.status_code == 200, r.text
+
+
+def test_a_fan_out_fork_of_an_instance_asleep_on_another_host(fleet: Fleet) -> None:
+    for _ in range(2):
+        _ok(fleet.turn(0, "src"))
+    _sleep(fleet, "src")
+    ids = _turns(_listing(fleet, 2, "src"))
+    r = fleet.api[2].post(f"/v1/agents/echo/users/src/checkpoints/{ids['1: hi']}/fork",
+                          json={"to_users": ["f1", "f2", "f3"]})
+    assert r.status_code == 201, r.text
+    for i, u in enumerate(("f1", "f2", "f3")):
+        assert _ok(fleet.turn(i, u)) == "2: hi"
+    assert _ok(fleet.turn(1, "src")) == "3: hi"
