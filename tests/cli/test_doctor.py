@@ -11,6 +11,9 @@ from pathlib import Path
 
 def test_doctor_reports_every_check(tmp_path: Path) -> None:
     env = {**os.environ, "MOORAGE_DATA_DIR": str(tmp_path / "data")}
+    made = subprocess.run([sys.executable, "-m", "moorage.cli.main", "store", "migrate"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
     r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=900)
     checks = {c["name"]: c for c in json.loads(r.stdout)}
@@ -37,3 +40,21 @@ def test_doctor_reports_an_unreachable_store_with_a_fix(tmp_path: Path) -> None:
     store = {c["name"]: c for c in json.loads(r.stdout)}["store"]
     assert not store["ok"] and "MOORAGE_STORE_URL" in store["fix"]
     assert r.returncode == 1
+
+
+def test_doctor_and_store_tenants_leave_a_fresh_data_dir_empty(tmp_path: Path) -> None:
+    for data in (tmp_path / "absent", tmp_path / "empty"):
+        if data.name == "empty":
+            data.mkdir()
+        env = {**os.environ, "MOORAGE_DATA_DIR": str(data)}
+        r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env,
+                           capture_output=True, text=True, timeout=900)
+        store = {c["name"]: c for c in json.loads(r.stdout)}["store"]
+        assert store["ok"] and f"no store yet at {data / 'store'}" in store["detail"], store
+        assert "`moorage up`" in store["detail"]
+        for args in (["store", "tenants"], ["store", "tenants", "--json"]):
+            t = subprocess.run([sys.executable, "-m", "moorage.cli.main", *args], env=env, capture_output=True,
+                               text=True, timeout=300)
+            assert t.returncode == 0 and "no store yet" in t.stderr and "`moorage up`" in t.stderr, t
+        assert json.loads(t.stdout) == []
+        assert (sorted(data.iterdir()) if data.exists() else None) == ([] if data.name == "empty" else None)

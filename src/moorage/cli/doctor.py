@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from moorage.config import Config
@@ -38,9 +39,16 @@ def check_qemu(cfg: Config) -> Check:
 def check_kvm(cfg: Config) -> Check:
     if not os.path.exists("/dev/kvm"):
         return Check("kvm", False, "/dev/kvm absent: micro-VMs run under TCG (slower)", "enable virtualization / load kvm module", optional=True)
+    import tempfile
+
     from moorage.sandbox.accel import probe_kvm
 
-    res = probe_kvm(cfg)
+    if fresh(cfg):
+        # The probe keeps its kernel and verdict under the data directory: a fresh one stays as it was.
+        with tempfile.TemporaryDirectory(prefix="moorage-doctor-") as scratch:
+            res = probe_kvm(cfg.with_(data_dir=Path(scratch)), use_cache=False)
+    else:
+        res = probe_kvm(cfg)
     if res.usable:
         return Check("kvm", True, f"KVM boots a guest ({res.detail})")
     return Check("kvm", False, f"/dev/kvm opens but {res.detail}; micro-VMs use TCG", res.fix, optional=True)
@@ -69,7 +77,12 @@ def check_disk(cfg: Config) -> Check:
 
 
 def check_store(cfg: Config) -> Check:
+    from moorage.cli.store import NO_STORE_HINT, store_missing
     from moorage.store import open_store
+
+    missing = store_missing(cfg)
+    if missing is not None:  # nothing wrong on a new host: said, and not made here
+        return Check("store", True, f"no store yet at {missing} ({NO_STORE_HINT})")
 
     try:
         store = open_store(cfg)
@@ -83,6 +96,11 @@ def check_store(cfg: Config) -> Check:
 
 
 CHECKS: list[Callable[[Config], Check]] = [check_qemu, check_kvm, check_bubblewrap, check_disk, check_store]
+
+
+def fresh(cfg: Config) -> bool:
+    """Whether the data directory is missing or empty: doctor then leaves it so."""
+    return not cfg.data_dir.is_dir() or not any(cfg.data_dir.iterdir())
 
 
 def run_checks(cfg: Config) -> list[Check]:

@@ -175,4 +175,7 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    run()
+    # `python -m moorage.cli.main`: run the module's importable copy, whose `state` the sub-command groups read.
+    from moorage.cli.main import run as _run
+
+    _run()

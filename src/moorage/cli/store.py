@@ -6,13 +6,30 @@ Creating tenants, migrating, sweeping expired data: things an operator does with
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 from moorage.cli.console import make_console
+from moorage.config import Config
 
 console = make_console()
+err_console = make_console(stderr=True)
 app = typer.Typer(no_args_is_help=True, help="Operator commands for the durable store.")
+#: How a host gets its store: what a command that only reads says when there is none yet.
+NO_STORE_HINT = "`moorage up` makes it with a local tenant, `moorage store migrate` makes it empty"
+
+
+def store_missing(cfg: Config) -> Optional[Path]:
+    """Where the embedded (SQLite) store would be, when it has not been made yet; None when it exists or the store
+    is a server's (PostgreSQL). Commands that only read check this first: opening a store makes one."""
+    url = cfg.store_url
+    if url not in ("sqlite", "") and not url.startswith("sqlite:"):
+        return None
+    path = url.removeprefix("sqlite:").removeprefix("//") if url.startswith("sqlite:") else ""
+    root = Path(path) if path else cfg.data_dir / "store"  # as moorage.store.open_backend places it
+    return None if (root / "control.db").exists() else root
 
 
 def _store():  # type: ignore[no-untyped-def]
@@ -22,9 +39,21 @@ def _store():  # type: ignore[no-untyped-def]
     return open_store(state.cfg)
 
 
+def _existing() -> bool:
+    """False, having said there is no store yet and how to make one, where there is none."""
+    from moorage.cli.main import state
+
+    missing = store_missing(state.cfg)
+    if missing is not None:
+        err_console.print(f"no store yet at {missing} ({NO_STORE_HINT})", highlight=False, soft_wrap=True)
+    return missing is None
+
+
 @app.command()
 def info() -> None:
     """Which backend and schema version this host's store runs."""
+    if not _existing():
+        return
     with _store() as s:
         console.print(s.describe())
         console.print(f"control schema v{s.backend.schema_version()}")
@@ -40,6 +69,8 @@ def migrate() -> None:
 @app.command()
 def sweep() -> None:
     """Delete data whose retention TTL has passed, in every tenant."""
+    if not _existing():
+        return
     with _store() as s:
         rep = s.operator.sweep_all()
     console.print(f"swept {rep.scopes} expired scopes ({rep.rows} rows)")
@@ -59,8 +90,11 @@ def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> N
 @app.command("tenants")
 def tenants(as_json: bool = typer.Option(False, "--json")) -> None:
     """List tenants."""
-    with _store() as s:
-        ts = s.operator.list_tenants()
+    if not _existing():
+        ts = []
+    else:
+        with _store() as s:
+            ts = s.operator.list_tenants()
     if as_json:
         print(json.dumps([{"id": t.id, "name": t.name, "created_at": t.created_at} for t in ts]))
     else:
