@@ -211,3 +211,22 @@ async def test_an_app_that_never_answers_the_upgrade_is_a_502_after_app_timeout_
     async with owner(world, "ws") as ws:  # nothing was left holding the instance
         await ws.send("x")
         assert await ws.recv() == "x"
+
+
+async def test_closes_keep_their_whole_reason_and_fragmented_messages_arrive_whole(world: World) -> None:
+    longest = "r" * 123  # the most a close frame can carry
+    async with owner(world, "ws") as ws:
+        await ws.send("fragments")
+        assert await ws.recv() == "abcdef"  # the app's ping between the fragments was answered, not relayed
+        await ws.send("last")
+        assert json.loads(await ws.recv())["pong"] == "app-ping"
+        await ws.send("close " + longest)
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(ws.recv(), 30)
+        assert e.value.rcvd is not None and (e.value.rcvd.code, e.value.rcvd.reason) == (4000, longest)
+    reason = "é" * 61  # 122 bytes
+    async with owner(world, "ws") as ws:
+        await ws.close(4001, reason)
+    async with owner(world, "ws") as ws:
+        await ws.send("last")
+        assert json.loads(await ws.recv())["close"] == [4001, reason]

@@ -192,7 +192,8 @@ class _Caller:
             await self.ws.send_bytes(message)
 
     async def close(self, code: int, reason: str) -> None:
-        await self.ws.close(code, reason[:120])
+        # A close reason is at most 123 bytes of UTF-8: the app's passes whole, a longer one is cut at a character.
+        await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))
 
 
 async def _socket(ws: WebSocket, shared: bool) -> None:
