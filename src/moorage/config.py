@@ -16,8 +16,9 @@ from typing import Any, Mapping
 from moorage.errors import ConfigError
 
 
-def _default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+def _default_data_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$XDG_DATA_HOME/moorage``, or ``~/.local/share/moorage`` where XDG_DATA_HOME is unset or empty."""
+    base = (os.environ if env is None else env).get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "moorage"
 
 
@@ -301,6 +302,7 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
     for k, v in overrides.items():
         if v is not None:
             values[k] = _coerce(k, v, types[k])
+    values.setdefault("data_dir", _default_data_dir(env))  # from the environment load() was given
     _check_numbers(values)
     _check_words(values)
     if isinstance(values.get("log_level"), str):

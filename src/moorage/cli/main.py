@@ -32,7 +32,8 @@ state = State()
 @app.callback()
 def _main(
     config: Optional[Path] = typer.Option(None, "--config", help="Path to moorage.toml (settings under a \\[moorage] table)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Data directory (default ~/.local/share/moorage)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Data directory (default: $XDG_DATA_HOME/moorage, or ~/.local/share/moorage "
+                                                        "where XDG_DATA_HOME is unset; MOORAGE_DATA_DIR sets it too)."),
     log_level: Optional[str] = typer.Option(None, "--log-level"),
 ) -> None:
     state.cfg = config_mod.load(config, data_dir=data_dir, log_level=log_level)
