@@ -230,3 +230,21 @@ async def test_closes_keep_their_whole_reason_and_fragmented_messages_arrive_who
     async with owner(world, "ws") as ws:
         await ws.send("last")
         assert json.loads(await ws.recv())["close"] == [4001, reason]
+
+
+async def test_a_shared_pages_scripts_can_call_the_app_cross_origin(world: World) -> None:
+    # The app's pages run in an opaque origin (the sandbox CSP), so a browser sends their fetches with
+    # `Origin: null` and, for a JSON POST, asks first with a preflight OPTIONS: the app answers both.
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        link = (await c.post("/v1/agents/edge/users/ada/share-links", json={"ttl_s": 600})).json()
+    async with httpx.AsyncClient(base_url=world.http, timeout=60) as browser:
+        r = await browser.options(link["url"] + "api/items?x=1", headers={
+            "Origin": "null", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"method": "OPTIONS", "path": "/api/items?x=1"}
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.headers["access-control-allow-headers"] == "content-type"
+        r = await browser.post(link["url"] + "api/items", json={"name": "x"}, headers={"Origin": "null"})
+        assert r.json() == {"method": "POST", "path": "/api/items"} and r.headers["access-control-allow-origin"] == "*"
+    async with httpx.AsyncClient(base_url=world.http) as anonymous:  # the owner's route still needs a key
+        assert (await anonymous.options("/v1/agents/edge/users/ada/app/api/items")).status_code == 401

@@ -29,7 +29,7 @@ from moorage.store.model import check_id
 
 #: Request bodies the app routes accept (the runtime's own cap, app_max_request_bytes, applies too).
 APP_BODY_LIMIT = 16 << 20
-APP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+APP_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _APP = "/v1/agents/{agent}/users/{user}/app"
 _SHARED = "/v1/shared/{token}"
 _LINKS = "/v1/agents/{agent}/users/{user}/share-links"
