@@ -95,3 +95,34 @@ async def test_share_list_prints_utc_times_and_its_json_keeps_the_numbers(live_r
     assert shown.exit_code == 0, shown.output
     readable = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(link["expires_at"]))
     assert readable in shown.stdout and str(int(link["expires_at"])) not in shown.stdout, shown.stdout
+
+
+async def test_submit_and_rollback_print_the_api_json(live_rt, acme) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        for version in ("", "2"):
+            await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent, version=version))
+    done = await moorage(live_rt, acme, "submit", "echo", "hi", "-u", "ann", "--wait", "--json")
+    assert done.exit_code == 0, done.output
+    ex = json.loads(done.stdout)
+    assert (ex["status"], ex["reply"], ex["user"]) == ("succeeded", "echo2: hi", "ann") and ex["id"]
+    queued = json.loads((await moorage(live_rt, acme, "submit", "echo", "again", "-u", "ann", "--json")).stdout)
+    assert queued["id"] and queued["id"] != ex["id"]
+    back = await moorage(live_rt, acme, "rollback", "echo", "--json")
+    assert back.exit_code == 0, back.output
+    assert json.loads(back.stdout)["number"] == 1
+
+
+async def test_memory_search_finds_a_sessions_turn_messages_and_prints_json(live_rt, acme, tmp_path) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+        await sdk.invoke("echo", "the heron nests by the weir", user="ann", session="s1")
+    # Operator access: the store itself (the `store` fixture's files are <tmp_path>/store, as a data dir's are).
+    env = {"MOORAGE_DATA_DIR": str(tmp_path)}
+    args = ["memory", "search", "heron", "--tenant", "acme", "--agent", "echo", "--user", "ann"]
+    found = await asyncio.to_thread(CliRunner().invoke, app, [*args, "--session", "s1", "--json"], env=env)
+    assert found.exit_code == 0, found.output
+    hits = json.loads(found.stdout)["data"]
+    assert hits and all(h["event"]["scope"].endswith("s1") for h in hits), hits
+    assert any("heron" in h["event"]["content"] for h in hits) and all("score" in h for h in hits)
+    table = await asyncio.to_thread(CliRunner().invoke, app, [*args, "-s", "s1"], env=env)
+    assert table.exit_code == 0 and "heron" in table.stdout, table.output

@@ -136,10 +136,11 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(d, True) if as_json else console.print(f"[green]deployed[/] {pkg.name} #{d['number']} ({d['id']})")
 
     @app.command()
-    def rollback(agent: str, number: Optional[int] = typer.Option(None, "--to", help="Deployment number (default: previous).")) -> None:
+    def rollback(agent: str, number: Optional[int] = typer.Option(None, "--to", help="Deployment number (default: previous)."),
+                 as_json: bool = typer.Option(False, "--json")) -> None:
         """Make an earlier deployment of an agent live again."""
         d = sdk(cfg_of(), lambda c: c.rollback(agent, number))
-        console.print(f"{agent} is now at deployment #{d['number']}")
+        _print(d, True) if as_json else console.print(f"{agent} is now at deployment #{d['number']}")
 
     @app.command()
     def invoke(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
@@ -151,13 +152,17 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def submit(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
                session: Optional[str] = typer.Option(None, "--session", "-s"),
-               wait: bool = typer.Option(False, "--wait", help="Wait for the execution to finish.")) -> None:
+               wait: bool = typer.Option(False, "--wait", help="Wait for the execution to finish."),
+               as_json: bool = typer.Option(False, "--json")) -> None:
         """Run one turn detached (an execution); print its id, or with --wait its outcome."""
         def go(c: Client) -> Any:
             ex = c.invoke_async(agent, message, user=user, session=session)
             return c.wait_execution(ex["id"]) if wait else ex
         r = sdk(cfg_of(), go)
-        console.print(escape(f"execution {r['id']}: {_outcome(r)}"), highlight=False, soft_wrap=True)
+        if as_json:
+            _print(r, True)
+        else:
+            console.print(escape(f"execution {r['id']}: {_outcome(r)}"), highlight=False, soft_wrap=True)
         if r["status"] in ("failed", "cancelled"):
             raise typer.Exit(1)
 

@@ -51,11 +51,16 @@ def build(
 
 
 @app.command("list")
-def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir")) -> None:
+def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
+                as_json: bool = typer.Option(False, "--json", help="Each image's manifest, with whether it is current.")) -> None:
     """Images in the cache; the one matching the current recipe and guest code is marked."""
     d = _images_dir(images_dir)
     current = ImageBuilder(d).image_id()
     found = sorted((p for p in d.glob("*/manifest.json")), key=lambda p: p.stat().st_mtime) if d.exists() else []
+    if as_json:
+        images = [GuestImage.load(m.parent) for m in found]
+        print(json.dumps([{**img.to_json(), "current": img.id == current} for img in images], indent=2))
+        return
     if not found:
         console.print(f"no images under {d}; run `moorage image build`")
         return

@@ -78,7 +78,13 @@ def eval_generate(
 
 def _tenant_store(tenant: str):  # noqa: ANN202 - returns (Store, TenantStore)
     from moorage.cli.main import state
+    from moorage.cli.store import NO_STORE_HINT, store_missing
+    from moorage.errors import NotFound
     from moorage.store import open_store
+
+    missing = store_missing(state.cfg)
+    if missing is not None:  # reading makes no store
+        raise NotFound(f"no store yet at {missing}, so no tenant {tenant!r}", hint=NO_STORE_HINT)
 
     store = open_store(state.cfg)
     t = store.operator.get_tenant(tenant)
@@ -124,16 +130,25 @@ def search(
     agent: str = typer.Option(..., "--agent"),
     user: str = typer.Option(..., "--user"),
     k: int = typer.Option(10, "-k", min=1, max=100),
+    session: Optional[str] = typer.Option(None, "--session", "-s",
+                                          help="Search this session's scope (its turn messages) instead of the user's."),
+    as_json: bool = typer.Option(False, "--json", help="The API's search result (GET …/events/search)."),
 ) -> None:
-    """Hybrid search of one user's episodic memory."""
+    """Hybrid search of one user's episodic memory (or of one session's)."""
+    from moorage.api import schemas as S
     from moorage.memory.episodic import EpisodicMemory
     from moorage.store import Scope
 
+    scope = Scope.session(agent, user, session) if session else Scope.for_user(agent, user)
     store, ts = _tenant_store(tenant)
     try:
-        hits = EpisodicMemory(ts).search(Scope.for_user(agent, user), query, k=k)
+        hits = EpisodicMemory(ts).search(scope, query, k=k)
     finally:
         store.close()
+    if as_json:
+        print(json.dumps({"data": [{"event": S.event(h.event), "score": h.score, "lexical_rank": h.lexical_rank,
+                                    "dense_rank": h.dense_rank} for h in hits]}, indent=2))
+        return
     table = Table("score", "lexical", "dense", "speaker", "content")
     for h in hits:
         table.add_row(f"{h.score:.3f}", str(h.lexical_rank or "-"), str(h.dense_rank or "-"), h.event.speaker or "",
