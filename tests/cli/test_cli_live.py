@@ -126,3 +126,20 @@ async def test_memory_search_finds_a_sessions_turn_messages_and_prints_json(live
     assert any("heron" in h["event"]["content"] for h in hits) and all("score" in h for h in hits)
     table = await asyncio.to_thread(CliRunner().invoke, app, [*args, "-s", "s1"], env=env)
     assert table.exit_code == 0 and "heron" in table.stdout, table.output
+
+
+async def test_agents_lists_the_deployed_agents_with_their_live_deployment(live_rt, acme) -> None:  # noqa: F811
+    none = await moorage(live_rt, acme, "agents")
+    assert none.exit_code == 0 and "no agents yet" in none.stdout and "moorage deploy" in none.stdout, none.output
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        for version in ("", "2"):
+            await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent, version=version))
+        await sdk.deploy("web", app_archive(live_rt.data_dir.parent, "web"))
+        await sdk.rollback("echo", 1)
+    listed = await moorage(live_rt, acme, "agents", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert sorted(a["name"] for a in json.loads(listed.stdout)["data"]) == ["echo", "web"]
+    table = await moorage(live_rt, acme, "agents")
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.stdout.splitlines() if line.startswith("│")]
+    rows = {c[0]: c[1:3] for c in cells}
+    assert rows == {"echo": ["#1", "2"], "web": ["#1", "1"]}, table.stdout

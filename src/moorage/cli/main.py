@@ -165,6 +165,10 @@ from moorage.cli import share as _share  # noqa: E402
 
 _share.register(app, lambda: state.cfg)
 
+from moorage.cli import agents as _agents  # noqa: E402
+
+_agents.register(app, lambda: state.cfg)
+
 
 def run() -> None:
     """Console entry point: turns moorage's typed errors into one clear line, not a traceback."""

@@ -1,0 +1,45 @@
+"""``moorage agents``: the tenant's deployed agents, each with its live deployment.
+
+Reads ``GET /v1/agents`` (and each agent's deployments, for the live one's number) through the SDK.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from moorage.cli.console import make_console, print_table, utc
+
+console = make_console()
+
+
+def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
+    """Attach ``moorage agents`` to the main app (``cfg_of()`` returns the loaded Config)."""
+
+    @app.command()
+    def agents(as_json: bool = typer.Option(False, "--json", help="The API's list (GET /v1/agents).")) -> None:
+        """The agents deployed in this tenant: live deployment, how many deployments, last change (UTC)."""
+        from moorage.cli.client import sdk
+
+        def read(c: Any) -> tuple[list[Any], dict[str, list[Any]]]:
+            found = list(c.paginate(c.list_agents))
+            return found, ({} if as_json else {a["name"]: list(c.paginate(c.list_deployments, a["name"]))
+                                               for a in found})
+
+        found, deployments = sdk(cfg_of(), read)
+        if as_json:
+            print(json.dumps({"data": found}, indent=2))
+            return
+        if not found:
+            console.print("no agents yet: deploy one with `moorage deploy FOLDER`", highlight=False)
+            return
+        table = Table("agent", "live", "deployments", "updated")
+        for a in found:
+            deps = deployments[a["name"]]
+            live = next((f"#{d['number']}" for d in deps if d["id"] == a.get("live_deployment")), "(none live)")
+            table.add_row(escape(a["name"]), live, str(len(deps)), utc(a.get("updated_at")))
+        print_table(console, table)
