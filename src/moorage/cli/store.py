@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from moorage.cli.console import make_console
+from moorage.cli.errors import clear_errors
 from moorage.config import Config
 
 console = make_console()
@@ -77,10 +78,17 @@ def sweep() -> None:
 
 
 @app.command("create-tenant")
+@clear_errors
 def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
     """Create a tenant and print its first admin API key (shown once; only a hash is kept)."""
+    from moorage.errors import ConflictError
+
     with _store() as s:
-        t, key = s.operator.create_tenant(name)
+        try:
+            t, key = s.operator.create_tenant(name)
+        except ConflictError as e:
+            raise ConflictError(e.message, hint="choose another name; `moorage store tenants` lists those taken "
+                                                "(an existing tenant's first admin key is not shown again)") from None
     if as_json:
         print(json.dumps({"tenant": t.id, "name": t.name, "api_key": key.secret}))
     else:

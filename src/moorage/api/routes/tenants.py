@@ -9,11 +9,20 @@ from typing import Any
 
 from moorage.api import schemas as S
 from moorage.api.routing import Call, Endpoint, Reply
+from moorage.errors import ConflictError
+
+
+#: What a caller who asked for a tenant that exists can do (the store's conflict says only that it exists).
+TENANT_EXISTS_HINT = ("tenant names are unique and this one is taken: choose another name, or keep using that "
+                      "tenant with an API key it already has (its first admin key is not shown again)")
 
 
 def create_tenant(call: Call) -> Reply:
     name = call.field("name", str)
-    tenant, key = call.ctx.store.operator.create_tenant(name)
+    try:
+        tenant, key = call.ctx.store.operator.create_tenant(name)
+    except ConflictError as e:
+        raise ConflictError(e.message, hint=TENANT_EXISTS_HINT) from None
     return Reply({"tenant": {"id": tenant.id, "name": tenant.name, "created_at": tenant.created_at},
                   "api_key": S.key(key)}, 201)
 
