@@ -110,6 +110,8 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(9, b"app-ping")
                 self.frame(0, b"cd", fin=False)
                 self.frame(0, b"ef")
+            elif opcode == 1 and data.startswith(b"stall "):  # reads nothing for a while
+                time.sleep(float(data[6:]))
             elif opcode in (1, 2):
                 self.frame(opcode, data)
 
@@ -175,6 +177,7 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
             task.result()
         await asyncio.sleep(0.01)
     w = World()
+    w.rt = rt
     w.http, w.ws, w.acme = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", acme
     async with httpx.AsyncClient(base_url=w.http, headers={"Authorization": f"Bearer {acme}"}, timeout=300) as c:
         r = await c.post("/v1/agents/edge/deployments", content=_archive(tmp), headers={"content-type": "application/gzip"})
@@ -248,3 +251,28 @@ async def test_a_shared_pages_scripts_can_call_the_app_cross_origin(world: World
         assert r.json() == {"method": "POST", "path": "/api/items"} and r.headers["access-control-allow-origin"] == "*"
     async with httpx.AsyncClient(base_url=world.http) as anonymous:  # the owner's route still needs a key
         assert (await anonymous.options("/v1/agents/edge/users/ada/app/api/items")).status_code == 401
+
+
+async def test_an_app_that_stops_reading_closes_the_socket_with_1011_after_app_timeout_s(world: World) -> None:
+    async with owner(world, "ws") as ws:
+        await ws.send("stall 60")
+        started = time.monotonic()
+
+        async def flood() -> None:  # more than every socket buffer between the host and the app holds
+            for _ in range(32):
+                await ws.send(b"x" * (1 << 20))
+
+        sending = asyncio.ensure_future(flood())
+        try:
+            with pytest.raises(ConnectionClosed) as e:
+                await asyncio.wait_for(ws.recv(), 60)
+        finally:
+            sending.cancel()
+        took = time.monotonic() - started
+    rcvd = e.value.rcvd
+    # Not "went to sleep" (it did not), and not after the channel's own 35 s.
+    assert rcvd is not None and (rcvd.code, rcvd.reason) == (1011, "the agent's app stopped reading the socket")
+    assert took < APP_TIMEOUT_S + 10, f"closed after {took:.1f}s"
+    async with owner(world, "ws") as ws:  # the instance is fine: the next socket works (another app thread)
+        await ws.send("y")
+        assert await ws.recv() == "y"

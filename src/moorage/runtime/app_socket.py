@@ -100,6 +100,10 @@ class _Asleep(Exception):
     """The instance went to sleep (or its channel closed) under the socket."""
 
 
+class _AppStalled(Exception):
+    """The app took none of the bytes written to it for ``app_timeout_s`` (it stopped reading its socket)."""
+
+
 def _too_slow() -> AppUnavailable:
     return AppUnavailable("the agent's app took too long to answer the WebSocket handshake",
                           hint="make the app answer sooner, or raise app_timeout_s")
@@ -108,17 +112,24 @@ def _too_slow() -> AppUnavailable:
 class _GuestConnection:
     """One relayed connection to the app's port: bytes written in frames, bytes pulled one chunk at a time."""
 
-    def __init__(self, channel: Any, conn_id: int) -> None:
+    def __init__(self, channel: Any, conn_id: int, write_timeout_s: float) -> None:
         self.channel = channel
         self.conn_id = conn_id
         self.closed = False
+        #: How long one write may wait for the app to take its bytes (the guest's write waits on the app's socket).
+        self.write_timeout_s = write_timeout_s
 
     async def write(self, data: bytes, *, eof: bool = False) -> None:
         for i in range(0, max(len(data), 1), WRITE_CHUNK):
             params: dict[str, Any] = {"conn": self.conn_id, "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()}
             if eof and i + WRITE_CHUNK >= len(data):
                 params["eof"] = True
-            await self._call("app.write", params)
+            try:
+                await self._call("app.write", params, self.write_timeout_s)
+            except _Asleep as e:
+                if isinstance(e.__cause__, ChannelTimeout):
+                    raise _AppStalled() from None
+                raise
 
     async def read(self, until: float | None = None) -> bytes | None:
         """The app's next bytes (None at its end of stream), waiting for them until ``until`` (or for ever)."""
@@ -196,6 +207,8 @@ class AppSocket:
                 outcome = first.result()
             except _Asleep:
                 outcome = Outcome(GOING_AWAY, "the agent's instance went to sleep", "asleep")
+            except _AppStalled:  # not a sleep: the instance is awake, its app is busy elsewhere or hung
+                outcome = Outcome(INTERNAL, "the agent's app stopped reading the socket", "app-stalled")
             except Exception as e:  # noqa: BLE001 - the socket ends; the caller gets a generic close
                 log.warning("app socket failed", error=f"{type(e).__name__}: {e}")
         finally:
@@ -381,7 +394,7 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
             network(sandbox.channel)
             opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network,
                                            idle_s=GUEST_IDLE_S)
-            conn = _GuestConnection(sandbox.channel, int(opened["conn"]))
+            conn = _GuestConnection(sandbox.channel, int(opened["conn"]), float(config.app_timeout_s))
             protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/"), subprotocols=req.subprotocols or None,
                                       max_size=max_message)
             request = protocol.connect()
@@ -397,7 +410,6 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
             headers["X-Forwarded-Proto"] = "http"
             request.headers = headers
             protocol.send_request(request)
-            await conn.write(b"".join(protocol.data_to_send()))
             until = time.monotonic() + float(config.app_timeout_s)
             response, early = await _handshake(conn, protocol, until)
             if protocol.handshake_exc is not None or response.status_code != 101:
@@ -419,6 +431,12 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
 
 
 async def _handshake(conn: _GuestConnection, protocol: ClientProtocol, until: float) -> tuple[Response, list[Any]]:
+    try:
+        await conn.write(b"".join(protocol.data_to_send()))
+    except _AppStalled:
+        raise _too_slow() from None
+    except _Asleep:
+        raise AppUnavailable("the sandbox stopped answering", hint="retry; the agent's instance may be restarting") from None
     while True:
         try:
             data = await conn.read(until)
