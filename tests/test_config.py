@@ -83,3 +83,29 @@ def test_types_are_exact_and_related_settings_agree(tmp_path: Path) -> None:
     # A config file named by MOORAGE_CONFIG must exist, as one named by --config must.
     with pytest.raises(ConfigError, match="does not exist"):
         load(None, env={"MOORAGE_CONFIG": str(tmp_path / "missing.toml")})
+
+
+def test_relative_paths_in_a_config_file_are_relative_to_its_directory(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    conf = tmp_path / "etc" / "moorage"
+    conf.mkdir(parents=True)
+    conf = conf.resolve()
+    (conf / "moorage.toml").write_text('[moorage]\ndata_dir = "data"\nllm_policy = "policies/llm.toml"\n'
+                                       'store_url = "sqlite:state/store"\n')
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for path in (Path("../etc/moorage/moorage.toml"), conf / "moorage.toml"):
+        cfg = load(path, env={})
+        assert cfg.data_dir == conf / "data"
+        assert cfg.llm_policy == str(conf / "policies" / "llm.toml")
+        assert cfg.store_url == f"sqlite:{conf / 'state' / 'store'}"
+    via_env = load(None, env={"MOORAGE_CONFIG": "../etc/moorage/moorage.toml"})
+    assert via_env.data_dir == conf / "data"
+    # Absolute and home-relative paths in the file stay as written; the environment and flags keep the cwd's.
+    (conf / "moorage.toml").write_text(f'[moorage]\ndata_dir = "{tmp_path / "abs"}"\nllm_policy = "~/p.toml"\n'
+                                       'store_url = "sqlite"\n')
+    cfg = load(conf / "moorage.toml", env={})
+    assert (cfg.data_dir, cfg.llm_policy, cfg.store_url) == (tmp_path / "abs", str(Path.home() / "p.toml"), "sqlite")
+    cfg = load(conf / "moorage.toml", env={"MOORAGE_DATA_DIR": "d", "MOORAGE_LLM_POLICY": "p.toml"})
+    assert (cfg.data_dir, cfg.llm_policy) == (Path("d"), "p.toml")
+    assert load(conf / "moorage.toml", env={}, data_dir=Path("flag")).data_dir == Path("flag")

@@ -271,10 +271,29 @@ CHOICES: dict[str, tuple[str, ...]] = {
 _DEFAULTS = {f.name: f.default for f in fields(Config) if f.name in CHOICES}
 
 
+#: Settings that name a file or directory on this machine. Written relative in a config file, they are taken
+#: relative to that file's directory (the file can move with what it names); from the environment or a flag,
+#: relative to the working directory, as a shell would. ``store_url`` is one when it is ``sqlite:PATH``.
+PATH_SETTINGS = ("data_dir", "llm_policy")
+
+
+def _from_file_dir(name: str, value: Any, file_dir: Path) -> Any:
+    """``value`` of setting ``name`` read from a config file in ``file_dir``, a relative path made absolute there."""
+    if name == "store_url" and isinstance(value, str) and value.startswith("sqlite:"):
+        rest = value.removeprefix("sqlite:").removeprefix("//")  # as moorage.store.open_backend reads it
+        return f"sqlite:{_from_file_dir('data_dir', Path(rest), file_dir)}" if rest else value
+    if name not in PATH_SETTINGS or value in ("", None):
+        return value
+    p = Path(str(value)).expanduser()
+    p = p if p.is_absolute() else file_dir / p
+    return p if isinstance(value, Path) else str(p)
+
+
 def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
     """Read configuration once. ``path`` defaults to ``$MOORAGE_CONFIG`` or ``./moorage.toml`` if it exists.
 
-    In the file, settings live under a ``[moorage]`` table (an agent's ``[agent]`` table may share the file).
+    In the file, settings live under a ``[moorage]`` table (an agent's ``[agent]`` table may share the file);
+    a relative path there (``PATH_SETTINGS``, ``store_url = "sqlite:PATH"``) is relative to the file's directory.
     """
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -287,10 +306,11 @@ def load(path: Path | None = None, env: Mapping[str, str] | None = None, **overr
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{cfg_path} is not valid TOML: {e}") from e
         section = doc.get("moorage", {})
+        file_dir = cfg_path.resolve().parent
         for k, v in section.items():
             if k not in types:
                 raise ConfigError(f"unknown setting {k!r} in {cfg_path}", hint=f"known settings: {', '.join(sorted(types))}")
-            values[k] = _coerce(k, v, types[k])
+            values[k] = _from_file_dir(k, _coerce(k, v, types[k]), file_dir)
     elif path is not None or env.get("MOORAGE_CONFIG"):
         raise ConfigError(f"config file {cfg_path} does not exist",
                           hint="fix --config or MOORAGE_CONFIG (without either, ./moorage.toml is read if it exists)")
