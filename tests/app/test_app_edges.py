@@ -35,7 +35,7 @@ APP_TIMEOUT_S = 3
 # A stdlib server on the app's port: plain HTTP answers what it was asked (as JSON), a WebSocket echoes and obeys a
 # few commands, and /silent takes the connection and never answers.
 AGENT = r'''
-import base64, hashlib, json, socketserver, struct, threading, time
+import base64, hashlib, json, os, socketserver, struct, threading, time
 
 GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 LAST = {}
@@ -110,6 +110,8 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(9, b"app-ping")
                 self.frame(0, b"cd", fin=False)
                 self.frame(0, b"ef")
+            elif opcode == 1 and data == b"crash":  # the app takes the agent's process down with it
+                os._exit(3)
             elif opcode == 1 and data.startswith(b"stall "):  # reads nothing for a while
                 time.sleep(float(data[6:]))
             elif opcode in (1, 2):
@@ -177,7 +179,6 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
             task.result()
         await asyncio.sleep(0.01)
     w = World()
-    w.rt = rt
     w.http, w.ws, w.acme = f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", acme
     async with httpx.AsyncClient(base_url=w.http, headers={"Authorization": f"Bearer {acme}"}, timeout=300) as c:
         r = await c.post("/v1/agents/edge/deployments", content=_archive(tmp), headers={"content-type": "application/gzip"})
@@ -274,5 +275,17 @@ async def test_an_app_that_stops_reading_closes_the_socket_with_1011_after_app_t
     assert rcvd is not None and (rcvd.code, rcvd.reason) == (1011, "the agent's app stopped reading the socket")
     assert took < APP_TIMEOUT_S + 10, f"closed after {took:.1f}s"
     async with owner(world, "ws") as ws:  # the instance is fine: the next socket works (another app thread)
+        await ws.send("y")
+        assert await ws.recv() == "y"
+
+
+async def test_an_app_that_crashes_its_instance_is_not_reported_as_a_sleep(world: World) -> None:
+    async with owner(world, "ws") as ws:
+        await ws.send("crash")
+        with pytest.raises(ConnectionClosed) as e:
+            await asyncio.wait_for(ws.recv(), 60)
+    rcvd = e.value.rcvd
+    assert rcvd is not None and (rcvd.code, rcvd.reason) == (1011, "the agent's instance stopped")
+    async with owner(world, "ws") as ws:  # the next socket brings the instance back
         await ws.send("y")
         assert await ws.recv() == "y"

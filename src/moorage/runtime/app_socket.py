@@ -206,7 +206,7 @@ class AppSocket:
             try:
                 outcome = first.result()
             except _Asleep:
-                outcome = Outcome(GOING_AWAY, "the agent's instance went to sleep", "asleep")
+                outcome = self._gone()
             except _AppStalled:  # not a sleep: the instance is awake, its app is busy elsewhere or hung
                 outcome = Outcome(INTERNAL, "the agent's app stopped reading the socket", "app-stalled")
             except Exception as e:  # noqa: BLE001 - the socket ends; the caller gets a generic close
@@ -283,6 +283,14 @@ class AppSocket:
                 return Outcome(INTERNAL, "the agent's app closed the connection", "app-eof")
             self.protocol.receive_data(data)
             events = self.protocol.events_received()
+
+    def _gone(self) -> Outcome:
+        """Why the instance's channel went away: a sleep takes the sandbox from the instance before it closes the
+        channel, so a channel that closed under an instance still holding this sandbox stopped by itself."""
+        li = self.runtime.instances.live(self.ts, self.scope)
+        if li is not None and li.sandbox is self.sandbox:
+            return Outcome(INTERNAL, "the agent's instance stopped", "stopped")  # a crash: the app took it down, say
+        return Outcome(GOING_AWAY, "the agent's instance went to sleep", "asleep")
 
     def _failure(self) -> Outcome | None:
         """The protocol gave up on the app (a message over the limit, a frame that breaks the protocol)."""
