@@ -6,6 +6,9 @@ fast (the fleet's logic does not depend on the driver; tests/fleet/test_microvm_
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -89,3 +92,68 @@ class Fleet:
             c.close()
         for h in self.hosts:
             h.stop()
+
+
+class Relay:
+    """A TCP relay in front of a real server (the S3 server): ``close()`` is that server going down for the hosts
+    that reach it through here (connections refused, open ones cut), ``open()`` brings it back on the same port."""
+
+    def __init__(self, target_port: int) -> None:
+        from moorage.devservices.postgres import free_port
+
+        self.target, self.port = target_port, free_port()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._srv: socket.socket | None = None
+        self.open()
+
+    def open(self) -> None:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", self.port))
+        srv.listen(128)
+        self._srv = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+
+    def close(self) -> None:
+        if self._srv is not None:
+            with contextlib.suppress(OSError):
+                self._srv.shutdown(socket.SHUT_RDWR)  # wakes the accept
+            self._srv.close()
+            self._srv = None
+        with self._lock:
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
+            try:
+                down, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                up = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                down.close()
+                continue
+            with self._lock:
+                self._conns |= {down, up}
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+            with self._lock:
+                self._conns -= {a, b}
+            a.close()

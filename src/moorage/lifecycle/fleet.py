@@ -75,6 +75,10 @@ class FleetDuties:
     _dir_locks: dict[str, asyncio.Lock]
     _ship_awake_ok: bool
     _closed: bool
+    store: Any
+    #: Whether this host may hold sleeping instances whose sleep was not shipped (the object store was down):
+    #: set at start and by such a sleep, cleared once ``ship_unshipped`` found none left.
+    _unshipped_check: bool = True
     io: Callable[..., Any]
     system_tenant: Callable[[str], Any]
 
@@ -144,6 +148,9 @@ class FleetDuties:
                         return
                     async with li.sandbox.frozen():
                         shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                        # It runs on: the directory is no longer exactly that snapshot. Else a sleep whose shipment
+                        # fails would leave it looking like one, and the cache would evict the only newest copy.
+                        await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
                     li.last_ship = time.monotonic()
                     with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
                         await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
@@ -159,15 +166,67 @@ class FleetDuties:
             if not li.ship_dirty:
                 return
 
+    async def ship_unshipped(self) -> tuple[int, int]:
+        """Ship this host's sleeping instances whose sleep could not be shipped (the object store was down), so
+        any host can wake them again and the newest copy no longer depends on this host's disk. Returns
+        (shipped, still unshipped)."""
+        if self.fleet is None:
+            return 0, 0
+
+        def mine() -> list[tuple[str, SandboxRecord]]:
+            return [(t.id, r) for t in self.store.operator.list_tenants()
+                    for r in self.system_tenant(t.id).sandboxes.list(states=[S.SLEEPING.value], host=self.host,
+                                                                     limit=100_000)
+                    if not shipped_current(r)]
+
+        shipped = left = 0
+        for tenant_id, rec in await self.io(mine):
+            li = self._by_record.get(rec.id)
+            if li is not None and (li.awake or li.pending is not None):
+                continue
+            # Under the directory's lock: a wake claimed meanwhile waits for the copy before it starts the sandbox.
+            async with self._dir_lock(rec.id):
+                ts = await self.io(self.system_tenant, tenant_id)
+                try:
+                    cur = await self.io(ts.sandboxes.get, rec.id)
+                except NotFound:
+                    continue  # forgotten meanwhile
+                if cur.state != S.SLEEPING.value or cur.host != self.host or shipped_current(cur):
+                    continue
+                _, epoch = await self.io(self.fleet.shipper.local_state, self.driver.root / cur.id)
+                if epoch is None:
+                    continue  # no copy here (nothing to ship; it wakes from what it last shipped)
+                try:
+                    meta = await self.io(self.fleet.ship, tenant_id, cur, cur.lease_epoch)
+                except Exception as e:  # noqa: BLE001 - still down: the next pass tries again
+                    left += 1
+                    log.warning("a sleeping instance's snapshot still could not be shipped", instance=cur.id,
+                                error=str(e))
+                    continue
+                with contextlib.suppress(ConflictError):  # woken meanwhile: its next sleep ships it
+                    await self.io(ts.sandboxes.update, cur.id, expected_version=cur.version,
+                                  meta={**cur.meta, "shipped": meta, "shipped_current": True})
+                shipped += 1
+        if shipped:
+            log.info("sleeping instances shipped after the object store came back", count=shipped, left=left)
+        self._unshipped_check = left > 0
+        return shipped, left
+
     async def _ship_loop(self) -> None:
         """At least every ``ship_interval_s``, ship awake instances not shipped since (a process may write
-        between turns), and keep this host's copies of sleeping instances within ``cache_max_bytes``."""
+        between turns) and sleeping ones whose sleep could not be shipped, and keep this host's copies of
+        sleeping instances within ``cache_max_bytes``."""
         while not self._closed:
             await asyncio.sleep(self.ship_interval_s)
             now = time.monotonic()
             for li in list(self._live.values()):
                 if li.owned and li.awake and now - li.last_ship >= self.ship_interval_s:
                     self._ship_soon(li)
+            if self._unshipped_check:
+                try:
+                    await self.ship_unshipped()
+                except Exception as e:
+                    log.warning("shipping sleeping instances failed", error=str(e))
             try:
                 await self.evict_cache()
             except Exception as e:

@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, TypeVar, Union
 
 from moorage.errors import ConflictError, InvalidInput, MoorageError, UnavailableError
@@ -383,7 +384,7 @@ class InstanceManager(fleet_rules.FleetDuties):
                         continue  # someone else provisioned it first: follow their record
                     raise
                 return await self._provision(ts, li, rec, template, trace, fresh=True, pooled=pooled is not None)
-            takeover = rec.host not in (None, self.host)
+            takeover = rec.host not in (None, self.host) and not self._moved_here(rec)
             if takeover and (self.fleet is None or await self.io(fleet_rules.placement, self.fleet, rec) == "forward"):
                 raise Misplaced(rec)
             previous_epoch = rec.lease_epoch
@@ -420,6 +421,14 @@ class InstanceManager(fleet_rules.FleetDuties):
                     raise InvalidInput(f"{scope} must be provisioned again but no template was given")
                 return await self._provision(ts, li, rec, template, trace, fresh=False)
             return await self._wake(ts, li, rec, source, trace, previous_epoch)
+
+    def _moved_here(self, rec: SandboxRecord) -> bool:
+        """One host (no fleet) holding an asleep instance's sandbox although the record names another host id: its
+        data directory was restored on another machine (docs/operations.md). The sandbox lives where its files are,
+        so this host wakes it (and the wake records this host). One recorded awake stays its host's (a copy taken
+        while it ran is not where it stopped); in a fleet a host id is a member, never re-homed."""
+        return self.fleet is None and rec.state in (S.SLEEPING.value, S.ARCHIVED.value, S.FAILED.value) and \
+            (Path(self.driver.root) / rec.id / "meta.json").exists()
 
     async def _attach(self, li: LiveInstance, rec: SandboxRecord) -> Sandbox | None:
         """The running sandbox the record points at, or None when its processes are gone."""
@@ -644,6 +653,7 @@ class InstanceManager(fleet_rules.FleetDuties):
                     meta["shipped_current"] = True
                 except Exception as e:
                     meta["shipped_current"] = False
+                    self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
                     log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
             sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
             await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
@@ -671,6 +681,11 @@ class InstanceManager(fleet_rules.FleetDuties):
         mine = [li for li in list(self._live.values()) if li.owned and li.awake]
         done = await asyncio.gather(*(one(li) for li in mine))
         slept = sum(done)
+        if self.fleet is not None:
+            try:  # a host leaving takes its disk along: what slept unshipped earlier goes to the object store now
+                await self.ship_unshipped()
+            except Exception as e:
+                log.warning("shipping sleeping instances failed", error=str(e))
         return slept, len(mine) - slept
 
     async def _make_room(self, li: LiveInstance) -> None:

@@ -1,0 +1,73 @@
+"""The object store down while agents sleep, are shipped and wake on other hosts (process driver, real SeaweedFS
+behind a relay that goes down as the server would): no data loss, a clear error, the agent usable on its host.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.fleet.harness import Fleet, Relay, until
+
+
+@pytest.fixture(scope="module")
+def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
+    r = Relay(seaweedfs.s3_port)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
+    base = tmp_path_factory.mktemp("s3down")
+    s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
+    f = Fleet(base, pg_cluster.create_database("s3down"), s3, n=2, fleet_cache_mib="0.01", checkpoint_interval_s="1")
+    try:
+        f.deploy()
+        yield f
+    finally:
+        relay.open() if relay._srv is None else None
+        f.close()
+
+
+def _ok(r: httpx.Response) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["reply"]
+
+
+def _sleep(f: Fleet, user: str, via: int = 0) -> None:
+    sid = f.records()[user].id
+    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
+    assert r.status_code == 200 and r.json()["slept"] is True, r.text
+
+
+def test_an_agent_that_slept_while_the_store_was_down_keeps_its_newest_copy_and_is_shipped_once_it_is_back(
+        fleet: Fleet, relay: Relay) -> None:
+    assert _ok(fleet.turn(0, "ada")) == "1: hi"
+    until(lambda: (fleet.records()["ada"].meta.get("shipped") or {}).get("awake"), "ada shipped while awake", 30)
+    assert _ok(fleet.turn(0, "ada")) == "2: hi"
+    relay.close()
+    try:
+        _sleep(fleet, "ada")                                   # the sleep stands, unshipped
+        rec = fleet.records()["ada"]
+        assert rec.state == "sleeping" and rec.meta["shipped_current"] is False
+        time.sleep(4)                                          # the cache is checked every second (bound 10 KiB)
+        assert (fleet.hosts[0].data / "sandboxes" / rec.id).is_dir(), "the only newest copy was evicted"
+        r = fleet.turn(1, "ada")                               # through the other host: forwarded to its holder
+        assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+        _sleep(fleet, "ada", via=1)
+        assert fleet.records()["ada"].meta["shipped_current"] is False
+    finally:
+        relay.open()
+    # Back: the host ships what slept unshipped, so any host can wake it, even once its holder is gone.
+    until(lambda: fleet.records()["ada"].meta.get("shipped_current") is True, "ada shipped after the outage", 60)
+    fleet.hosts[0].kill()
+    deadline = time.monotonic() + 60
+    while (r := fleet.turn(1, "ada")).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _ok(r) == "4: hi"
+    assert fleet.records()["ada"].host == "h2"
