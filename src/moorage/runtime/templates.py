@@ -82,9 +82,12 @@ def _ref_json(ref: TemplateRef) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(ref).items()}
 
 
-def _ref_of(d: dict[str, Any]) -> TemplateRef:
-    return TemplateRef(d["id"], d["driver"], Path(d["path"]), d.get("source_sandbox"), d.get("created_at", 0.0),
-                       d.get("includes_memory", False))
+def _ref_of(d: dict[str, Any], templates_dir: Path) -> TemplateRef:
+    """A template record read back: the template is ``templates_dir/<id>`` (where this host's driver keeps its
+    templates), never the path recorded with it, which names the original's files in a copied or moved data
+    directory (docs/operations.md)."""
+    return TemplateRef(d["id"], d["driver"], templates_dir / d["id"], d.get("source_sandbox"),
+                       d.get("created_at", 0.0), d.get("includes_memory", False))
 
 
 class Templates:
@@ -163,9 +166,10 @@ class Templates:
         if not p.exists():
             return None
         d = json.loads(p.read_text())
-        if d.get("driver") != self.driver.name or not Path(d["path"]).exists():
+        ref = _ref_of(d, self._templates_dir())
+        if d.get("driver") != self.driver.name or not ref.path.exists():
             return None
-        return _ref_of(d)
+        return ref
 
     async def ensure(self, deployment: Deployment, on_progress: Any = None, record: Any = None) -> TemplateRef:
         """The deployment's template, built now if this host has none (single-flight per deployment). ``record``
@@ -337,7 +341,7 @@ class Templates:
             except (OSError, ValueError):
                 continue
             if (d.get("tenant_id"), d.get("agent"), d.get("user")) == (tenant_id, agent, user):
-                out.append((p, _ref_of(d["template"])))
+                out.append((p, _ref_of(d["template"], self._templates_dir())))
         return out
 
     async def delete_forks(self, tenant_id: str, agent: str, user: str) -> int:
@@ -378,7 +382,7 @@ class Templates:
         for meta in sorted(self.root.glob("*.json")):
             dep = meta.stem
             try:
-                ref = _ref_of(json.loads(meta.read_text()))
+                ref = _ref_of(json.loads(meta.read_text()), self._templates_dir())
                 age = now - meta.stat().st_mtime
             except (OSError, ValueError, KeyError):
                 continue
@@ -394,7 +398,7 @@ class Templates:
         for record in sorted(self._forks_dir().glob("*.json")):
             try:
                 d = json.loads(record.read_text())
-                ref = _ref_of(d["template"])
+                ref = _ref_of(d["template"], self._templates_dir())
                 age = now - record.stat().st_mtime
             except (OSError, ValueError, KeyError):
                 continue

@@ -220,9 +220,9 @@ def rebind(meta: dict[str, Any], layer: Path, tdir: Path, template_id: str, sand
 
 
 def template_of(meta: dict[str, Any], template_dir: Any) -> Path:
-    """The directory of the template a fork binds (``meta["shared"]``)."""
-    shared = meta["shared"]
-    return Path(shared["dir"]) if shared.get("dir") else template_dir(shared["template"])
+    """The directory of the template a fork binds (``meta["shared"]``): found by its id under this driver's root,
+    never by the path recorded with it (a copied or moved data directory would bind the original's files)."""
+    return Path(template_dir(meta["shared"]["template"]))
 
 
 def binds(meta: dict[str, Any], template_dir: Any) -> list[tuple[Path, str]]:

@@ -1,0 +1,140 @@
+"""docs/operations.md, end to end on the process driver: `moorage up` stopped, its data directory copied with
+`cp -a`, the copy started beside the original and then on "another machine" (another host id, the original gone).
+Users wake where they stopped (files, facts, events), keys, end-user tokens and secrets still work, and the copy
+never reads or writes the original's files (templates, the packages its users bind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from moorage.client.sync import Client
+from moorage.devservices.fleet import LocalHost
+from tests.langgraph.wheelhouse import build_index, serve
+
+AGENT_PY = '''
+import json
+import os
+
+
+async def on_message(ctx, message):
+    if message == "marks":  # what of the original's files (planted after the copy) this sandbox sees
+        return " ".join(p for p in ("/work/MARK", "/work/.moorage/site/MARK") if os.path.exists(p)) or "none"
+    if message == "memory":  # semantic and episodic memory, as the agent sees them
+        facts = [f["value"] for f in await ctx.memory.facts()]
+        return f"{facts} {'said two' in json.dumps(await ctx.memory.recall('what was said second'))}"
+    from tabulate import tabulate
+    await ctx.memory.remember(f"said {message}")
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    ctx.files.write("counter.txt", str(n + 1))
+    return f"{n + 1} {os.environ.get('TOKEN', '<absent>')} {tabulate([[message]], tablefmt='plain')}"
+'''
+
+
+def _agent(base: Path) -> Path:
+    d = base / "keep"
+    d.mkdir(parents=True)
+    (d / "moorage.toml").write_text('[agent]\nname = "keep"\nentry = "agent.py"\n[agent.secrets]\nenv = ["TOKEN"]\n'
+                                    '[agent.lifecycle]\nusers = "auto"\n')
+    (d / "agent.py").write_text(AGENT_PY)
+    (d / "requirements.txt").write_text("tabulate\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def index() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="ops-index-") as root:
+        build_index(Path(root), "tabulate")
+        for port in serve(Path(root), "127.0.0.2"):  # 127.0.0.2: reached by the sandbox's pip through its proxy
+            yield f"http://127.0.0.2:{port}"
+
+
+def _env(index: str) -> dict[str, str]:
+    return {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8",
+            "MOORAGE_EGRESS_PACKAGE_INDEX": index, "MOORAGE_PACKAGE_INDEX_URL": index + "/simple/"}
+
+
+def _tree(d: Path) -> dict[str, float]:
+    return {str(p.relative_to(d)): p.lstat().st_mtime for p in d.rglob("*")}
+
+
+def _user_turn(url: str, token: str, text: str) -> httpx.Response:
+    """A turn with an end-user token (the user is the token's)."""
+    return httpx.post(f"{url}/v1/agents/keep/invoke", json={"message": text},
+                      headers={"Authorization": f"Bearer {token}"}, timeout=300)
+
+
+def test_a_stopped_hosts_copy_serves_where_it_stopped_and_never_touches_the_original(tmp_path: Path, index: str) -> None:
+    a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
+    host = LocalHost("box", a, _env(index), start_timeout_s=120)
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("keep", _agent(tmp_path / "agents"))
+            sdk.set_secret("keep", "TOKEN", "s3cret")
+            assert sdk.invoke("keep", "one", user="ada")["reply"] == "1 s3cret one"
+            assert sdk.invoke("keep", "two", user="ada")["reply"] == "2 s3cret two"
+            sdk.add_fact("keep", "ada", "ada", "drinks", "green tea")
+            token = sdk.issue_user_token("keep", "ada", ttl_s=3600)["token"]
+            reader = sdk.create_key(["read"], label="backup-check")["secret"]
+    finally:
+        host.stop()  # SIGTERM: ada's sandbox sleeps
+
+    # The documented backup: the whole data directory, copied with the host stopped.
+    b.parent.mkdir()
+    subprocess.run(["cp", "-a", str(a), str(b)], check=True)
+    # From now on the original's template is not the copy's: what the copy's sandboxes would see of it is marked.
+    (tpl,) = [p for p in (a / "sandboxes" / ".templates").iterdir() if (p / "template.json").exists()]
+    (tpl / "layer" / "work" / "MARK").write_text("original")
+    site = tpl / "layer" / "work" / ".moorage" / "site"
+    os.chmod(site, 0o755)
+    (site / "MARK").write_text("original")
+    before = _tree(a / "sandboxes")
+
+    # Beside the original, both running on this machine.
+    original = LocalHost("box", a, _env(index), start_timeout_s=120)
+    copy = LocalHost("box", b, _env(index), start_timeout_s=120)
+    try:
+        with Client(copy.url, copy.key) as sdk:
+            assert sdk.invoke("keep", "three", user="ada")["reply"] == "3 s3cret three"
+            assert sdk.invoke("keep", "marks", user="ada")["reply"] == "none"
+            assert sdk.invoke("keep", "hi", user="bob")["reply"] == "1 s3cret hi"  # a new user of the copy
+            assert sdk.invoke("keep", "marks", user="bob")["reply"] == "none"
+        with Client(original.url, original.key) as sdk:  # the original goes on from where it was, on its own
+            assert sdk.invoke("keep", "three", user="ada")["reply"] == "3 s3cret three"
+    finally:
+        copy.stop()
+        original.stop()
+    after = _tree(a / "sandboxes")
+    # The original's own turn changed its sandbox; nothing of the copy's users appeared in the original.
+    bob = [p for p in after if p not in before and "children" in p]
+    assert not bob, bob
+
+    # Moved to another machine: the original is gone and the host has another name.
+    shutil.move(str(a.parent), str(tmp_path / "gone"))
+    moved = LocalHost("elsewhere", b, _env(index), start_timeout_s=120)
+    try:
+        with Client(moved.url, moved.key) as sdk:
+            assert sdk.invoke("keep", "four", user="ada")["reply"] == "4 s3cret four"
+            assert sdk.invoke("keep", "again", user="bob")["reply"] == "2 s3cret again"
+            assert sdk.invoke("keep", "hi", user="cy")["reply"] == "1 s3cret hi"
+            facts = sdk.list_facts("keep", "ada")["data"]
+            assert [(f["attribute"], f["value"]) for f in facts] == [("drinks", "green tea")]
+            assert "said two" in json.dumps(sdk.list_events("keep", "ada")["data"])  # from before the backup
+            assert sdk.invoke("keep", "memory", user="ada")["reply"] == "['green tea'] True"
+        r = _user_turn(moved.url, token, "five")
+        assert r.status_code == 200 and r.json()["reply"] == "5 s3cret five", r.text
+        with Client(moved.url, reader) as sdk:
+            assert [a["name"] for a in sdk.list_agents()["data"]] == ["keep"]
+    finally:
+        moved.stop()
