@@ -32,8 +32,8 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)
 
 APP_TIMEOUT_S = 3
 
-# A stdlib server on the app's port: plain HTTP answers what it was asked (as JSON), a WebSocket echoes and obeys a
-# few commands, and /silent takes the connection and never answers.
+# A stdlib server on the app's port: plain HTTP answers what it was asked (as JSON), /upload refuses any body unread, a
+# WebSocket echoes and obeys a few commands, and /silent takes the connection and never answers.
 AGENT = r'''
 import base64, hashlib, json, os, socketserver, struct, threading, time
 
@@ -57,6 +57,9 @@ class Handler(socketserver.StreamRequestHandler):
         if target.startswith("/silent"):
             time.sleep(600)
             return
+        if target.startswith("/upload"):  # refused before reading the body, as a size check would
+            self.wfile.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!")
+            return
         if headers.get("upgrade", "").lower() != "websocket":
             body = json.dumps({"method": method, "path": target}).encode()
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -72,7 +75,12 @@ class Handler(socketserver.StreamRequestHandler):
 
     def frame(self, opcode, data, fin=True):
         n, b0 = len(data), (0x80 if fin else 0) | opcode
-        head = struct.pack("!BB", b0, n) if n < 126 else struct.pack("!BBH", b0, 126, n)
+        if n < 126:
+            head = struct.pack("!BB", b0, n)
+        elif n < 65536:
+            head = struct.pack("!BBH", b0, 126, n)
+        else:
+            head = struct.pack("!BBQ", b0, 127, n)
         self.wfile.write(head + data)
         self.wfile.flush()
 
@@ -289,3 +297,15 @@ async def test_an_app_that_crashes_its_instance_is_not_reported_as_a_sleep(world
     async with owner(world, "ws") as ws:  # the next socket brings the instance back
         await ws.send("y")
         assert await ws.recv() == "y"
+
+
+async def test_an_app_that_refuses_an_upload_before_reading_it_is_heard(world: World) -> None:
+    # The app answers 413 and closes with most of the body unread (which resets the connection): the caller gets
+    # that answer, not a 502, however large the body.
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}, timeout=60) as c:
+        for size in (1 << 10, 1 << 20, 8 << 20):
+            r = await c.post("/v1/agents/edge/users/ada/app/upload", content=b"u" * size)
+            assert (r.status_code, r.text) == (413, "too big!"), (size, r.text)
+        r = await c.post("/v1/agents/edge/users/ada/app/other", content=b"u" * (8 << 20))  # a 200 given unread too
+        assert r.json() == {"method": "POST", "path": "/other"}
+

@@ -31,6 +31,23 @@ MIN_IDLE_S = 5.0
 APP_UNREACHABLE = -32020
 
 
+class _Reader(asyncio.StreamReader):
+    """A reader whose stream ends, rather than fails, when the app resets the connection: an app that answers before
+    it has read the whole request (a 413 for an upload, say) and closes resets it, and its answer, already buffered
+    here, must still be read out (a plain StreamReader raises the reset before the bytes it holds)."""
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.feed_eof()
+
+
+async def _connect(port: int) -> "tuple[asyncio.StreamReader, asyncio.StreamWriter]":
+    loop = asyncio.get_running_loop()
+    reader = _Reader(limit=MAX_READ, loop=loop)
+    protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+    transport, _ = await loop.create_connection(lambda: protocol, "127.0.0.1", port)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+
+
 class _Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, idle_s: float = IDLE_S) -> None:
         self.reader = reader
@@ -71,7 +88,7 @@ class AppRelay:
             if len(self._conns) >= MAX_CONNECTIONS:
                 raise RpcError("too many app connections open", APP_UNREACHABLE)
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, limit=MAX_READ), 10)
+            reader, writer = await asyncio.wait_for(_connect(port), 10)
         except (OSError, asyncio.TimeoutError) as e:
             raise RpcError("nothing listens on port %d" % port, APP_UNREACHABLE, {"errno": getattr(e, "errno", None)})
         cid = next(self._ids)

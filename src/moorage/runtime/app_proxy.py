@@ -111,6 +111,10 @@ def _request_head(req: AppRequest, port: int) -> tuple[h11.Request, bool]:
         raise InvalidInput(f"the request cannot be passed to the agent's app: {e}") from None
 
 
+class _AppStoppedReading(AppUnavailable):
+    """The app closed its side while the request was still being written (it may have answered already)."""
+
+
 class _Exchange:
     """One request/response over one relayed guest connection."""
 
@@ -125,8 +129,13 @@ class _Exchange:
 
     async def write(self, data: bytes) -> None:
         for i in range(0, len(data), WRITE_CHUNK):
-            await self._call("app.write", {"conn": self.conn_id,
-                                           "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()})
+            try:
+                await self._call("app.write", {"conn": self.conn_id,
+                                               "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()})
+            except AppUnavailable as e:
+                if isinstance(e.__cause__, RemoteError):
+                    raise _AppStoppedReading(e.message, hint=e.hint) from e.__cause__
+                raise
 
     async def _call(self, method: str, params: dict[str, Any], until: float | None = None) -> Any:
         left = (until or self.deadline) - time.monotonic()
@@ -201,23 +210,10 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
         stack.push_async_callback(exchange.close)
-        await exchange.write(exchange.h11.send(head))
-        sent = 0
-        if has_body:
-            async for chunk in req.body:
-                sent += len(chunk)
-                if sent > max_request:
-                    raise AppTooLarge(f"the request body is over {max_request} bytes",
-                                      hint="send a smaller body, or raise app_max_request_bytes")
-                if chunk:
-                    try:
-                        await exchange.write(exchange.h11.send(h11.Data(data=chunk)))
-                    except h11.LocalProtocolError:
-                        raise InvalidInput("the request body does not match its Content-Length") from None
         try:
-            await exchange.write(exchange.h11.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError:
-            raise InvalidInput("the request body does not match its Content-Length") from None
+            await _send_request(exchange, head, req.body if has_body else None, max_request)
+        except _AppStoppedReading:
+            pass  # an app may answer before it has read the whole body (a 413, a 401) and close: its answer is relayed
         head_until = min(deadline, time.monotonic() + head_timeout)
         while True:
             ev = await exchange.next_event(head_until)
@@ -266,6 +262,27 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
 
     log.info("app request", agent=agent_name, status=status, ms=int((time.monotonic() - started) * 1000))
     return AppResponse(status, headers, body(), stack.aclose)
+
+
+async def _send_request(exchange: _Exchange, head: h11.Request, body: AsyncIterator[bytes] | None,
+                        max_request: int) -> None:
+    await exchange.write(exchange.h11.send(head))
+    sent = 0
+    if body is not None:
+        async for chunk in body:
+            sent += len(chunk)
+            if sent > max_request:
+                raise AppTooLarge(f"the request body is over {max_request} bytes",
+                                  hint="send a smaller body, or raise app_max_request_bytes")
+            if chunk:
+                try:
+                    await exchange.write(exchange.h11.send(h11.Data(data=chunk)))
+                except h11.LocalProtocolError:
+                    raise InvalidInput("the request body does not match its Content-Length") from None
+    try:
+        await exchange.write(exchange.h11.send(h11.EndOfMessage()))
+    except h11.LocalProtocolError:
+        raise InvalidInput("the request body does not match its Content-Length") from None
 
 
 async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> tuple[Any, Any, Any, Any, int]:
