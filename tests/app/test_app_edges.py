@@ -309,3 +309,12 @@ async def test_an_app_that_refuses_an_upload_before_reading_it_is_heard(world: W
         r = await c.post("/v1/agents/edge/users/ada/app/other", content=b"u" * (8 << 20))  # a 200 given unread too
         assert r.json() == {"method": "POST", "path": "/other"}
 
+
+
+async def test_an_app_that_stops_reading_a_request_is_a_502_after_app_timeout_s(world: World) -> None:
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}, timeout=60) as c:
+        started = time.monotonic()
+        r = await c.post("/v1/agents/edge/users/ada/app/silent", content=b"u" * (12 << 20))  # more than buffers hold
+        took = time.monotonic() - started
+    assert r.status_code == 502 and r.json()["detail"] == "the agent's app stopped reading the request", r.text
+    assert took < APP_TIMEOUT_S + 10, f"answered after {took:.1f}s"

@@ -19,7 +19,7 @@ import h11
 from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
 from moorage.log import get_logger
 from moorage.runtime.sizing import app_ports
-from moorage.sandbox import ChannelError, RemoteError
+from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
 from moorage.store import EntityKey, TenantStore
 
 log = get_logger(__name__)
@@ -118,10 +118,12 @@ class _AppStoppedReading(AppUnavailable):
 class _Exchange:
     """One request/response over one relayed guest connection."""
 
-    def __init__(self, sandbox: Any, conn_id: int, deadline: float, max_response: int) -> None:
+    def __init__(self, sandbox: Any, conn_id: int, deadline: float, max_response: int, write_timeout_s: float) -> None:
         self.sandbox = sandbox
         self.conn_id = conn_id
         self.deadline = deadline
+        #: How long one write may wait for the app to take its bytes (the guest's write waits on the app's socket).
+        self.write_timeout_s = write_timeout_s
         self.max_response = max_response
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD_BYTES)
         self.received = 0
@@ -129,12 +131,16 @@ class _Exchange:
 
     async def write(self, data: bytes) -> None:
         for i in range(0, len(data), WRITE_CHUNK):
+            until = min(self.deadline, time.monotonic() + self.write_timeout_s)
             try:
                 await self._call("app.write", {"conn": self.conn_id,
-                                               "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()})
+                                               "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()}, until)
             except AppUnavailable as e:
                 if isinstance(e.__cause__, RemoteError):
                     raise _AppStoppedReading(e.message, hint=e.hint) from e.__cause__
+                if isinstance(e.__cause__, ChannelTimeout) and until < self.deadline:
+                    raise AppUnavailable("the agent's app stopped reading the request",
+                                         hint="make the app read its requests sooner, or raise app_timeout_s") from None
                 raise
 
     async def _call(self, method: str, params: dict[str, Any], until: float | None = None) -> Any:
@@ -208,7 +214,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
 
         network(sandbox.channel)
         opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network)
-        exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response)
+        exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response, head_timeout)
         stack.push_async_callback(exchange.close)
         try:
             await _send_request(exchange, head, req.body if has_body else None, max_request)
