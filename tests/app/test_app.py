@@ -288,7 +288,7 @@ async def test_moorage_share_cli_makes_lists_and_revokes_links(world: World, tmp
         finally:
             log.configure("warning", "text")  # the CLI pointed logging at the runner's stream, closed by now
         assert r.exit_code == 0, r.output
-        return r.output.strip()
+        return r.stdout.strip()  # server-side log lines of this process go to stderr
 
     # The CLI's client is synchronous; the server runs on this loop, so the CLI runs in a thread.
     url = await asyncio.to_thread(cli, "share", "web", "ada", "--ttl", "10m", "--label", "cli")
