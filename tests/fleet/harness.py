@@ -108,6 +108,8 @@ class Relay:
         self.open()
 
     def open(self) -> None:
+        if self._srv is not None:
+            return
         srv = socket.socket()
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         srv.bind(("127.0.0.1", self.port))

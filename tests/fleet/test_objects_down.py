@@ -21,17 +21,29 @@ def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
     r.close()
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
-    base = tmp_path_factory.mktemp("s3down")
+def _fleet(name: str, tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket,  # noqa: ANN001
+           relay: Relay, **settings: str) -> Iterator[Fleet]:
+    base = tmp_path_factory.mktemp(name)
     s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
-    f = Fleet(base, pg_cluster.create_database("s3down"), s3, n=2, fleet_cache_mib="0.01", checkpoint_interval_s="1")
+    f = Fleet(base, pg_cluster.create_database(name), s3, n=2, checkpoint_interval_s="1", **settings)
     try:
         f.deploy()
         yield f
     finally:
-        relay.open() if relay._srv is None else None
+        relay.open()
         f.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
+    """Two hosts that keep at most 10 KiB of sleeping instances' copies: a shipped copy is evicted at once."""
+    yield from _fleet("s3down", tmp_path_factory, pg_cluster, seaweedfs, s3_bucket, relay, fleet_cache_mib="0.01")
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
+    """Two hosts that keep every copy."""
+    yield from _fleet("s3roomy", tmp_path_factory, pg_cluster, seaweedfs, s3_bucket, relay, fleet_cache_mib="0")
 
 
 def _ok(r: httpx.Response) -> str:
@@ -43,6 +55,39 @@ def _sleep(f: Fleet, user: str, via: int = 0) -> None:
     sid = f.records()[user].id
     r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
     assert r.status_code == 200 and r.json()["slept"] is True, r.text
+
+
+def test_an_agent_asleep_on_a_live_host_wakes_through_any_host_while_the_store_is_down(roomy: Fleet,
+                                                                                       relay: Relay) -> None:
+    assert _ok(roomy.turn(0, "bob")) == "1: hi"
+    _sleep(roomy, "bob")                                       # shipped: any host may wake it
+    relay.close()
+    try:
+        # h2 cannot fetch it: h1, whose disk holds the copy, wakes it (once; later turns go straight there).
+        r = roomy.turn(1, "bob")
+        assert _ok(r) == "2: hi" and r.headers["x-moorage-served-by"] == "h1"
+        r = roomy.turn(1, "bob")
+        assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+        assert roomy.records()["bob"].meta["resumed_from"]["from"] == "local"
+    finally:
+        relay.open()
+
+
+def test_an_agent_no_host_holds_gets_a_clear_error_while_the_store_is_down_and_wakes_after(fleet: Fleet,
+                                                                                          relay: Relay) -> None:
+    assert _ok(fleet.turn(0, "cat")) == "1: hi"
+    _sleep(fleet, "cat")
+    sid = fleet.records()["cat"].id
+    until(lambda: not (fleet.hosts[0].data / "sandboxes" / sid).exists(), "cat's copy evicted", 30)
+    relay.close()
+    try:
+        for via in (0, 1):
+            r = fleet.turn(via, "cat")
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+            assert "cannot reach the object store" in r.json()["detail"], r.text
+    finally:
+        relay.open()
+    assert _ok(fleet.turn(1, "cat")) == "2: hi"              # nothing was lost or half-made meanwhile
 
 
 def test_an_agent_that_slept_while_the_store_was_down_keeps_its_newest_copy_and_is_shipped_once_it_is_back(

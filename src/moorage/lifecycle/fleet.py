@@ -14,8 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.errors import ConflictError, NotFound
+from moorage.fleet.forward import forwarded
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.log import get_logger
+from moorage.objects import ObjectStoreUnavailable
 from moorage.sandbox import SandboxError
 from moorage.store import SandboxRecord, Scope
 from moorage.store.repos.sandboxes import LeaseLost  # noqa: F401 - raised by turn commits; named here for callers
@@ -81,6 +83,16 @@ class FleetDuties:
     _unshipped_check: bool = True
     io: Callable[..., Any]
     system_tenant: Callable[[str], Any]
+
+    async def holder_while_store_down(self, error: BaseException, host: str | None) -> str | None:
+        """A wake here failed because the object store cannot be reached: the live host that last held the
+        instance (``host``), whose disk may still have its copy, to serve the request instead; None when there is
+        none, or the request was already forwarded here (one hop)."""
+        if self.fleet is None or host in (None, self.host) or forwarded.get() or \
+                not isinstance(error, ObjectStoreUnavailable):
+            return None
+        info = await self.io(self.fleet.host, host)
+        return host if info is not None and info.alive(self.fleet.lease_ttl_s) else None
 
     def lease(self, sandbox_id: str) -> tuple[str, int] | None:
         """(host, epoch) a turn commit must find on the record of the instance whose sandbox is ``sandbox_id``

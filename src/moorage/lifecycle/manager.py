@@ -387,7 +387,7 @@ class InstanceManager(fleet_rules.FleetDuties):
             takeover = rec.host not in (None, self.host) and not self._moved_here(rec)
             if takeover and (self.fleet is None or await self.io(fleet_rules.placement, self.fleet, rec) == "forward"):
                 raise Misplaced(rec)
-            previous_epoch = rec.lease_epoch
+            previous_epoch, previous_host = rec.lease_epoch, rec.host
             state = S(rec.state)
             verb: V | None = None
             if state is S.RUNNING and takeover:
@@ -420,7 +420,7 @@ class InstanceManager(fleet_rules.FleetDuties):
                 if template is None:
                     raise InvalidInput(f"{scope} must be provisioned again but no template was given")
                 return await self._provision(ts, li, rec, template, trace, fresh=False)
-            return await self._wake(ts, li, rec, source, trace, previous_epoch)
+            return await self._wake(ts, li, rec, source, trace, previous_epoch, previous_host)
 
     def _moved_here(self, rec: SandboxRecord) -> bool:
         """One host (no fleet) holding an asleep instance's sandbox although the record names another host id: its
@@ -464,8 +464,10 @@ class InstanceManager(fleet_rules.FleetDuties):
         li.owned = owner.get("owner") == self.owner.id
 
     async def _wake(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, source: TemplateSource,
-                    trace: TraceContext, previous_epoch: int | None = None) -> Sandbox:
-        """We hold the ``waking`` claim on ``rec``: restore its sandbox and mark it running."""
+                    trace: TraceContext, previous_epoch: int | None = None,
+                    previous_host: str | None = None) -> Sandbox:
+        """We hold the ``waking`` claim on ``rec`` (taken from ``previous_host``): restore its sandbox and mark it
+        running."""
         started = time.time()
         resumed: dict[str, Any] | None = None
         async with li.op_lock:
@@ -496,6 +498,9 @@ class InstanceManager(fleet_rules.FleetDuties):
                 raise
             except Exception as e:
                 await self._give_up(ts, rec, trace, f"wake failed: {e}")
+                holder = await self.holder_while_store_down(e, previous_host)
+                if holder is not None:  # its last host's disk may hold its copy: that host wakes it
+                    raise Misplaced(None, holder) from e
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
             kind = wake_kind(sandbox, fork=False)
