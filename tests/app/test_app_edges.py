@@ -57,6 +57,10 @@ class Handler(socketserver.StreamRequestHandler):
         if target.startswith("/silent"):
             time.sleep(600)
             return
+        if target.startswith("/moved"):  # a redirect made absolute from the Host it was sent, as frameworks do
+            self.wfile.write(b"HTTP/1.1 307 Moved\r\nLocation: http://" + headers["host"].encode() + b"/landed/?x=1\r\n"
+                             b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+            return
         if target.startswith("/upload"):  # refused before reading the body, as a size check would
             self.wfile.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!")
             return
@@ -318,3 +322,15 @@ async def test_an_app_that_stops_reading_a_request_is_a_502_after_app_timeout_s(
         took = time.monotonic() - started
     assert r.status_code == 502 and r.json()["detail"] == "the agent's app stopped reading the request", r.text
     assert took < APP_TIMEOUT_S + 10, f"answered after {took:.1f}s"
+
+
+async def test_a_redirect_to_the_apps_own_address_stays_inside_the_app(world: World) -> None:
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        r = await c.get("/v1/agents/edge/users/ada/app/moved")
+        assert r.status_code == 307 and r.headers["location"] == "/v1/agents/edge/users/ada/app/landed/?x=1"
+        link = (await c.post("/v1/agents/edge/users/ada/share-links", json={"ttl_s": 600})).json()
+    async with httpx.AsyncClient(base_url=world.http) as browser:
+        r = await browser.get(link["url"] + "moved")
+        assert r.status_code == 307 and r.headers["location"] == link["url"] + "landed/?x=1"
+        r = await browser.get(link["url"] + "moved", follow_redirects=True)  # where a browser ends up
+        assert r.status_code == 200 and r.json() == {"method": "GET", "path": "/landed/?x=1"}

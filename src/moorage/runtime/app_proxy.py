@@ -233,7 +233,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         if declared is not None and int(declared) > max_response:
             raise AppTooLarge(f"the agent's app answered with {int(declared)} bytes; the limit is {max_response}",
                               hint="serve smaller responses, or raise app_max_response_bytes")
-        headers = _response_headers(ev.headers)
+        headers = _response_headers(ev.headers, port, req.prefix)
         status = ev.status_code
     except BaseException:
         await stack.aclose()
@@ -338,14 +338,25 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
 _CLEANUPS: set["asyncio.Future[None]"] = set()
 
 
+def _mounted(location: str, port: int, prefix: str) -> str:
+    """A redirect to the app's own address (frameworks make one absolute from the ``Host`` it was sent) points
+    where the app is mounted instead; any other location is the app's to choose."""
+    for origin in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):
+        if location == origin or location.startswith((origin + "/", origin + "?")):
+            rest = location[len(origin):]
+            return prefix + (rest if rest.startswith("/") else "/" + rest)
+    return location
+
+
 def _cleaned(task: "asyncio.Future[None]") -> None:
     _CLEANUPS.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.warning("app exchange cleanup failed", error=str(task.exception()))
 
 
-def _response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+def _response_headers(raw: Iterable[tuple[bytes, bytes]], port: int, prefix: str) -> list[tuple[str, str]]:
     out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in _DROP_RESPONSE]
+    out = [(k, _mounted(v, port, prefix) if k == "location" else v) for k, v in out]
     out.append(("content-security-policy", APP_CSP))
     out.append(("x-content-type-options", "nosniff"))
     out.append(("referrer-policy", "no-referrer"))  # a share link's token never leaves in a Referer
