@@ -9,7 +9,6 @@ instance awake: its messages count as activity, and when the instance sleeps the
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -25,19 +24,13 @@ from websockets.uri import parse_uri
 
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
-from moorage.runtime.app_proxy import (_DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, AppUnavailable, app_of,
-                                       open_connection)
-from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
+from moorage.runtime.app_proxy import _DROP_REQUEST, AppUnavailable, app_of, open_connection
+from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
 from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
 
 log = get_logger(__name__)
 
-#: The guest drops a socket's connection when the host has not asked for its bytes for this long: the host keeps a
-#: read waiting at all times (each waits at most 25 s in the guest), so only a host that went away stops asking.
-GUEST_IDLE_S = 60
-#: Longest one channel call waits for the guest (its ``app.read`` answers within 25 s, with bytes or without).
-READ_CALL_S = 35.0
 #: The caller's handshake headers the app never sees besides the HTTP ones: the host makes its own handshake.
 _DROP_HANDSHAKE = _DROP_REQUEST | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                                    "sec-websocket-protocol", "sec-websocket-accept"}
@@ -96,78 +89,6 @@ class Outcome:
     why: str
 
 
-class _Asleep(Exception):
-    """The instance went to sleep (or its channel closed) under the socket."""
-
-
-class _AppStalled(Exception):
-    """The app took none of the bytes written to it for ``app_timeout_s`` (it stopped reading its socket)."""
-
-
-def _too_slow() -> AppUnavailable:
-    return AppUnavailable("the agent's app took too long to answer the WebSocket handshake",
-                          hint="make the app answer sooner, or raise app_timeout_s")
-
-
-class _GuestConnection:
-    """One relayed connection to the app's port: bytes written in frames, bytes pulled one chunk at a time."""
-
-    def __init__(self, channel: Any, conn_id: int, write_timeout_s: float) -> None:
-        self.channel = channel
-        self.conn_id = conn_id
-        self.closed = False
-        #: How long one write may wait for the app to take its bytes (the guest's write waits on the app's socket).
-        self.write_timeout_s = write_timeout_s
-
-    async def write(self, data: bytes, *, eof: bool = False) -> None:
-        for i in range(0, max(len(data), 1), WRITE_CHUNK):
-            params: dict[str, Any] = {"conn": self.conn_id, "data": base64.b64encode(data[i:i + WRITE_CHUNK]).decode()}
-            if eof and i + WRITE_CHUNK >= len(data):
-                params["eof"] = True
-            try:
-                await self._call("app.write", params, self.write_timeout_s)
-            except _Asleep as e:
-                if isinstance(e.__cause__, ChannelTimeout):
-                    raise _AppStalled() from None
-                raise
-
-    async def read(self, until: float | None = None) -> bytes | None:
-        """The app's next bytes (None at its end of stream), waiting for them until ``until`` (or for ever)."""
-        while True:
-            # The guest answers an empty read only after waiting up to 25 s: a deadline sooner than that ends the
-            # call itself (its cancel frees the guest's read), so an app that never answers costs app_timeout_s.
-            left = READ_CALL_S if until is None else until - time.monotonic()
-            if left <= 0:
-                raise _too_slow()
-            try:
-                got = await self._call("app.read", {"conn": self.conn_id, "max": READ_CHUNK}, min(left, READ_CALL_S))
-            except _Asleep as e:
-                if until is not None and isinstance(e.__cause__, ChannelTimeout):
-                    raise _too_slow() from None
-                raise
-            data = base64.b64decode(got.get("data") or "") if isinstance(got, dict) else b""
-            if data:
-                return data
-            if not isinstance(got, dict) or got.get("eof"):
-                return None
-            # An empty read without eof: the guest waited its longest for the app; ask again.
-
-    async def _call(self, method: str, params: dict[str, Any], timeout: float = READ_CALL_S) -> Any:
-        try:
-            return await self.channel.call(method, params, timeout=timeout)
-        except RemoteError:
-            return {"data": "", "eof": True}  # the guest no longer has the connection: the app's end of stream
-        except ChannelError as e:
-            raise _Asleep() from e
-
-    async def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(Exception):
-            await self.channel.call("app.close", {"conn": self.conn_id}, timeout=5)
-
-
 _OPEN: dict[str, int] = {}  # sandbox id -> sockets open on this host
 
 
@@ -180,7 +101,7 @@ class AppSocket:
     scope: Any
     sandbox: Any
     channel: Any
-    conn: _GuestConnection
+    conn: GuestConnection
     protocol: ClientProtocol
     #: The subprotocol the app chose (accept the caller with it).
     subprotocol: str | None
@@ -205,9 +126,9 @@ class AppSocket:
             first = next(iter(done))
             try:
                 outcome = first.result()
-            except _Asleep:
+            except InstanceGone:
                 outcome = self._gone()
-            except _AppStalled:  # not a sleep: the instance is awake, its app is busy elsewhere or hung
+            except AppStalled:  # not a sleep: the instance is awake, its app is busy elsewhere or hung
                 outcome = Outcome(INTERNAL, "the agent's app stopped reading the socket", "app-stalled")
             except Exception as e:  # noqa: BLE001 - the socket ends; the caller gets a generic close
                 log.warning("app socket failed", error=f"{type(e).__name__}: {e}")
@@ -309,7 +230,7 @@ class AppSocket:
                 await asyncio.wait({closed}, timeout=0.25)
         finally:
             closed.cancel()
-        raise _Asleep()
+        raise InstanceGone()
 
     # -- helpers ----------------------------------------------------------------------------------------------------
 
@@ -322,7 +243,7 @@ class AppSocket:
     def _active(self) -> Iterator[None]:
         """Counts as a turn for the instance's lifecycle while the block runs (it is not slept meanwhile)."""
         if not self._awake():
-            raise _Asleep()
+            raise InstanceGone()
         li = self.runtime.instances.live(self.ts, self.scope)
         clock = self.runtime.instances.clock
         li.activity.turn_started(clock())
@@ -392,7 +313,7 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
             raise AppSocketsExhausted(f"this app already has {config.app_ws_max_sockets} WebSockets open",
                                       hint="close some, or raise app_ws_max_sockets")
         _OPEN[sandbox.id] = _OPEN.get(sandbox.id, 0) + 1
-        conn: _GuestConnection | None = None
+        conn: GuestConnection | None = None
         try:
             from moorage.runtime.vm_network import attach
 
@@ -402,7 +323,7 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
             network(sandbox.channel)
             opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network,
                                            idle_s=GUEST_IDLE_S)
-            conn = _GuestConnection(sandbox.channel, int(opened["conn"]), float(config.app_timeout_s))
+            conn = GuestConnection(sandbox.channel, int(opened["conn"]), float(config.app_timeout_s))
             protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/"), subprotocols=req.subprotocols or None,
                                       max_size=max_message)
             request = protocol.connect()
@@ -438,17 +359,17 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
                      max_message, early)
 
 
-async def _handshake(conn: _GuestConnection, protocol: ClientProtocol, until: float) -> tuple[Response, list[Any]]:
+async def _handshake(conn: GuestConnection, protocol: ClientProtocol, until: float) -> tuple[Response, list[Any]]:
     try:
         await conn.write(b"".join(protocol.data_to_send()))
-    except _AppStalled:
-        raise _too_slow() from None
-    except _Asleep:
+    except AppStalled:
+        raise too_slow() from None
+    except InstanceGone:
         raise AppUnavailable("the sandbox stopped answering", hint="retry; the agent's instance may be restarting") from None
     while True:
         try:
             data = await conn.read(until)
-        except _Asleep:
+        except InstanceGone:
             raise AppUnavailable("the sandbox stopped answering", hint="retry; the agent's instance may be restarting") from None
         if data is None:
             protocol.receive_eof()
