@@ -138,3 +138,67 @@ def test_a_stopped_hosts_copy_serves_where_it_stopped_and_never_touches_the_orig
             assert [a["name"] for a in sdk.list_agents()["data"]] == ["keep"]
     finally:
         moved.stop()
+
+
+VM_AGENT_PY = '''
+SEEN = 0  # in the guest's memory only: it goes on counting only if the VM's RAM was restored
+
+
+async def on_message(ctx, message):
+    global SEEN
+    SEEN += 1
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    ctx.files.write("counter.txt", str(n + 1))
+    return f"{n + 1} {SEEN}"
+'''
+
+
+def _names(root: Path, old: str) -> list[str]:
+    """Files under ``root`` whose metadata or qcow2 header names a path under ``old``."""
+    from moorage.sandbox.microvm_files import qcow2_backing
+
+    out = []
+    for p in root.rglob("*"):
+        if p.name in ("meta.json", "template.json") and old in p.read_text():
+            out.append(str(p))
+        elif p.suffix == ".qcow2" and old in (qcow2_backing(p) or ""):
+            out.append(f"{p} -> {qcow2_backing(p)}")
+    return out
+
+
+@pytest.mark.slow
+def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: Path) -> None:
+    a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
+    images = os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images")
+    env = {"MOORAGE_TEST_IMAGES_DIR": images, "MOORAGE_LOG_LEVEL": "warning"}
+    agent = tmp_path / "agents" / "echo"
+    agent.mkdir(parents=True)
+    (agent / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (agent / "agent.py").write_text(VM_AGENT_PY)
+    host = LocalHost("box", a, env, driver="microvm")
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("echo", agent)
+            assert sdk.invoke("echo", "one", user="ada")["reply"] == "1 1"
+            assert sdk.invoke("echo", "two", user="ada")["reply"] == "2 2"
+    finally:
+        host.stop()  # SIGTERM: ada's VM sleeps, its RAM in its snapshot
+
+    b.parent.mkdir()
+    subprocess.run(["cp", "-a", str(a), str(b)], check=True)
+    shutil.move(str(a.parent), str(tmp_path / "gone"))  # restored elsewhere: nothing of the original is left
+    moved = LocalHost("elsewhere", b, env, driver="microvm")
+    try:
+        with Client(moved.url, moved.key) as sdk:
+            assert sdk.invoke("echo", "three", user="ada")["reply"] == "3 3"  # files and memory
+            boxes = {s["scope"]: s for s in sdk.list_sandboxes(agent="echo")["data"]}
+            assert boxes["user:echo/ada"]["wake_kind"] == "snapshot"
+            assert sdk.invoke("echo", "hi", user="bob")["reply"] == "1 1"  # forked from the copy's template
+    finally:
+        moved.stop()
+    assert _names(b, str(a)) == []
+

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
 from moorage.log import get_logger
-from moorage.sandbox import microvm_fleet, microvm_memfd, microvm_net, microvm_templates
+from moorage.sandbox import microvm_fleet, microvm_memfd, microvm_moved, microvm_net, microvm_templates
 from moorage.sandbox.accel import choose_accel, probe_kvm
 from moorage.sandbox.base import (
     Capabilities,
@@ -139,6 +139,7 @@ class MicroVMDriver(SandboxDriver):
             meta = json.loads((d / "meta.json").read_text())
         except FileNotFoundError as e:
             raise SandboxNotFound(f"no sandbox {sandbox_id} under {self.root}") from e
+        meta = await asyncio.to_thread(microvm_moved.sandbox_here, self, d, meta)  # a restored data directory's
         sb = MicroVMSandbox(self, sandbox_id, meta)
         if meta["state"] == SandboxState.RUNNING.value:
             if not await sb._reattach():
@@ -261,6 +262,7 @@ class MicroVMDriver(SandboxDriver):
         microvm_templates.delete(template)
 
     async def fork(self, template: TemplateRef, ids: Sequence[str]) -> list[MicroVMSandbox]:
+        await asyncio.to_thread(microvm_moved.template_here, self, Path(template.path))
         tmeta = microvm_templates.forkable(self, template, ids)
         metas = await asyncio.gather(*(microvm_templates.fork_one(self, Path(template.path), tmeta, sid) for sid in ids))
         forks = [MicroVMSandbox(self, sid, meta) for sid, meta in zip(ids, metas)]
