@@ -202,3 +202,21 @@ def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: 
         moved.stop()
     assert _names(b, str(a)) == []
 
+    # An upgrade of QEMU (the Debian package): every snapshot and the template were saved by another build.
+    for f in [*b.glob("sandboxes/*/meta.json"), *b.glob("sandboxes/.templates/*/template.json")]:
+        record = json.loads(f.read_text())
+        if record.get("snapshot"):
+            record["snapshot"]["qemu"] = "QEMU emulator version 7.0.0 [an older build]"
+            f.write_text(json.dumps(record))
+    upgraded = LocalHost("elsewhere", b, env, driver="microvm")
+    try:
+        with Client(upgraded.url, upgraded.key) as sdk:
+            assert sdk.invoke("echo", "four", user="ada")["reply"] == "4 1"  # files kept, processes started anew
+            boxes = {s["scope"]: s for s in sdk.list_sandboxes(agent="echo")["data"]}
+            assert boxes["user:echo/ada"]["wake_kind"] == "cold-fallback"
+            assert sdk.invoke("echo", "hi", user="cy")["reply"] == "1 1"  # from a template made again
+            boxes = {s["scope"]: s for s in sdk.list_sandboxes(agent="echo")["data"]}
+            assert boxes["user:echo/cy"]["wake_kind"] == "fork"
+    finally:
+        upgraded.stop()
+    assert "cannot be forked on this host any more" in upgraded.log.read_text()

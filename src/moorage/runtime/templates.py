@@ -169,6 +169,12 @@ class Templates:
         ref = _ref_of(d, self._templates_dir())
         if d.get("driver") != self.driver.name or not ref.path.exists():
             return None
+        outdated = getattr(self.driver, "template_outdated", None)
+        why = outdated(ref) if callable(outdated) else None
+        if why is not None:  # an upgrade (docs/operations.md): its forks keep it; new users get a new template
+            log.warning("the deployment's template cannot be forked on this host any more; building it again",
+                        deployment=deployment_id, template=ref.id, reason=why)
+            return None
         return ref
 
     async def ensure(self, deployment: Deployment, on_progress: Any = None, record: Any = None) -> TemplateRef:

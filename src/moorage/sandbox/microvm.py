@@ -36,7 +36,7 @@ from moorage.sandbox.base import (
 )
 from moorage.sandbox.image import GuestImage, ImageBuilder
 from moorage.sandbox.microvm_files import qemu_img, write_json
-from moorage.sandbox.microvm_qemu import VMConfig, kernel_cmdline, kill_pid, pid_is_ours
+from moorage.sandbox.microvm_qemu import VMConfig, kernel_cmdline, kill_pid, pid_is_ours, qemu_version
 from moorage.sandbox.microvm_sandbox import BootError, MicroVMSandbox
 
 __all__ = ["BootError", "MicroVMDriver", "MicroVMSandbox"]
@@ -183,6 +183,15 @@ class MicroVMDriver(SandboxDriver):
     @staticmethod
     def template_image_dir(tdir: Path) -> Path:
         return Path(json.loads((Path(tdir) / "template.json").read_text())["image_dir"])
+
+    def template_outdated(self, template: TemplateRef) -> str | None:
+        """Why ``template`` can no longer be forked here (its memory was saved by another QEMU build: the QEMU
+        package was upgraded since), or None. The runtime then builds the deployment's template again."""
+        try:
+            made = json.loads((Path(template.path) / "template.json").read_text()).get("snapshot", {}).get("qemu")
+        except (OSError, ValueError):
+            return None
+        return None if made == qemu_version() else f"made with {made}, this host runs {qemu_version()}"
 
     def adopt_template(self, staging: Path, final: Path, image: GuestImage) -> None:
         """A template fetched into ``staging`` made this host's (``microvm_fleet.adopt_template``). Blocking."""
