@@ -61,6 +61,11 @@ class Handler(socketserver.StreamRequestHandler):
             self.wfile.write(b"HTTP/1.1 307 Moved\r\nLocation: http://" + headers["host"].encode() + b"/landed/?x=1\r\n"
                              b"Content-Length: 0\r\nConnection: close\r\n\r\n")
             return
+        origin = headers.get("origin")
+        if target.startswith("/same-origin") and origin is not None and origin != "http://" + headers["host"]:
+            # Tornado's and engine.io's default check: a browser's request from another origin is refused.
+            self.wfile.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
         if target.startswith("/upload"):  # refused before reading the body, as a size check would
             self.wfile.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!")
             return
@@ -334,3 +339,17 @@ async def test_a_redirect_to_the_apps_own_address_stays_inside_the_app(world: Wo
         assert r.status_code == 307 and r.headers["location"] == link["url"] + "landed/?x=1"
         r = await browser.get(link["url"] + "moved", follow_redirects=True)  # where a browser ends up
         assert r.status_code == 200 and r.json() == {"method": "GET", "path": "/landed/?x=1"}
+
+
+async def test_a_browsers_socket_passes_the_apps_same_origin_check(world: World) -> None:
+    # A page served through a share link runs in an opaque origin: its browser opens the socket with
+    # `Origin: null`. The app sees its own origin, as it sees its own Host, so a same-origin check passes.
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        link = (await c.post("/v1/agents/edge/users/ada/share-links", json={"ttl_s": 600})).json()
+    for origin in ("null", world.http):
+        async with connect(world.ws + link["url"] + "same-origin", origin=origin, open_timeout=120) as ws:  # type: ignore[arg-type]
+            await ws.send("z")
+            assert await ws.recv() == "z"
+    async with httpx.AsyncClient(base_url=world.http) as browser:  # and so does a page's fetch
+        r = await browser.get(link["url"] + "same-origin", headers={"Origin": "null"})
+        assert r.status_code == 200 and r.json() == {"method": "GET", "path": "/same-origin"}

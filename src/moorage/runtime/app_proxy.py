@@ -34,11 +34,11 @@ WRITE_CHUNK = 256 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 
 #: Request headers never passed to the app: hop-by-hop, the caller's credentials for moorage (an API key or
-#: cookies of the API's origin are not the app's business), and what the host sets itself.
+#: cookies of the API's origin are not the app's business), and what the host sets itself (``origin_for``).
 _DROP_REQUEST = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
     "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
-    "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded",
+    "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded", "origin",
 })
 #: Response headers never passed back: hop-by-hop, framing (the host re-frames), cookies (the app is served
 #: from the API's origin, where it must not set or replace cookies), and the two the host's server adds itself
@@ -86,6 +86,13 @@ class AppResponse:
     aclose: Callable[[], Awaitable[None]]
 
 
+def origin_for(headers: Iterable[tuple[bytes, bytes]], port: int) -> list[str]:
+    """The ``Origin`` the app sees: its own, as its ``Host`` is, when the caller sent one. A page of the app runs in an
+    opaque origin (``null``, the sandbox CSP) and the API's origin is not the app's: a same-origin check in the app
+    (Tornado's, engine.io's) would refuse every browser. It guards nothing here: the app never sees cookies."""
+    return [f"http://127.0.0.1:{port}"] if any(k.lower() == b"origin" for k, _ in headers) else []
+
+
 def _limits(config: Any) -> tuple[int, int, float, float]:
     return (config.app_max_request_bytes, config.app_max_response_bytes, float(config.app_timeout_s),
             float(config.app_max_duration_s))
@@ -105,6 +112,7 @@ def _request_head(req: AppRequest, port: int) -> tuple[h11.Request, bool]:
         headers.append((b"transfer-encoding", b"chunked"))
     headers += [(b"host", f"127.0.0.1:{port}".encode()), (b"connection", b"close"),
                 (b"x-forwarded-prefix", req.prefix.encode()), (b"x-forwarded-proto", b"http")]
+    headers += [(b"origin", origin.encode()) for origin in origin_for(req.headers, port)]
     try:
         return h11.Request(method=req.method.encode(), target=req.target, headers=headers), declared is not None or chunked
     except h11.LocalProtocolError as e:

@@ -24,7 +24,7 @@ from websockets.uri import parse_uri
 
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
-from moorage.runtime.app_proxy import _DROP_REQUEST, AppUnavailable, app_of, open_connection
+from moorage.runtime.app_proxy import _DROP_REQUEST, AppUnavailable, app_of, open_connection, origin_for
 from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
 from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
@@ -337,6 +337,8 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
                 headers[k2] = v2
             headers["X-Forwarded-Prefix"] = req.prefix
             headers["X-Forwarded-Proto"] = "http"
+            for origin in origin_for(req.headers, port):
+                headers["Origin"] = origin
             request.headers = headers
             protocol.send_request(request)
             until = time.monotonic() + float(config.app_timeout_s)
