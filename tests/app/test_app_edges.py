@@ -353,3 +353,13 @@ async def test_a_browsers_socket_passes_the_apps_same_origin_check(world: World)
     async with httpx.AsyncClient(base_url=world.http) as browser:  # and so does a page's fetch
         r = await browser.get(link["url"] + "same-origin", headers={"Origin": "null"})
         assert r.status_code == 200 and r.json() == {"method": "GET", "path": "/same-origin"}
+
+
+async def test_the_redirect_to_the_apps_root_keeps_the_query(world: World) -> None:
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        r = await c.get("/v1/agents/edge/users/ada/app?tab=2&q=a%20b")
+        assert r.status_code == 308 and r.headers["location"] == "/v1/agents/edge/users/ada/app/?tab=2&q=a%20b"
+        link = (await c.post("/v1/agents/edge/users/ada/share-links", json={"ttl_s": 600})).json()
+    async with httpx.AsyncClient(base_url=world.http) as browser:
+        r = await browser.get(link["url"].rstrip("/") + "?tab=2", follow_redirects=True)
+        assert r.json() == {"method": "GET", "path": "/?tab=2"}

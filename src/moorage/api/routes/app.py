@@ -62,6 +62,12 @@ async def _relay(call: Call, ts: Any, agent: str, user: str, prefix: str) -> Res
     return out
 
 
+def _query(call: Call) -> str:
+    """The request's query, kept by a redirect to the app's root (``?tab=2`` on a shared link still opens that tab)."""
+    qs = call.request.scope.get("query_string") or b""
+    return "?" + qs.decode("latin-1") if qs else ""
+
+
 def _ids(call: Call | HTTPConnection) -> tuple[str, str]:
     path = call.path if isinstance(call, Call) else call.path_params
     return check_id(path["agent"], "agent name"), check_id(path["user"], "user id")
@@ -75,7 +81,7 @@ async def serve_app(call: Call) -> Response:
 async def app_root(call: Call) -> Response:
     agent, user = _ids(call)
     await asyncio.to_thread(agent_of, call)  # another tenant's agent is a 404 here too
-    return RedirectResponse(f"/v1/agents/{agent}/users/{user}/app/", status_code=308)
+    return RedirectResponse(f"/v1/agents/{agent}/users/{user}/app/{_query(call)}", status_code=308)
 
 
 async def _open_link(call: Call) -> tuple[Any, Any]:
@@ -95,7 +101,7 @@ async def serve_shared(call: Call) -> Response:
 
 async def shared_root(call: Call) -> Response:
     await _open_link(call)
-    return RedirectResponse(f"/v1/shared/{call.path['token']}/", status_code=308)
+    return RedirectResponse(f"/v1/shared/{call.path['token']}/{_query(call)}", status_code=308)
 
 
 def _render(link: Any) -> dict[str, Any]:
