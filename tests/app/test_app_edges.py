@@ -155,12 +155,12 @@ async def on_message(ctx, message):
 '''
 
 
-def _archive(tmp: Path) -> bytes:
-    root = tmp / "edge"
+def _archive(tmp: Path, name: str = "edge", code: str = AGENT) -> bytes:
+    root = tmp / name
     root.mkdir(parents=True, exist_ok=True)
-    (root / "moorage.toml").write_text('[agent]\nname = "edge"\nentry = "agent.py"\nports = [8080]\n'
+    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\nports = [8080]\n'
                                        '[agent.lifecycle]\nusers = "auto"\n')
-    (root / "agent.py").write_text(textwrap.dedent(AGENT))
+    (root / "agent.py").write_text(textwrap.dedent(code))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for p in sorted(root.iterdir()):
@@ -202,6 +202,11 @@ async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World
         assert r.status_code == 201, r.text
         r = await c.post("/v1/agents/edge/invoke", json={"message": "hi", "user": "ada"})
         assert r.json()["reply"] == "ok", r.text
+        # An agent that declares its port and starts nothing on it: its app is down.
+        r = await c.post("/v1/agents/down/deployments", content=_archive(tmp, "down", "async def on_message(ctx, m):\n"
+                                                                         "    return 'ok'\n"),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
     try:
         yield w
     finally:
@@ -363,3 +368,17 @@ async def test_the_redirect_to_the_apps_root_keeps_the_query(world: World) -> No
     async with httpx.AsyncClient(base_url=world.http) as browser:
         r = await browser.get(link["url"].rstrip("/") + "?tab=2", follow_redirects=True)
         assert r.json() == {"method": "GET", "path": "/?tab=2"}
+
+
+async def test_an_app_that_is_down_is_a_prompt_502_that_says_so(world: World) -> None:
+    started = time.monotonic()
+    with pytest.raises(InvalidStatus) as e:
+        async with connect(f"{world.ws}/v1/agents/down/users/ada/app/ws", open_timeout=120,
+                           additional_headers={"Authorization": f"Bearer {world.acme}"}):
+            pass
+    assert e.value.response.status_code == 502
+    assert json.loads(e.value.response.body)["detail"] == "the agent's app is not listening on port 8080"
+    async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.acme}"}) as c:
+        r = await c.get("/v1/agents/down/users/ada/app/")
+        assert r.status_code == 502 and r.json()["hint"] == "start a server on 127.0.0.1:8080 in the sandbox"
+    assert time.monotonic() - started < 30  # the first of them started the instance
