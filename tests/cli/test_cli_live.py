@@ -143,3 +143,15 @@ async def test_agents_lists_the_deployed_agents_with_their_live_deployment(live_
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.stdout.splitlines() if line.startswith("│")]
     rows = {c[0]: c[1:3] for c in cells}
     assert rows == {"echo": ["#1", "2"], "web": ["#1", "1"]}, table.stdout
+
+
+async def test_ps_lists_the_tenants_instances_from_the_fleet_route(live_rt, acme) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+        await sdk.invoke("echo", "one", user="ann")
+        box = (await sdk.fleet())["instances"][0]
+    shown = await moorage(live_rt, acme, "ps")
+    assert shown.exit_code == 0, shown.output
+    assert box["id"] in shown.stdout and "running" in shown.stdout
+    asleep = await moorage(live_rt, acme, "ps", "--state", "sleeping")
+    assert asleep.exit_code == 0 and box["id"] not in asleep.stdout

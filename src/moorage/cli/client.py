@@ -18,7 +18,6 @@ from rich.table import Table
 from moorage.cli.console import id_column, make_console, print_table
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
-from moorage.client._api import Request, _p
 from moorage.config import Config
 from moorage.errors import ConfigError, InvalidInput, MoorageError
 
@@ -62,22 +61,6 @@ def sdk(cfg: Config, use: Callable[[Client], R]) -> R:
     """Run ``use`` with an SDK client for the configured server."""
     with _client(cfg) as c, _translated():
         return use(c)
-
-
-def seg(value: str) -> str:
-    """One id for a route's path: quoted whole; an empty id, ``.`` or ``..`` is refused before anything is sent."""
-    with _translated():
-        return _p(value)
-
-
-def call(cfg: Config, method: str, path: str, **kw: Any) -> Any:
-    """A route the SDK has no method for, sent through the SDK's transport (retries, errors). Ids in ``path`` are
-    quoted by the caller (``seg``); a path with an empty, ``.`` or ``..`` segment never leaves."""
-    if any(s in ("", ".", "..") for s in path.split("?")[0].split("/")[1:]):
-        raise InvalidInput(f"{path!r} is not a route this command can call", hint="check the ids given")
-    req = Request(method, path, dict(kw.get("params") or {}), kw.get("json"), kw.get("content"),
-                  dict(kw.get("headers") or {}))
-    return sdk(cfg, lambda c: c._send(req)) or {}
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
@@ -238,7 +221,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         if state is not None and state not in known:
             raise InvalidInput(f"--state {state!r} is not an instance state", hint=f"one of {', '.join(known)}")
 
-        fleet = call(cfg_of(), "GET", "/v1/fleet")
+        fleet = sdk(cfg_of(), lambda c: c.fleet())
         rows = [i for i in fleet.get("instances", []) if state is None or i.get("state") == state]
 
         def mib(v: Any) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import typer
 from rich.table import Table
 
-from moorage.cli.console import make_console
+from moorage.cli.console import make_console, utc
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent secrets: stored encrypted, added by the host, never shown.")
@@ -26,25 +26,19 @@ def _cfg() -> Any:
     return state.cfg
 
 
-def _base(agent: str, user: Optional[str]) -> str:
-    from moorage.cli.client import seg
-
-    return f"/v1/agents/{seg(agent)}" + (f"/users/{seg(user)}" if user else "") + "/secrets"
-
-
 @app.command("set")
 @clear_errors
 def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Set NAME for AGENT; the value comes from standard input (or a hidden prompt). A new value is used from
     the agent's next request on; nothing is rebuilt."""
-    from moorage.cli.client import call, seg
+    from moorage.cli.client import sdk
 
     if sys.stdin.isatty():
         value = typer.prompt(f"value of {name}", hide_input=True)
     else:
         value = sys.stdin.read()
     value = value.rstrip("\r\n")  # `echo $TOKEN | moorage secrets set ...` ends in a newline
-    info = call(_cfg(), "PUT", f"{_base(agent, user)}/{seg(name)}", json={"value": value})
+    info = sdk(_cfg(), lambda c: c.set_secret(agent, name, value, user=user))
     console.print(f"[green]set[/] {name} for {agent}{' user ' + user if user else ''} (version {info['version']})",
                   highlight=False)
 
@@ -53,19 +47,17 @@ def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
 @clear_errors
 def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(False, "--json")) -> None:
     """List AGENT's secrets: names, versions and when they changed (never values)."""
-    import datetime
     import json
 
-    from moorage.cli.client import call
+    from moorage.cli.client import sdk
 
-    rows = call(_cfg(), "GET", _base(agent, user))["data"]
+    rows = sdk(_cfg(), lambda c: c.list_secrets(agent, user=user))["data"]
     if as_json:
         print(json.dumps(rows, indent=2))
         return
     table = Table("name", "version", "updated")
     for r in rows:
-        table.add_row(r["name"], str(r["version"]),
-                      datetime.datetime.fromtimestamp(r["updated_at"]).isoformat(timespec="seconds"))
+        table.add_row(r["name"], str(r["version"]), utc(r["updated_at"]))
     console.print(table)
 
 
@@ -73,9 +65,9 @@ def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(F
 @clear_errors
 def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Remove NAME from AGENT (requests stop carrying it at once)."""
-    from moorage.cli.client import call, seg
+    from moorage.cli.client import sdk
 
-    call(_cfg(), "DELETE", f"{_base(agent, user)}/{seg(name)}")
+    sdk(_cfg(), lambda c: c.delete_secret(agent, name, user=user))
     console.print(f"[green]removed[/] {name} from {agent}", highlight=False)
 
 

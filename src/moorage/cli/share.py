@@ -39,16 +39,15 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
               revoke: Optional[str] = typer.Option(None, "--revoke", metavar="LINK_ID", help="Revoke one link."),
               as_json: bool = typer.Option(False, "--json")) -> None:
         """Make a signed, expiring link to USER's app of AGENT (declared with ports = [...] in moorage.toml)."""
-        from moorage.cli.client import call, seg
+        from moorage.cli.client import sdk
 
         cfg = cfg_of()
-        base = f"/v1/agents/{seg(agent)}/users/{seg(user)}/share-links"
         if revoke:
-            out = call(cfg, "DELETE", f"{base}/{seg(revoke)}")
+            out = sdk(cfg, lambda c: c.revoke_share_link(agent, user, revoke))
             print(json.dumps(out, indent=2) if as_json else f"revoked {out.get('id', revoke)}")
             return
         if list_:
-            rows = call(cfg, "GET", base).get("data", [])
+            rows = sdk(cfg, lambda c: c.list_share_links(agent, user))["data"]
             if as_json:
                 print(json.dumps(rows, indent=2))
                 return
@@ -57,7 +56,8 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
                 table.add_row(r["id"], r["label"], utc(r["expires_at"]), utc(r["revoked_at"]))
             print_table(console, table)
             return
-        out = call(cfg, "POST", base, json={"ttl_s": parse_ttl(ttl), "label": label})
+        seconds = parse_ttl(ttl)
+        out = dict(sdk(cfg, lambda c: c.create_share_link(agent, user, ttl_s=seconds, label=label)))
         server = (cfg.api_url or f"http://{cfg.host}:{cfg.port}").rstrip("/")
         out["url"] = server + out["url"]
         print(json.dumps(out, indent=2) if as_json else out["url"])
