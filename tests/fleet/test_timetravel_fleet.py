@@ -11,17 +11,26 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.fleet.harness import Fleet, until
+from tests.fleet.harness import Fleet, Relay, until
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket) -> Iterator[Fleet]:  # noqa: ANN001
+def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
+    r = Relay(seaweedfs.s3_port)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
     base = tmp_path_factory.mktemp("ttfleet")
-    f = Fleet(base, pg_cluster.create_database("ttfleet"), seaweedfs.settings(s3_bucket, f"fleet-{base.name}"))
+    s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
+    f = Fleet(base, pg_cluster.create_database("ttfleet"), s3)
     try:
         f.deploy()
         yield f
     finally:
+        relay.open()
         f.close()
 
 
@@ -99,3 +108,62 @@ def test_a_fan_out_fork_of_an_instance_asleep_on_another_host(fleet: Fleet) -> N
     for i, u in enumerate(("f1", "f2", "f3")):
         assert _ok(fleet.turn(i, u)) == "2: hi"
     assert _ok(fleet.turn(1, "src")) == "3: hi"
+
+
+def _after_takeover(f: Fleet, via: int, user: str) -> httpx.Response:
+    """A turn through host ``via`` once the dead host's lease lapsed (the lease is 4 s)."""
+    deadline = time.monotonic() + 60
+    while (r := f.turn(via, user)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return r
+
+
+def _intend_rollback(f: Fleet, user: str, to: str) -> None:
+    """What a host killed in the middle of a rollback leaves in the store: the intent, the store not rolled back."""
+    from moorage.config import Config
+    from moorage.store import open_store
+    from moorage.store.repos.checkpoints import Checkpoints
+
+    with open_store(Config(store_url=f.store_url)) as store:
+        (ts,) = list(store.operator.tenants())
+        Checkpoints(ts).set_pending("echo", user, {"op": "rollback", "to": to})
+
+
+def test_after_its_host_died_a_users_checkpoints_roll_back_on_a_survivor(fleet: Fleet, relay: Relay) -> None:
+    """h1 dies in the middle of a rollback: the host that takes the instance over finishes it before any turn, as a
+    restarted host would; checkpoints shipped with the instance stay restorable. Then h2 dies in the middle of a
+    rollback to a checkpoint it never shipped (the object store was down): h3 drops that intent (the instance is
+    at the old point), a rollback to that checkpoint is refused clearly, and time travel goes on. Last: it kills."""
+    for _ in range(3):
+        _ok(fleet.turn(0, "dead"))
+    until(lambda: (fleet.records()["dead"].meta.get("shipped") or {}).get("awake"), "shipped while awake", 30)
+    time.sleep(3)  # the shipment after the third turn (coalesced: at most one every 2 s)
+    ids = _turns(_listing(fleet, 0, "dead"))
+    _intend_rollback(fleet, "dead", ids["1: hi"])
+    fleet.hosts[0].kill()
+    assert _ok(_after_takeover(fleet, 1, "dead")) == "2: hi"  # the rollback to turn 1 finished first
+    rec = fleet.records()["dead"]
+    assert rec.host == "h2" and rec.meta["resumed_from"]["from"] == "shipped"
+    r = fleet.api[2].post("/v1/agents/echo/users/dead/checkpoints", json={"name": "later"})
+    assert r.status_code == 201, r.text
+    assert _ok(fleet.turn(2, "dead")) == "3: hi"              # nothing is rolled back again later
+    listing = _listing(fleet, 2, "dead")
+    assert {c["restorable"] for c in listing["data"] if c["kind"] != "missing"} == {True}, listing
+    r = fleet.api[2].post(f"/v1/agents/echo/users/dead/checkpoints/{ids['3: hi']}/rollback", json={})
+    assert r.status_code == 200, r.text
+    assert _ok(fleet.turn(1, "dead")) == "4: hi"
+    time.sleep(3)                                             # shipped at 4
+    relay.close()
+    try:
+        assert _ok(fleet.turn(1, "dead")) == "5: hi"          # its checkpoint is on h2's disk only
+        five = _turns(_listing(fleet, 1, "dead"))["5: hi"]
+        _intend_rollback(fleet, "dead", five)
+        fleet.hosts[1].kill()
+    finally:
+        relay.open()
+    assert _ok(_after_takeover(fleet, 2, "dead")) == "5: hi"  # from the copy shipped at 4; the intent dropped
+    r = fleet.api[2].post(f"/v1/agents/echo/users/dead/checkpoints/{five}/rollback", json={})
+    assert r.status_code == 409 and r.json()["type"].endswith("checkpoint-gone"), r.text
+    r = fleet.api[2].post("/v1/agents/echo/users/dead/checkpoints", json={"name": "after"})
+    assert r.status_code == 201, r.text
+    assert _ok(fleet.turn(2, "dead")) == "6: hi"

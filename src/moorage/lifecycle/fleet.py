@@ -84,6 +84,19 @@ class FleetDuties:
     io: Callable[..., Any]
     system_tenant: Callable[[str], Any]
 
+    #: Awaited with (tenant store, scope, sandbox) once an instance another host held woke here, before any turn
+    #: of it runs: time travel finishes an operation its old host died in the middle of (None: nothing to do).
+    on_takeover: Callable[[Any, Scope, Any], Any] | None = None
+
+    async def taken_over(self, ts: Any, scope: Scope, sandbox: Any) -> None:
+        if self.on_takeover is None:
+            return
+        try:
+            await self.on_takeover(ts, scope, sandbox)
+        except Exception as e:  # noqa: BLE001 - the instance still serves; the next time-travel call tries again
+            log.error("could not finish what the instance's previous host left half done", scope=str(scope),
+                      error=str(e))
+
     async def holder_while_store_down(self, error: BaseException, host: str | None) -> str | None:
         """A wake here failed because the object store cannot be reached: the live host that last held the
         instance (``host``), whose disk may still have its copy, to serve the request instead; None when there is

@@ -508,6 +508,8 @@ class InstanceManager(fleet_rules.FleetDuties):
             self._counts["wakes"] += 1
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
+            if previous_host not in (None, self.host):
+                await self.taken_over(ts, li.scope, sandbox)
             return sandbox
 
     @staticmethod

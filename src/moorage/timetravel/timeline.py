@@ -183,6 +183,9 @@ class TimeTravel:
         self._tails: set[asyncio.Task[Any]] = set()
         #: (tenant, agent, user) -> the task deleting the sandbox halves of checkpoints its last retention pruned.
         self._retention: dict[tuple[str, str, str], asyncio.Task[None]] = {}
+        instances = getattr(runtime, "instances", None)
+        if instances is not None and hasattr(instances, "on_takeover"):
+            instances.on_takeover = self.taken_over
 
     # -- the automatic checkpoint at the end of a turn ------------------------------------------------------
 
@@ -364,6 +367,13 @@ class TimeTravel:
             async with rt.instances.turn(ts, scope, template, lifecycle=lc) as sandbox:
                 await self._finish_pending(ts, agent, user, sandbox)
                 yield sandbox
+
+    async def taken_over(self, ts: TenantStore, scope: Scope, sandbox: "Sandbox") -> None:
+        """In a fleet, an instance whose host died woke on this one, before any turn of it: finish a rollback or
+        fork its old host left half done (``timetravel/takeover.py``)."""
+        from moorage.timetravel.takeover import finish_after_takeover
+
+        await finish_after_takeover(self, ts, scope, sandbox)
 
     async def _finish_pending(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox") -> None:
         """Finish an operation a killed host left half done, so the instance is entirely at one point."""
