@@ -205,3 +205,43 @@ def test_postgres_rows_written_before_migration_18_get_their_instance(pg_url: st
     for tid in (t.id, other.id):
         _rows_written_before_migration_18_have_their_instance(store2, tid)
     store2.close()
+
+
+def test_sqlite_store_migrated_by_a_newer_moorage_is_refused_untouched(tmp_path: Path) -> None:
+    """Going back to an older moorage after an upgrade (docs/operations.md): it refuses the newer schema, naming
+    what to do, instead of running on it."""
+    import sqlite3
+
+    import pytest
+
+    from moorage.errors import ConfigError
+
+    store = Store(SQLiteBackend(tmp_path / "store"))
+    t, _ = store.operator.create_tenant("newer")
+    store.close()
+    for db in (tmp_path / "store" / "control.db", SQLiteBackend(tmp_path / "store").tenant_path(t.id)):
+        with sqlite3.connect(db) as c:  # what a newer moorage's next migration leaves
+            c.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (10_000, "from the future", 0.0))
+        with pytest.raises(ConfigError, match="newer than this moorage knows") as e:
+            again = Store(SQLiteBackend(tmp_path / "store"))
+            again.tenant(again.operator.principal(t.id)).events.list(S)
+        assert "restore the copy" in (e.value.hint or "")
+        with sqlite3.connect(db) as c:
+            c.execute("DELETE FROM schema_migrations WHERE version = 10000")
+
+
+def test_postgres_store_migrated_by_a_newer_moorage_is_refused(pg_url: str) -> None:
+    import psycopg
+    import pytest
+
+    from moorage.errors import ConfigError
+
+    PostgresBackend(pg_url).close()  # migrated to this moorage's latest
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute("INSERT INTO schema_migrations VALUES ('tenant', 10000, 'from the future', now())")
+    try:
+        with pytest.raises(ConfigError, match="newer than this moorage knows"):
+            PostgresBackend(pg_url)
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as c:
+            c.execute("DELETE FROM schema_migrations WHERE version = 10000")

@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.pg_prepared import PreparedCalls
-from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
+from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
 
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -36,6 +36,9 @@ def derive_app_url(owner_url: str, role: str) -> str:
 
 def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration, ...], tenant: bool,
            app_role: str, upto: int | None) -> None:
+    newest = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
+                          (component,)).fetchone()
+    refuse_newer_schema(int(newest[0]), migrations)
     for m in migrations:
         if upto is not None and m.version > upto:
             break

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moorage.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Migration:
@@ -750,3 +752,14 @@ def render(sql: str, dialect: str) -> str:
 def statements_for(m: Migration, dialect: str) -> list[str]:
     extra = m.postgres_only if dialect == "postgres" else m.sqlite_only
     return [render(s, dialect) for s in (*m.statements, *extra, *m.after)]
+
+
+def refuse_newer_schema(newest: int, migrations: tuple[Migration, ...]) -> None:
+    """A database a newer moorage migrated past what this one knows is refused before anything is written to it:
+    this version would misread or damage it (docs/operations.md: there is no migration back)."""
+    known = migrations[-1].version if migrations else 0
+    if newest > known:
+        raise ConfigError(f"the store's schema is at version {newest}, newer than this moorage knows ({known}): a "
+                          "newer moorage migrated it",
+                          hint="run that newer moorage, or restore the copy of the data directory (or database) "
+                               "taken before the upgrade")

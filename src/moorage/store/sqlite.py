@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.bloblog import BlobLog, live_locators, load_position
-from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, statements_for
+from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
 
 _BUSY_TIMEOUT_MS = 60_000
@@ -63,6 +63,8 @@ def _connect(path: str) -> sqlite3.Connection:
 def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: int | None = None) -> int:
     """Apply missing migrations in one immediate transaction each; safe with concurrent openers."""
     conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
+    newest = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
+    refuse_newer_schema(int(newest), migrations)
     for m in migrations:
         if upto is not None and m.version > upto:
             break
