@@ -185,13 +185,17 @@ class MicroVMDriver(SandboxDriver):
         return Path(json.loads((Path(tdir) / "template.json").read_text())["image_dir"])
 
     def template_outdated(self, template: TemplateRef) -> str | None:
-        """Why ``template`` can no longer be forked here (its memory was saved by another QEMU build: the QEMU
-        package was upgraded since), or None. The runtime then builds the deployment's template again."""
+        """Why ``template`` can no longer be forked here (its memory was saved by another QEMU build, the QEMU
+        package upgraded since, or with another device layout, a moorage upgrade), or None. The runtime then builds
+        the deployment's template again."""
         try:
-            made = json.loads((Path(template.path) / "template.json").read_text()).get("snapshot", {}).get("qemu")
-        except (OSError, ValueError):
+            tmeta = json.loads((Path(template.path) / "template.json").read_text())
+            made, layout = tmeta["snapshot"].get("qemu"), VMConfig(**tmeta["vm"]).layout_id()
+        except (OSError, ValueError, KeyError, TypeError):
             return None
-        return None if made == qemu_version() else f"made with {made}, this host runs {qemu_version()}"
+        if made != qemu_version():
+            return f"made with {made}, this host runs {qemu_version()}"
+        return None if tmeta["snapshot"].get("layout") == layout else "saved with another device layout"
 
     def adopt_template(self, staging: Path, final: Path, image: GuestImage) -> None:
         """A template fetched into ``staging`` made this host's (``microvm_fleet.adopt_template``). Blocking."""
