@@ -71,10 +71,11 @@ class Handler(socketserver.StreamRequestHandler):
             return
         if headers.get("upgrade", "").lower() != "websocket":
             body = json.dumps({"method": method, "path": target}).encode()
+            allowed = (origin or "*").encode()  # the origin it saw, reflected as Flask-CORS does
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Access-Control-Allow-Origin: *\r\nAccess-Control-Allow-Methods: GET, POST\r\n"
+                             b"Access-Control-Allow-Origin: %s\r\nAccess-Control-Allow-Methods: GET, POST\r\n"
                              b"Access-Control-Allow-Headers: content-type\r\n"
-                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+                             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (allowed, len(body)) + body)
             return
         accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest())
         self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -268,10 +269,10 @@ async def test_a_shared_pages_scripts_can_call_the_app_cross_origin(world: World
             "Origin": "null", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
         assert r.status_code == 200, r.text
         assert r.json() == {"method": "OPTIONS", "path": "/api/items?x=1"}
-        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.headers["access-control-allow-origin"] == "null"
         assert r.headers["access-control-allow-headers"] == "content-type"
         r = await browser.post(link["url"] + "api/items", json={"name": "x"}, headers={"Origin": "null"})
-        assert r.json() == {"method": "POST", "path": "/api/items"} and r.headers["access-control-allow-origin"] == "*"
+        assert r.json() == {"method": "POST", "path": "/api/items"} and r.headers["access-control-allow-origin"] == "null"
     async with httpx.AsyncClient(base_url=world.http) as anonymous:  # the owner's route still needs a key
         assert (await anonymous.options("/v1/agents/edge/users/ada/app/api/items")).status_code == 401
 
@@ -358,6 +359,8 @@ async def test_a_browsers_socket_passes_the_apps_same_origin_check(world: World)
     async with httpx.AsyncClient(base_url=world.http) as browser:  # and so does a page's fetch
         r = await browser.get(link["url"] + "same-origin", headers={"Origin": "null"})
         assert r.status_code == 200 and r.json() == {"method": "GET", "path": "/same-origin"}
+        # An app that reflects the origin it saw in its CORS answer allows the browser's own.
+        assert r.headers["access-control-allow-origin"] == "null"
 
 
 async def test_the_redirect_to_the_apps_root_keeps_the_query(world: World) -> None:

@@ -90,7 +90,11 @@ def origin_for(headers: Iterable[tuple[bytes, bytes]], port: int) -> list[str]:
     """The ``Origin`` the app sees: its own, as its ``Host`` is, when the caller sent one. A page of the app runs in an
     opaque origin (``null``, the sandbox CSP) and the API's origin is not the app's: a same-origin check in the app
     (Tornado's, engine.io's) would refuse every browser. It guards nothing here: the app never sees cookies."""
-    return [f"http://127.0.0.1:{port}"] if any(k.lower() == b"origin" for k, _ in headers) else []
+    return [_own_origin(port)] if any(k.lower() == b"origin" for k, _ in headers) else []
+
+
+def _own_origin(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
 
 
 def _limits(config: Any) -> tuple[int, int, float, float]:
@@ -241,7 +245,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         if declared is not None and int(declared) > max_response:
             raise AppTooLarge(f"the agent's app answered with {int(declared)} bytes; the limit is {max_response}",
                               hint="serve smaller responses, or raise app_max_response_bytes")
-        headers = _response_headers(ev.headers, port, req.prefix)
+        headers = _response_headers(ev.headers, port, req)
         status = ev.status_code
     except BaseException:
         await stack.aclose()
@@ -362,9 +366,13 @@ def _cleaned(task: "asyncio.Future[None]") -> None:
         log.warning("app exchange cleanup failed", error=str(task.exception()))
 
 
-def _response_headers(raw: Iterable[tuple[bytes, bytes]], port: int, prefix: str) -> list[tuple[str, str]]:
+def _response_headers(raw: Iterable[tuple[bytes, bytes]], port: int, req: AppRequest) -> list[tuple[str, str]]:
     out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in _DROP_RESPONSE]
-    out = [(k, _mounted(v, port, prefix) if k == "location" else v) for k, v in out]
+    out = [(k, _mounted(v, port, req.prefix) if k == "location" else v) for k, v in out]
+    origin = next((v.decode("latin-1") for k, v in req.headers if k.lower() == b"origin"), None)
+    if origin is not None:
+        # The app allows the origin it was sent (its own, origin_for): that is the caller's (CORS that reflects it).
+        out = [(k, origin if k == "access-control-allow-origin" and v == _own_origin(port) else v) for k, v in out]
     out.append(("content-security-policy", APP_CSP))
     out.append(("x-content-type-options", "nosniff"))
     out.append(("referrer-policy", "no-referrer"))  # a share link's token never leaves in a Referer
