@@ -73,6 +73,33 @@ def test_an_agent_asleep_on_a_live_host_wakes_through_any_host_while_the_store_i
         relay.open()
 
 
+def test_a_host_drained_while_the_store_is_down_leaves_only_once_its_agents_are_shipped(roomy: Fleet,
+                                                                                         relay: Relay) -> None:
+    from moorage.config import Config
+    from moorage.fleet.hosts import HostRegistry
+    from moorage.store import open_store
+
+    def state() -> str:
+        with open_store(Config(store_url=roomy.store_url)) as store:
+            return HostRegistry(store.backend).get("h1").state
+
+    assert _ok(roomy.turn(0, "eve")) == "1: hi"
+    relay.close()
+    try:
+        assert _ok(roomy.turn(0, "eve")) == "2: hi"
+        _sleep(roomy, "eve")                                   # unshipped: its newest state is on h1's disk only
+        with open_store(Config(store_url=roomy.store_url)) as store:
+            HostRegistry(store.backend).set_state("h1", "draining")
+        time.sleep(8)
+        assert state() == "draining" and roomy.hosts[0].proc.poll() is None  # it waits for the store
+    finally:
+        relay.open()
+    assert roomy.hosts[0].proc.wait(timeout=90) == 0          # shipped, then left cleanly
+    assert state() == "gone"
+    r = roomy.turn(1, "eve")
+    assert _ok(r) == "3: hi"                                   # nothing lost
+
+
 def test_an_agent_no_host_holds_gets_a_clear_error_while_the_store_is_down_and_wakes_after(fleet: Fleet,
                                                                                           relay: Relay) -> None:
     assert _ok(fleet.turn(0, "cat")) == "1: hi"

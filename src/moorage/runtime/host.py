@@ -177,6 +177,12 @@ class Host:
             if i == 0:  # a detached exec still running after the first pass's wait holds its instance: it ends
                 await ExecJobs.of(self.runtime).stop_all("the host was drained before the command ended")
             await asyncio.sleep(0.5)
+        # Instances that slept while the object store was down live only on this disk: leaving would lose them
+        # (the others would wake their older snapshots). Wait for the store, serving them meanwhile.
+        while (await self.manager.ship_unshipped())[1]:
+            log.warning("draining: sleeping instances wait for the object store before this host leaves")
+            await asyncio.sleep(5)
+            await self.manager.sleep_all("host draining", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
         os.kill(os.getpid(), signal.SIGTERM)  # the clean stop: leaves the fleet as gone
 
     async def _sweep_loop(self) -> None:
