@@ -156,6 +156,33 @@ async def on_message(ctx, message):
 '''
 
 
+
+def test_a_copy_taken_while_the_host_runs_never_stops_the_originals_sandboxes(tmp_path: Path) -> None:
+    """Not the documented backup (docs/operations.md says why), but what an operator may well do: the copy, started
+    beside the original on this machine, finds its users recorded awake with the original's process ids. It must
+    not take those processes for its own (attach to them, or kill them as unresponsive)."""
+    a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
+    agent = tmp_path / "agents" / "echo"
+    agent.mkdir(parents=True)
+    (agent / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "agent.py").write_text(VM_AGENT_PY)
+    original = LocalHost("box", a, {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+    try:
+        with Client(original.url, original.key) as sdk:
+            sdk.deploy("echo", agent)
+            assert sdk.invoke("echo", "one", user="ada")["reply"] == "1 1"
+            b.parent.mkdir()
+            subprocess.run(["cp", "-a", str(a), str(b)], check=True)
+            copy = LocalHost("box", b, {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+            try:
+                with Client(copy.url, copy.key) as other:
+                    assert other.invoke("echo", "two", user="ada")["reply"] == "2 1"  # from its copy of the files
+            finally:
+                copy.stop()
+            assert sdk.invoke("echo", "two", user="ada")["reply"] == "2 2"  # the same process, its memory whole
+    finally:
+        original.stop()
+
 def _names(root: Path, old: str) -> list[str]:
     """Files under ``root`` whose metadata or qcow2 header names a path under ``old``."""
     from moorage.sandbox.microvm_files import qcow2_backing

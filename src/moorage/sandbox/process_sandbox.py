@@ -92,6 +92,8 @@ class ProcessSandbox(Sandbox):
         self.driver = driver
         self.id = sandbox_id
         self.dir = driver.root / sandbox_id
+        #: The data directory's sandboxes this one's processes are started under (recorded with their pid).
+        self._root_key = str(Path(driver.root).resolve())
         self.meta = meta
         self.spec = SandboxSpec.from_json(meta.get("spec", {}))
         self._state = SandboxState(meta["state"])
@@ -154,6 +156,10 @@ class ProcessSandbox(Sandbox):
         if self._proc is not None:
             return self._proc.poll() is None
         if self._pid is None:
+            return False
+        if self.meta.get("started_under", self._root_key) != self._root_key:
+            # Started by a host on another data directory, of which this is a copy (docs/operations.md): that
+            # process is the original's sandbox, never this one, even while it runs.
             return False
         return proc_starttime(self._pid) == self.meta.get("pid_starttime")
 
@@ -258,7 +264,8 @@ class ProcessSandbox(Sandbox):
             await self._kill()
             raise
         self._state = SandboxState.RUNNING
-        self._save(pid=self._pid, pid_starttime=proc_starttime(self._pid), boot_count=self.meta.get("boot_count", 0) + 1)
+        self._save(pid=self._pid, pid_starttime=proc_starttime(self._pid), started_under=self._root_key,
+                   boot_count=self.meta.get("boot_count", 0) + 1)
         self._start_watchdog()
         log.info("sandbox started", sandbox=self.id, pid=self._pid)
 
