@@ -25,7 +25,7 @@ def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
 def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
     base = tmp_path_factory.mktemp("ttfleet")
     s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
-    f = Fleet(base, pg_cluster.create_database("ttfleet"), s3)
+    f = Fleet(base, pg_cluster.create_database("ttfleet"), s3, checkpoint_interval_s="1")
     try:
         f.deploy()
         yield f
@@ -108,6 +108,20 @@ def test_a_fan_out_fork_of_an_instance_asleep_on_another_host(fleet: Fleet) -> N
     for i, u in enumerate(("f1", "f2", "f3")):
         assert _ok(fleet.turn(i, u)) == "2: hi"
     assert _ok(fleet.turn(1, "src")) == "3: hi"
+
+
+def test_forgetting_a_user_through_another_host_removes_its_copies_and_checkpoints_from_every_disk(
+        fleet: Fleet) -> None:
+    assert _ok(fleet.turn(0, "ghost")) == "1: hi"
+    _sleep(fleet, "ghost")                                    # shipped; h1 keeps its copy
+    assert _ok(fleet.turn(1, "ghost")) == "2: hi"             # woken on h2 from the object store
+    _sleep(fleet, "ghost", via=1)
+    sid = fleet.records()["ghost"].id
+    copies = [h.data / "sandboxes" / sid for h in fleet.hosts[:2]]
+    assert all((c / "checkpoints").is_dir() for c in copies)
+    r = fleet.api[2].delete("/v1/agents/echo/users/ghost")
+    assert r.status_code in (200, 204), r.text
+    until(lambda: not any(c.exists() for c in copies), "the forgotten user's copies gone from h1 and h2", 60)
 
 
 def _after_takeover(f: Fleet, via: int, user: str) -> httpx.Response:

@@ -233,6 +233,22 @@ class FleetMember:
             out.append((used, d.name, disk_usage(d)))
         return sorted(out)
 
+    def copies(self) -> list[tuple[str, str]]:
+        """(sandbox id, tenant id) of every instance directory on this host that was shipped or fetched (its index
+        names the instance's prefix in the object store). Blocking."""
+        out = []
+        root = Path(self.driver.root)
+        for d in root.iterdir() if root.is_dir() else ():
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            index = self.shipper._load_index(d)
+            for prefix in (index.get("stored") or {}):
+                parts = str(prefix).split("/")
+                if len(parts) == 3 and parts[0] == "instances" and parts[2] == d.name:
+                    out.append((d.name, parts[1]))
+                    break
+        return out
+
     def delete_instance(self, tenant_id: str, record: SandboxRecord) -> int:
         """Remove every shipped object of the instance (retention, forget). Blocking."""
         return self.objects.delete_prefix(self.prefix(tenant_id, record) + "/")

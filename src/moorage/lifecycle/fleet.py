@@ -31,6 +31,9 @@ log = get_logger("moorage.lifecycle.manager")
 #: The least time between two shipments of one awake instance (turns in between are coalesced).
 SHIP_MIN_INTERVAL_S = 2.0
 
+#: Every this many passes of the ship loop (5 min by default), copies of instances gone from the store are removed.
+FORGOTTEN_EVERY = 5
+
 #: States in which the record's host holds the instance (awake, or moving it); others may take it only if that
 #: host's lease lapsed.
 HELD = frozenset({S.RUNNING.value, S.WAKING.value, S.SUSPENDING.value, S.PROVISIONING.value, S.DELETED.value})
@@ -241,6 +244,7 @@ class FleetDuties:
         """At least every ``ship_interval_s``, ship awake instances not shipped since (a process may write
         between turns) and sleeping ones whose sleep could not be shipped, and keep this host's copies of
         sleeping instances within ``cache_max_bytes``."""
+        passes = 0
         while not self._closed:
             await asyncio.sleep(self.ship_interval_s)
             now = time.monotonic()
@@ -256,6 +260,41 @@ class FleetDuties:
                 await self.evict_cache()
             except Exception as e:
                 log.warning("cache eviction failed", error=str(e))
+            passes += 1
+            if passes % FORGOTTEN_EVERY == 0:
+                try:
+                    await self.drop_forgotten()
+                except Exception as e:
+                    log.warning("removing copies of forgotten instances failed", error=str(e))
+
+    async def drop_forgotten(self) -> int:
+        """Remove this host's copies of instances that no longer exist: a user forgotten (or deleted by its TTL)
+        through another host leaves the copies on every host it was on; its objects left the store, its bytes must
+        leave the disks too (checkpoints included). One listing of record ids per tenant."""
+        if self.fleet is None:
+            return 0
+        copies = await self.io(self.fleet.copies)
+        if not copies:
+            return 0
+
+        def alive() -> set[str]:
+            return {r.id for t in self.store.operator.list_tenants()
+                    for r in self.system_tenant(t.id).sandboxes.list(limit=1_000_000)}
+
+        live = await self.io(alive)
+        removed = 0
+        for sid, _tenant in copies:
+            li = self._by_record.get(sid)
+            if sid in live or (li is not None and (li.awake or li.pending is not None)):
+                continue
+            async with self._dir_lock(sid):
+                self.driver.forget_handle(sid)
+                await self.io(shutil.rmtree, self.driver.root / sid, True)
+            self._dir_locks.pop(sid, None)
+            removed += 1
+        if removed:
+            log.info("removed this host's copies of instances forgotten through other hosts", count=removed)
+        return removed
 
     def _dir_lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._dir_locks.setdefault(sandbox_id, asyncio.Lock())
