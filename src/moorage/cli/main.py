@@ -169,6 +169,10 @@ from moorage.cli import agents as _agents  # noqa: E402
 
 _agents.register(app, lambda: state.cfg)
 
+from moorage.cli import backup as _backup  # noqa: E402
+
+_backup.register(app, lambda: state.cfg)
+
 
 def run() -> None:
     """Console entry point: turns moorage's typed errors into one clear line, not a traceback."""
