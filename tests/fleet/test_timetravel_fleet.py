@@ -178,6 +178,7 @@ def test_after_its_host_died_a_users_checkpoints_roll_back_on_a_survivor(fleet: 
     assert _ok(_after_takeover(fleet, 2, "dead")) == "5: hi"  # from the copy shipped at 4; the intent dropped
     r = fleet.api[2].post(f"/v1/agents/echo/users/dead/checkpoints/{five}/rollback", json={})
     assert r.status_code == 409 and r.json()["type"].endswith("checkpoint-gone"), r.text
+    assert "before shipping it" in r.json()["detail"], r.text
     r = fleet.api[2].post("/v1/agents/echo/users/dead/checkpoints", json={"name": "after"})
     assert r.status_code == 201, r.text
     assert _ok(fleet.turn(2, "dead")) == "6: hi"

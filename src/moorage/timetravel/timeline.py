@@ -407,8 +407,9 @@ class TimeTravel:
             raise CheckpointGone(f"the sandbox of checkpoint {target.id} is gone (the instance was provisioned "
                                  "again since)", hint="use a checkpoint taken since")
         if target.sandbox_checkpoint not in {c.name for c in await sandbox.checkpoints()}:
-            raise CheckpointGone(f"the sandbox half of checkpoint {target.id} was never written (the host stopped "
-                                 "or its disk failed while it was written)", hint="use another checkpoint")
+            raise CheckpointGone(f"the sandbox half of checkpoint {target.id} is not in the instance's copy (it was "
+                                 "never written: the host stopped or its disk failed while it was written; in a "
+                                 "fleet, its host stopped before shipping it)", hint="use another checkpoint")
 
     async def _vm_rollback(self, sandbox: "Sandbox", target: Checkpoint) -> None:
         if not target.sandbox_checkpoint:
