@@ -110,6 +110,23 @@ def test_a_fan_out_fork_of_an_instance_asleep_on_another_host(fleet: Fleet) -> N
     assert _ok(fleet.turn(1, "src")) == "3: hi"
 
 
+def test_a_checkpoint_older_than_the_snapshots_kept_still_rolls_back_on_another_host(fleet: Fleet, seaweedfs,  # noqa: ANN001
+                                                                                      s3_bucket) -> None:
+    """The bucket keeps an instance's newest 3 snapshots; each holds the checkpoints the instance keeps, so a
+    checkpoint from before the oldest kept snapshot is still restorable wherever the instance wakes."""
+    for i in range(5):                                        # five sleeps, each woken on the next host
+        assert _ok(fleet.turn(i % 3, "old")) == f"{i + 1}: hi"
+        _sleep(fleet, "old", via=i % 3)
+    rec = fleet.records()["old"]
+    prefix = fleet.env["MOORAGE_OBJECT_STORE_URL"].split("/", 3)[3]
+    listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]
+    assert len([o for o in listed if f"/{rec.id}/snapshots/" in o["Key"]]) == 3
+    first = _turns(_listing(fleet, 1, "old"))["1: hi"]
+    r = fleet.api[2].post(f"/v1/agents/echo/users/old/checkpoints/{first}/rollback", json={})
+    assert r.status_code == 200, r.text
+    assert _ok(fleet.turn(1, "old")) == "2: hi"
+
+
 def test_forgetting_a_user_through_another_host_removes_its_copies_and_checkpoints_from_every_disk(
         fleet: Fleet) -> None:
     assert _ok(fleet.turn(0, "ghost")) == "1: hi"
