@@ -217,8 +217,7 @@ def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: 
 
     b.parent.mkdir()
     subprocess.run(["cp", "-a", str(a), str(b)], check=True)
-    shutil.move(str(a.parent), str(tmp_path / "gone"))  # restored elsewhere: nothing of the original is left
-    moved = LocalHost("elsewhere", b, env, driver="microvm")
+    moved = LocalHost("elsewhere", b, env, driver="microvm")  # beside the original, as if on another machine
     try:
         with Client(moved.url, moved.key) as sdk:
             assert sdk.invoke("echo", "three", user="ada")["reply"] == "3 3"  # files and memory
@@ -227,7 +226,8 @@ def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: 
             assert sdk.invoke("echo", "hi", user="bob")["reply"] == "1 1"  # forked from the copy's template
     finally:
         moved.stop()
-    assert _names(b, str(a)) == []
+    assert _names(b, str(a)) == []  # the copy no longer names any file of the original
+    shutil.move(str(a.parent), str(tmp_path / "gone"))  # which may go: the copy starts without it below
 
     # An upgrade of QEMU (the Debian package): every snapshot and the template were saved by another build.
     for f in [*b.glob("sandboxes/*/meta.json"), *b.glob("sandboxes/.templates/*/template.json")]:

@@ -18,18 +18,13 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def _ours(driver: "MicroVMDriver", parent: Path) -> bool:
-    for base in (driver.images_dir, driver.root / ".images"):
-        if parent == base or parent.resolve() == base.resolve():
-            return True
-    return False
-
-
 def image_dir_here(driver: "MicroVMDriver", recorded: str) -> str:
     """This root's directory of the guest image recorded at ``recorded`` (its id or digest is the directory's
     name); ``recorded`` itself when it is already this host's, or when this root has no copy of the image."""
     p = Path(recorded)
-    if _ours(driver, p.parent):
+    # Compared as spelled, not resolved: an images/ that links to a cache shared with the original resolves to the
+    # same place, but a path through the original's data directory breaks when that directory goes.
+    if p.parent in (driver.images_dir, driver.root / ".images"):
         return recorded
     for base in (driver.images_dir, driver.root / ".images"):
         if (base / p.name / "manifest.json").exists():
