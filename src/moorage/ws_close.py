@@ -16,3 +16,9 @@ def sendable_close_code(code: int) -> int:
     except Exception:  # noqa: BLE001 - a code no endpoint may send: the plain one
         return NORMAL
     return code
+
+
+def sendable_reason(reason: str) -> str:
+    """A close reason that may be sent on: at most 123 bytes of UTF-8, an app's passes whole, a longer one of our
+    own is cut at a character."""
+    return reason.encode()[:123].decode(errors="ignore")

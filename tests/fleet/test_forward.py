@@ -114,7 +114,7 @@ class Handler(socketserver.StreamRequestHandler):
             elif data == b"flooded":
                 self.frame(1, str(FLOODED[0]).encode())
             elif data == b"close":
-                self.frame(8, struct.pack("!H", 4000) + b"bye")
+                self.frame(8, struct.pack("!H", 4000) + b"bye" + b"." * 120)  # the longest reason: 123 bytes
                 self.read_frame()
                 return
             else:
@@ -283,7 +283,7 @@ def test_an_app_websocket_through_another_host_is_relayed_to_its_owner(fleet: Fl
             await ws.send("custom")
             assert json.loads(await ws.recv()) == "kept"
             await ws.send("close")  # the app closes: its code and reason reach the caller through both hosts
-            assert await _closed_with(ws) == (4000, "bye")
+            assert await _closed_with(ws) == (4000, "bye" + "." * 120)
         async with connect(url, additional_headers=auth, open_timeout=120) as ws:  # the caller closes
             await ws.send("x")
             assert await ws.recv() == "x"

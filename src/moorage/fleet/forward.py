@@ -28,7 +28,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
-from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
+from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code, sendable_reason
 
 log = get_logger(__name__)
 
@@ -238,10 +238,10 @@ class ForwardedSocket:
             await asyncio.gather(up, down, return_exceptions=True)
             if outcome.why != "owner-closed":
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.conn.close(sendable_close_code(outcome.code), outcome.reason[:120]), 12)
+                    await asyncio.wait_for(self.conn.close(sendable_close_code(outcome.code), sendable_reason(outcome.reason)), 12)
             if outcome.why != "caller-closed":
                 with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
-                    await asyncio.wait_for(ws.close(outcome.code, outcome.reason[:120]), 10)
+                    await asyncio.wait_for(ws.close(outcome.code, sendable_reason(outcome.reason)), 10)
         outcome.messages_in, outcome.messages_out = self.messages_in, self.messages_out
         log.info("forwarded app socket closed", owner=self.owner_id, code=outcome.code, why=outcome.why,
                  messages_in=self.messages_in, messages_out=self.messages_out)

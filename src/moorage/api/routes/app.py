@@ -26,6 +26,7 @@ from moorage.fleet.forward import FORWARDED_BY, ForwardedSocket, ForwardRefused,
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
+from moorage.ws_close import sendable_reason
 
 #: Request bodies the app routes accept (the runtime's own cap, app_max_request_bytes, applies too).
 APP_BODY_LIMIT = 16 << 20
@@ -198,8 +199,7 @@ class _Caller:
             await self.ws.send_bytes(message)
 
     async def close(self, code: int, reason: str) -> None:
-        # A close reason is at most 123 bytes of UTF-8: the app's passes whole, a longer one is cut at a character.
-        await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))
+        await self.ws.close(code, sendable_reason(reason))
 
 
 async def _socket(ws: WebSocket, shared: bool) -> None:
