@@ -4,6 +4,7 @@ WebSocket upgrade, close reasons at their longest, fragmented messages, and what
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import tarfile
@@ -177,10 +178,16 @@ class World:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+    async with serve_world(tmp_path_factory.mktemp("app-edges")) as w:
+        yield w
+
+
+@contextlib.asynccontextmanager
+async def serve_world(tmp: Path, **config: Any) -> AsyncIterator[World]:
+    """A host on the process driver serving the edge app (and a "down" one), with ``config`` over the defaults."""
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
-    tmp = tmp_path_factory.mktemp("app-edges")
-    cfg = Config(data_dir=tmp / "data", sandbox_driver="process", app_timeout_s=APP_TIMEOUT_S)
+    cfg = Config(data_dir=tmp / "data", sandbox_driver="process", app_timeout_s=APP_TIMEOUT_S, **config)
     store = open_store(cfg)
     acme = store.operator.create_tenant("acme")[1].secret
     driver = DRIVER_FACTORIES["process"](cfg.sandboxes_dir, cfg)

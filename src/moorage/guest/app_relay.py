@@ -29,6 +29,8 @@ IDLE_S = 300.0
 MIN_IDLE_S = 5.0
 #: Whoever asks for a connection gets an error with this code when the app is not listening.
 APP_UNREACHABLE = -32020
+#: ... and with this one when ``MAX_CONNECTIONS`` are open to it already (the app is busy, not down).
+APP_BUSY = -32021
 
 
 class _Reader(asyncio.StreamReader):
@@ -86,7 +88,7 @@ class AppRelay:
         if len(self._conns) >= MAX_CONNECTIONS:
             self._reap(time.monotonic())
             if len(self._conns) >= MAX_CONNECTIONS:
-                raise RpcError("too many app connections open", APP_UNREACHABLE)
+                raise RpcError("too many app connections open", APP_BUSY)
         try:
             reader, writer = await asyncio.wait_for(_connect(port), 10)
         except (OSError, asyncio.TimeoutError) as e:

@@ -26,6 +26,8 @@ log = get_logger(__name__)
 
 #: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
 APP_UNREACHABLE = -32020
+#: ... and for "as many connections to the app are open as the guest allows" (its MAX_CONNECTIONS, 64).
+APP_BUSY = -32021
 #: Bytes asked of the guest per read (its own cap is the same).
 READ_CHUNK = 512 * 1024
 #: Largest request chunk sent in one frame.
@@ -59,6 +61,14 @@ class AppUnavailable(UnavailableError):
     code = "app-unavailable"
     http_status = 502
     for_caller = True
+
+
+class AppBusy(UnavailableError):
+    """The guest already holds as many connections to the app as it allows: the app is busy, not down."""
+
+    code = "app-busy"
+    for_caller = True
+    retry_after = 1
 
 
 class AppTooLarge(MoorageError):
@@ -202,8 +212,8 @@ class _Exchange:
 async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str, req: AppRequest) -> AppResponse:
     """Relay ``req`` to the app of ``user``'s instance of ``agent_name`` in tenant ``ts``, waking it if asleep.
 
-    Raises NotFound (no such agent or user, or the agent serves no app), AppUnavailable (502), AppTooLarge (413).
-    The response body must be consumed or ``aclose``d: the instance stays awake until then.
+    Raises NotFound (no such agent or user, or the agent serves no app), AppUnavailable (502), AppBusy (503), AppTooLarge
+    (413). The response body must be consumed or ``aclose``d: the instance stays awake until then.
     """
     max_request, max_response, head_timeout, max_duration = _limits(runtime.config)
     agent, lc, scope, deployment, port = await app_of(runtime, ts, agent_name, user)
@@ -330,6 +340,9 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
         try:
             return await sandbox.channel.call("app.open", {"port": port, **options}, timeout=15)
         except RemoteError as e:
+            if e.rpc_code == APP_BUSY:
+                raise AppBusy("the agent's app has too many open connections",
+                              hint="retry in a moment, or close some of its WebSockets") from None
             if e.rpc_code != APP_UNREACHABLE:
                 raise AppUnavailable("the sandbox could not reach the agent's app") from None
         if not loaded:

@@ -1,0 +1,58 @@
+"""An agent's app where the relay meets its limits, on the process driver: a guest relay holding all the connections
+it allows."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import AsyncIterator
+
+import httpx
+import pytest
+import pytest_asyncio
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import InvalidStatus
+
+from tests.app.test_app_edges import World, owner, serve_world
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
+
+#: The guest relay's cap on connections open to one app (guest/app_relay.py MAX_CONNECTIONS).
+GUEST_MAX_CONNECTIONS = 64
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def world(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[World]:
+    # The host's own cap on an app's WebSockets above the guest's, so that the guest's is the one reached.
+    async with serve_world(tmp_path_factory.mktemp("app-limits"), app_ws_max_sockets=GUEST_MAX_CONNECTIONS + 8) as w:
+        yield w
+
+
+def _key(w: World) -> dict[str, str]:
+    return {"Authorization": f"Bearer {w.acme}"}
+
+
+async def test_a_relay_full_of_connections_is_a_503_that_says_the_app_is_busy(world: World) -> None:
+    async with contextlib.AsyncExitStack() as held:
+        sockets: list[ClientConnection] = []
+        for _ in range(GUEST_MAX_CONNECTIONS):
+            ws = await held.enter_async_context(owner(world, "ws"))
+            await ws.send("x")
+            assert await ws.recv() == "x"
+            sockets.append(ws)
+        with pytest.raises(InvalidStatus) as e:
+            async with owner(world, "ws"):
+                pass
+        response = e.value.response
+        assert response.status_code == 503, response.body
+        problem = json.loads(response.body)
+        assert problem["detail"] == "the agent's app has too many open connections", problem
+        assert response.headers["Retry-After"] == "1"
+        async with httpx.AsyncClient(base_url=world.http, headers=_key(world), timeout=60) as c:
+            r = await c.get("/v1/agents/edge/users/ada/app/page")
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["detail"] == "the agent's app has too many open connections"
+        assert all(ws.close_code is None for ws in sockets)  # the full relay closed none of those it holds
+    async with owner(world, "ws") as ws:  # once they are closed, the app takes connections again
+        await ws.send("y")
+        assert await ws.recv() == "y"
