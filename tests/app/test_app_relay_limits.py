@@ -1,5 +1,5 @@
-"""An agent's app where the relay meets its limits, on the process driver: a guest relay holding all the connections
-it allows."""
+"""An agent's app where the relay meets its limits and its records, on the process driver: a guest relay holding all
+the connections it allows, and a share link's requests in the tenant's traces."""
 
 from __future__ import annotations
 
@@ -56,3 +56,23 @@ async def test_a_relay_full_of_connections_is_a_503_that_says_the_app_is_busy(wo
     async with owner(world, "ws") as ws:  # once they are closed, the app takes connections again
         await ws.send("y")
         assert await ws.recv() == "y"
+
+
+async def test_a_share_links_requests_are_in_the_tenants_traces_without_its_token(world: World) -> None:
+    async with httpx.AsyncClient(base_url=world.http, headers=_key(world), timeout=60) as c:
+        link = (await c.post("/v1/agents/edge/users/ada/share-links", json={"ttl_s": 600})).json()
+        async with httpx.AsyncClient(base_url=world.http, timeout=60) as browser:
+            r = await browser.get(link["url"] + "traced?q=1")
+            assert r.json() == {"method": "GET", "path": "/traced?q=1"}
+            trace_id = r.headers["x-trace-id"]
+        trace = await c.get(f"/v1/traces/{trace_id}")
+        assert trace.status_code == 200, trace.text
+        spans = trace.json()["spans"]
+        route = "/v1/shared/{token}/{path:path}"
+        (span,) = [s for s in spans if s["attrs"].get("http.route") == route]
+        assert span["name"] == "GET " + route and span["parent_id"] is None and span["status"] != "error"
+        assert {k: span["attrs"][k] for k in ("http.method", "http.status_code", "moorage.agent", "moorage.user")} == {
+            "http.method": "GET", "http.status_code": 200, "moorage.agent": "edge", "moorage.user": "ada"}
+        recent = (await c.get("/v1/traces", params={"limit": 200})).json()
+    token = link["token"]
+    assert token not in json.dumps(spans) and token not in json.dumps(recent)

@@ -96,8 +96,41 @@ async def _open_token(runtime: Any, store: Any, token: str) -> tuple[Any, Any]:
 
 
 async def serve_shared(call: Call) -> Response:
+    """A share link's request is recorded in its tenant's traces as the owner's route records its own (the routing
+    layer cannot: the route has no credentials, so no tenant until the link is opened); the span names the route's
+    template, never the link's token."""
+    from moorage.lifecycle.manager import Misplaced
+
+    started = time.time()
     ts, link = await _open_link(call)
-    return await _relay(call, ts, link.agent, link.user, f"/v1/shared/{call.path['token']}")
+    status: int | None = 500
+    try:
+        response = await _relay(call, ts, link.agent, link.user, f"/v1/shared/{call.path['token']}")
+        status = response.status_code
+        return response
+    except Misplaced:
+        status = None  # another host of the fleet serves it, and records it there
+        raise
+    except MoorageError as e:
+        status = e.http_status
+        raise
+    finally:
+        if status is not None:
+            await asyncio.to_thread(_record_shared, call, ts, link, status, started)
+
+
+def _record_shared(call: Call, ts: Any, link: Any, status: int, started: float) -> None:
+    route = call.request.scope["state"].get("route") or _SHARED + "/{path:path}"
+    with use_trace_id(call.trace_id):
+        active = call.ctx.tracer.start(ts, f"{call.request.method} {route}", **{
+            "http.method": call.request.method, "http.route": route, "http.status_code": status,
+            "moorage.agent": link.agent, "moorage.user": link.user})
+        active.span_id = call.request.scope["state"].get("span_id") or active.span_id
+        active.start_ts = started
+        active.parent_id = None
+        if status >= 500:
+            active.status = "error"
+        call.ctx.tracer.finish(ts, active)
 
 
 async def shared_root(call: Call) -> Response:
