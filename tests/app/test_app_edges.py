@@ -113,7 +113,7 @@ class Handler(socketserver.StreamRequestHandler):
             if opcode is None:
                 return
             if opcode == 8:
-                LAST["close"] = [struct.unpack("!H", data[:2])[0], data[2:].decode()]
+                LAST["close"] = [struct.unpack("!H", data[:2])[0], data[2:].decode()] if data else []
                 self.frame(8, data[:2])
                 return
             if opcode == 10:

@@ -1,11 +1,12 @@
 """An agent's app where the relay meets its limits and its records, on the process driver: a guest relay holding all
-the connections it allows, and a share link's requests in the tenant's traces."""
+the connections it allows, a share link's requests in the tenant's traces, and a caller's close that has no code."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import httpx
 import pytest
@@ -76,3 +77,15 @@ async def test_a_share_links_requests_are_in_the_tenants_traces_without_its_toke
         recent = (await c.get("/v1/traces", params={"limit": 200})).json()
     token = link["token"]
     assert token not in json.dumps(spans) and token not in json.dumps(recent)
+
+
+async def test_a_callers_close_without_a_code_reaches_the_app_without_one(world: World) -> None:
+    async with owner(world, "ws") as ws:
+        await ws.send("x")
+        assert await ws.recv() == "x"
+        no_code: Any = None  # an empty close frame: RFC 6455 says its code is 1005, which is never sent
+        await ws.close(no_code)
+    async with owner(world, "ws") as ws:
+        await ws.send("last")
+        # The app got a close frame with an empty payload, not one that says 1000.
+        assert json.loads(await asyncio.wait_for(ws.recv(), 30))["close"] == []

@@ -52,7 +52,7 @@ class AppSocketsExhausted(MoorageError):
 
 @dataclass
 class CallerClose:
-    """The caller closed its socket with this code (passed on to the app)."""
+    """The caller closed its socket with this code (passed on to the app; NO_STATUS, as an empty close frame)."""
 
     code: int = NORMAL
     reason: str = ""
@@ -89,6 +89,8 @@ class Outcome:
     why: str
 
 
+#: The close code that stands for a close frame without one (RFC 6455 7.1.5): never sent, passed on as no code.
+NO_STATUS = 1005
 _OPEN: dict[str, int] = {}  # sandbox id -> sockets open on this host
 
 
@@ -273,7 +275,10 @@ class AppSocket:
             if self.protocol.state is State.OPEN and outcome.why in ("caller-closed", "caller-too-big", "error"):
                 # The app hears the caller's close (or ours), as a WebSocket close; nobody waits for its answer.
                 code = outcome.code if outcome.why != "error" else GOING_AWAY
-                self.protocol.send_close(sendable_close_code(code), outcome.reason)
+                if code == NO_STATUS:  # a close without a code: 1005 must never be sent, the payload is empty
+                    self.protocol.send_close()
+                else:
+                    self.protocol.send_close(sendable_close_code(code), outcome.reason)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._flush(), 5)
             with contextlib.suppress(Exception):

@@ -221,7 +221,8 @@ class _Caller:
 
         message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
-            return CallerClose(int(message.get("code") or 1000), str(message.get("reason") or ""))
+            # No code is ASGI's 1005 ("no status"): the app is sent a close without one too.
+            return CallerClose(int(message.get("code") or 1005), str(message.get("reason") or ""))
         text = message.get("text")
         return text if text is not None else (message.get("bytes") or b"")
 
