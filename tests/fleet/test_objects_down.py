@@ -143,3 +143,61 @@ def test_an_agent_that_slept_while_the_store_was_down_keeps_its_newest_copy_and_
         time.sleep(0.5)
     assert _ok(r) == "4: hi"
     assert fleet.records()["ada"].host == "h2"
+
+
+def test_chunks_of_a_shipment_the_store_cut_midway_are_deleted_by_a_later_prune_once_old(
+        seaweedfs, s3_bucket, relay: Relay, tmp_path: Path) -> None:  # noqa: ANN001
+    import os
+    import threading
+
+    from moorage.config import Config
+    from moorage.fleet.ship import Shipper
+    from moorage.objects import ObjectStoreUnavailable, open_object_store
+
+    chunk = 128 * 1024
+    settings = seaweedfs.settings(s3_bucket, f"orphans-{tmp_path.name}")
+    direct = open_object_store(Config(data_dir=tmp_path / "d1", **settings))
+    through = open_object_store(Config(data_dir=tmp_path / "d2", **{
+        **settings, "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}))
+    prefix = "instances/t/cut"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a-notes.txt").write_text("kept across the outage")
+    (src / "big.bin").write_bytes(os.urandom(60 * chunk))
+    ship = Shipper(through, chunk_bytes=chunk, workers=1)
+
+    def chunks() -> set[str]:
+        return {o.key.rsplit("/", 1)[1] for o in direct.iter(f"{prefix}/chunks/")}
+
+    def cut() -> None:  # the store goes down once a few chunks are in
+        until(lambda: len(chunks()) >= 3, "the first chunks uploaded", 60, 0.02)
+        relay.close()
+
+    cutter = threading.Thread(target=cut)
+    cutter.start()
+    try:
+        with pytest.raises(ObjectStoreUnavailable):
+            ship.push(src, prefix, "000001-1", include=lambda rel: True)
+    finally:
+        cutter.join()
+        relay.open()
+    orphans = chunks()
+    assert len(orphans) >= 3 and not list(direct.iter(f"{prefix}/snapshots/"))
+
+    # The agent's next turn rewrote the big file; the next shipment succeeds and reuses the notes' chunk.
+    (src / "big.bin").write_bytes(os.urandom(3 * chunk))
+    good = ship.push(src, prefix, "000001-2", include=lambda rel: True)
+    named = {d for e in ship.read_manifest(good.key)["entries"] for d in e.get("chunks") or () if d}
+    leftovers = orphans - named
+    assert leftovers and orphans & named and chunks() == named | leftovers
+    # Young leftovers may be a shipment still uploading: kept. Once older than the grace period: deleted.
+    assert ship.prune(src, prefix, keep=3) == (0, 0)
+    assert chunks() == named | leftovers
+    time.sleep(1.5)
+    assert ship.prune(src, prefix, keep=3, orphan_grace_s=1) == (0, len(leftovers))
+    assert chunks() == named
+    dst = tmp_path / "dst"
+    Shipper(direct, chunk_bytes=chunk).pull(good.key, prefix, dst)
+    assert (dst / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+    assert (dst / "a-notes.txt").read_text() == "kept across the outage"
+    ship.close()

@@ -11,7 +11,8 @@ unchanged file is not read again; ctime cannot be set from inside a sandbox, so 
 look unchanged.
 
 ``prune`` keeps an instance's newest few snapshots (the newest is the one to wake from, the others its fallbacks
-should it be damaged) and deletes the older ones with the chunks only they used.
+should it be damaged) and deletes the older ones with the chunks only they used, and the chunks of shipments that
+failed midway (no manifest names them) once they are older than ``ORPHAN_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ CHUNK_BYTES = 4 << 20
 INDEX_NAME = ".ship-index.json"
 MANIFEST_VERSION = 1
 _ZERO = bytes(CHUNK_BYTES)
+#: A chunk no manifest of its instance names is deleted only once it is this old (seconds, by the object store's
+#: time): a shipment still uploading its chunks (its manifest comes last), on this host or another, is never cut.
+ORPHAN_GRACE_S = 3600.0
 
 
 class SnapshotUnavailable(MoorageError):
@@ -132,15 +136,21 @@ class Shipper:
 
     # -- prune --------------------------------------------------------------------------------------------
 
-    def prune(self, src: Path, prefix: str, *, keep: int) -> tuple[int, int]:
+    def prune(self, src: Path, prefix: str, *, keep: int, orphan_grace_s: float = ORPHAN_GRACE_S) -> tuple[int, int]:
         """Delete the snapshots under ``prefix`` but the newest ``keep`` (names sort by epoch, then time), and the
-        chunks that only they used; ``src`` is the directory last pushed there. Returns (snapshots, chunks) deleted.
+        chunks that only they used; ``src`` is the directory last pushed there. Then delete the chunks no remaining
+        manifest names that are older than ``orphan_grace_s`` (what shipments that failed midway left). Returns
+        (snapshots, chunks) deleted.
 
         Blocking, and serialised with pushes to ``prefix`` by the caller. Chunks go before their manifest, so an
         interrupted prune is finished by the next one; a manifest that cannot be read stops it (nothing of a
         snapshot that may still be needed is ever guessed away)."""
         if keep < 1:
             raise ValueError("keep at least the newest snapshot")
+        snapshots, chunks = self._drop_old(src, prefix, keep)
+        return snapshots, chunks + self._drop_orphans(src, prefix, orphan_grace_s)
+
+    def _drop_old(self, src: Path, prefix: str, keep: int) -> tuple[int, int]:
         names = sorted(o.key for o in self.store.iter(f"{prefix}/snapshots/"))
         if len(names) <= keep:
             return 0, 0
@@ -164,6 +174,42 @@ class Shipper:
             self.store.delete(key)
         return len(dropped), chunks
 
+    def _drop_orphans(self, src: Path, prefix: str, grace_s: float) -> int:
+        """Delete the chunks under ``prefix`` that no manifest there names and that are older than ``grace_s``.
+
+        Chunks belong to one instance (its prefix): only its own manifests can name them. Chunks are listed before
+        the manifests, so a manifest written meanwhile is read; each candidate is looked at again just before it
+        goes (a push that reuses an old leftover writes it again, which makes it young). A manifest that cannot be
+        read leaves every chunk where it is."""
+        cutoff = time.time() - grace_s
+        old = [o.key for o in self.store.iter(f"{prefix}/chunks/") if o.modified < cutoff]
+        if not old:
+            return 0
+        named: set[str] = set()
+        for o in self.store.iter(f"{prefix}/snapshots/"):
+            try:
+                named |= _chunks_of(self.read_manifest(o.key))
+            except SnapshotUnavailable:
+                return 0  # it may still name some of them: nothing is guessed away
+        gone: set[str] = set()
+        for key in old:
+            digest = key.rsplit("/", 1)[1]
+            if digest in named:
+                continue
+            try:
+                if self.store.head(key).modified >= cutoff:
+                    continue  # written again since it was listed: a shipment in progress counts on it
+            except ObjectNotFound:
+                continue
+            self.store.delete(key)
+            gone.add(digest)
+        index = self._load_index(src)
+        stored = index.get("stored", {}).get(prefix)
+        if gone and isinstance(stored, list):
+            index["stored"] = {prefix: sorted(set(stored) - gone)}
+            self._save_index(src, index)
+        return len(gone)
+
     def _chunk_file(self, path: Path, prefix: str, stored: set[str], pool: ThreadPoolExecutor, pending: list,
                     moved: list[int]) -> list[str | None]:
         chunks: list[str | None] = []
@@ -186,8 +232,15 @@ class Shipper:
 
     def _put_chunk(self, prefix: str, digest: str, data: bytes) -> None:
         key = self._chunk_key(prefix, digest)
-        if self.store.exists(key):
+        try:
+            if self.store.head(key).modified >= time.time() - ORPHAN_GRACE_S / 2:
+                return
+            # An old chunk that no manifest this directory knows names (perhaps a failed shipment's leftover): written
+            # again, same bytes, so that the orphan sweep's grace period covers it until this shipment's manifest.
+            self.store.put_bytes(key, data)
             return
+        except ObjectNotFound:
+            pass
         with contextlib.suppress(ObjectExists):
             self.store.put_bytes(key, data, if_absent=self.store.supports_if_absent)
 
