@@ -19,7 +19,7 @@ import h11
 from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
 from moorage.log import get_logger
 from moorage.runtime.sizing import app_ports
-from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
+from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError, SandboxStateError
 from moorage.store import EntityKey, TenantStore
 
 log = get_logger(__name__)
@@ -68,7 +68,33 @@ class AppBusy(UnavailableError):
 
     code = "app-busy"
     for_caller = True
-    retry_after = 1
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        #: Read by the API's problem+json: a connection frees as soon as one of the app's requests ends.
+        self.retry_after = 1
+
+
+class InstanceStopped(UnavailableError):
+    """The instance's processes ended under the request (the agent or its app crashed) before the host noticed: the
+    next request starts it again."""
+
+    code = "instance-stopped"
+    for_caller = True
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.retry_after = 1
+
+
+def live_channel(sandbox: Any) -> Any:
+    """The channel of the sandbox a request holds; one whose processes just died is a 503 to retry, not the
+    sandbox's own state error (a 409 telling the caller to wake it)."""
+    try:
+        return sandbox.channel
+    except SandboxStateError:
+        raise InstanceStopped("the agent's instance stopped; the next request starts it again",
+                              hint="retry in a moment") from None
 
 
 class AppTooLarge(MoorageError):
@@ -234,7 +260,7 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
         def network(channel: Any) -> None:  # its own network, on each connection
             attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
 
-        network(sandbox.channel)
+        network(live_channel(sandbox))
         opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response, head_timeout)
         stack.push_async_callback(exchange.close)

@@ -24,7 +24,8 @@ from websockets.uri import parse_uri
 
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
-from moorage.runtime.app_proxy import _DROP_REQUEST, AppUnavailable, app_of, open_connection, origin_for
+from moorage.runtime.app_proxy import (_DROP_REQUEST, AppUnavailable, app_of, live_channel, open_connection,
+                                       origin_for)
 from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
 from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
@@ -325,7 +326,7 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
             def network(channel: Any) -> None:  # its own network, on each connection
                 attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
 
-            network(sandbox.channel)
+            network(live_channel(sandbox))
             opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network,
                                            idle_s=GUEST_IDLE_S)
             conn = GuestConnection(sandbox.channel, int(opened["conn"]), float(config.app_timeout_s))
