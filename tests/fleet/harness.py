@@ -30,6 +30,19 @@ def until(cond: Callable[[], Any], what: str, timeout_s: float = 90.0, every_s: 
         time.sleep(every_s)
 
 
+def replied(r: httpx.Response) -> str:
+    """A turn's reply, the turn checked to have succeeded."""
+    assert r.status_code == 200, r.text
+    return r.json()["reply"]
+
+
+def put_to_sleep(f: "Fleet", user: str, via: int = 0) -> None:
+    """Put ``user``'s instance to sleep through host ``via``."""
+    sid = f.records()[user].id
+    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
+    assert r.status_code == 200 and r.json()["slept"] is True, r.text
+
+
 class Fleet:
     def __init__(self, base: Path, store_url: str, s3: dict[str, str], n: int = 3, **settings: str) -> None:
         self.base, self.store_url = base, store_url

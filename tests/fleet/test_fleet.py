@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from moorage.devservices.fleet import pids_under
-from tests.fleet.harness import Fleet
+from tests.fleet.harness import Fleet, put_to_sleep, replied
 
 LEASE_TTL_S = 4.0
 
@@ -38,34 +38,23 @@ def fleet(tmp_path: Path, pg_url: str, s3: dict[str, str]) -> Iterator[Fleet]:
     f.close()
 
 
-def _ok(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["reply"]
-
-
-def _sleep(f: Fleet, user: str, via: int = 0) -> None:
-    sid = f.records()[user].id
-    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
-    assert r.status_code == 200 and r.json()["slept"] is True, r.text
-
-
 def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fleet) -> None:
     users = [f"u{i:02d}" for i in range(30)]
     with ThreadPoolExecutor(6) as pool:
-        assert list(pool.map(lambda iu: _ok(fleet.turn(iu[0] % 3, iu[1])), enumerate(users))) == ["1: hi"] * 30
+        assert list(pool.map(lambda iu: replied(fleet.turn(iu[0] % 3, iu[1])), enumerate(users))) == ["1: hi"] * 30
         recs = fleet.records()
         assert {recs[u].host for u in users} == {"h1", "h2", "h3"}  # each provisioned where its first turn went
         # Asleep: each sleep is shipped (the request reaches the owner wherever it is sent).
-        list(pool.map(lambda iu: _sleep(fleet, iu[1], via=(iu[0] + 2) % 3), enumerate(users)))
+        list(pool.map(lambda iu: put_to_sleep(fleet, iu[1], via=(iu[0] + 2) % 3), enumerate(users)))
         # The next turn of every user lands on a different host, which wakes it from the object store.
-        assert list(pool.map(lambda iu: _ok(fleet.turn((iu[0] + 1) % 3, iu[1])), enumerate(users))) == ["2: hi"] * 30
+        assert list(pool.map(lambda iu: replied(fleet.turn((iu[0] + 1) % 3, iu[1])), enumerate(users))) == ["2: hi"] * 30
     recs = fleet.records()
     for i, u in enumerate(users):
         assert recs[u].host == f"h{(i + 1) % 3 + 1}" and recs[u].state == "running"
         assert recs[u].lease_epoch == 1 and recs[u].meta["resumed_from"]["from"] == "shipped"
     # An awake instance asked through another host is served by its owner (forwarded, one hop).
     r = fleet.turn(0, "u01")
-    assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h3"
+    assert replied(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h3"
     # `moorage hosts` lists the three with their instances.
     import json
     import subprocess
@@ -89,8 +78,8 @@ def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fl
 
 
 def test_a_hundred_concurrent_requests_through_three_hosts_wake_a_sleeping_agent_once(fleet: Fleet) -> None:
-    assert _ok(fleet.turn(0, "crowd")) == "1: hi"
-    _sleep(fleet, "crowd")
+    assert replied(fleet.turn(0, "crowd")) == "1: hi"
+    put_to_sleep(fleet, "crowd")
     sid = fleet.records()["crowd"].id
     before = len([s for s in fleet.spans("lifecycle.claim_wake") if s.attrs.get("instance") == sid])
     with ThreadPoolExecutor(100) as pool:
@@ -104,12 +93,12 @@ def test_a_hundred_concurrent_requests_through_three_hosts_wake_a_sleeping_agent
 
 def test_a_damaged_snapshot_falls_back_to_the_instances_older_one_never_another(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
                                                                                 s3: dict[str, str]) -> None:
-    assert _ok(fleet.turn(0, "dmg")) == "1: hi"
-    _sleep(fleet, "dmg")                              # snapshot A: counter 1
-    assert _ok(fleet.turn(1, "dmg")) == "2: hi"       # woken on h2 from A
-    _sleep(fleet, "dmg", via=1)                       # snapshot B: counter 2
-    assert _ok(fleet.turn(0, "other")) == "1: hi"     # another user with snapshots of its own
-    _sleep(fleet, "other")
+    assert replied(fleet.turn(0, "dmg")) == "1: hi"
+    put_to_sleep(fleet, "dmg")                              # snapshot A: counter 1
+    assert replied(fleet.turn(1, "dmg")) == "2: hi"       # woken on h2 from A
+    put_to_sleep(fleet, "dmg", via=1)                       # snapshot B: counter 2
+    assert replied(fleet.turn(0, "other")) == "1: hi"     # another user with snapshots of its own
+    put_to_sleep(fleet, "other")
     rec = fleet.records()["dmg"]
     prefix = s3["object_store_url"].split("/", 3)[3]
     raw = seaweedfs.client()
@@ -125,24 +114,24 @@ def test_a_damaged_snapshot_falls_back_to_the_instances_older_one_never_another(
     head = raw.head_object(Bucket=s3_bucket, Key=key)
     raw.put_object(Bucket=s3_bucket, Key=key, Body=b"9" * head["ContentLength"], Metadata=head["Metadata"])
     # Woken on h3: B is damaged, so it resumes from A (its own older snapshot), with a clear record of that.
-    assert _ok(fleet.turn(2, "dmg")) == "2: hi"
+    assert replied(fleet.turn(2, "dmg")) == "2: hi"
     resumed = fleet.records()["dmg"].meta["resumed_from"]
     assert resumed["fallback"] is True and resumed["key"] != manifest_b
     # Nothing of its own left in the bucket: provisioned again from the template (its turns are all in the store).
-    _sleep(fleet, "dmg", via=2)
+    put_to_sleep(fleet, "dmg", via=2)
     for o in raw.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]:
         if f"/{rec.id}/" in o["Key"]:
             raw.delete_object(Bucket=s3_bucket, Key=o["Key"])
-    assert _ok(fleet.turn(0, "dmg")) == "1: hi"
-    assert _ok(fleet.turn(1, "other")) == "2: hi"  # the other user's state was never touched
+    assert replied(fleet.turn(0, "dmg")) == "1: hi"
+    assert replied(fleet.turn(1, "other")) == "2: hi"  # the other user's state was never touched
 
 
 def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_turn_lost(fleet: Fleet) -> None:
     users = [f"k{i}" for i in range(9)]
     for i, u in enumerate(users):
-        assert _ok(fleet.turn(i % 3, u)) == "1: hi"
-        _sleep(fleet, u)
-        assert _ok(fleet.turn(i % 3, u)) == "2: hi"  # awake again, this turn not shipped yet
+        assert replied(fleet.turn(i % 3, u)) == "1: hi"
+        put_to_sleep(fleet, u)
+        assert replied(fleet.turn(i % 3, u)) == "2: hi"  # awake again, this turn not shipped yet
     victims = [u for i, u in enumerate(users) if i % 3 == 1]
     time.sleep(3.0)  # awake instances are shipped after their turns (at most every 2 s)
     in_flight = threading.Thread(target=lambda: _swallow(lambda: fleet.turn(1, victims[0], "slow")))
@@ -192,8 +181,8 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
 
 
 def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: Fleet) -> None:
-    assert _ok(fleet.turn(2, "stale")) == "1: hi"
-    _sleep(fleet, "stale", via=2)
+    assert replied(fleet.turn(2, "stale")) == "1: hi"
+    put_to_sleep(fleet, "stale", via=2)
     result: dict[str, httpx.Response] = {}
     slow = threading.Thread(target=lambda: result.setdefault("r", fleet.turn(2, "stale", "slow")))
     slow.start()
@@ -203,7 +192,7 @@ def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: 
     try:
         time.sleep(LEASE_TTL_S + 1.5)
         taken = fleet.turn(0, "stale")  # h1 takes it over from the last shipped snapshot
-        assert _ok(taken) == "2: hi"
+        assert replied(taken) == "2: hi"
     finally:
         os.killpg(h3.proc.pid, signal.SIGCONT)
     slow.join(timeout=60)
@@ -213,7 +202,7 @@ def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: 
     assert rec.host == "h1" and rec.lease_epoch >= 1
     # Asked through h3 now, the request is served by the owner; h3 stopped its copy.
     r = fleet.turn(2, "stale")
-    assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+    assert replied(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
     deadline = time.time() + 10
     while pids_under(h3.data / "sandboxes" / rec.id) and time.time() < deadline:
         time.sleep(0.2)
@@ -229,11 +218,11 @@ def _swallow(fn) -> None:  # noqa: ANN001
 
 def test_forgetting_a_user_removes_their_snapshots_from_the_bucket(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
                                                                   s3: dict[str, str]) -> None:
-    assert _ok(fleet.turn(0, "gone")) == "1: hi"
-    _sleep(fleet, "gone")
-    assert _ok(fleet.turn(1, "gone")) == "2: hi"  # awake on h2 now, shipped once from h1
-    assert _ok(fleet.turn(0, "kept")) == "1: hi"
-    _sleep(fleet, "kept")
+    assert replied(fleet.turn(0, "gone")) == "1: hi"
+    put_to_sleep(fleet, "gone")
+    assert replied(fleet.turn(1, "gone")) == "2: hi"  # awake on h2 now, shipped once from h1
+    assert replied(fleet.turn(0, "kept")) == "1: hi"
+    put_to_sleep(fleet, "kept")
     ids = {u: fleet.records()[u].id for u in ("gone", "kept")}
     prefix = s3["object_store_url"].split("/", 3)[3]
     raw = seaweedfs.client()
@@ -257,7 +246,7 @@ def test_a_host_with_other_installation_secrets_is_refused_as_it_joins(fleet: Fl
     with pytest.raises(RuntimeError, match=r"api/token-secret differs from host h\d's"):
         LocalHost("stranger", tmp_path / "elsewhere" / "stranger", fleet.env, start_timeout_s=120)
     assert "stranger" not in {h.id for h in fleet.host_rows()}
-    assert _ok(fleet.turn(1, "still")) == "1: hi"  # the fleet serves on
+    assert replied(fleet.turn(1, "still")) == "1: hi"  # the fleet serves on
 
 
 def test_a_users_superseded_snapshots_leave_the_bucket(fleet: Fleet, seaweedfs, s3_bucket,  # noqa: ANN001
@@ -265,8 +254,8 @@ def test_a_users_superseded_snapshots_leave_the_bucket(fleet: Fleet, seaweedfs, 
     import json
 
     for i in range(6):  # awake on one host, then the other: every turn and every sleep ships a snapshot
-        assert _ok(fleet.turn(i % 2, "many")) == f"{i + 1}: hi"
-        _sleep(fleet, "many", via=i % 2)
+        assert replied(fleet.turn(i % 2, "many")) == f"{i + 1}: hi"
+        put_to_sleep(fleet, "many", via=i % 2)
     rec = fleet.records()["many"]
     prefix = s3["object_store_url"].split("/", 3)[3]
     raw = seaweedfs.client()
@@ -280,7 +269,7 @@ def test_a_users_superseded_snapshots_leave_the_bucket(fleet: Fleet, seaweedfs, 
         body = json.loads(raw.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
         referenced |= {d for e in body["entries"] for d in e.get("chunks") or () if d}
     assert {k.rsplit("/", 1)[1] for k in mine if "/chunks/" in k} == referenced
-    assert _ok(fleet.turn(2, "many")) == "7: hi"  # a third host wakes it from the newest, whole
+    assert replied(fleet.turn(2, "many")) == "7: hi"  # a third host wakes it from the newest, whole
 
 
 def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fleet) -> None:
@@ -289,7 +278,7 @@ def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fl
 
     users = [f"d{i}" for i in range(6)]
     for u in users:
-        assert _ok(fleet.turn(1, u)) == "1: hi"  # awake on h2
+        assert replied(fleet.turn(1, u)) == "1: hi"  # awake on h2
     stop = threading.Event()
     codes: list[int] = []
 
@@ -330,8 +319,8 @@ def test_a_hosts_copies_of_sleeping_agents_are_a_bounded_cache(tmp_path: Path, p
         f.deploy()
         users = [f"c{i}" for i in range(8)]
         for u in users:
-            assert _ok(f.turn(0, u)) == "1: hi"
-            _sleep(f, u)
+            assert replied(f.turn(0, u)) == "1: hi"
+            put_to_sleep(f, u)
         root = f.hosts[0].data / "sandboxes"
         ids = {u: f.records()[u].id for u in users}
 
@@ -345,7 +334,7 @@ def test_a_hosts_copies_of_sleeping_agents_are_a_bounded_cache(tmp_path: Path, p
         assert len(kept) < len(users)  # least recently used copies evicted; only shipped ones may go
         # Every user still wakes where it slept, from the object store when its copy was evicted.
         for u in users:
-            assert _ok(f.turn(0, u)) == "2: hi"
+            assert replied(f.turn(0, u)) == "2: hi"
         recs = f.records()
         assert {recs[u].meta["resumed_from"]["from"] for u in users if u not in kept} == {"shipped"}
         assert {recs[u].meta["resumed_from"]["from"] for u in kept} <= {"local", "shipped"}
@@ -358,11 +347,11 @@ def test_a_tenants_awake_limit_counts_its_instances_on_every_host(tmp_path: Path
     f = Fleet(tmp_path, pg_url, s3, max_awake_per_tenant="2")
     try:
         f.deploy()
-        assert _ok(f.turn(0, "a1")) == "1: hi"  # awake on h1
-        assert _ok(f.turn(1, "a2")) == "1: hi"  # awake on h2: the tenant's limit of 2 is reached fleet-wide
+        assert replied(f.turn(0, "a1")) == "1: hi"  # awake on h1
+        assert replied(f.turn(1, "a2")) == "1: hi"  # awake on h2: the tenant's limit of 2 is reached fleet-wide
         r = f.turn(2, "a3")
         assert r.status_code == 429 and r.headers.get("Retry-After"), r.text
-        _sleep(f, "a1")
-        assert _ok(f.turn(2, "a3")) == "1: hi"  # room again, on any host
+        put_to_sleep(f, "a1")
+        assert replied(f.turn(2, "a3")) == "1: hi"  # room again, on any host
     finally:
         f.close()

@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import httpx
 import pytest
 
-from tests.fleet.harness import Fleet, Relay, until
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, replied, until
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +45,17 @@ def roomy(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bu
     yield from _fleet("s3roomy", tmp_path_factory, pg_cluster, seaweedfs, s3_bucket, relay, fleet_cache_mib="0")
 
 
-def _ok(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["reply"]
-
-
-def _sleep(f: Fleet, user: str, via: int = 0) -> None:
-    sid = f.records()[user].id
-    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
-    assert r.status_code == 200 and r.json()["slept"] is True, r.text
-
-
 def test_an_agent_asleep_on_a_live_host_wakes_through_any_host_while_the_store_is_down(roomy: Fleet,
                                                                                        relay: Relay) -> None:
-    assert _ok(roomy.turn(0, "bob")) == "1: hi"
-    _sleep(roomy, "bob")                                       # shipped: any host may wake it
+    assert replied(roomy.turn(0, "bob")) == "1: hi"
+    put_to_sleep(roomy, "bob")                                       # shipped: any host may wake it
     relay.close()
     try:
         # h2 cannot fetch it: h1, whose disk holds the copy, wakes it (once; later turns go straight there).
         r = roomy.turn(1, "bob")
-        assert _ok(r) == "2: hi" and r.headers["x-moorage-served-by"] == "h1"
+        assert replied(r) == "2: hi" and r.headers["x-moorage-served-by"] == "h1"
         r = roomy.turn(1, "bob")
-        assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+        assert replied(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
         assert roomy.records()["bob"].meta["resumed_from"]["from"] == "local"
     finally:
         relay.open()
@@ -83,11 +71,11 @@ def test_a_host_drained_while_the_store_is_down_leaves_only_once_its_agents_are_
         with open_store(Config(store_url=roomy.store_url)) as store:
             return HostRegistry(store.backend).get("h1").state
 
-    assert _ok(roomy.turn(0, "eve")) == "1: hi"
+    assert replied(roomy.turn(0, "eve")) == "1: hi"
     relay.close()
     try:
-        assert _ok(roomy.turn(0, "eve")) == "2: hi"
-        _sleep(roomy, "eve")                                   # unshipped: its newest state is on h1's disk only
+        assert replied(roomy.turn(0, "eve")) == "2: hi"
+        put_to_sleep(roomy, "eve")                                   # unshipped: its newest state is on h1's disk only
         with open_store(Config(store_url=roomy.store_url)) as store:
             HostRegistry(store.backend).set_state("h1", "draining")
         time.sleep(8)
@@ -97,13 +85,13 @@ def test_a_host_drained_while_the_store_is_down_leaves_only_once_its_agents_are_
     assert roomy.hosts[0].proc.wait(timeout=90) == 0          # shipped, then left cleanly
     assert state() == "gone"
     r = roomy.turn(1, "eve")
-    assert _ok(r) == "3: hi"                                   # nothing lost
+    assert replied(r) == "3: hi"                                   # nothing lost
 
 
 def test_an_agent_no_host_holds_gets_a_clear_error_while_the_store_is_down_and_wakes_after(fleet: Fleet,
                                                                                           relay: Relay) -> None:
-    assert _ok(fleet.turn(0, "cat")) == "1: hi"
-    _sleep(fleet, "cat")
+    assert replied(fleet.turn(0, "cat")) == "1: hi"
+    put_to_sleep(fleet, "cat")
     sid = fleet.records()["cat"].id
     until(lambda: not (fleet.hosts[0].data / "sandboxes" / sid).exists(), "cat's copy evicted", 30)
     relay.close()
@@ -114,24 +102,24 @@ def test_an_agent_no_host_holds_gets_a_clear_error_while_the_store_is_down_and_w
             assert "cannot reach the object store" in r.json()["detail"], r.text
     finally:
         relay.open()
-    assert _ok(fleet.turn(1, "cat")) == "2: hi"              # nothing was lost or half-made meanwhile
+    assert replied(fleet.turn(1, "cat")) == "2: hi"              # nothing was lost or half-made meanwhile
 
 
 def test_an_agent_that_slept_while_the_store_was_down_keeps_its_newest_copy_and_is_shipped_once_it_is_back(
         fleet: Fleet, relay: Relay) -> None:
-    assert _ok(fleet.turn(0, "ada")) == "1: hi"
+    assert replied(fleet.turn(0, "ada")) == "1: hi"
     until(lambda: (fleet.records()["ada"].meta.get("shipped") or {}).get("awake"), "ada shipped while awake", 30)
-    assert _ok(fleet.turn(0, "ada")) == "2: hi"
+    assert replied(fleet.turn(0, "ada")) == "2: hi"
     relay.close()
     try:
-        _sleep(fleet, "ada")                                   # the sleep stands, unshipped
+        put_to_sleep(fleet, "ada")                                   # the sleep stands, unshipped
         rec = fleet.records()["ada"]
         assert rec.state == "sleeping" and rec.meta["shipped_current"] is False
         time.sleep(4)                                          # the cache is checked every second (bound 10 KiB)
         assert (fleet.hosts[0].data / "sandboxes" / rec.id).is_dir(), "the only newest copy was evicted"
         r = fleet.turn(1, "ada")                               # through the other host: forwarded to its holder
-        assert _ok(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
-        _sleep(fleet, "ada", via=1)
+        assert replied(r) == "3: hi" and r.headers["x-moorage-served-by"] == "h1"
+        put_to_sleep(fleet, "ada", via=1)
         assert fleet.records()["ada"].meta["shipped_current"] is False
     finally:
         relay.open()
@@ -141,7 +129,7 @@ def test_an_agent_that_slept_while_the_store_was_down_keeps_its_newest_copy_and_
     deadline = time.monotonic() + 60
     while (r := fleet.turn(1, "ada")).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _ok(r) == "4: hi"
+    assert replied(r) == "4: hi"
     assert fleet.records()["ada"].host == "h2"
 
 

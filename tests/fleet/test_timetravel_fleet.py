@@ -5,13 +5,12 @@ the instance moved hosts, and after its host died.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.fleet.harness import Fleet, Relay, until
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, replied, until
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +33,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bu
         f.close()
 
 
-def _ok(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.json()["reply"]
-
-
-def _sleep(f: Fleet, user: str, via: int = 0) -> None:
-    sid = f.records()[user].id
-    r = f.api[via].post(f"/v1/sandboxes/{sid}/sleep")
-    assert r.status_code == 200 and r.json()["slept"] is True, r.text
-
-
 def _listing(f: Fleet, via: int, user: str) -> dict[str, Any]:
     r = f.api[via].get(f"/v1/agents/echo/users/{user}/checkpoints")
     assert r.status_code == 200, r.text
@@ -58,15 +46,15 @@ def _turns(listing: dict[str, Any]) -> dict[str, str]:
 
 def test_every_host_lists_an_awake_instances_checkpoints_as_its_owner_does(fleet: Fleet) -> None:
     for _ in range(3):
-        _ok(fleet.turn(0, "lis"))
+        replied(fleet.turn(0, "lis"))
     views = [_listing(fleet, i, "lis") for i in range(3)]
     owner = {c["id"]: c["restorable"] for c in views[0]["data"]}
     assert set(owner.values()) == {True}, views[0]
     for v in views[1:]:
         assert {c["id"]: c["restorable"] for c in v["data"]} == owner, v
     # Asleep since, then awake on h2: h1's copy is an older one, which must not answer for the instance.
-    _sleep(fleet, "lis")
-    assert _ok(fleet.turn(1, "lis")) == "4: hi"
+    put_to_sleep(fleet, "lis")
+    assert replied(fleet.turn(1, "lis")) == "4: hi"
     views = [_listing(fleet, i, "lis") for i in range(3)]
     assert len(views[1]["data"]) == 4 and {c["restorable"] for c in views[1]["data"]} == {True}, views[1]
     for v in (views[0], views[2]):
@@ -75,20 +63,20 @@ def test_every_host_lists_an_awake_instances_checkpoints_as_its_owner_does(fleet
 
 def test_a_rollback_through_another_host_and_after_the_instance_moved(fleet: Fleet) -> None:
     for _ in range(3):
-        _ok(fleet.turn(0, "mv"))
+        replied(fleet.turn(0, "mv"))
     ids = _turns(_listing(fleet, 0, "mv"))
     r = fleet.api[1].post(f"/v1/agents/echo/users/mv/checkpoints/{ids['2: hi']}/rollback", json={})
     assert r.status_code == 200, r.text
-    assert _ok(fleet.turn(2, "mv")) == "3: hi"
-    _sleep(fleet, "mv")
-    assert _ok(fleet.turn(1, "mv")) == "4: hi"       # woken on h2 from the object store
+    assert replied(fleet.turn(2, "mv")) == "3: hi"
+    put_to_sleep(fleet, "mv")
+    assert replied(fleet.turn(1, "mv")) == "4: hi"       # woken on h2 from the object store
     assert fleet.records()["mv"].host == "h2"
     listing = _listing(fleet, 0, "mv")
     ids = _turns(listing)
     # a checkpoint taken on h1 rolls back on h2
     r = fleet.api[0].post(f"/v1/agents/echo/users/mv/checkpoints/{ids['1: hi']}/rollback", json={})
     assert r.status_code == 200, r.text
-    assert _ok(fleet.turn(0, "mv")) == "2: hi"
+    assert replied(fleet.turn(0, "mv")) == "2: hi"
     # the abandoned branch's tip (taken on h2) is listed and restorable from h1
     listing = _listing(fleet, 0, "mv")
     tips = [b["tip"] for b in listing["branches"] if not b["current"]]
@@ -99,15 +87,15 @@ def test_a_rollback_through_another_host_and_after_the_instance_moved(fleet: Fle
 
 def test_a_fan_out_fork_of_an_instance_asleep_on_another_host(fleet: Fleet) -> None:
     for _ in range(2):
-        _ok(fleet.turn(0, "src"))
-    _sleep(fleet, "src")
+        replied(fleet.turn(0, "src"))
+    put_to_sleep(fleet, "src")
     ids = _turns(_listing(fleet, 2, "src"))
     r = fleet.api[2].post(f"/v1/agents/echo/users/src/checkpoints/{ids['1: hi']}/fork",
                           json={"to_users": ["f1", "f2", "f3"]})
     assert r.status_code == 201, r.text
     for i, u in enumerate(("f1", "f2", "f3")):
-        assert _ok(fleet.turn(i, u)) == "2: hi"
-    assert _ok(fleet.turn(1, "src")) == "3: hi"
+        assert replied(fleet.turn(i, u)) == "2: hi"
+    assert replied(fleet.turn(1, "src")) == "3: hi"
 
 
 def test_a_checkpoint_older_than_the_snapshots_kept_still_rolls_back_on_another_host(fleet: Fleet, seaweedfs,  # noqa: ANN001
@@ -115,8 +103,8 @@ def test_a_checkpoint_older_than_the_snapshots_kept_still_rolls_back_on_another_
     """The bucket keeps an instance's newest 3 snapshots; each holds the checkpoints the instance keeps, so a
     checkpoint from before the oldest kept snapshot is still restorable wherever the instance wakes."""
     for i in range(5):                                        # five sleeps, each woken on the next host
-        assert _ok(fleet.turn(i % 3, "old")) == f"{i + 1}: hi"
-        _sleep(fleet, "old", via=i % 3)
+        assert replied(fleet.turn(i % 3, "old")) == f"{i + 1}: hi"
+        put_to_sleep(fleet, "old", via=i % 3)
     rec = fleet.records()["old"]
     prefix = fleet.env["MOORAGE_OBJECT_STORE_URL"].split("/", 3)[3]
     listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/")["Contents"]
@@ -124,15 +112,15 @@ def test_a_checkpoint_older_than_the_snapshots_kept_still_rolls_back_on_another_
     first = _turns(_listing(fleet, 1, "old"))["1: hi"]
     r = fleet.api[2].post(f"/v1/agents/echo/users/old/checkpoints/{first}/rollback", json={})
     assert r.status_code == 200, r.text
-    assert _ok(fleet.turn(1, "old")) == "2: hi"
+    assert replied(fleet.turn(1, "old")) == "2: hi"
 
 
 def test_forgetting_a_user_through_another_host_removes_its_copies_and_checkpoints_from_every_disk(
         fleet: Fleet) -> None:
-    assert _ok(fleet.turn(0, "ghost")) == "1: hi"
-    _sleep(fleet, "ghost")                                    # shipped; h1 keeps its copy
-    assert _ok(fleet.turn(1, "ghost")) == "2: hi"             # woken on h2 from the object store
-    _sleep(fleet, "ghost", via=1)
+    assert replied(fleet.turn(0, "ghost")) == "1: hi"
+    put_to_sleep(fleet, "ghost")                                    # shipped; h1 keeps its copy
+    assert replied(fleet.turn(1, "ghost")) == "2: hi"             # woken on h2 from the object store
+    put_to_sleep(fleet, "ghost", via=1)
     sid = fleet.records()["ghost"].id
     copies = [h.data / "sandboxes" / sid for h in fleet.hosts[:2]]
     assert all((c / "checkpoints").is_dir() for c in copies)
@@ -166,36 +154,36 @@ def test_after_its_host_died_a_users_checkpoints_roll_back_on_a_survivor(fleet: 
     rollback to a checkpoint it never shipped (the object store was down): h3 drops that intent (the instance is
     at the old point), a rollback to that checkpoint is refused clearly, and time travel goes on. Last: it kills."""
     for _ in range(3):
-        _ok(fleet.turn(0, "dead"))
+        replied(fleet.turn(0, "dead"))
     until(lambda: (fleet.records()["dead"].meta.get("shipped") or {}).get("awake"), "shipped while awake", 30)
     time.sleep(3)  # the shipment after the third turn (coalesced: at most one every 2 s)
     ids = _turns(_listing(fleet, 0, "dead"))
     _intend_rollback(fleet, "dead", ids["1: hi"])
     fleet.hosts[0].kill()
-    assert _ok(_after_takeover(fleet, 1, "dead")) == "2: hi"  # the rollback to turn 1 finished first
+    assert replied(_after_takeover(fleet, 1, "dead")) == "2: hi"  # the rollback to turn 1 finished first
     rec = fleet.records()["dead"]
     assert rec.host == "h2" and rec.meta["resumed_from"]["from"] == "shipped"
     r = fleet.api[2].post("/v1/agents/echo/users/dead/checkpoints", json={"name": "later"})
     assert r.status_code == 201, r.text
-    assert _ok(fleet.turn(2, "dead")) == "3: hi"              # nothing is rolled back again later
+    assert replied(fleet.turn(2, "dead")) == "3: hi"              # nothing is rolled back again later
     listing = _listing(fleet, 2, "dead")
     assert {c["restorable"] for c in listing["data"] if c["kind"] != "missing"} == {True}, listing
     r = fleet.api[2].post(f"/v1/agents/echo/users/dead/checkpoints/{ids['3: hi']}/rollback", json={})
     assert r.status_code == 200, r.text
-    assert _ok(fleet.turn(1, "dead")) == "4: hi"
+    assert replied(fleet.turn(1, "dead")) == "4: hi"
     time.sleep(3)                                             # shipped at 4
     relay.close()
     try:
-        assert _ok(fleet.turn(1, "dead")) == "5: hi"          # its checkpoint is on h2's disk only
+        assert replied(fleet.turn(1, "dead")) == "5: hi"          # its checkpoint is on h2's disk only
         five = _turns(_listing(fleet, 1, "dead"))["5: hi"]
         _intend_rollback(fleet, "dead", five)
         fleet.hosts[1].kill()
     finally:
         relay.open()
-    assert _ok(_after_takeover(fleet, 2, "dead")) == "5: hi"  # from the copy shipped at 4; the intent dropped
+    assert replied(_after_takeover(fleet, 2, "dead")) == "5: hi"  # from the copy shipped at 4; the intent dropped
     r = fleet.api[2].post(f"/v1/agents/echo/users/dead/checkpoints/{five}/rollback", json={})
     assert r.status_code == 409 and r.json()["type"].endswith("checkpoint-gone"), r.text
     assert "before shipping it" in r.json()["detail"], r.text
     r = fleet.api[2].post("/v1/agents/echo/users/dead/checkpoints", json={"name": "after"})
     assert r.status_code == 201, r.text
-    assert _ok(fleet.turn(2, "dead")) == "6: hi"
+    assert replied(fleet.turn(2, "dead")) == "6: hi"
