@@ -1,9 +1,5 @@
-"""An agent's own web app: one HTTP request from the API relayed to a port inside the user's sandbox.
-
-The instance is woken like for a turn and held awake while the exchange lasts; bytes travel over the
-host↔guest channel (``guest/app_relay.py``), never a VM network. The host frames the request and parses the
-answer itself (h11), with a cap on both bodies, deadlines, and generic errors: the guest is untrusted.
-"""
+"""An agent's own web app over HTTP: one request from the API framed (h11) and relayed to the app's port in the
+user's sandbox, its answer parsed, capped and rewritten on the way back (errors: app_errors.py; the port: app_guest.py)."""
 
 from __future__ import annotations
 
@@ -16,32 +12,19 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import h11
 
-from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
+from moorage.errors import InvalidInput
 from moorage.log import get_logger
-from moorage.runtime.sizing import app_ports
-from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError, SandboxStateError
-from moorage.store import EntityKey, TenantStore
+from moorage.runtime.app_errors import AppTooLarge, AppUnavailable, live_channel
+from moorage.runtime.app_guest import (DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, app_of, open_connection, origin_for,
+                                       own_origin)
+from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
+from moorage.store import TenantStore
 
 log = get_logger(__name__)
 
-#: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
-APP_UNREACHABLE = -32020
-#: ... and for "as many connections to the app are open as the guest allows" (its MAX_CONNECTIONS, 64).
-APP_BUSY = -32021
-#: Bytes asked of the guest per read (its own cap is the same).
-READ_CHUNK = 512 * 1024
-#: Largest request chunk sent in one frame.
-WRITE_CHUNK = 256 * 1024
 #: A response head larger than this is refused (h11 keeps it in memory until it is complete).
 MAX_HEAD_BYTES = 64 * 1024
 
-#: Request headers never passed to the app: hop-by-hop, the caller's credentials for moorage (an API key or
-#: cookies of the API's origin are not the app's business), and what the host sets itself (``origin_for``).
-_DROP_REQUEST = frozenset({
-    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
-    "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
-    "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded", "origin",
-})
 #: Response headers never passed back: hop-by-hop, framing (the host re-frames), cookies (the app is served
 #: from the API's origin, where it must not set or replace cookies), and the two the host's server adds itself
 #: (``server``, ``date``: one of each, as a proxy sends).
@@ -53,53 +36,6 @@ _DROP_RESPONSE = frozenset({
 #: Served on the API's origin, the app's pages get a sandboxed origin of their own: their scripts cannot read
 #: the dashboard's storage or call the API with the visitor's credentials.
 APP_CSP = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
-
-
-class AppUnavailable(UnavailableError):
-    """The agent's app did not answer properly (not listening, closed early, malformed, too slow)."""
-
-    code = "app-unavailable"
-    http_status = 502
-    for_caller = True
-
-
-class AppBusy(UnavailableError):
-    """The guest already holds as many connections to the app as it allows: the app is busy, not down."""
-
-    code = "app-busy"
-    for_caller = True
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        #: Read by the API's problem+json: a connection frees as soon as one of the app's requests ends.
-        self.retry_after = 1
-
-
-class InstanceStopped(UnavailableError):
-    """The instance's processes ended under the request (the agent or its app crashed) before the host noticed: the
-    next request starts it again."""
-
-    code = "instance-stopped"
-    for_caller = True
-
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.retry_after = 1
-
-
-def live_channel(sandbox: Any) -> Any:
-    """The channel of the sandbox a request holds; one whose processes just died is a 503 to retry, not the
-    sandbox's own state error (a 409 telling the caller to wake it)."""
-    try:
-        return sandbox.channel
-    except SandboxStateError:
-        raise InstanceStopped("the agent's instance stopped; the next request starts it again",
-                              hint="retry in a moment") from None
-
-
-class AppTooLarge(MoorageError):
-    code = "app-too-large"
-    http_status = 413
 
 
 @dataclass
@@ -122,17 +58,6 @@ class AppResponse:
     aclose: Callable[[], Awaitable[None]]
 
 
-def origin_for(headers: Iterable[tuple[bytes, bytes]], port: int) -> list[str]:
-    """The ``Origin`` the app sees: its own, as its ``Host`` is, when the caller sent one. A page of the app runs in an
-    opaque origin (``null``, the sandbox CSP) and the API's origin is not the app's: a same-origin check in the app
-    (Tornado's, engine.io's) would refuse every browser. It guards nothing here: the app never sees cookies."""
-    return [_own_origin(port)] if any(k.lower() == b"origin" for k, _ in headers) else []
-
-
-def _own_origin(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
-
-
 def _limits(config: Any) -> tuple[int, int, float, float]:
     return (config.app_max_request_bytes, config.app_max_response_bytes, float(config.app_timeout_s),
             float(config.app_max_duration_s))
@@ -141,7 +66,7 @@ def _limits(config: Any) -> tuple[int, int, float, float]:
 def _request_head(req: AppRequest, port: int) -> tuple[h11.Request, bool]:
     if not req.target.startswith(b"/") or any(c <= 0x20 or c == 0x7f for c in req.target):
         raise InvalidInput("malformed path for the agent's app")
-    headers = [(k, v) for k, v in req.headers if k.lower().decode("latin-1") not in _DROP_REQUEST]
+    headers = [(k, v) for k, v in req.headers if k.lower().decode("latin-1") not in DROP_REQUEST]
     declared = next((v for k, v in req.headers if k.lower() == b"content-length"), None)
     chunked = any(k.lower() == b"transfer-encoding" for k, _ in req.headers)
     if declared is not None:
@@ -237,6 +162,10 @@ class _Exchange:
 
 async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str, req: AppRequest) -> AppResponse:
     """Relay ``req`` to the app of ``user``'s instance of ``agent_name`` in tenant ``ts``, waking it if asleep.
+
+    The instance is woken like for a turn and held awake while the exchange lasts; bytes travel over the host↔guest
+    channel (``guest/app_relay.py``), never a VM network. The guest is untrusted: both bodies are capped, every wait
+    has a deadline, and what goes wrong is a generic error.
 
     Raises NotFound (no such agent or user, or the agent serves no app), AppUnavailable (502), AppBusy (503), AppTooLarge
     (413). The response body must be consumed or ``aclose``d: the instance stays awake until then.
@@ -339,53 +268,6 @@ async def _send_request(exchange: _Exchange, head: h11.Request, body: AsyncItera
         raise InvalidInput("the request body does not match its Content-Length") from None
 
 
-async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> tuple[Any, Any, Any, Any, int]:
-    """(agent, lifecycle, scope, live deployment, app port) of ``user``'s instance; NotFound if it serves no app."""
-    agent, lc, scope = await asyncio.to_thread(runtime.router.resolve, ts, EntityKey(agent_name, user, "default"))
-    if agent.live_deployment is None:
-        raise NotFound(f"agent {agent_name!r} has no live deployment", hint="deploy it with `moorage deploy`")
-    deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
-    ports = app_ports(deployment.manifest)
-    if not ports:
-        raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
-    return agent, lc, scope, deployment, ports[0]
-
-
-async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any,
-                          on_restart: Any = None, **options: Any) -> dict[str, Any]:
-    """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
-    agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
-    starts an app the agent module runs, and is asked again for a few seconds while the app binds its port.
-    Loading may restart the sandbox for the deployment's packages (``instance_update``; ``on_restart`` gets the
-    new channel)."""
-    from moorage.runtime import instance_update
-
-    loaded = False
-    give_up = time.monotonic() + 10
-    while True:
-        try:
-            return await sandbox.channel.call("app.open", {"port": port, **options}, timeout=15)
-        except RemoteError as e:
-            if e.rpc_code == APP_BUSY:
-                raise AppBusy("the agent's app has too many open connections",
-                              hint="retry in a moment, or close some of its WebSockets") from None
-            if e.rpc_code != APP_UNREACHABLE:
-                raise AppUnavailable("the sandbox could not reach the agent's app") from None
-        if not loaded:
-            info = await sandbox.channel.call("agent.info", {}, timeout=15)
-            if deployment.id not in (info.get("loaded") or [] if isinstance(info, dict) else []):
-                await instance_update.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
-                runtime._loaded[sandbox.id] = deployment.id
-                loaded = True
-                continue
-            loaded = True
-            give_up = time.monotonic()  # its code is loaded and still nothing listens: the app is down
-        if time.monotonic() >= give_up:
-            raise AppUnavailable(f"the agent's app is not listening on port {port}",
-                                 hint=f"start a server on 127.0.0.1:{port} in the sandbox")
-        await asyncio.sleep(0.1)
-
-
 _CLEANUPS: set["asyncio.Future[None]"] = set()
 
 
@@ -411,7 +293,7 @@ def _response_headers(raw: Iterable[tuple[bytes, bytes]], port: int, req: AppReq
     origin = next((v.decode("latin-1") for k, v in req.headers if k.lower() == b"origin"), None)
     if origin is not None:
         # The app allows the origin it was sent (its own, origin_for): that is the caller's (CORS that reflects it).
-        out = [(k, origin if k == "access-control-allow-origin" and v == _own_origin(port) else v) for k, v in out]
+        out = [(k, origin if k == "access-control-allow-origin" and v == own_origin(port) else v) for k, v in out]
     out.append(("content-security-policy", APP_CSP))
     out.append(("x-content-type-options", "nosniff"))
     out.append(("referrer-policy", "no-referrer"))  # a share link's token never leaves in a Referer

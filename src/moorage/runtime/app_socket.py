@@ -24,8 +24,8 @@ from websockets.uri import parse_uri
 
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
-from moorage.runtime.app_proxy import (_DROP_REQUEST, AppUnavailable, app_of, live_channel, open_connection,
-                                       origin_for)
+from moorage.runtime.app_errors import AppUnavailable, live_channel
+from moorage.runtime.app_guest import DROP_REQUEST, app_of, open_connection, origin_for
 from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
 from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
@@ -33,7 +33,7 @@ from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_clo
 log = get_logger(__name__)
 
 #: The caller's handshake headers the app never sees besides the HTTP ones: the host makes its own handshake.
-_DROP_HANDSHAKE = _DROP_REQUEST | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+_DROP_HANDSHAKE = DROP_REQUEST | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                                    "sec-websocket-protocol", "sec-websocket-accept"}
 
 

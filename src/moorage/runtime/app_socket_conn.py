@@ -9,7 +9,8 @@ import contextlib
 import time
 from typing import Any
 
-from moorage.runtime.app_proxy import READ_CHUNK, WRITE_CHUNK, AppUnavailable
+from moorage.runtime.app_errors import AppUnavailable
+from moorage.runtime.app_guest import READ_CHUNK, WRITE_CHUNK
 from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
 
 #: The guest drops a socket's connection when the host has not asked for its bytes for this long: the host keeps a

@@ -1,0 +1,89 @@
+"""Reaching an agent's app inside the user's sandbox: its port, one relayed guest connection to it (``app.open`` in
+``guest/app_relay.py``), and what the app is told of the caller; used by the HTTP and the WebSocket relay alike."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Iterable
+
+from moorage.errors import NotFound
+from moorage.runtime.app_errors import AppBusy, AppUnavailable
+from moorage.runtime.sizing import app_ports
+from moorage.sandbox import RemoteError
+from moorage.store import EntityKey, TenantStore
+
+#: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
+APP_UNREACHABLE = -32020
+#: ... and for "as many connections to the app are open as the guest allows" (its MAX_CONNECTIONS, 64).
+APP_BUSY = -32021
+#: Bytes asked of the guest per read (its own cap is the same).
+READ_CHUNK = 512 * 1024
+#: Largest request chunk sent in one frame.
+WRITE_CHUNK = 256 * 1024
+
+#: Request headers never passed to the app: hop-by-hop, the caller's credentials for moorage (an API key or
+#: cookies of the API's origin are not the app's business), and what the host sets itself (``origin_for``).
+DROP_REQUEST = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
+    "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
+    "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded", "origin",
+})
+
+
+def origin_for(headers: Iterable[tuple[bytes, bytes]], port: int) -> list[str]:
+    """The ``Origin`` the app sees: its own, as its ``Host`` is, when the caller sent one. A page of the app runs in an
+    opaque origin (``null``, the sandbox CSP) and the API's origin is not the app's: a same-origin check in the app
+    (Tornado's, engine.io's) would refuse every browser. It guards nothing here: the app never sees cookies."""
+    return [own_origin(port)] if any(k.lower() == b"origin" for k, _ in headers) else []
+
+
+def own_origin(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> tuple[Any, Any, Any, Any, int]:
+    """(agent, lifecycle, scope, live deployment, app port) of ``user``'s instance; NotFound if it serves no app."""
+    agent, lc, scope = await asyncio.to_thread(runtime.router.resolve, ts, EntityKey(agent_name, user, "default"))
+    if agent.live_deployment is None:
+        raise NotFound(f"agent {agent_name!r} has no live deployment", hint="deploy it with `moorage deploy`")
+    deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment)
+    ports = app_ports(deployment.manifest)
+    if not ports:
+        raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
+    return agent, lc, scope, deployment, ports[0]
+
+
+async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any,
+                          on_restart: Any = None, **options: Any) -> dict[str, Any]:
+    """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
+    agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
+    starts an app the agent module runs, and is asked again for a few seconds while the app binds its port.
+    Loading may restart the sandbox for the deployment's packages (``instance_update``; ``on_restart`` gets the
+    new channel)."""
+    from moorage.runtime import instance_update
+
+    loaded = False
+    give_up = time.monotonic() + 10
+    while True:
+        try:
+            return await sandbox.channel.call("app.open", {"port": port, **options}, timeout=15)
+        except RemoteError as e:
+            if e.rpc_code == APP_BUSY:
+                raise AppBusy("the agent's app has too many open connections",
+                              hint="retry in a moment, or close some of its WebSockets") from None
+            if e.rpc_code != APP_UNREACHABLE:
+                raise AppUnavailable("the sandbox could not reach the agent's app") from None
+        if not loaded:
+            info = await sandbox.channel.call("agent.info", {}, timeout=15)
+            if deployment.id not in (info.get("loaded") or [] if isinstance(info, dict) else []):
+                await instance_update.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
+                runtime._loaded[sandbox.id] = deployment.id
+                loaded = True
+                continue
+            loaded = True
+            give_up = time.monotonic()  # its code is loaded and still nothing listens: the app is down
+        if time.monotonic() >= give_up:
+            raise AppUnavailable(f"the agent's app is not listening on port {port}",
+                                 hint=f"start a server on 127.0.0.1:{port} in the sandbox")
+        await asyncio.sleep(0.1)
