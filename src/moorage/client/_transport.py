@@ -91,6 +91,13 @@ def unreachable(settings: Settings, e: Exception) -> Unavailable:
                        type="unreachable", hint="check the URL and that `moorage up` is running")
 
 
+def cut_off(settings: Settings, e: Exception) -> Unavailable:
+    """A stream whose connection failed after its first events: not retried (they were handed over already)."""
+    return Unavailable(503, f"the stream from {settings.base_url} was cut off: {type(e).__name__}: {e}",
+                       type="unreachable", hint="ask again: a turn with the same idempotency_key answers its result, "
+                                                "follow_exec starts from the oldest output kept")
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
     """(event, data) pairs from server-sent event lines."""
     event, data = "message", []

@@ -78,28 +78,41 @@ class AsyncClient(Api):
                                  json=_turn_body(message, user, session),
                                  headers={"accept": "text/event-stream",
                                           **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
+        async for event in self._events(req):
+            yield event
+
+    async def _events(self, req: Request) -> AsyncIterator[T.StreamEvent]:
+        """Server-sent events of ``req``, retried until the stream begins as ``Client._events`` does."""
         attempt = 0
         while True:
-            async with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
-                self._note(req, response.status_code)
-                if response.status_code < 400:
-                    buffer: list[str] = []
-                    async for line in response.aiter_lines():
-                        buffer.append(line)
-                        if line == "":
-                            for event, data in tr.sse_events(iter(buffer)):
-                                yield {"event": event, "data": data}
-                            buffer = []
-                    for event, data in tr.sse_events(iter([*buffer, ""])):
-                        yield {"event": event, "data": data}
-                    return
-                await response.aread()
-                try:
-                    tr.decode(response)
-                except ApiError as e:
-                    wait = tr.wait_before_retry(self.settings, attempt, e)
-                    if wait is None:
-                        raise
+            started = False
+            try:
+                async with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+                    self._note(req, response.status_code)
+                    if response.status_code < 400:
+                        started = True
+                        buffer: list[str] = []
+                        async for line in response.aiter_lines():
+                            buffer.append(line)
+                            if line == "":
+                                for event, data in tr.sse_events(iter(buffer)):
+                                    yield {"event": event, "data": data}
+                                buffer = []
+                        for event, data in tr.sse_events(iter([*buffer, ""])):
+                            yield {"event": event, "data": data}
+                        return
+                    await response.aread()
+                    tr.decode(response)  # raises the typed error
+            except httpx.TransportError as e:
+                if started:
+                    raise tr.cut_off(self.settings, e) from e
+                self._note(req, 0)
+                error: ApiError = tr.unreachable(self.settings, e)
+            except ApiError as e:
+                error = e
+            wait = tr.wait_before_retry(self.settings, attempt, error)
+            if wait is None:
+                raise error
             await self._sleep(wait)
             attempt += 1
 
@@ -120,19 +133,6 @@ class AsyncClient(Api):
 
     async def follow_exec(self, execution_id: str) -> AsyncIterator[T.StreamEvent]:
         """A detached exec's output as it arrives (``output`` events), then one ``end`` with the execution."""
-        req = tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
-                                 headers={"accept": "text/event-stream"}))
-        async with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
-            self._note(req, response.status_code)
-            if response.status_code >= 400:
-                await response.aread()
-                tr.decode(response)  # raises the typed error
-            buffer: list[str] = []
-            async for line in response.aiter_lines():
-                buffer.append(line)
-                if line == "":
-                    for event, data in tr.sse_events(iter(buffer)):
-                        yield {"event": event, "data": data}
-                    buffer = []
-            for event, data in tr.sse_events(iter([*buffer, ""])):
-                yield {"event": event, "data": data}
+        async for event in self._events(tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
+                                                           headers={"accept": "text/event-stream"}))):
+            yield event

@@ -83,21 +83,34 @@ class Client(Api):
                                  json=_turn_body(message, user, session),
                                  headers={"accept": "text/event-stream",
                                           **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
+        yield from self._events(req)
+
+    def _events(self, req: Request) -> Iterator[T.StreamEvent]:
+        """Server-sent events of ``req``. Until the stream begins, a refusal or a failed connection is retried as any
+        request is (and raised as its ``ApiError``); a connection lost once events came is ``Unavailable``."""
         attempt = 0
         while True:
-            with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
-                self._note(req, response.status_code)
-                if response.status_code < 400:
-                    for event, data in tr.sse_events(response.iter_lines()):
-                        yield {"event": event, "data": data}
-                    return
-                response.read()
-                try:
-                    tr.decode(response)
-                except ApiError as e:
-                    wait = tr.wait_before_retry(self.settings, attempt, e)
-                    if wait is None:
-                        raise
+            started = False
+            try:
+                with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
+                    self._note(req, response.status_code)
+                    if response.status_code < 400:
+                        started = True
+                        for event, data in tr.sse_events(response.iter_lines()):
+                            yield {"event": event, "data": data}
+                        return
+                    response.read()
+                    tr.decode(response)  # raises the typed error
+            except httpx.TransportError as e:
+                if started:
+                    raise tr.cut_off(self.settings, e) from e
+                self._note(req, 0)
+                error: ApiError = tr.unreachable(self.settings, e)
+            except ApiError as e:
+                error = e
+            wait = tr.wait_before_retry(self.settings, attempt, error)
+            if wait is None:
+                raise error
             self._sleep(wait)
             attempt += 1
 
@@ -120,12 +133,5 @@ class Client(Api):
     def follow_exec(self, execution_id: str) -> Iterator[T.StreamEvent]:
         """A detached exec's output as it arrives: ``output`` events ({stream, offset, text}) from the oldest byte
         kept, then one ``end`` with the execution (without its output)."""
-        req = tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
-                                 headers={"accept": "text/event-stream"}))
-        with self._http.stream(req.method, req.path, **tr.kwargs(req)) as response:
-            self._note(req, response.status_code)
-            if response.status_code >= 400:
-                response.read()
-                tr.decode(response)  # raises the typed error
-            for event, data in tr.sse_events(response.iter_lines()):
-                yield {"event": event, "data": data}
+        yield from self._events(tr.prepare(Request("GET", f"/v1/executions/{_p(execution_id)}/output",
+                                                   headers={"accept": "text/event-stream"})))
