@@ -64,7 +64,7 @@ class AsyncClient(Api):
         """Every item of a list method: ``async for u in c.paginate(c.list_users, "bot"): ...``."""
         cursor = kwargs.pop("cursor", None)
         while True:
-            page = await list_method(*args, cursor=cursor, **kwargs)
+            page = await list_method(*args, **kwargs, **({"cursor": cursor} if cursor else {}))
             for item in page["data"]:
                 yield item
             cursor = page.get("next_cursor")

@@ -70,7 +70,8 @@ class Client(Api):
         """Every item of a list method, page after page: ``for u in c.paginate(c.list_users, "bot"): ...``."""
         cursor = kwargs.pop("cursor", None)
         while True:
-            page = list_method(*args, cursor=cursor, **kwargs)
+            # A list with no pages (webhooks, secrets) takes no cursor: it is passed only when there is one.
+            page = list_method(*args, **kwargs, **({"cursor": cursor} if cursor else {}))
             yield from page["data"]
             cursor = page.get("next_cursor")
             if not cursor:
