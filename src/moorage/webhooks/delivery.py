@@ -44,10 +44,13 @@ class RetrySchedule:
 
 
 def execution_data(ex: Execution, run: Any, waiting_for: Any = None) -> dict[str, Any]:
-    """What a webhook says about an execution (the same fields as ``GET /v1/executions/{id}``)."""
+    """What a webhook says about an execution (the same fields as ``GET /v1/executions/{id}``): ``run_id`` is what
+    ``POST /v1/workflows/{run_id}/answer`` takes, ``trace_id`` the turn's trace. A synchronous turn's interrupt
+    (``api.routes.executions.announce_interrupt``) carries the same fields."""
     result = run.result if isinstance(run.result, dict) else {}
-    return {"execution_id": ex.id, "agent": ex.agent, "user": ex.user, "session": ex.session, "status": run.status,
-            "reply": result.get("reply"), "error": run.error, "interrupt": waiting_for,
+    return {"execution_id": ex.id, "run_id": run.id, "agent": ex.agent, "user": ex.user, "session": ex.session,
+            "status": run.status, "reply": result.get("reply"), "error": run.error, "interrupt": waiting_for,
+            "trace_id": result.get("trace_id") or (run.input or {}).get("trace_id"),
             "url": f"/v1/executions/{ex.id}"}
 
 
@@ -66,10 +69,10 @@ def announce(ts: TenantStore) -> int:
                 with ts.transaction():
                     if ts.executions.mark_announced(ex.id, "failed", expected_version=ex.version):
                         ts.deliveries.enqueue(ex.agent, "execution.failed", {
-                            "execution_id": ex.id, "agent": ex.agent, "user": ex.user, "session": ex.session,
-                            "status": "failed", "reply": None,
+                            "execution_id": ex.id, "run_id": None, "agent": ex.agent, "user": ex.user,
+                            "session": ex.session, "status": "failed", "reply": None,
                             "error": refusal.get("detail") if isinstance(refusal, dict) else str(refusal),
-                            "interrupt": None, "url": f"/v1/executions/{ex.id}"})
+                            "interrupt": None, "trace_id": None, "url": f"/v1/executions/{ex.id}"})
                         queued += 1
             continue
         if run.status not in ANNOUNCED or run.status == ex.announced:

@@ -94,10 +94,12 @@ def announce_interrupt(call: Call, result: Any) -> None:
         execution_id = ts.executions.get(run_id).id
     except NotFound:
         pass
+    # The fields of an async turn's events (``webhooks.delivery.execution_data``), so one receiver reads both.
     ts.deliveries.enqueue(run.scope.agent, "interrupt.waiting", {
         "execution_id": execution_id, "run_id": run_id, "agent": run.scope.agent, "user": run.scope.user,
-        "session": (run.input or {}).get("session"), "status": "waiting", "interrupt": result.interrupt,
-        "url": f"/v1/workflows/{run_id}"})
+        "session": (run.input or {}).get("session"), "status": "waiting", "reply": None, "error": None,
+        "interrupt": result.interrupt, "trace_id": getattr(result, "trace_id", None),
+        "url": f"/v1/executions/{execution_id}" if execution_id else f"/v1/workflows/{run_id}"})
 
 
 EXECUTION = S.obj({"id": S.STR, "object": S.STR, "kind": {"enum": ["turn", "exec"]}, "agent": S.STR, "user": S.STR,
