@@ -27,6 +27,7 @@ from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
 from moorage.store import open_store
 from tests.api.conftest import free_port
+from tests.app.wsapp import agent_py
 from tests.conftest import stop_all_sandboxes
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -35,26 +36,15 @@ APP_TIMEOUT_S = 3
 
 # A stdlib server on the app's port: plain HTTP answers what it was asked (as JSON), /upload refuses any body unread, a
 # WebSocket echoes and obeys a few commands, and /silent takes the connection and never answers.
-AGENT = r'''
-import base64, hashlib, json, os, socketserver, struct, threading, time
+AGENT = agent_py(r'''
+import json, os, struct, time
 
-GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 LAST = {}
 
 
-class Handler(socketserver.StreamRequestHandler):
-    def handle(self):
-        line = self.rfile.readline(65537).decode("latin-1")
-        if not line:
-            return
-        method, target, _ = line.split(" ", 2)
-        headers = {}
-        while True:
-            h = self.rfile.readline(65537).decode("latin-1")
-            if h in ("\r\n", "\n", ""):
-                break
-            k, _, v = h.partition(":")
-            headers[k.strip().lower()] = v.strip()
+class Handler(AppHandler):
+    def respond(self):
+        target, headers = self.target, self.headers
         if target.startswith("/silent"):
             time.sleep(600)
             return
@@ -70,42 +60,16 @@ class Handler(socketserver.StreamRequestHandler):
         if target.startswith("/upload"):  # refused before reading the body, as a size check would
             self.wfile.write(b"HTTP/1.1 413 Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!")
             return
-        if headers.get("upgrade", "").lower() != "websocket":
-            body = json.dumps({"method": method, "path": target}).encode()
+        if not self.upgrade():
+            body = json.dumps({"method": self.method, "path": target}).encode()
             allowed = (origin or "*").encode()  # the origin it saw, reflected as Flask-CORS does
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                              b"Access-Control-Allow-Origin: %s\r\nAccess-Control-Allow-Methods: GET, POST\r\n"
                              b"Access-Control-Allow-Headers: content-type\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (allowed, len(body)) + body)
             return
-        accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest())
-        self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                         b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-        self.wfile.flush()
+        self.switch()
         self.serve_socket()
-
-    def frame(self, opcode, data, fin=True):
-        n, b0 = len(data), (0x80 if fin else 0) | opcode
-        if n < 126:
-            head = struct.pack("!BB", b0, n)
-        elif n < 65536:
-            head = struct.pack("!BBH", b0, 126, n)
-        else:
-            head = struct.pack("!BBQ", b0, 127, n)
-        self.wfile.write(head + data)
-        self.wfile.flush()
-
-    def read_frame(self):
-        head = self.rfile.read(2)
-        if len(head) < 2:
-            return None, b""
-        opcode, n = head[0] & 0x0F, head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", self.rfile.read(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", self.rfile.read(8))[0]
-        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
-        return opcode, bytes(b ^ mask[i % 4] for i, b in enumerate(self.rfile.read(n)))
 
     def serve_socket(self):
         while True:
@@ -137,24 +101,12 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(opcode, data)
 
 
-class Server(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-    daemon_threads = True
-
-
-def _serve():
-    try:
-        Server(("127.0.0.1", 8080), Handler).serve_forever()
-    except OSError:
-        pass  # loaded again in the same sandbox: the first server keeps serving
-
-
-threading.Thread(target=_serve, daemon=True).start()
+serve(Handler)
 
 
 async def on_message(ctx, message):
     return "ok"
-'''
+''')
 
 
 def _archive(tmp: Path, name: str = "edge", code: str = AGENT) -> bytes:

@@ -27,6 +27,7 @@ from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
 from moorage.store import Scope, open_store
 from tests.api.conftest import free_port
+from tests.app.wsapp import agent_py
 from tests.conftest import stop_all_sandboxes
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(300)]
@@ -36,12 +37,11 @@ MAX_SOCKETS = 4
 
 # A WebSocket server written with the standard library only (the sandbox's Python has nothing else), started
 # by the agent module in a thread; plain HTTP on the same port. What it saw is kept for the test to ask about.
-WS_AGENT = r'''
-import base64, hashlib, json, os, socket, socketserver, struct, threading
+WS_AGENT = agent_py(r'''
+import json, struct
 
 NOTE = "/work/note.txt"
 SEEN = "/work/ws-seen.json"
-GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 FLOODED = [0]  # how many messages of the last flood the app has written so far
 
 
@@ -62,63 +62,21 @@ def _remember(**kv):
         json.dump(seen, f)
 
 
-class Handler(socketserver.StreamRequestHandler):
-    def handle(self):
-        line = self.rfile.readline(65537).decode("latin-1")
-        if not line:
-            return
-        method, target, _ = line.split(" ", 2)
-        headers = {}
-        while True:
-            h = self.rfile.readline(65537).decode("latin-1")
-            if h in ("\r\n", "\n", ""):
-                break
-            k, _, v = h.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        if headers.get("upgrade", "").lower() != "websocket":
+class Handler(AppHandler):
+    def respond(self):
+        headers = self.headers
+        if not self.upgrade():
             body = ("<p>note: %s</p>" % _note()).encode()
             self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n"
                              b"Connection: close\r\n\r\n" % len(body) + body)
             return
-        if target.startswith("/ws/refuse"):
+        if self.target.startswith("/ws/refuse"):
             self.wfile.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 2\r\nConnection: close\r\n\r\nno")
             return
-        key = headers["sec-websocket-key"].encode()
-        accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
-        offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-        extra = b"Sec-WebSocket-Protocol: chat.v1\r\n" if "chat.v1" in offered else b""
-        self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                         b"Sec-WebSocket-Accept: " + accept + b"\r\n" + extra + b"\r\n")
-        self.wfile.flush()
-        self.seen = {"path": target, "auth": headers.get("authorization"), "cookie": headers.get("cookie"),
+        self.switch(b"Sec-WebSocket-Protocol: chat.v1\r\n" if "chat.v1" in self.offered() else b"")
+        self.seen = {"path": self.target, "auth": headers.get("authorization"), "cookie": headers.get("cookie"),
                      "prefix": headers.get("x-forwarded-prefix"), "custom": headers.get("x-custom")}
         self.serve_socket()
-
-    def frame(self, opcode, data):
-        n = len(data)
-        if n < 126:
-            head = struct.pack("!BB", 0x80 | opcode, n)
-        elif n < 65536:
-            head = struct.pack("!BBH", 0x80 | opcode, 126, n)
-        else:
-            head = struct.pack("!BBQ", 0x80 | opcode, 127, n)
-        self.wfile.write(head + data)
-        self.wfile.flush()
-
-    def read_frame(self):
-        head = self.rfile.read(2)
-        if len(head) < 2:
-            return None, b""
-        opcode, n = head[0] & 0x0F, head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", self.rfile.read(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", self.rfile.read(8))[0]
-        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
-        data = bytearray(self.rfile.read(n))
-        for i in range(len(data)):
-            data[i] ^= mask[i % 4]
-        return opcode, bytes(data)
 
     def serve_socket(self):
         while True:
@@ -167,26 +125,14 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(1, data)
 
 
-class Server(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-    daemon_threads = True
-
-
-def _serve():
-    try:
-        Server(("127.0.0.1", 8080), Handler).serve_forever()
-    except OSError:
-        pass  # loaded again in the same sandbox: the first server keeps serving
-
-
-threading.Thread(target=_serve, daemon=True).start()
+serve(Handler)
 
 
 async def on_message(ctx, message):
     with open(NOTE, "w") as f:
         f.write(message)
     return "noted"
-'''
+''')
 
 
 def _archive(tmp: Path) -> bytes:

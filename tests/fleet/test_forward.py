@@ -22,6 +22,7 @@ from moorage.cli.up import tar_dir
 from moorage.config import Config
 from moorage.secrets.keyring import _encode, new_key
 from moorage.store import open_store
+from tests.app.wsapp import agent_py
 from tests.fleet.harness import Fleet
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,64 +31,27 @@ MAX_MESSAGE = 64 << 10
 
 # A turn that streams "one", then waits until the test says (through the app: GET /release) before it streams
 # "two" and ends: its first event can only reach the caller before the turn ends if it is forwarded as it comes.
-# The app on port 8080 also speaks WebSocket (standard library only: the sandbox's Python has nothing else).
-AGENT_PY = r'''
-import asyncio, base64, hashlib, json, os, socketserver, struct, threading
+# The app on port 8080 also speaks WebSocket (tests/app/wsapp.py: the standard library only).
+AGENT_PY = agent_py(r'''
+import asyncio, json, os, struct
 
 RELEASED = "/work/released"
 CLOSES = "/work/last-close"
-GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 FLOODED = [0]  # how many messages of the last flood the app has written so far
 
 
-class Handler(socketserver.StreamRequestHandler):
-    def handle(self):
-        line = self.rfile.readline(65537).decode("latin-1")
-        if not line:
-            return
-        target = line.split(" ")[1]
-        headers = {}
-        while True:
-            h = self.rfile.readline(65537).decode("latin-1")
-            if h in ("\r\n", "\n", ""):
-                break
-            k, _, v = h.partition(":")
-            headers[k.strip().lower()] = v.strip()
-        if headers.get("upgrade", "").lower() == "websocket":
-            accept = base64.b64encode(hashlib.sha1(headers["sec-websocket-key"].encode() + GUID).digest())
-            self.wfile.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                             b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-            self.wfile.flush()
-            self.custom = headers.get("x-custom")
+class Handler(AppHandler):
+    def respond(self):
+        if self.upgrade():
+            self.switch()
+            self.custom = self.headers.get("x-custom")
             return self.serve_socket()
-        body = self.rfile.read(int(headers.get("content-length") or 0))
-        if target.startswith("/release"):
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.target.startswith("/release"):
             open(RELEASED, "w").write("yes")
-        out = json.dumps({"path": target, "body": len(body)}).encode()
+        out = json.dumps({"path": self.target, "body": len(body)}).encode()
         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                          b"X-Seen: a\r\nX-Seen: b\r\nConnection: close\r\n\r\n" % len(out) + out)
-
-    def frame(self, opcode, data):
-        n = len(data)
-        head = (struct.pack("!BB", 0x80 | opcode, n) if n < 126 else struct.pack("!BBH", 0x80 | opcode, 126, n)
-                if n < 65536 else struct.pack("!BBQ", 0x80 | opcode, 127, n))
-        self.wfile.write(head + data)
-        self.wfile.flush()
-
-    def read_frame(self):
-        head = self.rfile.read(2)
-        if len(head) < 2:
-            return None, b""
-        opcode, n = head[0] & 0x0F, head[1] & 0x7F
-        if n == 126:
-            n = struct.unpack("!H", self.rfile.read(2))[0]
-        elif n == 127:
-            n = struct.unpack("!Q", self.rfile.read(8))[0]
-        mask = self.rfile.read(4) if head[1] & 0x80 else b"\0\0\0\0"
-        data = bytearray(self.rfile.read(n))
-        for i in range(len(data)):
-            data[i] ^= mask[i % 4]
-        return opcode, bytes(data)
 
     def serve_socket(self):
         while True:
@@ -121,19 +85,7 @@ class Handler(socketserver.StreamRequestHandler):
                 self.frame(1, data)
 
 
-class Server(socketserver.ThreadingTCPServer):
-    allow_reuse_address = True
-    daemon_threads = True
-
-
-def _serve():
-    try:
-        Server(("127.0.0.1", 8080), Handler).serve_forever()
-    except OSError:
-        pass  # loaded again in the same sandbox: the first server keeps serving
-
-
-threading.Thread(target=_serve, daemon=True).start()
+serve(Handler)
 
 
 async def on_message(ctx, message):
@@ -149,7 +101,7 @@ async def on_message(ctx, message):
     released = os.path.exists(RELEASED)
     await ctx.emit("token", {"text": "two"})
     return "released" if released else "never released"
-'''
+''')
 
 
 @pytest.fixture(scope="module")
