@@ -13,7 +13,7 @@ import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from moorage.errors import ConflictError, NotFound
+from moorage.errors import ConflictError, NotFound, UnavailableError
 from moorage.fleet.forward import forwarded
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.log import get_logger
@@ -37,6 +37,17 @@ FORGOTTEN_EVERY = 5
 #: States in which the record's host holds the instance (awake, or moving it); others may take it only if that
 #: host's lease lapsed.
 HELD = frozenset({S.RUNNING.value, S.WAKING.value, S.SUSPENDING.value, S.PROVISIONING.value, S.DELETED.value})
+
+
+class HostDraining(UnavailableError):
+    """This host is draining: it starts no new work that would leave new instances on it (a fork). Raised before
+    anything is written; a retry (the SDK's, after ``Retry-After``) lands on a live host."""
+
+    code = "host-draining"
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"this host is draining and starts no new {what}", hint="retry: another host serves it")
+        self.retry_after = 1.0
 
 
 def shipped_current(rec: SandboxRecord) -> bool:
@@ -109,6 +120,13 @@ class FleetDuties:
             return None
         info = await self.io(self.fleet.host, host)
         return host if info is not None and info.alive(self.fleet.lease_ttl_s) else None
+
+    def refuse_if_draining(self, what: str) -> None:
+        """Before work that writes first and then brings new instances up here (a fork): refused while this host
+        drains, unless another host forwarded the request here (its source instance is held here). Once begun, such
+        work finishes here even if the drain starts meanwhile (``ensure_running(here=True)``)."""
+        if self.fleet is not None and self.fleet.draining and not forwarded.get():
+            raise HostDraining(what)
 
     def lease(self, sandbox_id: str) -> tuple[str, int] | None:
         """(host, epoch) a turn commit must find on the record of the instance whose sandbox is ``sandbox_id``

@@ -303,13 +303,15 @@ class InstanceManager(fleet_rules.FleetDuties):
 
     @contextlib.asynccontextmanager
     async def turn(self, ts: TenantStore, scope: Scope, template: TemplateSource, *,
-                   lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None) -> AsyncIterator[Sandbox]:
-        """Hold one turn on the instance: it is running for the whole block and is never slept or evicted meanwhile."""
+                   lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None,
+                   here: bool = False) -> AsyncIterator[Sandbox]:
+        """Hold one turn on the instance: it is running for the whole block and is never slept or evicted meanwhile.
+        ``here``: see ``ensure_running``."""
         li = self._live_for(ts, scope, lifecycle)
         # Counted before any await, so the idle loop and LRU eviction already see the turn while it waits for a wake.
         li.activity.turn_started(self.clock())
         try:
-            sandbox = await self.ensure_running(ts, scope, template, lifecycle=lifecycle, trace=trace)
+            sandbox = await self.ensure_running(ts, scope, template, lifecycle=lifecycle, trace=trace, here=here)
             yield sandbox
         finally:
             li.activity.turn_ended(self.clock())
@@ -317,9 +319,13 @@ class InstanceManager(fleet_rules.FleetDuties):
                 self._ship_soon(li)
 
     async def ensure_running(self, ts: TenantStore, scope: Scope, template: TemplateSource, *,
-                             lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None) -> Sandbox:
+                             lifecycle: AgentLifecycle | None = None, trace: TraceContext | None = None,
+                             here: bool = False) -> Sandbox:
         """The instance's running sandbox: provisioned from ``template`` if new, woken if asleep (once, however
-        many callers ask at the same time, in this process and across processes)."""
+        many callers ask at the same time, in this process and across processes).
+
+        ``here``: brought up on this host even while it drains (a fork that began here before the drain, whose
+        template is on this disk, finishes here; the drain then sleeps and ships what it made)."""
         if self._closed:
             raise UnavailableError("the instance manager is shut down", hint="retry against a running host")
         li = self._live_for(ts, scope, lifecycle)
@@ -339,7 +345,7 @@ class InstanceManager(fleet_rules.FleetDuties):
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         li.pending = fut
         try:
-            sandbox = await self._bring_up(ts, li, template, trace or TraceContext.new())
+            sandbox = await self._bring_up(ts, li, template, trace or TraceContext.new(), here=here)
         except BaseException as e:
             fut.set_exception(e if isinstance(e, Exception) else UnavailableError("bring-up cancelled"))
             raise
@@ -350,9 +356,9 @@ class InstanceManager(fleet_rules.FleetDuties):
             li.pending = None
 
     async def _bring_up(self, ts: TenantStore, li: LiveInstance, source: TemplateSource,
-                        trace: TraceContext) -> Sandbox:
+                        trace: TraceContext, *, here: bool = False) -> Sandbox:
         scope = li.scope
-        if self.fleet is not None and self.fleet.draining and not forwarded.get():
+        if self.fleet is not None and self.fleet.draining and not forwarded.get() and not here:
             other = await self.io(self.fleet.elsewhere)
             if other is not None:  # draining: bring it up on another host (a forwarded request is served here)
                 raise Misplaced(None, other.id)

@@ -541,8 +541,9 @@ class TimeTravel:
         users that cannot be made are refused before the checkpoint is taken."""
         ts = self._ts(principal, agent, user, as_scope)
         await self._check_new_users(ts, agent, user, to_users)
+        self.rt.instances.refuse_if_draining("forks")
         ck = await self.take(principal, agent, user, name, as_scope=as_scope)
-        return await self.fork(principal, agent, user, ck.id, to_users, as_scope=as_scope)
+        return await self._fork(ts, agent, user, ck.id, to_users)
 
     async def _check_new_users(self, ts: TenantStore, agent: str, user: str, to_users: Sequence[str]) -> None:
         if not to_users or len(to_users) > MAX_FORKS or len(set(to_users)) != len(to_users):
@@ -560,6 +561,13 @@ class TimeTravel:
         """New end-users of the same agent, each starting from the checkpoint: its sandbox (a copy-on-write fork
         of a template made from it) and its store state (copied, new ids). The source instance is unchanged."""
         ts = self._ts(principal, agent, user, as_scope)
+        # A draining host starts none (nothing is written yet: the retry lands on a live host); one begun here
+        # before the drain finishes here, its users held like turns until their first checkpoint is taken.
+        self.rt.instances.refuse_if_draining("forks")
+        return await self._fork(ts, agent, user, checkpoint_id, to_users)
+
+    async def _fork(self, ts: TenantStore, agent: str, user: str, checkpoint_id: str,
+                    to_users: Sequence[str]) -> dict[str, Any]:
         await self._check_new_users(ts, agent, user, to_users)
         target = await asyncio.to_thread(checkpoints_of(ts).restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
@@ -608,11 +616,11 @@ class TimeTravel:
                         raise ConflictError(f"user {u!r} of agent {agent!r} got an instance meanwhile",
                                             hint="fork into a new user id")
                     rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
-                    sb = None
-                    if template is not None:
-                        sb = await rt.instances.ensure_running(ts, new_scope, template, lifecycle=lc)
-                    first = await self._take(ts, agent, u, sb, kind="fork",
-                                             summary={"forked_from": {"user": user, "checkpoint": target.id}})
+                    async with contextlib.AsyncExitStack() as held:
+                        sb = None if template is None else await held.enter_async_context(
+                            rt.instances.turn(ts, new_scope, template, lifecycle=lc, here=True))
+                        first = await self._take(ts, agent, u, sb, kind="fork",
+                                                 summary={"forked_from": {"user": user, "checkpoint": target.id}})
                 out.append({"user": u, "rows": rows, "checkpoint": first.id, "sandbox_id": sb.id if sb else None})
         finally:
             if template is not None:
