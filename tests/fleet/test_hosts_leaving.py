@@ -1,6 +1,7 @@
-"""Hosts leaving a fleet (process driver): a fork sent to a host just as it starts to drain.
+"""Hosts leaving a fleet (process driver): the checkpoints of a user whose host died, listed through a survivor,
+and a fork sent to a host just as it starts to drain.
 
-One fleet for the module; h1 is drained by the last test.
+One fleet for the module, in order: h3 is killed by the first test, h1 drained by the second.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from moorage.config import Config
 from moorage.fleet.hosts import HostRegistry
 from moorage.store import open_store
-from tests.fleet.harness import Fleet, replied, until
+from tests.fleet.harness import Fleet, put_to_sleep, replied, until
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,27 @@ def _listing(f: Fleet, via: int, user: str) -> httpx.Response:
 
 def _turns(listing: dict[str, Any]) -> dict[str, str]:
     return {c["summary"]["turn"]["reply"]: c["id"] for c in listing["data"] if c["kind"] == "turn"}
+
+
+def test_a_sleeping_users_checkpoints_are_listed_restorable_through_a_survivor_after_its_host_died(
+        fleet: Fleet) -> None:
+    for _ in range(3):
+        replied(fleet.turn(2, "orphan"))                            # on h3
+    put_to_sleep(fleet, "orphan", via=2)                              # shipped, with its checkpoints
+    before = _listing(fleet, 0, "orphan").json()
+    assert {c["restorable"] for c in before["data"]} == {True}, before
+    fleet.hosts[2].kill()
+    # Once h3's lease lapsed (4 s), the survivors answer for it: from what a wake would resume from.
+    until(lambda: _listing(fleet, 0, "orphan").status_code == 200, "the listing answered after h3 died", 60)
+    for via in (0, 1):
+        after = _listing(fleet, via, "orphan").json()
+        assert {c["id"]: c["restorable"] for c in after["data"]} == \
+            {c["id"]: c["restorable"] for c in before["data"]}, after
+    assert fleet.records()["orphan"].host == "h3"                    # listing woke nothing
+    # And they are right: the instance wakes on h2 and rolls back to its first turn.
+    r = fleet.api[1].post(f"/v1/agents/echo/users/orphan/checkpoints/{_turns(before)['1: hi']}/rollback", json={})
+    assert r.status_code == 200, r.text
+    assert replied(fleet.turn(0, "orphan")) == "2: hi"
 
 
 def _set_state(f: Fleet, host: str, state: str) -> None:

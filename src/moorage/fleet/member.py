@@ -21,7 +21,7 @@ from moorage.fleet.forward import Forwarder
 from moorage.fleet.hosts import HostInfo, HostRegistry, check_host_id
 from moorage.fleet.ship import INDEX_NAME, Shipper, ShipReport, SnapshotUnavailable
 from moorage.log import get_logger
-from moorage.objects import ObjectStore
+from moorage.objects import ObjectStore, ObjectStoreUnavailable
 from moorage.store import SandboxRecord
 from moorage.store.base import Backend
 
@@ -29,6 +29,24 @@ log = get_logger(__name__)
 
 #: Shipped snapshots kept per instance: the newest (what a wake uses) and two fallbacks should it be damaged.
 SNAPSHOTS_KEPT = 3
+
+#: What makes a folder under a sandbox's ``checkpoints/`` a written checkpoint: its record, written last (the
+#: process driver's, the micro-VM driver's); a folder without one (being made or removed) is none.
+CHECKPOINT_RECORDS = ("checkpoint.json", "snapshot.json")
+
+
+def checkpoints_in(manifest: dict[str, Any]) -> dict[str, int]:
+    """The sandbox checkpoints a shipped snapshot holds: name to the bytes of its files."""
+    sizes: dict[str, int] = {}
+    named: set[str] = set()
+    for e in manifest.get("entries") or ():
+        parts = str(e.get("path") or "").split("/")
+        if len(parts) < 3 or parts[0] != "checkpoints" or parts[1].startswith(".") or e.get("type") != "file":
+            continue
+        sizes[parts[1]] = sizes.get(parts[1], 0) + int(e.get("size") or 0)
+        if len(parts) == 3 and parts[2] in CHECKPOINT_RECORDS:
+            named.add(parts[1])
+    return {n: b for n, b in sizes.items() if n in named}
 
 
 class FleetMember:
@@ -212,6 +230,20 @@ class FleetMember:
                     "at": shipped.get("at") if shipped and k == key else None,
                     "fetch_ms": round(rep.seconds * 1000, 1), "fetched_bytes": rep.bytes_moved}
         return {"from": "none", "key": None, "host": self.host_id}
+
+    def shipped_checkpoints(self, record: SandboxRecord) -> dict[str, int] | None:
+        """The sandbox checkpoints (name to bytes) in the snapshot a wake of ``record`` on any host resumes from (its
+        last shipped one): what a host answers for an instance whose own host is gone. Empty when it never shipped
+        one (a wake provisions it again); None when that snapshot cannot be read now. Blocking."""
+        shipped = record.meta.get("shipped")
+        key = shipped.get("key") if isinstance(shipped, dict) else None
+        if not isinstance(key, str):
+            return {}
+        try:
+            return checkpoints_in(self.shipper.read_manifest(key))
+        except (SnapshotUnavailable, ObjectStoreUnavailable) as e:
+            log.warning("checkpoints of a shipped snapshot not listed", instance=record.id, key=key, error=str(e))
+            return None
 
     def evictable(self) -> list[tuple[float, str, int]]:
         """Sandbox directories on this host that are exactly a shipped snapshot (the object store has them):

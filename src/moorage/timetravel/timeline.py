@@ -475,7 +475,12 @@ class TimeTravel:
             return None, None
         fleet = getattr(self.rt.instances, "fleet", None)
         if fleet is not None and rec.host not in (None, fleet.host_id):
-            return rec.id, None  # its newest copy is on another host's disk (a copy here may be an older one)
+            from moorage.lifecycle import fleet as fleet_rules
+
+            if await asyncio.to_thread(fleet_rules.disk_holder, fleet, rec) is not None:
+                return rec.id, None  # its newest copy is on that live host's disk (a copy here may be an older one)
+            # Its host is gone: any host that wakes it resumes from its last shipped snapshot, which says.
+            return rec.id, await asyncio.to_thread(fleet.shipped_checkpoints, rec)
         try:
             sandbox = await self.rt.driver.open(rec.id)
             return rec.id, {c.name: c.bytes for c in await sandbox.checkpoints()}
