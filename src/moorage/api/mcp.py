@@ -90,6 +90,9 @@ class AgentMcp:
             # instance manager's, on every path.
             await enforce_caps(self.call.ctx.runtime, self.ts, entity)
             result = await self.call.runtime.invoke(self.principal, entity, message)
+            from moorage.api.routes.executions import announce_interrupt
+
+            await run_in_threadpool(announce_interrupt, self.call, result)  # waiting for a human: a webhook event
         except Misplaced as e:
             self.misplaced = e
             return _tool_error(e)

@@ -85,8 +85,8 @@ def get_execution(call: Call) -> dict[str, Any]:
 def announce_interrupt(call: Call, result: Any) -> None:
     """A synchronous turn that stopped for a human answer is a webhook event too (``interrupt.waiting``)."""
     run_id = getattr(result, "run_id", None) or getattr(result, "turn_id", None)
-    if getattr(result, "status", None) != "waiting" or not run_id:
-        return
+    if getattr(result, "status", None) != "waiting" or not run_id or getattr(result, "replayed", False):
+        return  # a request asked again (its Idempotency-Key) was announced the first time
     ts = call.tenant
     run = ts.runs.get(run_id)
     execution_id = None

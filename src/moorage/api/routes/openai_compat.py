@@ -11,9 +11,11 @@ import json
 import time
 from typing import Any, AsyncIterator
 
+from starlette.concurrency import run_in_threadpool
+
 from moorage.api import schemas as S
 from moorage.api.invoke_shared import entity_for, replay_headers, run_turn, stream_turn
-from moorage.api.routes.executions import enforce_caps
+from moorage.api.routes.executions import announce_interrupt, enforce_caps
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.sse import error_payload
 from moorage.errors import InvalidInput
@@ -92,6 +94,7 @@ async def chat_completions(call: Call) -> Any:
     await enforce_caps(call, entity)
     if not call.field("stream", bool, required=False, default=False):
         result = await run_turn(call, entity, message)
+        await run_in_threadpool(announce_interrupt, call, result)  # a turn waiting for a human is a webhook event
         return Reply(completion(agent, result), 200, replay_headers(result))
 
     chunk_id = f"chatcmpl-{call.trace_id}"
@@ -109,6 +112,7 @@ async def chat_completions(call: Call) -> Any:
                         yield chunk(chunk_id, agent, {"content": text})
                 elif ev.kind == "done":
                     result = ev.data
+                    await run_in_threadpool(announce_interrupt, call, result)
                     # An agent that returns its reply whole (no token events) still reaches the client.
                     if not streamed and isinstance(getattr(result, "reply", None), str) and result.reply:
                         yield chunk(chunk_id, agent, {"content": result.reply})
