@@ -12,7 +12,7 @@ import uuid
 import weakref
 from typing import Any
 
-from moorage.errors import MoorageError, NotFound
+from moorage.errors import InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, TenantStore
 from moorage.store.webhooks import Execution
@@ -62,6 +62,12 @@ class ExecutionRunner:
         key = idempotency_key or f"execution-{uuid.uuid4().hex}"
         session = entity.session or "default"
         exec_id = _turn_id(principal, EntityKey(entity.agent, entity.user, session), key)
+        # The key names one turn: asked again with another message it is refused (422), as a synchronous turn is,
+        # rather than answered with the first turn while the new message is dropped.
+        earlier = await asyncio.to_thread(_earlier_message, ts, exec_id)
+        if earlier is not None and earlier != message:
+            raise InvalidInput("this Idempotency-Key was used with a different request",
+                               hint="use a new key for a new turn")
         ex, created = await asyncio.to_thread(ts.executions.create, exec_id, entity.agent, entity.user, session,
                                               {"message": message, "idempotency_key": key})
         if created:
@@ -119,6 +125,18 @@ class ExecutionRunner:
                 self._start(store.operator.principal(ts.tenant_id), ts, ex)
                 count += 1
         return count
+
+
+def _earlier_message(ts: TenantStore, turn_id: str) -> str | None:
+    """The message of the turn this id already names (an execution, or a synchronous turn's run), if any."""
+    try:
+        return (ts.executions.get(turn_id).input or {}).get("message")
+    except NotFound:
+        pass
+    try:
+        return (ts.runs.get(turn_id).input or {}).get("message")
+    except NotFound:
+        return None
 
 
 def status_of(ts: TenantStore, ex: Execution, running_here: bool) -> tuple[str, Any]:
