@@ -12,6 +12,9 @@ from typing import Any
 from starlette.responses import Response
 
 from moorage.errors import MoorageError
+from moorage.log import get_logger
+
+log = get_logger(__name__)
 
 PROBLEM_TYPE_BASE = "https://moorage.dev/problems/"
 PROBLEM_CONTENT_TYPE = "application/problem+json"
@@ -89,6 +92,8 @@ def from_error(err: MoorageError, trace_id: str | None) -> Response:
         headers["x-should-retry"] = "false"  # honoured by this project's SDK and the openai client
     if status >= 500 and status != 503 and not getattr(err, "for_caller", False):
         # Internal details stay in the log; the caller gets the trace id to quote.
+        log.error("request failed (details not shown to the caller)", code=err.code, error=err.message,
+                  hint=err.hint, trace_id=trace_id)
         return problem(status, err.code, "the server failed to handle this request",
                        hint=f"report trace id {trace_id} to the operator", trace_id=trace_id, headers=headers)
     return problem(status, err.code, err.message, hint=err.hint, trace_id=trace_id, headers=headers, extra=extra)
