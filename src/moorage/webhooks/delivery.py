@@ -127,7 +127,10 @@ class Dispatcher:
             await asyncio.to_thread(announce, ts)
             due = await asyncio.to_thread(ts.deliveries.claim_due, time.time(), self.lease_s)
             if due:
-                await asyncio.gather(*(self.send(ts, d) for d in due))
+                # One delivery that cannot be recorded does not stop the others (its lease makes it due again).
+                for d, out in zip(due, await asyncio.gather(*(self.send(ts, d) for d in due), return_exceptions=True)):
+                    if isinstance(out, Exception):
+                        log.error("webhook attempt not recorded", delivery=d.id, error=f"{type(out).__name__}: {out}")
                 sent += len(due)
         return sent
 
@@ -151,12 +154,17 @@ class Dispatcher:
         started = time.time()
         status: int | None = None
         error: str | None = None
+        headers: dict[str, str] | None = None
         if hook is None or not hook.enabled:
             error = "the webhook was deleted or disabled"
         else:
             body = json.dumps(d.payload, separators=(",", ":"), default=str)
-            headers = {"content-type": "application/json", "user-agent": "moorage-webhooks/1",
-                       **sign(hook.secret, d.id, int(started), body)}
+            try:
+                headers = {"content-type": "application/json", "user-agent": "moorage-webhooks/1",
+                           **sign(hook.secret, d.id, int(started), body)}
+            except Exception as e:  # noqa: BLE001 - a secret that cannot sign fails this attempt, not the round
+                error = f"the webhook's secret cannot sign: {type(e).__name__}: {e}"
+        if hook is not None and headers is not None:
             try:
                 status = await self._post(hook.url, body.encode(), headers)
                 if not 200 <= status < 300:

@@ -6,7 +6,10 @@ Deliveries are sent by the host's delivery loop (``moorage.webhooks``), signed i
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any
+from urllib.parse import urlsplit
 
 from moorage.api import schemas as S
 from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
@@ -47,10 +50,45 @@ def _delivery(call: Call) -> Delivery:
     return d
 
 
+#: A signing secret's key, in bytes, as Standard Webhooks asks (``whsec_`` + base64 of them).
+SECRET_BYTES = (24, 64)
+
+
+def check_secret(secret: str | None) -> None:
+    """Refuse a secret no delivery could be signed with (422) rather than accept it and never send one."""
+    if secret is None or not secret.startswith("whsec_"):
+        return  # none: one is generated; a wrong prefix is the store's refusal
+    b64 = secret[len("whsec_"):]
+    try:
+        key = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True)
+    except (ValueError, binascii.Error):
+        key = b""
+    if not SECRET_BYTES[0] <= len(key) <= SECRET_BYTES[1]:
+        raise InvalidInput(f"a webhook secret is whsec_ and the base64 of {SECRET_BYTES[0]} to {SECRET_BYTES[1]} "
+                           f"bytes; this one decodes to {len(key)} usable bytes",
+                           hint="omit it to have one generated")
+
+
+def check_target(url: str) -> None:
+    """Refuse a URL no delivery could reach (no host, a malformed address or port) at once, with why."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise InvalidInput(f"webhook url {url!r} is malformed: {e}", hint="e.g. https://example.com/hooks/moorage") from None
+    if parts.scheme in ("http", "https") and not parts.hostname:
+        raise InvalidInput(f"webhook url {url!r} names no host", hint="e.g. https://example.com/hooks/moorage")
+    if port == 0:
+        raise InvalidInput(f"webhook url {url!r} has port 0", hint="e.g. https://example.com/hooks/moorage")
+
+
 def create_webhook(call: Call) -> Reply:
     agent = agent_of(call)
     events = call.field("events", list, required=False)
-    hook = call.tenant.webhooks.create(agent.name, call.field("url", str), events, call.field("secret", str, required=False))
+    url, secret = call.field("url", str), call.field("secret", str, required=False)
+    check_target(url)
+    check_secret(secret)
+    hook = call.tenant.webhooks.create(agent.name, url, events, secret)
     return Reply(hook_json(hook, secret=True), 201, {"Location": f"/v1/agents/{agent.name}/webhooks/{hook.id}"})
 
 
