@@ -210,11 +210,13 @@ class FleetMember:
             # Listed only when the newest one failed (or none was recorded): the instance's own, newest first.
             yield from sorted((o.key for o in self.objects.iter(f"{prefix}/snapshots/") if o.key != key), reverse=True)
 
+        unusable: list[dict[str, str]] = []
         for i, k in enumerate(candidates()):
             try:
                 rep = self.shipper.pull(k, prefix, d, epoch=record.lease_epoch)
             except SnapshotUnavailable as e:
                 log.error("shipped snapshot unusable; trying an older one", instance=record.id, key=k, error=str(e))
+                unusable.append({"key": k, "error": str(e)[:300]})
                 continue
             self.driver.forget_handle(record.id)
             try:
@@ -224,12 +226,20 @@ class FleetMember:
                 (d / INDEX_NAME).unlink(missing_ok=True)  # not "exactly the shipped snapshot": fetched again next time
                 raise
             self.shipper.mark_running(d, record.lease_epoch)
-            log.info("snapshot fetched", instance=record.id, key=k, chunks=rep.chunks_moved, bytes=rep.bytes_moved,
-                     ms=round(rep.seconds * 1000, 1), fallback=i > 0)
+            if i > 0:  # what the newer snapshots held (the disk since this one was shipped) is lost
+                log.error("instance resumes from an older snapshot: its newest one was unusable", instance=record.id,
+                          key=k, unusable=[u["key"] for u in unusable])
+            else:
+                log.info("snapshot fetched", instance=record.id, key=k, chunks=rep.chunks_moved,
+                         bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
             return {"from": "shipped", "key": k, "host": self.host_id, "fallback": i > 0,
                     "at": shipped.get("at") if shipped and k == key else None,
-                    "fetch_ms": round(rep.seconds * 1000, 1), "fetched_bytes": rep.bytes_moved}
-        return {"from": "none", "key": None, "host": self.host_id}
+                    "fetch_ms": round(rep.seconds * 1000, 1), "fetched_bytes": rep.bytes_moved,
+                    **({"unusable": unusable} if unusable else {})}
+        if unusable:
+            log.error("no shipped snapshot of the instance is usable: it is provisioned again from its template",
+                      instance=record.id, unusable=[u["key"] for u in unusable])
+        return {"from": "none", "key": None, "host": self.host_id, **({"unusable": unusable} if unusable else {})}
 
     def shipped_checkpoints(self, record: SandboxRecord) -> dict[str, int] | None:
         """The sandbox checkpoints (name to bytes) in the snapshot a wake of ``record`` on any host resumes from (its

@@ -33,6 +33,7 @@ from typing import Any, Callable
 from moorage.errors import MoorageError
 from moorage.fsync import fsync_dir
 from moorage.objects import ObjectCorrupt, ObjectExists, ObjectNotFound, ObjectStore
+from moorage.objects.retry import READS, get_bytes_again
 
 CHUNK_BYTES = 4 << 20
 INDEX_NAME = ".ship-index.json"
@@ -271,8 +272,8 @@ class Shipper:
     # -- pull -----------------------------------------------------------------------------------------
 
     def read_manifest(self, key: str) -> dict[str, Any]:
-        try:
-            body = json.loads(self.store.get_bytes(key, max_bytes=256 << 20))
+        try:  # read again when it comes back damaged or cut short: giving it up loses what it holds
+            body = json.loads(get_bytes_again(self.store, key, max_bytes=256 << 20))
         except ObjectNotFound as e:
             raise SnapshotUnavailable(f"snapshot {key} is not in the object store",
                                       hint="it was deleted or never shipped; the instance falls back to its last good copy") from e
@@ -414,16 +415,16 @@ class Shipper:
                 reuse.close()
 
     def _get_chunk(self, prefix: str, digest: str, key: str) -> bytes:
+        # A chunk read back damaged or cut short is read again (a few times, bounded) before the snapshot is given
+        # up: a wake that gives it up falls back to an older one and loses what this one held.
         try:
-            data = self.store.get_bytes(self._chunk_key(prefix, digest), max_bytes=self.chunk_bytes * 2)
+            return get_bytes_again(self.store, self._chunk_key(prefix, digest), max_bytes=self.chunk_bytes * 2,
+                                   sha256=digest)
         except ObjectNotFound as e:
             raise SnapshotUnavailable(f"snapshot {key} is incomplete: chunk {digest[:12]} is missing",
                                       hint="the instance falls back to its last good copy") from e
         except ObjectCorrupt as e:
-            raise SnapshotUnavailable(f"snapshot {key} is damaged: chunk {digest[:12]}: {e}") from e
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise SnapshotUnavailable(f"snapshot {key} is damaged: chunk {digest[:12]} holds other bytes")
-        return data
+            raise SnapshotUnavailable(f"snapshot {key} is damaged: chunk {digest[:12]}, read {READS} times: {e}") from e
 
     @staticmethod
     def _swap(tmp: Path, dest: Path) -> None:
