@@ -167,6 +167,7 @@ class TenantStore:
             n += self.secrets.delete_user(user, agent)  # the user's own secrets go with them
             n += self.share_links.delete_user(user, agent)  # and every link to their app
             n += self.checkpoints.forget_user(user, agent)  # and their instances' checkpoints
+            n += self.executions.delete_user(user, agent)  # and their async turns and execs (messages, output)
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))

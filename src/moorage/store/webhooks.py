@@ -91,6 +91,14 @@ class Executions(_Repo):
                        "ORDER BY created_at LIMIT ?", (limit,))
         return [_execution(r) for r in rows]
 
+    def delete_user(self, user: str, agent: str | None = None) -> int:
+        """Forget one end-user's executions (their messages, streamed events and exec output), of one agent or all;
+        joins the caller's transaction. Nothing is left to show as ``queued`` or to submit again after a restart."""
+        with self._ts._tx() as c:
+            if agent is None:
+                return c.x("DELETE FROM executions WHERE user_id = ?", (user,))
+            return c.x("DELETE FROM executions WHERE agent_id = ? AND user_id = ?", (agent, user))
+
     def mark_announced(self, execution_id: str, status: str, *, expected_version: int) -> bool:
         with self._ts._tx() as c:
             return c.x("UPDATE executions SET announced = ?, updated_at = ?, version = version + 1 "
