@@ -6,6 +6,8 @@ from __future__ import annotations
 from websockets.frames import Close
 
 NORMAL, GOING_AWAY, TOO_BIG, INTERNAL = 1000, 1001, 1009, 1011
+#: The code that stands for a close frame without one (RFC 6455 7.1.5): never sent, passed on as no code.
+NO_STATUS = 1005
 
 
 def sendable_close_code(code: int) -> int:
@@ -22,3 +24,11 @@ def sendable_reason(reason: str) -> str:
     """A close reason that may be sent on: at most 123 bytes of UTF-8, an app's passes whole, a longer one of our
     own is cut at a character."""
     return reason.encode()[:123].decode(errors="ignore")
+
+
+def caller_close(code: int, reason: str) -> tuple[int | None, str]:
+    """The close a caller's close is passed on as (``code``, ``reason`` for ``close``): the caller's own, a close
+    without a code (NO_STATUS, what ASGI reports for one) again without one, an empty close frame."""
+    if code == NO_STATUS:
+        return None, ""
+    return sendable_close_code(code), sendable_reason(reason)

@@ -68,7 +68,9 @@ class Handler(AppHandler):
                              b"Access-Control-Allow-Headers: content-type\r\n"
                              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (allowed, len(body)) + body)
             return
-        self.switch()
+        # Headers of its own on the 101 (a cookie too, which no caller gets), and chat.v1 when offered.
+        chosen = b"Sec-WebSocket-Protocol: chat.v1\r\n" if "chat.v1" in self.offered() else b""
+        self.switch(b"X-App-Header: from-app\r\nSet-Cookie: s=1\r\n" + chosen)
         self.serve_socket()
 
     def serve_socket(self):
@@ -216,6 +218,17 @@ async def test_closes_keep_their_whole_reason_and_fragmented_messages_arrive_who
     async with owner(world, "ws") as ws:
         await ws.send("last")
         assert json.loads(await ws.recv())["close"] == [4001, reason]
+
+
+async def test_the_apps_handshake_headers_reach_the_caller(world: World) -> None:
+    async with connect(f"{world.ws}/v1/agents/edge/users/ada/app/ws", subprotocols=["other", "chat.v1"],
+                       additional_headers={"Authorization": f"Bearer {world.acme}"}, open_timeout=120) as ws:
+        assert ws.subprotocol == "chat.v1"
+        headers = ws.response.headers
+        assert headers.get_all("x-app-header") == ["from-app"], headers
+        assert "set-cookie" not in headers and "x-moorage-served-by" not in headers, headers
+        await ws.send("x")
+        assert await ws.recv() == "x"
 
 
 async def test_a_shared_pages_scripts_can_call_the_app_cross_origin(world: World) -> None:

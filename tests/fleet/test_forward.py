@@ -43,7 +43,9 @@ FLOODED = [0]  # how many messages of the last flood the app has written so far
 class Handler(AppHandler):
     def respond(self):
         if self.upgrade():
-            self.switch()
+            # Headers of its own on the 101 (a cookie too, which no caller gets), and chat.v1 when offered.
+            chosen = b"Sec-WebSocket-Protocol: chat.v1\r\n" if "chat.v1" in self.offered() else b""
+            self.switch(b"X-App-Header: from-app\r\nSet-Cookie: s=1\r\n" + chosen)
             self.custom = self.headers.get("x-custom")
             return self.serve_socket()
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -261,6 +263,48 @@ def test_an_app_websocket_through_another_host_is_relayed_to_its_owner(fleet: Fl
             assert await ws.recv() == "via link"
         assert fleet.api[0].delete(f"/v1/agents/fw/users/ada/share-links/{link['id']}").status_code == 200
         assert await _refused(shared) == 404
+
+    asyncio.run(run())
+
+
+async def _last_close(url: str, headers: dict[str, str], want: str) -> str:
+    """What the app last heard a caller close with (its code, or "none"), once it is ``want`` or after 5 s."""
+    async with connect(url, additional_headers=headers, open_timeout=120) as ws:
+        for _ in range(50):
+            await ws.send("last-close")
+            heard = await ws.recv()
+            if heard == want:
+                break
+            await asyncio.sleep(0.1)
+    return heard
+
+
+def test_an_app_websocket_through_another_host_keeps_the_apps_handshake_and_a_close_without_code(fleet: Fleet) -> None:
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+    url = _ws(fleet, 1, "/v1/agents/fw/users/ada/app/ws")
+
+    async def run() -> None:
+        async with connect(url, additional_headers=auth, subprotocols=["other", "chat.v1"], open_timeout=120) as ws:
+            # The subprotocol the app chose and the headers of its 101, as the owner's host gives them.
+            assert ws.subprotocol == "chat.v1"
+            headers = ws.response.headers
+            assert headers.get_all("x-app-header") == ["from-app"], headers
+            assert "set-cookie" not in headers and headers.get_all("x-moorage-served-by") == ["h1"], headers
+            await ws.send("x")
+            assert await ws.recv() == "x"
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:  # offered none: none chosen
+            assert ws.subprotocol is None and ws.response.headers["x-app-header"] == "from-app"
+            await ws.send("y")
+            assert await ws.recv() == "y"
+            await ws.close(4002)
+        assert await _last_close(url, auth, "4002") == "4002"
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            await ws.send("z")
+            assert await ws.recv() == "z"
+            no_code: Any = None  # an empty close frame: no status code at all (1005 is never sent)
+            await ws.close(no_code)
+        # The app got a close frame without a code, as on the owner's host, not one that says 1000.
+        assert await _last_close(url, auth, "none") == "none"
 
     asyncio.run(run())
 

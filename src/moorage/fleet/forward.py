@@ -28,7 +28,8 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
-from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code, sendable_reason
+from moorage.ws_close import (GOING_AWAY, INTERNAL, NO_STATUS, TOO_BIG, caller_close, sendable_close_code,
+                              sendable_reason)
 
 log = get_logger(__name__)
 
@@ -217,6 +218,10 @@ class ForwardedSocket:
         self.owner_id = owner_id
         self.max_message = max_message
         self.subprotocol: str | None = conn.subprotocol
+        #: The owner's 101 headers (the app's own) less the handshake's and those the forwarding host's server sends
+        #: itself, as ``_answer_headers`` passes an HTTP answer's (the route adds ``x-moorage-served-by``).
+        self.headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in conn.response.headers.raw_items()
+                        if k.lower() not in _HANDSHAKE | _OWN and k.lower() != SERVED_BY]
         self.messages_in = 0
         self.messages_out = 0
 
@@ -237,8 +242,9 @@ class ForwardedSocket:
                 t.cancel()
             await asyncio.gather(up, down, return_exceptions=True)
             if outcome.why != "owner-closed":
+                code, reason = caller_close(outcome.code, outcome.reason)  # a close without a code stays one
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.conn.close(sendable_close_code(outcome.code), sendable_reason(outcome.reason)), 12)
+                    await asyncio.wait_for(self.conn.close(code, reason), 12)  # type: ignore[arg-type]
             if outcome.why != "caller-closed":
                 with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
                     await asyncio.wait_for(ws.close(outcome.code, sendable_reason(outcome.reason)), 10)
@@ -255,7 +261,8 @@ class ForwardedSocket:
         while True:
             message = await ws.receive()
             if message["type"] == "websocket.disconnect":
-                return SocketOutcome(sendable_close_code(int(message.get("code") or NORMAL)), str(message.get("reason") or ""),
+                # No code is ASGI's 1005 ("no status"): the owner, and so the app, is sent a close without one too.
+                return SocketOutcome(int(message.get("code") or NO_STATUS), str(message.get("reason") or ""),
                                      "caller-closed")
             text = message.get("text")
             data: str | bytes = text if text is not None else (message.get("bytes") or b"")

@@ -1,5 +1,5 @@
 """Reaching an agent's app inside the user's sandbox: its port, one relayed guest connection to it (``app.open`` in
-``guest/app_relay.py``), and what the app is told of the caller; used by the HTTP and the WebSocket relay alike."""
+``guest/app_relay.py``), and which headers pass between caller and app; used by the HTTP and the WebSocket relay."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ DROP_REQUEST = frozenset({
     "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade", "host",
     "authorization", "proxy-authorization", "cookie", "content-length", "expect", "x-forwarded-for",
     "x-forwarded-host", "x-forwarded-proto", "x-forwarded-prefix", "forwarded", "origin",
+})
+
+#: The app's answer headers never passed back (an HTTP answer's, a WebSocket's 101): hop-by-hop, framing (the host
+#: re-frames), cookies (the app is served from the API's origin, where it must not set or replace cookies), and the
+#: two the host's server adds itself (``server``, ``date``: one of each, as a proxy sends).
+DROP_RESPONSE = frozenset({
+    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "set-cookie", "set-cookie2", "proxy-authenticate", "content-security-policy", "strict-transport-security",
+    "referrer-policy", "server", "date",
 })
 
 

@@ -15,8 +15,8 @@ import h11
 from moorage.errors import InvalidInput
 from moorage.log import get_logger
 from moorage.runtime.app_errors import AppTooLarge, AppUnavailable, live_channel
-from moorage.runtime.app_guest import (DROP_REQUEST, READ_CHUNK, WRITE_CHUNK, app_of, open_connection, origin_for,
-                                       own_origin)
+from moorage.runtime.app_guest import (DROP_REQUEST, DROP_RESPONSE, READ_CHUNK, WRITE_CHUNK, app_of, open_connection,
+                                       origin_for, own_origin)
 from moorage.sandbox import ChannelError, ChannelTimeout, RemoteError
 from moorage.store import TenantStore
 
@@ -25,14 +25,6 @@ log = get_logger(__name__)
 #: A response head larger than this is refused (h11 keeps it in memory until it is complete).
 MAX_HEAD_BYTES = 64 * 1024
 
-#: Response headers never passed back: hop-by-hop, framing (the host re-frames), cookies (the app is served
-#: from the API's origin, where it must not set or replace cookies), and the two the host's server adds itself
-#: (``server``, ``date``: one of each, as a proxy sends).
-_DROP_RESPONSE = frozenset({
-    "connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
-    "set-cookie", "set-cookie2", "proxy-authenticate", "content-security-policy", "strict-transport-security",
-    "referrer-policy", "server", "date",
-})
 #: Served on the API's origin, the app's pages get a sandboxed origin of their own: their scripts cannot read
 #: the dashboard's storage or call the API with the visitor's credentials.
 APP_CSP = "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads"
@@ -288,7 +280,7 @@ def _cleaned(task: "asyncio.Future[None]") -> None:
 
 
 def _response_headers(raw: Iterable[tuple[bytes, bytes]], port: int, req: AppRequest) -> list[tuple[str, str]]:
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in _DROP_RESPONSE]
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k.decode("latin-1") not in DROP_RESPONSE]
     out = [(k, _mounted(v, port, req.prefix) if k == "location" else v) for k, v in out]
     origin = next((v.decode("latin-1") for k, v in req.headers if k.lower() == b"origin"), None)
     if origin is not None:

@@ -25,16 +25,20 @@ from websockets.uri import parse_uri
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
 from moorage.runtime.app_errors import AppUnavailable, live_channel
-from moorage.runtime.app_guest import DROP_REQUEST, app_of, open_connection, origin_for
+from moorage.runtime.app_guest import DROP_REQUEST, DROP_RESPONSE, app_of, open_connection, origin_for
 from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
-from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, sendable_close_code
+from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, caller_close, sendable_close_code
 
 log = get_logger(__name__)
 
 #: The caller's handshake headers the app never sees besides the HTTP ones: the host makes its own handshake.
 _DROP_HANDSHAKE = DROP_REQUEST | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                                    "sec-websocket-protocol", "sec-websocket-accept"}
+#: The app's 101 headers the caller never gets besides an HTTP answer's: the host's server makes its own handshake
+#: (the subprotocol the app chose is accepted as such, ``AppSocket.subprotocol``).
+_DROP_SWITCH = DROP_RESPONSE | {"sec-websocket-accept", "sec-websocket-protocol", "sec-websocket-extensions",
+                                "sec-websocket-version", "content-length"}
 
 
 class AppSocketRefused(MoorageError):
@@ -53,7 +57,7 @@ class AppSocketsExhausted(MoorageError):
 
 @dataclass
 class CallerClose:
-    """The caller closed its socket with this code (passed on to the app; NO_STATUS, as an empty close frame)."""
+    """The caller closed its socket with this code (passed on to the app; ``ws_close.NO_STATUS`` as an empty close frame)."""
 
     code: int = NORMAL
     reason: str = ""
@@ -90,8 +94,6 @@ class Outcome:
     why: str
 
 
-#: The close code that stands for a close frame without one (RFC 6455 7.1.5): never sent, passed on as no code.
-NO_STATUS = 1005
 _OPEN: dict[str, int] = {}  # sandbox id -> sockets open on this host
 
 
@@ -111,6 +113,8 @@ class AppSocket:
     max_message: int
     #: Frames that arrived with the app's handshake answer.
     early: list[Any] = field(default_factory=list)
+    #: The app's own headers on its 101 (accept the caller with them), as an HTTP answer's pass.
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     messages_in: int = 0
     messages_out: int = 0
 
@@ -276,10 +280,8 @@ class AppSocket:
             if self.protocol.state is State.OPEN and outcome.why in ("caller-closed", "caller-too-big", "error"):
                 # The app hears the caller's close (or ours), as a WebSocket close; nobody waits for its answer.
                 code = outcome.code if outcome.why != "error" else GOING_AWAY
-                if code == NO_STATUS:  # a close without a code: 1005 must never be sent, the payload is empty
-                    self.protocol.send_close()
-                else:
-                    self.protocol.send_close(sendable_close_code(code), outcome.reason)
+                # A close without a code stays one (1005 must never be sent: the payload is empty).
+                self.protocol.send_close(*caller_close(code, outcome.reason))
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._flush(), 5)
             with contextlib.suppress(Exception):
@@ -363,8 +365,10 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
                 await conn.close()
             _release(sandbox.id)
             raise
+    own = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.headers.raw_items()
+           if k.lower() not in _DROP_SWITCH]
     return AppSocket(runtime, ts, scope, sandbox, sandbox.channel, conn, protocol, protocol.subprotocol,
-                     max_message, early)
+                     max_message, early, headers=own)
 
 
 async def _handshake(conn: GuestConnection, protocol: ClientProtocol, until: float) -> tuple[Response, list[Any]]:

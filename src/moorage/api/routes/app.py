@@ -26,7 +26,7 @@ from moorage.fleet.forward import FORWARDED_BY, ForwardedSocket, ForwardRefused,
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
-from moorage.ws_close import sendable_reason
+from moorage.ws_close import NO_STATUS, sendable_reason
 
 #: Request bodies the app routes accept (the runtime's own cap, app_max_request_bytes, applies too).
 APP_BODY_LIMIT = 16 << 20
@@ -222,7 +222,7 @@ class _Caller:
         message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             # No code is ASGI's 1005 ("no status"): the app is sent a close without one too.
-            return CallerClose(int(message.get("code") or 1005), str(message.get("reason") or ""))
+            return CallerClose(int(message.get("code") or NO_STATUS), str(message.get("reason") or ""))
         text = message.get("text")
         return text if text is not None else (message.get("bytes") or b"")
 
@@ -282,7 +282,8 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
         started = time.time()
         try:
             served_by = [(b"x-moorage-served-by", sock.owner_id.encode())] if isinstance(sock, ForwardedSocket) else []
-            await ws.accept(subprotocol=sock.subprotocol, headers=served_by)
+            # The app's own 101 headers (the owner's, through another host), as an HTTP answer's reach the caller.
+            await ws.accept(subprotocol=sock.subprotocol, headers=[*sock.headers, *served_by])
         except BaseException:
             await sock.close_unused()
             raise
