@@ -5,13 +5,16 @@ B fetches A's template (not a rebuild: the instance's RAM delta and disk overlay
 wake restores memory (a counter kept by the agent's process continues) as well as files; B's copies name B's paths
 only (A's data directory is gone by then), and a new user on B forks the same fetched template. Then B, with the
 VM awake, dies: a third host wakes it from the copy shipped while it ran, its memory of that instant included.
+Last, a fourth host on an upgraded QEMU cannot fork the published template: it builds and claims its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -64,8 +67,8 @@ class Hosts:
         self.up: dict[str, LocalHost] = {}
         self.key: str | None = None
 
-    def start(self, name: str) -> httpx.Client:
-        h = LocalHost(name, self.base / name, self.env, driver="microvm", start_timeout_s=900)
+    def start(self, name: str, env: dict[str, str] | None = None) -> httpx.Client:
+        h = LocalHost(name, self.base / name, {**self.env, **(env or {})}, driver="microvm", start_timeout_s=900)
         self.up[name] = h
         self.key = self.key or h.key
         return h.client(self.key)
@@ -101,7 +104,8 @@ def _backing(disk: Path) -> str:
     return json.loads(out.stdout)["backing-filename"]
 
 
-def test_a_sleeping_vm_wakes_on_a_host_without_its_template_with_memory_and_files(hosts: Hosts, tmp_path: Path) -> None:
+def test_a_sleeping_vm_wakes_on_a_host_without_its_template_with_memory_and_files(
+        hosts: Hosts, tmp_path: Path, upgraded_qemu: Path) -> None:
     a = hosts.start("h1")
     # Every host shares the first host's admin key (one PostgreSQL store): the tenant and its key are fleet-wide.
     r = a.post("/v1/agents/echo/deployments", content=tar_dir(_agent(tmp_path)), headers={"Content-Type": "application/gzip"})
@@ -164,3 +168,36 @@ def test_a_sleeping_vm_wakes_on_a_host_without_its_template_with_memory_and_file
     rec = hosts.record("u1")
     assert rec.host == "h3" and rec.meta["wake_kind"] == "snapshot" and rec.meta["resumed_from"]["from"] == "shipped"
     c.close()
+
+    # A QEMU upgrade reaches one host first (a rolling upgrade). The published template's memory was saved by the
+    # old build, which the new one cannot load: every new user there was a 503 until someone redeployed. Now the
+    # host builds the template with its own QEMU and its claim replaces the old one, so hosts on the new build fork
+    # it instead of each building their own. (A copy of the binary is another build to moorage: its mtime differs.)
+    d = hosts.start("h4", {"PATH": f"{upgraded_qemu}:{os.environ['PATH']}"})
+    assert _turn(d, "u3", "write on the new build") == "1|on the new build"
+    rec = hosts.record("u3")
+    assert rec.host == "h4" and rec.meta["wake_kind"] == "fork"
+    rebuilt = json.loads((tmp_path / "h4" / "sandboxes" / rec.id / "meta.json").read_text())["template_id"]
+    assert rebuilt != template_id
+    log = (tmp_path / "h4.log").read_text(errors="replace")
+    assert "cannot be forked on this host" in log and "claimed ours" in log
+    d.close()
+
+
+@pytest.fixture
+def upgraded_qemu() -> Iterator[Path]:
+    """A folder holding a copy of this machine's QEMU: the same code, but a build moorage has not seen. Debian's
+    QEMU finds its firmware and modules relative to its binary (``../share``, ``../lib``): they come along. Outside
+    the test's private temporary folder: QEMU loads modules after dropping to its unprivileged user."""
+    d = Path(tempfile.mkdtemp(prefix="moorage-qemu-upgraded-", dir="/var/tmp"))
+    try:
+        d.chmod(0o755)
+        (d / "bin").mkdir()
+        exe = shutil.which("qemu-system-x86_64")
+        assert exe is not None
+        shutil.copy(exe, d / "bin" / "qemu-system-x86_64")
+        for name in ("share", "lib"):
+            (d / name).symlink_to(Path(exe).resolve().parent.parent / name)
+        yield d / "bin"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -271,9 +271,11 @@ class PublishedTemplates:
         except ObjectNotFound:
             return None
 
-    def publish(self, ref: TemplateRef, deployment_id: str) -> dict[str, Any]:
+    def publish(self, ref: TemplateRef, deployment_id: str, *, replacing: str | None = None) -> dict[str, Any]:
         """Ship the template (and its image), then claim the deployment for it; returns the winning claim (ours,
-        or another host's that got there first; ours stays fetchable by id either way). Blocking."""
+        or another host's that got there first; ours stays fetchable by id either way). ``replacing``: a claimed
+        template this host cannot fork (saved by another QEMU build); while the claim still names it, ours replaces
+        it, so hosts of the new build stop building their own. Blocking."""
         tdir = Path(ref.path)
         image = None
         image_dir_of = getattr(self.driver, "template_image_dir", None)
@@ -293,7 +295,14 @@ class PublishedTemplates:
                  ms=round(rep.seconds * 1000, 1))
         claim = json.dumps({**meta, "published_at": time.time()}).encode()
         key = self.marker_key(deployment_id)
-        if self.objects.supports_if_absent:
+        stale = self.chosen(deployment_id) if replacing is not None else None
+        if stale is not None and str(stale.get("template_id")) == replacing:
+            # Not conditional: two hosts of the new build racing both write, the last one wins and the other
+            # fetches it on its next claim check (each template stays published, so every fork wakes anywhere).
+            self.objects.put_bytes(key, claim)
+            log.warning("the deployment's claimed template cannot be forked by this host's QEMU; claimed ours",
+                        deployment=deployment_id, template=ref.id, replaced=replacing)
+        elif self.objects.supports_if_absent:
             with contextlib.suppress(ObjectExists):
                 self.objects.put_bytes(key, claim, if_absent=True)
         elif not self.objects.exists(key):

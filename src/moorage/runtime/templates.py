@@ -113,6 +113,9 @@ class Templates:
         #: collector looks again, and so brings it back.
         self.claim_ttl_s = 0.0
         self._claim_checked: dict[str, tuple[str, float]] = {}
+        #: Fleet: deployment id -> the claimed template this host found it cannot fork (a QEMU upgrade); the
+        #: template this host builds instead replaces that claim (``PublishedTemplates.publish``'s ``replacing``).
+        self._outdated_claims: dict[str, str] = {}
 
     def _egress(self) -> Any:
         """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
@@ -169,13 +172,18 @@ class Templates:
         ref = _ref_of(d, self._templates_dir())
         if d.get("driver") != self.driver.name or not ref.path.exists():
             return None
-        outdated = getattr(self.driver, "template_outdated", None)
-        why = outdated(ref) if callable(outdated) else None
+        why = self._outdated(ref)
         if why is not None:  # an upgrade (docs/operations.md): its forks keep it; new users get a new template
             log.warning("the deployment's template cannot be forked on this host any more; building it again",
                         deployment=deployment_id, template=ref.id, reason=why)
             return None
         return ref
+
+    def _outdated(self, ref: TemplateRef) -> str | None:
+        """Why new forks cannot be made from ``ref`` on this host (its memory was saved by another QEMU build), or
+        None. Its existing forks still wake from it (cold, their files kept, when their memory cannot load)."""
+        outdated = getattr(self.driver, "template_outdated", None)
+        return outdated(ref) if callable(outdated) else None
 
     async def ensure(self, deployment: Deployment, on_progress: Any = None, record: Any = None) -> TemplateRef:
         """The deployment's template, built now if this host has none (single-flight per deployment). ``record``
@@ -213,6 +221,9 @@ class Templates:
             # Another host's claim won (or ours could not be fetched when we built): theirs when it can be had.
             theirs = await self._fetch_published(deployment, claim)
             if theirs is None or theirs.id == ref.id:
+                if theirs is None and self._outdated_claims.get(deployment.id) == str(claim.get("template_id")):
+                    # Claimed by a host on another QEMU build (a rolling upgrade): ours serves this host.
+                    self._claim_checked[deployment.id] = (ref.id, time.monotonic())
                 return theirs or ref
             await self._drop(ref)
             return theirs
@@ -242,6 +253,13 @@ class Templates:
             log.error(f"published template unusable; {then}", deployment=deployment.id, error=str(e))
             return None
         ref = self.published.ref_of(claim, path)
+        why = self._outdated(ref)
+        if why is not None:
+            # Its forks still wake here from it; new forks need a template this host's QEMU can load.
+            self._outdated_claims[deployment.id] = ref.id
+            log.warning(f"the published template cannot be forked on this host; {then}", deployment=deployment.id,
+                        template=ref.id, reason=why)
+            return None
         write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         return ref
 
@@ -306,7 +324,8 @@ class Templates:
             say("publishing the template")
             for kind, key, path in entries:  # first: a host that forks the template may need them
                 await asyncio.to_thread(self.published.publish_packages, ref.id, key, path, kind)
-            claim = await asyncio.to_thread(self.published.publish, ref, deployment.id)
+            claim = await asyncio.to_thread(self.published.publish, ref, deployment.id,
+                                            replacing=self._outdated_claims.get(deployment.id))
             if claim["template_id"] != ref.id:
                 # Another host published first: forks everywhere use that one. Ours is deleted here and in the
                 # object store (no fork was made from it); if theirs cannot be fetched, ours stays and is used.
