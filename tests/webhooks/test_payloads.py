@@ -52,3 +52,17 @@ def test_a_refused_execution_event_has_the_same_fields(tenant: TenantStore) -> N
     (failed,) = _events(tenant, hook.id)
     assert failed["type"] == "execution.failed" and set(failed["data"]) == FIELDS
     assert failed["data"]["run_id"] is None and failed["data"]["error"] == "no such user"
+
+
+def test_a_new_execution_is_announced_behind_more_than_a_page_of_waiting_ones(tenant: TenantStore) -> None:
+    """A tenant with more turns waiting for an answer than one page of the outbox's scan (200) still has its new
+    executions announced: the scan reads every page, not the oldest 200 only."""
+    hook = tenant.webhooks.create("bot", "https://example.com/hooks", None, None)
+    with tenant.transaction():
+        for i in range(205):  # waiting for an answer (announced as such), oldest first
+            ex, _ = tenant.executions.create(f"old{i:03}", "bot", f"u{i}", "default", {"message": "approve"})
+            assert tenant.executions.mark_announced(ex.id, "waiting", expected_version=ex.version)
+    ex, _ = tenant.executions.create("new", "bot", "cust-1", "default", {"message": "m"})
+    tenant.executions.add_events(ex.id, [{"kind": "error", "data": {"detail": "refused"}, "at": 0.0}])
+    announce(tenant)
+    assert [p["data"]["execution_id"] for p in _events(tenant, hook.id)] == ["new"]

@@ -11,7 +11,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import check_id
@@ -84,12 +84,27 @@ class Executions(_Repo):
             c.x("UPDATE executions SET events = ?, updated_at = ?, version = version + 1 WHERE id = ?",
                 (self._json(kept, "execution events"), time.time(), execution_id))
 
-    def unsettled(self, *, limit: int = 200) -> list[Execution]:
-        """Executions not yet announced as finished (none announced, or only an interrupt)."""
+    def unsettled(self, *, limit: int = 200, after: Execution | None = None) -> list[Execution]:
+        """Executions not yet announced as finished (none announced, or only an interrupt), oldest first; ``after``
+        (the last of the previous page) reads the next page, so turns waiting for an answer never hide newer ones."""
+        where, args = "(announced IS NULL OR announced = 'waiting')", ()
+        if after is not None:
+            where += " AND (created_at > ? OR (created_at = ? AND id > ?))"
+            args = (after.created_at, after.created_at, after.id)
         with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT {_EXEC_COLS} FROM executions WHERE announced IS NULL OR announced = 'waiting' "
-                       "ORDER BY created_at LIMIT ?", (limit,))
+            rows = c.q(f"SELECT {_EXEC_COLS} FROM executions WHERE {where} ORDER BY created_at, id LIMIT ?",
+                       (*args, limit))
         return [_execution(r) for r in rows]
+
+    def all_unsettled(self, *, page: int = 200) -> Iterator[Execution]:
+        """Every unsettled execution, page by page (``unsettled``)."""
+        last = None
+        while True:
+            rows = self.unsettled(limit=page, after=last)
+            yield from rows
+            if len(rows) < page:
+                return
+            last = rows[-1]
 
     def delete_user(self, user: str, agent: str | None = None) -> int:
         """Forget one end-user's executions (their messages, streamed events and exec output), of one agent or all;

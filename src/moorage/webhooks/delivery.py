@@ -59,7 +59,7 @@ def announce(ts: TenantStore) -> int:
     from moorage.durable import DurableEngine
 
     queued = 0
-    for ex in ts.executions.unsettled():
+    for ex in ts.executions.all_unsettled():  # all of them: a tenant's many waiting turns never hide a new one
         try:
             run = ts.runs.get(ex.id)
         except NotFound:

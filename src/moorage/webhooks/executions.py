@@ -114,7 +114,7 @@ class ExecutionRunner:
         count = 0
         cutoff = time.time() - min_age_s
         for ts in await asyncio.to_thread(lambda: list(store.operator.tenants())):
-            for ex in await asyncio.to_thread(ts.executions.unsettled):
+            for ex in await asyncio.to_thread(lambda: list(ts.executions.all_unsettled())):
                 if ex.created_at > cutoff or self.running(ex.id) or any(e.get("kind") == "error" for e in ex.events):
                     continue
                 try:
