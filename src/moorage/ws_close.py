@@ -6,6 +6,8 @@ from __future__ import annotations
 from websockets.frames import Close
 
 NORMAL, GOING_AWAY, TOO_BIG, INTERNAL = 1000, 1001, 1009, 1011
+#: Service restart: the client should reconnect (``moorage up`` stopping, an instance restarted by a redeploy).
+SERVICE_RESTART = 1012
 #: The code that stands for a close frame without one (RFC 6455 7.1.5): never sent, passed on as no code.
 NO_STATUS = 1005
 

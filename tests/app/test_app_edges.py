@@ -111,11 +111,11 @@ async def on_message(ctx, message):
 ''')
 
 
-def _archive(tmp: Path, name: str = "edge", code: str = AGENT) -> bytes:
+def _archive(tmp: Path, name: str = "edge", code: str = AGENT, toml: str = "") -> bytes:
     root = tmp / name
     root.mkdir(parents=True, exist_ok=True)
     (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\nports = [8080]\n'
-                                       '[agent.lifecycle]\nusers = "auto"\n')
+                                       '[agent.lifecycle]\nusers = "auto"\n' + toml)
     (root / "agent.py").write_text(textwrap.dedent(code))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -294,6 +294,34 @@ async def test_an_app_that_crashes_its_instance_is_not_reported_as_a_sleep(world
             await asyncio.sleep(1)
     else:
         pytest.fail("the instance never came back after its app crashed")
+
+
+async def test_a_redeploy_that_restarts_the_instance_closes_its_sockets_with_1012(world: World, tmp_path: Path) -> None:
+    url = f"{world.ws}/v1/agents/redeployed/users/ada/app/ws"
+    key = {"Authorization": f"Bearer {world.acme}"}
+    async with httpx.AsyncClient(base_url=world.http, headers=key, timeout=300) as c:
+        r = await c.post("/v1/agents/redeployed/deployments", content=_archive(tmp_path / "v1", "redeployed"),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        async with connect(url, additional_headers=key, open_timeout=120) as ws:
+            await ws.send("v1")
+            assert await ws.recv() == "v1"
+            # A new deployment whose sandboxes have another environment (a network of their own): the instance's
+            # processes restart with it on its first load there, which this turn makes.
+            r = await c.post("/v1/agents/redeployed/deployments", headers={"content-type": "application/gzip"},
+                             content=_archive(tmp_path / "v2", "redeployed",
+                                              toml='[agent.network]\nallow = ["http://api.test:9"]\n'))
+            assert r.status_code == 201, r.text
+            r = await c.post("/v1/agents/redeployed/invoke", json={"message": "hi", "user": "ada"})
+            assert r.json()["reply"] == "ok", r.text
+            with pytest.raises(ConnectionClosed) as e:
+                await asyncio.wait_for(ws.recv(), 60)
+        rcvd = e.value.rcvd
+        # Service restart, not a crash (1011): a client reconnects, and reaches the new deployment's app.
+        assert rcvd is not None and (rcvd.code, rcvd.reason) == (1012, "the agent was redeployed; reconnect"), rcvd
+    async with connect(url, additional_headers=key, open_timeout=120) as ws:
+        await ws.send("v2")
+        assert await ws.recv() == "v2"
 
 
 async def test_an_app_that_refuses_an_upload_before_reading_it_is_heard(world: World) -> None:

@@ -28,7 +28,8 @@ from moorage.runtime.app_errors import AppUnavailable, live_channel
 from moorage.runtime.app_guest import DROP_REQUEST, DROP_RESPONSE, app_of, open_connection, origin_for
 from moorage.runtime.app_socket_conn import GUEST_IDLE_S, AppStalled, GuestConnection, InstanceGone, too_slow
 from moorage.store import TenantStore
-from moorage.ws_close import GOING_AWAY, INTERNAL, NORMAL, TOO_BIG, caller_close, sendable_close_code
+from moorage.ws_close import (GOING_AWAY, INTERNAL, NORMAL, SERVICE_RESTART, TOO_BIG, caller_close,
+                              sendable_close_code)
 
 log = get_logger(__name__)
 
@@ -214,9 +215,15 @@ class AppSocket:
 
     def _gone(self) -> Outcome:
         """Why the instance's channel went away: a sleep takes the sandbox from the instance before it closes the
-        channel, so a channel that closed under an instance still holding this sandbox stopped by itself."""
+        channel, so a channel that closed under an instance still holding this sandbox stopped by itself, or was
+        restarted by a redeploy (its new packages or environment: ``instance_update``), which a client reconnects
+        after (1012, service restart)."""
+        from moorage.runtime import instance_update
+
         li = self.runtime.instances.live(self.ts, self.scope)
         if li is not None and li.sandbox is self.sandbox:
+            if instance_update.changing(self.sandbox.id):
+                return Outcome(SERVICE_RESTART, "the agent was redeployed; reconnect", "redeployed")
             return Outcome(INTERNAL, "the agent's instance stopped", "stopped")  # a crash: the app took it down, say
         return Outcome(GOING_AWAY, "the agent's instance went to sleep", "asleep")
 

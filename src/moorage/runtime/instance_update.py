@@ -70,6 +70,13 @@ def in_turn(sandbox_id: str) -> Iterator[None]:
             _running[sandbox_id] = left
 
 
+def changing(sandbox_id: str) -> bool:
+    """Whether a deployment is changing the sandbox now (its packages or environment; a restart of its processes): an
+    app socket its restart cuts is told the agent was redeployed, not that it crashed."""
+    lock = _locks.get(sandbox_id)
+    return lock is not None and lock.locked()
+
+
 async def drain(sandbox_id: str, timeout_s: float = DRAIN_S) -> int:
     """Wait until no agent turn runs in the sandbox, up to ``timeout_s``; returns how many still run."""
     deadline = time.monotonic() + timeout_s
