@@ -4,15 +4,19 @@ Stdlib only. Active only in sandboxes of agents that declare ``[agent.network]``
 ``MOORAGE_NETWORK=1`` and ``HTTP(S)_PROXY`` in their environment). A micro-VM with a network device (decisions/0013)
 gets ``eth0`` at a fixed address, its proxy variables pointed at the gateway on the other end of the tap and its
 resolver at the gateway's DNS responder there (only names the agent's policy admits resolve). Every sandbox also keeps
-the relay (and no DNS where it is the only way out): each connection to 127.0.0.1:3128 becomes a host call (``egress.open``) and its bytes
+the relay: each connection to 127.0.0.1:3128 becomes a host call (``egress.open``) and its bytes
 travel in frames (``egress.send``/``egress.recv``) to the host's egress gateway (decisions/0009), which decides
-every request either way; nothing else leaves the sandbox.
+every request either way; nothing else leaves the sandbox. Where the relay is the only way out, the resolver asks
+127.0.0.1:53: in a micro-VM this module listens there (UDP and TCP) and hands each query to the host
+(``egress.dns``), whose gateway responder answers it; in a process sandbox (where nothing inside may bind port 53)
+the host binds that address itself (sandbox/process_net.py) and this module leaves it alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import fcntl
 import os
 import socket
@@ -37,6 +41,14 @@ GATEWAY_DNS = "10.0.2.2"
 RESOLV_CONF = "/etc/resolv.conf"
 #: The first line of a resolv.conf this module wrote (and so may replace or remove).
 RESOLV_MARK = "# moorage: the egress gateway's DNS (decisions/0013)"
+#: Where the relay's DNS listens (the resolver's address when the relay is the way out; docs/egress.md).
+DNS_HOST = "127.0.0.1"
+DNS_PORT = 53
+#: A query bigger than a UDP query may be is dropped here (one question fits in far less), as the host would refuse it.
+MAX_DNS_QUERY = 512
+#: Queries relayed at once (more are dropped, not queued: the resolver asks again), and TCP connections served at once.
+DNS_IN_FLIGHT = 32
+DNS_TCP_CONNECTIONS = 8
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 
@@ -72,15 +84,16 @@ def bring_up_nic(name: str = NIC_NAME) -> bool:
     return True
 
 
-def point_resolver(on_nic: bool, path: str = RESOLV_CONF) -> None:
+def point_resolver(on_nic: bool, path: str = RESOLV_CONF, relayed: bool = False) -> None:
     """With a NIC, the resolver asks the gateway on the tap (written on the root disk, which is read-write in a
-    VM). Without one there is no DNS: a file this module wrote before (the same disk booted where no NIC could be
-    made) is removed; anyone else's is left alone."""
-    if on_nic:
+    VM); with ``relayed``, the relay's own DNS listener on the VM's loopback. Otherwise a file this module wrote
+    before (the same disk booted with a NIC, or a network since removed) is removed; anyone else's is left alone."""
+    if on_nic or relayed:
         tmp = path + ".moorage"
         with open(tmp, "w") as f:
             # Short timeouts: a lookup the gateway drops (its rate bound) fails fast instead of hanging the caller.
-            f.write("%s\nnameserver %s\noptions timeout:2 attempts:2\n" % (RESOLV_MARK, GATEWAY_DNS))
+            f.write("%s\nnameserver %s\noptions timeout:2 attempts:2\n"
+                    % (RESOLV_MARK, GATEWAY_DNS if on_nic else DNS_HOST))
         os.replace(tmp, path)  # replaces a symlink itself, never writes through it
         return
     try:
@@ -186,10 +199,133 @@ class EgressRelay:
             writer.close()
 
 
+class DnsRelay:
+    """The resolver's address where the relay is the way out (a micro-VM without a NIC): each query, over UDP or
+    TCP, becomes one host call (``egress.dns``) that the gateway's responder answers under the agent's policy (only
+    names it admits; NXDOMAIN without an upstream query otherwise; its rate bound). Queries past
+    ``DNS_IN_FLIGHT`` or the host's bound get no answer (the resolver asks again, or gives up), as over a NIC."""
+
+    def __init__(self, relay: EgressRelay) -> None:
+        self.relay = relay
+        self.in_flight = 0
+        self.tcp_conns = 0
+
+    def take(self, query: bytes) -> bool:
+        if len(query) > MAX_DNS_QUERY or self.in_flight >= DNS_IN_FLIGHT:
+            return False
+        self.in_flight += 1
+        return True
+
+    async def ask(self, query: bytes, udp: bool) -> Optional[bytes]:
+        """The host's answer to ``query`` (taken with ``take``), or None: dropped, or the host not serving it."""
+        try:
+            # Past this a resolver has given up on the query (2 s a try): a wake's first lookups wait for the host to
+            # attach the network, later ones are not kept waiting.
+            deadline = time.monotonic() + 4.0
+            while True:
+                peer = self.relay._peer()
+                if peer is not None:
+                    try:
+                        got = await peer.call("egress.dns", {"query": base64.b64encode(query).decode(), "udp": udp},
+                                              timeout=5)
+                        out = got.get("answer") if isinstance(got, dict) else None
+                        return base64.b64decode(out) if isinstance(out, str) and out else None
+                    except RpcError as e:
+                        if e.code != METHOD_NOT_FOUND or time.monotonic() > deadline:
+                            return None
+                elif time.monotonic() > deadline:
+                    return None
+                await asyncio.sleep(0.1)
+        except (asyncio.TimeoutError, OSError, ValueError):
+            return None
+        finally:
+            self.in_flight -= 1
+
+    async def serve_stream(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """DNS over TCP (2-byte length, message, repeated) until the client closes, idles 30 s or is not answered."""
+        if self.tcp_conns >= DNS_TCP_CONNECTIONS:
+            writer.close()
+            return
+        self.tcp_conns += 1
+        try:
+            while True:
+                size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 30), "big")
+                if size > MAX_DNS_QUERY:
+                    break
+                query = await asyncio.wait_for(reader.readexactly(size), 30)
+                if not self.take(query):
+                    break
+                out = await self.ask(query, udp=False)
+                if out is None:
+                    break
+                writer.write(len(out).to_bytes(2, "big") + out)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError):
+            pass
+        finally:
+            self.tcp_conns -= 1
+            writer.close()
+
+
+class _DnsDatagrams(asyncio.DatagramProtocol):
+    def __init__(self, dns: DnsRelay) -> None:
+        self.dns = dns
+        self.transport: Any = None
+        self._tasks: "set[asyncio.Future[None]]" = set()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if not self.dns.take(data):
+            return  # a flood is dropped here, not queued
+        task = asyncio.ensure_future(self._one(data, addr))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _one(self, data: bytes, addr: Any) -> None:
+        out = await self.dns.ask(data, udp=True)
+        if out is not None and self.transport is not None:
+            self.transport.sendto(out, addr)
+
+
+async def listen_dns(relay: EgressRelay) -> None:
+    """The relay's DNS on 127.0.0.1:53 (UDP and TCP) and the resolver pointed at it, where the guest may bind port
+    53 (a micro-VM's root). A process sandbox may not (and needs not: the host serves that address there)."""
+    loop = asyncio.get_running_loop()
+    dns = DnsRelay(relay)
+    try:
+        transport, _ = await loop.create_datagram_endpoint(lambda: _DnsDatagrams(dns), local_addr=(DNS_HOST, DNS_PORT))
+    except OSError as e:
+        if e.errno != errno.EACCES:
+            log("DNS address unavailable", error=str(e))
+        return
+    try:
+        server = await asyncio.start_server(dns.serve_stream, DNS_HOST, DNS_PORT)
+    except OSError as e:
+        log("DNS address unavailable", error=str(e))
+        transport.close()
+        return
+    try:
+        point_resolver(False, relayed=True)
+    except OSError as e:
+        log("resolver not configured", error=str(e))
+    log("DNS relay listening", port=DNS_PORT)
+    try:
+        async with server:
+            await server.serve_forever()
+    finally:
+        transport.close()
+
+
 def register(registry: Registry) -> None:
     if os.environ.get("MOORAGE_NETWORK") != "1":
         return
     relay = EgressRelay(registry)
+    # The agent's own network (``MOORAGE_NIC``, which the host sets for [agent.network] only; a template's relay for
+    # deploy-time installs has none), where no NIC carries the gateway's DNS.
+    if os.environ.get("MOORAGE_NIC") == "1" and os.environ.get("MOORAGE_EGRESS") != "nic":
+        registry.dns_listener = asyncio.get_running_loop().create_task(listen_dns(relay))  # type: ignore[attr-defined]
 
     async def listen() -> None:
         try:

@@ -4,7 +4,8 @@ Agents that declare ``[agent.network]`` get ``HTTP(S)_PROXY`` pointing at the eg
 (``egress.proxy.serve_connection``, under the agent's policy, limits, spans and secret headers). On a micro-VM with
 a NIC (decisions/0013) the proxy listens on the tap's address inside the VM's own network namespace, which holds
 nothing else, and so does the gateway's DNS responder (``egress.dns``: only names the policy admits); elsewhere each
-connection to the sandbox's relay arrives over the host↔guest channel (decisions/0009). Either way a connection that skips the proxy has nowhere to go.
+connection to the sandbox's relay arrives over the host↔guest channel (decisions/0009), and a process sandbox's
+resolver asks the same responder on 127.0.0.1:53 of its own namespace, where the host bound it (``process_net``). Either way a connection that skips the proxy has nowhere to go.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import uuid
 from typing import Any, Mapping
 
 from moorage.log import get_logger
-from moorage.sandbox import microvm_net
+from moorage.sandbox import microvm_net, process_net
 from moorage.sandbox.channel import HandlerError
 
 log = get_logger(__name__)
@@ -30,6 +31,9 @@ MAX_CONNECTIONS = 16
 CHUNK = 256 * 1024
 #: Longest one ``egress.recv`` waits for bytes before answering with none (the guest asks again).
 RECV_WAIT_S = 25.0
+#: The largest DNS query ``egress.dns`` takes (a UDP query's bound; one question fits in far less), and its base64.
+MAX_DNS_QUERY = 512
+_MAX_DNS_QUERY_B64 = 4 * ((MAX_DNS_QUERY + 2) // 3)
 
 
 def has_network(manifest: Mapping[str, Any]) -> bool:
@@ -58,6 +62,11 @@ class _Relay:
         #: The proxy and the DNS responder served on the VM's NIC (decisions/0013), when it has one.
         self.nic_server: asyncio.Task[None] | None = None
         self.nic_dns: asyncio.Task[None] | None = None
+        #: One rate for every way this sandbox's lookups arrive (the NIC's or the sandbox's DNS address, ``egress.dns``).
+        from moorage.egress.dns import Limiter
+
+        self.dns_limiter = Limiter()
+        self.dns_in_flight = 0
 
     def _conn(self, params: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, "asyncio.Task[None]"]:
         conn = self.conns.get(params.get("conn")) if isinstance(params, dict) else None
@@ -105,6 +114,34 @@ class _Relay:
         except (ConnectionError, OSError):
             data = b""
         return {"data": base64.b64encode(data).decode(), "eof": not data}
+
+    async def dns(self, params: Any, ctx: Any) -> dict[str, Any]:
+        """One DNS query the guest's relay received (``{"query": base64, "udp": bool}``), answered by the gateway's
+        responder (``egress.dns.answer``: only names the policy admits, NXDOMAIN without an upstream query
+        otherwise); an answer over 512 bytes to a UDP query comes back truncated (TC set; the resolver asks again
+        over TCP). Past the responder's rate or in-flight bound the query is dropped: ``{"answer": null}``."""
+        from moorage.egress.dns import MAX_IN_FLIGHT, MAX_UDP_BYTES, answer, truncated
+
+        query = params.get("query") if isinstance(params, dict) else None
+        if not isinstance(query, str) or len(query) > _MAX_DNS_QUERY_B64:
+            raise HandlerError(f"query must be a DNS message of at most {MAX_DNS_QUERY} bytes, base64", code=-32602)
+        try:
+            packet = base64.b64decode(query, validate=True)
+        except ValueError:
+            raise HandlerError("query must be base64", code=-32602) from None
+        if len(packet) > MAX_DNS_QUERY or self.dns_in_flight >= MAX_IN_FLIGHT or not self.dns_limiter.take():
+            return {"answer": None}
+        self.dns_in_flight += 1
+        try:
+            out = await answer(self.inst, packet)
+        except Exception as e:  # noqa: BLE001 - one bad query gets no answer, as on the gateway's own listener
+            log.info("dns query failed", error=type(e).__name__)
+            out = None
+        finally:
+            self.dns_in_flight -= 1
+        if out is not None and params.get("udp") is not False and len(out) > MAX_UDP_BYTES:
+            out = truncated(out)
+        return {"answer": base64.b64encode(out).decode() if out is not None else None}
 
     async def close(self, params: Any, ctx: Any) -> dict[str, Any]:
         conn = self.conns.pop(params.get("conn") if isinstance(params, dict) else None, None)
@@ -159,14 +196,16 @@ def attach_instance(channel: Any, inst: Any, sandbox_id: str) -> None:
     channel.register("egress.send", relay.send)
     channel.register("egress.recv", relay.recv)
     channel.register("egress.close", relay.close)
+    channel.register("egress.dns", relay.dns)
     channel._moorage_network = relay
     with contextlib.suppress(Exception):
         loop = asyncio.get_running_loop()
-        nic = microvm_net.of_channel(channel)
+        # A micro-VM's NIC (its proxy and DNS), or a process sandbox's DNS address on its own loopback (process_net).
+        nic: Any = microvm_net.of_channel(channel) or process_net.of_channel(channel)
         if nic is not None and nic.proxy_listener is not None:
             relay.nic_server = loop.create_task(_serve_nic(nic.proxy_listener, inst))
         if nic is not None and nic.dns_socket is not None:
-            relay.nic_dns = loop.create_task(_serve_nic_dns(nic.dns_socket, nic.dns_listener, inst))
+            relay.nic_dns = loop.create_task(_serve_nic_dns(nic.dns_socket, nic.dns_listener, inst, relay.dns_limiter))
         loop.create_task(_close_with(channel, relay, inst, sandbox_id))
 
 
@@ -177,7 +216,7 @@ def detach(channel: Any) -> None:
     if relay is None:
         return
     relay.close_all()
-    for method in ("egress.open", "egress.send", "egress.recv", "egress.close"):
+    for method in ("egress.open", "egress.send", "egress.recv", "egress.close", "egress.dns"):
         channel.unregister(method)
     channel._moorage_network = None
 
@@ -210,7 +249,7 @@ async def _serve_nic(listener: socket.socket, inst: Any) -> None:
             task.cancel()
 
 
-async def _serve_nic_dns(sock: socket.socket, listener: socket.socket | None, inst: Any) -> None:
+async def _serve_nic_dns(sock: socket.socket, listener: socket.socket | None, inst: Any, limiter: Any = None) -> None:
     """The gateway's DNS responder on the NIC's side of the VM's namespace, until the channel (this wake) ends: the
     same ``egress.dns`` responder as the gateway's own listener (only names the policy admits, NXDOMAIN without an
     upstream query otherwise; its rate, in-flight and size bounds; a span for each refusal), over UDP and, for the
@@ -219,7 +258,7 @@ async def _serve_nic_dns(sock: socket.socket, listener: socket.socket | None, in
 
     # Duplicates, as for the proxy: closing them leaves the launch's sockets bound for a later attach, and queries
     # sent before now are read from the buffer (or backlog) they wait in.
-    limiter = Limiter()
+    limiter = limiter or Limiter()
     transport, _ = await serve_udp(inst, sock=sock.dup(), limiter=limiter)
     server = await serve_tcp(inst, listener.dup(), limiter) if listener is not None else None
     try:

@@ -27,7 +27,7 @@ from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import process_limits as limits
-from moorage.sandbox import process_seccomp, process_templates
+from moorage.sandbox import process_net, process_seccomp, process_templates
 from moorage.sandbox.base import (
     Capabilities,
     Sandbox,
@@ -138,6 +138,13 @@ class ProcessDriver(SandboxDriver):
             a += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
         for name in ("passwd", "group", "hosts"):
             a += ["--ro-bind", str(src["etc"] / name), f"/etc/{name}"]
+        if process_net.wanted(sb.spec.env):
+            # A network agent's resolver asks the host's responder on the sandbox's own loopback (process_net); without
+            # [agent.network] there is no resolv.conf (glibc then asks 127.0.0.1 too, where nothing answers).
+            resolv = sb.dir / "etc" / "resolv.conf"
+            if not resolv.exists():  # sandboxes made before this file was
+                resolv.write_text(process_net.RESOLV_CONF)
+            a += ["--ro-bind", str(src["etc"] / "resolv.conf"), "/etc/resolv.conf"]
         a += ["--proc", "/proc", "--dev", "/dev"]
         a += ["--bind", str(src["layer"] / "work"), "/work", "--bind", str(src["layer"] / "tmp"), "/tmp"]
         for name, target in sb.shared_targets():  # over the layer's (empty) mount points
@@ -174,6 +181,7 @@ class ProcessDriver(SandboxDriver):
                                           "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
         (d / "etc" / "group").write_text(f"root:x:0:\nagent:x:{GUEST_UID}:\nnogroup:x:65534:\n")
         (d / "etc" / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+        (d / "etc" / "resolv.conf").write_text(process_net.RESOLV_CONF)
 
     def _meta(self, sandbox_id: str, spec: SandboxSpec, template: TemplateRef | None,
               shared: list[str]) -> dict[str, Any]:
@@ -383,6 +391,7 @@ class ProcessDriver(SandboxDriver):
         for sb in list(self._open.values()):
             if sb._watchdog is not None:
                 sb._watchdog.cancel()
+            sb._drop_dns()  # its address stays free for the host that adopts the sandbox next
             if sb._channel is not None:
                 await sb._channel.close()
                 sb._channel = None

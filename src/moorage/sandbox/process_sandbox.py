@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from moorage.errors import ConflictError
 from moorage.log import get_logger
-from moorage.sandbox import capped_log, process_checkpoints, process_restart, process_seccomp, process_templates
+from moorage.sandbox import capped_log, process_checkpoints, process_net, process_restart, process_seccomp, process_templates
 from moorage.sandbox import process_limits as limits
 from moorage.sandbox.base import (
     ChannelError,
@@ -104,6 +104,8 @@ class ProcessSandbox(Sandbox):
         self._watchdog: asyncio.Task[None] | None = None
         #: The host's end of the zygote's control socket (process_restart), while the sandbox runs.
         self._zygote: Any = None
+        #: A network agent's DNS address in the sandbox's namespace, bound by the host (process_net), while it runs.
+        self._dns: process_net.SandboxDNS | None = None
         #: The thread copying the sandbox's output into supervisor.log (capped_log), since its last start.
         self._log_reader: threading.Thread | None = None
         self.cgroup = limits.SandboxCgroup(driver.limit_support, f"{driver.instance_tag}-{sandbox_id}")
@@ -196,6 +198,7 @@ class ProcessSandbox(Sandbox):
         spec = self.spec
         self.quota_exceeded = False
         self._sweep_layer_leftovers()
+        self._drop_dns()  # a sandbox that died on its own left its last start's sockets (in a namespace now gone)
         run = self.dir / "run"
         run.mkdir(mode=0o700, exist_ok=True)
         if self.socket_path.exists():
@@ -260,6 +263,7 @@ class ProcessSandbox(Sandbox):
         self._pid = self._proc.pid
         try:
             self._channel = await self._connect(_START_TIMEOUT_S)
+            self._serve_dns()
         except BaseException:
             await self._kill()
             raise
@@ -416,10 +420,29 @@ class ProcessSandbox(Sandbox):
             await self._channel.close()
             self._channel = None
 
+    def _serve_dns(self) -> None:
+        """A network agent's sandbox: its DNS address bound (once per start) and offered with the new channel
+        (``runtime/vm_network`` serves it when it attaches the agent's network)."""
+        if not process_net.wanted(self.spec.env) or self._pid is None:
+            return
+        try:
+            if self._dns is None:
+                inside = next((p for p in limits.descendants(self._pid) if _is_guest(p)), None)
+                self._dns = process_net.bind(inside) if inside is not None else None
+            process_net.bind_channel(self._channel, self._dns)
+        except Exception as e:  # noqa: BLE001 - a sandbox without its DNS still starts (its tools use the proxy)
+            log.warning("sandbox DNS not bound", sandbox=self.id, error=str(e)[:200])
+
+    def _drop_dns(self) -> None:
+        if self._dns is not None:
+            self._dns.close()
+            self._dns = None
+
     async def _kill(self) -> None:
         if self._zygote is not None:
             self._zygote.close()
             self._zygote = None
+        self._drop_dns()
         await self._let_go()
         if self._pid is not None and self._alive():
             try:
@@ -585,6 +608,7 @@ class ProcessSandbox(Sandbox):
             self.quota_exceeded = False
             await process_restart.start_agent(self._zygote)
             self._channel = await self._connect(_START_TIMEOUT_S)
+            self._serve_dns()
         except process_restart.ZygoteGone:
             raise  # the caller restarts the sandbox the slow way, from the checkpoint again
         except BaseException:
@@ -635,6 +659,7 @@ class ProcessSandbox(Sandbox):
         if self._alive():
             try:
                 self._channel = await self._connect(10.0)
+                self._serve_dns()
                 self._start_watchdog()
                 log.info("sandbox re-attached", sandbox=self.id, pid=self._pid)
                 return
