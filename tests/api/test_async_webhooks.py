@@ -297,9 +297,14 @@ async def test_deliveries_obey_the_egress_address_policy(live_rt, store: Store, 
 
 
 async def test_an_execution_refused_after_its_202_fails_and_is_announced(live_rt, store: Store, acme: str,
-                                                                          tmp_path: Path, receiver: Receiver):
+                                                                          tmp_path: Path, receiver: Receiver,
+                                                                          monkeypatch: pytest.MonkeyPatch):
+    """Refused as overloaded past the time an execution keeps trying (none here; tests/webhooks/
+    test_execution_refusals.py has it wait and run): it fails, and the failure is announced."""
+    from moorage.webhooks import executions
     from tests.api.test_retry_after import SLOW_AGENT, archive
 
+    monkeypatch.setattr(executions, "REFUSED_RETRY_FOR_S", 0.0)
     dispatcher = Dispatcher(store, schedule=FAST, poll_s=0.05)
     loop_task = asyncio.create_task(dispatcher.run())
     try:

@@ -7,6 +7,7 @@ An execution is a turn like any other (a durable run with the same id), so a hos
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 import weakref
@@ -23,6 +24,11 @@ log = get_logger(__name__)
 ORPHAN_AFTER_S = 30.0
 #: Streamed events are written to the store in batches of at most this many (and at the end).
 EVENT_BATCH = 20
+
+#: Refusals of a turn that say "not now" (nothing was started): an accepted execution waits and tries again.
+RETRIED_REFUSALS = frozenset({"overloaded", "tenant-awake-limit", "busy"})
+#: How long an execution keeps trying after such refusals before it fails with the last one.
+REFUSED_RETRY_FOR_S = 900.0
 
 #: Statuses of an execution as shown to callers: the run's, or ``queued`` before the run exists.
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -87,15 +93,28 @@ class ExecutionRunner:
     async def _drive(self, principal: Principal, ts: TenantStore, ex: Execution) -> None:
         entity = EntityKey(ex.agent, ex.user, ex.session)
         batch: list[Any] = []
+        deadline = time.monotonic() + REFUSED_RETRY_FOR_S
         try:
-            async for ev in self.runtime.stream(principal, entity, ex.input.get("message", ""),
-                                                idempotency_key=ex.input.get("idempotency_key")):
-                if ev.kind == "done":
-                    continue  # the result is the run's own; the GET reads it from there
-                batch.append({"kind": ev.kind, "data": ev.data, "at": time.time()})
-                if len(batch) >= EVENT_BATCH:
-                    await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
-                    batch = []
+            while True:
+                began = False
+                try:
+                    async for ev in self.runtime.stream(principal, entity, ex.input.get("message", ""),
+                                                        idempotency_key=ex.input.get("idempotency_key")):
+                        began = True
+                        if ev.kind == "done":
+                            continue  # the result is the run's own; the GET reads it from there
+                        batch.append({"kind": ev.kind, "data": ev.data, "at": time.time()})
+                        if len(batch) >= EVENT_BATCH:
+                            await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
+                            batch = []
+                    return
+                except MoorageError as e:
+                    # Refused for now (a full queue, every awake instance busy): nothing was started and the 202
+                    # promised a turn, so it stays queued and is tried again after the wait the refusal names.
+                    if began or e.code not in RETRIED_REFUSALS or time.monotonic() >= deadline:
+                        raise
+                    wait = getattr(e, "retry_after_s", None) or getattr(e, "retry_after", None) or 1.0
+                    await asyncio.sleep(min(float(wait), 30.0) * (1.0 + 0.5 * random.random()))
         except MoorageError as e:
             batch.append({"kind": "error", "data": {"type": e.code, "status": e.http_status, "detail": e.message,
                                                     "hint": e.hint}, "at": time.time()})
