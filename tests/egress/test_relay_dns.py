@@ -277,3 +277,21 @@ async def test_dns_after_the_sandbox_died(world: World) -> None:
     # The next start binds the address in the new sandbox's namespace (the dead one's sockets are closed).
     assert await ask(w, "dns api.test", user="cy") == "rcode=0 127.0.0.1"
     assert old is not None and old.dns_socket is None
+
+
+async def test_egress_dns_refuses_what_is_not_a_small_query() -> None:
+    # The host call's own bounds, before any answer is made: a guest cannot make the host parse or hold more.
+    import base64
+
+    from moorage.runtime.vm_network import _Relay
+    from moorage.sandbox.channel import HandlerError
+
+    relay = _Relay(inst=None)
+    for params in ({"query": base64.b64encode(b"\0" * 513).decode()}, {"query": "x" * 5000}, {"query": "not base64!"},
+                   {"query": 7}, {}, []):
+        with pytest.raises(HandlerError) as e:
+            await relay.dns(params, None)
+        assert e.value.code == -32602
+    # Past the responder's rate the query is dropped (no answer), never queued.
+    relay.dns_limiter._tokens = 0
+    assert await relay.dns({"query": base64.b64encode(b"\0" * 12).decode()}, None) == {"answer": None}

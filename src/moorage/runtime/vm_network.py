@@ -129,7 +129,9 @@ class _Relay:
             packet = base64.b64decode(query, validate=True)
         except ValueError:
             raise HandlerError("query must be base64", code=-32602) from None
-        if len(packet) > MAX_DNS_QUERY or self.dns_in_flight >= MAX_IN_FLIGHT or not self.dns_limiter.take():
+        if len(packet) > MAX_DNS_QUERY:
+            raise HandlerError(f"query must be a DNS message of at most {MAX_DNS_QUERY} bytes", code=-32602)
+        if self.dns_in_flight >= MAX_IN_FLIGHT or not self.dns_limiter.take():
             return {"answer": None}
         self.dns_in_flight += 1
         try:
