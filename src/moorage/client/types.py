@@ -29,6 +29,9 @@ class Deployment(TypedDict, total=False):
     id: str
     agent_id: str
     number: int
+    #: The package's ``[agent]`` table as deployed, and the package's digest.
+    manifest: dict[str, Any]
+    package_sha256: str
     status: str
     created_at: float
 
@@ -77,10 +80,13 @@ class Turn(TypedDict, total=False):
     trace_id: str
     interrupt: Any
     run_id: str | None
+    #: The model tokens the turn used: ``input_tokens``, ``output_tokens``.
+    usage: dict[str, int]
 
 
 class Execution(TypedDict, total=False):
     id: str
+    object: str  # "execution"
     kind: str  # turn | exec
     agent: str
     user: str
