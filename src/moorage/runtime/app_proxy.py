@@ -1,5 +1,5 @@
-"""An agent's own web app over HTTP: one request from the API framed (h11) and relayed to the app's port in the
-user's sandbox, its answer parsed, capped and rewritten on the way back (errors: app_errors.py; the port: app_guest.py)."""
+"""An agent's own web app over HTTP: one request framed (h11) and relayed to the app's port in the user's sandbox,
+its answer parsed, capped and rewritten on the way back (the port: ``app_guest.py``; errors: ``app_errors.py``)."""
 
 from __future__ import annotations
 

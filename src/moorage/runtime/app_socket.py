@@ -58,7 +58,8 @@ class AppSocketsExhausted(MoorageError):
 
 @dataclass
 class CallerClose:
-    """The caller closed its socket with this code (passed on to the app; ``ws_close.NO_STATUS`` as an empty close frame)."""
+    """The caller closed its socket with this code (passed on to the app; ``ws_close.NO_STATUS`` as an empty close
+    frame)."""
 
     code: int = NORMAL
     reason: str = ""
