@@ -16,7 +16,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
-from moorage.errors import ConflictError, InvalidInput, TenantScopeError
+from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
@@ -167,6 +167,13 @@ def _can_delete(sandbox: Any) -> bool:
     from moorage.sandbox import Sandbox
 
     return type(sandbox).delete_checkpoint is not Sandbox.delete_checkpoint
+
+
+def _known_user(ts: TenantStore, agent: str, user: str) -> bool:
+    """Whether ``user`` is one of ``agent``'s end-users (registered, or from before users were per agent: a session
+    of theirs exists, as ``Router.resolve`` counts them). Raises NotFound for an agent that does not exist."""
+    ts.agents.get(agent)
+    return ts.agent_users.find(agent, user) is not None or bool(ts.sessions.list(agent, user, limit=1))
 
 
 class TimeTravel:
@@ -352,6 +359,11 @@ class TimeTravel:
         """The instance's running sandbox, held like a turn: in its line in the router (turns of a ``queue`` or
         ``reject`` agent wait) and in the instance manager (never slept or evicted meanwhile)."""
         rt = self.rt
+        if not await asyncio.to_thread(_known_user, ts, agent, user):
+            # Not made here even for an agent whose users are made on their first turn: a typo'd id would otherwise
+            # get a user, an instance and a checkpoint of its own.
+            raise NotFound(f"agent {agent!r} has no user {user!r}",
+                           hint=f"time travel works on users the agent already has (GET /v1/agents/{agent}/users lists them)")
         agent_rec, lc, scope = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
         if lc.scope != "user":
             raise InvalidInput(f"agent {agent!r} has one instance per {lc.scope}; time travel works on per-user instances",
