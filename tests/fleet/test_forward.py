@@ -309,6 +309,40 @@ def test_an_app_websocket_through_another_host_keeps_the_apps_handshake_and_a_cl
     asyncio.run(run())
 
 
+def test_a_redeploys_restart_reaches_a_socket_through_another_host_as_1012(fleet: Fleet, tmp_path: Path) -> None:
+    def deploy(toml: str = "") -> None:
+        agent = tmp_path / "fwre"
+        agent.mkdir(exist_ok=True)
+        (agent / "moorage.toml").write_text('[agent]\nname = "fwre"\nentry = "agent.py"\nports = [8080]\n'
+                                            '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n' + toml)
+        (agent / "agent.py").write_text(textwrap.dedent(AGENT_PY))
+        r = fleet.api[0].post("/v1/agents/fwre/deployments", content=tar_dir(agent),
+                              headers={"Content-Type": "application/gzip"})
+        assert r.status_code == 201, r.text
+
+    deploy()
+    r = fleet.api[0].post("/v1/agents/fwre/invoke", json={"message": "hi", "user": "ada"})  # awake on h1
+    assert r.status_code == 200 and r.json()["reply"] == "ok", r.text
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+    url = _ws(fleet, 1, "/v1/agents/fwre/users/ada/app/ws")
+
+    async def run() -> None:
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            assert ws.response.headers["x-moorage-served-by"] == "h1"
+            await ws.send("v1")
+            assert await ws.recv() == "v1"
+            # Sandboxes of another environment (a network of their own): the instance restarts on the next load.
+            deploy('[agent.network]\nallow = ["http://api.test:9"]\n')
+            r = await asyncio.to_thread(fleet.api[0].post, "/v1/agents/fwre/invoke", json={"message": "hi", "user": "ada"})
+            assert r.status_code == 200 and r.json()["reply"] == "ok", r.text
+            assert await _closed_with(ws) == (1012, "the agent was redeployed; reconnect")
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            await ws.send("v2")
+            assert await ws.recv() == "v2"
+
+    asyncio.run(run())
+
+
 def test_other_tenants_and_users_are_refused_through_the_forwarding_host_too(fleet: Fleet) -> None:
     store = open_store(Config(store_url=fleet.store_url))
     try:
