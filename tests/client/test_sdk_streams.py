@@ -95,3 +95,69 @@ async def test_an_async_stream_cut_after_its_first_event_is_unavailable(cut_off:
             async for ev in sdk.stream("bot", "hi", user="u"):
                 got.append(ev)
     assert got == [{"event": "token", "data": {"data": "x"}}] and cut_off.requests == 1
+
+
+class FailsMidway:
+    """A complete stream whose turn failed after its first event: a ``token``, then the ``error`` event."""
+
+    BODY = (b'event: token\ndata: {"event": "token", "data": "partial "}\n\n'
+            b'event: error\ndata: {"type": "agent-error", "status": 502, "detail": "agent raised RuntimeError: boom", '
+            b'"hint": "RuntimeError: boom", "trace_id": "t-1"}\n\n')
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                outer.requests += 1
+                self.rfile.read(int(self.headers.get("content-length", "0")))
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.send_header("content-length", str(len(outer.BODY)))
+                self.end_headers()
+                self.wfile.write(outer.BODY)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fails_midway() -> Iterator[FailsMidway]:
+    s = FailsMidway()
+    yield s
+    s.close()
+
+
+def test_a_turn_failing_after_its_first_event_raises_as_invoke_would(fails_midway: FailsMidway) -> None:
+    from moorage.client import ServerError
+
+    got: list[Any] = []
+    with Client(fails_midway.url, "mrg_x", sleep=lambda s: None) as sdk:
+        with pytest.raises(ServerError) as e:
+            for ev in sdk.stream("bot", "hi", user="u"):
+                got.append(ev)
+    assert got == [{"event": "token", "data": {"event": "token", "data": "partial "}}]
+    assert e.value.status == 502 and e.value.code == "agent-error" and e.value.trace_id == "t-1"
+    assert "RuntimeError: boom" in e.value.detail and fails_midway.requests == 1  # the turn had started: not sent again
+
+
+async def test_an_async_stream_failing_after_its_first_event_raises(fails_midway: FailsMidway) -> None:
+    from moorage.client import ServerError
+
+    got: list[Any] = []
+    async with AsyncClient(fails_midway.url, "mrg_x") as sdk:
+        with pytest.raises(ServerError) as e:
+            async for ev in sdk.stream("bot", "hi", user="u"):
+                got.append(ev)
+    assert len(got) == 1 and e.value.code == "agent-error" and fails_midway.requests == 1

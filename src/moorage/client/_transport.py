@@ -98,6 +98,21 @@ def cut_off(settings: Settings, e: Exception) -> Unavailable:
                                                 "follow_exec starts from the oldest output kept")
 
 
+def raise_error_event(event: str, data: Any) -> None:
+    """A stream's ``error`` event (a failure after the stream began: the agent raised, the turn was refused midway) is
+    raised as the ``ApiError`` the same failure gives ``invoke``; it is not retried (the turn had started)."""
+    if event != "error":
+        return
+    problem = data if isinstance(data, dict) else {"detail": str(data)}
+    status = problem.get("status") if isinstance(problem.get("status"), int) else 500
+    type_ = str(problem.get("type") or "")
+    if type_ and "/" not in type_:
+        type_ = f"https://moorage.dev/problems/{type_}"
+    error = error_for(status, {**problem, "type": type_}, {})
+    error.retryable = False
+    raise error
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
     """(event, data) pairs from server-sent event lines."""
     event, data = "message", []

@@ -96,9 +96,11 @@ class AsyncClient(Api):
                             buffer.append(line)
                             if line == "":
                                 for event, data in tr.sse_events(iter(buffer)):
+                                    tr.raise_error_event(event, data)
                                     yield {"event": event, "data": data}
                                 buffer = []
                         for event, data in tr.sse_events(iter([*buffer, ""])):
+                            tr.raise_error_event(event, data)
                             yield {"event": event, "data": data}
                         return
                     await response.aread()

@@ -98,6 +98,7 @@ class Client(Api):
                     if response.status_code < 400:
                         started = True
                         for event, data in tr.sse_events(response.iter_lines()):
+                            tr.raise_error_event(event, data)
                             yield {"event": event, "data": data}
                         return
                     response.read()

@@ -170,7 +170,8 @@ class Usage(TypedDict):
 
 
 class StreamEvent(TypedDict):
-    event: str  # token | tool | event | done | error
+    #: token | tool | event | done (a turn); output | end (an exec). An ``error`` event is raised as an ApiError.
+    event: str
     data: Any
 
 
