@@ -97,7 +97,10 @@ class OperatorVerbs:
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
         principal.require("provision")
-        ts = self.store.tenant(principal)
+        return await self.forget_in(self.store.tenant(principal), agent, user)
+
+    async def forget_in(self, ts: TenantStore, agent: str, user: str) -> int:
+        """``forget`` in a tenant already authorized (a fork undoing the users it made)."""
         await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
         recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
         for rec in recs:

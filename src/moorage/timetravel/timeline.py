@@ -614,7 +614,10 @@ class TimeTravel:
                     if _can_delete(sandbox):
                         with contextlib.suppress(Exception):
                             await sandbox.delete_checkpoint(here)
-        out = []
+        out: list[dict[str, Any]] = []
+        # The users this call made so far, with what each was before (a user registered without an instance can
+        # be forked into): a fork that fails part way is undone whole, so its retry is not refused as a duplicate.
+        made: list[tuple[str, Any]] = []
         try:
             if template is not None and rt.templates.published is not None:
                 # A fleet: the template goes to the object store before any fork is made from it, so the forks
@@ -632,6 +635,7 @@ class TimeTravel:
                     if await asyncio.to_thread(ts.sandboxes.for_scope, new_scope) is not None:
                         raise ConflictError(f"user {u!r} of agent {agent!r} got an instance meanwhile",
                                             hint="fork into a new user id")
+                    made.append((u, await asyncio.to_thread(ts.agent_users.find, agent, u)))
                     rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
                     async with contextlib.AsyncExitStack() as held:
                         sb = None if template is None else await held.enter_async_context(
@@ -639,6 +643,9 @@ class TimeTravel:
                         first = await self._take(ts, agent, u, sb, kind="fork",
                                                  summary={"forked_from": {"user": user, "checkpoint": target.id}})
                 out.append({"user": u, "rows": rows, "checkpoint": first.id, "sandbox_id": sb.id if sb else None})
+        except Exception:
+            await self._undo_forks(ts, agent, made)
+            raise
         finally:
             if template is not None:
                 with contextlib.suppress(Exception):
@@ -646,6 +653,22 @@ class TimeTravel:
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("instance forked", agent=agent, user=user, checkpoint=target.id, into=list(to_users), ms=ms)
         return {"object": "fork", "agent": agent, "user": user, "checkpoint": target.id, "forks": out, "ms": ms}
+
+    async def _undo_forks(self, ts: TenantStore, agent: str, made: Sequence[tuple[str, Any]]) -> None:
+        """Remove what a failed fork made of each of its new users (instance, copied rows, checkpoints); a user
+        that was registered before gets its registration back as it was."""
+        for u, before in made:
+            try:
+                await self.rt.forget_in(ts, agent, u)
+                await asyncio.to_thread(ts.agent_users.delete, agent, u)
+                if before is not None:
+                    await asyncio.to_thread(ts.agent_users.put, agent, u, meta=before.meta, limits=before.limits)
+            except Exception as e:  # noqa: BLE001 - the fork's own error is the one to report
+                log.error("could not undo a failed fork's new user; forget it to fork into it again", agent=agent,
+                          user=u, error=str(e))
+        if made:
+            log.warning("fork failed part way; the users it made were removed", agent=agent,
+                        users=[u for u, _ in made])
 
     async def recover(self) -> int:
         """At host start, before turns resume: finish every operation a killed host left half done."""
