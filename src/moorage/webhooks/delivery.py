@@ -66,11 +66,12 @@ def announce(ts: TenantStore) -> int:
             # Not started yet, or refused before its run existed (the runner recorded why): the latter is final.
             refusal = next((e.get("data") for e in ex.events if e.get("kind") == "error"), None)
             if refusal is not None:
+                status = "cancelled" if isinstance(refusal, dict) and refusal.get("type") == "cancelled" else "failed"
                 with ts.transaction():
-                    if ts.executions.mark_announced(ex.id, "failed", expected_version=ex.version):
-                        ts.deliveries.enqueue(ex.agent, "execution.failed", {
+                    if ts.executions.mark_announced(ex.id, status, expected_version=ex.version):
+                        ts.deliveries.enqueue(ex.agent, ANNOUNCED[status], {
                             "execution_id": ex.id, "run_id": None, "agent": ex.agent, "user": ex.user,
-                            "session": ex.session, "status": "failed", "reply": None,
+                            "session": ex.session, "status": status, "reply": None,
                             "error": refusal.get("detail") if isinstance(refusal, dict) else str(refusal),
                             "interrupt": None, "trace_id": None, "url": f"/v1/executions/{ex.id}"})
                         queued += 1

@@ -13,7 +13,7 @@ import uuid
 import weakref
 from typing import Any
 
-from moorage.errors import InvalidInput, MoorageError, NotFound
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, TenantStore
 from moorage.store.webhooks import Execution
@@ -29,6 +29,9 @@ EVENT_BATCH = 20
 RETRIED_REFUSALS = frozenset({"overloaded", "tenant-awake-limit", "busy"})
 #: How long an execution keeps trying after such refusals before it fails with the last one.
 REFUSED_RETRY_FOR_S = 900.0
+
+#: The error event's type of an execution cancelled before it started.
+CANCELLED = "cancelled"
 
 #: Statuses of an execution as shown to callers: the run's, or ``queued`` before the run exists.
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -48,6 +51,8 @@ class ExecutionRunner:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Executions waiting to be tried again after a "not now" refusal (none of their turn exists meanwhile).
+        self._retrying: set[str] = set()
 
     @classmethod
     def of(cls, runtime: Any) -> "ExecutionRunner":
@@ -114,7 +119,13 @@ class ExecutionRunner:
                     if began or e.code not in RETRIED_REFUSALS or time.monotonic() >= deadline:
                         raise
                     wait = getattr(e, "retry_after_s", None) or getattr(e, "retry_after", None) or 1.0
-                    await asyncio.sleep(min(float(wait), 30.0) * (1.0 + 0.5 * random.random()))
+                    self._retrying.add(ex.id)  # nothing of it runs now: cancel_queued may stop it here
+                    try:
+                        await asyncio.sleep(min(float(wait), 30.0) * (1.0 + 0.5 * random.random()))
+                    finally:
+                        self._retrying.discard(ex.id)
+                    if await asyncio.to_thread(_cancelled, ts, ex.id):  # cancelled meanwhile (from another host)
+                        return
         except MoorageError as e:
             batch.append({"kind": "error", "data": {"type": e.code, "status": e.http_status, "detail": e.message,
                                                     "hint": e.hint}, "at": time.time()})
@@ -126,6 +137,37 @@ class ExecutionRunner:
         finally:
             if batch:
                 await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
+
+    async def cancel_queued(self, ts: TenantStore, execution_id: str) -> Execution | None:
+        """Cancel an async turn that has not started (``queued``: no run yet) while it waits to be tried again after a
+        refusal, or is left by a host that stopped: it never runs and reads ``cancelled``. None when its run exists by
+        now (cancel the run); a 409 while it waits in its session's line in the runtime (it starts soon)."""
+        ex = await asyncio.to_thread(ts.executions.get, execution_id)
+        from moorage.runtime import exec_jobs
+
+        if exec_jobs.is_exec(ex):
+            raise ConflictError(f"{execution_id!r} is a detached exec, not a turn",
+                                hint=f"cancel it with POST /v1/executions/{execution_id}/cancel")
+        try:
+            await asyncio.to_thread(ts.runs.get, ex.id)
+            return None
+        except NotFound:
+            pass
+        task = self._tasks.get(ex.id)
+        if task is not None:
+            if ex.id not in self._retrying:  # handed to the runtime: it starts once its session's earlier turns end
+                raise ConflictError(f"execution {execution_id} is about to start (its session's earlier turns run "
+                                    "first) and cannot be stopped before it does",
+                                    hint="cancel it once it has started: the same request, when its run_id is set")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if any(e.get("kind") == "error" for e in ex.events):
+            status, _ = status_of(ts, ex, False)
+            raise ConflictError(f"execution {execution_id} already {status}",
+                                hint=f"GET /v1/executions/{execution_id} shows why")
+        await asyncio.to_thread(ts.executions.add_events, ex.id, [{"kind": "error", "data": {
+            "type": CANCELLED, "status": 409, "detail": "cancelled before it started", "hint": None}, "at": time.time()}])
+        return await asyncio.to_thread(ts.executions.get, ex.id)
 
     async def resubmit_orphans(self, store: Any, *, min_age_s: float = ORPHAN_AFTER_S) -> int:
         """Start again executions whose run was never created (the host died between the 202 and the run).
@@ -158,12 +200,29 @@ def _earlier_message(ts: TenantStore, turn_id: str) -> str | None:
         return None
 
 
+def _refusal(ex: Execution) -> Any:
+    """The error event of an execution refused or cancelled before its run existed (None if there is none)."""
+    return next((e.get("data") for e in ex.events if e.get("kind") == "error"), None)
+
+
+def _cancelled(ts: TenantStore, execution_id: str) -> bool:
+    try:
+        refusal = _refusal(ts.executions.get(execution_id))
+    except NotFound:
+        return True  # forgotten with its user
+    return isinstance(refusal, dict) and refusal.get("type") == CANCELLED
+
+
 def status_of(ts: TenantStore, ex: Execution, running_here: bool) -> tuple[str, Any]:
-    """(status, run or None): the run's status once it exists; before that ``queued`` or ``failed``."""
+    """(status, run or None): the run's status once it exists; before that ``queued``, ``failed`` or
+    ``cancelled`` (cancelled before it started)."""
     try:
         run = ts.runs.get(ex.id)
     except NotFound:
-        if any(e.get("kind") == "error" for e in ex.events) and not running_here:
+        refusal = _refusal(ex)
+        if isinstance(refusal, dict) and refusal.get("type") == CANCELLED:
+            return "cancelled", None
+        if refusal is not None and not running_here:
             return "failed", None
         return "queued", None
     status = "running" if run.status == "pending" else run.status

@@ -14,8 +14,9 @@ from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE
 from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import InvalidInput
+from moorage.errors import InvalidInput, NotFound
 from moorage.store.repos.workflows import RUN_STATUSES
+from moorage.webhooks.executions import ExecutionRunner
 
 
 def list_runs(call: Call) -> dict[str, Any]:
@@ -51,9 +52,22 @@ async def answer(call: Call) -> dict[str, Any]:
 
 
 async def cancel(call: Call) -> dict[str, Any]:
-    await run_in_threadpool(call.tenant.runs.get, call.path["run_id"])
-    await call.runtime.cancel(call.who, call.path["run_id"])
-    return S.run(await run_in_threadpool(call.tenant.runs.get, call.path["run_id"]))
+    run_id = call.path["run_id"]
+    try:
+        await run_in_threadpool(call.tenant.runs.get, run_id)
+    except NotFound:
+        # An async turn not started yet has no run: its execution id (the run's id to be) cancels it.
+        try:
+            ex = await ExecutionRunner.of(call.runtime).cancel_queued(call.tenant, run_id)
+        except NotFound:
+            raise NotFound(f"no workflow run or execution {run_id!r}") from None
+        if ex is not None:
+            return {"id": ex.id, "scope": f"workflow:{ex.agent}/{ex.user}/{ex.id}", "name": "turn",
+                    "status": "cancelled", "input": {"message": ex.input.get("message"), "session": ex.session},
+                    "state": {}, "current_step": None, "result": None, "error": "cancelled before it started",
+                    "created_at": ex.created_at, "updated_at": ex.updated_at, "version": 0}
+    await call.runtime.cancel(call.who, run_id)
+    return S.run(await run_in_threadpool(call.tenant.runs.get, run_id))
 
 
 ENDPOINTS = [
