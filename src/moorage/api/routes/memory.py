@@ -63,12 +63,13 @@ def search_events(call: Call) -> dict[str, Any]:
 
 def list_facts(call: Call) -> dict[str, Any]:
     scope = _scope(call)
-    facts = call.tenant.facts.list(
-        scope, subject=call.query("subject"), attribute=call.query("attribute"),
-        valid_at=float_query(call, "as_of"), known_at=float_query(call, "known_at"),
-        include_closed=bool_query(call, "include_closed"), limit=10_000,
-    )
-    return offset_page(lambda n: facts[:n], parse_limit(call.query("limit")), call.query("cursor"), S.fact)
+    subject, attribute = call.query("subject"), call.query("attribute")
+    valid_at, known_at = float_query(call, "as_of"), float_query(call, "known_at")
+    include_closed = bool_query(call, "include_closed")
+    # Each page reads the rows up to its end, so a listing of any length pages through to its last row.
+    return offset_page(lambda n: call.tenant.facts.list(scope, subject=subject, attribute=attribute, valid_at=valid_at,
+                                                        known_at=known_at, include_closed=include_closed, limit=n),
+                       parse_limit(call.query("limit")), call.query("cursor"), S.fact)
 
 
 def add_fact(call: Call) -> Reply:

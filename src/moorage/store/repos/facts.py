@@ -127,9 +127,11 @@ class Facts(_Repo):
             # index instead, walking every closed and pending row of the scope.
             with self._ts._tx(write=False) as c:
                 rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where}", params)
-            return sorted((_fact(r) for r in rows), key=lambda f: (f.valid_from, f.recorded_at))[:limit]
+            return sorted((_fact(r) for r in rows), key=lambda f: (f.valid_from, f.recorded_at, f.id))[:limit]
         with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at LIMIT ?", (*params, limit))
+            # The id breaks ties, so the order is the same on every read (pages of a listing neither repeat nor skip).
+            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at, id LIMIT ?",
+                       (*params, limit))
         return [_fact(r) for r in rows]
 
     def current(self, scope: Scope, subject: str, attribute: str, *, status: str = "active") -> list[Fact]:

@@ -1,0 +1,30 @@
+"""Listing a user's memory over HTTP pages through all of it, however much there is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moorage.store import Scope, Store
+from tests.api.conftest import aclient
+
+
+async def test_facts_pages_reach_past_ten_thousand_rows(live, store: Store, acme: str, tmp_path: Path) -> None:
+    ts = store.tenant(store.authenticate(acme))
+    ts.agents.create("pal")
+    scope = Scope.for_user("pal", "ada")
+    n = 10_003
+    with ts.transaction():  # a multi-valued attribute: every value stays current
+        for i in range(n):
+            ts.facts.insert(scope, "user", "likes", f"thing {i:05d}", f"I like thing {i}")
+    seen: list[str] = []
+    cursor = None
+    async with aclient(live, acme) as c:
+        while True:
+            r = await c.get("/v1/agents/pal/users/ada/facts", params={"limit": 500, **({"cursor": cursor} if cursor else {})})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            seen += [f["value"] for f in body["data"]]
+            cursor = body["next_cursor"]
+            if cursor is None:
+                break
+    assert len(seen) == n and len(set(seen)) == n
