@@ -117,7 +117,8 @@ class Api(ReachApi, ABC):
 
     def issue_user_token(self, agent: str, user: str, *, ttl_s: float | None = None) -> T.UserToken:
         return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/tokens",
-                                  json={} if ttl_s is None else {"ttl_s": ttl_s}))
+                                  json={} if ttl_s is None else {"ttl_s": ttl_s}, shown_once="token",
+                                  shown_once_hint="issue another token"))
 
     # -- turns and executions -------------------------------------------------------------------------------
 
@@ -212,7 +213,8 @@ class Api(ReachApi, ABC):
             body["events"] = list(events)
         if secret is not None:
             body["secret"] = secret
-        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/webhooks", json=body))
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/webhooks", json=body, shown_once="secret",
+                                  shown_once_hint="delete webhook {id} and create it again (or pass your own secret)"))
 
     def list_webhooks(self, agent: str) -> T.Page[T.Webhook]:
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/webhooks"))
@@ -244,7 +246,8 @@ class Api(ReachApi, ABC):
         body: dict[str, Any] = {"scopes": list(scopes), "label": label}
         if agent is not None:
             body["agent"] = agent
-        return self._send(Request("POST", "/v1/keys", json=body))
+        return self._send(Request("POST", "/v1/keys", json=body, shown_once="secret",
+                                  shown_once_hint="revoke key {id} and create another"))
 
     def revoke_key(self, key_id: str) -> dict[str, Any]:
         return self._send(Request("DELETE", f"/v1/keys/{_p(key_id)}"))

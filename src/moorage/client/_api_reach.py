@@ -46,7 +46,8 @@ class ReachApi(ABC):
             body["ttl_s"] = ttl_s
         if label is not None:
             body["label"] = label
-        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/share-links", json=body))
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/share-links", json=body,
+                                  shown_once="token", shown_once_hint="revoke share link {id} and create another"))
 
     def list_share_links(self, agent: str, user: str) -> T.Page[T.ShareLink]:
         """The user's share links, revoked and expired ones included (never their tokens)."""

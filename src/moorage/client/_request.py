@@ -17,6 +17,11 @@ class Request:
     json: Any = None
     content: bytes | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    #: A field of the answer shown once (a secret, a token): a retry's replayed answer has it null (see
+    #: ``_transport.check_shown_once``), and is then an error rather than a record without it.
+    shown_once: str | None = None
+    #: What the caller does about such a lost secret (the hint of that error).
+    shown_once_hint: str = ""
 
 
 def _p(value: str) -> str:

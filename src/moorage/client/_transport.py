@@ -7,6 +7,7 @@ before its first attempt (unless the caller gave one), so a retry never acts twi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -17,7 +18,7 @@ from typing import Any, Iterator
 import httpx
 
 from moorage.client._api import Request
-from moorage.client.errors import ApiError, Unavailable, error_for
+from moorage.client.errors import ApiError, Conflict, Unavailable, error_for
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -51,9 +52,19 @@ class Settings:
 def prepare(req: Request) -> Request:
     """The request as first sent: a mutating one carries an Idempotency-Key from here on."""
     if req.method in MUTATING and not any(k.lower() == "idempotency-key" for k in req.headers):
-        return Request(req.method, req.path, req.params, req.json, req.content,
-                       {**req.headers, "Idempotency-Key": f"sdk-{uuid.uuid4().hex}"})
+        return dataclasses.replace(req, headers={**req.headers, "Idempotency-Key": f"sdk-{uuid.uuid4().hex}"})
     return req
+
+
+def check_shown_once(req: Request, body: Any) -> Any:
+    """``body``, unless it is the replay of a create whose one-time secret went to an earlier attempt whose answer
+    was lost (the server never keeps it, so a retry's answer has it null): that is a ``Conflict`` saying so."""
+    if req.shown_once is None or not isinstance(body, dict) or body.get(req.shown_once) is not None:
+        return body
+    return_id = body.get("id") or body.get("user")
+    raise Conflict(409, f"{req.method} {req.path} was done by an earlier attempt whose answer was lost on the way; "
+                        f"its {req.shown_once} is shown only once, so this answer (a replay) does not have it",
+                   type="secret-not-shown", hint=req.shown_once_hint.format(id=return_id), body=body, retryable=False)
 
 
 def kwargs(req: Request) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class AsyncClient(Api):
             try:
                 response = await self._http.request(req.method, req.path, **tr.kwargs(req))
                 self._note(req, response.status_code)
-                return tr.decode(response)
+                return tr.check_shown_once(req, tr.decode(response))
             except httpx.TransportError as e:
                 self._note(req, 0)
                 error: ApiError = tr.unreachable(self.settings, e)

@@ -48,7 +48,7 @@ class Client(Api):
             try:
                 response = self._http.request(req.method, req.path, **tr.kwargs(req))
                 self._note(req, response.status_code)
-                return tr.decode(response)
+                return tr.check_shown_once(req, tr.decode(response))
             except httpx.TransportError as e:
                 self._note(req, 0)
                 error: ApiError = tr.unreachable(self.settings, e)
