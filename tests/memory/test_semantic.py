@@ -123,3 +123,27 @@ def test_confirming_an_unknown_or_foreign_fact_is_a_clear_error(tenant: TenantSt
     with pytest.raises(FactNotFound):  # nor can another user's scope in the same tenant
         mine.confirm(Scope.for_user("concierge", "bob"), p.fact.id)
     assert mine.pending(ALICE)[0].id == p.fact.id
+
+
+def test_the_instant_a_new_value_is_recorded_the_old_one_is_no_longer_believed(tenant: TenantStore) -> None:
+    # Superseding is one transaction: at no recorded instant were both values believed at once.
+    mem = SemanticMemory(tenant)
+    mem.record(ALICE, FactCandidate("user", "city", "Lisbon", "I live in Lisbon"), origin="user")
+    change = mem.record(ALICE, FactCandidate("user", "city", "Porto", "I live in Porto"), origin="user")
+    assert change.action == "superseded" and change.previous is not None
+    assert change.previous.superseded_at == change.fact.recorded_at
+    for at in (change.fact.recorded_at, change.previous.superseded_at):
+        assert [f.value for f in mem.recall(ALICE, attribute="city", known_at=at)] == ["Porto"]
+    before = change.fact.recorded_at - 1e-6
+    assert [f.value for f in mem.recall(ALICE, attribute="city", known_at=before)] == ["Lisbon"]
+
+
+def test_same_instant_statements_and_an_old_value_stated_again(tenant: TenantStore) -> None:
+    # Lisbon, Porto, then Lisbon again, all stated at the same second: the last statement is what holds.
+    mem = SemanticMemory(tenant)
+    for value in ("Lisbon", "Porto", "Lisbon"):
+        mem.record(ALICE, FactCandidate("user", "city", value, f"I live in {value}"), origin="user", valid_from=T0)
+    assert mem.current(ALICE, "user", "city").value == "Lisbon"
+    assert mem.current(ALICE, "user", "city", at=T0).value == "Lisbon"
+    assert mem.current(ALICE, "user", "city", at=T0 - 1) is None
+    assert [f.value for f in mem.history(ALICE, "user", "city")] == ["Lisbon", "Porto", "Lisbon"]

@@ -140,7 +140,9 @@ class SemanticMemory:
         when = max(when, current.valid_from)
         new = self.ts.facts.insert(scope, subject, attribute, value, text, valid_from=when, trust=trust,
                                    status="active", provenance=evidence, source=source, value_key=normalize_value(value))
-        closed = self.ts.facts.close(current.id, expected_version=current.version, valid_to=when, superseded_by=new.id)
+        # Believed until the new value was recorded, not a moment later: "known at" never sees both.
+        closed = self.ts.facts.close(current.id, expected_version=current.version, valid_to=when, superseded_by=new.id,
+                                     superseded_at=new.recorded_at)
         return FactChange("superseded", new, closed)
 
     def _merge(self, fact: Fact, evidence: list[str], trust: str | None) -> Fact:

@@ -66,8 +66,11 @@ class Facts(_Repo):
     def update(
         self, fact_id: str, *, expected_version: int, valid_to: float | None = None, superseded_by: str | None = None,
         status: str | None = None, provenance: Sequence[str] | None = None, trust: str | None = None,
+        superseded_at: float | None = None,
     ) -> Fact:
-        """Compare-and-set change of a fact's lifecycle fields (its content never changes)."""
+        """Compare-and-set change of a fact's lifecycle fields (its content never changes). With ``superseded_by``,
+        ``superseded_at`` (default: now) is when moorage stopped believing it: the recording time of what replaced
+        it, so at no recorded instant are both believed."""
         _check_version(expected_version)
         with self._ts._tx() as c:
             cur = c.one(f"SELECT {_FACT_COLS} FROM facts WHERE id = ?", (fact_id,))
@@ -78,7 +81,8 @@ class Facts(_Repo):
             new = Fact(
                 f.id, f.scope, f.subject, f.attribute, f.value, f.text, f.valid_from,
                 f.valid_to if valid_to is None else valid_to, f.recorded_at,
-                f.superseded_at if superseded_by is None else now, f.superseded_by if superseded_by is None else superseded_by,
+                f.superseded_at if superseded_by is None else (now if superseded_at is None else superseded_at),
+                f.superseded_by if superseded_by is None else superseded_by,
                 f.trust if trust is None else trust, f.status if status is None else status,
                 f.provenance if provenance is None else tuple(provenance), f.source, expected_version + 1,
             )
@@ -94,8 +98,10 @@ class Facts(_Repo):
                 raise ConflictError(f"fact {fact_id} changed (now version {f.version})", current_version=f.version)
         return new
 
-    def close(self, fact_id: str, *, expected_version: int, valid_to: float, superseded_by: str | None = None) -> Fact:
-        return self.update(fact_id, expected_version=expected_version, valid_to=valid_to, superseded_by=superseded_by)
+    def close(self, fact_id: str, *, expected_version: int, valid_to: float, superseded_by: str | None = None,
+              superseded_at: float | None = None) -> Fact:
+        return self.update(fact_id, expected_version=expected_version, valid_to=valid_to, superseded_by=superseded_by,
+                           superseded_at=superseded_at)
 
     def list(
         self, scope: Scope, *, subject: str | None = None, attribute: str | None = None, valid_at: float | None = None,
