@@ -147,3 +147,15 @@ def test_same_instant_statements_and_an_old_value_stated_again(tenant: TenantSto
     assert mem.current(ALICE, "user", "city", at=T0).value == "Lisbon"
     assert mem.current(ALICE, "user", "city", at=T0 - 1) is None
     assert [f.value for f in mem.history(ALICE, "user", "city")] == ["Lisbon", "Porto", "Lisbon"]
+
+
+@pytest.mark.parametrize("field", ["subject", "attribute", "value"])
+def test_a_fact_with_an_empty_field_is_refused_and_nothing_is_written(tenant: TenantStore, field: str) -> None:
+    from moorage.errors import InvalidInput
+
+    mem = SemanticMemory(tenant)
+    parts = {"subject": "user", "attribute": "city", "value": "Lisbon", field: "  "}
+    for origin in ("user", "agent"):
+        with pytest.raises(InvalidInput, match=field):
+            mem.record(ALICE, FactCandidate(parts["subject"], parts["attribute"], parts["value"], "text"), origin=origin)
+    assert tenant.facts.list(ALICE, include_closed=True, statuses=("active", "pending")) == []

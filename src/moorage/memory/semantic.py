@@ -90,6 +90,10 @@ class SemanticMemory:
         """Apply the write policy to one candidate fact; retried once if another writer raced us."""
         if origin not in ORIGINS:
             raise InvalidInput(f"unknown fact origin {origin!r}", hint=f"one of {', '.join(ORIGINS)}")
+        for name in ("subject", "attribute", "value"):
+            if not str(getattr(candidate, name)).strip():
+                # A fact nobody can look up (or one that says nothing) is refused before anything is written.
+                raise InvalidInput(f"a fact's {name} must not be empty", hint="pass the subject, attribute and value")
         for attempt in (1, 2):
             try:
                 with self.ts.transaction():
