@@ -161,3 +161,55 @@ def test_prune_keeps_the_newest_snapshots_and_only_their_chunks(object_store: Ob
     assert (tmp_path / "again/layer/work/notes.txt").read_text() == "turn 0"
     with pytest.raises(ValueError):
         ship.prune(src, prefix, keep=0)
+
+
+def test_hard_links_arrive_as_hard_links_and_are_read_once(object_store: ObjectStore, tmp_path: Path) -> None:
+    # A process sandbox's checkpoints link the files they share (process_snapshot): moved to another host, its
+    # copy took one whole copy per checkpoint. The agent's own links inside its files stay links too.
+    src, dst = tmp_path / "a", tmp_path / "b"
+    big = os.urandom(3 * CHUNK + 7)
+    (src / "checkpoints" / "c1" / "layer").mkdir(parents=True)
+    (src / "checkpoints" / "c1" / "layer" / "data.bin").write_bytes(big)
+    for c in ("c2", "c3"):
+        (src / "checkpoints" / c / "layer").mkdir(parents=True)
+        os.link(src / "checkpoints" / "c1" / "layer" / "data.bin", src / "checkpoints" / c / "layer" / "data.bin")
+    (src / "layer" / "work").mkdir(parents=True)
+    (src / "layer" / "work" / "x").write_text("shared by two names")
+    os.link(src / "layer" / "work" / "x", src / "layer" / "work" / "y")
+    ship = Shipper(object_store, chunk_bytes=CHUNK)
+    rep = ship.push(src, "instances/t/links", "s1", include=_include)
+    assert rep.chunks_moved == 4 + 1  # data.bin (4 chunks) and x, once each
+
+    ship.pull(rep.key, "instances/t/links", dst)
+    assert _tree(dst) == _tree(src)
+    names = [dst / "checkpoints" / c / "layer" / "data.bin" for c in ("c1", "c2", "c3")]
+    assert len({os.stat(p).st_ino for p in names}) == 1 and os.stat(names[0]).st_nlink == 3  # one copy on disk
+    assert os.stat(dst / "layer/work/x").st_ino == os.stat(dst / "layer/work/y").st_ino
+    assert ship.push(dst, "instances/t/links", "s2", include=_include).chunks_moved == 0
+
+    # A manifest written before links were recorded (no same_as) still arrives whole, as copies.
+    body = json.loads(object_store.get_bytes(rep.key))
+    for e in body["entries"]:
+        e.pop("same_as", None)
+    object_store.put_bytes("instances/t/links/snapshots/old.json", json.dumps(body).encode())
+    ship.pull("instances/t/links/snapshots/old.json", "instances/t/links", tmp_path / "c")
+    assert _tree(tmp_path / "c") == _tree(src)
+    assert os.stat(tmp_path / "c/layer/work/x").st_ino != os.stat(tmp_path / "c/layer/work/y").st_ino
+
+
+def test_a_manifest_link_to_a_file_not_before_it_is_refused(object_store: ObjectStore, tmp_path: Path) -> None:
+    src = tmp_path / "a"
+    (src / "w").mkdir(parents=True)
+    (src / "w" / "f").write_text("x")
+    ship = Shipper(object_store, chunk_bytes=CHUNK)
+    rep = ship.push(src, "instances/t/badlink", "s1", include=_include)
+    body = json.loads(object_store.get_bytes(rep.key))
+    body["entries"] = [e if e["path"] != "w/f" else {**e, "same_as": "/etc/passwd"} for e in body["entries"]]
+    object_store.put_bytes(rep.key, json.dumps(body).encode())
+    with pytest.raises(SnapshotUnavailable):
+        ship.pull(rep.key, "instances/t/badlink", tmp_path / "b")
+    body["entries"] = [e if e["path"] != "w/f" else {**e, "same_as": "w/g"} for e in body["entries"]]
+    object_store.put_bytes(rep.key, json.dumps(body).encode())
+    with pytest.raises(SnapshotUnavailable):
+        ship.pull(rep.key, "instances/t/badlink", tmp_path / "b")
+    assert not (tmp_path / "b").exists()

@@ -106,6 +106,9 @@ class Shipper:
         moved = [0, 0]
         pool = self._pool
         pending = []
+        # Hard links stay hard links (a process sandbox's checkpoints link the files they share): the later paths
+        # of one file say which earlier one they are (``same_as``), read and stored once.
+        inodes: dict[tuple[int, int], str] = {}
         for rel, st in self._walk(src, include):
             entry: dict[str, Any] = {"path": rel, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid}
             if stat.S_ISDIR(st.st_mode):
@@ -116,7 +119,14 @@ class Shipper:
                 entry.update(type="file", size=st.st_size, mtime_ns=st.st_mtime_ns)
                 sig = [st.st_ino, st.st_size, st.st_ctime_ns]
                 known = old_files.get(rel)
-                if known is not None and known.get("sig") == sig and all(d is None or d in stored for d in known["chunks"]):
+                first = inodes.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+                if first is None and st.st_nlink > 1:
+                    inodes[(st.st_dev, st.st_ino)] = rel
+                if first is not None:
+                    # Its chunks too: a puller of an older version, which knows no ``same_as``, writes a copy.
+                    entry["same_as"] = first
+                    chunks = files[first]["chunks"]
+                elif known is not None and known.get("sig") == sig and all(d is None or d in stored for d in known["chunks"]):
                     chunks = known["chunks"]
                 else:
                     chunks = self._chunk_file(src / rel, prefix, stored, pool, pending, moved)
@@ -316,6 +326,13 @@ class Shipper:
                 elif kind == "link":
                     os.symlink(str(e["target"]), p)
                     links.add(rel)
+                elif kind == "file" and e.get("same_as") is not None:
+                    first = _safe_rel(e["same_as"], key)
+                    if first not in files:
+                        raise SnapshotUnavailable(f"snapshot manifest {key} links {rel!r} to {first!r}, no file before it")
+                    os.link(tmp / first, p)
+                    chunks = files[first]["chunks"]
+                    files[rel] = {"sig": None, "chunks": chunks}
                 elif kind == "file":
                     chunks = list(e.get("chunks") or [])
                     self._write_file(p, dest / rel, old.get(rel), chunks, int(e["size"]), chunk_bytes, prefix, key, moved,
