@@ -1,0 +1,53 @@
+"""The dashboard as an operator uses it, in headless Chromium over a real server and runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import aclient, agent_archive
+
+
+async def _deploy(live: Any, key: str, tmp_path: Path, *turns: tuple[str, str]) -> list[dict[str, Any]]:
+    async with aclient(live, key) as c:
+        r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        out = []
+        for user, message in turns:
+            r = await c.post("/v1/agents/echo/invoke", json={"message": message, "user": user})
+            assert r.status_code == 200, r.text
+            out.append(r.json())
+        return out
+
+
+def _watch(page: Any) -> list[str]:
+    """Every script error, console error and failed (4xx/5xx) request of the page."""
+    problems: list[str] = []
+    page.on("pageerror", lambda e: problems.append(f"pageerror {e}"))
+    page.on("console", lambda m: problems.append(f"console {m.text} {m.location.get('url')}") if m.type == "error" else None)
+    page.on("response", lambda r: problems.append(f"http {r.status} {r.url}") if r.status >= 400 else None)
+    return problems
+
+
+async def _sign_in(page: Any, url: str, key: str) -> None:
+    await page.goto(url + "/ui/")
+    await page.fill("#key", key)
+    await page.click("#login-form button[type=submit]")
+    await page.wait_for_selector("body[data-loaded=fleet]")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_signing_in_and_browsing_leaves_the_console_clean(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    await _sign_in(page, live_rt.url, acme)
+    await page.click("#instances-table a.user-link:has-text('alice')")
+    await page.wait_for_selector("body[data-loaded=user]")
+    await page.reload()
+    await page.wait_for_selector("body[data-loaded=user]")
+    # Not even the browser's own request for /favicon.ico may fail.
+    assert problems == []
