@@ -51,3 +51,30 @@ async def test_signing_in_and_browsing_leaves_the_console_clean(live_rt, acme: s
     await page.wait_for_selector("body[data-loaded=user]")
     # Not even the browser's own request for /favicon.ico may fail.
     assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_user_who_is_not_there_is_said_so_not_shown_empty(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"), ("bob", "hi"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/bob")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert "hi" in await page.inner_text("#events")
+
+    # Forgotten through the API: the page that showed bob must not come back as an empty but valid-looking user.
+    async with aclient(live_rt, acme) as c:
+        assert (await c.delete("/v1/agents/echo/users/bob")).status_code == 200
+    await page.reload()
+    await page.wait_for_selector("body[data-loaded=error]")
+    text = await page.inner_text("#view")
+    assert "no user 'bob'" in text, text
+    assert await page.locator("#checkpoints, #events").count() == 0
+
+    # A typo in the URL is the same.
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alcie")
+    await page.wait_for_selector("body[data-loaded=error]")
+    assert "no user 'alcie'" in await page.inner_text("#view")
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert "hello" in await page.inner_text("#events")

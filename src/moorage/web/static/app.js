@@ -211,6 +211,9 @@ function tracesPanel(spans) {
 
 async function userView(agent, user) {
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
+  // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
+  // that looks like a user with no data.
+  await api(base);
   const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
     api(`${base}/events?limit=500`),
