@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,27 @@ async def test_a_user_who_is_not_there_is_said_so_not_shown_empty(live_rt, acme:
     await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
     await page.wait_for_selector("body[data-loaded=user]")
     assert "hello" in await page.inner_text("#events")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_failed_change_does_not_keep_the_last_ones_notice(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "one"), ("alice", "approve"))
+    page = await browser_context.new_page()
+    answers = {"prompt": ""}
+
+    async def on_dialog(d: Any) -> None:
+        await (d.accept(answers["prompt"]) if d.type == "prompt" else d.accept())
+
+    page.on("dialog", lambda d: asyncio.ensure_future(on_dialog(d)))
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user] #checkpoints")
+
+    await page.locator("#checkpoints li.ck", has_text="one").first.locator("button.rollback").click()
+    await page.wait_for_selector("#checkpoints-notice:has-text('Rolled back to #1')")
+    # A fork into an id the API refuses: the error alone is on the page, not the rollback's notice beside it.
+    answers["prompt"] = "<img src=x onerror=alert(1)>"
+    await page.locator("#checkpoints li.ck").first.locator("button.fork").click()
+    await page.wait_for_selector("#checkpoints-error:has-text('422')")
+    assert "malformed user id" in await page.inner_text("#checkpoints-error")
+    assert (await page.inner_text("#checkpoints-notice")).strip() == ""

@@ -296,6 +296,7 @@ function checkpointsPanel(agent, user, listing) {
   async function act(button, run) {
     button.disabled = true;
     message.textContent = "";
+    notice.replaceChildren();  // what the last change did is not what this one does
     try {
       await run();
       await route();  // the whole view again: files, facts and events moved with the instance
