@@ -103,3 +103,19 @@ async def test_a_failed_change_does_not_keep_the_last_ones_notice(live_rt, acme:
     await page.wait_for_selector("#checkpoints-error:has-text('422')")
     assert "malformed user id" in await page.inner_text("#checkpoints-error")
     assert (await page.inner_text("#checkpoints-notice")).strip() == ""
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_turn_waiting_for_approval_shows_no_empty_reply(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "one"), ("alice", "approve"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user] #checkpoints")
+    # It has no reply yet: the row says it waits, it does not show an empty reply.
+    waiting = page.locator("#checkpoints li.ck", has_text="approve").first
+    text = await waiting.inner_text()
+    assert "“”" not in text and "→" not in text and "waiting" in text, text
+    assert await waiting.locator(".turn-reply").count() == 0
+    done = page.locator("#checkpoints li.ck", has_text="one").first
+    assert "→ “echo: one”" in await done.inner_text()

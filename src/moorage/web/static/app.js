@@ -315,7 +315,8 @@ function checkpointsPanel(agent, user, listing) {
     else if (c.restorable === false) parts.push(el("span.error.unrestorable", {}, "its sandbox half is not there: it cannot be restored"));
     if (t) {
       parts.push(el("span.turn-message", {}, `“${t.message ?? ""}”`));
-      if (t.reply !== undefined) parts.push(" → ", el("span.turn-reply", {}, `“${t.reply ?? ""}”`));
+      // A turn waiting for approval (or one that failed) has no reply: its status badge says why, not an empty “”.
+      if (t.reply !== undefined && t.reply !== null) parts.push(" → ", el("span.turn-reply", {}, `“${t.reply}”`));
       if (t.status && t.status !== "succeeded") parts.push(" ", badge(t.status));
       if (t.steps && t.steps.length) parts.push(el("span.steps", {}, ` steps: ${t.steps.map((x) => x.name).join(", ")}`));
     }
