@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 
@@ -119,3 +120,31 @@ async def test_a_turn_waiting_for_approval_shows_no_empty_reply(live_rt, acme: s
     assert await waiting.locator(".turn-reply").count() == 0
     done = page.locator("#checkpoints li.ck", has_text="one").first
     assert "→ “echo: one”" in await done.inner_text()
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_users_approval_shows_however_many_others_wait(live_rt, store: Store, acme: str, tmp_path: Path,
+                                                               browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    # 260 other runs of the agent waiting since before alice's (the store lists the longest-waiting first).
+    ts = store.tenant(store.authenticate(acme))
+    with ts.transaction():
+        for i in range(260):
+            run = ts.runs.create(Scope.workflow("echo", f"r{i:03d}", f"u{i:03d}"), "turn", {"message": "approve"})
+            ts.runs.update(run.id, expected_version=run.version, status="waiting", current_step="interrupt:approval")
+    (waiting,) = await _invoke(live_rt, acme, ("alice", "approve"))
+    assert waiting["status"] == "waiting"
+
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    # The fleet lists the longest-waiting ones and says that there are more than it shows.
+    assert await page.locator("#waiting li").count() == 50
+    assert "more" in await page.inner_text("#waiting .hint")
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert "ship it?" in await page.inner_text("#approvals")
+
+
+async def _invoke(live: Any, key: str, *turns: tuple[str, str]) -> list[dict[str, Any]]:
+    async with aclient(live, key) as c:
+        return [(await c.post("/v1/agents/echo/invoke", json={"message": m, "user": u})).json() for u, m in turns]

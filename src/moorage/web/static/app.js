@@ -44,6 +44,19 @@ async function apiSend(method, path, body) {
 
 const enc = encodeURIComponent;
 
+// Every item of a paged listing (path has a query already): its pages, each `next_cursor` followed, up to maxPages.
+async function apiAll(path, maxPages = 20) {
+  const data = [];
+  let cursor = null;
+  for (let i = 0; i < maxPages; i++) {
+    const page = await api(cursor ? `${path}&cursor=${enc(cursor)}` : path);
+    data.push(...page.data);
+    cursor = page.next_cursor;
+    if (!cursor) break;
+  }
+  return { data, more: Boolean(cursor) };
+}
+
 // --- DOM helpers ---------------------------------------------------------------------------------------------
 
 // el("tag.class", {attr: value}, ...children): strings become text nodes, so data is never parsed as HTML.
@@ -172,7 +185,7 @@ async function fleetView() {
       : empty("No instances yet: invoke an agent to start one."),
     fleet.truncated ? el("p.hint", {}, "Showing the most recently active instances only.") : null);
 
-  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting.data)), tracesPanel(spans.data)];
+  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting)), tracesPanel(spans.data)];
 }
 
 function card(label, value, cls, sub) {
@@ -180,13 +193,14 @@ function card(label, value, cls, sub) {
     sub ? el("div.card-sub", {}, sub) : null);
 }
 
-function waitingPanel(runs) {
-  const items = runs.map((r) => {
+function waitingPanel(listing) {
+  const items = listing.data.map((r) => {
     const s = parseScope(r.scope);
     return el("li", {}, el("span.mono", {}, r.id.slice(0, 12)), " ", r.name || "turn", " · ",
       s.user ? userLink(s.agent, s.user) : s.agent, " · waiting since ", ago(r.updated_at));
   });
-  return section("Waiting for approval", "waiting", items.length ? el("ul", {}, items) : empty("Nothing is waiting."));
+  return section("Waiting for approval", "waiting", items.length ? el("ul", {}, items) : empty("Nothing is waiting."),
+    listing.next_cursor ? el("p.hint", {}, `The ${items.length} waiting longest are shown; more are waiting (each user's page lists theirs).`) : null);
 }
 
 function tracesPanel(spans) {
@@ -218,7 +232,9 @@ async function userView(agent, user) {
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
     api(`${base}/events?limit=500`),
     api(`${base}/facts?limit=200`),
-    api(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=200`),
+    // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
+    // one page could hold only other users' runs.
+    apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
     // Time travel may not apply (an agent with one instance per session, zero retention) or the key may lack
     // the scope: the rest of the view still renders, the timeline says why it is empty.
     api(`${base}/checkpoints?limit=200`).catch((e) => {
