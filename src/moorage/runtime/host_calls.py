@@ -265,7 +265,11 @@ class GuestCalls:
         return {"id": ev.id}
 
     async def memory_search(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        k = max(1, min(int(p.get("k") or 5), 50))
+        k = 5 if p.get("k") is None else p["k"]
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidInput(f"ctx.memory.recall needs k as a whole number of at least 1, got {k!r}",
+                               hint="k is how many memories to return (at most 50)")
+        k = min(k, 50)
         hits = await asyncio.to_thread(self.rt.memory(b.ts).episodic.search, b.scope(p.get("scope", "user")),
                                        str(p.get("query") or ""), k=k)
         return {"hits": [{"id": h.event.id, "text": h.event.content, "speaker": h.event.speaker, "ts": h.event.ts,
@@ -279,7 +283,12 @@ class GuestCalls:
     async def memory_learn(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         from moorage.memory import FactCandidate
 
-        cand = FactCandidate(str(p["subject"]), str(p["attribute"]), str(p["value"]), str(p.get("text") or ""))
+        fields = {n: p.get(n) for n in ("subject", "attribute", "value")}
+        fields["text"] = p.get("text") or ""
+        for name, v in fields.items():
+            if not isinstance(v, str):  # None or a number would be stored as the text "None" or "7"
+                raise InvalidInput(f"ctx.memory.learn needs {name} as a string, got {type(v).__name__}")
+        cand = FactCandidate(fields["subject"], fields["attribute"], fields["value"], fields["text"])
         # The agent's own code is not the user: what it records lands as agent-origin (pending until confirmed).
         ch = await asyncio.to_thread(self.rt.memory(b.ts).semantic.record, b.user_scope, cand, origin="agent")
         return {"action": ch.action, "status": ch.fact.status}
