@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 
@@ -172,3 +172,17 @@ class Relay:
             with self._lock:
                 self._conns -= {a, b}
             a.close()
+
+
+def relayed_fleet(base: Path, store_url: str, seaweedfs: Any, s3_bucket: str, relay: "Relay", *,
+                  n: int = 3, **settings: str) -> Iterator[Fleet]:
+    """A deployed fleet whose object store is reached through ``relay`` (so a test can take it down); the relay is
+    opened again before the hosts stop. For a module-scoped fixture: ``yield from relayed_fleet(...)``."""
+    s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
+    f = Fleet(base, store_url, s3, n=n, **settings)
+    try:
+        f.deploy()
+        yield f
+    finally:
+        relay.open()
+        f.close()

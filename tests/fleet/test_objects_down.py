@@ -10,27 +10,13 @@ from typing import Iterator
 
 import pytest
 
-from tests.fleet.harness import Fleet, Relay, put_to_sleep, replied, until
-
-
-@pytest.fixture(scope="module")
-def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
-    r = Relay(seaweedfs.s3_port)
-    yield r
-    r.close()
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, relayed_fleet, replied, until
 
 
 def _fleet(name: str, tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket,  # noqa: ANN001
            relay: Relay, **settings: str) -> Iterator[Fleet]:
-    base = tmp_path_factory.mktemp(name)
-    s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
-    f = Fleet(base, pg_cluster.create_database(name), s3, n=2, checkpoint_interval_s="1", **settings)
-    try:
-        f.deploy()
-        yield f
-    finally:
-        relay.open()
-        f.close()
+    yield from relayed_fleet(tmp_path_factory.mktemp(name), pg_cluster.create_database(name), seaweedfs, s3_bucket,
+                             relay, n=2, checkpoint_interval_s="1", **settings)
 
 
 @pytest.fixture(scope="module")

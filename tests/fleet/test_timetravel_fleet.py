@@ -10,27 +10,13 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.fleet.harness import Fleet, Relay, put_to_sleep, replied, until
-
-
-@pytest.fixture(scope="module")
-def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
-    r = Relay(seaweedfs.s3_port)
-    yield r
-    r.close()
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, relayed_fleet, replied, until
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
-    base = tmp_path_factory.mktemp("ttfleet")
-    s3 = {**seaweedfs.settings(s3_bucket, f"fleet-{base.name}"), "object_store_endpoint": f"http://127.0.0.1:{relay.port}"}
-    f = Fleet(base, pg_cluster.create_database("ttfleet"), s3, checkpoint_interval_s="1")
-    try:
-        f.deploy()
-        yield f
-    finally:
-        relay.open()
-        f.close()
+    yield from relayed_fleet(tmp_path_factory.mktemp("ttfleet"), pg_cluster.create_database("ttfleet"), seaweedfs,
+                             s3_bucket, relay, checkpoint_interval_s="1")
 
 
 def _listing(f: Fleet, via: int, user: str) -> dict[str, Any]:
