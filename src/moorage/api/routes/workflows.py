@@ -58,9 +58,10 @@ async def cancel(call: Call) -> dict[str, Any]:
     except NotFound:
         # An async turn not started yet has no run: its execution id (the run's id to be) cancels it.
         try:
-            ex = await ExecutionRunner.of(call.runtime).cancel_queued(call.tenant, run_id)
+            await run_in_threadpool(call.tenant.executions.get, run_id)
         except NotFound:
             raise NotFound(f"no workflow run or execution {run_id!r}") from None
+        ex = await ExecutionRunner.of(call.runtime).cancel_queued(call.tenant, run_id)
         if ex is not None:
             return {"id": ex.id, "scope": f"workflow:{ex.agent}/{ex.user}/{ex.id}", "name": "turn",
                     "status": "cancelled", "input": {"message": ex.input.get("message"), "session": ex.session},
