@@ -28,3 +28,12 @@ async def test_facts_pages_reach_past_ten_thousand_rows(live, store: Store, acme
             if cursor is None:
                 break
     assert len(seen) == n and len(set(seen)) == n
+
+
+async def test_a_bad_k_on_search_names_k(live, store: Store, acme: str) -> None:
+    store.tenant(store.authenticate(acme)).agents.create("pal")
+    async with aclient(live, acme) as c:
+        for k in ("0", "501", "many"):
+            r = await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "city", "k": k})
+            assert r.status_code == 422 and r.json()["detail"].startswith("k must be"), r.text
+        assert (await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "city", "k": "3"})).status_code == 200

@@ -9,7 +9,7 @@ from typing import Any
 
 
 from moorage.api import schemas as S
-from moorage.api.pagination import decode_cursor, encode_cursor, offset_page, parse_limit
+from moorage.api.pagination import MAX_LIMIT, decode_cursor, encode_cursor, offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.errors import InvalidInput
@@ -56,7 +56,12 @@ def search_events(call: Call) -> dict[str, Any]:
     query = call.query("q") or ""
     if not query.strip():
         raise InvalidInput("missing query", hint="pass ?q=what to recall")
-    k = parse_limit(call.query("k") or "10")
+    raw_k = call.query("k") or "10"
+    try:
+        k = parse_limit(raw_k)
+    except InvalidInput:  # its message names "limit", a parameter this route does not have
+        raise InvalidInput(f"k must be a whole number from 1 to {MAX_LIMIT}, got {raw_k!r}",
+                           hint="k is how many results to return") from None
     hits = EpisodicMemory(call.tenant, call.ctx.embedder()).search(scope, query, k=k)
     return {"data": [{"event": S.event(h.event), "score": h.score} for h in hits], "next_cursor": None}
 
