@@ -148,3 +148,49 @@ async def test_a_users_approval_shows_however_many_others_wait(live_rt, store: S
 async def _invoke(live: Any, key: str, *turns: tuple[str, str]) -> list[dict[str, Any]]:
     async with aclient(live, key) as c:
         return [(await c.post("/v1/agents/echo/invoke", json={"message": m, "user": u})).json() for u, m in turns]
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_view_left_while_loading_does_not_replace_the_next_one(live_rt, acme: str, tmp_path: Path,
+                                                                      browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+
+    # alice's facts answer slowly; the operator goes back to the fleet before her view is drawn.
+    async def slow(route: Any) -> None:
+        await asyncio.sleep(1.5)
+        await route.continue_()
+
+    await page.route("**/v1/agents/echo/users/alice/facts*", slow)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_timeout(200)
+    await page.click("nav a[data-nav=fleet]")
+    await page.wait_for_selector("body[data-loaded=fleet]")
+    await page.wait_for_timeout(2500)  # alice's view has had its answers by now
+    assert await page.evaluate("document.body.dataset.view") == "fleet"
+    assert await page.evaluate("document.body.dataset.loaded") == "fleet"
+    assert await page.locator("#instances-table").count() == 1
+    assert await page.locator("#checkpoints").count() == 0
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_forgetting_the_key_while_a_view_loads_leaves_only_the_sign_in_form(live_rt, acme: str, tmp_path: Path,
+                                                                                  browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+
+    async def slow(route: Any) -> None:
+        await asyncio.sleep(1.5)
+        await route.continue_()
+
+    await page.route("**/v1/agents/echo/users/alice/facts*", slow)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_timeout(200)
+    await page.click("#signout")
+    await page.wait_for_timeout(2500)
+    assert await page.is_visible("#login")
+    assert (await page.inner_text("#view")).strip() == ""
+    # Signed out on purpose: no claim that the key was refused (the abandoned view's requests went without it).
+    assert (await page.inner_text("#login-error")).strip() == ""

@@ -441,6 +441,7 @@ async function traceView(traceId) {
 // --- routing and sign-in -------------------------------------------------------------------------------------
 
 function showLogin(message) {
+  routeSeq++;  // a view still loading must not appear under the sign-in form
   document.getElementById("login").hidden = false;
   document.getElementById("signout").hidden = true;
   view.replaceChildren();
@@ -448,7 +449,12 @@ function showLogin(message) {
   document.getElementById("key").focus();
 }
 
+// Each call of route() draws one view; one the user has left (a later route() began) is dropped when its
+// answers come, so a slow view never replaces the one navigated to after it.
+let routeSeq = 0;
+
 async function route() {
+  const seq = ++routeSeq;
   if (!apiKey()) { showLogin(); return; }
   document.getElementById("login").hidden = true;
   document.getElementById("signout").hidden = false;
@@ -462,10 +468,13 @@ async function route() {
   statusEl.textContent = "loading…";
   document.body.dataset.loaded = "";
   try {
-    view.replaceChildren(...(await render()));
+    const nodes = await render();
+    if (seq !== routeSeq) return;
+    view.replaceChildren(...nodes);
     statusEl.textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.loaded = name;
   } catch (e) {
+    if (seq !== routeSeq) return;  // a view left behind: the current one reports its own errors
     if (e instanceof Unauthorized) {
       sessionStorage.removeItem(KEY_STORAGE);
       showLogin("That key was refused. Enter a valid tenant API key.");
