@@ -74,3 +74,18 @@ def test_facts_command_lists_trusted_and_pending_facts(tmp_path: Path) -> None:
     assert [(f["attribute"], f["value"]) for f in trusted] == [("lives_in", "Lisbon")]
     pending = json.loads(runner.invoke(app, base + ["--pending"]).stdout)
     assert [(f["attribute"], f["status"]) for f in pending] == [("email", "pending")]
+
+
+def test_facts_history_lists_every_value_past_a_thousand(tmp_path: Path) -> None:
+    store = open_store(Config(data_dir=tmp_path))
+    t, _ = store.operator.create_tenant("acme")
+    ts = store.tenant(store.operator.principal(t.id))
+    scope = Scope.for_user("concierge", "alice")
+    with ts.transaction():
+        for i in range(1003):
+            ts.facts.insert(scope, "user", "mood", f"mood {i}", "", valid_from=1_700_000_000.0 + i)
+    store.close()
+    base = ["--data-dir", str(tmp_path), "memory", "facts", "--tenant", "acme", "--agent", "concierge", "--user", "alice",
+            "--history", "--json"]
+    rows = json.loads(runner.invoke(app, base).stdout)
+    assert len(rows) == 1003 and rows[-1]["value"] == "mood 1002"

@@ -159,3 +159,16 @@ def test_a_fact_with_an_empty_field_is_refused_and_nothing_is_written(tenant: Te
         with pytest.raises(InvalidInput, match=field):
             mem.record(ALICE, FactCandidate(parts["subject"], parts["attribute"], parts["value"], "text"), origin=origin)
     assert tenant.facts.list(ALICE, include_closed=True, statuses=("active", "pending")) == []
+
+
+def test_history_and_pending_hold_every_row_past_a_thousand(tenant: TenantStore) -> None:
+    mem = SemanticMemory(tenant)
+    n = 1005
+    with tenant.transaction():
+        for i in range(n):
+            tenant.facts.insert(ALICE, "user", "mood", f"mood {i}", "", valid_from=T0 + i)
+            tenant.facts.insert(ALICE, "user", "guess", f"guess {i}", "", valid_from=T0 + i, status="pending",
+                                trust="model_inferred", source="model")
+    history = mem.history(ALICE, "user", "mood")
+    assert len(history) == n and history[-1].value == f"mood {n - 1}"  # the newest values were cut off
+    assert len(mem.pending(ALICE)) == n

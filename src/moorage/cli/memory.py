@@ -109,7 +109,7 @@ def facts(
     try:
         scope = Scope.for_user(agent, user)
         mem = SemanticMemory(ts)
-        rows = mem.pending(scope) if pending else ts.facts.list(scope, include_closed=history)
+        rows = mem.pending(scope) if pending else ts.facts.list(scope, include_closed=history, limit=None)
     finally:
         store.close()
     if as_json:

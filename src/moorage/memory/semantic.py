@@ -204,10 +204,10 @@ class SemanticMemory:
 
     def history(self, scope: Scope, subject: str, attribute: str) -> list[Fact]:
         """Every trusted value the attribute has had, oldest first, closed ones included."""
-        return self.ts.facts.list(scope, subject=subject, attribute=attribute, include_closed=True)
+        return self.ts.facts.list(scope, subject=subject, attribute=attribute, include_closed=True, limit=None)
 
     def pending(self, scope: Scope) -> list[Fact]:
-        return self.ts.facts.list(scope, statuses=("pending",), include_closed=True)
+        return self.ts.facts.list(scope, statuses=("pending",), include_closed=True, limit=None)
 
     def _get(self, scope: Scope, fact_id: str) -> Fact:
         try:

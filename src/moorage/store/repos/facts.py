@@ -106,9 +106,10 @@ class Facts(_Repo):
     def list(
         self, scope: Scope, *, subject: str | None = None, attribute: str | None = None, valid_at: float | None = None,
         known_at: float | None = None, include_closed: bool = False, statuses: Sequence[str] = ("active",),
-        limit: int = 1000,
+        limit: int | None = 1000,
     ) -> list[Fact]:
-        """Facts of a scope. ``valid_at``: true at that time; ``known_at``: as recorded by then (bi-temporal)."""
+        """Facts of a scope. ``valid_at``: true at that time; ``known_at``: as recorded by then (bi-temporal).
+        ``limit``: the first that many in order; None: all of them."""
         where = "scope = ?"
         params: list[Any] = [scope.key]
         if subject is not None:
@@ -133,11 +134,11 @@ class Facts(_Repo):
             # index instead, walking every closed and pending row of the scope.
             with self._ts._tx(write=False) as c:
                 rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where}", params)
-            return sorted((_fact(r) for r in rows), key=lambda f: (f.valid_from, f.recorded_at, f.id))[:limit]
+            return sorted((_fact(r) for r in rows), key=lambda f: (f.valid_from, f.recorded_at, f.id))[:limit]  # None: all
         with self._ts._tx(write=False) as c:
             # The id breaks ties, so the order is the same on every read (pages of a listing neither repeat nor skip).
-            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at, id LIMIT ?",
-                       (*params, limit))
+            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at, id"
+                       + ("" if limit is None else " LIMIT ?"), (*params, *(() if limit is None else (limit,))))
         return [_fact(r) for r in rows]
 
     def current(self, scope: Scope, subject: str, attribute: str, *, status: str = "active") -> list[Fact]:
