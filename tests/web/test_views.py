@@ -194,3 +194,29 @@ async def test_forgetting_the_key_while_a_view_loads_leaves_only_the_sign_in_for
     assert (await page.inner_text("#view")).strip() == ""
     # Signed out on purpose: no claim that the key was refused (the abandoned view's requests went without it).
     assert (await page.inner_text("#login-error")).strip() == ""
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_episodic_memory_shows_the_newest_events_of_a_long_history(live_rt, store: Store, acme: str,
+                                                                         tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    # More than one page (500) of the session's log, a working-memory summary on its second page, then a turn.
+    ts = store.tenant(store.authenticate(acme))
+    scope = Scope.session("echo", "alice", "default")
+    with ts.transaction():
+        for i in range(700):
+            if i in (100, 600):
+                ts.events.append(scope, "summary", f"summary as of {i}")
+            ts.events.append(scope, "message", f"old words {i}", speaker="user")
+    await _invoke(live_rt, acme, ("alice", "the latest words"))
+
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user]")
+    events = page.locator("#events li")
+    assert "echo: the latest words" in await events.nth(0).inner_text()
+    assert "the latest words" in await events.nth(1).inner_text()
+    assert "old words 699" in await events.nth(2).inner_text()
+    assert "old words 1" not in await page.inner_text("#events")
+    assert "summary as of 600" in await page.inner_text("#working")

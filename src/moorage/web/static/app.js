@@ -57,6 +57,21 @@ async function apiAll(path, maxPages = 20) {
   return { data, more: Boolean(cursor) };
 }
 
+// The newest `keep` events of an episodic log, and its newest summary (working memory), wherever it is. The API
+// lists a log oldest first, so its pages are followed to the end: the first page alone is the oldest events.
+async function apiNewestEvents(path, keep) {
+  let tail = [];
+  let summary = null;
+  let cursor = null;
+  do {
+    const page = await api(cursor ? `${path}&cursor=${enc(cursor)}` : path);
+    tail = tail.concat(page.data).slice(-keep);
+    summary = page.data.filter((e) => /summary/i.test(e.kind)).pop() || summary;
+    cursor = page.next_cursor;
+  } while (cursor);
+  return { data: tail, summary };
+}
+
 // --- DOM helpers ---------------------------------------------------------------------------------------------
 
 // el("tag.class", {attr: value}, ...children): strings become text nodes, so data is never parsed as HTML.
@@ -230,7 +245,7 @@ async function userView(agent, user) {
   await api(base);
   const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
-    api(`${base}/events?limit=500`),
+    apiNewestEvents(`${base}/events?limit=500`, 25),
     api(`${base}/facts?limit=200`),
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
     // one page could hold only other users' runs.
@@ -245,8 +260,10 @@ async function userView(agent, user) {
   // Turns log their messages in the session's scope, so the recent episodic events are those of the most
   // recently active sessions, merged with the user-wide ones and ordered by time.
   const recentSessions = [...sessions.data].sort((a, b) => b.last_active - a.last_active).slice(0, 5);
-  const perSession = await Promise.all(recentSessions.map((s) => api(`${base}/events?session=${enc(s.id)}&limit=500`)));
-  const events = { data: [userEvents, ...perSession].flatMap((p) => p.data).sort((a, b) => a.ts - b.ts || a.id - b.id) };
+  const perSession = await Promise.all(recentSessions.map((s) => apiNewestEvents(`${base}/events?session=${enc(s.id)}&limit=500`, 25)));
+  const logs = [userEvents, ...perSession];
+  const byTime = (a, b) => a.ts - b.ts || a.id - b.id;
+  const events = { data: logs.flatMap((p) => p.data).sort(byTime) };
   const mine = waiting.data.filter((r) => parseScope(r.scope).user === user);
   // The question of an interrupt is in its waiting step's payload, so each waiting run is read in full.
   const details = await Promise.all(mine.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
@@ -261,7 +278,7 @@ async function userView(agent, user) {
 
   // Working memory lives inside the agent's context builder; the API exposes it only when a summary was
   // written to the episodic log, so that is what is shown.
-  const summaries = events.data.filter((e) => /summary/i.test(e.kind));
+  const summaries = logs.map((p) => p.summary).filter(Boolean).sort(byTime);
   const working = section("Working memory", "working",
     summaries.length
       ? el("blockquote.summary", {}, summaries[summaries.length - 1].content)
