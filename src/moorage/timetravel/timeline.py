@@ -4,7 +4,8 @@ rollback of both to one of them (what came after kept as an abandoned branch), a
 The sandbox half is the driver's own checkpoint (``Sandbox.checkpoint/rollback``); the store half is
 ``store.repos.checkpoints``. Every operation holds the instance the way a turn does (its line in the router
 and the instance manager's turn), so no turn of the instance runs in between; the automatic one runs after the
-turn's reply went out, while the turn still holds the instance. See docs/timetravel.md.
+turn's reply went out, while the turn still holds the instance. Forks into new users are ``fork.py``; the policy,
+retention and how a checkpoint is shown, ``retention.py``. See docs/timetravel.md.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound, TenantScopeError
@@ -21,6 +20,8 @@ from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, Scope, TenantStore
 from moorage.store.model import check_id
 from moorage.store.repos.checkpoints import MISSING, Checkpoint, checkpoints_of, new_checkpoint_id
+from moorage.timetravel.fork import check_new_users, fork_through
+from moorage.timetravel.retention import Policy, checkpoint_view, lineage, restorable, to_keep
 
 if TYPE_CHECKING:
     from moorage.runtime.host_calls import TurnBinding
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-#: At most this many end-users one fork call creates.
-MAX_FORKS = 16
 #: Sandbox drivers on which automatic checkpoints are on unless an agent says otherwise: those whose automatic
 #: checkpoint, taken after the reply, adds at most 5 ms p50 to an awake turn on a quiet host (``bench/timetravel``;
 #: the micro-VM driver since its disk runs with lazy refcounts: docs/timetravel.md has the loaded-host figures).
@@ -45,95 +44,6 @@ class CheckpointGone(ConflictError):
     written: the host stopped while it was written behind its turn)."""
 
     code = "checkpoint-gone"
-
-
-@dataclass(frozen=True)
-class Policy:
-    """``[agent.timetravel]`` of moorage.toml: automatic checkpoints after each turn, and what retention keeps."""
-
-    #: Taken after the turn's reply went out, while the turn still holds the instance (it delays only a next turn
-    #: of the same instance arriving meanwhile). None: the driver's default (``AUTO_DRIVERS``).
-    auto: bool | None = None
-    #: The newest checkpoints of the current branch kept.
-    keep: int = 20
-    #: Besides those, the newest checkpoint of each of the last ``daily`` days.
-    daily: int = 30
-
-    @classmethod
-    def of(cls, manifest: dict[str, Any] | None) -> "Policy":
-        raw = (manifest or {}).get("timetravel") or {}
-        if not isinstance(raw, dict):
-            return cls()
-        out = cls()
-        try:
-            auto = raw.get("auto", out.auto)
-            keep = int(raw.get("keep", out.keep))
-            daily = int(raw.get("daily", out.daily))
-        except (TypeError, ValueError):
-            log.warning("ignoring a malformed [agent.timetravel] table", table=str(raw)[:200])
-            return out
-        if auto is not None and not isinstance(auto, bool):
-            log.warning("ignoring a malformed [agent.timetravel] auto", auto=str(auto)[:50])
-            auto = out.auto
-        return cls(auto, max(1, keep), max(0, daily))
-
-
-def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restorable: bool | None = None,
-                    in_history: bool | None = None) -> dict[str, Any]:
-    """A checkpoint as the API shows it. ``restorable``: whether a rollback or fork to it can work here (None:
-    not known, its sandbox is not on this host). ``in_history``: one of the points the instance's current state
-    grew from (``lineage``; on an earlier branch after a rollback), as opposed to an abandoned branch's."""
-    d = asdict(ck)
-    d["object"] = "checkpoint"
-    d["current_branch"] = ck.branch == current_branch
-    d["in_history"] = (ck.branch == current_branch) if in_history is None else in_history
-    d["restorable"] = restorable
-    return d
-
-
-def restorable(ck: Checkpoint, sandbox_id: str | None, halves: dict[str, int] | None) -> bool | None:
-    """Whether ``ck`` can be rolled back to or forked, given the checkpoints its instance's sandbox ``sandbox_id``
-    holds on this host (``halves``, name to bytes; None: not known here). Not: a failed one, one taken of a sandbox
-    the instance has left, one whose sandbox half was never written (the host stopped or the disk failed while it
-    was written behind its turn)."""
-    if ck.kind == MISSING:
-        return False
-    if not ck.sandbox_checkpoint:
-        return True
-    if halves is None:
-        return None
-    return ck.sandbox_id == sandbox_id and ck.sandbox_checkpoint in halves
-
-
-def lineage(cks: Sequence[Checkpoint], head_id: str | None) -> list[Checkpoint]:
-    """The instance's history as it is now, newest first: the head checkpoint and its parents, across the branches
-    it grew from (after a rollback to checkpoint 3 and two turns: those two, then 3, 2, 1)."""
-    by_id, out = {c.id: c for c in cks}, []
-    c = by_id.get(head_id) if head_id else None
-    while c is not None and len(out) < len(by_id):
-        out.append(c)
-        c = by_id.get(c.parent_id) if c.parent_id else None
-    return out
-
-
-def to_keep(cks: Sequence[Checkpoint], branch: str | None, head_id: str | None, policy: Policy, now: float) -> set[str]:
-    """Ids retention keeps: the newest ``keep`` of the instance's current history (``lineage``: the points a
-    rollback after the last one grew from included), the newest of each of the last ``daily`` days, every named
-    one, and the tip of every other branch (an abandoned branch stays restorable)."""
-    # A missing one (a failed automatic checkpoint of the current branch: it moves no head, so no lineage has it)
-    # counts in the newest ``keep`` like the turn it stands for, and is never a branch's tip or a day's checkpoint.
-    history = lineage(cks, head_id) + [c for c in cks if c.kind == MISSING and c.branch == branch]
-    keep = {c.id for c in sorted(history, key=lambda c: -c.seq)[: policy.keep]}
-    newest_first = sorted((c for c in cks if c.kind != MISSING), key=lambda c: -c.seq)
-    keep |= {c.id for c in newest_first if c.name}
-    tips: dict[str, str] = {}
-    days: dict[int, str] = {}
-    for c in newest_first:
-        tips.setdefault(c.branch, c.id)
-        day = int(c.created_at // 86400)
-        if now - c.created_at <= policy.daily * 86400:
-            days.setdefault(day, c.id)
-    return keep | set(tips.values()) | set(days.values())
 
 
 def _keeps_nothing(ts: TenantStore, agent: str, rec: Any = None) -> bool:
@@ -557,21 +467,10 @@ class TimeTravel:
         """``fork`` of the instance as it is now: a manual checkpoint (``name``, if given), then a fork at it. New
         users that cannot be made are refused before the checkpoint is taken."""
         ts = self._ts(principal, agent, user, as_scope)
-        await self._check_new_users(ts, agent, user, to_users)
+        await check_new_users(ts, agent, user, to_users)
         self.rt.instances.refuse_if_draining("forks")
         ck = await self.take(principal, agent, user, name, as_scope=as_scope)
         return await self._fork(ts, agent, user, ck.id, to_users)
-
-    async def _check_new_users(self, ts: TenantStore, agent: str, user: str, to_users: Sequence[str]) -> None:
-        if not to_users or len(to_users) > MAX_FORKS or len(set(to_users)) != len(to_users):
-            raise InvalidInput(f"name 1-{MAX_FORKS} distinct new users to fork into")
-        for u in to_users:
-            check_id(u, "user id")
-            if u == user:
-                raise InvalidInput("a fork needs another user id", hint="roll back to stay on the same user")
-            if await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(agent, u)) is not None:
-                raise ConflictError(f"user {u!r} of agent {agent!r} already has an instance",
-                                    hint="fork into a new user id")
 
     async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
                    to_users: Sequence[str], *, as_scope: str = "provision") -> dict[str, Any]:
@@ -585,90 +484,11 @@ class TimeTravel:
 
     async def _fork(self, ts: TenantStore, agent: str, user: str, checkpoint_id: str,
                     to_users: Sequence[str]) -> dict[str, Any]:
-        await self._check_new_users(ts, agent, user, to_users)
+        await check_new_users(ts, agent, user, to_users)
         target = await asyncio.to_thread(checkpoints_of(ts).restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
         with self.rt.templates.fork_template() as template_id:  # the collection leaves it alone while this runs
-            return await self._fork_through(ts, agent, user, target, to_users, template_id, started)
-
-    async def _fork_through(self, ts: TenantStore, agent: str, user: str, target: Checkpoint, to_users: Sequence[str],
-                            template_id: str, started: float) -> dict[str, Any]:
-        """``fork``'s work: a template ``template_id`` of the checkpoint's sandbox half, then each new user."""
-        rt, repo, template = self.rt, checkpoints_of(ts), None
-        async with self._hold(ts, agent, user) as sandbox:
-            agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
-            if target.sandbox_checkpoint:
-                await self._sandbox_half(sandbox, target)
-                # The driver makes templates of a sandbox's present state: the source goes to the checkpoint for the
-                # template and back. The way back is recorded first, so a killed host returns it on the next call.
-                here = f"tt-fork-{uuid.uuid4().hex[:12]}"
-                await sandbox.checkpoint(here)
-                await asyncio.to_thread(repo.set_pending, agent, user, {"op": "fork-restore", "vm": here})
-                try:
-                    await sandbox.rollback(target.sandbox_checkpoint)
-                    template = await rt.driver.make_template(sandbox, template_id)
-                finally:
-                    await sandbox.rollback(here)
-                    rt._loaded.pop(sandbox.id, None)
-                    await asyncio.to_thread(repo.set_pending, agent, user, None)
-                    if _can_delete(sandbox):
-                        with contextlib.suppress(Exception):
-                            await sandbox.delete_checkpoint(here)
-        out: list[dict[str, Any]] = []
-        # The users this call made so far, with what each was before (a user registered without an instance can
-        # be forked into): a fork that fails part way is undone whole, so its retry is not refused as a duplicate.
-        made: list[tuple[str, Any]] = []
-        try:
-            if template is not None and rt.templates.published is not None:
-                # A fleet: the template goes to the object store before any fork is made from it, so the forks
-                # wake on any host (a micro-VM fork needs its template for life; fleet/templates.py publish_fork).
-                try:
-                    await asyncio.to_thread(rt.templates.published.publish_fork, template,
-                                            {"tenant": ts.tenant_id, "agent": agent, "user": user})
-                except Exception as e:  # noqa: BLE001 - the forks still work, on this host only
-                    log.warning("fork template not published; its forks wake only on this host", error=str(e))
-            for u in to_users:
-                new_scope = Scope.for_user(agent, u)
-                # In the new user's line: a first turn for them waits, instead of provisioning from the agent's
-                # template before the fork's does.
-                async with rt.router._on_instance((ts.tenant_id, new_scope.key), "-time-travel", new_scope, lc):
-                    if await asyncio.to_thread(ts.sandboxes.for_scope, new_scope) is not None:
-                        raise ConflictError(f"user {u!r} of agent {agent!r} got an instance meanwhile",
-                                            hint="fork into a new user id")
-                    made.append((u, await asyncio.to_thread(ts.agent_users.find, agent, u)))
-                    rows = await asyncio.to_thread(repo.copy_to_user, agent, user, target.id, u)
-                    async with contextlib.AsyncExitStack() as held:
-                        sb = None if template is None else await held.enter_async_context(
-                            rt.instances.turn(ts, new_scope, template, lifecycle=lc, here=True))
-                        first = await self._take(ts, agent, u, sb, kind="fork",
-                                                 summary={"forked_from": {"user": user, "checkpoint": target.id}})
-                out.append({"user": u, "rows": rows, "checkpoint": first.id, "sandbox_id": sb.id if sb else None})
-        except Exception:
-            await self._undo_forks(ts, agent, made)
-            raise
-        finally:
-            if template is not None:
-                with contextlib.suppress(Exception):
-                    await rt.driver.delete_template(template)
-        ms = round((time.perf_counter() - started) * 1000, 1)
-        log.info("instance forked", agent=agent, user=user, checkpoint=target.id, into=list(to_users), ms=ms)
-        return {"object": "fork", "agent": agent, "user": user, "checkpoint": target.id, "forks": out, "ms": ms}
-
-    async def _undo_forks(self, ts: TenantStore, agent: str, made: Sequence[tuple[str, Any]]) -> None:
-        """Remove what a failed fork made of each of its new users (instance, copied rows, checkpoints); a user
-        that was registered before gets its registration back as it was."""
-        for u, before in made:
-            try:
-                await self.rt.forget_in(ts, agent, u)
-                await asyncio.to_thread(ts.agent_users.delete, agent, u)
-                if before is not None:
-                    await asyncio.to_thread(ts.agent_users.put, agent, u, meta=before.meta, limits=before.limits)
-            except Exception as e:  # noqa: BLE001 - the fork's own error is the one to report
-                log.error("could not undo a failed fork's new user; forget it to fork into it again", agent=agent,
-                          user=u, error=str(e))
-        if made:
-            log.warning("fork failed part way; the users it made were removed", agent=agent,
-                        users=[u for u, _ in made])
+            return await fork_through(self, ts, agent, user, target, to_users, template_id, started)
 
     async def recover(self) -> int:
         """At host start, before turns resume: finish every operation a killed host left half done."""
