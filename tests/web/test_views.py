@@ -220,3 +220,17 @@ async def test_episodic_memory_shows_the_newest_events_of_a_long_history(live_rt
     assert "old words 699" in await events.nth(2).inner_text()
     assert "old words 1" not in await page.inner_text("#events")
     assert "summary as of 600" in await page.inner_text("#working")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_malformed_link_says_so(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    await _sign_in(page, live_rt.url, acme)
+    # A link cut off in a chat message: a lone "%" cannot be decoded.
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/ali%ZZ")
+    await page.wait_for_selector("body[data-loaded=error]")
+    assert "not valid" in await page.inner_text("#view")
+    assert await page.locator("#instances-table").count() == 0
+    assert problems == []

@@ -475,10 +475,16 @@ async function route() {
   if (!apiKey()) { showLogin(); return; }
   document.getElementById("login").hidden = true;
   document.getElementById("signout").hidden = false;
-  const parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  let parts;
+  try {
+    parts = location.hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  } catch (e) {
+    parts = ["malformed"];  // a cut-off or mistyped link (a lone "%"): said so below, not left on the last view
+  }
   let render;
   let name = parts[0] || "fleet";
-  if (name === "user" && parts.length >= 3) render = () => userView(parts[1], parts[2]);
+  if (name === "malformed") render = async () => { throw new Error(`this address is not valid: ${location.hash}`); };
+  else if (name === "user" && parts.length >= 3) render = () => userView(parts[1], parts[2]);
   else if (name === "trace" && parts[1]) render = () => traceView(parts[1]);
   else { name = "fleet"; render = fleetView; }
   document.body.dataset.view = name;
