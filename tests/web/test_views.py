@@ -234,3 +234,30 @@ async def test_a_malformed_link_says_so(live_rt, acme: str, tmp_path: Path, brow
     assert "not valid" in await page.inner_text("#view")
     assert await page.locator("#instances-table").count() == 0
     assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_many_facts_and_sessions_are_all_listed_or_said_to_be_more(live_rt, store: Store, acme: str,
+                                                                         tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"), ("bob", "hi"))
+    ts = store.tenant(store.authenticate(acme))
+    with ts.transaction():
+        for i in range(230):  # a multi-valued attribute: every value stays current
+            ts.facts.insert(Scope.for_user("echo", "alice"), "user", "likes", f"thing {i:03d}", f"I like thing {i}")
+        for i in range(2010):
+            ts.facts.insert(Scope.for_user("echo", "bob"), "user", "likes", f"thing {i:04d}", f"I like thing {i}")
+        for i in range(105):
+            ts.sessions.open("echo", "bob", f"s{i:03d}")
+
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert await page.locator("#facts-table tbody tr").count() == 230
+    assert await page.locator("#facts .hint, #sessions .hint").count() == 0
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/bob")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert await page.locator("#facts-table tbody tr").count() == 2000
+    assert "there are more" in await page.inner_text("#facts .hint")
+    assert await page.locator("#sessions tbody tr").count() == 100
+    assert "there are more" in await page.inner_text("#sessions .hint")

@@ -244,9 +244,9 @@ async function userView(agent, user) {
   // that looks like a user with no data.
   await api(base);
   const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
-    api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),
+    api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiNewestEvents(`${base}/events?limit=500`, 25),
-    api(`${base}/facts?limit=200`),
+    apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
     // one page could hold only other users' runs.
     apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
@@ -274,7 +274,8 @@ async function userView(agent, user) {
     el("td", {}, s.id), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
     el("td", { title: fmtTime(s.last_active) }, ago(s.last_active))));
   const sessionsPanel = section("Sessions", "sessions",
-    sessionRows.length ? table(["Session", "Started", "Last active"], sessionRows) : empty("No sessions."));
+    sessionRows.length ? table(["Session", "Started", "Last active"], sessionRows) : empty("No sessions."),
+    sessions.next_cursor ? el("p.hint", {}, `The ${sessionRows.length} most recently active sessions are shown; there are more.`) : null);
 
   // Working memory lives inside the agent's context builder; the API exposes it only when a summary was
   // written to the episodic log, so that is what is shown.
@@ -295,7 +296,8 @@ async function userView(agent, user) {
     el("td", {}, f.subject), el("td", {}, f.attribute), el("td.fact-value", {}, f.value),
     el("td", {}, f.source || "—"), el("td", { title: fmtTime(f.valid_from) }, ago(f.valid_from))));
   const semantic = section("Facts (current)", "facts",
-    factRows.length ? table(["Subject", "Attribute", "Value", "Source", "Since"], factRows, { id: "facts-table" }) : empty("No facts."));
+    factRows.length ? table(["Subject", "Attribute", "Value", "Source", "Since"], factRows, { id: "facts-table" }) : empty("No facts."),
+    facts.more ? el("p.hint", {}, `The first ${factRows.length} current facts are shown; there are more.`) : null);
 
   const approvals = section("Waiting for approval", "approvals",
     details.length ? el("ul.approvals", {}, details.map((d) => {
