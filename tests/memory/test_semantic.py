@@ -172,3 +172,34 @@ def test_history_and_pending_hold_every_row_past_a_thousand(tenant: TenantStore)
     history = mem.history(ALICE, "user", "mood")
     assert len(history) == n and history[-1].value == f"mood {n - 1}"  # the newest values were cut off
     assert len(mem.pending(ALICE)) == n
+
+
+def test_concurrent_writes_of_one_attribute_leave_one_current_value_and_lose_none(tenant: TenantStore) -> None:
+    # Writers racing on an attribute nobody has stated yet, then on one that has a value: every value is on
+    # record (history), exactly one is current, and the closed ones chain to what replaced them.
+    import threading
+
+    mem = SemanticMemory(tenant)
+    attribute = "city"
+    errors: list[BaseException] = []
+    for round_ in (1, 2):
+        barrier = threading.Barrier(6)
+
+        def write(i: int, round_: int = round_) -> None:
+            barrier.wait()
+            try:
+                mem.record(ALICE, FactCandidate("user", attribute, f"city {round_}.{i}", ""), origin="user")
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        current = tenant.facts.current(ALICE, "user", attribute)
+        written = mem.history(ALICE, "user", attribute)
+        assert len(current) == 1, [f.value for f in current]
+        assert errors == [] and len(written) == 6 * round_  # none refused, none lost
+        closed = [f for f in written if f.valid_to is not None]
+        assert all(f.superseded_by for f in closed) and len(closed) == len(written) - 1

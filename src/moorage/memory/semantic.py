@@ -109,6 +109,7 @@ class SemanticMemory:
         when = self.clock() if valid_from is None else valid_from
         key = normalize_value(c.value)
         facts = self.ts.facts
+        facts.lock(scope)  # concurrent writers of this scope take turns: each reads what the one before wrote
         # Only the rows this write can touch are read: those with the same value (by its comparable form), then
         # the attribute's current value. Pending rows pile up (an agent that records a new value every turn) and
         # closed ones never go, so reading all of them made every write cost the user's whole history.
@@ -160,6 +161,7 @@ class SemanticMemory:
     def confirm(self, scope: Scope, fact_id: str, *, evidence: Sequence[str] = ()) -> FactChange:
         """A person vouched for a pending fact: it becomes active and supersedes the current value."""
         with self.ts.transaction():
+            self.ts.facts.lock(scope)
             f = self._get(scope, fact_id)
             if f.status != "pending":
                 raise InvalidInput(f"fact {fact_id} is {f.status}, not pending", hint="only pending facts need confirmation")

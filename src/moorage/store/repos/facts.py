@@ -56,6 +56,14 @@ class Facts(_Repo):
             self._ts._touch(c, scope, now)
         return f
 
+    def lock(self, scope: Scope) -> None:
+        """Hold ``scope``'s row in ``scopes`` until the caller's transaction ends, so the fact writes of one scope
+        run one at a time: two first values of an attribute written at once on PostgreSQL both found no current
+        value and both became current (SQLite's writers already take turns). The same row every write of the
+        scope touches, so this adds no lock a transaction could take in another order."""
+        with self._ts._tx() as c:
+            self._ts._touch(c, scope, _now())
+
     def get(self, fact_id: str) -> Fact:
         with self._ts._tx(write=False) as c:
             r = c.one(f"SELECT {_FACT_COLS} FROM facts WHERE id = ?", (fact_id,))
