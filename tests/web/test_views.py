@@ -261,3 +261,34 @@ async def test_many_facts_and_sessions_are_all_listed_or_said_to_be_more(live_rt
     assert "there are more" in await page.inner_text("#facts .hint")
     assert await page.locator("#sessions tbody tr").count() == 100
     assert "there are more" in await page.inner_text("#sessions .hint")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_agent_with_one_instance_per_session_says_it_has_no_timeline(live_rt, acme: str, tmp_path: Path,
+                                                                             browser_context):
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    files = {"moorage.toml": '[agent]\nname = "sess"\nentry = "agent.py"\nscope = "session"\n'
+                             '[agent.lifecycle]\nusers = "auto"\n',
+             "agent.py": "async def on_message(ctx, message):\n    return 'ok ' + message\n"}
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/sess/deployments", content=buf.getvalue(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        for session in ("s1", "s2"):
+            r = await c.post("/v1/agents/sess/invoke", json={"message": "hey", "user": "sam", "session": session})
+            assert r.status_code == 200, r.text
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/sess/sam")
+    await page.wait_for_selector("body[data-loaded=user]")
+    text = await page.inner_text("#checkpoints")
+    # Two turns went by: "one is taken after every turn" would be untrue here.
+    assert "one instance per session" in text and "after every turn" not in text, text
+    assert await page.locator("#sessions tbody tr").count() == 2

@@ -242,7 +242,7 @@ async function userView(agent, user) {
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
-  await api(base);
+  const [agentInfo] = await Promise.all([api(`/v1/agents/${enc(agent)}`), api(base)]);
   const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiNewestEvents(`${base}/events?limit=500`, 25),
@@ -309,7 +309,7 @@ async function userView(agent, user) {
     })) : empty("Nothing is waiting for this user."));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
-    checkpointsPanel(agent, user, checkpoints)];
+    checkpointsPanel(agent, user, checkpoints, agentInfo)];
 }
 
 // What the last change from the timeline did, shown once on the view it re-rendered (links to new users).
@@ -317,8 +317,14 @@ let timelineNotice = null;
 
 // The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
 // turn did, where the instance is now, and buttons to roll back to one or fork it into new users.
-function checkpointsPanel(agent, user, listing) {
+function checkpointsPanel(agent, user, listing, agentInfo) {
   const title = "Timeline (checkpoints)";
+  const lifecycle = (agentInfo && agentInfo.config && agentInfo.config.lifecycle) || {};
+  if (lifecycle.scope === "session") {
+    // Its instances are the sessions' (docs/timetravel.md): no checkpoint is ever taken for the user.
+    return section(title, "checkpoints", empty(`Agent ${agent} runs one instance per session; time travel keeps a `
+      + "timeline for per-user instances only ([agent] scope = \"user\")."));
+  }
   if (listing.error) return section(title, "checkpoints", el("p.error", {}, `No timeline: ${listing.error}`));
   if (!listing.data.length) return section(title, "checkpoints", empty("No checkpoints yet: one is taken after every turn."));
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}/checkpoints`;
