@@ -37,3 +37,25 @@ async def test_a_bad_k_on_search_names_k(live, store: Store, acme: str) -> None:
             r = await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "city", "k": k})
             assert r.status_code == 422 and r.json()["detail"].startswith("k must be"), r.text
         assert (await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "city", "k": "3"})).status_code == 200
+
+
+async def test_searches_over_http_reuse_the_scopes_index(live_rt, runtime, store: Store, acme: str, monkeypatch) -> None:
+    # Each search built the scope's vectors and BM25 index from scratch (0.35 s at 20k events, against 5 ms warm).
+    from moorage.memory import episodic
+
+    built: list[object] = []
+
+    class Counted(episodic._ScopeVectors):
+        def __init__(self) -> None:
+            super().__init__()
+            built.append(self)
+
+    monkeypatch.setattr(episodic, "_ScopeVectors", Counted)
+    ts = store.tenant(store.authenticate(acme))
+    ts.agents.create("pal")
+    ts.events.append(Scope.for_user("pal", "ada"), "note", "the spare key is under the blue flowerpot", speaker="agent")
+    async with aclient(live_rt, acme) as c:
+        for _ in range(3):
+            r = await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "where is the spare key"})
+            assert r.status_code == 200 and "flowerpot" in r.json()["data"][0]["event"]["content"], r.text
+    assert len(built) == 1

@@ -62,7 +62,11 @@ def search_events(call: Call) -> dict[str, Any]:
     except InvalidInput:  # its message names "limit", a parameter this route does not have
         raise InvalidInput(f"k must be a whole number from 1 to {MAX_LIMIT}, got {raw_k!r}",
                            hint="k is how many results to return") from None
-    hits = EpisodicMemory(call.tenant, call.ctx.embedder()).search(scope, query, k=k)
+    memory = getattr(call.ctx.runtime, "memory", None)
+    # The runtime's memory of the tenant keeps each scope's vectors and index warm between searches (turns'
+    # recall uses it too); a new one per request rebuilt them on every search.
+    episodic = memory(call.tenant).episodic if memory is not None else EpisodicMemory(call.tenant, call.ctx.embedder())
+    hits = episodic.search(scope, query, k=k)
     return {"data": [{"event": S.event(h.event), "score": h.score} for h in hits], "next_cursor": None}
 
 
