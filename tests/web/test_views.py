@@ -292,3 +292,31 @@ async def test_an_agent_with_one_instance_per_session_says_it_has_no_timeline(li
     # Two turns went by: "one is taken after every turn" would be untrue here.
     assert "one instance per session" in text and "after every turn" not in text, text
     assert await page.locator("#sessions tbody tr").count() == 2
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_rollback_notice_stays_on_the_timeline_it_changed(live_rt, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "one"), ("alice", "two"), ("bob", "hi"), ("bob", "there"))
+    page = await browser_context.new_page()
+    page.on("dialog", lambda d: asyncio.ensure_future(d.accept()))
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user] #checkpoints")
+
+    # alice's rollback answers slowly; meanwhile the operator opens bob's page.
+    async def slow(route: Any) -> None:
+        await asyncio.sleep(1.5)
+        await route.continue_()
+
+    await page.route("**/v1/agents/echo/users/alice/checkpoints/*/rollback", slow)
+    await page.locator("#checkpoints li.ck", has_text="one").first.locator("button.rollback").click()
+    await page.wait_for_timeout(200)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/bob")
+    await page.wait_for_selector("body[data-loaded=user]")
+    await page.wait_for_timeout(2500)  # the rollback has answered and the page was drawn again
+    assert await page.evaluate("document.body.dataset.loaded") == "user"
+    assert "bob" in await page.inner_text(".pagehead h1")
+    assert (await page.inner_text("#checkpoints-notice")).strip() == ""
+    async with aclient(live_rt, acme) as c:  # the rollback itself happened, on alice
+        listing = (await c.get("/v1/agents/echo/users/alice/checkpoints")).json()
+    assert next(ck for ck in listing["data"] if ck["id"] == listing["head"])["seq"] == 1

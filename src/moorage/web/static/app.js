@@ -312,7 +312,8 @@ async function userView(agent, user) {
     checkpointsPanel(agent, user, checkpoints, agentInfo)];
 }
 
-// What the last change from the timeline did, shown once on the view it re-rendered (links to new users).
+// What the last change from the timeline did (links to new users): shown once, by the view that change re-rendered,
+// and only on the timeline of the user it changed — never on another page navigated to meanwhile.
 let timelineNotice = null;
 
 // The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
@@ -331,15 +332,17 @@ function checkpointsPanel(agent, user, listing, agentInfo) {
   const bySeq = new Map(listing.data.map((c) => [c.id, c.seq]));
   const ref = (id) => (bySeq.has(id) ? `#${bySeq.get(id)}` : (id || "").slice(0, 10));
   const message = el("p.error", { id: "checkpoints-error", role: "alert" });
-  const notice = el("p.notice", { id: "checkpoints-notice", role: "status" }, timelineNotice || []);
-  timelineNotice = null;
+  const mine = timelineNotice && timelineNotice.agent === agent && timelineNotice.user === user
+    && timelineNotice.seq === routeSeq;
+  const notice = el("p.notice", { id: "checkpoints-notice", role: "status" }, mine ? timelineNotice.nodes : []);
+  if (mine) timelineNotice = null;
 
   async function act(button, run) {
     button.disabled = true;
     message.textContent = "";
     notice.replaceChildren();  // what the last change did is not what this one does
     try {
-      await run();
+      timelineNotice = { agent, user, nodes: await run(), seq: routeSeq + 1 };  // for the route() below only
       await route();  // the whole view again: files, facts and events moved with the instance
     } catch (e) {
       if (e instanceof Unauthorized) { route(); return; }
@@ -379,7 +382,7 @@ function checkpointsPanel(agent, user, listing, agentInfo) {
         if (!confirm(`Roll ${user}'s agent back to checkpoint ${ref(c.id)}? What came after stays restorable as an abandoned branch.`)) return;
         act(back, async () => {
           const out = await apiSend("POST", `${base}/${enc(c.id)}/rollback`);
-          timelineNotice = [`Rolled back to ${ref(c.id)} in ${fmtMs(out.ms)}.`];
+          return [`Rolled back to ${ref(c.id)} in ${fmtMs(out.ms)}.`];
         });
       });
       const fork = el("button.fork", { type: "button", title: "Copy this point into new users of the agent" }, "Fork…");
@@ -389,7 +392,7 @@ function checkpointsPanel(agent, user, listing, agentInfo) {
         if (!users.length) return;
         act(fork, async () => {
           const out = await apiSend("POST", `${base}/${enc(c.id)}/fork`, { to_users: users });
-          timelineNotice = [`Forked ${ref(c.id)} into `, ...out.forks.flatMap((f, i) => [i ? ", " : "", userLink(agent, f.user)])];
+          return [`Forked ${ref(c.id)} into `, ...out.forks.flatMap((f, i) => [i ? ", " : "", userLink(agent, f.user)])];
         });
       });
       buttons.push(back, fork);
