@@ -288,7 +288,19 @@ class Endpoint:
         key = "http:" + hashlib.sha256(ident.encode()).hexdigest()
         raw = body if isinstance(body, bytes) else json.dumps(body, sort_keys=True).encode()
         request_sha = hashlib.sha256(raw).hexdigest()
-        entry, created = await run_in_threadpool(ts.journal.claim, key)
+        instances = getattr(call.ctx.runtime, "instances", None)
+        mark = instances.claim_mark() if instances is not None else None
+        entry, created = await run_in_threadpool(ts.journal.claim, key, claimer=mark)
+        if not created and entry.status == "pending" and mark is not None and \
+                await run_in_threadpool(instances.claim_abandoned, entry.result):
+            # Its holder died with the request (a host crash or restart): the retry runs it instead of a 409 forever.
+            taken = await run_in_threadpool(ts.journal.take_over, key, expected_version=entry.version, claimer=mark)
+            if taken is not None:
+                log.warning("took over an Idempotency-Key whose request died with its host", route=self.path,
+                            held_by=entry.result, trace_id=call.trace_id)
+                entry, created = taken, True
+            else:
+                entry = await run_in_threadpool(ts.journal.get, key) or entry
         if not created:
             if entry.status == "pending":
                 raise ConflictError("a request with this Idempotency-Key is still in progress",

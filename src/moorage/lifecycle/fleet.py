@@ -18,6 +18,7 @@ from moorage.fleet.forward import forwarded
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.log import get_logger
 from moorage.objects import ObjectStoreUnavailable
+from moorage.sandbox.process_fs import proc_starttime
 from moorage.sandbox import SandboxError
 from moorage.store import SandboxRecord, Scope
 from moorage.store.repos.sandboxes import LeaseLost  # noqa: F401 - raised by turn commits; named here for callers
@@ -120,6 +121,30 @@ class FleetDuties:
             return None
         info = await self.io(self.fleet.host, host)
         return host if info is not None and info.alive(self.fleet.lease_ttl_s) else None
+
+    def claim_mark(self) -> dict[str, Any]:
+        """Who holds a claim made now (an HTTP Idempotency-Key's): this manager's process, and in a fleet this host's
+        incarnation, so another process can tell when the holder died (``claim_abandoned``)."""
+        mark = self.owner.claim()
+        if self.fleet is not None:
+            mark["incarnation"] = self.fleet.incarnation
+        return mark
+
+    def claim_abandoned(self, mark: Any) -> bool:
+        """Whether the holder of a claim marked ``mark`` can no longer finish it: its process on this host is gone
+        (a crash, a restart), or its host is dead or started again since. A claim without a mark (made by an older
+        version) is never taken for abandoned. Blocking (a fleet reads the host's row)."""
+        if not isinstance(mark, dict) or not isinstance(mark.get("host"), str):
+            return False
+        if mark["host"] == self.owner.host:
+            if mark.get("owner") == self.owner.id:
+                return False  # this process's own request, still running
+            pid = mark.get("pid")
+            return not isinstance(pid, int) or proc_starttime(pid) != mark.get("pid_start")
+        if self.fleet is None:
+            return True  # another host's claim in a store only this host uses now (a moved data directory)
+        info = self.fleet.host(mark["host"])
+        return info is None or not info.alive(self.fleet.lease_ttl_s) or info.incarnation != mark.get("incarnation")
 
     def refuse_if_draining(self, what: str) -> None:
         """Before work that writes first and then brings new instances up here (a fork): refused while this host

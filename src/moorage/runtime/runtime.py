@@ -34,7 +34,7 @@ from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
 from moorage.runtime.templates import Templates
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
-from moorage.store import Agent, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
+from moorage.store import DEPLOYMENT_FAILED, Agent, EntityKey, EventIn, Principal, Scope, Span, Store, TenantStore
 from moorage.store import zero_retention
 
 log = get_logger(__name__)
@@ -456,6 +456,12 @@ class Runtime(Deployments, OperatorVerbs):
         # A rollback or fork a killed host left half done is finished first: turns then see one point in time.
         await self.timetravel.recover()
         tenants = await asyncio.to_thread(lambda: list(self.store.operator.tenants()))
+        if self.instances.fleet is None:  # one host per store: a deploy still building died with its last process
+            for ts in tenants:
+                for d in await asyncio.to_thread(ts.deployments.building):
+                    log.warning("a deploy was cut short by the host stopping; marked failed (deploy again)",
+                                tenant=ts.tenant_id, deployment=d.id, number=d.number)
+                    await asyncio.to_thread(ts.deployments.set_status, d.id, DEPLOYMENT_FAILED)
         for ts in tenants:  # messages a killed host committed but did not embed: embedded in the background
             self.embed_queue.submit(self.memory(ts).episodic)
         for ts in tenants:

@@ -39,6 +39,12 @@ class Deployments(_Repo):
             c.x("UPDATE deployments SET status = ? WHERE id = ?", (status, deployment_id))
         return self.get(deployment_id)
 
+    def building(self) -> list[Deployment]:
+        """Every deployment of the tenant still marked ``building`` (a host start finds those a crash left)."""
+        with self._ts._tx(write=False) as c:
+            return [_deployment(r) for r in c.q(f"SELECT {_DEP_COLS} FROM deployments WHERE status = ? ORDER BY created_at",
+                                                (DEPLOYMENT_BUILDING,))]
+
     def get(self, deployment_id: str) -> Deployment:
         with self._ts._tx(write=False) as c:
             r = c.one(f"SELECT {_DEP_COLS} FROM deployments WHERE id = ?", (deployment_id,))

@@ -27,22 +27,40 @@ class Journal(_Repo):
             r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
         return None if r is None else _journal(r)
 
-    def claim(self, key: str, *, run_id: str | None = None, step: str | None = None, scope: Scope | None = None) -> tuple[JournalEntry, bool]:
-        """Return the entry for ``key``, creating it as ``pending``; the bool says whether this call created it."""
+    def claim(self, key: str, *, run_id: str | None = None, step: str | None = None, scope: Scope | None = None,
+              claimer: dict[str, Any] | None = None) -> tuple[JournalEntry, bool]:
+        """Return the entry for ``key``, creating it as ``pending``; the bool says whether this call created it.
+        ``claimer``: who holds a new claim (kept as the pending entry's result until it completes), so another
+        process can tell a claim whose holder died (``take_over``)."""
         _check_key(key)
         now = _now()
+        held = None if claimer is None else self._json(claimer, "journal claimer")
         with self._ts._tx() as c:
             n = c.x(
                 "INSERT INTO journal (key, scope, run_id, step, status, result, error, created_at, updated_at, version) "
-                "VALUES (?, ?, ?, ?, 'pending', NULL, NULL, ?, ?, 1) ON CONFLICT DO NOTHING",
-                (key, scope.key if scope else None, run_id, step, now, now),
+                "VALUES (?, ?, ?, ?, 'pending', ?, NULL, ?, ?, 1) ON CONFLICT DO NOTHING",
+                (key, scope.key if scope else None, run_id, step, held, now, now),
             )
             if n != 1:
                 r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
                 return _journal(r), False
             if scope is not None:
                 self._ts._touch(c, scope, now)
-        return JournalEntry(key, run_id, step, "pending", None, None, now, now, 1), True
+        return JournalEntry(key, run_id, step, "pending", claimer, None, now, now, 1), True
+
+    def take_over(self, key: str, *, expected_version: int, claimer: dict[str, Any]) -> JournalEntry | None:
+        """Make a pending claim whose holder died this caller's (compare-and-set on its version); None when it
+        changed meanwhile (completed, released, or taken over by another)."""
+        _check_version(expected_version)
+        now = _now()
+        with self._ts._tx() as c:
+            n = c.x("UPDATE journal SET result = ?, updated_at = ?, version = version + 1 "
+                    "WHERE key = ? AND version = ? AND status = 'pending'",
+                    (self._json(claimer, "journal claimer"), now, key, expected_version))
+            if n != 1:
+                return None
+            r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
+        return _journal(r)
 
     def complete(self, key: str, *, expected_version: int, result: Any = None, error: str | None = None) -> JournalEntry:
         _check_version(expected_version)
