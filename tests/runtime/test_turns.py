@@ -223,4 +223,7 @@ async def test_an_idempotency_key_names_one_turn_and_one_message(env, tmp_path: 
     assert first.reply == again.reply == "count=1 user=alice"  # the same turn, not a second one
     with pytest.raises(InvalidInput, match="different request"):
         await env.runtime.invoke(env.principal, k, "hi", idempotency_key="k-1")
+    # The same message in another session is another request too (it was answered with the first session's turn).
+    with pytest.raises(InvalidInput, match="different request"):
+        await env.runtime.invoke(env.principal, EntityKey("echo", "alice", "other"), "count", idempotency_key="k-1")
     assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"

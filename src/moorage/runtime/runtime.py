@@ -402,7 +402,8 @@ class Runtime(Deployments, OperatorVerbs):
         # the turn's first commit, once the router has placed it (a refused turn leaves nothing behind).
         run = await asyncio.to_thread(self._existing_run, ts, turn_id)
         if run is not None:
-            if (run.input or {}).get("message") != message:
+            asked = run.input or {}
+            if asked.get("message") != message or (asked.get("session") or "default") != entity.session:
                 raise InvalidInput("this Idempotency-Key was used with a different request",
                                    hint="use a new key for a new turn")
             if run.status in ("succeeded", "waiting"):
