@@ -59,3 +59,22 @@ async def test_searches_over_http_reuse_the_scopes_index(live_rt, runtime, store
             r = await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "where is the spare key"})
             assert r.status_code == 200 and "flowerpot" in r.json()["data"][0]["event"]["content"], r.text
     assert len(built) == 1
+
+
+async def test_adding_a_fact_for_a_user_the_agent_does_not_have_is_a_404(live, store: Store, acme: str) -> None:
+    ts = store.tenant(store.authenticate(acme))
+    ts.agents.create("pal")  # end-users are created explicitly (the default)
+    ts.agents.create("open", {"lifecycle": {"users": "auto"}})
+    fact = {"subject": "user", "attribute": "city", "value": "Lisbon"}
+    async with aclient(live, acme) as c:
+        r = await c.post("/v1/agents/pal/users/adaa/facts", json=fact)  # a typo of ada
+        assert r.status_code == 404 and "adaa" in r.json()["detail"], r.text
+        assert ts.facts.list(Scope.for_user("pal", "adaa"), include_closed=True) == []
+        assert (await c.put("/v1/agents/pal/users/ada", json={})).status_code == 201
+        assert (await c.post("/v1/agents/pal/users/ada/facts", json=fact)).status_code == 201
+        # An agent whose users come with their first use: the fact's user is one of its users now (listed, erasable).
+        assert (await c.post("/v1/agents/open/users/bo/facts", json=fact)).status_code == 201
+        users = (await c.get("/v1/agents/open/users")).json()["data"]
+        assert [u["id"] for u in users] == ["bo"], users
+        assert (await c.post("/v1/agents/open/users/cy/facts", json={**fact, "value": "x" * 300_000})).status_code == 422
+        assert [u["id"] for u in (await c.get("/v1/agents/open/users")).json()["data"]] == ["bo"]

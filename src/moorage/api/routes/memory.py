@@ -12,7 +12,7 @@ from moorage.api import schemas as S
 from moorage.api.pagination import MAX_LIMIT, decode_cursor, encode_cursor, offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query
 from moorage.api.routing import Call, Endpoint, Param, Reply
-from moorage.errors import InvalidInput
+from moorage.errors import InvalidInput, NotFound
 from moorage.store import Scope
 from moorage.store.model import check_id
 
@@ -81,6 +81,20 @@ def list_facts(call: Call) -> dict[str, Any]:
                        parse_limit(call.query("limit")), call.query("cursor"), S.fact)
 
 
+def _user_of_agent(call: Call, scope: Scope) -> None:
+    """404 unless the path's user is one of the agent's end-users, as for a turn (``Router.resolve``): a typo of a
+    user id must not become memory of nobody. An agent with ``lifecycle.users = "auto"`` gains the user."""
+    from moorage.lifecycle.config import AgentLifecycle
+
+    agent, user = agent_of(call), scope.user
+    if call.tenant.agent_users.find(agent.name, user) is None:
+        if AgentLifecycle.of(agent).users != "auto" and not call.tenant.sessions.list(agent.name, user, limit=1):
+            raise NotFound(f"agent {agent.name!r} has no user {user!r}",
+                           hint=f"create the end-user first (PUT /v1/agents/{agent.name}/users/{user}), "
+                                "or set lifecycle.users = \"auto\" on the agent")
+        call.tenant.agent_users.put(agent.name, user)
+
+
 def add_fact(call: Call) -> Reply:
     from moorage.memory import FactCandidate, SemanticMemory
 
@@ -90,8 +104,10 @@ def add_fact(call: Call) -> Reply:
         if not v.strip():
             raise InvalidInput(f"{name} must not be empty")
     text = call.field("text", str, required=False) or f"{subject} {attribute}: {value}"
-    change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text), origin="user",
-                                                evidence=[f"api:{call.trace_id}"])
+    with call.tenant.transaction():  # the user registered (an "auto" agent) only with the fact
+        _user_of_agent(call, scope)
+        change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text),
+                                                    origin="user", evidence=[f"api:{call.trace_id}"])
     return Reply({"action": change.action, "fact": S.fact(change.fact),
                   "previous": S.fact(change.previous) if change.previous else None}, 201)
 
