@@ -320,3 +320,28 @@ async def test_a_rollback_notice_stays_on_the_timeline_it_changed(live_rt, acme:
     async with aclient(live_rt, acme) as c:  # the rollback itself happened, on alice
         listing = (await c.get("/v1/agents/echo/users/alice/checkpoints")).json()
     assert next(ck for ck in listing["data"] if ck["id"] == listing["head"])["seq"] == 1
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_long_unbroken_ids_and_text_stay_inside_the_window(live_rt, acme: str, tmp_path: Path, browser_context):
+    user = "L" + "x" * 127  # the longest user id the API takes
+    word = "y" * 3000
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"), (user, word))
+    async with aclient(live_rt, acme) as c:
+        r = await c.post(f"/v1/agents/echo/users/{user}/facts", json={"subject": "user", "attribute": "note", "value": word})
+        assert r.status_code == 201, r.text
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    width = await page.evaluate("window.innerWidth")
+    assert await page.evaluate("document.documentElement.scrollWidth") <= width
+    disk = await page.locator("#instances-table thead th").last.bounding_box()
+    assert disk["x"] + disk["width"] <= width  # the last column (Disk) is on screen
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/{user}")
+    await page.wait_for_selector("body[data-loaded=user] #checkpoints li.ck")
+    assert await page.evaluate("document.documentElement.scrollWidth") <= width
+    ck = page.locator("#checkpoints li.ck").first
+    what, button = await ck.locator(".what").bounding_box(), await ck.locator("button.rollback").bounding_box()
+    overlap_x = min(what["x"] + what["width"], button["x"] + button["width"]) - max(what["x"], button["x"])
+    overlap_y = min(what["y"] + what["height"], button["y"] + button["height"]) - max(what["y"], button["y"])
+    assert overlap_x <= 0 or overlap_y <= 0, (what, button)  # the button is not drawn over the turn's text
+    assert button["x"] + button["width"] <= width
