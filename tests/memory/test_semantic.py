@@ -203,3 +203,10 @@ def test_concurrent_writes_of_one_attribute_leave_one_current_value_and_lose_non
         assert errors == [] and len(written) == 6 * round_  # none refused, none lost
         closed = [f for f in written if f.valid_to is not None]
         assert all(f.superseded_by for f in closed) and len(closed) == len(written) - 1
+
+
+def test_a_name_given_with_called_or_named_is_the_value() -> None:
+    # "my cat is called Miso" stored the fact as "called Miso".
+    got = [(c.attribute, c.value) for t in ("My cat is called Miso.", "my dog is named Biscuit", "The user's boat is named Sea Otter.")
+           for c in PatternExtractor().extract(t)]
+    assert got == [("cat", "Miso"), ("dog", "Biscuit"), ("boat", "Sea Otter")]

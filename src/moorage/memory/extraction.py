@@ -60,11 +60,13 @@ _NOT_VALUE_START = re.compile(r"^(?:that|whether|what|how|why|if|not|gone|a bit|
 
 _ATTR = r"(?P<attr>[a-z][a-z'’ -]{0,40}?)"
 _VAL = r"(?P<value>[^,;]{1,80})"
+_NAMED = r"(?:(?:called|named)\s+)?"
 _PATTERNS: list[tuple[re.Pattern[str], str | None]] = [
     (re.compile(r"\bcall me\s+(?P<value>[A-Za-z][\w'-]{0,40})", re.I), "preferred_name"),
     (re.compile(r"\bmy name is\s+" + _VAL, re.I), "name"),
-    (re.compile(r"\bmy " + _ATTR + r"\s+(?:is now|is|are now|are|has changed to|changed to)\s+" + _VAL, re.I), None),
-    (re.compile(r"\bthe user'?s " + _ATTR + r"\s+(?:is|are)\s+" + _VAL, re.I), None),
+    # "my cat is called Miso": the name is the value, not "called Miso".
+    (re.compile(r"\bmy " + _ATTR + r"\s+(?:is now|is|are now|are|has changed to|changed to)\s+" + _NAMED + _VAL, re.I), None),
+    (re.compile(r"\bthe user'?s " + _ATTR + r"\s+(?:is|are)\s+" + _NAMED + _VAL, re.I), None),
     (re.compile(r"\bi(?:'ve| have)? (?:just )?moved to\s+" + _VAL, re.I), "lives_in"),
     (re.compile(r"\bi(?:'m| am)? (?:now |currently )?(?:live|living) in\s+" + _VAL, re.I), "lives_in"),
     (re.compile(r"\bi (?:now )?work (?:at|for)\s+" + _VAL, re.I), "employer"),
