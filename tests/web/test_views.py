@@ -345,3 +345,30 @@ async def test_long_unbroken_ids_and_text_stay_inside_the_window(live_rt, acme: 
     overlap_y = min(what["y"] + what["height"], button["y"] + button["height"]) - max(what["y"], button["y"])
     assert overlap_x <= 0 or overlap_y <= 0, (what, button)  # the button is not drawn over the turn's text
     assert button["x"] + button["width"] <= width
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_approvals_question_reads_as_the_agent_asked_it(live_rt, acme: str, tmp_path: Path, browser_context):
+    body = '''
+import json
+
+async def on_message(ctx, message):
+    kind = {"text": "Ship the release?", "nested": {"question": {"what": "deploy", "to": "prod"}},
+            "plain": {"question": "Refund 12.50?"}}[message]
+    return str(await ctx.interrupt(kind))
+'''
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/ask/deployments", content=agent_archive(tmp_path, "ask", body),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        for user in ("text", "nested", "plain"):
+            r = await c.post("/v1/agents/ask/invoke", json={"message": user, "user": user})
+            assert r.json()["status"] == "waiting", r.text
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    seen = {}
+    for user in ("text", "nested", "plain"):
+        await page.goto(f"{live_rt.url}/ui/#/user/ask/{user}")
+        await page.wait_for_selector(f"body[data-loaded=user] .pagehead h1:has-text('{user}')")
+        seen[user] = (await page.inner_text("#approvals .question")).strip()
+    assert seen == {"text": "Ship the release?", "nested": '{"what":"deploy","to":"prod"}', "plain": "Refund 12.50?"}

@@ -303,7 +303,10 @@ async function userView(agent, user) {
     details.length ? el("ul.approvals", {}, details.map((d) => {
       const step = d.steps.filter((s) => s.status === "waiting").pop();
       const payload = step && step.result ? step.result.payload : null;
-      const question = payload && typeof payload === "object" && payload.question ? payload.question : JSON.stringify(payload);
+      // The interrupt's payload is whatever the agent passed: its `question` when that is text, text as it is,
+      // anything else as JSON (never "[object Object]" or a string in quotes).
+      const asked = payload && typeof payload === "object" && "question" in payload ? payload.question : payload;
+      const question = typeof asked === "string" ? asked : JSON.stringify(asked);
       return el("li", {}, el("div.question", {}, question),
         el("div.sub", {}, `run ${d.run.id.slice(0, 12)} · ${d.run.current_step || ""} · waiting since ${ago(d.run.updated_at)}`));
     })) : empty("Nothing is waiting for this user."));
