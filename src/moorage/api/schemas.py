@@ -68,9 +68,11 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                  "status": STR, "attrs": OBJ, "scope": NSTR}),
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
     "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM}),
-    "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]}, "reply": NSTR, "interrupt": ANY,
-                       "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
-    "Forgotten": obj({"agent": STR, "user": STR, "removed": INT}),
+    # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.
+    "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]},
+                       "reply": {"description": "the agent's answer: text or any JSON value; null while waiting"},
+                       "interrupt": ANY, "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
+    "Forgotten": obj({"agent": STR, "user": STR, "removed": INT, "deleted": {"type": "boolean"}}),
     "Result": OBJ,
 }
 
