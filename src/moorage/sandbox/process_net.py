@@ -23,7 +23,7 @@ import errno
 import os
 import socket
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from moorage.log import get_logger
 from moorage.sandbox.microvm_net import _CLONE_NEWNET, WANT_ENV, _check, _libc, _on_own_thread
@@ -65,9 +65,11 @@ def wanted(env: Any) -> bool:
     return env.get("MOORAGE_NETWORK") == "1" and env.get(WANT_ENV) == "1"
 
 
-def bind(pid: int) -> SandboxDNS | None:
+def bind(pid: int, still_ours: Callable[[], bool] | None = None) -> SandboxDNS | None:
     """Bind the DNS address in the network namespace of ``pid`` (a process of the sandbox). None, logged, where this
-    host cannot (not root) or the address is taken; never in the host's own namespace."""
+    host cannot (not root) or the address is taken; never in the host's own namespace. ``still_ours``, asked once
+    the namespace is open: whether ``pid`` is still the sandbox's (a guest process that exited could have left its
+    pid to a process of another sandbox, whose namespace must never get this one's resolver)."""
     global _warned
     try:
         ns_fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -75,6 +77,9 @@ def bind(pid: int) -> SandboxDNS | None:
         log.warning("sandbox DNS not bound: its network namespace is gone", pid=pid, error=str(e))
         return None
     try:
+        if still_ours is not None and not still_ours():
+            log.warning("sandbox DNS not bound: its process exited while the namespace was opened", pid=pid)
+            return None
         ns, own = os.fstat(ns_fd), os.stat("/proc/self/ns/net")
         if (ns.st_dev, ns.st_ino) == (own.st_dev, own.st_ino):
             log.warning("sandbox DNS not bound: the process shares the host's network namespace", pid=pid)

@@ -427,8 +427,10 @@ class ProcessSandbox(Sandbox):
             return
         try:
             if self._dns is None:
-                inside = next((p for p in limits.descendants(self._pid) if _is_guest(p)), None)
-                self._dns = process_net.bind(inside) if inside is not None else None
+                root = self._pid
+                inside = next((p for p in limits.descendants(root) if _is_guest(p)), None)
+                self._dns = None if inside is None else \
+                    process_net.bind(inside, still_ours=lambda: inside in limits.descendants(root))
             process_net.bind_channel(self._channel, self._dns)
         except Exception as e:  # noqa: BLE001 - a sandbox without its DNS still starts (its tools use the proxy)
             log.warning("sandbox DNS not bound", sandbox=self.id, error=str(e)[:200])
