@@ -372,3 +372,26 @@ async def on_message(ctx, message):
         await page.wait_for_selector(f"body[data-loaded=user] .pagehead h1:has-text('{user}')")
         seen[user] = (await page.inner_text("#approvals .question")).strip()
     assert seen == {"text": "Ship the release?", "nested": '{"what":"deploy","to":"prod"}', "plain": "Refund 12.50?"}
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_trace_draws_each_span_under_its_own_parent(live_rt, store: Store, acme: str, browser_context):
+    from moorage.store.model import Span
+
+    ts = store.tenant(store.authenticate(acme))
+    t0 = 1_800_000_000.0
+    # Two concurrent calls of one turn: "fetch b" starts while "fetch a" runs; "dns a" is a's child, and
+    # starts after b did.
+    for span_id, parent, name, start, end in (("r", None, "POST /v1/agents/{agent}/invoke", 0.0, 0.010),
+                                              ("a", "r", "fetch a", 0.001, 0.009), ("b", "r", "fetch b", 0.002, 0.003),
+                                              ("a1", "a", "dns a", 0.004, 0.005)):
+        ts.spans.record(Span("t" * 32, span_id, parent, name, t0 + start, t0 + end, "ok", {}))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/trace/{'t' * 32}")
+    await page.wait_for_selector("body[data-loaded=trace]")
+    labels = page.locator("#timeline .span-row:not(.axis) .span-label")
+    names = [(await labels.nth(i).inner_text()).strip() for i in range(await labels.count())]
+    assert names == ["POST /v1/agents/{agent}/invoke", "fetch a", "dns a", "fetch b"]
+    pads = [await labels.nth(i).evaluate("e => e.style.paddingLeft") for i in range(4)]
+    assert pads == ["0px", "14px", "28px", "14px"]

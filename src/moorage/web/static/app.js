@@ -445,7 +445,27 @@ async function traceView(traceId) {
     return 1 + depth(byId.get(s.parent_id), seen);
   };
 
-  const rows = spans.map((s) => {
+  // Rows in tree order: each span right after its parent (then its own children), siblings by start. The API
+  // lists by start time, which puts a child after any sibling of its parent that started in between.
+  const children = new Map();
+  const roots = [];
+  for (const s of spans) {
+    const parent = s.parent_id && byId.has(s.parent_id) && s.parent_id !== s.span_id ? s.parent_id : null;
+    if (parent) children.set(parent, [...(children.get(parent) || []), s]);
+    else roots.push(s);
+  }
+  const ordered = [];
+  const placed = new Set();
+  const visit = (s) => {
+    if (placed.has(s.span_id)) return;
+    placed.add(s.span_id);
+    ordered.push(s);
+    for (const c of children.get(s.span_id) || []) visit(c);
+  };
+  roots.forEach(visit);
+  spans.forEach(visit);  // a parent cycle leaves spans unreached from any root: still drawn, in start order
+
+  const rows = ordered.map((s) => {
     const end = s.end_ts || s.start_ts;
     const left = (100 * (s.start_ts - t0)) / total;
     // A zero-length span still gets a visible sliver.
