@@ -33,6 +33,10 @@ async def test_learn_and_recall_refuse_arguments_of_the_wrong_type(live_rt, stor
         ["learn", {"subject": "user", "attribute": "city", "value": 7, "text": None}],
         ["recall", {"query": "city", "k": "many"}],
         ["recall", {"query": "city", "k": 0}],
+        ["facts", {"subject": ["user"]}],
+        ["context", {"message": "hi", "tools": "get_weather"}],
+        ["context", {"message": "hi", "system": ["Be brief."]}],
+        ["context", {"message": None}],
     ]
     async with AsyncClient(live_rt.url, acme) as sdk:
         await sdk.deploy("mem", agent_archive(tmp_path, "mem", AGENT))

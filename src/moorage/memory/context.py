@@ -329,6 +329,12 @@ class ContextBuilder:
 
 
 def _system_text(system_prompt: str, tools: Sequence[Mapping[str, Any]]) -> str:
+    if not isinstance(system_prompt, str):
+        raise InvalidInput(f"the system prompt must be a string, got {type(system_prompt).__name__}")
+    if isinstance(tools, (str, bytes, Mapping)) or not all(isinstance(t, Mapping) for t in tools):
+        # A string would be rendered one character per "schema".
+        raise InvalidInput("tools must be a list of tool schemas (JSON objects)",
+                           hint='e.g. [{"name": "get_weather", "parameters": {...}}]')
     if not tools:
         return system_prompt
     # Canonical JSON: the same schemas always give the same bytes, whatever dict order the caller used.

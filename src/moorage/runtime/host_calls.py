@@ -276,6 +276,8 @@ class GuestCalls:
                           "score": h.score} for h in hits]}
 
     async def memory_facts(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(p.get("subject"), (str, type(None))):
+            raise InvalidInput(f"ctx.memory.facts needs subject as a string, got {type(p['subject']).__name__}")
         facts = await asyncio.to_thread(self.rt.memory(b.ts).semantic.recall, b.user_scope, subject=p.get("subject"))
         return {"facts": [{"subject": f.subject, "attribute": f.attribute, "value": f.value, "text": f.text,
                            "trust": f.trust, "since": f.valid_from} for f in facts]}
@@ -294,7 +296,9 @@ class GuestCalls:
         return {"action": ch.action, "status": ch.fact.status}
 
     async def memory_context(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        msgs = await asyncio.to_thread(self.rt.working_memory_input, b, str(p.get("message") or ""),
+        if not isinstance(p.get("message"), str):  # None or a number would become the user's turn "None" or ""
+            raise InvalidInput(f"ctx.memory.context needs message as a string, got {type(p.get('message')).__name__}")
+        msgs = await asyncio.to_thread(self.rt.working_memory_input, b, p["message"],
                                        p.get("system") or "", p.get("tools") or [])
         return {"messages": msgs}
 
