@@ -395,3 +395,26 @@ async def test_a_trace_draws_each_span_under_its_own_parent(live_rt, store: Stor
     assert names == ["POST /v1/agents/{agent}/invoke", "fetch a", "dns a", "fetch b"]
     pads = [await labels.nth(i).evaluate("e => e.style.paddingLeft") for i in range(4)]
     assert pads == ["0px", "14px", "28px", "14px"]
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_recent_traces_list_turns_not_the_dashboards_own_reads(live_rt, acme: str, tmp_path: Path,
+                                                                     browser_context):
+    turns = await _deploy(live_rt, acme, tmp_path, ("alice", "hello"), ("bob", "hi"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    # An operator looks around: every view reads the API, and every read is a trace of its own.
+    for _ in range(3):
+        for view in ("#/user/echo/alice", "#/user/echo/bob", "#/fleet"):
+            await page.goto(f"{live_rt.url}/ui/{view}")
+            await page.wait_for_selector(f"body[data-loaded={'fleet' if view == '#/fleet' else 'user'}]")
+    async with aclient(live_rt, acme) as c:  # and a script polls the fleet, 600 times
+        for _ in range(600):
+            assert (await c.get("/v1/fleet")).status_code == 200
+    await page.reload()
+    await page.wait_for_selector("body[data-loaded=fleet]")
+    names = await page.locator("#traces-table a.trace-link").all_inner_texts()
+    assert not [n for n in names if n.startswith("GET ")], names
+    hrefs = await page.locator("#traces-table a.trace-link").evaluate_all("links => links.map(a => a.getAttribute('href'))")
+    assert {f"#/trace/{t['trace_id']}" for t in turns} <= set(hrefs)
+    assert "POST /v1/agents/{agent}/invoke" in names

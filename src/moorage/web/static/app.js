@@ -158,7 +158,7 @@ function userLink(agent, user) {
 async function fleetView() {
   const [fleet, spans, waiting] = await Promise.all([
     api("/v1/fleet"),
-    api("/v1/traces?limit=500"),
+    recentTraces(),
     api("/v1/workflows?status=waiting&limit=50"),
   ]);
   const cost = fleet.cost;
@@ -200,7 +200,7 @@ async function fleetView() {
       : empty("No instances yet: invoke an agent to start one."),
     fleet.truncated ? el("p.hint", {}, "Showing the most recently active instances only.") : null);
 
-  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting)), tracesPanel(spans.data)];
+  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting)), tracesPanel(spans)];
 }
 
 function card(label, value, cls, sub) {
@@ -218,10 +218,14 @@ function waitingPanel(listing) {
     listing.next_cursor ? el("p.hint", {}, `The ${items.length} waiting longest are shown; more are waiting (each user's page lists theirs).`) : null);
 }
 
-function tracesPanel(spans) {
-  // Group recent spans by trace; a trace's row is named after its root span (the request).
+// Recent spans grouped by trace; a trace's row is named after its root span (the request).
+function groupTraces(spans) {
   const traces = new Map();
+  const seen = new Set();
   for (const s of spans) {
+    // Pages are offsets into a list that grows while they are read: a span can come twice.
+    if (seen.has(s.span_id)) continue;
+    seen.add(s.span_id);
     const t = traces.get(s.trace_id) || { id: s.trace_id, spans: 0, start: Infinity, end: -Infinity, root: null };
     t.spans += 1;
     t.start = Math.min(t.start, s.start_ts);
@@ -229,13 +233,37 @@ function tracesPanel(spans) {
     if (!s.parent_id) t.root = s;
     traces.set(s.trace_id, t);
   }
-  const rows = [...traces.values()].sort((a, b) => b.start - a.start).slice(0, 15).map((t) => el("tr", {},
+  return [...traces.values()];
+}
+
+// A read that did nothing else (one GET span): the dashboard's own requests are these, and they would fill the list.
+const isPlainRead = (t) => t.spans === 1 && t.root !== null && /^(GET|HEAD) /.test(t.root.name);
+const TRACES_SHOWN = 15;
+
+// The newest spans (newest first), page after page until the traces shown are there: each view of this page
+// records a few reads of its own, which must not push turns and changes out of the list.
+async function recentTraces() {
+  const spans = [];
+  let cursor = null;
+  for (let i = 0; i < 4; i++) {
+    const page = await api(`/v1/traces?limit=500${cursor ? `&cursor=${enc(cursor)}` : ""}`);
+    spans.push(...page.data);
+    cursor = page.next_cursor;
+    if (!cursor || groupTraces(spans).filter((t) => !isPlainRead(t)).length > TRACES_SHOWN) break;
+  }
+  return spans;
+}
+
+function tracesPanel(spans) {
+  const traces = groupTraces(spans).filter((t) => !isPlainRead(t));
+  const rows = traces.sort((a, b) => b.start - a.start).slice(0, TRACES_SHOWN).map((t) => el("tr", {},
     el("td", {}, el("a.trace-link", { href: `#/trace/${enc(t.id)}` }, t.root ? t.root.name : t.id.slice(0, 16))),
     el("td", { title: fmtTime(t.start) }, ago(t.start)),
     el("td.num", {}, fmtMs((t.end - t.start) * 1000)),
     el("td.num", {}, t.spans)));
   return section("Recent traces", "traces",
-    rows.length ? table(["Trace", "Started", "Duration", "Spans"], rows, { id: "traces-table" }) : empty("No spans recorded yet."));
+    rows.length ? table(["Trace", "Started", "Duration", "Spans"], rows, { id: "traces-table" }) : empty("No spans recorded yet."),
+    el("p.hint", {}, "Plain reads (a GET and nothing else, such as this page's own requests) are not listed."));
 }
 
 async function userView(agent, user) {
