@@ -72,3 +72,24 @@ async def test_summarizer_writes_the_frozen_segment(tenant: TenantStore) -> None
         assert "Ada planned a trip to Bergen on 12 May" in outs[-1]
         assert all(len(json.loads(o)) >= 1 for o in outs)
         await gw.aclose()
+
+
+async def test_fact_extractor_falls_back_to_patterns_when_the_model_fails(tenant: TenantStore) -> None:
+    # With the provider down every turn failed (503 after the gateway's retries) and its message was lost.
+    from moorage.errors import UnavailableError
+
+    class Down:
+        async def complete(self, tenant_id, request, *, entity=None):  # noqa: ANN001, ANN202
+            raise UnavailableError("the model provider could not be reached")
+
+    class NoJson:
+        async def complete(self, tenant_id, request, *, entity=None):  # noqa: ANN001, ANN202
+            class R:
+                text = "Sure! Here are the facts: the user lives in Lisbon."
+            return R()
+
+    loop = asyncio.get_running_loop()
+    for gw in (Down(), NoJson()):
+        extractor = GatewayFactExtractor(gw, tenant.tenant_id, loop)  # type: ignore[arg-type]
+        got = await asyncio.to_thread(extractor.extract, "I live in Lisbon.", speaker="user")
+        assert [(c.attribute, c.value, c.inferred) for c in got] == [("lives_in", "Lisbon", False)]

@@ -14,7 +14,7 @@ from moorage.errors import InvalidInput
 from moorage.llm.gateway import LLMGateway
 from moorage.llm.types import ChatRequest, Message, ResponseFormat
 from moorage.log import get_logger
-from moorage.memory.extraction import FactCandidate
+from moorage.memory.extraction import FactCandidate, PatternExtractor
 from moorage.memory.tokens import TokenCounter
 
 log = get_logger(__name__)
@@ -105,6 +105,8 @@ class GatewayFactExtractor:
     def __init__(self, gateway: LLMGateway, tenant_id: str, loop: LoopSource, *,
                  entity: Mapping[str, str] | None = None) -> None:
         self._call = _GatewayCall(gateway, tenant_id, loop, entity)
+        #: What extracts when the model cannot: a turn never fails, or loses its message, for want of a model.
+        self.fallback = PatternExtractor()
 
     def extract(self, text: str, *, speaker: str | None = None) -> list[FactCandidate]:
         if not text.strip():
@@ -116,12 +118,17 @@ class GatewayFactExtractor:
              Message.user(text)],
             response_format=ResponseFormat(_FACTS_SCHEMA, "facts"), max_tokens=256, temperature=0.0,
         )
-        raw = self._call.complete(request)
+        try:
+            raw = self._call.complete(request)
+        except Exception as e:  # noqa: BLE001 - the provider down, a timeout, a limit: the patterns extract instead
+            log.warning("fact extractor's model call failed; facts extracted by patterns instead",
+                        error=type(e).__name__, detail=str(e)[:200])
+            return self.fallback.extract(text, speaker=speaker)
         try:
             items = json.loads(raw).get("facts", [])
         except (ValueError, AttributeError):
-            log.warning("fact extractor got no JSON from the model; nothing recorded", chars=len(raw))
-            return []
+            log.warning("fact extractor got no JSON from the model; facts extracted by patterns instead", chars=len(raw))
+            return self.fallback.extract(text, speaker=speaker)
         out: list[FactCandidate] = []
         lowered = text.lower()
         for it in items[:MAX_FACTS_PER_TEXT]:
