@@ -292,6 +292,11 @@ async def test_an_agent_with_one_instance_per_session_says_it_has_no_timeline(li
     # Two turns went by: "one is taken after every turn" would be untrue here.
     assert "one instance per session" in text and "after every turn" not in text, text
     assert await page.locator("#sessions tbody tr").count() == 2
+    # The fleet has one instance per session of sam's: each row says which session it is.
+    await page.goto(f"{live_rt.url}/ui/#/fleet")
+    await page.wait_for_selector("body[data-loaded=fleet]")
+    rows = await page.locator("#instances-table tbody tr", has_text="sam").all_inner_texts()
+    assert len(rows) == 2 and any("session s1" in r for r in rows) and any("session s2" in r for r in rows), rows
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)

@@ -187,7 +187,8 @@ async function fleetView() {
   const rows = fleet.instances.map((i) => el("tr", { dataset: { instance: i.id } },
     el("td.mono", { title: i.id }, i.id.slice(0, 12)),
     el("td", {}, i.agent_id),
-    el("td", {}, i.user ? userLink(i.agent_id, i.user) : "—"),
+    // An agent with one instance per session has several rows per user: the session tells them apart.
+    el("td", {}, i.user ? userLink(i.agent_id, i.user) : "—", i.session ? el("span.sub.session", {}, ` · session ${i.session}`) : null),
     el("td", {}, badge(i.state)),
     el("td", { title: fmtTime(i.last_active) }, ago(i.last_active)),
     el("td.num", {}, fmtMs(i.last_wake_ms)),
