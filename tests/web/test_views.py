@@ -376,6 +376,7 @@ async def on_message(ctx, message):
         await page.goto(f"{live_rt.url}/ui/#/user/ask/{user}")
         await page.wait_for_selector(f"body[data-loaded=user] .pagehead h1:has-text('{user}')")
         seen[user] = (await page.inner_text("#approvals .question")).strip()
+        assert (await page.inner_text("#checkpoints .hint")).startswith("1 checkpoint · ")  # one turn so far
     assert seen == {"text": "Ship the release?", "nested": '{"what":"deploy","to":"prod"}', "plain": "Refund 12.50?"}
 
 

@@ -453,7 +453,7 @@ function checkpointsPanel(agent, user, listing, agentInfo) {
       el("h3", {}, `${label}${from} · ${cks.length} checkpoint${cks.length === 1 ? "" : "s"}`),
       cks.length ? el("ol.checkpoints", {}, cks.map((c) => row(c, b))) : empty("No checkpoint on this branch yet."));
   });
-  const stats = el("p.hint", {}, `${listing.data.length} checkpoints · store ${fmtBytes(listing.store_bytes)}`
+  const stats = el("p.hint", {}, `${listing.data.length} checkpoint${listing.data.length === 1 ? "" : "s"} · store ${fmtBytes(listing.store_bytes)}`
     + ` · sandbox ${fmtBytes(listing.sandbox_bytes)} · retention keeps the newest turns, one a day, named ones and every branch's tip.`);
   return section(title, "checkpoints", stats, notice, message, groups);
 }
