@@ -424,3 +424,22 @@ async def test_recent_traces_list_turns_not_the_dashboards_own_reads(live_rt, ac
     hrefs = await page.locator("#traces-table a.trace-link").evaluate_all("links => links.map(a => a.getAttribute('href'))")
     assert {f"#/trace/{t['trace_id']}" for t in turns} <= set(hrefs)
     assert "POST /v1/agents/{agent}/invoke" in names
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_timeline_with_automatic_checkpoints_off_says_so(live_rt, acme: str, tmp_path: Path, browser_context):
+    from tests.timetravel.conftest import tt_archive
+
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/tt/deployments", headers={"content-type": "application/gzip"},
+                         content=tt_archive(tmp_path, manifest="[agent.timetravel]\nauto = false\n"))
+        assert r.status_code == 201, r.text
+        for i in (1, 2):
+            assert (await c.post("/v1/agents/tt/invoke", json={"message": f"turn {i}", "user": "carol"})).status_code == 200
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/tt/carol")
+    await page.wait_for_selector("body[data-loaded=user]")
+    text = await page.inner_text("#checkpoints")
+    # Two turns went by without a checkpoint: "one is taken after every turn" would be untrue here.
+    assert "auto = false" in text and "after every turn" not in text, text

@@ -293,6 +293,13 @@ async function userView(agent, user) {
   const logs = [userEvents, ...perSession];
   const byTime = (a, b) => a.ts - b.ts || a.id - b.id;
   const events = { data: logs.flatMap((p) => p.data).sort(byTime) };
+  // An empty timeline: say why when the live deployment turned automatic checkpoints off.
+  let autoOff = false;
+  if (!checkpoints.error && !checkpoints.data.length && agentInfo.live_deployment) {
+    const deployments = await apiAll(`/v1/agents/${enc(agent)}/deployments?limit=500`, 4);
+    const live = deployments.data.find((d) => d.id === agentInfo.live_deployment);
+    autoOff = Boolean(live && live.manifest && live.manifest.timetravel && live.manifest.timetravel.auto === false);
+  }
   const mine = waiting.data.filter((r) => parseScope(r.scope).user === user);
   // The question of an interrupt is in its waiting step's payload, so each waiting run is read in full.
   const details = await Promise.all(mine.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
@@ -341,7 +348,7 @@ async function userView(agent, user) {
     })) : empty("Nothing is waiting for this user."));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
-    checkpointsPanel(agent, user, checkpoints, agentInfo)];
+    checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff)];
 }
 
 // What the last change from the timeline did (links to new users): shown once, by the view that change re-rendered,
@@ -350,7 +357,7 @@ let timelineNotice = null;
 
 // The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
 // turn did, where the instance is now, and buttons to roll back to one or fork it into new users.
-function checkpointsPanel(agent, user, listing, agentInfo) {
+function checkpointsPanel(agent, user, listing, agentInfo, autoOff) {
   const title = "Timeline (checkpoints)";
   const lifecycle = (agentInfo && agentInfo.config && agentInfo.config.lifecycle) || {};
   if (lifecycle.scope === "session") {
@@ -359,7 +366,12 @@ function checkpointsPanel(agent, user, listing, agentInfo) {
       + "timeline for per-user instances only ([agent] scope = \"user\")."));
   }
   if (listing.error) return section(title, "checkpoints", el("p.error", {}, `No timeline: ${listing.error}`));
-  if (!listing.data.length) return section(title, "checkpoints", empty("No checkpoints yet: one is taken after every turn."));
+  if (!listing.data.length) {
+    return section(title, "checkpoints", empty(autoOff
+      ? `No checkpoints: agent ${agent} takes none after its turns ([agent.timetravel] auto = false); those asked for `
+        + "(API, CLI, ctx.checkpoint) are listed here."
+      : "No checkpoints yet: one is taken after every turn."));
+  }
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}/checkpoints`;
   const bySeq = new Map(listing.data.map((c) => [c.id, c.seq]));
   const ref = (id) => (bySeq.has(id) ? `#${bySeq.get(id)}` : (id || "").slice(0, 10));
