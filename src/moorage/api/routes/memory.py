@@ -81,9 +81,9 @@ def list_facts(call: Call) -> dict[str, Any]:
                        parse_limit(call.query("limit")), call.query("cursor"), S.fact)
 
 
-def _user_of_agent(call: Call, scope: Scope) -> None:
+def _user_of_agent(call: Call, scope: Scope) -> bool:
     """404 unless the path's user is one of the agent's end-users, as for a turn (``Router.resolve``): a typo of a
-    user id must not become memory of nobody. An agent with ``lifecycle.users = "auto"`` gains the user."""
+    user id must not become memory of nobody. True: an agent with ``lifecycle.users = "auto"`` is to gain the user."""
     from moorage.lifecycle.config import AgentLifecycle
 
     agent, user = agent_of(call), scope.user
@@ -92,7 +92,8 @@ def _user_of_agent(call: Call, scope: Scope) -> None:
             raise NotFound(f"agent {agent.name!r} has no user {user!r}",
                            hint=f"create the end-user first (PUT /v1/agents/{agent.name}/users/{user}), "
                                 "or set lifecycle.users = \"auto\" on the agent")
-        call.tenant.agent_users.put(agent.name, user)
+        return True
+    return False
 
 
 def add_fact(call: Call) -> Reply:
@@ -104,10 +105,12 @@ def add_fact(call: Call) -> Reply:
         if not v.strip():
             raise InvalidInput(f"{name} must not be empty")
     text = call.field("text", str, required=False) or f"{subject} {attribute}: {value}"
-    with call.tenant.transaction():  # the user registered (an "auto" agent) only with the fact
-        _user_of_agent(call, scope)
-        change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text),
-                                                    origin="user", evidence=[f"api:{call.trace_id}"])
+    register = _user_of_agent(call, scope)
+    # Its own transaction (its retry on a race must not join an outer one); the user registered only with the fact.
+    change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text), origin="user",
+                                                evidence=[f"api:{call.trace_id}"])
+    if register:
+        call.tenant.agent_users.put(scope.agent, scope.user)
     return Reply({"action": change.action, "fact": S.fact(change.fact),
                   "previous": S.fact(change.previous) if change.previous else None}, 201)
 
