@@ -210,3 +210,27 @@ def test_a_name_given_with_called_or_named_is_the_value() -> None:
     got = [(c.attribute, c.value) for t in ("My cat is called Miso.", "my dog is named Biscuit", "The user's boat is named Sea Otter.")
            for c in PatternExtractor().extract(t)]
     assert got == [("cat", "Miso"), ("dog", "Biscuit"), ("boat", "Sea Otter")]
+
+
+def test_a_raced_write_inside_a_callers_transaction_is_not_retried_into_it(tenant: TenantStore, monkeypatch) -> None:
+    # The retry ran in the caller's transaction, next to the first attempt's new row: two current values.
+    from moorage.errors import ConflictError
+
+    mem = SemanticMemory(tenant)
+    mem.record(ALICE, FactCandidate("user", "city", "Lisbon", ""), origin="user")
+    real, raced = tenant.facts.close, []
+
+    def close_raced_once(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        if not raced:
+            raced.append(1)
+            raise ConflictError("fact changed")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tenant.facts, "close", close_raced_once)
+    with pytest.raises(ConflictError):
+        with tenant.transaction():
+            mem.record(ALICE, FactCandidate("user", "city", "Porto", ""), origin="user")
+    assert [f.value for f in tenant.facts.current(ALICE, "user", "city")] == ["Lisbon"]
+    raced.clear()
+    assert mem.record(ALICE, FactCandidate("user", "city", "Porto", ""), origin="user").action == "superseded"  # own tx: retried
+    assert [f.value for f in tenant.facts.current(ALICE, "user", "city")] == ["Porto"]

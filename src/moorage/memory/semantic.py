@@ -94,12 +94,14 @@ class SemanticMemory:
             if not str(getattr(candidate, name)).strip():
                 # A fact nobody can look up (or one that says nothing) is refused before anything is written.
                 raise InvalidInput(f"a fact's {name} must not be empty", hint="pass the subject, attribute and value")
+        # Inside a caller's transaction a retry would run next to the failed attempt's writes: the caller retries.
+        joined = self.ts.ambient() is not None
         for attempt in (1, 2):
             try:
                 with self.ts.transaction():
                     return self._record(scope, candidate, origin, [str(e) for e in evidence], valid_from)
             except ConflictError:
-                if attempt == 2:
+                if attempt == 2 or joined:
                     raise
                 log.info("fact write raced, retrying", scope=scope.key, attribute=candidate.attribute)
         raise AssertionError("unreachable")
