@@ -49,6 +49,7 @@ def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restor
     not known, its sandbox is not on this host). ``in_history``: one of the points the instance's current state
     grew from (``lineage``; on an earlier branch after a rollback), as opposed to an abandoned branch's."""
     d = asdict(ck)
+    del d["event_ranges"]  # which event ids the lineage holds: the store's bookkeeping, not the API's
     d["object"] = "checkpoint"
     d["current_branch"] = ck.branch == current_branch
     d["in_history"] = (ck.branch == current_branch) if in_history is None else in_history
