@@ -17,6 +17,10 @@ from moorage.api.routing import Endpoint
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
 
 
+#: A redirect answers no body, only where to go.
+_REDIRECT = {"description": "a redirect to the URL in Location", "headers": {"Location": {"schema": {"type": "string"}}}}
+
+
 def _operation(ep: Endpoint) -> dict[str, Any]:
     params: list[dict[str, Any]] = [
         {"name": n, "in": "path", "required": True, "schema": S.ID if n in ("agent", "user") else {"type": "string", "minLength": 1}}
@@ -37,8 +41,10 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         "tags": [ep.tag],
         "parameters": params,
         "responses": {
-            str(ep.status): {"description": "success", "content": content},
-            **{str(status): {"description": "success", "content": {"application/json": {"schema": schema}}}
+            str(ep.status): _REDIRECT if 300 <= ep.status < 400 else {"description": "success", "content": content},
+            # A schema of None: the status has no body (e.g. 202 to a notification).
+            **{str(status): {"description": "success",
+                             **({"content": {"application/json": {"schema": schema}}} if schema is not None else {})}
                for status, schema in ep.other_responses},
             "default": {"description": "an error (RFC 9457 problem)",
                         "content": {"application/problem+json": {"schema": S.ref("Problem")}}},

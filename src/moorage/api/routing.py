@@ -142,8 +142,8 @@ class Endpoint:
     #: The route may answer ``text/event-stream`` instead of JSON.
     streams: bool = False
     idempotency: Idempotency = "http"
-    #: Other success statuses the route may answer, with their JSON schema (documented in OpenAPI).
-    other_responses: tuple[tuple[int, dict[str, Any]], ...] = ()
+    #: Other success statuses the route may answer, with their JSON schema (documented in OpenAPI; None: no body).
+    other_responses: tuple[tuple[int, dict[str, Any] | None], ...] = ()
     #: Response fields holding a secret shown once: a replay returns them as null (the journal never keeps them).
     secret_fields: tuple[str, ...] = ()
 

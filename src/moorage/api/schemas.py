@@ -39,8 +39,10 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "Problem": obj({"type": STR, "title": STR, "status": INT, "detail": STR, "hint": NSTR, "trace_id": NSTR},
                    ["type", "title", "status", "detail"]),
     "Tenant": obj({"id": STR, "name": STR, "created_at": NUM}),
-    "ApiKey": obj({"id": STR, "scopes": {"type": "array", "items": STR}, "label": STR, "created_at": NUM,
-                   "revoked_at": NNUM, "secret": NSTR}, ["id", "scopes", "label", "created_at", "revoked_at"]),
+    # agent: the one agent a key is limited to (null: every agent of the tenant).
+    "ApiKey": obj({"id": STR, "scopes": {"type": "array", "items": STR}, "label": STR, "agent": NSTR,
+                   "created_at": NUM, "revoked_at": NNUM, "secret": NSTR},
+                  ["id", "scopes", "label", "agent", "created_at", "revoked_at"]),
     "Agent": obj({"id": STR, "name": STR, "config": OBJ, "live_deployment": NSTR, "created_at": NUM,
                   "updated_at": NUM, "version": INT}),
     "Deployment": obj({"id": STR, "agent_id": STR, "number": INT, "manifest": OBJ, "package_sha256": STR,
@@ -67,13 +69,19 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "Span": obj({"trace_id": STR, "span_id": STR, "parent_id": NSTR, "name": STR, "start_ts": NUM, "end_ts": NNUM,
                  "status": STR, "attrs": OBJ, "scope": NSTR}),
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
-    "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM}),
+    # days: with ?group=day only, the totals of each UTC day that had usage, oldest first.
+    "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM,
+                  "days": {"type": "array", "items": obj({"day": {"type": "string", "format": "date"},
+                                                          "totals": {"type": "object", "additionalProperties": NUM}})}},
+                 ["since", "totals", "cost_usd"]),
     # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.
     "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]},
                        "reply": {"description": "the agent's answer: text or any JSON value; null while waiting"},
                        "interrupt": ANY, "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
     "Forgotten": obj({"agent": STR, "user": STR, "removed": INT, "deleted": {"type": "boolean"}}),
-    "Result": OBJ,
+    # A JSON-RPC 2.0 response of the MCP server (docs/mcp.md): a result, or an error, for the request's id.
+    "McpResponse": obj({"jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer", "null"]}, "result": OBJ,
+                        "error": obj({"code": INT, "message": STR, "data": ANY}, ["code", "message"])}, ["jsonrpc", "id"]),
 }
 
 
@@ -81,7 +89,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
 
 
 def key(k: ApiKey) -> dict[str, Any]:
-    return {"id": k.id, "scopes": sorted(k.scopes), "label": k.label, "created_at": k.created_at,
+    return {"id": k.id, "scopes": sorted(k.scopes), "label": k.label, "agent": k.agent, "created_at": k.created_at,
             "revoked_at": k.revoked_at, "secret": k.secret}
 
 

@@ -146,7 +146,11 @@ ENDPOINTS = [
              body=S.obj({"model": S.ID, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                          "stream": {"type": "boolean"}, "user": S.ID}, ["model", "messages"]),
              response=S.obj({"id": S.STR, "object": S.STR, "created": S.INT, "model": S.STR,
-                             "choices": {"type": "array"}, "usage": S.OBJ}, ["id", "object", "choices"])),
+                             "choices": {"type": "array"}, "usage": S.OBJ,
+                             # moorage's own: the turn's status, its question while it waits, its trace and run.
+                             "moorage": S.obj({"status": {"enum": ["done", "waiting"]}, "interrupt": S.ANY,
+                                               "trace_id": S.NSTR, "run_id": S.NSTR})},
+                            ["id", "object", "choices"])),
     Endpoint("GET", "/v1/models", list_models, "OpenAI-compatible model list (one model per agent)", "openai",
              "listModels", scope="invoke", also_scopes=("read",), end_user=True, agent_checked=True,
              response=S.obj({"object": S.STR, "data": {"type": "array", "items": S.OBJ}})),

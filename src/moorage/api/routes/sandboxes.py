@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, forward_if_awake_elsewhere
+from moorage.api.routes.checkpoints import FORK, ROLLBACK
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, UnavailableError
@@ -175,6 +176,15 @@ EXEC_RESULT = S.obj({"object": S.STR, "sandbox_id": S.STR, "argv": {"type": "arr
                      "timed_out": {"type": "boolean"}, "stdout": S.STR, "stderr": S.STR,
                      "truncated": {"type": "boolean"}, "duration_s": S.NUM})
 
+#: What each verb answers: sleep and wake the sandbox's; checkpoint, rollback and fork the whole instance's.
+VERB_RESULT = {
+    "sleep": S.obj({"id": S.STR, "slept": {"type": "boolean"}}),
+    "wake": S.obj({"id": S.STR, "state": S.STR}),
+    "checkpoint": S.obj({"id": S.STR, "checkpoint": S.STR, "name": S.NSTR, "agent": S.STR, "user": S.STR}),
+    "rollback": S.obj({"id": S.STR, **ROLLBACK["properties"]}),
+    "fork": S.obj({"id": S.STR, **FORK["properties"]}),
+}
+
 ENDPOINTS = [
     Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
              query=(*PAGE, Param("state", S.STR), Param("agent", S.STR)), response=S.page_of("Sandbox")),
@@ -183,7 +193,7 @@ ENDPOINTS = [
                body=S.obj({"checkpoint": S.STR, "label": S.STR,
                            **({"to_user": S.STR, "to_users": {"type": "array", "items": S.STR, "minItems": 1,
                                                               "maxItems": 16}} if verb == "fork" else {})}, []),
-               response=S.ref("Result"))
+               response=VERB_RESULT[verb])
       for verb in VERBS],
     Endpoint("GET", f"{_BOX}/files", list_files, "List a directory inside the sandbox", "sandboxes",
              "listSandboxFiles", scope="deploy", query=(PATH,),

@@ -1,0 +1,354 @@
+"""A realistic walk through the success path of (nearly) every operation with the real runtime: each answer's
+status is one the operation documents, its content type is documented for that status, its body validates against
+the documented schema, and every top-level field it has is named there (an undocumented field is how a client
+generated from /openapi.json breaks). Every mismatch is collected and reported in one assertion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.api.conftest import aclient
+
+REPO_SPEC = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
+
+#: Operations the walk does not reach, each with why.
+NOT_WALKED = {
+    # Methods of an app's own HTTP server, relayed as the app answers them (GET and POST are walked).
+    "appPut": "relayed to the agent's app like appPost",
+    "appPatch": "relayed to the agent's app like appPost",
+    "appDelete": "relayed to the agent's app like appPost",
+    "appOptions": "relayed to the agent's app like appPost",
+    "sharedPut": "relayed to the agent's app like sharedPost",
+    "sharedPatch": "relayed to the agent's app like sharedPost",
+    "sharedDelete": "relayed to the agent's app like sharedPost",
+    "sharedOptions": "relayed to the agent's app like sharedPost",
+}
+
+# One agent does everything the walk needs: a JSON reply, a question for a human, and an app on port 8080.
+AGENT = '''
+import http.server, json, threading
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, body, ctype):
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, json.dumps({"path": self.path}).encode(), "application/json")
+
+    def do_POST(self):
+        data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(200, json.dumps({"len": len(data)}).encode(), "application/json")
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve():
+    http.server.ThreadingHTTPServer.allow_reuse_address = True
+    try:
+        http.server.ThreadingHTTPServer(("127.0.0.1", 8080), Handler).serve_forever()
+    except OSError:
+        pass
+
+
+threading.Thread(target=_serve, daemon=True).start()
+
+
+async def on_message(ctx, message):
+    if message == "json":
+        return {"said": message, "words": [1, 2]}
+    if message == "approve":
+        draft = await ctx.step("draft", lambda: "draft-1")
+        answer = await ctx.interrupt({"question": "ship it?", "draft": draft})
+        return f"{draft} -> {answer}"
+    if message.startswith("stream "):
+        for word in message[len("stream "):].split():
+            await ctx.emit("token", word + " ")
+        return "streamed"
+    return "echo: " + message
+'''
+
+
+def _archive(tmp_path: Path, version: str) -> bytes:
+    import io
+    import tarfile
+
+    root = tmp_path / f"walk-src{version}"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "moorage.toml").write_text('[agent]\nname = "walk"\nentry = "agent.py"\nports = [8080]\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(AGENT.replace("echo: ", f"echo{version}: "))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(root.iterdir()):
+            tar.add(p, arcname=p.name)
+    return buf.getvalue()
+
+
+class Walk:
+    """Calls operations by their documented path and checks each answer against the document."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.mismatches: list[str] = []
+        self.walked: set[str] = set()
+        self.templates: list[tuple[re.Pattern[str], str]] = []
+        for template in spec["paths"]:
+            parts = re.split(r"({[^}]+})", template)
+            rx = "".join(".+" if p == "{path}" else "[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+            self.templates.append((re.compile(f"^{rx}$"), template))
+        # The most specific template first (fewest parameters), as a router would match literal segments first.
+        self.templates.sort(key=lambda t: (t[1].count("{"), -len(t[1])))
+
+    def resolve(self, schema: dict[str, Any]) -> dict[str, Any]:
+        while "$ref" in schema:
+            schema = self.spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+        return schema
+
+    def operation(self, method: str, path: str) -> tuple[str, dict[str, Any]]:
+        for rx, template in self.templates:
+            if rx.match(path) and method.lower() in self.spec["paths"][template]:
+                return template, self.spec["paths"][template][method.lower()]
+        raise AssertionError(f"{method} {path} is no documented operation")
+
+    def unnamed(self, body: Any, schema: dict[str, Any], where: str = "") -> list[str]:
+        """Fields of ``body`` its schema does not name: at the top level always (a schema naming no field, other
+        than one documented as whatever an app answers, names none), and below it inside documented objects."""
+        schema = self.resolve(schema)
+        for key in ("oneOf", "anyOf"):
+            if key in schema:
+                for branch in schema[key]:  # the branch the body is (a body no branch fits is reported already)
+                    if jsonschema.Draft202012Validator({**branch, "components": self.spec["components"]}).is_valid(body):
+                        return self.unnamed(body, branch, where)
+                return []
+        out: list[str] = []
+        if isinstance(body, dict):
+            props = schema.get("properties")
+            if props is None and (where or "type" not in schema or schema.get("additionalProperties")):
+                return []  # a free-form object inside a documented one (meta, config), or an app's own answer
+            extra = set(body) - set(props or {})
+            if extra and not schema.get("additionalProperties"):
+                out.append(f"{where or '(body)'} has fields the schema does not name: {sorted(extra)}")
+            for name, sub in (props or {}).items():
+                if name in body:
+                    out += self.unnamed(body[name], sub, f"{where}/{name}" if where else name)
+        elif isinstance(body, list) and isinstance(schema.get("items"), dict):
+            for item in body:
+                out += self.unnamed(item, schema["items"], f"{where}/*")
+        return out
+
+    def check(self, r: httpx.Response, method: str, path: str) -> None:
+        template, op = self.operation(method, path)
+        label = f"{op['operationId']} ({method} {template})"
+        self.walked.add(op["operationId"])
+        documented = {k: v for k, v in op["responses"].items() if k != "default"}
+        if r.status_code >= 400:
+            self.mismatches.append(f"{label}: answered {r.status_code}, not a success: {r.text[:300]}")
+            return
+        if str(r.status_code) not in documented:
+            self.mismatches.append(f"{label}: answered {r.status_code}, documents {sorted(documented)}")
+            return
+        content = documented[str(r.status_code)].get("content", {})
+        ctype = r.headers.get("content-type", "").split(";")[0].strip()
+        if not content:
+            if r.content:
+                self.mismatches.append(f"{label}: {r.status_code} documents no body, answered {ctype or 'a body'}")
+            return
+        if ctype not in content:
+            self.mismatches.append(f"{label}: {r.status_code} answered content type {ctype!r}, documents {sorted(content)}")
+            return
+        if ctype != "application/json":
+            return
+        body = r.json()
+        schema = content[ctype]["schema"]
+        try:
+            jsonschema.validate(body, {**schema, "components": self.spec["components"]})
+        except jsonschema.ValidationError as e:
+            where = "/".join(str(p) for p in e.absolute_path) or "(body)"
+            self.mismatches.append(f"{label}: {r.status_code} body at {where}: {e.message[:300]}")
+        for problem in dict.fromkeys(self.unnamed(body, schema)):  # once per field path, not per list item
+            self.mismatches.append(f"{label}: {r.status_code} body {problem}")
+
+    async def __call__(self, c: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
+        r = await c.request(method, path, **kw)
+        self.check(r, method, path.split("?")[0])
+        return r
+
+
+async def _poll(c: httpx.AsyncClient, path: str, done: Any, timeout: float = 30) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        body = (await c.get(path)).json()
+        if done(body) or asyncio.get_running_loop().time() > deadline:
+            return body
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_path: Path) -> None:
+    spec = json.loads(REPO_SPEC.read_text())
+    w = Walk(spec)
+    gz = {"content-type": "application/gzip"}
+    A, U = "/v1/agents/walk", "/v1/agents/walk/users/ada"
+
+    async with aclient(live_rt) as anon, aclient(live_rt, live_rt.operator_token) as op:
+        await w(anon, "GET", "/healthz")
+        tenant = (await w(op, "POST", "/v1/tenants", json={"name": "walkers"})).json()
+        assert tenant["api_key"]["secret"]
+
+    async with aclient(live_rt, acme) as c:
+        # Keys.
+        key = (await w(c, "POST", "/v1/keys", json={"scopes": ["read"], "label": "ro", "agent": "walk"})).json()
+        await w(c, "GET", "/v1/keys")
+        await w(c, "DELETE", f"/v1/keys/{key['id']}")
+
+        # Deploy twice, list, roll back (the agent stays the same code with another reply prefix).
+        await w(c, "POST", f"{A}/deployments", content=_archive(tmp_path, ""), headers=gz)
+        await w(c, "POST", f"{A}/deployments", content=_archive(tmp_path, "2"), headers=gz)
+        await w(c, "GET", "/v1/agents")
+        await w(c, "GET", A)
+        await w(c, "GET", f"{A}/deployments")
+        await w(c, "POST", f"{A}/rollback", json={})
+        await w(c, "GET", "/v1/models")
+
+        # Users.
+        await w(c, "PUT", U, json={"metadata": {"plan": "pro"}})
+        await w(c, "PUT", U, json={"metadata": {"plan": "pro"}})
+        await w(c, "GET", U)
+        await w(c, "GET", f"{A}/users", params={"metadata.plan": "pro"})
+        tok = (await w(c, "POST", f"{U}/tokens", json={"ttl_s": 600})).json()["token"]
+
+        # Turns: plain, a JSON reply, streamed, through the chat facade, through MCP.
+        turn = (await w(c, "POST", f"{A}/invoke", json={"message": "hello", "user": "ada"})).json()
+        await w(c, "POST", f"{A}/invoke", json={"message": "json", "user": "ada", "session": "s1"})
+        await w(c, "POST", f"{A}/invoke?stream=true", json={"message": "stream a b", "user": "ada"})
+        await w(c, "POST", "/v1/chat/completions",
+                json={"model": "walk", "user": "ada", "messages": [{"role": "user", "content": "hi"}]})
+        await w(c, "POST", "/v1/chat/completions",
+                json={"model": "walk", "user": "ada", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        mcp_headers = {"accept": "application/json, text/event-stream", "x-moorage-user": "ada"}
+        await w(c, "POST", "/mcp/walk", headers=mcp_headers,
+                json={"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                      "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                                 "clientInfo": {"name": "walk", "version": "1"}}})
+        await w(c, "POST", "/mcp/walk", headers=mcp_headers,
+                json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+        await w(c, "POST", "/mcp/walk", headers=mcp_headers,
+                json={"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}})
+        async with aclient(live_rt, tok) as enduser:
+            await w(enduser, "POST", "/mcp", headers={"accept": "application/json, text/event-stream"},
+                    json={"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                          "params": {"name": "send_message", "arguments": {"message": "via mcp"}}})
+
+        # A turn that asks a human: the run waits, is listed and inspected, then answered.
+        waiting = (await w(c, "POST", f"{A}/invoke", json={"message": "approve", "user": "ada"})).json()
+        assert waiting["status"] == "waiting", waiting
+        await w(c, "GET", "/v1/workflows", params={"status": "waiting"})
+        await w(c, "GET", f"/v1/workflows/{waiting['run_id']}")
+        await w(c, "POST", f"/v1/workflows/{waiting['run_id']}/answer", json={"answer": "yes"})
+
+        # Async turns: one that finishes, one that waits and is cancelled.
+        ex = (await w(c, "POST", f"{A}/invoke?async=true", json={"message": "later", "user": "ada"})).json()
+        await _poll(c, f"/v1/executions/{ex['id']}", lambda b: b["status"] not in ("queued", "running"))
+        await w(c, "GET", f"/v1/executions/{ex['id']}")
+        ex2 = (await w(c, "POST", f"{A}/invoke", headers={"prefer": "respond-async"},
+                       json={"message": "approve", "user": "ada"})).json()
+        await _poll(c, f"/v1/executions/{ex2['id']}", lambda b: b["status"] not in ("queued", "running"))
+        await w(c, "GET", f"/v1/executions/{ex2['id']}")
+        await w(c, "POST", f"/v1/workflows/{ex2['id']}/cancel")
+
+        # Memory.
+        await w(c, "GET", f"{A}/sessions", params={"user": "ada"})
+        await w(c, "GET", f"{U}/events")
+        await w(c, "GET", f"{U}/events/search", params={"q": "hello"})
+        await w(c, "POST", f"{U}/facts", json={"subject": "ada", "attribute": "pet", "value": "Miso"})
+        await w(c, "GET", f"{U}/facts")
+
+        # Checkpoints of ada's instance.
+        await w(c, "GET", f"{U}/checkpoints")
+        ck = (await w(c, "POST", f"{U}/checkpoints", json={"name": "before"})).json()
+        await w(c, "POST", f"{A}/invoke", json={"message": "after the checkpoint", "user": "ada"})
+        await w(c, "POST", f"{U}/checkpoints/{ck['id']}/rollback", json={})
+        await w(c, "POST", f"{U}/checkpoints/{ck['id']}/fork", json={"to_user": "ada-copy"})
+
+        # Sandboxes.
+        boxes = (await w(c, "GET", "/v1/sandboxes", params={"agent": "walk"})).json()["data"]
+        sid = next(b["id"] for b in boxes if b["scope"].endswith("/ada"))
+        await w(c, "GET", f"/v1/sandboxes/{sid}")
+        await w(c, "POST", f"/v1/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", "echo hi > note.txt; pwd"]})
+        cwd = (await c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["pwd"]})).json()["stdout"].strip()
+        await w(c, "GET", f"/v1/sandboxes/{sid}/files", params={"path": cwd})
+        await w(c, "GET", f"/v1/sandboxes/{sid}/files/content", params={"path": f"{cwd}/note.txt"})
+        job = (await w(c, "POST", f"/v1/sandboxes/{sid}/exec", json={"argv": ["sleep", "30"], "detach": True})).json()
+        await w(c, "GET", f"/v1/executions/{job['id']}")
+        await w(c, "POST", f"/v1/executions/{job['id']}/cancel")
+        await w(c, "GET", f"/v1/executions/{job['id']}/output")
+        box_ck = (await w(c, "POST", f"/v1/sandboxes/{sid}/checkpoint", json={"label": "box"})).json()
+        await w(c, "POST", f"/v1/sandboxes/{sid}/rollback", json={"checkpoint": box_ck.get("checkpoint", "box")})
+        await w(c, "POST", f"/v1/sandboxes/{sid}/fork", json={"to_users": ["ada-box"]})
+        await w(c, "POST", f"/v1/sandboxes/{sid}/sleep", json={})
+        await w(c, "POST", f"/v1/sandboxes/{sid}/wake", json={})
+
+        # The agent's app, with the owner's key and through a share link.
+        await w(c, "GET", f"{U}/app", follow_redirects=False)
+        await w(c, "GET", f"{U}/app/status")
+        await w(c, "POST", f"{U}/app/items", json={"x": 1})
+        link = (await w(c, "POST", f"{U}/share-links", json={"ttl_s": 600, "label": "walk"})).json()
+        await w(c, "GET", f"{U}/share-links")
+        async with aclient(live_rt) as anon:
+            await w(anon, "GET", f"/v1/shared/{link['token']}", follow_redirects=False)
+            await w(anon, "GET", f"/v1/shared/{link['token']}/status")
+            await w(anon, "POST", f"/v1/shared/{link['token']}/items", json={"x": 1})
+        await w(c, "DELETE", f"{U}/share-links/{link['id']}")
+
+        # Secrets.
+        await w(c, "PUT", f"{A}/secrets/API_TOKEN", json={"value": "s3cret"})
+        await w(c, "GET", f"{A}/secrets")
+        await w(c, "DELETE", f"{A}/secrets/API_TOKEN")
+        await w(c, "PUT", f"{U}/secrets/OWN_TOKEN", json={"value": "mine"})
+        await w(c, "GET", f"{U}/secrets")
+        await w(c, "DELETE", f"{U}/secrets/OWN_TOKEN")
+
+        # Webhooks: one to a port nothing listens on, and a delivery of a turn's interrupt to it.
+        hook = (await w(c, "POST", f"{A}/webhooks", json={"url": "http://127.0.0.1:9/hook"})).json()
+        await w(c, "GET", f"{A}/webhooks")
+        await w(c, "GET", f"{A}/webhooks/{hook['id']}")
+        await w(c, "POST", f"{A}/invoke", json={"message": "approve", "user": "ada"})
+        deliveries = (await w(c, "GET", f"{A}/webhooks/{hook['id']}/deliveries")).json()["data"]
+        assert deliveries, "an interrupt.waiting delivery"
+        await w(c, "GET", f"{A}/webhooks/{hook['id']}/deliveries/{deliveries[0]['id']}")
+        await w(c, "POST", f"{A}/webhooks/{hook['id']}/deliveries/{deliveries[0]['id']}/replay")
+        await w(c, "DELETE", f"{A}/webhooks/{hook['id']}")
+
+        # Retention.
+        await w(c, "GET", "/v1/retention")
+        await w(c, "PUT", "/v1/retention", json={"ttl_s": {"session": 86400}})
+        await w(c, "GET", f"{A}/retention")
+        await w(c, "PUT", f"{A}/retention", json={"ttl_s": 3600})
+
+        # Usage, traces, fleet.
+        await w(c, "GET", "/v1/usage")
+        await w(c, "GET", "/v1/usage", params={"group": "day"})
+        await w(c, "GET", "/v1/traces", params={"limit": 5})
+        await w(c, "GET", f"/v1/traces/{turn['trace_id']}")
+        await w(c, "GET", "/v1/fleet")
+
+        # Last: forget a user.
+        await w(c, "DELETE", "/v1/agents/walk/users/ada-copy")
+
+    every = {op["operationId"] for ops in spec["paths"].values() for op in ops.values()}
+    assert every - w.walked - set(NOT_WALKED) == set(), "operations the walk does not reach (walk them, or say why not)"
+    assert w.mismatches == [], "answers that differ from /openapi.json:\n" + "\n".join(w.mismatches)
