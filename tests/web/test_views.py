@@ -443,3 +443,17 @@ async def test_a_timeline_with_automatic_checkpoints_off_says_so(live_rt, acme: 
     text = await page.inner_text("#checkpoints")
     # Two turns went by without a checkpoint: "one is taken after every turn" would be untrue here.
     assert "auto = false" in text and "after every turn" not in text, text
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_phone_sized_window_never_scrolls_sideways(live_rt, acme: str, tmp_path: Path, browser_context):
+    turns = await _deploy(live_rt, acme, tmp_path, ("alice", "hello"), ("alice", "approve"))
+    page = await browser_context.new_page()
+    await page.set_viewport_size({"width": 390, "height": 844})
+    await _sign_in(page, live_rt.url, acme)
+    for view, loaded in (("#/fleet", "fleet"), ("#/user/echo/alice", "user"), (f"#/trace/{turns[0]['trace_id']}", "trace")):
+        await page.goto(f"{live_rt.url}/ui/{view}")
+        await page.wait_for_selector(f"body[data-loaded={loaded}]")
+        assert await page.evaluate("document.documentElement.scrollWidth") <= 390, view
+        card = await page.locator(".card, .panel").first.bounding_box()
+        assert card["x"] >= 0 and card["x"] + card["width"] <= 390, view
