@@ -17,6 +17,9 @@ from moorage.api.routing import Endpoint
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
 
 
+#: An agent's app answers with its own statuses and content types; the route relays them as they are.
+_RELAYED = {f"{n}XX": {"description": "the agent's app's own answer, relayed as it is",
+                       "content": {"*/*": {"schema": {}}}} for n in (2, 3, 4, 5)}
 #: A redirect answers no body, only where to go.
 _REDIRECT = {"description": "a redirect to the URL in Location", "headers": {"Location": {"schema": {"type": "string"}}}}
 
@@ -41,7 +44,8 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
         "tags": [ep.tag],
         "parameters": params,
         "responses": {
-            str(ep.status): _REDIRECT if 300 <= ep.status < 400 else {"description": "success", "content": content},
+            **(_RELAYED if ep.relayed else {
+                str(ep.status): _REDIRECT if 300 <= ep.status < 400 else {"description": "success", "content": content}}),
             # A schema of None: the status has no body (e.g. 202 to a notification).
             **{str(status): {"description": "success",
                              **({"content": {"application/json": {"schema": schema}}} if schema is not None else {})}

@@ -27,6 +27,7 @@ from moorage.log import get_logger
 from moorage.observability.tracer import current_trace_id, use_trace_id
 from moorage.store import Principal, TenantStore
 from moorage.store.model import API_KEY_SCOPES
+from moorage.store.repos.journal import replay_mark
 
 if TYPE_CHECKING:
     from moorage.api.app import AppContext
@@ -144,6 +145,8 @@ class Endpoint:
     idempotency: Idempotency = "http"
     #: Other success statuses the route may answer, with their JSON schema (documented in OpenAPI; None: no body).
     other_responses: tuple[tuple[int, dict[str, Any] | None], ...] = ()
+    #: The answer is relayed as an agent's app gave it: any status, any content type (documented as such).
+    relayed: bool = False
     #: Response fields holding a secret shown once: a replay returns them as null (the journal never keeps them).
     secret_fields: tuple[str, ...] = ()
 
@@ -290,7 +293,7 @@ class Endpoint:
         request_sha = hashlib.sha256(raw).hexdigest()
         instances = getattr(call.ctx.runtime, "instances", None)
         mark = instances.claim_mark() if instances is not None else None
-        entry, created = await run_in_threadpool(ts.journal.claim, key, claimer=mark)
+        entry, created = await run_in_threadpool(ts.journal.claim, key, claimer=mark, step=self._about(call))
         if not created and entry.status == "pending" and mark is not None and \
                 await run_in_threadpool(instances.claim_abandoned, entry.result):
             # Its holder died with the request (a host crash or restart): the retry runs it instead of a 409 forever.
@@ -331,6 +334,15 @@ class Endpoint:
                                 result={"status": response.status_code, "body": stored_body, "request_sha": request_sha,
                                         "media_type": response.media_type})
         return response
+
+    @staticmethod
+    def _about(call: Call) -> str | None:
+        """The end-user a request is about (its path's, or the end-user token's), as its replay entry names them, so
+        forgetting the user removes the stored answer too (``TenantStore.forget_user``)."""
+        user = call.request.path_params.get("user") or (call.who.user if call.who else None)
+        if not user:
+            return None
+        return replay_mark(call.request.path_params.get("agent") or (call.who.agent if call.who else None), user)
 
     def _record_span(self, ctx: "AppContext", ts: TenantStore, principal: Principal | None, request: Request,
                      status: int, started: float, trace_id: str) -> None:

@@ -181,17 +181,16 @@ LINK = S.obj({"id": S.STR, "agent": S.STR, "user": S.STR, "label": S.STR, "creat
 NEW_LINK = S.obj({**LINK["properties"], "token": S.NSTR, "url": S.NSTR})
 _LINK_BODY = S.obj({"ttl_s": {"type": "number", "minimum": 1, "description": "seconds the link works (default 3600)"},
                     "label": {"type": "string", "maxLength": 200}}, [])
-_ANY = {"description": "whatever the agent's app answers"}
 
 ENDPOINTS = [
     *(Endpoint(m, _APP + "/{path:path}", serve_app, "The user's instance of the agent serves this request on its app port",
                "apps", f"app{m.capitalize()}", scope="invoke", end_user=True, idempotency="none",
-               max_body=APP_BODY_LIMIT, response=_ANY) for m in APP_METHODS),
+               max_body=APP_BODY_LIMIT, relayed=True) for m in APP_METHODS),
     Endpoint("GET", _APP, app_root, "Redirect to the app's root (a trailing slash keeps relative links inside it)",
              "apps", "appRoot", scope="invoke", end_user=True, idempotency="none", status=308),
     *(Endpoint(m, _SHARED + "/{path:path}", serve_shared, "A share link serves this request from one user's app",
                "apps", f"shared{m.capitalize()}", auth="none", idempotency="none", max_body=APP_BODY_LIMIT,
-               response=_ANY) for m in APP_METHODS),
+               relayed=True) for m in APP_METHODS),
     Endpoint("GET", _SHARED, shared_root, "Redirect to a shared app's root", "apps", "sharedRoot", auth="none",
              idempotency="none", status=308),
     Endpoint("POST", _LINKS, create_link, "Create a share link to one user's app (its token is shown once)", "apps",
