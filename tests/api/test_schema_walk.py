@@ -71,6 +71,8 @@ threading.Thread(target=_serve, daemon=True).start()
 
 
 async def on_message(ctx, message):
+    if message == "boom":
+        raise RuntimeError("boom")
     if message == "json":
         return {"said": message, "words": [1, 2]}
     if message == "approve":
@@ -235,7 +237,14 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "PUT", U, json={"metadata": {"plan": "pro"}})
         await w(c, "GET", U)
         await w(c, "GET", f"{A}/users", params={"metadata.plan": "pro"})
+        await w(c, "PUT", f"{A}/users/bea?provision=true", json={})
         tok = (await w(c, "POST", f"{U}/tokens", json={"ttl_s": 600})).json()["token"]
+        # Asked again with the same Idempotency-Key: the first answer replayed (a secret shown once is null then).
+        for method, path, body in (("POST", "/v1/keys", {"scopes": ["read"]}), ("POST", f"{U}/tokens", {}),
+                                   ("POST", f"{A}/invoke", {"message": "once", "user": "ada"}),
+                                   ("POST", f"{A}/invoke?async=true", {"message": "once", "user": "ada"})):
+            for _ in range(2):
+                await w(c, method, path, json=body, headers={"idempotency-key": f"walk-{path}"})
 
         # Turns: plain, a JSON reply, streamed, through the chat facade, through MCP.
         turn = (await w(c, "POST", f"{A}/invoke", json={"message": "hello", "user": "ada"})).json()
@@ -272,16 +281,34 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "GET", f"/v1/executions/{ex['id']}")
         ex2 = (await w(c, "POST", f"{A}/invoke", headers={"prefer": "respond-async"},
                        json={"message": "approve", "user": "ada"})).json()
-        await _poll(c, f"/v1/executions/{ex2['id']}", lambda b: b["status"] not in ("queued", "running"))
+        asks = await _poll(c, f"/v1/executions/{ex2['id']}", lambda b: b["status"] not in ("queued", "running"))
+        assert asks["status"] == "waiting" and asks["interrupt"], asks
         await w(c, "GET", f"/v1/executions/{ex2['id']}")
         await w(c, "POST", f"/v1/workflows/{ex2['id']}/cancel")
+        await w(c, "GET", f"/v1/executions/{ex2['id']}")
+        ex3 = (await w(c, "POST", f"{A}/invoke?async=true", json={"message": "boom", "user": "ada"})).json()
+        failed = await _poll(c, f"/v1/executions/{ex3['id']}", lambda b: b["status"] not in ("queued", "running"))
+        assert failed["status"] == "failed", failed
+        await w(c, "GET", f"/v1/executions/{ex3['id']}")
+        await w(c, "GET", "/v1/workflows", params={"agent": "walk"})
+
+        # What an end-user token may read and do.
+        async with aclient(live_rt, tok) as enduser:
+            mine = (await w(enduser, "POST", f"{A}/invoke?async=true", json={"message": "mine"})).json()
+            await _poll(enduser, f"/v1/executions/{mine['id']}", lambda b: b["status"] not in ("queued", "running"))
+            await w(enduser, "GET", f"/v1/executions/{mine['id']}")
+            await w(enduser, "GET", f"{A}/sessions")
+            await w(enduser, "GET", f"{U}/events", params={"limit": 2})
+            await w(enduser, "GET", "/v1/models")
 
         # Memory.
         await w(c, "GET", f"{A}/sessions", params={"user": "ada"})
         await w(c, "GET", f"{U}/events")
         await w(c, "GET", f"{U}/events/search", params={"q": "hello"})
         await w(c, "POST", f"{U}/facts", json={"subject": "ada", "attribute": "pet", "value": "Miso"})
+        await w(c, "POST", f"{U}/facts", json={"subject": "ada", "attribute": "pet", "value": "Biscuit"})
         await w(c, "GET", f"{U}/facts")
+        await w(c, "GET", f"{U}/facts", params={"include_closed": "true"})
 
         # Checkpoints of ada's instance.
         await w(c, "GET", f"{U}/checkpoints")
@@ -307,6 +334,11 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "POST", f"/v1/sandboxes/{sid}/fork", json={"to_users": ["ada-box"]})
         await w(c, "POST", f"/v1/sandboxes/{sid}/sleep", json={})
         await w(c, "POST", f"/v1/sandboxes/{sid}/wake", json={})
+        await w(c, "GET", f"/v1/sandboxes/{sid}")
+        done = (await w(c, "POST", f"/v1/sandboxes/{sid}/exec", json={"argv": ["echo", "hi"], "detach": True})).json()
+        assert (await _poll(c, f"/v1/executions/{done['id']}", lambda b: b["status"] != "running"))["status"] == "succeeded"
+        await w(c, "GET", f"/v1/executions/{done['id']}")
+        await w(c, "GET", f"/v1/executions/{done['id']}/output")
 
         # The agent's app, with the owner's key and through a share link.
         await w(c, "GET", f"{U}/app", follow_redirects=False)
@@ -314,6 +346,8 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "GET", f"{U}/app/")
         await w(c, "POST", f"{U}/app/items", json={"x": 1})
         link = (await w(c, "POST", f"{U}/share-links", json={"ttl_s": 600, "label": "walk"})).json()
+        for _ in range(2):
+            await w(c, "POST", f"{U}/share-links", json={"ttl_s": 60}, headers={"idempotency-key": "walk-link"})
         await w(c, "GET", f"{U}/share-links")
         async with aclient(live_rt) as anon:
             await w(anon, "GET", f"/v1/shared/{link['token']}", follow_redirects=False)
@@ -332,6 +366,10 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
 
         # Webhooks: one to a port nothing listens on, and a delivery of a turn's interrupt to it.
         hook = (await w(c, "POST", f"{A}/webhooks", json={"url": "http://127.0.0.1:9/hook"})).json()
+        for _ in range(2):
+            again = (await w(c, "POST", f"{A}/webhooks", json={"url": "http://127.0.0.1:9/again"},
+                             headers={"idempotency-key": "walk-hook"})).json()
+        await w(c, "DELETE", f"{A}/webhooks/{again['id']}")
         await w(c, "GET", f"{A}/webhooks")
         await w(c, "GET", f"{A}/webhooks/{hook['id']}")
         await w(c, "POST", f"{A}/invoke", json={"message": "approve", "user": "ada"})
@@ -349,7 +387,7 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
 
         # Usage, traces, fleet.
         await w(c, "GET", "/v1/usage")
-        await w(c, "GET", "/v1/usage", params={"group": "day"})
+        await w(c, "GET", "/v1/usage", params={"group": "day", "agent": "walk", "user": "ada"})
         await w(c, "GET", "/v1/traces", params={"limit": 5})
         await w(c, "GET", f"/v1/traces/{turn['trace_id']}")
         await w(c, "GET", "/v1/fleet")

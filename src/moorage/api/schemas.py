@@ -47,7 +47,8 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                   "updated_at": NUM, "version": INT}),
     "Deployment": obj({"id": STR, "agent_id": STR, "number": INT, "manifest": OBJ, "package_sha256": STR,
                        "status": STR, "created_at": NUM}),
-    "UserToken": obj({"token": STR, "agent": STR, "user": STR, "expires_at": NUM}),
+    # token: shown once; null in the replay of a request asked again with its Idempotency-Key.
+    "UserToken": obj({"token": NSTR, "agent": STR, "user": STR, "expires_at": NUM}),
     "Session": obj({"id": STR, "agent": STR, "user": STR, "created_at": NUM, "last_active": NUM, "meta": OBJ}),
     "Event": obj({"id": INT, "scope": STR, "ts": NUM, "kind": STR, "speaker": NSTR, "content": STR, "meta": OBJ}),
     "Recall": obj({"event": ref("Event"), "score": NUM}),
