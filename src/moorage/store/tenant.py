@@ -148,6 +148,7 @@ class TenantStore:
                     continue
                 removed += _delete_scopes(c, [key])
         removed += self.retention.sweep_records(now)  # finished executions and usage rows past their kind's TTL
+        removed += self.journal.sweep_http(now)  # Idempotency-Key answers past their replay window
         # LangGraph values deleted since (or orphaned by a crash before their commit) leave the blob log.
         if self.ambient() is None:
             self._backend.vacuum_blobs(self.tenant_id)
@@ -168,6 +169,8 @@ class TenantStore:
             n += self.share_links.delete_user(user, agent)  # and every link to their app
             n += self.checkpoints.forget_user(user, agent)  # and their instances' checkpoints
             n += self.executions.delete_user(user, agent)  # and their async turns and execs (messages, output)
+            n += self.journal.forget_http(user, agent)  # the stored answers of requests about them
+            n += self.spans.forget_user(user, agent)  # and those requests' traces (a turn's go with its scope)
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))

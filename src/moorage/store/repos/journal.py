@@ -12,6 +12,20 @@ from moorage.store.sql import loads
 
 
 _JOURNAL_COLS = "key, run_id, step, status, result, error, created_at, updated_at, version"
+#: HTTP replay entries (an Idempotency-Key's stored answer) are keyed ``http:<sha256>``: ``HTTP_KEYS`` selects them
+#: by key range (the primary key's index), and their ``step`` names the end-user the request was about
+#: (``replay_mark``), so forgetting the user removes them.
+HTTP_KEYS = "key >= 'http:' AND key < 'http;'"
+#: How long a request's stored answer is replayed for its Idempotency-Key (the sweeper deletes older ones).
+HTTP_REPLAY_TTL_S = 24 * 3600.0
+#: A claim still pending after this long was left by a process that died before ``take_over`` could apply (no
+#: request runs that long: a synchronous exec ends within 24 h); the sweeper deletes it.
+HTTP_PENDING_TTL_S = 48 * 3600.0
+
+
+def replay_mark(agent: str | None, user: str) -> str:
+    """How an HTTP replay entry names the end-user its request was about (``agent`` None: not known)."""
+    return f"http-user:{agent or '-'}/{user}"
 
 
 def _journal(r: tuple) -> JournalEntry:
@@ -92,3 +106,19 @@ class Journal(_Repo):
             else:
                 rows = c.q(f"SELECT {_JOURNAL_COLS} FROM journal WHERE run_id = ? ORDER BY created_at LIMIT ?", (run_id, limit))
         return [_journal(r) for r in rows]
+
+    def forget_http(self, user: str, agent: str | None = None) -> int:
+        """Delete the stored answers of requests about ``user`` (of ``agent``, or of every agent)."""
+        with self._ts._tx() as c:
+            if agent is not None:
+                return c.x(f"DELETE FROM journal WHERE {HTTP_KEYS} AND step IN (?, ?)",
+                           (replay_mark(agent, user), replay_mark(None, user)))
+            keys = [k for k, step in c.q(f"SELECT key, step FROM journal WHERE {HTTP_KEYS} AND step IS NOT NULL")
+                    if step.startswith("http-user:") and step.endswith(f"/{user}")]
+            return sum(c.x("DELETE FROM journal WHERE key = ?", (k,)) for k in keys)
+
+    def sweep_http(self, now: float) -> int:
+        """Delete stored answers older than ``HTTP_REPLAY_TTL_S`` and claims abandoned for ``HTTP_PENDING_TTL_S``."""
+        with self._ts._tx() as c:
+            return c.x(f"DELETE FROM journal WHERE {HTTP_KEYS} AND ((status != 'pending' AND updated_at < ?) OR "
+                       "updated_at < ?)", (now - HTTP_REPLAY_TTL_S, now - HTTP_PENDING_TTL_S))

@@ -34,3 +34,18 @@ class Spans(_Repo):
     def recent(self, *, limit: int = 100) -> list[Span]:
         with self._ts._tx(write=False) as c:
             return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans ORDER BY start_ts DESC LIMIT ?", (limit,))]
+
+    def forget_user(self, user: str, agent: str | None = None) -> int:
+        """Delete the spans no scope holds (an HTTP request's, a share link's) that name ``user`` (of ``agent``, or
+        of every agent) in their attributes: a forgotten user's requests leave no trace of them. Scoped spans go
+        with their scope."""
+        def attr(name: str) -> str:
+            if self._ts.dialect == "postgres":
+                return f"(attrs::jsonb)->>'{name}'"
+            return f"json_extract(attrs, '$.\"{name}\"')"
+
+        with self._ts._tx() as c:
+            if agent is None:
+                return c.x(f"DELETE FROM spans WHERE scope IS NULL AND {attr('moorage.user')} = ?", (user,))
+            return c.x(f"DELETE FROM spans WHERE scope IS NULL AND {attr('moorage.user')} = ? AND "
+                       f"({attr('moorage.agent')} = ? OR {attr('moorage.agent')} IS NULL)", (user, agent))
