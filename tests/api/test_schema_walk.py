@@ -155,15 +155,21 @@ class Walk:
                 out += self.unnamed(item, schema["items"], f"{where}/*")
         return out
 
-    def check(self, r: httpx.Response, method: str, path: str) -> None:
+    def check(self, r: httpx.Response, method: str, path: str, expect: int | None = None) -> None:
+        """``expect``: the error status a realistic failure answers (its problem is checked as a body is)."""
         template, op = self.operation(method, path)
         label = f"{op['operationId']} ({method} {template})"
-        self.walked.add(op["operationId"])
-        documented = {k: v for k, v in op["responses"].items() if k != "default"}
-        if r.status_code >= 400:
-            self.mismatches.append(f"{label}: answered {r.status_code}, not a success: {r.text[:300]}")
+        documented = op["responses"]
+        if expect is None:
+            self.walked.add(op["operationId"])
+            if r.status_code >= 400:
+                self.mismatches.append(f"{label}: answered {r.status_code}, not a success: {r.text[:300]}")
+                return
+        elif r.status_code != expect:
+            self.mismatches.append(f"{label}: answered {r.status_code}, the walk expected {expect}: {r.text[:300]}")
             return
-        status = next((s for s in (str(r.status_code), f"{r.status_code // 100}XX") if s in documented), None)
+        keys = (str(r.status_code), f"{r.status_code // 100}XX", *(("default",) if r.status_code >= 400 else ()))
+        status = next((s for s in keys if s in documented), None)
         if status is None:
             self.mismatches.append(f"{label}: answered {r.status_code}, documents {sorted(documented)}")
             return
@@ -178,7 +184,7 @@ class Walk:
         if ctype not in content:
             self.mismatches.append(f"{label}: {r.status_code} answered content type {ctype!r}, documents {sorted(content)}")
             return
-        if ctype != "application/json":
+        if not ctype.endswith("json"):
             return
         body = r.json()
         schema = content[ctype]["schema"]
@@ -190,9 +196,10 @@ class Walk:
         for problem in dict.fromkeys(self.unnamed(body, schema)):  # once per field path, not per list item
             self.mismatches.append(f"{label}: {r.status_code} body {problem}")
 
-    async def __call__(self, c: httpx.AsyncClient, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def __call__(self, c: httpx.AsyncClient, method: str, path: str, expect: int | None = None,
+                       **kw: Any) -> httpx.Response:
         r = await c.request(method, path, **kw)
-        self.check(r, method, path.split("?")[0])
+        self.check(r, method, path.split("?")[0], expect)
         return r
 
 
@@ -391,6 +398,13 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "GET", "/v1/traces", params={"limit": 5})
         await w(c, "GET", f"/v1/traces/{turn['trace_id']}")
         await w(c, "GET", "/v1/fleet")
+
+        # Realistic failures answer problems as documented too.
+        await w(c, "POST", f"{A}/invoke", expect=502, json={"message": "boom", "user": "ada"})
+        await w(c, "PUT", f"{A}/users/capped", json={"limits": {"cost_usd_per_month": 0}})
+        await w(c, "POST", f"{A}/invoke", expect=429, json={"message": "hi", "user": "capped"})
+        await w(c, "POST", f"/v1/workflows/{waiting['run_id']}/answer", expect=409, json={"answer": "again"})
+        await w(c, "GET", "/v1/executions/nope", expect=404)
 
         # Last: forget a user.
         await w(c, "DELETE", "/v1/agents/walk/users/ada-copy")
