@@ -106,7 +106,9 @@ EXECUTION = S.obj({"id": S.STR, "object": S.STR, "kind": {"enum": ["turn", "exec
                    "session": S.STR,
                    "status": {"enum": ["queued", "running", "waiting", "succeeded", "failed", "cancelled"]},
                    "reply": S.ANY, "error": S.NSTR, "interrupt": S.ANY, "run_id": S.NSTR, "trace_id": S.NSTR,
-                   "events": {"type": "array"}, "created_at": S.NUM, "updated_at": S.NUM})
+                   # What the turn streamed (token, tool, ... and a last error), each when it came.
+                   "events": {"type": "array", "items": S.obj({"kind": S.STR, "data": S.ANY, "at": S.NUM})},
+                   "created_at": S.NUM, "updated_at": S.NUM})
 
 def _exec_view() -> dict[str, Any]:
     from moorage.api.routes.sandboxes import EXEC_VIEW  # a detached exec (kind "exec"), documented with its route

@@ -220,7 +220,12 @@ ENDPOINTS = [
                  "generated_at": S.NUM, "since": S.NUM,
                  "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
                  "total": {"type": "integer"}, "awake": {"type": "integer"}, "asleep": {"type": "integer"},
-                 "instances": {"type": "array", "items": {"type": "object"}},
+                 # Each instance: its sandbox, whose user (and session) it is, and its wakes, RAM and disk
+                 # (null where this process does not have it open).
+                 "instances": {"type": "array", "items": S.obj({
+                     **S.COMPONENTS["Sandbox"]["properties"], "user": S.NSTR, "session": S.NSTR,
+                     "awake": {"type": "boolean"}, "wakes": S.INT, "last_wake_ms": S.NNUM,
+                     "ram_bytes": {"type": ["integer", "null"]}, "disk_bytes": {"type": ["integer", "null"]}})},
                  "truncated": {"type": "boolean"},
                  "wake_ms": S.obj({"count": {"type": "integer"}, "p50": S.NNUM, "p95": S.NNUM,
                                    "max": S.NNUM}),

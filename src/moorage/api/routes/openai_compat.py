@@ -48,9 +48,16 @@ def usage_block(usage: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def reply_text(reply: Any) -> str:
+    """A turn's reply as a message's content, which is text: an agent's JSON reply (a dict, a list) as JSON."""
+    if reply is None:
+        return ""
+    return reply if isinstance(reply, str) else json.dumps(reply, default=str)
+
+
 def completion(agent: str, result: Any) -> dict[str, Any]:
     """A chat.completion object from a runtime TurnResult."""
-    content = result.reply or ""
+    content = reply_text(result.reply)
     return {
         "id": f"chatcmpl-{result.turn_id}", "object": "chat.completion", "created": int(time.time()), "model": agent,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -114,8 +121,9 @@ async def chat_completions(call: Call) -> Any:
                     result = ev.data
                     await run_in_threadpool(announce_interrupt, call, result)
                     # An agent that returns its reply whole (no token events) still reaches the client.
-                    if not streamed and isinstance(getattr(result, "reply", None), str) and result.reply:
-                        yield chunk(chunk_id, agent, {"content": result.reply})
+                    text = reply_text(getattr(result, "reply", None))
+                    if not streamed and text:
+                        yield chunk(chunk_id, agent, {"content": text})
                     usage = dict(getattr(result, "usage", None) or {})
                     yield chunk(chunk_id, agent, {}, "stop", usage_block(usage))
                 elif ev.kind == "error":
@@ -146,12 +154,16 @@ ENDPOINTS = [
              body=S.obj({"model": S.ID, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
                          "stream": {"type": "boolean"}, "user": S.ID}, ["model", "messages"]),
              response=S.obj({"id": S.STR, "object": S.STR, "created": S.INT, "model": S.STR,
-                             "choices": {"type": "array"}, "usage": S.OBJ,
+                             "choices": {"type": "array", "items": S.obj({
+                                 "index": S.INT, "message": S.obj({"role": S.STR, "content": S.STR}),
+                                 "finish_reason": S.NSTR, "logprobs": {"type": "null"}})},
+                             "usage": S.OBJ,
                              # moorage's own: the turn's status, its question while it waits, its trace and run.
                              "moorage": S.obj({"status": {"enum": ["done", "waiting"]}, "interrupt": S.ANY,
                                                "trace_id": S.NSTR, "run_id": S.NSTR})},
                             ["id", "object", "choices"])),
     Endpoint("GET", "/v1/models", list_models, "OpenAI-compatible model list (one model per agent)", "openai",
              "listModels", scope="invoke", also_scopes=("read",), end_user=True, agent_checked=True,
-             response=S.obj({"object": S.STR, "data": {"type": "array", "items": S.OBJ}})),
+             response=S.obj({"object": S.STR, "data": {"type": "array", "items": S.obj({
+                 "id": S.STR, "object": S.STR, "created": S.INT, "owned_by": S.STR})}})),
 ]

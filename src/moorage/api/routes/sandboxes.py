@@ -197,7 +197,9 @@ ENDPOINTS = [
       for verb in VERBS],
     Endpoint("GET", f"{_BOX}/files", list_files, "List a directory inside the sandbox", "sandboxes",
              "listSandboxFiles", scope="deploy", query=(PATH,),
-             response=S.obj({"path": S.STR, "entries": {"type": "array"}})),
+             response=S.obj({"path": S.STR, "entries": {"type": "array", "items": S.obj({
+                 "name": S.STR, "path": S.STR, "type": {"enum": ["file", "dir", "symlink", "other"]}, "size": S.INT,
+                 "mtime": S.NUM})}})),
     Endpoint("GET", f"{_BOX}/files/content", read_file, "Read a file inside the sandbox", "sandboxes",
              "readSandboxFile", scope="deploy", query=(PATH,),
              response=S.obj({"path": S.STR, "encoding": {"enum": ["utf-8", "base64"]}, "content": S.STR})),

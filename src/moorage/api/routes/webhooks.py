@@ -136,7 +136,10 @@ WEBHOOK = S.obj({"id": S.STR, "agent": S.STR, "url": S.STR, "events": {"type": "
 DELIVERY = S.obj({"id": S.STR, "webhook_id": S.STR, "event": S.STR,
                   "status": {"enum": ["pending", "delivered", "failed"]}, "attempts": S.INT,
                   "next_attempt_at": {"type": ["number", "null"]}, "created_at": S.NUM, "updated_at": S.NUM,
-                  "payload": S.OBJ, "attempt_log": {"type": "array", "items": S.OBJ}},
+                  "payload": S.OBJ,
+                  "attempt_log": {"type": "array", "items": S.obj({"seq": S.INT, "at": S.NUM,
+                                                                   "status_code": {"type": ["integer", "null"]},
+                                                                   "error": S.NSTR, "duration_ms": S.NUM})}},
                  # attempt_log: with one delivery (GET .../deliveries/{id}), not in a listing or a replay's answer.
                  ["id", "webhook_id", "event", "status", "attempts", "next_attempt_at", "created_at", "updated_at",
                   "payload"])
