@@ -143,7 +143,9 @@ class Walk:
         if isinstance(body, dict):
             props = schema.get("properties")
             if props is None and (where or "type" not in schema or schema.get("additionalProperties")):
-                return []  # a free-form object inside a documented one (meta, config), or an app's own answer
+                # A free-form object inside a documented one (metadata, config, a span's attrs, the summary of a
+                # checkpoint: the agent's or the product's own keys), or an app's own answer.
+                return []
             extra = set(body) - set(props or {})
             if extra and not schema.get("additionalProperties"):
                 out.append(f"{where or '(body)'} has fields the schema does not name: {sorted(extra)}")

@@ -157,7 +157,8 @@ ENDPOINTS = [
                              "choices": {"type": "array", "items": S.obj({
                                  "index": S.INT, "message": S.obj({"role": S.STR, "content": S.STR}),
                                  "finish_reason": S.NSTR, "logprobs": {"type": "null"}})},
-                             "usage": S.OBJ,
+                             "usage": S.obj({"prompt_tokens": S.INT, "completion_tokens": S.INT,
+                                             "total_tokens": S.INT}),
                              # moorage's own: the turn's status, its question while it waits, its trace and run.
                              "moorage": S.obj({"status": {"enum": ["done", "waiting"]}, "interrupt": S.ANY,
                                                "trace_id": S.NSTR, "run_id": S.NSTR})},

@@ -104,7 +104,11 @@ async def delete_user(call: Call) -> dict[str, Any]:
 _USER = "/v1/agents/{agent}/users/{user}"
 _LIMITS = S.obj({k: {"type": ["number", "null"], "minimum": 0} for k in USER_LIMITS}, [])
 USER_SCHEMA = S.obj({"agent": S.STR, "id": S.STR, "metadata": S.OBJ, "limits": S.OBJ, "created_at": S.NUM,
-                     "updated_at": S.NUM, "instance": {"type": ["object", "null"]}})
+                     "updated_at": S.NUM,
+                     # The user's instance, once it exists (agents with one instance per user).
+                     "instance": {"type": ["object", "null"], "properties": {"sandbox_id": S.STR, "state": S.STR,
+                                                                            "last_active": S.NUM},
+                                  "required": ["sandbox_id", "state", "last_active"]}})
 
 ENDPOINTS = [
     Endpoint("PUT", _USER, put_user, "Get or create an end-user of the agent by the product's own id (idempotent)",

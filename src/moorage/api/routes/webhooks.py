@@ -136,7 +136,8 @@ WEBHOOK = S.obj({"id": S.STR, "agent": S.STR, "url": S.STR, "events": {"type": "
 DELIVERY = S.obj({"id": S.STR, "webhook_id": S.STR, "event": S.STR,
                   "status": {"enum": ["pending", "delivered", "failed"]}, "attempts": S.INT,
                   "next_attempt_at": {"type": ["number", "null"]}, "created_at": S.NUM, "updated_at": S.NUM,
-                  "payload": S.OBJ,
+                  # What is sent: the event, when it happened, and its data (the event's own fields).
+                  "payload": S.obj({"type": S.STR, "timestamp": S.NUM, "data": S.OBJ}),
                   "attempt_log": {"type": "array", "items": S.obj({"seq": S.INT, "at": S.NUM,
                                                                    "status_code": {"type": ["integer", "null"]},
                                                                    "error": S.NSTR, "duration_ms": S.NUM})}},
