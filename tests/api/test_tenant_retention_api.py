@@ -12,7 +12,7 @@ from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 GZ = {"content-type": "application/gzip"}
-NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None}
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None}
 
 
 async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, globex: str, tmp_path: Path) -> None:
@@ -62,6 +62,15 @@ async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, glob
         store.operator.sweep_all(now=time.time() + 3700)
         assert (await c.get(ex.headers["location"])).status_code == 404
         assert ts.read("SELECT COUNT(*) FROM usage WHERE ts < ?", [time.time() - 40 * 86400])[0][0] == 0
+
+        # Traces: every span by its start (an HTTP request's has no scope; they were kept for ever).
+        assert ts.read("SELECT COUNT(*) FROM spans")[0][0] > 0
+        r = await c.put("/v1/retention", json={"ttl_s": {"traces": 7 * 86400}})
+        assert r.status_code == 200 and r.json()["ttl_s"]["traces"] == 7 * 86400
+        store.operator.sweep_all(now=time.time() + 3 * 86400)
+        assert ts.read("SELECT COUNT(*) FROM spans WHERE scope IS NULL")[0][0] > 0  # younger than a week: kept
+        store.operator.sweep_all(now=time.time() + 8 * 86400)
+        assert ts.read("SELECT COUNT(*) FROM spans")[0][0] == 0
 
         # Scopes: read may read, only admin may set; a key limited to one agent reaches neither.
         read = (await c.post("/v1/keys", json={"scopes": ["read"]})).json()["secret"]

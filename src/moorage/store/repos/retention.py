@@ -1,5 +1,6 @@
 """Time to live per scope kind and per agent, and the re-derivation of every scope's expiry when a
-policy changes (the sweeper deletes what has expired); TTLs of record kinds (executions, the usage ledger)."""
+policy changes (the sweeper deletes what has expired); TTLs of record kinds (executions, the usage ledger,
+traces)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from moorage.errors import InvalidInput
 from moorage.store.model import SCOPE_KINDS, check_id
 from moorage.store.repos.common import _Repo
 
-#: Kinds of record with a TTL of their own, counted from the record's last change (not a scope's idleness).
-RECORD_KINDS: tuple[str, ...] = ("executions", "usage")
+#: Kinds of record with a TTL of their own, counted from the record's last change (not a scope's idleness);
+#: ``traces``: every span by its start, a turn's and an HTTP request's alike (a scope's also go with the scope).
+RECORD_KINDS: tuple[str, ...] = ("executions", "usage", "traces")
 #: Every kind a tenant-wide TTL can be set for.
 RETENTION_KINDS: tuple[str, ...] = SCOPE_KINDS + RECORD_KINDS
 #: The ledger must cover the longest cap window (a calendar month; the LLM policy's 30 days), or caps undercount.
@@ -43,6 +45,8 @@ class Retention(_Repo):
                 # Turn executions once their outcome is announced; detached execs once they cannot be running.
                 n += c.x("DELETE FROM executions WHERE updated_at < ? AND (announced IN ('succeeded', 'failed', "
                          "'cancelled') OR (announced = 'exec' AND created_at < ?))", (cutoff, cutoff - EXEC_MAX_S))
+            if "traces" in ttls:
+                n += c.x("DELETE FROM spans WHERE start_ts < ?", (now - ttls["traces"],))
         return n
 
     def set_agent(self, agent: str, ttl_s: float | None) -> None:
