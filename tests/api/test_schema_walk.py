@@ -17,8 +17,6 @@ import pytest
 
 from tests.api.conftest import aclient
 
-REPO_SPEC = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
-
 #: Operations the walk does not reach, each with why.
 NOT_WALKED = {
     # Methods of an app's own HTTP server, relayed as the app answers them (GET and POST are walked).
@@ -202,6 +200,16 @@ class Walk:
         for problem in dict.fromkeys(self.unnamed(body, schema)):  # once per field path, not per list item
             self.mismatches.append(f"{label}: {r.status_code} body {problem}")
 
+    def component(self, body: Any, name: str, label: str) -> None:
+        """``body`` is the documented component ``name`` (e.g. a stream's last event, which carries a TurnResult)."""
+        schema = {"$ref": f"#/components/schemas/{name}"}
+        try:
+            jsonschema.validate(body, {**schema, "components": self.spec["components"]})
+        except jsonschema.ValidationError as e:
+            self.mismatches.append(f"{label}: not a {name}: {e.message[:300]}")
+        for problem in dict.fromkeys(self.unnamed(body, schema)):
+            self.mismatches.append(f"{label}: {name} {problem}")
+
     async def __call__(self, c: httpx.AsyncClient, method: str, path: str, expect: int | None = None,
                        **kw: Any) -> httpx.Response:
         r = await c.request(method, path, **kw)
@@ -220,7 +228,8 @@ async def _poll(c: httpx.AsyncClient, path: str, done: Any, timeout: float = 30)
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
 async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_path: Path) -> None:
-    spec = json.loads(REPO_SPEC.read_text())
+    async with aclient(live_rt) as anon:  # the document the server serves (test_openapi.py: equal to the repo's)
+        spec = (await anon.get("/openapi.json")).json()
     w = Walk(spec)
     gz = {"content-type": "application/gzip"}
     A, U = "/v1/agents/walk", "/v1/agents/walk/users/ada"
@@ -262,7 +271,11 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         # Turns: plain, a JSON reply, streamed, through the chat facade, through MCP.
         turn = (await w(c, "POST", f"{A}/invoke", json={"message": "hello", "user": "ada"})).json()
         await w(c, "POST", f"{A}/invoke", json={"message": "json", "user": "ada", "session": "s1"})
-        await w(c, "POST", f"{A}/invoke?stream=true", json={"message": "stream a b", "user": "ada"})
+        r = await w(c, "POST", f"{A}/invoke?stream=true", json={"message": "stream a b", "user": "ada"})
+        frames = [f.split("\n") for f in r.text.split("\n\n") if f.startswith("event: ")]
+        done = [json.loads(lines[1][len("data: "):]) for lines in frames if lines[0] == "event: done"]
+        assert len(done) == 1, r.text
+        w.component(done[0], "TurnResult", "invokeAgent (stream): the done event")
         await w(c, "POST", "/v1/chat/completions",
                 json={"model": "walk", "user": "ada", "messages": [{"role": "user", "content": "hi"}]})
         await w(c, "POST", "/v1/chat/completions",
