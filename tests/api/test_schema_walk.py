@@ -30,6 +30,14 @@ NOT_WALKED = {
     "sharedOptions": "relayed to the agent's app like sharedPost",
 }
 
+#: Operations whose JSON request body is not theirs to describe.
+BODY_NOT_DECLARED = {
+    "mcpAgent": "a JSON-RPC message, read by the MCP SDK (docs/mcp.md)",
+    "mcpToken": "a JSON-RPC message, read by the MCP SDK (docs/mcp.md)",
+    "appPost": "whatever the agent's app takes",
+    "sharedPost": "whatever the agent's app takes",
+}
+
 # One agent does everything the walk needs: a JSON reply, a question for a human, and an app on port 8080.
 AGENT = '''
 import http.server, json, threading
@@ -212,6 +220,17 @@ class Walk:
 
     async def __call__(self, c: httpx.AsyncClient, method: str, path: str, expect: int | None = None,
                        **kw: Any) -> httpx.Response:
+        if "json" in kw:  # the walk's requests are ones the document allows
+            template, op = self.operation(method, path.split("?")[0])
+            schema = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+            if schema is None and op["operationId"] not in BODY_NOT_DECLARED:
+                self.mismatches.append(f"{op['operationId']} ({method} {template}): documents no JSON request body")
+            elif schema is not None:
+                try:
+                    jsonschema.validate(kw["json"], {**schema, "components": self.spec["components"]})
+                except jsonschema.ValidationError as e:
+                    self.mismatches.append(f"{op['operationId']} ({method} {template}): the request body "
+                                           f"{kw['json']} is not documented: {e.message[:200]}")
         r = await c.request(method, path, **kw)
         self.check(r, method, path.split("?")[0], expect)
         return r
