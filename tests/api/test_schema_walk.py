@@ -264,6 +264,8 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         # Keys.
         key = (await w(c, "POST", "/v1/keys", json={"scopes": ["read"], "label": "ro", "agent": "walk"})).json()
         await w(c, "GET", "/v1/keys")
+        async with aclient(live_rt, key["secret"]) as ro:
+            await w(ro, "GET", "/v1/whoami")
         await w(c, "DELETE", f"/v1/keys/{key['id']}")
 
         # Deploy twice, list, roll back (the agent stays the same code with another reply prefix).

@@ -239,6 +239,10 @@ class Api(ReachApi, ABC):
 
     # -- keys, sandboxes, traces, usage ---------------------------------------------------------------------
 
+    def whoami(self) -> T.Whoami:
+        """What this client's credential is and may do: ``kind`` (key or end-user), scopes, agent, user."""
+        return self._send(Request("GET", "/v1/whoami"))
+
     def list_keys(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.ApiKey]:
         return self._send(Request("GET", "/v1/keys", _page(limit, cursor)))
 

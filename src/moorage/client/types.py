@@ -163,6 +163,14 @@ class ApiKey(TypedDict, total=False):
     secret: str | None
 
 
+class Whoami(TypedDict):
+    kind: str
+    key_id: str | None
+    scopes: list[str]
+    agent: str | None
+    user: str | None
+
+
 class Usage(TypedDict):
     since: float
     totals: dict[str, float]

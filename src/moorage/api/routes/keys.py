@@ -1,6 +1,5 @@
-"""API keys of the caller's tenant: list, create (secret shown once; scopes, optionally one agent), revoke.
-
-Admin scope. Revoking a key also invalidates every end-user token it issued.
+"""API keys of the caller's tenant: list, create (secret shown once; scopes, optionally one agent), revoke (admin
+scope; revoking a key also invalidates every end-user token it issued), and what the caller's own credential may do.
 """
 
 from __future__ import annotations
@@ -39,7 +38,21 @@ def revoke_key(call: Call) -> dict[str, Any]:
     return {"revoked": call.path["key_id"]}
 
 
+def whoami(call: Call) -> dict[str, Any]:
+    """The caller's own credential: what it may do, so a client (the dashboard) offers only that."""
+    p = call.who
+    end_user = p.user is not None
+    return {"kind": "end-user" if end_user else "key", "key_id": p.key_id,
+            "scopes": [] if end_user else sorted(p.scopes), "agent": p.agent, "user": p.user}
+
+
+WHOAMI = S.obj({"kind": {"enum": ["key", "end-user"]}, "key_id": S.NSTR,
+                "scopes": {"type": "array", "items": {"enum": list(API_KEY_SCOPES)}}, "agent": S.NSTR, "user": S.NSTR})
+
 ENDPOINTS = [
+    Endpoint("GET", "/v1/whoami", whoami, "The caller's own credential: its kind, scopes, agent and user",
+             "keys", "whoami", scope="read", also_scopes=tuple(s for s in API_KEY_SCOPES if s != "read"),
+             end_user=True, agent_checked=True, response=WHOAMI),
     Endpoint("GET", "/v1/keys", list_keys, "List API keys", "keys", "listKeys", scope="admin", query=PAGE,
              response=S.page_of("ApiKey")),
     Endpoint("POST", "/v1/keys", create_key, "Create an API key (its secret is returned once)", "keys", "createKey",

@@ -44,6 +44,17 @@ async function apiSend(method, path, body) {
 
 const enc = encodeURIComponent;
 
+// What the key may do (GET /v1/whoami), asked once per key: the page offers only the changes it may make (the API
+// still checks every one). A server that cannot say leaves every button, as before.
+let whoami = null;
+async function mayUse(scope) {
+  if (!whoami || whoami.key !== apiKey()) {
+    whoami = { key: apiKey(), me: await api("/v1/whoami").catch((e) => { if (e instanceof Unauthorized) throw e; return null; }) };
+  }
+  const me = whoami.me;
+  return !me || me.scopes.includes("admin") || me.scopes.includes(scope);
+}
+
 // Every item of a paged listing (path has a query already): its pages, each `next_cursor` followed, up to maxPages.
 async function apiAll(path, maxPages = 20) {
   const data = [];
@@ -272,7 +283,7 @@ async function userView(agent, user) {
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
   const [agentInfo] = await Promise.all([api(`/v1/agents/${enc(agent)}`), api(base)]);
-  const [sessions, userEvents, facts, waiting, checkpoints] = await Promise.all([
+  const [sessions, userEvents, facts, waiting, checkpoints, canTravel] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiNewestEvents(`${base}/events?limit=500`, 25),
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
@@ -285,6 +296,7 @@ async function userView(agent, user) {
       if (e instanceof Unauthorized) throw e;
       return { error: e.message };
     }),
+    mayUse("provision"),  // rolling back and forking need it: a read-only key gets no buttons that would fail
   ]);
   // Turns log their messages in the session's scope, so the recent episodic events are those of the most
   // recently active sessions, merged with the user-wide ones and ordered by time.
@@ -348,7 +360,7 @@ async function userView(agent, user) {
     })) : empty("Nothing is waiting for this user."));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
-    checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff)];
+    checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canTravel)];
 }
 
 // What the last change from the timeline did (links to new users): shown once, by the view that change re-rendered,
@@ -357,7 +369,7 @@ let timelineNotice = null;
 
 // The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
 // turn did, where the instance is now, and buttons to roll back to one or fork it into new users.
-function checkpointsPanel(agent, user, listing, agentInfo, autoOff) {
+function checkpointsPanel(agent, user, listing, agentInfo, autoOff, canTravel = true) {
   const title = "Timeline (checkpoints)";
   const lifecycle = (agentInfo && agentInfo.config && agentInfo.config.lifecycle) || {};
   if (lifecycle.scope === "session") {
@@ -419,7 +431,7 @@ function checkpointsPanel(agent, user, listing, agentInfo, autoOff) {
   function row(c, branch) {
     const isHead = c.id === listing.head;
     const buttons = [];
-    if (c.kind !== "missing" && c.restorable !== false) {
+    if (canTravel && c.kind !== "missing" && c.restorable !== false) {
       const back = el("button.rollback", { type: "button", title: "Put files, memory, facts and journal back to this point" },
         branch.current ? "Roll back here" : "Restore");
       back.addEventListener("click", () => {
