@@ -108,12 +108,14 @@ class Journal(_Repo):
         return [_journal(r) for r in rows]
 
     def forget_http(self, user: str, agent: str | None = None) -> int:
-        """Delete the stored answers of requests about ``user`` (of ``agent``, or of every agent)."""
+        """Delete the stored answers of requests about ``user`` (of ``agent``, or of every agent). Claims still
+        pending stay: their requests are running (the forget request itself among them) and complete them."""
         with self._ts._tx() as c:
             if agent is not None:
-                return c.x(f"DELETE FROM journal WHERE {HTTP_KEYS} AND step IN (?, ?)",
+                return c.x(f"DELETE FROM journal WHERE {HTTP_KEYS} AND status != 'pending' AND step IN (?, ?)",
                            (replay_mark(agent, user), replay_mark(None, user)))
-            keys = [k for k, step in c.q(f"SELECT key, step FROM journal WHERE {HTTP_KEYS} AND step IS NOT NULL")
+            keys = [k for k, step in c.q(f"SELECT key, step FROM journal WHERE {HTTP_KEYS} AND status != 'pending' "
+                                         "AND step IS NOT NULL")
                     if step.startswith("http-user:") and step.endswith(f"/{user}")]
             return sum(c.x("DELETE FROM journal WHERE key = ?", (k,)) for k in keys)
 
