@@ -171,10 +171,17 @@ class Whoami(TypedDict):
     user: str | None
 
 
-class Usage(TypedDict):
+class UsageDay(TypedDict):
+    day: str
+    totals: dict[str, float]
+
+
+class Usage(TypedDict, total=False):
     since: float
     totals: dict[str, float]
     cost_usd: float
+    #: With ``group="day"``: the same per UTC day.
+    days: list[UsageDay]
 
 
 class StreamEvent(TypedDict):
