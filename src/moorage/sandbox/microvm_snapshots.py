@@ -148,7 +148,9 @@ def listing(sandbox_id: str, checkpoints: Path) -> list[CheckpointInfo]:
     out = []
     if checkpoints.exists():
         for d in sorted(checkpoints.iterdir()):
-            if (d / "snapshot.json").exists():
+            try:
                 rec = json.loads((d / "snapshot.json").read_text())
                 out.append(CheckpointInfo(d.name, sandbox_id, d, allocated(d), rec["created_at"], True))
+            except (OSError, ValueError, KeyError):
+                continue  # none yet, or deleted since the directory was read: no checkpoint now
     return out

@@ -73,6 +73,10 @@ def listing(sandbox_dir: Path, sandbox_id: str) -> list[CheckpointInfo]:
     out = []
     seen: set[tuple[int, int]] = set()
     for d in dirs(sandbox_dir):
-        info = json.loads((d / "checkpoint.json").read_text())
-        out.append(CheckpointInfo(d.name, sandbox_id, d, disk_usage(d, seen), info["created_at"], includes_memory=False))
+        try:
+            info = json.loads((d / "checkpoint.json").read_text())
+            out.append(CheckpointInfo(d.name, sandbox_id, d, disk_usage(d, seen), info["created_at"],
+                                      includes_memory=False))
+        except (OSError, ValueError, KeyError):
+            continue  # deleted (renamed aside, outside the sandbox's lock) since ``dirs`` saw it: no checkpoint now
     return sorted(out, key=lambda c: c.name)
