@@ -55,14 +55,17 @@ def test_a_key_whose_host_died_mid_request_runs_again_when_retried(tmp_path: Pat
 
         t = threading.Thread(target=deploy, daemon=True)
         t.start()
+        watch = host.client(host.key)
         deadline = time.time() + 60
-        while True:  # the first request holds the key: a second one with it is refused, nothing runs twice
-            r = host.client(host.key).post("/v1/agents/slow/deployments", content=body, headers=headers)
-            if r.status_code == 409:
-                assert "still in progress" in r.json()["detail"], r.text
+        while True:  # the first request holds the key once its deployment is being built
+            r = watch.get("/v1/agents/slow/deployments")
+            if r.status_code == 200 and any(d["status"] == "building" for d in r.json()["data"]):
                 break
-            assert r.status_code in (409,) or time.time() < deadline, r.text
-            time.sleep(0.2)
+            assert time.time() < deadline and not first, (r.text, first)
+            time.sleep(0.1)
+        # While its holder lives, a second request with the key is refused: nothing runs twice.
+        r = watch.post("/v1/agents/slow/deployments", content=body, headers=headers)
+        assert r.status_code == 409 and "still in progress" in r.json()["detail"], r.text
         assert not first  # still building
         host.kill()
         t.join(timeout=30)
