@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import socket
 import struct
 from typing import Any
@@ -251,6 +252,12 @@ def test_event_flood_gets_backpressure_and_a_reader_that_stops_fails_the_call(mo
                     async for _ in s2:
                         seen += 1
                         if seen == 1:
+                            # The stall counts once the host's buffer is full (backpressure): on a loaded host the
+                            # guest may take longer than the pause to fill it (CI run of stop 43), so wait for it.
+                            full_by = time.monotonic() + 30
+                            while s2._pending.events.qsize() < channel_mod.MAX_PENDING_EVENTS \
+                                    and time.monotonic() < full_by:  # type: ignore[union-attr]
+                                await asyncio.sleep(0.05)
                             await asyncio.sleep(1.5)
                 assert seen <= channel_mod.MAX_PENDING_EVENTS + 1
                 writer.cancel()
