@@ -99,9 +99,9 @@ async def test_no_rule_means_nothing_is_resolved() -> None:
     class Counting(StaticResolver):
         calls = 0
 
-        async def resolve(self, host: str):  # type: ignore[no-untyped-def]
+        async def resolve(self, host: str, owner: str = ""):  # type: ignore[no-untyped-def]
             Counting.calls += 1
-            return await super().resolve(host)
+            return await super().resolve(host, owner)
 
     eg = Egress(OperatorPolicy(), Counting({k: [v] for k, v in PUBLIC.items()}))
     d = await eg.check(_policy(eg, "other.test"), Target.parse("https://public.test/"))

@@ -55,7 +55,7 @@ async def test_the_connection_goes_to_the_address_that_was_judged(upstream: Upst
 
         calls = 0
 
-        async def resolve(self, host: str) -> list:
+        async def resolve(self, host: str, owner: str = "") -> list:
             self.calls += 1
             return [ipaddress.ip_address("127.0.0.1" if self.calls == 1 else "127.0.0.3")]
 

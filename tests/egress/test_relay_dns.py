@@ -137,9 +137,9 @@ class RecordingResolver(StaticResolver):
         super().__init__(table)
         self.asked: list[str] = []
 
-    async def resolve(self, host: str):  # type: ignore[no-untyped-def]
+    async def resolve(self, host: str, owner: str = ""):  # type: ignore[no-untyped-def]
         self.asked.append(host)
-        return await super().resolve(host)
+        return await super().resolve(host, owner)
 
 
 class World:

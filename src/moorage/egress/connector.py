@@ -69,15 +69,18 @@ class Egress:
         return EgressPolicy.from_manifest(manifest, self.operator)
 
     def instance(self, manifest: dict[str, Any] | None, *, record: SpanRecorder | None = None,
-                 headers: HeaderSource | None = None, usage: Usage | None = None) -> "InstanceEgress":
-        """One instance's egress: its agent's policy, its own limits, where its spans go, its secret headers."""
-        return InstanceEgress(self, self.policy_for(manifest), usage or Usage(self.operator.limits), record, headers)
+                 headers: HeaderSource | None = None, usage: Usage | None = None,
+                 owner: str = "") -> "InstanceEgress":
+        """One instance's egress: its agent's policy, its own limits, where its spans go, its secret headers;
+        ``owner`` (its tenant) is whose share of the resolver's lookups its names use."""
+        return InstanceEgress(self, self.policy_for(manifest), usage or Usage(self.operator.limits), record, headers,
+                              owner=owner)
 
-    async def check(self, policy: EgressPolicy, t: Target) -> Decision:
-        return await decide_target(policy, self.resolver, t)
+    async def check(self, policy: EgressPolicy, t: Target, owner: str = "") -> Decision:
+        return await decide_target(policy, self.resolver, t, owner)
 
-    async def check_tunnel(self, policy: EgressPolicy, host: str, port: int) -> Decision:
-        return await decide_tunnel(policy, self.resolver, host, port)
+    async def check_tunnel(self, policy: EgressPolicy, host: str, port: int, owner: str = "") -> Decision:
+        return await decide_tunnel(policy, self.resolver, host, port, owner)
 
     async def open(self, d: Decision, *, tls: ssl_mod.SSLContext | None = None,
                    server_hostname: str | None = None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
@@ -105,6 +108,8 @@ class InstanceEgress:
     headers: HeaderSource | None = None
     #: Extra span attributes (e.g. which listener); never secrets.
     attrs: dict[str, Any] = field(default_factory=dict)
+    #: Whose share of the resolver's lookups this instance's names use (its tenant; "" for the host's own).
+    owner: str = ""
 
     def span(self, started: float, status: str, **attrs: Any) -> None:
         if self.record is None:

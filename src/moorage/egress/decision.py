@@ -41,9 +41,9 @@ class Decision:
 
 
 async def decide(policy: EgressPolicy, resolver: Resolver, scheme: str, host: str, port: int,
-                 rule: Rule | None) -> Decision:
+                 rule: Rule | None, owner: str = "") -> Decision:
     """Resolve ``host`` and judge every address it has; ``rule`` is the rule that admitted the request
-    (None: no rule did, and nothing is resolved)."""
+    (None: no rule did, and nothing is resolved); ``owner`` (the tenant) is whose share of lookups it uses."""
     if rule is None:
         return Decision(scheme, host, port, False, "no-rule")
     literal = parse_ip(host)
@@ -51,7 +51,7 @@ async def decide(policy: EgressPolicy, resolver: Resolver, scheme: str, host: st
         addresses: list[IPAddress] = [literal]
     else:
         try:
-            addresses = await resolver.resolve(host)
+            addresses = await resolver.resolve(host, owner)
         except NameNotFound:
             return Decision(scheme, host, port, False, "unresolved", rule=rule)
     if not addresses:
@@ -65,9 +65,9 @@ async def decide(policy: EgressPolicy, resolver: Resolver, scheme: str, host: st
     return Decision(scheme, host, port, True, "allowed", tuple(addresses), rule)
 
 
-async def decide_target(policy: EgressPolicy, resolver: Resolver, t: Target) -> Decision:
-    return await decide(policy, resolver, t.scheme, t.host, t.port, policy.rule_for(t))
+async def decide_target(policy: EgressPolicy, resolver: Resolver, t: Target, owner: str = "") -> Decision:
+    return await decide(policy, resolver, t.scheme, t.host, t.port, policy.rule_for(t), owner)
 
 
-async def decide_tunnel(policy: EgressPolicy, resolver: Resolver, host: str, port: int) -> Decision:
-    return await decide(policy, resolver, "https", host, port, policy.rule_for_tunnel(host, port))
+async def decide_tunnel(policy: EgressPolicy, resolver: Resolver, host: str, port: int, owner: str = "") -> Decision:
+    return await decide(policy, resolver, "https", host, port, policy.rule_for_tunnel(host, port), owner)

@@ -45,7 +45,7 @@ async def answer(inst: InstanceEgress, packet: bytes) -> bytes | None:
         inst.span(started, "denied", **{"egress.via": "dns", "egress.host": name, "egress.decision": "no-rule"})
         return reply.pack()
     try:
-        addresses: list[IPAddress] = await inst.egress.resolver.resolve(name)
+        addresses: list[IPAddress] = await inst.egress.resolver.resolve(name, inst.owner)
     except NameNotFound:
         reply.header.rcode = RCODE.NXDOMAIN
         return reply.pack()

@@ -151,7 +151,7 @@ async def _follow(inst: InstanceEgress, method: str, url: str, guest: dict[str, 
         if origin is not None and t.origin != origin:
             guest = {k: v for k, v in guest.items() if k.lower() not in _ORIGIN_BOUND}
         origin = t.origin
-        d = await inst.egress.check(inst.policy, t)
+        d = await inst.egress.check(inst.policy, t, inst.owner)
         if not d.allowed and redirects:
             inst.span(time.time(), "denied", **{"egress.via": "fetch", "egress.scheme": d.scheme,
                                                 "egress.host": d.host, "egress.port": d.port,

@@ -154,7 +154,7 @@ def _authority(target: bytes) -> tuple[str, int]:
 
 async def _tunnel(inst: InstanceEgress, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: bytes) -> None:
     host, port = _authority(target)
-    d = await inst.egress.check_tunnel(inst.policy, host, port)
+    d = await inst.egress.check_tunnel(inst.policy, host, port, inst.owner)
     async with inst.attempt("proxy-connect", d) as info:
         up_r, up_w, address = await inst.egress.open(d)
         info["egress.address"] = address
@@ -179,7 +179,7 @@ async def _forward(inst: InstanceEgress, reader: asyncio.StreamReader, writer: a
             raise BadRequest(400, "https URLs go through CONNECT (set HTTPS_PROXY)")
         raise BadRequest(400, "this is a forward proxy: send an absolute http:// URL")
     t = Target.parse(text)
-    d = await inst.egress.check(inst.policy, t)
+    d = await inst.egress.check(inst.policy, t, inst.owner)
     async with inst.attempt("proxy-http", d, **{"http.method": method.decode("ascii", "replace")[:16],
                                                  "egress.path": t.path.split("?", 1)[0][:200]}) as info:
         lengths = _header(headers, b"content-length")

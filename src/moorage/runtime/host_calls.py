@@ -365,7 +365,8 @@ class GuestCalls:
                                    {"agent": b.entity.agent, "user": b.entity.user, **attrs}, b.session_scope))
 
         headers = self._secrets().header_source(b.ts, b.entity.agent, b.entity.user, b.manifest)
-        return egress.instance(b.manifest, record=record, headers=headers, usage=egress.usage_for(self.sandbox_id))
+        return egress.instance(b.manifest, record=record, headers=headers, usage=egress.usage_for(self.sandbox_id),
+                               owner=b.ts.tenant_id)
 
     async def net_fetch(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         """HTTP on the agent's behalf under its egress policy; bound secrets are added here, never in the guest."""

@@ -182,7 +182,7 @@ def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, use
     inst = egress.instance(dict(manifest), record=store_recorder(ts, lambda: trace_id, Scope.for_user(agent, user),
                                                                    agent=agent, user=user),
                            headers=secrets_of(runtime).header_source(ts, agent, user, dict(manifest)),
-                           usage=egress.usage_for(sandbox_id))
+                           usage=egress.usage_for(sandbox_id), owner=ts.tenant_id)
     attach_instance(channel, inst, sandbox_id)
     log.info("network attached", sandbox=sandbox_id, agent=agent)
     return True

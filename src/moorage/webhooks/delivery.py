@@ -135,13 +135,13 @@ class Dispatcher:
                 sent += len(due)
         return sent
 
-    async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> int:
+    async def _post(self, url: str, body: bytes, headers: dict[str, str], tenant: str = "") -> int:
         if self.egress is None:
             return (await self._client.post(url, content=body, headers=headers)).status_code
         from moorage.egress.fetch import fetch
 
         # The webhook's own URL is the only rule: no redirects elsewhere, the answer body is not kept.
-        inst = self.egress.instance({"egress": {"allow": [url]}})
+        inst = self.egress.instance({"egress": {"allow": [url]}}, owner=tenant)
         result = await fetch(inst, "POST", url, headers=headers, body=body, timeout_s=self.timeout_s,
                              max_body=4096, max_redirects=0)
         return result.status
@@ -167,7 +167,7 @@ class Dispatcher:
                 error = f"the webhook's secret cannot sign: {type(e).__name__}: {e}"
         if hook is not None and headers is not None:
             try:
-                status = await self._post(hook.url, body.encode(), headers)
+                status = await self._post(hook.url, body.encode(), headers, ts.tenant_id)
                 if not 200 <= status < 300:
                     error = f"receiver answered {status}"
             except httpx.HTTPError as e:
