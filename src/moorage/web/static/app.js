@@ -44,15 +44,27 @@ async function apiSend(method, path, body) {
 
 const enc = encodeURIComponent;
 
-// What the key may do (GET /v1/whoami), asked once per key: the page offers only the changes it may make (the API
-// still checks every one). A server that cannot say leaves every button, as before.
+// Who the key is (GET /v1/whoami), asked once per key: its scopes decide which changes the page offers (the API
+// still checks every one), its agent whether the page shows the whole fleet or that one agent. A server that cannot
+// say (null) is taken as a key for the whole tenant with every scope, as before.
 let whoami = null;
-async function mayUse(scope) {
+async function me() {
   if (!whoami || whoami.key !== apiKey()) {
-    whoami = { key: apiKey(), me: await api("/v1/whoami").catch((e) => { if (e instanceof Unauthorized) throw e; return null; }) };
+    const key = apiKey();
+    whoami = { key, me: await api("/v1/whoami").catch((e) => { if (e instanceof Unauthorized) throw e; return null; }) };
   }
-  const me = whoami.me;
-  return !me || me.scopes.includes("admin") || me.scopes.includes(scope);
+  return whoami.me;
+}
+
+async function mayUse(scope) {
+  const who = await me();
+  return !who || who.scopes.includes("admin") || who.scopes.includes(scope);
+}
+
+// What a key limited to one agent cannot be shown: the API refuses it every route that spans agents.
+function spansAgents(agent, what) {
+  return `${what} span agents: the API does not show them to a key limited to agent ${agent} (use a key for the `
+    + "whole tenant to see them).";
 }
 
 // Every item of a paged listing (path has a query already): its pages, each `next_cursor` followed, up to maxPages.
@@ -278,7 +290,39 @@ function tracesPanel(spans) {
     el("p.hint", {}, "Plain reads (a GET and nothing else, such as this page's own requests) are not listed."));
 }
 
-async function userView(agent, user) {
+// One agent's users and their instances, from routes under /v1/agents/{agent}: the landing page of a key limited
+// to that agent, which the fleet's routes refuse.
+async function agentView(agent, who) {
+  const [info, users] = await Promise.all([
+    api(`/v1/agents/${enc(agent)}`),
+    api(`/v1/agents/${enc(agent)}/users?limit=200`),
+  ]);
+  const instances = users.data.map((u) => u.instance).filter(Boolean);
+  const awake = instances.filter((i) => ["running", "waking", "provisioning"].includes(i.state)).length;
+  const cards = el("div.cards", {},
+    card("Users", users.data.length + (users.next_cursor ? "+" : ""), "card-total"),
+    card("Awake", awake, "card-awake"),
+    card("Asleep", instances.length - awake, "card-asleep"),
+    card("Live deployment", info.live_deployment ? info.live_deployment.slice(0, 12) : "none", "card-wake"));
+  const lastActive = (u) => (u.instance ? u.instance.last_active || 0 : 0);
+  const rows = [...users.data].sort((a, b) => lastActive(b) - lastActive(a)).map((u) => el("tr", { dataset: { user: u.id } },
+    el("td", {}, userLink(agent, u.id)),
+    el("td", {}, u.instance ? badge(u.instance.state) : el("span.sub", {}, "no instance of its own")),
+    el("td", { title: fmtTime(u.instance && u.instance.last_active) }, ago(u.instance && u.instance.last_active)),
+    el("td", { title: fmtTime(u.created_at) }, ago(u.created_at))));
+  const usersPanel = section("Users", "users",
+    rows.length ? table(["User", "Instance", "Last activity", "Since"], rows, { id: "users-table" })
+      : empty(`Agent ${agent} has no users yet: invoke it to make one.`),
+    users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
+  const limited = who && who.agent === agent
+    ? section("Not shown to this key", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
+        + "agent's users, their memory and timeline. " + spansAgents(agent, "The fleet's counts, wake latency and cost, "
+        + "recent traces and the list of workflows waiting for approval")))
+    : null;
+  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel];
+}
+
+async function userView(agent, user, who) {
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
@@ -289,7 +333,8 @@ async function userView(agent, user) {
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
     // one page could hold only other users' runs.
-    apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
+    // A key limited to one agent cannot list them (the route spans agents): the panel says so.
+    who && who.agent ? { data: [], limited: true } : apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
     // Time travel may not apply (an agent with one instance per session, zero retention) or the key may lack
     // the scope: the rest of the view still renders, the timeline says why it is empty.
     api(`${base}/checkpoints?limit=200`).catch((e) => {
@@ -357,7 +402,8 @@ async function userView(agent, user) {
       const question = typeof asked === "string" ? asked : JSON.stringify(asked);
       return el("li", {}, el("div.question", {}, question),
         el("div.sub", {}, `run ${d.run.id.slice(0, 12)} · ${d.run.current_step || ""} · waiting since ${ago(d.run.updated_at)}`));
-    })) : empty("Nothing is waiting for this user."));
+    })) : empty(waiting.limited ? spansAgents(agent, "Workflow runs (turns waiting for approval among them)")
+      : "Nothing is waiting for this user."));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
     checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canTravel)];
@@ -482,7 +528,11 @@ function checkpointsPanel(agent, user, listing, agentInfo, autoOff, canTravel = 
   return section(title, "checkpoints", stats, notice, message, groups);
 }
 
-async function traceView(traceId) {
+async function traceView(traceId, who) {
+  if (who && who.agent) {
+    return [el("div.pagehead", {}, el("h1", {}, "Trace"), el("span.sub.mono", {}, traceId)),
+      section("Not shown to this key", "timeline", empty(spansAgents(who.agent, "Traces")))];
+  }
   const trace = await api(`/v1/traces/${enc(traceId)}`);
   const spans = trace.spans;
   const t0 = Math.min(...spans.map((s) => s.start_ts));
@@ -571,14 +621,23 @@ async function route() {
   let render;
   let name = parts[0] || "fleet";
   if (name === "malformed") render = async () => { throw new Error(`this address is not valid: ${location.hash}`); };
-  else if (name === "user" && parts.length >= 3) render = () => userView(parts[1], parts[2]);
-  else if (name === "trace" && parts[1]) render = () => traceView(parts[1]);
+  else if (name === "user" && parts.length >= 3) render = (who) => userView(parts[1], parts[2], who);
+  else if (name === "trace" && parts[1]) render = (who) => traceView(parts[1], who);
+  else if (name === "agent" && parts[1]) render = (who) => agentView(parts[1], who);
   else { name = "fleet"; render = fleetView; }
   document.body.dataset.view = name;
   statusEl.textContent = "loading…";
   document.body.dataset.loaded = "";
   try {
-    const nodes = await render();
+    const who = await me();
+    const agentOnly = who && who.agent;
+    // A key limited to one agent lands on that agent: the fleet's routes span agents and refuse it.
+    if (name === "fleet" && agentOnly) { name = "agent"; render = () => agentView(who.agent, who); }
+    if (seq !== routeSeq) return;
+    document.body.dataset.view = name;
+    const home = document.querySelector("nav a[data-nav=fleet]");
+    home.textContent = agentOnly ? `Agent ${who.agent}` : "Fleet";
+    const nodes = await render(who);
     if (seq !== routeSeq) return;
     view.replaceChildren(...nodes);
     statusEl.textContent = `updated ${new Date().toLocaleTimeString()}`;
