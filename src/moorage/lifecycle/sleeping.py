@@ -1,0 +1,225 @@
+"""The instance manager's sleep path: sleep an idle instance (on request, by its policy, or to make room on the host
+or within its tenant's awake limit), record the sleep with its metered usage, and the idle and TTL loops."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from moorage.errors import ConflictError, MoorageError
+from moorage.lifecycle import fleet as fleet_rules
+from moorage.lifecycle import machine
+from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
+from moorage.lifecycle.errors import Misplaced, TenantAwakeLimit
+from moorage.lifecycle.instance import LiveInstance
+from moorage.lifecycle.machine import InstanceState as S
+from moorage.lifecycle.machine import Owner, TraceContext
+from moorage.lifecycle.machine import Verb as V
+from moorage.log import get_logger
+from moorage.store import SandboxRecord, Scope, TenantStore
+from moorage.usage import ledger as usage_ledger
+
+if TYPE_CHECKING:
+    from moorage.fleet.member import FleetMember
+
+log = get_logger("moorage.lifecycle.manager")
+
+
+class Sleeping:
+    """The sleep path of ``InstanceManager`` (a mixin: the manager holds the state named below)."""
+
+    owner: Owner
+    host: str
+    fleet: "FleetMember | None"
+    capacity: HostCapacity
+    tenant_max_awake: int | None
+    clock: Callable[[], float]
+    tick_s: float
+    ttl_every_s: float
+    settle: Callable[[str, Scope], Any] | None
+    _closed: bool
+    _counts: dict[str, int]
+    _live: dict[tuple[str, str], LiveInstance]
+    _unshipped_check: bool
+    io: Callable[..., Any]
+    system_tenant: Callable[[str], TenantStore]
+    live: Callable[[TenantStore, Scope], LiveInstance | None]
+    awake_instances: Callable[[], list[AwakeInstance]]
+    _give_up: Callable[..., Any]
+    _awake_elsewhere: Callable[[str, Scope], int]
+    ship_unshipped: Callable[[], Any]
+
+    def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
+                    snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
+        """Record the sleep and, in the same transaction, the awake seconds since the instance was marked running
+        (per agent and end-user, measured from state changes, not estimated)."""
+        with ts.transaction():
+            new = machine.apply(ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
+                                snapshot_ref=snapshot_ref, last_active=time.time(), started_at=started, reason=reason)
+            since = rec.meta.get("awake_since")
+            if isinstance(since, (int, float)):
+                ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
+                             user_id=rec.scope.user, scope=rec.scope, meta={"instance": rec.id, "reason": reason})
+            usage_ledger.record(ts, rec, sizes or {})
+        return new
+
+    async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
+        """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
+        if self.settle is not None:
+            await self.settle(ts.tenant_id, scope)
+        li = self.live(ts, scope)
+        if (li is None or not li.owned) and self.fleet is not None:
+            rec = await self.io(ts.sandboxes.for_scope, scope)
+            if rec is not None and rec.host not in (None, self.host) and \
+                    await self.io(fleet_rules.placement, self.fleet, rec) == "forward":
+                raise Misplaced(rec)  # awake on another host: that host sleeps it
+        return False if li is None else await self._sleep(li, reason)
+
+    async def _sleep(self, li: LiveInstance, reason: str, *, evict: bool = False) -> bool:
+        if li.activity.busy or not li.owned or li.sandbox is None or li.pending is not None:
+            return False
+        ts = await self.io(self.system_tenant, li.tenant_id)
+        trace = TraceContext.new()
+        async with li.op_lock:
+            # Re-checked under the lock: a turn may have arrived while we waited for it.
+            if li.activity.busy or li.sandbox is None or li.record_id is None:
+                return False
+            rec = await self.io(ts.sandboxes.get, li.record_id)
+            if rec.state != S.RUNNING.value or (rec.meta.get("owner") or {}).get("owner") != self.owner.id:
+                li.owned, li.sandbox = False, None  # someone else moved it: it is no longer ours to sleep
+                return False
+            started = time.time()
+            try:
+                rec = await self.io(machine.apply, ts, rec, V.CLAIM_SLEEP, owner=self.owner, trace=trace, reason=reason)
+            except ConflictError:
+                return False
+            if li.activity.busy:
+                # A turn arrived while the claim was written: hand the instance straight back to it.
+                await self.io(machine.apply, ts, rec, V.ADOPT, owner=self.owner, trace=trace, claim=False,
+                              reason="turn arrived during sleep claim")
+                return False
+            sandbox = li.sandbox
+            li.sandbox = None
+            try:
+                snap = await sandbox.sleep()
+            except Exception as e:
+                await self._give_up(ts, rec, trace, f"sleep failed: {e}")
+                log.error("instance failed to sleep", instance=rec.id, error=str(e))
+                return False
+            meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
+            # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
+            meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
+            if self.fleet is not None:
+                # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
+                # and this host (whose disk has the newest copy) keeps serving it.
+                try:
+                    meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                    meta["shipped_current"] = True
+                except Exception as e:
+                    meta["shipped_current"] = False
+                    self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
+                    log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
+            sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
+            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            li.owned = False
+            self._counts["evictions" if evict else "sleeps"] += 1
+            log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
+            return True
+
+    async def sleep_all(self, reason: str, *, wait_busy_s: float = 0.0) -> tuple[int, int]:
+        """Sleep every instance this manager owns that is awake (a few at a time), waiting up to ``wait_busy_s``
+        for turns in flight to end first. Returns (slept, still awake). For a host that stops cleanly."""
+        gate = asyncio.Semaphore(8)
+        deadline = time.monotonic() + wait_busy_s
+
+        async def one(li: LiveInstance) -> bool:
+            while li.activity.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            async with gate:
+                try:
+                    return await self._sleep(li, reason)
+                except Exception as e:  # one instance must not keep the others awake
+                    log.warning("sleep at shutdown failed", scope=str(li.scope), error=str(e))
+                    return False
+
+        mine = [li for li in list(self._live.values()) if li.owned and li.awake]
+        done = await asyncio.gather(*(one(li) for li in mine))
+        slept = sum(done)
+        if self.fleet is not None:
+            try:  # a host leaving takes its disk along: what slept unshipped earlier goes to the object store now
+                await self.ship_unshipped()
+            except Exception as e:
+                log.warning("shipping sleeping instances failed", error=str(e))
+        return slept, len(mine) - slept
+
+    async def _make_room(self, li: LiveInstance) -> None:
+        """Sleep least-recently-active idle instances until one more fits the host's capacity."""
+        for _ in range(8):
+            me = f"{li.tenant_id}/{li.scope.key}"
+            awake = [a for a in self.awake_instances() if a.instance_id != me]
+            victims = self.capacity.victims(awake, incoming=1, incoming_ram_mib=li.ram_mib)
+            if not victims:
+                return
+            by_id = {f"{x.tenant_id}/{x.scope.key}": x for x in self._live.values()}
+            for v in victims:
+                await self._sleep(by_id[v], "host capacity: least recently active", evict=True)
+        raise CapacityExhausted("could not make room on this host: its idle instances kept getting new turns",
+                                hint="retry shortly or raise the host's capacity")
+
+    async def _tenant_room(self, li: LiveInstance) -> None:
+        """Before bringing an instance up (no claim taken yet): keep its tenant within ``tenant_max_awake`` by
+        sleeping the tenant's least recently active idle instance here; all of them busy: ``TenantAwakeLimit``. In a
+        fleet the limit counts the tenant's instances awake on every host (read from the store)."""
+        if self.tenant_max_awake is None:
+            return
+        for _ in range(8):
+            me = f"{li.tenant_id}/{li.scope.key}"
+            mine = [a for a in self.awake_instances() if a.instance_id != me and a.instance_id.startswith(f"{li.tenant_id}/")]
+            here = self.tenant_max_awake
+            if self.fleet is not None:
+                here -= await self.io(self._awake_elsewhere, li.tenant_id, li.scope)
+                if here <= 0:
+                    raise TenantAwakeLimit(self.tenant_max_awake)
+            try:
+                victims = HostCapacity(max_awake=here).victims(mine, incoming=1)
+            except CapacityExhausted as e:
+                raise TenantAwakeLimit(self.tenant_max_awake) from e
+            if not victims:
+                return
+            by_id = {f"{x.tenant_id}/{x.scope.key}": x for x in self._live.values()}
+            for v in victims:
+                await self._sleep(by_id[v], "tenant's awake limit: least recently active", evict=True)
+        raise TenantAwakeLimit(self.tenant_max_awake)
+
+    async def tick(self) -> int:
+        """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
+        slept = 0
+        for li in list(self._live.values()):
+            if not li.owned or li.sandbox is None or li.activity.busy:
+                continue
+            decision = li.policy.decide(li.activity, self.clock())
+            if decision.sleep_now:
+                try:
+                    slept += await self._sleep(li, decision.reason)
+                except MoorageError as e:
+                    log.warning("idle sleep failed", scope=str(li.scope), error=str(e))
+        return slept
+
+    async def _idle_loop(self) -> None:
+        while not self._closed:
+            try:
+                await self.tick()
+            except Exception as e:  # the loop must outlive one bad instance
+                log.error("idle loop pass failed", error=str(e))
+            await asyncio.sleep(self.tick_s)
+
+    async def _ttl_loop(self) -> None:
+        from moorage.lifecycle.ttl import sweep
+
+        while not self._closed:
+            await asyncio.sleep(self.ttl_every_s)
+            try:
+                await sweep(self)
+            except Exception as e:
+                log.error("ttl sweep failed", error=str(e))
