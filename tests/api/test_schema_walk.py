@@ -34,8 +34,6 @@ NOT_WALKED = {
 
 #: Operations whose JSON request body is not theirs to describe.
 BODY_NOT_DECLARED = {
-    "mcpAgent": "a JSON-RPC message, read by the MCP SDK (docs/mcp.md)",
-    "mcpToken": "a JSON-RPC message, read by the MCP SDK (docs/mcp.md)",
     "appPost": "whatever the agent's app takes",
     "sharedPost": "whatever the agent's app takes",
 }

@@ -242,14 +242,16 @@ async def mcp_for_token(call: Call) -> Response:
 
 
 #: In ``all_endpoints()`` like every route (the cross-tenant suite and OpenAPI see them). No ``body`` is
-#: declared: the JSON-RPC message is read by ``_bounded_body`` (same limit as ``max_body``) for the SDK.
+#: declared: the JSON-RPC message is read by ``_bounded_body`` (same limit as ``max_body``) for the SDK; it is
+#: documented (``body_doc``) for generated clients.
 ENDPOINTS = [
     Endpoint("POST", "/mcp/{agent}", mcp_for_agent,
              "MCP server of one agent (Streamable HTTP; the body is a JSON-RPC message, see docs/mcp.md)", "mcp",
              "mcpAgent", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT,
-             response=S.ref("McpResponse"), other_responses=((202, None),)),  # 202: a notification, no body
+             body_doc=S.ref("McpRequest"), response=S.ref("McpResponse"),
+             other_responses=((202, None),)),  # 202: a notification, no body
     Endpoint("POST", "/mcp", mcp_for_token,
              "MCP server of the end-user token's agent (Streamable HTTP; see docs/mcp.md)", "mcp",
              "mcpToken", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT,
-             response=S.ref("McpResponse"), other_responses=((202, None),)),
+             body_doc=S.ref("McpRequest"), response=S.ref("McpResponse"), other_responses=((202, None),)),
 ]

@@ -57,6 +57,8 @@ def _operation(ep: Endpoint) -> dict[str, Any]:
     if ep.body is not None:
         op["requestBody"] = {"required": ep.body_type != "application/json" or bool(ep.body.get("required")),
                              "content": {ep.body_type: {"schema": ep.body}}}
+    elif ep.body_doc is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ep.body_doc}}}
     if ep.auth == "none":
         op["security"] = []
     elif ep.auth == "operator":

@@ -136,6 +136,8 @@ class Endpoint:
     agent_checked: bool = False
     body: dict[str, Any] | None = None
     body_type: str = "application/json"
+    #: A body the handler reads itself (no ``body``: the wrapper leaves the stream alone), documented in OpenAPI.
+    body_doc: dict[str, Any] | None = None
     response: dict[str, Any] | None = None
     status: int = 200
     query: tuple[Param, ...] = ()

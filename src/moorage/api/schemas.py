@@ -85,6 +85,13 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                        "reply": {"description": "the agent's answer: text or any JSON value; null while waiting"},
                        "interrupt": ANY, "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
     "Forgotten": obj({"agent": STR, "user": STR, "removed": INT, "deleted": {"type": "boolean"}}),
+    # A JSON-RPC 2.0 message to the MCP server (docs/mcp.md): a request (with an id) or a notification (without;
+    # answered 202 with no body), or a batch of them. ``method`` is an MCP method: initialize, tools/list,
+    # tools/call, notifications/initialized, ...
+    "McpRequest": {"oneOf": [{"$ref": "#/components/schemas/McpMessage"},
+                             {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/McpMessage"}}]},
+    "McpMessage": obj({"jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer"]}, "method": STR,
+                       "params": OBJ}, ["jsonrpc", "method"]),
     # A JSON-RPC 2.0 response of the MCP server (docs/mcp.md): a result, or an error, for the request's id.
     "McpResponse": obj({"jsonrpc": {"const": "2.0"}, "id": {"type": ["string", "integer", "null"]}, "result": OBJ,
                         "error": obj({"code": INT, "message": STR, "data": ANY}, ["code", "message"])}, ["jsonrpc", "id"]),
