@@ -3,79 +3,48 @@
 Sleep saves device state (``xen-save-devices-state``) next to guest RAM that already lives in a file; wake starts
 the same command line with ``-incoming defer`` and loads it. A fork maps its template's RAM privately and saves
 only the pages it changed. Checkpoints add the disk's qcow2 internal snapshot and the pages changed since the last
-one (``microvm_ram_chain``). The design and its reasons: docs/decisions/0002-microvm-snapshots.md.
+one (``microvm_ram_chain``). The design and its reasons: docs/decisions/0002-microvm-snapshots.md. Its parts:
+the QEMU process and guest channel (``microvm_process``), the wake from a snapshot (``microvm_wake``), snapshots
+of the running guest and checkpoints (``microvm_checkpointing``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import os
-import secrets
 import shutil
 import subprocess
 import time
-import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from moorage.log import get_logger
-from moorage.sandbox import microvm_memfd
-from moorage.sandbox import microvm_ram as ram
-from moorage.sandbox import microvm_snapshots as snapshots
-from moorage.sandbox import microvm_templates, microvm_user
+from moorage.sandbox import microvm_net, microvm_templates, microvm_user
 from moorage.sandbox.base import (
     ChannelError,
-    RemoteError,
     Sandbox,
     SandboxError,
     SandboxState,
     SandboxStateError,
     SandboxStats,
-    SnapshotCorrupt,
-    SnapshotIncompatible,
     SnapshotInfo,
 )
 from moorage.sandbox.channel import Channel
-from moorage.sandbox.microvm_checkpointing import Checkpointing
 from moorage.sandbox.image import GuestImage
-from moorage.sandbox import microvm_net
+from moorage.sandbox.microvm_checkpointing import Checkpointing
 from moorage.sandbox.microvm_files import allocated, write_json
-from moorage.sandbox.microvm_qemu import (
-    VMConfig,
-    VMPaths,
-    build_argv,
-    console_pipe,
-    console_reattach,
-    console_release,
-    console_settled,
-    kill_pid,
-    pid_is_ours,
-    run_dir_for,
-    ensure_private_dir,
-    spawn,
-)
+from moorage.sandbox.microvm_process import COLD_BOOT_TIMEOUT_S, QemuProcess
+from moorage.sandbox.microvm_process import BootError
+from moorage.sandbox.microvm_qemu import VMConfig, VMPaths, build_argv, run_dir_for
+from moorage.sandbox.microvm_wake import Waking
 from moorage.sandbox.qmp import QMPClient, QMPError
 
 if TYPE_CHECKING:
     from moorage.sandbox.microvm import MicroVMDriver
 
+__all__ = ["BootError", "MicroVMSandbox"]  # BootError lives in microvm_process; named here for microvm.py
+
 log = get_logger(__name__)
-
-COLD_BOOT_TIMEOUT_S = 90.0
-WAKE_TIMEOUT_S = 30.0
-#: How long a sleep waits for QEMU to quit (closing its disk cleanly) before it kills it.
-QUIT_WAIT_S = 5.0
-#: Which sandbox object holds the (single-client) QEMU sockets of a sandbox directory in this process.
-_ATTACHED: "weakref.WeakValueDictionary[str, MicroVMSandbox]" = weakref.WeakValueDictionary()
-
-
-class BootError(SandboxError):
-    """The guest did not come up; the message carries the tail of its console and QEMU's log."""
-
-    code = "sandbox-boot"
-
 
 
 class _VerbLock:
@@ -106,7 +75,7 @@ class _VerbLock:
                 self.behind = None
 
 
-class MicroVMSandbox(Checkpointing, Sandbox):
+class MicroVMSandbox(Checkpointing, Waking, QemuProcess, Sandbox):
     """One micro-VM. All lifecycle verbs are serialised by a per-sandbox lock; state is persisted in meta.json."""
 
     def __init__(self, driver: "MicroVMDriver", sandbox_id: str, meta: dict[str, Any]) -> None:
@@ -195,189 +164,6 @@ class MicroVMSandbox(Checkpointing, Sandbox):
         # -S: the guest does not run once the incoming state is loaded; a prepared sandbox waits for `cont`.
         return argv + ["-S"] if paused else argv
 
-    # --- process plumbing -----------------------------------------------------------------------------------
-
-    async def _launch(self, incoming: bool, paused: bool = False) -> None:
-        ensure_private_dir(self.run_dir)
-        for s in ("qmp.sock", "chan.sock"):
-            (self.run_dir / s).unlink(missing_ok=True)
-        paths = self._paths()
-        if self.ram_mode == "delta" and os.geteuid() == 0 and not microvm_memfd.ready(self._ram_path()):
-            # A fork's QEMU maps its template's RAM from a sealed memfd: the first launch in this process copies
-            # the file into it, off the event loop (later ones find it made, without a thread hop per wake).
-            await asyncio.to_thread(microvm_memfd.sealed_ram, self._ram_path())
-        if self._net is not None:
-            self._net.close()
-            self._net = None
-        if self._vm_config().nic:
-            self._net = await asyncio.to_thread(microvm_net.VMNetwork.create)
-        try:
-            self._proc = spawn(self._argv(incoming, paused), self.dir / "qemu.log",
-                               pass_fds=(self._net.tap_fd,) if self._net is not None and self._net.tap_fd is not None else ())
-        finally:
-            if self._net is not None:
-                self._net.release_tap()  # QEMU holds its own; the tap goes when QEMU does
-        (self.dir / "qemu.pid").write_text(str(self._proc.pid))
-        self._meta["pid"] = self._proc.pid
-        deadline = time.monotonic() + 10
-        while not paths.qmp_sock.exists():
-            if self._proc.poll() is not None:
-                raise BootError(f"QEMU exited at start (code {self._proc.returncode}): {self._log_tail()}", hint="check qemu.log in the sandbox directory")
-            if time.monotonic() > deadline:
-                raise BootError("QEMU did not create its monitor socket within 10 s", hint="the host may be overloaded")
-            await asyncio.sleep(0.002)
-        self._qmp = await QMPClient.connect(str(paths.qmp_sock))
-        _ATTACHED[str(self.dir)] = self
-
-    def _log_tail(self) -> str:
-        if self._proc is not None and self._proc.poll() is not None:
-            console_settled(console_pipe(self.dir / "console.log"))  # its last lines, read in the reader's batch
-        out = []
-        for name in ("qemu.log", "console.log"):
-            try:
-                text = (self.dir / name).read_text(errors="replace").strip()
-            except OSError:
-                continue
-            if text:
-                out.append(f"{name}: ...{text[-600:]}")
-        return " | ".join(out) or "no output"
-
-    async def _connect_channel(self, timeout: float, first: Callable[[], tuple[str, dict[str, Any]]] | None = None) -> Any:
-        """Connect to the guest's port and wait for its first answer: to ``ping``, or to the call ``first()`` makes.
-
-        A wake makes its first call the after-wake fix-up itself, so the first reply also means the guest's clock
-        (and a fork's random generator) are right: one round trip to a cold guest instead of two. ``first`` is
-        called again for each attempt (the clock it sends must be current). An error answer is not retried.
-        """
-        deadline = time.monotonic() + timeout
-        path = str(self._paths().chan_sock)
-        last: Exception | None = None
-        attempt = 0  # short first timeouts: a call sent before the guest reads is retried soon, not after 2 s
-        while time.monotonic() < deadline:
-            if self._proc is not None and self._proc.poll() is not None:
-                raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
-            try:
-                if self._channel is None or self._channel.closed:
-                    # The guest's end of the port may still remember request ids of a connection from before a
-                    # sleep (it cannot see a disconnect while frozen); start this session's ids where none can clash.
-                    self._channel = await Channel.open_unix(path, name=f"microvm:{self.id}",
-                                                            first_id=secrets.randbelow(1 << 40) + (1 << 20),
-                                                            max_guest_inflight=self._driver.config.guest_calls_per_channel)
-                    channel = self._channel
-                    channel.on_protocol_error = lambda: self._protocol_broken(channel)
-                    microvm_net.bind_channel(channel, self._net)
-                wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
-                method, params = first() if first is not None else ("ping", {})
-                return await self._channel.call(method, params, timeout=wait)
-            except RemoteError:
-                raise
-            except ChannelError as e:
-                last = e
-                attempt += 1
-                await asyncio.sleep(0.01)
-        raise BootError(f"guest of sandbox {self.id} did not answer within {timeout:.0f} s ({last}): {self._log_tail()}", hint="destroy the sandbox or check the image (`moorage image build`)")
-
-    async def _reconnect(self, accept: Callable[[dict[str, Any]], bool], timeout: float = COLD_BOOT_TIMEOUT_S) -> None:
-        """A new channel to the guest, kept once its answer to ``ping`` is one ``accept`` takes (a new supervisor's,
-        after ``sys.restart``; until then the old one may still answer)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._channel is not None:
-                await self._channel.close("connecting to the guest again")
-                self._channel = None
-            if accept(await self._connect_channel(max(deadline - time.monotonic(), 0.1))):
-                return
-            if time.monotonic() > deadline:
-                raise BootError(f"the guest of sandbox {self.id} did not restart within {timeout:.0f} s: "
-                                f"{self._log_tail()}")
-            await asyncio.sleep(0.02)
-
-    def _protocol_broken(self, channel: Channel) -> None:
-        """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with
-        a reconnect: QEMU is killed and the sandbox marked stopped before any other task sees it running; the next
-        wake cold-boots it (and tears down what is left first)."""
-        if self._channel is not channel or self.state is not SandboxState.RUNNING:
-            return
-        log.warning("guest broke the channel protocol; stopping it", sandbox=self.id, error=str(channel.protocol_error))
-        pid = self.pid
-        if pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        self._set_state(SandboxState.STOPPED, snapshot=None)
-        asyncio.get_running_loop().create_task(self._reap_after_protocol_error(channel))
-
-    async def _reap_after_protocol_error(self, channel: Channel) -> None:
-        async with self._lock:
-            if self._channel is channel:  # not woken meanwhile (a cold boot tears down what is left itself)
-                await self._teardown()
-                self._save_meta()
-
-    async def _teardown(self, *, quit: bool = False) -> None:
-        """Kill QEMU, wait until it is gone, and drop connections (no snapshot). ``quit``: ask QEMU to exit instead
-        and wait for it (``QUIT_WAIT_S``), so it closes its disk cleanly; killed if it does not."""
-        self._prepared = False
-        if self._channel is not None:
-            await self._channel.close("sandbox stopped")
-            self._channel = None
-        if quit and self._qmp is not None and self._proc is not None and self._proc.poll() is None:
-            proc = self._proc
-            with contextlib.suppress(QMPError):
-                await self._qmp.execute("quit", timeout=QUIT_WAIT_S)
-            try:
-                await asyncio.to_thread(proc.wait, QUIT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("QEMU did not quit; killing it (its disk is repaired when next opened)", sandbox=self.id)
-        if self._qmp is not None:
-            await self._qmp.close()
-            self._qmp = None
-        pid = self._meta.get("pid")
-        if self._proc is not None and self._proc.poll() is not None:
-            pass  # exited (and reaped): its pid may already be another process's
-        elif pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
-            kill_pid(pid, self._proc)
-        self._proc = None
-        console_release(console_pipe(self.dir / "console.log"), stop=False)  # its reader ends with QEMU's output
-        if self._net is not None:
-            self._net.close()
-            self._net = None
-        self._meta["pid"] = None
-        (self.dir / "qemu.pid").unlink(missing_ok=True)
-        for s in ("qmp.sock", "chan.sock"):
-            (self.run_dir / s).unlink(missing_ok=True)
-
-    async def _reattach(self) -> bool:
-        """After a host restart: connect to a still-running QEMU of this sandbox."""
-        pid = self._meta.get("pid")
-        if not pid or not pid_is_ours(pid, str(self.run_dir)):
-            return False
-        # QEMU's monitor and channel sockets take one client each. A previous driver instance in this process
-        # (the host before a restart, in tests and in-process reloads) gives its connections up, as a dead
-        # process's would be.
-        previous = _ATTACHED.get(str(self.dir))
-        if previous is not None and previous is not self:
-            await previous._detach()
-        try:
-            self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
-            _ATTACHED[str(self.dir)] = self
-            if not console_reattach(console_pipe(self.dir / "console.log"), pid, str(self.run_dir)):
-                log.warning("re-attached without its console log", sandbox=self.id)
-            if self._vm_config().nic and self._net is None:
-                try:  # its namespace outlived the host process through QEMU's tap: serve the gateway there again
-                    self._net = await asyncio.to_thread(microvm_net.recover, pid)
-                except microvm_net.NicUnavailable as e:
-                    log.warning("re-attached without its network until its next wake", sandbox=self.id, error=str(e))
-            status = await self._qmp.execute("query-status")
-            if not status.get("running"):
-                await self._qmp.execute("cont")
-            await self._connect_channel(WAKE_TIMEOUT_S)
-            return True
-        except (QMPError, BootError) as e:
-            log.warning("re-attach failed, killing QEMU", sandbox=self.id, error=str(e))
-            await self._teardown()
-            return False
-
     # --- lifecycle ------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -432,221 +218,9 @@ class MicroVMSandbox(Checkpointing, Sandbox):
             info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
             return info
 
-    def _validate_snapshot(self, snap_dir: Path, record: dict[str, Any] | None) -> dict[str, Any]:
-        return snapshots.validate(self.id, self.dir, snap_dir, record, self._vm_config().layout_id())
-
     async def wake(self) -> None:
         async with self._lock:
             await self._wake_locked()
-
-    @property
-    def prepared(self) -> bool:
-        return self._prepared and self._proc is not None and self._proc.poll() is None
-
-    async def prepare(self) -> bool:
-        """Start QEMU for this sleeping sandbox and load its snapshot with the guest held paused, so the next
-        ``wake`` only resumes it (no process start, no state to load). Costs a QEMU process (its RSS) while
-        prepared, no guest CPU. Returns False when there is nothing to prepare or the snapshot is unusable (the
-        wake then takes its usual path, cold-boot fallback included)."""
-        async with self._lock:
-            if self.state is not SandboxState.SLEEPING or self.prepared or not self._meta.get("snapshot"):
-                return False
-            snap_dir = self.dir / "snapshot"
-            ph = snapshots.Phases()
-            launch = asyncio.create_task(self._launch(incoming=True, paused=True))
-            try:
-                record = await asyncio.to_thread(self._validate_snapshot, snap_dir, self._meta.get("snapshot"))
-                ph.mark("validate")
-            except BaseException as e:
-                await asyncio.gather(launch, return_exceptions=True)
-                await self._teardown()
-                if isinstance(e, (SnapshotCorrupt, SnapshotIncompatible)):
-                    return False
-                raise
-            try:
-                await self._restore(snap_dir, record, launch, ph, paused=True)
-            except (SnapshotCorrupt, SnapshotIncompatible):
-                return False
-            self._prepared = True
-            self._save_meta()  # its pid: a host that restarts kills this QEMU instead of leaving it behind
-            log.info("prepared", sandbox=self.id, kind=record["kind"], ms=ph.total(), **ph.ms)
-            return True
-
-    async def unprepare(self) -> None:
-        """Stop the paused QEMU of a prepared sandbox; it stays asleep on disk, its snapshot untouched."""
-        async with self._lock:
-            if self._prepared and self.state is SandboxState.SLEEPING:
-                await self._teardown()
-                self._save_meta()
-
-    async def _wake_locked(self) -> None:
-        if self.state is SandboxState.RUNNING:
-            return
-        if self.state is SandboxState.DESTROYED:
-            raise SandboxStateError(f"sandbox {self.id} is destroyed")
-        self.last_wake_fallback = None
-        if self._prepared:
-            self._prepared = False
-            if await self._resume_prepared():
-                return
-        if self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot"):
-            await self._cold_boot()
-            return
-        snap_dir = self.dir / "snapshot"
-        ph = snapshots.Phases()
-        try:
-            # QEMU starts while the snapshot's checksums are verified (both take tens of ms).
-            launch = asyncio.create_task(self._launch(incoming=True))
-            try:
-                record = await asyncio.to_thread(self._validate_snapshot, snap_dir, self._meta.get("snapshot"))
-                ph.mark("validate")
-            except BaseException:
-                try:
-                    await launch
-                except BaseException:
-                    pass
-                await self._teardown()
-                raise
-            await self._restore(snap_dir, record, launch, ph)
-        except (SnapshotCorrupt, SnapshotIncompatible) as e:
-            log.warning("snapshot unusable, cold boot from disk", sandbox=self.id, error=str(e))
-            self.last_wake_fallback = e
-            await self._cold_boot()
-
-    async def _resume_prepared(self) -> bool:
-        """Wake a prepared sandbox: resume its paused guest. False (QEMU torn down) if that QEMU is gone."""
-        ph = snapshots.Phases()
-        if self._qmp is None or self._proc is None or self._proc.poll() is not None:
-            await self._teardown()
-            return False
-        try:
-            await self._qmp.execute("cont")
-            await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
-        except QMPError as e:
-            log.warning("prepared QEMU did not resume; waking the usual way", sandbox=self.id, error=str(e))
-            await self._teardown()
-            return False
-        ph.mark("resume")
-        await self._run_restored(ph, bool(self._meta.get("fresh_fork")), str(self._meta["snapshot"]["kind"]))
-        return True
-
-    async def _restore(self, snap_dir: Path, record: dict[str, Any], launch: "asyncio.Task[None]", ph: snapshots.Phases,
-                       *, paused: bool = False) -> None:
-        fresh_fork = bool(self._meta.get("fresh_fork"))
-        try:
-            if record["kind"] == "delta":
-                # The delta goes into QEMU's private RAM mapping as soon as it exists, while QEMU finishes starting.
-                results = await asyncio.gather(launch, self._apply_delta_when_mapped(snap_dir), return_exceptions=True)
-                for r in results:
-                    if isinstance(r, BaseException):
-                        raise r
-            else:
-                await launch
-            ph.mark("qemu_start_and_ram")
-            assert self._qmp is not None and self._proc is not None
-            fd = os.open(snap_dir / "dev.state", os.O_RDONLY)
-            try:
-                await self._qmp.execute("getfd", {"fdname": "devstate"}, fds=[fd])
-            finally:
-                os.close(fd)
-            await self._qmp.execute("migrate-incoming", {"uri": "fd:devstate"})
-            try:
-                if paused:
-                    await self._incoming_done()
-                else:
-                    await self._qmp.next_event("RESUME", timeout=WAKE_TIMEOUT_S)
-            except QMPError as e:
-                raise SnapshotCorrupt(f"QEMU could not load the snapshot of {self.id}: {self._log_tail()}", hint="it cold-boots from its disk") from e
-            ph.mark("device_state")
-        except SnapshotCorrupt:
-            await self._teardown()
-            raise
-        except BaseException:
-            await self._teardown()
-            self._set_state(SandboxState.SLEEPING)  # the guest never ran: the snapshot is still good
-            raise
-        if paused:
-            return  # loaded, guest not running: the snapshot is still the sandbox's state
-        await self._run_restored(ph, fresh_fork, record["kind"])
-
-    async def _incoming_done(self) -> None:
-        """Wait until a paused (-S) QEMU has loaded the incoming state (it then stays paused, no RESUME event)."""
-        assert self._qmp is not None
-        deadline = time.monotonic() + WAKE_TIMEOUT_S
-        while True:
-            status = (await self._qmp.execute("query-status")).get("status")
-            if status != "inmigrate":
-                if status != "paused":
-                    raise QMPError(f"incoming state ended in status {status!r}")
-                return
-            if time.monotonic() > deadline:
-                raise QMPError(f"QEMU did not load the state within {WAKE_TIMEOUT_S:.0f} s")
-            await asyncio.sleep(0.002)
-
-    async def _run_restored(self, ph: snapshots.Phases, fresh_fork: bool, kind: str) -> None:
-        """The restored guest runs: record it running and wait for its first reply (which fixes clock and CRNG)."""
-        # The guest runs from here, so the snapshot is spent: a shared RAM file no longer matches the old device
-        # state and the disk moves on. A crash while awake re-adopts the live QEMU or cold-boots from disk, never
-        # resumes an older memory image.
-        persist = asyncio.create_task(asyncio.to_thread(self._set_state, SandboxState.RUNNING, snapshot=None, fresh_fork=False))
-        try:
-            await self._first_reply_after_wake(fresh_fork)
-            ph.mark("first_reply")
-            await persist
-        except BaseException:
-            await asyncio.gather(persist, return_exceptions=True)
-            await self._teardown()
-            self._set_state(SandboxState.STOPPED, snapshot=None)
-            raise
-        self.last_wake_mode = "snapshot"
-        self.last_wake_phases = dict(ph.ms)
-        log.info("woke", sandbox=self.id, kind=kind, ms=ph.total(), **ph.ms)
-        # The first reply's clock was read on the host before the cold guest got to it (tens of ms under TCG): set
-        # once more now that the guest is warm, off the wake's path.
-        self._clock_again = asyncio.get_running_loop().create_task(self._set_guest_clock(), name=f"clock-{self.id}")
-
-    async def _apply_delta_when_mapped(self, snap_dir: Path) -> None:
-        """Write a fork's saved RAM delta into the starting QEMU's private mapping of the template RAM.
-
-        QEMU maps guest RAM early in its start-up and does not write it before the incoming migration, so the
-        delta can go in while the rest of QEMU initialises (the monitor answers only after that).
-        """
-        size = self._vm_config().memory_mib << 20
-        deadline = time.monotonic() + 10
-        while True:
-            proc = self._proc
-            if proc is not None:
-                if proc.poll() is not None:
-                    return  # QEMU exited at start: the launch reports why
-                try:
-                    m = ram.find_mapping(proc.pid, self._ram_path())
-                    if m.end - m.start >= size:
-                        break
-                except (ram.RamError, OSError):
-                    pass
-            if time.monotonic() > deadline:
-                raise BootError("QEMU did not map the guest RAM within 10 s", hint="the host may be overloaded")
-            await asyncio.sleep(0.001)
-        await asyncio.to_thread(ram.apply_delta, proc.pid, m, snap_dir)
-
-    async def _first_reply_after_wake(self, fresh_fork: bool) -> None:
-        """The first call to a woken guest sets its clock (it stood still while asleep) and, for a new fork, reseeds
-        its kernel CRNG so forks of one template never share a random stream. One RPC to the image's VM extension,
-        no process start; its answer is the wake's first channel reply."""
-        seed = base64.b64encode(secrets.token_bytes(64)).decode() if fresh_fork else None
-
-        def after_wake() -> tuple[str, dict[str, Any]]:
-            params: dict[str, Any] = {"time": time.time()}
-            if seed is not None:
-                params["seed"] = seed
-            return "vm.after_wake", params
-
-        try:
-            await self._connect_channel(WAKE_TIMEOUT_S, first=after_wake)
-        except RemoteError as e:
-            if fresh_fork:
-                raise SandboxError(f"could not reseed the random generator of fork {self.id}: {e}", hint="rebuild the image (`moorage image build`) and re-make the template") from e
-            log.warning("could not set the guest clock after wake", sandbox=self.id, error=str(e))
 
     async def stop(self) -> None:
         async with self._lock:
@@ -724,18 +298,3 @@ class MicroVMSandbox(Checkpointing, Sandbox):
             checkpoint_bytes=allocated(self.dir / "checkpoints"),
             pid=pid,
         )
-
-    async def _detach(self) -> None:
-        if _ATTACHED.get(str(self.dir)) is self:
-            del _ATTACHED[str(self.dir)]
-        if self._channel is not None:
-            await self._channel.close("driver closed")
-            self._channel = None
-        if self._qmp is not None:
-            await self._qmp.close()
-            self._qmp = None
-        # QEMU runs on: whoever re-attaches reads its console (until then what the guest prints there is dropped).
-        console_release(console_pipe(self.dir / "console.log"))
-        if self._net is not None:  # QEMU keeps its tap; whoever re-attaches finds the namespace through it
-            self._net.close()
-            self._net = None
