@@ -246,7 +246,7 @@ async def _poll(c: httpx.AsyncClient, path: str, done: Any, timeout: float = 30)
 
 
 @pytest.mark.parametrize("store", ["sqlite"], indirect=True)
-async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_path: Path) -> None:
+async def test_every_operation_answers_as_documented(live_rt, store, acme: str, tmp_path: Path) -> None:
     async with aclient(live_rt) as anon:  # the document the server serves (test_openapi.py: equal to the repo's)
         spec = (await anon.get("/openapi.json")).json()
     w = Walk(spec)
@@ -362,6 +362,15 @@ async def test_every_operation_answers_as_documented(live_rt, acme: str, tmp_pat
         await w(c, "POST", f"{U}/facts", json={"subject": "ada", "attribute": "pet", "value": "Biscuit"})
         await w(c, "GET", f"{U}/facts")
         await w(c, "GET", f"{U}/facts", params={"include_closed": "true"})
+        from moorage.memory import FactCandidate, SemanticMemory  # what an agent learns waits for confirmation
+        from moorage.store import Scope
+
+        mem = SemanticMemory(store.tenant(store.authenticate(acme)))
+        learned = [mem.record(Scope.for_user("walk", "ada"), FactCandidate("ada", "city", v, v), origin="agent").fact.id
+                   for v in ("Porto", "Faro")]
+        await w(c, "GET", f"{U}/facts/pending", params={"limit": 1})
+        await w(c, "POST", f"{U}/facts/{learned[0]}/confirm")
+        await w(c, "POST", f"{U}/facts/{learned[1]}/reject")
 
         # Checkpoints of ada's instance.
         await w(c, "GET", f"{U}/checkpoints")

@@ -245,3 +245,55 @@ def test_postgres_store_migrated_by_a_newer_moorage_is_refused(pg_url: str) -> N
     finally:
         with psycopg.connect(pg_url, autocommit=True) as c:
             c.execute("DELETE FROM schema_migrations WHERE version = 10000")
+
+
+def _write_v19_pending_fact(store: Store, tenant_id: str) -> None:
+    # Written with the columns of schema 19 (no confirmed_at yet), as the facts repository of that version did.
+    with store.backend.tenant_tx(tenant_id) as c:
+        c.x("INSERT INTO facts (id, scope, subject, attribute, value, text, valid_from, valid_to, recorded_at, "
+            "superseded_at, superseded_by, trust, status, provenance, source, version, value_key) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, NULL, NULL, ?, ?, ?, ?, 1, ?)",
+            ("f19", Scope.for_user("bot", "alice").key, "user", "city", "Porto", "lives in Porto", 1.0, 1.0,
+             "model_inferred", "pending", "[]", "agent", "porto"))
+
+
+def _pending_fact_from_v19_is_listed_and_confirmed(store: Store, tenant_id: str) -> None:
+    import time
+
+    from moorage.memory import SemanticMemory
+
+    ts = store.tenant(store.operator.principal(tenant_id))
+    scope = Scope.for_user("bot", "alice")
+    [waiting] = ts.facts.waiting(scope)
+    assert waiting.id == "f19" and waiting.confirmed_at is None
+    before = time.time()
+    done = SemanticMemory(ts).confirm(scope, "f19")
+    assert done.fact.confirmed_at is not None and done.fact.confirmed_at >= before
+    assert ts.facts.waiting(scope) == [] and ts.facts.get("f19").confirmed_at == done.fact.confirmed_at
+    assert [f.value for f in ts.facts.list(scope, known_at=before - 0.001)] == []
+
+
+def test_sqlite_pending_facts_written_before_migration_20_are_confirmed_with_their_time(tmp_path: Path) -> None:
+    b = SQLiteBackend(tmp_path / "store")
+    tid = "c" * 32
+    with b.control_tx() as c:
+        c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
+    b.init_tenant(tid, upto=19)
+    b._migrated.add(str(b.tenant_path(tid)))
+    _write_v19_pending_fact(Store(b), tid)
+    b.close()
+    store = Store(SQLiteBackend(tmp_path / "store"))
+    _pending_fact_from_v19_is_listed_and_confirmed(store, tid)
+    assert store.backend.schema_version(tid) == LATEST_TENANT_VERSION
+    store.close()
+
+
+def test_postgres_pending_facts_written_before_migration_20_are_confirmed_with_their_time(pg_url: str) -> None:
+    store = Store(PostgresBackend(pg_url, upto=19))
+    t, _ = store.operator.create_tenant("old20")
+    _write_v19_pending_fact(store, t.id)
+    store.close()
+    store2 = Store(PostgresBackend(pg_url))
+    assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
+    _pending_fact_from_v19_is_listed_and_confirmed(store2, t.id)
+    store2.close()

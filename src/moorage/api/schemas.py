@@ -57,7 +57,8 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "Recall": obj({"event": ref("Event"), "score": NUM}),
     "Fact": obj({"id": STR, "scope": STR, "subject": STR, "attribute": STR, "value": STR, "text": STR,
                  "valid_from": NUM, "valid_to": NNUM, "recorded_at": NUM, "superseded_at": NNUM,
-                 "superseded_by": NSTR, "trust": STR, "status": STR, "source": STR, "version": INT}),
+                 "superseded_by": NSTR, "trust": STR, "status": STR, "source": STR, "version": INT,
+                 "confirmed_at": NNUM}),
     "FactChange": obj({"action": STR, "fact": ref("Fact"), "previous": {"oneOf": [ref("Fact"), {"type": "null"}]}}),
     "WorkflowRun": obj({"id": STR, "scope": STR, "name": STR, "status": STR, "input": ANY, "state": OBJ,
                         "current_step": NSTR, "result": ANY, "error": NSTR, "created_at": NUM, "updated_at": NUM,
@@ -130,7 +131,7 @@ def fact(f: Fact) -> dict[str, Any]:
     return {"id": f.id, "scope": f.scope.key, "subject": f.subject, "attribute": f.attribute, "value": f.value,
             "text": f.text, "valid_from": f.valid_from, "valid_to": f.valid_to, "recorded_at": f.recorded_at,
             "superseded_at": f.superseded_at, "superseded_by": f.superseded_by, "trust": f.trust,
-            "status": f.status, "source": f.source, "version": f.version}
+            "status": f.status, "source": f.source, "version": f.version, "confirmed_at": f.confirmed_at}
 
 
 def run(r: WorkflowRun) -> dict[str, Any]:

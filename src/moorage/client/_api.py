@@ -164,6 +164,24 @@ class Api(ReachApi, ABC):
         body = {"subject": subject, "attribute": attribute, "value": value, **({"text": text} if text else {})}
         return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts", json=body))
 
+    def list_pending_facts(self, agent: str, user: str, *, session: str | None = None, limit: int | None = None,
+                           cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        """The user's facts waiting for confirmation (what the agent ``learn``ed, tool output), oldest first."""
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts/pending",
+                                  _page(limit, cursor, session=session)))
+
+    def confirm_fact(self, agent: str, user: str, fact_id: str, *, session: str | None = None,
+                     idempotency_key: str | None = None) -> dict[str, Any]:
+        """Confirm a pending fact: current from now on; ``previous`` is the value it superseded, if any."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts/{_p(fact_id)}/confirm",
+                                  {"session": session} if session else {}, headers=_idem(idempotency_key)))
+
+    def reject_fact(self, agent: str, user: str, fact_id: str, *, session: str | None = None,
+                    idempotency_key: str | None = None) -> dict[str, Any]:
+        """Reject a pending fact: it is never believed (kept as ``rejected`` for the record)."""
+        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/users/{_p(user)}/facts/{_p(fact_id)}/reject",
+                                  {"session": session} if session else {}, headers=_idem(idempotency_key)))
+
     # -- checkpoints of a user's instance (time travel) ------------------------------------------------------
 
     def list_checkpoints(self, agent: str, user: str, *, limit: int | None = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Each subclasses a shared ``moorage.errors`` type so the API and CLI map them wit
 
 from __future__ import annotations
 
-from moorage.errors import InvalidInput, NotFound, UnavailableError
+from moorage.errors import ConflictError, InvalidInput, NotFound, UnavailableError
 
 
 class EmbeddingModelUnavailable(UnavailableError):
@@ -28,3 +28,13 @@ class DatasetError(InvalidInput):
 
 class FactNotFound(NotFound):
     code = "fact-not-found"
+
+
+class FactNotPending(ConflictError):
+    """A confirmation or rejection of a fact that no longer waits for one (confirmed, rejected or never pending)."""
+
+    code = "fact-not-pending"
+    retryable = False
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)

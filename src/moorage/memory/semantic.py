@@ -11,7 +11,7 @@ from typing import Callable, Literal, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.log import get_logger
-from moorage.memory.errors import FactNotFound
+from moorage.memory.errors import FactNotFound, FactNotPending
 from moorage.memory.extraction import MULTI_VALUED, FactCandidate, FactExtractor, PatternExtractor, normalize_value
 from moorage.store import Event, Fact, Scope, TenantStore
 
@@ -161,12 +161,14 @@ class SemanticMemory:
                                     trust=trust if raise_trust else None)
 
     def confirm(self, scope: Scope, fact_id: str, *, evidence: Sequence[str] = ()) -> FactChange:
-        """A person vouched for a pending fact: it becomes active and supersedes the current value."""
+        """A person vouched for a pending fact: it becomes active and supersedes the current value. It is believed
+        from now (``confirmed_at``): ``known_at`` before this instant still answers the value it replaces."""
         with self.ts.transaction():
             self.ts.facts.lock(scope)
             f = self._get(scope, fact_id)
             if f.status != "pending":
-                raise InvalidInput(f"fact {fact_id} is {f.status}, not pending", hint="only pending facts need confirmation")
+                raise FactNotPending(f"fact {fact_id} is {f.status}, not pending",
+                                     hint="only a pending fact can be confirmed; list them with GET …/facts/pending")
             prov = list(f.provenance) + [str(e) for e in evidence if str(e) not in f.provenance]
             active = [a for a in self.ts.facts.list(scope, subject=f.subject, attribute=f.attribute) if a.id != f.id]
             same = next((a for a in active if normalize_value(a.value) == normalize_value(f.value)), None)
@@ -175,19 +177,24 @@ class SemanticMemory:
                 self.ts.facts.update(f.id, expected_version=f.version, status="rejected", superseded_by=same.id,
                                      valid_to=f.valid_from)
                 return FactChange("merged", merged)
-            confirmed = self.ts.facts.update(f.id, expected_version=f.version, status="active", provenance=prov)
+            now = time.time()  # the store's recording clock (``recorded_at``), not ``self.clock`` (valid time)
+            confirmed = self.ts.facts.update(f.id, expected_version=f.version, status="active", provenance=prov,
+                                             confirmed_at=now)
             previous = None
             if f.attribute not in MULTI_VALUED and active:
                 current = max(active, key=lambda a: (a.valid_from, a.recorded_at))
+                # No longer believed from the instant the confirmed value is: ``known_at`` never sees both.
                 previous = self.ts.facts.close(current.id, expected_version=current.version,
-                                               valid_to=max(f.valid_from, current.valid_from), superseded_by=f.id)
+                                               valid_to=max(f.valid_from, current.valid_from), superseded_by=f.id,
+                                               superseded_at=now)
             return FactChange("confirmed", confirmed, previous)
 
     def reject(self, scope: Scope, fact_id: str) -> FactChange:
         """Discard a pending fact; it stays on record as ``rejected`` for the audit trail."""
         f = self._get(scope, fact_id)
         if f.status != "pending":
-            raise InvalidInput(f"fact {fact_id} is {f.status}, not pending", hint="only pending facts can be rejected")
+            raise FactNotPending(f"fact {fact_id} is {f.status}, not pending",
+                                 hint="only a pending fact can be rejected; list them with GET …/facts/pending")
         return FactChange("rejected", self.ts.facts.update(f.id, expected_version=f.version, status="rejected"))
 
     # -- reading -------------------------------------------------------------------------------
@@ -211,6 +218,7 @@ class SemanticMemory:
         return self.ts.facts.list(scope, subject=subject, attribute=attribute, include_closed=True, limit=None)
 
     def pending(self, scope: Scope) -> list[Fact]:
+        """Every pending fact of the scope (``Facts.waiting`` reads them a page at a time), oldest first."""
         return self.ts.facts.list(scope, statuses=("pending",), include_closed=True, limit=None)
 
     def _get(self, scope: Scope, fact_id: str) -> Fact:

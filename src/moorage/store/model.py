@@ -279,6 +279,9 @@ class Fact:
     provenance: tuple[str, ...]
     source: str
     version: int
+    #: When a pending fact was confirmed (it was believed from then on, not from ``recorded_at``); None for a fact
+    #: that was never pending, one still pending or rejected, and one confirmed before store migration 20.
+    confirmed_at: float | None = None
 
 
 @dataclass(frozen=True)

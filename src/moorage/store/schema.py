@@ -696,6 +696,18 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         "spans by start time: the traces retention kind sweeps old spans without reading them all",
         statements=("CREATE INDEX spans_start ON spans ({tpk}start_ts)",),
     ),
+    Migration(
+        20,
+        "facts: when a pending fact was confirmed, and an index of the pending facts of a scope",
+        statements=(
+            # ``confirmed_at``: a fact that waited for confirmation is believed from then, not from when it was
+            # recorded (``known_at`` reads compare COALESCE(confirmed_at, recorded_at)). NULL on facts never
+            # pending and on those confirmed before this version (no record of when).
+            "ALTER TABLE facts ADD COLUMN confirmed_at {real}",
+            # Only the pending rows: listing what waits for confirmation pages through them in recorded order.
+            "CREATE INDEX facts_waiting ON facts ({tpk}scope, recorded_at, id) WHERE status = 'pending'",
+        ),
+    ),
 )
 
 

@@ -1,4 +1,5 @@
-"""An agent's memory of its users: sessions, the episodic log (list, search), facts (list, as-of, edit).
+"""An agent's memory of its users: sessions, the episodic log (list, search), facts (list, as-of, edit; the pending
+ones listed, confirmed or rejected).
 
 Every read names one agent and one user (and optionally a session) of the caller's tenant.
 """
@@ -115,6 +116,43 @@ def add_fact(call: Call) -> Reply:
                   "previous": S.fact(change.previous) if change.previous else None}, 201)
 
 
+def list_pending_facts(call: Call) -> dict[str, Any]:
+    scope = _scope(call)
+    limit = parse_limit(call.query("limit"))
+    after = decode_cursor(call.query("cursor")).get("after")
+    if after is not None and not (isinstance(after, list) and len(after) == 2 and isinstance(after[0], (int, float))
+                                  and isinstance(after[1], str)):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    # Keyed on (recorded_at, id), not an offset: a fact confirmed or rejected between two pages does not make the
+    # next one skip another.
+    facts = call.tenant.facts.waiting(scope, after=(float(after[0]), after[1]) if after else None, limit=limit + 1)
+    page = facts[:limit]
+    more = len(facts) > limit
+    return {"data": [S.fact(f) for f in page],
+            "next_cursor": encode_cursor({"after": [page[-1].recorded_at, page[-1].id]}) if more else None}
+
+
+def _decide(call: Call, verb: str) -> dict[str, Any]:
+    from moorage.memory import SemanticMemory
+
+    scope, fact_id = _scope(call), call.path["fact"]
+    memory = SemanticMemory(call.tenant)
+    if verb == "confirm":
+        change = memory.confirm(scope, fact_id, evidence=[f"api:{call.trace_id}"])
+    else:
+        change = memory.reject(scope, fact_id)
+    return {"action": change.action, "fact": S.fact(change.fact),
+            "previous": S.fact(change.previous) if change.previous else None}
+
+
+def confirm_fact(call: Call) -> dict[str, Any]:
+    return _decide(call, "confirm")
+
+
+def reject_fact(call: Call) -> dict[str, Any]:
+    return _decide(call, "reject")
+
+
 _USER = "/v1/agents/{agent}/users/{user}"
 
 ENDPOINTS = [
@@ -141,4 +179,13 @@ ENDPOINTS = [
                          "value": {"type": "string", "minLength": 1}, "text": S.STR},
                         ["subject", "attribute", "value"]),
              response=S.ref("FactChange")),
+    Endpoint("GET", f"{_USER}/facts/pending", list_pending_facts,
+             "List the user's pending facts (waiting for confirmation), oldest first", "memory", "listPendingFacts",
+             scope="read", end_user=True, query=(*PAGE, SESSION), response=S.page_of("Fact")),
+    Endpoint("POST", f"{_USER}/facts/{{fact}}/confirm", confirm_fact,
+             "Confirm a pending fact: it becomes current from now (and supersedes the current value)", "memory",
+             "confirmFact", scope="deploy", query=(SESSION,), response=S.ref("FactChange")),
+    Endpoint("POST", f"{_USER}/facts/{{fact}}/reject", reject_fact,
+             "Reject a pending fact: it is never believed (kept as rejected for the record)", "memory",
+             "rejectFact", scope="deploy", query=(SESSION,), response=S.ref("FactChange")),
 ]

@@ -43,7 +43,8 @@ class Table:
 IMAGED: tuple[Table, ...] = (
     Table("state", ("scope", "key", "value", "version", "updated_at"), ("scope", "key"), "{S}"),
     Table("facts", ("id", "scope", "subject", "attribute", "value", "text", "valid_from", "valid_to", "recorded_at",
-                    "superseded_at", "superseded_by", "trust", "status", "provenance", "source", "version"),
+                    "superseded_at", "superseded_by", "trust", "status", "provenance", "source", "version",
+                    "confirmed_at"),
           ("id",), "{S}"),
     Table("workflow_runs", ("id", "scope", "name", "status", "input", "state", "current_step", "result", "error",
                             "created_at", "updated_at", "version"), ("id",), "{S}"),
@@ -88,6 +89,13 @@ def where(t: Table, dialect: str, agent: str, user: str) -> tuple[str, tuple[Any
     if t.name == "journal":
         return t.where.format(S=s, RUNS=runs), sp * 2
     return t.where.format(S=s, RUNS=runs), sp
+
+
+def row_of(t: Table, body: str) -> list[Any]:
+    """An imaged row's values in ``t.cols`` order. An image taken before a column was added (``facts.confirmed_at``,
+    migration 20) is shorter: the columns it lacks are NULL."""
+    r = json.loads(body)
+    return r + [None] * (len(t.cols) - len(r))
 
 
 def digest(table: str, body: str) -> str:

@@ -305,7 +305,7 @@ class Checkpoints:
                 gone = [k for k, d in have.items() if goal.get(k) != d]
                 for k in gone:
                     c.x(f"DELETE FROM {t.name} WHERE {' AND '.join(f'{p} = ?' for p in t.pk)}", json.loads(k))
-                add = [json.loads(bodies[d]) for d in adds[t.name]]
+                add = [ci.row_of(t, bodies[d]) for d in adds[t.name]]
                 if add:
                     c.many(f"INSERT INTO {t.name} ({', '.join(t.cols)}) VALUES ({', '.join('?' * len(t.cols))})", add)
             self._rewind_events(c, agent, user, target.event_ranges)
@@ -369,7 +369,7 @@ class Checkpoints:
                                     hint="fork into a new user id (or forget that user first)")
             want = ci.resolve(c, ts.tenant_id, target.id).rows
             bodies = self._bodies(c, agent, user, {d for rows in want.values() for d in rows.values()})
-            rows = {t: [json.loads(bodies[d]) for d in m.values()] for t, m in want.items()}
+            rows = {t.name: [ci.row_of(t, bodies[d]) for d in want.get(t.name, {}).values()] for t in TABLES}
             sub = _Renamer(agent, user, to_user)
             during = target.summary.get("during_turn")
             for run in rows.get("workflow_runs", []):

@@ -13,8 +13,12 @@ from moorage.store.sql import loads
 
 _FACT_COLS = (
     "id, scope, subject, attribute, value, text, valid_from, valid_to, recorded_at, superseded_at, "
-    "superseded_by, trust, status, provenance, source, version"
+    "superseded_by, trust, status, provenance, source, version, confirmed_at"
 )
+
+#: When moorage came to believe a fact: when it was confirmed, if it waited for that (migration 20), else when it
+#: was recorded. What ``known_at`` compares.
+_BELIEVED = "COALESCE(confirmed_at, recorded_at)"
 
 # The facts of one subject's attribute in one status that are not closed: what the index of current facts
 # (migration 17: scope, status, subject, attribute, value_key WHERE valid_to IS NULL) holds.
@@ -23,7 +27,7 @@ _CURRENT = "facts WHERE scope = ? AND subject = ? AND attribute = ? AND status =
 
 def _fact(r: tuple) -> Fact:
     return Fact(r[0], Scope.parse(r[1]), r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
-                tuple(loads(r[13])), r[14], r[15])
+                tuple(loads(r[13])), r[14], r[15], r[16])
 
 
 class Facts(_Repo):
@@ -48,9 +52,9 @@ class Facts(_Repo):
         )
         with self._ts._tx() as c:
             c.x(
-                f"INSERT INTO facts ({_FACT_COLS}, value_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO facts ({_FACT_COLS}, value_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (f.id, scope.key, f.subject, f.attribute, f.value, f.text, f.valid_from, None, now, None, None, trust,
-                 status, self._json(list(f.provenance), "provenance"), f.source, 1,
+                 status, self._json(list(f.provenance), "provenance"), f.source, 1, None,
                  None if value_key is None else self._text(value_key, "value key")),
             )
             self._ts._touch(c, scope, now)
@@ -74,11 +78,12 @@ class Facts(_Repo):
     def update(
         self, fact_id: str, *, expected_version: int, valid_to: float | None = None, superseded_by: str | None = None,
         status: str | None = None, provenance: Sequence[str] | None = None, trust: str | None = None,
-        superseded_at: float | None = None,
+        superseded_at: float | None = None, confirmed_at: float | None = None,
     ) -> Fact:
         """Compare-and-set change of a fact's lifecycle fields (its content never changes). With ``superseded_by``,
         ``superseded_at`` (default: now) is when moorage stopped believing it: the recording time of what replaced
-        it, so at no recorded instant are both believed."""
+        it, so at no recorded instant are both believed. ``confirmed_at``: when a pending fact was confirmed (from
+        then on it counts as known)."""
         _check_version(expected_version)
         with self._ts._tx() as c:
             cur = c.one(f"SELECT {_FACT_COLS} FROM facts WHERE id = ?", (fact_id,))
@@ -93,14 +98,15 @@ class Facts(_Repo):
                 f.superseded_by if superseded_by is None else superseded_by,
                 f.trust if trust is None else trust, f.status if status is None else status,
                 f.provenance if provenance is None else tuple(provenance), f.source, expected_version + 1,
+                f.confirmed_at if confirmed_at is None else confirmed_at,
             )
             if new.status not in FACT_STATUS or new.trust not in FACT_TRUST:
                 raise InvalidInput("unknown fact status or trust")
             n = c.x(
                 "UPDATE facts SET valid_to = ?, superseded_at = ?, superseded_by = ?, trust = ?, status = ?, provenance = ?, "
-                "version = version + 1 WHERE id = ? AND version = ?",
+                "confirmed_at = ?, version = version + 1 WHERE id = ? AND version = ?",
                 (new.valid_to, new.superseded_at, new.superseded_by, new.trust, new.status,
-                 self._json(list(new.provenance), "provenance"), fact_id, expected_version),
+                 self._json(list(new.provenance), "provenance"), new.confirmed_at, fact_id, expected_version),
             )
             if n != 1:
                 raise ConflictError(f"fact {fact_id} changed (now version {f.version})", current_version=f.version)
@@ -116,7 +122,8 @@ class Facts(_Repo):
         known_at: float | None = None, include_closed: bool = False, statuses: Sequence[str] = ("active",),
         limit: int | None = 1000,
     ) -> list[Fact]:
-        """Facts of a scope. ``valid_at``: true at that time; ``known_at``: as recorded by then (bi-temporal).
+        """Facts of a scope. ``valid_at``: true at that time; ``known_at``: as believed then (bi-temporal: recorded,
+        or for a fact that waited for confirmation, confirmed, by then, and not yet superseded).
         ``limit``: the first that many in order; None: all of them."""
         where = "scope = ?"
         params: list[Any] = [scope.key]
@@ -130,7 +137,7 @@ class Facts(_Repo):
             where += f" AND status IN ({','.join('?' * len(statuses))})"
             params += list(statuses)
         if known_at is not None:
-            where += " AND recorded_at <= ? AND (superseded_at IS NULL OR superseded_at > ?)"
+            where += f" AND {_BELIEVED} <= ? AND (superseded_at IS NULL OR superseded_at > ?)"
             params += [known_at, known_at]
         if valid_at is not None:
             where += " AND valid_from <= ? AND (valid_to IS NULL OR valid_to > ?)"
@@ -147,6 +154,19 @@ class Facts(_Repo):
             # The id breaks ties, so the order is the same on every read (pages of a listing neither repeat nor skip).
             rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY valid_from, recorded_at, id"
                        + ("" if limit is None else " LIMIT ?"), (*params, *(() if limit is None else (limit,))))
+        return [_fact(r) for r in rows]
+
+    def waiting(self, scope: Scope, *, after: tuple[float, str] | None = None, limit: int = 100) -> list[Fact]:
+        """The scope's pending facts (waiting for confirmation) in the order they were recorded, the first ``limit``
+        after ``after`` (the ``(recorded_at, id)`` of the last one of the page before): read through the index of
+        pending facts (migration 20), so a page costs its own rows however many wait or were ever decided."""
+        where, params = "scope = ? AND status = 'pending'", [scope.key]
+        if after is not None:
+            where += " AND (recorded_at > ? OR (recorded_at = ? AND id > ?))"
+            params += [after[0], after[0], after[1]]
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_FACT_COLS} FROM facts WHERE {where} ORDER BY recorded_at, id LIMIT ?",
+                       (*params, limit))
         return [_fact(r) for r in rows]
 
     def current(self, scope: Scope, subject: str, attribute: str, *, status: str = "active") -> list[Fact]:
