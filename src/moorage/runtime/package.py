@@ -45,7 +45,18 @@ class AgentPackage:
 
 
 #: The agent's own tables: a top-level one of these names is a misplaced [agent.NAME], not something to ignore.
-_AGENT_TABLES = ("lifecycle", "retention", "timetravel", "egress", "network", "secrets", "mcp")
+_AGENT_TABLES = ("lifecycle", "retention", "timetravel", "egress", "network", "secrets", "mcp", "limits")
+
+#: Every setting the [agent] table has (docs: README, app.md, egress.md, lifecycle.md, timetravel.md, mcp.md,
+#: api.md): one that is not here is misspelt or misplaced, and would be ignored, so the deploy refuses it.
+AGENT_SETTINGS = frozenset({
+    "name", "entry", "handler", "scope", "system_prompt", "tools", "model", "max_tokens",  # code, built-in loop
+    "memory_mib", "vcpus", "disk_mib", "ports", "apt",                                     # the sandbox
+    *_AGENT_TABLES,
+})
+
+#: The keys of the tables that are read leniently where they are used (a wrong one is checked here instead).
+_TABLE_SETTINGS = {"egress": ("allow",), "network": ("allow", "packages"), "timetravel": ("auto", "keep", "daily")}
 
 
 def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
@@ -73,10 +84,53 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
             raise AgentPackageError(f"tool {t!r}: file {t.split(':', 1)[0]!r} is not in the package")
     if agent.get("scope", "user") not in SCOPES:
         raise AgentPackageError(f"scope must be one of {', '.join(SCOPES)}, not {agent.get('scope')!r}")
+    _check_settings(agent)
     _check_egress(agent)
     _check_sizing(agent)
     _retention(agent)
     return agent
+
+
+def _check_settings(agent: dict[str, Any]) -> None:
+    """Settings the deploy would otherwise take and then ignore (or trip over at every turn) fail it instead."""
+    from moorage.store.agent_users import check_limits
+
+    unknown = sorted(set(agent) - AGENT_SETTINGS)
+    if unknown:
+        raise AgentPackageError(f"moorage.toml: unknown [agent] setting {unknown[0]!r}: it would be ignored",
+                                hint=f"known settings: {', '.join(sorted(AGENT_SETTINGS))}; nothing was changed")
+    for table, keys in _TABLE_SETTINGS.items():
+        value = agent.get(table)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise AgentPackageError(f"moorage.toml: [agent.{table}] must be a table", hint=f"it takes {', '.join(keys)}")
+        wrong = sorted(set(value) - set(keys))
+        if wrong:
+            raise AgentPackageError(f"moorage.toml: unknown [agent.{table}] setting {wrong[0]!r}: it would be ignored",
+                                    hint=f"[agent.{table}] takes {', '.join(keys)}; nothing was changed")
+    tt = agent.get("timetravel") or {}
+    if "auto" in tt and not isinstance(tt["auto"], bool):
+        raise AgentPackageError(f"moorage.toml: [agent.timetravel] auto must be true or false, not {tt['auto']!r}",
+                                hint="auto = true checkpoints after every turn, false only when asked; nothing was changed")
+    for key, least in (("keep", 1), ("daily", 0)):
+        if key in tt and (isinstance(tt[key], bool) or not isinstance(tt[key], int) or tt[key] < least):
+            raise AgentPackageError(f"moorage.toml: [agent.timetravel] {key} must be a whole number of at least {least},"
+                                    f" not {tt[key]!r}", hint="e.g. keep = 20, daily = 30 (docs/timetravel.md); "
+                                                              "nothing was changed")
+    mcp = agent.get("mcp") or {}
+    if not isinstance(mcp, dict):
+        raise AgentPackageError("moorage.toml: [agent.mcp] must be a table of servers",
+                                hint='e.g. [agent.mcp.docs] url = "https://docs.example.com/mcp"')
+    for name, spec in mcp.items():
+        if not isinstance(spec, dict) or set(spec) != {"url"} or not str(spec["url"]).startswith(("http://", "https://")):
+            raise AgentPackageError(f"moorage.toml: [agent.mcp.{name}] must have only url = \"http(s)://...\"",
+                                    hint="credentials go in the host's mcp.toml (docs/mcp.md), never in the package")
+    try:
+        check_limits(agent.get("limits", {}))
+    except InvalidInput as e:
+        raise AgentPackageError(f"moorage.toml: [agent.limits]: {e.message}",
+                                hint=f"{e.hint}; nothing was changed" if e.hint else "nothing was changed") from e
 
 
 def retention_ttl_s(agent: dict[str, Any]) -> float | None:
