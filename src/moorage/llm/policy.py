@@ -94,6 +94,10 @@ def _price(doc: Any, where: str) -> ModelPrice:
 def parse_policy(doc: dict[str, Any]) -> LlmPolicy:
     """The ``[llm]`` table of a policy file (see docs/llm.md)."""
     llm = doc.get("llm", doc)
+    extra = set(llm) - {"unknown_models", "unknown_price", "prices", "default", "tenants"}
+    if extra:  # a misspelt key would otherwise be ignored, and its limit or price with it
+        raise ConfigError(f"llm: unknown settings {sorted(extra)}",
+                          hint="known: default, tenants, prices, unknown_models, unknown_price (docs/llm.md)")
     unknown = llm.get("unknown_models", "refuse")
     if unknown not in ("refuse", "price"):
         raise ConfigError(f"llm.unknown_models = {unknown!r} is not refuse or price")
