@@ -239,7 +239,8 @@ function waitingPanel(listing) {
       s.user ? userLink(s.agent, s.user) : s.agent, " · waiting since ", ago(r.updated_at));
   });
   return section("Waiting for approval", "waiting", items.length ? el("ul", {}, items) : empty("Nothing is waiting."),
-    listing.next_cursor ? el("p.hint", {}, `The ${items.length} waiting longest are shown; more are waiting (each user's page lists theirs).`) : null);
+    listing.next_cursor ? el("p.hint", {}, `The ${items.length} waiting longest are shown; more are waiting (each user's page lists theirs).`) : null,
+    items.length ? el("p", {}, el("a", { href: "#/approvals", id: "to-approvals" }, "What each asks, and answer them →")) : null);
 }
 
 // Recent spans grouped by trace; a trace's row is named after its root span (the request).
@@ -327,7 +328,7 @@ async function userView(agent, user, who) {
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
   const [agentInfo] = await Promise.all([api(`/v1/agents/${enc(agent)}`), api(base)]);
-  const [sessions, userEvents, facts, waiting, checkpoints, canTravel] = await Promise.all([
+  const [sessions, userEvents, facts, waiting, checkpoints, canTravel, canAnswer] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiNewestEvents(`${base}/events?limit=500`, 25),
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
@@ -342,6 +343,7 @@ async function userView(agent, user, who) {
       return { error: e.message };
     }),
     mayUse("provision"),  // rolling back and forking need it: a read-only key gets no buttons that would fail
+    mayUse("invoke"),  // answering an approval needs it
   ]);
   // Turns log their messages in the session's scope, so the recent episodic events are those of the most
   // recently active sessions, merged with the user-wide ones and ordered by time.
@@ -392,18 +394,11 @@ async function userView(agent, user, who) {
     factRows.length ? table(["Subject", "Attribute", "Value", "Source", "Since"], factRows, { id: "facts-table" }) : empty("No facts."),
     facts.more ? el("p.hint", {}, `The first ${factRows.length} current facts are shown; there are more.`) : null);
 
-  const approvals = section("Waiting for approval", "approvals",
-    details.length ? el("ul.approvals", {}, details.map((d) => {
-      const step = d.steps.filter((s) => s.status === "waiting").pop();
-      const payload = step && step.result ? step.result.payload : null;
-      // The interrupt's payload is whatever the agent passed: its `question` when that is text, text as it is,
-      // anything else as JSON (never "[object Object]" or a string in quotes).
-      const asked = payload && typeof payload === "object" && "question" in payload ? payload.question : payload;
-      const question = typeof asked === "string" ? asked : JSON.stringify(asked);
-      return el("li", {}, el("div.question", {}, question),
-        el("div.sub", {}, `run ${d.run.id.slice(0, 12)} · ${d.run.current_step || ""} · waiting since ${ago(d.run.updated_at)}`));
-    })) : empty(waiting.limited ? spansAgents(agent, "Workflow runs (turns waiting for approval among them)")
-      : "Nothing is waiting for this user."));
+  const approvals = section("Waiting for approval", "approvals", approvalsList(details, {
+    canAnswer: canAnswer && !waiting.limited,
+    emptyText: waiting.limited ? spansAgents(agent, "Workflow runs (turns waiting for approval among them)")
+      : "Nothing is waiting for this user.",
+  }));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
     checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canTravel)];
@@ -624,6 +619,7 @@ async function route() {
   else if (name === "user" && parts.length >= 3) render = (who) => userView(parts[1], parts[2], who);
   else if (name === "trace" && parts[1]) render = (who) => traceView(parts[1], who);
   else if (name === "agent" && parts[1]) render = (who) => agentView(parts[1], who);
+  else if (name === "approvals") render = (who) => approvalsView(parts[1] || null, who);
   else { name = "fleet"; render = fleetView; }
   document.body.dataset.view = name;
   statusEl.textContent = "loading…";
@@ -637,6 +633,7 @@ async function route() {
     document.body.dataset.view = name;
     const home = document.querySelector("nav a[data-nav=fleet]");
     home.textContent = agentOnly ? `Agent ${who.agent}` : "Fleet";
+    document.querySelector("nav a[data-nav=approvals]").hidden = Boolean(agentOnly);  // its routes span agents
     const nodes = await render(who);
     if (seq !== routeSeq) return;
     view.replaceChildren(...nodes);

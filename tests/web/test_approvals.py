@@ -1,0 +1,75 @@
+"""Answering turns that wait for a person, from the dashboard: what each asks, Approve / Reject / Answer… for a key
+that may answer (none for one that may only read), and what the turn did after."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import aclient
+from tests.web.test_agent_key import _key
+from tests.web.test_views import _deploy, _sign_in, _watch
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_operator_answers_waiting_turns_and_sees_what_they_did(live_rt, acme: str, tmp_path: Path,
+                                                                       browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "approve"), ("bob", "approve"), ("carol", "approve"))
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    answers = {"prompt": ""}
+
+    async def on_dialog(d: Any) -> None:
+        await d.accept(answers["prompt"])
+
+    page.on("dialog", lambda d: asyncio.ensure_future(on_dialog(d)))
+    await _sign_in(page, live_rt.url, acme)
+    await page.click("#to-approvals")
+    await page.wait_for_selector("body[data-loaded=approvals]")
+    items = page.locator("#approvals ul.approvals li")
+    assert await items.count() == 3
+    assert all("ship it?" in t for t in await items.all_inner_texts())
+
+    # Approve alice's: the turn runs on with "yes", the notice says what it replied, her run leaves the list.
+    await items.filter(has_text="alice").locator("button.approve").click()
+    await page.wait_for_selector("#approvals-notice:has-text('finished')")
+    notice = await page.inner_text("#approvals-notice")
+    assert "“draft-1 -> yes”" in notice and "alice" in notice, notice
+    assert await items.count() == 2 and await items.filter(has_text="alice").count() == 0
+    # Reject carol's.
+    await items.filter(has_text="carol").locator("button.reject").click()
+    await page.wait_for_selector("#approvals-notice:has-text('draft-1 -> no')")
+    assert await items.count() == 1
+
+    # bob's, from his own page, with an answer of the operator's own.
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/bob")
+    await page.wait_for_selector("body[data-loaded=user]")
+    answers["prompt"] = "after the freeze"
+    await page.locator("#approvals button.answer").click()
+    await page.wait_for_selector("#approvals-notice:has-text('draft-1 -> after the freeze')")
+    assert "Nothing is waiting for this user" in await page.inner_text("#approvals")
+    assert "draft-1 -> after the freeze" in await page.inner_text("#events")
+    async with aclient(live_rt, acme) as c:
+        waiting = (await c.get("/v1/workflows?status=waiting")).json()["data"]
+    assert waiting == []
+    assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_key_that_may_only_read_sees_approvals_without_buttons(live_rt, acme: str, tmp_path: Path,
+                                                                      browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "approve"))
+    reader = await _key(live_rt, acme, ["read"])
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    await _sign_in(page, live_rt.url, reader)
+    for view, loaded in (("#/approvals", "approvals"), ("#/user/echo/alice", "user")):
+        await page.goto(f"{live_rt.url}/ui/{view}")
+        await page.wait_for_selector(f"body[data-loaded={loaded}]")
+        assert "ship it?" in await page.inner_text("#approvals .question")
+        assert await page.locator("#approvals button").count() == 0, view
+        assert "may not answer" in await page.inner_text("#approvals")
+    assert problems == []
