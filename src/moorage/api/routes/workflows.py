@@ -10,7 +10,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
 from moorage.api.routes._common import PAGE
 from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
@@ -24,12 +24,21 @@ def list_runs(call: Call) -> dict[str, Any]:
     if status is not None and status not in RUN_STATUSES:
         raise InvalidInput(f"unknown status {status!r}", hint=f"one of {', '.join(RUN_STATUSES)}")
     agent = call.query("agent")
-
-    def fetch(n: int) -> list[Any]:
-        runs = call.tenant.runs.list(status=[status] if status else None, limit=10_000 if agent else n)
-        return [r for r in runs if agent is None or r.scope.agent == agent][:n]
-
-    return offset_page(fetch, parse_limit(call.query("limit")), call.query("cursor"), S.run)
+    limit = parse_limit(call.query("limit"))
+    # Keyed on the last run's (updated_at, id), not an offset: a page costs the same however deep, and runs that
+    # start meanwhile do not push earlier ones onto the next page. A run that changes while you page moves to the
+    # end and may be listed again; none is skipped.
+    pos = decode_cursor(call.query("cursor"))
+    after = None
+    if pos:
+        if not (isinstance(pos.get("u"), (int, float)) and isinstance(pos.get("i"), str)):
+            raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+        after = (float(pos["u"]), pos["i"])
+    runs = call.tenant.runs.list(status=[status] if status else None, agent=agent, after=after, limit=limit + 1)
+    page = runs[:limit]
+    more = len(runs) > limit
+    return {"data": [S.run(r) for r in page],
+            "next_cursor": encode_cursor({"u": page[-1].updated_at, "i": page[-1].id}) if more else None}
 
 
 def get_run(call: Call) -> dict[str, Any]:

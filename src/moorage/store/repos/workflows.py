@@ -13,6 +13,8 @@ from moorage.store.sql import loads
 
 _RUN_COLS = "id, scope, name, status, input, state, current_step, result, error, created_at, updated_at, version"
 RUN_STATUSES = ("pending", "running", "waiting", "succeeded", "failed", "cancelled")
+#: The kinds of scope a run may have (``Scope.key``'s prefixes).
+_SCOPE_KINDS = ("user", "session", "workflow")
 
 
 def _run(r: tuple) -> WorkflowRun:
@@ -52,7 +54,10 @@ class WorkflowRuns(_Repo):
             raise NotFound(f"no workflow run {run_id!r}")
         return _run(r)
 
-    def list(self, *, status: Sequence[str] | None = None, scope: Scope | None = None, limit: int = 100) -> list[WorkflowRun]:
+    def list(self, *, status: Sequence[str] | None = None, scope: Scope | None = None, agent: str | None = None,
+             after: tuple[float, str] | None = None, limit: int = 100) -> list[WorkflowRun]:
+        """Runs by last change, oldest first (then by id); ``after``: only those past that (updated_at, id), the
+        position of the last run of a page. ``agent``: only that agent's runs (every kind of scope it has)."""
         where, params = "1 = 1", []
         if status:
             where += f" AND status IN ({','.join('?' * len(status))})"
@@ -60,8 +65,18 @@ class WorkflowRuns(_Repo):
         if scope is not None:
             where += " AND scope = ?"
             params.append(scope.key)
+        if agent is not None:
+            # A scope key is ``kind:agent/...`` and an agent id holds no "/": a range per kind, which the scope
+            # index answers ("0" is the character after "/").
+            where += " AND (" + " OR ".join("(scope >= ? AND scope < ?)" for _ in _SCOPE_KINDS) + ")"
+            for kind in _SCOPE_KINDS:
+                params += [f"{kind}:{agent}/", f"{kind}:{agent}0"]
+        if after is not None:
+            where += " AND (updated_at > ? OR (updated_at = ? AND id > ?))"
+            params += [after[0], after[0], after[1]]
         with self._ts._tx(write=False) as c:
-            return [_run(r) for r in c.q(f"SELECT {_RUN_COLS} FROM workflow_runs WHERE {where} ORDER BY updated_at LIMIT ?", (*params, limit))]
+            return [_run(r) for r in c.q(f"SELECT {_RUN_COLS} FROM workflow_runs WHERE {where} ORDER BY updated_at, id "
+                                         "LIMIT ?", (*params, limit))]
 
     _UNSET: Any = object()
 
