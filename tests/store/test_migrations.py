@@ -170,8 +170,28 @@ def _rows_written_before_migration_18_have_their_instance(store: Store, tenant_i
     assert not any("counter" in k for k in _whole(ts)["state"]) and _whole(ts, "v")["state"]
 
 
+def _turn(ts, n: int, user: str) -> None:  # type: ignore[no-untyped-def]
+    """A turn's rows (tests.timetravel's turn) on a store at schema 17: its fact is written with that schema's
+    columns (the facts repository of this version writes later ones too)."""
+    from unittest import mock
+
+    from moorage.memory.semantic import SemanticMemory
+    from tests.timetravel.test_store_checkpoints import _turn as turn
+
+    def record(self: SemanticMemory, scope: Scope, c, **_: object) -> None:  # type: ignore[no-untyped-def]
+        with ts.transaction():
+            ts.ambient().x(
+                "INSERT INTO facts (id, scope, subject, attribute, value, text, valid_from, valid_to, recorded_at, "
+                "superseded_at, superseded_by, trust, status, provenance, source, version) "
+                "VALUES (?, ?, ?, ?, ?, ?, 1.0, NULL, 1.0, NULL, NULL, 'user_stated', 'active', '[]', 'user', 1)",
+                (f"{user}-{n}", scope.key, c.subject, c.attribute, c.value, c.text))
+
+    with mock.patch.object(SemanticMemory, "record", record):
+        turn(ts, n, user)
+
+
 def test_sqlite_rows_written_before_migration_18_get_their_instance(tmp_path: Path) -> None:
-    from tests.timetravel.test_store_checkpoints import U, _turn
+    from tests.timetravel.test_store_checkpoints import U
 
     b = SQLiteBackend(tmp_path / "store")
     tid = "b" * 32
@@ -190,7 +210,7 @@ def test_sqlite_rows_written_before_migration_18_get_their_instance(tmp_path: Pa
 
 
 def test_postgres_rows_written_before_migration_18_get_their_instance(pg_url: str) -> None:
-    from tests.timetravel.test_store_checkpoints import U, _turn
+    from tests.timetravel.test_store_checkpoints import U
 
     store = Store(PostgresBackend(pg_url, upto=17))
     t, _ = store.operator.create_tenant("old18")
