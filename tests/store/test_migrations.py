@@ -317,3 +317,49 @@ def test_postgres_pending_facts_written_before_migration_20_are_confirmed_with_t
     assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
     _pending_fact_from_v19_is_listed_and_confirmed(store2, t.id)
     store2.close()
+
+
+def _write_v20_spans(store: Store, tenant_id: str) -> None:
+    # Request spans as schema 20 held them: the user and agent only in the JSON attributes.
+    with store.backend.tenant_tx(tenant_id) as c:
+        for span_id, attrs in [("gus-pal", '{"moorage.agent": "pal", "moorage.user": "gus"}'),
+                               ("gus-any", '{"moorage.user": "gus"}'), ("ida", '{"moorage.user": "ida"}'),
+                               ("gus-other", '{"moorage.agent": "other", "moorage.user": "gus"}'),
+                               ("odd", '{"moorage.user": 7}'), ("nobody", "{}")]:
+            c.x("INSERT INTO spans (trace_id, span_id, parent_id, name, start_ts, end_ts, status, attrs, scope) "
+                "VALUES (?, ?, NULL, 'GET /v1/x', 1.0, 2.0, 'ok', ?, NULL)", ("t", span_id, attrs))
+
+
+def _spans_from_v20_are_forgotten(store: Store, tenant_id: str) -> None:
+    ts = store.tenant(store.operator.principal(tenant_id))
+    assert ts.spans.forget_user("gus", "pal") == 2
+    assert sorted(r[0] for r in ts.read("SELECT span_id FROM spans")) == ["gus-other", "ida", "nobody", "odd"]
+    assert ts.spans.forget_user("gus") == 1
+
+
+def test_sqlite_request_spans_written_before_migration_21_are_forgotten(tmp_path: Path) -> None:
+    b = SQLiteBackend(tmp_path / "store")
+    tid = "d" * 32
+    with b.control_tx() as c:
+        c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
+    b.init_tenant(tid, upto=20)
+    b._migrated.add(str(b.tenant_path(tid)))
+    _write_v20_spans(Store(b), tid)
+    b.close()
+    store = Store(SQLiteBackend(tmp_path / "store"))
+    _spans_from_v20_are_forgotten(store, tid)
+    store.close()
+
+
+def test_postgres_request_spans_written_before_migration_21_are_forgotten(pg_url: str) -> None:
+    store = Store(PostgresBackend(pg_url, upto=20))
+    t, _ = store.operator.create_tenant("old21")
+    other, _ = store.operator.create_tenant("other21")  # every tenant's spans are filled in, each apart
+    for tid in (t.id, other.id):
+        _write_v20_spans(store, tid)
+    store.close()
+    store2 = Store(PostgresBackend(pg_url))
+    assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
+    for tid in (t.id, other.id):
+        _spans_from_v20_are_forgotten(store2, tid)
+    store2.close()

@@ -708,6 +708,36 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX facts_waiting ON facts ({tpk}scope, recorded_at, id) WHERE status = 'pending'",
         ),
     ),
+    Migration(
+        21,
+        "spans: the end-user an unscoped span names, indexed, so forgetting a user does not read every span",
+        statements=(
+            # An HTTP request's span (or a share link's) has no scope; the user and agent it is about were only in
+            # its JSON attributes, so forgetting a user read every such span. Set when the span is written
+            # (store/repos/spans.py); scoped spans go with their scope and leave them NULL.
+            "ALTER TABLE spans ADD COLUMN user_id TEXT",
+            "ALTER TABLE spans ADD COLUMN agent_id TEXT",
+            "CREATE INDEX spans_user ON spans ({tpk}user_id, agent_id) WHERE user_id IS NOT NULL",
+        ),
+        # Spans written before: filled in from their attributes, once (a user named by something else than a
+        # string was never matched by forget either).
+        sqlite_only=(
+            """UPDATE spans SET user_id = json_extract(attrs, '$."moorage.user"'),
+                agent_id = CASE WHEN json_type(attrs, '$."moorage.agent"') = 'text'
+                                THEN json_extract(attrs, '$."moorage.agent"') END
+                WHERE scope IS NULL AND json_type(attrs, '$."moorage.user"') = 'text'""",
+        ),
+        postgres_only=(
+            # Every tenant's rows: forced row-level security binds the owner role running migrations too, so it is
+            # lifted for the backfill inside this migration's transaction (as for migration 18).
+            "ALTER TABLE spans NO FORCE ROW LEVEL SECURITY",
+            """UPDATE spans SET user_id = (attrs::jsonb) ->> 'moorage.user',
+                agent_id = CASE WHEN jsonb_typeof((attrs::jsonb) -> 'moorage.agent') = 'string'
+                                THEN (attrs::jsonb) ->> 'moorage.agent' END
+                WHERE scope IS NULL AND jsonb_typeof((attrs::jsonb) -> 'moorage.user') = 'string'""",
+            "ALTER TABLE spans FORCE ROW LEVEL SECURITY",
+        ),
+    ),
 )
 
 

@@ -15,14 +15,25 @@ def _span(r: tuple) -> Span:
     return Span(r[0], r[1], r[2], r[3], r[4], r[5], r[6], loads(r[7]), Scope.parse(r[8]) if r[8] else None)
 
 
+def _about(span: Span) -> tuple[str | None, str | None]:
+    """The end-user (and agent) an unscoped span names in its attributes, as its ``user_id`` and ``agent_id``
+    columns hold them (migration 21): what forgetting that user finds it by. A scoped span goes with its scope."""
+    if span.scope is not None:
+        return None, None
+    user, agent = span.attrs.get("moorage.user"), span.attrs.get("moorage.agent")
+    if not isinstance(user, str):
+        return None, None
+    return user, agent if isinstance(agent, str) else None
+
+
 class Spans(_Repo):
     def record(self, span: Span) -> None:
         with self._ts._tx() as c:
             c.x("DELETE FROM spans WHERE span_id = ?", (span.span_id,))
             c.x(
-                f"INSERT INTO spans ({_SPAN_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO spans ({_SPAN_COLS}, user_id, agent_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (span.trace_id, span.span_id, span.parent_id, span.name, span.start_ts, span.end_ts, span.status,
-                 self._json(span.attrs, "span attributes"), span.scope.key if span.scope else None),
+                 self._json(span.attrs, "span attributes"), span.scope.key if span.scope else None, *_about(span)),
             )
             if span.scope is not None:
                 self._ts._touch(c, span.scope, _now())
@@ -38,14 +49,10 @@ class Spans(_Repo):
     def forget_user(self, user: str, agent: str | None = None) -> int:
         """Delete the spans no scope holds (an HTTP request's, a share link's) that name ``user`` (of ``agent``, or
         of every agent) in their attributes: a forgotten user's requests leave no trace of them. Scoped spans go
-        with their scope."""
-        def attr(name: str) -> str:
-            if self._ts.dialect == "postgres":
-                return f"(attrs::jsonb)->>'{name}'"
-            return f"json_extract(attrs, '$.\"{name}\"')"
-
+        with their scope. Found through the index of the user each such span names (``user_id``, migration 21,
+        which filled it in for the spans written before), so the cost is the user's spans, not every span kept."""
         with self._ts._tx() as c:
             if agent is None:
-                return c.x(f"DELETE FROM spans WHERE scope IS NULL AND {attr('moorage.user')} = ?", (user,))
-            return c.x(f"DELETE FROM spans WHERE scope IS NULL AND {attr('moorage.user')} = ? AND "
-                       f"({attr('moorage.agent')} = ? OR {attr('moorage.agent')} IS NULL)", (user, agent))
+                return c.x("DELETE FROM spans WHERE user_id = ? AND scope IS NULL", (user,))
+            return c.x("DELETE FROM spans WHERE user_id = ? AND (agent_id = ? OR agent_id IS NULL) AND scope IS NULL",
+                       (user, agent))
