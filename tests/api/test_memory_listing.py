@@ -78,3 +78,35 @@ async def test_adding_a_fact_for_a_user_the_agent_does_not_have_is_a_404(live, s
         assert [u["id"] for u in users] == ["bo"], users
         assert (await c.post("/v1/agents/open/users/cy/facts", json={**fact, "value": "x" * 300_000})).status_code == 422
         assert [u["id"] for u in (await c.get("/v1/agents/open/users")).json()["data"]] == ["bo"]
+
+
+async def test_events_read_back_from_the_newest_page_by_page(live, store: Store, acme: str) -> None:
+    # A support person reads a long log from its end: newest first, each page older than the last, nothing twice
+    # even while the user keeps talking; `kind` picks the summaries out of it.
+    ts = store.tenant(store.authenticate(acme))
+    ts.agents.create("pal")
+    scope = Scope.for_user("pal", "ada")
+    with ts.transaction():
+        for i in range(1203):
+            ts.events.append(scope, "summary" if i % 100 == 7 else "message", f"event {i}", speaker="user")
+    seen: list[str] = []
+    cursor = None
+    async with aclient(live, acme) as c:
+        while True:
+            r = await c.get("/v1/agents/pal/users/ada/events",
+                            params={"order": "newest", "limit": 500, **({"cursor": cursor} if cursor else {})})
+            assert r.status_code == 200, r.text
+            seen += [e["content"] for e in r.json()["data"]]
+            cursor = r.json()["next_cursor"]
+            ts.events.append(scope, "message", f"later {len(seen)}", speaker="user")  # newer: not on older pages
+            if cursor is None:
+                break
+        assert seen == [f"event {i}" for i in reversed(range(1203))]
+        r = await c.get("/v1/agents/pal/users/ada/events", params={"order": "newest", "kind": "summary", "limit": 1})
+        assert [e["content"] for e in r.json()["data"]] == ["event 1107"]
+        first = (await c.get("/v1/agents/pal/users/ada/events", params={"limit": 1})).json()
+        assert first["data"][0]["content"] == "event 0"  # the default order is unchanged
+        r = await c.get("/v1/agents/pal/users/ada/events", params={"order": "newest", "cursor": first["next_cursor"]})
+        assert r.status_code == 422 and "same order" in r.json()["hint"], r.text
+        r = await c.get("/v1/agents/pal/users/ada/events", params={"order": "latest"})
+        assert r.status_code == 422 and "order must be oldest or newest" in r.json()["detail"], r.text

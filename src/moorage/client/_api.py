@@ -145,9 +145,10 @@ class Api(ReachApi, ABC):
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/sessions", _page(limit, cursor, user=user)))
 
     def list_events(self, agent: str, user: str, *, session: str | None = None, limit: int | None = None,
-                    cursor: str | None = None) -> T.Page[dict[str, Any]]:
+                    cursor: str | None = None, order: str | None = None, kind: str | None = None) -> T.Page[dict[str, Any]]:
+        """The episodic log, oldest first; ``order="newest"`` reads it back from its end; ``kind`` filters."""
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/events",
-                                  _page(limit, cursor, session=session)))
+                                  _page(limit, cursor, session=session, order=order, kind=kind)))
 
     def search_events(self, agent: str, user: str, query: str, *, k: int | None = None,
                       session: str | None = None) -> T.Page[dict[str, Any]]:

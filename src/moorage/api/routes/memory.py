@@ -39,15 +39,23 @@ def list_sessions(call: Call) -> dict[str, Any]:
 def list_events(call: Call) -> dict[str, Any]:
     scope = _scope(call)
     limit = parse_limit(call.query("limit"))
-    after = decode_cursor(call.query("cursor")).get("after", 0)
-    if not isinstance(after, int):
-        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
-    # The log's ids grow with insertion, so "after this id" is a stable cursor under concurrent appends.
-    events = call.tenant.events.list(scope, after_seq=after, limit=limit + 1)
-    events.sort(key=lambda e: e.id)
+    order = call.query("order") or "oldest"
+    if order not in ("oldest", "newest"):
+        raise InvalidInput(f"order must be oldest or newest, got {order!r}",
+                           hint="newest reads the log back from its end, page by page")
+    kind = call.query("kind")
+    # The log's ids grow with insertion, so "after (or before) this id" is a stable cursor under concurrent appends.
+    mark = "after" if order == "oldest" else "before"
+    cursor = decode_cursor(call.query("cursor"))
+    at = cursor.get(mark, 0 if order == "oldest" else None)
+    if (at is not None and not isinstance(at, int)) or set(cursor) - {mark}:
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged, with the same order")
+    events = call.tenant.events.list(scope, limit=limit + 1, kinds=[kind] if kind else None,
+                                     **({"after_seq": at} if order == "oldest" else {"before_seq": at, "newest_first": True}))
+    events.sort(key=lambda e: e.id, reverse=order == "newest")
     page = events[:limit]
     more = len(events) > limit
-    return {"data": [S.event(e) for e in page], "next_cursor": encode_cursor({"after": page[-1].id}) if more else None}
+    return {"data": [S.event(e) for e in page], "next_cursor": encode_cursor({mark: page[-1].id}) if more else None}
 
 
 def search_events(call: Call) -> dict[str, Any]:
@@ -159,8 +167,12 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/agents/{agent}/sessions", list_sessions, "List sessions (of one user with ?user=)",
              "memory", "listSessions", scope="read", end_user=True, query=(*PAGE, Param("user", S.ID, "only this user's sessions")),
              response=S.page_of("Session")),
-    Endpoint("GET", f"{_USER}/events", list_events, "List the user's episodic log, oldest first", "memory",
-             "listEvents", scope="read", end_user=True, query=(*PAGE, SESSION), response=S.page_of("Event")),
+    Endpoint("GET", f"{_USER}/events", list_events, "List the user's episodic log, oldest first (or newest first)",
+             "memory", "listEvents", scope="read", end_user=True,
+             query=(*PAGE, SESSION, Param("order", {"enum": ["oldest", "newest"], "default": "oldest"},
+                                          "newest: from the log's end, each page older than the last"),
+                    Param("kind", S.STR, "only events of this kind (message, summary, …)")),
+             response=S.page_of("Event")),
     Endpoint("GET", f"{_USER}/events/search", search_events, "Search the user's episodic memory", "memory",
              "searchEvents", scope="read", end_user=True,
              query=(Param("q", {"type": "string", "minLength": 1}, "what to recall", required=True),

@@ -64,7 +64,7 @@ class Events(_Repo):
     def list(
         self, scope: Scope, *, since: float | None = None, until: float | None = None,
         speakers: Sequence[str] | None = None, kinds: Sequence[str] | None = None,
-        after_seq: int | None = None, limit: int = 100, newest_first: bool = False,
+        after_seq: int | None = None, limit: int = 100, newest_first: bool = False, before_seq: int | None = None,
     ) -> list[Event]:
         where, params = self._filters(scope, since, until, speakers)
         if kinds:
@@ -79,6 +79,9 @@ class Events(_Repo):
                 # find a handful of new rows. ``+scope`` takes that index out of the running, so the
                 # rowid range ``id > ?`` is searched instead and the scope is checked per new row.
                 where = "+" + where
+        if before_seq is not None:  # paging back from the log's end (newest_first)
+            where += " AND id < ?"
+            params.append(before_seq)
         order = "DESC" if newest_first else "ASC"
         with self._ts._tx(write=False) as c:
             rows = c.q(f"SELECT {_EVENT_COLS} FROM events WHERE {where} ORDER BY ts {order}, id {order} LIMIT ?", (*params, limit))
