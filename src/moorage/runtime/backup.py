@@ -1,0 +1,350 @@
+"""The online backup: a copy of a running host's data directory in which every instance is at one point of its own
+(its files and memory asleep, its store rows exactly as they were then), taken one instance at a time.
+
+Per instance, under its lifecycle lock (``LiveInstance.op_lock``, which every wake takes): it is put to sleep
+(after the turn in flight, if any), its directory is copied at rest, and for a per-user instance the store half of
+a checkpoint named ``backup`` records its rows at that moment. Each tenant's database is copied afterwards with
+SQLite's online backup API (one read snapshot), and the copy's rows of each instance are then rolled back to that
+checkpoint, so turns that ran after the instance was copied are not in the copy. Instances without such a
+checkpoint (one per agent or session, zero-retention agents) stay held until their tenant's database is copied.
+``DEST/moorage-backup.incomplete`` exists until everything is copied and synced; ``moorage up`` refuses such a
+directory. docs/operations.md, "Online backup".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
+from moorage.log import get_logger
+
+if TYPE_CHECKING:
+    from moorage.lifecycle.manager import LiveInstance
+    from moorage.store import SandboxRecord, TenantStore
+
+log = get_logger(__name__)
+
+#: Written first into DEST and removed once the whole copy is on disk: a directory holding it is not a backup.
+INCOMPLETE = "moorage-backup.incomplete"
+#: What the backup holds: each instance's point, written last (before the marker goes).
+MANIFEST = "moorage-backup.json"
+#: How long one instance may stay busy (a turn in flight, woken again and again) before the backup gives up.
+WAIT_S = 300.0
+#: States in which an instance's directory is at rest once its lifecycle lock is held.
+AT_REST = ("sleeping", "archived", "failed", "waking")
+#: Top-level entries of the data directory the backup copies its own way, or leaves out.
+OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock"}
+
+Progress = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class BackupFailed(MoorageError):
+    """The online backup stopped; DEST stays marked incomplete."""
+
+    code = "backup-failed"
+
+
+def refuse_incomplete(data_dir: Path) -> None:
+    """Raise if ``data_dir`` is a backup that never finished (``moorage up`` calls this before it starts)."""
+    from moorage.errors import ConfigError
+
+    if (data_dir / INCOMPLETE).exists():
+        raise ConfigError(f"{data_dir} is an online backup that did not finish ({INCOMPLETE} is there): it is not "
+                          "a consistent copy", hint="remove it and take the backup again (moorage backup DEST)")
+
+
+def copy_sqlite(src: Path, dst: Path) -> None:
+    """A consistent copy of one SQLite database (WAL included) through SQLite's online backup API, in one step:
+    one read snapshot, writers of the live database never blocked."""
+    s = sqlite3.connect(str(src), timeout=60)
+    try:
+        d = sqlite3.connect(str(dst))
+        try:
+            s.backup(d)
+            d.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            d.close()
+    finally:
+        s.close()
+    for extra in ("-wal", "-shm"):  # the copy is whole in its main file
+        Path(str(dst) + extra).unlink(missing_ok=True)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def copy_tree(src: Path, dst: Path) -> None:
+    """``cp -a`` of one file or directory: modes, hard links (checkpoints share files) and holes kept, reflinked
+    where the filesystem can."""
+    proc = await asyncio.create_subprocess_exec("cp", "-a", "--reflink=auto", "--sparse=always", "--", str(src),
+                                                str(dst), stdout=asyncio.subprocess.DEVNULL,
+                                                stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise BackupFailed(f"copying {src} failed: {err.decode(errors='replace').strip()[:500]}",
+                           hint="free space at the destination (or fix its permissions) and take the backup again")
+
+
+@dataclass
+class Copied:
+    """One instance in the backup: its record as it was when copied, and its restore point."""
+
+    tenant: str
+    rec: "SandboxRecord"
+    checkpoint: str | None
+    at: float
+
+    def entry(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "instance": self.rec.id, "scope": self.rec.scope.key, "state": self.rec.state,
+                "point": "checkpoint" if self.checkpoint else "held", "checkpoint": self.checkpoint,
+                "copied_at": self.at}
+
+
+@dataclass
+class OnlineBackup:
+    """One backup of ``host``'s data directory into ``dest`` (which must not exist)."""
+
+    host: Any
+    dest: Path
+    progress: Progress
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    copied: list[Copied] = field(default_factory=list)
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    #: Instances to copy, as known so far (a tenant's second listing can add some).
+    total: int = 0
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.host.config.data_dir)
+
+    @property
+    def mgr(self) -> Any:
+        return self.host.manager
+
+    def check(self) -> None:
+        cfg = self.host.config
+        if cfg.store_url not in ("sqlite", "") or self.mgr.fleet is not None:
+            raise InvalidInput(f"this host's store is not in its data directory (store_url = {cfg.store_url})",
+                               hint="back the database up with its own tools (pg_dump) and each host's data "
+                                    "directory stopped (docs/fleet.md)")
+        if not self.dest.is_absolute():
+            raise InvalidInput(f"the destination {self.dest} is not an absolute path", hint="name it from /")
+        if self.dest.exists() or self.dest.is_symlink():
+            raise InvalidInput(f"{self.dest} already exists", hint="name a directory that does not exist yet")
+        if not self.dest.parent.is_dir():
+            raise InvalidInput(f"{self.dest.parent} is not a directory", hint="create it first")
+        real, data = self.dest.parent.resolve() / self.dest.name, self.data_dir.resolve()
+        if real == data or data in real.parents:
+            raise InvalidInput(f"{self.dest} is inside the data directory {data}",
+                               hint="back up to a directory outside it")
+
+    async def run(self) -> dict[str, Any]:
+        self.check()
+        started = time.time()
+        self.dest.mkdir(mode=0o700)
+        (self.dest / INCOMPLETE).write_text(json.dumps({"backup": self.id, "started_at": started,
+                                                        "pid": os.getpid()}) + "\n")
+        (self.dest / "store" / "tenants").mkdir(parents=True)
+        (self.dest / "sandboxes").mkdir()
+        store_root = self.data_dir / "store"
+        # The operator database first: a tenant made after this point is not in the backup.
+        await asyncio.to_thread(copy_sqlite, store_root / "control.db", self.dest / "store" / "control.db")
+        tenants = await asyncio.to_thread(lambda: [t.tenant_id for t in self.host.store.operator.tenants()])
+        plan = {tid: await self._instances(tid) for tid in tenants}
+        self.total = sum(len(v) for v in plan.values())
+        await self.progress({"event": "start", "backup": self.id, "tenants": len(tenants), "total": self.total})
+        phases: dict[str, float] = {}
+        t = time.monotonic()
+        for tid in tenants:
+            await self._tenant(tid, plan[tid])
+        phases["instances_s"], t = time.monotonic() - t, time.monotonic()
+        await self._rest()
+        phases["rest_s"], t = time.monotonic() - t, time.monotonic()
+        await asyncio.to_thread(self._fix_copy)
+        phases["fix_s"], t = time.monotonic() - t, time.monotonic()
+        manifest = {"format": 1, "backup": self.id, "host": self.mgr.host, "data_dir": str(self.data_dir),
+                    "started_at": started, "finished_at": time.time(),
+                    "instances": [c.entry() for c in self.copied], "left_out": self.left_out}
+        (self.dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        await asyncio.to_thread(os.sync)
+        phases["sync_s"] = time.monotonic() - t
+        (self.dest / INCOMPLETE).unlink()
+        seconds = round(time.time() - started, 3)
+        log.info("online backup finished", dest=str(self.dest), instances=len(self.copied), seconds=seconds)
+        return {"event": "done", "backup": self.id, "dest": str(self.dest), "instances": len(self.copied),
+                "left_out": len(self.left_out), "seconds": seconds,
+                "phases": {k: round(v, 3) for k, v in phases.items()}}
+
+    async def _instances(self, tid: str) -> list["SandboxRecord"]:
+        ts = self.mgr.system_tenant(tid)
+        recs = await asyncio.to_thread(ts.sandboxes.list)
+        recs = [r for r in recs if r.state != "deleted"]
+        # Per-user instances first: each is let go as soon as it is copied. The others stay held to the end.
+        return sorted(recs, key=lambda r: (r.scope.kind != "user", r.created_at))
+
+    async def _tenant(self, tid: str, recs: list["SandboxRecord"]) -> None:
+        """Copy every instance of one tenant, then its database."""
+        ts = await asyncio.to_thread(self.mgr.system_tenant, tid)
+        held: list["LiveInstance"] = []
+        seen: set[str] = set()
+        try:
+            for attempt in range(2):  # a second pass: instances provisioned while the first one ran
+                if attempt:
+                    recs = [r for r in await self._instances(tid) if r.id not in seen]
+                    self.total += len(recs)
+                for rec in recs:
+                    seen.add(rec.id)
+                    copied = await self._instance(ts, rec, held)
+                    if copied is not None:
+                        self.copied.append(copied)
+                    await self.progress({"event": "instance", "done": len(self.copied) + len(self.left_out),
+                                         "total": self.total, "instance": rec.scope.key})
+            src = Path(self.host.store.backend.tenant_path(tid))
+            dst = self.dest / "store" / "tenants" / src.name
+            if src.exists():
+                await asyncio.to_thread(copy_sqlite, src, dst)
+                lg = src.with_suffix(".lg")  # LangGraph's large values: rows point below the log's recorded end
+                if lg.exists():
+                    await copy_tree(lg, dst.with_suffix(".lg"))
+        finally:
+            for li in held:
+                li.op_lock.release()
+
+    async def _instance(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"]) -> Copied | None:
+        from moorage.lifecycle.config import AgentLifecycle
+        from moorage.store import zero_retention
+        from moorage.store.repos.checkpoints import checkpoints_of
+
+        try:
+            agent = await asyncio.to_thread(ts.agents.get, rec.scope.agent)
+        except NotFound:
+            self.left_out.append({"instance": rec.id, "scope": rec.scope.key, "why": "its agent was deleted"})
+            return None
+        lc = AgentLifecycle.of(agent)
+        li = self.mgr._live_for(ts, rec.scope, lc)
+        now = await self._asleep(ts, li, rec)
+        if now is None:
+            self.left_out.append({"instance": rec.id, "scope": rec.scope.key, "why": "deleted during the backup"})
+            return None
+        keep = False
+        try:
+            checkpoint = None
+            if rec.scope.kind == "user" and not zero_retention.is_zero(agent):
+                ck = await asyncio.to_thread(checkpoints_of(ts).take, rec.scope.agent, rec.scope.user, kind="manual",
+                                             name="backup", sandbox_id=rec.id,
+                                             # No sandbox half on this host: a rollback to it here is refused.
+                                             sandbox_checkpoint=f"backup-{self.id}",
+                                             summary={"backup": self.id, "dest": str(self.dest)})
+                checkpoint = ck.id
+            src = Path(self.mgr.driver.root) / rec.id
+            if src.exists():
+                await copy_tree(src, self.dest / "sandboxes" / rec.id)
+            keep = checkpoint is None
+            return Copied(ts.tenant_id, now, checkpoint, time.time())
+        finally:
+            if keep:
+                held.append(li)  # released once the tenant's database is copied
+            else:
+                li.op_lock.release()
+
+    async def _asleep(self, ts: "TenantStore", li: "LiveInstance", rec: "SandboxRecord") -> "SandboxRecord | None":
+        """Take the instance's lifecycle lock with the instance asleep (put to sleep after its turn in flight):
+        no wake, and so no turn, can happen until the lock is released. Returns its record (None: deleted)."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            while li.activity.busy and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            sleeper = None
+            if li.owned and li.awake and not li.activity.busy:
+                sleeper = asyncio.create_task(self.mgr.sleep(ts, rec.scope, reason="backup"))
+                # Queue for the lock right behind the sleep, ahead of a wake that a turn arriving meanwhile starts.
+                while not sleeper.done() and not li.op_lock.locked():
+                    await asyncio.sleep(0.001)
+            await li.op_lock.acquire()
+            if sleeper is not None:
+                try:
+                    await sleeper
+                except MoorageError as e:
+                    log.warning("sleep for the backup failed", instance=rec.id, error=str(e))
+            try:
+                now = await asyncio.to_thread(ts.sandboxes.get, rec.id)
+            except NotFound:
+                li.op_lock.release()
+                return None
+            if not li.awake and now.state in AT_REST:
+                return now
+            li.op_lock.release()
+            if time.monotonic() > deadline:
+                raise BackupFailed(f"the instance of {rec.scope} stayed awake for {WAIT_S:.0f} s (turns kept "
+                                   f"arriving, or it is {now.state})",
+                                   hint="take the backup again at a quieter moment, or stop the host and back it up")
+            await asyncio.sleep(0.02)
+
+    async def _rest(self) -> None:
+        """Everything else in the data directory: templates, images, packages, keys (none is written in place)."""
+        for entry in sorted(self.data_dir.iterdir()):
+            if entry.name in OWN_WAY or entry.name.endswith(".sock"):
+                continue
+            await copy_tree(entry, self.dest / entry.name)
+        root = Path(self.mgr.driver.root)
+        for entry in sorted(root.iterdir()) if root.is_dir() else []:
+            if entry.name.startswith("."):  # .templates: what every fork is a delta of
+                await copy_tree(entry, self.dest / "sandboxes" / entry.name)
+        for entry in sorted((self.data_dir / "store").iterdir()):
+            if entry.name not in ("control.db", "tenants") and not entry.name.startswith("control.db-"):
+                await copy_tree(entry, self.dest / "store" / entry.name)
+
+    def _fix_copy(self) -> None:
+        """Make the copy's store say what its files hold: each instance asleep as it was copied, each per-user
+        instance's rows those of its backup checkpoint, and no instance whose directory is not in the copy."""
+        from moorage.config import Config
+        from moorage.store import open_store
+        from moorage.store.repos.checkpoints import checkpoints_of
+
+        by_tenant: dict[str, list[Copied]] = {}
+        for c in self.copied:
+            by_tenant.setdefault(c.tenant, []).append(c)
+        for path in sorted((self.dest / "store" / "tenants").glob("*.db")):
+            items = by_tenant.get(path.stem, [])
+            db = sqlite3.connect(str(path))
+            try:
+                with db:
+                    for c in items:
+                        meta = {k: v for k, v in c.rec.meta.items() if k not in ("claim", "owner", "awake_since")}
+                        state = "sleeping" if c.rec.state == "waking" else c.rec.state
+                        db.execute("UPDATE sandboxes SET state = ?, host = ?, snapshot_ref = ?, meta = ?, "
+                                   "version = version + 1 WHERE id = ?",
+                                   (state, c.rec.host, c.rec.snapshot_ref, json.dumps(meta), c.rec.id))
+                    ids = {c.rec.id for c in items}
+                    for (sid, scope) in db.execute("SELECT id, scope FROM sandboxes WHERE state != 'deleted'").fetchall():
+                        if sid not in ids:  # provisioned after its tenant was listed twice: a new user next time
+                            db.execute("DELETE FROM sandboxes WHERE id = ?", (sid,))
+                            self.left_out.append({"instance": sid, "scope": scope,
+                                                  "why": "provisioned while the backup ran"})
+            finally:
+                db.close()
+        store = open_store(Config(data_dir=self.dest))
+        try:
+            for c in self.copied:
+                if c.checkpoint is None:
+                    continue
+                ts = store.tenant(store.operator.principal(c.tenant))
+                repo = checkpoints_of(ts)
+                # Always: turns after the point may have left no checkpoint (an agent with them turned off).
+                try:
+                    repo.rollback(c.rec.scope.agent, c.rec.scope.user, c.checkpoint)  # type: ignore[arg-type]
+                except (NotFound, ConflictError) as e:
+                    raise BackupFailed(f"the copy of {c.rec.scope} could not be put back to its point: {e}",
+                                       hint="take the backup again") from e
+        finally:
+            store.close()
