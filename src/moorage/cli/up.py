@@ -133,9 +133,12 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     import uvicorn
 
     from moorage.api.app import create_app
+    from moorage.runtime.admin_socket import AdminSocket
+    from moorage.runtime.backup import refuse_incomplete
     from moorage.runtime.host import Host
 
     check_demo(demo, exit_after_demo)
+    refuse_incomplete(cfg.data_dir)  # an online backup that never finished is no data directory to serve
     hold_data_dir(cfg)  # released when this process ends, however it ends
     host = Host.open(cfg)
     key = ensure_local_tenant(host, cfg)
@@ -144,6 +147,8 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
 
         host.manager.fleet.secrets = installation_fingerprints(cfg)
     await host.start()
+    admin = AdminSocket(host)  # local operator requests: `moorage backup` while this runs
+    await admin.start()
     app = create_app(host.runtime, cfg, span_sink=host.span_sink)
     # A WebSocket message past the apps' cap is refused by the server itself, before it is buffered (docs/app.md).
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
@@ -194,6 +199,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
             how = "putting awake instances to sleep"
         console.print(f"moorage is stopping: {how}")
         try:
+            await admin.close()
             await host.close()
         finally:
             for sig, handler in previous.items():
