@@ -1,0 +1,211 @@
+"""`moorage backup DEST` while `moorage up` runs (docs/operations.md, "Online backup"): the host keeps serving turns
+of several users while it copies them, and a host started on the copy has every user at one point of their own
+(their files and their memory agree); a DEST that exists is refused, and a backup whose host died is marked
+incomplete and refused by `moorage up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.client.sync import Client
+from moorage.devservices.fleet import LocalHost
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Each turn writes its number into the user's memory, then into the user's files: a copy whose store and files
+#: are from different moments disagrees on it.
+AGENT_PY = '''
+import asyncio
+
+async def on_message(ctx, message):
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    await ctx.memory.remember(f"turn {n + 1}")
+    if message == "slow":
+        await asyncio.sleep(25)
+    ctx.files.write("counter.txt", str(n + 1))
+    return f"{n + 1}: {message}"
+'''
+USERS = [f"u{i}" for i in range(6)]
+ENV = {"MOORAGE_LOG_LEVEL": "warning"}
+
+
+def agent_dir(tmp_path: Path) -> Path:
+    agent = tmp_path / "agents" / "counter"
+    agent.mkdir(parents=True)
+    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "agent.py").write_text(AGENT_PY)
+    return agent
+
+
+def backup_env(data: Path) -> dict[str, str]:
+    # The data directory in the environment, not the command line: a killed host's processes are found by it.
+    return {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_SANDBOX_DRIVER": "process"}
+
+
+def backup_cmd(dest: Path) -> list[str]:
+    return [sys.executable, "-m", "moorage.cli.main", "backup", str(dest)]
+
+
+def backup(data: Path, dest: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(backup_cmd(dest), env=backup_env(data), capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
+
+
+def turns_recorded(sdk: Client, user: str) -> list[int]:
+    events, cursor = [], None
+    while True:
+        page = sdk.list_events("counter", user, limit=500, cursor=cursor)
+        events += page["data"]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    return sorted(int(e["content"].split()[1]) for e in events if str(e.get("content", "")).startswith("turn "))
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+
+class Load:
+    """Each user sends turns one after another until stopped; every latency and failure is kept."""
+
+    def __init__(self, host: LocalHost) -> None:
+        self.host, self.stop = host, threading.Event()
+        self.lat: list[tuple[float, float]] = []  # (start, seconds)
+        self.errors: list[str] = []
+        self.done = {u: 0 for u in USERS}
+        self.threads = [threading.Thread(target=self._user, args=(u,)) for u in USERS]
+
+    def _user(self, user: str) -> None:
+        with httpx.Client(base_url=self.host.url, headers={"Authorization": f"Bearer {self.host.key}"},
+                          timeout=120) as http:
+            while not self.stop.is_set():
+                t0 = time.time()
+                r = http.post("/v1/agents/counter/invoke", json={"user": user, "message": "go"})
+                if r.status_code != 200:
+                    self.errors.append(f"{user}: {r.status_code} {r.text[:300]}")
+                    continue
+                self.lat.append((t0, time.time() - t0))
+                self.done[user] = int(r.json()["reply"].split(":")[0])
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+
+    def between(self, a: float, b: float) -> list[float]:
+        return [s for t0, s in self.lat if a <= t0 < b]
+
+
+def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Path) -> None:
+    data, dest = tmp_path / "a" / "data", tmp_path / "backup"
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent_dir(tmp_path))
+            for u in USERS:  # every user has an instance before the load
+                assert sdk.invoke("counter", "hello", user=u)["reply"] == "1: hello"
+        with Load(host) as load:
+            time.sleep(4)
+            t_base = time.time()
+            time.sleep(4)
+            before = dict(load.done)
+            t0 = time.time()
+            r = backup(data, dest)
+            t1 = time.time()
+            time.sleep(2)
+            after = dict(load.done)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "(online: " in r.stdout and f"{len(USERS)}/{len(USERS)} user:counter/" in r.stdout, r.stdout
+        # The host kept serving: every turn of the load succeeded, during the backup too.
+        assert not load.errors, load.errors[:5]
+        during = load.between(t0, t1)
+        assert during and all(after[u] > before[u] for u in USERS), (before, after)
+        print(f"\nonline backup of {len(USERS)} users under load: {t1 - t0:.2f} s (CLI included); turns p99 "
+              f"{p99(load.between(t_base, t0)) * 1000:.0f} ms before, {p99(during) * 1000:.0f} ms during "
+              f"({len(during)} turns)")
+        assert not (dest / "moorage-backup.incomplete").exists()
+        manifest = json.loads((dest / "moorage-backup.json").read_text())
+        assert sorted(i["scope"] for i in manifest["instances"]) == sorted(f"user:counter/{u}" for u in USERS)
+        assert all(i["point"] == "checkpoint" for i in manifest["instances"]) and not manifest["left_out"]
+    finally:
+        host.stop()
+
+    # The copy on "another machine" (the original gone): every user answers, files and memory at one point.
+    (data.parent).rename(tmp_path / "gone")
+    restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
+    try:
+        with Client(restored.url, restored.key) as sdk:
+            for u in USERS:
+                recorded = turns_recorded(sdk, u)
+                n = len(recorded)
+                assert recorded == list(range(1, n + 1)), (u, recorded)
+                assert before[u] <= n <= after[u], (u, before[u], n, after[u])
+                # The files say the same: the next turn is the one after the last the memory holds.
+                assert sdk.invoke("counter", "again", user=u)["reply"] == f"{n + 1}: again", u
+    finally:
+        restored.stop()
+
+
+def test_online_backup_refuses_an_existing_dest_and_a_killed_one_is_marked_incomplete(tmp_path: Path) -> None:
+    data = tmp_path / "a" / "data"
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    killed = False
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent_dir(tmp_path))
+            assert sdk.invoke("counter", "hello", user="ada")["reply"] == "1: hello"
+        (tmp_path / "taken").mkdir()
+        r = backup(data, tmp_path / "taken")
+        assert r.returncode == 2 and "already exists" in r.stderr, r.stderr
+        r = backup(data, tmp_path / "no-such-dir" / "b")  # refused by the host, reported by the CLI
+        assert r.returncode == 2 and "no-such-dir is not a directory" in r.stderr, r.stderr
+        assert not (tmp_path / "no-such-dir").exists()
+
+        # A turn that runs 25 s: the backup waits for it, and the host dies meanwhile.
+        def slow_turn() -> None:
+            try:
+                httpx.post(f"{host.url}/v1/agents/counter/invoke", json={"user": "ada", "message": "slow"},
+                           headers={"Authorization": f"Bearer {host.key}"}, timeout=120)
+            except httpx.HTTPError:
+                pass  # the host is killed under it
+
+        slow = threading.Thread(target=slow_turn)
+        slow.start()
+        time.sleep(2)
+        dest = tmp_path / "cut"
+        cli = subprocess.Popen(backup_cmd(dest), env=backup_env(data), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert cli.stdout is not None
+        assert "online backup of" in cli.stdout.readline()
+        time.sleep(1)
+        host.kill()
+        killed = True
+        out, err = cli.communicate(timeout=60)
+        slow.join(timeout=60)
+        assert cli.returncode == 2 and "incomplete" in err, out + err
+        assert (dest / "moorage-backup.incomplete").exists() and not (dest / "moorage-backup.json").exists()
+    finally:
+        if not killed:
+            host.kill()
+    # Not restorable by accident: moorage up refuses to serve it.
+    proc = subprocess.run([sys.executable, "-m", "moorage.cli.main", "--data-dir", str(dest), "up"],
+                          env={**os.environ, "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_PORT": "1"},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode != 0 and "did not finish" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
