@@ -154,6 +154,9 @@ class ProcessDriver(SandboxDriver):
         a += ["--chdir", "/work", "--clearenv"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8", "USER": "agent",
                "TMPDIR": "/tmp", "MOORAGE_WORKDIR": "/work", "MOORAGE_SANDBOX_ID": sb.id,
+               # As the micro-VM image's pip.conf: the sandbox is the agent's own, so Debian's PEP 668 "externally
+               # managed" refusal does not apply (pip installs into ~/.local, on the sandbox's disk).
+               "PIP_BREAK_SYSTEM_PACKAGES": "1",
                # glibc reserves 64 MiB of address space per malloc arena, up to 8 per core: under RLIMIT_AS (the
                # memory bound where no cgroup is) a thread-per-connection server would stop at ~14 threads.
                "MALLOC_ARENA_MAX": "2", **dict(sb.spec.env)}
