@@ -80,21 +80,6 @@ async function apiAll(path, maxPages = 20) {
   return { data, more: Boolean(cursor) };
 }
 
-// The newest `keep` events of an episodic log, and its newest summary (working memory), wherever it is. The API
-// lists a log oldest first, so its pages are followed to the end: the first page alone is the oldest events.
-async function apiNewestEvents(path, keep) {
-  let tail = [];
-  let summary = null;
-  let cursor = null;
-  do {
-    const page = await api(cursor ? `${path}&cursor=${enc(cursor)}` : path);
-    tail = tail.concat(page.data).slice(-keep);
-    summary = page.data.filter((e) => /summary/i.test(e.kind)).pop() || summary;
-    cursor = page.next_cursor;
-  } while (cursor);
-  return { data: tail, summary };
-}
-
 // --- DOM helpers ---------------------------------------------------------------------------------------------
 
 // el("tag.class", {attr: value}, ...children): strings become text nodes, so data is never parsed as HTML.
@@ -328,9 +313,8 @@ async function userView(agent, user, who) {
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
   const [agentInfo] = await Promise.all([api(`/v1/agents/${enc(agent)}`), api(base)]);
-  const [sessions, userEvents, facts, waiting, checkpoints, canTravel, canAnswer] = await Promise.all([
+  const [sessions, facts, waiting, checkpoints, canTravel, canAnswer] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
-    apiNewestEvents(`${base}/events?limit=500`, 25),
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
     // one page could hold only other users' runs.
@@ -345,13 +329,11 @@ async function userView(agent, user, who) {
     mayUse("provision"),  // rolling back and forking need it: a read-only key gets no buttons that would fail
     mayUse("invoke"),  // answering an approval needs it
   ]);
-  // Turns log their messages in the session's scope, so the recent episodic events are those of the most
-  // recently active sessions, merged with the user-wide ones and ordered by time.
+  // Turns log their messages in the session's scope, so the episodic events are those of the most recently
+  // active sessions, merged with the user-wide ones by time (events.js), each log read back from its end.
   const recentSessions = [...sessions.data].sort((a, b) => b.last_active - a.last_active).slice(0, 5);
-  const perSession = await Promise.all(recentSessions.map((s) => apiNewestEvents(`${base}/events?session=${enc(s.id)}&limit=500`, 25)));
-  const logs = [userEvents, ...perSession];
-  const byTime = (a, b) => a.ts - b.ts || a.id - b.id;
-  const events = { data: logs.flatMap((p) => p.data).sort(byTime) };
+  const logs = [`${base}/events?order=newest`, ...recentSessions.map((s) => `${base}/events?order=newest&session=${enc(s.id)}`)];
+  const [episodic, summary] = await Promise.all([episodicPanel(logs, recentSessions.length), newestSummary(logs)]);
   // An empty timeline: say why when the live deployment turned automatic checkpoints off.
   let autoOff = false;
   if (!checkpoints.error && !checkpoints.data.length && agentInfo.live_deployment) {
@@ -374,18 +356,9 @@ async function userView(agent, user, who) {
 
   // Working memory lives inside the agent's context builder; the API exposes it only when a summary was
   // written to the episodic log, so that is what is shown.
-  const summaries = logs.map((p) => p.summary).filter(Boolean).sort(byTime);
   const working = section("Working memory", "working",
-    summaries.length
-      ? el("blockquote.summary", {}, summaries[summaries.length - 1].content)
+    summary ? el("blockquote.summary", {}, summary.content)
       : empty("No working-memory summary recorded for this user (it is kept inside the agent's context)."));
-
-  const recent = events.data.slice(-25).reverse();
-  const episodic = section("Episodic memory (recent events)", "events",
-    recent.length ? el("ol.events", {}, recent.map((e) => el("li", {},
-      el("span.speaker.speaker-" + (e.speaker || "x").replace(/[^a-z]/g, ""), {}, e.speaker || e.kind),
-      el("span.content", {}, e.content),
-      el("time", { title: fmtTime(e.ts) }, ago(e.ts))))) : empty("No events."));
 
   const factRows = facts.data.map((f) => el("tr", {},
     el("td", {}, f.subject), el("td", {}, f.attribute), el("td.fact-value", {}, f.value),
