@@ -1,0 +1,211 @@
+"""A turn run inside its sandbox, as ``Runtime`` does it for the router: its durable run, its two commits (before the
+agent runs, and after it answered, before the reply goes out), and the call to the agent in the guest."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, AsyncIterator
+
+from moorage.durable import DurableEngine
+from moorage.errors import ConflictError
+from moorage.runtime import instance_update
+from moorage.runtime.host_calls import GuestCalls, TurnBinding
+from moorage.runtime.turns import (
+    _LIMIT_KINDS,
+    NOT_LOADED,
+    AgentTurnFailed,
+    TurnEvent,
+    TurnLimited,
+    TurnResult,
+    _raise_agent_failure,
+    _Turn,
+)
+from moorage.sandbox import RemoteError, Sandbox
+from moorage.store import EventIn, Scope, TenantStore
+
+
+class TurnExecution:
+    """``Runtime``'s run of one turn in its sandbox (a part of it: it reads the runtime's instances, memory tiers,
+    tracer, turns in flight and time travel)."""
+
+    async def _forward_turn(self, sandbox: Sandbox, turn: _Turn) -> TurnResult:
+        """The router's forward: run ``turn`` in ``sandbox`` under a durable run it owns, stream events back.
+
+        The turn's own writes are two commits: before the agent runs (``_begin_turn``) and after it answered,
+        before the reply goes out (``_end_turn``). Host calls in between (steps, interrupts) commit when they
+        happen; the turn's messages are embedded after the reply, in the background.
+        """
+        ts, turn_id = turn.ts, turn.turn_id
+        self._loop = asyncio.get_running_loop()  # model-backed memory helpers call the gateway on this loop
+        # The durable engine owns the run's state from here: it takes the run, journals steps and interrupts,
+        # and finishes it; this executor loses the run if another one takes it over.
+        engine = DurableEngine(ts, rng=self.rng)
+        started = time.perf_counter()
+        memory = self.memory(ts)
+        binding, replayed = await asyncio.to_thread(self._prepare_turn, engine, sandbox.id, turn)
+        if replayed is not None:
+            return replayed
+        self.turns[turn_id] = binding
+        self.activity.begin(ts.tenant_id)
+        self.tracer.open(turn_id)
+        try:
+            out: dict[str, Any] = {}
+            try:
+                async for item in self.forward(sandbox, binding, turn.message):
+                    if isinstance(item, TurnEvent):
+                        if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
+                            tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
+                            self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
+                        turn.events.put_nowait(item)
+                    else:
+                        out = item
+            except Exception as e:
+                if binding.diverged is not None:
+                    # Replayed code that asked for other steps than the journal holds: the run is left pending for
+                    # a corrected deployment (the same turn asked again, or the host's next start, resumes it).
+                    await asyncio.to_thread(self._end_turn, engine, binding, started, diverged=binding.diverged)
+                    raise binding.diverged from e
+                await asyncio.to_thread(self._end_turn, engine, binding, started, error=e)
+                raise
+            if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
+                await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
+                result = TurnResult(turn_id, "waiting", None, turn.trace_id, out.get("interrupt"), turn_id,
+                                    dict(binding.usage))
+            else:
+                reply = out.get("reply")
+                await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+                result = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id, dict(binding.usage))
+            if turn.answered is not None and not turn.answered.done() and self.timetravel.will_checkpoint(binding):
+                turn.answered.set_result(result)  # the reply goes out before the checkpoint below
+            await self.timetravel.after_turn(sandbox, binding)  # still holding the instance; never raises
+            return result
+        finally:
+            if self.turns.pop(turn_id, None) is not None:
+                self.activity.end(ts.tenant_id)
+            self._working.pop(turn_id, None)
+            self.tracer.close(turn_id)
+            self.embed_queue.submit(memory.episodic)  # the turn's messages, now that the reply is out
+
+    def _prepare_turn(self, engine: DurableEngine, sandbox_id: str, turn: _Turn) -> tuple[TurnBinding, TurnResult | None]:
+        """The turn's binding to its deployment, then its first commit (``_begin_turn``): one worker-thread hop."""
+        ts = turn.ts
+        deployment = ts.deployments.get(ts.agents.get(turn.entity.agent).live_deployment)
+        binding = TurnBinding(turn.turn_id, sandbox_id, ts, turn.entity, turn.turn_id, deployment.id,
+                              deployment.manifest, turn.trace_id, engine)
+        # Facts are extracted before the transaction: a model-backed extractor must not hold the store's lock.
+        facts = [] if turn.resume else self.memory(ts).semantic.extractor.extract(turn.message, speaker="user")
+        return binding, self._begin_turn(engine, binding, turn, facts)
+
+    def _begin_turn(self, engine: DurableEngine, b: TurnBinding, turn: _Turn, facts: list[Any]) -> TurnResult | None:
+        """The turn's first commit: its run created (or taken) and running, the session touched, the user's
+        message logged (to be embedded later) with the facts it states. None: run the turn; a result: the
+        same turn (same Idempotency-Key) finished meanwhile, and this is its outcome."""
+        from moorage.memory.semantic import origin_of
+
+        ts = b.ts
+        try:
+            with ts.transaction():
+                self._fence(ts, b.sandbox_id)
+                if turn.create:
+                    ts.runs.create(Scope.workflow(turn.entity.agent, turn.turn_id, user=turn.entity.user), "turn",
+                                   {"message": turn.message, "session": turn.entity.session, "trace_id": b.trace_id},
+                                   run_id=turn.turn_id)
+                engine.open_run(turn.turn_id)
+                if not turn.resume:
+                    ts.sessions.open(turn.entity.agent, turn.entity.user, turn.entity.session)
+                    mem = self._writer(ts)
+                    (ev,) = mem.episodic.remember_pending(b.session_scope, [EventIn("message", turn.message, "user")])
+                    for cand in facts:
+                        mem.semantic.record(b.user_scope, cand, origin=origin_of(ev), evidence=[str(ev.id)],
+                                            valid_from=ev.ts)
+        except ConflictError:
+            run = self._existing_run(ts, turn.turn_id) if turn.create else None
+            if run is None:
+                raise
+            # A request with the same Idempotency-Key created the run first.
+            if run.status in ("succeeded", "waiting"):
+                return self._result_of(ts, run)
+            _raise_agent_failure(run)
+            if run.status in ("running", "pending") and turn.turn_id in self.turns:
+                raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
+            turn.create = False
+            return self._begin_turn(engine, b, turn, facts)
+        return None
+
+    def _fence(self, ts: TenantStore, sandbox_id: str) -> None:
+        """Fleet: the turn's commit holds only while this host still owns the instance under the epoch it woke
+        it with (``LeaseLost`` otherwise); the check locks the record until the commit, so no takeover slips in."""
+        lease = self.instances.lease(sandbox_id)
+        if lease is not None:
+            ts.sandboxes.fence(sandbox_id, *lease)
+
+    def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
+                  waiting: bool = False, error: BaseException | None = None,
+                  diverged: BaseException | None = None) -> None:
+        """The turn's last commit, before its reply goes out: the reply logged (to be embedded later), working
+        memory, the run's result and the turn's spans, in one transaction. A failed turn records its failure
+        and spans; a waiting one (its interrupt is already journaled) only its spans."""
+        ts = b.ts
+        with ts.transaction():
+            self._fence(ts, b.sandbox_id)
+            if diverged is not None:
+                run = ts.runs.get(b.run_id)
+                if run.status == "running":
+                    ts.runs.update(b.run_id, expected_version=run.version, status="pending")
+                self.tracer.span(b, "turn", started, status="error", error=type(diverged).__name__)
+            elif error is not None:
+                failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
+                           if isinstance(error, AgentTurnFailed) else None)
+                engine.fail_run(b.run_id, str(error), result=failure)
+                self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
+            elif waiting:
+                self.tracer.span(b, "turn", started, status="waiting")
+            else:
+                said = reply if isinstance(reply, str) and reply else None
+                if said is not None:
+                    self._writer(ts).episodic.remember_pending(b.session_scope, [EventIn("message", said, "assistant")])
+                self._remember_reply(b, said)
+                engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id, "usage": dict(b.usage)})
+                self.tracer.span(b, "turn", started, status="done")
+            self.tracer.flush(b)
+
+    async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
+        """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
+        def register(channel: Any) -> None:
+            GuestCalls(self, sandbox.id, binding.ts.tenant_id).register(channel)
+
+        register(sandbox.channel)
+        params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
+                  "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
+        for attempt in (1, 2):
+            # A fork of the deployment's template already has its code loaded (the template was snapshotted with
+            # it), and so has an instance that ran it before a sleep: the turn is sent straight away, and only a
+            # guest that answers NOT_LOADED (a cold boot, a redeploy) gets the code pushed before the second try.
+            if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2:
+                dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
+                # Its packages made the deployment's first (a redeploy may have changed them: a restart).
+                await instance_update.load(self, sandbox, dep, binding.ts, on_restart=register)
+            self._loaded[sandbox.id] = binding.deployment_id
+            try:
+                # Counted while it runs: a redeploy's change of the sandbox waits for it (instance_update.drain).
+                with instance_update.in_turn(sandbox.id):
+                    async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
+                        async for ev in call:
+                            yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
+                                            {"event": ev.event, "data": ev.data})
+                        result = call.result
+                break
+            except RemoteError as e:
+                if e.rpc_code == NOT_LOADED and attempt == 1:
+                    # The guest restarted since we loaded it (cold wake, host restart): load and go again.
+                    self._loaded.pop(sandbox.id, None)
+                    continue
+                data = e.data if isinstance(e.data, dict) else {}
+                if data.get("kind") in _LIMIT_KINDS:  # the agent let a limit on its own call end the turn
+                    wait = data.get("retry_after")
+                    raise TurnLimited(e.message, code=str(data["kind"]), hint=data.get("hint"),
+                                      retry_after=float(wait) if isinstance(wait, (int, float)) else None) from e
+                detail = data.get("traceback")
+                raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
+        yield result
