@@ -738,6 +738,14 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE spans FORCE ROW LEVEL SECURITY",
         ),
     ),
+    Migration(
+        22,
+        "sessions by activity: an agent's (or a user's) sessions page from the most recently active",
+        statements=(
+            "CREATE INDEX sessions_active ON sessions ({tpk}agent_id, last_active, user_id, id)",
+            "CREATE INDEX sessions_user_active ON sessions ({tpk}agent_id, user_id, last_active, id)",
+        ),
+    ),
 )
 
 

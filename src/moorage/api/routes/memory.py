@@ -32,8 +32,25 @@ def list_sessions(call: Call) -> dict[str, Any]:
     user = call.who.user or call.query("user")  # an end-user token only ever sees its own sessions
     if user is not None:
         check_id(user, "user id")
-    sessions = call.tenant.sessions.list(agent.name, user, limit=10_000)
-    return offset_page(lambda n: sessions[:n], parse_limit(call.query("limit")), call.query("cursor"), S.session)
+    limit = parse_limit(call.query("limit"))
+    cursor = decode_cursor(call.query("cursor"))
+    before, offset = cursor.get("before"), cursor.get("o")
+    if before is not None and not (isinstance(before, list) and len(before) == 3
+                                   and isinstance(before[0], (int, float)) and all(isinstance(v, str) for v in before[1:])):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    if offset is not None and (not isinstance(offset, int) or offset < 0):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    if offset is not None:  # an offset cursor given out before keyed paging: that page, then keyed cursors
+        sessions = call.tenant.sessions.page(agent.name, user, limit=offset + limit + 1)[offset:]
+    else:
+        # Keyed on the last session's (last_active, user, id), not an offset: every session is reachable (an
+        # offset listing stopped at 10,000), and a session active again meanwhile is not listed twice.
+        sessions = call.tenant.sessions.page(agent.name, user, limit=limit + 1,
+                                             before=(float(before[0]), before[1], before[2]) if before else None)
+    page, more = sessions[:limit], len(sessions) > limit
+    last = page[-1] if page else None
+    return {"data": [S.session(x) for x in page],
+            "next_cursor": encode_cursor({"before": [last.last_active, last.user_id, last.id]}) if more and last else None}
 
 
 def list_events(call: Call) -> dict[str, Any]:
@@ -164,7 +181,8 @@ def reject_fact(call: Call) -> dict[str, Any]:
 _USER = "/v1/agents/{agent}/users/{user}"
 
 ENDPOINTS = [
-    Endpoint("GET", "/v1/agents/{agent}/sessions", list_sessions, "List sessions (of one user with ?user=)",
+    Endpoint("GET", "/v1/agents/{agent}/sessions", list_sessions,
+             "List sessions (of one user with ?user=), most recently active first",
              "memory", "listSessions", scope="read", end_user=True, query=(*PAGE, Param("user", S.ID, "only this user's sessions")),
              response=S.page_of("Session")),
     Endpoint("GET", f"{_USER}/events", list_events, "List the user's episodic log, oldest first (or newest first)",

@@ -70,6 +70,29 @@ class Sessions(_Repo):
             self._ts._touch(c, Scope.session(agent_id, user_id, session_id), now)
             return Session(session_id, agent_id, user_id, now, now, meta or {}, 1)
 
+    def page(self, agent_id: str, user_id: str | None = None, *, before: tuple[float, str, str] | None = None,
+             limit: int = 100) -> list[Session]:
+        """The agent's sessions (of one user, or all), most recently active first, the first ``limit`` after
+        ``before`` (the ``(last_active, user_id, id)`` of the last one of the page before): a key, not an offset, so
+        a listing reaches every session however many there are, and each page reads its own rows through the
+        indexes by activity (migration 22). A session active again during a walk moves ahead of it: it is not listed
+        twice (nor, if the walk had not reached it yet, on a later page: re-read the first page to see it)."""
+        # Row values: a range of the index (an OR of the same comparisons walks every newer entry of the agent).
+        where, params = "agent_id = ?", [agent_id]
+        if user_id is not None:
+            where += " AND user_id = ?"
+            params.append(user_id)
+            if before is not None:  # the user is fixed: (last_active, id) is the order within it
+                where += " AND (last_active, id) < (?, ?)"
+                params += [before[0], before[2]]
+        elif before is not None:
+            where += " AND (last_active, user_id, id) < (?, ?, ?)"
+            params += list(before)
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_SESSION_COLS} FROM sessions WHERE {where} "
+                       "ORDER BY last_active DESC, user_id DESC, id DESC LIMIT ?", (*params, limit))
+        return [_session(r) for r in rows]
+
     def list(self, agent_id: str, user_id: str | None = None, *, limit: int = 100) -> list[Session]:
         with self._ts._tx(write=False) as c:
             if user_id is None:
