@@ -3,7 +3,9 @@
 Bidirectional: the host calls guest methods (with streamed events and cancellation) and serves methods the
 guest calls on the host. A malformed frame from the guest is logged and rejected, never raised into the host;
 everything a guest can make the host hold (frames, unread events, its own requests) is bounded.
-The wire format is documented in docs/channel.md; the guest has its own stdlib-only copy (guest/rpc.py).
+The wire format is documented in docs/channel.md; the guest has its own stdlib-only copy (guest/rpc.py). Its parts:
+the frames (``channel_wire``), the host's calls as streams (``channel_calls``), serving the guest's calls
+(``channel_serve``), the guest's share of the event loop (``channel_share``).
 """
 
 from __future__ import annotations
@@ -12,23 +14,41 @@ import asyncio
 import os
 import inspect
 import itertools
-import json
-import struct
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from moorage.log import get_logger
-from moorage.sandbox.base import ChannelClosed, ChannelError, ChannelTimeout, GuestProtocolError, RemoteError
+from moorage.sandbox.base import ChannelClosed, ChannelError, GuestProtocolError, RemoteError
 from moorage.sandbox import channel_share
-from moorage.sandbox.channel_share import Charged, Share
+from moorage.sandbox.channel_calls import CallStream, Event
+from moorage.sandbox.channel_serve import Handler, HandlerContext, HandlerError, Serving
+from moorage.sandbox.channel_share import Share
+from moorage.sandbox.channel_wire import (
+    APPLICATION_ERROR,
+    BUSY,
+    CANCELLED,
+    HEADER,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    MAX_DEPTH,
+    MAX_FRAME,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    TOO_LARGE,
+    decode_payload,
+    encode_frame,
+    json_depth_exceeds,
+)
+
+#: The channel's names, wherever they live (the frames in channel_wire, calls in channel_calls, serving in
+#: channel_serve): importers name them from here.
+__all__ = ["APPLICATION_ERROR", "BUSY", "CANCELLED", "INTERNAL_ERROR", "INVALID_PARAMS", "INVALID_REQUEST", "MAX_DEPTH",
+           "MAX_FRAME", "MAX_GUEST_INFLIGHT", "METHOD_NOT_FOUND", "PARSE_ERROR", "TOO_LARGE", "CallStream", "Channel",
+           "Event", "Handler", "HandlerContext", "HandlerError", "decode_payload", "encode_frame", "json_depth_exceeds"]
 
 log = get_logger(__name__)
 
-#: Largest frame either side accepts (payload bytes, without the 4-byte header).
-MAX_FRAME = 8 << 20
-#: Deepest JSON nesting a frame may carry; deeper is a protocol error (no real message nests past ~6).
-MAX_DEPTH = 64
 #: Guest-initiated requests served at once per channel; more are answered BUSY at once, without a task.
 MAX_GUEST_INFLIGHT = 32
 #: After each BUSY answer the reader pauses this long: a guest that floods is slowed to its own pace, and the
@@ -57,86 +77,6 @@ READ_FRAMES_PER_S = 2000
 READ_BURST_FRAMES = 4096
 #: Ids of calls the host gave up on, remembered to drop their late answers quietly (oldest forgotten first).
 _MAX_CANCELLED = 4096
-_HEADER = struct.Struct(">I")
-
-# Error codes (JSON-RPC 2.0 where one exists).
-PARSE_ERROR = -32700
-INVALID_REQUEST = -32600
-METHOD_NOT_FOUND = -32601
-INVALID_PARAMS = -32602
-INTERNAL_ERROR = -32603
-CANCELLED = -32800
-TOO_LARGE = -32001
-BUSY = -32002
-APPLICATION_ERROR = -32000
-
-
-def json_depth_exceeds(obj: Any, limit: int) -> bool:
-    """Whether ``obj`` nests containers deeper than ``limit`` (iterative: a deep value cannot overflow the stack)."""
-    stack: list[tuple[Any, int]] = [(obj, 1)]
-    while stack:
-        cur, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(cur, dict):
-            stack.extend((v, depth + 1) for v in cur.values() if isinstance(v, (dict, list)))
-        elif isinstance(cur, list):
-            stack.extend((v, depth + 1) for v in cur if isinstance(v, (dict, list)))
-    return False
-
-
-def decode_payload(payload: bytes, max_depth: int = MAX_DEPTH) -> Any:
-    """Parse one frame's payload; raises ``ValueError`` for bad UTF-8, bad JSON or nesting past ``max_depth``."""
-    # A payload with fewer brackets than the limit cannot nest past it: the common case skips the walk.
-    brackets = payload.count(b"[") + payload.count(b"{")
-    try:
-        msg = json.loads(payload.decode("utf-8"))
-    except RecursionError:
-        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
-    if brackets > max_depth and json_depth_exceeds(msg, max_depth):
-        raise ValueError(f"JSON nested deeper than {max_depth} levels")
-    return msg
-
-
-def encode_frame(msg: Any, max_frame: int = MAX_FRAME) -> bytes:
-    payload = json.dumps(msg, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    if len(payload) > max_frame:
-        raise ChannelError(
-            f"message of {len(payload)} bytes exceeds the {max_frame}-byte frame limit",
-            hint="send large data in chunks (fs.read/fs.write take offsets)",
-        )
-    return _HEADER.pack(len(payload)) + payload
-
-
-@dataclass(frozen=True)
-class Event:
-    """One streamed event of a call: ``event`` name (e.g. "stdout") and its JSON ``data``."""
-
-    event: str
-    data: Any
-
-
-class HandlerContext:
-    """Given to host-side handlers of guest-originated calls: stream events back, or call the guest."""
-
-    def __init__(self, channel: "Channel", request_id: Any) -> None:
-        self.channel = channel
-        self.request_id = request_id
-
-    async def emit(self, event: str, data: Any = None) -> None:
-        await self.channel._send({"id": self.request_id, "event": event, "data": data})
-
-
-Handler = Callable[[Any, HandlerContext], Awaitable[Any]]
-
-
-class HandlerError(Exception):
-    """Raise from a handler to answer with a specific error code and data instead of INTERNAL_ERROR."""
-
-    def __init__(self, message: str, code: int = APPLICATION_ERROR, data: Any = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.data = data
 
 
 class _Pending:
@@ -155,85 +95,7 @@ class _Pending:
         return self.events.qsize() >= MAX_PENDING_EVENTS or self.buffered_bytes + incoming > MAX_PENDING_EVENT_BYTES
 
 
-class CallStream:
-    """A call whose events are iterated: ``async with ch.stream(m, p) as s: async for ev in s: ...; s.result``.
-
-    Leaving the ``async with`` block (or calling ``cancel()``) before the final response cancels the call in the guest.
-    """
-
-    def __init__(self, channel: "Channel", method: str, params: Any, timeout: float | None) -> None:
-        self._channel = channel
-        self._method = method
-        self._params = params
-        self._timeout = timeout
-        self._id: int | None = None
-        self._pending: _Pending | None = None
-        self._deadline: float | None = None
-        self.result: Any = None
-        self.done = False
-
-    async def _begin(self) -> None:
-        if self._id is None:
-            loop = asyncio.get_running_loop()
-            self._deadline = None if self._timeout is None else loop.time() + self._timeout
-            self._id, self._pending = await self._channel._start_call(self._method, self._params)
-
-    async def __aenter__(self) -> "CallStream":
-        await self._begin()
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        if not self.done:
-            await self.cancel()
-
-    def __aiter__(self) -> "CallStream":
-        return self
-
-    async def __anext__(self) -> Event:
-        await self._begin()
-        assert self._pending is not None
-        if self.done:
-            raise StopAsyncIteration
-        remaining = None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
-        try:
-            if remaining is not None and remaining <= 0:
-                raise asyncio.TimeoutError
-            item = await asyncio.wait_for(self._pending.events.get(), remaining)
-        except asyncio.TimeoutError:
-            await self.cancel()
-            raise ChannelTimeout(
-                f"{self._method} got no answer within {self._timeout:g}s on {self._channel.name}",
-                hint="the guest may be overloaded or hung; raise the timeout or restart the sandbox",
-            ) from None
-        except asyncio.CancelledError:
-            await asyncio.shield(self.cancel())
-            raise
-        if item is not None:
-            ev, size = item
-            self._pending.buffered_bytes -= size
-            self._pending.drained.set()
-            return ev
-        self.done = True
-        self.result = self._pending.future.result()  # raises RemoteError / ChannelClosed
-        raise StopAsyncIteration
-
-    async def cancel(self) -> None:
-        """Ask the peer to cancel this call; safe to call more than once or after it finished."""
-        if self.done or self._id is None:
-            self.done = True
-            return
-        self.done = True
-        if self._pending is not None:
-            self._pending.drained.set()  # a reader waiting for room in this call's buffer moves on
-        self._channel._pending.pop(self._id, None)
-        self._channel._forget_call(self._id)
-        try:
-            await self._channel.notify("$cancel", {"id": self._id})
-        except ChannelError:
-            pass
-
-
-class Channel:
+class Channel(Serving):
     """Host end of one connection to a guest supervisor. Create with ``open_unix`` or from a stream pair."""
 
     def __init__(
@@ -413,10 +275,10 @@ class Channel:
                     # until its share has refilled what it overspent (the guest meanwhile waits: backpressure).
                     await asyncio.sleep(max(0.0, -budget / READ_SHARE, -frame_budget / READ_FRAMES_PER_S))
                 try:
-                    header = await self._reader.readexactly(_HEADER.size)
+                    header = await self._reader.readexactly(HEADER.size)
                 except asyncio.IncompleteReadError:
                     break
-                (length,) = _HEADER.unpack(header)
+                (length,) = HEADER.unpack(header)
                 if length == 0 or length > self.max_frame:
                     # The stream cannot be resynchronised after a bad length: drop the connection.
                     self._reject("bad frame length", length=length, max_frame=self.max_frame)
@@ -549,56 +411,6 @@ class Channel:
             pending.events.put_nowait(None)
             return
         self._reject("frame is neither request, event nor response")
-
-    def _on_notification(self, method: str, params: Any) -> None:
-        if method == "$cancel":
-            target = params.get("id") if isinstance(params, dict) else None
-            task = self._serving.get(target) if isinstance(target, (int, str)) else None
-            if task is not None:
-                task.cancel()
-            return
-        self._reject("unknown notification", method=method[:100])
-
-    def _on_request(self, rid: Any, method: str, params: Any) -> None:
-        serve = self._serve(rid, method, params)
-        if self.share is not None:
-            serve = self._charged(serve, self.share)
-        self._serving[rid] = asyncio.get_running_loop().create_task(serve)
-
-    @staticmethod
-    async def _charged(serve: Awaitable[None], share: Share) -> None:
-        await Charged(serve, share)  # type: ignore[arg-type]
-
-    async def _serve(self, rid: Any, method: str, params: Any) -> None:
-        try:
-            handler = self._handlers.get(method)
-            if handler is None:
-                await self._safe_send(
-                    {"id": rid, "error": {"code": METHOD_NOT_FOUND, "message": f"host has no method {method!r}"}}
-                )
-                return
-            try:
-                result = await handler(params, HandlerContext(self, rid))
-            except asyncio.CancelledError:
-                await self._safe_send({"id": rid, "error": {"code": CANCELLED, "message": "cancelled"}})
-                return
-            except HandlerError as e:
-                await self._safe_send({"id": rid, "error": {"code": e.code, "message": str(e), "data": e.data}})
-                return
-            except Exception as e:  # a handler bug must not kill the channel; the guest gets an error answer
-                log.exception("host handler failed", channel=self.name, method=method)
-                await self._safe_send({"id": rid, "error": {"code": INTERNAL_ERROR, "message": f"{type(e).__name__}: {e}"}})
-                return
-            try:
-                await self._send({"id": rid, "result": result})
-            except ChannelClosed:
-                pass
-            except ChannelError as e:  # result too large or not JSON-serialisable
-                await self._safe_send({"id": rid, "error": {"code": TOO_LARGE, "message": str(e)}})
-            except TypeError as e:
-                await self._safe_send({"id": rid, "error": {"code": INTERNAL_ERROR, "message": f"result not JSON: {e}"}})
-        finally:
-            self._serving.pop(rid, None)
 
     def _shutdown(self, reason: str, error: ChannelError | None = None) -> None:
         if self._closed.is_set():
