@@ -1,6 +1,7 @@
 """The micro-VM sandbox driver: one QEMU ``-M microvm`` guest per sandbox, asleep as a snapshot when idle.
 
-Its parts, a file each: one VM's lifecycle (``microvm_sandbox``), the files of its snapshots and checkpoints
+Its parts, a file each: one VM's lifecycle (``microvm_sandbox``; its QEMU process in ``microvm_process``, its wake
+from a snapshot in ``microvm_wake``), the files of its snapshots and checkpoints
 (``microvm_snapshots``, RAM in ``microvm_ram`` and ``microvm_ram_chain``), templates and forks
 (``microvm_templates``), what travels between a fleet's hosts (``microvm_fleet``), QEMU's command line and process
 (``microvm_qemu``), its network (``microvm_net``) and its unprivileged user (``microvm_user``). The design and its
