@@ -157,6 +157,10 @@ function parseScope(key) {
   return { kind, agent, user: user === "-" ? null : user, ref };
 }
 
+function agentLink(agent) {
+  return el("a", { href: `#/agent/${enc(agent)}`, class: "agent-link" }, agent);
+}
+
 function userLink(agent, user) {
   return el("a", { href: `#/user/${enc(agent)}/${enc(user)}`, class: "user-link" }, user);
 }
@@ -194,7 +198,7 @@ async function fleetView() {
 
   const rows = fleet.instances.map((i) => el("tr", { dataset: { instance: i.id } },
     el("td.mono", { title: i.id }, i.id.slice(0, 12)),
-    el("td", {}, i.agent_id),
+    el("td", {}, agentLink(i.agent_id)),
     // An agent with one instance per session has several rows per user: the session tells them apart.
     el("td", {}, i.user ? userLink(i.agent_id, i.user) : "—", i.session ? el("span.sub.session", {}, ` · session ${i.session}`) : null),
     el("td", {}, badge(i.state)),
@@ -276,12 +280,13 @@ function tracesPanel(spans) {
     el("p.hint", {}, "Plain reads (a GET and nothing else, such as this page's own requests) are not listed."));
 }
 
-// One agent's users and their instances, from routes under /v1/agents/{agent}: the landing page of a key limited
-// to that agent, which the fleet's routes refuse.
+// One agent's users and their instances, and its webhooks, from routes under /v1/agents/{agent}: the landing page
+// of a key limited to that agent (the fleet's routes refuse it), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users] = await Promise.all([
+  const [info, users, webhooks] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
+    webhooksPanel(agent),  // webhooks.js
   ]);
   const instances = users.data.map((u) => u.instance).filter(Boolean);
   const awake = instances.filter((i) => ["running", "waking", "provisioning"].includes(i.state)).length;
@@ -305,7 +310,7 @@ async function agentView(agent, who) {
         + "agent's users, their memory and timeline. " + spansAgents(agent, "The fleet's counts, wake latency and cost, "
         + "recent traces and the list of workflows waiting for approval")))
     : null;
-  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel];
+  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel, webhooks];
 }
 
 async function userView(agent, user, who) {
@@ -345,7 +350,7 @@ async function userView(agent, user, who) {
   // The question of an interrupt is in its waiting step's payload, so each waiting run is read in full.
   const details = await Promise.all(mine.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
 
-  const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, `user of agent ${agent}`));
+  const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, "user of agent ", agentLink(agent)));
 
   const sessionRows = sessions.data.map((s) => el("tr", {},
     el("td", {}, s.id), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
@@ -609,7 +614,7 @@ async function route() {
     document.querySelector("nav a[data-nav=approvals]").hidden = Boolean(agentOnly);  // its routes span agents
     const nodes = await render(who);
     if (seq !== routeSeq) return;
-    view.replaceChildren(...nodes);
+    view.replaceChildren(...nodes.filter(Boolean));  // a panel a view leaves out is null
     statusEl.textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.loaded = name;
   } catch (e) {

@@ -1,0 +1,64 @@
+// moorage dashboard: an agent's webhooks and their recent deliveries, read-only (docs/api.md, webhooks).
+// Loaded before app.js, whose helpers (api, el, section, …) these functions call when they run.
+"use strict";
+
+const DELIVERIES_SHOWN = 10;
+
+function until(ts) {
+  if (!ts) return "—";
+  const s = ts - Date.now() / 1000;
+  return s <= 0 ? "due now" : `in ${ago(Date.now() / 1000 - s).replace(" ago", "")}`;
+}
+
+// What a delivery's last attempt got back: the receiver's status code, or why nothing came back.
+function lastAnswer(d) {
+  const log = d.attempt_log || [];
+  const last = log[log.length - 1];
+  if (!last) return d.attempts ? "—" : "not tried yet";
+  const code = last.status_code === null || last.status_code === undefined ? "no answer" : `HTTP ${last.status_code}`;
+  return last.error ? `${code}: ${last.error}` : code;
+}
+
+function deliveryRow(d, agent) {
+  const data = (d.payload && d.payload.data) || {};
+  return el("tr", { dataset: { delivery: d.id, status: d.status } },
+    el("td", {}, d.event),
+    el("td", {}, data.user ? userLink(data.agent || agent, data.user) : "—"),
+    el("td", {}, badge(d.status)),
+    el("td.num", {}, d.attempts),
+    el("td.last-answer", {}, d.status === "delivered" ? "" : lastAnswer(d)),
+    el("td", { title: fmtTime(d.next_attempt_at) }, d.status === "pending" ? until(d.next_attempt_at) : "—"),
+    el("td", { title: fmtTime(d.created_at) }, ago(d.created_at)));
+}
+
+// Each webhook of the agent (GET /v1/agents/{agent}/webhooks: its URL and events; the secret is never shown) with
+// its newest deliveries (…/deliveries?limit=10). The listing carries no attempt log, so a delivery that has not
+// arrived after an attempt is read in full (…/deliveries/{id}) to say what its receiver answered.
+async function webhooksPanel(agent) {
+  const title = "Webhooks";
+  let hooks;
+  try {
+    hooks = await api(`/v1/agents/${enc(agent)}/webhooks`);
+  } catch (e) {
+    if (e instanceof Unauthorized) throw e;
+    return section(title, "webhooks", el("p.error", {}, `No webhooks shown: ${e.message}`));
+  }
+  if (!hooks.data.length) {
+    return section(title, "webhooks", empty(`Agent ${agent} has no webhooks (POST /v1/agents/${agent}/webhooks adds one).`));
+  }
+  const blocks = await Promise.all(hooks.data.map(async (h) => {
+    const base = `/v1/agents/${enc(agent)}/webhooks/${enc(h.id)}`;
+    const listing = await api(`${base}/deliveries?limit=${DELIVERIES_SHOWN}`);
+    const deliveries = await Promise.all(listing.data.map((d) => (d.status !== "delivered" && d.attempts > 0
+      ? api(`${base}/deliveries/${enc(d.id)}`) : d)));
+    const rows = deliveries.map((d) => deliveryRow(d, agent));
+    return el("div.webhook", { dataset: { webhook: h.id } },
+      el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null),
+      el("p.sub", {}, `${h.id} · events: ${h.events.join(", ")} · since ${fmtTime(h.created_at)}`),
+      rows.length
+        ? table(["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created"], rows, { class: "deliveries" })
+        : empty("No deliveries yet."),
+      listing.next_cursor ? el("p.hint", {}, `The ${rows.length} newest deliveries are shown; there are older ones.`) : null);
+  }));
+  return section(title, "webhooks", blocks);
+}

@@ -1,0 +1,76 @@
+"""An agent's webhooks in the dashboard, read-only: each endpoint, its newest deliveries with their status, and
+what the receiver answered to one that did not arrive."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from moorage.store import Store
+from tests.api.conftest import aclient
+from tests.web.test_agent_key import _key
+from tests.web.test_views import _deploy, _sign_in, _watch
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_agents_webhooks_show_their_deliveries_and_why_one_failed(live_rt, store: Store, acme: str,
+                                                                          tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    async with aclient(live_rt, acme) as c:
+        every = (await c.post("/v1/agents/echo/webhooks", json={"url": "http://127.0.0.1:9/hooks"})).json()
+        quiet = (await c.post("/v1/agents/echo/webhooks", json={"url": "https://example.com/cancelled-only",
+                                                                 "events": ["execution.cancelled"]})).json()
+    ts = store.tenant(store.authenticate(acme))
+    t0 = time.time()
+    data = {"agent": "echo", "user": "alice", "status": "waiting"}
+    with ts.transaction():  # settled (or not due) in the same transaction: the host's sender never sees them pending
+        for i in range(11):
+            (d,) = ts.deliveries.enqueue("echo", "interrupt.waiting", data, at=t0 - 100 + i)
+            ts.deliveries.record_attempt(d, at=t0 - 99 + i, status_code=200, error=None, duration_ms=5,
+                                         delivered=True, retry_at=None)
+        (d,) = ts.deliveries.enqueue("echo", "execution.succeeded", data, at=t0 - 2)
+        ts.deliveries.record_attempt(d, at=t0 - 2, status_code=500, error="receiver answered 500", duration_ms=9,
+                                     delivered=False, retry_at=None)
+        (d,) = ts.deliveries.enqueue("echo", "execution.failed", data, at=t0 - 1)
+        ts.deliveries.record_attempt(d, at=t0 - 1, status_code=None, error="connection refused", duration_ms=1,
+                                     delivered=False, retry_at=t0 + 600)
+
+    reader = await _key(live_rt, acme, ["read"])
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    await _sign_in(page, live_rt.url, reader)
+    await page.click("#instances-table a.agent-link:has-text('echo')")
+    await page.wait_for_selector("body[data-loaded=agent] #webhooks")
+    assert "null" not in await page.inner_text("#view")  # a full key's agent page has no "not shown" panel
+    hook = page.locator(f"#webhooks .webhook[data-webhook='{every['id']}']")
+    assert "http://127.0.0.1:9/hooks" in await hook.locator("h3").inner_text()
+    rows = hook.locator("table.deliveries tbody tr")
+    assert await rows.count() == 10
+    assert "there are older ones" in await hook.inner_text()
+    pending, failed = rows.nth(0), rows.nth(1)
+    assert await pending.get_attribute("data-status") == "pending"
+    text = await pending.inner_text()
+    assert "execution.failed" in text and "no answer: connection refused" in text and "in 10 min" in text, text
+    assert await failed.get_attribute("data-status") == "failed"
+    assert "HTTP 500: receiver answered 500" in await failed.inner_text()
+    assert await rows.nth(2).get_attribute("data-status") == "delivered"
+    assert "alice" in await rows.nth(2).locator("a.user-link").inner_text()
+    other = page.locator(f"#webhooks .webhook[data-webhook='{quiet['id']}']")
+    assert "No deliveries yet" in await other.inner_text()
+    assert "events: execution.cancelled" in await other.locator(".sub").inner_text()
+    assert "whsec_" not in await page.inner_text("#view")  # no secret, ever
+
+    # A key limited to the agent sees them on its landing page.
+    await page.click("#signout")
+    await _sign_in_limited(page, live_rt.url, await _key(live_rt, acme, ["read"], agent="echo"))
+    assert await page.locator("#webhooks .webhook").count() == 2
+    assert problems == []
+
+
+async def _sign_in_limited(page, url: str, key: str) -> None:
+    await page.goto(url + "/ui/")
+    await page.fill("#key", key)
+    await page.click("#login-form button[type=submit]")
+    await page.wait_for_selector("body[data-loaded=agent]")
