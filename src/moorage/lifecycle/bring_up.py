@@ -65,6 +65,8 @@ class BringUp:
         """Hold one turn on the instance: it is running for the whole block and is never slept or evicted meanwhile.
         ``here``: see ``ensure_running``."""
         li = self._live_for(ts, scope, lifecycle)
+        while li.gate is not None:  # an online backup is copying it: its turns in flight end, new ones wait
+            await asyncio.shield(li.gate)
         # Counted before any await, so the idle loop and LRU eviction already see the turn while it waits for a wake.
         li.activity.turn_started(self.clock())
         try:

@@ -40,6 +40,8 @@ class LiveInstance:
     owned: bool = False
     #: Serialises this process's sleep and wake of the instance.
     op_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Set while an online backup copies the instance (``runtime/backup.py``): new turns wait for it to be done.
+    gate: "asyncio.Future[None] | None" = None
     #: The in-process single flight: every concurrent caller awaits this one bring-up.
     pending: "asyncio.Future[Sandbox] | None" = None
     #: A second driver view used to attach to an instance another live process on this host keeps awake.
