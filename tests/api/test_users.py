@@ -45,6 +45,11 @@ async def test_put_is_an_idempotent_get_or_create_and_turns_follow(live_rt, acme
         assert bare.status_code == 200 and bare.json()["metadata"] == {"plan": "pro", "seats": 3}
         assert bare.json()["limits"] == {"compute_seconds_per_day": 600.0}
         assert bare.json()["instance"] is None  # lazy: nothing forked before the first turn
+        # A get-or-create replays no stored answer for its Idempotency-Key (docs/api.md): asked again it is a get.
+        keyed = [await c.put("/v1/agents/strict/users/cust-43", json={}, headers={"Idempotency-Key": "put-43"})
+                 for _ in range(2)]
+        assert [r.status_code for r in keyed] == [201, 200]
+        assert "idempotent-replayed" not in keyed[1].headers
 
         r = await c.post("/v1/agents/strict/invoke", json={"message": "hello", "user": "cust-42"})
         assert r.status_code == 200 and r.json()["reply"] == "hi cust-42: hello"
