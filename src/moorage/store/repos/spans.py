@@ -42,9 +42,16 @@ class Spans(_Repo):
         with self._ts._tx(write=False) as c:
             return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans WHERE trace_id = ? ORDER BY start_ts", (trace_id,))]
 
-    def recent(self, *, limit: int = 100) -> list[Span]:
+    def recent(self, *, limit: int = 100, before: tuple[float, str] | None = None) -> list[Span]:
+        """Newest first (then by span id); ``before``: only spans past that (start_ts, span_id) in this order, the
+        position of the last span of a page."""
+        where, params = "", []
+        if before is not None:
+            where = "WHERE start_ts < ? OR (start_ts = ? AND span_id < ?)"
+            params = [before[0], before[0], before[1]]
         with self._ts._tx(write=False) as c:
-            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans ORDER BY start_ts DESC LIMIT ?", (limit,))]
+            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans {where} ORDER BY start_ts DESC, span_id DESC "
+                                          "LIMIT ?", (*params, limit))]
 
     def forget_user(self, user: str, agent: str | None = None) -> int:
         """Delete the spans no scope holds (an HTTP request's, a share link's) that name ``user`` (of ``agent``, or
