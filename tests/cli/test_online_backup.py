@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from moorage.client.sync import Client
 from moorage.devservices.fleet import LocalHost
@@ -209,3 +210,79 @@ def test_online_backup_refuses_an_existing_dest_and_a_killed_one_is_marked_incom
                           env={**os.environ, "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_PORT": "1"},
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "did not finish" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+VM_AGENT_PY = '''
+SEEN = 0  # in the guest's memory only: it goes on counting only if the VM's RAM was restored
+
+
+async def on_message(ctx, message):
+    global SEEN
+    SEEN += 1
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    await ctx.memory.remember(f"turn {n + 1}")
+    ctx.files.write("counter.txt", str(n + 1))
+    return f"{n + 1} {SEEN}"
+'''
+
+
+@pytest.mark.slow
+def test_online_backup_of_micro_vms_restores_their_memory_files_and_store_at_one_point(tmp_path: Path) -> None:
+    data, dest = tmp_path / "a" / "data", tmp_path / "backup"
+    env = {**ENV, "MOORAGE_TEST_IMAGES_DIR": os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images")}
+    agent = tmp_path / "agents" / "counter"
+    agent.mkdir(parents=True)
+    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (agent / "agent.py").write_text(VM_AGENT_PY)
+    host = LocalHost("box", data, env, driver="microvm")
+    errors: list[str] = []
+    replies: dict[str, int] = {"ada": 0, "bob": 0}
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent)
+            for u in replies:
+                assert sdk.invoke("counter", "hello", user=u)["reply"] == "1 1"
+        stop = threading.Event()
+
+        def turns(user: str) -> None:  # both VMs awake and taking turns while the backup runs
+            with Client(host.url, host.key) as sdk:
+                while not stop.is_set():
+                    try:
+                        replies[user] = int(sdk.invoke("counter", "go", user=user)["reply"].split()[0])
+                    except Exception as e:  # noqa: BLE001 - every failure is reported below
+                        errors.append(f"{user}: {e}")
+
+        threads = [threading.Thread(target=turns, args=(u,)) for u in replies]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        before = dict(replies)
+        r = backup(data, dest)
+        time.sleep(2)
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        after = dict(replies)
+        assert r.returncode == 0 and "(online: 2 instance(s)" in r.stdout, r.stdout + r.stderr
+        print(f"\n{r.stdout.splitlines()[-1]}")
+        assert not errors, errors[:3]
+        assert all(after[u] > before[u] for u in replies), (before, after)
+    finally:
+        host.stop()
+
+    restored = LocalHost("elsewhere", dest, env, driver="microvm")
+    try:
+        with Client(restored.url, restored.key) as sdk:
+            for u in replies:
+                n = len(turns_recorded(sdk, u))
+                assert turns_recorded(sdk, u) == list(range(1, n + 1)) and before[u] <= n <= after[u], (u, n)
+                # Files, the store and the VM's RAM (SEEN: turns since this VM booted, 1 for "hello") agree.
+                assert sdk.invoke("counter", "again", user=u)["reply"] == f"{n + 1} {n + 1}", u
+                boxes = {s["scope"]: s for s in sdk.list_sandboxes(agent="counter")["data"]}
+                assert boxes[f"user:counter/{u}"]["wake_kind"] == "snapshot"
+    finally:
+        restored.stop()

@@ -1,8 +1,9 @@
 """The online backup: a copy of a running host's data directory in which every instance is at one point of its own
 (its files and memory asleep, its store rows exactly as they were then), taken one instance at a time.
 
-Per instance, under its lifecycle lock (``LiveInstance.op_lock``, which every wake takes): it is put to sleep
-(after the turn in flight, if any), its directory is copied at rest, and for a per-user instance the store half of
+Per instance, with its gate closed (``LiveInstance.gate``: its new turns wait) and under its lifecycle lock
+(``LiveInstance.op_lock``, which every wake takes): it is put to sleep after the turn in flight, if any, its
+directory is copied at rest, and for a per-user instance the store half of
 a checkpoint named ``backup`` records its rows at that moment. Each tenant's database is copied afterwards with
 SQLite's online backup API (one read snapshot), and the copy's rows of each instance are then rolled back to that
 checkpoint, so turns that ran after the instance was copied are not in the copy. Instances without such a
@@ -218,7 +219,7 @@ class OnlineBackup:
                     await copy_tree(lg, dst.with_suffix(".lg"))
         finally:
             for li in held:
-                li.op_lock.release()
+                self._let_go(li)
 
     async def _instance(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"]) -> Copied | None:
         from moorage.lifecycle.config import AgentLifecycle
@@ -253,42 +254,52 @@ class OnlineBackup:
             return Copied(ts.tenant_id, now, checkpoint, time.time())
         finally:
             if keep:
-                held.append(li)  # released once the tenant's database is copied
+                held.append(li)  # let go once the tenant's database is copied
             else:
-                li.op_lock.release()
+                self._let_go(li)
 
     async def _asleep(self, ts: "TenantStore", li: "LiveInstance", rec: "SandboxRecord") -> "SandboxRecord | None":
-        """Take the instance's lifecycle lock with the instance asleep (put to sleep after its turn in flight):
-        no wake, and so no turn, can happen until the lock is released. Returns its record (None: deleted)."""
+        """Close the instance's gate (its new turns wait), let its turn in flight end, put it to sleep and take its
+        lifecycle lock, which every wake takes: nothing runs in it until ``_let_go``. Returns its record (None:
+        deleted meanwhile, and it is let go)."""
+        li.gate = asyncio.get_running_loop().create_future()
         deadline = time.monotonic() + WAIT_S
-        while True:
-            while li.activity.busy and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            sleeper = None
-            if li.owned and li.awake and not li.activity.busy:
-                sleeper = asyncio.create_task(self.mgr.sleep(ts, rec.scope, reason="backup"))
-                # Queue for the lock right behind the sleep, ahead of a wake that a turn arriving meanwhile starts.
-                while not sleeper.done() and not li.op_lock.locked():
-                    await asyncio.sleep(0.001)
-            await li.op_lock.acquire()
-            if sleeper is not None:
+        try:
+            while True:
+                while li.activity.busy and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                if li.owned and li.awake and not li.activity.busy:
+                    try:
+                        await self.mgr.sleep(ts, rec.scope, reason="backup")
+                    except MoorageError as e:
+                        log.warning("sleep for the backup failed", instance=rec.id, error=str(e))
+                await li.op_lock.acquire()
                 try:
-                    await sleeper
-                except MoorageError as e:
-                    log.warning("sleep for the backup failed", instance=rec.id, error=str(e))
-            try:
-                now = await asyncio.to_thread(ts.sandboxes.get, rec.id)
-            except NotFound:
+                    now = await asyncio.to_thread(ts.sandboxes.get, rec.id)
+                except NotFound:
+                    self._let_go(li)
+                    return None
+                if not li.awake and now.state in AT_REST:
+                    return now
                 li.op_lock.release()
-                return None
-            if not li.awake and now.state in AT_REST:
-                return now
+                if time.monotonic() > deadline:
+                    raise BackupFailed(f"the instance of {rec.scope} could not be put to sleep in {WAIT_S:.0f} s (a "
+                                       f"turn ran that long, or it is {now.state})",
+                                       hint="take the backup again at a quieter moment, or stop the host and back "
+                                            "it up")
+                await asyncio.sleep(0.02)
+        except BaseException:
+            self._let_go(li, locked=False)
+            raise
+
+    @staticmethod
+    def _let_go(li: "LiveInstance", *, locked: bool = True) -> None:
+        """Open the instance again: its lifecycle lock released, its waiting turns let in."""
+        if locked:
             li.op_lock.release()
-            if time.monotonic() > deadline:
-                raise BackupFailed(f"the instance of {rec.scope} stayed awake for {WAIT_S:.0f} s (turns kept "
-                                   f"arriving, or it is {now.state})",
-                                   hint="take the backup again at a quieter moment, or stop the host and back it up")
-            await asyncio.sleep(0.02)
+        gate, li.gate = li.gate, None
+        if gate is not None and not gate.done():
+            gate.set_result(None)
 
     async def _rest(self) -> None:
         """Everything else in the data directory: templates, images, packages, keys (none is written in place)."""
