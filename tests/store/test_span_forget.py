@@ -80,3 +80,24 @@ def test_forget_deletes_the_users_request_spans_through_the_index(tenant: Tenant
         assert "spans_user" in plan and "Seq Scan" not in plan, plan
     else:
         assert "USING INDEX spans_user" in plan, plan
+
+
+def test_a_span_written_without_the_user_column_is_still_forgotten_on_postgres(pg_url: str) -> None:
+    """In a fleet upgraded one host at a time, a host of an earlier version writes request spans without
+    ``user_id``: the store fills it in from the attributes, so forgetting the user still deletes them."""
+    from moorage.store import Store
+    from moorage.store.postgres import PostgresBackend
+
+    store = Store(PostgresBackend(pg_url))
+    _, key = store.operator.create_tenant("fleet")
+    ts = store.tenant(store.authenticate(key.secret))
+    with ts.transaction():  # the insert of spans before migration 21
+        for span_id, attrs, scope in [("old", '{"moorage.agent": "pal", "moorage.user": "ada"}', None),
+                                      ("anon", '{"http.method": "GET"}', None),
+                                      ("turn", '{"moorage.user": "ada"}', "session:pal/ada/default")]:
+            ts.ambient().x("INSERT INTO spans (trace_id, span_id, parent_id, name, start_ts, end_ts, status, attrs, "
+                           "scope) VALUES ('t', ?, NULL, 'GET /v1/x', 1.0, 2.0, 'ok', ?, ?)", (span_id, attrs, scope))
+    assert ts.read("SELECT span_id, user_id, agent_id FROM spans ORDER BY span_id") == [
+        ("anon", None, None), ("old", "ada", "pal"), ("turn", None, None)]
+    assert ts.spans.forget_user("ada", "pal") == 1
+    store.close()

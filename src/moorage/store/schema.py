@@ -746,6 +746,29 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX sessions_user_active ON sessions ({tpk}agent_id, user_id, last_active, id)",
         ),
     ),
+    Migration(
+        23,
+        "spans: the end-user an unscoped span names, also when a host of an earlier version wrote it",
+        statements=(),
+        # In a fleet the hosts are upgraded one at a time (docs/operations.md): a host not yet upgraded writes
+        # request spans without ``user_id`` (migration 21), which forgetting the user would then miss. The store
+        # fills it in from the attributes, as migration 21 did for the spans before. A single host (SQLite) is
+        # stopped for its upgrade, so no earlier version writes to its upgraded store.
+        postgres_only=(
+            """CREATE OR REPLACE FUNCTION moorage_span_user() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF jsonb_typeof((NEW.attrs::jsonb) -> 'moorage.user') = 'string' THEN
+                    NEW.user_id := (NEW.attrs::jsonb) ->> 'moorage.user';
+                    IF jsonb_typeof((NEW.attrs::jsonb) -> 'moorage.agent') = 'string' THEN
+                        NEW.agent_id := (NEW.attrs::jsonb) ->> 'moorage.agent';
+                    END IF;
+                END IF;
+                RETURN NEW;
+            END $$""",
+            "CREATE TRIGGER spans_user BEFORE INSERT ON spans FOR EACH ROW "
+            "WHEN (NEW.scope IS NULL AND NEW.user_id IS NULL) EXECUTE FUNCTION moorage_span_user()",
+        ),
+    ),
 )
 
 
