@@ -79,3 +79,25 @@ def test_a_misspelt_llm_policy_key_is_refused_not_ignored(tmp_path: Path) -> Non
         load_shown('[llm]\nunknown_model = "price"\n', tmp_path)
     with pytest.raises(config.ConfigError, match="tenant"):
         load_shown('[llm.tenant.acme]\nmodels = ["smollm2*"]\n', tmp_path)
+
+
+def test_settings_named_in_prose_exist(tmp_path: Path) -> None:
+    """`[agent.lifecycle] pool = N`, `[agent] apt` and the like in running text name real settings too."""
+    import re
+
+    from moorage.lifecycle.config import _KEYS as LIFECYCLE
+    from moorage.runtime.package import _TABLE_SETTINGS, AGENT_SETTINGS
+    from moorage.store.agent_users import USER_LIMITS
+
+    known = {"agent": AGENT_SETTINGS, "lifecycle": LIFECYCLE, "retention": {"ttl_s", "zero_retention"},
+             "limits": set(USER_LIMITS), **{k: set(v) for k, v in _TABLE_SETTINGS.items()}}
+    seen, wrong = 0, []
+    for doc in DOCS:
+        for m in re.finditer(r"`\[agent(?:\.([a-z_]+))?\] ([a-z_]+)\b[^`]*`", doc.read_text()):
+            table, key = m.group(1) or "agent", m.group(2)
+            if table in known:
+                seen += 1
+                if key not in known[table]:
+                    wrong.append(f"{doc.relative_to(ROOT)}: [agent{'.' + table if m.group(1) else ''}] {key}")
+    assert seen > 5, seen
+    assert not wrong, wrong
