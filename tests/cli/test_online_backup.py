@@ -286,3 +286,60 @@ def test_online_backup_of_micro_vms_restores_their_memory_files_and_store_at_one
                 assert boxes[f"user:counter/{u}"]["wake_kind"] == "snapshot"
     finally:
         restored.stop()
+
+
+def test_online_backup_holds_a_per_session_instance_until_its_store_is_copied(tmp_path: Path) -> None:
+    """An instance with no per-user checkpoint (one per session) stays held from its copy until its tenant's store
+    is copied: turns sent meanwhile wait and succeed, and the copy's files and memory of the session agree."""
+    data, dest = tmp_path / "a" / "data", tmp_path / "backup"
+    agent = tmp_path / "agents" / "counter"
+    agent.mkdir(parents=True)
+    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nscope = "session"\n')
+    (agent / "agent.py").write_text(AGENT_PY.replace('remember(f"turn {n + 1}")',
+                                                     'remember(f"turn {n + 1}", scope="session")'))
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    errors: list[str] = []
+    replies = {f"s{i}": 0 for i in range(8)}
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent)
+            stop = threading.Event()
+
+            def turns(session: str) -> None:
+                with Client(host.url, host.key) as c:
+                    while not stop.is_set():
+                        try:
+                            replies[session] = int(c.invoke("counter", "go", user="ada", session=session)["reply"]
+                                                   .split(":")[0])
+                        except Exception as e:  # noqa: BLE001 - every failure is reported below
+                            errors.append(f"{session}: {e}")
+
+            threads = [threading.Thread(target=turns, args=(s,)) for s in replies]
+            for t in threads:
+                t.start()
+            time.sleep(3)
+            before = dict(replies)
+            r = backup(data, dest)
+            time.sleep(1)
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        assert r.returncode == 0 and "(online: 8 instance(s)" in r.stdout, r.stdout + r.stderr
+        assert not errors, errors[:3]
+        manifest = json.loads((dest / "moorage-backup.json").read_text())
+        assert [i["point"] for i in manifest["instances"]] == ["held"] * 8
+    finally:
+        host.stop()
+    restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
+    try:
+        with Client(restored.url, restored.key) as sdk:
+            for s in replies:
+                events = sdk.list_events("counter", "ada", session=s, limit=500)["data"]
+                recorded = sorted(int(e["content"].split()[1]) for e in events
+                                  if str(e.get("content", "")).startswith("turn "))
+                n = len(recorded)
+                assert recorded == list(range(1, n + 1)) and n >= before[s], (s, recorded, before)
+                assert sdk.invoke("counter", "again", user="ada", session=s)["reply"] == f"{n + 1}: again", s
+    finally:
+        restored.stop()
