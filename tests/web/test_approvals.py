@@ -73,3 +73,22 @@ async def test_a_key_that_may_only_read_sees_approvals_without_buttons(live_rt, 
         assert await page.locator("#approvals button").count() == 0, view
         assert "may not answer" in await page.inner_text("#approvals")
     assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_approval_answered_elsewhere_meanwhile_says_so(live_rt, acme: str, tmp_path: Path, browser_context):
+    (waiting,) = await _deploy(live_rt, acme, tmp_path, ("alice", "approve"))
+    page = await browser_context.new_page()
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/approvals")
+    await page.wait_for_selector("body[data-loaded=approvals] #approvals button.approve")
+    async with aclient(live_rt, acme) as c:  # another operator (or the CLI) answers first
+        r = await c.post(f"/v1/workflows/{waiting['run_id']}/answer", json={"answer": "no"})
+        assert r.status_code == 200, r.text
+    await page.click("#approvals button.approve")
+    await page.wait_for_selector("#approvals-error:has-text('not waiting')")
+    assert "409" in await page.inner_text("#approvals-error")
+    assert (await page.inner_text("#approvals-notice")).strip() == ""
+    async with aclient(live_rt, acme) as c:  # its answer stands: the page's click changed nothing
+        run = (await c.get(f"/v1/workflows/{waiting['run_id']}")).json()["run"]
+    assert run["status"] == "succeeded" and run["result"]["reply"] == "draft-1 -> no", run

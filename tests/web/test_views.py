@@ -451,7 +451,8 @@ async def test_a_phone_sized_window_never_scrolls_sideways(live_rt, acme: str, t
     page = await browser_context.new_page()
     await page.set_viewport_size({"width": 390, "height": 844})
     await _sign_in(page, live_rt.url, acme)
-    for view, loaded in (("#/fleet", "fleet"), ("#/user/echo/alice", "user"), (f"#/trace/{turns[0]['trace_id']}", "trace")):
+    for view, loaded in (("#/fleet", "fleet"), ("#/user/echo/alice", "user"), (f"#/trace/{turns[0]['trace_id']}", "trace"),
+                         ("#/approvals", "approvals"), ("#/agent/echo", "agent")):
         await page.goto(f"{live_rt.url}/ui/{view}")
         await page.wait_for_selector(f"body[data-loaded={loaded}]")
         assert await page.evaluate("document.documentElement.scrollWidth") <= 390, view
