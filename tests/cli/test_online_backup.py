@@ -146,6 +146,15 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
         manifest = json.loads((dest / "moorage-backup.json").read_text())
         assert sorted(i["scope"] for i in manifest["instances"]) == sorted(f"user:counter/{u}" for u in USERS)
         assert all(i["point"] == "checkpoint" for i in manifest["instances"]) and not manifest["left_out"]
+        # On the running host the backup's point is listed, and refused as a rollback target (its sandbox half is
+        # only in the backup).
+        with Client(host.url, host.key) as sdk:
+            cks = sdk.list_checkpoints("counter", USERS[0], limit=500)["data"]
+            (point,) = [c for c in cks if c["summary"].get("backup") == manifest["backup"]]
+            assert point["restorable"] is False
+            refused = httpx.post(f"{host.url}/v1/agents/counter/users/{USERS[0]}/checkpoints/{point['id']}/rollback",
+                                 headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
+            assert refused.status_code == 409 and "checkpoint-gone" in refused.text, refused.text
     finally:
         host.stop()
 

@@ -3,11 +3,11 @@
 
 Per instance, with its gate closed (``LiveInstance.gate``: its new turns wait) and under its lifecycle lock
 (``LiveInstance.op_lock``, which every wake takes): it is put to sleep after the turn in flight, if any, its
-directory is copied at rest, and for a per-user instance the store half of
-a checkpoint named ``backup`` records its rows at that moment. Each tenant's database is copied afterwards with
-SQLite's online backup API (one read snapshot), and the copy's rows of each instance are then rolled back to that
-checkpoint, so turns that ran after the instance was copied are not in the copy. Instances without such a
-checkpoint (one per agent or session, zero-retention agents) stay held until their tenant's database is copied.
+directory is copied at rest, and for a per-user instance the store half of a checkpoint (``summary.backup``)
+records its rows at that moment. Each tenant's database is copied afterwards with SQLite's online backup API (one
+read snapshot), and the copy's rows of each instance are then rolled back to that checkpoint, so turns that ran
+after the instance was copied are not in the copy. Instances without such a checkpoint (one per session or
+workflow run, zero-retention agents) stay held until their tenant's database is copied.
 ``DEST/moorage-backup.incomplete`` exists until everything is copied and synced; ``moorage up`` refuses such a
 directory. docs/operations.md, "Online backup".
 """
@@ -241,10 +241,9 @@ class OnlineBackup:
         try:
             checkpoint = None
             if rec.scope.kind == "user" and not zero_retention.is_zero(agent):
+                # Unnamed, so retention prunes it like a turn's; no sandbox half here: a rollback to it is refused.
                 ck = await asyncio.to_thread(checkpoints_of(ts).take, rec.scope.agent, rec.scope.user, kind="manual",
-                                             name="backup", sandbox_id=rec.id,
-                                             # No sandbox half on this host: a rollback to it here is refused.
-                                             sandbox_checkpoint=f"backup-{self.id}",
+                                             sandbox_id=rec.id, sandbox_checkpoint=f"backup-{self.id}",
                                              summary={"backup": self.id, "dest": str(self.dest)})
                 checkpoint = ck.id
             src = Path(self.mgr.driver.root) / rec.id
