@@ -352,3 +352,42 @@ def test_online_backup_holds_a_per_session_instance_until_its_store_is_copied(tm
                 assert sdk.invoke("counter", "again", user="ada", session=s)["reply"] == f"{n + 1}: again", s
     finally:
         restored.stop()
+
+
+def test_a_host_stopped_mid_backup_stops_it_cleanly_and_leaves_it_marked_incomplete(tmp_path: Path) -> None:
+    data, dest = tmp_path / "a" / "data", tmp_path / "cut"
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent_dir(tmp_path))
+            assert sdk.invoke("counter", "hello", user="ada")["reply"] == "1: hello"
+            assert sdk.invoke("counter", "hello", user="bob")["reply"] == "1: hello"
+
+        def slow_turn() -> None:  # the backup waits for this turn of ada's while the host is asked to stop
+            httpx.post(f"{host.url}/v1/agents/counter/invoke", json={"user": "ada", "message": "slow"},
+                       headers={"Authorization": f"Bearer {host.key}"}, timeout=120)
+
+        slow = threading.Thread(target=slow_turn)
+        slow.start()
+        time.sleep(2)
+        cli = subprocess.Popen(backup_cmd(dest), env=backup_env(data), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert cli.stdout is not None
+        assert "online backup of" in cli.stdout.readline()
+        time.sleep(1)
+    finally:
+        host.stop()  # SIGTERM: the backup is stopped, the turn in flight finishes, instances sleep
+    out, err = cli.communicate(timeout=60)
+    slow.join(timeout=60)
+    assert host.proc.returncode == 0, host.log.read_text()[-2000:]
+    assert "the online backup in progress is stopped" in host.log.read_text()
+    assert cli.returncode == 2 and "incomplete" in err, out + err
+    assert (dest / "moorage-backup.incomplete").exists()
+    # The original is whole: a restart serves both users where they were.
+    again = LocalHost("box", data, ENV, start_timeout_s=300)
+    try:
+        with Client(again.url, again.key) as sdk:
+            assert sdk.invoke("counter", "x", user="ada")["reply"] == "3: x"
+            assert sdk.invoke("counter", "x", user="bob")["reply"] == "2: x"
+    finally:
+        again.stop()

@@ -38,6 +38,8 @@ class AdminSocket:
         self.path = socket_path(host.config.data_dir)
         self._server: asyncio.AbstractServer | None = None
         self._backup: asyncio.Lock = asyncio.Lock()
+        #: The request running a backup, cancelled if the host stops first (the backup stays marked incomplete).
+        self._running: asyncio.Task[Any] | None = None
 
     async def start(self) -> bool:
         """Listen; False (and a warning) where the data directory's path is too long for a socket."""
@@ -55,6 +57,13 @@ class AdminSocket:
         return True
 
     async def close(self) -> None:
+        """Stop listening; a backup still running is stopped (its instances let go before the host sleeps them)."""
+        task = self._running
+        if task is not None and not task.done():
+            log.warning("the host is stopping: the online backup in progress is stopped, its copy left incomplete")
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -98,7 +107,11 @@ class AdminSocket:
             raise ConflictError("an online backup of this host is already running",
                                 hint="wait for it to finish, then take another")
         async with self._backup:
-            return await OnlineBackup(self.host, dest, send).run()
+            self._running = asyncio.current_task()
+            try:
+                return await OnlineBackup(self.host, dest, send).run()
+            finally:
+                self._running = None
 
     @staticmethod
     def _check_peer(writer: asyncio.StreamWriter) -> None:
