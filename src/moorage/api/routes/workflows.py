@@ -14,7 +14,8 @@ from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
 from moorage.api.routes._common import PAGE
 from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import InvalidInput, NotFound
+from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.store.model import WorkflowRun
 from moorage.store.repos.workflows import RUN_STATUSES
 from moorage.webhooks.executions import ExecutionRunner
 
@@ -24,6 +25,10 @@ def list_runs(call: Call) -> dict[str, Any]:
     if status is not None and status not in RUN_STATUSES:
         raise InvalidInput(f"unknown status {status!r}", hint=f"one of {', '.join(RUN_STATUSES)}")
     agent = call.query("agent")
+    limited = call.who.agent
+    if limited is not None and agent != limited:  # its own agent's runs, asked for by name; never a silent filter
+        raise TenantScopeError(f"this key is limited to agent {limited!r}; it may list that agent's runs only",
+                               hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
     limit = parse_limit(call.query("limit"))
     # Keyed on the last run's (updated_at, id), not an offset: a page costs the same however deep, and runs that
     # start meanwhile do not push earlier ones onto the next page. A run that changes while you page moves to the
@@ -41,9 +46,17 @@ def list_runs(call: Call) -> dict[str, Any]:
             "next_cursor": encode_cursor({"u": page[-1].updated_at, "i": page[-1].id}) if more else None}
 
 
+def _run_of_key(call: Call, run_id: str) -> WorkflowRun:
+    """The run, if the caller's key may see it: a key limited to one agent sees that agent's runs only."""
+    run = call.tenant.runs.get(run_id)
+    if call.who.agent is not None and run.scope.agent != call.who.agent:
+        raise NotFound(f"no workflow run {run_id!r}", hint="run ids come from a turn's answer (`run_id`)")
+    return run
+
+
 def get_run(call: Call) -> dict[str, Any]:
     ts = call.tenant
-    run = ts.runs.get(call.path["run_id"])
+    run = _run_of_key(call, call.path["run_id"])
     history = [{"key": j.key, "step": j.step, "status": j.status, "result": j.result, "error": j.error,
                 "created_at": j.created_at, "updated_at": j.updated_at} for j in ts.journal.list(run_id=run.id)]
     return {"run": S.run(run), "steps": [S.step(s) for s in ts.runs.steps(run.id)], "history": history}
@@ -51,7 +64,7 @@ def get_run(call: Call) -> dict[str, Any]:
 
 async def answer(call: Call) -> dict[str, Any]:
     # Look the run up first: another tenant's run id is "not found" before the runtime is involved.
-    await run_in_threadpool(call.tenant.runs.get, call.path["run_id"])
+    await run_in_threadpool(_run_of_key, call, call.path["run_id"])
     body = call.body if isinstance(call.body, dict) else {}
     if "answer" not in body:
         raise InvalidInput("missing field 'answer'", hint="send the reply to the interrupt as `answer`")
@@ -63,12 +76,14 @@ async def answer(call: Call) -> dict[str, Any]:
 async def cancel(call: Call) -> dict[str, Any]:
     run_id = call.path["run_id"]
     try:
-        await run_in_threadpool(call.tenant.runs.get, run_id)
+        await run_in_threadpool(_run_of_key, call, run_id)
     except NotFound:
         # An async turn not started yet has no run: its execution id (the run's id to be) cancels it.
         try:
-            await run_in_threadpool(call.tenant.executions.get, run_id)
+            ex = await run_in_threadpool(call.tenant.executions.get, run_id)
         except NotFound:
+            ex = None
+        if ex is None or (call.who.agent is not None and ex.agent != call.who.agent):
             raise NotFound(f"no workflow run or execution {run_id!r}") from None
         ex = await ExecutionRunner.of(call.runtime).cancel_queued(call.tenant, run_id)
         if ex is not None:
@@ -81,13 +96,16 @@ async def cancel(call: Call) -> dict[str, Any]:
 
 
 ENDPOINTS = [
+    # A key limited to one agent may use these for that agent's runs (agent_checked: the handlers check it).
     Endpoint("GET", "/v1/workflows", list_runs, "List workflow runs", "workflows", "listWorkflows", scope="read",
-             query=(*PAGE, Param("status", {"enum": list(RUN_STATUSES)}), Param("agent", S.ID)),
-             response=S.page_of("WorkflowRun")),
+             query=(*PAGE, Param("status", {"enum": list(RUN_STATUSES)}),
+                    Param("agent", S.ID, "only this agent's runs (a key limited to one agent must name its agent)")),
+             response=S.page_of("WorkflowRun"), agent_checked=True),
     Endpoint("GET", "/v1/workflows/{run_id}", get_run, "Get a run with its steps and journal history", "workflows",
-             "getWorkflow", scope="read", response=S.ref("WorkflowDetail")),
+             "getWorkflow", scope="read", response=S.ref("WorkflowDetail"), agent_checked=True),
     Endpoint("POST", "/v1/workflows/{run_id}/answer", answer, "Answer a run's interrupt (human approval)",
-             "workflows", "answerWorkflow", scope="invoke", body=S.obj({"answer": S.ANY}), response=S.ref("TurnResult")),
+             "workflows", "answerWorkflow", scope="invoke", body=S.obj({"answer": S.ANY}), response=S.ref("TurnResult"),
+             agent_checked=True),
     Endpoint("POST", "/v1/workflows/{run_id}/cancel", cancel, "Cancel a run", "workflows", "cancelWorkflow",
-             scope="invoke", response=S.ref("WorkflowRun")),
+             scope="invoke", response=S.ref("WorkflowRun"), agent_checked=True),
 ]
