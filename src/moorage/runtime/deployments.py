@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from moorage.log import get_logger
 from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
 from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
                                      retention_zero, save_archive)
-from moorage.store import DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
+from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
 from moorage.store import zero_retention
 
@@ -45,7 +46,9 @@ class Deployments:
                 agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
             except ConflictError:
                 agent = ts.agents.get(pkg.name)
-        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256)
+        # The builder's mark: if this process dies mid-build, any host can tell the deploy will never finish.
+        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256,
+                                    builder=self.instances.claim_mark())
         # Build the template before going live: an import error fails the deploy, not a user's turn. A deploy that
         # fails here stays listed as ``failed`` (its error is in its ``deploy`` span), never live.
         try:
@@ -67,6 +70,22 @@ class Deployments:
         self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
+
+    def settle_builds(self, ts: TenantStore, deps: list[Deployment], *, at_start: bool = False) -> list[Deployment]:
+        """``deps`` with every ``building`` one whose builder died (its host crashed or restarted, in a fleet its
+        host's lease lapsed) marked ``failed`` in the store: such a deploy never finishes, and listing it as building
+        for ever told nobody to deploy again. A deploy without a builder mark (an older version's) is failed only at
+        a single host's start, when nothing else can be building. Blocking."""
+        out = []
+        for d in deps:
+            if d.status == BUILDING and (
+                    self.instances.claim_abandoned(d.builder) if d.builder is not None
+                    else at_start and self.instances.fleet is None) and ts.deployments.fail_building(d.id):
+                log.warning("a deploy was cut short by the host stopping; marked failed (deploy again)",
+                            tenant=ts.tenant_id, deployment=d.id, number=d.number, builder=d.builder)
+                d = dataclasses.replace(d, status=FAILED)
+            out.append(d)
+        return out
 
     async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
         """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),

@@ -44,7 +44,7 @@ from moorage.runtime.turns import (
     _TurnEvents,
 )
 from moorage.sandbox import SandboxDriver, TemplateRef
-from moorage.store import DEPLOYMENT_FAILED, Agent, EntityKey, Principal, Store, TenantStore
+from moorage.store import Agent, EntityKey, Principal, Store, TenantStore
 from moorage.store import zero_retention
 
 #: Named here for importers (the API, webhooks, tests): they live in turns.py and spans.py (``_turn_id`` too).
@@ -195,12 +195,10 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         # A rollback or fork a killed host left half done is finished first: turns then see one point in time.
         await self.timetravel.recover()
         tenants = await asyncio.to_thread(lambda: list(self.store.operator.tenants()))
-        if self.instances.fleet is None:  # one host per store: a deploy still building died with its last process
-            for ts in tenants:
-                for d in await asyncio.to_thread(ts.deployments.building):
-                    log.warning("a deploy was cut short by the host stopping; marked failed (deploy again)",
-                                tenant=ts.tenant_id, deployment=d.id, number=d.number)
-                    await asyncio.to_thread(ts.deployments.set_status, d.id, DEPLOYMENT_FAILED)
+        for ts in tenants:  # deploys a crash (of this host, or in a fleet of another) cut short: failed
+            building = await asyncio.to_thread(ts.deployments.building)
+            if building:
+                await asyncio.to_thread(self.settle_builds, ts, building, at_start=True)
         for ts in tenants:  # messages a killed host committed but did not embed: embedded in the background
             self.embed_queue.submit(self.memory(ts).episodic)
         for ts in tenants:

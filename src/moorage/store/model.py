@@ -218,6 +218,8 @@ class Deployment:
     package_sha256: str
     status: str
     created_at: float
+    #: Who builds it while ``building`` (a claim mark: host, process, fleet incarnation); None if not recorded.
+    builder: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

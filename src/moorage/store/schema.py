@@ -769,6 +769,15 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "WHEN (NEW.scope IS NULL AND NEW.user_id IS NULL) EXECUTE FUNCTION moorage_span_user()",
         ),
     ),
+    Migration(
+        24,
+        "deployments: which process builds a deployment, so a deploy its host's death cut short is seen as failed",
+        statements=(
+            # The builder's mark (lifecycle/fleet.py ``claim_mark``: host, process, and in a fleet the host's
+            # incarnation). NULL on deployments made before: a single host fails those at its next start.
+            "ALTER TABLE deployments ADD COLUMN builder {json}",
+        ),
+    ),
 )
 
 

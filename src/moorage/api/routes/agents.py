@@ -31,6 +31,8 @@ def get_agent(call: Call) -> dict[str, Any]:
 
 def list_deployments(call: Call) -> dict[str, Any]:
     deps = call.tenant.deployments.list(agent_of(call).id)
+    if call.ctx.runtime is not None:  # a deploy whose builder died (in a fleet, on another host) reads failed
+        deps = call.runtime.settle_builds(call.tenant, deps)
     return offset_page(lambda n: deps[:n], parse_limit(call.query("limit")), call.query("cursor"), S.deployment)
 
 

@@ -13,24 +13,34 @@ from moorage.store.sql import loads
 
 
 def _deployment(r: tuple) -> Deployment:
-    return Deployment(r[0], r[1], r[2], loads(r[3]), r[4], r[5], r[6], r[7])
+    return Deployment(r[0], r[1], r[2], loads(r[3]), r[4], r[5], r[6], r[7], loads(r[8]) if r[8] else None)
 
 
-_DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status, created_at"
+_DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status, created_at, builder"
 
 
 class Deployments(_Repo):
-    def create(self, agent_id: str, manifest: dict[str, Any], package_ref: str, package_sha256: str) -> Deployment:
+    def create(self, agent_id: str, manifest: dict[str, Any], package_ref: str, package_sha256: str, *,
+               builder: dict[str, Any] | None = None) -> Deployment:
+        """A new ``building`` deployment; ``builder``: the mark of the process building it (``claim_mark``)."""
         with self._ts._tx() as c:
             if not c.one("SELECT 1 FROM agents WHERE id = ?", (agent_id,)):
                 raise NotFound(f"no agent {agent_id!r}")
             row = c.one("SELECT COALESCE(MAX(number), 0) FROM deployments WHERE agent_id = ?", (agent_id,))
-            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256, DEPLOYMENT_BUILDING, _now())
+            d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256,
+                           DEPLOYMENT_BUILDING, _now(), builder)
             c.x(
-                f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status, d.created_at),
+                f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status,
+                 d.created_at, self._json(builder, "builder") if builder is not None else None),
             )
         return d
+
+    def fail_building(self, deployment_id: str) -> bool:
+        """Mark a deployment ``failed`` if it is still ``building`` (its builder is gone); whether it was."""
+        with self._ts._tx() as c:
+            return c.x("UPDATE deployments SET status = ? WHERE id = ? AND status = ?",
+                       (DEPLOYMENT_FAILED, deployment_id, DEPLOYMENT_BUILDING)) == 1
 
     def set_status(self, deployment_id: str, status: str) -> Deployment:
         if status not in (DEPLOYMENT_BUILDING, DEPLOYMENT_READY, DEPLOYMENT_FAILED):
