@@ -41,16 +41,16 @@ async def test_a_bad_k_on_search_names_k(live, store: Store, acme: str) -> None:
 
 async def test_searches_over_http_reuse_the_scopes_index(live_rt, runtime, store: Store, acme: str, monkeypatch) -> None:
     # Each search built the scope's vectors and BM25 index from scratch (0.35 s at 20k events, against 5 ms warm).
-    from moorage.memory import episodic
+    from moorage.memory import episodic_index
 
     built: list[object] = []
 
-    class Counted(episodic._ScopeVectors):
+    class Counted(episodic_index._ScopeVectors):
         def __init__(self) -> None:
             super().__init__()
             built.append(self)
 
-    monkeypatch.setattr(episodic, "_ScopeVectors", Counted)
+    monkeypatch.setattr(episodic_index, "_ScopeVectors", Counted)
     ts = store.tenant(store.authenticate(acme))
     ts.agents.create("pal")
     ts.events.append(Scope.for_user("pal", "ada"), "note", "the spare key is under the blue flowerpot", speaker="agent")
