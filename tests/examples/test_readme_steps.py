@@ -1,5 +1,5 @@
-"""The "Run it" steps of examples/approval/README.md and examples/webapp/README.md, as written: `moorage up` with
-the setting they name, their stand-in services (the README's own code, on free ports instead of 8000/8001), and
+"""The "Run it" steps of examples/approval, examples/webapp and examples/langgraph's READMEs, as written: `moorage up`
+with the setting they name, their stand-in services (the README's own code, on free ports instead of 8000/8001), and
 their `moorage` commands run by a shell, checked against what the READMEs say they print."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+
+import json
 
 import httpx
 import pytest
@@ -29,7 +31,7 @@ def _steps(example: str) -> tuple[str, list[str]]:
     """The README's stand-in service (its heredoc) and its `moorage` commands other than `up`."""
     block = next(body for lang, body in fenced_blocks((ROOT / "examples" / example / "README.md").read_text())
                  if lang == "bash")
-    service = block.split("<<'EOF'", 1)[1].split("\n", 1)[1].split("\nEOF\n", 1)[0]
+    service = block.split("<<'EOF'", 1)[1].split("\n", 1)[1].split("\nEOF\n", 1)[0] if "<<'EOF'" in block else ""
     commands = [line.split("  #")[0].strip() for line in block.splitlines()
                 if ".venv/bin/moorage" in line and "moorage up" not in line and not line.startswith("#")]
     return service, commands
@@ -38,7 +40,7 @@ def _steps(example: str) -> tuple[str, list[str]]:
 @pytest.fixture(scope="module")
 def index() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="webapp-index-") as root:
-        build_index(Path(root), "tabulate")
+        build_index(Path(root), "tabulate", "langgraph")
         for port in serve(Path(root), "127.0.0.2"):  # not 127.0.0.1: a sandbox's pip reaches it through its proxy
             yield f"http://127.0.0.2:{port}"
 
@@ -126,3 +128,36 @@ def test_webapp_readme_steps(host: LocalHost, tmp_path: Path) -> None:
         printed = api.communicate(timeout=30)[0]
     # "The stand-in API prints `Authorization: Bearer s3cr3t-token` for each call."
     assert "Authorization: Bearer s3cr3t-token" in printed, printed
+
+
+@pytest.mark.timeout(1200)
+def test_langgraph_readme_steps(host: LocalHost) -> None:
+    _, commands = _steps("langgraph")
+    said = [c.split("moorage ", 1)[1] for c in commands]
+    assert said[:4] == ["deploy examples/langgraph", 'invoke notebook "note buy milk" -u ada',
+                        'invoke notebook "note call mum" -u ada', 'invoke notebook "do water the plants" -u ada'], said
+    deployed = _run(host, commands[0])
+    assert deployed.returncode == 0 and "deployed notebook" in deployed.stdout, deployed.stdout + deployed.stderr
+    assert _run(host, commands[1]).stdout.strip() == "notes: buy milk"
+    assert _run(host, commands[2]).stdout.strip() == "notes: buy milk, call mum"
+    waiting = _run(host, commands[3])
+    m = re.search(r"waiting for approval \(workflow (\w+)\): (\{.*\})", waiting.stdout)
+    assert m and "Go ahead with 'water the plants: " in m.group(2), waiting.stdout + waiting.stderr
+    assert said[4] == "answer RUN_ID yes"
+    done = _run(host, commands[4].replace("RUN_ID", m.group(1)))
+    assert re.match(r"done: water the plants: .* \(1 done so far\)", done.stdout), done.stdout + done.stderr
+    assert said[5] == "checkpoints list notebook ada"
+    listed = _run(host, commands[5])
+    assert listed.returncode == 0 and "note buy milk" in listed.stdout, listed.stdout + listed.stderr
+    checkpoints = json.loads(_run(host, commands[5] + " --json").stdout)["data"]
+    milk = next(c["id"] for c in checkpoints if (c["summary"].get("turn") or {}).get("reply") == "notes: buy milk")
+    # "back to "notes: buy milk": the graph too"
+    assert said[6] == "checkpoints rollback notebook ada CHECKPOINT"
+    rolled = _run(host, commands[6].replace("CHECKPOINT", milk))
+    assert rolled.returncode == 0 and f"rolled back to {milk}" in rolled.stdout, rolled.stdout + rolled.stderr
+    assert _run(host, commands[1].replace("buy milk", "feed the cat")).stdout.strip() == "notes: buy milk, feed the cat"
+    assert said[7] == "checkpoints fork notebook ada CHECKPOINT --to ada-what-if"
+    forked = _run(host, commands[7].replace("CHECKPOINT", milk))
+    assert forked.returncode == 0 and "ada-what-if" in forked.stdout, forked.stdout + forked.stderr
+    what_if = _run(host, commands[1].replace("buy milk", "buy bread").replace("-u ada", "-u ada-what-if"))
+    assert what_if.stdout.strip() == "notes: buy milk, buy bread", what_if.stdout + what_if.stderr
