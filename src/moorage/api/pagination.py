@@ -54,3 +54,23 @@ def offset_page(fetch: Callable[[int], Sequence[T]], limit: int, cursor: str | N
     page = items[offset : offset + limit]
     more = len(items) > offset + limit
     return {"data": [render(i) for i in page], "next_cursor": encode_cursor({"o": offset + limit}) if more else None}
+
+
+def position(cursor: str | None, fields: dict[str, type | tuple[type, ...]]) -> dict[str, Any] | None:
+    """The position a keyset cursor holds (None: the first page): every one of ``fields``, of its type."""
+    pos = decode_cursor(cursor)
+    if not pos:
+        return None
+    if any(not isinstance(pos.get(k), t) or isinstance(pos.get(k), bool) for k, t in fields.items()):
+        raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
+    return pos
+
+
+def keyset_page(rows: Sequence[T], limit: int, at: Callable[[T], dict[str, Any]],
+                render: Callable[[T], Any]) -> dict[str, Any]:
+    """A page of a listing ordered by a unique key, read as ``limit + 1`` rows past the cursor's position: its next
+    cursor is the last row's position (``at``), so a page costs the same however deep, and rows added before the
+    position never push one onto the next page again."""
+    page = rows[:limit]
+    return {"data": [render(r) for r in page],
+            "next_cursor": encode_cursor(at(page[-1])) if len(rows) > limit else None}

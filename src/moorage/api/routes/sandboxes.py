@@ -13,7 +13,7 @@ from typing import Any, Callable
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.pagination import offset_page, parse_limit
+from moorage.api.pagination import keyset_page, parse_limit, position
 from moorage.api.routes._common import PAGE, forward_if_awake_elsewhere
 from moorage.api.routes.checkpoints import FORK, ROLLBACK
 from moorage.api.routing import Call, Endpoint, Param, Reply
@@ -34,8 +34,14 @@ PATH = Param("path", {"type": "string", "minLength": 1}, "a path inside the sand
 
 def list_sandboxes(call: Call) -> dict[str, Any]:
     state, agent = call.query("state"), call.query("agent")
-    boxes = call.tenant.sandboxes.list(states=[state] if state else None, agent_id=agent, limit=10_000)
-    return offset_page(lambda n: boxes[:n], parse_limit(call.query("limit")), call.query("cursor"), S.sandbox)
+    limit = parse_limit(call.query("limit"))
+    # Keyed on the last one's (last_active, id), not an offset (``keyset_page``): every instance is reachable
+    # however many the tenant has (one per end-user). One active while you page moves to the end and may be listed
+    # again; none is skipped.
+    pos = position(call.query("cursor"), {"a": (int, float), "i": str})
+    boxes = call.tenant.sandboxes.list(states=[state] if state else None, agent_id=agent, limit=limit + 1,
+                                       after=(float(pos["a"]), pos["i"]) if pos else None)
+    return keyset_page(boxes, limit, lambda b: {"a": b.last_active, "i": b.id}, S.sandbox)
 
 
 def get_sandbox(call: Call) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from moorage.api import schemas as S
-from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
+from moorage.api.pagination import keyset_page, parse_limit, position
 from moorage.api.routes._common import PAGE, float_query
 from moorage.api.routing import Call, Endpoint, Param
 from moorage.errors import InvalidInput, NotFound
@@ -26,16 +26,9 @@ def recent_spans(call: Call) -> dict[str, Any]:
     # Keyed on the last span's (start_ts, span_id), not an offset: spans keep arriving (each API request makes
     # one, this listing's own included), and an offset would show the next page's first spans again.
     limit = parse_limit(call.query("limit"))
-    pos = decode_cursor(call.query("cursor"))
-    before = None
-    if pos:
-        if not (isinstance(pos.get("t"), (int, float)) and isinstance(pos.get("s"), str)):
-            raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
-        before = (float(pos["t"]), pos["s"])
-    spans = call.tenant.spans.recent(limit=limit + 1, before=before)
-    page = spans[:limit]
-    return {"data": [S.span(s) for s in page],
-            "next_cursor": encode_cursor({"t": page[-1].start_ts, "s": page[-1].span_id}) if len(spans) > limit else None}
+    pos = position(call.query("cursor"), {"t": (int, float), "s": str})
+    spans = call.tenant.spans.recent(limit=limit + 1, before=(float(pos["t"]), pos["s"]) if pos else None)
+    return keyset_page(spans, limit, lambda s: {"t": s.start_ts, "s": s.span_id}, S.span)
 
 
 def usage(call: Call) -> dict[str, Any]:

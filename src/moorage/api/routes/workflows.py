@@ -10,7 +10,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
+from moorage.api.pagination import keyset_page, parse_limit, position
 from moorage.api.routes._common import PAGE
 from moorage.api.routes.executions import announce_interrupt
 from moorage.api.routing import Call, Endpoint, Param
@@ -30,20 +30,12 @@ def list_runs(call: Call) -> dict[str, Any]:
         raise TenantScopeError(f"this key is limited to agent {limited!r}; it may list that agent's runs only",
                                hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
     limit = parse_limit(call.query("limit"))
-    # Keyed on the last run's (updated_at, id), not an offset: a page costs the same however deep, and runs that
-    # start meanwhile do not push earlier ones onto the next page. A run that changes while you page moves to the
-    # end and may be listed again; none is skipped.
-    pos = decode_cursor(call.query("cursor"))
-    after = None
-    if pos:
-        if not (isinstance(pos.get("u"), (int, float)) and isinstance(pos.get("i"), str)):
-            raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
-        after = (float(pos["u"]), pos["i"])
+    # Keyed on the last run's (updated_at, id), not an offset (``keyset_page``). A run that changes while you page
+    # moves to the end and may be listed again; none is skipped.
+    pos = position(call.query("cursor"), {"u": (int, float), "i": str})
+    after = (float(pos["u"]), pos["i"]) if pos else None
     runs = call.tenant.runs.list(status=[status] if status else None, agent=agent, after=after, limit=limit + 1)
-    page = runs[:limit]
-    more = len(runs) > limit
-    return {"data": [S.run(r) for r in page],
-            "next_cursor": encode_cursor({"u": page[-1].updated_at, "i": page[-1].id}) if more else None}
+    return keyset_page(runs, limit, lambda r: {"u": r.updated_at, "i": r.id}, S.run)
 
 
 def _run_of_key(call: Call, run_id: str) -> WorkflowRun:

@@ -62,7 +62,8 @@ class Sandboxes(_Repo):
         return None if r is None else _sandbox(r)
 
     def list(self, *, states: Sequence[str] | None = None, host: str | None = None, agent_id: str | None = None,
-             limit: int = 1000) -> list[SandboxRecord]:
+             limit: int = 1000, after: tuple[float, str] | None = None) -> list[SandboxRecord]:
+        """Least recently active first (then by id); ``after``: only those past that (last_active, id)."""
         where, params = "1 = 1", []
         if states:
             where += f" AND state IN ({','.join('?' * len(states))})"
@@ -73,8 +74,12 @@ class Sandboxes(_Repo):
         if agent_id is not None:
             where += " AND agent_id = ?"
             params.append(agent_id)
+        if after is not None:
+            where += " AND (last_active > ? OR (last_active = ? AND id > ?))"
+            params += [after[0], after[0], after[1]]
         with self._ts._tx(write=False) as c:
-            return [_sandbox(r) for r in c.q(f"SELECT {_SBX_COLS} FROM sandboxes WHERE {where} ORDER BY last_active LIMIT ?", (*params, limit))]
+            return [_sandbox(r) for r in c.q(f"SELECT {_SBX_COLS} FROM sandboxes WHERE {where} "
+                                             "ORDER BY last_active, id LIMIT ?", (*params, limit))]
 
     _UNSET: Any = object()
 
