@@ -283,10 +283,11 @@ function tracesPanel(spans) {
 // One agent's users and their instances, and its webhooks, from routes under /v1/agents/{agent}: the landing page
 // of a key limited to that agent (the fleet's routes refuse it), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, webhooks] = await Promise.all([
+  const [info, users, webhooks, waiting] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
     webhooksPanel(agent),  // webhooks.js
+    waitingOfAgent(agent),  // approvals.js
   ]);
   const instances = users.data.map((u) => u.instance).filter(Boolean);
   const awake = instances.filter((i) => ["running", "waking", "provisioning"].includes(i.state)).length;
@@ -307,10 +308,11 @@ async function agentView(agent, who) {
     users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
   const limited = who && who.agent === agent
     ? section("Not shown to this key", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
-        + "agent's users, their memory and timeline. " + spansAgents(agent, "The fleet's counts, wake latency and cost, "
-        + "recent traces and the list of workflows waiting for approval")))
+        + "agent's users, their memory and timeline, its webhooks and the turns waiting for approval. "
+        + spansAgents(agent, "The fleet's counts, wake latency and cost, and recent traces")))
     : null;
-  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel, webhooks];
+  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel, waiting,
+    webhooks];
 }
 
 async function userView(agent, user, who) {
@@ -322,9 +324,8 @@ async function userView(agent, user, who) {
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
-    // one page could hold only other users' runs.
-    // A key limited to one agent cannot list them (the route spans agents): the panel says so.
-    who && who.agent ? { data: [], limited: true } : apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
+    // one page could hold only other users' runs. (A key limited to the agent may list them: it names it.)
+    apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
     // Time travel may not apply (an agent with one instance per session, zero retention) or the key may lack
     // the scope: the rest of the view still renders, the timeline says why it is empty.
     api(`${base}/checkpoints?limit=200`).catch((e) => {
@@ -372,11 +373,8 @@ async function userView(agent, user, who) {
     factRows.length ? table(["Subject", "Attribute", "Value", "Source", "Since"], factRows, { id: "facts-table" }) : empty("No facts."),
     facts.more ? el("p.hint", {}, `The first ${factRows.length} current facts are shown; there are more.`) : null);
 
-  const approvals = section("Waiting for approval", "approvals", approvalsList(details, {
-    canAnswer: canAnswer && !waiting.limited,
-    emptyText: waiting.limited ? spansAgents(agent, "Workflow runs (turns waiting for approval among them)")
-      : "Nothing is waiting for this user.",
-  }));
+  const approvals = section("Waiting for approval", "approvals",
+    approvalsList(details, { canAnswer, emptyText: "Nothing is waiting for this user." }));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
     checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canTravel)];
@@ -611,7 +609,6 @@ async function route() {
     document.body.dataset.view = name;
     const home = document.querySelector("nav a[data-nav=fleet]");
     home.textContent = agentOnly ? `Agent ${who.agent}` : "Fleet";
-    document.querySelector("nav a[data-nav=approvals]").hidden = Boolean(agentOnly);  // its routes span agents
     const nodes = await render(who);
     if (seq !== routeSeq) return;
     view.replaceChildren(...nodes.filter(Boolean));  // a panel a view leaves out is null

@@ -71,7 +71,9 @@ function approvalsList(details, { canAnswer, showUser, emptyText }) {
 function answered(run, value, out) {
   const s = parseScope(run.scope);
   const who = s.user ? [userLink(s.agent, s.user), "’s turn"] : [`agent ${s.agent}’s turn`];
-  const trace = out.trace_id ? [" (", el("a.trace-link", { href: `#/trace/${enc(out.trace_id)}` }, "trace"), ")"] : [];
+  // A key limited to one agent cannot read traces (they span agents): no link that would only say so.
+  const traceable = out.trace_id && !(whoami && whoami.me && whoami.me.agent);
+  const trace = traceable ? [" (", el("a.trace-link", { href: `#/trace/${enc(out.trace_id)}` }, "trace"), ")"] : [];
   const head = [`Answered “${value}”: `, ...who];
   if (out.status === "waiting") {
     const asked = out.interrupt && typeof out.interrupt === "object" && "question" in out.interrupt
@@ -85,15 +87,13 @@ function answered(run, value, out) {
   return [...head, " ended ", badge(out.status || "unknown"), ...trace];
 }
 
-// Every run waiting for a person, the longest-waiting first, 50 a page (`#/approvals/{cursor}` for the next).
+// Every run waiting for a person, the longest-waiting first, 50 a page (`#/approvals/{cursor}` for the next); a
+// key limited to one agent lists that agent's (the API takes such a key when the listing names its agent).
 async function approvalsView(cursor, who) {
-  const head = el("div.pagehead", {}, el("h1", {}, "Waiting for approval"));
-  if (who && who.agent) {
-    return [head, section("Not shown to this key", "approvals",
-      empty(spansAgents(who.agent, "Workflow runs (turns waiting for approval among them)")))];
-  }
+  const agent = who && who.agent;
+  const head = el("div.pagehead", {}, el("h1", {}, "Waiting for approval"), agent ? el("span.sub", {}, `agent ${agent}`) : null);
   const [listing, canAnswer] = await Promise.all([
-    api(`/v1/workflows?status=waiting&limit=50${cursor ? `&cursor=${enc(cursor)}` : ""}`),
+    api(`/v1/workflows?status=waiting&limit=50${agent ? `&agent=${enc(agent)}` : ""}${cursor ? `&cursor=${enc(cursor)}` : ""}`),
     mayUse("invoke"),
   ]);
   const details = await Promise.all(listing.data.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
@@ -102,4 +102,16 @@ async function approvalsView(cursor, who) {
     : null;
   return [head, section(cursor ? "Waiting (a later page)" : "Waiting, the longest first", "approvals",
     approvalsList(details, { canAnswer, showUser: true, emptyText: "Nothing is waiting for an answer." }), more)];
+}
+
+// The agent page's panel: its 50 longest-waiting runs, what each asks, and the answer buttons.
+async function waitingOfAgent(agent) {
+  const [listing, canAnswer] = await Promise.all([
+    api(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=50`),
+    mayUse("invoke"),
+  ]);
+  const details = await Promise.all(listing.data.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
+  return section("Waiting for approval", "approvals",
+    approvalsList(details, { canAnswer, showUser: true, emptyText: `Nothing of agent ${agent} is waiting.` }),
+    listing.next_cursor ? el("p.hint", {}, `The ${details.length} waiting longest are shown; more are waiting.`) : null);
 }
