@@ -101,3 +101,11 @@ def test_settings_named_in_prose_exist(tmp_path: Path) -> None:
                     wrong.append(f"{doc.relative_to(ROOT)}: [agent{'.' + table if m.group(1) else ''}] {key}")
     assert seen > 5, seen
     assert not wrong, wrong
+
+
+def test_lifecycle_md_lists_every_lifecycle_setting() -> None:
+    from moorage.lifecycle.config import _KEYS as LIFECYCLE
+
+    text = " ".join((ROOT / "docs" / "lifecycle.md").read_text().split())
+    listed = text.split("Agent config, `[agent.lifecycle]` table:", 1)[1].split("Host settings", 1)[0]
+    assert not [k for k in LIFECYCLE if f"`{k}`" not in listed], listed
