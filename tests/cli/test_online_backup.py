@@ -31,8 +31,8 @@ async def on_message(ctx, message):
     except Exception:
         n = 0
     await ctx.memory.remember(f"turn {n + 1}")
-    if message == "slow":
-        await asyncio.sleep(25)
+    if message.startswith("slow"):  # "slow" runs 25 s, "slow8" 8 s
+        await asyncio.sleep(float(message[4:] or 25))
     ctx.files.write("counter.txt", str(n + 1))
     return f"{n + 1}: {message}"
 '''
@@ -43,8 +43,10 @@ ENV = {"MOORAGE_LOG_LEVEL": "warning"}
 def agent_dir(tmp_path: Path) -> Path:
     agent = tmp_path / "agents" / "counter"
     agent.mkdir(parents=True)
+    # Retention keeps only the newest two checkpoints: a backup's point must outlive the turns after it.
     (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n')
+                                        '[agent.lifecycle]\nusers = "auto"\n'
+                                        '[agent.timetravel]\nkeep = 2\ndaily = 0\n')
     (agent / "agent.py").write_text(AGENT_PY)
     return agent
 
@@ -121,20 +123,27 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
     try:
         with Client(host.url, host.key) as sdk:
             sdk.deploy("counter", agent_dir(tmp_path))
-            for u in USERS:  # every user has an instance before the load
+            for u in [*USERS, "late"]:  # every user has an instance before the load; "late" is copied last
                 assert sdk.invoke("counter", "hello", user=u)["reply"] == "1: hello"
+        # The backup waits for late's 8 s turn: the users copied before it take many turns meanwhile, and their
+        # backup points must outlive retention (which keeps two checkpoints) until the store is copied.
+        late = threading.Thread(target=lambda: httpx.post(
+            f"{host.url}/v1/agents/counter/invoke", json={"user": "late", "message": "slow8"},
+            headers={"Authorization": f"Bearer {host.key}"}, timeout=120))
         with Load(host) as load:
             time.sleep(4)
             t_base = time.time()
             time.sleep(4)
             before = dict(load.done)
+            late.start()
             t0 = time.time()
             r = backup(data, dest)
             t1 = time.time()
             time.sleep(2)
             after = dict(load.done)
+        late.join(timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "(online: " in r.stdout and f"{len(USERS)}/{len(USERS)} user:counter/" in r.stdout, r.stdout
+        assert "(online: " in r.stdout and f"{len(USERS) + 1}/{len(USERS) + 1} user:counter/" in r.stdout, r.stdout
         # The host kept serving: every turn of the load succeeded, during the backup too.
         assert not load.errors, load.errors[:5]
         during = load.between(t0, t1)
@@ -144,15 +153,16 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
               f"({len(during)} turns)")
         assert not (dest / "moorage-backup.incomplete").exists()
         manifest = json.loads((dest / "moorage-backup.json").read_text())
-        assert sorted(i["scope"] for i in manifest["instances"]) == sorted(f"user:counter/{u}" for u in USERS)
+        assert sorted(i["scope"] for i in manifest["instances"]) == sorted(f"user:counter/{u}" for u in
+                                                                           [*USERS, "late"])
         assert all(i["point"] == "checkpoint" for i in manifest["instances"]) and not manifest["left_out"]
-        # On the running host the backup's point is listed, and refused as a rollback target (its sandbox half is
-        # only in the backup).
+        # On the running host late's backup point (no turn since) is listed, unnamed now, and refused as a
+        # rollback target (its sandbox half is only in the backup).
         with Client(host.url, host.key) as sdk:
-            cks = sdk.list_checkpoints("counter", USERS[0], limit=500)["data"]
+            cks = sdk.list_checkpoints("counter", "late", limit=500)["data"]
             (point,) = [c for c in cks if c["summary"].get("backup") == manifest["backup"]]
-            assert point["restorable"] is False
-            refused = httpx.post(f"{host.url}/v1/agents/counter/users/{USERS[0]}/checkpoints/{point['id']}/rollback",
+            assert point["restorable"] is False and point["name"] is None
+            refused = httpx.post(f"{host.url}/v1/agents/counter/users/late/checkpoints/{point['id']}/rollback",
                                  headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
             assert refused.status_code == 409 and "checkpoint-gone" in refused.text, refused.text
     finally:
@@ -163,6 +173,7 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
     restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
     try:
         with Client(restored.url, restored.key) as sdk:
+            assert turns_recorded(sdk, "late") == [1, 2]  # its slow turn ended before it was copied
             for u in USERS:
                 recorded = turns_recorded(sdk, u)
                 n = len(recorded)

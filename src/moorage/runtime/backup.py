@@ -45,6 +45,15 @@ AT_REST = ("sleeping", "archived", "failed", "waking")
 OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock"}
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
+#: The name of a per-user instance's backup point while its tenant's store is not copied yet (retention keeps
+#: named checkpoints); unnamed afterwards, on the host and in the copy, so retention prunes it like a turn's.
+POINT_NAME = "backup"
+
+
+def _unname(ts: "TenantStore", checkpoint_ids: list[str]) -> None:
+    with ts._tx() as c:
+        for cid in checkpoint_ids:
+            c.x("UPDATE checkpoints SET name = NULL WHERE id = ? AND name = ?", (cid, POINT_NAME))
 
 
 class BackupFailed(MoorageError):
@@ -220,6 +229,11 @@ class OnlineBackup:
         finally:
             for li in held:
                 self._let_go(li)
+            mine = [c.checkpoint for c in self.copied if c.tenant == tid and c.checkpoint]
+            try:
+                await asyncio.to_thread(_unname, ts, mine)
+            except MoorageError as e:  # costs a checkpoint kept for good, never the backup
+                log.warning("the backup's checkpoints could not be unnamed", tenant=tid, error=str(e))
 
     async def _instance(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"]) -> Copied | None:
         from moorage.lifecycle.config import AgentLifecycle
@@ -241,9 +255,11 @@ class OnlineBackup:
         try:
             checkpoint = None
             if rec.scope.kind == "user" and not zero_retention.is_zero(agent):
-                # Unnamed, so retention prunes it like a turn's; no sandbox half here: a rollback to it is refused.
+                # Named, so retention keeps it until its tenant's store is copied (then unnamed: ``_unname``); no
+                # sandbox half on this host, so a rollback to it here is refused.
                 ck = await asyncio.to_thread(checkpoints_of(ts).take, rec.scope.agent, rec.scope.user, kind="manual",
-                                             sandbox_id=rec.id, sandbox_checkpoint=f"backup-{self.id}",
+                                             name=POINT_NAME, sandbox_id=rec.id,
+                                             sandbox_checkpoint=f"backup-{self.id}",
                                              summary={"backup": self.id, "dest": str(self.dest)})
                 checkpoint = ck.id
             src = Path(self.mgr.driver.root) / rec.id
@@ -356,5 +372,6 @@ class OnlineBackup:
                 except (NotFound, ConflictError) as e:
                     raise BackupFailed(f"the copy of {c.rec.scope} could not be put back to its point: {e}",
                                        hint="take the backup again") from e
+                _unname(ts, [c.checkpoint])
         finally:
             store.close()
