@@ -109,11 +109,11 @@ def register(app: typer.Typer, cfg_of: Callable[[], Config]) -> None:
                    ) -> None:
         """Back up the data directory; restore by starting moorage up on the copy (docs/operations.md).
 
-        While moorage up runs on it, the host takes an online backup: one instance at a time is put to sleep
-        after its turn, copied and let go (its next turn wakes it), each store copied with SQLite's backup API,
-        so each user's files, memory and store rows are from one point; it prints instances copied / total.
-        A backup cut short leaves DEST marked incomplete (moorage up refuses it). A stopped host is copied
-        with cp -a under its lock."""
+        Host running: an online backup, no downtime; each user's files, memory and store rows from one point.
+
+        One instance at a time sleeps after its turn, is copied and let go; progress: instances copied / total.
+
+        A backup cut short leaves DEST marked incomplete: moorage up refuses it. A stopped host: cp -a, locked."""
         cfg = cfg_of()
         how = backup(cfg, dest, force=force, echo=typer.echo)
         typer.echo(f"backed up {cfg.data_dir} to {dest}" + (f" ({how})" if how != "stopped" else ""))
