@@ -10,6 +10,7 @@ from moorage.durable.engine import DurableEngine, RecoveryReport, Workflow
 from moorage.durable.errors import (
     NonDeterminismError,
     PermanentFailure,
+    RunCancelled,
     RunNotWaiting,
     RunTakenOver,
     StepFailed,
@@ -20,6 +21,6 @@ from moorage.durable.runlog import Answer, HistoryEntry, Proceed, Replay, Suspen
 
 __all__ = [
     "DEFAULT_BACKOFF", "NO_WAIT", "Answer", "Backoff", "DurableEngine", "HistoryEntry", "NonDeterminismError",
-    "PermanentFailure", "Proceed", "RecoveryReport", "Replay", "RunNotWaiting", "RunTakenOver", "StepFailed",
+    "PermanentFailure", "Proceed", "RecoveryReport", "Replay", "RunCancelled", "RunNotWaiting", "RunTakenOver", "StepFailed",
     "Suspend", "Workflow", "WorkflowContext", "WorkflowNotRegistered",
 ]

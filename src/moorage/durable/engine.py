@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 from moorage.durable.context import Halted, Suspended, WorkflowContext
-from moorage.durable.errors import NonDeterminismError, RunTakenOver, WorkflowNotRegistered
+from moorage.durable.errors import NonDeterminismError, RunCancelled, RunTakenOver, WorkflowNotRegistered
 from moorage.durable.runlog import TERMINAL, Answer, HistoryEntry, Proceed, Replay, RunLog, Suspend, check_name
 from moorage.errors import ConflictError, MoorageError
 from moorage.log import get_logger
@@ -223,8 +223,11 @@ class DurableEngine:
         return self.ts.runs.create(scope, name, input, run_id=run_id)
 
     def open_run(self, run_id: str) -> WorkflowRun:
-        """Load a run for a guest executor and take it (pending/running -> running); returns it."""
+        """Load a run for a guest executor and take it (pending/running -> running); returns it. A cancelled run
+        is not taken (``RunCancelled``): its canceller was told it stopped."""
         runlog = RunLog.load(self.ts, run_id)
+        if runlog.run.status == "cancelled":
+            raise RunCancelled(run_id, runlog.run.version)
         if runlog.run.status not in TERMINAL:
             self._guarded(runlog, runlog.mark_running)
         self._channel_logs[run_id] = runlog

@@ -65,6 +65,18 @@ class RunTakenOver(ConflictError):
         self.status = status
 
 
+class RunCancelled(ConflictError):
+    """An executor was to take a run someone cancelled meanwhile (an answer racing a cancel, a retried turn's
+    Idempotency-Key): it does not run, so nothing the cancel's caller was told stopped happens after all."""
+
+    code = "run-cancelled"
+
+    def __init__(self, run_id: str, current_version: int | None) -> None:
+        super().__init__(f"workflow run {run_id} was cancelled; it does not run again", current_version=current_version,
+                         hint="start a new turn (with a new Idempotency-Key) to do it after all")
+        self.run_id = run_id
+
+
 class RunNotWaiting(ConflictError):
     """``answer`` was called for a run that is not waiting at an interrupt (already answered, or never asked)."""
 

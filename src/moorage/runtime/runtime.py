@@ -187,7 +187,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         run = ts.runs.get(run_id)
         if run.status in ("succeeded", "failed", "cancelled"):
             raise ConflictError(f"workflow {run_id} already {run.status}")
-        DurableEngine(ts).cancel(run_id)
+        run = DurableEngine(ts).cancel(run_id)
+        if run.status != "cancelled":  # it finished meanwhile (an answer resumed it first): not cancelled
+            raise ConflictError(f"workflow {run_id} already {run.status}")
 
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""
