@@ -92,3 +92,28 @@ async def test_an_approval_answered_elsewhere_meanwhile_says_so(live_rt, acme: s
     async with aclient(live_rt, acme) as c:  # its answer stands: the page's click changed nothing
         run = (await c.get(f"/v1/workflows/{waiting['run_id']}")).json()["run"]
     assert run["status"] == "succeeded" and run["result"]["reply"] == "draft-1 -> no", run
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_waiting_turn_can_be_cancelled_instead_of_answered(live_rt, acme: str, tmp_path: Path, browser_context):
+    (waiting,) = await _deploy(live_rt, acme, tmp_path, ("alice", "approve"))
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    confirms: list[str] = []
+
+    async def on_dialog(d: Any) -> None:
+        confirms.append(d.message)
+        await d.accept()
+
+    page.on("dialog", lambda d: asyncio.ensure_future(on_dialog(d)))
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user] #approvals button.cancel")
+    await page.click("#approvals button.cancel")
+    await page.wait_for_selector("#approvals-notice:has-text('Cancelled')")
+    assert "cancelled" in await page.inner_text("#approvals-notice .badge")
+    assert "Nothing is waiting for this user" in await page.inner_text("#approvals")
+    assert len(confirms) == 1 and "alice" in confirms[0], confirms  # asked first: it cannot be undone
+    async with aclient(live_rt, acme) as c:
+        assert (await c.get(f"/v1/workflows/{waiting['run_id']}")).json()["run"]["status"] == "cancelled"
+    assert problems == []

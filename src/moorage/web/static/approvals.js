@@ -18,28 +18,30 @@ let approvalNotice = null;
 const ANSWERS = [["approve", "Approve", "yes"], ["reject", "Reject", "no"]];
 
 // A list of waiting runs (each read in full: GET /v1/workflows/{id}), what each asks, and — for a key that may
-// answer — Approve / Reject / Answer… buttons. After an answer the view is drawn again, so the run leaves the list
-// (or comes back with the agent's next question) and the notice says what the turn did.
+// answer — Approve / Reject / Answer… and Cancel buttons. After one the view is drawn again, so the run leaves the
+// list (or comes back with the agent's next question) and the notice says what the turn did.
 function approvalsList(details, { canAnswer, showUser, emptyText }) {
   const message = el("p.error", { id: "approvals-error", role: "alert" });
   const mine = approvalNotice && approvalNotice.hash === location.hash && approvalNotice.seq === routeSeq;
   const notice = el("p.notice", { id: "approvals-notice", role: "status" }, mine ? approvalNotice.nodes : []);
   if (mine) approvalNotice = null;
 
-  async function answer(run, value, buttons) {
+  async function act(run, buttons, what, send) {
     buttons.forEach((b) => { b.disabled = true; });
     message.textContent = "";
     notice.replaceChildren();
     try {
-      const out = await apiSend("POST", `/v1/workflows/${enc(run.id)}/answer`, { answer: value });
-      approvalNotice = { hash: location.hash, nodes: answered(run, value, out), seq: routeSeq + 1 };
+      approvalNotice = { hash: location.hash, nodes: await send(), seq: routeSeq + 1 };
       await route();  // the list, the user's events and timeline moved with the turn
     } catch (e) {
       if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not answer run ${run.id.slice(0, 12)}: ${e.message}`;
+      message.textContent = `Could not ${what} run ${run.id.slice(0, 12)}: ${e.message}`;
       buttons.forEach((b) => { b.disabled = false; });
     }
   }
+
+  const answer = (run, value, buttons) => act(run, buttons, "answer", async () =>
+    answered(run, value, await apiSend("POST", `/v1/workflows/${enc(run.id)}/answer`, { answer: value })));
 
   const items = details.map((d) => {
     const s = parseScope(d.run.scope);
@@ -55,7 +57,15 @@ function approvalsList(details, { canAnswer, showUser, emptyText }) {
         const text = prompt(`Answer to “${askedOf(d)}”:`);
         if (text !== null && text.trim()) answer(d.run, text.trim(), buttons);
       });
-      buttons.push(free);
+      const cancel = el("button.cancel", { type: "button", title: "Stop the turn without an answer: it is not resumed" }, "Cancel turn");
+      cancel.addEventListener("click", () => {
+        if (!confirm(`Cancel this turn of ${s.user || s.agent} without answering? It will not be resumed.`)) return;
+        act(d.run, buttons, "cancel", async () => {
+          const out = await apiSend("POST", `/v1/workflows/${enc(d.run.id)}/cancel`);
+          return [`Cancelled run ${d.run.id.slice(0, 12)} of `, s.user ? userLink(s.agent, s.user) : s.agent, ": it is ", badge(out.status), "."];
+        });
+      });
+      buttons.push(free, cancel);
     }
     return el("li", { dataset: { run: d.run.id } },
       el("div.question", {}, askedOf(d)),
