@@ -8,7 +8,7 @@ from moorage.memory.embeddings import Embedder, default_embedder
 from moorage.memory.episodic import EpisodicMemory, Recall
 from moorage.memory.extraction import FactCandidate, FactExtractor, PatternExtractor
 from moorage.memory.ranking import FusionWeights
-from moorage.memory.semantic import FactChange, SemanticMemory
+from moorage.memory.semantic import FactChange, SemanticMemory, TurnRef
 from moorage.memory.summarize import ExtractiveSummarizer, Summarizer
 from moorage.memory.tokens import ApproxTokenCounter, MiniLMTokenCounter, TokenCounter
 
@@ -31,5 +31,6 @@ __all__ = [
     "ModelInput",
     "Summarizer",
     "TokenCounter",
+    "TurnRef",
     "default_embedder",
 ]

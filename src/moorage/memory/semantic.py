@@ -14,6 +14,7 @@ from moorage.log import get_logger
 from moorage.memory.errors import FactNotFound, FactNotPending
 from moorage.memory.extraction import MULTI_VALUED, FactCandidate, FactExtractor, PatternExtractor, normalize_value
 from moorage.store import Event, Fact, Scope, TenantStore
+from moorage.webhooks.facts import announce_pending
 
 log = get_logger(__name__)
 
@@ -22,6 +23,14 @@ ORIGINS: tuple[str, ...] = ("user", "tool", "agent", "model")
 #: Higher wins. A lower-trust value never silently replaces a higher-trust one.
 TRUST_RANK = {"user_stated": 3, "tool_derived": 2, "model_inferred": 1}
 Action = Literal["inserted", "merged", "superseded", "pending", "confirmed", "rejected"]
+
+
+@dataclass(frozen=True)
+class TurnRef:
+    """The turn a fact was learned in (its run and trace), carried into the ``fact.pending`` webhook event."""
+
+    run_id: str
+    trace_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class SemanticMemory:
     - text that did not come from the user (tool output, another agent, the model) lands ``pending``
       and is left out of trusted recall until ``confirm``; so an instruction injected into a tool
       result cannot turn itself into a standing fact.
+
+    A new pending fact queues the ``fact.pending`` webhook event in the same transaction (``webhooks.facts``).
     """
 
     def __init__(
@@ -75,19 +86,21 @@ class SemanticMemory:
 
     # -- writing -------------------------------------------------------------------------------
 
-    def observe(self, scope: Scope, event: Event) -> list[FactChange]:
+    def observe(self, scope: Scope, event: Event, *, turn: TurnRef | None = None) -> list[FactChange]:
         """Extract facts from one logged event and record them with the event as provenance."""
         origin = origin_of(event)
         changes = []
         for cand in self.extractor.extract(event.content, speaker=event.speaker):
-            changes.append(self.record(scope, cand, origin=origin, evidence=[str(event.id)], valid_from=event.ts))
+            changes.append(self.record(scope, cand, origin=origin, evidence=[str(event.id)], valid_from=event.ts,
+                                       turn=turn))
         return changes
 
     def record(
         self, scope: Scope, candidate: FactCandidate, *, origin: Origin, evidence: Sequence[str] = (),
-        valid_from: float | None = None,
+        valid_from: float | None = None, turn: TurnRef | None = None,
     ) -> FactChange:
-        """Apply the write policy to one candidate fact; retried once if another writer raced us."""
+        """Apply the write policy to one candidate fact; retried once if another writer raced us. ``turn``: the
+        turn it was learned in, named by the ``fact.pending`` event if it waits for confirmation."""
         if origin not in ORIGINS:
             raise InvalidInput(f"unknown fact origin {origin!r}", hint=f"one of {', '.join(ORIGINS)}")
         for name in ("subject", "attribute", "value"):
@@ -99,7 +112,12 @@ class SemanticMemory:
         for attempt in (1, 2):
             try:
                 with self.ts.transaction():
-                    return self._record(scope, candidate, origin, [str(e) for e in evidence], valid_from)
+                    change = self._record(scope, candidate, origin, [str(e) for e in evidence], valid_from)
+                    if change.action == "pending":
+                        # In the write's transaction: the event is queued if and only if the fact is recorded.
+                        announce_pending(self.ts, change.fact, run_id=turn.run_id if turn else None,
+                                         trace_id=turn.trace_id if turn else None)
+                    return change
             except ConflictError:
                 if attempt == 2 or joined:
                     raise

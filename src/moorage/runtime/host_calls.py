@@ -283,7 +283,7 @@ class GuestCalls:
                            "trust": f.trust, "since": f.valid_from} for f in facts]}
 
     async def memory_learn(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
-        from moorage.memory import FactCandidate
+        from moorage.memory import FactCandidate, TurnRef
 
         fields = {n: p.get(n) for n in ("subject", "attribute", "value")}
         fields["text"] = p.get("text") or ""
@@ -292,7 +292,8 @@ class GuestCalls:
                 raise InvalidInput(f"ctx.memory.learn needs {name} as a string, got {type(v).__name__}")
         cand = FactCandidate(fields["subject"], fields["attribute"], fields["value"], fields["text"])
         # The agent's own code is not the user: what it records lands as agent-origin (pending until confirmed).
-        ch = await asyncio.to_thread(self.rt.memory(b.ts).semantic.record, b.user_scope, cand, origin="agent")
+        ch = await asyncio.to_thread(self.rt.memory(b.ts).semantic.record, b.user_scope, cand, origin="agent",
+                                     turn=TurnRef(b.run_id, b.trace_id))  # named by the fact.pending webhook
         return {"action": ch.action, "status": ch.fact.status}
 
     async def memory_context(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:

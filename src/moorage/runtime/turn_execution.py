@@ -101,7 +101,7 @@ class TurnExecution:
         """The turn's first commit: its run created (or taken) and running, the session touched, the user's
         message logged (to be embedded later) with the facts it states. None: run the turn; a result: the
         same turn (same Idempotency-Key) finished meanwhile, and this is its outcome."""
-        from moorage.memory.semantic import origin_of
+        from moorage.memory.semantic import TurnRef, origin_of
 
         ts = b.ts
         try:
@@ -118,7 +118,7 @@ class TurnExecution:
                     (ev,) = mem.episodic.remember_pending(b.session_scope, [EventIn("message", turn.message, "user")])
                     for cand in facts:
                         mem.semantic.record(b.user_scope, cand, origin=origin_of(ev), evidence=[str(ev.id)],
-                                            valid_from=ev.ts)
+                                            valid_from=ev.ts, turn=TurnRef(b.run_id, b.trace_id))
         except ConflictError:
             run = self._existing_run(ts, turn.turn_id) if turn.create else None
             if run is None:

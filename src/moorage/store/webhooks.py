@@ -18,8 +18,10 @@ from moorage.store.model import check_id
 from moorage.store.sql import loads
 from moorage.store.repos.common import _Repo
 
-#: Events a webhook can subscribe to. ``interrupt.waiting``: a turn stopped for a human answer (approval).
-WEBHOOK_EVENTS: tuple[str, ...] = ("execution.succeeded", "execution.failed", "execution.cancelled", "interrupt.waiting")
+#: Events a webhook can subscribe to. ``interrupt.waiting``: a turn stopped for a human answer (approval);
+#: ``fact.pending``: a fact the agent learned (or a tool said) waits for confirmation (``webhooks.facts``).
+WEBHOOK_EVENTS: tuple[str, ...] = ("execution.succeeded", "execution.failed", "execution.cancelled", "interrupt.waiting",
+                                   "fact.pending")
 #: Streamed events kept per execution (the oldest go first): output is bounded, not a log of everything.
 MAX_EXECUTION_EVENTS = 500
 SECRET_PREFIX = "whsec_"
