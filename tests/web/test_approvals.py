@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.api.conftest import aclient
+from tests.api.conftest import aclient, agent_archive
 from tests.web.test_agent_key import _key
 from tests.web.test_views import _deploy, _sign_in, _watch
 
@@ -116,4 +116,35 @@ async def test_a_waiting_turn_can_be_cancelled_instead_of_answered(live_rt, acme
     assert len(confirms) == 1 and "alice" in confirms[0], confirms  # asked first: it cannot be undone
     async with aclient(live_rt, acme) as c:
         assert (await c.get(f"/v1/workflows/{waiting['run_id']}")).json()["run"]["status"] == "cancelled"
+    assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_an_agent_that_asks_again_shows_its_next_question(live_rt, acme: str, tmp_path: Path, browser_context):
+    body = '''
+async def on_message(ctx, message):
+    amount = await ctx.interrupt({"question": "Refund how much?"})
+    sure = await ctx.interrupt({"question": f"Refund {amount}, sure?"})
+    return f"refunded {amount}" if sure == "yes" else "kept"
+'''
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/shop/deployments", content=agent_archive(tmp_path, "shop", body),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.post("/v1/agents/shop/invoke", json={"message": "refund", "user": "dora"})).json()["status"] == "waiting"
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    page.on("dialog", lambda d: asyncio.ensure_future(d.accept("12.50")))
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/approvals")
+    await page.wait_for_selector("body[data-loaded=approvals] #approvals button.answer")
+    await page.click("#approvals button.answer")
+    # The turn asks again: the notice says what, and the run stays listed with its new question.
+    await page.wait_for_selector("#approvals-notice:has-text('waits again')")
+    assert "“Refund 12.50, sure?”" in await page.inner_text("#approvals-notice")
+    assert await page.inner_text("#approvals ul.approvals li .question") == "Refund 12.50, sure?"
+    await page.click("#approvals button.approve")
+    await page.wait_for_selector("#approvals-notice:has-text('finished')")
+    assert "“refunded 12.50”" in await page.inner_text("#approvals-notice")
+    assert await page.locator("#approvals ul.approvals li").count() == 0
     assert problems == []
