@@ -1,18 +1,21 @@
-"""``moorage memory``: evaluate retrieval, generate evaluation sets, inspect a user's facts and memories.
+"""``moorage memory``: evaluate retrieval, generate evaluation sets, inspect a user's facts and memories, and
+list, confirm or reject the facts that wait for confirmation.
 
-Rendering only; the work is done by ``moorage.memory``.
+Rendering only; the work is done by ``moorage.memory`` (``facts``, ``search``: the store, operator access) or by
+the server through the SDK (``pending``, ``confirm``, ``reject``: the configured key).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console, print_table
+from moorage.cli.console import id_column, make_console, print_table, utc
 from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
@@ -154,3 +157,68 @@ def search(
         table.add_row(f"{h.score:.3f}", str(h.lexical_rank or "-"), str(h.dense_rank or "-"), h.event.speaker or "",
                       h.event.content[:120])
     console.print(table)
+
+
+# -- pending facts, through the server ------------------------------------------------------------------------
+
+SESSION = typer.Option(None, "--session", "-s", help="A session's facts instead of the user's (where turns put them).")
+JSON = typer.Option(False, "--json", help="The API's answer, as it is.")
+
+
+def _sdk(use: Callable[[Any], Any]) -> Any:
+    from moorage.cli.client import sdk
+    from moorage.cli.main import state
+
+    return sdk(state.cfg, use)
+
+
+@app.command("pending")
+@clear_errors
+def pending(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
+            session: Optional[str] = SESSION, as_json: bool = JSON) -> None:
+    """List USER's facts that wait for confirmation (what AGENT learned, what a tool said), oldest first."""
+    rows = _sdk(lambda c: list(c.paginate(c.list_pending_facts, agent, user, session=session)))
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print(f"no facts of user {escape(user)} of {escape(agent)} wait for confirmation", highlight=False)
+        return
+    table = Table(id_column("id"), "subject", "attribute", "value", "source", "trust", "recorded")
+    for f in rows:
+        table.add_row(f["id"], *(escape(str(f[k])) for k in ("subject", "attribute", "value", "source", "trust")),
+                      utc(f["recorded_at"]))
+    print_table(console, table)
+    console.print(f"decide one: moorage memory confirm {escape(agent)} {escape(user)} FACT_ID (or reject)",
+                  highlight=False)
+
+
+def _decided(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    f, before = out["fact"], out.get("previous")
+    said = f"{out['action']} {f['id']}: {f['subject']} {f['attribute']} = {f['value']}"
+    if out["action"] == "merged":
+        said += " (already believed: the pending fact was folded into it)"
+    elif before:
+        said += f" (was {before['value']})"
+    console.print(escape(said), highlight=False)
+
+
+@app.command("confirm")
+@clear_errors
+def confirm(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
+            fact_id: str = typer.Argument(..., metavar="FACT_ID", help="From `moorage memory pending`."),
+            session: Optional[str] = SESSION, as_json: bool = JSON) -> None:
+    """Confirm a pending fact: it is USER's current value from now on, superseding the one before."""
+    _decided(_sdk(lambda c: c.confirm_fact(agent, user, fact_id, session=session)), as_json)
+
+
+@app.command("reject")
+@clear_errors
+def reject(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
+           fact_id: str = typer.Argument(..., metavar="FACT_ID", help="From `moorage memory pending`."),
+           session: Optional[str] = SESSION, as_json: bool = JSON) -> None:
+    """Reject a pending fact: it is never believed (kept on record as rejected)."""
+    _decided(_sdk(lambda c: c.reject_fact(agent, user, fact_id, session=session)), as_json)
