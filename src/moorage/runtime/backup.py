@@ -76,6 +76,7 @@ def copy_sqlite(src: Path, dst: Path) -> None:
     one read snapshot, writers of the live database never blocked."""
     s = sqlite3.connect(str(src), timeout=60)
     try:
+        os.close(os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))  # readable by the owner only
         d = sqlite3.connect(str(dst))
         try:
             s.backup(d)
@@ -164,12 +165,12 @@ class OnlineBackup:
         self.dest.mkdir(mode=0o700)
         (self.dest / INCOMPLETE).write_text(json.dumps({"backup": self.id, "started_at": started,
                                                         "pid": os.getpid()}) + "\n")
-        (self.dest / "store" / "tenants").mkdir(parents=True)
-        (self.dest / "sandboxes").mkdir()
+        for d in ("store", "store/tenants", "sandboxes"):  # private, as in the data directory
+            (self.dest / d).mkdir(mode=0o700)
         store_root = self.data_dir / "store"
-        # The operator database first: a tenant made after this point is not in the backup.
-        await asyncio.to_thread(copy_sqlite, store_root / "control.db", self.dest / "store" / "control.db")
+        # The tenants, then the operator database: every tenant backed up is in it (one made since is not copied).
         tenants = await asyncio.to_thread(lambda: [t.tenant_id for t in self.host.store.operator.tenants()])
+        await asyncio.to_thread(copy_sqlite, store_root / "control.db", self.dest / "store" / "control.db")
         plan = {tid: await self._instances(tid) for tid in tenants}
         self.total = sum(len(v) for v in plan.values())
         await self.progress({"event": "start", "backup": self.id, "tenants": len(tenants), "total": self.total})
