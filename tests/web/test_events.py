@@ -53,3 +53,33 @@ async def test_events_read_newest_first_and_page_back_to_the_oldest(live_rt, sto
         await page.wait_for_selector("#events-older:not([disabled])", state="attached")  # its page is in
     assert await shown.all_inner_texts() == expected  # back to the first event, each once, in order
     assert problems == []
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_any_session_of_the_user_can_be_read_alone(live_rt, store: Store, acme: str, tmp_path: Path,
+                                                         browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    ts = store.tenant(store.authenticate(acme))
+    for i in range(7):  # s0 is the least recently active: past the 5 the user's page merges
+        ts.sessions.open("echo", "alice", f"s{i}")
+        ts.events.append(Scope.session("echo", "alice", f"s{i}"), "message", f"said in s{i}", speaker="user")
+    await _invoke(live_rt, acme, ("alice", "latest"))
+    page = await browser_context.new_page()
+    problems = _watch(page)
+    await _sign_in(page, live_rt.url, acme)
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice")
+    await page.wait_for_selector("body[data-loaded=user]")
+    assert "said in s0" not in await page.inner_text("#events")
+    await page.click("#sessions a.session-link:text-is('s0')")
+    await page.wait_for_selector("body[data-loaded=user] #events-all")
+    assert await page.locator("#events li .content").all_inner_texts() == ["said in s0"]
+    assert "session s0 alone" in await page.inner_text("#events")
+    assert await page.locator("#sessions tr.picked").inner_text() != ""
+    await page.click("#events-all")
+    await page.wait_for_selector("body[data-loaded=user] #events:not(:has(#events-all))")
+    assert "echo: latest" in await page.inner_text("#events")
+    # A session the user does not have is said so, not shown as an empty log.
+    await page.goto(f"{live_rt.url}/ui/#/user/echo/alice/session/s99")
+    await page.wait_for_selector("body[data-loaded=error]")
+    assert "no session 's99'" in await page.inner_text("#view")
+    assert problems == []

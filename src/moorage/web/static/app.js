@@ -315,7 +315,7 @@ async function agentView(agent, who) {
     webhooks];
 }
 
-async function userView(agent, user, who) {
+async function userView(agent, user, who, session = null) {
   const base = `/v1/agents/${enc(agent)}/users/${enc(user)}`;
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
@@ -337,9 +337,20 @@ async function userView(agent, user, who) {
   ]);
   // Turns log their messages in the session's scope, so the episodic events are those of the most recently
   // active sessions, merged with the user-wide ones by time (events.js), each log read back from its end.
+  if (session && !sessions.next_cursor && !sessions.data.some((s) => s.id === session)) {
+    throw new Error(`${user} has no session '${session}' (its sessions are listed on their page)`);
+  }
+  // A session picked from the table (`#/user/{agent}/{user}/session/{id}`, any of them, however old): its log alone.
   const recentSessions = [...sessions.data].sort((a, b) => b.last_active - a.last_active).slice(0, 5);
-  const logs = [`${base}/events?order=newest`, ...recentSessions.map((s) => `${base}/events?order=newest&session=${enc(s.id)}`)];
-  const [episodic, summary] = await Promise.all([episodicPanel(logs, recentSessions.length), newestSummary(logs)]);
+  const sessionLog = (id) => `${base}/events?order=newest&session=${enc(id)}`;
+  const logs = session ? [sessionLog(session)] : [`${base}/events?order=newest`, ...recentSessions.map((s) => sessionLog(s.id))];
+  const n = recentSessions.length;
+  const about = session
+    ? [`The log of session ${session} alone. `, el("a", { href: `#/user/${enc(agent)}/${enc(user)}`, id: "events-all" },
+        "The user's and their recent sessions' events →")]
+    : n ? `The user's own log and the logs of their ${n} most recently active session${n === 1 ? "" : "s"}, merged by `
+        + "time (pick a session in the table for its log alone)." : "The user's own log (they have no session yet).";
+  const [episodic, summary] = await Promise.all([episodicPanel(logs, about), newestSummary(logs)]);
   // An empty timeline: say why when the live deployment turned automatic checkpoints off.
   let autoOff = false;
   if (!checkpoints.error && !checkpoints.data.length && agentInfo.live_deployment) {
@@ -353,8 +364,8 @@ async function userView(agent, user, who) {
 
   const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, "user of agent ", agentLink(agent)));
 
-  const sessionRows = sessions.data.map((s) => el("tr", {},
-    el("td", {}, s.id), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
+  const sessionRows = sessions.data.map((s) => el("tr", s.id === session ? { class: "picked" } : {},
+    el("td", {}, el("a.session-link", { href: `#/user/${enc(agent)}/${enc(user)}/session/${enc(s.id)}` }, s.id)), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
     el("td", { title: fmtTime(s.last_active) }, ago(s.last_active))));
   const sessionsPanel = section("Sessions", "sessions",
     sessionRows.length ? table(["Session", "Started", "Last active"], sessionRows) : empty("No sessions."),
@@ -592,7 +603,9 @@ async function route() {
   let render;
   let name = parts[0] || "fleet";
   if (name === "malformed") render = async () => { throw new Error(`this address is not valid: ${location.hash}`); };
-  else if (name === "user" && parts.length >= 3) render = (who) => userView(parts[1], parts[2], who);
+  else if (name === "user" && parts.length >= 3) {
+    render = (who) => userView(parts[1], parts[2], who, parts[3] === "session" && parts[4] ? parts[4] : null);
+  }
   else if (name === "trace" && parts[1]) render = (who) => traceView(parts[1], who);
   else if (name === "agent" && parts[1]) render = (who) => agentView(parts[1], who);
   else if (name === "approvals") render = (who) => approvalsView(parts[1] || null, who);

@@ -51,7 +51,8 @@ function eventItem(e) {
 }
 
 // The panel: the newest EVENTS_PAGE events, and "Older events" for the next ones, until the logs' beginnings.
-async function episodicPanel(paths, sessionsRead) {
+// `about` says whose logs they are (the user's merged with their recent sessions', or one session's).
+async function episodicPanel(paths, about) {
   const feed = eventsFeed(paths);
   const first = await feed.next(EVENTS_PAGE);
   const list = el("ol.events", {}, first.map(eventItem));
@@ -71,6 +72,5 @@ async function episodicPanel(paths, sessionsRead) {
   });
   return section("Episodic memory (newest first)", "events",
     first.length ? list : empty("No events."), message, first.length ? el("p.more", {}, older) : null,
-    el("p.hint", {}, sessionsRead ? `The user's own log and the logs of their ${sessionsRead} most recently active `
-      + `session${sessionsRead === 1 ? "" : "s"}, merged by time.` : "The user's own log (they have no session yet)."));
+    el("p.hint", {}, about));
 }
