@@ -74,3 +74,24 @@ async def test_a_fact_the_agent_learns_is_announced_to_its_subscribers_only(
         await asyncio.gather(loop_task, return_exceptions=True)
         for r in (everything, interrupts_only, other_tenant):
             r.close()
+
+
+def test_zero_retention_scrubs_what_a_delivered_fact_pending_said(tenant) -> None:  # type: ignore[no-untyped-def]
+    """An agent's purge (zero retention) keeps a delivered event's log entry but not the fact it told of, as it
+    does for a turn's reply."""
+    import time
+
+    from moorage.memory import FactCandidate, SemanticMemory
+    from moorage.store import Scope, zero_retention
+
+    hook = tenant.webhooks.create("pal", "https://example.com/hooks")
+    fact = SemanticMemory(tenant).record(Scope.for_user("pal", "ada"), FactCandidate(
+        "ada", "email", "ada@example.org", "ada's email is ada@example.org"), origin="agent").fact
+    (d,) = tenant.deliveries.list(hook.id)
+    assert d.payload["data"]["value"] == "ada@example.org"
+    tenant.deliveries.record_attempt(d, at=time.time(), status_code=204, error=None, duration_ms=1.0,
+                                     delivered=True, retry_at=None)
+    zero_retention.purge(tenant, "pal")
+    kept = tenant.deliveries.get(d.id)
+    assert kept.status == "delivered" and kept.payload["data"]["fact_id"] == fact.id
+    assert "ada@example.org" not in json.dumps(kept.payload) and "email" not in json.dumps(kept.payload), kept.payload

@@ -24,8 +24,8 @@ CONFIG_KEY = "retention"
 FINISHED = ("succeeded", "failed", "cancelled")
 #: Tables whose rows belong to a scope and are content (the sandbox record and the usage ledger are not).
 _CONTENT_TABLES = ("state", "events", "facts", "spans")
-#: Fields of a delivered webhook payload that carry what the user or the agent said.
-_PAYLOAD_CONTENT = ("reply", "error", "interrupt")
+#: Fields of a delivered webhook payload that carry what the user or the agent said (a turn's; a fact's).
+_PAYLOAD_CONTENT = ("reply", "error", "interrupt", "subject", "attribute", "value")
 
 
 def is_zero(agent: Agent) -> bool:
@@ -117,7 +117,7 @@ def _scrub_deliveries(ts: "TenantStore", c: Any, agent: str, user: str | None) -
                 continue
             if all(data.get(k) is None for k in _PAYLOAD_CONTENT):
                 continue
-            doc["data"] = {**data, **{k: None for k in _PAYLOAD_CONTENT}}
+            doc["data"] = {**data, **{k: None for k in _PAYLOAD_CONTENT if k in data}}  # each event keeps its shape
             n += c.x("UPDATE webhook_deliveries SET payload = ?, updated_at = ?, version = version + 1 WHERE id = ?",
                      (dumps(doc, ts.max_value_bytes, "webhook payload"), time.time(), dlv_id))
     return n
