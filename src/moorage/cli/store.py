@@ -51,13 +51,22 @@ def _existing() -> bool:
 
 
 @app.command()
-def info() -> None:
+@clear_errors
+def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Which backend and schema version this host's store runs."""
-    if not _existing():
-        return
+    from moorage.cli.main import state
+    from moorage.errors import NotFound
+
+    missing = store_missing(state.cfg)
+    if missing is not None:  # nothing to describe: a failure a script can see, and no store made
+        raise NotFound(f"no store yet at {missing}", hint=NO_STORE_HINT)
     with _store() as s:
-        console.print(s.describe())
-        console.print(f"control schema v{s.backend.schema_version()}")
+        described, version = s.describe(), s.backend.schema_version()
+    if as_json:
+        print(json.dumps({"store": described, "schema_version": version}))
+        return
+    console.print(described, highlight=False)
+    console.print(f"control schema v{version}", highlight=False)
 
 
 @app.command()

@@ -1,0 +1,36 @@
+"""`--json` across the CLI: every command that shows something takes it and prints one JSON document on stdout
+(status and errors on stderr); a failure exits non-zero, with the plain one-line error on stderr and nothing on stdout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from moorage.cli.main import app
+
+
+def cli(*args: str) -> "object":
+    return CliRunner().invoke(app, list(args))
+
+
+def test_store_info_json_names_the_store_and_its_schema_version(tmp_path: Path) -> None:
+    data = ["--data-dir", str(tmp_path)]
+    assert cli(*data, "store", "create-tenant", "initech").exit_code == 0  # makes the store
+    shown = cli(*data, "store", "info", "--json")
+    assert shown.exit_code == 0, shown.output
+    info = json.loads(shown.stdout)
+    human = cli(*data, "store", "info").stdout
+    assert info["store"].startswith("sqlite ") and str(tmp_path / "store") in info["store"], info
+    assert isinstance(info["schema_version"], int) and info["schema_version"] >= 1, info
+    assert info["store"] in human and f"control schema v{info['schema_version']}" in human, human
+
+
+def test_store_info_without_a_store_fails_saying_how_to_make_one(tmp_path: Path) -> None:
+    for extra in ([], ["--json"]):
+        shown = cli("--data-dir", str(tmp_path), "store", "info", *extra)
+        said = " ".join(shown.stderr.split())
+        assert shown.exit_code == 2 and shown.stdout == "", shown.output
+        assert said.startswith("error: no store yet at") and "moorage store migrate" in said, said
+    assert not (tmp_path / "store").exists()  # asking made none
