@@ -39,6 +39,8 @@ INCOMPLETE = "moorage-backup.incomplete"
 MANIFEST = "moorage-backup.json"
 #: How long one instance may stay busy (a turn in flight, woken again and again) before the backup gives up.
 WAIT_S = 300.0
+#: Instances read from the store at a time.
+PAGE = 1000
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
 #: Top-level entries of the data directory the backup copies its own way, or leaves out.
@@ -197,9 +199,16 @@ class OnlineBackup:
                 "phases": {k: round(v, 3) for k, v in phases.items()}}
 
     async def _instances(self, tid: str) -> list["SandboxRecord"]:
-        ts = self.mgr.system_tenant(tid)
-        recs = await asyncio.to_thread(ts.sandboxes.list)
-        recs = [r for r in recs if r.state != "deleted"]
+        ts = await asyncio.to_thread(self.mgr.system_tenant, tid)
+        found: dict[str, "SandboxRecord"] = {}
+        after: tuple[float, str] | None = None
+        while True:  # page by page: activity only moves an instance later in this order, so none is missed
+            page = await asyncio.to_thread(ts.sandboxes.list, limit=PAGE, after=after)
+            found.update((r.id, r) for r in page)
+            if len(page) < PAGE:
+                break
+            after = (page[-1].last_active, page[-1].id)
+        recs = [r for r in found.values() if r.state != "deleted"]
         # Per-user instances first: each is let go as soon as it is copied. The others stay held to the end.
         return sorted(recs, key=lambda r: (r.scope.kind != "user", r.created_at))
 
