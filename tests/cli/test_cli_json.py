@@ -34,3 +34,16 @@ def test_store_info_without_a_store_fails_saying_how_to_make_one(tmp_path: Path)
         assert shown.exit_code == 2 and shown.stdout == "", shown.output
         assert said.startswith("error: no store yet at") and "moorage store migrate" in said, said
     assert not (tmp_path / "store").exists()  # asking made none
+
+
+def test_store_sweep_json_counts_what_it_swept(tmp_path: Path) -> None:
+    data = ["--data-dir", str(tmp_path)]
+    nothing = cli(*data, "store", "sweep", "--json")  # no store yet: said on stderr, a sweep of nothing on stdout
+    assert nothing.exit_code == 0 and json.loads(nothing.stdout) == {"scopes": 0, "rows": 0}, nothing.output
+    assert "no store yet" in nothing.stderr and not (tmp_path / "store").exists()
+    assert cli(*data, "store", "create-tenant", "initech").exit_code == 0
+    swept = cli(*data, "store", "sweep", "--json")
+    assert swept.exit_code == 0, swept.output
+    rep = json.loads(swept.stdout)
+    assert set(rep) == {"scopes", "rows"} and all(isinstance(v, int) for v in rep.values()), rep
+    assert f"swept {rep['scopes']} expired scopes ({rep['rows']} rows)" in cli(*data, "store", "sweep").stdout

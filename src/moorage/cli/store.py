@@ -77,13 +77,18 @@ def migrate() -> None:
 
 
 @app.command()
-def sweep() -> None:
+@clear_errors
+def sweep(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Delete data whose retention TTL has passed, in every tenant."""
-    if not _existing():
-        return
-    with _store() as s:
-        rep = s.operator.sweep_all()
-    console.print(f"swept {rep.scopes} expired scopes ({rep.rows} rows)")
+    scopes = rows = 0
+    if _existing():  # no store, nothing expired: said on stderr, and a sweep of nothing
+        with _store() as s:
+            rep = s.operator.sweep_all()
+        scopes, rows = rep.scopes, rep.rows
+    if as_json:
+        print(json.dumps({"scopes": scopes, "rows": rows}))
+    else:
+        console.print(f"swept {scopes} expired scopes ({rows} rows)")
 
 
 @app.command("create-tenant")
