@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import Any, AsyncIterator
 
-from moorage.durable import DurableEngine
+from moorage.durable import DurableEngine, RunCancelled, RunTakenOver
 from moorage.errors import ConflictError
 from moorage.runtime import instance_update
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
@@ -66,7 +66,8 @@ class TurnExecution:
                     # a corrected deployment (the same turn asked again, or the host's next start, resumes it).
                     await asyncio.to_thread(self._end_turn, engine, binding, started, diverged=binding.diverged)
                     raise binding.diverged from e
-                await asyncio.to_thread(self._end_turn, engine, binding, started, error=e)
+                if await asyncio.to_thread(self._end_turn, engine, binding, started, error=e):
+                    raise RunCancelled(turn_id, None) from e  # cancelled while it ran: what ended it
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
                 await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
@@ -142,11 +143,14 @@ class TurnExecution:
 
     def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
                   waiting: bool = False, error: BaseException | None = None,
-                  diverged: BaseException | None = None) -> None:
+                  diverged: BaseException | None = None) -> bool:
         """The turn's last commit, before its reply goes out: the reply logged (to be embedded later), working
         memory, the run's result and the turn's spans, in one transaction. A failed turn records its failure
-        and spans; a waiting one (its interrupt is already journaled) only its spans."""
+        and spans; a waiting one (its interrupt is already journaled) only its spans. A run cancelled while the
+        turn ran stays cancelled: its failure is not recorded over it (True is returned), and its reply is not
+        kept (``RunCancelled``)."""
         ts = b.ts
+        cancelled = False
         with ts.transaction():
             self._fence(ts, b.sandbox_id)
             if diverged is not None:
@@ -155,10 +159,14 @@ class TurnExecution:
                     ts.runs.update(b.run_id, expected_version=run.version, status="pending")
                 self.tracer.span(b, "turn", started, status="error", error=type(diverged).__name__)
             elif error is not None:
-                failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
-                           if isinstance(error, AgentTurnFailed) else None)
-                engine.fail_run(b.run_id, str(error), result=failure)
-                self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
+                cancelled = ts.runs.get(b.run_id).status == "cancelled"
+                if cancelled:
+                    self.tracer.span(b, "turn", started, status="cancelled")
+                else:
+                    failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
+                               if isinstance(error, AgentTurnFailed) else None)
+                    engine.fail_run(b.run_id, str(error), result=failure)
+                    self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
             elif waiting:
                 self.tracer.span(b, "turn", started, status="waiting")
             else:
@@ -166,9 +174,15 @@ class TurnExecution:
                 if said is not None:
                     self._writer(ts).episodic.remember_pending(b.session_scope, [EventIn("message", said, "assistant")])
                 self._remember_reply(b, said)
-                engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id, "usage": dict(b.usage)})
+                try:
+                    engine.finish_run(b.run_id, {"reply": reply, "trace_id": b.trace_id, "usage": dict(b.usage)})
+                except RunTakenOver as e:
+                    if e.status == "cancelled":  # the reply is not kept: the transaction goes back
+                        raise RunCancelled(b.run_id, None) from None
+                    raise
                 self.tracer.span(b, "turn", started, status="done")
             self.tracer.flush(b)
+        return cancelled
 
     async def forward(self, sandbox: Sandbox, binding: TurnBinding, message: str) -> AsyncIterator[Any]:
         """Send one turn to the agent in ``sandbox``; yields TurnEvents, then the guest's result dict."""
