@@ -32,7 +32,7 @@ function deliveryRow(d, agent) {
 }
 
 // Each webhook of the agent (GET /v1/agents/{agent}/webhooks: its URL and events; the secret is never shown) with
-// its newest deliveries (…/deliveries?limit=10). The listing carries no attempt log, so a delivery that has not
+// its newest deliveries (…/deliveries?limit=10), and "Older deliveries" for the next 10 (its next_cursor). The listing carries no attempt log, so a delivery that has not
 // arrived after an attempt is read in full (…/deliveries/{id}) to say what its receiver answered.
 async function webhooksPanel(agent) {
   const title = "Webhooks";
@@ -48,17 +48,41 @@ async function webhooksPanel(agent) {
   }
   const blocks = await Promise.all(hooks.data.map(async (h) => {
     const base = `/v1/agents/${enc(agent)}/webhooks/${enc(h.id)}`;
-    const listing = await api(`${base}/deliveries?limit=${DELIVERIES_SHOWN}`);
-    const deliveries = await Promise.all(listing.data.map((d) => (d.status !== "delivered" && d.attempts > 0
-      ? api(`${base}/deliveries/${enc(d.id)}`) : d)));
-    const rows = deliveries.map((d) => deliveryRow(d, agent));
+    // A page of deliveries, newest first, each one tried but not delivered read in full for its attempt log.
+    const page = async (cursor) => {
+      const listing = await api(`${base}/deliveries?limit=${DELIVERIES_SHOWN}${cursor ? `&cursor=${enc(cursor)}` : ""}`);
+      const rows = await Promise.all(listing.data.map((d) => (d.status !== "delivered" && d.attempts > 0
+        ? api(`${base}/deliveries/${enc(d.id)}`) : d)));
+      return { rows: rows.map((d) => deliveryRow(d, agent)), cursor: listing.next_cursor };
+    };
+    const first = await page(null);
+    let cursor = first.cursor;
+    const body = el("tbody", {}, first.rows);
+    const message = el("p.error", { role: "alert" });
+    const older = el("button.older", { type: "button" }, "Older deliveries");
+    older.hidden = !cursor;
+    older.addEventListener("click", async () => {
+      older.disabled = true;
+      message.textContent = "";
+      try {
+        const next = await page(cursor);
+        body.append(...next.rows);
+        cursor = next.cursor;
+        older.hidden = !cursor;
+      } catch (e) {
+        if (e instanceof Unauthorized) { route(); return; }
+        message.textContent = `Could not read older deliveries: ${e.message}`;
+      }
+      older.disabled = false;
+    });
+    const headers = ["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created"];
     return el("div.webhook", { dataset: { webhook: h.id } },
       el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null),
       el("p.sub", {}, `${h.id} · events: ${h.events.join(", ")} · since ${fmtTime(h.created_at)}`),
-      rows.length
-        ? table(["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created"], rows, { class: "deliveries" })
+      first.rows.length
+        ? el("table.deliveries", {}, el("thead", {}, el("tr", {}, headers.map((x) => el("th", {}, x)))), body)
         : empty("No deliveries yet."),
-      listing.next_cursor ? el("p.hint", {}, `The ${rows.length} newest deliveries are shown; there are older ones.`) : null);
+      message, first.cursor ? el("p.more", {}, older) : null);
   }));
   return section(title, "webhooks", blocks);
 }
