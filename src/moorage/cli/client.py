@@ -256,12 +256,14 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         print(json.dumps(r, indent=2))
 
     @app.command()
-    def forget(agent: str, user: str, yes: bool = typer.Option(False, "--yes", help="Do not ask.")) -> None:
+    def forget(agent: str, user: str, yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+               as_json: bool = typer.Option(False, "--json")) -> None:
         """Remove everything moorage keeps about one user of an agent (memory, workflows, sandbox, snapshots)."""
-        if not yes and not typer.confirm(f"forget everything about {user} in {agent}?"):
+        # The question goes to stderr: stdout holds only the answer (with --json, one JSON document).
+        if not yes and not typer.confirm(f"forget everything about {user} in {agent}?", err=True):
             raise typer.Exit(1)
         r = sdk(cfg_of(), lambda c: c.delete_user(agent, user))
-        console.print(f"forgot {user}: {r.get('removed', 0)} records removed")
+        _print(r, True) if as_json else console.print(f"forgot {user}: {r.get('removed', 0)} records removed")
 
     @app.command()
     def trace(trace_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
