@@ -103,6 +103,11 @@ def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
         print_table(console, table)
 
 
+#: ``--json`` of the commands that print the API's answer as JSON either way (user, sleep, wake, checkpoint, fork):
+#: taken so that a script can pass ``--json`` to every command that shows something.
+ALWAYS_JSON = typer.Option(False, "--json", help="The API's answer, as JSON (printed so either way).")
+
+
 def register(app: typer.Typer, cfg_of: Any) -> None:
     """Attach the client commands to the main app (``cfg_of()`` returns the loaded Config)."""
 
@@ -172,7 +177,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command(name="user")
     def put_user(agent: str, user: str,
                  meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata (repeatable)."),
-                 provision: bool = typer.Option(False, "--provision", help="Fork the instance now (asleep).")) -> None:
+                 provision: bool = typer.Option(False, "--provision", help="Fork the instance now (asleep)."),
+                 as_json: bool = ALWAYS_JSON) -> None:
         """Create an end-user of an agent by your own id (or show it; --meta replaces its metadata)."""
         metadata = _pairs(meta) or None
         u = sdk(cfg_of(), lambda c: c.put_user(agent, user, metadata=metadata, provision=provision))
@@ -236,21 +242,23 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     def _verb(verb: str, help: str) -> None:
         @app.command(name=verb, help=help)
-        def _cmd(sandbox_id: str) -> None:
+        def _cmd(sandbox_id: str, as_json: bool = ALWAYS_JSON) -> None:
             print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb)), indent=2))
 
     _verb("sleep", "Sleep an agent instance's sandbox.")
     _verb("wake", "Wake an agent instance's sandbox.")
 
     @app.command(name="checkpoint")
-    def _checkpoint(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name")) -> None:
+    def _checkpoint(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name"),
+                    as_json: bool = ALWAYS_JSON) -> None:
         """Checkpoint an end-user's whole instance (sandbox and memory) by its sandbox id."""
         print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "checkpoint", label=label)), indent=2))
 
     @app.command(name="fork")
     def _fork(sandbox_id: str, to: List[str] = typer.Option(..., "--to", help="a new end-user (repeat for more)"),
               label: Optional[str] = typer.Option(None, "--label", help="a name for the checkpoint taken now to fork "
-                                                                         "from")) -> None:
+                                                                         "from"),
+              as_json: bool = ALWAYS_JSON) -> None:
         """Fork an end-user's whole instance, as it is now, into new end-users of the same agent."""
         r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "fork", label=label, to_users=to))
         print(json.dumps(r, indent=2))
