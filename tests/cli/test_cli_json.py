@@ -47,3 +47,21 @@ def test_store_sweep_json_counts_what_it_swept(tmp_path: Path) -> None:
     rep = json.loads(swept.stdout)
     assert set(rep) == {"scopes", "rows"} and all(isinstance(v, int) for v in rep.values()), rep
     assert f"swept {rep['scopes']} expired scopes ({rep['rows']} rows)" in cli(*data, "store", "sweep").stdout
+
+
+def test_cost_prices_and_scenarios_json_hold_what_their_text_shows() -> None:
+    from moorage.cost import SCENARIOS
+
+    prices = cli("cost", "prices", "--json")
+    assert prices.exit_code == 0, prices.output
+    table, toml = json.loads(prices.stdout), cli("cost", "prices").stdout
+    for section in ("prices", "instance"):
+        for name, value in table[section].items():
+            assert f"{name} = {json.dumps(value)}" in toml, (name, value)
+    assert f"# break-even idle gap: {table['break_even_s']:.1f} s" in toml
+    scenarios = cli("cost", "trace", "scenarios", "--json")
+    assert scenarios.exit_code == 0, scenarios.output
+    listed = json.loads(scenarios.stdout)
+    assert [s["name"] for s in listed] == list(SCENARIOS), listed
+    text = cli("cost", "trace", "scenarios").stdout
+    assert all(s["description"] in text and f"{s['users']:>5} users" in text for s in listed), text

@@ -6,6 +6,7 @@ Thin layer: parses options, calls moorage.cost, renders; errors are moorage's ty
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
@@ -56,15 +57,24 @@ def trace_generate(
 
 
 @trace_app.command("scenarios")
-def trace_scenarios() -> None:
+def trace_scenarios(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List the named scenarios."""
+    if as_json:
+        typer.echo(json.dumps([{"name": s.name, "users": s.default_users, "hours": s.default_hours,
+                                "description": s.description} for s in SCENARIOS.values()], indent=2))
+        return
     for s in SCENARIOS.values():
         typer.echo(f"{s.name:<10} {s.default_users:>5} users {s.default_hours:>4g} h  {s.description}")
 
 
 @app.command()
-def prices(prices_file: Optional[Path] = typer.Option(None, "--prices", help="Show this file merged over the defaults.")) -> None:
+def prices(prices_file: Optional[Path] = typer.Option(None, "--prices", help="Show this file merged over the defaults."),
+           as_json: bool = typer.Option(False, "--json", help="The same tables and the break-even gap as JSON.")) -> None:
     """Print the price table and instance profile as TOML (a starting point for --prices)."""
     model = load_cost_model(prices_file)
+    if as_json:
+        typer.echo(json.dumps({"prices": asdict(model.prices), "instance": asdict(model.instance),
+                               "break_even_s": model.economics().break_even_s}, indent=2))
+        return
     typer.echo(model.to_toml().rstrip())
     typer.echo(f"# break-even idle gap: {model.economics().break_even_s:.1f} s")
