@@ -65,3 +65,11 @@ def test_cost_prices_and_scenarios_json_hold_what_their_text_shows() -> None:
     assert [s["name"] for s in listed] == list(SCENARIOS), listed
     text = cli("cost", "trace", "scenarios").stdout
     assert all(s["description"] in text and f"{s['users']:>5} users" in text for s in listed), text
+
+
+def test_version_json() -> None:
+    from moorage import __version__
+
+    shown = cli("version", "--json")
+    assert shown.exit_code == 0 and json.loads(shown.stdout) == {"version": __version__}, shown.output
+    assert cli("version").stdout.strip() == __version__

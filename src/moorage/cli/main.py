@@ -41,8 +41,11 @@ def _main(
 
 
 @app.command()
-def version() -> None:
+def version(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Print moorage's version."""
+    if as_json:
+        print(json.dumps({"version": __version__}))
+        return
     console.print(__version__)
 
 
