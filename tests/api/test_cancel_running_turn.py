@@ -1,10 +1,12 @@
-"""Cancelling a turn while it runs: the run stays ``cancelled`` (it was recorded ``failed`` over the cancel), the
-caller of the turn gets a 409 saying it was cancelled (it got a 502 "agent error" naming an internal conflict), and
-nothing the agent journals after the cancel is recorded."""
+"""Cancelling a turn while it runs: the agent's turn is cancelled in its sandbox at once (it ran on to its next
+journal write), the run stays ``cancelled`` (it was recorded ``failed`` over the cancel), the caller of the turn
+gets a 409 saying it was cancelled (it got a 502 "agent error" naming an internal conflict), and nothing the agent
+would have journaled or replied after the cancel is recorded."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +41,7 @@ async def _cancel_while_running(c, body: str, tmp_path: Path) -> tuple[object, o
     r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, body=body),
                      headers={"Content-Type": "application/gzip"})
     assert r.status_code == 201, r.text
-    turn = asyncio.create_task(c.post("/v1/agents/echo/invoke", json={"message": "3", "user": "ada"}))
+    turn = asyncio.create_task(c.post("/v1/agents/echo/invoke", json={"message": "8", "user": "ada"}))
     for _ in range(200):
         running = (await c.get("/v1/workflows", params={"status": "running", "agent": "echo"})).json()["data"]
         if running:
@@ -47,8 +49,11 @@ async def _cancel_while_running(c, body: str, tmp_path: Path) -> tuple[object, o
         await asyncio.sleep(0.05)
     (run,) = running
     await asyncio.sleep(0.5)  # inside the agent's sleep, after its first step
+    t0 = time.monotonic()
     cancelled = await c.post(f"/v1/workflows/{run['id']}/cancel")
     invoked = await turn
+    # The agent's 8 s sleep was cut short in its sandbox: the turn ended soon after the cancel.
+    assert time.monotonic() - t0 < 4, f"the turn ran on for {time.monotonic() - t0:.1f} s after its cancel"
     detail = (await c.get(f"/v1/workflows/{run['id']}")).json()
     return cancelled, invoked, detail
 
@@ -66,4 +71,7 @@ async def test_a_turn_cancelled_while_it_runs_stays_cancelled(live_rt, acme, tmp
         assert [s["name"] for s in detail["steps"]] == ["before"]  # "after" was never recorded
         # The reply was not kept as the assistant's message either.
         events = (await c.get("/v1/agents/echo/users/ada/events", params={"session": "default"})).json()["data"]
-        assert [e["content"] for e in events] == ["3"], events
+        assert [e["content"] for e in events] == ["8"], events
+        # The instance is still usable after its turn was cut short in the guest.
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "0", "user": "ada"})
+        assert r.status_code == 200 and r.json()["reply"].startswith("finished"), r.text

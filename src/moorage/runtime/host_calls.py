@@ -96,6 +96,9 @@ class TurnBinding:
     diverged: NonDeterminismError | None = field(repr=False, default=None)
     #: Model tokens the turn's calls used so far (what the caller is told with the reply).
     usage: dict[str, int] = field(default_factory=lambda: {"input_tokens": 0, "output_tokens": 0})
+    #: The task reading the agent's answer from the guest; cancelling it cancels the agent's turn in the guest
+    #: (a cancel of the run, ``Runtime.cancel``).
+    reader: "asyncio.Task[Any] | None" = field(repr=False, default=None)
 
     @property
     def user_scope(self) -> Scope:

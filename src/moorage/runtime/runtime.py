@@ -190,6 +190,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         run = DurableEngine(ts).cancel(run_id)
         if run.status != "cancelled":  # it finished meanwhile (an answer resumed it first): not cancelled
             raise ConflictError(f"workflow {run_id} already {run.status}")
+        binding = self.turns.get(run_id)
+        if binding is not None and binding.reader is not None:
+            binding.reader.cancel()  # the agent's turn is cancelled in the guest now, not at its next journal write
 
     async def recover(self) -> int:
         """Finish turns a crashed host left running: each resumes, its journaled steps replay, nothing re-runs."""

@@ -25,6 +25,10 @@ from moorage.sandbox import RemoteError, Sandbox
 from moorage.store import EventIn, Scope, TenantStore
 
 
+class TurnReaderCancelled(Exception):
+    """The agent's turn was cancelled in the guest because its run was cancelled (``Runtime.cancel``)."""
+
+
 class TurnExecution:
     """``Runtime``'s run of one turn in its sandbox (a part of it: it reads the runtime's instances, memory tiers,
     tracer, turns in flight and time travel)."""
@@ -49,17 +53,30 @@ class TurnExecution:
         self.turns[turn_id] = binding
         self.activity.begin(ts.tenant_id)
         self.tracer.open(turn_id)
-        try:
+        async def read() -> dict[str, Any]:
             out: dict[str, Any] = {}
+            async for item in self.forward(sandbox, binding, turn.message):
+                if isinstance(item, TurnEvent):
+                    if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
+                        tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
+                        self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
+                    turn.events.put_nowait(item)
+                else:
+                    out = item
+            return out
+
+        try:
             try:
-                async for item in self.forward(sandbox, binding, turn.message):
-                    if isinstance(item, TurnEvent):
-                        if item.kind == "tool":  # a tool the agent ran in its sandbox: traced like host calls
-                            tool = (item.data.get("data") or {}).get("name") if isinstance(item.data, dict) else None
-                            self.tracer.span(binding, "tool", time.perf_counter(), tool=str(tool))
-                        turn.events.put_nowait(item)
-                    else:
-                        out = item
+                # Its own task: a cancel of the run cancels it, and leaving the guest's call cancels the agent there.
+                binding.reader = asyncio.create_task(read())
+                try:
+                    out = await asyncio.shield(binding.reader)
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if me is not None and me.cancelling():  # this turn itself is being cancelled: not the run
+                        binding.reader.cancel()
+                        raise
+                    raise TurnReaderCancelled() from None
             except Exception as e:
                 if binding.diverged is not None:
                     # Replayed code that asked for other steps than the journal holds: the run is left pending for
