@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import typer
 from typer.testing import CliRunner
 
 from moorage.cli.main import app
@@ -13,6 +15,49 @@ from moorage.cli.main import app
 
 def cli(*args: str) -> "object":
     return CliRunner().invoke(app, list(args))
+
+
+#: The commands that only act: what they print is a confirmation or progress for a person, nothing a script reads
+#: back (a script checks their exit status). Every other command shows something and takes --json.
+ONLY_ACT = {
+    "up": "serves until stopped",
+    "bench": "runs a benchmark; its report is written to bench/results/latest/<area>.json",
+    "chat": "an interactive conversation (`invoke --json` is the scripted turn)",
+    "backup": "copies the data directory to DEST",
+    "image prune": "removes unused images",
+    "cost trace generate": "writes a trace file (--out)",
+    "memory eval generate": "writes a dataset file (--out)",
+    "store migrate": "brings the schema up to date (`store info --json` shows the version)",
+    "secrets set": "stores a value (never shown)",
+    "secrets rm": "removes one",
+    "secrets rotate-key": "re-encrypts under a new key",
+    "hosts drain": "marks a host draining",
+    "host drain": "the same, under the group's other name",
+}
+
+
+def commands() -> dict[str, Any]:
+    """Every command `moorage --help` leads to, by its words (a group that runs on its own, like `hosts`, too)."""
+    found: dict[str, Any] = {}
+
+    def walk(cmd: Any, words: list[str]) -> None:
+        sub = getattr(cmd, "commands", None)
+        if sub is None or (words and getattr(cmd, "invoke_without_command", False)):
+            found[" ".join(words)] = cmd
+        for name, child in (sub or {}).items():
+            walk(child, [*words, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_command_that_shows_something_takes_json() -> None:
+    found = commands()
+    assert {"agents", "store info", "hosts", "memory eval", "checkpoints list", "cost trace scenarios"} <= set(found)
+    assert not set(ONLY_ACT) - set(found), "a command here no longer exists: take it off the list"
+    missing = [name for name, cmd in found.items() if name not in ONLY_ACT and not any(
+        "--json" in p.opts and getattr(p, "is_flag", False) for p in cmd.params)]
+    assert not missing, f"these show something but take no --json flag: {missing}"
 
 
 def test_store_info_json_names_the_store_and_its_schema_version(tmp_path: Path) -> None:
