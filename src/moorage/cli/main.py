@@ -184,6 +184,13 @@ def run() -> None:
     except MoorageError as e:
         err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except OSError as e:
+        if e.filename is None:  # not about a path the command was given: a bug, shown as one
+            raise
+        # A path given to a command that is a folder, unreadable, or missing (--config DIR, --trace DIR, ...).
+        err_console.print(f"[red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e))} "
+                          "(check the path and run the command again)", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

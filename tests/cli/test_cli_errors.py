@@ -1,0 +1,29 @@
+"""How the `moorage` command fails, run as an operator runs it (the console entry point, in a subprocess): a
+non-zero exit and one line "error: what happened (what to do next)" on stderr, nothing on stdout, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def moorage(*args: str, data: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_LOG_LEVEL": "warning"}
+    return subprocess.run([sys.executable, "-m", "moorage.cli.main", *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_a_folder_given_for_a_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    for args in (["--config", str(folder), "agents"], ["cost", "prices", "--prices", str(folder), "--json"],
+                 ["cost", "simulate", "--trace", str(folder), "--json"],
+                 ["memory", "eval", "--dataset", str(folder), "--json"]):
+        r = moorage(*args, data=tmp_path / "data")
+        assert r.returncode == 2 and r.stdout == "", (args, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [f"error: {folder}: Is a directory (check the path and run the command again)"], \
+            (args, r.stderr)
