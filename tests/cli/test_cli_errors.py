@@ -27,3 +27,11 @@ def test_a_folder_given_for_a_file_is_one_line_naming_it(tmp_path: Path) -> None
         assert r.returncode == 2 and r.stdout == "", (args, r.stdout, r.stderr)
         assert r.stderr.splitlines() == [f"error: {folder}: Is a directory (check the path and run the command again)"], \
             (args, r.stderr)
+
+
+def test_image_build_json_keeps_its_progress_off_stdout(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    images = tmp_path / "a-file" / "images"  # cannot be made: a file is where its folder would be
+    r = moorage("image", "build", "--images-dir", str(images), "--json", data=tmp_path / "data")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr, r.stderr

@@ -19,6 +19,7 @@ from moorage.sandbox.image import GuestImage, ImageBuilder
 
 app = typer.Typer(no_args_is_help=True, help="Guest images for micro-VM sandboxes.")
 console = make_console()
+err_console = make_console(stderr=True)
 
 
 def _images_dir(override: Optional[Path]) -> Path:
@@ -35,7 +36,9 @@ def build(
 ) -> None:
     """Build the guest image (kernel, initramfs, root filesystem with the moorage guest runtime), or reuse it."""
     started = time.monotonic()
-    with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[step]:<10}[/] {task.description}"), TimeElapsedColumn(), console=console, transient=as_json) as progress:
+    # Progress goes to stderr: stdout holds only the result (with --json, the manifest and nothing else).
+    with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[step]:<10}[/] {task.description}"), TimeElapsedColumn(),
+                  console=err_console, transient=as_json) as progress:
         task = progress.add_task("starting", step="image")
 
         def report(step: str, detail: str) -> None:
