@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from moorage.store import Scope, Store
@@ -362,4 +363,55 @@ def test_postgres_request_spans_written_before_migration_21_are_forgotten(pg_url
     assert store2.backend.schema_version("any") == LATEST_TENANT_VERSION
     for tid in (t.id, other.id):
         _spans_from_v20_are_forgotten(store2, tid)
+    store2.close()
+
+
+def _write_v24_deliveries(store: Store, tenant_id: str) -> None:
+    """Deliveries as a version before 25 wrote them: the user only in the payload."""
+    with store.backend.tenant_tx(tenant_id) as c:
+        for did, user, agent in (("d-gus", "gus", "pal"), ("d-gus-other", "gus", "other"), ("d-ida", "ida", "pal"),
+                                 ("d-none", None, "pal")):
+            data = {"agent": agent, **({"user": user} if user else {}), "reply": f"about {user}"}
+            c.x("INSERT INTO webhook_deliveries (id, webhook_id, event, payload, status, attempts, next_at, created_at, "
+                "updated_at, version) VALUES (?, 'wh', 'execution.succeeded', ?, 'delivered', 1, NULL, 1.0, 1.0, 1)",
+                (did, json.dumps({"type": "execution.succeeded", "timestamp": 1.0, "data": data})))
+
+
+def _deliveries_from_v24_are_forgotten(store: Store, tenant_id: str) -> None:
+    ts = store.tenant(store.operator.principal(tenant_id))
+    ts.forget_user("gus", "pal")
+    assert sorted(r[0] for r in ts.read("SELECT id FROM webhook_deliveries")) == ["d-gus-other", "d-ida", "d-none"]
+    ts.forget_user("gus")
+    assert sorted(r[0] for r in ts.read("SELECT id FROM webhook_deliveries")) == ["d-ida", "d-none"]
+
+
+def test_sqlite_webhook_deliveries_written_before_migration_25_are_forgotten(tmp_path: Path) -> None:
+    b = SQLiteBackend(tmp_path / "store")
+    tid = "e" * 32
+    with b.control_tx() as c:
+        c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
+    b.init_tenant(tid, upto=24)
+    b._migrated.add(str(b.tenant_path(tid)))
+    _write_v24_deliveries(Store(b), tid)
+    b.close()
+    store = Store(SQLiteBackend(tmp_path / "store"))
+    _deliveries_from_v24_are_forgotten(store, tid)
+    store.close()
+
+
+def test_postgres_webhook_deliveries_written_before_migration_25_are_forgotten(pg_url: str) -> None:
+    store = Store(PostgresBackend(pg_url, upto=24))
+    t, _ = store.operator.create_tenant("old25")
+    other, _ = store.operator.create_tenant("other25")
+    for tid in (t.id, other.id):
+        _write_v24_deliveries(store, tid)
+    store.close()
+    store2 = Store(PostgresBackend(pg_url))
+    _deliveries_from_v24_are_forgotten(store2, t.id)
+    # A host of an earlier version, during a rolling upgrade, writes a delivery without the column: filled in.
+    with store2.backend.tenant_tx(other.id) as c:
+        c.x("INSERT INTO webhook_deliveries (id, webhook_id, event, payload, status, attempts, next_at, created_at, "
+            "updated_at, version) VALUES ('d-late', 'wh', 'fact.pending', ?, 'pending', 0, 1.0, 2.0, 2.0, 1)",
+            (json.dumps({"type": "fact.pending", "timestamp": 2.0, "data": {"agent": "pal", "user": "gus"}}),))
+    _deliveries_from_v24_are_forgotten(store2, other.id)
     store2.close()

@@ -778,6 +778,49 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE deployments ADD COLUMN builder {json}",
         ),
     ),
+    Migration(
+        25,
+        "webhook deliveries: the end-user each is about, indexed, so forgetting a user removes what was sent about them",
+        statements=(
+            # A delivery's payload holds what a turn said or an agent learned about one user (data.user); forgetting
+            # them left every such payload in the outbox, kept for ever. Set when the delivery is made
+            # (store/webhooks.py); filled in below for deliveries made before.
+            "ALTER TABLE webhook_deliveries ADD COLUMN user_id TEXT",
+            "ALTER TABLE webhook_deliveries ADD COLUMN agent_id TEXT",
+            "CREATE INDEX webhook_deliveries_user ON webhook_deliveries ({tpk}user_id, agent_id) "
+            "WHERE user_id IS NOT NULL",
+            "CREATE INDEX webhook_deliveries_hook ON webhook_deliveries ({tpk}webhook_id, created_at)",
+            "CREATE INDEX webhook_attempts_delivery ON webhook_attempts ({tpk}delivery_id)",
+        ),
+        sqlite_only=(
+            """UPDATE webhook_deliveries SET user_id = json_extract(payload, '$.data.user'),
+                agent_id = CASE WHEN json_type(payload, '$.data.agent') = 'text'
+                                THEN json_extract(payload, '$.data.agent') END
+                WHERE json_type(payload, '$.data.user') = 'text'""",
+        ),
+        postgres_only=(
+            # Every tenant's rows (as for migration 21), and a host of an earlier version during a fleet's rolling
+            # upgrade (as for migration 23) gets its deliveries' user filled in by the store.
+            "ALTER TABLE webhook_deliveries NO FORCE ROW LEVEL SECURITY",
+            """UPDATE webhook_deliveries SET user_id = (payload::jsonb) -> 'data' ->> 'user',
+                agent_id = CASE WHEN jsonb_typeof((payload::jsonb) -> 'data' -> 'agent') = 'string'
+                                THEN (payload::jsonb) -> 'data' ->> 'agent' END
+                WHERE jsonb_typeof((payload::jsonb) -> 'data' -> 'user') = 'string'""",
+            "ALTER TABLE webhook_deliveries FORCE ROW LEVEL SECURITY",
+            """CREATE OR REPLACE FUNCTION moorage_delivery_user() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF jsonb_typeof((NEW.payload::jsonb) -> 'data' -> 'user') = 'string' THEN
+                    NEW.user_id := (NEW.payload::jsonb) -> 'data' ->> 'user';
+                    IF jsonb_typeof((NEW.payload::jsonb) -> 'data' -> 'agent') = 'string' THEN
+                        NEW.agent_id := (NEW.payload::jsonb) -> 'data' ->> 'agent';
+                    END IF;
+                END IF;
+                RETURN NEW;
+            END $$""",
+            "CREATE TRIGGER webhook_deliveries_user BEFORE INSERT ON webhook_deliveries FOR EACH ROW "
+            "WHEN (NEW.user_id IS NULL) EXECUTE FUNCTION moorage_delivery_user()",
+        ),
+    ),
 )
 
 

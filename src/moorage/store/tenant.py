@@ -171,6 +171,7 @@ class TenantStore:
             n += self.executions.delete_user(user, agent)  # and their async turns and execs (messages, output)
             n += self.journal.forget_http(user, agent)  # the stored answers of requests about them
             n += self.spans.forget_user(user, agent)  # and those requests' traces (a turn's go with its scope)
+            n += self.deliveries.forget_user(user, agent)  # and the webhook deliveries about them, sent or not
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))

@@ -190,9 +190,11 @@ class Webhooks(_Repo):
         return [_webhook(r) for r in rows]
 
     def delete(self, webhook_id: str) -> None:
+        """Delete the webhook and its deliveries (nobody can list them once it is gone; pending ones never go)."""
         with self._ts._tx() as c:
             if c.x("DELETE FROM webhooks WHERE id = ?", (webhook_id,)) != 1:
                 raise NotFound(f"no webhook {webhook_id!r}")
+            _delete_deliveries(c, "webhook_id = ?", (webhook_id,))
 
     def subscribed(self, agent: str, event: str) -> list[Webhook]:
         return [h for h in self.list(agent) if h.enabled and event in h.events]
@@ -231,7 +233,36 @@ def _delivery(r: tuple) -> Delivery:
     return Delivery(r[0], r[1], r[2], loads(r[3]) or {}, r[4], r[5], r[6], r[7], r[8], r[9])
 
 
+def _about(data: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The end-user (and agent) a delivery is about, as its ``user_id``/``agent_id`` columns hold them (migration
+    25): what forgetting that user finds it by."""
+    user, agent = data.get("user"), data.get("agent")
+    if not isinstance(user, str):
+        return None, None
+    return user, agent if isinstance(agent, str) else None
+
+
+def _delete_deliveries(c: Any, where: str, params: Sequence[Any]) -> int:
+    """Delete the deliveries matching ``where`` and their attempts; rows deleted."""
+    n = c.x(f"DELETE FROM webhook_attempts WHERE delivery_id IN (SELECT id FROM webhook_deliveries WHERE {where})",
+            tuple(params))
+    return n + c.x(f"DELETE FROM webhook_deliveries WHERE {where}", tuple(params))
+
+
 class Deliveries(_Repo):
+    def forget_user(self, user: str, agent: str | None = None) -> int:
+        """Delete every delivery about ``user`` (of ``agent``, or of every agent), sent or not, with its attempts:
+        a forgotten user's replies and facts leave the outbox too; joins the caller's transaction."""
+        with self._ts._tx() as c:
+            if agent is None:
+                return _delete_deliveries(c, "user_id = ?", (user,))
+            return _delete_deliveries(c, "user_id = ? AND (agent_id = ? OR agent_id IS NULL)", (user, agent))
+
+    def sweep(self, older_than: float) -> int:
+        """Delete settled deliveries (delivered, or failed for good) last changed before ``older_than``."""
+        with self._ts._tx() as c:
+            return _delete_deliveries(c, "status <> 'pending' AND updated_at < ?", (older_than,))
+
     def enqueue(self, agent: str, event: str, data: dict[str, Any], *, at: float | None = None) -> list[Delivery]:
         """One pending delivery per webhook of ``agent`` subscribed to ``event``; joins the caller's transaction."""
         now = time.time() if at is None else at
@@ -240,8 +271,9 @@ class Deliveries(_Repo):
             for hook in self._ts.webhooks.subscribed(agent, event):
                 payload = {"type": event, "timestamp": now, "data": data}
                 d = Delivery("msg_" + uuid.uuid4().hex, hook.id, event, payload, "pending", 0, now, now, now, 1)
-                c.x(f"INSERT INTO webhook_deliveries ({_DLV_COLS}) VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, 1)",
-                    (d.id, hook.id, event, self._json(payload, "webhook payload"), now, now, now))
+                c.x(f"INSERT INTO webhook_deliveries ({_DLV_COLS}, user_id, agent_id) "
+                    "VALUES (?, ?, ?, ?, 'pending', 0, ?, ?, ?, 1, ?, ?)",
+                    (d.id, hook.id, event, self._json(payload, "webhook payload"), now, now, now, *_about(data)))
                 out.append(d)
         return out
 

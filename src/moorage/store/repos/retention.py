@@ -10,7 +10,7 @@ from moorage.store.repos.common import _Repo
 
 #: Kinds of record with a TTL of their own, counted from the record's last change (not a scope's idleness);
 #: ``traces``: every span by its start, a turn's and an HTTP request's alike (a scope's also go with the scope).
-RECORD_KINDS: tuple[str, ...] = ("executions", "usage", "traces")
+RECORD_KINDS: tuple[str, ...] = ("executions", "usage", "traces", "webhooks")
 #: Every kind a tenant-wide TTL can be set for.
 RETENTION_KINDS: tuple[str, ...] = SCOPE_KINDS + RECORD_KINDS
 #: The ledger must cover the longest cap window (a calendar month; the LLM policy's 30 days), or caps undercount.
@@ -47,6 +47,8 @@ class Retention(_Repo):
                          "'cancelled') OR (announced = 'exec' AND created_at < ?))", (cutoff, cutoff - EXEC_MAX_S))
             if "traces" in ttls:
                 n += c.x("DELETE FROM spans WHERE start_ts < ?", (now - ttls["traces"],))
+        if "webhooks" in ttls:  # delivered or failed deliveries, with their attempts (pending ones still go out)
+            n += self._ts.deliveries.sweep(now - ttls["webhooks"])
         return n
 
     def set_agent(self, agent: str, ttl_s: float | None) -> None:
