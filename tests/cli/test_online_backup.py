@@ -123,25 +123,27 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
     try:
         with Client(host.url, host.key) as sdk:
             sdk.deploy("counter", agent_dir(tmp_path))
-            for u in [*USERS, "late"]:  # every user has an instance before the load; "late" is copied last
+            for u in ["slow", *USERS]:  # every user has an instance before the load; "slow"'s is the oldest
                 assert sdk.invoke("counter", "hello", user=u)["reply"] == "1: hello"
-        # The backup waits for late's 8 s turn: the users copied before it take many turns meanwhile, and their
-        # backup points must outlive retention (which keeps two checkpoints) until the store is copied.
-        late = threading.Thread(target=lambda: httpx.post(
-            f"{host.url}/v1/agents/counter/invoke", json={"user": "late", "message": "slow8"},
+        # slow is in an 8 s turn when the backup begins: it copies the others first and then waits for that turn,
+        # while they take many turns; their backup points must outlive retention (which keeps two checkpoints)
+        # until the store is copied.
+        slow = threading.Thread(target=lambda: httpx.post(
+            f"{host.url}/v1/agents/counter/invoke", json={"user": "slow", "message": "slow8"},
             headers={"Authorization": f"Bearer {host.key}"}, timeout=120))
         with Load(host) as load:
             time.sleep(4)
             t_base = time.time()
             time.sleep(4)
             before = dict(load.done)
-            late.start()
+            slow.start()
+            time.sleep(0.5)
             t0 = time.time()
             r = backup(data, dest)
             t1 = time.time()
             time.sleep(2)
             after = dict(load.done)
-        late.join(timeout=60)
+        slow.join(timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "(online: " in r.stdout and f"{len(USERS) + 1}/{len(USERS) + 1} user:counter/" in r.stdout, r.stdout
         # The host kept serving: every turn of the load succeeded, during the backup too.
@@ -154,15 +156,16 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
         assert not (dest / "moorage-backup.incomplete").exists()
         manifest = json.loads((dest / "moorage-backup.json").read_text())
         assert sorted(i["scope"] for i in manifest["instances"]) == sorted(f"user:counter/{u}" for u in
-                                                                           [*USERS, "late"])
+                                                                           ["slow", *USERS])
+        assert manifest["instances"][-1]["scope"] == "user:counter/slow"  # its turn did not hold the others up
         assert all(i["point"] == "checkpoint" for i in manifest["instances"]) and not manifest["left_out"]
-        # On the running host late's backup point (no turn since) is listed, unnamed now, and refused as a
+        # On the running host slow's backup point (no turn since) is listed, unnamed now, and refused as a
         # rollback target (its sandbox half is only in the backup).
         with Client(host.url, host.key) as sdk:
-            cks = sdk.list_checkpoints("counter", "late", limit=500)["data"]
+            cks = sdk.list_checkpoints("counter", "slow", limit=500)["data"]
             (point,) = [c for c in cks if c["summary"].get("backup") == manifest["backup"]]
             assert point["restorable"] is False and point["name"] is None
-            refused = httpx.post(f"{host.url}/v1/agents/counter/users/late/checkpoints/{point['id']}/rollback",
+            refused = httpx.post(f"{host.url}/v1/agents/counter/users/slow/checkpoints/{point['id']}/rollback",
                                  headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
             assert refused.status_code == 409 and "checkpoint-gone" in refused.text, refused.text
     finally:
@@ -173,7 +176,7 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
     restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
     try:
         with Client(restored.url, restored.key) as sdk:
-            assert turns_recorded(sdk, "late") == [1, 2]  # its slow turn ended before it was copied
+            assert turns_recorded(sdk, "slow") == [1, 2]  # its slow turn ended before it was copied
             for u in USERS:
                 recorded = turns_recorded(sdk, u)
                 n = len(recorded)

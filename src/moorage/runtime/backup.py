@@ -37,7 +37,9 @@ log = get_logger(__name__)
 INCOMPLETE = "moorage-backup.incomplete"
 #: What the backup holds: each instance's point, written last (before the marker goes).
 MANIFEST = "moorage-backup.json"
-#: How long one instance may stay busy (a turn in flight, woken again and again) before the backup gives up.
+#: How long the backup waits for an instance's turn in flight before it moves on and comes back to it once the
+#: tenant's other instances are copied (its gate open again meanwhile), and how long it waits then before giving up.
+DEFER_S = 2.0
 WAIT_S = 300.0
 #: Instances read from the store at a time.
 PAGE = 1000
@@ -62,6 +64,10 @@ class BackupFailed(MoorageError):
     """The online backup stopped; DEST stays marked incomplete."""
 
     code = "backup-failed"
+
+
+class _StillBusy(Exception):
+    """The instance's turn is still running after ``DEFER_S``: copied later."""
 
 
 def refuse_incomplete(data_dir: Path) -> None:
@@ -222,13 +228,15 @@ class OnlineBackup:
                 if attempt:
                     recs = [r for r in await self._instances(tid) if r.id not in seen]
                     self.total += len(recs)
+                later: list["SandboxRecord"] = []
                 for rec in recs:
                     seen.add(rec.id)
-                    copied = await self._instance(ts, rec, held)
-                    if copied is not None:
-                        self.copied.append(copied)
-                    await self.progress({"event": "instance", "done": len(self.copied) + len(self.left_out),
-                                         "total": self.total, "instance": rec.scope.key})
+                    try:
+                        await self._one(ts, rec, held, DEFER_S)
+                    except _StillBusy:
+                        later.append(rec)  # in a long turn: the others first
+                for rec in later:
+                    await self._one(ts, rec, held, WAIT_S)
             src = Path(self.host.store.backend.tenant_path(tid))
             dst = self.dest / "store" / "tenants" / src.name
             if src.exists():
@@ -245,7 +253,15 @@ class OnlineBackup:
             except MoorageError as e:  # costs a checkpoint kept for good, never the backup
                 log.warning("the backup's checkpoints could not be unnamed", tenant=tid, error=str(e))
 
-    async def _instance(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"]) -> Copied | None:
+    async def _one(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"], patience: float) -> None:
+        copied = await self._instance(ts, rec, held, patience)
+        if copied is not None:
+            self.copied.append(copied)
+        await self.progress({"event": "instance", "done": len(self.copied) + len(self.left_out),
+                             "total": self.total, "instance": rec.scope.key})
+
+    async def _instance(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"],
+                        patience: float) -> Copied | None:
         from moorage.lifecycle.config import AgentLifecycle
         from moorage.store import zero_retention
         from moorage.store.repos.checkpoints import checkpoints_of
@@ -257,7 +273,7 @@ class OnlineBackup:
             return None
         lc = AgentLifecycle.of(agent)
         li = self.mgr._live_for(ts, rec.scope, lc)
-        now = await self._asleep(ts, li, rec)
+        now = await self._asleep(ts, li, rec, patience)
         if now is None:
             self.left_out.append({"instance": rec.id, "scope": rec.scope.key, "why": "deleted during the backup"})
             return None
@@ -283,16 +299,20 @@ class OnlineBackup:
             else:
                 self._let_go(li)
 
-    async def _asleep(self, ts: "TenantStore", li: "LiveInstance", rec: "SandboxRecord") -> "SandboxRecord | None":
+    async def _asleep(self, ts: "TenantStore", li: "LiveInstance", rec: "SandboxRecord",
+                      patience: float) -> "SandboxRecord | None":
         """Close the instance's gate (its new turns wait), let its turn in flight end, put it to sleep and take its
         lifecycle lock, which every wake takes: nothing runs in it until ``_let_go``. Returns its record (None:
-        deleted meanwhile, and it is let go)."""
+        deleted meanwhile, and it is let go). A turn still running after ``patience`` (below ``WAIT_S``): the gate
+        opens again and ``_StillBusy`` says to come back later."""
         li.gate = asyncio.get_running_loop().create_future()
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + patience
         try:
             while True:
                 while li.activity.busy and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
+                if li.activity.busy and patience < WAIT_S:
+                    raise _StillBusy()
                 if li.owned and li.awake and not li.activity.busy:
                     try:
                         await self.mgr.sleep(ts, rec.scope, reason="backup")
@@ -308,6 +328,8 @@ class OnlineBackup:
                     return now
                 li.op_lock.release()
                 if time.monotonic() > deadline:
+                    if patience < WAIT_S:
+                        raise _StillBusy()
                     raise BackupFailed(f"the instance of {rec.scope} could not be put to sleep in {WAIT_S:.0f} s (a "
                                        f"turn ran that long, or it is {now.state})",
                                        hint="take the backup again at a quieter moment, or stop the host and back "
