@@ -6,7 +6,11 @@ Each command runs in a thread: the server and its runtime live on the test's eve
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
+import sys
 
 from moorage import AsyncClient
 from tests.api.conftest import acme, agent_archive, live_rt, runtime  # noqa: F401  (fixtures)
@@ -47,3 +51,28 @@ async def test_user_and_the_sandbox_verbs_take_json_and_print_the_apis_answer(li
     # Without --json they print the same document (what scripts written before the flag read).
     plain = await moorage(live_rt, acme, "user", "echo", "ann")
     assert plain.exit_code == 0 and json.loads(plain.stdout)["metadata"] == {"plan": "pro"}, plain.output
+
+
+async def test_a_failure_with_json_exits_2_with_one_error_line_on_stderr_and_nothing_on_stdout(live_rt, acme) -> None:  # noqa: F811
+    """The rule the README states: with or without --json, a failure is one line on stderr, stdout stays empty. Run
+    as an operator runs it (the console entry point, in a subprocess), against the test's server."""
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+    failing = [["invoke", "nope", "hi", "-u", "ann"], ["users", "nope"], ["user", "nope", "ann"], ["sleep", "sb-nope"],
+               ["wake", "sb-nope"], ["checkpoint", "sb-nope"], ["fork", "sb-nope", "--to", "cy"],
+               ["share", "echo", "ann", "--revoke", "nope"], ["forget", "nope", "ann", "--yes"], ["trace", "nope"], ["execution", "nope"], ["answer", "nope", "yes"],
+               ["rollback", "echo"], ["secrets", "list", "nope"], ["checkpoints", "list", "nope", "ann"],
+               ["share", "nope", "ann", "--list"], ["logs", "--limit", "0"], ["ps", "--state", "dozing"]]
+    env = {**os.environ, "MOORAGE_API_URL": live_rt.url, "MOORAGE_API_KEY": acme, "MOORAGE_DATA_DIR": str(live_rt.data_dir)}
+    runs = [(args, ["--json"]) for args in failing] + [(args, []) for args in failing[:3]]
+    for args, extra in runs:
+        r = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "moorage.cli.main", *args, *extra],
+                                    env=env, capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and r.stdout == "", (args, extra, r.stdout, r.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(")"), (args, r.stderr)
+    # The server down: the same, saying how to start it.
+    down = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "moorage.cli.main", "agents", "--json"],
+                                   env={**env, "MOORAGE_API_URL": "http://127.0.0.1:9"}, capture_output=True, text=True,
+                                   timeout=120)
+    assert down.returncode == 2 and down.stdout == "" and "start it with `moorage up`" in down.stderr, down.stderr

@@ -57,10 +57,16 @@ def _translated() -> Iterator[None]:
         raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=e.hint) from e
 
 
-def sdk(cfg: Config, use: Callable[[Client], R]) -> R:
-    """Run ``use`` with an SDK client for the configured server."""
-    with _client(cfg) as c, _translated():
-        return use(c)
+def sdk(cfg: Config, use: Callable[[Client], R], *, hint: Optional[str] = None) -> R:
+    """Run ``use`` with an SDK client for the configured server; ``hint`` is what to do next where the server's
+    problem says nothing of it (an unknown id: the command that lists them)."""
+    try:
+        with _client(cfg) as c, _translated():
+            return use(c)
+    except ApiError as e:
+        if hint is None or e.hint or e.status not in (404, 422):  # an unknown id, a value out of range
+            raise
+        raise ApiError(e.message, status=e.status, hint=hint) from None
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
@@ -103,6 +109,8 @@ def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
         print_table(console, table)
 
 
+#: What to do next when a sandbox id is unknown.
+SANDBOXES = "`moorage ps` lists the instances with their sandbox ids"
 #: ``--json`` of the commands that print the API's answer as JSON either way (user, sleep, wake, checkpoint, fork):
 #: taken so that a script can pass ``--json`` to every command that shows something.
 ALWAYS_JSON = typer.Option(False, "--json", help="The API's answer, as JSON (printed so either way).")
@@ -127,7 +135,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def rollback(agent: str, number: Optional[int] = typer.Option(None, "--to", help="Deployment number (default: previous)."),
                  as_json: bool = typer.Option(False, "--json")) -> None:
         """Make an earlier deployment of an agent live again."""
-        d = sdk(cfg_of(), lambda c: c.rollback(agent, number))
+        d = sdk(cfg_of(), lambda c: c.rollback(agent, number),
+                hint="`moorage agents` shows its deployments; `moorage deploy FOLDER` makes a new one")
         _print(d, True) if as_json else console.print(f"{agent} is now at deployment #{d['number']}")
 
     @app.command()
@@ -187,7 +196,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def answer(run_id: str, text: str, as_json: bool = typer.Option(False, "--json")) -> None:
         """Answer a workflow waiting for a human; it resumes from where it asked (and may ask again)."""
-        _print_turn(sdk(cfg_of(), lambda c: c.answer(run_id, text)), as_json)
+        _print_turn(sdk(cfg_of(), lambda c: c.answer(run_id, text),
+                        hint="`moorage invoke` and `moorage submit` print the run id of a turn waiting for approval"),
+                    as_json)
 
     @app.command()
     def chat(agent: str, user: str = typer.Option(..., "--user", "-u"),
@@ -243,7 +254,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def _verb(verb: str, help: str) -> None:
         @app.command(name=verb, help=help)
         def _cmd(sandbox_id: str, as_json: bool = ALWAYS_JSON) -> None:
-            print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb)), indent=2))
+            print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, verb), hint=SANDBOXES), indent=2))
 
     _verb("sleep", "Sleep an agent instance's sandbox.")
     _verb("wake", "Wake an agent instance's sandbox.")
@@ -252,7 +263,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def _checkpoint(sandbox_id: str, label: Optional[str] = typer.Option(None, "--label", help="the checkpoint's name"),
                     as_json: bool = ALWAYS_JSON) -> None:
         """Checkpoint an end-user's whole instance (sandbox and memory) by its sandbox id."""
-        print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "checkpoint", label=label)), indent=2))
+        print(json.dumps(sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "checkpoint", label=label),
+                             hint=SANDBOXES), indent=2))
 
     @app.command(name="fork")
     def _fork(sandbox_id: str, to: List[str] = typer.Option(..., "--to", help="a new end-user (repeat for more)"),
@@ -260,7 +272,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                                                                          "from"),
               as_json: bool = ALWAYS_JSON) -> None:
         """Fork an end-user's whole instance, as it is now, into new end-users of the same agent."""
-        r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "fork", label=label, to_users=to))
+        r = sdk(cfg_of(), lambda c: c.sandbox_action(sandbox_id, "fork", label=label, to_users=to), hint=SANDBOXES)
         print(json.dumps(r, indent=2))
 
     @app.command()
@@ -289,7 +301,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json")) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
-        data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit))
+        data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit), hint="pass --limit from 1 to 500")
         t = Table(id_column("trace"), "span", "status", "attributes")
         for s in data.get("data", []):
             t.add_row(s.get("trace_id", ""), s.get("name", ""), s.get("status", ""),

@@ -43,7 +43,8 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
 
         cfg = cfg_of()
         if revoke:
-            out = sdk(cfg, lambda c: c.revoke_share_link(agent, user, revoke))
+            out = sdk(cfg, lambda c: c.revoke_share_link(agent, user, revoke),
+                      hint=f"`moorage share {agent} {user} --list` lists this user's links")
             print(json.dumps(out, indent=2) if as_json else f"revoked {out.get('id', revoke)}")
             return
         if list_:
