@@ -86,6 +86,11 @@ def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moora
     from moorage.fleet.hosts import HostRegistry
     from moorage.store import open_store
 
+    from moorage.errors import NotFound
+
     with open_store(_fleet_config(store_url)) as store:
-        HostRegistry(store.backend).set_state(host_id, "draining")
+        try:
+            HostRegistry(store.backend).set_state(host_id, "draining")
+        except NotFound as e:
+            raise NotFound(e.message, hint="`moorage hosts` lists the fleet's hosts") from None
     console.print(f"{host_id} is draining: it sleeps its instances and leaves within a heartbeat or two")
