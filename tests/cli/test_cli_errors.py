@@ -35,3 +35,13 @@ def test_image_build_json_keeps_its_progress_off_stdout(tmp_path: Path) -> None:
     r = moorage("image", "build", "--images-dir", str(images), "--json", data=tmp_path / "data")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_rotate_key_where_there_is_no_store_changes_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "mistyped"
+    r = moorage("secrets", "rotate-key", data=data)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    said = " ".join(r.stderr.split())
+    assert said.startswith(f"error: no store yet at {data / 'store'}, so no secrets to re-encrypt; nothing was "
+                           "changed (check --data-dir"), said
+    assert not data.exists() or not any(data.iterdir())  # no store made, no key written

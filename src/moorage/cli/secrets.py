@@ -77,10 +77,16 @@ def rotate_key() -> None:
     """Operator: put a new encryption key first in the data directory's key file (or use the first of
     secrets_keys) and re-encrypt every tenant's secrets under it. Old keys stay for reading; restart servers
     so that they encrypt new values with the new key."""
+    from moorage.cli.store import NO_STORE_HINT, store_missing
+    from moorage.errors import NotFound
     from moorage.secrets import KEY_FILE_NAME, SecretStore, rotate_key_file
     from moorage.store import open_store
 
     cfg = _cfg()
+    missing = store_missing(cfg)
+    if missing is not None:  # opening one would make it: a mistyped --data-dir must not get a store and a key
+        raise NotFound(f"no store yet at {missing}, so no secrets to re-encrypt; nothing was changed",
+                       hint=f"check --data-dir / MOORAGE_DATA_DIR ({NO_STORE_HINT})")
     if cfg.secrets_keys:
         # The keys live in the config: the operator put the new one first there; re-encrypt under it.
         note = "keys from secrets_keys"
