@@ -76,3 +76,18 @@ async def test_a_failure_with_json_exits_2_with_one_error_line_on_stderr_and_not
                                    env={**env, "MOORAGE_API_URL": "http://127.0.0.1:9"}, capture_output=True, text=True,
                                    timeout=120)
     assert down.returncode == 2 and down.stdout == "" and "start it with `moorage up`" in down.stderr, down.stderr
+
+
+async def test_agents_json_has_what_the_table_shows(live_rt, acme) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        for version in ("", "2", "3"):
+            await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent, version=version))
+        await sdk.rollback("echo", 2)
+    listed = await moorage(live_rt, acme, "agents", "--json")
+    assert listed.exit_code == 0, listed.output
+    (echo,) = json.loads(listed.stdout)["data"]
+    assert (echo["name"], echo["live_number"], echo["deployments"]) == ("echo", 2, 3), echo
+    assert echo["live_deployment"] and echo["updated_at"]  # the API's fields, as they are
+    table = await moorage(live_rt, acme, "agents")
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.stdout.splitlines() if line.startswith("│")]
+    assert [c[:3] for c in cells] == [["echo", "#2", "3"]], table.stdout

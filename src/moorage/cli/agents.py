@@ -21,25 +21,28 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
     """Attach ``moorage agents`` to the main app (``cfg_of()`` returns the loaded Config)."""
 
     @app.command()
-    def agents(as_json: bool = typer.Option(False, "--json", help="The API's list (GET /v1/agents).")) -> None:
+    def agents(as_json: bool = typer.Option(False, "--json", help="The API's list (GET /v1/agents), each agent with "
+                                                                  "the table's live_number and deployments too.")) -> None:
         """The agents deployed in this tenant: live deployment, how many deployments, last change (UTC)."""
         from moorage.cli.client import sdk
 
         def read(c: Any) -> tuple[list[Any], dict[str, list[Any]]]:
             found = list(c.paginate(c.list_agents))
-            return found, ({} if as_json else {a["name"]: list(c.paginate(c.list_deployments, a["name"]))
-                                               for a in found})
+            return found, {a["name"]: list(c.paginate(c.list_deployments, a["name"])) for a in found}
 
         found, deployments = sdk(cfg_of(), read)
+        # What the table shows beside the API's fields: the live deployment's number and how many there are.
+        rows = [{**a, "live_number": next((d["number"] for d in deployments[a["name"]]
+                                           if d["id"] == a.get("live_deployment")), None),
+                 "deployments": len(deployments[a["name"]])} for a in found]
         if as_json:
-            print(json.dumps({"data": found}, indent=2))
+            print(json.dumps({"data": rows}, indent=2))
             return
-        if not found:
+        if not rows:
             console.print("no agents yet: deploy one with `moorage deploy FOLDER`", highlight=False)
             return
         table = Table("agent", "live", "deployments", "updated")
-        for a in found:
-            deps = deployments[a["name"]]
-            live = next((f"#{d['number']}" for d in deps if d["id"] == a.get("live_deployment")), "(none live)")
-            table.add_row(escape(a["name"]), live, str(len(deps)), utc(a.get("updated_at")))
+        for a in rows:
+            live = "(none live)" if a["live_number"] is None else f"#{a['live_number']}"
+            table.add_row(escape(a["name"]), live, str(a["deployments"]), utc(a.get("updated_at")))
         print_table(console, table)
