@@ -1,5 +1,5 @@
-"""The dashboard with a key limited to one agent: that agent's users, memory and timeline, and a plain statement of
-what the API does not show such a key, never a failed view."""
+"""The dashboard with a key limited to one agent: that agent's users, memory, timeline and traces, and a plain
+statement of what the API does not show such a key, never a failed view."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ async def test_a_key_for_one_agent_browses_that_agents_users(live_rt, acme: str,
     users = await page.locator("#users-table a.user-link").all_inner_texts()
     assert sorted(users) == ["alice", "bob"], users
     limited = await page.inner_text("#limited")
-    assert "limited to agent echo" in limited and "traces" in limited, limited
+    assert "limited to agent echo" in limited and "cost" in limited, limited
+    # Its agent's traces are listed (the key names its agent), none of the other agent's.
+    assert await page.locator("#traces-table a.trace-link").count() > 0
     assert "ship it?" in await page.inner_text("#approvals")  # the agent's waiting turns, on its page
     assert await page.inner_text("nav a[data-nav=fleet]") == "Agent echo"
 
@@ -50,10 +52,12 @@ async def test_a_key_for_one_agent_browses_that_agents_users(live_rt, acme: str,
     approvals = await page.inner_text("#approvals")
     assert "ship it?" in approvals and "may not answer" in approvals, approvals
 
-    # A trace link (shared by someone with a tenant key) says why it is not shown.
-    await page.goto(f"{live_rt.url}/ui/#/trace/{'a' * 32}")
+    # One of its agent's traces opens, with that agent's spans.
+    await page.click("nav a[data-nav=fleet]")
+    await page.wait_for_selector("body[data-loaded=agent]")
+    await page.locator("#traces-table a.trace-link").first.click()
     await page.wait_for_selector("body[data-loaded=trace]")
-    assert "limited to agent echo" in await page.inner_text("#view")
+    assert "zed" not in await page.inner_text("#view")
     # Back home: still its agent.
     await page.click("nav a[data-nav=fleet]")
     await page.wait_for_selector("body[data-loaded=agent]")
@@ -81,7 +85,7 @@ async def test_a_key_for_one_agent_answers_that_agents_approvals(live_rt, acme: 
     assert await items.count() == 1 and "alice" in await items.first.inner_text()
     await items.first.locator("button.approve").click()
     await page.wait_for_selector("#approvals-notice:has-text('draft-1 -> yes')")
-    assert await page.locator("#approvals-notice a.trace-link").count() == 0  # traces: not this key's to read
+    assert await page.locator("#approvals-notice a.trace-link").count() == 1  # its agent's trace: readable
     assert await items.count() == 0
     async with aclient(live_rt, acme) as c:
         waiting = (await c.get("/v1/workflows", params={"status": "waiting"})).json()["data"]

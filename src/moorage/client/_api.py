@@ -316,9 +316,11 @@ class Api(ReachApi, ABC):
         """Kill a running detached exec (its whole process group); it ends ``cancelled``."""
         return self._send(Request("POST", f"/v1/executions/{_p(execution_id)}/cancel", json={}))
 
-    def list_spans(self, *, limit: int | None = None, cursor: str | None = None) -> T.Page[dict[str, Any]]:
-        """Recent spans of the tenant, newest first (requests, turns, lifecycle transitions)."""
-        return self._send(Request("GET", "/v1/traces", _page(limit, cursor)))
+    def list_spans(self, *, limit: int | None = None, cursor: str | None = None,
+                   agent: str | None = None) -> T.Page[dict[str, Any]]:
+        """Recent spans of the tenant, newest first (requests, turns, lifecycle transitions); ``agent``: that
+        agent's only (a key limited to one agent must name it)."""
+        return self._send(Request("GET", "/v1/traces", _page(limit, cursor, agent=agent)))
 
     def get_trace(self, trace_id: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/traces/{_p(trace_id)}"))

@@ -11,12 +11,23 @@ from moorage.api import schemas as S
 from moorage.api.pagination import keyset_page, parse_limit, position
 from moorage.api.routes._common import PAGE, float_query
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import InvalidInput, NotFound
+from moorage.errors import InvalidInput, NotFound, TenantScopeError
+
+
+def _agent_of_key(call: Call, agent: str | None) -> str | None:
+    """The agent whose spans to read: a key limited to one agent reads that agent's only, and names it on the
+    listing (never a silent filter), as for workflow runs."""
+    limited = call.who.agent
+    if limited is not None and agent != limited:
+        raise TenantScopeError(f"this key is limited to agent {limited!r}; it may list that agent's spans only",
+                               hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
+    return agent
 
 
 def get_trace(call: Call) -> dict[str, Any]:
     trace_id = call.path["trace_id"]
-    spans = call.tenant.spans.trace(trace_id)
+    # A key limited to one agent sees that agent's spans of the trace (none: not found, like another tenant's).
+    spans = call.tenant.spans.trace(trace_id, agent=call.who.agent)
     if not spans:
         raise NotFound(f"no trace {trace_id!r}", hint="trace ids are returned in the X-Trace-Id header of each response")
     return {"trace_id": trace_id, "spans": [S.span(s) for s in spans]}
@@ -27,7 +38,8 @@ def recent_spans(call: Call) -> dict[str, Any]:
     # one, this listing's own included), and an offset would show the next page's first spans again.
     limit = parse_limit(call.query("limit"))
     pos = position(call.query("cursor"), {"t": (int, float), "s": str})
-    spans = call.tenant.spans.recent(limit=limit + 1, before=(float(pos["t"]), pos["s"]) if pos else None)
+    agent = _agent_of_key(call, call.query("agent"))
+    spans = call.tenant.spans.recent(limit=limit + 1, before=(float(pos["t"]), pos["s"]) if pos else None, agent=agent)
     return keyset_page(spans, limit, lambda s: {"t": s.start_ts, "s": s.span_id}, S.span)
 
 
@@ -49,9 +61,11 @@ def usage(call: Call) -> dict[str, Any]:
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/traces", recent_spans, "Recent spans, newest first", "observability", "listSpans", scope="read",
-             query=PAGE, response=S.page_of("Span")),
+             agent_checked=True,
+             query=(*PAGE, Param("agent", S.ID, "only this agent's spans (a key limited to one agent must name it)")),
+             response=S.page_of("Span")),
     Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace", scope="read",
-             response=S.ref("Trace")),
+             agent_checked=True, response=S.ref("Trace")),
     Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage", scope="read",
              query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR),
                     Param("group", {"enum": ["day"]}, "also break the totals down by UTC day")),

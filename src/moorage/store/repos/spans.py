@@ -26,6 +26,19 @@ def _about(span: Span) -> tuple[str | None, str | None]:
     return user, agent if isinstance(agent, str) else None
 
 
+#: The kinds of scope a span may have (``Scope.key``'s prefixes).
+_SCOPE_KINDS = ("user", "session", "workflow")
+
+
+def of_agent(agent: str) -> tuple[str, list[object]]:
+    """A condition for the spans of one agent: scoped to one of its scopes (a range per kind: a scope key is
+    ``kind:agent/...`` and an agent id holds no "/"; "0" is the character after it), or unscoped and naming it
+    (an API request's about it, a share link's: the ``agent_id`` column of migration 21)."""
+    ranges = " OR ".join("(scope >= ? AND scope < ?)" for _ in _SCOPE_KINDS)
+    params: list[object] = [p for kind in _SCOPE_KINDS for p in (f"{kind}:{agent}/", f"{kind}:{agent}0")]
+    return f"({ranges} OR (scope IS NULL AND agent_id = ?))", [*params, agent]
+
+
 class Spans(_Repo):
     def record(self, span: Span) -> None:
         with self._ts._tx() as c:
@@ -38,17 +51,27 @@ class Spans(_Repo):
             if span.scope is not None:
                 self._ts._touch(c, span.scope, _now())
 
-    def trace(self, trace_id: str) -> list[Span]:
+    def trace(self, trace_id: str, *, agent: str | None = None) -> list[Span]:
+        """Every span of one trace in start order; ``agent``: only that agent's (``of_agent``)."""
+        cond, more = of_agent(agent) if agent is not None else ("1 = 1", [])
         with self._ts._tx(write=False) as c:
-            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans WHERE trace_id = ? ORDER BY start_ts", (trace_id,))]
+            return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans WHERE trace_id = ? AND {cond} "
+                                          "ORDER BY start_ts", (trace_id, *more))]
 
-    def recent(self, *, limit: int = 100, before: tuple[float, str] | None = None) -> list[Span]:
+    def recent(self, *, limit: int = 100, before: tuple[float, str] | None = None,
+               agent: str | None = None) -> list[Span]:
         """Newest first (then by span id); ``before``: only spans past that (start_ts, span_id) in this order, the
-        position of the last span of a page."""
-        where, params = "", []
+        position of the last span of a page; ``agent``: only that agent's spans (``of_agent``)."""
+        conds: list[str] = []
+        params: list[object] = []
         if before is not None:
-            where = "WHERE start_ts < ? OR (start_ts = ? AND span_id < ?)"
-            params = [before[0], before[0], before[1]]
+            conds.append("(start_ts < ? OR (start_ts = ? AND span_id < ?))")
+            params += [before[0], before[0], before[1]]
+        if agent is not None:
+            cond, more = of_agent(agent)
+            conds.append(cond)
+            params += more
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
         with self._ts._tx(write=False) as c:
             return [_span(r) for r in c.q(f"SELECT {_SPAN_COLS} FROM spans {where} ORDER BY start_ts DESC, span_id DESC "
                                           "LIMIT ?", (*params, limit))]

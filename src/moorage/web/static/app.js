@@ -256,11 +256,11 @@ const TRACES_SHOWN = 15;
 
 // The newest spans (newest first), page after page until the traces shown are there: each view of this page
 // records a few reads of its own, which must not push turns and changes out of the list.
-async function recentTraces() {
+async function recentTraces(agent = null) {
   const spans = [];
   let cursor = null;
   for (let i = 0; i < 4; i++) {
-    const page = await api(`/v1/traces?limit=500${cursor ? `&cursor=${enc(cursor)}` : ""}`);
+    const page = await api(`/v1/traces?limit=500${agent ? `&agent=${enc(agent)}` : ""}${cursor ? `&cursor=${enc(cursor)}` : ""}`);
     spans.push(...page.data);
     cursor = page.next_cursor;
     if (!cursor || groupTraces(spans).filter((t) => !isPlainRead(t)).length > TRACES_SHOWN) break;
@@ -283,11 +283,12 @@ function tracesPanel(spans) {
 // One agent's users and their instances, and its webhooks, from routes under /v1/agents/{agent}: the landing page
 // of a key limited to that agent (the fleet's routes refuse it), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, webhooks, waiting] = await Promise.all([
+  const [info, users, webhooks, waiting, spans] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
     webhooksPanel(agent),  // webhooks.js
     waitingOfAgent(agent),  // approvals.js
+    recentTraces(agent),  // its users' turns and the requests about them (a key limited to it names it)
   ]);
   const instances = users.data.map((u) => u.instance).filter(Boolean);
   const awake = instances.filter((i) => ["running", "waking", "provisioning"].includes(i.state)).length;
@@ -308,11 +309,11 @@ async function agentView(agent, who) {
     users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
   const limited = who && who.agent === agent
     ? section("Not shown to this key", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
-        + "agent's users, their memory and timeline, its webhooks and the turns waiting for approval. "
-        + spansAgents(agent, "The fleet's counts, wake latency and cost, and recent traces")))
+        + "agent's users, their memory and timeline, its traces, its webhooks and the turns waiting for approval. "
+        + spansAgents(agent, "The fleet's counts, wake latency and cost")))
     : null;
   return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel, waiting,
-    webhooks];
+    tracesPanel(spans), webhooks];
 }
 
 async function userView(agent, user, who, session = null) {
@@ -511,10 +512,7 @@ function checkpointsPanel(agent, user, listing, agentInfo, autoOff, canTravel = 
 }
 
 async function traceView(traceId, who) {
-  if (who && who.agent) {
-    return [el("div.pagehead", {}, el("h1", {}, "Trace"), el("span.sub.mono", {}, traceId)),
-      section("Not shown to this key", "timeline", empty(spansAgents(who.agent, "Traces")))];
-  }
+  // A key limited to one agent gets that agent's spans of the trace (the API filters them).
   const trace = await api(`/v1/traces/${enc(traceId)}`);
   const spans = trace.spans;
   const t0 = Math.min(...spans.map((s) => s.start_ts));

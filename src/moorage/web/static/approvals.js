@@ -81,9 +81,8 @@ function approvalsList(details, { canAnswer, showUser, emptyText }) {
 function answered(run, value, out) {
   const s = parseScope(run.scope);
   const who = s.user ? [userLink(s.agent, s.user), "’s turn"] : [`agent ${s.agent}’s turn`];
-  // A key limited to one agent cannot read traces (they span agents): no link that would only say so.
-  const traceable = out.trace_id && !(whoami && whoami.me && whoami.me.agent);
-  const trace = traceable ? [" (", el("a.trace-link", { href: `#/trace/${enc(out.trace_id)}` }, "trace"), ")"] : [];
+  // A key limited to one agent reads its agent's spans of the trace (the API filters them).
+  const trace = out.trace_id ? [" (", el("a.trace-link", { href: `#/trace/${enc(out.trace_id)}` }, "trace"), ")"] : [];
   const head = [`Answered “${value}”: `, ...who];
   if (out.status === "waiting") {
     const asked = out.interrupt && typeof out.interrupt === "object" && "question" in out.interrupt
