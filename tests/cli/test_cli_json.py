@@ -118,3 +118,15 @@ def test_version_json() -> None:
     shown = cli("version", "--json")
     assert shown.exit_code == 0 and json.loads(shown.stdout) == {"version": __version__}, shown.output
     assert cli("version").stdout.strip() == __version__
+
+
+def test_llm_providers_json_names_the_configured_model_and_url_as_the_text_does() -> None:
+    env = {"MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_MODEL": "gpt-x", "MOORAGE_LLM_BASE_URL": "http://127.0.0.1:9/v1"}
+    shown = CliRunner().invoke(app, ["llm", "providers", "--json"], env=env)
+    assert shown.exit_code == 0, shown.output
+    rows = {r["name"]: r for r in json.loads(shown.stdout)}
+    assert (rows["openai"]["configured"], rows["openai"]["model"], rows["openai"]["base_url"]) == \
+        (True, "gpt-x", "http://127.0.0.1:9/v1"), rows
+    assert rows["embedded"]["model"] is None and rows["anthropic"]["base_url"] is None, rows
+    text = " ".join(CliRunner().invoke(app, ["llm", "providers"], env=env).stdout.split())
+    assert "llm_provider=openai model=gpt-x base_url=http://127.0.0.1:9/v1" in text, text

@@ -34,7 +34,10 @@ def providers(as_json: bool = typer.Option(False, "--json", help="Machine-readab
     caps = {"embedded": EmbeddedProvider.capabilities, "openai": OpenAICompatibleProvider.capabilities, "anthropic": AnthropicProvider.capabilities}
     rows = [
         {"name": n, "configured": n == cfg.llm_provider, "exact_token_count": caps[n].exact_token_count,
-         "streaming": caps[n].streaming, "tools": caps[n].tools, "json_schema": caps[n].json_schema}
+         "streaming": caps[n].streaming, "tools": caps[n].tools, "json_schema": caps[n].json_schema,
+         # The configured one's model and base URL (the text's last line); null for the others, or the default.
+         "model": (cfg.llm_model or None) if n == cfg.llm_provider else None,
+         "base_url": (cfg.llm_base_url or None) if n == cfg.llm_provider else None}
         for n in PROVIDERS
     ]
     if as_json:
