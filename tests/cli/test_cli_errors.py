@@ -45,3 +45,10 @@ def test_rotate_key_where_there_is_no_store_changes_nothing(tmp_path: Path) -> N
     assert said.startswith(f"error: no store yet at {data / 'store'}, so no secrets to re-encrypt; nothing was "
                            "changed (check --data-dir"), said
     assert not data.exists() or not any(data.iterdir())  # no store made, no key written
+
+
+def test_an_unknown_bench_area_is_one_line_naming_the_areas(tmp_path: Path) -> None:
+    r = moorage("bench", "nope", data=tmp_path / "data")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == ["error: unknown benchmark area 'nope' (choose one of store, memory, durable, "
+                                     "lifecycle, sandbox, api, e2e, fleet, attacks, timetravel)"], r.stderr

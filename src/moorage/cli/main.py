@@ -118,7 +118,9 @@ def bench(area: str = typer.Argument(..., help=f"One of: {', '.join(BENCH_SCRIPT
     import subprocess
 
     if area not in BENCH_SCRIPTS:
-        raise typer.BadParameter(f"unknown area {area!r}; choose from {', '.join(BENCH_SCRIPTS)}")
+        from moorage.errors import InvalidInput
+
+        raise InvalidInput(f"unknown benchmark area {area!r}", hint=f"choose one of {', '.join(BENCH_SCRIPTS)}")
     root = Path(__file__).resolve().parents[3] / "bench"
     if not root.is_dir():
         err_console.print("[red]error:[/] the benchmarks ship with the source checkout (bench/); run from there")
