@@ -95,3 +95,19 @@ def test_zero_retention_scrubs_what_a_delivered_fact_pending_said(tenant) -> Non
     kept = tenant.deliveries.get(d.id)
     assert kept.status == "delivered" and kept.payload["data"]["fact_id"] == fact.id
     assert "ada@example.org" not in json.dumps(kept.payload) and "email" not in json.dumps(kept.payload), kept.payload
+
+
+def test_an_agent_with_zero_retention_announces_no_pending_fact(tenant) -> None:  # type: ignore[no-untyped-def]
+    """Its facts are purged when the turn ends: a backend told of one would only meet a 404 confirming it."""
+    from moorage.memory import FactCandidate, SemanticMemory
+    from moorage.store import Scope, zero_retention
+
+    for name in ("keeps", "forgets"):
+        tenant.agents.create(name, {})
+        tenant.webhooks.create(name, f"https://example.com/hooks/{name}")
+    zero_retention.set_zero(tenant, "forgets", True)
+    for name in ("keeps", "forgets"):
+        SemanticMemory(tenant).record(Scope.for_user(name, "ada"), FactCandidate(
+            "ada", "email", "ada@example.org", "ada's email is ada@example.org"), origin="agent")
+    sent = {r[0] for r in tenant.read("SELECT agent_id FROM webhook_deliveries")}
+    assert sent == {"keeps"}

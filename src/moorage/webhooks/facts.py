@@ -39,5 +39,14 @@ def fact_data(fact: Fact, *, run_id: str | None = None, trace_id: str | None = N
 def announce_pending(ts: TenantStore, fact: Fact, *, run_id: str | None = None,
                      trace_id: str | None = None) -> list[Delivery]:
     """Queue ``fact.pending`` for each webhook of the fact's agent subscribed to it; joins the caller's
-    transaction (the one that records the fact)."""
+    transaction (the one that records the fact). Not for an agent with zero retention: its facts are purged when
+    the turn ends, so a backend told of one could only meet a 404 confirming it."""
+    from moorage.errors import NotFound
+    from moorage.store.zero_retention import is_zero
+
+    try:
+        if is_zero(ts.agents.get(fact.scope.agent)):
+            return []
+    except NotFound:
+        pass  # facts recorded for an agent not deployed (the store's own tests): announced as any other
     return ts.deliveries.enqueue(fact.scope.agent, FACT_PENDING, fact_data(fact, run_id=run_id, trace_id=trace_id))
