@@ -52,3 +52,16 @@ def test_an_unknown_bench_area_is_one_line_naming_the_areas(tmp_path: Path) -> N
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.splitlines() == ["error: unknown benchmark area 'nope' (choose one of store, memory, durable, "
                                      "lifecycle, sandbox, api, e2e, fleet, attacks, timetravel)"], r.stderr
+
+
+def test_up_on_a_port_in_use_is_one_line_saying_how_to_choose_another(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = moorage("up", "--port", str(port), data=tmp_path / "data")
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [f"error: cannot listen on 127.0.0.1:{port}: Address already in use (stop what "
+                                     "serves there, or choose another port with --port / MOORAGE_PORT)"], r.stderr

@@ -129,6 +129,27 @@ async def run_demo(url: str, key: str, agent_dir: Path) -> None:
             console.print(f"[bold]{name}[/]: {r.json()['reply']}", highlight=False)
 
 
+def check_port(cfg: Config) -> None:
+    """Refuse, before any instance is started, an address another process listens on (uvicorn would stop later
+    with its own log line and exit status 3)."""
+    import socket
+
+    from moorage.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(f"cannot use host {cfg.host!r}: {e}", hint="fix --host / MOORAGE_HOST") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a closed port is free
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}",
+                              hint="stop what serves there, or choose another port with --port / MOORAGE_PORT") from None
+
+
 async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     import uvicorn
 
@@ -140,6 +161,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     check_demo(demo, exit_after_demo)
     refuse_incomplete(cfg.data_dir)  # an online backup that never finished is no data directory to serve
     hold_data_dir(cfg)  # released when this process ends, however it ends
+    check_port(cfg)
     host = Host.open(cfg)
     key = ensure_local_tenant(host, cfg)
     if host.manager.fleet is not None:  # a host whose secrets differ from the fleet's is refused as it joins
