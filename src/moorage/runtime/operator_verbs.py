@@ -4,12 +4,17 @@ back and fork the whole instance (through the timeline); its files and commands;
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import dataclasses
+import time
+from typing import Any, AsyncIterator
 
+from moorage.durable import DurableEngine
 from moorage.errors import InvalidInput, NotFound
+from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.sandbox import TemplateRef
-from moorage.store import Principal, TenantStore
+from moorage.store import Principal, Scope, TenantStore
 
 log = get_logger(__name__)
 
@@ -102,19 +107,68 @@ class OperatorVerbs:
     async def forget_in(self, ts: TenantStore, agent: str, user: str) -> int:
         """``forget`` in a tenant already authorized (a fork undoing the users it made)."""
         await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
-        recs = [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000) if r.scope.user == user]
-        for rec in recs:
-            await self.instances.sleep(ts, rec.scope, reason="forget")
-            try:
-                sb = await self.driver.open(rec.id)
-                await sb.destroy()
-            except Exception as e:  # already gone on this host
-                log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
-            if self.instances.fleet is not None:  # its shipped snapshots in the object store
-                await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
-            self.instances.forget(ts.tenant_id, rec.scope)
-        removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
-        removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
-        removed += await asyncio.to_thread(ts.forget_user, user, agent)
-        self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
+        recs = await self._instances_of_user(ts, agent, user)
+        # Held like a turn: a turn of theirs in flight is cancelled and ends first, a rollback or fork of them
+        # ends first, and what arrives meanwhile waits. Destroying the sandbox under a running turn failed it
+        # with a 502, and a rollback that finished after the forget wrote the user's rows back.
+        async with self._held_to_forget(ts, agent, user, recs):
+            recs = await self._instances_of_user(ts, agent, user)  # one a turn that ran first provisioned
+            for rec in recs:
+                await self.instances.sleep(ts, rec.scope, reason="forget")
+                try:
+                    sb = await self.driver.open(rec.id)
+                    await sb.destroy()
+                except Exception as e:  # already gone on this host
+                    log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
+                if self.instances.fleet is not None:  # its shipped snapshots in the object store
+                    await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
+                self.instances.forget(ts.tenant_id, rec.scope)
+            removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
+            removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
+            removed += await asyncio.to_thread(ts.forget_user, user, agent)
+            self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
         return removed + len(recs)
+
+    async def _instances_of_user(self, ts: TenantStore, agent: str, user: str) -> list[Any]:
+        return [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000)
+                if r.scope.user == user]
+
+    @contextlib.asynccontextmanager
+    async def _held_to_forget(self, ts: TenantStore, agent: str, user: str, recs: list[Any]) -> AsyncIterator[None]:
+        """The user's instances held in their lines in the router, whatever the agent's concurrency (a forget
+        waits, it is never refused as busy), their turns on this host cancelled until then (each caller gets
+        409 run-cancelled: what the turn would reply is about to be forgotten)."""
+        def theirs() -> list[Any]:
+            return [b for b in self.turns.values() if b.ts.tenant_id == ts.tenant_id and b.entity.agent == agent
+                    and b.entity.user == user]
+
+        async def cancel_theirs() -> None:
+            # Until the lines are held: a turn that held its line before its run began is cancelled as it begins.
+            while True:
+                for b in theirs():
+                    try:
+                        run = await asyncio.to_thread(DurableEngine(ts).cancel, b.run_id, "its user was forgotten")
+                    except NotFound:
+                        continue
+                    if run.status == "cancelled" and b.reader is not None:  # not one that finished meanwhile
+                        b.reader.cancel()
+                await asyncio.sleep(0.05)
+
+        agent_rec = await asyncio.to_thread(ts.agents.get, agent)
+        lc = dataclasses.replace(AgentLifecycle.of(agent_rec), concurrency="queue", max_queue=1 << 30)
+        scopes = {s.key: s for s in [Scope.for_user(agent, user), *(r.scope for r in recs)]}
+        canceller = asyncio.create_task(cancel_theirs())
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                for key in sorted(scopes):  # one order for every forget: two of them never wait on each other
+                    await held.enter_async_context(
+                        self.router._on_instance((ts.tenant_id, key), "-forget", scopes[key], lc))
+                # An agent whose turns run side by side holds no line: its cancelled turns are waited for here.
+                deadline = time.monotonic() + 30
+                while theirs() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            finally:
+                canceller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await canceller
+            yield
