@@ -53,8 +53,12 @@ class OperatorVerbs:
             slept = await self.instances.sleep(ts, rec.scope, reason="api")
             return {"id": sandbox_id, "slept": slept}
         if verb == "wake":
-            async with self.instances.turn(ts, rec.scope, template) as sb:
-                return {"id": sandbox_id, "state": sb.state.value}
+            # In the instance's line like a turn: a forget of its user (which holds the line) ends before or
+            # after, never while the wake brings the sandbox up from the snapshot the forget deletes.
+            async with self._in_line(ts, rec.scope):
+                await asyncio.to_thread(ts.sandboxes.get, sandbox_id)  # NotFound: its user was forgotten meanwhile
+                async with self.instances.turn(ts, rec.scope, template) as sb:
+                    return {"id": sandbox_id, "state": sb.state.value}
         raise InvalidInput(f"unknown sandbox verb {verb!r}", hint="sleep, wake, checkpoint, rollback or fork")
 
     async def _whole_instance(self, principal: Principal, rec: Any, verb: str, ref: str | None,
@@ -154,15 +158,12 @@ class OperatorVerbs:
                         b.reader.cancel()
                 await asyncio.sleep(0.05)
 
-        agent_rec = await asyncio.to_thread(ts.agents.get, agent)
-        lc = dataclasses.replace(AgentLifecycle.of(agent_rec), concurrency="queue", max_queue=1 << 30)
         scopes = {s.key: s for s in [Scope.for_user(agent, user), *(r.scope for r in recs)]}
         canceller = asyncio.create_task(cancel_theirs())
         async with contextlib.AsyncExitStack() as held:
             try:
                 for key in sorted(scopes):  # one order for every forget: two of them never wait on each other
-                    await held.enter_async_context(
-                        self.router._on_instance((ts.tenant_id, key), "-forget", scopes[key], lc))
+                    await held.enter_async_context(self._in_line(ts, scopes[key]))
                 # An agent whose turns run side by side holds no line: its cancelled turns are waited for here.
                 deadline = time.monotonic() + 30
                 while theirs() and time.monotonic() < deadline:
@@ -171,4 +172,13 @@ class OperatorVerbs:
                 canceller.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await canceller
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _in_line(self, ts: TenantStore, scope: Scope) -> AsyncIterator[None]:
+        """An operator verb in the instance's line in the router, after the turns before it, whatever the agent's
+        concurrency (it waits; it is never refused as busy)."""
+        agent_rec = await asyncio.to_thread(ts.agents.get, scope.agent)
+        lc = dataclasses.replace(AgentLifecycle.of(agent_rec), concurrency="queue", max_queue=1 << 30)
+        async with self.router._on_instance((ts.tenant_id, scope.key), "-operator", scope, lc):
             yield
