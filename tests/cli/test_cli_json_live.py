@@ -62,6 +62,7 @@ async def test_a_failure_with_json_exits_2_with_one_error_line_on_stderr_and_not
                ["wake", "sb-nope"], ["checkpoint", "sb-nope"], ["fork", "sb-nope", "--to", "cy"],
                ["share", "echo", "ann", "--revoke", "nope"], ["forget", "nope", "ann", "--yes"], ["trace", "nope"], ["execution", "nope"], ["answer", "nope", "yes"],
                ["rollback", "echo"], ["secrets", "list", "nope"], ["checkpoints", "list", "nope", "ann"],
+               ["checkpoints", "take", "echo", "nobody"],
                ["share", "nope", "ann", "--list"], ["logs", "--limit", "0"], ["ps", "--state", "dozing"]]
     env = {**os.environ, "MOORAGE_API_URL": live_rt.url, "MOORAGE_API_KEY": acme, "MOORAGE_DATA_DIR": str(live_rt.data_dir)}
     runs = [(args, ["--json"]) for args in failing] + [(args, []) for args in failing[:3]]
@@ -71,6 +72,7 @@ async def test_a_failure_with_json_exits_2_with_one_error_line_on_stderr_and_not
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and r.stdout == "", (args, extra, r.stdout, r.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(")"), (args, r.stderr)
+        assert "/v1/" not in lines[0], lines[0]  # what to do next is a command, not the API's route
     # The server down: the same, saying how to start it.
     down = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "moorage.cli.main", "agents", "--json"],
                                    env={**env, "MOORAGE_API_URL": "http://127.0.0.1:9"}, capture_output=True, text=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
@@ -54,7 +55,19 @@ def _translated() -> Iterator[None]:
         if e.code == "unreachable":
             raise ConfigError(f"cannot reach the moorage server: {e.detail}",
                               hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
-        raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=e.hint) from e
+        raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=_cli_hint(e.hint)) from e
+
+
+#: The server's hints that name a listing route, and the command that shows the same list.
+_LISTINGS = ((re.compile(r"GET /v1/agents/([^/\s]+)/users lists them"), r"`moorage users \1` lists them"),
+             (re.compile(r"GET /v1/agents lists them"), "`moorage agents` lists them"))
+
+
+def _cli_hint(hint: str | None) -> str | None:
+    """The server's hint as a CLI user acts on it: the command that lists what was not found, not its HTTP route."""
+    for route, command in _LISTINGS:
+        hint = route.sub(command, hint) if hint else hint
+    return hint
 
 
 def sdk(cfg: Config, use: Callable[[Client], R], *, hint: Optional[str] = None) -> R:
