@@ -93,3 +93,22 @@ async def test_agents_json_has_what_the_table_shows(live_rt, acme) -> None:  # n
     table = await moorage(live_rt, acme, "agents")
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.stdout.splitlines() if line.startswith("│")]
     assert [c[:3] for c in cells] == [["echo", "#2", "3"]], table.stdout
+
+
+async def test_chat_with_an_agent_that_is_not_there_fails_before_the_first_prompt(live_rt, acme) -> None:  # noqa: F811
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+        invoke_only = (await sdk.create_key(["invoke"]))["secret"]
+    env = {**os.environ, "MOORAGE_API_URL": live_rt.url, "MOORAGE_DATA_DIR": str(live_rt.data_dir)}
+
+    def chat(key: str, agent: str, typed: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "moorage.cli.main", "chat", agent, "-u", "ann"], input=typed,
+                              env={**env, "MOORAGE_API_KEY": key}, capture_output=True, text=True, timeout=120)
+
+    gone = await asyncio.to_thread(chat, acme, "nope", "hello\n\n")
+    assert gone.returncode == 2 and gone.stdout == "", (gone.stdout, gone.stderr)
+    assert gone.stderr.splitlines() == ["error: 404: no agent 'nope' (`moorage agents` lists them; `moorage deploy` "
+                                        "makes one)"], gone.stderr
+    # A key that may invoke but not read the agent still chats.
+    talked = await asyncio.to_thread(chat, invoke_only, "echo", "hello\n\n")
+    assert talked.returncode == 0 and "echo › echo: hello" in talked.stdout, (talked.stdout, talked.stderr)

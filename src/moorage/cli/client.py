@@ -218,6 +218,11 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
              session: Optional[str] = typer.Option(None, "--session", "-s")) -> None:
         """Interactive terminal chat with an agent as a given user (empty line or Ctrl-D to leave)."""
         cfg = cfg_of()
+        try:  # no key, no server, no such agent: said once, before the first prompt, and the command fails
+            sdk(cfg, lambda c: c.get_agent(agent))
+        except ApiError as e:
+            if e.status != 403:  # a key that may invoke but not read agents: its first turn tells
+                raise
         console.print(f"chatting with [bold]{agent}[/] as [bold]{user}[/]; empty line to leave")
         while True:
             try:
