@@ -116,8 +116,12 @@ class Router:
 
     # --- the turn -------------------------------------------------------------------------------------------
 
-    async def route(self, principal: Principal, key: EntityKey, turn: Any, *, trace: TraceContext | None = None) -> Any:
+    async def route(self, principal: Principal, key: EntityKey, turn: Any, *, trace: TraceContext | None = None,
+                    user_since: float | None = None) -> Any:
         """Run one turn for ``key`` on behalf of ``principal`` and return what ``forward`` returned.
+
+        ``user_since``: when the user the turn was accepted for was registered; a turn whose user was forgotten
+        while it waited in line (made again since, or not) is refused (409) instead of run.
 
         Raises NotFound (unknown agent/user), Busy (409), Overloaded (429), TenantScopeError, UnavailableError.
         """
@@ -132,6 +136,12 @@ class Router:
             async with self._in_session_line((ts.tenant_id, key.agent, key.user, session)):
                 agent, lc, scope = await asyncio.to_thread(self.resolve, ts, key)
                 async with self._on_instance((ts.tenant_id, scope.key), session, scope, lc):
+                    # ``resolve`` registered the user; gone (or made again) now only if they were forgotten while
+                    # this turn waited in line (the forget holds the line): it must not run for someone else.
+                    now = await asyncio.to_thread(ts.agent_users.find, key.agent, key.user)
+                    if now is None or (user_since is not None and now.created_at != user_since):
+                        raise ConflictError(f"user {key.user!r} of agent {key.agent!r} was forgotten while this "
+                                            "turn waited", hint="send it again to start over as a new user")
 
                     async def template() -> TemplateRef:
                         return await self.templates(ts, agent)

@@ -130,6 +130,9 @@ class OperatorVerbs:
             removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
             removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
             removed += await asyncio.to_thread(ts.forget_user, user, agent)
+            # Unregistered while held: a turn of theirs that waited in line behind the forget finds them gone and
+            # is refused (``Router.route``) rather than running for a user who no longer exists.
+            await asyncio.to_thread(ts.agent_users.delete, agent, user)
             self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
         return removed + len(recs)
 

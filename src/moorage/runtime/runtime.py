@@ -134,6 +134,8 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         agent, _, _ = await asyncio.to_thread(self.router.resolve, ts, EntityKey(entity.agent, entity.user, "default"))
         if agent.live_deployment is None:
             raise NotFound(f"agent {entity.agent!r} has no live deployment", hint="deploy it with `moorage deploy`")
+        # The user this turn was accepted for: one forgotten (and perhaps made again) before it runs is not them.
+        user_since = getattr(await asyncio.to_thread(ts.agent_users.find, entity.agent, entity.user), "created_at", None)
         entity = EntityKey(entity.agent, entity.user, entity.session or "default", entity.workflow)
         turn_id = _turn_id(principal, entity, idempotency_key)
         # A retried request (same Idempotency-Key) finds the first one's run. A new turn's run is created by
@@ -151,7 +153,7 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
             if run.status in ("running", "pending") and turn_id in self.turns:
                 raise ConflictError("this turn is already running", hint="retry later with the same Idempotency-Key")
         async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal,
-                                  create=run is None, events=events):
+                                  create=run is None, events=events, user_since=user_since):
             yield ev
 
     @staticmethod
@@ -241,7 +243,7 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
 
     async def _run(self, ts: TenantStore, agent: Agent, entity: EntityKey, turn_id: str, message: str, *,
                    resume: bool, principal: Principal | None = None, create: bool = False,
-                   events: bool = True) -> AsyncIterator[TurnEvent]:
+                   events: bool = True, user_since: float | None = None) -> AsyncIterator[TurnEvent]:
         """Route the turn (ordering, wake, backpressure) and stream its events; ends with ``done``."""
         if AgentLifecycle.of(agent).scope == "workflow":
             entity = EntityKey(entity.agent, entity.user, entity.session, workflow=turn_id)
@@ -250,7 +252,7 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         if not zero_retention.is_zero(agent):  # (a zero-retention turn is purged once it has wholly ended)
             turn.answered = asyncio.get_running_loop().create_future()
         who = principal or self.store.operator.principal(ts.tenant_id)
-        task = asyncio.create_task(self.router.route(who, entity, turn), name=f"turn-{turn_id}")
+        task = asyncio.create_task(self.router.route(who, entity, turn, user_since=user_since), name=f"turn-{turn_id}")
         while True:
             while not turn.events.empty():  # events that came together go out without a wait each
                 yield turn.events.get_nowait()

@@ -92,11 +92,12 @@ async def delete_user(call: Call) -> dict[str, Any]:
     agent = await run_in_threadpool(agent_of, call)
     user = check_id(call.path["user"], "user id")
     forget_in_runtime = getattr(call.ctx.runtime, "forget", None)
-    if forget_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots
+    existed = await run_in_threadpool(call.tenant.agent_users.find, agent.name, user) is not None
+    if forget_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots (and the user)
         removed = await forget_in_runtime(call.who, agent.name, user)
     else:
         removed = await run_in_threadpool(call.tenant.forget_user, user, agent.name)
-    deleted = await run_in_threadpool(call.tenant.agent_users.delete, agent.name, user)
+    deleted = await run_in_threadpool(call.tenant.agent_users.delete, agent.name, user) or existed
     return {"agent": agent.name, "user": user, "removed": removed if isinstance(removed, int) else 0,
             "deleted": deleted}
 
