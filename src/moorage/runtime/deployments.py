@@ -58,8 +58,13 @@ class Deployments:
                 await asyncio.shield(asyncio.to_thread(ts.deployments.set_status, dep.id, FAILED))
             raise
         dep = await asyncio.to_thread(ts.deployments.set_status, dep.id, READY)
+        agent = ts.agents.get(agent.id)  # as it is now: another deploy may have gone live while this one built
         previous = agent.live_deployment
-        agent = self._set_live(ts, agent, dep)
+        agent = self._set_live(ts, agent, dep, newest_wins=True)
+        if agent.live_deployment != dep.id:  # a newer deploy went live first: its settings stand
+            log.info("deployed, not live: a newer deployment went live while this one built", agent=pkg.name,
+                     number=dep.number)
+            return dep
         ttl = retention_ttl_s(pkg.manifest)
         if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
             await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
@@ -148,8 +153,15 @@ class Deployments:
         lc.setdefault("scope", manifest.get("scope", "user"))
         return lc
 
-    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
+    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment, *, newest_wins: bool = False) -> Agent:
+        """Make ``dep`` the agent's live deployment (a compare-and-set on the agent). ``newest_wins``: not when a
+        newer deployment went live meanwhile (two deploys at once, the newer one built first): the older one
+        going live last put the agent back on its older code."""
         while True:
+            if newest_wins and agent.live_deployment not in (None, dep.id):
+                live = ts.deployments.get(agent.live_deployment)
+                if live.agent_id == dep.agent_id and live.number > dep.number:
+                    return agent
             try:
                 return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
                                         config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
