@@ -105,11 +105,19 @@ class OperatorVerbs:
 
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
+        return (await self.erase(principal, agent, user))[0]
+
+    async def erase(self, principal: Principal, agent: str, user: str) -> tuple[int, bool]:
+        """``forget``, and whether the user was registered (unregistered with the rest, while their instance is
+        held: a registration that came just before the forget is forgotten too, and said so)."""
         principal.require("provision")
-        return await self.forget_in(self.store.tenant(principal), agent, user)
+        return await self._forget(self.store.tenant(principal), agent, user)
 
     async def forget_in(self, ts: TenantStore, agent: str, user: str) -> int:
         """``forget`` in a tenant already authorized (a fork undoing the users it made)."""
+        return (await self._forget(ts, agent, user))[0]
+
+    async def _forget(self, ts: TenantStore, agent: str, user: str) -> tuple[int, bool]:
         await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
         recs = await self._instances_of_user(ts, agent, user)
         # Held like a turn: a turn of theirs in flight is cancelled and ends first, a rollback or fork of them
@@ -132,9 +140,9 @@ class OperatorVerbs:
             removed += await asyncio.to_thread(ts.forget_user, user, agent)
             # Unregistered while held: a turn of theirs that waited in line behind the forget finds them gone and
             # is refused (``Router.route``) rather than running for a user who no longer exists.
-            await asyncio.to_thread(ts.agent_users.delete, agent, user)
+            deleted = await asyncio.to_thread(ts.agent_users.delete, agent, user)
             self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
-        return removed + len(recs)
+        return removed + len(recs), deleted
 
     async def _instances_of_user(self, ts: TenantStore, agent: str, user: str) -> list[Any]:
         return [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000)

@@ -61,10 +61,15 @@ async def put_user(call: Call) -> Reply:
     limits = call.field("limits", dict, required=False)
     provision = bool_query(call, "provision")
     if provision:
-        call.runtime  # noqa: B018 - a store-only server says 503 before anything is written
-    u, created = await run_in_threadpool(call.tenant.agent_users.put, agent.name, user, meta=meta, limits=limits)
-    if provision:
-        await _provision(call, agent.name, user)
+        # In the instance's line like a turn, the registration with it: a forget of the user sent at the same time
+        # (which holds the line) runs wholly before or after, never between them (it left a sandbox of a user
+        # it had just deleted, or deleted the sandbox as it was provisioned: a 404).
+        async with call.runtime._in_line(call.tenant, EntityKey(agent.name, user).scope("user")):
+            u, created = await run_in_threadpool(call.tenant.agent_users.put, agent.name, user, meta=meta,
+                                                 limits=limits)
+            await _provision(call, agent.name, user)
+    else:
+        u, created = await run_in_threadpool(call.tenant.agent_users.put, agent.name, user, meta=meta, limits=limits)
     body = await run_in_threadpool(user_json, u, call.tenant)
     return Reply(body, 201 if created else 200,
                  {"Location": f"/v1/agents/{agent.name}/users/{user}"} if created else {})
@@ -91,13 +96,12 @@ def list_users(call: Call) -> dict[str, Any]:
 async def delete_user(call: Call) -> dict[str, Any]:
     agent = await run_in_threadpool(agent_of, call)
     user = check_id(call.path["user"], "user id")
-    forget_in_runtime = getattr(call.ctx.runtime, "forget", None)
-    existed = await run_in_threadpool(call.tenant.agent_users.find, agent.name, user) is not None
-    if forget_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots (and the user)
-        removed = await forget_in_runtime(call.who, agent.name, user)
+    erase_in_runtime = getattr(call.ctx.runtime, "erase", None)
+    if erase_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots (and the user)
+        removed, deleted = await erase_in_runtime(call.who, agent.name, user)
     else:
         removed = await run_in_threadpool(call.tenant.forget_user, user, agent.name)
-    deleted = await run_in_threadpool(call.tenant.agent_users.delete, agent.name, user) or existed
+        deleted = await run_in_threadpool(call.tenant.agent_users.delete, agent.name, user)
     return {"agent": agent.name, "user": user, "removed": removed if isinstance(removed, int) else 0,
             "deleted": deleted}
 
