@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorage.log import get_logger
 from moorage.store import Scope, TenantStore
-from moorage.store.repos.checkpoints import Checkpoint, checkpoints_of, new_checkpoint_id
+from moorage.store.repos.checkpoints import Checkpoint, check_name, checkpoints_of, new_checkpoint_id
 from moorage.timetravel.holding import _keeps_nothing
 from moorage.timetravel.retention import Policy, to_keep
 
@@ -180,6 +180,7 @@ class AutoCheckpoints:
         # automatic one after a turn): the sandbox's files are written behind, while the next turn may already run;
         # a host that dies meanwhile leaves a row whose sandbox half is missing, which rollback and fork refuse
         # (``_sandbox_half``) before they change anything.
+        check_name(name)  # before the sandbox half: a name the store refuses would leave that half on disk for good
         cid = new_checkpoint_id()
         vm = None
         if sandbox is not None:

@@ -20,7 +20,7 @@ from moorage.errors import InvalidInput, TenantScopeError
 from moorage.log import get_logger
 from moorage.store import Principal, Scope, TenantStore
 from moorage.store.model import check_id
-from moorage.store.repos.checkpoints import MISSING, Checkpoint, checkpoints_of
+from moorage.store.repos.checkpoints import MISSING, Checkpoint, check_name, checkpoints_of
 from moorage.timetravel.auto import AUTO_DRIVERS, CLOSE_WAIT_S, AutoCheckpoints, _can_delete, _scope_of
 from moorage.timetravel.fork import check_new_users, fork_through
 from moorage.timetravel.holding import CheckpointGone, Holding, _keeps_nothing
@@ -127,6 +127,7 @@ class TimeTravel(AutoCheckpoints, Holding):
     async def take(self, principal: Principal, agent: str, user: str, name: str | None = None, *,
                    as_scope: str = "provision") -> Checkpoint:
         ts = self._ts(principal, agent, user, as_scope)
+        check_name(name)  # before the instance is woken and held
         async with self._hold(ts, agent, user) as sandbox:
             return await self._take(ts, agent, user, sandbox, kind="manual", name=name)
 
@@ -176,6 +177,7 @@ class TimeTravel(AutoCheckpoints, Holding):
         """``fork`` of the instance as it is now: a manual checkpoint (``name``, if given), then a fork at it. New
         users that cannot be made are refused before the checkpoint is taken."""
         ts = self._ts(principal, agent, user, as_scope)
+        check_name(name)
         await check_new_users(ts, agent, user, to_users)
         self.rt.instances.refuse_if_draining("forks")
         ck = await self.take(principal, agent, user, name, as_scope=as_scope)

@@ -164,8 +164,7 @@ class Checkpoints:
         check_id(agent, "agent id"), check_id(user, "user id")
         if kind not in KINDS:
             raise InvalidInput(f"unknown checkpoint kind {kind!r}", hint=f"one of {', '.join(KINDS)}")
-        if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 100 or "\x00" in name):
-            raise InvalidInput("a checkpoint name is 1-100 characters")
+        check_name(name)
         cid = checkpoint_id or new_checkpoint_id()
         with self._ts._tx() as c:
             head = self._head(c, agent, user)
@@ -539,6 +538,12 @@ def forget_instances(c: "Conn", scope_keys: Sequence[str]) -> int:
             n += c.x(f"DELETE FROM {t} WHERE agent_id = ? AND user_id = ?", (agent, user))
         n += c.x("DELETE FROM row_deletions WHERE owner = ?", (ci.owner(agent, user),))
     return n
+
+
+def check_name(name: str | None) -> None:
+    """Refuse a checkpoint name the store would not record (callers check it before the sandbox half is taken)."""
+    if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 100 or "\x00" in name):
+        raise InvalidInput("a checkpoint name is 1-100 characters", hint="name it again, shorter (or leave it out)")
 
 
 def new_checkpoint_id() -> str:
