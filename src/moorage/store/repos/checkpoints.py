@@ -248,7 +248,7 @@ class Checkpoints:
                       (checkpoint_id, agent, user))
         if r is None:
             raise NotFound(f"user {user!r} of agent {agent!r} has no checkpoint {checkpoint_id!r}",
-                           hint="list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
+                           hint=f"list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
         return _checkpoint(r)
 
     def by_ref(self, agent: str, user: str, ref: str) -> Checkpoint:
@@ -261,7 +261,7 @@ class Checkpoints:
                       "ORDER BY (id = ?) DESC, seq DESC LIMIT 1", (agent, user, ref, ref, ref))
         if r is None:
             raise NotFound(f"user {user!r} of agent {agent!r} has no checkpoint with the id or name {ref!r}",
-                           hint="list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
+                           hint=f"list them with GET /v1/agents/{agent}/users/{user}/checkpoints")
         return _checkpoint(r)
 
     def restorable(self, agent: str, user: str, checkpoint_id: str) -> Checkpoint:
