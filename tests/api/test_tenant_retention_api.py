@@ -12,7 +12,8 @@ from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 GZ = {"content-type": "application/gzip"}
-NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None}
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None,
+        "webhooks": None}
 
 
 async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, globex: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from moorage import AsyncClient, Client
 
 SDK_MD = Path(__file__).resolve().parents[2] / "docs" / "sdk.md"
 #: Backticked words of the Methods section that are not methods: retention kinds, key scopes, answer fields.
-NOT_METHODS = {"session", "user", "workflow", "executions", "usage", "traces", "admin", "provision", "read", "invoke",
+NOT_METHODS = {"session", "user", "workflow", "executions", "usage", "traces", "webhooks", "admin", "provision", "read", "invoke",
                "deploy", "secrets", "url", "token", "data", "next_cursor"}
 
 

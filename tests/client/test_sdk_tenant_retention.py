@@ -11,7 +11,8 @@ from moorage import AsyncClient, Client
 from moorage.client import AuthError, BadRequest
 from tests.api.conftest import agent_archive
 
-NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None}
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None,
+        "webhooks": None}
 
 
 async def test_tenant_retention_and_zero_retention_through_the_sdk(live_rt, acme: str, tmp_path: Path):
