@@ -45,6 +45,8 @@ async def fork_through(tt: "TimeTravel", ts: TenantStore, agent: str, user: str,
 
     rt, repo, template = tt.rt, checkpoints_of(ts), None
     async with tt._hold(ts, agent, user) as sandbox:
+        # Read again now the instance is held: a turn the fork waited for may have pruned it meanwhile.
+        target = await asyncio.to_thread(repo.restorable, agent, user, target.id)
         agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))
         if target.sandbox_checkpoint:
             await tt._sandbox_half(sandbox, target)

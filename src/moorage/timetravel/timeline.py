@@ -159,6 +159,8 @@ class TimeTravel(AutoCheckpoints, Holding):
         target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
         async with self._hold(ts, agent, user) as sandbox:
+            # Read again now the instance is held: a turn the rollback waited for may have pruned it meanwhile.
+            target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
             await self._sandbox_half(sandbox, target)
             left = await self._take(ts, agent, user, sandbox, kind="before-rollback",
                                     summary={"rolled_back_to": target.id})
