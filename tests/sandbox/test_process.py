@@ -374,3 +374,19 @@ async def test_a_sandbox_outlives_its_zygotes_control_socket_and_still_rolls_bac
     await sb.rollback("c1")
     assert await sb.read_file("/work/a.txt") == b"one"
     assert sb._pid != host_pid  # type: ignore[attr-defined]  # a new sandbox this time
+
+
+async def test_a_slept_sandbox_is_destroyed_at_once(pdriver: ProcessDriver) -> None:
+    """After a sleep the record names no supervisor start time; a gone supervisor was read as alive then (None ==
+    None), and destroying the sandbox (a forget, a TTL delete) waited the whole 5 s stop timeout."""
+    import time
+
+    sb = await pdriver.create("slept")
+    await sb.start()
+    await sb.sleep()
+    same = await pdriver.open("slept")
+    assert isinstance(same, ProcessSandbox) and not same._alive()
+    t0 = time.monotonic()
+    await same.destroy()
+    assert time.monotonic() - t0 < 2.5, f"destroy took {time.monotonic() - t0:.1f} s"
+    assert "slept" not in await pdriver.list()

@@ -123,7 +123,11 @@ class ProcessSandbox(Checkpointing, RunningGuest, Launching, Sandbox):
             # Started by a host on another data directory, of which this is a copy (docs/operations.md): that
             # process is the original's sandbox, never this one, even while it runs.
             return False
-        return proc_starttime(self._pid) == self.meta.get("pid_starttime")
+        # A pid with no such process is not alive, also where the record no longer names its start time (a sleep
+        # clears it): None == None read a gone supervisor as alive, and every destroy after a sleep waited the
+        # whole stop timeout (5 s per forgotten user).
+        started = proc_starttime(self._pid)
+        return started is not None and started == self.meta.get("pid_starttime")
 
     def _save(self, **changes: Any) -> None:
         self.meta.update(changes)
