@@ -136,7 +136,7 @@ class TimeTravel(AutoCheckpoints, Holding):
         instance): the sandbox as it is now, and the store as the turn's writes so far left it (each host call
         commits when it happens). The turn itself is recorded as running in it (``summary.during_turn``); a
         rollback or fork to it ends that run as failed. A turn replayed after a crash that asks again for the same
-        name gets the checkpoint it already took."""
+        name gets the checkpoint it already took (the k-th call with a name, the k-th such checkpoint of the turn)."""
         ts, agent, user = b.ts, b.entity.agent, b.entity.user
         if _scope_of(b.manifest) != "user":
             raise InvalidInput(f"agent {agent!r} has one instance per {_scope_of(b.manifest)}; checkpoints are "
@@ -144,9 +144,14 @@ class TimeTravel(AutoCheckpoints, Holding):
         if await asyncio.to_thread(_keeps_nothing, ts, agent):
             raise InvalidInput(f"agent {agent!r} keeps nothing of its turns (zero retention); a checkpoint would "
                                "keep them", hint="turn zero retention off to checkpoint its users")
-        for ck in await asyncio.to_thread(checkpoints_of(ts).list, agent, user, limit=200):
-            if ck.name == name and ck.summary.get("during_turn") == b.turn_id:
-                return ck
+        # The k-th call with this name in this execution of the turn: a replay (after a crash) gets the k-th one the
+        # turn took before; a turn that asks for the same name again (a loop) gets a new one each time.
+        asked = vars(b).setdefault("_checkpoints_asked", {})
+        k = asked[name] = asked.get(name, 0) + 1
+        took = [ck for ck in await asyncio.to_thread(checkpoints_of(ts).list, agent, user, limit=200)
+                if ck.name == name and ck.summary.get("during_turn") == b.turn_id]
+        if len(took) >= k:
+            return sorted(took, key=lambda ck: ck.seq)[k - 1]
         return await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
                                 summary={"during_turn": b.turn_id})
 
