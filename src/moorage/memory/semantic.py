@@ -243,7 +243,8 @@ class SemanticMemory:
         try:
             f = self.ts.facts.get(fact_id)
         except NotFound as e:
-            raise FactNotFound(f"no fact {fact_id!r} in this tenant", hint="list pending facts with `moorage memory facts`") from e
+            raise FactNotFound(f"no fact {fact_id!r} in this tenant", hint="list the user's pending facts with `moorage memory pending AGENT USER` "
+                               "(GET /v1/agents/{agent}/users/{user}/facts/pending)") from e
         if f.scope != scope:
             raise FactNotFound(f"no fact {fact_id!r} in scope {scope.key}")
         return f
