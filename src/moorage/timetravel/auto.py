@@ -40,6 +40,11 @@ def _can_delete(sandbox: Any) -> bool:
     return type(sandbox).delete_checkpoint is not Sandbox.delete_checkpoint
 
 
+def _live_manifest(ts: TenantStore, agent: str) -> dict[str, Any]:
+    rec = ts.agents.get(agent)
+    return ts.deployments.get(rec.live_deployment).manifest if rec.live_deployment else {}
+
+
 class AutoCheckpoints:
     """How ``TimeTravel`` takes checkpoints (a mixin: the timeline holds the state named below)."""
 
@@ -78,21 +83,7 @@ class AutoCheckpoints:
                     await asyncio.to_thread(checkpoints_of(b.ts).record_missing, b.entity.agent, b.entity.user,
                                             turn_id=b.turn_id, error=f"{type(e).__name__}: {e}")
                 return None
-            if ck.seq % self.PRUNE_EVERY == 0:
-                try:
-                    names = await self._prune(b.ts, b.entity.agent, b.entity.user, sandbox, Policy.of(b.manifest))
-                except Exception as e:  # noqa: BLE001 - retention runs again at the next tenth checkpoint
-                    log.warning("checkpoint retention failed", agent=b.entity.agent, user=b.entity.user, error=str(e))
-                    names = []
-                if names:
-                    # The pruned checkpoints' sandbox halves are removed after the instance is let go: nothing can
-                    # restore them any more (their rows are gone), and the next turn need not wait for the disk.
-                    # ``settled`` (a listing, a sleep, a forget) still waits for them.
-                    task = asyncio.get_running_loop().create_task(self._delete_sandbox_checkpoints(
-                        sandbox, names, self._retention.get(key)), name="checkpoint-retention")
-                    self._retention[key] = task
-                    task.add_done_callback(lambda t: self._retention.pop(key, None) if self._retention.get(key) is t else None)
-                    self.keep_tail(task)
+            await self._retain(b.ts, b.entity.agent, b.entity.user, sandbox, ck, Policy.of(b.manifest))
             log.debug("checkpoint after turn", agent=b.entity.agent, user=b.entity.user, checkpoint=ck.id,
                       ms=round((time.perf_counter() - started) * 1000, 1))
             return ck
@@ -100,6 +91,30 @@ class AutoCheckpoints:
             done.set()
             if self._inflight.get(key) is done:
                 del self._inflight[key]
+
+    async def _retain(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", ck: Checkpoint,
+                      policy: Policy | None = None) -> None:
+        """Retention, when ``ck`` (just taken, of any kind: automatic, asked for, a rollback's) is a tenth checkpoint
+        of the instance; called while the instance is held. Never fails its caller."""
+        if ck.seq % self.PRUNE_EVERY != 0:
+            return
+        key = (ts.tenant_id, agent, user)
+        try:
+            if policy is None:  # not in a turn: the live deployment's [agent.timetravel]
+                policy = Policy.of(await asyncio.to_thread(_live_manifest, ts, agent))
+            names = await self._prune(ts, agent, user, sandbox, policy)
+        except Exception as e:  # noqa: BLE001 - retention runs again at the next tenth checkpoint
+            log.warning("checkpoint retention failed", agent=agent, user=user, error=str(e))
+            return
+        if names:
+            # The pruned checkpoints' sandbox halves are removed after the instance is let go: nothing can
+            # restore them any more (their rows are gone), and the next turn need not wait for the disk.
+            # ``settled`` (a listing, a sleep, a forget) still waits for them.
+            task = asyncio.get_running_loop().create_task(self._delete_sandbox_checkpoints(
+                sandbox, names, self._retention.get(key)), name="checkpoint-retention")
+            self._retention[key] = task
+            task.add_done_callback(lambda t: self._retention.pop(key, None) if self._retention.get(key) is t else None)
+            self.keep_tail(task)
 
     @staticmethod
     async def _delete_sandbox_checkpoints(sandbox: "Sandbox", names: list[str],

@@ -24,7 +24,7 @@ from moorage.store.repos.checkpoints import MISSING, Checkpoint, check_name, che
 from moorage.timetravel.auto import AUTO_DRIVERS, CLOSE_WAIT_S, AutoCheckpoints, _can_delete, _scope_of
 from moorage.timetravel.fork import check_new_users, fork_through
 from moorage.timetravel.holding import CheckpointGone, Holding, _keeps_nothing
-from moorage.timetravel.retention import checkpoint_view, lineage, restorable
+from moorage.timetravel.retention import Policy, checkpoint_view, lineage, restorable
 
 if TYPE_CHECKING:
     from moorage.runtime.host_calls import TurnBinding
@@ -129,7 +129,9 @@ class TimeTravel(AutoCheckpoints, Holding):
         ts = self._ts(principal, agent, user, as_scope)
         check_name(name)  # before the instance is woken and held
         async with self._hold(ts, agent, user) as sandbox:
-            return await self._take(ts, agent, user, sandbox, kind="manual", name=name)
+            ck = await self._take(ts, agent, user, sandbox, kind="manual", name=name)
+            await self._retain(ts, agent, user, sandbox, ck)
+            return ck
 
     async def take_in_turn(self, b: "TurnBinding", sandbox: "Sandbox", name: str) -> Checkpoint:
         """``ctx.checkpoint(name)`` from the agent's code, at that point of the turn (which already holds the
@@ -152,8 +154,10 @@ class TimeTravel(AutoCheckpoints, Holding):
                 if ck.name == name and ck.summary.get("during_turn") == b.turn_id]
         if len(took) >= k:
             return sorted(took, key=lambda ck: ck.seq)[k - 1]
-        return await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
-                                summary={"during_turn": b.turn_id})
+        ck = await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
+                              summary={"during_turn": b.turn_id})
+        await self._retain(ts, agent, user, sandbox, ck, Policy.of(b.manifest))
+        return ck
 
     async def rollback(self, principal: Principal, agent: str, user: str, checkpoint_id: str, *,
                        as_scope: str = "provision") -> dict[str, Any]:
@@ -174,6 +178,7 @@ class TimeTravel(AutoCheckpoints, Holding):
             await self._vm_rollback(sandbox, target)
             branch = await asyncio.to_thread(repo.rollback, agent, user, target.id)
             self._forget_cached(ts)
+            await self._retain(ts, agent, user, sandbox, left)  # the instance now at the target: it is kept
         ms = round((time.perf_counter() - started) * 1000, 1)
         log.info("instance rolled back", agent=agent, user=user, to=target.id, ms=ms)
         return {"object": "rollback", "agent": agent, "user": user, "rolled_back_to": target.id, "branch": branch,
