@@ -5,8 +5,6 @@ deploy as failed, while a deploy another live host is building stays ``building`
 
 from __future__ import annotations
 
-import io
-import tarfile
 import threading
 import time
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from tests.api.conftest import agent_archive
 from tests.fleet.harness import Fleet, until
 
 #: Loading the agent takes a while (its template's build waits for it): time to look, and to kill the host.
@@ -28,14 +27,7 @@ async def on_message(ctx, message):
 
 
 def _archive(root: Path, name: str) -> bytes:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
-    (root / "agent.py").write_text(SLOW_AGENT)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for p in sorted(root.iterdir()):
-            tar.add(p, arcname=p.name)
-    return buf.getvalue()
+    return agent_archive(root, name, SLOW_AGENT)
 
 
 def _deploys(api: httpx.Client, agent: str) -> list[dict[str, Any]]:
