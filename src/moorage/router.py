@@ -46,6 +46,11 @@ class Overloaded(MoorageError):
         self.retry_after_s = retry_after_s
 
 
+def _set(ev: asyncio.Event) -> asyncio.Event:
+    ev.set()
+    return ev
+
+
 @dataclass(eq=False)
 class _Line:
     """A FIFO of turns: ``asyncio.Lock`` wakes waiters in arrival order and newcomers never jump the line."""
@@ -55,8 +60,9 @@ class _Line:
     members: int = 0
     #: The session whose turn holds the instance (for the reject policy).
     holder: str | None = None
-    #: Turns running side by side (parallel policy), per session.
-    active: dict[str, int] = field(default_factory=dict)
+    #: Turns running side by side (parallel policy), and set when none is.
+    running: int = 0
+    drained: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
 
 
 class Router:
@@ -170,15 +176,26 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def _on_instance(self, key: tuple[str, str], session: str, scope: Scope,
-                           lc: AgentLifecycle) -> AsyncIterator[None]:
-        """Turns of different sessions on one instance: wait in line (queue), 409 (reject) or side by side (parallel)."""
+                           lc: AgentLifecycle, *, exclusive: bool = False) -> AsyncIterator[None]:
+        """Turns of different sessions on one instance: wait in line (queue), 409 (reject) or side by side (parallel).
+
+        ``exclusive`` (a rollback or a fork of the instance): alone on it whatever the policy, in line after the turns
+        before it (on a parallel agent: once those running side by side have ended; those arriving meanwhile wait)."""
         line = self._instances.get(key)
         if line is None:
             line = self._instances[key] = _Line()
-        if lc.concurrency == "parallel":
+        if lc.concurrency == "parallel" and not exclusive:
             line.members += 1
             try:
-                yield
+                async with line.lock:  # held only by an exclusive holder for long: wait for it, never for a turn
+                    line.running += 1
+                    line.drained.clear()
+                try:
+                    yield
+                finally:
+                    line.running -= 1
+                    if line.running == 0:
+                        line.drained.set()
             finally:
                 line.members -= 1
                 if line.members == 0:
@@ -191,6 +208,8 @@ class Router:
         line.members += 1
         try:
             async with line.lock:
+                if exclusive:
+                    await line.drained.wait()  # a parallel agent's turns already running end first
                 line.holder = session
                 try:
                     yield

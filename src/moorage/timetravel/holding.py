@@ -81,7 +81,7 @@ class Holding:
         async def template() -> Any:
             return await rt._template_for(ts, agent_rec)
 
-        async with rt.router._on_instance((ts.tenant_id, scope.key), "-time-travel", scope, lc):
+        async with rt.router._on_instance((ts.tenant_id, scope.key), "-time-travel", scope, lc, exclusive=True):
             async with rt.instances.turn(ts, scope, template, lifecycle=lc) as sandbox:
                 await self._finish_pending(ts, agent, user, sandbox)
                 yield sandbox
