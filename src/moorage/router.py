@@ -65,6 +65,11 @@ class _Line:
     drained: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
 
 
+def _forgotten(key: EntityKey) -> ConflictError:
+    return ConflictError(f"user {key.user!r} of agent {key.agent!r} was forgotten while this turn waited",
+                         hint="send it again to start over as a new user")
+
+
 class Router:
     """Routes turns for one host process. Stateless across restarts: placement is read from the store each turn."""
 
@@ -98,11 +103,18 @@ class Router:
             raise TenantScopeError(f"this key may only act for user {principal.user!r}")
 
     @staticmethod
-    def resolve(ts: TenantStore, key: EntityKey) -> tuple[Agent, AgentLifecycle, Scope]:
+    def resolve(ts: TenantStore, key: EntityKey,
+                user_since: float | None = None) -> tuple[Agent, AgentLifecycle, Scope]:
+        """The agent, its lifecycle and the turn's scope, the user registered if the agent makes users as they
+        come. ``user_since`` (when the user the turn was accepted for was registered): a user forgotten since is
+        refused (409) here, before registering anyone: the turn must not make the user it waited for again."""
         agent = ts.agents.get(key.agent)  # NotFound: never provision an instance of an agent that does not exist
         lc = AgentLifecycle.of(agent)
         # End-users are a resource of one agent: a user of agent A is no user of agent B (a read on the hot path).
-        if ts.agent_users.find(key.agent, key.user) is None:
+        found = ts.agent_users.find(key.agent, key.user)
+        if user_since is not None and (found is None or found.created_at != user_since):
+            raise _forgotten(key)
+        if found is None:
             # A user who already talked to this agent before users were per agent (a session of theirs exists)
             # is registered now rather than locked out.
             if lc.users != "auto" and not ts.sessions.list(key.agent, key.user, limit=1):
@@ -140,14 +152,14 @@ class Router:
             session = key.session or key.workflow or "-"
             # The line is joined before the first await, so turns of one session keep the order they arrived in.
             async with self._in_session_line((ts.tenant_id, key.agent, key.user, session)):
-                agent, lc, scope = await asyncio.to_thread(self.resolve, ts, key)
+                # A user forgotten while this turn waited in its session's line is refused there, unregistered.
+                agent, lc, scope = await asyncio.to_thread(self.resolve, ts, key, user_since)
                 async with self._on_instance((ts.tenant_id, scope.key), session, scope, lc):
                     # ``resolve`` registered the user; gone (or made again) now only if they were forgotten while
                     # this turn waited in line (the forget holds the line): it must not run for someone else.
                     now = await asyncio.to_thread(ts.agent_users.find, key.agent, key.user)
                     if now is None or (user_since is not None and now.created_at != user_since):
-                        raise ConflictError(f"user {key.user!r} of agent {key.agent!r} was forgotten while this "
-                                            "turn waited", hint="send it again to start over as a new user")
+                        raise _forgotten(key)
 
                     async def template() -> TemplateRef:
                         return await self.templates(ts, agent)
