@@ -383,7 +383,15 @@ def test_a_host_stopped_mid_backup_stops_it_cleanly_and_leaves_it_marked_incompl
 
         slow = threading.Thread(target=slow_turn)
         slow.start()
-        time.sleep(2)
+        # Until ada's turn runs (under load its wake can take longer than any fixed pause: the backup would then
+        # copy ada before the turn and finish before the host is asked to stop).
+        deadline = time.monotonic() + 60
+        with Client(host.url, host.key) as sdk:
+            while not [r for r in sdk.list_workflows(status="running", agent="counter")["data"]
+                       if r["scope"].split("/")[1] == "ada"]:
+                assert time.monotonic() < deadline, "ada's slow turn never began"
+                time.sleep(0.1)
+        time.sleep(0.5)
         cli = subprocess.Popen(backup_cmd(dest), env=backup_env(data), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT)
         assert cli.stdout is not None

@@ -56,12 +56,18 @@ class AdminSocket:
         os.chmod(self.path, 0o600)
         return True
 
+    def stop_backup(self) -> None:
+        """The host is stopping (SIGTERM, Ctrl-C): a backup still running is stopped now, its copy left incomplete."""
+        task = self._running
+        if task is not None and not task.done() and not task.cancelling():
+            log.warning("the host is stopping: the online backup in progress is stopped, its copy left incomplete")
+            task.cancel()
+
     async def close(self) -> None:
         """Stop listening; a backup still running is stopped (its instances let go before the host sleeps them)."""
         task = self._running
         if task is not None and not task.done():
-            log.warning("the host is stopping: the online backup in progress is stopped, its copy left incomplete")
-            task.cancel()
+            self.stop_backup()
             with contextlib.suppress(BaseException):
                 await task
         if self._server is not None:
