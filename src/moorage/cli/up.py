@@ -203,13 +203,20 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     # uvicorn turns SIGTERM/SIGINT into a graceful stop, then raises the signal again once it has stopped serving.
     # With the default handlers back in place that would kill this process before the host could put its awake
     # instances to sleep; these handlers make that second delivery a no-op, so the clean stop below always runs.
-    loop = asyncio.get_running_loop()
-
     def stop_serving(sig: int, frame: object) -> None:
         server.should_exit = True
-        # An online backup stops now, not once the server has drained its requests (a long turn would let it run
-        # on, and finish, while the host is stopping).
+
+    # While it serves, uvicorn's own handler takes the signal (and drains requests before ``serve`` returns): an
+    # online backup is stopped as the signal arrives, not after a long turn in flight ended (it would run on, and
+    # finish, while the host is stopping).
+    loop = asyncio.get_running_loop()
+    uvicorn_exit = server.handle_exit
+
+    def handle_exit(sig: int, frame: object) -> None:
         loop.call_soon_threadsafe(admin.stop_backup)
+        uvicorn_exit(sig, frame)
+
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
 
     previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGTERM, signal.SIGINT)}
     task = asyncio.create_task(after_start())
