@@ -264,6 +264,31 @@ async def test_host_restart_readopts_running_and_sleeping(driver: MicroVMDriver,
     await d2.close()
 
 
+async def test_a_host_killed_mid_wake_leaves_no_second_qemu_on_the_sandbox(driver: MicroVMDriver, root: Path,
+                                                                          template: TemplateRef) -> None:
+    """A host killed after it started a wake's QEMU but before it recorded that QEMU as running left it running on
+    the sandbox's disk and memory file; the next host then woke the sandbox with a second QEMU on the same files,
+    and the guest hung (its first turn got no answer). The next host kills that QEMU before it wakes the sandbox."""
+    (kid,) = await driver.fork(template, ["mid-wake"])
+    await kid.wake()
+    await kid.write_file("/work/m.txt", b"before the crash")
+    token = await ask_token(kid)
+    await kid.sleep()
+    await kid._launch(incoming=True)  # the wake's QEMU is up, waiting for the snapshot; the host dies here
+    pid = kid.pid
+    assert _alive(pid) and json.loads((kid.dir / "meta.json").read_text())["pid"] is None
+    await kid._qmp.close()  # the dead host's connections are gone, and nothing of it is left to tear QEMU down
+    kid._proc = kid._qmp = None
+    d2 = make_driver(root)
+    k2 = await d2.open("mid-wake")
+    assert k2.state is SandboxState.SLEEPING and not _alive(pid)
+    await k2.wake()
+    assert await ask_token(k2) == token
+    assert await k2.read_file("/work/m.txt") == b"before the crash"
+    await k2.destroy()
+    await d2.close()
+
+
 async def test_checkpoint_rollback_restores_files_and_memory(driver: MicroVMDriver, template: TemplateRef) -> None:
     (kid,) = await driver.fork(template, ["fork-ckpt"])
     await kid.wake()

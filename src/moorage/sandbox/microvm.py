@@ -146,11 +146,18 @@ class MicroVMDriver(SandboxDriver):
             if not await sb._reattach():
                 # QEMU died with the host: no consistent memory image exists, the disk does.
                 sb._set_state(SandboxState.STOPPED, pid=None, snapshot=None)
-        elif meta.get("pid") and pid_is_ours(meta["pid"], str(sb.run_dir)):
-            # A QEMU left over from a crash in the middle of sleep: its snapshot may be incomplete.
-            kill_pid(meta["pid"])
-            sb._meta["pid"] = None
-            sb._save_meta()
+        else:
+            # A QEMU left over from a crash in the middle of a sleep (its snapshot may be incomplete), or of a wake
+            # or boot before its pid was recorded with the state (``qemu.pid`` names it from its start): that one
+            # runs the guest on this sandbox's disk and memory file, and a wake now would start a second on them.
+            for pid in {meta.get("pid"), _pid_in(d / "qemu.pid")} - {None}:
+                if pid_is_ours(pid, str(sb.run_dir)):
+                    log.warning("killing a QEMU left over from a host that died", sandbox=sandbox_id, pid=pid)
+                    kill_pid(pid)
+            (d / "qemu.pid").unlink(missing_ok=True)
+            if meta.get("pid"):
+                sb._meta["pid"] = None
+                sb._save_meta()
         self._open[sandbox_id] = sb
         return sb
 
@@ -345,3 +352,10 @@ def _env_arg(env: Mapping[str, str]) -> str:
         raise InvalidInput("sandbox environment too large for a micro-VM (1 KiB encoded)",
                            hint="pass large settings as a file instead")
     return arg
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
