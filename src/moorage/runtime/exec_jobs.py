@@ -165,7 +165,7 @@ class ExecJobs:
         error: str | None = None
         try:
             res = await self.runtime.exec(principal, job.sandbox_id, job.argv, timeout=job.timeout_s, cwd=cwd,
-                                          env=env, on_output=job.output)
+                                          env=env, on_output=job.output, execution=job.id)
             status = _status(res.exit_code, res.timed_out)
             exit_code = None if res.timed_out else res.exit_code
         except asyncio.CancelledError:

@@ -15,6 +15,7 @@ from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.sandbox import TemplateRef
 from moorage.store import Principal, Scope, TenantStore
+from moorage.timetravel.gate import Gate
 
 log = get_logger(__name__)
 
@@ -85,23 +86,31 @@ class OperatorVerbs:
                                hint='{"to_users": ["..."]}: each starts as this one is now (sandbox and memory)')
         return {"id": rec.id, **await tt.fork_now(principal, agent, user, to_users, ref, as_scope="deploy")}
 
+    # The reads and execs wait for a rollback or fork of the instance in progress and then see where it left it;
+    # a rollback or fork asked for while an exec runs is refused (``timetravel/gate.py``, docs/timetravel.md).
+
     async def list_files(self, principal: Principal, sandbox_id: str, path: str) -> list[dict[str, Any]]:
         ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return [{"name": f.name, "path": f.path, "type": f.type, "size": f.size, "mtime": f.mtime}
-                    for f in await sb.list_files(path)]
+        async with Gate.of(self).reading((ts.tenant_id, rec.scope.key)):
+            async with self.instances.turn(ts, rec.scope, template) as sb:
+                return [{"name": f.name, "path": f.path, "type": f.type, "size": f.size, "mtime": f.mtime}
+                        for f in await sb.list_files(path)]
 
     async def read_file(self, principal: Principal, sandbox_id: str, path: str) -> bytes:
         ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return await sb.read_file(path)
+        async with Gate.of(self).reading((ts.tenant_id, rec.scope.key)):
+            async with self.instances.turn(ts, rec.scope, template) as sb:
+                return await sb.read_file(path)
 
-    async def exec(self, principal: Principal, sandbox_id: str, argv: list[str], **kw: Any) -> Any:
-        """Run a command in one instance's sandbox, held awake until it ends (detached: ``runtime.exec_jobs``)."""
+    async def exec(self, principal: Principal, sandbox_id: str, argv: list[str], *, execution: str | None = None,
+                   **kw: Any) -> Any:
+        """Run a command in one instance's sandbox, held awake until it ends (detached: ``runtime.exec_jobs``, which
+        names its ``execution``)."""
         principal.require("deploy")
         ts, rec, template = await self._instance_of(principal, sandbox_id)
-        async with self.instances.turn(ts, rec.scope, template) as sb:
-            return await sb.exec(argv, **kw)
+        async with Gate.of(self).executing((ts.tenant_id, rec.scope.key), argv, kw.get("timeout"), execution):
+            async with self.instances.turn(ts, rec.scope, template) as sb:
+                return await sb.exec(argv, **kw)
 
     async def forget(self, principal: Principal, agent: str, user: str) -> int:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""

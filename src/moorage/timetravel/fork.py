@@ -14,6 +14,7 @@ from moorage.log import get_logger
 from moorage.store import EntityKey, Scope, TenantStore
 from moorage.store.model import check_id
 from moorage.store.repos.checkpoints import Checkpoint, checkpoints_of
+from moorage.timetravel.gate import Gate
 
 if TYPE_CHECKING:
     from moorage.timetravel.timeline import TimeTravel
@@ -41,10 +42,14 @@ async def check_new_users(ts: TenantStore, agent: str, user: str, to_users: Sequ
 async def fork_through(tt: "TimeTravel", ts: TenantStore, agent: str, user: str, target: Checkpoint, to_users: Sequence[str],
                         template_id: str, started: float) -> dict[str, Any]:
     """``fork``'s work: a template ``template_id`` of the checkpoint's sandbox half, then each new user."""
-    from moorage.timetravel.timeline import _can_delete
+    from moorage.timetravel.timeline import _can_delete, _key, _what
 
     rt, repo, template = tt.rt, checkpoints_of(ts), None
-    async with tt._hold(ts, agent, user) as sandbox:
+    # The source's sandbox is taken to the checkpoint and back: refused while an exec runs in it, and the
+    # operator's reads and execs arriving meanwhile wait (a fork without a sandbox half leaves it alone).
+    gate = Gate.of(rt).travelling(_key(ts, agent, user), "fork", _what(agent, user)) if target.sandbox_checkpoint \
+        else contextlib.nullcontext()
+    async with gate, tt._hold(ts, agent, user) as sandbox:
         # Read again now the instance is held: a turn the fork waited for may have pruned it meanwhile.
         target = await asyncio.to_thread(repo.restorable, agent, user, target.id)
         agent_rec, lc, _ = await asyncio.to_thread(rt.router.resolve, ts, EntityKey(agent, user, "default"))

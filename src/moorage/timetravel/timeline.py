@@ -23,6 +23,7 @@ from moorage.store.model import check_id
 from moorage.store.repos.checkpoints import MISSING, Checkpoint, check_name, checkpoints_of
 from moorage.timetravel.auto import AUTO_DRIVERS, CLOSE_WAIT_S, AutoCheckpoints, _can_delete, _scope_of
 from moorage.timetravel.fork import check_new_users, fork_through
+from moorage.timetravel.gate import Gate
 from moorage.timetravel.holding import CheckpointGone, Holding, _keeps_nothing
 from moorage.timetravel.retention import Policy, checkpoint_view, lineage, restorable
 
@@ -31,6 +32,15 @@ if TYPE_CHECKING:
     from moorage.sandbox import Sandbox
 
 log = get_logger(__name__)
+
+
+def _key(ts: TenantStore, agent: str, user: str) -> tuple[str, str]:
+    """The instance's key in the operator verbs' ``Gate``."""
+    return ts.tenant_id, Scope.for_user(agent, user).key
+
+
+def _what(agent: str, user: str) -> str:
+    return f"the instance of user {user!r} of agent {agent!r}"
 
 
 class TimeTravel(AutoCheckpoints, Holding):
@@ -167,7 +177,9 @@ class TimeTravel(AutoCheckpoints, Holding):
         repo = checkpoints_of(ts)
         target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
-        async with self._hold(ts, agent, user) as sandbox:
+        # Refused while an exec runs in the sandbox; the operator's reads and execs arriving meanwhile wait for it.
+        async with Gate.of(self.rt).travelling(_key(ts, agent, user), "roll back", _what(agent, user)), \
+                self._hold(ts, agent, user) as sandbox:
             # Read again now the instance is held: a turn the rollback waited for may have pruned it meanwhile.
             target = await asyncio.to_thread(repo.restorable, agent, user, checkpoint_id)
             await self._sandbox_half(sandbox, target)
@@ -192,6 +204,7 @@ class TimeTravel(AutoCheckpoints, Holding):
         check_name(name)
         await check_new_users(ts, agent, user, to_users)
         self.rt.instances.refuse_if_draining("forks")
+        Gate.of(self.rt).refuse_if_executing(_key(ts, agent, user), "fork", _what(agent, user))  # before its checkpoint
         ck = await self.take(principal, agent, user, name, as_scope=as_scope)
         return await self._fork(ts, agent, user, ck.id, to_users)
 
