@@ -285,8 +285,24 @@ async def test_a_host_killed_mid_wake_leaves_no_second_qemu_on_the_sandbox(drive
     await k2.wake()
     assert await ask_token(k2) == token
     assert await k2.read_file("/work/m.txt") == b"before the crash"
-    await k2.destroy()
+    # Killed later in the wake: that QEMU had loaded the snapshot and its guest ran, holding the disk (a second
+    # QEMU could not even start on it, and the wake failed).
+    await k2.sleep()
+    before = (k2.dir / "meta.json").read_text()
+    await k2.wake()
+    (k2.dir / "meta.json").write_text(before)  # its state as the host left it: asleep, no pid recorded
+    pid = k2.pid
+    await k2._qmp.close()
+    await k2._channel.close("the host died")
+    k2._proc = k2._qmp = k2._channel = None
+    d3 = make_driver(root)
+    k3 = await d3.open("mid-wake")
+    assert k3.state is SandboxState.SLEEPING and not _alive(pid)
+    await k3.wake()
+    assert await ask_token(k3) == token
+    await k3.destroy()
     await d2.close()
+    await d3.close()
 
 
 async def test_checkpoint_rollback_restores_files_and_memory(driver: MicroVMDriver, template: TemplateRef) -> None:
