@@ -10,13 +10,23 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api.routing import Call, Param
-from moorage.errors import InvalidInput
+from moorage.errors import InvalidInput, TenantScopeError
 from moorage.store import Agent
 from moorage.store.model import check_id
 
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size")
 CURSOR = Param("cursor", {"type": "string"}, "next_cursor of the previous page")
 PAGE = (LIMIT, CURSOR)
+
+
+def agent_of_key(call: Call, what: str) -> str | None:
+    """The ``?agent=`` of a listing that spans agents. A key limited to one agent must name its own: the answer
+    is then that agent's only, and never a silent filter (a 403 whose hint says what to add)."""
+    agent, limited = call.query("agent"), call.who.agent
+    if limited is not None and agent != limited:
+        raise TenantScopeError(f"this key is limited to agent {limited!r}; it may read that agent's {what} only",
+                               hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
+    return agent
 
 
 def agent_of(call: Call) -> Agent:

@@ -9,19 +9,9 @@ from typing import Any
 
 from moorage.api import schemas as S
 from moorage.api.pagination import keyset_page, parse_limit, position
-from moorage.api.routes._common import PAGE, float_query
+from moorage.api.routes._common import PAGE, agent_of_key, float_query
 from moorage.api.routing import Call, Endpoint, Param
-from moorage.errors import InvalidInput, NotFound, TenantScopeError
-
-
-def _agent_of_key(call: Call, agent: str | None) -> str | None:
-    """The agent whose spans to read: a key limited to one agent reads that agent's only, and names it on the
-    listing (never a silent filter), as for workflow runs."""
-    limited = call.who.agent
-    if limited is not None and agent != limited:
-        raise TenantScopeError(f"this key is limited to agent {limited!r}; it may list that agent's spans only",
-                               hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
-    return agent
+from moorage.errors import InvalidInput, NotFound
 
 
 def get_trace(call: Call) -> dict[str, Any]:
@@ -38,7 +28,7 @@ def recent_spans(call: Call) -> dict[str, Any]:
     # one, this listing's own included), and an offset would show the next page's first spans again.
     limit = parse_limit(call.query("limit"))
     pos = position(call.query("cursor"), {"t": (int, float), "s": str})
-    agent = _agent_of_key(call, call.query("agent"))
+    agent = agent_of_key(call, "spans")  # as for workflow runs
     spans = call.tenant.spans.recent(limit=limit + 1, before=(float(pos["t"]), pos["s"]) if pos else None, agent=agent)
     return keyset_page(spans, limit, lambda s: {"t": s.start_ts, "s": s.span_id}, S.span)
 
