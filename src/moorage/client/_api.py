@@ -277,6 +277,7 @@ class Api(ReachApi, ABC):
 
     def list_sandboxes(self, *, state: str | None = None, agent: str | None = None, limit: int | None = None,
                        cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        """``agent``: that agent's sandboxes only (a key limited to one agent must name it)."""
         return self._send(Request("GET", "/v1/sandboxes", _page(limit, cursor, state=state, agent=agent)))
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
@@ -327,7 +328,8 @@ class Api(ReachApi, ABC):
 
     def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None,
               by_day: bool = False) -> T.Usage:
-        """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …); ``by_day`` adds ``days`` (UTC)."""
+        """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …); ``by_day`` adds ``days`` (UTC); ``agent``:
+        that agent's only (a key limited to one agent must name it)."""
         params = {k: v for k, v in {"since": since, "agent": agent, "user": user}.items() if v is not None}
         if by_day:
             params["group"] = "day"

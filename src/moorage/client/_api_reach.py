@@ -58,6 +58,10 @@ class ReachApi(ABC):
 
     # -- the fleet ------------------------------------------------------------------------------------------
 
-    def fleet(self) -> dict[str, Any]:
-        """The tenant's instances by state with their activity, wake latency, RAM and disk, and the cost split."""
-        return self._send(Request("GET", "/v1/fleet"))
+    def fleet(self, *, agent: str | None = None, since: float | None = None,
+              limit: int | None = None) -> dict[str, Any]:
+        """The tenant's instances by state with their activity, wake latency, RAM and disk, and the cost split;
+        ``agent``: that agent's only (a key limited to one agent must name it); ``since``: epoch seconds (default
+        30 days ago); ``limit``: most instances listed (default 200)."""
+        params = {k: v for k, v in {"agent": agent, "since": since, "limit": limit}.items() if v is not None}
+        return self._send(Request("GET", "/v1/fleet", params))

@@ -3,6 +3,7 @@ wake latency and (where this process has it open) RAM and disk, and an estimated
 
 Read-only and tenant-scoped: everything comes from the caller's tenant store (sandbox rows, lifecycle spans,
 the usage ledger) plus, for RAM/disk, the sandboxes this process's instance manager has open for that tenant.
+``?agent=`` narrows all of it to one agent; a key limited to one agent must name its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import parse_limit
-from moorage.api.routes._common import float_query
+from moorage.api.routes._common import agent_of_key, float_query
 from moorage.api.routing import Call, Endpoint, Param
 from moorage.cost.model import CostModel
 from moorage.log import get_logger
@@ -123,11 +124,12 @@ async def _live_stats(call: Call, boxes: list[SandboxRecord]) -> dict[str, Any]:
     return out
 
 
-def _collect(call: Call, since: float) -> tuple[list[SandboxRecord], list[Span], dict[str, float]]:
+def _collect(call: Call, agent: str | None, since: float) -> tuple[list[SandboxRecord], list[Span], dict[str, float]]:
     ts = call.tenant
-    boxes = ts.sandboxes.list(agent_id=call.query("agent"), limit=100_000)
-    spans = ts.spans.recent(limit=SPAN_WINDOW)
-    totals = ledger_totals(ts, since=since, agent=call.query("agent"))  # disk and snapshot bytes as levels
+    boxes = ts.sandboxes.list(agent_id=agent, limit=100_000)
+    # One agent's lifecycle spans (they are scoped to its instances): its window is not used up by other agents'.
+    spans = ts.spans.recent(limit=SPAN_WINDOW, agent=agent)
+    totals = ledger_totals(ts, since=since, agent=agent)  # disk and snapshot bytes as levels
     return boxes, spans, totals
 
 
@@ -137,7 +139,9 @@ async def fleet(call: Call) -> dict[str, Any]:
     if since is None:
         since = now - 30 * 86400.0
     limit = parse_limit(call.query("limit") or "200")
-    boxes, spans, totals = await run_in_threadpool(_collect, call, since)
+    # A key limited to one agent names it and sees that agent's instances, wakes and costs only.
+    agent = agent_of_key(call, "fleet")
+    boxes, spans, totals = await run_in_threadpool(_collect, call, agent, since)
     timelines = _timelines(spans)
     counts: dict[str, int] = {}
     for box in boxes:
@@ -212,8 +216,9 @@ def _round(v: float | None) -> float | None:
 
 ENDPOINTS = [
     Endpoint("GET", "/v1/fleet", fleet, "Instances by state with activity, wake latency, RAM/disk and cost split",
-             "sandboxes", "getFleet", scope="read",
-             query=(Param("since", S.NUM, "seconds since the epoch (default: 30 days ago)"), Param("agent", S.STR),
+             "sandboxes", "getFleet", scope="read", agent_checked=True,
+             query=(Param("since", S.NUM, "seconds since the epoch (default: 30 days ago)"),
+                    Param("agent", S.ID, "only this agent's instances and costs (a key limited to one agent must name it)"),
                     Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 200},
                           "most instances listed (most recently active first)")),
              response=S.obj({

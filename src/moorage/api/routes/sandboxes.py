@@ -14,11 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import keyset_page, parse_limit, position
-from moorage.api.routes._common import PAGE, forward_if_awake_elsewhere
+from moorage.api.routes._common import PAGE, agent_of_key, forward_if_awake_elsewhere
 from moorage.api.routes.checkpoints import FORK, ROLLBACK
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.api.sse import error_payload, event_stream, frame
-from moorage.errors import InvalidInput, UnavailableError
+from moorage.errors import InvalidInput, NotFound, UnavailableError
 from moorage.runtime import exec_jobs
 
 VERBS = ("sleep", "wake", "checkpoint", "rollback", "fork")
@@ -33,7 +33,7 @@ PATH = Param("path", {"type": "string", "minLength": 1}, "a path inside the sand
 
 
 def list_sandboxes(call: Call) -> dict[str, Any]:
-    state, agent = call.query("state"), call.query("agent")
+    state, agent = call.query("state"), agent_of_key(call, "sandboxes")  # as for workflow runs
     limit = parse_limit(call.query("limit"))
     # Keyed on the last one's (last_active, id), not an offset (``keyset_page``): every instance is reachable
     # however many the tenant has (one per end-user). One active while you page moves to the end and may be listed
@@ -45,7 +45,12 @@ def list_sandboxes(call: Call) -> dict[str, Any]:
 
 
 def get_sandbox(call: Call) -> dict[str, Any]:
-    return S.sandbox(call.tenant.sandboxes.get(call.path["sandbox_id"]))
+    sandbox_id = call.path["sandbox_id"]
+    box = call.tenant.sandboxes.get(sandbox_id)
+    if call.who.agent is not None and box.agent_id != call.who.agent:
+        # A key limited to one agent finds no other agent's sandbox: the same answer as an id that does not exist.
+        raise NotFound(f"no sandbox {sandbox_id!r}")
+    return S.sandbox(box)
 
 
 def runtime_method(call: Call, name: str) -> Callable[..., Any]:
@@ -192,9 +197,14 @@ VERB_RESULT = {
 }
 
 ENDPOINTS = [
+    # A key limited to one agent lists (naming its agent) and gets that agent's sandboxes only (agent_checked).
     Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
-             query=(*PAGE, Param("state", S.STR), Param("agent", S.STR)), response=S.page_of("Sandbox")),
-    Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", scope="read", response=S.ref("Sandbox")),
+             agent_checked=True,
+             query=(*PAGE, Param("state", S.STR),
+                    Param("agent", S.ID, "only this agent's sandboxes (a key limited to one agent must name it)")),
+             response=S.page_of("Sandbox")),
+    Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", scope="read", agent_checked=True,
+             response=S.ref("Sandbox")),
     *[Endpoint("POST", f"{_BOX}/{verb}", _verb(verb), _SUMMARY[verb], "sandboxes", f"{verb}Sandbox", scope="deploy",
                body=S.obj({"checkpoint": S.STR, "label": S.STR,
                            **({"to_user": S.STR, "to_users": {"type": "array", "items": S.STR, "minItems": 1,

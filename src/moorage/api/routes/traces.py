@@ -35,9 +35,10 @@ def recent_spans(call: Call) -> dict[str, Any]:
 
 def usage(call: Call) -> dict[str, Any]:
     since = float_query(call, "since") or 0.0
+    agent = agent_of_key(call, "usage")  # a key limited to one agent reads its agent's counts and costs only
     from moorage.usage.ledger import totals as ledger_totals
 
-    totals = ledger_totals(call.tenant, since=since, agent=call.query("agent"), user=call.query("user"))
+    totals = ledger_totals(call.tenant, since=since, agent=agent, user=call.query("user"))
     out: dict[str, Any] = {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
     group = call.query("group")
     if group not in (None, "", "day"):
@@ -45,7 +46,7 @@ def usage(call: Call) -> dict[str, Any]:
     if group == "day":
         from moorage.usage.ledger import by_day
 
-        out["days"] = by_day(call.tenant, since=since, agent=call.query("agent"), user=call.query("user"))
+        out["days"] = by_day(call.tenant, since=since, agent=agent, user=call.query("user"))
     return out
 
 
@@ -57,7 +58,10 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/traces/{trace_id}", get_trace, "All spans of one trace", "observability", "getTrace", scope="read",
              agent_checked=True, response=S.ref("Trace")),
     Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage", scope="read",
-             query=(Param("since", S.NUM, "seconds since the epoch"), Param("agent", S.STR), Param("user", S.STR),
+             agent_checked=True,
+             query=(Param("since", S.NUM, "seconds since the epoch"),
+                    Param("agent", S.ID, "only this agent's usage (a key limited to one agent must name it)"),
+                    Param("user", S.STR),
                     Param("group", {"enum": ["day"]}, "also break the totals down by UTC day")),
              response=S.ref("Usage")),
 ]
