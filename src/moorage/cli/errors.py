@@ -1,17 +1,30 @@
-"""How CLI sub-commands report a moorage error: one red line on stderr and exit status 2, never a traceback."""
+"""How the CLI reports a failure: one red line on stderr, "error: what happened (what to do next)", never a
+traceback or a usage box; a moorage error exits 2, and so does a mistyped command, option or argument."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from moorage.cli.console import make_console
 
+try:  # Typer from 0.2x parses with its own copy of Click; before, with Click itself
+    from typer._click import Context, exceptions as click_errors
+except ImportError:  # pragma: no cover - an older Typer
+    from click import Context, exceptions as click_errors  # type: ignore[no-redef]
+
 err_console = make_console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def print_error(message: str) -> None:
+    """The one line a failure is: ``error: {message}`` on stderr."""
+    err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def clear_errors(fn: F) -> F:
@@ -22,7 +35,73 @@ def clear_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoorageError as e:
-            err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            print_error(str(e))
             raise typer.Exit(2) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def usage_line(e: click_errors.ClickException, words: list[str] | None = None) -> str:
+    """Click's message for a mistyped command line as one line, with the help to read: "missing option '--tenant'
+    (see `moorage memory facts --help`)". Click's own is several lines (usage, a hint, the message in a box).
+    ``words`` name the command where the error does not (``_command_words``)."""
+    said = " ".join(e.format_message().split()).rstrip(".")
+    if said[:1].isupper() and said[1:2].islower():  # "Missing option ..." -> "missing option ...", not "NAME" -> "nAME"
+        said = said[0].lower() + said[1:]
+    if not isinstance(e, click_errors.UsageError):
+        return said
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None:  # the words the user typed to reach the command (not the program's name: `python -m ...`)
+        words = []
+        while ctx.parent is not None:
+            words.insert(0, ctx.info_name or "")
+            ctx = ctx.parent
+    return f"{said} (see `{' '.join(['moorage', *(words or [])])} --help`)"
+
+
+def _command_words(root: Any, argv: list[str]) -> list[str]:
+    """The command a command line runs, as its words (``store tenants`` of ``--data-dir D store tenants --json=3``):
+    for the errors Click raises without saying which command it was reading the options of."""
+    cmd, words, rest = root, [], list(argv)
+    while rest and getattr(cmd, "commands", None) is not None:
+        word = rest.pop(0)
+        if word.startswith("-"):  # a group's own option, and its value if it takes one
+            if "=" not in word and any(word in p.opts and not getattr(p, "is_flag", False) for p in cmd.params):
+                rest = rest[1:]
+            continue
+        if word not in cmd.commands:
+            break
+        cmd, words = cmd.commands[word], [*words, word]
+    return words
+
+
+class OneLineErrors(TyperGroup):
+    """The root command: a usage error anywhere below it (an unknown command or option, a missing argument, a bad
+    choice) is one line and exit status 2, like every other failure of the CLI. A group given no arguments
+    (``moorage memory``) still shows its help."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Context | None = None,
+                     **extra: Any) -> Context:
+        with _one_line([]):  # the root's own options
+            ctx = super().make_context(info_name, list(args), parent=parent, **extra)
+        ctx.meta[_ARGV] = list(args)
+        return ctx
+
+    def invoke(self, ctx: Context) -> Any:
+        with _one_line(_command_words(self, ctx.meta.get(_ARGV, []))):
+            return super().invoke(ctx)
+
+
+_ARGV = "moorage.argv"
+
+
+@contextlib.contextmanager
+def _one_line(words: list[str]) -> Iterator[None]:
+    """A Click error raised inside: one line on stderr, and an exit with its status (2 for a usage error)."""
+    try:
+        yield
+    except click_errors.ClickException as e:
+        if isinstance(e, getattr(click_errors, "NoArgsIsHelpError", ())):
+            raise  # its help is what a group given no arguments shows
+        print_error(usage_line(e, words))
+        raise typer.Exit(e.exit_code) from None

@@ -14,10 +14,11 @@ import typer
 from rich.markup import escape
 
 from moorage.cli.console import make_console
+from moorage.cli.errors import OneLineErrors
 from moorage import __version__, config as config_mod, log
 from moorage.errors import MoorageError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorage: persistent per-user AI agents, one micro-VM each.")
+app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False, help="moorage: persistent per-user AI agents, one micro-VM each.")
 console = make_console()
 err_console = make_console(stderr=True)
 
