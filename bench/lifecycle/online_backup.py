@@ -25,19 +25,10 @@ import httpx
 
 from moorage import __version__
 from moorage.client.sync import Client
+from moorage.devservices.counter_agent import write_counter_agent
 from moorage.devservices.fleet import LocalHost
 
 ROOT = Path(__file__).resolve().parents[2]
-AGENT_PY = '''
-async def on_message(ctx, message):
-    try:
-        n = int(ctx.files.read("counter.txt"))
-    except Exception:
-        n = 0
-    await ctx.memory.remember(f"turn {n + 1}")
-    ctx.files.write("counter.txt", str(n + 1))
-    return f"{n + 1}: {message}"
-'''
 
 
 def p99(xs: list[float]) -> float:
@@ -46,11 +37,7 @@ def p99(xs: list[float]) -> float:
 
 
 def one(tmp: Path, users: int, neighbours: int, driver: str, window_s: float) -> dict[str, Any]:
-    agent = tmp / "agent"
-    agent.mkdir(parents=True)
-    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n')
-    (agent / "agent.py").write_text(AGENT_PY)
+    agent = write_counter_agent(tmp)
     data = tmp / "data"
     host = LocalHost("bench", data, {"MOORAGE_LOG_LEVEL": "warning"}, driver=driver, start_timeout_s=600)
     lat: list[tuple[float, float]] = []

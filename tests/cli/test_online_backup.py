@@ -17,38 +17,17 @@ import httpx
 import pytest
 
 from moorage.client.sync import Client
+from moorage.devservices.counter_agent import AGENT_PY, write_counter_agent
 from moorage.devservices.fleet import LocalHost
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Each turn writes its number into the user's memory, then into the user's files: a copy whose store and files
-#: are from different moments disagrees on it.
-AGENT_PY = '''
-import asyncio
-
-async def on_message(ctx, message):
-    try:
-        n = int(ctx.files.read("counter.txt"))
-    except Exception:
-        n = 0
-    await ctx.memory.remember(f"turn {n + 1}")
-    if message.startswith("slow"):  # "slow" runs 25 s, "slow8" 8 s
-        await asyncio.sleep(float(message[4:] or 25))
-    ctx.files.write("counter.txt", str(n + 1))
-    return f"{n + 1}: {message}"
-'''
 USERS = [f"u{i}" for i in range(6)]
 ENV = {"MOORAGE_LOG_LEVEL": "warning"}
 
 
 def agent_dir(tmp_path: Path) -> Path:
-    agent = tmp_path / "agents" / "counter"
-    agent.mkdir(parents=True)
     # Retention keeps only the newest two checkpoints: a backup's point must outlive the turns after it.
-    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n'
-                                        '[agent.timetravel]\nkeep = 2\ndaily = 0\n')
-    (agent / "agent.py").write_text(AGENT_PY)
-    return agent
+    return write_counter_agent(tmp_path / "agents", toml='[agent.timetravel]\nkeep = 2\ndaily = 0\n')
 
 
 def backup_env(data: Path) -> dict[str, str]:
@@ -315,10 +294,7 @@ def test_online_backup_holds_a_per_session_instance_until_its_store_is_copied(tm
     """An instance with no per-user checkpoint (one per session) stays held from its copy until its tenant's store
     is copied: turns sent meanwhile wait and succeed, and the copy's files and memory of the session agree."""
     data, dest = tmp_path / "a" / "data", tmp_path / "backup"
-    agent = tmp_path / "agents" / "counter"
-    agent.mkdir(parents=True)
-    (agent / "moorage.toml").write_text('[agent]\nname = "counter"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\nscope = "session"\n')
+    agent = write_counter_agent(tmp_path / "agents", toml='scope = "session"\n')
     (agent / "agent.py").write_text(AGENT_PY.replace('remember(f"turn {n + 1}")',
                                                      'remember(f"turn {n + 1}", scope="session")'))
     host = LocalHost("box", data, ENV, start_timeout_s=300)
