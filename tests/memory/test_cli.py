@@ -63,6 +63,8 @@ def test_facts_command_lists_trusted_and_pending_facts(tmp_path: Path) -> None:
     store = open_store(Config(data_dir=tmp_path))
     t, _ = store.operator.create_tenant("acme")
     ts = store.tenant(store.operator.principal(t.id))
+    ts.agents.create("concierge")
+    ts.agent_users.put("concierge", "alice")  # the command reads the memory of a known agent's known user
     scope = Scope.for_user("concierge", "alice")
     mem = SemanticMemory(ts)
     mem.observe(scope, ts.events.append(scope, "message", "I live in Lisbon.", speaker="user"))
@@ -80,6 +82,8 @@ def test_facts_history_lists_every_value_past_a_thousand(tmp_path: Path) -> None
     store = open_store(Config(data_dir=tmp_path))
     t, _ = store.operator.create_tenant("acme")
     ts = store.tenant(store.operator.principal(t.id))
+    ts.agents.create("concierge")
+    ts.agent_users.put("concierge", "alice")  # the command reads the memory of a known agent's known user
     scope = Scope.for_user("concierge", "alice")
     with ts.transaction():
         for i in range(1003):

@@ -90,8 +90,29 @@ def _tenant_store(tenant: str):  # noqa: ANN202 - returns (Store, TenantStore)
         raise NotFound(f"no store yet at {missing}, so no tenant {tenant!r}", hint=NO_STORE_HINT)
 
     store = open_store(state.cfg)
-    t = store.operator.get_tenant(tenant)
+    try:
+        t = store.operator.get_tenant(tenant)
+    except Exception:  # an unknown tenant: the store is not left open
+        store.close()
+        raise
     return store, store.tenant(store.operator.principal(t.id))
+
+
+def _agent_of(ts, tenant: str, agent: str, user: str) -> str:  # type: ignore[no-untyped-def]
+    """The name of ``agent`` (given by name or id) once it and its ``user`` are known in the tenant: a mistyped
+    --agent or --user is an error, not an empty list. A user is known as the API knows one for its memory: made
+    (PUT, a turn), or with a session of the agent."""
+    from moorage.errors import NotFound
+
+    try:
+        name = ts.agents.get(agent).name
+    except NotFound:
+        raise NotFound(f"tenant {tenant!r} has no agent {agent!r}",
+                       hint="check --agent; `moorage agents` lists them (with the tenant's API key)") from None
+    if ts.agent_users.find(name, user) is None and not ts.sessions.list(name, user, limit=1):
+        raise NotFound(f"agent {name!r} of tenant {tenant!r} has no user {user!r}",
+                       hint=f"check --user; `moorage users {name}` lists them (with the tenant's API key)")
+    return name
 
 
 @app.command("facts")
@@ -110,7 +131,7 @@ def facts(
 
     store, ts = _tenant_store(tenant)
     try:
-        scope = Scope.for_user(agent, user)
+        scope = Scope.for_user(_agent_of(ts, tenant, agent, user), user)
         mem = SemanticMemory(ts)
         rows = mem.pending(scope) if pending else ts.facts.list(scope, include_closed=history, limit=None)
     finally:
@@ -142,9 +163,10 @@ def search(
     from moorage.memory.episodic import EpisodicMemory
     from moorage.store import Scope
 
-    scope = Scope.session(agent, user, session) if session else Scope.for_user(agent, user)
     store, ts = _tenant_store(tenant)
     try:
+        agent = _agent_of(ts, tenant, agent, user)
+        scope = Scope.session(agent, user, session) if session else Scope.for_user(agent, user)
         hits = EpisodicMemory(ts).search(scope, query, k=k)
     finally:
         store.close()
