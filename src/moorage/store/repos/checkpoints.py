@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import unicodedata
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
@@ -541,9 +542,19 @@ def forget_instances(c: "Conn", scope_keys: Sequence[str]) -> int:
 
 
 def check_name(name: str | None) -> None:
-    """Refuse a checkpoint name the store would not record (callers check it before the sandbox half is taken)."""
+    """Refuse a checkpoint name the store would not record (callers check it before the sandbox half is taken), or
+    that would not print as one line (listings, the CLI's table, logs): control characters (newlines, tabs, escape
+    sequences), line separators, bidirectional overrides, lone surrogates. Other Unicode (emoji sequences too) is fine."""
     if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= 100 or "\x00" in name):
         raise InvalidInput("a checkpoint name is 1-100 characters", hint="name it again, shorter (or leave it out)")
+    bad = next((ch for ch in name or "" if unicodedata.category(ch) in ("Cc", "Cs", "Zl", "Zp")
+                or "\u202a" <= ch <= "\u202e" or "\u2066" <= ch <= "\u2069"), None)
+    if bad is not None:
+        what = {"\n": "a newline", "\t": "a tab", "\r": "a carriage return", "\x1b": "an escape"}.get(bad) or \
+            unicodedata.name(bad, "a control character").lower()
+        raise InvalidInput(f"a checkpoint name is one line of printable text; this one holds U+{ord(bad):04X} "
+                           f"({what})",
+                           hint="name it again without newlines, tabs or other control characters")
 
 
 def new_checkpoint_id() -> str:
