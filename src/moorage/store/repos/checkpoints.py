@@ -418,9 +418,11 @@ class Checkpoints:
             for key in sorted(scopes):
                 if key.startswith(("user:", "session:", "workflow:")):
                     ts._touch(c, Scope.parse(sub.text(key)), now)
-            # The new user is a user of the agent like any other, with the source's metadata and limits (caps).
-            src = ts.agent_users.find(agent, user)
-            ts.agent_users.put(agent, to_user, meta=src.meta if src else None, limits=src.limits if src else None)
+            # The new user is a user of the agent like any other, with the source's metadata and limits (caps); one
+            # the product registered before (PUT .../users/{u}) keeps the metadata and limits it was given there.
+            if ts.agent_users.find(agent, to_user) is None:
+                src = ts.agent_users.find(agent, user)
+                ts.agent_users.put(agent, to_user, meta=src.meta if src else None, limits=src.limits if src else None)
         return n
 
     # -- retention and forgetting --------------------------------------------------------------------------
