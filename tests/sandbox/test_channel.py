@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from moorage.guest.rpc import Peer, Registry
 from moorage.sandbox import ChannelClosed, ChannelTimeout, GuestProtocolError, RemoteError
 from moorage.sandbox.channel import METHOD_NOT_FOUND, Channel, HandlerError, encode_frame
+from moorage.sandbox.channel_calls import Event
 
 EXT_SOURCE = '''
 """Test extension: a streaming handler and a handler that calls back into the host."""
@@ -261,6 +263,49 @@ async def test_host_rejects_invalid_json_and_unknown_ids_and_keeps_working() -> 
     assert (await _read_frame(greader))["error"]["code"] == -32600
     assert not ch.closed
     await ch.close()
+
+
+async def test_a_cancel_in_the_same_step_as_an_event_is_not_lost() -> None:
+    """A caller cancelled in the loop step where an event of its call arrived took the event and ran on (Python
+    3.11's ``wait_for`` hands back a result that is ready and drops the cancel): a detached exec cancelled just as
+    it printed ran to its timeout and ended ``timed_out``, not ``cancelled``."""
+    ch, greader, gwriter = await _raw_pair()
+    seen: list[Event] = []
+
+    async def consume() -> None:
+        async for ev in ch.stream("exec", {"argv": ["x"]}, timeout=30):
+            seen.append(ev)
+
+    task = asyncio.ensure_future(consume())
+    req = await _read_frame(greader)
+    for _ in range(5):  # the caller is waiting for its next event
+        await asyncio.sleep(0)
+    ch._pending[req["id"]].events.put_nowait((Event("stdout", "eA=="), 4))  # as the channel's reader delivers it
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert task in done and task.cancelled()
+    assert await _read_frame(greader) == {"method": "$cancel", "params": {"id": req["id"]}}
+    await ch.close()
+
+
+async def test_a_guest_handler_cancelled_as_its_host_call_is_answered_is_cancelled() -> None:
+    """The guest's side of the same: a handler the host cancelled in the step where the answer to its own call of
+    the host arrived took the answer and ran on (a cancelled turn went on to its next tool call)."""
+    a, b = socket.socketpair()
+    r1, w1 = await asyncio.open_connection(sock=a)
+    r2, w2 = await asyncio.open_connection(sock=b)
+    peer = Peer(r1, w1, Registry())
+    task = asyncio.ensure_future(peer.call("host.model", {}, timeout=30))
+    req = await _read_frame(r2)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    peer._pending[req["id"]][0].set_result({"text": "hello"})  # as its reader delivers the host's answer
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    assert task in done and task.cancelled()
+    assert await _read_frame(r2) == {"method": "$cancel", "params": {"id": req["id"]}}
+    w1.close()
+    w2.close()
 
 
 async def test_host_drops_connection_on_oversized_frame_without_crashing() -> None:

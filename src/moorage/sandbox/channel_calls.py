@@ -60,12 +60,12 @@ class CallStream:
         assert self._pending is not None
         if self.done:
             raise StopAsyncIteration
-        remaining = None if self._deadline is None else self._deadline - asyncio.get_running_loop().time()
         try:
-            if remaining is not None and remaining <= 0:
-                raise asyncio.TimeoutError
-            item = await asyncio.wait_for(self._pending.events.get(), remaining)
-        except asyncio.TimeoutError:
+            # ``asyncio.timeout``, not ``wait_for``: in Python 3.11, a cancel that comes in the loop step where an
+            # event arrived is dropped by ``wait_for`` (it returns the event), and the caller runs on.
+            async with asyncio.timeout_at(self._deadline):
+                item = await self._pending.events.get()
+        except TimeoutError:
             await self.cancel()
             raise ChannelTimeout(
                 f"{self._method} got no answer within {self._timeout:g}s on {self._channel.name}",

@@ -123,8 +123,9 @@ class QMPClient:
                 else:
                     self._writer.write(data)
                     await self._writer.drain()
-                reply = await asyncio.wait_for(self._waiter, timeout)
-            except asyncio.TimeoutError as e:
+                async with asyncio.timeout(timeout):  # not wait_for: in 3.11 it drops a cancel that comes with the reply
+                    reply = await self._waiter
+            except TimeoutError as e:
                 raise QMPError(f"QEMU did not answer {command} within {timeout:.0f} s", hint="the QEMU process may be hung; destroy and wake the sandbox") from e
             except (OSError, ConnectionError) as e:
                 raise QMPError(f"QMP connection failed during {command}: {e}") from e
