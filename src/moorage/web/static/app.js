@@ -61,12 +61,6 @@ async function mayUse(scope) {
   return !who || who.scopes.includes("admin") || who.scopes.includes(scope);
 }
 
-// What a key limited to one agent cannot be shown: the API refuses it every route that spans agents.
-function spansAgents(agent, what) {
-  return `${what} span agents: the API does not show them to a key limited to agent ${agent} (use a key for the `
-    + "whole tenant to see them).";
-}
-
 // Every item of a paged listing (path has a query already): its pages, each `next_cursor` followed, up to maxPages.
 async function apiAll(path, maxPages = 20) {
   const data = [];
@@ -173,28 +167,12 @@ async function fleetView() {
     recentTraces(),
     api("/v1/workflows?status=waiting&limit=50"),
   ]);
-  const cost = fleet.cost;
-  const spend = cost.compute + cost.storage;
-  const computePct = spend > 0 ? (100 * cost.compute) / spend : 0;
-
   const cards = el("div.cards", {},
     card("Awake", fleet.awake, "card-awake"),
     card("Asleep", fleet.asleep, "card-asleep"),
     card("Instances", fleet.total, "card-total"),
-    card("Wake p50 / p95", `${fmtMs(fleet.wake_ms.p50)} / ${fmtMs(fleet.wake_ms.p95)}`, "card-wake",
-         `${fleet.wake_ms.count} wakes`),
+    wakeCard(fleet),
   );
-
-  const costPanel = section("Cost (last 30 days)", "cost",
-    el("div.costbar", { role: "img", "aria-label": `compute ${computePct.toFixed(0)}%, storage ${(100 - computePct).toFixed(0)}%` },
-      el("div.costbar-compute", { style: { width: `${computePct}%` } }),
-      el("div.costbar-storage", { style: { width: `${100 - computePct}%` } })),
-    el("dl.costs", {},
-      el("dt.compute", {}, "Compute"), el("dd", { id: "cost-compute" }, fmtMoney(cost.compute, cost.currency)),
-      el("dt.storage", {}, "Storage"), el("dd", { id: "cost-storage" }, fmtMoney(cost.storage, cost.currency)),
-      el("dt", {}, "Model calls"), el("dd", { id: "cost-model" }, fmtMoney(cost.model, cost.currency))),
-    el("p.hint", {}, `Compute and storage are estimated from ${Math.round(cost.awake_s)} awake and `
-      + `${Math.round(cost.asleep_s)} asleep instance-seconds at the default cost model; model calls are metered.`));
 
   const rows = fleet.instances.map((i) => el("tr", { dataset: { instance: i.id } },
     el("td.mono", { title: i.id }, i.id.slice(0, 12)),
@@ -213,12 +191,33 @@ async function fleetView() {
       : empty("No instances yet: invoke an agent to start one."),
     fleet.truncated ? el("p.hint", {}, "Showing the most recently active instances only.") : null);
 
-  return [cards, instances, el("div.columns", {}, costPanel, waitingPanel(waiting)), tracesPanel(spans)];
+  return [cards, instances, el("div.columns", {}, costPanel(fleet.cost), waitingPanel(waiting)), tracesPanel(spans)];
 }
 
 function card(label, value, cls, sub) {
   return el("div.card." + cls, {}, el("div.card-label", {}, label), el("div.card-value", {}, String(value)),
     sub ? el("div.card-sub", {}, sub) : null);
+}
+
+function wakeCard(fleet) {
+  return card("Wake p50 / p95", `${fmtMs(fleet.wake_ms.p50)} / ${fmtMs(fleet.wake_ms.p95)}`, "card-wake",
+    `${fleet.wake_ms.count} wakes`);
+}
+
+// The fleet's cost split (GET /v1/fleet: the tenant's, or one agent's with ?agent=).
+function costPanel(cost) {
+  const spend = cost.compute + cost.storage;
+  const computePct = spend > 0 ? (100 * cost.compute) / spend : 0;
+  return section("Cost (last 30 days)", "cost",
+    el("div.costbar", { role: "img", "aria-label": `compute ${computePct.toFixed(0)}%, storage ${(100 - computePct).toFixed(0)}%` },
+      el("div.costbar-compute", { style: { width: `${computePct}%` } }),
+      el("div.costbar-storage", { style: { width: `${100 - computePct}%` } })),
+    el("dl.costs", {},
+      el("dt.compute", {}, "Compute"), el("dd", { id: "cost-compute" }, fmtMoney(cost.compute, cost.currency)),
+      el("dt.storage", {}, "Storage"), el("dd", { id: "cost-storage" }, fmtMoney(cost.storage, cost.currency)),
+      el("dt", {}, "Model calls"), el("dd", { id: "cost-model" }, fmtMoney(cost.model, cost.currency))),
+    el("p.hint", {}, `Compute and storage are estimated from ${Math.round(cost.awake_s)} awake and `
+      + `${Math.round(cost.asleep_s)} asleep instance-seconds at the default cost model; model calls are metered.`));
 }
 
 function waitingPanel(listing) {
@@ -280,23 +279,23 @@ function tracesPanel(spans) {
     el("p.hint", {}, "Plain reads (a GET and nothing else, such as this page's own requests) are not listed."));
 }
 
-// One agent's users and their instances, and its webhooks, from routes under /v1/agents/{agent}: the landing page
-// of a key limited to that agent (the fleet's routes refuse it), and where the fleet's agent links lead.
+// One agent's users and their instances, its wakes and cost, and its webhooks: the landing page of a key limited
+// to that agent (which names it on every listing that spans agents), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, webhooks, waiting, spans] = await Promise.all([
+  const [info, users, fleet, webhooks, waiting, spans] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
+    api(`/v1/fleet?agent=${enc(agent)}&limit=1`),  // its counts, wakes and cost (the instances are the users')
     webhooksPanel(agent),  // webhooks.js
     waitingOfAgent(agent),  // approvals.js
     recentTraces(agent),  // its users' turns and the requests about them (a key limited to it names it)
   ]);
-  const instances = users.data.map((u) => u.instance).filter(Boolean);
-  const awake = instances.filter((i) => ["running", "waking", "provisioning"].includes(i.state)).length;
   const cards = el("div.cards", {},
     card("Users", users.data.length + (users.next_cursor ? "+" : ""), "card-total"),
-    card("Awake", awake, "card-awake"),
-    card("Asleep", instances.length - awake, "card-asleep"),
-    card("Live deployment", info.live_deployment ? info.live_deployment.slice(0, 12) : "none", "card-wake"));
+    card("Awake", fleet.awake, "card-awake"),
+    card("Asleep", fleet.asleep, "card-asleep"),
+    wakeCard(fleet));
+  const live = info.live_deployment ? `live deployment ${info.live_deployment.slice(0, 12)}` : "no live deployment";
   const lastActive = (u) => (u.instance ? u.instance.last_active || 0 : 0);
   const rows = [...users.data].sort((a, b) => lastActive(b) - lastActive(a)).map((u) => el("tr", { dataset: { user: u.id } },
     el("td", {}, userLink(agent, u.id)),
@@ -308,12 +307,12 @@ async function agentView(agent, who) {
       : empty(`Agent ${agent} has no users yet: invoke it to make one.`),
     users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
   const limited = who && who.agent === agent
-    ? section("Not shown to this key", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
-        + "agent's users, their memory and timeline, its traces, its webhooks and the turns waiting for approval. "
-        + spansAgents(agent, "The fleet's counts, wake latency and cost")))
+    ? section("What this key sees", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
+        + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its webhooks and the "
+        + "turns waiting for approval, and nothing of the tenant's other agents."))
     : null;
-  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, "agent")), limited, cards, usersPanel, waiting,
-    tracesPanel(spans), webhooks];
+  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`)), limited, cards, usersPanel,
+    waiting, costPanel(fleet.cost), tracesPanel(spans), webhooks];
 }
 
 async function userView(agent, user, who, session = null) {
@@ -614,7 +613,7 @@ async function route() {
   try {
     const who = await me();
     const agentOnly = who && who.agent;
-    // A key limited to one agent lands on that agent: the fleet's routes span agents and refuse it.
+    // A key limited to one agent lands on that agent: its page shows that agent's share of the fleet.
     if (name === "fleet" && agentOnly) { name = "agent"; render = () => agentView(who.agent, who); }
     if (seq !== routeSeq) return;
     document.body.dataset.view = name;
