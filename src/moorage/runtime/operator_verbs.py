@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 from moorage.durable import DurableEngine
 from moorage.errors import InvalidInput, NotFound
+from moorage.fleet.forget import take_to_forget
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.sandbox import TemplateRef
@@ -136,6 +137,7 @@ class OperatorVerbs:
             recs = await self._instances_of_user(ts, agent, user)  # one a turn that ran first provisioned
             for rec in recs:
                 await self.instances.sleep(ts, rec.scope, reason="forget")
+                await take_to_forget(self.instances, ts, rec)  # no other host wakes it now (docs/fleet.md)
                 try:
                     sb = await self.driver.open(rec.id)
                     await sb.destroy()
