@@ -35,6 +35,12 @@ async def _two_turns(c: httpx.AsyncClient, store: Store, secret: str, tmp_path: 
     return store.tenant(store.authenticate(secret)).sandboxes.list()[0].id, one
 
 
+async def names(c: httpx.AsyncClient, box: str) -> list[str]:
+    r = await c.get(f"{box}/files", params={"path": "notes"})
+    assert r.status_code == 200, r.text
+    return [e["name"] for e in r.json()["entries"]]
+
+
 def _problem(r: httpx.Response) -> dict[str, Any]:
     assert r.status_code == 409, r.text
     body = r.json()
@@ -43,16 +49,19 @@ def _problem(r: httpx.Response) -> dict[str, Any]:
 
 
 async def test_reads_and_execs_during_a_rollback_wait_and_see_the_rolled_back_files(
-        live_rt, acme: str, store: Store, tmp_path: Path) -> None:  # noqa: F811
+        live_rt, runtime, acme: str, store: Store, tmp_path: Path) -> None:  # noqa: F811
     async with aclient(live_rt, acme) as c:
         sid, one = await _two_turns(c, store, acme, tmp_path)
         box = f"/v1/sandboxes/{sid}"
 
         slow = asyncio.create_task(c.post("/v1/agents/tt/invoke", json={"message": "slow 1.5", "user": "ada",
                                                                          "session": "side"}))
-        await asyncio.sleep(0.5)  # the slow turn holds the instance: the rollback waits for it in line
+        while "slow-a.txt" not in await names(c, box):  # the slow turn runs: the rollback waits for it in line
+            await asyncio.sleep(0.02)
         rollback = asyncio.create_task(c.post(f"{BASE}/{one}/rollback", json={}))
-        await asyncio.sleep(0.3)
+        # The rollback is asked for: it waits in the instance's line behind the slow turn.
+        while not any(line.members > 1 for line in runtime.router._instances.values()):
+            await asyncio.sleep(0.01)
         listing = asyncio.create_task(c.get(f"{box}/files", params={"path": "notes"}))
         read = asyncio.create_task(c.get(f"{box}/files/content", params={"path": "notes/2.txt"}))
         ran = asyncio.create_task(c.post(f"{box}/exec", json={"argv": ["sh", "-c", "ls notes"]}))
@@ -94,15 +103,13 @@ async def test_a_rollback_or_fork_is_refused_while_a_detached_exec_runs(
         assert (await c.get(BASE)).json()["data"] == before
         assert (await c.get("/v1/agents/tt/users/bea")).status_code == 404
         assert (await c.get(f"/v1/executions/{ex}")).json()["status"] == "running"
-        r = await c.get(f"{box}/files", params={"path": "notes"})
-        assert [e["name"] for e in r.json()["entries"]] == ["1.txt", "2.txt"]
+        assert await names(c, box) == ["1.txt", "2.txt"]
 
         # As the hint says: cancelled, the rollback goes through.
         assert (await c.post(f"/v1/executions/{ex}/cancel")).json()["status"] == "cancelled"
         r = await c.post(f"{BASE}/{one}/rollback", json={})
         assert r.status_code == 200, r.text
-        r = await c.get(f"{box}/files", params={"path": "notes"})
-        assert [e["name"] for e in r.json()["entries"]] == ["1.txt"]
+        assert await names(c, box) == ["1.txt"]
 
 
 async def test_a_rollback_is_refused_while_an_attached_exec_runs(
@@ -110,8 +117,10 @@ async def test_a_rollback_is_refused_while_an_attached_exec_runs(
     async with aclient(live_rt, acme) as c:
         sid, one = await _two_turns(c, store, acme, tmp_path)
         box = f"/v1/sandboxes/{sid}"
-        ran = asyncio.create_task(c.post(f"{box}/exec", json={"argv": GATED, "timeout_s": 600}))
-        await asyncio.sleep(0.5)  # running
+        ran = asyncio.create_task(c.post(f"{box}/exec", json={"argv": ["sh", "-c", "touch notes/began; " + GATED[2]],
+                                                               "timeout_s": 600}))
+        while "began" not in await names(c, box):  # running
+            await asyncio.sleep(0.02)
         body = _problem(await c.post(f"{BASE}/{one}/rollback", json={}))
         assert "while an exec runs" in body["detail"] and "while [ ! -e go ]" in body["detail"], body
         assert "wait for it to end" in body["hint"] and "detached" in body["hint"], body
