@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from moorage.aio import within
 from moorage.egress.decision import Decision, decide_target, decide_tunnel
 from moorage.egress.limits import Usage
 from moorage.egress.policy import EgressPolicy, OperatorPolicy
@@ -89,7 +90,7 @@ class Egress:
             raise AssertionError("open() needs an allowing decision")  # a caller bug, never a guest's doing
         for ip in d.addresses:
             try:
-                r, w = await asyncio.wait_for(
+                r, w = await within(
                     asyncio.open_connection(str(ip), d.port, ssl=tls,
                                             server_hostname=(server_hostname or d.host) if tls else None),
                     self.connect_timeout_s)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 
+from moorage.aio import within
 from moorage.egress.addresses import IPAddress
 from moorage.egress.connector import InstanceEgress
 from moorage.egress.resolve import NameNotFound
@@ -139,8 +140,8 @@ async def serve_stream(inst: InstanceEgress, reader: asyncio.StreamReader, write
     the client closes, stays idle 30 s, sends what is not a query, or (with ``limiter``) asks past its rate."""
     try:
         while True:
-            size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 30), "big")
-            query = await asyncio.wait_for(reader.readexactly(size), 30)
+            size = int.from_bytes(await within(reader.readexactly(2), 30), "big")
+            query = await within(reader.readexactly(size), 30)
             if limiter is not None and not limiter.take():
                 break
             out = await answer(inst, query)

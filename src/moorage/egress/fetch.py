@@ -15,6 +15,7 @@ from urllib.parse import urljoin
 
 import httpcore
 
+from moorage.aio import within
 from moorage.egress.connector import EgressFailed, InstanceEgress
 from moorage.egress.decision import Decision
 from moorage.egress.limits import EgressLimited
@@ -48,26 +49,26 @@ class _Stream(httpcore.AsyncNetworkStream):
         self._r, self._w, self._usage = reader, writer, usage
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        data = await asyncio.wait_for(self._r.read(max_bytes), timeout)
+        data = await within(self._r.read(max_bytes), timeout)
         await self._usage.spend(len(data))
         return data
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         await self._usage.spend(len(buffer))
         self._w.write(buffer)
-        await asyncio.wait_for(self._w.drain(), timeout)
+        await within(self._w.drain(), timeout)
 
     async def aclose(self) -> None:
         self._w.close()
         try:
-            await asyncio.wait_for(self._w.wait_closed(), 5)
+            await within(self._w.wait_closed(), 5)
         except Exception:  # noqa: BLE001 - closing a broken connection is best-effort
             pass
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                         timeout: float | None = None) -> "_Stream":
         # Certificates are checked against the name the policy admitted, on the address it judged.
-        await asyncio.wait_for(self._w.start_tls(ssl_context, server_hostname=server_hostname), timeout)
+        await within(self._w.start_tls(ssl_context, server_hostname=server_hostname), timeout)
         return self
 
     def get_extra_info(self, info: str) -> Any:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moorage.aio import within
 from moorage.egress.connector import Egress, InstanceEgress, SpanRecorder
 from moorage.egress.dns import serve_stream, serve_udp
 from moorage.egress.proxy import serve_connection
@@ -69,11 +70,11 @@ class GatewayBinding:
         if self._dns_stream is not None:
             self._dns_stream.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._dns_stream.wait_closed(), 5)
+                await within(self._dns_stream.wait_closed(), 5)
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
+                await within(self._server.wait_closed(), 5)
         for path in (self.unix_path, self.dns_unix_path):
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from moorage.aio import within
 from moorage.egress.connector import EgressFailed, InstanceEgress
 from moorage.egress.limits import EgressLimited
 from moorage.egress.rules import EgressDenied, Target, normalize_host
@@ -40,7 +41,7 @@ async def _reply(writer: asyncio.StreamWriter, status: int, reason: str, text: s
 
 async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, bytes, bytes, list[tuple[bytes, bytes]]]:
     try:
-        raw = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        raw = await within(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
     except asyncio.LimitOverrunError:
         raise BadRequest(431, "request head too large") from None
     except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
@@ -86,7 +87,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, inst
 async def _copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int, inst: InstanceEgress,
                       count: dict[str, int]) -> None:
     while n > 0:
-        data = await asyncio.wait_for(reader.read(min(n, CHUNK)), IDLE_TIMEOUT_S)
+        data = await within(reader.read(min(n, CHUNK)), IDLE_TIMEOUT_S)
         if not data:
             raise BadRequest(400, "request body ended early")
         await inst.usage.spend(len(data))
@@ -100,7 +101,7 @@ async def _copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
                         count: dict[str, int]) -> None:
     """Pass a chunked body through as it is, reading exactly to its end (so nothing after it is forwarded)."""
     while True:
-        line = await asyncio.wait_for(reader.readuntil(b"\r\n"), IDLE_TIMEOUT_S)
+        line = await within(reader.readuntil(b"\r\n"), IDLE_TIMEOUT_S)
         writer.write(line)
         try:
             size = int(line.split(b";", 1)[0].strip(), 16)
@@ -108,7 +109,7 @@ async def _copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
             raise BadRequest(400, "malformed chunked body") from None
         if size == 0:
             while True:  # trailers, then the empty line
-                trailer = await asyncio.wait_for(reader.readuntil(b"\r\n"), IDLE_TIMEOUT_S)
+                trailer = await within(reader.readuntil(b"\r\n"), IDLE_TIMEOUT_S)
                 writer.write(trailer)
                 if trailer == b"\r\n":
                     await writer.drain()
@@ -216,7 +217,7 @@ async def _forward(inst: InstanceEgress, reader: asyncio.StreamReader, writer: a
             elif lengths:
                 await _copy_exact(reader, up_w, int(lengths[0]), inst, count)
             await up_w.drain()
-            first = await asyncio.wait_for(up_r.read(CHUNK), IDLE_TIMEOUT_S)
+            first = await within(up_r.read(CHUNK), IDLE_TIMEOUT_S)
             if first[:9].startswith(b"HTTP/1.") and first[9:12].isdigit():
                 info["http.status_code"] = int(first[9:12])
             if first:

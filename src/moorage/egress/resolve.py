@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from moorage.aio import within
 from moorage.egress.addresses import IPAddress, parse_ip
 
 
@@ -58,7 +59,7 @@ class _Slots:
                 wake: asyncio.Future[None] = loop.create_future()
                 self.waiters.setdefault(owner, []).append(wake)
             try:
-                await asyncio.wait_for(wake, max(0.0, deadline - loop.time()))
+                await within(wake, max(0.0, deadline - loop.time()))
             finally:
                 with self.lock:
                     queue = self.waiters.get(owner, [])
@@ -116,7 +117,7 @@ class SystemResolver:
             raise
         job.add_done_callback(lambda _: self.slots.give(owner))  # the slot is free when the thread is
         try:
-            infos = await asyncio.wait_for(asyncio.wrap_future(job),
+            infos = await within(asyncio.wrap_future(job),
                                            max(0.0, self.timeout_s - (loop.time() - started)))
         except (OSError, asyncio.TimeoutError, UnicodeError) as e:
             raise NameNotFound(host) from e

@@ -22,6 +22,7 @@ from websockets.http11 import Response
 from websockets.protocol import SEND_EOF, State
 from websockets.uri import parse_uri
 
+from moorage.aio import within
 from moorage.errors import InvalidInput, MoorageError
 from moorage.log import get_logger
 from moorage.runtime.app_errors import AppUnavailable, live_channel
@@ -148,7 +149,7 @@ class AppSocket:
             await self._finish(outcome)
             if outcome.why != "caller-closed":
                 with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
-                    await asyncio.wait_for(caller.close(outcome.code, outcome.reason), 10)
+                    await within(caller.close(outcome.code, outcome.reason), 10)
         log.info("app socket closed", code=outcome.code, why=outcome.why, messages_in=self.messages_in,
                  messages_out=self.messages_out)
         return outcome
@@ -291,9 +292,9 @@ class AppSocket:
                 # A close without a code stays one (1005 must never be sent: the payload is empty).
                 self.protocol.send_close(*caller_close(code, outcome.reason))
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._flush(), 5)
+                    await within(self._flush(), 5)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.conn.close(), 6)
+                await within(self.conn.close(), 6)
         finally:
             _release(self.sandbox.id)
 

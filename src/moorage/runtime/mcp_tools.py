@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moorage.aio import within
 from moorage.errors import ConfigError, InvalidInput, NotFound, UnavailableError
 from moorage.log import get_logger
 
@@ -262,7 +263,7 @@ class _Connection:
     async def do(self, action: Any) -> Any:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._jobs.put_nowait((action, fut))
-        return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
+        return await within(fut, CALL_TIMEOUT_S)
 
     def close(self) -> None:
         self.closed = True
@@ -279,7 +280,7 @@ class _Connection:
                     Client(streamable_http_client(self.server.url, http_client=http)) as client:
                 while True:
                     try:
-                        action, fut = await asyncio.wait_for(self._jobs.get(), CONNECTION_IDLE_S)
+                        action, fut = await within(self._jobs.get(), CONNECTION_IDLE_S)
                     except TimeoutError:
                         return
                     if fut.done():  # its caller gave up waiting

@@ -18,6 +18,7 @@ import socket
 import uuid
 from typing import Any, Mapping
 
+from moorage.aio import within
 from moorage.log import get_logger
 from moorage.sandbox import microvm_net, process_net
 from moorage.sandbox.channel import HandlerError
@@ -108,7 +109,7 @@ class _Relay:
         want = params.get("max", CHUNK)
         want = CHUNK if not isinstance(want, int) or isinstance(want, bool) or want < 1 else min(want, CHUNK)
         try:
-            data = await asyncio.wait_for(reader.read(want), RECV_WAIT_S)
+            data = await within(reader.read(want), RECV_WAIT_S)
         except asyncio.TimeoutError:
             return {"data": "", "eof": False}
         except (ConnectionError, OSError):

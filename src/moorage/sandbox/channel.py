@@ -17,6 +17,7 @@ import itertools
 import time
 from typing import Any, Awaitable, Callable
 
+from moorage.aio import within
 from moorage.log import get_logger
 from moorage.sandbox.base import ChannelClosed, ChannelError, GuestProtocolError, RemoteError
 from moorage.sandbox import channel_share
@@ -217,7 +218,7 @@ class Channel(Serving):
         self._shutdown(reason)
         try:
             self._writer.close()
-            await asyncio.wait_for(self._writer.wait_closed(), 2)
+            await within(self._writer.wait_closed(), 2)
         except (OSError, asyncio.TimeoutError, RuntimeError):
             pass
 
@@ -373,7 +374,7 @@ class Channel(Serving):
                 # Backpressure: stop reading until the caller takes events; the guest's writes then wait too.
                 pending.drained.clear()
                 try:
-                    await asyncio.wait_for(pending.drained.wait(), EVENT_STALL_S)
+                    await within(pending.drained.wait(), EVENT_STALL_S)
                 except asyncio.TimeoutError:
                     pass
                 if self._pending.get(rid) is not pending:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from moorage.aio import within
 from moorage.sandbox import process_limits as limits
 
 #: Directories of the layer bound into the running sandbox: their contents are swapped, never the directory.
@@ -45,7 +46,7 @@ async def _ask(ctl: socket.socket, cmd: bytes, want: bytes | None) -> None:
     try:
         await loop.sock_sendall(ctl, cmd)
         if want is not None:
-            got = await asyncio.wait_for(loop.sock_recv(ctl, 1), _REPLY_TIMEOUT_S)
+            got = await within(loop.sock_recv(ctl, 1), _REPLY_TIMEOUT_S)
             if got != want:
                 raise ZygoteGone(f"zygote answered {got!r}")
     except (OSError, asyncio.TimeoutError) as e:

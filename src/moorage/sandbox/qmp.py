@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any, AsyncIterator
 
+from moorage.aio import within
 from moorage.log import get_logger
 from moorage.sandbox.base import SandboxError
 
@@ -61,7 +62,7 @@ class QMPClient:
             deadline = loop.time() + timeout
             while True:
                 try:
-                    await asyncio.wait_for(loop.sock_connect(sock, target), timeout)
+                    await within(loop.sock_connect(sock, target), timeout)
                     break
                 except ConnectionRefusedError:
                     # QEMU binds the socket a moment before it listens on it.
@@ -78,7 +79,7 @@ class QMPClient:
         client = cls(sock, reader, writer)
         try:
             try:
-                line = await asyncio.wait_for(reader.readline(), timeout)
+                line = await within(reader.readline(), timeout)
             except (OSError, ConnectionError):
                 line = b""
             if not line:
@@ -185,7 +186,7 @@ class QMPClient:
         while True:
             left = deadline - asyncio.get_running_loop().time()
             try:
-                ev = await asyncio.wait_for(self._events.get(), max(left, 0.001))
+                ev = await within(self._events.get(), max(left, 0.001))
             except asyncio.TimeoutError as e:
                 raise QMPError(f"no QMP event {name or ''} within {timeout:.0f} s") from e
             if name is None or ev.get("event") == name:
