@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
-from moorage.api.routes._common import CURSOR, LIMIT, agent_of, bool_query
+from moorage.api.routes._common import CURSOR, LIMIT, agent_of, bool_query, forward_if_awake_elsewhere
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.errors import InvalidInput
 from moorage.lifecycle.config import AgentLifecycle
@@ -93,9 +93,22 @@ def list_users(call: Call) -> dict[str, Any]:
             "next_cursor": encode_cursor({"after": page[-1].user}) if len(users) > limit else None}
 
 
+async def _forward_to_holder(call: Call, agent: str, user: str) -> None:
+    """In a fleet, a forget of a user one of whose instances another live host holds awake goes to that host
+    (``Misplaced``: forwarded), before this host changes anything: that host cancels the turns it runs and destroys
+    the sandbox itself, and takes the user's other (sleeping) instances as this host would (docs/fleet.md)."""
+    if getattr(getattr(call.runtime, "instances", None), "fleet", None) is None:
+        return
+    recs = await run_in_threadpool(call.tenant.sandboxes.list, agent_id=agent, limit=100_000)
+    for rec in recs:
+        if rec.scope.user == user:
+            await forward_if_awake_elsewhere(call, rec)
+
+
 async def delete_user(call: Call) -> dict[str, Any]:
     agent = await run_in_threadpool(agent_of, call)
     user = check_id(call.path["user"], "user id")
+    await _forward_to_holder(call, agent.name, user)
     erase_in_runtime = getattr(call.ctx.runtime, "erase", None)
     if erase_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots (and the user)
         removed, deleted = await erase_in_runtime(call.who, agent.name, user)

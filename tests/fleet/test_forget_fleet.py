@@ -1,0 +1,218 @@
+"""Forgetting a user (DELETE /v1/agents/{agent}/users/{user}) through a host that does not hold their instance.
+
+* Awake on another host with a turn in flight: the forget is forwarded to that host, which cancels the turn and
+  destroys the sandbox; nothing of the user is left there or in the bucket.
+* Asleep on another host (shipped): the forgetting host deleted its snapshots and rows while the host that had
+  slept it woke it again for a turn sent there meanwhile; that host then kept the user's sandbox running after the
+  forget returned, and shipped it into the bucket again. Now the forgetting host first marks the instance deleted
+  on itself, so such a turn is forwarded to it, waits behind the forget and is refused.
+* Its holder dead: the forget succeeds through a survivor and the bucket holds nothing of the user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from moorage.config import Config
+from moorage.devservices.fleet import pids_under
+from moorage.store import open_store
+from tests.fleet.harness import Fleet, put_to_sleep, replied, until
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
+    return seaweedfs.settings(s3_bucket, f"fleet-{tmp_path.name}")
+
+
+class SlowRelay:
+    """A TCP relay in front of the S3 server that holds each request naming ``needle`` for ``delay_s`` (and says
+    that it saw one): one host's requests for one instance's objects become slow."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        from moorage.devservices.postgres import free_port
+
+        self.target, self.port, self.delay_s = target_port, free_port(), delay_s
+        self.needle: bytes | None = None
+        self.seen = threading.Event()
+        self._srv = socket.socket()
+        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._srv.bind(("127.0.0.1", self.port))
+        self._srv.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._srv.shutdown(socket.SHUT_RDWR)
+        self._srv.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._srv.accept()
+                up = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
+        try:
+            while data := a.recv(65536):
+                if requests and self.needle is not None and self.needle in data:
+                    self.seen.set()
+                    time.sleep(self.delay_s)
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, pg_url: str, s3: dict[str, str], seaweedfs) -> Iterator[tuple[Fleet, SlowRelay]]:  # noqa: ANN001
+    relay = SlowRelay(seaweedfs.s3_port, delay_s=4.0)
+    f = Fleet(tmp_path, pg_url, s3, n=2)
+    try:
+        f.deploy()
+        # h3 reaches the object store through the relay; it fetches no template ahead (no request of its own
+        # for the relay to hold while the test waits for the forget's).
+        f.add_host(object_store_endpoint=f"http://127.0.0.1:{relay.port}", template_prefetch="0")
+        yield f, relay
+    finally:
+        f.close()
+        relay.close()
+
+
+def _objects_of(seaweedfs, s3_bucket: str, s3: dict[str, str], sid: str) -> list[str]:  # noqa: ANN001
+    prefix = s3["object_store_url"].split("/", 3)[3]
+    listed = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/").get("Contents", [])
+    return [o["Key"] for o in listed if f"/{sid}/" in o["Key"]]
+
+
+def test_a_forget_through_another_host_ends_the_turn_running_on_the_holder(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f, _ = fleet
+    assert replied(f.turn(0, "ada")) == "1: hi"
+    rec = f.records()["ada"]
+    assert rec.host == "h1"
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(f.turn, 0, "ada", "slow")  # 4 s on h1
+        until(lambda: _running(f, "ada"), "the slow turn runs", timeout_s=30, every_s=0.1)
+        r = f.api[1].delete("/v1/agents/echo/users/ada")
+        assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+        assert r.headers.get("x-moorage-served-by") == "h1"  # the holder forgot them
+        turn = slow.result(timeout=60)
+    assert turn.status_code == 409, turn.text  # cancelled: what it would reply is forgotten
+    assert pids_under(f.hosts[0].data / "sandboxes" / rec.id) == []
+    assert "ada" not in f.records()
+    assert f.api[0].get("/v1/agents/echo/users/ada").status_code == 404
+    time.sleep(3)  # a shipment after the turn would have reached the bucket by now
+    assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+
+
+def _running(f: Fleet, user: str) -> bool:
+    """Whether a turn of ``user`` is running (its durable run)."""
+    store = open_store(Config(store_url=f.store_url))
+    try:
+        return any(r.scope.user == user for ts in store.operator.tenants()
+                   for r in ts.runs.list(status=["running"], agent="echo"))
+    finally:
+        store.close()
+
+
+def test_a_turn_on_the_host_that_slept_the_instance_during_a_forget_elsewhere_waits_and_leaves_nothing(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f, relay = fleet
+    assert replied(f.turn(0, "bea")) == "1: hi"
+    put_to_sleep(f, "bea")  # shipped: any host may wake it; h1 keeps its copy and wakes it from there
+    rec = f.records()["bea"]
+    assert rec.state == "sleeping" and rec.host == "h1" and _objects_of(seaweedfs, s3_bucket, s3, rec.id)
+    relay.needle = rec.id.encode()  # h3's requests for bea's objects (the forget's deletion) take 4 s
+    with ThreadPoolExecutor(2) as pool:
+        forgot = pool.submit(f.api[2].delete, "/v1/agents/echo/users/bea")
+        assert relay.seen.wait(60), "the forget never reached the object store"
+        turn = f.turn(0, "bea", "again")  # on h1, while h3 deletes bea's snapshots
+        r = forgot.result(timeout=120)
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    # The turn waited for the forget (on h3, where the instance was being deleted) and found its user gone.
+    assert turn.status_code == 409 and "forgotten" in turn.json()["detail"], turn.text
+    time.sleep(4)  # a shipment of a sandbox woken meanwhile would have reached the bucket by now
+    assert pids_under(f.hosts[0].data / "sandboxes" / rec.id) == []
+    assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+    assert "bea" not in f.records()
+    assert f.api[0].get("/v1/agents/echo/users/bea").status_code == 404
+
+
+def test_a_forget_whose_instance_is_on_a_dead_host_removes_it_from_the_bucket(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f, _ = fleet
+    assert replied(f.turn(1, "cy")) == "1: hi"
+    put_to_sleep(f, "cy", via=1)
+    assert replied(f.turn(1, "cy")) == "2: hi"  # awake on h2 again, its sleep shipped
+    rec = f.records()["cy"]
+    assert rec.host == "h2" and rec.state == "running" and _objects_of(seaweedfs, s3_bucket, s3, rec.id)
+    f.hosts[1].kill()
+    # Before its lease lapses the holder is still taken as alive: the forward fails and says to retry.
+    deadline = time.monotonic() + 60
+    while True:
+        r = f.api[0].delete("/v1/agents/echo/users/cy")
+        if r.status_code != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+    assert "cy" not in f.records()
+    assert f.api[0].get("/v1/agents/echo/users/cy").status_code == 404
+    # A new user of the same name starts afresh on a survivor.
+    assert replied(f.turn(0, "cy")) == "1: hi"
+
+
+def test_a_forget_of_a_user_with_sessions_asleep_here_and_awake_elsewhere_goes_to_the_holder(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    from moorage.cli.up import tar_dir
+    from moorage.devservices.fleet import write_counter_agent
+
+    f, _ = fleet
+    d = write_counter_agent(f.base / "sess", name="sess")
+    (d / "moorage.toml").write_text('[agent]\nname = "sess"\nentry = "agent.py"\n'
+                                    '[agent.lifecycle]\nscope = "session"\nusers = "auto"\nsleep = "fixed:3600"\n')
+    r = f.api[0].post("/v1/agents/sess/deployments", content=tar_dir(d), headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 201, r.text
+
+    def turn(i: int, session: str) -> None:
+        r = f.api[i].post("/v1/agents/sess/invoke", json={"message": "hi", "user": "dee", "session": session})
+        assert r.status_code == 200, r.text
+
+    turn(0, "one")
+    sid_one = next(r.id for r in _records(f) if r.scope.ref == "one")
+    assert f.api[0].post(f"/v1/sandboxes/{sid_one}/sleep").json()["slept"] is True  # asleep, shipped
+    turn(1, "two")  # awake on h2
+    recs = {r.scope.ref: r for r in _records(f)}
+    assert recs["one"].state == "sleeping" and recs["two"].host == "h2" and recs["two"].state == "running"
+    r = f.api[0].delete("/v1/agents/sess/users/dee")  # through h1, which slept the first session
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert r.headers.get("x-moorage-served-by") == "h2"  # forwarded before h1 changed anything
+    assert _records(f) == []
+    for rec in recs.values():
+        assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+    assert pids_under(f.hosts[1].data / "sandboxes" / recs["two"].id) == []
+
+
+def _records(f: Fleet) -> list:
+    store = open_store(Config(store_url=f.store_url))
+    try:
+        return [r for ts in store.operator.tenants() for r in ts.sandboxes.list(limit=10000) if r.scope.agent == "sess"]
+    finally:
+        store.close()
