@@ -26,6 +26,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from moorage.aio import within
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
 from moorage.ws_close import (GOING_AWAY, INTERNAL, NO_STATUS, TOO_BIG, caller_close, sendable_close_code,
@@ -244,10 +245,10 @@ class ForwardedSocket:
             if outcome.why != "owner-closed":
                 code, reason = caller_close(outcome.code, outcome.reason)  # a close without a code stays one
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.conn.close(code, reason), 12)  # type: ignore[arg-type]
+                    await within(self.conn.close(code, reason), 12)  # type: ignore[arg-type]
             if outcome.why != "caller-closed":
                 with contextlib.suppress(Exception):  # a caller that reads nothing does not hold the close up
-                    await asyncio.wait_for(ws.close(outcome.code, sendable_reason(outcome.reason)), 10)
+                    await within(ws.close(outcome.code, sendable_reason(outcome.reason)), 10)
         outcome.messages_in, outcome.messages_out = self.messages_in, self.messages_out
         log.info("forwarded app socket closed", owner=self.owner_id, code=outcome.code, why=outcome.why,
                  messages_in=self.messages_in, messages_out=self.messages_out)
@@ -255,7 +256,7 @@ class ForwardedSocket:
 
     async def close_unused(self) -> None:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.conn.close(GOING_AWAY, "the caller went away"), 12)
+            await within(self.conn.close(GOING_AWAY, "the caller went away"), 12)
 
     async def _upstream(self, ws: WebSocket) -> SocketOutcome:
         while True:

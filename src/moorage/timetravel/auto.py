@@ -8,6 +8,7 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
+from moorage.aio import within
 from moorage.log import get_logger
 from moorage.store import Scope, TenantStore
 from moorage.store.repos.checkpoints import Checkpoint, check_name, checkpoints_of, new_checkpoint_id
@@ -185,7 +186,7 @@ class AutoCheckpoints:
                 await asyncio.wait(tasks)
 
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(both(), timeout_s)
+            await within(both(), timeout_s)
 
     async def _take(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", *, kind: str,
                     name: str | None = None, turn_id: str | None = None,

@@ -8,7 +8,6 @@ the usage ledger) plus, for RAM/disk, the sandboxes this process's instance mana
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from moorage.aio import within
 from moorage.api import schemas as S
 from moorage.api.pagination import parse_limit
 from moorage.api.routes._common import agent_of_key, float_query
@@ -118,7 +118,7 @@ async def _live_stats(call: Call, boxes: list[SandboxRecord]) -> dict[str, Any]:
         if sandbox is None or getattr(live, "record_id", None) != box.id:
             continue
         try:
-            out[box.id] = await asyncio.wait_for(sandbox.stats(), STATS_TIMEOUT_S)
+            out[box.id] = await within(sandbox.stats(), STATS_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a sandbox that cannot report is shown without numbers
             log.warning("fleet: sandbox stats unavailable", instance=box.id, error=type(e).__name__)
     return out
