@@ -295,7 +295,7 @@ async def test_moorage_share_cli_makes_lists_and_revokes_links(world: World, tmp
     assert url.startswith(world.url + "/v1/shared/")
     async with client(world) as anyone:
         assert (await anyone.get(url)).text == "<p>note: ada-only</p>"
-        listed = json.loads(await asyncio.to_thread(cli, "share", "web", "ada", "--list", "--json"))
+        listed = json.loads(await asyncio.to_thread(cli, "share", "web", "ada", "--list", "--json"))["data"]
         mine = [x for x in listed if x["label"] == "cli"]
         assert len(mine) == 1 and round(mine[0]["expires_at"] - mine[0]["created_at"]) == 600
         assert "revoked" in await asyncio.to_thread(cli, "share", "web", "ada", "--revoke", mine[0]["id"])

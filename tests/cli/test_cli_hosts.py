@@ -11,7 +11,7 @@ from moorage.cli.main import app
 
 def test_draining_an_unknown_host_says_how_to_list_them(pg_url: str) -> None:
     listed = CliRunner().invoke(app, ["hosts", "--store-url", pg_url, "--json"])
-    assert listed.exit_code == 0 and json.loads(listed.stdout) == [], listed.output
+    assert listed.exit_code == 0 and json.loads(listed.stdout) == {"data": []}, listed.output
     r = CliRunner().invoke(app, ["hosts", "drain", "no-such-host", "--store-url", pg_url])
     said = " ".join(r.stderr.split())
     assert r.exit_code == 2 and r.stdout == "", r.output

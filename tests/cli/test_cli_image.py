@@ -28,9 +28,9 @@ def test_image_list_json_gives_each_manifest_and_which_is_current(tmp_path: Path
     _manifest(images, current, time.time())
     r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "image", "list", "--images-dir", str(images), "--json"])
     assert r.exit_code == 0, r.output
-    listed = json.loads(r.stdout)
+    listed = json.loads(r.stdout)["data"]
     assert {i["id"]: i["current"] for i in listed} == {"0ld1mage": False, current: True}
     assert all(i["kernel_version"] == "6.1.0-test" and i["dir"].startswith(str(images)) for i in listed)
     empty = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "image", "list", "--images-dir",
                                      str(tmp_path / "none"), "--json"])
-    assert empty.exit_code == 0 and json.loads(empty.stdout) == []
+    assert empty.exit_code == 0 and json.loads(empty.stdout) == {"data": []}

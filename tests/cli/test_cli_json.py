@@ -106,7 +106,7 @@ def test_cost_prices_and_scenarios_json_hold_what_their_text_shows() -> None:
     assert f"# break-even idle gap: {table['break_even_s']:.1f} s" in toml
     scenarios = cli("cost", "trace", "scenarios", "--json")
     assert scenarios.exit_code == 0, scenarios.output
-    listed = json.loads(scenarios.stdout)
+    listed = json.loads(scenarios.stdout)["data"]
     assert [s["name"] for s in listed] == list(SCENARIOS), listed
     text = cli("cost", "trace", "scenarios").stdout
     assert all(s["description"] in text and f"{s['users']:>5} users" in text for s in listed), text
@@ -124,7 +124,7 @@ def test_llm_providers_json_names_the_configured_model_and_url_as_the_text_does(
     env = {"MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_MODEL": "gpt-x", "MOORAGE_LLM_BASE_URL": "http://127.0.0.1:9/v1"}
     shown = CliRunner().invoke(app, ["llm", "providers", "--json"], env=env)
     assert shown.exit_code == 0, shown.output
-    rows = {r["name"]: r for r in json.loads(shown.stdout)}
+    rows = {r["name"]: r for r in json.loads(shown.stdout)["data"]}
     assert (rows["openai"]["configured"], rows["openai"]["model"], rows["openai"]["base_url"]) == \
         (True, "gpt-x", "http://127.0.0.1:9/v1"), rows
     assert rows["embedded"]["model"] is None and rows["anthropic"]["base_url"] is None, rows

@@ -89,7 +89,7 @@ async def test_share_list_prints_utc_times_and_its_json_keeps_the_numbers(live_r
     made = await moorage(live_rt, acme, "share", "web", "ada", "--ttl", "1h", "--label", "review")
     assert made.exit_code == 0, made.output
     raw = await moorage(live_rt, acme, "share", "web", "ada", "--list", "--json")
-    (link,) = json.loads(raw.stdout)
+    (link,) = json.loads(raw.stdout)["data"]
     assert isinstance(link["expires_at"], (int, float))
     shown = await moorage(live_rt, acme, "share", "web", "ada", "--list")
     assert shown.exit_code == 0, shown.output

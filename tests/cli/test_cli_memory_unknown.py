@@ -64,10 +64,10 @@ def test_known_users_are_read_by_the_agents_name_or_id(data: tuple[Path, str]) -
     for agent in ("concierge", agent_id):
         r = cli(path, "facts", "--tenant", "acme", "--agent", agent, "--user", "alice", "--json")
         assert r.exit_code == 0, r.output
-        assert [(f["attribute"], f["value"]) for f in json.loads(r.stdout)] == [("lives_in", "Lisbon")]
+        assert [(f["attribute"], f["value"]) for f in json.loads(r.stdout)["data"]] == [("lives_in", "Lisbon")]
     # A user with a session and nothing else (an agent that makes users as they come) is known: no facts yet.
     r = cli(path, "facts", "--tenant", "acme", "--agent", "concierge", "--user", "bob", "--json")
-    assert r.exit_code == 0 and json.loads(r.stdout) == [], r.output
+    assert r.exit_code == 0 and json.loads(r.stdout)["data"] == [], r.output
     r = cli(path, "search", "Lisbon", "--tenant", "acme", "--agent", agent_id, "--user", "alice", "--json")
     assert r.exit_code == 0, r.output
     assert any("Lisbon" in h["event"]["content"] for h in json.loads(r.stdout)["data"]), r.stdout

@@ -54,7 +54,7 @@ async def test_pending_facts_are_listed_confirmed_and_rejected_from_the_cli(live
 
     listed = await moorage(live_rt, acme, "memory", "pending", "pal", "ada", "--json")
     assert listed.exit_code == 0, listed.output
-    facts = {f["value"]: f for f in json.loads(listed.stdout)}
+    facts = {f["value"]: f for f in json.loads(listed.stdout)["data"]}
     assert list(facts) == ["Porto", "jazz", "[bold]Miso[/bold]"]  # oldest first
     table = await moorage(live_rt, acme, "memory", "pending", "pal", "ada")
     assert table.exit_code == 0, table.output

@@ -16,7 +16,7 @@ def test_doctor_reports_every_check(tmp_path: Path) -> None:
     assert made.returncode == 0, made.stderr
     r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=900)
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    checks = {c["name"]: c for c in json.loads(r.stdout)["data"]}
     assert set(checks) == {"qemu", "kvm", "bubblewrap", "disk", "store"}
     for c in checks.values():
         assert c["detail"], c
@@ -37,7 +37,7 @@ def test_doctor_reports_an_unreachable_store_with_a_fix(tmp_path: Path) -> None:
            "MOORAGE_STORE_URL": "postgresql://nobody@127.0.0.1:1/none"}
     r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=900)
-    store = {c["name"]: c for c in json.loads(r.stdout)}["store"]
+    store = {c["name"]: c for c in json.loads(r.stdout)["data"]}["store"]
     assert not store["ok"] and "MOORAGE_STORE_URL" in store["fix"]
     assert r.returncode == 1
 
@@ -49,12 +49,12 @@ def test_doctor_and_store_tenants_leave_a_fresh_data_dir_empty(tmp_path: Path) -
         env = {**os.environ, "MOORAGE_DATA_DIR": str(data)}
         r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env,
                            capture_output=True, text=True, timeout=900)
-        store = {c["name"]: c for c in json.loads(r.stdout)}["store"]
+        store = {c["name"]: c for c in json.loads(r.stdout)["data"]}["store"]
         assert store["ok"] and f"no store yet at {data / 'store'}" in store["detail"], store
         assert "`moorage up`" in store["detail"]
         for args in (["store", "tenants"], ["store", "tenants", "--json"]):
             t = subprocess.run([sys.executable, "-m", "moorage.cli.main", *args], env=env, capture_output=True,
                                text=True, timeout=300)
             assert t.returncode == 0 and "no store yet" in t.stderr and "`moorage up`" in t.stderr, t
-        assert json.loads(t.stdout) == []
+        assert json.loads(t.stdout) == {"data": []}
         assert (sorted(data.iterdir()) if data.exists() else None) == ([] if data.name == "empty" else None)

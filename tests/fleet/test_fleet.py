@@ -62,7 +62,7 @@ def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fl
 
     out = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts", "--json"], capture_output=True, text=True,
                          env={**os.environ, "MOORAGE_STORE_URL": fleet.store_url}, timeout=120, check=True)
-    listed = {h["id"]: h for h in json.loads(out.stdout)}
+    listed = {h["id"]: h for h in json.loads(out.stdout)["data"]}
     assert set(listed) == {"h1", "h2", "h3"} and all(h["state"] == "active" for h in listed.values())
     assert sum(h["instances"].get("running", 0) for h in listed.values()) == 30
     # The store named on the command line does the same; without a fleet store it says so, creating nothing.
@@ -70,7 +70,7 @@ def test_thirty_users_spread_over_three_hosts_continue_on_another_host(fleet: Fl
     env["MOORAGE_DATA_DIR"] = str(fleet.base / "cli-data")
     out = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts", "--json", "--store-url",
                           fleet.store_url], capture_output=True, text=True, env=env, timeout=120, check=True)
-    assert {h["id"] for h in json.loads(out.stdout)} == {"h1", "h2", "h3"}
+    assert {h["id"] for h in json.loads(out.stdout)["data"]} == {"h1", "h2", "h3"}
     bare = subprocess.run([str(Path(sys.executable).parent / "moorage"), "hosts"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert bare.returncode == 2 and "PostgreSQL store" in bare.stderr and "--store-url" in bare.stderr, bare

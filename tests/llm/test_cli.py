@@ -25,7 +25,7 @@ def test_providers_lists_the_configured_one(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["--data-dir", str(tmp_path), "llm", "providers", "--json"],
                            env={"MOORAGE_LLM_PROVIDER": "anthropic", "MOORAGE_CONFIG": str(tmp_path / "none.toml")})
     assert r.exit_code == 0, r.output
-    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    rows = {row["name"]: row for row in json.loads(r.stdout)["data"]}
     assert set(rows) == {"embedded", "openai", "anthropic"}
     assert rows["anthropic"]["configured"] and not rows["embedded"]["configured"]
     assert rows["embedded"]["exact_token_count"]

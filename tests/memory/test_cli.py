@@ -72,9 +72,9 @@ def test_facts_command_lists_trusted_and_pending_facts(tmp_path: Path) -> None:
     store.close()
 
     base = ["--data-dir", str(tmp_path), "memory", "facts", "--tenant", "acme", "--agent", "concierge", "--user", "alice", "--json"]
-    trusted = json.loads(runner.invoke(app, base).stdout)
+    trusted = json.loads(runner.invoke(app, base).stdout)["data"]
     assert [(f["attribute"], f["value"]) for f in trusted] == [("lives_in", "Lisbon")]
-    pending = json.loads(runner.invoke(app, base + ["--pending"]).stdout)
+    pending = json.loads(runner.invoke(app, base + ["--pending"]).stdout)["data"]
     assert [(f["attribute"], f["status"]) for f in pending] == [("email", "pending")]
 
 
@@ -91,5 +91,5 @@ def test_facts_history_lists_every_value_past_a_thousand(tmp_path: Path) -> None
     store.close()
     base = ["--data-dir", str(tmp_path), "memory", "facts", "--tenant", "acme", "--agent", "concierge", "--user", "alice",
             "--history", "--json"]
-    rows = json.loads(runner.invoke(app, base).stdout)
+    rows = json.loads(runner.invoke(app, base).stdout)["data"]
     assert len(rows) == 1003 and rows[-1]["value"] == "mood 1002"

@@ -60,8 +60,8 @@ def trace_generate(
 def trace_scenarios(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List the named scenarios."""
     if as_json:
-        typer.echo(json.dumps([{"name": s.name, "users": s.default_users, "hours": s.default_hours,
-                                "description": s.description} for s in SCENARIOS.values()], indent=2))
+        typer.echo(json.dumps({"data": [{"name": s.name, "users": s.default_users, "hours": s.default_hours,
+                                         "description": s.description} for s in SCENARIOS.values()]}, indent=2))
         return
     for s in SCENARIOS.values():
         typer.echo(f"{s.name:<10} {s.default_users:>5} users {s.default_hours:>4g} h  {s.description}")

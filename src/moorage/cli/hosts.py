@@ -68,7 +68,7 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
                     "load": h.load if alive else {},  # what a host that left last said is no load
                     "instances": mine})
     if as_json:
-        print(json.dumps(out))
+        print(json.dumps({"data": out}))
         return
     if not out:
         console.print("no hosts have registered (a host joins a fleet with a PostgreSQL store and an object store)")

@@ -62,7 +62,7 @@ def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
     found = sorted((p for p in d.glob("*/manifest.json")), key=lambda p: p.stat().st_mtime) if d.exists() else []
     if as_json:
         images = [GuestImage.load(m.parent) for m in found]
-        print(json.dumps([{**img.to_json(), "current": img.id == current} for img in images], indent=2))
+        print(json.dumps({"data": [{**img.to_json(), "current": img.id == current} for img in images]}, indent=2))
         return
     if not found:
         console.print(f"no images under {d}; run `moorage image build`")

@@ -41,7 +41,7 @@ def providers(as_json: bool = typer.Option(False, "--json", help="Machine-readab
         for n in PROVIDERS
     ]
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"data": rows}, indent=2))
         return
     for r in rows:
         mark = "[green]*[/]" if r["configured"] else " "

@@ -57,7 +57,7 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
 
     checks = run_checks(state.cfg)
     if as_json:
-        print(json.dumps([c.__dict__ for c in checks], indent=2))
+        print(json.dumps({"data": [c.__dict__ for c in checks]}, indent=2))
     else:
         for c in checks:
             mark = "[green]ok  [/]" if c.ok else ("[yellow]warn[/]" if c.optional else "[red]FAIL[/]")

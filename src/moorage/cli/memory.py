@@ -137,7 +137,7 @@ def facts(
     finally:
         store.close()
     if as_json:
-        print(json.dumps([{**f.__dict__, "scope": f.scope.key} for f in rows], indent=2))
+        print(json.dumps({"data": [{**f.__dict__, "scope": f.scope.key} for f in rows]}, indent=2))
         return
     table = Table(id_column("id"), "attribute", "value", "trust", "status", "valid from", "valid to", "provenance")
     for f in rows:
@@ -201,7 +201,7 @@ def pending(agent: str = typer.Argument(..., help="The agent."), user: str = typ
     """List USER's facts that wait for confirmation (what AGENT learned, what a tool said), oldest first."""
     rows = _sdk(lambda c: list(c.paginate(c.list_pending_facts, agent, user, session=session)))
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"data": rows}, indent=2))
         return
     if not rows:
         console.print(f"no facts of user {escape(user)} of {escape(agent)} wait for confirmation", highlight=False)

@@ -51,12 +51,12 @@ def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(F
 
     from moorage.cli.client import sdk
 
-    rows = sdk(_cfg(), lambda c: c.list_secrets(agent, user=user))["data"]
+    listed = sdk(_cfg(), lambda c: c.list_secrets(agent, user=user))
     if as_json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(listed, indent=2))
         return
     table = Table("name", "version", "updated")
-    for r in rows:
+    for r in listed["data"]:
         table.add_row(r["name"], str(r["version"]), utc(r["updated_at"]))
     console.print(table)
 

@@ -48,12 +48,12 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
             print(json.dumps(out, indent=2) if as_json else f"revoked {out.get('id', revoke)}")
             return
         if list_:
-            rows = sdk(cfg, lambda c: c.list_share_links(agent, user))["data"]
+            listed = sdk(cfg, lambda c: c.list_share_links(agent, user))
             if as_json:
-                print(json.dumps(rows, indent=2))
+                print(json.dumps(listed, indent=2))
                 return
             table = Table(id_column("id"), "label", "expires", "revoked")
-            for r in rows:
+            for r in listed["data"]:
                 table.add_row(r["id"], r["label"], utc(r["expires_at"]), utc(r["revoked_at"]))
             print_table(console, table)
             return

@@ -118,7 +118,7 @@ def tenants(as_json: bool = typer.Option(False, "--json")) -> None:
         with _store() as s:
             ts = s.operator.list_tenants()
     if as_json:
-        print(json.dumps([{"id": t.id, "name": t.name, "created_at": t.created_at} for t in ts]))
+        print(json.dumps({"data": [{"id": t.id, "name": t.name, "created_at": t.created_at} for t in ts]}))
     else:
         for t in ts:
             console.print(f"{t.name}\t{t.id}")
