@@ -117,7 +117,8 @@ class Backend(ABC):
         with self.control_tx() as c:
             r = c.one("SELECT id, name, created_at, version FROM tenants WHERE id = ? OR name = ?", (name_or_id, name_or_id))
         if r is None:
-            raise NotFound(f"no tenant {name_or_id!r}", hint="create one with `moorage store create-tenant NAME`")
+            raise NotFound(f"no tenant {name_or_id!r}", hint="`moorage store tenants` lists them; create one with "
+                                                               "`moorage store create-tenant NAME`")
         return Tenant(*r)
 
     def list_tenants(self) -> list[Tenant]:
