@@ -202,10 +202,13 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         # A rollback or fork a killed host left half done is finished first: turns then see one point in time.
         await self.timetravel.recover()
         tenants = await asyncio.to_thread(lambda: list(self.store.operator.tenants()))
+        still_building: list[str] = []
         for ts in tenants:  # deploys a crash (of this host, or in a fleet of another) cut short: failed
             building = await asyncio.to_thread(ts.deployments.building)
             if building:
-                await asyncio.to_thread(self.settle_builds, ts, building, at_start=True)
+                settled = await asyncio.to_thread(self.settle_builds, ts, building, at_start=True)
+                still_building += [d.id for d in settled if d.status == "building"]
+        await self.templates.drop_builders(still_building)  # and their builder sandboxes
         for ts in tenants:  # messages a killed host committed but did not embed: embedded in the background
             self.embed_queue.submit(self.memory(ts).episodic)
         for ts in tenants:

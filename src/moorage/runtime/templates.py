@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -338,6 +338,26 @@ class Templates:
         write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
         say("template ready")
         return ref
+
+    async def drop_builders(self, building: Iterable[str] = ()) -> list[str]:
+        """Destroy the builder sandboxes (``tpl-<deployment id, 24>``, see ``_build``) a crash left on this host: a
+        build cut short never finishes, and its sandbox (its disk, and on the process driver its processes running
+        the agent's code) stayed for ever. Those of deployments in ``building`` (still built by a live host) and of
+        builds of this process stay. Returns the ids destroyed."""
+        gone = []
+        for sid in await self.driver.list():
+            prefix = sid[len("tpl-"):]
+            if not sid.startswith("tpl-") or any(d.startswith(prefix) for d in building) or any(
+                    d.startswith(prefix) and lock.locked() for d, lock in self._locks.items()):
+                continue
+            try:
+                await (await self.driver.open(sid)).destroy()
+            except Exception as e:  # noqa: BLE001 - tried again at the next start
+                log.warning("could not remove the sandbox of a build cut short", sandbox=sid, error=str(e))
+                continue
+            log.info("removed the sandbox of a build cut short", sandbox=sid)
+            gone.append(sid)
+        return gone
 
     @contextlib.contextmanager
     def fork_template(self) -> Iterator[str]:

@@ -1,0 +1,125 @@
+"""`moorage up` for the crash tests of tests/lifecycle/test_crash_operations.py, run as its own process.
+
+Like tests/timetravel/crash_host.py, it can SIGKILL itself inside an operation: ``CRASH_AT=module:Attr.path``
+replaces that callable with one that kills the process when it is called (``CRASH_WHEN=after``: once the real call
+has returned), on its ``CRASH_NTH`` call (default 1). Nothing of this is in moorage itself."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(spec: str, nth: int, after: bool) -> None:
+    mod, _, path = spec.partition(":")
+    owner: Any = importlib.import_module(mod)
+    *parents, name = path.split(".")
+    for p in parents:
+        owner = getattr(owner, p)
+    real = getattr(owner, name)
+    calls = [0]
+
+    def due() -> bool:
+        calls[0] += 1
+        return calls[0] == nth
+
+    if inspect.iscoroutinefunction(real):
+        @functools.wraps(real)
+        async def hooked(*a: Any, **kw: Any) -> Any:
+            if not after and due():
+                _die()
+            out = await real(*a, **kw)
+            if after and due():
+                _die()
+            return out
+    else:
+        @functools.wraps(real)
+        def hooked(*a: Any, **kw: Any) -> Any:  # type: ignore[misc]
+            if not after and due():
+                _die()
+            out = real(*a, **kw)
+            if after and due():
+                _die()
+            return out
+    setattr(owner, name, hooked)
+
+
+class Up:
+    """`moorage up` on one data dir (process driver), started, killed and started again by a test."""
+
+    def __init__(self, data: Path, port: int, **env: str) -> None:
+        self.data, self.port, self.url = data, port, f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port),
+                    "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "info",
+                    "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), **env}
+        self.log = data.parent / "up.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, crash_at: str = "", nth: int = 1, after: bool = False) -> "Up":
+        env = {**self.env, "CRASH_AT": crash_at, "CRASH_NTH": str(nth), "CRASH_WHEN": "after" if after else ""}
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.lifecycle.crash_up"], env=env, cwd=ROOT,
+                                         stdout=logf, stderr=logf)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "moorage up did not come up"
+            time.sleep(0.1)
+
+    @property
+    def key(self) -> str:
+        return (self.data / "local-admin.key").read_text().strip()
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
+
+    def died(self, timeout: float = 60) -> bool:
+        """Whether the process was SIGKILLed (by its hook) within ``timeout``."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout) == -signal.SIGKILL
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+if __name__ == "__main__":
+    if os.environ.get("CRASH_AT"):
+        arm(os.environ["CRASH_AT"], int(os.environ.get("CRASH_NTH") or 1), os.environ.get("CRASH_WHEN") == "after")
+    from moorage.cli.main import run
+
+    sys.argv = ["moorage", "up"]
+    run()
