@@ -1,7 +1,8 @@
 """Agent sandboxes: list, get, the lifecycle verbs (sleep, wake, checkpoint, rollback, fork), files, exec.
 
-Every verb first finds the sandbox in the caller's tenant store; the runtime then acts on it. A detached exec is
-an execution (``kind: "exec"``) under /v1/executions, followed and cancelled by the routes at the end here.
+Every verb first finds the sandbox in the caller's tenant store (a key limited to one agent: its agent's only); the
+runtime then acts on it. A detached exec is an execution (``kind: "exec"``) under /v1/executions, followed and
+cancelled by the routes at the end here.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ def list_sandboxes(call: Call) -> dict[str, Any]:
     return keyset_page(boxes, limit, lambda b: {"a": b.last_active, "i": b.id}, S.sandbox)
 
 
-def get_sandbox(call: Call) -> dict[str, Any]:
-    sandbox_id = call.path["sandbox_id"]
+def own_sandbox(call: Call, sandbox_id: str) -> Any:
+    """The sandbox ``sandbox_id`` of the caller's tenant, found before anything is done to it. A key limited to one
+    agent finds its agent's only: another agent's is the same 404 as an id that does not exist (and is not woken,
+    read or touched); the sandbox's own record names its agent, so the route needs no ``?agent=``."""
     box = call.tenant.sandboxes.get(sandbox_id)
     if call.who.agent is not None and box.agent_id != call.who.agent:
-        # A key limited to one agent finds no other agent's sandbox: the same answer as an id that does not exist.
         raise NotFound(f"no sandbox {sandbox_id!r}")
-    return S.sandbox(box)
+    return box
+
+
+def get_sandbox(call: Call) -> dict[str, Any]:
+    return S.sandbox(own_sandbox(call, call.path["sandbox_id"]))
 
 
 def runtime_method(call: Call, name: str) -> Callable[..., Any]:
@@ -64,7 +70,7 @@ def runtime_method(call: Call, name: str) -> Callable[..., Any]:
 def _verb(verb: str) -> Callable[[Call], Any]:
     async def handler(call: Call) -> dict[str, Any]:
         sid = call.path["sandbox_id"]
-        await run_in_threadpool(call.tenant.sandboxes.get, sid)
+        await run_in_threadpool(own_sandbox, call, sid)
         body = call.body if isinstance(call.body, dict) else {}
         kw: dict[str, Any] = {k: v for k, v in body.items() if k in ("checkpoint", "label")}
         for k, v in kw.items():
@@ -96,14 +102,14 @@ def _path(call: Call) -> str:
 
 async def list_files(call: Call) -> dict[str, Any]:
     sid = call.path["sandbox_id"]
-    await run_in_threadpool(call.tenant.sandboxes.get, sid)
+    await run_in_threadpool(own_sandbox, call, sid)
     entries = await runtime_method(call, "list_files")(call.who, sid, _path(call))
     return {"path": _path(call), "entries": list(entries)}
 
 
 async def read_file(call: Call) -> dict[str, Any]:
     sid = call.path["sandbox_id"]
-    await run_in_threadpool(call.tenant.sandboxes.get, sid)
+    await run_in_threadpool(own_sandbox, call, sid)
     data = await runtime_method(call, "read_file")(call.who, sid, _path(call))
     if isinstance(data, str):
         return {"path": _path(call), "encoding": "utf-8", "content": data}
@@ -116,7 +122,7 @@ async def read_file(call: Call) -> dict[str, Any]:
 async def exec_command(call: Call) -> Any:
     """Run a command in the sandbox: the result at the end, or with ``detach`` a 202 and an execution at once."""
     sid = call.path["sandbox_id"]
-    rec = await run_in_threadpool(call.tenant.sandboxes.get, sid)  # another tenant's sandbox is a 404 before anything
+    rec = await run_in_threadpool(own_sandbox, call, sid)  # another tenant's or agent's: a 404 before anything
     argv = call.field("argv", list)
     if not argv or not all(isinstance(a, str) and "\x00" not in a for a in argv) or len(argv) > 4096:
         raise InvalidInput("argv must be a non-empty list of strings", hint='e.g. {"argv": ["ls", "-la"]}')
@@ -153,15 +159,25 @@ async def _held_elsewhere(call: Call, ex: Any) -> None:
         raise Misplaced(None, host)
 
 
+def own_exec(call: Call, execution_id: str) -> Any:
+    """The detached exec ``execution_id`` the caller may follow or cancel. Another tenant's, another agent's (a key
+    limited to one agent) and one that does not exist are the same 404, so none tells that the id exists."""
+    try:
+        return exec_jobs.get_exec(call.tenant, call.who, execution_id)
+    except NotFound as e:
+        raise NotFound(f"no exec execution {execution_id!r}",
+                       hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true") from e
+
+
 async def cancel_exec(call: Call) -> dict[str, Any]:
-    ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    ex = await run_in_threadpool(own_exec, call, call.path["execution_id"])
     await _held_elsewhere(call, ex)
     return await exec_jobs.ExecJobs.of(call.runtime).cancel(call.tenant, ex)
 
 
 async def follow_exec(call: Call) -> Any:
     """Server-sent events: ``output`` ({stream, offset, text}) as it arrives, from the oldest byte kept, then ``end``."""
-    ex = await run_in_threadpool(exec_jobs.get_exec, call.tenant, call.who, call.path["execution_id"])
+    ex = await run_in_threadpool(own_exec, call, call.path["execution_id"])
     await _held_elsewhere(call, ex)
     events = exec_jobs.ExecJobs.of(call.runtime).follow(call.tenant, ex)
 
@@ -197,7 +213,8 @@ VERB_RESULT = {
 }
 
 ENDPOINTS = [
-    # A key limited to one agent lists (naming its agent) and gets that agent's sandboxes only (agent_checked).
+    # A key limited to one agent lists (naming its agent) and gets, acts on, reads and execs in that agent's
+    # sandboxes, and follows and cancels its execs, only (agent_checked: own_sandbox and get_exec check it).
     Endpoint("GET", "/v1/sandboxes", list_sandboxes, "List sandboxes", "sandboxes", "listSandboxes", scope="read",
              agent_checked=True,
              query=(*PAGE, Param("state", S.STR),
@@ -206,22 +223,23 @@ ENDPOINTS = [
     Endpoint("GET", _BOX, get_sandbox, "Get a sandbox", "sandboxes", "getSandbox", scope="read", agent_checked=True,
              response=S.ref("Sandbox")),
     *[Endpoint("POST", f"{_BOX}/{verb}", _verb(verb), _SUMMARY[verb], "sandboxes", f"{verb}Sandbox", scope="deploy",
+               agent_checked=True,
                body=S.obj({"checkpoint": S.STR, "label": S.STR,
                            **({"to_user": S.STR, "to_users": {"type": "array", "items": S.STR, "minItems": 1,
                                                               "maxItems": 16}} if verb == "fork" else {})}, []),
                response=VERB_RESULT[verb])
       for verb in VERBS],
     Endpoint("GET", f"{_BOX}/files", list_files, "List a directory inside the sandbox", "sandboxes",
-             "listSandboxFiles", scope="deploy", query=(PATH,),
+             "listSandboxFiles", scope="deploy", agent_checked=True, query=(PATH,),
              response=S.obj({"path": S.STR, "entries": {"type": "array", "items": S.obj({
                  "name": S.STR, "path": S.STR, "type": {"enum": ["file", "dir", "symlink", "other"]}, "size": S.INT,
                  "mtime": S.NUM})}})),
     Endpoint("GET", f"{_BOX}/files/content", read_file, "Read a file inside the sandbox", "sandboxes",
-             "readSandboxFile", scope="deploy", query=(PATH,),
+             "readSandboxFile", scope="deploy", agent_checked=True, query=(PATH,),
              response=S.obj({"path": S.STR, "encoding": {"enum": ["utf-8", "base64"]}, "content": S.STR})),
     # Exec runs anything in the sandbox: the same scope as the other sandbox verbs.
     Endpoint("POST", f"{_BOX}/exec", exec_command, "Run a command in the sandbox (detach: 202 and an execution)",
-             "sandboxes", "execSandbox", scope="deploy",
+             "sandboxes", "execSandbox", scope="deploy", agent_checked=True,
              # Detached: the Idempotency-Key names the execution (a retry gets it, nothing runs twice). A
              # synchronous exec's output can exceed what the HTTP replay journal keeps, so it is not journaled.
              idempotency="runtime",
