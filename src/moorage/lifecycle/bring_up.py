@@ -22,6 +22,7 @@ from moorage.lifecycle.instance import (LiveInstance, TemplateSource, WakeKind, 
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
+from moorage.lifecycle.new_instances import NewInstances
 from moorage.lifecycle.pool import WarmPool
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
@@ -46,6 +47,7 @@ class BringUp:
     clock: Callable[[], float]
     _closed: bool
     _counts: dict[str, int]
+    new_instances: NewInstances
     _by_record: dict[str, LiveInstance]
     io: Callable[..., Any]
     _live_for: Callable[..., LiveInstance]
@@ -139,9 +141,10 @@ class BringUp:
                 await self._make_room(li)
                 pooled = await self.pool.take(template) if self.pool is not None else None
                 try:
-                    rec = await self.io(machine.provision, ts, scope, owner=self.owner, template_ref=template.id,
-                                        sandbox_id=pooled or uuid.uuid4().hex, trace=trace,
-                                        meta={"pooled": True} if pooled else None)
+                    async with self.new_instances.making(ts.tenant_id):  # waits while an online backup holds them
+                        rec = await self.io(machine.provision, ts, scope, owner=self.owner, template_ref=template.id,
+                                            sandbox_id=pooled or uuid.uuid4().hex, trace=trace,
+                                            meta={"pooled": True} if pooled else None)
                 except BaseException as e:
                     if pooled:  # out of the pool already: nobody else would ever remove it
                         await self._destroy_quietly(pooled)

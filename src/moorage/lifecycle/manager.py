@@ -20,6 +20,7 @@ from moorage.lifecycle.config import AgentLifecycle
 from moorage.lifecycle.errors import Misplaced, TenantAwakeLimit, WakeFailed
 from moorage.lifecycle.instance import LiveInstance, ManagerStats, TemplateSource, WakeKind, wake_kind
 from moorage.lifecycle.machine import Owner
+from moorage.lifecycle.new_instances import NewInstances
 from moorage.lifecycle.policies import FixedTimeout, InstanceActivity, SleepEconomics, SleepPolicy, parse_policy
 from moorage.lifecycle.pool import WarmPool
 from moorage.lifecycle.sleeping import Sleeping
@@ -96,6 +97,9 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         #: Awaited (tenant id, scope) by a requested ``sleep`` before it looks at the instance: the runtime's wait
         #: for an automatic checkpoint still being taken after a reply went out (None: nothing to wait for).
         self.settle: Callable[[str, Scope], Awaitable[None]] | None = None
+        #: The instance records being created, per tenant; an online backup holds new ones back while it lists a
+        #: tenant's instances the last time and copies its store (runtime/backup.py).
+        self.new_instances = NewInstances()
 
     @property
     def host(self) -> str:
