@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -53,6 +54,16 @@ def turns_recorded(sdk: Client, user: str) -> list[int]:
         if not cursor:
             break
     return sorted(int(e["content"].split()[1]) for e in events if str(e.get("content", "")).startswith("turn "))
+
+
+def every(page_of: Callable[[str | None], Any]) -> list[Any]:
+    """Every item of a paged listing: ``page_of(cursor)`` is one page."""
+    items, cursor = [], None
+    while True:
+        page = page_of(cursor)
+        items += page["data"]
+        if not (cursor := page["next_cursor"]):
+            return items
 
 
 def p99(xs: list[float]) -> float:
@@ -163,6 +174,91 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
                 assert before[u] <= n <= after[u], (u, before[u], n, after[u])
                 # The files say the same: the next turn is the one after the last the memory holds.
                 assert sdk.invoke("counter", "again", user=u)["reply"] == f"{n + 1}: again", u
+    finally:
+        restored.stop()
+
+
+class Arrivals:
+    """New users arrive one after another until stopped: first turns (two turns each), users made with
+    ``PUT ?provision=true``, and forks of ``src`` into new users; when each was made, and every failure, kept."""
+
+    def __init__(self, host: LocalHost, checkpoint: str) -> None:
+        self.host, self.checkpoint, self.stop = host, checkpoint, threading.Event()
+        self.made: list[tuple[float, str]] = []
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(kind, f"{kind}{n}-"))
+                        for kind, n in [("new", 0), ("new", 1), ("new", 2), ("put", 0), ("fork", 0)]]
+
+    def _run(self, kind: str, prefix: str) -> None:
+        i = 0
+        with Client(self.host.url, self.host.key, timeout_s=120) as sdk:
+            while not self.stop.is_set():
+                user, i = f"{prefix}{i}", i + 1
+                try:
+                    if kind == "new":
+                        sdk.invoke("counter", "go", user=user)
+                        self.made.append((time.time(), user))
+                        sdk.invoke("counter", "go", user=user)
+                    elif kind == "put":
+                        sdk.put_user("counter", user, provision=True)
+                        self.made.append((time.time(), user))
+                    else:
+                        sdk.fork_checkpoint("counter", "src", self.checkpoint, user)
+                        self.made.append((time.time(), user))
+                except Exception as e:  # noqa: BLE001 - every failure is reported by the test
+                    self.errors.append(f"{user}: {e}")
+
+    def __enter__(self) -> "Arrivals":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+
+
+def test_online_backup_while_new_users_arrive_has_every_user_with_their_instance(tmp_path: Path) -> None:
+    """Users made while the backup runs (first turns, PUT ?provision=true, forks): in a host started on the copy
+    every user's memory and files agree (the next turn counts on from what the memory holds) and every instance
+    belongs to a user of the copy. Such a user's instance was left out of the copy while their rows were in it
+    (their memory said turn 2, their files nothing)."""
+    data, dest = tmp_path / "a" / "data", tmp_path / "backup"
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent_dir(tmp_path))
+            for u in [*USERS, "src", "src"]:
+                sdk.invoke("counter", "hello", user=u)
+            newest = sdk.list_checkpoints("counter", "src", limit=1)["data"][0]["id"]
+        with Load(host) as load, Arrivals(host, newest) as arrivals:
+            time.sleep(3)
+            t0 = time.time()
+            r = backup(data, dest)
+            t1 = time.time()
+            time.sleep(1)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not load.errors and not arrivals.errors, (load.errors[:3], arrivals.errors[:3])
+        during = [u for t, u in arrivals.made if t0 <= t < t1]
+        assert {u.rstrip("0123456789-") for u in during} == {"new", "put", "fork"}, during  # each kind of arrival, while it ran
+        manifest = json.loads((dest / "moorage-backup.json").read_text())
+        print(f"\n{len(during)} users made during the backup ({t1 - t0:.1f} s); copied "
+              f"{len(manifest['instances'])}, left out {manifest['left_out']}; {manifest['phases']}")
+    finally:
+        host.stop()
+
+    restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
+    try:
+        with Client(restored.url, restored.key, timeout_s=120) as sdk:
+            users = [u["id"] for u in every(lambda c: sdk.list_users("counter", limit=500, cursor=c))]
+            boxes = every(lambda c: sdk.list_sandboxes(agent="counter", limit=500, cursor=c))
+            assert {b["scope"] for b in boxes} <= {f"user:counter/{u}" for u in users}, "an instance without its user"
+            assert {u for t, u in arrivals.made if t < t0} <= set(users)
+            for u in users:
+                n = len(recorded := turns_recorded(sdk, u))
+                assert recorded == list(range(1, n + 1)), (u, recorded)
+                assert sdk.invoke("counter", "again", user=u)["reply"] == f"{n + 1}: again", (u, recorded)
     finally:
         restored.stop()
 

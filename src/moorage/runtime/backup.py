@@ -7,7 +7,9 @@ directory is copied at rest, and for a per-user instance the store half of a che
 records its rows at that moment. Each tenant's database is copied afterwards with SQLite's online backup API (one
 read snapshot), and the copy's rows of each instance are then rolled back to that checkpoint, so turns that ran
 after the instance was copied are not in the copy. Instances without such a checkpoint (one per session or
-workflow run, zero-retention agents) stay held until their tenant's database is copied.
+workflow run, zero-retention agents) stay held until their tenant's database is copied. A tenant is listed again
+until no new instance turns up, and a last time with its new instances held back (``NewInstances``) until its
+database is copied: every instance in the copied store is in the copy, and every one in the copy is in its store.
 ``DEST/moorage-backup.incomplete`` exists until everything is copied and synced; ``moorage up`` refuses such a
 directory. docs/operations.md, "Online backup".
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sqlite3
 import time
 import uuid
@@ -43,6 +46,11 @@ DEFER_S = 2.0
 WAIT_S = 300.0
 #: Instances read from the store at a time.
 PAGE = 1000
+#: Listings of a tenant's instances after the first, looking for new ones, before the last listing, which holds
+#: its new instances back until its database is copied.
+RELIST = 3
+#: Who holds a new user's line in the router while a fork makes that user (timetravel/fork.py).
+FORK_LINE = "-time-travel"
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
 #: Top-level entries of the data directory the backup copies its own way, or leaves out.
@@ -139,8 +147,12 @@ class OnlineBackup:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     copied: list[Copied] = field(default_factory=list)
     left_out: list[dict[str, Any]] = field(default_factory=list)
-    #: Instances to copy, as known so far (a tenant's second listing can add some).
+    #: Instances to copy, as known so far (a tenant's later listings can add some).
     total: int = 0
+    #: Per tenant, the scopes a fork was making as its database was copied (``_forks_under_way``).
+    forking: dict[str, list[str]] = field(default_factory=dict)
+    #: Seconds new instances were held back, all tenants together (first turns of new users waited that long).
+    held_s: float = 0.0
 
     @property
     def data_dir(self) -> Path:
@@ -191,9 +203,11 @@ class OnlineBackup:
         phases["rest_s"], t = time.monotonic() - t, time.monotonic()
         await asyncio.to_thread(self._fix_copy)
         phases["fix_s"], t = time.monotonic() - t, time.monotonic()
+        phases["new_instances_held_s"] = self.held_s
         manifest = {"format": 1, "backup": self.id, "host": self.mgr.host, "data_dir": str(self.data_dir),
                     "started_at": started, "finished_at": time.time(),
-                    "instances": [c.entry() for c in self.copied], "left_out": self.left_out}
+                    "instances": [c.entry() for c in self.copied], "left_out": self.left_out,
+                    "phases": {k: round(v, 3) for k, v in phases.items()}}
         (self.dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         await asyncio.to_thread(os.sync)
         phases["sync_s"] = time.monotonic() - t
@@ -219,31 +233,29 @@ class OnlineBackup:
         return sorted(recs, key=lambda r: (r.scope.kind != "user", r.created_at))
 
     async def _tenant(self, tid: str, recs: list["SandboxRecord"]) -> None:
-        """Copy every instance of one tenant, then its database."""
+        """Copy every instance of one tenant, then its database: listed again until no new one is found (new
+        users, forks), then once more and the database copied with the tenant's new instances held back (a first
+        turn waits that long), so every instance in the copied database is one copied."""
         ts = await asyncio.to_thread(self.mgr.system_tenant, tid)
         held: list["LiveInstance"] = []
         seen: set[str] = set()
         try:
-            for attempt in range(2):  # a second pass: instances provisioned while the first one ran
-                if attempt:
-                    recs = [r for r in await self._instances(tid) if r.id not in seen]
-                    self.total += len(recs)
-                later: list["SandboxRecord"] = []
-                for rec in recs:
-                    seen.add(rec.id)
-                    try:
-                        await self._one(ts, rec, held, DEFER_S)
-                    except _StillBusy:
-                        later.append(rec)  # in a long turn: the others first
-                for rec in later:
-                    await self._one(ts, rec, held, WAIT_S)
-            src = Path(self.host.store.backend.tenant_path(tid))
-            dst = self.dest / "store" / "tenants" / src.name
-            if src.exists():
-                await asyncio.to_thread(copy_sqlite, src, dst)
-                lg = src.with_suffix(".lg")  # LangGraph's large values: rows point below the log's recorded end
-                if lg.exists():
-                    await copy_tree(lg, dst.with_suffix(".lg"))
+            await self._copy_all(ts, recs, held, seen)
+            for _ in range(RELIST):
+                if not await self._copy_new(ts, held, seen):
+                    break
+            held_since = time.monotonic()
+            async with self.mgr.new_instances.held(tid):
+                await self._copy_new(ts, held, seen)  # made since the last listing, before the hold
+                src = Path(self.host.store.backend.tenant_path(tid))
+                dst = self.dest / "store" / "tenants" / src.name
+                if src.exists():
+                    await asyncio.to_thread(copy_sqlite, src, dst)
+                    lg = src.with_suffix(".lg")  # LangGraph's large values: rows point below the log's recorded end
+                    if lg.exists():
+                        await copy_tree(lg, dst.with_suffix(".lg"))
+                self.forking[tid] = self._forks_under_way(tid)
+            self.held_s += time.monotonic() - held_since
         finally:
             for li in held:
                 self._let_go(li)
@@ -252,6 +264,35 @@ class OnlineBackup:
                 await asyncio.to_thread(_unname, ts, mine)
             except MoorageError as e:  # costs a checkpoint kept for good, never the backup
                 log.warning("the backup's checkpoints could not be unnamed", tenant=tid, error=str(e))
+
+    async def _copy_new(self, ts: "TenantStore", held: list["LiveInstance"], seen: set[str]) -> int:
+        """Copy the tenant's instances not seen yet; how many there were."""
+        recs = [r for r in await self._instances(ts.tenant_id) if r.id not in seen]
+        self.total += len(recs)
+        await self._copy_all(ts, recs, held, seen)
+        return len(recs)
+
+    async def _copy_all(self, ts: "TenantStore", recs: list["SandboxRecord"], held: list["LiveInstance"],
+                        seen: set[str]) -> None:
+        later: list["SandboxRecord"] = []
+        for rec in recs:
+            seen.add(rec.id)
+            try:
+                await self._one(ts, rec, held, DEFER_S)
+            except _StillBusy:
+                later.append(rec)  # in a long turn: the others first
+        for rec in later:
+            await self._one(ts, rec, held, WAIT_S)
+
+    def _forks_under_way(self, tid: str) -> list[str]:
+        """Scopes (keys) of the tenant a fork is making as its database is copied: the fork copies the source's
+        rows to its new user before that user's instance is made (held back now), so the copy may hold their rows
+        without their instance; ``_fix_copy`` removes them (the fork is not in the copy, as if it failed)."""
+        router = getattr(getattr(self.host, "runtime", None), "router", None)
+        lines = getattr(router, "_instances", {})
+        copied = {c.rec.scope.key for c in self.copied if c.tenant == tid}
+        return [key for (t, key), line in list(lines.items())
+                if t == tid and line.holder == FORK_LINE and key not in copied]
 
     async def _one(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"], patience: float) -> None:
         copied = await self._instance(ts, rec, held, patience)
@@ -364,9 +405,11 @@ class OnlineBackup:
 
     def _fix_copy(self) -> None:
         """Make the copy's store say what its files hold: each instance asleep as it was copied, each per-user
-        instance's rows those of its backup checkpoint, and no instance whose directory is not in the copy."""
+        instance's rows those of its backup checkpoint, no instance whose directory is not in the copy, no
+        directory whose instance is not in the copied store, and no rows of a fork's new user without their
+        instance."""
         from moorage.config import Config
-        from moorage.store import open_store
+        from moorage.store import Scope, open_store
         from moorage.store.repos.checkpoints import checkpoints_of
 
         by_tenant: dict[str, list[Copied]] = {}
@@ -377,18 +420,21 @@ class OnlineBackup:
             db = sqlite3.connect(str(path))
             try:
                 with db:
+                    states = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
                     for c in items:
+                        if states.get(c.rec.id, "deleted") == "deleted":
+                            self._drop(c)  # deleted (or its user forgotten) once copied: gone from the store copy
+                            continue
                         meta = {k: v for k, v in c.rec.meta.items() if k not in ("claim", "owner", "awake_since")}
                         state = "sleeping" if c.rec.state == "waking" else c.rec.state
                         db.execute("UPDATE sandboxes SET state = ?, host = ?, snapshot_ref = ?, meta = ?, "
                                    "version = version + 1 WHERE id = ?",
                                    (state, c.rec.host, c.rec.snapshot_ref, json.dumps(meta), c.rec.id))
-                    ids = {c.rec.id for c in items}
+                    ids = {c.rec.id for c in self.copied if c.tenant == path.stem}
                     for (sid, scope) in db.execute("SELECT id, scope FROM sandboxes WHERE state != 'deleted'").fetchall():
-                        if sid not in ids:  # provisioned after its tenant was listed twice: a new user next time
+                        if sid not in ids:  # listed but not copied (its agent deleted meanwhile)
                             db.execute("DELETE FROM sandboxes WHERE id = ?", (sid,))
-                            self.left_out.append({"instance": sid, "scope": scope,
-                                                  "why": "provisioned while the backup ran"})
+                            self.left_out.append({"instance": sid, "scope": scope, "why": "not copied"})
             finally:
                 db.close()
         store = open_store(Config(data_dir=self.dest))
@@ -405,5 +451,18 @@ class OnlineBackup:
                     raise BackupFailed(f"the copy of {c.rec.scope} could not be put back to its point: {e}",
                                        hint="take the backup again") from e
                 _unname(ts, [c.checkpoint])
+            for tid, keys in self.forking.items():
+                ts = store.tenant(store.operator.principal(tid))
+                for key in keys:
+                    scope = Scope.parse(key)
+                    if scope.user is not None and ts.forget_user(scope.user, scope.agent):
+                        self.left_out.append({"instance": None, "scope": key,
+                                              "why": "a fork was making this user as the store was copied"})
         finally:
             store.close()
+
+    def _drop(self, c: Copied) -> None:
+        self.copied.remove(c)
+        shutil.rmtree(self.dest / "sandboxes" / c.rec.id, ignore_errors=True)
+        self.left_out.append({"instance": c.rec.id, "scope": c.rec.scope.key,
+                              "why": "deleted, or its user forgotten, after it was copied"})
