@@ -263,6 +263,57 @@ def test_online_backup_while_new_users_arrive_has_every_user_with_their_instance
         restored.stop()
 
 
+def test_a_user_forgotten_after_their_instance_was_copied_is_not_in_the_copy(tmp_path: Path) -> None:
+    """ada is copied, then forgotten while the backup waits for slow's long turn (before the tenant's store is
+    copied): the backup finishes and its copy has neither her rows nor her instance's directory. The backup
+    failed ('could not be put back to its point': her backup checkpoint was forgotten with her)."""
+    data, dest = tmp_path / "a" / "data", tmp_path / "backup"
+    host = LocalHost("box", data, ENV, start_timeout_s=300)
+    try:
+        with Client(host.url, host.key) as sdk:
+            sdk.deploy("counter", agent_dir(tmp_path))
+            for u in ["slow", "ada", "bob"]:
+                assert sdk.invoke("counter", "hello", user=u)["reply"] == "1: hello"
+            ada_box = sdk.get_user("counter", "ada")["instance"]["sandbox_id"]
+        slow = threading.Thread(target=lambda: httpx.post(
+            f"{host.url}/v1/agents/counter/invoke", json={"user": "slow", "message": "slow8"},
+            headers={"Authorization": f"Bearer {host.key}"}, timeout=120))
+        slow.start()
+        deadline = time.monotonic() + 60
+        with Client(host.url, host.key) as sdk:
+            while not [r for r in sdk.list_workflows(status="running", agent="counter")["data"]
+                       if r["scope"].split("/")[1] == "slow"]:
+                assert time.monotonic() < deadline, "slow's turn never began"
+                time.sleep(0.1)
+        cli = subprocess.Popen(backup_cmd(dest), env=backup_env(data), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        assert cli.stdout is not None
+        for line in cli.stdout:  # slow's turn is waited for after the others are copied
+            if line.strip().startswith("2/3 "):
+                break
+        with Client(host.url, host.key) as sdk:
+            sdk.delete_user("counter", "ada")
+        out, err = cli.communicate(timeout=120)
+        slow.join(timeout=60)
+        assert cli.returncode == 0, out + err
+        manifest = json.loads((dest / "moorage-backup.json").read_text())
+        assert sorted(i["scope"] for i in manifest["instances"]) == ["user:counter/bob", "user:counter/slow"]
+        assert [(x["scope"], x["why"]) for x in manifest["left_out"]] == \
+            [("user:counter/ada", "deleted, or its user forgotten, after it was copied")]
+        assert not (dest / "sandboxes" / ada_box).exists()
+    finally:
+        host.stop()
+    restored = LocalHost("elsewhere", dest, ENV, start_timeout_s=300)
+    try:
+        with Client(restored.url, restored.key) as sdk:
+            assert sorted(u["id"] for u in sdk.list_users("counter")["data"]) == ["bob", "slow"]
+            assert sorted(b["scope"] for b in sdk.list_sandboxes(agent="counter")["data"]) == \
+                ["user:counter/bob", "user:counter/slow"]
+            assert sdk.invoke("counter", "again", user="bob")["reply"] == "2: again"
+    finally:
+        restored.stop()
+
+
 def test_online_backup_refuses_an_existing_dest_and_a_killed_one_is_marked_incomplete(tmp_path: Path) -> None:
     data = tmp_path / "a" / "data"
     host = LocalHost("box", data, ENV, start_timeout_s=300)
