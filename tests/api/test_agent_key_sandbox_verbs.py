@@ -220,3 +220,26 @@ async def test_the_sdk_with_a_key_for_one_agent(live_rt, store: Store, acme: str
                 raise AssertionError("another agent's or tenant's sandbox or exec was found")
             except NotFound:
                 pass
+
+
+async def test_the_runtime_keeps_a_key_for_one_agent_to_its_agent(live_rt, runtime, store: Store, acme: str,  # noqa: ANN001
+                                                                  globex: str, tmp_path: Path) -> None:
+    """Under the routes, the runtime's verbs find no other agent's sandbox for such a key either."""
+    from moorage.errors import NotFound as StoreNotFound
+
+    boxes = await _instances(live_rt, store, {"acme": acme, "globex": globex}, tmp_path)
+    who = store.authenticate(await _limited_key(live_rt, acme))
+    theirs = boxes[OTHER_AGENT]
+    async with aclient(live_rt, acme) as admin:
+        assert (await admin.post(f"/v1/sandboxes/{theirs}/sleep")).status_code == 200
+    ts = store.tenant(who)
+    before = ts.sandboxes.get(theirs)
+    for verb in (runtime.sandbox(who, theirs, "wake"), runtime.list_files(who, theirs, "."),
+                 runtime.read_file(who, theirs, "note.txt"), runtime.exec(who, theirs, ["touch", "stolen"])):
+        try:
+            await verb
+            raise AssertionError("the runtime acted on another agent's sandbox for a key limited to one agent")
+        except StoreNotFound:
+            pass
+    assert ts.sandboxes.get(theirs) == before
+    assert (await runtime.sandbox(who, boxes[MINE], "wake"))["id"] == boxes[MINE]

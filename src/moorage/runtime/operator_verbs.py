@@ -28,7 +28,8 @@ class OperatorVerbs:
     async def _instance_of(self, principal: Principal, sandbox_id: str) -> tuple[TenantStore, Any, Any]:
         ts = self.store.tenant(principal)
         rec = await asyncio.to_thread(ts.sandboxes.get, sandbox_id)
-        if principal.user is not None and rec.scope.user != principal.user:
+        if (principal.user is not None and rec.scope.user != principal.user) or \
+                (principal.agent is not None and rec.scope.agent != principal.agent):  # the routes check it first
             raise NotFound(f"no sandbox {sandbox_id!r}")
         agent = await asyncio.to_thread(ts.agents.get, rec.scope.agent)
         deployment = await asyncio.to_thread(ts.deployments.get, agent.live_deployment) if agent.live_deployment else None
