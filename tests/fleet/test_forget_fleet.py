@@ -22,7 +22,6 @@ from typing import Iterator
 import pytest
 
 from moorage.config import Config
-from moorage.devservices.fleet import pids_under
 from moorage.store import open_store
 from tests.fleet.harness import Fleet, put_to_sleep, replied, until
 
@@ -110,16 +109,22 @@ def test_a_forget_through_another_host_ends_the_turn_running_on_the_holder(
     with ThreadPoolExecutor(1) as pool:
         slow = pool.submit(f.turn, 0, "ada", "slow")  # 4 s on h1
         until(lambda: _running(f, "ada"), "the slow turn runs", timeout_s=30, every_s=0.1)
+        until(lambda: _awake_on(f, "h1") == 1, "h1 says it holds ada awake", timeout_s=10, every_s=0.2)
         r = f.api[1].delete("/v1/agents/echo/users/ada")
         assert r.status_code == 200 and r.json()["deleted"] is True, r.text
         assert r.headers.get("x-moorage-served-by") == "h1"  # the holder forgot them
         turn = slow.result(timeout=60)
     assert turn.status_code == 409, turn.text  # cancelled: what it would reply is forgotten
-    assert pids_under(f.hosts[0].data / "sandboxes" / rec.id) == []
+    until(lambda: _awake_on(f, "h1") == 0, "h1 holds nothing awake", timeout_s=10, every_s=0.2)
     assert "ada" not in f.records()
     assert f.api[0].get("/v1/agents/echo/users/ada").status_code == 404
     time.sleep(3)  # a shipment after the turn would have reached the bucket by now
     assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+
+
+def _awake_on(f: Fleet, host: str) -> int:
+    """The instances ``host`` holds awake, as its last heartbeat said."""
+    return int(next(h for h in f.host_rows() if h.id == host).load.get("awake", 0))
 
 
 def _running(f: Fleet, user: str) -> bool:
@@ -149,7 +154,7 @@ def test_a_turn_on_the_host_that_slept_the_instance_during_a_forget_elsewhere_wa
     # The turn waited for the forget (on h3, where the instance was being deleted) and found its user gone.
     assert turn.status_code == 409 and "forgotten" in turn.json()["detail"], turn.text
     time.sleep(4)  # a shipment of a sandbox woken meanwhile would have reached the bucket by now
-    assert pids_under(f.hosts[0].data / "sandboxes" / rec.id) == []
+    until(lambda: _awake_on(f, "h1") == 0, "h1 holds nothing awake", timeout_s=10, every_s=0.2)
     assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
     assert "bea" not in f.records()
     assert f.api[0].get("/v1/agents/echo/users/bea").status_code == 404
@@ -201,13 +206,14 @@ def test_a_forget_of_a_user_with_sessions_asleep_here_and_awake_elsewhere_goes_t
     turn(1, "two")  # awake on h2
     recs = {r.scope.ref: r for r in _records(f)}
     assert recs["one"].state == "sleeping" and recs["two"].host == "h2" and recs["two"].state == "running"
+    until(lambda: _awake_on(f, "h2") == 1, "h2 says it holds a session awake", timeout_s=10, every_s=0.2)
     r = f.api[0].delete("/v1/agents/sess/users/dee")  # through h1, which slept the first session
     assert r.status_code == 200 and r.json()["deleted"] is True, r.text
     assert r.headers.get("x-moorage-served-by") == "h2"  # forwarded before h1 changed anything
     assert _records(f) == []
     for rec in recs.values():
         assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
-    assert pids_under(f.hosts[1].data / "sandboxes" / recs["two"].id) == []
+    until(lambda: _awake_on(f, "h2") == 0, "h2 holds nothing awake", timeout_s=10, every_s=0.2)
 
 
 def _records(f: Fleet) -> list:
