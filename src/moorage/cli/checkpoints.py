@@ -13,7 +13,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from moorage.cli.console import id_column, make_console, print_table
-from moorage.cli.errors import clear_errors
 from moorage.errors import InvalidInput, NotFound
 
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
@@ -74,7 +73,6 @@ def _act(agent: str, user: str, ref: str, act: Callable[[Any, str], Any]) -> Any
 
 
 @app.command("list")
-@clear_errors
 def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_json: bool = JSON) -> None:
     """USER's checkpoints of AGENT, newest first, with what each turn did; then the branches."""
     out = _sdk(lambda c: c.list_checkpoints(agent, user, limit=limit))
@@ -92,7 +90,6 @@ def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_js
 
 
 @app.command("take")
-@clear_errors
 def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name", help="Kept by retention."),
          as_json: bool = JSON) -> None:
     """Checkpoint USER's instance of AGENT now."""
@@ -101,7 +98,6 @@ def take(agent: str, user: str, name: Optional[str] = typer.Option(None, "--name
 
 
 @app.command("rollback")
-@clear_errors
 def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> None:
     """Roll USER's instance of AGENT back to CHECKPOINT, an id or a name (files, processes, memory, facts, journal)."""
     out = _act(agent, user, checkpoint, lambda c, ck: c.rollback_checkpoint(agent, user, ck))
@@ -113,7 +109,6 @@ def rollback(agent: str, user: str, checkpoint: str, as_json: bool = JSON) -> No
 
 
 @app.command("fork")
-@clear_errors
 def fork(agent: str, user: str, checkpoint: str,
          to: List[str] = typer.Option(..., "--to", help="A new end-user (repeat for several)."),
          as_json: bool = JSON) -> None:

@@ -1,17 +1,20 @@
 """How the CLI reports a failure: one red line on stderr, "error: what happened (what to do next)", never a
-traceback or a usage box; a moorage error exits 2, and so does a mistyped command, option or argument."""
+traceback or a usage box; a moorage error exits 2, and so does a mistyped command, option or argument.
+
+Both are caught in one place, the root command's ``invoke`` (``OneLineErrors``), so every command fails the same
+way however it is run: the installed ``moorage``, ``python -m moorage.cli.main`` or Typer's test runner."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import typer
 from rich.markup import escape
 from typer.core import TyperGroup
 
 from moorage.cli.console import make_console
+from moorage.errors import MoorageError
 
 try:  # Typer from 0.2x parses with its own copy of Click; before, with Click itself
     from typer._click import Context, exceptions as click_errors
@@ -19,26 +22,11 @@ except ImportError:  # pragma: no cover - an older Typer
     from click import Context, exceptions as click_errors  # type: ignore[no-redef]
 
 err_console = make_console(stderr=True)
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def print_error(message: str) -> None:
     """The one line a failure is: ``error: {message}`` on stderr."""
     err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-
-
-def clear_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from moorage.errors import MoorageError
-
-        try:
-            return fn(*args, **kwargs)
-        except MoorageError as e:
-            print_error(str(e))
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def usage_line(e: click_errors.ClickException, words: list[str] | None = None) -> str:
@@ -77,8 +65,8 @@ def _command_words(root: Any, argv: list[str]) -> list[str]:
 
 class OneLineErrors(TyperGroup):
     """The root command: a usage error anywhere below it (an unknown command or option, a missing argument, a bad
-    choice) is one line and exit status 2, like every other failure of the CLI. A group given no arguments
-    (``moorage memory``) still shows its help."""
+    choice) and a moorage error raised by any command (a server's problem, an unknown tenant, a bad path) are one
+    line and exit status 2. A group given no arguments (``moorage memory``) still shows its help."""
 
     def make_context(self, info_name: str | None, args: list[str], parent: Context | None = None,
                      **extra: Any) -> Context:
@@ -88,7 +76,7 @@ class OneLineErrors(TyperGroup):
         return ctx
 
     def invoke(self, ctx: Context) -> Any:
-        with _one_line(_command_words(self, ctx.meta.get(_ARGV, []))):
+        with _one_line(_command_words(self, ctx.meta.get(_ARGV, []))), _moorage_errors():
             return super().invoke(ctx)
 
 
@@ -105,3 +93,20 @@ def _one_line(words: list[str]) -> Iterator[None]:
             raise  # its help is what a group given no arguments shows
         print_error(usage_line(e, words))
         raise typer.Exit(e.exit_code) from None
+
+
+@contextlib.contextmanager
+def _moorage_errors() -> Iterator[None]:
+    """moorage's typed errors raised inside as one line on stderr and exit status 2; so is an ``OSError`` about a
+    path the command was given (``--config DIR``, ``--trace DIR``: a folder, unreadable, missing). Any other error is
+    a bug, and shown as one."""
+    try:
+        yield
+    except MoorageError as e:
+        print_error(str(e))
+        raise typer.Exit(2) from None
+    except OSError as e:
+        if e.filename is None:  # not about a path the command was given
+            raise
+        print_error(f"{e.filename}: {e.strerror or e} (check the path and run the command again)")
+        raise typer.Exit(2) from None

@@ -15,7 +15,6 @@ from typing import Optional
 import typer
 
 from moorage.cli.console import make_console
-from moorage.cli.errors import clear_errors
 
 console = make_console()
 app = typer.Typer(invoke_without_command=True, help="The fleet's hosts (operator, direct store access).")
@@ -38,7 +37,6 @@ STORE_URL = typer.Option(None, "--store-url", help="The fleet's PostgreSQL store
 
 
 @app.callback()
-@clear_errors
 def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
           store_url: Optional[str] = STORE_URL) -> None:
     """List the hosts with their state, heartbeat age, load and the instances each holds."""
@@ -79,7 +77,6 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 
 @app.command()
-@clear_errors
 def drain(host_id: str = typer.Argument(..., help="The host to drain (see `moorage hosts`)."),
           store_url: Optional[str] = STORE_URL) -> None:
     """Drain a host for an upgrade: it sleeps and ships every instance (new ones start elsewhere), then exits."""

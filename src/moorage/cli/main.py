@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from moorage.cli.console import make_console
 from moorage.cli.errors import OneLineErrors
 from moorage import __version__, config as config_mod, log
-from moorage.errors import MoorageError
 
 app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, add_completion=False, help="moorage: persistent per-user AI agents, one micro-VM each.")
 console = make_console()
@@ -181,19 +179,9 @@ _backup.register(app, lambda: state.cfg)
 
 
 def run() -> None:
-    """Console entry point: turns moorage's typed errors into one clear line, not a traceback."""
-    try:
-        app()
-    except MoorageError as e:
-        err_console.print(f"[red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except OSError as e:
-        if e.filename is None:  # not about a path the command was given: a bug, shown as one
-            raise
-        # A path given to a command that is a folder, unreadable, or missing (--config DIR, --trace DIR, ...).
-        err_console.print(f"[red]error:[/] {escape(str(e.filename))}: {escape(e.strerror or str(e))} "
-                          "(check the path and run the command again)", highlight=False, soft_wrap=True)
-        sys.exit(2)
+    """Console entry point. Failures are one clear line, not a traceback: ``OneLineErrors`` (the root command) says
+    them, for every way the CLI is run."""
+    app()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from moorage.cli.console import id_column, make_console, print_table, utc
-from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent memory: evaluation, facts and recall.")
 eval_app = typer.Typer(invoke_without_command=True, help="Retrieval quality: moorage vs BM25-only vs dense-only.")
@@ -25,7 +24,6 @@ console = make_console()
 
 
 @eval_app.callback()
-@clear_errors
 def eval_run(
     ctx: typer.Context,
     dataset: Optional[Path] = typer.Option(None, "--dataset", help="Dataset file (format in docs/memory.md)."),
@@ -61,7 +59,6 @@ def eval_run(
 
 
 @eval_app.command("generate")
-@clear_errors
 def eval_generate(
     out: Path = typer.Option(..., "--out", help="Where to write the dataset (JSON)."),
     seed: int = typer.Option(7, "--seed", help="Same seed, same file."),
@@ -116,7 +113,6 @@ def _agent_of(ts, tenant: str, agent: str, user: str) -> str:  # type: ignore[no
 
 
 @app.command("facts")
-@clear_errors
 def facts(
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
     agent: str = typer.Option(..., "--agent"),
@@ -147,7 +143,6 @@ def facts(
 
 
 @app.command("search")
-@clear_errors
 def search(
     query: str = typer.Argument(..., help="What to recall."),
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
@@ -195,7 +190,6 @@ def _sdk(use: Callable[[Any], Any]) -> Any:
 
 
 @app.command("pending")
-@clear_errors
 def pending(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
             session: Optional[str] = SESSION, as_json: bool = JSON) -> None:
     """List USER's facts that wait for confirmation (what AGENT learned, what a tool said), oldest first."""
@@ -229,7 +223,6 @@ def _decided(out: dict[str, Any], as_json: bool) -> None:
 
 
 @app.command("confirm")
-@clear_errors
 def confirm(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
             fact_id: str = typer.Argument(..., metavar="FACT_ID", help="From `moorage memory pending`."),
             session: Optional[str] = SESSION, as_json: bool = JSON) -> None:
@@ -238,7 +231,6 @@ def confirm(agent: str = typer.Argument(..., help="The agent."), user: str = typ
 
 
 @app.command("reject")
-@clear_errors
 def reject(agent: str = typer.Argument(..., help="The agent."), user: str = typer.Argument(..., help="Its end-user."),
            fact_id: str = typer.Argument(..., metavar="FACT_ID", help="From `moorage memory pending`."),
            session: Optional[str] = SESSION, as_json: bool = JSON) -> None:

@@ -12,7 +12,6 @@ import typer
 from rich.table import Table
 
 from moorage.cli.console import make_console, utc
-from moorage.cli.errors import clear_errors
 
 app = typer.Typer(no_args_is_help=True, help="Agent secrets: stored encrypted, added by the host, never shown.")
 console = make_console()
@@ -27,7 +26,6 @@ def _cfg() -> Any:
 
 
 @app.command("set")
-@clear_errors
 def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Set NAME for AGENT; the value comes from standard input (or a hidden prompt). A new value is used from
     the agent's next request on; nothing is rebuilt."""
@@ -44,7 +42,6 @@ def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
 
 
 @app.command("list")
-@clear_errors
 def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(False, "--json")) -> None:
     """List AGENT's secrets: names, versions and when they changed (never values)."""
     import json
@@ -62,7 +59,6 @@ def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(F
 
 
 @app.command("rm")
-@clear_errors
 def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
     """Remove NAME from AGENT (requests stop carrying it at once)."""
     from moorage.cli.client import sdk
@@ -72,7 +68,6 @@ def rm(agent: str, name: str, user: Optional[str] = USER) -> None:
 
 
 @app.command("rotate-key")
-@clear_errors
 def rotate_key() -> None:
     """Operator: put a new encryption key first in the data directory's key file (or use the first of
     secrets_keys) and re-encrypt every tenant's secrets under it. Old keys stay for reading; restart servers

@@ -12,7 +12,6 @@ from typing import Optional
 import typer
 
 from moorage.cli.console import make_console
-from moorage.cli.errors import clear_errors
 from moorage.config import Config
 
 console = make_console()
@@ -51,7 +50,6 @@ def _existing() -> bool:
 
 
 @app.command()
-@clear_errors
 def info(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Which backend and schema version this host's store runs."""
     from moorage.cli.main import state
@@ -77,7 +75,6 @@ def migrate() -> None:
 
 
 @app.command()
-@clear_errors
 def sweep(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Delete data whose retention TTL has passed, in every tenant."""
     scopes = rows = 0
@@ -92,7 +89,6 @@ def sweep(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
 
 
 @app.command("create-tenant")
-@clear_errors
 def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
     """Create a tenant and print its first admin API key (shown once; only a hash is kept)."""
     from moorage.errors import ConflictError
