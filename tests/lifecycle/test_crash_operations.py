@@ -69,3 +69,127 @@ def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_se
         assert r.status_code == 201, r.text
         assert [d["status"] for d in c.get("/v1/agents/echo/deployments").json()["data"]] == ["ready", "failed", "ready"]
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo2: hi"
+
+
+def _dirs_and_rows(up: Up, c: httpx.Client) -> tuple[set[str], set[str]]:
+    """The instances' sandbox directories on disk, and the instances the store lists."""
+    dirs = {p.name for p in (up.data / "sandboxes").iterdir() if not p.name.startswith((".", "tpl-"))}
+    return dirs, {s["id"] for s in c.get("/v1/sandboxes", params={"limit": 100}).json()["data"]}
+
+
+@pytest.mark.parametrize("crash_at, after", [
+    ("moorage.sandbox.process:ProcessDriver.fork", False),  # the instance's row claimed, no sandbox yet
+    ("moorage.sandbox.process:ProcessDriver.fork", True),  # its sandbox forked, not started
+    ("moorage.lifecycle.sleeping:Sleeping.sleep", False),  # provisioned and running, not put to sleep yet
+])
+def test_killed_while_provisioning_a_user_it_can_be_provisioned_again(
+        up: Up, tmp_path: Path, crash_at: str, after: bool) -> None:
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+    up.stop()
+    up.start(crash_at, after=after)
+    with up.client() as c:
+        _in_background(lambda: c.put("/v1/agents/echo/users/ada", params={"provision": "true"}, json={}))
+        assert up.died()
+    up.start()
+    with up.client() as c:
+        r = c.put("/v1/agents/echo/users/ada", params={"provision": "true"}, json={})
+        assert r.status_code in (200, 201), r.text
+        assert r.json()["instance"]["state"] == "sleeping", r.json()
+        dirs, rows = _dirs_and_rows(up, c)
+        assert dirs == rows == {r.json()["instance"]["sandbox_id"]}, (dirs, rows)
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo: hi"
+
+
+TT_AGENT = '''
+async def on_message(ctx, message):
+    ctx.files.write(f"notes/{message}.txt", message)
+    await ctx.memory.learn("user", "said", message, f"said {message}")
+    return "noted " + message
+'''
+
+
+def _tt_archive() -> bytes:
+    import io
+    import tarfile
+
+    files = {"moorage.toml": '[agent]\nname = "tt"\nentry = "agent.py"\n[agent.timetravel]\nauto = true\n'
+                             '[agent.lifecycle]\nusers = "auto"\n', "agent.py": TT_AGENT}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return buf.getvalue()
+
+
+def _rows_about(data: Path, user: str) -> dict[str, int]:
+    """Rows of any SQLite database under ``data`` that name ``user`` in a user column or a scope key."""
+    import sqlite3
+
+    found: dict[str, int] = {}
+    for db in data.rglob("*"):
+        if not db.is_file() or db.suffix in (".log", ".key", ".json", ".txt") or db.stat().st_size < 100:
+            continue
+        with open(db, "rb") as f:
+            if f.read(16) != b"SQLite format 3\x00":
+                continue
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+                for col in [r[1] for r in conn.execute(f"PRAGMA table_info('{table}')")]:
+                    if table == "spans" and col == "user_id":  # the erasure request's own span is its record
+                        n = conn.execute("SELECT COUNT(*) FROM spans WHERE user_id = ? AND name != ?",
+                                         (user, "DELETE /v1/agents/{agent}/users/{user}")).fetchone()[0]
+                    elif col in ("user", "user_id", "end_user") or col == "id" and table == "end_users":
+                        n = conn.execute(f'SELECT COUNT(*) FROM "{table}" WHERE "{col}" = ?', (user,)).fetchone()[0]
+                    elif col == "scope_key":
+                        n = conn.execute(f'SELECT COUNT(*) FROM "{table}" WHERE "{col}" LIKE ?',
+                                         (f"%user:{user}%",)).fetchone()[0]
+                    else:
+                        continue
+                    if n:
+                        found[f"{db.name}:{table}.{col}"] = n
+        finally:
+            conn.close()
+    return found
+
+
+@pytest.mark.parametrize("crash_at, after", [
+    ("moorage.sandbox.process_sandbox:ProcessSandbox.destroy", True),  # the sandbox gone, its row not
+    ("moorage.runtime.templates:Templates.delete_forks", False),  # the row gone, checkpoints and memory not
+    ("moorage.store.agent_users:AgentUsers.delete", False),  # everything gone but the user's registration
+])
+def test_killed_while_forgetting_a_user_the_forget_repeated_leaves_nothing(
+        up: Up, tmp_path: Path, crash_at: str, after: bool) -> None:
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/deployments", content=_tt_archive(), headers=GZ).status_code == 201
+        for who in ("ada", "bob"):
+            for n in range(3):
+                r = c.post("/v1/agents/tt/invoke", json={"message": f"m{n}", "user": who})
+                assert r.json()["reply"] == f"noted m{n}", r.text
+        assert c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]
+        before = _rows_about(up.data, "ada")
+        assert before, "the setup wrote nothing about ada"
+    up.stop()
+    up.start(crash_at, after=after)
+    with up.client() as c:
+        _in_background(lambda: c.delete("/v1/agents/tt/users/ada"))
+        assert up.died()
+    up.start()
+    with up.client() as c:
+        r = c.delete("/v1/agents/tt/users/ada")
+        assert r.status_code in (200, 204, 404), r.text
+        assert _rows_about(up.data, "ada") == {}
+        assert c.get("/v1/agents/tt/users/ada").status_code == 404
+        (bob,) = c.get("/v1/sandboxes", params={"limit": 100}).json()["data"]
+        dirs, rows = _dirs_and_rows(up, c)
+        assert dirs == rows == {bob["id"]}, (dirs, rows)
+        assert not any("ada" in p.name for p in up.data.rglob("*")), [p for p in up.data.rglob("*") if "ada" in p.name]
+        # The other user is whole, and ada can start again from nothing.
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m3", "user": "bob"}).json()["reply"] == "noted m3"
+        assert len(c.get("/v1/agents/tt/users/bob/checkpoints").json()["data"]) >= 3
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m9", "user": "ada"}).json()["reply"] == "noted m9"
