@@ -58,13 +58,17 @@ def _translated() -> Iterator[None]:
         raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=_cli_hint(e.hint)) from e
 
 
-#: The server's hints that name a listing route, and the command that shows the same list.
+#: The server's hints that name a listing route or a query parameter, and what a CLI user does instead: the command
+#: that shows the same list; the option that sends the parameter (a key limited to one agent names it on `ps`,
+#: `usage` and `logs`).
 _LISTINGS = ((re.compile(r"GET /v1/agents/([^/\s]+)/users lists them"), r"`moorage users \1` lists them"),
-             (re.compile(r"GET /v1/agents lists them"), "`moorage agents` lists them"))
+             (re.compile(r"GET /v1/agents lists them"), "`moorage agents` lists them"),
+             (re.compile(r"add agent=(\S+) to the query"), r"pass `--agent \1`"))
 
 
 def _cli_hint(hint: str | None) -> str | None:
-    """The server's hint as a CLI user acts on it: the command that lists what was not found, not its HTTP route."""
+    """The server's hint as a CLI user acts on it: the command that lists what was not found, not its HTTP route;
+    the option to pass, not the query parameter to add."""
     for route, command in _LISTINGS:
         hint = route.sub(command, hint) if hint else hint
     return hint
@@ -122,6 +126,9 @@ def _print(data: Any, as_json: bool, table: Optional[Table] = None) -> None:
         print_table(console, table)
 
 
+#: ``--agent`` of the commands that read listings spanning agents (a key limited to one agent must name its own).
+AGENT = typer.Option(None, "--agent", "-a",
+                     help="Only this agent's (a key limited to one agent must name its agent).")
 #: What to do next when a sandbox id is unknown.
 SANDBOXES = "`moorage ps` lists the instances with their sandbox ids"
 #: ``--json`` of the commands that print the API's answer as JSON either way (user, sleep, wake, checkpoint, fork):
@@ -246,7 +253,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     @app.command()
     def ps(as_json: bool = typer.Option(False, "--json"),
            state: Optional[str] = typer.Option(None, "--state", help="only instances in this state (running, "
-                                                                     "sleeping, ...)")) -> None:
+                                                                     "sleeping, ...)"),
+           agent: Optional[str] = AGENT) -> None:
         """Agent instances: state, last activity, RAM and disk (known for instances awake on this host)."""
         import time as _t
 
@@ -256,7 +264,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         if state is not None and state not in known:
             raise InvalidInput(f"--state {state!r} is not an instance state", hint=f"one of {', '.join(known)}")
 
-        fleet = sdk(cfg_of(), lambda c: c.fleet())
+        fleet = sdk(cfg_of(), lambda c: c.fleet(agent=agent))
         rows = [i for i in fleet.get("instances", []) if state is None or i.get("state") == state]
 
         def mib(v: Any) -> str:
@@ -317,9 +325,10 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(data, as_json, t)
 
     @app.command()
-    def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json")) -> None:
+    def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json"),
+             agent: Optional[str] = AGENT) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
-        data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit), hint="pass --limit from 1 to 500")
+        data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit, agent=agent), hint="pass --limit from 1 to 500")
         t = Table(id_column("trace"), "span", "status", "attributes")
         for s in data.get("data", []):
             t.add_row(s.get("trace_id", ""), s.get("name", ""), s.get("status", ""),
@@ -327,9 +336,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(data, as_json, t)
 
     @app.command()
-    def usage(as_json: bool = typer.Option(False, "--json")) -> None:
-        """Tokens, compute and storage used by this tenant."""
-        data = sdk(cfg_of(), lambda c: c.usage())
+    def usage(as_json: bool = typer.Option(False, "--json"), agent: Optional[str] = AGENT) -> None:
+        """Tokens, compute and storage used by this tenant (or by one agent)."""
+        data = sdk(cfg_of(), lambda c: c.usage(agent=agent))
         t = Table("kind", "amount")
         totals = dict(data.get("totals") or {})
         totals.setdefault("cost_usd", data.get("cost_usd", 0.0))
