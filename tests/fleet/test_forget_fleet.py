@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import threading
 import time
@@ -26,6 +28,8 @@ from moorage.store import open_store
 from tests.fleet.harness import Fleet, put_to_sleep, replied, until
 
 pytestmark = pytest.mark.timeout(600)
+
+LEASE_TTL_S = 4.0  # the harness's
 
 
 @pytest.fixture
@@ -220,5 +224,37 @@ def _records(f: Fleet) -> list:
     store = open_store(Config(store_url=f.store_url))
     try:
         return [r for ts in store.operator.tenants() for r in ts.sandboxes.list(limit=10000) if r.scope.agent == "sess"]
+    finally:
+        store.close()
+
+
+def test_a_forget_while_the_holder_is_cut_off_past_its_lease_leaves_nothing_when_it_comes_back(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f, _ = fleet
+    assert replied(f.turn(1, "eve")) == "1: hi"
+    rec = f.records()["eve"]
+    assert rec.host == "h2"
+    h2 = f.hosts[1]
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(f.turn, 1, "eve", "slow")  # 4 s in the agent on h2
+        until(lambda: _running(f, "eve"), "the slow turn runs", timeout_s=30, every_s=0.1)
+        os.killpg(h2.proc.pid, signal.SIGSTOP)  # h2 is cut off (its sandbox runs on)
+        try:
+            time.sleep(LEASE_TTL_S + 1.5)
+            r = f.api[0].delete("/v1/agents/echo/users/eve")  # its record says running on h2, whose lease lapsed
+            assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+        finally:
+            os.killpg(h2.proc.pid, signal.SIGCONT)
+        turn = slow.result(timeout=60)
+    # h2's turn finished in its copy, but the record it woke is gone: nothing of it is written, and h2 stops it.
+    assert turn.status_code == 409, turn.text
+    until(lambda: _awake_on(f, "h2") == 0, "h2 stopped its copy", timeout_s=20, every_s=0.2)
+    time.sleep(3)  # a shipment of h2's copy would have reached the bucket by now
+    assert _objects_of(seaweedfs, s3_bucket, s3, rec.id) == []
+    assert "eve" not in f.records()
+    assert f.api[0].get("/v1/agents/echo/users/eve").status_code == 404
+    store = open_store(Config(store_url=f.store_url))
+    try:
+        assert [r for ts in store.operator.tenants() for r in ts.runs.list(limit=10000) if r.scope.user == "eve"] == []
     finally:
         store.close()
