@@ -46,6 +46,7 @@ class SlowRelay:
 
         self.target, self.port, self.delay_s = target_port, free_port(), delay_s
         self.needle: bytes | None = None
+        self.down = False  # the S3 server is down for the hosts behind the relay: connections are cut
         self.seen = threading.Event()
         self._srv = socket.socket()
         self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,15 +63,24 @@ class SlowRelay:
         while True:
             try:
                 down, _ = self._srv.accept()
-                up = socket.create_connection(("127.0.0.1", self.target))
             except OSError:
                 return
+            if self.down:
+                down.close()
+                continue
+            try:
+                up = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                down.close()
+                continue
             threading.Thread(target=self._pipe, args=(down, up, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
 
     def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
         try:
             while data := a.recv(65536):
+                if self.down:
+                    break
                 if requests and self.needle is not None and self.needle in data:
                     self.seen.set()
                     time.sleep(self.delay_s)
@@ -258,3 +268,24 @@ def test_a_forget_while_the_holder_is_cut_off_past_its_lease_leaves_nothing_when
         assert [r for ts in store.operator.tenants() for r in ts.runs.list(limit=10000) if r.scope.user == "eve"] == []
     finally:
         store.close()
+
+
+def test_a_forget_while_the_object_store_is_down_changes_nothing_and_succeeds_once_it_is_back(
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f, relay = fleet
+    assert replied(f.turn(0, "fay")) == "1: hi"
+    put_to_sleep(f, "fay")
+    sid = f.records()["fay"].id
+    relay.down = True  # for h3
+    try:
+        r = f.api[2].delete("/v1/agents/echo/users/fay")
+        assert r.status_code == 503, r.text
+        assert f.records()["fay"].state == "sleeping"  # nothing changed: the user carries on through any host
+        assert replied(f.turn(1, "fay")) == "2: hi"
+        put_to_sleep(f, "fay", via=1)
+    finally:
+        relay.down = False
+    r = f.api[2].delete("/v1/agents/echo/users/fay")
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert _objects_of(seaweedfs, s3_bucket, s3, sid) == []
+    assert "fay" not in f.records()

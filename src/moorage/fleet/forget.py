@@ -36,6 +36,7 @@ async def take_to_forget(manager: Any, ts: TenantStore, rec: SandboxRecord) -> S
     A no-op outside a fleet, where the lines alone keep every request out."""
     if manager.fleet is None:
         return rec
+    probed = False
     for _ in range(100):
         try:
             rec = await manager.io(ts.sandboxes.get, rec.id)
@@ -47,6 +48,13 @@ async def take_to_forget(manager: Any, ts: TenantStore, rec: SandboxRecord) -> S
         state = S(rec.state)
         if state is S.DELETED:  # this host's (a forget retried), or a claim nobody will finish
             return rec
+        if not probed:
+            # The object store answers (its snapshots are deleted next): while it is down the forget fails here,
+            # with nothing changed, rather than leave the instance deleted on this host (its turns waiting for a
+            # claim nobody finishes) and its user's rows kept.
+            await manager.io(manager.fleet.objects.list, manager.fleet.prefix(ts.tenant_id, rec) + "/", limit=1)
+            probed = True
+            continue  # read it again: it may have moved while the store answered
         verb = _TOWARDS_DELETED[state]
         # Not shipped as it is now: while it is on its way to deleted, no other host wakes it from the bucket.
         meta = {**rec.meta, "shipped_current": False}
