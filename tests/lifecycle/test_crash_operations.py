@@ -193,3 +193,166 @@ def test_killed_while_forgetting_a_user_the_forget_repeated_leaves_nothing(
         assert c.post("/v1/agents/tt/invoke", json={"message": "m3", "user": "bob"}).json()["reply"] == "noted m3"
         assert len(c.get("/v1/agents/tt/users/bob/checkpoints").json()["data"]) >= 3
         assert c.post("/v1/agents/tt/invoke", json={"message": "m9", "user": "ada"}).json()["reply"] == "noted m9"
+
+
+def _wait(fn: Any, what: str, timeout: float = 30) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        out = fn()
+        if out:
+            return out
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)
+
+
+def test_killed_while_a_detached_exec_runs_it_ends_interrupted_and_the_sandbox_serves(up: Up, tmp_path: Path) -> None:
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).status_code == 200
+        (box,) = c.get("/v1/sandboxes").json()["data"]
+        r = c.post(f"/v1/sandboxes/{box['id']}/exec",
+                   json={"argv": ["sh", "-c", "echo ready $$; exec sleep 600"], "detach": True, "timeout_s": 900})
+        assert r.status_code == 202, r.text
+        ex = r.json()["id"]
+        view = _wait(lambda: (v := c.get(f"/v1/executions/{ex}").json()) and "ready" in v["stdout"] and v,
+                     "the exec runs")
+        pid = int(view["stdout"].split()[1])
+    up.kill()
+    up.start()
+    with up.client() as c:
+        view = c.get(f"/v1/executions/{ex}").json()
+        assert view["status"] == "interrupted", view
+        assert c.post(f"/v1/sandboxes/{box['id']}/exec", json={"argv": ["echo", "still here"]}).json()["stdout"] \
+            == "still here\n"
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo: hi"
+        # What the interrupted exec ran does not run on unseen in the sandbox.
+        ps = c.post(f"/v1/sandboxes/{box['id']}/exec", json={"argv": [
+            "sh", "-c", "for p in /proc/[0-9]*; do echo $(basename $p) $(tr '\\0' ' ' < $p/cmdline); done"]}).json()
+        assert "/proc/[0-9]*" in ps["stdout"] and f"{pid} sleep 600" not in ps["stdout"], ps
+
+
+APPROVAL_AGENT = '''
+import asyncio
+
+def charge():
+    with open("/work/charges.log", "a") as f:
+        f.write("charged\\n")
+    return "charged"
+
+async def on_message(ctx, message):
+    draft = await ctx.step("draft", lambda: "draft-1")
+    answer = await ctx.interrupt({"question": "ship it?", "draft": draft})
+    await ctx.step("charge", charge)
+    await asyncio.sleep(2)
+    return f"{draft} -> {answer}"
+'''
+
+
+@pytest.mark.parametrize("when", ["answer recorded", "after the charge"])
+def test_killed_around_an_approval_the_answer_resumes_the_turn_once(up: Up, tmp_path: Path, when: str) -> None:
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, body=APPROVAL_AGENT),
+                      headers=GZ).status_code == 201
+        r = c.post("/v1/agents/echo/invoke", json={"message": "buy", "user": "ada"}).json()
+        assert r["status"] == "waiting", r
+        run_id = r["run_id"]
+        (box,) = c.get("/v1/sandboxes").json()["data"]
+
+        def charges() -> str:
+            r = c.get(f"/v1/sandboxes/{box['id']}/files/content", params={"path": "charges.log"})
+            return r.json()["content"] if r.status_code == 200 else ""
+
+        if when == "after the charge":
+            _in_background(lambda: c.post(f"/v1/workflows/{run_id}/answer", json={"answer": "yes"}))
+            _wait(charges, "the step after the approval ran")
+    if when == "answer recorded":
+        up.stop()
+        up.start("moorage.durable.engine:DurableEngine.answer", after=True)
+        with up.client() as c:
+            _in_background(lambda: c.post(f"/v1/workflows/{run_id}/answer", json={"answer": "yes"}))
+            assert up.died()
+    else:
+        up.kill()
+    up.start()
+    with up.client() as c:
+        if when == "waiting":
+            r = c.post(f"/v1/workflows/{run_id}/answer", json={"answer": "yes"})
+            assert r.status_code == 200 and r.json()["reply"] == "draft-1 -> yes", r.text
+        run = _wait(lambda: (w := c.get(f"/v1/workflows/{run_id}").json()["run"])["status"] != "running" and w,
+                    "the run ends")
+        assert run["status"] == "succeeded" and run["result"]["reply"] == "draft-1 -> yes", run
+        again = c.post(f"/v1/workflows/{run_id}/answer", json={"answer": "no"})
+        assert again.status_code == 409, again.text
+        assert charges() == "charged\n"
+
+
+class _Receiver:
+    """A webhook endpoint on 127.0.0.1: its first request is read and never answered (the host dies meanwhile)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.release = threading.Event()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                if len(receiver.requests) == 1:
+                    receiver.release.wait(60)
+                    return
+                self.send_response(204)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_killed_while_a_webhook_is_being_delivered_it_is_sent_again_with_the_same_id(tmp_path: Path) -> None:
+    import time
+
+    from moorage.client import verify_webhook
+
+    up = Up(tmp_path / "data", free_port(), MOORAGE_EGRESS_ALLOW_CIDRS="127.0.0.0/8")
+    receiver = _Receiver()
+    try:
+        up.start()
+        with up.client() as c:
+            assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+            hook = c.post("/v1/agents/echo/webhooks", json={"url": receiver.url,
+                                                             "events": ["execution.succeeded"]}).json()
+            ex = c.post("/v1/agents/echo/invoke", params={"async": "true"}, json={"message": "hi", "user": "ada"}).json()
+            _wait(lambda: receiver.requests, "the delivery reaches the receiver")
+        up.kill()  # while the receiver holds the request: the host never learns how it went
+        up.start()
+        with up.client() as c:
+            _wait(lambda: len(receiver.requests) >= 2, "the delivery is sent again", 40)
+            (d,) = c.get(f"/v1/agents/echo/webhooks/{hook['id']}/deliveries").json()["data"]
+            _wait(lambda: c.get(f"/v1/agents/echo/webhooks/{hook['id']}/deliveries/{d['id']}").json()["status"]
+                  == "delivered", "the delivery is recorded delivered")
+            time.sleep(1.5)  # more rounds of the delivery loop: nothing is sent after it was delivered
+        assert len(receiver.requests) == 2
+        events = [verify_webhook(hook["secret"], body, headers) for headers, body in receiver.requests]
+        assert events[0] == events[1] and events[0]["data"]["execution_id"] == ex["id"]
+        # One id for both: the receiver tells the second for the same event.
+        assert receiver.requests[0][0]["webhook-id"] == receiver.requests[1][0]["webhook-id"] == d["id"]
+    finally:
+        receiver.close()
+        up.stop()
+        stop_sandboxes(up.data)
