@@ -49,6 +49,10 @@ PAGE = 1000
 #: Listings of a tenant's instances after the first, looking for new ones, before the last listing, which holds
 #: its new instances back until its database is copied.
 RELIST = 3
+#: Tries of the last listing with new instances held back: one that finds an instance still in a turn after
+#: ``DEFER_S`` lets them go, waits for it, and tries again; the last waits ``HELD_S`` under the hold, then fails.
+HOLD_TRIES = 3
+HELD_S = 60.0
 #: Who holds a new user's line in the router while a fork makes that user (timetravel/fork.py).
 FORK_LINE = "-time-travel"
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
@@ -240,22 +244,27 @@ class OnlineBackup:
         held: list["LiveInstance"] = []
         seen: set[str] = set()
         try:
-            await self._copy_all(ts, recs, held, seen)
+            for rec in await self._copy_all(ts, recs, held, seen):
+                await self._one(ts, rec, held, WAIT_S)
             for _ in range(RELIST):
                 if not await self._copy_new(ts, held, seen):
                     break
-            held_since = time.monotonic()
-            async with self.mgr.new_instances.held(tid):
-                await self._copy_new(ts, held, seen)  # made since the last listing, before the hold
-                src = Path(self.host.store.backend.tenant_path(tid))
-                dst = self.dest / "store" / "tenants" / src.name
-                if src.exists():
-                    await asyncio.to_thread(copy_sqlite, src, dst)
-                    lg = src.with_suffix(".lg")  # LangGraph's large values: rows point below the log's recorded end
-                    if lg.exists():
-                        await copy_tree(lg, dst.with_suffix(".lg"))
-                self.forking[tid] = self._forks_under_way(tid)
-            self.held_s += time.monotonic() - held_since
+            for attempt in range(HOLD_TRIES):
+                since, busy = time.monotonic(), []
+                try:
+                    async with self.mgr.new_instances.held(tid):
+                        # Made since the last listing, before the hold. One in a long turn (a first turn may wait
+                        # on the hold itself, through another instance): copied with the hold let go, then again.
+                        busy = await self._copy_new(ts, held, seen, again=attempt == HOLD_TRIES - 1)
+                        if not busy:
+                            await self._copy_store(tid)
+                            self.forking[tid] = self._forks_under_way(tid)
+                finally:
+                    self.held_s += time.monotonic() - since
+                if not busy:
+                    break
+                for rec in busy:
+                    await self._one(ts, rec, held, WAIT_S)
         finally:
             for li in held:
                 self._let_go(li)
@@ -265,15 +274,40 @@ class OnlineBackup:
             except MoorageError as e:  # costs a checkpoint kept for good, never the backup
                 log.warning("the backup's checkpoints could not be unnamed", tenant=tid, error=str(e))
 
-    async def _copy_new(self, ts: "TenantStore", held: list["LiveInstance"], seen: set[str]) -> int:
-        """Copy the tenant's instances not seen yet; how many there were."""
+    async def _copy_store(self, tid: str) -> None:
+        src = Path(self.host.store.backend.tenant_path(tid))
+        dst = self.dest / "store" / "tenants" / src.name
+        if src.exists():
+            await asyncio.to_thread(copy_sqlite, src, dst)
+            lg = src.with_suffix(".lg")  # LangGraph's large values: rows point below the log's recorded end
+            if lg.exists():
+                await copy_tree(lg, dst.with_suffix(".lg"))
+
+    async def _copy_new(self, ts: "TenantStore", held: list["LiveInstance"], seen: set[str], *,
+                        again: bool | None = None) -> list["SandboxRecord"]:
+        """Copy the tenant's instances not seen yet. ``again`` None: those in a long turn too (after the others);
+        else they are returned uncopied, or (``again`` True: the last try under the hold) waited for ``HELD_S``."""
         recs = [r for r in await self._instances(ts.tenant_id) if r.id not in seen]
         self.total += len(recs)
-        await self._copy_all(ts, recs, held, seen)
-        return len(recs)
+        busy = await self._copy_all(ts, recs, held, seen)
+        if again is None:
+            for rec in busy:
+                await self._one(ts, rec, held, WAIT_S)
+            return recs
+        if again:
+            for rec in busy:
+                try:
+                    await self._one(ts, rec, held, HELD_S)
+                except _StillBusy:
+                    raise BackupFailed(f"the instance of {rec.scope} was still in a turn after {HELD_S:.0f} s while "
+                                       "its tenant's new instances were held back",
+                                       hint="take the backup again at a quieter moment") from None
+            return []
+        return busy
 
     async def _copy_all(self, ts: "TenantStore", recs: list["SandboxRecord"], held: list["LiveInstance"],
-                        seen: set[str]) -> None:
+                        seen: set[str]) -> list["SandboxRecord"]:
+        """Copy each instance unless it is still in a turn after ``DEFER_S``; those are returned."""
         later: list["SandboxRecord"] = []
         for rec in recs:
             seen.add(rec.id)
@@ -281,8 +315,7 @@ class OnlineBackup:
                 await self._one(ts, rec, held, DEFER_S)
             except _StillBusy:
                 later.append(rec)  # in a long turn: the others first
-        for rec in later:
-            await self._one(ts, rec, held, WAIT_S)
+        return later
 
     def _forks_under_way(self, tid: str) -> list[str]:
         """Scopes (keys) of the tenant a fork is making as its database is copied: the fork copies the source's
