@@ -49,6 +49,7 @@ async def test_pending_facts_are_listed_confirmed_and_rejected_from_the_cli(live
     async with AsyncClient(live_rt.url, acme) as sdk:
         await sdk.deploy("pal", agent_archive(live_rt.data_dir.parent, "pal", LEARNS))
         await sdk.add_fact("pal", "ada", "user", "city", "Lisbon")  # what she said herself
+        await sdk.put_user("pal", "bo")  # a user with nothing pending
         for message in ("learn city Porto", "learn likes jazz", "learn pet [bold]Miso[/bold]"):
             assert (await sdk.invoke("pal", message, user="ada"))["reply"] == "pending"
 

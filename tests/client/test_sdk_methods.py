@@ -117,6 +117,7 @@ async def test_secret_share_link_and_fleet_methods(live_rt, acme: str, globex: s
         first = await sdk.set_secret("web", "API_TOKEN", "s3cret-1")
         second = await sdk.set_secret("web", "API_TOKEN", "s3cret-2")
         assert (first["version"], second["version"], second["user"]) == (1, 2, None)
+        await sdk.put_user("web", "ada")  # one of its users: her listing stays a list once her secret is gone
         mine = await sdk.set_secret("web", "OAUTH", "ada-token", user="ada")
         assert mine["user"] == "ada"
         listed = (await sdk.list_secrets("web"))["data"]

@@ -10,8 +10,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api.routing import Call, Param
-from moorage.errors import InvalidInput, TenantScopeError
-from moorage.store import Agent
+from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.store import Agent, Scope
 from moorage.store.model import check_id
 
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size")
@@ -32,6 +32,20 @@ def agent_of_key(call: Call, what: str) -> str | None:
 def agent_of(call: Call) -> Agent:
     """The path's agent in the caller's tenant (404 if it is not there)."""
     return call.tenant.agents.get(check_id(call.path["agent"], "agent name"))
+
+
+def known_user(call: Call, agent: str, user: str) -> None:
+    """404 unless ``user`` is one of ``agent``'s end-users in the caller's tenant: registered (PUT, a turn, a fork),
+    or with a session or an instance of the agent. For a listing that names a user: a mistyped id is an error, not
+    an empty list (a user who has nothing yet still gets one). An end-user token's own user counts as known: the
+    product issued it for them, and they may not have talked to the agent yet."""
+    if call.who.user is not None:
+        return
+    ts = call.tenant
+    if ts.agent_users.find(agent, user) is None and not ts.sessions.list(agent, user, limit=1) \
+            and ts.sandboxes.for_scope(Scope.for_user(agent, user)) is None:
+        raise NotFound(f"agent {agent!r} has no user {user!r}",
+                       hint=f"check the user id; GET /v1/agents/{agent}/users lists them")
 
 
 async def forward_if_awake_elsewhere(call: Call, rec: Any) -> None:

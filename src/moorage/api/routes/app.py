@@ -18,7 +18,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from moorage.api import schemas as S
-from moorage.api.routes._common import agent_of
+from moorage.api.routes._common import agent_of, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
 from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
@@ -167,7 +167,10 @@ def create_link(call: Call) -> Reply:
 def list_links(call: Call) -> dict[str, Any]:
     agent, user = _ids(call)
     agent_of(call)
-    return {"data": [_render(link) for link in call.tenant.share_links.list(agent, user)]}
+    links = call.tenant.share_links.list(agent, user)
+    if not links:  # none: for a user the agent has, not for a mistyped id
+        known_user(call, agent, user)
+    return {"data": [_render(link) for link in links]}
 
 
 def revoke_link(call: Call) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.routes._common import LIMIT
+from moorage.api.routes._common import LIMIT, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import InvalidInput
 from moorage.fleet.forward import forwarded
@@ -68,7 +68,10 @@ def _limit(call: Call) -> int:
 async def list_checkpoints(call: Call) -> dict[str, Any]:
     agent, user = _who(call)
     await _forward_to_disk_holder(call, agent, user)
-    return await call.runtime.timetravel.list(call.who, agent, user, limit=_limit(call))
+    listed = await call.runtime.timetravel.list(call.who, agent, user, limit=_limit(call))
+    if not listed["data"]:  # no checkpoints: for a user the agent has, not for a mistyped id
+        await run_in_threadpool(known_user, call, agent, user)
+    return listed
 
 
 async def take_checkpoint(call: Call) -> Reply:

@@ -11,7 +11,7 @@ from typing import Any
 
 from moorage.api import schemas as S
 from moorage.api.pagination import MAX_LIMIT, decode_cursor, encode_cursor, offset_page, parse_limit
-from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query
+from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query, known_user
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.errors import InvalidInput, NotFound
 from moorage.store import Scope
@@ -151,6 +151,8 @@ def list_pending_facts(call: Call) -> dict[str, Any]:
     # Keyed on (recorded_at, id), not an offset: a fact confirmed or rejected between two pages does not make the
     # next one skip another.
     facts = call.tenant.facts.waiting(scope, after=(float(after[0]), after[1]) if after else None, limit=limit + 1)
+    if not facts:  # none waiting: for a user the agent has, not for a mistyped id
+        known_user(call, scope.agent, scope.user)
     page = facts[:limit]
     more = len(facts) > limit
     return {"data": [S.fact(f) for f in page],

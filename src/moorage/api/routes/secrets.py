@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from moorage.api import schemas as S
-from moorage.api.routes._common import agent_of
+from moorage.api.routes._common import agent_of, known_user
 from moorage.api.routing import Call, Endpoint
 from moorage.store.model import check_id
 
@@ -42,8 +42,11 @@ def _user(call: Call) -> str | None:
 
 
 def list_secrets(call: Call) -> dict[str, Any]:
-    agent = agent_of(call)
-    return {"data": [_render(i) for i in _store(call).list(call.tenant, agent.name, _user(call))]}
+    agent, user = agent_of(call), _user(call)
+    listed = _store(call).list(call.tenant, agent.name, user)
+    if user is not None and not listed:  # none of their own: for a user the agent has, not for a mistyped id
+        known_user(call, agent.name, user)
+    return {"data": [_render(i) for i in listed]}
 
 
 def set_secret(call: Call) -> dict[str, Any]:
