@@ -255,7 +255,7 @@ class OnlineBackup:
                     async with self.mgr.new_instances.held(tid):
                         # Made since the last listing, before the hold. One in a long turn (a first turn may wait
                         # on the hold itself, through another instance): copied with the hold let go, then again.
-                        busy = await self._copy_new(ts, held, seen, again=attempt == HOLD_TRIES - 1)
+                        busy = await self._copy_new(ts, held, seen, last=attempt == HOLD_TRIES - 1)
                         if not busy:
                             await self._copy_store(tid)
                             self.forking[tid] = self._forks_under_way(tid)
@@ -284,17 +284,18 @@ class OnlineBackup:
                 await copy_tree(lg, dst.with_suffix(".lg"))
 
     async def _copy_new(self, ts: "TenantStore", held: list["LiveInstance"], seen: set[str], *,
-                        again: bool | None = None) -> list["SandboxRecord"]:
-        """Copy the tenant's instances not seen yet. ``again`` None: those in a long turn too (after the others);
-        else they are returned uncopied, or (``again`` True: the last try under the hold) waited for ``HELD_S``."""
+                        last: bool | None = None) -> list["SandboxRecord"]:
+        """Copy the tenant's instances not seen yet. Not under the hold (``last`` None): all of them, those in a
+        long turn after the others; returns them all. Under the hold: those in a long turn are returned uncopied
+        (to be copied with the hold let go), or, on its ``last`` try, waited for ``HELD_S``."""
         recs = [r for r in await self._instances(ts.tenant_id) if r.id not in seen]
         self.total += len(recs)
         busy = await self._copy_all(ts, recs, held, seen)
-        if again is None:
+        if last is None:
             for rec in busy:
                 await self._one(ts, rec, held, WAIT_S)
             return recs
-        if again:
+        if last:
             for rec in busy:
                 try:
                     await self._one(ts, rec, held, HELD_S)
@@ -467,7 +468,8 @@ class OnlineBackup:
                     for (sid, scope) in db.execute("SELECT id, scope FROM sandboxes WHERE state != 'deleted'").fetchall():
                         if sid not in ids:  # listed but not copied (its agent deleted meanwhile)
                             db.execute("DELETE FROM sandboxes WHERE id = ?", (sid,))
-                            self.left_out.append({"instance": sid, "scope": scope, "why": "not copied"})
+                            if sid not in {x["instance"] for x in self.left_out}:
+                                self.left_out.append({"instance": sid, "scope": scope, "why": "not copied"})
             finally:
                 db.close()
         store = open_store(Config(data_dir=self.dest))
