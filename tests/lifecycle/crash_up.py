@@ -63,10 +63,13 @@ def arm(spec: str, nth: int, after: bool) -> None:
 class Up:
     """`moorage up` on one data dir (process driver), started, killed and started again by a test."""
 
-    def __init__(self, data: Path, port: int, **env: str) -> None:
-        self.data, self.port, self.url = data, port, f"http://127.0.0.1:{port}"
+    def __init__(self, data: Path, port: int, driver: str = "process", **env: str) -> None:
+        self.data, self.port, self.url, self.driver = data, port, f"http://127.0.0.1:{port}", driver
+        if driver == "microvm":  # the guest image the test suite builds once (tests/sandbox/conftest.py)
+            data.mkdir(parents=True, exist_ok=True)
+            (data / "images").symlink_to(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
         self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port),
-                    "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "info",
+                    "MOORAGE_SANDBOX_DRIVER": driver, "MOORAGE_LOG_LEVEL": "info",
                     "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), **env}
         self.log = data.parent / "up.log"
         self.proc: subprocess.Popen[bytes] | None = None

@@ -4,6 +4,8 @@ half-made is left, nothing that must happen once happens twice."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,11 +22,29 @@ GZ = {"content-type": "application/gzip"}
 
 
 @pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path / "data", free_port())
+def up(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Up]:
+    driver = getattr(request, "param", "process")
+    u = Up(tmp_path / "data", free_port(), driver)
     yield u
     u.stop()
-    stop_sandboxes(u.data)
+    if driver == "process":
+        stop_sandboxes(u.data)
+    for pid in _guests_of(u.data / "sandboxes"):  # a micro-VM outlives its host by design
+        os.kill(pid, signal.SIGKILL)
+
+
+def _guests_of(path: Path) -> list[int]:
+    """The processes (QEMU, bubblewrap) whose command line names a path under ``path``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]).startswith((b"qemu-system", b"bwrap")) and \
+                any(str(path).encode() in a for a in argv):
+            pids.append(int(pid))
+    return pids
 
 
 def _in_background(fn: Any) -> list[Any]:
@@ -40,10 +60,10 @@ def _in_background(fn: Any) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("crash_at, after", [
-    ("moorage.runtime.templates:push_and_load", False),  # the builder sandbox is up, the code not loaded
-    ("moorage.sandbox.process:ProcessDriver.make_template", True),  # the template is made, the deploy not ready
-])
+@pytest.mark.parametrize("up, crash_at, after", [
+    ("process", "moorage.runtime.templates:push_and_load", False),  # the builder sandbox is up, the code not loaded
+    ("process", "moorage.sandbox.process:ProcessDriver.make_template", True),  # the template made, the deploy not ready
+], indirect=["up"])
 def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_serves(
         up: Up, tmp_path: Path, crash_at: str, after: bool) -> None:
     up.start()
@@ -64,11 +84,30 @@ def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_se
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo: hi"
         # Nothing of the cut-short build is left running or on disk: its builder sandbox is gone.
         sandboxes = sorted(p.name for p in (up.data / "sandboxes").iterdir())
-        assert not [s for s in sandboxes if s.startswith("tpl-")], sandboxes
+        builders = [s for s in sandboxes if s.startswith("tpl-")]
+        assert not builders, sandboxes
+        assert _guests_of(up.data / "sandboxes" / "tpl-") == []
         r = c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="2"), headers=GZ)
         assert r.status_code == 201, r.text
         assert [d["status"] for d in c.get("/v1/agents/echo/deployments").json()["data"]] == ["ready", "failed", "ready"]
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo2: hi"
+
+
+@pytest.mark.parametrize("up", ["microvm"], indirect=True)
+def test_killed_while_a_deploy_builds_its_micro_vm_does_not_run_on(up: Up, tmp_path: Path) -> None:
+    """A micro-VM outlives its host by design: the build's ran on for ever, holding its memory and CPU."""
+    up.start("moorage.runtime.templates:push_and_load")
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ))
+        assert up.died()
+    assert _guests_of(up.data / "sandboxes" / "tpl-")  # the builder VM lives on past its host
+    up.start()
+    with up.client() as c:
+        assert [d["status"] for d in c.get("/v1/agents/echo/deployments").json()["data"]] == ["failed"]
+        assert _guests_of(up.data / "sandboxes" / "tpl-") == []
+        assert not [p for p in (up.data / "sandboxes").iterdir() if p.name.startswith("tpl-")]
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo: hi"
 
 
 def _dirs_and_rows(up: Up, c: httpx.Client) -> tuple[set[str], set[str]]:
