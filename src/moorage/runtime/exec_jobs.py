@@ -331,14 +331,20 @@ def check_timeout(value: Any) -> float:
 
 
 def get_exec(ts: TenantStore, principal: Principal, execution_id: str) -> Execution:
-    """The exec execution ``execution_id`` of this tenant, visible to ``principal`` (a 404 otherwise)."""
-    ex = ts.executions.get(execution_id)
+    """The exec execution ``execution_id`` of this tenant, visible to ``principal``. One that does not exist, one
+    of another agent (a key limited to one agent) and a turn the principal may not see are the same 404, worded
+    alike, so none tells that the id exists; a turn the principal may see is a 409 saying how a turn is cancelled."""
+    unknown = NotFound(f"no exec execution {execution_id!r}",
+                       hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true")
+    try:
+        ex = ts.executions.get(execution_id)
+    except NotFound:
+        raise unknown from None
     visible = principal.user is None and (principal.agent is None or ex.agent == principal.agent)
-    if visible and not is_exec(ex):
+    if not visible:
+        raise unknown
+    if not is_exec(ex):
         raise ConflictError(f"execution {execution_id} is a turn, not an exec",
                             hint="a turn is cancelled as its workflow run: POST /v1/workflows/{run_id}/cancel (the "
                                  "run_id is in GET /v1/executions/{id})")
-    if not is_exec(ex) or not visible:
-        raise NotFound(f"no exec execution {execution_id!r}",
-                       hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true")
     return ex
