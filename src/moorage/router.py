@@ -87,6 +87,12 @@ class Router:
         self._sessions: dict[tuple[str, ...], _Line] = {}
         self._instances: dict[tuple[str, str], _Line] = {}
 
+    def holders(self, tenant_id: str) -> dict[str, str]:
+        """The tenant's instances (scope keys) whose line is held by one holder now, and by what: a session's
+        turn, or an operation's mark (``timetravel.holding.LINE_HOLDER``)."""
+        return {key: line.holder for (tid, key), line in list(self._instances.items())
+                if tid == tenant_id and line.holder is not None}
+
     @property
     def pending(self) -> int:
         """Turns admitted and not yet answered (waiting or running)."""

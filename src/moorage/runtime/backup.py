@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
+from moorage.timetravel.holding import LINE_HOLDER
 
 if TYPE_CHECKING:
     from moorage.lifecycle.manager import LiveInstance
@@ -53,8 +54,6 @@ RELIST = 3
 #: ``DEFER_S`` lets them go, waits for it, and tries again; the last waits ``HELD_S`` under the hold, then fails.
 HOLD_TRIES = 3
 HELD_S = 60.0
-#: Who holds a new user's line in the router while a fork makes that user (timetravel/fork.py).
-FORK_LINE = "-time-travel"
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
 #: Top-level entries of the data directory the backup copies its own way, or leaves out.
@@ -322,11 +321,9 @@ class OnlineBackup:
         """Scopes (keys) of the tenant a fork is making as its database is copied: the fork copies the source's
         rows to its new user before that user's instance is made (held back now), so the copy may hold their rows
         without their instance; ``_fix_copy`` removes them (the fork is not in the copy, as if it failed)."""
-        router = getattr(getattr(self.host, "runtime", None), "router", None)
-        lines = getattr(router, "_instances", {})
         copied = {c.rec.scope.key for c in self.copied if c.tenant == tid}
-        return [key for (t, key), line in list(lines.items())
-                if t == tid and line.holder == FORK_LINE and key not in copied]
+        return [key for key, holder in self.host.runtime.router.holders(tid).items()
+                if holder == LINE_HOLDER and key not in copied]
 
     async def _one(self, ts: "TenantStore", rec: "SandboxRecord", held: list["LiveInstance"], patience: float) -> None:
         copied = await self._instance(ts, rec, held, patience)

@@ -15,6 +15,7 @@ from moorage.store import EntityKey, Scope, TenantStore
 from moorage.store.model import check_id
 from moorage.store.repos.checkpoints import Checkpoint, checkpoints_of
 from moorage.timetravel.gate import Gate
+from moorage.timetravel.holding import LINE_HOLDER
 
 if TYPE_CHECKING:
     from moorage.timetravel.timeline import TimeTravel
@@ -87,7 +88,7 @@ async def fork_through(tt: "TimeTravel", ts: TenantStore, agent: str, user: str,
             new_scope = Scope.for_user(agent, u)
             # In the new user's line: a first turn for them waits, instead of provisioning from the agent's
             # template before the fork's does.
-            async with rt.router._on_instance((ts.tenant_id, new_scope.key), "-time-travel", new_scope, lc,
+            async with rt.router._on_instance((ts.tenant_id, new_scope.key), LINE_HOLDER, new_scope, lc,
                                              exclusive=True):
                 if await asyncio.to_thread(ts.sandboxes.for_scope, new_scope) is not None:
                     raise ConflictError(f"user {u!r} of agent {agent!r} got an instance meanwhile",

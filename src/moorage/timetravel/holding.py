@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 log = get_logger("moorage.timetravel.timeline")
 
+#: What holds an instance's line in the router during a rollback or fork (the source's, and each new user's while
+#: the fork makes it): ``Router.holders`` names it, to the online backup for one.
+LINE_HOLDER = "-time-travel"
+
 
 class CheckpointGone(ConflictError):
     """The sandbox half of a checkpoint does not exist (the instance was provisioned again since, or it was never
@@ -81,7 +85,7 @@ class Holding:
         async def template() -> Any:
             return await rt._template_for(ts, agent_rec)
 
-        async with rt.router._on_instance((ts.tenant_id, scope.key), "-time-travel", scope, lc, exclusive=True):
+        async with rt.router._on_instance((ts.tenant_id, scope.key), LINE_HOLDER, scope, lc, exclusive=True):
             async with rt.instances.turn(ts, scope, template, lifecycle=lc) as sandbox:
                 await self._finish_pending(ts, agent, user, sandbox)
                 yield sandbox
