@@ -290,3 +290,15 @@ def test_a_forget_while_the_object_store_is_down_changes_nothing_and_succeeds_on
     assert r.status_code == 200 and r.json()["deleted"] is True, r.text
     assert _objects_of(seaweedfs, s3_bucket, s3, sid) == []
     assert "fay" not in f.records()
+
+
+def test_provisioning_a_user_awake_on_another_host_is_served_there(fleet: tuple[Fleet, SlowRelay]) -> None:
+    f, _ = fleet
+    assert replied(f.turn(0, "gus")) == "1: hi"  # awake on h1
+    r = f.api[1].put("/v1/agents/echo/users/gus?provision=true", json={"metadata": {"plan": "pro"}})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("x-moorage-served-by") == "h1"  # h1 holds it: h2 neither woke a second copy nor forked one
+    assert r.json()["metadata"] == {"plan": "pro"} and r.json()["instance"]["state"] == "sleeping"
+    rec = f.records()["gus"]
+    assert rec.host == "h1" and rec.state == "sleeping"
+    assert replied(f.turn(1, "gus")) == "2: hi"  # the same disk, wherever it wakes
