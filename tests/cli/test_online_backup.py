@@ -559,3 +559,32 @@ def test_the_backup_lists_every_instance_of_a_tenant_past_a_thousand(tmp_path: P
         assert sorted(r.scope.user for r in recs) == sorted(f"u{i}" for i in range(1005))
     finally:
         store.close()
+
+
+def test_a_tenant_created_as_the_backup_began_is_left_out_of_the_copy_whole(tmp_path: Path) -> None:
+    """The backup lists the tenants, then copies the operator database: a tenant created in between was in the
+    copy's operator database (with its keys) without its tenant database, and a restore served it empty."""
+    from moorage.config import Config
+    from moorage.errors import NotFound
+    from moorage.runtime.backup import copy_control
+    from moorage.store import open_store
+
+    store = open_store(Config(data_dir=tmp_path / "data"))
+    try:
+        listed, _ = store.operator.create_tenant("listed")
+        listed_keys = len(store.backend.list_api_keys(listed.id))
+        store.operator.create_tenant("late")  # created after the backup listed the tenants
+        (tmp_path / "copy" / "store").mkdir(parents=True)
+        copy_control(tmp_path / "data" / "store" / "control.db", tmp_path / "copy" / "store" / "control.db",
+                     [listed.id])
+    finally:
+        store.close()
+    copy = open_store(Config(data_dir=tmp_path / "copy"))
+    try:
+        assert [t.name for t in copy.operator.list_tenants()] == ["listed"]
+        assert len(copy.backend.list_api_keys(listed.id)) == listed_keys
+        with pytest.raises(NotFound):
+            copy.operator.get_tenant("late")
+    finally:
+        copy.close()
+

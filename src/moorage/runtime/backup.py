@@ -113,6 +113,26 @@ def copy_sqlite(src: Path, dst: Path) -> None:
         os.close(fd)
 
 
+def copy_control(src: Path, dst: Path, tenants: list[str]) -> None:
+    """The operator database, with only ``tenants`` (those the backup copies) and their keys: a tenant created
+    after they were listed has no database in the copy, and a restore would serve it empty."""
+    copy_sqlite(src, dst)
+    c = sqlite3.connect(str(dst))
+    try:
+        with c:
+            c.execute("CREATE TEMP TABLE backed_up (id TEXT PRIMARY KEY)")
+            c.executemany("INSERT INTO backed_up VALUES (?)", [(t,) for t in tenants])
+            c.execute("DELETE FROM api_keys WHERE tenant_id NOT IN (SELECT id FROM backed_up)")
+            c.execute("DELETE FROM tenants WHERE id NOT IN (SELECT id FROM backed_up)")
+    finally:
+        c.close()
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 async def copy_tree(src: Path, dst: Path) -> None:
     """``cp -a`` of one file or directory: modes, hard links (checkpoints share files) and holes kept, reflinked
     where the filesystem can."""
@@ -191,9 +211,9 @@ class OnlineBackup:
         for d in ("store", "store/tenants", "sandboxes"):  # private, as in the data directory
             (self.dest / d).mkdir(mode=0o700)
         store_root = self.data_dir / "store"
-        # The tenants, then the operator database: every tenant backed up is in it (one made since is not copied).
+        # The tenants, then the operator database: every tenant backed up is in it, and one made since is not.
         tenants = await asyncio.to_thread(lambda: [t.tenant_id for t in self.host.store.operator.tenants()])
-        await asyncio.to_thread(copy_sqlite, store_root / "control.db", self.dest / "store" / "control.db")
+        await asyncio.to_thread(copy_control, store_root / "control.db", self.dest / "store" / "control.db", tenants)
         plan = {tid: await self._instances(tid) for tid in tenants}
         self.total = sum(len(v) for v in plan.values())
         await self.progress({"event": "start", "backup": self.id, "tenants": len(tenants), "total": self.total})
