@@ -31,7 +31,9 @@ async def test_facts_pages_reach_past_ten_thousand_rows(live, store: Store, acme
 
 
 async def test_a_bad_k_on_search_names_k(live, store: Store, acme: str) -> None:
-    store.tenant(store.authenticate(acme)).agents.create("pal")
+    ts = store.tenant(store.authenticate(acme))
+    ts.agents.create("pal")
+    ts.agent_users.put("pal", "ada")  # a user of the agent, who has nothing to recall yet
     async with aclient(live, acme) as c:
         for k in ("0", "501", "many"):
             r = await c.get("/v1/agents/pal/users/ada/events/search", params={"q": "city", "k": k})

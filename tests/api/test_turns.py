@@ -146,5 +146,6 @@ async def test_rollback_and_forget(live_rt, acme, tmp_path: Path):
 
         gone = await c.delete("/v1/agents/echo/users/u1")
         assert gone.status_code == 200 and gone.json()["removed"] > 0
-        assert (await c.get("/v1/agents/echo/users/u1/facts")).json()["data"] == []
-        assert (await c.get("/v1/agents/echo/users/u1/events", params={"session": "default"})).json()["data"] == []
+        # No such user now (a listing answers 404 only when it has nothing to list): no facts, no log.
+        assert (await c.get("/v1/agents/echo/users/u1/facts")).status_code == 404
+        assert (await c.get("/v1/agents/echo/users/u1/events", params={"session": "default"})).status_code == 404

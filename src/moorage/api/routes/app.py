@@ -149,7 +149,11 @@ def create_link(call: Call) -> Reply:
 
     agent, user = _ids(call)
     rec = agent_of(call)
-    if call.tenant.agent_users.find(agent, user) is None:  # a link to nobody is a 404, not a dangling link
+    # A link to nobody is a 404, not a dangling link. The link is for the users its app serves (``app_of``, as a
+    # turn: ``Router.resolve``): registered, or with a session of the agent (registered as the link is first opened).
+    # Not ``known_user``: the app refuses a user with only an instance left. Nor any id under lifecycle.users =
+    # "auto": a mistyped one would get a link to a user nobody has.
+    if call.tenant.agent_users.find(agent, user) is None and not call.tenant.sessions.list(agent, user, limit=1):
         raise NotFound(f"agent {agent!r} has no user {user!r}",
                        hint=f"create the end-user first (PUT /v1/agents/{agent}/users/{user}) or let them talk to it")
     live = call.tenant.deployments.get(rec.live_deployment) if rec.live_deployment else None

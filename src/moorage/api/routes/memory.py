@@ -69,6 +69,8 @@ def list_events(call: Call) -> dict[str, Any]:
         raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged, with the same order")
     events = call.tenant.events.list(scope, limit=limit + 1, kinds=[kind] if kind else None,
                                      **({"after_seq": at} if order == "oldest" else {"before_seq": at, "newest_first": True}))
+    if not events:  # none: for a user the agent has, not for a mistyped id
+        known_user(call, scope.agent, scope.user)
     events.sort(key=lambda e: e.id, reverse=order == "newest")
     page = events[:limit]
     more = len(events) > limit
@@ -93,6 +95,8 @@ def search_events(call: Call) -> dict[str, Any]:
     # recall uses it too); a new one per request rebuilt them on every search.
     episodic = memory(call.tenant).episodic if memory is not None else EpisodicMemory(call.tenant, call.ctx.embedder())
     hits = episodic.search(scope, query, k=k)
+    if not hits:  # nothing recalled: for a user the agent has, not for a mistyped id
+        known_user(call, scope.agent, scope.user)
     return {"data": [{"event": S.event(h.event), "score": h.score} for h in hits], "next_cursor": None}
 
 
@@ -102,9 +106,12 @@ def list_facts(call: Call) -> dict[str, Any]:
     valid_at, known_at = float_query(call, "as_of"), float_query(call, "known_at")
     include_closed = bool_query(call, "include_closed")
     # Each page reads the rows up to its end, so a listing of any length pages through to its last row.
-    return offset_page(lambda n: call.tenant.facts.list(scope, subject=subject, attribute=attribute, valid_at=valid_at,
+    page = offset_page(lambda n: call.tenant.facts.list(scope, subject=subject, attribute=attribute, valid_at=valid_at,
                                                         known_at=known_at, include_closed=include_closed, limit=n),
                        parse_limit(call.query("limit")), call.query("cursor"), S.fact)
+    if not page["data"]:  # none: for a user the agent has, not for a mistyped id
+        known_user(call, scope.agent, scope.user)
+    return page
 
 
 def _user_of_agent(call: Call, scope: Scope) -> bool:
