@@ -150,11 +150,14 @@ async def on_message(ctx, message):
 
 
 def _tt_archive() -> bytes:
+    return _archive("tt", TT_AGENT, '[agent.timetravel]\nauto = true\n[agent.lifecycle]\nusers = "auto"\n')
+
+
+def _archive(name: str, body: str, tables: str) -> bytes:
     import io
     import tarfile
 
-    files = {"moorage.toml": '[agent]\nname = "tt"\nentry = "agent.py"\n[agent.timetravel]\nauto = true\n'
-                             '[agent.lifecycle]\nusers = "auto"\n', "agent.py": TT_AGENT}
+    files = {"moorage.toml": f'[agent]\nname = "{name}"\nentry = "agent.py"\n{tables}', "agent.py": body}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name, text in files.items():
@@ -395,3 +398,30 @@ def test_killed_while_a_webhook_is_being_delivered_it_is_sent_again_with_the_sam
         receiver.close()
         up.stop()
         stop_sandboxes(up.data)
+
+
+def test_killed_while_the_warm_pool_forks_the_fork_is_not_left_behind(up: Up, tmp_path: Path) -> None:
+    """A pool member belongs to no tenant's record until a user takes it: one forked but not yet in the pool's
+    manifest when the host died stayed on disk for ever."""
+    import json
+
+    pooled = _archive("p", "async def on_message(ctx, m):\n    return 'p: ' + m\n",
+                      '[agent.lifecycle]\nusers = "auto"\npool = 1\n')
+    up.start("moorage.lifecycle.pool:WarmPool._write")  # the first fork made, the manifest not written
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/p/deployments", content=pooled, headers=GZ))
+        assert up.died()
+
+    def members() -> set[str]:
+        return {sid for m in (up.data / "pool").glob("*.json") for sid in json.loads(m.read_text())}
+
+    (half,) = {p.name for p in (up.data / "sandboxes").iterdir() if not p.name.startswith(".")}
+    assert members() == set()
+    up.start()
+    with up.client() as c:
+        _wait(lambda: len(members()) == 1 and half not in members(), "the pool refilled")
+        dirs, rows = _dirs_and_rows(up, c)
+        assert half not in dirs and dirs == rows | members(), (half, dirs, rows, members())
+        assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "p: hi"
+        _wait(lambda: (dr := _dirs_and_rows(up, c)) and len(dr[1]) == 1 and len(members()) == 1
+              and dr[0] == dr[1] | members(), "the user took the pooled fork and the pool refilled")

@@ -50,6 +50,23 @@ class WarmPool:
         except (FileNotFoundError, ValueError):
             return []
 
+    def _forking(self, template_id: str) -> Path:
+        """Names the fork being made for the template's pool before it exists (one at a time per template)."""
+        return self.root / f"{template_id}.forking"
+
+    async def _drop_half_forked(self, marker: Path) -> None:
+        """A fork a crash cut short before the manifest listed it (no tenant's record names a pool member either,
+        so it stayed on disk for ever): destroyed, unless the manifest lists it after all."""
+        try:
+            sid = (await asyncio.to_thread(marker.read_text)).strip()
+        except FileNotFoundError:
+            return
+        if sid and sid not in self.members(marker.stem):
+            with contextlib.suppress(Exception):
+                await _destroy(await self.driver.open(sid))
+                log.info("warm pool fork a crash cut short removed", template=marker.stem, sandbox=sid)
+        marker.unlink(missing_ok=True)
+
     def _write(self, template_id: str, ids: list[str]) -> None:
         path = self._manifest(template_id)
         if not ids:
@@ -107,7 +124,10 @@ class WarmPool:
         return len(ids)
 
     async def drain_except(self, keep: set[str]) -> int:
-        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live)."""
+        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live), and remove the
+        forks a crash cut short before they joined a pool."""
+        for marker in sorted(self.root.glob("*.forking")):
+            await self._drop_half_forked(marker)
         n = 0
         for p in sorted(self.root.glob("*.json")):
             if p.stem not in keep:
@@ -151,17 +171,22 @@ class WarmPool:
                 await self._prepare(sid)
             while not self._closed and len(self.members(tid)) < size and self._want.get(tid, (None, 0))[1] == size:
                 sid = uuid.uuid4().hex  # the id it keeps once bound to a user: binding is a record, not a rename
+                marker = self._forking(tid)
+                await asyncio.to_thread(marker.write_text, sid)  # a crash from here to the manifest: removed at start
                 try:
                     (sb,) = await self.driver.fork(template, [sid])
                 except Exception as e:  # a deleted or damaged template: stop wanting it, the next deploy asks again
                     log.warning("warm pool fork failed", template=tid, error=str(e))
                     self._want.pop(tid, None)
+                    await self._drop_half_forked(marker)
                     break
                 async with self._lock:
                     if tid not in self._want:  # drained while forking
                         await _destroy(sb)
+                        marker.unlink(missing_ok=True)
                         break
                     await asyncio.to_thread(self._write, tid, self.members(tid) + [sid])
+                    marker.unlink(missing_ok=True)
                 made += 1
                 await self._prepare(sid)
         return made
