@@ -160,13 +160,9 @@ async def _held_elsewhere(call: Call, ex: Any) -> None:
 
 
 def own_exec(call: Call, execution_id: str) -> Any:
-    """The detached exec ``execution_id`` the caller may follow or cancel. Another tenant's, another agent's (a key
-    limited to one agent) and one that does not exist are the same 404, so none tells that the id exists."""
-    try:
-        return exec_jobs.get_exec(call.tenant, call.who, execution_id)
-    except NotFound as e:
-        raise NotFound(f"no exec execution {execution_id!r}",
-                       hint="exec execution ids come from POST /v1/sandboxes/{id}/exec with detach: true") from e
+    """The detached exec ``execution_id`` the caller may follow or cancel (``exec_jobs.get_exec``: another
+    tenant's, another agent's and a missing one are the same 404, so none tells that the id exists)."""
+    return exec_jobs.get_exec(call.tenant, call.who, execution_id)
 
 
 async def cancel_exec(call: Call) -> dict[str, Any]:
