@@ -97,8 +97,8 @@ def _tenant_store(tenant: str):  # noqa: ANN202 - returns (Store, TenantStore)
 
 def _agent_of(ts, tenant: str, agent: str, user: str) -> str:  # type: ignore[no-untyped-def]
     """The name of ``agent`` (given by name or id) once it and its ``user`` are known in the tenant: a mistyped
-    --agent or --user is an error, not an empty list. A user is known as the API knows one for its memory: made
-    (PUT, a turn), or with a session of the agent."""
+    --agent or --user is an error, not an empty list. A user is known as the API knows one
+    (``TenantStore.knows_user``)."""
     from moorage.errors import NotFound
 
     try:
@@ -106,7 +106,7 @@ def _agent_of(ts, tenant: str, agent: str, user: str) -> str:  # type: ignore[no
     except NotFound:
         raise NotFound(f"tenant {tenant!r} has no agent {agent!r}",
                        hint="check --agent; `moorage agents` lists them (with the tenant's API key)") from None
-    if ts.agent_users.find(name, user) is None and not ts.sessions.list(name, user, limit=1):
+    if not ts.knows_user(name, user):
         raise NotFound(f"agent {name!r} of tenant {tenant!r} has no user {user!r}",
                        hint=f"check --user; `moorage users {name}` lists them (with the tenant's API key)")
     return name

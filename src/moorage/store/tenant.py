@@ -154,6 +154,12 @@ class TenantStore:
             self._backend.vacuum_blobs(self.tenant_id)
         return SweepReport(scopes=len(expired), rows=removed)
 
+    def knows_user(self, agent: str, user: str) -> bool:
+        """Whether ``user`` is one of ``agent``'s end-users: registered (PUT, a turn, a fork), or with a session or an
+        instance of the agent. A listing that names an unknown user is an error, not an empty list."""
+        return (self.agent_users.find(agent, user) is not None or bool(self.sessions.list(agent, user, limit=1))
+                or self.sandboxes.for_scope(Scope.for_user(agent, user)) is not None)
+
     def forget_user(self, user: str, agent: str | None = None) -> int:
         """Remove everything stored about one end-user (of one agent, or of all agents), in one transaction."""
         check_id(user, "user id")

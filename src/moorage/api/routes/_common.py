@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moorage.api.routing import Call, Param
 from moorage.errors import InvalidInput, NotFound, TenantScopeError
-from moorage.store import Agent, Scope
+from moorage.store import Agent
 from moorage.store.model import check_id
 
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size")
@@ -41,9 +41,7 @@ def known_user(call: Call, agent: str, user: str) -> None:
     product issued it for them, and they may not have talked to the agent yet."""
     if call.who.user is not None:
         return
-    ts = call.tenant
-    if ts.agent_users.find(agent, user) is None and not ts.sessions.list(agent, user, limit=1) \
-            and ts.sandboxes.for_scope(Scope.for_user(agent, user)) is None:
+    if not call.tenant.knows_user(agent, user):
         raise NotFound(f"agent {agent!r} has no user {user!r}",
                        hint=f"check the user id; GET /v1/agents/{agent}/users lists them")
 
