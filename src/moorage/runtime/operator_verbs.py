@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 
 from moorage.durable import DurableEngine
 from moorage.errors import InvalidInput, NotFound
-from moorage.fleet.forget import take_to_forget
+from moorage.lifecycle.forget import take_to_forget
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.sandbox import TemplateRef
