@@ -400,20 +400,27 @@ def test_killed_while_a_webhook_is_being_delivered_it_is_sent_again_with_the_sam
         stop_sandboxes(up.data)
 
 
+def _pooled(reply: str = "p") -> bytes:
+    return _archive("p", f"async def on_message(ctx, m):\n    return '{reply}: ' + m\n",
+                    '[agent.lifecycle]\nusers = "auto"\npool = 1\n')
+
+
+def _members(up: Up) -> set[str]:
+    import json
+
+    return {sid for m in (up.data / "pool").glob("*.json") for sid in json.loads(m.read_text())}
+
+
 def test_killed_while_the_warm_pool_forks_the_fork_is_not_left_behind(up: Up, tmp_path: Path) -> None:
     """A pool member belongs to no tenant's record until a user takes it: one forked but not yet in the pool's
     manifest when the host died stayed on disk for ever."""
-    import json
-
-    pooled = _archive("p", "async def on_message(ctx, m):\n    return 'p: ' + m\n",
-                      '[agent.lifecycle]\nusers = "auto"\npool = 1\n')
     up.start("moorage.lifecycle.pool:WarmPool._write")  # the first fork made, the manifest not written
     with up.client() as c:
-        _in_background(lambda: c.post("/v1/agents/p/deployments", content=pooled, headers=GZ))
+        _in_background(lambda: c.post("/v1/agents/p/deployments", content=_pooled(), headers=GZ))
         assert up.died()
 
     def members() -> set[str]:
-        return {sid for m in (up.data / "pool").glob("*.json") for sid in json.loads(m.read_text())}
+        return _members(up)
 
     (half,) = {p.name for p in (up.data / "sandboxes").iterdir() if not p.name.startswith(".")}
     assert members() == set()
@@ -425,3 +432,24 @@ def test_killed_while_the_warm_pool_forks_the_fork_is_not_left_behind(up: Up, tm
         assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "p: hi"
         _wait(lambda: (dr := _dirs_and_rows(up, c)) and len(dr[1]) == 1 and len(members()) == 1
               and dr[0] == dr[1] | members(), "the user took the pooled fork and the pool refilled")
+
+
+def test_killed_while_a_redeploy_drains_the_warm_pool_its_members_are_not_left_behind(up: Up, tmp_path: Path) -> None:
+    """A redeploy takes the old template's members out of the pool's manifest, then destroys them: a crash between
+    left them on disk for ever."""
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/p/deployments", content=_pooled(), headers=GZ).status_code == 201
+        (old,) = _wait(lambda: _members(up), "the pool filled")
+    up.stop()
+    up.start("moorage.lifecycle.pool:_destroy")  # the old members out of the manifest, none destroyed yet
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/p/deployments", content=_pooled("p2"), headers=GZ))
+        assert up.died()
+    assert (up.data / "sandboxes" / old).exists() and old not in _members(up)
+    up.start()
+    with up.client() as c:
+        _wait(lambda: len(_members(up)) == 1 and not (up.data / "sandboxes" / old).exists(), "the old member went")
+        dirs, rows = _dirs_and_rows(up, c)
+        assert dirs == rows | _members(up) and not rows, (dirs, rows, _members(up))
+        assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "p2: hi"

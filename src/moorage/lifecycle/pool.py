@@ -54,17 +54,24 @@ class WarmPool:
         """Names the fork being made for the template's pool before it exists (one at a time per template)."""
         return self.root / f"{template_id}.forking"
 
-    async def _drop_half_forked(self, marker: Path) -> None:
-        """A fork a crash cut short before the manifest listed it (no tenant's record names a pool member either,
-        so it stayed on disk for ever): destroyed, unless the manifest lists it after all."""
+    def _draining(self, template_id: str) -> Path:
+        """Names the members a drain took out of the manifest until they are destroyed."""
+        return self.root / f"{template_id}.draining"
+
+    async def _drop_unlisted(self, marker: Path) -> None:
+        """Forks a crash left outside the manifest (no tenant's record names a pool member either, so they stayed on
+        disk for ever): one cut short before it joined the pool, members a drain had not destroyed yet. Destroyed,
+        except any the manifest lists after all."""
         try:
-            sid = (await asyncio.to_thread(marker.read_text)).strip()
+            ids = (await asyncio.to_thread(marker.read_text)).split()
         except FileNotFoundError:
             return
-        if sid and sid not in self.members(marker.stem):
-            with contextlib.suppress(Exception):
-                await _destroy(await self.driver.open(sid))
-                log.info("warm pool fork a crash cut short removed", template=marker.stem, sandbox=sid)
+        listed = set(self.members(marker.stem))
+        for sid in ids:
+            if sid not in listed:
+                with contextlib.suppress(Exception):
+                    await _destroy(await self.driver.open(sid))
+                    log.info("warm pool fork a crash left outside the pool removed", template=marker.stem, sandbox=sid)
         marker.unlink(missing_ok=True)
 
     def _write(self, template_id: str, ids: list[str]) -> None:
@@ -115,19 +122,22 @@ class WarmPool:
         self._want.pop(template_id, None)
         async with self._lock:
             ids = self.members(template_id)
+            if ids:  # named until destroyed: a crash meanwhile leaves none that nothing names
+                await asyncio.to_thread(self._draining(template_id).write_text, "\n".join(ids))
             await asyncio.to_thread(self._write, template_id, [])
         for sid in ids:
             with contextlib.suppress(SandboxNotFound):
                 await _destroy(await self.driver.open(sid))
         if ids:
+            self._draining(template_id).unlink(missing_ok=True)
             log.info("warm pool drained", template=template_id, count=len(ids))
         return len(ids)
 
     async def drain_except(self, keep: set[str]) -> int:
         """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live), and remove the
         forks a crash cut short before they joined a pool."""
-        for marker in sorted(self.root.glob("*.forking")):
-            await self._drop_half_forked(marker)
+        for marker in sorted([*self.root.glob("*.forking"), *self.root.glob("*.draining")]):
+            await self._drop_unlisted(marker)
         n = 0
         for p in sorted(self.root.glob("*.json")):
             if p.stem not in keep:
@@ -178,7 +188,7 @@ class WarmPool:
                 except Exception as e:  # a deleted or damaged template: stop wanting it, the next deploy asks again
                     log.warning("warm pool fork failed", template=tid, error=str(e))
                     self._want.pop(tid, None)
-                    await self._drop_half_forked(marker)
+                    await self._drop_unlisted(marker)
                     break
                 async with self._lock:
                     if tid not in self._want:  # drained while forking
