@@ -89,7 +89,8 @@ def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_se
         assert _guests_of(up.data / "sandboxes" / "tpl-") == []
         r = c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="2"), headers=GZ)
         assert r.status_code == 201, r.text
-        assert [d["status"] for d in c.get("/v1/agents/echo/deployments").json()["data"]] == ["ready", "failed", "ready"]
+        deps = c.get("/v1/agents/echo/deployments").json()["data"]
+        assert [d["status"] for d in deps] == ["ready", "failed", "ready"]
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo2: hi"
 
 
@@ -379,7 +380,8 @@ def test_killed_while_a_webhook_is_being_delivered_it_is_sent_again_with_the_sam
             assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
             hook = c.post("/v1/agents/echo/webhooks", json={"url": receiver.url,
                                                              "events": ["execution.succeeded"]}).json()
-            ex = c.post("/v1/agents/echo/invoke", params={"async": "true"}, json={"message": "hi", "user": "ada"}).json()
+            ex = c.post("/v1/agents/echo/invoke", params={"async": "true"},
+                        json={"message": "hi", "user": "ada"}).json()
             _wait(lambda: receiver.requests, "the delivery reaches the receiver")
         up.kill()  # while the receiver holds the request: the host never learns how it went
         up.start()
