@@ -36,6 +36,9 @@ log = get_logger(__name__)
 
 FORWARDED_BY = "x-moorage-forwarded-by"
 SERVED_BY = "x-moorage-served-by"
+#: On a forget one host sends another (``Forwarder.ask``): the receiver only lets go of the user's instances it holds
+#: awake (cancels their turns, puts them to sleep) for the sender, which serves the forget (docs/fleet.md).
+LET_GO = "x-moorage-let-go"
 #: Set while serving a request another host forwarded here: it must be served here, never sent on again.
 forwarded: ContextVar[bool] = ContextVar("moorage_forwarded", default=False)
 #: Headers that describe one connection, not the request (RFC 9110 section 7.6.1), plus those httpx sets itself;
@@ -161,6 +164,23 @@ class Forwarder:
         streamed = StreamingResponse(body(), upstream.status_code, background=BackgroundTask(close))
         streamed.raw_headers = _answer_headers(upstream, owner_id, _HOP - {"content-length"})
         return streamed
+
+    async def ask(self, request: Request, owner_id: str, owner_url: str, headers: Mapping[str, str],
+                  trace_id: str | None = None) -> httpx.Response:
+        """Send ``owner`` the request being served here (method, path and query, no body), with the caller's own
+        credentials and ``headers`` on top, marked as forwarded (so it is served there, never sent on): a step of
+        the work this host does for it, such as a forget asking another holder to let go of an instance. Its
+        answer is read whole. Raises UnavailableError when the owner does not answer."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
+        # Not the caller's Idempotency-Key: the owner would keep this step's answer as the request's own.
+        sent = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | {"idempotency-key"}]
+        sent += [*headers.items(), (FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        try:
+            return await self._client.request(request.method, url, headers=sent)
+        except httpx.HTTPError as e:
+            raise self._unreachable(owner_id, e) from e
 
     async def open_socket(self, ws: WebSocket, owner_id: str, owner_url: str, *, max_message: int,
                           open_timeout_s: float, trace_id: str | None = None) -> "ForwardedSocket":

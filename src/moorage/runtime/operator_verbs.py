@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator
 
 from moorage.durable import DurableEngine
 from moorage.errors import InvalidInput, NotFound
-from moorage.lifecycle.forget import take_to_forget
+from moorage.lifecycle.errors import Misplaced
+from moorage.lifecycle.forget import Release, take_to_forget
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.sandbox import TemplateRef
@@ -118,17 +119,35 @@ class OperatorVerbs:
         """Remove everything about one user of one agent: memory tiers, runs, journal, traces, sandboxes, snapshots."""
         return (await self.erase(principal, agent, user))[0]
 
-    async def erase(self, principal: Principal, agent: str, user: str) -> tuple[int, bool]:
+    async def erase(self, principal: Principal, agent: str, user: str, *,
+                    release: Release | None = None) -> tuple[int, bool]:
         """``forget``, and whether the user was registered (unregistered with the rest, while their instance is
-        held: a registration that came just before the forget is forgotten too, and said so)."""
+        held: a registration that came just before the forget is forgotten too, and said so). ``release`` asks
+        another live host to let go of an instance of theirs it holds awake (``let_go`` there; lifecycle/forget.py)."""
         principal.require("provision")
-        return await self._forget(self.store.tenant(principal), agent, user)
+        return await self._forget(self.store.tenant(principal), agent, user, release)
+
+    async def let_go(self, principal: Principal, agent: str, user: str) -> int:
+        """For a forget of the user another host serves (it holds their lines there): cancel their turns here and
+        put to sleep each of their instances this host holds awake, so that host can take them
+        (lifecycle/forget.py). Returns how many slept."""
+        principal.require("provision")
+        ts = self.store.tenant(principal)
+        recs = await self._instances_of_user(ts, agent, user)
+        slept = 0
+        async with self._held_to_forget(ts, agent, user, recs):
+            for rec in recs:
+                li = self.instances.live(ts, rec.scope)
+                if li is not None and li.owned:
+                    slept += await self.instances.sleep(ts, rec.scope, reason="forget")
+        return slept
 
     async def forget_in(self, ts: TenantStore, agent: str, user: str) -> int:
         """``forget`` in a tenant already authorized (a fork undoing the users it made)."""
         return (await self._forget(ts, agent, user))[0]
 
-    async def _forget(self, ts: TenantStore, agent: str, user: str) -> tuple[int, bool]:
+    async def _forget(self, ts: TenantStore, agent: str, user: str,
+                      release: Release | None = None) -> tuple[int, bool]:
         await self.timetravel.settled(ts.tenant_id, agent, user)  # a checkpoint being taken after a reply
         recs = await self._instances_of_user(ts, agent, user)
         # Held like a turn: a turn of theirs in flight is cancelled and ends first, a rollback or fork of them
@@ -137,8 +156,14 @@ class OperatorVerbs:
         async with self._held_to_forget(ts, agent, user, recs):
             recs = await self._instances_of_user(ts, agent, user)  # one a turn that ran first provisioned
             for rec in recs:
-                await self.instances.sleep(ts, rec.scope, reason="forget")
-                await take_to_forget(self.instances, ts, rec)  # no other host wakes it now (docs/fleet.md)
+                try:
+                    await self.instances.sleep(ts, rec.scope, reason="forget")
+                except Misplaced:
+                    if release is None:
+                        raise  # the forget goes to the host that holds it
+                    # held by another host: take_to_forget has it stopped there first
+                # No other host wakes it now (docs/fleet.md).
+                await take_to_forget(self.instances, ts, rec, release)
                 try:
                     sb = await self.driver.open(rec.id)
                     await sb.destroy()
