@@ -94,6 +94,29 @@ def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_se
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo2: hi"
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_killed_once_a_deploy_is_ready_it_is_live(up: Up, tmp_path: Path, first: bool) -> None:
+    """Ready and live were two steps: a host killed between them left the deploy listed ``ready`` but never live
+    (a first deploy answered every turn 404 'no live deployment' until the operator deployed again)."""
+    if not first:
+        up.start()
+        with up.client() as c:
+            assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+        up.stop()
+    up.start("moorage.store.repos.deployments:Deployments.set_status", after=True)
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="2"),
+                                      headers=GZ))
+        assert up.died()
+    up.start()
+    with up.client() as c:
+        deps = c.get("/v1/agents/echo/deployments").json()["data"]
+        assert deps[-1]["status"] == "ready", deps
+        assert c.get("/v1/agents/echo").json()["live_deployment"] == deps[-1]["id"]
+        r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})
+        assert r.status_code == 200 and r.json()["reply"] == "echo2: hi", r.text
+
+
 @pytest.mark.parametrize("up", ["microvm"], indirect=True)
 def test_killed_while_a_deploy_builds_its_micro_vm_does_not_run_on(up: Up, tmp_path: Path) -> None:
     """A micro-VM outlives its host by design: the build's ran on for ever, holding its memory and CPU."""

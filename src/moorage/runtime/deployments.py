@@ -57,10 +57,11 @@ class Deployments:
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.to_thread(ts.deployments.set_status, dep.id, FAILED))
             raise
-        dep = await asyncio.to_thread(ts.deployments.set_status, dep.id, READY)
-        agent = ts.agents.get(agent.id)  # as it is now: another deploy may have gone live while this one built
-        previous = agent.live_deployment
-        agent = self._set_live(ts, agent, dep, newest_wins=True)
+        # Ready and live in one transaction (unless a newer deploy went live while this one built): a host killed
+        # between the two left the deploy listed ready, never live.
+        dep = await asyncio.to_thread(ts.deployments.set_status, dep.id, READY,
+                                      live_lifecycle=self._lifecycle_config(pkg.manifest))
+        agent = ts.agents.get(agent.id)
         if agent.live_deployment != dep.id:  # a newer deploy went live first: its settings stand
             log.info("deployed, not live: a newer deployment went live while this one built", agent=pkg.name,
                      number=dep.number)
@@ -71,7 +72,7 @@ class Deployments:
         zero = retention_zero(pkg.manifest)
         if zero is not None:  # the same: without the table, zero retention stays as the API left it
             await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
-        await self._refresh_pool(ts, agent, previous)
+        await self._refresh_pool(ts, agent)
         self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
         return dep
@@ -114,14 +115,15 @@ class Deployments:
             except Exception as e:  # noqa: BLE001 - tracing never fails the deploy it describes
                 log.warning("deploy span not recorded", error=str(e))
 
-    async def _refresh_pool(self, ts: TenantStore, agent: Agent, previous: str | None) -> None:
-        """After a deployment went live: empty the warm pool of the one it replaced (users keep their own
-        instances) and keep the agent's ``lifecycle.pool`` forks of the new template ready."""
+    async def _refresh_pool(self, ts: TenantStore, agent: Agent) -> None:
+        """After a deployment went live: empty the warm pools of the agent's other deployments (the one it replaced,
+        or one that went live while this one built; users keep their own instances) and keep the agent's
+        ``lifecycle.pool`` forks of the new template ready."""
         pool = self.instances.pool
         if pool is None:
             return
-        if previous and previous != agent.live_deployment:
-            old = self.templates.cached(previous)
+        for d in await asyncio.to_thread(ts.deployments.list, agent.id):
+            old = self.templates.cached(d.id) if d.id != agent.live_deployment else None
             if old is not None:
                 await pool.drain(old.id)
         await self._template_for(ts, agent)
@@ -153,15 +155,9 @@ class Deployments:
         lc.setdefault("scope", manifest.get("scope", "user"))
         return lc
 
-    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment, *, newest_wins: bool = False) -> Agent:
-        """Make ``dep`` the agent's live deployment (a compare-and-set on the agent). ``newest_wins``: not when a
-        newer deployment went live meanwhile (two deploys at once, the newer one built first): the older one
-        going live last put the agent back on its older code."""
+    def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
+        """Make ``dep`` the agent's live deployment (a compare-and-set on the agent; a rollback's)."""
         while True:
-            if newest_wins and agent.live_deployment not in (None, dep.id):
-                live = ts.deployments.get(agent.live_deployment)
-                if live.agent_id == dep.agent_id and live.number > dep.number:
-                    return agent
             try:
                 return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
                                         config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
@@ -188,7 +184,6 @@ class Deployments:
                 raise ConflictError(f"deployment {number} of agent {agent_name!r} is {target.status}, it never went live",
                                     hint=f"roll back to a ready one: GET /v1/agents/{agent_name}/deployments lists them with their status")
         await self.templates.ensure(target)
-        previous = agent.live_deployment
         agent = self._set_live(ts, agent, target)
-        await self._refresh_pool(ts, agent, previous)
+        await self._refresh_pool(ts, agent)
         return target

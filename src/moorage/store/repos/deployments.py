@@ -42,12 +42,33 @@ class Deployments(_Repo):
             return c.x("UPDATE deployments SET status = ? WHERE id = ? AND status = ?",
                        (DEPLOYMENT_FAILED, deployment_id, DEPLOYMENT_BUILDING)) == 1
 
-    def set_status(self, deployment_id: str, status: str) -> Deployment:
+    def set_status(self, deployment_id: str, status: str, *, live_lifecycle: dict[str, Any] | None = None) -> Deployment:
+        """Set a deployment's status. ``live_lifecycle`` (with ``ready``): in the same transaction the deployment
+        goes live with that ``[agent.lifecycle]`` table in its agent's config, unless a newer deployment of the
+        agent is live already (two deploys at once: the newest wins). Ready and live in two steps left a deploy
+        whose host died between them listed ``ready`` but never live."""
         if status not in (DEPLOYMENT_BUILDING, DEPLOYMENT_READY, DEPLOYMENT_FAILED):
             raise ValueError(f"not a deployment status: {status!r}")
         with self._ts._tx() as c:
             c.x("UPDATE deployments SET status = ? WHERE id = ?", (status, deployment_id))
+            if live_lifecycle is not None and status == DEPLOYMENT_READY:
+                self._go_live(c, deployment_id, live_lifecycle)
         return self.get(deployment_id)
+
+    def _go_live(self, c: Any, deployment_id: str, lifecycle: dict[str, Any]) -> None:
+        dep = c.one("SELECT agent_id, number FROM deployments WHERE id = ?", (deployment_id,))
+        if dep is None:
+            raise NotFound(f"no deployment {deployment_id!r}")
+        agent = c.one("SELECT config, live_deployment FROM agents WHERE id = ?", (dep[0],))
+        if agent is None:
+            raise NotFound(f"no agent {dep[0]!r}")
+        if agent[1] not in (None, deployment_id):
+            live = c.one("SELECT number FROM deployments WHERE id = ? AND agent_id = ?", (agent[1], dep[0]))
+            if live is not None and int(live[0]) > int(dep[1]):
+                return
+        config = {**loads(agent[0]), "lifecycle": lifecycle}
+        c.x("UPDATE agents SET config = ?, live_deployment = ?, updated_at = ?, version = version + 1 WHERE id = ?",
+            (self._json(config, "agent config"), deployment_id, _now(), dep[0]))
 
     def building(self) -> list[Deployment]:
         """Every deployment of the tenant still marked ``building`` (a host start finds those a crash left)."""
