@@ -42,7 +42,8 @@ class Deployments(_Repo):
             return c.x("UPDATE deployments SET status = ? WHERE id = ? AND status = ?",
                        (DEPLOYMENT_FAILED, deployment_id, DEPLOYMENT_BUILDING)) == 1
 
-    def set_status(self, deployment_id: str, status: str, *, live_lifecycle: dict[str, Any] | None = None) -> Deployment:
+    def set_status(self, deployment_id: str, status: str, *,
+                   live_lifecycle: dict[str, Any] | None = None) -> Deployment:
         """Set a deployment's status. ``live_lifecycle`` (with ``ready``): in the same transaction the deployment
         goes live with that ``[agent.lifecycle]`` table in its agent's config, unless a newer deployment of the
         agent is live already (two deploys at once: the newest wins). Ready and live in two steps left a deploy
