@@ -35,6 +35,19 @@ SNAPSHOTS_KEPT = 3
 CHECKPOINT_RECORDS = ("checkpoint.json", "snapshot.json")
 
 
+class NotPublished(ConflictError):
+    """A snapshot was not published: the instance's record no longer names this host at the epoch it was shipped
+    under (another host took it over), or is gone or being deleted (its user was forgotten while this host was cut
+    off, or alongside the shipment)."""
+
+    code = "snapshot-not-published"
+
+    def __init__(self, record_id: str, why: str) -> None:
+        super().__init__(f"the snapshot of instance {record_id} was not published: {why}",
+                         hint="nothing to do: the host that holds the instance now ships its own")
+        self.why = why
+
+
 def checkpoints_in(manifest: dict[str, Any]) -> dict[str, int]:
     """The sandbox checkpoints a shipped snapshot holds: name to the bytes of its files."""
     sizes: dict[str, int] = {}
@@ -163,14 +176,34 @@ class FleetMember:
     def _dir(self, record: SandboxRecord) -> Path:
         return Path(self.driver.root) / record.id
 
-    def ship(self, tenant_id: str, record: SandboxRecord, epoch: int) -> dict[str, Any]:
+    def ship(self, tenant_id: str, record: SandboxRecord, epoch: int, *,
+             held: Callable[[], SandboxRecord | None] | None = None) -> dict[str, Any]:
         """Ship the sandbox of ``record`` (asleep, or frozen by the caller for the copy); returns what its record
-        keeps (``meta.shipped``). Blocking."""
+        keeps (``meta.shipped``). Blocking.
+
+        ``held`` reads the instance's record as it is now (None once it is gone): read after the chunks are stored
+        and before the manifest is written, the snapshot is published only while the record still names this host
+        at ``epoch``, else ``NotPublished`` is raised. When the record is gone or deleted (its user forgotten while
+        this host was cut off, or alongside the shipment) the instance's objects are removed again, so the
+        shipment leaves nothing of that user in the object store."""
         name = f"{epoch:06d}-{time.time_ns()}"
         prefix = self.prefix(tenant_id, record)
+
+        def still_held() -> None:
+            cur = held() if held is not None else record
+            if cur is None or cur.state == "deleted":
+                removed = self.delete_instance(tenant_id, record)
+                log.warning("instance forgotten while its snapshot was shipped: its objects removed again",
+                            instance=record.id, objects=removed)
+                raise NotPublished(record.id, "it was deleted meanwhile")
+            if cur.host != self.host_id or cur.lease_epoch != epoch:
+                raise NotPublished(record.id, f"host {cur.host!r} holds it now (epoch {cur.lease_epoch}, "
+                                              f"shipped under {epoch})")
+
         with self._ship_lock(record.id):
             rep: ShipReport = self.shipper.push(self._dir(record), prefix, name, include=self.driver.portable,
-                                                meta={"host": self.host_id, "epoch": epoch}, epoch=epoch)
+                                                meta={"host": self.host_id, "epoch": epoch}, epoch=epoch,
+                                                before_publish=still_held if held is not None else None)
             log.info("snapshot shipped", instance=record.id, key=rep.key, chunks=rep.chunks_moved,
                      bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
             try:  # the instance's older snapshots (all but its fallbacks) and the chunks only they used

@@ -69,8 +69,11 @@ class Shipper(Pulling, Pruning):
     # -- push -----------------------------------------------------------------------------------------
 
     def push(self, src: Path, prefix: str, name: str, *, include: Callable[[str], bool],
-             meta: dict[str, Any] | None = None, epoch: int = 0) -> ShipReport:
-        """Ship ``src`` (quiescent: the sandbox is asleep) as snapshot ``name``; durable when this returns."""
+             meta: dict[str, Any] | None = None, epoch: int = 0,
+             before_publish: Callable[[], None] | None = None) -> ShipReport:
+        """Ship ``src`` (quiescent: the sandbox is asleep) as snapshot ``name``; durable when this returns.
+        ``before_publish`` is called once the chunks are stored, before the manifest is written: it raises to
+        leave the snapshot unpublished (the caller deals with the chunks)."""
         started = time.monotonic()
         src = Path(src)
         index = self._load_index(src)
@@ -110,6 +113,8 @@ class Shipper(Pulling, Pruning):
             entries.append(entry)
         for f in pending:
             f.result()  # an upload that failed fails the push: the manifest is never written
+        if before_publish is not None:
+            before_publish()
         body = {"version": MANIFEST_VERSION, "chunk_bytes": self.chunk_bytes, "created_at": time.time(),
                 "meta": meta or {}, "entries": entries}
         key = self.manifest_key(prefix, name)

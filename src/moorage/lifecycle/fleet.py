@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.errors import ConflictError, NotFound, UnavailableError
 from moorage.fleet.forward import forwarded
+from moorage.fleet.member import NotPublished
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.log import get_logger
 from moorage.objects import ObjectStoreUnavailable
@@ -153,6 +154,17 @@ class FleetDuties:
         if self.fleet is not None and self.fleet.draining and not forwarded.get():
             raise HostDraining(what)
 
+    @staticmethod
+    def record_now(ts: Any, record_id: str) -> Callable[[], SandboxRecord | None]:
+        """Reads the instance's record as it is now, None once it is gone (blocking): a shipment is published only
+        while it still names this host at the epoch it was shipped under (``FleetMember.ship``)."""
+        def read() -> SandboxRecord | None:
+            try:
+                return ts.sandboxes.get(record_id)
+            except NotFound:
+                return None
+        return read
+
     def lease(self, sandbox_id: str) -> tuple[str, int] | None:
         """(host, epoch) a turn commit must find on the record of the instance whose sandbox is ``sandbox_id``
         (fleet only; None: no check)."""
@@ -218,7 +230,8 @@ class FleetDuties:
                     if rec.state != S.RUNNING.value or rec.host != self.host or rec.lease_epoch != li.epoch:
                         return
                     async with li.sandbox.frozen():
-                        shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                        shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch,
+                                                held=self.record_now(ts, rec.id))
                         # It runs on: the directory is no longer exactly that snapshot. Else a sleep whose shipment
                         # fails would leave it looking like one, and the cache would evict the only newest copy.
                         await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
@@ -226,6 +239,9 @@ class FleetDuties:
                     with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
                         await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
                                       meta={**rec.meta, "shipped": {**shipped, "awake": True}, "shipped_current": False})
+            except NotPublished as e:  # taken over, or forgotten, while it was copied: no longer ours to ship
+                log.info("an awake instance's snapshot was not published", scope=str(li.scope), why=e.why)
+                return
             except SandboxError as e:
                 self._ship_awake_ok = False
                 log.info("awake instances are shipped only when they sleep with this driver", reason=str(e))
@@ -268,7 +284,11 @@ class FleetDuties:
                 if epoch is None:
                     continue  # no copy here (nothing to ship; it wakes from what it last shipped)
                 try:
-                    meta = await self.io(self.fleet.ship, tenant_id, cur, cur.lease_epoch)
+                    meta = await self.io(self.fleet.ship, tenant_id, cur, cur.lease_epoch,
+                                         held=self.record_now(ts, cur.id))
+                except NotPublished as e:  # forgotten (or taken) alongside the copy: nothing left to ship
+                    log.info("a sleeping instance's snapshot was not published", instance=cur.id, why=e.why)
+                    continue
                 except Exception as e:  # noqa: BLE001 - still down: the next pass tries again
                     left += 1
                     log.warning("a sleeping instance's snapshot still could not be shipped", instance=cur.id,
