@@ -49,6 +49,7 @@ class Sleeping:
     _give_up: Callable[..., Any]
     _awake_elsewhere: Callable[[str, Scope], int]
     ship_unshipped: Callable[[], Any]
+    record_now: Callable[[TenantStore, str], Callable[[], SandboxRecord | None]]
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
                     snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
@@ -114,7 +115,8 @@ class Sleeping:
                 # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
                 # and this host (whose disk has the newest copy) keeps serving it.
                 try:
-                    meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch)
+                    meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch,
+                                                    held=self.record_now(ts, rec.id))
                     meta["shipped_current"] = True
                 except Exception as e:
                     meta["shipped_current"] = False
