@@ -157,7 +157,8 @@ class Host:
         from moorage.egress.connector import Egress
 
         # Deliveries go through the egress address policy: a webhook URL cannot reach the host's own network.
-        dispatcher = Dispatcher(self.store, egress=Egress.from_config(self.config))
+        dispatcher = Dispatcher(self.store, egress=Egress.from_config(self.config),
+                                claims=self.config.data_dir / "webhook-claims.json")
         self._tasks.append(asyncio.create_task(dispatcher.run(), name="webhook-deliveries"))
         from moorage.usage.caps import enforce_loop
 
