@@ -313,6 +313,17 @@ class Deliveries(_Repo):
                                     d.created_at, d.updated_at, d.version + 1))
         return out
 
+    def release(self, claims: dict[str, int], now: float) -> int:
+        """Make due at ``now`` the deliveries claimed as ``{id: version after the claim}`` by a sender that died
+        mid-attempt, unless anything moved them on since (an attempt recorded, another sender's claim after the
+        lease ran out); how many were released."""
+        n = 0
+        with self._ts._tx() as c:
+            for delivery_id, version in claims.items():
+                n += c.x("UPDATE webhook_deliveries SET next_at = ?, version = version + 1 "
+                         "WHERE id = ? AND version = ? AND status = 'pending'", (now, delivery_id, version))
+        return n
+
     def record_attempt(self, d: Delivery, *, at: float, status_code: int | None, error: str | None,
                        duration_ms: float, delivered: bool, retry_at: float | None) -> Delivery:
         """Record one attempt and move the delivery on: delivered, retried at ``retry_at``, or failed (None)."""
