@@ -34,6 +34,10 @@ log = get_logger(__name__)
 #: The marker of a retired (or being deleted) template or image, inside its prefix.
 MARKER = "retired.json"
 
+#: The bucket's instance objects are judged on the first collection and every this many after (12: an hour at the
+#: default interval): it lists every object under ``instances/``.
+INSTANCES_EVERY = 12
+
 
 def forks_need_template(driver: str, shared: bool = False) -> bool:
     """Whether an instance forked from a template of ``driver`` needs that template for as long as it lives.
@@ -63,6 +67,10 @@ class TemplateUse:
     pinned: frozenset[str]
     #: (tenant, agent, user) of every instance record: fork templates of a user without one have no owner left.
     users: frozenset[tuple[str, str, str | None]]
+    #: (tenant, record id) of every instance record not being deleted: its objects under ``instances/`` stay.
+    instances: frozenset[tuple[str, str]] = frozenset()
+    #: Every tenant read: only their instances' objects are judged (``BucketCollector.collect_instances``).
+    tenants: frozenset[str] = frozenset()
 
 
 def template_use(store: "Store", *, grace_s: float, now: float | None = None) -> TemplateUse:
@@ -71,7 +79,10 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
     deployments: set[str] = set()
     pinned: set[str] = set()
     users: set[tuple[str, str, str | None]] = set()
+    instances: set[tuple[str, str]] = set()
+    tenants: set[str] = set()
     for ts in store.operator.tenants():
+        tenants.add(ts.tenant_id)
         deployments.update(str(r[0]) for r in ts.read("SELECT live_deployment FROM agents WHERE live_deployment IS NOT NULL"))
         deployments.update(str(r[0]) for r in ts.read("SELECT id FROM deployments WHERE created_at > ?", (now - grace_s,)))
         for rec in ts.sandboxes.list(limit=10_000_000):
@@ -83,7 +94,10 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
                 if isinstance(tid, str) and tid:
                     pinned.add(tid)
             users.add((ts.tenant_id, rec.scope.agent, rec.scope.user))  # user None: an agent-wide instance
-    return TemplateUse(frozenset(deployments), frozenset(pinned), frozenset(users))
+            if rec.state != "deleted":
+                instances.add((ts.tenant_id, rec.id))
+    return TemplateUse(frozenset(deployments), frozenset(pinned), frozenset(users), frozenset(instances),
+                       frozenset(tenants))
 
 
 @dataclass
@@ -97,11 +111,13 @@ class GcReport:
     images_deleted: int = 0
     objects_deleted: int = 0
     local_deleted: int = 0
+    #: Instances whose objects were left in the object store after their record went (``collect_instances``).
+    instances_deleted: int = 0
     kept: dict[str, int] = field(default_factory=dict)
 
     def any(self) -> bool:
         return bool(self.retired or self.deleted or self.restored or self.claims_deleted or self.images_deleted
-                    or self.local_deleted)
+                    or self.local_deleted or self.instances_deleted)
 
 
 class BucketCollector:
@@ -115,6 +131,7 @@ class BucketCollector:
         self.grace_s = grace_s
         self.settle_s = settle_s
         self.pins = pins
+        self._runs = 0
 
     # -- reading the bucket ---------------------------------------------------------------------------
 
@@ -259,10 +276,37 @@ class BucketCollector:
                 self.objects.delete(self.published.marker_key(dep))
             rep.claims_deleted += 1
         self._collect_images(rep, now)
+        self._runs += 1
+        if self._runs % INSTANCES_EVERY == 1 or INSTANCES_EVERY == 1:
+            self.collect_instances(rep, use_of, now)
         if rep.any():
             log.info("object store template collection", retired=rep.retired, deleted=rep.deleted,
                      restored=rep.restored, claims=rep.claims_deleted, images=rep.images_deleted)
         return rep
+
+    def collect_instances(self, rep: GcReport, use_of: Callable[[], TemplateUse], now: float) -> None:
+        """Delete the objects of instances whose record is gone or being deleted (``instances/<tenant>/<id>/``),
+        once nothing of theirs was written for ``grace_s``: what a shipment wrote after its user was forgotten (a
+        host cut off in the middle of one, a manifest written just after the record was read: FleetMember.ship).
+        The store is read after the bucket is listed: an instance's row exists before any object of it is
+        written, so one missing then is gone for good. Only tenants the store knows are judged. Blocking."""
+        newest: dict[tuple[str, str], float] = {}
+        for o in self.objects.iter("instances/"):
+            parts = o.key.split("/", 3)
+            if len(parts) == 4 and parts[1] and parts[2]:
+                key = (parts[1], parts[2])
+                newest[key] = max(newest.get(key, 0.0), o.modified)
+        if not newest:
+            return
+        use = use_of()
+        for (tenant, sid), written in sorted(newest.items()):
+            if tenant not in use.tenants or (tenant, sid) in use.instances or now - written < self.grace_s:
+                continue
+            n = self.objects.delete_prefix(f"instances/{tenant}/{sid}/")
+            rep.objects_deleted += n
+            rep.instances_deleted += 1
+            log.warning("removed the objects of an instance whose record is gone", tenant=tenant, instance=sid,
+                        objects=n)
 
     def images_in_use(self) -> set[str]:
         """Digests of the guest images every published template (retired ones too) was made on. Blocking."""
