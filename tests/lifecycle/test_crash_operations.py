@@ -479,3 +479,28 @@ def test_killed_while_a_redeploy_drains_the_warm_pool_its_members_are_not_left_b
         dirs, rows = _dirs_and_rows(up, c)
         assert dirs == rows | _members(up) and not rows, (dirs, rows, _members(up))
         assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "p2: hi"
+
+
+@pytest.mark.parametrize("after", [False, True])  # the member out of the manifest, no row yet / the row written
+def test_killed_while_the_warm_pool_hands_a_member_to_a_user_it_is_not_left_behind(
+        up: Up, tmp_path: Path, after: bool) -> None:
+    """A new user takes a member out of the pool's manifest, then their instance row names it: a crash between left
+    a fork nothing named, on disk for ever."""
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/p/deployments", content=_pooled(), headers=GZ).status_code == 201
+        (member,) = _wait(lambda: _members(up), "the pool filled")
+    up.stop()
+    up.start("moorage.lifecycle.machine:provision", after=after)
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}))
+        assert up.died()
+    assert (up.data / "sandboxes" / member).exists() and member not in _members(up)
+    up.start()
+    with up.client() as c:
+        _wait(lambda: len(_members(up)) == 1 and member not in _members(up)
+              and not (up.data / "sandboxes" / member).exists(), "the handed-over member went, the pool refilled")
+        assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "p: hi"
+        assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "bob"}).json()["reply"] == "p: hi"
+        _wait(lambda: (dr := _dirs_and_rows(up, c)) and len(dr[1]) == 2 and len(_members(up)) == 1
+              and dr[0] == dr[1] | _members(up), "every fork on disk is a user's or the pool's")

@@ -148,9 +148,12 @@ class BringUp:
                 except BaseException as e:
                     if pooled:  # out of the pool already: nobody else would ever remove it
                         await self._destroy_quietly(pooled)
+                        self.pool.handed(pooled)  # type: ignore[union-attr]
                     if isinstance(e, ConflictError):
                         continue  # someone else provisioned it first: follow their record
                     raise
+                if pooled:  # the row names it now: a crash from here is a dead claimant's provisioning
+                    self.pool.handed(pooled)  # type: ignore[union-attr]
                 return await self._provision(ts, li, rec, template, trace, fresh=True, pooled=pooled is not None)
             takeover = rec.host not in (None, self.host) and not self._moved_here(rec)
             if takeover and (self.fleet is None or await self.io(fleet_rules.placement, self.fleet, rec) == "forward"):

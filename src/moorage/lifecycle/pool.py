@@ -54,6 +54,10 @@ class WarmPool:
         """Names the fork being made for the template's pool before it exists (one at a time per template)."""
         return self.root / f"{template_id}.forking"
 
+    def _handing(self, sandbox_id: str) -> Path:
+        """Names a member ``take`` handed out until its user's instance row names it (``handed``)."""
+        return self.root / f"{sandbox_id}.handing"
+
     def _draining(self, template_id: str) -> Path:
         """Names the members a drain took out of the manifest until they are destroyed."""
         return self.root / f"{template_id}.draining"
@@ -105,17 +109,39 @@ class WarmPool:
             ids = self.members(template.id)
             while ids:
                 sid = ids.pop(0)
+                # Named until the user's row names it (``handed``): a crash between the manifest and the row left
+                # a fork nothing names, on disk for ever. The next start removes it (``drain_except``).
+                await asyncio.to_thread(self._handing(sid).write_text, template.id)
                 await asyncio.to_thread(self._write, template.id, ids)
                 try:
                     sb = await self.driver.open(sid)
                 except SandboxNotFound:
+                    self.handed(sid)
                     continue
                 if sb.state in (SandboxState.SLEEPING, SandboxState.CREATED):
                     self._kick()
                     return sid
                 await _destroy(sb)
+                self.handed(sid)
         self._kick()
         return None
+
+    def handed(self, sandbox_id: str) -> None:
+        """A member ``take`` handed out is now named by its user's instance row (or was destroyed)."""
+        self._handing(sandbox_id).unlink(missing_ok=True)
+
+    async def _drop_handed_over(self, marker: Path) -> None:
+        """A member a crash cut short in its hand-over: out of the manifest, perhaps named by a user's instance row
+        left ``provisioning`` by the dead process. Such a row is reclaimed on its next bring-up, which destroys its
+        sandbox and forks the template again, so the member is removed either way (unless the manifest lists it)."""
+        template_id = (await asyncio.to_thread(marker.read_text)).strip()
+        sid = marker.name.removesuffix(".handing")
+        if sid not in self.members(template_id):
+            with contextlib.suppress(Exception):
+                await _destroy(await self.driver.open(sid))
+                log.info("warm pool member a crash cut short in its hand-over removed", template=template_id,
+                         sandbox=sid)
+        marker.unlink(missing_ok=True)
 
     async def drain(self, template_id: str) -> int:
         """Destroy every pooled fork of a template (a redeploy made it stale); returns how many."""
@@ -138,6 +164,8 @@ class WarmPool:
         forks a crash cut short before they joined a pool."""
         for marker in sorted([*self.root.glob("*.forking"), *self.root.glob("*.draining")]):
             await self._drop_unlisted(marker)
+        for marker in sorted(self.root.glob("*.handing")):
+            await self._drop_handed_over(marker)
         n = 0
         for p in sorted(self.root.glob("*.json")):
             if p.stem not in keep:
