@@ -215,6 +215,16 @@ def test_detached_stop_leaves_vms_running_and_the_next_start_readopts_them(data:
         up.deploy(_agent(tmp_path / "agents", pool=0))
         assert up.turn("cy", "one") == "1: one"
         sid = up.sandbox("cy")["id"]
+        # A detached exec running at the stop: no host follows it afterwards (its output would go nowhere), so the
+        # stop ends it in the guest and says why, rather than record it failed while it runs on in the VM.
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["sh", "-c", "echo started; exec sleep 301"],
+                                                          "detach": True, "timeout_s": 600})
+        assert r.status_code == 202, r.text
+        exec_id = r.json()["id"]
+        deadline = time.time() + 60
+        while "started" not in up.api.get(f"/v1/executions/{exec_id}").json()["stdout"]:
+            assert time.time() < deadline, "the detached exec did not start"
+            time.sleep(0.2)
     finally:
         log = up.stop()
     assert "left running (detach)" in log, log[-2000:]
@@ -227,6 +237,13 @@ def test_detached_stop_leaves_vms_running_and_the_next_start_readopts_them(data:
         # Re-adopted: the same QEMU process answers, with its memory and files.
         assert up.turn("cy", "two") == "2: two"
         assert _qemu_pid(data, sid) == pid
+        ex = up.api.get(f"/v1/executions/{exec_id}").json()
+        assert ex["status"] == "cancelled" and "live upgrade" in ex["error"], ex
+        count = ("import os\nn = 0\nfor p in filter(str.isdigit, os.listdir('/proc')):\n    try:\n"
+                 "        n += open(f'/proc/{p}/cmdline', 'rb').read() == b'sleep\\x00301\\x00'\n"
+                 "    except OSError:\n        pass\nprint(n)")
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["python3", "-c", count]})
+        assert r.status_code == 200 and r.json()["stdout"].strip() == "0", r.text
     finally:
         log = up.stop()
     assert _records(data)["user:echo/cy"][0] == "sleeping"

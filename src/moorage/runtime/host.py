@@ -219,6 +219,10 @@ class Host:
                         driver=self.driver.name)
             detach = False
         if detach:
+            # A detached exec is followed by this process: left running in the VM, its output would go nowhere and
+            # its record would say it failed while it ran on. It ends now, its record saying why.
+            await ExecJobs.of(self.runtime).stop_all("the host stopped for a live upgrade (detach) before the "
+                                                     "command ended; the sandbox kept running")
             awake = len(self.manager.awake_instances())
             log.info("host stopping, instances left running (detach); the next start re-adopts them", count=awake)
         else:
