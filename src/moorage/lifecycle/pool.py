@@ -159,13 +159,18 @@ class WarmPool:
             log.info("warm pool drained", template=template_id, count=len(ids))
         return len(ids)
 
-    async def drain_except(self, keep: set[str]) -> int:
-        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live), and remove the
-        forks a crash cut short before they joined a pool."""
+    async def drop_left_by_crash(self) -> None:
+        """At start, before any refill (a refill's fork names itself in ``<template>.forking``, over a crash's):
+        remove the forks a crash cut short before they joined a pool, left a drain or were handed over."""
         for marker in sorted([*self.root.glob("*.forking"), *self.root.glob("*.draining")]):
             await self._drop_unlisted(marker)
         for marker in sorted(self.root.glob("*.handing")):
             await self._drop_handed_over(marker)
+
+    async def drain_except(self, keep: set[str]) -> int:
+        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live), and remove the
+        forks a crash cut short (``drop_left_by_crash``)."""
+        await self.drop_left_by_crash()
         n = 0
         for p in sorted(self.root.glob("*.json")):
             if p.stem not in keep:

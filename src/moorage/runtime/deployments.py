@@ -133,6 +133,7 @@ class Deployments:
         pool = self.instances.pool
         if pool is None:
             return
+        await pool.drop_left_by_crash()  # first: the pools wanted below start refilling at once
         live: set[str] = set()
         for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
             for agent in await asyncio.to_thread(ts.agents.list):
