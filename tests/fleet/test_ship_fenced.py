@@ -1,0 +1,66 @@
+"""A shipment publishes its snapshot only while the instance's record still names its host at the epoch it shipped
+under, read after the chunks are stored (``FleetMember.ship(held=...)``), on both object stores:
+
+* the user forgotten while the chunks went up (a sleep shipped again after an outage, alongside a forget that
+  deleted the instance's objects): no manifest, and the chunks it sent are removed again;
+* another host took the instance over meanwhile: no manifest (that host's snapshots are the instance's), and
+  what that host shipped is left alone;
+* still held: published as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moorage.fleet.member import FleetMember, NotPublished
+from moorage.objects import ObjectStore
+from tests.fleet.test_ship_retry import _Driver
+
+
+def _member(store: ObjectStore, tmp_path: Path) -> tuple[FleetMember, SimpleNamespace]:
+    work = tmp_path / "sb1" / "layer" / "work"
+    work.mkdir(parents=True)
+    (work / "counter.txt").write_text("7")
+    (work / "notes.txt").write_text("the user's notes " * 1000)
+    member = FleetMember(None, store, _Driver(tmp_path), host_id="ha", url="http://ha")  # type: ignore[arg-type]
+    return member, SimpleNamespace(id="sb1", host="ha", lease_epoch=2, state="sleeping", meta={})
+
+
+def _keys(store: ObjectStore) -> list[str]:
+    return sorted(o.key for o in store.iter("instances/t1/sb1/"))
+
+
+def test_a_shipment_whose_user_was_forgotten_meanwhile_leaves_nothing(object_store: ObjectStore, tmp_path: Path) -> None:
+    member, rec = _member(object_store, tmp_path)
+
+    def forgotten_meanwhile() -> None:
+        # The forget ran while the chunks went up (its deletion came before they landed): the record is gone.
+        assert _keys(object_store), "the chunks are stored before the record is read"
+        return None
+
+    with pytest.raises(NotPublished, match="deleted meanwhile"):
+        member.ship("t1", rec, 2, held=forgotten_meanwhile)  # type: ignore[arg-type]
+    assert _keys(object_store) == []
+
+    deleting = SimpleNamespace(**{**vars(rec), "state": "deleted"})  # being forgotten: the same
+    with pytest.raises(NotPublished):
+        member.ship("t1", rec, 2, held=lambda: deleting)  # type: ignore[arg-type]
+    assert _keys(object_store) == []
+
+
+def test_a_stale_holder_publishes_nothing_and_leaves_the_new_holders_snapshots(
+        object_store: ObjectStore, tmp_path: Path) -> None:
+    member, rec = _member(object_store, tmp_path)
+    shipped = member.ship("t1", rec, 2, held=lambda: rec)  # type: ignore[arg-type]  # still held: published
+    assert object_store.exists(shipped["key"])
+    before = _keys(object_store)
+    (tmp_path / "sb1" / "layer" / "work" / "counter.txt").write_text("8")
+    taken = SimpleNamespace(**{**vars(rec), "host": "hb", "lease_epoch": 3})
+    with pytest.raises(NotPublished, match="host 'hb' holds it now"):
+        member.ship("t1", rec, 2, held=lambda: taken)  # type: ignore[arg-type]
+    after = _keys(object_store)
+    assert [k for k in after if "/snapshots/" in k] == [k for k in before if "/snapshots/" in k]
+    assert set(before) <= set(after)
