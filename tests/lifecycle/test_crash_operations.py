@@ -94,27 +94,46 @@ def test_killed_while_a_deploy_builds_the_deploy_ends_failed_and_the_live_one_se
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo2: hi"
 
 
-@pytest.mark.parametrize("first", [True, False])
-def test_killed_once_a_deploy_is_ready_it_is_live(up: Up, tmp_path: Path, first: bool) -> None:
-    """Ready and live were two steps: a host killed between them left the deploy listed ``ready`` but never live
-    (a first deploy answered every turn 404 'no live deployment' until the operator deployed again)."""
+def _zero(version: str) -> bytes:
+    zero = '[agent.retention]\nzero_retention = true\n' if version == "2" else ""
+    return _archive("z", f"async def on_message(ctx, m):\n    return 'z{version}: ' + m\n",
+                    '[agent.lifecycle]\nusers = "auto"\n' + zero)
+
+
+@pytest.mark.parametrize("crash_at, after, first", [
+    ("moorage.store.repos.deployments:Deployments.set_status", True, True),  # ready, not yet live
+    ("moorage.store.repos.deployments:Deployments.set_status", True, False),
+    ("moorage.store.zero_retention:set_zero", False, False),  # live, its zero retention not yet set
+])
+def test_killed_as_a_deploy_goes_live_it_is_live_with_its_settings_or_failed(
+        up: Up, crash_at: str, after: bool, first: bool) -> None:
+    """Ready, live and the package's [agent.retention] were three steps: a host killed between them left the deploy
+    listed ``ready`` but never live (a first deploy answered every turn 404 'no live deployment' until the operator
+    deployed again), or live without its zero retention. Now it is all of them or none (the deploy failed)."""
     if not first:
         up.start()
         with up.client() as c:
-            assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+            assert c.post("/v1/agents/z/deployments", content=_zero("1"), headers=GZ).status_code == 201
         up.stop()
-    up.start("moorage.store.repos.deployments:Deployments.set_status", after=True)
+    up.start(crash_at, after=after)
     with up.client() as c:
-        _in_background(lambda: c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="2"),
-                                      headers=GZ))
+        _in_background(lambda: c.post("/v1/agents/z/deployments", content=_zero("2"), headers=GZ))
         assert up.died()
     up.start()
     with up.client() as c:
-        deps = c.get("/v1/agents/echo/deployments").json()["data"]
-        assert deps[-1]["status"] == "ready", deps
-        assert c.get("/v1/agents/echo").json()["live_deployment"] == deps[-1]["id"]
-        r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})
-        assert r.status_code == 200 and r.json()["reply"] == "echo2: hi", r.text
+        deps = c.get("/v1/agents/z/deployments").json()["data"]
+        live = c.get("/v1/agents/z").json()["live_deployment"]
+        zero = c.get("/v1/agents/z/retention").json()["zero_retention"]
+        r = c.post("/v1/agents/z/invoke", json={"message": "hi", "user": "ada"})
+        if deps[-1]["status"] == "ready":
+            assert (live, zero, r.status_code, r.json().get("reply")) == (deps[-1]["id"], True, 200, "z2: hi"), deps
+        else:
+            assert deps[-1]["status"] == "failed", deps
+            assert (live, zero) == (None if first else deps[0]["id"], False), deps
+            assert (r.status_code, r.json().get("reply")) == ((404, None) if first else (200, "z1: hi")), r.text
+        assert c.post("/v1/agents/z/deployments", content=_zero("2"), headers=GZ).status_code == 201
+        assert c.get("/v1/agents/z/retention").json()["zero_retention"] is True
+        assert c.post("/v1/agents/z/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "z2: hi"
 
 
 @pytest.mark.parametrize("up", ["microvm"], indirect=True)

@@ -57,21 +57,14 @@ class Deployments:
             with contextlib.suppress(Exception):
                 await asyncio.shield(asyncio.to_thread(ts.deployments.set_status, dep.id, FAILED))
             raise
-        # Ready and live in one transaction (unless a newer deploy went live while this one built): a host killed
-        # between the two left the deploy listed ready, never live.
-        dep = await asyncio.to_thread(ts.deployments.set_status, dep.id, READY,
-                                      live_lifecycle=self._lifecycle_config(pkg.manifest))
-        agent = ts.agents.get(agent.id)
+        # Ready, live and its [agent.retention] in one transaction (unless a newer deploy went live while this one
+        # built): a host killed between them left the deploy listed ready but never live, or live without its
+        # retention (a zero-retention agent keeping its turns).
+        dep, agent = await asyncio.to_thread(self._go_live, ts, dep, pkg.manifest)
         if agent.live_deployment != dep.id:  # a newer deploy went live first: its settings stand
             log.info("deployed, not live: a newer deployment went live while this one built", agent=pkg.name,
                      number=dep.number)
             return dep
-        ttl = retention_ttl_s(pkg.manifest)
-        if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
-            await asyncio.to_thread(ts.retention.set_agent, pkg.name, ttl)
-        zero = retention_zero(pkg.manifest)
-        if zero is not None:  # the same: without the table, zero retention stays as the API left it
-            await asyncio.to_thread(zero_retention.set_zero, ts, pkg.name, zero)
         await self._refresh_pool(ts, agent)
         self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
@@ -92,6 +85,22 @@ class Deployments:
                 d = dataclasses.replace(d, status=FAILED)
             out.append(d)
         return out
+
+    def _go_live(self, ts: TenantStore, dep: Deployment, manifest: dict[str, Any]) -> tuple[Deployment, Agent]:
+        """Mark ``dep`` ready and make it live with its package's retention settings, in one transaction; not live
+        when a newer deployment of the agent is live already. Blocking."""
+        with ts.transaction():
+            dep = ts.deployments.set_status(dep.id, READY, live_lifecycle=self._lifecycle_config(manifest))
+            agent = ts.agents.get(dep.agent_id)
+            if agent.live_deployment != dep.id:
+                return dep, agent
+            ttl = retention_ttl_s(manifest)
+            if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
+                ts.retention.set_agent(agent.name, ttl)
+            zero = retention_zero(manifest)
+            if zero is not None:  # the same: without the table, zero retention stays as the API left it
+                agent = zero_retention.set_zero(ts, agent.name, zero)
+            return dep, agent
 
     async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
         """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),
