@@ -59,8 +59,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         # A request another host of the fleet forwarded keeps the trace id the caller was given there.
-        forwarded = forwarded_trace_id({k.decode("latin-1").lower(): v.decode("latin-1")
-                                        for k, v in scope.get("headers", [])})
+        forwarded = forwarded_trace_id(scope)  # signed by that host, else ignored (fleet/forward.py)
         trace_id, span_id = forwarded or new_trace_id(), new_span_id()
         state = scope.setdefault("state", {})
         state.update(trace_id=trace_id, span_id=span_id)

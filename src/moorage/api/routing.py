@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
-from moorage.fleet.forward import FORWARDED_BY, forwarded
+from moorage.fleet.forward import forwarded, forwarded_by
 from moorage.lifecycle.manager import Misplaced
 from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError
 from moorage.log import get_logger
@@ -172,7 +172,7 @@ class Endpoint:
         principal: Principal | None = None
         ts: TenantStore | None = None
         started = time.time()
-        if request.headers.get(FORWARDED_BY):
+        if forwarded_by(request.scope):  # signed by another host of the fleet; a caller's own marker is ignored
             forwarded.set(True)  # this request task only: another host sent it here to be served here
         try:
             principal, ts = await self._authorize(ctx, request)

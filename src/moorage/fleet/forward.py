@@ -5,17 +5,27 @@ and authorises it again: forwarding grants nothing. It carries this host's trace
 caller's ``X-Trace-Id`` names the owner's spans too. Answers of unknown or large size (server-sent events, app
 downloads) stream back as they come; WebSockets are relayed message by message. One hop only: a forwarded request
 that finds the instance moved again is answered 503 with ``Retry-After`` and the client retries.
+
+The markers one host sets for another (``FORWARDED_BY``, ``LET_GO``, the forwarded ``traceparent``) are signed
+(``FORWARD_AUTH``): an HMAC over the sender's host id, the time, the method, the path and query and the markers,
+with a key derived from the installation's secrets key every host shares. A request whose signature is missing,
+wrong or older than ``FORWARD_AUTH_MAX_AGE_S`` is an ordinary client request: its markers are ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import hmac
 import json
 import re
+import time
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Mapping
+from urllib.parse import unquote
 
 import anyio
 import httpx
@@ -39,12 +49,20 @@ SERVED_BY = "x-moorage-served-by"
 #: On a forget one host sends another (``Forwarder.ask``): the receiver only lets go of the user's instances it holds
 #: awake (cancels their turns, puts them to sleep) for the sender, which serves the forget (docs/fleet.md).
 LET_GO = "x-moorage-let-go"
+#: The sending host's signature over the markers above: ``v1.<key id>.<unix seconds>.<mac>``.
+FORWARD_AUTH = "x-moorage-forward-auth"
+#: A signature older (or further ahead) than this is refused: a captured one cannot be replayed later.
+FORWARD_AUTH_MAX_AGE_S = 60
+_FORWARD_CONTEXT = b"moorage host forwarding v1"
+_AUTH = re.compile(r"^v1\.([0-9A-Za-z]{1,16})\.([0-9]{1,12})\.([0-9A-Za-z_-]{43})$")
 #: Set while serving a request another host forwarded here: it must be served here, never sent on again.
 forwarded: ContextVar[bool] = ContextVar("moorage_forwarded", default=False)
 #: Headers that describe one connection, not the request (RFC 9110 section 7.6.1), plus those httpx sets itself;
 #: ``traceparent`` is replaced by this host's own.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length", "traceparent"})
+#: The markers a caller may have set itself: never sent on as the caller's (this host sets its own, signed).
+_MARKERS = frozenset({FORWARDED_BY, LET_GO, FORWARD_AUTH})
 #: Headers every answer of the forwarding host's server carries already.
 _OWN = frozenset({"date", "server"})
 #: A WebSocket handshake's own headers: the forwarding host makes its own handshake with the owner.
@@ -57,14 +75,83 @@ BUFFERED_MAX = 1 << 20
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 
 
-def forwarded_trace_id(headers: Mapping[str, str]) -> str | None:
+class ForwardSigner:
+    """Signs the markers of a request this host sends another and checks those of one sent here, with keys derived
+    from the installation's secrets keyring (the first signs; every one is accepted, so keys rotate)."""
+
+    def __init__(self, keys: tuple[tuple[str, bytes], ...]) -> None:
+        self.keys = tuple((kid, hmac.new(key, _FORWARD_CONTEXT, hashlib.sha256).digest()) for kid, key in keys)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ForwardSigner":
+        from moorage.secrets import Keyring
+
+        return cls(Keyring.from_config(config).keys)
+
+    @staticmethod
+    def _mac(key: bytes, host: str, ts: int, method: str, path: str, query: str, let_go: str, trace: str) -> str:
+        msg = "\n".join((host, str(ts), method.upper(), unquote(path), unquote(query), let_go, trace)).encode()
+        return base64.urlsafe_b64encode(hmac.new(key, msg, hashlib.sha256).digest()).decode().rstrip("=")
+
+    def sign(self, host: str, method: str, path: str, query: str, let_go: str = "", trace: str = "",
+             now: float | None = None) -> str:
+        kid, key = self.keys[0]
+        ts = int(time.time() if now is None else now)
+        return f"v1.{kid}.{ts}.{self._mac(key, host, ts, method, path, query, let_go, trace)}"
+
+    def verify(self, headers: Mapping[str, str], method: str, path: str, query: str,
+               now: float | None = None) -> str | None:
+        """The host that sent this request, when its markers carry a valid, fresh signature; else None."""
+        m = _AUTH.fullmatch(headers.get(FORWARD_AUTH, "").strip())
+        host = headers.get(FORWARDED_BY, "")
+        if m is None or not host:
+            return None
+        ts = int(m.group(2))
+        if abs((time.time() if now is None else now) - ts) > FORWARD_AUTH_MAX_AGE_S:
+            return None
+        key = next((k for kid, k in self.keys if kid == m.group(1)), None)
+        if key is None:
+            return None
+        want = self._mac(key, host, ts, method, path, query, headers.get(LET_GO, ""), headers.get("traceparent", ""))
+        return host if hmac.compare_digest(want, m.group(3)) else None
+
+
+def _signer_of(scope: Mapping[str, Any]) -> "ForwardSigner | None":
+    app = scope.get("app")
+    ctx = getattr(getattr(app, "state", None), "moorage", None)
+    fleet = getattr(getattr(getattr(ctx, "runtime", None), "instances", None), "fleet", None)
+    return getattr(getattr(fleet, "forwarder", None), "signer", None)
+
+
+def forwarded_by(scope: dict[str, Any]) -> str | None:
+    """The fleet host that forwarded this request (HTTP or WebSocket scope) here, when its signature holds; None
+    for an ordinary client request, including one that sets the markers itself (ignored, logged once)."""
+    state = scope.setdefault("state", {})
+    if "forwarded_by" in state:
+        return state["forwarded_by"]
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    host = None
+    if headers.get(FORWARDED_BY):
+        signer = _signer_of(scope)
+        path = scope.get("path", "")
+        query = (scope.get("query_string") or b"").decode("latin-1")
+        method = scope.get("method", "GET")  # a WebSocket handshake is a GET
+        host = signer.verify(headers, method, path, query) if signer is not None else None
+        if host is None:
+            log.info("a request claimed to come from another host without a valid signature: served as a client's",
+                     claimed=headers.get(FORWARDED_BY)[:64], path=path[:200])
+    state["forwarded_by"] = host
+    return host
+
+
+def forwarded_trace_id(scope: dict[str, Any]) -> str | None:
     """The trace id a forwarding host sent with a forwarded request (``traceparent``), else None.
 
-    Only a request marked as forwarded keeps it; a trace id only ever names spans in the caller's own tenant, so a
-    caller that sets one itself can only mislabel its own traces.
+    Only a request another host signed keeps it; any other ``traceparent`` is ignored.
     """
-    if not headers.get(FORWARDED_BY):
+    if forwarded_by(scope) is None:
         return None
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     m = _TRACEPARENT.fullmatch(headers.get("traceparent", "").strip())
     return m.group(1) if m and m.group(1) != "0" * 32 else None
 
@@ -89,12 +176,24 @@ class ForwardRefused(MoorageError):
 
 
 class Forwarder:
-    def __init__(self, host_id: str) -> None:
+    def __init__(self, host_id: str, signer: ForwardSigner | None = None) -> None:
         self.host_id = host_id
+        #: Signs what this host sends and checks what other hosts send (None: nothing is signed or trusted).
+        self.signer = signer
         self._client: httpx.AsyncClient | None = None
 
-    def _check_hop(self, headers: Mapping[str, str], owner_id: str) -> None:
-        if headers.get(FORWARDED_BY):
+    def _markers(self, method: str, path: str, query: str, trace_id: str | None,
+                 let_go: str = "") -> list[tuple[str, str]]:
+        """This host's markers on a request it sends, signed (unsigned without a keyring: the owner ignores them)."""
+        trace = _traceparent(trace_id)
+        out = [(FORWARDED_BY, self.host_id), *trace] + ([(LET_GO, let_go)] if let_go else [])
+        if self.signer is not None:
+            out.append((FORWARD_AUTH, self.signer.sign(self.host_id, method, path, query, let_go,
+                                                       trace[0][1] if trace else "")))
+        return out
+
+    def _check_hop(self, scope: dict[str, Any], owner_id: str) -> None:
+        if forwarded_by(scope):
             raise UnavailableError(f"the instance moved again (now on host {owner_id!r}) while this request was forwarded",
                                    hint="retry the request")
 
@@ -107,12 +206,12 @@ class Forwarder:
                       trace_id: str | None = None) -> Response:
         """The owner's answer to ``request``. ``body`` is the request body already read, or None to stream it
         from the caller (routes that relay their body, such as an app's, have not read it)."""
-        self._check_hop(request.headers, owner_id)
+        self._check_hop(request.scope, owner_id)
         if self._client is None:
             # Hosts talk to each other directly, never through a proxy named in the environment.
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        headers += [(FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | _MARKERS]
+        headers += self._markers(request.method, request.url.path, request.url.query, trace_id)
         content: bytes | AsyncIterator[bytes] | None = body
         declared = request.headers.get("content-length")
         if body is None and declared is not None and declared != "0":
@@ -174,8 +273,10 @@ class Forwarder:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
         # Not the caller's Idempotency-Key: the owner would keep this step's answer as the request's own.
-        sent = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | {"idempotency-key"}]
-        sent += [*headers.items(), (FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        sent = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | _MARKERS | {"idempotency-key"}]
+        sent += [(k, v) for k, v in headers.items() if k.lower() != LET_GO]
+        sent += self._markers(request.method, request.url.path, request.url.query, trace_id,
+                              next((v for k, v in headers.items() if k.lower() == LET_GO), ""))
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
             return await self._client.request(request.method, url, headers=sent)
@@ -187,14 +288,14 @@ class Forwarder:
         """A WebSocket to the owner host for the caller's ``ws`` (not yet accepted), made with the caller's own
         handshake headers and subprotocols. Raises ForwardRefused with the owner's answer when the owner refuses,
         UnavailableError when it cannot be reached."""
-        self._check_hop(ws.headers, owner_id)
+        self._check_hop(ws.scope, owner_id)
         base = owner_url.rstrip("/")
         base = "wss" + base[5:] if base.startswith("https") else "ws" + base[4:] if base.startswith("http") else base
         raw = ws.scope.get("raw_path") or ws.url.path.encode()
         qs = ws.scope.get("query_string") or b""
         url = base + raw.decode("latin-1") + (("?" + qs.decode("latin-1")) if qs else "")
-        headers = [(k, v) for k, v in ws.headers.items() if k.lower() not in _HANDSHAKE]
-        headers += [(FORWARDED_BY, self.host_id), *_traceparent(trace_id)]
+        headers = [(k, v) for k, v in ws.headers.items() if k.lower() not in _HANDSHAKE | _MARKERS]
+        headers += self._markers("GET", raw.decode("latin-1"), qs.decode("latin-1"), trace_id)
         if ws.headers.get("user-agent"):
             headers.append(("user-agent", ws.headers["user-agent"]))
         try:

@@ -83,6 +83,10 @@ class Host:
                                         url=config.host_url or f"http://{config.host}:{config.port}",
                                         lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
             manager.fleet.on_lease_gap = manager.verify_leases
+            from moorage.fleet.forward import ForwardSigner
+
+            # What one host marks on a request it sends another is signed with the secrets key all hosts share.
+            manager.fleet.forwarder.signer = ForwardSigner.from_config(config)
             manager.ship_interval_s = config.checkpoint_interval_s
             manager.cache_max_bytes = int(config.fleet_cache_mib * (1 << 20))
             manager.fleet.load = lambda: {"awake": len(manager.awake_instances())}

@@ -22,7 +22,7 @@ from moorage.api.routes._common import agent_of, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
 from moorage.errors import InvalidInput, MoorageError, NotFound, UnavailableError
-from moorage.fleet.forward import FORWARDED_BY, ForwardedSocket, ForwardRefused, forwarded, forwarded_trace_id
+from moorage.fleet.forward import ForwardedSocket, ForwardRefused, forwarded, forwarded_by, forwarded_trace_id
 from moorage.log import get_logger
 from moorage.observability import new_trace_id, use_trace_id
 from moorage.store.model import check_id
@@ -249,9 +249,9 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
     from moorage.runtime.app_socket import AppSocketRequest, open_app_socket
 
     ctx = ws.app.state.moorage
-    trace_id = forwarded_trace_id(ws.headers) or new_trace_id()
+    trace_id = forwarded_trace_id(ws.scope) or new_trace_id()
     ts = None
-    if ws.headers.get(FORWARDED_BY):
+    if forwarded_by(ws.scope):  # signed by another host of the fleet; a caller's own marker is ignored
         forwarded.set(True)  # another host sent it here to be served here (never sent on again)
     with use_trace_id(trace_id):
         try:

@@ -130,7 +130,8 @@ async def delete_user(call: Call) -> dict[str, Any]:
     agent = await run_in_threadpool(agent_of, call)
     user = check_id(call.path["user"], "user id")
     if forwarded.get() and call.request.headers.get(LET_GO):
-        # Another host serves this forget and asks this one to let go of the user's instances it holds awake.
+        # Another host serves this forget and asks this one to let go of the user's instances it holds awake
+        # (``forwarded`` holds only for a request that host signed, LET_GO included: a caller's own is a forget).
         await call.runtime.let_go(call.who, agent.name, user)
         return {"agent": agent.name, "user": user, "removed": 0, "deleted": False}
     if not forwarded.get():  # one hop: a forwarded forget is served here, whoever holds the user's instances
