@@ -110,7 +110,7 @@ class WarmPool:
             while ids:
                 sid = ids.pop(0)
                 # Named until the user's row names it (``handed``): a crash between the manifest and the row left
-                # a fork nothing names, on disk for ever. The next start removes it (``drain_except``).
+                # a fork nothing names, on disk for ever. The next start removes it (``drop_left_by_crash``).
                 await asyncio.to_thread(self._handing(sid).write_text, template.id)
                 await asyncio.to_thread(self._write, template.id, ids)
                 try:
@@ -168,9 +168,8 @@ class WarmPool:
             await self._drop_handed_over(marker)
 
     async def drain_except(self, keep: set[str]) -> int:
-        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live), and remove the
-        forks a crash cut short (``drop_left_by_crash``)."""
-        await self.drop_left_by_crash()
+        """Drain every template's pool whose id is not in ``keep`` (startup: templates no longer live; after
+        ``drop_left_by_crash``, not again here: by now a refill's marker names a fork being made)."""
         n = 0
         for p in sorted(self.root.glob("*.json")):
             if p.stem not in keep:
