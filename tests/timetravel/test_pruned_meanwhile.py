@@ -34,6 +34,7 @@ async def test_a_checkpoint_pruned_while_the_request_waited_is_a_404_and_nothing
             assert r.status_code == 200, r.text
             return r.json()["reply"]
 
+        assert (await c.put("/v1/agents/tt/users/ada")).status_code in (200, 201)  # listed before their 1st turn
         for verb, body in (("rollback", {}), ("fork", {"to_user": "bea"})):
             seq = max([x["seq"] for x in (await c.get(BASE)).json()["data"]], default=0)
             while seq % 10 != 8:
