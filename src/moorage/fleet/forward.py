@@ -82,12 +82,6 @@ class ForwardSigner:
     def __init__(self, keys: tuple[tuple[str, bytes], ...]) -> None:
         self.keys = tuple((kid, hmac.new(key, _FORWARD_CONTEXT, hashlib.sha256).digest()) for kid, key in keys)
 
-    @classmethod
-    def from_config(cls, config: Any) -> "ForwardSigner":
-        from moorage.secrets import Keyring
-
-        return cls(Keyring.from_config(config).keys)
-
     @staticmethod
     def _mac(key: bytes, host: str, ts: int, method: str, path: str, query: str, let_go: str, trace: str) -> str:
         msg = "\n".join((host, str(ts), method.upper(), unquote(path), unquote(query), let_go, trace)).encode()

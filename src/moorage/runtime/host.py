@@ -84,9 +84,10 @@ class Host:
                                         lease_ttl_s=config.lease_ttl_s, heartbeat_s=config.heartbeat_s)
             manager.fleet.on_lease_gap = manager.verify_leases
             from moorage.fleet.forward import ForwardSigner
+            from moorage.secrets import Keyring
 
             # What one host marks on a request it sends another is signed with the secrets key all hosts share.
-            manager.fleet.forwarder.signer = ForwardSigner.from_config(config)
+            manager.fleet.forwarder.signer = ForwardSigner(Keyring.from_config(config).keys)
             manager.ship_interval_s = config.checkpoint_interval_s
             manager.cache_max_bytes = int(config.fleet_cache_mib * (1 << 20))
             manager.fleet.load = lambda: {"awake": len(manager.awake_instances())}
