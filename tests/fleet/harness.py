@@ -156,12 +156,17 @@ class Relay:
                 continue
             with self._lock:
                 self._conns |= {down, up}
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, upstream in ((down, up, True), (up, down, False)):
+                threading.Thread(target=self._pipe, args=(a, b, upstream), daemon=True).start()
 
-    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+    def passing(self, data: bytes, upstream: bool) -> None:
+        """Called with each chunk before it is sent on (``upstream``: the client's, towards the server); a test's
+        relay may hold it here."""
+
+    def _pipe(self, a: socket.socket, b: socket.socket, upstream: bool) -> None:
         try:
             while data := a.recv(65536):
+                self.passing(data, upstream)
                 b.sendall(data)
         except OSError:
             pass

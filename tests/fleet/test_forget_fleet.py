@@ -11,10 +11,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +23,7 @@ import pytest
 
 from moorage.config import Config
 from moorage.store import open_store
-from tests.fleet.harness import Fleet, put_to_sleep, replied, until
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, replied, until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,61 +35,20 @@ def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
     return seaweedfs.settings(s3_bucket, f"fleet-{tmp_path.name}")
 
 
-class SlowRelay:
-    """A TCP relay in front of the S3 server that holds each request naming ``needle`` that is not a read (a
-    deletion's) for ``delay_s``, and says that it saw one: one host's deletion of one instance's objects is slow."""
+class SlowRelay(Relay):
+    """The harness's relay in front of the S3 server, holding each request naming ``needle`` that is not a read (a
+    deletion's) for ``delay_s``, and saying that it saw one: one host's deletion of one instance's objects is slow."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
-        from moorage.devservices.postgres import free_port
-
-        self.target, self.port, self.delay_s = target_port, free_port(), delay_s
+        self.delay_s = delay_s
         self.needle: bytes | None = None
-        self.down = False  # the S3 server is down for the hosts behind the relay: connections are cut
         self.seen = threading.Event()
-        self._srv = socket.socket()
-        self._srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._srv.bind(("127.0.0.1", self.port))
-        self._srv.listen(64)
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._srv.shutdown(socket.SHUT_RDWR)
-        self._srv.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self._srv.accept()
-            except OSError:
-                return
-            if self.down:
-                down.close()
-                continue
-            try:
-                up = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                down.close()
-                continue
-            threading.Thread(target=self._pipe, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(up, down, False), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
-        try:
-            while data := a.recv(65536):
-                if self.down:
-                    break
-                if requests and self.needle is not None and self.needle in data and \
-                        not data.startswith((b"GET ", b"HEAD ")):
-                    self.seen.set()
-                    time.sleep(self.delay_s)
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+    def passing(self, data: bytes, upstream: bool) -> None:
+        if upstream and self.needle is not None and self.needle in data and not data.startswith((b"GET ", b"HEAD ")):
+            self.seen.set()
+            time.sleep(self.delay_s)
 
 
 @pytest.fixture
@@ -277,7 +234,7 @@ def test_a_forget_while_the_object_store_is_down_changes_nothing_and_succeeds_on
     assert replied(f.turn(0, "fay")) == "1: hi"
     put_to_sleep(f, "fay")
     sid = f.records()["fay"].id
-    relay.down = True  # for h3
+    relay.close()  # the object store is down for h3
     try:
         r = f.api[2].delete("/v1/agents/echo/users/fay")
         assert r.status_code == 503, r.text
@@ -285,7 +242,7 @@ def test_a_forget_while_the_object_store_is_down_changes_nothing_and_succeeds_on
         assert replied(f.turn(1, "fay")) == "2: hi"
         put_to_sleep(f, "fay", via=1)
     finally:
-        relay.down = False
+        relay.open()
     r = f.api[2].delete("/v1/agents/echo/users/fay")
     assert r.status_code == 200 and r.json()["deleted"] is True, r.text
     assert _objects_of(seaweedfs, s3_bucket, s3, sid) == []
