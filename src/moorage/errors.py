@@ -5,6 +5,9 @@ Each error carries a message meant for the person who hit it, with what to do ne
 
 from __future__ import annotations
 
+import errno
+import sqlite3
+
 
 class MoorageError(Exception):
     """Base of every error moorage raises on purpose."""
@@ -73,3 +76,41 @@ class UnavailableError(MoorageError):
 
     code = "unavailable"
     http_status = 503
+
+
+class DiskFull(MoorageError):
+    """The disk under the host's data directory (or its database's) is full: what the request was writing was not
+    written. Nothing before it is lost; it works again as soon as there is room, without a restart."""
+
+    code = "disk-full"
+    http_status = 507  # Insufficient Storage: the server, not the request, lacks room
+    for_caller = True
+
+    def __init__(self, message: str = "the host is out of disk space: this request was not carried out",
+                 *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint or "the operator must free space on the disk of moorage's data "
+                                               "directory (docs/operations.md, 'When the disk fills up'); "
+                                               "then retry, no restart is needed")
+
+
+#: sqlite3's SQLITE_FULL (its primary result code), PostgreSQL's SQLSTATE disk_full.
+_SQLITE_FULL, _PG_DISK_FULL = 13, "53100"
+
+
+def disk_full(exc: BaseException) -> DiskFull | None:
+    """A ``DiskFull`` when ``exc`` (or an exception it was raised from or while handling) is the disk being full:
+    ``ENOSPC``/``EDQUOT`` from the OS, SQLite's "database or disk is full", PostgreSQL's disk_full; else None."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen and len(seen) < 16:
+        seen.add(id(e))
+        if isinstance(e, DiskFull):
+            return e
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DiskFull()
+        code = getattr(e, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF == _SQLITE_FULL or getattr(e, "sqlstate", None) == _PG_DISK_FULL \
+                or isinstance(e, sqlite3.Error) and "database or disk is full" in str(e):
+            return DiskFull()
+        e = e.__cause__ or e.__context__
+    return None

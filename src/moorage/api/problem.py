@@ -23,6 +23,7 @@ _TITLES = {
     400: "Bad request", 401: "Unauthenticated", 403: "Forbidden", 404: "Not found", 405: "Method not allowed",
     406: "Not acceptable", 409: "Conflict", 413: "Payload too large", 415: "Unsupported media type",
     422: "Invalid input", 429: "Too many requests", 500: "Internal error", 503: "Unavailable",
+    507: "Insufficient storage",
 }
 
 

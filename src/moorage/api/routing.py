@@ -22,7 +22,7 @@ from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
 from moorage.fleet.forward import forwarded, forwarded_by
 from moorage.lifecycle.manager import Misplaced
-from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError
+from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError, disk_full
 from moorage.log import get_logger
 from moorage.observability.tracer import current_trace_id, use_trace_id
 from moorage.store import Principal, TenantStore
@@ -183,10 +183,17 @@ class Endpoint:
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
             response = from_error(e, trace_id)
-        except Exception:  # noqa: BLE001 - the last line of defence: log it, never show a traceback
-            log.exception("unhandled error", route=self.path, trace_id=trace_id)
-            ctx.metrics.observe_error("internal")
-            response = internal(trace_id)
+        except Exception as e:  # noqa: BLE001 - the last line of defence: log it, never show a traceback
+            full = disk_full(e)
+            if full is not None:  # the operator's to fix, and the caller's to know: a 507 that says so
+                log.error("the disk is full: a request failed", route=self.path, trace_id=trace_id,
+                          error=f"{type(e).__name__}: {e}")
+                ctx.metrics.observe_error(full.code)
+                response = from_error(full, trace_id)
+            else:
+                log.exception("unhandled error", route=self.path, trace_id=trace_id)
+                ctx.metrics.observe_error("internal")
+                response = internal(trace_id)
         if ts is not None:
             await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started, trace_id)
         return response
