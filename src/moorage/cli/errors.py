@@ -63,6 +63,44 @@ def _command_words(root: Any, argv: list[str]) -> list[str]:
     return words
 
 
+def _root_options_first(root: Any, argv: list[str]) -> list[str]:
+    """``moorage up --data-dir D --config F`` as ``moorage --data-dir D --config F up``: the root's own options
+    (``--config``, ``--data-dir``, ``--log-level``) are read wherever they stand on the line, as the docs write them
+    after the command, unless after ``--`` or where the command itself takes an option of that name."""
+    takes_value = {o: not getattr(p, "is_flag", False) for p in root.params for o in p.opts}
+    cmd, own, i = root, set(), 0
+    while i < len(argv) and getattr(cmd, "commands", None) is not None:  # the command's words, its groups' options
+        word = argv[i]
+        if word == "--":
+            return argv
+        if word.startswith("-"):
+            name = word.split("=", 1)[0]
+            i += 2 if "=" not in word and any(name in p.opts and not getattr(p, "is_flag", False) for p in cmd.params) else 1
+            continue
+        if word not in cmd.commands:
+            break
+        cmd = cmd.commands[word]
+        own |= {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+        i += 1
+    if cmd is root:
+        return argv
+    head, rest, moved = argv[:i], argv[i:], []
+    kept: list[str] = []
+    while rest:
+        word = rest.pop(0)
+        if word == "--":
+            kept += [word, *rest]
+            break
+        name = word.split("=", 1)[0]
+        if name in takes_value and name not in own:
+            moved.append(word)
+            if takes_value[name] and "=" not in word and rest:
+                moved.append(rest.pop(0))
+            continue
+        kept.append(word)
+    return [*moved, *head, *kept]
+
+
 class OneLineErrors(TyperGroup):
     """The root command: a usage error anywhere below it (an unknown command or option, a missing argument, a bad
     choice) and a moorage error raised by any command (a server's problem, an unknown tenant, a bad path) are one
@@ -70,8 +108,9 @@ class OneLineErrors(TyperGroup):
 
     def make_context(self, info_name: str | None, args: list[str], parent: Context | None = None,
                      **extra: Any) -> Context:
+        args = _root_options_first(self, list(args))
         with _one_line([]):  # the root's own options
-            ctx = super().make_context(info_name, list(args), parent=parent, **extra)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
         ctx.meta[_ARGV] = list(args)
         return ctx
 

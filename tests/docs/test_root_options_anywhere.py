@@ -1,0 +1,69 @@
+"""The README and docs/operations.md write the root's options after the command: `moorage up --config F`, "another
+`--data-dir` and `--port`", `moorage backup DEST` with `--data-dir`. They were taken only before it (`moorage
+--config F up`); after it, `moorage up` refused with "no such option: --config". Now they are read anywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.devservices.postgres import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
+
+
+def _moorage(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
+    return subprocess.run([*MOORAGE, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_up_with_config_and_data_dir_after_the_command(tmp_path: Path) -> None:
+    port = free_port()
+    conf = tmp_path / "etc" / "moorage.toml"
+    conf.parent.mkdir()
+    # README, "Configuration": a relative data_dir in the file is relative to the file's own directory.
+    conf.write_text(f'[moorage]\ndata_dir = "data"\nport = {port}\nsandbox_driver = "process"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
+    up = subprocess.Popen([*MOORAGE, "up", "--config", str(conf), "--log-level", "warning"], cwd=tmp_path, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert up.poll() is None and time.time() < deadline, up.communicate(timeout=30)[0]
+            time.sleep(0.2)
+        data = conf.parent / "data"
+        assert (data / "local-admin.key").exists()
+        # A client command given the same file after its own words finds that host and its key.
+        listed = _moorage("agents", "--json", "--config", str(conf), cwd=tmp_path)
+        assert listed.returncode == 0 and json.loads(listed.stdout) == {"data": []}, listed.stdout + listed.stderr
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+        out = up.communicate(timeout=120)[0]
+    assert up.returncode == 0 and "no such option" not in out, out
+    # docs/operations.md: `moorage backup DEST` of the data directory named by --data-dir (here, of a stopped host).
+    backup = _moorage("backup", str(tmp_path / "copy"), "--data-dir", str(data), cwd=tmp_path)
+    assert backup.returncode == 0, backup.stdout + backup.stderr
+    assert (tmp_path / "copy" / "local-admin.key").read_text() == (data / "local-admin.key").read_text()
+    tenants = _moorage("store", "tenants", "--json", f"--data-dir={tmp_path / 'copy'}", cwd=tmp_path)
+    assert [t["name"] for t in json.loads(tenants.stdout)["data"]] == ["local"], tenants.stdout + tenants.stderr
+
+
+def test_an_option_after_a_double_dash_is_the_commands_word(tmp_path: Path) -> None:
+    said = _moorage("invoke", "coder", "--", "--data-dir", cwd=tmp_path)  # the message "--data-dir", no user given
+    assert said.returncode == 2 and "missing option '--user'" in said.stderr, said.stderr
+    wrong = _moorage("up", "--data-dri", str(tmp_path), cwd=tmp_path)
+    assert wrong.returncode == 2 and "no such option: --data-dri" in wrong.stderr, wrong.stderr
