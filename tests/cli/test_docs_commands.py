@@ -71,7 +71,9 @@ def _problems(root: Any, shown: str) -> list[str]:
 
 
 def _unknown_flags(cmd: Any, path: list[str], shown: str, words: list[str]) -> list[str]:
-    takes = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    # `moorage`'s own options (--config, --data-dir, --log-level) are read after any command too; --help everywhere.
+    root = typer.main.get_command(app)
+    takes = {o for c in (cmd, root) for p in c.params for o in (*p.opts, *p.secondary_opts)} | {"--help"}
     said = [w.split("=")[0] for w in words]
     return [f"`moorage {shown}`: `moorage {' '.join(path)}` takes no {w}" for w in said
             if w.startswith("-") and w not in ("-", "--") and not re.match(r"^-\d", w) and w not in takes]
