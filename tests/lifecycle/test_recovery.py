@@ -8,6 +8,7 @@ Run as a script (``python test_recovery.py serve``) this file is the host proces
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = "helper"
+_HOST_N = itertools.count(1)
 
 
 # --- the host process ---------------------------------------------------------------------------------------
@@ -84,12 +86,17 @@ async def _serve(cfg: dict[str, Any]) -> None:
 
 
 class Host:
-    """A host process the test talks to over stdin/stdout (JSON lines)."""
+    """A host process the test talks to over stdin/stdout (JSON lines). Its log goes to a file beside the data dir
+    (a pipe nobody reads could fill and stall it), and a failed answer carries that log's tail."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), "MOORAGE_LOG_LEVEL": "warning"}
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", json.dumps(cfg)], env=env, cwd=ROOT,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT), "MOORAGE_LOG_LEVEL": "info"}
+        data = Path(cfg["data_dir"])
+        data.parent.mkdir(parents=True, exist_ok=True)
+        self.log = data.parent / f"host-{next(_HOST_N)}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "serve", json.dumps(cfg)], env=env, cwd=ROOT,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
         self._next = 0
         hello = self._line()
         assert hello.get("ready"), hello
@@ -100,8 +107,11 @@ class Host:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(timeout=30)
-            raise AssertionError(f"host process exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+            raise AssertionError(f"host process exited:\n{self.log_tail()}")
         return json.loads(line)
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def send(self, **req: Any) -> int:
         assert self.proc.stdin is not None
@@ -120,13 +130,13 @@ class Host:
     def call(self, **req: Any) -> Any:
         rid = self.send(**req)
         msg = self.replies(1)[rid]
-        assert msg["ok"], msg
+        assert msg["ok"], f"{msg}\nhost log ({self.log}):\n{self.log_tail()}"
         return msg["result"]
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdin, self.proc.stdout):
             if f:
                 f.close()
 
@@ -208,7 +218,7 @@ def test_sigkill_with_agents_awake_asleep_and_mid_wake_then_restart_serves_all_w
         rids = {second.send(op="route", user=u, turn={"op": "read", "path": "diary.txt"}): u for u in users}
         answers = second.replies(len(users))
         for rid, u in rids.items():
-            assert answers[rid]["ok"], answers[rid]
+            assert answers[rid]["ok"], f"{answers[rid]}\nhost log ({second.log}):\n{second.log_tail()}"
             assert answers[rid]["result"] == f"{u} was here"
         assert second.call(op="stats")["provisions"] == 0  # every agent came back as itself, none was re-made
         assert {r.scope.user: r.id for r in ts.sandboxes.list()} == ids
@@ -246,4 +256,7 @@ def test_two_host_processes_wake_one_sleeping_agent_exactly_once(host_cfg: dict[
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
+        from moorage.log import configure
+
+        configure(os.environ.get("MOORAGE_LOG_LEVEL", "info"))
         asyncio.run(_serve(json.loads(sys.argv[2])))
