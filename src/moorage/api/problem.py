@@ -100,6 +100,25 @@ def from_error(err: MoorageError, trace_id: str | None) -> Response:
     return problem(status, err.code, err.message, hint=err.hint, trace_id=trace_id, headers=headers, extra=extra)
 
 
+def openai_error(problem_body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's error object for a problem (``message``, ``type``, ``code``): what the official ``openai`` clients
+    read an error from. Without it they said only "Error code: 404", or "An error occurred during streaming"."""
+    code = str(problem_body.get("type") or "error").removeprefix(PROBLEM_TYPE_BASE)
+    detail, hint = str(problem_body.get("detail") or code), problem_body.get("hint")
+    return {"message": f"{detail} ({hint})" if hint else detail, "type": code, "code": code, "param": None}
+
+
+def with_openai_error(response: Response) -> Response:
+    """A problem answer of the OpenAI-compatible routes, with OpenAI's ``error`` object beside its own members."""
+    if response.media_type != PROBLEM_CONTENT_TYPE or not getattr(response, "body", None):
+        return response
+    body = json.loads(response.body)
+    body["error"] = openai_error(body)
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return Response(json.dumps(body), status_code=response.status_code, media_type=PROBLEM_CONTENT_TYPE,
+                    headers=headers)
+
+
 def internal(trace_id: str | None) -> Response:
     return problem(500, "internal", "the server failed to handle this request",
                    hint=f"retry later; if it persists report trace id {trace_id} to the operator", trace_id=trace_id)

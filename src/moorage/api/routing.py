@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from moorage.api.jsonbody import loads_bounded
-from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal
+from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal, with_openai_error
 from moorage.fleet.forward import forwarded, forwarded_by
 from moorage.lifecycle.manager import Misplaced
 from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError, disk_full
@@ -194,6 +194,8 @@ class Endpoint:
                 log.exception("unhandled error", route=self.path, trace_id=trace_id)
                 ctx.metrics.observe_error("internal")
                 response = internal(trace_id)
+        if self.tag == "openai" and response.status_code >= 400:
+            response = with_openai_error(response)  # the official openai clients read their error from it
         if ts is not None:
             await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started, trace_id)
         return response

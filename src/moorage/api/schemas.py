@@ -37,9 +37,11 @@ def page_of(name: str) -> dict[str, Any]:
 
 COMPONENTS: dict[str, dict[str, Any]] = {
     # retry_after: with a 429 or 503, the seconds to wait (the Retry-After header rounds them up);
-    # current_version: with a 409 over a stale version, the version the resource has now.
+    # current_version: with a 409 over a stale version, the version the resource has now;
+    # error: on the OpenAI-compatible routes, OpenAI's error object, read by the official openai clients.
     "Problem": obj({"type": STR, "title": STR, "status": INT, "detail": STR, "hint": NSTR, "trace_id": NSTR,
-                    "retry_after": NUM, "current_version": INT},
+                    "retry_after": NUM, "current_version": INT,
+                    "error": obj({"message": STR, "type": STR, "code": STR, "param": {"type": "null"}})},
                    ["type", "title", "status", "detail"]),
     "Tenant": obj({"id": STR, "name": STR, "created_at": NUM}),
     # agent: the one agent a key is limited to (null: every agent of the tenant).

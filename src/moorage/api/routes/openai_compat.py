@@ -17,6 +17,7 @@ from moorage.api import schemas as S
 from moorage.api.invoke_shared import entity_for, replay_headers, run_turn, stream_turn
 from moorage.api.routes.executions import announce_interrupt, enforce_caps
 from moorage.api.routing import Call, Endpoint, Reply
+from moorage.api.problem import openai_error
 from moorage.api.sse import error_payload
 from moorage.errors import InvalidInput
 
@@ -127,14 +128,22 @@ async def chat_completions(call: Call) -> Any:
                     usage = dict(getattr(result, "usage", None) or {})
                     yield chunk(chunk_id, agent, {}, "stop", usage_block(usage))
                 elif ev.kind == "error":
-                    yield f"data: {json.dumps({'error': ev.data})}\n\n".encode()
+                    yield f"data: {json.dumps({'error': _in_band(ev.data)})}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield f"data: {json.dumps({'error': error_payload(e, call.trace_id)})}\n\n".encode()
+            yield f"data: {json.dumps({'error': _in_band(error_payload(e, call.trace_id))})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
     from moorage.api.sse import event_stream
 
     return event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
+
+
+def _in_band(payload: Any) -> Any:
+    """A stream's error, with OpenAI's ``message`` and ``code`` beside moorage's members (the official clients raise
+    it with that message; without one they said "An error occurred during streaming")."""
+    if not isinstance(payload, dict):
+        return payload
+    return {**openai_error(payload), **payload, "message": openai_error(payload)["message"]}
 
 
 def list_models(call: Call) -> dict[str, Any]:
