@@ -67,3 +67,25 @@ def test_an_option_after_a_double_dash_is_the_commands_word(tmp_path: Path) -> N
     assert said.returncode == 2 and "missing option '--user'" in said.stderr, said.stderr
     wrong = _moorage("up", "--data-dri", str(tmp_path), cwd=tmp_path)
     assert wrong.returncode == 2 and "no such option: --data-dri" in wrong.stderr, wrong.stderr
+
+
+def test_the_readmes_order_of_settings(tmp_path: Path) -> None:
+    """README, "Configuration": defaults, then a moorage.toml (`--config`, `MOORAGE_CONFIG`, else `./moorage.toml`
+    when there is one), then `MOORAGE_*` variables, then flags; a relative path in the file is the file's."""
+    (tmp_path / "moorage.toml").write_text('[moorage]\ndata_dir = "from-file"\n')
+    (tmp_path / "elsewhere").mkdir()
+
+    def store_of(*args: str, env: dict[str, str] | None = None, cwd: Path = tmp_path) -> str:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
+        r = subprocess.run([*MOORAGE, "store", "info", *args], cwd=cwd, env={**base, **(env or {})},
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "no store yet at " in r.stderr, r.stderr  # nothing made: it says where it looked
+        return r.stderr.split("no store yet at ", 1)[1].split()[0]
+
+    assert store_of() == f"{tmp_path}/from-file/store"
+    assert store_of(env={"MOORAGE_DATA_DIR": str(tmp_path / "from-env")}) == f"{tmp_path}/from-env/store"
+    assert store_of("--data-dir", str(tmp_path / "from-flag"), env={"MOORAGE_DATA_DIR": str(tmp_path / "from-env")}) \
+        == f"{tmp_path}/from-flag/store"
+    conf = tmp_path / "moorage.toml"
+    assert store_of(env={"MOORAGE_CONFIG": str(conf)}, cwd=tmp_path / "elsewhere") == f"{tmp_path}/from-file/store"
+    assert store_of("--config", str(conf), cwd=tmp_path / "elsewhere") == f"{tmp_path}/from-file/store"
