@@ -97,6 +97,8 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         #: Awaited (tenant id, scope) by a requested ``sleep`` before it looks at the instance: the runtime's wait
         #: for an automatic checkpoint still being taken after a reply went out (None: nothing to wait for).
         self.settle: Callable[[str, Scope], Awaitable[None]] | None = None
+        #: Told the record id of an instance that was deleted (``forget``): what others keep per sandbox goes too.
+        self.forgotten: Callable[[str], None] | None = None
         #: The instance records being created, per tenant; an online backup holds new ones back while it lists a
         #: tenant's instances the last time and copies its store (runtime/backup.py).
         self.new_instances = NewInstances()
@@ -191,3 +193,6 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
             del self._live[(tenant_id, scope.key)]
             if li.record_id is not None:
                 self._by_record.pop(li.record_id, None)
+                self._dir_locks.pop(li.record_id, None)
+                if self.forgotten is not None:
+                    self.forgotten(li.record_id)

@@ -91,6 +91,7 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         #: Checkpoints of whole instances (sandbox and store state together), rollback and fork.
         self.timetravel = TimeTravel(self)
         instances.settle = self.timetravel.settled_scope  # a requested sleep waits for a checkpoint after a reply
+        instances.forgotten = lambda sandbox_id: self._loaded.pop(sandbox_id, None)  # a deleted instance's entry
 
     async def settle_background(self) -> None:
         """Let the runtime's own background work end while the driver, the instances and the store it uses are
