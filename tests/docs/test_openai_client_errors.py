@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from moorage import Client
+from moorage.client import ApiError
 from moorage.devservices.fleet import LocalHost
 
 AGENT_PY = '''async def on_message(ctx, message):
@@ -67,3 +68,14 @@ def test_a_streamed_turns_failure_says_what_failed(host: LocalHost) -> None:
     assert seen == ["looking... "]
     assert "the order book is closed" in failed.value.message, failed.value.message
     assert failed.value.code == "agent-error"
+
+
+def test_the_model_list_names_the_agents_a_completion_can_run(host: LocalHost, tmp_path: Path) -> None:
+    too_big = tmp_path / "huge"
+    too_big.mkdir()
+    (too_big / "moorage.toml").write_text('[agent]\nname = "huge"\nentry = "agent.py"\nvcpus = 200\n')
+    (too_big / "agent.py").write_text(AGENT_PY)
+    with Client(host.url, host.key) as sdk, pytest.raises(ApiError, match="vcpus = 200"):
+        sdk.deploy("huge", too_big)  # refused at deploy: the agent has a failed deployment, none live
+    client = openai.OpenAI(base_url=f"{host.url}/v1", api_key=host.key, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["shop"]

@@ -147,7 +147,8 @@ def _in_band(payload: Any) -> Any:
 
 
 def list_models(call: Call) -> dict[str, Any]:
-    agents = call.tenant.agents.list()
+    # A model is an agent a completion can run: one whose deploys all failed (or not built yet) is none yet.
+    agents = [a for a in call.tenant.agents.list() if a.live_deployment]
     if call.who.agent is not None:
         agents = [a for a in agents if a.name == call.who.agent]
     return {"object": "list", "data": [{"id": a.name, "object": "model", "created": int(a.created_at),
@@ -172,7 +173,7 @@ ENDPOINTS = [
                              "moorage": S.obj({"status": {"enum": ["done", "waiting"]}, "interrupt": S.ANY,
                                                "trace_id": S.NSTR, "run_id": S.NSTR})},
                             ["id", "object", "choices"])),
-    Endpoint("GET", "/v1/models", list_models, "OpenAI-compatible model list (one model per agent)", "openai",
+    Endpoint("GET", "/v1/models", list_models, "OpenAI-compatible model list (one model per agent with a live deployment)", "openai",
              "listModels", scope="invoke", also_scopes=("read",), end_user=True, agent_checked=True,
              response=S.obj({"object": S.STR, "data": {"type": "array", "items": S.obj({
                  "id": S.STR, "object": S.STR, "created": S.INT, "owned_by": S.STR})}})),
