@@ -1,0 +1,70 @@
+"""The host-side library examples of docs/objects.md (the object store and its blobs) and docs/langgraph.md (the
+LangGraph checkpointer over moorage's store, for graphs run outside an agent), run as the pages write them: only the
+names the pages leave to the reader (`path`, `key`, `dest`, `builder`, `api_key`, ...) are given."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, TypedDict
+
+import pytest
+
+from tests.cli.test_docs_commands import fenced_blocks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _block(page: str, starts: str) -> str:
+    return next(body for lang, body in fenced_blocks((ROOT / "docs" / page).read_text())
+                if lang == "python" and body.startswith(starts))
+
+
+def test_objects_md_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorage.config import load
+
+    (tmp_path / "f.bin").write_bytes(b"x" * 100_000)
+    scope: dict[str, Any] = {
+        "config": load(None, env={"MOORAGE_DATA_DIR": str(tmp_path / "data")}),
+        "path": tmp_path / "f.bin", "key": "instances/t1/i1/snapshots/7/disk", "dest": tmp_path / "out.bin",
+        "out": io.BytesIO(), "f": io.BytesIO(b"streamed"),
+    }
+    monkeypatch.chdir(tmp_path)
+    exec(compile(_block("objects.md", "from moorage.objects import"), "docs/objects.md", "exec"), scope)  # noqa: S102
+    assert type(scope["store"]).__name__ == "LocalObjectStore"
+    assert [o.key for o in scope["page"].objects] == ["instances/t1/i1/snapshots/7/disk",
+                                                       "instances/t1/i1/snapshots/7/ram.delta"]
+    assert scope["out"].getvalue() == b"x" * 100_000
+    assert scope["dest"].read_bytes() == b"x" * 100_000 and scope["dest"].stat().st_mode & 0o777 == 0o600
+    assert not scope["store"].exists("instances/t1/i1/snapshots/7/ram.delta")  # delete_prefix
+    assert scope["store"].exists(f"packages/{scope['digest']}.tar.gz")
+
+
+def test_langgraph_md_checkpointer_outside_an_agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from langgraph.graph import END, START, StateGraph
+
+    from moorage.config import load
+    from moorage.store import open_store
+
+    class Count(TypedDict):
+        n: int
+
+    builder = StateGraph(Count)
+    builder.add_node("inc", lambda s: {"n": s["n"] + 1})
+    builder.add_edge(START, "inc")
+    builder.add_edge("inc", END)
+    monkeypatch.setenv("MOORAGE_DATA_DIR", str(tmp_path / "data"))  # `load()`: the host's settings
+    setup = open_store(load())
+    _, key = setup.operator.create_tenant("acme")
+    setup.close()
+
+    scope: dict[str, Any] = {"builder": builder, "api_key": key.secret}
+    code = _block("langgraph.md", "from moorage.config import load")
+    exec(compile(code, "docs/langgraph.md", "exec"), scope)  # noqa: S102
+    thread = {"configurable": {"thread_id": "t1"}}
+    assert scope["graph"].invoke({"n": 1}, thread) == {"n": 2}
+    scope["store"].close()
+    again: dict[str, Any] = {"builder": builder, "api_key": key.secret}  # as another process would, later
+    exec(compile(code, "docs/langgraph.md", "exec"), again)  # noqa: S102
+    assert again["graph"].get_state(thread).values == {"n": 2}  # the checkpoint was in the store
+    again["store"].close()
