@@ -7,23 +7,26 @@ BYPASSRLS, and every transaction sets ``moorage.tenant_id`` locally, which every
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 from psycopg import sql as psql
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
+from moorage.store.pg_outage import CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, stale, unreachable_as_503
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
 
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _LOCK_ID = 0x6D6F6F72  # "moor": serialises concurrent migrators
+T = TypeVar("T")
 
 
 def derive_app_url(owner_url: str, role: str) -> str:
@@ -74,6 +77,12 @@ def _begin(conn: psycopg.Connection, tenant_id: str) -> None:
     conn.execute("SELECT set_config('moorage.tenant_id', %s, true)", (tenant_id,))
 
 
+def _begin_now(conn: psycopg.Connection, tenant_id: str) -> None:
+    """``_begin`` sent now, in one round trip."""
+    with conn.pipeline():
+        _begin(conn, tenant_id)
+
+
 def _rollback(conn: psycopg.Connection) -> None:
     """Undo an open or failed transaction; a broken connection is left for the pool to discard."""
     if conn.closed or conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
@@ -93,7 +102,7 @@ class PostgresBackend(Backend):
         self.app_role = app_role
         self.app_url = app_url or derive_app_url(owner_url, app_role)
         try:
-            self._owner = psycopg.connect(owner_url, autocommit=True)
+            self._owner = self._connect_owner()
         except psycopg.OperationalError as e:
             raise UnavailableError(f"cannot connect to PostgreSQL: {str(e).strip()}", hint="check MOORAGE_STORE_URL and that the server runs") from e
         # One owner connection serves the whole control plane: its transactions must not interleave between
@@ -102,14 +111,74 @@ class PostgresBackend(Backend):
         self.migrate(upto)
         # autocommit: tenant_tx issues BEGIN itself, so it can send BEGIN and the tenant setting in
         # one round trip (psycopg's implicit BEGIN would be a round trip of its own).
+        # While the server is down a request waits CONNECT_WAIT_S for a connection, then is answered 503; the pool
+        # stops retrying in the background after as long (its retries back off without bound: after a long outage
+        # the next one could come a minute after the server is back), and the next request tries again at once.
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
-                                    kwargs={"autocommit": True})
+                                    kwargs={"autocommit": True}, timeout=CONNECT_WAIT_S,
+                                    reconnect_timeout=CONNECT_WAIT_S)
         self._calls = PreparedCalls()
         try:
             self._pool.open(wait=True, timeout=30)
         except Exception as e:
             raise UnavailableError(f"cannot connect to PostgreSQL as {app_role}: {e}",
                                    hint="set MOORAGE_STORE_APP_URL or a .pgpass entry for the application role") from e
+
+    def _connect_owner(self) -> psycopg.Connection:
+        return psycopg.connect(self.owner_url, autocommit=True, connect_timeout=int(CONNECT_WAIT_S))
+
+    def _owner_conn(self) -> psycopg.Connection:
+        """The owner connection (``_owner_lock`` held), connected again when the server closed it: after a restart,
+        a failover or a terminated backend the control plane (heartbeats, the webhook outbox) carries on."""
+        if stale(self._owner):
+            with contextlib.suppress(Exception):
+                self._owner.close()
+            self._owner = self._connect_owner()
+        return self._owner
+
+    def _checked_out(self) -> psycopg.Connection:
+        """A pooled connection known to be open: the ones the server closed while idle (all of them after a restart)
+        are discarded here, and the pool replaces them, instead of failing the request that drew them."""
+        for _ in range(self._pool.max_size + 1):
+            conn = self._pool.getconn()
+            if not stale(conn):
+                return conn
+            conn.close()
+            self._pool.putconn(conn)
+        return self._pool.getconn()
+
+    @contextlib.contextmanager
+    def _pooled(self, begin: Callable[[psycopg.Connection], None] | None = None) -> Iterator[psycopg.Connection]:
+        """A checked pooled connection, ``begin(conn)`` run on it first. When the server closed it under ``begin``
+        (a terminated backend says so a moment after the terminate: after the check), nothing of the caller's has
+        run yet, so ``begin`` runs once more on another connection."""
+        with unreachable_as_503():
+            conn = self._checked_out()
+            for attempt in (1, 2) if begin is not None else ():
+                try:
+                    begin(conn)  # type: ignore[misc]
+                    break
+                except BaseException as e:
+                    conn.close()
+                    self._pool.putconn(conn)
+                    if attempt == 2 or not is_connection_lost(e):
+                        raise
+                    conn = self._checked_out()
+        try:
+            yield conn
+        finally:
+            self._pool.putconn(conn)
+
+    @staticmethod
+    def _read_twice(read: Callable[[], T]) -> T:
+        """A read whose connection the server closed under it runs once more on another (nothing was changed);
+        not after the wait for a connection ran out, which would only double the caller's wait."""
+        try:
+            return read()
+        except StoreUnreachable as e:
+            if isinstance(e.__cause__, PoolTimeout):
+                raise
+            return read()
 
     def migrate(self, upto: int | None = None) -> None:
         """Bring the schema up to date. Concurrent openers (many processes at once) serialise on a lock."""
@@ -156,7 +225,8 @@ class PostgresBackend(Backend):
         works but costs a round trip. Errors, integrity ones included, surface when the block exits.
         """
         check_tenant_id(tenant_id)
-        with self._pool.connection() as conn:
+        with self._pooled(None if pipeline else functools.partial(_begin_now, tenant_id=tenant_id)) as conn, \
+                unreachable_as_503():
             try:
                 with translate_integrity(psycopg.errors.UniqueViolation):
                     if pipeline:
@@ -164,9 +234,7 @@ class PostgresBackend(Backend):
                             _begin(conn, tenant_id)
                             yield Conn(conn, "postgres")
                             conn.execute(b"COMMIT")
-                    else:
-                        with conn.pipeline():
-                            _begin(conn, tenant_id)
+                    else:  # begun by _pooled
                         yield Conn(conn, "postgres")
                         conn.execute(b"COMMIT")
             except BaseException:
@@ -190,7 +258,7 @@ class PostgresBackend(Backend):
         ``pg_prepared``): the group commit's path for every checkpoint batch, and the saver's reads.
         """
         check_tenant_id(tenant_id)
-        with self._pool.connection() as conn:
+        with self._pooled() as conn, unreachable_as_503():
             try:
                 with translate_integrity(psycopg.errors.UniqueViolation):
                     return self._calls.run(conn, sql, (tenant_id, *params))
@@ -199,20 +267,37 @@ class PostgresBackend(Backend):
                 raise
 
     def tenant_read(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        # BEGIN, the tenant setting, the statement and COMMIT leave in one pipelined round trip.
-        with self.tenant_tx(tenant_id, write=False, pipeline=True) as c:
-            cur = c.raw.execute(c._sql(sql), tuple(params))
-        return cur.fetchall()  # the pipeline synced on exit; the rows are on the cursor
+        def read() -> list[tuple]:
+            # BEGIN, the tenant setting, the statement and COMMIT leave in one pipelined round trip.
+            with self.tenant_tx(tenant_id, write=False, pipeline=True) as c:
+                cur = c.raw.execute(c._sql(sql), tuple(params))
+            return cur.fetchall()  # the pipeline synced on exit; the rows are on the cursor
+
+        return self._read_twice(read)
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:
-        with self._owner_lock, self._owner.transaction():
-            yield Conn(self._owner, "postgres")
+        with self._owner_lock, unreachable_as_503(), contextlib.ExitStack() as tx:
+            for attempt in (1, 2):  # BEGIN on a connection the server closed since the check: once more (see _pooled)
+                conn = self._owner_conn()
+                try:
+                    tx.enter_context(conn.transaction())
+                    break
+                except psycopg.OperationalError as e:
+                    if attempt == 2 or not is_connection_lost(e):
+                        raise
+                    conn.close()  # connected again by _owner_conn
+            yield Conn(conn, "postgres")
 
     def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
-        with self._pool.connection() as conn:
-            r = conn.execute("SELECT id, tenant_id, scopes, revoked_at FROM moorage_authenticate(%s)", (key_hash,)).fetchone()
-            conn.rollback()
+        def read() -> tuple | None:
+            with self._pooled() as conn, unreachable_as_503():
+                r = conn.execute("SELECT id, tenant_id, scopes, revoked_at FROM moorage_authenticate(%s)",
+                                 (key_hash,)).fetchone()
+                conn.rollback()
+            return r
+
+        r = self._read_twice(read)
         return None if r is None else (r[0], r[1], r[2], r[3])
 
     def init_tenant(self, tenant_id: str) -> None:
@@ -234,16 +319,17 @@ class PostgresBackend(Backend):
 
     def schema_version(self, tenant_id: str | None = None) -> int:
         component = "control" if tenant_id is None else "tenant"
-        with self._owner_lock:
-            r = self._owner.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
+        with self._owner_lock, unreachable_as_503():
+            r = self._owner_conn().execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
                                     (component,)).fetchone()
         return int(r[0])
 
     def describe(self) -> str:
-        with self._owner_lock:
-            v = self._owner.execute("SHOW server_version").fetchone()[0]
-            sync = self._owner.execute("SHOW synchronous_commit").fetchone()[0]
-            fsync = self._owner.execute("SHOW fsync").fetchone()[0]
+        with self._owner_lock, unreachable_as_503():
+            c = self._owner_conn()
+            v = c.execute("SHOW server_version").fetchone()[0]
+            sync = c.execute("SHOW synchronous_commit").fetchone()[0]
+            fsync = c.execute("SHOW fsync").fetchone()[0]
         return f"postgresql {v} (app role {self.app_role}, row-level security forced, synchronous_commit={sync}, fsync={fsync})"
 
     def close(self) -> None:

@@ -1,0 +1,69 @@
+"""PostgreSQL going away under a running host: a lost connection is found before use, and reads as a 503.
+
+A restart, a failover, ``pg_terminate_backend`` or a pooler's idle timeout closes every connection a host holds;
+the server says so on the socket, so an idle connection with something to read is checked before it is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+from typing import Iterator
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from moorage.errors import UnavailableError
+
+#: How long a request waits for a connection to PostgreSQL before it is answered 503 (a restart takes a second or
+#: two; a longer wait would only hold the caller and a worker thread).
+CONNECT_WAIT_S = 5.0
+#: What the 503 asks a caller to wait before retrying.
+RETRY_AFTER_S = 2.0
+_HINT = "retry in a few seconds; the host reconnects by itself once PostgreSQL is back"
+#: SQLSTATEs of a server that is shutting down, starting or gone (class 08: the connection; 57P0x: shutdown).
+_LOST_STATES = ("57P01", "57P02", "57P03", "57P05")
+
+
+class StoreUnreachable(UnavailableError):
+    """The store's PostgreSQL server cannot be reached right now (restarting, failing over, down)."""
+
+    retry_after = RETRY_AFTER_S
+
+
+def is_connection_lost(e: BaseException) -> bool:
+    """Whether ``e`` says the connection to the server is gone (not a statement's own failure)."""
+    if not isinstance(e, psycopg.OperationalError):
+        return False
+    state = getattr(e, "sqlstate", None)
+    # No SQLSTATE: libpq's own failure (refused, closed unexpectedly, "the connection is lost"), or the pool's.
+    return state is None or state.startswith("08") or state in _LOST_STATES
+
+
+def stale(conn: psycopg.Connection) -> bool:
+    """Whether an idle connection is no longer usable. An idle connection has nothing to read: something to read
+    is the server's goodbye (an error and the socket's end), checked with one round trip. Blocking."""
+    if conn.closed or conn.broken:
+        return True
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        if readable:
+            conn.execute("")  # a notice or a parameter change passes; a closed connection raises
+    except (psycopg.Error, OSError, ValueError):
+        return True
+    return conn.closed or conn.broken
+
+
+@contextlib.contextmanager
+def unreachable_as_503(what: str = "PostgreSQL") -> Iterator[None]:
+    """Turn a lost connection (or no connection within the wait) into ``StoreUnreachable``; other errors pass."""
+    try:
+        yield
+    except psycopg.OperationalError as e:
+        if not is_connection_lost(e):
+            raise
+        if isinstance(e, PoolTimeout):  # every attempt to connect failed meanwhile (or every connection is busy)
+            reason = f"no connection within {CONNECT_WAIT_S:.0f} s"
+        else:
+            reason = (str(e).strip().splitlines() or ["connection lost"])[0]
+        raise StoreUnreachable(f"the store cannot reach {what} right now ({reason})", hint=_HINT) from e

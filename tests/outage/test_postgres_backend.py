@@ -1,0 +1,79 @@
+"""The PostgreSQL backend while its server restarts, is stopped or has its connections cut (real server, pg_ctl):
+the next call after the server is back works, and a call while it is down is a prompt, retryable 503."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator
+
+import pytest
+
+from moorage.errors import UnavailableError
+from moorage.store import Scope, Store
+from moorage.store.postgres import PostgresBackend
+from tests.outage.conftest import Outages
+
+_dbs = itertools.count()
+S = Scope.session("bot", "alice", "s1")
+
+
+@pytest.fixture
+def store(outages: Outages) -> Iterator[tuple[Store, str]]:
+    name = f"b{next(_dbs)}"
+    s = Store(PostgresBackend(outages.cluster.create_database(name)))
+    yield s, name
+    s.close()
+
+
+def _use(s: Store, key: str) -> int:
+    """One call of each kind: a control-plane transaction, a key check, a tenant write and a tenant read; returns
+    how many events the tenant has."""
+    t = s.backend.get_tenant("acme")
+    assert len(s.backend.list_api_keys(t.id)) == 1
+    ts = s.tenant(s.authenticate(key))
+    ts.events.append(S, "message", "hello")
+    return len(ts.events.list(S, limit=1000))
+
+
+def _setup(s: Store) -> str:
+    _, key = s.operator.create_tenant("acme")
+    return key.secret
+
+
+@pytest.mark.parametrize("cut", ["restart", "terminate"])
+def test_every_call_after_a_restart_or_cut_connections_works_on_its_first_try(store, outages: Outages,
+                                                                              cut: str) -> None:
+    s, db = store
+    key = _setup(s)
+    assert _use(s, key) == 1
+    if cut == "restart":
+        outages.restart()
+    else:
+        assert outages.terminate(db) >= 2  # the owner's connection and the pool's
+    assert _use(s, key) == 2  # no call fails: connections the server closed are replaced before use
+    assert _use(s, key) == 3
+
+
+def test_a_call_while_the_server_is_down_is_a_prompt_503_and_the_next_one_after_it_is_back_works(
+        store, outages: Outages) -> None:
+    s, _ = store
+    key = _setup(s)
+    assert _use(s, key) == 1
+    outages.stop()
+    try:
+        for call in (lambda: s.backend.tenant_read(s.backend.get_tenant("acme").id, "SELECT 1"),
+                     lambda: s.authenticate(key),
+                     lambda: s.backend.list_tenants()):
+            t0 = time.monotonic()
+            with pytest.raises(UnavailableError) as e:
+                call()
+            assert time.monotonic() - t0 < 8, "the call waited past the connection wait"
+            assert e.value.http_status == 503 and getattr(e.value, "retry_after", 0) > 0
+            assert "cannot reach PostgreSQL" in e.value.message and "reconnects by itself" in (e.value.hint or "")
+        time.sleep(8)  # longer than the pool keeps retrying in the background
+    finally:
+        outages.start()
+    t0 = time.monotonic()
+    assert _use(s, key) == 2  # nothing was written meanwhile, nothing was lost
+    assert time.monotonic() - t0 < 3, "the pool waited out a back-off after the server was back"

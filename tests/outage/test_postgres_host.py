@@ -1,0 +1,79 @@
+"""A serving `moorage up` host (PostgreSQL + S3, process driver) while PostgreSQL restarts, has its connections
+cut, or is stopped: callers get a prompt 503 with Retry-After meanwhile, and the host carries on by itself after,
+its heartbeat and background loops included, without losing an acknowledged turn."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+
+from tests.fleet.harness import Fleet, replied, until
+from tests.outage.conftest import Outages
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory, outages: Outages, seaweedfs, s3_bucket) -> Iterator[Fleet]:  # noqa: ANN001
+    base = tmp_path_factory.mktemp("pghost")
+    f = Fleet(base, outages.cluster.create_database("pghost"), seaweedfs.settings(s3_bucket, f"outage-{base.name}"),
+              n=1, checkpoint_interval_s="1")
+    try:
+        f.deploy()
+        yield f
+    finally:
+        f.close()
+
+
+def _heartbeat(f: Fleet) -> float:
+    (row,) = f.host_rows()
+    return row.heartbeat_at
+
+
+def _log_after(f: Fleet, mark: int) -> str:
+    return f.hosts[0].log.read_bytes()[mark:].decode(errors="replace")
+
+
+def _recovered(f: Fleet) -> None:
+    """The heartbeat beats again and the webhook outbox's loop runs without failing (both use the owner's
+    connection, which the server closed)."""
+    t0 = time.time()
+    until(lambda: _heartbeat(f) > t0, "the host heartbeats again", 15)
+    mark = f.hosts[0].log.stat().st_size
+    time.sleep(2)  # four rounds of the outbox
+    assert "webhook round failed" not in _log_after(f, mark)
+
+
+@pytest.mark.parametrize("cut", ["restart", "terminate"])
+def test_turns_heartbeats_and_background_loops_carry_on_after_a_restart_or_cut_connections(
+        host: Fleet, outages: Outages, cut: str) -> None:
+    user = f"u-{cut}"
+    assert replied(host.turn(0, user)) == "1: hi"
+    if cut == "restart":
+        outages.restart()
+    else:
+        assert outages.terminate("pghost") >= 2
+    assert replied(host.turn(0, user)) == "2: hi"          # its first turn after: no error
+    assert replied(host.turn(0, f"{user}-new")) == "1: hi"
+    _recovered(host)
+
+
+def test_turns_while_postgresql_is_down_get_a_prompt_503_and_the_host_recovers_without_a_restart(
+        host: Fleet, outages: Outages) -> None:
+    assert replied(host.turn(0, "ada")) == "1: hi"
+    outages.stop()
+    try:
+        for user in ("ada", "newcomer"):
+            t0 = time.monotonic()
+            r = host.turn(0, user)
+            assert time.monotonic() - t0 < 10, "the request hung on the store"
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+            body = r.json()
+            assert "cannot reach PostgreSQL" in body["detail"] and "reconnects by itself" in body["hint"], body
+        time.sleep(6)  # longer than the pool retries in the background
+    finally:
+        outages.start()
+    r = host.turn(0, "ada")
+    assert replied(r) == "2: hi"                           # nothing acknowledged was lost, nothing counted twice
+    assert replied(host.turn(0, "newcomer")) == "1: hi"
+    _recovered(host)
