@@ -185,9 +185,10 @@ class Api(ReachApi, ABC):
 
     # -- checkpoints of a user's instance (time travel) ------------------------------------------------------
 
-    def list_checkpoints(self, agent: str, user: str, *, limit: int | None = None) -> dict[str, Any]:
+    def list_checkpoints(self, agent: str, user: str, *, limit: int | None = None,
+                         cursor: str | None = None) -> dict[str, Any]:
         """The instance's checkpoints, newest first, with what each turn did; its branches and storage."""
-        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints", _page(limit, None)))
+        return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/checkpoints", _page(limit, cursor)))
 
     def take_checkpoint(self, agent: str, user: str, *, name: str | None = None) -> dict[str, Any]:
         body = {"name": name} if name is not None else {}

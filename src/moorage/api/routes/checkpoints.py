@@ -11,7 +11,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.routes._common import LIMIT, known_user
+from moorage.api.routes._common import CURSOR, LIMIT, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import InvalidInput
 from moorage.fleet.forward import forwarded
@@ -31,7 +31,7 @@ CHECKPOINT = S.obj({"id": S.STR, "object": S.STR, "agent": S.STR, "user": S.STR,
                     "restorable": {"type": ["boolean", "null"]}})
 LISTING = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "head": S.NSTR, "branch": S.NSTR,
                  "store_bytes": S.INT, "sandbox_bytes": {"type": ["integer", "null"]},
-                 "data": {"type": "array", "items": CHECKPOINT},
+                 "data": {"type": "array", "items": CHECKPOINT}, "next_cursor": S.NSTR,
                  "branches": {"type": "array", "items": S.obj({"id": S.STR, "from": S.NSTR, "current": {"type": "boolean"},
                                                                "checkpoints": S.INT, "tip": S.NSTR})}})
 ROLLBACK = S.obj({"object": S.STR, "agent": S.STR, "user": S.STR, "rolled_back_to": S.STR, "branch": S.STR,
@@ -65,12 +65,28 @@ def _limit(call: Call) -> int:
     return int(raw)
 
 
+def _cursor(call: Call) -> int | None:
+    """The page's cursor: the ``seq`` of the last checkpoint of the page before (the listing is newest first)."""
+    raw = call.query("cursor")
+    if raw is None:
+        return None
+    if not raw.isdigit():
+        raise InvalidInput("this cursor is not one of this listing's", hint="pass the next_cursor of the page before")
+    return int(raw)
+
+
 async def list_checkpoints(call: Call) -> dict[str, Any]:
     agent, user = _who(call)
     await _forward_to_disk_holder(call, agent, user)
-    listed = await call.runtime.timetravel.list(call.who, agent, user, limit=_limit(call))
-    if not listed["data"]:  # no checkpoints: for a user the agent has, not for a mistyped id
+    limit, before = _limit(call), _cursor(call)
+    # One more than the page says whether another follows; a later page reads from the newest, past the cursor.
+    listed = await call.runtime.timetravel.list(call.who, agent, user,
+                                                limit=limit + 1 if before is None else 100_000)
+    if not listed["data"] and before is None:  # no checkpoints: for a user the agent has, not for a mistyped id
         await run_in_threadpool(known_user, call, agent, user)
+    items = [c for c in listed["data"] if before is None or c["seq"] < before]
+    listed["data"] = items[:limit]
+    listed["next_cursor"] = str(items[limit - 1]["seq"]) if len(items) > limit else None
     return listed
 
 
@@ -102,7 +118,7 @@ async def fork_checkpoint(call: Call) -> Reply:
 ENDPOINTS = [
     Endpoint("GET", _BASE, list_checkpoints, "List the checkpoints of a user's instance (what each turn did) and its "
              "branches", "checkpoints", "listCheckpoints", scope="read", also_scopes=("provision",),
-             query=(LIMIT,), response=LISTING),
+             query=(LIMIT, CURSOR), response=LISTING),
     Endpoint("POST", _BASE, take_checkpoint, "Checkpoint a user's instance now (sandbox and store state together)",
              "checkpoints", "takeCheckpoint", scope="provision", status=201, body=S.obj({"name": S.STR}, []),
              response=CHECKPOINT),
