@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LISTINGS: dict[str, set[str]] = {
     "agents": set(), "users": set(), "ps": {"counts"}, "logs": {"next_cursor"}, "share --list": set(),
     "secrets list": set(), "memory facts": set(), "memory search": set(), "memory pending": set(),
-    "checkpoints list": {"object", "agent", "user", "head", "branch", "store_bytes", "sandbox_bytes", "branches"},
+    "checkpoints list": {"object", "agent", "user", "head", "branch", "store_bytes", "sandbox_bytes", "branches",
+                         "next_cursor"},
     "hosts": set(), "image list": set(), "llm providers": set(), "store tenants": set(),
     "cost trace scenarios": set(), "doctor": set(),
 }
