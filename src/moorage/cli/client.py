@@ -254,7 +254,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
     def ps(as_json: bool = typer.Option(False, "--json"),
            state: Optional[str] = typer.Option(None, "--state", help="only instances in this state (running, "
                                                                      "sleeping, ...)"),
-           agent: Optional[str] = AGENT) -> None:
+           agent: Optional[str] = AGENT,
+           limit: int = typer.Option(200, "--limit", min=1, max=500,
+                                     help="most instances shown, the most recently active first")) -> None:
         """Agent instances: state, last activity, RAM and disk (known for instances awake on this host)."""
         import time as _t
 
@@ -264,8 +266,13 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         if state is not None and state not in known:
             raise InvalidInput(f"--state {state!r} is not an instance state", hint=f"one of {', '.join(known)}")
 
-        fleet = sdk(cfg_of(), lambda c: c.fleet(agent=agent))
-        rows = [i for i in fleet.get("instances", []) if state is None or i.get("state") == state]
+        fleet = sdk(cfg_of(), lambda c: c.fleet(agent=agent, limit=limit))
+        listed = fleet.get("instances", [])
+        rows = [i for i in listed if state is None or i.get("state") == state]
+        total = sum(fleet.get("counts", {}).values())
+        if total > len(listed):  # not every instance: say so, rather than let the table pass for all of them
+            err_console.print(f"showing the {len(listed)} most recently active of {total} instances (--limit up to "
+                              "500; GET /v1/sandboxes pages through every one)", highlight=False)
 
         def mib(v: Any) -> str:
             return "-" if v is None else f"{v / (1 << 20):.1f} MiB"
