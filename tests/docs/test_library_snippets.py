@@ -5,6 +5,7 @@ names the pages leave to the reader (`path`, `key`, `dest`, `builder`, `api_key`
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -68,3 +69,39 @@ def test_langgraph_md_checkpointer_outside_an_agent(tmp_path: Path, monkeypatch:
     exec(compile(code, "docs/langgraph.md", "exec"), again)  # noqa: S102
     assert again["graph"].get_state(thread).values == {"n": 2}  # the checkpoint was in the store
     again["store"].close()
+
+
+async def test_durable_md_example(tmp_path: Path) -> None:
+    """docs/durable.md's API block: the workflow and the engine's calls, as written (its last lines, a catalogue of
+    the other calls, are run for what they return)."""
+    from moorage.config import load
+    from moorage.store import Scope, open_store
+
+    code = _block("durable.md", "from moorage.durable import")
+    workflow, calls = code.split("\nengine = ", 1)
+    store = open_store(load(None, env={"MOORAGE_DATA_DIR": str(tmp_path / "data")}))
+    _, key = store.operator.create_tenant("acme")
+    booked: list[str] = []
+    scope: dict[str, Any] = {
+        "ts": store.tenant(store.authenticate(key.secret)), "Scope": Scope, "agent": "travel", "user": "ada",
+        "run_id": "trip-1", "get_quote": lambda city: {"city": city, "price": 420},
+        "book_flight": lambda quote, idempotency_key: booked.append(idempotency_key) or f"ref-{quote['city']}",
+        "book_by_phone": lambda quote: "by-phone",
+    }
+    exec(compile(workflow, "docs/durable.md", "exec"), scope)  # noqa: S102
+    lines = ["engine = " + calls.split("\n", 1)[0]] + calls.split("\n", 1)[1].splitlines()
+    upto = next(i for i, line in enumerate(lines) if "engine.answer(" in line)
+    run_now, catalogue = lines[:upto + 1], lines[upto + 1:]  # the rest: other calls, each on its own
+    body = "\n".join("    " + line.split("  #", 1)[0].rstrip() for line in run_now if line.strip())
+    exec(compile("async def example():\n" + body + "\n    return run, engine\n", "docs/durable.md", "exec"),  # noqa: S102
+         scope)
+    run, engine = await scope["example"]()
+    try:
+        assert run.status == "succeeded" and run.result == {"booked": True, "ref": "ref-Oslo"}, run
+        assert len(booked) == 1 and booked[0].startswith("wf:")  # the step's key handed to the booking service
+        named = {m for line in catalogue for m in re.findall(r"\bengine\.([a-z_]+)\(", line)}
+        assert named >= {"resume", "cancel", "recover", "history", "correct"}, named
+        assert all(callable(getattr(engine, m, None)) for m in named), named
+        assert [h.kind for h in engine.history(run.id)][:1] and await engine.recover() is not None
+    finally:
+        store.close()
