@@ -105,3 +105,28 @@ async def test_durable_md_example(tmp_path: Path) -> None:
         assert [h.kind for h in engine.history(run.id)][:1] and await engine.recover() is not None
     finally:
         store.close()
+
+
+def test_memory_md_api_sketch_names_what_there_is() -> None:
+    """docs/memory.md's API block is a sketch (signatures, not code to run): its import runs, and every method it
+    shows on a `cb`, `em` or `sm` is one of that class's."""
+    import moorage.memory as memory
+
+    sketch = next(body for lang, body in fenced_blocks((ROOT / "docs" / "memory.md").read_text())
+                  if lang == "python" and body.startswith("from moorage.memory import ("))
+    exec(sketch.split(")", 1)[0] + ")", {})  # noqa: S102 - the import, as written
+    made = {m.group(1): getattr(memory, m.group(2)) for m in re.finditer(r"^(\w+) = (\w+)\(", sketch, flags=re.M)}
+    assert set(made) == {"cb", "em", "sm"}, made
+    shown = re.findall(r"\b(cb|em|sm)\.([a-z_]+)\(", sketch)
+    assert len(shown) > 20 and [f"{v}.{m}" for v, m in shown if not hasattr(made[v], m)] == []
+
+
+def test_llm_md_gateway_example_names_what_there_is() -> None:
+    import moorage.llm as llm
+
+    code = next(body for lang, body in fenced_blocks((ROOT / "docs" / "llm.md").read_text())
+                if lang == "python" and body.startswith("gateway = LLMGateway("))
+    names = set(re.findall(r"\b([A-Z][A-Za-z]+)\(", code))
+    assert len(names) > 8 and sorted(n for n in names if not hasattr(llm, n)) == []
+    assert {"complete", "stream", "count_tokens"} <= set(re.findall(r"gateway\.([a-z_]+)\(", code))
+    assert all(hasattr(llm.LLMGateway, m) for m in re.findall(r"gateway\.([a-z_]+)\(", code))
