@@ -65,6 +65,9 @@ def test_up_with_config_and_data_dir_after_the_command(tmp_path: Path) -> None:
 def test_an_option_after_a_double_dash_is_the_commands_word(tmp_path: Path) -> None:
     said = _moorage("invoke", "coder", "--", "--data-dir", cwd=tmp_path)  # the message "--data-dir", no user given
     assert said.returncode == 2 and "missing option '--user'" in said.stderr, said.stderr
+    # After a group's own option and its value too (`hosts --store-url URL drain ID`).
+    drain = _moorage("hosts", "--store-url", "sqlite", "drain", "h1", "--data-dir", str(tmp_path), cwd=tmp_path)
+    assert drain.returncode == 2 and "none is configured" in drain.stderr, drain.stderr
     wrong = _moorage("up", "--data-dri", str(tmp_path), cwd=tmp_path)
     assert wrong.returncode == 2 and "no such option: --data-dri" in wrong.stderr, wrong.stderr
 

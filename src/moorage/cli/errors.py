@@ -68,37 +68,27 @@ def _root_options_first(root: Any, argv: list[str]) -> list[str]:
     (``--config``, ``--data-dir``, ``--log-level``) are read wherever they stand on the line, as the docs write them
     after the command, unless after ``--`` or where the command itself takes an option of that name."""
     takes_value = {o: not getattr(p, "is_flag", False) for p in root.params for o in p.opts}
-    cmd, own, i = root, set(), 0
-    while i < len(argv) and getattr(cmd, "commands", None) is not None:  # the command's words, its groups' options
-        word = argv[i]
-        if word == "--":
-            return argv
-        if word.startswith("-"):
-            name = word.split("=", 1)[0]
-            i += 2 if "=" not in word and any(name in p.opts and not getattr(p, "is_flag", False) for p in cmd.params) else 1
-            continue
-        if word not in cmd.commands:
-            break
-        cmd = cmd.commands[word]
-        own |= {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
-        i += 1
-    if cmd is root:
-        return argv
-    head, rest, moved = argv[:i], argv[i:], []
-    kept: list[str] = []
+    cmd, own, moved, kept = root, set(), [], []
+    rest = list(argv)
     while rest:
         word = rest.pop(0)
         if word == "--":
             kept += [word, *rest]
             break
         name = word.split("=", 1)[0]
-        if name in takes_value and name not in own:
+        if cmd is not root and name in takes_value and name not in own:
             moved.append(word)
             if takes_value[name] and "=" not in word and rest:
                 moved.append(rest.pop(0))
             continue
         kept.append(word)
-    return [*moved, *head, *kept]
+        if word.startswith("-"):  # a command's own option: its value is no command word
+            if "=" not in word and rest and any(name in p.opts and not getattr(p, "is_flag", False) for p in cmd.params):
+                kept.append(rest.pop(0))
+        elif word in (getattr(cmd, "commands", None) or {}):
+            cmd = cmd.commands[word]
+            own |= {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    return [*moved, *kept]
 
 
 class OneLineErrors(TyperGroup):
