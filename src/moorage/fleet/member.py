@@ -91,6 +91,8 @@ class FleetMember:
         self.draining = False
         self.load: Callable[[], dict[str, Any]] = dict
         self._last_beat = 0.0
+        #: When this host's heartbeat came back after failing longer than the lease (the store was out of reach).
+        self._back_at = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
         self._task: asyncio.Task[None] | None = None
         self._drain_task: asyncio.Task[Any] | None = None
@@ -135,6 +137,8 @@ class FleetMember:
             except Exception as e:  # the store is unreachable: leases lapse, other hosts take over
                 log.warning("fleet heartbeat failed", host=self.host_id, error=str(e))
                 continue
+            if gap > self.lease_ttl_s:
+                self._back_at = self._last_beat
             if state == "draining" and not self.draining:
                 self.draining = True
                 log.info("draining: sleeping and shipping every instance, then leaving", host=self.host_id)
@@ -147,6 +151,19 @@ class FleetMember:
                     await self.on_lease_gap()
                 except Exception as e:
                     log.error("lease check after a gap failed", error=str(e))
+
+    def alive(self, info: HostInfo) -> bool:
+        """Whether ``info``'s host holds its leases, as far as this host can tell. An old heartbeat means a dead
+        host only while this host itself reaches the store: when the store was out of reach for everyone (a
+        PostgreSQL restart or outage longer than the lease), every heartbeat is old and no host is dead. So until
+        this host has beaten again for one lease, it takes no host for dead but one that left (``gone``)."""
+        if info.state == "gone":
+            return False
+        if info.alive(self.lease_ttl_s):
+            return True
+        now = time.time()
+        in_touch = now - self._last_beat <= self.lease_ttl_s and now - self._back_at >= self.lease_ttl_s
+        return not in_touch
 
     def host(self, host_id: str, *, max_age_s: float = 1.0) -> HostInfo | None:
         """The host's row (cached for ``max_age_s``), or None when it never registered. Blocking."""

@@ -60,7 +60,7 @@ def shipped_current(rec: SandboxRecord) -> bool:
 def placement(fleet: "FleetMember", rec: SandboxRecord) -> str:
     """For a record placed on another host: ``forward`` (its owner serves it) or ``claim`` (we take it). Blocking."""
     owner = fleet.host(rec.host) if rec.host else None
-    alive = owner is not None and owner.alive(fleet.lease_ttl_s)
+    alive = owner is not None and fleet.alive(owner)
     if rec.state in HELD:
         return "forward" if alive else "claim"
     # Asleep (or failed): anyone may wake it from the object store when its last sleep was shipped; otherwise its
@@ -77,7 +77,7 @@ def disk_holder(fleet: "FleetMember", rec: SandboxRecord) -> str | None:
     if rec.host in (None, fleet.host_id):
         return None
     owner = fleet.host(rec.host)
-    return rec.host if owner is not None and owner.alive(fleet.lease_ttl_s) else None
+    return rec.host if owner is not None and fleet.alive(owner) else None
 
 
 class FleetDuties:
@@ -121,7 +121,7 @@ class FleetDuties:
                 not isinstance(error, ObjectStoreUnavailable):
             return None
         info = await self.io(self.fleet.host, host)
-        return host if info is not None and info.alive(self.fleet.lease_ttl_s) else None
+        return host if info is not None and self.fleet.alive(info) else None
 
     def claim_mark(self) -> dict[str, Any]:
         """Who holds a claim made now (an HTTP Idempotency-Key's): this manager's process, and in a fleet this host's
@@ -145,7 +145,7 @@ class FleetDuties:
         if self.fleet is None:
             return True  # another host's claim in a store only this host uses now (a moved data directory)
         info = self.fleet.host(mark["host"])
-        return info is None or not info.alive(self.fleet.lease_ttl_s) or info.incarnation != mark.get("incarnation")
+        return info is None or not self.fleet.alive(info) or info.incarnation != mark.get("incarnation")
 
     def refuse_if_draining(self, what: str) -> None:
         """Before work that writes first and then brings new instances up here (a fork): refused while this host
