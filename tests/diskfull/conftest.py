@@ -5,10 +5,13 @@ so the host can still say what happened). Mounting needs root, as the micro-VM a
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import signal
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -16,18 +19,26 @@ import pytest
 
 from moorage.devservices.postgres import free_port
 from tests.lifecycle.crash_up import Up
+from tests.lifecycle.test_crash_operations import _guests_of
 from tests.runtime.test_mustshow_crash import stop_sandboxes
 
 GZ = {"content-type": "application/gzip"}
 
-#: An agent that counts its turns in a file of its disk (its previous state, which nothing may lose) and writes
-#: ``fill N`` MiB to its disk when asked.
+#: An agent that counts its turns in a file of its disk (its previous state, which nothing may lose) and, asked
+#: ``fill N [after S]``, writes N MiB to its disk (and syncs them), S seconds into the turn.
 AGENT = '''
+import asyncio, os
+
 async def on_message(ctx, message):
     if message.startswith("fill "):
+        words = message.split()
+        if len(words) == 4:
+            await asyncio.sleep(float(words[3]))
         with open("big.bin", "ab") as f:
-            for _ in range(int(message.split()[1])):
-                f.write(b"x" * (1 << 20))
+            for _ in range(int(words[1])):
+                f.write(os.urandom(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
         return "filled"
     try:
         n = int(ctx.files.read("counter.txt"))
@@ -72,6 +83,11 @@ class SmallDisk:
                     pass
         assert os.statvfs(self.path).f_bavail == 0
 
+    def leave(self, nbytes: int) -> None:
+        """Full but for ``nbytes``: room for a small write (SQLite's, into its WAL), none for a large one."""
+        self.fill()
+        os.truncate(self.filler, os.path.getsize(self.filler) - nbytes)
+
     def free(self) -> None:
         self.filler.unlink()
 
@@ -79,21 +95,33 @@ class SmallDisk:
         subprocess.run(["umount", "-l", str(self.path)], check=True)
 
 
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[SmallDisk]:
-    d = SmallDisk(tmp_path / "data", 32)
+@contextlib.contextmanager
+def up_on_small_disk(tmp_path: Path, driver: str, size_mib: int) -> Iterator[tuple[Up, SmallDisk]]:
+    """`moorage up` (not started yet) whose data directory is a small disk; its log is outside it
+    (``tmp_path/up.log``). Everything it started is stopped and the disk unmounted afterwards."""
+    disk = SmallDisk(tmp_path / "data", size_mib)
+    u = Up(disk.path, free_port(), driver)
     try:
-        yield d
-    finally:
-        d.unmount()
-
-
-@pytest.fixture
-def up(disk: SmallDisk) -> Iterator[Up]:
-    """`moorage up` (process driver) on the small disk; its log is outside it (``tmp_path/up.log``)."""
-    u = Up(disk.path, free_port(), "process")
-    try:
-        yield u
+        yield u, disk
     finally:
         u.stop()
-        stop_sandboxes(u.data)
+        if driver == "process":
+            stop_sandboxes(u.data)
+        for pid in _guests_of(u.data / "sandboxes"):  # a micro-VM outlives its host by design
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # the killed guests let go of their files on the disk
+        disk.unmount()
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[tuple[Up, SmallDisk]]:
+    """`moorage up` with the process driver on a 32 MiB disk."""
+    with up_on_small_disk(tmp_path, "process", 32) as both:
+        yield both
+
+
+@pytest.fixture
+def vm_host(tmp_path: Path) -> Iterator[tuple[Up, SmallDisk]]:
+    """`moorage up` with the micro-VM driver on a 512 MiB disk (a template's memory image takes ~100 MiB of it)."""
+    with up_on_small_disk(tmp_path, "microvm", 512) as both:
+        yield both

@@ -17,7 +17,8 @@ def _is_disk_full(r) -> None:  # type: ignore[no-untyped-def]
     assert "free space" in body["hint"] and "no restart" in body["hint"], body
 
 
-def test_a_full_disk_answers_507_disk_full_and_nothing_is_lost(up: Up, disk: SmallDisk) -> None:
+def test_a_full_disk_answers_507_disk_full_and_nothing_is_lost(host: tuple[Up, SmallDisk]) -> None:
+    up, disk = host
     up.start()
     with up.client() as c:
         assert c.post("/v1/agents/echo/deployments", content=archive(), headers=GZ).status_code == 201

@@ -212,6 +212,25 @@ class Channel(Serving):
         """Send a message that gets no response (``$cancel`` is one)."""
         await self._send({"method": method, "params": params})
 
+    async def fail_calls(self, error: Exception) -> int:
+        """Fail every call in flight with ``error`` now, and cancel each in the guest; the channel stays open (the
+        guest's late events and answers to them are dropped). Returns how many there were."""
+        failed = list(self._pending.items())
+        self._pending.clear()
+        for rid, pending in failed:
+            if not pending.future.done():
+                pending.future.set_exception(error)
+                pending.future.exception()  # mark retrieved: a caller may have given up already
+            pending.events.put_nowait(None)
+            pending.drained.set()
+            self._forget_call(rid)
+        for rid, _ in failed:
+            try:
+                await self.notify("$cancel", {"id": rid})
+            except ChannelError:
+                break
+        return len(failed)
+
     async def close(self, reason: str = "closed by host") -> None:
         if self._read_task is not None and self._read_task is not asyncio.current_task():
             self._read_task.cancel()

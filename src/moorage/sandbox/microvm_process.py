@@ -81,6 +81,7 @@ class QemuProcess:
                 raise BootError("QEMU did not create its monitor socket within 10 s", hint="the host may be overloaded")
             await asyncio.sleep(0.002)
         self._qmp = await QMPClient.connect(str(paths.qmp_sock))
+        self._watch_disk(self._qmp)
         _ATTACHED[str(self.dir)] = self
 
     def _log_tail(self) -> str:
@@ -172,6 +173,7 @@ class QemuProcess:
         """Kill QEMU, wait until it is gone, and drop connections (no snapshot). ``quit``: ask QEMU to exit instead
         and wait for it (``QUIT_WAIT_S``), so it closes its disk cleanly; killed if it does not."""
         self._prepared = False
+        self._disk_full = False  # a paused guest goes with its QEMU
         if self._channel is not None:
             await self._channel.close("sandbox stopped")
             self._channel = None
@@ -214,6 +216,7 @@ class QemuProcess:
             await previous._detach()
         try:
             self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
+            self._watch_disk(self._qmp)
             _ATTACHED[str(self.dir)] = self
             if not console_reattach(console_pipe(self.dir / "console.log"), pid, str(self.run_dir)):
                 log.warning("re-attached without its console log", sandbox=self.id)

@@ -32,6 +32,7 @@ from moorage.sandbox.base import (
 from moorage.sandbox.channel import Channel
 from moorage.sandbox.image import GuestImage
 from moorage.sandbox.microvm_checkpointing import Checkpointing
+from moorage.sandbox.microvm_diskfull import DiskFullPause, paused_error
 from moorage.sandbox.microvm_files import allocated, write_json
 from moorage.sandbox.microvm_process import COLD_BOOT_TIMEOUT_S, QemuProcess
 from moorage.sandbox.microvm_process import BootError
@@ -75,7 +76,7 @@ class _VerbLock:
                 self.behind = None
 
 
-class MicroVMSandbox(Checkpointing, Waking, QemuProcess, Sandbox):
+class MicroVMSandbox(DiskFullPause, Checkpointing, Waking, QemuProcess, Sandbox):
     """One micro-VM. All lifecycle verbs are serialised by a per-sandbox lock; state is persisted in meta.json."""
 
     def __init__(self, driver: "MicroVMDriver", sandbox_id: str, meta: dict[str, Any]) -> None:
@@ -103,6 +104,9 @@ class MicroVMSandbox(Checkpointing, Waking, QemuProcess, Sandbox):
         self._net: microvm_net.VMNetwork | None = None
         #: The clock set again after a wake, once the guest is warm (held: asyncio keeps weak references).
         self._clock_again: asyncio.Task[None] | None = None
+        #: QEMU paused the guest: a write to its disk found the host's disk full (``microvm_diskfull``).
+        self._disk_full = False
+        self._resumer: asyncio.Task[None] | None = None
 
     # --- state ----------------------------------------------------------------------------------------------
 
@@ -114,6 +118,8 @@ class MicroVMSandbox(Checkpointing, Waking, QemuProcess, Sandbox):
     def channel(self) -> Channel:
         if self.state is not SandboxState.RUNNING or self._channel is None or self._channel.closed:
             raise SandboxStateError(f"sandbox {self.id} is {self.state.value}, its channel is not connected", hint="call wake() first")
+        if self._disk_full:
+            raise paused_error(self.id)
         return self._channel
 
     @property
@@ -201,6 +207,8 @@ class MicroVMSandbox(Checkpointing, Waking, QemuProcess, Sandbox):
         async with self._lock:
             if self.state is not SandboxState.RUNNING:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running sandbox can sleep", hint="call wake() first")
+            if self._disk_full:  # its snapshot would not fit either; it sleeps once resumed
+                raise paused_error(self.id)
             if self._driver.drop_caches_on_sleep:
                 # Costs a process start in the guest (1-2 s under TCG) and saves nothing: freed pages keep their
                 # bytes, so they stay in the RAM file or delta. Off by default; kept for hosts that zero on free.

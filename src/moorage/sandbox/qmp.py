@@ -11,7 +11,7 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from moorage.aio import within
 from moorage.log import get_logger
@@ -43,6 +43,8 @@ class QMPClient:
         self._reader_task: asyncio.Task[None] | None = None
         self._closed = False
         self.greeting: dict[str, Any] = {}
+        #: Called with every event as it arrives (besides queueing it for ``next_event``); must not block.
+        self.on_event: Callable[[dict[str, Any]], None] | None = None
         #: fd sets removed while the guest was paused: QEMU 7.2 closes a removed descriptor only while the guest
         #: runs, so they are removed again after the next ``cont`` (else each checkpoint would leave one open).
         self._removed_while_paused: set[int] = set()
@@ -211,6 +213,11 @@ class QMPClient:
                     continue
                 if "event" in msg:
                     self._events.put_nowait(msg)
+                    if self.on_event is not None:
+                        try:
+                            self.on_event(msg)
+                        except Exception:  # noqa: BLE001 - a listener's failure must not end the monitor session
+                            log.exception("qmp: event listener failed", qmp_event=msg.get("event"))
                 elif self._waiter is not None and not self._waiter.done():
                     self._waiter.set_result(msg)
         except (OSError, ConnectionError, asyncio.IncompleteReadError):
@@ -219,6 +226,10 @@ class QMPClient:
             self._closed = True
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_exception(QMPError("QEMU closed the monitor connection", hint="the QEMU process exited"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def close(self) -> None:
         self._closed = True

@@ -1,0 +1,54 @@
+"""A micro-VM whose disk write finds the host's disk full: QEMU pauses the guest (nothing written, nothing lost).
+The turn that was waiting on it answers 507 ``disk-full`` at once (it waited out its 10-minute timeout, and the
+guest stayed paused after room was made: every later turn of that user hung until the host restarted), and once
+there is room the guest resumes by itself and the user's agent goes on where it was."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.diskfull.conftest import GZ, SmallDisk, archive
+from tests.lifecycle.crash_up import Up
+
+
+def test_a_guest_paused_by_a_full_disk_fails_its_turn_507_and_resumes_once_there_is_room(
+        vm_host: tuple[Up, SmallDisk]) -> None:
+    up, disk = vm_host
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=archive(disk_mib=64), headers=GZ).status_code == 201
+        for n in (1, 2):
+            assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == f"{n}: hi"
+        answers: list[httpx.Response | Exception] = []
+
+        def turn() -> None:  # writes 8 MiB to its disk 2 s into the turn: by then the host's disk is full
+            try:
+                answers.append(c.post("/v1/agents/echo/invoke", json={"message": "fill 8 after 2", "user": "ada"},
+                                      timeout=30))
+            except Exception as e:  # noqa: BLE001 - the old behaviour: no answer
+                answers.append(e)
+
+        writer = threading.Thread(target=turn)
+        writer.start()
+        time.sleep(0.5)
+        disk.fill()
+        writer.join()
+        (r,) = answers
+        assert isinstance(r, httpx.Response) and r.status_code == 507, r
+        assert r.json()["type"].endswith("/disk-full"), r.text
+        # Still full: the paused guest's user is told so at once, not left waiting.
+        started = time.monotonic()
+        r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=30)
+        assert r.status_code == 507 and time.monotonic() - started < 5, r.text
+        disk.free()
+        deadline = time.monotonic() + 10
+        while (r := c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=30)).status_code \
+                == 507 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the host resumes the guest within a moment of there being room
+        assert r.status_code == 200 and r.json()["reply"] == "3: hi", r.text
+        sid = c.get("/v1/agents/echo/users/ada").json()["instance"]["sandbox_id"]
+        assert c.post(f"/v1/sandboxes/{sid}/sleep").json()["slept"] is True  # its snapshot is written now
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "4: hi"
