@@ -90,7 +90,8 @@ class AppRelay:
             if len(self._conns) >= MAX_CONNECTIONS:
                 raise RpcError("too many app connections open", APP_BUSY)
         try:
-            reader, writer = await asyncio.wait_for(_connect(port), 10)
+            async with asyncio.timeout(10):
+                reader, writer = await _connect(port)
         except (OSError, asyncio.TimeoutError) as e:
             raise RpcError("nothing listens on port %d" % port, APP_UNREACHABLE, {"errno": getattr(e, "errno", None)})
         cid = next(self._ids)
@@ -119,7 +120,10 @@ class AppRelay:
             raise RpcError("max must be a positive number of bytes", INVALID_PARAMS)
         async with conn.lock:
             try:
-                data = await asyncio.wait_for(conn.reader.read(min(want, MAX_READ)), READ_WAIT_S)
+                # asyncio.timeout, not wait_for: 3.11's wait_for read the bytes in a task of its own and, cancelled
+                # as they came, handed them to a host that had gone; here a cancelled read leaves them in the buffer.
+                async with asyncio.timeout(READ_WAIT_S):
+                    data = await conn.reader.read(min(want, MAX_READ))
             except asyncio.TimeoutError:
                 return {"data": "", "eof": False}
             except OSError:

@@ -249,10 +249,12 @@ class DnsRelay:
         self.tcp_conns += 1
         try:
             while True:
-                size = int.from_bytes(await asyncio.wait_for(reader.readexactly(2), 30), "big")
+                async with asyncio.timeout(30):
+                    size = int.from_bytes(await reader.readexactly(2), "big")
                 if size > MAX_DNS_QUERY:
                     break
-                query = await asyncio.wait_for(reader.readexactly(size), 30)
+                async with asyncio.timeout(30):
+                    query = await reader.readexactly(size)
                 if not self.take(query):
                     break
                 out = await self.ask(query, udp=False)

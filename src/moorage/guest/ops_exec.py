@@ -84,7 +84,8 @@ class ExecService:
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: 3.11's drops a cancel that comes with the exit
+                    await proc.wait()
             except asyncio.TimeoutError:
                 timed_out = True
                 _kill_group(proc.pid)

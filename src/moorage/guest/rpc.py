@@ -144,10 +144,8 @@ class Peer:
         self._pending[rid] = (fut, on_event)
         try:
             await self.send({"id": rid, "method": method, "params": {} if params is None else params})
-            if hasattr(asyncio, "timeout"):  # 3.11's wait_for drops a cancel that comes with the answer: the
-                async with asyncio.timeout(timeout):  # handler cancelled by its host would run on
-                    return await fut
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: 3.11's drops a cancel that comes with the answer,
+                return await fut  # and the handler cancelled by its host would run on
         except (asyncio.TimeoutError, asyncio.CancelledError):
             if not self.closed:
                 await self._safe_send({"method": "$cancel", "params": {"id": rid}})
