@@ -29,8 +29,11 @@ RECORD_BYTES = 192 << 10
 #: Default and largest timeout of an exec, seconds.
 DEFAULT_TIMEOUT_S = 60.0
 MAX_TIMEOUT_S = 24 * 3600.0
-#: Finished jobs kept in memory (full ``KEEP_BYTES`` output) before only their record remains.
+#: Finished jobs kept in memory (full ``KEEP_BYTES`` output) before only their record remains: at most this many,
+#: and at most this many bytes of output in all (the newest first). Bounded by count alone, 200 noisy execs held
+#: 400 MiB of a long-running host's memory for good.
 KEEP_FINISHED = 200
+KEEP_FINISHED_BYTES = 32 << 20
 #: A record with no end this long past its deadline was lost with its host: it is shown as interrupted.
 LOST_AFTER_S = 30.0
 #: Marks the execution record as an exec job; the turn machinery (webhook announcements, orphan resubmission)
@@ -183,6 +186,7 @@ class ExecJobs:
             await write  # a cancel after the command ended changes nothing: finish recording how it ended
         job.status, job.exit_code, job.error, job.ended_at = status, exit_code, error, ended
         job._notify()
+        self._prune()
 
     @staticmethod
     def _record_end(ts: TenantStore, job: ExecJob, status: str, exit_code: int | None, error: str | None,
@@ -205,9 +209,18 @@ class ExecJobs:
         log.error("could not record the end of a detached exec: too large", execution=job.id)
 
     def _prune(self) -> None:
-        done = [j for j in self.jobs.values() if j.status != "running"]
-        for j in sorted(done, key=lambda j: j.ended_at or 0)[: max(0, len(done) - KEEP_FINISHED)]:
-            self.jobs.pop(j.id, None)
+        done = sorted((j for j in self.jobs.values() if j.status != "running"), key=lambda j: j.ended_at or 0,
+                      reverse=True)
+        held = 0
+        for n, j in enumerate(done):
+            held += sum(len(s.buf) for s in j.streams.values())
+            if n >= KEEP_FINISHED or held > KEEP_FINISHED_BYTES:
+                self.jobs.pop(j.id, None)
+
+    def forget(self, sandbox_ids: set[str]) -> None:
+        """Drop the jobs of deleted sandboxes (a forgotten user's): their records are gone, so is their output."""
+        for j in [j for j in self.jobs.values() if j.sandbox_id in sandbox_ids]:
+            self.jobs.pop(j.id, None)  # one still ending (its sandbox destroyed under it) ends unlisted
 
     def local(self, ts: TenantStore, execution_id: str) -> ExecJob | None:
         job = self.jobs.get(execution_id)

@@ -15,6 +15,7 @@ from moorage.lifecycle.errors import Misplaced
 from moorage.lifecycle.forget import Release, take_to_forget
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
+from moorage.runtime.exec_jobs import ExecJobs
 from moorage.sandbox import TemplateRef
 from moorage.store import Principal, Scope, TenantStore
 from moorage.timetravel.gate import Gate
@@ -172,6 +173,7 @@ class OperatorVerbs:
                 if self.instances.fleet is not None:  # its shipped snapshots in the object store
                     await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
                 self.instances.forget(ts.tenant_id, rec.scope)
+            ExecJobs.of(self).forget({rec.id for rec in recs})  # their detached execs' output held here
             removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
             removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
             removed += await asyncio.to_thread(ts.forget_user, user, agent)
