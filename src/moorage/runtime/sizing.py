@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moorage.config import Config
-from moorage.errors import InvalidInput
+from moorage.errors import DiskFull, InvalidInput
 from moorage.sandbox import SandboxSpec
 
 #: Bounds any host applies before looking at itself (a typo such as 40960000 fails with a clear message).
@@ -109,6 +109,8 @@ def spec_for(agent: Mapping[str, Any], config: Config, sandboxes_root: Path) -> 
     root = sandboxes_root if sandboxes_root.exists() else next(
         (p for p in sandboxes_root.parents if p.exists()), Path("/"))
     free = shutil.disk_usage(root).free >> 20
+    if free < 1:  # no agent is too big: the disk is full (a size to ask for would be "<= 0")
+        raise DiskFull("the host is out of disk space: the deploy was not carried out (nothing was changed)")
     disk_cap, disk_why = free, f"the disk under {root} has {free} MiB free"
     if config.agent_max_disk_mib and config.agent_max_disk_mib < disk_cap:
         disk_cap, disk_why = config.agent_max_disk_mib, f"the operator's limit is {config.agent_max_disk_mib} MiB (agent_max_disk_mib)"
