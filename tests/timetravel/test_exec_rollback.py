@@ -133,3 +133,35 @@ async def test_a_rollback_is_refused_while_an_attached_exec_runs(
         assert r.json()["stdout"] == "started\nfinished\n", r.text
         r = await c.post(f"{BASE}/{one}/rollback", json={})
         assert r.status_code == 200, r.text
+
+
+async def test_an_exec_that_comes_while_a_fork_takes_its_checkpoint_waits_for_the_fork(
+        live_rt, runtime, acme: str, store: Store, tmp_path: Path) -> None:  # noqa: F811
+    """The sandbox verb ``fork`` takes a named checkpoint of the instance as it is, then forks at it. Before, an
+    exec that started between the two got the fork refused (409 ``exec-running``) and the named checkpoint stayed
+    behind; now the fork holds the instance against execs from before its checkpoint, and the exec waits."""
+    async with aclient(live_rt, acme) as c:
+        sid, _ = await _two_turns(c, store, acme, tmp_path)
+        box = f"/v1/sandboxes/{sid}"
+        slow = asyncio.create_task(c.post("/v1/agents/tt/invoke", json={"message": "slow 1.5", "user": "ada",
+                                                                         "session": "side"}))
+        while "slow-a.txt" not in await names(c, box):  # the slow turn holds the instance's line
+            await asyncio.sleep(0.02)
+        fork = asyncio.create_task(c.post(f"{box}/fork", json={"to_user": "bea", "label": "before-bea"}))
+        while not any(line.members > 1 for line in runtime.router._instances.values()):  # its checkpoint waits
+            await asyncio.sleep(0.01)
+        ran = asyncio.create_task(c.post(f"{box}/exec", json={"argv": GATED, "timeout_s": 600}))
+        await asyncio.sleep(0.3)
+        try:
+            assert (await slow).status_code == 200
+            r = await fork
+            assert r.status_code == 200, r.text
+            assert [f["user"] for f in r.json()["forks"]] == ["bea"]
+            named = [ck for ck in (await c.get(BASE)).json()["data"] if ck["name"] == "before-bea"]
+            assert [ck["id"] for ck in named] == [r.json()["checkpoint"]]
+            assert (await c.get("/v1/agents/tt/users/bea")).status_code == 200
+        finally:  # the exec ran after the fork (or, refused, beside it); another one lets it end
+            r = await c.post(f"{box}/exec", json={"argv": ["touch", "go"]})
+            assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+            r = await ran
+        assert r.status_code == 200 and r.json()["stdout"] == "started\nfinished\n", r.text

@@ -204,9 +204,11 @@ class TimeTravel(AutoCheckpoints, Holding):
         check_name(name)
         await check_new_users(ts, agent, user, to_users)
         self.rt.instances.refuse_if_draining("forks")
-        Gate.of(self.rt).refuse_if_executing(_key(ts, agent, user), "fork", _what(agent, user))  # before its checkpoint
-        ck = await self.take(principal, agent, user, name, as_scope=as_scope)
-        return await self._fork(ts, agent, user, ck.id, to_users)
+        # Refused before its checkpoint while an exec runs, and an exec arriving from then on waits for the fork
+        # (before, one that came while the checkpoint was taken got the fork refused, and the checkpoint stayed).
+        async with Gate.of(self.rt).travelling(_key(ts, agent, user), "fork", _what(agent, user)):
+            ck = await self.take(principal, agent, user, name, as_scope=as_scope)
+            return await self._fork(ts, agent, user, ck.id, to_users)
 
     async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
                    to_users: Sequence[str], *, as_scope: str = "provision") -> dict[str, Any]:
