@@ -25,7 +25,7 @@ from tests.runtime.test_mustshow_crash import stop_sandboxes
 GZ = {"content-type": "application/gzip"}
 
 #: An agent that counts its turns in a file of its disk (its previous state, which nothing may lose) and, asked
-#: ``fill N [after S]``, writes N MiB to its disk (and syncs them), S seconds into the turn.
+#: ``fill N [after S]``, writes N MiB to its disk (and syncs them), S seconds into the turn (an event first).
 AGENT = '''
 import asyncio, os
 
@@ -33,6 +33,7 @@ async def on_message(ctx, message):
     if message.startswith("fill "):
         words = message.split()
         if len(words) == 4:
+            await ctx.emit("waiting", words[3])  # a stream has begun
             await asyncio.sleep(float(words[3]))
         with open("big.bin", "ab") as f:
             for _ in range(int(words[1])):

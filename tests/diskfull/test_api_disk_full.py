@@ -4,6 +4,7 @@ host serves again as soon as there is room, without a restart and after one."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 
 from tests.diskfull.conftest import GZ, SmallDisk, archive
@@ -48,3 +49,29 @@ def test_a_full_disk_answers_507_disk_full_and_nothing_is_lost(host: tuple[Up, S
     up.start()
     with up.client() as c:
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "4: hi"
+
+
+def test_a_stream_cut_short_by_a_full_disk_ends_with_a_disk_full_error_event(host: tuple[Up, SmallDisk]) -> None:
+    """The disk fills while a streamed turn runs: its status (200) is sent, so the end is an ``error`` event, which
+    said "internal ... report trace id"; it says the disk is full, like the 507 of a request that had not begun."""
+    up, disk = host
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=archive(), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "1: hi"
+        lines = []
+        with c.stream("POST", "/v1/agents/echo/invoke?stream=true",
+                      json={"message": "fill 0 after 1", "user": "ada"}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():  # the agent's first event, then the end of the turn a second later
+                if not lines:
+                    disk.fill()
+                lines.append(line)
+        events = [(a[len("event: "):], json.loads(b[len("data: "):]))
+                  for a, b in zip(lines, lines[1:]) if a.startswith("event: ")]
+        assert events[0] == ("event", {"event": "waiting", "data": "1"}), events
+        kind, error = events[-1]
+        assert kind == "error" and error["type"] == "disk-full" and error["status"] == 507, events
+        assert "out of disk space" in error["detail"] and "free space" in error["hint"], error
+        disk.free()
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "2: hi"

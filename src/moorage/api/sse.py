@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
 
-from moorage.errors import MoorageError
+from moorage.errors import MoorageError, disk_full
 from moorage.log import get_logger
 
 log = get_logger(__name__)
@@ -26,6 +26,7 @@ def frame(event: str, data: Any) -> bytes:
 
 
 def error_payload(e: BaseException, trace_id: str) -> dict[str, Any]:
+    e = disk_full(e) or e  # the disk being full is said as such, whatever raised it
     if isinstance(e, MoorageError) and (e.http_status < 500 or e.http_status == 503 or e.for_caller):
         return {"type": e.code, "status": e.http_status, "detail": e.message, "hint": e.hint, "trace_id": trace_id}
     log.error("stream failed", trace_id=trace_id, error=type(e).__name__, exc_info=e)
