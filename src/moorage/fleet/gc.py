@@ -82,6 +82,12 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
     instances: set[tuple[str, str]] = set()
     tenants: set[str] = set()
     for ts in store.operator.tenants():
+        # The objects under ``instances/`` of a tenant not listed here are never collected (``collect_instances``),
+        # on purpose. moorage never removes a tenant: no command or route does (``Operator.delete_tenant`` is a
+        # library call, for tests), and a fleet's store is PostgreSQL, which the online backup refuses. A tenant
+        # missing here went from outside moorage: the database restored from a dump older than the tenant (the
+        # objects are then the only copy of its users' sandboxes), its rows deleted by hand, or another
+        # installation shipping to the same bucket and prefix (they are its live instances). None says garbage.
         tenants.add(ts.tenant_id)
         deployments.update(str(r[0]) for r in ts.read("SELECT live_deployment FROM agents WHERE live_deployment IS NOT NULL"))
         deployments.update(str(r[0]) for r in ts.read("SELECT id FROM deployments WHERE created_at > ?", (now - grace_s,)))
