@@ -17,6 +17,7 @@ from moorage.errors import InvalidInput, NotFound
 
 app = typer.Typer(no_args_is_help=True, help="Checkpoints of a user's agent: list, take, roll back, fork.")
 console = make_console()
+console_err = make_console(stderr=True)
 JSON = typer.Option(False, "--json", help="Machine-readable output.")
 #: The most checkpoints one listing returns (the API's cap): a name is looked for among the newest this many.
 NAME_WINDOW = 500
@@ -72,10 +73,33 @@ def _act(agent: str, user: str, ref: str, act: Callable[[Any, str], Any]) -> Any
         raise NotFound(e.message, hint=f"list them with `moorage checkpoints list {agent} {user}`") from None
 
 
+def _pages(c: Any, agent: str, user: str, limit: int, cursor: str | None) -> dict[str, Any]:
+    """Every page from ``cursor`` on, as one answer: the first page's ``head``, ``branches`` and the rest (they are
+    the instance's whole on every page), all the checkpoints in ``data`` and no ``next_cursor``."""
+    out = c.list_checkpoints(agent, user, limit=limit, cursor=cursor)
+    data, cursor = list(out["data"]), out.get("next_cursor")
+    while cursor:
+        page = c.list_checkpoints(agent, user, limit=limit, cursor=cursor)
+        data.extend(page["data"])
+        cursor = page.get("next_cursor")
+    return {**out, "data": data, "next_cursor": None}
+
+
 @app.command("list")
-def list_(agent: str, user: str, limit: int = typer.Option(50, "--limit"), as_json: bool = JSON) -> None:
-    """USER's checkpoints of AGENT, newest first, with what each turn did; then the branches."""
-    out = _sdk(lambda c: c.list_checkpoints(agent, user, limit=limit))
+def list_(agent: str, user: str,
+          limit: int = typer.Option(50, "--limit", min=1, max=NAME_WINDOW, help="Checkpoints per page (up to 500)."),
+          cursor: Optional[str] = typer.Option(None, "--cursor", help="Start after this one: the next_cursor a page "
+                                                                      "answered (older checkpoints)."),
+          every: bool = typer.Option(False, "--all", help="Read every page (from --cursor, if given)."),
+          as_json: bool = JSON) -> None:
+    """USER's checkpoints of AGENT, newest first, with what each turn did; then the branches. One page of
+    --limit unless --all; a line on stderr names the --cursor of the next, older page."""
+    out = _sdk(lambda c: _pages(c, agent, user, limit, cursor) if every
+               else c.list_checkpoints(agent, user, limit=limit, cursor=cursor))
+    more = out.get("next_cursor")
+    if more:  # on stderr: --json's stdout stays one object, and it carries next_cursor itself
+        console_err.print(escape(f"showing {len(out['data'])} checkpoints; older ones: `moorage checkpoints list "
+                                 f"{agent} {user} --cursor {more}` (or --all)"), highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(out, indent=2))
         return

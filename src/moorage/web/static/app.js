@@ -328,7 +328,7 @@ async function userView(agent, user, who, session = null) {
     apiAll(`/v1/workflows?status=waiting&agent=${enc(agent)}&limit=500`),
     // Time travel may not apply (an agent with one instance per session, zero retention) or the key may lack
     // the scope: the rest of the view still renders, the timeline says why it is empty.
-    api(`${base}/checkpoints?limit=200`).catch((e) => {
+    api(`${base}/checkpoints?limit=${TIMELINE_PAGE}`).catch((e) => {
       if (e instanceof Unauthorized) throw e;
       return { error: e.message };
     }),
@@ -394,6 +394,9 @@ async function userView(agent, user, who, session = null) {
 // What the last change from the timeline did (links to new users): shown once, by the view that change re-rendered,
 // and only on the timeline of the user it changed — never on another page navigated to meanwhile.
 let timelineNotice = null;
+
+// The timeline reads the newest checkpoints a page at a time: "Show older checkpoints" adds the next page.
+const TIMELINE_PAGE = 200;
 
 // The user's timeline: checkpoints of their instance grouped by branch (the current one first), what each
 // turn did, where the instance is now, and buttons to roll back to one or fork it into new users.
@@ -505,9 +508,29 @@ function checkpointsPanel(agent, user, listing, agentInfo, autoOff, canTravel = 
       el("h3", {}, `${label}${from} · ${cks.length} checkpoint${cks.length === 1 ? "" : "s"}`),
       cks.length ? el("ol.checkpoints", {}, cks.map((c) => row(c, b))) : empty("No checkpoint on this branch yet."));
   });
-  const stats = el("p.hint", {}, `${listing.data.length} checkpoint${listing.data.length === 1 ? "" : "s"} · store ${fmtBytes(listing.store_bytes)}`
+  const shown = `${listing.next_cursor ? "the newest " : ""}${listing.data.length} checkpoint${listing.data.length === 1 ? "" : "s"}`;
+  const stats = el("p.hint", {}, `${shown[0].toUpperCase()}${shown.slice(1)} · store ${fmtBytes(listing.store_bytes)}`
     + ` · sandbox ${fmtBytes(listing.sandbox_bytes)} · retention keeps the newest turns, one a day, named ones and every branch's tip.`);
-  return section(title, "checkpoints", stats, notice, message, groups);
+  // Older checkpoints: the next page, added to these (each branch's group then lists its older ones too).
+  let older = null;
+  if (listing.next_cursor) {
+    older = el("button", { id: "checkpoints-more", type: "button" }, "Show older checkpoints");
+    older.addEventListener("click", async () => {
+      older.disabled = true;
+      message.textContent = "";
+      try {
+        const page = await api(`${base}?limit=${TIMELINE_PAGE}&cursor=${enc(listing.next_cursor)}`);
+        const more = { ...listing, data: [...listing.data, ...page.data], next_cursor: page.next_cursor };
+        panel.replaceWith(checkpointsPanel(agent, user, more, agentInfo, autoOff, canTravel));
+      } catch (e) {
+        if (e instanceof Unauthorized) { route(); return; }
+        message.textContent = `Could not read older checkpoints: ${e.message}`;
+        older.disabled = false;
+      }
+    });
+  }
+  const panel = section(title, "checkpoints", stats, notice, message, groups, older);
+  return panel;
 }
 
 async function traceView(traceId, who) {
