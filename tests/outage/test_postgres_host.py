@@ -77,3 +77,20 @@ def test_turns_while_postgresql_is_down_get_a_prompt_503_and_the_host_recovers_w
     assert replied(r) == "2: hi"                           # nothing acknowledged was lost, nothing counted twice
     assert replied(host.turn(0, "newcomer")) == "1: hi"
     _recovered(host)
+
+
+def test_a_turn_running_while_postgresql_restarts_is_answered_and_stored(host: Fleet, outages: Outages) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert replied(host.turn(0, "cal")) == "1: hi"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(host.turn, 0, "cal", "slow")       # 4 s in the agent
+        time.sleep(1)
+        outages.restart()
+        r = running.result(timeout=60)
+    assert replied(r) == "2: slow"
+    run = host.api[0].get(f"/v1/workflows/{r.json()['run_id']}")
+    assert run.status_code == 200, run.text
+    stored = run.json()["run"]                                     # acknowledged, and stored as answered
+    assert (stored["status"], stored["result"]["reply"]) == ("succeeded", "2: slow"), stored
+    assert replied(host.turn(0, "cal")) == "3: hi"
