@@ -18,9 +18,8 @@ from typing import Iterator
 import pytest
 
 from moorage.devservices.postgres import free_port
-from tests.lifecycle.crash_up import Up
+from tests.lifecycle.crash_up import Up, stop_sandboxes
 from tests.lifecycle.test_crash_operations import _guests_of
-from tests.runtime.test_mustshow_crash import stop_sandboxes
 
 GZ = {"content-type": "application/gzip"}
 

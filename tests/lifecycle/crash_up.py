@@ -1,4 +1,5 @@
-"""`moorage up` for the crash tests of tests/lifecycle/test_crash_operations.py, run as its own process.
+"""`moorage up` for the tests that SIGKILL a host (tests/lifecycle/test_crash_operations.py,
+tests/runtime/test_mustshow_crash.py, ...), run as its own process.
 
 Like tests/timetravel/crash_host.py, it can SIGKILL itself inside an operation: ``CRASH_AT=module:Attr.path``
 replaces that callable with one that kills the process when it is called (``CRASH_WHEN=after``: once the real call
@@ -74,12 +75,18 @@ class Up:
         self.log = data.parent / "up.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, crash_at: str = "", nth: int = 1, after: bool = False) -> "Up":
+    def start(self, crash_at: str = "", nth: int = 1, after: bool = False, wait: bool = True) -> "Up":
+        """Start the host (``wait``: and return once it answers; else at once, so that a test can kill it again
+        while it recovers)."""
         env = {**self.env, "CRASH_AT": crash_at, "CRASH_NTH": str(nth), "CRASH_WHEN": "after" if after else ""}
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.lifecycle.crash_up"], env=env, cwd=ROOT,
                                          stdout=logf, stderr=logf)
-        deadline = time.monotonic() + 120
+        return self.wait_healthy() if wait else self
+
+    def wait_healthy(self, timeout: float = 120) -> "Up":
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
@@ -117,6 +124,26 @@ class Up:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def stop_sandboxes(data: Path) -> None:
+    """The process sandboxes outlive a killed host by design; the test stops them through the driver."""
+    import asyncio
+
+    from moorage.config import Config
+    from moorage.sandbox.process import ProcessDriver
+
+    async def go() -> None:
+        cfg = Config(data_dir=data, sandbox_driver="process")
+        driver = ProcessDriver(cfg.sandboxes_dir, cfg)
+        for sid in await driver.list():
+            try:
+                await (await driver.open(sid)).stop()
+            except Exception:  # noqa: BLE001 - best effort cleanup of a test's leftovers
+                pass
+        await driver.close()
+
+    asyncio.run(go())
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import pytest
 
 from moorage.devservices.postgres import free_port
 from tests.api.conftest import agent_archive
-from tests.lifecycle.crash_up import Up
-from tests.runtime.test_mustshow_crash import stop_sandboxes
+from tests.lifecycle.crash_up import Up, stop_sandboxes
 
 GZ = {"content-type": "application/gzip"}
 

@@ -25,7 +25,7 @@ from moorage.config import Config
 from moorage.devservices.postgres import free_port
 from moorage.durable import DurableEngine
 from moorage.store import open_store
-from tests.runtime.test_mustshow_crash import Server, stop_sandboxes
+from tests.lifecycle.crash_up import Up, stop_sandboxes
 
 MODEL = "scripted-model"
 
@@ -111,14 +111,12 @@ def test_tool_is_not_called_again_when_the_turn_is_recovered(tmp_path: Path, mod
                                         'tools = ["tools.py:book"]\n[agent.lifecycle]\nusers = "auto"\n')
     (agent / "tools.py").write_text(TOOLS)
     data = tmp_path / "data"
-    server = Server(data, free_port())
-    server.env.update({"MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_BASE_URL": model,
-                       "MOORAGE_LLM_API_KEY": "sk-test", "MOORAGE_LLM_MODEL": MODEL})
+    server = Up(data, free_port(), MOORAGE_LLM_PROVIDER="openai", MOORAGE_LLM_BASE_URL=model,
+                MOORAGE_LLM_API_KEY="sk-test", MOORAGE_LLM_MODEL=MODEL, MOORAGE_LOG_LEVEL="warning")
     invoke = {"user": "ada", "session": "s", "message": "Book me a trip to Bergen."}
     try:
         server.start()
-        server.wait_healthy()
-        headers = {"Authorization": f"Bearer {(data / 'local-admin.key').read_text().strip()}"}
+        headers = {"Authorization": f"Bearer {server.key}"}
         r = httpx.post(f"{server.url}/v1/agents/travel/deployments", content=tar_dir(agent),
                        headers={**headers, "Content-Type": "application/gzip"}, timeout=300)
         assert r.status_code in (200, 201), r.text
@@ -145,7 +143,6 @@ def test_tool_is_not_called_again_when_the_turn_is_recovered(tmp_path: Path, mod
 
         # A new host on the same data dir recovers the turn as it starts; the caller's retry gets its reply.
         server.start()
-        server.wait_healthy()
         deadline = time.monotonic() + 120
         while True:
             resp = httpx.post(f"{server.url}/v1/agents/travel/invoke", json=invoke,

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,10 +26,8 @@ from moorage.config import Config
 from moorage.devservices.postgres import free_port
 from moorage.durable import DurableEngine
 from moorage.store import open_store
+from tests.lifecycle.crash_up import Up, stop_sandboxes
 from tests.runtime.conftest import write_agent
-
-ROOT = Path(__file__).resolve().parents[2]
-MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
 
 STEPS = ["prepare", "charge", "reserve", "ship", "audit", "notify"]
 PAYING = {"charge", "ship", "notify"}
@@ -110,69 +105,6 @@ def payments() -> Iterator[str]:
     srv.shutdown()
 
 
-class Server:
-    """`moorage up` as a child process that the test starts, SIGKILLs and starts again on one data dir."""
-
-    def __init__(self, data: Path, port: int) -> None:
-        self.data, self.port = data, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port),
-                    "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning",
-                    # the payment service is a loopback server: the operator policy of this test allows it
-                    "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8"}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = data.parent / "server.log"
-
-    def start(self) -> None:
-        with open(self.log, "ab") as logf:
-            self.proc = subprocess.Popen([*MOORAGE, "up"], env=self.env, cwd=ROOT, stdout=logf, stderr=logf)
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-
-
-def stop_sandboxes(data: Path) -> None:
-    """The sandboxes outlive a killed host by design; the test stops them through the driver."""
-    import asyncio
-
-    from moorage.sandbox.process import ProcessDriver
-
-    async def go() -> None:
-        cfg = Config(data_dir=data, sandbox_driver="process")
-        driver = ProcessDriver(cfg.sandboxes_dir, cfg)
-        for sid in await driver.list():
-            try:
-                await (await driver.open(sid)).stop()
-            except Exception:  # noqa: BLE001 - best effort cleanup of a test's leftovers
-                pass
-        await driver.close()
-
-    asyncio.run(go())
-
-
 def exec_lines(data: Path) -> list[dict[str, Any]]:
     lines = []
     for log in (data / "sandboxes").glob("*/layer/work/exec.log"):
@@ -187,12 +119,11 @@ def test_sigkill_mid_workflow_many_times(tmp_path: Path, payments: str) -> None:
     agent = write_agent(tmp_path / "pipeline", "pipeline", AGENT % {"steps": STEPS, "paying": sorted(PAYING)},
                         '[agent.egress]\nallow = ["http://127.0.0.1:"]\n')
     data = tmp_path / "data"
-    server = Server(data, free_port())
-    server.start()
+    # The payment service is a loopback server: the operator policy of this test allows it.
+    server = Up(data, free_port(), MOORAGE_EGRESS_ALLOW_CIDRS="127.0.0.0/8", MOORAGE_LOG_LEVEL="warning")
     try:
-        server.wait_healthy()
-        key = (data / "local-admin.key").read_text().strip()
-        headers = {"Authorization": f"Bearer {key}"}
+        server.start()
+        headers = {"Authorization": f"Bearer {server.key}"}
         r = httpx.post(f"{server.url}/v1/agents/pipeline/deployments", content=tar_dir(agent),
                        headers={**headers, "Content-Type": "application/gzip"}, timeout=300)
         assert r.status_code in (200, 201), r.text
@@ -244,7 +175,7 @@ def test_sigkill_mid_workflow_many_times(tmp_path: Path, payments: str) -> None:
             time.sleep(rng.uniform(0.0, 0.3))
             server.kill()
             kills += 1
-            server.start()
+            server.start(wait=False)  # the next kill may come while it recovers
         assert kills >= MIN_KILLS, f"only {kills} kills before every workflow finished ({seed_note})"
 
         for t in threads:

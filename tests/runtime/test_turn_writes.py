@@ -32,8 +32,8 @@ from moorage.memory import default_embedder
 from moorage.memory.embed_queue import THREAD_NAME
 from moorage.memory.embeddings import from_bytes
 from moorage.store import EntityKey, Scope, open_store
+from tests.lifecycle.crash_up import stop_sandboxes
 from tests.runtime.conftest import Env, write_agent
-from tests.runtime.test_mustshow_crash import stop_sandboxes
 
 ROOT = Path(__file__).resolve().parents[2]
 
