@@ -131,7 +131,7 @@ class BringUp:
             rec = await self.io(ts.sandboxes.for_scope, scope)
             if not li.restored:
                 li.restored = True
-                restore_activity(li, rec)
+                restore_activity(li, rec, self.owner.id)
             if rec is None:
                 template = await resolve_template(source)
                 if template is None:

@@ -91,8 +91,9 @@ def wake_kind(sandbox: Sandbox, *, fork: bool) -> str:
     return WakeKind.COLD
 
 
-def restore_activity(li: LiveInstance, rec: SandboxRecord | None) -> None:
-    """Give a newly seen instance the idle gaps and turn count its record kept from earlier hosts."""
+def restore_activity(li: LiveInstance, rec: SandboxRecord | None, owner_id: str | None = None) -> None:
+    """Give a newly seen instance the idle gaps and turn count its record kept from earlier hosts (or from this
+    process, ``owner_id``, which released it while it slept)."""
     doc = (rec.meta if rec is not None else {}).get("activity")
     if not isinstance(doc, dict) or li.activity.gaps.count:
         return
@@ -101,3 +102,10 @@ def restore_activity(li: LiveInstance, rec: SandboxRecord | None) -> None:
         li.activity.turns += int(doc.get("turns") or 0)
     except (InvalidInput, TypeError, ValueError, KeyError) as e:  # an unreadable history only costs the learning
         log.warning("learned idle gaps not restored", instance=rec.id if rec else None, error=str(e))
+        return
+    since = doc.get("idle_since")
+    # Slept by this very process, which then released it: the gap that ends with the turn now starting is learned
+    # as if the instance had been held all along (a restarted host, another owner, does not learn it).
+    if owner_id is not None and doc.get("slept_by") == owner_id and li.activity.busy \
+            and isinstance(since, (int, float)) and li.activity.last_active > since:
+        li.activity.gaps.observe(li.activity.last_active - since)

@@ -97,8 +97,11 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         #: Awaited (tenant id, scope) by a requested ``sleep`` before it looks at the instance: the runtime's wait
         #: for an automatic checkpoint still being taken after a reply went out (None: nothing to wait for).
         self.settle: Callable[[str, Scope], Awaitable[None]] | None = None
-        #: Told the record id of an instance that was deleted (``forget``): what others keep per sandbox goes too.
+        #: Told the record id of an instance this process no longer holds (deleted, or released after a long
+        #: sleep): what others keep per sandbox goes too.
         self.forgotten: Callable[[str], None] | None = None
+        #: An instance asleep and untouched this long is released from this process's memory (``release_asleep``).
+        self.release_after_s = 600.0
         #: The instance records being created, per tenant; an online backup holds new ones back while it lists a
         #: tenant's instances the last time and copies its store (runtime/backup.py).
         self.new_instances = NewInstances()
@@ -190,9 +193,12 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         """Drop the in-process entry of an instance that was deleted."""
         li = self._live.get((tenant_id, scope.key))
         if li is not None and not li.activity.busy and li.pending is None:
-            del self._live[(tenant_id, scope.key)]
-            if li.record_id is not None:
-                self._by_record.pop(li.record_id, None)
-                self._dir_locks.pop(li.record_id, None)
-                if self.forgotten is not None:
-                    self.forgotten(li.record_id)
+            self._drop(li)
+
+    def _drop(self, li: LiveInstance) -> None:
+        del self._live[(li.tenant_id, li.scope.key)]
+        if li.record_id is not None:
+            self._by_record.pop(li.record_id, None)
+            self._dir_locks.pop(li.record_id, None)
+            if self.forgotten is not None:
+                self.forgotten(li.record_id)

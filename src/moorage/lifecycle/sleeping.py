@@ -22,6 +22,7 @@ from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember
+    from moorage.sandbox import SandboxDriver
 
 log = get_logger("moorage.lifecycle.manager")
 
@@ -41,6 +42,10 @@ class Sleeping:
     _closed: bool
     _counts: dict[str, int]
     _live: dict[tuple[str, str], LiveInstance]
+    _dir_locks: dict[str, asyncio.Lock]
+    _drop: Callable[[LiveInstance], None]
+    driver: "SandboxDriver"
+    release_after_s: float
     _unshipped_check: bool
     io: Callable[..., Any]
     system_tenant: Callable[[str], TenantStore]
@@ -110,7 +115,10 @@ class Sleeping:
                 return False
             meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
-            meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict()}
+            # With when it became idle and who slept it: if this process releases it (``release_asleep``), the
+            # gap until its next turn is still learned (``restore_activity``).
+            meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict(),
+                                "idle_since": li.activity.idle_since, "slept_by": self.owner.id}
             if self.fleet is not None:
                 # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
                 # and this host (whose disk has the newest copy) keeps serving it.
@@ -208,6 +216,23 @@ class Sleeping:
                     log.warning("idle sleep failed", scope=str(li.scope), error=str(e))
         return slept
 
+    def release_asleep(self) -> int:
+        """Drop from this process's memory the instances asleep and untouched for ``release_after_s``: a host keeps
+        what it holds per instance for those it may serve soon, not for every user it ever served (weeks of new
+        users held ~13 KiB each until a restart). The store has the rest; a later turn reads it back."""
+        now = self.clock()
+        released = [li for li in self._live.values()
+                    if not li.owned and li.sandbox is None and li.pending is None and li.gate is None
+                    and li.peer_driver is None and not li.activity.busy and not li.op_lock.locked()
+                    and (li.ship_task is None or li.ship_task.done())
+                    and not (li.record_id in self._dir_locks and self._dir_locks[li.record_id].locked())
+                    and now - li.activity.last_active >= self.release_after_s]
+        for li in released:
+            self._drop(li)
+            if li.record_id is not None:
+                self.driver.forget_handle(li.record_id)
+        return len(released)
+
     async def _idle_loop(self) -> None:
         while not self._closed:
             try:
@@ -222,6 +247,7 @@ class Sleeping:
         while not self._closed:
             await asyncio.sleep(self.ttl_every_s)
             try:
+                self.release_asleep()
                 await sweep(self)
             except Exception as e:
                 log.error("ttl sweep failed", error=str(e))
