@@ -1,0 +1,56 @@
+"""A serving `moorage up` host whose S3 server goes away (a relay in front of the real SeaweedFS closes) while its
+users sleep, wake, start and ship snapshots: they are served from this host's disk meanwhile, and once S3 is back
+every snapshot the outage held back is shipped without a restart, so none lives only on this host's disk."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import pytest
+
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, relayed_fleet, replied, until
+
+
+@pytest.fixture(scope="module")
+def relay(seaweedfs) -> Iterator[Relay]:  # noqa: ANN001
+    r = Relay(seaweedfs.s3_port)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket, relay: Relay) -> Iterator[Fleet]:  # noqa: ANN001
+    yield from relayed_fleet(tmp_path_factory.mktemp("s3host"), pg_cluster.create_database("s3host"), seaweedfs,
+                             s3_bucket, relay, n=1, checkpoint_interval_s="1")
+
+
+def _shipped_at(f: Fleet, user: str) -> float:
+    return float((f.records()[user].meta.get("shipped") or {}).get("at") or 0)
+
+
+def test_users_sleep_wake_and_start_while_s3_is_down_and_every_snapshot_is_shipped_once_it_is_back(
+        host: Fleet, relay: Relay) -> None:
+    for user in ("ada", "bob", "cat"):
+        assert replied(host.turn(0, user)) == "1: hi"
+    put_to_sleep(host, "bob")
+    until(lambda: all(_shipped_at(host, u) for u in ("ada", "bob", "cat")), "every instance shipped once", 30)
+    relay.close()
+    try:
+        assert replied(host.turn(0, "ada")) == "2: hi"
+        put_to_sleep(host, "ada")                                  # stands, unshipped
+        assert replied(host.turn(0, "bob")) == "2: hi"             # wakes from this host's disk
+        assert replied(host.turn(0, "dan")) == "1: hi"             # a new user: from the template on this disk
+        assert replied(host.turn(0, "cat")) == "2: hi"
+        put_to_sleep(host, "cat")
+        recs = host.records()
+        assert recs["ada"].meta["shipped_current"] is False and recs["cat"].meta["shipped_current"] is False
+        time.sleep(3)                                              # the host tries (and fails) every second
+    finally:
+        relay.open()
+    back = time.time()
+    until(lambda: all(host.records()[u].meta.get("shipped_current") for u in ("ada", "cat")),
+          "what slept during the outage shipped", 30)
+    until(lambda: all(_shipped_at(host, u) > back for u in ("bob", "dan")), "awake instances shipped again", 30)
+    for user, n in (("ada", 3), ("bob", 3), ("cat", 3), ("dan", 2)):
+        assert replied(host.turn(0, user)) == f"{n}: hi"           # nothing lost
