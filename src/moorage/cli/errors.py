@@ -91,10 +91,28 @@ def _root_options_first(root: Any, argv: list[str]) -> list[str]:
     return [*moved, *kept]
 
 
+def _say_root_options(root: Any, cmd: Any, own: frozenset[str] = frozenset()) -> None:
+    """Every command's ``--help`` ends with the root's options it takes (those ``_root_options_first`` reads after
+    its words): without it, ``moorage up --help`` did not show ``--config``, ``--data-dir`` or ``--log-level``."""
+    for sub in (getattr(cmd, "commands", None) or {}).values():
+        mine = own | {o for p in sub.params for o in (*p.opts, *p.secondary_opts)}
+        taken = [p for p in root.params if not set(p.opts) & mine]
+        if taken and not sub.epilog:
+            sub.epilog = "\n".join([
+                "moorage's own options, taken here too (before or after the command's words):",
+                *(f"  {p.opts[0]} {p.metavar or (p.name or '').upper()}  {p.help or ''}".rstrip() for p in taken)])
+        _say_root_options(root, sub, mine)
+
+
 class OneLineErrors(TyperGroup):
     """The root command: a usage error anywhere below it (an unknown command or option, a missing argument, a bad
     choice) and a moorage error raised by any command (a server's problem, an unknown tenant, a bad path) are one
-    line and exit status 2. A group given no arguments (``moorage memory``) still shows its help."""
+    line and exit status 2. A group given no arguments (``moorage memory``) still shows its help. Every command's
+    help names the root's options it takes too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _say_root_options(self, self)
 
     def make_context(self, info_name: str | None, args: list[str], parent: Context | None = None,
                      **extra: Any) -> Context:

@@ -30,10 +30,11 @@ state = State()
 
 @app.callback()
 def _main(
-    config: Optional[Path] = typer.Option(None, "--config", help="Path to moorage.toml (settings under a \\[moorage] table)."),
-    data_dir: Optional[Path] = typer.Option(None, "--data-dir", help="Data directory (default: $XDG_DATA_HOME/moorage, or ~/.local/share/moorage "
+    config: Optional[Path] = typer.Option(None, "--config", metavar="FILE", help="Path to moorage.toml (settings under a \\[moorage] table)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", metavar="DIR", help="Data directory (default: $XDG_DATA_HOME/moorage, or ~/.local/share/moorage "
                                                         "where XDG_DATA_HOME is unset; MOORAGE_DATA_DIR sets it too)."),
-    log_level: Optional[str] = typer.Option(None, "--log-level"),
+    log_level: Optional[str] = typer.Option(None, "--log-level", metavar="LEVEL", help="debug, info, warning or error "
+                                            "(MOORAGE_LOG_LEVEL sets it too)."),
 ) -> None:
     state.cfg = config_mod.load(config, data_dir=data_dir, log_level=log_level)
     log.configure(state.cfg.log_level, state.cfg.log_format)
