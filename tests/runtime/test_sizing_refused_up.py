@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moorage import Client
-from moorage.client import NotFound
+from moorage.client import BadRequest, NotFound
 from moorage.devservices.fleet import LocalHost
 from moorage.runtime.sizing import host_cpus
 
@@ -57,5 +57,22 @@ def test_a_deploy_refused_at_sizing_changes_nothing(tmp_path: Path) -> None:
             after = sdk.list_deployments("small")["data"]
             assert [(d["number"], d["status"]) for d in after] == [(d["number"], d["status"]) for d in before]
             assert sdk.invoke("small", "still", user="ada")["reply"] == "ok still"
+    finally:
+        host.stop()
+
+
+def test_debian_packages_on_a_driver_that_cannot_install_them_change_nothing(tmp_path: Path) -> None:
+    """``[agent] apt`` on the process driver (its sandboxes do not run as root inside) was refused saying "nothing
+    was changed" after the agent and a failed deployment were recorded; it is refused before either."""
+    host = LocalHost("up", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+    try:
+        with Client(host.url, host.key) as sdk:
+            with pytest.raises(BadRequest) as e:
+                sdk.deploy("tools", _agent(tmp_path / "tools", "tools", 'apt = ["jq"]\n'))
+            said = " ".join(str(e.value).split())
+            assert "micro-VM driver" in said and "nothing was changed" in said, said
+            assert sdk.list_agents()["data"] == []
+            with pytest.raises(NotFound):
+                sdk.list_deployments("tools")
     finally:
         host.stop()

@@ -17,6 +17,7 @@ from moorage.log import get_logger
 from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
 from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
                                      retention_zero, save_archive)
+from moorage.runtime import deploy_apt
 from moorage.runtime.sizing import spec_for
 from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
@@ -37,9 +38,16 @@ class Deployments:
             AgentLifecycle.of(Agent("", pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)}, None, 0, 0, 0))
         except InvalidInput as e:
             raise AgentPackageError(f"moorage.toml: {e.message}", hint=e.hint) from e
-        # A size this host cannot give is refused before anything is recorded: no agent (for a new name), no failed
-        # deployment, no package, as its message says (the build checks again, for a rollback on a smaller host).
+        # What this host cannot give (a size, Debian packages without the micro-VM driver) is refused before anything
+        # is recorded: no agent (for a new name), no failed deployment, no package, as the message says (the build
+        # checks again, for a rollback on a smaller host).
         spec_for(pkg.manifest, self.templates.driver.config, self.templates.driver.root)
+        driver = self.templates.driver
+        if deploy_apt.packages_of(pkg.manifest) and not driver.capabilities.own_kernel:  # apt-get runs as root
+            raise deploy_apt.AptInstallFailed(
+                f"Debian packages ([agent] apt) need the micro-VM driver: this host's {driver.name} sandboxes do not "
+                "run as root inside", hint="deploy on a host whose sandbox_driver is microvm, or vendor what the "
+                                           "agent needs; nothing was changed")
         saved = save_archive(self.packages, pkg)
         if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
             await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
