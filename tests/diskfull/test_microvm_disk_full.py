@@ -52,3 +52,28 @@ def test_a_guest_paused_by_a_full_disk_fails_its_turn_507_and_resumes_once_there
         sid = c.get("/v1/agents/echo/users/ada").json()["instance"]["sandbox_id"]
         assert c.post(f"/v1/sandboxes/{sid}/sleep").json()["slept"] is True  # its snapshot is written now
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "4: hi"
+
+
+def test_a_sleep_whose_snapshot_finds_the_disk_full_leaves_the_guest_running_and_no_half_snapshot(
+        vm_host: tuple[Up, SmallDisk]) -> None:
+    """The snapshot of a sleep did not fit: the sleep failed, and left the guest paused (every later turn of that user
+    waited out its timeout, also once there was room) and its half-written ``snapshot.new`` holding the space."""
+    up, disk = vm_host
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=archive(disk_mib=64), headers=GZ).status_code == 201
+        for n in (1, 2):
+            assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == f"{n}: hi"
+        sid = c.get("/v1/agents/echo/users/ada").json()["instance"]["sandbox_id"]
+        # Nothing of the guest's files waits to be written (that would pause it, above): only the snapshot is big.
+        assert c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["sync"]}).json()["exit_code"] == 0
+        disk.leave(256 << 10)  # room for the store's writes, not for the sleep's memory image
+        r = c.post(f"/v1/sandboxes/{sid}/sleep")
+        assert r.status_code == 200 and r.json()["slept"] is False, r.text
+        assert "instance failed to sleep" in up.log.read_text()
+        assert not (disk.path / "sandboxes" / sid / "snapshot.new").exists()
+        disk.free()
+        r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=30)
+        assert r.status_code == 200 and r.json()["reply"] == "3: hi", r.text
+        assert c.post(f"/v1/sandboxes/{sid}/sleep").json()["slept"] is True
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "4: hi"

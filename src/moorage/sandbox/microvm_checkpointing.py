@@ -58,6 +58,7 @@ class Checkpointing:
         await self._qmp.execute("stop")  # also drains and flushes the disk
         paused = True
         clock: asyncio.Task[None] | None = None
+        done = False
         try:
             await self._qmp.save_device_state(new / "dev.state")  # by descriptor: QEMU cannot reach the path
             if disk_tag is not None:
@@ -85,6 +86,7 @@ class Checkpointing:
                         self._write_behind(cap if cap is not None else capture, new, target, record, ph, clock),
                         name=f"checkpoint-write-{self.id}")
                     clock = None
+                    done = True  # ``new`` is the write-behind's now
                     return SnapshotInfo(self.id, target, 0, record["created_at"], True)
                 if cap is None:
                     cap = await asyncio.to_thread(capture)
@@ -103,11 +105,23 @@ class Checkpointing:
             ph.mark("ram")
             await asyncio.to_thread(snapshots.commit, cap, new, target, record, self.dir / "disk.qcow2",
                                     keep_running=keep_running, ph=ph)
+            done = True
         finally:
-            if keep_running and paused and self._qmp is not None:
-                await self._qmp.execute("cont")  # a checkpoint that failed leaves the guest running, as it was
-                paused = False
-                clock = asyncio.create_task(self._set_guest_clock())
+            if not done:
+                # Half of a snapshot is never used (only a renamed whole one is) and must not hold the space it
+                # took: a sleep or checkpoint that failed on a full disk leaves the room it found.
+                await asyncio.to_thread(shutil.rmtree, new, True)
+            if paused and self._qmp is not None and (keep_running or not done):
+                # A checkpoint, or a sleep that failed (its disk full, say), leaves the guest running, as it was;
+                # a sleep that failed and left it paused had every later call to it wait out its timeout.
+                try:
+                    await self._qmp.execute("cont")
+                except QMPError:
+                    if keep_running:
+                        raise
+                else:
+                    paused = False
+                    clock = asyncio.create_task(self._set_guest_clock())
             if clock is not None:
                 await clock
         if not keep_running:
