@@ -33,11 +33,13 @@ def take(sandbox_dir: Path, sandbox_id: str, name: str) -> CheckpointInfo:
     try:
         index = snapshot_tree(sandbox_dir / "layer", tmp / "layer", prev)
         write_index(tmp, index)
+        created = time.time()
+        # Inside the ``try``: a record that does not fit (the disk full) removes the copy too, which no one else
+        # would (a hidden name is no checkpoint), so it does not hold the space it took.
+        write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    created = time.time()
-    write_json_durable(tmp / "checkpoint.json", {"name": name, "created_at": created, "driver": "process"})
     os.rename(tmp, dest)
     log.info("checkpoint", sandbox=sandbox_id, checkpoint=name, linked=index["linked"], copied=index["copied"],
              ms=round((time.perf_counter() - t0) * 1e3, 1))
