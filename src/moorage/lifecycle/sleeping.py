@@ -18,6 +18,7 @@ from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
 from moorage.log import get_logger
 from moorage.store import SandboxRecord, Scope, TenantStore
+from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class Sleeping:
     _awake_elsewhere: Callable[[str, Scope], int]
     ship_unshipped: Callable[[], Any]
     record_now: Callable[[TenantStore, str], Callable[[], SandboxRecord | None]]
+    claim_timeout_s: float
+    #: Sleeps being recorded in the background once the store is back (``_record_when_back``).
+    _recording_sleeps: set["asyncio.Task[None]"]
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
                     snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
@@ -69,6 +73,30 @@ class Sleeping:
                              user_id=rec.scope.user, scope=rec.scope, meta={"instance": rec.id, "reason": reason})
             usage_ledger.record(ts, rec, sizes or {})
         return new
+
+    def _record_when_back(self, li: LiveInstance, ts: TenantStore, rec: SandboxRecord, trace: TraceContext,
+                          *slept: Any) -> None:
+        """The instance slept (its snapshot is on this disk) but the store could not be reached to record it: record
+        it once the store answers, tried every second while the claim lives, so it is not left ``suspending`` (and
+        every request for it waiting) until the claim times out."""
+        async def record() -> None:
+            deadline = time.monotonic() + self.claim_timeout_s
+            while not self._closed and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                try:
+                    await self.io(self._mark_slept, ts, rec, trace, *slept)
+                except StoreUnreachable:
+                    continue
+                except ConflictError:  # recorded after all (the reply was lost), or reclaimed once the claim lapsed
+                    return
+                if li.record_id == rec.id and li.sandbox is None:
+                    li.owned = False
+                log.info("instance slept (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
+                return
+
+        task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-{rec.id}")
+        self._recording_sleeps.add(task)
+        task.add_done_callback(self._recording_sleeps.discard)
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
         """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
@@ -131,7 +159,11 @@ class Sleeping:
                     self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
                     log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
             sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
-            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            try:
+                await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            except StoreUnreachable:
+                self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+                raise
             li.owned = False
             self._counts["evictions" if evict else "sleeps"] += 1
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)

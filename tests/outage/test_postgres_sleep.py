@@ -1,0 +1,70 @@
+"""PostgreSQL going away in the middle of a sleep (after the instance was claimed for it and snapshotted, before the
+sleep was recorded): once PostgreSQL is back the sleep is recorded and the next turn wakes the instance at once,
+instead of waiting for the claim to time out (two minutes by default)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import pytest
+
+from tests.fleet.harness import Fleet, Relay, relayed_fleet, replied, until
+from tests.outage.conftest import Outages
+
+
+class HoldingRelay(Relay):
+    """A relay to S3 that holds what the host sends while ``held`` is set (a shipment in progress, paused)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.held = threading.Event()
+        self.holding = threading.Event()
+        self.release = threading.Event()
+        super().__init__(target_port)
+
+    def passing(self, data: bytes, upstream: bool) -> None:
+        if upstream and self.held.is_set():
+            self.holding.set()
+            self.release.wait(60)
+
+
+@pytest.fixture(scope="module")
+def relay(seaweedfs) -> Iterator[HoldingRelay]:  # noqa: ANN001
+    r = HoldingRelay(seaweedfs.s3_port)
+    yield r
+    r.release.set()
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory, outages: Outages, seaweedfs, s3_bucket,  # noqa: ANN001
+         relay: HoldingRelay) -> Iterator[Fleet]:
+    yield from relayed_fleet(tmp_path_factory.mktemp("pgsleep"), outages.cluster.create_database("pgsleep"), seaweedfs,
+                             s3_bucket, relay, n=1, checkpoint_interval_s="600")
+
+
+def test_a_sleep_cut_by_a_postgresql_outage_is_recorded_once_it_is_back_and_the_next_turn_wakes_it(
+        host: Fleet, outages: Outages, relay: HoldingRelay) -> None:
+    assert replied(host.turn(0, "ada")) == "1: hi"
+    assert replied(host.turn(0, "ada")) == "2: hi"
+    until(lambda: host.records()["ada"].meta.get("shipped"), "ada's first shipment", 30)
+    sid = host.records()["ada"].id
+    relay.held.set()
+    with ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(host.api[0].post, f"/v1/sandboxes/{sid}/sleep")
+        assert relay.holding.wait(30), "the sleep's shipment did not start"
+        assert host.records()["ada"].state == "suspending"       # claimed and snapshotted; not recorded yet
+        outages.stop()
+        try:
+            relay.held.clear()
+            relay.release.set()                                    # the shipment ends; the store is down
+            r = sleeping.result(timeout=60)
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+        finally:
+            outages.start()
+    until(lambda: host.records()["ada"].state == "sleeping", "the sleep recorded", 15)
+    t0 = time.monotonic()
+    r = host.api[0].post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=20)
+    assert replied(r) == "3: hi" and time.monotonic() - t0 < 10
