@@ -14,7 +14,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from moorage.cli.console import make_console
-from moorage.errors import MoorageError
+from moorage.errors import MoorageError, disk_full
 
 try:  # Typer from 0.2x parses with its own copy of Click; before, with Click itself
     from typer._click import Context, exceptions as click_errors
@@ -145,15 +145,22 @@ def _one_line(words: list[str]) -> Iterator[None]:
 @contextlib.contextmanager
 def _moorage_errors() -> Iterator[None]:
     """moorage's typed errors raised inside as one line on stderr and exit status 2; so is an ``OSError`` about a
-    path the command was given (``--config DIR``, ``--trace DIR``: a folder, unreadable, missing). Any other error is
-    a bug, and shown as one."""
+    path the command was given (``--config DIR``, ``--trace DIR``: a folder, unreadable, missing), and a full disk
+    whatever wrote to it. Any other error is a bug, and shown as one."""
     try:
         yield
-    except MoorageError as e:
-        print_error(str(e))
-        raise typer.Exit(2) from None
-    except OSError as e:
-        if e.filename is None:  # not about a path the command was given
+    except Exception as e:
+        if disk_full(e) is not None:
+            # Whatever the write was (``moorage up`` starting on a full disk writes a sandbox's record), the disk
+            # is the cause and freeing space the fix; it was a traceback of the write that failed.
+            print_error("the disk is out of space: the command could not write what it had to (free space on that "
+                        "disk, the data directory's for `moorage up`: docs/operations.md, 'When the disk fills up'; "
+                        "then run the command again)")
+            raise typer.Exit(2) from None
+        if isinstance(e, MoorageError):
+            print_error(str(e))
+            raise typer.Exit(2) from None
+        if not isinstance(e, OSError) or e.filename is None:  # a bug, or not about a path the command was given
             raise
         print_error(f"{e.filename}: {e.strerror or e} (check the path and run the command again)")
         raise typer.Exit(2) from None
