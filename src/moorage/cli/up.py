@@ -6,6 +6,7 @@ On first start it creates a ``local`` tenant and writes its admin key to ``<data
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
@@ -209,11 +210,19 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     # While it serves, uvicorn's own handler takes the signal (and drains requests before ``serve`` returns): an
     # online backup is stopped as the signal arrives, not after a long turn in flight ended (it would run on, and
     # finish, while the host is stopping).
+    # Detached execs end as the signal arrives too: a client following one kept uvicorn's graceful stop waiting
+    # until the exec ended (up to its timeout_s) before any instance was put to sleep.
     loop = asyncio.get_running_loop()
     uvicorn_exit = server.handle_exit
+    ending: list[asyncio.Task[int]] = []
+
+    def end_execs() -> None:
+        if not ending:
+            ending.append(asyncio.create_task(host.end_execs()))
 
     def handle_exit(sig: int, frame: object) -> None:
         loop.call_soon_threadsafe(admin.stop_backup)
+        loop.call_soon_threadsafe(end_execs)
         uvicorn_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
@@ -233,6 +242,9 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
             how = "putting awake instances to sleep"
         console.print(f"moorage is stopping: {how}")
         try:
+            if ending:
+                with contextlib.suppress(Exception):
+                    await ending[0]
             await admin.close()
             await host.close()
         finally:

@@ -206,6 +206,26 @@ class Host:
                 log.error("retention sweep failed", error=str(e))
             await asyncio.sleep(RETENTION_SWEEP_S)
 
+    def _detaching(self, detach: bool | None) -> bool:
+        """Whether a stop leaves the sandboxes running: asked for, and they outlive this process."""
+        if detach is None:
+            detach = self.config.shutdown == "detach"
+        return detach and self.driver.capabilities.survives_host_exit
+
+    async def end_execs(self, *, detach: bool | None = None) -> int:
+        """End every detached exec, as a clean stop does: called as the stop signal arrives too, since a client
+        following one (``GET /v1/executions/{id}/events``) kept the server's graceful stop waiting until the
+        exec ended (its ``timeout_s``, up to 24 h) before any instance was put to sleep."""
+        if self._detaching(detach):
+            # Followed by this process: left running in the VM, its output would go nowhere and its record would
+            # say it failed while it ran on. It ends now, its record saying why.
+            why = "the host stopped for a live upgrade (detach) before the command ended; the sandbox kept running"
+        else:
+            # It holds its instance awake until it ends: nothing could sleep it after this process, and waiting for
+            # it only delays the stop (recorded as cancelled, with its output).
+            why = "the host stopped before the command ended"
+        return await ExecJobs.of(self.runtime).stop_all(why)
+
     async def close(self, *, detach: bool | None = None) -> None:
         """Stop serving. By default every awake instance is put to sleep first (a durable snapshot each), so
         nothing keeps running with nobody to sleep it. ``detach=True`` (or ``shutdown = "detach"``) leaves
@@ -223,17 +243,11 @@ class Host:
             log.warning("detach asked, but sandboxes of this driver die with the host: sleeping them",
                         driver=self.driver.name)
             detach = False
+        await self.end_execs(detach=detach)
         if detach:
-            # A detached exec is followed by this process: left running in the VM, its output would go nowhere and
-            # its record would say it failed while it ran on. It ends now, its record saying why.
-            await ExecJobs.of(self.runtime).stop_all("the host stopped for a live upgrade (detach) before the "
-                                                     "command ended; the sandbox kept running")
             awake = len(self.manager.awake_instances())
             log.info("host stopping, instances left running (detach); the next start re-adopts them", count=awake)
         else:
-            # A detached exec holds its instance awake until it ends: nothing could sleep it after this process,
-            # and waiting for it only delays the stop, so it ends now (recorded as cancelled, with its output).
-            await ExecJobs.of(self.runtime).stop_all("the host stopped before the command ended")
             slept, left = await self.manager.sleep_all("host shutting down", wait_busy_s=SHUTDOWN_TURN_WAIT_S)
             log.info("host stopping, awake instances put to sleep", slept=slept, still_awake=left)
         # Automatic checkpoints after replies and background embeddings use the driver, the instances and the
