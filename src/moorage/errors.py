@@ -86,7 +86,7 @@ class DiskFull(MoorageError):
     http_status = 507  # Insufficient Storage: the server, not the request, lacks room
     for_caller = True
 
-    def __init__(self, message: str = "the host is out of disk space: this request was not carried out",
+    def __init__(self, message: str = "the host is out of disk space: this request could not be completed",
                  *, hint: str | None = None) -> None:
         super().__init__(message, hint=hint or "the operator must free space on the disk of moorage's data "
                                                "directory (docs/operations.md, 'When the disk fills up'); "

@@ -8,7 +8,8 @@ import time
 from typing import Any, AsyncIterator
 
 from moorage.durable import DurableEngine, RunCancelled, RunTakenOver
-from moorage.errors import ConflictError
+from moorage.errors import ConflictError, DiskFull, disk_full
+from moorage.log import get_logger
 from moorage.runtime import instance_update
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
 from moorage.runtime.turns import (
@@ -27,6 +28,14 @@ from moorage.store import EventIn, Scope, TenantStore
 
 class TurnReaderCancelled(Exception):
     """The agent's turn was cancelled in the guest because its run was cancelled (``Runtime.cancel``)."""
+
+
+log = get_logger(__name__)
+
+#: How often a turn whose end did not fit the disk tries again to record it failed.
+END_RETRY_S = 1.0
+#: Those tries in flight (held: asyncio keeps weak references to tasks).
+_ENDING: set["asyncio.Task[None]"] = set()
 
 
 class TurnExecution:
@@ -83,7 +92,7 @@ class TurnExecution:
                     # a corrected deployment (the same turn asked again, or the host's next start, resumes it).
                     await asyncio.to_thread(self._end_turn, engine, binding, started, diverged=binding.diverged)
                     raise binding.diverged from e
-                if await asyncio.to_thread(self._end_turn, engine, binding, started, error=e):
+                if await self._end_turn_or_later(engine, binding, started, error=e):
                     raise RunCancelled(turn_id, None) from e  # cancelled while it ran: what ended it
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
@@ -92,7 +101,7 @@ class TurnExecution:
                                     dict(binding.usage))
             else:
                 reply = out.get("reply")
-                await asyncio.to_thread(self._end_turn, engine, binding, started, reply=reply)
+                await self._end_turn_or_later(engine, binding, started, reply=reply)
                 result = TurnResult(turn_id, "done", reply, turn.trace_id, None, turn_id, dict(binding.usage))
             if turn.answered is not None and not turn.answered.done() and self.timetravel.will_checkpoint(binding):
                 turn.answered.set_result(result)  # the reply goes out before the checkpoint below
@@ -157,6 +166,34 @@ class TurnExecution:
         lease = self.instances.lease(sandbox_id)
         if lease is not None:
             ts.sandboxes.fence(sandbox_id, *lease)
+
+    async def _end_turn_or_later(self, engine: DurableEngine, b: TurnBinding, started: float, **how: Any) -> bool:
+        """``_end_turn``, and when the disk is too full for it, ``DiskFull`` (the caller's 507) and the run recorded
+        failed once there is room. It stayed ``running``: an async turn read ``running`` until the host restarted,
+        and the restart ran the turn again although its caller had been told it failed."""
+        try:
+            return await asyncio.to_thread(self._end_turn, engine, b, started, **how)
+        except Exception as e:
+            full = disk_full(e)
+            if full is None:
+                raise
+            task = asyncio.get_running_loop().create_task(self._fail_when_room(engine, b, started, full),
+                                                          name=f"turn-end-{b.run_id}")
+            _ENDING.add(task)
+            task.add_done_callback(_ENDING.discard)
+            raise full from e
+
+    async def _fail_when_room(self, engine: DurableEngine, b: TurnBinding, started: float, full: DiskFull) -> None:
+        while True:
+            await asyncio.sleep(END_RETRY_S)
+            try:
+                await asyncio.to_thread(self._end_turn, engine, b, started, error=full)
+                log.info("turn recorded failed now that the disk has room", run=b.run_id)
+                return
+            except Exception as e:  # noqa: BLE001 - still full: try again; anything else: the restart resumes it
+                if disk_full(e) is None:
+                    log.warning("could not record a turn failed for a full disk", run=b.run_id, error=str(e))
+                    return
 
     def _end_turn(self, engine: DurableEngine, b: TurnBinding, started: float, *, reply: Any = None,
                   waiting: bool = False, error: BaseException | None = None,
