@@ -18,6 +18,20 @@ _CHUNK = 64 * 1024
 _DRAIN_AFTER_EXIT_S = 1.0
 
 
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Also says when the process exited: Python 3.11's ``Process.wait()`` returns only once the process's pipes
+    are closed too, so a command that left a child in the background holding its output waited for that child (to
+    its timeout, reported as timed out, the child killed)."""
+
+    def __init__(self, limit: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=limit, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
 class ExecService:
     def __init__(self, base_env: Dict[str, str], workdir: str) -> None:
         self.base_env = dict(base_env)
@@ -43,8 +57,10 @@ class ExecService:
             raise RpcError("cwd %s is not a directory" % cwd, INVALID_PARAMS)
         stdin_data: Optional[bytes] = base64.b64decode(params["stdin"]) if params.get("stdin") is not None else None
 
+        loop = asyncio.get_running_loop()
         try:
-            proc = await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _Protocol(_CHUNK, loop),
                 *argv,
                 stdin=asyncio.subprocess.PIPE if stdin_data is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -60,6 +76,8 @@ class ExecService:
         except PermissionError as e:
             await ctx.emit("stderr", base64.b64encode(("exec: %s: %s\n" % (argv[0], e.strerror)).encode()).decode())
             return {"exit_code": 126, "timed_out": False}
+
+        proc = asyncio.subprocess.Process(transport, protocol, loop)
 
         async def pump(stream: asyncio.StreamReader, name: str) -> None:
             while True:
@@ -85,11 +103,11 @@ class ExecService:
         try:
             try:
                 async with asyncio.timeout(timeout):  # not wait_for: 3.11's drops a cancel that comes with the exit
-                    await proc.wait()
+                    await protocol.exited.wait()
             except asyncio.TimeoutError:
                 timed_out = True
                 _kill_group(proc.pid)
-                await proc.wait()
+                await protocol.exited.wait()
             # Output already written must reach the host; a background child holding the pipe must not hang us.
             done, pending = await asyncio.wait(pumps, timeout=_DRAIN_AFTER_EXIT_S)
             for p in pending:
@@ -102,6 +120,7 @@ class ExecService:
         finally:
             if feeder is not None:
                 feeder.cancel()
+            transport.close()  # the pipes a background child still holds: nobody reads them any more
         return {"exit_code": proc.returncode, "timed_out": timed_out}
 
 
