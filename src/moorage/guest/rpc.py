@@ -153,8 +153,8 @@ class Peer:
         except PeerClosed:
             # The host went away (for a VM, also a restore from a snapshot: the host that would answer this call
             # is gone, and a rollback may have put everything after it aside). A task serving that host's request
-            # is cancelled; it must see the cancellation, not an error its code may catch and go on from (3.11's
-            # wait_for hands back the future's error when both happen at once).
+            # is cancelled; it must see the cancellation, not an error its code may catch and go on from (a call
+            # it makes after the cancel, from code that caught it, fails here).
             if asyncio.current_task() in self._abandoned:
                 raise asyncio.CancelledError() from None
             raise
