@@ -1,9 +1,10 @@
-"""PostgreSQL going away in the middle of a sleep (after the instance was claimed for it and snapshotted, before the
-sleep was recorded): once PostgreSQL is back the sleep is recorded and the next turn wakes the instance at once,
+"""PostgreSQL going away in the middle of a sleep or a wake (the instance claimed for it and snapshotted or restored,
+the outcome not yet recorded): once PostgreSQL is back the outcome is recorded and the next turn is served at once,
 instead of waiting for the claim to time out (two minutes by default)."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.fleet.harness import Fleet, Relay, relayed_fleet, replied, until
+from tests.fleet.harness import Fleet, Relay, put_to_sleep, relayed_fleet, replied, until
 from tests.outage.conftest import Outages
 
 
@@ -68,3 +69,29 @@ def test_a_sleep_cut_by_a_postgresql_outage_is_recorded_once_it_is_back_and_the_
     t0 = time.monotonic()
     r = host.api[0].post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=20)
     assert replied(r) == "3: hi" and time.monotonic() - t0 < 10
+
+
+def test_a_wake_cut_by_a_postgresql_outage_is_recorded_once_it_is_back_and_the_next_turn_is_served(
+        host: Fleet, outages: Outages, relay: HoldingRelay) -> None:
+    assert replied(host.turn(0, "bob")) == "1: hi"
+    put_to_sleep(host, "bob")                                      # shipped
+    shutil.rmtree(host.hosts[0].data / "sandboxes" / host.records()["bob"].id)  # evicted: it wakes from S3
+    relay.holding.clear()
+    relay.release.clear()
+    relay.held.set()
+    with ThreadPoolExecutor(1) as pool:
+        waking = pool.submit(host.turn, 0, "bob")
+        assert relay.holding.wait(30), "the wake's fetch did not start"
+        assert host.records()["bob"].state == "waking"
+        outages.stop()
+        try:
+            relay.held.clear()
+            relay.release.set()                                    # the fetch ends; the store is down
+            r = waking.result(timeout=60)
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+        finally:
+            outages.start()
+    until(lambda: host.records()["bob"].state == "running", "the wake recorded", 15)
+    t0 = time.monotonic()
+    r = host.api[0].post("/v1/agents/echo/invoke", json={"message": "hi", "user": "bob"}, timeout=20)
+    assert replied(r) == "2: hi" and time.monotonic() - t0 < 10

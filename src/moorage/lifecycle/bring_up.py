@@ -27,6 +27,7 @@ from moorage.lifecycle.pool import WarmPool
 from moorage.log import get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import FORKED_FROM, SHARED_TEMPLATE, SandboxRecord, Scope, TenantStore
+from moorage.store.pg_outage import StoreUnreachable
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember
@@ -43,6 +44,8 @@ class BringUp:
     fleet: "FleetMember | None"
     pool: WarmPool | None
     claim_timeout_s: float
+    #: Bring-ups (and sleeps) being recorded in the background once the store is back (``_record_running``).
+    _recording: set["asyncio.Task[None]"]
     poll_s: float
     clock: Callable[[], float]
     _closed: bool
@@ -275,7 +278,7 @@ class BringUp:
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
             kind = wake_kind(sandbox, fork=False)
-            rec = await self.io(self._mark_running, ts, rec, V.WOKE, trace, started, "wakes", kind, resumed)
+            rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed)
             self._counts["wakes"] += 1
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
@@ -293,6 +296,42 @@ class BringUp:
                         ms=ms, reason=str(getattr(sandbox, "last_wake_fallback", "") or ""), **extra)
         else:
             log.info(what, instance=rec.id, scope=str(li.scope), kind=kind, ms=ms, **extra)
+
+    async def _record_running(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox,
+                              *marked: Any) -> SandboxRecord:
+        """``_mark_running``. When the store cannot be reached the sandbox is up but not recorded: the caller fails,
+        and the record is written (and the sandbox adopted) once the store answers, tried every second while the
+        claim lives, so the instance is not left claimed (every request for it waiting) until the claim times out."""
+        try:
+            return await self.io(self._mark_running, ts, rec, *marked)
+        except StoreUnreachable:
+            self._adopt_when_back(ts, li, rec, sandbox, marked)
+            raise
+
+    def _adopt_when_back(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox,
+                         marked: tuple[Any, ...]) -> None:
+        async def record() -> None:
+            deadline = time.monotonic() + self.claim_timeout_s
+            while not self._closed and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                try:
+                    new = await self.io(self._mark_running, ts, rec, *marked)
+                except StoreUnreachable:
+                    continue
+                except ConflictError:  # written after all (the reply was lost), or reclaimed once the claim lapsed
+                    new = await self.io(ts.sandboxes.get, rec.id)
+                    if new.state != S.RUNNING.value or (new.meta.get("owner") or {}).get("owner") != self.owner.id:
+                        log.warning("instance moved on while its bring-up was recorded: stopped here", instance=rec.id)
+                        with contextlib.suppress(Exception):
+                            await sandbox.stop()
+                        return
+                self._adopted(li, new, sandbox)
+                log.info("instance up (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
+                return
+
+        task = asyncio.get_running_loop().create_task(record(), name=f"record-running-{rec.id}")
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
 
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
                       usage: str | None, kind: str, resumed: dict[str, Any] | None = None) -> SandboxRecord:
@@ -350,7 +389,7 @@ class BringUp:
             rec = SandboxRecord(**{**rec.__dict__, "meta": {**meta, FORKED_FROM: template.id}})
             if self.fleet is not None:
                 await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
-            rec = await self.io(self._mark_running, ts, rec, V.PROVISIONED, trace, started, None, kind)
+            rec = await self._record_running(ts, li, rec, sandbox, V.PROVISIONED, trace, started, None, kind)
             self._counts["provisions"] += 1
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance provisioned", rec, li, kind, started, sandbox, template=template.id)

@@ -69,7 +69,7 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         self.economics = economics
         self.capacity = capacity or HostCapacity()
         self.claim_timeout_s = claim_timeout_s
-        self._recording_sleeps: set[asyncio.Task[None]] = set()
+        self._recording: set[asyncio.Task[None]] = set()
         self.poll_s = poll_s
         self.tick_s = tick_s
         self.ttl_every_s = ttl_every_s

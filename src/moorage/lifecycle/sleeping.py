@@ -57,8 +57,9 @@ class Sleeping:
     ship_unshipped: Callable[[], Any]
     record_now: Callable[[TenantStore, str], Callable[[], SandboxRecord | None]]
     claim_timeout_s: float
-    #: Sleeps being recorded in the background once the store is back (``_record_when_back``).
-    _recording_sleeps: set["asyncio.Task[None]"]
+    #: Sleeps and bring-ups being recorded in the background once the store is back (``_record_when_back``,
+    #: ``BringUp._record_running``).
+    _recording: set["asyncio.Task[None]"]
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
                     snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
@@ -95,8 +96,8 @@ class Sleeping:
                 return
 
         task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-{rec.id}")
-        self._recording_sleeps.add(task)
-        task.add_done_callback(self._recording_sleeps.discard)
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
         """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""
