@@ -6,7 +6,6 @@ Each talks to the server through the SDK; a checkpoint holds the sandbox and the
 from __future__ import annotations
 
 import json
-import shlex
 from typing import Any, Callable, List, Optional
 
 import typer
@@ -100,8 +99,7 @@ def list_(agent: str, user: str,
     more = out.get("next_cursor")
     if more:  # on stderr: --json's stdout stays one object, and it carries next_cursor itself
         console_err.print(escape(f"showing {len(out['data'])} checkpoints; older ones: `moorage checkpoints list "
-                                 f"{shlex.quote(agent)} {shlex.quote(user)} --cursor {more}` (or --all)"), highlight=False,
-                          soft_wrap=True)
+                                 f"{agent} {user} --cursor {more}` (or --all)"), highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(out, indent=2))
         return
