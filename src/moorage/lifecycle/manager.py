@@ -134,9 +134,10 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
     async def close(self) -> None:
         """Stop the loops and detach from every sandbox. Instances keep running; the store says where they are."""
         self._closed = True
-        for t in self._tasks:
+        recording = list(self._recording)  # outcomes waiting for the store: the record's claim lapses instead
+        for t in [*self._tasks, *recording]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *recording]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
