@@ -108,6 +108,10 @@ async def test_apt_packages_are_installed_into_the_template_once(env: Env, tmp_p
     with pytest.raises(AptInstallFailed) as e:
         await env.runtime.deploy(env.principal, agent(tmp_path, "-3", '["moorage-canary", "no-such-package-here"]'))
     assert "Unable to locate package no-such-package-here" in e.value.message
+    # The failed deploy stays in the agent's history: the hint does not say nothing changed.
+    assert "nothing was changed" not in (e.value.hint or "") and "deploy again" in (e.value.hint or "")
+    ts = env.store.tenant(env.principal)
+    assert ts.deployments.list(ts.agents.get("apty").id)[-1].status == "failed"
     assert await ask(env, "zed") == "from-the-mirror\n1.0-2"
 
 

@@ -368,6 +368,10 @@ async def test_requirements_are_installed_into_the_template_once(world: World, t
     with pytest.raises(PackageInstallFailed) as e:
         await w.env.runtime.deploy(w.env.principal, agent("-3", "no-such-package-here\n"))
     assert "No matching distribution found for no-such-package-here" in e.value.message
+    # The failed deploy stays in the agent's history (its error in its span): the hint does not say nothing changed.
+    assert "nothing was changed" not in (e.value.hint or "") and "deploy again" in (e.value.hint or "")
+    ts = w.env.store.tenant(w.env.principal)
+    assert ts.deployments.list(ts.agents.get("pkgd").id)[-1].status == "failed"
     failed = [s for s in w.env.store.tenant(w.env.principal).spans.recent(limit=2000)
               if s.name == "deploy" and s.status == "error"]
     assert len(failed) == 1 and "no-such-package-here" in failed[0].attrs["error.message"]

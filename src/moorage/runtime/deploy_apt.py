@@ -106,7 +106,7 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
     if who.stdout.strip() != b"0":
         raise AptInstallFailed("Debian packages ([agent] apt) need the micro-VM driver: this sandbox does not run "
                                "as root inside", hint="deploy on a host whose sandbox_driver is microvm, or vendor "
-                                                      "what the agent needs; nothing was changed")
+                                                      "what the agent needs")
     mirror = (config.package_apt_url or DEFAULT_MIRROR).rstrip("/")
     # The release, and which names of the list the sandbox has already (one shell: each process costs under TCG).
     facts = await sandbox.exec(["sh", "-c", ". /etc/os-release; echo $VERSION_CODENAME; dpkg --print-architecture; "
@@ -162,13 +162,12 @@ async def install(sandbox: Any, packages: list[str], config: Any, egress: Any, c
     r = await sandbox.exec(["apt-get", *opts, "update"], env=env, timeout=900)
     if r.exit_code != 0 or "Err:" in _out(r) or "W: Failed to fetch" in _out(r):
         raise AptInstallFailed(f"apt-get could not read the mirror {mirror}:\n{_tail(_out(r))}",
-                               hint="check package_apt_url and egress_package_index, then deploy again; "
-                                    "nothing was changed")
+                               hint="check package_apt_url and egress_package_index, then deploy again")
     r = await sandbox.exec(["apt-get", *opts, "install", "-y", "--no-install-recommends", *packages], env=env,
                            timeout=1800)
     if r.exit_code != 0:
         raise AptInstallFailed(f"apt-get could not install [agent] apt:\n{_tail(_out(r))}",
-                               hint="fix the list in moorage.toml and deploy again; nothing was changed")
+                               hint="fix the list in moorage.toml and deploy again")
     data = await _pack_debs(sandbox)
     if data is not None:
         write_private(cached, data)

@@ -137,8 +137,7 @@ async def install(sandbox: Any, requirements: bytes, config: Any, egress: Any, c
     if r.exit_code != 0:
         raise PackageInstallFailed(f"pip could not install {REQUIREMENTS}:\n"
                                    f"{_tail(r.stdout.decode(errors='replace') + r.stderr.decode(errors='replace'))}",
-                                   hint=f"fix {REQUIREMENTS} (or ask the operator to allow its index) and deploy again; "
-                                        "nothing was changed")
+                                   hint=f"fix {REQUIREMENTS} (or ask the operator to allow its index) and deploy again")
     # gzip -1: the default level takes three times as long (seconds under TCG) for an entry 13% smaller.
     r = await sandbox.exec(["tar", "-I", "gzip -1", "-cf", "/tmp/moorage-site.tar.gz", "-C", SITE_DIR, "."],
                            timeout=300)
