@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from moorage.errors import ConflictError, MoorageError
+from moorage.errors import ConflictError, MoorageError, disk_full
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
 from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
@@ -86,16 +86,38 @@ class Sleeping:
                 await asyncio.sleep(1.0)
                 try:
                     await self.io(self._mark_slept, ts, rec, trace, *slept)
-                except StoreUnreachable:
-                    continue
                 except ConflictError:  # recorded after all (the reply was lost), or reclaimed once the claim lapsed
                     return
+                except Exception as e:
+                    if isinstance(e, StoreUnreachable) or disk_full(e) is not None:
+                        continue  # or the disk full: tried again once there is room
+                    raise
                 if li.record_id == rec.id and li.sandbox is None:
                     li.owned = False
                 log.info("instance slept (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
                 return
 
         task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-{rec.id}")
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
+
+    def _give_up_when_room(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, reason: str) -> None:
+        """A sleep that failed could not be recorded failed either, the disk being full: recorded once there is room
+        (tried every second while the claim lives), so the instance is not left ``suspending`` and every request
+        for it waiting until the claim times out (two minutes)."""
+        async def record() -> None:
+            deadline = time.monotonic() + self.claim_timeout_s
+            while not self._closed and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                try:
+                    await self._give_up(ts, rec, trace, reason)
+                except Exception as e:  # noqa: BLE001 - still full: again; anything else: the claim lapses instead
+                    if disk_full(e) is not None:
+                        continue
+                    log.warning("a failed sleep could not be recorded", instance=rec.id, error=str(e))
+                return
+
+        task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-failed-{rec.id}")
         self._recording.add(task)
         task.add_done_callback(self._recording.discard)
 
@@ -139,8 +161,14 @@ class Sleeping:
             try:
                 snap = await sandbox.sleep()
             except Exception as e:
-                await self._give_up(ts, rec, trace, f"sleep failed: {e}")
                 log.error("instance failed to sleep", instance=rec.id, error=str(e))
+                try:
+                    await self._give_up(ts, rec, trace, f"sleep failed: {e}")
+                except Exception as e2:
+                    if disk_full(e2) is None:
+                        raise
+                    self._give_up_when_room(ts, rec, trace, f"sleep failed: {e}")
+                    raise
                 return False
             meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
@@ -162,7 +190,9 @@ class Sleeping:
             sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
             try:
                 await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
-            except StoreUnreachable:
+            except Exception as e:
+                if not isinstance(e, StoreUnreachable) and disk_full(e) is None:
+                    raise
                 self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
                 raise
             li.owned = False
