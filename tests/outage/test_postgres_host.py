@@ -94,3 +94,30 @@ def test_a_turn_running_while_postgresql_restarts_is_answered_and_stored(host: F
     stored = run.json()["run"]                                     # acknowledged, and stored as answered
     assert (stored["status"], stored["result"]["reply"]) == ("succeeded", "2: slow"), stored
     assert replied(host.turn(0, "cal")) == "3: hi"
+
+
+def test_an_async_turn_accepted_before_postgresql_went_down_runs_once_it_is_back(host: Fleet,
+                                                                                outages: Outages) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert replied(host.turn(0, "eve")) == "1: hi"
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(host.turn, 0, "eve", "slow")          # eve's session is busy for 4 s
+        time.sleep(1)
+        r = host.api[0].post("/v1/agents/echo/invoke?async=true", json={"message": "later", "user": "eve"})
+        assert r.status_code == 202, r.text                        # accepted: queued behind the slow turn
+        ex = r.json()["id"]
+        outages.stop()
+        try:
+            slow.result(timeout=60)
+            time.sleep(2)
+        finally:
+            outages.start()
+
+    def status() -> str:
+        r = host.api[0].get(f"/v1/executions/{ex}")
+        return r.json()["status"] if r.status_code == 200 else ""
+
+    until(lambda: status() in ("succeeded", "failed"), "the async turn ran", 60)
+    got = host.api[0].get(f"/v1/executions/{ex}").json()
+    assert got["status"] == "succeeded" and got["reply"].endswith(": later"), got

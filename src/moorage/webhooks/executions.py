@@ -16,6 +16,7 @@ from typing import Any
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, TenantStore
+from moorage.store.pg_outage import StoreUnreachable
 from moorage.store.webhooks import Execution
 
 log = get_logger(__name__)
@@ -116,7 +117,9 @@ class ExecutionRunner:
                 except MoorageError as e:
                     # Refused for now (a full queue, every awake instance busy): nothing was started and the 202
                     # promised a turn, so it stays queued and is tried again after the wait the refusal names.
-                    if began or e.code not in RETRIED_REFUSALS or time.monotonic() >= deadline:
+                    # The store out of reach (PostgreSQL restarting) before anything began: tried again the same way.
+                    refused = e.code in RETRIED_REFUSALS or isinstance(e, StoreUnreachable)
+                    if began or not refused or time.monotonic() >= deadline:
                         raise
                     wait = getattr(e, "retry_after_s", None) or getattr(e, "retry_after", None) or 1.0
                     self._retrying.add(ex.id)  # nothing of it runs now: cancel_queued may stop it here
