@@ -77,3 +77,19 @@ def test_a_sleep_whose_snapshot_finds_the_disk_full_leaves_the_guest_running_and
         assert r.status_code == 200 and r.json()["reply"] == "3: hi", r.text
         assert c.post(f"/v1/sandboxes/{sid}/sleep").json()["slept"] is True
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "4: hi"
+
+
+def test_a_deploy_whose_builder_vm_memory_does_not_fit_the_disk_answers_507(vm_host: tuple[Up, SmallDisk]) -> None:
+    """A deploy boots a builder VM whose RAM is a sparse file on the data disk: with 60 MiB free (room enough for the
+    agent's own 8 MiB disk) its guest's memory filled the disk and QEMU died of SIGBUS, a 500 "sandbox-boot ...
+    report trace id". It is the 507 disk-full answer, and the same deploy goes through once there is room."""
+    up, disk = vm_host
+    up.start()
+    with up.client() as c:
+        disk.leave(60 << 20)
+        r = c.post("/v1/agents/echo/deployments", content=archive(disk_mib=8), headers=GZ, timeout=120)
+        assert r.status_code == 507 and r.json()["type"].endswith("/disk-full"), r.text
+        assert "memory did not fit" in r.json()["detail"], r.text
+        disk.free()
+        assert c.post("/v1/agents/echo/deployments", content=archive(disk_mib=8), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "1: hi"

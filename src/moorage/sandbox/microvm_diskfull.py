@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 from moorage.errors import DiskFull
@@ -27,6 +28,21 @@ log = get_logger("moorage.sandbox.microvm_sandbox")
 RESUME_FREE_BYTES = 4 << 20
 #: How often a paused guest's filesystem is checked for room.
 RESUME_POLL_S = 0.2
+
+
+def killed_by_full_disk(returncode: int | None, sandbox_dir: "os.PathLike[str] | str") -> DiskFull | None:
+    """``DiskFull`` when a QEMU that exited was killed by SIGBUS with the disk (nearly) full: its guest touched a page
+    of its RAM file (a cold-booted guest's, sparse) that found no room. Such a boot said "report trace id"."""
+    if returncode != -signal.SIGBUS:
+        return None
+    try:
+        st = os.statvfs(sandbox_dir)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= RESUME_FREE_BYTES:
+        return None
+    return DiskFull("the host is out of disk space: the sandbox's memory did not fit on the disk, so it could not "
+                    "start")
 
 
 def paused_error(sandbox_id: str) -> DiskFull:

@@ -16,6 +16,7 @@ from moorage.log import get_logger
 from moorage.sandbox import microvm_memfd, microvm_net
 from moorage.sandbox.base import ChannelError, RemoteError, SandboxError, SandboxState
 from moorage.sandbox.channel import Channel
+from moorage.sandbox.microvm_diskfull import killed_by_full_disk
 from moorage.sandbox.microvm_qemu import (
     console_pipe,
     console_reattach,
@@ -76,7 +77,8 @@ class QemuProcess:
         deadline = time.monotonic() + 10
         while not paths.qmp_sock.exists():
             if self._proc.poll() is not None:
-                raise BootError(f"QEMU exited at start (code {self._proc.returncode}): {self._log_tail()}", hint="check qemu.log in the sandbox directory")
+                raise killed_by_full_disk(self._proc.returncode, self.dir) or \
+                    BootError(f"QEMU exited at start (code {self._proc.returncode}): {self._log_tail()}", hint="check qemu.log in the sandbox directory")
             if time.monotonic() > deadline:
                 raise BootError("QEMU did not create its monitor socket within 10 s", hint="the host may be overloaded")
             await asyncio.sleep(0.002)
@@ -110,7 +112,8 @@ class QemuProcess:
         attempt = 0  # short first timeouts: a call sent before the guest reads is retried soon, not after 2 s
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
-                raise BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
+                raise killed_by_full_disk(self._proc.returncode, self.dir) or \
+                    BootError(f"QEMU exited (code {self._proc.returncode}) before the guest answered: {self._log_tail()}")
             try:
                 if self._channel is None or self._channel.closed:
                     # The guest's end of the port may still remember request ids of a connection from before a
