@@ -210,19 +210,20 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     # While it serves, uvicorn's own handler takes the signal (and drains requests before ``serve`` returns): an
     # online backup is stopped as the signal arrives, not after a long turn in flight ended (it would run on, and
     # finish, while the host is stopping).
-    # Detached execs end as the signal arrives too: a client following one kept uvicorn's graceful stop waiting
-    # until the exec ended (up to its timeout_s) before any instance was put to sleep.
+    # Detached execs and agent apps' answers end as the signal arrives too (``Host.stopping``): a client following
+    # an exec or an app's event stream kept uvicorn's graceful stop waiting until it ended (an exec's timeout_s,
+    # an app's app_max_duration_s) before any instance was put to sleep.
     loop = asyncio.get_running_loop()
     uvicorn_exit = server.handle_exit
     ending: list[asyncio.Task[int]] = []
 
-    def end_execs() -> None:
+    def begin_stop() -> None:
         if not ending:
-            ending.append(asyncio.create_task(host.end_execs()))
+            ending.append(asyncio.create_task(host.stopping()))
 
     def handle_exit(sig: int, frame: object) -> None:
         loop.call_soon_threadsafe(admin.stop_backup)
-        loop.call_soon_threadsafe(end_execs)
+        loop.call_soon_threadsafe(begin_stop)
         uvicorn_exit(sig, frame)
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]

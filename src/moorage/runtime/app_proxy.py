@@ -211,13 +211,22 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
     ex = exchange
     assert ex is not None
 
+    def close_behind() -> None:
+        # Cut short: cleanup must not wait on a cancelled caller, so the guest connection is closed and the
+        # instance released in the background, by a task held until done.
+        task = asyncio.ensure_future(stack.aclose())
+        _CLEANUPS.add(task)
+        task.add_done_callback(_cleaned)
+
     async def body() -> AsyncIterator[bytes]:
         # One chunk is held back: the instance is released before the caller has the last bytes, so whoever
         # acts on a complete answer (and sleeps the instance, say) never finds it still busy.
         held = b""
         try:
             while True:
-                item = await ex.next_event(deadline)
+                item = await _unless_stopping(ex.next_event(deadline), runtime.stopping)
+                if item is _STOPPING:
+                    break
                 if isinstance(item, h11.Data):
                     if held:
                         yield held
@@ -225,12 +234,15 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
                 elif isinstance(item, (h11.EndOfMessage, h11.ConnectionClosed)):
                     break
         except BaseException:
-            # Cut short (the caller went away, a limit): cleanup must not wait on a cancelled caller, so the
-            # guest connection is closed and the instance released in the background, by a task held until done.
-            task = asyncio.ensure_future(stack.aclose())
-            _CLEANUPS.add(task)
-            task.add_done_callback(_cleaned)
+            close_behind()  # the caller went away, a limit
             raise
+        if item is _STOPPING:
+            # The host is stopping: an answer with no end of its own (an event stream) would hold the server's
+            # graceful stop for up to app_max_duration_s. What came is sent, and the answer ends here.
+            close_behind()
+            if held:
+                yield held
+            return
         await stack.aclose()
         if held:
             yield held
@@ -261,6 +273,26 @@ async def _send_request(exchange: _Exchange, head: h11.Request, body: AsyncItera
 
 
 _CLEANUPS: set["asyncio.Future[None]"] = set()
+
+#: What ``_unless_stopping`` returns once the host's stop has begun.
+_STOPPING: Any = object()
+
+
+async def _unless_stopping(step: Awaitable[Any], stopping: asyncio.Event) -> Any:
+    """``step``'s result, or ``_STOPPING`` (``step`` cancelled) if the host's stop begins first."""
+    if stopping.is_set():
+        step.close()  # type: ignore[attr-defined]  # a coroutine never started
+        return _STOPPING
+    nxt = asyncio.ensure_future(step)
+    stop = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            nxt.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it now
+    return nxt.result() if nxt.done() and not nxt.cancelled() else _STOPPING
 
 
 def _mounted(location: str, port: int, prefix: str) -> str:

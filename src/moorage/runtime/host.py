@@ -212,6 +212,13 @@ class Host:
             detach = self.config.shutdown == "detach"
         return detach and self.driver.capabilities.survives_host_exit
 
+    async def stopping(self) -> int:
+        """The stop signal arrived: what would hold the server's graceful stop for long ends now, before it waits
+        for requests in flight. An agent app's answers end (an event stream may last ``app_max_duration_s``),
+        and the detached execs (``end_execs``)."""
+        self.runtime.stopping.set()
+        return await self.end_execs()
+
     async def end_execs(self, *, detach: bool | None = None) -> int:
         """End every detached exec, as a clean stop does: called as the stop signal arrives too, since a client
         following one (``GET /v1/executions/{id}/events``) kept the server's graceful stop waiting until the

@@ -78,6 +78,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         self._working: dict[str, tuple[Any, int]] = {}
         self._memories: dict[str, _Memory] = {}
         self._loaded: dict[str, str] = {}  # sandbox id -> deployment id loaded in it (this process's view)
+        #: Set as the host's stop begins (``Host.stopping``): answers with no end of their own (an agent app's
+        #: event stream) end then, rather than hold the server's graceful stop.
+        self.stopping = asyncio.Event()
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
         self.router = Router(store, instances, self._forward_turn, self._template_for)
         self.rng = random.Random()
