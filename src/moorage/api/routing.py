@@ -6,6 +6,8 @@ end-user token limits, bounded body reading, ``Idempotency-Key`` replay, a span 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import inspect
 import json
@@ -22,7 +24,8 @@ from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal, with_openai_error
 from moorage.fleet.forward import forwarded, forwarded_by
 from moorage.lifecycle.manager import Misplaced
-from moorage.errors import ConflictError, InvalidInput, MoorageError, TenantScopeError, UnavailableError, disk_full
+from moorage.errors import (ConflictError, DiskFull, InvalidInput, MoorageError, TenantScopeError, UnavailableError,
+                            disk_full)
 from moorage.log import get_logger
 from moorage.observability.tracer import current_trace_id, use_trace_id
 from moorage.store import Principal, TenantStore
@@ -329,21 +332,27 @@ class Endpoint:
             response = self._respond(await self._invoke(call))
         except MoorageError as e:
             if _retryable(e.http_status):
-                await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+                await _release(ts, key, entry.version)
                 raise
             response = from_error(e, call.trace_id)
         except BaseException:
-            await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+            await _release(ts, key, entry.version)
             raise
         if _retryable(response.status_code) or not hasattr(response, "body"):
-            await run_in_threadpool(ts.journal.release, key, expected_version=entry.version)
+            await _release(ts, key, entry.version)
             return response
         stored_body = json.loads(response.body) if response.body else None
         if isinstance(stored_body, dict):
             stored_body = _redact(stored_body, self.secret_fields)
-        await run_in_threadpool(ts.journal.complete, key, expected_version=entry.version,
-                                result={"status": response.status_code, "body": stored_body, "request_sha": request_sha,
-                                        "media_type": response.media_type})
+        done = functools.partial(ts.journal.complete, key, expected_version=entry.version,
+                                 result={"status": response.status_code, "body": stored_body,
+                                         "request_sha": request_sha, "media_type": response.media_type})
+        if not await _when_room(done):
+            # Done, but its answer has no room to be kept: a retry with the key waits (409) and, once there is room,
+            # gets it replayed; it is not done twice.
+            raise DiskFull("the host is out of disk space: the request was carried out, but its answer could not "
+                           "be kept", hint="once the operator has freed space on the disk, retry with the same "
+                                           "Idempotency-Key to get the answer")
         return response
 
     @staticmethod
@@ -370,6 +379,43 @@ class Endpoint:
             if status >= 500:
                 active.status = "error"
             ctx.tracer.finish(ts, active)
+
+
+#: Releases of Idempotency-Keys waiting for room on the disk (held: asyncio keeps weak references to tasks).
+_RELEASING: set["asyncio.Task[None]"] = set()
+
+
+async def _release(ts: TenantStore, key: str, version: int) -> None:
+    """Drop the claim of a request that failed, so a retry with its key runs it."""
+    await _when_room(functools.partial(ts.journal.release, key, expected_version=version))
+
+
+async def _when_room(write: Callable[[], Any]) -> bool:
+    """Run the journal ``write`` (True), or when the disk is too full for it, run it once there is room (tried every
+    second for a day) and return False. Left undone, an Idempotency-Key's claim stayed: every retry with the key was
+    a 409 "still in progress" until the host restarted."""
+    try:
+        await run_in_threadpool(write)
+        return True
+    except Exception as e:
+        if disk_full(e) is None:
+            raise
+
+    async def later() -> None:
+        for _ in range(86400):
+            await asyncio.sleep(1.0)
+            try:
+                await run_in_threadpool(write)
+                return
+            except Exception as e:  # noqa: BLE001 - still full: again; anything else: the claim stays (logged)
+                if disk_full(e) is None:
+                    log.warning("an Idempotency-Key's claim could not be settled after a full disk", error=str(e))
+                    return
+
+    task = asyncio.get_running_loop().create_task(later(), name="idempotency-key-when-room")
+    _RELEASING.add(task)
+    task.add_done_callback(_RELEASING.discard)
+    return False
 
 
 def _retryable(status: int) -> bool:
