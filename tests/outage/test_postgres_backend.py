@@ -77,3 +77,24 @@ def test_a_call_while_the_server_is_down_is_a_prompt_503_and_the_next_one_after_
     t0 = time.monotonic()
     assert _use(s, key) == 2  # nothing was written meanwhile, nothing was lost
     assert time.monotonic() - t0 < 3, "the pool waited out a back-off after the server was back"
+
+
+def test_a_write_while_postgresql_takes_no_writes_is_a_503_and_works_once_it_does_again(store, outages: Outages) -> None:
+    """A failover in progress (or a pooler still pointing at the old primary, now a standby): the server answers, but
+    read-only. Writes are a retryable 503, not a 500, and work on the next try once it takes writes again."""
+    s, db = store
+    key = _setup(s)
+    assert _use(s, key) == 1
+    outages.cluster.psql(f'ALTER DATABASE "{db}" SET default_transaction_read_only = on')
+    outages.terminate(db)  # its sessions reconnect read-only, as to a standby
+    try:
+        tenant_id = s.backend.get_tenant("acme").id
+        for write in (lambda: s.tenant(s.authenticate(key)).events.append(S, "message", "while read-only"),
+                      lambda: s.backend.create_api_key(tenant_id, ["read"])):
+            with pytest.raises(UnavailableError) as e:
+                write()
+            assert e.value.http_status == 503 and "takes no writes" in e.value.message, e.value
+    finally:
+        outages.cluster.psql(f'ALTER DATABASE "{db}" RESET default_transaction_read_only')
+    assert _use(s, key) == 2                                     # the read-only connections were not kept
+    s.backend.create_api_key(tenant_id, ["read"])

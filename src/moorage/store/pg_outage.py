@@ -59,6 +59,10 @@ def unreachable_as_503(what: str = "PostgreSQL") -> Iterator[None]:
     """Turn a lost connection (or no connection within the wait) into ``StoreUnreachable``; other errors pass."""
     try:
         yield
+    except psycopg.errors.ReadOnlySqlTransaction as e:
+        # Connected to a standby: a failover in progress, or a pooler still pointing at the old primary.
+        raise StoreUnreachable(f"{what} takes no writes right now (read-only: a standby, or a failover in progress)",
+                               hint=_HINT) from e
     except psycopg.OperationalError as e:
         if not is_connection_lost(e):
             raise

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 import threading
+import time
+import weakref
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -116,7 +119,11 @@ class PostgresBackend(Backend):
         # the next one could come a minute after the server is back), and the next request tries again at once.
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
                                     kwargs={"autocommit": True}, timeout=CONNECT_WAIT_S,
-                                    reconnect_timeout=CONNECT_WAIT_S)
+                                    reconnect_timeout=CONNECT_WAIT_S, configure=self._born_now)
+        #: When each pooled connection was made, and when a write was last refused as read-only (a standby): the
+        #: connections made before that are all to the standby, and are replaced instead of failing a write each.
+        self._born: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
+        self._read_only_at = 0.0
         self._calls = PreparedCalls()
         try:
             self._pool.open(wait=True, timeout=30)
@@ -136,12 +143,15 @@ class PostgresBackend(Backend):
             self._owner = self._connect_owner()
         return self._owner
 
+    def _born_now(self, conn: psycopg.Connection) -> None:
+        self._born[conn] = time.monotonic()
+
     def _checked_out(self) -> psycopg.Connection:
         """A pooled connection known to be open: the ones the server closed while idle (all of them after a restart)
         are discarded here, and the pool replaces them, instead of failing the request that drew them."""
         for _ in range(self._pool.max_size + 1):
             conn = self._pool.getconn()
-            if not stale(conn):
+            if not stale(conn) and self._born.get(conn, math.inf) > self._read_only_at:
                 return conn
             conn.close()
             self._pool.putconn(conn)
@@ -166,6 +176,11 @@ class PostgresBackend(Backend):
                     conn = self._checked_out()
         try:
             yield conn
+        except StoreUnreachable as e:
+            conn.close()  # lost, or read-only (a standby): the pool connects again, to the primary once there is one
+            if isinstance(e.__cause__, psycopg.errors.ReadOnlySqlTransaction):
+                self._read_only_at = time.monotonic()
+            raise
         finally:
             self._pool.putconn(conn)
 
@@ -277,17 +292,22 @@ class PostgresBackend(Backend):
 
     @contextlib.contextmanager
     def control_tx(self) -> Iterator[Conn]:
-        with self._owner_lock, unreachable_as_503(), contextlib.ExitStack() as tx:
-            for attempt in (1, 2):  # BEGIN on a connection the server closed since the check: once more (see _pooled)
-                conn = self._owner_conn()
-                try:
-                    tx.enter_context(conn.transaction())
-                    break
-                except psycopg.OperationalError as e:
-                    if attempt == 2 or not is_connection_lost(e):
-                        raise
-                    conn.close()  # connected again by _owner_conn
-            yield Conn(conn, "postgres")
+        with self._owner_lock:
+            try:
+                with unreachable_as_503(), contextlib.ExitStack() as tx:
+                    for attempt in (1, 2):  # BEGIN on a connection closed since the check: once more (see _pooled)
+                        conn = self._owner_conn()
+                        try:
+                            tx.enter_context(conn.transaction())
+                            break
+                        except psycopg.OperationalError as e:
+                            if attempt == 2 or not is_connection_lost(e):
+                                raise
+                            conn.close()  # connected again by _owner_conn
+                    yield Conn(conn, "postgres")
+            except StoreUnreachable:
+                self._owner.close()  # lost, or read-only (a standby): connected again by the next call
+                raise
 
     def authenticate_hash(self, key_hash: str) -> tuple[str, str, str, float | None] | None:
         def read() -> tuple | None:
