@@ -26,6 +26,7 @@ def test_a_sleep_cut_short_by_a_full_disk_at_any_step_leaves_the_instance_servin
             outcomes.append((room, r.status_code, r.json().get("slept")))
             disk.free()
         assert outcomes[-1][1:] == (200, True) and any(o[1] == 507 for o in outcomes), outcomes
+        assert (200, False) not in [o[1:] for o in outcomes], outcomes  # a sleep the disk stopped says so: 507
         assert "instance failed to sleep" in up.log.read_text()  # the sandbox's own sleep found no room once
         r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=15)
         assert r.json()["reply"] == f"{n + 1}: hi", r.text

@@ -169,6 +169,9 @@ class Sleeping:
                         raise
                     self._give_up_when_room(ts, rec, trace, f"sleep failed: {e}")
                     raise
+                full = disk_full(e)
+                if full is not None:  # said as such (a requested sleep answered "slept": false, an eviction that
+                    raise full from e  # kept failing "idle instances kept getting new turns")
                 return False
             meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
             # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
