@@ -54,6 +54,15 @@ def stale(conn: psycopg.Connection) -> bool:
     return conn.closed or conn.broken
 
 
+def read_only(conn: psycopg.Connection) -> bool:
+    """Whether the connection's server takes no writes (a standby). One round trip. Blocking."""
+    try:
+        row = conn.execute("SHOW transaction_read_only").fetchone()
+    except psycopg.Error:
+        return True
+    return row is None or row[0] != "off"
+
+
 @contextlib.contextmanager
 def unreachable_as_503(what: str = "PostgreSQL") -> Iterator[None]:
     """Turn a lost connection (or no connection within the wait) into ``StoreUnreachable``; other errors pass."""

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import re
 import threading
 import time
-import weakref
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -22,7 +20,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
-from moorage.store.pg_outage import CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, stale, unreachable_as_503
+from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, read_only, stale,
+                                     unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
@@ -119,11 +118,12 @@ class PostgresBackend(Backend):
         # the next one could come a minute after the server is back), and the next request tries again at once.
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
                                     kwargs={"autocommit": True}, timeout=CONNECT_WAIT_S,
-                                    reconnect_timeout=CONNECT_WAIT_S, configure=self._born_now)
-        #: When each pooled connection was made, and when a write was last refused as read-only (a standby): the
-        #: connections made before that are all to the standby, and are replaced instead of failing a write each.
-        self._born: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
+                                    reconnect_timeout=CONNECT_WAIT_S)
+        #: When a write was last refused as read-only (the server a standby), and when one last committed: between
+        #: the two, each pooled connection is asked whether it takes writes before it is used, and one to the
+        #: standby is replaced instead of failing a write each.
         self._read_only_at = 0.0
+        self._wrote_at = 0.0
         self._calls = PreparedCalls()
         try:
             self._pool.open(wait=True, timeout=30)
@@ -143,15 +143,12 @@ class PostgresBackend(Backend):
             self._owner = self._connect_owner()
         return self._owner
 
-    def _born_now(self, conn: psycopg.Connection) -> None:
-        self._born[conn] = time.monotonic()
-
     def _checked_out(self) -> psycopg.Connection:
         """A pooled connection known to be open: the ones the server closed while idle (all of them after a restart)
         are discarded here, and the pool replaces them, instead of failing the request that drew them."""
         for _ in range(self._pool.max_size + 1):
             conn = self._pool.getconn()
-            if not stale(conn) and self._born.get(conn, math.inf) > self._read_only_at:
+            if not stale(conn) and not (self._read_only_at > self._wrote_at and read_only(conn)):
                 return conn
             conn.close()
             self._pool.putconn(conn)
@@ -261,6 +258,8 @@ class PostgresBackend(Backend):
                 else:
                     _rollback(conn)
                 raise
+            if write:
+                self._wrote_at = time.monotonic()  # the server takes writes (again)
 
     def tenant_call(self, tenant_id: str, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
         """Run one statement that scopes itself to ``tenant_id`` as its own autocommitted transaction.
