@@ -98,3 +98,32 @@ def test_a_write_while_postgresql_takes_no_writes_is_a_503_and_works_once_it_doe
         outages.cluster.psql(f'ALTER DATABASE "{db}" RESET default_transaction_read_only')
     assert _use(s, key) == 2                                     # the read-only connections were not kept
     s.backend.create_api_key(tenant_id, ["read"])
+
+
+def test_a_healthy_connection_past_descriptor_1024_is_not_taken_for_a_closed_one(outages: Outages) -> None:
+    """A busy host (sandboxes, sockets) has more than 1024 descriptors open: the check for a connection the server
+    closed must not mistake every later one for closed (each request would then connect anew)."""
+    import os
+    import resource
+
+    import psycopg
+
+    from moorage.store.pg_outage import stale
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        conn = psycopg.connect(outages.cluster.superuser_url, autocommit=True)
+        try:
+            assert conn.fileno() > 1024
+            assert not stale(conn)
+            outages.terminate("postgres")
+            time.sleep(0.5)
+            assert stale(conn)                                       # and one the server closed still is
+        finally:
+            conn.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -46,8 +46,9 @@ def stale(conn: psycopg.Connection) -> bool:
     if conn.closed or conn.broken:
         return True
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
-        if readable:
+        poller = select.poll()  # not select.select: a busy host's descriptors go past its limit of 1024
+        poller.register(conn.fileno(), select.POLLIN)
+        if poller.poll(0):
             conn.execute("")  # a notice or a parameter change passes; a closed connection raises
     except (psycopg.Error, OSError, ValueError):
         return True
