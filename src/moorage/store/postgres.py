@@ -339,8 +339,8 @@ class PostgresBackend(Backend):
     def schema_version(self, tenant_id: str | None = None) -> int:
         component = "control" if tenant_id is None else "tenant"
         with self._owner_lock, unreachable_as_503():
-            r = self._owner_conn().execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
-                                    (component,)).fetchone()
+            r = self._owner_conn().execute(
+                "SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s", (component,)).fetchone()
         return int(r[0])
 
     def describe(self) -> str:
