@@ -5,6 +5,7 @@ there is room the guest resumes by itself and the user's agent goes on where it 
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -93,3 +94,33 @@ def test_a_deploy_whose_builder_vm_memory_does_not_fit_the_disk_answers_507(vm_h
         disk.free()
         assert c.post("/v1/agents/echo/deployments", content=archive(disk_mib=8), headers=GZ).status_code == 201
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "1: hi"
+
+
+def test_a_checkpoint_that_finds_the_disk_full_answers_507_and_leaves_no_disk_snapshot_behind(
+        vm_host: tuple[Up, SmallDisk]) -> None:
+    """A checkpoint of a micro-VM on a full disk answered 500 "sandbox-qmp ... report trace id" (QEMU's device-state
+    write says "An IO error has occurred"), and one that failed after its disk's internal snapshot was taken left
+    that snapshot in disk.qcow2 for good: nothing lists it without its files, and it keeps the clusters it shares."""
+    up, disk = vm_host
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=archive(disk_mib=64), headers=GZ).status_code == 201
+        for n in (1, 2):
+            assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == f"{n}: hi"
+        sid = c.get("/v1/agents/echo/users/ada").json()["instance"]["sandbox_id"]
+        qcow2 = disk.path / "sandboxes" / sid / "disk.qcow2"
+
+        def disk_snapshots() -> list[str]:
+            out = subprocess.run(["qemu-img", "snapshot", "-l", "-U", str(qcow2)], capture_output=True, text=True)
+            return [line.split()[1] for line in out.stdout.splitlines()[2:]]
+
+        assert c.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["sync"]}).json()["exit_code"] == 0
+        before = disk_snapshots()
+        for room in (0, 256 << 10):  # no room for the device state; room for it, none for the memory pages
+            disk.leave(room)
+            r = c.post("/v1/agents/echo/users/ada/checkpoints", json={"name": f"at-{room}"})
+            disk.free()
+            assert r.status_code == 507 and r.json()["type"].endswith("/disk-full"), (room, r.text)
+            assert disk_snapshots() == before, room
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "3: hi"
+        assert c.post("/v1/agents/echo/users/ada/checkpoints", json={"name": "room"}).status_code == 201

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from moorage.errors import DiskFull
 from moorage.log import get_logger
 from moorage.sandbox import microvm_ram as ram
 from moorage.sandbox import microvm_ram_chain as ram_chain
@@ -31,6 +32,7 @@ from moorage.sandbox.base import (
 )
 from moorage.fsync import fsync_dir
 from moorage.sandbox.microvm_files import allocated, sparse_copy, write_json
+from moorage.sandbox.microvm_diskfull import nearly_full
 from moorage.sandbox.qmp import QMPError
 
 log = get_logger(__name__)
@@ -58,11 +60,12 @@ class Checkpointing:
         await self._qmp.execute("stop")  # also drains and flushes the disk
         paused = True
         clock: asyncio.Task[None] | None = None
-        done = False
+        done = disk_snapped = False
         try:
             await self._qmp.save_device_state(new / "dev.state")  # by descriptor: QEMU cannot reach the path
             if disk_tag is not None:
                 await self._disk_snapshot(disk_tag)  # the disk at the same instant as memory and devices
+                disk_snapped = True
             ph.mark("pause_and_device_state")
             record = snapshots.new_record(self.ram_mode, self._vm_config().layout_id(), self._meta["image_id"])
             # The file work below runs on worker threads: on the event loop it held every other request of the host
@@ -106,11 +109,20 @@ class Checkpointing:
             await asyncio.to_thread(snapshots.commit, cap, new, target, record, self.dir / "disk.qcow2",
                                     keep_running=keep_running, ph=ph)
             done = True
+        except QMPError as e:
+            if nearly_full(self.dir):  # QEMU's write found no room: "An IO error has occurred"
+                raise DiskFull("the host is out of disk space: the snapshot did not fit on the disk") from e
+            raise
         finally:
             if not done:
                 # Half of a snapshot is never used (only a renamed whole one is) and must not hold the space it
-                # took: a sleep or checkpoint that failed on a full disk leaves the room it found.
+                # took: a sleep or checkpoint that failed on a full disk leaves the room it found, and its disk
+                # snapshot (nothing lists one without its files) does not keep the clusters it shares.
                 await asyncio.to_thread(shutil.rmtree, new, True)
+                if disk_snapped and self._qmp is not None:
+                    with contextlib.suppress(QMPError):
+                        await self._qmp.execute("blockdev-snapshot-delete-internal-sync",
+                                                {"device": "disk", "name": disk_tag})
             if paused and self._qmp is not None and (keep_running or not done):
                 # A checkpoint, or a sleep that failed (its disk full, say), leaves the guest running, as it was;
                 # a sleep that failed and left it paused had every later call to it wait out its timeout.

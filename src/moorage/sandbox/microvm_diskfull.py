@@ -30,16 +30,20 @@ RESUME_FREE_BYTES = 4 << 20
 RESUME_POLL_S = 0.2
 
 
+def nearly_full(path: "os.PathLike[str] | str") -> bool:
+    """Whether the filesystem of ``path`` has less than ``RESUME_FREE_BYTES`` free (QEMU's own errors on a full disk
+    say "An IO error has occurred", or it dies: this is how the host tells)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < RESUME_FREE_BYTES
+
+
 def killed_by_full_disk(returncode: int | None, sandbox_dir: "os.PathLike[str] | str") -> DiskFull | None:
     """``DiskFull`` when a QEMU that exited was killed by SIGBUS with the disk (nearly) full: its guest touched a page
     of its RAM file (a cold-booted guest's, sparse) that found no room. Such a boot said "report trace id"."""
-    if returncode != -signal.SIGBUS:
-        return None
-    try:
-        st = os.statvfs(sandbox_dir)
-    except OSError:
-        return None
-    if st.f_bavail * st.f_frsize >= RESUME_FREE_BYTES:
+    if returncode != -signal.SIGBUS or not nearly_full(sandbox_dir):
         return None
     return DiskFull("the host is out of disk space: the sandbox's memory did not fit on the disk, so it could not "
                     "start")
