@@ -1,7 +1,12 @@
 """A sleep on a disk with little room, at every amount of room: the store's claim fits, then the sandbox's sleep or
 the record of its outcome does not. The instance must serve its user's next turn once there is room. A sleep whose
 failure could not be recorded (or whose success) left the instance ``suspending``: every turn of that user waited
-for the claim to time out (two minutes), then for a sandbox that had been stopped half-way."""
+for the claim to time out (two minutes), then for a sandbox that had been stopped half-way.
+
+Which step meets the last free page depends on how much of SQLite's WAL is free to reuse at that moment, so a run
+meets the window where the store is full after the sandbox's own sleep failed in about half the runs (it hung on
+the old code when it did); the micro-VM's sleep (test_microvm_disk_full.py), whose snapshot is megabytes, meets the
+window where only the sandbox's sleep fails every time."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ def test_a_sleep_cut_short_by_a_full_disk_at_any_step_leaves_the_instance_servin
     with up.client() as c:
         assert c.post("/v1/agents/echo/deployments", content=archive(), headers=GZ).status_code == 201
         n, outcomes = 0, []
-        for room in range(0, 192 << 10, 8192):  # more room each time: each step of a sleep fails once
+        for room in range(0, 192 << 10, 4096):  # a page more room each time: each step of a sleep fails once
             n += 1
             r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=15)
             assert r.status_code == 200 and r.json()["reply"] == f"{n}: hi", (room, outcomes, r.text)
@@ -27,6 +32,5 @@ def test_a_sleep_cut_short_by_a_full_disk_at_any_step_leaves_the_instance_servin
             disk.free()
         assert outcomes[-1][1:] == (200, True) and any(o[1] == 507 for o in outcomes), outcomes
         assert (200, False) not in [o[1:] for o in outcomes], outcomes  # a sleep the disk stopped says so: 507
-        assert "instance failed to sleep" in up.log.read_text()  # the sandbox's own sleep found no room once
         r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=15)
         assert r.json()["reply"] == f"{n + 1}: hi", r.text
