@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import sqlite3
 
+import pytest
+
+from moorage.client import Client, DiskFull
 from tests.diskfull.conftest import GZ, SmallDisk, archive
 from tests.lifecycle.crash_up import Up
 
@@ -35,6 +38,9 @@ def test_a_full_disk_answers_507_disk_full_and_nothing_is_lost(host: tuple[Up, S
         _is_disk_full(c.post("/v1/agents/echo/users/ada/facts",
                              json={"subject": "ada", "attribute": "drinks", "value": "tea", "text": "ada drinks tea"}))
         assert c.get("/v1/agents/echo/users/ada").status_code == 200  # reads still answer
+        with Client(up.url, up.key, max_retries=0) as sdk, pytest.raises(DiskFull) as refused:  # the SDK's own type
+            sdk.invoke("echo", "hi", user="carol")
+        assert refused.value.status == 507 and refused.value.code == "disk-full", refused.value
         disk.free()
         # Room again: the same host serves, ada's state is where it was, the refused requests can be made now.
         r = c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, headers=once)

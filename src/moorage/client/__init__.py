@@ -6,10 +6,10 @@ It speaks HTTP only; nothing here imports the host's internals.
 """
 
 from moorage.client.aio import AsyncClient
-from moorage.client.errors import (ApiError, AuthError, BadRequest, Conflict, InvalidArgument, NotFound, RateLimited,
-                                   ServerError, Unavailable)
+from moorage.client.errors import (ApiError, AuthError, BadRequest, Conflict, DiskFull, InvalidArgument, NotFound,
+                                   RateLimited, ServerError, Unavailable)
 from moorage.client.sync import Client
 from moorage.client.webhooks import WebhookSignatureError, verify_webhook
 
-__all__ = ["ApiError", "AsyncClient", "AuthError", "BadRequest", "Client", "Conflict", "InvalidArgument", "NotFound",
+__all__ = ["ApiError", "AsyncClient", "AuthError", "BadRequest", "Client", "Conflict", "DiskFull", "InvalidArgument", "NotFound",
            "RateLimited", "ServerError", "Unavailable", "WebhookSignatureError", "verify_webhook"]

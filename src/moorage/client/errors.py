@@ -60,6 +60,11 @@ class ServerError(ApiError):
     """500/502: the server failed; quote ``trace_id`` to the operator."""
 
 
+class DiskFull(ServerError):
+    """507: the host is out of disk space. Nothing of the request was kept; once its operator frees space the same
+    request succeeds (no restart needed). Not retried by the client: it does not pass in seconds."""
+
+
 class InvalidArgument(BadRequest):
     """Refused before anything was sent: an argument no route could take (an empty id, ``..``)."""
 
@@ -81,6 +86,8 @@ def error_for(status: int, body: Any, headers: Any) -> ApiError:
         cls = RateLimited
     elif status == 503:
         cls = Unavailable
+    elif status == 507:
+        cls = DiskFull
     elif status >= 500:
         cls = ServerError
     else:
