@@ -76,7 +76,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
         store, runtime = runtime_or_store, None
     else:
         store, runtime = runtime_or_store.store, runtime_or_store
-    metrics = Metrics(_instance_counts(store))
+    metrics = Metrics(_instance_counts(store), data_dir=config.data_dir)
     ctx = AppContext(store, runtime, config, authenticator or Authenticator.for_data_dir(store, config.data_dir),
                      Tracer(span_sink), metrics)
     endpoints = all_endpoints()

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one moorage process: requests, errors, turn and wake latency, tokens, instances.
+"""Prometheus metrics of one moorage process: requests, errors, turn and wake latency, tokens, instances, the data
+disk's free space.
 
 Labels are route templates, known methods, error codes and states only: never tenant ids, agent names, users
 or secrets, because ``/metrics`` is scraped by the operator's monitoring, outside any tenant boundary. Every
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -64,12 +66,33 @@ class _Instances(Collector):
         yield g
 
 
+class _DataDisk(Collector):
+    """The data directory's disk, read at each scrape (one ``statvfs``)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        from moorage.observability.disk import disk_space
+
+        try:
+            space = disk_space(self._path)
+        except OSError:
+            return
+        yield GaugeMetricFamily("moorage_data_disk_size_bytes", "Size of the data directory's filesystem",
+                                value=float(space.size))
+        yield GaugeMetricFamily("moorage_data_disk_free_bytes",
+                                "Free space on the data directory's filesystem (writes are refused once it is 0)",
+                                value=float(space.free))
+
+
 class Metrics:
     """One registry per app, so several apps (tests, embedded use) never share or collide."""
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, instances: InstanceCounter | None = None, *, instance_ttl_s: float = INSTANCE_COUNT_TTL_S) -> None:
+    def __init__(self, instances: InstanceCounter | None = None, *, instance_ttl_s: float = INSTANCE_COUNT_TTL_S,
+                 data_dir: Path | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("moorage_http_requests", "HTTP requests served", ["method", "route", "status"], registry=r)
@@ -79,6 +102,8 @@ class Metrics:
         self.tokens = Counter("moorage_tokens", "Model tokens used by turns", ["kind"], registry=r)
         if instances is not None:
             r.register(_Instances(instances, instance_ttl_s))
+        if data_dir is not None:
+            r.register(_DataDisk(data_dir))
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()

@@ -150,6 +150,10 @@ class Host:
         if resumed:
             log.info("resumed interrupted turns", count=resumed)
         self._tasks.append(asyncio.create_task(self._sweep_loop(), name="retention-sweeper"))
+        from moorage.observability.disk import DiskWatch
+
+        # The log says so while the data disk is nearly full, before writes are refused (507 disk-full).
+        self._tasks.append(asyncio.create_task(DiskWatch(self.config.data_dir).loop(), name="disk-watch"))
         if self.runtime.templates.gc is not None:
             self._tasks.append(asyncio.create_task(self.runtime.templates.gc.loop(), name="template-gc"))
         if self.prefetch is not None:
