@@ -12,9 +12,11 @@ import asyncio
 import collections
 import gc
 import json
+import os
 import sys
 import threading
 import time
+import tracemalloc
 import weakref
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,9 @@ def _sampler(loop: asyncio.AbstractEventLoop, out: Path, every_s: float) -> None
                "thread_names": names}
         if n % 15 == 0:  # every 30 s: a walk of every object takes a while
             row["holdings"] = _holdings()
+            if tracemalloc.is_tracing():  # SOAK_TRACEMALLOC=1: where the Python heap is, by line
+                stats = tracemalloc.take_snapshot().statistics("lineno")[:25]
+                row["heap"] = [[str(st.traceback[0]), st.size, st.count] for st in stats]
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -84,6 +89,8 @@ def main() -> None:
         await serve(*args, **kwargs)
 
     up.serve = serve_sampled  # type: ignore[assignment]  # `moorage up` imports serve when it runs
+    if os.environ.get("SOAK_TRACEMALLOC") == "1":
+        tracemalloc.start()
     app()
 
 

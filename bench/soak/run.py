@@ -148,7 +148,10 @@ def sample(pid: int, data: Path, tmp: Path, tasks_file: Path) -> dict[str, Any]:
         holdings = next(json.loads(ln)["holdings"] for ln in reversed(lines) if '"holdings"' in ln)
     except (OSError, IndexError, ValueError, StopIteration):
         pass
-    return {"t": time.time(), "rss_mib": int(status["VmRSS"].split()[0]) / 1024, "threads": int(status["Threads"]),
+    kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem") if k in status}
+    return {"t": time.time(), "rss_mib": kib["VmRSS"] / 1024, "rss_anon_mib": kib.get("RssAnon", 0) / 1024,
+            "rss_file_mib": kib.get("RssFile", 0) / 1024, "rss_shmem_mib": kib.get("RssShmem", 0) / 1024,
+            "threads": int(status["Threads"]),
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "tasks": last.get("tasks"), "task_top": last.get("top"), "thread_names": last.get("thread_names"),
             "children": len(kids), "child_kinds": dict(Counter(c for _, c in kids)), "data_files": files,
             "data_mib": size / 2**20, "tmp_files": tmp_files, "tmp_mib": tmp_size / 2**20, "wal_mib": wal / 2**20,
@@ -428,7 +431,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-KEYS = ("rss_mib", "fds", "threads", "tasks", "children", "data_files", "data_mib", "tmp_files", "tmp_mib", "wal_mib")
+KEYS = ("rss_mib", "rss_anon_mib", "rss_file_mib", "rss_shmem_mib", "fds", "threads", "tasks", "children", "data_files", "data_mib", "tmp_files", "tmp_mib", "wal_mib")
 
 
 def headline(res: dict[str, Any]) -> str:
@@ -465,7 +468,7 @@ def report(res: dict[str, Any]) -> str:
                    key=lambda x: x[2] - x[1], reverse=True)
     lines += ["", "What the host's objects hold (instances of a class, or the summed length of its containers) that "
               "is higher after forget than at the baseline (name: baseline / end of load / after forget):", ""]
-    lines += [f"- `{k}`: {a} / {m} / {z}" for k, a, m, z in grown[:40]] or ["- nothing"]
+    lines += [f"- `{k}`: {a} / {m if he else 'n/a'} / {z}" for k, a, m, z in grown[:40]] or ["- nothing"]
     lines += ["", f"Child processes at the end: {f['child_kinds']}; sandboxes listed: {len(res['sandboxes_left'])}",
               f"Host fds by kind at the end: {f['fd_kinds']} (baseline {b['fd_kinds']})",
               f"asyncio tasks by coroutine at the end: {f['task_top']}",
@@ -511,10 +514,14 @@ def main() -> None:
     res = asyncio.run(run(args))
     name = args.out or f"soak-{args.driver}"
     OUT.mkdir(parents=True, exist_ok=True)
+    text = report(res) + "\n" + headline(res)
+    (OUT / f"{name}.md").write_text(text + "\n")
+    if res.get("at_load_end") is not None:
+        res["at_load_end"] = dict(res["at_load_end"])  # a copy: the samples' holdings go below, its stay
+    for s in res["samples"]:  # the objects' holdings are kept for the named samples only (a few KiB each)
+        s.pop("holdings", None)
     (OUT / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (OUT / f"{name}.md").write_text(report(res) + "\n" + headline(res) + "\n")
-    print(report(res))
-    print(headline(res))
+    print(text)
 
 
 if __name__ == "__main__":
