@@ -12,8 +12,9 @@ from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 GZ = {"content-type": "application/gzip"}
-NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None,
-        "webhooks": None}
+#: A tenant that never set a TTL: everything kept, but traces and webhooks (30 days: DEFAULT_TTLS).
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": 30 * 86400.0,
+        "webhooks": 30 * 86400.0}
 
 
 async def test_tenant_retention_over_http(live_rt, store: Store, acme: str, globex: str, tmp_path: Path) -> None:

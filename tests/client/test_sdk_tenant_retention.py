@@ -11,8 +11,9 @@ from moorage import AsyncClient, Client
 from moorage.client import AuthError, BadRequest
 from tests.api.conftest import agent_archive
 
-NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": None,
-        "webhooks": None}
+#: A tenant that never set a TTL: everything kept, but traces and webhooks (30 days: DEFAULT_TTLS).
+NONE = {"session": None, "user": None, "workflow": None, "executions": None, "usage": None, "traces": 30 * 86400.0,
+        "webhooks": 30 * 86400.0}
 
 
 async def test_tenant_retention_and_zero_retention_through_the_sdk(live_rt, acme: str, tmp_path: Path):

@@ -9,6 +9,7 @@ import pytest
 
 from moorage.errors import InvalidInput, NotFound
 from moorage.store import Scope, TenantStore
+from moorage.store.repos.retention import DEFAULT_TTLS
 
 
 def test_agent_ttl_sweeps_that_agents_events_and_runs_only(tenant: TenantStore) -> None:
@@ -29,7 +30,7 @@ def test_agent_ttl_sweeps_that_agents_events_and_runs_only(tenant: TenantStore) 
     assert tenant.state.get(Scope.for_user("keeper", "ada"), "pref").value == "tea"
     assert tenant.runs.get("keeper-run").id == "keeper-run"
     assert tenant.retention.agents() == {"brief": 60}
-    assert tenant.retention.get() == {}  # per-kind settings are not mixed with per-agent ones
+    assert tenant.retention.get() == DEFAULT_TTLS  # per-kind settings are not mixed with per-agent ones
 
 
 def test_the_shorter_of_kind_and_agent_ttl_wins(tenant: TenantStore) -> None:

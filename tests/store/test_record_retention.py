@@ -10,7 +10,8 @@ import pytest
 
 from moorage.errors import InvalidInput, NotFound
 from moorage.store import TenantStore
-from moorage.store.repos.retention import EXEC_MAX_S, MIN_USAGE_TTL_S
+from moorage.store.model import Span
+from moorage.store.repos.retention import DEFAULT_TTLS, EXEC_MAX_S, MIN_USAGE_TTL_S
 
 
 def test_usage_rows_older_than_the_ttl_are_swept(tenant: TenantStore) -> None:
@@ -22,7 +23,7 @@ def test_usage_rows_older_than_the_ttl_are_swept(tenant: TenantStore) -> None:
     with pytest.raises(InvalidInput, match="31 days"):
         tenant.retention.set("usage", 86400)
     tenant.retention.set("usage", MIN_USAGE_TTL_S)
-    assert tenant.retention.get() == {"usage": MIN_USAGE_TTL_S}
+    assert tenant.retention.get() == {**DEFAULT_TTLS, "usage": MIN_USAGE_TTL_S}
     assert tenant.sweep(now=now).rows >= 1
     assert tenant.usage.totals(agent_id="a")["input_tokens"] == 7
     with pytest.raises(InvalidInput, match="unknown retention kind"):
@@ -42,6 +43,21 @@ def test_finished_executions_older_than_the_ttl_are_swept(tenant: TenantStore) -
     assert _exists(tenant, "done") is False and _exists(tenant, "open") and _exists(tenant, "execjob")
     tenant.sweep(now=now + 3700 + EXEC_MAX_S)  # a detached exec goes once it cannot be running any more
     assert _exists(tenant, "execjob") is False and _exists(tenant, "open")
+
+
+def test_traces_and_webhooks_have_a_ttl_of_30_days_unless_the_tenant_keeps_them(tenant: TenantStore) -> None:
+    """A tenant that never set a TTL for traces kept every span for ever: each HTTP request writes one, so a
+    default host's store grew without bound. Never set, traces and webhooks go after 30 days; set to null, kept."""
+    assert tenant.retention.get() == {"traces": 30 * 86400.0, "webhooks": 30 * 86400.0}
+    now = time.time()
+    for trace, age in (("t-old", 31 * 86400), ("t-new", 29 * 86400)):
+        tenant.spans.record(Span(trace, f"s-{trace}", None, "http.request", now - age, now - age + 0.01, "ok", {}))
+    tenant.sweep(now=now)
+    assert {s.trace_id for s in tenant.spans.recent(limit=10)} == {"t-new"}
+    tenant.retention.set("traces", None)  # kept for ever, as asked
+    assert tenant.retention.get()["traces"] is None
+    tenant.sweep(now=now + 60 * 86400)
+    assert {s.trace_id for s in tenant.spans.recent(limit=10)} == {"t-new"}
 
 
 def _exists(tenant: TenantStore, execution_id: str) -> bool:

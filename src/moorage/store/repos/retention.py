@@ -13,6 +13,10 @@ from moorage.store.repos.common import _Repo
 RECORD_KINDS: tuple[str, ...] = ("executions", "usage", "traces", "webhooks")
 #: Every kind a tenant-wide TTL can be set for.
 RETENTION_KINDS: tuple[str, ...] = SCOPE_KINDS + RECORD_KINDS
+#: The TTL of a record kind whose TTL the tenant never set (one set to null, None, is kept for ever): a host's
+#: request traces and delivered webhooks grow with every request served (a soak of 18 minutes left 21,000 spans),
+#: so they are not kept for ever by default.
+DEFAULT_TTLS: dict[str, float] = {"traces": 30 * 86400.0, "webhooks": 30 * 86400.0}
 #: The ledger must cover the longest cap window (a calendar month; the LLM policy's 30 days), or caps undercount.
 MIN_USAGE_TTL_S = 31 * 86400.0
 #: A detached exec runs at most this long (runtime/exec_jobs.py MAX_TIMEOUT_S): its record is never swept sooner.
@@ -36,7 +40,8 @@ class Retention(_Repo):
     def sweep_records(self, now: float) -> int:
         """Delete the records older than their kind's TTL (finished executions, usage rows); rows deleted."""
         with self._ts._tx() as c:
-            ttls = {k: v for k, v in c.q("SELECT kind, ttl_s FROM retention") if k in RECORD_KINDS and v is not None}
+            rows = dict(c.q("SELECT kind, ttl_s FROM retention"))
+            ttls = {k: v for k, v in ({**DEFAULT_TTLS, **rows}).items() if k in RECORD_KINDS and v is not None}
             n = 0
             if "usage" in ttls:
                 n += c.x("DELETE FROM usage WHERE ts < ?", (now - ttls["usage"],))
@@ -80,9 +85,10 @@ class Retention(_Repo):
                             (agent_ttl, kind, name[len(_AGENT_RETENTION):]))
 
     def get(self) -> dict[str, float | None]:
-        """TTL per scope kind and record kind (only those ever set)."""
+        """TTL per scope kind and record kind: those ever set, and the defaults of those never set."""
         with self._ts._tx(write=False) as c:
-            return {r[0]: r[1] for r in c.q("SELECT kind, ttl_s FROM retention") if not r[0].startswith(_AGENT_RETENTION)}
+            return {**DEFAULT_TTLS, **{r[0]: r[1] for r in c.q("SELECT kind, ttl_s FROM retention")
+                                       if not r[0].startswith(_AGENT_RETENTION)}}
 
     def agents(self) -> dict[str, float]:
         """TTL per agent that has one of its own."""
