@@ -108,6 +108,7 @@ BENCH_SCRIPTS = {
     "fleet": ["fleet/run.py"],
     "attacks": ["attacks/run.py"],
     "timetravel": ["timetravel/run.py"],
+    "soak": ["soak/run.py"],
 }
 
 
