@@ -11,6 +11,7 @@ import select
 from typing import Iterator
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import PoolTimeout
 
 from moorage.errors import UnavailableError
@@ -23,12 +24,28 @@ RETRY_AFTER_S = 2.0
 _HINT = "retry in a few seconds; the host reconnects by itself once PostgreSQL is back"
 #: SQLSTATEs of a server that is shutting down, starting or gone (class 08: the connection; 57P0x: shutdown).
 _LOST_STATES = ("57P01", "57P02", "57P03", "57P05")
+#: libpq's TCP settings for a server that goes silent (a network partition, a host gone without a reset): without
+#: them a statement already sent waits out the kernel's retransmissions (about 15 minutes on Linux), holding its
+#: request and its connection. Sent data unacknowledged for 20 s fails the connection (longer than any ordinary
+#: stall of a network, short enough that a caller's retry comes within a minute); an idle connection, or one
+#: waiting on a reply whose statement was acknowledged, is probed after 10 s of silence, every 5 s, and fails
+#: once 20 s pass unanswered (Linux; three probes elsewhere), so an idle one is found dead before it is drawn.
+#: A long statement is not cut: the server's kernel acknowledges the probes meanwhile.
+TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
+                "tcp_user_timeout": "20000"}
 
 
 class StoreUnreachable(UnavailableError):
     """The store's PostgreSQL server cannot be reached right now (restarting, failing over, down)."""
 
     retry_after = RETRY_AFTER_S
+
+
+def tcp_defaults(url: str) -> dict[str, str]:
+    """The ``TCP_DEFAULTS`` that the store URL ``url`` does not set itself (an operator's own values win), as
+    keyword arguments of ``psycopg.connect``."""
+    own = conninfo_to_dict(url)
+    return {k: v for k, v in TCP_DEFAULTS.items() if k not in own}
 
 
 def is_connection_lost(e: BaseException) -> bool:

@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, read_only, stale,
-                                     unreachable_as_503)
+                                     tcp_defaults, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
@@ -116,8 +116,9 @@ class PostgresBackend(Backend):
         # While the server is down a request waits CONNECT_WAIT_S for a connection, then is answered 503; the pool
         # stops retrying in the background after as long (its retries back off without bound: after a long outage
         # the next one could come a minute after the server is back), and the next request tries again at once.
+        # A server gone silent (a partition) fails a statement within tcp_defaults' timeouts, as a lost connection.
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
-                                    kwargs={"autocommit": True}, timeout=CONNECT_WAIT_S,
+                                    kwargs={"autocommit": True, **tcp_defaults(self.app_url)}, timeout=CONNECT_WAIT_S,
                                     reconnect_timeout=CONNECT_WAIT_S)
         #: When a write was last refused as read-only (the server a standby), and when one last committed: between
         #: the two, each pooled connection is asked whether it takes writes before it is used, and one to the
@@ -132,7 +133,8 @@ class PostgresBackend(Backend):
                                    hint="set MOORAGE_STORE_APP_URL or a .pgpass entry for the application role") from e
 
     def _connect_owner(self) -> psycopg.Connection:
-        return psycopg.connect(self.owner_url, autocommit=True, connect_timeout=int(CONNECT_WAIT_S))
+        return psycopg.connect(self.owner_url, autocommit=True, connect_timeout=int(CONNECT_WAIT_S),
+                               **tcp_defaults(self.owner_url))
 
     def _owner_conn(self) -> psycopg.Connection:
         """The owner connection (``_owner_lock`` held), connected again when the server closed it: after a restart,
@@ -158,17 +160,19 @@ class PostgresBackend(Backend):
     def _pooled(self, begin: Callable[[psycopg.Connection], None] | None = None) -> Iterator[psycopg.Connection]:
         """A checked pooled connection, ``begin(conn)`` run on it first. When the server closed it under ``begin``
         (a terminated backend says so a moment after the terminate: after the check), nothing of the caller's has
-        run yet, so ``begin`` runs once more on another connection."""
+        run yet, so ``begin`` runs once more on another connection; not after a server gone silent (see
+        ``_read_twice``)."""
         with unreachable_as_503():
             conn = self._checked_out()
             for attempt in (1, 2) if begin is not None else ():
+                t0 = time.monotonic()
                 try:
                     begin(conn)  # type: ignore[misc]
                     break
                 except BaseException as e:
                     conn.close()
                     self._pool.putconn(conn)
-                    if attempt == 2 or not is_connection_lost(e):
+                    if attempt == 2 or not is_connection_lost(e) or time.monotonic() - t0 > CONNECT_WAIT_S:
                         raise
                     conn = self._checked_out()
         try:
@@ -184,11 +188,14 @@ class PostgresBackend(Backend):
     @staticmethod
     def _read_twice(read: Callable[[], T]) -> T:
         """A read whose connection the server closed under it runs once more on another (nothing was changed);
-        not after the wait for a connection ran out, which would only double the caller's wait."""
+        not after the wait for a connection ran out, which would only double the caller's wait, nor after a
+        connection lost only once the TCP timeouts ran out (``tcp_defaults``: a network partition, a server host
+        gone): the pool's other connections wait on the same silent network, and the caller would wait twice."""
+        t0 = time.monotonic()
         try:
             return read()
         except StoreUnreachable as e:
-            if isinstance(e.__cause__, PoolTimeout):
+            if isinstance(e.__cause__, PoolTimeout) or time.monotonic() - t0 > CONNECT_WAIT_S:
                 raise
             return read()
 
