@@ -6,8 +6,6 @@ at once with every instance asleep."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -96,13 +94,7 @@ def test_sigterm_ends_an_app_stream_and_its_websocket_and_stops_at_once(tmp_path
                 assert time.time() < deadline and follower.is_alive(), (ticks, ended)
                 time.sleep(0.1)
 
-            started = time.monotonic()
-            os.kill(host.proc.pid, signal.SIGTERM)
-            try:
-                code = host.proc.wait(timeout=STOP_S)
-            except Exception:
-                code = None
-            took = time.monotonic() - started
+            code, took = host.sigterm(STOP_S)
             assert code == 0, (code, took, host.log.read_text(errors="replace")[-3000:])
             follower.join(timeout=10)
             assert ended == [None], ended  # the answer ended (what came was sent), the host did not cut it

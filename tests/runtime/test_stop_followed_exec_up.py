@@ -5,8 +5,6 @@ the signal arrives (recorded as cancelled, the follower told so) and the host st
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -40,13 +38,7 @@ def test_sigterm_ends_a_followed_exec_and_stops_at_once(tmp_path: Path) -> None:
             assert time.time() < deadline and follower.is_alive(), events
             time.sleep(0.1)
 
-        started = time.monotonic()
-        os.kill(host.proc.pid, signal.SIGTERM)
-        try:
-            code = host.proc.wait(timeout=STOP_S)
-        except Exception:
-            code = None
-        took = time.monotonic() - started
+        code, took = host.sigterm(STOP_S)
         assert code == 0, (code, took, host.log.read_text(errors="replace")[-3000:])
         follower.join(timeout=10)
         end = events[-1]

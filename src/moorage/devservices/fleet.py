@@ -111,6 +111,17 @@ class LocalHost:
                 os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
+    def sigterm(self, timeout_s: float) -> tuple[int | None, float]:
+        """``systemctl stop``: SIGTERM to the host alone, then its exit status (None: still running after
+        ``timeout_s``) and how long it took."""
+        started = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        return code, time.monotonic() - started
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
