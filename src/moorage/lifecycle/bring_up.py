@@ -44,8 +44,7 @@ class BringUp:
     fleet: "FleetMember | None"
     pool: WarmPool | None
     claim_timeout_s: float
-    #: Bring-ups (and sleeps) being recorded in the background once the store is back (``_record_running``).
-    _recording: set["asyncio.Task[None]"]
+    _record_later: Callable[..., None]
     poll_s: float
     clock: Callable[[], float]
     _closed: bool
@@ -311,27 +310,19 @@ class BringUp:
     def _adopt_when_back(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox,
                          marked: tuple[Any, ...]) -> None:
         async def record() -> None:
-            deadline = time.monotonic() + self.claim_timeout_s
-            while not self._closed and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                try:
-                    new = await self.io(self._mark_running, ts, rec, *marked)
-                except StoreUnreachable:
-                    continue
-                except ConflictError:  # written after all (the reply was lost), or reclaimed once the claim lapsed
-                    new = await self.io(ts.sandboxes.get, rec.id)
-                    if new.state != S.RUNNING.value or (new.meta.get("owner") or {}).get("owner") != self.owner.id:
-                        log.warning("instance moved on while its bring-up was recorded: stopped here", instance=rec.id)
-                        with contextlib.suppress(Exception):
-                            await sandbox.stop()
-                        return
-                self._adopted(li, new, sandbox)
-                log.info("instance up (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
-                return
+            try:
+                new = await self.io(self._mark_running, ts, rec, *marked)
+            except ConflictError:  # written after all (the reply was lost), or reclaimed once the claim lapsed
+                new = await self.io(ts.sandboxes.get, rec.id)
+                if new.state != S.RUNNING.value or (new.meta.get("owner") or {}).get("owner") != self.owner.id:
+                    log.warning("instance moved on while its bring-up was recorded: stopped here", instance=rec.id)
+                    with contextlib.suppress(Exception):
+                        await sandbox.stop()
+                    return
+            self._adopted(li, new, sandbox)
+            log.info("instance up (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
 
-        task = asyncio.get_running_loop().create_task(record(), name=f"record-running-{rec.id}")
-        self._recording.add(task)
-        task.add_done_callback(self._recording.discard)
+        self._record_later(f"record-running-{rec.id}", record, lambda e: isinstance(e, StoreUnreachable))
 
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
                       usage: str | None, kind: str, resumed: dict[str, Any] | None = None) -> SandboxRecord:

@@ -69,6 +69,7 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         self.economics = economics
         self.capacity = capacity or HostCapacity()
         self.claim_timeout_s = claim_timeout_s
+        #: Outcomes being recorded in the background once the store can take them (``_record_later``).
         self._recording: set[asyncio.Task[None]] = set()
         self.poll_s = poll_s
         self.tick_s = tick_s
@@ -196,6 +197,28 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         li = self._live.get((tenant_id, scope.key))
         if li is not None and not li.activity.busy and li.pending is None:
             self._drop(li)
+
+    def _record_later(self, name: str, attempt: Callable[[], Awaitable[None]],
+                      again: Callable[[Exception], bool]) -> None:
+        """An outcome the store could not take now (unreachable, or its disk full): ``attempt`` runs in the
+        background every second while the record's claim lives, until it returns, or raises what ``again`` does
+        not retry; past the claim (or at ``close``) the claim lapses instead. So an instance is not left claimed,
+        with every request for it waiting, until the claim times out."""
+        async def run() -> None:
+            deadline = time.monotonic() + self.claim_timeout_s
+            while not self._closed and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+                try:
+                    await attempt()
+                except Exception as e:
+                    if again(e):
+                        continue
+                    raise
+                return
+
+        task = asyncio.get_running_loop().create_task(run(), name=name)
+        self._recording.add(task)
+        task.add_done_callback(self._recording.discard)
 
     def _drop(self, li: LiveInstance) -> None:
         del self._live[(li.tenant_id, li.scope.key)]

@@ -57,9 +57,7 @@ class Sleeping:
     ship_unshipped: Callable[[], Any]
     record_now: Callable[[TenantStore, str], Callable[[], SandboxRecord | None]]
     claim_timeout_s: float
-    #: Sleeps and bring-ups being recorded in the background once the store is back (``_record_when_back``,
-    #: ``BringUp._record_running``).
-    _recording: set["asyncio.Task[None]"]
+    _record_later: Callable[..., None]
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
                     snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
@@ -77,49 +75,32 @@ class Sleeping:
 
     def _record_when_back(self, li: LiveInstance, ts: TenantStore, rec: SandboxRecord, trace: TraceContext,
                           *slept: Any) -> None:
-        """The instance slept (its snapshot is on this disk) but the store could not be reached to record it: record
-        it once the store answers, tried every second while the claim lives, so it is not left ``suspending`` (and
-        every request for it waiting) until the claim times out."""
+        """The instance slept (its snapshot is on this disk) but the store could not take the record (unreachable,
+        or its disk full): recorded once it can (``_record_later``)."""
         async def record() -> None:
-            deadline = time.monotonic() + self.claim_timeout_s
-            while not self._closed and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                try:
-                    await self.io(self._mark_slept, ts, rec, trace, *slept)
-                except ConflictError:  # recorded after all (the reply was lost), or reclaimed once the claim lapsed
-                    return
-                except Exception as e:
-                    if isinstance(e, StoreUnreachable) or disk_full(e) is not None:
-                        continue  # or the disk full: tried again once there is room
-                    raise
-                if li.record_id == rec.id and li.sandbox is None:
-                    li.owned = False
-                log.info("instance slept (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
+            try:
+                await self.io(self._mark_slept, ts, rec, trace, *slept)
+            except ConflictError:  # recorded after all (the reply was lost), or reclaimed once the claim lapsed
                 return
+            if li.record_id == rec.id and li.sandbox is None:
+                li.owned = False
+            log.info("instance slept (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
 
-        task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-{rec.id}")
-        self._recording.add(task)
-        task.add_done_callback(self._recording.discard)
+        self._record_later(f"record-sleep-{rec.id}", record,
+                           lambda e: isinstance(e, StoreUnreachable) or disk_full(e) is not None)
 
     def _give_up_when_room(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, reason: str) -> None:
         """A sleep that failed could not be recorded failed either, the disk being full: recorded once there is room
-        (tried every second while the claim lives), so the instance is not left ``suspending`` and every request
-        for it waiting until the claim times out (two minutes)."""
+        (``_record_later``)."""
         async def record() -> None:
-            deadline = time.monotonic() + self.claim_timeout_s
-            while not self._closed and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                try:
-                    await self._give_up(ts, rec, trace, reason)
-                except Exception as e:  # noqa: BLE001 - still full: again; anything else: the claim lapses instead
-                    if disk_full(e) is not None:
-                        continue
-                    log.warning("a failed sleep could not be recorded", instance=rec.id, error=str(e))
-                return
+            try:
+                await self._give_up(ts, rec, trace, reason)
+            except Exception as e:  # noqa: BLE001 - still full: again; anything else: the claim lapses instead
+                if disk_full(e) is not None:
+                    raise
+                log.warning("a failed sleep could not be recorded", instance=rec.id, error=str(e))
 
-        task = asyncio.get_running_loop().create_task(record(), name=f"record-sleep-failed-{rec.id}")
-        self._recording.add(task)
-        task.add_done_callback(self._recording.discard)
+        self._record_later(f"record-sleep-failed-{rec.id}", record, lambda e: disk_full(e) is not None)
 
     async def sleep(self, ts: TenantStore, scope: Scope, *, reason: str = "requested") -> bool:
         """Sleep one instance now if this manager owns it and no turn is in flight; returns whether it slept."""

@@ -155,7 +155,7 @@ async def _held_elsewhere(call: Call, ex: Any) -> None:
     if (await run_in_threadpool(jobs.view, call.tenant, ex))["status"] != "running":
         return
     owner = await run_in_threadpool(fleet.host, host)
-    if owner is not None and owner.alive(fleet.lease_ttl_s):
+    if owner is not None and fleet.alive(owner):  # after a store outage no host is taken for dead at once
         raise Misplaced(None, host)
 
 
