@@ -52,19 +52,9 @@ def test_a_sleep_cut_by_a_postgresql_outage_is_recorded_once_it_is_back_and_the_
     assert replied(host.turn(0, "ada")) == "2: hi"
     until(lambda: host.records()["ada"].meta.get("shipped"), "ada's first shipment", 30)
     sid = host.records()["ada"].id
-    relay.held.set()
-    with ThreadPoolExecutor(1) as pool:
-        sleeping = pool.submit(host.api[0].post, f"/v1/sandboxes/{sid}/sleep")
-        assert relay.holding.wait(30), "the sleep's shipment did not start"
-        assert host.records()["ada"].state == "suspending"       # claimed and snapshotted; not recorded yet
-        outages.stop()
-        try:
-            relay.held.clear()
-            relay.release.set()                                    # the shipment ends; the store is down
-            r = sleeping.result(timeout=60)
-            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
-        finally:
-            outages.start()
+    # claimed and snapshotted, not recorded yet; the shipment ends while the store is down
+    _store_down_as_the_relay_lets_go(host, outages, relay, lambda: host.api[0].post(f"/v1/sandboxes/{sid}/sleep"),
+                                     "ada", "suspending")
     until(lambda: host.records()["ada"].state == "sleeping", "the sleep recorded", 15)
     t0 = time.monotonic()
     r = host.api[0].post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}, timeout=20)
@@ -78,20 +68,27 @@ def test_a_wake_cut_by_a_postgresql_outage_is_recorded_once_it_is_back_and_the_n
     shutil.rmtree(host.hosts[0].data / "sandboxes" / host.records()["bob"].id)  # evicted: it wakes from S3
     relay.holding.clear()
     relay.release.clear()
-    relay.held.set()
-    with ThreadPoolExecutor(1) as pool:
-        waking = pool.submit(host.turn, 0, "bob")
-        assert relay.holding.wait(30), "the wake's fetch did not start"
-        assert host.records()["bob"].state == "waking"
-        outages.stop()
-        try:
-            relay.held.clear()
-            relay.release.set()                                    # the fetch ends; the store is down
-            r = waking.result(timeout=60)
-            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
-        finally:
-            outages.start()
+    _store_down_as_the_relay_lets_go(host, outages, relay, lambda: host.turn(0, "bob"), "bob", "waking")
     until(lambda: host.records()["bob"].state == "running", "the wake recorded", 15)
     t0 = time.monotonic()
     r = host.api[0].post("/v1/agents/echo/invoke", json={"message": "hi", "user": "bob"}, timeout=20)
     assert replied(r) == "2: hi" and time.monotonic() - t0 < 10
+
+
+def _store_down_as_the_relay_lets_go(host: Fleet, outages: Outages, relay: HoldingRelay, call, user: str,  # noqa: ANN001
+                                     state: str) -> None:
+    """``call`` runs until the relay holds its S3 transfer, with ``user``'s record in ``state``; PostgreSQL stops,
+    the transfer ends, and ``call`` is answered 503 with Retry-After; PostgreSQL starts again."""
+    relay.held.set()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(call)
+        assert relay.holding.wait(30), "the transfer did not start"
+        assert host.records()[user].state == state
+        outages.stop()
+        try:
+            relay.held.clear()
+            relay.release.set()
+            r = pending.result(timeout=60)
+            assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+        finally:
+            outages.start()
