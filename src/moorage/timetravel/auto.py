@@ -6,20 +6,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moorage.aio import within
 from moorage.log import get_logger
-from moorage.store import Scope, TenantStore
+from moorage.store import EntityKey, Scope, TenantStore
 from moorage.store.repos.checkpoints import Checkpoint, check_name, checkpoints_of, new_checkpoint_id
 from moorage.timetravel.holding import _keeps_nothing
 from moorage.timetravel.retention import Policy, to_keep
 
 if TYPE_CHECKING:
-    from moorage.runtime.host_calls import TurnBinding
     from moorage.sandbox import Sandbox
 
 log = get_logger("moorage.timetravel.timeline")
+
+
+class TurnBinding(Protocol):
+    """What time travel reads of the turn it checkpoints: the runtime's ``TurnBinding`` is one (this package does
+    not import the runtime, which imports it)."""
+
+    turn_id: str
+    ts: TenantStore
+    entity: EntityKey
+    manifest: dict[str, Any]
 
 #: Sandbox drivers on which automatic checkpoints are on unless an agent says otherwise: those whose automatic
 #: checkpoint, taken after the reply, adds at most 5 ms p50 to an awake turn on a quiet host (``bench/timetravel``;

@@ -21,14 +21,13 @@ from moorage.log import get_logger
 from moorage.store import Principal, Scope, TenantStore
 from moorage.store.model import check_id
 from moorage.store.repos.checkpoints import MISSING, Checkpoint, check_name, checkpoints_of
-from moorage.timetravel.auto import AUTO_DRIVERS, CLOSE_WAIT_S, AutoCheckpoints, _can_delete, _scope_of
+from moorage.timetravel.auto import AUTO_DRIVERS, CLOSE_WAIT_S, AutoCheckpoints, TurnBinding, _can_delete, _scope_of
 from moorage.timetravel.fork import check_new_users, fork_through
 from moorage.timetravel.gate import Gate
 from moorage.timetravel.holding import CheckpointGone, Holding, _keeps_nothing
 from moorage.timetravel.retention import Policy, checkpoint_view, lineage, restorable
 
 if TYPE_CHECKING:
-    from moorage.runtime.host_calls import TurnBinding
     from moorage.sandbox import Sandbox
 
 log = get_logger(__name__)
