@@ -76,3 +76,47 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+#: While a background loop's rounds keep failing, at most one line per this many seconds says so.
+STILL_FAILING_EVERY_S = 60.0
+
+
+class FailingRounds:
+    """What one background loop logs about its failed rounds: the first failure, then at most one line a minute
+    while they keep failing ("still failing: N rounds since HH:MM: reason"), then one line once a round works
+    again. A ten-minute store outage is a dozen lines per loop, not one per round."""
+
+    def __init__(self, log: Any, what: str, *, level: int = logging.ERROR,
+                 clock: Any = time.monotonic) -> None:
+        self.log = log
+        self.what = what
+        self.level = level
+        self.clock = clock
+        #: Failed rounds since the last one that worked.
+        self.rounds = 0
+        self._since = 0.0  # wall time of the first of them
+        self._said = 0.0  # monotonic time of the last line
+
+    def failed(self, e: BaseException, **fields: Any) -> None:
+        """One round failed with ``e``."""
+        self.rounds += 1
+        now = self.clock()
+        if self.rounds == 1:
+            self._since, self._said = time.time(), now
+            self.log.log(self.level, f"{self.what} failed", error=str(e), **fields)
+        elif now - self._said >= STILL_FAILING_EVERY_S:
+            self._said = now
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            self.log.log(self.level, f"{self.what} still failing: {self.rounds} rounds since {self._hhmm()}: {reason}",
+                         rounds=self.rounds, error=str(e), **fields)
+
+    def ok(self) -> None:
+        """One round worked: says so once if the rounds before it failed."""
+        if self.rounds:
+            self.log.info(f"{self.what} works again after {self.rounds} failed rounds since {self._hhmm()}",
+                          rounds=self.rounds)
+            self.rounds = 0
+
+    def _hhmm(self) -> str:
+        return time.strftime("%H:%M UTC", time.gmtime(self._since))

@@ -121,3 +121,22 @@ def test_an_async_turn_accepted_before_postgresql_went_down_runs_once_it_is_back
     until(lambda: status() in ("succeeded", "failed"), "the async turn ran", 60)
     got = host.api[0].get(f"/v1/executions/{ex}").json()
     assert got["status"] == "succeeded" and got["reply"].endswith(": later"), got
+
+
+def test_background_loops_log_an_outage_once_then_its_end_not_every_failed_round(host: Fleet,
+                                                                                  outages: Outages) -> None:
+    assert replied(host.turn(0, "lou")) == "1: hi"
+    mark = host.hosts[0].log.stat().st_size
+    outages.stop()
+    try:
+        time.sleep(16)  # three rounds or more of the outbox (each waits out the connection wait) and the heartbeat
+    finally:
+        outages.start()
+    until(lambda: "webhook round works again" in _log_after(host, mark), "the outbox's loop says it works again", 30)
+    until(lambda: "fleet heartbeat works again" in _log_after(host, mark), "the heartbeat says it works again", 30)
+    text = _log_after(host, mark)
+    # One line when the rounds began failing, none per round after it (the next would come after a minute).
+    assert text.count("webhook round failed") == 1, text
+    assert text.count("fleet heartbeat failed") == 1, text
+    assert "still failing" not in text, text
+    assert replied(host.turn(0, "lou")) == "2: hi"

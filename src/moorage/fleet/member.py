@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from moorage import clock
 from moorage.errors import ConflictError, MoorageError, NotFound
 from moorage.fleet.forward import Forwarder
 from moorage.fleet.hosts import HostInfo, HostRegistry, check_host_id
 from moorage.fleet.ship import INDEX_NAME, Shipper, ShipReport, SnapshotUnavailable
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.objects import ObjectStore, ObjectStoreUnavailable
 from moorage.store import SandboxRecord
 from moorage.store.base import Backend
@@ -90,7 +92,8 @@ class FleetMember:
         #: Draining: instances this host does not already hold awake are brought up on other hosts.
         self.draining = False
         self.load: Callable[[], dict[str, Any]] = dict
-        self._last_beat = 0.0
+        self._last_beat = 0.0  # on the store's clock (``moorage.clock``), as heartbeats are written
+        self._beat_mono = 0.0
         #: When this host's heartbeat came back after failing longer than the lease (the store was out of reach).
         self._back_at = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
@@ -109,7 +112,7 @@ class FleetMember:
     async def join(self) -> None:
         await asyncio.to_thread(self.registry.register, self.host_id, self.url, self.incarnation, self.secrets,
                                 ttl_s=self.lease_ttl_s)
-        self._last_beat = time.time()
+        self._last_beat, self._beat_mono = clock.now(), time.monotonic()
         self._task = asyncio.create_task(self._beat_loop(), name="fleet-heartbeat")
         log.info("joined the fleet", host=self.host_id, url=self.url, lease_ttl_s=self.lease_ttl_s)
 
@@ -125,18 +128,21 @@ class FleetMember:
             await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
 
     async def _beat_loop(self) -> None:
+        failures = FailingRounds(log, "fleet heartbeat", level=logging.WARNING)
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            gap = time.time() - self._last_beat
+            gap = time.monotonic() - self._beat_mono  # not the wall clock: a step of it is no gap
             try:
                 self._last_beat, state = await asyncio.to_thread(self.registry.heartbeat, self.host_id,
                                                                  self.incarnation, self.load())
+                self._beat_mono = time.monotonic()
             except ConflictError as e:
                 log.error("fleet heartbeat refused", host=self.host_id, error=str(e))
                 continue
             except Exception as e:  # the store is unreachable: leases lapse, other hosts take over
-                log.warning("fleet heartbeat failed", host=self.host_id, error=str(e))
+                failures.failed(e, host=self.host_id)
                 continue
+            failures.ok()
             if gap > self.lease_ttl_s:
                 self._back_at = self._last_beat
             if state == "draining" and not self.draining:
@@ -161,7 +167,7 @@ class FleetMember:
             return False
         if info.alive(self.lease_ttl_s):
             return True
-        now = time.time()
+        now = clock.now()
         in_touch = now - self._last_beat <= self.lease_ttl_s and now - self._back_at >= self.lease_ttl_s
         return not in_touch
 
@@ -229,7 +235,7 @@ class FleetMember:
                     log.debug("old snapshots deleted", instance=record.id, snapshots=snapshots, chunks=chunks)
             except Exception as e:  # noqa: BLE001 - the shipment stands; the next one prunes again
                 log.warning("old snapshots could not be deleted", instance=record.id, error=str(e))
-        return {"key": rep.key, "at": time.time(), "host": self.host_id, "epoch": epoch,
+        return {"key": rep.key, "at": clock.now(), "host": self.host_id, "epoch": epoch,
                 "bytes": rep.bytes_total, "ms": round(rep.seconds * 1000, 1)}
 
     def _ship_lock(self, record_id: str) -> threading.Lock:

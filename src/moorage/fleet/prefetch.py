@@ -20,12 +20,13 @@ still fetches what it needs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 
 if TYPE_CHECKING:
     from moorage.runtime.templates import Templates
@@ -71,6 +72,7 @@ class TemplatePrefetch:
         self.interval_s = interval_s
         self._lock = asyncio.Lock()
         self._short_of_disk = False
+        self._failures = FailingRounds(log, "fetching templates ahead", level=logging.WARNING)
 
     def _room(self) -> bool:
         du = shutil.disk_usage(self.templates.root)
@@ -113,8 +115,9 @@ class TemplatePrefetch:
     async def _quiet_run(self) -> None:
         try:
             await self.run()
+            self._failures.ok()
         except Exception as e:  # noqa: BLE001 - the next pass tries again; a wake fetches what it needs
-            log.warning("fetching templates ahead failed", error=str(e))
+            self._failures.failed(e)
 
     async def loop(self) -> None:
         """At once (a host that just joined), then every ``interval_s``."""

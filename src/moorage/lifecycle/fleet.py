@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -17,7 +18,7 @@ from moorage.errors import ConflictError, NotFound, UnavailableError
 from moorage.fleet.forward import forwarded
 from moorage.fleet.member import NotPublished
 from moorage.lifecycle.machine import InstanceState as S
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.objects import ObjectStoreUnavailable
 from moorage.sandbox.process_fs import proc_starttime
 from moorage.sandbox import SandboxError
@@ -308,6 +309,9 @@ class FleetDuties:
         between turns) and sleeping ones whose sleep could not be shipped, and keep this host's copies of
         sleeping instances within ``cache_max_bytes``."""
         passes = 0
+        shipping = FailingRounds(log, "shipping sleeping instances", level=logging.WARNING)
+        eviction = FailingRounds(log, "cache eviction", level=logging.WARNING)
+        dropping = FailingRounds(log, "removing copies of forgotten instances", level=logging.WARNING)
         while not self._closed:
             await asyncio.sleep(self.ship_interval_s)
             now = time.monotonic()
@@ -317,18 +321,21 @@ class FleetDuties:
             if self._unshipped_check:
                 try:
                     await self.ship_unshipped()
+                    shipping.ok()
                 except Exception as e:
-                    log.warning("shipping sleeping instances failed", error=str(e))
+                    shipping.failed(e)
             try:
                 await self.evict_cache()
+                eviction.ok()
             except Exception as e:
-                log.warning("cache eviction failed", error=str(e))
+                eviction.failed(e)
             passes += 1
             if passes % FORGOTTEN_EVERY == 0:
                 try:
                     await self.drop_forgotten()
+                    dropping.ok()
                 except Exception as e:
-                    log.warning("removing copies of forgotten instances failed", error=str(e))
+                    dropping.failed(e)
 
     async def drop_forgotten(self) -> int:
         """Remove this host's copies of instances that no longer exist: a user forgotten (or deleted by its TTL)

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 
 log = get_logger(__name__)
@@ -243,13 +243,15 @@ class WarmPool:
             log.warning("warm pool member not prepared", sandbox=sid, error=str(e))
 
     async def _refill_loop(self) -> None:
+        failures = FailingRounds(log, "warm pool refill")
         while not self._closed:
             await self._wakeup.wait()
             self._wakeup.clear()
             try:
                 await self.fill_once()
+                failures.ok()
             except Exception as e:  # the loop outlives one bad pass
-                log.error("warm pool refill failed", error=str(e))
+                failures.failed(e)
             if self.on_refilled is not None:
                 self.on_refilled()
 

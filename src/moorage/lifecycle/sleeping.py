@@ -16,7 +16,7 @@ from moorage.lifecycle.instance import LiveInstance
 from moorage.lifecycle.machine import InstanceState as S
 from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.store import SandboxRecord, Scope, TenantStore
 from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
@@ -281,20 +281,24 @@ class Sleeping:
         return len(released)
 
     async def _idle_loop(self) -> None:
+        failures = FailingRounds(log, "idle loop pass")
         while not self._closed:
             try:
                 await self.tick()
+                failures.ok()
             except Exception as e:  # the loop must outlive one bad instance
-                log.error("idle loop pass failed", error=str(e))
+                failures.failed(e)
             await asyncio.sleep(self.tick_s)
 
     async def _ttl_loop(self) -> None:
         from moorage.lifecycle.ttl import sweep
 
+        failures = FailingRounds(log, "ttl sweep")
         while not self._closed:
             await asyncio.sleep(self.ttl_every_s)
             try:
                 self.release_asleep()
                 await sweep(self)
+                failures.ok()
             except Exception as e:
-                log.error("ttl sweep failed", error=str(e))
+                failures.failed(e)

@@ -5,11 +5,12 @@ room is left. A full disk refuses writes with 507 ``disk-full`` (docs/operations
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 
 log = get_logger(__name__)
 
@@ -44,13 +45,15 @@ class DiskWatch:
         self.path = path
         self.every_s = every_s
         self.warned = False
+        self._unreadable = FailingRounds(log, "data disk check", level=logging.WARNING)
 
     def check(self) -> DiskSpace | None:
         try:
             space = disk_space(self.path)
         except OSError as e:  # the directory gone or unreadable: the requests that need it say so
-            log.warning("data disk not readable", path=str(self.path), error=str(e))
+            self._unreadable.failed(e, path=str(self.path))
             return None
+        self._unreadable.ok()
         if space.nearly_full and not self.warned:
             self.warned = True
             log.warning("data disk nearly full", path=str(self.path), free_mib=space.free >> 20,

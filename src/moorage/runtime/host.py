@@ -11,7 +11,7 @@ import contextlib
 from typing import Any, Mapping
 
 from moorage.config import Config
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.runtime.exec_jobs import ExecJobs
 from moorage.store import Store, open_store
 
@@ -196,6 +196,7 @@ class Host:
         os.kill(os.getpid(), signal.SIGTERM)  # the clean stop: leaves the fleet as gone
 
     async def _sweep_loop(self) -> None:
+        failures = FailingRounds(log, "retention sweep")
         while True:
             try:
                 rep = await asyncio.to_thread(self.store.operator.sweep_all)
@@ -206,8 +207,9 @@ class Host:
 
                 for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
                     await asyncio.to_thread(zero_sweep, ts)
+                failures.ok()
             except Exception as e:  # the sweeper must outlive a bad round
-                log.error("retention sweep failed", error=str(e))
+                failures.failed(e)
             await asyncio.sleep(RETENTION_SWEEP_S)
 
     def _detaching(self, detach: bool | None) -> bool:

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from moorage.errors import MoorageError
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.store import EntityKey, Scope, TenantStore
 
 log = get_logger(__name__)
@@ -181,6 +181,7 @@ async def enforce(runtime: Any, ts: TenantStore, entity: EntityKey) -> None:
 async def enforce_loop(runtime: Any, *, every_s: float = ENFORCE_EVERY_S) -> None:
     """Put to sleep every instance this host keeps awake whose user is over the compute cap."""
     manager = runtime.instances
+    failures = FailingRounds(log, "cap enforcement round")
     while True:
         try:
             for awake in manager.awake_instances():
@@ -194,6 +195,7 @@ async def enforce_loop(runtime: Any, *, every_s: float = ENFORCE_EVERY_S) -> Non
                 except CapExceeded as e:
                     if e.cap == "compute_seconds_per_day" and await manager.sleep(ts, scope, reason="compute cap reached"):
                         log.info("instance slept: its user reached the compute cap", scope=scope_key)
+            failures.ok()
         except Exception as e:  # noqa: BLE001 - the loop must outlive a bad round
-            log.error("cap enforcement round failed", error=str(e))
+            failures.failed(e)
         await asyncio.sleep(every_s)

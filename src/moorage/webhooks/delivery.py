@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from moorage import clock
 from moorage.errors import ConflictError, MoorageError, NotFound
-from moorage.log import get_logger
+from moorage.log import FailingRounds, get_logger
 from moorage.store import Store, TenantStore
 from moorage.store.webhooks import Delivery, Execution
 from moorage.webhooks.claims import HeldClaims
@@ -118,12 +118,14 @@ class Dispatcher:
                 await asyncio.to_thread(self.claims.release_left, self.store)
             except Exception as e:  # noqa: BLE001 - the leases still run out: the deliveries are only later
                 log.error("webhook claims of the previous process not released", error=str(e))
+        failures = FailingRounds(log, "webhook round")
         try:
             while True:
                 try:
                     await self.tick()
+                    failures.ok()
                 except Exception as e:  # noqa: BLE001 - the loop must outlive a bad round
-                    log.error("webhook round failed", error=str(e))
+                    failures.failed(e)
                 await asyncio.sleep(self.poll_s)
         finally:
             await self._client.aclose()
@@ -137,7 +139,7 @@ class Dispatcher:
         sent = 0
         for ts in await asyncio.to_thread(lambda: list(self.store.operator.tenants())):
             await asyncio.to_thread(announce, ts)
-            due = await asyncio.to_thread(ts.deliveries.claim_due, time.time(), self.lease_s)
+            due = await asyncio.to_thread(ts.deliveries.claim_due, clock.now(), self.lease_s)
             if due:
                 if self.claims is not None:
                     await asyncio.to_thread(self.claims.hold, ts.tenant_id, due)
@@ -167,7 +169,7 @@ class Dispatcher:
             hook = await asyncio.to_thread(ts.webhooks.get, d.webhook_id)
         except NotFound:
             hook = None
-        started = time.time()
+        started = clock.now()
         status: int | None = None
         error: str | None = None
         headers: dict[str, str] | None = None
@@ -197,8 +199,8 @@ class Dispatcher:
         try:
             out = await asyncio.to_thread(
                 ts.deliveries.record_attempt, d, at=started, status_code=status, error=error,
-                duration_ms=round((time.time() - started) * 1000.0, 1), delivered=delivered,
-                retry_at=None if wait is None else time.time() + wait)
+                duration_ms=round((clock.now() - started) * 1000.0, 1), delivered=delivered,
+                retry_at=None if wait is None else clock.now() + wait)
         except ConflictError:
             return None  # its lease ran out and another sender took it; that one records its own attempt
         if not delivered:
