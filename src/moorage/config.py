@@ -144,6 +144,9 @@ class Config:
     #: A server-sent event stream (a streamed turn, an exec's output) that has sent nothing for this many seconds
     #: sends a comment line, so proxies and the fleet's forwarding do not cut a quiet stream (0: never).
     sse_keepalive_s: float = 15.0
+    #: Browser origins whose pages may call the API (CORS), comma-separated (``https://app.example.com``): a
+    #: product's page using its end-user token. Empty: none (docs/api.md, "Conventions").
+    cors_origins: str = ""
     #: Secrets (docs/egress.md): the operator's encryption keys, comma-separated ``id:base64`` (first one
     #: encrypts, all decrypt); empty: the 0600 key file ``secrets.key`` in the data directory, made on first use.
     secrets_keys: str = dataclasses.field(default="", repr=False)
@@ -237,6 +240,10 @@ def _check_words(values: dict[str, Any]) -> None:
     if endpoint and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", str(endpoint)):
         raise ConfigError(f"otlp_endpoint={endpoint!r} is not an http(s) URL",
                           hint="e.g. http://127.0.0.1:4318/v1/traces, or leave it empty")
+    if values.get("cors_origins"):
+        from moorage.api.cors import parse_origins
+
+        parse_origins(str(values["cors_origins"]))  # ConfigError naming the value that is not an origin
     if values.get("secrets_keys"):
         from moorage.secrets.keyring import parse_keys
 

@@ -164,3 +164,37 @@ def test_the_backend_signs_up_streams_runs_async_by_webhook_execs_caps_and_forge
         with Client(host.url, token["token"]) as as_ada:
             as_ada.invoke("notes", "still there?")
     assert re.search(r"sign up first", ada.get("/api/me").text)
+
+
+def test_the_page_streams_a_turn_from_the_browser_with_its_end_user_token(running) -> None:
+    """page.html in Chromium, on the backend's origin: sign up, then a turn streamed straight from moorage with the
+    end-user token (a cross-origin fetch the origin named in `cors_origins` may make), then one by webhook."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.web.conftest import CHROMIUM, CHROMIUM_ARGS
+
+    host, backend = running
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(backend.url + "/")
+            page.fill("#user", "dora")
+            page.click("#signup")
+            page.wait_for_function("document.getElementById('status').textContent.includes('dora')")
+            page.fill("#message", "feed the cat")
+            page.click("#stream")
+            page.wait_for_function("document.getElementById('reply').dataset.done !== undefined "
+                                   "|| document.getElementById('reply').textContent.includes('Error')", timeout=60_000)
+            assert page.text_content("#reply").strip() == "noted (1 so far): feed the cat"
+            page.fill("#message", "walk the dog")
+            page.click("#ask")
+            page.wait_for_function("document.getElementById('reply').dataset.done === 'noted (2 so far): walk the dog'"
+                                   "|| document.getElementById('reply').textContent.includes('Error')", timeout=60_000)
+            assert page.text_content("#reply") == "noted (2 so far): walk the dog"
+        finally:
+            browser.close()
+    # An origin moorage was not told of gets no CORS answer: its pages cannot read moorage's answers.
+    other = httpx.options(f"{host.url}/v1/agents/notes/invoke", timeout=30,
+                          headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in other.headers, other.headers

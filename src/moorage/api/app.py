@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moorage.api.auth import Authenticator
+from moorage.api.cors import Cors, parse_origins
 from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
 from moorage.api.problem import from_error, internal, problem
@@ -120,6 +121,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
         routes=routes,
         # The dashboard (/ui, static files) sits inside RequestContext so its responses get trace ids and metrics.
         middleware=[Middleware(RequestContext, metrics=metrics, max_body=max(ep.max_body for ep in endpoints)),
+                    *([Middleware(Cors, origins=parse_origins(config.cors_origins))] if config.cors_origins else []),
                     Middleware(Dashboard)],
         exception_handlers={HTTPException: http_error, Exception: http_error},
     )

@@ -1,0 +1,56 @@
+"""Cross-origin requests from browsers: the origins the operator names (``cors_origins``) may call the API from
+their pages (a product's page with its end-user token); any other origin, and every request without one, is served
+exactly as before.
+
+An agent's app (``.../users/{user}/app/...``, ``/v1/shared/...``) answers its own preflights (docs/app.md), so its
+paths are left to it. No cookie opens the API, so no credentials are allowed: the token travels in
+``Authorization``, which the page sets itself.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from moorage.errors import ConfigError
+
+APP_PATHS = re.compile(r"^/v1/(agents/[^/]+/users/[^/]+/app(/|$)|shared/)")
+ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:\d{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
+#: What a page's script may read of an answer besides the CORS-safe headers.
+EXPOSED = ["x-trace-id", "retry-after", "location", "idempotent-replayed", "x-should-retry"]
+
+
+def parse_origins(value: str) -> list[str]:
+    """``cors_origins`` as a list; each an origin a browser sends (scheme, host, port: no path, no ``*``)."""
+    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
+    for origin in origins:
+        if not ORIGIN.fullmatch(origin):
+            raise ConfigError(f"cors_origins: {origin!r} is not an origin",
+                              hint="name each page's origin as a browser sends it, e.g. https://app.example.com or "
+                                   "http://127.0.0.1:8002, comma-separated (no path, no '*')")
+    return origins
+
+
+class Cors:
+    """ASGI middleware: Starlette's CORS answers for the named origins, outside the app routes."""
+
+    def __init__(self, app: ASGIApp, origins: list[str]) -> None:
+        self.app = app
+        self.origins = {o.encode() for o in origins}
+        self.cors = CORSMiddleware(app, allow_origins=origins, allow_methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                                   allow_headers=["*"], expose_headers=EXPOSED, max_age=600)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
+        if scope["type"] == "http" and not APP_PATHS.match(scope["path"]) and self._origin(scope) in self.origins:
+            return await self.cors(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    @staticmethod
+    def _origin(scope: Scope) -> bytes | None:
+        for name, value in scope.get("headers") or ():
+            if name == b"origin":
+                return value
+        return None
