@@ -78,6 +78,12 @@ def boot_env(manifest: Mapping[str, Any], requirements: bytes | None) -> dict[st
     return env
 
 
+#: A deployment's template record (``templates/<deployment id>.json``) names the package cache entries its build
+#: installed from (``package-cache/``) under this key; a record without it (a fetched template's, or one written
+#: before it existed) names nothing it is sure of, and the cache is then not collected (``_collect_package_cache``).
+PACKAGE_CACHE = "package_cache"
+
+
 def _ref_json(ref: TemplateRef) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(ref).items()}
 
@@ -295,9 +301,12 @@ class Templates:
         # The installed packages in this host's cache, published with the template for a driver whose forks own
         # their files (instance_update installs a redeploy's into them; shared ones are bound from the template).
         entries: list[tuple[str, str, Path]] = []
+        #: The package cache's entries the build installed from: kept while this host keeps the template's record.
+        used: set[str] = set()
 
         def kept(kind: str) -> Callable[[str, Path], None]:
             def keep(key: str, path: Path) -> None:
+                used.add(path.name)
                 if not self.driver.capabilities.shares_template_dirs:
                     entries.append((kind, key, path))
             return keep
@@ -335,7 +344,7 @@ class Templates:
                     await asyncio.to_thread(self.published.unpublish, ref.id)
                     say("template ready (another host's)")
                     return theirs
-        write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
+        write_private(self._meta(deployment.id), json.dumps({**_ref_json(ref), PACKAGE_CACHE: sorted(used)}).encode())
         say("template ready")
         return ref
 
@@ -482,6 +491,37 @@ class Templates:
             if not path.exists():
                 removed += 1
                 log.info("template nobody names deleted from this host", template=tid)
+        self._collect_package_cache(now, grace_s)
+        return removed
+
+    def _collect_package_cache(self, now: float, grace_s: float) -> int:
+        """Delete the installed packages (``package-cache/``: a tarball per requirements.txt or apt list an agent
+        was deployed with, tens of MiB) that no template record still on this host names and nothing wrote for
+        ``grace_s``: without this every change of an agent's packages left one for good. A rollback to a
+        deployment whose entry went installs its packages again. Nothing goes while a template is being made
+        here, or while a record does not say what it names (``PACKAGE_CACHE``). Returns how many went."""
+        cache = self.root / "package-cache"
+        if not cache.is_dir() or any(lock.locked() for lock in list(self._locks.values())):
+            return 0
+        named: set[str] = set()
+        for meta in self.root.glob("*.json"):
+            try:
+                names = json.loads(meta.read_text()).get(PACKAGE_CACHE)
+            except (OSError, ValueError, AttributeError):
+                return 0
+            if not isinstance(names, list):
+                return 0
+            named.update(str(n) for n in names)
+        removed = 0
+        for entry in sorted(cache.iterdir()):
+            try:
+                if entry.name in named or not entry.is_file() or now - entry.stat().st_mtime < grace_s:
+                    continue
+                entry.unlink()
+            except OSError:
+                continue
+            removed += 1
+            log.info("installed packages no deployment here uses deleted from the cache", entry=entry.name)
         return removed
 
     def _abandoned(self, template_id: str, use: "TemplateUse") -> bool:
