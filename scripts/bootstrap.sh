@@ -13,6 +13,7 @@ APT_PACKAGES=(
   postgresql                           # fleet store backend (tests start throwaway clusters)
   python3-setuptools python3-wheel      # the coder example builds a package inside its sandbox
   procps iproute2 psmisc
+  libfaketime                          # fleet tests: a host whose clock is off
   chromium                             # dashboard end-to-end tests (headless, driven by Playwright)
 )
 

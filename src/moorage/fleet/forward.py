@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import json
 import re
-import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Mapping
@@ -36,6 +35,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
+from moorage import clock
 from moorage.aio import within
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
@@ -90,7 +90,7 @@ class ForwardSigner:
     def sign(self, host: str, method: str, path: str, query: str, let_go: str = "", trace: str = "",
              now: float | None = None) -> str:
         kid, key = self.keys[0]
-        ts = int(time.time() if now is None else now)
+        ts = int(clock.now() if now is None else now)
         return f"v1.{kid}.{ts}.{self._mac(key, host, ts, method, path, query, let_go, trace)}"
 
     def verify(self, headers: Mapping[str, str], method: str, path: str, query: str,
@@ -101,7 +101,7 @@ class ForwardSigner:
         if m is None or not host:
             return None
         ts = int(m.group(2))
-        if abs((time.time() if now is None else now) - ts) > FORWARD_AUTH_MAX_AGE_S:
+        if abs((clock.now() if now is None else now) - ts) > FORWARD_AUTH_MAX_AGE_S:
             return None
         key = next((k for kid, k in self.keys if kid == m.group(1)), None)
         if key is None:

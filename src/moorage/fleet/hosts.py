@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moorage import clock
 from moorage.errors import ConfigError, ConflictError, InvalidInput, NotFound
 from moorage.store.base import Backend
 
@@ -44,7 +45,9 @@ class HostInfo:
     secrets: dict[str, Any] = field(default_factory=dict)
 
     def alive(self, ttl_s: float, now: float | None = None) -> bool:
-        return self.state != "gone" and (time.time() if now is None else now) - self.heartbeat_at <= ttl_s
+        """Whether its heartbeat is younger than ``ttl_s`` on the store's clock (every host writes it on that clock,
+        ``moorage.clock``, so hosts whose own clocks differ agree on it)."""
+        return self.state != "gone" and (clock.now() if now is None else now) - self.heartbeat_at <= ttl_s
 
 
 def _host(r: tuple) -> HostInfo:
@@ -99,9 +102,9 @@ class HostRegistry:
         check_host_id(host_id)
         if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/]+", url.rstrip("/")):
             raise InvalidInput(f"malformed host URL {url!r}", hint="the URL other hosts reach this one at, like http://10.0.0.5:8000")
-        now = time.time()
         shared = json.dumps(secrets or {}, sort_keys=True)
         with self.backend.control_tx() as c:
+            now = self._store_now(c)
             if secrets and ttl_s is not None:
                 for other in (_host(r) for r in c.q(f"SELECT {_COLS} FROM hosts WHERE id != ?", (host_id,))):
                     why = check_shared(secrets, other) if other.alive(ttl_s, now) else None
@@ -120,8 +123,8 @@ class HostRegistry:
     def heartbeat(self, host_id: str, incarnation: str, load: dict[str, Any] | None = None) -> tuple[float, str]:
         """Renew the host's leases; returns (when, the host's state: an operator may have set ``draining``).
         ``ConflictError`` when another incarnation registered the same id since."""
-        now = time.time()
         with self.backend.control_tx() as c:
+            now = self._store_now(c)
             n = c.x("UPDATE hosts SET heartbeat_at = ?, load = ?, version = version + 1 "
                     "WHERE id = ? AND incarnation = ? AND state != 'gone'",
                     (now, json.dumps(load or {}, sort_keys=True), host_id, incarnation))
@@ -130,6 +133,15 @@ class HostRegistry:
             raise ConflictError(f"host {host_id!r} was registered again by another process (or left)",
                                 hint="two hosts must not share MOORAGE_HOST_ID")
         return now, row[0]
+
+    def _store_now(self, c: Any) -> float:
+        """The time on the store's clock, measured again (``moorage.clock``): a PostgreSQL server's clock is the
+        fleet's, whatever this host's says. SQLite's is this machine's."""
+        if self.backend.dialect == "postgres":
+            sent = time.time()
+            row = c.one("SELECT EXTRACT(EPOCH FROM clock_timestamp())")
+            clock.observe(float(row[0]), sent, time.time())
+        return clock.now()
 
     def set_state(self, host_id: str, state: str, incarnation: str | None = None) -> None:
         if state not in HOST_STATES:

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from moorage import clock
 from moorage.errors import ConflictError
 from moorage.sandbox.process_fs import proc_starttime
 from moorage.store import SandboxRecord, Span, TenantStore
@@ -122,7 +123,7 @@ class Owner:
 
     def claim(self, now: float | None = None) -> dict[str, Any]:
         return {"owner": self.id, "host": self.host, "pid": self.pid, "pid_start": self.pid_start,
-                "at": time.time() if now is None else now}
+                "at": clock.now() if now is None else now}
 
 
 def claim_of(record: SandboxRecord) -> dict[str, Any] | None:
@@ -135,7 +136,7 @@ def claim_is_dead(record: SandboxRecord, me: Owner, timeout_s: float, now: float
     c = claim_of(record)
     if c is None:
         return True
-    now = time.time() if now is None else now
+    now = clock.now() if now is None else now
     if c.get("host") == me.host and isinstance(c.get("pid"), int):
         if c.get("owner") != me.id and proc_starttime(c["pid"]) != c.get("pid_start"):
             return True
@@ -186,7 +187,7 @@ def apply(
     to = target(record.state, verb)
     if to is None:
         raise IllegalTransition(record, verb)
-    now = time.time()
+    now = clock.now()
     new_meta = dict(record.meta if meta is None else meta)
     if claim is None:
         claim = to in CLAIMED_STATES
@@ -237,7 +238,7 @@ def _span(ts: TenantStore, record: SandboxRecord, name: str, owner: Owner, trace
 def provision(ts: TenantStore, scope: Any, *, owner: Owner, template_ref: str | None, sandbox_id: str,
               trace: TraceContext | None = None, meta: dict[str, Any] | None = None) -> SandboxRecord:
     """Create the instance's row in ``provisioning`` with ``owner``'s claim (``ConflictError`` if one exists)."""
-    now = time.time()
+    now = clock.now()
     with ts.transaction():
         rec = ts.sandboxes.create(scope, state=S.PROVISIONING.value, host=owner.host, template_ref=template_ref,
                                   sandbox_id=sandbox_id, meta={**(meta or {}), "claim": owner.claim(now),

@@ -18,6 +18,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from moorage import clock
+
 #: Latency buckets from 1 ms to 2 min: wakes are tens of ms, turns with a model can take a minute.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -86,6 +88,15 @@ class _DataDisk(Collector):
                                 value=float(space.free))
 
 
+class _ClockOffset(Collector):
+    """How far the store's clock is from this host's (``moorage.clock``): leases and claims run on the store's."""
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily("moorage_clock_offset_seconds",
+                                "The store's clock minus this host's, as last measured (0 with a store on this host)",
+                                value=clock.offset())
+
+
 class Metrics:
     """One registry per app, so several apps (tests, embedded use) never share or collide."""
 
@@ -104,6 +115,7 @@ class Metrics:
             r.register(_Instances(instances, instance_ttl_s))
         if data_dir is not None:
             r.register(_DataDisk(data_dir))
+        r.register(_ClockOffset())
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()

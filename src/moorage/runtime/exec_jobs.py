@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Sequence
 
+from moorage import clock
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.log import get_logger
 from moorage.store import Principal, TenantStore
@@ -275,7 +276,7 @@ class ExecJobs:
         empty = {"text": "", "bytes": 0, "truncated": False}
         timeout = float(inp.get("timeout_s") or DEFAULT_TIMEOUT_S)
         lost = (inp.get("host") == self.host and inp.get("boot") != self.boot) or \
-            time.time() > ex.created_at + timeout + LOST_AFTER_S
+            clock.now() > ex.created_at + timeout + LOST_AFTER_S
         if lost:
             return {**base, "status": "interrupted", "exit_code": None,
                     "error": "the host running it stopped before it ended; its output is lost",

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import base64
 import secrets
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from moorage import clock
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import check_id
 from moorage.store.sql import loads
@@ -59,7 +59,7 @@ def _execution(r: tuple) -> Execution:
 class Executions(_Repo):
     def create(self, execution_id: str, agent: str, user: str, session: str, input: dict[str, Any]) -> tuple[Execution, bool]:
         """Record an async turn (True when new; the same id again returns the first one)."""
-        now = time.time()
+        now = clock.now()
         with self._ts._tx() as c:
             n = c.x(f"INSERT INTO executions ({_EXEC_COLS}) VALUES (?, ?, ?, ?, ?, '[]', NULL, ?, ?, 1) "
                     "ON CONFLICT DO NOTHING",
@@ -84,7 +84,7 @@ class Executions(_Repo):
                 return
             kept = ((loads(r[0]) or []) + list(events))[-MAX_EXECUTION_EVENTS:]
             c.x("UPDATE executions SET events = ?, updated_at = ?, version = version + 1 WHERE id = ?",
-                (self._json(kept, "execution events"), time.time(), execution_id))
+                (self._json(kept, "execution events"), clock.now(), execution_id))
 
     def unsettled(self, *, limit: int = 200, after: Execution | None = None) -> list[Execution]:
         """Executions not yet announced as finished (none announced, or only an interrupt), oldest first; ``after``
@@ -119,7 +119,7 @@ class Executions(_Repo):
     def mark_announced(self, execution_id: str, status: str, *, expected_version: int) -> bool:
         with self._ts._tx() as c:
             return c.x("UPDATE executions SET announced = ?, updated_at = ?, version = version + 1 "
-                       "WHERE id = ? AND version = ?", (status, time.time(), execution_id, expected_version)) == 1
+                       "WHERE id = ? AND version = ?", (status, clock.now(), execution_id, expected_version)) == 1
 
 
 # -- webhooks ---------------------------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class Webhooks(_Repo):
         if secret is not None and (not isinstance(secret, str) or not secret.startswith(SECRET_PREFIX)):
             raise InvalidInput("a webhook secret must start with whsec_", hint="omit it to have one generated")
         hook = Webhook("wh_" + uuid.uuid4().hex[:24], agent, check_url(url), ev, secret or new_secret(), True,
-                       time.time(), 1)
+                       clock.now(), 1)
         with self._ts._tx() as c:
             c.x(f"INSERT INTO webhooks ({_HOOK_COLS}) VALUES (?, ?, ?, ?, ?, 1, ?, 1)",
                 (hook.id, agent, hook.url, self._json(list(ev)), hook.secret, hook.created_at))
@@ -265,7 +265,7 @@ class Deliveries(_Repo):
 
     def enqueue(self, agent: str, event: str, data: dict[str, Any], *, at: float | None = None) -> list[Delivery]:
         """One pending delivery per webhook of ``agent`` subscribed to ``event``; joins the caller's transaction."""
-        now = time.time() if at is None else at
+        now = clock.now() if at is None else at
         out = []
         with self._ts._tx() as c:
             for hook in self._ts.webhooks.subscribed(agent, event):
@@ -342,7 +342,7 @@ class Deliveries(_Repo):
 
     def replay(self, delivery_id: str) -> Delivery:
         """Send a delivery again now (same id, so a receiver can tell it is the same message)."""
-        now = time.time()
+        now = clock.now()
         with self._ts._tx() as c:
             r = c.one(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE id = ?", (delivery_id,))
             if r is None:

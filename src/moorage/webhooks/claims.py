@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
+from moorage import clock
 from moorage.log import get_logger
 from moorage.store.webhooks import Delivery
 
@@ -56,7 +56,7 @@ class HeldClaims:
         for ts in store.operator.tenants():
             claims = left.get(ts.tenant_id)
             if claims:
-                released += ts.deliveries.release(claims, time.time())
+                released += ts.deliveries.release(claims, clock.now())
         if released:
             log.info("webhook deliveries a killed sender was sending are due again", count=released)
         self.path.unlink(missing_ok=True)
