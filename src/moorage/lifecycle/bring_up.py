@@ -277,7 +277,8 @@ class BringUp:
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
             kind = wake_kind(sandbox, fork=False)
-            rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed)
+            rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed,
+                                             taken_from=previous_host)
             self._counts["wakes"] += 1
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
@@ -297,18 +298,19 @@ class BringUp:
             log.info(what, instance=rec.id, scope=str(li.scope), kind=kind, ms=ms, **extra)
 
     async def _record_running(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox,
-                              *marked: Any) -> SandboxRecord:
+                              *marked: Any, taken_from: str | None = None) -> SandboxRecord:
         """``_mark_running``. When the store cannot be reached the sandbox is up but not recorded: the caller fails,
         and the record is written (and the sandbox adopted) once the store answers, tried every second while the
-        claim lives, so the instance is not left claimed (every request for it waiting) until the claim times out."""
+        claim lives, so the instance is not left claimed (every request for it waiting) until the claim times out.
+        ``taken_from``: the host it was woken from (a takeover), whose half-done time travel is finished then too."""
         try:
             return await self.io(self._mark_running, ts, rec, *marked)
         except StoreUnreachable:
-            self._adopt_when_back(ts, li, rec, sandbox, marked)
+            self._adopt_when_back(ts, li, rec, sandbox, marked, taken_from)
             raise
 
     def _adopt_when_back(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord, sandbox: Sandbox,
-                         marked: tuple[Any, ...]) -> None:
+                         marked: tuple[Any, ...], taken_from: str | None) -> None:
         async def record() -> None:
             try:
                 new = await self.io(self._mark_running, ts, rec, *marked)
@@ -319,10 +321,35 @@ class BringUp:
                     with contextlib.suppress(Exception):
                         await sandbox.stop()
                     return
-            self._adopted(li, new, sandbox)
+            if taken_from in (None, self.host):
+                self._adopted(li, new, sandbox)
+            else:
+                await self._adopt_after_takeover(ts, li, new, sandbox)
             log.info("instance up (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
 
         self._record_later(f"record-running-{rec.id}", record, lambda e: isinstance(e, StoreUnreachable))
+
+    async def _adopt_after_takeover(self, ts: TenantStore, li: LiveInstance, rec: SandboxRecord,
+                                    sandbox: Sandbox) -> None:
+        """A takeover wake recorded late: finish what its previous host left half done (time travel), then adopt it,
+        as the wake itself would have. Requests arriving meanwhile wait for it as for a bring-up in progress, so no
+        turn runs on the instance before."""
+        fut: asyncio.Future[Sandbox] | None = None
+        if li.pending is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            li.pending = fut
+        try:
+            await self.taken_over(ts, li.scope, sandbox)
+            self._adopted(li, rec, sandbox)
+            if fut is not None:
+                fut.set_result(sandbox)
+        finally:
+            if fut is not None:
+                if not fut.done():
+                    fut.set_exception(UnavailableError("the instance's bring-up was cut short",
+                                                       hint="retry; the next request wakes it again"))
+                li.pending = None
 
     def _mark_running(self, ts: TenantStore, rec: SandboxRecord, verb: V, trace: TraceContext, started: float,
                       usage: str | None, kind: str, resumed: dict[str, Any] | None = None) -> SandboxRecord:
