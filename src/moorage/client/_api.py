@@ -302,9 +302,11 @@ class Api(ReachApi, ABC):
 
     def exec(self, sandbox_id: str, argv: Sequence[str], *, timeout_s: float | None = None, cwd: str | None = None,
              env: Mapping[str, str] | None = None) -> T.ExecResult:
-        """Run a command in the sandbox and wait for it (``timeout_s`` defaults to 60 on the server)."""
+        """Run a command in the sandbox and wait for it (``timeout_s`` defaults to 60 on the server). The server runs it
+        again if it is sent again, so it is retried only when it surely did not run (a 429 or 503 answer, no
+        connection made); otherwise the error says it may have run (``exec_detached`` with a key is safe to repeat)."""
         return self._send(Request("POST", f"/v1/sandboxes/{_p(sandbox_id)}/exec",
-                                  json=_exec_body(argv, timeout_s, cwd, env, detach=False)))
+                                  json=_exec_body(argv, timeout_s, cwd, env, detach=False), repeats=True))
 
     def exec_detached(self, sandbox_id: str, argv: Sequence[str], *, timeout_s: float | None = None,
                       cwd: str | None = None, env: Mapping[str, str] | None = None,

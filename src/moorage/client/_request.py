@@ -22,6 +22,9 @@ class Request:
     shown_once: str | None = None
     #: What the caller does about such a lost secret (the hint of that error).
     shown_once_hint: str = ""
+    #: The server does it again when it is sent again (no replay by Idempotency-Key: a synchronous exec), so it is
+    #: retried only when it surely was not done (see ``_transport.may_have_run``).
+    repeats: bool = False
 
 
 def _p(value: str) -> str:

@@ -88,9 +88,23 @@ def decode(response: httpx.Response) -> Any:
     return None if response.status_code == 204 else body
 
 
-def wait_before_retry(settings: Settings, attempt: int, error: ApiError) -> float | None:
+#: Transport failures that happen before a request is sent: it cannot have been done.
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def may_have_run(error: ApiError) -> bool:
+    """Whether the server may have done the request that failed so: a gateway's 502/504 (the server may have
+    answered it), or a connection lost once the request was sent. A 429 or 503 answer is a refusal."""
+    if error.code == "unreachable":
+        return not isinstance(error.__cause__, UNSENT)
+    return error.status in (502, 504)
+
+
+def wait_before_retry(settings: Settings, attempt: int, error: ApiError, req: Request | None = None) -> float | None:
     """Seconds to wait before attempt ``attempt + 1``, or None when the error must reach the caller."""
     if attempt >= settings.max_retries or error.status not in RETRY_STATUSES or error.retryable is False:
+        return None
+    if req is not None and req.repeats and may_have_run(error):
         return None
     if error.retry_after is not None:
         return None if error.retry_after > settings.max_wait_s else error.retry_after
@@ -98,8 +112,21 @@ def wait_before_retry(settings: Settings, attempt: int, error: ApiError) -> floa
 
 
 def unreachable(settings: Settings, e: Exception) -> Unavailable:
-    return Unavailable(503, f"cannot reach {settings.base_url}: {type(e).__name__}: {e}",
-                       type="unreachable", hint="check the URL and that `moorage up` is running")
+    error = Unavailable(503, f"cannot reach {settings.base_url}: {type(e).__name__}: {e}",
+                        type="unreachable", hint="check the URL and that `moorage up` is running")
+    error.__cause__ = e  # whether it was sent at all (may_have_run)
+    return error
+
+
+def final(req: Request, error: ApiError) -> ApiError:
+    """The error handed to the caller: for a request the server does again when repeated, after a failure that may
+    have come once it was done, a hint saying so (the caller decides whether to send it again)."""
+    if req.repeats and may_have_run(error):
+        error.hint = (f"{req.method} {req.path} may have run on the server before this failure, and the server runs "
+                      "it again if it is sent again, so it was not retried: check before sending it again (a detached "
+                      "exec with an idempotency_key is safe to repeat)")
+        Exception.__init__(error, f"{error.status} {error.detail} ({error.hint})")
+    return error
 
 
 def cut_off(settings: Settings, e: Exception) -> Unavailable:

@@ -50,9 +50,9 @@ class AsyncClient(Api):
                 error: ApiError = tr.unreachable(self.settings, e)
             except ApiError as e:
                 error = e
-            wait = tr.wait_before_retry(self.settings, attempt, error)
+            wait = tr.wait_before_retry(self.settings, attempt, error, req)
             if wait is None:
-                raise error
+                raise tr.final(req, error)
             await self._sleep(wait)
             attempt += 1
 

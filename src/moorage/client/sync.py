@@ -54,9 +54,9 @@ class Client(Api):
                 error: ApiError = tr.unreachable(self.settings, e)
             except ApiError as e:
                 error = e
-            wait = tr.wait_before_retry(self.settings, attempt, error)
+            wait = tr.wait_before_retry(self.settings, attempt, error, req)
             if wait is None:
-                raise error
+                raise tr.final(req, error)
             self._sleep(wait)
             attempt += 1
 
