@@ -234,6 +234,21 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
 }
 
 
+#: An origin as a browser sends it: scheme, host (a name or a bracketed IPv6 address) and port, no path.
+ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:\d{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
+
+
+def parse_origins(value: str) -> list[str]:
+    """``cors_origins`` as a list; each an origin a browser sends (scheme, host, port: no path, no ``*``)."""
+    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
+    for origin in origins:
+        if not ORIGIN.fullmatch(origin):
+            raise ConfigError(f"cors_origins: {origin!r} is not an origin",
+                              hint="name each page's origin as a browser sends it, e.g. https://app.example.com or "
+                                   "http://127.0.0.1:8002, comma-separated (no path, no '*')")
+    return origins
+
+
 def _check_words(values: dict[str, Any]) -> None:
     """Settings whose form is known: refused at start rather than on each request that would use them."""
     endpoint = values.get("otlp_endpoint")
@@ -241,8 +256,6 @@ def _check_words(values: dict[str, Any]) -> None:
         raise ConfigError(f"otlp_endpoint={endpoint!r} is not an http(s) URL",
                           hint="e.g. http://127.0.0.1:4318/v1/traces, or leave it empty")
     if values.get("cors_origins"):
-        from moorage.api.cors import parse_origins
-
         parse_origins(str(values["cors_origins"]))  # ConfigError naming the value that is not an origin
     if values.get("secrets_keys"):
         from moorage.secrets.keyring import parse_keys

@@ -17,13 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from moorage.api.auth import Authenticator
-from moorage.api.cors import Cors, parse_origins
+from moorage.api.cors import Cors
 from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
 from moorage.api.problem import from_error, internal, problem
 from moorage.api.routes import all_endpoints
 from moorage.api.routes.app import WEBSOCKET_ROUTES
-from moorage.config import Config
+from moorage.config import Config, parse_origins
 from moorage.log import get_logger
 from moorage.observability import Metrics, SpanSink, Tracer
 from moorage.store import Store

@@ -15,23 +15,9 @@ from typing import Any
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moorage.errors import ConfigError
-
 APP_PATHS = re.compile(r"^/v1/(agents/[^/]+/users/[^/]+/app(/|$)|shared/)")
-ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-]+(:\d{1,5})?|https?://\[[0-9A-Fa-f:.]+\](:\d{1,5})?")
 #: What a page's script may read of an answer besides the CORS-safe headers.
 EXPOSED = ["x-trace-id", "retry-after", "location", "idempotent-replayed", "x-should-retry"]
-
-
-def parse_origins(value: str) -> list[str]:
-    """``cors_origins`` as a list; each an origin a browser sends (scheme, host, port: no path, no ``*``)."""
-    origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
-    for origin in origins:
-        if not ORIGIN.fullmatch(origin):
-            raise ConfigError(f"cors_origins: {origin!r} is not an origin",
-                              hint="name each page's origin as a browser sends it, e.g. https://app.example.com or "
-                                   "http://127.0.0.1:8002, comma-separated (no path, no '*')")
-    return origins
 
 
 class Cors:
