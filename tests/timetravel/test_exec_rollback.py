@@ -165,3 +165,36 @@ async def test_an_exec_that_comes_while_a_fork_takes_its_checkpoint_waits_for_th
             assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
             r = await ran
         assert r.status_code == 200 and r.json()["stdout"] == "started\nfinished\n", r.text
+
+
+async def test_a_fork_refused_because_a_new_user_was_taken_meanwhile_leaves_no_checkpoint_behind(
+        live_rt, runtime, acme: str, store: Store, tmp_path: Path) -> None:  # noqa: F811
+    """The sandbox verb ``fork`` checks its new users, takes its checkpoint (waiting for a turn of the instance),
+    then forks. A new user who got an instance while it waited refuses the fork (409); before, the named checkpoint
+    and its sandbox half stayed behind, now neither does."""
+    async with aclient(live_rt, acme) as c:
+        sid, _ = await _two_turns(c, store, acme, tmp_path)
+        box = f"/v1/sandboxes/{sid}"
+        before = [ck["id"] for ck in (await c.get(BASE)).json()["data"]]
+        halves = {h.name for h in await (await runtime.driver.open(sid)).checkpoints()}
+        slow = asyncio.create_task(c.post("/v1/agents/tt/invoke", json={"message": "slow 1.5", "user": "ada",
+                                                                         "session": "side"}))
+        while "slow-a.txt" not in await names(c, box):  # the slow turn holds the instance's line
+            await asyncio.sleep(0.02)
+        fork = asyncio.create_task(c.post(f"{box}/fork", json={"to_user": "cy", "label": "before-cy"}))
+        while not any(line.members > 1 for line in runtime.router._instances.values()):  # its checkpoint waits
+            await asyncio.sleep(0.01)
+        r = await c.post("/v1/agents/tt/invoke", json={"message": "turn 1", "user": "cy"})  # cy taken meanwhile
+        assert r.status_code == 200, r.text
+        assert (await slow).status_code == 200
+        r = await fork
+        assert r.status_code == 409 and "already has an instance" in r.json()["detail"], r.text
+        listing = (await c.get(BASE)).json()["data"]
+        new = [ck for ck in listing if ck["id"] not in before]
+        assert [ck["kind"] for ck in new] == ["turn"], listing  # the slow turn's own; no "before-cy"
+        added = {h.name for h in await (await runtime.driver.open(sid)).checkpoints()} - halves
+        assert len(added) == 1, added  # the slow turn's sandbox half only
+        r = await c.post("/v1/agents/tt/invoke", json={"message": "turn 3", "user": "ada"})  # goes on as before
+        assert r.status_code == 200, r.text
+        r = await c.post(f"{box}/fork", json={"to_user": "dee", "label": "before-dee"})
+        assert r.status_code == 200, r.text

@@ -207,7 +207,24 @@ class TimeTravel(AutoCheckpoints, Holding):
         # (before, one that came while the checkpoint was taken got the fork refused, and the checkpoint stayed).
         async with Gate.of(self.rt).travelling(_key(ts, agent, user), "fork", _what(agent, user)):
             ck = await self.take(principal, agent, user, name, as_scope=as_scope)
-            return await self._fork(ts, agent, user, ck.id, to_users)
+            try:
+                return await self._fork(ts, agent, user, ck.id, to_users)
+            except Exception:
+                # Refused after the checkpoint (a new user taken meanwhile: 409) or failed: the fork made nothing,
+                # its checkpoint goes too (it would stay, named, counted against retention, for good).
+                await self._drop_taken(ts, agent, user, ck)
+                raise
+
+    async def _drop_taken(self, ts: TenantStore, agent: str, user: str, ck: Checkpoint) -> None:
+        try:
+            gone = await asyncio.to_thread(checkpoints_of(ts).drop, agent, user, ck.id)
+            if gone is not None and gone.sandbox_checkpoint:
+                async with self._hold(ts, agent, user) as sandbox:
+                    if sandbox.id == gone.sandbox_id and _can_delete(sandbox):
+                        await sandbox.delete_checkpoint(gone.sandbox_checkpoint)
+        except Exception as e:  # noqa: BLE001 - the fork's own error is the one to report
+            log.warning("a failed fork's checkpoint could not be removed", agent=agent, user=user, checkpoint=ck.id,
+                        error=str(e))
 
     async def fork(self, principal: Principal, agent: str, user: str, checkpoint_id: str,
                    to_users: Sequence[str], *, as_scope: str = "provision") -> dict[str, Any]:

@@ -469,6 +469,25 @@ class Checkpoints:
                     f"({','.join('?' * len(part))})", (agent, user, *part))
         return gone
 
+    def drop(self, agent: str, user: str, checkpoint_id: str) -> Checkpoint | None:
+        """Delete one checkpoint a verb took before it failed (the sandbox verb fork refused after its checkpoint):
+        the instance is left as if it had never been taken. As the head, the head goes back to its parent and the
+        next checkpoint reads the instance whole. Returns it (its sandbox checkpoint is the caller's to delete), or
+        None when it is gone already."""
+        with self._ts._tx() as c:
+            r = c.one(f"SELECT {_COLS} FROM checkpoints WHERE id = ? AND agent_id = ? AND user_id = ?",
+                      (checkpoint_id, agent, user))
+            if r is None:
+                return None
+            ck = _checkpoint(r)
+            head = self._head(c, agent, user)
+            if head is not None and head.head_id == ck.id:
+                self._set_head(c, agent, user, head.branch, ck.parent_id, head.pending, head.event_ranges, None)
+            others = [i for (i,) in c.q("SELECT id FROM checkpoints WHERE agent_id = ? AND user_id = ? AND id != ?",
+                                        (agent, user, ck.id))]
+        self.prune(agent, user, others)
+        return ck
+
     def delete_user(self, agent: str, user: str) -> int:
         """Forget every checkpoint of the instance (with the user)."""
         return self.forget_user(user, agent)
