@@ -22,6 +22,9 @@ from moorage.store import Agent, EntityKey, Principal, SandboxRecord, Scope, Sto
 Forward = Callable[[Sandbox, Any], Awaitable[Any]]
 #: Supplied by the runtime: the template an agent's new instances are forked from (its live deployment's).
 TemplateFinder = Callable[[TenantStore, Agent], Awaitable[TemplateRef]]
+#: Supplied by the runtime: a last check of a turn once it holds its instance, just before it runs (the user's caps:
+#: turns that waited in line behind others were checked when they arrived, before those others spent anything).
+Admit = Callable[[TenantStore, EntityKey, Any], Awaitable[None]]
 
 
 class Busy(ConflictError):
@@ -74,7 +77,8 @@ class Router:
     """Routes turns for one host process. Stateless across restarts: placement is read from the store each turn."""
 
     def __init__(self, store: Store, manager: InstanceManager, forward: Forward, templates: TemplateFinder, *,
-                 max_pending: int = 1024, max_session_queue: int = 32, retry_after_s: float = 1.0) -> None:
+                 max_pending: int = 1024, max_session_queue: int = 32, max_user_pending: int = 128,
+                 retry_after_s: float = 1.0, admit: Admit | None = None) -> None:
         self.store = store
         self.manager = manager
         self.forward = forward
@@ -82,8 +86,14 @@ class Router:
         self.max_pending = max_pending
         #: Turns one session may have waiting behind its running turn; beyond it: Overloaded.
         self.max_session_queue = max_session_queue
+        #: Turns one end-user (of one agent) may have admitted at once, over all their sessions; beyond it:
+        #: Overloaded. Sessions are the caller's to name, so without it one end-user's token could take every one
+        #: of the host's ``max_pending`` places and every other tenant's turns were refused.
+        self.max_user_pending = max_user_pending
         self.retry_after_s = retry_after_s
+        self.admit = admit
         self._pending = 0
+        self._user_pending: dict[tuple[str, str, str], int] = {}
         self._sessions: dict[tuple[str, ...], _Line] = {}
         self._instances: dict[tuple[str, str], _Line] = {}
 
@@ -152,9 +162,14 @@ class Router:
         self.check_principal(principal, key)
         if self._pending >= self.max_pending:
             raise Overloaded("this host", self.retry_after_s)
+        ts = self.store.tenant(principal)
+        user_key = (ts.tenant_id, key.agent, key.user)
+        if self._user_pending.get(user_key, 0) >= self.max_user_pending:
+            raise Overloaded(f"user {key.user!r} of agent {key.agent!r} (at most {self.max_user_pending} at once)",
+                             self.retry_after_s)
         self._pending += 1
+        self._user_pending[user_key] = self._user_pending.get(user_key, 0) + 1
         try:
-            ts = self.store.tenant(principal)
             session = key.session or key.workflow or "-"
             # The line is joined before the first await, so turns of one session keep the order they arrived in.
             async with self._in_session_line((ts.tenant_id, key.agent, key.user, session)):
@@ -166,6 +181,8 @@ class Router:
                     now = await asyncio.to_thread(ts.agent_users.find, key.agent, key.user)
                     if now is None or (user_since is not None and now.created_at != user_since):
                         raise _forgotten(key)
+                    if self.admit is not None:
+                        await self.admit(ts, key, turn)
 
                     async def template() -> TemplateRef:
                         return await self.templates(ts, agent)
@@ -174,6 +191,9 @@ class Router:
                         return await self.forward(sandbox, turn)
         finally:
             self._pending -= 1
+            left = self._user_pending.pop(user_key) - 1
+            if left:
+                self._user_pending[user_key] = left
 
     @contextlib.asynccontextmanager
     async def _in_session_line(self, key: tuple[str, ...]) -> AsyncIterator[None]:

@@ -82,7 +82,7 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         #: event stream) end then, rather than hold the server's graceful stop.
         self.stopping = asyncio.Event()
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
-        self.router = Router(store, instances, self._forward_turn, self._template_for)
+        self.router = Router(store, instances, self._forward_turn, self._template_for, admit=self._admit_turn)
         self.rng = random.Random()
         self._loop: asyncio.AbstractEventLoop | None = None
         from moorage.runtime.mcp_tools import McpTools
@@ -159,6 +159,24 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         async for ev in self._run(ts, agent, entity, turn_id, message, resume=False, principal=principal,
                                   create=run is None, events=events, user_since=user_since):
             yield ev
+
+    async def _admit_turn(self, ts: TenantStore, entity: EntityKey, turn: Any) -> None:
+        """The router's last check of a new turn as it gets its instance: its user's caps and the tenant's model
+        budget again. Checked only as they arrived, N turns sent at once (or N async turns) all passed before
+        any of them ran, and each then ran: a cap was overshot N times over. A resumed turn (an answer, a
+        restart) was admitted when it began."""
+        if getattr(turn, "resume", False):
+            return
+        from moorage.usage import caps
+
+        budget = caps.tenant_token_budget(self, ts.tenant_id)
+
+        def check() -> None:
+            if budget is not None:
+                caps.check_tenant_budget(ts, budget)
+            caps.check(ts, entity.agent, entity.user)
+
+        await asyncio.to_thread(check)
 
     @staticmethod
     def _existing_run(ts: TenantStore, run_id: str) -> Any:

@@ -31,6 +31,11 @@ RETRIED_REFUSALS = frozenset({"overloaded", "tenant-awake-limit", "busy"})
 #: How long an execution keeps trying after such refusals before it fails with the last one.
 REFUSED_RETRY_FOR_S = 900.0
 
+#: Async turns one end-user (of one agent) may have unfinished on a host at once; past it a submit is a 429. Each
+#: holds a task that waits for its turn (and retries refusals for up to REFUSED_RETRY_FOR_S): unbounded, one end-user
+#: token could queue turns (and rows) without end.
+MAX_USER_EXECUTIONS = 64
+
 #: The error event's type of an execution cancelled before it started.
 CANCELLED = "cancelled"
 
@@ -52,6 +57,9 @@ class ExecutionRunner:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Unfinished executions per (tenant, agent, user) on this host (``MAX_USER_EXECUTIONS``).
+        self._per_user: dict[tuple[str, str, str], int] = {}
+        self.max_user_executions = MAX_USER_EXECUTIONS
         #: Executions waiting to be tried again after a "not now" refusal (none of their turn exists meanwhile).
         self._retrying: set[str] = set()
 
@@ -80,6 +88,12 @@ class ExecutionRunner:
         if earlier is not None and earlier != message:
             raise InvalidInput("this Idempotency-Key was used with a different request",
                                hint="use a new key for a new turn")
+        if earlier is None and self._per_user.get(_user_key(ts, entity), 0) >= self.max_user_executions:
+            from moorage.router import Overloaded
+
+            raise Overloaded(f"user {entity.user!r} of agent {entity.agent!r} "
+                             f"(at most {self.max_user_executions} async turns unfinished at once)",
+                             rt.router.retry_after_s)
         ex, created = await asyncio.to_thread(ts.executions.create, exec_id, entity.agent, entity.user, session,
                                               {"message": message, "idempotency_key": key})
         if created:
@@ -91,7 +105,16 @@ class ExecutionRunner:
             return
         task = asyncio.create_task(self._drive(principal, ts, ex), name=f"execution-{ex.id}")
         self._tasks[ex.id] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(ex.id, None))
+        user = _user_key(ts, EntityKey(ex.agent, ex.user, ex.session))
+        self._per_user[user] = self._per_user.get(user, 0) + 1
+
+        def done(_t: "asyncio.Task[None]") -> None:
+            self._tasks.pop(ex.id, None)
+            left = self._per_user.pop(user, 1) - 1
+            if left:
+                self._per_user[user] = left
+
+        task.add_done_callback(done)
 
     def running(self, execution_id: str) -> bool:
         return execution_id in self._tasks
@@ -189,6 +212,10 @@ class ExecutionRunner:
                 self._start(store.operator.principal(ts.tenant_id), ts, ex)
                 count += 1
         return count
+
+
+def _user_key(ts: TenantStore, entity: EntityKey) -> tuple[str, str, str]:
+    return ts.tenant_id, entity.agent, entity.user
 
 
 def _earlier_message(ts: TenantStore, turn_id: str) -> str | None:

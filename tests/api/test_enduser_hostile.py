@@ -1,0 +1,135 @@
+"""The end-user token as an attacker holds it (it lives in a browser): through the real HTTP server and runtime, what
+one end-user can do to their own caps and to the host everybody shares.
+
+- N turns sent at once all passed the caps check before any of them ran, then each ran: a cap overshot N times;
+- one end-user naming new sessions took every place of the host's turn queue: every other tenant got 429s;
+- async turns were unbounded per end-user (a task and a row each, retried for 15 minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from moorage.store import Store
+from tests.api.conftest import aclient, agent_archive
+
+GZ = {"content-type": "application/gzip"}
+
+SLOW_AGENT = '''
+import asyncio
+
+async def on_message(ctx, message):
+    if message == "slow":
+        await asyncio.sleep(1.5)
+    return "echo: " + message
+'''
+
+
+async def _setup(c: httpx.AsyncClient, tmp_path: Path, user: str, limits: dict[str, Any] | None = None) -> str:
+    """Deploy the slow agent, create ``user`` (with ``limits``) and return an end-user token for them."""
+    r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, body=SLOW_AGENT), headers=GZ)
+    assert r.status_code == 201, r.text
+    assert (await c.put(f"/v1/agents/echo/users/{user}", json={"limits": limits or {}})).status_code == 201
+    r = await c.post(f"/v1/agents/echo/users/{user}/tokens", json={"ttl_s": 600})
+    assert r.status_code == 201, r.text
+    return r.json()["token"]
+
+
+async def _until(cond: Any, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not cond():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def _lines(runtime: Any, user: str) -> int:
+    """Turns of ``user`` admitted by the router (each in its session's line)."""
+    return sum(line.members for key, line in list(runtime.router._sessions.items()) if key[2] == user)
+
+
+async def test_turns_sent_at_once_cannot_overshoot_a_cap(live_rt, runtime, store: Store, acme: str, tmp_path: Path):
+    ts = store.tenant(store.authenticate(acme))
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "ada", {"tokens_per_month": 100})
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "warm", "user": "ada"})).status_code == 200
+    await _until(lambda: not runtime.turns)  # the warm turn's automatic checkpoint is over
+    async with aclient(live_rt, token) as u:
+        first = asyncio.create_task(u.post("/v1/agents/echo/invoke", json={"message": "slow", "session": "s0"}))
+        await _until(lambda: runtime.turns)  # the first turn runs in the sandbox
+        # Five more at once, each in a session of its own: all checked against the cap now, with nothing used yet.
+        rest = [asyncio.create_task(u.post("/v1/agents/echo/invoke", json={"message": "more", "session": f"s{i}"}))
+                for i in range(1, 6)]
+        await _until(lambda: _lines(runtime, "ada") == 6)
+        # What the first turn's model calls cost, written while it runs (as the gateway's usage sink writes it).
+        ts.usage.add("input_tokens", 150, agent_id="echo", user_id="ada")
+        assert (await first).status_code == 200
+        answers = await asyncio.gather(*rest)
+    # Each waiting turn is checked again as it gets the instance: the cap is spent, none of them runs.
+    assert [r.status_code for r in answers] == [429] * 5, [r.text for r in answers]
+    for r in answers:
+        assert r.json()["type"].endswith("/cap-exceeded") and "tokens_per_month" in r.json()["detail"]
+        assert int(r.headers["retry-after"]) >= 1
+    replies = [run for run in ts.runs.list(limit=100) if (run.input or {}).get("message") == "more"]
+    assert not [run for run in replies if run.status == "succeeded"]
+
+
+async def test_one_end_user_cannot_take_the_hosts_turn_queue(live_rt, runtime, store: Store, acme: str,
+                                                             globex: str, tmp_path: Path):
+    runtime.router.max_pending = 6  # the host's places (1024 by default), small to keep the test short
+    runtime.router.max_user_pending = 3
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "mallory")
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "warm", "user": "mallory"})).status_code == 200
+    async with aclient(live_rt, globex) as g:
+        r = await g.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path / "g", body=SLOW_AGENT),
+                         headers=GZ)
+        assert r.status_code == 201, r.text
+        assert (await g.put("/v1/agents/echo/users/neighbour", json={})).status_code == 201
+        async with aclient(live_rt, token) as u:
+            # Eight slow turns, each in a session the attacker makes up: sessions are the caller's to name.
+            flood = [asyncio.create_task(u.post("/v1/agents/echo/invoke", json={"message": "slow", "session": f"x{i}"}))
+                     for i in range(8)]
+            await _until(lambda: sum(t.done() for t in flood) >= 5 or runtime.router.pending >= 6)
+            # Another tenant's turn still gets a place on the host.
+            r = await g.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "neighbour"})
+            assert r.status_code == 200, r.text
+            answers = await asyncio.gather(*flood)
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [200] * 3 + [429] * 5, codes
+    refused = [r for r in answers if r.status_code == 429]
+    for r in refused:
+        assert r.json()["type"].endswith("/overloaded") and "'mallory'" in r.json()["detail"]
+        assert r.headers["retry-after"] == "1"
+
+
+async def test_async_turns_of_one_end_user_are_bounded(live_rt, runtime, store: Store, acme: str, tmp_path: Path):
+    from moorage.webhooks.executions import ExecutionRunner
+
+    runner = ExecutionRunner.of(runtime)
+    runner.max_user_executions = 3
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "mallory")
+        assert (await c.put("/v1/agents/echo/users/bob", json={})).status_code == 201
+        async with aclient(live_rt, token) as u:
+            answers = [await u.post("/v1/agents/echo/invoke?async=true", json={"message": "slow", "session": f"a{i}"})
+                       for i in range(5)]
+            assert [r.status_code for r in answers] == [202] * 3 + [429] * 2, [r.text for r in answers]
+            assert answers[3].json()["type"].endswith("/overloaded") and "async" in answers[3].json()["detail"]
+            assert answers[3].headers["retry-after"] == "1"
+            # Another user of the same tenant is not held back by mallory's.
+            r = await c.post("/v1/agents/echo/invoke?async=true", json={"message": "hi", "user": "bob"})
+            assert r.status_code == 202, r.text
+            ids = [r.json()["id"] for r in answers[:3]]
+            for ex_id in ids:
+                await _until(lambda ex_id=ex_id: not runner.running(ex_id))
+            # Once they finished, mallory may submit again; asked again (its Idempotency-Key), the same execution.
+            again = {"Idempotency-Key": "k1"}
+            r = await u.post("/v1/agents/echo/invoke?async=true", json={"message": "later"}, headers=again)
+            assert r.status_code == 202, r.text
+            assert (await u.post("/v1/agents/echo/invoke?async=true", json={"message": "later"},
+                                 headers=again)).json()["id"] == r.json()["id"]
