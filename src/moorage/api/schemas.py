@@ -81,7 +81,10 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     # days: with ?group=day only, the totals of each UTC day that had usage, oldest first.
     "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM,
                   "days": {"type": "array", "items": obj({"day": {"type": "string", "format": "date"},
-                                                          "totals": {"type": "object", "additionalProperties": NUM}})}},
+                                                          "totals": {"type": "object", "additionalProperties": NUM}})},
+                  # With agent and user: each of the user's caps, counted as the check before a turn counts them.
+                  "caps": {"type": "object", "additionalProperties": obj({"limit": NUM, "used": NUM, "resets_at": NUM},
+                                                                         ["limit", "used", "resets_at"])}},
                  ["since", "totals", "cost_usd"]),
     # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.
     "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]},

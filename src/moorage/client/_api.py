@@ -332,7 +332,8 @@ class Api(ReachApi, ABC):
     def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None,
               by_day: bool = False) -> T.Usage:
         """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …); ``by_day`` adds ``days`` (UTC); ``agent``:
-        that agent's only (a key limited to one agent must name it)."""
+        that agent's only (a key limited to one agent must name it); with ``agent`` and ``user``, ``caps``: each of
+        the user's caps with its ``limit``, ``used`` (as the check before a turn counts it) and ``resets_at``."""
         params = {k: v for k, v in {"since": since, "agent": agent, "user": user}.items() if v is not None}
         if by_day:
             params["group"] = "day"

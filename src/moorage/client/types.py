@@ -176,12 +176,21 @@ class UsageDay(TypedDict):
     totals: dict[str, float]
 
 
+class CapStanding(TypedDict):
+    limit: float
+    #: As the check before each turn counts it (the compute cap: recorded seconds plus an awake instance's running part).
+    used: float
+    resets_at: float
+
+
 class Usage(TypedDict, total=False):
     since: float
     totals: dict[str, float]
     cost_usd: float
     #: With ``group="day"``: the same per UTC day.
     days: list[UsageDay]
+    #: With ``agent`` and ``user``: each of the user's caps (``compute_seconds_per_day``, ``tokens_per_month``, ...).
+    caps: dict[str, CapStanding]
 
 
 class StreamEvent(TypedDict):

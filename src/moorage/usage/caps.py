@@ -96,27 +96,33 @@ def limits_of(ts: TenantStore, agent: str, user: str) -> dict[str, float]:
     return {**agent_limits(ts, agent), **(u.limits if u is not None else {})}
 
 
-def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> None:
-    """Raise ``CapExceeded`` for the first of the user's caps that is used up (nothing when none is set)."""
+def standing(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> dict[str, dict[str, float]]:
+    """Each of the user's effective caps (the agent's ``[agent.limits]`` and the user's own): ``limit``, ``used``
+    as ``check`` counts it (the compute cap includes the running part of an instance awake now) and ``resets_at``."""
     now = time.time() if now is None else now
     limits = limits_of(ts, agent, user)
-    if not limits:
-        return
+    out: dict[str, dict[str, float]] = {}
     cap = limits.get("compute_seconds_per_day")
     if cap is not None:
         start, end = day_window(now)
-        used = compute_seconds(ts, agent, user, since=start, now=now)
-        if used >= cap:
-            raise CapExceeded(agent, user, "compute_seconds_per_day", cap, used, end, now)
-    start, end = month_window(now)
-    totals: dict[str, float] = {}
+        out["compute_seconds_per_day"] = {"limit": cap, "used": compute_seconds(ts, agent, user, since=start, now=now),
+                                          "resets_at": end}
     if "tokens_per_month" in limits or "cost_usd_per_month" in limits:
+        start, end = month_window(now)
         totals = ts.usage.totals(since=start, agent_id=agent, user_id=user)
-    tokens = totals.get("input_tokens", 0.0) + totals.get("output_tokens", 0.0)
-    for name, used in (("tokens_per_month", tokens), ("cost_usd_per_month", totals.get("cost_usd", 0.0))):
-        limit = limits.get(name)
-        if limit is not None and used >= limit:
-            raise CapExceeded(agent, user, name, limit, used, end, now)
+        tokens = totals.get("input_tokens", 0.0) + totals.get("output_tokens", 0.0)
+        for name, used in (("tokens_per_month", tokens), ("cost_usd_per_month", totals.get("cost_usd", 0.0))):
+            if name in limits:
+                out[name] = {"limit": limits[name], "used": used, "resets_at": end}
+    return out
+
+
+def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> None:
+    """Raise ``CapExceeded`` for the first of the user's caps that is used up (nothing when none is set)."""
+    now = time.time() if now is None else now
+    for name, c in standing(ts, agent, user, now=now).items():
+        if c["used"] >= c["limit"]:
+            raise CapExceeded(agent, user, name, c["limit"], c["used"], c["resets_at"], now)
 
 
 #: The window of an operator's per-tenant ``tokens_per_month`` (the LLM policy's; see llm/policy.py).

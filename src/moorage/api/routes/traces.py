@@ -40,6 +40,11 @@ def usage(call: Call) -> dict[str, Any]:
 
     totals = ledger_totals(call.tenant, since=since, agent=agent, user=call.query("user"))
     out: dict[str, Any] = {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
+    if agent and call.query("user"):  # one end-user: their caps as the next turn's check counts them
+        from moorage.store.model import check_id
+        from moorage.usage.caps import standing
+
+        out["caps"] = standing(call.tenant, check_id(agent, "agent name"), check_id(call.query("user"), "user id"))
     group = call.query("group")
     if group not in (None, "", "day"):
         raise InvalidInput(f"group must be day, got {group!r}")
@@ -61,7 +66,7 @@ ENDPOINTS = [
              agent_checked=True,
              query=(Param("since", S.NUM, "seconds since the epoch"),
                     Param("agent", S.ID, "only this agent's usage (a key limited to one agent must name it)"),
-                    Param("user", S.STR),
+                    Param("user", S.STR, "only this end-user's usage; with agent, also their caps"),
                     Param("group", {"enum": ["day"]}, "also break the totals down by UTC day")),
              response=S.ref("Usage")),
 ]
