@@ -525,3 +525,34 @@ def test_killed_while_the_warm_pool_hands_a_member_to_a_user_it_is_not_left_behi
         assert c.post("/v1/agents/p/invoke", json={"message": "hi", "user": "bob"}).json()["reply"] == "p: hi"
         _wait(lambda: (dr := _dirs_and_rows(up, c)) and len(dr[1]) == 2 and len(_members(up)) == 1
               and dr[0] == dr[1] | _members(up), "every fork on disk is a user's or the pool's")
+
+
+def _half_made_checkpoints(data: Path) -> list[Path]:
+    return [d for d in (data / "sandboxes").glob("*/checkpoints/.*") if ".deleting-" not in d.name]
+
+
+def test_killed_while_a_checkpoint_is_copied_its_hidden_copy_is_removed_at_the_next_start(
+        up: Up, tmp_path: Path) -> None:
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/deployments", content=_tt_archive(), headers=GZ).status_code == 201
+        for n in range(2):
+            assert c.post("/v1/agents/tt/invoke", json={"message": f"m{n}", "user": "ada"}).json()["reply"] == f"noted m{n}"
+        kept = len(c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"])
+    up.stop()
+    # Killed with the layer copied under its hidden name, before it is renamed to the checkpoint's.
+    up.start("moorage.sandbox.process_checkpoints:write_index")
+    with up.client() as c:
+        _in_background(lambda: c.post("/v1/agents/tt/users/ada/checkpoints", json={"name": "before-upgrade"}))
+        assert up.died()
+    left = _half_made_checkpoints(up.data)
+    assert left and all((d / "layer").is_dir() for d in left), left  # a copy of the layer, named by nothing
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m2", "user": "ada"}).json()["reply"] == "noted m2"
+        assert _half_made_checkpoints(up.data) == []
+        r = c.post("/v1/agents/tt/users/ada/checkpoints", json={"name": "before-upgrade"})
+        assert r.status_code == 201, r.text
+        assert len(c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]) >= kept + 2  # m2's and this one
+    # A checkpoint made whole carries no lock file of its making.
+    assert not list((up.data / "sandboxes").glob("*/checkpoints/*/.making"))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moorage.log import get_logger
-from moorage.sandbox import capped_log, process_restart, process_seccomp
+from moorage.sandbox import capped_log, process_checkpoints, process_restart, process_seccomp
 from moorage.sandbox import process_limits as limits
 from moorage.sandbox.base import ChannelError, GuestProtocolError, RemoteError, SandboxError, SandboxState
 from moorage.sandbox.channel import Channel
@@ -154,6 +154,8 @@ class Launching:
         cks = self.dir / "checkpoints"
         for d in cks.glob(".*.deleting-*") if cks.is_dir() else ():
             background(asyncio.to_thread(shutil.rmtree, d, True), f"rm-checkpoint-{self.id}")
+        # Checkpoints whose making a crash cut short (their hidden copies, no checkpoint's name).
+        background(asyncio.to_thread(process_checkpoints.sweep_unfinished, self.dir), f"rm-checkpoint-{self.id}")
 
     async def _connect(self, timeout: float) -> Channel:
         deadline = time.monotonic() + timeout

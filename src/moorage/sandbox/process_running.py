@@ -9,7 +9,7 @@ import subprocess
 import time
 
 from moorage.log import get_logger
-from moorage.sandbox import process_net
+from moorage.sandbox import process_checkpoints, process_net
 from moorage.sandbox import process_limits as limits
 from moorage.sandbox.base import ChannelError, SandboxError, SandboxState
 from moorage.sandbox.channel import Channel
@@ -179,7 +179,9 @@ class RunningGuest:
         await self._kill()
 
     async def _adopt(self) -> None:
-        """After a host restart: re-attach to a live supervisor, or record that it is gone."""
+        """After a host restart: re-attach to a live supervisor, or record that it is gone. Checkpoint copies the
+        host's crash left half made go first."""
+        await asyncio.to_thread(process_checkpoints.sweep_unfinished, self.dir)
         if self._state is not SandboxState.RUNNING:
             return
         if self._alive():
