@@ -37,7 +37,9 @@ class Decision:
             raise EgressDenied(f"egress to {where} refused: the name does not resolve")
         # The category is said (loopback, private, metadata...), the address itself is not.
         raise EgressDenied(f"egress to {where} refused: it resolves to a {self.reason} address",
-                           hint="the host only connects to public addresses unless the operator allows a range")
+                           hint="the host only connects to public addresses unless the operator admits the range "
+                                "(egress_allow_cidrs, e.g. MOORAGE_EGRESS_ALLOW_CIDRS=127.0.0.0/8, or "
+                                "egress_allow_private; docs/egress.md)")
 
 
 async def decide(policy: EgressPolicy, resolver: Resolver, scheme: str, host: str, port: int,

@@ -190,7 +190,7 @@ class Dispatcher:
             except httpx.HTTPError as e:
                 error = f"{type(e).__name__}: {e}"
             except MoorageError as e:  # refused by the address policy, or the connection failed
-                error = f"{e.code}: {e.message}"
+                error = f"{e.code}: {e.message}" + (f" ({e.hint})" if e.hint else "")  # what to do about it too
             except Exception as e:  # noqa: BLE001 - any other failure is this attempt's, recorded and retried
                 error = f"{type(e).__name__}: {e}"
         delivered = error is None
