@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Mapping
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -106,7 +106,10 @@ class Templates:
         private_dir(self.root)
         #: Deploy-time package installs go through this (``egress_of(runtime)`` when the runtime set it).
         self.egress: Any = None
+        #: One lock per deployment while something holds or waits on it (``_deployment_lock``), then dropped: a
+        #: host up for months built thousands of deployments, and kept a lock for each.
         self._locks: dict[str, asyncio.Lock] = {}
+        self._lock_users: dict[str, int] = {}
         #: Ids of the templates time-travel forks of this process are making or forking from (``fork_template``).
         self._forking: set[str] = set()
         #: Templates in the object store (a fleet, set by the host): fetched instead of built, published when built.
@@ -194,8 +197,7 @@ class Templates:
     async def ensure(self, deployment: Deployment, on_progress: Any = None, record: Any = None) -> TemplateRef:
         """The deployment's template, built now if this host has none (single-flight per deployment). ``record``
         takes a span for each request the build's package installs make (the deploy's trace)."""
-        lock = self._locks.setdefault(deployment.id, asyncio.Lock())
-        async with lock:
+        async with self._deployment_lock(deployment.id):
             ref = self.cached(deployment.id)
             if ref is not None and self.published is not None:
                 ref = await self._still_chosen(deployment, ref)
@@ -206,6 +208,23 @@ class Templates:
                 if ref is not None:
                     return ref
             return await self._build(deployment, on_progress, record)
+
+    @contextlib.asynccontextmanager
+    async def _deployment_lock(self, deployment_id: str) -> AsyncIterator[None]:
+        """Single flight per deployment (a build, a fetch, the collection of its template). The lock exists while
+        someone holds or waits on it; the last one out drops it."""
+        lock = self._locks.setdefault(deployment_id, asyncio.Lock())
+        self._lock_users[deployment_id] = self._lock_users.get(deployment_id, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            left = self._lock_users[deployment_id] - 1
+            if left:
+                self._lock_users[deployment_id] = left
+            else:
+                del self._lock_users[deployment_id]
+                del self._locks[deployment_id]
 
     async def _still_chosen(self, deployment: Deployment, ref: TemplateRef) -> TemplateRef | None:
         """Fleet: the cached template while the deployment's claim names it; the claimed one when another is
@@ -275,7 +294,7 @@ class Templates:
         Returns what was fetched; None when this host already has it, or nothing (usable) is published yet."""
         if self.published is None:
             return None
-        async with self._locks.setdefault(deployment.id, asyncio.Lock()):
+        async with self._deployment_lock(deployment.id):
             if self.cached(deployment.id) is not None:
                 return None
             return await self._fetch_published(deployment, then="its first wake here fetches it")
@@ -444,7 +463,7 @@ class Templates:
                 named.add(ref.id)
                 continue
             # Under the deployment's lock: an ensure() of it (a rollback) waits, then builds or fetches anew.
-            async with self._locks.setdefault(dep, asyncio.Lock()):
+            async with self._deployment_lock(dep):
                 meta.unlink(missing_ok=True)
                 await self._drop(ref)
             removed += 1
