@@ -144,6 +144,9 @@ class Config:
     #: A server-sent event stream (a streamed turn, an exec's output) that has sent nothing for this many seconds
     #: sends a comment line, so proxies and the fleet's forwarding do not cut a quiet stream (0: never).
     sse_keepalive_s: float = 15.0
+    #: Seconds a client connection may take to send a request's headers, from its opening or from the previous
+    #: answer; past it the server closes the connection (a slow or silent client held it for good before).
+    http_header_timeout_s: float = 10.0
     #: Browser origins whose pages may call the API (CORS), comma-separated (``https://app.example.com``): a
     #: product's page using its end-user token. Empty: none (docs/api.md, "Conventions").
     cors_origins: str = ""
@@ -230,6 +233,7 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "egress_max_bytes": (0, None), "app_max_request_bytes": (1, None), "app_max_response_bytes": (1, None),
     "app_timeout_s": (1, None), "app_max_duration_s": (1, None), "app_ws_max_message_bytes": (1, None),
     "app_ws_max_sockets": (1, None), "sse_keepalive_s": (0, None), "sandbox_uid": (1, None),
+    "http_header_timeout_s": (0.1, None),
     "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }
 

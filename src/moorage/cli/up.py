@@ -155,6 +155,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     import uvicorn
 
     from moorage.api.app import create_app
+    from moorage.api.server import header_deadline
     from moorage.runtime.admin_socket import AdminSocket
     from moorage.runtime.backup import refuse_incomplete
     from moorage.runtime.host import Host
@@ -175,7 +176,8 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     app = create_app(host.runtime, cfg, span_sink=host.span_sink)
     # A WebSocket message past the apps' cap is refused by the server itself, before it is buffered (docs/app.md).
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
-                                           ws_max_size=cfg.app_ws_max_message_bytes))  # inclusive: a message of the cap passes
+                                           ws_max_size=cfg.app_ws_max_message_bytes,  # inclusive: a message of the cap passes
+                                           http=header_deadline(cfg.http_header_timeout_s)))
     url = f"http://{cfg.host}:{cfg.port}"
 
     async def after_start() -> None:

@@ -1,0 +1,67 @@
+"""The HTTP server's connections: uvicorn's h11 protocol with a deadline for each request's headers.
+
+uvicorn closes only a kept-alive connection that stays idle; one that sends its headers a byte at a time (or never
+starts) was held for good, so anyone could hold every file descriptor of the host with a few thousand sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: Seconds a connection may take to send a request's headers (from its opening, or from the previous answer).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
+
+class HeaderDeadline(H11Protocol):
+    """Closes a connection whose request headers are not complete within ``header_timeout_s``: counted from the
+    connection's opening and again from each answer; a request whose headers arrived is not timed by it (its body and
+    its answer are the route's)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaited: Any = None
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._awaited = self.scope  # the last request's scope: a new one means the next headers arrived
+        self._deadline = self.loop.call_later(self.header_timeout_s, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._deadline is not None and self.scope is not self._awaited:
+            self._disarm()  # a request's headers came in time (a WebSocket upgrade's too)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Now the next request's headers are awaited (unless a pipelined one was already read in full).
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            self._arm()
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or self.scope is not self._awaited:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request in progress: its headers came
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def header_deadline(timeout_s: float) -> type[HeaderDeadline]:
+    """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for headers due within ``timeout_s``."""
+    return type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": float(timeout_s)})

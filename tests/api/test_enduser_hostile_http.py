@@ -1,0 +1,74 @@
+"""Slow clients against a real ``moorage up``: a connection that sends its request headers a byte at a time, or
+nothing at all, was held by the server for good (uvicorn times out only an idle kept-alive connection), so anyone,
+without any credential, could hold every file descriptor of the host with a few thousand sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from moorage.devservices.fleet import LocalHost
+
+TIMEOUT_S = 1.0
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """True when the server closes ``sock`` (EOF or reset) within ``within_s``; False when it stays open."""
+    sock.settimeout(within_s)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_slow_and_silent_connections_are_closed_and_others_still_served(tmp_path: Path) -> None:
+    host = LocalHost("up", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning",
+                                               "MOORAGE_HTTP_HEADER_TIMEOUT_S": str(TIMEOUT_S)}, start_timeout_s=120)
+    socks: list[socket.socket] = []
+    try:
+        address = ("127.0.0.1", host.port)
+        silent = [socket.create_connection(address) for _ in range(20)]
+        slow = [socket.create_connection(address) for _ in range(20)]
+        socks += silent + slow
+        # A kept-alive connection: one request answered, then the next one's headers begun and never finished.
+        kept = socket.create_connection(address)
+        socks.append(kept)
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        kept.sendall(b"GET /healthz HTTP/1.1\r\n")
+        started = time.monotonic()
+        # The slow ones trickle a header line every 0.2 s: never complete, always sending.
+        for i in range(int(3 * TIMEOUT_S / 0.2)):
+            for s in slow:
+                try:
+                    s.sendall(b"GET / HTTP/1.1\r\n" if i == 0 else f"X-{i}: a\r\n".encode())
+                except OSError:
+                    pass  # closed by the server already
+            time.sleep(0.2)
+        # Meanwhile an ordinary client is served.
+        assert httpx.get(f"{host.url}/healthz", timeout=5).status_code == 200
+        closed = [_closed_by_server(s, 2.0) for s in socks]
+        assert all(closed), f"{closed.count(False)} of {len(closed)} slow connections still open after " \
+                            f"{time.monotonic() - started:.1f} s"
+        # A request whose headers come in time is served as before, its body (here sent slowly) not timed by this.
+        body = b'{"scopes": ["read"]}'
+        with socket.create_connection(address) as ok:
+            ok.sendall(b"POST /v1/keys HTTP/1.1\r\nHost: h\r\nConnection: close\r\nContent-Type: application/json\r\n"
+                       + f"Authorization: Bearer {host.key}\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+            for i in range(0, len(body), 4):
+                ok.sendall(body[i:i + 4])
+                time.sleep(2 * TIMEOUT_S / 5)
+            ok.settimeout(10)
+            assert ok.recv(4096).startswith(b"HTTP/1.1 201")
+    finally:
+        for s in socks:
+            s.close()
+        host.stop()
