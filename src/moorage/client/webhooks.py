@@ -5,6 +5,8 @@ Give it the raw body bytes exactly as received: a re-encoded body no longer matc
 
 from __future__ import annotations
 
+import base64
+import secrets
 from typing import Any, Mapping
 
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
@@ -21,3 +23,9 @@ def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -
         return Webhook(secret).verify(body, {k.lower(): v for k, v in headers.items()})
     except (WebhookVerificationError, ValueError) as e:
         raise WebhookSignatureError(str(e)) from e
+
+
+def new_webhook_secret() -> str:
+    """A fresh signing secret in the form ``create_webhook(secret=...)`` takes (``whsec_`` + base64 of 32 random
+    bytes). Keep it before subscribing: a backend that restarts verifies with it again without a new webhook."""
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
