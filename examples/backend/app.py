@@ -7,10 +7,8 @@ Run: MOORAGE_API_KEY=... python3 examples/backend/app.py (see README.md). Standa
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import secrets
 import threading
 import uuid
 from http import cookies
@@ -19,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from moorage import Client
-from moorage.client import ApiError, WebhookSignatureError, verify_webhook
+from moorage.client import ApiError, WebhookSignatureError, new_webhook_secret, verify_webhook
 
 HERE = Path(__file__).resolve().parent
 AGENT = "notes"
@@ -54,9 +52,8 @@ class Backend:
             return
         for hook in mine:  # subscribed before, but its secret is lost: subscribe again
             self.sdk.delete_webhook(AGENT, hook["id"])
-        # Our own secret (docs/api.md: `whsec_` + base64 of 24 to 64 bytes), written before it is sent: a lost
-        # answer cannot cost us the secret.
-        self.secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+        # Our own secret, written before it is sent: a lost answer cannot cost us the secret.
+        self.secret = new_webhook_secret()
         secret_file.write_text(self.secret)
         secret_file.chmod(0o600)
         self.sdk.create_webhook(AGENT, url, events=WEBHOOK_EVENTS, secret=self.secret)
@@ -72,8 +69,9 @@ class Backend:
     def me(self, user: str) -> dict[str, Any]:
         record = self.sdk.get_user(AGENT, user)
         used = self.sdk.usage(agent=AGENT, user=user, by_day=True)
-        return {"user": record["id"], "plan": record.get("metadata", {}).get("plan"), "limits": record.get("limits"),
-                "instance": record.get("instance"), "usage": used}
+        # caps: each cap's limit, what is used of it as moorage counts it before a turn, and when it resets.
+        return {"user": record["id"], "plan": record.get("metadata", {}).get("plan"), "caps": used.get("caps", {}),
+                "instance": record.get("instance"), "usage": {"totals": used["totals"], "days": used.get("days", [])}}
 
     def token(self, user: str) -> dict[str, Any]:
         issued = self.sdk.issue_user_token(AGENT, user, ttl_s=900)

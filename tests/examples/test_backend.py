@@ -41,9 +41,14 @@ def _commands() -> tuple[dict[str, str], list[str]]:
 class Backend:
     def __init__(self, host: LocalHost, port: int, state: Path, argv: list[str]) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "MOORAGE_API_URL": host.url, "MOORAGE_API_KEY": host.key, "BACKEND_PORT": str(port),
-               "BACKEND_STATE_DIR": str(state)}
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.env = {**os.environ, "MOORAGE_API_URL": host.url, "MOORAGE_API_KEY": host.key,
+                    "BACKEND_PORT": str(port), "BACKEND_STATE_DIR": str(state)}
+        self.argv = argv
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
         first = self.proc.stdout.readline() if self.proc.stdout else ""
         assert first.startswith(f"backend on {self.url}"), first + self.stop()
 
@@ -142,8 +147,8 @@ def test_the_backend_signs_up_streams_runs_async_by_webhook_execs_caps_and_forge
     assert ran.status_code == 200 and ran.json()["stdout"].split("\n")[:3] == ["buy milk", "call mum", "water plants"], ran.text
 
     me = ada.get("/api/me").json()
-    assert me["limits"] == {"compute_seconds_per_day": 120.0} and me["instance"]["sandbox_id"], me
-    assert me["usage"]["totals"]["wakes"] >= 1, me
+    assert me["caps"]["compute_seconds_per_day"]["limit"] == 120 and me["instance"]["sandbox_id"], me
+    assert 0 < me["caps"]["compute_seconds_per_day"]["used"] < 120 and me["usage"]["totals"]["wakes"] >= 1, me
 
     # A trial user's one-second cap: once used, a turn is moorage's 429 cap-exceeded, passed on with its wait.
     cy = _signup(backend, "cy", "trial")
@@ -153,6 +158,8 @@ def test_the_backend_signs_up_streams_runs_async_by_webhook_execs_caps_and_forge
         time.sleep(0.5)
     assert r.status_code == 429 and r.json()["code"] == "cap-exceeded" and r.json()["retry_after"] > 0, r.text
     assert "compute_seconds_per_day" in r.json()["error"], r.text
+    cap = cy.get("/api/me").json()["caps"]["compute_seconds_per_day"]  # what the page shows agrees with the refusal
+    assert cap["used"] >= cap["limit"] == 1, cap
 
     # Forget: the user and their results are gone, and the token the page held acts for no one.
     gone = ada.delete("/api/me")
@@ -198,3 +205,19 @@ def test_the_page_streams_a_turn_from_the_browser_with_its_end_user_token(runnin
     other = httpx.options(f"{host.url}/v1/agents/notes/invoke", timeout=30,
                           headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in other.headers, other.headers
+
+
+def test_a_restarted_backend_keeps_its_one_webhook_and_verifies_with_the_secret_it_kept(running) -> None:
+    host, backend = running
+    backend.stop()
+    backend.start()  # the same state directory: the secret it wrote before subscribing
+    with Client(host.url, host.key) as admin:
+        hooks = [h for h in admin.paginate(admin.list_webhooks, "notes") if h["url"] == backend.url + "/hooks/moorage"]
+    assert len(hooks) == 1, hooks
+    eve = _signup(backend, "eve")
+    ex_id = eve.post("/api/ask", json={"message": "after the restart"}).json()["execution_id"]
+    deadline = time.time() + 60
+    while (r := eve.get(f"/api/results/{ex_id}")).status_code != 200:
+        assert time.time() < deadline, r.text
+        time.sleep(0.2)
+    assert r.json()["reply"] == "noted (1 so far): after the restart"
