@@ -60,3 +60,40 @@ async def test_stored_answers_expire_after_their_replay_window(live_rt, store: S
     ts.journal.sweep_http(now)
     assert sorted(r[0] for r in ts.read("SELECT key FROM journal")) == ["http:done-new", "http:pending-day",
                                                                          "turn-step"]
+
+
+async def test_forgetting_a_user_removes_stored_answers_of_requests_about_their_sandbox_and_execs(
+        live_rt, store: Store, acme: str, tmp_path: Path) -> None:  # noqa: F811
+    """A cancel of a detached exec (its answer holds the output so far) and a sandbox verb name no user in their
+    path: their stored answers are about the sandbox's user all the same, and go when that user is forgotten."""
+    import asyncio
+
+    ts = store.tenant(store.authenticate(acme))
+
+    def kept(text: str) -> list[str]:
+        return [k for k, v in ts.read("SELECT key, result FROM journal WHERE key >= 'http:' AND key < 'http;'")
+                if text in (v if isinstance(v, str) else json.dumps(v, default=str))]
+
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        boxes = {}
+        for who in ("gus", "ida"):
+            assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": who})).status_code == 200
+            boxes[who] = next(b["id"] for b in (await c.get("/v1/sandboxes")).json()["data"]
+                              if b["scope"].endswith(f"/{who}"))
+            r = await c.post(f"/v1/sandboxes/{boxes[who]}/exec", json={
+                "argv": ["sh", "-c", f"echo pin-4242-of-{who}; sleep 600"], "detach": True})
+            assert r.status_code == 202, r.text
+            ex = r.json()["id"]
+            await asyncio.sleep(0.5)  # its first line is out
+            r = await c.post(f"/v1/executions/{ex}/cancel", headers={"Idempotency-Key": f"cancel-{who}"})
+            assert r.status_code == 200, r.text
+            r = await c.post(f"/v1/sandboxes/{boxes[who]}/sleep", headers={"Idempotency-Key": f"sleep-{who}"})
+            assert r.status_code == 200, r.text
+        assert kept(SECRET) and kept(boxes["gus"])  # the cancel's answer holds the output; the verb's, the sandbox
+
+        assert (await c.delete("/v1/agents/echo/users/gus")).status_code == 200
+        assert kept(SECRET) == [] and kept(boxes["gus"]) == []
+        assert kept("pin-4242-of-ida") and kept(boxes["ida"])  # another user's stay

@@ -75,6 +75,10 @@ class Call:
     body: Any
     trace_id: str
     idempotency_key: str | None
+    #: (agent, end-user) the request turned out to be about, set by a handler that found it (a sandbox's or an
+    #: execution's): its stored Idempotency-Key answer is then removed when that user is forgotten, as those of
+    #: requests naming the user in their path are.
+    about: tuple[str, str] | None = None
 
     @property
     def path(self) -> dict[str, str]:
@@ -346,7 +350,8 @@ class Endpoint:
             stored_body = _redact(stored_body, self.secret_fields)
         done = functools.partial(ts.journal.complete, key, expected_version=entry.version,
                                  result={"status": response.status_code, "body": stored_body,
-                                         "request_sha": request_sha, "media_type": response.media_type})
+                                         "request_sha": request_sha, "media_type": response.media_type},
+                                 step=replay_mark(*call.about) if call.about else None)
         if not await _when_room(done):
             # Done, but its answer has no room to be kept: a retry with the key waits (409) and, once there is room,
             # gets it replayed; it is not done twice.

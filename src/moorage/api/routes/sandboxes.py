@@ -52,6 +52,8 @@ def own_sandbox(call: Call, sandbox_id: str) -> Any:
     box = call.tenant.sandboxes.get(sandbox_id)
     if call.who.agent is not None and box.agent_id != call.who.agent:
         raise NotFound(f"no sandbox {sandbox_id!r}")
+    if box.scope.user is not None:  # a stored answer about it goes when its user is forgotten
+        call.about = (box.agent_id, box.scope.user)
     return box
 
 
@@ -162,7 +164,10 @@ async def _held_elsewhere(call: Call, ex: Any) -> None:
 def own_exec(call: Call, execution_id: str) -> Any:
     """The detached exec ``execution_id`` the caller may follow or cancel (``exec_jobs.get_exec``: another
     tenant's, another agent's and a missing one are the same 404, so none tells that the id exists)."""
-    return exec_jobs.get_exec(call.tenant, call.who, execution_id)
+    ex = exec_jobs.get_exec(call.tenant, call.who, execution_id)
+    if ex.user:  # a stored answer (a cancel's, with the output so far) goes when its user is forgotten
+        call.about = (ex.agent, ex.user)
+    return ex
 
 
 async def cancel_exec(call: Call) -> dict[str, Any]:

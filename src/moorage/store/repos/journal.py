@@ -76,15 +76,19 @@ class Journal(_Repo):
             r = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
         return _journal(r)
 
-    def complete(self, key: str, *, expected_version: int, result: Any = None, error: str | None = None) -> JournalEntry:
+    def complete(self, key: str, *, expected_version: int, result: Any = None, error: str | None = None,
+                 step: str | None = None) -> JournalEntry:
+        """Record the outcome of a claimed entry (``step``: what it names now, if it changes; an HTTP replay entry
+        names the end-user its request turned out to be about, ``replay_mark``)."""
         _check_version(expected_version)
         status = "failed" if error is not None else "done"
         now = _now()
         with self._ts._tx() as c:
             n = c.x(
-                "UPDATE journal SET status = ?, result = ?, error = ?, updated_at = ?, version = version + 1 "
-                "WHERE key = ? AND version = ? AND status = 'pending'",
-                (status, None if result is None else self._json(result, "journal result"), error, now, key, expected_version),
+                "UPDATE journal SET status = ?, result = ?, error = ?, updated_at = ?, step = COALESCE(?, step), "
+                "version = version + 1 WHERE key = ? AND version = ? AND status = 'pending'",
+                (status, None if result is None else self._json(result, "journal result"), error, now, step, key,
+                 expected_version),
             )
             if n != 1:
                 cur = c.one(f"SELECT {_JOURNAL_COLS} FROM journal WHERE key = ?", (key,))
