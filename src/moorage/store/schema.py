@@ -821,6 +821,28 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "WHEN (NEW.user_id IS NULL) EXECUTE FUNCTION moorage_delivery_user()",
         ),
     ),
+    Migration(
+        26,
+        "indexes for a big store: what forgetting a user, the retention sweep, caps and list pages read",
+        # Each of these read every row of its table on a store of 50,000 users (bench/results/latest/scale.md):
+        statements=(
+            # a user's usage (their caps before each turn, GET /v1/usage?user=, forgetting them) and a scope's
+            "CREATE INDEX usage_user ON usage ({tpk}user_id, agent_id, ts)",
+            "CREATE INDEX usage_scope ON usage ({tpk}scope)",
+            # whether any agent still has a user whose agent user was deleted (DELETE of a user)
+            "CREATE INDEX agent_users_user ON agent_users ({tpk}user_id)",
+            # a scope's spans (forgetting a user, the sweep of an expired scope)
+            "CREATE INDEX spans_scope ON spans ({tpk}scope)",
+            # a user's async turns (forgetting them)
+            "CREATE INDEX executions_user ON executions ({tpk}user_id, agent_id)",
+            # a page of instances (GET /v1/sandboxes, of one agent) and of workflow runs, in their order
+            "CREATE INDEX sandboxes_active ON sandboxes ({tpk}last_active, id)",
+            "CREATE INDEX sandboxes_agent_active ON sandboxes ({tpk}agent_id, last_active, id)",
+            "CREATE INDEX workflow_runs_updated ON workflow_runs ({tpk}updated_at, id)",
+            # settled deliveries past their TTL (the sweep)
+            "CREATE INDEX webhook_deliveries_settled ON webhook_deliveries ({tpk}updated_at) WHERE status <> 'pending'",
+        ),
+    ),
 )
 
 

@@ -75,8 +75,9 @@ class Sandboxes(_Repo):
             where += " AND agent_id = ?"
             params.append(agent_id)
         if after is not None:
-            where += " AND (last_active > ? OR (last_active = ? AND id > ?))"
-            params += [after[0], after[0], after[1]]
+            # As a row value, so the (last_active, id) indexes seek to it (an OR of the two read from the start).
+            where += " AND (last_active, id) > (?, ?)"
+            params += [after[0], after[1]]
         with self._ts._tx(write=False) as c:
             return [_sandbox(r) for r in c.q(f"SELECT {_SBX_COLS} FROM sandboxes WHERE {where} "
                                              "ORDER BY last_active, id LIMIT ?", (*params, limit))]

@@ -72,8 +72,9 @@ class WorkflowRuns(_Repo):
             for kind in _SCOPE_KINDS:
                 params += [f"{kind}:{agent}/", f"{kind}:{agent}0"]
         if after is not None:
-            where += " AND (updated_at > ? OR (updated_at = ? AND id > ?))"
-            params += [after[0], after[0], after[1]]
+            # As a row value, so the (updated_at, id) index seeks to it (an OR of the two read from the start).
+            where += " AND (updated_at, id) > (?, ?)"
+            params += [after[0], after[1]]
         with self._ts._tx(write=False) as c:
             return [_run(r) for r in c.q(f"SELECT {_RUN_COLS} FROM workflow_runs WHERE {where} ORDER BY updated_at, id "
                                          "LIMIT ?", (*params, limit))]
