@@ -71,10 +71,11 @@ class PostgresCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster(max_connections: int = 200) -> PostgresCluster:
-    """initdb + start on a free port; returns when it accepts connections. Caller must ``stop()``."""
+def start_cluster(max_connections: int = 200, root: Path | None = None) -> PostgresCluster:
+    """initdb + start on a free port; returns when it accepts connections. Caller must ``stop()``. ``root``: an
+    empty directory of the caller's for the cluster (a small filesystem of a disk-full test); a new one if None."""
     bindir = _bindir()
-    root = Path(tempfile.mkdtemp(prefix="moorage-pg-"))
+    root = root or Path(tempfile.mkdtemp(prefix="moorage-pg-"))
     as_postgres: list[str] = []
     if os.geteuid() == 0:
         try:
