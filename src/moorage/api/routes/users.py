@@ -20,21 +20,28 @@ from moorage.fleet.forward import LET_GO, forwarded
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store import EntityKey, TenantStore
 from moorage.store.agent_users import USER_LIMITS, AgentUser
-from moorage.store.model import check_id
+from moorage.store.model import Agent, check_id
 
 META_PREFIX = "metadata."
 
 
 def user_json(u: AgentUser, ts: TenantStore) -> dict[str, Any]:
-    instance = None
-    agent = ts.agents.get(u.agent)
-    lc = AgentLifecycle.of(agent)
-    if lc.scope == "user":
-        rec = ts.sandboxes.for_scope(EntityKey(u.agent, u.user).scope("user"))
-        if rec is not None:
-            instance = {"sandbox_id": rec.id, "state": rec.state, "last_active": rec.last_active}
-    return {"agent": u.agent, "id": u.user, "metadata": u.meta, "limits": u.limits, "created_at": u.created_at,
-            "updated_at": u.updated_at, "instance": instance}
+    return users_json([u], ts, ts.agents.get(u.agent))[0]
+
+
+def users_json(users: list[AgentUser], ts: TenantStore, agent: Agent) -> list[dict[str, Any]]:
+    """Users of ``agent`` with their instances: one read of the instances for the whole page (a read per user made
+    a page of 200 cost 400 queries)."""
+    recs = {}
+    if users and AgentLifecycle.of(agent).scope == "user":
+        recs = ts.sandboxes.for_scopes([EntityKey(u.agent, u.user).scope("user") for u in users])
+    out = []
+    for u in users:
+        rec = recs.get(EntityKey(u.agent, u.user).scope("user").key)
+        instance = None if rec is None else {"sandbox_id": rec.id, "state": rec.state, "last_active": rec.last_active}
+        out.append({"agent": u.agent, "id": u.user, "metadata": u.meta, "limits": u.limits,
+                    "created_at": u.created_at, "updated_at": u.updated_at, "instance": instance})
+    return out
 
 
 async def _provision(call: Call, agent_name: str, user: str) -> None:
@@ -90,7 +97,7 @@ def list_users(call: Call) -> dict[str, Any]:
     meta = {k[len(META_PREFIX):]: v for k, v in call.request.query_params.items() if k.startswith(META_PREFIX)}
     users = call.tenant.agent_users.list(agent.name, limit=limit + 1, after=after, meta=meta or None)
     page = users[:limit]
-    return {"data": [user_json(u, call.tenant) for u in page],
+    return {"data": users_json(page, call.tenant, agent),
             "next_cursor": encode_cursor({"after": page[-1].user}) if len(users) > limit else None}
 
 

@@ -61,6 +61,15 @@ class Sandboxes(_Repo):
             r = c.one(f"SELECT {_SBX_COLS} FROM sandboxes WHERE scope = ?", (scope.key,))
         return None if r is None else _sandbox(r)
 
+    def for_scopes(self, scopes: Sequence[Scope]) -> dict[str, SandboxRecord]:
+        """The instances of ``scopes`` (by scope key; a scope without one is missing), in one query."""
+        keys = sorted({s.key for s in scopes})
+        if not keys:
+            return {}
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_SBX_COLS} FROM sandboxes WHERE scope IN ({','.join('?' * len(keys))})", keys)
+        return {rec.scope.key: rec for rec in map(_sandbox, rows)}
+
     def list(self, *, states: Sequence[str] | None = None, host: str | None = None, agent_id: str | None = None,
              limit: int = 1000, after: tuple[float, str] | None = None) -> list[SandboxRecord]:
         """Least recently active first (then by id); ``after``: only those past that (last_active, id)."""
