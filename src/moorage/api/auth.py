@@ -188,8 +188,11 @@ class Authenticator:
 
     # -- end-user tokens ---------------------------------------------------------------------------
 
-    def issue_user_token(self, principal: Principal, agent: str, user: str, ttl_s: float | None = None) -> UserToken:
-        """Sign a token that may act for ``user`` of ``agent`` only, in the principal's tenant."""
+    def issue_user_token(self, principal: Principal, agent: str, user: str, ttl_s: float | None = None, *,
+                         user_created_at: float | None = None) -> UserToken:
+        """Sign a token that may act for ``user`` of ``agent`` only, in the principal's tenant. ``user_created_at``
+        (the user's record, when it exists) ties the token to that record: once the user is forgotten it is refused,
+        also when a new user of the same id is created later."""
         if principal.user is not None:
             raise TenantScopeError("an end-user token cannot issue tokens", hint="use a tenant API key with deploy scope")
         if "admin" not in principal.scopes and "deploy" not in principal.scopes:
@@ -205,7 +208,7 @@ class Authenticator:
             raise InvalidInput(f"ttl_s must be between 1 and {MAX_USER_TOKEN_TTL_S}", hint="issue short-lived tokens and refresh them")
         exp = int(time.time() + ttl)
         payload = {"v": 1, "t": principal.tenant_id, "a": agent, "u": user, "k": principal.key_id, "exp": exp,
-                   "n": secrets.token_hex(6)}
+                   "n": secrets.token_hex(6), **({"c": user_created_at} if user_created_at is not None else {})}
         body = _b64(json.dumps(payload, separators=(",", ":"), sort_keys=True).encode())
         sig = _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
         return UserToken(f"{USER_TOKEN_PREFIX}{body}.{sig}", agent, user, float(exp))
@@ -237,4 +240,15 @@ class Authenticator:
             k.id == key_id and (k.revoked_at is None or k.revoked_at > time.time()) for k in self.store.backend.list_api_keys(tenant)
         ):
             raise Unauthenticated("the key that issued this token was revoked", hint="ask the application for a fresh token")
+        if "c" in p and not self._same_user(tenant, agent, user, p["c"]):
+            # Forgotten since (and perhaps created again under the same id: another person, for all moorage knows).
+            raise Unauthenticated("this end-user token was issued to a user who has since been forgotten",
+                                  hint="ask the application for a fresh token")
         return Principal(tenant, frozenset({"invoke"}), key_id=f"user-token:{key_id}", agent=agent, user=user)
+
+    def _same_user(self, tenant: str, agent: object, user: object, created_at: object) -> bool:
+        """Whether the user the token was issued to (their record's creation time) is still there."""
+        if not isinstance(agent, str) or not isinstance(user, str) or not isinstance(created_at, (int, float)):
+            return False
+        rec = self.store.tenant(self.store.operator.principal(tenant)).agent_users.find(agent, user)
+        return rec is not None and abs(rec.created_at - float(created_at)) < 1e-3

@@ -65,7 +65,9 @@ def issue_token(call: Call) -> Reply:
     agent = agent_of(call)
     user = check_id(call.path["user"], "user id")
     ttl = call.field("ttl_s", (int, float), required=False)
-    tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl)
+    rec = call.tenant.agent_users.find(agent.name, user)  # the token dies with this user's record (a forget)
+    tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl,
+                                         user_created_at=rec.created_at if rec is not None else None)
     return Reply({"token": tok.token, "agent": tok.agent, "user": tok.user, "expires_at": tok.expires_at}, 201)
 
 
