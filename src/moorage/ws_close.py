@@ -8,6 +8,8 @@ from websockets.frames import Close
 NORMAL, GOING_AWAY, TOO_BIG, INTERNAL = 1000, 1001, 1009, 1011
 #: Service restart: the client should reconnect (``moorage up`` stopping, an instance restarted by a redeploy).
 SERVICE_RESTART = 1012
+#: Policy violation: the credential that opened a socket was revoked or expired while it was open.
+POLICY_VIOLATION = 1008
 #: The code that stands for a close frame without one (RFC 6455 7.1.5): never sent, passed on as no code.
 NO_STATUS = 1005
 

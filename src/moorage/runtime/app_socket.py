@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Awaitable, Iterator, Protocol
 
 from websockets.client import ClientProtocol
 from websockets.datastructures import Headers
@@ -125,11 +125,14 @@ class AppSocket:
         self._write_lock = asyncio.Lock()
         self._released = False
 
-    async def relay(self, caller: CallerSocket) -> Outcome:
-        """Carry messages both ways until the caller or the app closes, a limit is passed or the instance sleeps;
-        the caller is closed with the outcome's code (the caller's own close is not answered again)."""
+    async def relay(self, caller: CallerSocket, ended: Awaitable[Outcome] | None = None) -> Outcome:
+        """Carry messages both ways until the caller or the app closes, a limit is passed, the instance sleeps or
+        ``ended`` (the caller's credential revoked or expired) gives the outcome; the caller is closed with the
+        outcome's code (the caller's own close is not answered again)."""
         tasks = {asyncio.ensure_future(self._upstream(caller)): "up", asyncio.ensure_future(self._downstream(caller)): "down",
                  asyncio.ensure_future(self._watch()): "watch"}
+        if ended is not None:
+            tasks[asyncio.ensure_future(ended)] = "credential"
         outcome = Outcome(INTERNAL, "the socket to the agent's app failed", "error")
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -286,7 +289,8 @@ class AppSocket:
             return
         self._released = True
         try:
-            if self.protocol.state is State.OPEN and outcome.why in ("caller-closed", "caller-too-big", "error"):
+            if self.protocol.state is State.OPEN and outcome.why in ("caller-closed", "caller-too-big", "error",
+                                                                     "credential-ended"):
                 # The app hears the caller's close (or ours), as a WebSocket close; nobody waits for its answer.
                 code = outcome.code if outcome.why != "error" else GOING_AWAY
                 # A close without a code stays one (1005 must never be sent: the payload is empty).

@@ -293,8 +293,40 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
         except BaseException:
             await sock.close_unused()
             raise
-        outcome = await (sock.relay(ws) if isinstance(sock, ForwardedSocket) else sock.relay(_Caller(ws)))
+        if isinstance(sock, ForwardedSocket):
+            outcome = await sock.relay(ws)
+        else:
+            outcome = await sock.relay(_Caller(ws), _credential_ended(ctx, ws, shared))
         await asyncio.to_thread(_record_span, ctx, ts, agent, user, shared, started, outcome, sock)
+
+
+#: How often an open socket's credential is checked again (revoked or expired: the socket is closed with 1008).
+CREDENTIAL_RECHECK_S = 5.0
+
+
+async def _credential_ended(ctx: Any, ws: WebSocket, shared: bool) -> Any:
+    """Returns (an ``Outcome``: close 1008) once the credential that opened ``ws`` no longer would: an end-user
+    token expired or its issuing key revoked, a key revoked, a share link revoked or expired. Before, a socket
+    opened with it stayed open for good. A store out of reach is not taken for a revocation."""
+    from moorage.runtime.app_socket import Outcome
+    from moorage.ws_close import POLICY_VIOLATION
+
+    header = ws.headers.get("authorization")
+    while True:
+        await asyncio.sleep(CREDENTIAL_RECHECK_S)
+        try:
+            if shared:
+                await _open_token(ctx.runtime, ctx.store, ws.path_params["token"])
+            else:
+                await asyncio.to_thread(ctx.auth.authenticate, header)
+        except MoorageError as e:
+            if e.http_status not in (401, 403, 404):
+                continue
+            what = "share link" if shared else "credential"
+            return Outcome(POLICY_VIOLATION, f"the {what} that opened this socket was revoked or expired",
+                           "credential-ended")
+        except Exception:  # noqa: BLE001 - the store out of reach: checked again next time
+            continue
 
 
 async def _open_on_owner(ctx: Any, ws: WebSocket, e: Any, trace_id: str) -> Any:
