@@ -307,7 +307,8 @@ async def test_share_links_open_a_socket_until_expiry_or_revocation(world: World
         async with httpx.AsyncClient(base_url=world.http, headers={"Authorization": f"Bearer {world.globex}"}) as other:
             r = await other.post("/v1/agents/ws/users/ada/share-links", json={"ttl_s": 60})
             assert r.status_code == 404
-        # A socket opened before the revocation is not cut by it (like an HTTP answer already under way).
+        # A socket opened before the revocation is not cut at once (at the next check of its link, within 5 s:
+        # tests/api/test_enduser_hostile_ws.py).
         await open_before_revocation.send("still")
         assert await open_before_revocation.recv() == "still"
 
