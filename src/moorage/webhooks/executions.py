@@ -13,6 +13,7 @@ import uuid
 import weakref
 from typing import Any
 
+from moorage import clock
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, TenantStore
@@ -132,7 +133,7 @@ class ExecutionRunner:
                         began = True
                         if ev.kind == "done":
                             continue  # the result is the run's own; the GET reads it from there
-                        batch.append({"kind": ev.kind, "data": ev.data, "at": time.time()})
+                        batch.append({"kind": ev.kind, "data": ev.data, "at": clock.now()})
                         if len(batch) >= EVENT_BATCH:
                             await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
                             batch = []
@@ -154,12 +155,12 @@ class ExecutionRunner:
                         return
         except MoorageError as e:
             batch.append({"kind": "error", "data": {"type": e.code, "status": e.http_status, "detail": e.message,
-                                                    "hint": e.hint}, "at": time.time()})
+                                                    "hint": e.hint}, "at": clock.now()})
         except Exception as e:  # noqa: BLE001 - recorded on the execution; details stay in the log
             log.exception("execution failed", execution=ex.id)
             batch.append({"kind": "error", "data": {"type": "internal", "status": 500,
                                                     "detail": f"the turn failed ({type(e).__name__})"},
-                          "at": time.time()})
+                          "at": clock.now()})
         finally:
             if batch:
                 await asyncio.to_thread(ts.executions.add_events, ex.id, batch)
@@ -192,14 +193,14 @@ class ExecutionRunner:
             raise ConflictError(f"execution {execution_id} already {status}",
                                 hint=f"GET /v1/executions/{execution_id} shows why")
         await asyncio.to_thread(ts.executions.add_events, ex.id, [{"kind": "error", "data": {
-            "type": CANCELLED, "status": 409, "detail": "cancelled before it started", "hint": None}, "at": time.time()}])
+            "type": CANCELLED, "status": 409, "detail": "cancelled before it started", "hint": None}, "at": clock.now()}])
         return await asyncio.to_thread(ts.executions.get, ex.id)
 
     async def resubmit_orphans(self, store: Any, *, min_age_s: float = ORPHAN_AFTER_S) -> int:
         """Start again executions whose run was never created (the host died between the 202 and the run).
         At a host's start nothing of its own is in flight, so ``min_age_s=0`` is right there."""
         count = 0
-        cutoff = time.time() - min_age_s
+        cutoff = clock.now() - min_age_s
         for ts in await asyncio.to_thread(lambda: list(store.operator.tenants())):
             for ex in await asyncio.to_thread(lambda: list(ts.executions.all_unsettled())):
                 if ex.created_at > cutoff or self.running(ex.id) or any(e.get("kind") == "error" for e in ex.events):
