@@ -167,10 +167,16 @@ def test_the_backend_signs_up_streams_runs_async_by_webhook_execs_caps_and_forge
     with Client(host.url, host.key) as admin:
         with pytest.raises(NotFound):
             admin.get_user("notes", "ada")
-    with pytest.raises(NotFound):
+    with pytest.raises(AuthError) as stale:
         with Client(host.url, token["token"]) as as_ada:
             as_ada.invoke("notes", "still there?")
+    assert stale.value.status == 401 and "forgotten" in stale.value.detail
     assert re.search(r"sign up first", ada.get("/api/me").text)
+    # Signing up again with the same id is a new user: the old page's token does not act for them either.
+    _signup(backend, "ada")
+    with pytest.raises(AuthError):
+        with Client(host.url, token["token"]) as as_ada:
+            as_ada.invoke("notes", "is it me?")
 
 
 def test_the_page_streams_a_turn_from_the_browser_with_its_end_user_token(running) -> None:
