@@ -150,6 +150,7 @@ def test_forgetting_a_user_reads_only_their_rows(store: Store, tenant: TenantSto
         a_user_with_data(tenant, "echo", u)
     other_users(store, tenant)
     with recorded(monkeypatch) as seen:  # DELETE /v1/agents/echo/users/alice
+        assert [b.scope.user for b in tenant.sandboxes.of_user("echo", "alice")] == ["alice"]
         assert tenant.forget_user("alice", "echo") > 0
         tenant.agent_users.delete("echo", "alice")
     assert scans_of(store, tenant, seen) == {}

@@ -184,8 +184,7 @@ class OperatorVerbs:
         return removed + len(recs), deleted
 
     async def _instances_of_user(self, ts: TenantStore, agent: str, user: str) -> list[Any]:
-        return [r for r in await asyncio.to_thread(ts.sandboxes.list, agent_id=agent, limit=100_000)
-                if r.scope.user == user]
+        return await asyncio.to_thread(ts.sandboxes.of_user, agent, user)
 
     @contextlib.asynccontextmanager
     async def _held_to_forget(self, ts: TenantStore, agent: str, user: str, recs: list[Any]) -> AsyncIterator[None]:
