@@ -9,6 +9,7 @@ one end-user can do to their own caps and to the host everybody shares.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,40 @@ async def test_async_turns_of_one_end_user_are_bounded(live_rt, runtime, store: 
             assert r.status_code == 202, r.text
             assert (await u.post("/v1/agents/echo/invoke?async=true", json={"message": "later"},
                                  headers=again)).json()["id"] == r.json()["id"]
+
+
+async def test_requests_in_flight_per_end_user_are_bounded(live_rt, runtime, store: Store, acme: str, tmp_path: Path):
+    ctx = live_rt.app.state.moorage
+    ctx.max_end_user_requests = 3  # 32 by default; a browser keeps 6 connections to one origin
+    # A stream's answer starts (with keep-alives) 0.1 s after it was asked for, first event or not.
+    ctx.config = dataclasses.replace(ctx.config, sse_keepalive_s=0.1)
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "mallory")
+        assert (await c.put("/v1/agents/echo/users/bob", json={})).status_code == 201
+        bob = (await c.post("/v1/agents/echo/users/bob/tokens", json={"ttl_s": 600})).json()["token"]
+        async with aclient(live_rt, token) as u, aclient(live_rt, bob) as b:
+            # Three streamed slow turns, each left open: the stream holds its place until it ends.
+            streams = [u.stream("POST", "/v1/agents/echo/invoke?stream=true", json={"message": "slow", "session": f"t{i}"})
+                       for i in range(3)]
+            opened = [await s.__aenter__() for s in streams]
+            assert [r.status_code for r in opened] == [200] * 3
+            r = await u.get("/v1/agents/echo/users/mallory/events")
+            assert r.status_code == 429, r.text
+            assert r.json()["type"].endswith("/too-many-requests") and r.headers["retry-after"] == "1"
+            r = await u.post("/v1/agents/echo/invoke", json={"message": "more", "session": "t9"})
+            assert r.status_code == 429
+            # Other end-users and the tenant's own key are not held back.
+            assert (await b.get("/v1/agents/echo/users/bob/events")).status_code == 200
+            assert (await c.get("/v1/agents/echo/users/mallory/events")).status_code == 200
+            for s, r in zip(streams, opened):
+                body = b"".join([chunk async for chunk in r.aiter_bytes()])
+                assert b"event: done" in body
+                await s.__aexit__(None, None, None)
+            # The streams ended: their places are free again.
+            assert (await u.get("/v1/agents/echo/users/mallory/events")).status_code == 200
+            # A stream the caller leaves before its end frees its place too.
+            async with u.stream("POST", "/v1/agents/echo/invoke?stream=true",
+                                json={"message": "slow", "session": "left"}) as r:
+                assert r.status_code == 200
+            await _until(lambda: not ctx.end_user_requests)
+    assert ctx.end_user_requests == {}

@@ -42,6 +42,11 @@ class AppContext:
     auth: Authenticator
     tracer: Tracer
     metrics: Metrics
+    #: Requests one end-user (tenant, agent, user) may have in flight at once with end-user tokens (streams to their
+    #: end included): the token lives in a browser, which needs a few; past it a 429 (``api/routing.py``).
+    max_end_user_requests: int = 32
+    #: Requests in flight per end-user, as ``max_end_user_requests`` counts them.
+    end_user_requests: dict[tuple[str, str, str], int] = field(default_factory=dict)
     _embedder: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -181,8 +181,10 @@ class Endpoint:
         started = time.time()
         if forwarded_by(request.scope):  # signed by another host of the fleet; a caller's own marker is ignored
             forwarded.set(True)  # this request task only: another host sent it here to be served here
+        held: tuple[str, str, str] | None = None
         try:
             principal, ts = await self._authorize(ctx, request)
+            held = _hold_end_user(ctx, principal)
             try:
                 response = await self._run(ctx, request, principal, ts, trace_id)
             except Misplaced as e:
@@ -203,9 +205,15 @@ class Endpoint:
                 response = internal(trace_id)
         if self.tag == "openai" and response.status_code >= 400:
             response = with_openai_error(response)  # the official openai clients read their error from it
-        if ts is not None:
-            await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started, trace_id)
-        return response
+        try:
+            if ts is not None:
+                await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started,
+                                        trace_id)
+        except BaseException:
+            _let_go(ctx, held)
+            raise
+        # The end-user's place is held until the answer is sent in full (a stream: to its end, or the caller left).
+        return response if held is None else _Releasing(response, lambda: _let_go(ctx, held))
 
     @staticmethod
     async def _forward(ctx: "AppContext", request: Request, e: "Misplaced", trace_id: str) -> Response:
@@ -384,6 +392,53 @@ class Endpoint:
             if status >= 500:
                 active.status = "error"
             ctx.tracer.finish(ts, active)
+
+
+class TooManyRequests(MoorageError):
+    """One end-user has as many requests in flight as the host allows; nothing was done. Retry shortly (429)."""
+
+    code = "too-many-requests"
+    http_status = 429
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this end-user already has {limit} requests in flight",
+                         hint="wait for one to finish (close streams you no longer read), then retry")
+        self.retry_after = 1.0
+
+
+def _hold_end_user(ctx: "AppContext", principal: Principal | None) -> tuple[str, str, str] | None:
+    """Count a request of an end-user token against its user's places (``TooManyRequests`` when none is left)."""
+    if principal is None or principal.user is None:
+        return None
+    key = (principal.tenant_id, principal.agent or "", principal.user)
+    held = ctx.end_user_requests.get(key, 0)
+    if held >= ctx.max_end_user_requests:
+        raise TooManyRequests(ctx.max_end_user_requests)
+    ctx.end_user_requests[key] = held + 1
+    return key
+
+
+def _let_go(ctx: "AppContext", key: tuple[str, str, str] | None) -> None:
+    if key is None:
+        return
+    left = ctx.end_user_requests.pop(key, 1) - 1
+    if left > 0:
+        ctx.end_user_requests[key] = left
+
+
+class _Releasing:
+    """An answer (any ASGI response) that calls ``release`` once it was sent, failed or was left by its caller."""
+
+    def __init__(self, response: Response, release: Callable[[], None]) -> None:
+        self.response = response
+        self.release = release
+        self.status_code = response.status_code
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()
 
 
 #: Releases of Idempotency-Keys waiting for room on the disk (held: asyncio keeps weak references to tasks).
