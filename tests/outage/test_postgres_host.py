@@ -140,3 +140,29 @@ def test_background_loops_log_an_outage_once_then_its_end_not_every_failed_round
     assert text.count("fleet heartbeat failed") == 1, text
     assert "still failing" not in text, text
     assert replied(host.turn(0, "lou")) == "2: hi"
+
+
+def test_idle_sleeps_refused_during_an_outage_are_one_line_then_the_instance_sleeps(host: Fleet, outages: Outages,
+                                                                                   tmp_path) -> None:  # noqa: ANN001
+    """An instance due to sleep while PostgreSQL is down has its sleep refused every round of the idle loop; the
+    log says so once (per minute), not once per round, and the sleep happens once the store is back."""
+    from moorage.devservices.fleet import write_counter_agent
+    from tests.fleet.harness import tar_dir
+
+    agent = write_counter_agent(tmp_path, name="napper")
+    toml = agent / "moorage.toml"
+    toml.write_text(toml.read_text().replace('sleep = "fixed:3600"', 'sleep = "fixed:2"'))
+    r = host.api[0].post("/v1/agents/napper/deployments", content=tar_dir(agent),
+                         headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 201, r.text
+    assert replied(host.api[0].post("/v1/agents/napper/invoke", json={"message": "hi", "user": "nap"})) == "1: hi"
+    mark = host.hosts[0].log.stat().st_size
+    outages.stop()  # before its 2 s of idleness are up
+    try:
+        time.sleep(16)  # its sleep is due, and refused, round after round
+    finally:
+        outages.start()
+    until(lambda: host.records()["nap"].state == "sleeping", "the idle sleep once the store is back", 30)
+    text = _log_after(host, mark)
+    assert text.count("idle sleep failed") == 1, text
+    assert "idle sleep works again" in text, text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
@@ -24,6 +25,7 @@ from moorage.lifecycle.new_instances import NewInstances
 from moorage.lifecycle.policies import FixedTimeout, InstanceActivity, SleepEconomics, SleepPolicy, parse_policy
 from moorage.lifecycle.pool import WarmPool
 from moorage.lifecycle.sleeping import Sleeping
+from moorage.log import FailingRounds, get_logger
 from moorage.sandbox import Sandbox, SandboxDriver
 from moorage.store import Scope, Store, TenantStore
 
@@ -81,6 +83,10 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
         self._counts = {"wakes": 0, "provisions": 0, "sleeps": 0, "evictions": 0}
+        #: Idle sleeps refused because the store (or the object store) is out of reach: one line per round and per
+        #: minute, not one per instance per round (``tick``).
+        self._idle_unreachable = FailingRounds(get_logger("moorage.lifecycle.manager"), "idle sleep",
+                                               level=logging.WARNING)
         #: Pre-forked sleeping sandboxes per live template (set by the host; None: every new user forks).
         self.pool: WarmPool | None = None
         #: Awake instances one tenant may have on this host (set by the host; None: no limit). A tenant at its

@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from moorage.errors import ConflictError, MoorageError, disk_full
+from moorage.errors import ConflictError, MoorageError, UnavailableError, disk_full
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
 from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
@@ -42,6 +42,7 @@ class Sleeping:
     settle: Callable[[str, Scope], Any] | None
     _closed: bool
     _counts: dict[str, int]
+    _idle_unreachable: FailingRounds
     _live: dict[tuple[str, str], LiveInstance]
     _dir_locks: dict[str, asyncio.Lock]
     _drop: Callable[[LiveInstance], None]
@@ -251,7 +252,7 @@ class Sleeping:
 
     async def tick(self) -> int:
         """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
-        slept = 0
+        slept, tried, unreachable = 0, False, None
         for li in list(self._live.values()):
             if not li.owned or li.sandbox is None or li.activity.busy:
                 continue
@@ -259,8 +260,15 @@ class Sleeping:
             if decision.sleep_now:
                 try:
                     slept += await self._sleep(li, decision.reason)
+                    tried = True
+                except UnavailableError as e:  # the store out of reach: said once for the round, below
+                    unreachable = e
                 except MoorageError as e:
                     log.warning("idle sleep failed", scope=str(li.scope), error=str(e))
+        if unreachable is not None:
+            self._idle_unreachable.failed(unreachable)
+        elif tried:
+            self._idle_unreachable.ok()
         return slept
 
     def release_asleep(self) -> int:
