@@ -26,6 +26,8 @@ import asyncio
 async def on_message(ctx, message):
     if message == "slow":
         await asyncio.sleep(1.5)
+    if message == "whoami":
+        return f"user={ctx.user}"
     return "echo: " + message
 '''
 
@@ -171,3 +173,39 @@ async def test_requests_in_flight_per_end_user_are_bounded(live_rt, runtime, sto
                 assert r.status_code == 200
             await _until(lambda: not ctx.end_user_requests)
     assert ctx.end_user_requests == {}
+
+
+async def test_a_token_reaches_its_own_user_only_whatever_the_path_query_or_key(live_rt, acme: str, tmp_path: Path):
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "ada")
+        assert (await c.put("/v1/agents/echo/users/bob", json={})).status_code == 201
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "bob's", "user": "bob", "session": "b"})).status_code == 200
+        bob_ex = (await c.post("/v1/agents/echo/invoke?async=true", json={"message": "x", "user": "bob"})).json()["id"]
+        async with aclient(live_rt, token) as u:
+            assert (await u.post("/v1/agents/echo/invoke", json={"message": "mine", "session": "a"})).status_code == 200
+            for user in ("bob", "ADA", "\u0430da", "a" * 5000, "ada%2Fx"):
+                r = await u.get(f"/v1/agents/echo/users/{user}/events")
+                assert r.status_code in (403, 404) and "mine" not in r.text and "bob" not in r.text.lower(), (user, r.text)
+            # An encoded slash never becomes a path segment, and no route matches it.
+            r = await u.get("/v1/agents/echo/users/ada%2F..%2Fbob/events")
+            assert r.status_code == 404 and r.json()["type"].endswith("/no-route")
+            # The session listing's ?user= is ignored for a token: its own sessions only.
+            r = await u.get("/v1/agents/echo/sessions", params={"user": "bob"})
+            assert r.status_code == 200 and {s["user"] for s in r.json()["data"]} == {"ada"}
+            # Another user's execution is the 404 of an id that does not exist.
+            r, unknown = await u.get(f"/v1/executions/{bob_ex}"), await u.get("/v1/executions/" + "0" * 32)
+            assert r.status_code == unknown.status_code == 404
+            # A body or a header naming another user changes nothing.
+            r = await u.post("/v1/agents/echo/invoke", json={"message": "x", "user": "bob"})
+            assert r.status_code == 403
+            r = await u.post("/v1/agents/echo/invoke", json={"message": "whoami"}, headers={"X-Moorage-User": "bob"})
+            assert r.status_code == 200 and r.json()["reply"] == "user=ada"
+            # An Idempotency-Key names a turn of this user: asked again with another message, a 422, never a replay.
+            key = {"Idempotency-Key": "same-key"}
+            first = await u.post("/v1/agents/echo/invoke", json={"message": "one", "session": "a"}, headers=key)
+            assert first.status_code == 200
+            r = await u.post("/v1/agents/echo/invoke", json={"message": "two", "session": "a"}, headers=key)
+            assert r.status_code == 422 and "different request" in r.json()["detail"]
+        # The same key from bob's side is bob's own turn, not a replay of ada's.
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "one", "user": "bob", "session": "a"}, headers=key)
+        assert r.status_code == 200 and r.json()["turn_id"] != first.json()["turn_id"]
