@@ -16,6 +16,7 @@ from moorage import clock
 from moorage.errors import ConflictError, InvalidInput, NotFound
 from moorage.store.model import check_id
 from moorage.store.sql import loads
+from moorage.store.repos import common
 from moorage.store.repos.common import _Repo
 
 #: Events a webhook can subscribe to. ``interrupt.waiting``: a turn stopped for a human answer (approval);
@@ -258,10 +259,18 @@ class Deliveries(_Repo):
                 return _delete_deliveries(c, "user_id = ?", (user,))
             return _delete_deliveries(c, "user_id = ? AND (agent_id = ? OR agent_id IS NULL)", (user, agent))
 
-    def sweep(self, older_than: float) -> int:
-        """Delete settled deliveries (delivered, or failed for good) last changed before ``older_than``."""
-        with self._ts._tx() as c:
-            return _delete_deliveries(c, "status <> 'pending' AND updated_at < ?", (older_than,))
+    def sweep(self, older_than: float, *, batch: int | None = None) -> int:
+        """Delete settled deliveries (delivered, or failed for good) last changed before ``older_than``, with their
+        attempts, ``batch`` deliveries per transaction (``_delete_batched``)."""
+        size, n = batch or common.SWEEP_BATCH, 0
+        while True:
+            with self._ts._tx() as c:
+                ids = [r[0] for r in c.q("SELECT id FROM webhook_deliveries WHERE status <> 'pending' AND updated_at < ? "
+                                         "LIMIT ?", (older_than, size))]
+                if ids:
+                    n += _delete_deliveries(c, f"id IN ({','.join('?' * len(ids))})", ids)
+            if len(ids) < size:
+                return n
 
     def enqueue(self, agent: str, event: str, data: dict[str, Any], *, at: float | None = None) -> list[Delivery]:
         """One pending delivery per webhook of ``agent`` subscribed to ``event``; joins the caller's transaction."""

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 _MAX_KEY = 256
 _MAX_TEXT = 256 * 1024
+#: Rows a sweep deletes per transaction: each holds the tenant's write lock (SQLite) only that long, so turns
+#: go on between batches of a big backlog (a year of spans after its TTL was shortened, a host long stopped).
+SWEEP_BATCH = 1000
 
 
 def _now() -> float:
@@ -43,6 +46,19 @@ class _Repo:
 
     def _json(self, value: Any, what: str = "value") -> str:
         return dumps(value, self._ts.max_value_bytes, what)
+
+    def _delete_batched(self, table: str, key: str, where: str, params: tuple[Any, ...] = (),
+                        batch: int | None = None) -> int:
+        """Delete the rows of ``table`` matching ``where``, ``batch`` (``SWEEP_BATCH``) of them per transaction, by
+        their unique ``key``; rows deleted. Inside a caller's transaction the batches join it."""
+        n, size = 0, batch or SWEEP_BATCH
+        while True:
+            with self._ts._tx() as c:
+                got = c.x(f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} WHERE {where} LIMIT ?)",
+                          (*params, size))
+            n += got
+            if got < size:
+                return n
 
     def _text(self, value: object, what: str) -> str:
         return check_text(value, what, min(self._ts.max_value_bytes, _MAX_TEXT))

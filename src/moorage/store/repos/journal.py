@@ -123,8 +123,8 @@ class Journal(_Repo):
                     if step.startswith("http-user:") and step.endswith(f"/{user}")]
             return sum(c.x("DELETE FROM journal WHERE key = ?", (k,)) for k in keys)
 
-    def sweep_http(self, now: float) -> int:
-        """Delete stored answers older than ``HTTP_REPLAY_TTL_S`` and claims abandoned for ``HTTP_PENDING_TTL_S``."""
-        with self._ts._tx() as c:
-            return c.x(f"DELETE FROM journal WHERE {HTTP_KEYS} AND ((status != 'pending' AND updated_at < ?) OR "
-                       "updated_at < ?)", (now - HTTP_REPLAY_TTL_S, now - HTTP_PENDING_TTL_S))
+    def sweep_http(self, now: float, *, batch: int | None = None) -> int:
+        """Delete stored answers older than ``HTTP_REPLAY_TTL_S`` and claims abandoned for ``HTTP_PENDING_TTL_S``,
+        ``batch`` per transaction (``_delete_batched``)."""
+        return self._delete_batched("journal", "key", f"{HTTP_KEYS} AND ((status != 'pending' AND updated_at < ?) OR "
+                                    "updated_at < ?)", (now - HTTP_REPLAY_TTL_S, now - HTTP_PENDING_TTL_S), batch)

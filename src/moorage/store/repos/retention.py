@@ -37,23 +37,25 @@ class Retention(_Repo):
                                hint="caps count a calendar month of usage; a shorter TTL would let users past them")
         self._put(kind, ttl_s)
 
-    def sweep_records(self, now: float) -> int:
-        """Delete the records older than their kind's TTL (finished executions, usage rows); rows deleted."""
-        with self._ts._tx() as c:
+    def sweep_records(self, now: float, *, batch: int | None = None) -> int:
+        """Delete the records older than their kind's TTL (finished executions, usage rows), ``batch`` rows per
+        transaction (``_delete_batched``); rows deleted."""
+        with self._ts._tx(write=False) as c:
             rows = dict(c.q("SELECT kind, ttl_s FROM retention"))
-            ttls = {k: v for k, v in ({**DEFAULT_TTLS, **rows}).items() if k in RECORD_KINDS and v is not None}
-            n = 0
-            if "usage" in ttls:
-                n += c.x("DELETE FROM usage WHERE ts < ?", (now - ttls["usage"],))
-            if "executions" in ttls:
-                cutoff = now - ttls["executions"]
-                # Turn executions once their outcome is announced; detached execs once they cannot be running.
-                n += c.x("DELETE FROM executions WHERE updated_at < ? AND (announced IN ('succeeded', 'failed', "
-                         "'cancelled') OR (announced = 'exec' AND created_at < ?))", (cutoff, cutoff - EXEC_MAX_S))
-            if "traces" in ttls:
-                n += c.x("DELETE FROM spans WHERE start_ts < ?", (now - ttls["traces"],))
+        ttls = {k: v for k, v in ({**DEFAULT_TTLS, **rows}).items() if k in RECORD_KINDS and v is not None}
+        n = 0
+        if "usage" in ttls:
+            n += self._delete_batched("usage", "id", "ts < ?", (now - ttls["usage"],), batch)
+        if "executions" in ttls:
+            cutoff = now - ttls["executions"]
+            # Turn executions once their outcome is announced; detached execs once they cannot be running.
+            n += self._delete_batched("executions", "id", "updated_at < ? AND (announced IN ('succeeded', 'failed', "
+                                      "'cancelled') OR (announced = 'exec' AND created_at < ?))",
+                                      (cutoff, cutoff - EXEC_MAX_S), batch)
+        if "traces" in ttls:
+            n += self._delete_batched("spans", "span_id", "start_ts < ?", (now - ttls["traces"],), batch)
         if "webhooks" in ttls:  # delivered or failed deliveries, with their attempts (pending ones still go out)
-            n += self._ts.deliveries.sweep(now - ttls["webhooks"])
+            n += self._ts.deliveries.sweep(now - ttls["webhooks"], batch=batch)
         return n
 
     def set_agent(self, agent: str, ttl_s: float | None) -> None:
