@@ -100,8 +100,12 @@ class Memory:
     async def recall(self, query: str, *, k: int = 5, scope: str = "user") -> List[Dict[str, Any]]:
         return (await self._host.call("memory.search", {"query": query, "k": k, "scope": scope}))["hits"]
 
-    async def facts(self, subject: Optional[str] = None) -> List[Dict[str, Any]]:
-        return (await self._host.call("memory.facts", {"subject": subject}))["facts"]
+    async def facts(self, subject: Optional[str] = None, *, as_of: Optional[float] = None,
+                    known_at: Optional[float] = None) -> List[Dict[str, Any]]:
+        """The user's trusted facts true now; ``as_of``: true at that time (seconds since the epoch); ``known_at``:
+        as moorage believed them then (a value superseded since is returned as it was)."""
+        return (await self._host.call("memory.facts", {"subject": subject, "as_of": as_of,
+                                                        "known_at": known_at}))["facts"]
 
     async def learn(self, subject: str, attribute: str, value: str, text: str) -> Dict[str, Any]:
         return await self._host.call("memory.learn", {"subject": subject, "attribute": attribute, "value": value, "text": text})
