@@ -7,14 +7,17 @@ the server says so on the socket, so an idle connection with something to read i
 from __future__ import annotations
 
 import contextlib
+import logging
 import select
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import PoolTimeout
 
 from moorage.errors import UnavailableError
+from moorage.log import STILL_FAILING_EVERY_S
 
 #: How long a request waits for a connection to PostgreSQL before it is answered 503 (a restart takes a second or
 #: two; a longer wait would only hold the caller and a worker thread).
@@ -33,6 +36,42 @@ _LOST_STATES = ("57P01", "57P02", "57P03", "57P05")
 #: A long statement is not cut: the server's kernel acknowledges the probes meanwhile.
 TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
                 "tcp_user_timeout": "20000"}
+
+
+class QuietPoolWarnings(logging.Filter):
+    """psycopg_pool warns of each failed attempt to connect and each connection it discards: several lines a second
+    while PostgreSQL is down, for the whole outage. The first passes, then at most one per ``every_s``, saying how
+    many were held back (the store's background loops say when it works again: ``moorage.log.FailingRounds``)."""
+
+    def __init__(self, every_s: float = STILL_FAILING_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.clock = clock
+        self.held = 0
+        self._said: float | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = self.clock()
+        if self._said is not None and now - self._said < self.every_s:
+            self.held += 1
+            return False
+        if self.held:
+            record.msg = f"{record.msg} ({self.held} more warnings of the pool held back since the last one)"
+            self.held = 0
+        self._said = now
+        return True
+
+
+_POOL_LOGGER = "psycopg.pool"
+
+
+def quiet_pool_warnings() -> None:
+    """Install ``QuietPoolWarnings`` on psycopg_pool's logger (once per process)."""
+    pool_log = logging.getLogger(_POOL_LOGGER)
+    if not any(isinstance(f, QuietPoolWarnings) for f in pool_log.filters):
+        pool_log.addFilter(QuietPoolWarnings())
 
 
 class StoreUnreachable(UnavailableError):

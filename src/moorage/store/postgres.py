@@ -20,8 +20,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
-from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, read_only, stale,
-                                     tcp_defaults, unreachable_as_503)
+from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, quiet_pool_warnings,
+                                     read_only, stale, tcp_defaults, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
 from moorage.store.sql import Conn
@@ -117,6 +117,7 @@ class PostgresBackend(Backend):
         # stops retrying in the background after as long (its retries back off without bound: after a long outage
         # the next one could come a minute after the server is back), and the next request tries again at once.
         # A server gone silent (a partition) fails a statement within tcp_defaults' timeouts, as a lost connection.
+        quiet_pool_warnings()  # its warnings of each failed attempt while the server is down: a few, not thousands
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
                                     kwargs={"autocommit": True, **tcp_defaults(self.app_url)}, timeout=CONNECT_WAIT_S,
                                     reconnect_timeout=CONNECT_WAIT_S)
