@@ -209,3 +209,37 @@ async def test_a_token_reaches_its_own_user_only_whatever_the_path_query_or_key(
         # The same key from bob's side is bob's own turn, not a replay of ada's.
         r = await c.post("/v1/agents/echo/invoke", json={"message": "one", "user": "bob", "session": "a"}, headers=key)
         assert r.status_code == 200 and r.json()["turn_id"] != first.json()["turn_id"]
+
+
+def test_every_route_refuses_an_end_user_token_but_its_own(live, store: Store, acme: str):
+    """Walks every declared route: an end-user token gets 403 from each route not declared for end-users, and from
+    each end-user route that names another user or agent, before any handler runs (nothing is made)."""
+    from moorage.api.routes import all_endpoints
+
+    principal = store.authenticate(acme)
+    token = live.app.state.moorage.auth.issue_user_token(principal, "echo", "ada").token
+    ts = store.tenant(principal)
+
+    def path_of(template: str, agent: str, user: str) -> str:
+        out = template.replace("{agent}", agent).replace("{user}", user).replace("{path:path}", "x")
+        while "{" in out:
+            start, end = out.index("{"), out.index("}")
+            out = out[:start] + "some-id" + out[end + 1:]
+        return out
+
+    tried = 0
+    with live.client(token) as u:
+        for ep in all_endpoints():
+            if ep.auth != "tenant":
+                continue
+            targets = [("echo", "ada")] if not ep.end_user else \
+                [(a, usr) for a, usr in (("echo", "bob"), ("other", "ada")) if "{agent}" in ep.path and a != "echo"
+                 or "{user}" in ep.path and usr != "ada"]
+            for agent, user in targets:
+                r = u.request(ep.method, path_of(ep.path, agent, user),
+                              json={} if ep.method in ("POST", "PUT", "PATCH") else None)
+                assert r.status_code == 403 and r.json()["type"].endswith("/tenant-scope"), (ep.method, ep.path, r.text)
+                tried += 1
+    assert tried > 80
+    # Nothing was made by any of them: no agent, no key.
+    assert ts.agents.list() == [] and len(list(store.backend.list_api_keys(principal.tenant_id))) == 1
