@@ -1,5 +1,5 @@
-"""Slow clients against a real ``moorage up``: a connection that sends its request headers a byte at a time, or
-nothing at all, was held by the server for good (uvicorn times out only an idle kept-alive connection), so anyone,
+"""Slow clients against a real ``moorage up``: a connection that sends its request headers a byte at a time, nothing
+at all, or a body that trickles on after the answer (a request refused unread) was held by the server for good (uvicorn times out only an idle kept-alive connection), so anyone,
 without any credential, could hold every file descriptor of the host with a few thousand sockets."""
 
 from __future__ import annotations
@@ -44,12 +44,19 @@ def test_slow_and_silent_connections_are_closed_and_others_still_served(tmp_path
         kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: h\r\n\r\n")
         assert kept.recv(4096).startswith(b"HTTP/1.1 200")
         kept.sendall(b"GET /healthz HTTP/1.1\r\n")
+        # No credential, a large body announced: answered 401 unread, then the body trickles on after the answer.
+        unread = socket.create_connection(address)
+        socks.append(unread)
+        unread.sendall(b"POST /v1/agents/echo/invoke HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 1000000\r\n\r\n{")
+        unread.settimeout(10)
+        assert unread.recv(4096).startswith(b"HTTP/1.1 401")
         started = time.monotonic()
         # The slow ones trickle a header line every 0.2 s: never complete, always sending.
         for i in range(int(3 * TIMEOUT_S / 0.2)):
-            for s in slow:
+            for s in [*slow, unread]:
                 try:
-                    s.sendall(b"GET / HTTP/1.1\r\n" if i == 0 else f"X-{i}: a\r\n".encode())
+                    s.sendall(b"a" if s is unread else b"GET / HTTP/1.1\r\n" if i == 0 else f"X-{i}: a\r\n".encode())
                 except OSError:
                     pass  # closed by the server already
             time.sleep(0.2)
