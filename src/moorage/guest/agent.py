@@ -23,6 +23,19 @@ AGENT_ERROR = -32011
 SUSPENDED = -32012
 
 
+def raised_where(e: BaseException, root: str) -> Any:
+    """Where in the agent's own files ``e`` was raised (the innermost frame under ``root``): "agent.py, line 4, in
+    helper: return x['missing']", or None when none of its frames is the agent's."""
+    root = os.path.realpath(root) + os.sep
+    where = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        path = os.path.realpath(frame.filename)
+        if path.startswith(root):
+            where = "%s, line %s, in %s%s" % (path[len(root):], frame.lineno, frame.name,
+                                               ": " + frame.line if frame.line else "")
+    return where
+
+
 # -- channel methods --------------------------------------------------------------------------------
 
 
@@ -62,7 +75,8 @@ class AgentRuntime:
             raise
         except Exception as e:  # noqa: BLE001
             raise RpcError("agent raised %s: %s" % (type(e).__name__, e), AGENT_ERROR,
-                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8)})
+                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8),
+                            "where": raised_where(e, agent.path)})
         return {"status": "done", "reply": reply if isinstance(reply, (str, dict, list, type(None))) else str(reply)}
 
     async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:

@@ -274,6 +274,15 @@ class TurnExecution:
                     wait = data.get("retry_after")
                     raise TurnLimited(e.message, code=str(data["kind"]), hint=data.get("hint"),
                                       retry_after=float(wait) if isinstance(wait, (int, float)) else None) from e
-                detail = data.get("traceback")
-                raise AgentTurnFailed(e.message, hint=(detail or "").strip().splitlines()[-1] if detail else None) from e
+                raise AgentTurnFailed(e.message, hint=_agent_error_hint(data)) from e
         yield result
+
+
+def _agent_error_hint(data: dict[str, Any]) -> str | None:
+    """What the developer of an agent whose code raised reads next to the error: the line of their code that raised
+    it (the guest finds it in the traceback) and what to do."""
+    where = data.get("where")
+    if isinstance(where, str) and where:
+        return f"raised at {where[:500]} (fix the agent's code and deploy it again)"
+    detail = data.get("traceback")  # a guest that does not say where: the traceback's last line, as before
+    return detail.strip().splitlines()[-1] if isinstance(detail, str) and detail.strip() else None

@@ -1,0 +1,66 @@
+"""What an agent author meets while writing examples/researcher, on a real `moorage up` (process driver): the error
+of an agent whose code raised names the line of their code, a background process started with ctx.exec times out
+with an error that says how to start one, ctx.spawn starts one that outlives the turn, and a misspelt setting in
+moorage.toml is named with the setting meant."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from moorage import Client
+from moorage.client import ServerError
+from moorage.devservices.fleet import LocalHost
+
+AGENT_PY = '''\
+import json, os
+
+
+def parse(text):
+    return json.loads(text)["topic"]
+
+
+async def on_message(ctx, message):
+    if message == "boom":
+        return parse("{}")
+    if message == "background":
+        return await ctx.exec(["sh", "-c", "sleep 30 &"], timeout=2)
+    if message == "spawn":
+        return await ctx.spawn(["sh", "-c", "echo up; sleep 30"], log="logs/sleeper.log")
+    if message.startswith("alive "):
+        pid = int(message.split()[1])
+        return {"alive": os.path.exists("/proc/%d" % pid), "log": ctx.files.read("logs/sleeper.log")}
+    return "ok"
+'''
+
+
+def _agent(base: Path, toml_extra: str = "") -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "moorage.toml").write_text('[agent]\nname = "probe"\nentry = "agent.py"\n' + toml_extra +
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (base / "agent.py").write_text(AGENT_PY)
+    return base
+
+
+@pytest.fixture(scope="module")
+def sdk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    root = tmp_path_factory.mktemp("probe")
+    host = LocalHost("up", root / "data", {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+    client = Client(host.url, host.key, timeout_s=120)
+    try:
+        client.deploy("probe", str(_agent(root / "agent")))
+        yield client
+    finally:
+        client.close()
+        host.stop()
+
+
+def test_an_exception_in_the_agent_names_the_line_of_its_code(sdk: Client) -> None:
+    with pytest.raises(ServerError) as e:
+        sdk.invoke("probe", "boom", user="u1")
+    assert e.value.code == "agent-error" and "KeyError: 'topic'" in str(e.value), e.value
+    assert e.value.hint == ('raised at agent.py, line 5, in parse: return json.loads(text)["topic"] '
+                            "(fix the agent's code and deploy it again)"), e.value.hint
