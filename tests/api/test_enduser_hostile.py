@@ -9,6 +9,7 @@ one end-user can do to their own caps and to the host everybody shares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ GZ = {"content-type": "application/gzip"}
 
 SLOW_AGENT = '''
 import asyncio
+import contextlib
 
 async def on_message(ctx, message):
     if message == "slow":
@@ -243,3 +245,19 @@ def test_every_route_refuses_an_end_user_token_but_its_own(live, store: Store, a
     assert tried > 80
     # Nothing was made by any of them: no agent, no key.
     assert ts.agents.list() == [] and len(list(store.backend.list_api_keys(principal.tenant_id))) == 1
+
+
+async def test_a_cancelled_request_gives_its_place_back(live_rt, runtime, acme: str, tmp_path: Path):
+    ctx = live_rt.app.state.moorage
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "ada")
+    # In-process, so the request's task itself is cancelled (as a stopping server cancels it).
+    transport = httpx.ASGITransport(app=live_rt.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://moorage",
+                                 headers={"Authorization": f"Bearer {token}"}, timeout=60) as u:
+        task = asyncio.create_task(u.post("/v1/agents/echo/invoke", json={"message": "slow"}))
+        await _until(lambda: bool(ctx.end_user_requests))
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert ctx.end_user_requests == {}

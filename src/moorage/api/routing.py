@@ -203,6 +203,9 @@ class Endpoint:
                 log.exception("unhandled error", route=self.path, trace_id=trace_id)
                 ctx.metrics.observe_error("internal")
                 response = internal(trace_id)
+        except BaseException:  # cancelled (the server stopping): the end-user's place is theirs again
+            _let_go(ctx, held)
+            raise
         if self.tag == "openai" and response.status_code >= 400:
             response = with_openai_error(response)  # the official openai clients read their error from it
         try:
