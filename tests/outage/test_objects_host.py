@@ -54,3 +54,34 @@ def test_users_sleep_wake_and_start_while_s3_is_down_and_every_snapshot_is_shipp
     until(lambda: all(_shipped_at(host, u) > back for u in ("bob", "dan")), "awake instances shipped again", 30)
     for user, n in (("ada", 3), ("bob", 3), ("cat", 3), ("dan", 2)):
         assert replied(host.turn(0, user)) == f"{n}: hi"           # nothing lost
+
+
+def test_shipments_refused_during_an_s3_outage_are_a_line_each_kind_not_one_per_instance_and_pass(
+        host: Fleet, relay: Relay) -> None:
+    """Two instances asleep unshipped and two awake ones, with the host trying every second: the log says once
+    that shipping fails (and would again each minute), then that it works again, not once per instance per pass."""
+    for user in ("eve", "fay", "gil", "hal"):
+        assert replied(host.turn(0, user)) == "1: hi"
+    until(lambda: all(_shipped_at(host, u) for u in ("eve", "fay", "gil", "hal")), "every instance shipped once", 30)
+    mark = host.hosts[0].log.stat().st_size
+    relay.close()
+    try:
+        for user in ("gil", "hal"):
+            put_to_sleep(host, user)                               # stand unshipped
+        for user in ("eve", "fay"):
+            assert replied(host.turn(0, user)) == "2: hi"          # awake, changed: shipped every second
+        time.sleep(8)                                              # eight passes, each refused for each instance
+    finally:
+        relay.open()
+    until(lambda: all(host.records()[u].meta.get("shipped_current") for u in ("gil", "hal")),
+          "what slept during the outage shipped", 30)
+
+    def text() -> str:
+        return host.hosts[0].log.read_bytes()[mark:].decode(errors="replace")
+
+    until(lambda: "shipping an awake instance works again" in text(), "the awake shipments say they work again", 30)
+    log = text()
+    assert log.count("shipping sleeping instances failed") == 1, log
+    assert "shipping sleeping instances works again" in log, log
+    assert log.count("shipping an awake instance failed") == 1, log
+    assert "a sleeping instance's snapshot still could not be shipped" not in log, log

@@ -93,6 +93,10 @@ class FleetDuties:
     _by_record: dict[str, "LiveInstance"]
     _dir_locks: dict[str, asyncio.Lock]
     _ship_awake_ok: bool
+    #: Shipments refused while the object store is out of reach, said once and then once a minute, not once per
+    #: instance and pass (``moorage.log.FailingRounds``; made by the manager).
+    _awake_ship_rounds: FailingRounds
+    _unshipped_rounds: FailingRounds
     _closed: bool
     store: Any
     #: Whether this host may hold sleeping instances whose sleep was not shipped (the object store was down):
@@ -237,6 +241,7 @@ class FleetDuties:
                         # fails would leave it looking like one, and the cache would evict the only newest copy.
                         await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
                     li.last_ship = time.monotonic()
+                    self._awake_ship_rounds.ok()
                     with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
                         await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
                                       meta={**rec.meta, "shipped": {**shipped, "awake": True}, "shipped_current": False})
@@ -248,7 +253,7 @@ class FleetDuties:
                 log.info("awake instances are shipped only when they sleep with this driver", reason=str(e))
                 return
             except Exception as e:  # the object store is down, say: the sleep ships it, or the next turn tries again
-                log.warning("shipping an awake instance failed", scope=str(li.scope), error=str(e))
+                self._awake_ship_rounds.failed(e, scope=str(li.scope))
                 li.last_ship = time.monotonic()
                 return
             if not li.ship_dirty:
@@ -268,6 +273,8 @@ class FleetDuties:
                     if not shipped_current(r)]
 
         shipped = left = 0
+        refused: list[str] = []
+        error: Exception | None = None
         for tenant_id, rec in await self.io(mine):
             li = self._by_record.get(rec.id)
             if li is not None and (li.awake or li.pending is not None):
@@ -292,13 +299,17 @@ class FleetDuties:
                     continue
                 except Exception as e:  # noqa: BLE001 - still down: the next pass tries again
                     left += 1
-                    log.warning("a sleeping instance's snapshot still could not be shipped", instance=cur.id,
-                                error=str(e))
+                    refused.append(cur.id)
+                    error = e
                     continue
                 with contextlib.suppress(ConflictError):  # woken meanwhile: its next sleep ships it
                     await self.io(ts.sandboxes.update, cur.id, expected_version=cur.version,
                                   meta={**cur.meta, "shipped": meta, "shipped_current": True})
                 shipped += 1
+        if error is not None:  # one line for the pass (and one a minute while it lasts), not one per instance
+            self._unshipped_rounds.failed(error, still_unshipped=left, instances=refused[:10])
+        else:
+            self._unshipped_rounds.ok()
         if shipped:
             log.info("sleeping instances shipped after the object store came back", count=shipped, left=left)
         self._unshipped_check = left > 0
@@ -309,7 +320,6 @@ class FleetDuties:
         between turns) and sleeping ones whose sleep could not be shipped, and keep this host's copies of
         sleeping instances within ``cache_max_bytes``."""
         passes = 0
-        shipping = FailingRounds(log, "shipping sleeping instances", level=logging.WARNING)
         eviction = FailingRounds(log, "cache eviction", level=logging.WARNING)
         dropping = FailingRounds(log, "removing copies of forgotten instances", level=logging.WARNING)
         while not self._closed:
@@ -320,10 +330,9 @@ class FleetDuties:
                     self._ship_soon(li)
             if self._unshipped_check:
                 try:
-                    await self.ship_unshipped()
-                    shipping.ok()
+                    await self.ship_unshipped()  # says itself how its pass went
                 except Exception as e:
-                    shipping.failed(e)
+                    self._unshipped_rounds.failed(e)
             try:
                 await self.evict_cache()
                 eviction.ok()

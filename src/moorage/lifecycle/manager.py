@@ -87,6 +87,10 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         #: minute, not one per instance per round (``tick``).
         self._idle_unreachable = FailingRounds(get_logger("moorage.lifecycle.manager"), "idle sleep",
                                                level=logging.WARNING)
+        self._awake_ship_rounds = FailingRounds(get_logger("moorage.lifecycle.manager"), "shipping an awake instance",
+                                                level=logging.WARNING)
+        self._unshipped_rounds = FailingRounds(get_logger("moorage.lifecycle.manager"), "shipping sleeping instances",
+                                               level=logging.WARNING)
         #: Pre-forked sleeping sandboxes per live template (set by the host; None: every new user forks).
         self.pool: WarmPool | None = None
         #: Awake instances one tenant may have on this host (set by the host; None: no limit). A tenant at its
