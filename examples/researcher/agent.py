@@ -115,9 +115,8 @@ async def watch(ctx):
     if alive:
         return {"watcher": "running", "pid": pid, "ticks": int(ctx.files.read(WATCHER + "/ticks"))}
     ctx.files.write(WATCHER + "/watcher.py", WATCHER_PY)
-    # Its output goes to a file: ctx.exec waits for the command's output to end.
-    r = await ctx.exec(["sh", "-c", "nohup python3 %s/watcher.py >%s/log 2>&1 &" % (WATCHER, WATCHER)])
-    return {"watcher": "started" if pid is None else "restarted", "exit_code": r["exit_code"], "was": pid}
+    p = await ctx.spawn(["python3", WATCHER + "/watcher.py"], log=WATCHER + "/log")  # returns at once; keeps running
+    return {"watcher": "started" if pid is None else "restarted", "pid": p["pid"], "was": pid}
 
 
 async def on_message(ctx, message):

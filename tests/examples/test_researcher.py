@@ -96,3 +96,64 @@ def test_memory_working_episodic_and_semantic(up) -> None:
     assert _say(sdk, "facts") == {"city": "Porto"}
     assert _say(sdk, f"facts {oslo_time}") == {"city": "Oslo"}
     assert _say(sdk, f"facts known {oslo_time}") == {"city": "Oslo"}
+
+
+def test_a_research_workflow_searches_with_a_hidden_secret_waits_for_a_human_and_serves_its_report(up) -> None:
+    host, sdk, api = up
+    turn = sdk.invoke("researcher", f"research solar storms {api.url}", user="bob")
+    assert turn["status"] == "waiting", turn
+    assert turn["interrupt"]["question"] == "Write a report on 'solar storms' from 2 results?", turn
+    assert api.seen == [("/search?q=solar+storms", SECRET)], api.seen  # the host added the key on the way out
+    sid = sdk.get_user("researcher", "bob")["instance"]["sandbox_id"]
+    out = sdk.exec(sid, ["sh", "-c", "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'"])
+    assert SECRET not in out["stdout"], "the secret reached the sandbox"
+
+    done = sdk.answer(turn["run_id"], "yes")
+    assert done["reply"] == "wrote solar-storms.md", done
+    assert len(api.seen) == 1, api.seen  # resumed after the answer: the journaled search did not run again
+    steps = [s["name"] for s in sdk.get_workflow(turn["run_id"])["steps"]]
+    assert steps[:2] == ["plan", "search"] and "write" in steps, steps
+    assert any("solar-storms.md" in h["event"]["content"]
+               for h in sdk.search_events("researcher", "bob", "report on solar storms")["data"])
+
+    page = httpx.get(f"{host.url}/v1/agents/researcher/users/bob/app/reports.json",
+                     headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
+    assert page.status_code == 200 and page.json() == ["solar-storms.md"], page.text
+    assert sdk.invoke("researcher", f"research tides {api.url}", user="carol")["status"] == "waiting"
+    other = httpx.get(f"{host.url}/v1/agents/researcher/users/carol/app/reports.json",
+                      headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
+    assert other.json() == [], other.text  # another user's page is their own
+
+
+def test_a_background_process_is_found_again_and_started_again_after_a_sleep(up) -> None:
+    _, sdk, _ = up
+    started = _say(sdk, "watch", user="dan")
+    assert started["watcher"] == "started" and started["pid"] > 1, started
+    time.sleep(1.0)
+    running = _say(sdk, "watch", user="dan")
+    assert running == {"watcher": "running", "pid": started["pid"], "ticks": running["ticks"]}, running
+    assert running["ticks"] >= 2, running  # the turn that started it ended; it kept going
+    sid = sdk.get_user("researcher", "dan")["instance"]["sandbox_id"]
+    sdk.sandbox_action(sid, "sleep")
+    assert sdk.get_sandbox(sid)["state"] == "sleeping"
+    sdk.sandbox_action(sid, "wake")
+    # The process driver keeps files, not processes, across a sleep (docs/sandbox.md): the agent starts it again.
+    again = _say(sdk, "watch", user="dan")
+    assert again["watcher"] == "restarted" and again["was"] == running["pid"], again
+    time.sleep(1.0)
+    assert _say(sdk, "watch", user="dan")["watcher"] == "running"
+
+
+def test_the_agent_checkpoints_itself_and_is_rolled_back_to_it(up) -> None:
+    _, sdk, api = up
+    sdk.answer(sdk.invoke("researcher", f"research coral reefs {api.url}", user="eve")["run_id"], "yes")
+    cp = _say(sdk, "checkpoint before-kelp", user="eve")
+    assert cp["name"] == "before-kelp", cp
+    turn = sdk.invoke("researcher", f"research kelp forests {api.url}", user="eve")
+    sdk.answer(turn["run_id"], "yes")
+    assert _say(sdk, "report", user="eve") == ["coral-reefs.md", "kelp-forests.md"]
+
+    sdk.rollback_checkpoint("researcher", "eve", cp["id"])
+    assert _say(sdk, "report", user="eve") == ["coral-reefs.md"]
+    names = [c["name"] for c in sdk.list_checkpoints("researcher", "eve")["data"]]
+    assert "before-kelp" in names, names

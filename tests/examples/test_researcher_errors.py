@@ -64,3 +64,19 @@ def test_an_exception_in_the_agent_names_the_line_of_its_code(sdk: Client) -> No
     assert e.value.code == "agent-error" and "KeyError: 'topic'" in str(e.value), e.value
     assert e.value.hint == ('raised at agent.py, line 5, in parse: return json.loads(text)["topic"] '
                             "(fix the agent's code and deploy it again)"), e.value.hint
+
+
+def test_a_background_process_left_holding_ctx_exec_says_to_spawn_it(sdk: Client) -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        sdk.invoke("probe", "background", user="u1")
+    assert time.monotonic() - started < 30
+    assert "did not end within 2 s" in str(e.value) and "ctx.spawn(argv)" in str(e.value), e.value
+
+
+def test_ctx_spawn_starts_a_process_that_outlives_the_turn(sdk: Client) -> None:
+    started = time.monotonic()
+    p = sdk.invoke("probe", "spawn", user="u2")["reply"]
+    assert time.monotonic() - started < 20 and p["pid"] > 1 and p["log"].endswith("logs/sleeper.log"), p
+    time.sleep(0.5)
+    assert sdk.invoke("probe", f"alive {p['pid']}", user="u2")["reply"] == {"alive": True, "log": "up\n"}

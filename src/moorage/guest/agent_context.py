@@ -34,6 +34,19 @@ class HostError(RpcError):
         self.hint = fields.get("hint") if isinstance(fields.get("hint"), str) else None
 
 
+class ExecTimeout(subprocess.TimeoutExpired):
+    """``ctx.exec`` ran past its timeout: the command, or a process it left running with its output (``cmd &``)."""
+
+    def __str__(self) -> str:
+        return ("ctx.exec(%r) did not end within %g s: the command is still running, or a process it started in the "
+                "background still holds its output (start a process that should keep running with ctx.spawn(argv), "
+                "or give the command a larger timeout)" % (self.cmd, self.timeout))
+
+
+#: Processes ``ctx.spawn`` started, until they end.
+_SPAWNED: List["subprocess.Popen[bytes]"] = []
+
+
 class Suspended(Exception):
     """Raised by ``ctx.interrupt`` when the workflow must wait for a human: the turn ends as ``waiting``."""
 
@@ -170,11 +183,33 @@ class AgentContext:
         await self._rpc.emit(event, data)
 
     async def exec(self, argv: List[str], *, timeout: float = 300.0, cwd: Optional[str] = None) -> Dict[str, Any]:
+        """Run a command in the sandbox and wait for it to end and its output to close: {"exit_code", "stdout",
+        "stderr"}. A process that should keep running after the turn is started with ``spawn``."""
         def run() -> Dict[str, Any]:
-            p = subprocess.run(argv, cwd=cwd or self._workdir, capture_output=True, text=True, timeout=timeout)
+            try:
+                p = subprocess.run(argv, cwd=cwd or self._workdir, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                raise ExecTimeout(e.cmd, e.timeout) from None
             return {"exit_code": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 
         return await asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def spawn(self, argv: List[str], *, cwd: Optional[str] = None, log: Optional[str] = None) -> Dict[str, Any]:
+        """Start a process that keeps running after this turn (a server, a watcher) and return at once: {"pid",
+        "log"}. Its output goes to ``log`` (a path; relative to the work directory), or nowhere. It runs until it
+        ends or the sandbox sleeps (the micro-VM driver keeps it across a sleep, the process driver does not)."""
+        if log is not None:
+            os.makedirs(os.path.dirname(self.files._p(log)) or ".", exist_ok=True)
+        out = subprocess.DEVNULL if log is None else open(self.files._p(log), "ab")
+        try:
+            p = subprocess.Popen(argv, cwd=cwd or self._workdir, stdin=subprocess.DEVNULL, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if log is not None:
+                out.close()
+        _SPAWNED.append(p)  # reaped by the next spawn once it has ended (no zombie left behind)
+        _SPAWNED[:] = [c for c in _SPAWNED if c.poll() is None]
+        return {"pid": p.pid, "log": None if log is None else self.files._p(log)}
 
     async def fetch(self, url: str, *, method: str = "GET", json: Any = None, headers: Optional[Dict[str, str]] = None,
                     body: Optional[str] = None, idempotency_key: Optional[str] = None,
