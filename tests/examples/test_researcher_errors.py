@@ -12,7 +12,7 @@ from typing import Iterator
 import pytest
 
 from moorage import Client
-from moorage.client import ServerError
+from moorage.client import BadRequest, ServerError
 from moorage.devservices.fleet import LocalHost
 
 AGENT_PY = '''\
@@ -80,3 +80,9 @@ def test_ctx_spawn_starts_a_process_that_outlives_the_turn(sdk: Client) -> None:
     assert time.monotonic() - started < 20 and p["pid"] > 1 and p["log"].endswith("logs/sleeper.log"), p
     time.sleep(0.5)
     assert sdk.invoke("probe", f"alive {p['pid']}", user="u2")["reply"] == {"alive": True, "log": "up\n"}
+
+
+def test_a_misspelt_setting_in_moorage_toml_is_named_with_the_one_meant(sdk: Client, tmp_path: Path) -> None:
+    with pytest.raises(BadRequest) as e:
+        sdk.deploy("probe", str(_agent(tmp_path / "typo", "port = [8080]\n")))
+    assert "unknown [agent] setting 'port'" in str(e.value) and "did you mean 'ports'?" in str(e.value), e.value

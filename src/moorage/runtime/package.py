@@ -91,13 +91,22 @@ def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, A
     return agent
 
 
+def _meant(name: str, known: Any) -> str:
+    """" (did you mean 'ports'?)" for a misspelt setting close to a known one, else nothing."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _check_settings(agent: dict[str, Any]) -> None:
     """Settings the deploy would otherwise take and then ignore (or trip over at every turn) fail it instead."""
     from moorage.store.agent_users import check_limits
 
     unknown = sorted(set(agent) - AGENT_SETTINGS)
     if unknown:
-        raise AgentPackageError(f"moorage.toml: unknown [agent] setting {unknown[0]!r}: it would be ignored",
+        raise AgentPackageError(f"moorage.toml: unknown [agent] setting {unknown[0]!r}{_meant(unknown[0], AGENT_SETTINGS)}:"
+                                " it would be ignored",
                                 hint=f"known settings: {', '.join(sorted(AGENT_SETTINGS))}; nothing was changed")
     for table, keys in _TABLE_SETTINGS.items():
         value = agent.get(table)
@@ -107,7 +116,8 @@ def _check_settings(agent: dict[str, Any]) -> None:
             raise AgentPackageError(f"moorage.toml: [agent.{table}] must be a table", hint=f"it takes {', '.join(keys)}")
         wrong = sorted(set(value) - set(keys))
         if wrong:
-            raise AgentPackageError(f"moorage.toml: unknown [agent.{table}] setting {wrong[0]!r}: it would be ignored",
+            raise AgentPackageError(f"moorage.toml: unknown [agent.{table}] setting {wrong[0]!r}{_meant(wrong[0], keys)}:"
+                                    " it would be ignored",
                                     hint=f"[agent.{table}] takes {', '.join(keys)}; nothing was changed")
     tt = agent.get("timetravel") or {}
     if "auto" in tt and not isinstance(tt["auto"], bool):
