@@ -261,3 +261,25 @@ async def test_a_cancelled_request_gives_its_place_back(live_rt, runtime, acme: 
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert ctx.end_user_requests == {}
+
+
+async def test_the_per_end_user_limits_are_the_operators_to_set(runtime, store: Store, tmp_path: Path):
+    """``end_user_max_requests``, ``user_max_turns``, ``user_max_async_turns`` (moorage.toml or MOORAGE_*)."""
+    from moorage import config as config_module
+    from moorage.api import create_app
+    from moorage.config import Config
+    from moorage.webhooks.executions import ExecutionRunner
+
+    cfg = config_module.load(env={"MOORAGE_DATA_DIR": str(tmp_path / "d"), "MOORAGE_END_USER_MAX_REQUESTS": "5",
+                                  "MOORAGE_USER_MAX_TURNS": "6", "MOORAGE_USER_MAX_ASYNC_TURNS": "7"})
+    assert (cfg.end_user_max_requests, cfg.user_max_turns, cfg.user_max_async_turns) == (5, 6, 7)
+    assert create_app(store, cfg).state.moorage.max_end_user_requests == 5
+    # A runtime's own reach its router and its async turns.
+    from moorage.runtime.runtime import Runtime
+
+    own = Runtime(cfg, store, runtime.driver, runtime.llm, runtime.instances)
+    try:
+        assert own.router.max_user_pending == 6 and ExecutionRunner.of(own).max_user_executions == 7
+    finally:
+        await own.aclose()
+    assert runtime.router.max_user_pending == Config().user_max_turns == 128

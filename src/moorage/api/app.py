@@ -84,7 +84,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
         store, runtime = runtime_or_store.store, runtime_or_store
     metrics = Metrics(_instance_counts(store), data_dir=config.data_dir)
     ctx = AppContext(store, runtime, config, authenticator or Authenticator.for_data_dir(store, config.data_dir),
-                     Tracer(span_sink), metrics)
+                     Tracer(span_sink), metrics, max_end_user_requests=config.end_user_max_requests)
     endpoints = all_endpoints()
     spec = build_spec(endpoints)
 

@@ -82,7 +82,8 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         #: event stream) end then, rather than hold the server's graceful stop.
         self.stopping = asyncio.Event()
         # Turn ordering per session, concurrency per instance, backpressure and placement live in the router.
-        self.router = Router(store, instances, self._forward_turn, self._template_for, admit=self._admit_turn)
+        self.router = Router(store, instances, self._forward_turn, self._template_for, admit=self._admit_turn,
+                             max_user_pending=config.user_max_turns)
         self.rng = random.Random()
         self._loop: asyncio.AbstractEventLoop | None = None
         from moorage.runtime.mcp_tools import McpTools

@@ -60,7 +60,8 @@ class ExecutionRunner:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: Unfinished executions per (tenant, agent, user) on this host (``MAX_USER_EXECUTIONS``).
         self._per_user: dict[tuple[str, str, str], int] = {}
-        self.max_user_executions = MAX_USER_EXECUTIONS
+        self.max_user_executions = int(getattr(getattr(runtime, "config", None), "user_max_async_turns",
+                                               MAX_USER_EXECUTIONS))
         #: Executions waiting to be tried again after a "not now" refusal (none of their turn exists meanwhile).
         self._retrying: set[str] = set()
 
