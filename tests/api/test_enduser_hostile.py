@@ -283,3 +283,27 @@ async def test_the_per_end_user_limits_are_the_operators_to_set(runtime, store: 
     finally:
         await own.aclose()
     assert runtime.router.max_user_pending == Config().user_max_turns == 128
+
+
+async def test_crafted_cursors_are_refused_never_a_500(live_rt, acme: str, tmp_path: Path):
+    import base64
+    import json
+
+    def cursor(position: Any) -> str:
+        return base64.urlsafe_b64encode(json.dumps(position).encode()).decode().rstrip("=")
+
+    async with aclient(live_rt, acme) as c:
+        token = await _setup(c, tmp_path, "ada")
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})).status_code == 200
+    crafted = [{"o": 10 ** 30}, {"o": 2 ** 63}, {"after": 10 ** 30}, {"after": [10 ** 30, "x"]},
+               {"before": [10 ** 30, "a", "b"]}, {"before": 10 ** 30}]
+    async with aclient(live_rt, token) as u:
+        for path in ("/v1/agents/echo/users/ada/events", "/v1/agents/echo/users/ada/facts",
+                     "/v1/agents/echo/users/ada/facts/pending", "/v1/agents/echo/sessions"):
+            for position in crafted:
+                r = await u.get(path, params={"cursor": cursor(position)})
+                assert r.status_code in (400, 422) and "malformed cursor" in r.json()["detail"], (path, position, r.text)
+            # JSON's non-numbers too (Python's json reads them).
+            raw = base64.urlsafe_b64encode(b'{"o": NaN}').decode().rstrip("=")
+            assert (await u.get(path, params={"cursor": raw})).status_code in (400, 422)
+            assert (await u.get(path)).status_code == 200

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from typing import Any, Callable, Sequence, TypeVar
 
 from moorage.errors import InvalidInput
@@ -39,9 +40,29 @@ def decode_cursor(raw: str | None) -> dict[str, Any]:
         pos = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
     except ValueError as e:
         raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged") from e
-    if not isinstance(pos, dict):
+    if not isinstance(pos, dict) or not _plain(pos):
         raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
     return pos
+
+
+#: No cursor moorage gives out holds a number beyond this (offsets, sequence numbers, timestamps); a larger one
+#: overflowed the store's 64-bit integers (a 500) once added to a page's limit.
+_CURSOR_MAX = 2 ** 53
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether a decoded cursor holds only finite numbers within ``_CURSOR_MAX``, a few levels deep."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return True
+    if isinstance(value, (int, float)):
+        return math.isfinite(value) and abs(value) <= _CURSOR_MAX
+    if depth >= 4:
+        return False
+    if isinstance(value, dict):
+        return all(_plain(v, depth + 1) for v in value.values())
+    if isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    return False
 
 
 def offset_page(fetch: Callable[[int], Sequence[T]], limit: int, cursor: str | None,
