@@ -3,13 +3,19 @@
 Run as ``python bench/soak/host.py <tasks.jsonl> up [args]``; the rest is exactly ``moorage up``. Nothing is added
 to the product: the count is taken from inside this process (its event loop), written one JSON line per sample
 (``t``, ``tasks``, ``top``: the 12 most common coroutine names, ``threads``; every 30 s ``holdings``: what the
-host's own objects hold, see ``_holdings``).
+host's own objects hold, see ``_holdings``, and ``malloc``: what glibc's allocator holds, see ``_malloc``).
+
+``run.py`` asks for a ``malloc_trim(0)`` by creating ``<tasks.jsonl>.trim``: the next sample returns the allocator's
+free memory to the kernel and writes the RSS before and after (``trim``), telling memory the host still uses from
+memory glibc merely kept after it was freed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -49,8 +55,49 @@ def _holdings() -> dict[str, int]:
     return dict(counts)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def _malloc(scratch: Path) -> dict[str, float]:
+    """glibc's allocator, summed over its arenas (MiB): ``heap`` (obtained from the kernel for its arenas),
+    ``in_use`` (allocated and not freed), ``free`` (freed, kept by the allocator), ``mmapped`` (large blocks, each its
+    own mapping, returned on free), and ``arenas`` (how many: the main one plus one per thread that ever contended,
+    up to 8 per core)."""
+    try:
+        fn = _LIBC.mallinfo2
+    except AttributeError:  # not glibc 2.33+
+        return {}
+    fn.restype = _MallInfo2
+    mi = fn()
+    arenas = 0
+    fopen = _LIBC.fopen
+    fopen.restype = ctypes.c_void_p
+    fp = fopen(str(scratch).encode(), b"w")
+    if fp:
+        _LIBC.malloc_info(0, ctypes.c_void_p(fp))
+        _LIBC.fclose(ctypes.c_void_p(fp))
+        arenas = scratch.read_text().count("<heap nr=")
+    mib = 1 << 20
+    return {"heap": mi.arena / mib, "in_use": mi.uordblks / mib, "free": mi.fordblks / mib,
+            "mmapped": mi.hblkhd / mib, "arenas": arenas}
+
+
+def _rss_mib() -> float:
+    for ln in Path("/proc/self/status").read_text().splitlines():
+        if ln.startswith("VmRSS:"):
+            return int(ln.split()[1]) / 1024
+    return 0.0
+
+
 def _sampler(loop: asyncio.AbstractEventLoop, out: Path, every_s: float) -> None:
     n = 0
+    trim = out.with_name(out.name + ".trim")
+    scratch = out.with_name(out.name + ".malloc.xml")
 
     def sample() -> None:
         tasks = asyncio.all_tasks(loop)
@@ -63,6 +110,13 @@ def _sampler(loop: asyncio.AbstractEventLoop, out: Path, every_s: float) -> None
             if tracemalloc.is_tracing():  # SOAK_TRACEMALLOC=1: where the Python heap is, by line
                 stats = tracemalloc.take_snapshot().statistics("lineno")[:25]
                 row["heap"] = [[str(st.traceback[0]), st.size, st.count] for st in stats]
+            row["malloc"] = _malloc(scratch)
+        if trim.exists():
+            before, info = _rss_mib(), _malloc(scratch)
+            _LIBC.malloc_trim(0)
+            row["trim"] = {"rss_before_mib": before, "rss_after_mib": _rss_mib(), "malloc_before": info,
+                           "malloc_after": _malloc(scratch)}
+            trim.unlink()
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
 

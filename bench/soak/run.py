@@ -134,6 +134,36 @@ def _tree(path: Path, skip: tuple[str, ...] = ()) -> tuple[int, int]:
     return files, size
 
 
+#: glibc's thread arenas are heaps of at most 64 MiB, each mapped at an address aligned to that size.
+ARENA_HEAP = 64 << 20
+
+
+def smaps(pid: int) -> dict[str, float]:
+    """The host's anonymous resident memory by kind of mapping (MiB): ``brk`` (glibc's main arena), ``arenas``
+    (its thread arenas), ``pymalloc`` (CPython's 1 MiB object arenas), ``stacks`` (8 MiB thread stacks),
+    ``other`` (large malloc blocks mapped one by one, memfd or library mappings); and ``file`` (file-backed)."""
+    out = dict.fromkeys(("brk", "arenas", "pymalloc", "stacks", "other", "file"), 0.0)
+    kind = ""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError:
+        return out
+    size = 0
+    for ln in text.splitlines():
+        head = ln.split(None, 5)
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            start = int(head[0].split("-")[0], 16)
+            name = head[5] if len(head) > 5 else ""
+            kind = ("brk" if name == "[heap]" else "file" if name.startswith("/") else
+                    "other" if name else "arenas" if start % ARENA_HEAP == 0 else "?")
+        elif ln.startswith("Size:"):
+            size = int(ln.split()[1])
+        elif ln.startswith("Rss:"):
+            k = kind if kind != "?" else ("pymalloc" if size == 1024 else "stacks" if size == 8192 else "other")
+            out[k] = out.get(k, 0.0) + int(ln.split()[1]) / 1024
+    return out
+
+
 def sample(pid: int, data: Path, tmp: Path, tasks_file: Path) -> dict[str, Any]:
     status = dict(ln.split(":", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in ln)
     kids = _descendants(pid)
@@ -142,10 +172,12 @@ def sample(pid: int, data: Path, tmp: Path, tasks_file: Path) -> dict[str, Any]:
     wal = sum(p.stat().st_size for p in data.glob("store/**/*-wal"))
     last: dict[str, Any] = {}
     holdings: dict[str, int] = {}
+    malloc: dict[str, float] = {}
     try:
         lines = tasks_file.read_text().splitlines()
         last = json.loads(lines[-1])
-        holdings = next(json.loads(ln)["holdings"] for ln in reversed(lines) if '"holdings"' in ln)
+        walk = next(json.loads(ln) for ln in reversed(lines) if '"holdings"' in ln)
+        holdings, malloc = walk["holdings"], walk.get("malloc") or {}
     except (OSError, IndexError, ValueError, StopIteration):
         pass
     kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem") if k in status}
@@ -155,7 +187,7 @@ def sample(pid: int, data: Path, tmp: Path, tasks_file: Path) -> dict[str, Any]:
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "tasks": last.get("tasks"), "task_top": last.get("top"), "thread_names": last.get("thread_names"),
             "children": len(kids), "child_kinds": dict(Counter(c for _, c in kids)), "data_files": files,
             "data_mib": size / 2**20, "tmp_files": tmp_files, "tmp_mib": tmp_size / 2**20, "wal_mib": wal / 2**20,
-            "fd_kinds": _fd_kinds(pid), "holdings": holdings}
+            "fd_kinds": _fd_kinds(pid), "holdings": holdings, "malloc": malloc, "smaps": smaps(pid)}
 
 
 def _fd_kinds(pid: int) -> dict[str, int]:
@@ -411,6 +443,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 phase = "settle"
                 await asyncio.sleep(35)
                 res["sleepers_forgotten"] = await asyncio.to_thread(sample, proc.pid, data, tmp, tasks_file)
+            # Whether what RSS kept is used or only kept by glibc after it was freed: malloc_trim(0) in the host.
+            trim = tasks_file.with_name(tasks_file.name + ".trim")
+            trim.touch()
+            for _ in range(100):
+                if not trim.exists():
+                    break
+                await asyncio.sleep(0.2)
+            res["trimmed"] = await asyncio.to_thread(sample, proc.pid, data, tmp, tasks_file)
+            res["trim"] = next((json.loads(ln)["trim"] for ln in reversed(tasks_file.read_text().splitlines())
+                                if '"trim"' in ln), None)
             stop.set()
             await sampling
             res["ops"], res["errors"], res["error_samples"] = dict(w.ops), dict(w.errors), w.error_samples
@@ -481,6 +523,28 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"| {(s['t'] - t0) / 60:.1f} | {s['phase']} | {s['ops']} | {s['rss_mib']:.1f} | {s['fds']} | "
                      f"{s['threads']} | {s['tasks']} | {s['children']} | {s['data_files']} | {s['data_mib']:.1f} | "
                      f"{s['tmp_files']} | {s['wal_mib']:.1f} |")
+    mem = [x for x in res["samples"] if x.get("malloc") and x.get("smaps")]
+    if mem:
+        lines += ["", "## Anonymous memory: where it is", "",
+                  "The host's anonymous RSS by mapping (`/proc/PID/smaps`: glibc's main heap `brk`, its thread "
+                  "`arenas`, CPython's 1 MiB object arenas `pymalloc`, thread `stacks`, `other` anonymous mappings) "
+                  "and glibc's allocator summed over its arenas (`mallinfo2`: in use, freed but kept, "
+                  "large blocks mapped one by one, number of arenas), MiB:", "",
+                  "| min | phase | anon | brk | arenas | pymalloc | stacks | other | malloc in use | malloc free | "
+                  "malloc mmapped | arenas (n) |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for x in [*mem[::max(1, len(mem) // 30)], mem[-1]]:
+            m, sm = x["malloc"], x["smaps"]
+            lines.append(f"| {(x['t'] - t0) / 60:.1f} | {x['phase']} | {x['rss_anon_mib']:.1f} | {sm['brk']:.1f} | "
+                         f"{sm['arenas']:.1f} | {sm['pymalloc']:.1f} | {sm['stacks']:.1f} | {sm['other']:.1f} | "
+                         f"{m.get('in_use', 0):.1f} | {m.get('free', 0):.1f} | {m.get('mmapped', 0):.1f} | "
+                         f"{m.get('arenas', 0)} |")
+    if res.get("trim"):
+        tr = res["trim"]
+        lines += ["", f"`malloc_trim(0)` in the host at the end: RSS {tr['rss_before_mib']:.1f} → "
+                  f"{tr['rss_after_mib']:.1f} MiB ({tr['rss_after_mib'] - tr['rss_before_mib']:+.1f}); glibc's free "
+                  f"memory {tr['malloc_before'].get('free', 0):.1f} → {tr['malloc_after'].get('free', 0):.1f} MiB, "
+                  f"in use {tr['malloc_before'].get('in_use', 0):.1f} MiB; RSS after the trim "
+                  f"{res['trimmed']['rss_mib'] - b['rss_mib']:+.1f} MiB from the baseline."]
     if res.get("sleepers"):
         a, z, n = res["asleep"], res["sleepers_forgotten"], res["sleepers"]
         ha, hz = a.get("holdings") or {}, z.get("holdings") or {}
