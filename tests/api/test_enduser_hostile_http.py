@@ -4,13 +4,16 @@ without any credential, could hold every file descriptor of the host with a few 
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from pathlib import Path
 
 import httpx
+from websockets.asyncio.client import connect
 
 from moorage.devservices.fleet import LocalHost
+from tests.api.test_enduser_hostile_ws import _archive
 
 TIMEOUT_S = 1.0
 
@@ -75,7 +78,22 @@ def test_slow_and_silent_connections_are_closed_and_others_still_served(tmp_path
                 time.sleep(2 * TIMEOUT_S / 5)
             ok.settimeout(10)
             assert ok.recv(4096).startswith(b"HTTP/1.1 201")
+        # A WebSocket (its handshake's headers came in time) is not cut by the deadline however long it stays open.
+        with httpx.Client(base_url=host.url, headers={"Authorization": f"Bearer {host.key}"}, timeout=300) as c:
+            r = c.post("/v1/agents/wsecho/deployments", content=_archive(tmp_path),
+                       headers={"content-type": "application/gzip"})
+            assert r.status_code == 201, r.text
+        asyncio.run(_socket_outlives_the_deadline(f"ws://127.0.0.1:{host.port}", host.key))
     finally:
         for s in socks:
             s.close()
         host.stop()
+
+
+async def _socket_outlives_the_deadline(ws_url: str, key: str) -> None:
+    app = f"{ws_url}/v1/agents/wsecho/users/ada/app/ws"
+    async with connect(app, additional_headers={"Authorization": f"Bearer {key}"}, open_timeout=120) as ws:
+        for i in range(4):
+            await ws.send(f"m{i}")
+            assert await ws.recv() == f"m{i}"
+            await asyncio.sleep(TIMEOUT_S)
