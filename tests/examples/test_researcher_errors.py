@@ -1,7 +1,7 @@
 """What an agent author meets while writing examples/researcher, on a real `moorage up` (process driver): the error
 of an agent whose code raised names the line of their code, a background process started with ctx.exec times out
 with an error that says how to start one, ctx.spawn starts one that outlives the turn, and a misspelt setting in
-moorage.toml is named with the setting meant."""
+moorage.toml is named with the setting meant, and a step the host refuses for good fails at once, not retried."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ async def on_message(ctx, message):
         return await ctx.exec(["sh", "-c", "sleep 30 &"], timeout=2)
     if message == "spawn":
         return await ctx.spawn(["sh", "-c", "echo up; sleep 30"], log="logs/sleeper.log")
+    if message == "denied":
+        return await ctx.step("search", ctx.fetch, "http://127.0.0.1:9/search")
     if message.startswith("alive "):
         pid = int(message.split()[1])
         return {"alive": os.path.exists("/proc/%d" % pid), "log": ctx.files.read("logs/sleeper.log")}
@@ -80,6 +82,17 @@ def test_ctx_spawn_starts_a_process_that_outlives_the_turn(sdk: Client) -> None:
     assert time.monotonic() - started < 20 and p["pid"] > 1 and p["log"].endswith("logs/sleeper.log"), p
     time.sleep(0.5)
     assert sdk.invoke("probe", f"alive {p['pid']}", user="u2")["reply"] == {"alive": True, "log": "up\n"}
+
+
+def test_a_step_the_host_refuses_for_good_is_not_retried(sdk: Client) -> None:
+    with pytest.raises(ServerError) as e:
+        sdk.invoke("probe", "denied", user="u3")
+    assert "egress to http://127.0.0.1:9" in str(e.value), e.value
+    assert e.value.hint.startswith("raised at agent.py, line 16, in on_message:"), e.value.hint
+    assert e.value.hint.endswith("(the error says what to change)"), e.value.hint  # not "fix the agent's code"
+    failed = [r for r in sdk.list_workflows(agent="probe", status="failed")["data"]]
+    steps = [s for r in failed for s in sdk.get_workflow(r["id"])["steps"] if s["name"] == "search"]
+    assert [(s["status"], s["attempts"]) for s in steps] == [("failed", 1)], steps  # one attempt, no retries
 
 
 def test_a_misspelt_setting_in_moorage_toml_is_named_with_the_one_meant(sdk: Client, tmp_path: Path) -> None:

@@ -47,6 +47,10 @@ class ExecTimeout(subprocess.TimeoutExpired):
 _SPAWNED: List["subprocess.Popen[bytes]"] = []
 
 
+#: HostError kinds that a retry would get again: a step that meets one fails at once instead of being retried.
+FINAL_KINDS = frozenset({"egress-denied", "egress-policy", "invalid-input", "not-found", "tenant-scope"})
+
+
 class Suspended(Exception):
     """Raised by ``ctx.interrupt`` when the workflow must wait for a human: the turn ends as ``waiting``."""
 
@@ -265,8 +269,10 @@ class AgentContext:
                     out = await out
             except Exception as e:  # noqa: BLE001 - recorded in the step log, then retried or raised
                 error = "%s: %s" % (type(e).__name__, e)
+                # A refusal the host would give again (egress denied, invalid input) is not tried again.
+                left = 0 if isinstance(e, HostError) and e.kind in FINAL_KINDS else retries
                 verdict = await self._host.call("durable.fail", {"seq": seq, "name": name, "attempt": attempt,
-                                                                 "error": error, "retries": retries})
+                                                                 "error": error, "retries": left})
                 if verdict.get("retry"):
                     await asyncio.sleep(float(verdict.get("backoff_s", 0.0)))
                     continue

@@ -283,6 +283,9 @@ def _agent_error_hint(data: dict[str, Any]) -> str | None:
     it (the guest finds it in the traceback) and what to do."""
     where = data.get("where")
     if isinstance(where, str) and where:
-        return f"raised at {where[:500]} (fix the agent's code and deploy it again)"
+        # A host's refusal (or a step that failed on one) carries its own fix in the message: it is not the code's.
+        fix = ("the error says what to change" if data.get("type") in ("HostError", "StepFailed")
+               else "fix the agent's code and deploy it again")
+        return f"raised at {where[:500]} ({fix})"
     detail = data.get("traceback")  # a guest that does not say where: the traceback's last line, as before
     return detail.strip().splitlines()[-1] if isinstance(detail, str) and detail.strip() else None
