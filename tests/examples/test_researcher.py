@@ -126,7 +126,7 @@ def test_a_research_workflow_searches_with_a_hidden_secret_waits_for_a_human_and
 
 
 def test_a_background_process_is_found_again_and_started_again_after_a_sleep(up) -> None:
-    _, sdk, _ = up
+    host, sdk, _ = up
     started = _say(sdk, "watch", user="dan")
     assert started["watcher"] == "started" and started["pid"] > 1, started
     time.sleep(1.0)
@@ -142,6 +142,10 @@ def test_a_background_process_is_found_again_and_started_again_after_a_sleep(up)
     assert again["watcher"] == "restarted" and again["was"] == running["pid"], again
     time.sleep(1.0)
     assert _say(sdk, "watch", user="dan")["watcher"] == "running"
+    sdk.sandbox_action(sid, "sleep")  # the page comes back with the agent module, woken by its first request
+    page = httpx.get(f"{host.url}/v1/agents/researcher/users/dan/app/", headers={"Authorization": f"Bearer {host.key}"},
+                     timeout=60)
+    assert page.status_code == 200 and "<h1>Reports</h1>" in page.text, page.text
 
 
 def test_the_agent_checkpoints_itself_and_is_rolled_back_to_it(up) -> None:
