@@ -3,6 +3,7 @@ compare-and-set, their content never."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Sequence
 
 from moorage.errors import ConflictError, InvalidInput, NotFound
@@ -23,6 +24,25 @@ _BELIEVED = "COALESCE(confirmed_at, recorded_at)"
 # The facts of one subject's attribute in one status that are not closed: what the index of current facts
 # (migration 17: scope, status, subject, attribute, value_key WHERE valid_to IS NULL) holds.
 _CURRENT = "facts WHERE scope = ? AND subject = ? AND attribute = ? AND status = ? AND valid_to IS NULL"
+
+
+#: The index of current facts holds each fact's subject, attribute and value key; PostgreSQL refuses an index entry
+#: over 2,704 bytes (a 500 for a fact of a few KiB). Subject and attribute are names, held to this many bytes; a
+#: longer value key is stored as its digest (equal keys, equal digests: the comparison stays exact).
+NAME_MAX_BYTES = 500
+VALUE_KEY_MAX_BYTES = 512
+
+
+def _stored_key(key: str) -> str:
+    raw = key.encode()
+    return key if len(raw) <= VALUE_KEY_MAX_BYTES else "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def _name(value: str, what: str) -> str:
+    if len(value.encode()) > NAME_MAX_BYTES:
+        raise InvalidInput(f"a fact's {what} is longer than {NAME_MAX_BYTES} bytes",
+                           hint=f"name the {what} in a few words; the value holds the rest")
+    return value
 
 
 def _fact(r: tuple) -> Fact:
@@ -46,7 +66,8 @@ class Facts(_Repo):
             raise InvalidInput(f"unknown fact status {status!r}", hint=f"one of {', '.join(FACT_STATUS)}")
         now = _now()
         f = Fact(
-            _new_id(), scope, self._text(subject, "subject"), self._text(attribute, "attribute"),
+            _new_id(), scope, _name(self._text(subject, "subject"), "subject"),
+            _name(self._text(attribute, "attribute"), "attribute"),
             self._text(value, "value"), self._text(text, "text"), now if valid_from is None else valid_from, None, now,
             None, None, trust, status, tuple(str(p) for p in provenance), self._text(source, "source"), 1,
         )
@@ -55,7 +76,7 @@ class Facts(_Repo):
                 f"INSERT INTO facts ({_FACT_COLS}, value_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (f.id, scope.key, f.subject, f.attribute, f.value, f.text, f.valid_from, None, now, None, None, trust,
                  status, self._json(list(f.provenance), "provenance"), f.source, 1, None,
-                 None if value_key is None else self._text(value_key, "value key")),
+                 None if value_key is None else _stored_key(self._text(value_key, "value key"))),
             )
             self._ts._touch(c, scope, now)
         return f
@@ -187,20 +208,24 @@ class Facts(_Repo):
         without it (before migration 17, by a caller that had none, or restored from a checkpoint image) are read
         too and get theirs written here, once: a write transaction.
         """
+        raw, key = key, _stored_key(key)
+        # A long key stored whole before digests (on SQLite, which took it) is looked for too.
+        keys = (key,) if key == raw else (key, raw)
         with self._ts._tx() as c:
             # Two probes of the index (an OR of the two would walk every key of the attribute).
-            where = (scope.key, subject, attribute, status)
-            rows = c.q(f"SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key = ? UNION ALL "
-                       f"SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key IS NULL", (*where, key, *where))
+            where, marks = (scope.key, subject, attribute, status), ", ".join("?" * len(keys))
+            rows = c.q(f"SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key IN ({marks}) "
+                       f"UNION ALL SELECT {_FACT_COLS}, value_key FROM {_CURRENT} AND value_key IS NULL",
+                       (*where, *keys, *where))
             out = []
             for r in rows:
                 have = r[-1]
                 if have is None:
-                    have = keyer(r[4])
+                    have = _stored_key(keyer(r[4]))
                     # Not a change of the fact (its version stays): the form is derived from its value, which never
                     # changes.
                     c.x("UPDATE facts SET value_key = ? WHERE id = ? AND value_key IS NULL",
                         (self._text(have, "value key"), r[0]))
-                if have == key:
+                if _stored_key(have) == key:  # one stored whole before digests (SQLite) still matches its own
                     out.append(_fact(r[:-1]))
         return sorted(out, key=lambda f: (f.valid_from, f.recorded_at))
