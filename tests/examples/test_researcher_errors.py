@@ -39,9 +39,9 @@ async def on_message(ctx, message):
 '''
 
 
-def _agent(base: Path, toml_extra: str = "") -> Path:
+def _agent(base: Path, toml_extra: str = "", name: str = "probe") -> Path:
     base.mkdir(parents=True, exist_ok=True)
-    (base / "moorage.toml").write_text('[agent]\nname = "probe"\nentry = "agent.py"\n' + toml_extra +
+    (base / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n' + toml_extra +
                                        '[agent.lifecycle]\nusers = "auto"\n')
     (base / "agent.py").write_text(AGENT_PY)
     return base
@@ -99,3 +99,20 @@ def test_a_misspelt_setting_in_moorage_toml_is_named_with_the_one_meant(sdk: Cli
     with pytest.raises(BadRequest) as e:
         sdk.deploy("probe", str(_agent(tmp_path / "typo", "port = [8080]\n")))
     assert "unknown [agent] setting 'port'" in str(e.value) and "did you mean 'ports'?" in str(e.value), e.value
+
+
+@pytest.mark.parametrize(("code", "said", "hint"), [
+    ("async def on_mesage(ctx, message):\n    return 'hi'\n",
+     "agent.py has no on_message(ctx, message) handler: it defines on_mesage (rename on_mesage to on_message, or set "
+     "handler = 'on_mesage' under [agent] in moorage.toml)", "fix the agent and deploy again"),
+    ("import json\nCONFIG = json.loads('{')\n\nasync def on_message(ctx, message):\n    return 'hi'\n",
+     "agent failed to load: JSONDecodeError", "raised at agent.py, line 2, in <module>: CONFIG = json.loads('{'); "
+                                              "fix the agent and deploy again"),
+])
+def test_an_agent_that_does_not_load_says_why_and_where(sdk: Client, tmp_path: Path, code: str, said: str,
+                                                        hint: str) -> None:
+    agent = _agent(tmp_path / "broken", name="broken")
+    (agent / "agent.py").write_text(code)
+    with pytest.raises(BadRequest) as e:
+        sdk.deploy("broken", str(agent))
+    assert said in str(e.value) and e.value.hint == hint, (str(e.value), e.value.hint)

@@ -50,7 +50,8 @@ class AgentRuntime:
             agent = load_agent(dep, path)
         except Exception as e:  # noqa: BLE001 - the developer gets the real error, not a stuck agent
             raise RpcError("agent failed to load: %s: %s" % (type(e).__name__, e), AGENT_ERROR,
-                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=5)})
+                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=5),
+                            "where": raised_where(e, path)})
         self.agents = {dep: agent}  # one live version per sandbox; older modules are dropped
         log("agent loaded", deployment=dep, tools=sorted(agent.tools))
         return {"deployment_id": dep, "tools": agent.tool_schemas, "builtin": agent.handler is None}

@@ -146,5 +146,21 @@ def load_agent(deployment_id: str, path: str) -> LoadedAgent:
         tools[fname] = fn
     agent = LoadedAgent(deployment_id, path, manifest, module, tools)
     if entry and agent.handler is None:
-        raise ImportError("%s has no %s(ctx, message) handler" % (entry, manifest.get("handler", "on_message")))
+        raise ImportError(_no_handler(entry, str(manifest.get("handler", "on_message")), module))
     return agent
+
+
+def _no_handler(entry: str, handler: str, module: Any) -> str:
+    """The entry module has no ``handler``: say so, with the functions it does define (a misspelt name, or one the
+    manifest should name with ``handler``)."""
+    import difflib
+
+    defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
+                     and not n.startswith("_"))
+    said = "%s has no %s(ctx, message) handler" % (entry, handler)
+    if not defined:
+        return said + " (define async def %s(ctx, message) in it)" % handler
+    close = difflib.get_close_matches(handler, defined, n=1, cutoff=0.6)
+    name = close[0] if close else defined[0]
+    return said + ": it defines %s (rename %s to %s, or set handler = %r under [agent] in moorage.toml)" % (
+        ", ".join(defined[:10]), name, handler, name)

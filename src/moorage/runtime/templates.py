@@ -61,8 +61,11 @@ async def push_and_load(sandbox: Sandbox, deployment: Deployment, archive: bytes
     try:
         return await sandbox.channel.call("agent.load", {"deployment_id": deployment.id, "path": base}, timeout=120)
     except RemoteError as e:
-        detail = (e.data or {}).get("traceback", "") if isinstance(e.data, dict) else ""
-        raise AgentLoadFailed(f"{e.message}", hint=(detail.strip().splitlines() or ["fix the agent and deploy again"])[-1]) from e
+        where = e.data.get("where") if isinstance(e.data, dict) else None
+        # Where in the agent's files it failed, when it was there (an import, a name at module level); the message
+        # says the rest (the traceback's last line only repeated it).
+        raise AgentLoadFailed(f"{e.message}", hint=(f"raised at {where[:500]}; " if isinstance(where, str) and where
+                                                    else "") + "fix the agent and deploy again") from e
 
 
 def boot_env(manifest: Mapping[str, Any], requirements: bytes | None) -> dict[str, str]:
