@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from moorage.api.routes import app as app_routes
 from tests.api.conftest import aclient
@@ -112,3 +112,42 @@ async def test_open_sockets_end_with_their_credential(live_rt, acme: str, tmp_pa
         async with connect(app, additional_headers={"Authorization": f"Bearer {acme}"}, open_timeout=60) as ws:
             await ws.send("after")
             assert await ws.recv() == "after"
+
+
+async def test_the_app_is_refused_past_the_compute_cap(live_rt, store, acme: str, tmp_path: Path) -> None:
+    """The app's routes woke the instance without a look at the user's caps: past compute_seconds_per_day a user (or
+    anyone with their share link) could wake it again and again. Now a 429 cap-exceeded, as for a turn."""
+    import time
+
+    from moorage.store import Scope
+    from moorage.usage import caps
+
+    ts = store.tenant(store.authenticate(acme))
+    ws_url = live_rt.url.replace("http://", "ws://")
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/wsecho/deployments", content=_archive(tmp_path),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.put("/v1/agents/wsecho/users/ada", json={"limits": {"compute_seconds_per_day": 1}})).status_code == 201
+        token = (await c.post("/v1/agents/wsecho/users/ada/tokens", json={"ttl_s": 600})).json()["token"]
+        link = (await c.post("/v1/agents/wsecho/users/ada/share-links", json={"ttl_s": 600})).json()
+        async with aclient(live_rt, token) as u:
+            assert (await u.get("/v1/agents/wsecho/users/ada/app/")).status_code == 200  # wakes it: under the cap
+            while caps.compute_seconds(ts, "wsecho", "ada", since=caps.day_window(time.time())[0]) < 1:
+                await asyncio.sleep(0.05)
+            r = await u.get("/v1/agents/wsecho/users/ada/app/")
+            assert r.status_code == 429 and r.json()["type"].endswith("/cap-exceeded"), r.text
+            assert "compute_seconds_per_day" in r.json()["detail"] and int(r.headers["retry-after"]) >= 1
+            assert ts.sandboxes.for_scope(Scope.for_user("wsecho", "ada")).state == "sleeping"
+            r = await u.get(link["url"])
+            assert r.status_code == 429, r.text
+            assert ts.sandboxes.for_scope(Scope.for_user("wsecho", "ada")).state == "sleeping"  # not woken again
+        with pytest.raises(InvalidStatus) as e:
+            async with connect(f"{ws_url}{link['url']}ws", open_timeout=60):
+                pass
+        assert e.value.response.status_code == 429
+        assert ts.sandboxes.for_scope(Scope.for_user("wsecho", "ada")).state == "sleeping"
+        # Raised: served again.
+        assert (await c.put("/v1/agents/wsecho/users/ada", json={"limits": {"compute_seconds_per_day": 3600}})).status_code == 200
+        async with aclient(live_rt, token) as u:
+            assert (await u.get("/v1/agents/wsecho/users/ada/app/")).status_code == 200

@@ -11,7 +11,7 @@ from moorage.errors import NotFound
 from moorage.runtime.app_errors import AppBusy, AppUnavailable
 from moorage.runtime.sizing import app_ports
 from moorage.sandbox import RemoteError
-from moorage.store import EntityKey, TenantStore
+from moorage.store import EntityKey, Scope, TenantStore
 
 #: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
 APP_UNREACHABLE = -32020
@@ -60,7 +60,23 @@ async def app_of(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> t
     ports = app_ports(deployment.manifest)
     if not ports:
         raise NotFound(f"agent {agent_name!r} serves no app", hint='declare its port in moorage.toml: ports = [8080]')
+    await _within_compute_cap(runtime, ts, agent_name, user)
     return agent, lc, scope, deployment, ports[0]
+
+
+async def _within_compute_cap(runtime: Any, ts: TenantStore, agent_name: str, user: str) -> None:
+    """An app's request or socket wakes the instance like a turn, so a user over ``compute_seconds_per_day`` is
+    refused (429, and the instance put to sleep) as their turn is; before, the app route woke it again and again past
+    the cap. Only the compute cap: tokens and cost are spent by turns (a page saying the credits ran out still
+    shows)."""
+    from moorage.usage import caps
+
+    now = time.time()
+    cap = (await asyncio.to_thread(caps.standing, ts, agent_name, user, now=now)).get("compute_seconds_per_day")
+    if cap is None or cap["used"] < cap["limit"]:
+        return
+    await runtime.instances.sleep(ts, Scope.for_user(agent_name, user), reason="compute cap reached")
+    raise caps.CapExceeded(agent_name, user, "compute_seconds_per_day", cap["limit"], cap["used"], cap["resets_at"], now)
 
 
 async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any,
