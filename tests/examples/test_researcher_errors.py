@@ -32,9 +32,12 @@ async def on_message(ctx, message):
         return await ctx.spawn(["sh", "-c", "echo up; sleep 30"], log="logs/sleeper.log")
     if message == "denied":
         return await ctx.step("search", ctx.fetch, "http://127.0.0.1:9/search")
+    if message == "spawn-short":
+        return await ctx.spawn(["sleep", "0.2"])
     if message.startswith("alive "):
         pid = int(message.split()[1])
-        return {"alive": os.path.exists("/proc/%d" % pid), "log": ctx.files.read("logs/sleeper.log")}
+        log = ctx.files.read("logs/sleeper.log") if ctx.files.exists("logs/sleeper.log") else None
+        return {"alive": os.path.exists("/proc/%d" % pid), "log": log}
     return "ok"
 '''
 
@@ -82,6 +85,10 @@ def test_ctx_spawn_starts_a_process_that_outlives_the_turn(sdk: Client) -> None:
     assert time.monotonic() - started < 20 and p["pid"] > 1 and p["log"].endswith("logs/sleeper.log"), p
     time.sleep(0.5)
     assert sdk.invoke("probe", f"alive {p['pid']}", user="u2")["reply"] == {"alive": True, "log": "up\n"}
+    short = sdk.invoke("probe", "spawn-short", user="u4")["reply"]
+    assert short["log"] is None, short
+    time.sleep(1.0)  # it ended, and was reaped: no zombie left that looks alive to the agent's own check
+    assert sdk.invoke("probe", f"alive {short['pid']}", user="u4")["reply"] == {"alive": False, "log": None}
 
 
 def test_a_step_the_host_refuses_for_good_is_not_retried(sdk: Client) -> None:

@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import subprocess
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 from .agent_load import LoadedAgent
@@ -41,10 +42,6 @@ class ExecTimeout(subprocess.TimeoutExpired):
         return ("ctx.exec(%r) did not end within %g s: the command is still running, or a process it started in the "
                 "background still holds its output (start a process that should keep running with ctx.spawn(argv), "
                 "or give the command a larger timeout)" % (self.cmd, self.timeout))
-
-
-#: Processes ``ctx.spawn`` started, until they end.
-_SPAWNED: List["subprocess.Popen[bytes]"] = []
 
 
 #: HostError kinds that a retry would get again: a step that meets one fails at once instead of being retried.
@@ -211,8 +208,8 @@ class AgentContext:
         finally:
             if log is not None:
                 out.close()
-        _SPAWNED.append(p)  # reaped by the next spawn once it has ended (no zombie left behind)
-        _SPAWNED[:] = [c for c in _SPAWNED if c.poll() is None]
+        # Reaped as it ends, so no zombie is left behind (one would look alive in /proc to the agent's own checks).
+        threading.Thread(target=p.wait, daemon=True, name="moorage-spawned-%d" % p.pid).start()
         return {"pid": p.pid, "log": None if log is None else self.files._p(log)}
 
     async def fetch(self, url: str, *, method: str = "GET", json: Any = None, headers: Optional[Dict[str, str]] = None,
