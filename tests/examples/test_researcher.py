@@ -83,16 +83,16 @@ def test_memory_working_episodic_and_semantic(up) -> None:
     assert any("climate papers" in h["event"]["content"] for h in hits), hits
 
     # Facts: the agent learns, the product confirms, a new value supersedes it, and the old one is still there as of then.
-    assert _say(sdk, "learn city Oslo")["status"] == "pending"
+    learned = _say(sdk, "learn city Oslo")
+    assert learned["status"] == "pending", learned
     assert _say(sdk, "facts") == {}
     pending = sdk.list_pending_facts("researcher", "ada")["data"]
-    assert [f["value"] for f in pending] == ["Oslo"], pending
-    sdk.confirm_fact("researcher", "ada", pending[0]["id"])
+    assert [(f["value"], f["id"]) for f in pending] == [("Oslo", learned["id"])], pending  # the agent can name it
+    sdk.confirm_fact("researcher", "ada", learned["id"])
     assert _say(sdk, "facts") == {"city": "Oslo"}
     oslo_time = time.time()
     time.sleep(0.05)
-    _say(sdk, "learn city Porto")
-    sdk.confirm_fact("researcher", "ada", sdk.list_pending_facts("researcher", "ada")["data"][0]["id"])
+    sdk.confirm_fact("researcher", "ada", _say(sdk, "learn city Porto")["id"])
     assert _say(sdk, "facts") == {"city": "Porto"}
     assert _say(sdk, f"facts {oslo_time}") == {"city": "Oslo"}
     assert _say(sdk, f"facts known {oslo_time}") == {"city": "Oslo"}

@@ -305,7 +305,7 @@ class GuestCalls:
         # The agent's own code is not the user: what it records lands as agent-origin (pending until confirmed).
         ch = await asyncio.to_thread(self.rt.memory(b.ts).semantic.record, b.user_scope, cand, origin="agent",
                                      turn=TurnRef(b.run_id, b.trace_id))  # named by the fact.pending webhook
-        return {"action": ch.action, "status": ch.fact.status}
+        return {"action": ch.action, "status": ch.fact.status, "id": ch.fact.id}  # the id the product confirms
 
     async def memory_context(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(p.get("message"), str):  # None or a number would become the user's turn "None" or ""
