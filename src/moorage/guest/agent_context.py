@@ -228,10 +228,15 @@ class AgentContext:
                                      timeout=timeout + 5)
 
     async def _secret_env(self) -> None:
-        """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code."""
-        if not ((self.agent.manifest.get("secrets") or {}).get("env")):
+        """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code, and take
+        out those it opted into that are no longer set (deleted since an earlier turn put them there)."""
+        names = (self.agent.manifest.get("secrets") or {}).get("env")
+        if not names:
             return
         env = (await self._host.call("secrets.env", {}))["env"]
+        for name in names:
+            if isinstance(name, str) and name not in env:
+                os.environ.pop(name, None)
         os.environ.update({str(k): str(v) for k, v in env.items()})
 
     async def mcp(self, server: str, tool: str, **arguments: Any) -> Dict[str, Any]:
