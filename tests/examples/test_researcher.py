@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -161,3 +162,25 @@ def test_the_agent_checkpoints_itself_and_is_rolled_back_to_it(up) -> None:
     assert _say(sdk, "report", user="eve") == ["coral-reefs.md"]
     names = [c["name"] for c in sdk.list_checkpoints("researcher", "eve")["data"]]
     assert "before-kelp" in names, names
+
+
+def test_a_redeploy_reaches_the_page_of_a_user_whose_agent_is_awake(up, tmp_path: Path) -> None:
+    """The dev loop: change the page, deploy again, reload it. Its server, started when the module was loaded, held
+    the port, so the page stayed the old code's (the turns were the new code's) until the sandbox restarted."""
+    host, sdk, _ = up
+    url = f"{host.url}/v1/agents/researcher/users/fay/app/"
+    auth = {"Authorization": f"Bearer {host.key}"}
+    assert _say(sdk, "report", user="fay") == []
+    assert "<p>v2</p>" not in httpx.get(url, headers=auth, timeout=60).text
+    v2 = tmp_path / "researcher"
+    shutil.copytree(AGENT, v2)
+    code = (v2 / "agent.py").read_text()
+    (v2 / "agent.py").write_text(code.replace("<h1>Reports</h1>", "<h1>Reports</h1><p>v2</p>"))
+    try:
+        sdk.deploy("researcher", str(v2))
+        assert _say(sdk, "report", user="fay") == []  # the first turn of the new deployment
+        page = httpx.get(url, headers=auth, timeout=60)
+        assert page.status_code == 200 and "<h1>Reports</h1><p>v2</p>" in page.text, page.text
+    finally:
+        sdk.deploy("researcher", str(AGENT))
+    assert "<p>v2</p>" not in httpx.get(url, headers=auth, timeout=60).text  # and back: the page of the live code

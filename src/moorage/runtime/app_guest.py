@@ -88,6 +88,11 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
     new channel)."""
     from moorage.runtime import instance_update
 
+    if runtime._loaded.get(sandbox.id) not in (None, deployment.id):
+        # Another deployment's code is loaded here (a redeploy since its last turn): load this one first, which
+        # restarts an app whose server the old module started (instance_update), so the page is the live code's.
+        await instance_update.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
+        runtime._loaded[sandbox.id] = deployment.id
     loaded = False
     give_up = time.monotonic() + 10
     while True:

@@ -21,6 +21,10 @@ for others (the sandbox's ``deploy_packages.MARKER`` differs from the deployment
   (``deploy_apt.update``); a sandbox not restarted yet whose Python packages changed restarts now, so no module
   of the old ones stays imported (C extensions cannot be unloaded).
 
+An agent with an app (``[agent] ports``) whose sandbox has an older deployment's code loaded restarts too, so its app
+is the new code's: a server its module started when it was loaded holds the port, and the new module, loaded beside
+it, could not take it (the old page served on after every redeploy, on micro-VMs across sleeps too).
+
 Before it touches the sandbox, a change waits (up to ``DRAIN_S``) for the agent turns running in it to end
 (``in_turn``: another of the user's sessions, still on the old deployment), so a restart does not cut them; turns
 that start meanwhile load the new deployment and wait for the change.
@@ -116,15 +120,16 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
     apt = deploy_apt.packages_of(deployment.manifest)
     driver = rt.driver
 
-    async def current() -> tuple[str | None, list[str] | None, bool, bool, bool]:
+    async def current() -> tuple[str | None, list[str] | None, bool, bool, bool, bool]:
         have, have_apt = await installed(sandbox), await deploy_apt.installed(sandbox)
-        return (have, have_apt, (have or "") != wanted, (have_apt or []) != apt, driver.boot_env(sandbox) != env)
+        return (have, have_apt, (have or "") != wanted, (have_apt or []) != apt, driver.boot_env(sandbox) != env,
+                await _old_app(sandbox, deployment))
 
     if not any((await current())[2:]):
         return False
     async with _locks.setdefault(sandbox.id, asyncio.Lock()):
-        have, have_apt, packages, apt_changed, env_changed = await current()
-        if not (packages or apt_changed or env_changed):  # another load did it meanwhile
+        have, have_apt, packages, apt_changed, env_changed, old_app = await current()
+        if not (packages or apt_changed or env_changed or old_app):  # another load did it meanwhile
             return False
         started = time.perf_counter()
         ref = await rt.templates.ensure(deployment)
@@ -135,7 +140,7 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
             own = (rec.meta.get(SHARED_TEMPLATE) or rec.meta.get(FORKED_FROM)) == ref.id
             packages = packages and not (have is None and own)
             apt_changed = apt_changed and not (have_apt is None and own)
-            if not (packages or apt_changed or env_changed):
+            if not (packages or apt_changed or env_changed or old_app):
                 return False
         shares = packages and driver.capabilities.shares_template_dirs
         restart_s, in_place = 0.0, 0
@@ -206,6 +211,9 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
                 restarts += 1
             elif packages:
                 await sandbox.channel.call("packages.refresh", {}, timeout=30)
+        if old_app and not restarts:  # its app's server is the old code's: only a restart frees its port
+            await restart()
+            restarts += 1
         # An install since the last restart served its downloads on this channel: that relay goes, and the caller
         # attaches the agent's own network again (``load``'s ``on_restart``).
         detach(sandbox.channel)
@@ -214,6 +222,19 @@ async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts:
                  template=ref.id, packages=how, apt=apt_how, restarts=restarts,
                  in_place=in_place, restart_ms=round(restart_s * 1000, 1), ms=round(ms, 1))
         return True
+
+
+async def _old_app(sandbox: Sandbox, deployment: Any) -> bool:
+    """Whether ``deployment`` declares an app and the sandbox's guest has another deployment's code loaded (whose
+    module may have started the server that holds the app's port)."""
+    if not deployment.manifest.get("ports"):
+        return False
+    try:
+        info = await sandbox.channel.call("agent.info", {}, timeout=15)
+    except Exception:  # noqa: BLE001 - a guest that cannot say has nothing loaded that a restart would free
+        return False
+    loaded = info.get("loaded") if isinstance(info, dict) else None
+    return any(d != deployment.id for d in (loaded if isinstance(loaded, list) else []))
 
 
 def _name_shared_template(ts: Any, sandbox_id: str, template_id: str) -> None:
