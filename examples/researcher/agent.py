@@ -7,6 +7,7 @@ Commands (one per turn):
   learn ATTRIBUTE VALUE   record a fact about the user (lands pending until the product confirms it)
   facts [AS_OF]           the user's facts true now, or at AS_OF (seconds since the epoch)
   facts known AT          the user's facts as they were believed at AT
+  fact ATTRIBUTE          one current fact, with its id
   research TOPIC URL      durable workflow: plan, search URL (with the host's secret), ask a human, write the report
   watch                   start (or find again) the background watcher process
   checkpoint NAME         a named checkpoint of this whole agent instance
@@ -135,6 +136,8 @@ async def on_message(ctx, message):
         else:
             facts = await ctx.memory.facts(as_of=float(words[0]) if words else None)
         return json.dumps({f["attribute"]: f["value"] for f in facts})
+    if cmd == "fact":  # one fact as the agent sees it: its id is the product's handle on it
+        return json.dumps(next((f for f in await ctx.memory.facts() if f["attribute"] == rest), None))
     if cmd == "research":
         topic, _, url = rest.rpartition(" ")
         return await research(ctx, topic, url)

@@ -95,6 +95,9 @@ def test_memory_working_episodic_and_semantic(up) -> None:
     time.sleep(0.05)
     sdk.confirm_fact("researcher", "ada", _say(sdk, "learn city Porto")["id"])
     assert _say(sdk, "facts") == {"city": "Porto"}
+    porto = _say(sdk, "fact city")
+    listed = sdk.list_facts("researcher", "ada", attribute="city")["data"]
+    assert porto["value"] == "Porto" and [f["id"] for f in listed] == [porto["id"]], (porto, listed)
     assert _say(sdk, f"facts {oslo_time}") == {"city": "Oslo"}
     assert _say(sdk, f"facts known {oslo_time}") == {"city": "Oslo"}
 

@@ -290,7 +290,7 @@ class GuestCalls:
             times[field] = None if v is None else float(v)
         facts = await asyncio.to_thread(self.rt.memory(b.ts).semantic.recall, b.user_scope, subject=p.get("subject"),
                                         **times)
-        return {"facts": [{"subject": f.subject, "attribute": f.attribute, "value": f.value, "text": f.text,
+        return {"facts": [{"id": f.id, "subject": f.subject, "attribute": f.attribute, "value": f.value, "text": f.text,
                            "trust": f.trust, "since": f.valid_from} for f in facts]}
 
     async def memory_learn(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
