@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from moorage import Client
+from moorage.client import BadRequest
 from moorage.devservices.fleet import LocalHost
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +109,10 @@ def test_a_research_workflow_searches_with_a_hidden_secret_waits_for_a_human_and
     assert turn["status"] == "waiting", turn
     assert turn["interrupt"]["question"] == "Write a report on 'solar storms' from 2 results?", turn
     assert api.seen == [("/search?q=solar+storms", SECRET)], api.seen  # the host added the key on the way out
+    waiting = sdk.list_workflows(agent="researcher", user="bob", status="waiting")["data"]
+    assert [r["id"] for r in waiting] == [turn["run_id"]], waiting  # bob's turn waiting for an answer, and only his
+    with pytest.raises(BadRequest):
+        sdk.list_workflows(user="bob")  # a user is one agent's
     sid = sdk.get_user("researcher", "bob")["instance"]["sandbox_id"]
     out = sdk.exec(sid, ["sh", "-c", "env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'"])
     assert SECRET not in out["stdout"], "the secret reached the sandbox"
@@ -124,6 +129,8 @@ def test_a_research_workflow_searches_with_a_hidden_secret_waits_for_a_human_and
                      headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
     assert page.status_code == 200 and page.json() == ["solar-storms.md"], page.text
     assert sdk.invoke("researcher", f"research tides {api.url}", user="carol")["status"] == "waiting"
+    assert sdk.list_workflows(agent="researcher", user="bob", status="waiting")["data"] == []  # carol's is not his
+    assert len(sdk.list_workflows(agent="researcher", user="carol", status="waiting")["data"]) == 1
     other = httpx.get(f"{host.url}/v1/agents/researcher/users/carol/app/reports.json",
                       headers={"Authorization": f"Bearer {host.key}"}, timeout=60)
     assert other.json() == [], other.text  # another user's page is their own

@@ -262,6 +262,21 @@ def test_workflow_runs_and_steps(tenant: TenantStore) -> None:
         tenant.runs.update(run.id, expected_version=2, status="exploded")
 
 
+def test_workflow_runs_of_one_user(tenant: TenantStore) -> None:
+    """``runs.list(agent=, user=)``: that end-user's runs of that agent, in every kind of scope, and no one else's (a
+    user whose id starts with theirs, another agent's user of the same id)."""
+    for scope, run_id in [(Scope.workflow("bot", "t1", user="ada"), "t1"), (Scope.for_user("bot", "ada"), "u1"),
+                          (Scope("session", "bot", "ada", "s1"), "s1"), (Scope.workflow("bot", "t2", user="ada-2"), "t2"),
+                          (Scope.for_user("bot", "ada-2"), "u2"), (Scope.workflow("other", "t3", user="ada"), "t3"),
+                          (Scope.workflow("bot", "t4"), "t4")]:
+        tenant.runs.create(scope, "turn", run_id=run_id)
+    assert sorted(r.id for r in tenant.runs.list(agent="bot", user="ada")) == ["s1", "t1", "u1"]
+    assert sorted(r.id for r in tenant.runs.list(agent="bot", user="ada-2")) == ["t2", "u2"]
+    assert sorted(r.id for r in tenant.runs.list(agent="bot")) == ["s1", "t1", "t2", "t4", "u1", "u2"]
+    with pytest.raises(ValueError):
+        tenant.runs.list(user="ada")
+
+
 def test_journal_claims_once(tenant: TenantStore) -> None:
     e, created = tenant.journal.claim("pay-42", run_id="r", step="pay")
     assert created and e.status == "pending"

@@ -209,9 +209,10 @@ class Api(ReachApi, ABC):
 
     # -- workflows ------------------------------------------------------------------------------------------
 
-    def list_workflows(self, *, status: str | None = None, agent: str | None = None, limit: int | None = None,
-                       cursor: str | None = None) -> T.Page[dict[str, Any]]:
-        return self._send(Request("GET", "/v1/workflows", _page(limit, cursor, status=status, agent=agent)))
+    def list_workflows(self, *, status: str | None = None, agent: str | None = None, user: str | None = None,
+                       limit: int | None = None, cursor: str | None = None) -> T.Page[dict[str, Any]]:
+        """Runs by last change, oldest first; ``user`` (with ``agent``): one end-user's, e.g. their waiting turns."""
+        return self._send(Request("GET", "/v1/workflows", _page(limit, cursor, status=status, agent=agent, user=user)))
 
     def get_workflow(self, run_id: str) -> dict[str, Any]:
         return self._send(Request("GET", f"/v1/workflows/{_p(run_id)}"))

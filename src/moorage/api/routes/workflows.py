@@ -29,12 +29,17 @@ def list_runs(call: Call) -> dict[str, Any]:
     if limited is not None and agent != limited:  # its own agent's runs, asked for by name; never a silent filter
         raise TenantScopeError(f"this key is limited to agent {limited!r}; it may list that agent's runs only",
                                hint=f"add agent={limited} to the query, or use a key that is not limited to one agent")
+    user = call.query("user")
+    if user is not None and agent is None:
+        raise InvalidInput("user= lists one end-user's runs of one agent: it needs agent=",
+                           hint="add agent=NAME to the query")
     limit = parse_limit(call.query("limit"))
     # Keyed on the last run's (updated_at, id), not an offset (``keyset_page``). A run that changes while you page
     # moves to the end and may be listed again; none is skipped.
     pos = position(call.query("cursor"), {"u": (int, float), "i": str})
     after = (float(pos["u"]), pos["i"]) if pos else None
-    runs = call.tenant.runs.list(status=[status] if status else None, agent=agent, after=after, limit=limit + 1)
+    runs = call.tenant.runs.list(status=[status] if status else None, agent=agent, user=user, after=after,
+                                 limit=limit + 1)
     return keyset_page(runs, limit, lambda r: {"u": r.updated_at, "i": r.id}, S.run)
 
 
@@ -91,7 +96,8 @@ ENDPOINTS = [
     # A key limited to one agent may use these for that agent's runs (agent_checked: the handlers check it).
     Endpoint("GET", "/v1/workflows", list_runs, "List workflow runs", "workflows", "listWorkflows", scope="read",
              query=(*PAGE, Param("status", {"enum": list(RUN_STATUSES)}),
-                    Param("agent", S.ID, "only this agent's runs (a key limited to one agent must name its agent)")),
+                    Param("agent", S.ID, "only this agent's runs (a key limited to one agent must name its agent)"),
+                    Param("user", S.ID, "with agent: only this end-user's runs (their turns and workflows)")),
              response=S.page_of("WorkflowRun"), agent_checked=True),
     Endpoint("GET", "/v1/workflows/{run_id}", get_run, "Get a run with its steps and journal history", "workflows",
              "getWorkflow", scope="read", response=S.ref("WorkflowDetail"), agent_checked=True),

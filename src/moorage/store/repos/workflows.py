@@ -55,9 +55,10 @@ class WorkflowRuns(_Repo):
         return _run(r)
 
     def list(self, *, status: Sequence[str] | None = None, scope: Scope | None = None, agent: str | None = None,
-             after: tuple[float, str] | None = None, limit: int = 100) -> list[WorkflowRun]:
+             user: str | None = None, after: tuple[float, str] | None = None, limit: int = 100) -> list[WorkflowRun]:
         """Runs by last change, oldest first (then by id); ``after``: only those past that (updated_at, id), the
-        position of the last run of a page. ``agent``: only that agent's runs (every kind of scope it has)."""
+        position of the last run of a page. ``agent``: only that agent's runs (every kind of scope it has);
+        ``user`` (with ``agent``): only that end-user's (a turn's run is in a workflow scope naming its user)."""
         where, params = "1 = 1", []
         if status:
             where += f" AND status IN ({','.join('?' * len(status))})"
@@ -65,12 +66,22 @@ class WorkflowRuns(_Repo):
         if scope is not None:
             where += " AND scope = ?"
             params.append(scope.key)
+        if user is not None and agent is None:
+            raise ValueError("runs.list: user needs agent")
         if agent is not None:
-            # A scope key is ``kind:agent/...`` and an agent id holds no "/": a range per kind, which the scope
+            # A scope key is ``kind:agent/...`` and neither an agent nor a user id holds a "/": a range per kind (the
+            # user's own: ``session:``/``workflow:agent/user/...``, and ``user:agent/user`` itself), which the scope
             # index answers ("0" is the character after "/").
-            where += " AND (" + " OR ".join("(scope >= ? AND scope < ?)" for _ in _SCOPE_KINDS) + ")"
+            ranges = []
             for kind in _SCOPE_KINDS:
-                params += [f"{kind}:{agent}/", f"{kind}:{agent}0"]
+                if user is not None and kind == "user":
+                    ranges.append("scope = ?")
+                    params.append(Scope.for_user(agent, user).key)
+                    continue
+                head = f"{kind}:{agent}/" + ("" if user is None else f"{user}/")
+                ranges.append("(scope >= ? AND scope < ?)")
+                params += [head, head[:-1] + "0"]
+            where += " AND (" + " OR ".join(ranges) + ")"
         if after is not None:
             # As a row value, so the (updated_at, id) index seeks to it (an OR of the two read from the start).
             where += " AND (updated_at, id) > (?, ?)"
