@@ -365,8 +365,12 @@ def kill_pid(pid: int, proc: subprocess.Popen[bytes] | None = None, timeout: flo
             if not Path(f"/proc/{pid}").exists():
                 return
             try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                    return  # someone else's zombie: gone as far as resources go
+                # Someone else's zombie, and none of its threads left: gone as far as resources go. Its main thread
+                # is a zombie as soon as it exits, while the others may still be exiting (unmapping a large guest's
+                # memory) with its files, the disk's lock among them, still open.
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z" and \
+                        os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+                    return
             except OSError:
                 return
         time.sleep(0.005)
