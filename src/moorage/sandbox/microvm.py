@@ -158,6 +158,7 @@ class MicroVMDriver(SandboxDriver):
             if meta.get("pid"):
                 sb._meta["pid"] = None
                 sb._save_meta()
+        await sb._sweep_unfinished()  # what a crash in a sleep or checkpoint left half made
         self._open[sandbox_id] = sb
         return sb
 

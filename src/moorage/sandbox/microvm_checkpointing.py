@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moorage.errors import DiskFull
+from moorage.errors import DiskFull, InvalidInput
 from moorage.log import get_logger
 from moorage.sandbox import microvm_ram as ram
 from moorage.sandbox import microvm_ram_chain as ram_chain
@@ -24,6 +24,7 @@ from moorage.sandbox import microvm_user
 from moorage.sandbox.base import (
     ChannelError,
     CheckpointInfo,
+    SandboxError,
     SandboxNotFound,
     SandboxState,
     SandboxStateError,
@@ -52,8 +53,7 @@ class Checkpointing:
         assert self._qmp is not None and self.pid is not None
         ph = snapshots.Phases()
         new = target.with_name(target.name + ".new")
-        shutil.rmtree(new, ignore_errors=True)
-        new.mkdir(parents=True)
+        making: int | None = snapshots.begin(new)  # its lock: held until ``new`` is in place or removed
         cap: ram_chain.Capture | None = None
         # The channel stays connected through the pause: the guest then never sees its port close, and after a
         # wake it simply reads the new connection's frames (no reopen, no frames dropped in between).
@@ -86,9 +86,10 @@ class Checkpointing:
                 if behind:
                     self.last_snapshot_phases = dict(ph.ms)  # the pause's steps; the write's once it is done
                     self._lock.behind = asyncio.get_running_loop().create_task(
-                        self._write_behind(cap if cap is not None else capture, new, target, record, ph, clock),
+                        self._write_behind(cap if cap is not None else capture, new, target, record, ph, clock,
+                                           making),
                         name=f"checkpoint-write-{self.id}")
-                    clock = None
+                    clock = making = None
                     done = True  # ``new`` is the write-behind's now
                     return SnapshotInfo(self.id, target, 0, record["created_at"], True)
                 if cap is None:
@@ -123,6 +124,8 @@ class Checkpointing:
                     with contextlib.suppress(QMPError):
                         await self._qmp.execute("blockdev-snapshot-delete-internal-sync",
                                                 {"device": "disk", "name": disk_tag})
+            if making is not None:
+                os.close(making)
             if paused and self._qmp is not None and (keep_running or not done):
                 # A checkpoint, or a sleep that failed (its disk full, say), leaves the guest running, as it was;
                 # a sleep that failed and left it paused had every later call to it wait out its timeout.
@@ -148,10 +151,12 @@ class Checkpointing:
         return SnapshotInfo(self.id, target, size, record["created_at"], True)
 
     async def _write_behind(self, cap: "ram_chain.Capture | Callable[[], ram_chain.Capture]", new: Path, target: Path,
-                            record: dict[str, Any], ph: snapshots.Phases, clock: "asyncio.Task[None]") -> None:
+                            record: dict[str, Any], ph: snapshots.Phases, clock: "asyncio.Task[None]",
+                            making: int) -> None:
         """A checkpoint's files, written while the guest runs on (``checkpoint(durable=False)``); ``cap`` is its
-        RAM capture, or what makes it from the pages copied in the pause. A failure leaves no checkpoint of that
-        name (it is logged; a rollback to it is refused as to any missing one)."""
+        RAM capture, or what makes it from the pages copied in the pause; ``making`` holds ``new``'s lock (closed
+        here). A failure leaves no checkpoint of that name (it is logged; a rollback to it is refused as to any
+        missing one)."""
         try:
             if callable(cap):
                 cap = await asyncio.to_thread(cap)
@@ -170,6 +175,7 @@ class Checkpointing:
                     await self._qmp.execute("blockdev-snapshot-delete-internal-sync",
                                             {"device": "disk", "name": f"ckpt-{target.name}"})
         finally:
+            os.close(making)
             await clock
 
     async def _set_guest_clock(self) -> None:
@@ -199,22 +205,53 @@ class Checkpointing:
         assert self._qmp is not None and self.pid is not None
         target = self.dir / "snapshot"
         new = target.with_name(target.name + ".new")
-        shutil.rmtree(new, ignore_errors=True)
-        new.mkdir(parents=True)
-        await self._qmp.save_device_state(new / "dev.state")
-        record = snapshots.new_record(self.ram_mode, self._vm_config().layout_id(), self._meta["image_id"], live=True)
-        if self.ram_mode == "delta":
-            m = ram.find_mapping(self.pid, self._ram_path())
-            record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
-            record["delta_xxh3"] = ram.delta_digest(new / "ram.delta")
-        else:
-            record["ram_checksum"] = ram.file_digest(self.dir / "ram")
-        record["dev_sha256"] = ram.sha256_file(new / "dev.state")
-        write_json(new / "snapshot.json", record)
-        snapshots.swap_in(new, target)
+        making = snapshots.begin(new)
+        try:
+            await self._qmp.save_device_state(new / "dev.state")
+            record = snapshots.new_record(self.ram_mode, self._vm_config().layout_id(), self._meta["image_id"],
+                                          live=True)
+            if self.ram_mode == "delta":
+                m = ram.find_mapping(self.pid, self._ram_path())
+                record["delta_bytes"] = await asyncio.to_thread(ram.save_delta, self.pid, m, self._ram_path(), new)
+                record["delta_xxh3"] = ram.delta_digest(new / "ram.delta")
+            else:
+                record["ram_checksum"] = ram.file_digest(self.dir / "ram")
+            record["dev_sha256"] = ram.sha256_file(new / "dev.state")
+            write_json(new / "snapshot.json", record)
+            snapshots.swap_in(new, target)
+        finally:
+            os.close(making)
+
+    async def _sweep_unfinished(self) -> None:
+        """After a host restart (``MicroVMDriver.open``): the snapshots a crash left half made go
+        (``snapshots.sweep_unfinished``), and with a checkpoint's the disk snapshot taken for it, which no
+        checkpoint names (a running QEMU deletes it itself, the image being locked by it). A failure is logged:
+        only space is lost."""
+        gone = await asyncio.to_thread(snapshots.sweep_unfinished, self.dir)
+        cps = self.dir / "checkpoints"
+        if not any(d.parent == cps for d in gone):
+            return
+        disk = self.dir / "disk.qcow2"
+        try:
+            if self.state is SandboxState.RUNNING and self._qmp is not None:
+                block = next(b for b in await self._qmp.execute("query-block") if b.get("device") == "disk")
+                tags = [s["name"] for s in block.get("inserted", {}).get("image", {}).get("snapshots", [])]
+                for tag in snapshots.stray_disk_snapshots(cps, tags):
+                    await self._qmp.execute("blockdev-snapshot-delete-internal-sync", {"device": "disk", "name": tag})
+            elif disk.exists():
+                # qemu-img opens the backing file the header names (as root): only the one the host gave this disk.
+                microvm_user.check_backing(disk, self.dir)
+                tags = await asyncio.to_thread(snapshots.disk_snapshots, disk)
+                for tag in snapshots.stray_disk_snapshots(cps, tags):
+                    await asyncio.to_thread(snapshots.drop_disk_snapshot, self.id, disk, tag)
+        except (QMPError, SandboxError, OSError, StopIteration) as e:
+            log.warning("could not delete the disk snapshots of checkpoints a crash cut short", sandbox=self.id,
+                        error=str(e))
 
     async def checkpoint(self, name: str, *, durable: bool = True) -> CheckpointInfo:
         validate_id(name, "checkpoint name")
+        if name.endswith(".new"):  # the name of one being made: a restarted host removes those
+            raise InvalidInput(f"invalid checkpoint name {name!r}", hint="use a name that does not end in .new")
         async with self._lock:
             if self.state is not SandboxState.RUNNING or self._qmp is None:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; checkpoints are taken of a running sandbox", hint="call wake() first")

@@ -4,11 +4,14 @@ needs QEMU (pausing, saving device state, reading RAM) stays with the sandbox (`
 
 A directory holds ``dev.state`` (device state), the RAM (``ram.delta`` + ``ram.idx`` for a fork, a checkpoint's
 chained pages, or a copy of the RAM file) and, for checkpoints and copies, ``snapshot.json`` (its record). It is
-written as ``<name>.new`` and renamed into place, so a crash leaves the old or the new one, never half of one.
+written as ``<name>.new`` and renamed into place, so a crash leaves the old or the new one, never half of one; a
+``.new`` a crash cut short (no process makes it any more: it holds no lock) is removed when the host next opens the
+sandbox (``sweep_unfinished``), and so is the disk snapshot of such a checkpoint.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +29,12 @@ from moorage.sandbox.microvm_files import allocated, write_json
 from moorage.sandbox.microvm_qemu import qemu_version
 
 log = get_logger(__name__)
+
+#: In a ``.new`` directory while it is made: its maker holds an exclusive lock on it, which the kernel lets go when
+#: the maker dies (SIGKILL included), so a ``.new`` whose lock can be taken is a crash's leftover.
+MAKING = ".making"
+#: A ``.new`` without its lock file (left by a host from before the lock) counts as left over once this old.
+UNLOCKED_STALE_S = 60.0
 
 
 class Phases:
@@ -49,8 +58,68 @@ def new_record(kind: str, layout: str, image_id: str, **extra: Any) -> dict[str,
     return {"kind": kind, "qemu": qemu_version(), "layout": layout, "image": image_id, "created_at": time.time(), **extra}
 
 
+def begin(new: Path) -> int:
+    """The directory ``new`` made (empty) for a snapshot, marked as being made: the descriptor returned holds its
+    lock until it is closed (``os.close``, once ``new`` is in place or removed)."""
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir(parents=True)
+    fd = os.open(new / MAKING, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def sweep_unfinished(sandbox_dir: Path) -> list[Path]:
+    """Remove the ``.new`` directories of a sleep's snapshot (``snapshot.new``) and of checkpoints whose making a
+    crash cut short (the host SIGKILLed): nothing names them, nothing else removes them, and each can hold a copy
+    of the guest's memory. One a live process makes now holds its lock and stays. Returns those removed."""
+    found = [sandbox_dir / "snapshot.new", *sorted((sandbox_dir / "checkpoints").glob("*.new"))]
+    gone = [d for d in found if d.is_dir() and _left_over(d)]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    if gone:
+        log.warning("removed snapshots a crash left half made", sandbox=sandbox_dir.name,
+                    snapshots=[str(d.relative_to(sandbox_dir)) for d in gone])
+    return gone
+
+
+def _left_over(d: Path) -> bool:
+    try:
+        fd = os.open(d / MAKING, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - d.stat().st_mtime >= UNLOCKED_STALE_S
+        except OSError:
+            return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its maker is alive: being made now
+    finally:
+        os.close(fd)
+    return True
+
+
+def stray_disk_snapshots(checkpoints: Path, tags: list[str]) -> list[str]:
+    """The disk's checkpoint snapshots (``ckpt-<name>``, of ``tags``) that no checkpoint names: no record of that
+    name (its files never written whole) and none being made."""
+    return [t for t in tags if t.startswith("ckpt-") and not (checkpoints / (t[5:] + ".new")).exists()
+            and not (checkpoints / t[5:] / "snapshot.json").exists()]
+
+
+def disk_snapshots(disk: Path) -> list[str]:
+    """The tags of the internal snapshots of a disk no QEMU holds (its backing file checked by the caller)."""
+    r = subprocess.run(["qemu-img", "snapshot", "-l", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SnapshotCorrupt(f"cannot list the snapshots of {disk}: {r.stderr.strip()}")
+    # "Snapshot list:", the header, then one line per snapshot: ID TAG VM-SIZE DATE ...
+    return [line.split()[1] for line in r.stdout.splitlines()[2:] if len(line.split()) > 1]
+
+
 def swap_in(new: Path, target: Path) -> None:
     """Put the finished directory ``new`` in ``target``'s place (the old one, if any, removed after)."""
+    (new / MAKING).unlink(missing_ok=True)  # whole now (its maker still holds the lock until it is in place)
     old = target.with_name(target.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
