@@ -84,6 +84,45 @@ class Sandboxes(_Repo):
         recs = [r for r in map(_sandbox, rows) if r.scope.agent == agent and r.scope.user == user]
         return sorted(recs, key=lambda r: (r.last_active, r.id))
 
+    def count_by_state(self, *, agent_id: str | None = None) -> dict[str, int]:
+        """How many instances are in each state (of ``agent_id``'s), counted by the store."""
+        where, params = ("WHERE agent_id = ?", [agent_id]) if agent_id is not None else ("", [])
+        with self._ts._tx(write=False) as c:
+            return {r[0]: int(r[1]) for r in c.q(f"SELECT state, COUNT(*) FROM sandboxes {where} GROUP BY state", params)}
+
+    def most_recent(self, *, limit: int, agent_id: str | None = None) -> list[SandboxRecord]:
+        """The ``limit`` most recently active instances (of ``agent_id``), newest first."""
+        where, params = ("WHERE agent_id = ?", [agent_id]) if agent_id is not None else ("", [])
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_SBX_COLS} FROM sandboxes {where} ORDER BY last_active DESC, id DESC LIMIT ?",
+                       (*params, limit))
+        return [_sandbox(r) for r in rows]
+
+    def get_many(self, ids: Sequence[str]) -> list[SandboxRecord]:
+        """The instances of ``ids`` that exist, in no particular order."""
+        out: list[SandboxRecord] = []
+        ids = sorted(set(ids))
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            with self._ts._tx(write=False) as c:
+                out += map(_sandbox, c.q(f"SELECT {_SBX_COLS} FROM sandboxes WHERE id IN ({','.join('?' * len(chunk))})",
+                                         chunk))
+        return out
+
+    def seconds_in(self, states: Sequence[str], since: float, now: float, *, agent_id: str | None = None) -> float:
+        """Seconds within [since, now] that the instances now in one of ``states`` (of ``agent_id``) existed, summed:
+        each from ``since`` or its creation, whichever is later."""
+        if since >= now or not states:
+            return 0.0
+        later = "GREATEST" if self._ts.dialect == "postgres" else "MAX"
+        where, params = f"state IN ({','.join('?' * len(states))}) AND created_at < ?", [*states, now]
+        if agent_id is not None:
+            where += " AND agent_id = ?"
+            params.append(agent_id)
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT SUM(? - {later}(?, created_at)) FROM sandboxes WHERE {where}", (now, since, *params))
+        return float(r[0] or 0.0) if r else 0.0
+
     def list(self, *, states: Sequence[str] | None = None, host: str | None = None, agent_id: str | None = None,
              limit: int = 1000, after: tuple[float, str] | None = None) -> list[SandboxRecord]:
         """Least recently active first (then by id); ``after``: only those past that (last_active, id)."""
