@@ -293,11 +293,17 @@ class Deliveries(_Repo):
             raise NotFound(f"no webhook delivery {delivery_id!r}")
         return _delivery(r)
 
-    def list(self, webhook_id: str, *, limit: int = 50, before: float | None = None) -> list[Delivery]:
-        """Newest first."""
+    def list(self, webhook_id: str, *, limit: int = 50, before: float | None = None,
+             before_id: str | None = None) -> list[Delivery]:
+        """Newest first; those before (``before``, ``before_id``) in that order, or made before ``before``."""
         with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE webhook_id = ? AND created_at < ? "
-                       "ORDER BY created_at DESC, id DESC LIMIT ?", (webhook_id, before or float("inf"), limit))
+            if before is not None and before_id is not None:
+                rows = c.q(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE webhook_id = ? AND "
+                           "(created_at < ? OR (created_at = ? AND id < ?)) ORDER BY created_at DESC, id DESC LIMIT ?",
+                           (webhook_id, before, before, before_id, limit))
+            else:
+                rows = c.q(f"SELECT {_DLV_COLS} FROM webhook_deliveries WHERE webhook_id = ? AND created_at < ? "
+                           "ORDER BY created_at DESC, id DESC LIMIT ?", (webhook_id, before or float("inf"), limit))
         return [_delivery(r) for r in rows]
 
     def attempts(self, delivery_id: str) -> list[Attempt]:

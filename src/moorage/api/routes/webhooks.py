@@ -110,13 +110,17 @@ def delete_webhook(call: Call) -> dict[str, Any]:
 def list_deliveries(call: Call) -> dict[str, Any]:
     hook = _hook(call)
     limit = parse_limit(call.query("limit"))
-    before = decode_cursor(call.query("cursor")).get("before")
-    if before is not None and not isinstance(before, (int, float)):
+    cursor = decode_cursor(call.query("cursor"))
+    before, before_id = cursor.get("before"), cursor.get("id")
+    if (before is not None and not isinstance(before, (int, float))) or \
+            (before_id is not None and (before is None or not isinstance(before_id, str))):
         raise InvalidInput("malformed cursor", hint="pass the next_cursor of the previous page unchanged")
-    rows = call.tenant.deliveries.list(hook.id, limit=limit + 1, before=before)
+    rows = call.tenant.deliveries.list(hook.id, limit=limit + 1, before=before, before_id=before_id)
     page = rows[:limit]
-    return {"data": [delivery_json(d) for d in page],
-            "next_cursor": encode_cursor({"before": page[-1].created_at}) if len(rows) > limit else None}
+    # The last one's time and id: deliveries made in the same instant (one event, several webhooks' worth; a
+    # burst) are told apart by id, so none falls between two pages.
+    last = {"before": page[-1].created_at, "id": page[-1].id} if len(rows) > limit else None
+    return {"data": [delivery_json(d) for d in page], "next_cursor": encode_cursor(last) if last else None}
 
 
 def get_delivery(call: Call) -> dict[str, Any]:
