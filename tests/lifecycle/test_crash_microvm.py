@@ -210,3 +210,30 @@ def test_a_qemu_left_by_a_dead_host_is_gone_with_every_thread_before_its_disk_is
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # its files are closed: the lock is free
     finally:
         os.close(fd)
+
+
+def test_killed_while_retention_deletes_a_checkpoint_its_disk_snapshot_goes_at_the_next_start(up: Up) -> None:
+    """Its record removed and the disk snapshot not yet: nothing deleted that disk snapshot again (its row was
+    pruned), and its clusters stayed in the disk for good."""
+    import httpx
+
+    from tests.lifecycle.test_crash_operations import _archive, TT_AGENT
+
+    keep2 = _archive("tt", TT_AGENT, '[agent.timetravel]\nauto = true\nkeep = 2\ndaily = 0\n'
+                                     '[agent.lifecycle]\nusers = "auto"\n')
+    up.start("moorage.sandbox.microvm_checkpointing:fsync_dir", after=True)
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/deployments", content=keep2, headers=GZ).status_code == 201
+        for n in range(15):  # retention runs at the 10th checkpoint
+            try:
+                c.post("/v1/agents/tt/invoke", json={"message": f"m{n}", "user": "ada"})
+            except httpx.HTTPError:
+                break
+        assert up.died()
+    sb = _instance(up)
+    assert _disk_snapshots(sb) - _named(sb), "no disk snapshot was left unnamed"
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/invoke", json={"message": "again", "user": "ada"}).json()["reply"] == "noted again"
+        c.get("/v1/agents/tt/users/ada/checkpoints")  # its checkpoint written
+        assert _disk_snapshots(sb) == _named(sb)

@@ -225,11 +225,12 @@ class Checkpointing:
     async def _sweep_unfinished(self) -> None:
         """After a host restart (``MicroVMDriver.open``): the snapshots a crash left half made go
         (``snapshots.sweep_unfinished``), and with a checkpoint's the disk snapshot taken for it, which no
-        checkpoint names (a running QEMU deletes it itself, the image being locked by it). A failure is logged:
-        only space is lost."""
+        checkpoint names (a running QEMU deletes it itself, the image being locked by it); so does the disk
+        snapshot of a checkpoint whose deletion a crash cut short (its record gone). A failure is logged: only
+        space is lost."""
         gone = await asyncio.to_thread(snapshots.sweep_unfinished, self.dir)
         cps = self.dir / "checkpoints"
-        if not any(d.parent == cps for d in gone):
+        if not any(d.parent == cps for d in gone) and not await asyncio.to_thread(snapshots.unrecorded, cps):
             return
         disk = self.dir / "disk.qcow2"
         try:

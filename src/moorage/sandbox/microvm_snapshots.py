@@ -108,6 +108,13 @@ def stray_disk_snapshots(checkpoints: Path, tags: list[str]) -> list[str]:
             and not (checkpoints / t[5:] / "snapshot.json").exists()]
 
 
+def unrecorded(checkpoints: Path) -> bool:
+    """Whether a checkpoint directory has lost its record (deleted; its RAM may be kept for those that build on it,
+    ``ram_chain.collect``): its disk snapshot may be left if a crash cut its deletion short."""
+    return any(d.is_dir() and not d.name.startswith(".") and not d.name.endswith(".new")
+               and not (d / "snapshot.json").exists() for d in (checkpoints.iterdir() if checkpoints.is_dir() else ()))
+
+
 def disk_snapshots(disk: Path) -> list[str]:
     """The tags of the internal snapshots of a disk no QEMU holds (its backing file checked by the caller)."""
     r = subprocess.run(["qemu-img", "snapshot", "-l", str(disk)], capture_output=True, text=True)
