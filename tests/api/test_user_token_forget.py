@@ -38,3 +38,27 @@ async def test_a_token_is_refused_once_its_user_is_forgotten_and_not_revived_by_
         async with AsyncClient(live_rt.url, new) as browser:
             assert (await browser.invoke("echo", "hello"))["reply"] == "echo: hello"
             assert (await browser.whoami())["user"] == "ada@example.com"
+
+
+async def test_a_token_issued_before_its_user_existed_dies_with_the_user_it_made(live_rt, acme: str,
+                                                                                tmp_path: Path) -> None:
+    """On a `users = "auto"` agent a product issues the token first and the user comes with it: the token is tied
+    to that user, so after a forget the old browser is refused and does not bring the forgotten person back."""
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(tmp_path))
+        old = (await sdk.issue_user_token("echo", "bea@example.com"))["token"]  # bea never talked to it yet
+        async with AsyncClient(live_rt.url, old) as browser:
+            assert (await browser.invoke("echo", "hi"))["reply"] == "echo: hi"  # the first turn works as before
+            assert (await sdk.get_user("echo", "bea@example.com"))["id"] == "bea@example.com"
+            assert (await sdk.delete_user("echo", "bea@example.com"))["deleted"] is True
+            with pytest.raises(AuthError) as refused:
+                await browser.invoke("echo", "still me?")
+            assert refused.value.status == 401 and "since been forgotten" in refused.value.detail
+            with pytest.raises(NotFound):  # the stale token's turn did not register the user again
+                await sdk.get_user("echo", "bea@example.com")
+        # The product issues a new token as the user returns: it works, and so does re-issuing.
+        new = (await sdk.issue_user_token("echo", "bea@example.com"))["token"]
+        again = (await sdk.issue_user_token("echo", "bea@example.com"))["token"]
+        for token in (new, again):
+            async with AsyncClient(live_rt.url, token) as browser:
+                assert (await browser.invoke("echo", "back"))["reply"] == "echo: back"

@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moorage.errors import ConfigError, InvalidInput, NotFound, TenantScopeError, Unauthenticated
 from moorage.log import get_logger
@@ -189,10 +189,11 @@ class Authenticator:
     # -- end-user tokens ---------------------------------------------------------------------------
 
     def issue_user_token(self, principal: Principal, agent: str, user: str, ttl_s: float | None = None, *,
-                         user_created_at: float | None = None) -> UserToken:
-        """Sign a token that may act for ``user`` of ``agent`` only, in the principal's tenant. ``user_created_at``
-        (the user's record, when it exists) ties the token to that record: once the user is forgotten it is refused,
-        also when a new user of the same id is created later."""
+                         user_record: Callable[[], float | None] | None = None) -> UserToken:
+        """Sign a token that may act for ``user`` of ``agent`` only, in the principal's tenant. ``user_record``,
+        called once the request is known to be allowed, gives the creation time of the user's record (made now
+        where the agent makes users as they come), or None where there is none: the token is tied to that record,
+        refused once the user is forgotten, also when a new user of the same id is created later."""
         if principal.user is not None:
             raise TenantScopeError("an end-user token cannot issue tokens", hint="use a tenant API key with deploy scope")
         if "admin" not in principal.scopes and "deploy" not in principal.scopes:
@@ -206,6 +207,7 @@ class Authenticator:
         ttl = DEFAULT_USER_TOKEN_TTL_S if ttl_s is None else float(ttl_s)
         if not 0 < ttl <= MAX_USER_TOKEN_TTL_S:
             raise InvalidInput(f"ttl_s must be between 1 and {MAX_USER_TOKEN_TTL_S}", hint="issue short-lived tokens and refresh them")
+        user_created_at = user_record() if user_record is not None else None
         exp = int(time.time() + ttl)
         payload = {"v": 1, "t": principal.tenant_id, "a": agent, "u": user, "k": principal.key_id, "exp": exp,
                    "n": secrets.token_hex(6), **({"c": user_created_at} if user_created_at is not None else {})}

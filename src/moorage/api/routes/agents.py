@@ -14,6 +14,7 @@ from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import InvalidInput
+from moorage.lifecycle.config import AgentLifecycle
 from moorage.store.model import check_id
 
 #: Agent packages are source trees, not images: 64 MiB is generous and bounds memory per request.
@@ -65,9 +66,16 @@ def issue_token(call: Call) -> Reply:
     agent = agent_of(call)
     user = check_id(call.path["user"], "user id")
     ttl = call.field("ttl_s", (int, float), required=False)
-    rec = call.tenant.agent_users.find(agent.name, user)  # the token dies with this user's record (a forget)
-    tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl,
-                                         user_created_at=rec.created_at if rec is not None else None)
+
+    def user_record() -> float | None:
+        # The token dies with this user's record (a forget). An agent that makes users as they come makes this one
+        # now, as the token's first turn would: a token tied to no record would register a forgotten user again.
+        rec = call.tenant.agent_users.find(agent.name, user)
+        if rec is None and AgentLifecycle.of(agent).users == "auto":
+            rec, _ = call.tenant.agent_users.put(agent.name, user)
+        return rec.created_at if rec is not None else None
+
+    tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl, user_record=user_record)
     return Reply({"token": tok.token, "agent": tok.agent, "user": tok.user, "expires_at": tok.expires_at}, 201)
 
 
