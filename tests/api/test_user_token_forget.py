@@ -4,13 +4,14 @@ browser act for the new person), and it does not bring a forgotten user of a `us
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from moorage import AsyncClient
 from moorage.client import AuthError, NotFound
-from tests.api.conftest import agent_archive
+from tests.api.conftest import aclient, agent_archive
 
 
 async def test_a_token_is_refused_once_its_user_is_forgotten_and_not_revived_by_the_same_id(live_rt, acme: str,
@@ -62,3 +63,40 @@ async def test_a_token_issued_before_its_user_existed_dies_with_the_user_it_made
         for token in (new, again):
             async with AsyncClient(live_rt.url, token) as browser:
                 assert (await browser.invoke("echo", "back"))["reply"] == "echo: back"
+
+
+LONG_AGENT = '''
+import asyncio
+
+async def on_message(ctx, message):
+    if message == "long":
+        await asyncio.sleep(60)
+    return "echo: " + message
+'''
+
+
+async def test_a_forget_ends_a_streamed_turn_of_the_user_already_running(live_rt, runtime, acme: str,
+                                                                         tmp_path: Path) -> None:
+    """A turn streaming to the user's browser when the user is forgotten does not run on to stream their data: the
+    stream ends with an error event (run-cancelled) at once, and the token is refused after."""
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, body=LONG_AGENT),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        token = (await c.post("/v1/agents/echo/users/cleo/tokens", json={"ttl_s": 600})).json()["token"]
+        async with aclient(live_rt, token) as browser:
+            async with browser.stream("POST", "/v1/agents/echo/invoke?stream=true", json={"message": "long"}) as s:
+                assert s.status_code == 200
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 30
+                while not any(b.entity.user == "cleo" for b in list(runtime.turns.values())):
+                    assert loop.time() < deadline, "the turn never started"
+                    await asyncio.sleep(0.02)
+                started = loop.time()
+                forget = asyncio.create_task(c.delete("/v1/agents/echo/users/cleo"))
+                body = b"".join([chunk async for chunk in s.aiter_bytes()])
+                assert loop.time() - started < 20  # not the 60 s the turn would have run
+            assert b"event: error" in body and b"run-cancelled" in body and b"event: done" not in body, body
+            assert (await forget).json()["deleted"] is True
+            r = await browser.post("/v1/agents/echo/invoke", json={"message": "hi"})
+            assert r.status_code == 401 and "since been forgotten" in r.text
