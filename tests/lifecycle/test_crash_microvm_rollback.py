@@ -128,3 +128,30 @@ def test_killed_in_a_rollback_the_instance_is_at_one_point_and_nothing_staged_is
         c.get("/v1/agents/vm/users/ada/checkpoints")  # its checkpoint written
         assert _staged_or_half(sb) == []
         assert _disk_snapshots(sb) == _named(sb)
+
+
+def test_killed_in_a_fork_the_source_is_back_and_its_way_back_is_not_left(up: Up) -> None:
+    """A fork takes the source to the checkpoint, makes a template of it and returns it through a temporary sandbox
+    checkpoint (``tt-fork-*``, named by no checkpoint row); a host killed while the template is made returns the
+    source at its next start, and that temporary checkpoint goes then too (it was kept, files and disk snapshot)."""
+    archive = _archive("vm", AGENT, '[agent.timetravel]\nauto = true\n[agent.lifecycle]\nusers = "auto"\n')
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/vm/deployments", content=archive, headers=GZ).status_code == 201
+        assert [_say(c, f"m{i}") for i in range(1, 4)] == ["count=1", "count=2", "count=3"]
+        one = _checkpoint_of(c, "m1")
+    up.stop()
+    sb = _instance(up)
+
+    up.start("moorage.sandbox.microvm:MicroVMDriver.make_template")
+    with up.client() as c:
+        _in_background(lambda: c.post(f"/v1/agents/vm/users/ada/checkpoints/{one}/fork", json={"to_user": "bo"}))
+        assert up.died()
+    assert list((sb / "checkpoints").glob("tt-fork-*")), "the fork was killed after its way back was taken"
+
+    up.start()
+    with up.client() as c:
+        assert _where(up, c) == _at(3)  # the source is back where it was
+        assert list((sb / "checkpoints").glob("tt-fork-*")) == []
+        assert _disk_snapshots(sb) == _named(sb)
+        assert _say(c, "on") == "count=4"

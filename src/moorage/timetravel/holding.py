@@ -110,9 +110,14 @@ class Holding:
             await _settled(lambda: self._vm_rollback(sandbox, target))
             await asyncio.to_thread(repo.rollback, agent, user, target.id)
         elif pending.get("op") == "fork-restore":
+            from moorage.timetravel.auto import _can_delete
+
             await _settled(lambda: sandbox.rollback(pending["vm"]))
             self.rt._loaded.pop(sandbox.id, None)
             await asyncio.to_thread(repo.set_pending, agent, user, None)
+            if _can_delete(sandbox):  # the way back, which no checkpoint row names: as a fork that ends does
+                with contextlib.suppress(Exception):
+                    await sandbox.delete_checkpoint(pending["vm"])
         self._forget_cached(ts)
 
     def _forget_cached(self, ts: TenantStore) -> None:
