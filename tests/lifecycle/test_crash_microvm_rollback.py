@@ -6,18 +6,14 @@ names, the disk's snapshots are those its checkpoints name, and its turns and ro
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
-import pytest
 
-from moorage.devservices.postgres import free_port
 from tests.lifecycle.crash_up import Up
-from tests.lifecycle.test_crash_microvm import _disk_snapshots, _instance, _named
-from tests.lifecycle.test_crash_operations import GZ, _archive, _guests_of, _in_background
+from tests.lifecycle.test_crash_microvm import _disk_snapshots, _instance, _named, up  # noqa: F401 - fixture
+from tests.lifecycle.test_crash_operations import GZ, _archive, _in_background
 
 AGENT = '''
 import json
@@ -33,15 +29,6 @@ async def on_message(ctx, message):
     await ctx.memory.learn("user", "count", str(COUNT), f"count is {COUNT}")
     return f"count={COUNT}"
 '''
-
-
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[Up]:
-    u = Up(tmp_path / "data", free_port(), "microvm")
-    yield u
-    u.stop()
-    for pid in _guests_of(u.data / "sandboxes"):  # a micro-VM outlives its host by design
-        os.kill(pid, signal.SIGKILL)
 
 
 def _say(c: httpx.Client, message: str) -> str:
