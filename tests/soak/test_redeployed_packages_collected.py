@@ -87,6 +87,7 @@ def test_packages_of_replaced_deployments_leave_the_cache(tmp_path: Path, index:
             # A rollback to #1 installs its packages again (from the index) and runs them.
             api.rollback("tab", d1["number"])
             assert api.invoke("tab", "hi", user="dan")["reply"] == "tabulate"
-            assert len(entries()) == 2
+            # Its packages are in the cache again; #3's entry, no longer live, may already be collected (2 s grace).
+            assert len(entries() - live) == 1
     finally:
         server.stop()
