@@ -92,7 +92,7 @@ async def test_a_quiet_streamed_turn_over_http_gets_keepalives_and_clients_skip_
                 raw = (await r.aread()).decode()
             # Between the token and the reply the turn was quiet for 0.6 s: comments filled it.
             token, done = raw.index("event: token"), raw.index("event: done")
-            assert raw.count(": keep-alive\n\n", token, done) >= 3
+            assert raw.count(": keep-alive\n\n", token, done) >= 2  # every 0.1 s; a loaded host may send fewer
             assert ": keep-alive" not in raw[done:]
             # Quiet from the start: the answer does not wait for a first event; keep-alives come before it.
             async with c.stream("POST", "/v1/agents/quiet/invoke?stream=true", json={"message": "silent", "user": "u1"}) as r:
