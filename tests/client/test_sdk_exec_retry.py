@@ -5,10 +5,9 @@ command runs once and the error says it may have run."""
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
@@ -16,58 +15,36 @@ import pytest
 from moorage import Client
 from moorage.client import ServerError, Unavailable
 from moorage.devservices.fleet import LocalHost
+from tests.client.loopback import Loopback, read_body, reply
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Gateway:
+class Gateway(Loopback):
     """Forwards to the host; an exec's answer is lost on the way back as ``mode`` says (after the host ran it), or,
     with ``refuse_first``, the first exec is refused with a 503 before it reaches the host."""
 
     def __init__(self, upstream: str, mode: str, refuse_first: bool = False) -> None:
         self.forwarded_execs, self.refuse = 0, refuse_first
-        outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        def relay(handler: BaseHTTPRequestHandler) -> None:
+            body = read_body(handler)
+            is_exec = handler.path.endswith("/exec")
+            if is_exec and self.refuse:
+                self.refuse = False
+                return reply(handler, 503, b"busy", {"Retry-After": "0"})
+            headers = {k: v for k, v in handler.headers.items() if k.lower() not in ("host", "content-length")}
+            r = httpx.request(handler.command, upstream + handler.path, content=body, headers=headers, timeout=120)
+            if is_exec:
+                self.forwarded_execs += 1
+                if mode == "504":
+                    return reply(handler, 504, b"<html>504 Gateway Time-out</html>")
+                if mode == "drop":
+                    handler.close_connection = True
+                    return  # the host ran it; the caller never hears back
+            reply(handler, r.status_code, r.content, {"content-type": r.headers.get("content-type", "")})
 
-            def _relay(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                is_exec = self.path.endswith("/exec")
-                if is_exec and outer.refuse:
-                    outer.refuse = False
-                    return self._answer(503, b"busy", {"Retry-After": "0"})
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
-                r = httpx.request(self.command, upstream + self.path, content=body, headers=headers, timeout=120)
-                if is_exec:
-                    outer.forwarded_execs += 1
-                    if mode == "504":
-                        return self._answer(504, b"<html>504 Gateway Time-out</html>", {})
-                    if mode == "drop":
-                        self.close_connection = True
-                        return  # the host ran it; the caller never hears back
-                self._answer(r.status_code, r.content, {"content-type": r.headers.get("content-type", "")})
-
-            def _answer(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = do_PUT = do_DELETE = _relay
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(relay, http11=True)
 
 
 @pytest.fixture(scope="module")

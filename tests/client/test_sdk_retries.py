@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -16,45 +15,27 @@ from moorage import AsyncClient, Client
 from moorage.client import RateLimited, Unavailable
 from moorage.store import Store
 from tests.api.test_retry_after import SLOW_AGENT, archive
+from tests.client.loopback import Loopback, read_body, reply
 
 
-class Scripted:
+class Scripted(Loopback):
     """Answers the queued (status, headers) in order, then 200; records each request's headers."""
 
     def __init__(self, script: list[tuple[int, dict[str, str]]]) -> None:
         self.script = list(script)
         self.seen: list[dict[str, str]] = []
-        outer = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("content-length", "0"))
-                self.rfile.read(length)
-                outer.seen.append({k.lower(): v for k, v in self.headers.items()})
-                status, headers = outer.script.pop(0) if outer.script else (200, {})
-                body = json.dumps({"ok": True} if status < 400 else
-                                  {"type": "https://moorage.dev/problems/overloaded", "status": status,
-                                   "detail": "busy", "hint": "retry", "trace_id": "t"}).encode()
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("content-type", "application/json" if status < 400 else "application/problem+json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        def answer(handler: BaseHTTPRequestHandler) -> None:
+            read_body(handler)
+            self.seen.append({k.lower(): v for k, v in handler.headers.items()})
+            status, headers = self.script.pop(0) if self.script else (200, {})
+            body = json.dumps({"ok": True} if status < 400 else
+                              {"type": "https://moorage.dev/problems/overloaded", "status": status,
+                               "detail": "busy", "hint": "retry", "trace_id": "t"}).encode()
+            ctype = "application/json" if status < 400 else "application/problem+json"
+            reply(handler, status, body, {**headers, "content-type": ctype})
 
-            do_GET = do_POST = do_PUT = do_DELETE = _answer
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(answer)
 
 
 @pytest.fixture
@@ -130,22 +111,12 @@ def test_an_error_status_without_a_body_is_an_error_and_bad_ids_never_leave() ->
 
     seen: list[str] = []
 
-    class Bare(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            seen.append(self.path)
-            self.send_response(404 if "missing" in self.path else 307)
-            self.send_header("content-length", "0")
-            self.end_headers()
+    def bare(handler: BaseHTTPRequestHandler) -> None:
+        seen.append(handler.path)
+        reply(handler, 404 if "missing" in handler.path else 307)
 
-        do_DELETE = do_GET
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Bare)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with Client(f"http://127.0.0.1:{server.server_address[1]}", api_key="k", max_retries=0) as c:
+    with Loopback(bare) as server:
+        with Client(server.url, api_key="k", max_retries=0) as c:
             with pytest.raises(NotFound):
                 c.get_trace("missing")
             with pytest.raises(Exception) as redirected:
@@ -154,7 +125,4 @@ def test_an_error_status_without_a_body_is_an_error_and_bad_ids_never_leave() ->
             for bad in ("", ".", ".."):
                 with pytest.raises(InvalidArgument, match="is not a valid id"):
                     c.delete_user("coder", bad)
-        assert seen == ["/v1/traces/missing", "/v1/traces/elsewhere"]  # nothing else was sent
-    finally:
-        server.shutdown()
-        server.server_close()
+    assert seen == ["/v1/traces/missing", "/v1/traces/elsewhere"]  # nothing else was sent
