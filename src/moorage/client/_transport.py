@@ -13,7 +13,9 @@ import os
 import random
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -39,7 +41,7 @@ class Settings:
     @classmethod
     def resolve(cls, base_url: str | None, api_key: str | None, **kw: Any) -> "Settings":
         url = base_url or os.environ.get("MOORAGE_API_URL") or "http://127.0.0.1:7700"
-        key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY")
+        key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY") or local_admin_key(url)
         return cls(url.rstrip("/"), key, **{k: v for k, v in kw.items() if v is not None})
 
     def headers(self) -> dict[str, str]:
@@ -47,6 +49,30 @@ class Settings:
         if self.api_key:
             h["authorization"] = f"Bearer {self.api_key}"
         return h
+
+
+#: The names a server on this machine answers to: only to these is the local admin key ever sent.
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def local_admin_data_dir() -> Path:
+    """Where ``moorage up`` on this machine writes its admin key, found as the CLI finds it: ``MOORAGE_DATA_DIR``,
+    else ``$XDG_DATA_HOME/moorage``, else ``~/.local/share/moorage``."""
+    if os.environ.get("MOORAGE_DATA_DIR"):
+        return Path(os.environ["MOORAGE_DATA_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "moorage"
+
+
+def local_admin_key(url: str) -> str | None:
+    """The ``local`` tenant's admin key that ``moorage up`` wrote on this machine, for a client of a server on this
+    machine that was given no key (None for any other server, or when there is no such file): a script run beside
+    ``moorage up`` works as the CLI does, and the key never leaves the machine."""
+    if (urlsplit(url).hostname or "") not in LOOPBACK:
+        return None
+    try:
+        return (local_admin_data_dir() / "local-admin.key").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def prepare(req: Request) -> Request:

@@ -15,7 +15,8 @@ from moorage.client.errors import ApiError
 
 
 class AsyncClient(Api):
-    """``AsyncClient(base_url, api_key)``; use ``async with`` or ``await client.aclose()``."""
+    """``AsyncClient(base_url, api_key)``, found as ``Client`` finds them; use ``async with`` or
+    ``await client.aclose()``."""
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float | None = None,
                  max_retries: int | None = None, backoff_s: float | None = None, max_wait_s: float | None = None,

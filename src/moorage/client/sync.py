@@ -15,7 +15,8 @@ from moorage.client.errors import ApiError
 
 
 class Client(Api):
-    """``Client(base_url, api_key)``; both default to ``MOORAGE_API_URL`` / ``MOORAGE_API_KEY``.
+    """``Client(base_url, api_key)``; both default to ``MOORAGE_API_URL`` / ``MOORAGE_API_KEY``, then to the local
+    server and, for a server on this machine, the admin key ``moorage up`` wrote in its data directory.
 
     Every method of ``Api`` (see docs/sdk.md) returns the decoded answer or raises an ``ApiError`` subclass.
     """
