@@ -843,6 +843,16 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX webhook_deliveries_settled ON webhook_deliveries ({tpk}updated_at) WHERE status <> 'pending'",
         ),
     ),
+    Migration(
+        27,
+        "checkpoint heads with an operation left half done, indexed: a host's start reads those, not every head",
+        statements=(
+            # Recovery at each start (store/repos/checkpoints.py ``pending``) read every instance's head (50,000
+            # on the store of bench/results/latest/scale.md) for the few with an operation cut short.
+            "CREATE INDEX checkpoint_heads_pending ON checkpoint_heads ({tpk}agent_id, user_id) "
+            "WHERE pending IS NOT NULL",
+        ),
+    ),
 )
 
 
