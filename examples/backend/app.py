@@ -112,10 +112,9 @@ class Backend:
         except WebhookSignatureError:
             return 400
         with self.lock:
-            msg_id = {k.lower(): v for k, v in headers.items()}["webhook-id"]
-            if msg_id in self.seen:
+            if event.id in self.seen:
                 return 200  # a retry of a delivery we took: same webhook-id
-            self.seen.add(msg_id)
+            self.seen.add(event.id)
             data = event["data"]
             if data.get("execution_id"):
                 self.results[data["execution_id"]] = (data["user"], {"type": event["type"], **data})

@@ -80,6 +80,8 @@ def test_the_pages_examples_run_as_written(host: LocalHost, monkeypatch: pytest.
         headers, body = receiver.delivered()[0]
         scope["receive"](body, headers)
         assert delivered == [("cust-42", scope["ex"]["reply"])]
+        scope["receive"](body, headers)  # a retry of the same delivery (same webhook-id): dropped
+        assert len(delivered) == 1
         scope["receive"](body + b" ", headers)  # altered: refused, nothing delivered
         assert len(delivered) == 1
     finally:

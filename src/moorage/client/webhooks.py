@@ -1,4 +1,5 @@
-"""Check a webhook moorage sent (Standard Webhooks signature, timestamp within five minutes) before trusting it.
+"""Check a webhook moorage sent (Standard Webhooks signature, timestamp within five minutes) before trusting it, and
+name the delivery (its signed ``webhook-id``, the same on every retry) so a receiver drops duplicates.
 
 Give it the raw body bytes exactly as received: a re-encoded body no longer matches its signature.
 """
@@ -16,13 +17,28 @@ class WebhookSignatureError(Exception):
     """The body, id, timestamp or signature of a webhook request does not check out with this secret."""
 
 
-def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -> Any:
-    """The decoded event (``{"type", "timestamp", "data"}``) if ``headers`` sign ``body`` with ``secret``
-    (the endpoint's ``whsec_...``); raises ``WebhookSignatureError`` otherwise."""
+class WebhookEvent(dict):  # type: ignore[type-arg]
+    """The decoded event, a plain dict (``{"type", "timestamp", "data"}``) as before, plus the delivery's ``id``:
+    its ``webhook-id``, covered by the signature and the same on every retry of one event, so a receiver that keeps
+    the ids it handled drops a retried delivery (``if event.id in seen: return 200``)."""
+
+    def __init__(self, payload: Mapping[str, Any], delivery_id: str) -> None:
+        super().__init__(payload)
+        self.id = delivery_id
+
+
+def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -> WebhookEvent:
+    """The decoded event (``{"type", "timestamp", "data"}``, with the delivery's ``webhook-id`` as ``.id``) if
+    ``headers`` sign ``body`` with ``secret`` (the endpoint's ``whsec_...``); raises ``WebhookSignatureError``
+    otherwise."""
+    lower = {k.lower(): v for k, v in headers.items()}
     try:
-        return Webhook(secret).verify(body, {k.lower(): v for k, v in headers.items()})
+        payload = Webhook(secret).verify(body, lower)
     except (WebhookVerificationError, ValueError) as e:
         raise WebhookSignatureError(str(e)) from e
+    if not isinstance(payload, dict):
+        raise WebhookSignatureError("the signed body is not a moorage event (a JSON object with type and data)")
+    return WebhookEvent(payload, lower["webhook-id"])
 
 
 def new_webhook_secret() -> str:
