@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -24,10 +25,22 @@ class AsyncClient(Api):
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
                                             backoff_s=backoff_s, max_wait_s=max_wait_s)
-        self._http = httpx.AsyncClient(base_url=self.settings.base_url, headers=self.settings.headers(),
-                                       timeout=self.settings.timeout_s, transport=transport)
+        self._transport = transport
+        self._pid = os.getpid()
+        self._pooled = self._new_http()
         self._sleep = sleep
         self.attempts: list[tuple[str, str, int]] = []
+
+    def _new_http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.settings.base_url, headers=self.settings.headers(),
+                                 timeout=self.settings.timeout_s, transport=self._transport)
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        """This process's connection pool: a forked process gets its own (see ``Client._http``)."""
+        if self._pid != os.getpid():
+            self._pooled, self._pid = self._new_http(), os.getpid()
+        return self._pooled
 
     async def aclose(self) -> None:
         await self._http.aclose()

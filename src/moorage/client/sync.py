@@ -3,6 +3,7 @@ streaming turns and waiting on executions."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -27,11 +28,25 @@ class Client(Api):
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
                                             backoff_s=backoff_s, max_wait_s=max_wait_s)
-        self._http = httpx.Client(base_url=self.settings.base_url, headers=self.settings.headers(),
-                                  timeout=self.settings.timeout_s, transport=transport)
+        self._transport = transport
+        self._pid = os.getpid()
+        self._pooled = self._new_http()
         self._sleep = sleep
-        #: (method, path, status) of every attempt, newest last (bounded): what the retries did.
+        #: (method, path, status) of every attempt, newest last (bounded), of every thread using this client.
         self.attempts: list[tuple[str, str, int]] = []
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.settings.base_url, headers=self.settings.headers(),
+                            timeout=self.settings.timeout_s, transport=self._transport)
+
+    @property
+    def _http(self) -> httpx.Client:
+        """The connection pool (httpx's, shared safely by threads) of this process: a process forked from the one
+        that made the client (a pre-fork server's worker) gets its own, since talking over the parent's kept-alive
+        connections would hand each process the other's answers. The parent's are left to the parent."""
+        if self._pid != os.getpid():
+            self._pooled, self._pid = self._new_http(), os.getpid()
+        return self._pooled
 
     def close(self) -> None:
         self._http.close()
