@@ -3,6 +3,7 @@ storage an instance holds (disk and snapshot bytes, measured at each sleep) as l
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -34,15 +35,25 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
     bucket = "FLOOR(ts / 86400)" if ts.dialect == "postgres" else "CAST(ts / 86400 AS INTEGER)"
     where, params = _where(since, until, agent, user)
     gauges = ", ".join("?" for _ in GAUGES)
-    rows = ts.read(f"SELECT {bucket} AS d, kind, SUM(amount) FROM usage WHERE {where} AND kind NOT IN ({gauges}) "
-                   "GROUP BY d, kind ORDER BY d", [*params, *GAUGES])
+    sums = f"SELECT {bucket} AS d, kind, SUM(amount) FROM usage WHERE {{}} AND kind NOT IN ({gauges}) GROUP BY d, kind"
+    first, last = math.ceil(since / 86400), math.floor(params[1] / 86400)
+    if user is not None or first >= last:  # a user's rows through their index; a window inside a day or two
+        rows = ts.read(sums.format(where), [*params, *GAUGES])
+    else:  # whole days from the rollups (store migration 28), the ledger for the parts of a day at either end
+        edges, agent_sql = _where(since, first * 86400.0, agent, None), "" if agent is None else " AND agent_id = ?"
+        rows = ts.read(sums.format(edges[0]), [*edges[1], *GAUGES])
+        edges = _where(last * 86400.0, params[1], agent, None)
+        rows += ts.read(sums.format(edges[0]), [*edges[1], *GAUGES])
+        rows += ts.read(f"SELECT day, kind, SUM(amount) FROM usage_days WHERE day >= ? AND day < ?{agent_sql} "
+                        f"AND kind NOT IN ({gauges}) GROUP BY day, kind", [first, last, *params[2:], *GAUGES])
     days: dict[int, dict[str, float]] = {}
     for d, kind, amount in rows:
-        days.setdefault(int(d), {})[kind] = float(amount)
-    last: dict[tuple[int, str, str], float] = {}  # (day, kind, instance scope) -> bytes at its last sleep that day
+        totals = days.setdefault(int(d), {})
+        totals[kind] = totals.get(kind, 0.0) + float(amount)
+    last_sleep: dict[tuple[int, str, str], float] = {}  # (day, kind, instance scope) -> bytes at its last sleep that day
     for at, kind, amount, scope in _gauge_rows(ts, where, params):
-        last[(int(at // 86400), kind, scope)] = float(amount)
-    for (d, kind, _), amount in last.items():
+        last_sleep[(int(at // 86400), kind, scope)] = float(amount)
+    for (d, kind, _), amount in last_sleep.items():
         totals = days.setdefault(d, {})
         totals[kind] = totals.get(kind, 0.0) + amount
     return [{"day": datetime.fromtimestamp(d * 86400, tz=timezone.utc).strftime("%Y-%m-%d"), "totals": totals}
@@ -52,6 +63,9 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
 def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
     """Each gauge kind: the latest value of every instance that slept since ``since``, summed."""
     where, params = _where(since, None, agent, user)
+    if user is None:  # each instance's latest measurement, kept by the store (migration 28)
+        rows = ts.read(f"SELECT kind, SUM(amount) FROM usage_levels WHERE {where} GROUP BY kind", params)
+        return {kind: float(amount) for kind, amount in rows}
     last: dict[tuple[str, str], float] = {}
     for _, kind, amount, scope in _gauge_rows(ts, where, params):
         last[(kind, scope)] = float(amount)

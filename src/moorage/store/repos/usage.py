@@ -3,6 +3,7 @@ summed for reports and budgets."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from moorage.errors import InvalidInput
@@ -30,15 +31,29 @@ class Usage(_Repo):
             )
 
     def totals(self, *, since: float | None = None, agent_id: str | None = None, user_id: str | None = None) -> dict[str, float]:
-        where, params = "ts >= ?", [since or 0.0]
-        if agent_id is not None:
-            where += " AND agent_id = ?"
-            params.append(agent_id)
-        if user_id is not None:
-            where += " AND user_id = ?"
-            params.append(user_id)
+        since = since or 0.0
+        if user_id is not None:  # a user's own rows, through their index (caps before each of their turns)
+            where, params = "ts >= ? AND user_id = ?", [since, user_id]
+            if agent_id is not None:
+                where += " AND agent_id = ?"
+                params.append(agent_id)
+            with self._ts._tx(write=False) as c:
+                return {r[0]: float(r[1]) for r in c.q(f"SELECT kind, SUM(amount) FROM usage WHERE {where} GROUP BY kind",
+                                                       params)}
+        # A tenant's or an agent's: the rollups of the whole UTC days since ``since`` (store migration 28), and
+        # the ledger rows of the part of a day before the first of them.
+        first = math.ceil(since / 86400)
+        agent = "" if agent_id is None else " AND agent_id = ?"
+        extra = [] if agent_id is None else [agent_id]
+        out: dict[str, float] = {}
         with self._ts._tx(write=False) as c:
-            return {r[0]: float(r[1]) for r in c.q(f"SELECT kind, SUM(amount) FROM usage WHERE {where} GROUP BY kind", params)}
+            rows = c.q(f"SELECT kind, SUM(amount) FROM usage_days WHERE day >= ?{agent} GROUP BY kind", [first, *extra])
+            if since < first * 86400:
+                rows += c.q(f"SELECT kind, SUM(amount) FROM usage WHERE ts >= ? AND ts < ?{agent} GROUP BY kind",
+                            [since, first * 86400.0, *extra])
+        for kind, amount in rows:
+            out[kind] = out.get(kind, 0.0) + float(amount)
+        return out
 
     def entries(self, *, limit: int = 100) -> list[UsageEntry]:
         with self._ts._tx(write=False) as c:

@@ -1,0 +1,150 @@
+"""The usage rollups (store migration 28) give the sums and storage levels the ledger gave: on a random ledger, after
+deletions (forgetting a user, the TTL sweep, an instance's latest measurement) and after the migration built them
+from rows written before it, on SQLite and PostgreSQL. And a tenant's totals no longer read a year of ledger rows."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from moorage.store import Scope, Store, TenantStore
+from moorage.store.postgres import PostgresBackend
+from moorage.store.sqlite import SQLiteBackend
+from moorage.usage import ledger
+from tests.store.test_query_plans import recorded
+
+KINDS = ("input_tokens", "output_tokens", "cost_usd", "compute_seconds", "wakes", "disk_bytes", "snapshot_bytes")
+NOW = time.time()
+
+
+def fill(ts: TenantStore, rng: random.Random, n: int = 400) -> None:
+    """Rows over 40 days (some on a day's first second), of two agents (and none), users, their instances."""
+    for _ in range(n):
+        kind = rng.choice(KINDS)
+        agent = rng.choice(("echo", "echo", "bot", None))
+        user = rng.choice(("alice", "bob", "carol", "dave", None)) if agent else None
+        if kind in ledger.GAUGES:  # an instance's measurement names its instance (ledger.record)
+            agent, user = agent or "echo", user or "erin"
+        at = NOW - rng.uniform(0, 40 * 86400)
+        if rng.random() < 0.1:
+            at = math.floor(at / 86400) * 86400.0
+        amount = rng.uniform(0, 3) if kind in ("cost_usd", "compute_seconds") else float(rng.randrange(0, 5000))
+        scope = Scope.for_user(agent, user) if agent and user else None
+        ts.usage.add(kind, amount, agent_id=agent, user_id=user, scope=scope, ts=at)
+
+
+def reference(ts: TenantStore, since: float, agent: str | None, user: str | None) -> tuple[dict, dict, list]:
+    """What the code before the rollups reported, from every ledger row: the sums, the levels, the days."""
+    rows = ts.read("SELECT id, ts, kind, amount, agent_id, user_id, scope FROM usage ORDER BY ts, id")
+    until = time.time() + 86400.0
+    rows = [r for r in rows if r[1] >= since and (agent is None or r[4] == agent) and (user is None or r[5] == user)]
+    sums: dict[str, float] = {}
+    for r in rows:
+        sums[r[2]] = sums.get(r[2], 0.0) + r[3]
+    last: dict[tuple, float] = {}
+    day_last: dict[tuple, float] = {}
+    days: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if r[1] >= until:
+            continue
+        if r[2] in ledger.GAUGES:
+            last[(r[2], r[6] or "")] = r[3]
+            day_last[(int(r[1] // 86400), r[2], r[6] or "")] = r[3]
+        else:
+            d = days.setdefault(int(r[1] // 86400), {})
+            d[r[2]] = d.get(r[2], 0.0) + r[3]
+    levels: dict[str, float] = {}
+    for (kind, _), v in last.items():
+        levels[kind] = levels.get(kind, 0.0) + v
+    for (d, kind, _), v in day_last.items():
+        days.setdefault(d, {})[kind] = days.setdefault(d, {}).get(kind, 0.0) + v
+    totals = {**sums, **levels}
+    return sums, totals, [days[d] for d in sorted(days)]
+
+
+def same(got: dict[str, float], want: dict[str, float]) -> bool:
+    return got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-9) for k in want)
+
+
+def check(ts: TenantStore) -> None:
+    for since in (0.0, NOW - 30 * 86400, NOW - 7.5 * 86400, math.floor(NOW / 86400 - 3) * 86400.0, NOW - 3600):
+        for agent, user in ((None, None), ("echo", None), ("bot", None), ("echo", "alice"), (None, "bob")):
+            sums, totals, days = reference(ts, since, agent, user)
+            assert same(ts.usage.totals(since=since, agent_id=agent, user_id=user), sums), (since, agent, user)
+            assert same(ledger.totals(ts, since=since, agent=agent, user=user), totals), (since, agent, user)
+            got = ledger.by_day(ts, since=since, agent=agent, user=user)
+            assert len(got) == len(days) and all(same(g["totals"], w) for g, w in zip(got, days)), (since, agent)
+
+
+def test_the_rollups_sum_as_the_ledger_did_and_follow_its_deletions(tenant: TenantStore) -> None:
+    rng = random.Random(28)
+    fill(tenant, rng)
+    check(tenant)
+    tenant.forget_user("alice", "echo")  # a user's rows go
+    check(tenant)
+    with tenant._tx() as c:  # the sweep of a TTL; an instance's latest measurement (its level falls back)
+        c.x("DELETE FROM usage WHERE ts < ?", (NOW - 35 * 86400,))
+        latest = c.q("SELECT id FROM usage WHERE kind = 'disk_bytes' AND scope IS NOT NULL ORDER BY ts DESC, id DESC "
+                     "LIMIT 3")
+        for (i,) in latest:
+            c.x("DELETE FROM usage WHERE id = ?", (i,))
+    check(tenant)
+    with tenant._tx() as c:  # every row: nothing is left in the rollups, not even a float's remainder
+        c.x("DELETE FROM usage")
+    assert tenant.read("SELECT COUNT(*) FROM usage_days")[0][0] == 0
+    assert tenant.read("SELECT COUNT(*) FROM usage_levels")[0][0] == 0
+    assert ledger.totals(tenant, since=0.0) == {}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_the_migration_builds_the_rollups_of_rows_written_before_it(kind: str, tmp_path: Path,
+                                                                    request: pytest.FixtureRequest) -> None:
+    if kind == "sqlite":
+        old = SQLiteBackend(tmp_path / "store")
+        store = Store(old)
+        t, _ = store.operator.create_tenant("old")
+        store.close()
+        old = SQLiteBackend(tmp_path / "store")
+        with old._files.use(str(old.tenant_path(t.id))) as conn:  # back to before migration 28
+            for sql in ("DROP TRIGGER usage_days_ai", "DROP TRIGGER usage_days_ad", "DROP TRIGGER usage_levels_ai",
+                        "DROP TRIGGER usage_levels_ad", "DROP TABLE usage_days", "DROP TABLE usage_levels",
+                        "DELETE FROM schema_migrations WHERE version >= 28"):
+                conn.execute(sql)
+            conn.commit()
+        old.close()
+        before = Store(SQLiteBackend(tmp_path / "store"))
+        before.backend._migrated.add(str(before.backend.tenant_path(t.id)))  # type: ignore[attr-defined]
+        make = lambda: Store(SQLiteBackend(tmp_path / "store"))  # noqa: E731
+    else:
+        url = request.getfixturevalue("pg_url")
+        before = Store(PostgresBackend(url, upto=27))
+        t, _ = before.operator.create_tenant("old")
+        make = lambda: Store(PostgresBackend(url))  # noqa: E731
+    fill(before.tenant(before.operator.principal(t.id)), random.Random(7))
+    before.close()
+    after = make()
+    ts = after.tenant(after.operator.principal(t.id))
+    assert ts.read("SELECT COUNT(*) FROM usage_days")[0][0] > 0
+    check(ts)
+    fill(ts, random.Random(8), n=50)  # and keeps them from there
+    check(ts)
+    after.close()
+
+
+def test_a_tenants_totals_read_at_most_a_day_of_ledger_rows(tenant: TenantStore,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /v1/usage of a tenant or agent, the fleet view, the tenant's LLM budget before a turn: whole days come
+    from the rollups; a statement over the ledger itself is bounded to the part of a day before the first."""
+    fill(tenant, random.Random(3), n=60)
+    with recorded(monkeypatch) as seen:
+        for since in (0.0, NOW - 30 * 86400):
+            ledger.totals(tenant, since=since)
+            ledger.totals(tenant, since=since, agent="echo")
+    ledger_reads = [(sql, p) for sql, p in seen if re.search(r"FROM usage\b", sql)]
+    for sql, params in ledger_reads:
+        assert "ts >= ? AND ts < ?" in sql and params[1] - params[0] <= 86400, sql
