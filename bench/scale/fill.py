@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Tables the store keeps for itself (clocks, migrations, the full-text index its triggers fill).
+#: Tables the store keeps for itself (clocks, migrations; the full-text index and usage rollups its triggers fill).
 _SKIP = {"schema_migrations", "row_clock", "checkpoint_floor", "sqlite_sequence", "agents", "deployments",
-         "webhooks", "retention", "secrets", "api_keys"}
+         "webhooks", "retention", "secrets", "api_keys", "usage_days", "usage_levels"}
 # A random id or digest: 16 to 64 hex digits, at least one a letter, not inside a longer word or a number.
 _HEX = re.compile(r"(?:(?<=\bck)|(?<=\bbr)|(?<![0-9A-Za-z.+-]))(?=[0-9]*[a-f])[0-9a-f]{16,64}(?![0-9A-Za-z.])")
 YEAR_S = 365 * 86400.0
