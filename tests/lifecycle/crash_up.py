@@ -3,7 +3,9 @@ tests/runtime/test_mustshow_crash.py, ...), run as its own process.
 
 Like tests/timetravel/crash_host.py, it can SIGKILL itself inside an operation: ``CRASH_AT=module:Attr.path``
 replaces that callable with one that kills the process when it is called (``CRASH_WHEN=after``: once the real call
-has returned), on its ``CRASH_NTH`` call (default 1). Nothing of this is in moorage itself."""
+has returned), on its ``CRASH_NTH`` call (default 1); with ``CRASH_IF``, only calls whose arguments (as text)
+hold that string count (``CRASH_AT=os:rename CRASH_IF=snapshot.new``: a rename of that directory). Nothing of this
+is in moorage itself."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(spec: str, nth: int, after: bool) -> None:
+def arm(spec: str, nth: int, after: bool, match: str = "") -> None:
     mod, _, path = spec.partition(":")
     owner: Any = importlib.import_module(mod)
     *parents, name = path.split(".")
@@ -36,26 +38,28 @@ def arm(spec: str, nth: int, after: bool) -> None:
     real = getattr(owner, name)
     calls = [0]
 
-    def due() -> bool:
+    def due(*a: Any, **kw: Any) -> bool:
+        if match and match not in repr((a, kw)):
+            return False
         calls[0] += 1
         return calls[0] == nth
 
     if inspect.iscoroutinefunction(real):
         @functools.wraps(real)
         async def hooked(*a: Any, **kw: Any) -> Any:
-            if not after and due():
+            if not after and due(*a, **kw):
                 _die()
             out = await real(*a, **kw)
-            if after and due():
+            if after and due(*a, **kw):
                 _die()
             return out
     else:
         @functools.wraps(real)
         def hooked(*a: Any, **kw: Any) -> Any:  # type: ignore[misc]
-            if not after and due():
+            if not after and due(*a, **kw):
                 _die()
             out = real(*a, **kw)
-            if after and due():
+            if after and due(*a, **kw):
                 _die()
             return out
     setattr(owner, name, hooked)
@@ -75,10 +79,12 @@ class Up:
         self.log = data.parent / "up.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, crash_at: str = "", nth: int = 1, after: bool = False, wait: bool = True) -> "Up":
+    def start(self, crash_at: str = "", nth: int = 1, after: bool = False, wait: bool = True,
+              crash_if: str = "") -> "Up":
         """Start the host (``wait``: and return once it answers; else at once, so that a test can kill it again
         while it recovers)."""
-        env = {**self.env, "CRASH_AT": crash_at, "CRASH_NTH": str(nth), "CRASH_WHEN": "after" if after else ""}
+        env = {**self.env, "CRASH_AT": crash_at, "CRASH_NTH": str(nth), "CRASH_WHEN": "after" if after else "",
+               "CRASH_IF": crash_if}
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.lifecycle.crash_up"], env=env, cwd=ROOT,
                                          stdout=logf, stderr=logf)
@@ -148,7 +154,8 @@ def stop_sandboxes(data: Path) -> None:
 
 if __name__ == "__main__":
     if os.environ.get("CRASH_AT"):
-        arm(os.environ["CRASH_AT"], int(os.environ.get("CRASH_NTH") or 1), os.environ.get("CRASH_WHEN") == "after")
+        arm(os.environ["CRASH_AT"], int(os.environ.get("CRASH_NTH") or 1), os.environ.get("CRASH_WHEN") == "after",
+            os.environ.get("CRASH_IF") or "")
     from moorage.cli.main import run
 
     sys.argv = ["moorage", "up"]

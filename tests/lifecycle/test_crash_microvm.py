@@ -161,7 +161,7 @@ async def test_a_checkpoint_name_a_restarted_host_would_sweep_is_refused(tmp_pat
     from moorage.sandbox.microvm_sandbox import MicroVMSandbox
 
     sb = MicroVMSandbox(SimpleNamespace(root=tmp_path), "sb1", {"state": "running"})  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="does not end in .new"):
+    with pytest.raises(InvalidInput, match="does not end in .new or .old"):
         await sb.checkpoint("nightly.new")
     assert not (tmp_path / "sb1" / "checkpoints").exists()
 
@@ -237,3 +237,91 @@ def test_killed_while_retention_deletes_a_checkpoint_its_disk_snapshot_goes_at_t
         assert c.post("/v1/agents/tt/invoke", json={"message": "again", "user": "ada"}).json()["reply"] == "noted again"
         c.get("/v1/agents/tt/users/ada/checkpoints")  # its checkpoint written
         assert _disk_snapshots(sb) == _named(sb)
+
+
+def test_killed_between_the_renames_of_a_sleeps_snapshot_the_next_start_settles_it(up: Up) -> None:
+    """A sleep replacing the last one's ``snapshot/`` moves it aside as ``snapshot.old`` and renames the new one in:
+    killed in between, neither was in place, and the next start left ``snapshot.old`` (a copy of the guest's
+    memory) for good. It now puts the whole new one in place and removes the old."""
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/deployments", content=_tt_archive(), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m0", "user": "ada"}).json()["reply"] == "noted m0"
+        sb = _instance(up)
+        assert c.post(f"/v1/sandboxes/{sb.name}/sleep").status_code == 200
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m1", "user": "ada"}).json()["reply"] == "noted m1"
+        c.get("/v1/agents/tt/users/ada/checkpoints")  # the turn's checkpoint written
+    up.stop()
+    assert (sb / "snapshot" / "dev.state").exists()  # the next sleep replaces it
+
+    up.start("os:rename", crash_if="snapshot.new")  # the second rename: the old one already aside
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m2", "user": "ada"}).json()["reply"] == "noted m2"
+        assert (sb / "snapshot" / "dev.state").exists()  # awake, its last sleep's snapshot still there
+        slept = _in_background(lambda: c.post(f"/v1/sandboxes/{sb.name}/sleep"))
+        assert up.died(), (slept, up.log.read_text()[-3000:])
+    assert (sb / "snapshot.old").is_dir() and (sb / "snapshot.new" / "dev.state").exists()
+    assert not (sb / "snapshot").exists()
+
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m3", "user": "ada"}).json()["reply"] == "noted m3"
+        assert (sb / "snapshot" / "dev.state").exists()  # the whole new one, put in place when it was opened
+        assert not (sb / "snapshot.old").exists() and not (sb / "snapshot.new").exists()
+        assert c.post(f"/v1/sandboxes/{sb.name}/sleep").status_code == 200
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m4", "user": "ada"}).json()["reply"] == "noted m4"
+        assert not list(sb.glob("snapshot.*")) and not list(sb.glob("checkpoints/*.old"))
+
+
+SWAP = """
+import os, signal, sys
+from pathlib import Path
+from moorage.sandbox import microvm_snapshots as s
+real = os.rename
+def rename(a, b):
+    if str(a).endswith(".new"):
+        os.kill(os.getpid(), signal.SIGKILL)  # between the two renames
+    real(a, b)
+os.rename = rename
+new = Path(sys.argv[1])
+fd = s.begin(new)
+(new / "dev.state").write_text("new")
+(new / "snapshot.json").write_text("{}")
+if sys.argv[2] == "half":
+    os.kill(os.getpid(), signal.SIGKILL)  # killed while it is made: no swap began
+s.swap_in(new, new.with_name(new.name[:-4]))
+"""
+
+
+@pytest.mark.parametrize("cut", ["whole", "aside-only"])
+def test_a_checkpoint_replaced_when_killed_between_its_renames_is_never_lost(tmp_path: Path, cut: str) -> None:
+    """``checkpoints/<name>`` replaced (``swap_in``) and the host SIGKILLed between moving the old one aside and
+    renaming the new one in: the next open puts the whole new one in place, or the old one back when no whole
+    new one is left (the sweep of ``.new`` directories ran first, before this fix)."""
+    cps = tmp_path / "checkpoints"
+    (cps / "tt-1").mkdir(parents=True)
+    (cps / "tt-1" / "dev.state").write_text("old")
+    (cps / "tt-1" / "snapshot.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-c", SWAP, str(cps / "tt-1.new"), "whole"],
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == -signal.SIGKILL
+    assert not (cps / "tt-1").exists() and (cps / "tt-1.old").is_dir()
+    if cut == "aside-only":  # the new one gone meanwhile (removed by hand, or not whole): the old one comes back
+        import shutil
+
+        shutil.rmtree(cps / "tt-1.new")
+    sweep_unfinished(tmp_path)
+    assert (cps / "tt-1" / "dev.state").read_text() == ("new" if cut == "whole" else "old")
+    assert sorted(p.name for p in cps.iterdir()) == ["tt-1"]
+
+
+def test_a_checkpoint_being_replaced_when_killed_keeps_the_old_one(tmp_path: Path) -> None:
+    cps = tmp_path / "checkpoints"
+    (cps / "tt-1").mkdir(parents=True)
+    (cps / "tt-1" / "dev.state").write_text("old")
+    r = subprocess.run([sys.executable, "-c", SWAP, str(cps / "tt-1.new"), "half"],
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == -signal.SIGKILL
+    sweep_unfinished(tmp_path)
+    assert (cps / "tt-1" / "dev.state").read_text() == "old"
+    assert sorted(p.name for p in cps.iterdir()) == ["tt-1"]

@@ -251,8 +251,8 @@ class Checkpointing:
 
     async def checkpoint(self, name: str, *, durable: bool = True) -> CheckpointInfo:
         validate_id(name, "checkpoint name")
-        if name.endswith(".new"):  # the name of one being made: a restarted host removes those
-            raise InvalidInput(f"invalid checkpoint name {name!r}", hint="use a name that does not end in .new")
+        if name.endswith((".new", ".old")):  # one being made or replaced: a restarted host settles those
+            raise InvalidInput(f"invalid checkpoint name {name!r}", hint="use a name that does not end in .new or .old")
         async with self._lock:
             if self.state is not SandboxState.RUNNING or self._qmp is None:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; checkpoints are taken of a running sandbox", hint="call wake() first")

@@ -6,7 +6,8 @@ A directory holds ``dev.state`` (device state), the RAM (``ram.delta`` + ``ram.i
 chained pages, or a copy of the RAM file) and, for checkpoints and copies, ``snapshot.json`` (its record). It is
 written as ``<name>.new`` and renamed into place, so a crash leaves the old or the new one, never half of one; a
 ``.new`` a crash cut short (no process makes it any more: it holds no lock) is removed when the host next opens the
-sandbox (``sweep_unfinished``), and so is the disk snapshot of such a checkpoint.
+sandbox (``sweep_unfinished``), and so is the disk snapshot of such a checkpoint. A replacement moves the old one
+aside as ``<name>.old`` first: a crash between the two renames is settled at that open too (``settle_swaps``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def sweep_unfinished(sandbox_dir: Path) -> list[Path]:
     """Remove the ``.new`` directories of a sleep's snapshot (``snapshot.new``) and of checkpoints whose making a
     crash cut short (the host SIGKILLed): nothing names them, nothing else removes them, and each can hold a copy
     of the guest's memory. One a live process makes now holds its lock and stays. Returns those removed."""
+    settle_swaps(sandbox_dir)  # first: a replacement cut short between its renames needs its ``.new``
     found = [sandbox_dir / "snapshot.new", *sorted((sandbox_dir / "checkpoints").glob("*.new"))]
     gone = [d for d in found if d.is_dir() and _left_over(d)]
     for d in gone:
@@ -80,6 +82,30 @@ def sweep_unfinished(sandbox_dir: Path) -> list[Path]:
         log.warning("removed snapshots a crash left half made", sandbox=sandbox_dir.name,
                     snapshots=[str(d.relative_to(sandbox_dir)) for d in gone])
     return gone
+
+
+def settle_swaps(sandbox_dir: Path) -> list[Path]:
+    """Finish or undo each replacement (``swap_in``) a crash cut short between its two renames: its target gone,
+    the one it replaced as ``<name>.old``. A whole ``<name>.new`` (its lock file removed, as ``swap_in`` does
+    first) takes the target's place; else the old one goes back. A ``.old`` beside its target (the last removal
+    cut short) is removed. Returns the targets put back in place."""
+    settled = []
+    for old in [sandbox_dir / "snapshot.old", *sorted((sandbox_dir / "checkpoints").glob("*.old"))]:
+        if not old.is_dir():
+            continue
+        target = old.with_name(old.name[:-4])
+        if target.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            continue
+        new = target.with_name(target.name + ".new")
+        whole = new.is_dir() and not (new / MAKING).exists()
+        os.rename(new if whole else old, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        settled.append(target)
+        log.warning("settled a replacement a crash cut short", sandbox=sandbox_dir.name,
+                    snapshot=str(target.relative_to(sandbox_dir)), kept="new" if whole else "old")
+    return settled
 
 
 def _left_over(d: Path) -> bool:

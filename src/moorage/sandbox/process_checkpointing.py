@@ -74,7 +74,10 @@ class Checkpointing:
             # Swap in a copy so the checkpoint itself stays reusable; the old layer is removed only after the swap.
             # The copy is made while the processes are killed (processes and memory are not part of a
             # process-driver checkpoint): the checkpoint does not change, and nothing uses the copy until the swap.
-            fresh = self.dir / f".layer-rollback-{uuid.uuid4().hex[:8]}"
+            # One token names the copy and the layer it replaces: a host killed between the two renames below
+            # leaves both, and the next boot finishes the swap with that copy (``_sweep_layer_leftovers``).
+            token = uuid.uuid4().hex[:8]
+            fresh = self.dir / f".layer-rollback-{token}"
             copied, killed = await asyncio.gather(copy_tree(src / "layer", fresh),
                                                   self._kill() if was_running else asyncio.sleep(0),
                                                   return_exceptions=True)
@@ -83,8 +86,9 @@ class Checkpointing:
                     shutil.rmtree(fresh, ignore_errors=True)
                     raise err
             await asyncio.to_thread(self._mount_points, fresh)
-            old = self.dir / f".layer-old-{uuid.uuid4().hex[:8]}"
-            os.rename(self.layer, old)
+            old = self.dir / f".layer-old-{token}"
+            if self.layer.exists():  # none when a rollback killed here before was not booted since
+                os.rename(self.layer, old)
             os.rename(fresh, self.layer)
             try:
                 if was_running:

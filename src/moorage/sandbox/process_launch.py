@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from moorage.fsync import fsync_dir
 from moorage.log import get_logger
 from moorage.sandbox import capped_log, process_checkpoints, process_restart, process_seccomp
 from moorage.sandbox import process_limits as limits
@@ -146,8 +147,18 @@ class Launching:
 
     def _sweep_layer_leftovers(self) -> None:
         """Remove what a rollback interrupted by a host stop left: its half-made copy or the layer it replaced
-        (both hidden names; the layer itself is always whole), and checkpoints whose removal it interrupted. Runs under the sandbox's lock, so no rollback is
-        making one now; a removal still running from the last rollback is harmless to repeat."""
+        (both hidden names), and checkpoints whose removal it interrupted. Runs under the sandbox's lock, so no rollback is
+        making one now; a removal still running from the last rollback is harmless to repeat. A rollback killed
+        between moving the layer aside and renaming its whole copy in left no layer: that copy (named by the same
+        token as the layer moved aside) becomes the layer first."""
+        if not self.layer.exists():
+            for old in sorted(self.dir.glob(".layer-old-*")):
+                fresh = self.dir / (".layer-rollback-" + old.name[len(".layer-old-"):])
+                if fresh.is_dir():
+                    os.rename(fresh, self.layer)
+                    fsync_dir(self.dir)
+                    log.warning("finished a rollback a host stop cut short", sandbox=self.id)
+                    break
         for d in self.dir.iterdir():
             if d.name.startswith((".layer-rollback-", ".layer-old-")) and d.is_dir():
                 background(asyncio.to_thread(shutil.rmtree, d, True), f"rm-layer-{self.id}")
