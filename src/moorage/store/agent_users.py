@@ -64,6 +64,53 @@ def _same(value: Any, wanted: Any) -> bool:
     return isinstance(wanted, str) and not isinstance(value, str) and json.dumps(value) == wanted
 
 
+#: Per dialect: the JSON type of ``meta``'s value at a key, its text (a string's own), and the names of the types.
+_JSON = {
+    "sqlite": ("json_type(meta, ?)", "json_extract(meta, ?)",
+               {"string": "'text'", "bool": None, "null": "'null'", "int": "'integer'", "number": "'integer', 'real'"}),
+    "postgres": ("jsonb_typeof((meta::jsonb) -> CAST(? AS TEXT))", "(meta::jsonb) ->> CAST(? AS TEXT)",
+                 {"string": "'string'", "bool": "'boolean'", "null": "'null'", "int": "'number'",
+                  "number": "'number'"}),
+}
+
+
+def _narrowing(dialect: str, key: str, wanted: Any) -> tuple[str, list[Any]]:
+    """A condition on ``meta`` that every row ``_same`` keeps also meets (the store narrows a page's rows with it,
+    ``_same`` decides): the value's JSON type and, where both databases read it as Python does, its value.
+    ``("", [])`` when SQL cannot say (a key SQLite's JSON path cannot name)."""
+    typ, text, names = _JSON["postgres" if dialect == "postgres" else "sqlite"]
+    if dialect == "postgres":
+        arg: Any = key
+    elif '"' in key or "\\" in key:
+        return "", []
+    else:
+        arg = f'$."{key}"'
+    if not isinstance(wanted, str):  # from the store's own callers: Python's equality (1 == 1.0 == True) decides
+        return f"{typ} IS NOT NULL", [arg]
+    ors, params = [f"({typ} = {names['string']} AND {text} = ?)"], [arg, arg, wanted]
+    try:
+        j = json.loads(wanted)
+    except (ValueError, RecursionError):
+        return ors[0], params
+    if isinstance(j, bool):  # SQLite's type is the value itself
+        ors.append(f"({typ} = {names['bool']} AND {text} = ?)" if names["bool"] else f"{typ} = ?")
+        params += [arg, arg, wanted] if names["bool"] else [arg, wanted]
+    elif j is None:
+        ors.append(f"{typ} = {names['null']}")
+        params.append(arg)
+    elif isinstance(j, int) and abs(j) < 2 ** 53:  # an integer's text is its value in both databases
+        value = f"CAST({text} AS NUMERIC)" if dialect == "postgres" else text
+        ors.append(f"({typ} = {names['int']} AND {value} = ?)")
+        params += [arg, arg, j]
+    elif isinstance(j, (int, float)):  # a float's text may name its value more ways than Python writes it
+        ors.append(f"{typ} IN ({names['number']})")
+        params.append(arg)
+    else:  # an array or an object: Python writes its JSON with its own spacing and escapes
+        ors.append(f"{typ} = '{'array' if isinstance(j, list) else 'object'}'")
+        params.append(arg)
+    return "(" + " OR ".join(ors) + ")", params
+
+
 class AgentUsers(_Repo):
     def put(self, agent: str, user: str, *, meta: dict[str, Any] | None = None,
             limits: dict[str, Any] | None = None) -> tuple[AgentUser, bool]:
@@ -111,14 +158,21 @@ class AgentUsers(_Repo):
 
     def list(self, agent: str, *, limit: int = 50, after: str | None = None,
              meta: Mapping[str, Any] | None = None) -> list[AgentUser]:
-        """Users of ``agent`` in id order after ``after``; ``meta`` keeps those whose metadata has every pair."""
+        """Users of ``agent`` in id order after ``after``; ``meta`` keeps those whose metadata has every pair (the
+        database narrows the rows, ``_same`` decides: a page of a filter few users match is one or two queries)."""
         out: list[AgentUser] = []
         cursor = after or ""
         batch = max(limit, 100)
+        where, params = "agent_id = ? AND user_id > ?", [agent]
+        for k, v in (meta or {}).items():
+            cond, args = _narrowing(self._ts.dialect, k, v)
+            if cond:
+                where += f" AND {cond}"
+                params += args
         while len(out) < limit:
             with self._ts._tx(write=False) as c:
-                rows = c.q(f"SELECT {_COLS} FROM agent_users WHERE agent_id = ? AND user_id > ? ORDER BY user_id LIMIT ?",
-                           (agent, cursor, batch))
+                rows = c.q(f"SELECT {_COLS} FROM agent_users WHERE {where} ORDER BY user_id LIMIT ?",
+                           [agent, cursor, *params[1:], batch])
             for r in rows:
                 u = _row(r)
                 if not meta or all(k in u.meta and _same(u.meta[k], v) for k, v in meta.items()):
