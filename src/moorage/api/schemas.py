@@ -56,7 +56,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "UserToken": obj({"token": NSTR, "agent": STR, "user": STR, "expires_at": NUM}),
     "Session": obj({"id": STR, "agent": STR, "user": STR, "created_at": NUM, "last_active": NUM, "meta": OBJ}),
     "Event": obj({"id": INT, "scope": STR, "ts": NUM, "kind": STR, "speaker": NSTR, "content": STR, "meta": OBJ}),
-    "Recall": obj({"event": ref("Event"), "score": NUM}),
+    # A search hit, as ctx.memory.recall returns it too: the event's fields (text: its content), score, the event.
+    "Recall": obj({"id": INT, "text": STR, "speaker": NSTR, "ts": NUM, "kind": STR, "scope": STR, "meta": OBJ,
+                   "score": NUM, "event": ref("Event")}),
     "Fact": obj({"id": STR, "scope": STR, "subject": STR, "attribute": STR, "value": STR, "text": STR,
                  "valid_from": NUM, "valid_to": NNUM, "recorded_at": NUM, "superseded_at": NNUM,
                  "superseded_by": NSTR, "trust": STR, "status": STR, "source": STR, "version": INT,

@@ -154,7 +154,6 @@ def search(
     as_json: bool = typer.Option(False, "--json", help="The API's search result (GET …/events/search)."),
 ) -> None:
     """Hybrid search of one user's episodic memory (or of one session's)."""
-    from moorage.api import schemas as S
     from moorage.memory.episodic import EpisodicMemory
     from moorage.store import Scope
 
@@ -166,8 +165,8 @@ def search(
     finally:
         store.close()
     if as_json:
-        print(json.dumps({"data": [{"event": S.event(h.event), "score": h.score, "lexical_rank": h.lexical_rank,
-                                    "dense_rank": h.dense_rank} for h in hits]}, indent=2))
+        print(json.dumps({"data": [{**h.as_json(), "lexical_rank": h.lexical_rank, "dense_rank": h.dense_rank}
+                                   for h in hits]}, indent=2))
         return
     table = Table("score", "lexical", "dense", "speaker", "content")
     for h in hits:

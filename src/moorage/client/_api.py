@@ -151,7 +151,8 @@ class Api(ReachApi, ABC):
                                   _page(limit, cursor, session=session, order=order, kind=kind)))
 
     def search_events(self, agent: str, user: str, query: str, *, k: int | None = None,
-                      session: str | None = None) -> T.Page[dict[str, Any]]:
+                      session: str | None = None) -> T.Page[T.SearchHit]:
+        """Up to ``k`` events, best first, each in the shape ``ctx.memory.recall`` returns (docs/memory.md)."""
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/users/{_p(user)}/events/search",
                                   {k2: v for k2, v in {"q": query, "k": k, "session": session}.items() if v is not None}))
 

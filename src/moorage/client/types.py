@@ -59,6 +59,30 @@ class User(TypedDict, total=False):
     instance: dict[str, Any] | None
 
 
+class Event(TypedDict, total=False):
+    id: int
+    scope: str
+    ts: float
+    kind: str
+    speaker: str | None
+    content: str
+    meta: dict[str, Any]
+
+
+class SearchHit(TypedDict, total=False):
+    """One hit of ``search_events``, in the shape the agent's ``ctx.memory.recall`` returns too (docs/memory.md)."""
+    id: int
+    #: The event's ``content``.
+    text: str
+    speaker: str | None
+    ts: float
+    kind: str
+    scope: str
+    meta: dict[str, Any]
+    score: float
+    event: Event
+
+
 class Forgotten(TypedDict, total=False):
     agent: str
     user: str

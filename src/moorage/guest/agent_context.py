@@ -112,6 +112,8 @@ class Memory:
         return (await self._host.call("memory.append", {"text": text, "kind": kind, "scope": scope}))["id"]
 
     async def recall(self, query: str, *, k: int = 5, scope: str = "user") -> List[Dict[str, Any]]:
+        """Up to ``k`` events of the scope, best first, each ``{"id", "text", "speaker", "ts", "kind", "scope",
+        "meta", "score", "event"}``: the same shape as the API's search (``GET …/events/search``)."""
         return (await self._host.call("memory.search", {"query": query, "k": k, "scope": scope}))["hits"]
 
     async def facts(self, subject: Optional[str] = None, *, as_of: Optional[float] = None,

@@ -40,6 +40,16 @@ class Recall:
     lexical_rank: int | None
     dense_rank: int | None
 
+    def as_json(self) -> dict[str, Any]:
+        """A search hit as the agent's ``ctx.memory.recall`` and the API's ``GET …/events/search`` both return it
+        (docs/memory.md): the event's fields at the top (``text`` is its ``content``), ``score``, and the whole
+        event under ``event``, so code written against either side reads the other."""
+        e = self.event
+        whole = {"id": e.id, "scope": e.scope.key, "ts": e.ts, "kind": e.kind, "speaker": e.speaker,
+                 "content": e.content, "meta": e.meta}
+        return {"id": e.id, "text": e.content, "speaker": e.speaker, "ts": e.ts, "kind": e.kind,
+                "scope": e.scope.key, "meta": e.meta, "score": self.score, "event": whole}
+
 
 class EpisodicMemory(Rankings, ScopeIndexes):
     """Episodic memory over one tenant's store handle. Every call names one scope and never leaves it.

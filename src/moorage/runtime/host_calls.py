@@ -275,8 +275,7 @@ class GuestCalls:
         k = min(k, 50)
         hits = await asyncio.to_thread(self.rt.memory(b.ts).episodic.search, b.scope(p.get("scope", "user")),
                                        str(p.get("query") or ""), k=k)
-        return {"hits": [{"id": h.event.id, "text": h.event.content, "speaker": h.event.speaker, "ts": h.event.ts,
-                          "score": h.score} for h in hits]}
+        return {"hits": [h.as_json() for h in hits]}
 
     async def memory_facts(self, b: TurnBinding, p: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(p.get("subject"), (str, type(None))):

@@ -97,7 +97,7 @@ def search_events(call: Call) -> dict[str, Any]:
     hits = episodic.search(scope, query, k=k)
     if not hits:  # nothing recalled: for a user the agent has, not for a mistyped id
         known_user(call, scope.agent, scope.user)
-    return {"data": [{"event": S.event(h.event), "score": h.score} for h in hits], "next_cursor": None}
+    return {"data": [h.as_json() for h in hits], "next_cursor": None}  # the shape ctx.memory.recall returns
 
 
 def list_facts(call: Call) -> dict[str, Any]:
