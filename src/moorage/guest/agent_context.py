@@ -44,6 +44,10 @@ class ExecTimeout(subprocess.TimeoutExpired):
                 "or give the command a larger timeout)" % (self.cmd, self.timeout))
 
 
+#: The secrets' names ``_secret_env`` put into os.environ (this guest process's, kept across turns and redeploys),
+#: so one no longer handed over is taken out even when the deployment no longer names it.
+_SECRET_ENV_PUT: set = set()
+
 #: HostError kinds that a retry would get again: a step that meets one fails at once instead of being retried.
 FINAL_KINDS = frozenset({"egress-denied", "egress-policy", "invalid-input", "not-found", "tenant-scope"})
 
@@ -230,16 +234,17 @@ class AgentContext:
                                      timeout=timeout + 5)
 
     async def _secret_env(self) -> None:
-        """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code, and take
-        out those it opted into that are no longer set (deleted since an earlier turn put them there)."""
+        """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code and the
+        processes it starts from now on, and take out every one an earlier turn put there that is no longer
+        handed over: deleted since, or no longer opted into (a redeploy without it). A process started before
+        keeps the environment it was started with."""
         names = (self.agent.manifest.get("secrets") or {}).get("env")
-        if not names:
-            return
-        env = (await self._host.call("secrets.env", {}))["env"]
-        for name in names:
-            if isinstance(name, str) and name not in env:
-                os.environ.pop(name, None)
+        env = (await self._host.call("secrets.env", {}))["env"] if names else {}
+        for name in (_SECRET_ENV_PUT | {n for n in names or () if isinstance(n, str)}) - set(env):
+            os.environ.pop(name, None)
         os.environ.update({str(k): str(v) for k, v in env.items()})
+        _SECRET_ENV_PUT.clear()
+        _SECRET_ENV_PUT.update(str(k) for k in env)
 
     async def mcp(self, server: str, tool: str, **arguments: Any) -> Dict[str, Any]:
         """Call a tool of an external MCP server; the host connects and adds the credentials, never the sandbox.
