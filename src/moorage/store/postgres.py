@@ -23,7 +23,8 @@ from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, quiet_pool_warnings,
                                      read_only, stale, tcp_defaults, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
-from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
+from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, recorded_name, refuse_newer_schema,
+                                  statements_for)
 from moorage.store.sql import Conn
 
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -43,7 +44,8 @@ def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration
            app_role: str, upto: int | None) -> None:
     newest = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations WHERE component = %s",
                           (component,)).fetchone()
-    refuse_newer_schema(int(newest[0]), migrations)
+    refuse_newer_schema(int(newest[0]), migrations, lambda known: [r[0] for r in conn.execute(
+        "SELECT name FROM schema_migrations WHERE component = %s AND version > %s", (component, known)).fetchall()])
     for m in migrations:
         if upto is not None and m.version > upto:
             break
@@ -67,7 +69,7 @@ def _apply(conn: psycopg.Connection, component: str, migrations: tuple[Migration
                 conn.execute(psql.SQL("GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {}").format(role))
             conn.execute(
                 "INSERT INTO schema_migrations (component, version, name, applied_at) VALUES (%s, %s, %s, now())",
-                (component, m.version, m.name),
+                (component, m.version, recorded_name(m)),
             )
 
 

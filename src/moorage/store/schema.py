@@ -8,6 +8,7 @@ PostgreSQL; on SQLite each tenant has its own database file, so the column is no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from moorage.errors import ConfigError
 
@@ -24,6 +25,11 @@ class Migration:
     postgres_only: tuple[str, ...] = ()
     #: Rows to re-index or backfill after the statements ran, same template language.
     after: tuple[str, ...] = field(default=())
+    #: Whether a moorage that knows only the migrations before this one may go on serving a store it was applied to:
+    #: it adds only what older code neither reads nor must keep up (an index; a table or trigger the store keeps
+    #: itself). Recorded with it (``recorded_name``), so that in a rolling upgrade of a fleet a host not upgraded
+    #: yet still starts on the store the first upgraded host migrated (``refuse_newer_schema``).
+    older_may_serve: bool = False
 
 
 # Migration 9's read of one checkpoint (PostgreSQL): the checkpoint row...
@@ -842,6 +848,7 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             # settled deliveries past their TTL (the sweep)
             "CREATE INDEX webhook_deliveries_settled ON webhook_deliveries ({tpk}updated_at) WHERE status <> 'pending'",
         ),
+        older_may_serve=True,  # indexes only
     ),
     Migration(
         27,
@@ -852,6 +859,7 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX checkpoint_heads_pending ON checkpoint_heads ({tpk}agent_id, user_id) "
             "WHERE pending IS NOT NULL",
         ),
+        older_may_serve=True,  # an index only
     ),
     Migration(
         28,
@@ -975,6 +983,7 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
             "CREATE TRIGGER usage_rollup AFTER INSERT OR DELETE ON usage FOR EACH ROW "
             "EXECUTE FUNCTION moorage_usage_rollup()",
         ),
+        older_may_serve=True,  # tables the store keeps up itself, whoever writes the ledger
     ),
 )
 
@@ -1040,12 +1049,33 @@ def statements_for(m: Migration, dialect: str) -> list[str]:
     return [render(s, dialect) for s in (*m.statements, *extra, *m.after)]
 
 
-def refuse_newer_schema(newest: int, migrations: tuple[Migration, ...]) -> None:
+#: Ends the name ``schema_migrations`` records for a migration that is ``older_may_serve``.
+OLDER_MAY_SERVE = " [older versions may serve]"
+
+
+def recorded_name(m: Migration) -> str:
+    """The name ``schema_migrations`` records for ``m``: it says whether an older moorage may serve past it."""
+    return m.name + (OLDER_MAY_SERVE if m.older_may_serve else "")
+
+
+def refuse_newer_schema(newest: int, migrations: tuple[Migration, ...],
+                        newer_names: Callable[[int], list[str]] | None = None) -> None:
     """A database a newer moorage migrated past what this one knows is refused before anything is written to it:
-    this version would misread or damage it (docs/operations.md: there is no migration back)."""
+    this version would misread or damage it (docs/operations.md: there is no migration back). Unless every
+    migration past what it knows was recorded as one an older moorage may serve past (``newer_names(known)``: the
+    names recorded for the versions above ``known``): then it serves, and says so."""
     known = migrations[-1].version if migrations else 0
-    if newest > known:
-        raise ConfigError(f"the store's schema is at version {newest}, newer than this moorage knows ({known}): a "
-                          "newer moorage migrated it",
-                          hint="run that newer moorage, or restore the copy of the data directory (or database) "
-                               "taken before the upgrade")
+    if newest <= known:
+        return
+    names = newer_names(known) if newer_names is not None else []
+    if len(names) == newest - known and all(n.endswith(OLDER_MAY_SERVE) for n in names):
+        from moorage.log import get_logger
+
+        get_logger(__name__).warning(
+            "the store was migrated by a newer moorage; its migrations past this version's leave this version "
+            "working: upgrade this host too", store_schema=newest, known=known)
+        return
+    raise ConfigError(f"the store's schema is at version {newest}, newer than this moorage knows ({known}): a "
+                      "newer moorage migrated it",
+                      hint="run that newer moorage (in a rolling upgrade of a fleet: upgrade this host now), or "
+                           "restore the copy of the data directory (or database) taken before the upgrade")

@@ -19,7 +19,8 @@ from typing import Any, Iterator, Sequence
 from moorage.errors import UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.bloblog import BlobLog, live_locators, load_position
-from moorage.store.schema import CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, refuse_newer_schema, statements_for
+from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, recorded_name, refuse_newer_schema,
+                                  statements_for)
 from moorage.store.sql import Conn
 
 _BUSY_TIMEOUT_MS = 60_000
@@ -64,7 +65,8 @@ def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: i
     """Apply missing migrations in one immediate transaction each; safe with concurrent openers."""
     conn.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at REAL NOT NULL)")
     newest = conn.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()[0]
-    refuse_newer_schema(int(newest), migrations)
+    refuse_newer_schema(int(newest), migrations, lambda known: [r[0] for r in conn.execute(
+        "SELECT name FROM schema_migrations WHERE version > ?", (known,)).fetchall()])
     for m in migrations:
         if upto is not None and m.version > upto:
             break
@@ -75,7 +77,7 @@ def migrate(conn: sqlite3.Connection, migrations: tuple[Migration, ...], upto: i
                 continue
             for stmt in statements_for(m, "sqlite"):
                 conn.execute(stmt)
-            conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, m.name, time.time()))
+            conn.execute("INSERT INTO schema_migrations VALUES (?, ?, ?)", (m.version, recorded_name(m), time.time()))
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
