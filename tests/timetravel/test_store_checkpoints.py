@@ -144,3 +144,23 @@ def test_an_expired_scope_takes_its_instance_checkpoints_with_it(ts: TenantStore
     assert report.scopes >= 1
     assert Checkpoints(ts).list(A, U) == []  # images of expired rows do not outlive them
     assert Checkpoints(ts).list("other", U) != []
+
+
+def test_only_each_instances_newest_automatic_checkpoint_with_a_sandbox_half_may_be_unwritten(ts: TenantStore) -> None:
+    """What a restarted host checks (``TimeTravel._unwritten``) and how it marks one whose files are not there."""
+    cps = Checkpoints(ts)
+    _turn(ts, 1)
+    cps.take(A, U, turn_id=_run_id(1, U), sandbox_id="sb1", sandbox_checkpoint="tt-a")
+    _turn(ts, 2)
+    newest = cps.take(A, U, turn_id=_run_id(2, U), sandbox_id="sb1", sandbox_checkpoint="tt-b")
+    cps.take(A, U, kind="manual", name="mine")  # no sandbox half: not one written behind
+    _turn(ts, 1, user="u1")
+    cps.take(A, "u1", kind="manual", sandbox_id="sb2", sandbox_checkpoint="tt-c")  # written before its reply
+    assert [(c.user, c.id) for c in cps.written_behind()] == [(U, newest.id)]
+    assert cps.mark_unwritten(A, U, newest.id, "never written")
+    assert not cps.mark_unwritten(A, U, newest.id, "again")  # a turn checkpoint no more
+    got = cps.get(A, U, newest.id)
+    assert got.kind == "missing" and got.summary["error"] == "never written" and "turn" in got.summary
+    assert cps.written_behind() == []
+    with pytest.raises(ConflictError, match="is missing"):
+        cps.restorable(A, U, newest.id)

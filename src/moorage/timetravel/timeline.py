@@ -245,9 +245,14 @@ class TimeTravel(AutoCheckpoints, Holding):
             return await fork_through(self, ts, agent, user, target, to_users, template_id, started)
 
     async def recover(self) -> int:
-        """At host start, before turns resume: finish every operation a killed host left half done."""
+        """At host start, before turns resume: finish every operation a killed host left half done, and mark the
+        automatic checkpoints whose files it was still writing behind their turns missing (``_unwritten``)."""
         done = 0
         for ts in await asyncio.to_thread(lambda: list(self.rt.store.operator.tenants())):
+            try:
+                await self._unwritten(ts)
+            except Exception as e:  # noqa: BLE001 - a listing still says such a checkpoint is not restorable
+                log.warning("could not check the automatic checkpoints a killed host was writing", error=str(e))
             for agent, user in await asyncio.to_thread(checkpoints_of(ts).pending):
                 try:
                     async with self._hold(ts, agent, user):
@@ -256,6 +261,29 @@ class TimeTravel(AutoCheckpoints, Holding):
                     log.warning("could not finish an interrupted time-travel operation", agent=agent, user=user,
                                 error=str(e))
         return done
+
+    async def _unwritten(self, ts: TenantStore) -> int:
+        """Automatic checkpoints of this host's instances whose sandbox files the host that died had not written
+        yet (they are written behind the turn's reply): their rows stayed as points to go back to, which a rollback
+        refused, and as the tips retention keeps of abandoned branches. Each becomes ``missing`` (nothing is being
+        written now: this host just started). Returns how many."""
+        fleet = getattr(self.rt.instances, "fleet", None)
+        repo, n = checkpoints_of(ts), 0
+        for ck in await asyncio.to_thread(repo.written_behind):
+            rec = await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(ck.agent, ck.user))
+            if rec is None or rec.id != ck.sandbox_id or (fleet is not None and rec.host not in (None, fleet.host_id)):
+                continue  # another sandbox's, or another host's copy: not this host's to judge
+            try:
+                names = {c.name for c in await (await self.rt.driver.open(rec.id)).checkpoints()}
+            except Exception:  # noqa: BLE001 - not on this host's disk: nothing to judge by
+                continue
+            if ck.sandbox_checkpoint not in names and await asyncio.to_thread(
+                    repo.mark_unwritten, ck.agent, ck.user, ck.id,
+                    "the host stopped while this checkpoint's sandbox files were written behind its turn"):
+                n += 1
+                log.warning("automatic checkpoint never written: marked missing", agent=ck.agent, user=ck.user,
+                            checkpoint=ck.id)
+        return n
 
     async def forget(self, ts: TenantStore, agent: str, user: str) -> int:
         return await asyncio.to_thread(checkpoints_of(ts).delete_user, agent, user)

@@ -233,6 +233,30 @@ class Checkpoints:
         return Checkpoint(cid, agent, user, seq, branch, head.head_id if head else None, MISSING, None, turn_id,
                           summary, 0, [], None, None, 0, now)
 
+    def written_behind(self) -> list[Checkpoint]:
+        """Each instance's newest checkpoint with a sandbox half, where it is an automatic one: the only one whose
+        sandbox files a host that died may not have written (they are written behind the turn, one at a time per
+        sandbox: the next waits for them)."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {_COLS} FROM checkpoints k WHERE kind = 'turn' AND sandbox_checkpoint IS NOT NULL "
+                       "AND seq = (SELECT MAX(j.seq) FROM checkpoints j WHERE j.agent_id = k.agent_id "
+                       "AND j.user_id = k.user_id AND j.sandbox_checkpoint IS NOT NULL)")
+        return [_checkpoint(r) for r in rows]
+
+    def mark_unwritten(self, agent: str, user: str, checkpoint_id: str, error: str) -> bool:
+        """An automatic checkpoint whose sandbox files were never written becomes ``missing``: listed as what its
+        turn did, never a point to go back to, a branch's tip or one retention keeps in its place. Its store half
+        stays (the head may name it: the next checkpoint builds on it). Whether it was changed."""
+        with self._ts._tx() as c:
+            r = c.one("SELECT summary FROM checkpoints WHERE id = ? AND agent_id = ? AND user_id = ? AND kind = 'turn'",
+                      (checkpoint_id, agent, user))
+            if r is None:
+                return False
+            summary = {**json.loads(r[0]), "error": str(error)[:500]}
+            c.x("UPDATE checkpoints SET kind = ?, summary = ? WHERE id = ? AND agent_id = ? AND user_id = ?",
+                (MISSING, json.dumps(summary), checkpoint_id, agent, user))
+        return True
+
     def list(self, agent: str, user: str, *, limit: int = 1000) -> list[Checkpoint]:
         check_id(agent, "agent id"), check_id(user, "user id")
         with self._ts._tx(write=False) as c:
