@@ -88,6 +88,14 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
     new channel)."""
     from moorage.runtime import instance_update
 
+    if runtime._loaded.get(sandbox.id) is None:
+        # This host process has not used the sandbox yet (re-adopted after `moorage up --detach`, or woken from a
+        # snapshot an earlier host process made): its guest says what is loaded, which may be an older deployment
+        # whose app still serves that code's page.
+        info = await sandbox.channel.call("agent.info", {}, timeout=15)
+        have = info.get("loaded") if isinstance(info, dict) else None
+        if isinstance(have, list) and have:
+            runtime._loaded[sandbox.id] = deployment.id if deployment.id in have else str(have[0])
     if runtime._loaded.get(sandbox.id) not in (None, deployment.id):
         # Another deployment's code is loaded here (a redeploy since its last turn): load this one first, which
         # restarts an app whose server the old module started (instance_update), so the page is the live code's.
