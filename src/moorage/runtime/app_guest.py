@@ -13,6 +13,8 @@ from moorage.runtime.sizing import app_ports
 from moorage.sandbox import RemoteError
 from moorage.store import EntityKey, Scope, TenantStore
 
+#: How long after the agent's code was loaded its app may take to listen on its port (its module starts the server).
+APP_BIND_S = 10.0
 #: The guest relay's error code for "nothing listens on that port" (guest/app_relay.py).
 APP_UNREACHABLE = -32020
 #: ... and for "as many connections to the app are open as the guest allows" (its MAX_CONNECTIONS, 64).
@@ -120,7 +122,10 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
                 loaded = True
                 continue
             loaded = True
-            give_up = time.monotonic()  # its code is loaded and still nothing listens: the app is down
+            # Its code is loaded and still nothing listens: the app is down, unless its code was loaded just now (a
+            # redeploy's restart, by this request or a turn before it) and its server is still binding the port.
+            since = instance_update.loaded_at(sandbox.id)
+            give_up = time.monotonic() if since is None else min(give_up, since + APP_BIND_S)
         if time.monotonic() >= give_up:
             raise AppUnavailable(f"the agent's app is not listening on port {port}",
                                  hint=f"start a server on 127.0.0.1:{port} in the sandbox")

@@ -109,7 +109,20 @@ async def load(rt: Any, sandbox: Sandbox, deployment: Any, ts: Any,
         if inspect.isawaitable(res):
             await res
     await push_and_load(sandbox, deployment, archive)
+    now = _loaded_at[sandbox.id] = time.monotonic()
+    if len(_loaded_at) > 1024:  # only the last minute's matter: a host up for months does not keep one per sandbox
+        for sid in [k for k, t in _loaded_at.items() if now - t > 60]:
+            del _loaded_at[sid]
     return restarted
+
+
+#: When ``load`` last loaded an agent's code into each sandbox (monotonic): an app its module starts may still be
+#: binding its port for a while after (``app_guest.open_connection`` waits for it then).
+_loaded_at: dict[str, float] = {}
+
+
+def loaded_at(sandbox_id: str) -> float | None:
+    return _loaded_at.get(sandbox_id)
 
 
 async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts: Any) -> bool:
