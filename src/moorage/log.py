@@ -85,7 +85,9 @@ STILL_FAILING_EVERY_S = 60.0
 class FailingRounds:
     """What one background loop logs about its failed rounds: the first failure, then at most one line a minute
     while they keep failing ("still failing: N rounds since HH:MM: reason"), then one line once a round works
-    again. A ten-minute store outage is a dozen lines per loop, not one per round."""
+    again. A ten-minute store outage is a dozen lines per loop, not one per round. Only a call to the store that
+    worked, and began after the last failure, ends the failed rounds: a round that called nothing (nothing to
+    send) is no sign the store is back, and neither is a call begun before a failure that was seen meanwhile."""
 
     def __init__(self, log: Any, what: str, *, level: int = logging.ERROR,
                  clock: Any = time.monotonic) -> None:
@@ -97,11 +99,12 @@ class FailingRounds:
         self.rounds = 0
         self._since = 0.0  # wall time of the first of them
         self._said = 0.0  # monotonic time of the last line
+        self._failed_at = float("-inf")  # monotonic time of the last failure
 
     def failed(self, e: BaseException, **fields: Any) -> None:
         """One round failed with ``e``."""
         self.rounds += 1
-        now = self.clock()
+        now = self._failed_at = self.clock()
         if self.rounds == 1:
             self._since, self._said = time.time(), now
             self.log.log(self.level, f"{self.what} failed", error=str(e), **fields)
@@ -111,8 +114,11 @@ class FailingRounds:
             self.log.log(self.level, f"{self.what} still failing: {self.rounds} rounds since {self._hhmm()}: {reason}",
                          rounds=self.rounds, error=str(e), **fields)
 
-    def ok(self) -> None:
-        """One round worked: says so once if the rounds before it failed."""
+    def ok(self, began: float | None = None) -> None:
+        """One round's call to the store worked (``began``: when that call started, on this object's clock): says
+        so once if the rounds before it failed. Call it only for a round that reached the store."""
+        if began is not None and began < self._failed_at:
+            return  # it started before a call that failed: the store may have gone down since
         if self.rounds:
             self.log.info(f"{self.what} works again after {self.rounds} failed rounds since {self._hhmm()}",
                           rounds=self.rounds)

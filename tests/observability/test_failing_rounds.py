@@ -48,3 +48,24 @@ def test_ten_minutes_of_failed_rounds_are_a_dozen_lines_and_the_recovery_one() -
     # Failing again later starts over: its first failure is said at once.
     failures.failed(RuntimeError("again"))
     assert caplog.records[-1].getMessage() == "webhook round failed" and failures.rounds == 1
+
+
+def test_a_call_begun_before_a_failure_does_not_end_the_failed_rounds() -> None:
+    """Two awake instances shipping at once as the store goes down: one's call fails, the other's (begun before,
+    its bytes already sent) returns after that; it said "works again", and the next failure "failed" again."""
+    clock = _Clock()
+    caplog = _Lines()
+    logger = logging.getLogger("moorage.test.rounds2")
+    logger.addHandler(caplog)
+    logger.setLevel(logging.INFO)
+    failures = FailingRounds(get_logger("moorage.test.rounds2"), "shipping", clock=clock)
+    began = clock()
+    clock.now += 0.1
+    failures.failed(ConnectionError("refused"))
+    clock.now += 0.1
+    failures.ok(began)  # begun before the failure: no sign the store is back
+    failures.failed(ConnectionError("refused"))
+    assert [r.getMessage() for r in caplog.records] == ["shipping failed"]
+    later = clock()
+    failures.ok(later)
+    assert caplog.records[-1].getMessage().startswith("shipping works again after 2 failed rounds")

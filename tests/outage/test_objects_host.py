@@ -87,3 +87,32 @@ def test_shipments_refused_during_an_s3_outage_are_a_line_each_kind_not_one_per_
     # instance per pass (16 lines here before).
     assert 1 <= log.count("shipping an awake instance failed") <= 2, log
     assert "a sleeping instance's snapshot still could not be shipped" not in log, log
+
+
+def test_a_pass_with_nothing_to_ship_during_an_s3_outage_does_not_end_its_failed_rounds(
+        host: Fleet, relay: Relay) -> None:
+    """An instance asleep unshipped is woken during the outage: the next pass has nothing to ship, and it counted
+    as one that worked ("works again", though nothing reached S3), so once the instance slept again the next
+    refusal said "failed" a second time within the minute."""
+    assert replied(host.turn(0, "ivy")) == "1: hi"
+    until(lambda: _shipped_at(host, "ivy"), "ivy shipped once", 30)
+    mark = host.hosts[0].log.stat().st_size
+
+    def text() -> str:
+        return host.hosts[0].log.read_bytes()[mark:].decode(errors="replace")
+
+    relay.close()
+    try:
+        put_to_sleep(host, "ivy")                                  # stands unshipped
+        until(lambda: "shipping sleeping instances failed" in text(), "a pass refused", 30)
+        assert replied(host.turn(0, "ivy")) == "2: hi"             # awake: the passes have nothing to ship
+        time.sleep(3)
+        put_to_sleep(host, "ivy")                                  # unshipped again: the passes try it again
+        time.sleep(3)
+        during = text()
+    finally:
+        relay.open()
+    until(lambda: host.records()["ivy"].meta.get("shipped_current"), "ivy shipped once S3 is back", 30)
+    assert during.count("shipping sleeping instances failed") == 1, during
+    assert "shipping sleeping instances works again" not in during, during
+    until(lambda: "shipping sleeping instances works again" in text(), "the shipments say they work again", 30)

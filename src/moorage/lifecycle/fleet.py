@@ -234,6 +234,7 @@ class FleetDuties:
                     rec = await self.io(ts.sandboxes.get, li.record_id)
                     if rec.state != S.RUNNING.value or rec.host != self.host or rec.lease_epoch != li.epoch:
                         return
+                    began = self._awake_ship_rounds.clock()
                     async with li.sandbox.frozen():
                         shipped = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch,
                                                 held=self.record_now(ts, rec.id))
@@ -241,7 +242,7 @@ class FleetDuties:
                         # fails would leave it looking like one, and the cache would evict the only newest copy.
                         await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
                     li.last_ship = time.monotonic()
-                    self._awake_ship_rounds.ok()
+                    self._awake_ship_rounds.ok(began)
                     with contextlib.suppress(ConflictError):  # it moved meanwhile (a sleep ships it anyway)
                         await self.io(ts.sandboxes.update, rec.id, expected_version=rec.version,
                                       meta={**rec.meta, "shipped": {**shipped, "awake": True}, "shipped_current": False})
@@ -272,7 +273,7 @@ class FleetDuties:
                                                                      limit=100_000)
                     if not shipped_current(r)]
 
-        shipped = left = 0
+        shipped = left = tried = 0
         refused: list[str] = []
         error: Exception | None = None
         for tenant_id, rec in await self.io(mine):
@@ -291,6 +292,7 @@ class FleetDuties:
                 _, epoch = await self.io(self.fleet.shipper.local_state, self.driver.root / cur.id)
                 if epoch is None:
                     continue  # no copy here (nothing to ship; it wakes from what it last shipped)
+                tried += 1
                 try:
                     meta = await self.io(self.fleet.ship, tenant_id, cur, cur.lease_epoch,
                                          held=self.record_now(ts, cur.id))
@@ -308,7 +310,7 @@ class FleetDuties:
                 shipped += 1
         if error is not None:  # one line for the pass (and one a minute while it lasts), not one per instance
             self._unshipped_rounds.failed(error, still_unshipped=left, instances=refused[:10])
-        else:
+        elif tried:  # a pass that had nothing to ship says nothing of the object store
             self._unshipped_rounds.ok()
         if shipped:
             log.info("sleeping instances shipped after the object store came back", count=shipped, left=left)
