@@ -14,7 +14,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from moorage.api.routes import app as app_routes
+from moorage.api import credential_watch
 from tests.api.conftest import aclient
 from tests.app.wsapp import agent_py
 
@@ -69,7 +69,7 @@ async def _closed_within(ws: ClientConnection, seconds: float) -> tuple[int, str
 
 
 async def test_open_sockets_end_with_their_credential(live_rt, acme: str, tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(app_routes, "CREDENTIAL_RECHECK_S", 0.2, raising=False)
+    monkeypatch.setattr(credential_watch, "RECHECK_S", 0.2)
     ws_url = live_rt.url.replace("http://", "ws://")
     async with aclient(live_rt, acme) as c:
         r = await c.post("/v1/agents/wsecho/deployments", content=_archive(tmp_path),

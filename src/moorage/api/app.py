@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from moorage.api.auth import Authenticator
 from moorage.api.cors import Cors
+from moorage.api.credential_watch import Checks
 from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
 from moorage.api.problem import from_error, internal, problem
@@ -47,6 +48,8 @@ class AppContext:
     max_end_user_requests: int = 32
     #: Requests in flight per end-user, as ``max_end_user_requests`` counts them.
     end_user_requests: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: Checks of credentials again while requests they opened last (``api/credential_watch.Checks``).
+    credential_checks: Any = None
     _embedder: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -85,6 +88,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
     metrics = Metrics(_instance_counts(store), data_dir=config.data_dir)
     ctx = AppContext(store, runtime, config, authenticator or Authenticator.for_data_dir(store, config.data_dir),
                      Tracer(span_sink), metrics, max_end_user_requests=config.end_user_max_requests)
+    ctx.credential_checks = Checks(ctx.auth.authenticate)
     endpoints = all_endpoints()
     spec = build_spec(endpoints)
 

@@ -128,6 +128,10 @@ def installation_fingerprints(config: Any) -> dict[str, Any]:
                         list(Keyring.from_config(config).keys))
 
 
+class TokenExpired(Unauthenticated):
+    """An end-user token past its ``exp``: not a revocation (a turn it started may finish, ``credential_watch``)."""
+
+
 @dataclass(frozen=True)
 class UserToken:
     token: str
@@ -232,7 +236,7 @@ class Authenticator:
         if not isinstance(key_id, str) or not key_id or not isinstance(tenant, str):
             raise bad
         if exp <= time.time():
-            raise Unauthenticated("end-user token expired", hint="ask the application for a fresh token")
+            raise TokenExpired("end-user token expired", hint="ask the application for a fresh token")
         try:
             self.store.operator.get_tenant(tenant)
         except NotFound as e:

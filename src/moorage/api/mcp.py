@@ -247,11 +247,11 @@ async def mcp_for_token(call: Call) -> Response:
 ENDPOINTS = [
     Endpoint("POST", "/mcp/{agent}", mcp_for_agent,
              "MCP server of one agent (Streamable HTTP; the body is a JSON-RPC message, see docs/mcp.md)", "mcp",
-             "mcpAgent", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT,
+             "mcpAgent", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT, long_lived=True,
              body_doc=S.ref("McpRequest"), response=S.ref("McpResponse"),
              other_responses=((202, None),)),  # 202: a notification, no body
     Endpoint("POST", "/mcp", mcp_for_token,
              "MCP server of the end-user token's agent (Streamable HTTP; see docs/mcp.md)", "mcp",
-             "mcpToken", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT,
+             "mcpToken", scope="invoke", end_user=True, idempotency="none", max_body=MCP_BODY_LIMIT, long_lived=True,
              body_doc=S.ref("McpRequest"), response=S.ref("McpResponse"), other_responses=((202, None),)),
 ]

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
+from moorage.api.credential_watch import CredentialEnded, Watch, Watched
 from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal, with_openai_error
 from moorage.fleet.forward import forwarded, forwarded_by
@@ -158,6 +159,9 @@ class Endpoint:
     relayed: bool = False
     #: Response fields holding a secret shown once: a replay returns them as null (the journal never keeps them).
     secret_fields: tuple[str, ...] = ()
+    #: The answer may take long (a turn, an exec, an app's request; a stream always does): the credential is checked
+    #: again while it lasts, and the request ends with it (``api/credential_watch.py``).
+    long_lived: bool = False
 
     def __post_init__(self) -> None:
         if self.auth == "tenant":
@@ -182,12 +186,19 @@ class Endpoint:
         if forwarded_by(request.scope):  # signed by another host of the fleet; a caller's own marker is ignored
             forwarded.set(True)  # this request task only: another host sent it here to be served here
         held: tuple[str, str, str] | None = None
+        watch: Watch | None = None
+        relayed = False
         try:
             principal, ts = await self._authorize(ctx, request)
             held = _hold_end_user(ctx, principal)
+            watch = self._watch(ctx, request, principal, trace_id)
             try:
-                response = await self._run(ctx, request, principal, ts, trace_id)
+                work = self._run(ctx, request, principal, ts, trace_id)
+                response = await (watch.race(work) if watch is not None else work)
             except Misplaced as e:
+                # The owner checks the credential of what it serves (it is forwarded with the request) and ends
+                # its stream with the final event; cutting the relay here could split one of its frames.
+                relayed = True
                 response = await self._forward(ctx, request, e, trace_id)
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
@@ -205,7 +216,14 @@ class Endpoint:
                 response = internal(trace_id)
         except BaseException:  # cancelled (the server stopping): the end-user's place is theirs again
             _let_go(ctx, held)
+            if watch is not None:
+                watch.stop()
             raise
+        if watch is not None:
+            if relayed or not isinstance(response, StreamingResponse):
+                watch.stop()
+            else:
+                response = Watched(response, watch, trace_id, openai=self.tag == "openai")
         if self.tag == "openai" and response.status_code >= 400:
             response = with_openai_error(response)  # the official openai clients read their error from it
         try:
@@ -214,9 +232,26 @@ class Endpoint:
                                         trace_id)
         except BaseException:
             _let_go(ctx, held)
+            if isinstance(response, Watched):
+                response.watch.stop()
             raise
         # The end-user's place is held until the answer is sent in full (a stream: to its end, or the caller left).
         return response if held is None else _Releasing(response, lambda: _let_go(ctx, held))
+
+    def _watch(self, ctx: "AppContext", request: Request, principal: Principal | None, trace_id: str) -> Watch | None:
+        """A check of the request's credential for as long as it lasts (long-lived routes of tenant credentials)."""
+        if principal is None or not (self.long_lived or self.streams) or ctx.credential_checks is None:
+            return None
+        header = request.headers.get("authorization")
+
+        async def ended(e: CredentialEnded) -> None:
+            log.info("a request ended with its credential", route=self.path, trace_id=trace_id,
+                     expired=e.expired, why=e.cause.message)
+            end = getattr(ctx.runtime, "end_request_turns", None)
+            if not e.expired and end is not None:  # revoked: its turns stop spending the tenant's budget
+                await end(principal.tenant_id, trace_id, "the credential of its request was revoked")
+
+        return Watch(lambda: ctx.credential_checks.check(header), ended)
 
     @staticmethod
     async def _forward(ctx: "AppContext", request: Request, e: "Misplaced", trace_id: str) -> Response:

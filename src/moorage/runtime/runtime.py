@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 import uuid
 from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine, NonDeterminismError
-from moorage.errors import ConflictError, InvalidInput, NotFound
+from moorage.errors import ConflictError, InvalidInput, NotFound, Unauthenticated
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
@@ -68,6 +69,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
 
         self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
         self.turns: dict[str, TurnBinding] = {}
+        #: (tenant, trace id) of requests whose credential was revoked under way -> until when a turn of theirs
+        #: still queued is refused as it is admitted (``end_request_turns``).
+        self._ended_requests: dict[tuple[str, str], float] = {}
         self.activity = TenantActivity()  # which tenants run turns: their CPU shares apply while others do
         self.tracer = Tracer()
         from moorage.memory.embed_queue import EmbedQueue
@@ -168,6 +172,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         restart) was admitted when it began."""
         if getattr(turn, "resume", False):
             return
+        if self._ended_requests.get((ts.tenant_id, getattr(turn, "trace_id", "")), 0.0) > time.monotonic():
+            raise Unauthenticated("the credential of this turn's request was revoked before the turn began",
+                                  hint="send the turn again with a valid credential")
         from moorage.usage import caps
 
         budget = caps.tenant_token_budget(self, ts.tenant_id)
@@ -178,6 +185,34 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
             caps.check(ts, entity.agent, entity.user)
 
         await asyncio.to_thread(check)
+
+    #: How long a revoked request's turn still queued is refused as it is admitted (past a turn's 600 s at most).
+    ENDED_REQUEST_S = 900.0
+
+    async def end_request_turns(self, tenant_id: str, trace_id: str, why: str) -> list[str]:
+        """Cancel the turns of a request (its trace id) whose credential was revoked while it was open: those
+        running here now, and one still queued is refused as it is admitted (``_admit_turn``). The run ids
+        cancelled. A caller that merely leaves does not cancel its turn (it is durable); a revocation does."""
+        now = time.monotonic()
+        for k, until in list(self._ended_requests.items()):
+            if until <= now:
+                self._ended_requests.pop(k, None)
+        self._ended_requests[(tenant_id, trace_id)] = now + self.ENDED_REQUEST_S
+        cancelled: list[str] = []
+        for _ in range(3):  # a turn admitted just before is bound to its run a moment later
+            for b in [b for b in self.turns.values() if b.ts.tenant_id == tenant_id and b.trace_id == trace_id]:
+                if b.run_id in cancelled:
+                    continue
+                try:
+                    run = await asyncio.to_thread(DurableEngine(b.ts).cancel, b.run_id, why)
+                except NotFound:
+                    continue
+                if run.status == "cancelled":
+                    cancelled.append(b.run_id)
+                    if b.reader is not None:
+                        b.reader.cancel()  # the agent stops in the guest now, not at its next journal write
+            await asyncio.sleep(0.2)
+        return cancelled
 
     @staticmethod
     def _existing_run(ts: TenantStore, run_id: str) -> Any:

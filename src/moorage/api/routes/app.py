@@ -18,6 +18,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from moorage.api import schemas as S
+from moorage.api.credential_watch import until_ended
 from moorage.api.routes._common import agent_of, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
@@ -192,7 +193,7 @@ _LINK_BODY = S.obj({"ttl_s": {"type": "number", "minimum": 1, "description": "se
 ENDPOINTS = [
     *(Endpoint(m, _APP + "/{path:path}", serve_app, "The user's instance of the agent serves this request on its app port",
                "apps", f"app{m.capitalize()}", scope="invoke", end_user=True, idempotency="none",
-               max_body=APP_BODY_LIMIT, relayed=True) for m in APP_METHODS),
+               max_body=APP_BODY_LIMIT, relayed=True, long_lived=True) for m in APP_METHODS),
     Endpoint("GET", _APP, app_root, "Redirect to the app's root (a trailing slash keeps relative links inside it)",
              "apps", "appRoot", scope="invoke", end_user=True, idempotency="none", status=308),
     *(Endpoint(m, _SHARED + "/{path:path}", serve_shared, "A share link serves this request from one user's app",
@@ -300,33 +301,24 @@ async def _socket(ws: WebSocket, shared: bool) -> None:
         await asyncio.to_thread(_record_span, ctx, ts, agent, user, shared, started, outcome, sock)
 
 
-#: How often an open socket's credential is checked again (revoked or expired: the socket is closed with 1008).
-CREDENTIAL_RECHECK_S = 5.0
-
-
 async def _credential_ended(ctx: Any, ws: WebSocket, shared: bool) -> Any:
     """Returns (an ``Outcome``: close 1008) once the credential that opened ``ws`` no longer would: an end-user
-    token expired or its issuing key revoked, a key revoked, a share link revoked or expired. Before, a socket
-    opened with it stayed open for good. A store out of reach is not taken for a revocation."""
+    token expired or its issuing key revoked, a key revoked, a share link revoked or expired; checked as every
+    long-lived request's is (``api/credential_watch.py``). Before, a socket opened with it stayed open for good."""
     from moorage.runtime.app_socket import Outcome
     from moorage.ws_close import POLICY_VIOLATION
 
     header = ws.headers.get("authorization")
-    while True:
-        await asyncio.sleep(CREDENTIAL_RECHECK_S)
-        try:
-            if shared:
-                await _open_token(ctx.runtime, ctx.store, ws.path_params["token"])
-            else:
-                await asyncio.to_thread(ctx.auth.authenticate, header)
-        except MoorageError as e:
-            if e.http_status not in (401, 403, 404):
-                continue
-            what = "share link" if shared else "credential"
-            return Outcome(POLICY_VIOLATION, f"the {what} that opened this socket was revoked or expired",
-                           "credential-ended")
-        except Exception:  # noqa: BLE001 - the store out of reach: checked again next time
-            continue
+
+    async def check() -> None:
+        if shared:
+            await _open_token(ctx.runtime, ctx.store, ws.path_params["token"])
+        else:
+            await ctx.credential_checks.check(header)
+
+    await until_ended(check)
+    what = "share link" if shared else "credential"
+    return Outcome(POLICY_VIOLATION, f"the {what} that opened this socket was revoked or expired", "credential-ended")
 
 
 async def _open_on_owner(ctx: Any, ws: WebSocket, e: Any, trace_id: str) -> Any:

@@ -240,7 +240,7 @@ ENDPOINTS = [
              response=S.obj({"path": S.STR, "encoding": {"enum": ["utf-8", "base64"]}, "content": S.STR})),
     # Exec runs anything in the sandbox: the same scope as the other sandbox verbs.
     Endpoint("POST", f"{_BOX}/exec", exec_command, "Run a command in the sandbox (detach: 202 and an execution)",
-             "sandboxes", "execSandbox", scope="deploy", agent_checked=True,
+             "sandboxes", "execSandbox", scope="deploy", agent_checked=True, long_lived=True,
              # Detached: the Idempotency-Key names the execution (a retry gets it, nothing runs twice). A
              # synchronous exec's output can exceed what the HTTP replay journal keeps, so it is not journaled.
              idempotency="runtime",

@@ -103,7 +103,7 @@ ENDPOINTS = [
              "getWorkflow", scope="read", response=S.ref("WorkflowDetail"), agent_checked=True),
     Endpoint("POST", "/v1/workflows/{run_id}/answer", answer, "Answer a run's interrupt (human approval)",
              "workflows", "answerWorkflow", scope="invoke", body=S.obj({"answer": S.ANY}), response=S.ref("TurnResult"),
-             agent_checked=True),
+             agent_checked=True, long_lived=True),
     Endpoint("POST", "/v1/workflows/{run_id}/cancel", cancel, "Cancel a run", "workflows", "cancelWorkflow",
              scope="invoke", response=S.ref("WorkflowRun"), agent_checked=True),
 ]
