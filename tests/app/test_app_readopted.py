@@ -8,6 +8,7 @@ import io
 import os
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,15 @@ def _deploy_and_page(host: LocalHost, root: Path, version: str) -> str:
                 tar.add(p, arcname=p.name)
         r = c.post("/v1/agents/web/deployments", content=buf.getvalue(), headers={"content-type": "application/gzip"})
         assert r.status_code == 201, r.text
-        r = c.get("/v1/agents/web/users/ada/app/")
+        # Restarted for the new code, the app may still be binding its port: a 502 until it listens is fair (the
+        # wait for it is the app path's own concern), the old code's page never is.
+        deadline = time.monotonic() + 30
+        while True:
+            r = c.get("/v1/agents/web/users/ada/app/")
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert r.status_code == 502 and "app-unavailable" in r.text, r.text
+            time.sleep(0.2)
         assert r.status_code == 200, r.text
         return r.text
 
