@@ -24,15 +24,20 @@ NOW = time.time()
 
 def fill(ts: TenantStore, rng: random.Random, n: int = 400) -> None:
     """Rows over 40 days (some on a day's first second), of two agents (and none), users, their instances."""
+    at = NOW
     for _ in range(n):
         kind = rng.choice(KINDS)
         agent = rng.choice(("echo", "echo", "bot", None))
         user = rng.choice(("alice", "bob", "carol", "dave", None)) if agent else None
         if kind in ledger.GAUGES:  # an instance's measurement names its instance (ledger.record)
             agent, user = agent or "echo", user or "erin"
-        at = NOW - rng.uniform(0, 40 * 86400)
-        if rng.random() < 0.1:
-            at = math.floor(at / 86400) * 86400.0
+        r = rng.random()
+        if r < 0.1:
+            at = math.floor(NOW / 86400 - rng.randrange(40)) * 86400.0  # a day's first instant
+        elif r < 0.4:
+            at = min(NOW, at + rng.choice((0.0, rng.uniform(0, 7200))))  # the same instant or day as the last
+        else:
+            at = NOW - rng.uniform(0, 40 * 86400)
         amount = rng.uniform(0, 3) if kind in ("cost_usd", "compute_seconds") else float(rng.randrange(0, 5000))
         scope = Scope.for_user(agent, user) if agent and user else None
         ts.usage.add(kind, amount, agent_id=agent, user_id=user, scope=scope, ts=at)
@@ -91,7 +96,8 @@ def test_the_rollups_sum_as_the_ledger_did_and_follow_its_deletions(tenant: Tena
         c.x("DELETE FROM usage WHERE ts < ?", (NOW - 35 * 86400,))
         latest = c.q("SELECT id FROM usage WHERE kind = 'disk_bytes' AND scope IS NOT NULL ORDER BY ts DESC, id DESC "
                      "LIMIT 3")
-        for (i,) in latest:
+        gauges = c.q("SELECT id FROM usage WHERE kind IN ('disk_bytes', 'snapshot_bytes') ORDER BY id")
+        for (i,) in [*latest, *random.Random(5).sample(gauges, len(gauges) // 4)]:
             c.x("DELETE FROM usage WHERE id = ?", (i,))
     check(tenant)
     with tenant._tx() as c:  # every row: nothing is left in the rollups, not even a float's remainder
@@ -104,31 +110,24 @@ def test_the_rollups_sum_as_the_ledger_did_and_follow_its_deletions(tenant: Tena
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
 def test_the_migration_builds_the_rollups_of_rows_written_before_it(kind: str, tmp_path: Path,
                                                                     request: pytest.FixtureRequest) -> None:
-    if kind == "sqlite":
-        old = SQLiteBackend(tmp_path / "store")
-        store = Store(old)
-        t, _ = store.operator.create_tenant("old")
-        store.close()
-        old = SQLiteBackend(tmp_path / "store")
-        with old._files.use(str(old.tenant_path(t.id))) as conn:  # back to before migration 28
-            for sql in ("DROP TRIGGER usage_days_ai", "DROP TRIGGER usage_days_ad", "DROP TRIGGER usage_levels_ai",
-                        "DROP TRIGGER usage_levels_ad", "DROP TABLE usage_days", "DROP TABLE usage_levels",
-                        "DELETE FROM schema_migrations WHERE version >= 28"):
-                conn.execute(sql)
-            conn.commit()
-        old.close()
-        before = Store(SQLiteBackend(tmp_path / "store"))
-        before.backend._migrated.add(str(before.backend.tenant_path(t.id)))  # type: ignore[attr-defined]
+    if kind == "sqlite":  # a tenant at schema 27 (create_tenant would migrate it to the latest)
+        b = SQLiteBackend(tmp_path / "store")
+        before = Store(b)
+        tid = "a" * 32
+        with b.control_tx() as c:
+            c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
+        b.init_tenant(tid, upto=27)
+        b._migrated.add(str(b.tenant_path(tid)))  # pretend this process already checked it
         make = lambda: Store(SQLiteBackend(tmp_path / "store"))  # noqa: E731
     else:
         url = request.getfixturevalue("pg_url")
         before = Store(PostgresBackend(url, upto=27))
-        t, _ = before.operator.create_tenant("old")
+        tid = before.operator.create_tenant("old")[0].id
         make = lambda: Store(PostgresBackend(url))  # noqa: E731
-    fill(before.tenant(before.operator.principal(t.id)), random.Random(7))
+    fill(before.tenant(before.operator.principal(tid)), random.Random(7))
     before.close()
     after = make()
-    ts = after.tenant(after.operator.principal(t.id))
+    ts = after.tenant(after.operator.principal(tid))
     assert ts.read("SELECT COUNT(*) FROM usage_days")[0][0] > 0
     check(ts)
     fill(ts, random.Random(8), n=50)  # and keeps them from there
@@ -138,13 +137,17 @@ def test_the_migration_builds_the_rollups_of_rows_written_before_it(kind: str, t
 
 def test_a_tenants_totals_read_at_most_a_day_of_ledger_rows(tenant: TenantStore,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """GET /v1/usage of a tenant or agent, the fleet view, the tenant's LLM budget before a turn: whole days come
-    from the rollups; a statement over the ledger itself is bounded to the part of a day before the first."""
+    """GET /v1/usage of a tenant or agent (also by day), the fleet view, the tenant's LLM budget before a turn: whole
+    days come from the rollups; a statement over the ledger rows or the instances' levels is bounded to the part of
+    a day at either end."""
     fill(tenant, random.Random(3), n=60)
     with recorded(monkeypatch) as seen:
         for since in (0.0, NOW - 30 * 86400):
             ledger.totals(tenant, since=since)
             ledger.totals(tenant, since=since, agent="echo")
-    ledger_reads = [(sql, p) for sql, p in seen if re.search(r"FROM usage\b", sql)]
-    for sql, params in ledger_reads:
+            ledger.by_day(tenant, since=since)
+            ledger.by_day(tenant, since=since, agent="echo")
+    per_row = [(sql, p) for sql, p in seen if re.search(r"FROM (usage|usage_levels)\b", sql)]
+    assert per_row
+    for sql, params in per_row:
         assert "ts >= ? AND ts < ?" in sql and params[1] - params[0] <= 86400, sql

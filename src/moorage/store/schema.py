@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from moorage.errors import ConfigError
+from moorage.store import usage_rollups
 
 
 @dataclass(frozen=True)
@@ -863,126 +864,15 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         28,
-        "usage rollups: the ledger's sums per agent, UTC day and kind, and each instance's latest storage level",
+        "usage rollups: the ledger's sums per agent, UTC day and kind, and the instances' storage levels",
         # GET /v1/usage of a tenant or agent summed every ledger row since ``since`` and read every disk/snapshot
-        # measurement into Python (381 ms at 50,000 users, bench/results/latest/scale.md). The store keeps both as
-        # the ledger changes (triggers, so a host of an earlier version in a fleet keeps them too); moorage.usage
-        # reads them for whole days and the ledger for the part of a day at the edges. A user's own usage (caps)
+        # measurement into Python (381 ms at 50,000 users, bench/results/latest/scale.md); the tables and their
+        # triggers are described in store/usage_rollups.py, moorage.usage reads them. A user's own usage (caps)
         # is read from the ledger through its index, as before.
-        statements=(
-            # ``shard``: on PostgreSQL the row's id modulo 8, so concurrent turns of one agent add to different rows
-            # rather than queue on one row's lock; on SQLite (one writer) always 0. ``n``: the ledger rows summed;
-            # a rollup whose rows were all deleted is deleted, so its sum never keeps a float's remainder.
-            """CREATE TABLE usage_days (
-                {tenant_col}
-                agent_id TEXT NOT NULL, day BIGINT NOT NULL, kind TEXT NOT NULL, shard INTEGER NOT NULL,
-                amount {real} NOT NULL, n BIGINT NOT NULL,
-                PRIMARY KEY ({tpk}agent_id, day, kind, shard))""",
-            "CREATE INDEX usage_days_day ON usage_days ({tpk}day)",
-            # The ledger row of each instance's (scope's) latest disk or snapshot bytes: the latest by (ts, id).
-            """CREATE TABLE usage_levels (
-                {tenant_col}
-                scope TEXT NOT NULL, kind TEXT NOT NULL, agent_id TEXT, user_id TEXT, ts {real} NOT NULL,
-                row_id BIGINT NOT NULL, amount {real} NOT NULL,
-                PRIMARY KEY ({tpk}scope, kind))""",
-            "CREATE INDEX usage_levels_agent ON usage_levels ({tpk}agent_id, ts)",
-        ),
-        tenant_tables=("usage_days", "usage_levels"),
-        sqlite_only=(
-            """INSERT INTO usage_days (agent_id, day, kind, shard, amount, n)
-                SELECT COALESCE(agent_id, ''), CAST(ts / 86400 AS INTEGER), kind, 0, SUM(amount), COUNT(*)
-                FROM usage GROUP BY 1, 2, 3""",
-            """INSERT INTO usage_levels (scope, kind, agent_id, user_id, ts, row_id, amount)
-                SELECT s, kind, agent_id, user_id, ts, id, amount FROM (
-                    SELECT COALESCE(scope, '') AS s, kind, agent_id, user_id, ts, id, amount, ROW_NUMBER() OVER (
-                        PARTITION BY COALESCE(scope, ''), kind ORDER BY ts DESC, id DESC) AS rn
-                    FROM usage WHERE kind IN ('disk_bytes', 'snapshot_bytes')) WHERE rn = 1""",
-            """CREATE TRIGGER usage_days_ai AFTER INSERT ON usage BEGIN
-                INSERT INTO usage_days (agent_id, day, kind, shard, amount, n)
-                VALUES (COALESCE(NEW.agent_id, ''), CAST(NEW.ts / 86400 AS INTEGER), NEW.kind, 0, NEW.amount, 1)
-                ON CONFLICT (agent_id, day, kind, shard) DO UPDATE SET amount = amount + excluded.amount, n = n + 1;
-            END""",
-            """CREATE TRIGGER usage_days_ad AFTER DELETE ON usage BEGIN
-                UPDATE usage_days SET amount = amount - OLD.amount, n = n - 1
-                WHERE agent_id = COALESCE(OLD.agent_id, '') AND day = CAST(OLD.ts / 86400 AS INTEGER)
-                AND kind = OLD.kind AND shard = 0;
-                DELETE FROM usage_days WHERE agent_id = COALESCE(OLD.agent_id, '')
-                AND day = CAST(OLD.ts / 86400 AS INTEGER) AND kind = OLD.kind AND shard = 0 AND n <= 0;
-            END""",
-            """CREATE TRIGGER usage_levels_ai AFTER INSERT ON usage WHEN NEW.kind IN ('disk_bytes', 'snapshot_bytes') BEGIN
-                INSERT INTO usage_levels (scope, kind, agent_id, user_id, ts, row_id, amount)
-                VALUES (COALESCE(NEW.scope, ''), NEW.kind, NEW.agent_id, NEW.user_id, NEW.ts, NEW.id, NEW.amount)
-                ON CONFLICT (scope, kind) DO UPDATE SET agent_id = excluded.agent_id, user_id = excluded.user_id,
-                    ts = excluded.ts, row_id = excluded.row_id, amount = excluded.amount
-                WHERE excluded.ts > usage_levels.ts
-                    OR (excluded.ts = usage_levels.ts AND excluded.row_id > usage_levels.row_id);
-            END""",
-            # Only the deletion of an instance's latest row changes its level: to its latest row left, if any.
-            """CREATE TRIGGER usage_levels_ad AFTER DELETE ON usage WHEN OLD.kind IN ('disk_bytes', 'snapshot_bytes') AND EXISTS (
-                SELECT 1 FROM usage_levels WHERE scope = COALESCE(OLD.scope, '') AND kind = OLD.kind
-                AND row_id = OLD.id) BEGIN
-                DELETE FROM usage_levels WHERE scope = COALESCE(OLD.scope, '') AND kind = OLD.kind;
-                INSERT INTO usage_levels (scope, kind, agent_id, user_id, ts, row_id, amount)
-                SELECT COALESCE(scope, ''), kind, agent_id, user_id, ts, id, amount FROM usage
-                WHERE scope IS OLD.scope AND kind = OLD.kind ORDER BY ts DESC, id DESC LIMIT 1;
-            END""",
-        ),
-        postgres_only=(
-            # Every tenant's rows (forced row-level security binds the owner running migrations, as for migration 21).
-            "ALTER TABLE usage NO FORCE ROW LEVEL SECURITY",
-            """INSERT INTO usage_days (tenant_id, agent_id, day, kind, shard, amount, n)
-                SELECT tenant_id, COALESCE(agent_id, ''), floor(ts / 86400)::BIGINT, kind, (id % 8)::INTEGER,
-                       SUM(amount), COUNT(*)
-                FROM usage GROUP BY 1, 2, 3, 4, 5""",
-            """INSERT INTO usage_levels (tenant_id, scope, kind, agent_id, user_id, ts, row_id, amount)
-                SELECT tenant_id, s, kind, agent_id, user_id, ts, id, amount FROM (
-                    SELECT tenant_id, COALESCE(scope, '') AS s, kind, agent_id, user_id, ts, id, amount,
-                           ROW_NUMBER() OVER (PARTITION BY tenant_id, COALESCE(scope, ''), kind
-                                              ORDER BY ts DESC, id DESC) AS rn
-                    FROM usage WHERE kind IN ('disk_bytes', 'snapshot_bytes')) x WHERE rn = 1""",
-            "ALTER TABLE usage FORCE ROW LEVEL SECURITY",
-            """CREATE OR REPLACE FUNCTION moorage_usage_rollup() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-                IF TG_OP = 'INSERT' THEN
-                    INSERT INTO usage_days (tenant_id, agent_id, day, kind, shard, amount, n)
-                    VALUES (NEW.tenant_id, COALESCE(NEW.agent_id, ''), floor(NEW.ts / 86400)::BIGINT, NEW.kind,
-                            (NEW.id % 8)::INTEGER, NEW.amount, 1)
-                    ON CONFLICT (tenant_id, agent_id, day, kind, shard) DO UPDATE
-                    SET amount = usage_days.amount + EXCLUDED.amount, n = usage_days.n + 1;
-                    IF NEW.kind IN ('disk_bytes', 'snapshot_bytes') THEN
-                        INSERT INTO usage_levels (tenant_id, scope, kind, agent_id, user_id, ts, row_id, amount)
-                        VALUES (NEW.tenant_id, COALESCE(NEW.scope, ''), NEW.kind, NEW.agent_id, NEW.user_id, NEW.ts,
-                                NEW.id, NEW.amount)
-                        ON CONFLICT (tenant_id, scope, kind) DO UPDATE SET agent_id = EXCLUDED.agent_id,
-                            user_id = EXCLUDED.user_id, ts = EXCLUDED.ts, row_id = EXCLUDED.row_id,
-                            amount = EXCLUDED.amount
-                        WHERE EXCLUDED.ts > usage_levels.ts
-                            OR (EXCLUDED.ts = usage_levels.ts AND EXCLUDED.row_id > usage_levels.row_id);
-                    END IF;
-                    RETURN NULL;
-                END IF;
-                UPDATE usage_days SET amount = amount - OLD.amount, n = n - 1
-                WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '')
-                AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.id % 8)::INTEGER;
-                DELETE FROM usage_days WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '')
-                AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.id % 8)::INTEGER
-                AND n <= 0;
-                IF OLD.kind IN ('disk_bytes', 'snapshot_bytes') THEN
-                    DELETE FROM usage_levels WHERE tenant_id = OLD.tenant_id AND scope = COALESCE(OLD.scope, '')
-                    AND kind = OLD.kind AND row_id = OLD.id;
-                    IF FOUND THEN
-                        INSERT INTO usage_levels (tenant_id, scope, kind, agent_id, user_id, ts, row_id, amount)
-                        SELECT tenant_id, COALESCE(scope, ''), kind, agent_id, user_id, ts, id, amount FROM usage
-                        WHERE tenant_id = OLD.tenant_id AND kind = OLD.kind AND (scope = OLD.scope
-                            OR (OLD.scope IS NULL AND scope IS NULL))
-                        ORDER BY ts DESC, id DESC LIMIT 1;
-                    END IF;
-                END IF;
-                RETURN NULL;
-            END $$""",
-            "CREATE TRIGGER usage_rollup AFTER INSERT OR DELETE ON usage FOR EACH ROW "
-            "EXECUTE FUNCTION moorage_usage_rollup()",
-        ),
+        statements=usage_rollups.TABLES,
+        tenant_tables=usage_rollups.TABLE_NAMES,
+        sqlite_only=usage_rollups.SQLITE,
+        postgres_only=usage_rollups.POSTGRES,
         older_may_serve=True,  # tables the store keeps up itself, whoever writes the ledger
     ),
 )

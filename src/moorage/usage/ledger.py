@@ -29,6 +29,13 @@ def _where(since: float, until: float | None, agent: str | None, user: str | Non
     return where, params
 
 
+def _edges(since: float, until: float) -> tuple[int, int, list[tuple[float, float]]]:
+    """The whole UTC days in ``[since, until)`` (``first`` to ``last``, exclusive), and the parts of a day before
+    and after them: the rollups answer the days, the ledger (or an instance's level rows) the parts."""
+    first, last = math.ceil(since / 86400), math.floor(until / 86400)
+    return first, last, [(a, b) for a, b in ((since, first * 86400.0), (last * 86400.0, until)) if a < b]
+
+
 def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: str | None = None,
            user: str | None = None) -> list[dict[str, object]]:
     """``[{"day": "YYYY-MM-DD", "totals": {kind: amount}}]``, oldest first, days with usage only."""
@@ -36,23 +43,28 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
     where, params = _where(since, until, agent, user)
     gauges = ", ".join("?" for _ in GAUGES)
     sums = f"SELECT {bucket} AS d, kind, SUM(amount) FROM usage WHERE {{}} AND kind NOT IN ({gauges}) GROUP BY d, kind"
-    first, last = math.ceil(since / 86400), math.floor(params[1] / 86400)
+    first, last, edges = _edges(since, params[1])
     if user is not None or first >= last:  # a user's rows through their index; a window inside a day or two
-        rows = ts.read(sums.format(where), [*params, *GAUGES])
+        rows, edges = ts.read(sums.format(where), [*params, *GAUGES]), [(since, params[1])]
     else:  # whole days from the rollups (store migration 28), the ledger for the parts of a day at either end
-        edges, agent_sql = _where(since, first * 86400.0, agent, None), "" if agent is None else " AND agent_id = ?"
-        rows = ts.read(sums.format(edges[0]), [*edges[1], *GAUGES])
-        edges = _where(last * 86400.0, params[1], agent, None)
-        rows += ts.read(sums.format(edges[0]), [*edges[1], *GAUGES])
+        rows = []
+        for start, end in edges:
+            edge, edge_params = _where(start, end, agent, None)
+            rows += ts.read(sums.format(edge), [*edge_params, *GAUGES])
+        agent_sql = "" if agent is None else " AND agent_id = ?"
         rows += ts.read(f"SELECT day, kind, SUM(amount) FROM usage_days WHERE day >= ? AND day < ?{agent_sql} "
                         f"AND kind NOT IN ({gauges}) GROUP BY day, kind", [first, last, *params[2:], *GAUGES])
+        # each day's last measurement of every instance, summed
+        rows += ts.read(f"SELECT day, kind, SUM(amount) FROM usage_level_days WHERE latest = 0 AND day >= ? "
+                        f"AND day < ?{agent_sql} GROUP BY day, kind", [first, last, *params[2:]])
     days: dict[int, dict[str, float]] = {}
     for d, kind, amount in rows:
         totals = days.setdefault(int(d), {})
         totals[kind] = totals.get(kind, 0.0) + float(amount)
     last_sleep: dict[tuple[int, str, str], float] = {}  # (day, kind, instance scope) -> bytes at its last sleep that day
-    for at, kind, amount, scope in _gauge_rows(ts, where, params):
-        last_sleep[(int(at // 86400), kind, scope)] = float(amount)
+    for start, end in edges:
+        for at, kind, amount, scope in _gauge_rows(ts, *_where(start, end, agent, user)):
+            last_sleep[(int(at // 86400), kind, scope)] = float(amount)
     for (d, kind, _), amount in last_sleep.items():
         totals = days.setdefault(d, {})
         totals[kind] = totals.get(kind, 0.0) + amount
@@ -63,14 +75,22 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
 def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
     """Each gauge kind: the latest value of every instance that slept since ``since``, summed."""
     where, params = _where(since, None, agent, user)
-    if user is None:  # each instance's latest measurement, kept by the store (migration 28)
-        rows = ts.read(f"SELECT kind, SUM(amount) FROM usage_levels WHERE {where} GROUP BY kind", params)
-        return {kind: float(amount) for kind, amount in rows}
-    last: dict[tuple[str, str], float] = {}
-    for _, kind, amount, scope in _gauge_rows(ts, where, params):
-        last[(kind, scope)] = float(amount)
     out: dict[str, float] = {}
-    for (kind, _), amount in last.items():
+    if user is None:  # each instance's latest level, kept by the store (migration 28), summed per day
+        first, last, edges = _edges(since, params[1])
+        agent_sql = "" if agent is None else " AND agent_id = ?"
+        rows = ts.read(f"SELECT kind, SUM(amount) FROM usage_level_days WHERE latest = 1 AND day >= ? AND day < ?"
+                       f"{agent_sql} GROUP BY kind", [first, last, *params[2:]]) if first < last else []
+        for start, end in edges if first < last else [(since, params[1])]:
+            rows += ts.read(f"SELECT kind, SUM(amount) FROM usage_levels WHERE day = -1 AND ts >= ? AND ts < ?"
+                            f"{agent_sql} GROUP BY kind", [start, end, *params[2:]])
+        for kind, amount in rows:
+            out[kind] = out.get(kind, 0.0) + float(amount)
+        return out
+    last_level: dict[tuple[str, str], float] = {}
+    for _, kind, amount, scope in _gauge_rows(ts, where, params):
+        last_level[(kind, scope)] = float(amount)
+    for (kind, _), amount in last_level.items():
         out[kind] = out.get(kind, 0.0) + amount
     return out
 

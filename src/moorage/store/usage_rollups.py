@@ -1,0 +1,211 @@
+"""Store migration 28: rollups of the usage ledger, kept by triggers as ledger rows are written and deleted, so
+a tenant's or an agent's usage costs the same after a year of use (moorage.usage.ledger reads them).
+
+- ``usage_days``: the ledger's sums per agent, UTC day and kind (what ``Usage.totals`` summed row by row).
+- ``usage_levels``: each instance's (scope's) disk and snapshot bytes at its latest measurement (``day`` -1) and
+  at its last measurement of each UTC day (``day`` d): the ledger row latest by (ts, id), as the reads picked it.
+- ``usage_level_days``: those levels summed per agent, kind and UTC day of the measurement (``latest`` 1: the
+  instances' latest levels; 0: each day's last levels), so neither totals nor days read every instance.
+
+``shard``: on PostgreSQL the row id modulo 8, so concurrent writers add to different rows rather than queue on one
+row's lock; on SQLite (one writer per tenant) always 0. ``n``: the rows summed; a rollup none is left of is
+deleted, so it never keeps a float's remainder. The triggers run for every writer, a host of an earlier version
+in a fleet's rolling upgrade included.
+"""
+
+from __future__ import annotations
+
+GAUGES_SQL = "('disk_bytes', 'snapshot_bytes')"
+
+TABLES = (
+    """CREATE TABLE usage_days (
+        {tenant_col}
+        agent_id TEXT NOT NULL, day BIGINT NOT NULL, kind TEXT NOT NULL, shard INTEGER NOT NULL,
+        amount {real} NOT NULL, n BIGINT NOT NULL,
+        PRIMARY KEY ({tpk}agent_id, day, kind, shard))""",
+    "CREATE INDEX usage_days_day ON usage_days ({tpk}day)",
+    """CREATE TABLE usage_levels (
+        {tenant_col}
+        scope TEXT NOT NULL, kind TEXT NOT NULL, day BIGINT NOT NULL, agent_id TEXT, user_id TEXT,
+        ts {real} NOT NULL, row_id BIGINT NOT NULL, amount {real} NOT NULL,
+        PRIMARY KEY ({tpk}scope, kind, day))""",
+    "CREATE INDEX usage_levels_ts ON usage_levels ({tpk}day, ts)",
+    "CREATE INDEX usage_levels_agent ON usage_levels ({tpk}agent_id, day, ts)",
+    """CREATE TABLE usage_level_days (
+        {tenant_col}
+        agent_id TEXT NOT NULL, latest INTEGER NOT NULL, day BIGINT NOT NULL, kind TEXT NOT NULL,
+        shard INTEGER NOT NULL, amount {real} NOT NULL, n BIGINT NOT NULL,
+        PRIMARY KEY ({tpk}agent_id, latest, day, kind, shard))""",
+    # An instance's measurements in time order (its level after one is deleted); forgetting a user and the sweep
+    # of an expired scope still find a scope's rows through it.
+    "DROP INDEX usage_scope",
+    "CREATE INDEX usage_scope_kind ON usage ({tpk}scope, kind, ts)",
+)
+
+_LEVEL_COLS = "scope, kind, day, agent_id, user_id, ts, row_id, amount"
+
+
+def _sqlite_level_fallback(day: str) -> str:
+    """After the deletion of the ledger row a level was (its ``day`` -1 or its UTC day): the latest row left."""
+    in_day = "" if day == "-1" else (f"AND ts >= {day} * 86400.0 - 1 AND ts < {day} * 86400.0 + 86401 "
+                                     f"AND CAST(ts / 86400 AS INTEGER) = {day} ")
+    return (f"""CREATE TRIGGER usage_levels_ad{'' if day == '-1' else '_day'} AFTER DELETE ON usage
+        WHEN OLD.kind IN {GAUGES_SQL} AND EXISTS (SELECT 1 FROM usage_levels WHERE scope = COALESCE(OLD.scope, '')
+            AND kind = OLD.kind AND day = {day} AND row_id = OLD.id) BEGIN
+        DELETE FROM usage_levels WHERE scope = COALESCE(OLD.scope, '') AND kind = OLD.kind AND day = {day};
+        INSERT INTO usage_levels ({_LEVEL_COLS})
+        SELECT COALESCE(scope, ''), kind, {day}, agent_id, user_id, ts, id, amount FROM usage
+        WHERE scope IS OLD.scope AND kind = OLD.kind {in_day}ORDER BY ts DESC, id DESC LIMIT 1;
+    END""")
+
+
+def _sqlite_level_sum(op: str, row: str, sign: str) -> str:
+    day = f"CAST({row}.ts / 86400 AS INTEGER)"
+    if sign == "+":
+        return (f"INSERT INTO usage_level_days (agent_id, latest, day, kind, shard, amount, n) "
+                f"VALUES (COALESCE({row}.agent_id, ''), {row}.day = -1, {day}, {row}.kind, 0, {row}.amount, 1) "
+                "ON CONFLICT (agent_id, latest, day, kind, shard) DO UPDATE SET amount = amount + excluded.amount, "
+                "n = n + 1;")
+    where = (f"agent_id = COALESCE({row}.agent_id, '') AND latest = ({row}.day = -1) AND day = {day} "
+             f"AND kind = {row}.kind AND shard = 0")
+    return (f"UPDATE usage_level_days SET amount = amount - {row}.amount, n = n - 1 WHERE {where}; "
+            f"DELETE FROM usage_level_days WHERE {where} AND n <= 0;")
+
+
+SQLITE = (
+    """INSERT INTO usage_days (agent_id, day, kind, shard, amount, n)
+        SELECT COALESCE(agent_id, ''), CAST(ts / 86400 AS INTEGER), kind, 0, SUM(amount), COUNT(*)
+        FROM usage GROUP BY 1, 2, 3""",
+    # The levels' sums follow the levels (created first: the backfill of the levels below fills them).
+    f"CREATE TRIGGER usage_level_days_ai AFTER INSERT ON usage_levels BEGIN {_sqlite_level_sum('ai', 'NEW', '+')} END",
+    f"CREATE TRIGGER usage_level_days_ad AFTER DELETE ON usage_levels BEGIN {_sqlite_level_sum('ad', 'OLD', '-')} END",
+    f"CREATE TRIGGER usage_level_days_au AFTER UPDATE ON usage_levels BEGIN {_sqlite_level_sum('au', 'OLD', '-')} "
+    f"{_sqlite_level_sum('au', 'NEW', '+')} END",
+    f"""INSERT INTO usage_levels ({_LEVEL_COLS})
+        SELECT s, kind, d, agent_id, user_id, ts, id, amount FROM (
+            SELECT COALESCE(scope, '') AS s, kind, -1 AS d, agent_id, user_id, ts, id, amount, ROW_NUMBER() OVER (
+                PARTITION BY COALESCE(scope, ''), kind ORDER BY ts DESC, id DESC) AS rn
+            FROM usage WHERE kind IN {GAUGES_SQL}) WHERE rn = 1""",
+    f"""INSERT INTO usage_levels ({_LEVEL_COLS})
+        SELECT s, kind, d, agent_id, user_id, ts, id, amount FROM (
+            SELECT COALESCE(scope, '') AS s, kind, CAST(ts / 86400 AS INTEGER) AS d, agent_id, user_id, ts, id, amount,
+                   ROW_NUMBER() OVER (PARTITION BY COALESCE(scope, ''), kind, CAST(ts / 86400 AS INTEGER)
+                                      ORDER BY ts DESC, id DESC) AS rn
+            FROM usage WHERE kind IN {GAUGES_SQL}) WHERE rn = 1""",
+    """CREATE TRIGGER usage_days_ai AFTER INSERT ON usage BEGIN
+        INSERT INTO usage_days (agent_id, day, kind, shard, amount, n)
+        VALUES (COALESCE(NEW.agent_id, ''), CAST(NEW.ts / 86400 AS INTEGER), NEW.kind, 0, NEW.amount, 1)
+        ON CONFLICT (agent_id, day, kind, shard) DO UPDATE SET amount = amount + excluded.amount, n = n + 1;
+    END""",
+    """CREATE TRIGGER usage_days_ad AFTER DELETE ON usage BEGIN
+        UPDATE usage_days SET amount = amount - OLD.amount, n = n - 1
+        WHERE agent_id = COALESCE(OLD.agent_id, '') AND day = CAST(OLD.ts / 86400 AS INTEGER)
+        AND kind = OLD.kind AND shard = 0;
+        DELETE FROM usage_days WHERE agent_id = COALESCE(OLD.agent_id, '')
+        AND day = CAST(OLD.ts / 86400 AS INTEGER) AND kind = OLD.kind AND shard = 0 AND n <= 0;
+    END""",
+    f"""CREATE TRIGGER usage_levels_ai AFTER INSERT ON usage WHEN NEW.kind IN {GAUGES_SQL} BEGIN
+        INSERT INTO usage_levels ({_LEVEL_COLS})
+        VALUES (COALESCE(NEW.scope, ''), NEW.kind, -1, NEW.agent_id, NEW.user_id, NEW.ts, NEW.id, NEW.amount),
+               (COALESCE(NEW.scope, ''), NEW.kind, CAST(NEW.ts / 86400 AS INTEGER), NEW.agent_id, NEW.user_id,
+                NEW.ts, NEW.id, NEW.amount)
+        ON CONFLICT (scope, kind, day) DO UPDATE SET agent_id = excluded.agent_id, user_id = excluded.user_id,
+            ts = excluded.ts, row_id = excluded.row_id, amount = excluded.amount
+        WHERE excluded.ts > usage_levels.ts OR (excluded.ts = usage_levels.ts AND excluded.row_id > usage_levels.row_id);
+    END""",
+    _sqlite_level_fallback("-1"),
+    _sqlite_level_fallback("CAST(OLD.ts / 86400 AS INTEGER)"),
+)
+
+
+_PG_LEVEL_FALLBACK = """
+                    DELETE FROM usage_levels WHERE tenant_id = OLD.tenant_id AND scope = COALESCE(OLD.scope, '')
+                    AND kind = OLD.kind AND day = {day} AND row_id = OLD.id;
+                    IF FOUND THEN
+                        INSERT INTO usage_levels (tenant_id, {cols})
+                        SELECT tenant_id, COALESCE(scope, ''), kind, {day}, agent_id, user_id, ts, id, amount
+                        FROM usage WHERE tenant_id = OLD.tenant_id AND kind = OLD.kind
+                        AND (scope = OLD.scope OR (OLD.scope IS NULL AND scope IS NULL)) {in_day}
+                        ORDER BY ts DESC, id DESC LIMIT 1;
+                    END IF;"""
+_PG_DAY = "floor(OLD.ts / 86400)::BIGINT"
+
+POSTGRES = (
+    # Every tenant's rows (forced row-level security binds the owner running migrations, as for migration 21).
+    "ALTER TABLE usage NO FORCE ROW LEVEL SECURITY",
+    """INSERT INTO usage_days (tenant_id, agent_id, day, kind, shard, amount, n)
+        SELECT tenant_id, COALESCE(agent_id, ''), floor(ts / 86400)::BIGINT, kind, (id % 8)::INTEGER,
+               SUM(amount), COUNT(*)
+        FROM usage GROUP BY 1, 2, 3, 4, 5""",
+    """CREATE OR REPLACE FUNCTION moorage_usage_level_days() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP IN ('DELETE', 'UPDATE') THEN
+            UPDATE usage_level_days SET amount = amount - OLD.amount, n = n - 1
+            WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '') AND latest = (OLD.day = -1)::INTEGER
+            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.row_id % 8)::INTEGER;
+            DELETE FROM usage_level_days
+            WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '') AND latest = (OLD.day = -1)::INTEGER
+            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.row_id % 8)::INTEGER
+            AND n <= 0;
+        END IF;
+        IF TG_OP IN ('INSERT', 'UPDATE') THEN
+            INSERT INTO usage_level_days (tenant_id, agent_id, latest, day, kind, shard, amount, n)
+            VALUES (NEW.tenant_id, COALESCE(NEW.agent_id, ''), (NEW.day = -1)::INTEGER, floor(NEW.ts / 86400)::BIGINT,
+                    NEW.kind, (NEW.row_id % 8)::INTEGER, NEW.amount, 1)
+            ON CONFLICT (tenant_id, agent_id, latest, day, kind, shard) DO UPDATE
+            SET amount = usage_level_days.amount + EXCLUDED.amount, n = usage_level_days.n + 1;
+        END IF;
+        RETURN NULL;
+    END $$""",
+    "CREATE TRIGGER usage_level_days AFTER INSERT OR UPDATE OR DELETE ON usage_levels FOR EACH ROW "
+    "EXECUTE FUNCTION moorage_usage_level_days()",
+    f"""INSERT INTO usage_levels (tenant_id, {_LEVEL_COLS})
+        SELECT tenant_id, s, kind, d, agent_id, user_id, ts, id, amount FROM (
+            SELECT tenant_id, COALESCE(scope, '') AS s, kind, -1 AS d, agent_id, user_id, ts, id, amount,
+                   ROW_NUMBER() OVER (PARTITION BY tenant_id, COALESCE(scope, ''), kind ORDER BY ts DESC, id DESC) AS rn
+            FROM usage WHERE kind IN {GAUGES_SQL}) x WHERE rn = 1""",
+    f"""INSERT INTO usage_levels (tenant_id, {_LEVEL_COLS})
+        SELECT tenant_id, s, kind, d, agent_id, user_id, ts, id, amount FROM (
+            SELECT tenant_id, COALESCE(scope, '') AS s, kind, floor(ts / 86400)::BIGINT AS d, agent_id, user_id, ts,
+                   id, amount, ROW_NUMBER() OVER (PARTITION BY tenant_id, COALESCE(scope, ''), kind,
+                                                  floor(ts / 86400)::BIGINT ORDER BY ts DESC, id DESC) AS rn
+            FROM usage WHERE kind IN {GAUGES_SQL}) x WHERE rn = 1""",
+    "ALTER TABLE usage FORCE ROW LEVEL SECURITY",
+    f"""CREATE OR REPLACE FUNCTION moorage_usage_rollup() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF TG_OP = 'INSERT' THEN
+            INSERT INTO usage_days (tenant_id, agent_id, day, kind, shard, amount, n)
+            VALUES (NEW.tenant_id, COALESCE(NEW.agent_id, ''), floor(NEW.ts / 86400)::BIGINT, NEW.kind,
+                    (NEW.id % 8)::INTEGER, NEW.amount, 1)
+            ON CONFLICT (tenant_id, agent_id, day, kind, shard) DO UPDATE
+            SET amount = usage_days.amount + EXCLUDED.amount, n = usage_days.n + 1;
+            IF NEW.kind IN {GAUGES_SQL} THEN
+                INSERT INTO usage_levels (tenant_id, {_LEVEL_COLS})
+                VALUES (NEW.tenant_id, COALESCE(NEW.scope, ''), NEW.kind, -1, NEW.agent_id, NEW.user_id, NEW.ts,
+                        NEW.id, NEW.amount),
+                       (NEW.tenant_id, COALESCE(NEW.scope, ''), NEW.kind, floor(NEW.ts / 86400)::BIGINT, NEW.agent_id,
+                        NEW.user_id, NEW.ts, NEW.id, NEW.amount)
+                ON CONFLICT (tenant_id, scope, kind, day) DO UPDATE SET agent_id = EXCLUDED.agent_id,
+                    user_id = EXCLUDED.user_id, ts = EXCLUDED.ts, row_id = EXCLUDED.row_id, amount = EXCLUDED.amount
+                WHERE EXCLUDED.ts > usage_levels.ts
+                    OR (EXCLUDED.ts = usage_levels.ts AND EXCLUDED.row_id > usage_levels.row_id);
+            END IF;
+            RETURN NULL;
+        END IF;
+        UPDATE usage_days SET amount = amount - OLD.amount, n = n - 1
+        WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '')
+        AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.id % 8)::INTEGER;
+        DELETE FROM usage_days WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '')
+        AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.id % 8)::INTEGER AND n <= 0;
+        IF OLD.kind IN {GAUGES_SQL} THEN{_PG_LEVEL_FALLBACK.format(day='-1', cols=_LEVEL_COLS, in_day='')}{
+            _PG_LEVEL_FALLBACK.format(day=_PG_DAY, cols=_LEVEL_COLS,
+                                      in_day=f'AND ts >= {_PG_DAY} * 86400.0 - 1 AND ts < {_PG_DAY} * 86400.0 + 86401 '
+                                             f'AND floor(ts / 86400)::BIGINT = {_PG_DAY}')}
+        END IF;
+        RETURN NULL;
+    END $$""",
+    "CREATE TRIGGER usage_rollup AFTER INSERT OR DELETE ON usage FOR EACH ROW EXECUTE FUNCTION moorage_usage_rollup()",
+)
+
+
+TABLE_NAMES = ("usage_days", "usage_levels", "usage_level_days")
