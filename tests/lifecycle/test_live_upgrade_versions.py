@@ -1,13 +1,18 @@
-"""A live upgrade's instances met a redeploy of their app: an app whose server the agent's module starts answers
-with the new code right after a redeploy restarted it (bench/upgrade/run.py runs two real versions)."""
+"""A live upgrade (``moorage up --detach``, then the new version's start) re-adopts micro-VMs whose guest code is the
+older moorage's: it lives in the guest image their disks are overlays on. Their first turn on the new host restarts
+them onto its guest code (files kept, the same QEMU), so what the new ``ctx`` added works in them; and an app whose
+server the agent's module starts answers with the new code right after a redeploy restarted it.
+bench/upgrade/run.py runs this across two real versions; here the older guest is made from this one's."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.runtime.test_product_path import Up, data  # noqa: F401 - ``data``: the fixture
+from tests.runtime.test_product_path import Up, _qemu_pid, data  # noqa: F401 - ``data``: the fixture
 
 AGENT_PY = '''\
 import http.server, threading
@@ -45,6 +50,22 @@ async def on_message(ctx, message):
     return "%s %d" % (VERSION, n + 1)
 '''
 
+#: Run in the guest: its guest code made an older one's (``ctx.spawn`` taken out), and its supervisor ended a few
+#: seconds later, once the host stopped, so the guest's init starts that code (as an older moorage's VM runs it).
+MAKE_OLDER = r"""
+import os, shutil, subprocess
+path = "/opt/moorage/guest/agent_context.py"
+src = open(path).read()
+assert "    async def spawn(" in src
+open(path, "w").write(src.replace("    async def spawn(", "    async def _spawn_not_yet("))
+shutil.rmtree("/opt/moorage/guest/__pycache__", ignore_errors=True)
+os.sync()
+mine = [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())
+        and b"/opt/moorage/guest" in open("/proc/%s/cmdline" % p, "rb").read()]
+subprocess.Popen(["sh", "-c", "sleep 8; kill -9 %s" % " ".join(mine)], start_new_session=True)
+"""
+
+
 def _agent(base: Path, version: str) -> Path:
     d = base / f"agent-{version}"
     d.mkdir(parents=True, exist_ok=True)
@@ -52,6 +73,43 @@ def _agent(base: Path, version: str) -> Path:
                                     '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\npool = 0\n')
     (d / "agent.py").write_text(AGENT_PY.format(version=version))
     return d
+
+
+@pytest.mark.slow
+def test_a_readopted_guest_on_older_guest_code_is_restarted_onto_the_new_one_files_kept(data: Path,  # noqa: F811
+                                                                                         tmp_path: Path) -> None:
+    up = Up(data, "--detach")
+    try:
+        up.deploy(_agent(tmp_path, "v1"))
+        assert up.turn("ada", "hi") == "v1 1"
+        sid = up.sandbox("ada")["id"]
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["python3", "-c", MAKE_OLDER]})
+        assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+    finally:
+        up.stop()
+    pid = _qemu_pid(data, sid)
+    assert pid is not None, "the VM should still run after a detached stop"
+    time.sleep(12)  # the guest's supervisor ends, and its init starts the older code
+    # What an older moorage's VM has in its record: the guest code its image was built with (not this host's).
+    meta_path = data / "sandboxes" / sid / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**meta, "guest_code": "0123456789abcdef"}))
+
+    up = Up(data)
+    try:
+        said = up.turn("ada", "spawn")
+        assert said.startswith("spawned "), said
+        assert up.turn("ada", "hi") == "v1 2"  # its files kept
+        assert _qemu_pid(data, sid) == pid  # restarted in place: the same VM
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec",
+                        json={"argv": ["grep", "-c", "async def spawn(", "/opt/moorage/guest/agent_context.py"]})
+        assert r.json()["stdout"].strip() == "1", r.text
+        r = up.api.get("/v1/agents/echo/users/ada/app/", timeout=60)
+        assert (r.status_code, r.text) == (200, "page v1"), r.text
+    finally:
+        log = up.stop()
+    assert log.count("instance restarted onto this moorage's guest code") == 1, log[-3000:]
+    assert "was=0123456789abcdef" in log, log[-3000:]
 
 
 @pytest.mark.slow

@@ -103,7 +103,8 @@ async def load(rt: Any, sandbox: Sandbox, deployment: Any, ts: Any,
     first. Returns whether the sandbox changed for them; ``on_restart`` then gets its channel (a new one after a
     restart) before the code is loaded, to set up the guest calls and network again."""
     archive = await asyncio.to_thread(rt.templates.archive, deployment)
-    restarted = await ensure(rt, sandbox, deployment, archive, ts)
+    restarted = await onto_host_guest_code(rt, sandbox)
+    restarted = await ensure(rt, sandbox, deployment, archive, ts) or restarted
     if restarted and on_restart is not None:
         res = on_restart(sandbox.channel)
         if inspect.isawaitable(res):
@@ -123,6 +124,23 @@ _loaded_at: dict[str, float] = {}
 
 def loaded_at(sandbox_id: str) -> float | None:
     return _loaded_at.get(sandbox_id)
+
+
+def guest_code_behind(rt: Any, sandbox: Sandbox) -> bool:
+    """Whether the sandbox's guest runs an older moorage's guest code that the driver can replace (a micro-VM made
+    before an upgrade: ``sandbox/microvm_guest_code.py``). Cheap: read before a sandbox's first turn here."""
+    return rt.driver.guest_code_behind(sandbox)
+
+
+async def onto_host_guest_code(rt: Any, sandbox: Sandbox) -> bool:
+    """Restart the sandbox onto this host's guest code when it runs an older one, after the turns running in it
+    (``drain``); returns whether it restarted (the agent's code is to be loaded again)."""
+    if not guest_code_behind(rt, sandbox):
+        return False
+    async with _locks.setdefault(sandbox.id, asyncio.Lock()):
+        if _running.get(sandbox.id):
+            await drain(sandbox.id)
+        return await rt.driver.update_guest_code(sandbox)
 
 
 async def ensure(rt: Any, sandbox: Sandbox, deployment: Any, archive: bytes, ts: Any) -> bool:

@@ -162,6 +162,16 @@ class SandboxDriver(ABC):
         when this driver (or this change) cannot: the caller then stops and starts the sandbox."""
         return False
 
+    def guest_code_behind(self, sandbox: Sandbox) -> bool:
+        """Whether the running ``sandbox``'s guest code is an older moorage's that ``update_guest_code`` can replace
+        (a driver whose sandboxes start from the host's guest code each time never has one)."""
+        return False
+
+    async def update_guest_code(self, sandbox: Sandbox) -> bool:
+        """Put this host's guest code in place of the running ``sandbox``'s older one and restart its processes onto
+        it (files kept); returns False, having changed nothing, where it cannot."""
+        return False
+
     async def bind_shared(self, sandbox: Sandbox, template: TemplateRef) -> list[str]:
         """From its next start, the stopped ``sandbox`` binds ``template``'s shared directories (``make_template``)
         in place of those it binds now (a redeploy's instance takes the new deployment's packages); returns their

@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping, Sequence
 from moorage.config import Config
 from moorage.errors import ConflictError, InvalidInput
 from moorage.log import get_logger
-from moorage.sandbox import microvm_fleet, microvm_memfd, microvm_moved, microvm_net, microvm_templates
+from moorage.sandbox import (microvm_fleet, microvm_guest_code, microvm_memfd, microvm_moved, microvm_net,
+                             microvm_templates)
 from moorage.sandbox.accel import choose_accel, probe_kvm
 from moorage.sandbox.base import (
     Capabilities,
@@ -241,13 +242,23 @@ class MicroVMDriver(SandboxDriver):
                                         hint="stop it first")
             _record_env(sandbox, env, arg, await asyncio.to_thread(microvm_net.wanted, env))
 
-    async def restart_in_place(self, sandbox: Sandbox, env: Mapping[str, str] | None = None) -> bool:
+    def guest_code_behind(self, sandbox: Sandbox) -> bool:
+        return isinstance(sandbox, MicroVMSandbox) and microvm_guest_code.behind(sandbox, self.images_dir)
+
+    async def update_guest_code(self, sandbox: Sandbox) -> bool:
+        if not isinstance(sandbox, MicroVMSandbox) or sandbox._driver is not self:
+            return False
+        return await microvm_guest_code.bring_up_to_date(self, sandbox)
+
+    async def restart_in_place(self, sandbox: Sandbox, env: Mapping[str, str] | None = None, *,
+                               this_run_only: bool = False) -> bool:
         """Every process of the guest but its init is killed and a fresh supervisor started with the new environment
         (``sys.restart``: forked from the guest's holder, guest/restart.py); the host connects to the new one. The
         kernel, its page cache and the VM's devices stay: about 0.25 s under TCG (1.4 s when what an interpreter
         reads as it starts changed, e.g. ``LANG``) where a cold boot takes ten. Not for a change that adds or drops the NIC (a device
         comes only with a boot), nor a guest image from before ``sys.restart``. A guest that does not come back is
-        stopped (disk kept): the caller's start boots it cold."""
+        stopped (disk kept): the caller's start boots it cold. ``this_run_only``: ``env`` is for the processes started
+        now, not recorded as the sandbox's (its next start gets the one it had)."""
         if not isinstance(sandbox, MicroVMSandbox) or sandbox._driver is not self:
             raise SnapshotIncompatible("restart_in_place needs a sandbox of this micro-VM driver")
         arg = _env_arg(env) if env is not None else ""
@@ -270,7 +281,7 @@ class MicroVMDriver(SandboxDriver):
                 await sandbox._teardown()
                 sandbox._set_state(SandboxState.STOPPED, snapshot=None)
                 raise
-            if env is not None:
+            if env is not None and not this_run_only:
                 _record_env(sandbox, env, arg, sandbox._vm_config().nic)
         log.info("processes restarted in place", sandbox=sandbox.id, ms=round((time.monotonic() - started) * 1000))
         return True
