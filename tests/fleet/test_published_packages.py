@@ -64,3 +64,49 @@ async def test_another_hosts_instance_installs_the_packages_the_templates_builde
     with pytest.raises(PackageInstallFailed, match="not allowed"):
         await other.install_packages(sb, b"tabulate\n", "another-agent", said.append, template=ref)
     await sb.destroy()
+
+
+async def test_a_fetching_hosts_cache_entries_of_a_replaced_deployment_are_collected(
+        env: Env, tmp_path: Path, index: str) -> None:  # noqa: F811
+    """The packages an instance on another host brought from a template's published copy stayed in that host's
+    cache for good: the record of a template fetched from the fleet named no cache entries, so the collector took
+    the cache as not known and deleted nothing, long after that deployment was replaced. Its record now names the
+    entries published beside it, and the collector's rule of the building host holds there too."""
+    import json
+    import time
+
+    cfg = env.cfg.with_(egress_package_index=index, package_index_url=index + "/simple/")
+    driver = env.runtime.driver
+    driver.config = cfg
+    driver.capabilities = dataclasses.replace(driver.capabilities, shares_template_dirs=False)
+    env.runtime.templates.egress = Egress.from_config(cfg)
+    published = PublishedTemplates(LocalObjectStore(tmp_path / "bucket"), driver)
+    env.runtime.templates.published = published
+    src = write_agent(tmp_path / "tab", "tab", "import tabulate\n\nasync def on_message(ctx, m):\n    return 'ok'\n")
+    (src / "requirements.txt").write_text("tabulate\n")
+    dep = await env.runtime.deploy(env.principal, src)
+    ref = env.runtime.templates.cached(dep.id)
+    assert ref is not None
+    plain = await env.runtime.deploy(env.principal, write_agent(tmp_path / "plain", "plain",
+                                                                "async def on_message(ctx, m):\n    return 'ok'\n"))
+
+    other = Templates(tmp_path / "templates-b", driver, tmp_path / "packages-b")
+    other.published = published
+    other.egress = Egress.from_config(cfg.with_(egress_package_index=""))
+    for d in (dep, plain):  # both fetched by this host ahead of their first wake (fleet/prefetch.py)
+        assert await other.prefetch(d) is not None
+    sb = await driver.create("on-host-b")
+    await sb.start()
+    assert await other.install_packages(sb, b"tabulate\n", dep.agent_id, lambda _: None, template=ref) == "cached"
+    await sb.destroy()
+    cache = tmp_path / "templates-b" / "package-cache"
+    [entry] = [p.name for p in cache.iterdir()]
+    named = json.loads(other._meta(dep.id).read_text()).get("package_cache")
+    later = time.time() + 3600
+    assert other._collect_package_cache(later, grace_s=60) == 0  # its deployment's record names it
+    # The deployment replaced: the collector removes its record (and template) from this host, as for one built here.
+    other._meta(dep.id).unlink()
+    assert other._collect_package_cache(later, grace_s=60) == 1
+    assert not (cache / entry).exists()
+    assert other._meta(plain.id).exists()  # the other fetched deployment's record stays
+    assert named == [entry]

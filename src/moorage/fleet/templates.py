@@ -419,6 +419,12 @@ class PublishedTemplates:
             return False
         return True
 
+    def packages_published(self, template_id: str) -> list[str]:
+        """The package cache entries (their names in ``package-cache/``: ``<key>.tar.gz``, ``apt-<key>.tar``)
+        published beside the template: those an instance of its deployment on a host that fetched it may bring into
+        that host's cache. Blocking."""
+        return sorted(o.key.rsplit("/", 1)[1] for o in self.objects.iter(f"{self.prefix(template_id)}/packages/"))
+
     def unpublish(self, template_id: str) -> int:
         """Remove a published template's objects (one no instance was forked from). Blocking."""
         return self.objects.delete_prefix(self.prefix(template_id) + "/")

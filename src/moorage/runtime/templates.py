@@ -82,8 +82,9 @@ def boot_env(manifest: Mapping[str, Any], requirements: bytes | None) -> dict[st
 
 
 #: A deployment's template record (``templates/<deployment id>.json``) names the package cache entries its build
-#: installed from (``package-cache/``) under this key; a record without it (a fetched template's, or one written
-#: before it existed) names nothing it is sure of, and the cache is then not collected (``_collect_package_cache``).
+#: installed from (``package-cache/``) under this key, a fetched template's those published beside it (which its
+#: instances here may fetch); a record without it (one written before it existed, or whose listing failed) names
+#: nothing it is sure of, and the cache is then not collected (``_collect_package_cache``).
 PACKAGE_CACHE = "package_cache"
 
 
@@ -288,7 +289,12 @@ class Templates:
             log.warning(f"the published template cannot be forked on this host; {then}", deployment=deployment.id,
                         template=ref.id, reason=why)
             return None
-        write_private(self._meta(deployment.id), json.dumps(_ref_json(ref)).encode())
+        record = _ref_json(ref)
+        try:  # the cache entries its instances here may fetch: kept while the record is (_collect_package_cache)
+            record[PACKAGE_CACHE] = await asyncio.to_thread(self.published.packages_published, ref.id)
+        except (MoorageError, OSError) as e:  # named nothing: this host's cache is not collected while it stays
+            log.warning("could not list a fetched template's packages", template=ref.id, error=str(e))
+        write_private(self._meta(deployment.id), json.dumps(record).encode())
         return ref
 
     async def prefetch(self, deployment: Deployment) -> TemplateRef | None:
