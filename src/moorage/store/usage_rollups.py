@@ -36,6 +36,7 @@ TABLES = (
         agent_id TEXT NOT NULL, latest INTEGER NOT NULL, day BIGINT NOT NULL, kind TEXT NOT NULL,
         shard INTEGER NOT NULL, amount {real} NOT NULL, n BIGINT NOT NULL,
         PRIMARY KEY ({tpk}agent_id, latest, day, kind, shard))""",
+    "CREATE INDEX usage_level_days_day ON usage_level_days ({tpk}latest, day)",
     # An instance's measurements in time order (its level after one is deleted); forgetting a user and the sweep
     # of an expired scope still find a scope's rows through it.
     "DROP INDEX usage_scope",
