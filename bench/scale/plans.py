@@ -37,30 +37,47 @@ def read(data: Path, sql_log: Path) -> list[dict[str, Any]]:
         k = shape(sql)
         e = seen.setdefault(k, {"shape": k, "n": 0, "example": sql, "path": path})
         e["n"] += 1
-    out = []
+    out: list[dict[str, Any]] = []
+    few: dict[str, set[str]] = {}  # per database: its partial indexes of few rows
     for e in seen.values():
         if e["shape"].upper().startswith(_WRITES_ONLY) and " SELECT " not in e["shape"].upper():
             continue
         try:
             con = sqlite3.connect(f"file:{e['path']}?mode=ro", uri=True)
             rows = con.execute("EXPLAIN QUERY PLAN " + e["example"]).fetchall()
+            if e["path"] not in few:
+                few[e["path"]] = _few_rows(con)
             con.close()
         except sqlite3.Error as err:
             e["plan"], e["findings"] = [f"(not explained: {err})"], []
             out.append(e)
             continue
         e["plan"] = [r[3] for r in rows]
-        e["findings"] = [d for d in e["plan"] if _finding(e["example"], d)]
+        e["findings"] = [d for d in e["plan"] if _finding(e["example"], d, few[e["path"]])]
         out.append(e)
     out.sort(key=lambda e: (not e["findings"], -e["n"]))
     return out
 
 
-def _finding(sql: str, detail: str) -> bool:
+def _few_rows(con: sqlite3.Connection) -> set[str]:
+    """Partial indexes that hold under 1 % of their table's rows (e.g. the heads with an operation left half
+    done): walking one whole reads only what its condition names."""
+    out = set()
+    for name, table, sql in con.execute("SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'index' "
+                                        "AND sql LIKE '% WHERE %'").fetchall():
+        cond = sql.split(" WHERE ", 1)[1]
+        few = con.execute(f'SELECT COUNT(*) FROM "{table}" WHERE {cond}').fetchone()[0]
+        if few * 100 < max(con.execute(f'SELECT COUNT(*) FROM "{table}"').fetchone()[0], 1):
+            out.add(name)
+    return out
+
+
+def _finding(sql: str, detail: str, partial: set[str] | tuple[str, ...] = ()) -> bool:
     """A plan step that reads every row of a big table (a scan; an index walked from its start, unless the
-    statement stops after a page and seeks no position), or sorts what it read for its order."""
-    m = re.match(r"SCAN (\w+)( USING (?:COVERING )?INDEX \w+)?$", detail)
-    if m and m.group(1) not in SMALL:
+    statement stops after a page and seeks no position, or the index is a partial one of few rows), or sorts
+    what it read for its order."""
+    m = re.match(r"SCAN (\w+)( USING (?:COVERING )?INDEX (\w+))?$", detail)
+    if m and m.group(1) not in SMALL and m.group(3) not in partial:
         return not m.group(2) or not (" LIMIT " in sql and not re.search(r"[<>]=? ", sql.split(" ORDER BY")[0]))
     return "USE TEMP B-TREE FOR ORDER BY" in detail
 
