@@ -1,10 +1,15 @@
 """A rolling upgrade of a fleet, seen from the host not upgraded yet: the first upgraded host migrated the shared
 store past what this version knows. A host of this version that starts again then (a crash, a reboot, an operator's
 restart before its turn to be upgraded) starts and serves when every newer migration was recorded as one older
-versions may serve past, and is refused with what to do otherwise (bench/upgrade/run.py runs two real versions)."""
+versions may serve past, and is refused with what to do otherwise. And an instance the previous release shipped is
+pulled whole by this one (its shipment, as that release wrote it, is test data). bench/upgrade/run.py runs two real
+versions side by side."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
 from pathlib import Path
 
 import psycopg
@@ -66,3 +71,34 @@ def test_a_host_not_upgraded_yet_is_refused_with_what_to_do_when_a_newer_migrati
     said = str(e.value)
     assert "newer than this moorage knows" in said and "in a rolling upgrade of a fleet: upgrade this host now" in said, \
         said[-1500:]
+
+
+#: An instance's directory as e27f536 (the release before) shipped it: its manifest and chunks, written by that
+#: version's Shipper (a file, a hard link to it, a symbolic link, a directory, a 20 KB file of mode 0600 in 3 chunks).
+OLD_SHIPMENT = Path(__file__).resolve().parents[1] / "data" / "upgrade" / "e27f536-shipment"
+
+
+def test_an_instance_the_previous_release_shipped_is_pulled_whole_by_this_one(tmp_path: Path) -> None:
+    from moorage.fleet.ship import Shipper
+    from moorage.objects.local import LocalObjectStore
+
+    store = LocalObjectStore(tmp_path / "bucket")
+    for f in OLD_SHIPMENT.rglob("*"):
+        if f.is_file():
+            store.put_bytes(str(f.relative_to(OLD_SHIPMENT)), f.read_bytes())
+    shipper = Shipper(store)
+    try:
+        dest = tmp_path / "sandbox"
+        shipper.pull("instances/t1/sbx1/snapshots/snap-1.json", "instances/t1/sbx1", dest, epoch=3)
+    finally:
+        shipper.close()
+    assert (dest / "counter.txt").read_text() == "counter 7\n"
+    assert (dest / "counter-hard.txt").read_text() == "counter 7\n"
+    assert (dest / "counter-hard.txt").stat().st_ino == (dest / "counter.txt").stat().st_ino
+    assert os.readlink(dest / "link") == "sub/note.txt" and (dest / "link").read_text() == "hello from e27f536\n"
+    blob = dest / "sub" / "blob.bin"
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == BLOB_SHA256
+    assert stat.S_IMODE(blob.stat().st_mode) == 0o600
+
+
+BLOB_SHA256 = "27a982d870572aa256ad218fe3399e054ab9a052601f837fddbf2bc29b7a492c"
