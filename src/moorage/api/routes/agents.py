@@ -13,7 +13,7 @@ from moorage.api import schemas as S
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of
 from moorage.api.routing import Call, Endpoint, Reply
-from moorage.errors import InvalidInput
+from moorage.errors import InvalidInput, NotFound
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store.model import check_id
 
@@ -70,10 +70,16 @@ def issue_token(call: Call) -> Reply:
     def user_record() -> float | None:
         # The token dies with this user's record (a forget). An agent that makes users as they come makes this one
         # now, as the token's first turn would: a token tied to no record would register a forgotten user again.
+        # One that serves only users it was given refuses a token for a user it does not have: such a token was
+        # tied to no record, so it outlived a forget of the user the product created after it.
         rec = call.tenant.agent_users.find(agent.name, user)
-        if rec is None and AgentLifecycle.of(agent).users == "auto":
-            rec, _ = call.tenant.agent_users.put(agent.name, user)
-        return rec.created_at if rec is not None else None
+        if rec is None:
+            if AgentLifecycle.of(agent).users != "auto" and not call.tenant.knows_user(agent.name, user):
+                raise NotFound(f"agent {agent.name!r} has no user {user!r}",
+                               hint=f"create the user first (PUT /v1/agents/{agent.name}/users/{user}), then issue "
+                                    f"the token; this agent has users = \"existing\"")
+            rec, _ = call.tenant.agent_users.put(agent.name, user)  # auto, or one with data from before
+        return rec.created_at
 
     tok = call.ctx.auth.issue_user_token(call.who, agent.name, user, ttl, user_record=user_record)
     return Reply({"token": tok.token, "agent": tok.agent, "user": tok.user, "expires_at": tok.expires_at}, 201)

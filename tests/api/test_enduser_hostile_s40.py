@@ -1,0 +1,44 @@
+"""Holes found by a hostile pass over the end-user surface: tokens, their filters and limits, through the real HTTP
+server and runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moorage.client import AuthError
+from moorage import AsyncClient
+from tests.api.conftest import aclient
+from tests.api.test_users import existing_users_archive
+
+GZ = {"content-type": "application/gzip"}
+
+
+async def test_a_token_for_a_user_an_existing_users_agent_lacks_is_refused(live_rt, acme: str,
+                                                                            tmp_path: Path) -> None:
+    """On a `users = "existing"` agent a token issued before the product's PUT was tied to no record: once the user
+    was made and then forgotten (and made again for another person), the old token still acted for them. It is now
+    a 404 that says to create the user first; a token issued after the PUT dies with the user as before."""
+    async with aclient(live_rt, acme) as c:
+        assert (await c.post("/v1/agents/strict/deployments", content=existing_users_archive(tmp_path),
+                             headers=GZ)).status_code == 201
+        r = await c.post("/v1/agents/strict/users/gil/tokens", json={"ttl_s": 600})
+        assert r.status_code == 404, r.text
+        problem = r.json()
+        assert problem["detail"] == "agent 'strict' has no user 'gil'"
+        assert "PUT /v1/agents/strict/users/gil" in problem["hint"] and "then issue the token" in problem["hint"]
+
+        assert (await c.put("/v1/agents/strict/users/gil", json={})).status_code == 201
+        r = await c.post("/v1/agents/strict/users/gil/tokens", json={"ttl_s": 600})
+        assert r.status_code == 201, r.text
+        token = r.json()["token"]
+    async with AsyncClient(live_rt.url, token) as browser:
+        assert (await browser.whoami())["user"] == "gil"
+    async with aclient(live_rt, acme) as c:
+        assert (await c.delete("/v1/agents/strict/users/gil")).status_code == 200
+        assert (await c.put("/v1/agents/strict/users/gil", json={})).status_code == 201  # another person, same id
+    async with AsyncClient(live_rt.url, token) as browser:
+        with pytest.raises(AuthError) as refused:
+            await browser.whoami()
+        assert refused.value.status == 401 and "since been forgotten" in refused.value.detail
