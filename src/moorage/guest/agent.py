@@ -13,7 +13,7 @@ import os
 import traceback
 from typing import Any, Dict
 
-from .agent_context import AgentContext, Files, HostError, LLM, Memory, StepFailed, Suspended, _Host
+from .agent_context import AgentContext, Files, HostError, LLM, Memory, StepFailed, Suspended, WakeContext, _Host
 from .agent_load import LoadedAgent, forget_other_versions, load_agent, tool_schema
 from .agent_loop import MAX_CORRECTIONS_SHOWN, MAX_TOOL_RESULT, MAX_TOOL_ROUNDS, builtin_loop
 from .rpc import Context, Registry, RpcError, log
@@ -43,6 +43,34 @@ class AgentRuntime:
     def __init__(self, workdir: str) -> None:
         self.workdir = workdir
         self.agents: Dict[str, LoadedAgent] = {}
+        #: The agent module's ``on_wake`` is due: this process is new (a cold start, the process driver's wake, a
+        #: restart in place) or the VM it runs in was woken (``woken``), and no turn or app request ran it since.
+        self.wake_due = True
+        self._waking = asyncio.Lock()
+
+    def woken(self) -> None:
+        """The VM was woken from a snapshot (``vm.after_wake``): its processes are kept, but ``on_wake`` is run
+        again before the next turn or app request, as on every driver."""
+        self.wake_due = True
+
+    async def wake_hook(self, rpc: Context) -> None:
+        """Run the loaded agent's ``on_wake(ctx)`` if it is due, once however many turns and app requests come at
+        the same time (they wait for it). Raises what it raised; it is then due again."""
+        if not self.wake_due or not self.agents:
+            return  # nothing loaded yet: it runs once the code is (the host loads it, then asks again)
+        async with self._waking:
+            if not self.wake_due:
+                return
+            agent = next(iter(self.agents.values()))
+            hook = agent.on_wake
+            if hook is not None:
+                ctx = WakeContext(rpc, agent, self.workdir)
+                log("on_wake", deployment=agent.deployment_id)
+                if inspect.iscoroutinefunction(hook):
+                    await hook(ctx)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(None, hook, ctx)
+            self.wake_due = False
 
     async def load(self, params: Dict[str, Any], rpc: Context) -> Dict[str, Any]:
         dep, path = params["deployment_id"], params["path"]
@@ -64,6 +92,12 @@ class AgentRuntime:
         message = params.get("message", "")
         try:
             await ctx._secret_env()
+            try:
+                await self.wake_hook(rpc)  # after the secrets: processes it starts get those the agent opted into
+            except Exception as e:  # noqa: BLE001
+                raise RpcError("the agent's on_wake raised %s: %s" % (type(e).__name__, e), AGENT_ERROR,
+                               {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8),
+                                "where": raised_where(e, agent.path)}) from None
             if agent.handler is None:
                 reply = await builtin_loop(ctx, message)
             elif inspect.iscoroutinefunction(agent.handler):
@@ -84,8 +118,13 @@ class AgentRuntime:
         return {"loaded": sorted(self.agents)}
 
 
+#: This guest's agent runtime, for the app relay (``on_wake`` before an app request) and the VM's wake.
+RUNTIME: "AgentRuntime | None" = None
+
+
 def register(registry: Registry) -> None:
-    rt = AgentRuntime(os.environ.get("MOORAGE_WORKDIR", "/work"))
+    global RUNTIME
+    rt = RUNTIME = AgentRuntime(os.environ.get("MOORAGE_WORKDIR", "/work"))
     registry.add("agent.load", rt.load)
     registry.add("agent.turn", rt.turn)
     registry.add("agent.info", rt.info)
@@ -93,6 +132,6 @@ def register(registry: Registry) -> None:
 
 __all__ = [
     "AGENT_ERROR", "NOT_LOADED", "SUSPENDED", "MAX_CORRECTIONS_SHOWN", "MAX_TOOL_RESULT", "MAX_TOOL_ROUNDS",
-    "AgentContext", "AgentRuntime", "Files", "HostError", "LLM", "LoadedAgent", "Memory", "StepFailed", "Suspended",
+    "AgentContext", "AgentRuntime", "Files", "RUNTIME", "WakeContext", "HostError", "LLM", "LoadedAgent", "Memory", "StepFailed", "Suspended",
     "_Host", "builtin_loop", "forget_other_versions", "load_agent", "register", "tool_schema",
 ]

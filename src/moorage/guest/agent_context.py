@@ -204,7 +204,8 @@ class AgentContext:
     async def spawn(self, argv: List[str], *, cwd: Optional[str] = None, log: Optional[str] = None) -> Dict[str, Any]:
         """Start a process that keeps running after this turn (a server, a watcher) and return at once: {"pid",
         "log"}. Its output goes to ``log`` (a path; relative to the work directory), or nowhere. It runs until it
-        ends or the sandbox sleeps (the micro-VM driver keeps it across a sleep, the process driver does not)."""
+        ends or the sandbox sleeps (the micro-VM driver keeps it across a sleep, the process driver does not: start it
+        from the agent module's ``on_wake(ctx)`` to have it back after every wake)."""
         if log is not None:
             os.makedirs(os.path.dirname(self.files._p(log)) or ".", exist_ok=True)
         out = subprocess.DEVNULL if log is None else open(self.files._p(log), "ab")
@@ -327,3 +328,27 @@ class AgentContext:
         attempt, interrupt, correction, note), ``step``, ``status``, ``attempt``, ``error``, ``note``, ``turn_id``
         (the turn that wrote it) and ``at`` (seconds since the epoch)."""
         return (await self._host.call("durable.history", {}))["history"]
+
+
+class _NoTurn:
+    """The host calls of ``on_wake``'s ctx: it runs outside any turn, so the host serves none of them."""
+
+    async def call(self, method: str, params: Dict[str, Any], timeout: float = 300.0) -> Any:
+        raise HostError("%s is not available in on_wake: it runs outside a turn (start processes there; call the "
+                        "host from on_message)" % method, 0,
+                        {"kind": "not-in-a-turn", "hint": "move this call into on_message"})
+
+
+class WakeContext(AgentContext):
+    """``ctx`` of the agent module's ``on_wake(ctx)``: what brings background processes back (``spawn``, ``exec``,
+    ``files``), outside any turn, so model, memory, fetch and durable calls raise ``HostError`` (kind
+    ``not-in-a-turn``)."""
+
+    def __init__(self, rpc: Context, agent: LoadedAgent, workdir: str) -> None:
+        super().__init__(rpc, agent, {"turn_id": ""}, workdir)
+        self._host = self.llm._host = self.memory._host = _NoTurn()  # type: ignore[assignment]
+
+    async def emit(self, event: str, data: Any = None) -> None:
+        raise HostError("ctx.emit is not available in on_wake: there is no caller to stream to", 0,
+                        {"kind": "not-in-a-turn", "hint": "emit from on_message"})
+

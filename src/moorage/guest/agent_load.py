@@ -8,7 +8,7 @@ import inspect
 import os
 import sys
 import typing
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 try:
     import tomllib
@@ -77,6 +77,9 @@ class LoadedAgent:
         self.module = module
         self.tools = tools
         self.handler = getattr(module, manifest.get("handler", "on_message"), None) if module else None
+        #: ``on_wake(ctx)``, run before the first turn or app request after a start or a wake (guest/agent.py).
+        hook = getattr(module, "on_wake", None) if module else None
+        self.on_wake: Optional[Callable[..., Any]] = hook if callable(hook) else None
 
     @property
     def tool_schemas(self) -> List[Dict[str, Any]]:

@@ -14,6 +14,7 @@ import itertools
 import time
 from typing import Any, Dict
 
+from . import agent
 from .rpc import INVALID_PARAMS, Context, Registry, RpcError, log
 
 #: Connections open at once; a host that forgets to close some cannot exhaust the guest.
@@ -89,6 +90,11 @@ class AppRelay:
             self._reap(time.monotonic())
             if len(self._conns) >= MAX_CONNECTIONS:
                 raise RpcError("too many app connections open", APP_BUSY)
+        if agent.RUNTIME is not None:
+            try:  # the agent's on_wake first: it may be what starts the app's server again
+                await agent.RUNTIME.wake_hook(ctx)
+            except Exception as e:  # noqa: BLE001 - the app request goes on; the next turn reports it
+                log("on_wake failed", error="%s: %s" % (type(e).__name__, e))
         try:
             async with asyncio.timeout(10):
                 reader, writer = await _connect(port)

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, List, Optional, Set
 
-from . import egress_relay, ops_exec, ops_fs, packages, restart
+from . import agent, egress_relay, ops_exec, ops_fs, packages, restart
 from .rpc import INVALID_PARAMS, MAX_FRAME, Context, Peer, Registry, RpcError, log
 
 VIRTIO_PORT_NAME = "moorage.0"
@@ -35,6 +35,15 @@ def find_virtio_port(name: str = VIRTIO_PORT_NAME) -> Optional[str]:
         except OSError:
             continue
     return None
+
+
+def _then_woken(after_wake: Any, runtime: Any) -> Any:
+    async def handler(params: Any, ctx: Context) -> Any:
+        result = await after_wake(params, ctx)
+        runtime.woken()
+        return result
+
+    return handler
 
 
 class Supervisor:
@@ -59,6 +68,10 @@ class Supervisor:
         self.registry.peers = self.peers  # type: ignore[attr-defined]
         for name in extensions:
             self._load_extension(name)
+        # A VM's wake (its extension's ``vm.after_wake``) makes the agent's on_wake due again (guest/agent.py).
+        after_wake = self.registry.get("vm.after_wake")
+        if after_wake is not None and agent.RUNTIME is not None:
+            self.registry.add("vm.after_wake", _then_woken(after_wake, agent.RUNTIME))
 
     def _load_extension(self, name: str) -> None:
         # A bare name is a module of this package ("agent" -> guest.agent); a dotted name is imported as is.
