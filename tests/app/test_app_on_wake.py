@@ -81,3 +81,34 @@ def test_on_wake_restarts_a_spawned_server_after_a_sleep(host: LocalHost, tmp_pa
         sdk.sandbox_action(sid, "sleep")
         assert sdk.invoke("waker", "count", user="ada")["reply"] == "3 not-in-a-turn"  # woken by a turn: it too
         assert _page(host) == "served by the spawned server"
+
+
+FAILING = '''
+import os
+
+async def on_wake(ctx):
+    if not ctx.files.exists("failed-once"):
+        ctx.files.write("failed-once", "yes")
+        raise RuntimeError("the cache directory is missing")
+    ctx.files.write("woke", "yes")
+
+async def on_message(ctx, message):
+    return ctx.files.read("woke")
+'''
+
+
+def test_a_turn_that_finds_on_wake_failing_says_so_and_the_next_runs_it_again(host: LocalHost, tmp_path: Path) -> None:
+    from moorage.client import ServerError
+
+    root = tmp_path / "failing"
+    root.mkdir()
+    (root / "moorage.toml").write_text('[agent]\nname = "failing"\nentry = "agent.py"\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n')
+    (root / "agent.py").write_text(FAILING)
+    with Client(host.url, host.key) as sdk:
+        sdk.deploy("failing", root)
+        with pytest.raises(ServerError) as failed:
+            sdk.invoke("failing", "hi", user="ada")
+        assert failed.value.code == "agent-error" and "on_wake raised RuntimeError" in failed.value.detail
+        assert "the cache directory is missing" in failed.value.detail and "agent.py, line 7" in (failed.value.hint or "")
+        assert sdk.invoke("failing", "hi", user="ada")["reply"] == "yes"
