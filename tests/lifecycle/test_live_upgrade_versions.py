@@ -90,6 +90,11 @@ def test_a_readopted_guest_on_older_guest_code_is_restarted_onto_the_new_one_fil
     pid = _qemu_pid(data, sid)
     assert pid is not None, "the VM should still run after a detached stop"
     time.sleep(12)  # the guest's supervisor ends, and its init starts the older code
+    up = Up(data, "--detach")  # a host that takes that code for its own: the agent's code loaded into it as it is
+    try:
+        assert up.turn("ada", "hi") == "v1 2"
+    finally:
+        up.stop()
     # What an older moorage's VM has in its record: the guest code its image was built with (not this host's).
     meta_path = data / "sandboxes" / sid / "meta.json"
     meta = json.loads(meta_path.read_text())
@@ -97,9 +102,12 @@ def test_a_readopted_guest_on_older_guest_code_is_restarted_onto_the_new_one_fil
 
     up = Up(data)
     try:
+        # The app first: served by the older guest code as it is (and the host then knows what is loaded there).
+        r = up.api.get("/v1/agents/echo/users/ada/app/", timeout=60)
+        assert (r.status_code, r.text) == (200, "page v1"), r.text
         said = up.turn("ada", "spawn")
         assert said.startswith("spawned "), said
-        assert up.turn("ada", "hi") == "v1 2"  # its files kept
+        assert up.turn("ada", "hi") == "v1 3"  # its files kept
         assert _qemu_pid(data, sid) == pid  # restarted in place: the same VM
         r = up.api.post(f"/v1/sandboxes/{sid}/exec",
                         json={"argv": ["grep", "-c", "async def spawn(", "/opt/moorage/guest/agent_context.py"]})

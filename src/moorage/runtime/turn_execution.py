@@ -250,11 +250,11 @@ class TurnExecution:
             # A fork of the deployment's template already has its code loaded (the template was snapshotted with
             # it), and so has an instance that ran it before a sleep: the turn is sent straight away, and only a
             # guest that answers NOT_LOADED (a cold boot, a redeploy) gets the code pushed before the second try.
-            # A guest this host has not used yet may run an older moorage's guest code (re-adopted after a live
-            # upgrade, or woken from an older snapshot): load() restarts it onto this host's first.
-            first = attempt == 1 and self._loaded.get(sandbox.id) is None
+            # A guest may run an older moorage's guest code (re-adopted after a live upgrade, woken from an older
+            # snapshot, forked from an older template; an app request may have served it already): load() restarts
+            # it onto this host's first. A read of the sandbox's record, in memory.
             if self._loaded.get(sandbox.id) not in (None, binding.deployment_id) or attempt == 2 or \
-                    (first and instance_update.guest_code_behind(self, sandbox)):
+                    instance_update.guest_code_behind(self, sandbox):
                 dep = await asyncio.to_thread(binding.ts.deployments.get, binding.deployment_id)
                 # Its packages made the deployment's first (a redeploy may have changed them: a restart).
                 await instance_update.load(self, sandbox, dep, binding.ts, on_restart=register)

@@ -75,8 +75,15 @@ def _image_of(image_dir: str) -> tuple[str, str] | None:
     return img.guest_code_hash, img.recipe_key
 
 
+#: Sandboxes whose guest code could not be replaced (said once in the log): not tried again by this process.
+_gave_up: set[str] = set()
+
+
 def behind(sandbox: Any, images_dir: Path) -> bool:
-    """Whether the running ``sandbox``'s guest code is not this host's while its image has this host's recipe."""
+    """Whether the running ``sandbox``'s guest code is not this host's while its image has this host's recipe.
+    Read from its record in memory (and its image's manifest, read once): cheap enough for every turn."""
+    if sandbox.id in _gave_up:
+        return False
     meta = sandbox._meta
     image = _image_of(str(meta.get("image_dir") or ""))
     if image is None:
@@ -100,6 +107,7 @@ async def bring_up_to_date(driver: Any, sandbox: Any) -> bool:
         return False
     before = await sandbox.channel.call("ping", {}, timeout=30)
     if "sys.restart" not in (before.get("methods") or []):
+        _gave_up.add(sandbox.id)
         log.warning("this instance's guest code is an older moorage's and cannot be replaced while it runs",
                     sandbox=sandbox.id, image=sandbox._meta.get("image_id"))
         return False
@@ -108,11 +116,13 @@ async def bring_up_to_date(driver: Any, sandbox: Any) -> bool:
     started = time.monotonic()
     r = await sandbox.exec(["python3", "-c", _INSTALL], stdin=package, timeout=120)
     if r.exit_code != 0:
+        _gave_up.add(sandbox.id)
         log.warning("the guest code could not be written into the instance; it keeps its older one",
                     sandbox=sandbox.id, error=(r.stderr or r.stdout)[-500:])
         return False
     env = {**dict(sandbox._meta["spec"].get("env") or {}), ENV_KEY: code}
     if not await driver.restart_in_place(sandbox, env, this_run_only=True):
+        _gave_up.add(sandbox.id)
         return False
     sandbox._meta[META_KEY] = code
     sandbox._save_meta()
