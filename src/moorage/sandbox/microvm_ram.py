@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,12 +89,46 @@ def dirty_runs(pid: int, m: Mapping) -> list[tuple[int, int]]:
     return [(int(a), int(b - a)) for a, b in zip(starts, ends)]
 
 
-@dataclass(frozen=True)
+class _Buffers:
+    """The host's buffer for the pages a checkpoint's pause copies (``copy_dirty``), kept from one checkpoint to
+    the next: a fresh one (up to ``COPY_MAX_BYTES``) had its pages zeroed and faulted in inside the guest's pause
+    each time. One is kept (the largest needed so far); a checkpoint that copies while another's copy is still
+    in use gets a fresh one, as before. Thread-safe: pauses run on worker threads, several sandboxes at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: bytearray | None = None
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            buf, self._kept = self._kept, None
+        if buf is None or len(buf) < size:
+            buf = bytearray(-(-size // (1 << 20)) << 20)  # whole MiB: a guest's next pause needs a few pages more
+        return buf
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if self._kept is None or len(self._kept) < len(buf):
+                self._kept = buf
+
+
+_BUFFERS = _Buffers()
+
+
+@dataclass
 class Dirty:
-    """A paused guest's private pages, copied (``copy_dirty``): their runs, and their bytes in run order."""
+    """A paused guest's private pages, copied (``copy_dirty``): their runs, and their bytes in run order (a view
+    of the host's copy buffer, handed back by ``release``: ``changed_pages`` does once it has compared them)."""
 
     runs: list[tuple[int, int]]
-    data: bytearray
+    data: memoryview
+    _buf: bytearray | None = None
+
+    def release(self) -> None:
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            self.data.release()
+            _BUFFERS.give(buf)
 
 
 def copy_dirty(pid: int, m: Mapping, limit: int = COPY_MAX_BYTES) -> Dirty | None:
@@ -103,8 +138,8 @@ def copy_dirty(pid: int, m: Mapping, limit: int = COPY_MAX_BYTES) -> Dirty | Non
     total = sum(n for _, n in runs) * PAGE
     if total > limit:
         return None
-    data = bytearray(total)
-    view = memoryview(data)
+    buf = _BUFFERS.take(total)
+    view = memoryview(buf)[:total]
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
     try:
         pos = 0
@@ -113,21 +148,24 @@ def copy_dirty(pid: int, m: Mapping, limit: int = COPY_MAX_BYTES) -> Dirty | Non
             if os.preadv(mem, [view[pos : pos + size]], m.start + first * PAGE) != size:
                 raise RamError(f"short read of the guest memory of QEMU {pid}", hint="the VM stopped; wake it again")
             pos += size
-    finally:
+    except BaseException:
         view.release()
+        _BUFFERS.give(buf)
+        raise
+    finally:
         os.close(mem)
-    return Dirty(runs, data)
+    return Dirty(runs, view, buf)
 
 
 def changed_pages(pid: int, m: Mapping, template_ram: Path, dirty: Dirty | None = None) -> Iterator[tuple[int, bytes]]:
     """(page number, bytes) of each guest page that differs from the template, in page order: the private copies
     the guest wrote, less those it wrote back to the template's content; read from the paused guest, or from
-    ``dirty`` (copied while it was paused). The template's pages are read from its sealed memfd where this process
-    has one (the pages forks map)."""
+    ``dirty`` (copied while it was paused; released once this ends). The template's pages are read from its sealed
+    memfd where this process has one (the pages forks map)."""
     runs = dirty.runs if dirty is not None else dirty_runs(pid, m)
+    copied = memoryview(dirty.data) if dirty is not None else None  # first: one already compared raises here
     mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY) if dirty is None else -1
     tpl = microvm_memfd.open_for_reading(template_ram)
-    copied = memoryview(dirty.data) if dirty is not None else None
     pos = 0
     try:
         for first, count in runs:
@@ -148,6 +186,9 @@ def changed_pages(pid: int, m: Mapping, template_ram: Path, dirty: Dirty | None 
         if mem >= 0:
             os.close(mem)
         os.close(tpl)
+        if copied is not None and dirty is not None:
+            copied.release()
+            dirty.release()  # compared: its buffer serves the next checkpoint's pause
 
 
 def runs_of(pages: Iterable[int]) -> list[tuple[int, int]]:
