@@ -1,8 +1,9 @@
 """A live upgrade (``moorage up --detach``, then the new version's start) re-adopts micro-VMs whose guest code is the
 older moorage's: it lives in the guest image their disks are overlays on. Their first turn on the new host restarts
 them onto its guest code (files kept, the same QEMU), so what the new ``ctx`` added works in them; and an app whose
-server the agent's module starts answers with the new code right after a redeploy restarted it.
-bench/upgrade/run.py runs this across two real versions; here the older guest is made from this one's."""
+server the agent's module starts answers with the new code right after a redeploy restarted it; a sleep the
+previous release made restores with this version's device layout. bench/upgrade/run.py runs this across two real
+versions; here the older guest is made from this one's, and the older sleep's record is test data."""
 
 from __future__ import annotations
 
@@ -139,3 +140,18 @@ def test_an_app_asked_right_after_a_redeploy_restarted_its_instance_answers_with
         assert (r.status_code, r.text) == (200, "page v3"), r.text
     finally:
         up.stop()
+
+
+#: The record e27f536 (the release before) kept of a micro-VM it put to sleep (``meta.json``: its VM's
+#: configuration and its sleep's snapshot record), as test data.
+OLD_SLEEP_META = Path(__file__).resolve().parents[1] / "data" / "upgrade" / "e27f536-sleeping-microvm-meta.json"
+
+
+def test_a_sleep_the_previous_release_made_restores_with_this_versions_device_layout() -> None:
+    from moorage.sandbox.microvm_qemu import VMConfig
+
+    meta = json.loads(OLD_SLEEP_META.read_text())
+    # The same device layout, so it wakes from its snapshot (``wake_kind`` snapshot), not cold from its disk: the
+    # live run (bench/upgrade) wakes such a sleep; this holds the layout's id to it without QEMU or history.
+    assert VMConfig(**meta["vm"]).layout_id() == meta["snapshot"]["layout"]
+    assert {"kind", "qemu", "layout", "dev_sha256", "delta_xxh3"} <= set(meta["snapshot"])
