@@ -147,7 +147,10 @@ def test_background_loops_log_an_outage_once_then_its_end_not_every_failed_round
 def test_idle_sleeps_refused_during_an_outage_are_one_line_then_the_instance_sleeps(host: Fleet, outages: Outages,
                                                                                    tmp_path) -> None:  # noqa: ANN001
     """An instance due to sleep while PostgreSQL is down has its sleep refused every round of the idle loop; the
-    log says so once (per minute), not once per round, and the sleep happens once the store is back."""
+    log says so once (per minute), not once per round, and the sleep happens once the store is back. It stays
+    awake on this host until then (docs/fleet.md, "A store outage and sleeps"): its sleep is a claim on its record,
+    which takes the store; whether the idle loop or a shipment waiting for the store gets to it first."""
+    import json
     from moorage.devservices.fleet import write_counter_agent
     from tests.fleet.harness import tar_dir
 
@@ -158,10 +161,12 @@ def test_idle_sleeps_refused_during_an_outage_are_one_line_then_the_instance_sle
                          headers={"Content-Type": "application/gzip"})
     assert r.status_code == 201, r.text
     assert replied(host.api[0].post("/v1/agents/napper/invoke", json={"message": "hi", "user": "nap"})) == "1: hi"
+    sandbox = host.hosts[0].data / "sandboxes" / host.records()["nap"].id
     mark = host.hosts[0].log.stat().st_size
     outages.stop()  # before its 2 s of idleness are up
     try:
         time.sleep(16)  # its sleep is due, and refused, round after round
+        assert json.loads((sandbox / "meta.json").read_text())["state"] == "running"  # awake until the store is back
     finally:
         outages.start()
     until(lambda: host.records()["nap"].state == "sleeping", "the idle sleep once the store is back", 30)
