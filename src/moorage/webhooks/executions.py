@@ -7,6 +7,7 @@ An execution is a turn like any other (a durable run with the same id), so a hos
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
@@ -32,7 +33,7 @@ RETRIED_REFUSALS = frozenset({"overloaded", "tenant-awake-limit", "busy"})
 #: How long an execution keeps trying after such refusals before it fails with the last one.
 REFUSED_RETRY_FOR_S = 900.0
 
-#: Async turns one end-user (of one agent) may have unfinished on a host at once; past it a submit is a 429. Each
+#: Async turns one end-user (of one agent) may have unfinished at once in the fleet; past it a submit is a 429. Each
 #: holds a task that waits for its turn (and retries refusals for up to REFUSED_RETRY_FOR_S): unbounded, one end-user
 #: token could queue turns (and rows) without end.
 MAX_USER_EXECUTIONS = 64
@@ -90,7 +91,7 @@ class ExecutionRunner:
         if earlier is not None and earlier != message:
             raise InvalidInput("this Idempotency-Key was used with a different request",
                                hint="use a new key for a new turn")
-        if earlier is None and self._per_user.get(_user_key(ts, entity), 0) >= self.max_user_executions:
+        if earlier is None and await self._unfinished(ts, entity) >= self.max_user_executions:
             from moorage.router import Overloaded
 
             raise Overloaded(f"user {entity.user!r} of agent {entity.agent!r} "
@@ -101,6 +102,15 @@ class ExecutionRunner:
         if created:
             self._start(principal, ts, ex)
         return ex, created
+
+    async def _unfinished(self, ts: TenantStore, entity: EntityKey) -> int:
+        """The end-user's unfinished async turns: those of the whole fleet (the store's), or this host's where it
+        knows of more (submitted here a moment ago). Counted per host, a fleet of N admitted N times as many."""
+        here = self._per_user.get(_user_key(ts, entity), 0)
+        if here >= self.max_user_executions:
+            return here
+        return max(here, await asyncio.to_thread(unfinished_of_user, ts, entity.agent, entity.user,
+                                                 self.max_user_executions))
 
     def _start(self, principal: Principal, ts: TenantStore, ex: Execution) -> None:
         if ex.id in self._tasks:
@@ -214,6 +224,24 @@ class ExecutionRunner:
                 self._start(store.operator.principal(ts.tenant_id), ts, ex)
                 count += 1
         return count
+
+
+def unfinished_of_user(ts: TenantStore, agent: str, user: str, limit: int) -> int:
+    """How many of the user's async turns are unfinished in the store, whichever host holds them (counted up to
+    ``limit``): not announced as ended, with no run yet (queued) or a run pending or running. One refused before
+    its run began (an ``error`` event, no run) is over; a run waiting for an answer holds nothing."""
+    rows = ts.read("SELECT e.events, r.status FROM executions e LEFT JOIN workflow_runs r ON r.id = e.id "
+                   "WHERE e.agent_id = ? AND e.user_id = ? AND (e.announced IS NULL OR e.announced = 'waiting') "
+                   "AND (r.status IS NULL OR r.status IN ('pending', 'running')) LIMIT ?", (agent, user, limit + 64))
+    n = 0
+    for events, status in rows:
+        if status is None:
+            if isinstance(events, str):
+                events = json.loads(events)
+            if any(isinstance(e, dict) and e.get("kind") == "error" for e in events or []):
+                continue
+        n += 1
+    return min(n, limit)
 
 
 def _user_key(ts: TenantStore, entity: EntityKey) -> tuple[str, str, str]:
