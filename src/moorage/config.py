@@ -147,6 +147,9 @@ class Config:
     #: Seconds a client connection may take to send a request's headers, from its opening or from the previous
     #: answer; past it the server closes the connection (a slow or silent client held it for good before).
     http_header_timeout_s: float = 10.0
+    #: Seconds a client may leave its answer unread (the connection's buffers full, nothing taken) before the server
+    #: closes the connection: a reader that stopped held the connection, the answer's memory and its stream for good.
+    http_write_stall_s: float = 60.0
     #: Per end-user of an agent, per host process (docs/api.md, "Which limits count across the fleet"): requests of
     #: their end-user tokens in flight at once (a stream until it ends), turns admitted at once over all their
     #: sessions, and async turns unfinished at once; past each a 429.
@@ -239,7 +242,8 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "egress_max_bytes": (0, None), "app_max_request_bytes": (1, None), "app_max_response_bytes": (1, None),
     "app_timeout_s": (1, None), "app_max_duration_s": (1, None), "app_ws_max_message_bytes": (1, None),
     "app_ws_max_sockets": (1, None), "sse_keepalive_s": (0, None), "sandbox_uid": (1, None),
-    "http_header_timeout_s": (0.1, None), "end_user_max_requests": (1, None), "user_max_turns": (1, None),
+    "http_header_timeout_s": (0.1, None), "http_write_stall_s": (0.1, None), "end_user_max_requests": (1, None),
+    "user_max_turns": (1, None),
     "user_max_async_turns": (1, None),
     "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }

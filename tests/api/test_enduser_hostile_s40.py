@@ -3,12 +3,16 @@ server and runtime."""
 
 from __future__ import annotations
 
+import socket
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from moorage.client import AuthError
 from moorage import AsyncClient
+from moorage.devservices.fleet import LocalHost
 from tests.api.conftest import aclient
 from tests.api.test_users import existing_users_archive
 
@@ -42,3 +46,30 @@ async def test_a_token_for_a_user_an_existing_users_agent_lacks_is_refused(live_
         with pytest.raises(AuthError) as refused:
             await browser.whoami()
         assert refused.value.status == 401 and "since been forgotten" in refused.value.detail
+
+
+def test_a_client_that_stops_reading_its_answers_is_dropped(tmp_path: Path) -> None:
+    """A client that sent requests (here pipelined, many at once) and then read nothing held its connection for
+    good, with an answer's bytes in the host's memory (and, for a stream, the stream and its end-user's place). Now
+    the connection is dropped once the client took nothing for ``http_write_stall_s``; others are served meanwhile."""
+    host = LocalHost("up", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_HTTP_WRITE_STALL_S": "1"},
+                     start_timeout_s=120)
+    try:
+        size = len(httpx.get(f"{host.url}/openapi.json", timeout=30).content)
+        n = max(4, (32 << 20) // size)  # more answers than the sockets' buffers hold
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", host.port))
+            s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: h\r\n\r\n" * n)
+            time.sleep(4)  # reads nothing meanwhile
+            assert httpx.get(f"{host.url}/healthz", timeout=5).status_code == 200
+            got = 0
+            s.settimeout(10)
+            try:
+                while chunk := s.recv(1 << 16):
+                    got += len(chunk)
+            except (ConnectionResetError, socket.timeout):
+                pass
+        assert got < n * size, f"all {n} answers were sent to a reader that stalled for 4 s"
+    finally:
+        host.stop()

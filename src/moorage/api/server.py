@@ -1,7 +1,10 @@
-"""The HTTP server's connections: uvicorn's h11 protocol with a deadline for each request's headers.
+"""The HTTP server's connections: uvicorn's h11 protocol with a deadline for each request's headers, and one for a
+client that stops reading its answer.
 
 uvicorn closes only a kept-alive connection that stays idle; one that sends its headers a byte at a time (or never
-starts) was held for good, so anyone could hold every file descriptor of the host with a few thousand sockets.
+starts) was held for good, so anyone could hold every file descriptor of the host with a few thousand sockets. A
+client that sends a request and never reads the answer held it too, with the answer's bytes in the host's memory
+and, for a stream, the stream and its end-user's place.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: Seconds a connection may take to send a request's headers (from its opening, or from the previous answer).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Seconds a connection may take nothing of its answer while the server has more of it to send.
+DEFAULT_WRITE_STALL_S = 60.0
 
 
 class HeaderDeadline(H11Protocol):
@@ -21,9 +26,11 @@ class HeaderDeadline(H11Protocol):
     its answer are the route's)."""
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    write_stall_s: float = DEFAULT_WRITE_STALL_S
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None
         self._awaited: Any = None
         super().connection_made(transport)
         self._arm()
@@ -57,11 +64,34 @@ class HeaderDeadline(H11Protocol):
             return  # a request in progress: its headers came
         self.transport.close()
 
+    # The transport's buffer of unsent bytes is full (the client takes nothing): it has ``write_stall_s`` to take
+    # some, or the connection is dropped; the answer's sender (blocked on the buffer) then sees it gone.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.write_stall_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        super().resume_writing()
+
+    def _stalled(self) -> None:
+        self._stall = None
+        if not self.transport.is_closing():
+            self.transport.abort()  # close() would wait for the unread bytes to leave first
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         super().connection_lost(exc)
 
 
-def header_deadline(timeout_s: float) -> type[HeaderDeadline]:
-    """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for headers due within ``timeout_s``."""
-    return type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": float(timeout_s)})
+def header_deadline(timeout_s: float, write_stall_s: float = DEFAULT_WRITE_STALL_S) -> type[HeaderDeadline]:
+    """The protocol class to give uvicorn (``uvicorn.Config(http=...)``) for headers due within ``timeout_s`` and
+    answers dropped once their reader took nothing for ``write_stall_s``."""
+    return type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": float(timeout_s),
+                                                      "write_stall_s": float(write_stall_s)})

@@ -179,7 +179,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     # A WebSocket message past the apps' cap is refused by the server itself, before it is buffered (docs/app.md).
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
                                            ws_max_size=cfg.app_ws_max_message_bytes,  # inclusive: a message of the cap passes
-                                           http=header_deadline(cfg.http_header_timeout_s)))
+                                           http=header_deadline(cfg.http_header_timeout_s, cfg.http_write_stall_s)))
     url = f"http://{cfg.host}:{cfg.port}"
 
     async def after_start() -> None:
