@@ -257,11 +257,13 @@ def parse_origins(value: str) -> list[str]:
     """``cors_origins`` as a list; each an origin a browser sends (scheme, host, port: no path, no ``*``)."""
     origins = [o.strip().rstrip("/") for o in value.split(",") if o.strip()]
     for origin in origins:
-        if not ORIGIN.fullmatch(origin):
+        if not ORIGIN.fullmatch(origin.lower()):
             raise ConfigError(f"cors_origins: {origin!r} is not an origin",
                               hint="name each page's origin as a browser sends it, e.g. https://app.example.com or "
                                    "http://127.0.0.1:8002, comma-separated (no path, no '*')")
-    return origins
+    # As a browser sends it: lower case, no default port (https://App.example.com:443 matched no page before).
+    return [re.sub(r"^(https://[^/]+):443$|^(http://[^/]+):80$", lambda m: m.group(1) or m.group(2), o.lower())
+            for o in origins]
 
 
 def _check_words(values: dict[str, Any]) -> None:

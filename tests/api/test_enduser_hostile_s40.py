@@ -12,8 +12,11 @@ import pytest
 
 from moorage.client import AuthError
 from moorage import AsyncClient
+from moorage.api import create_app
+from moorage.config import Config
 from moorage.devservices.fleet import LocalHost
-from tests.api.conftest import aclient
+from moorage.store import Store
+from tests.api.conftest import aclient, agent_archive, serve
 from tests.api.test_users import existing_users_archive
 
 GZ = {"content-type": "application/gzip"}
@@ -73,3 +76,50 @@ def test_a_client_that_stops_reading_its_answers_is_dropped(tmp_path: Path) -> N
         assert got < n * size, f"all {n} answers were sent to a reader that stalled for 4 s"
     finally:
         host.stop()
+
+
+def test_cors_origins_match_as_browsers_send_them_and_every_answer_varies_by_origin(tmp_path: Path,
+                                                                                    store: Store) -> None:
+    """An origin named with capitals or its default port (https://App.example.com:443) matched no page, since a
+    browser sends it in lower case without the port: the page was refused with nothing said. And an answer without
+    CORS headers (no Origin, another origin) did not say ``Vary: Origin``, so a cache in between could hand it to the
+    named page, which then could not read it. Neither any longer; credentials are still never allowed."""
+    key = store.operator.create_tenant("acme")[1].secret
+    app = create_app(store, Config(data_dir=tmp_path / "data", cors_origins="https://App.Example.com:443"))
+    srv, thread, url = serve(app)
+    try:
+        page = "https://app.example.com"
+        pre = httpx.options(url + "/v1/whoami", timeout=30, headers={
+            "Origin": page, "Access-Control-Request-Method": "GET", "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == page, pre.headers
+        assert "access-control-allow-credentials" not in pre.headers
+        for origin in (page, "https://evil.example", "null", None):
+            r = httpx.get(url + "/v1/whoami", timeout=30, headers={"Authorization": f"Bearer {key}",
+                                                                 **({"Origin": origin} if origin else {})})
+            assert r.status_code == 200
+            assert "origin" in r.headers.get("vary", "").lower(), (origin, r.headers)
+            assert r.headers.get("access-control-allow-origin") == (page if origin == page else None), origin
+            assert "access-control-allow-credentials" not in r.headers
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+async def test_an_end_user_token_reads_no_one_elses_runs_or_usage_through_filters(live_rt, acme: str,
+                                                                                 tmp_path: Path) -> None:
+    """The tenant-wide listings that take ``?agent=&user=`` (workflow runs, usage and its caps) are not end-user
+    routes: a token is refused (403) whichever user it names, its own included, and says nothing of the other's."""
+    async with aclient(live_rt, acme) as c:
+        r = await c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.put("/v1/agents/echo/users/bob", json={"limits": {"tokens_per_month": 987654}})).status_code == 201
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "secret-of-bob", "user": "bob"})).status_code == 200
+        token = (await c.post("/v1/agents/echo/users/ada/tokens", json={"ttl_s": 600})).json()["token"]
+    async with aclient(live_rt, token) as ada:
+        for path in ("/v1/workflows?agent=echo&user=bob", "/v1/workflows?agent=echo&user=ada", "/v1/workflows",
+                     "/v1/usage?agent=echo&user=bob", "/v1/usage?agent=echo&user=ada", "/v1/usage?user=bob",
+                     "/v1/usage", "/v1/traces?agent=echo"):
+            r = await ada.get(path)
+            assert r.status_code == 403, (path, r.text)
+            assert "bob" not in r.text and "987654" not in r.text, (path, r.text)

@@ -30,9 +30,24 @@ class Cors:
                                    allow_headers=["*"], expose_headers=EXPOSED, max_age=600)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> Any:
-        if scope["type"] == "http" and not APP_PATHS.match(scope["path"]) and self._origin(scope) in self.origins:
+        if scope["type"] != "http" or APP_PATHS.match(scope["path"]):
+            return await self.app(scope, receive, send)
+        if self._origin(scope) in self.origins:
             return await self.cors(scope, receive, send)
-        return await self.app(scope, receive, send)
+
+        async def varied(message: Any) -> None:
+            # The answer depends on the Origin: a cache in between must not hand this one (no CORS headers) to a
+            # named origin's page, which then could not read it (Starlette says so only on the CORS answers).
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                vary = [v for k, v in headers if k.lower() == b"vary"]
+                if not any(b"origin" in v.lower() for v in vary):
+                    headers = [(k, v) for k, v in headers if k.lower() != b"vary"]
+                    headers.append((b"vary", b", ".join([*vary, b"Origin"])))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        return await self.app(scope, receive, varied)
 
     @staticmethod
     def _origin(scope: Scope) -> bytes | None:
