@@ -163,16 +163,16 @@ class AgentUsers(_Repo):
         out: list[AgentUser] = []
         cursor = after or ""
         batch = max(limit, 100)
-        where, params = "agent_id = ? AND user_id > ?", [agent]
+        where, narrowing = "agent_id = ? AND user_id > ?", []
         for k, v in (meta or {}).items():
             cond, args = _narrowing(self._ts.dialect, k, v)
             if cond:
                 where += f" AND {cond}"
-                params += args
+                narrowing += args
         while len(out) < limit:
             with self._ts._tx(write=False) as c:
                 rows = c.q(f"SELECT {_COLS} FROM agent_users WHERE {where} ORDER BY user_id LIMIT ?",
-                           [agent, cursor, *params[1:], batch])
+                           [agent, cursor, *narrowing, batch])
             for r in rows:
                 u = _row(r)
                 if not meta or all(k in u.meta and _same(u.meta[k], v) for k, v in meta.items()):
