@@ -32,7 +32,9 @@ def _problem(r: httpx.Response | object, status: int, code: str) -> None:
 
 @pytest.fixture
 def agent(sqlite_store: Store, tenant_key: str) -> str:
-    sqlite_store.tenant(sqlite_store.authenticate(tenant_key)).agents.create("echo")
+    ts = sqlite_store.tenant(sqlite_store.authenticate(tenant_key))
+    ts.agents.create("echo")
+    ts.agent_users.put("echo", "alice")  # a users = "existing" agent issues tokens to its users only
     return "echo"
 
 
