@@ -113,6 +113,8 @@ async def test_no_other_tenant_user_or_key_can_list_or_decide_them(
         assert (await c.post(f"/v1/agents/pal/users/bo/facts/{fact.id}/confirm")).status_code == 404
         assert (await c.get("/v1/agents/pal/users/bo/facts/pending")).status_code == 404  # not one of its users
         read_only = (await c.post("/v1/keys", json={"scopes": ["read"]})).json()["secret"]
+        for user in ("ada", "bo"):  # a users = "existing" agent issues tokens to its users only
+            victim.agent_users.put("pal", user)
         ada = (await c.post("/v1/agents/pal/users/ada/tokens", json={})).json()["token"]
         bo = (await c.post("/v1/agents/pal/users/bo/tokens", json={})).json()["token"]
     async with aclient(live, read_only) as c:  # reading is enough to list, not to decide
