@@ -61,6 +61,7 @@ def test_secret_routes_stay_inside_the_tenant(live: LiveServer, store: Store, ac
 
 def test_secret_routes_need_the_secrets_scope_and_valid_input(live: LiveServer, store: Store, acme: str) -> None:
     _deploy_store_only(store, acme, "gh")
+    store.tenant(store.authenticate(acme)).agent_users.put("gh", "ada")  # its token's user (users = "existing")
     with live.client(acme) as admin:
         invoke_key = admin.post("/v1/keys", json={"scopes": ["invoke", "deploy", "read"]}).json()["secret"]
         secrets_key = admin.post("/v1/keys", json={"scopes": ["secrets"]}).json()["secret"]
