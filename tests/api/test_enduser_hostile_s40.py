@@ -123,3 +123,38 @@ async def test_an_end_user_token_reads_no_one_elses_runs_or_usage_through_filter
             r = await ada.get(path)
             assert r.status_code == 403, (path, r.text)
             assert "bob" not in r.text and "987654" not in r.text, (path, r.text)
+
+
+def test_a_request_body_that_stops_halfway_closes_its_connection(tmp_path: Path) -> None:
+    """A request with a credential whose body stopped halfway held its connection and its handler for good (the
+    header deadline times only headers). Now the body must keep coming: a pause of ``http_header_timeout_s`` closes
+    the connection; a body that keeps coming slowly is still answered."""
+    host = LocalHost("up", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_HTTP_HEADER_TIMEOUT_S": "1"},
+                     start_timeout_s=120)
+    try:
+        head = (b"POST /v1/keys HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {host.key}\r\nContent-Length: 1000\r\n\r\n".encode())
+        stopped = [socket.create_connection(("127.0.0.1", host.port)) for _ in range(5)]
+        for s in stopped:
+            s.sendall(head + b'{"scopes": ["read"], "label": "')
+        started = time.monotonic()
+        for s in stopped:
+            s.settimeout(max(0.1, started + 5 - time.monotonic()))
+            try:
+                assert s.recv(4096) == b"", "answered without its body"
+            except ConnectionResetError:
+                pass
+            except socket.timeout:
+                raise AssertionError("a connection whose body stopped is still open after 5 s") from None
+            finally:
+                s.close()
+        body = b'{"scopes": ["read"]}'
+        with socket.create_connection(("127.0.0.1", host.port)) as ok:
+            ok.sendall(head.replace(b"Content-Length: 1000", f"Content-Length: {len(body)}".encode()))
+            for i in range(0, len(body), 4):  # slowly, but never a pause of the timeout
+                ok.sendall(body[i:i + 4])
+                time.sleep(0.4)
+            ok.settimeout(10)
+            assert ok.recv(4096).startswith(b"HTTP/1.1 201")
+    finally:
+        host.stop()

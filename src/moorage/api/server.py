@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: Seconds a connection may take to send a request's headers (from its opening, or from the previous answer).
@@ -31,6 +32,7 @@ class HeaderDeadline(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._stall: asyncio.TimerHandle | None = None
+        self._body: asyncio.TimerHandle | None = None
         self._awaited: Any = None
         super().connection_made(transport)
         self._arm()
@@ -49,6 +51,31 @@ class HeaderDeadline(H11Protocol):
         super().handle_events()
         if self._deadline is not None and self.scope is not self._awaited:
             self._disarm()  # a request's headers came in time (a WebSocket upgrade's too)
+        self._watch_body()
+
+    # A request's body must keep coming: a pause of ``header_timeout_s`` while it is awaited closes the connection
+    # (a body that stopped halfway held it, and the request's handler, for good). Not while the server itself has
+    # stopped reading (its buffer full, the handler not reading yet): that pause is the server's.
+    def _body_awaited(self) -> bool:
+        return (self.conn.their_state is h11.SEND_BODY and self.conn.our_state is not h11.DONE
+                and self.cycle is not None and self.cycle.scope is self.scope  # not a WebSocket's handshake
+                and self.transport.get_protocol() is self and not self.transport.is_closing())
+
+    def _watch_body(self) -> None:
+        if self._body is not None:
+            self._body.cancel()
+            self._body = None
+        if self._body_awaited():
+            self._body = self.loop.call_later(self.header_timeout_s, self._body_stopped)
+
+    def _body_stopped(self) -> None:
+        self._body = None
+        if not self._body_awaited():
+            return
+        if self.flow.read_paused:
+            self._watch_body()
+            return
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -84,9 +111,10 @@ class HeaderDeadline(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
+        for timer in (self._stall, self._body):
+            if timer is not None:
+                timer.cancel()
+        self._stall = self._body = None
         super().connection_lost(exc)
 
 
