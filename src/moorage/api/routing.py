@@ -219,13 +219,13 @@ class Endpoint:
             if watch is not None:
                 watch.stop()
             raise
+        if self.tag == "openai" and response.status_code >= 400:
+            response = with_openai_error(response)  # the official openai clients read their error from it
         if watch is not None:
             if relayed or not isinstance(response, StreamingResponse):
                 watch.stop()
             else:
                 response = Watched(response, watch, trace_id, openai=self.tag == "openai")
-        if self.tag == "openai" and response.status_code >= 400:
-            response = with_openai_error(response)  # the official openai clients read their error from it
         try:
             if ts is not None:
                 await run_in_threadpool(self._record_span, ctx, ts, principal, request, response.status_code, started,
