@@ -55,7 +55,16 @@ def _translated() -> Iterator[None]:
         if e.code == "unreachable":
             raise ConfigError(f"cannot reach the moorage server: {e.detail}",
                               hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
-        raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=_cli_hint(e.hint)) from e
+        raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=_traced(_cli_hint(e.hint), e)) from e
+
+
+def _traced(hint: str | None, e: SdkError) -> str | None:
+    """A failure's hint with the command that shows its trace: where a turn failed in the agent's code, what it
+    called and when (a server's own failure names its trace id already)."""
+    if not e.trace_id or e.status < 500 or e.trace_id in (hint or ""):
+        return hint
+    shown = f"`moorage trace {e.trace_id}` shows what it did"
+    return f"{hint}; {shown}" if hint else shown
 
 
 #: The server's hints that name a listing route or a query parameter, and what a CLI user does instead: the command

@@ -8,7 +8,7 @@ import time
 from typing import Any, AsyncIterator
 
 from moorage.durable import DurableEngine, RunCancelled, RunTakenOver
-from moorage.errors import ConflictError, DiskFull, disk_full
+from moorage.errors import ConflictError, DiskFull, MoorageError, disk_full
 from moorage.log import get_logger
 from moorage.runtime import instance_update
 from moorage.runtime.host_calls import GuestCalls, TurnBinding
@@ -16,13 +16,14 @@ from moorage.runtime.turns import (
     _LIMIT_KINDS,
     NOT_LOADED,
     AgentTurnFailed,
+    SandboxStopped,
     TurnEvent,
     TurnLimited,
     TurnResult,
     _raise_agent_failure,
     _Turn,
 )
-from moorage.sandbox import RemoteError, Sandbox
+from moorage.sandbox import ChannelClosed, RemoteError, Sandbox
 from moorage.store import EventIn, Scope, TenantStore
 
 
@@ -36,6 +37,19 @@ log = get_logger(__name__)
 END_RETRY_S = 1.0
 #: Those tries in flight (held: asyncio keeps weak references to tasks).
 _ENDING: set["asyncio.Task[None]"] = set()
+#: How much of a failed turn's error its span keeps (the run keeps it whole).
+SPAN_ERROR_CHARS = 1000
+
+
+def _error_attrs(error: BaseException) -> dict[str, Any]:
+    """What a failed turn's span says of its failure: the error's type, and for moorage's own errors (the agent's
+    exception with its line, a limit, a stopped sandbox) its code, message and hint, as request spans say them."""
+    attrs: dict[str, Any] = {"error": type(error).__name__}
+    if isinstance(error, MoorageError):
+        attrs.update({"error.code": error.code, "error.message": error.message[:SPAN_ERROR_CHARS]})
+        if error.hint:
+            attrs["error.hint"] = error.hint[:SPAN_ERROR_CHARS]
+    return attrs
 
 
 class TurnExecution:
@@ -94,6 +108,8 @@ class TurnExecution:
                     raise binding.diverged from e
                 if await self._end_turn_or_later(engine, binding, started, error=e):
                     raise RunCancelled(turn_id, None) from e  # cancelled while it ran: what ended it
+                if isinstance(e, ChannelClosed):  # said as what it is, not as the server's failure
+                    raise SandboxStopped(e.message.split(": ", 1)[-1]) from e
                 raise
             if out.get("status") == "waiting":  # the engine already set the run waiting at the interrupt
                 await asyncio.to_thread(self._end_turn, engine, binding, started, waiting=True)
@@ -211,7 +227,7 @@ class TurnExecution:
                 run = ts.runs.get(b.run_id)
                 if run.status == "running":
                     ts.runs.update(b.run_id, expected_version=run.version, status="pending")
-                self.tracer.span(b, "turn", started, status="error", error=type(diverged).__name__)
+                self.tracer.span(b, "turn", started, status="error", **_error_attrs(diverged))
             elif error is not None:
                 cancelled = ts.runs.get(b.run_id).status == "cancelled"
                 if cancelled:
@@ -220,7 +236,7 @@ class TurnExecution:
                     failure = ({"failure": {"code": error.code, "message": error.message, "hint": error.hint}}
                                if isinstance(error, AgentTurnFailed) else None)
                     engine.fail_run(b.run_id, str(error), result=failure)
-                    self.tracer.span(b, "turn", started, status="error", error=type(error).__name__)
+                    self.tracer.span(b, "turn", started, status="error", **_error_attrs(error))
             elif waiting:
                 self.tracer.span(b, "turn", started, status="waiting")
             else:

@@ -46,6 +46,24 @@ class AgentTurnFailed(InvalidInput):
     retryable = False
 
 
+class SandboxStopped(MoorageError):
+    """The agent's sandbox stopped while the turn ran: its guest process exited or was killed (an exit in the
+    agent's code, its memory limit, a crash), or the host stopped it. Unlike ``AgentTurnFailed`` the run is not
+    settled as the agent's failure: the same turn asked again (same Idempotency-Key) runs again, its journaled
+    steps replayed, in a sandbox started afresh from its disk."""
+
+    code = "sandbox-stopped"
+    http_status = 502
+    for_caller = True
+    retryable = False  # not automatically: an agent that ends its own process would only do it again
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the agent's sandbox stopped during the turn ({reason})",
+                         hint="send the turn again (with the same Idempotency-Key its journaled steps are not run "
+                              "twice); if it happens again, look for an exit in the agent's code (sys.exit, "
+                              "os._exit) or a process killed for memory (raise memory_mib)")
+
+
 class TurnLimited(MoorageError):
     """A limit on the agent's own host call (the tenant's model rate or token budget) ended the turn: answered
     as that limit (429, with when to come back), not as the agent's failure, and a retry later runs it again."""

@@ -56,11 +56,7 @@ def paused_error(sandbox_id: str) -> DiskFull:
 
 class DiskFullPause:
     """``MicroVMSandbox``'s reaction to QEMU pausing the guest on a full disk (it holds ``_qmp``, ``_channel``,
-    ``dir``, ``id``, ``_disk_full`` and ``_resumer``)."""
-
-    def _watch_disk(self: "MicroVMSandbox", qmp: QMPClient) -> None:
-        """Listen to this QEMU's block errors (called whenever a monitor connection is made)."""
-        qmp.on_event = lambda ev: self._on_qmp_event(qmp, ev)
+    ``dir``, ``id``, ``_disk_full`` and ``_resumer``; QEMU's events reach it through ``GuestPortWatch``)."""
 
     def _on_qmp_event(self: "MicroVMSandbox", qmp: QMPClient, ev: dict[str, Any]) -> None:
         data = ev.get("data") or {}

@@ -83,7 +83,7 @@ class QemuProcess:
                 raise BootError("QEMU did not create its monitor socket within 10 s", hint="the host may be overloaded")
             await asyncio.sleep(0.002)
         self._qmp = await QMPClient.connect(str(paths.qmp_sock))
-        self._watch_disk(self._qmp)
+        self._watch_qmp(self._qmp)
         _ATTACHED[str(self.dir)] = self
 
     def _log_tail(self) -> str:
@@ -219,7 +219,7 @@ class QemuProcess:
             await previous._detach()
         try:
             self._qmp = await QMPClient.connect(str(self._paths().qmp_sock))
-            self._watch_disk(self._qmp)
+            self._watch_qmp(self._qmp)
             _ATTACHED[str(self.dir)] = self
             if not console_reattach(console_pipe(self.dir / "console.log"), pid, str(self.run_dir)):
                 log.warning("re-attached without its console log", sandbox=self.id)

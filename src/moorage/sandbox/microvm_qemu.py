@@ -27,6 +27,7 @@ from moorage.sandbox import capped_log, cgroups, microvm_user
 from moorage.sandbox.base import SandboxError
 from moorage.sandbox.accel import QEMU, accel_args
 from moorage.sandbox.image_guest import CHANNEL_PORT
+from moorage.sandbox.microvm_guest_port import PORT_ID
 
 #: Bumped when the layout below changes in a way its inputs do not show.
 LAYOUT_VERSION = "1"
@@ -145,7 +146,9 @@ def build_argv(name: str, cfg: VMConfig, paths: VMPaths, *, ram_shared: bool, in
         "-device", "virtio-blk-device,drive=disk",
         "-device", "virtio-serial-device,max_ports=2",
         "-chardev", f"socket,id=ch0,path={paths.chan_sock},server=on,wait=off",
-        "-device", f"virtserialport,chardev=ch0,name={CHANNEL_PORT}",
+        # Its id names it in QEMU's VSERPORT_CHANGE event: the guest closing it is how the host hears its supervisor
+        # exit (microvm_guest_port.py).
+        "-device", f"virtserialport,chardev=ch0,name={CHANNEL_PORT},id={PORT_ID}",
         "-qmp", f"unix:{paths.qmp_sock},server=on,wait=off",
         # Our device-state files come from xen-save-devices-state, which writes no configuration section.
         "-global", "migration.send-configuration=off",

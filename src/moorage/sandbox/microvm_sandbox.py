@@ -33,6 +33,7 @@ from moorage.sandbox.channel import Channel
 from moorage.sandbox.image import GuestImage
 from moorage.sandbox.microvm_checkpointing import Checkpointing
 from moorage.sandbox.microvm_diskfull import DiskFullPause, paused_error
+from moorage.sandbox.microvm_guest_port import GuestPortWatch
 from moorage.sandbox.microvm_files import allocated, write_json
 from moorage.sandbox.microvm_process import COLD_BOOT_TIMEOUT_S, QemuProcess
 from moorage.sandbox.microvm_process import BootError
@@ -76,7 +77,7 @@ class _VerbLock:
                 self.behind = None
 
 
-class MicroVMSandbox(DiskFullPause, Checkpointing, Waking, QemuProcess, Sandbox):
+class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuProcess, Sandbox):
     """One micro-VM. All lifecycle verbs are serialised by a per-sandbox lock; state is persisted in meta.json."""
 
     def __init__(self, driver: "MicroVMDriver", sandbox_id: str, meta: dict[str, Any]) -> None:

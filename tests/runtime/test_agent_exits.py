@@ -1,0 +1,97 @@
+"""An agent that fails, as its user and its operator see it through `moorage up`, on both drivers.
+
+- Agent code that ends its own process (``os._exit``; a guest process killed for memory is the same) stopped a
+  micro-VM's turn for its whole timeout (600 s: the guest's init starts a new supervisor, and the host's end of the
+  port never heard the old one go), and the user's next turns queued behind it; on the process driver the turn
+  failed at once but read as the server's own failure ("report trace id ... to the operator"). Both now answer at
+  once with a 502 ``sandbox-stopped`` that says what happened, and the next turn is served.
+- The span of a failed turn said only ``AgentTurnFailed``: it now keeps the failure's code, message and hint (the
+  agent's exception and its line), so ``moorage trace`` shows why; and the CLI's failure line names that command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from moorage import Client
+from moorage.client import ApiError
+from moorage.devservices.fleet import LocalHost
+
+AGENT = '''
+import json, os
+
+def parse(s):
+    return json.loads(s)["n"] * 2
+
+async def on_message(ctx, message):
+    if message == "boom":
+        return parse("{not json")
+    if message == "exit":
+        os._exit(3)
+    return "ok " + message
+'''
+
+
+@pytest.fixture(scope="module", params=["process", "microvm"])
+def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
+    tmp = tmp_path_factory.mktemp(f"exits-{request.param}")
+    agent = tmp / "flaky"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "flaky"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\n')
+    (agent / "agent.py").write_text(AGENT)
+    env = {"MOORAGE_TEST_IMAGES_DIR": os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"),
+           "MOORAGE_LOG_LEVEL": "info"}
+    h = LocalHost(f"exits-{request.param}", tmp / "data", env, driver=request.param, start_timeout_s=600)
+    try:
+        with Client(h.url, h.key) as sdk:
+            sdk.deploy("flaky", agent)
+        yield h
+    finally:
+        h.stop()
+
+
+def test_an_agent_that_ends_its_own_process_is_answered_at_once_and_the_next_turn_served(host: LocalHost) -> None:
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        assert sdk.invoke("flaky", "before", user="ada")["reply"] == "ok before"
+        started = time.monotonic()
+        with pytest.raises(ApiError) as stopped:
+            sdk.invoke("flaky", "exit", user="ada")
+        took = time.monotonic() - started
+        assert stopped.value.status == 502 and stopped.value.code == "sandbox-stopped", stopped.value
+        assert "the agent's sandbox stopped during the turn" in stopped.value.detail
+        assert "os._exit" in (stopped.value.hint or "")
+        assert took < 30, f"the turn waited {took:.0f} s for a guest process that had exited"
+        assert sdk.invoke("flaky", "after", user="ada")["reply"] == "ok after"
+    assert "details not shown to the caller" not in host.log.read_text(errors="replace")
+
+
+def test_a_failed_turn_s_trace_says_why_and_the_cli_names_it(host: LocalHost) -> None:
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        with pytest.raises(ApiError) as failed:
+            sdk.invoke("flaky", "boom", user="bob")
+        trace_id = failed.value.trace_id
+        assert trace_id
+        turn = next(s for s in sdk.get_trace(trace_id)["spans"] if s["name"] == "turn")
+    assert turn["status"] == "error" and turn["attrs"]["error.code"] == "agent-error", turn
+    assert "JSONDecodeError" in turn["attrs"]["error.message"]
+    assert "agent.py, line 5, in parse" in turn["attrs"]["error.hint"]  # where in the agent's code
+
+    env = {**os.environ, "MOORAGE_API_URL": host.url, "MOORAGE_API_KEY": host.key}
+    out = subprocess.run([sys.executable, "-m", "moorage.cli.main", "invoke", "flaky", "boom", "-u", "bob"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    line = out.stderr.strip()
+    assert line.startswith("error: 502: agent raised JSONDecodeError") and "\n" not in line, line
+    assert "`moorage trace " in line, line
+    shown = line.split("`moorage trace ", 1)[1].split("`", 1)[0]
+    seen = subprocess.run([sys.executable, "-m", "moorage.cli.main", "trace", shown, "--json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert seen.returncode == 0 and "JSONDecodeError" in seen.stdout, seen.stderr
