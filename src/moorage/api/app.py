@@ -92,7 +92,8 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
     endpoints = all_endpoints()
     spec = build_spec(endpoints)
 
-    async def openapi(_: Request) -> Response:
+    async def openapi(request: Request) -> Response:
+        request.scope.setdefault("state", {})["route"] = "/openapi.json"  # its own series, not "unmatched"
         return JSONResponse(spec)
 
     async def prometheus(request: Request) -> Response:
@@ -101,6 +102,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
         from moorage.errors import MoorageError
 
         # Host-wide figures, outside every tenant: the operator token or the scrape-only metrics token.
+        request.scope.setdefault("state", {})["route"] = "/metrics"  # scrapes are their own series, not "unmatched"
         try:
             ctx.auth.require_metrics(request.headers.get("authorization"))
         except MoorageError as e:
