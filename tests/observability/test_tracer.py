@@ -67,12 +67,13 @@ def test_a_failing_sink_never_fails_the_work(tenant: TenantStore):
 
 def test_metrics_render_counts_without_tenant_labels():
     m = Metrics(lambda: {"running": 2, "sleeping": 5})
-    m.observe_turn(0.2, {"input_tokens": 30, "output_tokens": 7, "cost_usd": 0.1})
-    m.observe_wake(0.05)
+    m.observe_turn_outcome("done", "", 0.2, {"input_tokens": 30, "output_tokens": 7, "cost_usd": 0.1})
+    m.observe_lifecycle("wake", "ok", 0.05, "snapshot")
     m.observe_error("not-found")
     text = m.render().decode()
     assert 'moorage_instances{state="sleeping"} 5.0' in text
     assert 'moorage_tokens_total{kind="input_tokens"} 30.0' in text
-    assert "moorage_turn_seconds_count 1.0" in text and "moorage_wake_seconds_count 1.0" in text
+    assert 'moorage_turn_seconds_count{outcome="done"} 1.0' in text
+    assert 'moorage_wake_seconds_count{kind="snapshot",outcome="ok"} 1.0' in text
     assert 'moorage_errors_total{code="not-found"} 1.0' in text
     assert "cost_usd" not in text

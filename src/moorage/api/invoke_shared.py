@@ -6,7 +6,6 @@ An end-user token pins the agent and user; a tenant key must name the user expli
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator
 
 from moorage.api import schemas as S
@@ -38,10 +37,8 @@ def entity_for(call: Call, agent: str, user: str | None, session: str | None) ->
 
 
 async def run_turn(call: Call, entity: EntityKey, message: str) -> Any:
-    started = time.perf_counter()
-    result = await call.runtime.invoke(call.who, entity, message, idempotency_key=call.idempotency_key)
-    call.ctx.metrics.observe_turn(time.perf_counter() - started, None if result.replayed else result.usage)
-    return result
+    # Its metrics are the runtime's, as every turn's (``observability/events.py``): async ones and webhooks' too.
+    return await call.runtime.invoke(call.who, entity, message, idempotency_key=call.idempotency_key)
 
 
 def replay_headers(result: Any) -> dict[str, str]:
@@ -54,7 +51,6 @@ async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncItera
     still become a problem response with their own status; later failures can only be reported in-band. A first
     event slower than ``sse_keepalive_s`` (a cold start, a quiet agent) does not hold the answer back: the stream
     starts, with its keep-alives, and the event comes when it comes."""
-    started = time.perf_counter()
     events = call.runtime.stream(call.who, entity, message, idempotency_key=call.idempotency_key).__aiter__()
     first_event = asyncio.ensure_future(events.__anext__())
     await asyncio.wait({first_event}, timeout=call.ctx.config.sse_keepalive_s or None)
@@ -65,7 +61,6 @@ async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncItera
             pass
 
     async def rest() -> AsyncIterator[Any]:
-        usage: dict[str, Any] = {}
         try:
             step: Any = first_event
             while True:
@@ -73,13 +68,10 @@ async def stream_turn(call: Call, entity: EntityKey, message: str) -> AsyncItera
                     ev = await step
                 except StopAsyncIteration:
                     return
-                if ev.kind == "done" and not getattr(ev.data, "replayed", False):
-                    usage = dict(getattr(ev.data, "usage", None) or {})
                 yield ev
                 step = events.__anext__()
         finally:
             first_event.cancel()  # the caller left before the first event: the turn's stream is closed with it
-            call.ctx.metrics.observe_turn(time.perf_counter() - started, usage)
 
     return rest()
 

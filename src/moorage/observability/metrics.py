@@ -28,6 +28,9 @@ KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPT
 #: The instance gauge is recounted at most this often, however often (or by how many) it is scraped.
 INSTANCE_COUNT_TTL_S = 15.0
 
+#: Usage keys counted as tokens (a turn's, ``runtime/host_calls.py``); no other key becomes a label.
+TOKEN_KINDS = frozenset({"input_tokens", "output_tokens"})
+
 InstanceCounter = Callable[[], Mapping[str, int]]
 
 
@@ -108,14 +111,29 @@ class Metrics:
         r = self.registry
         self.requests = Counter("moorage_http_requests", "HTTP requests served", ["method", "route", "status"], registry=r)
         self.errors = Counter("moorage_errors", "Errors returned, by problem type", ["code"], registry=r)
-        self.turn_seconds = Histogram("moorage_turn_seconds", "Agent turn latency", buckets=_BUCKETS, registry=r)
-        self.wake_seconds = Histogram("moorage_wake_seconds", "Sandbox wake latency", buckets=_BUCKETS, registry=r)
+        self.turn_seconds = Histogram("moorage_turn_seconds", "Agent turn latency, by how the turn ended "
+                                      "(done, failed, waiting, cancelled)", ["outcome"], buckets=_BUCKETS, registry=r)
+        self.turn_failures = Counter("moorage_turn_failures", "Failed turns, by the failure's problem code",
+                                     ["code"], registry=r)
+        self.lifecycle_seconds = {
+            op: Histogram(f"moorage_{op}_seconds", help_, labels, buckets=_BUCKETS, registry=r)
+            for op, help_, labels in (
+                ("wake", "Sandbox wake latency (a sleeping instance brought back), by outcome and how it came up",
+                 ["outcome", "kind"]),
+                ("fork", "New instance latency (forked from its agent's template), by outcome and how it came up",
+                 ["outcome", "kind"]),
+                ("sleep", "Sandbox sleep latency (snapshot written, instance recorded asleep), by outcome",
+                 ["outcome"]),
+                ("checkpoint", "Checkpoint latency (the sandbox half), by outcome and kind", ["outcome", "kind"]))}
         self.tokens = Counter("moorage_tokens", "Model tokens used by turns", ["kind"], registry=r)
         if instances is not None:
             r.register(_Instances(instances, instance_ttl_s))
         if data_dir is not None:
             r.register(_DataDisk(data_dir))
         r.register(_ClockOffset())
+        from moorage.observability import events
+
+        events.subscribe(self)  # the runtime's wakes, sleeps, checkpoints and turns
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()
@@ -123,14 +141,21 @@ class Metrics:
     def observe_error(self, code: str) -> None:
         self.errors.labels(code).inc()
 
-    def observe_turn(self, seconds: float, usage: Mapping[str, float] | None = None) -> None:
-        self.turn_seconds.observe(seconds)
+    def observe_turn_outcome(self, outcome: str, code: str, seconds: float,
+                             usage: Mapping[str, float] | None = None) -> None:
+        """A turn ended (``events.turn_ended``): its latency by outcome, its failure's code, its tokens."""
+        self.turn_seconds.labels(outcome).observe(seconds)
+        if outcome == "failed":
+            self.turn_failures.labels(code or "internal").inc()
         for kind, amount in (usage or {}).items():
-            if isinstance(amount, (int, float)) and amount > 0 and kind.endswith("tokens"):
+            if isinstance(amount, (int, float)) and amount > 0 and kind in TOKEN_KINDS:
                 self.tokens.labels(kind).inc(amount)
 
-    def observe_wake(self, seconds: float) -> None:
-        self.wake_seconds.observe(seconds)
+    def observe_lifecycle(self, op: str, outcome: str, seconds: float, kind: str = "") -> None:
+        """A wake, fork, sleep or checkpoint ended (``events.lifecycle``)."""
+        h = self.lifecycle_seconds.get(op)
+        if h is not None:
+            (h.labels(outcome) if op == "sleep" else h.labels(outcome, kind or "none")).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
