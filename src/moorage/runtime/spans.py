@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from moorage.log import get_logger
+from moorage.observability import events
 from moorage.runtime.host_calls import TurnBinding
 from moorage.store import Span
 
@@ -50,6 +51,8 @@ class Tracer:
             log.warning("spans of a turn over its limit were not recorded", turn=turn_id, dropped=dropped)
 
     def span(self, b: TurnBinding, name: str, started_perf: float, status: str = "ok", **attrs: Any) -> None:
+        if name == "turn":  # every turn ends with this span: its metrics, however it ended
+            events.turn_ended(status, time.perf_counter() - started_perf, attrs, b.usage)
         if b.turn_id in self._held:
             count = self._counts[b.turn_id] = self._counts.get(b.turn_id, 0) + 1
             if count > self.MAX_PER_TURN:
