@@ -25,6 +25,7 @@ from moorage.lifecycle.machine import Verb as V
 from moorage.lifecycle.new_instances import NewInstances
 from moorage.lifecycle.pool import WarmPool
 from moorage.log import get_logger
+from moorage.observability import events
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import FORKED_FROM, SHARED_TEMPLATE, SandboxRecord, Scope, TenantStore
 from moorage.store.pg_outage import StoreUnreachable
@@ -267,9 +268,11 @@ class BringUp:
                 elif sandbox.state is not SandboxState.RUNNING:
                     await sandbox.wake()
             except (CapacityExhausted, ConflictError):
+                events.lifecycle("wake", "no-capacity", started)
                 await self._give_up(ts, rec, trace, "no capacity to wake it")
                 raise
             except Exception as e:
+                events.lifecycle("wake", "failed", started)
                 await self._give_up(ts, rec, trace, f"wake failed: {e}")
                 holder = await self.holder_while_store_down(e, previous_host)
                 if holder is not None:  # its last host's disk may hold its copy: that host wakes it
@@ -280,6 +283,7 @@ class BringUp:
             rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed,
                                              taken_from=previous_host)
             self._counts["wakes"] += 1
+            events.lifecycle("wake", "ok", started, kind)
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance woke", rec, li, kind, started, sandbox)
             if previous_host not in (None, self.host):
@@ -395,6 +399,7 @@ class BringUp:
                     # and skips the boot. The driver falls back to a cold boot only if that snapshot is unusable.
                     await sandbox.wake()
             except Exception as e:
+                events.lifecycle("fork", "failed", started)
                 await self._destroy_quietly(rec.id)
                 await self._give_up(ts, rec, trace, f"provisioning failed: {e}")
                 raise WakeFailed(f"could not provision the instance of {li.scope} from template {template.id}: {e}",
@@ -409,6 +414,7 @@ class BringUp:
                 await self.io(self.fleet.shipper.mark_running, self.driver.root / rec.id, rec.lease_epoch)
             rec = await self._record_running(ts, li, rec, sandbox, V.PROVISIONED, trace, started, None, kind)
             self._counts["provisions"] += 1
+            events.lifecycle("fork", "ok", started, kind)
             self._adopted(li, rec, sandbox)
             self._log_bring_up("instance provisioned", rec, li, kind, started, sandbox, template=template.id)
             return sandbox

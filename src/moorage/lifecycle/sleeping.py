@@ -17,6 +17,7 @@ from moorage.lifecycle.machine import InstanceState as S
 from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
 from moorage.log import FailingRounds, get_logger
+from moorage.observability import events
 from moorage.store import SandboxRecord, Scope, TenantStore
 from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
@@ -143,6 +144,7 @@ class Sleeping:
             try:
                 snap = await sandbox.sleep()
             except Exception as e:
+                events.lifecycle("sleep", "failed", started)
                 log.error("instance failed to sleep", instance=rec.id, error=str(e))
                 try:
                     await self._give_up(ts, rec, trace, f"sleep failed: {e}")
@@ -182,6 +184,7 @@ class Sleeping:
                 raise
             li.owned = False
             self._counts["evictions" if evict else "sleeps"] += 1
+            events.lifecycle("sleep", "ok", started)
             log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
             return True
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from moorage.aio import within
 from moorage.log import get_logger
+from moorage.observability import events
 from moorage.store import EntityKey, Scope, TenantStore
 from moorage.store.repos.checkpoints import Checkpoint, check_name, checkpoints_of, new_checkpoint_id
 from moorage.timetravel.holding import _keeps_nothing
@@ -210,7 +211,8 @@ class AutoCheckpoints:
         vm = None
         if sandbox is not None:
             t0 = time.perf_counter()
-            vm = (await sandbox.checkpoint(f"tt-{cid}", durable=durable)).name
+            with events.timed("checkpoint", kind):
+                vm = (await sandbox.checkpoint(f"tt-{cid}", durable=durable)).name
             summary = {**(summary or {}), "sandbox_ms": round((time.perf_counter() - t0) * 1000, 1)}
         return await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
                                        sandbox_id=sandbox.id if sandbox is not None else None,
