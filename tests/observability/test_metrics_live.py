@@ -18,3 +18,40 @@ async def test_scrapes_are_their_own_route_not_unmatched(live_host: LiveHost) ->
     assert value(samples, "moorage_http_requests_total", route="/metrics", method="GET", status="200") >= 1
     assert value(samples, "moorage_http_requests_total", route="/openapi.json", status="200") == 1
     assert value(samples, "moorage_http_requests_total", route="unmatched") == 0
+
+
+async def test_every_wake_fork_sleep_and_checkpoint_is_timed_with_its_outcome(live_host: LiveHost) -> None:
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/echo/deployments", content=archive(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})  # a new instance: a fork
+        assert r.status_code == 200, r.text
+        (box,) = (await c.get("/v1/sandboxes")).json()["data"]
+        r = await c.post(f"/v1/sandboxes/{box['id']}/sleep")
+        assert r.status_code == 200, r.text
+        # The turn wakes it (not the wake route): that wake is timed as much as one the route asks for.
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "again", "user": "ada"})
+        assert r.status_code == 200 and r.json()["reply"] == "echo: again", r.text
+        r = await c.post("/v1/agents/echo/users/ada/checkpoints", json={"name": "before"})
+        assert r.status_code in (200, 201), r.text
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_fork_seconds_count", outcome="ok") == 1
+    assert value(samples, "moorage_sleep_seconds_count", outcome="ok") == 1
+    assert value(samples, "moorage_wake_seconds_count", outcome="ok") == 1
+    assert value(samples, "moorage_checkpoint_seconds_count", outcome="ok", kind="manual") == 1
+
+
+async def test_turns_are_counted_by_outcome_and_failure_code(live_host: LiveHost) -> None:
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/echo/deployments", content=archive(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})).status_code == 200
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "fail", "user": "ada"})
+        assert r.status_code == 502 and r.json()["type"].endswith("agent-error"), r.text
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "approve", "user": "bob"})
+        assert r.status_code == 200 and r.json()["status"] == "waiting", r.text
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_turn_seconds_count", outcome="done") == 1
+    assert value(samples, "moorage_turn_seconds_count", outcome="failed") == 1
+    assert value(samples, "moorage_turn_seconds_count", outcome="waiting") == 1
+    assert value(samples, "moorage_turn_failures_total", code="agent-error") == 1
