@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+import weakref
 from typing import Any
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)).keys()) | {"message", "asctime"}
@@ -78,6 +79,9 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     root.propagate = False
 
 
+#: Every live ``FailingRounds``: ``/metrics`` shows each loop's failed rounds (``observability/host_gauges.py``).
+LOOPS: "weakref.WeakSet[FailingRounds]" = weakref.WeakSet()
+
 #: While a background loop's rounds keep failing, at most one line per this many seconds says so.
 STILL_FAILING_EVERY_S = 60.0
 
@@ -100,6 +104,7 @@ class FailingRounds:
         self._since = 0.0  # wall time of the first of them
         self._said = 0.0  # monotonic time of the last line
         self._failed_at = float("-inf")  # monotonic time of the last failure
+        LOOPS.add(self)
 
     def failed(self, e: BaseException, **fields: Any) -> None:
         """One round failed with ``e``."""
