@@ -85,7 +85,9 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
         store, runtime = runtime_or_store, None
     else:
         store, runtime = runtime_or_store.store, runtime_or_store
-    metrics = Metrics(_instance_counts(store), data_dir=config.data_dir)
+    from moorage.observability.host_gauges import store_backlog
+
+    metrics = Metrics(_instance_counts(store), data_dir=config.data_dir, runtime=runtime, backlog=store_backlog(store))
     ctx = AppContext(store, runtime, config, authenticator or Authenticator.for_data_dir(store, config.data_dir),
                      Tracer(span_sink), metrics, max_end_user_requests=config.end_user_max_requests)
     ctx.credential_checks = Checks(ctx.auth.authenticate)

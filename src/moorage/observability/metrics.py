@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -106,7 +106,8 @@ class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, instances: InstanceCounter | None = None, *, instance_ttl_s: float = INSTANCE_COUNT_TTL_S,
-                 data_dir: Path | None = None) -> None:
+                 data_dir: Path | None = None, runtime: Any = None,
+                 backlog: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("moorage_http_requests", "HTTP requests served", ["method", "route", "status"], registry=r)
@@ -131,6 +132,13 @@ class Metrics:
         if data_dir is not None:
             r.register(_DataDisk(data_dir))
         r.register(_ClockOffset())
+        from moorage.observability import host_gauges
+
+        r.register(host_gauges.Loops())
+        if runtime is not None:
+            r.register(host_gauges.Capacity(runtime))
+        if backlog is not None:
+            r.register(host_gauges.StoreBacklog(backlog, instance_ttl_s))
         from moorage.observability import events
 
         events.subscribe(self)  # the runtime's wakes, sleeps, checkpoints and turns

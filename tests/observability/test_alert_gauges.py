@@ -1,0 +1,56 @@
+"""What an operator alerts on is on a live host's ``/metrics``: background loops that keep failing, webhook
+deliveries a dead receiver holds back, the store's reachability, and this host's awake instances against its
+limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from moorage.log import FailingRounds, get_logger
+from tests.observability.conftest import LiveHost, archive, value
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def test_each_background_loop_shows_its_failed_rounds(live_host: LiveHost) -> None:
+    samples = await live_host.scrape()
+    # The host's own loops are there from the start, at 0 while they work.
+    loops = {dict(ls)["loop"]: v for (n, ls), v in samples.items() if n == "moorage_background_failing_rounds"}
+    assert "webhook round" in loops and "idle loop pass" in loops, loops
+    assert set(loops.values()) == {0.0}, loops
+    # A loop whose rounds keep failing (its store unreachable, say) shows how many, and for how long.
+    failing = FailingRounds(get_logger("tests.loop"), "shipping sleeping instances")
+    for _ in range(3):
+        failing.failed(ConnectionError("object store unreachable"))
+    await asyncio.sleep(0.05)
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_background_failing_rounds", loop="shipping sleeping instances") == 3
+    assert value(samples, "moorage_background_failing_seconds", loop="shipping sleeping instances") > 0
+    failing.ok()
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_background_failing_rounds", loop="shipping sleeping instances") == 0
+
+
+async def test_deliveries_to_a_dead_receiver_and_awake_instances_show(live_host: LiveHost) -> None:
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/echo/deployments", content=archive(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        hook = (await c.post("/v1/agents/echo/webhooks", json={"url": "http://127.0.0.1:9/hooks"})).json()
+        r = await c.post("/v1/agents/echo/invoke?async=true", json={"message": "hi", "user": "ada"})
+        assert r.status_code == 202, r.text
+        for _ in range(400):  # until the delivery loop tried (and failed) once
+            got = (await c.get(f"/v1/agents/echo/webhooks/{hook['id']}/deliveries")).json()["data"]
+            if got and got[0]["attempts"] >= 1:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"the delivery was never tried: {got}")
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_store_up") == 1
+    held = value(samples, "moorage_webhook_deliveries_retrying") + value(samples, "moorage_webhook_deliveries_failed")
+    assert held == 1, {k: v for k, v in samples.items() if "webhook" in k[0]}
+    assert value(samples, "moorage_awake_instances") == 1
+    assert value(samples, "moorage_awake_instances_limit") != 0
+    assert ("moorage_turns_pending", ()) in samples and ("moorage_turn_oldest_pending_seconds", ()) in samples
