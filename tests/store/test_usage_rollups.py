@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import random
 import re
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from moorage.store import Scope, Store, TenantStore
+from moorage.store.base import StoreContention
 from moorage.store.postgres import PostgresBackend
 from moorage.store.sqlite import SQLiteBackend
 from moorage.usage import ledger
@@ -151,3 +153,95 @@ def test_a_tenants_totals_read_at_most_a_day_of_ledger_rows(tenant: TenantStore,
     assert per_row
     for sql, params in per_row:
         assert "ts >= ? AND ts < ?" in sql and params[1] - params[0] <= 86400, sql
+
+
+def test_forgetting_users_while_others_sleep_neither_deadlocks_nor_fails(request: pytest.FixtureRequest) -> None:
+    """On PostgreSQL a forget deleted a user's ledger rows (and their shared rollup rows) in its rows' order while
+    other users' sleeps wrote their measurements in theirs: the two deadlocked and one failed (40P01, a 500)."""
+    store = Store(PostgresBackend(request.getfixturevalue("pg_url"), pool_size=20))
+    ts = store.tenant(store.operator.principal(store.operator.create_tenant("acme")[0].id))
+    now = time.time()
+    for u in range(30):
+        with ts.transaction():
+            for i in range(15):
+                for kind in ("disk_bytes", "snapshot_bytes", "compute_seconds", "input_tokens"):
+                    ts.usage.add(kind, 100.0 + i, agent_id="echo", user_id=f"u{u}", scope=Scope.for_user("echo", f"u{u}"),
+                                 ts=now - 10 * i)
+    failed: list[BaseException] = []
+
+    def forget(u: int) -> None:
+        try:
+            ts.forget_user(f"u{u}", "echo")
+        except BaseException as e:  # noqa: BLE001 - collected, asserted below
+            failed.append(e)
+
+    def sleep(u: int) -> None:  # a sleep records its compute and its instance's bytes in one transaction
+        scope = Scope.for_user("echo", f"w{u}")
+        for i in range(5):
+            try:
+                with ts.transaction():
+                    ts.usage.add("compute_seconds", 1.0, agent_id="echo", user_id=f"w{u}", scope=scope)
+                    ts.usage.add("disk_bytes", 1000.0 + i, agent_id="echo", user_id=f"w{u}", scope=scope)
+                    ts.usage.add("snapshot_bytes", 2000.0 + i, agent_id="echo", user_id=f"w{u}", scope=scope)
+            except BaseException as e:  # noqa: BLE001
+                failed.append(e)
+
+    threads = [threading.Thread(target=forget, args=(u,)) for u in range(30)]
+    threads += [threading.Thread(target=sleep, args=(u,)) for u in range(15)]
+    random.Random(40).shuffle(threads)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == []
+    assert ts.read("SELECT COUNT(*) FROM usage WHERE user_id LIKE 'u%'") == [(0,)]
+    for agent in (None, "echo"):
+        sums, totals, days = reference(ts, 0.0, agent, None)
+        assert same(ts.usage.totals(since=0.0, agent_id=agent), sums)
+        assert same(ledger.totals(ts, since=0.0, agent=agent), totals)
+        got = ledger.by_day(ts, since=0.0, agent=agent)
+        assert len(got) == len(days) and all(same(g["totals"], w) for g, w in zip(got, days))
+    store.close()
+
+
+def test_a_deadlock_the_store_broke_is_a_retryable_503_and_a_forget_runs_again(request: pytest.FixtureRequest) -> None:
+    """Whatever still deadlocks on PostgreSQL answers a typed 503 (retry: nothing was kept), not the server's own
+    failure; a forget or a ledger write outside a caller's transaction runs again by itself."""
+    store = Store(PostgresBackend(request.getfixturevalue("pg_url")))
+    ts = store.tenant(store.operator.principal(store.operator.create_tenant("acme")[0].id))
+    ts.usage.add("wakes", 1, agent_id="a")
+    ts.usage.add("wakes", 1, agent_id="b")
+    ids = [r[0] for r in ts.read("SELECT id FROM usage ORDER BY id")]
+    barrier = threading.Barrier(2)
+    got: list[BaseException] = []
+
+    def cross(first: int, second: int) -> None:
+        try:
+            with ts.transaction() as t:
+                t.ambient().x("UPDATE usage SET amount = amount + 1 WHERE id = ?", (first,))
+                barrier.wait()
+                t.ambient().x("UPDATE usage SET amount = amount + 1 WHERE id = ?", (second,))
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    threads = [threading.Thread(target=cross, args=ids), threading.Thread(target=cross, args=ids[::-1])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 1 and isinstance(got[0], StoreContention), got
+    assert got[0].http_status == 503 and "retry" in (got[0].hint or "")
+
+    calls = []
+    real = ts._forget_user
+
+    def once_aborted(user: str, agent: str | None) -> int:
+        calls.append(user)
+        if len(calls) == 1:
+            raise StoreContention("aborted to break a deadlock")
+        return real(user, agent)
+
+    ts._forget_user = once_aborted  # type: ignore[method-assign]
+    ts.usage.add("wakes", 1, agent_id="a", user_id="alice")
+    assert ts.forget_user("alice") >= 1 and calls == ["alice", "alice"]
+    store.close()

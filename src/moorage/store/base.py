@@ -15,7 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.errors import InvalidInput, NotFound, TenantScopeError, UnavailableError
 from moorage.store.model import AGENT_SCOPE_PREFIX, ApiKey, Tenant, check_id, split_scopes
 from moorage.store.sql import Conn
 
@@ -177,3 +177,20 @@ def translate_integrity(is_integrity: type[BaseException] | tuple[type[BaseExcep
         yield
     except is_integrity as e:
         raise ConflictError(f"a concurrent writer created the same record first ({str(e).splitlines()[0]})") from e
+
+
+class StoreContention(UnavailableError):
+    """The store aborted a transaction to break a deadlock with a concurrent one, or to keep transactions
+    serializable (PostgreSQL's 40P01 and 40001): nothing of it was kept, and the same call may run again."""
+
+    retry_after = 1.0
+
+
+@contextlib.contextmanager
+def translate_contention(is_contention: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Turn a backend's deadlock or serialization failure into the typed, retryable ``StoreContention``."""
+    try:
+        yield
+    except is_contention as e:
+        raise StoreContention(f"the store aborted this change to break a conflict with a concurrent one "
+                              f"({str(e).splitlines()[0]})", hint="retry the request: nothing of it was kept") from e

@@ -19,7 +19,7 @@ from psycopg import sql as psql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from moorage.errors import ConfigError, UnavailableError
-from moorage.store.base import Backend, check_tenant_id, translate_integrity
+from moorage.store.base import Backend, check_tenant_id, translate_contention, translate_integrity
 from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, quiet_pool_warnings,
                                      read_only, stale, tcp_defaults, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
@@ -30,6 +30,8 @@ from moorage.store.sql import Conn
 _ROLE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _LOCK_ID = 0x6D6F6F72  # "moor": serialises concurrent migrators
 T = TypeVar("T")
+#: A transaction the server aborted to break a deadlock (40P01) or a serialization failure (40001): retryable.
+_CONTENTION = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 
 def derive_app_url(owner_url: str, role: str) -> str:
@@ -250,7 +252,7 @@ class PostgresBackend(Backend):
         with self._pooled(None if pipeline else functools.partial(_begin_now, tenant_id=tenant_id)) as conn, \
                 unreachable_as_503():
             try:
-                with translate_integrity(psycopg.errors.UniqueViolation):
+                with translate_integrity(psycopg.errors.UniqueViolation), translate_contention(_CONTENTION):
                     if pipeline:
                         with conn.pipeline():
                             _begin(conn, tenant_id)
@@ -284,7 +286,7 @@ class PostgresBackend(Backend):
         check_tenant_id(tenant_id)
         with self._pooled() as conn, unreachable_as_503():
             try:
-                with translate_integrity(psycopg.errors.UniqueViolation):
+                with translate_integrity(psycopg.errors.UniqueViolation), translate_contention(_CONTENTION):
                     return self._calls.run(conn, sql, (tenant_id, *params))
             except BaseException:
                 _rollback(conn)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
+from moorage.store.base import StoreContention
 from moorage.store.model import Principal, Scope, check_id
 from moorage.store.repos.agents import Agents
 from moorage.store.repos.common import _now
@@ -33,6 +35,8 @@ from moorage.store.sql import Conn
 
 if TYPE_CHECKING:
     from moorage.store.base import Backend
+
+_T = TypeVar("_T")
 
 
 class TenantStore:
@@ -105,6 +109,19 @@ class TenantStore:
             return ambient.q(sql, params)
         return self._backend.tenant_read(self.principal.tenant_id, sql, params)
 
+    def _retried(self, run: Callable[[], _T]) -> _T:
+        """``run()``, a transaction of its own: when the store aborted it for a conflict with a concurrent one (a
+        deadlock PostgreSQL broke) it runs again, up to 3 times; not inside a caller's transaction, which the
+        abort ended (the caller's own call fails, typed, and is retryable as a whole)."""
+        for attempt in range(3):
+            try:
+                return run()
+            except StoreContention:
+                if attempt == 2 or self.ambient() is not None:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+        raise AssertionError("unreachable")
+
     @contextlib.contextmanager
     def _tx(self, write: bool = True) -> Iterator[Conn]:
         current: Conn | None = getattr(self._local, "conn", None)
@@ -165,6 +182,9 @@ class TenantStore:
         check_id(user, "user id")
         if agent is not None:
             check_id(agent, "agent id")
+        return self._retried(lambda: self._forget_user(user, agent))
+
+    def _forget_user(self, user: str, agent: str | None) -> int:
         with self._tx() as c:
             if agent is None:
                 keys = [r[0] for r in c.q("SELECT scope FROM scopes WHERE user_id = ?", (user,))]

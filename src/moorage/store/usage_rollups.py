@@ -7,8 +7,16 @@ a tenant's or an agent's usage costs the same after a year of use (moorage.usage
 - ``usage_level_days``: those levels summed per agent, kind and UTC day of the measurement (``latest`` 1: the
   instances' latest levels; 0: each day's last levels), so neither totals nor days read every instance.
 
-``shard``: on PostgreSQL the row id modulo 8, so concurrent writers add to different rows rather than queue on one
-row's lock; on SQLite (one writer per tenant) always 0. ``n``: the rows summed; a rollup none is left of is
+``shard``: on PostgreSQL the row id modulo 8 (``usage_days``) or a hash of the instance modulo 8
+(``usage_level_days``: a level that moves to an instance's next measurement stays in its shard), so concurrent
+writers add to different rows rather than queue on one row's lock; on SQLite (one writer per tenant) always 0.
+
+Lock order on PostgreSQL: a transaction that writes ledger rows of an agent holds a shared advisory lock of the
+agent (``_PG_AGENT_LOCK``) before it touches the agent's rollup rows; one that deletes them (forgetting a user, the
+sweep of a scope, retention) an exclusive one. A deletion touches many shared rollup rows in the order its rows
+come, a sleep a few in its own: without the lock the two deadlocked (one of them failed, 40P01). Writers do not
+wait for each other, and each writer takes the rows of a measurement in one order (its day, then its shard's
+level rows by day), so two writers do not deadlock either. ``n``: the rows summed; a rollup none is left of is
 deleted, so it never keeps a float's remainder. The triggers run for every writer, a host of an earlier version
 in a fleet's rolling upgrade included.
 """
@@ -130,6 +138,8 @@ _PG_LEVEL_FALLBACK = """
                         ORDER BY ts DESC, id DESC LIMIT 1;
                     END IF;"""
 _PG_DAY = "floor(OLD.ts / 86400)::BIGINT"
+#: The advisory lock of a row's tenant and agent (its two-key form: no other lock of the store's is taken so).
+_PG_AGENT_LOCK = "1970495847, hashtext({row}.tenant_id || ':' || COALESCE({row}.agent_id, ''))"
 
 POSTGRES = (
     # Every tenant's rows (forced row-level security binds the owner running migrations, as for migration 21).
@@ -143,16 +153,16 @@ POSTGRES = (
         IF TG_OP IN ('DELETE', 'UPDATE') THEN
             UPDATE usage_level_days SET amount = amount - OLD.amount, n = n - 1
             WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '') AND latest = (OLD.day = -1)::INTEGER
-            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.row_id % 8)::INTEGER;
+            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (hashtext(OLD.scope) & 7);
             DELETE FROM usage_level_days
             WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '') AND latest = (OLD.day = -1)::INTEGER
-            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.row_id % 8)::INTEGER
+            AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (hashtext(OLD.scope) & 7)
             AND n <= 0;
         END IF;
         IF TG_OP IN ('INSERT', 'UPDATE') THEN
             INSERT INTO usage_level_days (tenant_id, agent_id, latest, day, kind, shard, amount, n)
             VALUES (NEW.tenant_id, COALESCE(NEW.agent_id, ''), (NEW.day = -1)::INTEGER, floor(NEW.ts / 86400)::BIGINT,
-                    NEW.kind, (NEW.row_id % 8)::INTEGER, NEW.amount, 1)
+                    NEW.kind, hashtext(NEW.scope) & 7, NEW.amount, 1)
             ON CONFLICT (tenant_id, agent_id, latest, day, kind, shard) DO UPDATE
             SET amount = usage_level_days.amount + EXCLUDED.amount, n = usage_level_days.n + 1;
         END IF;
@@ -175,6 +185,7 @@ POSTGRES = (
     f"""CREATE OR REPLACE FUNCTION moorage_usage_rollup() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
         IF TG_OP = 'INSERT' THEN
+            PERFORM pg_advisory_xact_lock_shared({_PG_AGENT_LOCK.format(row='NEW')});
             INSERT INTO usage_days (tenant_id, agent_id, day, kind, shard, amount, n)
             VALUES (NEW.tenant_id, COALESCE(NEW.agent_id, ''), floor(NEW.ts / 86400)::BIGINT, NEW.kind,
                     (NEW.id % 8)::INTEGER, NEW.amount, 1)
@@ -193,6 +204,7 @@ POSTGRES = (
             END IF;
             RETURN NULL;
         END IF;
+        PERFORM pg_advisory_xact_lock({_PG_AGENT_LOCK.format(row='OLD')});
         UPDATE usage_days SET amount = amount - OLD.amount, n = n - 1
         WHERE tenant_id = OLD.tenant_id AND agent_id = COALESCE(OLD.agent_id, '')
         AND day = floor(OLD.ts / 86400)::BIGINT AND kind = OLD.kind AND shard = (OLD.id % 8)::INTEGER;

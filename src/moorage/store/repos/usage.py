@@ -24,11 +24,14 @@ class Usage(_Repo):
             scope: Scope | None = None, meta: dict[str, Any] | None = None, ts: float | None = None) -> None:
         if kind not in USAGE_KINDS:
             raise InvalidInput(f"unknown usage kind {kind!r}", hint=f"one of {', '.join(USAGE_KINDS)}")
-        with self._ts._tx() as c:
-            c.x(
-                "INSERT INTO usage (ts, kind, amount, agent_id, user_id, scope, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (ts or _now(), kind, float(amount), agent_id, user_id, scope.key if scope else None, self._json(meta or {})),
-            )
+        row = (ts or _now(), kind, float(amount), agent_id, user_id, scope.key if scope else None, self._json(meta or {}))
+
+        def insert() -> None:
+            with self._ts._tx() as c:
+                c.x("INSERT INTO usage (ts, kind, amount, agent_id, user_id, scope, meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    row)
+
+        self._ts._retried(insert)  # its rollups' rows are shared with concurrent writers (store/usage_rollups.py)
 
     def totals(self, *, since: float | None = None, agent_id: str | None = None, user_id: str | None = None) -> dict[str, float]:
         since = since or 0.0
