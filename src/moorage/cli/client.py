@@ -1,12 +1,14 @@
 """The CLI's client commands: they talk to a running moorage server through the Python SDK (``moorage.client``).
 
 Server URL and key come from the config (``api_url``/``api_key``, i.e. MOORAGE_API_URL/MOORAGE_API_KEY),
-defaulting to the local server and the admin key ``moorage up`` wrote in the data directory.
+defaulting to where the ``moorage up`` running on the data directory said it serves (else ``host``:``port``) and
+the admin key it wrote there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,6 +21,7 @@ from rich.table import Table
 from moorage.cli.console import id_column, make_console, print_table
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
+from moorage.client._local import SERVING, local_url, served_url
 from moorage.config import Config
 from moorage.errors import ConfigError, InvalidInput, MoorageError
 
@@ -35,15 +38,30 @@ class ApiError(MoorageError):
         self.status = status
 
 
+def _server(cfg: Config) -> tuple[str, str]:
+    """The server's URL and where it came from: ``api_url`` (MOORAGE_API_URL) if set, else where the ``moorage up``
+    running on this data directory said it serves (a record whose process is gone is passed over), else the
+    configured ``host``:``port``."""
+    if cfg.api_url:
+        return cfg.api_url, "api_url / MOORAGE_API_URL"
+    recorded = served_url(cfg.data_dir)
+    if recorded is not None:
+        return recorded
+    return (local_url(cfg.host, cfg.port), f"host and port of the config: no running `moorage up` recorded its "
+                                           f"address in {cfg.data_dir / SERVING}")
+
+
 def _client(cfg: Config) -> Client:
-    url = cfg.api_url or f"http://{cfg.host}:{cfg.port}"
+    url, origin = _server(cfg)
     key = cfg.api_key
     if not key:
         path = cfg.data_dir / "local-admin.key"
         if not path.exists():
             raise ConfigError("no API key", hint=f"set MOORAGE_API_KEY, or run `moorage up` once to create {path}")
         key = path.read_text().strip()
-    return Client(url, key)
+    client = Client(url, key)
+    client.settings = dataclasses.replace(client.settings, url_from=origin)  # said when it cannot be reached
+    return client
 
 
 @contextlib.contextmanager
@@ -54,7 +72,7 @@ def _translated() -> Iterator[None]:
     except SdkError as e:
         if e.code == "unreachable":
             raise ConfigError(f"cannot reach the moorage server: {e.detail}",
-                              hint="start it with `moorage up`, or set MOORAGE_API_URL") from e
+                              hint="start it with `moorage up` on this data directory, or set MOORAGE_API_URL") from e
         raise ApiError(f"{e.status}: {e.detail}", status=e.status, hint=_traced(_cli_hint(e.hint), e)) from e
 
 

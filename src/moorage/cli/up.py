@@ -1,6 +1,7 @@
 """``moorage up``: one host with the embedded defaults, serving the HTTP API; optionally a first-run demo.
 
-On first start it creates a ``local`` tenant and writes its admin key to ``<data_dir>/local-admin.key``.
+On first start it creates a ``local`` tenant and writes its admin key to ``<data_dir>/local-admin.key``; while it
+serves, ``<data_dir>/moorage-up.json`` says where (the CLI and ``Client()`` on this machine find it there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 from rich.markup import escape
 
 from moorage.cli.console import make_console
+from moorage.client._local import forget_serving, local_url, record_serving
 from moorage.config import Config
 from moorage.log import get_logger
 
@@ -130,6 +132,14 @@ async def run_demo(url: str, key: str, agent_dir: Path) -> None:
             console.print(f"[bold]{name}[/]: {r.json()['reply']}", highlight=False)
 
 
+def bound_port(server: object, default: int) -> int:
+    """The port uvicorn listens on (port 0 asks the kernel for one)."""
+    for srv in getattr(server, "servers", None) or []:
+        for sock in srv.sockets:
+            return int(sock.getsockname()[1])
+    return default
+
+
 def check_port(cfg: Config) -> None:
     """Refuse, before any instance is started, an address another process listens on (uvicorn would stop later
     with its own log line and exit status 3)."""
@@ -185,6 +195,9 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     async def after_start() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
+        # Where clients on this machine reach it (the port it got, a wildcard address on loopback): a CLI or a
+        # Client() given no URL comes here, not to the default port.
+        record_serving(cfg.data_dir, local_url(cfg.host, bound_port(server, cfg.port)))
         console.print(f"moorage is up at [bold]{url}[/] (store: {host.store.describe()}; sandboxes: {host.driver.name})")
         console.print(f"local tenant admin key: {admin_key_path(cfg)}")
         if cfg.shutdown == "detach" and not host.driver.capabilities.survives_host_exit:
@@ -237,6 +250,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     try:
         await server.serve()
     finally:
+        forget_serving(cfg.data_dir)  # it serves no more (a crash leaves it, naming a pid that is gone)
         if not task.done():
             task.cancel()
         if cfg.shutdown == "detach" and host.driver.capabilities.survives_host_exit:

@@ -13,13 +13,12 @@ import os
 import random
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import urlsplit
 
 import httpx
 
 from moorage.client._api import Request
+from moorage.client._local import SERVING, local_admin_data_dir, local_admin_key, served_url
 from moorage.client.errors import ApiError, Conflict, Unavailable, error_for
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -37,12 +36,14 @@ class Settings:
     backoff_s: float = 0.5
     #: The longest wait honoured (a longer ``Retry-After`` is an error handed to the caller at once).
     max_wait_s: float = 60.0
+    #: Where ``base_url`` came from when it was not given (said when it cannot be reached).
+    url_from: str = ""
 
     @classmethod
     def resolve(cls, base_url: str | None, api_key: str | None, **kw: Any) -> "Settings":
-        url = base_url or os.environ.get("MOORAGE_API_URL") or "http://127.0.0.1:7700"
+        url, url_from = resolve_url(base_url)
         key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY") or local_admin_key(url)
-        return cls(url.rstrip("/"), key, **{k: v for k, v in kw.items() if v is not None})
+        return cls(url.rstrip("/"), key, url_from=url_from, **{k: v for k, v in kw.items() if v is not None})
 
     def headers(self) -> dict[str, str]:
         h = {"user-agent": "moorage-python"}
@@ -51,28 +52,22 @@ class Settings:
         return h
 
 
-#: The names a server on this machine answers to: only to these is the local admin key ever sent.
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+DEFAULT_URL = "http://127.0.0.1:7700"
 
 
-def local_admin_data_dir() -> Path:
-    """Where ``moorage up`` on this machine writes its admin key, found as the CLI finds it: ``MOORAGE_DATA_DIR``,
-    else ``$XDG_DATA_HOME/moorage``, else ``~/.local/share/moorage``."""
-    if os.environ.get("MOORAGE_DATA_DIR"):
-        return Path(os.environ["MOORAGE_DATA_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "moorage"
-
-
-def local_admin_key(url: str) -> str | None:
-    """The ``local`` tenant's admin key that ``moorage up`` wrote on this machine, for a client of a server on this
-    machine that was given no key (None for any other server, or when there is no such file): a script run beside
-    ``moorage up`` works as the CLI does, and the key never leaves the machine."""
-    if (urlsplit(url).hostname or "") not in LOOPBACK:
-        return None
-    try:
-        return (local_admin_data_dir() / "local-admin.key").read_text().strip() or None
-    except OSError:
-        return None
+def resolve_url(base_url: str | None) -> tuple[str, str]:
+    """The server's URL and where it came from: the one given, else ``MOORAGE_API_URL``, else the one the running
+    ``moorage up`` of this machine recorded in its data directory, else the default port on this machine."""
+    if base_url:
+        return base_url, ""
+    if os.environ.get("MOORAGE_API_URL"):
+        return os.environ["MOORAGE_API_URL"], "from MOORAGE_API_URL"
+    data_dir = local_admin_data_dir()
+    recorded = served_url(data_dir)
+    if recorded is not None:
+        return recorded
+    return DEFAULT_URL, (f"the default: no MOORAGE_API_URL, and no running `moorage up` recorded its address in "
+                         f"{data_dir / SERVING}")
 
 
 def prepare(req: Request) -> Request:
@@ -138,7 +133,8 @@ def wait_before_retry(settings: Settings, attempt: int, error: ApiError, req: Re
 
 
 def unreachable(settings: Settings, e: Exception) -> Unavailable:
-    error = Unavailable(503, f"cannot reach {settings.base_url}: {type(e).__name__}: {e}",
+    origin = f" ({settings.url_from})" if settings.url_from else ""
+    error = Unavailable(503, f"cannot reach {settings.base_url}{origin}: {type(e).__name__}: {e}",
                         type="unreachable", hint="check the URL and that `moorage up` is running")
     error.__cause__ = e  # whether it was sent at all (may_have_run)
     return error

@@ -1,0 +1,111 @@
+"""`moorage up --port N` records where it serves in its data directory, and the CLI and `Client()` on the same
+machine go there when no URL is set (they went to port 7700 and could not reach it). MOORAGE_API_URL comes first; a
+clean stop removes the record, and one a crash left behind (its pid gone) is passed over, the error saying which
+address was tried and where it came from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from moorage import AsyncClient, Client
+from moorage.devservices.postgres import free_port
+from tests.cli.test_cli_e2e import MOORAGE, ROOT, run
+
+UNSET = ("MOORAGE_API_URL", "MOORAGE_API_KEY", "MOORAGE_PORT", "MOORAGE_HOST", "MOORAGE_DATA_DIR", "XDG_DATA_HOME",
+         "MOORAGE_CONFIG")
+
+
+def _env(data: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    return {**env, "MOORAGE_DATA_DIR": str(data), "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning",
+            **extra}
+
+
+def _up(data: Path, port: int) -> subprocess.Popen[bytes]:
+    log = open(data.parent / f"up-{port}.log", "ab")
+    proc = subprocess.Popen([*MOORAGE, "up", "--port", str(port)], env=_env(data), cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 120
+    while (data / "moorage-up.json").exists() is False or not _healthy(port):
+        assert proc.poll() is None and time.time() < deadline, (data.parent / f"up-{port}.log").read_text()[-3000:]
+        time.sleep(0.2)
+    return proc
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    for name in UNSET:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MOORAGE_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    yield tmp_path / "data"
+
+
+def test_the_cli_and_the_sdk_find_the_port_moorage_up_serves_on(data: Path) -> None:
+    port = free_port()
+    proc = _up(data, port)
+    try:
+        record = json.loads((data / "moorage-up.json").read_text())
+        assert record == {"url": f"http://127.0.0.1:{port}", "pid": proc.pid}
+        listed = run(["agents", "--json"], _env(data))
+        assert listed.returncode == 0 and json.loads(listed.stdout)["data"] == [], listed.stderr
+        with Client() as sdk:
+            assert sdk.settings.base_url == f"http://127.0.0.1:{port}"
+            assert "admin" in sdk.whoami()["scopes"]  # the key found beside it, for the address found beside it
+
+        async def whoami() -> dict[str, object]:
+            async with AsyncClient() as sdk:
+                return await sdk.whoami()
+        import asyncio
+        assert "admin" in asyncio.run(whoami())["scopes"]
+
+        # An address set explicitly comes first, for the CLI and the SDK alike.
+        elsewhere = f"http://127.0.0.1:{free_port()}"
+        refused = run(["agents"], _env(data, MOORAGE_API_URL=elsewhere))
+        assert refused.returncode == 2 and elsewhere in refused.stderr and "MOORAGE_API_URL" in refused.stderr
+        os.environ["MOORAGE_API_URL"] = elsewhere
+        try:
+            assert Client().settings.base_url == elsewhere
+        finally:
+            del os.environ["MOORAGE_API_URL"]
+
+        # A crash leaves the record; the pid it names is gone, so nobody is sent to an address that may be another's.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert (data / "moorage-up.json").exists()
+        with Client() as sdk:
+            assert sdk.settings.base_url != f"http://127.0.0.1:{port}"
+            assert "no running `moorage up`" in sdk.settings.url_from
+        dead = free_port()
+        gone = run(["agents"], _env(data, MOORAGE_PORT=str(dead)))
+        assert gone.returncode == 2 and f"127.0.0.1:{dead}" in gone.stderr, gone.stderr
+        assert "no running `moorage up` recorded its address" in gone.stderr, gone.stderr
+
+        # Started again it records itself anew; a clean stop removes the record.
+        port = free_port()
+        proc = _up(data, port)
+        assert json.loads((data / "moorage-up.json").read_text())["url"] == f"http://127.0.0.1:{port}"
+        assert run(["agents"], _env(data)).returncode == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        assert not (data / "moorage-up.json").exists()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
