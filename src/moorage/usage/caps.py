@@ -87,7 +87,8 @@ def agent_limits(ts: TenantStore, agent: str) -> dict[str, float]:
         raw = (ts.deployments.get(a.live_deployment).manifest or {}).get("limits") or {}
     except NotFound:
         return {}
-    return check_limits(raw)
+    # turn_timeout_s bounds each turn of the agent (runtime/turn_execution.py): not a per-user cap
+    return check_limits({k: v for k, v in raw.items() if k != "turn_timeout_s"})
 
 
 def limits_of(ts: TenantStore, agent: str, user: str) -> dict[str, float]:
