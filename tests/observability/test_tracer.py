@@ -77,3 +77,13 @@ def test_metrics_render_counts_without_tenant_labels():
     assert 'moorage_wake_seconds_count{kind="snapshot",outcome="ok"} 1.0' in text
     assert 'moorage_errors_total{code="not-found"} 1.0' in text
     assert "cost_usd" not in text
+
+
+def test_an_error_code_moorage_does_not_define_is_counted_as_other():
+    m = Metrics()
+    m.observe_error("not-found")
+    m.observe_error("x-invented-by-someone")
+    m.observe_turn_outcome("failed", "also-invented", 0.1)
+    text = m.render().decode()
+    assert 'moorage_errors_total{code="not-found"} 1.0' in text
+    assert 'moorage_errors_total{code="other"} 1.0' in text and "invented" not in text

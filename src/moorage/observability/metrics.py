@@ -147,14 +147,18 @@ class Metrics:
         self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()
 
     def observe_error(self, code: str) -> None:
-        self.errors.labels(code).inc()
+        from moorage.observability.events import bounded_code
+
+        self.errors.labels(bounded_code(code)).inc()
 
     def observe_turn_outcome(self, outcome: str, code: str, seconds: float,
                              usage: Mapping[str, float] | None = None) -> None:
         """A turn ended (``events.turn_ended``): its latency by outcome, its failure's code, its tokens."""
         self.turn_seconds.labels(outcome).observe(seconds)
         if outcome == "failed":
-            self.turn_failures.labels(code or "internal").inc()
+            from moorage.observability.events import bounded_code
+
+            self.turn_failures.labels(bounded_code(code or "internal")).inc()
         for kind, amount in (usage or {}).items():
             if isinstance(amount, (int, float)) and amount > 0 and kind in TOKEN_KINDS:
                 self.tokens.labels(kind).inc(amount)
