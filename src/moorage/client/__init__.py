@@ -7,9 +7,9 @@ It speaks HTTP only; nothing here imports the host's internals.
 
 from moorage.client.aio import AsyncClient
 from moorage.client.errors import (ApiError, AuthError, BadRequest, Conflict, DiskFull, InvalidArgument, NotFound,
-                                   RateLimited, ServerError, Unavailable)
+                                   PoolExhausted, RateLimited, ServerError, Unavailable)
 from moorage.client.sync import Client
 from moorage.client.webhooks import WebhookEvent, WebhookSignatureError, new_webhook_secret, verify_webhook
 
 __all__ = ["ApiError", "AsyncClient", "AuthError", "BadRequest", "Client", "Conflict", "DiskFull", "InvalidArgument", "NotFound",
-           "RateLimited", "ServerError", "Unavailable", "WebhookEvent", "WebhookSignatureError", "new_webhook_secret", "verify_webhook"]
+           "PoolExhausted", "RateLimited", "ServerError", "Unavailable", "WebhookEvent", "WebhookSignatureError", "new_webhook_secret", "verify_webhook"]

@@ -19,7 +19,7 @@ import httpx
 
 from moorage.client._api import Request
 from moorage.client._local import SERVING, local_admin_data_dir, local_admin_key, served_url
-from moorage.client.errors import ApiError, Conflict, Unavailable, error_for
+from moorage.client.errors import ApiError, Conflict, PoolExhausted, Unavailable, error_for
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -38,12 +38,18 @@ class Settings:
     max_wait_s: float = 60.0
     #: Where ``base_url`` came from when it was not given (said when it cannot be reached).
     url_from: str = ""
+    #: Connections open at once (httpx's default); a call past them waits up to ``timeout_s`` for one to free.
+    max_connections: int = 100
 
     @classmethod
     def resolve(cls, base_url: str | None, api_key: str | None, **kw: Any) -> "Settings":
         url, url_from = resolve_url(base_url)
         key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY") or local_admin_key(url)
         return cls(url.rstrip("/"), key, url_from=url_from, **{k: v for k, v in kw.items() if v is not None})
+
+    def limits(self) -> httpx.Limits:
+        return httpx.Limits(max_connections=self.max_connections,
+                            max_keepalive_connections=min(20, self.max_connections))
 
     def headers(self) -> dict[str, str]:
         h = {"user-agent": "moorage-python"}
@@ -110,7 +116,7 @@ def decode(response: httpx.Response) -> Any:
 
 
 #: Transport failures that happen before a request is sent: it cannot have been done.
-UNSENT = (httpx.ConnectError, httpx.ConnectTimeout)
+UNSENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def may_have_run(error: ApiError) -> bool:
@@ -133,11 +139,23 @@ def wait_before_retry(settings: Settings, attempt: int, error: ApiError, req: Re
 
 
 def unreachable(settings: Settings, e: Exception) -> Unavailable:
+    if isinstance(e, httpx.PoolTimeout):
+        return pool_exhausted(settings)
     origin = f" ({settings.url_from})" if settings.url_from else ""
     error = Unavailable(503, f"cannot reach {settings.base_url}{origin}: {type(e).__name__}: {e}",
                         type="unreachable", hint="check the URL and that `moorage up` is running")
     error.__cause__ = e  # whether it was sent at all (may_have_run)
     return error
+
+
+def pool_exhausted(settings: Settings) -> PoolExhausted:
+    """The call waited ``timeout_s`` for a connection of the client's own pool and got none: the server was never
+    asked (it may be well), this client had more calls in flight than its ``max_connections``."""
+    return PoolExhausted(503, f"this call was not sent: all {settings.max_connections} connections of this client "
+                              f"stayed busy with its other calls for {settings.timeout_s:g} s",
+                         type="pool-exhausted", retryable=False,
+                         hint=f"make fewer calls at once with one client, or raise its limit (Client(..., "
+                              f"max_connections=N); it is {settings.max_connections})")
 
 
 def final(req: Request, error: ApiError) -> ApiError:

@@ -21,10 +21,11 @@ class AsyncClient(Api):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float | None = None,
                  max_retries: int | None = None, backoff_s: float | None = None, max_wait_s: float | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None,
+                 max_connections: int | None = None, transport: httpx.AsyncBaseTransport | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
-                                            backoff_s=backoff_s, max_wait_s=max_wait_s)
+                                            backoff_s=backoff_s, max_wait_s=max_wait_s,
+                                            max_connections=max_connections)
         self._transport = transport
         self._pid = os.getpid()
         self._pooled = self._new_http()
@@ -33,7 +34,8 @@ class AsyncClient(Api):
 
     def _new_http(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.settings.base_url, headers=self.settings.headers(),
-                                 timeout=self.settings.timeout_s, transport=self._transport)
+                                 timeout=self.settings.timeout_s, transport=self._transport,
+                                 limits=self.settings.limits())
 
     @property
     def _http(self) -> httpx.AsyncClient:

@@ -56,6 +56,11 @@ class Unavailable(ApiError):
     """503 or the server could not be reached."""
 
 
+class PoolExhausted(Unavailable):
+    """Never sent: every connection of this client's pool stayed busy with its other calls for ``timeout_s`` (more
+    calls at once than ``max_connections``). Not retried: raise the limit or make fewer calls at once."""
+
+
 class ServerError(ApiError):
     """500/502: the server failed; quote ``trace_id`` to the operator."""
 

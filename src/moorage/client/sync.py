@@ -24,10 +24,11 @@ class Client(Api):
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout_s: float | None = None,
                  max_retries: int | None = None, backoff_s: float | None = None, max_wait_s: float | None = None,
-                 transport: httpx.BaseTransport | None = None,
+                 max_connections: int | None = None, transport: httpx.BaseTransport | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.settings = tr.Settings.resolve(base_url, api_key, timeout_s=timeout_s, max_retries=max_retries,
-                                            backoff_s=backoff_s, max_wait_s=max_wait_s)
+                                            backoff_s=backoff_s, max_wait_s=max_wait_s,
+                                            max_connections=max_connections)
         self._transport = transport
         self._pid = os.getpid()
         self._pooled = self._new_http()
@@ -37,7 +38,8 @@ class Client(Api):
 
     def _new_http(self) -> httpx.Client:
         return httpx.Client(base_url=self.settings.base_url, headers=self.settings.headers(),
-                            timeout=self.settings.timeout_s, transport=self._transport)
+                            timeout=self.settings.timeout_s, transport=self._transport,
+                            limits=self.settings.limits())
 
     @property
     def _http(self) -> httpx.Client:
