@@ -875,6 +875,20 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         postgres_only=usage_rollups.POSTGRES,
         older_may_serve=True,  # tables the store keeps up itself, whoever writes the ledger
     ),
+    Migration(
+        29,
+        "automatic checkpoints whose files are written behind their turn, marked until written: a start reads those",
+        statements=(
+            # A host's start read every checkpoint with a correlated MAX(seq) for the few whose sandbox files a
+            # killed host was still writing (0.5 s at 50,000 users, bench/results/latest/scale.md). ``writing`` is
+            # 1 from the row's insert until its files are on disk (store/repos/checkpoints.py ``written_behind``).
+            "ALTER TABLE checkpoints ADD COLUMN writing INTEGER",
+            "CREATE INDEX checkpoints_writing ON checkpoints ({tpk}agent_id, user_id) WHERE writing = 1",
+        ),
+        # An older host writes rows without the mark (and checks them at its own start as before); a newer host's
+        # start does not check the rows an older one left unwritten.
+        older_may_serve=True,
+    ),
 )
 
 
