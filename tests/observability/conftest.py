@@ -78,7 +78,7 @@ def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 
 @pytest.fixture
 async def live_host(tmp_path: Path) -> AsyncIterator[LiveHost]:
-    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process")
+    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process", max_awake_instances=8)
     host = Host.open(cfg)
     await host.start()
     port = free_port()

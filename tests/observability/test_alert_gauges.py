@@ -52,5 +52,6 @@ async def test_deliveries_to_a_dead_receiver_and_awake_instances_show(live_host:
     held = value(samples, "moorage_webhook_deliveries_retrying") + value(samples, "moorage_webhook_deliveries_failed")
     assert held == 1, {k: v for k, v in samples.items() if "webhook" in k[0]}
     assert value(samples, "moorage_awake_instances") == 1
-    assert value(samples, "moorage_awake_instances_limit") != 0
+    assert value(samples, "moorage_awake_instances_limit") == 8  # max_awake_instances
+    assert value(samples, "moorage_awake_ram_mib_limit") == -1  # max_awake_ram_mib unset: no limit
     assert ("moorage_turns_pending", ()) in samples and ("moorage_turn_oldest_pending_seconds", ()) in samples
