@@ -63,6 +63,13 @@ def turn_ended(status: str, seconds: float, attrs: Mapping[str, Any], usage: Map
             log.warning("a turn metric was not recorded", error=str(e))
 
 
+def unreachable(backend: str) -> None:
+    """A call to ``backend`` (``store``: PostgreSQL; ``object-store``) failed because it could not be reached."""
+    for m in list(_sinks):
+        with contextlib.suppress(Exception):  # metrics never fail what failed already
+            m.unreachable.labels(backend).inc()
+
+
 #: Problem codes the API answers with that are no ``MoorageError`` class's (``api/app.py``, ``api/middleware.py``)
 #: or that one error class sets per instance (``TurnLimited``: the limit's kind).
 _EXTRA_CODES = frozenset({"", "internal", "no-route", "method-not-allowed", "http", "payload-too-large",

@@ -126,6 +126,10 @@ class Metrics:
                 ("sleep", "Sandbox sleep latency (snapshot written, instance recorded asleep), by outcome",
                  ["outcome"]),
                 ("checkpoint", "Checkpoint latency (the sandbox half), by outcome and kind", ["outcome", "kind"]))}
+        self.unreachable = Counter("moorage_unreachable", "Calls to the store (PostgreSQL) or the object store that "
+                                   "failed because it could not be reached", ["backend"], registry=r)
+        for backend in ("store", "object-store"):
+            self.unreachable.labels(backend)  # both shown from the start, at 0
         self.tokens = Counter("moorage_tokens", "Model tokens used by turns", ["kind"], registry=r)
         if instances is not None:
             r.register(_Instances(instances, instance_ttl_s))
