@@ -6,6 +6,7 @@ All subclass ``moorage.errors`` types so the API maps them to the right HTTP sta
 from __future__ import annotations
 
 from moorage.errors import ConfigError, ConflictError, MoorageError, NotFound, UnavailableError
+from moorage.observability import events
 
 
 class ObjectNotFound(NotFound):
@@ -58,6 +59,10 @@ class ObjectStoreUnavailable(UnavailableError):
     """The object store cannot be reached or refused the request for a reason other than the object itself."""
 
     code = "object-store-unavailable"
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        events.unreachable("object-store")  # /metrics: moorage_unreachable_total
 
 
 class ObjectStoreConfigError(ConfigError):
