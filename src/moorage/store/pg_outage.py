@@ -18,6 +18,7 @@ from psycopg_pool import PoolTimeout
 
 from moorage.errors import UnavailableError
 from moorage.log import STILL_FAILING_EVERY_S
+from moorage.observability import events
 
 #: How long a request waits for a connection to PostgreSQL before it is answered 503 (a restart takes a second or
 #: two; a longer wait would only hold the caller and a worker thread).
@@ -126,6 +127,7 @@ def unreachable_as_503(what: str = "PostgreSQL") -> Iterator[None]:
     try:
         yield
     except psycopg.errors.ReadOnlySqlTransaction as e:
+        events.unreachable("store")  # /metrics: moorage_unreachable_total
         # Connected to a standby: a failover in progress, or a pooler still pointing at the old primary.
         raise StoreUnreachable(f"{what} takes no writes right now (read-only: a standby, or a failover in progress)",
                                hint=_HINT) from e
@@ -136,4 +138,5 @@ def unreachable_as_503(what: str = "PostgreSQL") -> Iterator[None]:
             reason = f"no connection within {CONNECT_WAIT_S:.0f} s"
         else:
             reason = (str(e).strip().splitlines() or ["connection lost"])[0]
+        events.unreachable("store")  # /metrics: moorage_unreachable_total
         raise StoreUnreachable(f"the store cannot reach {what} right now ({reason})", hint=_HINT) from e
