@@ -28,7 +28,8 @@ _TITLES = {
 
 
 #: ``Retry-After`` for a 429 or 503 whose error names no wait of its own: every such answer carries the header,
-#: so clients that honour it (the official ``openai`` SDK, moorage's own) back off instead of hammering.
+#: so clients that honour it (the official ``openai`` SDK, moorage's own) back off instead of hammering. Not one
+#: that says no retry helps (``x-should-retry: false``: a token budget that never resets).
 DEFAULT_RETRY_AFTER_S = {429: 1, 503: 5}
 #: Error attributes that say how long to wait, in the order they are trusted.
 _RETRY_ATTRS = ("retry_after", "retry_after_s", "resets_in")
@@ -70,7 +71,8 @@ def problem(status: int, code: str, detail: str, *, hint: str | None = None, tra
         **(extra or {}),
     }
     headers = dict(headers or {})
-    if status in DEFAULT_RETRY_AFTER_S and not any(k.lower() == "retry-after" for k in headers):
+    final = any(k.lower() == "x-should-retry" and v == "false" for k, v in headers.items())
+    if status in DEFAULT_RETRY_AFTER_S and not final and not any(k.lower() == "retry-after" for k in headers):
         headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S[status])
         body.setdefault("retry_after", DEFAULT_RETRY_AFTER_S[status])
     return Response(json.dumps(body), status_code=status, media_type=PROBLEM_CONTENT_TYPE, headers=headers)

@@ -85,6 +85,10 @@ class BudgetExceeded(MoorageError):
         self.limit = limit
         self.used = used
         self.resets_in = resets_in
+        if resets_in is None:
+            # A budget that never resets refuses the same call for good: no Retry-After, and clients told not to
+            # retry (``x-should-retry: false``); only a larger budget helps.
+            self.retryable = False
 
 
 def _retry_hint(retry_after: float | None) -> str:

@@ -123,7 +123,10 @@ class Admission:
                     f"tenant {tenant_id!r} has used {st.used} of its {budget.tokens}-token budget; this call needs about "
                     f"{estimated_tokens} more ({when})",
                     tenant_id=tenant_id, limit=budget.tokens, used=st.used, resets_in=resets_in,
-                    hint="raise the tenant's budget, shorten the prompt, or wait for the budget window to reset",
+                    hint=("raise the tenant's budget, shorten the prompt, or wait for the budget window to reset"
+                          if resets_in is not None else
+                          "raise the tenant's token budget (this budget never resets, so asking again is refused "
+                          "the same way until it is raised)"),
                 )
             waits = []
             if st.requests is not None:

@@ -75,6 +75,8 @@ class TurnLimited(MoorageError):
         super().__init__(message, hint=hint)
         self.code = code
         self.retry_after = retry_after
+        if code == "budget-exceeded" and retry_after is None:
+            self.retryable = False  # a budget that never resets: asked again, refused again (BudgetExceeded)
 
 
 #: Kinds of host-call refusal that are limits, not failures (``TurnLimited``).
