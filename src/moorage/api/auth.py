@@ -249,7 +249,9 @@ class Authenticator:
         if "c" in p and not self._same_user(tenant, agent, user, p["c"]):
             # Forgotten since (and perhaps created again under the same id: another person, for all moorage knows).
             raise Unauthenticated("this end-user token was issued to a user who has since been forgotten",
-                                  hint="ask the application for a fresh token")
+                                  hint=f"ask the application for a fresh token (the application: create the user "
+                                       f"again, PUT /v1/agents/{agent}/users/{user}, if they are to be served, then "
+                                       f"issue a new token; a token issued before the forget stays refused)")
         return Principal(tenant, frozenset({"invoke"}), key_id=f"user-token:{key_id}", agent=agent, user=user)
 
     def _same_user(self, tenant: str, agent: object, user: object, created_at: object) -> bool:
