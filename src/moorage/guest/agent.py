@@ -21,6 +21,13 @@ from .rpc import Context, Registry, RpcError, log
 NOT_LOADED = -32010
 AGENT_ERROR = -32011
 SUSPENDED = -32012
+#: How much of an exception's text (and of its traceback) an agent error carries: the whole of a huge one would
+#: be over the channel's frame limit, and the turn would never be answered.
+MAX_ERROR_TEXT = 4000
+MAX_TRACEBACK = 8000
+#: What agent code raises that ends its turn as the agent's error, not the guest's: SystemExit (sys.exit) and
+#: KeyboardInterrupt would otherwise end the guest's supervisor. A cancel is not one of them.
+AGENT_RAISES = (Exception, SystemExit, KeyboardInterrupt)
 
 
 def raised_where(e: BaseException, root: str) -> Any:
@@ -34,6 +41,27 @@ def raised_where(e: BaseException, root: str) -> Any:
             where = "%s, line %s, in %s%s" % (path[len(root):], frame.lineno, frame.name,
                                                ": " + frame.line if frame.line else "")
     return where
+
+
+def error_text(e: BaseException) -> str:
+    """``str(e)``, cut to MAX_ERROR_TEXT; an exception whose ``__str__`` itself raises still has a text."""
+    try:
+        text = str(e)
+    except Exception as inner:  # noqa: BLE001 - the agent's own __str__; the error is still said
+        text = "<its str() raised %s>" % type(inner).__name__
+    if len(text) > MAX_ERROR_TEXT:
+        text = "%s... (%d characters in all)" % (text[:MAX_ERROR_TEXT], len(text))
+    return text
+
+
+def agent_error(what: str, e: BaseException, root: str) -> RpcError:
+    """The turn's answer for an exception of the agent's code: ``what`` raised it, its text and where in the
+    agent's files, small enough for one frame whatever the exception holds."""
+    tb = traceback.format_exc(limit=8)
+    if len(tb) > MAX_TRACEBACK:
+        tb = "...\n" + tb[-MAX_TRACEBACK:]
+    return RpcError("%s raised %s: %s" % (what, type(e).__name__, error_text(e)), AGENT_ERROR,
+                    {"type": type(e).__name__, "traceback": tb, "where": raised_where(e, root)})
 
 
 # -- channel methods --------------------------------------------------------------------------------
@@ -94,10 +122,8 @@ class AgentRuntime:
             await ctx._secret_env()
             try:
                 await self.wake_hook(rpc)  # after the secrets: processes it starts get those the agent opted into
-            except Exception as e:  # noqa: BLE001
-                raise RpcError("the agent's on_wake raised %s: %s" % (type(e).__name__, e), AGENT_ERROR,
-                               {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8),
-                                "where": raised_where(e, agent.path)}) from None
+            except AGENT_RAISES as e:  # noqa: BLE001
+                raise agent_error("the agent's on_wake", e, agent.path) from None
             if agent.handler is None:
                 reply = await builtin_loop(ctx, message)
             elif inspect.iscoroutinefunction(agent.handler):
@@ -108,10 +134,8 @@ class AgentRuntime:
             return {"status": "waiting", "interrupt": s.payload}
         except RpcError:
             raise
-        except Exception as e:  # noqa: BLE001
-            raise RpcError("agent raised %s: %s" % (type(e).__name__, e), AGENT_ERROR,
-                           {"type": type(e).__name__, "traceback": traceback.format_exc(limit=8),
-                            "where": raised_where(e, agent.path)})
+        except AGENT_RAISES as e:  # noqa: BLE001
+            raise agent_error("agent", e, agent.path) from None
         return {"status": "done", "reply": reply if isinstance(reply, (str, dict, list, type(None))) else str(reply)}
 
     async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:

@@ -133,8 +133,18 @@ class Peer:
     async def _safe_send(self, msg: dict) -> None:
         try:
             await self.send(msg)
-        except RpcError:
-            pass
+        except RpcError as e:
+            error = msg.get("error")
+            if e.code == TOO_LARGE and isinstance(error, dict):
+                # An error too large for a frame (a handler's exception with a huge text) is still answered, cut:
+                # dropped, its call would wait for its whole timeout.
+                text = str(error.get("message", ""))
+                cut = {"code": error.get("code"), "message": "%s... (an error of %d characters, cut)"
+                       % (text[:4000], len(text))}
+                try:
+                    await self.send({"id": msg.get("id"), "error": cut})
+                except RpcError:
+                    pass
 
     async def call(self, method: str, params: Any = None, timeout: Optional[float] = 60.0,
                    on_event: Optional[Callable[[str, Any], Any]] = None) -> Any:
