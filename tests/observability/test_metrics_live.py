@@ -55,3 +55,36 @@ async def test_turns_are_counted_by_outcome_and_failure_code(live_host: LiveHost
     assert value(samples, "moorage_turn_seconds_count", outcome="failed") == 1
     assert value(samples, "moorage_turn_seconds_count", outcome="waiting") == 1
     assert value(samples, "moorage_turn_failures_total", code="agent-error") == 1
+
+
+SLOW = '''
+import asyncio
+
+async def on_message(ctx, message):
+    await asyncio.sleep(30)
+    return "too late"
+'''
+
+
+async def test_a_cancelled_turn_is_counted_as_cancelled(live_host: LiveHost) -> None:
+    import asyncio
+
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/slow/deployments", content=archive("slow", SLOW),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        ex = (await c.post("/v1/agents/slow/invoke?async=true", json={"message": "hi", "user": "ada"})).json()
+        for _ in range(400):  # until it runs in the agent
+            view = (await c.get(f"/v1/executions/{ex['id']}")).json()
+            if view["status"] == "running":
+                break
+            await asyncio.sleep(0.05)
+        r = await c.post(f"/v1/workflows/{view['run_id']}/cancel")  # a turn is cancelled as its run
+        assert r.status_code in (200, 202), r.text
+        for _ in range(400):
+            samples = await live_host.scrape()
+            if value(samples, "moorage_turn_seconds_count", outcome="cancelled"):
+                break
+            await asyncio.sleep(0.05)
+    assert value(samples, "moorage_turn_seconds_count", outcome="cancelled") == 1
+    assert value(samples, "moorage_turn_seconds_count", outcome="failed") == 0
