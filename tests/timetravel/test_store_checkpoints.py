@@ -146,16 +146,20 @@ def test_an_expired_scope_takes_its_instance_checkpoints_with_it(ts: TenantStore
     assert Checkpoints(ts).list("other", U) != []
 
 
-def test_only_each_instances_newest_automatic_checkpoint_with_a_sandbox_half_may_be_unwritten(ts: TenantStore) -> None:
-    """What a restarted host checks (``TimeTravel._unwritten``) and how it marks one whose files are not there."""
+def test_only_automatic_checkpoints_still_being_written_behind_their_turns_may_be_unwritten(ts: TenantStore) -> None:
+    """What a restarted host checks (``TimeTravel._unwritten``): the rows marked as being written behind their turn
+    until their files are on disk (``written``), not every instance's newest; and how it marks one missing."""
     cps = Checkpoints(ts)
     _turn(ts, 1)
-    cps.take(A, U, turn_id=_run_id(1, U), sandbox_id="sb1", sandbox_checkpoint="tt-a")
+    first = cps.take(A, U, turn_id=_run_id(1, U), sandbox_id="sb1", sandbox_checkpoint="tt-a", writing=True)
+    assert [c.id for c in cps.written_behind()] == [first.id]
+    cps.written(A, U, first.id)  # its files are on disk
     _turn(ts, 2)
-    newest = cps.take(A, U, turn_id=_run_id(2, U), sandbox_id="sb1", sandbox_checkpoint="tt-b")
+    newest = cps.take(A, U, turn_id=_run_id(2, U), sandbox_id="sb1", sandbox_checkpoint="tt-b", writing=True)
     cps.take(A, U, kind="manual", name="mine")  # no sandbox half: not one written behind
     _turn(ts, 1, user="u1")
     cps.take(A, "u1", kind="manual", sandbox_id="sb2", sandbox_checkpoint="tt-c")  # written before its reply
+    cps.take(A, "u1", sandbox_id="sb2", sandbox_checkpoint="tt-d")  # an older host's: not marked
     assert [(c.user, c.id) for c in cps.written_behind()] == [(U, newest.id)]
     assert cps.mark_unwritten(A, U, newest.id, "never written")
     assert not cps.mark_unwritten(A, U, newest.id, "again")  # a turn checkpoint no more

@@ -89,6 +89,7 @@ class Checkpointing:
                         self._write_behind(cap if cap is not None else capture, new, target, record, ph, clock,
                                            making),
                         name=f"checkpoint-write-{self.id}")
+                    self._behind_named = (target.name, self._lock.behind)  # for ``writing_behind``
                     clock = making = None
                     done = True  # ``new`` is the write-behind's now
                     return SnapshotInfo(self.id, target, 0, record["created_at"], True)
@@ -152,11 +153,11 @@ class Checkpointing:
 
     async def _write_behind(self, cap: "ram_chain.Capture | Callable[[], ram_chain.Capture]", new: Path, target: Path,
                             record: dict[str, Any], ph: snapshots.Phases, clock: "asyncio.Task[None]",
-                            making: int) -> None:
+                            making: int) -> str | None:
         """A checkpoint's files, written while the guest runs on (``checkpoint(durable=False)``); ``cap`` is its
         RAM capture, or what makes it from the pages copied in the pause; ``making`` holds ``new``'s lock (closed
         here). A failure leaves no checkpoint of that name (it is logged; a rollback to it is refused as to any
-        missing one)."""
+        missing one) and is returned, as the reason (``writing_behind``); None once the files are written."""
         try:
             if callable(cap):
                 cap = await asyncio.to_thread(cap)
@@ -167,6 +168,7 @@ class Checkpointing:
             log.info("snapshot", sandbox=self.id, kind=record["kind"], keep_running=True, behind=True,
                      ms=ph.total(), **ph.ms)
             self.last_snapshot_phases = dict(ph.ms)
+            return None
         except Exception as e:  # noqa: BLE001 - the guest runs on; only this checkpoint is lost
             log.warning("checkpoint not written", sandbox=self.id, checkpoint=target.name, error=str(e))
             shutil.rmtree(new, ignore_errors=True)
@@ -174,9 +176,16 @@ class Checkpointing:
                 with contextlib.suppress(QMPError):
                     await self._qmp.execute("blockdev-snapshot-delete-internal-sync",
                                             {"device": "disk", "name": f"ckpt-{target.name}"})
+            return f"{type(e).__name__}: {e}"
         finally:
             os.close(making)
             await clock
+
+    def writing_behind(self, name: str) -> "asyncio.Task[str | None] | None":
+        """The task writing the files of checkpoint ``name``, the last one taken with ``durable=False`` (else None):
+        its result is why they could not be written, or None once they are on disk."""
+        named = getattr(self, "_behind_named", None)
+        return named[1] if named is not None and named[0] == name else None
 
     async def _set_guest_clock(self) -> None:
         """After a pause the guest runs on from (a checkpoint, a freeze): its clock stood still through the pause,

@@ -64,6 +64,7 @@ class AutoCheckpoints:
     _inflight: dict[tuple[str, str, str], asyncio.Event]
     _tails: set[asyncio.Task[Any]]
     _retention: dict[tuple[str, str, str], asyncio.Task[None]]
+    _written: dict[tuple[str, str, str], asyncio.Task[None]]
 
     def will_checkpoint(self, b: "TurnBinding") -> bool:
         """Whether this turn ends with an automatic checkpoint (its agent's policy, else the driver's default;
@@ -191,7 +192,7 @@ class AutoCheckpoints:
         async def both() -> None:
             await asyncio.gather(*(ev.wait() for ev in mine(self._inflight)))
             # Then the sandbox halves its retention deletes (started by the checkpoints just waited for).
-            tasks = mine(self._retention)
+            tasks = mine(self._retention) + mine(self._written)
             if tasks:
                 await asyncio.wait(tasks)
 
@@ -208,15 +209,37 @@ class AutoCheckpoints:
         # (``_sandbox_half``) before they change anything.
         check_name(name)  # before the sandbox half: a name the store refuses would leave that half on disk for good
         cid = new_checkpoint_id()
-        vm = None
+        vm = behind = None
         if sandbox is not None:
             t0 = time.perf_counter()
             with events.timed("checkpoint", kind):
                 vm = (await sandbox.checkpoint(f"tt-{cid}", durable=durable)).name
             summary = {**(summary or {}), "sandbox_ms": round((time.perf_counter() - t0) * 1000, 1)}
-        return await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
-                                       sandbox_id=sandbox.id if sandbox is not None else None,
-                                       sandbox_checkpoint=vm, checkpoint_id=cid, summary=summary)
+            if not durable and hasattr(sandbox, "writing_behind"):
+                behind = sandbox.writing_behind(vm)
+        ck = await asyncio.to_thread(checkpoints_of(ts).take, agent, user, kind=kind, name=name, turn_id=turn_id,
+                                     sandbox_id=sandbox.id if sandbox is not None else None,
+                                     sandbox_checkpoint=vm, checkpoint_id=cid, summary=summary,
+                                     writing=behind is not None)
+        if behind is not None:  # ``settled`` (a listing, a sleep, a forget) waits for it
+            key = (ts.tenant_id, agent, user)
+            task = asyncio.get_running_loop().create_task(self._once_written(ts, ck, behind), name="checkpoint-written")
+            self._written[key] = task
+            task.add_done_callback(lambda t: self._written.pop(key, None) if self._written.get(key) is t else None)
+            self.keep_tail(task)
+        return ck
+
+    async def _once_written(self, ts: TenantStore, ck: Checkpoint, behind: "asyncio.Task[str | None]") -> None:
+        """Once the files of ``ck``, written behind its turn, are on disk, its mark goes (else the next start
+        checks it)."""
+        error = await asyncio.shield(behind)
+        repo = checkpoints_of(ts)
+        try:
+            if error is None:
+                await asyncio.to_thread(repo.written, ck.agent, ck.user, ck.id)
+        except Exception as e:  # noqa: BLE001 - the next start checks a row still marked
+            log.warning("could not record whether a checkpoint was written", agent=ck.agent, user=ck.user,
+                        checkpoint=ck.id, error=str(e))
 
     async def _prune(self, ts: TenantStore, agent: str, user: str, sandbox: "Sandbox | None", policy: Policy) -> list[str]:
         """Apply the retention policy to the store; returns the pruned checkpoints' sandbox halves to delete."""

@@ -60,6 +60,8 @@ class TimeTravel(AutoCheckpoints, Holding):
         self._tails: set[asyncio.Task[Any]] = set()
         #: (tenant, agent, user) -> the task deleting the sandbox halves of checkpoints its last retention pruned.
         self._retention: dict[tuple[str, str, str], asyncio.Task[None]] = {}
+        #: Per instance, the task that records whether its last automatic checkpoint's files were written.
+        self._written: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         instances = getattr(runtime, "instances", None)
         if instances is not None and hasattr(instances, "on_takeover"):
             instances.on_takeover = self.taken_over
@@ -277,15 +279,20 @@ class TimeTravel(AutoCheckpoints, Holding):
         repo, n = checkpoints_of(ts), 0
         for ck in await asyncio.to_thread(repo.written_behind):
             rec = await asyncio.to_thread(ts.sandboxes.for_scope, Scope.for_user(ck.agent, ck.user))
-            if rec is None or rec.id != ck.sandbox_id or (fleet is not None and rec.host not in (None, fleet.host_id)):
-                continue  # another sandbox's, or another host's copy: not this host's to judge
+            if rec is None or rec.id != ck.sandbox_id:  # another sandbox's: nothing will ever judge it, no mark
+                await asyncio.to_thread(repo.written, ck.agent, ck.user, ck.id)
+                continue
+            if fleet is not None and rec.host not in (None, fleet.host_id):
+                continue  # another host's copy: not this host's to judge
             try:
                 names = {c.name for c in await (await self.rt.driver.open(rec.id)).checkpoints()}
             except Exception:  # noqa: BLE001 - not on this host's disk: nothing to judge by
                 continue
-            if ck.sandbox_checkpoint not in names and await asyncio.to_thread(
-                    repo.mark_unwritten, ck.agent, ck.user, ck.id,
-                    "the host stopped while this checkpoint's sandbox files were written behind its turn"):
+            if ck.sandbox_checkpoint in names:  # written; the host stopped before it cleared the mark
+                await asyncio.to_thread(repo.written, ck.agent, ck.user, ck.id)
+            elif await asyncio.to_thread(repo.mark_unwritten, ck.agent, ck.user, ck.id,
+                                         "the host stopped while this checkpoint's sandbox files were written "
+                                         "behind its turn"):
                 n += 1
                 log.warning("automatic checkpoint never written: marked missing", agent=ck.agent, user=ck.user,
                             checkpoint=ck.id)

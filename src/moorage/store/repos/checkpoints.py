@@ -160,8 +160,9 @@ class Checkpoints:
 
     def take(self, agent: str, user: str, *, kind: str = "turn", name: str | None = None, turn_id: str | None = None,
              sandbox_id: str | None = None, sandbox_checkpoint: str | None = None, checkpoint_id: str | None = None,
-             summary: dict[str, Any] | None = None) -> Checkpoint:
-        """Record the instance's store state now as a checkpoint on its current branch, in one transaction."""
+             summary: dict[str, Any] | None = None, writing: bool = False) -> Checkpoint:
+        """Record the instance's store state now as a checkpoint on its current branch, in one transaction.
+        ``writing``: its sandbox files are still being written (behind its turn), until ``written``."""
         check_id(agent, "agent id"), check_id(user, "user id")
         if kind not in KINDS:
             raise InvalidInput(f"unknown checkpoint kind {kind!r}", hint=f"one of {', '.join(KINDS)}")
@@ -196,9 +197,11 @@ class Checkpoints:
             lineage = head.event_ranges if head else [[0, None]]
             ranges = [[lo, mark if hi is None else hi] for lo, hi in lineage]
             ranges = [r for r in ranges if r[0] <= r[1]]  # type: ignore[operator]
-            c.x(f"INSERT INTO checkpoints ({_COLS}, manifest) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            c.x(f"INSERT INTO checkpoints ({_COLS}, manifest, writing) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (cid, agent, user, seq, branch, parent, kind, name, turn_id, json.dumps(summ), mark,
-                 json.dumps(ranges), sandbox_id, sandbox_checkpoint, store_bytes, now, c.blob(manifest)))
+                 json.dumps(ranges), sandbox_id, sandbox_checkpoint, store_bytes, now, c.blob(manifest),
+                 1 if writing and sandbox_checkpoint else None))
             self._set_head(c, agent, user, branch, cid, head.pending if head else None, lineage, row_mark)
             if stored.depth == 0:  # every FULL_EVERY-th checkpoint of an instance: deletions no head needs go
                 ci.prune_deletions(c, now)
@@ -234,14 +237,19 @@ class Checkpoints:
                           summary, 0, [], None, None, 0, now)
 
     def written_behind(self) -> list[Checkpoint]:
-        """Each instance's newest checkpoint with a sandbox half, where it is an automatic one: the only one whose
-        sandbox files a host that died may not have written (they are written behind the turn, one at a time per
-        sandbox: the next waits for them)."""
+        """The automatic checkpoints still marked as being written behind their turns (``take(writing=True)``):
+        those whose sandbox files a host that died may not have written, and those written whose mark it had not
+        cleared yet. Through their partial index (store migration 29): not every checkpoint."""
         with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT {_COLS} FROM checkpoints k WHERE kind = 'turn' AND sandbox_checkpoint IS NOT NULL "
-                       "AND seq = (SELECT MAX(j.seq) FROM checkpoints j WHERE j.agent_id = k.agent_id "
-                       "AND j.user_id = k.user_id AND j.sandbox_checkpoint IS NOT NULL)")
-        return [_checkpoint(r) for r in rows]
+            rows = c.q(f"SELECT {_COLS} FROM checkpoints WHERE writing = 1")
+        return [_checkpoint(r) for r in rows if r[6] == "turn" and r[13] is not None]
+
+    def written(self, agent: str, user: str, checkpoint_id: str) -> None:
+        """The sandbox files of a checkpoint taken with ``writing=True`` are on disk (or nothing can tell any more
+        whether they are): its mark goes."""
+        with self._ts._tx() as c:
+            c.x("UPDATE checkpoints SET writing = NULL WHERE id = ? AND agent_id = ? AND user_id = ? AND writing = 1",
+                (checkpoint_id, agent, user))
 
     def mark_unwritten(self, agent: str, user: str, checkpoint_id: str, error: str) -> bool:
         """An automatic checkpoint whose sandbox files were never written becomes ``missing``: listed as what its
@@ -253,8 +261,8 @@ class Checkpoints:
             if r is None:
                 return False
             summary = {**json.loads(r[0]), "error": str(error)[:500]}
-            c.x("UPDATE checkpoints SET kind = ?, summary = ? WHERE id = ? AND agent_id = ? AND user_id = ?",
-                (MISSING, json.dumps(summary), checkpoint_id, agent, user))
+            c.x("UPDATE checkpoints SET kind = ?, summary = ?, writing = NULL WHERE id = ? AND agent_id = ? "
+                "AND user_id = ?", (MISSING, json.dumps(summary), checkpoint_id, agent, user))
         return True
 
     def list(self, agent: str, user: str, *, limit: int = 1000) -> list[Checkpoint]:
