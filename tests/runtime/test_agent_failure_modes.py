@@ -5,6 +5,8 @@
 - An exception whose ``str()`` itself raises, and ``SystemExit``/``KeyboardInterrupt`` raised by the agent's code,
   read as the guest's failure (no line of the agent's code; a SystemExit ended the guest's supervisor): they are now
   the agent's error, with where it was raised.
+- A reply that is not JSON (a set) or over the frame limit said "result not JSON" or "exceeds the frame limit" with
+  nothing to do: it now says what to return instead.
 """
 
 from __future__ import annotations
@@ -98,3 +100,14 @@ def test_an_exception_of_any_size_or_kind_is_the_agent_s_error_and_the_next_turn
             assert "agent.py, line" in (e.hint or ""), (message, e.hint)
             assert took < 30, f"{message}: answered after {took:.0f} s"
             assert sdk.invoke("frail", "after", user="ada")["reply"] == "ok after"
+
+
+def test_a_reply_that_is_not_json_or_too_large_says_what_to_return(host: LocalHost) -> None:
+    with Client(host.url, host.key, max_retries=0, timeout_s=120) as sdk:
+        e, _ = _fails(sdk, "frail", "set", "cy")
+        assert e.status == 502 and e.code == "agent-error", e
+        assert "the agent returned a reply that is not JSON (Object of type set" in e.detail, e.detail
+        assert "convert sets to lists" in (e.hint or ""), e.hint
+        e, _ = _fails(sdk, "frail", "huge-reply", "cy")
+        assert e.code == "agent-error" and "more than the" in e.detail and "ctx.files" in (e.hint or ""), e
+        assert sdk.invoke("frail", "after", user="cy")["reply"] == "ok after"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import traceback
 from typing import Any, Dict
@@ -25,6 +26,8 @@ SUSPENDED = -32012
 #: be over the channel's frame limit, and the turn would never be answered.
 MAX_ERROR_TEXT = 4000
 MAX_TRACEBACK = 8000
+#: The largest reply a turn returns (JSON, in bytes): the channel's frame limit, less room for the frame's own fields.
+MAX_REPLY = (8 << 20) - (64 << 10)
 #: What agent code raises that ends its turn as the agent's error, not the guest's: SystemExit (sys.exit) and
 #: KeyboardInterrupt would otherwise end the guest's supervisor. A cancel is not one of them.
 AGENT_RAISES = (Exception, SystemExit, KeyboardInterrupt)
@@ -62,6 +65,25 @@ def agent_error(what: str, e: BaseException, root: str) -> RpcError:
         tb = "...\n" + tb[-MAX_TRACEBACK:]
     return RpcError("%s raised %s: %s" % (what, type(e).__name__, error_text(e)), AGENT_ERROR,
                     {"type": type(e).__name__, "traceback": tb, "where": raised_where(e, root)})
+
+
+def checked_reply(reply: Any) -> Any:
+    """The turn's reply as the host gets it: a string, a JSON object or list, or None (anything else is said as its
+    ``str()``). A reply that is not JSON, or over the frame limit, is the agent's error that says so."""
+    if not isinstance(reply, (str, dict, list, type(None))):
+        reply = str(reply)
+    try:
+        size = len(json.dumps(reply, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    except (TypeError, ValueError) as e:
+        raise RpcError("the agent returned a reply that is not JSON (%s)" % error_text(e), AGENT_ERROR,
+                       {"type": "TypeError", "hint": "return a string, or a dict or list of strings, numbers, "
+                                                     "booleans and None (convert sets to lists, bytes to text)"})
+    if size > MAX_REPLY:
+        raise RpcError("the agent returned a reply of %d bytes, more than the %d a turn can return"
+                       % (size, MAX_REPLY), AGENT_ERROR,
+                       {"type": "ReplyTooLarge", "hint": "return less: write a large result to a file of the "
+                                                          "instance (ctx.files) and return where it is"})
+    return reply
 
 
 # -- channel methods --------------------------------------------------------------------------------
@@ -136,7 +158,7 @@ class AgentRuntime:
             raise
         except AGENT_RAISES as e:  # noqa: BLE001
             raise agent_error("agent", e, agent.path) from None
-        return {"status": "done", "reply": reply if isinstance(reply, (str, dict, list, type(None))) else str(reply)}
+        return {"status": "done", "reply": checked_reply(reply)}
 
     async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:
         return {"loaded": sorted(self.agents)}

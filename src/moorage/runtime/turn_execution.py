@@ -301,6 +301,9 @@ class TurnExecution:
 def _agent_error_hint(data: dict[str, Any]) -> str | None:
     """What the developer of an agent whose code raised reads next to the error: the line of their code that raised
     it (the guest finds it in the traceback) and what to do."""
+    said = data.get("hint")  # the guest's own fix for what the agent did (a reply that is not JSON, or too big)
+    if isinstance(said, str) and said:
+        return said[:500]
     where = data.get("where")
     if isinstance(where, str) and where:
         # A host's refusal (or a step that failed on one) carries its own fix in the message: it is not the code's.
