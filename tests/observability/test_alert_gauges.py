@@ -55,3 +55,20 @@ async def test_deliveries_to_a_dead_receiver_and_awake_instances_show(live_host:
     assert value(samples, "moorage_awake_instances_limit") == 8  # max_awake_instances
     assert value(samples, "moorage_awake_ram_mib_limit") == -1  # max_awake_ram_mib unset: no limit
     assert ("moorage_turns_pending", ()) in samples and ("moorage_turn_oldest_pending_seconds", ()) in samples
+
+
+def test_every_background_loop_is_named_by_a_literal() -> None:
+    """The ``loop`` label is a loop's name: written in the code, so no tenant or request can add a value."""
+    import ast
+    from pathlib import Path
+
+    import moorage
+
+    named = 0
+    for path in Path(moorage.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "FailingRounds":
+                assert len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str), f"{path}:{node.lineno}: a loop's name must be a literal"
+                named += 1
+    assert named >= 10, named
