@@ -230,13 +230,17 @@ class AutoCheckpoints:
         return ck
 
     async def _once_written(self, ts: TenantStore, ck: Checkpoint, behind: "asyncio.Task[str | None]") -> None:
-        """Once the files of ``ck``, written behind its turn, are on disk, its mark goes (else the next start
-        checks it)."""
+        """Once the files of ``ck``, written behind its turn, are on disk, its mark goes; when they could not be
+        written (a disk error, the disk full) it is marked ``missing`` at once, as the next start would."""
         error = await asyncio.shield(behind)
         repo = checkpoints_of(ts)
         try:
             if error is None:
                 await asyncio.to_thread(repo.written, ck.agent, ck.user, ck.id)
+            elif await asyncio.to_thread(repo.mark_unwritten, ck.agent, ck.user, ck.id,
+                                         f"its sandbox files could not be written behind its turn ({error})"):
+                log.warning("automatic checkpoint not written: marked missing", agent=ck.agent, user=ck.user,
+                            checkpoint=ck.id, error=error)
         except Exception as e:  # noqa: BLE001 - the next start checks a row still marked
             log.warning("could not record whether a checkpoint was written", agent=ck.agent, user=ck.user,
                         checkpoint=ck.id, error=str(e))
