@@ -16,6 +16,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
 
 from moorage.api.auth import TokenExpired
 from moorage.api.sse import frame
@@ -131,9 +132,10 @@ def final_event(e: CredentialEnded, trace_id: str, openai: bool) -> bytes:
     return frame("error", payload)
 
 
-class Watched:
+class Watched(Response):
     """An answer sent under a ``Watch``: once the credential ends, a ``text/event-stream`` is ended with
-    ``final_event``, any other body still streaming is cut (the connection closed), an answer not begun is a 401."""
+    ``final_event``, any other body still streaming is cut (the connection closed), an answer not begun is a 401.
+    A ``Response`` (its status and headers are the answer's) so a handler may return it as it is."""
 
     def __init__(self, response: Any, watch: Watch, trace_id: str, openai: bool) -> None:
         self.response = response
@@ -141,6 +143,8 @@ class Watched:
         self.trace_id = trace_id
         self.openai = openai
         self.status_code = response.status_code
+        self.raw_headers = response.raw_headers
+        self.background = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         started: dict[str, Any] = {}

@@ -18,7 +18,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
 from moorage.api import schemas as S
-from moorage.api.credential_watch import until_ended
+from moorage.api.credential_watch import Watch, Watched, until_ended
 from moorage.api.routes._common import agent_of, known_user
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.api.problem import from_error, internal
@@ -105,19 +105,38 @@ async def serve_shared(call: Call) -> Response:
     started = time.time()
     ts, link = await _open_link(call)
     status: int | None = 500
+    watch = _link_watch(call)
     try:
-        response = await _relay(call, ts, link.agent, link.user, f"/v1/shared/{call.path['token']}")
+        response = await watch.race(_relay(call, ts, link.agent, link.user, f"/v1/shared/{call.path['token']}"))
         status = response.status_code
-        return response
+        # Ends with the link, as the owner's route ends with its key: a server-sent stream with a final error
+        # event, any other body still streaming cut, an answer not begun a 401.
+        return Watched(response, watch, call.trace_id, openai=False)
     except Misplaced:
+        watch.stop()
         status = None  # another host of the fleet serves it, and records it there
         raise
     except MoorageError as e:
+        watch.stop()
         status = e.http_status
+        raise
+    except BaseException:
+        watch.stop()
         raise
     finally:
         if status is not None:
             await asyncio.to_thread(_record_shared, call, ts, link, status, started)
+
+
+def _link_watch(call: Call) -> Watch:
+    """The share link checked again while its request lasts (``api/credential_watch.py``): a link revoked or expired
+    meanwhile ends the app's answer. Nothing else is ended with it: an app's request starts no turn."""
+    token = call.path["token"]
+
+    async def nothing(e: Any) -> None:
+        log.info("an app request ended with its share link", trace_id=call.trace_id, why=e.cause.message)
+
+    return Watch(lambda: _open_token(call.runtime, call.ctx.store, token), nothing)
 
 
 def _record_shared(call: Call, ts: Any, link: Any, status: int, started: float) -> None:
