@@ -7,6 +7,9 @@
   the agent's error, with where it was raised.
 - A reply that is not JSON (a set) or over the frame limit said "result not JSON" or "exceeds the frame limit" with
   nothing to do: it now says what to return instead.
+- A turn that never ends held the user's instance for 600 s, whatever the product wanted: ``[agent.limits]
+  turn_timeout_s`` bounds it, answered 504 turn-timeout; a guest the turn's cancel cannot reach (its event loop
+  blocked by ``time.sleep``, a plain-function handler still running in its thread) is stopped, so the next turn runs.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _agent(base, name: str, code: str) -> object:
     agent = base / name
     agent.mkdir()
     (agent / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n')
+                                        f'[agent.lifecycle]\nusers = "auto"\n[agent.limits]\nturn_timeout_s = {BOUND_S}\n')
     (agent / "agent.py").write_text(code)
     return agent
 
@@ -111,3 +114,41 @@ def test_a_reply_that_is_not_json_or_too_large_says_what_to_return(host: LocalHo
         e, _ = _fails(sdk, "frail", "huge-reply", "cy")
         assert e.code == "agent-error" and "more than the" in e.detail and "ctx.files" in (e.hint or ""), e
         assert sdk.invoke("frail", "after", user="cy")["reply"] == "ok after"
+
+
+@pytest.mark.parametrize("agent,message", [("frail", "hang"), ("frail", "block"), ("plain", "block")])
+def test_a_turn_past_its_turn_timeout_is_stopped_and_the_next_turn_served(host: LocalHost, agent: str,
+                                                                          message: str) -> None:
+    user = f"{agent}-{message}"
+    with Client(host.url, host.key, max_retries=0, timeout_s=120) as sdk:
+        assert sdk.invoke(agent, "before", user=user)["reply"] == "ok before"
+        assert sdk.invoke(agent, "before", user="other")["reply"] == "ok before"
+        other: list[float] = []
+
+        def another_user() -> None:  # served while the stuck turn runs
+            time.sleep(1)
+            started = time.monotonic()
+            sdk.invoke(agent, "meanwhile", user="other")
+            other.append(time.monotonic() - started)
+
+        beside = threading.Thread(target=another_user)
+        beside.start()
+        e, took = _fails(sdk, agent, message, user)
+        beside.join()
+        assert e.status == 504 and e.code == "turn-timeout", e
+        assert f"ran longer than its {BOUND_S} s" in e.detail and "turn_timeout_s" in (e.hint or ""), e
+        assert took < BOUND_S + 20, f"answered after {took:.0f} s"
+        assert other and other[0] < 15, f"another user's turn took {other}"
+        started = time.monotonic()
+        assert sdk.invoke(agent, "after", user=user)["reply"] == "ok after"
+        assert time.monotonic() - started < 60
+
+
+def test_a_turn_timeout_out_of_range_fails_the_deploy(host: LocalHost, tmp_path) -> None:
+    agent = _agent(tmp_path, "slowpoke", PLAIN)
+    (agent / "moorage.toml").write_text((agent / "moorage.toml").read_text().replace(f"= {BOUND_S}", "= 0"))
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        with pytest.raises(ApiError) as refused:
+            sdk.deploy("slowpoke", agent)
+    assert refused.value.status == 422, refused.value
+    assert "turn_timeout_s must be a number of seconds from 1 to 600, not 0" in refused.value.detail

@@ -97,6 +97,9 @@ class AgentRuntime:
         #: restart in place) or the VM it runs in was woken (``woken``), and no turn or app request ran it since.
         self.wake_due = True
         self._waking = asyncio.Lock()
+        #: Turns whose plain-function handler still runs in its thread after the turn was cancelled (its timeout):
+        #: a thread cannot be stopped, so the host restarts the guest when it sees one (``agent.info``'s "stuck").
+        self.stuck: "set[str]" = set()
 
     def woken(self) -> None:
         """The VM was woken from a snapshot (``vm.after_wake``): its processes are kept, but ``on_wake`` is run
@@ -151,7 +154,7 @@ class AgentRuntime:
             elif inspect.iscoroutinefunction(agent.handler):
                 reply = await agent.handler(ctx, message)
             else:
-                reply = await asyncio.get_running_loop().run_in_executor(None, agent.handler, ctx, message)
+                reply = await self._in_thread(agent.handler, ctx, message, str(params.get("turn_id")))
         except Suspended as s:
             return {"status": "waiting", "interrupt": s.payload}
         except RpcError:
@@ -160,8 +163,28 @@ class AgentRuntime:
             raise agent_error("agent", e, agent.path) from None
         return {"status": "done", "reply": checked_reply(reply)}
 
+    async def _in_thread(self, handler: Any, ctx: AgentContext, message: Any, turn_id: str) -> Any:
+        """A plain-function handler, run in a thread; one its turn's cancel leaves running is counted stuck."""
+        ended = []
+
+        def run() -> Any:
+            try:
+                return handler(ctx, message)
+            finally:
+                ended.append(True)
+                self.stuck.discard(turn_id)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+        except asyncio.CancelledError:
+            if not ended:
+                self.stuck.add(turn_id)
+                if ended:  # it ended as it was added
+                    self.stuck.discard(turn_id)
+            raise
+
     async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:
-        return {"loaded": sorted(self.agents)}
+        return {"loaded": sorted(self.agents), "stuck": len(self.stuck)}
 
 
 #: This guest's agent runtime, for the app relay (``on_wake`` before an app request) and the VM's wake.

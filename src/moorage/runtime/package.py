@@ -44,6 +44,17 @@ class AgentPackage:
         return self.manifest.get("scope", "user")
 
 
+#: The longest a turn may run (``[agent.limits] turn_timeout_s`` bounds it lower; runtime/turn_execution.py).
+MAX_TURN_TIMEOUT_S = 600
+
+
+def turn_timeout_s(manifest: dict[str, Any]) -> float:
+    """How long one turn of the agent with ``manifest`` may run: its ``[agent.limits] turn_timeout_s``, else
+    MAX_TURN_TIMEOUT_S (the deploy checked it)."""
+    bound = (manifest.get("limits") or {}).get("turn_timeout_s")
+    return float(bound) if isinstance(bound, (int, float)) and not isinstance(bound, bool) else MAX_TURN_TIMEOUT_S
+
+
 #: The agent's own tables: a top-level one of these names is a misplaced [agent.NAME], not something to ignore.
 _AGENT_TABLES = ("lifecycle", "retention", "timetravel", "egress", "network", "secrets", "mcp", "limits")
 
@@ -136,8 +147,17 @@ def _check_settings(agent: dict[str, Any]) -> None:
         if not isinstance(spec, dict) or set(spec) != {"url"} or not str(spec["url"]).startswith(("http://", "https://")):
             raise AgentPackageError(f"moorage.toml: [agent.mcp.{name}] must have only url = \"http(s)://...\"",
                                     hint="credentials go in the host's mcp.toml (docs/mcp.md), never in the package")
+    limits = agent.get("limits", {})
+    if isinstance(limits, dict) and "turn_timeout_s" in limits:
+        limits = dict(limits)
+        bound = limits.pop("turn_timeout_s")
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 1 <= bound <= MAX_TURN_TIMEOUT_S:
+            raise AgentPackageError(f"moorage.toml: [agent.limits] turn_timeout_s must be a number of seconds from 1 "
+                                    f"to {MAX_TURN_TIMEOUT_S}, not {bound!r}",
+                                    hint="e.g. turn_timeout_s = 60: a turn that runs longer is stopped and answered "
+                                         "504 turn-timeout; nothing was changed")
     try:
-        check_limits(agent.get("limits", {}))
+        check_limits(limits)
     except InvalidInput as e:
         raise AgentPackageError(f"moorage.toml: [agent.limits]: {e.message}",
                                 hint=f"{e.hint}; nothing was changed" if e.hint else "nothing was changed") from e

@@ -20,10 +20,12 @@ from moorage.runtime.turns import (
     TurnEvent,
     TurnLimited,
     TurnResult,
+    TurnTimedOut,
     _raise_agent_failure,
     _Turn,
 )
-from moorage.sandbox import ChannelClosed, RemoteError, Sandbox
+from moorage.runtime.package import turn_timeout_s
+from moorage.sandbox import ChannelClosed, ChannelError, ChannelTimeout, RemoteError, Sandbox, SandboxStateError
 from moorage.store import EventIn, Scope, TenantStore
 
 
@@ -37,6 +39,8 @@ log = get_logger(__name__)
 END_RETRY_S = 1.0
 #: Those tries in flight (held: asyncio keeps weak references to tasks).
 _ENDING: set["asyncio.Task[None]"] = set()
+#: How long a guest has to answer after one of its turns timed out, before it is taken as stuck and stopped.
+STUCK_CHECK_S = 5.0
 #: How much of a failed turn's error its span keeps (the run keeps it whole).
 SPAN_ERROR_CHARS = 1000
 
@@ -262,6 +266,7 @@ class TurnExecution:
         register(sandbox.channel)
         params = {"deployment_id": binding.deployment_id, "turn_id": binding.turn_id, "message": message,
                   "entity": {"agent": binding.entity.agent, "user": binding.entity.user, "session": binding.entity.session}}
+        bound = turn_timeout_s(binding.manifest)
         for attempt in (1, 2):
             # A fork of the deployment's template already has its code loaded (the template was snapshotted with
             # it), and so has an instance that ran it before a sleep: the turn is sent straight away, and only a
@@ -278,12 +283,15 @@ class TurnExecution:
             try:
                 # Counted while it runs: a redeploy's change of the sandbox waits for it (instance_update.drain).
                 with instance_update.in_turn(sandbox.id):
-                    async with sandbox.channel.stream("agent.turn", params, timeout=600) as call:
+                    async with sandbox.channel.stream("agent.turn", params, timeout=bound) as call:
                         async for ev in call:
                             yield TurnEvent("event" if ev.event not in ("token", "tool") else ev.event,
                                             {"event": ev.event, "data": ev.data})
                         result = call.result
                 break
+            except ChannelTimeout:  # the call was cancelled in the guest as it timed out
+                await _restart_if_stuck(sandbox, binding)
+                raise TurnTimedOut(bound) from None
             except RemoteError as e:
                 if e.rpc_code == NOT_LOADED and attempt == 1:
                     # The guest restarted since we loaded it (cold wake, host restart): load and go again.
@@ -296,6 +304,31 @@ class TurnExecution:
                                       retry_after=float(wait) if isinstance(wait, (int, float)) else None) from e
                 raise AgentTurnFailed(e.message, hint=_agent_error_hint(data)) from e
         yield result
+
+
+async def _restart_if_stuck(sandbox: Sandbox, binding: TurnBinding) -> None:
+    """After a turn timed out (and was cancelled in the guest): a guest whose event loop does not answer (the agent's
+    async code blocked it: time.sleep, a busy loop) or whose timed-out code still runs in a thread (a plain-function
+    handler cannot be cancelled) is stopped, so the user's next turn starts it afresh instead of waiting behind it."""
+    blocked = False
+    try:
+        info = await sandbox.channel.call("agent.info", {}, timeout=STUCK_CHECK_S)
+    except ChannelTimeout:
+        why, blocked = "its event loop does not answer (the agent's code blocks it)", True
+    except (ChannelError, SandboxStateError):
+        return  # stopped or closed already: the next turn starts it
+    else:
+        if not (isinstance(info, dict) and info.get("stuck")):
+            return
+        why = "the agent's code still runs in a thread the turn's cancel cannot stop"
+    log.warning("stopping the sandbox of a timed-out turn: %s (the user's next turn starts it afresh)" % why,
+                sandbox=sandbox.id, agent=binding.entity.agent, user=binding.entity.user, turn=binding.turn_id)
+    try:
+        if blocked:  # it would not answer the stop's sync of its files either: not waited for
+            await sandbox.channel.close("its event loop is blocked")
+        await sandbox.stop()
+    except Exception as e:  # noqa: BLE001 - the turn is answered anyway; the next one finds it as it is
+        log.error("could not stop the sandbox of a timed-out turn", sandbox=sandbox.id, error=repr(e))
 
 
 def _agent_error_hint(data: dict[str, Any]) -> str | None:

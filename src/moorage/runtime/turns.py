@@ -46,6 +46,19 @@ class AgentTurnFailed(InvalidInput):
     retryable = False
 
 
+class TurnTimedOut(AgentTurnFailed):
+    """The agent's turn ran past its bound (``[agent.limits] turn_timeout_s``, else 600 s) and was stopped there.
+    Settled as the agent's failure, as an exception of its code is."""
+
+    code = "turn-timeout"
+    http_status = 504
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"the agent's turn ran longer than its {timeout_s:g} s and was stopped",
+                         hint="look for what the agent's code waits on (a call without a timeout, a loop that does "
+                              "not end); raise [agent.limits] turn_timeout_s in moorage.toml if its turns need longer")
+
+
 class SandboxStopped(MoorageError):
     """The agent's sandbox stopped while the turn ran: its guest process exited or was killed (an exit in the
     agent's code, its memory limit, a crash), or the host stopped it. Unlike ``AgentTurnFailed`` the run is not
