@@ -4,6 +4,7 @@ loopback), and a scrape of its ``/metrics`` read as a monitoring system reads it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import tarfile
 from dataclasses import dataclass
@@ -78,7 +79,14 @@ def value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: s
 
 @pytest.fixture
 async def live_host(tmp_path: Path) -> AsyncIterator[LiveHost]:
-    cfg = Config(data_dir=tmp_path / "data", sandbox_driver="process", max_awake_instances=8)
+    async with start_host(tmp_path) as live:
+        yield live
+
+
+@contextlib.asynccontextmanager
+async def start_host(tmp_path: Path, **settings: Any) -> AsyncIterator[LiveHost]:
+    """``live_host`` with ``settings`` of its ``Config`` on top."""
+    cfg = Config(**{"data_dir": tmp_path / "data", "sandbox_driver": "process", "max_awake_instances": 8, **settings})
     host = Host.open(cfg)
     await host.start()
     port = free_port()

@@ -72,3 +72,38 @@ def test_every_background_loop_is_named_by_a_literal() -> None:
                     and isinstance(node.args[1].value, str), f"{path}:{node.lineno}: a loop's name must be a literal"
                 named += 1
     assert named >= 10, named
+
+
+BUSY = '''
+import asyncio
+
+async def on_message(ctx, message):
+    if message == "busy":
+        await asyncio.sleep(60)
+    return "done: " + message
+'''
+
+
+async def test_an_async_turn_held_back_shows_as_queued(tmp_path) -> None:  # noqa: ANN001
+    from tests.observability.conftest import start_host
+
+    # One awake instance per tenant: while ada's turn runs, bob's async turn is refused "not now" and waits.
+    async with start_host(tmp_path, max_awake_per_tenant=1) as live, live.client() as c:
+        r = await c.post("/v1/agents/busy/deployments", content=archive("busy", BUSY),
+                         headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        ada = (await c.post("/v1/agents/busy/invoke?async=true", json={"message": "busy", "user": "ada"})).json()
+        for _ in range(400):
+            ada_view = (await c.get(f"/v1/executions/{ada['id']}")).json()
+            if ada_view["status"] == "running":
+                break
+            await asyncio.sleep(0.05)
+        bob = (await c.post("/v1/agents/busy/invoke?async=true", json={"message": "hi", "user": "bob"})).json()
+        await asyncio.sleep(0.5)
+        assert (await c.get(f"/v1/executions/{bob['id']}")).json()["status"] == "queued"
+        samples = await live.scrape()
+        assert value(samples, "moorage_async_turns_queued") == 1
+        assert value(samples, "moorage_async_turn_oldest_queued_seconds") > 0
+        assert value(samples, "moorage_turns_running") + value(samples, "moorage_turns_pending") == 1  # ada's
+        await c.post(f"/v1/workflows/{ada_view['run_id']}/cancel")
+        await c.post(f"/v1/executions/{bob['id']}/cancel")

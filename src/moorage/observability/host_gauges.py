@@ -78,7 +78,8 @@ def store_backlog(store: Any) -> Callable[[], Backlog]:
     def count() -> Backlog:
         now = time.time()
         out = {"webhooks_pending": 0.0, "webhooks_retrying": 0.0, "webhooks_failed": 0.0, "webhooks_oldest": 0.0,
-               "turns_pending": 0.0, "turns_running": 0.0, "turns_oldest_pending": 0.0}
+               "turns_pending": 0.0, "turns_running": 0.0, "turns_oldest_pending": 0.0,
+               "async_queued": 0.0, "async_oldest_queued": 0.0}
         for ts in store.operator.tenants():
             for status, n, retrying, oldest in ts.read(
                     "SELECT status, COUNT(*), SUM(CASE WHEN attempts > 0 THEN 1 ELSE 0 END), MIN(created_at) "
@@ -94,6 +95,12 @@ def store_backlog(store: Any) -> Callable[[], Backlog]:
                 out[f"turns_{status}"] += int(n)
                 if status == "pending":
                     out["turns_oldest_pending"] = max(out["turns_oldest_pending"], now - float(oldest))
+            # Async turns accepted whose run has not begun (waiting their turn, or retried after "not now").
+            for n, oldest in ts.read("SELECT COUNT(*), MIN(e.created_at) FROM executions e LEFT JOIN workflow_runs r "
+                                     "ON r.id = e.id WHERE e.announced IS NULL AND r.id IS NULL"):
+                out["async_queued"] += int(n or 0)
+                if n:
+                    out["async_oldest_queued"] = max(out["async_oldest_queued"], now - float(oldest))
         return out
 
     return count
@@ -110,6 +117,9 @@ _BACKLOG = (
     ("turns_pending", "moorage_turns_pending", "Turns queued or waiting to run again (async turns, resumed runs)"),
     ("turns_running", "moorage_turns_running", "Turns running now, on any host"),
     ("turns_oldest_pending", "moorage_turn_oldest_pending_seconds", "Age of the oldest turn queued to run"),
+    ("async_queued", "moorage_async_turns_queued",
+     "Async turns accepted (202) whose run has not begun: waiting for their instance, or retried after a refusal"),
+    ("async_oldest_queued", "moorage_async_turn_oldest_queued_seconds", "Age of the oldest async turn not begun"),
 )
 
 
