@@ -1,7 +1,8 @@
-"""Prometheus metrics of one moorage process: requests, errors, turn and wake latency, tokens, instances, the data
-disk's free space.
+"""Prometheus metrics of one moorage process: requests, errors, turns by outcome, wake, fork, sleep and checkpoint
+latency, tokens, instances, the data disk's free space, the clock offset, and what ``host_gauges`` reads (failing
+background loops, awake instances against the limits, the store's backlog). docs/operations.md lists them all.
 
-Labels are route templates, known methods, error codes and states only: never tenant ids, agent names, users
+Labels are route templates, known methods, error codes, states, outcomes and loop names only: never tenant ids, agent names, users
 or secrets, because ``/metrics`` is scraped by the operator's monitoring, outside any tenant boundary. Every
 label has a bounded set of values, so no client can grow the series count.
 """
@@ -19,6 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from moorage import clock
+from moorage.observability import events, host_gauges
+from moorage.observability.events import bounded_code
 
 #: Latency buckets from 1 ms to 2 min: wakes are tens of ms, turns with a model can take a minute.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -136,23 +139,17 @@ class Metrics:
         if data_dir is not None:
             r.register(_DataDisk(data_dir))
         r.register(_ClockOffset())
-        from moorage.observability import host_gauges
-
         r.register(host_gauges.Loops())
         if runtime is not None:
             r.register(host_gauges.Capacity(runtime))
         if backlog is not None:
             r.register(host_gauges.StoreBacklog(backlog, instance_ttl_s))
-        from moorage.observability import events
-
         events.subscribe(self)  # the runtime's wakes, sleeps, checkpoints and turns
 
     def observe_request(self, method: str, route: str, status: int) -> None:
         self.requests.labels(method if method in KNOWN_METHODS else "other", route, str(status)).inc()
 
     def observe_error(self, code: str) -> None:
-        from moorage.observability.events import bounded_code
-
         self.errors.labels(bounded_code(code)).inc()
 
     def observe_turn_outcome(self, outcome: str, code: str, seconds: float,
@@ -160,8 +157,6 @@ class Metrics:
         """A turn ended (``events.turn_ended``): its latency by outcome, its failure's code, its tokens."""
         self.turn_seconds.labels(outcome).observe(seconds)
         if outcome == "failed":
-            from moorage.observability.events import bounded_code
-
             self.turn_failures.labels(bounded_code(code or "internal")).inc()
         for kind, amount in (usage or {}).items():
             if isinstance(amount, (int, float)) and amount > 0 and kind in TOKEN_KINDS:
