@@ -87,3 +87,17 @@ def test_an_error_code_moorage_does_not_define_is_counted_as_other():
     text = m.render().decode()
     assert 'moorage_errors_total{code="not-found"} 1.0' in text
     assert 'moorage_errors_total{code="other"} 1.0' in text and "invented" not in text
+
+
+def test_a_timed_step_that_raises_is_counted_as_failed_and_the_error_goes_on():
+    from moorage.observability import events
+
+    m = Metrics()
+    with pytest.raises(OSError):
+        with events.timed("checkpoint", "manual"):
+            raise OSError("disk gone")
+    with events.timed("checkpoint", "turn"):
+        pass
+    get = m.registry.get_sample_value
+    assert get("moorage_checkpoint_seconds_count", {"outcome": "failed", "kind": "manual"}) == 1
+    assert get("moorage_checkpoint_seconds_count", {"outcome": "ok", "kind": "turn"}) == 1
