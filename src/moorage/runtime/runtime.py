@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from moorage.config import Config
 from moorage.durable import DurableEngine, NonDeterminismError
-from moorage.errors import ConflictError, InvalidInput, NotFound, Unauthenticated
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound, Unauthenticated
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm.gateway import LLMGateway
 from moorage.log import get_logger
@@ -52,6 +52,16 @@ from moorage.store import zero_retention
 __all__ = ["AgentTurnFailed", "Runtime", "Tracer", "TurnEvent", "TurnLimited", "TurnResult"]
 
 log = get_logger(__name__)
+
+
+def _unheard(task: "asyncio.Task[Any]") -> None:
+    """The end of a turn nobody listens to any more: a cancellation or a refusal is in its run already; anything else
+    is logged, once."""
+    if task.cancelled():
+        return
+    e = task.exception()
+    if e is not None and not isinstance(e, MoorageError):
+        log.warning("a turn whose caller had left failed", task=task.get_name(), error=f"{type(e).__name__}: {e}")
 
 
 class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
@@ -314,37 +324,50 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
             turn.answered = asyncio.get_running_loop().create_future()
         who = principal or self.store.operator.principal(ts.tenant_id)
         task = asyncio.create_task(self.router.route(who, entity, turn, user_since=user_since), name=f"turn-{turn_id}")
-        while True:
-            while not turn.events.empty():  # events that came together go out without a wait each
-                yield turn.events.get_nowait()
-            getter = asyncio.ensure_future(turn.events.get())
-            done, _ = await asyncio.wait({getter, task} | ({turn.answered} if turn.answered else set()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                yield getter.result()
-                continue
-            getter.cancel()
-            while not turn.events.empty():
-                yield turn.events.get_nowait()
-            if turn.answered is not None and turn.answered.done() and not task.done():
-                # The reply goes out now; the turn's automatic checkpoint runs on, still holding the instance.
-                self.timetravel.keep_tail(task)
-                yield TurnEvent("done", turn.answered.result())
+        getter: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                while not turn.events.empty():  # events that came together go out without a wait each
+                    yield turn.events.get_nowait()
+                getter = asyncio.ensure_future(turn.events.get())
+                done, _ = await asyncio.wait({getter, task} | ({turn.answered} if turn.answered else set()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not turn.events.empty():
+                    yield turn.events.get_nowait()
+                if turn.answered is not None and turn.answered.done() and not task.done():
+                    # The reply goes out now; the turn's automatic checkpoint runs on, still holding the instance.
+                    self.timetravel.keep_tail(task)
+                    yield TurnEvent("done", turn.answered.result())
+                    return
+                if task.exception() is not None and not isinstance(task.exception(), NonDeterminismError):
+                    # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
+                    # (A run whose replay diverged is pending on purpose: left for a corrected deployment.)
+                    await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
+                if zero_retention.is_zero(agent) and (task.exception() is not None or task.result().status != "waiting"):
+                    # The agent keeps nothing of a turn once it ended (a waiting one keeps its run until answered).
+                    try:
+                        await asyncio.to_thread(zero_retention.purge, ts, entity.agent, entity.user)
+                    except Exception as e:  # noqa: BLE001 - the answer still goes out; the host's sweep purges later
+                        log.error("zero-retention purge failed", agent=entity.agent, error=str(e))
+                    self.drop_cached_vectors(ts, entity.agent, entity.user)
+                # The turn itself is durable: a caller that stops listening does not cancel it.
+                yield TurnEvent("done", task.result())
                 return
-            if task.exception() is not None and not isinstance(task.exception(), NonDeterminismError):
-                # Refused before it started (busy, overloaded, no capacity): the run must not linger as pending.
-                # (A run whose replay diverged is pending on purpose: left for a corrected deployment.)
-                await asyncio.to_thread(self._abandon, ts, turn_id, task.exception())
-            if zero_retention.is_zero(agent) and (task.exception() is not None or task.result().status != "waiting"):
-                # The agent keeps nothing of a turn once it ended (a waiting one keeps its run until answered).
-                try:
-                    await asyncio.to_thread(zero_retention.purge, ts, entity.agent, entity.user)
-                except Exception as e:  # noqa: BLE001 - the answer still goes out; the host's sweep purges later
-                    log.error("zero-retention purge failed", agent=entity.agent, error=str(e))
-                self.drop_cached_vectors(ts, entity.agent, entity.user)
-            # The turn itself is durable: a caller that stops listening does not cancel it.
-            yield TurnEvent("done", task.result())
-            return
+        finally:
+            # The caller stopped listening (its stream closed, its request ended): the turn runs on, durable, and
+            # how it ends is kept in its run. Its task's end is taken here, so a turn cancelled after that (a forget,
+            # a revoked key) is not reported by asyncio as "Task exception was never retrieved", and the wait on its
+            # events is let go, not left pending.
+            if getter is not None and not getter.done():
+                getter.cancel()
+            if not task.done():
+                task.add_done_callback(_unheard)
+            elif not task.cancelled():
+                task.exception()  # taken: the caller had its result, or left as it came
 
     @staticmethod
     def _abandon(ts: TenantStore, run_id: str, error: BaseException) -> None:
