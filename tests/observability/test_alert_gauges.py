@@ -18,8 +18,7 @@ async def test_each_background_loop_shows_its_failed_rounds(live_host: LiveHost)
     samples = await live_host.scrape()
     # The host's own loops are there from the start, at 0 while they work.
     loops = {dict(ls)["loop"]: v for (n, ls), v in samples.items() if n == "moorage_background_failing_rounds"}
-    assert "webhook round" in loops and "idle loop pass" in loops, loops
-    assert set(loops.values()) == {0.0}, loops
+    assert loops.get("webhook round") == 0 and loops.get("idle loop pass") == 0, loops
     # A loop whose rounds keep failing (its store unreachable, say) shows how many, and for how long.
     failing = FailingRounds(get_logger("tests.loop"), "shipping sleeping instances")
     for _ in range(3):
