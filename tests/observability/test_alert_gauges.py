@@ -20,16 +20,16 @@ async def test_each_background_loop_shows_its_failed_rounds(live_host: LiveHost)
     loops = {dict(ls)["loop"]: v for (n, ls), v in samples.items() if n == "moorage_background_failing_rounds"}
     assert loops.get("webhook round") == 0 and loops.get("idle loop pass") == 0, loops
     # A loop whose rounds keep failing (its store unreachable, say) shows how many, and for how long.
-    failing = FailingRounds(get_logger("tests.loop"), "shipping sleeping instances")
+    failing = FailingRounds(get_logger("tests.loop"), "a loop of this test")
     for _ in range(3):
         failing.failed(ConnectionError("object store unreachable"))
     await asyncio.sleep(0.05)
     samples = await live_host.scrape()
-    assert value(samples, "moorage_background_failing_rounds", loop="shipping sleeping instances") == 3
-    assert value(samples, "moorage_background_failing_seconds", loop="shipping sleeping instances") > 0
+    assert value(samples, "moorage_background_failing_rounds", loop="a loop of this test") == 3
+    assert value(samples, "moorage_background_failing_seconds", loop="a loop of this test") > 0
     failing.ok()
     samples = await live_host.scrape()
-    assert value(samples, "moorage_background_failing_rounds", loop="shipping sleeping instances") == 0
+    assert value(samples, "moorage_background_failing_rounds", loop="a loop of this test") == 0
 
 
 async def test_deliveries_to_a_dead_receiver_and_awake_instances_show(live_host: LiveHost) -> None:
