@@ -41,3 +41,34 @@ def test_killed_while_an_automatic_checkpoint_is_written_its_row_is_missing_afte
         assert c.post("/v1/agents/tt/invoke", json={"message": "m2", "user": "ada"}).json()["reply"] == "noted m2"
         kinds = [d["kind"] for d in c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]]
         assert kinds.count("missing") == 1 and kinds[0] == "turn", kinds
+
+
+def _marked(up: Up) -> list[str]:
+    """The checkpoints still marked as being written behind their turns (store migration 29)."""
+    from moorage.config import Config
+    from moorage.store import open_store
+
+    store = open_store(Config(data_dir=up.data))
+    try:
+        return [r[0] for ts in store.operator.tenants() for r in ts.read("SELECT id FROM checkpoints WHERE writing = 1")]
+    finally:
+        store.close()
+
+
+def test_killed_once_the_files_are_written_but_not_yet_recorded_the_checkpoint_stays_restorable(up: Up) -> None:
+    """A checkpoint is marked from its row's insert until its files are written; a host killed between the two
+    leaves the mark. The next start reads only marked rows: this one's files are there, so it stays a turn
+    checkpoint and its mark goes (it is not read at every start from then on)."""
+    up.start("moorage.store.repos.checkpoints:Checkpoints.written")  # killed as it would clear the mark
+    with up.client() as c:
+        assert c.post("/v1/agents/tt/deployments", content=_tt_archive(), headers=GZ).status_code == 201
+        _in_background(lambda: c.post("/v1/agents/tt/invoke", json={"message": "m0", "user": "ada"}))
+        assert up.died()
+    (marked,) = _marked(up)
+    up.start()
+    with up.client() as c:
+        (ck,) = c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]
+        assert ck["id"] == marked and ck["kind"] == "turn" and ck["restorable"] is True, ck
+        assert c.post("/v1/agents/tt/invoke", json={"message": "m1", "user": "ada"}).json()["reply"] == "noted m1"
+        assert len(c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]) == 2
+    assert _marked(up) == []
