@@ -101,3 +101,17 @@ def test_a_timed_step_that_raises_is_counted_as_failed_and_the_error_goes_on():
     get = m.registry.get_sample_value
     assert get("moorage_checkpoint_seconds_count", {"outcome": "failed", "kind": "manual"}) == 1
     assert get("moorage_checkpoint_seconds_count", {"outcome": "ok", "kind": "turn"}) == 1
+
+
+def test_a_turn_that_runs_to_its_timeout_falls_in_a_bucket_of_its_own():
+    """Turns run up to 600 s (``turn_timeout_s``): one of 400 s is told from one of 130 s, not both over 2 min."""
+    import moorage.runtime.turns  # noqa: F401 - where turn-timeout is defined (a host has it loaded)
+
+    m = Metrics()
+    m.observe_turn_outcome("done", "", 130.0)
+    m.observe_turn_outcome("failed", "turn-timeout", 400.0)
+    get = m.registry.get_sample_value
+    assert get("moorage_turn_seconds_bucket", {"outcome": "done", "le": "300.0"}) == 1
+    assert get("moorage_turn_seconds_bucket", {"outcome": "failed", "le": "300.0"}) == 0
+    assert get("moorage_turn_seconds_bucket", {"outcome": "failed", "le": "600.0"}) == 1
+    assert get("moorage_turn_failures_total", {"code": "turn-timeout"}) == 1

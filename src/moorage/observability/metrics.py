@@ -23,8 +23,10 @@ from moorage import clock
 from moorage.observability import events, host_gauges
 from moorage.observability.events import bounded_code
 
-#: Latency buckets from 1 ms to 2 min: wakes are tens of ms, turns with a model can take a minute.
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: Latency buckets from 1 ms to 10 min: wakes are tens of ms, turns with a model can take a minute, and a turn
+#: may run up to its timeout (``MAX_TURN_TIMEOUT_S``, 600 s) before it is stopped.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+            300.0, 600.0)
 
 #: Methods that get their own label; any other (a client may invent one per request) is counted as "other".
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
