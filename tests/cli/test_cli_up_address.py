@@ -35,8 +35,13 @@ def _up(data: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([*MOORAGE, "up", "--port", str(port)], env=_env(data), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 120
-    while (data / "moorage-up.json").exists() is False or not _healthy(port):
-        assert proc.poll() is None and time.time() < deadline, (data.parent / f"up-{port}.log").read_text()[-3000:]
+    while not (data / "moorage-up.json").exists() or not _healthy(port):
+        if proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is None:  # serving, but it never said where: stopped here, not left behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            raise AssertionError(f"moorage up on {port} did not record where it serves: "
+                                 + (data.parent / f"up-{port}.log").read_text()[-3000:])
         time.sleep(0.2)
     return proc
 
