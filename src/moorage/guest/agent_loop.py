@@ -15,6 +15,8 @@ MAX_TOOL_ROUNDS = 6
 MAX_CORRECTIONS_SHOWN = 5
 #: Largest tool result (as JSON text) journaled and shown to the model; more is cut.
 MAX_TOOL_RESULT = 128 * 1024
+#: Largest text of a tool's exception shown to the model; more is cut.
+MAX_TOOL_ERROR = 4000
 
 
 async def _model_step(ctx: AgentContext, messages: List[Dict[str, Any]], tools: Optional[List[Dict[str, Any]]],
@@ -47,6 +49,16 @@ async def _model_step(ctx: AgentContext, messages: List[Dict[str, Any]], tools: 
     return out
 
 
+def _error_text(e: BaseException) -> str:
+    """A tool's exception as the model reads it: its text cut to MAX_TOOL_ERROR (a huge one would be journaled and
+    sent to the model whole, or be over the channel's frame), and said even when its ``str()`` itself raises."""
+    try:
+        text = str(e)
+    except Exception as inner:  # noqa: BLE001 - the tool's own __str__
+        text = "<its str() raised %s>" % type(inner).__name__
+    return text if len(text) <= MAX_TOOL_ERROR else text[:MAX_TOOL_ERROR] + " [cut]"
+
+
 def _tool_body(fn: Callable[..., Any], arguments: Dict[str, Any]) -> Callable[[], Any]:
     """The body of a tool's step: the tool's result as JSON values, or ``{"error": ...}`` when it raised (the
     model sees the failure and may try otherwise; the step itself succeeds, so nothing retries the tool)."""
@@ -57,7 +69,7 @@ def _tool_body(fn: Callable[..., Any], arguments: Dict[str, Any]) -> Callable[[]
             if inspect.isawaitable(result):
                 result = await result
         except Exception as e:  # noqa: BLE001
-            return {"error": "%s: %s" % (type(e).__name__, e)}
+            return {"error": "%s: %s" % (type(e).__name__, _error_text(e))}
         if isinstance(result, str):
             return result if len(result) <= MAX_TOOL_RESULT else result[:MAX_TOOL_RESULT] + " [cut]"
         text = json.dumps(result, default=str)
