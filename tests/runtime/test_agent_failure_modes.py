@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Iterator
 
+import httpx
 import pytest
 
 from moorage import Client
@@ -142,6 +143,14 @@ def test_a_turn_past_its_turn_timeout_is_stopped_and_the_next_turn_served(host: 
         started = time.monotonic()
         assert sdk.invoke(agent, "after", user=user)["reply"] == "ok after"
         assert time.monotonic() - started < 60
+        # What the operator sees: the turn's span, the error counted, and why a stuck guest was stopped.
+        turn = next(s for s in sdk.get_trace(e.trace_id)["spans"] if s["name"] == "turn")
+        assert turn["status"] == "error" and turn["attrs"]["error.code"] == "turn-timeout", turn
+    token = (host.data / "api" / "metrics-token").read_text().strip()
+    metrics = httpx.get(f"{host.url}/metrics", headers={"Authorization": f"Bearer {token}"}).text
+    assert 'moorage_errors_total{code="turn-timeout"}' in metrics
+    stopped = "stopping the sandbox of a timed-out turn" in host.log.read_text(errors="replace")
+    assert stopped or message == "hang"
 
 
 def test_a_turn_timeout_out_of_range_fails_the_deploy(host: LocalHost, tmp_path) -> None:
