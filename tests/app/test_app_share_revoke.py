@@ -6,6 +6,7 @@ kept sending, up to ``app_max_duration_s``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import io
 import tarfile
 from pathlib import Path
@@ -86,6 +87,8 @@ async def test_a_revoked_share_link_ends_the_apps_stream_and_download(live_rt, a
                         revoked = loop.time()
                 took = loop.time() - started
             assert "event: error" in lines and any("credential-ended" in x for x in lines), lines[-5:]
+            ended = json.loads(next(x for x in lines if "credential-ended" in x).removeprefix("data: "))
+            assert "cancelled" not in ended["hint"], ended  # an app's request starts no turn: none was cancelled
             assert took < 15 and loop.time() - revoked < 5, (took, lines[-5:])  # not the app's 30 s
 
             # A download: cut before its end (a body of another kind cannot say why).

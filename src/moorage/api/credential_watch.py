@@ -34,25 +34,27 @@ class CredentialEnded(Unauthenticated):
 
     code = "credential-ended"
 
-    def __init__(self, cause: MoorageError) -> None:
+    def __init__(self, cause: MoorageError, *, starts_turns: bool = True) -> None:
         self.expired = isinstance(cause, TokenExpired)
-        then = ("the turn under way finishes on its own (a fresh token reads its reply in the session)" if self.expired
-                else "turns it started were cancelled")
+        then = ("" if not starts_turns else
+                "; the turn under way finishes on its own (a fresh token reads its reply in the session)" if self.expired
+                else "; turns it started were cancelled")
         super().__init__(f"the credential of this request ended while it was open: {cause.message}",
-                         hint=f"{cause.hint or 'use a valid credential'}; {then}")
+                         hint=f"{cause.hint or 'use a valid credential'}{then}")
         self.cause = cause
 
 
-async def until_ended(check: Callable[[], Awaitable[Any]]) -> CredentialEnded:
+async def until_ended(check: Callable[[], Awaitable[Any]], *, starts_turns: bool = True) -> CredentialEnded:
     """Returns once ``check`` (run every ``RECHECK_S``) refuses the credential with a 401, 403 or 404. A store out
-    of reach (any other failure) is not taken for a revocation: checked again next time."""
+    of reach (any other failure) is not taken for a revocation: checked again next time. ``starts_turns``: whether
+    what the credential opened may have started turns (an app's request, a share link's, starts none)."""
     while True:
         await asyncio.sleep(RECHECK_S)
         try:
             await check()
         except MoorageError as e:
             if e.http_status in (401, 403, 404):
-                return CredentialEnded(e)
+                return CredentialEnded(e, starts_turns=starts_turns)
         except Exception:  # noqa: BLE001 - the store out of reach: checked again next time
             continue
 
@@ -88,8 +90,9 @@ class Watch:
     ``Watched`` its answer). ``ended`` runs once when the credential is found gone, before the caller is told."""
 
     def __init__(self, check: Callable[[], Awaitable[Any]],
-                 ended: Callable[[CredentialEnded], Awaitable[None]]) -> None:
-        self._task = asyncio.get_running_loop().create_task(until_ended(check), name="credential-watch")
+                 ended: Callable[[CredentialEnded], Awaitable[None]], *, starts_turns: bool = True) -> None:
+        self._task = asyncio.get_running_loop().create_task(until_ended(check, starts_turns=starts_turns),
+                                                            name="credential-watch")
         self._ended = ended
         self._handled = False
 

@@ -136,7 +136,7 @@ def _link_watch(call: Call) -> Watch:
     async def nothing(e: Any) -> None:
         log.info("an app request ended with its share link", trace_id=call.trace_id, why=e.cause.message)
 
-    return Watch(lambda: _open_token(call.runtime, call.ctx.store, token), nothing)
+    return Watch(lambda: _open_token(call.runtime, call.ctx.store, token), nothing, starts_turns=False)
 
 
 def _record_shared(call: Call, ts: Any, link: Any, status: int, started: float) -> None:
