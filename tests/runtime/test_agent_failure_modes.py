@@ -6,7 +6,7 @@
   read as the guest's failure (no line of the agent's code; a SystemExit ended the guest's supervisor): they are now
   the agent's error, with where it was raised.
 - A reply that is not JSON (a set) or over the frame limit said "result not JSON" or "exceeds the frame limit" with
-  nothing to do: it now says what to return instead.
+  nothing to do, and so did an event over it: it now says what to return (or send) instead, and where.
 - A turn that never ends held the user's instance for 600 s, whatever the product wanted: ``[agent.limits]
   turn_timeout_s`` bounds it, answered 504 turn-timeout; a guest the turn's cancel cannot reach (its event loop
   blocked by ``time.sleep``, a plain-function handler still running in its thread) is stopped, so the next turn runs.
@@ -46,6 +46,8 @@ async def on_message(ctx, message):
         return {"tags": {1, 2}}
     if message == "huge-reply":
         return "y" * (20 << 20)
+    if message == "huge-event":
+        await ctx.emit("part", "z" * (10 << 20))
     if message == "hang":
         await asyncio.sleep(3600)
     if message == "block":
@@ -114,6 +116,10 @@ def test_a_reply_that_is_not_json_or_too_large_says_what_to_return(host: LocalHo
         assert "convert sets to lists" in (e.hint or ""), e.hint
         e, _ = _fails(sdk, "frail", "huge-reply", "cy")
         assert e.code == "agent-error" and "more than the" in e.detail and "ctx.files" in (e.hint or ""), e
+        e, _ = _fails(sdk, "frail", "huge-event", "cy")
+        assert e.code == "agent-error", e
+        assert e.detail.startswith("the agent sent more than the channel carries in one message (message of 10485"), e
+        assert "ctx.emit" in (e.hint or "") and "agent.py, line" in (e.hint or ""), e
         assert sdk.invoke("frail", "after", user="cy")["reply"] == "ok after"
 
 

@@ -17,7 +17,7 @@ from typing import Any, Dict
 from .agent_context import AgentContext, Files, HostError, LLM, Memory, StepFailed, Suspended, WakeContext, _Host
 from .agent_load import LoadedAgent, forget_other_versions, load_agent, tool_schema
 from .agent_loop import MAX_CORRECTIONS_SHOWN, MAX_TOOL_RESULT, MAX_TOOL_ROUNDS, builtin_loop
-from .rpc import Context, Registry, RpcError, log
+from .rpc import TOO_LARGE, Context, Registry, RpcError, log
 
 NOT_LOADED = -32010
 AGENT_ERROR = -32011
@@ -157,8 +157,15 @@ class AgentRuntime:
                 reply = await self._in_thread(agent.handler, ctx, message, str(params.get("turn_id")))
         except Suspended as s:
             return {"status": "waiting", "interrupt": s.payload}
-        except RpcError:
-            raise
+        except RpcError as e:
+            if e.code != TOO_LARGE:
+                raise
+            # The agent's own event or host call was over the channel's frame (its send refused it): its error.
+            where = raised_where(e, agent.path)
+            raise RpcError("the agent sent more than the channel carries in one message (%s)" % e, AGENT_ERROR, {
+                "type": "TooLarge", "where": where,
+                "hint": "send less at once (emit a large result in parts, or write it to a file of the instance, "
+                        "ctx.files)%s" % ("; raised at " + where if where else "")}) from None
         except AGENT_RAISES as e:  # noqa: BLE001
             raise agent_error("agent", e, agent.path) from None
         return {"status": "done", "reply": checked_reply(reply)}
