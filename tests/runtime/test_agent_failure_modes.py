@@ -167,3 +167,9 @@ def test_a_turn_timeout_out_of_range_fails_the_deploy(host: LocalHost, tmp_path)
             sdk.deploy("slowpoke", agent)
     assert refused.value.status == 422, refused.value
     assert "turn_timeout_s must be a number of seconds from 1 to 600, not 0" in refused.value.detail
+    (agent / "moorage.toml").write_text((agent / "moorage.toml").read_text().replace("turn_timeout_s", "turn_timeout"))
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        with pytest.raises(ApiError) as misspelt:
+            sdk.deploy("slowpoke", agent)
+    assert "unknown limit 'turn_timeout'" in misspelt.value.detail, misspelt.value
+    assert "or turn_timeout_s (each turn)" in (misspelt.value.hint or ""), misspelt.value

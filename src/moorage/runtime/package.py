@@ -159,8 +159,9 @@ def _check_settings(agent: dict[str, Any]) -> None:
     try:
         check_limits(limits)
     except InvalidInput as e:
+        hint = f"{e.hint} (per user), or turn_timeout_s (each turn)" if e.hint and e.hint.startswith("one of") else e.hint
         raise AgentPackageError(f"moorage.toml: [agent.limits]: {e.message}",
-                                hint=f"{e.hint}; nothing was changed" if e.hint else "nothing was changed") from e
+                                hint=f"{hint}; nothing was changed" if hint else "nothing was changed") from e
 
 
 def retention_ttl_s(agent: dict[str, Any]) -> float | None:
