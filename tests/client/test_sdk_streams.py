@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Iterator
 
 import pytest
 
 from moorage import AsyncClient, Client
 from moorage.client import Unavailable
+from tests.client.loopback import Loopback, read_body, reply
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
@@ -97,7 +99,7 @@ async def test_an_async_stream_cut_after_its_first_event_is_unavailable(cut_off:
     assert got == [{"event": "token", "data": {"data": "x"}}] and cut_off.requests == 1
 
 
-class FailsMidway:
+class FailsMidway(Loopback):
     """A complete stream whose turn failed after its first event: a ``token``, then the ``error`` event."""
 
     BODY = (b'event: token\ndata: {"event": "token", "data": "partial "}\n\n'
@@ -105,31 +107,14 @@ class FailsMidway:
             b'"hint": "RuntimeError: boom", "trace_id": "t-1"}\n\n')
 
     def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        outer = self
         self.requests = 0
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                outer.requests += 1
-                self.rfile.read(int(self.headers.get("content-length", "0")))
-                self.send_response(200)
-                self.send_header("content-type", "text/event-stream")
-                self.send_header("content-length", str(len(outer.BODY)))
-                self.end_headers()
-                self.wfile.write(outer.BODY)
+        def answer(handler: BaseHTTPRequestHandler) -> None:
+            self.requests += 1
+            read_body(handler)
+            reply(handler, 200, self.BODY, {"content-type": "text/event-stream"})
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(answer)
 
 
 @pytest.fixture
