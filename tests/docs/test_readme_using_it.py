@@ -1,4 +1,4 @@
-"""The README's "Using it" commands, run by a shell as written, in order, against `moorage up` (the two `up` lines are
+"""The README's "Using it" commands, run by a shell as written, in order, against `moorage up` (the `up` lines are
 the host this test starts): only the placeholders are filled in, from what the commands before them printed
 (SANDBOX_ID from `moorage ps`, TRACE_ID from the trace line a turn prints, RUN_ID from a turn waiting for approval),
 and the chat's typed lines given on its stdin."""
@@ -50,7 +50,7 @@ def test_the_readmes_commands_as_written(host: LocalHost, tmp_path: Path) -> Non
 
     commands = _commands()
     said = [c.split()[1] for c in commands]
-    assert said == ["up", "up", "deploy", "agents", "invoke", "submit", "chat", "ps", "sleep", "answer", "forget",
+    assert said == ["up", "up", "up", "deploy", "agents", "invoke", "submit", "chat", "ps", "sleep", "answer", "forget",
                     "trace", "doctor"], said
     # What the README's lines take for granted: examples/assistant deployed (scripts/up.sh does), and some turn
     # waiting for approval for `answer RUN_ID yes`.
