@@ -273,3 +273,64 @@ def test_sleeps_of_one_agents_users_at_once_do_not_deadlock(request: pytest.Fixt
     assert failed == []
     assert same(ledger.totals(ts, since=0.0, agent="echo"), reference(ts, 0.0, "echo", None)[1])
     store.close()
+
+
+def _deadlocks(ts: TenantStore) -> int:
+    """The deadlocks PostgreSQL broke in this database so far (pg_stat_database; flushed by a backend when idle)."""
+    time.sleep(1.5)
+    return ts.read("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")[0][0]
+
+
+def test_deletions_across_agents_at_once_take_the_agents_in_one_order(request: pytest.FixtureRequest) -> None:
+    """Forgetting a user of every agent and the usage ledger's retention sweep each delete rows of several agents in
+    one transaction, and each row's deletion locked its agent (store/usage_rollups.py) in the order the rows came: a
+    user's by agent, the sweep's by time. Two of them at once deadlocked on PostgreSQL (a sweep failed, a forget ran
+    again); now each takes its agents' locks in one order before it deletes, and PostgreSQL breaks no deadlock."""
+    store = Store(PostgresBackend(request.getfixturevalue("pg_url"), pool_size=24))
+    ts = store.tenant(store.operator.principal(store.operator.create_tenant("acme")[0].id))
+    ts.retention.set("usage", 31 * 86400.0)
+    rng = random.Random(41)
+    now = time.time()
+    for u in range(16):  # rows over 60 days, of six agents: of three in the user's instances, the rest not
+        instances = rng.sample(range(6), 3)
+        with ts.transaction() as t:
+            for a in instances:
+                ts._touch(t.ambient(), Scope.for_user(f"a{a}", f"u{u}"), now)
+            for _ in range(300):
+                a = rng.randrange(6)
+                kinds = ("input_tokens", "compute_seconds", "wakes") + (("disk_bytes",) if a in instances else ())
+                ts.usage.add(rng.choice(kinds), float(rng.randrange(1, 500)), agent_id=f"a{a}", user_id=f"u{u}",
+                             scope=Scope.for_user(f"a{a}", f"u{u}") if a in instances else None,
+                             ts=now - rng.uniform(0, 60 * 86400))
+    before = _deadlocks(ts)
+    failed: list[BaseException] = []
+
+    def forget(u: int) -> None:
+        try:
+            ts.forget_user(f"u{u}")
+        except BaseException as e:  # noqa: BLE001 - collected, asserted below
+            failed.append(e)
+
+    def sweep() -> None:
+        try:
+            ts.retention.sweep_records(time.time(), batch=150)
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+
+    threads = [threading.Thread(target=forget, args=(u,)) for u in range(12)]
+    threads += [threading.Thread(target=sweep) for _ in range(6)]
+    random.Random(42).shuffle(threads)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == []
+    assert _deadlocks(ts) == before
+    assert ts.read("SELECT COUNT(*) FROM usage WHERE user_id IN ('u0', 'u5', 'u11') OR ts < ?",
+                   (now - 31 * 86400.0 - 60,)) == [(0,)]
+    assert ts.read("SELECT COUNT(*) FROM usage WHERE user_id = 'u13'")[0][0] > 0
+    for agent in (None, "a0", "a3"):
+        sums, totals, days = reference(ts, 0.0, agent, None)
+        assert same(ts.usage.totals(since=0.0, agent_id=agent), sums)
+        assert same(ledger.totals(ts, since=0.0, agent=agent), totals)
+    store.close()

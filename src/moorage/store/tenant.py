@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
+from moorage.store import usage_rollups
 from moorage.store.base import StoreContention
 from moorage.store.model import Principal, Scope, check_id
 from moorage.store.repos.agents import Agents
@@ -190,7 +191,13 @@ class TenantStore:
                 keys = [r[0] for r in c.q("SELECT scope FROM scopes WHERE user_id = ?", (user,))]
             else:
                 keys = [r[0] for r in c.q("SELECT scope FROM scopes WHERE agent_id = ? AND user_id = ?", (agent, user))]
-            n = _delete_scopes(c, sorted(set(keys)))
+            keys = sorted(set(keys))
+            # The ledger rows below span agents: their agents' locks first, in one order (store/usage_rollups.py).
+            ledger = [("user_id = ?", [user]) if agent is None else ("agent_id = ? AND user_id = ?", [agent, user])]
+            if keys:
+                ledger.append((f"scope IN ({','.join('?' * len(keys))})", keys))
+            usage_rollups.lock_agents(c, *ledger)
+            n = _delete_scopes(c, keys)
             n += self.secrets.delete_user(user, agent)  # the user's own secrets go with them
             n += self.share_links.delete_user(user, agent)  # and every link to their app
             n += self.checkpoints.forget_user(user, agent)  # and their instances' checkpoints

@@ -16,12 +16,19 @@ agent (``_PG_AGENT_LOCK``) before it touches the agent's rollup rows; one that d
 sweep of a scope, retention) an exclusive one. A deletion touches many shared rollup rows in the order its rows
 come, a sleep a few in its own: without the lock the two deadlocked (one of them failed, 40P01). Writers do not
 wait for each other, and each writer takes the rows of a measurement in one order (its day, then its shard's
-level rows by day), so two writers do not deadlock either. ``n``: the rows summed; a rollup none is left of is
+level rows by day), so two writers do not deadlock either. A deletion that spans several agents (forgetting a
+user of every agent, the ledger's retention sweep) takes their exclusive locks first, ordered by lock key
+(``lock_agents``): taken row by row, in its rows' order, two of them took the same agents in opposite orders and
+deadlocked. ``n``: the rows summed; a rollup none is left of is
 deleted, so it never keeps a float's remainder. The triggers run for every writer, a host of an earlier version
 in a fleet's rolling upgrade included.
 """
 
 from __future__ import annotations
+
+from typing import Any, Sequence
+
+from moorage.store.sql import Conn
 
 GAUGES_SQL = "('disk_bytes', 'snapshot_bytes')"
 
@@ -140,6 +147,27 @@ _PG_LEVEL_FALLBACK = """
 _PG_DAY = "floor(OLD.ts / 86400)::BIGINT"
 #: The advisory lock of a row's tenant and agent (its two-key form: no other lock of the store's is taken so).
 _PG_AGENT_LOCK = "1970495847, hashtext({row}.tenant_id || ':' || COALESCE({row}.agent_id, ''))"
+#: The second key of a ledger row's ``_PG_AGENT_LOCK``, over the ``usage`` table's own columns.
+PG_AGENT_KEY = "hashtext(tenant_id || ':' || COALESCE(agent_id, ''))"
+
+
+def lock_agents(c: Conn, *rows: tuple[str, Sequence[Any]]) -> None:
+    """Before a deletion of the ledger rows matching any of ``rows`` (``where``, params): on PostgreSQL, take the
+    exclusive locks of their agents that its triggers take row by row, all at once in ascending key order, so that
+    two deletions across agents never hold one each of two agents while waiting for the other's (a row written
+    since, of an agent not locked here, locks it late: the store breaks that rare deadlock and the caller retries).
+    Each ``where`` is read on its own (an OR of them reads every row of the ledger)."""
+    if c.dialect != "postgres":
+        return  # SQLite: one writer per tenant, no locks to order
+    union = " UNION ".join(f"SELECT {PG_AGENT_KEY} AS k FROM usage WHERE {where}" for where, _ in rows)
+    keys = [r[0] for r in c.q(union, [p for _, params in rows for p in params])]
+    take_agent_locks(c, keys)
+
+
+def take_agent_locks(c: Conn, keys: Sequence[int]) -> None:
+    """The exclusive locks of the agents with these ``PG_AGENT_KEY`` values, in ascending order (PostgreSQL only)."""
+    for key in sorted(set(keys)):
+        c.q("SELECT pg_advisory_xact_lock(1970495847, ?)", (key,))
 
 POSTGRES = (
     # Every tenant's rows (forced row-level security binds the owner running migrations, as for migration 21).

@@ -5,8 +5,9 @@ traces)."""
 from __future__ import annotations
 
 from moorage.errors import InvalidInput
+from moorage.store import usage_rollups
 from moorage.store.model import SCOPE_KINDS, check_id
-from moorage.store.repos.common import _Repo
+from moorage.store.repos.common import SWEEP_BATCH, _Repo
 
 #: Kinds of record with a TTL of their own, counted from the record's last change (not a scope's idleness);
 #: ``traces``: every span by its start, a turn's and an HTTP request's alike (a scope's also go with the scope).
@@ -45,7 +46,7 @@ class Retention(_Repo):
         ttls = {k: v for k, v in ({**DEFAULT_TTLS, **rows}).items() if k in RECORD_KINDS and v is not None}
         n = 0
         if "usage" in ttls:
-            n += self._delete_batched("usage", "id", "ts < ?", (now - ttls["usage"],), batch)
+            n += self._sweep_usage(now - ttls["usage"], batch)
         if "executions" in ttls:
             cutoff = now - ttls["executions"]
             # Turn executions once their outcome is announced; detached execs once they cannot be running.
@@ -57,6 +58,21 @@ class Retention(_Repo):
         if "webhooks" in ttls:  # delivered or failed deliveries, with their attempts (pending ones still go out)
             n += self._ts.deliveries.sweep(now - ttls["webhooks"], batch=batch)
         return n
+
+    def _sweep_usage(self, before: float, batch: int | None) -> int:
+        """Delete the ledger rows written before ``before``, ``batch`` per transaction, each batch's agents locked
+        first in one order (its rows span agents: store/usage_rollups.py); rows deleted."""
+        n, size = 0, batch or SWEEP_BATCH
+        key = usage_rollups.PG_AGENT_KEY if self._ts.dialect == "postgres" else "0"
+        while True:
+            with self._ts._tx() as c:
+                rows = c.q(f"SELECT id, {key} FROM usage WHERE ts < ? LIMIT ?", (before, size))
+                if rows:
+                    if c.dialect == "postgres":
+                        usage_rollups.take_agent_locks(c, [r[1] for r in rows])
+                    n += c.x(f"DELETE FROM usage WHERE id IN ({','.join('?' * len(rows))})", [r[0] for r in rows])
+            if len(rows) < size:
+                return n
 
     def set_agent(self, agent: str, ttl_s: float | None) -> None:
         """Every scope of ``agent`` (sessions, users, workflows) is swept once idle ``ttl_s`` seconds, or sooner
