@@ -38,6 +38,23 @@ async def on_message(ctx, message):
     return "ok " + message
 '''
 
+#: An agent whose turn writes a file and then blocks its guest past its turn_timeout_s: the host stops that sandbox.
+STUCK = """
+import time
+
+async def on_message(ctx, message):
+    if message == "stuck":
+        with open("last-words.txt", "w") as f:
+            f.write("written before the block")
+        time.sleep(120)
+    if message == "read":
+        try:
+            return open("last-words.txt").read()
+        except FileNotFoundError:
+            return "missing"
+    return "ok " + message
+"""
+
 
 @pytest.fixture(scope="module", params=["process", "microvm"])
 def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalHost]:
@@ -47,12 +64,18 @@ def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     (agent / "moorage.toml").write_text('[agent]\nname = "flaky"\nentry = "agent.py"\n'
                                         '[agent.lifecycle]\nusers = "auto"\n')
     (agent / "agent.py").write_text(AGENT)
+    stuck = tmp / "stuck"
+    stuck.mkdir()
+    (stuck / "moorage.toml").write_text('[agent]\nname = "stuck"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\n[agent.limits]\nturn_timeout_s = 3\n')
+    (stuck / "agent.py").write_text(STUCK)
     env = {"MOORAGE_TEST_IMAGES_DIR": os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"),
            "MOORAGE_LOG_LEVEL": "info"}
     h = LocalHost(f"exits-{request.param}", tmp / "data", env, driver=request.param, start_timeout_s=600)
     try:
         with Client(h.url, h.key) as sdk:
             sdk.deploy("flaky", agent)
+            sdk.deploy("stuck", stuck)
         yield h
     finally:
         h.stop()
@@ -95,3 +118,22 @@ def test_a_failed_turn_s_trace_says_why_and_the_cli_names_it(host: LocalHost) ->
     seen = subprocess.run([sys.executable, "-m", "moorage.cli.main", "trace", shown, "--json"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert seen.returncode == 0 and "JSONDecodeError" in seen.stdout, seen.stderr
+
+
+def test_a_sandbox_that_stopped_under_its_instance_sleeps_metered_and_wakes_from_its_disk(host: LocalHost) -> None:
+    """The host stopped a guest stuck past its turn's timeout; the instance's sleep then failed ("failed to sleep
+    ... it is stopped"), the record was given up as failed and its awake time never metered. It now sleeps."""
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        assert sdk.invoke("stuck", "hello", user="ada")["reply"] == "ok hello"
+        with pytest.raises(ApiError) as timed_out:
+            sdk.invoke("stuck", "stuck", user="ada")
+        assert timed_out.value.code == "turn-timeout", timed_out.value
+        box = next(b for b in sdk.list_sandboxes(agent="stuck")["data"] if b["scope"] == "user:stuck/ada")
+        assert sdk.sandbox_action(box["id"], "sleep")["slept"] is True
+        assert sdk.get_sandbox(box["id"])["state"] == "sleeping"
+        assert sdk.usage(agent="stuck", user="ada")["totals"]["compute_seconds"] > 0
+        assert sdk.invoke("stuck", "after", user="ada")["reply"] == "ok after"
+        assert sdk.get_sandbox(box["id"])["wake_kind"] == "cold"
+    log = host.log.read_text(errors="replace")
+    assert "failed to sleep" not in log
+    assert "its sandbox had stopped" in log

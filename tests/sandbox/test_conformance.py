@@ -141,6 +141,26 @@ async def test_files_survive_sleep_wake_and_host_restart(make_driver: Callable[[
     assert await third.read_file("notes.txt") == b"remember me"
 
 
+async def test_a_stopped_sandbox_sleeps_as_its_disk_and_wakes_from_it(make_driver: Callable[[], SandboxDriver]) -> None:
+    """A sandbox that stopped under its instance (its guest exited or was killed, or the host stopped it) sleeps:
+    sleep() from STOPPED used to raise SandboxStateError, and every idle sleep of such an instance failed."""
+    sb = await started(make_driver(), "stopped-sleeps")
+    await sb.write_file("kept.txt", b"on disk")
+    await sb.stop()
+    assert sb.state is SandboxState.STOPPED
+    snap = await sb.sleep()
+    assert sb.state is SandboxState.SLEEPING and not snap.includes_memory
+    again = await make_driver().open("stopped-sleeps")  # recorded asleep on disk, not only in this process
+    assert again.state is SandboxState.SLEEPING
+    await again.wake()
+    assert again.state is SandboxState.RUNNING
+    assert await again.read_file("kept.txt") == b"on disk"
+    assert getattr(again, "last_wake_fallback", None) is None  # a boot from its disk, not a snapshot found broken
+    fresh = await make_driver().create("never-started")
+    with pytest.raises(SandboxStateError):  # a sandbox that never ran has nothing to sleep
+        await fresh.sleep()
+
+
 async def test_a_sandbox_starts_with_the_environment_it_is_given(driver: SandboxDriver) -> None:
     """``set_boot_env`` (a redeploy's instance takes the new deployment's environment): from the next start, its
     processes get the new environment instead of the one it was created with; a running sandbox keeps its own.

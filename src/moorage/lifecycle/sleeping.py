@@ -18,6 +18,7 @@ from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
 from moorage.log import FailingRounds, get_logger
 from moorage.observability import events
+from moorage.sandbox import SandboxState
 from moorage.store import SandboxRecord, Scope, TenantStore
 from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
@@ -141,6 +142,9 @@ class Sleeping:
                 return False
             sandbox = li.sandbox
             li.sandbox = None
+            # Stopped by itself (its agent's code ended its process, it was killed for memory, the host stopped a
+            # stuck guest): it sleeps as its disk, which is where its next turn starts it from.
+            stopped = sandbox.state is SandboxState.STOPPED
             try:
                 snap = await sandbox.sleep()
             except Exception as e:
@@ -185,7 +189,11 @@ class Sleeping:
             li.owned = False
             self._counts["evictions" if evict else "sleeps"] += 1
             events.lifecycle("sleep", "ok", started)
-            log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
+            if stopped:
+                log.info("instance slept: its sandbox had stopped, so its memory was gone already; its next turn "
+                         "starts it from its disk", instance=rec.id, scope=str(li.scope), reason=reason)
+            else:
+                log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
             return True
 
     async def sleep_all(self, reason: str, *, wait_busy_s: float = 0.0) -> tuple[int, int]:

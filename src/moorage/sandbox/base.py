@@ -74,7 +74,11 @@ class Sandbox(GuestOperations, ABC):
 
     @abstractmethod
     async def sleep(self) -> SnapshotInfo:
-        """Stop using compute. Durable on return: a host crash right after still wakes to this state."""
+        """Stop using compute. Durable on return: a host crash right after still wakes to this state.
+
+        Allowed from RUNNING and from STOPPED (a sandbox whose guest exited, was killed, or that the host stopped):
+        a stopped sandbox has no memory left to keep, so it sleeps as its disk alone and its next ``wake`` is a
+        cold boot from that disk. Any other state raises ``SandboxStateError``."""
 
     @abstractmethod
     async def wake(self) -> None:

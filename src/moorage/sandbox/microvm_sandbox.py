@@ -201,13 +201,17 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
             self._set_state(SandboxState.STOPPED, snapshot=None)
             raise
         self.last_wake_mode = "cold"
+        self._meta.pop("slept_stopped", None)
         self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
         log.info("cold boot", sandbox=self.id, ms=round((time.monotonic() - started) * 1000))
 
     async def sleep(self) -> SnapshotInfo:
         async with self._lock:
+            if self.state is SandboxState.STOPPED:
+                return await self._sleep_stopped()
             if self.state is not SandboxState.RUNNING:
-                raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running sandbox can sleep", hint="call wake() first")
+                raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running or stopped sandbox "
+                                        "can sleep", hint="call wake() first")
             if self._disk_full:  # its snapshot would not fit either; it sleeps once resumed
                 raise paused_error(self.id)
             if self._driver.drop_caches_on_sleep:
@@ -226,6 +230,18 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
                     log.warning("guest sync before sleep failed", sandbox=self.id, error=str(e))
             info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
             return info
+
+    async def _sleep_stopped(self) -> SnapshotInfo:
+        """A stopped guest (the host stopped it: stuck past its turn's timeout, or it broke the channel protocol)
+        sleeps as its disk alone: its memory is gone, so its RAM file goes too, and its next wake boots from the
+        disk (``slept_stopped``: a cold boot, not a snapshot found missing)."""
+        await self._teardown()
+        if self.ram_mode == "shared":
+            (self.dir / "ram").unlink(missing_ok=True)
+        shutil.rmtree(self.dir / "snapshot", ignore_errors=True)
+        self._set_state(SandboxState.SLEEPING, snapshot=None, slept_stopped=True)
+        disk = self.dir / "disk.qcow2"
+        return SnapshotInfo(self.id, disk, allocated(disk), time.time(), includes_memory=False)
 
     async def wake(self) -> None:
         async with self._lock:

@@ -85,7 +85,8 @@ class Waking:
             self._prepared = False
             if await self._resume_prepared():
                 return
-        if self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot"):
+        if (self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot")) or \
+                (self.state is SandboxState.SLEEPING and self._meta.get("slept_stopped")):  # asleep as its disk
             await self._cold_boot()
             return
         snap_dir = self.dir / "snapshot"

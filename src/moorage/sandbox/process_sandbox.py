@@ -172,7 +172,9 @@ class ProcessSandbox(Checkpointing, RunningGuest, Launching, Sandbox):
 
     async def sleep(self) -> SnapshotInfo:
         async with self._lock:
-            self._require(SandboxState.RUNNING, verb="sleep")
+            # A stopped sandbox (its supervisor exited or was killed, or the host stopped it) sleeps as it is: it
+            # has no memory to keep, and its layer is what a sleep keeps.
+            self._require(SandboxState.RUNNING, SandboxState.STOPPED, verb="sleep")
             await self._shutdown()
             self._state = SandboxState.SLEEPING
             self._save(pid=None, pid_starttime=None, slept_at=time.time())
