@@ -20,6 +20,7 @@ from moorage.log import FailingRounds, get_logger
 from moorage.observability import events
 from moorage.sandbox import SandboxState
 from moorage.store import SandboxRecord, Scope, TenantStore
+from moorage.store.base import StoreContention
 from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
 
@@ -65,16 +66,28 @@ class Sleeping:
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
                     snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
         """Record the sleep and, in the same transaction, the awake seconds since the instance was marked running
-        (per agent and end-user, measured from state changes, not estimated)."""
-        with ts.transaction():
-            new = machine.apply(ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
-                                snapshot_ref=snapshot_ref, last_active=time.time(), started_at=started, reason=reason)
-            since = rec.meta.get("awake_since")
-            if isinstance(since, (int, float)):
-                ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
-                             user_id=rec.scope.user, scope=rec.scope, meta={"instance": rec.id, "reason": reason})
-            usage_ledger.record(ts, rec, sizes or {})
-        return new
+        (per agent and end-user, measured from state changes, not estimated). The instance has slept already: a
+        transaction the store aborted for a conflict with a concurrent one (its ledger rows are shared with other
+        instances' sleeps and forgets) runs again, up to 3 times, rather than leave the instance claimed, and every
+        turn for it waiting, until its claim lapses."""
+        for attempt in range(3):
+            try:
+                with ts.transaction():
+                    new = machine.apply(ts, rec, V.SLEPT, owner=self.owner, trace=trace, claim=False, meta=meta,
+                                        snapshot_ref=snapshot_ref, last_active=time.time(), started_at=started,
+                                        reason=reason)
+                    since = rec.meta.get("awake_since")
+                    if isinstance(since, (int, float)):
+                        ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
+                                     user_id=rec.scope.user, scope=rec.scope,
+                                     meta={"instance": rec.id, "reason": reason})
+                    usage_ledger.record(ts, rec, sizes or {})
+                return new
+            except StoreContention:
+                if attempt == 2:
+                    raise
+                time.sleep(0.02 * (attempt + 1))  # a worker thread (``io``): the loop is not held
+        raise AssertionError("unreachable")
 
     def _record_when_back(self, li: LiveInstance, ts: TenantStore, rec: SandboxRecord, trace: TraceContext,
                           *slept: Any) -> None:
