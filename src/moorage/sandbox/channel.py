@@ -136,6 +136,9 @@ class Channel(Serving):
         #: Called (synchronously, once) when the guest breaks the protocol: drivers stop the guest before any
         #: other task can pick the sandbox up as still running.
         self.on_protocol_error: Callable[[], None] | None = None
+        #: Asked (synchronously, once) when the guest closes the connection: why, where the driver knows (its
+        #: processes killed for memory), said in place of "guest closed the connection"; None: not known.
+        self.why_closed: Callable[[], str | None] | None = None
         #: The budget this guest's cost to the host's event loop is charged to (its tenant's CPU share; set by
         #: the runtime): frames it sends and calls it makes are charged, and past it the reader stops reading.
         self.share: Share | None = None
@@ -337,6 +340,11 @@ class Channel(Serving):
         except (OSError, ConnectionError) as e:
             reason = f"read failed: {e}"
         finally:
+            if reason.startswith("guest closed the connection") and self.why_closed is not None:
+                try:
+                    reason = self.why_closed() or reason
+                except Exception:  # the driver's explanation must not break the shutdown of the channel
+                    log.exception("close explanation failed", channel=self.name)
             self._shutdown(reason)
 
     async def _safe_send(self, msg: dict[str, Any]) -> None:
