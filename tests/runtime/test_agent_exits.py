@@ -35,6 +35,8 @@ async def on_message(ctx, message):
         return parse("{not json")
     if message == "exit":
         os._exit(3)
+    if message == "hog":
+        held = [bytearray(1 << 20) for _ in range(4096)]  # 4 GiB, past memory_mib (256 MiB)
     return "ok " + message
 '''
 
@@ -137,3 +139,19 @@ def test_a_sandbox_that_stopped_under_its_instance_sleeps_metered_and_wakes_from
     log = host.log.read_text(errors="replace")
     assert "failed to sleep" not in log
     assert "its sandbox had stopped" in log
+
+
+def test_an_agent_killed_for_memory_is_told_so(host: LocalHost) -> None:
+    """The process driver's answer to a sandbox the cgroup's OOM killer ended said only "guest closed the
+    connection"; it now says the agent was killed for memory and names memory_mib. (In a micro-VM the guest's
+    kernel kills the supervisor and its init starts a new one: the host sees only that the process exited.)"""
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        with pytest.raises(ApiError) as stopped:
+            sdk.invoke("flaky", "hog", user="cyd")
+        assert stopped.value.code == "sandbox-stopped", stopped.value
+        if host.name.endswith("process"):
+            assert "killed for memory (memory_mib = 256)" in stopped.value.detail, stopped.value.detail
+            assert "raise memory_mib" in (stopped.value.hint or "")
+        else:
+            assert "the guest's agent process exited" in stopped.value.detail, stopped.value.detail
+        assert sdk.invoke("flaky", "after", user="cyd")["reply"] == "ok after"

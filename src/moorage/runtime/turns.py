@@ -71,9 +71,14 @@ class SandboxStopped(MoorageError):
     retryable = False  # not automatically: an agent that ends its own process would only do it again
 
     def __init__(self, reason: str) -> None:
+        again = "send the turn again (with the same Idempotency-Key its journaled steps are not run twice)"
+        if reason.startswith("killed for memory"):  # the driver knows it (process driver: the cgroup's OOM kill)
+            super().__init__(f"the agent's sandbox stopped during the turn: {reason}",
+                             hint="the agent's code used more memory than its memory_mib: raise memory_mib in "
+                                  f"moorage.toml's [agent] or make the code use less; then {again}")
+            return
         super().__init__(f"the agent's sandbox stopped during the turn ({reason})",
-                         hint="send the turn again (with the same Idempotency-Key its journaled steps are not run "
-                              "twice); if it happens again, look for an exit in the agent's code (sys.exit, "
+                         hint=f"{again}; if it happens again, look for an exit in the agent's code (sys.exit, "
                               "os._exit) or a process killed for memory (raise memory_mib)")
 
 

@@ -118,6 +118,24 @@ class SandboxCgroup:
                 pass
         return sorted(out)
 
+    def oom_kills(self) -> int:
+        """How many of the sandbox's processes the kernel's OOM killer ended in this cgroup (0 where not known):
+        v2 ``memory.events``, v1 ``memory.oom_control``, each with an ``oom_kill`` line."""
+        if self.support.cgroup == "v2" and self.dirs:
+            f = self.dirs[0] / "memory.events"
+        elif self.support.cgroup == "v1" and len(self.dirs) > 1:
+            f = self.dirs[1] / "memory.oom_control"
+        else:
+            return 0
+        try:
+            for line in f.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            pass
+        return 0
+
     def memory_bytes(self) -> int | None:
         if self.support.cgroup == "v2":
             f = self.dirs[0] / "memory.current"

@@ -29,6 +29,15 @@ class RunningGuest:
         channel = self._channel
         if channel is not None:
             channel.on_protocol_error = lambda: self._protocol_broken(channel)
+            oom_kills = self.cgroup.oom_kills()  # those before this channel are not why it closes
+            channel.why_closed = lambda: self._killed_for_memory(oom_kills)
+
+    def _killed_for_memory(self, before: int) -> str | None:
+        """Why the guest closed its channel, when it is that the cgroup's OOM killer ended its process (the kernel
+        counts the kill before it sends the signal, so the count is there once the channel closes)."""
+        if self.cgroup.oom_kills() > before:
+            return f"killed for memory (memory_mib = {self.spec.memory_mib})"
+        return None
 
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (its disk kept), not trusted with a
