@@ -42,18 +42,25 @@ async def on_message(ctx, message):
 
 #: An agent whose turn writes a file and then blocks its guest past its turn_timeout_s: the host stops that sandbox.
 STUCK = """
-import time
+import os, time
+
+def read(name):
+    try:
+        return open(name).read()
+    except FileNotFoundError:
+        return "missing"
 
 async def on_message(ctx, message):
     if message == "stuck":
         with open("last-words.txt", "w") as f:
             f.write("written before the block")
+        with open("synced.txt", "w") as f:
+            f.write("synced")
+            f.flush()
+            os.fsync(f.fileno())
         time.sleep(120)
     if message == "read":
-        try:
-            return open("last-words.txt").read()
-        except FileNotFoundError:
-            return "missing"
+        return read("last-words.txt") + "|" + read("synced.txt")
     return "ok " + message
 """
 
@@ -136,6 +143,12 @@ def test_a_sandbox_that_stopped_under_its_instance_sleeps_metered_and_wakes_from
         assert sdk.usage(agent="stuck", user="ada")["totals"]["compute_seconds"] > 0
         assert sdk.invoke("stuck", "after", user="ada")["reply"] == "ok after"
         assert sdk.get_sandbox(box["id"])["wake_kind"] == "cold"
+        # What the stop kept (docs/sandbox.md): a process sandbox's files are the host's; a micro-VM whose event
+        # loop was blocked keeps only what its guest wrote back, which a file's fsync does at once.
+        unsynced, synced = sdk.invoke("stuck", "read", user="ada")["reply"].split("|")
+        assert synced == "synced"
+        if host.name.endswith("process"):
+            assert unsynced == "written before the block"
     log = host.log.read_text(errors="replace")
     assert "failed to sleep" not in log
     assert "its sandbox had stopped" in log
