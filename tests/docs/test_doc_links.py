@@ -1,6 +1,7 @@
 """Every relative link of README.md and docs/*.md leads somewhere: the file it names is there and its #anchor is a
 heading of that page (as GitHub spells a heading's anchor). A heading renamed or a page moved fails here, not when a
-reader clicks."""
+reader clicks. And every table row is inside its table: a row set apart by a blank line, or one broken over two
+lines, renders as loose text."""
 
 from __future__ import annotations
 
@@ -50,6 +51,30 @@ def broken_links(page: Path, text: str) -> list[str]:
             if fragment not in anchors(target.read_text() if path else text):
                 wrong.append(f"{link}: no heading #{fragment} in {target.name}")
     return wrong
+
+
+def broken_tables(text: str) -> list[str]:
+    """Lines of a table that render outside it: a row after a blank line with no header and separator of its own,
+    or a row's continuation on a line that does not start with ``|``."""
+    lines = re.sub(r"^\s*```.*?^\s*```", "", text, flags=re.M | re.S).splitlines()
+    wrong, in_table = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("|"):
+            if not in_table and not re.match(r"^\|[\s:|-]+$", lines[i + 1] if i + 1 < len(lines) else ""):
+                wrong.append(f"a row with no table: {line[:60]}")
+            in_table = True
+        elif in_table and line.strip():
+            wrong.append(f"a row broken over lines: {line[:60]}")
+        else:
+            in_table = False
+    return wrong
+
+
+def test_every_table_row_is_inside_its_table() -> None:
+    wrong = [f"{p.relative_to(ROOT)}: {w}" for p in PAGES for w in broken_tables(p.read_text())]
+    assert wrong == [], "\n".join(wrong)
+    shown = "| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n| 5 | six\nand more |\n"
+    assert broken_tables(shown) == ["a row with no table: | 3 | 4 |", "a row broken over lines: and more |"]
 
 
 def test_every_relative_link_and_anchor_resolves() -> None:
