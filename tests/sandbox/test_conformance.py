@@ -371,6 +371,25 @@ async def test_rollback_restores_files_and_memory_per_capability(driver: Sandbox
     assert [c.name for c in await sb.checkpoints()] == ["c1"]
 
 
+async def test_a_stopped_sandbox_slept_then_rolled_back_has_its_checkpoint_s_memory(driver: SandboxDriver) -> None:
+    """A sandbox asleep as its disk (stopped, then slept) boots from that disk at its next wake; that must not stick
+    to it once it has a memory image again: rolled back to a checkpoint, it resumes the checkpoint's memory, and
+    after its next ordinary sleep its own snapshot's."""
+    sb = await started(driver, "stopped-rb")
+    token = await _start_background(sb)
+    await sb.checkpoint("c1")
+    await sb.stop()
+    await sb.sleep()
+    await sb.rollback("c1")
+    if sb.state is not SandboxState.RUNNING:  # a driver may leave a sleeping sandbox asleep at its rollback
+        await sb.wake()
+    held = token if driver.capabilities.memory_snapshot else None
+    assert await _background_token(sb) == held
+    await sb.sleep()
+    await sb.wake()
+    assert await _background_token(sb) == (held if driver.capabilities.keeps_processes_across_sleep else None)
+
+
 async def test_destroy_removes_everything(driver: SandboxDriver) -> None:
     sb = await started(driver, "gone")
     await sb.write_file("x", b"x")

@@ -135,6 +135,8 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
         write_json(self.dir / "meta.json", self._meta)
 
     def _set_state(self, state: SandboxState, **fields: Any) -> None:
+        if state is not SandboxState.SLEEPING or fields.get("snapshot"):
+            self._meta.pop("slept_stopped", None)  # asleep as its disk no more (``_sleep_stopped``)
         self._meta["state"] = state.value
         self._meta.update(fields)
         self._save_meta()
@@ -201,7 +203,6 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
             self._set_state(SandboxState.STOPPED, snapshot=None)
             raise
         self.last_wake_mode = "cold"
-        self._meta.pop("slept_stopped", None)
         self._set_state(SandboxState.RUNNING, snapshot=None, fresh_fork=False)
         log.info("cold boot", sandbox=self.id, ms=round((time.monotonic() - started) * 1000))
 

@@ -85,8 +85,9 @@ class Waking:
             self._prepared = False
             if await self._resume_prepared():
                 return
-        if (self.state in (SandboxState.CREATED, SandboxState.STOPPED) and not self._meta.get("snapshot")) or \
-                (self.state is SandboxState.SLEEPING and self._meta.get("slept_stopped")):  # asleep as its disk
+        from_disk = self.state in (SandboxState.CREATED, SandboxState.STOPPED) or \
+            (self.state is SandboxState.SLEEPING and self._meta.get("slept_stopped"))  # asleep as its disk
+        if from_disk and not self._meta.get("snapshot"):
             await self._cold_boot()
             return
         snap_dir = self.dir / "snapshot"
