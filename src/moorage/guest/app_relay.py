@@ -32,6 +32,10 @@ MIN_IDLE_S = 5.0
 APP_UNREACHABLE = -32020
 #: ... and with this one when ``MAX_CONNECTIONS`` are open to it already (the app is busy, not down).
 APP_BUSY = -32021
+#: ... and with this one when the agent's ``on_wake`` did not return within the wait the host allows it.
+ON_WAKE_TIMEOUT = -32022
+#: How long ``app.open`` waits for ``on_wake`` when the host does not say (``wake_wait_s``: the agent's limits).
+WAKE_WAIT_S = 10.0
 
 
 class _Reader(asyncio.StreamReader):
@@ -66,11 +70,19 @@ class _Conn:
             pass
 
 
+def _wake_ended(run: "asyncio.Future[None]") -> None:
+    if not run.cancelled() and run.exception() is not None:
+        e = run.exception()
+        log("on_wake failed", error="%s: %s" % (type(e).__name__, e))
+
+
 class AppRelay:
     def __init__(self) -> None:
         self._conns: Dict[int, _Conn] = {}
         self._ids = itertools.count(1)
         self._reaper: "asyncio.Task[None] | None" = None
+        #: The run of the agent's ``on_wake`` app requests wait for (one at a time, however many requests come).
+        self._wake: "asyncio.Future[None] | None" = None
 
     def _get(self, params: Any) -> _Conn:
         conn = self._conns.get(params.get("conn")) if isinstance(params, dict) else None
@@ -90,11 +102,10 @@ class AppRelay:
             self._reap(time.monotonic())
             if len(self._conns) >= MAX_CONNECTIONS:
                 raise RpcError("too many app connections open", APP_BUSY)
-        if agent.RUNTIME is not None:
-            try:  # the agent's on_wake first: it may be what starts the app's server again
-                await agent.RUNTIME.wake_hook(ctx)
-            except Exception as e:  # noqa: BLE001 - the app request goes on; the next turn reports it
-                log("on_wake failed", error="%s: %s" % (type(e).__name__, e))
+        wake_wait_s = params.get("wake_wait_s", WAKE_WAIT_S)
+        if isinstance(wake_wait_s, bool) or not isinstance(wake_wait_s, (int, float)) or not 0 < wake_wait_s <= 3600:
+            raise RpcError("wake_wait_s must be a positive number of seconds", INVALID_PARAMS)
+        await self._woken(ctx, float(wake_wait_s))
         try:
             async with asyncio.timeout(10):
                 reader, writer = await _connect(port)
@@ -105,6 +116,23 @@ class AppRelay:
         if self._reaper is None or self._reaper.done():
             self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         return {"conn": cid}
+
+    async def _woken(self, ctx: Context, wait_s: float) -> None:
+        """The agent's ``on_wake`` first, if it is due: it may be what starts the app's server again. Waited for at
+        most ``wait_s``: one that takes longer goes on running, the request is refused (``ON_WAKE_TIMEOUT``) and the
+        next one waits for the same run, rather than each request holding its caller until the host gave up on it.
+        One that fails is logged and the request goes on (the next turn reports it; it runs again before the next)."""
+        if agent.RUNTIME is None or not agent.RUNTIME.wake_due:
+            return
+        if self._wake is None or self._wake.done():
+            self._wake = asyncio.ensure_future(agent.RUNTIME.wake_hook(ctx))
+            self._wake.add_done_callback(_wake_ended)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._wake), wait_s)
+        except asyncio.TimeoutError:
+            raise RpcError("the agent's on_wake did not return within %g s" % wait_s, ON_WAKE_TIMEOUT) from None
+        except Exception:  # noqa: BLE001 - logged once by _wake_ended; the app request goes on
+            pass
 
     async def write(self, params: Any, ctx: Context) -> Dict[str, Any]:
         conn = self._get(params)
