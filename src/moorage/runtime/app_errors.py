@@ -1,4 +1,5 @@
-"""The errors an agent's app gives its callers (502 app-unavailable, 503 app-busy and instance-stopped, 413), shared
+"""The errors an agent's app gives its callers (502 app-unavailable, 503 app-busy and instance-stopped, 504
+on-wake-timeout, 413), shared
 by the HTTP relay (``app_proxy.py``) and the WebSocket relay (``app_socket.py``)."""
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ class InstanceStopped(UnavailableError):
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.retry_after = 1
+
+
+class OnWakeTimeout(MoorageError):
+    """The agent's ``on_wake``, run before the first app request after a start or a wake, did not return within the
+    wait the request allows it (``[agent.limits] turn_timeout_s``, or ``app_timeout_s`` if shorter)."""
+
+    code = "on-wake-timeout"
+    http_status = 504
+    for_caller = True
+
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"the agent's on_wake did not return within {wait_s:g} s, so its app was not reached",
+                         hint="start the app's processes from on_wake without waiting for them (ctx.spawn returns at "
+                              "once); it goes on running and the next request waits for it again; the wait is "
+                              "[agent.limits] turn_timeout_s in moorage.toml, or the host's app_timeout_s if shorter")
 
 
 def live_channel(sandbox: Any) -> Any:

@@ -8,7 +8,8 @@ import time
 from typing import Any, Iterable
 
 from moorage.errors import NotFound
-from moorage.runtime.app_errors import AppBusy, AppUnavailable
+from moorage.runtime.app_errors import AppBusy, AppUnavailable, OnWakeTimeout
+from moorage.runtime.package import turn_timeout_s
 from moorage.runtime.sizing import app_ports
 from moorage.sandbox import RemoteError
 from moorage.store import EntityKey, Scope, TenantStore
@@ -19,6 +20,10 @@ APP_BIND_S = 10.0
 APP_UNREACHABLE = -32020
 #: ... and for "as many connections to the app are open as the guest allows" (its MAX_CONNECTIONS, 64).
 APP_BUSY = -32021
+#: ... and for "the agent's on_wake did not return within ``wake_wait_s``" (it goes on running in the guest).
+ON_WAKE_TIMEOUT = -32022
+#: How long ``app.open`` may take besides the wait for ``on_wake``: the guest's connect to the port gives up at 10 s.
+OPEN_S = 15.0
 #: Bytes asked of the guest per read (its own cap is the same).
 READ_CHUNK = 512 * 1024
 #: Largest request chunk sent in one frame.
@@ -105,10 +110,17 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
         runtime._loaded[sandbox.id] = deployment.id
     loaded = False
     give_up = time.monotonic() + 10
+    # The guest runs the agent's on_wake first when it is due, and waits for it at most this long: the agent's own
+    # bound on its code's runs, or the app's on an answer if shorter (before, the host's channel gave up after 15 s
+    # with an error that named nothing, and so did every later request while on_wake still ran).
+    wake_wait_s = min(turn_timeout_s(deployment.manifest), float(runtime.config.app_timeout_s))
     while True:
         try:
-            return await sandbox.channel.call("app.open", {"port": port, **options}, timeout=15)
+            return await sandbox.channel.call("app.open", {"port": port, "wake_wait_s": wake_wait_s, **options},
+                                              timeout=wake_wait_s + OPEN_S)
         except RemoteError as e:
+            if e.rpc_code == ON_WAKE_TIMEOUT:
+                raise OnWakeTimeout(wake_wait_s) from None
             if e.rpc_code == APP_BUSY:
                 raise AppBusy("the agent's app has too many open connections",
                               hint="retry in a moment, or close some of its WebSockets") from None
