@@ -107,7 +107,7 @@ async def test_an_on_wake_slower_than_the_agents_limit_is_a_504_and_the_next_req
         assert problem["detail"] == f"the agent's on_wake did not return within {TURN_TIMEOUT_S} s, so its app was " \
                                     "not reached"
         assert "ctx.spawn" in problem["hint"] and "turn_timeout_s" in problem["hint"]
-        assert TURN_TIMEOUT_S <= took < TURN_TIMEOUT_S + 5, took
+        assert TURN_TIMEOUT_S <= took < TURN_TIMEOUT_S + 9, took  # the first also makes the instance
         # The run went on: the next request waits for that one (not a new one) and is served when it returns.
         r, took = await timed_get(c, "/v1/agents/slow/users/ada/app/")
         assert (r.status_code, r.text) == (200, "ok")
@@ -121,4 +121,4 @@ async def test_an_on_wake_that_never_returns_holds_each_app_request_only_the_age
         for _ in range(2):
             r, took = await timed_get(c, "/v1/agents/stuck/users/bo/app/")
             assert r.status_code == 504 and r.json()["type"].endswith("/on-wake-timeout"), r.text
-            assert TURN_TIMEOUT_S <= took < TURN_TIMEOUT_S + 5, took
+            assert TURN_TIMEOUT_S <= took < TURN_TIMEOUT_S + 9, took  # the first also makes the instance
