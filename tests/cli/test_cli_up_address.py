@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -114,3 +114,26 @@ def test_the_cli_and_the_sdk_find_the_port_moorage_up_serves_on(data: Path) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+def test_the_cli_never_sends_this_machines_admin_key_to_another_server(data: Path) -> None:
+    """With MOORAGE_API_URL naming another machine's server and no MOORAGE_API_KEY, the CLI sent that server the
+    local admin key it read from the data directory (the SDK's Client() already kept it to this machine). It now
+    refuses before sending anything, saying to set the other server's key. 127.0.0.2 stands in for another machine:
+    it is not one of the names a server on this machine answers to."""
+    from tests.client.loopback import Loopback, reply
+
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "local-admin.key").write_text("mrg_local_admin_secret\n")
+    seen: list[str] = []
+
+    def record(handler: Any) -> None:
+        seen.append(handler.headers.get("authorization") or "")
+        reply(handler, 200, b'{"data": []}', {"content-type": "application/json"})
+
+    with Loopback(record, host="127.0.0.2") as other:
+        elsewhere = other.url
+        r = run(["agents"], _env(data, MOORAGE_API_URL=elsewhere))
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith(f"error: no API key for {elsewhere}") and "MOORAGE_API_KEY" in r.stderr, r.stderr
+    assert seen == [], seen  # nothing was sent there, the local admin key least of all

@@ -135,6 +135,9 @@ def test_online_backup_under_load_restores_every_user_at_one_point(tmp_path: Pat
             after = dict(load.done)
         slow.join(timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
+        # The running host's record of where it serves is its own: a copy of it sent the copy's clients (its admin
+        # key) to this host for as long as it runs.
+        assert (data / "moorage-up.json").exists() and not (dest / "moorage-up.json").exists()
         assert "(online: " in r.stdout and f"{len(USERS) + 1}/{len(USERS) + 1} user:counter/" in r.stdout, r.stdout
         # The host kept serving: every turn of the load succeeded, during the backup too.
         assert not load.errors, load.errors[:5]

@@ -1,5 +1,6 @@
 """A loopback HTTP server for the SDK tests: a test gives what to do with each request; the server runs it on a
-thread per request and closes when the test is done. Only 127.0.0.1 is ever served."""
+thread per request and closes when the test is done. Only loopback addresses are ever served (127.0.0.1 unless a
+test names another, such as 127.0.0.2 standing in for another machine)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def read_body(handler: BaseHTTPRequestHandler) -> bytes:
 class Loopback:
     """Serves every method with ``respond(handler)``; ``url`` is where; usable as a context manager."""
 
-    def __init__(self, respond: Respond, http11: bool = False) -> None:
+    def __init__(self, respond: Respond, http11: bool = False, host: str = "127.0.0.1") -> None:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1" if http11 else "HTTP/1.0"
 
@@ -40,8 +41,8 @@ class Loopback:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.url = f"http://{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:

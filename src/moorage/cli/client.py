@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
+from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
@@ -21,7 +22,7 @@ from rich.table import Table
 from moorage.cli.console import id_column, make_console, print_table
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
-from moorage.client._local import SERVING, local_url, served_url
+from moorage.client._local import LOOPBACK, SERVING, local_url, served_url
 from moorage.config import Config
 from moorage.errors import ConfigError, InvalidInput, MoorageError
 
@@ -56,12 +57,24 @@ def _client(cfg: Config) -> Client:
     key = cfg.api_key
     if not key:
         path = cfg.data_dir / "local-admin.key"
+        if not _on_this_machine(url, cfg.data_dir):
+            # The local admin key never leaves the machine (as the SDK's Client() keeps it).
+            raise ConfigError(f"no API key for {url}",
+                              hint="set MOORAGE_API_KEY to a key of that server (this machine's local admin key is "
+                                   "sent only to a server on this machine)")
         if not path.exists():
             raise ConfigError("no API key", hint=f"set MOORAGE_API_KEY, or run `moorage up` once to create {path}")
         key = path.read_text().strip()
     client = Client(url, key)
     client.settings = dataclasses.replace(client.settings, url_from=origin)  # said when it cannot be reached
     return client
+
+
+def _on_this_machine(url: str, data_dir: Path) -> bool:
+    """Whether ``url`` is a server on this machine: a loopback name, or where the ``moorage up`` of ``data_dir``
+    said it serves."""
+    recorded = served_url(data_dir)
+    return (urlsplit(url).hostname or "") in LOOPBACK or (recorded is not None and recorded[0] == url.rstrip("/"))
 
 
 @contextlib.contextmanager

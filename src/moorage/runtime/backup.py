@@ -57,7 +57,7 @@ HELD_S = 60.0
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
 #: Top-level entries of the data directory the backup copies its own way, or leaves out.
-OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock"}
+OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock", "moorage-up.json"}
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
 #: The name of a per-user instance's backup point while its tenant's store is not copied yet (retention keeps
