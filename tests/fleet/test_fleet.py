@@ -351,6 +351,7 @@ def test_a_tenants_awake_limit_counts_its_instances_on_every_host(tmp_path: Path
         assert replied(f.turn(1, "a2")) == "1: hi"  # awake on h2: the tenant's limit of 2 is reached fleet-wide
         r = f.turn(2, "a3")
         assert r.status_code == 429 and r.headers.get("Retry-After"), r.text
+        assert "across the fleet's hosts" in r.json()["detail"], r.text  # not "on this host": it has none awake
         put_to_sleep(f, "a1")
         assert replied(f.turn(2, "a3")) == "1: hi"  # room again, on any host
     finally:

@@ -20,13 +20,15 @@ class Misplaced(UnavailableError):
 
 
 class TenantAwakeLimit(MoorageError):
-    """The tenant already has its maximum of awake instances on this host, every one of them mid-turn."""
+    """The tenant already has its maximum of awake instances (on this host, or in a fleet on every host), every one
+    of them mid-turn."""
 
     code = "tenant-awake-limit"
     http_status = 429
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"this tenant already has {limit} awake instance(s) on this host, all busy",
+    def __init__(self, limit: int, *, fleet: bool = False) -> None:
+        where = "across the fleet's hosts" if fleet else "on this host"
+        super().__init__(f"this tenant already has {limit} awake instance(s) {where}, all busy",
                          hint="retry when a turn ends, or ask the operator to raise max_awake_per_tenant")
         #: Read by the API's problem+json: a turn usually ends within seconds.
         self.retry_after = 5.0

@@ -262,17 +262,17 @@ class Sleeping:
             if self.fleet is not None:
                 here -= await self.io(self._awake_elsewhere, li.tenant_id, li.scope)
                 if here <= 0:
-                    raise TenantAwakeLimit(self.tenant_max_awake)
+                    raise TenantAwakeLimit(self.tenant_max_awake, fleet=self.fleet is not None)
             try:
                 victims = HostCapacity(max_awake=here).victims(mine, incoming=1)
             except CapacityExhausted as e:
-                raise TenantAwakeLimit(self.tenant_max_awake) from e
+                raise TenantAwakeLimit(self.tenant_max_awake, fleet=self.fleet is not None) from e
             if not victims:
                 return
             by_id = {f"{x.tenant_id}/{x.scope.key}": x for x in self._live.values()}
             for v in victims:
                 await self._sleep(by_id[v], "tenant's awake limit: least recently active", evict=True)
-        raise TenantAwakeLimit(self.tenant_max_awake)
+        raise TenantAwakeLimit(self.tenant_max_awake, fleet=self.fleet is not None)
 
     async def tick(self) -> int:
         """One pass of the sleep policy over every idle instance this manager owns; returns how many slept."""
