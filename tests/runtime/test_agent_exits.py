@@ -76,7 +76,8 @@ def host(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     stuck = tmp / "stuck"
     stuck.mkdir()
     (stuck / "moorage.toml").write_text('[agent]\nname = "stuck"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\n[agent.limits]\nturn_timeout_s = 3\n')
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:2"\n'
+                                        '[agent.limits]\nturn_timeout_s = 3\n')
     (stuck / "agent.py").write_text(STUCK)
     env = {"MOORAGE_TEST_IMAGES_DIR": os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"),
            "MOORAGE_LOG_LEVEL": "info"}
@@ -133,15 +134,17 @@ def test_a_failed_turn_s_trace_says_why_and_the_cli_names_it(host: LocalHost) ->
 
 
 def test_a_sandbox_that_stopped_under_its_instance_sleeps_metered_and_wakes_from_its_disk(host: LocalHost) -> None:
-    """The host stopped a guest stuck past its turn's timeout; the instance's sleep then failed ("failed to sleep
-    ... it is stopped"), the record was given up as failed and its awake time never metered. It now sleeps."""
+    """The host stopped a guest stuck past its turn's timeout; the instance's idle sleep then failed ("failed to
+    sleep ... it is stopped"), the record was given up as failed and its awake time never metered. It now sleeps
+    (its agent's sleep policy: after 2 s idle)."""
     with Client(host.url, host.key, max_retries=0) as sdk:
-        assert sdk.invoke("stuck", "hello", user="ada")["reply"] == "ok hello"
         with pytest.raises(ApiError) as timed_out:
             sdk.invoke("stuck", "stuck", user="ada")
         assert timed_out.value.code == "turn-timeout", timed_out.value
         box = next(b for b in sdk.list_sandboxes(agent="stuck")["data"] if b["scope"] == "user:stuck/ada")
-        assert sdk.sandbox_action(box["id"], "sleep")["slept"] is True
+        deadline = time.monotonic() + 60
+        while sdk.get_sandbox(box["id"])["state"] != "sleeping" and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert sdk.get_sandbox(box["id"])["state"] == "sleeping"
         assert sdk.usage(agent="stuck", user="ada")["totals"]["compute_seconds"] > 0
         assert sdk.invoke("stuck", "after", user="ada")["reply"] == "ok after"
@@ -161,13 +164,17 @@ def test_an_agent_killed_for_memory_is_told_so(host: LocalHost) -> None:
     """The process driver's answer to a sandbox the cgroup's OOM killer ended said only "guest closed the
     connection"; it now says the agent was killed for memory and names memory_mib. (In a micro-VM the guest's
     kernel kills the supervisor and its init starts a new one: the host sees only that the process exited.)"""
+    process = host.name.endswith("process")
     with Client(host.url, host.key, max_retries=0) as sdk:
-        with pytest.raises(ApiError) as stopped:
-            sdk.invoke("flaky", "hog", user="cyd")
-        assert stopped.value.code == "sandbox-stopped", stopped.value
-        if host.name.endswith("process"):
-            assert "killed for memory (memory_mib = 256)" in stopped.value.detail, stopped.value.detail
-            assert "raise memory_mib" in (stopped.value.hint or "")
-        else:
-            assert "the guest's agent process exited" in stopped.value.detail, stopped.value.detail
-        assert sdk.invoke("flaky", "after", user="cyd")["reply"] == "ok after"
+        # The turn right after it was served, not refused with 409 "sandbox ... is running, not running" while
+        # the killed sandbox's processes were still exiting (a race: a few rounds on the process driver).
+        for _ in range(4 if process else 1):
+            with pytest.raises(ApiError) as stopped:
+                sdk.invoke("flaky", "hog", user="cyd")
+            assert stopped.value.code == "sandbox-stopped", stopped.value
+            if process:
+                assert "killed for memory (memory_mib = 256)" in stopped.value.detail, stopped.value.detail
+                assert "raise memory_mib" in (stopped.value.hint or "")
+            else:
+                assert "the guest's agent process exited" in stopped.value.detail, stopped.value.detail
+            assert sdk.invoke("flaky", "after", user="cyd")["reply"] == "ok after"

@@ -30,14 +30,24 @@ class RunningGuest:
         if channel is not None:
             channel.on_protocol_error = lambda: self._protocol_broken(channel)
             oom_kills = self.cgroup.oom_kills()  # those before this channel are not why it closes
-            channel.why_closed = lambda: self._killed_for_memory(oom_kills)
+            channel.why_closed = lambda: self._guest_closed(channel, oom_kills)
 
-    def _killed_for_memory(self, before: int) -> str | None:
-        """Why the guest closed its channel, when it is that the cgroup's OOM killer ended its process (the kernel
-        counts the kill before it sends the signal, so the count is there once the channel closes)."""
-        if self.cgroup.oom_kills() > before:
-            return f"killed for memory (memory_mib = {self.spec.memory_mib})"
-        return None
+    def _guest_closed(self, channel: Channel, oom_kills_before: int) -> str | None:
+        """The guest closed its channel: its supervisor ended (an exit in the agent's code, the cgroup's OOM killer),
+        which ends the sandbox. Taken as stopped now (as ``state`` would once its processes are gone), so the next
+        turn starts it instead of finding it "running" with a closed channel while they exit. Returns why, where
+        known: the kernel counts an OOM kill before it sends the signal, so the count is there once it closes."""
+        why = None
+        if self.cgroup.oom_kills() > oom_kills_before:
+            why = f"killed for memory (memory_mib = {self.spec.memory_mib})"
+        if self._channel is channel and self._state is SandboxState.RUNNING:
+            if self._pid is not None and self._alive():
+                try:
+                    os.killpg(self._pid, 9)  # ending already (its zygote follows its supervisor): not waited for
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self._state = SandboxState.STOPPED
+        return why
 
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (its disk kept), not trusted with a
@@ -180,6 +190,7 @@ class RunningGuest:
     async def _shutdown(self) -> None:
         """Flush the guest's files, ask the supervisor to exit, then make sure nothing is left running."""
         if self._channel is not None and not self._channel.closed and self._alive():
+            self._channel.why_closed = None  # its supervisor ends because it is asked to (``_guest_closed``)
             try:
                 await self._channel.call("sys.sync", timeout=30)
                 await self._channel.call("sys.shutdown", timeout=5)
