@@ -10,6 +10,7 @@ from typing import Any
 
 from moorage.log import get_logger
 from moorage.store import TenantStore
+from moorage.store.repos.usage import clamp_time
 
 log = get_logger(__name__)
 
@@ -32,6 +33,7 @@ def _where(since: float, until: float | None, agent: str | None, user: str | Non
 def _edges(since: float, until: float) -> tuple[int, int, list[tuple[float, float]]]:
     """The whole UTC days in ``[since, until)`` (``first`` to ``last``, exclusive), and the parts of a day before
     and after them: the rollups answer the days, the ledger (or an instance's level rows) the parts."""
+    since, until = clamp_time(since), clamp_time(until)
     first, last = math.ceil(since / 86400), math.floor(until / 86400)
     return first, last, [(a, b) for a, b in ((since, first * 86400.0), (last * 86400.0, until)) if a < b]
 

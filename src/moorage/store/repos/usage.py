@@ -17,6 +17,17 @@ USAGE_KINDS = ("input_tokens", "output_tokens", "cached_input_tokens", "compute_
                "disk_bytes", "snapshot_bytes")
 
 
+#: The latest time a ledger read looks at (the year 5138): a ``since`` past it, or before the epoch, holds nothing
+#: there is not at its bound, and its day number must stay an integer the store can bind.
+LATEST_TS = 1e11
+
+
+def clamp_time(t: float) -> float:
+    """``t`` within [0, ``LATEST_TS``]: what a query parameter such as ``since=-3.7e113`` may ask of the rollups'
+    day numbers (it was an OverflowError, a 500)."""
+    return min(max(float(t), 0.0), LATEST_TS)
+
+
 class Usage(_Repo):
     """The usage ledger: append-only amounts per kind, summed for reports and budgets."""
 
@@ -34,7 +45,7 @@ class Usage(_Repo):
         self._ts._retried(insert)  # its rollups' rows are shared with concurrent writers (store/usage_rollups.py)
 
     def totals(self, *, since: float | None = None, agent_id: str | None = None, user_id: str | None = None) -> dict[str, float]:
-        since = since or 0.0
+        since = clamp_time(since or 0.0)
         if user_id is not None:  # a user's own rows, through their index (caps before each of their turns)
             where, params = "ts >= ? AND user_id = ?", [since, user_id]
             if agent_id is not None:
