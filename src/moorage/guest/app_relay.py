@@ -128,8 +128,9 @@ class AppRelay:
             self._wake = asyncio.ensure_future(agent.RUNTIME.wake_hook(ctx))
             self._wake.add_done_callback(_wake_ended)
         try:
-            await asyncio.wait_for(asyncio.shield(self._wake), wait_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(self._wake)
+        except TimeoutError:
             raise RpcError("the agent's on_wake did not return within %g s" % wait_s, ON_WAKE_TIMEOUT) from None
         except Exception:  # noqa: BLE001 - logged once by _wake_ended; the app request goes on
             pass
