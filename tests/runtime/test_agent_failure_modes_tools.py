@@ -11,7 +11,6 @@ the sandbox is stopped and the user's next turn runs.
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from moorage.runtime.turns import TurnTimedOut
 from moorage.store import EntityKey
 from tests.conftest import stop_all_sandboxes
 from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
+from tests.runtime.test_builtin_loop import _reply
 
 TOOLS = '''
 import time
@@ -47,13 +47,6 @@ def stall() -> str:
     time.sleep(3600)
     return "done"
 '''
-
-
-def _reply(message: dict) -> Canned:
-    return Canned(body={"id": "chatcmpl-" + uuid.uuid4().hex[:12], "object": "chat.completion", "created": 0,
-                        "model": MODEL, "choices": [{"index": 0, "message": message, "finish_reason":
-                                                     "tool_calls" if message.get("tool_calls") else "stop"}],
-                        "usage": {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}})
 
 
 def _calls(*names: str) -> Canned:
