@@ -27,6 +27,16 @@ console = make_console()
 
 LOCAL_TENANT = "local"
 
+#: What a host does not import before it serves, and why: every second of a start is downtime for the host's users
+#: (an upgrade, a crash). Each is imported by the first request or the configuration that needs it;
+#: ``tests/cli/test_up_imports.py`` checks that a started host holds none of them.
+LAZY_IMPORTS = {
+    "mcp": "the MCP SDK, about half a second of pydantic models: the first MCP request imports it "
+           "(api/mcp.py, in a worker thread)",
+    "langgraph": "a LangGraph agent's checkpointer (store/langgraph.py), imported by the agents that use one",
+    "opentelemetry": "the OTLP exporter (observability/otlp.py), imported only when one is configured",
+}
+
 
 def admin_key_path(cfg: Config) -> Path:
     return cfg.data_dir / "local-admin.key"
