@@ -1,8 +1,8 @@
 """A live upgrade (``moorage up --detach``, then the new version's start) re-adopts micro-VMs whose guest code is the
-older moorage's: it lives in the guest image their disks are overlays on. Their first turn on the new host restarts
-them onto its guest code (files kept, the same QEMU), so what the new ``ctx`` added works in them; and an app whose
-server the agent's module starts answers with the new code right after a redeploy restarted it; a sleep the
-previous release made restores with this version's device layout. bench/upgrade/run.py runs this across two real
+older moorage's: it lives in the guest image their disks are overlays on. Their first turn or app request on the new
+host restarts them onto its guest code (files kept, the same QEMU), so what the new ``ctx`` added works in them; and
+an app whose server the agent's module starts answers with the new code right after a redeploy restarted it; a
+sleep the previous release made restores with this version's device layout. bench/upgrade/run.py runs this across two real
 versions; here the older guest is made from this one's, and the older sleep's record is test data."""
 
 from __future__ import annotations
@@ -103,9 +103,13 @@ def test_a_readopted_guest_on_older_guest_code_is_restarted_onto_the_new_one_fil
 
     up = Up(data)
     try:
-        # The app first: served by the older guest code as it is (and the host then knows what is loaded there).
+        # The app first: the request brings the guest onto this host's code before it is served, as a turn does
+        # (before, the older guest code served it, and only the next turn restarted it).
         r = up.api.get("/v1/agents/echo/users/ada/app/", timeout=60)
         assert (r.status_code, r.text) == (200, "page v1"), r.text
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec",
+                        json={"argv": ["grep", "-c", "async def spawn(", "/opt/moorage/guest/agent_context.py"]})
+        assert r.json()["stdout"].strip() == "1", r.text
         said = up.turn("ada", "spawn")
         assert said.startswith("spawned "), said
         assert up.turn("ada", "hi") == "v1 3"  # its files kept

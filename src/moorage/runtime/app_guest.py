@@ -95,6 +95,12 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
     new channel)."""
     from moorage.runtime import instance_update
 
+    if instance_update.guest_code_behind(runtime, sandbox):
+        # An older moorage's guest code (a micro-VM re-adopted after an upgrade, woken from an older snapshot): it is
+        # restarted onto this host's and the agent's code loaded again, as before a turn, so an app request is not
+        # served by it (before, only a turn brought it up to date). A read of the sandbox's record, in memory.
+        await instance_update.load(runtime, sandbox, deployment, ts, on_restart=on_restart)
+        runtime._loaded[sandbox.id] = deployment.id
     if runtime._loaded.get(sandbox.id) is None:
         # This host process has not used the sandbox yet (re-adopted after `moorage up --detach`, or woken from a
         # snapshot an earlier host process made): its guest says what is loaded, which may be an older deployment
