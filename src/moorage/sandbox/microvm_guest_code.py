@@ -30,23 +30,29 @@ META_KEY = "guest_code"
 #: interpreter (guest/restart.py, ``STARTUP_PREFIXES``) instead of forking one with the old modules imported.
 ENV_KEY = "MOORAGE_GUEST_CODE"
 
-#: Run in the guest with the package as a gzipped tar on stdin: unpacked beside the old one, compiled as the image's
-#: is, and swapped in (a crash in between leaves the old one or the new one in place, never half of one).
+#: Run in the guest with the package as a gzipped tar on stdin (and the package's directory as its argument):
+#: unpacked beside the old one, compiled as the image's is, flushed to the disk, and swapped with the old one by one
+#: ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15, ext4): the directory's name always holds a whole package, the old or
+#: the new, at every point a VM may be stopped hard. Before, two renames (the old one aside, the new one in) left
+#: the guest's init no guest code at all in a VM killed between them before its journal committed the second.
 _INSTALL = r"""
-import compileall, io, os, py_compile, shutil, sys, tarfile
-dst = "%s"
-new, old = dst + ".new", dst + ".old"
-shutil.rmtree(new, ignore_errors=True)
+import compileall, ctypes, io, os, py_compile, shutil, sys, tarfile
+dst = sys.argv[1]
+new = dst + ".new"
+shutil.rmtree(new, ignore_errors=True)  # an install cut short: its half-written package, or the one it swapped out
+shutil.rmtree(dst + ".old", ignore_errors=True)  # an older moorage's install's leftover
 with tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read()), mode="r:gz") as t:
     t.extractall(new)
 if not compileall.compile_dir(new, quiet=1, invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH):
     sys.exit("the guest package did not compile")
-shutil.rmtree(old, ignore_errors=True)
-os.rename(dst, old)
-os.rename(new, dst)
-shutil.rmtree(old, ignore_errors=True)
+os.sync()  # its files on the disk before its name is: an exchange committed first would name unwritten files
+libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2
+if libc.renameat2(AT_FDCWD, new.encode(), AT_FDCWD, dst.encode(), RENAME_EXCHANGE) != 0:
+    sys.exit("renameat2(RENAME_EXCHANGE) failed: " + os.strerror(ctypes.get_errno()))
 os.sync()
-""" % image_guest.GUEST_DIR_IN_VM
+shutil.rmtree(new, ignore_errors=True)  # the old package, under the name the new one had
+"""
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,7 +120,7 @@ async def bring_up_to_date(driver: Any, sandbox: Any) -> bool:
     code, package = _package()
     was = sandbox._meta.get(META_KEY) or (_image_of(str(sandbox._meta["image_dir"])) or ("?",))[0]
     started = time.monotonic()
-    r = await sandbox.exec(["python3", "-c", _INSTALL], stdin=package, timeout=120)
+    r = await sandbox.exec(["python3", "-c", _INSTALL, image_guest.GUEST_DIR_IN_VM], stdin=package, timeout=120)
     if r.exit_code != 0:
         _gave_up.add(sandbox.id)
         log.warning("the guest code could not be written into the instance; it keeps its older one",
