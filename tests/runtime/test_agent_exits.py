@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +39,14 @@ async def on_message(ctx, message):
         os._exit(3)
     if message == "hog":
         held = [bytearray(1 << 20) for _ in range(4096)]  # 4 GiB, past memory_mib (256 MiB)
+    if message == "keep":  # written back at once (fsync): a micro-VM killed from outside keeps it
+        with open("kept.txt", "w") as f:
+            f.write("kept")
+            f.flush()
+            os.fsync(f.fileno())
+        return "written"
+    if message == "read-kept":
+        return open("kept.txt").read()
     return "ok " + message
 '''
 
@@ -178,3 +188,24 @@ def test_an_agent_killed_for_memory_is_told_so(host: LocalHost) -> None:
             else:
                 assert "the guest's agent process exited" in stopped.value.detail, stopped.value.detail
             assert sdk.invoke("flaky", "after", user="cyd")["reply"] == "ok after"
+
+
+def test_a_sandbox_killed_from_outside_sleeps_and_its_next_turn_boots_from_its_disk(host: LocalHost) -> None:
+    """A micro-VM whose QEMU died by itself (killed from outside, crashed) failed every sleep ("instance failed to
+    sleep"), its record given up as failed; it now sleeps as a stopped sandbox does, and its next turn boots it from
+    its disk. On the process driver its killed processes are the same case."""
+    with Client(host.url, host.key, max_retries=0) as sdk:
+        assert sdk.invoke("flaky", "keep", user="dee")["reply"] == "written"
+        box = next(b for b in sdk.list_sandboxes(agent="flaky")["data"] if b["scope"] == "user:flaky/dee")
+        pid = json.loads((host.data / "sandboxes" / box["id"] / "meta.json").read_text())["pid"]
+        if host.name.endswith("process"):
+            os.killpg(pid, signal.SIGKILL)  # the sandbox's session: its wrapper and everything in it
+        else:
+            assert b"qemu" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            os.kill(pid, signal.SIGKILL)
+        assert sdk.sandbox_action(box["id"], "sleep")["slept"] is True
+        assert sdk.get_sandbox(box["id"])["state"] == "sleeping"
+        assert sdk.invoke("flaky", "read-kept", user="dee")["reply"] == "kept"
+        assert sdk.get_sandbox(box["id"])["wake_kind"] == "cold"
+    log = host.log.read_text(errors="replace")
+    assert "failed to sleep" not in log

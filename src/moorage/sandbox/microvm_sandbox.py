@@ -37,7 +37,7 @@ from moorage.sandbox.microvm_guest_port import GuestPortWatch
 from moorage.sandbox.microvm_files import allocated, write_json
 from moorage.sandbox.microvm_process import COLD_BOOT_TIMEOUT_S, QemuProcess
 from moorage.sandbox.microvm_process import BootError
-from moorage.sandbox.microvm_qemu import VMConfig, VMPaths, build_argv, run_dir_for
+from moorage.sandbox.microvm_qemu import VMConfig, VMPaths, build_argv, pid_is_ours, run_dir_for
 from moorage.sandbox.microvm_wake import Waking
 from moorage.sandbox.qmp import QMPClient, QMPError
 
@@ -210,6 +210,12 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
         async with self._lock:
             if self.state is SandboxState.STOPPED:
                 return await self._sleep_stopped()
+            if self.state is SandboxState.RUNNING and self._qemu_gone():
+                # Its QEMU died by itself (killed from outside, crashed): the guest's memory went with it, as with
+                # a stopped guest. Its sleep failed ("QMP not connected") and every idle sleep after it.
+                log.warning("the micro-VM's QEMU had exited by itself; it sleeps as its disk, and its next wake "
+                            "boots it from there", sandbox=self.id, code=self._proc.returncode if self._proc else None)
+                return await self._sleep_stopped()
             if self.state is not SandboxState.RUNNING:
                 raise SandboxStateError(f"sandbox {self.id} is {self.state.value}; only a running or stopped sandbox "
                                         "can sleep", hint="call wake() first")
@@ -231,6 +237,14 @@ class MicroVMSandbox(GuestPortWatch, DiskFullPause, Checkpointing, Waking, QemuP
                     log.warning("guest sync before sleep failed", sandbox=self.id, error=str(e))
             info = await self._snapshot_to(self.dir / "snapshot", keep_running=False)
             return info
+
+    def _qemu_gone(self) -> bool:
+        """Whether this running sandbox's QEMU has exited (ours: reaped; one re-adopted after a host restart: its pid
+        no longer a QEMU of this sandbox)."""
+        if self._proc is not None:
+            return self._proc.poll() is not None
+        pid = self.pid
+        return not pid or not pid_is_ours(pid, str(self.run_dir))
 
     async def _sleep_stopped(self) -> SnapshotInfo:
         """A stopped guest (the host stopped it: stuck past its turn's timeout, or it broke the channel protocol)
