@@ -13,7 +13,6 @@ import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
-from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
@@ -22,7 +21,7 @@ from rich.table import Table
 from moorage.cli.console import id_column, make_console, print_table
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
-from moorage.client._local import LOOPBACK, SERVING, local_url, served_url
+from moorage.client._local import on_this_machine, server
 from moorage.config import Config
 from moorage.errors import ConfigError, InvalidInput, MoorageError
 
@@ -39,25 +38,12 @@ class ApiError(MoorageError):
         self.status = status
 
 
-def _server(cfg: Config) -> tuple[str, str]:
-    """The server's URL and where it came from: ``api_url`` (MOORAGE_API_URL) if set, else where the ``moorage up``
-    running on this data directory said it serves (a record whose process is gone is passed over), else the
-    configured ``host``:``port``."""
-    if cfg.api_url:
-        return cfg.api_url, "api_url / MOORAGE_API_URL"
-    recorded = served_url(cfg.data_dir)
-    if recorded is not None:
-        return recorded
-    return (local_url(cfg.host, cfg.port), f"host and port of the config: no running `moorage up` recorded its "
-                                           f"address in {cfg.data_dir / SERVING}")
-
-
 def _client(cfg: Config) -> Client:
-    url, origin = _server(cfg)
+    url, origin = server(cfg)  # as the SDK's Client() finds it (client/_local.py)
     key = cfg.api_key
     if not key:
         path = cfg.data_dir / "local-admin.key"
-        if not _on_this_machine(url, cfg.data_dir):
+        if not on_this_machine(url, cfg.data_dir):
             # The local admin key never leaves the machine (as the SDK's Client() keeps it).
             raise ConfigError(f"no API key for {url}",
                               hint="set MOORAGE_API_KEY to a key of that server (this machine's local admin key is "
@@ -68,13 +54,6 @@ def _client(cfg: Config) -> Client:
     client = Client(url, key)
     client.settings = dataclasses.replace(client.settings, url_from=origin)  # said when it cannot be reached
     return client
-
-
-def _on_this_machine(url: str, data_dir: Path) -> bool:
-    """Whether ``url`` is a server on this machine: a loopback name, or where the ``moorage up`` of ``data_dir``
-    said it serves."""
-    recorded = served_url(data_dir)
-    return (urlsplit(url).hostname or "") in LOOPBACK or (recorded is not None and recorded[0] == url.rstrip("/"))
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 import uuid
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any, Iterator
 import httpx
 
 from moorage.client._api import Request
-from moorage.client._local import SERVING, local_admin_data_dir, local_admin_key, served_url
+from moorage.client._local import local_admin_key, local_config, server
 from moorage.client.errors import ApiError, Conflict, PoolExhausted, Unavailable, error_for
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -43,9 +42,15 @@ class Settings:
 
     @classmethod
     def resolve(cls, base_url: str | None, api_key: str | None, **kw: Any) -> "Settings":
-        url, url_from = resolve_url(base_url)
-        key = api_key if api_key is not None else os.environ.get("MOORAGE_API_KEY") or local_admin_key(url)
-        return cls(url.rstrip("/"), key, url_from=url_from, **{k: v for k, v in kw.items() if v is not None})
+        options = {k: v for k, v in kw.items() if v is not None}
+        if base_url and api_key is not None:
+            return cls(base_url.rstrip("/"), api_key, **options)
+        # What the CLI run here finds (client/_local.py): its config's api_url, api_key and data_dir (from
+        # ./moorage.toml too), the address and the admin key the `moorage up` of that data directory wrote there.
+        cfg = local_config()
+        url, url_from = (base_url, "") if base_url else server(cfg)
+        key = api_key if api_key is not None else cfg.api_key or local_admin_key(url, cfg.data_dir)
+        return cls(url.rstrip("/"), key, url_from=url_from, **options)
 
     def limits(self) -> httpx.Limits:
         return httpx.Limits(max_connections=self.max_connections,
@@ -56,24 +61,6 @@ class Settings:
         if self.api_key:
             h["authorization"] = f"Bearer {self.api_key}"
         return h
-
-
-DEFAULT_URL = "http://127.0.0.1:7700"
-
-
-def resolve_url(base_url: str | None) -> tuple[str, str]:
-    """The server's URL and where it came from: the one given, else ``MOORAGE_API_URL``, else the one the running
-    ``moorage up`` of this machine recorded in its data directory, else the default port on this machine."""
-    if base_url:
-        return base_url, ""
-    if os.environ.get("MOORAGE_API_URL"):
-        return os.environ["MOORAGE_API_URL"], "from MOORAGE_API_URL"
-    data_dir = local_admin_data_dir()
-    recorded = served_url(data_dir)
-    if recorded is not None:
-        return recorded
-    return DEFAULT_URL, (f"the default: no MOORAGE_API_URL, and no running `moorage up` recorded its address in "
-                         f"{data_dir / SERVING}")
 
 
 def prepare(req: Request) -> Request:
