@@ -206,7 +206,12 @@ def apply(
     trace = trace or TraceContext.new()
     scope = record.scope
     with ts.transaction():
+        awake = _awake_period_ended(ts, record, to, new_meta, owner)
         new = ts.sandboxes.update(record.id, expected_version=record.version, **changes)
+        if awake is not None:  # in the same transaction: a takeover that loses the race bills nothing
+            ts.usage.add("compute_seconds", awake[1] - awake[0], agent_id=scope.agent, user_id=scope.user,
+                         scope=scope, meta={"instance": record.id, "reason": f"{verb.value} after its host stopped",
+                                            "awake_until": awake[1]})
         ts.spans.record(Span(
             trace_id=trace.trace_id,
             span_id=uuid.uuid4().hex[:16],
@@ -223,6 +228,33 @@ def apply(
             scope=scope,
         ))
     return new
+
+
+def _awake_period_ended(ts: TenantStore, record: SandboxRecord, to: InstanceState, new_meta: dict[str, Any],
+                        owner: Owner) -> tuple[float, float] | None:
+    """The awake period a transition ends without a sleep recording it (``awake_since`` to its end), or None.
+
+    A sleep writes its ``compute_seconds`` itself and drops ``awake_since`` (lifecycle/sleeping.py). Any other way
+    out of running (recovery after the host restarted, a failure, another host taking the instance over) ended
+    the period too: it is billed here, once, and ``awake_since`` leaves the record (it was kept, and the period
+    lost, when the next wake stamped a new one). Its end: now, when this process held the instance (it was alive
+    until now); otherwise the latest activity the store recorded of the instance's user (their turns' writes),
+    as nothing records when a host died: the idle time between that and the death is not billed."""
+    since = record.meta.get("awake_since")
+    if not isinstance(since, (int, float)) or to in (S.RUNNING, S.SUSPENDING) or new_meta.get("awake_since") != since:
+        return None
+    new_meta.pop("awake_since")
+    now = time.time()
+    held = [record.meta.get(k) for k in ("owner", "claim")]
+    if any(isinstance(h, dict) and h.get("owner") == owner.id for h in held):
+        return since, max(since, now)
+    scope = record.scope
+    if scope.kind == "user" and scope.user is not None:
+        rows = ts.read("SELECT MAX(last_active) FROM scopes WHERE agent_id = ? AND user_id = ?", [scope.agent, scope.user])
+    else:
+        rows = ts.read("SELECT MAX(last_active) FROM scopes WHERE scope = ?", [scope.key])
+    seen = rows[0][0] if rows and rows[0][0] is not None else since
+    return since, min(now, max(since, float(seen)))
 
 
 def _span(ts: TenantStore, record: SandboxRecord, name: str, owner: Owner, trace: TraceContext | None, frm: str | None,
