@@ -1,6 +1,7 @@
 """An agent's ``[agent.secrets] env`` secret reaches the processes it spawns while it is opted in; after the agent
 opts out (a redeploy without it) or the secret is deleted, a process spawned later does not get it, and one spawned
-before keeps the environment it was started with (a process's environment cannot be changed from outside)."""
+before keeps the environment it was started with (a process's environment cannot be changed from outside). Its
+``on_wake`` gets it whatever woke the sandbox, an app request too; a command run through the sandbox API does not."""
 
 from __future__ import annotations
 
@@ -91,3 +92,49 @@ def test_a_deleted_secret_is_not_handed_to_processes_spawned_after(host: LocalHo
         sdk.invoke("envy", "spawn after", user="ada")
         assert _read(sdk, "after") == "<absent>"
         assert _read(sdk, "before") == "tok-2"  # started with it: keeps it
+
+
+WAKER = '''
+import os, sys
+
+async def on_wake(ctx):  # the page says what on_wake found in its environment; the server it starts has the same
+    ctx.files.write("site/index.html", os.environ.get("TOKEN", "<absent>"))
+    await ctx.spawn([sys.executable, "-m", "http.server", "8080", "--bind", "127.0.0.1",
+                     "--directory", os.path.join(ctx.files.root, "site")], log="server.log")
+
+async def on_message(ctx, message):
+    return os.environ.get("TOKEN", "<absent>")
+'''
+
+
+def _page(host: LocalHost, user: str) -> str:
+    with host.client(host.key) as c:
+        deadline = time.monotonic() + 30
+        while True:
+            r = c.get(f"/v1/agents/wakeenv/users/{user}/app/")
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        return r.text
+
+
+def test_on_wake_run_for_an_app_request_gets_the_secrets_a_turn_gets(host: LocalHost, tmp_path: Path) -> None:
+    root = tmp_path / "wakeenv"
+    root.mkdir()
+    (root / "moorage.toml").write_text('[agent]\nname = "wakeenv"\nentry = "agent.py"\nports = [8080]\n'
+                                       '[agent.lifecycle]\nusers = "auto"\n[agent.secrets]\nenv = ["TOKEN"]\n')
+    (root / "agent.py").write_text(WAKER)
+    with Client(host.url, host.key) as sdk:
+        sdk.deploy("wakeenv", root)
+        sdk.set_secret("wakeenv", "TOKEN", "tok-app")
+        assert _page(host, "cy") == "tok-app"  # the app request started the instance: on_wake ran with it
+        sid = sdk.get_user("wakeenv", "cy")["instance"]["sandbox_id"]
+        sdk.set_secret("wakeenv", "TOKEN", "tok-woken")
+        sdk.sandbox_action(sid, "sleep")  # the process driver stops every process
+        assert _page(host, "cy") == "tok-woken"  # woken by the app request: the current value, as a turn gets it
+        assert sdk.invoke("wakeenv", "env", user="cy")["reply"] == "tok-woken"
+        # A command through the sandbox API is the caller's, outside any turn: only the env its request passes.
+        said = sdk.exec(sid, ["sh", "-c", 'echo "${TOKEN:-<absent>}"'])
+        assert said["stdout"].strip() == "<absent>", said
+        assert sdk.exec(sid, ["sh", "-c", 'echo "$TOKEN"'], env={"TOKEN": "given"})["stdout"].strip() == "given"

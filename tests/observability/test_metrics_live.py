@@ -88,3 +88,33 @@ async def test_a_cancelled_turn_is_counted_as_cancelled(live_host: LiveHost) -> 
             await asyncio.sleep(0.05)
     assert value(samples, "moorage_turn_seconds_count", outcome="cancelled") == 1
     assert value(samples, "moorage_turn_seconds_count", outcome="failed") == 0
+
+
+async def test_a_sleep_the_store_could_not_record_is_counted_with_its_outcome(
+        live_host: LiveHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a sleep whose sandbox failed was counted: one whose snapshot was written but whose record found the disk
+    full (SQLite's own error at exactly that write) answered 507 and did not show in ``moorage_sleep_seconds``."""
+    import sqlite3
+
+    from moorage.lifecycle.sleeping import Sleeping
+
+    real, refused = Sleeping._mark_slept, []
+
+    def mark_slept(self, *args, **kw):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(True)
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(Sleeping, "_mark_slept", mark_slept)
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/echo/deployments", content=archive(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})).status_code == 200
+        (box,) = (await c.get("/v1/sandboxes")).json()["data"]
+        r = await c.post(f"/v1/sandboxes/{box['id']}/sleep")
+        assert r.status_code == 507 and r.json()["type"].endswith("disk-full"), r.text
+        assert refused
+    samples = await live_host.scrape()
+    assert value(samples, "moorage_sleep_seconds_count", outcome="disk-full") == 1
+    assert value(samples, "moorage_sleep_seconds_count", outcome="ok") == 0

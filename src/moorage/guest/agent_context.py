@@ -48,6 +48,24 @@ class ExecTimeout(subprocess.TimeoutExpired):
 #: so one no longer handed over is taken out even when the deployment no longer names it.
 _SECRET_ENV_PUT: set = set()
 
+def secret_env_names(agent: LoadedAgent) -> List[str]:
+    """The secrets the agent opted into its environment (``[agent.secrets] env``)."""
+    names = (agent.manifest.get("secrets") or {}).get("env")
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
+
+def put_secret_env(names: List[str], env: Dict[str, Any]) -> None:
+    """Put ``env`` (the host's values of the opted-in secrets ``names``) into os.environ, and take out every one put
+    there before that is no longer handed over: deleted since, or no longer opted into (a redeploy without it). A
+    process started before keeps the environment it was started with. Before a turn and before an app request's
+    ``on_wake``, so whatever wakes the sandbox, the processes ``on_wake`` starts get the same environment."""
+    for name in (_SECRET_ENV_PUT | set(names)) - set(env):
+        os.environ.pop(name, None)
+    os.environ.update({str(k): str(v) for k, v in env.items()})
+    _SECRET_ENV_PUT.clear()
+    _SECRET_ENV_PUT.update(str(k) for k in env)
+
+
 #: HostError kinds that a retry would get again: a step that meets one fails at once instead of being retried.
 FINAL_KINDS = frozenset({"egress-denied", "egress-policy", "invalid-input", "not-found", "tenant-scope"})
 
@@ -236,16 +254,9 @@ class AgentContext:
 
     async def _secret_env(self) -> None:
         """Put the secrets this agent opted into (``[agent.secrets] env``) into os.environ for its code and the
-        processes it starts from now on, and take out every one an earlier turn put there that is no longer
-        handed over: deleted since, or no longer opted into (a redeploy without it). A process started before
-        keeps the environment it was started with."""
-        names = (self.agent.manifest.get("secrets") or {}).get("env")
-        env = (await self._host.call("secrets.env", {}))["env"] if names else {}
-        for name in (_SECRET_ENV_PUT | {n for n in names or () if isinstance(n, str)}) - set(env):
-            os.environ.pop(name, None)
-        os.environ.update({str(k): str(v) for k, v in env.items()})
-        _SECRET_ENV_PUT.clear()
-        _SECRET_ENV_PUT.update(str(k) for k in env)
+        processes it starts from now on (``put_secret_env``)."""
+        names = secret_env_names(self.agent)
+        put_secret_env(names, (await self._host.call("secrets.env", {}))["env"] if names else {})
 
     async def mcp(self, server: str, tool: str, **arguments: Any) -> Dict[str, Any]:
         """Call a tool of an external MCP server; the host connects and adds the credentials, never the sandbox.

@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict
 
 from . import agent
+from .agent_context import put_secret_env, secret_env_names
 from .rpc import INVALID_PARAMS, Context, Registry, RpcError, log
 
 #: Connections open at once; a host that forgets to close some cannot exhaust the guest.
@@ -34,6 +35,9 @@ APP_UNREACHABLE = -32020
 APP_BUSY = -32021
 #: ... and with this one when the agent's ``on_wake`` did not return within the wait the host allows it.
 ON_WAKE_TIMEOUT = -32022
+#: ... and with this one when ``on_wake`` is due and the agent opted secrets into its environment but the host sent
+#: none (``secret_env``): the host asks again with them, so on_wake runs with the environment a turn gives it.
+NEEDS_SECRET_ENV = -32023
 #: How long ``app.open`` waits for ``on_wake`` when the host does not say (``wake_wait_s``: the agent's limits).
 WAKE_WAIT_S = 10.0
 
@@ -105,7 +109,7 @@ class AppRelay:
         wake_wait_s = params.get("wake_wait_s", WAKE_WAIT_S)
         if isinstance(wake_wait_s, bool) or not isinstance(wake_wait_s, (int, float)) or not 0 < wake_wait_s <= 3600:
             raise RpcError("wake_wait_s must be a positive number of seconds", INVALID_PARAMS)
-        await self._woken(ctx, float(wake_wait_s))
+        await self._woken(ctx, float(wake_wait_s), params.get("secret_env"))
         try:
             async with asyncio.timeout(10):
                 reader, writer = await _connect(port)
@@ -117,14 +121,23 @@ class AppRelay:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         return {"conn": cid}
 
-    async def _woken(self, ctx: Context, wait_s: float) -> None:
+    async def _woken(self, ctx: Context, wait_s: float, secret_env: Any) -> None:
         """The agent's ``on_wake`` first, if it is due: it may be what starts the app's server again. Waited for at
         most ``wait_s``: one that takes longer goes on running, the request is refused (``ON_WAKE_TIMEOUT``) and the
         next one waits for the same run, rather than each request holding its caller until the host gave up on it.
-        One that fails is logged and the request goes on (the next turn reports it; it runs again before the next)."""
+        One that fails is logged and the request goes on (the next turn reports it; it runs again before the next).
+        The secrets the agent opted into its environment are put there first, as before a turn (``secret_env``, the
+        host's; asked for with ``NEEDS_SECRET_ENV``): before, an on_wake an app request ran went without them."""
         if agent.RUNTIME is None or not agent.RUNTIME.wake_due:
             return
         if self._wake is None or self._wake.done():
+            loaded = next(iter(agent.RUNTIME.agents.values()), None)
+            names = secret_env_names(loaded) if loaded is not None and loaded.on_wake is not None else []
+            if names:
+                if not isinstance(secret_env, dict):
+                    raise RpcError("the agent's on_wake is due and its secrets for the environment were not sent",
+                                   NEEDS_SECRET_ENV)
+                put_secret_env(names, secret_env)
             self._wake = asyncio.ensure_future(agent.RUNTIME.wake_hook(ctx))
             self._wake.add_done_callback(_wake_ended)
         try:

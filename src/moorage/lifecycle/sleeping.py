@@ -7,7 +7,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from moorage.errors import ConflictError, MoorageError, UnavailableError, disk_full
+from moorage.errors import ConflictError, MoorageError, StoreUnreachable, UnavailableError, disk_full
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
 from moorage.lifecycle.capacity import AwakeInstance, CapacityExhausted, HostCapacity
@@ -21,7 +21,6 @@ from moorage.observability import events
 from moorage.sandbox import SandboxState
 from moorage.store import SandboxRecord, Scope, TenantStore
 from moorage.store.base import StoreContention
-from moorage.store.pg_outage import StoreUnreachable
 from moorage.usage import ledger as usage_ledger
 
 if TYPE_CHECKING:
@@ -29,6 +28,16 @@ if TYPE_CHECKING:
     from moorage.sandbox import SandboxDriver
 
 log = get_logger("moorage.lifecycle.manager")
+
+
+def sleep_outcome(e: BaseException) -> str:
+    """The ``outcome`` label of a sleep that raised ``e``: ``disk-full`` (the host's disk had no room for its
+    snapshot or its record), ``store-unreachable`` (PostgreSQL did not answer), else ``failed``."""
+    if disk_full(e) is not None:
+        return "disk-full"
+    if isinstance(e, StoreUnreachable):
+        return "store-unreachable"
+    return "failed"
 
 
 class Sleeping:
@@ -145,69 +154,82 @@ class Sleeping:
                 return False
             started = time.time()
             try:
-                rec = await self.io(machine.apply, ts, rec, V.CLAIM_SLEEP, owner=self.owner, trace=trace, reason=reason)
-            except ConflictError:
-                return False
-            if li.activity.busy:
-                # A turn arrived while the claim was written: hand the instance straight back to it.
-                await self.io(machine.apply, ts, rec, V.ADOPT, owner=self.owner, trace=trace, claim=False,
-                              reason="turn arrived during sleep claim")
-                return False
-            sandbox = li.sandbox
-            li.sandbox = None
-            # Stopped by itself (its agent's code ended its process, it was killed for memory, the host stopped a
-            # stuck guest): it sleeps as its disk, which is where its next turn starts it from.
-            stopped = sandbox.state is SandboxState.STOPPED
-            try:
-                snap = await sandbox.sleep()
+                return await self._sleep_claimed(li, ts, rec, trace, reason, started, evict)
             except Exception as e:
-                events.lifecycle("sleep", "failed", started)
-                log.error("instance failed to sleep", instance=rec.id, error=str(e))
-                try:
-                    await self._give_up(ts, rec, trace, f"sleep failed: {e}")
-                except Exception as e2:
-                    if disk_full(e2) is None:
-                        raise
-                    self._give_up_when_room(ts, rec, trace, f"sleep failed: {e}")
-                    raise
-                full = disk_full(e)
-                if full is not None:  # said as such (a requested sleep answered "slept": false, an eviction that
-                    raise full from e  # kept failing "idle instances kept getting new turns")
-                return False
-            meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
-            # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
-            # With when it became idle and who slept it: if this process releases it (``release_asleep``), the
-            # gap until its next turn is still learned (``restore_activity``).
-            meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict(),
-                                "idle_since": li.activity.idle_since, "slept_by": self.owner.id}
-            if self.fleet is not None:
-                # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
-                # and this host (whose disk has the newest copy) keeps serving it.
-                try:
-                    meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch,
-                                                    held=self.record_now(ts, rec.id))
-                    meta["shipped_current"] = True
-                except Exception as e:
-                    meta["shipped_current"] = False
-                    self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
-                    log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
-            sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
-            try:
-                await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
-            except Exception as e:
-                if not isinstance(e, StoreUnreachable) and disk_full(e) is None:
-                    raise
-                self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+                # Every sleep that failed is counted, with why: the sandbox's own sleep, or the store's record of
+                # its claim or its outcome (a full disk, a store that cannot be reached). Only the sandbox's own
+                # failure was counted before: a sleep the store stopped did not show in moorage_sleep_seconds.
+                events.lifecycle("sleep", sleep_outcome(e), started)
                 raise
-            li.owned = False
-            self._counts["evictions" if evict else "sleeps"] += 1
-            events.lifecycle("sleep", "ok", started)
-            if stopped:
-                log.info("instance slept: its sandbox had stopped, so its memory was gone already; its next turn "
-                         "starts it from its disk", instance=rec.id, scope=str(li.scope), reason=reason)
-            else:
-                log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
-            return True
+
+    async def _sleep_claimed(self, li: LiveInstance, ts: TenantStore, rec: SandboxRecord, trace: TraceContext,
+                             reason: str, started: float, evict: bool) -> bool:
+        """``_sleep`` from its claim on: under the instance's lock, its record read as running and ours."""
+        try:
+            rec = await self.io(machine.apply, ts, rec, V.CLAIM_SLEEP, owner=self.owner, trace=trace, reason=reason)
+        except ConflictError:
+            return False
+        if li.activity.busy:
+            # A turn arrived while the claim was written: hand the instance straight back to it.
+            await self.io(machine.apply, ts, rec, V.ADOPT, owner=self.owner, trace=trace, claim=False,
+                          reason="turn arrived during sleep claim")
+            return False
+        sandbox = li.sandbox
+        assert sandbox is not None  # checked under the instance's lock (``_sleep``), which is still held
+        li.sandbox = None
+        # Stopped by itself (its agent's code ended its process, it was killed for memory, the host stopped a
+        # stuck guest): it sleeps as its disk, which is where its next turn starts it from.
+        stopped = sandbox.state is SandboxState.STOPPED
+        try:
+            snap = await sandbox.sleep()
+        except Exception as e:
+            log.error("instance failed to sleep", instance=rec.id, error=str(e))
+            try:
+                await self._give_up(ts, rec, trace, f"sleep failed: {e}")
+            except Exception as e2:
+                if disk_full(e2) is None:
+                    raise
+                self._give_up_when_room(ts, rec, trace, f"sleep failed: {e}")
+                raise
+            full = disk_full(e)
+            if full is not None:  # said as such (a requested sleep answered "slept": false, an eviction that
+                raise full from e  # kept failing "idle instances kept getting new turns")
+            events.lifecycle("sleep", sleep_outcome(e), started)
+            return False
+        meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
+        # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
+        # With when it became idle and who slept it: if this process releases it (``release_asleep``), the
+        # gap until its next turn is still learned (``restore_activity``).
+        meta["activity"] = {"turns": li.activity.turns, "gaps": li.activity.gaps.to_dict(),
+                            "idle_since": li.activity.idle_since, "slept_by": self.owner.id}
+        if self.fleet is not None:
+            # Acknowledged only once durable in the object store; if shipping fails the sleep still stands
+            # and this host (whose disk has the newest copy) keeps serving it.
+            try:
+                meta["shipped"] = await self.io(self.fleet.ship, ts.tenant_id, rec, rec.lease_epoch,
+                                                held=self.record_now(ts, rec.id))
+                meta["shipped_current"] = True
+            except Exception as e:
+                meta["shipped_current"] = False
+                self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
+                log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
+        sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
+        try:
+            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+        except Exception as e:
+            if not isinstance(e, StoreUnreachable) and disk_full(e) is None:
+                raise
+            self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            raise
+        li.owned = False
+        self._counts["evictions" if evict else "sleeps"] += 1
+        events.lifecycle("sleep", "ok", started)
+        if stopped:
+            log.info("instance slept: its sandbox had stopped, so its memory was gone already; its next turn "
+                     "starts it from its disk", instance=rec.id, scope=str(li.scope), reason=reason)
+        else:
+            log.info("instance slept", instance=rec.id, scope=str(li.scope), reason=reason)
+        return True
 
     async def sleep_all(self, reason: str, *, wait_busy_s: float = 0.0) -> tuple[int, int]:
         """Sleep every instance this manager owns that is awake (a few at a time), waiting up to ``wait_busy_s``

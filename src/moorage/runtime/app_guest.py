@@ -22,6 +22,8 @@ APP_UNREACHABLE = -32020
 APP_BUSY = -32021
 #: ... and for "the agent's on_wake did not return within ``wake_wait_s``" (it goes on running in the guest).
 ON_WAKE_TIMEOUT = -32022
+#: ... and for "on_wake is due and needs the secrets the agent opted into its environment" (``secret_env``).
+NEEDS_SECRET_ENV = -32023
 #: How long ``app.open`` may take besides the wait for ``on_wake``: the guest's connect to the port gives up at 10 s.
 OPEN_S = 15.0
 #: Bytes asked of the guest per read (its own cap is the same).
@@ -86,13 +88,15 @@ async def _within_compute_cap(runtime: Any, ts: TenantStore, agent_name: str, us
     raise caps.CapExceeded(agent_name, user, "compute_seconds_per_day", cap["limit"], cap["used"], cap["resets_at"], now)
 
 
-async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any,
-                          on_restart: Any = None, **options: Any) -> dict[str, Any]:
+async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int, *, ts: Any, agent_name: str,
+                          user: str, on_restart: Any = None, **options: Any) -> dict[str, Any]:
     """A guest connection to the app's port (``options`` go to ``app.open``). A guest that booted without the
     agent's code (a sandbox whose processes did not survive its sleep, a cold boot) gets it loaded first, which
     starts an app the agent module runs, and is asked again for a few seconds while the app binds its port.
     Loading may restart the sandbox for the deployment's packages (``instance_update``; ``on_restart`` gets the
-    new channel)."""
+    new channel). A guest whose ``on_wake`` is due asks for the secrets ``user``'s instance of ``agent_name`` opted
+    into its environment, and gets them as a turn does (before, on_wake ran without them when an app request woke
+    the sandbox)."""
     from moorage.runtime import instance_update
 
     if instance_update.guest_code_behind(runtime, sandbox):
@@ -120,11 +124,15 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
     # bound on its code's runs, or the app's on an answer if shorter (before, the host's channel gave up after 15 s
     # with an error that named nothing, and so did every later request while on_wake still ran).
     wake_wait_s = min(turn_timeout_s(deployment.manifest), float(runtime.config.app_timeout_s))
+    secret_env: dict[str, Any] = {}
     while True:
         try:
-            return await sandbox.channel.call("app.open", {"port": port, "wake_wait_s": wake_wait_s, **options},
-                                              timeout=wake_wait_s + OPEN_S)
+            return await sandbox.channel.call("app.open", {"port": port, "wake_wait_s": wake_wait_s, **options,
+                                                           **secret_env}, timeout=wake_wait_s + OPEN_S)
         except RemoteError as e:
+            if e.rpc_code == NEEDS_SECRET_ENV and not secret_env:
+                secret_env = {"secret_env": await _secret_env(runtime, ts, deployment, agent_name, user)}
+                continue
             if e.rpc_code == ON_WAKE_TIMEOUT:
                 raise OnWakeTimeout(wake_wait_s) from None
             if e.rpc_code == APP_BUSY:
@@ -148,3 +156,15 @@ async def open_connection(runtime: Any, sandbox: Any, deployment: Any, port: int
             raise AppUnavailable(f"the agent's app is not listening on port {port}",
                                  hint=f"start a server on 127.0.0.1:{port} in the sandbox")
         await asyncio.sleep(0.1)
+
+
+async def _secret_env(runtime: Any, ts: Any, deployment: Any, agent_name: str, user: str) -> dict[str, str]:
+    """The secrets the deployment opted into the guest's environment (``[agent.secrets] env``), as a turn's guest
+    gets them (``host_calls.secrets_env``)."""
+    from moorage.runtime.host_calls import secrets_of
+    from moorage.secrets import Bindings
+
+    bindings = Bindings.from_manifest(deployment.manifest)
+    if not bindings.env:
+        return {}
+    return await asyncio.to_thread(secrets_of(runtime).env, ts, agent_name, user, bindings)

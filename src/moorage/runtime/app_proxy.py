@@ -182,7 +182,8 @@ async def app_request(runtime: Any, ts: TenantStore, agent_name: str, user: str,
             attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
 
         network(live_channel(sandbox))
-        opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network)
+        opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, agent_name=agent_name, user=user,
+                                        on_restart=network)
         exchange = _Exchange(sandbox, int(opened["conn"]), deadline, max_response, head_timeout)
         stack.push_async_callback(exchange.close)
         try:

@@ -342,8 +342,8 @@ async def open_app_socket(runtime: Any, ts: TenantStore, agent_name: str, user: 
                 attach(runtime, sandbox.id, channel, ts, agent_name, user, deployment.manifest)
 
             network(live_channel(sandbox))
-            opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, on_restart=network,
-                                           idle_s=GUEST_IDLE_S)
+            opened = await open_connection(runtime, sandbox, deployment, port, ts=ts, agent_name=agent_name, user=user,
+                                           on_restart=network, idle_s=GUEST_IDLE_S)
             conn = GuestConnection(sandbox.channel, int(opened["conn"]), float(config.app_timeout_s))
             protocol = ClientProtocol(parse_uri(f"ws://127.0.0.1:{port}/"), subprotocols=req.subprotocols or None,
                                       max_size=max_message)
