@@ -78,6 +78,14 @@ class UnavailableError(MoorageError):
     http_status = 503
 
 
+class StoreUnreachable(UnavailableError):
+    """The store's PostgreSQL server cannot be reached right now (restarting, failing over, down). Here rather than
+    beside the driver (``store/pg_outage.py``) so that a host on SQLite never imports the PostgreSQL driver."""
+
+    #: Seconds a caller is asked to wait before retrying (a PostgreSQL restart takes a second or two).
+    retry_after = 2.0
+
+
 class DiskFull(MoorageError):
     """The disk under the host's data directory (or its database's) is full: what the request was writing was not
     written. Nothing before it is lost; it works again as soon as there is room, without a restart."""

@@ -35,6 +35,8 @@ LAZY_IMPORTS = {
            "(api/mcp.py, in a worker thread)",
     "langgraph": "a LangGraph agent's checkpointer (store/langgraph.py), imported by the agents that use one",
     "opentelemetry": "the OTLP exporter (observability/otlp.py), imported only when one is configured",
+    "psycopg": "PostgreSQL's driver, for a host whose store is PostgreSQL (store/postgres.py); its outage error is "
+               "moorage.errors.StoreUnreachable, so the lifecycle and webhooks catch it without the driver",
 }
 
 

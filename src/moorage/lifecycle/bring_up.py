@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from moorage.errors import ConflictError, InvalidInput, MoorageError, UnavailableError
+from moorage.errors import ConflictError, InvalidInput, MoorageError, StoreUnreachable, UnavailableError
 from moorage.fleet.forward import forwarded
 from moorage.lifecycle import fleet as fleet_rules
 from moorage.lifecycle import machine
@@ -28,7 +28,6 @@ from moorage.log import get_logger
 from moorage.observability import events
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
 from moorage.store import FORKED_FROM, SHARED_TEMPLATE, SandboxRecord, Scope, TenantStore
-from moorage.store.pg_outage import StoreUnreachable
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember

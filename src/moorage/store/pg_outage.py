@@ -16,7 +16,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import PoolTimeout
 
-from moorage.errors import UnavailableError
+from moorage.errors import StoreUnreachable
 from moorage.log import STILL_FAILING_EVERY_S
 from moorage.observability import events
 
@@ -24,7 +24,7 @@ from moorage.observability import events
 #: two; a longer wait would only hold the caller and a worker thread).
 CONNECT_WAIT_S = 5.0
 #: What the 503 asks a caller to wait before retrying.
-RETRY_AFTER_S = 2.0
+RETRY_AFTER_S = StoreUnreachable.retry_after
 _HINT = "retry in a few seconds; the host reconnects by itself once PostgreSQL is back"
 #: SQLSTATEs of a server that is shutting down, starting or gone (class 08: the connection; 57P0x: shutdown).
 _LOST_STATES = ("57P01", "57P02", "57P03", "57P05")
@@ -73,12 +73,6 @@ def quiet_pool_warnings() -> None:
     pool_log = logging.getLogger(_POOL_LOGGER)
     if not any(isinstance(f, QuietPoolWarnings) for f in pool_log.filters):
         pool_log.addFilter(QuietPoolWarnings())
-
-
-class StoreUnreachable(UnavailableError):
-    """The store's PostgreSQL server cannot be reached right now (restarting, failing over, down)."""
-
-    retry_after = RETRY_AFTER_S
 
 
 def tcp_defaults(url: str) -> dict[str, str]:

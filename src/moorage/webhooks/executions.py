@@ -15,10 +15,9 @@ import weakref
 from typing import Any
 
 from moorage import clock
-from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
+from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound, StoreUnreachable
 from moorage.log import get_logger
 from moorage.store import EntityKey, Principal, TenantStore
-from moorage.store.pg_outage import StoreUnreachable
 from moorage.store.webhooks import Execution
 
 log = get_logger(__name__)
