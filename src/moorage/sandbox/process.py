@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -115,7 +116,10 @@ class ProcessDriver(SandboxDriver):
                               hint="set sandbox_uid to an unprivileged uid no account uses (default 64000)")
         os.chmod(self.root, 0o700)
         process_seccomp.compile_filter()  # fail at start, not at the first wake, when libseccomp is missing
-        _compile_guest(self._guest_dir)
+        # Beside serving, not before it (a host's start is its users' wait): a sandbox started meanwhile compiles
+        # what it imports in its own memory, as without the cache; the cache's files appear whole (written aside,
+        # then renamed).
+        threading.Thread(target=_compile_guest, args=(self._guest_dir,), name="guest-compile", daemon=True).start()
 
     # --- bubblewrap command ----------------------------------------------------------------------------------
 
