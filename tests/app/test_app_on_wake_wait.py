@@ -122,3 +122,22 @@ async def test_an_on_wake_that_never_returns_holds_each_app_request_only_the_age
             r, took = await timed_get(c, "/v1/agents/stuck/users/bo/app/")
             assert r.status_code == 504 and r.json()["type"].endswith("/on-wake-timeout"), r.text
             assert TURN_TIMEOUT_S <= took < TURN_TIMEOUT_S + 9, took  # the first also makes the instance
+
+
+async def test_a_turn_that_finds_on_wake_hanging_says_on_wake_is_what_did_not_return(tmp_path: Path) -> None:
+    """A turn whose time ran out in the agent's on_wake answered a plain 504 turn-timeout, which sent its developer
+    looking in the turn's handler; it now says on_wake did not return, as an app request in the same case does."""
+    async with host(tmp_path) as c:
+        await deploy(c, tmp_path, "stuck", 3600.0)
+        r = await c.post("/v1/agents/stuck/invoke", json={"message": "hi", "user": "cy"})
+        assert r.status_code == 504, r.text
+        problem = r.json()
+        assert problem["type"].endswith("/on-wake-timeout"), problem
+        assert problem["detail"] == f"the agent's on_wake did not return within the turn's {TURN_TIMEOUT_S} s, so " \
+                                    "the turn's handler was not reached", problem
+        assert "ctx.spawn" in problem["hint"] and "turn_timeout_s" in problem["hint"], problem
+        # An on_wake that returns in time: the turn is served after it (one that times out in its own handler is
+        # still a plain turn-timeout: tests/runtime/test_agent_failure_modes.py).
+        await deploy(c, tmp_path, "quick", 0.0)
+        r = await c.post("/v1/agents/quick/invoke", json={"message": "hi", "user": "cy"})
+        assert r.status_code == 200 and r.json()["reply"] == "1", r.text

@@ -12,7 +12,7 @@ import inspect
 import json
 import os
 import traceback
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from .agent_context import AgentContext, Files, HostError, LLM, Memory, StepFailed, Suspended, WakeContext, _Host
 from .agent_load import LoadedAgent, forget_other_versions, load_agent, tool_schema
@@ -100,6 +100,10 @@ class AgentRuntime:
         #: Turns whose plain-function handler still runs in its thread after the turn was cancelled (its timeout):
         #: a thread cannot be stopped, so the host restarts the guest when it sees one (``agent.info``'s "stuck").
         self.stuck: "set[str]" = set()
+        #: The turn now waiting on ``on_wake``, and the last turns whose cancel (their timeout) came while they did:
+        #: ``agent.info`` tells the host that on_wake, not the turn's handler, is what did not return.
+        self._in_wake: "Optional[str]" = None
+        self._wake_cancelled: "List[str]" = []
 
     def woken(self) -> None:
         """The VM was woken from a snapshot (``vm.after_wake``): its processes are kept, but ``on_wake`` is run
@@ -145,10 +149,18 @@ class AgentRuntime:
         message = params.get("message", "")
         try:
             await ctx._secret_env()
+            turn_id = str(params.get("turn_id"))
+            self._in_wake = turn_id
             try:
                 await self.wake_hook(rpc)  # after the secrets: processes it starts get those the agent opted into
+            except asyncio.CancelledError:
+                self._wake_cancelled = self._wake_cancelled[-15:] + [turn_id]
+                raise
             except AGENT_RAISES as e:  # noqa: BLE001
                 raise agent_error("the agent's on_wake", e, agent.path) from None
+            finally:
+                if self._in_wake == turn_id:
+                    self._in_wake = None
             if agent.handler is None:
                 reply = await builtin_loop(ctx, message)
             elif inspect.iscoroutinefunction(agent.handler):
@@ -191,7 +203,11 @@ class AgentRuntime:
             raise
 
     async def info(self, params: Any, rpc: Context) -> Dict[str, Any]:
-        return {"loaded": sorted(self.agents), "stuck": len(self.stuck)}
+        out = {"loaded": sorted(self.agents), "stuck": len(self.stuck)}  # type: Dict[str, Any]
+        turn = params.get("turn_id") if isinstance(params, dict) else None
+        if turn:  # asked after that turn timed out: was it still waiting on on_wake?
+            out["in_on_wake"] = turn == self._in_wake or turn in self._wake_cancelled
+        return out
 
 
 #: This guest's agent runtime, for the app relay (``on_wake`` before an app request) and the VM's wake.

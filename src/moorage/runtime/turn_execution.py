@@ -16,6 +16,7 @@ from moorage.runtime.turns import (
     _LIMIT_KINDS,
     NOT_LOADED,
     AgentTurnFailed,
+    OnWakeTimedOut,
     SandboxStopped,
     TurnEvent,
     TurnLimited,
@@ -290,7 +291,8 @@ class TurnExecution:
                         result = call.result
                 break
             except ChannelTimeout:  # the call was cancelled in the guest as it timed out
-                await _restart_if_stuck(sandbox, binding)
+                if await _restart_if_stuck(sandbox, binding):
+                    raise OnWakeTimedOut(bound) from None
                 raise TurnTimedOut(bound) from None
             except RemoteError as e:
                 if e.rpc_code == NOT_LOADED and attempt == 1:
@@ -306,20 +308,23 @@ class TurnExecution:
         yield result
 
 
-async def _restart_if_stuck(sandbox: Sandbox, binding: TurnBinding) -> None:
+async def _restart_if_stuck(sandbox: Sandbox, binding: TurnBinding) -> bool:
     """After a turn timed out (and was cancelled in the guest): a guest whose event loop does not answer (the agent's
     async code blocked it: time.sleep, a busy loop) or whose timed-out code still runs in a thread (a plain-function
-    handler cannot be cancelled) is stopped, so the user's next turn starts it afresh instead of waiting behind it."""
-    blocked = False
+    handler cannot be cancelled) is stopped, so the user's next turn starts it afresh instead of waiting behind it.
+    Returns whether the guest says the turn was still waiting on the agent's ``on_wake`` (only the error's words
+    follow from it)."""
+    blocked, in_wake = False, False
     try:
-        info = await sandbox.channel.call("agent.info", {}, timeout=STUCK_CHECK_S)
+        info = await sandbox.channel.call("agent.info", {"turn_id": binding.turn_id}, timeout=STUCK_CHECK_S)
     except ChannelTimeout:
         why, blocked = "its event loop does not answer (the agent's code blocks it)", True
     except (ChannelError, SandboxStateError):
-        return  # stopped or closed already: the next turn starts it
+        return False  # stopped or closed already: the next turn starts it
     else:
+        in_wake = isinstance(info, dict) and info.get("in_on_wake") is True
         if not (isinstance(info, dict) and info.get("stuck")):
-            return
+            return in_wake
         why = "the agent's code still runs in a thread the turn's cancel cannot stop"
     log.warning("stopping the sandbox of a timed-out turn: %s (the user's next turn starts it afresh)" % why,
                 sandbox=sandbox.id, agent=binding.entity.agent, user=binding.entity.user, turn=binding.turn_id)
@@ -329,6 +334,7 @@ async def _restart_if_stuck(sandbox: Sandbox, binding: TurnBinding) -> None:
         await sandbox.stop()
     except Exception as e:  # noqa: BLE001 - the turn is answered anyway; the next one finds it as it is
         log.error("could not stop the sandbox of a timed-out turn", sandbox=sandbox.id, error=repr(e))
+    return in_wake
 
 
 def _agent_error_hint(data: dict[str, Any]) -> str | None:

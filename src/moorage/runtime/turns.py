@@ -59,6 +59,21 @@ class TurnTimedOut(AgentTurnFailed):
                               "not end); raise [agent.limits] turn_timeout_s in moorage.toml if its turns need longer")
 
 
+class OnWakeTimedOut(TurnTimedOut):
+    """The turn's time ran out while the agent's ``on_wake`` (run before the first turn after a start or a wake) had
+    not returned: the turn's handler was never reached. Said as such, not as a plain ``turn-timeout``."""
+
+    code = "on-wake-timeout"
+
+    def __init__(self, timeout_s: float) -> None:
+        AgentTurnFailed.__init__(
+            self, f"the agent's on_wake did not return within the turn's {timeout_s:g} s, so the turn's handler "
+                  "was not reached",
+            hint="start the agent's processes from on_wake without waiting for them (ctx.spawn returns at once); it "
+                 "runs again before the next turn; raise [agent.limits] turn_timeout_s in moorage.toml if it needs "
+                 "longer")
+
+
 class SandboxStopped(MoorageError):
     """The agent's sandbox stopped while the turn ran: its guest process exited or was killed (an exit in the
     agent's code, its memory limit, a crash), or the host stopped it. Unlike ``AgentTurnFailed`` the run is not
