@@ -37,6 +37,42 @@ def find_virtio_port(name: str = VIRTIO_PORT_NAME) -> Optional[str]:
     return None
 
 
+#: Where a VM's supervisor records the guest kernel's OOM-kill count as it starts (/run: a tmpfs, gone at a boot).
+OOM_KILLS_FILE = "/run/moorage/oom-kills"
+
+
+def _oom_kills() -> Optional[int]:
+    """The guest kernel's count of processes it killed for memory (``/proc/vmstat``'s ``oom_kill``)."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def oom_killed_since_last_start() -> bool:
+    """Whether the guest's kernel killed a process for memory since the supervisor before this one started (a VM's
+    init starts a new one when one ends): what the host says of that one's end. This one's count is kept for the
+    next. Only words for the host's message hang on it: the guest is not trusted with anything more."""
+    now = _oom_kills()
+    try:
+        with open(OOM_KILLS_FILE) as f:
+            before = int(f.read().strip())  # type: Optional[int]
+    except (OSError, ValueError):
+        before = None
+    if now is not None:
+        try:
+            os.makedirs(os.path.dirname(OOM_KILLS_FILE), exist_ok=True)
+            with open(OOM_KILLS_FILE, "w") as f:
+                f.write(str(now))
+        except OSError:
+            pass
+    return now is not None and before is not None and now > before
+
+
 def _then_woken(after_wake: Any, runtime: Any) -> Any:
     async def handler(params: Any, ctx: Context) -> Any:
         result = await after_wake(params, ctx)
@@ -56,6 +92,8 @@ class Supervisor:
         self.stopping = asyncio.Event()
         #: The environment this supervisor started with, before anything below configured it (``sys.restart``).
         self.base_env = dict(os.environ)
+        #: A VM's: the supervisor before this one was ended by the guest kernel's OOM killer (``ping``).
+        self.after_oom_kill: Optional[bool] = None
         self.registry.add("ping", self.ping)
         self.registry.add("sys.sync", self.sync)
         self.registry.add("sys.shutdown", self.shutdown)
@@ -95,6 +133,7 @@ class Supervisor:
             "methods": self.registry.names(),
             "python": sys.version.split()[0],
             "interpreter": restart.INTERPRETER,
+            "after_oom_kill": self.after_oom_kill,
         }
 
     async def sync(self, params: Any, ctx: Context) -> dict:
@@ -250,6 +289,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     async def run() -> None:
         sup = Supervisor(workdir, extensions)
+        if args.virtio is not None:
+            sup.after_oom_kill = oom_killed_since_last_start()
         if args.listen:
             await sup.run_unix(args.listen)
         elif args.fd is not None:

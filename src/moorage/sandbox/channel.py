@@ -15,7 +15,7 @@ import os
 import inspect
 import itertools
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 from moorage.aio import within
 from moorage.log import get_logger
@@ -215,11 +215,17 @@ class Channel(Serving):
         """Send a message that gets no response (``$cancel`` is one)."""
         await self._send({"method": method, "params": params})
 
-    async def fail_calls(self, error: Exception) -> int:
-        """Fail every call in flight with ``error`` now, and cancel each in the guest; the channel stays open (the
-        guest's late events and answers to them are dropped). Returns how many there were."""
-        failed = list(self._pending.items())
-        self._pending.clear()
+    def calls_in_flight(self) -> list[int]:
+        """The ids of the calls in flight now (for ``fail_calls``)."""
+        return list(self._pending)
+
+    async def fail_calls(self, error: Exception, ids: Collection[int] | None = None) -> int:
+        """Fail every call in flight with ``error`` now (``ids``: only those of them still in flight), and cancel each
+        in the guest; the channel stays open (the guest's late events and answers to them are dropped). Returns how
+        many there were."""
+        failed = [(rid, p) for rid, p in self._pending.items() if ids is None or rid in ids]
+        for rid, _ in failed:
+            del self._pending[rid]
         for rid, pending in failed:
             if not pending.future.done():
                 pending.future.set_exception(error)

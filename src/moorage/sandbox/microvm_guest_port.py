@@ -4,8 +4,9 @@ The guest supervisor holds the virtio-serial port; when it exits (an agent whose
 guest kernel kills for memory), the guest's init starts a new one, which opens the port again. The host's end (QEMU's
 socket) stays connected throughout, so nothing told the host: a turn in flight waited out its whole timeout
 (600 s) for an answer the dead supervisor would never send, and the user's next turns queued behind it. QEMU does
-report the guest closing its port (``VSERPORT_CHANGE``); the calls in flight then fail at once with
-``ChannelClosed``, and the next call reaches the new supervisor.
+report the guest closing its port (``VSERPORT_CHANGE``); the calls in flight then fail with ``ChannelClosed`` as soon
+as the new supervisor has said whether the guest's kernel killed a process for memory meanwhile (within a few
+seconds; the process driver reads its cgroup's count), and the next call reaches the new supervisor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from moorage.log import get_logger
-from moorage.sandbox.errors import ChannelClosed
+from moorage.sandbox.channel import Channel
+from moorage.sandbox.errors import ChannelClosed, ChannelError
 from moorage.sandbox.qmp import QMPClient
 
 if TYPE_CHECKING:
@@ -24,6 +26,9 @@ log = get_logger("moorage.sandbox.microvm_sandbox")
 
 #: The channel port's device id on QEMU's command line: QEMU names a port in its events only when it has one.
 PORT_ID = "moorage-port"
+#: How long the calls of an ended supervisor wait for the next one to say why it ended (under TCG it opens the port
+#: 2-3 s after: the init's pause, then a fresh interpreter), before they fail saying only that it exited.
+REOPEN_WAIT_S = 10.0
 
 
 class GuestPortWatch:
@@ -42,15 +47,43 @@ class GuestPortWatch:
 
     def _on_port_change(self: "MicroVMSandbox", data: dict[str, Any]) -> None:
         channel = self._channel
-        if data.get("id") != PORT_ID or data.get("open", True) or channel is None or channel.closed:
+        if data.get("id") != PORT_ID or channel is None or channel.closed:
             return
-        error = ChannelClosed(f"{channel.name} closed: the guest's agent process exited, and a new one started",
-                              hint="send the request again")
+        if data.get("open", True):
+            reopened = self.__dict__.get("_port_reopened")
+            if reopened is not None:
+                reopened.set()  # the new supervisor holds the port
+            return
+        self.__dict__["_port_reopened"] = reopened = asyncio.Event()
+        ids = channel.calls_in_flight()  # the ended supervisor's: calls made to the next one are not failed
+        memory_mib = self._vm_config().memory_mib
 
         async def fail() -> None:
-            failed = await channel.fail_calls(error)
+            if ids:
+                why = await _why_it_ended(channel, reopened, memory_mib)
+            else:
+                why = "the guest's agent process exited, and a new one started"
+            failed = await channel.fail_calls(ChannelClosed(f"{channel.name} closed: {why}",
+                                                            hint="send the request again"), ids)
             if failed:
-                log.warning("the guest's supervisor exited with calls in flight; they failed at once", sandbox=self.id,
-                            calls=failed)
+                log.warning("the guest's supervisor exited with calls in flight; they failed", sandbox=self.id,
+                            calls=failed, why=why)
 
         asyncio.get_running_loop().create_task(fail(), name=f"guest-port-closed-{self.id}")
+
+
+async def _why_it_ended(channel: Channel, reopened: asyncio.Event, memory_mib: int) -> str:
+    """Why the guest's supervisor ended, said in the failure of its calls: the next one (started by the guest's init
+    within a few seconds) is asked whether the guest's kernel killed a process for memory meanwhile, as the process
+    driver reads its cgroup's count. What the guest answers chooses only these words."""
+    exited = "the guest's agent process exited, and a new one started"
+    try:
+        async with asyncio.timeout(REOPEN_WAIT_S):
+            await reopened.wait()
+            answer = await channel.call("ping", {}, timeout=REOPEN_WAIT_S)
+    except (TimeoutError, ChannelError):
+        return exited
+    if isinstance(answer, dict) and answer.get("after_oom_kill") is True:
+        return (f"killed for memory (memory_mib = {memory_mib}): the guest's kernel ended its agent process, and a "
+                "new one started")
+    return exited
