@@ -277,6 +277,29 @@ def test_workflow_runs_of_one_user(tenant: TenantStore) -> None:
         tenant.runs.list(user="ada")
 
 
+def test_executions_record_the_key_that_started_them(tenant: TenantStore, other_tenant: TenantStore) -> None:
+    """Each execution keeps the API key that started it (store migration 30): ``keys_of`` reads it, and
+    ``queued_of_key`` finds that key's async turns without a run and not announced, in one tenant."""
+    ex, created = tenant.executions.create("q1", "bot", "alice", "default", {"message": "a"}, "key-k")
+    assert created and ex.key_id == "key-k" and tenant.executions.get("q1").key_id == "key-k"
+    assert tenant.executions.create("q1", "bot", "alice", "default", {"message": "a"}, "key-o")[0].key_id == "key-k"
+    tenant.executions.create("q2", "bot", "bob", "s", {"message": "b"}, "key-k")
+    tenant.executions.create("started", "bot", "alice", "default", {"message": "c"}, "key-k")
+    tenant.runs.create(Scope.workflow("bot", "started", user="alice"), "turn", run_id="started")
+    done, _ = tenant.executions.create("done", "bot", "alice", "default", {"message": "d"}, "key-k")
+    assert tenant.executions.mark_announced("done", "failed", expected_version=done.version)
+    tenant.executions.create("other-key", "bot", "alice", "default", {"message": "e"}, "key-o")
+    tenant.executions.create("operator", "bot", "alice", "default", {"message": "f"})
+    other_tenant.executions.create("theirs", "bot", "alice", "default", {"message": "g"}, "key-k")
+    assert sorted(e.id for e in tenant.executions.queued_of_key("key-k")) == ["q1", "q2"]
+    assert [e.id for e in tenant.executions.queued_of_key("key-o")] == ["other-key"]
+    assert tenant.executions.queued_of_key("key-none") == []
+    assert tenant.executions.keys_of(["q1", "other-key", "operator", "theirs", "nothing"]) == {
+        "q1": "key-k", "other-key": "key-o", "operator": None}
+    assert tenant.executions.keys_of(["q2", "x", "q2"]) == {"q2": "key-k"}
+    assert [e.id for e in other_tenant.executions.queued_of_key("key-k")] == ["theirs"]
+
+
 def test_journal_claims_once(tenant: TenantStore) -> None:
     e, created = tenant.journal.claim("pay-42", run_id="r", step="pay")
     assert created and e.status == "pending"

@@ -87,8 +87,10 @@ class ExecJob:
     task: "asyncio.Task[None] | None" = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     error: str | None = None
-    #: Why the host ended it (``stop_all``): recorded as its error.
+    #: Why the host ended it (``stop_all``, a revoke of its key): recorded as its error.
     stopped_because: str | None = None
+    #: The API key that started it: revoking that key cancels it (``runtime/revoked_work.py``).
+    key_id: str | None = None
 
     def _notify(self) -> None:
         old, self.changed = self.changed, asyncio.Event()
@@ -145,13 +147,17 @@ class ExecJobs:
         else:
             ident = f"{principal.key_id}|{sandbox_id}|{idempotency_key}".encode()
             exec_id = ID_PREFIX + hashlib.sha256(ident).hexdigest()[:32]
-        job = ExecJob(exec_id, ts.tenant_id, sandbox_id, list(argv), timeout_s, time.time())
+        from moorage.runtime.revoked_work import RevokedWork, starting_key
+
+        job = ExecJob(exec_id, ts.tenant_id, sandbox_id, list(argv), timeout_s, time.time(),
+                      key_id=starting_key(principal))
         record = {"kind": KIND, "sandbox_id": sandbox_id, "argv": job.argv, "timeout_s": timeout_s,
                   "host": self.host, "boot": self.boot}
 
         def create() -> bool:
             with ts.transaction():  # never visible to the turn machinery as an unsettled turn
-                ex, created = ts.executions.create(job.id, rec.scope.agent, rec.scope.user or "", "", record)
+                ex, created = ts.executions.create(job.id, rec.scope.agent, rec.scope.user or "", "", record,
+                                                   job.key_id)
                 if created:
                     ts.executions.mark_announced(job.id, KIND, expected_version=ex.version)
                 return created
@@ -161,6 +167,7 @@ class ExecJobs:
         self._prune()
         self.jobs[job.id] = job
         job.task = asyncio.create_task(self._drive(principal, ts, job, cwd, env), name=f"exec-{job.id}")
+        RevokedWork.of(self.runtime).watch()  # a revoke of the key that started it cancels it here
         return exec_id
 
     async def _drive(self, principal: Principal, ts: TenantStore, job: ExecJob, cwd: str | None,

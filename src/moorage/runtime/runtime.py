@@ -185,6 +185,11 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
         if self._ended_requests.get((ts.tenant_id, getattr(turn, "trace_id", "")), 0.0) > time.monotonic():
             raise Unauthenticated("the credential of this turn's request was revoked before the turn began",
                                   hint="send the turn again with a valid credential")
+        from moorage.runtime.revoked_work import RevokedWork
+
+        refused = RevokedWork.of(self).refusal(ts.tenant_id, getattr(turn, "turn_id", ""))
+        if refused is not None:  # an async turn whose key was revoked while it waited for its instance
+            raise refused
         from moorage.usage import caps
 
         budget = caps.tenant_token_budget(self, ts.tenant_id)
@@ -287,6 +292,9 @@ class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
                 entity = EntityKey(run.scope.agent, run.scope.user, (run.input or {}).get("session") or "default")
                 try:
                     agent = await asyncio.to_thread(ts.agents.get, entity.agent)
+                    from moorage.runtime.revoked_work import RevokedWork
+
+                    RevokedWork.of(self).watch()  # an async turn's key revoked meanwhile cancels it
                     async for _ in self._run(ts, agent, entity, run.id, (run.input or {}).get("message", ""), resume=True,
                                              events=False):
                         pass

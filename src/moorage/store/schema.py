@@ -889,6 +889,20 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         # start does not check the rows an older one left unwritten.
         older_may_serve=True,
     ),
+    Migration(
+        30,
+        "the API key that started each execution: revoking a key cancels the async turns and detached execs it started",
+        statements=(
+            # The key's id (for an end-user token, the id of the key that issued it); NULL for the operator's own
+            # work and for rows written before this migration. A revoke reads its key's queued turns by the index.
+            "ALTER TABLE executions ADD COLUMN key_id TEXT",
+            "CREATE INDEX executions_key ON executions ({tpk}key_id, announced) WHERE key_id IS NOT NULL",
+        ),
+        # An older host reads and writes executions naming their columns, so the new one is left NULL by it: the
+        # work it starts is not cancelled by a revoke (as before this migration), and it does not stop work of a
+        # revoked key that it runs. Everything else it does is unchanged, so it may serve during a rolling upgrade.
+        older_may_serve=True,
+    ),
 )
 
 

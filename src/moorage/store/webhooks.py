@@ -48,25 +48,49 @@ class Execution:
     created_at: float
     updated_at: float
     version: int
+    #: The API key that started it (for an end-user token, the key that issued the token); None: the operator's,
+    #: or written before store migration 30. Revoking that key cancels it (``runtime/revoked_work.py``).
+    key_id: str | None = None
 
 
-_EXEC_COLS = "id, agent_id, user_id, session, input, events, announced, created_at, updated_at, version"
+_EXEC_COLS = "id, agent_id, user_id, session, input, events, announced, created_at, updated_at, version, key_id"
 
 
 def _execution(r: tuple) -> Execution:
-    return Execution(r[0], r[1], r[2], r[3], loads(r[4]) or {}, loads(r[5]) or [], r[6], r[7], r[8], r[9])
+    return Execution(r[0], r[1], r[2], r[3], loads(r[4]) or {}, loads(r[5]) or [], r[6], r[7], r[8], r[9], r[10])
 
 
 class Executions(_Repo):
-    def create(self, execution_id: str, agent: str, user: str, session: str, input: dict[str, Any]) -> tuple[Execution, bool]:
-        """Record an async turn (True when new; the same id again returns the first one)."""
+    def create(self, execution_id: str, agent: str, user: str, session: str, input: dict[str, Any],
+               key_id: str | None = None) -> tuple[Execution, bool]:
+        """Record an async turn (True when new; the same id again returns the first one), started by API key
+        ``key_id``."""
         now = clock.now()
         with self._ts._tx() as c:
-            n = c.x(f"INSERT INTO executions ({_EXEC_COLS}) VALUES (?, ?, ?, ?, ?, '[]', NULL, ?, ?, 1) "
+            n = c.x(f"INSERT INTO executions ({_EXEC_COLS}) VALUES (?, ?, ?, ?, ?, '[]', NULL, ?, ?, 1, ?) "
                     "ON CONFLICT DO NOTHING",
-                    (execution_id, agent, user, session, self._json(input, "execution input"), now, now))
+                    (execution_id, agent, user, session, self._json(input, "execution input"), now, now, key_id))
             r = c.one(f"SELECT {_EXEC_COLS} FROM executions WHERE id = ?", (execution_id,))
         return _execution(r), n == 1
+
+    def queued_of_key(self, key_id: str, *, limit: int = 1000) -> list[Execution]:
+        """The async turns API key ``key_id`` started that have no run yet and were not announced (queued, or
+        refused or cancelled before they started: their ``error`` event says so), at most ``limit``."""
+        with self._ts._tx(write=False) as c:
+            rows = c.q(f"SELECT {', '.join('e.' + col for col in _EXEC_COLS.split(', '))} FROM executions e "
+                       "LEFT JOIN workflow_runs r ON r.id = e.id "
+                       "WHERE e.key_id = ? AND e.announced IS NULL AND r.id IS NULL LIMIT ?", (key_id, limit))
+        return [_execution(r) for r in rows]
+
+    def keys_of(self, execution_ids: Sequence[str]) -> dict[str, str | None]:
+        """The key that started each of ``execution_ids`` that is an execution (others are left out)."""
+        out: dict[str, str | None] = {}
+        with self._ts._tx(write=False) as c:
+            for execution_id in dict.fromkeys(execution_ids):  # one probe of the key each (a list of ids is few)
+                r = c.one("SELECT key_id FROM executions WHERE id = ?", (execution_id,))
+                if r is not None:
+                    out[execution_id] = r[0]
+        return out
 
     def get(self, execution_id: str) -> Execution:
         with self._ts._tx(write=False) as c:

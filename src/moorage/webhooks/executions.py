@@ -64,6 +64,8 @@ class ExecutionRunner:
                                                MAX_USER_EXECUTIONS))
         #: Executions waiting to be tried again after a "not now" refusal (none of their turn exists meanwhile).
         self._retrying: set[str] = set()
+        #: The executions this host drives (id -> its tenant's store, its record): the revoked keys' check reads them.
+        self.held: dict[str, tuple[TenantStore, Execution]] = {}
 
     @classmethod
     def of(cls, runtime: Any) -> "ExecutionRunner":
@@ -96,8 +98,10 @@ class ExecutionRunner:
             raise Overloaded(f"user {entity.user!r} of agent {entity.agent!r} "
                              f"(at most {self.max_user_executions} async turns unfinished at once)",
                              rt.router.retry_after_s)
+        from moorage.runtime.revoked_work import starting_key
+
         ex, created = await asyncio.to_thread(ts.executions.create, exec_id, entity.agent, entity.user, session,
-                                              {"message": message, "idempotency_key": key})
+                                              {"message": message, "idempotency_key": key}, starting_key(principal))
         if created:
             self._start(principal, ts, ex)
         return ex, created
@@ -116,11 +120,16 @@ class ExecutionRunner:
             return
         task = asyncio.create_task(self._drive(principal, ts, ex), name=f"execution-{ex.id}")
         self._tasks[ex.id] = task
+        self.held[ex.id] = (ts, ex)
         user = _user_key(ts, EntityKey(ex.agent, ex.user, ex.session))
         self._per_user[user] = self._per_user.get(user, 0) + 1
+        from moorage.runtime.revoked_work import RevokedWork
+
+        RevokedWork.of(self.runtime).watch()  # a revoke of the key that started it cancels it here
 
         def done(_t: "asyncio.Task[None]") -> None:
             self._tasks.pop(ex.id, None)
+            self.held.pop(ex.id, None)
             left = self._per_user.pop(user, 1) - 1
             if left:
                 self._per_user[user] = left
@@ -205,6 +214,31 @@ class ExecutionRunner:
         await asyncio.to_thread(ts.executions.add_events, ex.id, [{"kind": "error", "data": {
             "type": CANCELLED, "status": 409, "detail": "cancelled before it started", "hint": None}, "at": clock.now()}])
         return await asyncio.to_thread(ts.executions.get, ex.id)
+
+    async def cancel_waiting(self, ts: TenantStore, execution_id: str, why: str) -> None:
+        """The key that started an async turn not started yet was revoked (``runtime/revoked_work.py``): stopped
+        here if it waits to be tried again, and recorded ``cancelled`` with ``why`` unless its run exists by now
+        (one still in its session's line is refused as it reaches its instance)."""
+        task = self._tasks.get(execution_id)
+        if task is not None and execution_id in self._retrying:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        def record() -> None:
+            try:
+                ts.runs.get(execution_id)
+                return  # it started meanwhile: cancelled as a running turn
+            except NotFound:
+                pass
+            try:
+                ex = ts.executions.get(execution_id)
+            except NotFound:
+                return
+            if not any(e.get("kind") == "error" for e in ex.events):
+                ts.executions.add_events(execution_id, [{"kind": "error", "data": {
+                    "type": CANCELLED, "status": 409, "detail": why, "hint": None}, "at": clock.now()}])
+
+        await asyncio.to_thread(record)
 
     async def resubmit_orphans(self, store: Any, *, min_age_s: float = ORPHAN_AFTER_S) -> int:
         """Start again executions whose run was never created (the host died between the 202 and the run).

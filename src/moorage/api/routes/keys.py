@@ -1,10 +1,13 @@
 """API keys of the caller's tenant: list, create (secret shown once; scopes, optionally one agent), revoke (admin
-scope; revoking a key also invalidates every end-user token it issued), and what the caller's own credential may do.
+scope; revoking a key also invalidates every end-user token it issued and cancels the async turns and detached execs
+it started), and what the caller's own credential may do.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.routes._common import PAGE
@@ -33,9 +36,16 @@ def create_key(call: Call) -> Reply:
     return Reply(_key(call.tenant.keys.create(scopes, label, agent)), 201)
 
 
-def revoke_key(call: Call) -> dict[str, Any]:
-    call.tenant.keys.revoke(call.path["key_id"])
-    return {"revoked": call.path["key_id"]}
+async def revoke_key(call: Call) -> dict[str, Any]:
+    """Revoke the key; the detached work it started (async turns, detached execs) is cancelled, naming it: queued
+    turns here and now, running work by the host that runs it within seconds (``runtime/revoked_work.py``)."""
+    key_id = call.path["key_id"]
+    await run_in_threadpool(call.tenant.keys.revoke, key_id)
+    if call.ctx.runtime is not None:  # a server without a runtime runs no work
+        from moorage.runtime.revoked_work import RevokedWork
+
+        await RevokedWork.of(call.ctx.runtime).revoked(call.tenant, key_id)
+    return {"revoked": key_id}
 
 
 def whoami(call: Call) -> dict[str, Any]:
