@@ -159,3 +159,72 @@ def test_a_sleep_the_previous_release_made_restores_with_this_versions_device_la
     # live run (bench/upgrade) wakes such a sleep; this holds the layout's id to it without QEMU or history.
     assert VMConfig(**meta["vm"]).layout_id() == meta["snapshot"]["layout"]
     assert {"kind", "qemu", "layout", "dev_sha256", "delta_xxh3"} <= set(meta["snapshot"])
+
+
+#: An agent that runs the guest code's install (``microvm_guest_code._INSTALL``, written into it) on its own guest
+#: package, the VM reset hard (sysrq ``b``: no flush, no unmount) at the install's worst point: right after the
+#: exchange of the directories, before the flush that follows it.
+CUT_AGENT = '''
+import io, os, subprocess, tarfile
+
+INSTALL = {install!r}
+STOP_AT_SECOND_SYNC = r"""
+import os
+calls, flush = [0], os.sync
+def sync():
+    calls[0] += 1
+    if calls[0] == 2:
+        with open("/proc/sysrq-trigger", "w") as f:
+            f.write("b")
+    flush()
+os.sync = sync
+"""
+
+
+async def on_message(ctx, message):
+    if message == "install and reset":
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as t:
+            t.add("/opt/moorage/guest", arcname=".", filter=lambda i: None if "__pycache__" in i.name else i)
+        r = subprocess.run(["python3", "-c", STOP_AT_SECOND_SYNC + INSTALL, "/opt/moorage/guest"],
+                           input=buf.getvalue(), capture_output=True)
+        return "not reset: %d %s" % (r.returncode, r.stderr[-300:])
+    try:
+        n = int(ctx.files.read("counter.txt"))
+    except Exception:
+        n = 0
+    ctx.files.write("counter.txt", str(n + 1))
+    return "turn %d" % (n + 1)
+'''
+
+
+@pytest.mark.slow
+def test_a_vm_reset_hard_in_the_middle_of_the_guest_code_install_boots_with_working_guest_code(
+        data: Path, tmp_path: Path) -> None:  # noqa: F811
+    from moorage.sandbox.microvm_guest_code import _INSTALL
+
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\npool = 0\n')
+    (agent / "agent.py").write_text(CUT_AGENT.format(install=_INSTALL))
+    up = Up(data)
+    try:
+        up.deploy(agent)
+        assert up.turn("ada", "hi") == "turn 1"
+        sid = up.sandbox("ada")["id"]
+        pid = _qemu_pid(data, sid)
+        try:
+            said = up.turn("ada", "install and reset")
+        except Exception:  # the VM went while the turn ran in it: what a crash looks like to its caller
+            said = None
+        assert said is None, said
+        assert _qemu_pid(data, sid) is None or _qemu_pid(data, sid) != pid  # QEMU ended with the reset
+        # Put to sleep as its disk (its QEMU gone), the next wake boots it from there: its guest code, the old
+        # package or the new one, whole, serves the turn.
+        up.sleep("ada")
+        assert up.turn("ada", "hi") == "turn 2"
+        r = up.api.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["ls", "/opt/moorage/guest"]})
+        assert r.status_code == 200 and "agent_context.py" in r.json()["stdout"].split(), r.text
+    finally:
+        up.stop()

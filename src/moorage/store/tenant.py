@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
@@ -205,19 +206,32 @@ class TenantStore:
             n += self.journal.forget_http(user, agent)  # the stored answers of requests about them
             n += self.spans.forget_user(user, agent)  # and those requests' traces (a turn's go with its scope)
             n += self.deliveries.forget_user(user, agent)  # and the webhook deliveries about them, sent or not
+            n += unname_usage(c, *ledger[0])
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
-                n += c.x("DELETE FROM usage WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM end_users WHERE id = ?", (user,))
             else:
                 n += c.x("DELETE FROM sessions WHERE agent_id = ? AND user_id = ?", (agent, user))
-                n += c.x("DELETE FROM usage WHERE agent_id = ? AND user_id = ?", (agent, user))
         if getattr(self._local, "conn", None) is None:  # outside a caller's transaction: make it physical now
             self._backend.purge(self.tenant_id)
         return n
 
 
-_SCOPED_TABLES = ("state", "events", "facts", "journal", "spans", "usage", "sandboxes")
+_SCOPED_TABLES = ("state", "events", "facts", "journal", "spans", "sandboxes")
+
+
+def unname_usage(c: Conn, where: str, params: Sequence[Any]) -> int:
+    """Keep the ledger rows matching ``where`` without whom they were about: no user, no details (``meta``: the
+    instance, the trace), and each instance's scope replaced by a random name, so that instance's storage levels
+    still read as one instance's. The amounts stay under their agent and time: a tenant's and an agent's totals, of
+    periods already invoiced too, do not change when a user is forgotten (they dropped by the user's usage)."""
+    usage_rollups.lock_agents(c, (where, params))  # the levels' sums are shared with concurrent sleeps
+    n = 0
+    for (scope,) in c.q(f"SELECT DISTINCT scope FROM usage WHERE ({where}) AND scope IS NOT NULL", params):
+        unnamed = f"forgotten:{uuid.uuid4().hex}"
+        c.x("UPDATE usage_levels SET scope = ?, user_id = NULL WHERE scope = ?", (unnamed, scope))
+        n += c.x("UPDATE usage SET scope = ?, user_id = NULL, meta = '{}' WHERE scope = ?", (unnamed, scope))
+    return n + c.x(f"UPDATE usage SET user_id = NULL, meta = '{{}}' WHERE ({where}) AND user_id IS NOT NULL", params)
 
 
 def _delete_scopes(c: Conn, keys: Sequence[str]) -> int:
@@ -233,6 +247,7 @@ def _delete_scopes(c: Conn, keys: Sequence[str]) -> int:
     n += c.x(f"DELETE FROM workflow_runs WHERE scope IN ({marks})", keys)
     for table in _SCOPED_TABLES:
         n += c.x(f"DELETE FROM {table} WHERE scope IN ({marks})", keys)
+    n += unname_usage(c, f"scope IN ({marks})", keys)  # the scope's usage stays, without it (billed already)
     n += c.x(f"DELETE FROM scopes WHERE scope IN ({marks})", keys)
     # Checkpoints hold images of these rows: an instance that lost a scope to retention loses its checkpoints.
     from moorage.store.repos.checkpoints import forget_instances
