@@ -118,3 +118,42 @@ async def test_a_sleep_the_store_could_not_record_is_counted_with_its_outcome(
     samples = await live_host.scrape()
     assert value(samples, "moorage_sleep_seconds_count", outcome="disk-full") == 1
     assert value(samples, "moorage_sleep_seconds_count", outcome="ok") == 0
+
+
+async def test_a_wake_the_store_could_not_record_is_counted_with_its_outcome(
+        live_host: LiveHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake whose sandbox came up but whose record the store could not take (PostgreSQL not answering, here
+    its error raised at exactly that write) failed its turn without showing in ``moorage_wake_seconds``; the
+    instance is recorded once the store answers, and the next turn is served."""
+    import asyncio
+
+    from moorage.errors import StoreUnreachable
+    from moorage.lifecycle.bring_up import BringUp
+    from moorage.lifecycle.machine import Verb
+
+    real, refused = BringUp._mark_running, []
+
+    def mark_running(self, ts, rec, verb, *args, **kw):  # type: ignore[no-untyped-def]
+        if verb is Verb.WOKE and not refused:
+            refused.append(True)
+            raise StoreUnreachable("the store could not be reached")
+        return real(self, ts, rec, verb, *args, **kw)
+
+    monkeypatch.setattr(BringUp, "_mark_running", mark_running)
+    async with live_host.client() as c:
+        r = await c.post("/v1/agents/echo/deployments", content=archive(), headers={"content-type": "application/gzip"})
+        assert r.status_code == 201, r.text
+        assert (await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"})).status_code == 200
+        (box,) = (await c.get("/v1/sandboxes")).json()["data"]
+        assert (await c.post(f"/v1/sandboxes/{box['id']}/sleep")).status_code == 200
+        r = await c.post("/v1/agents/echo/invoke", json={"message": "woken", "user": "ada"})
+        assert r.status_code == 503, r.text
+        assert refused
+        samples = await live_host.scrape()
+        assert value(samples, "moorage_wake_seconds_count", outcome="store-unreachable") == 1
+        for _ in range(100):  # recorded once the store answers (tried every second)
+            r = await c.post("/v1/agents/echo/invoke", json={"message": "again", "user": "ada"})
+            if r.status_code == 200:
+                break
+            await asyncio.sleep(0.2)
+        assert r.status_code == 200 and r.json()["reply"] == "echo: again", r.text

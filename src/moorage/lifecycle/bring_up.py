@@ -24,6 +24,7 @@ from moorage.lifecycle.machine import Owner, TraceContext
 from moorage.lifecycle.machine import Verb as V
 from moorage.lifecycle.new_instances import NewInstances
 from moorage.lifecycle.pool import WarmPool
+from moorage.lifecycle.sleeping import failed_outcome
 from moorage.log import get_logger
 from moorage.observability import events
 from moorage.sandbox import Sandbox, SandboxDriver, SandboxNotFound, SandboxState, TemplateRef
@@ -271,7 +272,7 @@ class BringUp:
                 await self._give_up(ts, rec, trace, "no capacity to wake it")
                 raise
             except Exception as e:
-                events.lifecycle("wake", "failed", started)
+                events.lifecycle("wake", failed_outcome(e), started)
                 await self._give_up(ts, rec, trace, f"wake failed: {e}")
                 holder = await self.holder_while_store_down(e, previous_host)
                 if holder is not None:  # its last host's disk may hold its copy: that host wakes it
@@ -279,8 +280,12 @@ class BringUp:
                 raise WakeFailed(f"could not wake the instance of {li.scope}: {e}",
                                  hint="retry; the instance is marked failed and the next request tries again") from e
             kind = wake_kind(sandbox, fork=False)
-            rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed,
-                                             taken_from=previous_host)
+            try:
+                rec = await self._record_running(ts, li, rec, sandbox, V.WOKE, trace, started, "wakes", kind, resumed,
+                                                 taken_from=previous_host)
+            except Exception as e:  # the sandbox woke, but the store did not take its record: counted too
+                events.lifecycle("wake", failed_outcome(e), started, kind)
+                raise
             self._counts["wakes"] += 1
             events.lifecycle("wake", "ok", started, kind)
             self._adopted(li, rec, sandbox)

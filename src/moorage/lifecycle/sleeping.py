@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 log = get_logger("moorage.lifecycle.manager")
 
 
-def sleep_outcome(e: BaseException) -> str:
-    """The ``outcome`` label of a sleep that raised ``e``: ``disk-full`` (the host's disk had no room for its
+def failed_outcome(e: BaseException) -> str:
+    """The ``outcome`` label of a sleep or wake that raised ``e``: ``disk-full`` (the host's disk had no room for its
     snapshot or its record), ``store-unreachable`` (PostgreSQL did not answer), else ``failed``."""
     if disk_full(e) is not None:
         return "disk-full"
@@ -159,7 +159,7 @@ class Sleeping:
                 # Every sleep that failed is counted, with why: the sandbox's own sleep, or the store's record of
                 # its claim or its outcome (a full disk, a store that cannot be reached). Only the sandbox's own
                 # failure was counted before: a sleep the store stopped did not show in moorage_sleep_seconds.
-                events.lifecycle("sleep", sleep_outcome(e), started)
+                events.lifecycle("sleep", failed_outcome(e), started)
                 raise
 
     async def _sleep_claimed(self, li: LiveInstance, ts: TenantStore, rec: SandboxRecord, trace: TraceContext,
@@ -194,7 +194,7 @@ class Sleeping:
             full = disk_full(e)
             if full is not None:  # said as such (a requested sleep answered "slept": false, an eviction that
                 raise full from e  # kept failing "idle instances kept getting new turns")
-            events.lifecycle("sleep", sleep_outcome(e), started)
+            events.lifecycle("sleep", failed_outcome(e), started)
             return False
         meta = {k: v for k, v in rec.meta.items() if k not in ("owner", "awake_since")}
         # The habits a policy learned (idle gaps) go with the record, so a restarted host still knows them.
