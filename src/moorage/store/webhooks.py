@@ -123,15 +123,31 @@ class Executions(_Repo):
                        (*args, limit))
         return [_execution(r) for r in rows]
 
-    def all_unsettled(self, *, page: int = 200) -> Iterator[Execution]:
-        """Every unsettled execution, page by page (``unsettled``)."""
-        last = None
+    def unsettled_to_act_on(self, statuses: Sequence[str], *, page: int = 200) -> Iterator[tuple[Execution, str | None]]:
+        """The unsettled executions (``unsettled``) something may still be done about, oldest first, page by page,
+        each with its run's status: those with no run yet (queued, or refused before it began: their events say),
+        and those whose run's status is one of ``statuses`` and not the one already announced. The rest (a turn
+        still running, or still waiting for the answer it was announced waiting for) are passed over in the
+        database: each webhook round read every unsettled execution's run, one query each, and sorted them all
+        for every page (4 s a round with 10,000 turns waiting for a human)."""
+        changed = (f"r.status IN ({', '.join('?' * len(statuses))}) AND r.status <> COALESCE(e.announced, '')"
+                   if statuses else "0 = 1")
+        cols = ", ".join("e." + col for col in _EXEC_COLS.split(", "))
+        last: Execution | None = None
         while True:
-            rows = self.unsettled(limit=page, after=last)
-            yield from rows
+            where, args = "", ()
+            if last is not None:
+                where, args = " AND (e.created_at > ? OR (e.created_at = ? AND e.id > ?))", (last.created_at,
+                                                                                            last.created_at, last.id)
+            with self._ts._tx(write=False) as c:
+                rows = c.q(f"SELECT {cols}, r.status FROM executions e LEFT JOIN workflow_runs r ON r.id = e.id "
+                           f"WHERE (e.announced IS NULL OR e.announced = 'waiting') AND (r.id IS NULL OR ({changed}))"
+                           f"{where} ORDER BY e.created_at, e.id LIMIT ?", (*statuses, *args, page))
+            for r in rows:
+                yield _execution(r[:-1]), r[-1]
             if len(rows) < page:
                 return
-            last = rows[-1]
+            last = _execution(rows[-1][:-1])
 
     def delete_user(self, user: str, agent: str | None = None) -> int:
         """Forget one end-user's executions (their messages, streamed events and exec output), of one agent or all;

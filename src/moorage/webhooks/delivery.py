@@ -8,6 +8,7 @@ for those it was sending: ``claims``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,10 +63,13 @@ def announce(ts: TenantStore) -> int:
     from moorage.durable import DurableEngine
 
     queued = 0
-    for ex in ts.executions.all_unsettled():  # all of them: a tenant's many waiting turns never hide a new one
-        try:
-            run = ts.runs.get(ex.id)
-        except NotFound:
+    # All of them (a tenant's many waiting turns never hide a new one), less those with nothing new to say.
+    for ex, run_status in ts.executions.unsettled_to_act_on(tuple(ANNOUNCED)):
+        run = None
+        if run_status is not None:
+            with contextlib.suppress(NotFound):  # its run deleted meanwhile (the user forgotten)
+                run = ts.runs.get(ex.id)
+        if run is None:
             # Not started yet, or refused before its run existed (the runner recorded why): the latter is final.
             refusal = next((e.get("data") for e in ex.events if e.get("kind") == "error"), None)
             if refusal is not None:

@@ -246,14 +246,11 @@ class ExecutionRunner:
         count = 0
         cutoff = clock.now() - min_age_s
         for ts in await asyncio.to_thread(lambda: list(store.operator.tenants())):
-            for ex in await asyncio.to_thread(lambda: list(ts.executions.all_unsettled())):
+            # Those with no run, read as such: a host's start read every unsettled execution's run, one query each,
+            # before it served (turns waiting for a human stay unsettled for days).
+            for ex, _ in await asyncio.to_thread(lambda: list(ts.executions.unsettled_to_act_on(()))):
                 if ex.created_at > cutoff or self.running(ex.id) or any(e.get("kind") == "error" for e in ex.events):
                     continue
-                try:
-                    await asyncio.to_thread(ts.runs.get, ex.id)
-                    continue
-                except NotFound:
-                    pass
                 self._start(store.operator.principal(ts.tenant_id), ts, ex)
                 count += 1
         return count
