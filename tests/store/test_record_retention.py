@@ -66,3 +66,33 @@ def _exists(tenant: TenantStore, execution_id: str) -> bool:
     except NotFound:
         return False
     return True
+
+
+def test_a_scope_its_ttl_sweeps_keeps_its_usage_rows_and_a_forgotten_user_s_stay_unnamed(tenant: TenantStore) -> None:
+    """Usage billed already stays in the tenant's totals: the TTL sweep of an idle scope deleted the scope's ledger
+    rows (an instance's awake seconds, wakes, storage) and forgetting a user deleted all of theirs, so a month
+    already invoiced read less afterwards. The sweep keeps them; a forget keeps them without the user's name."""
+    from moorage.store import Scope
+    from moorage.usage import ledger
+
+    scope = Scope.session("a", "u", "s1")
+    tenant.retention.set("session", 60)
+    tenant.state.put(scope, "k", 1, expected_version=0)
+    tenant.usage.add("compute_seconds", 12.5, agent_id="a", user_id="u", scope=scope, meta={"instance": "i-1"})
+    tenant.usage.add("disk_bytes", 4096, agent_id="a", user_id="u", scope=scope, meta={"instance": "i-1"})
+    tenant.usage.add("input_tokens", 100, agent_id="a", user_id="u", meta={"trace_id": "t"})
+    tenant.usage.add("input_tokens", 5, agent_id="a", user_id="v")
+    billed = ledger.totals(tenant, since=0.0)
+    assert billed == {"compute_seconds": 12.5, "disk_bytes": 4096.0, "input_tokens": 105.0}
+    assert tenant.sweep(now=time.time() + 120).scopes == 1
+    assert ledger.totals(tenant, since=0.0) == billed
+    assert ledger.totals(tenant, since=0.0, user="u")["compute_seconds"] == 12.5  # the user is still there
+
+    tenant.forget_user("u", "a")
+    assert ledger.totals(tenant, since=0.0) == billed == ledger.totals(tenant, since=0.0, agent="a")
+    assert ledger.by_day(tenant, since=0.0)[0]["totals"] == billed
+    assert ledger.totals(tenant, since=0.0, user="u") == {}
+    assert ledger.totals(tenant, since=0.0, user="v") == {"input_tokens": 5.0}
+    kept = tenant.read("SELECT user_id, scope, meta FROM usage WHERE amount <> 5 ORDER BY id")
+    assert len(kept) == 3 and all(r[0] is None and "u" not in (r[1] or "") and "i-1" not in str(r[2]) and
+                                  "trace" not in str(r[2]) for r in kept), kept

@@ -206,7 +206,8 @@ class TenantStore:
             n += self.journal.forget_http(user, agent)  # the stored answers of requests about them
             n += self.spans.forget_user(user, agent)  # and those requests' traces (a turn's go with its scope)
             n += self.deliveries.forget_user(user, agent)  # and the webhook deliveries about them, sent or not
-            n += unname_usage(c, *ledger[0])
+            for where, params in ledger:  # their rows, and their instances' (by scope)
+                n += unname_usage(c, where, params)
             if agent is None:
                 n += c.x("DELETE FROM sessions WHERE user_id = ?", (user,))
                 n += c.x("DELETE FROM end_users WHERE id = ?", (user,))
@@ -247,7 +248,8 @@ def _delete_scopes(c: Conn, keys: Sequence[str]) -> int:
     n += c.x(f"DELETE FROM workflow_runs WHERE scope IN ({marks})", keys)
     for table in _SCOPED_TABLES:
         n += c.x(f"DELETE FROM {table} WHERE scope IN ({marks})", keys)
-    n += unname_usage(c, f"scope IN ({marks})", keys)  # the scope's usage stays, without it (billed already)
+    # Not the scope's usage rows: billed already, they stay (forgetting a user unnames them; the ledger's own TTL
+    # deletes rows by age), so the totals of periods already invoiced do not change.
     n += c.x(f"DELETE FROM scopes WHERE scope IN ({marks})", keys)
     # Checkpoints hold images of these rows: an instance that lost a scope to retention loses its checkpoints.
     from moorage.store.repos.checkpoints import forget_instances
