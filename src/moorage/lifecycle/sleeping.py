@@ -73,7 +73,8 @@ class Sleeping:
     _record_later: Callable[..., None]
 
     def _mark_slept(self, ts: TenantStore, rec: SandboxRecord, trace: TraceContext, meta: dict[str, Any],
-                    snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None) -> SandboxRecord:
+                    snapshot_ref: str, started: float, reason: str, sizes: dict[str, int] | None = None,
+                    slept_at: float | None = None) -> SandboxRecord:
         """Record the sleep and, in the same transaction, the awake seconds since the instance was marked running
         (per agent and end-user, measured from state changes, not estimated). The instance has slept already: a
         transaction the store aborted for a conflict with a concurrent one (its ledger rows are shared with other
@@ -87,7 +88,10 @@ class Sleeping:
                                         reason=reason)
                     since = rec.meta.get("awake_since")
                     if isinstance(since, (int, float)):
-                        ts.usage.add("compute_seconds", max(0.0, time.time() - since), agent_id=rec.scope.agent,
+                        # Up to its snapshot (``slept_at``), not to this record: one the store took only once it was
+                        # back (``_record_when_back``) billed the outage as awake time.
+                        end = time.time() if slept_at is None else slept_at
+                        ts.usage.add("compute_seconds", max(0.0, end - since), agent_id=rec.scope.agent,
                                      user_id=rec.scope.user, scope=rec.scope,
                                      meta={"instance": rec.id, "reason": reason})
                     usage_ledger.record(ts, rec, sizes or {})
@@ -182,6 +186,7 @@ class Sleeping:
         stopped = sandbox.state is SandboxState.STOPPED
         try:
             snap = await sandbox.sleep()
+            slept_at = time.time()  # its awake time ends here (not at the shipping, nor at the record)
         except Exception as e:
             log.error("instance failed to sleep", instance=rec.id, error=str(e))
             try:
@@ -215,11 +220,11 @@ class Sleeping:
                 log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
         sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
         try:
-            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            await self.io(self._mark_slept, ts, rec, trace, meta, str(snap.path), started, reason, sizes, slept_at)
         except Exception as e:
             if not isinstance(e, StoreUnreachable) and disk_full(e) is None:
                 raise
-            self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes)
+            self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes, slept_at)
             raise
         li.owned = False
         self._counts["evictions" if evict else "sleeps"] += 1
