@@ -26,9 +26,10 @@ log = get_logger("moorage.sandbox.microvm_sandbox")
 
 #: The channel port's device id on QEMU's command line: QEMU names a port in its events only when it has one.
 PORT_ID = "moorage-port"
-#: How long the calls of an ended supervisor wait for the next one to say why it ended (under TCG it opens the port
-#: 2-3 s after: the init's pause, then a fresh interpreter), before they fail saying only that it exited.
-REOPEN_WAIT_S = 10.0
+#: How long the calls of an ended supervisor wait for the next one to say why it ended, before they fail saying only
+#: that it exited. Under TCG it answers 5-6 s after an exit (the init's pause, then a fresh interpreter), and after an
+#: OOM kill it was seen to take longer than 10 s (the guest reads back from disk what the kill's pressure evicted).
+REOPEN_WAIT_S = 30.0
 
 
 class GuestPortWatch:
