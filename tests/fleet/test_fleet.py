@@ -128,9 +128,11 @@ def test_a_damaged_snapshot_falls_back_to_the_instances_older_one_never_another(
 
 def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_turn_lost(fleet: Fleet) -> None:
     users = [f"k{i}" for i in range(9)]
+    woke: dict[str, float] = {}
     for i, u in enumerate(users):
         assert replied(fleet.turn(i % 3, u)) == "1: hi"
         put_to_sleep(fleet, u)
+        woke[u] = time.time()
         assert replied(fleet.turn(i % 3, u)) == "2: hi"  # awake again, this turn not shipped yet
     victims = [u for i, u in enumerate(users) if i % 3 == 1]
     time.sleep(3.0)  # awake instances are shipped after their turns (at most every 2 s)
@@ -172,6 +174,12 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
         for u in users:
             done = [r for r in ts.runs.list(limit=10000) if r.scope.user == u and r.status == "succeeded"]
             assert len(done) >= 2, (u, done)
+        # The awake time each victim had on h2 is billed once, by h1's takeover: up to its last activity there,
+        # not the lease's wait nor anything after (it was lost: h1's wake stamped a new start).
+        for u in victims:
+            taken = ts.read("SELECT amount FROM usage WHERE kind = 'compute_seconds' AND user_id = ? AND ts > ?",
+                            [u, killed_at])
+            assert len(taken) == 1 and 0.0 <= taken[0][0] <= killed_at - woke[u] + 0.5, (u, taken)
     finally:
         store.close()
     # Survivors' own users were never moved.
