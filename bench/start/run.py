@@ -138,6 +138,10 @@ def report(out: dict[str, Any]) -> str:
                               ("turn_s", "until the first turn of a user awake before the stop answers")):
                 lines.append(f"| {name} ({out['users'][name]} users) | {driver} | {what} | "
                              + " | ".join(f"{res[k]['median_' + fig]:.2f}" for k in labels) + " |")
+    a = out["args"]
+    lines += ["", f"Run: `bench/start/run.py --users {a['users']} --reps {a['reps']} --drivers {a['drivers']}"
+              + (f" --before-src {a['before_src']}`" if a.get("before_src") not in (None, "None") else "`")
+              + (f"; {out['fill_s']:.0f} s to copy the users." if "fill_s" in out else "")]
     return "\n".join(lines) + "\n"
 
 
