@@ -81,7 +81,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                  "status": STR, "attrs": OBJ, "scope": NSTR}),
     "Trace": obj({"trace_id": STR, "spans": {"type": "array", "items": ref("Span")}}),
     # days: with ?group=day only, the totals of each UTC day that had usage, oldest first.
-    "Usage": obj({"since": NUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM,
+    "Usage": obj({"since": NUM, "until": NNUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM,
                   "days": {"type": "array", "items": obj({"day": {"type": "string", "format": "date"},
                                                           "totals": {"type": "object", "additionalProperties": NUM}})},
                   # With agent and user: each of the user's caps, counted as the check before a turn counts them.

@@ -332,11 +332,13 @@ class Api(ReachApi, ABC):
         return self._send(Request("GET", f"/v1/traces/{_p(trace_id)}"))
 
     def usage(self, *, since: float | None = None, agent: str | None = None, user: str | None = None,
-              by_day: bool = False) -> T.Usage:
-        """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …); ``by_day`` adds ``days`` (UTC); ``agent``:
+              by_day: bool = False, until: float | None = None) -> T.Usage:
+        """Usage totals (``compute_seconds``, tokens, ``cost_usd``, …) of ``[since, until)`` (epoch seconds; windows
+        that meet count each row once); ``by_day`` adds ``days`` (UTC); ``agent``:
         that agent's only (a key limited to one agent must name it); with ``agent`` and ``user``, ``caps``: each of
         the user's caps with its ``limit``, ``used`` (as the check before a turn counts it) and ``resets_at``."""
-        params = {k: v for k, v in {"since": since, "agent": agent, "user": user}.items() if v is not None}
+        params = {k: v for k, v in {"since": since, "until": until, "agent": agent, "user": user}.items()
+                  if v is not None}
         if by_day:
             params["group"] = "day"
         return self._send(Request("GET", "/v1/usage", params))

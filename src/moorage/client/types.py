@@ -209,6 +209,8 @@ class CapStanding(TypedDict):
 
 class Usage(TypedDict, total=False):
     since: float
+    #: The window's end, exclusive (None: no end).
+    until: float | None
     totals: dict[str, float]
     cost_usd: float
     #: With ``group="day"``: the same per UTC day.

@@ -74,11 +74,13 @@ def by_day(ts: TenantStore, *, since: float, until: float | None = None, agent: 
             for d, totals in sorted(days.items())]
 
 
-def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
-    """Each gauge kind: the latest value of every instance that slept since ``since``, summed."""
-    where, params = _where(since, None, agent, user)
+def storage(ts: TenantStore, *, since: float, until: float | None = None, agent: str | None = None,
+            user: str | None = None) -> dict[str, float]:
+    """Each gauge kind: the latest value of every instance that slept in ``[since, until)``, summed (with ``until``,
+    each instance's last measurement before it, read from the window's ledger rows)."""
+    where, params = _where(since, until, agent, user)
     out: dict[str, float] = {}
-    if user is None:  # each instance's latest level, kept by the store (migration 28), summed per day
+    if user is None and until is None:  # each instance's latest level, kept by the store (migration 28), summed per day
         first, last, edges = _edges(since, params[1])
         agent_sql = "" if agent is None else " AND agent_id = ?"
         rows = ts.read(f"SELECT kind, SUM(amount) FROM usage_level_days WHERE latest = 1 AND day >= ? AND day < ?"
@@ -97,11 +99,12 @@ def storage(ts: TenantStore, *, since: float, agent: str | None = None, user: st
     return out
 
 
-def totals(ts: TenantStore, *, since: float, agent: str | None = None, user: str | None = None) -> dict[str, float]:
-    """The ledger's totals since ``since``; disk and snapshot bytes as levels (each instance's latest, summed), not
-    the sum of every sleep's measurement. What ``/v1/usage`` and ``/v1/fleet`` report."""
-    out = ts.usage.totals(since=since, agent_id=agent, user_id=user)
-    out.update(storage(ts, since=since, agent=agent, user=user))
+def totals(ts: TenantStore, *, since: float, until: float | None = None, agent: str | None = None,
+           user: str | None = None) -> dict[str, float]:
+    """The ledger's totals over ``[since, until)``; disk and snapshot bytes as levels (each instance's latest,
+    summed), not the sum of every sleep's measurement. What ``/v1/usage`` and ``/v1/fleet`` report."""
+    out = ts.usage.totals(since=since, until=until, agent_id=agent, user_id=user)
+    out.update(storage(ts, since=since, until=until, agent=agent, user=user))
     return out
 
 

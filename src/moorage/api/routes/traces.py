@@ -35,11 +35,15 @@ def recent_spans(call: Call) -> dict[str, Any]:
 
 def usage(call: Call) -> dict[str, Any]:
     since = float_query(call, "since") or 0.0
+    until = float_query(call, "until")
+    if until is not None and until < since:
+        raise InvalidInput(f"until ({until}) is before since ({since})",
+                           hint="until is the end of the window, exclusive: a later time than since")
     agent = agent_of_key(call, "usage")  # a key limited to one agent reads its agent's counts and costs only
     from moorage.usage.ledger import totals as ledger_totals
 
-    totals = ledger_totals(call.tenant, since=since, agent=agent, user=call.query("user"))
-    out: dict[str, Any] = {"since": since, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
+    totals = ledger_totals(call.tenant, since=since, until=until, agent=agent, user=call.query("user"))
+    out: dict[str, Any] = {"since": since, "until": until, "totals": totals, "cost_usd": totals.get("cost_usd", 0.0)}
     if agent and call.query("user"):  # one end-user: their caps as the next turn's check counts them
         from moorage.store.model import check_id
         from moorage.usage.caps import standing
@@ -51,7 +55,7 @@ def usage(call: Call) -> dict[str, Any]:
     if group == "day":
         from moorage.usage.ledger import by_day
 
-        out["days"] = by_day(call.tenant, since=since, agent=agent, user=call.query("user"))
+        out["days"] = by_day(call.tenant, since=since, until=until, agent=agent, user=call.query("user"))
     return out
 
 
@@ -65,6 +69,7 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/usage", usage, "Usage totals and cost", "observability", "getUsage", scope="read",
              agent_checked=True,
              query=(Param("since", S.NUM, "seconds since the epoch"),
+                    Param("until", S.NUM, "seconds since the epoch: the window's end, exclusive (none: no end)"),
                     Param("agent", S.ID, "only this agent's usage (a key limited to one agent must name it)"),
                     Param("user", S.STR, "only this end-user's usage; with agent, also their caps"),
                     Param("group", {"enum": ["day"]}, "also break the totals down by UTC day")),

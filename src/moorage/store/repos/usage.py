@@ -44,27 +44,36 @@ class Usage(_Repo):
 
         self._ts._retried(insert)  # its rollups' rows are shared with concurrent writers (store/usage_rollups.py)
 
-    def totals(self, *, since: float | None = None, agent_id: str | None = None, user_id: str | None = None) -> dict[str, float]:
+    def totals(self, *, since: float | None = None, until: float | None = None, agent_id: str | None = None,
+               user_id: str | None = None) -> dict[str, float]:
+        """Each kind's sum over the rows of ``[since, until)`` (``until`` None: no end)."""
         since = clamp_time(since or 0.0)
+        end = LATEST_TS + 86400.0 if until is None else clamp_time(until)
         if user_id is not None:  # a user's own rows, through their index (caps before each of their turns)
-            where, params = "ts >= ? AND user_id = ?", [since, user_id]
+            where, params = "ts >= ? AND ts < ? AND user_id = ?", [since, end, user_id]
             if agent_id is not None:
                 where += " AND agent_id = ?"
                 params.append(agent_id)
             with self._ts._tx(write=False) as c:
                 return {r[0]: float(r[1]) for r in c.q(f"SELECT kind, SUM(amount) FROM usage WHERE {where} GROUP BY kind",
                                                        params)}
-        # A tenant's or an agent's: the rollups of the whole UTC days since ``since`` (store migration 28), and
-        # the ledger rows of the part of a day before the first of them.
-        first = math.ceil(since / 86400)
+        # A tenant's or an agent's: the rollups of the whole UTC days in the window (store migration 28), and the
+        # ledger rows of the parts of a day before the first of them and after the last.
+        first, last = math.ceil(since / 86400), math.floor(end / 86400)
         agent = "" if agent_id is None else " AND agent_id = ?"
         extra = [] if agent_id is None else [agent_id]
         out: dict[str, float] = {}
         with self._ts._tx(write=False) as c:
-            rows = c.q(f"SELECT kind, SUM(amount) FROM usage_days WHERE day >= ?{agent} GROUP BY kind", [first, *extra])
-            if since < first * 86400:
+            if first >= last:  # no whole day: the window's rows
+                edges = [(since, end)] if since < end else []
+                rows = []
+            else:
+                edges = [(a, b) for a, b in ((since, first * 86400.0), (last * 86400.0, end)) if a < b]
+                rows = c.q(f"SELECT kind, SUM(amount) FROM usage_days WHERE day >= ? AND day < ?{agent} GROUP BY kind",
+                           [first, last, *extra])
+            for a, b in edges:
                 rows += c.q(f"SELECT kind, SUM(amount) FROM usage WHERE ts >= ? AND ts < ?{agent} GROUP BY kind",
-                            [since, first * 86400.0, *extra])
+                            [a, b, *extra])
         for kind, amount in rows:
             out[kind] = out.get(kind, 0.0) + float(amount)
         return out
