@@ -50,16 +50,16 @@ def test_awake_seconds_of_a_host_that_died_are_billed_once(tmp_path: Path) -> No
                 sdk.invoke("echo", f"turn {i}", user="ada")
             last = time.time()
             assert "compute_seconds" not in sdk.usage(agent="echo", user="ada")["totals"]  # awake, not yet billed
-        time.sleep(1.0)  # idle, then the machine dies with the instance awake
+        time.sleep(2.5)  # idle, then the machine dies with the instance awake
         host.kill()
         down = time.time()
         time.sleep(1.0)
         host = LocalHost("a", tmp_path / "data", env, start_timeout_s=120)
         with Client(host.url, host.key) as sdk:
             billed = sdk.usage(agent="echo", user="ada")["totals"].get("compute_seconds")
-            # From its wake to its last turn: not the idle second before the death, nor the time the host was down.
-            assert billed is not None and last - first - 0.3 <= billed <= down - first + 0.5, (billed, last - first)
-            assert billed < last - first + 0.9, (billed, last - first)
+            # From its wake to its last turn: not the idle seconds before the death, nor the time the host was down.
+            assert billed is not None and last - first - 1.0 <= billed < last - first + 2.0 < down - first, \
+                (billed, last - first)
             # Its next awake period is billed on its own: the first is not billed again.
             sdk.invoke("echo", "back", user="ada")
             woke = time.time()
@@ -67,7 +67,7 @@ def test_awake_seconds_of_a_host_that_died_are_billed_once(tmp_path: Path) -> No
             sdk.sandbox_action(sandbox_of(sdk, "echo", "ada")["id"], "sleep")
             slept = time.time()
             again = sdk.usage(agent="echo", user="ada")["totals"]["compute_seconds"]
-            assert 0.4 <= again - billed <= slept - woke + 1.0, (billed, again)
+            assert 0.4 <= again - billed <= slept - woke + 2.0, (billed, again)
             tenant = sdk.usage()["totals"]["compute_seconds"]
             assert tenant == again == sdk.usage(agent="echo")["totals"]["compute_seconds"]
     finally:
