@@ -80,3 +80,25 @@ def test_claims_die_with_their_process_or_their_timeout(tenant: TenantStore) -> 
     far = Owner("host-b", "remote", pid=2 ** 22 + 7, pid_start=1)  # another host: only the timeout tells
     rec = machine.apply(tenant, rec, Verb.RECLAIM, owner=far)
     assert not machine.claim_is_dead(rec, me, timeout_s=60)
+
+
+def test_an_awake_period_ended_without_a_sleep_is_billed_once_and_a_stale_one_never(tenant: TenantStore) -> None:
+    """Leaving running any other way than a sleep (recovery after a restart, a takeover) bills the period once, up
+    to the last activity of its user when another process moves it; a record an earlier version left asleep with a
+    stale ``awake_since`` is not billed at its next wake (up to activity long after that period ended)."""
+    import time
+
+    dead, me = Owner.this_process("host-a"), Owner.this_process("host-a")
+    rec = machine.apply(tenant, _provisioned(tenant, dead), Verb.PROVISIONED, owner=dead,
+                        meta={"owner": dead.claim(), "awake_since": time.time() - 50.0})
+    tenant.state.put(Scope.session("helper", "alice", "s"), "k", 1, expected_version=0)  # its last turn's write
+    seen = time.time()
+    time.sleep(0.2)
+    rec = machine.apply(tenant, rec, Verb.RECOVER, owner=me)  # host restarted: its processes are gone
+    (row,) = tenant.read("SELECT amount, meta FROM usage WHERE kind = 'compute_seconds'")
+    assert 50.0 - 0.5 <= row[0] <= seen - (time.time() - 50.0) + 0.5 and "awake_since" not in rec.meta
+    # Left asleep with it by an earlier version: the next wake does not bill it.
+    stale = tenant.sandboxes.update(rec.id, expected_version=rec.version,
+                                    meta={**rec.meta, "awake_since": time.time() - 3600.0})
+    machine.apply(tenant, stale, Verb.CLAIM_WAKE, owner=me)
+    assert tenant.read("SELECT COUNT(*) FROM usage WHERE kind = 'compute_seconds'") == [(1,)]

@@ -241,7 +241,10 @@ def _awake_period_ended(ts: TenantStore, record: SandboxRecord, to: InstanceStat
     until now); otherwise the latest activity the store recorded of the instance's user (their turns' writes),
     as nothing records when a host died: the idle time between that and the death is not billed."""
     since = record.meta.get("awake_since")
-    if not isinstance(since, (int, float)) or to in (S.RUNNING, S.SUSPENDING) or new_meta.get("awake_since") != since:
+    # Only from an awake state: a record an earlier version left asleep with its ``awake_since`` (its period lost
+    # then) is not billed now, at its next wake, up to an activity long after the period ended.
+    if (not isinstance(since, (int, float)) or record.state not in (S.RUNNING.value, S.SUSPENDING.value)
+            or to in (S.RUNNING, S.SUSPENDING) or new_meta.get("awake_since") != since):
         return None
     new_meta.pop("awake_since")
     now = time.time()
