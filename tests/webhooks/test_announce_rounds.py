@@ -9,7 +9,7 @@ import pytest
 from moorage.store import Store, TenantStore
 from moorage.store.model import Scope
 from moorage.webhooks.delivery import announce
-from tests.store.test_query_plans import recorded
+from tests.store.test_query_plans import other_users, plan, recorded, whole_table_reads
 
 WAITING = 210  # more than a page of the announcer's reads
 
@@ -51,3 +51,15 @@ def test_a_round_reads_only_the_executions_with_something_to_announce(store: Sto
     assert left == {f"wait{i:04d}" for i in range(WAITING)} | {"running", "queued"}
     # What a host's start submits again (``ExecutionRunner.resubmit_orphans``): those with no run, read as such.
     assert {ex.id for ex, run in tenant.executions.unsettled_to_act_on(())} == {"queued"}
+
+
+def test_the_announcers_read_walks_only_the_unsettled_executions(store: Store, tenant: TenantStore,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its one read a page goes through the index on ``announced`` and each run by its id, never every execution or
+    run kept (it may sort those it read, the unsettled ones with something to say)."""
+    other_users(store, tenant)
+    with recorded(monkeypatch) as seen:
+        list(tenant.executions.unsettled_to_act_on(("waiting", "succeeded")))
+    (sql, params), = seen
+    lines = plan(store, tenant, sql, params)
+    assert [ln for ln in whole_table_reads(sql, lines) if "Sort" not in ln and "TEMP B-TREE" not in ln] == [], lines
