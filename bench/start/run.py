@@ -8,9 +8,10 @@ stopped (its instance was put to sleep by the clean stop: the turn wakes it). St
 alternate, ``--reps`` each, after one start each that is not counted (it writes the bytecode cache, as installing a
 package does: the hosts run with one, outside the checkouts).
 
-    .venv/bin/python bench/start/run.py [--users 10000] [--reps 5] [--before-src DIR] [--drivers process,microvm]
+    .venv/bin/python bench/start/run.py [--users 10000] [--waiting 0] [--reps 5] [--before-src DIR]
+                                        [--drivers process,microvm]
 
-Writes bench/results/latest/start.{md,json}.
+Writes bench/results/latest/start.{md,json} (``--report`` names another).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -104,6 +106,24 @@ def seed(base: Path, data: Path, src: Path, driver: str, images: Path | None) ->
         host.stop()
 
 
+def waiting(data: Path, n: int) -> None:
+    """``n`` of the copied users each with an async turn waiting for a human answer, announced as such: they stay
+    unsettled (a host's start and each webhook round look at them) until someone answers."""
+    con = sqlite3.connect(fill.tenant_db(data), isolation_level=None)
+    con.execute("BEGIN")
+    now = time.time()
+    for i in range(1, n + 1):
+        user, eid, at = f"u{i:07d}", f"wait{i:08d}", now - i
+        con.execute("INSERT INTO executions (id, agent_id, user_id, session, input, events, announced, created_at, "
+                    "updated_at, version) VALUES (?, 'echo', ?, 'default', '{}', '[]', 'waiting', ?, ?, 1)",
+                    (eid, user, at, at))
+        con.execute("INSERT INTO workflow_runs (id, scope, name, status, input, state, current_step, result, error, "
+                    "created_at, updated_at, version) VALUES (?, ?, 'turn', 'waiting', '{}', '{}', NULL, NULL, NULL, ?, "
+                    "?, 1)", (eid, f"workflow:echo/{user}/{eid}", at, at))
+    con.execute("COMMIT")
+    con.close()
+
+
 def measure(data: Path, srcs: dict[str, Path], driver: str, reps: int, pycache: Path,
             images: Path | None) -> dict[str, Any]:
     """Alternating starts of each checkout on ``data``: medians and samples of health and first-turn seconds."""
@@ -136,10 +156,12 @@ def report(out: dict[str, Any]) -> str:
         for driver, res in by_driver.items():
             for fig, what in (("health_s", "until `GET /healthz` answers"),
                               ("turn_s", "until the first turn of a user awake before the stop answers")):
-                lines.append(f"| {name} ({out['users'][name]} users) | {driver} | {what} | "
+                turns = f", {out['waiting']} turns waiting for a human" if name == "big" and out.get("waiting") else ""
+                lines.append(f"| {name} ({out['users'][name]} users{turns}) | {driver} | {what} | "
                              + " | ".join(f"{res[k]['median_' + fig]:.2f}" for k in labels) + " |")
     a = out["args"]
-    lines += ["", f"Run: `bench/start/run.py --users {a['users']} --reps {a['reps']} --drivers {a['drivers']}"
+    lines += ["", f"Run: `bench/start/run.py --users {a['users']} --waiting {a.get('waiting', 0)} --reps {a['reps']} "
+              f"--drivers {a['drivers']}"
               + (f" --before-src {a['before_src']}`" if a.get("before_src") not in (None, "None") else "`")
               + (f"; {out['fill_s']:.0f} s to copy the users." if "fill_s" in out else "")]
     return "\n".join(lines) + "\n"
@@ -148,7 +170,10 @@ def report(out: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--users", type=int, default=10_000)
+    ap.add_argument("--waiting", type=int, default=0,
+                    help="async turns of the big store's users left waiting for a human answer (announced waiting)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--report", default="start", help="writes bench/results/latest/<report>.{md,json}")
     ap.add_argument("--before-src", type=Path, help="another checkout's src, measured beside this one")
     ap.add_argument("--drivers", default="process", help="comma-separated: process, microvm (small store only)")
     ap.add_argument("--images", default=os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"),
@@ -179,6 +204,8 @@ def main() -> None:
             shutil.copytree(small, big, symlinks=True, ignore=shutil.ignore_patterns("*.sock"))
             t0 = time.perf_counter()
             fill.clone(big, TEMPLATE, args.users, log=lambda s: None)
+            out["waiting"] = min(args.waiting, args.users)
+            waiting(big, out["waiting"])
             out["fill_s"] = time.perf_counter() - t0
             out["users"]["big"] = args.users + 1
             print(f"[{driver}] big store ({args.users} users copied in {out['fill_s']:.0f} s)", flush=True)
@@ -187,8 +214,8 @@ def main() -> None:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "start.json").write_text(json.dumps(out, indent=1))
-    (OUT / "start.md").write_text(report(out))
+    (OUT / f"{args.report}.json").write_text(json.dumps(out, indent=1))
+    (OUT / f"{args.report}.md").write_text(report(out))
     print(report(out))
 
 
