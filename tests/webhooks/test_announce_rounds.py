@@ -1,6 +1,6 @@
 """A round of the webhook announcer costs what it has to say, not what it has said: turns waiting days for a human
 answer (announced ``waiting`` once) stay unsettled, and each round read every one's run, one query each, and sorted
-them all for every page of 200 (4 s a round on SQLite with 10,000 of them; a round runs every half second)."""
+them all for every page of 200 (2 to 4 s a round on SQLite with 10,000 of them; a round runs every half second)."""
 
 from __future__ import annotations
 
