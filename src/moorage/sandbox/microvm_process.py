@@ -123,6 +123,7 @@ class QemuProcess:
                                                             max_guest_inflight=self._driver.config.guest_calls_per_channel)
                     channel = self._channel
                     channel.on_protocol_error = lambda: self._protocol_broken(channel)
+                    channel.why_closed = lambda: self._qemu_exited(channel)
                     microvm_net.bind_channel(channel, self._net)
                 wait = min(0.25 * (2 ** attempt), 2.0, max(deadline - time.monotonic(), 0.1))
                 method, params = first() if first is not None else ("ping", {})
@@ -149,6 +150,35 @@ class QemuProcess:
                 raise BootError(f"the guest of sandbox {self.id} did not restart within {timeout:.0f} s: "
                                 f"{self._log_tail()}")
             await asyncio.sleep(0.02)
+
+    def _qemu_exited(self, channel: Channel) -> str | None:
+        """The channel's socket closed under a running guest with no verb of the host's in progress: its QEMU died by
+        itself (killed from outside, crashed). Marked stopped at once, as a process sandbox whose processes ended
+        is, so the next turn boots it from its disk (before, every turn failed until it slept). Its socket closes as
+        the process exits, just before the process can be reaped: waited for that a little."""
+        proc = self._proc
+        if self._channel is not channel or self.state is not SandboxState.RUNNING or proc is None:
+            return None
+        if self._lock.locked():  # a verb in progress (a checkpoint after a turn): looked at again once it is done
+            asyncio.get_running_loop().create_task(self._stopped_after_verb(channel), name=f"qemu-exited-{self.id}")
+            return None
+        for _ in range(50):
+            if proc.poll() is not None:
+                break
+            time.sleep(0.002)
+        else:
+            return None  # still running: another reason the socket closed
+        log.warning("the micro-VM's QEMU exited by itself; its next wake boots it from its disk", sandbox=self.id,
+                    code=proc.returncode)
+        self._set_state(SandboxState.STOPPED, snapshot=None)
+        return f"the micro-VM's QEMU exited (code {proc.returncode})"
+
+    async def _stopped_after_verb(self, channel: Channel) -> None:
+        async with self._lock:
+            if self._channel is channel and self.state is SandboxState.RUNNING and self._qemu_gone():
+                log.warning("the micro-VM's QEMU exited by itself; its next wake boots it from its disk",
+                            sandbox=self.id)
+                self._set_state(SandboxState.STOPPED, snapshot=None)
 
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with

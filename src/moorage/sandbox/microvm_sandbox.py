@@ -69,6 +69,10 @@ class _VerbLock:
     async def __aexit__(self, *exc: object) -> None:
         self._lock.release()
 
+    def locked(self) -> bool:
+        """Whether a verb holds it now."""
+        return self._lock.locked()
+
     async def caught_up(self) -> None:
         task = self.behind
         if task is not None:
