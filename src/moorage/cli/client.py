@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import re
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
@@ -111,6 +113,27 @@ def _pairs(items: list[str]) -> dict[str, str]:
     if bad:
         raise InvalidInput(f"--meta {bad[0]!r} is not KEY=VALUE", hint="e.g. --meta plan=pro")
     return dict(m.split("=", 1) for m in items)
+
+
+def _instant(option: str, raw: Optional[str]) -> Optional[float]:
+    """A ``--since``/``--until`` value as the seconds since the epoch the API takes: a date is its UTC midnight,
+    an ISO-8601 time without an offset is UTC (as the usage's days are), a number is taken as it is."""
+    if raw is None:
+        return None
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            when = datetime.fromisoformat(text)
+        except ValueError:
+            value = math.nan
+        else:
+            value = (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+    if not math.isfinite(value):
+        raise InvalidInput(f"{option} {raw!r} is not a date or time",
+                           hint=f"e.g. {option} 2026-11-01, {option} 2026-11-01T09:30:00Z or {option} 1793491200")
+    return value
 
 
 def _text(value: Any) -> str:
@@ -362,9 +385,19 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(data, as_json, t)
 
     @app.command()
-    def usage(as_json: bool = typer.Option(False, "--json"), agent: Optional[str] = AGENT) -> None:
-        """Tokens, compute and storage used by this tenant (or by one agent)."""
-        data = sdk(cfg_of(), lambda c: c.usage(agent=agent))
+    def usage(as_json: bool = typer.Option(False, "--json"), agent: Optional[str] = AGENT,
+              user: Optional[str] = typer.Option(None, "--user", "-u", help="Only this end-user's usage."),
+              since: Optional[str] = typer.Option(
+                  None, "--since", help="Start of the period, included: a date (UTC midnight), an ISO-8601 time "
+                                        "(UTC unless it names an offset) or seconds since the epoch."),
+              until: Optional[str] = typer.Option(
+                  None, "--until", help="End of the period, excluded (same forms as --since).")) -> None:
+        """Tokens, compute and storage used by this tenant (or by one agent or end-user), over a period."""
+        start, end = _instant("--since", since), _instant("--until", until)
+        if start is not None and end is not None and end < start:
+            raise InvalidInput(f"--until {until} is before --since {since}",
+                               hint="the period is [--since, --until): give an end later than its start")
+        data = sdk(cfg_of(), lambda c: c.usage(agent=agent, user=user, since=start, until=end))
         t = Table("kind", "amount")
         totals = dict(data.get("totals") or {})
         totals.setdefault("cost_usd", data.get("cost_usd", 0.0))
