@@ -33,7 +33,8 @@ LOCAL_TENANT = "local"
 LAZY_IMPORTS = {
     "mcp": "the MCP SDK, about half a second of pydantic models: the first MCP request imports it "
            "(api/mcp.py, in a worker thread)",
-    "langgraph": "a LangGraph agent's checkpointer (store/langgraph.py), imported by the agents that use one",
+    "langgraph": "the LangGraph checkpointer for a graph in the developer's own process (store/langgraph.py); "
+                 "a graph in a sandbox imports LangGraph there, never in the host",
     "opentelemetry": "the OTLP exporter (observability/otlp.py), imported only when one is configured",
     "psycopg": "PostgreSQL's driver, for a host whose store is PostgreSQL (store/postgres.py); its outage error is "
                "moorage.errors.StoreUnreachable, so the lifecycle and webhooks catch it without the driver",
