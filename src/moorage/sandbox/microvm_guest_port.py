@@ -4,15 +4,20 @@ The guest supervisor holds the virtio-serial port; when it exits (an agent whose
 guest kernel kills for memory), the guest's init starts a new one, which opens the port again. The host's end (QEMU's
 socket) stays connected throughout, so nothing told the host: a turn in flight waited out its whole timeout
 (600 s) for an answer the dead supervisor would never send, and the user's next turns queued behind it. QEMU does
-report the guest closing its port (``VSERPORT_CHANGE``); the calls in flight then fail with ``ChannelClosed`` as soon
-as the new supervisor has said whether the guest's kernel killed a process for memory meanwhile (within a few
-seconds; the process driver reads its cgroup's count), and the next call reaches the new supervisor.
+report the guest closing its port (``VSERPORT_CHANGE``); the calls in flight then fail with ``ChannelClosed``: at
+once when the guest's init said on its console that the supervisor exited with a status (``ConsoleTail``), or, after
+a kill (the guest kernel's for memory, or one from inside), as soon as the new supervisor has said whether the
+guest's kernel killed a process for memory meanwhile (the process driver reads its cgroup's count). The next call
+reaches the new supervisor.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
 
 from moorage.log import get_logger
 from moorage.sandbox.channel import Channel
@@ -30,6 +35,17 @@ PORT_ID = "moorage-port"
 #: that it exited. Under TCG it answers 5-6 s after an exit (the init's pause, then a fresh interpreter), and after an
 #: OOM kill it was seen to take longer than 10 s (the guest reads back from disk what the kill's pressure evicted).
 REOPEN_WAIT_S = 30.0
+#: How long the calls wait for the guest's init to say on its console how the supervisor ended (milliseconds after
+#: the port closes, under TCG too), before they wait for the next supervisor instead.
+CONSOLE_WAIT_S = 2.0
+#: The wait status of a process ended by SIGKILL (128 + 9): the guest kernel's OOM kill, or a kill from inside.
+KILLED_STATUS = 137
+#: The guest init's line (sandbox/image_guest.py) as each supervisor ends.
+_EXITED = re.compile(rb"moorage-init: supervisor exited \((\d{1,3})\); restarting")
+#: The most of console.log read (it is capped at 512 KiB, then rotated).
+CONSOLE_READ_MAX = 1 << 20
+#: What a supervisor logs (guest/supervisor.py) once it holds the port.
+_SERVING = b'"serving virtio port"'
 
 
 class GuestPortWatch:
@@ -58,10 +74,15 @@ class GuestPortWatch:
         self.__dict__["_port_reopened"] = reopened = asyncio.Event()
         ids = channel.calls_in_flight()  # the ended supervisor's: calls made to the next one are not failed
         memory_mib = self._vm_config().memory_mib
+        console = ConsoleTail(self._paths().console_log)
 
         async def fail() -> None:
             if ids:
-                why = await _why_it_ended(channel, reopened, memory_mib)
+                status = await console.exit_status()
+                if status is not None and status != KILLED_STATUS:
+                    why = f"the guest's agent process exited (status {status}), and a new one started"
+                else:
+                    why = await _why_it_ended(channel, reopened, memory_mib)
             else:
                 why = "the guest's agent process exited, and a new one started"
             failed = await channel.fail_calls(ChannelClosed(f"{channel.name} closed: {why}",
@@ -71,6 +92,46 @@ class GuestPortWatch:
                             calls=failed, why=why)
 
         asyncio.get_running_loop().create_task(fail(), name=f"guest-port-closed-{self.id}")
+
+
+class ConsoleTail:
+    """The guest's init says on its console how each supervisor ended (``supervisor exited (STATUS)``, the shell's
+    wait status) as it starts the next one, often before the host hears the port close. The first such line after
+    the ended supervisor said it serves the port (``serving virtio port``: the last one written before the close,
+    or, in a console that does not show it, a forked VM's or one rotated away, the console's start) tells at once
+    an exit (``os._exit``, ``sys.exit`` from a thread) from a kill, which alone needs the next supervisor's word on
+    the guest's OOM count. No such line: the calls wait for the next supervisor as before. Read for the message's
+    words only (the guest writes its console)."""
+
+    def __init__(self, console_log: Path) -> None:
+        self.path = console_log
+        self.start = _size(console_log)
+
+    async def exit_status(self) -> Optional[int]:
+        deadline = time.monotonic() + CONSOLE_WAIT_S
+        while True:
+            status = self._read()
+            if status is not None or time.monotonic() >= deadline:
+                return status
+            await asyncio.sleep(0.02)
+
+    def _read(self) -> Optional[int]:
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read(CONSOLE_READ_MAX)
+        except OSError:
+            return None
+        rotated = len(text) < self.start  # the console became console.log.1 since the close: it is all new
+        served = -1 if rotated else text.rfind(_SERVING, 0, self.start)
+        found = _EXITED.search(text, max(served, 0))
+        return int(found.group(1)) if found else None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 async def _why_it_ended(channel: Channel, reopened: asyncio.Event, memory_mib: int) -> str:
