@@ -308,9 +308,15 @@ class Sleeping:
             if not li.owned or li.sandbox is None or li.activity.busy:
                 continue
             decision = li.policy.decide(li.activity, self.clock())
-            if decision.sleep_now:
+            # A guest that stopped by itself (its agent's code ended its process, it was killed for memory or from
+            # outside, the host stopped it at a turn's timeout) sleeps as its disk now: its awake period, billed as
+            # compute_seconds and counted by the compute cap, ends here. Its record stayed running before, and the
+            # time it was stopped was billed as awake until its user's next turn, however much later that came.
+            reason = "its guest stopped" if li.sandbox.state is SandboxState.STOPPED else \
+                decision.reason if decision.sleep_now else None
+            if reason is not None:
                 try:
-                    slept += await self._sleep(li, decision.reason)
+                    slept += await self._sleep(li, reason)
                     tried = True
                 except UnavailableError as e:  # the store out of reach: said once for the round, below
                     unreachable = e
