@@ -32,6 +32,7 @@ async def on_message(ctx, message):
         return "pong"
     if message == "resumed":
         planned = await ctx.step("plan", lambda: ask(ctx, "plan"))  # journaled: not asked again when resumed
+        await asyncio.sleep(1.0)
         drafted = await ask(ctx, "draft")  # asked again when resumed
         if drafted["text"] == "hang":
             await asyncio.sleep(600)  # the host dies here

@@ -238,8 +238,8 @@ def _awake_period_ended(ts: TenantStore, record: SandboxRecord, to: InstanceStat
     out of running (recovery after the host restarted, a failure, another host taking the instance over) ended
     the period too: it is billed here, once, and ``awake_since`` leaves the record (it was kept, and the period
     lost, when the next wake stamped a new one). Its end: now, when this process held the instance (it was alive
-    until now); otherwise the latest activity the store recorded of the instance's user (their turns' writes),
-    as nothing records when a host died: the idle time between that and the death is not billed."""
+    until now); otherwise the latest activity the store recorded of the instance's user (their turns' writes and
+    model calls), as nothing records when a host died: the idle time between that and the death is not billed."""
     since = record.meta.get("awake_since")
     # Only from an awake state: a record an earlier version left asleep with its ``awake_since`` (its period lost
     # then) is not billed now, at its next wake, up to an activity long after the period ended.
@@ -254,10 +254,15 @@ def _awake_period_ended(ts: TenantStore, record: SandboxRecord, to: InstanceStat
     scope = record.scope
     if scope.kind == "user" and scope.user is not None:
         rows = ts.read("SELECT MAX(last_active) FROM scopes WHERE agent_id = ? AND user_id = ?", [scope.agent, scope.user])
+        # The model calls its turns made are its activity too: a turn still running when the host died wrote its
+        # start only, and its awake time up to its last finished call (billed as tokens) was not billed.
+        calls = ts.read("SELECT MAX(ts) FROM usage WHERE ts >= ? AND kind = 'input_tokens' AND agent_id = ? "
+                        "AND user_id = ?", [since, scope.agent, scope.user])
     else:
         rows = ts.read("SELECT MAX(last_active) FROM scopes WHERE scope = ?", [scope.key])
-    seen = rows[0][0] if rows and rows[0][0] is not None else since
-    return since, min(now, max(since, float(seen)))
+        calls = []
+    seen = max([float(r[0][0]) for r in (rows, calls) if r and r[0][0] is not None], default=since)
+    return since, min(now, max(since, seen))
 
 
 def _span(ts: TenantStore, record: SandboxRecord, name: str, owner: Owner, trace: TraceContext | None, frm: str | None,
