@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from moorage import Client
 from moorage.cli.main import app
 from moorage.devservices.fleet import LocalHost
-from tests.llm.wire_servers import MODEL, WireServer, openai_app
+from tests.llm.wire_servers import WireServer, openai_app
 from tests.usage.test_billing_exact import MODEL_AGENT, _reply, write_agent
+from tests.usage.test_billing_exact import start as start_host
 
 
 def moorage(host: LocalHost, *args: str) -> Result:
@@ -37,9 +38,7 @@ def iso(t: float) -> str:
 def test_usage_of_a_period_and_of_one_user(tmp_path: Path) -> None:
     with WireServer(openai_app, "sk-test") as wire:
         wire.script.push(*[_reply() for _ in range(3)])  # each model call: 100 tokens in, 7 out
-        env = {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_BASE_URL": f"{wire.url}/v1",
-               "MOORAGE_LLM_API_KEY": "sk-test", "MOORAGE_LLM_MODEL": MODEL}
-        host = LocalHost("a", tmp_path / "data", env, start_timeout_s=120)
+        host = start_host(wire, tmp_path / "data")
         try:
             with Client(host.url, host.key) as sdk:
                 sdk.deploy("notes", write_agent(tmp_path, "notes", MODEL_AGENT))

@@ -14,9 +14,8 @@ import pytest
 
 from moorage import Client
 from moorage.client import ApiError
-from moorage.devservices.fleet import LocalHost
 from tests.llm.wire_servers import MODEL, Canned, WireServer, openai_app
-from tests.usage.test_billing_exact import sandbox_of
+from tests.usage.test_billing_exact import sandbox_of, start
 
 AGENT = '''
 import asyncio
@@ -73,12 +72,6 @@ def until(what: Callable[[], Any], timeout_s: float = 60.0) -> Any:
 def wire() -> Iterator[WireServer]:
     with WireServer(openai_app, "sk-test") as w:
         yield w
-
-
-def start(wire: WireServer, data: Path) -> LocalHost:
-    env = {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_BASE_URL": f"{wire.url}/v1",
-           "MOORAGE_LLM_API_KEY": "sk-test", "MOORAGE_LLM_MODEL": MODEL}
-    return LocalHost("a", data, env, start_timeout_s=120)
 
 
 def totals(sdk: Client) -> dict[str, float]:

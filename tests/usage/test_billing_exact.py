@@ -83,6 +83,13 @@ async def on_message(ctx, message):
 '''
 
 
+def start(wire: WireServer, data: Path) -> LocalHost:
+    """``moorage up`` whose model is ``wire`` (each call answered as the test scripts it)."""
+    env = {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_BASE_URL": f"{wire.url}/v1",
+           "MOORAGE_LLM_API_KEY": "sk-test", "MOORAGE_LLM_MODEL": MODEL}
+    return LocalHost("a", data, env, start_timeout_s=120)
+
+
 def _reply() -> Canned:
     return Canned(body={"id": "chatcmpl-" + uuid.uuid4().hex[:12], "object": "chat.completion", "created": 0,
                         "model": MODEL, "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
@@ -93,9 +100,7 @@ def _reply() -> Canned:
 def test_tokens_reconcile_and_forgetting_a_user_leaves_invoiced_totals_as_they_were(tmp_path: Path) -> None:
     with WireServer(openai_app, "sk-test") as wire:
         wire.script.push(*[_reply() for _ in range(20)])
-        env = {"MOORAGE_LOG_LEVEL": "warning", "MOORAGE_LLM_PROVIDER": "openai", "MOORAGE_LLM_BASE_URL": f"{wire.url}/v1",
-               "MOORAGE_LLM_API_KEY": "sk-test", "MOORAGE_LLM_MODEL": MODEL}
-        host = LocalHost("a", tmp_path / "data", env, start_timeout_s=120)
+        host = start(wire, tmp_path / "data")
         try:
             with Client(host.url, host.key) as sdk:
                 sdk.deploy("notes", write_agent(tmp_path, "notes", MODEL_AGENT))
