@@ -35,7 +35,7 @@ def _up(data: Path, port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([*MOORAGE, "up", "--port", str(port)], env=_env(data), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 120
-    while not (data / "moorage-up.json").exists() or not _healthy(port):
+    while not _records(data, port) or not _healthy(port):
         if proc.poll() is not None or time.time() > deadline:
             if proc.poll() is None:  # serving, but it never said where: stopped here, not left behind
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -44,6 +44,15 @@ def _up(data: Path, port: int) -> subprocess.Popen[bytes]:
                                  + (data.parent / f"up-{port}.log").read_text()[-3000:])
         time.sleep(0.2)
     return proc
+
+
+def _records(data: Path, port: int) -> bool:
+    """Whether ``moorage-up.json`` names ``port``: a crashed host's record stays until the next one serves and
+    writes its own, a moment after it answers."""
+    try:
+        return json.loads((data / "moorage-up.json").read_text())["url"].endswith(f":{port}")
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _healthy(port: int) -> bool:
