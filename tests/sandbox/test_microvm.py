@@ -699,6 +699,54 @@ async def test_the_disk_is_closed_clean_at_sleep_and_repaired_after_a_kill(drive
     await kid.destroy()
 
 
+class _SlowToExit:
+    """A QEMU process handle that reads as running for a while after the process died: QEMU closes its sockets as
+    it exits, and on a loaded host unmapping the guest's memory kept the process alive past the host's check (a
+    CI run: every turn after it answered 409 "its channel is not connected")."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], delay_s: float) -> None:
+        self._proc, self._until = proc, time.monotonic() + delay_s
+
+    def poll(self) -> int | None:
+        return None if time.monotonic() < self._until else self._proc.poll()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._proc, name)
+
+
+async def test_a_qemu_that_dies_slowly_is_marked_stopped_when_its_channel_closes(driver: MicroVMDriver, root: Path,
+                                                                                 template: TemplateRef) -> None:
+    (kid,) = await driver.fork(template, ["fork-slow-exit"])
+    await kid.wake()
+    await kid.write_file("/work/kept.txt", b"kept")
+    await out(kid, ["sync"])
+    assert kid._proc is not None
+    kid._proc = _SlowToExit(kid._proc, delay_s=2.0)  # type: ignore[assignment]
+    os.kill(kid.pid, 9)
+    deadline = time.monotonic() + 1.5  # before its process reads as gone
+    while kid.state is SandboxState.RUNNING and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert kid.state is SandboxState.STOPPED
+    await kid.wake()  # from its disk
+    assert kid.last_wake_mode == "cold"
+    assert await kid.read_file("/work/kept.txt") == b"kept"
+
+    # Re-adopted by a restarted host, which has no handle on the process (before, its death went unnoticed).
+    d2 = make_driver(root)
+    again = await d2.open("fork-slow-exit")
+    assert again.state is SandboxState.RUNNING and again._proc is None
+    assert await again.read_file("/work/kept.txt") == b"kept"
+    os.kill(again.pid, 9)
+    deadline = time.monotonic() + 10
+    while again.state is SandboxState.RUNNING and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert again.state is SandboxState.STOPPED
+    await again.wake()
+    assert await again.read_file("/work/kept.txt") == b"kept"
+    await again.destroy()
+    await d2.close()
+
+
 async def test_damaged_snapshots_fall_back_to_a_cold_boot_with_files_intact(driver: MicroVMDriver, template: TemplateRef) -> None:
     (kid,) = await driver.fork(template, ["fork-damaged"])
     await kid.wake()

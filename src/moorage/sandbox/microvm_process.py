@@ -154,31 +154,35 @@ class QemuProcess:
     def _qemu_exited(self, channel: Channel) -> str | None:
         """The channel's socket closed under a running guest with no verb of the host's in progress: its QEMU died by
         itself (killed from outside, crashed). Marked stopped at once, as a process sandbox whose processes ended
-        is, so the next turn boots it from its disk (before, every turn failed until it slept). Its socket closes as
-        the process exits, just before the process can be reaped: waited for that a little."""
-        proc = self._proc
-        if self._channel is not channel or self.state is not SandboxState.RUNNING or proc is None:
+        is, so the next turn boots it from its disk (before, every turn failed until it slept). QEMU closes the
+        socket as it exits, before its process is gone (unmapping the guest's memory takes a while on a loaded
+        host): it is not waited for here, on the event loop; it is killed, and the next wake or sleep reaps it. Only
+        QEMU closes that socket (its guest closing its port does not), so nothing else is taken for a death."""
+        if self._channel is not channel or self.state is not SandboxState.RUNNING:
             return None
         if self._lock.locked():  # a verb in progress (a checkpoint after a turn): looked at again once it is done
             asyncio.get_running_loop().create_task(self._stopped_after_verb(channel), name=f"qemu-exited-{self.id}")
             return None
-        for _ in range(50):
-            if proc.poll() is not None:
-                break
-            time.sleep(0.002)
-        else:
-            return None  # still running: another reason the socket closed
+        return self._mark_qemu_exited()
+
+    def _mark_qemu_exited(self) -> str:
+        code = self._proc.poll() if self._proc is not None else None
+        pid = self.pid
+        if code is None and pid:  # exiting already: not waited for (a stopped sandbox keeps no QEMU running)
+            with contextlib.suppress(ProcessLookupError):
+                if self._proc is not None:
+                    self._proc.kill()
+                elif pid_is_ours(pid, str(self.run_dir)):  # re-adopted after a host restart: no process handle
+                    os.kill(pid, 9)
         log.warning("the micro-VM's QEMU exited by itself; its next wake boots it from its disk", sandbox=self.id,
-                    code=proc.returncode)
+                    code=code)
         self._set_state(SandboxState.STOPPED, snapshot=None)
-        return f"the micro-VM's QEMU exited (code {proc.returncode})"
+        return "the micro-VM's QEMU exited" + (f" (code {code})" if code is not None else "")
 
     async def _stopped_after_verb(self, channel: Channel) -> None:
         async with self._lock:
-            if self._channel is channel and self.state is SandboxState.RUNNING and self._qemu_gone():
-                log.warning("the micro-VM's QEMU exited by itself; its next wake boots it from its disk",
-                            sandbox=self.id)
-                self._set_state(SandboxState.STOPPED, snapshot=None)
+            if self._channel is channel and self.state is SandboxState.RUNNING:
+                self._mark_qemu_exited()
 
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with
