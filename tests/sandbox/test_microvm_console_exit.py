@@ -7,22 +7,29 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from moorage.sandbox.microvm_guest_port import ConsoleTail
+from moorage.sandbox.microvm_guest_port import ConsoleTail, Ended
 
 SERVING = '{"event": "serving virtio port", "device": "/dev/vport1p1"}\n'
 
 
-def exited(status: int) -> str:
-    return f"moorage-init: supervisor exited ({status}); restarting\n"
+def exited(status: int, oom_kills: int | None = 0) -> str:
+    if oom_kills is None:  # an init of guest code before 2026-12 (still on older VMs' disks)
+        return f"moorage-init: supervisor exited ({status}); restarting\n"
+    return f"moorage-init: supervisor exited ({status}; oom_kill +{oom_kills}); restarting\n"
 
 
-def status_of(log: Path, before: str, after: str = "") -> int | None:
+def ended(log: Path, before: str, after: str = "") -> Ended | None:
     log.write_text(before)
     tail = ConsoleTail(log)  # made as the port's close is heard
     if after:
         with open(log, "a") as f:
             f.write(after)
     return asyncio.run(tail.exit_status())
+
+
+def status_of(log: Path, before: str, after: str = "") -> int | None:
+    found = ended(log, before, after)
+    return None if found is None else found.status
 
 
 def test_the_line_written_before_the_close_was_heard_is_this_supervisors(tmp_path: Path) -> None:
@@ -51,4 +58,15 @@ def test_a_console_rotated_after_the_close_is_read_whole(tmp_path: Path) -> None
     tail = ConsoleTail(log)
     log.rename(tmp_path / "console.log.1")
     log.write_text(exited(9))
-    assert asyncio.run(tail.exit_status()) == 9
+    assert asyncio.run(tail.exit_status()) == Ended(9, 0)
+
+
+def test_a_kill_for_memory_is_told_by_the_line_itself(tmp_path: Path) -> None:
+    assert ended(tmp_path / "console.log", SERVING, exited(137, 1)) == Ended(137, 1)
+    assert ended(tmp_path / "console.log", SERVING, exited(137, 0)) == Ended(137, 0)  # a kill from inside
+
+
+def test_an_older_inits_line_says_only_the_status(tmp_path: Path) -> None:
+    # A VM whose disk has the init from before the count: a kill then waits for the next supervisor's word.
+    assert ended(tmp_path / "console.log", SERVING + exited(137, None)) == Ended(137, None)
+    assert ended(tmp_path / "console.log", SERVING + exited(3, None)) == Ended(3, None)

@@ -106,9 +106,14 @@ os.execvp(sys.argv[2], sys.argv[2:])' "$envb64" "$@"
     # The supervisor and all it starts go into the capped cgroup; PID 1 stays outside it, never a victim.
     set -- sh -c 'echo $$ > /sys/fs/cgroup/agent/cgroup.procs && exec "$@"' moorage-agent "$@"
   fi
+  oom=$(sed -n 's/^oom_kill //p' /proc/vmstat)
   "$@" &
   wait $!
-  echo "moorage-init: supervisor exited ($?); restarting" > /dev/console
+  status=$?
+  # How it ended, for the host (sandbox/microvm_guest_port.py): its wait status, and how many processes the guest's
+  # kernel killed for memory meanwhile (it counts a kill before it sends the signal): told at once, not later by
+  # the next supervisor.
+  echo "moorage-init: supervisor exited ($status; oom_kill +$(( $(sed -n 's/^oom_kill //p' /proc/vmstat) - ${oom:-0} ))); restarting" > /dev/console
   sleep 1
 done
 """

@@ -5,10 +5,10 @@ guest kernel kills for memory), the guest's init starts a new one, which opens t
 socket) stays connected throughout, so nothing told the host: a turn in flight waited out its whole timeout
 (600 s) for an answer the dead supervisor would never send, and the user's next turns queued behind it. QEMU does
 report the guest closing its port (``VSERPORT_CHANGE``); the calls in flight then fail with ``ChannelClosed``: at
-once when the guest's init said on its console that the supervisor exited with a status (``ConsoleTail``), or, after
-a kill (the guest kernel's for memory, or one from inside), as soon as the new supervisor has said whether the
-guest's kernel killed a process for memory meanwhile (the process driver reads its cgroup's count). The next call
-reaches the new supervisor.
+once when the guest's init said on its console how the supervisor ended (``ConsoleTail``: its status and the guest
+kernel's kills for memory meanwhile, as the process driver reads its cgroup's count), or, from an older init that
+says only the status, after a kill as soon as the new supervisor has said whether the guest's kernel killed a
+process for memory meanwhile. The next call reaches the new supervisor.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import asyncio
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from moorage.log import get_logger
 from moorage.sandbox.channel import Channel
@@ -40,8 +40,10 @@ REOPEN_WAIT_S = 30.0
 CONSOLE_WAIT_S = 2.0
 #: The wait status of a process ended by SIGKILL (128 + 9): the guest kernel's OOM kill, or a kill from inside.
 KILLED_STATUS = 137
-#: The guest init's line (sandbox/image_guest.py) as each supervisor ends.
-_EXITED = re.compile(rb"moorage-init: supervisor exited \((\d{1,3})\); restarting")
+#: The guest init's line (sandbox/image_guest.py) as each supervisor ends: its wait status and, from an init of
+#: guest code since 2026-12, the guest kernel's kills for memory during its life (an older VM's disk says only the
+#: status: a kill then waits for the next supervisor's word).
+_EXITED = re.compile(rb"moorage-init: supervisor exited \((\d{1,3})(?:; oom_kill \+(\d{1,9}))?\); restarting")
 #: The most of console.log read (it is capped at 512 KiB, then rotated).
 CONSOLE_READ_MAX = 1 << 20
 #: What a supervisor logs (guest/supervisor.py) once it holds the port.
@@ -78,9 +80,12 @@ class GuestPortWatch:
 
         async def fail() -> None:
             if ids:
-                status = await console.exit_status()
-                if status is not None and status != KILLED_STATUS:
-                    why = f"the guest's agent process exited (status {status}), and a new one started"
+                ended = await console.exit_status()
+                if ended is not None and ended.oom_kills:
+                    why = f"{killed_for_memory(memory_mib)}, and a new one started"
+                elif ended is not None and (ended.status != KILLED_STATUS or ended.oom_kills is not None):
+                    how = "was killed" if ended.status == KILLED_STATUS else "exited"
+                    why = f"the guest's agent process {how} (status {ended.status}), and a new one started"
                 else:
                     why = await _why_it_ended(channel, reopened, memory_mib)
             else:
@@ -95,19 +100,20 @@ class GuestPortWatch:
 
 
 class ConsoleTail:
-    """The guest's init says on its console how each supervisor ended (``supervisor exited (STATUS)``, the shell's
-    wait status) as it starts the next one, often before the host hears the port close. The first such line after
-    the ended supervisor said it serves the port (``serving virtio port``: the last one written before the close,
-    or, in a console that does not show it, a forked VM's or one rotated away, the console's start) tells at once
-    an exit (``os._exit``, ``sys.exit`` from a thread) from a kill, which alone needs the next supervisor's word on
-    the guest's OOM count. No such line: the calls wait for the next supervisor as before. Read for the message's
-    words only (the guest writes its console)."""
+    """The guest's init says on its console how each supervisor ended (``supervisor exited (STATUS; oom_kill +N)``:
+    the shell's wait status, and the guest kernel's kills for memory during its life) as it starts the next one,
+    often before the host hears the port close. The first such line after the ended supervisor said it serves the
+    port (``serving virtio port``: the last one written before the close, or, in a console that does not show it, a
+    forked VM's or one rotated away, the console's start) tells at once an exit (``os._exit``, ``sys.exit`` from a
+    thread), a kill for memory and another kill. An older init's line has no count: a kill then needs the next
+    supervisor's word on the guest's OOM count. No such line: the calls wait for the next supervisor as before.
+    Read for the message's words only (the guest writes its console)."""
 
     def __init__(self, console_log: Path) -> None:
         self.path = console_log
         self.start = _size(console_log)
 
-    async def exit_status(self) -> Optional[int]:
+    async def exit_status(self) -> Optional["Ended"]:
         deadline = time.monotonic() + CONSOLE_WAIT_S
         while True:
             status = self._read()
@@ -115,7 +121,7 @@ class ConsoleTail:
                 return status
             await asyncio.sleep(0.02)
 
-    def _read(self) -> Optional[int]:
+    def _read(self) -> Optional["Ended"]:
         try:
             with open(self.path, "rb") as f:
                 text = f.read(CONSOLE_READ_MAX)
@@ -124,7 +130,21 @@ class ConsoleTail:
         rotated = len(text) < self.start  # the console became console.log.1 since the close: it is all new
         served = -1 if rotated else text.rfind(_SERVING, 0, self.start)
         found = _EXITED.search(text, max(served, 0))
-        return int(found.group(1)) if found else None
+        if found is None:
+            return None
+        return Ended(int(found.group(1)), int(found.group(2)) if found.group(2) is not None else None)
+
+
+class Ended(NamedTuple):
+    """How a supervisor ended, as the guest's init told it: the wait status, and the guest kernel's kills for
+    memory during its life (None: an older init that does not say)."""
+
+    status: int
+    oom_kills: Optional[int]
+
+
+def killed_for_memory(memory_mib: int) -> str:
+    return f"killed for memory (memory_mib = {memory_mib}): the guest's kernel ended its agent process"
 
 
 def _size(path: Path) -> int:
@@ -146,6 +166,5 @@ async def _why_it_ended(channel: Channel, reopened: asyncio.Event, memory_mib: i
     except (TimeoutError, ChannelError):
         return exited
     if isinstance(answer, dict) and answer.get("after_oom_kill") is True:
-        return (f"killed for memory (memory_mib = {memory_mib}): the guest's kernel ended its agent process, and a "
-                "new one started")
+        return f"{killed_for_memory(memory_mib)}, and a new one started"
     return exited
