@@ -170,9 +170,36 @@ def test_kvm_probe_boots_a_guest_or_explains_why_not(guest_image: GuestImage, tm
         assert res.fix, "an unusable KVM must come with a fix"
     # Cached per host boot: the second answer is the same and needs no boot.
     assert probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd) == res
-    assert (tmp_path / "cache" / "kvm-probe.json").exists()
+    assert (tmp_path / "images" / ".kvm-probe.json").exists()
     assert choose_accel(cfg) == ("kvm" if res.usable else "tcg")
     assert choose_accel(cfg.with_(accel="tcg")) == "tcg"
+
+
+def test_data_directories_that_share_images_probe_kvm_once(guest_image: GuestImage, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict was kept per data directory: each new one (every test's, every bench host's) booted the probe
+    again, which on a host whose KVM hangs a guest (nested PVM, here) waits out its 10 s timeout. It is kept beside
+    the kernel it booted, in the images directory, for every data directory that shares it."""
+    from moorage.sandbox import accel
+
+    images = tmp_path / "shared-images"
+    boots: list[Path] = []
+    verdict = accel.ProbeResult(False, "probe stand-in", "a fix")
+
+    def boot(exe: str, kernel: Path, initrd: Path) -> accel.ProbeResult:
+        boots.append(kernel)
+        return verdict
+
+    monkeypatch.setattr(accel, "_boot_probe", boot)
+    for data in ("host-a", "host-b", "host-c"):
+        cfg = Config(data_dir=tmp_path / data, accel="auto")
+        assert probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd, images_dir=images) == verdict
+    assert len(boots) == 1 and (images / ".kvm-probe.json").exists()
+    # Another kernel is another verdict.
+    other = tmp_path / "vmlinuz-other"
+    other.write_bytes(b"k")
+    probe_kvm(Config(data_dir=tmp_path / "host-d"), kernel=other, initrd=guest_image.initrd, images_dir=images)
+    assert boots == [guest_image.kernel, other]
 
 
 def test_cli_image_build_reports_the_cached_image(guest_image: GuestImage, tmp_path: Path) -> None:

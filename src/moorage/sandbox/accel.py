@@ -1,7 +1,9 @@
 """Which accelerator micro-VMs use: KVM only when it really boots our guest kernel, else TCG.
 
 ``/dev/kvm`` can exist and open yet be unusable (e.g. a nested PVM hypervisor that stock kernels do not boot
-under), so the probe boots the guest kernel + initramfs and waits for a marker. Results are cached per host boot.
+under), so the probe boots the guest kernel + initramfs and waits for a marker (on such a host it waits out
+``PROBE_TIMEOUT_S``). The verdict is cached per host boot beside the kernel it booted, in the images directory: every
+data directory that shares those images (a host's, a test's, a bench's) probes once, not once each.
 """
 
 from __future__ import annotations
@@ -49,12 +51,15 @@ def _boot_id() -> str:
         return "unknown"
 
 
-def _cache_path(cfg: Config) -> Path:
-    return cfg.data_dir / "cache" / "kvm-probe.json"
+def _cache_path(images_dir: Path) -> Path:
+    return images_dir / ".kvm-probe.json"
 
 
-def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = None, use_cache: bool = True) -> ProbeResult:
-    """Boot the guest kernel under KVM and report whether it reached the initramfs (cached per host boot)."""
+def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = None, use_cache: bool = True,
+              images_dir: Path | None = None) -> ProbeResult:
+    """Boot the guest kernel under KVM and report whether it reached the initramfs (cached per host boot in
+    ``images_dir``, by default the configuration's)."""
+    images_dir = images_dir or cfg.images_dir
     if not os.path.exists("/dev/kvm"):
         return ProbeResult(False, "/dev/kvm does not exist", "enable hardware virtualization and load the kvm module")
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
@@ -66,12 +71,12 @@ def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = 
         try:
             from moorage.sandbox.image import ImageBuilder
 
-            kdir = ImageBuilder(cfg.images_dir).kernel_layer()
+            kdir = ImageBuilder(images_dir).kernel_layer()
         except MoorageError as e:
             return ProbeResult(False, f"no guest kernel to probe with: {e.message}", e.hint or "run `moorage image build`")
         kernel, initrd = kdir / "vmlinuz", kdir / "initrd.img"
     key = {"boot_id": _boot_id(), "qemu": exe, "qemu_mtime": os.stat(exe).st_mtime, "kernel": str(kernel), "kernel_mtime": os.stat(kernel).st_mtime}
-    cache = _cache_path(cfg)
+    cache = _cache_path(images_dir)
     if use_cache:
         try:
             cached = json.loads(cache.read_text())
@@ -82,7 +87,7 @@ def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = 
     result = _boot_probe(exe, kernel, initrd)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")  # hosts sharing the images may write at once
         tmp.write_text(json.dumps({"key": key, "result": asdict(result)}))
         os.replace(tmp, cache)
     except OSError:

@@ -73,9 +73,10 @@ class MicroVMDriver(SandboxDriver):
     def accel(self) -> str:
         if self._accel is None:
             if self.config.accel == "auto":
-                # Probe with this driver's own image kernel (no second download); cached per host boot.
+                # Probe with this driver's own image kernel (no second download); cached per host boot with it.
                 img = self.image()
-                self._accel = "kvm" if probe_kvm(self.config, kernel=img.kernel, initrd=img.initrd).usable else "tcg"
+                self._accel = "kvm" if probe_kvm(self.config, kernel=img.kernel, initrd=img.initrd,
+                                                 images_dir=self.images_dir).usable else "tcg"
             else:
                 self._accel = choose_accel(self.config)
         return self._accel
