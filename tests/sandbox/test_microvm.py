@@ -701,7 +701,7 @@ async def test_the_disk_is_closed_clean_at_sleep_and_repaired_after_a_kill(drive
 
 class _SlowToExit:
     """A QEMU process handle that reads as running for a while after the process died: QEMU closes its sockets as
-    it exits, and on a loaded host unmapping the guest's memory kept the process alive past the host's check (a
+    it exits, a moment before it can be reaped, and on a loaded host that moment outlasted the host's 0.1 s check (a
     CI run: every turn after it answered 409 "its channel is not connected")."""
 
     def __init__(self, proc: subprocess.Popen[bytes], delay_s: float) -> None:

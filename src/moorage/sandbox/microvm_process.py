@@ -155,9 +155,10 @@ class QemuProcess:
         """The channel's socket closed under a running guest with no verb of the host's in progress: its QEMU died by
         itself (killed from outside, crashed). Marked stopped at once, as a process sandbox whose processes ended
         is, so the next turn boots it from its disk (before, every turn failed until it slept). QEMU closes the
-        socket as it exits, before its process is gone (unmapping the guest's memory takes a while on a loaded
-        host): it is not waited for here, on the event loop; it is killed, and the next wake or sleep reaps it. Only
-        QEMU closes that socket (its guest closing its port does not), so nothing else is taken for a death."""
+        socket as it exits, a moment before its process can be reaped (on a loaded host that moment outlasted a
+        0.1 s wait): it is not waited for here, on the event loop; it is killed, and the next wake or sleep reaps
+        it. Only QEMU closes that socket (its guest closing its port does not), so nothing else is taken for a
+        death."""
         if self._channel is not channel or self.state is not SandboxState.RUNNING:
             return None
         if self._lock.locked():  # a verb in progress (a checkpoint after a turn): looked at again once it is done
