@@ -156,52 +156,50 @@ class QemuProcess:
         itself (killed from outside, crashed). Marked stopped at once, as a process sandbox whose processes ended
         is, so the next turn boots it from its disk (before, every turn failed until it slept). QEMU closes the
         socket as it exits, a moment before its process can be reaped (on a loaded host that moment outlasted a
-        0.1 s wait): it is not waited for here, on the event loop; it is killed, and the next wake or sleep reaps
-        it. Only QEMU closes that socket (its guest closing its port does not), so nothing else is taken for a
-        death."""
+        0.1 s wait): it is not waited for here, on the event loop; it is killed and reaped under the lock
+        (``_stop_now``). Only QEMU closes that socket (its guest closing its port does not), so nothing else is
+        taken for a death."""
         if self._channel is not channel or self.state is not SandboxState.RUNNING:
             return None
         if self._lock.locked():  # a verb in progress (a checkpoint after a turn): looked at again once it is done
             asyncio.get_running_loop().create_task(self._stopped_after_verb(channel), name=f"qemu-exited-{self.id}")
             return None
-        return self._mark_qemu_exited()
+        return self._mark_qemu_exited(channel)
 
-    def _mark_qemu_exited(self) -> str:
+    def _mark_qemu_exited(self, channel: Channel) -> str:
         code = self._proc.poll() if self._proc is not None else None
-        pid = self.pid
-        if code is None and pid:  # exiting already: not waited for (a stopped sandbox keeps no QEMU running)
-            with contextlib.suppress(ProcessLookupError):
-                if self._proc is not None:
-                    self._proc.kill()
-                elif pid_is_ours(pid, str(self.run_dir)):  # re-adopted after a host restart: no process handle
-                    os.kill(pid, 9)
         log.warning("the micro-VM's QEMU exited by itself; its next wake boots it from its disk", sandbox=self.id,
                     code=code)
-        self._set_state(SandboxState.STOPPED, snapshot=None)
+        self._stop_now(channel)
         return "the micro-VM's QEMU exited" + (f" (code {code})" if code is not None else "")
 
     async def _stopped_after_verb(self, channel: Channel) -> None:
         async with self._lock:
             if self._channel is channel and self.state is SandboxState.RUNNING:
-                self._mark_qemu_exited()
+                self._mark_qemu_exited(channel)
 
     def _protocol_broken(self, channel: Channel) -> None:
         """A guest that broke the channel protocol is stopped at once (disk kept, memory dropped), not trusted with
-        a reconnect: QEMU is killed and the sandbox marked stopped before any other task sees it running; the next
-        wake cold-boots it (and tears down what is left first)."""
+        a reconnect; the next wake cold-boots it."""
         if self._channel is not channel or self.state is not SandboxState.RUNNING:
             return
         log.warning("guest broke the channel protocol; stopping it", sandbox=self.id, error=str(channel.protocol_error))
-        pid = self.pid
-        if pid and (self._proc is not None or pid_is_ours(pid, str(self.run_dir))):
-            try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
-                pass
-        self._set_state(SandboxState.STOPPED, snapshot=None)
-        asyncio.get_running_loop().create_task(self._reap_after_protocol_error(channel))
+        self._stop_now(channel)
 
-    async def _reap_after_protocol_error(self, channel: Channel) -> None:
+    def _stop_now(self, channel: Channel) -> None:
+        """Mark the sandbox stopped before any other task sees it running, and kill its QEMU without waiting on the
+        event loop (ours unless reaped already, whose pid may be another process's; a re-adopted one while its pid
+        is still this sandbox's QEMU). What is left is torn down under the lock (a wake meanwhile does it itself)."""
+        pid = self.pid
+        with contextlib.suppress(ProcessLookupError):
+            if self._proc is not None:
+                self._proc.kill()  # signals nothing once reaped
+            elif pid and pid_is_ours(pid, str(self.run_dir)):
+                os.kill(pid, 9)
+        self._set_state(SandboxState.STOPPED, snapshot=None)
+        asyncio.get_running_loop().create_task(self._reap_stopped(channel), name=f"reap-stopped-{self.id}")
+
+    async def _reap_stopped(self, channel: Channel) -> None:
         async with self._lock:
             if self._channel is channel:  # not woken meanwhile (a cold boot tears down what is left itself)
                 await self._teardown()
