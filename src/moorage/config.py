@@ -90,6 +90,9 @@ class Config:
     llm_base_url: str = ""
     llm_api_key: str = dataclasses.field(default="", repr=False)
     llm_model: str = ""
+    #: Threads the embedded model computes with; 0: half the CPUs this process may use, at least 1, at most 4
+    #: (its threads wait for each other spinning: with one for every CPU, anything else busy on the host stalls it).
+    llm_threads: int = 0
     #: The operator's per-tenant LLM policy (TOML: allowed models, rate limits, monthly tokens, unpriced models;
     #: docs/llm.md); empty: every tenant may call any model, unlimited.
     llm_policy: str = ""
@@ -245,7 +248,7 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "http_header_timeout_s": (0.1, None), "http_write_stall_s": (0.1, None), "end_user_max_requests": (1, None),
     "user_max_turns": (1, None),
     "user_max_async_turns": (1, None),
-    "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
+    "llm_threads": (0, 256), "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }
 
 

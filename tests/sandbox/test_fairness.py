@@ -42,6 +42,27 @@ def test_cgroup_mounts_are_found_on_hybrid_and_pure_v2_hosts() -> None:
     assert (control.parent is not None) == bool(control.kind)
 
 
+def test_the_tightest_cpu_quota_on_the_path_is_read_from_v2_and_v1_files(tmp_path: Path) -> None:
+    """The kernel's own formats, laid out as a pure v2 host (``cpu.max``) and a v1 one (``cpu.cfs_*``) show them;
+    this host's real cgroups are in tests/llm/test_engine_threads.py."""
+    v2 = cgroups.Mount(tmp_path / "v2", "/system.slice/moorage.service")
+    v2.own_dir.mkdir(parents=True)
+    (v2.root / "system.slice" / "cpu.max").write_text("150000 100000\n")  # CPUQuota=150% on the slice
+    (v2.own_dir / "cpu.max").write_text("max 100000\n")  # none on the unit itself
+    assert cgroups.cpu_quota(v2, None) == 1.5
+    (v2.own_dir / "cpu.max").write_text("50000 100000\n")
+    assert cgroups.cpu_quota(v2, None) == 0.5
+    v1 = cgroups.Mount(tmp_path / "v1", "/docker/abc")
+    v1.own_dir.mkdir(parents=True)
+    (v1.own_dir / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1.own_dir / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroups.cpu_quota(None, v1) is None
+    (v1.own_dir / "cpu.cfs_quota_us").write_text("200000\n")
+    assert cgroups.cpu_quota(None, v1) == 2.0
+    assert cgroups.cpu_quota(v2, v1) == 0.5  # both bind
+    assert cgroups.cpu_quota(None, None) is None
+
+
 def _cgroup_lines(pid: int) -> str:
     return Path(f"/proc/{pid}/cgroup").read_text()
 

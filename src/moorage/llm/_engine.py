@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
-import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from moorage.cpus import usable_cpus
 from moorage.llm.errors import ProviderUnavailable
 from moorage.log import get_logger
 
@@ -56,7 +56,20 @@ class EngineSettings:
     ctx_per_slot: int = 4096
     #: Requests decoded at once (continuous batching); more slots share the CPU.
     parallel: int = 2
-    threads: int = max(1, min(4, os.cpu_count() or 1))
+    #: Threads that compute each step; 0: ``default_threads()``.
+    threads: int = 0
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may use, at least 1 and at most 4.
+
+    llama.cpp's threads meet at a spinning barrier many times per token, so a thread the kernel does not run at
+    that moment holds the others spinning. A moorage host shares its CPUs with its agents' VMs and whatever else
+    runs there. On a 2-CPU host, one answer with a thread per CPU against one thread: alone 0.75 s against 1.3 s,
+    beside two busy processes 2.6 s against 1.4 s, beside a second such model 2-3 s (in one run 60-140 s) against
+    2 s (docs/llm.md, "The embedded model's CPU").
+    """
+    return max(1, min(4, usable_cpus() // 2))
 
 
 @dataclass(frozen=True)
@@ -120,8 +133,9 @@ class Engine:
         p.model.path = str(settings.model_path)
         p.n_parallel = settings.parallel
         p.n_ctx = settings.ctx_per_slot * settings.parallel
-        p.cpuparams.n_threads = settings.threads
-        p.cpuparams_batch.n_threads = settings.threads
+        self.threads = settings.threads or default_threads()
+        p.cpuparams.n_threads = self.threads
+        p.cpuparams_batch.n_threads = self.threads
         p.hostnames = ["127.0.0.1"]  # never listen beyond this host
         p.port = 0
         p.warmup = False
@@ -184,7 +198,6 @@ def get_engine(settings: EngineSettings | None = None) -> Engine:
     with _lock:
         engine = _engines.get(settings)
         if engine is None:
-            log.info("loading embedded model", model=str(settings.model_path), slots=settings.parallel, ctx=settings.ctx_per_slot)
             try:
                 engine = Engine(settings)
             except Exception as e:  # the native loader raises plain RuntimeErrors
@@ -193,5 +206,7 @@ def get_engine(settings: EngineSettings | None = None) -> Engine:
                     provider="embedded",
                     hint="check that the file is a GGUF llama.cpp can read and that there is enough memory",
                 ) from e
+            log.info("embedded model loaded", model=str(settings.model_path), slots=settings.parallel,
+                     ctx=settings.ctx_per_slot, threads=engine.threads)
             _engines[settings] = engine
         return engine

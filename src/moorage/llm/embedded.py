@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Sequence
 import httpx
 
 from moorage.llm import _embedded_tools as tools_proto
-from moorage.llm._engine import MODEL_NAME, Engine, EngineSettings, get_engine
+from moorage.llm._engine import MODEL_NAME, Engine, EngineSettings, default_model_path, get_engine
 from moorage.llm.errors import ModelNotFound
 from moorage.llm.openai import usage_from_wire
 from moorage.llm.provider import Capabilities
@@ -35,8 +35,10 @@ class EmbeddedProvider:
     default_model = MODEL_NAME
     capabilities = Capabilities(exact_token_count=True)
 
-    def __init__(self, settings: EngineSettings | None = None) -> None:
+    def __init__(self, settings: EngineSettings | None = None, *, threads: int = 0) -> None:
+        """``settings`` default to the shipped model with ``threads`` (0: ``_engine.default_threads()``)."""
         self._settings = settings
+        self._threads = threads
         self._engine: Engine | None = None
         self._engine_lock = threading.Lock()
         self._http: httpx.AsyncClient | None = None
@@ -44,10 +46,13 @@ class EmbeddedProvider:
     def __repr__(self) -> str:
         return f"EmbeddedProvider(model={self.default_model!r}, loaded={self._engine is not None})"
 
+    def _load(self) -> Engine:
+        return get_engine(self._settings or EngineSettings(default_model_path(), threads=self._threads))
+
     async def _get_engine(self) -> Engine:
         if self._engine is None:
             # Loading takes a moment and blocks: do it off the event loop, once.
-            self._engine = await asyncio.to_thread(get_engine, self._settings)
+            self._engine = await asyncio.to_thread(self._load)
         return self._engine
 
     # --- request shaping ---------------------------------------------------------------

@@ -23,7 +23,7 @@ PROVIDERS = ("embedded", "openai", "anthropic")
 def provider_from_config(cfg: Config) -> Provider:
     kind = cfg.llm_provider
     if kind == "embedded":
-        return EmbeddedProvider()
+        return EmbeddedProvider(threads=cfg.llm_threads)
     if kind == "openai":
         if not cfg.llm_base_url and not cfg.llm_api_key:
             raise ConfigError(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from moorage.config import Config
+from moorage.cpus import usable_cpus
 from moorage.errors import DiskFull, InvalidInput
 from moorage.sandbox import SandboxSpec
 
@@ -76,11 +77,8 @@ def host_memory_mib() -> int:
 
 
 def host_cpus() -> int:
-    """CPUs this process may run on (its affinity, which a container or cgroup may narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """CPUs this process may run on at once (its affinity, narrowed by a container's or unit's CPU quota)."""
+    return usable_cpus()
 
 
 def spec_for(agent: Mapping[str, Any], config: Config, sandboxes_root: Path) -> SandboxSpec:

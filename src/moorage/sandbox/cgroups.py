@@ -172,6 +172,28 @@ class CpuControl:
         return {f: _read(d / f).strip() for f in files}
 
 
+def cpu_quota(v2: Mount | None, v1: Mount | None) -> float | None:
+    """The CPUs' worth of time the tightest quota on this process's cgroup path allows (its own cgroup's or an
+    ancestor's: each binds; v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), or None where none is set."""
+    tightest: float | None = None
+    for mount, files in ((v2, ("cpu.max",)), (v1, ("cpu.cfs_quota_us", "cpu.cfs_period_us"))):
+        if mount is None:
+            continue
+        d = mount.own_dir
+        while True:
+            words = " ".join(_read(d / f).strip() for f in files).split()
+            try:
+                quota, period = (int(words[0]), int(words[1])) if len(words) == 2 and words[0] != "max" else (-1, 0)
+            except ValueError:
+                quota, period = -1, 0
+            if quota > 0 and period > 0:  # v1 says -1, v2 "max", for none; the root cgroup has no file
+                tightest = quota / period if tightest is None else min(tightest, quota / period)
+            if d == mount.root or mount.root not in d.parents:
+                break
+            d = d.parent
+    return tightest
+
+
 @lru_cache(maxsize=1)
 def mounts() -> tuple[Mount | None, Mount | None]:
     return parse_mounts(_read(Path("/proc/self/mountinfo")), _read(Path("/proc/self/cgroup")))
