@@ -51,7 +51,7 @@ def test_an_unknown_bench_area_is_one_line_naming_the_areas(tmp_path: Path) -> N
     r = moorage("bench", "nope", data=tmp_path / "data")
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert r.stderr.splitlines() == ["error: unknown benchmark area 'nope' (choose one of store, memory, durable, "
-                                     "lifecycle, sandbox, api, e2e, fleet, attacks, timetravel, soak)"], r.stderr
+                                     "lifecycle, sandbox, api, e2e, fleet, attacks, llm, timetravel, soak)"], r.stderr
 
 
 def test_up_on_a_port_in_use_is_one_line_saying_how_to_choose_another(tmp_path: Path) -> None:

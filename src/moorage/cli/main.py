@@ -107,6 +107,7 @@ BENCH_SCRIPTS = {
     "e2e": ["e2e/run.py"],
     "fleet": ["fleet/run.py"],
     "attacks": ["attacks/run.py"],
+    "llm": ["llm/run.py"],
     "timetravel": ["timetravel/run.py"],
     "soak": ["soak/run.py"],
 }
