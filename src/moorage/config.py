@@ -248,7 +248,8 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "http_header_timeout_s": (0.1, None), "http_write_stall_s": (0.1, None), "end_user_max_requests": (1, None),
     "user_max_turns": (1, None),
     "user_max_async_turns": (1, None),
-    "llm_threads": (0, 256), "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
+    "llm_threads": (0, 256),
+    "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }
 
 
