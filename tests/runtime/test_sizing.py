@@ -9,9 +9,10 @@ from typing import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from moorage.cpus import usable_cpus
 from moorage.errors import InvalidInput
 from moorage.runtime.package import AgentPackageError
-from moorage.runtime.sizing import AgentSizingError, host_cpus, host_memory_mib
+from moorage.runtime.sizing import AgentSizingError, host_memory_mib
 from moorage.store import EntityKey
 from tests.runtime.conftest import Env, make_env, write_agent
 
@@ -35,7 +36,7 @@ async def vm_env(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Env]
 
 async def test_memory_and_vcpus_reach_the_vm_and_its_forks(vm_env: Env, tmp_path: Path) -> None:
     env = vm_env
-    vcpus = min(2, host_cpus())
+    vcpus = min(2, usable_cpus())
     src = write_agent(tmp_path / "big", "big", SIZE_AGENT, f"memory_mib = 384\nvcpus = {vcpus}\n")
     await env.runtime.deploy(env.principal, src)
     seen = []
@@ -52,7 +53,7 @@ async def test_memory_and_vcpus_reach_the_vm_and_its_forks(vm_env: Env, tmp_path
 
 @pytest.mark.parametrize("line, words", [
     (f"memory_mib = {host_memory_mib() + 1024}", ["memory_mib", "MiB of memory", "memory_mib <="]),
-    (f"vcpus = {host_cpus() + 1}", ["vcpus", f"{host_cpus()} CPUs", f"vcpus <= {host_cpus()}"]),
+    (f"vcpus = {usable_cpus() + 1}", ["vcpus", f"{usable_cpus()} CPUs", f"vcpus <= {usable_cpus()}"]),
     ("disk_mib = 16000000", ["disk_mib", "MiB free", "disk_mib <="]),
 ])
 async def test_sizes_the_host_cannot_give_fail_the_deploy(vm_env: Env, tmp_path: Path, line: str,

@@ -14,8 +14,8 @@ import pytest
 
 from moorage import Client
 from moorage.client import BadRequest, NotFound
+from moorage.cpus import usable_cpus
 from moorage.devservices.fleet import LocalHost
-from moorage.runtime.sizing import host_cpus
 
 
 def _agent(root: Path, name: str, extra: str = "") -> Path:
@@ -33,7 +33,7 @@ def test_a_deploy_refused_at_sizing_changes_nothing(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "moorage.cli.main", *args], env=env, capture_output=True,
                               text=True, timeout=300)
-    too_many = f"vcpus = {host_cpus() + 1}\n"
+    too_many = f"vcpus = {usable_cpus() + 1}\n"
     try:
         # A new name: refused, and no agent, deployment or package is left of it.
         packages = set((host.data / "packages").glob("*")) if (host.data / "packages").exists() else set()

@@ -76,11 +76,6 @@ def host_memory_mib() -> int:
     return (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
 
 
-def host_cpus() -> int:
-    """CPUs this process may run on at once (its affinity, narrowed by a container's or unit's CPU quota)."""
-    return usable_cpus()
-
-
 def spec_for(agent: Mapping[str, Any], config: Config, sandboxes_root: Path) -> SandboxSpec:
     """The sandbox spec for an agent's template, or ``AgentSizingError`` saying what this host cannot give."""
     check_manifest_sizing(agent)
@@ -97,7 +92,8 @@ def spec_for(agent: Mapping[str, Any], config: Config, sandboxes_root: Path) -> 
         raise AgentSizingError(f"memory_mib = {memory} is more than this host can give one agent: {mem_why}",
                                hint=f"use memory_mib <= {mem_cap} and deploy again; nothing was changed")
 
-    cpu_cap, cpu_why = host_cpus(), f"this host has {host_cpus()} CPUs"
+    cpu_cap = usable_cpus()  # its affinity, narrowed by a container's or unit's CPU quota
+    cpu_why = f"this host has {cpu_cap} CPUs"
     if config.agent_max_vcpus and config.agent_max_vcpus < cpu_cap:
         cpu_cap, cpu_why = config.agent_max_vcpus, f"the operator's limit is {config.agent_max_vcpus} (agent_max_vcpus)"
     if vcpus > cpu_cap:
