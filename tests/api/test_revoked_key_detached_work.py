@@ -111,3 +111,26 @@ async def test_a_revoked_key_cancels_its_queued_and_running_async_turns_and_deta
             d = told[ex]
             assert d["event"] == "execution.cancelled" and leaked["id"] in d["payload"]["data"]["error"], d
         assert told[theirs]["event"] == "execution.succeeded"
+
+
+async def test_every_queued_turn_of_a_revoked_key_is_cancelled_however_many_wait(
+        live_rt, runtime, store: Store, acme: str, monkeypatch: Any) -> None:
+    """The revoke read the key's queued turns once, at most a page of them (1,000): a key that had queued more left
+    the rest to start. It now reads page after page; the page is shortened here to 2 so that 7 turns span four.
+    They were queued on no host of this one's (made in the store, as a turn waiting for a host to take it is)."""
+    from moorage.runtime import revoked_work
+
+    monkeypatch.setattr(revoked_work, "QUEUED_PAGE", 2)
+    async with aclient(live_rt, acme) as admin:
+        leaked = (await admin.post("/v1/keys", json={"scopes": ["invoke"], "label": "leaked"})).json()
+        kept = (await admin.post("/v1/keys", json={"scopes": ["invoke"], "label": "kept"})).json()
+        ts = store.tenant(store.authenticate(acme))
+        ids = [f"queued-{i}" for i in range(7)]
+        for i, ex_id in enumerate(ids):
+            ts.executions.create(ex_id, "echo", f"u{i}", "default", {"message": "hi"}, leaked["id"])
+        ts.executions.create("other-key", "echo", "u0", "default", {"message": "hi"}, kept["id"])
+        assert (await admin.delete(f"/v1/keys/{leaked['id']}")).status_code == 200
+        for ex_id in ids:
+            ex = (await admin.get(f"/v1/executions/{ex_id}")).json()
+            assert ex["status"] == "cancelled" and leaked["id"] in ex["error"], ex
+        assert (await admin.get("/v1/executions/other-key")).json()["status"] == "queued"

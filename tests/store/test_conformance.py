@@ -291,7 +291,10 @@ def test_executions_record_the_key_that_started_them(tenant: TenantStore, other_
     tenant.executions.create("other-key", "bot", "alice", "default", {"message": "e"}, "key-o")
     tenant.executions.create("operator", "bot", "alice", "default", {"message": "f"})
     other_tenant.executions.create("theirs", "bot", "alice", "default", {"message": "g"}, "key-k")
-    assert sorted(e.id for e in tenant.executions.queued_of_key("key-k")) == ["q1", "q2"]
+    assert [e.id for e in tenant.executions.queued_of_key("key-k")] == ["q1", "q2"]  # in the order of their ids
+    assert [e.id for e in tenant.executions.queued_of_key("key-k", limit=1)] == ["q1"]
+    assert [e.id for e in tenant.executions.queued_of_key("key-k", after="q1", limit=1)] == ["q2"]
+    assert tenant.executions.queued_of_key("key-k", after="q2") == []
     assert [e.id for e in tenant.executions.queued_of_key("key-o")] == ["other-key"]
     assert tenant.executions.queued_of_key("key-none") == []
     assert tenant.executions.keys_of(["q1", "other-key", "operator", "theirs", "nothing"]) == {

@@ -25,6 +25,8 @@ log = get_logger(__name__)
 CHECK_S = 1.0
 #: How long a revoked key's async turn still waiting for its instance is refused as it is admitted.
 REFUSED_FOR_S = 900.0
+#: How many of a revoked key's queued turns are read from the store at once (tests shorten it).
+QUEUED_PAGE = 1000
 #: How an end-user token's principal names the key that issued it (``api/auth.py``).
 TOKEN_KEY = "user-token:"
 
@@ -91,13 +93,17 @@ class RevokedWork:
         store now (they never start), and what this host runs of its work is cancelled. Other hosts cancel theirs
         at their next check. How many queued turns were cancelled."""
         why = reason(key_id)
-        queued = await asyncio.to_thread(ts.executions.queued_of_key, key_id)
-        n = 0
-        for ex in queued:
-            if any(e.get("kind") == "error" for e in ex.events):
-                continue  # refused or cancelled before it started already
-            await asyncio.to_thread(ts.executions.add_events, ex.id, [_cancelled_event(why)])
-            n += 1
+        n, after = 0, ""
+        while True:  # all of them, a page at a time: a key may have queued more than a page
+            queued = await asyncio.to_thread(ts.executions.queued_of_key, key_id, after=after, limit=QUEUED_PAGE)
+            for ex in queued:
+                if any(e.get("kind") == "error" for e in ex.events):
+                    continue  # refused or cancelled before it started already
+                await asyncio.to_thread(ts.executions.add_events, ex.id, [_cancelled_event(why)])
+                n += 1
+            if len(queued) < QUEUED_PAGE:
+                break
+            after = queued[-1].id
         await self.check(only=ts.tenant_id)
         if n:
             log.info("queued async turns of a revoked key cancelled", key=key_id, count=n)

@@ -73,13 +73,15 @@ class Executions(_Repo):
             r = c.one(f"SELECT {_EXEC_COLS} FROM executions WHERE id = ?", (execution_id,))
         return _execution(r), n == 1
 
-    def queued_of_key(self, key_id: str, *, limit: int = 1000) -> list[Execution]:
+    def queued_of_key(self, key_id: str, *, after: str = "", limit: int = 1000) -> list[Execution]:
         """The async turns API key ``key_id`` started that have no run yet and were not announced (queued, or
-        refused or cancelled before they started: their ``error`` event says so), at most ``limit``."""
+        refused or cancelled before they started: their ``error`` event says so), at most ``limit``, in the order
+        of their ids from the first after ``after`` (the last id of the page before)."""
         with self._ts._tx(write=False) as c:
             rows = c.q(f"SELECT {', '.join('e.' + col for col in _EXEC_COLS.split(', '))} FROM executions e "
                        "LEFT JOIN workflow_runs r ON r.id = e.id "
-                       "WHERE e.key_id = ? AND e.announced IS NULL AND r.id IS NULL LIMIT ?", (key_id, limit))
+                       "WHERE e.key_id = ? AND e.announced IS NULL AND r.id IS NULL AND e.id > ? "
+                       "ORDER BY e.id LIMIT ?", (key_id, after, limit))
         return [_execution(r) for r in rows]
 
     def keys_of(self, execution_ids: Sequence[str]) -> dict[str, str | None]:
