@@ -15,7 +15,6 @@ import typer
 
 from moorage.config import Config
 from moorage.errors import ConfigError, ConflictError, InvalidInput, MoorageError
-from moorage.runtime.backup import BackupFailed
 
 #: States in which an instance's files or memory are not (all) on disk: a host crashed, or stopped with --detach.
 AWAKE = ("running", "waking", "suspending", "provisioning")
@@ -36,6 +35,7 @@ def awake_instances(cfg: Config) -> list[str]:
 def online_backup(cfg: Config, dest: Path, echo: Callable[[str], None]) -> dict[str, Any]:
     """Ask the ``moorage up`` running on ``cfg.data_dir`` to back itself up into ``dest``; echo its progress."""
     from moorage.runtime.admin_socket import socket_path
+    from moorage.runtime.backup import BackupFailed
 
     path = socket_path(cfg.data_dir)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -13,8 +13,8 @@ from typing import List, Optional
 import typer
 
 from moorage.cli.console import make_console
-from moorage.cost import SCENARIOS, SimSettings, compare, generate, load_cost_model, read_trace, render, save_trace
-from moorage.lifecycle.policies import parse_policy
+
+# moorage.cost is imported by each command, not here: it brings numpy, which every other command would pay for.
 
 app = typer.Typer(no_args_is_help=True, help="Cost model and sleep-policy simulator.")
 trace_app = typer.Typer(no_args_is_help=True, help="Arrival traces (JSONL, one turn per line).")
@@ -33,6 +33,9 @@ def simulate(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Replay a trace through each policy and report compute, storage, wakes, added latency and cost."""
+    from moorage.cost import SimSettings, compare, load_cost_model, read_trace, render
+    from moorage.lifecycle.policies import parse_policy
+
     model = load_cost_model(prices)
     policies = [parse_policy(p, model.economics()) for p in policy] if policy else None
     cmp = compare(read_trace(trace), model, policies, SimSettings(provisioning=provisioning, warm_pool=warm_pool))  # type: ignore[arg-type]
@@ -44,13 +47,15 @@ def simulate(
 
 @trace_app.command("generate")
 def trace_generate(
-    scenario: str = typer.Option(..., "--scenario", help=f"One of: {', '.join(SCENARIOS)}."),
+    scenario: str = typer.Option(..., "--scenario", help="A name `moorage cost trace scenarios` lists."),
     out: Path = typer.Option(..., "--out", help="File to write (JSONL)."),
     users: Optional[int] = typer.Option(None, "--users", help="Number of users (default depends on the scenario)."),
     hours: Optional[float] = typer.Option(None, "--hours", help="Trace length in hours (default depends on the scenario)."),
     seed: int = typer.Option(0, "--seed", help="Same seed, same trace."),
 ) -> None:
     """Generate a synthetic arrival trace for a named scenario."""
+    from moorage.cost import generate, save_trace
+
     trace = generate(scenario, users=users, hours=hours, seed=seed)
     save_trace(trace, out)
     typer.echo(f"wrote {len(trace.turns)} turns for {trace.instances} instances over {trace.horizon_s / 3600:g} h to {out}")
@@ -59,6 +64,8 @@ def trace_generate(
 @trace_app.command("scenarios")
 def trace_scenarios(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List the named scenarios."""
+    from moorage.cost import SCENARIOS
+
     if as_json:
         typer.echo(json.dumps({"data": [{"name": s.name, "users": s.default_users, "hours": s.default_hours,
                                          "description": s.description} for s in SCENARIOS.values()]}, indent=2))
@@ -71,6 +78,8 @@ def trace_scenarios(as_json: bool = typer.Option(False, "--json", help="Machine-
 def prices(prices_file: Optional[Path] = typer.Option(None, "--prices", help="Show this file merged over the defaults."),
            as_json: bool = typer.Option(False, "--json", help="The same tables and the break-even gap as JSON.")) -> None:
     """Print the price table and instance profile as TOML (a starting point for --prices)."""
+    from moorage.cost import load_cost_model
+
     model = load_cost_model(prices_file)
     if as_json:
         typer.echo(json.dumps({"prices": asdict(model.prices), "instance": asdict(model.instance),

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from moorage.cli.console import make_console
-from moorage.sandbox.image import GuestImage, ImageBuilder
+# moorage.sandbox.image is imported by each command: every other command of the CLI would pay for it.
 
 app = typer.Typer(no_args_is_help=True, help="Guest images for micro-VM sandboxes.")
 console = make_console()
@@ -35,6 +34,10 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print the image manifest as JSON."),
 ) -> None:
     """Build the guest image (kernel, initramfs, root filesystem with the moorage guest runtime), or reuse it."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from moorage.sandbox.image import ImageBuilder
+
     started = time.monotonic()
     # Progress goes to stderr: stdout holds only the result (with --json, the manifest and nothing else).
     with Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[step]:<10}[/] {task.description}"), TimeElapsedColumn(),
@@ -57,6 +60,8 @@ def build(
 def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
                 as_json: bool = typer.Option(False, "--json", help="Each image's manifest, with whether it is current.")) -> None:
     """Images in the cache; the one matching the current recipe and guest code is marked."""
+    from moorage.sandbox.image import GuestImage, ImageBuilder
+
     d = _images_dir(images_dir)
     current = ImageBuilder(d).image_id()
     found = sorted((p for p in d.glob("*/manifest.json")), key=lambda p: p.stat().st_mtime) if d.exists() else []
@@ -81,6 +86,7 @@ def prune(
     """Remove images other than the current one. Sandboxes keep a reference to their image: prune only images
     no sandbox was created from (moorage checks the sandboxes directory of this data dir)."""
     from moorage.cli.main import state
+    from moorage.sandbox.image import ImageBuilder
 
     d = _images_dir(images_dir)
     current = ImageBuilder(d).image_id()
