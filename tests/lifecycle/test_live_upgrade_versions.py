@@ -227,8 +227,11 @@ def test_a_vm_reset_hard_in_the_middle_of_the_guest_code_install_boots_with_work
         assert said is None, said
         assert _qemu_pid(data, sid) is None or _qemu_pid(data, sid) != pid  # QEMU ended with the reset
         # Put to sleep as its disk (its QEMU gone), the next wake boots it from there: its guest code, the old
-        # package or the new one, whole, serves the turn.
-        up.sleep("ada")
+        # package or the new one, whole, serves the turn. The host may have slept it already, having seen its QEMU
+        # end ("its guest stopped"): then the request finds nothing awake to sleep.
+        r = up.api.post(f"/v1/sandboxes/{sid}/sleep")
+        assert r.status_code == 200, r.text
+        assert up.sandbox("ada")["state"] == "sleeping", up.sandbox("ada")
         assert up.turn("ada", "hi") == "turn 2"
         r = up.api.post(f"/v1/sandboxes/{sid}/exec", json={"argv": ["ls", "/opt/moorage/guest"]})
         assert r.status_code == 200 and "agent_context.py" in r.json()["stdout"].split(), r.text
