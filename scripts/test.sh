@@ -5,14 +5,14 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export MOORAGE_TEST_STRICT=1   # a missing service fails the suite instead of skipping
 set +e
-# Three workers, a test file each at a time (module fixtures such as a booted VM stay shared within a file); every
-# worker starts its own PostgreSQL cluster and servers on free ports and uses its own temp dirs. Three on a 2-core
-# machine: with two, a third of the CPU sat idle while tests waited (for hosts to start, guests to answer, timers);
-# a third worker took a run from 41 to 35 minutes (MOORAGE_TEST_WORKERS sets the number). The slowest
-# tests are printed so the CI budget stays visible. A worker that crashes is not replaced: its test fails, the
-# other worker runs what it has, the run ends red (a replaced worker can deadlock pytest-xdist's loadfile scheduler, which has
+# Two workers, a test file each at a time (module fixtures such as a booted VM stay shared within a file); every
+# worker starts its own PostgreSQL cluster and servers on free ports and uses its own temp dirs. MOORAGE_TEST_WORKERS
+# sets the number: on the 2-core machine three took 35 minutes where two took 41 (31 once src/ was byte-compiled),
+# but each test ran a quarter slower and two tests' timing failed in two runs (both mended): two stay the default.
+# The slowest tests are printed so the CI budget stays visible. A worker that crashes is not replaced: its test
+# fails, the other worker runs what it has, the run ends red (a replaced worker can deadlock pytest-xdist's loadfile scheduler, which has
 # re-queued the dead worker's finished files: pytest-dev/pytest-xdist#1378).
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${MOORAGE_TEST_WORKERS:-3}" --dist loadfile --max-worker-restart=0 \
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${MOORAGE_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 \
     --durations=15 "$@"
 rc=$?
 set -e
