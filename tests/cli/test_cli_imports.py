@@ -1,6 +1,6 @@
 """Every ``moorage`` command starts by importing the CLI's command groups. Three of them imported what only they
 use at the top of their module (the cost simulator and numpy, the guest image builder, the backup and time-travel
-runtime): about 250 ms of each command's start, 0.55 s in all for ``moorage version``. They import it when run."""
+runtime): ``moorage version`` took 345 ms, now 233 ms (medians of 15, byte-compiled). They import it when run."""
 
 from __future__ import annotations
 
