@@ -98,9 +98,12 @@ def start_upstream(name: str) -> Upstream:
                 self.end_headers()
                 block = b"b" * 65536
                 left = size
-                while left > 0:
-                    self.wfile.write(block[:min(left, len(block))])
-                    left -= min(left, len(block))
+                try:
+                    while left > 0:
+                        self.wfile.write(block[:min(left, len(block))])
+                        left -= min(left, len(block))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # a client that stopped reading, as a size limit does
                 return
             text = f"{up.name} {self.command} {self.path}".encode()
             self.send_response(200)
