@@ -112,7 +112,7 @@ def test_a_pass_with_nothing_to_ship_during_an_s3_outage_does_not_end_its_failed
         during = text()
     finally:
         relay.open()
-    until(lambda: host.records()["ivy"].meta.get("shipped_current"), "ivy shipped once S3 is back", 30)
+    until(lambda: host.records()["ivy"].meta.get("shipped_current"), "ivy shipped once S3 is back", 90)
     assert during.count("shipping sleeping instances failed") == 1, during
     assert "shipping sleeping instances works again" not in during, during
     until(lambda: "shipping sleeping instances works again" in text(), "the shipments say they work again", 30)
