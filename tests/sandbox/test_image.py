@@ -195,6 +195,18 @@ def test_data_directories_that_share_images_probe_kvm_once(guest_image: GuestIma
         cfg = Config(data_dir=tmp_path / data, accel="auto")
         assert probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd, images_dir=images) == verdict
     assert len(boots) == 1 and (images / ".kvm-probe.json").exists()
+    # A data directory whose images directory is a link to the shared one (so its kernels' paths differ) too.
+    (images / "k").mkdir()
+    kernel = images / "k" / "vmlinuz"
+    kernel.write_bytes(guest_image.kernel.read_bytes())
+    linked = tmp_path / "host-e" / "images"
+    linked.parent.mkdir()
+    linked.symlink_to(images)
+    for dirs in (images, linked):
+        probe_kvm(Config(data_dir=linked.parent), kernel=dirs / "k" / "vmlinuz", initrd=guest_image.initrd,
+                  images_dir=dirs)
+    assert boots == [guest_image.kernel, kernel], boots
+    boots[1:] = []
     # Another kernel is another verdict.
     other = tmp_path / "vmlinuz-other"
     other.write_bytes(b"k")

@@ -75,7 +75,9 @@ def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = 
         except MoorageError as e:
             return ProbeResult(False, f"no guest kernel to probe with: {e.message}", e.hint or "run `moorage image build`")
         kernel, initrd = kdir / "vmlinuz", kdir / "initrd.img"
-    key = {"boot_id": _boot_id(), "qemu": exe, "qemu_mtime": os.stat(exe).st_mtime, "kernel": str(kernel), "kernel_mtime": os.stat(kernel).st_mtime}
+    # The kernel's real path: hosts whose data directories reach one images directory by links share the verdict.
+    key = {"boot_id": _boot_id(), "qemu": exe, "qemu_mtime": os.stat(exe).st_mtime, "kernel": os.path.realpath(kernel),
+           "kernel_mtime": os.stat(kernel).st_mtime}
     cache = _cache_path(images_dir)
     if use_cache:
         try:
