@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import pytest
 
@@ -12,6 +12,7 @@ from moorage.config import Config
 from moorage.lifecycle.manager import InstanceManager
 from moorage.llm import gateway_from_config
 from moorage.runtime.runtime import Runtime
+from moorage.sandbox import SandboxDriver
 from moorage.store import Principal, Store, open_store
 from tests.conftest import stop_all_sandboxes
 
@@ -28,8 +29,10 @@ class Env:
         return self.runtime.store
 
 
-async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterator[Env]:
-    """A runtime on one sandbox driver of the sandbox suite's ``DRIVER_FACTORIES`` (torn down after the test)."""
+async def make_env(tmp_path: Path, driver_name: str = "process",
+                   factory: Callable[[Path, Config], SandboxDriver] | None = None) -> AsyncIterator[Env]:
+    """A runtime on one sandbox driver of the sandbox suite's ``DRIVER_FACTORIES`` (or one ``factory`` makes, of
+    that driver's kind), torn down after the test."""
     from tests.sandbox.conftest import DRIVER_FACTORIES
 
     # The operator policy of these tests: "the internet" is loopback servers the tests start (egress refuses
@@ -38,7 +41,7 @@ async def make_env(tmp_path: Path, driver_name: str = "process") -> AsyncIterato
     store = open_store(cfg)
     _, key = store.operator.create_tenant("acme")
     principal = store.authenticate(key.secret)
-    driver = DRIVER_FACTORIES[driver_name](cfg.sandboxes_dir, cfg)
+    driver = (factory or DRIVER_FACTORIES[driver_name])(cfg.sandboxes_dir, cfg)
     manager = InstanceManager(store, driver)
     await manager.start()
     rt = Runtime(cfg, store, driver, gateway_from_config(cfg), manager)

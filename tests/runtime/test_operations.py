@@ -211,6 +211,11 @@ def _names(root: Path, old: str) -> list[str]:
     return out
 
 
+def _booted(data: Path) -> set[str]:
+    """The booted templates' ids the records of a data directory name (runtime/booted.py)."""
+    return {json.loads(p.read_text())["template"]["id"] for p in (data / "templates" / "booted").glob("*.json")}
+
+
 @pytest.mark.slow
 def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: Path) -> None:
     a, b = tmp_path / "a" / "data", tmp_path / "b" / "data"
@@ -239,8 +244,14 @@ def test_a_sleeping_vm_restored_at_another_path_wakes_with_its_memory(tmp_path: 
             boxes = {s["scope"]: s for s in sdk.list_sandboxes(agent="echo")["data"]}
             assert boxes["user:echo/ada"]["wake_kind"] == "snapshot"
             assert sdk.invoke("echo", "hi", user="bob")["reply"] == "1 1"  # forked from the copy's template
+            # A redeploy's builder resumes the booted template the original kept (docs/sandbox.md), made the copy's.
+            (agent / "agent.py").write_text(VM_AGENT_PY + "\n# redeployed on the copy\n")
+            sdk.deploy("echo", agent)
+            assert sdk.invoke("echo", "hi", user="carol")["reply"] == "1 1"
     finally:
         moved.stop()
+    # Resumed, not booted: a booted template the copy could not use would have been replaced by another.
+    assert _booted(b) == _booted(a) and len(_booted(b)) == 1
     assert _names(b, str(a)) == []  # the copy no longer names any file of the original
     shutil.move(str(a.parent), str(tmp_path / "gone"))  # which may go: the copy starts without it below
 

@@ -274,6 +274,39 @@ async def test_forks_are_independent(driver: SandboxDriver) -> None:
     assert await kids[1].read_file("mine.txt") == b"b's"
 
 
+async def _up(sb: Sandbox) -> None:
+    """A fork running: restored from its template's snapshot where the driver has one, else started."""
+    if sb.state is SandboxState.CREATED:
+        await sb.start()
+    else:
+        await sb.wake()
+
+
+async def test_a_standalone_template_of_a_fork_needs_nothing_of_the_template_the_fork_came_from(
+        driver: SandboxDriver) -> None:
+    """A deployment's template is made from a fork of the booted image (``runtime/templates.py``): it must stay
+    usable, and publishable, once that template is deleted."""
+    src = await started(driver, "boot-src")
+    await src.write_file("from-boot.txt", b"boot")
+    boot = await driver.make_template(src)
+    await src.destroy()
+    (kid,) = await driver.fork(boot, ["boot-kid"])
+    await _up(kid)
+    await kid.write_file("from-kid.txt", b"kid")
+    tpl = await driver.make_template(kid, standalone=True)
+    await kid.destroy()
+    await driver.delete_template(boot)
+    assert not Path(boot.path).exists()  # nothing forks from it any more: its files went
+    (grand,) = await driver.fork(tpl, ["boot-grand"])
+    await _up(grand)
+    assert await grand.read_file("from-boot.txt") == b"boot"
+    assert await grand.read_file("from-kid.txt") == b"kid"
+    await grand.write_file("from-grand.txt", b"grand")
+    await grand.sleep()
+    await grand.wake()
+    assert await grand.read_file("from-grand.txt") == b"grand"
+
+
 async def test_templates_from_another_driver_are_rejected(driver: SandboxDriver, tmp_path: Path) -> None:
     foreign = TemplateRef("foreign", "some-other-driver", tmp_path)
     with pytest.raises(SnapshotIncompatible):

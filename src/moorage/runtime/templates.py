@@ -28,7 +28,8 @@ from moorage.log import get_logger
 from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
 from moorage.runtime.private_files import private_dir, write_private
-from moorage.runtime import deploy_apt, deploy_packages
+from moorage.runtime import booted, deploy_apt, deploy_packages
+from moorage.runtime.booted import BootedTemplates
 from moorage.runtime.sizing import spec_for
 from moorage.sandbox import RemoteError, Sandbox, SandboxDriver, TemplateRef
 from moorage.store import Deployment
@@ -129,6 +130,8 @@ class Templates:
         #: Fleet: deployment id -> the claimed template this host found it cannot fork (a QEMU upgrade); the
         #: template this host builds instead replaces that claim (``PublishedTemplates.publish``'s ``replacing``).
         self._outdated_claims: dict[str, str] = {}
+        #: What builders start from (``runtime/booted.py``).
+        self.booted = BootedTemplates(self.root, driver, _ref_json, lambda d: _ref_of(d, self._templates_dir()))
 
     def _egress(self) -> Any:
         """The egress service deploy-time installs go through (a runtime sets its own; else from the config)."""
@@ -325,7 +328,7 @@ class Templates:
         apt = deploy_apt.packages_of(deployment.manifest)
         spec = dataclasses.replace(spec, env=boot_env(deployment.manifest, requirements))
         say(f"starting a sandbox for the template ({spec.memory_mib} MiB, {spec.vcpus} vCPU, {spec.disk_mib} MiB disk)")
-        sb = await self.driver.create(builder_id, spec)
+        sb = await self.booted.start_builder(builder_id, spec, say)
         # The installed packages in this host's cache, published with the template for a driver whose forks own
         # their files (instance_update installs a redeploy's into them; shared ones are bound from the template).
         entries: list[tuple[str, str, Path]] = []
@@ -340,7 +343,6 @@ class Templates:
             return keep
 
         try:
-            await sb.start()
             if apt:
                 await deploy_apt.install(sb, apt, self.driver.config, self._egress(), self.root / "package-cache",
                                          say, owner=deployment.agent_id, record=record, kept=kept("apt"))
@@ -354,7 +356,8 @@ class Templates:
             # Unique per build: two hosts never hold different templates under one id (the fleet ships by id).
             # The packages are the same for every fork: a driver that copies files shares them instead.
             ref = await self.driver.make_template(sb, f"dep-{deployment.id[:24]}-{uuid.uuid4().hex[:6]}",
-                                                  shared=[deploy_packages.SITE_DIR] if requirements else [])
+                                                  shared=[deploy_packages.SITE_DIR] if requirements else [],
+                                                  standalone=True)
         finally:
             await sb.destroy()
         if self.published is not None:
@@ -556,9 +559,12 @@ class Templates:
         """Whether ``template_id`` is a deployment build (``dep-<deployment id, 24>-<hex>``) no ensure() of this
         process is making and whose deployment the store no longer needs (a deploy a crash cut short), or a
         time-travel fork's template (``tt-<16 hex>``) no fork of this process is using (a fork a crash cut short:
-        its forks, if a micro-VM's need it, still pin it)."""
+        its forks, if a micro-VM's need it, still pin it), or a booted template (``boot-...``) no record names (a
+        crash between its making and its record; a builder forked from it keeps its files until it is gone)."""
         if template_id.startswith("tt-") and len(template_id) == 19:
             return template_id not in self._forking
+        if template_id.startswith(booted.PREFIX):
+            return template_id not in self.booted.names()
         parts = template_id.split("-")
         if len(parts) != 3 or parts[0] != "dep" or len(parts[2]) != 6:
             return False

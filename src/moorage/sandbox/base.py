@@ -144,10 +144,12 @@ class SandboxDriver(ABC):
 
     @abstractmethod
     async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
-                            shared: Sequence[str] = ()) -> TemplateRef:
+                            shared: Sequence[str] = (), standalone: bool = False) -> TemplateRef:
         """Snapshot a booted, warmed sandbox so it can be forked. The sandbox keeps its state. ``shared``: paths
         under /work that forks never write (an agent's deploy-time packages): a driver whose forks copy files may
-        let every fork read the template's own instead."""
+        let every fork read the template's own instead. ``standalone``: the template needs nothing of the template
+        ``sandbox`` was itself forked from (which may then be deleted; a fleet can publish it), where a driver
+        would otherwise chain onto it."""
 
     @abstractmethod
     def boot_env(self, sandbox: Sandbox) -> dict[str, str]:
@@ -199,6 +201,17 @@ class SandboxDriver(ABC):
         cache = getattr(self, "_open", None)
         if isinstance(cache, dict):
             cache.pop(sandbox_id, None)
+
+    async def boot_key(self, spec: SandboxSpec) -> str | None:
+        """A digest of everything a sandbox created from ``spec`` on this host boots with (its image, its machine,
+        its kernel's command line), where a fork of a template made right after such a boot can stand in for the
+        boot itself and is much faster (a micro-VM's kernel boot against a wake from its snapshot): equal keys,
+        interchangeable boots. None where a start costs about what a fork does (nothing to gain)."""
+        return None
+
+    def cool_template(self, template: TemplateRef) -> None:
+        """Let go of what this process holds in memory to fork ``template`` quickly (``warm_template``'s, or what its
+        last fork made), for a template forked rarely; its next fork makes it again. Blocking."""
 
     def warm_template(self, template: TemplateRef) -> bool:
         """Make ahead what the first fork of ``template`` in this process would make itself (a fleet host that

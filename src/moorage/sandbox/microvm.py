@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import time
@@ -88,13 +89,8 @@ class MicroVMDriver(SandboxDriver):
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / validate_id(sandbox_id)
 
-    async def create(self, sandbox_id: str, spec: SandboxSpec | None = None, template: TemplateRef | None = None) -> MicroVMSandbox:
-        if template is not None:
-            return (await self.fork(template, [sandbox_id]))[0]
-        spec = spec or SandboxSpec()
-        d = self._dir(sandbox_id)
-        if d.exists():
-            raise ConflictError(f"sandbox {sandbox_id} already exists", hint="open() it or destroy() it first")
+    async def _shape(self, spec: SandboxSpec) -> tuple[GuestImage, VMConfig, int]:
+        """What a sandbox created from ``spec`` boots: its image, its machine and its disk's size in MiB."""
         img = await asyncio.to_thread(self.image)
         await asyncio.to_thread(lambda: self.accel)
         if spec.memory_mib < 128:
@@ -105,15 +101,33 @@ class MicroVMDriver(SandboxDriver):
         # before the channel is up, and it is part of the snapshot's layout, which forks share anyway).
         extra = f" moorage.nproc={spec.max_processes} moorage.fsize={spec.max_file_mib << 20} moorage.growfs"
         extra += _env_arg(spec.env)
-        d.mkdir(parents=True)
+        # A network agent's VM gets a NIC where this host can make a tap (else its relay is its network).
+        nic = await asyncio.to_thread(microvm_net.wanted, spec.env)
+        vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel,
+                      kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel), nic=nic)
         # The agent's disk: a copy-on-write overlay on the image's root filesystem (shrunk to its contents),
         # disk_mib larger; the guest grows the filesystem to fill it at boot. So disk_mib is the agent's own space,
         # and a guest can never make its disk hold more than image + disk_mib (+ qcow2 metadata) on the host.
+        return img, vm, img.disk_mib + spec.disk_mib
+
+    async def boot_key(self, spec: SandboxSpec) -> str | None:
+        """The image, the machine and kernel command line, the disk's size, the spec and the QEMU build."""
+        img, vm, disk_mib = await self._shape(spec)
+        shape = {"image": img.id, "vm": vm.__dict__, "disk_mib": disk_mib, "spec": spec.to_json(),
+                 "qemu": await asyncio.to_thread(qemu_version)}
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec | None = None, template: TemplateRef | None = None) -> MicroVMSandbox:
+        if template is not None:
+            return (await self.fork(template, [sandbox_id]))[0]
+        spec = spec or SandboxSpec()
+        d = self._dir(sandbox_id)
+        if d.exists():
+            raise ConflictError(f"sandbox {sandbox_id} already exists", hint="open() it or destroy() it first")
+        img, vm, disk_mib = await self._shape(spec)
+        d.mkdir(parents=True)
         await qemu_img("create", "-q", "-f", "qcow2", "-b", str(img.rootfs), "-F", "raw", str(d / "disk.qcow2"),
-                        f"{img.disk_mib + spec.disk_mib}M", sandbox_dir=d)
-        # A network agent's VM gets a NIC where this host can make a tap (else its relay is its network).
-        nic = await asyncio.to_thread(microvm_net.wanted, spec.env)
-        vm = VMConfig(memory_mib=spec.memory_mib, vcpus=spec.vcpus, accel=self.accel, kernel_cmdline=kernel_cmdline(img.cmdline + extra, self.accel), nic=nic)
+                        f"{disk_mib}M", sandbox_dir=d)
         meta = {
             "id": sandbox_id,
             "driver": self.name,
@@ -220,12 +234,13 @@ class MicroVMDriver(SandboxDriver):
     # --- templates and forks (microvm_templates) --------------------------------------------------------------
 
     async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
-                            shared: Sequence[str] = ()) -> TemplateRef:
+                            shared: Sequence[str] = (), standalone: bool = False) -> TemplateRef:
         # ``shared`` needs nothing here: every fork's disk is already a copy-on-write overlay on the template's.
+        # A fork's template has its RAM whole but its disk on its source template's, unless ``standalone``.
         if not isinstance(sandbox, MicroVMSandbox):
             raise InvalidInput("make_template needs a sandbox of the microvm driver")
         tid = validate_id(template_id or f"tpl-{sandbox.id}-{int(time.time())}", "template id")
-        return await microvm_templates.make(self, sandbox, tid)
+        return await microvm_templates.make(self, sandbox, tid, standalone=standalone)
 
     def boot_env(self, sandbox: Sandbox) -> dict[str, str]:
         assert isinstance(sandbox, MicroVMSandbox)
@@ -286,6 +301,10 @@ class MicroVMDriver(SandboxDriver):
                 _record_env(sandbox, env, arg, sandbox._vm_config().nic)
         log.info("processes restarted in place", sandbox=sandbox.id, ms=round((time.monotonic() - started) * 1000))
         return True
+
+    def cool_template(self, template: TemplateRef) -> None:
+        """The sealed copy of the template's RAM goes (running forks keep theirs mapped)."""
+        microvm_memfd.release(Path(template.path) / "ram")
 
     def warm_template(self, template: TemplateRef) -> bool:
         """The template RAM's sealed in-memory copy that forks map, made now if the host can spare the memory."""

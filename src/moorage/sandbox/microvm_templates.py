@@ -89,8 +89,10 @@ def warm(tdir: Path) -> bool:
     return True
 
 
-async def make(driver: "MicroVMDriver", sandbox: "MicroVMSandbox", tid: str) -> TemplateRef:
-    """Template ``tid`` of a running sandbox (paused for the copy, running again afterwards)."""
+async def make(driver: "MicroVMDriver", sandbox: "MicroVMSandbox", tid: str, *, standalone: bool = False) -> TemplateRef:
+    """Template ``tid`` of a running sandbox (paused for the copy, running again afterwards). A fork's template
+    has its RAM whole and its disk an overlay on its source template's, or, ``standalone``, on the guest image
+    (what the source template's disk holds copied in: ``_flatten``)."""
     tdir = driver.template_dir(tid)
     if tdir.exists():
         raise ConflictError(f"template {tid} already exists", hint="delete_template() it first or pick another id")
@@ -123,6 +125,12 @@ async def make(driver: "MicroVMDriver", sandbox: "MicroVMSandbox", tid: str) -> 
             microvm_user.check_backing(tmp / "disk.qcow2", sandbox.dir)
         finally:
             await qmp.execute("cont")
+        if standalone and sandbox._meta.get("template_dir"):
+            try:
+                await _flatten(tmp / "disk.qcow2", sandbox._image.rootfs)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         # Internal snapshots (checkpoints) of the source are not part of the template.
         subprocess.run(["qemu-img", "snapshot", "-l", str(tmp / "disk.qcow2")], capture_output=True)
         ram.fsync_path(tmp / "disk.qcow2")
@@ -160,6 +168,15 @@ async def make(driver: "MicroVMDriver", sandbox: "MicroVMSandbox", tid: str) -> 
     log.info("template made", template=tid, source=sandbox.id)
     return TemplateRef(id=tid, driver=driver.name, path=tdir, source_sandbox=sandbox.id, created_at=meta["created_at"],
                        includes_memory=True)
+
+
+async def _flatten(disk: Path, rootfs: Path) -> None:
+    """``disk`` (an overlay on a template's disk, itself on the image's ``rootfs``) made an overlay on ``rootfs``
+    itself: ``qemu-img rebase`` in its safe mode copies in what the template's disk holds over the image (only
+    that: the new backing file is the old one's own), so the result reads the same bytes everywhere."""
+    started = time.monotonic()
+    await qemu_img("rebase", "-q", "-f", "qcow2", "-b", str(rootfs), "-F", "raw", str(disk))
+    log.debug("template disk made standalone", disk=str(disk), ms=round((time.monotonic() - started) * 1000))
 
 
 def delete(template: TemplateRef) -> None:

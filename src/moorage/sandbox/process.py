@@ -278,8 +278,9 @@ class ProcessDriver(SandboxDriver):
         return [await self.create(i, spec, template) for i in ids]
 
     async def make_template(self, sandbox: Sandbox, template_id: str | None = None, *,
-                            shared: Sequence[str] = ()) -> TemplateRef:
-        """A copy of the sandbox's layer. ``shared`` (paths under /work) are bound read-only into every fork
+                            shared: Sequence[str] = (), standalone: bool = False) -> TemplateRef:
+        """A copy of the sandbox's layer (standalone whatever ``standalone`` says: no template here chains onto the
+        one its source was forked from). ``shared`` (paths under /work) are bound read-only into every fork
         instead of copied; a sandbox that binds shared directories itself passes them on (``process_templates``)."""
         if not isinstance(sandbox, ProcessSandbox) or sandbox.driver is not self:
             raise SnapshotIncompatible("make_template needs a sandbox of this process driver")
