@@ -108,8 +108,14 @@ def test_a_sleeping_vm_wakes_on_a_host_without_its_template_with_memory_and_file
         hosts: Hosts, tmp_path: Path, upgraded_qemu: Path) -> None:
     a = hosts.start("h1")
     # Every host shares the first host's admin key (one PostgreSQL store): the tenant and its key are fleet-wide.
-    r = a.post("/v1/agents/echo/deployments", content=tar_dir(_agent(tmp_path)), headers={"Content-Type": "application/gzip"})
-    assert r.status_code == 201, r.text
+    # Deployed twice: the second build resumes the sandbox the first one booted (runtime/booted.py), and that
+    # template is the one published, fetched and forked by the other hosts below.
+    first = _agent(tmp_path / "first")
+    (first / "agent.py").write_text(AGENT_PY + "\n# the first deployment\n")
+    for src in (first, _agent(tmp_path)):
+        r = a.post("/v1/agents/echo/deployments", content=tar_dir(src), headers={"Content-Type": "application/gzip"})
+        assert r.status_code == 201, r.text
+    assert "resumed this host's booted sandbox" in (tmp_path / "h1.log").read_text(errors="replace")
     assert _turn(a, "u1", "write from A") == "1|from A"
     assert _turn(a, "u1", "again") == "2|from A"
     rec = hosts.record("u1")
