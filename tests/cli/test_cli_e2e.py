@@ -77,6 +77,11 @@ def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:
             second.stderr.split()), second.stderr
         d = run(["deploy", "examples/coder"], env)
         assert d.returncode == 0 and "deployed coder #1" in d.stdout, d.stdout + d.stderr
+        # The build's steps as it went, on stderr (stdout holds the result alone).
+        steps = d.stderr.splitlines()
+        assert steps[0].startswith("coder: starting a sandbox for the template") and "coder: template ready" in steps, \
+            d.stderr
+        assert d.stdout.strip().splitlines() == ["deployed coder #1 (" + d.stdout.split("(")[1].split(")")[0] + ")"]
         assert run(["invoke", "coder", "install", "-u", "dev"], env).stdout.strip() == "installed slugkit"
         assert run(["invoke", "coder", "write", "-u", "dev"], env).stdout.strip() == "wrote projects/slug.py"
         boxes = json.loads(run(["ps", "--json"], env).stdout)["data"]

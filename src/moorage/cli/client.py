@@ -189,8 +189,21 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         from moorage.runtime.package import load_dir
 
         pkg = load_dir(path)  # fails fast, locally, with the file and line to fix
-        with console.status(f"deploying {pkg.name} (building its template sandbox)…"):
-            d = sdk(cfg_of(), lambda c: c.deploy(pkg.name, tar_dir(path)))
+        with err_console.status(f"deploying {pkg.name}…") as status:
+            def build(c: Client) -> Any:
+                # The build's steps on stderr as it goes (a first deploy with packages takes minutes under TCG).
+                for ev in c.deploy_stream(pkg.name, tar_dir(path)):
+                    if ev["event"] == "progress":
+                        step = str(ev["data"].get("message", ""))
+                        status.update(f"deploying {pkg.name}: {step}…")
+                        if not err_console.is_terminal:
+                            err_console.print(f"{pkg.name}: {step}", markup=False, highlight=False)
+                    elif ev["event"] == "deployment":
+                        return ev["data"]
+                raise ApiError("the server ended the deploy's stream before it said how the deploy went",
+                               hint=f"`moorage agents` shows whether {pkg.name} went live")
+
+            d = sdk(cfg_of(), build)
         _print(d, True) if as_json else console.print(f"[green]deployed[/] {pkg.name} #{d['number']} ({d['id']})")
 
     @app.command()

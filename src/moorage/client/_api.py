@@ -18,6 +18,10 @@ from moorage.client._request import Request, _idem, _p, _page
 TERMINAL = ("succeeded", "failed", "cancelled", "timed_out", "interrupted")
 
 
+def _deploy(agent: str, source: bytes | str | Path, headers: dict[str, str], query: dict[str, str] | None = None) -> Request:
+    return Request("POST", f"/v1/agents/{_p(agent)}/deployments", query or {}, content=_archive(source), headers=headers)
+
+
 def _archive(source: bytes | str | Path) -> bytes:
     """What ``deploy`` uploads: the bytes given, a file's (a ready ``tar.gz``), or a directory packed here."""
     if isinstance(source, bytes):
@@ -54,9 +58,9 @@ class Api(ReachApi, ABC):
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}"))
 
     def deploy(self, agent: str, source: bytes | str | Path, *, idempotency_key: str | None = None) -> T.Deployment:
-        """Deploy an agent directory (packed here) or a ready ``tar.gz``; the server validates and builds it."""
-        return self._send(Request("POST", f"/v1/agents/{_p(agent)}/deployments", content=_archive(source),
-                                  headers={"content-type": "application/gzip", **_idem(idempotency_key)}))
+        """Deploy an agent directory (packed here) or a ready ``tar.gz``; the server validates and builds it (see
+        ``deploy_stream`` for the build's progress as it goes)."""
+        return self._send(_deploy(agent, source, {"content-type": "application/gzip", **_idem(idempotency_key)}))
 
     def list_deployments(self, agent: str, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.Deployment]:
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/deployments", _page(limit, cursor)))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
 from moorage.client import _transport as tr
 from moorage.client import types as T
-from moorage.client._api import TERMINAL, Api, Request, _p, _turn_body
+from moorage.client._api import TERMINAL, Api, Request, _deploy, _p, _turn_body
 from moorage.client.errors import ApiError
 
 
@@ -94,6 +95,14 @@ class AsyncClient(Api):
                                  json=_turn_body(message, user, session),
                                  headers={"accept": "text/event-stream",
                                           **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
+        async for event in self._events(req):
+            yield event
+
+    async def deploy_stream(self, agent: str, source: bytes | str | Path) -> AsyncIterator[T.StreamEvent]:
+        """A deploy's build as it goes: ``progress`` events ({message}), then ``deployment`` with the deployment
+        (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server."""
+        req = tr.prepare(_deploy(agent, source, {"content-type": "application/gzip", "accept": "text/event-stream"},
+                                 {"stream": "true"}))
         async for event in self._events(req):
             yield event
 

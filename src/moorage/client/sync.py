@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import httpx
 
 from moorage.client import _transport as tr
 from moorage.client import types as T
-from moorage.client._api import TERMINAL, Api, Request, _p, _turn_body
+from moorage.client._api import TERMINAL, Api, Request, _deploy, _p, _turn_body
 from moorage.client.errors import ApiError
 
 
@@ -103,6 +104,12 @@ class Client(Api):
                                  headers={"accept": "text/event-stream",
                                           **({"Idempotency-Key": idempotency_key} if idempotency_key else {})}))
         yield from self._events(req)
+
+    def deploy_stream(self, agent: str, source: bytes | str | Path) -> Iterator[T.StreamEvent]:
+        """A deploy's build as it goes: ``progress`` events ({message}), then ``deployment`` with the deployment
+        (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server."""
+        yield from self._events(tr.prepare(_deploy(agent, source, {"content-type": "application/gzip",
+                                                                   "accept": "text/event-stream"}, {"stream": "true"})))
 
     def _events(self, req: Request) -> Iterator[T.StreamEvent]:
         """Server-sent events of ``req``. Until the stream begins, a refusal or a failed connection is retried as any

@@ -1,21 +1,28 @@
 """Agents and their deployments: list, get, deploy a tar.gz, roll back; end-user tokens (retention: retention.py).
 
-Deploy and rollback go to the runtime; listing reads the tenant's store.
+Deploy and rollback go to the runtime; listing reads the tenant's store. A deploy answers when its template is
+built (201), or streams the build's progress (``Accept: text/event-stream`` / ``?stream=true``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, AsyncIterator
 
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
+from moorage.api.invoke_shared import wants_stream
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of
-from moorage.api.routing import Call, Endpoint, Reply
+from moorage.api.routing import Call, Endpoint, Param, Reply
+from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, NotFound
+from moorage.log import get_logger
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store.model import check_id
+
+log = get_logger(__name__)
 
 #: Agent packages are source trees, not images: 64 MiB is generous and bounds memory per request.
 DEPLOY_BODY_LIMIT = 64 << 20
@@ -50,8 +57,47 @@ async def deploy(call: Call) -> Reply:
     if pkg.name != name:
         raise InvalidInput(f"the package is agent {pkg.name!r}, not {name!r}",
                            hint=f"deploy it to /v1/agents/{pkg.name}/deployments or fix [agent] name in moorage.toml")
-    dep = await runtime.deploy(call.who, call.body)
-    return Reply(S.deployment(dep), 201)
+    loop = asyncio.get_running_loop()
+    said: asyncio.Queue[str] = asyncio.Queue()
+    # The build runs on its own: a caller that leaves (or whose credential ends meanwhile) does not cut a template
+    # build in the middle; the deployment goes live when it is done, as `GET .../deployments` then shows.
+    build = loop.create_task(runtime.deploy(call.who, call.body,
+                                            on_progress=lambda m: loop.call_soon_threadsafe(said.put_nowait, str(m))),
+                             name=f"deploy-{name}")
+    _building.add(build)
+    build.add_done_callback(_settled)
+    if not wants_stream(call):
+        return Reply(S.deployment(await asyncio.shield(build)), 201)
+
+    async def frames() -> AsyncIterator[bytes]:
+        step: asyncio.Task[str] | None = None
+        try:
+            while not build.done():
+                step = loop.create_task(said.get())
+                await asyncio.wait({step, build}, return_when=asyncio.FIRST_COMPLETED)
+                if step.done():
+                    message, step = step.result(), None
+                    yield frame("progress", {"message": message})
+            while not said.empty():
+                yield frame("progress", {"message": said.get_nowait()})
+            yield frame("deployment", S.deployment(build.result()))
+        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            yield frame("error", error_payload(e, call.trace_id))
+        finally:
+            if step is not None:
+                step.cancel()
+
+    return event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
+
+
+#: Builds running (a reference each, until they end: a caller that left does not own them).
+_building: set[asyncio.Task[Any]] = set()
+
+
+def _settled(build: asyncio.Task[Any]) -> None:
+    _building.discard(build)
+    if not build.cancelled() and build.exception() is not None:  # its caller, if still there, was told
+        log.info("a deploy failed", error=str(build.exception()))
 
 
 async def rollback(call: Call) -> dict[str, Any]:
@@ -93,7 +139,10 @@ ENDPOINTS = [
              "listDeployments", scope="read", query=PAGE, response=S.page_of("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/deployments", deploy, "Deploy an agent directory (tar.gz body)", "agents",
              "deployAgent", scope="deploy", status=201, body={"type": "string", "format": "binary"},
-             body_type="application/gzip", max_body=DEPLOY_BODY_LIMIT, response=S.ref("Deployment")),
+             body_type="application/gzip", max_body=DEPLOY_BODY_LIMIT, response=S.ref("Deployment"), streams=True,
+             query=(Param("stream", {"type": "boolean"},
+                          "answer with server-sent events: `progress` ({message}) as the build goes, then "
+                          "`deployment` (or `error`)"),)),
     Endpoint("POST", "/v1/agents/{agent}/rollback", rollback, "Make an earlier deployment live again", "agents",
              "rollbackAgent", scope="deploy", body=S.obj({"number": {"type": "integer", "minimum": 1}}, []),
              response=S.ref("Deployment")),
