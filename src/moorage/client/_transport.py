@@ -178,6 +178,10 @@ def raise_error_event(event: str, data: Any) -> None:
     raise error
 
 
+def is_event_stream(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").split(";")[0].strip() == "text/event-stream"
+
+
 def sse_events(lines: Iterator[str]) -> Iterator[tuple[str, Any]]:
     """(event, data) pairs from server-sent event lines."""
     event, data = "message", []

@@ -103,11 +103,12 @@ class AsyncClient(Api):
         (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server."""
         req = tr.prepare(_deploy(agent, source, {"content-type": "application/gzip", "accept": "text/event-stream"},
                                  {"stream": "true"}))
-        async for event in self._events(req):
+        async for event in self._events(req, answer_as="deployment"):
             yield event
 
-    async def _events(self, req: Request) -> AsyncIterator[T.StreamEvent]:
-        """Server-sent events of ``req``, retried until the stream begins as ``Client._events`` does."""
+    async def _events(self, req: Request, *, answer_as: str | None = None) -> AsyncIterator[T.StreamEvent]:
+        """Server-sent events of ``req``, retried until the stream begins as ``Client._events`` does (``answer_as``
+        as there)."""
         attempt = 0
         while True:
             started = False
@@ -116,6 +117,10 @@ class AsyncClient(Api):
                     self._note(req, response.status_code)
                     if response.status_code < 400:
                         started = True
+                        if answer_as is not None and not tr.is_event_stream(response):
+                            await response.aread()
+                            yield {"event": answer_as, "data": tr.decode(response)}
+                            return
                         buffer: list[str] = []
                         async for line in response.aiter_lines():
                             buffer.append(line)

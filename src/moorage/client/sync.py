@@ -109,11 +109,14 @@ class Client(Api):
         """A deploy's build as it goes: ``progress`` events ({message}), then ``deployment`` with the deployment
         (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server."""
         yield from self._events(tr.prepare(_deploy(agent, source, {"content-type": "application/gzip",
-                                                                   "accept": "text/event-stream"}, {"stream": "true"})))
+                                                                   "accept": "text/event-stream"}, {"stream": "true"})),
+                                answer_as="deployment")
 
-    def _events(self, req: Request) -> Iterator[T.StreamEvent]:
+    def _events(self, req: Request, *, answer_as: str | None = None) -> Iterator[T.StreamEvent]:
         """Server-sent events of ``req``. Until the stream begins, a refusal or a failed connection is retried as any
-        request is (and raised as its ``ApiError``); a connection lost once events came is ``Unavailable``."""
+        request is (and raised as its ``ApiError``); a connection lost once events came is ``Unavailable``.
+        ``answer_as``: a JSON answer instead of a stream (a server from before the route streamed) is that one
+        event."""
         attempt = 0
         while True:
             started = False
@@ -122,6 +125,10 @@ class Client(Api):
                     self._note(req, response.status_code)
                     if response.status_code < 400:
                         started = True
+                        if answer_as is not None and not tr.is_event_stream(response):
+                            response.read()
+                            yield {"event": answer_as, "data": tr.decode(response)}
+                            return
                         for event, data in tr.sse_events(response.iter_lines()):
                             tr.raise_error_event(event, data)
                             yield {"event": event, "data": data}
