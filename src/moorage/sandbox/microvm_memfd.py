@@ -126,7 +126,8 @@ def open_for_reading(path: Path) -> int:
 
 
 def release(path: Path) -> None:
-    """Drop this process's sealed copy of ``path`` (its template is gone). A QEMU that maps it keeps its own."""
+    """Drop this process's sealed copy of ``path`` (its template is gone, or is forked rarely: ``cool_template``). A
+    QEMU that maps it keeps its own."""
     key = str(Path(path).resolve())
     with _lock:
         entry = _cache.pop(key, None)
