@@ -34,13 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "bench" / "results" / "latest"
 sys.path.insert(0, str(ROOT / "src"))
 from moorage.config import Config  # noqa: E402
-from moorage.devservices.postgres import free_port  # noqa: E402
+from moorage.devservices.fleet import LocalHost  # noqa: E402
 from moorage.sandbox.microvm import MicroVMDriver  # noqa: E402
 
 #: The last commit before booted builders.
@@ -51,27 +49,14 @@ _RESUMED = re.compile(r"resumed this host's booted sandbox of this size \((\d+) 
 
 class Host:
     def __init__(self, name: str, src: Path, scratch: Path, images: Path, accel: str) -> None:
-        self.name, self.src = name, src
-        self.data = scratch / name / "data"
-        self.data.mkdir(parents=True)
-        (self.data / "images").symlink_to(images)
-        self.port = free_port()
-        self.log = scratch / name / "up.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
-        self.env = {**env, "PYTHONPATH": str(src), "MOORAGE_DATA_DIR": str(self.data), "MOORAGE_PORT": str(self.port),
-                    "MOORAGE_SANDBOX_DRIVER": "microvm", "MOORAGE_ACCEL": accel, "MOORAGE_LOG_LEVEL": "info"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "up"], env=self.env,
-                                     stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() - t0 > 600:
-                raise SystemExit(f"{name}: moorage up did not serve (see {self.log}):\n{self.log.read_text()[-2000:]}")
-            time.sleep(0.1)
+        self.name = name
+        # ``moorage up`` on a fresh data directory sharing the image, until it serves (the fleet tests' LocalHost).
+        self.up = LocalHost(name, scratch / name / "data", {"PYTHONPATH": str(src), "MOORAGE_ACCEL": accel,
+                                                             "MOORAGE_TEST_IMAGES_DIR": str(images)},
+                            driver="microvm", start_timeout_s=600)
+        self.log = self.up.log
+        self.env = {**os.environ, "PYTHONPATH": str(src), "MOORAGE_DATA_DIR": str(self.up.data),
+                    "MOORAGE_PORT": str(self.up.port)}
 
     def deploy(self, agent: Path) -> tuple[float, float]:
         """Seconds of ``moorage deploy``, and the builder's start in ms read from the host's log."""
@@ -91,8 +76,7 @@ class Host:
         return took, float(found.group(1))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=120)
+        self.up.sigterm(120)
 
 
 def _baseline_src(rev: str, scratch: Path) -> Path:
