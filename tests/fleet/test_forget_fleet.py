@@ -6,7 +6,9 @@
   slept it woke it again for a turn sent there meanwhile; that host then kept the user's sandbox running after the
   forget returned, and shipped it into the bucket again. Now the forgetting host first marks the instance deleted
   on itself, so such a turn is forwarded to it, waits behind the forget and is refused.
-* Its holder dead: the forget succeeds through a survivor and the bucket holds nothing of the user.
+* Its holder dead: the forget succeeds through a survivor and the bucket holds nothing of the user; sent while the
+  holder is frozen but its lease still holds, it is forwarded there, given up once the lease lapses, and served by
+  the survivor.
 """
 
 from __future__ import annotations
@@ -196,8 +198,12 @@ def _records(f: Fleet) -> list:
         store.close()
 
 
+@pytest.mark.parametrize("sent_after_s", [LEASE_TTL_S + 1.5, 0.0], ids=["past-its-lease", "before-it-lapses"])
 def test_a_forget_while_the_holder_is_cut_off_past_its_lease_leaves_nothing_when_it_comes_back(
-        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+        fleet: tuple[Fleet, SlowRelay], seaweedfs, s3_bucket, s3: dict[str, str],  # noqa: ANN001
+        sent_after_s: float) -> None:
+    """Sent past the holder's lease, the forget is served by h1 at once; sent before it lapses, h1 forwards it to
+    the frozen holder, gives up on it once its lease lapses, and serves it itself."""
     f, _ = fleet
     assert replied(f.turn(1, "eve")) == "1: hi"
     rec = f.records()["eve"]
@@ -208,9 +214,13 @@ def test_a_forget_while_the_holder_is_cut_off_past_its_lease_leaves_nothing_when
         until(lambda: _running(f, "eve"), "the slow turn runs", timeout_s=30, every_s=0.1)
         os.killpg(h2.proc.pid, signal.SIGSTOP)  # h2 is cut off (its sandbox runs on)
         try:
-            time.sleep(LEASE_TTL_S + 1.5)
-            r = f.api[0].delete("/v1/agents/echo/users/eve")  # its record says running on h2, whose lease lapsed
+            time.sleep(sent_after_s)
+            t0 = time.monotonic()
+            r = f.api[0].delete("/v1/agents/echo/users/eve")  # its record says running on h2
+            waited = time.monotonic() - t0
             assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+            assert "x-moorage-served-by" not in r.headers  # h1 served it, not the frozen h2
+            assert waited < 60, waited  # at most until h2's lease lapsed, not the forward's read timeout
         finally:
             os.killpg(h2.proc.pid, signal.SIGCONT)
         turn = slow.result(timeout=60)

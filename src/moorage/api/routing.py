@@ -23,7 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from moorage.api.credential_watch import CredentialEnded, Watch, Watched
 from moorage.api.jsonbody import loads_bounded
 from moorage.api.problem import PayloadTooLarge, UnsupportedMediaType, from_error, internal, with_openai_error
-from moorage.fleet.forward import forwarded, forwarded_by
+from moorage.fleet.forward import OwnerLapsed, forwarded, forwarded_by
 from moorage.lifecycle.manager import Misplaced
 from moorage.errors import (ConflictError, DiskFull, InvalidInput, MoorageError, TenantScopeError, UnavailableError,
                             disk_full)
@@ -192,14 +192,27 @@ class Endpoint:
             principal, ts = await self._authorize(ctx, request)
             held = _hold_end_user(ctx, principal)
             watch = self._watch(ctx, request, principal, trace_id)
-            try:
-                work = self._run(ctx, request, principal, ts, trace_id)
-                response = await (watch.race(work) if watch is not None else work)
-            except Misplaced as e:
-                # The owner checks the credential of what it serves (it is forwarded with the request) and ends
-                # its stream with the final event; cutting the relay here could split one of its frames.
-                relayed = True
-                response = await self._forward(ctx, request, e, trace_id)
+            for attempt in range(_SERVINGS):
+                try:
+                    work = self._run(ctx, request, principal, ts, trace_id)
+                    response = await (watch.race(work) if watch is not None else work)
+                    relayed = False
+                    break
+                except Misplaced as e:
+                    # The owner checks the credential of what it serves (it is forwarded with the request) and ends
+                    # its stream with the final event; cutting the relay here could split one of its frames.
+                    relayed = True
+                    try:
+                        response = await self._forward(ctx, request, e, trace_id)
+                        break
+                    except OwnerLapsed:
+                        # Its owner froze or was cut off with it: the request is served here, as it would be once
+                        # retried (the instance is this host's to claim now; what that host did is fenced off),
+                        # when its body is at hand (read by the route; an app's streams on and is not).
+                        if attempt + 1 == _SERVINGS or not _replayable(request):
+                            raise
+                        log.warning("serving here a request whose owner's lease lapsed", route=self.path,
+                                    owner=e.host, trace_id=trace_id)
         except MoorageError as e:
             ctx.metrics.observe_error(e.code)
             response = from_error(e, trace_id)
@@ -304,14 +317,16 @@ class Endpoint:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise PayloadTooLarge(f"request body is {declared} bytes; this route accepts at most {self.max_body}",
                                   hint="send a smaller body")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body:
-                raise PayloadTooLarge(f"request body exceeds {self.max_body} bytes", hint="send a smaller body")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        request.scope["state"]["raw_body"] = raw  # what a fleet forward sends on (the stream is consumed)
+        raw = request.scope["state"].get("raw_body")  # read already: the request is served here a second time
+        if raw is None:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_body:
+                    raise PayloadTooLarge(f"request body exceeds {self.max_body} bytes", hint="send a smaller body")
+                chunks.append(chunk)
+            raw = b"".join(chunks)
+            request.scope["state"]["raw_body"] = raw  # what a fleet forward sends on (the stream is consumed)
         if self.body_type != "application/json":
             return raw
         if not raw.strip():
@@ -442,6 +457,17 @@ class TooManyRequests(MoorageError):
         super().__init__(f"this end-user already has {limit} requests in flight",
                          hint="wait for one to finish (close streams you no longer read), then retry")
         self.retry_after = 1.0
+
+
+#: How many times a request is served here at most: once, then again after a forward whose owner's lease lapsed.
+_SERVINGS = 3
+
+
+def _replayable(request: Request) -> bool:
+    """Whether the request can be served again here: its body was read whole by the route, or it has none."""
+    if "raw_body" in request.scope["state"]:
+        return True
+    return request.headers.get("content-length", "0") == "0" and "transfer-encoding" not in request.headers
 
 
 def _hold_end_user(ctx: "AppContext", principal: Principal | None) -> tuple[str, str, str] | None:

@@ -4,7 +4,8 @@ The request goes as it came (method, path, query, body, the caller's own credent
 and authorises it again: forwarding grants nothing. It carries this host's trace id (``traceparent``), so the
 caller's ``X-Trace-Id`` names the owner's spans too. Answers of unknown or large size (server-sent events, app
 downloads) stream back as they come; WebSockets are relayed message by message. One hop only: a forwarded request
-that finds the instance moved again is answered 503 with ``Retry-After`` and the client retries.
+that finds the instance moved again is answered 503 with ``Retry-After`` and the client retries. An owner that
+stops answering (frozen, cut off) is waited on only until its lease lapses (``OwnerLapsed``).
 
 The markers one host sets for another (``FORWARDED_BY``, ``LET_GO``, the forwarded ``traceparent``) are signed
 (``FORWARD_AUTH``): an HMAC over the sender's host id, the time, the method, the path and query and the markers,
@@ -23,7 +24,7 @@ import json
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
 from urllib.parse import unquote
 
 import anyio
@@ -43,6 +44,7 @@ from moorage.ws_close import (GOING_AWAY, INTERNAL, NO_STATUS, TOO_BIG, caller_c
                               sendable_reason)
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 FORWARDED_BY = "x-moorage-forwarded-by"
 SERVED_BY = "x-moorage-served-by"
@@ -169,12 +171,70 @@ class ForwardRefused(MoorageError):
         self.response = response
 
 
+class OwnerLapsed(UnavailableError):
+    """The host a request was forwarded to stopped answering, and its lease lapsed while this host waited: its
+    instances are anyone's to take now (a host frozen or cut off keeps the connection open, and would otherwise keep
+    the caller waiting for the read timeout, eleven minutes)."""
+
+    def __init__(self, owner_id: str) -> None:
+        super().__init__(f"host {owner_id!r} stopped answering and its lease lapsed while this host waited on it",
+                         hint="retry: another host takes its instances over")
+        self.owner_id = owner_id
+
+
+class _StreamWatch:
+    """Cancels the task reading a forwarded answer's stream, while it waits on the owner's next bytes, once the
+    owner's lease lapses (``fired``); the lease is looked at only while it waits, not while the caller reads."""
+
+    def __init__(self, lapsed: Callable[[str], bool], owner_id: str, every_s: float) -> None:
+        self.lapsed, self.owner_id, self.every_s = lapsed, owner_id, every_s
+        self.reading = False
+        self.fired = False
+        self._reader = asyncio.current_task()
+        self._task = asyncio.create_task(self._run(), name="forwarded-stream-watch")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.every_s)
+            if self.reading and await asyncio.to_thread(self.lapsed, self.owner_id) and self.reading \
+                    and self._reader is not None:
+                self.fired = True
+                self._reader.cancel()
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 class Forwarder:
     def __init__(self, host_id: str, signer: ForwardSigner | None = None) -> None:
         self.host_id = host_id
         #: Signs what this host sends and checks what other hosts send (None: nothing is signed or trusted).
         self.signer = signer
+        #: Whether a host's lease has lapsed, as this host tells (``FleetMember.lapsed``; blocking), asked every
+        #: ``watch_every_s`` while this host waits on that host's answer. None: waited on until the read timeout.
+        self.lapsed: Callable[[str], bool] | None = None
+        self.watch_every_s = 1.0
         self._client: httpx.AsyncClient | None = None
+
+    async def _watched(self, owner_id: str, aw: Awaitable[T]) -> T:
+        """``await aw``, the owner's answer, given up (``OwnerLapsed``) once the owner's lease lapses meanwhile."""
+        if self.lapsed is None:
+            return await aw
+        task = asyncio.ensure_future(aw)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.watch_every_s)
+                if done:
+                    return task.result()
+                if await asyncio.to_thread(self.lapsed, owner_id):
+                    log.warning("gave up on a forwarded request: its host's lease lapsed", owner=owner_id)
+                    raise OwnerLapsed(owner_id)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
 
     def _markers(self, method: str, path: str, query: str, trace_id: str | None,
                  let_go: str = "") -> list[tuple[str, str]]:
@@ -199,7 +259,10 @@ class Forwarder:
     async def forward(self, request: Request, body: bytes | None, owner_id: str, owner_url: str,
                       trace_id: str | None = None) -> Response:
         """The owner's answer to ``request``. ``body`` is the request body already read, or None to stream it
-        from the caller (routes that relay their body, such as an app's, have not read it)."""
+        from the caller (routes that relay their body, such as an app's, have not read it). Raises
+        UnavailableError when the owner cannot be reached, ``OwnerLapsed`` when its lease lapsed before it answered
+        (an answer streaming already ends with an ``error`` event, when it is an event stream, once the owner's
+        lease lapses while this host waits on its next bytes)."""
         self._check_hop(request.scope, owner_id)
         if self._client is None:
             # Hosts talk to each other directly, never through a proxy named in the environment.
@@ -214,19 +277,28 @@ class Forwarder:
         elif body is None and "chunked" in request.headers.get("transfer-encoding", "").lower():
             content = request.stream()
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        try:
-            upstream = await self._client.send(self._client.build_request(request.method, url, content=content,
-                                                                          headers=headers), stream=True)
-        except httpx.HTTPError as e:
-            raise self._unreachable(owner_id, e) from e
-        declared_len = upstream.headers.get("content-length")
-        if declared_len is not None and declared_len.isdigit() and int(declared_len) <= BUFFERED_MAX:
+        client = self._client
+
+        async def answer() -> tuple[httpx.Response, bool]:
+            """The owner's answer: read whole (True) when it is small and of known length, else its head only."""
+            try:
+                upstream = await client.send(client.build_request(request.method, url, content=content,
+                                                                  headers=headers), stream=True)
+            except httpx.HTTPError as e:
+                raise self._unreachable(owner_id, e) from e
+            declared_len = upstream.headers.get("content-length")
+            if declared_len is None or not declared_len.isdigit() or int(declared_len) > BUFFERED_MAX:
+                return upstream, False
             try:
                 await upstream.aread()
             except httpx.HTTPError as e:
                 raise self._unreachable(owner_id, e) from e
             finally:
                 await upstream.aclose()
+            return upstream, True
+
+        upstream, whole_read = await self._watched(owner_id, answer())
+        if whole_read:
             whole = Response(upstream.content, upstream.status_code)  # its own Content-Length: decoded bytes
             whole.raw_headers += _answer_headers(upstream, owner_id, _HOP | {"content-encoding"})
             return whole
@@ -241,17 +313,40 @@ class Forwarder:
             with anyio.CancelScope(shield=True):
                 await upstream.aclose()
 
+        def cut() -> bytes:  # the status is sent already: say it in-band, as the owner itself would
+            problem = {"type": "unavailable", "status": 503, "hint": "retry the request",
+                       "detail": f"host {owner_id!r} stopped answering in the middle of the stream"}
+            return f"event: error\ndata: {json.dumps(problem)}\n\n".encode()
+
         async def body() -> AsyncIterator[bytes]:
+            watch = _StreamWatch(self.lapsed, owner_id, self.watch_every_s) if self.lapsed is not None else None
+            chunks = upstream.aiter_raw()
             try:
-                async for chunk in upstream.aiter_raw():
+                while True:
+                    if watch is not None:
+                        watch.reading = True
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        if watch is not None:
+                            watch.reading = False
                     yield chunk
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if watch is None or not watch.fired or me is None or me.uncancel() > 0:
+                    raise  # the caller left (or the server stops), not the watch
+                log.warning("gave up on a forwarded stream: its host's lease lapsed", owner=owner_id)
+                if event_stream:
+                    yield cut()
             except httpx.HTTPError as e:
                 log.warning("forwarded stream cut", owner=owner_id, error=type(e).__name__)
-                if event_stream:  # the status is sent already: say it in-band, as the owner itself would
-                    problem = {"type": "unavailable", "status": 503, "hint": "retry the request",
-                               "detail": f"host {owner_id!r} stopped answering in the middle of the stream"}
-                    yield f"event: error\ndata: {json.dumps(problem)}\n\n".encode()
+                if event_stream:
+                    yield cut()
             finally:
+                if watch is not None:
+                    watch.stop()
                 await close()
 
         streamed = StreamingResponse(body(), upstream.status_code, background=BackgroundTask(close))
@@ -263,7 +358,8 @@ class Forwarder:
         """Send ``owner`` the request being served here (method, path and query, no body), with the caller's own
         credentials and ``headers`` on top, marked as forwarded (so it is served there, never sent on): a step of
         the work this host does for it, such as a forget asking another holder to let go of an instance. Its
-        answer is read whole. Raises UnavailableError when the owner does not answer."""
+        answer is read whole. Raises UnavailableError when the owner does not answer (``OwnerLapsed`` when its
+        lease lapsed meanwhile)."""
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
         # Not the caller's Idempotency-Key: the owner would keep this step's answer as the request's own.
@@ -273,7 +369,7 @@ class Forwarder:
                               next((v for k, v in headers.items() if k.lower() == LET_GO), ""))
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
-            return await self._client.request(request.method, url, headers=sent)
+            return await self._watched(owner_id, self._client.request(request.method, url, headers=sent))
         except httpx.HTTPError as e:
             raise self._unreachable(owner_id, e) from e
 

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -98,8 +99,12 @@ class FleetMember:
         self._back_at = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
         self._task: asyncio.Task[None] | None = None
+        #: The heartbeat's own thread: with the default executor's few threads all busy (shipments during a drain,
+        #: each longer than the lease), a heartbeat queued behind them let this host's leases lapse while it lived.
+        self._beat_thread = ThreadPoolExecutor(1, thread_name_prefix="moorage-heartbeat")
         self._drain_task: asyncio.Task[Any] | None = None
         self.forwarder = Forwarder(self.host_id)
+        self.forwarder.lapsed, self.forwarder.watch_every_s = self.lapsed, heartbeat_s
         #: Fingerprints of the installation secrets this host runs with (``api.auth.installation_fingerprints``):
         #: joining beside a live host whose differ is refused. None: not compared (a host made in a test).
         self.secrets: dict[str, Any] | None = None
@@ -123,6 +128,7 @@ class FleetMember:
                 await self._task
             self._task = None
         await self.forwarder.close()
+        self._beat_thread.shutdown(wait=False)
         self.shipper.close()
         with contextlib.suppress(MoorageError):
             await asyncio.to_thread(self.registry.set_state, self.host_id, state, self.incarnation)
@@ -133,8 +139,8 @@ class FleetMember:
             await asyncio.sleep(self.heartbeat_s)
             gap = time.monotonic() - self._beat_mono  # not the wall clock: a step of it is no gap
             try:
-                self._last_beat, state = await asyncio.to_thread(self.registry.heartbeat, self.host_id,
-                                                                 self.incarnation, self.load())
+                self._last_beat, state = await asyncio.get_running_loop().run_in_executor(
+                    self._beat_thread, self.registry.heartbeat, self.host_id, self.incarnation, self.load())
                 self._beat_mono = time.monotonic()
             except ConflictError as e:
                 log.error("fleet heartbeat refused", host=self.host_id, error=str(e))
@@ -170,6 +176,13 @@ class FleetMember:
         now = clock.now()
         in_touch = now - self._last_beat <= self.lease_ttl_s and now - self._back_at >= self.lease_ttl_s
         return not in_touch
+
+    def lapsed(self, host_id: str) -> bool:
+        """Whether ``host_id``'s lease has lapsed (or it left, or never joined), as far as this host can tell: a
+        forward waiting on that host's answer stops waiting (``Forwarder``). Blocking; its row read at most once per
+        half heartbeat, however many forwards wait."""
+        info = self.host(host_id, max_age_s=self.heartbeat_s / 2)
+        return info is None or not self.alive(info)
 
     def host(self, host_id: str, *, max_age_s: float = 1.0) -> HostInfo | None:
         """The host's row (cached for ``max_age_s``), or None when it never registered. Blocking."""

@@ -37,6 +37,14 @@ _LOST_STATES = ("57P01", "57P02", "57P03", "57P05")
 #: A long statement is not cut: the server's kernel acknowledges the probes meanwhile.
 TCP_DEFAULTS = {"keepalives": "1", "keepalives_idle": "10", "keepalives_interval": "5", "keepalives_count": "3",
                 "tcp_user_timeout": "20000"}
+#: How long the server lets a session sit idle inside a transaction before it ends the session (SQLSTATE 25P03).
+#: A host frozen or stalled in the middle of one (between two of its statements: its connection stays open, its
+#: kernel answers) otherwise holds the rows it locked for good: a fenced turn's commit share-locks its instance's
+#: record, and every other host's takeover or forget of that instance waited on the lock forever. moorage's
+#: transactions are a few statements sent back to back; this is the default lease (``lease_ttl_s``), so a host
+#: that stalls that long inside one has lost its lease too.
+IDLE_IN_TRANSACTION_S = 15
+SESSION_DEFAULTS = {"options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_S * 1000}"}
 
 
 class QuietPoolWarnings(logging.Filter):
@@ -75,11 +83,11 @@ def quiet_pool_warnings() -> None:
         pool_log.addFilter(QuietPoolWarnings())
 
 
-def tcp_defaults(url: str) -> dict[str, str]:
-    """The ``TCP_DEFAULTS`` that the store URL ``url`` does not set itself (an operator's own values win), as
-    keyword arguments of ``psycopg.connect``."""
+def connect_defaults(url: str) -> dict[str, str]:
+    """The ``TCP_DEFAULTS`` and ``SESSION_DEFAULTS`` that the store URL ``url`` does not set itself (an operator's
+    own values win: a URL with ``options`` keeps its own), as keyword arguments of ``psycopg.connect``."""
     own = conninfo_to_dict(url)
-    return {k: v for k, v in TCP_DEFAULTS.items() if k not in own}
+    return {k: v for k, v in (TCP_DEFAULTS | SESSION_DEFAULTS).items() if k not in own}
 
 
 def is_connection_lost(e: BaseException) -> bool:

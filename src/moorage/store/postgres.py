@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_contention, translate_integrity
 from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, quiet_pool_warnings,
-                                     read_only, stale, tcp_defaults, unreachable_as_503)
+                                     read_only, stale, connect_defaults, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, recorded_name, refuse_newer_schema,
                                   statements_for)
@@ -120,10 +120,10 @@ class PostgresBackend(Backend):
         # While the server is down a request waits CONNECT_WAIT_S for a connection, then is answered 503; the pool
         # stops retrying in the background after as long (its retries back off without bound: after a long outage
         # the next one could come a minute after the server is back), and the next request tries again at once.
-        # A server gone silent (a partition) fails a statement within tcp_defaults' timeouts, as a lost connection.
+        # A server gone silent (a partition) fails a statement within connect_defaults' timeouts, as a lost connection.
         quiet_pool_warnings()  # its warnings of each failed attempt while the server is down: a few, not thousands
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
-                                    kwargs={"autocommit": True, **tcp_defaults(self.app_url)}, timeout=CONNECT_WAIT_S,
+                                    kwargs={"autocommit": True, **connect_defaults(self.app_url)}, timeout=CONNECT_WAIT_S,
                                     reconnect_timeout=CONNECT_WAIT_S)
         #: When a write was last refused as read-only (the server a standby), and when one last committed: between
         #: the two, each pooled connection is asked whether it takes writes before it is used, and one to the
@@ -139,7 +139,7 @@ class PostgresBackend(Backend):
 
     def _connect_owner(self) -> psycopg.Connection:
         return psycopg.connect(self.owner_url, autocommit=True, connect_timeout=int(CONNECT_WAIT_S),
-                               **tcp_defaults(self.owner_url))
+                               **connect_defaults(self.owner_url))
 
     def _owner_conn(self) -> psycopg.Connection:
         """The owner connection (``_owner_lock`` held), connected again when the server closed it: after a restart,
@@ -194,7 +194,7 @@ class PostgresBackend(Backend):
     def _read_twice(read: Callable[[], T]) -> T:
         """A read whose connection the server closed under it runs once more on another (nothing was changed);
         not after the wait for a connection ran out, which would only double the caller's wait, nor after a
-        connection lost only once the TCP timeouts ran out (``tcp_defaults``: a network partition, a server host
+        connection lost only once the TCP timeouts ran out (``connect_defaults``: a network partition, a server host
         gone): the pool's other connections wait on the same silent network, and the caller would wait twice."""
         t0 = time.monotonic()
         try:
