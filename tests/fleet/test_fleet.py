@@ -3,7 +3,8 @@
 Users spread over the hosts continue on another host with their files; 100 concurrent requests through three
 hosts wake a sleeping agent once; damaged snapshots fall back to the instance's older ones (never another's);
 a killed host's users come back on the survivors within the lease TTL + 5 s with no acknowledged turn lost; a
-host stopped past its lease and resumed cannot write the instance it lost.
+host stopped past its lease and resumed cannot write the instance it lost (and a turn forwarded to it while it is
+stopped is served by the forwarding host once its lease lapses).
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ def test_a_killed_host_s_users_come_back_on_the_survivors_with_no_acknowledged_t
             assert recs[u].host == f"h{i % 3 + 1}"
 
 
-def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: Fleet) -> None:
+@pytest.mark.parametrize("sent_after_s", [LEASE_TTL_S + 1.5, 0.0], ids=["past-its-lease", "before-it-lapses"])
+def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: Fleet, sent_after_s: float) -> None:
+    """The turn sent to h1 past h3's lease is served by h1 at once; sent before it lapses, h1 forwards it to the
+    frozen h3, gives up on it once the lease lapses, and serves it itself: the same answer, not h3's."""
     assert replied(fleet.turn(2, "stale")) == "1: hi"
     put_to_sleep(fleet, "stale", via=2)
     result: dict[str, httpx.Response] = {}
@@ -198,9 +202,11 @@ def test_a_host_stopped_past_its_lease_cannot_write_the_instance_it_lost(fleet: 
     h3 = fleet.hosts[2]
     os.killpg(h3.proc.pid, signal.SIGSTOP)
     try:
-        time.sleep(LEASE_TTL_S + 1.5)
+        time.sleep(sent_after_s)
+        t0 = time.monotonic()
         taken = fleet.turn(0, "stale")  # h1 takes it over from the last shipped snapshot
-        assert replied(taken) == "2: hi"
+        assert replied(taken) == "2: hi" and "x-moorage-served-by" not in taken.headers
+        assert time.monotonic() - t0 < 60  # not the forward's read timeout
     finally:
         os.killpg(h3.proc.pid, signal.SIGCONT)
     slow.join(timeout=60)
