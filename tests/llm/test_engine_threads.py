@@ -60,7 +60,8 @@ def test_two_models_on_two_cpus_answer_promptly_beside_each_other() -> None:
 
 def test_a_cgroup_cpu_quota_narrows_the_cpus_a_process_may_use() -> None:
     """A container's ``--cpus`` or a unit's ``CPUQuota``: the affinity lists every CPU, the quota says how many
-    may run at once. Here a real cgroup with a one-CPU quota, and one inside it with none of its own."""
+    may run at once. Here a real cgroup with a one-CPU quota, and one inside it with none of its own: the model's
+    threads, the host's worker threads and the weight of its sandboxes' cgroup all count one CPU."""
     control = cgroups.cpu_control()
     assert control.kind, "this test needs a writable cgroup with the cpu controller (run as root)"
     assert len(os.sched_getaffinity(0)) >= 2, "this test needs a machine with two CPUs"
@@ -71,13 +72,17 @@ def test_a_cgroup_cpu_quota_narrows_the_cpus_a_process_may_use() -> None:
     inner.mkdir()
     code = ("import os, sys; open(sys.argv[1] + '/cgroup.procs', 'w').write(str(os.getpid()));"
             "from moorage.cpus import usable_cpus; from moorage.llm._engine import default_threads;"
-            "print(len(os.sched_getaffinity(0)), usable_cpus(), default_threads())")
+            "from moorage.runtime.cpu_share import executor_workers; from moorage.sandbox import cgroups;"
+            "print(len(os.sched_getaffinity(0)), usable_cpus(), default_threads(), executor_workers(),"
+            " cgroups.group_weight())")
     try:
         for where in (outer, inner):
             r = subprocess.run([sys.executable, "-c", code, str(where)], capture_output=True, text=True, timeout=60)
             assert r.returncode == 0, r.stderr
-            affinity, usable, threads = map(int, r.stdout.split())
+            affinity, usable, threads, workers, weight = map(int, r.stdout.split())
             assert affinity >= 2 and usable == 1 and threads == 1, (where, r.stdout)
+            # The host's worker threads and its sandboxes' weight count the one CPU it may use, too.
+            assert workers == 5 and weight == cgroups.SANDBOX_WEIGHT, (where, r.stdout)
     finally:
         for d in (inner, outer):
             assert cgroups.remove_when_empty(d), d

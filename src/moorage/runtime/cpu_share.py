@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import os
 import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
+
+from moorage.cpus import usable_cpus
 
 #: A tenant may run at full speed for this much CPU before its share applies.
 BURST_S = 0.25
@@ -87,13 +88,18 @@ class MeteredExecutor(ThreadPoolExecutor):
 _installed: "weakref.WeakSet[asyncio.AbstractEventLoop]" = weakref.WeakSet()
 
 
+def executor_workers() -> int:
+    """The default executor's threads: asyncio's own rule (CPUs + 4, at most 32), with the CPUs this process may
+    use (``moorage.cpus``: a container's quota narrows them), not the machine's."""
+    return min(32, usable_cpus() + 4)
+
+
 def install(loop: asyncio.AbstractEventLoop) -> None:
     """Make the loop's default executor a metered one (once per loop; asyncio's own size and thread names)."""
     if loop in _installed:
         return
     old = getattr(loop, "_default_executor", None)  # made by an earlier to_thread: its idle threads are let go
-    loop.set_default_executor(MeteredExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
-                                              thread_name_prefix="asyncio"))
+    loop.set_default_executor(MeteredExecutor(max_workers=executor_workers(), thread_name_prefix="asyncio"))
     if old is not None:
         old.shutdown(wait=False)
     _installed.add(loop)

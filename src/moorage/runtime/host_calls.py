@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 import uuid
 import weakref
@@ -62,9 +61,9 @@ def _tenant_share(rt: Any, tenant_id: str) -> asyncio.Semaphore:
     shares = _SHARES.setdefault(rt, {})
     sem = shares.get(tenant_id)
     if sem is None:
-        # At most half the workers of asyncio's default executor (min(32, cores + 4): 6 on a 2-core host), or a
-        # share of 8 would let one tenant hold every worker and queue every other tenant's store hops behind it.
-        workers = min(32, (os.cpu_count() or 1) + 4)
+        # At most half the workers of the default executor (6 on a 2-core host), or a share of 8 would let one
+        # tenant hold every worker and queue every other tenant's store hops behind it.
+        workers = cpu_share.executor_workers()
         sem = shares[tenant_id] = asyncio.Semaphore(max(1, min(int(rt.config.guest_calls_per_tenant), workers // 2)))
     return sem
 

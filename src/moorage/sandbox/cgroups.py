@@ -78,8 +78,11 @@ def group_weight() -> int:
     """Weight of all sandboxes together: as much as one busy process per CPU of the host. Where the host process
     and other programs sit in the same cgroup as that parent (v1, or a root cgroup) each of their threads weighs
     one; a lighter parent would starve every sandbox whenever other work keeps the machine busy. Where the host
-    has its own leaf (v2, delegated) the leaf gets the same weight: the host serving every tenant keeps half."""
-    return SANDBOX_WEIGHT * max(1, os.cpu_count() or 1)
+    has its own leaf (v2, delegated) the leaf gets the same weight: the host serving every tenant keeps half. The
+    CPUs are those the host may use (``moorage.cpus``: a container's quota narrows them), not the machine's."""
+    from moorage.cpus import usable_cpus  # it reads this module's quota
+
+    return SANDBOX_WEIGHT * usable_cpus()
 
 
 def _write_weight(d: Path, kind: str, weight: int) -> None:
