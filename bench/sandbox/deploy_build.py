@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import compileall
-import io
 import json
 import os
 import platform
@@ -29,7 +28,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +38,9 @@ sys.path.insert(0, str(ROOT / "src"))
 from moorage.config import Config  # noqa: E402
 from moorage.devservices.fleet import LocalHost  # noqa: E402
 from moorage.sandbox.microvm import MicroVMDriver  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench" / "store"))
+from report import baseline_src  # noqa: E402  (bench/store/report.py: what the areas share)
 
 #: The last commit before booted builders.
 BEFORE = "c243332"
@@ -79,14 +80,6 @@ class Host:
         self.up.sigterm(120)
 
 
-def _baseline_src(rev: str, scratch: Path) -> Path:
-    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src"], check=True, capture_output=True).stdout
-    dest = scratch / "baseline-src"
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-        tar.extractall(dest)
-    return dest / "src"
-
-
 def _agent(scratch: Path, name: str, i: int) -> Path:
     d = scratch / "agents" / f"{name}-{i}"
     shutil.copytree(ROOT / "examples" / "assistant", d)
@@ -106,7 +99,7 @@ def main() -> None:
     args.images.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="moorage-deploy-build-") as tmp:
         scratch = Path(tmp)
-        srcs = {"booted": ROOT / "src", "before": _baseline_src(args.baseline, scratch)}
+        srcs = {"booted": ROOT / "src", "before": baseline_src(args.baseline, scratch)}
         compileall.compile_dir(str(srcs["before"]), quiet=1)  # as scripts/bootstrap.sh leaves src/
         accel = MicroVMDriver(scratch / "probe", Config(data_dir=scratch / "probe"), images_dir=args.images).accel
         hosts = {name: Host(name, src, scratch, args.images, accel) for name, src in srcs.items()}
