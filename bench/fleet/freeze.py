@@ -29,9 +29,6 @@ from typing import Any
 
 import httpx
 
-from moorage.cli.up import tar_dir
-from moorage.devservices.fleet import write_counter_agent
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "store"))
 sys.path.insert(0, str(ROOT / "bench" / "fleet"))
@@ -50,11 +47,7 @@ def freeze_once(src: Path, users: int, wait_s: float) -> dict[str, Any]:
     b.env["PYTHONPATH"] = str(src)
     frozen = None
     try:
-        for _ in range(3):
-            b.add_host()
-        r = b.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(base)),
-                          headers={"Content-Type": "application/gzip"})
-        assert r.status_code == 201, r.text
+        b.start()
         victims = [f"z{i:02d}" for i in range(users)]
         for u in victims:
             b.ok(2, u)

@@ -60,6 +60,14 @@ class Bench:
         self.api.append(h.client(self.hosts[0].key))
         return len(self.hosts) - 1
 
+    def start(self, hosts: int = 3) -> None:
+        """Start ``hosts`` hosts and deploy the counter agent (``echo``) through the first."""
+        for _ in range(hosts):
+            self.add_host()
+        r = self.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(self.base)),
+                             headers={"Content-Type": "application/gzip"})
+        assert r.status_code == 201, r.text
+
     def turn(self, i: int, user: str) -> tuple[int, float]:
         t = time.perf_counter()
         r = self.api[i].post("/v1/agents/echo/invoke", json={"message": "hi", "user": user})
@@ -116,11 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="moorage-fleet-bench-"))
     b = Bench(base, args.driver)
     try:
-        for _ in range(3):
-            b.add_host()
-        r = b.api[0].post("/v1/agents/echo/deployments", content=tar_dir(write_counter_agent(base)),
-                          headers={"Content-Type": "application/gzip"})
-        assert r.status_code == 201, r.text
+        b.start()
         users = [f"u{i:03d}" for i in range(args.users)]
         for u in users:
             b.ok(0, u)
