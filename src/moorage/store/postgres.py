@@ -20,8 +20,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from moorage.errors import ConfigError, UnavailableError
 from moorage.store.base import Backend, check_tenant_id, translate_contention, translate_integrity
-from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, is_connection_lost, quiet_pool_warnings,
-                                     read_only, stale, connect_defaults, unreachable_as_503)
+from moorage.store.pg_outage import (CONNECT_WAIT_S, StoreUnreachable, connect_defaults, is_connection_lost,
+                                     quiet_pool_warnings, read_only, stale, unreachable_as_503)
 from moorage.store.pg_prepared import PreparedCalls
 from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, recorded_name, refuse_newer_schema,
                                   statements_for)
@@ -120,11 +120,12 @@ class PostgresBackend(Backend):
         # While the server is down a request waits CONNECT_WAIT_S for a connection, then is answered 503; the pool
         # stops retrying in the background after as long (its retries back off without bound: after a long outage
         # the next one could come a minute after the server is back), and the next request tries again at once.
-        # A server gone silent (a partition) fails a statement within connect_defaults' timeouts, as a lost connection.
+        # A server gone silent (a partition) fails a statement within connect_defaults' TCP timeouts, as a lost
+        # connection; one frozen in a transaction is ended by the server (its session's idle timeout).
         quiet_pool_warnings()  # its warnings of each failed attempt while the server is down: a few, not thousands
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
-                                    kwargs={"autocommit": True, **connect_defaults(self.app_url)}, timeout=CONNECT_WAIT_S,
-                                    reconnect_timeout=CONNECT_WAIT_S)
+                                    kwargs={"autocommit": True, **connect_defaults(self.app_url)},
+                                    timeout=CONNECT_WAIT_S, reconnect_timeout=CONNECT_WAIT_S)
         #: When a write was last refused as read-only (the server a standby), and when one last committed: between
         #: the two, each pooled connection is asked whether it takes writes before it is used, and one to the
         #: standby is replaced instead of failing a write each.
