@@ -121,7 +121,7 @@ class PostgresBackend(Backend):
         # stops retrying in the background after as long (its retries back off without bound: after a long outage
         # the next one could come a minute after the server is back), and the next request tries again at once.
         # A server gone silent (a partition) fails a statement within connect_defaults' TCP timeouts, as a lost
-        # connection; one frozen in a transaction is ended by the server (its session's idle timeout).
+        # connection; a session this host leaves idle inside a transaction (frozen mid-way) the server ends.
         quiet_pool_warnings()  # its warnings of each failed attempt while the server is down: a few, not thousands
         self._pool = ConnectionPool(self.app_url, min_size=1, max_size=pool_size, open=False,
                                     kwargs={"autocommit": True, **connect_defaults(self.app_url)},
