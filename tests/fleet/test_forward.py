@@ -1,13 +1,16 @@
 """Forwarding through a host that does not hold the instance: streamed turns arrive event by event while the turn
 runs (native SSE and the OpenAI-compatible stream), with the caller's trace id; an app's WebSocket is relayed to
 the owner both ways, closes cleanly from either side, keeps the message cap, and refuses other tenants, other users
-and dead share links through the forwarding host as the owner does."""
+and dead share links through the forwarding host as the owner does; one to an owner that freezes closes with 1012 once
+its lease lapses."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -459,3 +462,36 @@ def test_an_async_turn_through_another_host_runs_on_the_owner(fleet: Fleet) -> N
             break
         time.sleep(0.1)
     assert ex["status"] == "succeeded" and ex["reply"] == "ok", ex
+
+
+def test_an_app_websocket_through_another_host_closes_1012_once_its_frozen_owners_lease_lapses(fleet: Fleet) -> None:
+    """Last in this file: it freezes h2 (SIGSTOP, its connections open). The socket through h1 to cy's app on h2
+    is closed with 1012 once h2's lease lapses (4 s here), not when its pings run out (40 s); connected again, cy's
+    app is served by the host that takes cy over."""
+    r = fleet.api[1].post("/v1/agents/fw/invoke", json={"message": "hi", "user": "cy"})
+    assert r.status_code == 200 and fleet.records()["cy"].host == "h2", r.text
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+    url = _ws(fleet, 0, "/v1/agents/fw/users/cy/app/ws")
+    h2 = fleet.hosts[1]
+
+    async def run() -> None:
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            assert ws.response.headers["x-moorage-served-by"] == "h2"
+            await ws.send("before")
+            assert await ws.recv() == "before"
+            os.killpg(h2.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                code, reason = await _closed_with(ws)
+                waited = time.monotonic() - t0
+                assert code == 1012 and "connect again" in reason, (code, reason)
+                assert waited < 15, waited  # the lease (4 s) and a heartbeat, not the pings' 40 s
+                async with connect(url, additional_headers=auth, open_timeout=120) as again:
+                    assert again.response.headers.get("x-moorage-served-by") != "h2"
+                    await again.send("after")
+                    assert await again.recv() == "after"
+            finally:
+                os.killpg(h2.proc.pid, signal.SIGCONT)
+
+    asyncio.run(run())
+    assert fleet.records()["cy"].host in ("h1", "h3")

@@ -5,7 +5,8 @@ and authorises it again: forwarding grants nothing. It carries this host's trace
 caller's ``X-Trace-Id`` names the owner's spans too. Answers of unknown or large size (server-sent events, app
 downloads) stream back as they come; WebSockets are relayed message by message. One hop only: a forwarded request
 that finds the instance moved again is answered 503 with ``Retry-After`` and the client retries. An owner that
-stops answering (frozen, cut off) is waited on only until its lease lapses (``OwnerLapsed``).
+stops answering (frozen, cut off) is waited on only until its lease lapses (``OwnerLapsed``); a socket relayed to
+it is closed then with 1012, to connect again.
 
 The markers one host sets for another (``FORWARDED_BY``, ``LET_GO``, the forwarded ``traceparent``) are signed
 (``FORWARD_AUTH``): an HMAC over the sender's host id, the time, the method, the path and query and the markers,
@@ -40,8 +41,8 @@ from moorage import clock
 from moorage.aio import within
 from moorage.errors import MoorageError, UnavailableError
 from moorage.log import get_logger
-from moorage.ws_close import (GOING_AWAY, INTERNAL, NO_STATUS, TOO_BIG, caller_close, sendable_close_code,
-                              sendable_reason)
+from moorage.ws_close import (GOING_AWAY, INTERNAL, NO_STATUS, SERVICE_RESTART, TOO_BIG, caller_close,
+                              sendable_close_code, sendable_reason)
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -206,6 +207,52 @@ class _StreamWatch:
         self._task.cancel()
 
 
+class _SocketWatch:
+    """Looks at the lease of each host this host relays app sockets to, once per ``every_s`` and once per host
+    however many sockets go there, and sets the sockets' events when that host's lease lapses: a socket to a host
+    that froze ends then, not when its pings run out (40 s). The task runs while any socket is open."""
+
+    def __init__(self, lapsed: Callable[[str], bool], every_s: float) -> None:
+        self.lapsed, self.every_s = lapsed, every_s
+        self._owners: dict[str, set[asyncio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, owner_id: str) -> asyncio.Event:
+        event = asyncio.Event()
+        self._owners.setdefault(owner_id, set()).add(event)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="forwarded-socket-watch")
+        return event
+
+    def remove(self, owner_id: str, event: asyncio.Event) -> None:
+        events = self._owners.get(owner_id)
+        if events is not None:
+            events.discard(event)
+            if not events:
+                del self._owners[owner_id]
+
+    async def _run(self) -> None:
+        while self._owners:  # checked with no await before the return: a socket added meanwhile starts a new task
+            await asyncio.sleep(self.every_s)
+            for owner_id in list(self._owners):
+                try:
+                    gone = await asyncio.to_thread(self.lapsed, owner_id)
+                except Exception as e:  # noqa: BLE001 - the store unreachable: looked at again next time
+                    log.warning("could not tell whether a host's lease lapsed", owner=owner_id, error=str(e))
+                    continue
+                if gone:
+                    log.warning("closing forwarded app sockets: their host's lease lapsed", owner=owner_id,
+                                sockets=len(self._owners.get(owner_id, ())))
+                    for event in self._owners.pop(owner_id, set()):
+                        event.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
 class Forwarder:
     def __init__(self, host_id: str, signer: ForwardSigner | None = None) -> None:
         self.host_id = host_id
@@ -216,6 +263,7 @@ class Forwarder:
         self.lapsed: Callable[[str], bool] | None = None
         self.watch_every_s = 1.0
         self._client: httpx.AsyncClient | None = None
+        self._socket_watch: _SocketWatch | None = None
 
     async def _watched(self, owner_id: str, aw: Awaitable[T]) -> T:
         """``await aw``, the owner's answer, given up (``OwnerLapsed``) once the owner's lease lapses meanwhile."""
@@ -403,12 +451,16 @@ class Forwarder:
             raise ForwardRefused(Response(answer.body or b"", answer.status_code, keep)) from None
         except (OSError, InvalidHandshake, asyncio.TimeoutError, TimeoutError) as e:
             raise self._unreachable(owner_id, e) from e
-        return ForwardedSocket(conn, owner_id, max_message)
+        if self.lapsed is not None and self._socket_watch is None:
+            self._socket_watch = _SocketWatch(self.lapsed, self.watch_every_s)
+        return ForwardedSocket(conn, owner_id, max_message, self._socket_watch)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._socket_watch is not None:
+            await self._socket_watch.close()
 
 
 @dataclass
@@ -425,8 +477,10 @@ class SocketOutcome:
 class ForwardedSocket:
     """A WebSocket to the owner host; ``relay`` carries the caller's messages both ways until either side closes."""
 
-    def __init__(self, conn: ClientConnection, owner_id: str, max_message: int) -> None:
+    def __init__(self, conn: ClientConnection, owner_id: str, max_message: int,
+                 watch: _SocketWatch | None = None) -> None:
         self.conn = conn
+        self.watch = watch
         self.owner_id = owner_id
         self.max_message = max_message
         self.subprotocol: str | None = conn.subprotocol
@@ -440,20 +494,26 @@ class ForwardedSocket:
     async def relay(self, ws: WebSocket) -> SocketOutcome:
         """Relay between the accepted caller ``ws`` and the owner; the side that did not close first is closed
         with the code and reason of the side that did."""
-        up = asyncio.ensure_future(self._upstream(ws))
-        down = asyncio.ensure_future(self._downstream(ws))
+        lapsed = self.watch.add(self.owner_id) if self.watch is not None else None
+        tasks = {asyncio.ensure_future(self._upstream(ws)), asyncio.ensure_future(self._downstream(ws))}
+        if lapsed is not None:
+            tasks.add(asyncio.ensure_future(self._lapsed(lapsed)))
         outcome = SocketOutcome(INTERNAL, "the forwarded socket failed", "error")
         try:
-            done, _ = await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             try:
                 outcome = next(iter(done)).result()
             except Exception as e:  # noqa: BLE001 - the socket ends; the caller gets a generic close
                 log.warning("forwarded app socket failed", owner=self.owner_id, error=f"{type(e).__name__}: {e}")
         finally:
-            for t in (up, down):
+            if lapsed is not None and self.watch is not None:
+                self.watch.remove(self.owner_id, lapsed)
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(up, down, return_exceptions=True)
-            if outcome.why != "owner-closed":
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if outcome.why == "owner-lapsed":  # a frozen owner answers no close: dropped, not waited on
+                self.conn.transport.abort()
+            elif outcome.why != "owner-closed":
                 code, reason = caller_close(outcome.code, outcome.reason)  # a close without a code stays one
                 with contextlib.suppress(Exception):
                     await within(self.conn.close(code, reason), 12)  # type: ignore[arg-type]
@@ -468,6 +528,13 @@ class ForwardedSocket:
     async def close_unused(self) -> None:
         with contextlib.suppress(Exception):
             await within(self.conn.close(GOING_AWAY, "the caller went away"), 12)
+
+    @staticmethod
+    async def _lapsed(event: asyncio.Event) -> SocketOutcome:
+        await event.wait()
+        # 1012: the caller connects again, and is served by the host that takes the agent over.
+        return SocketOutcome(SERVICE_RESTART, "the host that held the agent stopped answering; connect again",
+                             "owner-lapsed")
 
     async def _upstream(self, ws: WebSocket) -> SocketOutcome:
         while True:
