@@ -74,16 +74,20 @@ class SmallDisk:
         self.filler = path / "filler"
 
     def fill(self) -> None:
+        deadline = time.monotonic() + 10
         with open(self.filler, "ab", buffering=0) as f:
-            for _ in range(20):  # the host may free a block meanwhile (a file it removes): fill that too
+            # The host may free a block meanwhile (a file it removes; a page it holds a moment, as CI once saw
+            # after twenty tries in a row): fill that too, for up to ten seconds.
+            while True:
                 for block in (1 << 20, 4096, 1):  # down to the last byte
                     try:
                         while True:
                             f.write(b"\0" * block)
                     except OSError:
                         pass
-                if os.statvfs(self.path).f_bavail == 0:
+                if os.statvfs(self.path).f_bavail == 0 or time.monotonic() > deadline:
                     break
+                time.sleep(0.01)
         assert os.statvfs(self.path).f_bavail == 0
 
     def leave(self, nbytes: int) -> None:
