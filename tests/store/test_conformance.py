@@ -43,6 +43,21 @@ def test_scoped_and_revoked_keys(store: Store, tenant: TenantStore) -> None:
         tenant.keys.create(["root"])
 
 
+def test_key_revocations_are_looked_up_by_id_within_the_tenant(store: Store, tenant: TenantStore) -> None:
+    """What an end-user token's check and the revoked-work sweep ask: each key's revocation, by id, of this tenant
+    only (another tenant's key, or none, is not in the answer), any number at once."""
+    keys = [tenant.keys.create(["invoke"], f"k{i}") for i in range(3)]
+    tenant.keys.revoke(keys[1].id)
+    other, admin = store.operator.create_tenant("revocations-other")
+    theirs = store.tenant(store.authenticate(admin.secret)).keys.create(["invoke"])
+    ids = [k.id for k in keys] + [theirs.id, "no-such-key"] + [f"x{i}" for i in range(1200)]
+    got = store.backend.key_revocations(tenant.tenant_id, ids)
+    assert set(got) == {k.id for k in keys}
+    assert got[keys[0].id] is None and got[keys[2].id] is None and isinstance(got[keys[1].id], float)
+    assert store.backend.key_revocations(other.id, [keys[0].id, theirs.id]) == {theirs.id: None}
+    assert store.backend.key_revocations(tenant.tenant_id, []) == {}
+
+
 def test_control_plane_calls_from_many_threads_at_once(store: Store) -> None:
     """Hosts call the control plane from worker threads concurrently (e.g. sleeping every instance at
     shutdown): transactions on it must not interleave."""

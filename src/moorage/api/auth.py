@@ -242,9 +242,8 @@ class Authenticator:
         except NotFound as e:
             raise bad from e
         # A token dies with the key that issued it: revoking a leaked key revokes its tokens too.
-        if not any(
-            k.id == key_id and (k.revoked_at is None or k.revoked_at > time.time()) for k in self.store.backend.list_api_keys(tenant)
-        ):
+        revoked = self.store.backend.key_revocations(tenant, [key_id])
+        if key_id not in revoked or (revoked[key_id] is not None and revoked[key_id] <= time.time()):
             raise Unauthenticated("the key that issued this token was revoked", hint="ask the application for a fresh token")
         if "c" in p and not self._same_user(tenant, agent, user, p["c"]):
             # Forgotten since (and perhaps created again under the same id: another person, for all moorage knows).

@@ -182,8 +182,8 @@ class RevokedWork:
 
     def _revoked_of(self, tenant_id: str, keys: set[str]) -> list[str]:
         now = time.time()
-        return [k.id for k in self.runtime.store.backend.list_api_keys(tenant_id)
-                if k.id in keys and k.revoked_at is not None and k.revoked_at <= now]
+        return [k for k, at in self.runtime.store.backend.key_revocations(tenant_id, keys).items()
+                if at is not None and at <= now]
 
     async def _cancel_here(self, tenant_id: str, key_id: str, execs: list[Any], held: dict[str, Any],
                            bindings: list[Any]) -> None:
