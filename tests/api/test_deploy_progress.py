@@ -92,3 +92,53 @@ async def test_the_sdk_streams_a_deploy(live_rt, acme: str, tmp_path: Path) -> N
             async for _ in sdk.deploy_stream("echo", broken):
                 pass
         assert "bad import" in str(e.value)
+
+
+async def test_a_streamed_deploys_idempotency_key_holds_until_the_build_ends_and_replays_its_answer(
+        live_rt, acme: str, tmp_path: Path) -> None:
+    """The SDK sends every deploy with an Idempotency-Key and retries one whose answer never came: the retry of a
+    streamed deploy must not build again. While the build runs the key answers 409; once it ended, the JSON answer
+    (201 and the deployment, or the build's problem) with ``Idempotent-Replayed``."""
+    async with aclient(live_rt, acme) as c:
+        body = agent_archive(tmp_path)
+        key = {"Idempotency-Key": "deploy-once"}
+        async with c.stream("POST", "/v1/agents/echo/deployments", content=body, headers={**STREAM, **key}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("event: progress"):
+                    break  # the build is under way: the caller leaves, as a lost connection would
+        during = await c.post("/v1/agents/echo/deployments", content=body, headers={**GZ, **key})
+        assert during.status_code in (409, 201), during.text
+        if during.status_code == 409:  # the build had not ended yet (the usual case)
+            assert "in progress" in during.json()["detail"]
+        deadline = time.monotonic() + 60
+        while True:
+            again = await c.post("/v1/agents/echo/deployments", content=body, headers={**STREAM, **key})
+            if again.status_code != 409:
+                break
+            assert time.monotonic() < deadline, again.text
+            await asyncio.sleep(0.2)
+        assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true", again.text
+        assert again.json()["number"] == 1 and again.json()["status"] == "ready"
+        listed = (await c.get("/v1/agents/echo/deployments")).json()["data"]
+        assert [d["number"] for d in listed] == [1], listed  # built once
+        # The SDK's retry of a streamed deploy gets the replay as its one `deployment` event.
+        async with AsyncClient(live_rt.url, acme) as sdk:
+            events = [ev async for ev in sdk.deploy_stream("echo", body, idempotency_key="deploy-once")]
+        assert [ev["event"] for ev in events] == ["deployment"] and events[0]["data"]["number"] == 1
+
+        # A build that fails keeps its problem under the key: the retry is told, and builds nothing.
+        broken = agent_archive(tmp_path, "echo", "raise RuntimeError('bad import')\n", version="b")
+        bad = {"Idempotency-Key": "deploy-broken"}
+        async with c.stream("POST", "/v1/agents/echo/deployments", content=broken, headers={**STREAM, **bad}) as r:
+            assert r.status_code == 200 and "agent-load-failed" in (await r.aread()).decode()
+        for _ in range(300):
+            replay = await c.post("/v1/agents/echo/deployments", content=broken, headers={**GZ, **bad})
+            if replay.status_code != 409:
+                break
+            await asyncio.sleep(0.1)
+        assert replay.status_code == 422 and replay.json()["type"].endswith("/agent-load-failed"), replay.text
+        assert replay.headers["idempotent-replayed"] == "true"
+        listed = (await c.get("/v1/agents/echo/deployments")).json()["data"]
+        assert sorted(d["number"] for d in listed) == [1, 2], listed
+

@@ -403,23 +403,59 @@ class Endpoint:
         except BaseException:
             await _release(ts, key, entry.version)
             raise
+        settles = getattr(response, "settles", None)
+        if settles is not None and not _retryable(response.status_code):
+            # A stream whose work goes on without its caller (a deploy's build): the key stays claimed (a retry
+            # meanwhile: 409) until that work ends, and then keeps the answer its JSON form gives (replayed as it).
+            task = asyncio.get_running_loop().create_task(self._keep_settled(call, key, entry.version, request_sha,
+                                                                             settles), name="idempotency-key-settle")
+            _RELEASING.add(task)
+            task.add_done_callback(_RELEASING.discard)
+            return response
         if _retryable(response.status_code) or not hasattr(response, "body"):
             await _release(ts, key, entry.version)
             return response
-        stored_body = json.loads(response.body) if response.body else None
-        if isinstance(stored_body, dict):
-            stored_body = _redact(stored_body, self.secret_fields)
-        done = functools.partial(ts.journal.complete, key, expected_version=entry.version,
-                                 result={"status": response.status_code, "body": stored_body,
-                                         "request_sha": request_sha, "media_type": response.media_type},
-                                 step=replay_mark(*call.about) if call.about else None)
-        if not await _when_room(done):
+        if not await self._keep(call, key, entry.version, request_sha, response):
             # Done, but its answer has no room to be kept: a retry with the key waits (409) and, once there is room,
             # gets it replayed; it is not done twice.
             raise DiskFull("the host is out of disk space: the request was carried out, but its answer could not "
                            "be kept", hint="once the operator has freed space on the disk, retry with the same "
                                            "Idempotency-Key to get the answer")
         return response
+
+    async def _keep(self, call: Call, key: str, version: int, request_sha: str, response: Response) -> bool:
+        """Store ``response`` as the key's answer (False: not yet, the disk is full; it is, once there is room)."""
+        stored_body = json.loads(response.body) if response.body else None
+        if isinstance(stored_body, dict):
+            stored_body = _redact(stored_body, self.secret_fields)
+        return await _when_room(functools.partial(
+            call.tenant.journal.complete, key, expected_version=version,
+            result={"status": response.status_code, "body": stored_body, "request_sha": request_sha,
+                    "media_type": response.media_type},
+            step=replay_mark(*call.about) if call.about else None))
+
+    async def _keep_settled(self, call: Call, key: str, version: int, request_sha: str,
+                            settles: Callable[[], Awaitable[Any]]) -> None:
+        """Once the work behind a streamed answer ends, keep its answer as a JSON one (a 5xx or 429: release the
+        key, as for any request)."""
+        try:
+            try:
+                final = self._respond(await settles())
+            except MoorageError as e:
+                if _retryable(e.http_status):
+                    raise
+                final = from_error(e, call.trace_id)
+            if _retryable(final.status_code):
+                raise UnavailableError("the streamed request's work did not end with an answer")
+            await self._keep(call, key, version, request_sha, final)
+        except BaseException as e:
+            log.info("a streamed request's Idempotency-Key was released", route=self.path, error=str(e))
+            try:
+                await _release(call.tenant, key, version)
+            except Exception as err:  # noqa: BLE001 - the claim stays: a retry is told the request is in progress
+                log.warning("could not release a streamed request's Idempotency-Key", error=str(err))
+            if not isinstance(e, Exception):
+                raise
 
     @staticmethod
     def _about(call: Call) -> str | None:

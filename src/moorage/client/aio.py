@@ -12,7 +12,7 @@ import httpx
 
 from moorage.client import _transport as tr
 from moorage.client import types as T
-from moorage.client._api import TERMINAL, Api, Request, _deploy, _p, _turn_body
+from moorage.client._api import TERMINAL, Api, Request, _deploy, _idem, _p, _turn_body
 from moorage.client.errors import ApiError
 
 
@@ -98,11 +98,14 @@ class AsyncClient(Api):
         async for event in self._events(req):
             yield event
 
-    async def deploy_stream(self, agent: str, source: bytes | str | Path) -> AsyncIterator[T.StreamEvent]:
+    async def deploy_stream(self, agent: str, source: bytes | str | Path, *,
+                            idempotency_key: str | None = None) -> AsyncIterator[T.StreamEvent]:
         """A deploy's build as it goes: ``progress`` events ({message}), then ``deployment`` with the deployment
-        (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server."""
-        req = tr.prepare(_deploy(agent, source, {"content-type": "application/gzip", "accept": "text/event-stream"},
-                                 {"stream": "true"}))
+        (a failed build raises its ``ApiError``). Leaving early leaves the build running on the server. Asked again
+        with the same ``idempotency_key`` (one is made if none is given), a deploy builds nothing: its answer is the
+        one ``deployment`` event once the first build ended."""
+        req = tr.prepare(_deploy(agent, source, {"content-type": "application/gzip", "accept": "text/event-stream",
+                                                 **_idem(idempotency_key)}, {"stream": "true"}))
         async for event in self._events(req, answer_as="deployment"):
             yield event
 

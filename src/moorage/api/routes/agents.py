@@ -87,7 +87,12 @@ async def deploy(call: Call) -> Reply:
             if step is not None:
                 step.cancel()
 
-    return event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
+    async def answer() -> Reply:  # the JSON answer the build ends with: an Idempotency-Key's to replay
+        return Reply(S.deployment(await asyncio.shield(build)), 201)
+
+    response = event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
+    response.settles = answer  # type: ignore[attr-defined]
+    return response
 
 
 #: Builds running (a reference each, until they end: a caller that left does not own them).
