@@ -541,7 +541,8 @@ class _Releasing:
             self.release()
 
 
-#: Releases of Idempotency-Keys waiting for room on the disk (held: asyncio keeps weak references to tasks).
+#: Releases of Idempotency-Keys waiting for room on the disk, and keys of streamed answers waiting for their work
+#: to end (held: asyncio keeps weak references to tasks).
 _RELEASING: set["asyncio.Task[None]"] = set()
 
 
