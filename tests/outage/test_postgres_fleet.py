@@ -1,14 +1,21 @@
 """Two `moorage up` hosts on one PostgreSQL (real, stopped with pg_ctl) and one S3 server: when PostgreSQL was down
 longer than the lease, every host's heartbeat is old, and the first host back must not take that for its peers
-being dead (taking their awake instances over from their last shipped snapshot would lose what came after)."""
+being dead (taking their awake instances over from their last shipped snapshot would lose what came after); and a
+host cut off from it closes the app sockets it serves before its lease could be taken."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from moorage.cli.up import tar_dir
+from tests.app.wsapp import agent_py
 from tests.fleet.harness import Fleet, replied
 from tests.outage.conftest import Outages
 
@@ -43,3 +50,72 @@ def test_after_postgresql_was_down_longer_than_the_lease_no_host_takes_over_its_
     assert replied(fleet.turn(1, "ada")) == "6: hi"
     recs = fleet.records()
     assert (recs["ada"].host, recs["ada"].lease_epoch, recs["bob"].host) == ("h1", 0, "h2")
+
+
+WS_AGENT = agent_py(r'''
+class Handler(AppHandler):
+    def respond(self):
+        if not self.upgrade():
+            self.wfile.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        self.switch(b"")
+        while True:
+            opcode, data = self.read_frame()
+            if opcode is None or opcode == 8:
+                return
+            self.frame(1, data)
+
+
+serve(Handler)
+
+
+async def on_message(ctx, message):
+    return "ok"
+''')
+
+
+def test_an_app_socket_on_a_host_cut_off_from_postgresql_closes_1012_before_its_lease_could_be_taken(
+        fleet: Fleet, outages: Outages, tmp_path: Path) -> None:
+    """Last in this file. A host that cannot reach the store for nearly a lease (lease 4 s, heartbeat 1 s here)
+    closes the app sockets it serves with 1012, as another host may take their instances over once its lease
+    lapses: a caller is never left talking to a copy whose changes a takeover would drop. Once the store is back,
+    the caller connects again."""
+    agent = tmp_path / "wsa"
+    agent.mkdir()
+    (agent / "moorage.toml").write_text('[agent]\nname = "wsa"\nentry = "agent.py"\nports = [8080]\n'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+    (agent / "agent.py").write_text(WS_AGENT)
+    r = fleet.api[0].post("/v1/agents/wsa/deployments", content=tar_dir(agent), headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 201, r.text
+    r = fleet.api[0].post("/v1/agents/wsa/invoke", json={"message": "hi", "user": "cy"})
+    assert r.status_code == 200 and r.json()["reply"] == "ok", r.text
+    url = fleet.hosts[0].url.replace("http://", "ws://") + "/v1/agents/wsa/users/cy/app/ws"
+    auth = {"Authorization": f"Bearer {fleet.key}"}
+
+    async def run() -> None:
+        async with connect(url, additional_headers=auth, open_timeout=120) as ws:
+            await ws.send("before")
+            assert await ws.recv() == "before"
+            await asyncio.to_thread(outages.stop)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(ConnectionClosed) as e:
+                    for _ in range(100):
+                        await asyncio.wait_for(ws.recv(), 30)
+                waited = time.monotonic() - t0
+            finally:
+                await asyncio.to_thread(outages.start)
+            assert e.value.rcvd is not None and e.value.rcvd.code == 1012, e.value
+            assert "lost touch" in e.value.rcvd.reason
+            assert waited < 4.0 + 2, waited  # before the 4 s lease could lapse, give or take the last heartbeat
+        for _ in range(120):  # the store is back: a new socket opens (the first tries may find it still starting)
+            try:
+                async with connect(url, additional_headers=auth, open_timeout=30) as again:
+                    await again.send("after")
+                    assert await again.recv() == "after"
+                    return
+            except (InvalidStatus, ConnectionClosed, OSError):
+                await asyncio.sleep(0.5)
+        raise AssertionError("no socket after the store came back")
+
+    asyncio.run(run())

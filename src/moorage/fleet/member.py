@@ -95,6 +95,8 @@ class FleetMember:
         self.load: Callable[[], dict[str, Any]] = dict
         self._last_beat = 0.0  # on the store's clock (``moorage.clock``), as heartbeats are written
         self._beat_mono = 0.0
+        #: When the last heartbeat the store took was sent (monotonic): the store stamped it after this.
+        self._beat_sent = 0.0
         #: When this host's heartbeat came back after failing longer than the lease (the store was out of reach).
         self._back_at = 0.0
         self._hosts: dict[str, tuple[float, HostInfo]] = {}
@@ -118,6 +120,7 @@ class FleetMember:
         await asyncio.to_thread(self.registry.register, self.host_id, self.url, self.incarnation, self.secrets,
                                 ttl_s=self.lease_ttl_s)
         self._last_beat, self._beat_mono = clock.now(), time.monotonic()
+        self._beat_sent = self._beat_mono
         self._task = asyncio.create_task(self._beat_loop(), name="fleet-heartbeat")
         log.info("joined the fleet", host=self.host_id, url=self.url, lease_ttl_s=self.lease_ttl_s)
 
@@ -139,9 +142,10 @@ class FleetMember:
             await asyncio.sleep(self.heartbeat_s)
             gap = time.monotonic() - self._beat_mono  # not the wall clock: a step of it is no gap
             try:
+                sent = time.monotonic()
                 self._last_beat, state = await asyncio.get_running_loop().run_in_executor(
                     self._beat_thread, self.registry.heartbeat, self.host_id, self.incarnation, self.load())
-                self._beat_mono = time.monotonic()
+                self._beat_mono, self._beat_sent = time.monotonic(), sent
             except ConflictError as e:
                 log.error("fleet heartbeat refused", host=self.host_id, error=str(e))
                 continue
@@ -176,6 +180,13 @@ class FleetMember:
         now = clock.now()
         in_touch = now - self._last_beat <= self.lease_ttl_s and now - self._back_at >= self.lease_ttl_s
         return not in_touch
+
+    def holds_own_lease(self) -> bool:
+        """Whether this host's own lease holds as far as it can tell: the last heartbeat the store took was sent
+        less than the lease, less half a heartbeat, ago. Another host takes the lease for lapsed once the store's
+        stamp of it (made after the send) is a lease old, so a host cut off from the store stops serving what it
+        holds (its open app sockets) before that."""
+        return self._beat_sent == 0.0 or time.monotonic() - self._beat_sent < self.lease_ttl_s - self.heartbeat_s / 2
 
     def lapsed(self, host_id: str) -> bool:
         """Whether ``host_id``'s lease has lapsed (or it left, or never joined), as far as this host can tell: a

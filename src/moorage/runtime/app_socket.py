@@ -242,10 +242,17 @@ class AppSocket:
         return Outcome(INTERNAL, "the agent's app broke the WebSocket protocol", "app-broke")
 
     async def _watch(self) -> Outcome:
-        """Ends when the instance stops being this sandbox (it went to sleep) or its channel closes."""
+        """Ends when the instance stops being this sandbox (it went to sleep) or its channel closes, or, in a fleet,
+        when this host has been cut off from the store for nearly a lease: another host may take the instance over
+        then, and the caller, connecting again, reaches it (1012) instead of this copy."""
+        fleet = getattr(self.runtime.instances, "fleet", None)
         closed = asyncio.ensure_future(self.channel.wait_closed())
         try:
             while not closed.done() and self._awake():
+                if fleet is not None and not fleet.holds_own_lease():
+                    log.warning("closing an app socket: this host lost touch with the store for nearly a lease")
+                    return Outcome(SERVICE_RESTART, "this host lost touch with the agent's store; connect again",
+                                   "lease-lost")
                 await asyncio.wait({closed}, timeout=0.25)
         finally:
             closed.cancel()
