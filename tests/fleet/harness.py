@@ -66,6 +66,18 @@ class Fleet:
                              headers={"Content-Type": "application/gzip"})
         assert r.status_code == 201, r.text
 
+    def deploy_agent(self, name: str, agent_py: str, toml: str = "") -> None:
+        """Deploy ``agent_py`` as agent ``name`` (users made as they come, awake for an hour) through the first
+        host; ``toml`` adds to its ``[agent]`` table (``ports = [8080]``)."""
+        d = self.base / f"agent-{name}"
+        d.mkdir(exist_ok=True)
+        (d / "moorage.toml").write_text(f'[agent]\nname = "{name}"\nentry = "agent.py"\n{toml}'
+                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
+        (d / "agent.py").write_text(agent_py)
+        r = self.api[0].post(f"/v1/agents/{name}/deployments", content=tar_dir(d),
+                             headers={"Content-Type": "application/gzip"})
+        assert r.status_code == 201, r.text
+
     def turn(self, i: int, user: str, text: str = "hi") -> httpx.Response:
         return self.api[i].post("/v1/agents/echo/invoke", json={"message": text, "user": user})
 

@@ -13,7 +13,6 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from moorage.cli.up import tar_dir
 from tests.fleet.harness import Fleet, until
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,13 +31,7 @@ async def on_message(ctx, message):
 def fleet(tmp_path: Path, pg_url: str, seaweedfs, s3_bucket) -> Iterator[Fleet]:  # noqa: ANN001
     f = Fleet(tmp_path, pg_url, seaweedfs.settings(s3_bucket, f"fleet-{tmp_path.name}"), n=2)
     try:
-        d = tmp_path / "slow"
-        d.mkdir()
-        (d / "moorage.toml").write_text('[agent]\nname = "echo"\nentry = "agent.py"\n'
-                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
-        (d / "agent.py").write_text(SLOW_AGENT)
-        r = f.api[0].post("/v1/agents/echo/deployments", content=tar_dir(d), headers={"Content-Type": "application/gzip"})
-        assert r.status_code == 201, r.text
+        f.deploy_agent("echo", SLOW_AGENT)
         yield f
     finally:
         f.close()

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from moorage.cli.up import tar_dir
 from tests.app.wsapp import agent_py
 from tests.fleet.harness import Fleet, replied
 from tests.outage.conftest import Outages
@@ -75,18 +73,12 @@ async def on_message(ctx, message):
 
 
 def test_an_app_socket_on_a_host_cut_off_from_postgresql_closes_1012_before_its_lease_could_be_taken(
-        fleet: Fleet, outages: Outages, tmp_path: Path) -> None:
+        fleet: Fleet, outages: Outages) -> None:
     """Last in this file. A host that cannot reach the store for nearly a lease (lease 4 s, heartbeat 1 s here)
     closes the app sockets it serves with 1012, as another host may take their instances over once its lease
     lapses: a caller is never left talking to a copy whose changes a takeover would drop. Once the store is back,
     the caller connects again."""
-    agent = tmp_path / "wsa"
-    agent.mkdir()
-    (agent / "moorage.toml").write_text('[agent]\nname = "wsa"\nentry = "agent.py"\nports = [8080]\n'
-                                        '[agent.lifecycle]\nusers = "auto"\nsleep = "fixed:3600"\n')
-    (agent / "agent.py").write_text(WS_AGENT)
-    r = fleet.api[0].post("/v1/agents/wsa/deployments", content=tar_dir(agent), headers={"Content-Type": "application/gzip"})
-    assert r.status_code == 201, r.text
+    fleet.deploy_agent("wsa", WS_AGENT, "ports = [8080]\n")
     r = fleet.api[0].post("/v1/agents/wsa/invoke", json={"message": "hi", "user": "cy"})
     assert r.status_code == 200 and r.json()["reply"] == "ok", r.text
     url = fleet.hosts[0].url.replace("http://", "ws://") + "/v1/agents/wsa/users/cy/app/ws"
