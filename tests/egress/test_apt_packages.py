@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import http.server
 import threading
+import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -157,8 +158,12 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
     await env.runtime.deploy(env.principal, shelly("v1", '["moorage-canary", "iproute2"]'))
     for user in ("kim", "lee"):  # a file and a long-running process each
         await say(user, "echo kept > /work/keep.txt; (setsid sleep 100000 >/dev/null 2>&1 & echo $! > /work/bg.pid)")
+    started = time.monotonic()
     out = await say("kim", report)
     assert out.splitlines()[:2] == ["from-the-mirror", "no-moorage-extra"], out
+    # The relay the template's builder left listening is refused at once by the host (this agent has no network),
+    # not held until it gives up waiting for a network to attach (15 s).
+    assert out.splitlines()[4] == "mirror-unreachable" and time.monotonic() - started < 8, out
     assert await env.manager.sleep(ts, Scope.for_user("shelly", "lee"))
 
     # Added: a package with a dependency. Awake kim gets them from the host's cache, in place (its process runs on).

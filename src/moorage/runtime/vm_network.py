@@ -25,6 +25,8 @@ from moorage.sandbox.channel import HandlerError
 
 log = get_logger(__name__)
 
+#: What the guest's relay calls on the host.
+_METHODS = ("egress.open", "egress.send", "egress.recv", "egress.close", "egress.dns")
 #: Where the guest's relay listens; what HTTP_PROXY/HTTPS_PROXY name inside the sandbox.
 PROXY_URL = "http://127.0.0.1:3128"
 #: Connections one sandbox may have open through its relay (the gateway's own limits apply as well).
@@ -171,8 +173,13 @@ class _Relay:
 def attach(runtime: Any, sandbox_id: str, channel: Any, ts: Any, agent: str, user: str,
            manifest: Mapping[str, Any]) -> bool:
     """Serve the network of ``sandbox_id``'s agent on ``channel`` (its current connection; a wake makes a new
-    one, attached again on its first turn or app request). Does nothing for agents without [agent.network]."""
-    if not has_network(manifest) or getattr(channel, "_moorage_network", None) is not None:
+    one, attached again on its first turn or app request). An agent without [agent.network] gets refusals
+    (``_refuse``) instead."""
+    if not has_network(manifest):
+        _refuse(channel)
+        return False
+    channel._moorage_no_network = False
+    if getattr(channel, "_moorage_network", None) is not None:
         return False
     from moorage.egress.gateway import store_recorder
     from moorage.runtime.host_calls import egress_of, secrets_of
@@ -219,9 +226,27 @@ def detach(channel: Any) -> None:
     if relay is None:
         return
     relay.close_all()
-    for method in ("egress.open", "egress.send", "egress.recv", "egress.close", "egress.dns"):
+    for method in _METHODS:
         channel.unregister(method)
     channel._moorage_network = None
+    if getattr(channel, "_moorage_no_network", False):
+        _refuse(channel)
+
+
+def _refuse(channel: Any) -> None:
+    """Answer the guest's relay on ``channel`` at once that nothing leaves. The sandbox of an agent without
+    [agent.network] may still have a relay listening (its template's builder had one for a deploy-time install, and
+    the snapshot kept it), which would otherwise hold each connection for as long as it waits for a network to
+    attach (``guest/egress_relay.ATTACH_WAIT_S``, 15 s) before closing it. A deploy-time install's relay attached
+    meanwhile takes precedence until ``detach``."""
+    channel._moorage_no_network = True
+    if getattr(channel, "_moorage_network", None) is None:
+        for method in ("egress.open", "egress.dns"):
+            channel.register(method, _no_network)
+
+
+async def _no_network(params: Any, ctx: Any) -> dict[str, Any]:
+    raise HandlerError("this agent declares no [agent.network]: nothing leaves its sandbox (docs/egress.md)")
 
 
 async def _serve_nic(listener: socket.socket, inst: Any) -> None:
