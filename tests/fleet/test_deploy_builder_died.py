@@ -26,8 +26,8 @@ async def on_message(ctx, message):
 '''
 
 
-def _archive(root: Path, name: str) -> bytes:
-    return agent_archive(root, name, SLOW_AGENT)
+def _archive(root: Path, name: str, slow: bool = True) -> bytes:
+    return agent_archive(root, name, SLOW_AGENT if slow else SLOW_AGENT.replace("time.sleep(12)", ""))
 
 
 def _deploys(api: httpx.Client, agent: str) -> list[dict[str, Any]]:
@@ -69,8 +69,9 @@ def test_a_deploy_whose_host_died_mid_build_is_listed_failed_by_the_survivor(
         assert isinstance(busy[0], httpx.Response) and busy[0].status_code == 201, busy
         assert [d["status"] for d in _deploys(f.api[0], "busy")] == ["ready"]
         assert not doomed or not isinstance(doomed[0], httpx.Response) or doomed[0].status_code != 201
-        # Deploying again through the survivor works, and only the new deployment is live.
-        r = f.api[0].post("/v1/agents/doomed/deployments", content=_archive(tmp_path / "doomed", "doomed"),
+        # Deploying again through the survivor works (an agent that loads at once), and only the new deployment is
+        # live.
+        r = f.api[0].post("/v1/agents/doomed/deployments", content=_archive(tmp_path / "again", "doomed", False),
                           headers={"Content-Type": "application/gzip"}, timeout=120)
         assert r.status_code == 201, r.text
         assert [d["status"] for d in _deploys(f.api[0], "doomed")] == ["failed", "ready"]

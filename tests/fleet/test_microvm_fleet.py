@@ -63,7 +63,7 @@ def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
 class Hosts:
     def __init__(self, base: Path, store_url: str, s3: dict[str, str]) -> None:
         self.base, self.store_url = base, store_url
-        self.env = {**fleet_env(store_url, s3, lease_ttl_s="15", heartbeat_s="3"), "MOORAGE_TEST_IMAGES_DIR": IMAGES}
+        self.env = {**fleet_env(store_url, s3, lease_ttl_s="8", heartbeat_s="2"), "MOORAGE_TEST_IMAGES_DIR": IMAGES}
         self.up: dict[str, LocalHost] = {}
         self.key: str | None = None
 
