@@ -163,7 +163,7 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
     assert out.splitlines()[:2] == ["from-the-mirror", "no-moorage-extra"], out
     # The relay the template's builder left listening is refused at once by the host (this agent has no network),
     # not held until it gives up waiting for a network to attach (15 s).
-    assert out.splitlines()[4] == "mirror-unreachable" and time.monotonic() - started < 8, out
+    assert out.splitlines()[4] == "mirror-unreachable" and time.monotonic() - started < 12, out
     assert await env.manager.sleep(ts, Scope.for_user("shelly", "lee"))
 
     # Added: a package with a dependency. Awake kim gets them from the host's cache, in place (its process runs on).

@@ -239,6 +239,8 @@ def _refuse(channel: Any) -> None:
     the snapshot kept it), which would otherwise hold each connection for as long as it waits for a network to
     attach (``guest/egress_relay.ATTACH_WAIT_S``, 15 s) before closing it. A deploy-time install's relay attached
     meanwhile takes precedence until ``detach``."""
+    if channel is None:
+        return
     channel._moorage_no_network = True
     if getattr(channel, "_moorage_network", None) is None:
         for method in ("egress.open", "egress.dns"):
