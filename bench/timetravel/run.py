@@ -220,8 +220,9 @@ async def measure(driver_name: str, turns: int, rollbacks: int, forks: int, tmp:
         store.close()
 
 
-def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[str, Any]:
-    """Turns through a real ``moorage up`` over HTTP, automatic checkpoints on vs off (see the docstring)."""
+def http_phase(driver_name: str, turns: int, tmp: Path, images: Path, rollbacks: int) -> dict[str, Any]:
+    """Turns through a real ``moorage up`` over HTTP, automatic checkpoints on vs off (see the docstring), then
+    ``rollbacks`` rollbacks of the user's whole instance, each followed by a turn."""
     env = {"MOORAGE_TEST_IMAGES_DIR": str(images)} if driver_name == "microvm" else {}
     host = LocalHost("tt", tmp / "host", env, driver=driver_name)
     try:
@@ -255,6 +256,23 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
         for i in range(1, turns + 1):
             for agent in (("ckon", "ckoff") if i % 2 else ("ckoff", "ckon")):
                 turn(agent, i)
+        # The user's rollback through HTTP, and the turn right after it (what a product waits for): each time back
+        # to the checkpoint of the fifth turn from the end (the default retention keeps the last 20), or the oldest.
+        back: list[float] = []
+        after: list[float] = []
+        listed = c.get("/v1/agents/ckon/users/ada/checkpoints", params={"limit": 500}).json()["data"]
+        turned = [ck["id"] for ck in listed if ck["kind"] == "turn" and ck["restorable"] is not False]
+        target = turned[min(4, len(turned) - 1)]
+        for _ in range(rollbacks):
+            t0 = time.perf_counter()
+            r = c.post(f"/v1/agents/ckon/users/ada/checkpoints/{target}/rollback", json={})
+            t1 = time.perf_counter()
+            assert r.status_code == 200, r.text
+            r = c.post("/v1/agents/ckon/invoke", json={"message": f"turn {turns + 1}", "user": "ada"})
+            t2 = time.perf_counter()
+            assert r.status_code == 200 and r.json().get("reply") == f"done {turns + 1}", r.text
+            back.append(t1 - t0)
+            after.append(t2 - t1)
         final = c.get("/v1/agents/ckon/users/ada/checkpoints").json()
         # What the user's instance holds on disk (disk, snapshot and checkpoints: the fleet view's figure), with
         # the default retention (keep 20) pruning: the per-user cost of automatic checkpoints.
@@ -270,7 +288,8 @@ def http_phase(driver_name: str, turns: int, tmp: Path, images: Path) -> dict[st
                 "checkpoint_done_after_reply_p50_ms": lon["p50_ms"] - loff["p50_ms"],
                 "checkpoint_sandbox_ms_p50": took[len(took) // 2] if took else None,
                 "checkpoints": len(final["data"]), "missing": missing,
-                "disk_bytes_per_user_on": disk["ckon"], "disk_bytes_per_user_off": disk["ckoff"]}
+                "disk_bytes_per_user_on": disk["ckon"], "disk_bytes_per_user_off": disk["ckoff"],
+                "rollback": latency_summary(back), "turn_after_rollback": latency_summary(after)}
     except httpx.HTTPError as e:
         raise RuntimeError(f"the host failed: {e}; its log: {host.log}") from e
     finally:
@@ -299,7 +318,9 @@ def report(r: dict[str, Any]) -> str:
         f"| in process: the checkpoint's own duration (the instance held; micro-VM: until the guest runs again), p50 "
         f"| {f(r['checkpoint'])} | |",
         f"| of which the store half, p50 | {f(r['checkpoint_store_half'])} | |",
-        f"| rollback of the whole instance, p50 | {f(r['rollback'])} | ≤ 100 ms |",
+        f"| rollback of the whole instance through HTTP (`moorage up`), p50 | {f(h['rollback'])} | ≤ 100 ms |",
+        f"| the turn right after it, through HTTP, p50 | {f(h['turn_after_rollback'])} | |",
+        f"| in process: rollback of the whole instance, p50 | {f(r['rollback'])} | ≤ 100 ms |",
         f"| of which its before-rollback checkpoint, p50 | {f(r['rollback_parts']['before_rollback_checkpoint'])} | |",
         f"| of which the sandbox's rollback, p50 | {f(r['rollback_parts']['sandbox_rollback'])} | |",
         f"| of which the store's rollback, p50 | {f(r['rollback_parts']['store_rollback'])} | |",
@@ -329,7 +350,7 @@ def main() -> None:
     turns, rollbacks, forks = (8, 2, 2) if a.quick else (a.turns, 5, 3)
     if a.http_only:
         with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
-            h = http_phase(a.driver, turns, Path(d), a.images)
+            h = http_phase(a.driver, turns, Path(d), a.images, rollbacks)
         print(json.dumps(h, indent=1))
         print(f"time travel ({a.driver}, HTTP only): reply path {h['reply_path_added_p50_ms']:+.1f} ms p50 "
               f"({h['turn_auto_on']['p50_ms']:.1f} vs {h['turn_auto_off']['p50_ms']:.1f} ms), checkpoint done "
@@ -337,7 +358,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="moorage-bench-tt-") as d:
         r = asyncio.run(measure(a.driver, turns, rollbacks, forks, Path(d), a.images))
-        r["http"] = http_phase(a.driver, turns, Path(d), a.images)
+        r["http"] = http_phase(a.driver, turns, Path(d), a.images, rollbacks)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"timetravel-{a.driver}.json").write_text(json.dumps(r, indent=1))
     (OUT / f"timetravel-{a.driver}.md").write_text(report(r))
@@ -347,7 +368,8 @@ def main() -> None:
           f"{h['turn_auto_on']['p50_ms']:.1f} vs {h['turn_auto_off']['p50_ms']:.1f} ms), checkpoint itself p50 "
           f"{r['checkpoint']['p50_ms']:.1f} ms (store half {r['checkpoint_store_half']['p50_ms']:.1f} ms; done "
           f"{h['checkpoint_done_after_reply_p50_ms']:.0f} ms after the reply), rollback p50 "
-          f"{r['rollback']['p50_ms']:.0f} ms, fork {r['fork_per_user_ms']:.0f} ms per user")
+          f"{h['rollback']['p50_ms']:.0f} ms through HTTP ({r['rollback']['p50_ms']:.0f} ms in process), fork "
+          f"{r['fork_per_user_ms']:.0f} ms per user")
 
 
 if __name__ == "__main__":
