@@ -8,9 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+#: The guest images every test host shares: a data directory that links them reads the KVM verdict a probe left
+#: there this host boot (on this host each probe waits out its 10 s timeout).
+IMAGES_DIR = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
+
+
+def _data_dir(tmp_path: Path) -> Path:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "images").symlink_to(IMAGES_DIR)
+    return data
+
 
 def test_doctor_reports_every_check(tmp_path: Path) -> None:
-    env = {**os.environ, "MOORAGE_DATA_DIR": str(tmp_path / "data")}
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(_data_dir(tmp_path))}
     made = subprocess.run([sys.executable, "-m", "moorage.cli.main", "store", "migrate"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert made.returncode == 0, made.stderr
@@ -33,7 +44,7 @@ def test_doctor_reports_every_check(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_an_unreachable_store_with_a_fix(tmp_path: Path) -> None:
-    env = {**os.environ, "MOORAGE_DATA_DIR": str(tmp_path / "data"),
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(_data_dir(tmp_path)),
            "MOORAGE_STORE_URL": "postgresql://nobody@127.0.0.1:1/none"}
     r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env, capture_output=True,
                        text=True, timeout=900)
@@ -43,13 +54,16 @@ def test_doctor_reports_an_unreachable_store_with_a_fix(tmp_path: Path) -> None:
 
 
 def test_doctor_and_store_tenants_leave_a_fresh_data_dir_empty(tmp_path: Path) -> None:
-    for data in (tmp_path / "absent", tmp_path / "empty"):
-        if data.name == "empty":
-            data.mkdir()
+    dirs = (tmp_path / "absent", tmp_path / "empty")
+    dirs[1].mkdir()
+    # Both at once: a fresh data directory has no probe verdict to read, so each doctor boots its own probe.
+    doctors = [subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"],
+                                env={**os.environ, "MOORAGE_DATA_DIR": str(data)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True) for data in dirs]
+    for data, doctor in zip(dirs, doctors):
         env = {**os.environ, "MOORAGE_DATA_DIR": str(data)}
-        r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "doctor", "--json"], env=env,
-                           capture_output=True, text=True, timeout=900)
-        store = {c["name"]: c for c in json.loads(r.stdout)["data"]}["store"]
+        out, _ = doctor.communicate(timeout=900)
+        store = {c["name"]: c for c in json.loads(out)["data"]}["store"]
         assert store["ok"] and f"no store yet at {data / 'store'}" in store["detail"], store
         assert "`moorage up`" in store["detail"]
         for args in (["store", "tenants"], ["store", "tenants", "--json"]):

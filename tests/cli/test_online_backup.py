@@ -423,6 +423,14 @@ def test_online_backup_of_micro_vms_restores_their_memory_files_and_store_at_one
         print(f"\n{r.stdout.splitlines()[-1]}")
         assert not errors, errors[:3]
         assert all(after[u] > before[u] for u in replies), (before, after)
+        # The booted template the deploy's builder kept (a cache of a boot) is not copied; the deployment's is.
+        booted = [p.name for p in (data / "sandboxes" / ".templates").iterdir() if p.name.startswith("boot-")]
+        assert booted and list((data / "templates" / "booted").glob("*.json")), booted
+        kept = {p.name for p in (dest / "sandboxes" / ".templates").iterdir()}
+        assert kept and not kept & set(booted), (kept, booted)
+        assert not (dest / "templates" / "booted").exists()
+        assert oct((dest / "sandboxes" / ".templates").stat().st_mode & 0o777) == \
+            oct((data / "sandboxes" / ".templates").stat().st_mode & 0o777)
     finally:
         host.stop()
 
