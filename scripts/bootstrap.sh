@@ -9,7 +9,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-dev python3-pip gcc make git ca-certificates
   qemu-system-x86 qemu-utils           # micro-VM sandboxes
   bubblewrap                           # process sandboxes
-  debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build
+  mmdebstrap debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build
   postgresql                           # fleet store backend (tests start throwaway clusters)
   python3-setuptools python3-wheel      # the coder example builds a package inside its sandbox
   procps iproute2 psmisc

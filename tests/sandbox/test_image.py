@@ -1,4 +1,4 @@
-"""Guest image builder and KVM probe: real debootstrap, real kernel package, real QEMU boots (TCG here)."""
+"""Guest image builder and KVM probe: real mmdebstrap, real kernel package, real QEMU boots (TCG here)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ IMAGES_DIR = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-im
 
 @pytest.fixture(scope="session")
 def guest_image() -> GuestImage:
-    for tool in ("debootstrap", "mkfs.ext4", "cpio", "qemu-img", "qemu-system-x86_64", "apt-get"):
+    for tool in ("mmdebstrap", "mkfs.ext4", "cpio", "qemu-img", "qemu-system-x86_64", "apt-get"):
         if shutil.which(tool) is None:
             pytest.fail(f"prerequisite missing: {tool} (run scripts/bootstrap.sh)")
     return ImageBuilder(IMAGES_DIR).build()
@@ -85,6 +85,23 @@ def test_the_image_id_follows_the_building_hosts_python(monkeypatch: pytest.Monk
     assert builder.image_id() == mine
     monkeypatch.setattr(sys, "version_info", (3, 99, 0, "final", 0))
     assert builder.image_id() != mine
+
+
+def test_the_root_tree_is_made_by_mmdebstrap_else_debootstrap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorage.errors import UnavailableError
+    from moorage.sandbox import image
+
+    recipe, tree = ImageRecipe(), tmp_path / "tree"
+    argv = image.bootstrap_argv(recipe, tree)
+    # The test machine has both (scripts/bootstrap.sh installs them): mmdebstrap, with debootstrap's merged /usr.
+    assert argv[0] == "mmdebstrap" and f"--hook-dir={image.MERGED_USR_HOOK}" in argv, argv
+    assert argv[-3:] == [recipe.suite, str(tree), recipe.mirror] and "--include=python3,python3-pip,iproute2" in argv
+    real = shutil.which
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None if tool == "mmdebstrap" else real(tool))
+    assert image.bootstrap_argv(recipe, tree)[0] == "debootstrap"
+    monkeypatch.setattr(image.shutil, "which", lambda tool: None)
+    with pytest.raises(UnavailableError, match="neither mmdebstrap nor debootstrap"):
+        image.bootstrap_argv(recipe, tree)
 
 
 def test_changed_guest_code_relayers_without_debootstrap(guest_image: GuestImage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

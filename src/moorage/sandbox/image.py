@@ -105,11 +105,31 @@ def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+#: mmdebstrap's hook that makes /bin, /lib and /sbin links into /usr as debootstrap does (without it, apt picks
+#: ``usrmerge`` over ``usr-is-merged`` and brings perl into the image).
+MERGED_USR_HOOK = Path("/usr/share/mmdebstrap/hooks/merged-usr")
+
+
+def bootstrap_argv(recipe: ImageRecipe, tree: Path) -> list[str]:
+    """The command that makes the root tree: mmdebstrap where installed (the same packages and versions as
+    debootstrap, in about half its time: apt fetches in parallel and unpacks in one go; 20 s against 40 s on the
+    development machine), else debootstrap."""
+    include = ",".join(recipe.packages)
+    if shutil.which("mmdebstrap") is not None and MERGED_USR_HOOK.is_dir():
+        return ["mmdebstrap", "--mode=root", f"--variant={recipe.variant}", f"--include={include}",
+                f"--hook-dir={MERGED_USR_HOOK}", recipe.suite, str(tree), recipe.mirror]
+    if shutil.which("debootstrap") is not None:
+        return ["debootstrap", f"--variant={recipe.variant}", f"--include={include}", recipe.suite, str(tree),
+                recipe.mirror]
+    raise UnavailableError("neither mmdebstrap nor debootstrap is installed",
+                           hint="apt-get install mmdebstrap (or run scripts/bootstrap.sh)")
+
+
 def _run(step: str, argv: list[str], *, cwd: Path | None = None, timeout: float = 1800) -> str:
     try:
         r = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as e:
-        raise UnavailableError(f"{step}: {argv[0]} is not installed", hint="run scripts/bootstrap.sh (apt-get install debootstrap busybox-static cpio e2fsprogs qemu-utils)") from e
+        raise UnavailableError(f"{step}: {argv[0]} is not installed", hint="run scripts/bootstrap.sh (apt-get install mmdebstrap busybox-static cpio e2fsprogs qemu-utils)") from e
     except subprocess.TimeoutExpired as e:
         raise ImageBuildError(f"{step}: {argv[0]} did not finish in {timeout:.0f} s") from e
     if r.returncode != 0:
@@ -222,7 +242,8 @@ class ImageBuilder:
         return cpio
 
     def _rootfs_tree(self, force: bool) -> Path:
-        """The debootstrap tree, the slow part (≈ 30-90 s), cached by the recipe's package set."""
+        """The root tree (mmdebstrap, else debootstrap), the slow part (≈ 20-90 s), cached by the recipe's package
+        set."""
         key = self.recipe.rootfs_key()
         out = self.images_dir / "cache" / f"rootfs-{key}"
         if (out / "done").exists() and not force:
@@ -230,17 +251,13 @@ class ImageBuilder:
             return out / "tree"
         if os.geteuid() != 0:
             raise ConfigError("building the guest root filesystem needs root (debootstrap creates device nodes and root-owned files)", hint="run `sudo moorage image build` once; the image is cached for every user of this data directory")
-        if shutil.which("debootstrap") is None:
-            raise UnavailableError("debootstrap is not installed", hint="apt-get install debootstrap (or run scripts/bootstrap.sh)")
+        argv = bootstrap_argv(self.recipe, out / "tree")
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
-        include = ",".join(self.recipe.packages)
-        self._progress("rootfs", f"debootstrap {self.recipe.suite} {self.recipe.variant} +{include} (a minute or two)")
-        _run(
-            "debootstrap",
-            ["debootstrap", f"--variant={self.recipe.variant}", f"--include={include}", self.recipe.suite, str(out / "tree"), self.recipe.mirror],
-        )
+        self._progress("rootfs", f"{argv[0]} {self.recipe.suite} {self.recipe.variant} +{','.join(self.recipe.packages)} "
+                                 f"({'about half a minute' if argv[0] == 'mmdebstrap' else 'a minute or two'})")
+        _run(argv[0], argv)
         # Trim what a sandbox never needs: apt lists and caches, docs, man pages (tens of MB less to map).
         for rel in ("var/cache/apt/archives", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/info"):
             p = out / "tree" / rel
