@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -217,7 +218,8 @@ def test_data_directories_that_share_images_probe_kvm_once(guest_image: GuestIma
         cfg = Config(data_dir=tmp_path / data, accel="auto")
         assert probe_kvm(cfg, kernel=guest_image.kernel, initrd=guest_image.initrd, images_dir=images) == verdict
     assert len(boots) == 1 and (images / ".kvm-probe.json").exists()
-    # A data directory whose images directory is a link to the shared one (so its kernels' paths differ) too.
+    # The same kernel elsewhere (the image's copy of it beside the kernel layer's, which doctor boots; a data
+    # directory whose images directory is a link to the shared one) is the same verdict: no boot.
     (images / "k").mkdir()
     kernel = images / "k" / "vmlinuz"
     kernel.write_bytes(guest_image.kernel.read_bytes())
@@ -225,15 +227,83 @@ def test_data_directories_that_share_images_probe_kvm_once(guest_image: GuestIma
     linked.parent.mkdir()
     linked.symlink_to(images)
     for dirs in (images, linked):
-        probe_kvm(Config(data_dir=linked.parent), kernel=dirs / "k" / "vmlinuz", initrd=guest_image.initrd,
-                  images_dir=dirs)
-    assert boots == [guest_image.kernel, kernel], boots
-    boots[1:] = []
+        assert probe_kvm(Config(data_dir=linked.parent), kernel=dirs / "k" / "vmlinuz", initrd=guest_image.initrd,
+                         images_dir=dirs) == verdict
+    assert boots == [guest_image.kernel], boots
     # Another kernel is another verdict.
     other = tmp_path / "vmlinuz-other"
     other.write_bytes(b"k")
     probe_kvm(Config(data_dir=tmp_path / "host-d"), kernel=other, initrd=guest_image.initrd, images_dir=images)
     assert boots == [guest_image.kernel, other]
+
+
+def test_the_kvm_probe_runs_beside_the_image_build_and_once(guest_image: GuestImage, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new host's first micro-VM built the image, then probed KVM (on this host 10 s of waiting out the probe's
+    timeout), then booted. The probe needs only the kernel: it starts as soon as the kernel layer is there, and
+    the driver's own probe after the build waits for that one's verdict instead of booting another."""
+    from moorage.sandbox import accel, image
+    from moorage.sandbox.microvm import MicroVMDriver
+
+    images = tmp_path / "images"
+    kdir = ImageBuilder(IMAGES_DIR).kernel_layer()
+    shutil.copytree(kdir, images / "cache" / kdir.name)  # this images directory has the kernel layer, no image
+    order: list[str] = []
+
+    def boot(exe: str, kernel: Path, initrd: Path) -> accel.ProbeResult:
+        order.append("probe started")
+        time.sleep(1.0)
+        order.append("probe done")
+        return accel.ProbeResult(False, "probe stand-in", "a fix")
+
+    def tree(self: ImageBuilder, force: bool) -> Path:
+        order.append("root tree")
+        time.sleep(0.3)
+        return tmp_path / "tree"
+
+    monkeypatch.setattr(accel, "_boot_probe", boot)
+    monkeypatch.setattr(image.ImageBuilder, "_rootfs_tree", tree)
+    built: list[GuestImage] = []
+    monkeypatch.setattr(image.ImageBuilder, "_final_image", lambda self, kdir, tree: built.append(guest_image) or
+                        guest_image)
+    monkeypatch.setattr(image.ImageBuilder, "cached", lambda self: built[0] if built else None)
+    driver = MicroVMDriver(tmp_path / "sandboxes", Config(data_dir=tmp_path, accel="auto"), images_dir=images)
+    assert driver.image() == guest_image
+    order.append("image built")
+    assert driver.accel == "tcg"
+    # On a host with /dev/kvm the probe began during the build, which did not wait for it; the driver's own probe
+    # then waited for its verdict. Without /dev/kvm there is nothing to probe.
+    if os.path.exists("/dev/kvm"):
+        assert sorted(order[:2]) == ["probe started", "root tree"] and order[2:] == ["image built", "probe done"], order
+    else:
+        assert order == ["root tree", "image built"], order
+
+
+def test_concurrent_probes_of_one_cache_boot_once(guest_image: GuestImage, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from moorage.sandbox import accel
+
+    if not os.path.exists("/dev/kvm"):
+        pytest.fail("this test needs /dev/kvm (the probe is not run without it)")
+    boots: list[float] = []
+
+    def boot(exe: str, kernel: Path, initrd: Path) -> accel.ProbeResult:
+        boots.append(time.monotonic())
+        time.sleep(0.5)
+        return accel.ProbeResult(True, "probe stand-in")
+
+    monkeypatch.setattr(accel, "_boot_probe", boot)
+    results: list[accel.ProbeResult] = []
+    threads = [threading.Thread(target=lambda: results.append(probe_kvm(
+        Config(data_dir=tmp_path), kernel=guest_image.kernel, initrd=guest_image.initrd, images_dir=tmp_path / "i")))
+        for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(boots) == 1 and results == [accel.ProbeResult(True, "probe stand-in")] * 3
 
 
 def test_cli_image_build_reports_the_cached_image(guest_image: GuestImage, tmp_path: Path) -> None:

@@ -8,10 +8,12 @@ data directory that shares those images (a host's, a test's, a bench's) probes o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +27,9 @@ log = get_logger(__name__)
 
 PROBE_TIMEOUT_S = 10.0
 QEMU = "qemu-system-x86_64"
+#: One probe at a time per verdict cache in this process: a second caller waits, then reads the first one's verdict.
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,14 @@ def _cache_path(images_dir: Path) -> Path:
     return images_dir / ".kvm-probe.json"
 
 
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = None, use_cache: bool = True,
               images_dir: Path | None = None) -> ProbeResult:
     """Boot the guest kernel under KVM and report whether it reached the initramfs (cached per host boot in
@@ -75,10 +88,17 @@ def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = 
         except MoorageError as e:
             return ProbeResult(False, f"no guest kernel to probe with: {e.message}", e.hint or "run `moorage image build`")
         kernel, initrd = kdir / "vmlinuz", kdir / "initrd.img"
-    # The kernel's real path: hosts whose data directories reach one images directory by links share the verdict.
-    key = {"boot_id": _boot_id(), "qemu": exe, "qemu_mtime": os.stat(exe).st_mtime, "kernel": os.path.realpath(kernel),
-           "kernel_mtime": os.stat(kernel).st_mtime}
+    # The kernel by its contents: the image's copy and the kernel layer's (doctor's) are one kernel, one verdict.
+    key = {"boot_id": _boot_id(), "qemu": exe, "qemu_mtime": os.stat(exe).st_mtime, "kernel": _digest(kernel)}
     cache = _cache_path(images_dir)
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(os.path.realpath(cache), threading.Lock())
+    with lock:  # a probe already under way in this process (started beside the image build): wait for its verdict
+        return _probe_cached(exe, kernel, initrd, key, cache, use_cache)
+
+
+def _probe_cached(exe: str, kernel: Path, initrd: Path, key: dict[str, object], cache: Path,
+                  use_cache: bool) -> ProbeResult:
     if use_cache:
         try:
             cached = json.loads(cache.read_text())

@@ -160,8 +160,10 @@ class ImageBuilder:
             return GuestImage.load(d)
         return None
 
-    def build(self, *, force: bool = False) -> GuestImage:
-        """Return the image for this recipe and guest code, building only the missing layers."""
+    def build(self, *, force: bool = False, on_kernel: Callable[[Path], None] | None = None) -> GuestImage:
+        """Return the image for this recipe and guest code, building only the missing layers. ``on_kernel`` is
+        called with the kernel layer's directory once it is there, if the image has to be built (the KVM probe
+        needs only the kernel: it runs beside the root tree's build)."""
         if not force and (img := self.cached()) is not None:
             self._progress("cached", f"image {img.id}")
             return img
@@ -175,6 +177,8 @@ class ImageBuilder:
                 return img
             started = time.monotonic()
             kdir = self.kernel_layer(force=force)
+            if on_kernel is not None:
+                on_kernel(kdir)
             tree = self._rootfs_tree(force)
             img = self._final_image(kdir, tree)
         log.info("image built", image=img.id, seconds=round(time.monotonic() - started, 1))

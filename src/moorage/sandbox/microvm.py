@@ -15,6 +15,7 @@ import base64
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -83,8 +84,16 @@ class MicroVMDriver(SandboxDriver):
         return self._accel
 
     def image(self) -> GuestImage:
-        """The guest image for this configuration, built on first use (cached afterwards)."""
-        return ImageBuilder(self.images_dir).build()
+        """The guest image for this configuration, built on first use (cached afterwards). While one is built, the
+        KVM probe (``accel``) runs beside it from the moment its kernel is there: on a host whose KVM hangs a guest
+        it waits out its timeout then, not after the build."""
+        return ImageBuilder(self.images_dir).build(on_kernel=self._probe_early if self.config.accel == "auto" else None)
+
+    def _probe_early(self, kdir: Path) -> None:
+        if self._accel is None and os.path.exists("/dev/kvm"):
+            threading.Thread(target=probe_kvm, args=(self.config,), name="kvm-probe", daemon=True,
+                             kwargs={"kernel": kdir / "vmlinuz", "initrd": kdir / "initrd.img",
+                                     "images_dir": self.images_dir}).start()
 
     def _dir(self, sandbox_id: str) -> Path:
         return self.root / validate_id(sandbox_id)
