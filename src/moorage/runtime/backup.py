@@ -57,9 +57,9 @@ HOLD_TRIES = 3
 HELD_S = 60.0
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
-#: Top-level entries of the data directory the backup copies its own way, or leaves out.
 #: Under ``templates/``: the booted templates' records; under the driver's ``.templates``: their files.
 BOOTED_RECORDS, TEMPLATES = "booted", ".templates"
+#: Top-level entries of the data directory the backup copies its own way, or leaves out.
 OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock", "moorage-up.json"}
 
 Progress = Callable[[dict[str, Any]], Awaitable[None]]
