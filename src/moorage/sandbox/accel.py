@@ -61,11 +61,8 @@ def _cache_path(images_dir: Path) -> Path:
 
 
 def _digest(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def probe_kvm(cfg: Config, *, kernel: Path | None = None, initrd: Path | None = None, use_cache: bool = True,
