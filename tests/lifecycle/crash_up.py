@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -83,25 +84,47 @@ class Up:
               crash_if: str = "") -> "Up":
         """Start the host (``wait``: and return once it answers; else at once, so that a test can kill it again
         while it recovers)."""
+        self._args = (crash_at, nth, after, crash_if)
+        self._launch()
+        return self.wait_healthy() if wait else self
+
+    def _launch(self) -> None:
+        crash_at, nth, after, crash_if = self._args
         env = {**self.env, "CRASH_AT": crash_at, "CRASH_NTH": str(nth), "CRASH_WHEN": "after" if after else "",
                "CRASH_IF": crash_if}
+        self._log_from = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.lifecycle.crash_up"], env=env, cwd=ROOT,
                                          stdout=logf, stderr=logf)
-        return self.wait_healthy() if wait else self
 
     def wait_healthy(self, timeout: float = 120) -> "Up":
+        """Until this process serves: its record names its pid (another test's host that took the port first
+        answers /healthz too), and on another free port if the one chosen was taken before it could listen."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if self._serving() and httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            if self.proc.poll() is not None:
+                log = self.log.read_bytes()[self._log_from:].decode(errors="replace")
+                assert "address already in use" in log.lower(), log[-3000:]
+                from moorage.devservices.postgres import free_port
+
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                self.env["MOORAGE_PORT"] = str(self.port)
+                self._launch()
             assert time.monotonic() < deadline, "moorage up did not come up"
             time.sleep(0.1)
+
+    def _serving(self) -> bool:
+        try:
+            return json.loads((self.data / "moorage-up.json").read_text()).get("pid") == self.proc.pid  # type: ignore[union-attr]
+        except (OSError, ValueError):
+            return False
 
     @property
     def key(self) -> str:
