@@ -52,6 +52,8 @@ class Config:
     object_store_access_key: str = dataclasses.field(default="", repr=False)
     object_store_secret_key: str = dataclasses.field(default="", repr=False)
     host: str = "127.0.0.1"
+    #: 0: a free port the kernel picks, said as the host starts and recorded in ``moorage-up.json``, where the CLI
+    #: and ``Client()`` on this machine find it (a fleet host so started needs ``host_url``).
     port: int = 7700
     #: A fleet (docs/fleet.md) forms when the store is PostgreSQL and ``object_store_url`` is set: this host's
     #: unique id (default: the machine's hostname), the URL other hosts reach it at (default http://host:port),
@@ -235,7 +237,7 @@ def _coerce(name: str, raw: Any, target: Any) -> Any:
 #: Numbers a setting may take (least, greatest or None); outside them a host would fail later, on every turn,
 #: deploy or request, so it does not start. Where 0 means "no limit" the comment on the setting says so.
 BOUNDS: dict[str, tuple[float, float | None]] = {
-    "port": (1, 65535), "guest_memory_mib": (128, None), "agent_max_memory_mib": (0, None),
+    "port": (0, 65535), "guest_memory_mib": (128, None), "agent_max_memory_mib": (0, None),
     "agent_max_vcpus": (0, None), "agent_max_disk_mib": (0, None), "lease_ttl_s": (0.5, None),
     "heartbeat_s": (0.1, None), "checkpoint_interval_s": (0.1, None), "fleet_cache_mib": (0, None),
     "template_gc_interval_s": (1, None), "template_gc_grace_s": (0, None), "template_gc_settle_s": (0, None),

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 
 from moorage.api import create_app
+from moorage.cli.up import bound_port
 from moorage.config import Config
 from moorage.store import Store
 from tests.conftest import stop_all_sandboxes
@@ -45,8 +46,9 @@ class LiveServer:
 
 
 def serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    """``app`` served on a port the kernel picks (one chosen here first could be taken by another worker's server
+    before this one listened)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -54,7 +56,7 @@ def serve(app: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return server, thread, f"http://127.0.0.1:{bound_port(server, 0)}"
 
 
 @pytest.fixture

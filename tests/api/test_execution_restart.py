@@ -10,13 +10,12 @@ import tarfile
 import time
 from pathlib import Path
 
-import httpx
 
 from moorage import Client
 from moorage.client import verify_webhook
-from moorage.devservices.postgres import free_port
 from tests.api.test_async_webhooks import Receiver
 from tests.cli.test_cli_e2e import MOORAGE, ROOT, _env
+from tests.upproc import wait_serving
 
 AGENT = '''
 import asyncio
@@ -39,31 +38,21 @@ def archive() -> bytes:
     return buf.getvalue()
 
 
-def start(env: dict[str, str], port: int) -> subprocess.Popen[str]:
+def start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, text=True)
-    deadline = time.time() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        assert server.poll() is None, "moorage up exited"
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.3)
+    return server, wait_serving(server, Path(env["MOORAGE_DATA_DIR"]), timeout=180)
 
 
 def test_host_killed_mid_execution_resumes_it_and_delivers_once(tmp_path: Path) -> None:
-    port = free_port()
     # The receiver is on loopback, which webhook deliveries may reach only when the operator admits it.
-    env = {**_env(tmp_path / "data", port), "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8"}
+    env = {**_env(tmp_path / "data", 0), "MOORAGE_EGRESS_ALLOW_CIDRS": "127.0.0.0/8"}
     receiver = Receiver()
-    server = start(env, port)
+    server, url = start(env)
     second = None
     try:
         key = (tmp_path / "data" / "local-admin.key").read_text().strip()
-        sdk = Client(f"http://127.0.0.1:{port}", key, max_retries=10)
+        sdk = Client(url, key, max_retries=10)
         sdk.deploy("slowpoke", archive())
         hook = sdk.create_webhook("slowpoke", receiver.url, events=["execution.succeeded"])
         ex = sdk.invoke_async("slowpoke", "the report", user="kim")
@@ -72,7 +61,9 @@ def test_host_killed_mid_execution_resumes_it_and_delivers_once(tmp_path: Path) 
         server.wait()
         assert receiver.delivered() == []
 
-        second = start(env, port)  # the same data dir: recovery resumes the run on start
+        second, url = start(env)  # the same data dir: recovery resumes the run on start
+        sdk.close()
+        sdk = Client(url, key, max_retries=10)
         done = sdk.wait_execution(ex["id"], poll_s=0.1, timeout_s=180)
         assert done["status"] == "succeeded" and done["reply"] == "finished: the report"
         deadline = time.time() + 60

@@ -7,15 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from moorage.config import Config
 from moorage.devservices.postgres import free_port
 from moorage.sandbox.process import ProcessDriver
 from moorage.store import open_store
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
@@ -32,10 +30,11 @@ def run(args: list[str], env: dict[str, str], timeout: float = 600) -> subproces
 
 def test_readme_main_command_runs_example_one_end_to_end(tmp_path: Path) -> None:
     """What `scripts/up.sh` runs: deploy examples/assistant and hold a two-session conversation, offline."""
-    env = _env(tmp_path / "data", free_port())
+    env = _env(tmp_path / "data", 0)
     r = run(["up", "--demo", "examples/assistant", "--exit-after-demo"], env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = r.stdout
+    assert "moorage is up at http://127.0.0.1:" in out and "127.0.0.1:0 " not in out  # the port it got, said
     assert "deployed assistant #1" in out
     friday = out.split("ada (friday)")[1]
     assert "green tea" in friday.lower()
@@ -56,21 +55,11 @@ def test_readme_main_command_runs_example_one_end_to_end(tmp_path: Path) -> None
 
 
 def test_cli_client_commands_against_a_running_server(tmp_path: Path) -> None:
-    port = free_port()
-    env = _env(tmp_path / "data", port)
+    env = _env(tmp_path / "data", 0)  # the CLI's commands find the port the kernel chose in moorage-up.json
     # --detach on a driver whose sandboxes end with the host: said once at start, and the stop sleeps them.
     server = subprocess.Popen([*MOORAGE, "up", "--detach"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.3)
+        wait_serving(server, tmp_path / "data", output=lambda: server.stdout.read() if server.poll() is not None else "")
         # A second host on the same data directory would drive the same sandboxes: it does not start.
         second = run(["up", "--port", str(free_port())], env, timeout=120)
         assert second.returncode == 2 and f"in use by another moorage host (pid {server.pid})" in " ".join(

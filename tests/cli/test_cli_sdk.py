@@ -5,31 +5,18 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
-
-from moorage.devservices.postgres import free_port
 from tests.cli.test_cli_e2e import MOORAGE, ROOT, _env, run
+from tests.upproc import wait_serving
 
 
 def test_users_and_executions_from_the_cli(tmp_path: Path) -> None:
-    port = free_port()
-    env = _env(tmp_path / "data", port)
+    env = _env(tmp_path / "data", 0)
     server = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert server.poll() is None, server.stdout.read() if server.stdout else ""
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.3)
+        wait_serving(server, tmp_path / "data", output=lambda: server.stdout.read() if server.poll() is not None else "")
         assert run(["deploy", "examples/coder"], env).returncode == 0
         made = run(["user", "coder", "cust-1", "--meta", "plan=pro"], env)
         assert made.returncode == 0 and json.loads(made.stdout)["metadata"] == {"plan": "pro"}, made.stderr

@@ -146,3 +146,43 @@ def test_the_cli_never_sends_this_machines_admin_key_to_another_server(data: Pat
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.startswith(f"error: no API key for {elsewhere}") and "MOORAGE_API_KEY" in r.stderr, r.stderr
     assert seen == [], seen  # nothing was sent there, the local admin key least of all
+
+
+def test_port_0_serves_where_the_kernel_put_it_and_the_cli_and_share_links_go_there(data: Path, tmp_path: Path) -> None:
+    """`moorage up --port 0` listens on a free port the kernel picks, says which as it starts and records it; the CLI
+    run without a port reaches it there, and a share link it prints points there (it pointed at host:port of the
+    CLI's own configuration: port 7700, where nothing served)."""
+    from tests.cli.test_cli_live import app_archive
+    from tests.upproc import wait_serving
+
+    log = tmp_path / "up-0.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*MOORAGE, "up", "--port", "0"], env=_env(data), cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+        port = int(url.rsplit(":", 1)[1])
+        assert port != 0 and f"moorage is up at http://127.0.0.1:{port}" in " ".join(log.read_text().split())
+        with Client() as sdk:
+            assert sdk.settings.base_url == url
+            sdk.deploy("web", app_archive(tmp_path, "web"))
+            sdk.put_user("web", "ada")
+        made = run(["share", "web", "ada", "--ttl", "15m", "--json"], _env(data))
+        assert made.returncode == 0, made.stderr
+        link = json.loads(made.stdout)["url"]
+        assert link.startswith(f"{url}/v1/shared/"), link
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def test_a_fleet_host_on_port_0_needs_the_address_others_reach_it_at(data: Path) -> None:
+    """Other hosts reach a fleet host at its ``host_url``, else at host:port, which for port 0 names no port."""
+    refused = run(["up", "--port", "0"], _env(data, MOORAGE_STORE_URL="postgresql://nobody@127.0.0.1:1/none",
+                                              MOORAGE_OBJECT_STORE_URL=f"file://{data}/objects"))
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 2 and "a fleet host on port 0 needs host_url" in said, refused.stderr
+    assert "MOORAGE_HOST_URL" in said and "Traceback" not in said

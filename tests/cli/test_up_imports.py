@@ -13,8 +13,8 @@ from moorage.cli.up import LAZY_IMPORTS
 from tests.cli.test_cli_e2e import ROOT
 from tests.cli.test_cli_up_address import _env
 
-# Runs `moorage up` in this process; once it answers /healthz, writes the top-level modules it holds, imports the
-# MCP route's server as the first MCP request does, and stops the host as SIGTERM does.
+# Runs `moorage up` in this process; once it answers /healthz where it recorded it serves, writes the top-level
+# modules it holds, imports the MCP route's server as the first MCP request does, and stops the host as SIGTERM does.
 PROBE = r"""
 import json, os, signal, sys, threading, time
 import httpx
@@ -22,14 +22,17 @@ import httpx
 OUT = sys.argv[1]
 
 def probe():
-    port = os.environ["MOORAGE_PORT"]
+    record = os.path.join(os.environ["MOORAGE_DATA_DIR"], "moorage-up.json")  # where this process serves (port 0)
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+            with open(record) as f:
+                served = json.load(f)
+            if served["pid"] == os.getpid() and httpx.get(served["url"] + "/healthz", timeout=1).status_code == 200:
                 break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+        except (OSError, ValueError, KeyError, httpx.HTTPError):
+            pass
+        time.sleep(0.1)
     found = {"serving": sorted({name.split(".")[0] for name in sys.modules})}
     try:
         from moorage.api import mcp
@@ -48,10 +51,8 @@ run()
 
 
 def test_a_serving_host_has_not_imported_the_lazy_modules(tmp_path: Path) -> None:
-    from moorage.devservices.postgres import free_port
-
     out = tmp_path / "modules.json"
-    env = _env(tmp_path / "data", MOORAGE_PORT=str(free_port()), PYTHONPATH=str(ROOT / "src"))
+    env = _env(tmp_path / "data", MOORAGE_PORT="0", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, "-c", PROBE, str(out)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=180)
     assert out.exists(), f"moorage up never served (exit {proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}"

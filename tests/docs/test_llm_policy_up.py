@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from moorage import Client
-from moorage.devservices.postgres import free_port
 from tests.cli.test_docs_commands import fenced_blocks
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_PY = ('async def on_message(ctx, message):\n'
@@ -41,26 +40,16 @@ def test_the_pages_policy_through_moorage_up(tmp_path: Path) -> None:
     etc.mkdir()
     # The page's block as written, and one more tenant, listed by name as the page's acme is, without the embedded model.
     (etc / "llm-policy.toml").write_text(block + '\n[llm.tenants.globex]\nmodels = ["gpt-4o-mini*"]\n')
-    port = free_port()
-    (etc / "moorage.toml").write_text(f'[moorage]\ndata_dir = "data"\nport = {port}\nsandbox_driver = "process"\n'
+    (etc / "moorage.toml").write_text('[moorage]\ndata_dir = "data"\nport = 0\nsandbox_driver = "process"\n'
                                       'llm_policy = "llm-policy.toml"\n')
     agent = tmp_path / "talk"
     agent.mkdir()
     (agent / "moorage.toml").write_text('[agent]\nname = "talk"\nentry = "agent.py"\n[agent.lifecycle]\nusers = "auto"\n')
     (agent / "agent.py").write_text(AGENT_PY)
     up = _up(etc / "moorage.toml")
-    url = f"http://127.0.0.1:{port}"
+    data = etc / "data"
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert up.poll() is None and time.time() < deadline, up.communicate(timeout=30)[0]
-            time.sleep(0.2)
-        data = etc / "data"
+        url = wait_serving(up, data, output=lambda: up.communicate(timeout=30)[0] if up.poll() is not None else "")
         operator = (data / "api" / "operator-token").read_text().strip()
         made = httpx.post(f"{url}/v1/tenants", json={"name": "globex"}, timeout=30,
                           headers={"Authorization": f"Bearer {operator}"})

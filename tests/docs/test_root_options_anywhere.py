@@ -9,12 +9,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from moorage.devservices.postgres import free_port
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
@@ -26,24 +23,17 @@ def _moorage(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_up_with_config_and_data_dir_after_the_command(tmp_path: Path) -> None:
-    port = free_port()
     conf = tmp_path / "etc" / "moorage.toml"
     conf.parent.mkdir()
     # README, "Configuration": a relative data_dir in the file is relative to the file's own directory.
-    conf.write_text(f'[moorage]\ndata_dir = "data"\nport = {port}\nsandbox_driver = "process"\n')
+    conf.write_text('[moorage]\ndata_dir = "data"\nsandbox_driver = "process"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
-    up = subprocess.Popen([*MOORAGE, "up", "--config", str(conf), "--log-level", "warning"], cwd=tmp_path, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    up = subprocess.Popen([*MOORAGE, "up", "--config", str(conf), "--log-level", "warning", "--port", "0"],
+                          cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert up.poll() is None and time.time() < deadline, up.communicate(timeout=30)[0]
-            time.sleep(0.2)
+        wait_serving(up, conf.parent / "data",
+                     output=lambda: up.communicate(timeout=30)[0] if up.poll() is not None else "")
         data = conf.parent / "data"
         assert (data / "local-admin.key").exists()
         # A client command given the same file after its own words finds that host and its key.

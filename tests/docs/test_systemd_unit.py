@@ -15,13 +15,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
-
 from moorage import Client
 from moorage.config import Config
 from moorage.devservices.fleet import write_counter_agent
-from moorage.devservices.postgres import free_port
 from moorage.store import open_store
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "scripts" / "moorage.service"
@@ -104,27 +102,18 @@ def test_the_documented_unit_runs_moorage_up_and_stops_it_cleanly(tmp_path: Path
     # The data directory scripts/up.sh's host uses (it runs as root, with the default one).
     assert environment["MOORAGE_DATA_DIR"] == str(Path(pwd.getpwnam("root").pw_dir) / ".local" / "share" / "moorage")
 
-    # Here: the unit's Environment with a temporary data directory, a free port and process sandboxes (what a
-    # drop-in would set), nothing else of this process's MOORAGE_* settings.
-    data, port = tmp_path / "data", free_port()
+    # Here: the unit's Environment with a temporary data directory, a port the kernel picks and process sandboxes
+    # (what a drop-in would set), nothing else of this process's MOORAGE_* settings.
+    data = tmp_path / "data"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
     env.update(environment)
-    env.update(MOORAGE_DATA_DIR=str(data), MOORAGE_PORT=str(port), MOORAGE_SANDBOX_DRIVER="process",
+    env.update(MOORAGE_DATA_DIR=str(data), MOORAGE_PORT="0", MOORAGE_SANDBOX_DRIVER="process",
                MOORAGE_LOG_LEVEL="info")
     log = tmp_path / "journal.log"
     with open(log, "wb") as journal:
         up = subprocess.Popen(argv, cwd=cwd, env=env, stdout=journal, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert up.poll() is None and time.time() < deadline, log.read_text(errors="replace")[-3000:]
-            time.sleep(0.2)
+        url = wait_serving(up, data, output=lambda: log.read_text(errors="replace"))
         with Client(url, (data / "local-admin.key").read_text().strip()) as sdk:
             sdk.deploy("echo", write_counter_agent(tmp_path))
             sdk.invoke("echo", "hi", user="ada")  # an awake instance the stop must put to sleep

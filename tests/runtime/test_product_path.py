@@ -20,8 +20,8 @@ import pytest
 
 from moorage.cli.up import tar_dir
 from moorage.config import Config
-from moorage.devservices.postgres import free_port
 from moorage.store import open_store
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_PY = '''\
@@ -47,32 +47,26 @@ def _agent(base: Path, prefix: str = "", pool: int = 1) -> Path:
 
 
 class Up:
-    """One `moorage up` process on a data dir (microvm driver, guest images shared with the other tests)."""
+    """One `moorage up` process on a data dir (microvm driver, guest images shared with the other tests), on a port
+    the kernel picks."""
+
+    started = 0  # hosts started by this test process: each its own log
 
     def __init__(self, data: Path, *args: str) -> None:
         self.data = data
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         images = Path(os.environ.get("MOORAGE_TEST_IMAGES_DIR", "/var/tmp/moorage-images"))
         images.mkdir(parents=True, exist_ok=True)
         data.mkdir(parents=True, exist_ok=True)
         if not (data / "images").exists():
             (data / "images").symlink_to(images)
-        env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
+        env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": "0",
                "MOORAGE_SANDBOX_DRIVER": "microvm", "MOORAGE_LOG_LEVEL": "info"}
-        self.log = data.parent / f"up-{self.port}.log"
+        Up.started += 1
+        self.log = data.parent / f"up-{Up.started}.log"
         self.proc = subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "up", *args], env=env, cwd=ROOT,
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 900  # the first start on a machine builds the guest image
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            assert time.time() < deadline, "moorage up did not come up"
-            time.sleep(0.3)
+        # The first start on a machine builds the guest image.
+        self.url = wait_serving(self.proc, data, timeout=900, output=lambda: self.log.read_text(errors="replace"))
         self.key = (data / "local-admin.key").read_text().strip()
         self.api = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=600)
 

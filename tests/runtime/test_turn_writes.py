@@ -26,7 +26,6 @@ import pytest
 import moorage.store.sqlite as sqlite_backend
 from moorage.cli.up import tar_dir
 from moorage.config import Config
-from moorage.devservices.postgres import free_port
 from moorage.durable import DurableEngine
 from moorage.memory import default_embedder
 from moorage.memory.embed_queue import THREAD_NAME
@@ -34,6 +33,7 @@ from moorage.memory.embeddings import from_bytes
 from moorage.store import EntityKey, Scope, open_store
 from tests.lifecycle.crash_up import stop_sandboxes
 from tests.runtime.conftest import Env, write_agent
+from tests.upproc import wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,11 +206,13 @@ SAID = "My cat Whiskers knocked the blue vase off the shelf."
 
 
 class Up:
-    """A ``moorage up`` child process on one data dir (``script``: run that file instead of the CLI)."""
+    """A ``moorage up`` child process on one data dir (``script``: run that file instead of the CLI), on a port the
+    kernel picks."""
 
-    def __init__(self, data: Path, port: int, script: Path | None = None) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(port),
+    def __init__(self, data: Path, script: Path | None = None) -> None:
+        self.data = data
+        self.url = ""
+        self.env = {**os.environ, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": "0",
                     "MOORAGE_SANDBOX_DRIVER": "process", "MOORAGE_LOG_LEVEL": "warning"}
         argv = [sys.executable, str(script)] if script else [sys.executable, "-m", "moorage.cli.main", "up"]
         self.log = data.parent / "server.log"
@@ -218,16 +220,7 @@ class Up:
             self.proc = subprocess.Popen(argv, env=self.env, cwd=ROOT, stdout=logf, stderr=logf)
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        self.url = wait_serving(self.proc, self.data, timeout, output=lambda: self.log.read_text(errors="replace"))
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -255,8 +248,7 @@ def _unembedded(data: Path) -> list[Any]:
 @pytest.mark.timeout(300)
 def test_a_turn_whose_embedding_a_killed_host_never_ran_is_found_by_meaning_after_restart(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    port = free_port()
-    first = Up(data, port, ROOT / "tests" / "runtime" / "stalled_embedding_up.py")
+    first = Up(data, ROOT / "tests" / "runtime" / "stalled_embedding_up.py")
     second = None
     try:
         first.wait_healthy()
@@ -273,7 +265,7 @@ def test_a_turn_whose_embedding_a_killed_host_never_ran_is_found_by_meaning_afte
         assert sorted((e.speaker, e.content) for e in pending) == [("assistant", "Noted."), ("user", SAID)]
         first.kill()
 
-        second = Up(data, port)
+        second = Up(data)
         second.wait_healthy()
         # The restart embeds what the killed host left (Runtime.recover submits every tenant).
         deadline = time.monotonic() + 120

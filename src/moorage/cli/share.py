@@ -40,6 +40,7 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
               as_json: bool = typer.Option(False, "--json")) -> None:
         """Make a signed, expiring link to USER's app of AGENT (declared with ports = [...] in moorage.toml)."""
         from moorage.cli.client import sdk
+        from moorage.client._local import server
 
         cfg = cfg_of()
         if revoke:
@@ -59,6 +60,5 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
             return
         seconds = parse_ttl(ttl)
         out = dict(sdk(cfg, lambda c: c.create_share_link(agent, user, ttl_s=seconds, label=label)))
-        server = (cfg.api_url or f"http://{cfg.host}:{cfg.port}").rstrip("/")
-        out["url"] = server + out["url"]
+        out["url"] = server(cfg)[0].rstrip("/") + out["url"]  # where the command's own request went
         print(json.dumps(out, indent=2) if as_json else out["url"])

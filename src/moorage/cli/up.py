@@ -203,14 +203,15 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off",
                                            ws_max_size=cfg.app_ws_max_message_bytes,  # inclusive: a message of the cap passes
                                            http=header_deadline(cfg.http_header_timeout_s, cfg.http_write_stall_s)))
-    url = f"http://{cfg.host}:{cfg.port}"
 
     async def after_start() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
+        port = bound_port(server, cfg.port)  # the kernel's choice for port 0
+        url = f"http://[{cfg.host}]:{port}" if ":" in cfg.host else f"http://{cfg.host}:{port}"
         # Where clients on this machine reach it (the port it got, a wildcard address on loopback): a CLI or a
         # Client() given no URL comes here, not to the default port.
-        record_serving(cfg.data_dir, local_url(cfg.host, bound_port(server, cfg.port)))
+        record_serving(cfg.data_dir, local_url(cfg.host, port))
         console.print(f"moorage is up at [bold]{url}[/] (store: {host.store.describe()}; sandboxes: {host.driver.name})")
         console.print(f"local tenant admin key: {admin_key_path(cfg)}")
         if cfg.shutdown == "detach" and not host.driver.capabilities.survives_host_exit:
@@ -220,7 +221,7 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
             from moorage.errors import MoorageError
 
             try:
-                await run_demo(url, key, demo)
+                await run_demo(local_url(cfg.host, port), key, demo)
             except MoorageError as e:
                 if exit_after_demo:
                     raise  # the command's own error: printed once, exit status 2

@@ -66,6 +66,11 @@ class Host:
 
         from moorage.runtime.private_files import data_dir
 
+        if config.fleet and not config.host_url and config.port == 0:
+            from moorage.errors import ConfigError
+
+            raise ConfigError("a fleet host on port 0 needs host_url: the other hosts reach it there",
+                              hint="set MOORAGE_HOST_URL, or give the host a port (--port / MOORAGE_PORT)")
         data_dir(config.data_dir)  # 0700: nothing under the data dir is for other local users
         store = open_store(config)
         driver = get_driver(config)
