@@ -433,6 +433,11 @@ def test_online_backup_of_micro_vms_restores_their_memory_files_and_store_at_one
             oct((data / "sandboxes" / ".templates").stat().st_mode & 0o777)
     finally:
         host.stop()
+    # Stopped, the host's data directory is copied under its lock, and the booted templates are left out there too.
+    stopped = backup(data, tmp_path / "stopped")
+    assert stopped.returncode == 0 and "(online" not in stopped.stdout, stopped.stdout + stopped.stderr
+    assert not (tmp_path / "stopped" / "templates" / "booted").exists()
+    assert {p.name for p in (tmp_path / "stopped" / "sandboxes" / ".templates").iterdir()} == kept
 
     restored = LocalHost("elsewhere", dest, env, driver="microvm")
     try:

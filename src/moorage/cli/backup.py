@@ -4,17 +4,17 @@ online backup (``runtime/backup.py``: each instance at one point of its own, no 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
 import typer
 
 from moorage.config import Config
-from moorage.errors import ConfigError, ConflictError, InvalidInput, MoorageError
+from moorage.errors import ConfigError, ConflictError, InvalidInput
 
 #: States in which an instance's files or memory are not (all) on disk: a host crashed, or stopped with --detach.
 AWAKE = ("running", "waking", "suspending", "provisioning")
@@ -91,11 +91,14 @@ def backup(cfg: Config, dest: Path, *, force: bool = False, echo: Callable[[str]
                                 + ", ".join(awake[:5]),
                                 hint="start moorage up without --detach and stop it (they are put to sleep), or "
                                      "pass --force to copy their disks as they are")
-        r = subprocess.run(["cp", "-a", "--sparse=always", "--", str(cfg.data_dir), str(dest)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise MoorageError(f"copying {cfg.data_dir} to {dest} failed: {r.stderr.strip()}",
-                               hint=f"remove {dest} and run the backup again")
+        from moorage.runtime.backup_files import BackupFailed, copy_but_booted
+
+        try:  # cp -a, without the booted templates (a cache: the copy's first deploy of each size boots again)
+            asyncio.run(copy_but_booted(cfg.data_dir, dest))
+        except BackupFailed as e:
+            raise BackupFailed(f"{e.message} (backing up {cfg.data_dir} to {dest})",
+                               hint=f"remove {dest}, free space there (or fix its permissions) and run the backup "
+                                    "again") from None
     finally:
         os.close(fd)
     return "stopped"

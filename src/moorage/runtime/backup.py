@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.log import get_logger
-from moorage.runtime.booted import PREFIX as BOOTED_PREFIX
+from moorage.runtime.backup_files import BackupFailed, copy_but_booted, copy_tree
 from moorage.timetravel.holding import LINE_HOLDER
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ HOLD_TRIES = 3
 HELD_S = 60.0
 #: States in which an instance's directory is at rest once its lifecycle lock is held.
 AT_REST = ("sleeping", "archived", "failed", "waking")
-#: Under ``templates/``: the booted templates' records; under the driver's ``.templates``: their files.
-BOOTED_RECORDS, TEMPLATES = "booted", ".templates"
 #: Top-level entries of the data directory the backup copies its own way, or leaves out.
 OWN_WAY = {"store", "sandboxes", "pool", "moorage-up.lock", "admin.sock", "moorage-up.json"}
 
@@ -72,12 +70,6 @@ def _unname(ts: "TenantStore", checkpoint_ids: list[str]) -> None:
     with ts._tx() as c:
         for cid in checkpoint_ids:
             c.x("UPDATE checkpoints SET name = NULL WHERE id = ? AND name = ?", (cid, POINT_NAME))
-
-
-class BackupFailed(MoorageError):
-    """The online backup stopped; DEST stays marked incomplete."""
-
-    code = "backup-failed"
 
 
 class _StillBusy(Exception):
@@ -134,31 +126,6 @@ def copy_control(src: Path, dst: Path, tenants: list[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-async def copy_tree(src: Path, dst: Path) -> None:
-    """``cp -a`` of one file or directory: modes, hard links (checkpoints share files) and holes kept, reflinked
-    where the filesystem can."""
-    await _cp([str(src), str(dst)], src)
-
-
-async def copy_tree_but(src: Path, dst: Path, left_out: Callable[[str], bool]) -> None:
-    """``copy_tree`` of directory ``src`` without the entries whose names ``left_out`` picks (its own mode kept,
-    and the hard links among the others: one ``cp``)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    os.chmod(dst, src.stat().st_mode & 0o7777)
-    subs = [str(sub) for sub in sorted(src.iterdir()) if not left_out(sub.name)]
-    if subs:
-        await _cp([*subs, str(dst)], src)
-
-
-async def _cp(args: list[str], what: Path) -> None:
-    proc = await asyncio.create_subprocess_exec("cp", "-a", "--reflink=auto", "--sparse=always", "--", *args,
-                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
-    _, err = await proc.communicate()
-    if proc.returncode != 0:
-        raise BackupFailed(f"copying {what} failed: {err.decode(errors='replace').strip()[:500]}",
-                           hint="free space at the destination (or fix its permissions) and take the backup again")
 
 
 @dataclass
@@ -457,23 +424,16 @@ class OnlineBackup:
             gate.set_result(None)
 
     async def _rest(self) -> None:
-        """Everything else in the data directory: templates, images, packages, keys (none is written in place).
-        Booted templates are left out (``runtime/booted.py``: what a builder resumes instead of booting, a cache of
-        a boot of ~100 MiB or more each): the copy's first deploy of each size boots its builder and keeps one."""
+        """Everything else in the data directory: templates, images, packages, keys (none is written in place),
+        without the booted templates (``runtime/backup_files.py``)."""
         for entry in sorted(self.data_dir.iterdir()):
             if entry.name in OWN_WAY or entry.name.endswith(".sock"):
                 continue
-            if entry.name == "templates" and entry.is_dir() and not entry.is_symlink():
-                await copy_tree_but(entry, self.dest / entry.name, lambda name: name == BOOTED_RECORDS)
-            else:
-                await copy_tree(entry, self.dest / entry.name)
+            await copy_but_booted(entry, self.dest / entry.name, entry.name)
         root = Path(self.mgr.driver.root)
         for entry in sorted(root.iterdir()) if root.is_dir() else []:
-            if entry.name == TEMPLATES and entry.is_dir() and not entry.is_symlink():  # what every fork is a delta of
-                await copy_tree_but(entry, self.dest / "sandboxes" / entry.name,
-                                    lambda name: name.startswith(BOOTED_PREFIX))
-            elif entry.name.startswith("."):
-                await copy_tree(entry, self.dest / "sandboxes" / entry.name)
+            if entry.name.startswith("."):  # .templates: what every fork is a delta of
+                await copy_but_booted(entry, self.dest / "sandboxes" / entry.name, f"sandboxes/{entry.name}")
         for entry in sorted((self.data_dir / "store").iterdir()):
             if entry.name not in ("control.db", "tenants") and not entry.name.startswith("control.db-"):
                 await copy_tree(entry, self.dest / "store" / entry.name)
