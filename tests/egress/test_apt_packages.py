@@ -134,12 +134,15 @@ async def on_message(ctx, message):
     return (r["stdout"] + r["stderr"]).strip() + VERSION
 """
 #: What a turn reports: the two tools, dpkg's view of the three packages, and whether the guest can reach the
-#: mirror through its relay (the agent declares no network: only a deploy-time install's relay would carry it).
+#: mirror through its relay (the agent declares no network: only a deploy-time install's relay would carry it; one
+#: left listening is answered 403 with the reason).
 REPORT = ("for t in moorage-canary moorage-extra; do command -v $t >/dev/null && $t || echo no-$t; done; "
           "dpkg-query -W -f='${Package}:${db:Status-Abbrev} ' moorage-canary moorage-extra moorage-extra-lib "
           "2>/dev/null; echo; apt-mark showauto | grep moorage || echo none-auto; "
-          "python3 -c \"import urllib.request as u; u.urlopen(u.Request('http://deb.test:%d/debian/'), timeout=20)\" "
-          ">/dev/null 2>&1 && echo mirror-reached || echo mirror-unreachable; "
+          "python3 -c \"import urllib.request as u, urllib.error as e\ntry:\n "
+          "u.urlopen(u.Request('http://deb.test:%d/debian/'), timeout=20); print('mirror-reached')\n"
+          "except e.HTTPError as x:\n print('mirror-unreachable', x.code, b'declares no [agent.network]' in x.read())\n"
+          "except Exception:\n print('mirror-unreachable')\" 2>/dev/null; "
           "cat /work/keep.txt; kill -0 $(cat /work/bg.pid) 2>/dev/null && echo bg-alive || echo bg-gone; ")
 
 
@@ -163,7 +166,7 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
     assert out.splitlines()[:2] == ["from-the-mirror", "no-moorage-extra"], out
     # The relay the template's builder left listening is refused at once by the host (this agent has no network),
     # not held until it gives up waiting for a network to attach (15 s).
-    assert out.splitlines()[4] == "mirror-unreachable" and time.monotonic() - started < 12, out
+    assert out.splitlines()[4] == "mirror-unreachable 403 True" and time.monotonic() - started < 12, out
     assert await env.manager.sleep(ts, Scope.for_user("shelly", "lee"))
 
     # Added: a package with a dependency. Awake kim gets them from the host's cache, in place (its process runs on).
@@ -173,7 +176,7 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
     lines = out.splitlines()
     assert lines[:2] == ["from-the-mirror", "moorage-extra"], out
     assert "moorage-extra-lib:ii" in lines[2] and lines[3] == "moorage-extra-lib", out  # the dependency: automatic
-    assert lines[4:] == ["mirror-unreachable", "kept", "bg-alivev2"], out
+    assert lines[4:] == ["mirror-unreachable 403 True", "kept", "bg-alivev2"], out
     assert len(MIRROR_HITS) == hits, MIRROR_HITS[hits:]
     # Asleep lee, with this host's cache gone: apt-get downloads them through the gateway, and the relay that
     # carried the downloads is gone afterwards (the agent declares no network).
@@ -181,7 +184,7 @@ async def test_a_redeploy_that_changes_the_list_reaches_users_existing_vms(env: 
         cached.unlink()
     out = await say("lee", report)
     assert out.splitlines()[:2] == ["from-the-mirror", "moorage-extra"], out
-    assert out.splitlines()[4] == "mirror-unreachable", out
+    assert out.splitlines()[4] == "mirror-unreachable 403 True", out
     assert any(h.endswith("moorage-extra_1.0_all.deb") for h in MIRROR_HITS[hits:]), MIRROR_HITS[hits:]
 
     # Dropped: the package goes (purged); the other, and the dependency it needs, stay; so does the image's own.

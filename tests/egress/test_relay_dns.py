@@ -1,9 +1,10 @@
-"""DNS where the channel relay is a sandbox's only way out: a network agent's resolver asks 127.0.0.1:53. In a process
-sandbox the host bound that address in the sandbox's own network namespace and serves the gateway's responder there
-(sandbox/process_net.py); in a micro-VM without a NIC (a host that cannot make a tap) the guest's relay listens there
-and hands each query to the host over the channel (``egress.dns``). Either way only names the agent's policy admits
-resolve; every other name is NXDOMAIN without an upstream query, a flood is bounded, and nothing in a process
-sandbox gets a capability or a privileged port for it. "The internet" is loopback names the test resolver knows."""
+"""The channel relay where it is a sandbox's only way out. Its DNS: a network agent's resolver asks 127.0.0.1:53. In
+a process sandbox the host bound that address in the sandbox's own network namespace and serves the gateway's
+responder there (sandbox/process_net.py); in a micro-VM without a NIC (a host that cannot make a tap) the guest's
+relay listens there and hands each query to the host over the channel (``egress.dns``). Either way only names the
+agent's policy admits resolve; every other name is NXDOMAIN without an upstream query, a flood is bounded, and nothing
+in a process sandbox gets a capability or a privileged port for it. A connection to the relay's proxy address that
+the host will not open is answered with the reason. "The internet" is loopback names the test resolver knows."""
 
 from __future__ import annotations
 
@@ -102,6 +103,28 @@ def privileges():  # what a process of the sandbox holds: capabilities, and the 
     return caps + " " + " ".join(out)
 
 
+def through_relay(held, url):  # ``held`` connections to the proxy address kept open, then one GET of ``url``
+    kept = [socket.create_connection(("127.0.0.1", 3128), timeout=10) for _ in range(held)]
+    time.sleep(1.0)  # each opened on the host by now
+    try:
+        with socket.create_connection(("127.0.0.1", 3128), timeout=30) as s:
+            s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+                       % (url, url.split("/")[2])).encode())
+            data = b""
+            while True:
+                more = s.recv(65536)
+                if not more:
+                    break
+                data += more
+    finally:
+        for k in kept:
+            k.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode(errors="replace").split("\r\n")
+    retry = [h for h in lines if h.lower().startswith("retry-after:")]
+    return " | ".join([lines[0]] + retry + [body.decode(errors="replace").strip()])
+
+
 GETADDRINFO = ("import socket, sys\ntry:\n print(','.join(sorted({a[4][0] for a in socket.getaddrinfo(sys.argv[1], 80,"
                " socket.AF_INET, socket.SOCK_STREAM)})))\nexcept socket.gaierror as e:\n print('gaierror:%d' % e.errno)")
 
@@ -123,6 +146,9 @@ async def on_message(ctx, message):
         return await asyncio.to_thread(flood, name, int(n))
     if cmd == "privileges":
         return await asyncio.to_thread(privileges)
+    if cmd == "relay":
+        held, url = arg.split()
+        return await asyncio.to_thread(through_relay, int(held), url)
     return "?"
 '''
 
@@ -295,3 +321,18 @@ async def test_egress_dns_refuses_what_is_not_a_small_query() -> None:
     # Past the responder's rate the query is dropped (no answer), never queued.
     relay.dns_limiter._tokens = 0
     assert await relay.dns({"query": base64.b64encode(b"\0" * 12).decode()}, None) == {"answer": None}
+
+
+async def test_a_connection_the_relay_cannot_open_is_answered_with_the_reason(world: World) -> None:
+    """The relay closed a connection the host would not open without a word (curl: "Empty reply from server"); now
+    the client gets an HTTP answer that says why, and the sandbox's connections work again once it is under its
+    limit."""
+    from moorage.runtime.vm_network import MAX_CONNECTIONS
+
+    w = world
+    url = f"http://api.test:{w.allowed.port}/x"
+    assert (await ask(w, f"relay 0 {url}")).startswith("HTTP/1.1 200 OK")
+    refused = await ask(w, f"relay {MAX_CONNECTIONS} {url}")
+    assert refused == (f"HTTP/1.1 429 Too Many Requests | Retry-After: 1 | moorage egress relay: at most "
+                       f"{MAX_CONNECTIONS} connections at once through this sandbox's relay"), refused
+    assert (await ask(w, f"relay {MAX_CONNECTIONS - 1} {url}")).startswith("HTTP/1.1 200 OK")

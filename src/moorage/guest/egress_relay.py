@@ -24,7 +24,7 @@ import struct
 import time
 from typing import Any, MutableMapping, Optional
 
-from .rpc import METHOD_NOT_FOUND, Peer, Registry, RpcError, log
+from .rpc import BUSY, METHOD_NOT_FOUND, Peer, Registry, RpcError, log
 
 PROXY_HOST = "127.0.0.1"
 PROXY_PORT = 3128
@@ -51,6 +51,9 @@ DNS_IN_FLIGHT = 32
 DNS_TCP_CONNECTIONS = 8
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
 _PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+#: How long a refused client's request head is read for, and its answer given, before the connection is closed.
+REFUSE_READ_S = 5.0
+_PHRASES = {403: "Forbidden", 429: "Too Many Requests", 503: "Service Unavailable"}
 
 
 def _ifreq(name: str, payload: bytes = b"") -> bytes:
@@ -164,7 +167,7 @@ class EgressRelay:
             peer, conn = await self._open()
         except (RpcError, asyncio.TimeoutError, OSError) as e:
             log("egress connection refused", error=str(e)[:200])
-            writer.close()
+            await refuse(reader, writer, *_refusal(e))
             return
 
         async def up() -> None:
@@ -197,6 +200,41 @@ class EgressRelay:
             except (RpcError, asyncio.TimeoutError, asyncio.CancelledError):
                 pass
             writer.close()
+
+
+def _refusal(e: BaseException) -> "tuple[int, str]":
+    """The HTTP status and reason a client of the proxy address gets when the host opened no connection for it."""
+    data = getattr(e, "data", None)
+    if isinstance(data, dict) and data.get("status") in _PHRASES:  # the host's own: no network, a limit
+        return int(data["status"]), str(e)
+    code = getattr(e, "code", None)
+    if code == BUSY:
+        return 503, "the host is serving as many of this sandbox's calls as it takes; retry"
+    if code == METHOD_NOT_FOUND:
+        return 503, "the host serves no network to this sandbox (the agent declares no [agent.network])"
+    if isinstance(e, asyncio.TimeoutError):
+        return 503, "the host did not answer in time"
+    return 503, str(e) or type(e).__name__
+
+
+async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: int, reason: str) -> None:
+    """Answer the client's request (read to the end of its head first, within bounds) with ``status`` and the reason
+    as plain text, then close: ``curl`` and ``pip`` then say why, where a bare close said "empty reply"."""
+    try:
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REFUSE_READ_S)
+    except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError):
+        pass  # not the head of a request, or not all of it: answered all the same
+    body = ("moorage egress relay: %s\n" % reason).encode()
+    retry = "Retry-After: 1\r\n" if status == 429 else ""
+    head = ("HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n%sConnection: close"
+            "\r\n\r\n" % (status, _PHRASES.get(status, "Error"), len(body), retry))
+    try:
+        writer.write(head.encode() + body)
+        await asyncio.wait_for(writer.drain(), REFUSE_READ_S)
+    except (asyncio.TimeoutError, OSError):
+        pass
+    finally:
+        writer.close()
 
 
 class DnsRelay:

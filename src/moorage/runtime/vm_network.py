@@ -81,7 +81,9 @@ class _Relay:
         from moorage.egress.proxy import serve_connection
 
         if len(self.conns) >= MAX_CONNECTIONS:
-            raise HandlerError(f"at most {MAX_CONNECTIONS} connections at once", code=-32000)
+            # The guest's relay answers its client 429 with this (guest/egress_relay.py).
+            raise HandlerError(f"at most {MAX_CONNECTIONS} connections at once through this sandbox's relay",
+                               code=-32000, data={"status": 429})
         near, far = socket.socketpair()
         reader, writer = await asyncio.open_connection(sock=near)
         p_reader, p_writer = await asyncio.open_connection(sock=far)
@@ -248,7 +250,8 @@ def _refuse(channel: Any) -> None:
 
 
 async def _no_network(params: Any, ctx: Any) -> dict[str, Any]:
-    raise HandlerError("this agent declares no [agent.network]: nothing leaves its sandbox (docs/egress.md)")
+    raise HandlerError("this agent declares no [agent.network]: nothing leaves its sandbox (docs/egress.md)",
+                       data={"status": 403})  # the guest's relay answers its client 403 with this
 
 
 async def _serve_nic(listener: socket.socket, inst: Any) -> None:
