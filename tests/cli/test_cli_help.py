@@ -53,3 +53,20 @@ def test_every_commands_help_shows_the_root_options_it_takes(monkeypatch) -> Non
                         timeout=60)
     said = " ".join(up.stdout.split())
     assert up.returncode == 0 and "--config FILE Path to moorage.toml" in said and "--log-level LEVEL debug" in said, said
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    """`moorage up --help` listed --host and --port with nothing beside them (not what they default to, nor that port
+    0 picks a free one): every option of every command has its line of help."""
+    import typer
+
+    bare: list[str] = []
+
+    def walk(cmd: typer.core.TyperCommand, words: list[str]) -> None:
+        for name, child in (getattr(cmd, "commands", None) or {}).items():
+            walk(child, [*words, name])
+        bare.extend(f"moorage {' '.join(words)} {p.opts[0]}" for p in cmd.params
+                    if p.param_type_name == "option" and p.name != "help" and not (p.help or "").strip())
+
+    walk(typer.main.get_command(app), [])
+    assert bare == [], bare

@@ -176,6 +176,11 @@ SANDBOXES = "`moorage ps` lists the instances with their sandbox ids"
 #: ``--json`` of the commands that print the API's answer as JSON either way (user, sleep, wake, checkpoint, fork):
 #: taken so that a script can pass ``--json`` to every command that shows something.
 ALWAYS_JSON = typer.Option(False, "--json", help="The API's answer, as JSON (printed so either way).")
+#: ``--json`` of the commands that print text or a table otherwise.
+AS_JSON = typer.Option(False, "--json", help="Print the API's answer as JSON (for scripts) instead.")
+#: The end-user a turn is for, and the conversation it belongs to.
+USER = typer.Option(..., "--user", "-u", help="The end-user, by your product's id for them.")
+SESSION = typer.Option(None, "--session", "-s", help="The conversation (default: the user's default session).")
 
 
 def register(app: typer.Typer, cfg_of: Any) -> None:
@@ -183,7 +188,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     @app.command()
     def deploy(path: Path = typer.Argument(..., help="Agent folder (with moorage.toml)."),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+               as_json: bool = AS_JSON) -> None:
         """Validate, package and deploy an agent folder; it goes live once its template is built."""
         from moorage.cli.up import tar_dir
         from moorage.runtime.package import load_dir
@@ -208,24 +213,24 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     @app.command()
     def rollback(agent: str, number: Optional[int] = typer.Option(None, "--to", help="Deployment number (default: previous)."),
-                 as_json: bool = typer.Option(False, "--json")) -> None:
+                 as_json: bool = AS_JSON) -> None:
         """Make an earlier deployment of an agent live again."""
         d = sdk(cfg_of(), lambda c: c.rollback(agent, number),
                 hint="`moorage agents` shows its deployments; `moorage deploy FOLDER` makes a new one")
         _print(d, True) if as_json else console.print(f"{agent} is now at deployment #{d['number']}")
 
     @app.command()
-    def invoke(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
-               session: Optional[str] = typer.Option(None, "--session", "-s"),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+    def invoke(agent: str, message: str, user: str = USER,
+               session: Optional[str] = SESSION,
+               as_json: bool = AS_JSON) -> None:
         """Run one turn of an agent for a user and print the reply."""
         _print_turn(sdk(cfg_of(), lambda c: c.invoke(agent, message, user=user, session=session)), as_json)
 
     @app.command()
-    def submit(agent: str, message: str, user: str = typer.Option(..., "--user", "-u"),
-               session: Optional[str] = typer.Option(None, "--session", "-s"),
+    def submit(agent: str, message: str, user: str = USER,
+               session: Optional[str] = SESSION,
                wait: bool = typer.Option(False, "--wait", help="Wait for the execution to finish."),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+               as_json: bool = AS_JSON) -> None:
         """Run one turn detached (an execution); print its id, or with --wait its outcome."""
         def go(c: Client) -> Any:
             ex = c.invoke_async(agent, message, user=user, session=session)
@@ -239,7 +244,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
             raise typer.Exit(1)
 
     @app.command()
-    def execution(execution_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    def execution(execution_id: str, as_json: bool = AS_JSON) -> None:
         """Show an execution (async turn): status, reply, what it waits for."""
         r = sdk(cfg_of(), lambda c: c.get_execution(execution_id))
         _print(r, True) if as_json else console.print(escape(_outcome(r)), highlight=False, soft_wrap=True)
@@ -247,7 +252,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
             raise typer.Exit(1)
 
     @app.command()
-    def users(agent: str, as_json: bool = typer.Option(False, "--json"),
+    def users(agent: str, as_json: bool = AS_JSON,
               meta: list[str] = typer.Option([], "--meta", help="KEY=VALUE metadata filter (repeatable).")) -> None:
         """The end-users of an agent, with their instance's state."""
         filters = _pairs(meta)
@@ -269,15 +274,15 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         print(json.dumps(u, indent=2))
 
     @app.command()
-    def answer(run_id: str, text: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    def answer(run_id: str, text: str, as_json: bool = AS_JSON) -> None:
         """Answer a workflow waiting for a human; it resumes from where it asked (and may ask again)."""
         _print_turn(sdk(cfg_of(), lambda c: c.answer(run_id, text),
                         hint="`moorage invoke` and `moorage submit` print the run id of a turn waiting for approval"),
                     as_json)
 
     @app.command()
-    def chat(agent: str, user: str = typer.Option(..., "--user", "-u"),
-             session: Optional[str] = typer.Option(None, "--session", "-s")) -> None:
+    def chat(agent: str, user: str = USER,
+             session: Optional[str] = SESSION) -> None:
         """Interactive terminal chat with an agent as a given user (empty line or Ctrl-D to leave)."""
         cfg = cfg_of()
         try:  # no key, no server, no such agent: said once, before the first prompt, and the command fails
@@ -306,7 +311,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
                 console.print(f"[bold]{agent}[/] › {escape(_text(r.get('reply')))}", highlight=False)
 
     @app.command()
-    def ps(as_json: bool = typer.Option(False, "--json"),
+    def ps(as_json: bool = AS_JSON,
            state: Optional[str] = typer.Option(None, "--state", help="only instances in this state (running, "
                                                                      "sleeping, ...)"),
            agent: Optional[str] = AGENT,
@@ -365,7 +370,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
 
     @app.command()
     def forget(agent: str, user: str, yes: bool = typer.Option(False, "--yes", help="Do not ask."),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+               as_json: bool = AS_JSON) -> None:
         """Remove everything moorage keeps about one user of an agent (memory, workflows, sandbox, snapshots)."""
         # The question goes to stderr: stdout holds only the answer (with --json, one JSON document).
         if not yes and not typer.confirm(f"forget everything about {user} in {agent}?", err=True):
@@ -374,7 +379,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(r, True) if as_json else console.print(f"forgot {user}: {r.get('removed', 0)} records removed")
 
     @app.command()
-    def trace(trace_id: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    def trace(trace_id: str, as_json: bool = AS_JSON) -> None:
         """Show one trace's spans as a timeline."""
         data = sdk(cfg_of(), lambda c: c.get_trace(trace_id))
         spans = data.get("spans", [])
@@ -387,7 +392,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(data, as_json, t)
 
     @app.command()
-    def logs(limit: int = typer.Option(50, "--limit"), as_json: bool = typer.Option(False, "--json"),
+    def logs(limit: int = typer.Option(50, "--limit", help="How many spans (1 to 500)."), as_json: bool = AS_JSON,
              agent: Optional[str] = AGENT) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
         data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit, agent=agent), hint="pass --limit from 1 to 500")
@@ -398,7 +403,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         _print(data, as_json, t)
 
     @app.command()
-    def usage(as_json: bool = typer.Option(False, "--json"), agent: Optional[str] = AGENT,
+    def usage(as_json: bool = AS_JSON, agent: Optional[str] = AGENT,
               user: Optional[str] = typer.Option(None, "--user", "-u", help="Only this end-user's usage."),
               since: Optional[str] = typer.Option(
                   None, "--since", help="Start of the period, included: a date (UTC midnight), an ISO-8601 time "

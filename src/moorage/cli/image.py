@@ -57,7 +57,8 @@ def build(
 
 
 @app.command("list")
-def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
+def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir",
+                                                          help="Image cache (default: <data dir>/images)."),
                 as_json: bool = typer.Option(False, "--json", help="Each image's manifest, with whether it is current.")) -> None:
     """Images in the cache; the one matching the current recipe and guest code is marked."""
     from moorage.sandbox.image import GuestImage, ImageBuilder
@@ -80,7 +81,7 @@ def list_images(images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
 
 @app.command()
 def prune(
-    images_dir: Optional[Path] = typer.Option(None, "--images-dir"),
+    images_dir: Optional[Path] = typer.Option(None, "--images-dir", help="Image cache (default: <data dir>/images)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be removed."),
 ) -> None:
     """Remove images other than the current one. Sandboxes keep a reference to their image: prune only images

@@ -54,8 +54,9 @@ def providers(as_json: bool = typer.Option(False, "--json", help="Machine-readab
 def chat(
     prompt: str = typer.Argument(..., help="What to ask."),
     system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
-    max_tokens: int = typer.Option(128, "--max-tokens", min=1),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="Most tokens to generate."),
+    temperature: Optional[float] = typer.Option(None, "--temperature",
+                                                help="Sampling temperature (default: the provider's)."),
     stream: bool = typer.Option(False, "--stream", help="Print the answer as it is generated."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole response and its usage as JSON."),
 ) -> None:

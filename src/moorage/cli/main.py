@@ -72,8 +72,10 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Machine-readable 
 def up(
     demo: Optional[Path] = typer.Option(None, "--demo", help="Deploy this agent folder and hold a short conversation with it."),
     exit_after_demo: bool = typer.Option(False, "--exit-after-demo", help="Stop once the demo conversation is done."),
-    host: Optional[str] = typer.Option(None, "--host"),
-    port: Optional[int] = typer.Option(None, "--port"),
+    host: Optional[str] = typer.Option(None, "--host", help="The address to listen on (default 127.0.0.1; 0.0.0.0: "
+                                       "every interface)."),
+    port: Optional[int] = typer.Option(None, "--port", help="The port to listen on (default 7700; 0: a free one, "
+                                       "said at start; the CLI and Client() here find it)."),
     detach: bool = typer.Option(False, "--detach", help="On stop, leave awake micro-VMs running (a live upgrade; "
                                 "the next start re-adopts them) instead of putting them to sleep."),
     store_url: Optional[str] = typer.Option(None, "--store-url", help="A postgresql:// store shared with other hosts."),

@@ -62,8 +62,8 @@ def eval_run(
 def eval_generate(
     out: Path = typer.Option(..., "--out", help="Where to write the dataset (JSON)."),
     seed: int = typer.Option(7, "--seed", help="Same seed, same file."),
-    conversations: int = typer.Option(6, "--conversations", min=1),
-    sessions: int = typer.Option(10, "--sessions", min=1),
+    conversations: int = typer.Option(6, "--conversations", min=1, help="Simulated users, one conversation each."),
+    sessions: int = typer.Option(10, "--sessions", min=1, help="Sessions per conversation."),
     turns: int = typer.Option(24, "--turns", min=4, help="Turns per session."),
 ) -> None:
     """Write a generated multi-session dataset with planted facts, updates, distractors and questions."""
@@ -115,11 +115,11 @@ def _agent_of(ts, tenant: str, agent: str, user: str) -> str:  # type: ignore[no
 @app.command("facts")
 def facts(
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
-    agent: str = typer.Option(..., "--agent"),
-    user: str = typer.Option(..., "--user"),
+    agent: str = typer.Option(..., "--agent", help="The agent."),
+    user: str = typer.Option(..., "--user", help="The end-user, by the agent's id for them."),
     pending: bool = typer.Option(False, "--pending", help="Show facts waiting for confirmation instead."),
     history: bool = typer.Option(False, "--history", help="Include superseded facts."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="The facts as JSON."),
 ) -> None:
     """List a user's trusted facts (or pending ones), with trust, validity and provenance."""
     from moorage.memory.semantic import SemanticMemory
@@ -146,9 +146,9 @@ def facts(
 def search(
     query: str = typer.Argument(..., help="What to recall."),
     tenant: str = typer.Option(..., "--tenant", help="Tenant name or id (operator access)."),
-    agent: str = typer.Option(..., "--agent"),
-    user: str = typer.Option(..., "--user"),
-    k: int = typer.Option(10, "-k", min=1, max=100),
+    agent: str = typer.Option(..., "--agent", help="The agent."),
+    user: str = typer.Option(..., "--user", help="The end-user, by the agent's id for them."),
+    k: int = typer.Option(10, "-k", min=1, max=100, help="How many results (1 to 100)."),
     session: Optional[str] = typer.Option(None, "--session", "-s",
                                           help="Search this session's scope (its turn messages) instead of the user's."),
     as_json: bool = typer.Option(False, "--json", help="The API's search result (GET …/events/search)."),

@@ -42,7 +42,8 @@ def set_(agent: str, name: str, user: Optional[str] = USER) -> None:
 
 
 @app.command("list")
-def list_(agent: str, user: Optional[str] = USER, as_json: bool = typer.Option(False, "--json")) -> None:
+def list_(agent: str, user: Optional[str] = USER,
+          as_json: bool = typer.Option(False, "--json", help="Machine-readable output (never a value).")) -> None:
     """List AGENT's secrets: names, versions and when they changed (never values)."""
     import json
 

@@ -37,7 +37,7 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
               label: str = typer.Option("", "--label", help="A note for whoever lists the links."),
               list_: bool = typer.Option(False, "--list", help="List this user's links instead (never their tokens)."),
               revoke: Optional[str] = typer.Option(None, "--revoke", metavar="LINK_ID", help="Revoke one link."),
-              as_json: bool = typer.Option(False, "--json")) -> None:
+              as_json: bool = typer.Option(False, "--json", help="The link (or the list) as JSON.")) -> None:
         """Make a signed, expiring link to USER's app of AGENT (declared with ports = [...] in moorage.toml)."""
         from moorage.cli.client import sdk
         from moorage.client._local import server

@@ -89,7 +89,8 @@ def sweep(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
 
 
 @app.command("create-tenant")
-def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
+def create_tenant(name: str,
+                  as_json: bool = typer.Option(False, "--json", help="The tenant and its admin key as JSON.")) -> None:
     """Create a tenant and print its first admin API key (shown once; only a hash is kept)."""
     from moorage.errors import ConflictError
 
@@ -106,7 +107,7 @@ def create_tenant(name: str, as_json: bool = typer.Option(False, "--json")) -> N
 
 
 @app.command("tenants")
-def tenants(as_json: bool = typer.Option(False, "--json")) -> None:
+def tenants(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List tenants."""
     if not _existing():
         ts = []
