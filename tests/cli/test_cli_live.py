@@ -155,3 +155,26 @@ async def test_ps_lists_the_tenants_instances_from_the_fleet_route(live_rt, acme
     assert box["id"] in shown.stdout and "running" in shown.stdout
     asleep = await moorage(live_rt, acme, "ps", "--state", "sleeping")
     assert asleep.exit_code == 0 and box["id"] not in asleep.stdout
+
+
+async def test_logs_and_trace_show_when_how_long_and_readable_attributes(live_rt, acme) -> None:  # noqa: F811
+    """`moorage logs` had no time and no duration, and its attributes were JSON cut at 80 characters (`"ht`), led by
+    the tenant's id on every row. Now: when each span started (UTC), how long it took, and `key=value` pairs without
+    the tenant, an ellipsis where they are cut; `--json` keeps them whole."""
+    import re
+    import time
+
+    async with AsyncClient(live_rt.url, acme) as sdk:
+        await sdk.deploy("echo", agent_archive(live_rt.data_dir.parent))
+        turn = await sdk.invoke("echo", "hello", user="ann")
+    shown = await moorage(live_rt, acme, "logs", "--limit", "20")
+    assert shown.exit_code == 0, shown.output
+    out = shown.stdout
+    assert time.strftime("%Y-%m-%d", time.gmtime()) in out and " UTC " in out, out
+    assert "moorage.tenant" not in out and '{"' not in out and "http.status_code=200" in out, out
+    whole = json.loads((await moorage(live_rt, acme, "logs", "--limit", "20", "--json")).stdout)["data"]
+    assert any("moorage.tenant" in s["attrs"] for s in whole)  # left out of the table only
+    row = next(line for line in out.splitlines() if "POST /v1/agents/{agent}/invoke" in line)
+    assert re.search(r"│ \d+\.\d │ ok", row), row  # its duration in ms, then its status
+    traced = await moorage(live_rt, acme, "trace", turn["trace_id"])
+    assert traced.exit_code == 0 and "moorage.tenant" not in traced.stdout and '{"' not in traced.stdout, traced.stdout

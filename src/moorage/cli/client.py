@@ -20,7 +20,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from moorage.cli.console import id_column, make_console, print_table
+from moorage.cli.console import id_column, make_console, print_table, utc
 from moorage.client import Client
 from moorage.client import ApiError as SdkError
 from moorage.client._local import on_this_machine, server
@@ -138,6 +138,14 @@ def _instant(option: str, raw: Optional[str]) -> Optional[float]:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _attrs(attrs: Any, width: int = 80) -> str:
+    """A span's attributes as ``key=value`` pairs, cut to ``width`` with an ellipsis (``--json`` has them whole), its
+    tenant's id left out (the key's own tenant, on every row)."""
+    pairs = (f"{k}={_text(v)}" for k, v in (attrs or {}).items() if k != "moorage.tenant")
+    text = " ".join(pairs)
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _outcome(r: Any) -> str:
@@ -388,7 +396,7 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         for s in spans:
             dur = ((s.get("end_ts") or s["start_ts"]) - s["start_ts"]) * 1000
             t.add_row(s["name"], f"{(s['start_ts'] - t0) * 1000:.1f}", f"{dur:.1f}", s.get("status", ""),
-                      json.dumps(s.get("attrs", {}))[:80])
+                      _attrs(s.get("attrs")))
         _print(data, as_json, t)
 
     @app.command()
@@ -396,10 +404,13 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
              agent: Optional[str] = AGENT) -> None:
         """Recent spans of this tenant (turns, model calls, sleeps and wakes), newest first."""
         data = sdk(cfg_of(), lambda c: c.list_spans(limit=limit, agent=agent), hint="pass --limit from 1 to 500")
-        t = Table(id_column("trace"), "span", "status", "attributes")
+        t = Table(id_column("trace"), "started", "span", "ms", "status", "attributes")
         for s in data.get("data", []):
-            t.add_row(s.get("trace_id", ""), s.get("name", ""), s.get("status", ""),
-                      json.dumps(s.get("attrs", {}))[:80])
+            start, end = s.get("start_ts"), s.get("end_ts")
+            took = f"{(end - start) * 1000:.1f}" if isinstance(start, (int, float)) and isinstance(end, (int, float)) \
+                else ""
+            t.add_row(s.get("trace_id", ""), utc(start), s.get("name", ""), took, s.get("status", ""),
+                      _attrs(s.get("attrs")))
         _print(data, as_json, t)
 
     @app.command()
