@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything moorage needs on a Debian 12 host (run as root) and creates ./.venv.
-# With --test (scripts/test.sh), also what the test suite and the benchmarks need: PostgreSQL, Chromium,
+# With --test (scripts/test.sh), also what the test suite and the benchmarks need: PostgreSQL, Chromium, nginx,
 # libfaketime and the [test] extras. Without it (scripts/up.sh) only what a host runs on: a first install fetches
 # neither Chromium nor the test packages (about 150 MB of Debian packages and 430 MiB of .venv less).
 # Idempotent and quick when nothing changed: Debian packages are checked with dpkg,
@@ -29,6 +29,7 @@ if [ "$TEST" = 1 ]; then
     postgresql                         # the fleet's store backend: tests start throwaway clusters
     libfaketime                        # fleet tests: a host whose clock is off
     chromium                           # dashboard end-to-end tests (headless, driven by Playwright)
+    nginx                              # docs/operations.md's HTTPS proxy, run as the page writes it
   )
 fi
 
@@ -41,6 +42,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Debian's nginx starts its default site on port 80 where an init system lets it: not one installed here for the
+# tests (they start their own); an nginx that was already there is left as it was.
+if [[ " ${missing[*]} " == *" nginx "* ]] && [ -s /run/nginx.pid ]; then
+  systemctl disable --now nginx >/dev/null 2>&1 || nginx -s quit >/dev/null 2>&1 || true
 fi
 # Debian's package starts a default cluster we do not use; tests start their own.
 if command -v pg_lsclusters >/dev/null && pg_lsclusters -h 2>/dev/null | grep -q online; then
