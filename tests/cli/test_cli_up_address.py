@@ -186,3 +186,32 @@ def test_a_fleet_host_on_port_0_needs_the_address_others_reach_it_at(data: Path)
     said = " ".join(refused.stderr.split())
     assert refused.returncode == 2 and "a fleet host on port 0 needs host_url" in said, refused.stderr
     assert "MOORAGE_HOST_URL" in said and "Traceback" not in said
+
+
+def test_a_host_served_beyond_loopback_says_its_http_is_plain(data: Path, tmp_path: Path) -> None:
+    """`--host 0.0.0.0` serves keys and tokens to the network unencrypted: the start says so, and where to read how to
+    put TLS in front; on loopback (the default) it says nothing of it."""
+    from moorage.cli.up import loopback_only
+    from tests.upproc import wait_serving
+
+    assert [loopback_only(h) for h in ("127.0.0.1", "127.0.0.9", "::1", "localhost")] == [True] * 4
+    assert [loopback_only(h) for h in ("0.0.0.0", "::", "10.0.0.5", "moorage.example.com")] == [False] * 4
+    said = {}
+    for host in ("127.0.0.1", "0.0.0.0"):
+        log = tmp_path / f"up-{host}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([*MOORAGE, "up", "--host", host, "--port", "0"], env=_env(data), cwd=ROOT,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            url = wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+            assert url.startswith("http://127.0.0.1:")  # a wildcard address is reached on loopback here
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        said[host] = " ".join(log.read_text().split())
+    assert "plain HTTP beyond this machine" not in said["127.0.0.1"], said
+    assert 'plain HTTP beyond this machine: API keys and end-user tokens cross the network unencrypted; put a TLS ' \
+           'proxy in front (docs/operations.md, "Serve it over HTTPS")' in said["0.0.0.0"], said

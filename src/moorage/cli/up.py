@@ -153,6 +153,18 @@ def bound_port(server: object, default: int) -> int:
     return default
 
 
+def loopback_only(host: str) -> bool:
+    """Whether a server listening on ``host`` is reached from this machine alone."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: whatever it resolves to, it may be another interface's
+
+
 def check_port(cfg: Config) -> None:
     """Refuse, before any instance is started, an address another process listens on (uvicorn would stop later
     with its own log line and exit status 3)."""
@@ -214,6 +226,9 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
         record_serving(cfg.data_dir, local_url(cfg.host, port))
         console.print(f"moorage is up at [bold]{url}[/] (store: {host.store.describe()}; sandboxes: {host.driver.name})")
         console.print(f"local tenant admin key: {admin_key_path(cfg)}")
+        if not loopback_only(cfg.host):
+            console.print("[yellow]plain HTTP beyond this machine:[/] API keys and end-user tokens cross the network "
+                          "unencrypted; put a TLS proxy in front (docs/operations.md, \"Serve it over HTTPS\")")
         if cfg.shutdown == "detach" and not host.driver.capabilities.survives_host_exit:
             console.print(f"[yellow]--detach has no effect here:[/] {host.driver.name} sandboxes end with the host; "
                           "on stop they are put to sleep")
