@@ -19,7 +19,7 @@ from starlette.routing import Route, WebSocketRoute
 from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
-PUBLIC = {"/healthz", "/openapi.json"}  # /metrics needs the metrics or operator token: attacked like the rest
+PUBLIC = {"/healthz", "/readyz", "/openapi.json"}  # /metrics needs the metrics or operator token: attacked like the rest
 # Share links need no key: the token in the path is the credential (a wrong one is a 404; tests/app proves
 # a link opens one user's app and nothing else).
 PUBLIC |= {"/v1/shared/{token}", "/v1/shared/{token}/{path:path}"}

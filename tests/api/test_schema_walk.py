@@ -255,6 +255,7 @@ async def test_every_operation_answers_as_documented(live_rt, store, acme: str, 
 
     async with aclient(live_rt) as anon, aclient(live_rt, live_rt.operator_token) as op:
         await w(anon, "GET", "/healthz")
+        await w(anon, "GET", "/readyz")
         tenant = (await w(op, "POST", "/v1/tenants", json={"name": "walkers"})).json()
         assert tenant["api_key"]["secret"]
 

@@ -302,8 +302,21 @@ def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fl
             codes.append(fleet.turn((i % 2) * 2, users[i % len(users)]).status_code)
             i += 1
 
+    said: list[str] = []  # what h2's /readyz said until it stopped: what takes it out of a load balancer
+
+    def probe() -> None:
+        while fleet.hosts[1].proc.poll() is None:
+            try:
+                r = httpx.get(f"{fleet.hosts[1].url}/readyz", timeout=5)
+                said.append(r.json()["status"])
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+
     t = threading.Thread(target=traffic)
     t.start()
+    prober = threading.Thread(target=probe)
+    prober.start()
     try:
         subprocess.run([str(Path(sys.executable).parent / "moorage"), "host", "drain", "h2", "--store-url",
                         fleet.store_url], check=True, timeout=60, capture_output=True,
@@ -313,7 +326,13 @@ def test_draining_a_host_moves_its_agents_while_every_request_succeeds(fleet: Fl
     finally:
         stop.set()
         t.join()
+        prober.join()
     assert codes and set(codes) == {200}, codes
+    # Ready until the drain began, then "draining" (and "stopping" as it left), never ready again.
+    assert said and said[0] == "ready" and "draining" in said, " ".join(said[-20:])
+    first_not = said.index("draining")
+    assert set(said[first_not:]) <= {"draining", "stopping"}, said
+    assert httpx.get(f"{fleet.hosts[0].url}/readyz", timeout=5).json() == {"status": "ready"}
     recs = fleet.records()
     # Nothing is left awake on h2: each user is on a survivor, or asleep with its last sleep shipped.
     for u in users:

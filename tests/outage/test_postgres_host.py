@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
+import httpx
 import pytest
 
 from tests.fleet.harness import Fleet, replied, until
@@ -58,11 +59,21 @@ def test_turns_heartbeats_and_background_loops_carry_on_after_a_restart_or_cut_c
     _recovered(host)
 
 
+def _ready(f: Fleet) -> httpx.Response:
+    return httpx.get(f"{f.hosts[0].url}/readyz", timeout=30)
+
+
 def test_turns_while_postgresql_is_down_get_a_prompt_503_and_the_host_recovers_without_a_restart(
         host: Fleet, outages: Outages) -> None:
     assert replied(host.turn(0, "ada")) == "1: hi"
+    assert _ready(host).json() == {"status": "ready"}
     outages.stop()
     try:
+        # A load balancer asking the host whether to send it requests is told no, and why, within seconds (an
+        # answer stands for a second).
+        until(lambda: _ready(host).status_code == 503, "the host says it is not ready", 10, every_s=0.2)
+        r = _ready(host)
+        assert r.json()["status"] == "store-unreachable" and "PostgreSQL" in r.json()["detail"], r.text
         for user in ("ada", "newcomer"):
             t0 = time.monotonic()
             r = host.turn(0, user)
@@ -77,6 +88,7 @@ def test_turns_while_postgresql_is_down_get_a_prompt_503_and_the_host_recovers_w
     assert replied(r) == "2: hi"                           # nothing acknowledged was lost, nothing counted twice
     assert replied(host.turn(0, "newcomer")) == "1: hi"
     _recovered(host)
+    until(lambda: _ready(host).status_code == 200, "the host is ready again", 10)
 
 
 def test_a_turn_running_while_postgresql_restarts_is_answered_and_stored(host: Fleet, outages: Outages) -> None:

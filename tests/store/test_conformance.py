@@ -58,6 +58,14 @@ def test_key_revocations_are_looked_up_by_id_within_the_tenant(store: Store, ten
     assert store.backend.key_revocations(tenant.tenant_id, []) == {}
 
 
+def test_ping_is_one_round_trip_to_the_control_plane(store: Store) -> None:
+    """A readiness probe's look at the store (``GET /readyz``): it returns when the store answers (on PostgreSQL
+    its outage raises StoreUnreachable: tests/outage/test_postgres_host.py)."""
+    assert store.ping() is None
+    store.operator.create_tenant("after-a-ping")
+    assert store.ping() is None and [t.name for t in store.operator.list_tenants()] == ["after-a-ping"]
+
+
 def test_control_plane_calls_from_many_threads_at_once(store: Store) -> None:
     """Hosts call the control plane from worker threads concurrently (e.g. sleeping every instance at
     shutdown): transactions on it must not interleave."""

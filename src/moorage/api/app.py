@@ -22,6 +22,7 @@ from moorage.api.credential_watch import Checks
 from moorage.api.middleware import RequestContext
 from moorage.api.openapi import build_spec
 from moorage.api.problem import from_error, internal, problem
+from moorage.api.readiness import Readiness
 from moorage.api.routes import all_endpoints
 from moorage.api.routes.app import WEBSOCKET_ROUTES
 from moorage.config import Config, parse_origins
@@ -50,6 +51,8 @@ class AppContext:
     end_user_requests: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: Checks of credentials again while requests they opened last (``api/credential_watch.Checks``).
     credential_checks: Any = None
+    #: ``GET /readyz``'s checks (``api/readiness.py``).
+    readiness: Any = None
     _embedder: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -91,6 +94,7 @@ def create_app(runtime_or_store: Any, config: Config, *, authenticator: Authenti
     ctx = AppContext(store, runtime, config, authenticator or Authenticator.for_data_dir(store, config.data_dir),
                      Tracer(span_sink), metrics, max_end_user_requests=config.end_user_max_requests)
     ctx.credential_checks = Checks(ctx.auth.authenticate)
+    ctx.readiness = Readiness(store, runtime)
     endpoints = all_endpoints()
     spec = build_spec(endpoints)
 

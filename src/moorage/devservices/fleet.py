@@ -6,6 +6,7 @@ host and every sandbox process it started, as a machine that dies would.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -69,8 +70,6 @@ class LocalHost:
     def __init__(self, name: str, data: Path, env: dict[str, str], *, driver: str = "process",
                  start_timeout_s: float = 900.0) -> None:
         self.name, self.data = name, data
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         data.mkdir(parents=True, exist_ok=True)
         if "MOORAGE_OBJECT_STORE_URL" in env:  # one host of a fleet: the hosts beside it share its secrets
             share_installation_secrets(data.parent / "fleet-secrets", data)
@@ -79,22 +78,44 @@ class LocalHost:
             Path(images).mkdir(parents=True, exist_ok=True)
             (data / "images").symlink_to(images)
         self.log = data.parent / f"{name}.log"
-        full = {**os.environ, **env, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
-                "MOORAGE_HOST_ID": name, "MOORAGE_HOST_URL": self.url, "MOORAGE_SANDBOX_DRIVER": driver}
-        full.setdefault("MOORAGE_LOG_LEVEL", "info")
-        self.proc = subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "up"], env=full, cwd=ROOT,
-                                     stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + start_timeout_s
+        # Its URL is its host_url, so its port is chosen here: another process may take that port before this host
+        # listens (then it stops at once, saying so, and starts again on another one).
+        for _ in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            full = {**os.environ, **env, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
+                    "MOORAGE_HOST_ID": name, "MOORAGE_HOST_URL": self.url, "MOORAGE_SANDBOX_DRIVER": driver}
+            full.setdefault("MOORAGE_LOG_LEVEL", "info")
+            start = self.log.stat().st_size if self.log.exists() else 0
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen([sys.executable, "-m", "moorage.cli.main", "up"], env=full, cwd=ROOT,
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            if self._serving(start, start_timeout_s):
+                break
+        else:
+            raise RuntimeError(f"host {name} found no free port in three tries")
+        self.key = (data / "local-admin.key").read_text().strip()
+
+    def _serving(self, log_from: int, timeout_s: float) -> bool:
+        """True once this process serves: its own record names its pid (another process that took the port first
+        would answer /healthz too) and it answers; False if it stopped because its port was taken."""
+        deadline = time.time() + timeout_s
         while True:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
+                record = json.loads((self.data / "moorage-up.json").read_text())
+                if record.get("pid") == self.proc.pid and httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return True
+            except (OSError, ValueError, httpx.HTTPError):
                 pass
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"host {name} did not come up: {self.log.read_text(errors='replace')[-3000:]}")
+            if self.proc.poll() is not None:
+                said = self.log.read_bytes()[log_from:].decode(errors="replace")
+                if f"cannot listen on 127.0.0.1:{self.port}" in said or "address already in use" in said.lower():
+                    return False  # moorage up's own check, or the server's bind a moment after it
+                raise RuntimeError(f"host {self.name} did not come up: {said[-3000:]}")
+            if time.time() > deadline:
+                raise RuntimeError(f"host {self.name} did not come up in {timeout_s:.0f} s: "
+                                   f"{self.log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.2)
-        self.key = (data / "local-admin.key").read_text().strip()
 
     def client(self, key: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=600)

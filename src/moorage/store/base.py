@@ -101,6 +101,11 @@ class Backend(ABC):
 
     # -- control plane: shared SQL ------------------------------------------------------------
 
+    def ping(self) -> None:
+        """One round trip to the control plane: raises (``StoreUnreachable`` on PostgreSQL) when it cannot answer."""
+        with self.control_tx() as c:
+            c.one("SELECT 1")
+
     def create_tenant(self, name: str) -> Tenant:
         check_id(name, "tenant name")
         t = Tenant(uuid.uuid4().hex, name, time.time(), 1)

@@ -80,6 +80,10 @@ class Store:
         """A zero-retention handle for a stateless agent: same API, kept in memory, never written to disk."""
         return TenantStore(EphemeralBackend(principal.tenant_id), principal, self.max_value_bytes)
 
+    def ping(self) -> None:
+        """Whether the store answers now: returns, or raises what its backend raised (a readiness check's)."""
+        self.backend.ping()
+
     def describe(self) -> str:
         return self.backend.describe()
 
