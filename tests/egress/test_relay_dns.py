@@ -103,9 +103,17 @@ def privileges():  # what a process of the sandbox holds: capabilities, and the 
     return caps + " " + " ".join(out)
 
 
-def through_relay(held, url):  # ``held`` connections to the proxy address kept open, then one GET of ``url``
+def refused_at_once():  # one more request through the relay: answered 429 (else the policy's 403 for its name)
+    with socket.create_connection(("127.0.0.1", 3128), timeout=30) as s:
+        s.sendall(b"GET http://not-allowed.test/ HTTP/1.1\r\nHost: not-allowed.test\r\n\r\n")
+        return s.recv(64).startswith(b"HTTP/1.1 429")
+
+
+def through_relay(held, url, full=False):  # ``held`` connections kept open, then one GET of ``url``
     kept = [socket.create_connection(("127.0.0.1", 3128), timeout=10) for _ in range(held)]
-    time.sleep(1.0)  # each opened on the host by now
+    deadline = time.monotonic() + 60
+    while full and not refused_at_once():  # until the host holds every one of them (each opened in its turn)
+        assert time.monotonic() < deadline, "the relay's connections were never all open"
     try:
         with socket.create_connection(("127.0.0.1", 3128), timeout=30) as s:
             s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
@@ -147,8 +155,8 @@ async def on_message(ctx, message):
     if cmd == "privileges":
         return await asyncio.to_thread(privileges)
     if cmd == "relay":
-        held, url = arg.split()
-        return await asyncio.to_thread(through_relay, int(held), url)
+        held, url, *full = arg.split()
+        return await asyncio.to_thread(through_relay, int(held), url, bool(full))
     return "?"
 '''
 
@@ -332,7 +340,7 @@ async def test_a_connection_the_relay_cannot_open_is_answered_with_the_reason(wo
     w = world
     url = f"http://api.test:{w.allowed.port}/x"
     assert (await ask(w, f"relay 0 {url}")).startswith("HTTP/1.1 200 OK")
-    refused = await ask(w, f"relay {MAX_CONNECTIONS} {url}")
+    refused = await ask(w, f"relay {MAX_CONNECTIONS} {url} full")
     assert refused == (f"HTTP/1.1 429 Too Many Requests | Retry-After: 1 | moorage egress relay: at most "
                        f"{MAX_CONNECTIONS} connections at once through this sandbox's relay"), refused
     assert (await ask(w, f"relay {MAX_CONNECTIONS - 1} {url}")).startswith("HTTP/1.1 200 OK")
