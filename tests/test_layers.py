@@ -10,7 +10,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "moorage"
 
 #: The parts that serve the others: none of them may import a part that runs agents, speaks HTTP or owns a fleet.
-FOUNDATION = {"aio", "clock", "config", "cpus", "errors", "fsync", "log", "store", "sandbox", "objects"}
+FOUNDATION = {"aio", "clock", "config", "cpus", "errors", "fds", "fsync", "log", "store", "sandbox", "objects"}
 UPPER = {"runtime", "api", "cli", "web", "lifecycle", "timetravel", "fleet", "router", "webhooks", "devservices"}
 #: Parts below the runtime, which the runtime drives: they see a turn through a protocol of their own.
 BELOW_RUNTIME = {"timetravel", "lifecycle", "router", "durable", "memory", "usage", "egress", "secrets",

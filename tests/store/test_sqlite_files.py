@@ -65,10 +65,11 @@ def test_opening_a_store_raises_the_soft_open_files_limit(tmp_path: Path) -> Non
         "from pathlib import Path\n"
         "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
-        "from moorage.store.sqlite import SQLiteBackend, _OPEN_FILES\n"
+        "from moorage.fds import OPEN_FILES\n"
+        "from moorage.store.sqlite import SQLiteBackend\n"
         "SQLiteBackend(Path(sys.argv[1])).close()\n"
         "now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
-        "want = _OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES)\n"
+        "want = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)\n"
         "assert now == max(256, want), (now, hard)\n"
         "print('soft', now)\n"
     )

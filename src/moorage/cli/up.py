@@ -191,12 +191,14 @@ async def serve(cfg: Config, demo: Path | None, exit_after_demo: bool) -> None:
 
     from moorage.api.app import create_app
     from moorage.api.server import header_deadline
+    from moorage.fds import raise_open_files_limit
     from moorage.runtime.admin_socket import AdminSocket
     from moorage.runtime.allocator import keep_large_blocks_mapped
     from moorage.runtime.backup import refuse_incomplete
     from moorage.runtime.host import Host
 
     keep_large_blocks_mapped()  # a host runs for months: what its threads free goes back to the kernel
+    raise_open_files_limit()  # whatever its store: sandboxes and connections hold descriptors too
     check_demo(demo, exit_after_demo)
     refuse_incomplete(cfg.data_dir)  # an online backup that never finished is no data directory to serve
     hold_data_dir(cfg)  # released when this process ends, however it ends

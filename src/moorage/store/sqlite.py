@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from moorage.errors import UnavailableError
+from moorage.fds import raise_open_files_limit
 from moorage.store.base import Backend, check_tenant_id, translate_integrity
 from moorage.store.bloblog import BlobLog, live_locators, load_position
 from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migration, recorded_name, refuse_newer_schema,
@@ -24,27 +25,7 @@ from moorage.store.schema import (CONTROL_MIGRATIONS, TENANT_MIGRATIONS, Migrati
 from moorage.store.sql import Conn
 
 _BUSY_TIMEOUT_MS = 60_000
-_OPEN_FILES = 65536
 _CONNS_PER_THREAD = 64
-
-
-def _raise_open_files_limit() -> None:
-    """Raise this process's soft limit on open descriptors towards the hard one (at most ``_OPEN_FILES``).
-
-    Every thread keeps up to ``_CONNS_PER_THREAD`` tenant connections open (the database and its WAL: two
-    descriptors each, plus one shared-memory file per database), and each tenant's blob log a descriptor
-    or two per segment: a host process serving a few hundred tenants from a pool of worker threads passes
-    the usual soft limit of 1024 long before the hard one (often 524288) and would fail with "too many
-    open files". Go's runtime raises it the same way at start."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = _OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, _OPEN_FILES)
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, OSError, ValueError):
-        pass  # not permitted or not supported: keep the limit the process was given
 
 
 def _connect(path: str) -> sqlite3.Connection:
@@ -233,7 +214,7 @@ class SQLiteBackend(Backend):
         except OSError as e:
             raise UnavailableError(f"cannot create the store directory {self.root}: {e}", hint="check MOORAGE_DATA_DIR") from e
         os.chmod(self.root, 0o700)
-        _raise_open_files_limit()
+        raise_open_files_limit()  # a connection or two per tenant per thread
         self._files = _Files()
         self._migrated: set[str] = set()
         self._mlock = threading.Lock()
