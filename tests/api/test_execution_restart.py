@@ -10,7 +10,6 @@ import tarfile
 import time
 from pathlib import Path
 
-
 from moorage import Client
 from moorage.client import verify_webhook
 from tests.api.test_async_webhooks import Receiver
