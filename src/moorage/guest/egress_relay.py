@@ -221,7 +221,8 @@ async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sta
     """Answer the client's request (read to the end of its head first, within bounds) with ``status`` and the reason
     as plain text, then close: ``curl`` and ``pip`` then say why, where a bare close said "empty reply"."""
     try:
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REFUSE_READ_S)
+        async with asyncio.timeout(REFUSE_READ_S):
+            await reader.readuntil(b"\r\n\r\n")
     except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError):
         pass  # not the head of a request, or not all of it: answered all the same
     body = ("moorage egress relay: %s\n" % reason).encode()
@@ -230,7 +231,8 @@ async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sta
             "\r\n\r\n" % (status, _PHRASES.get(status, "Error"), len(body), retry))
     try:
         writer.write(head.encode() + body)
-        await asyncio.wait_for(writer.drain(), REFUSE_READ_S)
+        async with asyncio.timeout(REFUSE_READ_S):
+            await writer.drain()
     except (asyncio.TimeoutError, OSError):
         pass
     finally:
