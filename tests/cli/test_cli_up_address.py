@@ -153,14 +153,10 @@ def test_port_0_serves_where_the_kernel_put_it_and_the_cli_and_share_links_go_th
     run without a port reaches it there, and a share link it prints points there (it pointed at host:port of the
     CLI's own configuration: port 7700, where nothing served)."""
     from tests.cli.test_cli_live import app_archive
-    from tests.upproc import wait_serving
+    from tests.upproc import moorage_up
 
     log = tmp_path / "up-0.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*MOORAGE, "up", "--port", "0"], env=_env(data), cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+    with moorage_up(data, _env(data), log, "--port", "0") as (proc, url):
         port = int(url.rsplit(":", 1)[1])
         assert port != 0 and f"moorage is up at http://127.0.0.1:{port}" in " ".join(log.read_text().split())
         with Client() as sdk:
@@ -173,10 +169,6 @@ def test_port_0_serves_where_the_kernel_put_it_and_the_cli_and_share_links_go_th
         assert link.startswith(f"{url}/v1/shared/"), link
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def test_a_fleet_host_on_port_0_needs_the_address_others_reach_it_at(data: Path) -> None:
@@ -192,25 +184,17 @@ def test_a_host_served_beyond_loopback_says_its_http_is_plain(data: Path, tmp_pa
     """`--host 0.0.0.0` serves keys and tokens to the network unencrypted: the start says so, and where to read how to
     put TLS in front; on loopback (the default) it says nothing of it."""
     from moorage.cli.up import loopback_only
-    from tests.upproc import wait_serving
+    from tests.upproc import moorage_up
 
     assert [loopback_only(h) for h in ("127.0.0.1", "127.0.0.9", "::1", "localhost")] == [True] * 4
     assert [loopback_only(h) for h in ("0.0.0.0", "::", "10.0.0.5", "moorage.example.com")] == [False] * 4
     said = {}
     for host in ("127.0.0.1", "0.0.0.0"):
         log = tmp_path / f"up-{host}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([*MOORAGE, "up", "--host", host, "--port", "0"], env=_env(data), cwd=ROOT,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            url = wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+        with moorage_up(data, _env(data), log, "--host", host, "--port", "0") as (proc, url):
             assert url.startswith("http://127.0.0.1:")  # a wildcard address is reached on loopback here
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=120) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
         said[host] = " ".join(log.read_text().split())
     assert "plain HTTP beyond this machine" not in said["127.0.0.1"], said
     assert 'plain HTTP beyond this machine: API keys and end-user tokens cross the network unencrypted; put a TLS ' \

@@ -5,13 +5,10 @@ connections pass with a few hundred awake instances ("too many open files")."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 from moorage.fds import OPEN_FILES
-from tests.cli.test_cli_e2e import MOORAGE, ROOT
-from tests.upproc import wait_serving
+from tests.upproc import moorage_up
 
 
 def _soft_limit(pid: int) -> int:
@@ -26,17 +23,7 @@ def test_a_host_on_postgresql_raises_its_open_files_limit(tmp_path: Path, pg_url
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
     env.update(MOORAGE_DATA_DIR=str(data), MOORAGE_PORT="0", MOORAGE_STORE_URL=pg_url,
                MOORAGE_SANDBOX_DRIVER="process", MOORAGE_LOG_LEVEL="warning")
-    log = tmp_path / "up.log"
-    with open(log, "wb") as out:  # started as systemd starts a service: a soft limit far below the hard one
-        proc = subprocess.Popen(["prlimit", "--nofile=256:8192", *MOORAGE, "up"], env=env, cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+    # Started as systemd starts a service: a soft limit far below the hard one.
+    with moorage_up(data, env, tmp_path / "up.log", prefix=("prlimit", "--nofile=256:8192")) as (proc, _):
         assert _soft_limit(proc.pid) == min(8192, OPEN_FILES)
-        assert "store: postgresql" in " ".join(log.read_text().split()).lower()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        assert "store: postgresql" in " ".join((tmp_path / "up.log").read_text().split()).lower()

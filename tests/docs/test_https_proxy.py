@@ -14,7 +14,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -26,10 +25,7 @@ from websockets.asyncio.client import connect
 from moorage import Client
 from moorage.devservices.postgres import free_port
 from tests.app.wsapp import agent_py
-from tests.upproc import wait_serving
-
-ROOT = Path(__file__).resolve().parents[2]
-MOORAGE = [sys.executable, "-m", "moorage.cli.main"]
+from tests.upproc import MOORAGE, ROOT, moorage_up
 
 AGENT = agent_py(r'''
 import asyncio
@@ -89,19 +85,8 @@ def up(tmp_path: Path) -> Iterator[tuple[str, str]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOORAGE_")}
     env.update(MOORAGE_DATA_DIR=str(data), MOORAGE_PORT="0", MOORAGE_SANDBOX_DRIVER="process",
                MOORAGE_LOG_LEVEL="warning")
-    log = tmp_path / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*MOORAGE, "up"], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        url = wait_serving(proc, data, output=lambda: log.read_text(errors="replace"))
+    with moorage_up(data, env, tmp_path / "up.log") as (_, url):
         yield url, (data / "local-admin.key").read_text().strip()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def start_nginx(tmp: Path, block: str) -> tuple[subprocess.Popen[bytes], int]:

@@ -5,37 +5,24 @@ requests got 401s from it, while the host had stopped on "cannot listen". Now it
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from moorage.devservices import fleet as harness
 from moorage.devservices.postgres import free_port
+from tests.upproc import squatter
 
 
 def test_a_port_taken_first_is_given_up_for_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    class Healthy(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    squatter = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
-    threading.Thread(target=squatter.serve_forever, daemon=True).start()
-    taken = squatter.server_address[1]
-    ports = iter([taken])
-    monkeypatch.setattr(harness, "free_port", lambda: next(ports, None) or free_port())
-    host = harness.LocalHost("box", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
-    try:
-        assert host.port != taken and host.url.endswith(f":{host.port}")
-        with host.client(host.key) as c:
-            assert c.get("/v1/agents").status_code == 200  # this host, with its own key
-        assert f"cannot listen on 127.0.0.1:{taken}" in host.log.read_text()  # the first try, said in its log
-    finally:
-        host.stop()
-        squatter.shutdown()
+    with squatter() as taken:
+        ports = iter([taken])
+        monkeypatch.setattr(harness, "free_port", lambda: next(ports, None) or free_port())
+        host = harness.LocalHost("box", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+        try:
+            assert host.port != taken and host.url.endswith(f":{host.port}")
+            with host.client(host.key) as c:
+                assert c.get("/v1/agents").status_code == 200  # this host, with its own key
+            assert f"cannot listen on 127.0.0.1:{taken}" in host.log.read_text()  # the first try, said in its log
+        finally:
+            host.stop()
