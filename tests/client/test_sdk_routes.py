@@ -22,6 +22,7 @@ NOT_IN_SDK = {
     ("POST", "/mcp"): "for MCP clients",
     ("POST", "/mcp/{agent}"): "for MCP clients",
     ("GET", "/metrics"): "for Prometheus",
+    ("GET", "/readyz"): "for load balancers",
     ("GET", "/openapi.json"): "the description itself",
     ("GET", "/v1/executions/{execution_id}/output"): "read as a stream by follow_exec",
 }

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from moorage.aio import within
 from moorage.log import get_logger
 
 log = get_logger(__name__)
@@ -20,6 +21,8 @@ log = get_logger(__name__)
 #: How long one answer of the store stands for every probe, and how long a probe waits for the store.
 STORE_TTL_S = 1.0
 STORE_WAIT_S = 3.0
+#: When a load balancer that was told "not ready" may ask again.
+RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,9 @@ class Ready:
     detail: str = ""
 
     def body(self) -> dict[str, Any]:
-        return {"status": self.status, "detail": self.detail} if self.detail else {"status": self.status}
+        """``status``, and when not ready the ``detail`` and ``retry_after`` (seconds) every 503 of the API has."""
+        return {"status": self.status} if self.ready else {"status": self.status, "detail": self.detail,
+                                                           "retry_after": RETRY_AFTER_S}
 
 
 class Readiness:
@@ -59,7 +64,7 @@ class Readiness:
         async with self._lock:
             if time.monotonic() - self._checked >= STORE_TTL_S:
                 try:
-                    await asyncio.wait_for(asyncio.to_thread(self.store.ping), STORE_WAIT_S)
+                    await within(asyncio.to_thread(self.store.ping), STORE_WAIT_S)
                     self._store_error = None
                 except asyncio.TimeoutError:
                     self._store_error = f"the store did not answer within {STORE_WAIT_S:.0f} s"

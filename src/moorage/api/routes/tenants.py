@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from moorage.api import schemas as S
+from moorage.api.readiness import RETRY_AFTER_S
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import ConflictError
 
 
-READY = S.obj({"status": S.STR, "detail": S.STR}, required=["status"])
+READY = S.obj({"status": S.STR, "detail": S.STR, "retry_after": S.INT}, required=["status"])
 #: What a caller who asked for a tenant that exists can do (the store's conflict says only that it exists).
 TENANT_EXISTS_HINT = ("tenant names are unique and this one is taken: choose another name, or keep using that "
                       "tenant with an API key it already has (its first admin key is not shown again)")
@@ -35,7 +36,7 @@ def health(call: Call) -> dict[str, Any]:
 async def ready(call: Call) -> Reply:
     """200 while this host should get new requests; 503 with why not (``api/readiness.py``)."""
     r = await call.ctx.readiness.check()
-    return Reply(r.body(), 200 if r.ready else 503, {} if r.ready else {"Retry-After": "5"})
+    return Reply(r.body(), 200 if r.ready else 503, {} if r.ready else {"Retry-After": str(RETRY_AFTER_S)})
 
 
 ENDPOINTS = [
