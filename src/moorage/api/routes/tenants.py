@@ -13,6 +13,7 @@ from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import ConflictError
 
 
+#: ``/readyz``'s answer, 200 or 503 (``api/readiness.py``).
 READY = S.obj({"status": S.STR, "detail": S.STR, "retry_after": S.INT}, required=["status"])
 #: What a caller who asked for a tenant that exists can do (the store's conflict says only that it exists).
 TENANT_EXISTS_HINT = ("tenant names are unique and this one is taken: choose another name, or keep using that "
