@@ -519,6 +519,68 @@ else:
     assert (await bomb.ping())["pong"]
 
 
+#: Leaves the sandbox exactly one free process slot, held by sleeping children until it is killed. The process
+#: ``exec`` started returns at once (so the supervisor has reaped it, and ended whatever watched it, before the
+#: slots are taken); the holder then forks until the limit refuses it, several times over (slots freed late are
+#: taken too), and lets one child go.
+HOLD_ALL_BUT_ONE = """
+import os, signal, sys, time
+r, w = os.pipe()
+if os.fork():
+    os.close(w)
+    os.read(r, 1)
+    sys.exit(0)
+parent = os.getppid()
+os.setsid()
+os.write(w, b"x")
+while os.getppid() == parent:
+    time.sleep(0.02)
+kids, refused = [], 0
+while refused < 5:
+    try:
+        pid = os.fork()
+    except OSError:
+        refused += 1
+        time.sleep(0.2)
+        continue
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    kids.append(pid)
+    refused = 0
+os.kill(kids[-1], signal.SIGKILL)
+os.waitpid(kids[-1], 0)
+with open("held.tmp", "w") as f:
+    f.write("%d %d" % (len(kids) - 1, os.getpgrp()))
+os.rename("held.tmp", "held")
+time.sleep(120)
+"""
+
+
+async def test_exec_needs_one_process_slot_only(driver: SandboxDriver) -> None:
+    # A command started when the sandbox has one process slot left runs and is waited for: the guest watches its
+    # children without starting a thread (a task, to the pids limit) for each one, so exec does not fail with
+    # "can't start new thread" beside a fork bomb.
+    sb = await started(driver, "lastslot", TIGHT)
+    await sb.write_file("hold.py", HOLD_ALL_BUT_ONE.encode())
+    assert (await sb.exec([PY, "hold.py"], timeout=30)).exit_code == 0
+    for _ in range(300):
+        try:
+            held, group = (int(x) for x in (await sb.read_file("held")).split())
+            break
+        except GuestFileNotFound:
+            await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the holder never took the slots")
+    assert 0 < held < TIGHT.max_processes
+    r = await sb.exec(["/bin/sh", "-c", "echo last slot; exit 3"], timeout=30)
+    assert (r.exit_code, r.stdout) == (3, b"last slot\n"), (r.exit_code, r.stdout_text, r.stderr_text)
+    # ...and again, the slot it used being free once more.
+    assert (await sb.exec(["/bin/sh", "-c", "echo again"], timeout=30)).stdout == b"again\n"
+    await sb.exec([PY, "-c", "import os; os.killpg(%d, 9)" % group], timeout=30)
+    assert (await sb.exec(["echo", "usable"], timeout=30)).stdout == b"usable\n"
+
+
 async def test_memory_hog_is_contained(driver: SandboxDriver) -> None:
     hog = await started(driver, "hog", TIGHT)
     other = await started(driver, "bystander2")

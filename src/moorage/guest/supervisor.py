@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, List, Optional, Set
 
-from . import agent, egress_relay, ops_exec, ops_fs, packages, restart
+from . import agent, children, egress_relay, ops_exec, ops_fs, packages, restart
 from .rpc import INVALID_PARAMS, MAX_FRAME, Context, Peer, Registry, RpcError, log
 
 VIRTIO_PORT_NAME = "moorage.0"
@@ -298,6 +298,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             await sup.run_virtio(args.virtio)
 
+    children.install()  # after any fork above: each supervisor process installs its own
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
