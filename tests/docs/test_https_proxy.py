@@ -25,6 +25,7 @@ from websockets.asyncio.client import connect
 from moorage import Client
 from moorage.devservices.postgres import free_port
 from tests.app.wsapp import agent_py
+from tests.tls import certificate
 from tests.upproc import MOORAGE, ROOT, moorage_up
 
 AGENT = agent_py(r'''
@@ -67,15 +68,6 @@ def nginx_block() -> str:
 def replaced(text: str, old: str, new: str) -> str:
     assert text.count(old) == 1, f"the page's block no longer has {old!r} once"
     return text.replace(old, new)
-
-
-def certificate(where: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 that only this test trusts (its own CA, as a private one would be)."""
-    cert, key = where / "cert.pem", where / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 @pytest.fixture

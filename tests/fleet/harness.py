@@ -48,16 +48,18 @@ class Fleet:
         self.base, self.store_url = base, store_url
         self.env = fleet_env(store_url, s3, lease_ttl_s="4", heartbeat_s="1", **settings)
         self.hosts: list[LocalHost] = []
-        for i in range(n):
-            self.hosts.append(LocalHost(f"h{i + 1}", base / f"h{i + 1}", self.env, start_timeout_s=120))
-        self.key = self.hosts[0].key
-        self.api = [h.client(self.key) for h in self.hosts]
+        self.api: list[httpx.Client] = []
+        self.key = ""  # the first host's local admin key
+        for _ in range(n):
+            self.add_host()
 
-    def add_host(self, **settings: str) -> int:
-        """Start one more host (a machine joining the fleet), with ``settings`` (MOORAGE_*) on top; its index."""
+    def add_host(self, host_url: str | None = None, environ: dict[str, str] | None = None, **settings: str) -> int:
+        """Start one more host (a machine joining the fleet), with ``settings`` (MOORAGE_*) and ``environ`` (other
+        variables) on top, registered at ``host_url`` where not at its own port; its index."""
         name = f"h{len(self.hosts) + 1}"
-        env = {**self.env, **{f"MOORAGE_{k.upper()}": v for k, v in settings.items()}}
-        self.hosts.append(LocalHost(name, self.base / name, env, start_timeout_s=120))
+        env = {**self.env, **(environ or {}), **{f"MOORAGE_{k.upper()}": v for k, v in settings.items()}}
+        self.hosts.append(LocalHost(name, self.base / name, env, start_timeout_s=120, host_url=host_url))
+        self.key = self.key or self.hosts[0].key
         self.api.append(self.hosts[-1].client(self.key))
         return len(self.hosts) - 1
 

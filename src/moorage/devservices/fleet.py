@@ -68,7 +68,9 @@ INSTALLATION_SECRETS = ("api/token-secret", "api/operator-token", "api/metrics-t
 
 class LocalHost:
     def __init__(self, name: str, data: Path, env: dict[str, str], *, driver: str = "process",
-                 start_timeout_s: float = 900.0) -> None:
+                 start_timeout_s: float = 900.0, host_url: str | None = None) -> None:
+        """``host_url``: the URL the other hosts reach this one at, where it is not its own port (a TLS proxy in
+        front of it); its own URL (``url``) is loopback HTTP either way."""
         self.name, self.data = name, data
         data.mkdir(parents=True, exist_ok=True)
         if "MOORAGE_OBJECT_STORE_URL" in env:  # one host of a fleet: the hosts beside it share its secrets
@@ -84,7 +86,7 @@ class LocalHost:
             self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             full = {**os.environ, **env, "MOORAGE_DATA_DIR": str(data), "MOORAGE_PORT": str(self.port),
-                    "MOORAGE_HOST_ID": name, "MOORAGE_HOST_URL": self.url, "MOORAGE_SANDBOX_DRIVER": driver}
+                    "MOORAGE_HOST_ID": name, "MOORAGE_HOST_URL": host_url or self.url, "MOORAGE_SANDBOX_DRIVER": driver}
             full.setdefault("MOORAGE_LOG_LEVEL", "info")
             start = self.log.stat().st_size if self.log.exists() else 0
             with open(self.log, "ab") as out:

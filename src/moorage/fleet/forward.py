@@ -22,7 +22,9 @@ import contextlib
 import hashlib
 import hmac
 import json
+import os
 import re
+import ssl
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
@@ -76,6 +78,15 @@ _TIMEOUT = httpx.Timeout(connect=5.0, read=660.0, write=60.0, pool=5.0)
 #: anything else (no length: server-sent events, chunked app answers; or larger) streams through.
 BUFFERED_MAX = 1 << 20
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+
+
+def host_tls() -> ssl.SSLContext | None:
+    """What an ``https`` host_url's certificate is checked against: the CA file or directory named by
+    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` (a private CA, read as the CLI and the SDK read them), or None for the
+    client libraries' own trust store. Proxies named in the environment are not used either way: hosts talk to each
+    other directly."""
+    cafile, capath = os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
+    return ssl.create_default_context(cafile=cafile, capath=capath) if cafile or capath else None
 
 
 class ForwardSigner:
@@ -265,6 +276,14 @@ class Forwarder:
         self._client: httpx.AsyncClient | None = None
         self._socket_watch: _SocketWatch | None = None
 
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # Hosts talk to each other directly, never through a proxy named in the environment (trust_env off);
+            # an https host_url is checked against SSL_CERT_FILE / SSL_CERT_DIR all the same.
+            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False,
+                                             verify=host_tls() or True)
+        return self._client
+
     async def _watched(self, owner_id: str, aw: Awaitable[T]) -> T:
         """``await aw``, the owner's answer, given up (``OwnerLapsed``) once the owner's lease lapses meanwhile."""
         if self.lapsed is None:
@@ -301,6 +320,12 @@ class Forwarder:
 
     @staticmethod
     def _unreachable(owner_id: str, e: BaseException) -> UnavailableError:
+        seen: BaseException | None = e
+        while seen is not None and not isinstance(seen, ssl.SSLCertVerificationError):
+            seen = seen.__cause__ or seen.__context__
+        if seen is not None:  # the operator's to fix, on this host: said in its log
+            log.warning("another host's certificate is not trusted here: name its CA in SSL_CERT_FILE (or "
+                        "SSL_CERT_DIR) in this host's environment", owner=owner_id, error=str(seen))
         return UnavailableError(f"host {owner_id!r}, where this agent is awake, did not answer: {type(e).__name__}",
                                 hint="retry; if that host is down its lease lapses and another host takes over")
 
@@ -312,9 +337,7 @@ class Forwarder:
         (an answer streaming already ends with an ``error`` event, when it is an event stream, once the owner's
         lease lapses while this host waits on its next bytes)."""
         self._check_hop(request.scope, owner_id)
-        if self._client is None:
-            # Hosts talk to each other directly, never through a proxy named in the environment.
-            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
+        client = self._http()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | _MARKERS]
         headers += self._markers(request.method, request.url.path, request.url.query, trace_id)
         content: bytes | AsyncIterator[bytes] | None = body
@@ -325,7 +348,6 @@ class Forwarder:
         elif body is None and "chunked" in request.headers.get("transfer-encoding", "").lower():
             content = request.stream()
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        client = self._client
 
         async def answer() -> tuple[httpx.Response, bool]:
             """The owner's answer: read whole (True) when it is small and of known length, else its head only."""
@@ -408,8 +430,7 @@ class Forwarder:
         the work this host does for it, such as a forget asking another holder to let go of an instance. Its
         answer is read whole. Raises UnavailableError when the owner does not answer (``OwnerLapsed`` when its
         lease lapsed meanwhile)."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False)
+        client = self._http()
         # Not the caller's Idempotency-Key: the owner would keep this step's answer as the request's own.
         sent = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP | _MARKERS | {"idempotency-key"}]
         sent += [(k, v) for k, v in headers.items() if k.lower() != LET_GO]
@@ -417,7 +438,7 @@ class Forwarder:
                               next((v for k, v in headers.items() if k.lower() == LET_GO), ""))
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
-            return await self._watched(owner_id, self._client.request(request.method, url, headers=sent))
+            return await self._watched(owner_id, client.request(request.method, url, headers=sent))
         except httpx.HTTPError as e:
             raise self._unreachable(owner_id, e) from e
 
@@ -437,7 +458,9 @@ class Forwarder:
         if ws.headers.get("user-agent"):
             headers.append(("user-agent", ws.headers["user-agent"]))
         try:
+            tls = host_tls() if url.startswith("wss:") else None
             conn = await connect(url, additional_headers=headers, user_agent_header=None, proxy=None,
+                                 **({"ssl": tls} if tls is not None else {}),
                                  subprotocols=list(ws.scope.get("subprotocols") or []) or None,  # type: ignore[arg-type]
                                  compression=None, open_timeout=open_timeout_s, max_size=max_message,
                                  # Few messages queued from the owner: a caller that stops reading stops the owner
