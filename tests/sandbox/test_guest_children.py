@@ -1,5 +1,6 @@
 """The guest's child watcher (``guest/children.py``): asyncio children are waited for on a pidfd by the loop that
-started them, with no thread per child, and their exit statuses are asyncio's. Run in a fresh interpreter: the
+started them, with no thread per child, and their exit statuses are asyncio's; a process left running is reaped
+the same way. Run in a fresh interpreter: the
 watcher is process-wide, as it is in the guest. (That a command runs in a sandbox's last process slot, on both
 drivers: ``test_conformance.py::test_exec_needs_one_process_slot_only``.)"""
 
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import asyncio, json, threading
+import asyncio, json, os, subprocess, threading
 from moorage.guest import children
 
 installed = children.install()
@@ -36,6 +37,15 @@ async def main():
     out["pipes"] = [o.decode(), e.decode(), p.returncode]
     # Ten at once.
     out["many"] = await asyncio.gather(*(run("sh", "-c", "exit %d" % i) for i in range(10)))
+    # A process left running (ctx.spawn) is reaped once it ends, by the loop: no zombie, no thread meanwhile.
+    left = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 4"])
+    children.reap(left)
+    out["threads_while_left"] = threading.active_count()
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if left.returncode is not None:
+            break
+    out["left"] = [left.returncode, os.path.exists("/proc/%d" % left.pid)]
     return out
 
 
@@ -62,3 +72,4 @@ def test_children_are_waited_for_without_a_thread_each() -> None:
     assert r["pipes"] == ["out\n", "err\n", 0]
     assert r["many"] == list(range(10))
     assert r["thread_loop"] == [5]
+    assert r["threads_while_left"] == 1 and r["left"] == [4, False]

@@ -8,9 +8,9 @@ import inspect
 import json
 import os
 import subprocess
-import threading
 from typing import Any, Callable, Dict, List, Optional
 
+from . import children
 from .agent_load import LoadedAgent
 from .rpc import BUSY as HOST_BUSY, Context, RpcError
 
@@ -233,8 +233,7 @@ class AgentContext:
         finally:
             if log is not None:
                 out.close()
-        # Reaped as it ends, so no zombie is left behind (one would look alive in /proc to the agent's own checks).
-        threading.Thread(target=p.wait, daemon=True, name="moorage-spawned-%d" % p.pid).start()
+        children.reap(p)  # as it ends, so it leaves no zombie; no thread that counts against the pids limit
         return {"pid": p.pid, "log": None if log is None else self.files._p(log)}
 
     async def fetch(self, url: str, *, method: str = "GET", json: Any = None, headers: Optional[Dict[str, str]] = None,

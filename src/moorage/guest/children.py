@@ -5,14 +5,16 @@ new thread (``ThreadedChildWatcher``). A thread is a task to the kernel: in a sa
 fork bomb that the agent started a moment before) the watcher cannot start, and the ``exec`` that started the
 child fails with "can't start new thread" although the child runs. A pidfd needs no task: the loop that started
 the child reads it. Python 3.12 makes that its default; this is the same idea for the guest's 3.11, installed
-once as the supervisor starts.
+once as the supervisor starts. A process the agent leaves running (``ctx.spawn``) is reaped the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
+import threading
 import warnings
 from typing import Any, Callable, Dict, Tuple
 
@@ -81,3 +83,25 @@ def install() -> bool:
         warnings.simplefilter("ignore", DeprecationWarning)
         asyncio.set_child_watcher(PidfdChildWatcher())
     return True
+
+
+
+def reap(proc: "subprocess.Popen[bytes]") -> None:
+    """Reap ``proc``, a child this process started and left running, once it exits (no zombie is left, which would
+    look alive in /proc to the agent's own checks): on a pidfd the running loop watches when that is the main
+    thread's loop (the supervisor's, which lives as long as the process), else with a thread."""
+    try:
+        loop = asyncio.get_running_loop() if threading.current_thread() is threading.main_thread() else None
+        pidfd = os.pidfd_open(proc.pid) if loop is not None else -1
+    except (AttributeError, OSError, RuntimeError):
+        loop, pidfd = None, -1
+    if loop is None or pidfd < 0:
+        threading.Thread(target=proc.wait, daemon=True, name="moorage-spawned-%d" % proc.pid).start()
+        return
+
+    def exited() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        proc.poll()  # it exited, and its pid stays its own until reaped: here, by the object that knows it
+
+    loop.add_reader(pidfd, exited)
