@@ -37,7 +37,7 @@ def _moorage_logging_as_found() -> Iterator[None]:
 def pg_cluster() -> Iterator[PostgresCluster]:
     cluster = start_cluster()
     yield cluster
-    cluster.stop()
+    cluster.stop(remove_after=True)  # the run's hundreds of databases: removed after the run, not within it
 
 
 @pytest.fixture
