@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from typing import Any, AsyncIterator
 
 import httpx
@@ -16,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from moorage.devservices.postgres import free_port
+from moorage.errors import UnavailableError
 from moorage.fleet.forward import Forwarder
 
 
@@ -83,6 +85,57 @@ def test_a_caller_going_away_closes_the_owners_stream_and_a_lost_owner_ends_it_w
             events = [json.loads(line[5:]) for line in rest if line.startswith("data:")]
             assert "event: error" in rest and events[-1]["status"] == 503 and "owner" in events[-1]["detail"]
         finally:
+            owner.should_exit = fronting.should_exit = True
+            await asyncio.gather(owner_task, front_task, return_exceptions=True)
+            await forwarder.close()
+
+    asyncio.run(run())
+
+
+def test_a_stream_silent_longer_than_the_answer_wait_goes_through_and_an_owner_that_never_answers_is_a_503() -> None:
+    # The owner's answer must begin within answer_wait_s (11 minutes; 1 s here); once it streams, a silence of any
+    # length is the owner app's to keep (a long poll), not cut by a read timeout.
+    async def run() -> None:
+        async def quiet(request: Request) -> Response:
+            async def body() -> AsyncIterator[bytes]:
+                yield b"first "
+                await asyncio.sleep(2.5)
+                yield b"then the rest"
+
+            return StreamingResponse(body(), media_type="text/plain")
+
+        released = asyncio.Event()
+
+        async def mute(request: Request) -> Response:
+            await released.wait()
+            return Response(b"too late")
+
+        owner, owner_task, owner_url = await _serve(Starlette(routes=[Route("/quiet", quiet), Route("/mute", mute)]))
+        forwarder = Forwarder("front")
+        forwarder.answer_wait_s = 1.0
+
+        async def front(request: Request) -> Response:
+            try:
+                return await forwarder.forward(request, b"", "owner", owner_url, "ab" * 16)
+            except UnavailableError as e:  # what the API's handler answers it with
+                return Response(e.message, 503)
+
+        fronting, front_task, front_url = await _serve(Starlette(routes=[Route("/quiet", front), Route("/mute", front)]))
+        try:
+            async with httpx.AsyncClient(base_url=front_url, timeout=60) as c:
+                r = await c.get("/quiet")
+                assert (r.status_code, r.text) == (200, "first then the rest")
+                # The connection to the owner, kept for the next request, finds a vanished peer by TCP keepalive.
+                port = owner_url.rsplit(":", 1)[1]
+                held = subprocess.run(["ss", "-tno", "state", "established", "dport", f"= :{port}"],
+                                      capture_output=True, text=True, timeout=30).stdout
+                assert "timer:(keepalive" in held, held
+                started = asyncio.get_running_loop().time()
+                r = await c.get("/mute")
+                assert r.status_code == 503 and "did not answer: TimeoutError" in r.text, r.text
+                assert asyncio.get_running_loop().time() - started < 10
+        finally:
+            released.set()
             owner.should_exit = fronting.should_exit = True
             await asyncio.gather(owner_task, front_task, return_exceptions=True)
             await forwarder.close()

@@ -24,6 +24,7 @@ import hmac
 import json
 import os
 import re
+import socket
 import ssl
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -73,7 +74,14 @@ _OWN = frozenset({"date", "server"})
 #: A WebSocket handshake's own headers: the forwarding host makes its own handshake with the owner.
 _HANDSHAKE = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                      "sec-websocket-protocol", "sec-websocket-accept", "user-agent"}
-_TIMEOUT = httpx.Timeout(connect=5.0, read=660.0, write=60.0, pool=5.0)
+#: No read timeout: how long an owner may take to answer is ``ANSWER_WAIT_S`` (its answer's head, or the whole of a
+#: small one), and an answer streaming may stay silent as long as the owner's app keeps it open (a long poll). A peer
+#: gone without a word is found by TCP keepalive (``_KEEPALIVE``: about a minute) and a frozen owner by its lease.
+_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=5.0)
+#: How long an owner has to answer (a turn runs at most 10 minutes).
+ANSWER_WAIT_S = 660.0
+_KEEPALIVE = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1), (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30),
+              (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10), (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)]
 #: Answers up to this size with a declared length are read whole and sent on as one body (every JSON route);
 #: anything else (no length: server-sent events, chunked app answers; or larger) streams through.
 BUFFERED_MAX = 1 << 20
@@ -273,6 +281,7 @@ class Forwarder:
         #: ``watch_every_s`` while this host waits on that host's answer. None: waited on until the read timeout.
         self.lapsed: Callable[[str], bool] | None = None
         self.watch_every_s = 1.0
+        self.answer_wait_s = ANSWER_WAIT_S
         self._client: httpx.AsyncClient | None = None
         self._socket_watch: _SocketWatch | None = None
 
@@ -280,9 +289,18 @@ class Forwarder:
         if self._client is None:
             # Hosts talk to each other directly, never through a proxy named in the environment (trust_env off);
             # an https host_url is checked against SSL_CERT_FILE / SSL_CERT_DIR all the same.
+            transport = httpx.AsyncHTTPTransport(verify=host_tls() or True, trust_env=False,
+                                                 socket_options=_KEEPALIVE)
             self._client = httpx.AsyncClient(timeout=_TIMEOUT, follow_redirects=False, trust_env=False,
-                                             verify=host_tls() or True)
+                                             transport=transport)
         return self._client
+
+    async def _in_time(self, owner_id: str, aw: Awaitable[T]) -> T:
+        """``await aw``, an owner's answer, within ``answer_wait_s`` (UnavailableError after it)."""
+        try:
+            return await within(aw, self.answer_wait_s)
+        except TimeoutError as e:
+            raise self._unreachable(owner_id, e) from e
 
     async def _watched(self, owner_id: str, aw: Awaitable[T]) -> T:
         """``await aw``, the owner's answer, given up (``OwnerLapsed``) once the owner's lease lapses meanwhile."""
@@ -367,7 +385,7 @@ class Forwarder:
                 await upstream.aclose()
             return upstream, True
 
-        upstream, whole_read = await self._watched(owner_id, answer())
+        upstream, whole_read = await self._watched(owner_id, self._in_time(owner_id, answer()))
         if whole_read:
             whole = Response(upstream.content, upstream.status_code)  # its own Content-Length: decoded bytes
             whole.raw_headers += _answer_headers(upstream, owner_id, _HOP | {"content-encoding"})
@@ -438,7 +456,8 @@ class Forwarder:
                               next((v for k, v in headers.items() if k.lower() == LET_GO), ""))
         url = owner_url.rstrip("/") + request.url.path + (f"?{request.url.query}" if request.url.query else "")
         try:
-            return await self._watched(owner_id, client.request(request.method, url, headers=sent))
+            return await self._watched(owner_id, self._in_time(owner_id, client.request(request.method, url,
+                                                                                      headers=sent)))
         except httpx.HTTPError as e:
             raise self._unreachable(owner_id, e) from e
 
