@@ -24,6 +24,7 @@ BAD = [
     ("[agent.timetravel]\nautomatic = false\n", "unknown [agent.timetravel] setting 'automatic'"),
     ("[agent.timetravel]\nauto = \"no\"\n", "[agent.timetravel] auto must be true or false"),
     ("[agent.timetravel]\nkeep = 0\n", "[agent.timetravel] keep must be a whole number of at least 1"),
+    ("[agent.timetravel]\nnamed = -1\n", "[agent.timetravel] named must be a whole number of at least 0"),
     ("[agent.mcp.docs]\nurl = \"https://docs.example.com/mcp\"\nheaders = { Authorization = \"x\" }\n",
      "[agent.mcp.docs] must have only url"),
 ]

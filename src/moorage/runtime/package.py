@@ -67,7 +67,7 @@ AGENT_SETTINGS = frozenset({
 })
 
 #: The keys of the tables that are read leniently where they are used (a wrong one is checked here instead).
-_TABLE_SETTINGS = {"egress": ("allow",), "network": ("allow", "packages"), "timetravel": ("auto", "keep", "daily")}
+_TABLE_SETTINGS = {"egress": ("allow",), "network": ("allow", "packages"), "timetravel": ("auto", "keep", "daily", "named")}
 
 
 def _check_manifest(doc: dict[str, Any], files: dict[str, bytes]) -> dict[str, Any]:
@@ -134,10 +134,10 @@ def _check_settings(agent: dict[str, Any]) -> None:
     if "auto" in tt and not isinstance(tt["auto"], bool):
         raise AgentPackageError(f"moorage.toml: [agent.timetravel] auto must be true or false, not {tt['auto']!r}",
                                 hint="auto = true checkpoints after every turn, false only when asked; nothing was changed")
-    for key, least in (("keep", 1), ("daily", 0)):
+    for key, least in (("keep", 1), ("daily", 0), ("named", 0)):
         if key in tt and (isinstance(tt[key], bool) or not isinstance(tt[key], int) or tt[key] < least):
             raise AgentPackageError(f"moorage.toml: [agent.timetravel] {key} must be a whole number of at least {least},"
-                                    f" not {tt[key]!r}", hint="e.g. keep = 20, daily = 30 (docs/timetravel.md); "
+                                    f" not {tt[key]!r}", hint="e.g. keep = 20, daily = 30, named = 20 (docs/timetravel.md); "
                                                               "nothing was changed")
     mcp = agent.get("mcp") or {}
     if not isinstance(mcp, dict):

@@ -23,6 +23,9 @@ class Policy:
     keep: int = 20
     #: Besides those, the newest checkpoint of each of the last ``daily`` days.
     daily: int = 30
+    #: And the newest ``named`` of those the agent's own code named (``ctx.checkpoint``, in a turn): a loop of them
+    #: keeps a bounded number, and a bounded share of the host's disk. Named through the API they are all kept.
+    named: int = 20
 
     @classmethod
     def of(cls, manifest: dict[str, Any] | None) -> "Policy":
@@ -34,13 +37,14 @@ class Policy:
             auto = raw.get("auto", out.auto)
             keep = int(raw.get("keep", out.keep))
             daily = int(raw.get("daily", out.daily))
+            named = int(raw.get("named", out.named))
         except (TypeError, ValueError):
             log.warning("ignoring a malformed [agent.timetravel] table", table=str(raw)[:200])
             return out
         if auto is not None and not isinstance(auto, bool):
             log.warning("ignoring a malformed [agent.timetravel] auto", auto=str(auto)[:50])
             auto = out.auto
-        return cls(auto, max(1, keep), max(0, daily))
+        return cls(auto, max(1, keep), max(0, daily), max(0, named))
 
 
 def checkpoint_view(ck: Checkpoint, *, current_branch: str | None = None, restorable: bool | None = None,
@@ -82,16 +86,23 @@ def lineage(cks: Sequence[Checkpoint], head_id: str | None) -> list[Checkpoint]:
     return out
 
 
+def by_agent(ck: Checkpoint) -> bool:
+    """Whether the agent's code took ``ck`` (``ctx.checkpoint`` during a turn), not a person through the API."""
+    return bool(ck.summary.get("during_turn"))
+
+
 def to_keep(cks: Sequence[Checkpoint], branch: str | None, head_id: str | None, policy: Policy, now: float) -> set[str]:
     """Ids retention keeps: the newest ``keep`` of the instance's current history (``lineage``: the points a
-    rollback after the last one grew from included), the newest of each of the last ``daily`` days, every named
-    one, and the tip of every other branch (an abandoned branch stays restorable)."""
+    rollback after the last one grew from included), the newest of each of the last ``daily`` days, every one
+    named through the API and the newest ``named`` the agent's code named, and the tip of every other branch (an
+    abandoned branch stays restorable)."""
     # A missing one (a failed automatic checkpoint of the current branch: it moves no head, so no lineage has it)
     # counts in the newest ``keep`` like the turn it stands for, and is never a branch's tip or a day's checkpoint.
     history = lineage(cks, head_id) + [c for c in cks if c.kind == MISSING and c.branch == branch]
     keep = {c.id for c in sorted(history, key=lambda c: -c.seq)[: policy.keep]}
     newest_first = sorted((c for c in cks if c.kind != MISSING), key=lambda c: -c.seq)
-    keep |= {c.id for c in newest_first if c.name}
+    keep |= {c.id for c in newest_first if c.name and not by_agent(c)}
+    keep |= {c.id for c in [c for c in newest_first if c.name and by_agent(c)][: policy.named]}
     tips: dict[str, str] = {}
     days: dict[int, str] = {}
     for c in newest_first:
