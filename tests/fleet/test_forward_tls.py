@@ -37,7 +37,8 @@ async def on_message(ctx, message):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs, s3_bucket) -> Iterator[tuple[Fleet, TlsFront]]:  # noqa: ANN001
+def fleet(tmp_path_factory: pytest.TempPathFactory, pg_cluster, seaweedfs,  # noqa: ANN001
+          s3_bucket) -> Iterator[tuple[Fleet, TlsFront]]:  # noqa: ANN001
     base = tmp_path_factory.mktemp("forward-tls")
     cert, key = certificate(base)
     front = TlsFront(cert, key)

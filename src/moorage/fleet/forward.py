@@ -278,7 +278,8 @@ class Forwarder:
         #: Signs what this host sends and checks what other hosts send (None: nothing is signed or trusted).
         self.signer = signer
         #: Whether a host's lease has lapsed, as this host tells (``FleetMember.lapsed``; blocking), asked every
-        #: ``watch_every_s`` while this host waits on that host's answer. None: waited on until the read timeout.
+        #: ``watch_every_s`` while this host waits on that host's answer. None: its head waited on for ``answer_wait_s``,
+        #: a streaming answer until it ends, the caller leaves or TCP keepalive finds the connection dead.
         self.lapsed: Callable[[str], bool] | None = None
         self.watch_every_s = 1.0
         self.answer_wait_s = ANSWER_WAIT_S

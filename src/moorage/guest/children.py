@@ -85,7 +85,6 @@ def install() -> bool:
     return True
 
 
-
 def reap(proc: "subprocess.Popen[bytes]") -> None:
     """Reap ``proc``, a child this process started and left running, once it exits (no zombie is left, which would
     look alive in /proc to the agent's own checks): on a pidfd the running loop watches when that is the main
