@@ -59,6 +59,15 @@ class AppHandler(socketserver.StreamRequestHandler):
         self.wfile.write(head + data)
         self.wfile.flush()
 
+    def echo_text(self):
+        """Answer each text message with ``echo: `` and the message, until the caller closes."""
+        while True:
+            opcode, data = self.read_frame()
+            if opcode is None or opcode == 8:
+                return
+            if opcode == 1:
+                self.frame(1, b"echo: " + data)
+
     def read_frame(self):
         """(opcode, unmasked payload) of the client's next frame; (None, b"") once it closed the connection."""
         head = self.rfile.read(2)

@@ -40,12 +40,7 @@ class Handler(AppHandler):
                              b"Connection: close\r\n\r\n" % len(body) + body)
             return
         self.switch()
-        while True:
-            opcode, data = self.read_frame()
-            if opcode is None or opcode == 8:
-                return
-            if opcode == 1:
-                self.frame(1, b"echo: " + data)
+        self.echo_text()
 
 
 serve(Handler)

@@ -20,12 +20,7 @@ AGENT = agent_py(r'''
 class Handler(AppHandler):
     def respond(self):
         self.switch()
-        while True:
-            opcode, data = self.read_frame()
-            if opcode is None or opcode == 8:
-                return
-            if opcode == 1:
-                self.frame(1, b"echo: " + data)
+        self.echo_text()
 
 
 serve(Handler)
