@@ -227,3 +227,33 @@ async def test_an_idempotency_key_names_one_turn_and_one_message(env, tmp_path: 
     with pytest.raises(InvalidInput, match="different request"):
         await env.runtime.invoke(env.principal, EntityKey("echo", "alice", "other"), "count", idempotency_key="k-1")
     assert (await env.runtime.invoke(env.principal, k, "count")).reply == "count=2 user=alice"
+
+
+FLOOD = '''
+async def on_message(ctx, message):
+    kept, refused = 0, ""
+    for i in range(int(message)):
+        try:
+            await ctx.memory.remember(("%d " % i) + "x" * 200_000)
+            kept += 1
+        except Exception as e:
+            refused = "%s %s: %s" % (type(e).__name__, getattr(e, "kind", None), e)
+            break
+    hits = await ctx.memory.recall("x", k=1)  # reads go on past the limit
+    return "%d kept; %d found; %s" % (kept, len(hits), refused)
+'''
+
+
+async def test_a_turns_store_writes_are_bounded_and_the_next_turn_writes_again(env, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # A loop in the agent's code that remembers large texts stops at the turn's bound (1 MiB here, 256 MiB by
+    # default) with an error it can read; what it kept stays, and the next turn has a bound of its own.
+    from moorage.runtime import host_calls
+
+    monkeypatch.setattr(host_calls, "STORE_WRITES_PER_TURN", 1 << 20)
+    await env.runtime.deploy(env.principal, write_agent(tmp_path / "agent", "echo", FLOOD))
+    ada = EntityKey("echo", "ada")
+    first = (await env.runtime.invoke(env.principal, ada, "50")).reply
+    assert first.startswith("5 kept; 1 found; ") and "more than one turn may (1 MiB)" in first, first
+    assert "HostError turn-store-limit: " in first and "memory.append refused" in first
+    assert (await env.runtime.invoke(env.principal, ada, "2")).reply == "2 kept; 1 found; "

@@ -35,6 +35,21 @@ MAX_TOKENS_CAP = 4096
 MAX_FETCH_BYTES = 1 << 20
 
 
+#: What one turn's guest calls may hand the store to keep, at most (their frames' bytes: memories, facts, journal
+#: results, a graph's checkpoints). Each value is bounded already, but a loop in the agent's code is not: remembering
+#: 256 KiB texts filled the store at 2.5 MiB/s (about 1.5 GB in a 10-minute turn) on every tenant's disk. Past it
+#: those calls are refused for the rest of the turn; reads and every other call go on.
+STORE_WRITES_PER_TURN = 256 << 20
+_STORE_WRITES = frozenset({"memory.append", "memory.learn", "durable.complete", "durable.fail", "durable.interrupt",
+                           "durable.correct", "graph.put", "graph.put_writes"})
+
+
+class TurnStoreLimit(InvalidInput):
+    """A turn's calls handed the store more than ``STORE_WRITES_PER_TURN`` to keep."""
+
+    code = "turn-store-limit"
+
+
 #: Per runtime, per tenant: how many guest-initiated calls may run at once (``Config.guest_calls_per_tenant``).
 _SHARES: "weakref.WeakKeyDictionary[Any, dict[str, asyncio.Semaphore]]" = weakref.WeakKeyDictionary()
 
@@ -98,6 +113,8 @@ class TurnBinding:
     #: The task reading the agent's answer from the guest; cancelling it cancels the agent's turn in the guest
     #: (a cancel of the run, ``Runtime.cancel``).
     reader: "asyncio.Task[Any] | None" = field(repr=False, default=None)
+    #: Bytes this turn's guest calls handed the store to keep so far (``STORE_WRITES_PER_TURN``).
+    store_written: int = 0
 
     @property
     def user_scope(self) -> Scope:
@@ -209,6 +226,15 @@ class GuestCalls:
                 log.warning("guest call outside its turns rejected", sandbox=self.sandbox_id, method=method)
                 raise HandlerError("no such turn in this sandbox", code=-32000,
                                    data={"type": "TenantScopeError", "kind": "tenant-scope"})
+            if method in _STORE_WRITES:
+                binding.store_written += getattr(ctx, "frame_bytes", 0)
+                if binding.store_written > STORE_WRITES_PER_TURN:
+                    e = TurnStoreLimit(f"this turn has handed the store {binding.store_written >> 20} MiB to keep "
+                                       f"(memories, journal, graph checkpoints), more than one turn may "
+                                       f"({STORE_WRITES_PER_TURN >> 20} MiB); {method} refused",
+                                       hint="keep large data in files (ctx.files) and their names in memory")
+                    raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__, "kind": e.code,
+                                                                  "hint": e.hint})
             # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
             # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
             async with _tenant_share(self.rt, binding.ts.tenant_id):

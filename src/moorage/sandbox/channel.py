@@ -392,7 +392,7 @@ class Channel(Serving):
                     "data": {"type": "Busy", "limit": self.max_guest_inflight}}})
                 await asyncio.sleep(BUSY_PAUSE_S)
             else:
-                self._on_request(rid, method, msg.get("params"))
+                self._on_request(rid, method, msg.get("params"), size)
             return
         if isinstance(rid, int) and rid in self._cancelled:
             if "result" in msg or "error" in msg:

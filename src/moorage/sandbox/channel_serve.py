@@ -20,9 +20,11 @@ log = get_logger("moorage.sandbox.channel")
 class HandlerContext:
     """Given to host-side handlers of guest-originated calls: stream events back, or call the guest."""
 
-    def __init__(self, channel: "Channel", request_id: Any) -> None:
+    def __init__(self, channel: "Channel", request_id: Any, frame_bytes: int = 0) -> None:
         self.channel = channel
         self.request_id = request_id
+        #: The size of the request's frame as it came from the guest (what a handler that keeps it may count).
+        self.frame_bytes = frame_bytes
 
     async def emit(self, event: str, data: Any = None) -> None:
         await self.channel._send({"id": self.request_id, "event": event, "data": data})
@@ -53,8 +55,8 @@ class Serving:
             return
         self._reject("unknown notification", method=method[:100])
 
-    def _on_request(self, rid: Any, method: str, params: Any) -> None:
-        serve = self._serve(rid, method, params)
+    def _on_request(self, rid: Any, method: str, params: Any, size: int = 0) -> None:
+        serve = self._serve(rid, method, params, size)
         if self.share is not None:
             serve = self._charged(serve, self.share)
         self._serving[rid] = asyncio.get_running_loop().create_task(serve)
@@ -63,7 +65,7 @@ class Serving:
     async def _charged(serve: Awaitable[None], share: Share) -> None:
         await Charged(serve, share)  # type: ignore[arg-type]
 
-    async def _serve(self, rid: Any, method: str, params: Any) -> None:
+    async def _serve(self, rid: Any, method: str, params: Any, size: int = 0) -> None:
         try:
             handler = self._handlers.get(method)
             if handler is None:
@@ -72,7 +74,7 @@ class Serving:
                 )
                 return
             try:
-                result = await handler(params, HandlerContext(self, rid))
+                result = await handler(params, HandlerContext(self, rid, size))
             except asyncio.CancelledError:
                 await self._safe_send({"id": rid, "error": {"code": CANCELLED, "message": "cancelled"}})
                 return
