@@ -231,10 +231,9 @@ class GuestCalls:
                 if binding.store_written > STORE_WRITES_PER_TURN:
                     e = TurnStoreLimit(f"this turn has handed the store {binding.store_written >> 20} MiB to keep "
                                        f"(memories, journal, graph checkpoints), more than one turn may "
-                                       f"({STORE_WRITES_PER_TURN >> 20} MiB); {method} refused",
-                                       hint="keep large data in files (ctx.files) and their names in memory")
-                    raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__, "kind": e.code,
-                                                                  "hint": e.hint})
+                                       f"({STORE_WRITES_PER_TURN >> 20} MiB); {method} refused: keep large data in "
+                                       f"files (ctx.files) and their names in memory")
+                    raise HandlerError(str(e), code=-32000, data={"type": type(e).__name__, "kind": e.code})
             # The tenant's share of the host (its executor threads, the store): its calls past the share wait here,
             # where waiting costs one coroutine; the channel bounds how many may wait per sandbox.
             async with _tenant_share(self.rt, binding.ts.tenant_id):
