@@ -88,7 +88,9 @@ class SmallDisk:
                 if os.statvfs(self.path).f_bavail == 0 or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
-        assert os.statvfs(self.path).f_bavail == 0
+        # A page the kernel counts as free is not always one a write can take: CI once saw ``f_bfree == 1`` for the
+        # whole ten seconds while every write failed. The disk is full for every write all the same.
+        assert os.statvfs(self.path).f_bavail <= 1
 
     def leave(self, nbytes: int) -> None:
         """Full but for ``nbytes``: room for a small write (SQLite's, into its WAL), none for a large one."""
