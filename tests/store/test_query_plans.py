@@ -183,6 +183,16 @@ def test_caps_and_usage_of_one_user_read_only_their_usage(store: Store, tenant: 
     assert found == {}
 
 
+def test_a_users_store_footprint_reads_only_their_rows(store: Store, tenant: TenantStore,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    a_user_with_data(tenant, "echo", "alice")
+    tenant.checkpoints.take("echo", "alice", kind="manual", name="now")
+    other_users(store, tenant)
+    with recorded(monkeypatch) as seen:  # the store_mib cap's measure (usage/store_cap.py)
+        assert sum(tenant.footprint.user_bytes("echo", "alice").values()) > 0
+    assert scans_of(store, tenant, seen) == {}
+
+
 def test_list_pages_read_in_their_order(store: Store, tenant: TenantStore, monkeypatch: pytest.MonkeyPatch) -> None:
     for u in ("alice", "bob"):
         a_user_with_data(tenant, "echo", u)

@@ -80,6 +80,9 @@ class TenantStore:
         from moorage.store.repos.checkpoints import Checkpoints
 
         self.checkpoints = Checkpoints(self)
+        from moorage.store.repos.footprint import Footprint
+
+        self.footprint = Footprint(self)
 
     @property
     def tenant_id(self) -> str:
