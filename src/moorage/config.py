@@ -161,6 +161,9 @@ class Config:
     end_user_max_requests: int = 32
     user_max_turns: int = 128
     user_max_async_turns: int = 64
+    #: The most the store may keep for any end-user's instance, in MiB, whatever an agent's or a user's
+    #: ``store_mib`` says (a lower one still applies); 0: no ceiling (usage/store_cap.py).
+    user_max_store_mib: float = 0
     #: Browser origins whose pages may call the API (CORS), comma-separated (``https://app.example.com``): a
     #: product's page using its end-user token. Empty: none (docs/api.md, "Conventions").
     cors_origins: str = ""
@@ -249,7 +252,7 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "app_ws_max_sockets": (1, None), "sse_keepalive_s": (0, None), "sandbox_uid": (1, None),
     "http_header_timeout_s": (0.1, None), "http_write_stall_s": (0.1, None), "end_user_max_requests": (1, None),
     "user_max_turns": (1, None),
-    "user_max_async_turns": (1, None),
+    "user_max_async_turns": (1, None), "user_max_store_mib": (0, None),
     "llm_threads": (0, 256),
     "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }

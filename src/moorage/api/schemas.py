@@ -84,8 +84,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
     "Usage": obj({"since": NUM, "until": NNUM, "totals": {"type": "object", "additionalProperties": NUM}, "cost_usd": NUM,
                   "days": {"type": "array", "items": obj({"day": {"type": "string", "format": "date"},
                                                           "totals": {"type": "object", "additionalProperties": NUM}})},
-                  # With agent and user: each of the user's caps, counted as the check before a turn counts them.
-                  "caps": {"type": "object", "additionalProperties": obj({"limit": NUM, "used": NUM, "resets_at": NUM},
+                  # With agent and user: each of the user's caps, counted as the check before a turn counts them
+                  # (store_mib: a level measured now, with no reset).
+                  "caps": {"type": "object", "additionalProperties": obj({"limit": NUM, "used": NUM, "resets_at": NNUM},
                                                                          ["limit", "used", "resets_at"])}},
                  ["since", "totals", "cost_usd"]),
     # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.

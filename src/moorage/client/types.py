@@ -204,7 +204,8 @@ class CapStanding(TypedDict):
     limit: float
     #: As the check before each turn counts it (the compute cap: recorded seconds plus an awake instance's running part).
     used: float
-    resets_at: float
+    #: When a windowed cap resets; None for ``store_mib``, a level (what the store keeps for the user now, in MiB).
+    resets_at: float | None
 
 
 class Usage(TypedDict, total=False):

@@ -23,6 +23,7 @@ from moorage.log import get_logger
 from moorage.runtime import cpu_share
 from moorage.sandbox.channel import HandlerError
 from moorage.store import EntityKey, Scope, TenantStore
+from moorage.usage import store_cap
 
 if TYPE_CHECKING:
     from moorage.runtime.runtime import Runtime
@@ -115,6 +116,11 @@ class TurnBinding:
     reader: "asyncio.Task[Any] | None" = field(repr=False, default=None)
     #: Bytes this turn's guest calls handed the store to keep so far (``STORE_WRITES_PER_TURN``).
     store_written: int = 0
+    #: The user's ``store_mib`` cap (usage/store_cap.py), read at the turn's first call that writes.
+    store_cap_mib: float | None = None
+    store_cap_read: bool = False
+    #: Whether this turn measured its user's store already (a crossing measures once per turn at least).
+    store_measured: bool = False
 
     @property
     def user_scope(self) -> Scope:
@@ -226,8 +232,9 @@ class GuestCalls:
                 log.warning("guest call outside its turns rejected", sandbox=self.sandbox_id, method=method)
                 raise HandlerError("no such turn in this sandbox", code=-32000,
                                    data={"type": "TenantScopeError", "kind": "tenant-scope"})
+            nbytes = getattr(ctx, "frame_bytes", 0)
             if method in _STORE_WRITES:
-                binding.store_written += getattr(ctx, "frame_bytes", 0)
+                binding.store_written += nbytes
                 if binding.store_written > STORE_WRITES_PER_TURN:
                     e = TurnStoreLimit(f"this turn has handed the store {binding.store_written >> 20} MiB to keep "
                                        f"(memories, journal, graph checkpoints), more than one turn may "
@@ -245,6 +252,8 @@ class GuestCalls:
                 started = time.perf_counter()
                 try:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
+                        if method in _STORE_WRITES:  # and what the user's instance keeps over time: store_mib
+                            await store_cap.admit(self.rt, binding, nbytes, method)
                         return await fn(binding, params)
                 except MoorageError as e:
                     wait = getattr(e, "retry_after", None) or getattr(e, "resets_in", None)

@@ -17,7 +17,7 @@ from moorage.store.sql import loads
 from moorage.store.repos.common import _Repo
 
 #: Per-user limits an agent user may carry (all optional, non-negative numbers).
-USER_LIMITS: tuple[str, ...] = ("compute_seconds_per_day", "tokens_per_month", "cost_usd_per_month")
+USER_LIMITS: tuple[str, ...] = ("compute_seconds_per_day", "tokens_per_month", "cost_usd_per_month", "store_mib")
 _COLS = "agent_id, user_id, meta, limits, created_at, updated_at, version"
 
 

@@ -1,4 +1,5 @@
-"""Caps per end-user of an agent: compute seconds per day, model tokens and cost per month (UTC windows).
+"""Caps per end-user of an agent: compute seconds per day, model tokens and cost per month (UTC windows); the
+store's ``store_mib``, a level the agent's calls are held to as they write, is usage/store_cap.py's.
 
 Consumption comes from the tenant's usage ledger (awake seconds are recorded as each instance sleeps, plus the
 running part of an instance awake now, from its record); a turn over a cap is refused with ``CapExceeded``
@@ -97,12 +98,22 @@ def limits_of(ts: TenantStore, agent: str, user: str) -> dict[str, float]:
     return {**agent_limits(ts, agent), **(u.limits if u is not None else {})}
 
 
-def standing(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -> dict[str, dict[str, float]]:
+def standing(ts: TenantStore, agent: str, user: str, *, now: float | None = None,
+             store_ceiling: float | None = None) -> dict[str, dict[str, float | None]]:
     """Each of the user's effective caps (the agent's ``[agent.limits]`` and the user's own): ``limit``, ``used``
-    as ``check`` counts it (the compute cap includes the running part of an instance awake now) and ``resets_at``."""
+    as ``check`` counts it (the compute cap includes the running part of an instance awake now) and ``resets_at``.
+    ``store_ceiling`` (the operator's ``user_max_store_mib``): with ``store_mib``, a level measured now (it reads
+    the user's rows; ``resets_at`` None), which a turn's calls are held to as they write (usage/store_cap.py),
+    not the check before a turn."""
+    from moorage.usage.store_cap import under_ceiling
+
     now = time.time() if now is None else now
     limits = limits_of(ts, agent, user)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, float | None]] = {}
+    store_cap = None if store_ceiling is None else under_ceiling(limits.get("store_mib"), store_ceiling)
+    if store_cap is not None:
+        used = sum(ts.footprint.user_bytes(agent, user).values()) / (1 << 20)
+        out["store_mib"] = {"limit": store_cap, "used": used, "resets_at": None}
     cap = limits.get("compute_seconds_per_day")
     if cap is not None:
         start, end = day_window(now)
@@ -122,8 +133,8 @@ def check(ts: TenantStore, agent: str, user: str, *, now: float | None = None) -
     """Raise ``CapExceeded`` for the first of the user's caps that is used up (nothing when none is set)."""
     now = time.time() if now is None else now
     for name, c in standing(ts, agent, user, now=now).items():
-        if c["used"] >= c["limit"]:
-            raise CapExceeded(agent, user, name, c["limit"], c["used"], c["resets_at"], now)
+        if c["used"] >= c["limit"]:  # type: ignore[operator]
+            raise CapExceeded(agent, user, name, c["limit"], c["used"], c["resets_at"], now)  # type: ignore[arg-type]
 
 
 #: The window of an operator's per-tenant ``tokens_per_month`` (the LLM policy's; see llm/policy.py).

@@ -48,7 +48,9 @@ def usage(call: Call) -> dict[str, Any]:
         from moorage.store.model import check_id
         from moorage.usage.caps import standing
 
-        out["caps"] = standing(call.tenant, check_id(agent, "agent name"), check_id(call.query("user"), "user id"))
+        ceiling = float(call.ctx.config.user_max_store_mib or 0)  # the operator's (a store-only server's too)
+        out["caps"] = standing(call.tenant, check_id(agent, "agent name"), check_id(call.query("user"), "user id"),
+                               store_ceiling=ceiling)
     group = call.query("group")
     if group not in (None, "", "day"):
         raise InvalidInput(f"group must be day, got {group!r}")
