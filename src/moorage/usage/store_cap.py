@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from moorage.errors import MoorageError
 
 if TYPE_CHECKING:
-    from moorage.runtime.host_calls import TurnBinding
     from moorage.store import TenantStore
 
 #: A write that would cross the cap measures again, at most this often per user.
@@ -124,8 +123,9 @@ def cap_of(ts: "TenantStore", manifest: dict[str, Any], agent: str, user: str, c
     return under_ceiling(None if own is None else float(own), ceiling)
 
 
-async def admit(rt: Any, b: "TurnBinding", nbytes: int, method: str) -> None:
-    """Before a turn's call hands the store ``nbytes``: refuse it if its user's instance is at its cap."""
+async def admit(rt: Any, b: Any, nbytes: int, method: str) -> None:
+    """Before a turn's call hands the store ``nbytes``: refuse it if its user's instance is at its cap. ``b`` is
+    the turn's ``runtime.host_calls.TurnBinding`` (its store, manifest, user and ``store_cap_*`` fields)."""
     if not b.store_cap_read:
         b.store_cap_mib = await asyncio.to_thread(cap_of, b.ts, b.manifest, b.entity.agent, b.entity.user,
                                                   float(getattr(rt.config, "user_max_store_mib", 0) or 0))
