@@ -7,6 +7,8 @@ the cap through `moorage up`."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from moorage.usage import store_cap
@@ -21,10 +23,17 @@ class _Store:
     def __init__(self, tenant_id: str, size: int) -> None:
         self.tenant_id, self.size, self.reads = tenant_id, size, 0
         self.footprint = self
+        self.agent_users = SimpleNamespace(find=lambda agent, user: None)  # no limits of the user's own
 
     def user_bytes(self, agent: str, user: str) -> dict[str, int]:
         self.reads += 1
         return {"memory": self.size}
+
+
+class _Runtime:
+    """What the cap reads of a host's runtime: the operator's ceiling (none)."""
+
+    config = SimpleNamespace(user_max_store_mib=0)
 
 
 @pytest.fixture
@@ -73,3 +82,18 @@ async def test_an_old_measure_is_read_again_and_users_and_tenants_are_apart(cloc
     await fp.admit(_Store("acme", 0), "echo", "bob", 1, 10, "memory.learn")
     await fp.admit(_Store("acme", 0), "echo", "cy", 1, 10, "memory.learn")
     assert len(fp._m) == 2 and ("acme", "echo", "ada") not in fp._m
+
+
+async def test_a_remembered_text_counts_with_the_embedding_the_host_adds_to_it(clock: list[float]) -> None:
+    # A turn of an agent whose users keep 1 MiB: 100-byte memories count 100 + 1536 bytes each (float32 x 384),
+    # so the 641st is refused where counting frames alone would have let ~10,000 through before the next measure.
+    rt, ts = _Runtime(), _Store("acme", 0)
+    turn = SimpleNamespace(ts=ts, manifest={"limits": {"store_mib": 1}}, entity=SimpleNamespace(agent="echo", user="ada"),
+                           store_cap_mib=None, store_cap_read=False, store_measured=False)
+    kept = 0
+    with pytest.raises(StoreCapExceeded):
+        while True:
+            await store_cap.admit(rt, turn, 100, "memory.append")
+            kept += 1
+    assert kept == MIB // (100 + store_cap.EMBEDDING_BYTES) == 640 and ts.reads == 1  # measured once: at the turn's first call
+    await store_cap.admit(rt, turn, 100, "memory.learn")  # no embedding: what is left fits a fact

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moorage.errors import MoorageError
+from moorage.memory.embeddings import DIMENSION
 
 if TYPE_CHECKING:
     from moorage.store import TenantStore
@@ -34,6 +35,9 @@ RECHECK_S = 10.0
 MEASURE_EVERY_S = 300.0
 #: Users whose last measure a host keeps (the least recently written go first).
 KEPT = 10_000
+#: What the host adds to a remembered text after its call: the text's embedding (float32), which the embedder
+#: writes later. Counted with the call, or a loop of short memories would grow the store ~7x faster than counted.
+EMBEDDING_BYTES = DIMENSION * 4
 
 
 class StoreCapExceeded(MoorageError):
@@ -131,6 +135,7 @@ async def admit(rt: Any, b: Any, nbytes: int, method: str) -> None:
                                                   float(getattr(rt.config, "user_max_store_mib", 0) or 0))
         b.store_cap_read = True
     if b.store_cap_mib is not None:
+        nbytes += EMBEDDING_BYTES if method == "memory.append" else 0
         if await footprints(rt).admit(b.ts, b.entity.agent, b.entity.user, b.store_cap_mib, nbytes, method,
                                       recheck=not b.store_measured):
             b.store_measured = True
