@@ -8,9 +8,13 @@ user's store without bound (each turn's own bound is 256 MiB)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from typer.testing import CliRunner
+
 from moorage import Client
+from moorage.cli.main import app
 from moorage.devservices.fleet import LocalHost
 
 AGENT = '''
@@ -53,6 +57,9 @@ def test_a_users_store_stops_at_store_mib_and_raising_it_gives_room(tmp_path: Pa
             assert "store_mib cap is 1; memory.append refused" in rest, rest
             cap = sdk.usage(agent="hoard", user="ada")["caps"]["store_mib"]
             assert cap["limit"] == 1 and cap["resets_at"] is None and 0.9 < cap["used"] <= 1.0, cap
+            shown = CliRunner().invoke(app, ["usage", "--agent", "hoard", "--user", "ada"],
+                                       env={"MOORAGE_API_URL": host.url, "MOORAGE_API_KEY": host.key})
+            assert shown.exit_code == 0 and re.search(r"cap store_mib[\s│]+0\.9\d* of 1\b", shown.stdout), shown.output
             # Nothing was freed: the next turn runs and reads, and keeps nothing.
             again, rest = _kept(sdk.invoke("hoard", "5", user="ada")["reply"])
             assert again == 0 and rest.startswith("1 found; store-cap-exceeded"), rest

@@ -4,14 +4,17 @@ it sleeps), so the page never says "0.03 of 1 s used" while moorage refuses the 
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from moorage import Client
+from moorage.cli.main import app
 from moorage.client import RateLimited
 from moorage.devservices.fleet import LocalHost
 
@@ -39,6 +42,12 @@ def test_usage_of_one_user_gives_their_caps_as_the_turns_check_counts_them(tmp_p
             assert used["caps"]["tokens_per_month"] == {"limit": 500, "used": 0, "resets_at": used["caps"][
                 "tokens_per_month"]["resets_at"]} and used["caps"]["tokens_per_month"]["resets_at"] > time.time()
             assert sdk.usage(agent="notes", user="bob")["caps"] == {}  # no caps of his own, none from the agent
+            # `moorage usage --agent --user` shows them too, each with when it resets.
+            shown = CliRunner().invoke(app, ["usage", "--agent", "notes", "--user", "ada"],
+                                       env={"MOORAGE_API_URL": host.url, "MOORAGE_API_KEY": host.key})
+            reset = datetime.fromtimestamp(midnight, timezone.utc).strftime("%Y-%m-%d 00:00:00 UTC")
+            assert shown.exit_code == 0 and f"of 1 (resets {reset})" in shown.stdout, shown.output
+            assert re.search(r"cap tokens_per_month[\s│]+0 of 500 \(resets ", shown.stdout), shown.output
             assert "caps" not in sdk.usage(agent="notes") and "caps" not in sdk.usage(user="ada")
 
         # Another tenant asking for the same agent and user name sees its own (none), not ada's.

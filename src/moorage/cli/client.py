@@ -433,5 +433,9 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         for k, v in sorted(totals.items()):
             if isinstance(v, (int, float)):
                 t.add_row(k, f"{v:,.4f}" if k.endswith("usd") else f"{v:,.0f}" if float(v).is_integer() else f"{v:,.2f}")
+        for name, cap in sorted((data.get("caps") or {}).items()):  # with --agent and --user: as the next turn sees them
+            resets = cap.get("resets_at")  # None: a level (store_mib), not a window
+            when = f" (resets {utc(resets)})" if isinstance(resets, (int, float)) else ""
+            t.add_row(f"cap {name}", f"{cap['used']:,.4g} of {cap['limit']:,.4g}{when}")
         _print(data, as_json, t)
 
