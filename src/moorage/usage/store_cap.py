@@ -3,11 +3,13 @@
 A level, not an amount per window: what the user's memories, facts, working state (a graph's checkpoints too),
 workflows and agent checkpoints hold now (``ts.footprint``). The agent's code is what fills it, so it is the
 agent's calls that hand the store something to keep that are refused past it (``StoreCapExceeded``, a host error
-of kind ``store-cap-exceeded`` in the guest); turns still run, reads go on, and what retention, forgetting, a
-rollback or a deleted memory frees is room again. The host's own records of a turn (its messages) are not refused.
+of kind ``store-cap-exceeded`` in the guest); turns still run, reads go on, and what retention, deleting the user,
+a rollback or a graph's deleted thread frees is room again. The host's own records of a turn (its messages) are
+not refused.
 
 Measuring reads every row of the user, so each host keeps the last measure of the users whose turns it ran and
-adds what their calls handed the store since (the calls' frame bytes, an over-estimate: deletes are not seen).
+adds what their calls handed the store since (the calls' frame bytes and a memory's embedding; what is deleted
+meanwhile is seen at the next measure).
 It measures again when that sum would cross the cap (in each turn the first time, then at most every
 ``RECHECK_S``) and when the measure is older than ``MEASURE_EVERY_S``: a refusal rests on a measure taken in
 its turn, at most ``RECHECK_S`` old. Another host's writes to the same user (a fleet moves an instance between
@@ -49,8 +51,8 @@ class StoreCapExceeded(MoorageError):
     def __init__(self, agent: str, user: str, cap_mib: float, used: int, method: str) -> None:
         # The advice is in the message, not a hint: a guest that does not catch the error has it said once.
         super().__init__(f"user {user!r} of agent {agent!r} keeps {used / (1 << 20):.1f} MiB in the store, its "
-                         f"store_mib cap is {cap_mib:g}; {method} refused: forget what is no longer needed, keep "
-                         f"large data in files (ctx.files), or raise the cap (limits of the user, or [agent.limits])")
+                         f"store_mib cap is {cap_mib:g}; {method} refused: keep large data in files (ctx.files), "
+                         f"or raise the cap (the user's limits, or store_mib in [agent.limits])")
         self.cap_mib = cap_mib
         self.used = used
 
@@ -59,7 +61,7 @@ class StoreCapExceeded(MoorageError):
 class _Measure:
     bytes: int
     at: float
-    #: Frame bytes handed to the store since the measure.
+    #: Bytes counted since the measure (the calls' frames, memories' embeddings).
     since: int = 0
 
 
