@@ -13,6 +13,7 @@ from moorage.lifecycle.policies import Adaptive, FixedTimeout, SleepEconomics
 from moorage.lifecycle.ttl import sweep
 from moorage.sandbox import SandboxState
 from moorage.store import Scope
+from moorage.usage import ledger
 from tests.lifecycle.test_manager_env import PROCESS_ONLY, TEMPLATE_FILE, LcEnv, forward, lc_env  # noqa: F401  (fixture)
 
 ALICE = Scope.for_user("helper", "alice")
@@ -181,6 +182,8 @@ async def test_ttl_archives_then_deletes_with_the_disk(lc_env: LcEnv) -> None:
     report = await sweep(m, now=time.time() + 1000)
     assert report.archived == 0 and report.deleted == 0  # running instances are never archived or deleted
     assert await m.sleep(env.ts, ALICE)
+    levels = ledger.storage(env.ts, since=0, agent="helper")
+    assert levels["disk_bytes"] > 0, levels  # measured as it slept
     slept_at = env.ts.sandboxes.for_scope(ALICE).last_active
     assert (await sweep(m, now=slept_at + 50)).archived == 0
     assert (await sweep(m, now=slept_at + 150)).archived == 1
@@ -190,6 +193,9 @@ async def test_ttl_archives_then_deletes_with_the_disk(lc_env: LcEnv) -> None:
     assert env.ts.sandboxes.for_scope(ALICE) is None
     assert not (env.root / rec.id).exists() and rec.id not in await m.driver.list()
     assert [s.attrs["to"] for s in env.spans("lifecycle.archive") + env.spans("lifecycle.delete")] == ["archived", "deleted"]
+    # Usage no longer counts its bytes (it reported the last sleep's levels of a deleted instance for good).
+    assert ledger.storage(env.ts, since=0, agent="helper") == {"disk_bytes": 0, "snapshot_bytes": 0}
+    assert ledger.storage(env.ts, since=0, agent="helper", user="alice") == {"disk_bytes": 0, "snapshot_bytes": 0}
     # The user comes back: a fresh instance from the template, none of the deleted files.
     async with m.turn(env.ts, ALICE, env.template) as sb:
         assert await sb.stat("secret.txt") is None

@@ -17,6 +17,7 @@ from moorage import clock
 from moorage.errors import ConflictError
 from moorage.sandbox.process_fs import proc_starttime
 from moorage.store import SandboxRecord, Span, TenantStore
+from moorage.usage import ledger as usage_ledger
 
 
 class InstanceState(str, enum.Enum):
@@ -289,10 +290,13 @@ def provision(ts: TenantStore, scope: Any, *, owner: Owner, template_ref: str | 
 
 
 def remove(ts: TenantStore, record: SandboxRecord, *, owner: Owner, trace: TraceContext | None = None) -> None:
-    """Drop the row of an instance in ``deleted`` (its disks are already gone), traced."""
+    """Drop the row of an instance in ``deleted`` (its disks are already gone), traced. Its disk and snapshot
+    levels in the usage ledger go to 0 with it: usage reports each instance's latest level, which would otherwise
+    be its last sleep's bytes for as long as the ledger keeps them."""
     if record.state != S.DELETED.value:
         raise IllegalTransition(record, V.DELETE)
     now = time.time()
     with ts.transaction():
         ts.sandboxes.delete(record.id, expected_version=record.version)
+        usage_ledger.record(ts, record, dict.fromkeys(usage_ledger.GAUGES, 0))
         ts.spans.record(_span(ts, record, "lifecycle.removed", owner, trace, S.DELETED.value, None, now, verb="removed"))
