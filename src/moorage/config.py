@@ -164,6 +164,10 @@ class Config:
     #: The most the store may keep for any end-user's instance, in MiB, whatever an agent's or a user's
     #: ``store_mib`` says (a lower one still applies); 0: no ceiling (usage/store_cap.py).
     user_max_store_mib: float = 0
+    #: The most one tenant may keep, in MiB: its store and its instances' disk and snapshot bytes at their last
+    #: sleep, over all its agents and end-users; past it what would keep more is refused (507). 0: no ceiling
+    #: (usage/tenant_cap.py).
+    tenant_max_storage_mib: float = 0
     #: Browser origins whose pages may call the API (CORS), comma-separated (``https://app.example.com``): a
     #: product's page using its end-user token. Empty: none (docs/api.md, "Conventions").
     cors_origins: str = ""
@@ -253,6 +257,7 @@ BOUNDS: dict[str, tuple[float, float | None]] = {
     "http_header_timeout_s": (0.1, None), "http_write_stall_s": (0.1, None), "end_user_max_requests": (1, None),
     "user_max_turns": (1, None),
     "user_max_async_turns": (1, None), "user_max_store_mib": (0, None),
+    "tenant_max_storage_mib": (0, None),
     "llm_threads": (0, 256),
     "guest_calls_per_channel": (1, None), "guest_calls_per_tenant": (1, None), "guest_cpu_share": (0.01, None),
 }

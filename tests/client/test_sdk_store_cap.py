@@ -55,6 +55,7 @@ def test_a_users_store_stops_at_store_mib_and_raising_it_gives_room(tmp_path: Pa
             assert 9 <= n <= 10 and rest.startswith("1 found; store-cap-exceeded: user 'ada' of agent 'hoard' "
                                                     "keeps "), rest
             assert "store_mib cap is 1; memory.append refused" in rest, rest
+            assert "storage" not in sdk.usage()  # no tenant ceiling (tenant_max_storage_mib): the tenant not measured
             cap = sdk.usage(agent="hoard", user="ada")["caps"]["store_mib"]
             assert cap["limit"] == 1 and cap["resets_at"] is None and 0.9 < cap["used"] <= 1.0, cap
             shown = CliRunner().invoke(app, ["usage", "--agent", "hoard", "--user", "ada"],

@@ -4,6 +4,9 @@ holds nothing."""
 
 from __future__ import annotations
 
+import base64
+import os
+
 from moorage.store import Scope, TenantStore
 from moorage.store.repos.footprint import PARTS
 
@@ -48,3 +51,23 @@ def test_a_user_with_more_sessions_than_one_statement_names_is_counted_whole(ten
     for i in range(520):  # past the scopes one read names (500)
         tenant.events.append(Scope.session("echo", "cy", f"s{i}"), "note", "0123456789")
     assert tenant.footprint.user_bytes("echo", "cy")["memory"] == 520 * (10 + len("{}"))
+
+
+def test_a_tenants_store_bytes_count_its_own_writes_and_free_what_it_forgets(tenant: TenantStore,
+                                                                            other_tenant: TenantStore) -> None:
+    """``tenant_bytes`` (the tenant ceiling's measure, usage/tenant_cap.py): the tenant's file's pages in use on
+    SQLite, its rows on PostgreSQL; another tenant's writes are not its, and what a forget deletes is room again."""
+    before, other_before = tenant.footprint.tenant_bytes(), other_tenant.footprint.tenant_bytes()
+    size = 80 * (48 << 10)  # 4 users x 20 memories of 48 KiB of text that does not compress (PostgreSQL would)
+    for i in range(4):
+        _write(tenant, "echo", f"u{i}", 0)
+        for _ in range(20):
+            tenant.events.append(Scope.for_user("echo", f"u{i}"), "note", base64.b64encode(os.urandom(36 << 10)).decode())
+    grown = tenant.footprint.tenant_bytes() - before
+    # About twice the text: memories are also kept in the full-text index (a tsvector on PostgreSQL, FTS5 on SQLite).
+    assert size <= grown < size * 3, grown
+    assert other_tenant.footprint.tenant_bytes() == other_before  # the other tenant's file, or rows, unchanged
+    for i in range(4):
+        tenant.forget_user(f"u{i}")
+    freed = before + grown - tenant.footprint.tenant_bytes()
+    assert freed >= size, (freed, grown)

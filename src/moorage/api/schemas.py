@@ -87,7 +87,11 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                   # With agent and user: each of the user's caps, counted as the check before a turn counts them
                   # (store_mib: a level measured now, with no reset).
                   "caps": {"type": "object", "additionalProperties": obj({"limit": NUM, "used": NUM, "resets_at": NNUM},
-                                                                         ["limit", "used", "resets_at"])}},
+                                                                         ["limit", "used", "resets_at"])},
+                  # The whole tenant's (no agent, no user), under the operator's tenant_max_storage_mib: MiB kept
+                  # of the ceiling, and the measure's parts in bytes (usage/tenant_cap.py).
+                  "storage": obj({"limit": NUM, "used": NUM, "store_bytes": INT, "instance_bytes": INT},
+                                 ["limit", "used", "store_bytes", "instance_bytes"])},
                  ["since", "totals", "cost_usd"]),
     # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.
     "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]},

@@ -437,5 +437,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
             resets = cap.get("resets_at")  # None: a level (store_mib), not a window
             when = f" (resets {utc(resets)})" if isinstance(resets, (int, float)) else ""
             t.add_row(f"cap {name}", f"{cap['used']:,.4g} of {cap['limit']:,.4g}{when}")
+        storage = data.get("storage")  # the whole tenant's, under the operator's ceiling
+        if isinstance(storage, dict):
+            t.add_row("cap tenant_max_storage_mib", f"{storage['used']:,.4g} of {storage['limit']:,.4g}")
         _print(data, as_json, t)
 

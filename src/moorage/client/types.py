@@ -208,6 +208,16 @@ class CapStanding(TypedDict):
     resets_at: float | None
 
 
+class StorageStanding(TypedDict):
+    #: The operator's ``tenant_max_storage_mib``, in MiB.
+    limit: float
+    #: What the tenant keeps, in MiB, as its next write is judged.
+    used: float
+    #: The measure's parts: the tenant's store, and its instances' disk and snapshot bytes at their last sleep.
+    store_bytes: int
+    instance_bytes: int
+
+
 class Usage(TypedDict, total=False):
     since: float
     #: The window's end, exclusive (None: no end).
@@ -218,6 +228,8 @@ class Usage(TypedDict, total=False):
     days: list[UsageDay]
     #: With ``agent`` and ``user``: each of the user's caps (``compute_seconds_per_day``, ``tokens_per_month``, ...).
     caps: dict[str, CapStanding]
+    #: Without ``agent`` and ``user``, where the operator sets ``tenant_max_storage_mib``: what the tenant keeps.
+    storage: StorageStanding
 
 
 class StreamEvent(TypedDict):

@@ -8,7 +8,7 @@ import contextlib
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 from moorage.errors import ConflictError, InvalidInput, MoorageError, StoreUnreachable, UnavailableError
 from moorage.fleet.forward import forwarded
@@ -56,6 +56,7 @@ class BringUp:
     _live_for: Callable[..., LiveInstance]
     _ram_of: Callable[[Sandbox | None], int]
     _tenant_room: Callable[[LiveInstance], Any]
+    admit_new_instance: Callable[[TenantStore], Awaitable[None]] | None
     _make_room: Callable[[LiveInstance], Any]
     _lost: Callable[..., Any]
     _ship_soon: Callable[[LiveInstance], None]
@@ -140,6 +141,8 @@ class BringUp:
                 if template is None:
                     raise InvalidInput(f"{scope} has no instance and no template to provision it from",
                                        hint="deploy the agent (which makes its template) before sending it requests")
+                if self.admit_new_instance is not None:
+                    await self.admit_new_instance(ts)
                 await self._tenant_room(li)
                 await self._make_room(li)
                 pooled = await self.pool.take(template) if self.pool is not None else None

@@ -96,6 +96,9 @@ class InstanceManager(BringUp, Sleeping, fleet_rules.FleetDuties):
         #: Awake instances one tenant may have on this host (set by the host; None: no limit). A tenant at its
         #: limit has its least recently active idle instance put to sleep; if all are busy: ``TenantAwakeLimit``.
         self.tenant_max_awake: int | None = None
+        #: Called before a new instance's record is made (set by the host; None: none): raises to refuse it (the
+        #: tenant past its storage ceiling, usage/tenant_cap.py).
+        self.admit_new_instance: Callable[[TenantStore], Awaitable[None]] | None = None
         #: This host's fleet membership (set by the host when the store is shared; None: one host).
         self.fleet: FleetMember | None = None
         #: Fleet: an awake instance's state is shipped at most every ``SHIP_MIN_INTERVAL_S`` after turns, and at

@@ -22,6 +22,7 @@ from moorage.sandbox import SandboxState
 from moorage.store import SandboxRecord, Scope, TenantStore
 from moorage.store.base import StoreContention
 from moorage.usage import ledger as usage_ledger
+from moorage.usage import tenant_cap
 
 if TYPE_CHECKING:
     from moorage.fleet.member import FleetMember
@@ -95,6 +96,9 @@ class Sleeping:
                                      user_id=rec.scope.user, scope=rec.scope,
                                      meta={"instance": rec.id, "reason": reason})
                     usage_ledger.record(ts, rec, sizes or {})
+                # Counted under the tenant's storage ceiling at once, until its next measure (over: its level
+                # before this sleep is still in that measure, which replaces both).
+                tenant_cap.levels(ts).grew(ts.tenant_id, sum((sizes or {}).values()))
                 return new
             except StoreContention:
                 if attempt == 2:

@@ -23,7 +23,7 @@ from moorage.log import get_logger
 from moorage.runtime import cpu_share
 from moorage.sandbox.channel import HandlerError
 from moorage.store import EntityKey, Scope, TenantStore
-from moorage.usage import store_cap
+from moorage.usage import store_cap, tenant_cap
 
 if TYPE_CHECKING:
     from moorage.runtime.runtime import Runtime
@@ -254,6 +254,9 @@ class GuestCalls:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
                         if method in _STORE_WRITES:  # and what the user's instance keeps over time: store_mib
                             await store_cap.admit(self.rt, binding, nbytes, method)
+                            # ... and what the whole tenant keeps: the operator's tenant_max_storage_mib
+                            kept = nbytes + (store_cap.EMBEDDING_BYTES if method == "memory.append" else 0)
+                            await tenant_cap.admit(self.rt.config, binding.ts, kept, method)
                         return await fn(binding, params)
                 except MoorageError as e:
                     wait = getattr(e, "retry_after", None) or getattr(e, "resets_in", None)

@@ -19,6 +19,7 @@ from moorage.runtime.exec_jobs import ExecJobs
 from moorage.sandbox import TemplateRef
 from moorage.store import Principal, Scope, TenantStore
 from moorage.timetravel.gate import Gate
+from moorage.usage import tenant_cap
 
 log = get_logger(__name__)
 
@@ -181,6 +182,7 @@ class OperatorVerbs:
             # is refused (``Router.route``) rather than running for a user who no longer exists.
             deleted = await asyncio.to_thread(ts.agent_users.delete, agent, user)
             self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
+            tenant_cap.levels(ts).freed(ts.tenant_id)  # room under the tenant's storage ceiling from its next write
         return removed + len(recs), deleted
 
     async def _instances_of_user(self, ts: TenantStore, agent: str, user: str) -> list[Any]:

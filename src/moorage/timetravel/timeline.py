@@ -26,6 +26,7 @@ from moorage.timetravel.fork import check_new_users, fork_through
 from moorage.timetravel.gate import Gate
 from moorage.timetravel.holding import CheckpointGone, Holding, _keeps_nothing
 from moorage.timetravel.retention import Policy, checkpoint_view, lineage, restorable
+from moorage.usage import tenant_cap
 
 if TYPE_CHECKING:
     from moorage.sandbox import Sandbox
@@ -143,6 +144,7 @@ class TimeTravel(AutoCheckpoints, Holding):
                    as_scope: str = "provision") -> Checkpoint:
         ts = self._ts(principal, agent, user, as_scope)
         check_name(name)  # before the instance is woken and held
+        await tenant_cap.admit(self.rt.config, ts, 0, "a checkpoint")
         async with self._hold(ts, agent, user) as sandbox:
             ck = await self._take(ts, agent, user, sandbox, kind="manual", name=name)
             await self._retain(ts, agent, user, sandbox, ck)
@@ -169,6 +171,7 @@ class TimeTravel(AutoCheckpoints, Holding):
                 if ck.name == name and ck.summary.get("during_turn") == b.turn_id]
         if len(took) >= k:
             return sorted(took, key=lambda ck: ck.seq)[k - 1]
+        await tenant_cap.admit(self.rt.config, ts, 0, "a checkpoint")
         ck = await self._take(ts, agent, user, sandbox, kind="manual", name=name, turn_id=None,
                               summary={"during_turn": b.turn_id})
         await self._retain(ts, agent, user, sandbox, ck, Policy.of(b.manifest))
@@ -245,6 +248,7 @@ class TimeTravel(AutoCheckpoints, Holding):
     async def _fork(self, ts: TenantStore, agent: str, user: str, checkpoint_id: str,
                     to_users: Sequence[str]) -> dict[str, Any]:
         await check_new_users(ts, agent, user, to_users)
+        await tenant_cap.admit(self.rt.config, ts, 0, "a fork into new users")
         target = await asyncio.to_thread(checkpoints_of(ts).restorable, agent, user, checkpoint_id)
         started = time.perf_counter()
         with self.rt.templates.fork_template() as template_id:  # the collection leaves it alone while this runs

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 
 from moorage.api import schemas as S
 from moorage.api.pagination import MAX_LIMIT, decode_cursor, encode_cursor, offset_page, parse_limit
@@ -16,6 +18,7 @@ from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.errors import InvalidInput, NotFound
 from moorage.store import Scope
 from moorage.store.model import check_id
+from moorage.usage import tenant_cap
 
 SESSION = Param("session", S.ID, "a session id: read that session's scope instead of the user's")
 
@@ -129,8 +132,8 @@ def _user_of_agent(call: Call, scope: Scope) -> bool:
     return False
 
 
-def add_fact(call: Call) -> Reply:
-    from moorage.memory import FactCandidate, SemanticMemory
+async def add_fact(call: Call) -> Reply:
+    from moorage.memory import FactCandidate
 
     scope = _scope(call)
     subject, attribute, value = (call.field(n, str) for n in ("subject", "attribute", "value"))
@@ -138,10 +141,17 @@ def add_fact(call: Call) -> Reply:
         if not v.strip():
             raise InvalidInput(f"{name} must not be empty")
     text = call.field("text", str, required=False) or f"{subject} {attribute}: {value}"
-    register = _user_of_agent(call, scope)
+    register = await run_in_threadpool(_user_of_agent, call, scope)
+    await tenant_cap.admit(call.ctx.config, call.tenant, len(subject) + len(attribute) + len(value) + len(text),
+                           "adding a fact")
+    return await run_in_threadpool(_add_fact, call, scope, FactCandidate(subject, attribute, value, text), register)
+
+
+def _add_fact(call: Call, scope: Scope, fact: Any, register: bool) -> Reply:
+    from moorage.memory import SemanticMemory
+
     # Its own transaction (its retry on a race must not join an outer one); the user registered only with the fact.
-    change = SemanticMemory(call.tenant).record(scope, FactCandidate(subject, attribute, value, text), origin="user",
-                                                evidence=[f"api:{call.trace_id}"])
+    change = SemanticMemory(call.tenant).record(scope, fact, origin="user", evidence=[f"api:{call.trace_id}"])
     if register:
         call.tenant.agent_users.put(scope.agent, scope.user)
     return Reply({"action": change.action, "fact": S.fact(change.fact),

@@ -51,6 +51,12 @@ def usage(call: Call) -> dict[str, Any]:
         ceiling = float(call.ctx.config.user_max_store_mib or 0)  # the operator's (a store-only server's too)
         out["caps"] = standing(call.tenant, check_id(agent, "agent name"), check_id(call.query("user"), "user id"),
                                store_ceiling=ceiling)
+    if agent is None and call.query("user") is None:  # the whole tenant: what it keeps, under the operator's ceiling
+        from moorage.usage.tenant_cap import standing as storage_standing
+
+        storage = storage_standing(call.ctx.config, call.tenant)
+        if storage is not None:
+            out["storage"] = storage
     group = call.query("group")
     if group not in (None, "", "day"):
         raise InvalidInput(f"group must be day, got {group!r}")

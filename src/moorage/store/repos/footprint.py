@@ -75,3 +75,19 @@ class Footprint:
                     row = c.one(f"SELECT COALESCE(SUM({size}), 0) FROM {table} WHERE {cond}", params)
                     out[part] += int(row[0]) if row and row[0] is not None else 0
         return out
+
+    def tenant_bytes(self) -> int:
+        """What the whole tenant keeps in the store, in bytes: on SQLite the pages of its own file in use (free
+        pages not counted; indexes are), on PostgreSQL the bytes of its rows in every tenant table as
+        ``pg_column_size`` counts them (indexes and dead rows not counted: they are shared with other tenants).
+        SQLite reads three numbers; PostgreSQL reads every row of the tenant, so callers cache it
+        (usage/tenant_cap.py)."""
+        with self._ts._tx(write=False) as c:
+            if self._ts.dialect != "postgres":
+                pages, free, size = (int(c.one(f"PRAGMA {p}")[0]) for p in ("page_count", "freelist_count", "page_size"))
+                return (pages - free) * size
+            from moorage.store.schema import TENANT_MIGRATIONS
+
+            tables = list(dict.fromkeys(t for m in TENANT_MIGRATIONS for t in m.tenant_tables))
+            sums = " UNION ALL ".join(f"SELECT COALESCE(SUM(pg_column_size(t.*)), 0) FROM {t} t" for t in tables)
+            return sum(int(r[0]) for r in c.q(sums))

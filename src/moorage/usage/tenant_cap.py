@@ -1,0 +1,194 @@
+"""The operator's ``tenant_max_storage_mib``: how much one tenant may keep on the operator's disks, over all its
+agents and end-users (``store_mib`` bounds one user; with ``users = "auto"`` a tenant could spread over many).
+
+What counts (``measure``): the tenant's store (``ts.footprint.tenant_bytes``: on SQLite its file's pages in use, on
+PostgreSQL its rows) and its instances' disk and snapshot bytes at their last sleep (the usage ledger's levels,
+fleet-wide; a deleted instance counts 0). Not counted: what an instance awake now wrote since it woke (its
+``disk_mib`` bounds it), the sandbox half of agent checkpoints, deploy packages.
+
+Past the ceiling, what would keep more is refused with ``TenantStorageExceeded`` (507, code
+``tenant-storage-exceeded``): an agent's calls that hand the store something to keep (a host error of that kind
+in the guest), a new instance (a new user's or session's first turn, a fork into new users), and the tenant's own
+API writes of content (a fact, a checkpoint taken). Turns of existing instances still run and read; deleting
+end-users, retention and rollbacks free room.
+
+Measuring PostgreSQL reads every row of the tenant, so each host process keeps one measure per tenant and adds
+what the calls it admits hand the store. A measure older than ``MEASURE_EVERY_S`` is taken again in the
+background (the old one answers meanwhile); one older than ``RECHECK_S`` is taken again, and waited for, when a
+write would cross the ceiling, so room freed anywhere in the fleet counts within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moorage.errors import MoorageError
+from moorage.log import get_logger
+from moorage.usage import ledger
+
+if TYPE_CHECKING:
+    from moorage.store import TenantStore
+
+log = get_logger(__name__)
+
+MIB = 1 << 20
+#: A measure older than this is taken again in the background at the tenant's next write.
+MEASURE_EVERY_S = 60.0
+#: A write that would cross the ceiling measures again (and waits for it) when the measure is older than this.
+RECHECK_S = 10.0
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class TenantStorageExceeded(MoorageError):
+    """The tenant keeps the operator's ``tenant_max_storage_mib``; what would keep more was refused."""
+
+    code = "tenant-storage-exceeded"
+    http_status = 507
+    for_caller = True  # a 5xx whose message is the caller's to read (what it keeps, what to do), not a fault
+
+    def __init__(self, used: int, ceiling_mib: float, what: str) -> None:
+        # The advice is in the message (as for store_mib): a guest that does not catch the error has it said once.
+        super().__init__(f"this tenant keeps {used / MIB:.1f} MiB (its store and its instances' disks), the "
+                         f"operator's tenant_max_storage_mib is {ceiling_mib:g}; {what} refused: delete end-users "
+                         f"it no longer needs, shorten its retention, or ask the operator for more")
+        self.used = used
+        self.ceiling_mib = ceiling_mib
+
+
+def measure(ts: "TenantStore") -> dict[str, int]:
+    """What the tenant keeps, in bytes: ``store`` and ``instances`` (disk and snapshot levels)."""
+    levels = ledger.storage(ts, since=0)
+    return {"store": ts.footprint.tenant_bytes(),
+            "instances": int(levels.get("disk_bytes", 0) + levels.get("snapshot_bytes", 0))}
+
+
+@dataclass
+class _Level:
+    parts: dict[str, int]
+    at: float
+    #: Bytes admitted since the measure.
+    since: int = 0
+    refreshing: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.parts.values()) + self.since
+
+
+class TenantLevels:
+    """One host process's last measure of each tenant (one per tenant: the count of tenants bounds it)."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, _Level] = {}
+        self._lock = threading.Lock()
+
+    def _entry(self, tenant_id: str) -> _Level:
+        with self._lock:
+            m = self._m.get(tenant_id)
+            if m is None:
+                m = self._m[tenant_id] = _Level({}, at=float("-inf"))
+            return m
+
+    def _measure(self, ts: "TenantStore", asked: float) -> _Level:
+        """Measure, unless another thread measured since ``asked`` (one measure at a time per tenant)."""
+        m = self._entry(ts.tenant_id)
+        with m.lock:
+            if m.at <= asked:
+                parts = measure(ts)
+                m.parts, m.at, m.since = parts, _now(), 0
+            m.refreshing = False
+            return m
+
+    def _refresh_behind(self, ts: "TenantStore", m: _Level) -> None:
+        if m.refreshing:
+            return
+        m.refreshing = True
+
+        def run() -> None:
+            try:
+                self._measure(ts, _now())
+            except Exception as e:  # noqa: BLE001 - the last measure goes on answering; the next write asks again
+                m.refreshing = False
+                log.warning("could not measure a tenant's storage", tenant=ts.tenant_id, error=repr(e))
+
+        asyncio.get_running_loop().run_in_executor(None, run)
+
+    def current(self, ts: "TenantStore", *, fresher_than: float = MEASURE_EVERY_S) -> _Level:
+        """The tenant's level, measured again (in this thread) if its measure is older than ``fresher_than``."""
+        m = self._entry(ts.tenant_id)
+        now = _now()
+        return self._measure(ts, now - fresher_than) if now - m.at >= fresher_than else m
+
+    def grew(self, tenant_id: str, nbytes: int) -> None:
+        """Something kept ``nbytes`` more for the tenant without asking (an instance's levels at its sleep):
+        counted until its next measure."""
+        with self._lock:
+            m = self._m.get(tenant_id)
+        if m is not None:
+            m.since += nbytes
+
+    def freed(self, tenant_id: str) -> None:
+        """Something on this host freed room (a user forgotten): the tenant's next write measures again first."""
+        m = self._entry(tenant_id)
+        with m.lock:
+            m.at = float("-inf")
+
+    async def admit(self, ts: "TenantStore", ceiling_mib: float, nbytes: int, what: str) -> None:
+        """Let ``what`` keep ``nbytes`` more for the tenant, or raise ``TenantStorageExceeded``."""
+        cap = int(ceiling_mib * MIB)
+        m = self._entry(ts.tenant_id)
+        now = _now()
+        if m.at == float("-inf") or (m.bytes + nbytes > cap and now - m.at >= RECHECK_S):
+            m = await asyncio.to_thread(self.current, ts, fresher_than=0.0 if m.at == float("-inf") else RECHECK_S)
+        elif now - m.at >= MEASURE_EVERY_S:
+            self._refresh_behind(ts, m)
+        if m.bytes + nbytes > cap:
+            raise TenantStorageExceeded(m.bytes, ceiling_mib, what)
+        m.since += nbytes
+
+
+_LEVELS: "weakref.WeakKeyDictionary[Any, TenantLevels]" = weakref.WeakKeyDictionary()
+
+
+def levels(ts: "TenantStore") -> TenantLevels:
+    """The measures kept for ``ts``'s store (its backend: one per host process, shared by its API and its
+    runtime)."""
+    owner = ts.backend
+    lv = _LEVELS.get(owner)
+    if lv is None:
+        lv = _LEVELS.setdefault(owner, TenantLevels())
+    return lv
+
+
+def ceiling_of(config: Any) -> float:
+    """The operator's ``tenant_max_storage_mib`` (0: none)."""
+    return float(getattr(config, "tenant_max_storage_mib", 0) or 0)
+
+
+async def admit(config: Any, ts: "TenantStore", nbytes: int, what: str) -> None:
+    """Before something keeps ``nbytes`` more for ``ts``'s tenant: refuse it past the operator's ceiling (a no-op
+    without one)."""
+    ceiling = ceiling_of(config)
+    if ceiling > 0:
+        await levels(ts).admit(ts, ceiling, nbytes, what)
+
+
+def standing(config: Any, ts: "TenantStore") -> dict[str, Any] | None:
+    """The tenant's storage as ``/v1/usage`` shows it, under the operator's ceiling (None without one):
+    ``limit`` and ``used`` in MiB (as the next write is judged: the last measure, taken again here if older than
+    ``RECHECK_S``, plus what was admitted since), the measure's parts in bytes. Call it from a thread."""
+    ceiling = ceiling_of(config)
+    if ceiling <= 0:
+        return None
+    m = levels(ts).current(ts, fresher_than=RECHECK_S)
+    return {"limit": ceiling, "used": round(m.bytes / MIB, 3), "store_bytes": m.parts.get("store", 0),
+            "instance_bytes": m.parts.get("instances", 0)}
