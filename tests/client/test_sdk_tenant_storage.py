@@ -68,6 +68,12 @@ def test_a_tenant_stops_at_the_operators_ceiling_over_all_its_users(tmp_path: Pa
             assert e.value.status == 507 and e.value.type.endswith("/tenant-storage-exceeded"), e.value
             assert "a new instance refused" in e.value.detail, e.value.detail
             assert sdk.usage()["storage"]["used"] > 4
+            ck = sdk.list_checkpoints("hoard", "bob")["data"][0]  # taken at the end of his turn (not refused)
+            for refused in (lambda: sdk.take_checkpoint("hoard", "bob", name="before"),  # each would keep more
+                            lambda: sdk.fork_checkpoint("hoard", "bob", ck["id"], ["dora", "erin"])):
+                with pytest.raises(ApiError) as e:
+                    refused()
+                assert e.value.status == 507 and e.value.type.endswith("/tenant-storage-exceeded"), e.value
             # Turns of the instances it has still run and read.
             assert _kept(sdk.invoke("hoard", "0", user="bob")["reply"]) == (0, "0 found; none")
 
