@@ -37,7 +37,7 @@ ONE_THING = {
     "version", "deploy", "rollback", "invoke", "submit", "execution", "user", "answer", "sleep", "wake", "checkpoint",
     "fork", "forget", "trace", "usage", "share", "memory eval", "memory confirm", "memory reject", "checkpoints take",
     "checkpoints rollback", "checkpoints fork", "image build", "llm chat", "store info", "store sweep",
-    "store create-tenant", "cost simulate", "cost prices",
+    "store create-tenant", "store tenant-limits", "cost simulate", "cost prices",
 }
 
 

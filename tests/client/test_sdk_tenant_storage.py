@@ -6,6 +6,7 @@ before this ceiling a tenant could keep without bound by spreading over users (u
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def test_a_tenant_stops_at_the_operators_ceiling_over_all_its_users(tmp_path: Pa
             # ada fills what the tenant may keep (no store_mib of her own bounds her): the rest of the 4 MiB.
             n, rest = _kept(sdk.invoke("hoard", "60", user="ada")["reply"])
             assert 25 <= n <= 40 and rest.startswith("1 found; " + REFUSED), (n, rest)
-            assert "tenant_max_storage_mib is 4; memory.append refused" in rest, rest
+            assert "its storage ceiling is 4 MiB; memory.append refused" in rest, rest
             # bob, another user of the same tenant, is refused too: spreading over users does not get past it.
             n, rest = _kept(sdk.invoke("hoard", "5", user="bob")["reply"])
             assert n == 0 and rest.startswith("0 found; " + REFUSED), rest
@@ -87,3 +88,29 @@ def test_a_tenant_stops_at_the_operators_ceiling_over_all_its_users(tmp_path: Pa
     finally:
         host.stop()
 
+
+
+def test_a_tenants_own_ceiling_set_by_the_operator_applies_to_it_alone(tmp_path: Path) -> None:
+    """`moorage store tenant-limits NAME --storage-mib N` on the host's store: that tenant stops at its N, another
+    tenant of the same host (no ceiling, the default) is not bounded by it."""
+    host = LocalHost("up", tmp_path / "data", {"MOORAGE_LOG_LEVEL": "warning"}, start_timeout_s=120)
+    try:
+        env = {"MOORAGE_DATA_DIR": str(tmp_path / "data")}
+        made = CliRunner().invoke(app, ["store", "create-tenant", "globex", "--json"], env=env)
+        assert made.exit_code == 0, made.output
+        globex_key = json.loads(made.stdout)["api_key"]
+        set_ = CliRunner().invoke(app, ["store", "tenant-limits", "globex", "--storage-mib", "2"], env=env)
+        assert set_.exit_code == 0 and "globex: storage ceiling 2 MiB (its own)" in set_.stdout, set_.output
+        listed = CliRunner().invoke(app, ["store", "tenants", "--json"], env=env)
+        assert {t["name"]: t["limits"] for t in json.loads(listed.stdout)["data"]} == \
+            {"globex": {"storage_mib": 2.0}, "local": {}}, listed.output
+        with Client(host.url, globex_key) as globex, Client(host.url, host.key) as local:
+            for sdk in (globex, local):
+                sdk.deploy("hoard", _agent(tmp_path / f"hoard-{id(sdk)}"))
+            n, rest = _kept(globex.invoke("hoard", "30", user="ada")["reply"])
+            assert 10 <= n <= 20 and "its storage ceiling is 2 MiB; memory.append refused" in rest, (n, rest)
+            assert globex.usage()["storage"]["limit"] == 2
+            assert _kept(local.invoke("hoard", "30", user="ada")["reply"]) == (30, "1 found; none")
+            assert "storage" not in local.usage()
+    finally:
+        host.stop()

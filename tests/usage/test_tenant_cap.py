@@ -47,11 +47,20 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 class _Backend:
-    """The store a tenant's view belongs to (the measures are kept per store)."""
+    """The store a tenant's view belongs to (the measures are kept per store), with the tenants' own limits as the
+    operator set them (counted reads)."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, dict] = {}
+        self.reads = 0
+
+    def tenant_limits(self, tenant_id: str) -> dict:
+        self.reads += 1
+        return dict(self.limits.get(tenant_id, {}))
 
 
-def _ts(tenant_id: str) -> SimpleNamespace:
-    return SimpleNamespace(tenant_id=tenant_id, backend=_Backend())
+def _ts(tenant_id: str, backend: _Backend | None = None) -> SimpleNamespace:
+    return SimpleNamespace(tenant_id=tenant_id, backend=backend or _Backend())
 
 
 async def test_writes_are_counted_between_measures_and_a_crossing_measures_again(sizes: _Sizes,
@@ -62,7 +71,7 @@ async def test_writes_are_counted_between_measures_and_a_crossing_measures_again
     for _ in range(9):  # 3 MiB + 10 x 100 kB: under 4 MiB by the count, no read
         await lv.admit(acme, 4, 100_000, "memory.append")
     assert sizes.reads == {"acme": 1}
-    with pytest.raises(TenantStorageExceeded, match=r"this tenant keeps 4\.0 MiB .* tenant_max_storage_mib is 4; "
+    with pytest.raises(TenantStorageExceeded, match=r"this tenant keeps 4\.0 MiB .* its storage ceiling is 4 MiB; "
                                                     r"memory\.append refused"):
         await lv.admit(acme, 4, 100_000, "memory.append")  # crosses; the measure is too recent to read again
     assert sizes.reads == {"acme": 1}
@@ -139,3 +148,33 @@ def test_usage_shows_the_standing_only_under_a_ceiling(sizes: _Sizes, clock: lis
     assert shown == {"limit": 8.0, "used": 3.0, "store_bytes": 3 * MIB, "instance_bytes": 0}
     assert tenant_cap.standing(SimpleNamespace(tenant_max_storage_mib=8), acme) == shown
     assert sizes.reads == {"acme": 1}  # within RECHECK_S: the same measure
+
+
+async def test_a_tenants_own_ceiling_replaces_the_default_and_is_read_again_each_minute(sizes: _Sizes,
+                                                                                       clock: list[float]) -> None:
+    """``moorage store tenant-limits``: a tenant's own ``storage_mib`` (higher or lower than the default, 0: none)
+    applies instead of the operator's ``tenant_max_storage_mib``; a host reads it at most every LIMITS_EVERY_S."""
+    backend = _Backend()
+    acme, globex, initech = (_ts(t, backend) for t in ("acme", "globex", "initech"))
+    backend.limits = {"acme": {"storage_mib": 8}, "globex": {"storage_mib": 0}}
+    sizes.size.update(acme=5 * MIB, globex=50 * MIB, initech=5 * MIB)
+    default = SimpleNamespace(tenant_max_storage_mib=4)
+    await tenant_cap.admit(default, acme, MIB, "memory.append")  # its 8 MiB, not the default's 4
+    await tenant_cap.admit(default, globex, MIB, "memory.append")  # 0: no ceiling, and not measured
+    with pytest.raises(TenantStorageExceeded, match="its storage ceiling is 4 MiB"):
+        await tenant_cap.admit(default, initech, MIB, "memory.append")  # none of its own: the default
+    assert sizes.reads == {"acme": 1, "initech": 1} and backend.reads == 3
+    for _ in range(20):  # read once a minute, not per call
+        await tenant_cap.admit(default, acme, 1, "memory.append")
+    assert backend.reads == 3
+    backend.limits["acme"] = {"storage_mib": 5}  # the operator lowers it: applied at the first write a minute on
+    await tenant_cap.admit(default, acme, 1, "memory.append")
+    clock[0] += tenant_cap.LIMITS_EVERY_S
+    with pytest.raises(TenantStorageExceeded, match="its storage ceiling is 5 MiB"):
+        await tenant_cap.admit(default, acme, MIB, "memory.append")
+    assert tenant_cap.standing(default, globex) is None  # no ceiling: nothing shown, nothing measured
+    assert "globex" not in sizes.reads
+    shown = tenant_cap.standing(SimpleNamespace(tenant_max_storage_mib=0), acme)  # its own, with no default
+    assert shown is not None and shown["limit"] == 5, shown
+    ephemeral = SimpleNamespace(tenant_id="acme", backend=SimpleNamespace(ephemeral=True))
+    await tenant_cap.admit(default, ephemeral, 100 * MIB, "memory.append")  # a zero-retention store: not counted

@@ -108,14 +108,47 @@ def create_tenant(name: str,
 
 @app.command("tenants")
 def tenants(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """List tenants."""
-    if not _existing():
-        ts = []
-    else:
+    """List tenants, with the limits the operator gave each (``tenant-limits``)."""
+    rows: list[tuple] = []
+    if _existing():
         with _store() as s:
-            ts = s.operator.list_tenants()
+            rows = [(t, s.operator.tenant_limits(t.id)) for t in s.operator.list_tenants()]
     if as_json:
-        print(json.dumps({"data": [{"id": t.id, "name": t.name, "created_at": t.created_at} for t in ts]}))
+        print(json.dumps({"data": [{"id": t.id, "name": t.name, "created_at": t.created_at, "limits": limits}
+                                   for t, limits in rows]}))
     else:
-        for t in ts:
-            console.print(f"{t.name}\t{t.id}")
+        for t, limits in rows:
+            own = "  ".join(f"{k}={v:g}" for k, v in sorted(limits.items()))
+            console.print(f"{t.name}\t{t.id}" + (f"\t{own}" if own else ""), highlight=False)
+
+
+@app.command("tenant-limits")
+def tenant_limits(name: str = typer.Argument(..., help="The tenant's name or id."),
+                  storage_mib: Optional[float] = typer.Option(
+                      None, "--storage-mib", min=0,
+                      help="What the tenant may keep, in MiB: its store and its instances' disks (0: no ceiling)."),
+                  default: bool = typer.Option(False, "--default",
+                                               help="Clear the tenant's own value: tenant_max_storage_mib applies."),
+                  as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Show or set one tenant's own limits, which replace the installation's defaults for it (a running host
+    applies a change within a minute)."""
+    from moorage.cli.main import state
+    from moorage.errors import InvalidInput
+
+    if default and storage_mib is not None:
+        raise InvalidInput("give --storage-mib or --default, not both",
+                           hint="--default clears the tenant's own value; --storage-mib N sets it")
+    if not _existing():
+        raise typer.Exit(1)
+    with _store() as s:
+        if default or storage_mib is not None:
+            s.operator.set_tenant_limits(name, storage_mib=None if default else storage_mib)
+        t = s.operator.get_tenant(name)
+        limits = s.operator.tenant_limits(t.id)
+    fallback = float(state.cfg.tenant_max_storage_mib or 0)
+    mib = limits.get("storage_mib", fallback)
+    if as_json:
+        print(json.dumps({"tenant": t.id, "name": t.name, "limits": limits, "storage_mib": mib or None}))
+        return
+    whose = "its own" if "storage_mib" in limits else "tenant_max_storage_mib, the default"
+    console.print(f"{t.name}: storage ceiling {f'{mib:g} MiB' if mib else 'none'} ({whose})", highlight=False)

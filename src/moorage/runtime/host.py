@@ -110,8 +110,8 @@ class Host:
         manager.tenant_max_awake = config.max_awake_per_tenant or None
         from moorage.usage import tenant_cap
 
-        if tenant_cap.ceiling_of(config) > 0:  # a tenant past its storage ceiling gets no new instances
-            manager.admit_new_instance = lambda ts: tenant_cap.admit(config, ts, 0, "a new instance")
+        # A tenant past its storage ceiling (the operator's default, or its own) gets no new instances.
+        manager.admit_new_instance = lambda ts: tenant_cap.admit(config, ts, 0, "a new instance")
         host = cls(config, store, driver, manager, Runtime(config, store, driver, llm, manager))
         if manager.fleet is not None:
             manager.fleet.on_drain = host._drain

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import re
 import secrets
 import time
@@ -40,6 +41,8 @@ def hash_key(secret: str) -> str:
 
 class Backend(ABC):
     dialect: str
+    #: A zero-retention agent's store: in memory, never on disk (``EphemeralBackend``).
+    ephemeral = False
 
     # -- transactions -------------------------------------------------------------------------
 
@@ -125,6 +128,20 @@ class Backend(ABC):
             raise NotFound(f"no tenant {name_or_id!r}", hint="`moorage store tenants` lists them; create one with "
                                                                "`moorage store create-tenant NAME`")
         return Tenant(*r)
+
+    def tenant_limits(self, tenant_id: str) -> dict[str, Any]:
+        """The operator's limits of one tenant (``{}``: the installation's defaults; store/schema.py control 4)."""
+        with self.control_tx() as c:
+            r = c.one("SELECT limits FROM tenants WHERE id = ?", (tenant_id,))
+        limits = json.loads(r[0]) if r is not None and r[0] else {}
+        return limits if isinstance(limits, dict) else {}
+
+    def set_tenant_limits(self, name_or_id: str, limits: dict[str, Any]) -> Tenant:
+        """Replace the operator's limits of one tenant (by its name or id)."""
+        t = self.get_tenant(name_or_id)
+        with self.control_tx() as c:
+            c.x("UPDATE tenants SET limits = ? WHERE id = ?", (json.dumps(limits, sort_keys=True), t.id))
+        return t
 
     def list_tenants(self) -> list[Tenant]:
         with self.control_tx() as c:

@@ -935,6 +935,13 @@ CONTROL_MIGRATIONS: tuple[Migration, ...] = (
         "fleet hosts: fingerprints of the installation secrets every host must share (checked when a host joins)",
         statements=("ALTER TABLE hosts ADD COLUMN secrets {json} NOT NULL DEFAULT '{{}}'",),
     ),
+    Migration(
+        4,
+        "tenants: the operator's limits of each tenant (its own tenant_max_storage_mib)",
+        statements=("ALTER TABLE tenants ADD COLUMN limits {json} NOT NULL DEFAULT '{{}}'",),
+        # Older hosts name the columns they read and write: they apply the operator's default to every tenant.
+        older_may_serve=True,
+    ),
 )
 
 LATEST_TENANT_VERSION = TENANT_MIGRATIONS[-1].version

@@ -352,6 +352,7 @@ class EphemeralBackend(Backend):
     """Zero-retention storage for stateless agents: one in-memory SQLite database, never on disk."""
 
     dialect = "sqlite"
+    ephemeral = True
 
     def __init__(self, tenant_id: str) -> None:
         self.tenant_id = check_tenant_id(tenant_id)

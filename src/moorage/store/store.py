@@ -7,9 +7,9 @@ the request path so that a request can only ever reach the tenant its credential
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
-from moorage.errors import Unauthenticated
+from moorage.errors import InvalidInput, Unauthenticated
 from moorage.store.base import KEY_PREFIX, Backend, hash_key
 from moorage.store.model import ApiKey, Principal, Tenant, split_scopes
 from moorage.store.sqlite import EphemeralBackend
@@ -36,6 +36,27 @@ class Operator:
 
     def delete_tenant(self, tenant_id: str) -> None:
         self._store.backend.delete_tenant(tenant_id)
+
+    def tenant_limits(self, name_or_id: str) -> dict[str, Any]:
+        """The operator's limits of one tenant (``{}``: the installation's defaults for every tenant)."""
+        return self._store.backend.tenant_limits(self._store.backend.get_tenant(name_or_id).id)
+
+    def set_tenant_limits(self, name_or_id: str, *, storage_mib: float | None) -> dict[str, Any]:
+        """Set (a number, 0: no ceiling) or clear (None: the installation's ``tenant_max_storage_mib``) one tenant's
+        own ``storage_mib`` ceiling; returns its limits as they now are. A running host applies it within a minute
+        (usage/tenant_cap.py)."""
+        if storage_mib is not None and (isinstance(storage_mib, bool) or not isinstance(storage_mib, (int, float))
+                                        or not 0 <= storage_mib < float("inf")):
+            raise InvalidInput(f"storage_mib must be a number of MiB, 0 or more (0: no ceiling), not {storage_mib!r}")
+        b = self._store.backend
+        t = b.get_tenant(name_or_id)
+        limits = b.tenant_limits(t.id)
+        if storage_mib is None:
+            limits.pop("storage_mib", None)
+        else:
+            limits["storage_mib"] = float(storage_mib)
+        b.set_tenant_limits(t.id, limits)
+        return limits
 
     def principal(self, tenant_id: str) -> Principal:
         """A principal for moorage's own jobs on one tenant (sweeper, lifecycle), never built from request data."""

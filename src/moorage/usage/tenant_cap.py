@@ -41,6 +41,8 @@ MIB = 1 << 20
 MEASURE_EVERY_S = 60.0
 #: A write that would cross the ceiling measures again (and waits for it) when the measure is older than this.
 RECHECK_S = 10.0
+#: A tenant's own ceiling (``moorage store tenant-limits``) is read again at its first write after this long.
+LIMITS_EVERY_S = 60.0
 
 
 def _now() -> float:
@@ -56,9 +58,9 @@ class TenantStorageExceeded(MoorageError):
 
     def __init__(self, used: int, ceiling_mib: float, what: str) -> None:
         # The advice is in the message (as for store_mib): a guest that does not catch the error has it said once.
-        super().__init__(f"this tenant keeps {used / MIB:.1f} MiB (its store and its instances' disks), the "
-                         f"operator's tenant_max_storage_mib is {ceiling_mib:g}; {what} refused: delete end-users "
-                         f"it no longer needs, shorten its retention, or ask the operator for more")
+        super().__init__(f"this tenant keeps {used / MIB:.1f} MiB (its store and its instances' disks), its "
+                         f"storage ceiling is {ceiling_mib:g} MiB; {what} refused: delete end-users it no longer "
+                         f"needs, shorten its retention, or ask the operator for more")
         self.used = used
         self.ceiling_mib = ceiling_mib
 
@@ -78,6 +80,9 @@ class _Level:
     since: int = 0
     refreshing: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: The tenant's own ceiling as last read (None: the installation's default), and when.
+    own: float | None = None
+    own_at: float = float("-inf")
 
     @property
     def bytes(self) -> int:
@@ -128,6 +133,21 @@ class TenantLevels:
         now = _now()
         return self._measure(ts, now - fresher_than) if now - m.at >= fresher_than else m
 
+    def ceiling(self, ts: "TenantStore", default: float, *, read: bool = True) -> float | None:
+        """The tenant's ceiling in MiB (0: none): its own, else ``default``. Its own is read from the control
+        plane when older than ``LIMITS_EVERY_S`` (in this thread); with ``read`` False that returns None instead."""
+        m = self._entry(ts.tenant_id)
+        if _now() - m.own_at >= LIMITS_EVERY_S:
+            if not read:
+                return None
+            try:
+                own = ts.backend.tenant_limits(ts.tenant_id).get("storage_mib")
+                m.own = float(own) if isinstance(own, (int, float)) and not isinstance(own, bool) else None
+            except Exception as e:  # noqa: BLE001 - the last one read goes on applying; asked again in a minute
+                log.warning("could not read a tenant's limits", tenant=ts.tenant_id, error=repr(e))
+            m.own_at = _now()
+        return m.own if m.own is not None else default
+
     def grew(self, tenant_id: str, nbytes: int) -> None:
         """Something kept ``nbytes`` more for the tenant without asking (an instance's levels at its sleep):
         counted until its next measure."""
@@ -169,26 +189,32 @@ def levels(ts: "TenantStore") -> TenantLevels:
     return lv
 
 
-def ceiling_of(config: Any) -> float:
-    """The operator's ``tenant_max_storage_mib`` (0: none)."""
+def default_of(config: Any) -> float:
+    """The operator's ``tenant_max_storage_mib``, every tenant's ceiling but those given their own (0: none)."""
     return float(getattr(config, "tenant_max_storage_mib", 0) or 0)
 
 
 async def admit(config: Any, ts: "TenantStore", nbytes: int, what: str) -> None:
-    """Before something keeps ``nbytes`` more for ``ts``'s tenant: refuse it past the operator's ceiling (a no-op
-    without one)."""
-    ceiling = ceiling_of(config)
-    if ceiling > 0:
-        await levels(ts).admit(ts, ceiling, nbytes, what)
+    """Before something keeps ``nbytes`` more for ``ts``'s tenant: refuse it past the tenant's ceiling (a no-op
+    without one, and for a zero-retention agent's store, which keeps nothing on disk)."""
+    if getattr(ts.backend, "ephemeral", False):
+        return
+    lv = levels(ts)
+    ceiling = lv.ceiling(ts, default_of(config), read=False)
+    if ceiling is None:
+        ceiling = await asyncio.to_thread(lv.ceiling, ts, default_of(config))
+    if ceiling:
+        await lv.admit(ts, ceiling, nbytes, what)
 
 
 def standing(config: Any, ts: "TenantStore") -> dict[str, Any] | None:
-    """The tenant's storage as ``/v1/usage`` shows it, under the operator's ceiling (None without one):
-    ``limit`` and ``used`` in MiB (as the next write is judged: the last measure, taken again here if older than
-    ``RECHECK_S``, plus what was admitted since), the measure's parts in bytes. Call it from a thread."""
-    ceiling = ceiling_of(config)
-    if ceiling <= 0:
+    """The tenant's storage as ``/v1/usage`` shows it, under its ceiling (None without one): ``limit`` and
+    ``used`` in MiB (as the next write is judged: the last measure, taken again here if older than ``RECHECK_S``,
+    plus what was admitted since), the measure's parts in bytes. Call it from a thread."""
+    lv = levels(ts)
+    ceiling = lv.ceiling(ts, default_of(config))
+    if not ceiling:
         return None
-    m = levels(ts).current(ts, fresher_than=RECHECK_S)
+    m = lv.current(ts, fresher_than=RECHECK_S)
     return {"limit": ceiling, "used": round(m.bytes / MIB, 3), "store_bytes": m.parts.get("store", 0),
             "instance_bytes": m.parts.get("instances", 0)}
