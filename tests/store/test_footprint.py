@@ -62,7 +62,8 @@ def test_a_tenants_store_bytes_count_its_own_writes_and_free_what_it_forgets(ten
     for i in range(4):
         _write(tenant, "echo", f"u{i}", 0)
         for _ in range(20):
-            tenant.events.append(Scope.for_user("echo", f"u{i}"), "note", base64.b64encode(os.urandom(36 << 10)).decode())
+            text = base64.b64encode(os.urandom(36 << 10)).decode()
+            tenant.events.append(Scope.for_user("echo", f"u{i}"), "note", text)
     grown = tenant.footprint.tenant_bytes() - before
     # About twice the text: memories are also kept in the full-text index (a tsvector on PostgreSQL, FTS5 on SQLite).
     assert size <= grown < size * 3, grown

@@ -88,8 +88,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                   # (store_mib: a level measured now, with no reset).
                   "caps": {"type": "object", "additionalProperties": obj({"limit": NUM, "used": NUM, "resets_at": NNUM},
                                                                          ["limit", "used", "resets_at"])},
-                  # The whole tenant's (no agent, no user), under the operator's tenant_max_storage_mib: MiB kept
-                  # of the ceiling, and the measure's parts in bytes (usage/tenant_cap.py).
+                  # The whole tenant's (no agent, no user), under its storage ceiling (the operator's
+                  # tenant_max_storage_mib or its own): MiB kept of it, the measure's parts in bytes
+                  # (usage/tenant_cap.py).
                   "storage": obj({"limit": NUM, "used": NUM, "store_bytes": INT, "instance_bytes": INT},
                                  ["limit", "used", "store_bytes", "instance_bytes"])},
                  ["since", "totals", "cost_usd"]),

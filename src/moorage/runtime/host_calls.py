@@ -254,7 +254,7 @@ class GuestCalls:
                     with cpu_share.metered(meter) if meter is not None else contextlib.nullcontext():
                         if method in _STORE_WRITES:  # and what the user's instance keeps over time: store_mib
                             await store_cap.admit(self.rt, binding, nbytes, method)
-                            # ... and what the whole tenant keeps: the operator's tenant_max_storage_mib
+                            # ... and what the whole tenant keeps: its storage ceiling
                             kept = nbytes + (store_cap.EMBEDDING_BYTES if method == "memory.append" else 0)
                             await tenant_cap.admit(self.rt.config, binding.ts, kept, method)
                         return await fn(binding, params)

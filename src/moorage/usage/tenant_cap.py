@@ -1,5 +1,7 @@
-"""The operator's ``tenant_max_storage_mib``: how much one tenant may keep on the operator's disks, over all its
-agents and end-users (``store_mib`` bounds one user; with ``users = "auto"`` a tenant could spread over many).
+"""A tenant's storage ceiling: how much one tenant may keep on the operator's disks, over all its agents and
+end-users (``store_mib`` bounds one user; with ``users = "auto"`` a tenant could spread over many). The operator's
+``tenant_max_storage_mib`` applies to every tenant but those given their own (``moorage store tenant-limits``,
+kept with the tenant in the control plane and read by each host at most every ``LIMITS_EVERY_S``).
 
 What counts (``measure``): the tenant's store (``ts.footprint.tenant_bytes``: on SQLite its file's pages in use, on
 PostgreSQL its rows) and its instances' disk and snapshot bytes at their last sleep (the usage ledger's levels,
@@ -50,7 +52,7 @@ def _now() -> float:
 
 
 class TenantStorageExceeded(MoorageError):
-    """The tenant keeps the operator's ``tenant_max_storage_mib``; what would keep more was refused."""
+    """The tenant keeps its storage ceiling; what would keep more was refused."""
 
     code = "tenant-storage-exceeded"
     http_status = 507

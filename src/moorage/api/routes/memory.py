@@ -10,7 +10,6 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-
 from moorage.api import schemas as S
 from moorage.api.pagination import MAX_LIMIT, decode_cursor, encode_cursor, offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of, bool_query, float_query, known_user

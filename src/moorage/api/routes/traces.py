@@ -51,7 +51,7 @@ def usage(call: Call) -> dict[str, Any]:
         ceiling = float(call.ctx.config.user_max_store_mib or 0)  # the operator's (a store-only server's too)
         out["caps"] = standing(call.tenant, check_id(agent, "agent name"), check_id(call.query("user"), "user id"),
                                store_ceiling=ceiling)
-    if agent is None and call.query("user") is None:  # the whole tenant: what it keeps, under the operator's ceiling
+    if agent is None and call.query("user") is None:  # the whole tenant: what it keeps, under its ceiling
         from moorage.usage.tenant_cap import standing as storage_standing
 
         storage = storage_standing(call.ctx.config, call.tenant)

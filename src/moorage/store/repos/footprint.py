@@ -84,7 +84,8 @@ class Footprint:
         (usage/tenant_cap.py)."""
         with self._ts._tx(write=False) as c:
             if self._ts.dialect != "postgres":
-                pages, free, size = (int(c.one(f"PRAGMA {p}")[0]) for p in ("page_count", "freelist_count", "page_size"))
+                pages, free, size = (int(c.one(f"PRAGMA {p}")[0])
+                                     for p in ("page_count", "freelist_count", "page_size"))
                 return (pages - free) * size
             from moorage.store.schema import TENANT_MIGRATIONS
 
