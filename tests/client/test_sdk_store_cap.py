@@ -32,10 +32,11 @@ async def on_message(ctx, message):
 '''
 
 
-def _agent(root: Path) -> Path:
+def _agent(root: Path, limits: str = "[agent.limits]\nstore_mib = 1\n") -> Path:
+    """The hoarding agent, its ``limits`` table as given (the agent's store_mib of 1 MiB unless told)."""
     root.mkdir()
     (root / "moorage.toml").write_text('[agent]\nname = "hoard"\nentry = "agent.py"\n'
-                                       '[agent.limits]\nstore_mib = 1\n[agent.lifecycle]\nusers = "auto"\n')
+                                       f'{limits}[agent.lifecycle]\nusers = "auto"\n')
     (root / "agent.py").write_text(AGENT)
     return root
 

@@ -17,17 +17,14 @@ from moorage import Client
 from moorage.cli.main import app
 from moorage.client.errors import ApiError
 from moorage.devservices.fleet import LocalHost
-from tests.client.test_sdk_store_cap import AGENT, _kept
+from tests.client.test_sdk_store_cap import _agent as hoarder
+from tests.client.test_sdk_store_cap import _kept
 
 REFUSED = "tenant-storage-exceeded: this tenant keeps "
 
 
 def _agent(root: Path) -> Path:
-    root.mkdir()
-    (root / "moorage.toml").write_text('[agent]\nname = "hoard"\nentry = "agent.py"\n'
-                                       '[agent.lifecycle]\nusers = "auto"\n')
-    (root / "agent.py").write_text(AGENT)
-    return root
+    return hoarder(root, limits="")  # no store_mib: only the tenant's ceiling bounds it
 
 
 def test_a_tenant_stops_at_the_operators_ceiling_over_all_its_users(tmp_path: Path) -> None:
