@@ -99,7 +99,9 @@ async def timed_get(c: httpx.AsyncClient, path: str) -> tuple[httpx.Response, fl
 
 async def test_an_on_wake_slower_than_the_agents_limit_is_a_504_and_the_next_request_gets_its_run(tmp_path: Path) -> None:
     async with host(tmp_path) as c:
-        await deploy(c, tmp_path, "slow", 6.0)
+        # 4.5 s: 1.5 s past the first request's 3 s limit, and 1.5 s for the next one to wait (at 6 s the next one
+        # waited all 3 s of its limit, no margin: a CI run once saw it time out too).
+        await deploy(c, tmp_path, "slow", 4.5)
         r, took = await timed_get(c, "/v1/agents/slow/users/ada/app/")
         assert r.status_code == 504, r.text
         problem = r.json()
