@@ -194,8 +194,8 @@ async def test_ttl_archives_then_deletes_with_the_disk(lc_env: LcEnv) -> None:
     assert not (env.root / rec.id).exists() and rec.id not in await m.driver.list()
     assert [s.attrs["to"] for s in env.spans("lifecycle.archive") + env.spans("lifecycle.delete")] == ["archived", "deleted"]
     # Usage no longer counts its bytes (it reported the last sleep's levels of a deleted instance for good).
-    assert ledger.storage(env.ts, since=0, agent="helper") == {"disk_bytes": 0, "snapshot_bytes": 0}
-    assert ledger.storage(env.ts, since=0, agent="helper", user="alice") == {"disk_bytes": 0, "snapshot_bytes": 0}
+    assert ledger.storage(env.ts, since=0, agent="helper") == dict.fromkeys(ledger.GAUGES, 0)
+    assert ledger.storage(env.ts, since=0, agent="helper", user="alice") == dict.fromkeys(ledger.GAUGES, 0)
     # The user comes back: a fresh instance from the template, none of the deleted files.
     async with m.turn(env.ts, ALICE, env.template) as sb:
         assert await sb.stat("secret.txt") is None

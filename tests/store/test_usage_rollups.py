@@ -1,4 +1,4 @@
-"""The usage rollups (store migration 28) give the sums and storage levels the ledger gave: on a random ledger, after
+"""The usage rollups (store migrations 28 and 31) give the sums and storage levels the ledger gave: on a random ledger, after
 deletions (forgetting a user, the TTL sweep, an instance's latest measurement) and after the migration built them
 from rows written before it, on SQLite and PostgreSQL. And a tenant's totals no longer read a year of ledger rows."""
 
@@ -20,7 +20,7 @@ from moorage.store.sqlite import SQLiteBackend
 from moorage.usage import ledger
 from tests.store.test_query_plans import recorded
 
-KINDS = ("input_tokens", "output_tokens", "cost_usd", "compute_seconds", "wakes", "disk_bytes", "snapshot_bytes")
+KINDS = ("input_tokens", "output_tokens", "cost_usd", "compute_seconds", "wakes", *ledger.GAUGES)
 NOW = time.time()
 
 
@@ -120,21 +120,22 @@ def test_a_since_before_the_epoch_or_past_any_day_reads_the_bounds_not_a_500(ten
     assert ledger.by_day(tenant, since=-1e300, until=1e300) == ledger.by_day(tenant, since=0.0)
 
 
+@pytest.mark.parametrize("upto", [27, 30])  # before the rollups (28); before the checkpoints' levels (31)
 @pytest.mark.parametrize("kind", ["sqlite", "postgres"])
-def test_the_migration_builds_the_rollups_of_rows_written_before_it(kind: str, tmp_path: Path,
+def test_the_migration_builds_the_rollups_of_rows_written_before_it(kind: str, upto: int, tmp_path: Path,
                                                                     request: pytest.FixtureRequest) -> None:
-    if kind == "sqlite":  # a tenant at schema 27 (create_tenant would migrate it to the latest)
+    if kind == "sqlite":  # a tenant at schema ``upto`` (create_tenant would migrate it to the latest)
         b = SQLiteBackend(tmp_path / "store")
         before = Store(b)
         tid = "a" * 32
         with b.control_tx() as c:
             c.x("INSERT INTO tenants (id, name, created_at, version) VALUES (?, ?, ?, 1)", (tid, "old", 0.0))
-        b.init_tenant(tid, upto=27)
+        b.init_tenant(tid, upto=upto)
         b._migrated.add(str(b.tenant_path(tid)))  # pretend this process already checked it
         make = lambda: Store(SQLiteBackend(tmp_path / "store"))  # noqa: E731
     else:
         url = request.getfixturevalue("pg_url")
-        before = Store(PostgresBackend(url, upto=27))
+        before = Store(PostgresBackend(url, upto=upto))
         tid = before.operator.create_tenant("old")[0].id
         make = lambda: Store(PostgresBackend(url))  # noqa: E731
     fill(before.tenant(before.operator.principal(tid)), random.Random(7))

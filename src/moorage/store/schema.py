@@ -903,6 +903,19 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         # revoked key that it runs. Everything else it does is unchanged, so it may serve during a rolling upgrade.
         older_may_serve=True,
     ),
+    Migration(
+        31,
+        "usage rollups: the levels of the instances' sandbox checkpoint bytes, as of their disk and snapshot bytes",
+        # A sleep measures the bytes of the instance's sandbox checkpoints (its RAM deltas and device states; a
+        # process sandbox's copies of its layer) as the ledger kind ``checkpoint_bytes``, a level: the triggers of
+        # migration 28 keep its levels too (store/usage_rollups.py ``SQLITE_31``/``POSTGRES_31``).
+        statements=(),
+        sqlite_only=usage_rollups.SQLITE_31,
+        postgres_only=usage_rollups.POSTGRES_31,
+        # An older host writes no such rows and reads a tenant's and an agent's levels of every kind from the
+        # rollups; a user's ``checkpoint_bytes`` it sums over their sleeps, as a kind it does not know is a level.
+        older_may_serve=True,
+    ),
 )
 
 

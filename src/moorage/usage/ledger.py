@@ -1,5 +1,5 @@
 """Usage totals by UTC day (per tenant, optionally one agent and end-user), read from the usage ledger, and the
-storage an instance holds (disk and snapshot bytes, measured at each sleep) as levels rather than sums."""
+storage an instance holds (disk, snapshot and checkpoint bytes, measured at each sleep) as levels rather than sums."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from typing import Any
 
 from moorage.log import get_logger
 from moorage.store import TenantStore
+from moorage.store.usage_rollups import GAUGES
 from moorage.store.repos.usage import clamp_time
 
 log = get_logger(__name__)
 
-#: Ledger kinds that are levels: each row is an instance's bytes at one sleep. A day shows, per instance, its
-#: value at its last sleep that day, summed over instances; totals show each instance's latest value, summed.
-GAUGES = ("disk_bytes", "snapshot_bytes")
+#: ``GAUGES``: the ledger kinds that are levels (disk, snapshot and checkpoint bytes): each row is an instance's
+#: bytes at one sleep. A day shows, per instance, its value at its last sleep that day, summed over instances;
+#: totals show each instance's latest value, summed.
+__all__ = ["GAUGES", "by_day", "measure", "record", "storage", "totals"]
 
 
 def _where(since: float, until: float | None, agent: str | None, user: str | None) -> tuple[str, list[Any]]:
@@ -116,13 +118,14 @@ def _gauge_rows(ts: TenantStore, where: str, params: list[Any]) -> list[tuple[fl
 
 
 async def measure(sandbox: Any) -> dict[str, int]:
-    """A sandbox's disk and snapshot bytes for the ledger (nothing when the driver cannot tell)."""
+    """A sandbox's disk, snapshot and checkpoint bytes for the ledger (nothing when the driver cannot tell)."""
     try:
         st = await sandbox.stats()
     except Exception as e:  # noqa: BLE001 - metering must never fail a sleep
         log.warning("could not measure a sandbox's storage", sandbox=getattr(sandbox, "id", None), error=str(e))
         return {}
-    return {"disk_bytes": int(st.disk_bytes), "snapshot_bytes": int(st.snapshot_bytes)}
+    return {"disk_bytes": int(st.disk_bytes), "snapshot_bytes": int(st.snapshot_bytes),
+            "checkpoint_bytes": int(st.checkpoint_bytes)}
 
 
 def record(ts: TenantStore, rec: Any, sizes: dict[str, int]) -> None:

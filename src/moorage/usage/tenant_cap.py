@@ -68,10 +68,9 @@ class TenantStorageExceeded(MoorageError):
 
 
 def measure(ts: "TenantStore") -> dict[str, int]:
-    """What the tenant keeps, in bytes: ``store`` and ``instances`` (disk and snapshot levels)."""
+    """What the tenant keeps, in bytes: ``store`` and ``instances`` (disk, snapshot and checkpoint levels)."""
     levels = ledger.storage(ts, since=0)
-    return {"store": ts.footprint.tenant_bytes(),
-            "instances": int(levels.get("disk_bytes", 0) + levels.get("snapshot_bytes", 0))}
+    return {"store": ts.footprint.tenant_bytes(), "instances": int(sum(levels.get(k, 0) for k in ledger.GAUGES))}
 
 
 @dataclass

@@ -14,7 +14,7 @@ from moorage.store.sql import loads
 
 USAGE_KINDS = ("input_tokens", "output_tokens", "cached_input_tokens", "compute_seconds", "storage_bytes", "cost_usd", "wakes",
                # Levels, not amounts: an instance's bytes at each sleep (read as gauges by moorage.usage.ledger).
-               "disk_bytes", "snapshot_bytes")
+               "disk_bytes", "snapshot_bytes", "checkpoint_bytes")
 
 
 #: The latest time a ledger read looks at (the year 5138): a ``since`` past it, or before the epoch, holds nothing
