@@ -5,6 +5,9 @@ under, read after the chunks are stored (``FleetMember.ship(held=...)``), on bot
   deleted the instance's objects): no manifest, and the chunks it sent are removed again;
 * another host took the instance over meanwhile: no manifest (that host's snapshots are the instance's), and
   what that host shipped is left alone;
+* either of those between that read and the manifest's write (the host paused there: a forget served by another
+  host meanwhile left the manifest it then wrote, the only object of the forgotten user in the bucket, once in a
+  CI run of ``test_forget_fleet.py``): the record is read again after the write, and the manifest withdrawn;
 * still held: published as before.
 """
 
@@ -64,3 +67,33 @@ def test_a_stale_holder_publishes_nothing_and_leaves_the_new_holders_snapshots(
     after = _keys(object_store)
     assert [k for k in after if "/snapshots/" in k] == [k for k in before if "/snapshots/" in k]
     assert set(before) <= set(after)
+
+
+
+@pytest.mark.parametrize("outcome", ["deleted", "gone", "taken"])
+def test_a_forget_or_a_takeover_between_the_read_and_the_manifest_withdraws_it(
+        object_store: ObjectStore, tmp_path: Path, outcome: str) -> None:
+    member, rec = _member(object_store, tmp_path)
+    earlier = member.ship("t1", rec, 2, held=lambda: rec)["key"] if outcome == "taken" else None  # type: ignore
+    (tmp_path / "sb1" / "layer" / "work" / "counter.txt").write_text("8")
+    after = {"deleted": SimpleNamespace(**{**vars(rec), "state": "deleted", "host": "hb"}), "gone": None,
+             "taken": SimpleNamespace(**{**vars(rec), "host": "hb", "lease_epoch": 3})}[outcome]
+    reads: list[str] = []
+
+    def held() -> SimpleNamespace | None:
+        reads.append(outcome)
+        if len(reads) > 1:
+            return after
+        # The record as read before the manifest: still this host's. Another host then marks it (forget: deleted,
+        # and deletes the instance's objects) before this host writes the manifest.
+        if outcome != "taken":
+            object_store.delete_prefix("instances/t1/sb1/")
+        return rec
+
+    with pytest.raises(NotPublished):
+        member.ship("t1", rec, 2, held=held)  # type: ignore[arg-type]
+    assert len(reads) == 2  # read before the manifest, and again after it
+    if outcome == "taken":  # what it published under its lease stays; the one written after is withdrawn
+        assert [k for k in _keys(object_store) if "/snapshots/" in k] == [earlier]
+    else:  # nothing of the forgotten user is left
+        assert _keys(object_store) == []

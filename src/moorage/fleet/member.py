@@ -232,11 +232,14 @@ class FleetMember:
         and before the manifest is written, the snapshot is published only while the record still names this host
         at ``epoch``, else ``NotPublished`` is raised. When the record is gone or deleted (its user forgotten while
         this host was cut off, or alongside the shipment) the instance's objects are removed again, so the
-        shipment leaves nothing of that user in the object store."""
+        shipment leaves nothing of that user in the object store. The record is read once more after the manifest
+        is written: a forget or a takeover between the first read and the write (this host paused there, say) has
+        marked it deleted or taken by then (``lifecycle/forget.py`` marks it before it deletes the objects), so
+        the snapshot is withdrawn (with a deleted instance's objects all); one after that read deletes it itself."""
         name = f"{epoch:06d}-{time.time_ns()}"
         prefix = self.prefix(tenant_id, record)
 
-        def still_held() -> None:
+        def still_held(published: str | None = None) -> None:
             cur = held() if held is not None else record
             if cur is None or cur.state == "deleted":
                 removed = self.delete_instance(tenant_id, record)
@@ -244,6 +247,8 @@ class FleetMember:
                             instance=record.id, objects=removed)
                 raise NotPublished(record.id, "it was deleted meanwhile")
             if cur.host != self.host_id or cur.lease_epoch != epoch:
+                if published is not None:  # the new holder's own snapshots stay
+                    self.objects.delete(published)
                 raise NotPublished(record.id, f"host {cur.host!r} holds it now (epoch {cur.lease_epoch}, "
                                               f"shipped under {epoch})")
 
@@ -251,6 +256,8 @@ class FleetMember:
             rep: ShipReport = self.shipper.push(self._dir(record), prefix, name, include=self.driver.portable,
                                                 meta={"host": self.host_id, "epoch": epoch}, epoch=epoch,
                                                 before_publish=still_held if held is not None else None)
+            if held is not None:
+                still_held(published=rep.key)
             log.info("snapshot shipped", instance=record.id, key=rep.key, chunks=rep.chunks_moved,
                      bytes=rep.bytes_moved, ms=round(rep.seconds * 1000, 1))
             try:  # the instance's older snapshots (all but its fallbacks) and the chunks only they used
