@@ -317,12 +317,12 @@ class GuestCalls:
         if not isinstance(p.get("subject"), (str, type(None))):
             raise InvalidInput(f"ctx.memory.facts needs subject as a string, got {type(p['subject']).__name__}")
         times = {}
-        for name, field in (("as_of", "valid_at"), ("known_at", "known_at")):
+        for name, column in (("as_of", "valid_at"), ("known_at", "known_at")):
             v = p.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
                 raise InvalidInput(f"ctx.memory.facts needs {name} as seconds since the epoch, got {v!r}",
                                    hint=f"pass {name}=time.time() - 3600 for an hour ago, or leave it out for now")
-            times[field] = None if v is None else float(v)
+            times[column] = None if v is None else float(v)
         facts = await asyncio.to_thread(self.rt.memory(b.ts).semantic.recall, b.user_scope, subject=p.get("subject"),
                                         **times)
         return {"facts": [{"id": f.id, "subject": f.subject, "attribute": f.attribute, "value": f.value, "text": f.text,
