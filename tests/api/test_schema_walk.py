@@ -258,6 +258,8 @@ async def test_every_operation_answers_as_documented(live_rt, store, acme: str, 
         await w(anon, "GET", "/readyz")
         tenant = (await w(op, "POST", "/v1/tenants", json={"name": "walkers"})).json()
         assert tenant["api_key"]["secret"]
+        await w(op, "PUT", "/v1/tenants/walkers/limits", json={"storage_mib": 256})
+        assert (await w(op, "GET", "/v1/tenants/walkers/limits")).json()["storage_mib"] == 256
 
     async with aclient(live_rt, acme) as c:
         # Keys.

@@ -7,9 +7,11 @@ before this ceiling a tenant could keep without bound by spreading over users (u
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -47,6 +49,16 @@ def test_a_tenant_stops_at_the_operators_ceiling_over_all_its_users(tmp_path: Pa
             with pytest.raises(ApiError) as e:  # the tenant's own writes of content as well
                 sdk.add_fact("hoard", "bob", "bob", "motto", "x" * 200_000)
             assert e.value.status == 507 and e.value.type.endswith("/tenant-storage-exceeded"), e.value
+            # A deploy of a package it does not have yet is more to keep: refused, nothing recorded; the same package
+            # again keeps nothing more.
+            other = _agent(tmp_path / "hoard2")
+            (other / "moorage.toml").write_text((other / "moorage.toml").read_text().replace('"hoard"', '"hoard2"'))
+            (other / "data.bin").write_bytes(os.urandom(300_000))  # a package of 300 kB, compressed
+            with pytest.raises(ApiError) as e:
+                sdk.deploy("hoard2", other)
+            assert e.value.status == 507 and "a deploy of a new package refused" in e.value.detail, e.value
+            assert [a["name"] for a in sdk.list_agents()["data"]] == ["hoard"]
+            assert sdk.deploy("hoard", tmp_path / "hoard")["number"] == 2
             # Between measures a host counts what the calls hand the store; a measure counts the file, whose
             # full-text index and pages make it larger: within seconds of the last write it may read past 4.
             full = sdk.usage()["storage"]
@@ -109,5 +121,16 @@ def test_a_tenants_own_ceiling_set_by_the_operator_applies_to_it_alone(tmp_path:
             assert globex.usage()["storage"]["limit"] == 2
             assert _kept(local.invoke("hoard", "30", user="ada")["reply"]) == (30, "1 found; none")
             assert "storage" not in local.usage()
+
+            # The operator raises it over HTTP with the operator token: the host that served it applies it to the
+            # tenant's next write (the tenant's own key may not).
+            token = (tmp_path / "data" / "api" / "operator-token").read_text().strip()
+            assert httpx.put(f"{host.url}/v1/tenants/globex/limits", json={"storage_mib": 64},
+                             headers={"Authorization": f"Bearer {globex_key}"}).status_code == 401
+            r = httpx.put(f"{host.url}/v1/tenants/globex/limits", json={"storage_mib": 64},
+                          headers={"Authorization": f"Bearer {token}"})
+            assert r.status_code == 200 and r.json()["storage_mib"] == 64, r.text
+            assert _kept(globex.invoke("hoard", "5", user="ada")["reply"])[0] == 5
+            assert globex.usage()["storage"]["limit"] == 64
     finally:
         host.stop()

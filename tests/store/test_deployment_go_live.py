@@ -31,3 +31,19 @@ def test_a_go_live_cut_short_leaves_the_deploy_building_and_nothing_live(tenant:
     assert tenant.deployments.get(dep.id).status == DEPLOYMENT_BUILDING
     after = tenant.agents.get("a")
     assert after.live_deployment is None and not zero_retention.is_zero(after)
+
+
+def test_a_tenants_packages_count_once_each_and_rows_without_a_size_not_at_all(tenant: TenantStore,
+                                                                             other_tenant: TenantStore) -> None:
+    """``package_bytes`` (the tenant ceiling counts it, usage/tenant_cap.py): each package once however many
+    deployments name it; a deployment an older host recorded has no size; another tenant's are its own."""
+    a, b = tenant.agents.create("a"), tenant.agents.create("b")
+    assert tenant.deployments.package_bytes() == 0 and not tenant.deployments.has_package("s1")
+    tenant.deployments.create(a.id, {}, "packages/s1.tar.gz", "s1", package_bytes=1000)
+    tenant.deployments.create(a.id, {}, "packages/s1.tar.gz", "s1", package_bytes=1000)  # redeployed as it was
+    tenant.deployments.create(b.id, {}, "packages/s1.tar.gz", "s1", package_bytes=1000)  # the same bytes, another agent
+    tenant.deployments.create(b.id, {}, "packages/s2.tar.gz", "s2", package_bytes=250)
+    tenant.deployments.create(b.id, {}, "packages/s3.tar.gz", "s3")  # before store migration 32: no size
+    assert tenant.deployments.package_bytes() == 1250
+    assert tenant.deployments.has_package("s1") and tenant.deployments.has_package("s3")
+    assert other_tenant.deployments.package_bytes() == 0 and not other_tenant.deployments.has_package("s1")

@@ -145,7 +145,7 @@ def test_usage_shows_the_standing_only_under_a_ceiling(sizes: _Sizes, clock: lis
     assert tenant_cap.standing(SimpleNamespace(tenant_max_storage_mib=0), acme) is None
     assert sizes.reads == {}  # no ceiling: the tenant is not measured
     shown = tenant_cap.standing(SimpleNamespace(tenant_max_storage_mib=8), acme)
-    assert shown == {"limit": 8.0, "used": 3.0, "store_bytes": 3 * MIB, "instance_bytes": 0}
+    assert shown == {"limit": 8.0, "used": 3.0, "store_bytes": 3 * MIB, "instance_bytes": 0, "package_bytes": 0}
     assert tenant_cap.standing(SimpleNamespace(tenant_max_storage_mib=8), acme) == shown
     assert sizes.reads == {"acme": 1}  # within RECHECK_S: the same measure
 

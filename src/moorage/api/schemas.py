@@ -91,8 +91,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                   # The whole tenant's (no agent, no user), under its storage ceiling (the operator's
                   # tenant_max_storage_mib or its own): MiB kept of it, the measure's parts in bytes
                   # (usage/tenant_cap.py).
-                  "storage": obj({"limit": NUM, "used": NUM, "store_bytes": INT, "instance_bytes": INT},
-                                 ["limit", "used", "store_bytes", "instance_bytes"])},
+                  "storage": obj({"limit": NUM, "used": NUM, "store_bytes": INT, "instance_bytes": INT,
+                                  "package_bytes": INT},
+                                 ["limit", "used", "store_bytes", "instance_bytes", "package_bytes"])},
                  ["since", "totals", "cost_usd"]),
     # An agent's handler may return text or any JSON value (a dict, a list); null while the turn waits.
     "TurnResult": obj({"turn_id": STR, "status": {"enum": ["done", "waiting"]},

@@ -213,9 +213,11 @@ class StorageStanding(TypedDict):
     limit: float
     #: What the tenant keeps, in MiB, as its next write is judged.
     used: float
-    #: The measure's parts: the tenant's store, and its instances' disk and snapshot bytes at their last sleep.
+    #: The measure's parts: the tenant's store, its instances' disk, snapshot and checkpoint bytes at their last
+    #: sleep, and its deploy packages (each once).
     store_bytes: int
     instance_bytes: int
+    package_bytes: int
 
 
 class Usage(TypedDict, total=False):

@@ -22,6 +22,7 @@ from moorage.runtime.sizing import spec_for
 from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
 from moorage.store import zero_retention
+from moorage.usage import tenant_cap
 
 log = get_logger(__name__)
 
@@ -48,6 +49,10 @@ class Deployments:
                 f"Debian packages ([agent] apt) need the micro-VM driver: this host's {driver.name} sandboxes do not "
                 "run as root inside", hint="deploy on a host whose sandbox_driver is microvm, or vendor what the "
                                            "agent needs; nothing was changed")
+        # A package the tenant has not deployed before is more for it to keep: past its storage ceiling the deploy is
+        # refused (507) before anything is recorded or saved.
+        if not await asyncio.to_thread(ts.deployments.has_package, pkg.sha256):
+            await tenant_cap.admit(self.config, ts, len(pkg.archive), "a deploy of a new package")
         saved = save_archive(self.packages, pkg)
         if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
             await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
@@ -60,7 +65,7 @@ class Deployments:
                 agent = ts.agents.get(pkg.name)
         # The builder's mark: if this process dies mid-build, any host can tell the deploy will never finish.
         dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256,
-                                    builder=self.instances.claim_mark())
+                                    builder=self.instances.claim_mark(), package_bytes=len(pkg.archive))
         # Build the template before going live: an import error fails the deploy, not a user's turn. A deploy that
         # fails here stays listed as ``failed`` (its error is in its ``deploy`` span), never live.
         try:

@@ -916,6 +916,13 @@ TENANT_MIGRATIONS: tuple[Migration, ...] = (
         # rollups; a user's ``checkpoint_bytes`` it sums over their sleeps, as a kind it does not know is a level.
         older_may_serve=True,
     ),
+    Migration(
+        32,
+        "deployments: the size of each one's package (a tenant's storage counts its packages)",
+        statements=("ALTER TABLE deployments ADD COLUMN package_bytes BIGINT",),
+        # An older host names the columns it writes: its deployments have no size and are not counted.
+        older_may_serve=True,
+    ),
 )
 
 

@@ -60,17 +60,19 @@ class TenantStorageExceeded(MoorageError):
 
     def __init__(self, used: int, ceiling_mib: float, what: str) -> None:
         # The advice is in the message (as for store_mib): a guest that does not catch the error has it said once.
-        super().__init__(f"this tenant keeps {used / MIB:.1f} MiB (its store and its instances' disks), its "
-                         f"storage ceiling is {ceiling_mib:g} MiB; {what} refused: delete end-users it no longer "
-                         f"needs, shorten its retention, or ask the operator for more")
+        super().__init__(f"this tenant keeps {used / MIB:.1f} MiB (its store, its instances' disks and its deploy "
+                         f"packages), its storage ceiling is {ceiling_mib:g} MiB; {what} refused: delete end-users it "
+                         f"no longer needs, shorten its retention, or ask the operator for more")
         self.used = used
         self.ceiling_mib = ceiling_mib
 
 
 def measure(ts: "TenantStore") -> dict[str, int]:
-    """What the tenant keeps, in bytes: ``store`` and ``instances`` (disk, snapshot and checkpoint levels)."""
+    """What the tenant keeps, in bytes: ``store``, ``instances`` (disk, snapshot and checkpoint levels) and
+    ``packages`` (its deploy packages)."""
     levels = ledger.storage(ts, since=0)
-    return {"store": ts.footprint.tenant_bytes(), "instances": int(sum(levels.get(k, 0) for k in ledger.GAUGES))}
+    return {"store": ts.footprint.tenant_bytes(), "instances": int(sum(levels.get(k, 0) for k in ledger.GAUGES)),
+            "packages": ts.deployments.package_bytes()}
 
 
 @dataclass
@@ -134,6 +136,11 @@ class TenantLevels:
         now = _now()
         return self._measure(ts, now - fresher_than) if now - m.at >= fresher_than else m
 
+    def forget_limits(self, tenant_id: str) -> None:
+        """The tenant's own limits are read again before its next write is judged."""
+        m = self._entry(tenant_id)
+        m.own_at = float("-inf")
+
     def ceiling(self, ts: "TenantStore", default: float, *, read: bool = True) -> float | None:
         """The tenant's ceiling in MiB (0: none): its own, else ``default``. Its own is read from the control
         plane when older than ``LIMITS_EVERY_S`` (in this thread); with ``read`` False that returns None instead."""
@@ -190,6 +197,13 @@ def levels(ts: "TenantStore") -> TenantLevels:
     return lv
 
 
+def limits_changed(store: Any, tenant_id: str) -> None:
+    """The operator changed ``tenant_id``'s limits through this process: its next write reads them again."""
+    lv = _LEVELS.get(store.backend)
+    if lv is not None:
+        lv.forget_limits(tenant_id)
+
+
 def default_of(config: Any) -> float:
     """The operator's ``tenant_max_storage_mib``, every tenant's ceiling but those given their own (0: none)."""
     return float(getattr(config, "tenant_max_storage_mib", 0) or 0)
@@ -218,4 +232,4 @@ def standing(config: Any, ts: "TenantStore") -> dict[str, Any] | None:
         return None
     m = lv.current(ts, fresher_than=RECHECK_S)
     return {"limit": ceiling, "used": round(m.bytes / MIB, 3), "store_bytes": m.parts.get("store", 0),
-            "instance_bytes": m.parts.get("instances", 0)}
+            "instance_bytes": m.parts.get("instances", 0), "package_bytes": m.parts.get("packages", 0)}

@@ -1,4 +1,5 @@
-"""Operator routes: create a tenant (guarded by the installation's operator token) and a health check.
+"""Operator routes: create a tenant and read or set its limits (guarded by the installation's operator token),
+and the health checks.
 
 The operator token lives in ``<data_dir>/api/operator-token``; it is never a tenant credential.
 """
@@ -10,7 +11,8 @@ from typing import Any
 from moorage.api import schemas as S
 from moorage.api.readiness import RETRY_AFTER_S
 from moorage.api.routing import Call, Endpoint, Reply
-from moorage.errors import ConflictError
+from moorage.errors import ConflictError, InvalidInput
+from moorage.usage import tenant_cap
 
 
 #: ``/readyz``'s answer, 200 or 503 (``api/readiness.py``).
@@ -30,6 +32,36 @@ def create_tenant(call: Call) -> Reply:
                   "api_key": S.key(key)}, 201)
 
 
+#: A tenant's limits as the operator set them, and what applies (``storage_mib``: its own, else the default).
+LIMITS = S.obj({"tenant": S.obj({"id": S.STR, "name": S.STR}), "limits": S.obj({"storage_mib": S.NUM}),
+                "storage_mib": S.NUM, "default_storage_mib": S.NUM})
+
+
+def _limits(call: Call, name_or_id: str, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+    tenant = call.ctx.store.backend.get_tenant(name_or_id)  # a 404 for a tenant the store does not have
+    own = call.ctx.store.operator.tenant_limits(tenant.id) if limits is None else limits
+    default = tenant_cap.default_of(call.ctx.config)
+    return {"tenant": {"id": tenant.id, "name": tenant.name}, "limits": own,
+            "storage_mib": own.get("storage_mib", default), "default_storage_mib": default}
+
+
+def tenant_limits(call: Call) -> dict[str, Any]:
+    return _limits(call, call.path["tenant"])
+
+
+def set_tenant_limits(call: Call) -> dict[str, Any]:
+    body = call.body if isinstance(call.body, dict) else {}
+    if "storage_mib" not in body:
+        raise InvalidInput("missing field 'storage_mib'",
+                           hint="a number of MiB (0: no ceiling), or null for the installation's tenant_max_storage_mib")
+    name = call.path["tenant"]
+    limits = call.ctx.store.operator.set_tenant_limits(name, storage_mib=body["storage_mib"])
+    answer = _limits(call, name, limits)
+    # This host judges the tenant's next write by it; the fleet's other hosts read it within LIMITS_EVERY_S.
+    tenant_cap.limits_changed(call.ctx.store, answer["tenant"]["id"])
+    return answer
+
+
 def health(call: Call) -> dict[str, Any]:
     return {"status": "ok", "runtime": call.ctx.runtime is not None}
 
@@ -44,6 +76,13 @@ ENDPOINTS = [
     Endpoint("POST", "/v1/tenants", create_tenant, "Create a tenant and its first admin key (operator token)",
              "operator", "createTenant", auth="operator", status=201, idempotency="none",
              body=S.obj({"name": S.STR}), response=S.obj({"tenant": S.ref("Tenant"), "api_key": S.ref("ApiKey")})),
+    Endpoint("GET", "/v1/tenants/{tenant}/limits", tenant_limits,
+             "A tenant's limits (by name or id): its own storage ceiling, and the one that applies (operator token)",
+             "operator", "getTenantLimits", auth="operator", response=LIMITS),
+    Endpoint("PUT", "/v1/tenants/{tenant}/limits", set_tenant_limits,
+             "Set a tenant's own storage ceiling in MiB (0: none; null: the installation's default) (operator token)",
+             "operator", "setTenantLimits", auth="operator", idempotency="none",
+             body=S.obj({"storage_mib": S.NNUM}, required=["storage_mib"]), response=LIMITS),
     Endpoint("GET", "/healthz", health, "Liveness", "operator", "health", auth="none",
              response=S.obj({"status": S.STR, "runtime": {"type": "boolean"}})),
     Endpoint("GET", "/readyz", ready, "Readiness: 503 while stopping, draining or without its store", "operator",

@@ -21,8 +21,9 @@ _DEP_COLS = "id, agent_id, number, manifest, package_ref, package_sha256, status
 
 class Deployments(_Repo):
     def create(self, agent_id: str, manifest: dict[str, Any], package_ref: str, package_sha256: str, *,
-               builder: dict[str, Any] | None = None) -> Deployment:
-        """A new ``building`` deployment; ``builder``: the mark of the process building it (``claim_mark``)."""
+               builder: dict[str, Any] | None = None, package_bytes: int | None = None) -> Deployment:
+        """A new ``building`` deployment; ``builder``: the mark of the process building it (``claim_mark``);
+        ``package_bytes``: its package's size (the tenant's storage counts it, ``package_bytes()``)."""
         with self._ts._tx() as c:
             if not c.one("SELECT 1 FROM agents WHERE id = ?", (agent_id,)):
                 raise NotFound(f"no agent {agent_id!r}")
@@ -30,11 +31,24 @@ class Deployments(_Repo):
             d = Deployment(_new_id(), agent_id, int(row[0]) + 1, manifest, package_ref, package_sha256,
                            DEPLOYMENT_BUILDING, _now(), builder)
             c.x(
-                f"INSERT INTO deployments ({_DEP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO deployments ({_DEP_COLS}, package_bytes) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (d.id, agent_id, d.number, self._json(manifest, "manifest"), package_ref, package_sha256, d.status,
-                 d.created_at, self._json(builder, "builder") if builder is not None else None),
+                 d.created_at, self._json(builder, "builder") if builder is not None else None, package_bytes),
             )
         return d
+
+    def package_bytes(self) -> int:
+        """The bytes of the tenant's deploy packages, each package once however many deployments name it (rows
+        written before store migration 32, or by an older host, have no size: not counted)."""
+        with self._ts._tx(write=False) as c:
+            r = c.one("SELECT COALESCE(SUM(b), 0) FROM (SELECT MAX(package_bytes) AS b FROM deployments "
+                      "GROUP BY package_sha256) x")
+        return int(r[0] or 0)
+
+    def has_package(self, package_sha256: str) -> bool:
+        """Whether a deployment of the tenant's names this package already (a redeploy of it keeps nothing more)."""
+        with self._ts._tx(write=False) as c:
+            return c.one("SELECT 1 FROM deployments WHERE package_sha256 = ? LIMIT 1", (package_sha256,)) is not None
 
     def fail_building(self, deployment_id: str) -> bool:
         """Mark a deployment ``failed`` if it is still ``building`` (its builder is gone); whether it was."""
