@@ -10,15 +10,15 @@ from typing import Any
 
 from moorage.log import get_logger
 from moorage.store import TenantStore
-from moorage.store.usage_rollups import GAUGES
+from moorage.store import usage_rollups
 from moorage.store.repos.usage import clamp_time
 
 log = get_logger(__name__)
 
-#: ``GAUGES``: the ledger kinds that are levels (disk, snapshot and checkpoint bytes): each row is an instance's
-#: bytes at one sleep. A day shows, per instance, its value at its last sleep that day, summed over instances;
-#: totals show each instance's latest value, summed.
-__all__ = ["GAUGES", "by_day", "measure", "record", "storage", "totals"]
+#: Ledger kinds that are levels (disk, snapshot and checkpoint bytes; the store's rollup triggers keep them): each
+#: row is an instance's bytes at one sleep. A day shows, per instance, its value at its last sleep that day, summed
+#: over instances; totals show each instance's latest value, summed.
+GAUGES = usage_rollups.GAUGES
 
 
 def _where(since: float, until: float | None, agent: str | None, user: str | None) -> tuple[str, list[Any]]:
