@@ -86,10 +86,10 @@ def test_settings_named_in_prose_exist(tmp_path: Path) -> None:
     import re
 
     from moorage.lifecycle.config import _KEYS as LIFECYCLE
-    from moorage.runtime.package import _TABLE_SETTINGS, AGENT_SETTINGS
+    from moorage.runtime.package import _TABLE_SETTINGS, AGENT_SETTINGS, RETENTION_SETTINGS
     from moorage.store.agent_users import USER_LIMITS
 
-    known = {"agent": AGENT_SETTINGS, "lifecycle": LIFECYCLE, "retention": {"ttl_s", "zero_retention"},
+    known = {"agent": AGENT_SETTINGS, "lifecycle": LIFECYCLE, "retention": RETENTION_SETTINGS,
              "limits": {*USER_LIMITS, "turn_timeout_s"}, **{k: set(v) for k, v in _TABLE_SETTINGS.items()}}
     seen, wrong = 0, []
     for doc in DOCS:

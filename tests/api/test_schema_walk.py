@@ -269,13 +269,14 @@ async def test_every_operation_answers_as_documented(live_rt, store, acme: str, 
             await w(ro, "GET", "/v1/whoami")
         await w(c, "DELETE", f"/v1/keys/{key['id']}")
 
-        # Deploy twice, list, roll back (the agent stays the same code with another reply prefix).
+        # Deploy twice, list, roll back, delete the newer (the agent stays the same code with another reply prefix).
         await w(c, "POST", f"{A}/deployments", content=_archive(tmp_path, ""), headers=gz)
         await w(c, "POST", f"{A}/deployments", content=_archive(tmp_path, "2"), headers=gz)
         await w(c, "GET", "/v1/agents")
         await w(c, "GET", A)
         await w(c, "GET", f"{A}/deployments")
         await w(c, "POST", f"{A}/rollback", json={})
+        await w(c, "DELETE", f"{A}/deployments/2")  # no longer live after the rollback
         await w(c, "GET", "/v1/models")
 
         # Users.

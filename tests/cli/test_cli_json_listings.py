@@ -30,14 +30,14 @@ LISTINGS: dict[str, set[str]] = {
     "checkpoints list": {"object", "agent", "user", "head", "branch", "store_bytes", "sandbox_bytes", "branches",
                          "next_cursor"},
     "hosts": set(), "image list": set(), "llm providers": set(), "store tenants": set(),
-    "cost trace scenarios": set(), "doctor": set(),
+    "cost trace scenarios": set(), "doctor": set(), "deployments list": set(),
 }
 #: The commands whose --json is one thing: what was made, done or measured.
 ONE_THING = {
     "version", "deploy", "rollback", "invoke", "submit", "execution", "user", "answer", "sleep", "wake", "checkpoint",
     "fork", "forget", "trace", "usage", "share", "memory eval", "memory confirm", "memory reject", "checkpoints take",
     "checkpoints rollback", "checkpoints fork", "image build", "llm chat", "store info", "store sweep",
-    "store create-tenant", "store tenant-limits", "cost simulate", "cost prices",
+    "store create-tenant", "store tenant-limits", "cost simulate", "cost prices", "deployments delete",
 }
 
 
@@ -101,6 +101,7 @@ async def test_every_listing_prints_the_apis_list_shape(live_rt, acme, tmp_path:
         "memory pending": await asyncio.to_thread(shown, "memory pending", "memory", "pending", "web", "ada"),
         "checkpoints list": await asyncio.to_thread(shown, "checkpoints list", "checkpoints", "list", "web", "ada"),
         "store tenants": await asyncio.to_thread(shown, "store tenants", "store", "tenants"),
+        "deployments list": await asyncio.to_thread(shown, "deployments list", "deployments", "list", "web"),
         "image list": await asyncio.to_thread(shown, "image list", "image", "list", "--images-dir",
                                               str(tmp_path / "no-images")),
         "llm providers": await asyncio.to_thread(shown, "llm providers", "llm", "providers"),
@@ -112,6 +113,7 @@ async def test_every_listing_prints_the_apis_list_shape(live_rt, acme, tmp_path:
     assert [s["name"] for s in seen["secrets list"]] == ["TOKEN"] and seen["memory pending"] == []
     assert any("heron" in h["event"]["content"] for h in seen["memory search"]) and seen["checkpoints list"]
     assert [t["name"] for t in seen["store tenants"]] == ["acme"] and seen["image list"] == []
+    assert [(d["number"], d["status"]) for d in seen["deployments list"]] == [(1, "ready")]
     assert seen["memory facts"] == [] and {p["name"] for p in seen["llm providers"]} >= {"embedded", "openai"}
     assert "steady" in {s["name"] for s in seen["cost trace scenarios"]}
 

@@ -20,6 +20,7 @@ from tests.cli.test_cli_json import commands
 SERVER: dict[str, list[str]] = {
     "agents": [], "answer": [], "chat": ["--user", "x"], "checkpoint": [], "checkpoints fork": ["--to", "y"],
     "checkpoints list": [], "checkpoints rollback": [], "checkpoints take": [], "deploy": [], "execution": [],
+    "deployments list": [], "deployments delete": [],
     "forget": ["--yes"], "fork": ["--to", "y"], "invoke": ["--user", "x"], "logs": [], "memory confirm": [],
     "memory pending": [], "memory reject": [], "ps": [], "rollback": [], "secrets list": [], "secrets rm": [],
     "secrets set": [], "share": [], "sleep": [], "submit": ["--user", "x"], "trace": [], "usage": [], "user": [],
@@ -57,8 +58,8 @@ def test_every_server_command_says_the_servers_refusal_in_one_line(live: LiveSer
     env = {"MOORAGE_API_URL": live.url, "MOORAGE_API_KEY": "mk_nobody", "MOORAGE_DATA_DIR": str(tmp_path / "data")}
     found = commands()
     for words, extra in SERVER.items():
-        args = [str(folder) if words == "deploy" else "x" for p in found[words].params
-                if p.required and p.param_type_name == "argument"]
+        args = [str(folder) if words == "deploy" else "1" if p.name == "number" else "x"
+                for p in found[words].params if p.required and p.param_type_name == "argument"]
         r = CliRunner().invoke(app, [*words.split(), *args, *extra], env=env, input="value\n")
         assert r.exit_code == 2 and r.stdout == "", (words, r.exit_code, r.stdout, r.stderr, r.exception)
         lines = r.stderr.splitlines()

@@ -47,3 +47,46 @@ def test_a_tenants_packages_count_once_each_and_rows_without_a_size_not_at_all(t
     assert tenant.deployments.package_bytes() == 1250
     assert tenant.deployments.has_package("s1") and tenant.deployments.has_package("s3")
     assert other_tenant.deployments.package_bytes() == 0 and not other_tenant.deployments.has_package("s1")
+
+
+def test_a_deleted_deployment_keeps_its_number_and_its_package_stops_counting(tenant: TenantStore) -> None:
+    """``delete``: neither the live one nor one building; the row stays without its manifest (a number is never given
+    twice), is not listed, and its package no longer counts nor is named; deleting it again answers the same."""
+    from moorage.errors import ConflictError
+    from moorage.store import DEPLOYMENT_DELETED, DEPLOYMENT_FAILED
+
+    agent = tenant.agents.create("a")
+    d1, d2, d3 = (tenant.deployments.create(agent.id, {"n": n}, f"packages/s{n}.tar.gz", f"s{n}", package_bytes=100 * n)
+                  for n in (1, 2, 3))
+    tenant.deployments.set_status(d1.id, DEPLOYMENT_READY, live_lifecycle={})
+    with pytest.raises(ConflictError, match="live"):
+        tenant.deployments.delete(d1.id)
+    with pytest.raises(ConflictError, match="building"):
+        tenant.deployments.delete(d2.id)
+    tenant.deployments.set_status(d3.id, DEPLOYMENT_FAILED)
+    assert tenant.deployments.package_bytes() == 600 and tenant.deployments.packages() == {"s1", "s2", "s3"}
+    version = tenant.agents.get("a").version
+    gone = tenant.deployments.delete(d3.id)
+    assert (gone.status, gone.number, gone.manifest) == (DEPLOYMENT_DELETED, 3, {})
+    assert tenant.agents.get("a").version == version + 1  # a rollback that read the agent before fails its CAS
+    assert tenant.deployments.delete(d3.id) == gone
+    assert [d.number for d in tenant.deployments.list(agent.id)] == [1, 2]
+    assert [d.number for d in tenant.deployments.list(agent.id, deleted=True)] == [1, 2, 3]
+    assert tenant.deployments.package_bytes() == 300 and tenant.deployments.packages() == {"s1", "s2"}
+    assert not tenant.deployments.has_package("s3")
+    assert tenant.deployments.create(agent.id, {}, "p", "s4").number == 4  # not 3 again
+
+
+def test_prune_keeps_the_newest_the_live_one_and_any_building(tenant: TenantStore) -> None:
+    agent = tenant.agents.create("a")
+    deps = [tenant.deployments.create(agent.id, {}, f"p{n}", f"s{n}") for n in range(1, 8)]
+    for d in deps[:6]:
+        tenant.deployments.set_status(d.id, DEPLOYMENT_READY)
+    tenant.deployments.set_status(deps[1].id, DEPLOYMENT_READY, live_lifecycle={})  # 2 live (rolled back to)
+    # 7 building, 2 live: kept with the newest three (7, 6, 5); 1, 3 and 4 go.
+    pruned = tenant.deployments.prune(agent.id, 3)
+    assert sorted(d.number for d in pruned) == [1, 3, 4]
+    assert [d.number for d in tenant.deployments.list(agent.id)] == [2, 5, 6, 7]
+    assert tenant.deployments.prune(agent.id, 3) == []  # the live and the building one are over the count, kept
+    with pytest.raises(ValueError):
+        tenant.deployments.prune(agent.id, 0)

@@ -24,9 +24,14 @@ _RELAYED = {f"{n}XX": {"description": "the agent's app's own answer, relayed as 
 _REDIRECT = {"description": "a redirect to the URL in Location", "headers": {"Location": {"schema": {"type": "string"}}}}
 
 
+#: A deployment's number in a path (1 or more).
+_NUMBER = {"type": "string", "pattern": "^[1-9][0-9]{0,17}$"}
+
+
 def _operation(ep: Endpoint) -> dict[str, Any]:
     params: list[dict[str, Any]] = [
-        {"name": n, "in": "path", "required": True, "schema": S.ID if n in ("agent", "user") else {"type": "string", "minLength": 1}}
+        {"name": n, "in": "path", "required": True, "schema": S.ID if n in ("agent", "user") else
+         _NUMBER if n == "number" else {"type": "string", "minLength": 1}}
         for n in _PARAM.findall(ep.path)
     ]
     params += [{"name": q.name, "in": "query", "required": q.required, "schema": q.schema,

@@ -171,6 +171,7 @@ SUBCOMMANDS = {
     "store": "moorage.cli.store",
     "secrets": "moorage.cli.secrets",
     "checkpoints": "moorage.cli.checkpoints",
+    "deployments": "moorage.cli.deployments",
     "hosts": "moorage.cli.hosts",
 }
 

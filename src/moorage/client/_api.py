@@ -65,6 +65,11 @@ class Api(ReachApi, ABC):
     def list_deployments(self, agent: str, *, limit: int | None = None, cursor: str | None = None) -> T.Page[T.Deployment]:
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}/deployments", _page(limit, cursor)))
 
+    def delete_deployment(self, agent: str, number: int) -> T.Deployment:
+        """Delete deployment ``number`` of ``agent`` (not the live one, not one building): it is no longer listed
+        nor a rollback's target, and its package stops counting toward the tenant's storage. Returns it, deleted."""
+        return self._send(Request("DELETE", f"/v1/agents/{_p(agent)}/deployments/{_p(str(number))}"))
+
     def rollback(self, agent: str, number: int | None = None) -> T.Deployment:
         return self._send(Request("POST", f"/v1/agents/{_p(agent)}/rollback",
                                   json={} if number is None else {"number": number}))

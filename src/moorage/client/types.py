@@ -32,6 +32,7 @@ class Deployment(TypedDict, total=False):
     #: The package's ``[agent]`` table as deployed, and the package's digest.
     manifest: dict[str, Any]
     package_sha256: str
+    #: ``building``, ``ready``, ``failed``; ``deleted`` only in the answer to its delete.
     status: str
     created_at: float
 

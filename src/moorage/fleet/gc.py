@@ -71,12 +71,18 @@ class TemplateUse:
     instances: frozenset[tuple[str, str]] = frozenset()
     #: Every tenant read: only their instances' objects are judged (``BucketCollector.collect_instances``).
     tenants: frozenset[str] = frozenset()
+    #: The packages a deployment (not deleted) of any tenant names; None: not read (no package file goes).
+    packages: frozenset[str] | None = None
+    #: When the read began (``time.time()``): a package file written after it may be a deploy's it did not see.
+    read_at: float = 0.0
 
 
 def template_use(store: "Store", *, grace_s: float, now: float | None = None) -> TemplateUse:
     """Read what needs templates from every tenant of ``store``. Blocking."""
-    now = time.time() if now is None else now
+    read_at = time.time()
+    now = read_at if now is None else now
     deployments: set[str] = set()
+    packages: set[str] = set()
     pinned: set[str] = set()
     users: set[tuple[str, str, str | None]] = set()
     instances: set[tuple[str, str]] = set()
@@ -91,6 +97,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
         tenants.add(ts.tenant_id)
         deployments.update(str(r[0]) for r in ts.read("SELECT live_deployment FROM agents WHERE live_deployment IS NOT NULL"))
         deployments.update(str(r[0]) for r in ts.read("SELECT id FROM deployments WHERE created_at > ?", (now - grace_s,)))
+        packages.update(ts.deployments.packages())
         for rec in ts.sandboxes.list(limit=10_000_000):
             # ``meta.template``: the template its sandbox was last forked from (set when it is provisioned; a
             # reprovisioned instance's differs from the one its row was created with). Both are kept: a
@@ -103,7 +110,7 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
             if rec.state != "deleted":
                 instances.add((ts.tenant_id, rec.id))
     return TemplateUse(frozenset(deployments), frozenset(pinned), frozenset(users), frozenset(instances),
-                       frozenset(tenants))
+                       frozenset(tenants), frozenset(packages), read_at)
 
 
 @dataclass

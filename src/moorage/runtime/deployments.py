@@ -15,11 +15,12 @@ from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
 from moorage.observability import current_span_id, current_trace_id, new_span_id, new_trace_id
-from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir, retention_ttl_s,
-                                     retention_zero, save_archive)
+from moorage.runtime.package import (AgentPackage, AgentPackageError, load_archive, load_dir,
+                                     retention_keep_deployments, retention_ttl_s, retention_zero, save_archive)
 from moorage.runtime import deploy_apt
 from moorage.runtime.sizing import spec_for
-from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
+from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_DELETED as DELETED
+from moorage.store import DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
 from moorage.store import zero_retention
 from moorage.usage import tenant_cap
@@ -53,19 +54,22 @@ class Deployments:
         # refused (507) before anything is recorded or saved.
         if not await asyncio.to_thread(ts.deployments.has_package, pkg.sha256):
             await tenant_cap.admit(self.config, ts, len(pkg.archive), "a deploy of a new package")
-        saved = save_archive(self.packages, pkg)
-        if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
-            await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
-        try:
-            agent = ts.agents.get(pkg.name)
-        except NotFound:
+        # Held from before the file is written until a deployment names it: the collection of packages no
+        # deployment names (``Templates.collect``) leaves it alone meanwhile.
+        with self.templates.package_files.saving(pkg.sha256):
+            saved = save_archive(self.packages, pkg)
+            if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
+                await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
             try:
-                agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
-            except ConflictError:
                 agent = ts.agents.get(pkg.name)
-        # The builder's mark: if this process dies mid-build, any host can tell the deploy will never finish.
-        dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256,
-                                    builder=self.instances.claim_mark(), package_bytes=len(pkg.archive))
+            except NotFound:
+                try:
+                    agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
+                except ConflictError:
+                    agent = ts.agents.get(pkg.name)
+            # The builder's mark: if this process dies mid-build, any host can tell the deploy will never finish.
+            dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256,
+                                        builder=self.instances.claim_mark(), package_bytes=len(pkg.archive))
         # Build the template before going live: an import error fails the deploy, not a user's turn. A deploy that
         # fails here stays listed as ``failed`` (its error is in its ``deploy`` span), never live.
         try:
@@ -77,11 +81,15 @@ class Deployments:
         # Ready, live and its [agent.retention] in one transaction (unless a newer deploy went live while this one
         # built): a host killed between them left the deploy listed ready but never live, or live without its
         # retention (a zero-retention agent keeping its turns).
-        dep, agent = await asyncio.to_thread(self._go_live, ts, dep, pkg.manifest)
+        dep, agent, pruned = await asyncio.to_thread(self._go_live, ts, dep, pkg.manifest)
         if agent.live_deployment != dep.id:  # a newer deploy went live first: its settings stand
             log.info("deployed, not live: a newer deployment went live while this one built", agent=pkg.name,
                      number=dep.number)
             return dep
+        if pruned:
+            tenant_cap.levels(ts).freed(ts.tenant_id)  # their packages: room from the tenant's next write
+            log.info("older deployments deleted ([agent.retention] keep_deployments)", agent=pkg.name,
+                     numbers=[d.number for d in pruned])
         await self._refresh_pool(ts, agent)
         self.templates.collect_soon()  # the template this deploy replaced, once nothing needs it
         log.info("deployed", agent=pkg.name, number=dep.number)
@@ -103,21 +111,27 @@ class Deployments:
             out.append(d)
         return out
 
-    def _go_live(self, ts: TenantStore, dep: Deployment, manifest: dict[str, Any]) -> tuple[Deployment, Agent]:
-        """Mark ``dep`` ready and make it live with its package's retention settings, in one transaction; not live
-        when a newer deployment of the agent is live already. Blocking."""
+    def _go_live(self, ts: TenantStore, dep: Deployment,
+                 manifest: dict[str, Any]) -> tuple[Deployment, Agent, list[Deployment]]:
+        """Mark ``dep`` ready and make it live with its package's retention settings, the agent's deployments past
+        its ``keep_deployments`` deleted, in one transaction; not live when a newer deployment of the agent is live
+        already. Returns the deployment, its agent, and the deployments deleted. Blocking."""
         with ts.transaction():
             dep = ts.deployments.set_status(dep.id, READY, live_lifecycle=self._lifecycle_config(manifest))
             agent = ts.agents.get(dep.agent_id)
             if agent.live_deployment != dep.id:
-                return dep, agent
+                return dep, agent, []
             ttl = retention_ttl_s(manifest)
             if ttl is not None:  # [agent.retention]: without the table, a TTL set through the API is kept
                 ts.retention.set_agent(agent.name, ttl)
             zero = retention_zero(manifest)
             if zero is not None:  # the same: without the table, zero retention stays as the API left it
                 agent = zero_retention.set_zero(ts, agent.name, zero)
-            return dep, agent
+            keep = retention_keep_deployments(manifest)
+            if keep is None:
+                return dep, agent, []
+            pruned = ts.deployments.prune(agent.id, keep)
+            return dep, ts.agents.get(agent.id) if pruned else agent, pruned
 
     async def _build_traced(self, ts: TenantStore, dep: Deployment, agent: str, on_progress: Any) -> None:
         """``templates.ensure`` as a ``deploy`` span in the tenant's traces (a child of the API request's span),
@@ -183,8 +197,13 @@ class Deployments:
         return lc
 
     def _set_live(self, ts: TenantStore, agent: Agent, dep: Deployment) -> Agent:
-        """Make ``dep`` the agent's live deployment (a compare-and-set on the agent; a rollback's)."""
+        """Make ``dep`` the agent's live deployment (a compare-and-set on the agent; a rollback's). The deployment is
+        read again before each try: a delete of it raises the agent's version, so one that came after ``agent``
+        was read fails the compare-and-set and is seen here on the next."""
         while True:
+            if ts.deployments.get(dep.id).status == DELETED:
+                raise NotFound(f"deployment {dep.number} of agent {agent.name!r} was deleted",
+                               hint=f"GET /v1/agents/{agent.name}/deployments lists those left")
             try:
                 return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
                                         config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
@@ -204,9 +223,12 @@ class Deployments:
                 raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
             target = older[-1]
         else:
-            target = next((d for d in deps if d.number == number), None)
+            target = next((d for d in ts.deployments.list(agent.id, deleted=True) if d.number == number), None)
             if target is None:
                 raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
+            if target.status == DELETED:
+                raise NotFound(f"deployment {number} of agent {agent_name!r} was deleted",
+                               hint=f"GET /v1/agents/{agent_name}/deployments lists those left")
             if target.status != READY:
                 raise ConflictError(f"deployment {number} of agent {agent_name!r} is {target.status}, it never went live",
                                     hint=f"roll back to a ready one: GET /v1/agents/{agent_name}/deployments lists them with their status")
@@ -214,3 +236,24 @@ class Deployments:
         agent = self._set_live(ts, agent, target)
         await self._refresh_pool(ts, agent)
         return target
+
+    async def delete_deployment(self, principal: Principal, agent_name: str, number: int) -> Deployment:
+        """Delete a deployment of an agent that is neither live nor building: it is no longer listed nor a rollback's
+        target, and its package no longer counts for the tenant (the host deletes the file at its next collection
+        of templates when no deployment names it). Returns it, ``deleted``; deleting one again answers the same."""
+        principal.require("deploy")
+        ts = self.store.tenant(principal)
+
+        def delete() -> Deployment:
+            agent = ts.agents.get(agent_name)
+            target = next((d for d in ts.deployments.list(agent.id, deleted=True) if d.number == number), None)
+            if target is None:
+                raise NotFound(f"agent {agent_name!r} has no deployment number {number}",
+                               hint=f"GET /v1/agents/{agent_name}/deployments lists them")
+            return ts.deployments.delete(target.id)
+
+        dep = await asyncio.to_thread(delete)
+        tenant_cap.levels(ts).freed(ts.tenant_id)  # its package: room under the tenant's ceiling at once
+        self.templates.collect_soon()
+        log.info("deployment deleted", agent=agent_name, number=number)
+        return dep

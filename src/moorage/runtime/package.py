@@ -6,6 +6,7 @@ an entry module with an ``on_message(ctx, message)`` handler, and tool functions
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import os
@@ -170,30 +171,45 @@ def retention_ttl_s(agent: dict[str, Any]) -> float | None:
 
 
 def retention_zero(agent: dict[str, Any]) -> bool | None:
-    """The ``[agent.retention] zero_retention`` of a manifest: None without the table (a deploy then leaves the
-    setting as it was), else whether the agent keeps nothing of its turns (default false)."""
+    """The ``[agent.retention] zero_retention`` of a manifest: None when it sets neither that nor ``ttl_s`` (a deploy
+    then leaves the setting as it was), else whether the agent keeps nothing of its turns (default false)."""
     return _retention(agent)[1]
 
 
-def _retention(agent: dict[str, Any]) -> tuple[float | None, bool | None]:
+def retention_keep_deployments(agent: dict[str, Any]) -> int | None:
+    """The ``[agent.retention] keep_deployments`` of a manifest: how many of the agent's newest deployments a deploy
+    that goes live keeps (older ones are deleted, their packages with them); None: all of them."""
+    return _retention(agent)[2]
+
+
+#: The settings of ``[agent.retention]``.
+RETENTION_SETTINGS = frozenset({"ttl_s", "zero_retention", "keep_deployments"})
+
+
+def _retention(agent: dict[str, Any]) -> tuple[float | None, bool | None, int | None]:
     table = agent.get("retention")
     if table is None:
-        return None, None
+        return None, None, None
     hint = ("[agent.retention] takes ttl_s = <seconds> (an idle session, user or workflow of this agent is deleted "
-            "after it) or zero_retention = true (nothing of a turn is kept once it ends)")
+            "after it) or zero_retention = true (nothing of a turn is kept once it ends), and keep_deployments = <n> "
+            "(the agent's newest n deployments are kept, older ones deleted)")
     if not isinstance(table, dict):
         raise AgentPackageError("moorage.toml: [agent.retention] must be a table", hint=hint)
-    unknown = sorted(set(table) - {"ttl_s", "zero_retention"})
+    unknown = sorted(set(table) - RETENTION_SETTINGS)
     if unknown:
         raise AgentPackageError(f"moorage.toml: unknown [agent.retention] setting {unknown[0]!r}", hint=hint)
+    keep = table.get("keep_deployments")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise AgentPackageError(f"moorage.toml: [agent.retention] keep_deployments must be a whole number of at least "
+                                f"1, not {keep!r}", hint="e.g. keep_deployments = 10: the live one and the 9 before it")
     zero = table.get("zero_retention", False)
     if not isinstance(zero, bool):
         raise AgentPackageError(f"moorage.toml: [agent.retention] zero_retention must be true or false, not {zero!r}",
                                 hint=hint)
     if "ttl_s" not in table:
-        if not zero:
+        if not zero and keep is None:
             raise AgentPackageError("moorage.toml: [agent.retention] sets nothing", hint=hint)
-        return None, True
+        return None, (zero if "zero_retention" in table else None), keep
     if zero:
         raise AgentPackageError("moorage.toml: [agent.retention] sets both ttl_s and zero_retention = true",
                                 hint="zero retention keeps nothing after a turn, so a TTL has nothing to expire: keep one")
@@ -201,7 +217,7 @@ def _retention(agent: dict[str, Any]) -> tuple[float | None, bool | None]:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
         raise AgentPackageError(f"moorage.toml: [agent.retention] ttl_s must be a positive number of seconds, not {ttl!r}",
                                 hint=hint)
-    return float(ttl), False
+    return float(ttl), False, keep
 
 
 def _check_sizing(agent: dict[str, Any]) -> None:
@@ -248,9 +264,12 @@ def _read_dir(root: Path) -> dict[str, bytes]:
 
 
 def _archive(files: dict[str, bytes]) -> bytes:
-    # Reproducible: sorted names, zero mtimes, fixed owner, so the same folder always hashes the same.
+    # Reproducible: sorted names, zero mtimes (the gzip header's too: tarfile's "w:gz" writes the time of the
+    # call there, so the same folder hashed differently a second later), fixed owner: the same folder always
+    # hashes the same, and a redeploy of it is the same package (``Deployments.has_package``).
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT, compresslevel=6) as tar:
+    with gzip.GzipFile(fileobj=buf, mode="wb", compresslevel=6, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name in sorted(files):
             info = tarfile.TarInfo(name)
             info.size = len(files[name])

@@ -27,6 +27,7 @@ from moorage.errors import MoorageError
 from moorage.log import get_logger
 from moorage.objects import Blobs, ObjectNotFound
 from moorage.runtime.package import AgentPackageError, unpack
+from moorage.runtime.package_files import PackageFiles
 from moorage.runtime.private_files import private_dir, write_private
 from moorage.runtime import booted, deploy_apt, deploy_packages
 from moorage.runtime.booted import BootedTemplates
@@ -108,6 +109,8 @@ class Templates:
         self.packages = packages
         #: Every deployment's package in the object store (a fleet): a host that lacks one fetches it from there.
         self.package_blobs = package_blobs
+        #: The package files on this host's disk, collected when no deployment names them (``collect``).
+        self.package_files = PackageFiles(packages)
         private_dir(self.root)
         #: Deploy-time package installs go through this (``egress_of(runtime)`` when the runtime set it).
         self.egress: Any = None
@@ -456,8 +459,8 @@ class Templates:
         """Delete this host's templates that ``use`` (read from the store) says nobody needs: those of deployments
         neither live nor fresh, fork templates whose user has no instance left (forgotten, or deleted by its TTL),
         and templates fetched for instances none of which names them any more (templates made here are their
-        maker's to delete). Anything younger than ``grace_s`` stays (a build or fetch in progress). Returns how
-        many went."""
+        maker's to delete). Anything younger than ``grace_s`` stays (a build or fetch in progress). Then the package
+        files no deployment names (``PackageFiles.collect``). Returns how many templates went."""
         from moorage.fleet.gc import forks_need_template, template_shares
 
         now = time.time() if now is None else now
@@ -523,6 +526,7 @@ class Templates:
                 removed += 1
                 log.info("template nobody names deleted from this host", template=tid)
         self._collect_package_cache(now, grace_s)
+        self.package_files.collect(use.packages, read_at=use.read_at, grace_s=grace_s, now=now)
         return removed
 
     def _collect_package_cache(self, now: float, grace_s: float) -> int:

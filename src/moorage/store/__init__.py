@@ -10,6 +10,7 @@ from moorage.errors import ConfigError
 from moorage.store.base import Backend
 from moorage.store.model import (
     DEPLOYMENT_BUILDING,
+    DEPLOYMENT_DELETED,
     DEPLOYMENT_FAILED,
     DEPLOYMENT_READY,
     FORKED_FROM,
@@ -60,5 +61,5 @@ __all__ = [
     "Agent", "ApiKey", "Backend", "Deployment", "EndUser", "EntityKey", "Event", "EventIn", "Fact", "JournalEntry",
     "Operator", "Principal", "Record", "SandboxRecord", "Scope", "Session", "Span", "Step", "Store", "SweepReport",
     "Tenant", "TenantStore", "UsageEntry", "WorkflowRun", "open_backend", "open_store",
-    "FORKED_FROM", "SHARED_TEMPLATE", "DEPLOYMENT_BUILDING", "DEPLOYMENT_READY", "DEPLOYMENT_FAILED",
+    "FORKED_FROM", "SHARED_TEMPLATE", "DEPLOYMENT_BUILDING", "DEPLOYMENT_READY", "DEPLOYMENT_FAILED", "DEPLOYMENT_DELETED",
 ]

@@ -204,8 +204,11 @@ class Agent:
     version: int
 
 
-#: A deployment's ``status``: ``building`` until its template is made, then ``ready``, or ``failed`` (never live).
+#: A deployment's ``status``: ``building`` until its template is made, then ``ready``, or ``failed`` (never live);
+#: ``deleted`` once deleted (by hand or by ``[agent.retention] keep_deployments``): its number is never used again,
+#: it is not listed, and its package is no longer the tenant's.
 DEPLOYMENT_BUILDING, DEPLOYMENT_READY, DEPLOYMENT_FAILED = "building", "ready", "failed"
+DEPLOYMENT_DELETED = "deleted"
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,16 @@ end-users (``store_mib`` bounds one user; with ``users = "auto"`` a tenant could
 kept with the tenant in the control plane and read by each host at most every ``LIMITS_EVERY_S``).
 
 What counts (``measure``): the tenant's store (``ts.footprint.tenant_bytes``: on SQLite its file's pages in use, on
-PostgreSQL its rows) and its instances' disk and snapshot bytes at their last sleep (the usage ledger's levels,
-fleet-wide; a deleted instance counts 0). Not counted: what an instance awake now wrote since it woke (its
-``disk_mib`` bounds it), the sandbox half of agent checkpoints, deploy packages.
+PostgreSQL its rows), its instances' disk, snapshot and checkpoint bytes at their last sleep (the usage ledger's
+levels, fleet-wide; a deleted instance counts 0) and its deploy packages (each once, until every deployment naming
+it is deleted). Not counted: what an instance awake now wrote or checkpointed since it woke (its ``disk_mib``
+bounds it), templates.
 
 Past the ceiling, what would keep more is refused with ``TenantStorageExceeded`` (507, code
 ``tenant-storage-exceeded``): an agent's calls that hand the store something to keep (a host error of that kind
 in the guest), a new instance (a new user's or session's first turn, a fork into new users), and the tenant's own
-API writes of content (a fact, a checkpoint taken). Turns of existing instances still run and read; deleting
-end-users, retention and rollbacks free room.
+API writes of content (a fact, a checkpoint taken), a deploy of a new package. Turns of existing instances still run
+and read; deleting end-users or deployments, retention and rollbacks free room.
 
 Measuring PostgreSQL reads every row of the tenant, so each host process keeps one measure per tenant and adds
 what the calls it admits hand the store. A measure older than ``MEASURE_EVERY_S`` is taken again in the

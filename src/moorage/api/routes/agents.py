@@ -1,4 +1,5 @@
-"""Agents and their deployments: list, get, deploy a tar.gz, roll back; end-user tokens (retention: retention.py).
+"""Agents and their deployments: list, get, deploy a tar.gz, roll back, delete; end-user tokens (retention:
+retention.py).
 
 Deploy and rollback go to the runtime; listing reads the tenant's store. A deploy answers when its template is
 built (201), or streams the build's progress (``Accept: text/event-stream`` / ``?stream=true``).
@@ -113,6 +114,15 @@ async def rollback(call: Call) -> dict[str, Any]:
     return S.deployment(await call.runtime.rollback(call.who, agent.name, number))
 
 
+async def delete_deployment(call: Call) -> dict[str, Any]:
+    raw = call.path["number"]
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1 or len(raw) > 18:
+        raise InvalidInput(f"{raw[:40]!r} is not a deployment number (1 or more)",
+                           hint=f"GET /v1/agents/{call.path['agent']}/deployments lists them with their numbers")
+    agent = await run_in_threadpool(agent_of, call)
+    return S.deployment(await call.runtime.delete_deployment(call.who, agent.name, int(raw)))
+
+
 def issue_token(call: Call) -> Reply:
     agent = agent_of(call)
     user = check_id(call.path["user"], "user id")
@@ -148,6 +158,9 @@ ENDPOINTS = [
              query=(Param("stream", {"type": "boolean"},
                           "answer with server-sent events: `progress` ({message}) as the build goes, then "
                           "`deployment` (or `error`)"),)),
+    Endpoint("DELETE", "/v1/agents/{agent}/deployments/{number}", delete_deployment,
+             "Delete a deployment that is neither live nor building (its package stops counting for the tenant)",
+             "agents", "deleteDeployment", scope="deploy", response=S.ref("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/rollback", rollback, "Make an earlier deployment live again", "agents",
              "rollbackAgent", scope="deploy", body=S.obj({"number": {"type": "integer", "minimum": 1}}, []),
              response=S.ref("Deployment")),

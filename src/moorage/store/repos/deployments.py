@@ -1,13 +1,15 @@
-"""The numbered deployments of each agent: its manifest and the package it was built from (append-only;
-which one is live is the agent's field). A deployment is ``building`` until its template is made, then ``ready``,
-or ``failed`` (never live: kept as the record of that deploy)."""
+"""The numbered deployments of each agent: its manifest and the package it was built from (which one is live is the
+agent's field). A deployment is ``building`` until its template is made, then ``ready``, or ``failed`` (never live:
+kept as the record of that deploy); ``deleted`` when deleted (``delete``, ``prune``): the row stays, without its
+manifest, so that a number is never given twice, and nothing lists it or counts its package."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from moorage.errors import NotFound
-from moorage.store.model import DEPLOYMENT_BUILDING, DEPLOYMENT_FAILED, DEPLOYMENT_READY, Deployment
+from moorage.errors import ConflictError, NotFound
+from moorage.store.model import (DEPLOYMENT_BUILDING, DEPLOYMENT_DELETED, DEPLOYMENT_FAILED, DEPLOYMENT_READY,
+                                  Deployment)
 from moorage.store.repos.common import _new_id, _now, _Repo
 from moorage.store.sql import loads
 
@@ -42,13 +44,61 @@ class Deployments(_Repo):
         written before store migration 32, or by an older host, have no size: not counted)."""
         with self._ts._tx(write=False) as c:
             r = c.one("SELECT COALESCE(SUM(b), 0) FROM (SELECT MAX(package_bytes) AS b FROM deployments "
-                      "GROUP BY package_sha256) x")
+                      "WHERE status <> ? GROUP BY package_sha256) x", (DEPLOYMENT_DELETED,))
         return int(r[0] or 0)
 
     def has_package(self, package_sha256: str) -> bool:
         """Whether a deployment of the tenant's names this package already (a redeploy of it keeps nothing more)."""
         with self._ts._tx(write=False) as c:
-            return c.one("SELECT 1 FROM deployments WHERE package_sha256 = ? LIMIT 1", (package_sha256,)) is not None
+            return c.one("SELECT 1 FROM deployments WHERE package_sha256 = ? AND status <> ? LIMIT 1",
+                         (package_sha256, DEPLOYMENT_DELETED)) is not None
+
+    def packages(self) -> set[str]:
+        """The digests of the packages the tenant's deployments (not deleted) name: a host keeps those files."""
+        with self._ts._tx(write=False) as c:
+            return {str(r[0]) for r in c.q("SELECT DISTINCT package_sha256 FROM deployments WHERE status <> ?",
+                                           (DEPLOYMENT_DELETED,))}
+
+    def delete(self, deployment_id: str) -> Deployment:
+        """Delete a deployment that is neither live nor building (``ConflictError``); returns it as deleted. The
+        agent's version goes up in the same transaction, so a rollback to it that read the agent before fails its
+        compare-and-set, reads the deployment again and finds it deleted; deleting one again returns it as it is."""
+        with self._ts._tx() as c:
+            return self._delete(c, deployment_id)
+
+    def prune(self, agent_id: str, keep: int) -> list[Deployment]:
+        """Delete the agent's oldest deployments beyond the newest ``keep`` (the live one and any building one always
+        stay, and count among them); returns those deleted (``[agent.retention] keep_deployments``)."""
+        if keep < 1:
+            raise ValueError("keep must be 1 or more")
+        with self._ts._tx() as c:
+            rows = c.q("SELECT id, status FROM deployments WHERE agent_id = ? AND status <> ? ORDER BY number DESC",
+                       (agent_id, DEPLOYMENT_DELETED))
+            live = c.one("SELECT live_deployment FROM agents WHERE id = ?", (agent_id,))
+            return [self._delete(c, str(r[0])) for r in rows[keep:]
+                    if r[1] != DEPLOYMENT_BUILDING and (live is None or r[0] != live[0])]
+
+    def _delete(self, c: Any, deployment_id: str) -> Deployment:
+        r = c.one(f"SELECT {_DEP_COLS} FROM deployments WHERE id = ?", (deployment_id,))
+        if r is None:
+            raise NotFound(f"no deployment {deployment_id!r}")
+        d = _deployment(r)
+        if d.status == DEPLOYMENT_DELETED:
+            return d
+        # The agent's row first: on PostgreSQL it is locked from here, so a rollback that made this one live and
+        # has not committed is waited for, and its choice is seen below.
+        c.x("UPDATE agents SET version = version + 1 WHERE id = ?", (d.agent_id,))
+        agent = c.one("SELECT live_deployment FROM agents WHERE id = ?", (d.agent_id,))
+        if agent is not None and agent[0] == d.id:
+            raise ConflictError(f"deployment {d.number} is the agent's live one",
+                                hint="roll back to another deployment or deploy a new one first")
+        if d.status == DEPLOYMENT_BUILDING:
+            raise ConflictError(f"deployment {d.number} is still building",
+                                hint="wait for it to be ready or failed (GET .../deployments shows it)")
+        c.x("UPDATE deployments SET status = ?, manifest = ?, builder = NULL WHERE id = ?",
+            (DEPLOYMENT_DELETED, self._json({}, "manifest"), d.id))
+        return Deployment(d.id, d.agent_id, d.number, {}, d.package_ref, d.package_sha256, DEPLOYMENT_DELETED,
+                          d.created_at, None)
 
     def fail_building(self, deployment_id: str) -> bool:
         """Mark a deployment ``failed`` if it is still ``building`` (its builder is gone); whether it was."""
@@ -98,6 +148,9 @@ class Deployments(_Repo):
             raise NotFound(f"no deployment {deployment_id!r}")
         return _deployment(r)
 
-    def list(self, agent_id: str) -> list[Deployment]:
+    def list(self, agent_id: str, *, deleted: bool = False) -> list[Deployment]:
+        """The agent's deployments, oldest first; ``deleted``: the deleted ones too."""
         with self._ts._tx(write=False) as c:
-            return [_deployment(r) for r in c.q(f"SELECT {_DEP_COLS} FROM deployments WHERE agent_id = ? ORDER BY number", (agent_id,))]
+            rows = c.q(f"SELECT {_DEP_COLS} FROM deployments WHERE agent_id = ? AND status <> ? ORDER BY number",
+                       (agent_id, "" if deleted else DEPLOYMENT_DELETED))
+        return [_deployment(r) for r in rows]
