@@ -90,3 +90,18 @@ def test_prune_keeps_the_newest_the_live_one_and_any_building(tenant: TenantStor
     assert tenant.deployments.prune(agent.id, 3) == []  # the live and the building one are over the count, kept
     with pytest.raises(ValueError):
         tenant.deployments.prune(agent.id, 0)
+
+
+def test_a_deleted_deployment_cannot_be_made_live(tenant: TenantStore) -> None:
+    """The agent's compare-and-set refuses a deployment deleted meanwhile, whatever version the caller read."""
+    from moorage.errors import NotFound
+
+    agent = tenant.agents.create("a")
+    d1, d2 = (tenant.deployments.create(agent.id, {}, f"p{n}", f"s{n}") for n in (1, 2))
+    for d in (d1, d2):
+        tenant.deployments.set_status(d.id, DEPLOYMENT_READY, live_lifecycle={})
+    tenant.deployments.delete(d1.id)
+    current = tenant.agents.get("a")
+    with pytest.raises(NotFound, match="deleted"):
+        tenant.agents.update(agent.id, expected_version=current.version, live_deployment=d1.id)
+    assert tenant.agents.get("a").live_deployment == d2.id

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from moorage.errors import ConflictError, NotFound
-from moorage.store.model import Agent, check_id
+from moorage.store.model import DEPLOYMENT_DELETED, Agent, check_id
 from moorage.store.repos.common import _check_version, _new_id, _now, _Repo
 from moorage.store.sql import loads
 
@@ -56,9 +56,10 @@ class Agents(_Repo):
             new_cfg = a.config if config is None else config
             new_live = a.live_deployment if live_deployment is None else live_deployment
             if live_deployment is not None and not c.one(
-                "SELECT 1 FROM deployments WHERE id = ? AND agent_id = ?", (live_deployment, agent_id)
+                "SELECT 1 FROM deployments WHERE id = ? AND agent_id = ? AND status <> ?",
+                (live_deployment, agent_id, DEPLOYMENT_DELETED)
             ):
-                raise NotFound(f"no deployment {live_deployment!r} of agent {a.name!r}")
+                raise NotFound(f"no deployment {live_deployment!r} of agent {a.name!r} (or it was deleted)")
             now = _now()
             n = c.x(
                 "UPDATE agents SET config = ?, live_deployment = ?, updated_at = ?, version = version + 1 "
