@@ -1,7 +1,8 @@
 """Retention in the object store, in a fleet of `moorage up` hosts (one PostgreSQL, one SeaweedFS): after a redeploy
 nothing of the old deployment's template is left in the bucket or on any host while its users run on; after a
 user with fork templates (a time-travel fork, a sandbox fork) is forgotten, nothing of that user is left in the
-bucket or on any host, and the end-user forked from them runs on with their own copy."""
+bucket or on any host, and the end-user forked from them runs on with their own copy; after a deployment is
+deleted, its package leaves the bucket and every host's disk."""
 
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ def test_a_redeploy_and_a_forget_leave_nothing_of_the_old_template_or_the_user(t
                "the old templates leave both hosts")
         assert {k.split("/")[1] for k in keys() if k.startswith("templates/")} == {t2}
         assert {k.split("/")[1] for k in keys() if k.startswith("deployments/")} == {d2}
+        # Deployment 1 deleted through the host that did not deploy it: its package leaves the bucket (in two
+        # steps) and both hosts' disks; deployment 2's stays.
+        sha = {d["number"]: d["package_sha256"] for d in f.api[1].get("/v1/agents/echo/deployments").json()["data"]}
+        assert f.api[1].delete("/v1/agents/echo/deployments/1").json()["status"] == "deleted"
+        until(lambda: f"packages/{sha[1]}.tar.gz" not in keys()
+              and not [p for h in f.hosts for p in (h.data / "packages").glob(f"{sha[1]}*")],
+              "the deleted deployment's package leaves the bucket and the hosts")
+        assert f"packages/{sha[2]}.tar.gz" in keys() and (f.hosts[0].data / "packages" / f"{sha[2]}.tar.gz").exists()
 
         # Xia is forked twice, at a checkpoint (into yan) and as she is now by the sandbox verb (into zoe); then she
         # is forgotten.

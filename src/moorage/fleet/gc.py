@@ -1,5 +1,6 @@
 """Garbage collection of templates nobody needs any more: deployment templates a redeploy replaced, fork templates of
-forgotten users, and guest images no template is made on; on each host's disk and once in the object store.
+forgotten users, and guest images no template is made on; on each host's disk and once in the object store (with
+the deploy packages no deployment names: ``package_blobs.py``).
 
 What is still needed is read from the store, the source of truth (``template_use``): live and fresh deployments,
 the template every instance record names (awake, asleep or archived, on any host), the users that still have
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from moorage.log import get_logger
-from moorage.objects import ObjectNotFound, ObjectStore
+from moorage.fleet.package_blobs import PackageCollector
+from moorage.objects import Blobs, ObjectNotFound, ObjectStore
 from moorage.store.model import FORKED_FROM, SHARED_TEMPLATE
 
 if TYPE_CHECKING:
@@ -126,19 +128,25 @@ class GcReport:
     local_deleted: int = 0
     #: Instances whose objects were left in the object store after their record went (``collect_instances``).
     instances_deleted: int = 0
+    #: Deploy packages deleted from the object store (``fleet/package_blobs.py``).
+    packages_deleted: int = 0
     kept: dict[str, int] = field(default_factory=dict)
 
     def any(self) -> bool:
         return bool(self.retired or self.deleted or self.restored or self.claims_deleted or self.images_deleted
-                    or self.local_deleted or self.instances_deleted)
+                    or self.local_deleted or self.instances_deleted or self.packages_deleted)
 
 
 class BucketCollector:
     """The object store's half: published templates, deployment claims and guest images nobody needs."""
 
     def __init__(self, published: "PublishedTemplates", *, host: str = "", grace_s: float = 600.0,
-                 settle_s: float = 60.0, pins: Callable[[str], bool] = forks_need_template) -> None:
+                 settle_s: float = 60.0, pins: Callable[[str], bool] = forks_need_template,
+                 package_blobs: "Blobs | None" = None) -> None:
         self.published = published
+        #: The deploy packages in the object store, collected the same way (``fleet/package_blobs.py``).
+        self.packages = PackageCollector(package_blobs, host=host, grace_s=grace_s, settle_s=settle_s) \
+            if package_blobs is not None else None
         self.objects: ObjectStore = published.objects
         self.host = host
         self.grace_s = grace_s
@@ -289,12 +297,15 @@ class BucketCollector:
                 self.objects.delete(self.published.marker_key(dep))
             rep.claims_deleted += 1
         self._collect_images(rep, now)
+        if self.packages is not None:
+            rep.packages_deleted += self.packages.collect(use, use_of, now).deleted
         self._runs += 1
         if self._runs % INSTANCES_EVERY == 1 or INSTANCES_EVERY == 1:
             self.collect_instances(rep, use_of, now)
         if rep.any():
             log.info("object store template collection", retired=rep.retired, deleted=rep.deleted,
-                     restored=rep.restored, claims=rep.claims_deleted, images=rep.images_deleted)
+                     restored=rep.restored, claims=rep.claims_deleted, images=rep.images_deleted,
+                     packages=rep.packages_deleted)
         return rep
 
     def collect_instances(self, rep: GcReport, use_of: Callable[[], TemplateUse], now: float) -> None:
@@ -381,8 +392,8 @@ class TemplateGC:
         self.grace_s = grace_s
         self.interval_s = interval_s
         self.pins = pins
-        self.bucket = BucketCollector(published, host=host, grace_s=grace_s, settle_s=settle_s, pins=pins) \
-            if published is not None else None
+        self.bucket = BucketCollector(published, host=host, grace_s=grace_s, settle_s=settle_s, pins=pins,
+                                      package_blobs=templates.package_blobs) if published is not None else None
         # A host trusts a claim check for at most a quarter of the settle time (see Templates.claim_ttl_s).
         templates.claim_ttl_s = min(5.0, settle_s / 4)
         self._lock = asyncio.Lock()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from moorage.egress.gateway import store_recorder
+from moorage.fleet import package_blobs
 from moorage.errors import ConflictError, InvalidInput, MoorageError, NotFound
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.log import get_logger
@@ -58,8 +59,6 @@ class Deployments:
         # deployment names (``Templates.collect``) leaves it alone meanwhile.
         with self.templates.package_files.saving(pkg.sha256):
             saved = save_archive(self.packages, pkg)
-            if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object store
-                await asyncio.to_thread(self.templates.package_blobs.put_blob, saved)
             try:
                 agent = ts.agents.get(pkg.name)
             except NotFound:
@@ -73,6 +72,10 @@ class Deployments:
         # Build the template before going live: an import error fails the deploy, not a user's turn. A deploy that
         # fails here stays listed as ``failed`` (its error is in its ``deploy`` span), never live.
         try:
+            if self.templates.package_blobs is not None:  # a fleet: any host fetches the package from the object
+                # store. Written once a deployment names it: a collection of the bucket deciding now keeps it.
+                await asyncio.to_thread(package_blobs.keep, self.templates.package_blobs, pkg.sha256, saved,
+                                        wait_s=self.config.template_gc_settle_s + 30.0)
             await self._build_traced(ts, dep, pkg.name, on_progress)
         except BaseException:
             with contextlib.suppress(Exception):
