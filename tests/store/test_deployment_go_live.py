@@ -50,8 +50,9 @@ def test_a_tenants_packages_count_once_each_and_rows_without_a_size_not_at_all(t
 
 
 def test_a_deleted_deployment_keeps_its_number_and_its_package_stops_counting(tenant: TenantStore) -> None:
-    """``delete``: neither the live one nor one building; the row stays without its manifest (a number is never given
-    twice), is not listed, and its package no longer counts nor is named; deleting it again answers the same."""
+    """``delete``: neither the live one nor one building; the row stays (a number is never given twice; a turn that
+    began on it reads its manifest), is not listed, and its package no longer counts nor is named; deleting it again
+    answers the same."""
     from moorage.errors import ConflictError
     from moorage.store import DEPLOYMENT_DELETED, DEPLOYMENT_FAILED
 
@@ -67,7 +68,8 @@ def test_a_deleted_deployment_keeps_its_number_and_its_package_stops_counting(te
     assert tenant.deployments.package_bytes() == 600 and tenant.deployments.packages() == {"s1", "s2", "s3"}
     version = tenant.agents.get("a").version
     gone = tenant.deployments.delete(d3.id)
-    assert (gone.status, gone.number, gone.manifest) == (DEPLOYMENT_DELETED, 3, {})
+    assert (gone.status, gone.number, gone.manifest) == (DEPLOYMENT_DELETED, 3, {"n": 3})
+    assert tenant.deployments.get(d3.id) == gone
     assert tenant.agents.get("a").version == version + 1  # a rollback that read the agent before fails its CAS
     assert tenant.deployments.delete(d3.id) == gone
     assert [d.number for d in tenant.deployments.list(agent.id)] == [1, 2]

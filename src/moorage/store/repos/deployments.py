@@ -1,7 +1,8 @@
 """The numbered deployments of each agent: its manifest and the package it was built from (which one is live is the
 agent's field). A deployment is ``building`` until its template is made, then ``ready``, or ``failed`` (never live:
-kept as the record of that deploy); ``deleted`` when deleted (``delete``, ``prune``): the row stays, without its
-manifest, so that a number is never given twice, and nothing lists it or counts its package."""
+kept as the record of that deploy); ``deleted`` when deleted (``delete``, ``prune``): the row stays, so that a number
+is never given twice and a turn that began on it just before can still read its manifest, and nothing lists it,
+rolls back to it or counts its package."""
 
 from __future__ import annotations
 
@@ -95,9 +96,8 @@ class Deployments(_Repo):
         if d.status == DEPLOYMENT_BUILDING:
             raise ConflictError(f"deployment {d.number} is still building",
                                 hint="wait for it to be ready or failed (GET .../deployments shows it)")
-        c.x("UPDATE deployments SET status = ?, manifest = ?, builder = NULL WHERE id = ?",
-            (DEPLOYMENT_DELETED, self._json({}, "manifest"), d.id))
-        return Deployment(d.id, d.agent_id, d.number, {}, d.package_ref, d.package_sha256, DEPLOYMENT_DELETED,
+        c.x("UPDATE deployments SET status = ?, builder = NULL WHERE id = ?", (DEPLOYMENT_DELETED, d.id))
+        return Deployment(d.id, d.agent_id, d.number, d.manifest, d.package_ref, d.package_sha256, DEPLOYMENT_DELETED,
                           d.created_at, None)
 
     def fail_building(self, deployment_id: str) -> bool:
