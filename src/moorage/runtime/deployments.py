@@ -205,8 +205,7 @@ class Deployments:
         was read fails the compare-and-set and is seen here on the next."""
         while True:
             if ts.deployments.get(dep.id).status == DELETED:
-                raise NotFound(f"deployment {dep.number} of agent {agent.name!r} was deleted",
-                               hint=f"GET /v1/agents/{agent.name}/deployments lists those left")
+                raise _was_deleted(agent.name, dep.number)
             try:
                 return ts.agents.update(agent.id, expected_version=agent.version, live_deployment=dep.id,
                                         config={**agent.config, "lifecycle": self._lifecycle_config(dep.manifest)})
@@ -226,12 +225,9 @@ class Deployments:
                 raise NotFound(f"agent {agent_name!r} has no earlier deployment to roll back to")
             target = older[-1]
         else:
-            target = next((d for d in ts.deployments.list(agent.id, deleted=True) if d.number == number), None)
-            if target is None:
-                raise NotFound(f"agent {agent_name!r} has no deployment number {number}")
+            target = _numbered(ts, agent, number)
             if target.status == DELETED:
-                raise NotFound(f"deployment {number} of agent {agent_name!r} was deleted",
-                               hint=f"GET /v1/agents/{agent_name}/deployments lists those left")
+                raise _was_deleted(agent_name, number)
             if target.status != READY:
                 raise ConflictError(f"deployment {number} of agent {agent_name!r} is {target.status}, it never went live",
                                     hint=f"roll back to a ready one: GET /v1/agents/{agent_name}/deployments lists them with their status")
@@ -247,16 +243,23 @@ class Deployments:
         principal.require("deploy")
         ts = self.store.tenant(principal)
 
-        def delete() -> Deployment:
-            agent = ts.agents.get(agent_name)
-            target = next((d for d in ts.deployments.list(agent.id, deleted=True) if d.number == number), None)
-            if target is None:
-                raise NotFound(f"agent {agent_name!r} has no deployment number {number}",
-                               hint=f"GET /v1/agents/{agent_name}/deployments lists them")
-            return ts.deployments.delete(target.id)
-
-        dep = await asyncio.to_thread(delete)
+        dep = await asyncio.to_thread(
+            lambda: ts.deployments.delete(_numbered(ts, ts.agents.get(agent_name), number).id))
         tenant_cap.levels(ts).freed(ts.tenant_id)  # its package: room under the tenant's ceiling at once
         self.templates.collect_soon()
         log.info("deployment deleted", agent=agent_name, number=number)
         return dep
+
+
+def _numbered(ts: TenantStore, agent: Agent, number: int) -> Deployment:
+    """The agent's deployment ``number`` (a deleted one too), or ``NotFound``. Blocking."""
+    dep = ts.deployments.by_number(agent.id, number)
+    if dep is None:
+        raise NotFound(f"agent {agent.name!r} has no deployment number {number}",
+                       hint=f"GET /v1/agents/{agent.name}/deployments lists them")
+    return dep
+
+
+def _was_deleted(agent: str, number: int) -> NotFound:
+    return NotFound(f"deployment {number} of agent {agent!r} was deleted",
+                    hint=f"GET /v1/agents/{agent}/deployments lists those left")

@@ -6,6 +6,7 @@ rolls back to it or counts its package."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moorage.errors import ConflictError, NotFound
@@ -97,8 +98,7 @@ class Deployments(_Repo):
             raise ConflictError(f"deployment {d.number} is still building",
                                 hint="wait for it to be ready or failed (GET .../deployments shows it)")
         c.x("UPDATE deployments SET status = ?, builder = NULL WHERE id = ?", (DEPLOYMENT_DELETED, d.id))
-        return Deployment(d.id, d.agent_id, d.number, d.manifest, d.package_ref, d.package_sha256, DEPLOYMENT_DELETED,
-                          d.created_at, None)
+        return dataclasses.replace(d, status=DEPLOYMENT_DELETED, builder=None)
 
     def fail_building(self, deployment_id: str) -> bool:
         """Mark a deployment ``failed`` if it is still ``building`` (its builder is gone); whether it was."""
@@ -147,6 +147,12 @@ class Deployments(_Repo):
         if r is None:
             raise NotFound(f"no deployment {deployment_id!r}")
         return _deployment(r)
+
+    def by_number(self, agent_id: str, number: int) -> Deployment | None:
+        """The agent's deployment ``number`` (a deleted one too), or None."""
+        with self._ts._tx(write=False) as c:
+            r = c.one(f"SELECT {_DEP_COLS} FROM deployments WHERE agent_id = ? AND number = ?", (agent_id, number))
+        return _deployment(r) if r is not None else None
 
     def list(self, agent_id: str, *, deleted: bool = False) -> list[Deployment]:
         """The agent's deployments, oldest first; ``deleted``: the deleted ones too."""
