@@ -100,8 +100,11 @@ class FleetDuties:
     _closed: bool
     store: Any
     #: Whether this host may hold sleeping instances whose sleep was not shipped (the object store was down):
-    #: set at start and by such a sleep, cleared once ``ship_unshipped`` found none left.
+    #: set at start and by such a sleep (``note_unshipped``), cleared once a pass of ``ship_unshipped`` found none
+    #: left and no such sleep was recorded while it ran.
     _unshipped_check: bool = True
+    #: Counts such sleeps, so a pass that read the store before one was recorded does not clear the flag it set.
+    _unshipped_sleeps: int = 0
     io: Callable[..., Any]
     system_tenant: Callable[[str], Any]
 
@@ -260,6 +263,12 @@ class FleetDuties:
             if not li.ship_dirty:
                 return
 
+    def note_unshipped(self) -> None:
+        """A sleep could not be shipped: the ship loop looks for it again. Said before the sleep is recorded and
+        again once it is, so a pass that listed the records in between keeps looking."""
+        self._unshipped_sleeps += 1
+        self._unshipped_check = True
+
     async def ship_unshipped(self) -> tuple[int, int]:
         """Ship this host's sleeping instances whose sleep could not be shipped (the object store was down), so
         any host can wake them again and the newest copy no longer depends on this host's disk. Returns
@@ -273,6 +282,7 @@ class FleetDuties:
                                                                      limit=100_000)
                     if not shipped_current(r)]
 
+        sleeps_before = self._unshipped_sleeps
         shipped = left = tried = 0
         refused: list[str] = []
         error: Exception | None = None
@@ -314,7 +324,7 @@ class FleetDuties:
             self._unshipped_rounds.ok()
         if shipped:
             log.info("sleeping instances shipped after the object store came back", count=shipped, left=left)
-        self._unshipped_check = left > 0
+        self._unshipped_check = left > 0 or self._unshipped_sleeps != sleeps_before
         return shipped, left
 
     async def _ship_loop(self) -> None:

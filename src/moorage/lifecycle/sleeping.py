@@ -61,7 +61,7 @@ class Sleeping:
     _drop: Callable[[LiveInstance], None]
     driver: "SandboxDriver"
     release_after_s: float
-    _unshipped_check: bool
+    note_unshipped: Callable[[], None]
     io: Callable[..., Any]
     system_tenant: Callable[[str], TenantStore]
     live: Callable[[TenantStore, Scope], LiveInstance | None]
@@ -115,6 +115,8 @@ class Sleeping:
                 await self.io(self._mark_slept, ts, rec, trace, *slept)
             except ConflictError:  # recorded after all (the reply was lost), or reclaimed once the claim lapsed
                 return
+            if slept[0].get("shipped_current") is False:
+                self.note_unshipped()
             if li.record_id == rec.id and li.sandbox is None:
                 li.owned = False
             log.info("instance slept (recorded once the store was back)", instance=rec.id, scope=str(li.scope))
@@ -220,7 +222,7 @@ class Sleeping:
                 meta["shipped_current"] = True
             except Exception as e:
                 meta["shipped_current"] = False
-                self._unshipped_check = True  # shipped later, once the object store is back (_ship_loop)
+                self.note_unshipped()  # shipped later, once the object store is back (_ship_loop)
                 log.error("snapshot could not be shipped; it stays on this host", instance=rec.id, error=str(e))
         sizes = await usage_ledger.measure(sandbox)  # disk and snapshot bytes, metered with the sleep
         try:
@@ -230,6 +232,8 @@ class Sleeping:
                 raise
             self._record_when_back(li, ts, rec, trace, meta, str(snap.path), started, reason, sizes, slept_at)
             raise
+        if meta.get("shipped_current") is False:
+            self.note_unshipped()  # recorded now: a pass that listed the records before it did not see it
         li.owned = False
         self._counts["evictions" if evict else "sleeps"] += 1
         events.lifecycle("sleep", "ok", started)
