@@ -17,6 +17,7 @@ from moorage.lifecycle.machine import TraceContext
 from moorage.lifecycle.manager import InstanceManager
 from moorage.sandbox import Sandbox, TemplateRef
 from moorage.store import Agent, EntityKey, Principal, SandboxRecord, Scope, Store, TenantStore
+from moorage.store.repos.agents import refuse_if_deleting
 
 #: Supplied by the runtime: run one turn in the agent's sandbox and return its result.
 Forward = Callable[[Sandbox, Any], Awaitable[Any]]
@@ -125,6 +126,7 @@ class Router:
         come. ``user_since`` (when the user the turn was accepted for was registered): a user forgotten since is
         refused (409) here, before registering anyone: the turn must not make the user it waited for again."""
         agent = ts.agents.get(key.agent)  # NotFound: never provision an instance of an agent that does not exist
+        refuse_if_deleting(agent)  # 409: its users are being forgotten, none is made or woken again
         lc = AgentLifecycle.of(agent)
         # End-users are a resource of one agent: a user of agent A is no user of agent B (a read on the hot path).
         found = ts.agent_users.find(key.agent, key.user)

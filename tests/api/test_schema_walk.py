@@ -465,8 +465,9 @@ async def test_every_operation_answers_as_documented(live_rt, store, acme: str, 
         await w(c, "POST", f"/v1/workflows/{waiting['run_id']}/answer", expect=409, json={"answer": "again"})
         await w(c, "GET", "/v1/executions/nope", expect=404)
 
-        # Last: forget a user.
+        # Last: forget a user, then the whole agent.
         await w(c, "DELETE", "/v1/agents/walk/users/ada-copy")
+        await w(c, "DELETE", A)
 
     every = {op["operationId"] for ops in spec["paths"].values() for op in ops.values()}
     assert every - w.walked - set(NOT_WALKED) == set(), "operations the walk does not reach (walk them, or say why not)"

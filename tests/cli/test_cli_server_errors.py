@@ -18,7 +18,7 @@ from tests.cli.test_cli_json import commands
 
 #: The commands that talk to the server, with what each needs beside its required arguments (given as "x").
 SERVER: dict[str, list[str]] = {
-    "agents": [], "answer": [], "chat": ["--user", "x"], "checkpoint": [], "checkpoints fork": ["--to", "y"],
+    "agents": [], "agents delete": ["--yes"], "answer": [], "chat": ["--user", "x"], "checkpoint": [], "checkpoints fork": ["--to", "y"],
     "checkpoints list": [], "checkpoints rollback": [], "checkpoints take": [], "deploy": [], "execution": [],
     "deployments list": [], "deployments delete": [],
     "forget": ["--yes"], "fork": ["--to", "y"], "invoke": ["--user", "x"], "logs": [], "memory confirm": [],

@@ -49,9 +49,9 @@ def test_the_readmes_commands_as_written(host: LocalHost, tmp_path: Path) -> Non
         return r
 
     commands = _commands()
-    said = [c.split()[1] for c in commands]
+    said = [" ".join(c.split()[1:3]) if c.split()[1:3] == ["agents", "delete"] else c.split()[1] for c in commands]
     assert said == ["up", "up", "up", "deploy", "agents", "invoke", "submit", "chat", "ps", "sleep", "answer", "forget",
-                    "trace", "doctor"], said
+                    "agents delete", "trace", "doctor"], said
     # What the README's lines take for granted: examples/assistant deployed (scripts/up.sh does), and some turn
     # waiting for approval for `answer RUN_ID yes`.
     asks = tmp_path / "asks"
@@ -86,6 +86,8 @@ def test_the_readmes_commands_as_written(host: LocalHost, tmp_path: Path) -> Non
     assert json.loads(out["sleep"].stdout)["slept"] is True
     assert out["answer"].stdout.strip() == "shipped: yes"
     assert re.match(r"forgot dev: \d+ records removed", out["forget"].stdout), out["forget"].stdout
+    assert re.match(r"deleted agent coder \(users forgotten: 0, records removed: \d+\)", out["agents delete"].stdout), \
+        out["agents delete"].stdout  # 0: `forget coder dev` went first
     assert "POST /v1/workflows/{run_id}/answer" in out["trace"].stdout, out["trace"].stdout
     # QEMU, KVM, bubblewrap, disk, store: each checked (exit 1 where a required one fails, as docs/cli.md says).
     assert out["doctor"].returncode in (0, 1)

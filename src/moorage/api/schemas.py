@@ -100,6 +100,7 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                        "reply": {"description": "the agent's answer: text or any JSON value; null while waiting"},
                        "interrupt": ANY, "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
     "Forgotten": obj({"agent": STR, "user": STR, "removed": INT, "deleted": {"type": "boolean"}}),
+    "AgentDeleted": obj({"agent": STR, "deleted": {"type": "boolean"}, "users": INT, "removed": INT}),
     # A JSON-RPC 2.0 message to the MCP server (docs/mcp.md): a request (with an id) or a notification (without;
     # answered 202 with no body), or a batch of them. ``method`` is an MCP method: initialize, tools/list,
     # tools/call, notifications/initialized, ...

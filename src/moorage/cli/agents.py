@@ -1,4 +1,4 @@
-"""``moorage agents``: the tenant's deployed agents, each with its live deployment.
+"""``moorage agents``: the tenant's deployed agents, each with its live deployment; ``moorage agents delete``.
 
 Reads ``GET /v1/agents`` (and each agent's deployments, for the live one's number) through the SDK.
 """
@@ -19,11 +19,32 @@ console = make_console()
 
 def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
     """Attach ``moorage agents`` to the main app (``cfg_of()`` returns the loaded Config)."""
+    group = typer.Typer(invoke_without_command=True, help="The tenant's agents: list them (on its own), delete one.")
+    app.add_typer(group, name="agents")
 
-    @app.command()
-    def agents(as_json: bool = typer.Option(False, "--json", help="The API's list (GET /v1/agents), each agent with "
+    @group.command("delete")
+    def delete(agent: str, yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+               as_json: bool = typer.Option(False, "--json", help="The API's answer.")) -> None:
+        """Delete AGENT and everything it kept: every end-user of it forgotten, its deployments, secrets, webhooks
+        and traces; keys bound to it revoked. The name is then free for a new agent."""
+        from moorage.cli.client import sdk
+
+        # The question goes to stderr: stdout holds only the answer (with --json, one JSON document).
+        if not yes and not typer.confirm(f"delete agent {agent} and forget all of its users?", err=True):
+            raise typer.Exit(1)
+        r = sdk(cfg_of(), lambda c: c.delete_agent(agent), hint="`moorage agents` lists them")
+        if as_json:
+            print(json.dumps(r, indent=2))
+        else:
+            console.print(escape(f"deleted agent {agent} (users forgotten: {r['users']}, records removed: {r['removed']})"))
+
+    @group.callback()
+    def agents(ctx: typer.Context,
+               as_json: bool = typer.Option(False, "--json", help="The API's list (GET /v1/agents), each agent with "
                                                                   "the table's live_number and deployments too.")) -> None:
         """The agents deployed in this tenant: live deployment, how many deployments, last change (UTC)."""
+        if ctx.invoked_subcommand is not None:
+            return
         from moorage.cli.client import sdk
 
         def read(c: Any) -> tuple[list[Any], dict[str, list[Any]]]:

@@ -57,6 +57,12 @@ class Api(ReachApi, ABC):
     def get_agent(self, agent: str) -> T.Agent:
         return self._send(Request("GET", f"/v1/agents/{_p(agent)}"))
 
+    def delete_agent(self, agent: str) -> T.AgentDeleted:
+        """Delete ``agent``: every end-user of it forgotten with everything it kept, its deployments, and the agent
+        (its name free for a new one). Turns, users and deploys are refused meanwhile; a delete cut short is
+        finished by sending it again."""
+        return self._send(Request("DELETE", f"/v1/agents/{_p(agent)}"))
+
     def deploy(self, agent: str, source: bytes | str | Path, *, idempotency_key: str | None = None) -> T.Deployment:
         """Deploy an agent directory (packed here) or a ready ``tar.gz``; the server validates and builds it (see
         ``deploy_stream`` for the build's progress as it goes)."""

@@ -91,6 +91,13 @@ class Forgotten(TypedDict, total=False):
     deleted: bool
 
 
+class AgentDeleted(TypedDict, total=False):
+    agent: str
+    deleted: bool
+    users: int
+    removed: int
+
+
 class UserToken(TypedDict):
     token: str
     agent: str

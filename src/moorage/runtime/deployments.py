@@ -24,6 +24,7 @@ from moorage.store import DEPLOYMENT_BUILDING as BUILDING, DEPLOYMENT_DELETED as
 from moorage.store import DEPLOYMENT_FAILED as FAILED, DEPLOYMENT_READY as READY
 from moorage.store import Agent, Deployment, Principal, Span, TenantStore
 from moorage.store import zero_retention
+from moorage.store.repos.agents import refuse_if_deleting
 from moorage.usage import tenant_cap
 
 log = get_logger(__name__)
@@ -66,6 +67,7 @@ class Deployments:
                     agent = ts.agents.create(pkg.name, {"lifecycle": self._lifecycle_config(pkg.manifest)})
                 except ConflictError:
                     agent = ts.agents.get(pkg.name)
+            refuse_if_deleting(agent)  # 409 before anything is recorded: the name is free once the delete ends
             # The builder's mark: if this process dies mid-build, any host can tell the deploy will never finish.
             dep = ts.deployments.create(agent.id, pkg.manifest, f"packages/{pkg.sha256}.tar.gz", pkg.sha256,
                                         builder=self.instances.claim_mark(), package_bytes=len(pkg.archive))

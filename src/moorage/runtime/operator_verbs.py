@@ -134,7 +134,9 @@ class OperatorVerbs:
         put to sleep each of their instances this host holds awake, so that host can take them
         (lifecycle/forget.py). Returns how many slept."""
         principal.require("provision")
-        ts = self.store.tenant(principal)
+        return await self._let_go(self.store.tenant(principal), agent, user)
+
+    async def _let_go(self, ts: TenantStore, agent: str, user: str) -> int:
         recs = await self._instances_of_user(ts, agent, user)
         slept = 0
         async with self._held_to_forget(ts, agent, user, recs):

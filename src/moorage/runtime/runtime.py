@@ -26,6 +26,7 @@ from moorage.runtime.activity import TenantActivity
 from moorage.runtime.host_calls import TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
+from moorage.runtime.agent_delete import AgentDeletion
 from moorage.runtime.deployments import Deployments
 from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
@@ -64,7 +65,7 @@ def _unheard(task: "asyncio.Task[Any]") -> None:
         log.warning("a turn whose caller had left failed", task=task.get_name(), error=f"{type(e).__name__}: {e}")
 
 
-class Runtime(Deployments, OperatorVerbs, TurnExecution, TurnMemory):
+class Runtime(Deployments, AgentDeletion, OperatorVerbs, TurnExecution, TurnMemory):
     def __init__(self, config: Config, store: Store, driver: SandboxDriver, llm: LLMGateway,
                  instances: InstanceManager, *, embedder: Any = None) -> None:
         self.config = config

@@ -5,14 +5,16 @@ Lookups go through the tenant's store handle, so another tenant's ids are simply
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api.routing import Call, Param
-from moorage.errors import InvalidInput, NotFound, TenantScopeError
+from moorage.errors import InvalidInput, NotFound, TenantScopeError, UnavailableError
+from moorage.fleet.forward import LET_GO
 from moorage.store import Agent
 from moorage.store.model import check_id
+from moorage.store.repos.agents import refuse_if_deleting
 
 LIMIT = Param("limit", {"type": "integer", "minimum": 1, "maximum": 500, "default": 50}, "page size")
 CURSOR = Param("cursor", {"type": "string"}, "next_cursor of the previous page")
@@ -30,8 +32,10 @@ def agent_of_key(call: Call, what: str) -> str | None:
 
 
 def agent_of(call: Call) -> Agent:
-    """The path's agent in the caller's tenant (404 if it is not there)."""
-    return call.tenant.agents.get(check_id(call.path["agent"], "agent name"))
+    """The path's agent in the caller's tenant (404 if it is not there; 409 for a request that would add to an
+    agent being deleted: only reads and deletes are served then)."""
+    agent = call.tenant.agents.get(check_id(call.path["agent"], "agent name"))
+    return agent if call.request.method in ("GET", "HEAD", "DELETE") else refuse_if_deleting(agent)
 
 
 def known_user(call: Call, agent: str, user: str) -> None:
@@ -79,3 +83,24 @@ def bool_query(call: Call, name: str) -> bool:
     if raw in ("1", "true", "yes"):
         return True
     raise InvalidInput(f"{name} must be true or false, got {raw!r}")
+
+
+def releaser(call: Call) -> Callable[[Any], Awaitable[None]] | None:
+    """In a fleet, how this host asks another live host to let go of an instance it holds awake, for the forget
+    this host serves (of a user, or of a whole agent: lifecycle/forget.py): the same request, the caller's
+    credentials, ``LET_GO``."""
+    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
+    if fleet is None:
+        return None
+
+    async def release(rec: Any) -> None:
+        owner = await run_in_threadpool(fleet.host, rec.host)
+        if owner is None:
+            raise UnavailableError(f"host {rec.host!r}, which holds an instance to forget, is not in the fleet",
+                                   hint="retry the forget")
+        r = await fleet.forwarder.ask(call.request, owner.id, owner.url, {LET_GO: "1"}, call.trace_id)
+        if r.status_code != 200:
+            raise UnavailableError(f"host {owner.id!r} did not let go of the instance it holds "
+                                   f"(HTTP {r.status_code}: {r.text[:200]})", hint="retry the forget")
+
+    return release

@@ -1,5 +1,5 @@
-"""Agents and their deployments: list, get, deploy a tar.gz, roll back, delete; end-user tokens (retention:
-retention.py).
+"""Agents and their deployments: list, get, delete an agent (runtime/agent_delete.py); deploy a tar.gz, roll back,
+delete a deployment; end-user tokens (retention: retention.py).
 
 Deploy and rollback go to the runtime; listing reads the tenant's store. A deploy answers when its template is
 built (201), or streams the build's progress (``Accept: text/event-stream`` / ``?stream=true``).
@@ -15,10 +15,11 @@ from starlette.concurrency import run_in_threadpool
 from moorage.api import schemas as S
 from moorage.api.invoke_shared import wants_stream
 from moorage.api.pagination import offset_page, parse_limit
-from moorage.api.routes._common import PAGE, agent_of
+from moorage.api.routes._common import PAGE, agent_of, releaser
 from moorage.api.routing import Call, Endpoint, Param, Reply
 from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, NotFound
+from moorage.fleet.forward import LET_GO, forwarded
 from moorage.log import get_logger
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store.model import check_id
@@ -123,6 +124,17 @@ async def delete_deployment(call: Call) -> dict[str, Any]:
     return S.deployment(await call.runtime.delete_deployment(call.who, agent.name, int(raw)))
 
 
+async def delete_agent(call: Call) -> dict[str, Any]:
+    name = check_id(call.path["agent"], "agent name")
+    if forwarded.get() and call.request.headers.get(LET_GO):
+        # Another host serves this delete and asks this one to let go of the agent's instances it holds awake
+        # (``forwarded`` holds only for a request that host signed, LET_GO included: a caller's own is a delete).
+        await call.runtime.let_go_agent(call.who, name)
+        return {"agent": name, "deleted": False, "users": 0, "removed": 0}
+    release = releaser(call)
+    return await call.runtime.delete_agent(call.who, name, **({"release": release} if release is not None else {}))
+
+
 def issue_token(call: Call) -> Reply:
     agent = agent_of(call)
     user = check_id(call.path["user"], "user id")
@@ -150,6 +162,9 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/agents", list_agents, "List agents", "agents", "listAgents", scope="read", query=PAGE,
              response=S.page_of("Agent")),
     Endpoint("GET", "/v1/agents/{agent}", get_agent, "Get an agent", "agents", "getAgent", scope="read", response=S.ref("Agent")),
+    Endpoint("DELETE", "/v1/agents/{agent}", delete_agent,
+             "Delete an agent: forget every end-user of it and everything it kept, its deployments, and the agent",
+             "agents", "deleteAgent", scope="deploy", response=S.ref("AgentDeleted")),
     Endpoint("GET", "/v1/agents/{agent}/deployments", list_deployments, "List an agent's deployments", "agents",
              "listDeployments", scope="read", query=PAGE, response=S.page_of("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/deployments", deploy, "Deploy an agent directory (tar.gz body)", "agents",

@@ -7,15 +7,15 @@ The product names its users by its own ids; instances are forked on the first tu
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
 from moorage.api.pagination import decode_cursor, encode_cursor, parse_limit
-from moorage.api.routes._common import CURSOR, LIMIT, agent_of, bool_query, forward_if_awake_elsewhere
+from moorage.api.routes._common import CURSOR, LIMIT, agent_of, bool_query, forward_if_awake_elsewhere, releaser
 from moorage.api.routing import Call, Endpoint, Param, Reply
-from moorage.errors import InvalidInput, UnavailableError
+from moorage.errors import InvalidInput
 from moorage.fleet.forward import LET_GO, forwarded
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store import EntityKey, TenantStore
@@ -101,26 +101,6 @@ def list_users(call: Call) -> dict[str, Any]:
             "next_cursor": encode_cursor({"after": page[-1].user}) if len(users) > limit else None}
 
 
-def _releaser(call: Call) -> Callable[[Any], Awaitable[None]] | None:
-    """In a fleet, how this host asks another live host to let go of an instance of the user it holds awake, for
-    the forget this host serves (lifecycle/forget.py): the same request, the caller's credentials, ``LET_GO``."""
-    fleet = getattr(getattr(call.runtime, "instances", None), "fleet", None)
-    if fleet is None:
-        return None
-
-    async def release(rec: Any) -> None:
-        owner = await run_in_threadpool(fleet.host, rec.host)
-        if owner is None:
-            raise UnavailableError(f"host {rec.host!r}, which holds an instance of the user, is not in the fleet",
-                                   hint="retry the forget")
-        r = await fleet.forwarder.ask(call.request, owner.id, owner.url, {LET_GO: "1"}, call.trace_id)
-        if r.status_code != 200:
-            raise UnavailableError(f"host {owner.id!r} did not let go of the user's instance it holds "
-                                   f"(HTTP {r.status_code}: {r.text[:200]})", hint="retry the forget")
-
-    return release
-
-
 async def _forward_to_holder(call: Call, agent: str, user: str) -> None:
     """In a fleet, a forget of a user one of whose instances another live host holds awake goes to that host
     (``Misplaced``: forwarded), before this host changes anything: that host cancels the turns it runs and destroys
@@ -145,7 +125,7 @@ async def delete_user(call: Call) -> dict[str, Any]:
         await _forward_to_holder(call, agent.name, user)
     erase_in_runtime = getattr(call.ctx.runtime, "erase", None)
     if erase_in_runtime is not None:  # the runtime also drops the user's sandboxes and snapshots (and the user)
-        release = _releaser(call)
+        release = releaser(call)
         removed, deleted = await erase_in_runtime(call.who, agent.name, user,
                                                   **({"release": release} if release is not None else {}))
     else:

@@ -11,6 +11,21 @@ from moorage.store.repos.common import _check_version, _new_id, _now, _Repo
 from moorage.store.sql import loads
 
 
+def deleting_since(a: Agent) -> float | None:
+    """When the agent's deletion began (``DELETE /v1/agents/{agent}``), or None: an agent being deleted takes no new
+    turns, users or deploys; what it kept is being forgotten (runtime/agent_delete.py)."""
+    mark = a.config.get("deleting")
+    return float(mark["since"]) if isinstance(mark, dict) and isinstance(mark.get("since"), (int, float)) else None
+
+
+def refuse_if_deleting(a: Agent) -> Agent:
+    """``a``, or a 409 if it is being deleted (nothing new for an agent on its way out)."""
+    if deleting_since(a) is not None:
+        raise ConflictError(f"agent {a.name!r} is being deleted",
+                            hint=f"DELETE /v1/agents/{a.name} again finishes it; deploy the agent anew once it is gone")
+    return a
+
+
 def _agent(r: tuple) -> Agent:
     return Agent(r[0], r[1], loads(r[2]), r[3], r[4], r[5], r[6])
 
@@ -43,6 +58,19 @@ class Agents(_Repo):
         with self._ts._tx(write=False) as c:
             return [_agent(r) for r in c.q(f"SELECT {_AGENT_COLS} FROM agents ORDER BY name")]
 
+    def mark_deleting(self, name_or_id: str) -> Agent:
+        """Mark the agent as being deleted (once: a mark already there keeps its time). Its version moves, so a
+        deploy that read it before cannot make a deployment live afterwards (compare-and-set)."""
+        while True:
+            a = self.get(name_or_id)
+            if deleting_since(a) is not None:
+                return a
+            try:
+                return self.update(a.id, expected_version=a.version,
+                                   config={**a.config, "deleting": {"since": _now()}})
+            except ConflictError:
+                continue
+
     def update(
         self, agent_id: str, *, expected_version: int, config: dict[str, Any] | None = None,
         live_deployment: str | None = None,
@@ -55,6 +83,8 @@ class Agents(_Repo):
             a = _agent(cur)
             new_cfg = a.config if config is None else config
             new_live = a.live_deployment if live_deployment is None else live_deployment
+            if live_deployment is not None:
+                refuse_if_deleting(a)
             if live_deployment is not None and not c.one(
                 "SELECT 1 FROM deployments WHERE id = ? AND agent_id = ? AND status <> ?",
                 (live_deployment, agent_id, DEPLOYMENT_DELETED)

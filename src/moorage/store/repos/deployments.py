@@ -132,6 +132,9 @@ class Deployments(_Repo):
             if live is not None and int(live[0]) > int(dep[1]):
                 return
         config = {**loads(agent[0]), "lifecycle": lifecycle}
+        if "deleting" in config:  # deleted once its instances are: nothing goes live on it now
+            raise ConflictError("the agent is being deleted; this deployment does not go live",
+                                hint="deploy the agent anew once DELETE /v1/agents/{agent} has answered")
         c.x("UPDATE agents SET config = ?, live_deployment = ?, updated_at = ?, version = version + 1 WHERE id = ?",
             (self._json(config, "agent config"), deployment_id, _now(), dep[0]))
 
