@@ -1,0 +1,69 @@
+"""Deleting a whole agent (DELETE /v1/agents/{agent}) in a fleet of two `moorage up` hosts (PostgreSQL, SeaweedFS),
+through the host that holds none of its instances: the other host is asked to let go of the ones it holds awake
+(a turn running there is cancelled), each instance is taken and destroyed, its shipped snapshots leave the bucket
+and its copies every host's disk, and no host serves the agent afterwards; the name is then free on every host."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.fleet.harness import Fleet, put_to_sleep, replied, until
+from tests.fleet.test_forget_fleet import _objects_of, _running
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def s3(seaweedfs, s3_bucket, tmp_path: Path) -> dict[str, str]:  # noqa: ANN001
+    return seaweedfs.settings(s3_bucket, f"fleet-{tmp_path.name}")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, pg_url: str, s3: dict[str, str]) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, pg_url, s3, n=2, checkpoint_interval_s="1")  # copies of forgotten instances: every 5 s
+    try:
+        f.deploy()
+        yield f
+    finally:
+        f.close()
+
+
+def test_an_agent_deleted_through_another_host_leaves_every_host_and_the_bucket(
+        fleet: Fleet, seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f = fleet
+    assert replied(f.turn(0, "ada")) == "1: hi"                  # awake on h1
+    assert replied(f.turn(0, "bob")) == "1: hi"
+    put_to_sleep(f, "bob")                                       # asleep, shipped
+    recs = f.records()
+    assert recs["ada"].host == "h1" and recs["bob"].state == "sleeping"
+    until(lambda: _objects_of(seaweedfs, s3_bucket, s3, recs["ada"].id), "ada shipped while awake", 30)
+    assert _objects_of(seaweedfs, s3_bucket, s3, recs["bob"].id)
+
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(f.turn, 0, "ada", "slow")            # 4 s on h1
+        until(lambda: _running(f, "ada"), "the slow turn runs", timeout_s=30, every_s=0.1)
+        r = f.api[1].delete("/v1/agents/echo")
+        assert r.status_code == 200, r.text
+        assert r.json()["deleted"] is True and r.json()["users"] == 2, r.text
+        assert "x-moorage-served-by" not in r.headers           # served where it was sent; h1 let go of ada
+        turn = slow.result(timeout=60)
+    assert turn.status_code == 409, turn.text                   # cancelled: its agent is gone
+
+    assert f.records() == {}
+    for via in (0, 1):
+        assert f.api[via].get("/v1/agents/echo").status_code == 404
+        assert f.turn(via, "ada").status_code == 404
+    time.sleep(3)  # a shipment after the turn would have reached the bucket by now
+    for user in ("ada", "bob"):
+        assert _objects_of(seaweedfs, s3_bucket, s3, recs[user].id) == [], user
+    # The copies another host's disk kept of them go at its next removal of forgotten instances' copies.
+    until(lambda: not any((h.data / "sandboxes" / recs[u].id).exists() for h in f.hosts for u in ("ada", "bob")),
+          "no host's disk keeps their instances", 30)
+
+    f.deploy()                                                   # the name is free: a new agent, empty
+    assert replied(f.turn(1, "ada")) == "1: hi"
