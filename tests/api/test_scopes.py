@@ -56,6 +56,8 @@ async def _fresh_ids(c: httpx.AsyncClient, method: str, path: str, ids: dict[str
     if method == "DELETE" and path.endswith("/users/{user}"):
         out["user"] = f"gone-{uuid.uuid4().hex[:8]}"
         assert (await c.put(f"/v1/agents/echo/users/{out['user']}", json={})).status_code == 201
+    if method == "DELETE" and path == "/v1/agents/{agent}":
+        out["agent"] = f"gone-{uuid.uuid4().hex[:8]}"  # the scope is checked first: the planted agent stays
     return out
 
 
