@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +19,7 @@ from moorage import Client
 from moorage.cli.main import app
 from moorage.client.errors import ApiError
 from moorage.devservices.fleet import LocalHost
+from tests.fleet.harness import until
 
 SLOW = '''
 import asyncio
@@ -37,13 +38,6 @@ def _agent(root: Path, v: str) -> Path:
     (d / "agent.py").write_text(SLOW.replace("{v}", v))
     (d / "data.bin").write_bytes(os.urandom(100_000))  # its package: counted for the tenant until the agent goes
     return d
-
-
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_an_agent_deleted_from_the_cli_and_the_sdk_leaves_the_host_and_its_name_is_free(tmp_path: Path) -> None:
@@ -65,7 +59,7 @@ def test_an_agent_deleted_from_the_cli_and_the_sdk_leaves_the_host_and_its_name_
             instances = {i["id"] for i in sdk.list_sandboxes()["data"]}
             assert len(instances) == 2 and all((data / "sandboxes" / i).is_dir() for i in instances)
             # Its packages count for the tenant (measured again 10 s after the last measure, RECHECK_S).
-            _until(lambda: sdk.usage()["storage"]["package_bytes"] > 200_000, "its packages counted", 30)
+            until(lambda: sdk.usage()["storage"]["package_bytes"] > 200_000, "its packages counted", 30)
 
             # A slow turn of ada's is running when the delete comes: it is cancelled, and the delete goes on.
             slow: dict[str, Any] = {}
@@ -102,7 +96,7 @@ def test_an_agent_deleted_from_the_cli_and_the_sdk_leaves_the_host_and_its_name_
             assert not any((data / "sandboxes" / i).exists() for i in instances)
             assert sdk.list_sandboxes()["data"] == []
             assert sdk.usage()["storage"]["package_bytes"] == 0
-            _until(lambda: not {first["package_sha256"], dep["package_sha256"]} & packages(),
+            until(lambda: not {first["package_sha256"], dep["package_sha256"]} & packages(),
                    "its packages to leave the disk")
 
             # The name is free: a new agent, empty (no user, no memory of ada), numbered from 1.

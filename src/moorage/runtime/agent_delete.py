@@ -48,7 +48,7 @@ class AgentDeletion:
         agent = await asyncio.to_thread(ts.agents.mark_deleting, name)
         log.info("deleting an agent", agent=agent.name)
         forgotten: set[str] = set()
-        removed = 0
+        removed = revoked = 0
         for _ in range(ROUNDS):
             users, loose = await asyncio.to_thread(self._what_is_left, ts, agent.name)
             for user in users:
@@ -60,6 +60,9 @@ class AgentDeletion:
             for rec in loose:  # instances no user owns (a workflow run's without one)
                 removed += await self._drop_instance(ts, rec, release)
             await self._drain_pools(ts, agent)
+            # Before the agent goes: a delete cut short after it must not leave keys that would reach a new agent
+            # of the same name.
+            revoked += await asyncio.to_thread(self._revoke_bound_keys, ts, agent.name)
             try:
                 removed += await asyncio.to_thread(forget_agent, ts, agent)
                 break
@@ -68,7 +71,6 @@ class AgentDeletion:
         else:
             raise ConflictError(f"agent {agent.name!r} kept getting new instances while it was deleted",
                                 hint="retry the delete: the agent takes no new turns now")
-        revoked = await asyncio.to_thread(self._revoke_bound_keys, ts, agent.name)
         self._memories.pop(ts.tenant_id, None)
         tenant_cap.levels(ts).freed(ts.tenant_id)  # its packages, snapshots and rows: room at once
         self.templates.collect_soon()  # its templates and packages leave this host's disk
@@ -128,7 +130,7 @@ class AgentDeletion:
 
     @staticmethod
     def _revoke_bound_keys(ts: TenantStore, agent: str) -> int:
-        """Revoke the tenant's keys bound to ``agent``; how many. Blocking."""
+        """Revoke the tenant's keys bound to ``agent`` not revoked yet; how many. Blocking."""
         keys = [k for k in ts._backend.list_api_keys(ts.tenant_id) if k.agent == agent and k.revoked_at is None]
         for k in keys:
             try:
