@@ -7,6 +7,7 @@ another agent or read-only key can delete it."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +140,63 @@ async def test_an_agent_being_deleted_takes_no_new_turn_user_or_deploy(live_rt, 
         r = await c.delete(f"/v1/agents/{NAME}")
         assert r.status_code == 200 and r.json()["users"] == 1, r.text
         assert (await c.get(f"/v1/agents/{NAME}")).status_code == 404
+
+
+async def _events(c: Any, path: str, *, stop_after: int | None = None) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    async with c.stream("DELETE", path, headers={"accept": "text/event-stream"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.status_code
+        event = None
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: "):
+                out.append((str(event), json.loads(line[len("data: "):])))
+                if stop_after is not None and len(out) >= stop_after:
+                    return out
+    return out
+
+
+async def test_a_streamed_delete_says_how_far_it_got_and_a_caller_that_leaves_does_not_cut_it(
+        live_rt, acme: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long work shows progress: the users forgotten so far (here after each one), then the answer; the SDK's
+    ``delete_agent_stream`` reads the same. A caller that leaves mid-way leaves the delete running to its end."""
+    from moorage.client import AsyncClient
+    from moorage.runtime import agent_delete
+
+    monkeypatch.setattr(agent_delete, "PROGRESS_EVERY_S", 0.0)
+    async with aclient(live_rt, acme) as c:
+        for agent in (NAME, "leaver"):
+            r = await c.post(f"/v1/agents/{agent}/deployments", content=agent_archive(tmp_path, agent), headers=GZ)
+            assert r.status_code == 201, r.text
+            assert (await _turn(c, "ada", agent)).status_code == 200
+            for i in range(12):
+                assert (await c.put(f"/v1/agents/{agent}/users/u{i:02}", json={})).status_code == 201
+
+        events = await _events(c, f"/v1/agents/{NAME}?stream=true")
+        kinds, said = [k for k, _ in events], [d.get("message") for k, d in events if k == "progress"]
+        assert kinds[-1] == "deleted" and set(kinds[:-1]) == {"progress"}, events
+        assert said[0] == "forgetting 13 end-users" and "end-users forgotten: 12 of 13" in said, said
+        assert said[-1] == "deleting what the agent kept, its deployments and the agent", said
+        assert events[-1][1] == {**events[-1][1], "agent": NAME, "deleted": True, "users": 13}
+        assert (await c.get(f"/v1/agents/{NAME}")).status_code == 404
+
+        first = await _events(c, "/v1/agents/leaver?stream=true", stop_after=1)  # then the connection closes
+        assert first[0] == ("progress", {"message": "forgetting 13 end-users"})
+        for _ in range(300):
+            if (await c.get("/v1/agents/leaver")).status_code == 404:
+                break
+            await asyncio.sleep(0.1)
+        assert (await c.get("/v1/agents/leaver")).status_code == 404
+        assert (await c.get("/v1/agents/leaver/users")).status_code == 404
+
+    async with AsyncClient(live_rt.url, acme) as sdk:  # the SDK streams it; an unknown agent is its ApiError
+        await sdk.deploy(NAME, agent_archive(tmp_path, NAME, version="-2"))
+        events = [ev async for ev in sdk.delete_agent_stream(NAME)]
+        assert events[-1]["event"] == "deleted" and events[-1]["data"]["deleted"] is True, events
+        from moorage.client import ApiError
+
+        with pytest.raises(ApiError) as e:
+            async for _ in sdk.delete_agent_stream(NAME):
+                pass
+        assert e.value.status == 404

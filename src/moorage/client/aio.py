@@ -109,6 +109,14 @@ class AsyncClient(Api):
         async for event in self._events(req, answer_as="deployment"):
             yield event
 
+    async def delete_agent_stream(self, agent: str) -> AsyncIterator[T.StreamEvent]:
+        """An agent's deletion as it goes: ``progress`` events ({message}: the end-users forgotten so far), then
+        ``deleted`` with what ``delete_agent`` answers. Leaving early leaves the deletion running on the server."""
+        req = tr.prepare(Request("DELETE", f"/v1/agents/{_p(agent)}", {"stream": "true"},
+                                 headers={"accept": "text/event-stream"}))
+        async for event in self._events(req, answer_as="deleted"):
+            yield event
+
     async def _events(self, req: Request, *, answer_as: str | None = None) -> AsyncIterator[T.StreamEvent]:
         """Server-sent events of ``req``, retried until the stream begins as ``Client._events`` does (``answer_as``
         as there)."""

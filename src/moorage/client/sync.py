@@ -116,6 +116,12 @@ class Client(Api):
                                                                    **_idem(idempotency_key)}, {"stream": "true"})),
                                 answer_as="deployment")
 
+    def delete_agent_stream(self, agent: str) -> Iterator[T.StreamEvent]:
+        """An agent's deletion as it goes: ``progress`` events ({message}: the end-users forgotten so far), then
+        ``deleted`` with what ``delete_agent`` answers. Leaving early leaves the deletion running on the server."""
+        yield from self._events(tr.prepare(Request("DELETE", f"/v1/agents/{_p(agent)}", {"stream": "true"},
+                                                   headers={"accept": "text/event-stream"})), answer_as="deleted")
+
     def _events(self, req: Request, *, answer_as: str | None = None) -> Iterator[T.StreamEvent]:
         """Server-sent events of ``req``. Until the stream begins, a refusal or a failed connection is retried as any
         request is (and raised as its ``ApiError``); a connection lost once events came is ``Unavailable``.

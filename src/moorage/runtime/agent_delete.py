@@ -12,7 +12,8 @@ is a new one, and they do not reach it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from typing import Any, Callable
 
 from moorage.errors import ConflictError, NotFound
 from moorage.lifecycle.errors import Misplaced
@@ -23,6 +24,9 @@ from moorage.store.forget_agent import InstancesLeft, forget_agent, users_of
 from moorage.usage import tenant_cap
 
 log = get_logger(__name__)
+
+#: How often a long delete says how far it got (users forgotten so far).
+PROGRESS_EVERY_S = 1.0
 
 #: Rounds of forgetting what the agent has before the delete gives up (409, "retry"): each finds only what a turn
 #: that had passed the agent's check before it was marked made meanwhile.
@@ -41,9 +45,12 @@ class AgentDeletion:
     _forget: Any
     _let_go: Any
 
-    async def delete_agent(self, principal: Principal, name: str, *, release: Release | None = None) -> dict[str, Any]:
-        """Delete the agent and everything it kept; returns ``{"agent", "deleted", "users", "removed"}``."""
+    async def delete_agent(self, principal: Principal, name: str, *, release: Release | None = None,
+                           on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Delete the agent and everything it kept; returns ``{"agent", "deleted", "users", "removed"}``.
+        ``on_progress`` hears how it goes (the users forgotten so far, about once a second)."""
         principal.require("deploy")
+        say = on_progress or (lambda message: None)
         ts: TenantStore = self.store.tenant(principal)
         agent = await asyncio.to_thread(ts.agents.mark_deleting, name)
         log.info("deleting an agent", agent=agent.name)
@@ -51,18 +58,24 @@ class AgentDeletion:
         removed = revoked = 0
         for _ in range(ROUNDS):
             users, loose = await asyncio.to_thread(self._what_is_left, ts, agent.name)
-            for user in users:
+            if users:
+                say(f"forgetting {len(users)} end-users")
+            said_at = time.monotonic()
+            for i, user in enumerate(users, 1):
                 n, _registered = await self._forget(ts, agent.name, user, release)
                 removed += n
                 forgotten.add(user)
-                if len(forgotten) % 100 == 0:
-                    log.info("deleting an agent: users forgotten", agent=agent.name, users=len(forgotten))
+                if time.monotonic() - said_at >= PROGRESS_EVERY_S and i < len(users):
+                    said_at = time.monotonic()
+                    say(f"end-users forgotten: {i} of {len(users)}")
+                    log.info("deleting an agent: users forgotten", agent=agent.name, users=i, of=len(users))
             for rec in loose:  # instances no user owns (a workflow run's without one)
                 removed += await self._drop_instance(ts, rec, release)
             await self._drain_pools(ts, agent)
             # Before the agent goes: a delete cut short after it must not leave keys that would reach a new agent
             # of the same name.
             revoked += await asyncio.to_thread(self._revoke_bound_keys, ts, agent.name)
+            say("deleting what the agent kept, its deployments and the agent")
             try:
                 removed += await asyncio.to_thread(forget_agent, ts, agent)
                 break

@@ -8,7 +8,7 @@ built (201), or streams the build's progress (``Accept: text/event-stream`` / ``
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.concurrency import run_in_threadpool
 
@@ -59,52 +59,59 @@ async def deploy(call: Call) -> Reply:
     if pkg.name != name:
         raise InvalidInput(f"the package is agent {pkg.name!r}, not {name!r}",
                            hint=f"deploy it to /v1/agents/{pkg.name}/deployments or fix [agent] name in moorage.toml")
+    return await _detached(call, f"deploy-{name}",
+                           lambda progress: runtime.deploy(call.who, call.body, on_progress=progress),
+                           "deployment", S.deployment, 201)
+
+
+async def _detached(call: Call, name: str, start: Callable[[Callable[[str], None]], Awaitable[Any]], event: str,
+                    body: Callable[[Any], dict[str, Any]], status: int) -> Reply:
+    """Long work (a build, an agent's deletion) that runs on its own: a caller that leaves (or whose credential ends
+    meanwhile) does not cut it in the middle. Answered as JSON once it is done (``status``, ``body(result)``), or,
+    with ``Accept: text/event-stream`` (``?stream=true``), as ``progress`` events ({message}) as it goes and then
+    ``event`` with the same body (or ``error``, a problem)."""
     loop = asyncio.get_running_loop()
     said: asyncio.Queue[str] = asyncio.Queue()
-    # The build runs on its own: a caller that leaves (or whose credential ends meanwhile) does not cut a template
-    # build in the middle; the deployment goes live when it is done, as `GET .../deployments` then shows.
-    build = loop.create_task(runtime.deploy(call.who, call.body,
-                                            on_progress=lambda m: loop.call_soon_threadsafe(said.put_nowait, str(m))),
-                             name=f"deploy-{name}")
-    _building.add(build)
-    build.add_done_callback(_settled)
+    work = loop.create_task(start(lambda m: loop.call_soon_threadsafe(said.put_nowait, str(m))), name=name)
+    _running.add(work)
+    work.add_done_callback(_settled)
     if not wants_stream(call):
-        return Reply(S.deployment(await asyncio.shield(build)), 201)
+        return Reply(body(await asyncio.shield(work)), status)
 
     async def frames() -> AsyncIterator[bytes]:
         step: asyncio.Task[str] | None = None
         try:
-            while not build.done():
+            while not work.done():
                 step = loop.create_task(said.get())
-                await asyncio.wait({step, build}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({step, work}, return_when=asyncio.FIRST_COMPLETED)
                 if step.done():
                     message, step = step.result(), None
                     yield frame("progress", {"message": message})
             while not said.empty():
                 yield frame("progress", {"message": said.get_nowait()})
-            yield frame("deployment", S.deployment(build.result()))
+            yield frame(event, body(work.result()))
         except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
             yield frame("error", error_payload(e, call.trace_id))
         finally:
             if step is not None:
                 step.cancel()
 
-    async def answer() -> Reply:  # the JSON answer the build ends with: an Idempotency-Key's to replay
-        return Reply(S.deployment(await asyncio.shield(build)), 201)
+    async def answer() -> Reply:  # the JSON answer the work ends with: an Idempotency-Key's to replay
+        return Reply(body(await asyncio.shield(work)), status)
 
     response = event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
     response.settles = answer  # type: ignore[attr-defined]
     return response
 
 
-#: Builds running (a reference each, until they end: a caller that left does not own them).
-_building: set[asyncio.Task[Any]] = set()
+#: Builds and deletions running (a reference each, until they end: a caller that left does not own them).
+_running: set[asyncio.Task[Any]] = set()
 
 
-def _settled(build: asyncio.Task[Any]) -> None:
-    _building.discard(build)
-    if not build.cancelled() and build.exception() is not None:  # its caller, if still there, was told
-        log.info("a deploy failed", error=str(build.exception()))
+def _settled(work: asyncio.Task[Any]) -> None:
+    _running.discard(work)
+    if not work.cancelled() and work.exception() is not None:  # its caller, if still there, was told
+        log.info("long work failed", work=work.get_name(), error=str(work.exception()))
 
 
 async def rollback(call: Call) -> dict[str, Any]:
@@ -124,15 +131,19 @@ async def delete_deployment(call: Call) -> dict[str, Any]:
     return S.deployment(await call.runtime.delete_deployment(call.who, agent.name, int(raw)))
 
 
-async def delete_agent(call: Call) -> dict[str, Any]:
+async def delete_agent(call: Call) -> Reply:
     name = check_id(call.path["agent"], "agent name")
     if forwarded.get() and call.request.headers.get(LET_GO):
         # Another host serves this delete and asks this one to let go of the agent's instances it holds awake
         # (``forwarded`` holds only for a request that host signed, LET_GO included: a caller's own is a delete).
         await call.runtime.let_go_agent(call.who, name)
-        return {"agent": name, "deleted": False, "users": 0, "removed": 0}
+        return Reply({"agent": name, "deleted": False, "users": 0, "removed": 0}, 200)
+    await run_in_threadpool(call.tenant.agents.get, name)  # 404 before anything starts
     release = releaser(call)
-    return await call.runtime.delete_agent(call.who, name, **({"release": release} if release is not None else {}))
+    return await _detached(call, f"delete-agent-{name}",
+                           lambda progress: call.runtime.delete_agent(call.who, name, on_progress=progress,
+                                                                      **({"release": release} if release else {})),
+                           "deleted", dict, 200)
 
 
 def issue_token(call: Call) -> Reply:
@@ -164,7 +175,10 @@ ENDPOINTS = [
     Endpoint("GET", "/v1/agents/{agent}", get_agent, "Get an agent", "agents", "getAgent", scope="read", response=S.ref("Agent")),
     Endpoint("DELETE", "/v1/agents/{agent}", delete_agent,
              "Delete an agent: forget every end-user of it and everything it kept, its deployments, and the agent",
-             "agents", "deleteAgent", scope="deploy", response=S.ref("AgentDeleted")),
+             "agents", "deleteAgent", scope="deploy", response=S.ref("AgentDeleted"), streams=True,
+             query=(Param("stream", {"type": "boolean"},
+                          "answer with server-sent events: `progress` ({message}) as users are forgotten, then "
+                          "`deleted` (or `error`)"),)),
     Endpoint("GET", "/v1/agents/{agent}/deployments", list_deployments, "List an agent's deployments", "agents",
              "listDeployments", scope="read", query=PAGE, response=S.page_of("Deployment")),
     Endpoint("POST", "/v1/agents/{agent}/deployments", deploy, "Deploy an agent directory (tar.gz body)", "agents",
