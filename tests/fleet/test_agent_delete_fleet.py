@@ -5,6 +5,7 @@ and its copies every host's disk, and no host serves the agent afterwards; the n
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Iterator
 
 import pytest
 
+from moorage.cli.up import tar_dir
 from tests.fleet.harness import Fleet, put_to_sleep, replied, until
 from tests.fleet.test_forget_fleet import _objects_of, _running
 
@@ -67,3 +69,39 @@ def test_an_agent_deleted_through_another_host_leaves_every_host_and_the_bucket(
 
     f.deploy()                                                   # the name is free: a new agent, empty
     assert replied(f.turn(1, "ada")) == "1: hi"
+
+
+POOLED = 'async def on_message(ctx, message):\n    return "{v}: " + message\n'
+
+
+def _pools(host_data: Path) -> dict[str, list[str]]:
+    """A host's warm pools: template id -> its pooled forks (lifecycle/pool.py's manifests)."""
+    return {p.stem: json.loads(p.read_text()) for p in (host_data / "pool").glob("*.json")}
+
+
+def test_a_warm_pool_on_another_host_goes_with_its_replaced_template(tmp_path: Path, pg_url: str,
+                                                                     s3: dict[str, str]) -> None:
+    """h2 served the agent, so it keeps forks of its template ready (``lifecycle.pool``). The agent is redeployed
+    through h1: h2's next collection drops the replaced template, and now its pool with it. It kept refilling forks
+    of a template it had deleted, until it restarted; an agent deleted in a fleet left the same behind."""
+    f = Fleet(tmp_path, pg_url, s3, n=2, template_gc_interval_s="1", template_gc_grace_s="2")
+    try:
+        for v in ("v1", "v2"):
+            d = tmp_path / f"pooled-{v}"
+            d.mkdir()
+            (d / "moorage.toml").write_text('[agent]\nname = "pooled"\nentry = "agent.py"\n'
+                                            '[agent.lifecycle]\nusers = "auto"\npool = 2\n')
+            (d / "agent.py").write_text(POOLED.replace("{v}", v))
+        deploy = (lambda v: f.api[0].post("/v1/agents/pooled/deployments", content=tar_dir(tmp_path / f"pooled-{v}"),
+                                          headers={"Content-Type": "application/gzip"}))
+        assert deploy("v1").status_code == 201
+        r = f.api[1].post("/v1/agents/pooled/invoke", json={"message": "hi", "user": "pat"})
+        assert replied(r) == "v1: hi"
+        until(lambda: any(len(m) == 2 for m in _pools(f.hosts[1].data).values()), "h2's pool filled", 60)
+        (old,) = _pools(f.hosts[1].data)
+        assert deploy("v2").status_code == 201
+        until(lambda: old not in _pools(f.hosts[1].data), "h2's pool of the replaced template drained", 60)
+        r = f.api[1].post("/v1/agents/pooled/invoke", json={"message": "hi", "user": "quinn"})
+        assert replied(r) == "v2: hi"
+    finally:
+        f.close()

@@ -79,6 +79,7 @@ class Runtime(Deployments, AgentDeletion, OperatorVerbs, TurnExecution, TurnMemo
         from moorage.objects import open_package_blobs
 
         self.templates = Templates(config.data_dir / "templates", driver, self.packages, open_package_blobs(config))
+        self.templates.on_retired = self._retired  # a collected template's warm pool goes with it
         self.turns: dict[str, TurnBinding] = {}
         #: (tenant, trace id) of requests whose credential was revoked under way -> until when a turn of theirs
         #: still queued is refused as it is admitted (``end_request_turns``).
@@ -312,6 +313,11 @@ class Runtime(Deployments, AgentDeletion, OperatorVerbs, TurnExecution, TurnMemo
         r = run.result or {}
         return TurnResult(run.id, "done", r.get("reply"), r.get("trace_id", ""), None, run.id, r.get("usage"),
                           replayed=True)
+
+    async def _retired(self, template_id: str) -> None:
+        """The collection dropped a replaced deployment's template from this host: its warm pool goes too."""
+        if self.instances.pool is not None:
+            await self.instances.pool.drain(template_id)
 
     async def _template_for(self, ts: TenantStore, agent: Agent) -> TemplateRef:
         if agent.live_deployment is None:

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 
 from moorage.errors import MoorageError
 from moorage.log import get_logger
@@ -124,6 +124,10 @@ class Templates:
         self.published: Any = None
         #: The host's template collector (set by the host); a deploy asks it to run soon.
         self.gc: "TemplateGC | None" = None
+        #: Awaited with a template's id as the collection drops a replaced deployment's template: the warm pool of
+        #: it goes too (the runtime sets it). Another host of a fleet whose agent was redeployed or deleted kept
+        #: refilling forks of a template that was gone.
+        self.on_retired: Callable[[str], Awaitable[Any]] | None = None
         #: Fleet: how long a check that the deployment's claim names the cached template is trusted (one GET per
         #: provisioning otherwise, 12 ms against SeaweedFS here). Kept well under the collector's settle time
         #: (``TemplateGC`` sets it): a fork made from a template retired meanwhile names it in the store before the
@@ -480,6 +484,8 @@ class Templates:
             # Under the deployment's lock: an ensure() of it (a rollback) waits, then builds or fetches anew.
             async with self._deployment_lock(dep):
                 meta.unlink(missing_ok=True)
+                if self.on_retired is not None:
+                    await self.on_retired(ref.id)  # its pooled forks first: they map its files
                 await self._drop(ref)
             removed += 1
             log.info("template of a replaced deployment deleted from this host", deployment=dep, template=ref.id)
