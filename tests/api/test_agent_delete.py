@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from moorage.store import Store
+from moorage.store import Scope, Store
 from tests.api.conftest import aclient, agent_archive
 
 pytestmark = pytest.mark.asyncio
@@ -69,6 +69,8 @@ async def test_deleting_an_agent_forgets_all_it_kept_and_frees_its_name(live_rt,
         async with aclient(live_rt, bound) as k:
             assert (await _turn(k, "dan")).status_code == 200
         sandboxes = {rec.id for rec in ts.sandboxes.list(agent_id=NAME)}
+        # And an instance no user owns (a workflow run's without one), recorded only: it goes with the agent too.
+        ts.sandboxes.create(Scope.workflow(NAME, "run-1"), state="sleeping")
         assert len(sandboxes) >= 3 and all((runtime.driver.root / s).exists() for s in sandboxes)
         execution = f"/v1/executions/{r.json()['id']}"
         for _ in range(100):  # the async turn ends (its record stays, with its messages)
