@@ -128,7 +128,7 @@ async def test_memory_search_finds_a_sessions_turn_messages_and_prints_json(live
     assert table.exit_code == 0 and "heron" in table.stdout, table.output
 
 
-async def test_agents_lists_the_deployed_agents_with_their_live_deployment(live_rt, acme) -> None:  # noqa: F811
+async def test_agents_lists_the_deployed_agents_with_their_live_deployment(live_rt, acme, store) -> None:  # noqa: F811
     none = await moorage(live_rt, acme, "agents")
     assert none.exit_code == 0 and "no agents yet" in none.stdout and "moorage deploy" in none.stdout, none.output
     async with AsyncClient(live_rt.url, acme) as sdk:
@@ -143,6 +143,10 @@ async def test_agents_lists_the_deployed_agents_with_their_live_deployment(live_
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.stdout.splitlines() if line.startswith("│")]
     rows = {c[0]: c[1:3] for c in cells}
     assert rows == {"echo": ["#1", "2"], "web": ["#1", "1"]}, table.stdout
+    # A delete cut short leaves the agent marked: the table says so (`moorage agents delete web` finishes it).
+    store.tenant(store.authenticate(acme)).agents.mark_deleting("web")
+    table = await moorage(live_rt, acme, "agents")
+    assert "#1 (being deleted)" in table.stdout and "echo" in table.stdout, table.stdout
 
 
 async def test_ps_lists_the_tenants_instances_from_the_fleet_route(live_rt, acme) -> None:  # noqa: F811

@@ -81,5 +81,7 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
         table = Table("agent", "live", "deployments", "updated")
         for a in rows:
             live = "(none live)" if a["live_number"] is None else f"#{a['live_number']}"
+            if (a.get("config") or {}).get("deleting"):  # a delete cut short: `moorage agents delete` finishes it
+                live += " (being deleted)"
             table.add_row(escape(a["name"]), live, str(a["deployments"]), utc(a.get("updated_at")))
         print_table(console, table)
