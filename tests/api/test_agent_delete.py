@@ -68,6 +68,9 @@ async def test_deleting_an_agent_forgets_all_it_kept_and_frees_its_name(live_rt,
         read_only = ts.keys.create(["read"]).secret
         async with aclient(live_rt, bound) as k:
             assert (await _turn(k, "dan")).status_code == 200
+        issued = await c.post(f"/v1/agents/{NAME}/users/ada/tokens", json={})
+        assert issued.status_code == 201, issued.text
+        ada_token = issued.json()["token"]
         sandboxes = {rec.id for rec in ts.sandboxes.list(agent_id=NAME)}
         # And an instance no user owns (a workflow run's without one), recorded only: it goes with the agent too.
         ts.sandboxes.create(Scope.workflow(NAME, "run-1"), state="sleeping")
@@ -115,6 +118,8 @@ async def test_deleting_an_agent_forgets_all_it_kept_and_frees_its_name(live_rt,
         assert r.status_code == 201 and r.json()["number"] == 1, r.text
         assert (await _turn(c, "ada")).json()["reply"] == "echo-1: hi"
         assert (await c.get(f"/v1/agents/{NAME}/users")).json()["data"][0]["id"] == "ada"
+        async with aclient(live_rt, ada_token) as k:  # issued for the old agent's ada: not the new one's
+            assert (await _turn(k, "ada")).status_code == 401
         assert (await c.get(f"/v1/agents/{NAME}/secrets")).json()["data"] == []
         assert (await c.get(f"/v1/agents/{NAME}/webhooks")).json()["data"] == []
         assert (await c.get(f"/v1/agents/{NAME}/retention")).json()["ttl_s"] is None
