@@ -569,3 +569,41 @@ def test_killed_while_a_checkpoint_is_copied_its_hidden_copy_is_removed_at_the_n
         assert len(c.get("/v1/agents/tt/users/ada/checkpoints").json()["data"]) >= kept + 2  # m2's and this one
     # A checkpoint made whole carries no lock file of its making.
     assert not list((up.data / "sandboxes").glob("*/checkpoints/*/.making"))
+
+
+@pytest.mark.parametrize("crash_at, nth", [
+    ("moorage.runtime.operator_verbs:OperatorVerbs._forget", 2),  # one user forgotten, the others not
+    ("moorage.store.forget_agent:_forget_agent", 1),  # every user forgotten, the agent's own rows not
+])
+def test_killed_in_an_agent_delete_it_stays_marked_and_sending_it_again_finishes_it(
+        up: Up, tmp_path: Path, crash_at: str, nth: int) -> None:
+    """What docs/api.md says of ``DELETE /v1/agents/{agent}`` cut short: the agent stays marked (no turn, user or
+    deploy for it meanwhile), and the same delete sent again forgets what is left; the name is then free."""
+    up.start()
+    with up.client() as c:
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path), headers=GZ).status_code == 201
+        for user in ("ada", "bob"):
+            assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": user}).status_code == 200
+        assert c.put("/v1/agents/echo/users/cat", json={}).status_code == 201
+        instances = [s["id"] for s in c.get("/v1/sandboxes").json()["data"]]
+    assert len(instances) == 2
+    up.stop()
+    up.start(crash_at, nth=nth)
+    with up.client() as c:
+        _in_background(lambda: c.delete("/v1/agents/echo"))
+        assert up.died()
+    up.start()
+    with up.client() as c:
+        assert c.get("/v1/agents/echo").json()["config"]["deleting"]["since"] > 0
+        for r in (c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}),
+                  c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="2"), headers=GZ)):
+            assert r.status_code == 409 and "being deleted" in r.json()["detail"], r.text
+        r = c.delete("/v1/agents/echo")
+        assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+        assert r.json()["users"] == (2 if nth == 2 else 0), r.text  # the users the first delete had not reached
+        assert c.get("/v1/agents/echo").status_code == 404
+        assert c.get("/v1/sandboxes").json()["data"] == []
+        assert not any((up.data / "sandboxes" / s).exists() for s in instances)
+        assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="3"), headers=GZ).status_code == 201
+        assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo3: hi"
+        assert [u["id"] for u in c.get("/v1/agents/echo/users").json()["data"]] == ["ada"]
