@@ -173,3 +173,23 @@ async def serve_runtime(runtime: Any, config: Config) -> AsyncIterator[LiveServe
 def aclient(live: LiveServer, secret: str | None = None, **headers: str) -> httpx.AsyncClient:
     h = {"Authorization": f"Bearer {secret}"} if secret else {}
     return httpx.AsyncClient(base_url=live.url, headers={**h, **headers}, timeout=120)
+
+
+async def sse_events(c: httpx.AsyncClient, method: str, path: str, *, stop_after: int | None = None,
+                     **kw: Any) -> list[tuple[str, Any]]:
+    """The (event, data) pairs of a server-sent event stream the request answers with (200), up to ``stop_after``
+    (then the connection closes, as a caller that leaves)."""
+    import json
+
+    out: list[tuple[str, Any]] = []
+    async with c.stream(method, path, **kw) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.status_code
+        event = None
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: "):
+                out.append((str(event), json.loads(line[len("data: "):])))
+                if stop_after is not None and len(out) >= stop_after:
+                    return out
+    return out

@@ -7,14 +7,13 @@ another agent or read-only key can delete it."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from moorage.store import Scope, Store
-from tests.api.conftest import aclient, agent_archive
+from tests.api.conftest import aclient, agent_archive, sse_events
 
 pytestmark = pytest.mark.asyncio
 GZ = {"content-type": "application/gzip"}
@@ -150,18 +149,7 @@ async def test_an_agent_being_deleted_takes_no_new_turn_user_or_deploy(live_rt, 
 
 
 async def _events(c: Any, path: str, *, stop_after: int | None = None) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    async with c.stream("DELETE", path, headers={"accept": "text/event-stream"}) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.status_code
-        event = None
-        async for line in r.aiter_lines():
-            if line.startswith("event: "):
-                event = line[len("event: "):]
-            elif line.startswith("data: "):
-                out.append((str(event), json.loads(line[len("data: "):])))
-                if stop_after is not None and len(out) >= stop_after:
-                    return out
-    return out
+    return await sse_events(c, "DELETE", path, headers={"accept": "text/event-stream"}, stop_after=stop_after)
 
 
 async def test_a_streamed_delete_says_how_far_it_got_and_a_caller_that_leaves_does_not_cut_it(

@@ -5,7 +5,6 @@ template is built, then the ``deployment`` (or an ``error``); a caller that leav
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -14,25 +13,15 @@ import httpx
 import pytest
 
 from moorage.client import ApiError, AsyncClient
-from tests.api.conftest import aclient, agent_archive
+from tests.api.conftest import aclient, agent_archive, sse_events
 
 GZ = {"content-type": "application/gzip"}
 STREAM = {**GZ, "accept": "text/event-stream"}
 
 
 async def _events(c: httpx.AsyncClient, body: bytes, *, stop_after: int | None = None) -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    async with c.stream("POST", "/v1/agents/echo/deployments", content=body, headers=STREAM) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        event = None
-        async for line in r.aiter_lines():
-            if line.startswith("event: "):
-                event = line[len("event: "):]
-            elif line.startswith("data: "):
-                out.append((str(event), json.loads(line[len("data: "):])))
-                if stop_after is not None and len(out) >= stop_after:
-                    return out
-    return out
+    return await sse_events(c, "POST", "/v1/agents/echo/deployments", content=body, headers=STREAM,
+                            stop_after=stop_after)
 
 
 async def test_a_streamed_deploy_says_each_step_then_the_deployment(live_rt, acme: str, globex: str,

@@ -28,27 +28,17 @@ def register(app: typer.Typer, cfg_of: Callable[[], Any]) -> None:
                as_json: bool = typer.Option(False, "--json", help="The API's answer.")) -> None:
         """Delete AGENT and everything it kept: every end-user of it forgotten, its deployments, secrets, webhooks
         and traces; keys bound to it revoked. The name is then free for a new agent."""
-        from moorage.cli.client import sdk
-        from moorage.client.errors import ApiError
+        from moorage.cli.client import follow, sdk
 
         # The question goes to stderr: stdout holds only the answer (with --json, one JSON document).
         if not yes and not typer.confirm(f"delete agent {agent} and forget all of its users?", err=True):
             raise typer.Exit(1)
         with err_console.status(f"deleting {agent}…") as status:
-            def delete_(c: Any) -> Any:
-                # How far it got on stderr as it goes (an agent with many users takes a while).
-                for ev in c.delete_agent_stream(agent):
-                    if ev["event"] == "progress":
-                        step = str(ev["data"].get("message", ""))
-                        status.update(f"deleting {agent}: {step}…")
-                        if not err_console.is_terminal:
-                            err_console.print(f"{agent}: {step}", markup=False, highlight=False)
-                    elif ev["event"] == "deleted":
-                        return ev["data"]
-                raise ApiError("the server ended the delete's stream before it said how it went",
-                               hint=f"`moorage agents` shows whether {agent} is gone; delete it again to finish")
-
-            r = sdk(cfg_of(), delete_, hint="`moorage agents` lists them")
+            # How far it got on stderr as it goes (an agent with many users takes a while).
+            r = sdk(cfg_of(), lambda c: follow(c.delete_agent_stream(agent), status, "deleting", agent, "deleted",
+                                               hint=f"`moorage agents` shows whether {agent} is gone; delete it "
+                                                    "again to finish"),
+                    hint="`moorage agents` lists them")
         if as_json:
             print(json.dumps(r, indent=2))
         else:

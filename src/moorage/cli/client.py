@@ -14,7 +14,7 @@ import math
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, List, Optional, TypeVar
 
 import typer
 from rich.markup import escape
@@ -30,6 +30,21 @@ from moorage.errors import ConfigError, InvalidInput, MoorageError
 console = make_console()
 err_console = make_console(stderr=True)
 R = TypeVar("R")
+
+
+def follow(events: Iterable[dict[str, Any]], status: Any, doing: str, name: str, answer: str, *, hint: str) -> Any:
+    """The data of a stream's ``answer`` event (a deploy's ``deployment``, a delete's ``deleted``), its ``progress``
+    events shown on the way: on the status line (``doing name: step…``), and a line each on stderr when that is no
+    terminal (a log). A stream that ends without its answer is an error; ``hint`` says where to look."""
+    for ev in events:
+        if ev["event"] == "progress":
+            step = str(ev["data"].get("message", ""))
+            status.update(f"{doing} {name}: {step}…")
+            if not err_console.is_terminal:
+                err_console.print(f"{name}: {step}", markup=False, highlight=False)
+        elif ev["event"] == answer:
+            return ev["data"]
+    raise ApiError(f"the server ended the stream before it said how {doing} {name} went", hint=hint)
 
 
 class ApiError(MoorageError):
@@ -205,16 +220,8 @@ def register(app: typer.Typer, cfg_of: Any) -> None:
         with err_console.status(f"deploying {pkg.name}…") as status:
             def build(c: Client) -> Any:
                 # The build's steps on stderr as it goes (a first deploy with packages takes minutes under TCG).
-                for ev in c.deploy_stream(pkg.name, tar_dir(path)):
-                    if ev["event"] == "progress":
-                        step = str(ev["data"].get("message", ""))
-                        status.update(f"deploying {pkg.name}: {step}…")
-                        if not err_console.is_terminal:
-                            err_console.print(f"{pkg.name}: {step}", markup=False, highlight=False)
-                    elif ev["event"] == "deployment":
-                        return ev["data"]
-                raise ApiError("the server ended the deploy's stream before it said how the deploy went",
-                               hint=f"`moorage agents` shows whether {pkg.name} went live")
+                return follow(c.deploy_stream(pkg.name, tar_dir(path)), status, "deploying", pkg.name, "deployment",
+                              hint=f"`moorage agents` shows whether {pkg.name} went live")
 
             d = sdk(cfg_of(), build)
         _print(d, True) if as_json else console.print(f"[green]deployed[/] {pkg.name} #{d['number']} ({d['id']})")
