@@ -16,9 +16,9 @@ import time
 from typing import Any, Callable
 
 from moorage.errors import ConflictError, NotFound
-from moorage.lifecycle.errors import Misplaced
-from moorage.lifecycle.forget import Release, take_to_forget
+from moorage.lifecycle.forget import Release
 from moorage.log import get_logger
+from moorage.runtime.exec_jobs import ExecJobs
 from moorage.store import Principal, TenantStore
 from moorage.store.forget_agent import InstancesLeft, forget_agent, users_of
 from moorage.usage import tenant_cap
@@ -40,10 +40,10 @@ class AgentDeletion:
     store: Any
     instances: Any
     templates: Any
-    driver: Any
     _memories: dict[str, Any]
     _forget: Any
     _let_go: Any
+    _destroy_instance: Any
 
     async def delete_agent(self, principal: Principal, name: str, *, release: Release | None = None,
                            on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -113,21 +113,9 @@ class AgentDeletion:
         return sorted(users), [r for r in recs if r.scope.user is None]
 
     async def _drop_instance(self, ts: TenantStore, rec: Any, release: Release | None) -> int:
-        """Destroy one instance no user owns, as a forget does each of a user's (lifecycle/forget.py)."""
-        try:
-            await self.instances.sleep(ts, rec.scope, reason="forget")
-        except Misplaced:
-            if release is None:
-                raise
-        if await take_to_forget(self.instances, ts, rec, release) is None:
-            return 0
-        try:
-            await (await self.driver.open(rec.id)).destroy()
-        except Exception as e:  # noqa: BLE001 - not on this host
-            log.info("sandbox not on this host while deleting its agent", sandbox=rec.id, error=str(e))
-        if self.instances.fleet is not None:
-            await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
-        self.instances.forget(ts.tenant_id, rec.scope)
+        """Destroy one instance no user owns as a forget does each of a user's, then its record and scope."""
+        await self._destroy_instance(ts, rec, release)
+        ExecJobs.of(self).forget({rec.id})
         await asyncio.to_thread(_delete_record, ts, rec)
         return 1
 

@@ -160,22 +160,7 @@ class OperatorVerbs:
         async with self._held_to_forget(ts, agent, user, recs):
             recs = await self._instances_of_user(ts, agent, user)  # one a turn that ran first provisioned
             for rec in recs:
-                try:
-                    await self.instances.sleep(ts, rec.scope, reason="forget")
-                except Misplaced:
-                    if release is None:
-                        raise  # the forget goes to the host that holds it
-                    # held by another host: take_to_forget has it stopped there first
-                # No other host wakes it now (docs/fleet.md).
-                await take_to_forget(self.instances, ts, rec, release)
-                try:
-                    sb = await self.driver.open(rec.id)
-                    await sb.destroy()
-                except Exception as e:  # already gone on this host
-                    log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
-                if self.instances.fleet is not None:  # its shipped snapshots in the object store
-                    await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
-                self.instances.forget(ts.tenant_id, rec.scope)
+                await self._destroy_instance(ts, rec, release)
             ExecJobs.of(self).forget({rec.id for rec in recs})  # their detached execs' output held here
             removed = await self.templates.delete_forks(ts.tenant_id, agent, user)  # snapshots of their instances
             removed += await self.timetravel.forget(ts, agent, user)  # their checkpoints (purged with the rest below)
@@ -186,6 +171,26 @@ class OperatorVerbs:
             self._memories.pop(ts.tenant_id, None)  # drop cached vectors of the forgotten user
             tenant_cap.levels(ts).freed(ts.tenant_id)  # room under the tenant's storage ceiling from its next write
         return removed + len(recs), deleted
+
+    async def _destroy_instance(self, ts: TenantStore, rec: Any, release: Release | None) -> None:
+        """Put a forgotten instance to sleep, take it (from the host that holds it, with ``release``), destroy its
+        sandbox here and its shipped snapshots; its record goes with its scope's rows, after."""
+        try:
+            await self.instances.sleep(ts, rec.scope, reason="forget")
+        except Misplaced:
+            if release is None:
+                raise  # the forget goes to the host that holds it
+            # held by another host: take_to_forget has it stopped there first
+        # No other host wakes it now (docs/fleet.md).
+        await take_to_forget(self.instances, ts, rec, release)
+        try:
+            sb = await self.driver.open(rec.id)
+            await sb.destroy()
+        except Exception as e:  # already gone on this host
+            log.info("sandbox not on this host while forgetting", sandbox=rec.id, error=str(e))
+        if self.instances.fleet is not None:  # its shipped snapshots in the object store
+            await asyncio.to_thread(self.instances.fleet.delete_instance, ts.tenant_id, rec)
+        self.instances.forget(ts.tenant_id, rec.scope)
 
     async def _instances_of_user(self, ts: TenantStore, agent: str, user: str) -> list[Any]:
         return await asyncio.to_thread(ts.sandboxes.of_user, agent, user)
