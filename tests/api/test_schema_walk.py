@@ -258,8 +258,11 @@ async def test_every_operation_answers_as_documented(live_rt, store, acme: str, 
         await w(anon, "GET", "/readyz")
         tenant = (await w(op, "POST", "/v1/tenants", json={"name": "walkers"})).json()
         assert tenant["api_key"]["secret"]
+        assert (await w(op, "GET", "/v1/tenants/walkers/limits")).json()["limits"] == {}  # none of its own yet
         await w(op, "PUT", "/v1/tenants/walkers/limits", json={"storage_mib": 256})
         assert (await w(op, "GET", "/v1/tenants/walkers/limits")).json()["storage_mib"] == 256
+        assert "walkers" in [t["name"] for t in (await w(op, "GET", "/v1/tenants")).json()["data"]]
+        assert (await w(op, "DELETE", "/v1/tenants/walkers")).json()["deleted"] is True
 
     async with aclient(live_rt, acme) as c:
         # Keys.

@@ -38,7 +38,7 @@ ONE_THING = {
     "fork", "forget", "trace", "usage", "share", "memory eval", "memory confirm", "memory reject", "checkpoints take",
     "checkpoints rollback", "checkpoints fork", "image build", "llm chat", "store info", "store sweep",
     "store create-tenant", "store tenant-limits", "cost simulate", "cost prices", "deployments delete",
-    "agents delete",
+    "agents delete", "store delete-tenant",
 }
 
 

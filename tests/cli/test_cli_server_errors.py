@@ -31,7 +31,7 @@ LOCAL = {
     "backup", "bench", "cost prices", "cost simulate", "cost trace generate", "cost trace scenarios", "doctor",
     "host", "host drain", "hosts", "hosts drain", "image build", "image list", "image prune", "llm chat",
     "llm providers", "memory eval", "memory eval generate", "memory facts", "memory search", "secrets rotate-key",
-    "store create-tenant", "store info", "store migrate", "store sweep", "store tenant-limits", "store tenants", "up",
+    "store create-tenant", "store delete-tenant", "store info", "store migrate", "store sweep", "store tenant-limits", "store tenants", "up",
     "version",
 }
 

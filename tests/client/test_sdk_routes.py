@@ -17,8 +17,10 @@ from moorage.store import open_store
 #: Routes that are not a backend's to call through the SDK, and why.
 NOT_IN_SDK = {
     ("POST", "/v1/tenants"): "the operator's (`moorage store`/`moorage up`), with the operator token",
+    ("GET", "/v1/tenants"): "the operator's (`moorage store tenants`), with the operator token",
     ("GET", "/v1/tenants/{tenant}/limits"): "the operator's (`moorage store tenant-limits`), with the operator token",
     ("PUT", "/v1/tenants/{tenant}/limits"): "the operator's (`moorage store tenant-limits`), with the operator token",
+    ("DELETE", "/v1/tenants/{tenant}"): "the operator's (`moorage store delete-tenant`), with the operator token",
     ("POST", "/v1/chat/completions"): "for OpenAI clients (docs/api.md)",
     ("GET", "/v1/models"): "for OpenAI clients",
     ("POST", "/mcp"): "for MCP clients",

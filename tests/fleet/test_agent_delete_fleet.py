@@ -1,7 +1,8 @@
-"""Deleting a whole agent (DELETE /v1/agents/{agent}) in a fleet of two `moorage up` hosts (PostgreSQL, SeaweedFS),
-through the host that holds none of its instances: the other host is asked to let go of the ones it holds awake
-(a turn running there is cancelled), each instance is taken and destroyed, its shipped snapshots leave the bucket
-and its copies every host's disk, and no host serves the agent afterwards; the name is then free on every host."""
+"""Deleting a whole agent (DELETE /v1/agents/{agent}), or a whole tenant (DELETE /v1/tenants/{tenant}), in a fleet
+of two `moorage up` hosts (PostgreSQL, SeaweedFS), through the host that holds none of its instances: the other host
+is asked to let go of the ones it holds awake (a turn running there is cancelled), each instance is taken and
+destroyed, its shipped snapshots leave the bucket and its copies every host's disk, and no host serves the agent
+(or takes the tenant's keys) afterwards; the name is then free on every host."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Iterator
 import pytest
 
 from moorage.cli.up import tar_dir
+from moorage.config import Config
+from moorage.store import open_store
+from tests.api.test_tenant_delete import tenant_left
 from tests.fleet.harness import Fleet, put_to_sleep, replied, until
 from tests.fleet.test_forget_fleet import _objects_of, _running
 
@@ -35,15 +39,21 @@ def fleet(tmp_path: Path, pg_url: str, s3: dict[str, str]) -> Iterator[Fleet]:
         f.close()
 
 
-def test_an_agent_deleted_through_another_host_leaves_every_host_and_the_bucket(
-        fleet: Fleet, seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
-    f = fleet
-    assert replied(f.turn(0, "ada")) == "1: hi"                  # awake on h1
+def _ada_awake_on_h1_bob_shipped(f: Fleet, seaweedfs, s3_bucket: str, s3: dict[str, str]) -> dict:  # noqa: ANN001
+    """ada awake on h1 (shipped while awake), bob asleep and shipped; their records."""
+    assert replied(f.turn(0, "ada")) == "1: hi"
     assert replied(f.turn(0, "bob")) == "1: hi"
-    put_to_sleep(f, "bob")                                       # asleep, shipped
+    put_to_sleep(f, "bob")
     recs = f.records()
     assert recs["ada"].host == "h1" and recs["bob"].state == "sleeping"
     until(lambda: _objects_of(seaweedfs, s3_bucket, s3, recs["ada"].id), "ada shipped while awake", 30)
+    return recs
+
+
+def test_an_agent_deleted_through_another_host_leaves_every_host_and_the_bucket(
+        fleet: Fleet, seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f = fleet
+    recs = _ada_awake_on_h1_bob_shipped(f, seaweedfs, s3_bucket, s3)
     assert _objects_of(seaweedfs, s3_bucket, s3, recs["bob"].id)
 
     with ThreadPoolExecutor(1) as pool:
@@ -69,6 +79,38 @@ def test_an_agent_deleted_through_another_host_leaves_every_host_and_the_bucket(
 
     f.deploy()                                                   # the name is free: a new agent, empty
     assert replied(f.turn(1, "ada")) == "1: hi"
+
+
+def test_a_tenant_deleted_through_another_host_leaves_every_host_the_bucket_and_the_store(
+        fleet: Fleet, seaweedfs, s3_bucket, s3: dict[str, str]) -> None:  # noqa: ANN001
+    f = fleet
+    recs = _ada_awake_on_h1_bob_shipped(f, seaweedfs, s3_bucket, s3)
+    store = open_store(Config(store_url=f.store_url))
+    (tenant,) = store.operator.list_tenants()
+    operator = (f.hosts[1].data / "api" / "operator-token").read_text().strip()
+
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(f.turn, 0, "ada", "slow")            # 4 s on h1
+        until(lambda: _running(f, "ada"), "the slow turn runs", timeout_s=30, every_s=0.1)
+        r = f.hosts[1].client(operator).delete(f"/v1/tenants/{tenant.name}")
+        assert r.status_code == 200, r.text
+        assert r.json()["deleted"] is True and r.json()["agents"] == 1 and r.json()["users"] == 2, r.text
+        turn = slow.result(timeout=60)
+    assert turn.status_code in (401, 409), turn.text            # cancelled: its tenant is gone
+
+    try:
+        assert store.operator.list_tenants() == [] and store.backend.list_api_keys(tenant.id) == []
+        assert tenant_left(store, tenant.id) == {}               # no row of it in any table
+    finally:
+        store.close()
+    for via in (0, 1):
+        assert f.api[via].get("/v1/agents").status_code == 401  # its key, on every host
+    time.sleep(3)  # a shipment after the turn would have reached the bucket by now
+    prefix = s3["object_store_url"].split("/", 3)[3]
+    left = seaweedfs.client().list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/instances/{tenant.id}/")
+    assert left.get("Contents", []) == []
+    until(lambda: not any((h.data / "sandboxes" / recs[u].id).exists() for h in f.hosts for u in ("ada", "bob")),
+          "no host's disk keeps their instances", 30)
 
 
 POOLED = 'async def on_message(ctx, message):\n    return "{v}: " + message\n'

@@ -607,3 +607,42 @@ def test_killed_in_an_agent_delete_it_stays_marked_and_sending_it_again_finishes
         assert c.post("/v1/agents/echo/deployments", content=agent_archive(tmp_path, version="3"), headers=GZ).status_code == 201
         assert c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "ada"}).json()["reply"] == "echo3: hi"
         assert [u["id"] for u in c.get("/v1/agents/echo/users").json()["data"]] == ["ada"]
+
+
+@pytest.mark.parametrize("crash_at, nth", [
+    ("moorage.runtime.agent_delete:AgentDeletion.delete_agent", 2),  # one agent deleted, the other not
+    ("moorage.store.base:Backend.delete_tenant", 1),  # every agent deleted, the tenant's store and row not
+])
+def test_killed_in_a_tenant_delete_it_stays_marked_and_sending_it_again_finishes_it(
+        up: Up, tmp_path: Path, crash_at: str, nth: int) -> None:
+    """What docs/api.md says of ``DELETE /v1/tenants/{tenant}`` cut short: the tenant stays marked, its keys revoked
+    (nothing gets in meanwhile), and the same delete sent again finishes it; the next start makes a new local
+    tenant, empty."""
+    up.start()
+    with up.client() as c:
+        for agent in ("echo", "helper"):
+            r = c.post(f"/v1/agents/{agent}/deployments", content=agent_archive(tmp_path, agent), headers=GZ)
+            assert r.status_code == 201, r.text
+            assert c.post(f"/v1/agents/{agent}/invoke", json={"message": "hi", "user": "ada"}).status_code == 200
+        instances = [s["id"] for s in c.get("/v1/sandboxes").json()["data"]]
+    assert len(instances) == 2
+    up.stop()
+    up.start(crash_at, nth=nth)
+    op = httpx.Client(base_url=up.url, timeout=60,
+                      headers={"Authorization": f"Bearer {(up.data / 'api' / 'operator-token').read_text().strip()}"})
+    _in_background(lambda: op.delete("/v1/tenants/local"))
+    assert up.died()
+    up.start()
+    op = httpx.Client(base_url=up.url, timeout=60, headers=op.headers)
+    with up.client() as c:
+        assert c.get("/v1/agents").status_code == 401  # its keys were revoked before anything else
+    assert op.get("/v1/tenants/local/limits").status_code == 200  # still there, marked
+    r = op.delete("/v1/tenants/local")
+    assert r.status_code == 200 and r.json()["deleted"] is True, r.text
+    assert r.json()["agents"] == (1 if nth == 2 else 0), r.text  # the agents the first delete had not reached
+    assert op.get("/v1/tenants/local/limits").status_code == 404
+    assert not any((up.data / "sandboxes" / s).exists() for s in instances)
+    up.stop()
+    up.start()
+    with up.client() as c:
+        assert c.get("/v1/agents").json()["data"] == []

@@ -43,7 +43,9 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                     "retry_after": NUM, "current_version": INT,
                     "error": obj({"message": STR, "type": STR, "code": STR, "param": {"type": "null"}})},
                    ["type", "title", "status", "detail"]),
-    "Tenant": obj({"id": STR, "name": STR, "created_at": NUM}),
+    # limits and deleting_since: in the operator's listing (GET /v1/tenants), not in what POST /v1/tenants answers.
+    "Tenant": obj({"id": STR, "name": STR, "created_at": NUM, "limits": obj({"storage_mib": NUM}, required=[]),
+                   "deleting_since": NNUM}, required=["id", "name", "created_at"]),
     # agent: the one agent a key is limited to (null: every agent of the tenant).
     "ApiKey": obj({"id": STR, "scopes": {"type": "array", "items": STR}, "label": STR, "agent": NSTR,
                    "created_at": NUM, "revoked_at": NNUM, "secret": NSTR},
@@ -101,6 +103,8 @@ COMPONENTS: dict[str, dict[str, Any]] = {
                        "interrupt": ANY, "trace_id": NSTR, "run_id": NSTR, "usage": OBJ}),
     "Forgotten": obj({"agent": STR, "user": STR, "removed": INT, "deleted": {"type": "boolean"}}),
     "AgentDeleted": obj({"agent": STR, "deleted": {"type": "boolean"}, "users": INT, "removed": INT}),
+    "TenantDeleted": obj({"tenant": obj({"id": STR, "name": STR}), "deleted": {"type": "boolean"}, "agents": INT,
+                          "users": INT, "removed": INT, "keys_revoked": INT}),
     # A JSON-RPC 2.0 message to the MCP server (docs/mcp.md): a request (with an id) or a notification (without;
     # answered 202 with no body), or a batch of them. ``method`` is an MCP method: initialize, tools/list,
     # tools/call, notifications/initialized, ...

@@ -122,6 +122,25 @@ def sdk(cfg: Config, use: Callable[[Client], R], *, hint: Optional[str] = None) 
         raise ApiError(e.message, status=e.status, hint=hint) from None
 
 
+def operator_stream(cfg: Config, method: str, path: str, answer: str) -> Iterator[dict[str, Any]]:
+    """The events of an operator route's streamed answer (``?stream=true``), sent with the operator token of this
+    machine's ``moorage up`` (``<data_dir>/api/operator-token``: never sent to a server elsewhere)."""
+    from moorage.client import _transport as tr
+    from moorage.client._api import Request
+
+    url, origin = server(cfg)
+    token = cfg.data_dir / "api" / "operator-token"
+    if not on_this_machine(url, cfg.data_dir):
+        raise ConfigError(f"{url} is not a server on this machine",
+                          hint="run the command on the moorage host (the operator token stays there)")
+    if not token.exists():
+        raise ConfigError("no operator token", hint=f"run `moorage up` once to create {token}")
+    with Client(url, token.read_text().strip()) as c, _translated():
+        c.settings = dataclasses.replace(c.settings, url_from=origin)
+        yield from c._events(tr.prepare(Request(method, path, {"stream": "true"},
+                                                headers={"accept": "text/event-stream"})), answer_as=answer)
+
+
 def _pairs(items: list[str]) -> dict[str, str]:
     """``--meta KEY=VALUE`` options as a dict; one without ``=`` (or without a key) is an error, not dropped."""
     bad = [m for m in items if "=" not in m or not m.split("=", 1)[0]]

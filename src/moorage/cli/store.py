@@ -106,6 +106,31 @@ def create_tenant(name: str,
         console.print(f"tenant {t.name} ({t.id})\nadmin key: {key.secret}\n[dim]store it now: it is not shown again[/]")
 
 
+@app.command("delete-tenant")
+def delete_tenant(name: str = typer.Argument(..., help="The tenant's name or id."),
+                  yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+                  as_json: bool = typer.Option(False, "--json", help="The API's answer.")) -> None:
+    """Delete a tenant and everything it has: its keys (and the end-user tokens they issued), agents, end-users,
+    instances and store. Asks the `moorage up` of this data directory (DELETE /v1/tenants/NAME, with the operator
+    token), which stops its instances; progress on stderr."""
+    from urllib.parse import quote
+
+    from moorage.cli.client import follow, operator_stream
+    from moorage.cli.main import state
+
+    if not yes and not typer.confirm(f"delete tenant {name} with all of its agents, users and keys?", err=True):
+        raise typer.Exit(1)
+    with err_console.status(f"deleting {name}…") as status:
+        events = operator_stream(state.cfg, "DELETE", f"/v1/tenants/{quote(name, safe='')}", "deleted")
+        r = follow(events, status, "deleting", name, "deleted",
+                   hint="`moorage store tenants` shows whether it is gone; delete it again to finish")
+    if as_json:
+        print(json.dumps(r, indent=2))
+    else:
+        console.print(f"deleted tenant {r['tenant']['name']} ({r['tenant']['id']}): agents {r['agents']}, "
+                      f"end-users forgotten {r['users']}, keys revoked {r['keys_revoked']}", highlight=False)
+
+
 @app.command("tenants")
 def tenants(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List tenants, with the limits the operator gave each (``tenant-limits``)."""
@@ -114,12 +139,13 @@ def tenants(as_json: bool = typer.Option(False, "--json", help="Machine-readable
         with _store() as s:
             rows = [(t, s.operator.tenant_limits(t.id)) for t in s.operator.list_tenants()]
     if as_json:
-        print(json.dumps({"data": [{"id": t.id, "name": t.name, "created_at": t.created_at, "limits": limits}
-                                   for t, limits in rows]}))
+        print(json.dumps({"data": [{"id": t.id, "name": t.name, "created_at": t.created_at, "limits": limits,
+                                    "deleting_since": t.deleting_since} for t, limits in rows]}))
     else:
         for t, limits in rows:
             own = "  ".join(f"{k}={v:g}" for k, v in sorted(limits.items()))
-            console.print(f"{t.name}\t{t.id}" + (f"\t{own}" if own else ""), highlight=False)
+            gone = "\t(being deleted: `moorage store delete-tenant` finishes it)" if t.deleting_since else ""
+            console.print(f"{t.name}\t{t.id}" + (f"\t{own}" if own else "") + gone, highlight=False)
 
 
 @app.command("tenant-limits")

@@ -46,18 +46,29 @@ def admin_key_path(cfg: Config) -> Path:
 
 
 def ensure_local_tenant(host: object, cfg: Config) -> str:
-    """The local tenant's admin key, creating tenant and key on the first start."""
+    """The local tenant's admin key, creating tenant and key on the first start, and again after the operator
+    deleted the local tenant (``moorage store delete-tenant local``: the key written before is a dead one)."""
     path = admin_key_path(cfg)
-    if path.exists():
-        return path.read_text().strip()
     store = host.store  # type: ignore[attr-defined]
-    from moorage.errors import NotFound
+    from moorage.errors import ConflictError, NotFound
 
+    if path.exists():
+        try:
+            store.operator.get_tenant(LOCAL_TENANT)
+            return path.read_text().strip()
+        except NotFound:
+            log.info("the local tenant was deleted: making a new one", key_file=str(path))
+        except Exception:  # noqa: BLE001 - the store cannot say now (it is down): the key written before stands
+            return path.read_text().strip()
     try:
         tenant = store.operator.get_tenant(LOCAL_TENANT)
         key = store.backend.create_api_key(tenant.id, ["admin"], "moorage up (replacement local key)")
     except NotFound:
-        _, key = store.operator.create_tenant(LOCAL_TENANT)
+        try:
+            _, key = store.operator.create_tenant(LOCAL_TENANT)
+        except ConflictError:  # another host of the fleet made it first
+            key = store.backend.create_api_key(store.operator.get_tenant(LOCAL_TENANT).id, ["admin"],
+                                               "moorage up (replacement local key)")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key.secret + "\n")

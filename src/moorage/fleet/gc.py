@@ -91,11 +91,13 @@ def template_use(store: "Store", *, grace_s: float, now: float | None = None) ->
     tenants: set[str] = set()
     for ts in store.operator.tenants():
         # The objects under ``instances/`` of a tenant not listed here are never collected (``collect_instances``),
-        # on purpose. moorage never removes a tenant: no command or route does (``Operator.delete_tenant`` is a
-        # library call, for tests), and a fleet's store is PostgreSQL, which the online backup refuses. A tenant
-        # missing here went from outside moorage: the database restored from a dump older than the tenant (the
-        # objects are then the only copy of its users' sandboxes), its rows deleted by hand, or another
-        # installation shipping to the same bucket and prefix (they are its live instances). None says garbage.
+        # on purpose. moorage removes a tenant only through ``DELETE /v1/tenants/{tenant}``
+        # (runtime/tenant_delete.py), which deletes the objects under its prefix itself before its row goes (a
+        # delete cut short leaves the row, marked, and is finished by sending it again), and a fleet's store is
+        # PostgreSQL, which the online backup refuses. A tenant missing here otherwise went from outside moorage:
+        # the database restored from a dump older than the tenant (the objects are then the only copy of its users'
+        # sandboxes), its rows deleted by hand, or another installation shipping to the same bucket and prefix
+        # (they are its live instances). None says garbage.
         tenants.add(ts.tenant_id)
         deployments.update(str(r[0]) for r in ts.read("SELECT live_deployment FROM agents WHERE live_deployment IS NOT NULL"))
         deployments.update(str(r[0]) for r in ts.read("SELECT id FROM deployments WHERE created_at > ?", (now - grace_s,)))

@@ -112,11 +112,17 @@ class AdminSocket:
         if self._backup.locked():
             raise ConflictError("an online backup of this host is already running",
                                 hint="wait for it to finish, then take another")
+        runtime = self.host.runtime
+        if runtime.deleting_tenants:  # it removes a tenant's store and instances the backup would copy
+            raise ConflictError(f"tenant {sorted(runtime.deleting_tenants)[0]} is being deleted on this host",
+                                hint="take the backup once the delete is done")
         async with self._backup:
             self._running = asyncio.current_task()
+            runtime.backing_up = True
             try:
                 return await OnlineBackup(self.host, dest, send).run()
             finally:
+                runtime.backing_up = False
                 self._running = None
 
     @staticmethod

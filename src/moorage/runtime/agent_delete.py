@@ -74,7 +74,8 @@ class AgentDeletion:
             await self._drain_pools(ts, agent)
             # Before the agent goes: a delete cut short after it must not leave keys that would reach a new agent
             # of the same name.
-            revoked += await asyncio.to_thread(self._revoke_bound_keys, ts, agent.name)
+            revoked += await asyncio.to_thread(revoke_keys, ts._backend, ts.tenant_id,
+                                               lambda k, name=agent.name: k.agent == name)
             say("deleting what the agent kept, its deployments and the agent")
             try:
                 removed += await asyncio.to_thread(forget_agent, ts, agent)
@@ -129,16 +130,18 @@ class AgentDeletion:
             if ref is not None:
                 await pool.drain(ref.id)
 
-    @staticmethod
-    def _revoke_bound_keys(ts: TenantStore, agent: str) -> int:
-        """Revoke the tenant's keys bound to ``agent`` not revoked yet; how many. Blocking."""
-        keys = [k for k in ts._backend.list_api_keys(ts.tenant_id) if k.agent == agent and k.revoked_at is None]
-        for k in keys:
-            try:
-                ts._backend.revoke_api_key(ts.tenant_id, k.id)
-            except NotFound:
-                continue
-        return len(keys)
+
+
+def revoke_keys(backend: Any, tenant_id: str, which: Callable[[Any], bool]) -> int:
+    """Revoke the tenant's keys ``which`` picks that are not revoked yet (end-user tokens die with the key that
+    issued them); how many. Blocking."""
+    keys = [k for k in backend.list_api_keys(tenant_id) if k.revoked_at is None and which(k)]
+    for k in keys:
+        try:
+            backend.revoke_api_key(tenant_id, k.id)
+        except NotFound:
+            continue
+    return len(keys)
 
 
 def _delete_record(ts: TenantStore, rec: Any) -> None:

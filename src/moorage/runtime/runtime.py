@@ -27,6 +27,7 @@ from moorage.runtime.host_calls import TurnBinding
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.router import Router
 from moorage.runtime.agent_delete import AgentDeletion
+from moorage.runtime.tenant_delete import TenantDeletion
 from moorage.runtime.deployments import Deployments
 from moorage.runtime.operator_verbs import OperatorVerbs
 from moorage.runtime.private_files import private_dir
@@ -65,7 +66,7 @@ def _unheard(task: "asyncio.Task[Any]") -> None:
         log.warning("a turn whose caller had left failed", task=task.get_name(), error=f"{type(e).__name__}: {e}")
 
 
-class Runtime(Deployments, AgentDeletion, OperatorVerbs, TurnExecution, TurnMemory):
+class Runtime(Deployments, AgentDeletion, TenantDeletion, OperatorVerbs, TurnExecution, TurnMemory):
     def __init__(self, config: Config, store: Store, driver: SandboxDriver, llm: LLMGateway,
                  instances: InstanceManager, *, embedder: Any = None) -> None:
         self.config = config
@@ -93,6 +94,8 @@ class Runtime(Deployments, AgentDeletion, OperatorVerbs, TurnExecution, TurnMemo
         #: Working memory of turns in progress (turn id -> state, version read): written with the turn's result.
         self._working: dict[str, tuple[Any, int]] = {}
         self._memories: dict[str, _Memory] = {}
+        self.backing_up = False  # runtime/tenant_delete.py: an online backup and a tenant delete exclude each other
+        self.deleting_tenants: set[str] = set()
         self._loaded: dict[str, str] = {}  # sandbox id -> deployment id loaded in it (this process's view)
         #: Set as the host's stop begins (``Host.stopping``): answers with no end of their own (an agent app's
         #: event stream) end then, rather than hold the server's graceful stop.

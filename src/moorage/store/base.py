@@ -27,6 +27,10 @@ _TENANT_ID = re.compile(r"^[0-9a-f]{32}$")
 KEY_PREFIX = "mrg_"
 
 
+#: A ``Tenant``'s columns, in its fields' order.
+_TENANT_COLUMNS = "id, name, created_at, version, deleting_since"
+
+
 def check_tenant_id(tenant_id: str) -> str:
     if not isinstance(tenant_id, str) or not _TENANT_ID.fullmatch(tenant_id):
         raise TenantScopeError(f"invalid tenant id {tenant_id!r}")
@@ -123,7 +127,7 @@ class Backend(ABC):
 
     def get_tenant(self, name_or_id: str) -> Tenant:
         with self.control_tx() as c:
-            r = c.one("SELECT id, name, created_at, version FROM tenants WHERE id = ? OR name = ?", (name_or_id, name_or_id))
+            r = c.one(f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE id = ? OR name = ?", (name_or_id, name_or_id))
         if r is None:
             raise NotFound(f"no tenant {name_or_id!r}", hint="`moorage store tenants` lists them; create one with "
                                                                "`moorage store create-tenant NAME`")
@@ -145,7 +149,13 @@ class Backend(ABC):
 
     def list_tenants(self) -> list[Tenant]:
         with self.control_tx() as c:
-            return [Tenant(*r) for r in c.q("SELECT id, name, created_at, version FROM tenants ORDER BY name")]
+            return [Tenant(*r) for r in c.q(f"SELECT {_TENANT_COLUMNS} FROM tenants ORDER BY name")]
+
+    def mark_tenant_deleting(self, tenant_id: str) -> Tenant:
+        """Record that the tenant's deletion began (kept from the first mark: a delete sent again finishes it)."""
+        with self.control_tx() as c:
+            c.x("UPDATE tenants SET deleting_since = COALESCE(deleting_since, ?) WHERE id = ?", (time.time(), tenant_id))
+        return self.get_tenant(tenant_id)
 
     def delete_tenant(self, tenant_id: str) -> None:
         check_tenant_id(tenant_id)
@@ -166,8 +176,13 @@ class Backend(ABC):
         key = ApiKey(uuid.uuid4().hex[:16], tenant_id, sc, label, time.time(), None, secret, agent)
         stored = ",".join(sorted(sc)) + ("" if agent is None else f",{AGENT_SCOPE_PREFIX}{agent}")
         with self.control_tx() as c:
-            if not c.one("SELECT 1 FROM tenants WHERE id = ?", (tenant_id,)):
+            tenant = c.one("SELECT deleting_since FROM tenants WHERE id = ?", (tenant_id,))
+            if not tenant:
                 raise NotFound(f"no tenant {tenant_id!r}")
+            if tenant[0] is not None:
+                from moorage.errors import ConflictError
+
+                raise ConflictError(f"tenant {tenant_id!r} is being deleted", hint="its keys were revoked with it")
             c.x(
                 "INSERT INTO api_keys (id, tenant_id, key_hash, scopes, label, created_at, revoked_at) VALUES (?, ?, ?, ?, ?, ?, NULL)",
                 (key.id, tenant_id, hash_key(secret), stored, label, key.created_at),

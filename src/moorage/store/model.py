@@ -166,6 +166,8 @@ class Tenant:
     name: str
     created_at: float
     version: int
+    #: When its deletion began (``DELETE /v1/tenants/{tenant}``); None: it is not being deleted.
+    deleting_since: float | None = None
 
 
 @dataclass(frozen=True)

@@ -962,6 +962,13 @@ CONTROL_MIGRATIONS: tuple[Migration, ...] = (
         # Older hosts name the columns they read and write: they apply the operator's default to every tenant.
         older_may_serve=True,
     ),
+    Migration(
+        5,
+        "tenants: when a tenant's deletion began (DELETE /v1/tenants/{tenant}; runtime/tenant_delete.py)",
+        statements=("ALTER TABLE tenants ADD COLUMN deleting_since {real}",),
+        # Older hosts name the columns they read: a tenant being deleted is one more tenant to them.
+        older_may_serve=True,
+    ),
 )
 
 LATEST_TENANT_VERSION = TENANT_MIGRATIONS[-1].version

@@ -171,6 +171,11 @@ class TenantLevels:
         with m.lock:
             m.at = float("-inf")
 
+    def dropped(self, tenant_id: str) -> None:
+        """The tenant was deleted: its measures go."""
+        with self._lock:
+            self._m.pop(tenant_id, None)
+
     async def admit(self, ts: "TenantStore", ceiling_mib: float, nbytes: int, what: str) -> None:
         """Let ``what`` keep ``nbytes`` more for the tenant, or raise ``TenantStorageExceeded``."""
         cap = int(ceiling_mib * MIB)

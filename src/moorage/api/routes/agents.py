@@ -7,24 +7,19 @@ built (201), or streams the build's progress (``Accept: text/event-stream`` / ``
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from moorage.api import schemas as S
-from moorage.api.invoke_shared import wants_stream
+from moorage.api.detached import detached
 from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.routes._common import PAGE, agent_of, releaser
 from moorage.api.routing import Call, Endpoint, Param, Reply
-from moorage.api.sse import error_payload, event_stream, frame
 from moorage.errors import InvalidInput, NotFound
 from moorage.fleet.forward import LET_GO, forwarded
-from moorage.log import get_logger
 from moorage.lifecycle.config import AgentLifecycle
 from moorage.store.model import check_id
-
-log = get_logger(__name__)
 
 #: Agent packages are source trees, not images: 64 MiB is generous and bounds memory per request.
 DEPLOY_BODY_LIMIT = 64 << 20
@@ -59,59 +54,9 @@ async def deploy(call: Call) -> Reply:
     if pkg.name != name:
         raise InvalidInput(f"the package is agent {pkg.name!r}, not {name!r}",
                            hint=f"deploy it to /v1/agents/{pkg.name}/deployments or fix [agent] name in moorage.toml")
-    return await _detached(call, f"deploy-{name}",
-                           lambda progress: runtime.deploy(call.who, call.body, on_progress=progress),
-                           "deployment", S.deployment, 201)
-
-
-async def _detached(call: Call, name: str, start: Callable[[Callable[[str], None]], Awaitable[Any]], event: str,
-                    body: Callable[[Any], dict[str, Any]], status: int) -> Reply:
-    """Long work (a build, an agent's deletion) that runs on its own: a caller that leaves (or whose credential ends
-    meanwhile) does not cut it in the middle. Answered as JSON once it is done (``status``, ``body(result)``), or,
-    with ``Accept: text/event-stream`` (``?stream=true``), as ``progress`` events ({message}) as it goes and then
-    ``event`` with the same body (or ``error``, a problem)."""
-    loop = asyncio.get_running_loop()
-    said: asyncio.Queue[str] = asyncio.Queue()
-    work = loop.create_task(start(lambda m: loop.call_soon_threadsafe(said.put_nowait, str(m))), name=name)
-    _running.add(work)
-    work.add_done_callback(_settled)
-    if not wants_stream(call):
-        return Reply(body(await asyncio.shield(work)), status)
-
-    async def frames() -> AsyncIterator[bytes]:
-        step: asyncio.Task[str] | None = None
-        try:
-            while not work.done():
-                step = loop.create_task(said.get())
-                await asyncio.wait({step, work}, return_when=asyncio.FIRST_COMPLETED)
-                if step.done():
-                    message, step = step.result(), None
-                    yield frame("progress", {"message": message})
-            while not said.empty():
-                yield frame("progress", {"message": said.get_nowait()})
-            yield frame(event, body(work.result()))
-        except Exception as e:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            yield frame("error", error_payload(e, call.trace_id))
-        finally:
-            if step is not None:
-                step.cancel()
-
-    async def answer() -> Reply:  # the JSON answer the work ends with: an Idempotency-Key's to replay
-        return Reply(body(await asyncio.shield(work)), status)
-
-    response = event_stream(frames(), call.trace_id, keepalive_s=call.ctx.config.sse_keepalive_s)
-    response.settles = answer  # type: ignore[attr-defined]
-    return response
-
-
-#: Builds and deletions running (a reference each, until they end: a caller that left does not own them).
-_running: set[asyncio.Task[Any]] = set()
-
-
-def _settled(work: asyncio.Task[Any]) -> None:
-    _running.discard(work)
-    if not work.cancelled() and work.exception() is not None:  # its caller, if still there, was told
-        log.info("long work failed", work=work.get_name(), error=str(work.exception()))
+    return await detached(call, f"deploy-{name}",
+                          lambda progress: runtime.deploy(call.who, call.body, on_progress=progress),
+                          "deployment", S.deployment, 201)
 
 
 async def rollback(call: Call) -> dict[str, Any]:
@@ -140,10 +85,10 @@ async def delete_agent(call: Call) -> Reply:
         return Reply({"agent": name, "deleted": False, "users": 0, "removed": 0}, 200)
     await run_in_threadpool(call.tenant.agents.get, name)  # 404 before anything starts
     release = releaser(call)
-    return await _detached(call, f"delete-agent-{name}",
-                           lambda progress: call.runtime.delete_agent(call.who, name, on_progress=progress,
-                                                                      **({"release": release} if release else {})),
-                           "deleted", dict, 200)
+    return await detached(call, f"delete-agent-{name}",
+                          lambda progress: call.runtime.delete_agent(call.who, name, on_progress=progress,
+                                                                     **({"release": release} if release else {})),
+                          "deleted", dict, 200)
 
 
 def issue_token(call: Call) -> Reply:

@@ -1,5 +1,5 @@
-"""Operator routes: create a tenant and read or set its limits (guarded by the installation's operator token),
-and the health checks.
+"""Operator routes: create a tenant, read or set its limits, delete it (guarded by the installation's operator
+token), and the health checks.
 
 The operator token lives in ``<data_dir>/api/operator-token``; it is never a tenant credential.
 """
@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from moorage.api import schemas as S
+from moorage.api.detached import detached
+from moorage.api.pagination import offset_page, parse_limit
 from moorage.api.readiness import RETRY_AFTER_S
+from moorage.api.routes._common import PAGE, releaser
 from moorage.api.routing import Call, Endpoint, Reply
 from moorage.errors import ConflictError, InvalidInput
+from moorage.fleet.forward import LET_GO, forwarded
 from moorage.usage import tenant_cap
 
 
@@ -32,8 +38,18 @@ def create_tenant(call: Call) -> Reply:
                   "api_key": S.key(key)}, 201)
 
 
+def list_tenants(call: Call) -> dict[str, Any]:
+    """Every tenant, by name: its own limits and, for a delete cut short, when its deletion began."""
+    operator = call.ctx.store.operator
+    tenants = operator.list_tenants()
+    return offset_page(lambda n: tenants[:n], parse_limit(call.query("limit")), call.query("cursor"),
+                       lambda t: {"id": t.id, "name": t.name, "created_at": t.created_at,
+                                  "limits": operator.tenant_limits(t.id), "deleting_since": t.deleting_since})
+
+
 #: A tenant's limits as the operator set them, and what applies (``storage_mib``: its own, else the default).
-LIMITS = S.obj({"tenant": S.obj({"id": S.STR, "name": S.STR}), "limits": S.obj({"storage_mib": S.NUM}),
+LIMITS = S.obj({"tenant": S.obj({"id": S.STR, "name": S.STR}),
+                "limits": S.obj({"storage_mib": S.NUM}, required=[]),  # {}: none of its own
                 "storage_mib": S.NUM, "default_storage_mib": S.NUM})
 
 
@@ -62,6 +78,23 @@ def set_tenant_limits(call: Call) -> dict[str, Any]:
     return answer
 
 
+async def delete_tenant(call: Call) -> Reply:
+    """Delete the tenant and everything it has (runtime/tenant_delete.py); streamed with ``?stream=true``."""
+    name = call.path["tenant"]
+    if forwarded.get() and call.request.headers.get(LET_GO):
+        # Another host serves this delete and asks this one to let go of the tenant's instances it holds awake.
+        await call.runtime.let_go_tenant(name)
+        return Reply({"tenant": {"id": "", "name": name}, "deleted": False, "agents": 0, "users": 0, "removed": 0,
+                      "keys_revoked": 0}, 200)
+    runtime = call.runtime  # a store-only server has none: a 503 before anything starts
+    tenant = await run_in_threadpool(call.ctx.store.backend.get_tenant, name)  # 404 before anything starts
+    release = releaser(call)
+    return await detached(call, f"delete-tenant-{tenant.id}",
+                          lambda progress: runtime.delete_tenant(tenant.id, on_progress=progress,
+                                                                 **({"release": release} if release else {})),
+                          "deleted", dict, 200)
+
+
 def health(call: Call) -> dict[str, Any]:
     return {"status": "ok", "runtime": call.ctx.runtime is not None}
 
@@ -76,6 +109,9 @@ ENDPOINTS = [
     Endpoint("POST", "/v1/tenants", create_tenant, "Create a tenant and its first admin key (operator token)",
              "operator", "createTenant", auth="operator", status=201, idempotency="none",
              body=S.obj({"name": S.STR}), response=S.obj({"tenant": S.ref("Tenant"), "api_key": S.ref("ApiKey")})),
+    Endpoint("GET", "/v1/tenants", list_tenants,
+             "List tenants by name, each with its own limits and, while it is being deleted, since when (operator "
+             "token)", "operator", "listTenants", auth="operator", query=PAGE, response=S.page_of("Tenant")),
     Endpoint("GET", "/v1/tenants/{tenant}/limits", tenant_limits,
              "A tenant's limits (by name or id): its own storage ceiling, and the one that applies (operator token)",
              "operator", "getTenantLimits", auth="operator", response=LIMITS),
@@ -83,6 +119,11 @@ ENDPOINTS = [
              "Set a tenant's own storage ceiling in MiB (0: none; null: the installation's default) (operator token)",
              "operator", "setTenantLimits", auth="operator", idempotency="none",
              body=S.obj({"storage_mib": S.NNUM}, required=["storage_mib"]), response=LIMITS),
+    Endpoint("DELETE", "/v1/tenants/{tenant}", delete_tenant,
+             "Delete a tenant (by name or id) and everything it has: its keys, agents, end-users, instances and "
+             "store; with ?stream=true, progress as it goes (operator token)",
+             "operator", "deleteTenant", auth="operator", idempotency="none", streams=True,
+             response=S.ref("TenantDeleted")),
     Endpoint("GET", "/healthz", health, "Liveness", "operator", "health", auth="none",
              response=S.obj({"status": S.STR, "runtime": {"type": "boolean"}})),
     Endpoint("GET", "/readyz", ready, "Readiness: 503 while stopping, draining or without its store", "operator",
