@@ -1,15 +1,18 @@
-"""An agent's webhooks in the dashboard, read-only: each endpoint, its newest deliveries with their status, and
-what the receiver answered to one that did not arrive."""
+"""An agent's webhooks in the dashboard: each endpoint, its newest deliveries with their status, and what the
+receiver answered to one that did not arrive; "Send again" for a key that may (deploy), none for one that reads."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import pytest
 
 from moorage.store import Store
+from moorage.webhooks import Dispatcher
 from tests.api.conftest import aclient
+from tests.api.test_async_webhooks import FAST, Receiver
 from tests.web.test_agent_key import _key
 from tests.web.test_views import _deploy, _sign_in, _watch
 
@@ -65,6 +68,7 @@ async def test_an_agents_webhooks_show_their_deliveries_and_why_one_failed(live_
     assert "No deliveries yet" in await other.inner_text()
     assert "events: execution.cancelled" in await other.locator(".sub").inner_text()
     assert "whsec_" not in await page.inner_text("#view")  # no secret, ever
+    assert await page.locator("#webhooks button.replay").count() == 0  # a key that may only read
 
     # A key limited to the agent sees them on its landing page.
     await page.click("#signout")
@@ -78,3 +82,36 @@ async def _sign_in_limited(page, url: str, key: str) -> None:
     await page.fill("#key", key)
     await page.click("#login-form button[type=submit]")
     await page.wait_for_selector("body[data-loaded=agent]")
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_failed_delivery_sent_again_is_followed_until_it_arrives(live_rt, store: Store, acme: str,
+                                                                        tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    receiver = Receiver()
+    dispatcher = Dispatcher(store, schedule=FAST, poll_s=0.05)  # the host's sender, as tests/api runs it
+    sender = asyncio.create_task(dispatcher.run())
+    try:
+        async with aclient(live_rt, acme) as c:
+            hook = (await c.post("/v1/agents/echo/webhooks", json={"url": receiver.url})).json()
+        ts = store.tenant(store.authenticate(acme))
+        with ts.transaction():  # failed for good while the receiver was away (the host's sender never saw it pending)
+            (d,) = ts.deliveries.enqueue("echo", "execution.succeeded", {"agent": "echo", "user": "alice"})
+            ts.deliveries.record_attempt(d, at=time.time(), status_code=500, error="receiver answered 500",
+                                         duration_ms=9, delivered=False, retry_at=None)
+        page = await browser_context.new_page()
+        problems = _watch(page)
+        await _sign_in(page, live_rt.url, acme)
+        await page.goto(f"{live_rt.url}/ui/#/agent/echo")
+        await page.wait_for_selector("body[data-loaded=agent] #webhooks")
+        row = page.locator(f"#webhooks .webhook[data-webhook='{hook['id']}'] tbody tr")
+        assert await row.get_attribute("data-status") == "failed"
+        await row.locator("button.replay").click()
+        await page.wait_for_selector(f"#webhooks tr[data-delivery='{d.id}'][data-status=delivered]")
+        assert len(receiver.delivered()) == 1
+        assert await row.locator("button.replay").is_enabled()  # and it may be sent once more
+        assert problems == []
+    finally:
+        sender.cancel()
+        await dispatcher.aclose()
+        receiver.close()

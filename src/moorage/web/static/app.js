@@ -282,20 +282,22 @@ function tracesPanel(spans) {
 // One agent's users and their instances, its wakes and cost, and its webhooks: the landing page of a key limited
 // to that agent (which names it on every listing that spans agents), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, fleet, webhooks, waiting, spans] = await Promise.all([
+  const [info, users, fleet, webhooks, waiting, spans, canDelete] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
     api(`/v1/fleet?agent=${enc(agent)}&limit=1`),  // its counts, wakes and cost (the instances are the users')
     webhooksPanel(agent),  // webhooks.js
     waitingOfAgent(agent),  // approvals.js
     recentTraces(agent),  // its users' turns and the requests about them (a key limited to it names it)
+    mayUse("deploy"),  // deleting the agent needs it
   ]);
   const cards = el("div.cards", {},
     card("Users", users.data.length + (users.next_cursor ? "+" : ""), "card-total"),
     card("Awake", fleet.awake, "card-awake"),
     card("Asleep", fleet.asleep, "card-asleep"),
     wakeCard(fleet));
-  const live = info.live_deployment ? `live deployment ${info.live_deployment.slice(0, 12)}` : "no live deployment";
+  const live = (info.live_deployment ? `live deployment ${info.live_deployment.slice(0, 12)}` : "no live deployment")
+    + (info.config && info.config.deleting ? " · being deleted (delete it again to finish)" : "");
   const lastActive = (u) => (u.instance ? u.instance.last_active || 0 : 0);
   const rows = [...users.data].sort((a, b) => lastActive(b) - lastActive(a)).map((u) => el("tr", { dataset: { user: u.id } },
     el("td", {}, userLink(agent, u.id)),
@@ -311,7 +313,8 @@ async function agentView(agent, who) {
         + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its webhooks and the "
         + "turns waiting for approval, and nothing of the tenant's other agents."))
     : null;
-  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`)), limited, cards, usersPanel,
+  return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`),
+    canDelete ? deleteAgentButton(agent, who) : null), limited, cards, usersPanel,
     waiting, costPanel(fleet.cost), tracesPanel(spans), webhooks];
 }
 
@@ -320,7 +323,7 @@ async function userView(agent, user, who, session = null) {
   // The user record first: a user that is not there (a typo, or forgotten) is the API's 404, not an empty page
   // that looks like a user with no data.
   const [agentInfo] = await Promise.all([api(`/v1/agents/${enc(agent)}`), api(base)]);
-  const [sessions, facts, waiting, checkpoints, canTravel, canAnswer] = await Promise.all([
+  const [sessions, facts, waiting, checkpoints, canProvision, canAnswer] = await Promise.all([
     api(`/v1/agents/${enc(agent)}/sessions?user=${enc(user)}&limit=100`),  // the most recently active first
     apiAll(`${base}/facts?limit=500`, 4),  // up to 2,000 current facts; the panel says when there are more
     // All of the agent's waiting runs: the API lists the longest-waiting first and has no per-user filter, so
@@ -332,7 +335,8 @@ async function userView(agent, user, who, session = null) {
       if (e instanceof Unauthorized) throw e;
       return { error: e.message };
     }),
-    mayUse("provision"),  // rolling back and forking need it: a read-only key gets no buttons that would fail
+    // Rolling back, forking and forgetting the user need it: a read-only key gets no buttons that would fail.
+    mayUse("provision"),
     mayUse("invoke"),  // answering an approval needs it
   ]);
   // Turns log their messages in the session's scope, so the episodic events are those of the most recently
@@ -362,7 +366,8 @@ async function userView(agent, user, who, session = null) {
   // The question of an interrupt is in its waiting step's payload, so each waiting run is read in full.
   const details = await Promise.all(mine.map((r) => api(`/v1/workflows/${enc(r.id)}`)));
 
-  const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, "user of agent ", agentLink(agent)));
+  const head = el("div.pagehead", {}, el("h1", {}, user), el("span.sub", {}, "user of agent ", agentLink(agent)),
+    canProvision ? forgetUserButton(agent, user) : null);
 
   const sessionRows = sessions.data.map((s) => el("tr", s.id === session ? { class: "picked" } : {},
     el("td", {}, el("a.session-link", { href: `#/user/${enc(agent)}/${enc(user)}/session/${enc(s.id)}` }, s.id)), el("td", { title: fmtTime(s.created_at) }, ago(s.created_at)),
@@ -388,7 +393,7 @@ async function userView(agent, user, who, session = null) {
     approvalsList(details, { canAnswer, emptyText: "Nothing is waiting for this user." }));
 
   return [head, el("div.columns", {}, approvals, working), el("div.columns", {}, semantic, sessionsPanel), episodic,
-    checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canTravel)];
+    checkpointsPanel(agent, user, checkpoints, agentInfo, autoOff, canProvision)];
 }
 
 // What the last change from the timeline did (links to new users): shown once, by the view that change re-rendered,
@@ -644,7 +649,7 @@ async function route() {
     home.textContent = agentOnly ? `Agent ${who.agent}` : "Fleet";
     const nodes = await render(who);
     if (seq !== routeSeq) return;
-    view.replaceChildren(...nodes.filter(Boolean));  // a panel a view leaves out is null
+    view.replaceChildren(...[takeDeletedNotice(name), ...nodes].filter(Boolean));  // a panel a view leaves out is null
     statusEl.textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.loaded = name;
   } catch (e) {

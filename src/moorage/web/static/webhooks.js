@@ -1,5 +1,6 @@
-// moorage dashboard: an agent's webhooks and their recent deliveries, read-only (docs/api.md, webhooks).
-// Loaded before app.js, whose helpers (api, el, section, …) these functions call when they run.
+// moorage dashboard: an agent's webhooks and their recent deliveries (docs/api.md, webhooks), and "Send again" for
+// a delivery that is not pending (deploy scope). Loaded before app.js, whose helpers (api, el, section, …) these
+// functions call when they run.
 "use strict";
 
 const DELIVERIES_SHOWN = 10;
@@ -19,17 +20,29 @@ function lastAnswer(d) {
   return last.error ? `${code}: ${last.error}` : code;
 }
 
-function deliveryRow(d, agent) {
+// One delivery's row; `replay(d, row)`, where the key may send deliveries again, backs a "Send again" button on
+// one that is not pending (a pending one is tried anyway).
+function deliveryRow(d, agent, replay = null) {
   const data = (d.payload && d.payload.data) || {};
-  return el("tr", { dataset: { delivery: d.id, status: d.status } },
+  let again = null;
+  if (replay && d.status !== "pending") {
+    again = el("button.replay", { type: "button", title: "POST …/deliveries/{id}/replay: try it again now" }, "Send again");
+    again.addEventListener("click", () => { again.disabled = true; replay(d, row); });
+  }
+  const row = el("tr", { dataset: { delivery: d.id, status: d.status } },
     el("td", {}, d.event),
     el("td", {}, data.user ? userLink(data.agent || agent, data.user) : "—"),
     el("td", {}, badge(d.status)),
     el("td.num", {}, d.attempts),
     el("td.last-answer", {}, d.status === "delivered" ? "" : lastAnswer(d)),
     el("td", { title: fmtTime(d.next_attempt_at) }, d.status === "pending" ? until(d.next_attempt_at) : "—"),
-    el("td", { title: fmtTime(d.created_at) }, ago(d.created_at)));
+    el("td", { title: fmtTime(d.created_at) }, ago(d.created_at)),
+    replay ? el("td.actions", {}, again) : null);
+  return row;
 }
+
+// How long the page follows a delivery sent again before it leaves the row as it last read it.
+const REPLAY_FOLLOW_MS = 15000;
 
 // Each webhook of the agent (GET /v1/agents/{agent}/webhooks: its URL and events; the secret is never shown) with
 // its newest deliveries (…/deliveries?limit=10), and "Older deliveries" for the next 10 (its next_cursor). The listing carries no attempt log, so a delivery that has not
@@ -37,8 +50,9 @@ function deliveryRow(d, agent) {
 async function webhooksPanel(agent) {
   const title = "Webhooks";
   let hooks;
+  let canReplay;
   try {
-    hooks = await api(`/v1/agents/${enc(agent)}/webhooks`);
+    [hooks, canReplay] = await Promise.all([api(`/v1/agents/${enc(agent)}/webhooks`), mayUse("deploy")]);
   } catch (e) {
     if (e instanceof Unauthorized) throw e;
     return section(title, "webhooks", el("p.error", {}, `No webhooks shown: ${e.message}`));
@@ -48,17 +62,37 @@ async function webhooksPanel(agent) {
   }
   const blocks = await Promise.all(hooks.data.map(async (h) => {
     const base = `/v1/agents/${enc(agent)}/webhooks/${enc(h.id)}`;
+    const message = el("p.error", { role: "alert" });
+    // Send one again: its row follows it (pending, then delivered or failed with the receiver's answer).
+    const replay = canReplay ? async (d, row) => {
+      message.textContent = "";
+      let current = row;
+      try {
+        let now = await apiSend("POST", `${base}/deliveries/${enc(d.id)}/replay`);
+        for (const start = Date.now(); ; await new Promise((ok) => setTimeout(ok, 500))) {
+          if (now.status !== "pending" || Date.now() - start > REPLAY_FOLLOW_MS) break;
+          const next = deliveryRow(now, agent, replay);
+          current.replaceWith(next);
+          current = next;
+          now = await api(`${base}/deliveries/${enc(d.id)}`);
+        }
+        current.replaceWith(deliveryRow(now, agent, replay));
+      } catch (e) {
+        if (e instanceof Unauthorized) { route(); return; }
+        message.textContent = `Could not send it again: ${e.message}`;
+        current.replaceWith(deliveryRow(d, agent, replay));
+      }
+    } : null;
     // A page of deliveries, newest first, each one tried but not delivered read in full for its attempt log.
     const page = async (cursor) => {
       const listing = await api(`${base}/deliveries?limit=${DELIVERIES_SHOWN}${cursor ? `&cursor=${enc(cursor)}` : ""}`);
       const rows = await Promise.all(listing.data.map((d) => (d.status !== "delivered" && d.attempts > 0
         ? api(`${base}/deliveries/${enc(d.id)}`) : d)));
-      return { rows: rows.map((d) => deliveryRow(d, agent)), cursor: listing.next_cursor };
+      return { rows: rows.map((d) => deliveryRow(d, agent, replay)), cursor: listing.next_cursor };
     };
     const first = await page(null);
     let cursor = first.cursor;
     const body = el("tbody", {}, first.rows);
-    const message = el("p.error", { role: "alert" });
     const older = el("button.older", { type: "button" }, "Older deliveries");
     older.hidden = !cursor;
     older.addEventListener("click", async () => {
@@ -75,7 +109,8 @@ async function webhooksPanel(agent) {
       }
       older.disabled = false;
     });
-    const headers = ["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created"];
+    const headers = ["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created",
+      ...(replay ? [""] : [])];
     return el("div.webhook", { dataset: { webhook: h.id } },
       el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null),
       el("p.sub", {}, `${h.id} · events: ${h.events.join(", ")} · since ${fmtTime(h.created_at)}`),
