@@ -131,7 +131,6 @@ class AgentDeletion:
                 await pool.drain(ref.id)
 
 
-
 def revoke_keys(backend: Any, tenant_id: str, which: Callable[[Any], bool]) -> int:
     """Revoke the tenant's keys ``which`` picks that are not revoked yet (end-user tokens die with the key that
     issued them); how many. Blocking."""
