@@ -1,5 +1,6 @@
 """An agent's webhooks in the dashboard: each endpoint, its newest deliveries with their status, and what the
-receiver answered to one that did not arrive; "Send again" for a key that may (deploy), none for one that reads."""
+receiver answered to one that did not arrive; adding a webhook (its secret shown once), deleting one and "Send
+again" for a key that may (deploy), none of them for one that reads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from moorage.store import Store
-from moorage.webhooks import Dispatcher
+from moorage.store.webhooks import WEBHOOK_EVENTS
+from moorage.webhooks import Dispatcher, verify
 from tests.api.conftest import aclient
 from tests.api.test_async_webhooks import FAST, Receiver
 from tests.web.test_agent_key import _key
@@ -68,7 +70,8 @@ async def test_an_agents_webhooks_show_their_deliveries_and_why_one_failed(live_
     assert "No deliveries yet" in await other.inner_text()
     assert "events: execution.cancelled" in await other.locator(".sub").inner_text()
     assert "whsec_" not in await page.inner_text("#view")  # no secret, ever
-    assert await page.locator("#webhooks button.replay").count() == 0  # a key that may only read
+    # A key that may only read changes nothing here.
+    assert await page.locator("#webhooks button.replay, #webhooks .delete-webhook, #add-webhook").count() == 0
 
     # A key limited to the agent sees them on its landing page.
     await page.click("#signout")
@@ -110,6 +113,77 @@ async def test_a_failed_delivery_sent_again_is_followed_until_it_arrives(live_rt
         await page.wait_for_selector(f"#webhooks tr[data-delivery='{d.id}'][data-status=delivered]")
         assert len(receiver.delivered()) == 1
         assert await row.locator("button.replay").is_enabled()  # and it may be sent once more
+        assert problems == []
+    finally:
+        sender.cancel()
+        await dispatcher.aclose()
+        receiver.close()
+
+
+def test_the_pages_events_are_the_stores() -> None:
+    js = (Path(__file__).parents[2] / "src/moorage/web/static/webhooks.js").read_text()
+    line = next(x for x in js.splitlines() if x.startswith("const WEBHOOK_EVENTS = "))
+    assert line == "const WEBHOOK_EVENTS = [" + ", ".join(f'"{e}"' for e in WEBHOOK_EVENTS) + "];"
+
+
+@pytest.mark.parametrize("store", ["sqlite"], indirect=True)
+async def test_a_webhook_added_in_the_page_signs_with_the_secret_it_showed_once_and_is_deleted_there(
+        live_rt, store: Store, acme: str, tmp_path: Path, browser_context):
+    await _deploy(live_rt, acme, tmp_path, ("alice", "hello"))
+    receiver = Receiver()
+    dispatcher = Dispatcher(store, schedule=FAST, poll_s=0.05)
+    sender = asyncio.create_task(dispatcher.run())
+    try:
+        page = await browser_context.new_page()
+        problems = _watch(page)
+        await _sign_in(page, live_rt.url, acme)
+        await page.goto(f"{live_rt.url}/ui/#/agent/echo")
+        await page.wait_for_selector("body[data-loaded=agent] #add-webhook")
+        assert "has no webhooks" in await page.inner_text("#webhooks")
+
+        # One the API refuses: its words in the page, nothing made.
+        await page.fill("#webhook-url", "http://127.0.0.1:0/hooks")
+        await page.click("#add-webhook button[type=submit]")
+        await page.wait_for_selector("#webhook-error:has-text('port 0')")
+        async with aclient(live_rt, acme) as c:
+            assert (await c.get("/v1/agents/echo/webhooks")).json()["data"] == []
+        assert problems and all("422" in p for p in problems), problems  # that refusal (and the console's word of it)
+        problems.clear()
+
+        # Added for one event: the secret is shown once, and it is the one its deliveries are signed with.
+        await page.fill("#webhook-url", receiver.url)
+        await page.check("#add-webhook input[value='execution.succeeded']")
+        await page.click("#add-webhook button[type=submit]")
+        await page.wait_for_selector("#webhook-notice code.secret")
+        secret = await page.inner_text("#webhook-notice code.secret")
+        assert secret.startswith("whsec_")
+        async with aclient(live_rt, acme) as c:
+            (hook,) = (await c.get("/v1/agents/echo/webhooks")).json()["data"]
+            assert hook["url"] == receiver.url and hook["events"] == ["execution.succeeded"]
+            r = await c.post("/v1/agents/echo/invoke", json={"message": "hi", "user": "alice"},
+                             headers={"Prefer": "respond-async"})
+            assert r.status_code == 202, r.text
+        for _ in range(200):
+            if receiver.delivered():
+                break
+            await asyncio.sleep(0.05)
+        ((headers, body),) = receiver.delivered()
+        assert verify(secret, body, headers)["type"] == "execution.succeeded"
+        assert await page.locator(f"#webhooks .webhook[data-webhook='{hook['id']}']").count() == 1
+
+        # Deleted after its confirmation (declined first: nothing happens).
+        page.once("dialog", lambda d: asyncio.ensure_future(d.dismiss()))
+        await page.click(f"#webhooks .webhook[data-webhook='{hook['id']}'] .delete-webhook")
+        await asyncio.sleep(0.3)
+        async with aclient(live_rt, acme) as c:
+            assert len((await c.get("/v1/agents/echo/webhooks")).json()["data"]) == 1
+        page.once("dialog", lambda d: asyncio.ensure_future(d.accept()))
+        await page.click(f"#webhooks .webhook[data-webhook='{hook['id']}'] .delete-webhook")
+        await page.wait_for_selector("#webhook-notice:has-text('Deleted the webhook')")
+        assert await page.locator("#webhooks .webhook").count() == 0
+        async with aclient(live_rt, acme) as c:
+            assert (await c.get("/v1/agents/echo/webhooks")).json()["data"] == []
+        assert "whsec_" not in await page.inner_text("#view")  # the secret went with the notice that showed it
         assert problems == []
     finally:
         sender.cancel()

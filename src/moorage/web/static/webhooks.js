@@ -1,7 +1,10 @@
-// moorage dashboard: an agent's webhooks and their recent deliveries (docs/api.md, webhooks), and "Send again" for
-// a delivery that is not pending (deploy scope). Loaded before app.js, whose helpers (api, el, section, …) these
-// functions call when they run.
+// moorage dashboard: an agent's webhooks and their recent deliveries (docs/api.md, webhooks); with the deploy scope,
+// adding a webhook (its secret shown once), deleting one, and "Send again" for a delivery that is not pending.
+// Loaded before app.js, whose helpers (api, el, section, …) these functions call when they run.
 "use strict";
+
+// The events a webhook may ask for: store/webhooks.py's WEBHOOK_EVENTS (tests/web/test_webhooks.py compares them).
+const WEBHOOK_EVENTS = ["execution.succeeded", "execution.failed", "execution.cancelled", "interrupt.waiting", "fact.pending"];
 
 const DELIVERIES_SHOWN = 10;
 
@@ -47,7 +50,8 @@ const REPLAY_FOLLOW_MS = 15000;
 // Each webhook of the agent (GET /v1/agents/{agent}/webhooks: its URL and events; the secret is never shown) with
 // its newest deliveries (…/deliveries?limit=10), and "Older deliveries" for the next 10 (its next_cursor). The listing carries no attempt log, so a delivery that has not
 // arrived after an attempt is read in full (…/deliveries/{id}) to say what its receiver answered.
-async function webhooksPanel(agent) {
+// `notice`: what the last change here did (the panel is drawn again after each), shown above the webhooks.
+async function webhooksPanel(agent, notice = null) {
   const title = "Webhooks";
   let hooks;
   let canReplay;
@@ -57,8 +61,17 @@ async function webhooksPanel(agent) {
     if (e instanceof Unauthorized) throw e;
     return section(title, "webhooks", el("p.error", {}, `No webhooks shown: ${e.message}`));
   }
+  let panel = null;
+  const redraw = async (text) => {
+    const next = await webhooksPanel(agent, text);
+    panel.replaceWith(next);
+    panel = next;
+  };
+  const form = canReplay ? addWebhookForm(agent, redraw) : null;
   if (!hooks.data.length) {
-    return section(title, "webhooks", empty(`Agent ${agent} has no webhooks (POST /v1/agents/${agent}/webhooks adds one).`));
+    panel = section(title, "webhooks", notice,
+      empty(`Agent ${agent} has no webhooks${form ? "" : ` (POST /v1/agents/${agent}/webhooks adds one)`}.`), form);
+    return panel;
   }
   const blocks = await Promise.all(hooks.data.map(async (h) => {
     const base = `/v1/agents/${enc(agent)}/webhooks/${enc(h.id)}`;
@@ -112,12 +125,66 @@ async function webhooksPanel(agent) {
     const headers = ["Event", "User", "Status", "Attempts", "Last answer", "Next attempt", "Created",
       ...(replay ? [""] : [])];
     return el("div.webhook", { dataset: { webhook: h.id } },
-      el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null),
+      el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null,
+        canReplay ? deleteWebhookButton(h, base, message, redraw) : null),
       el("p.sub", {}, `${h.id} · events: ${h.events.join(", ")} · since ${fmtTime(h.created_at)}`),
       first.rows.length
         ? el("table.deliveries", {}, el("thead", {}, el("tr", {}, headers.map((x) => el("th", {}, x)))), body)
         : empty("No deliveries yet."),
       message, first.cursor ? el("p.more", {}, older) : null);
   }));
-  return section(title, "webhooks", blocks);
+  panel = section(title, "webhooks", notice, blocks, form);
+  return panel;
+}
+
+// "Delete" on a webhook (deploy scope; DELETE …/webhooks/{id}): its deliveries go with it, pending ones unsent.
+function deleteWebhookButton(h, base, message, redraw) {
+  const button = el("button.danger.delete-webhook", { type: "button" }, "Delete");
+  button.addEventListener("click", async () => {
+    if (!confirm(`Delete the webhook to ${h.url}? Its deliveries go with it; pending ones are not sent.`)) return;
+    button.disabled = true;
+    message.textContent = "";
+    try {
+      await apiSend("DELETE", base);
+      await redraw(el("p.notice", { id: "webhook-notice", role: "status" }, `Deleted the webhook to ${h.url}.`));
+    } catch (e) {
+      if (e instanceof Unauthorized) { route(); return; }
+      message.textContent = `Could not delete it: ${e.message}`;
+      button.disabled = false;
+    }
+  });
+  return button;
+}
+
+// "Add webhook" (deploy scope; POST /v1/agents/{agent}/webhooks): a URL and the events it wants (none ticked: all
+// of them). Its signing secret is in the answer alone: the panel shows it once, to be kept by whoever checks
+// the signatures.
+function addWebhookForm(agent, redraw) {
+  const url = el("input", { type: "url", id: "webhook-url", required: "", placeholder: "https://example.com/hooks/moorage" });
+  const boxes = WEBHOOK_EVENTS.map((e) => el("input", { type: "checkbox", value: e }));
+  const message = el("span.error", { id: "webhook-error", role: "alert" });
+  const submit = el("button", { type: "submit" }, "Add webhook");
+  const form = el("form.add-webhook", { id: "add-webhook" },
+    el("label", {}, "URL ", url),
+    el("fieldset", {}, el("legend", {}, "Events (none ticked: every event)"),
+      boxes.map((b) => el("label", {}, b, " ", b.value))),
+    submit, " ", message);
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    message.textContent = "";
+    const events = boxes.filter((b) => b.checked).map((b) => b.value);
+    submit.disabled = true;
+    try {
+      const hook = await apiSend("POST", `/v1/agents/${enc(agent)}/webhooks`,
+        { url: url.value.trim(), ...(events.length ? { events } : {}) });
+      await redraw(el("p.notice", { id: "webhook-notice", role: "status" },
+        `Added the webhook to ${hook.url} (${hook.id}). Its signing secret, shown this once: `,
+        el("code.secret", {}, hook.secret)));
+    } catch (e) {
+      if (e instanceof Unauthorized) { route(); return; }
+      message.textContent = `Could not add it: ${e.message}`;
+      submit.disabled = false;
+    }
+  });
+  return form;
 }
