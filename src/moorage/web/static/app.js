@@ -282,11 +282,12 @@ function tracesPanel(spans) {
 // One agent's users and their instances, its wakes and cost, and its webhooks: the landing page of a key limited
 // to that agent (which names it on every listing that spans agents), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, fleet, webhooks, waiting, spans, canDelete] = await Promise.all([
+  const [info, users, fleet, webhooks, secrets, waiting, spans, canDelete] = await Promise.all([
     api(`/v1/agents/${enc(agent)}`),
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
     api(`/v1/fleet?agent=${enc(agent)}&limit=1`),  // its counts, wakes and cost (the instances are the users')
     webhooksPanel(agent),  // webhooks.js
+    secretsPanel(agent),  // secrets.js: null for a key without the secrets scope
     waitingOfAgent(agent),  // approvals.js
     recentTraces(agent),  // its users' turns and the requests about them (a key limited to it names it)
     mayUse("deploy"),  // deleting the agent needs it
@@ -315,7 +316,7 @@ async function agentView(agent, who) {
     : null;
   return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`),
     canDelete ? deleteAgentButton(agent, who) : null), limited, cards, usersPanel,
-    waiting, costPanel(fleet.cost), tracesPanel(spans), webhooks];
+    waiting, costPanel(fleet.cost), tracesPanel(spans), webhooks, secrets];
 }
 
 async function userView(agent, user, who, session = null) {
