@@ -282,10 +282,12 @@ function tracesPanel(spans) {
 // One agent's users and their instances, its wakes and cost, and its webhooks: the landing page of a key limited
 // to that agent (which names it on every listing that spans agents), and where the fleet's agent links lead.
 async function agentView(agent, who) {
-  const [info, users, fleet, webhooks, secrets, waiting, spans, canDelete] = await Promise.all([
-    api(`/v1/agents/${enc(agent)}`),
+  const agentInfo = api(`/v1/agents/${enc(agent)}`);  // its live deployment: the deployments panel marks it
+  const [info, users, fleet, deployments, webhooks, secrets, waiting, spans, canDelete] = await Promise.all([
+    agentInfo,
     api(`/v1/agents/${enc(agent)}/users?limit=200`),
     api(`/v1/fleet?agent=${enc(agent)}&limit=1`),  // its counts, wakes and cost (the instances are the users')
+    deploymentsPanel(agent, agentInfo),  // deployments.js
     webhooksPanel(agent),  // webhooks.js
     secretsPanel(agent),  // secrets.js: null for a key without the secrets scope
     waitingOfAgent(agent),  // approvals.js
@@ -311,12 +313,12 @@ async function agentView(agent, who) {
     users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
   const limited = who && who.agent === agent
     ? section("What this key sees", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
-        + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its webhooks and the "
+        + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its deployments, its webhooks and the "
         + "turns waiting for approval, and nothing of the tenant's other agents."))
     : null;
   return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`),
     canDelete ? deleteAgentButton(agent, who) : null), limited, cards, usersPanel,
-    waiting, costPanel(fleet.cost), tracesPanel(spans), webhooks, secrets];
+    waiting, costPanel(fleet.cost), tracesPanel(spans), deployments, webhooks, secrets];
 }
 
 async function userView(agent, user, who, session = null) {
