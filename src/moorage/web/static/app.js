@@ -313,8 +313,8 @@ async function agentView(agent, who) {
     users.next_cursor ? el("p.hint", {}, `The first ${rows.length} users (by id) are shown; there are more.`) : null);
   const limited = who && who.agent === agent
     ? section("What this key sees", "limited", el("p", {}, `This key is limited to agent ${agent}: it sees this `
-        + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its deployments, its webhooks and the "
-        + "turns waiting for approval, and nothing of the tenant's other agents."))
+        + "agent's users, their memory and timeline, its instances' wakes and cost, its traces, its deployments, its "
+        + "webhooks and the turns waiting for approval, and nothing of the tenant's other agents."))
     : null;
   return [el("div.pagehead", {}, el("h1", {}, agent), el("span.sub", {}, `agent · ${live}`),
     canDelete ? deleteAgentButton(agent, who) : null), limited, cards, usersPanel,
