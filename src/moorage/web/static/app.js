@@ -44,6 +44,25 @@ async function apiSend(method, path, body) {
 
 const enc = encodeURIComponent;
 
+// A button that makes one change: asks `question` first where there is one (a confirmation), then runs `act()`; a
+// refusal is said in `message` and the button can be pressed again. `spec` is el()'s ("button.delete-webhook").
+function actionButton(spec, label, question, message, act) {
+  const button = el(spec, { type: "button" }, label);
+  button.addEventListener("click", async () => {
+    if (question && !confirm(question)) return;
+    button.disabled = true;
+    message.textContent = "";
+    try {
+      await act();
+    } catch (e) {
+      if (e instanceof Unauthorized) { route(); return; }
+      message.textContent = `Could not do that: ${e.message}`;
+      button.disabled = false;
+    }
+  });
+  return button;
+}
+
 // Who the key is (GET /v1/whoami), asked once per key: its scopes decide which changes the page offers (the API
 // still checks every one), its agent whether the page shows the whole fleet or that one agent. A server that cannot
 // say (null) is taken as a key for the whole tenant with every scope, as before.

@@ -57,19 +57,8 @@ async function deploymentsPanel(agent, agentInfo) {
 // A change of one deployment: asks `question` first where there is one, then `run()`, whose words the agent's page,
 // drawn again (its live deployment may have changed), shows once.
 function changeButton(cls, label, question, message, run) {
-  const button = el(`button.${cls}${question ? ".danger" : ""}`, { type: "button" }, label);
-  button.addEventListener("click", async () => {
-    if (question && !confirm(question)) return;
-    button.disabled = true;
-    message.textContent = "";
-    try {
-      deletedNotice = { view: "agent", text: await run() };  // deletes.js: shown once by the next drawing
-      route();
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not do that: ${e.message}`;
-      button.disabled = false;
-    }
+  return actionButton(`button.${cls}${question ? ".danger" : ""}`, label, question, message, async () => {
+    deletedNotice = { view: "agent", text: await run() };  // deletes.js: shown once by the next drawing
+    route();
   });
-  return button;
 }

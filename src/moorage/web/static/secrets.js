@@ -42,21 +42,11 @@ async function secretsPanel(agent, notice = null) {
 }
 
 function removeSecretButton(name, path, message, redraw) {
-  const button = el("button.danger.remove-secret", { type: "button" }, "Remove");
-  button.addEventListener("click", async () => {
-    if (!confirm(`Remove secret ${name}? Requests that need it fail until it is set again.`)) return;
-    button.disabled = true;
-    message.textContent = "";
-    try {
+  return actionButton("button.danger.remove-secret", "Remove",
+    `Remove secret ${name}? Requests that need it fail until it is set again.`, message, async () => {
       await apiSend("DELETE", path);
       await redraw(`Removed secret ${name}.`);
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not remove it: ${e.message}`;
-      button.disabled = false;
-    }
-  });
-  return button;
+    });
 }
 
 // "Set secret": a name and a value (a password field, never put back in the page); an existing name gets a new

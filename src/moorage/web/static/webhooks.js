@@ -139,21 +139,11 @@ async function webhooksPanel(agent, notice = null) {
 
 // "Delete" on a webhook (deploy scope; DELETE …/webhooks/{id}): its deliveries go with it, pending ones unsent.
 function deleteWebhookButton(h, base, message, redraw) {
-  const button = el("button.danger.delete-webhook", { type: "button" }, "Delete");
-  button.addEventListener("click", async () => {
-    if (!confirm(`Delete the webhook to ${h.url}? Its deliveries go with it; pending ones are not sent.`)) return;
-    button.disabled = true;
-    message.textContent = "";
-    try {
+  return actionButton("button.danger.delete-webhook", "Delete",
+    `Delete the webhook to ${h.url}? Its deliveries go with it; pending ones are not sent.`, message, async () => {
       await apiSend("DELETE", base);
       await redraw(el("p.notice", { id: "webhook-notice", role: "status" }, `Deleted the webhook to ${h.url}.`));
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not delete it: ${e.message}`;
-      button.disabled = false;
-    }
-  });
-  return button;
+    });
 }
 
 // "Add webhook" (deploy scope; POST /v1/agents/{agent}/webhooks): a URL and the events it wants (none ticked: all
