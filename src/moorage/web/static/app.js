@@ -181,10 +181,11 @@ function userLink(agent, user) {
 // --- views ---------------------------------------------------------------------------------------------------
 
 async function fleetView() {
-  const [fleet, spans, waiting] = await Promise.all([
+  const [fleet, spans, waiting, keys] = await Promise.all([
     api("/v1/fleet"),
     recentTraces(),
     api("/v1/workflows?status=waiting&limit=50"),
+    keysPanel(),  // keys.js: null for a key without the admin scope
   ]);
   const cards = el("div.cards", {},
     card("Awake", fleet.awake, "card-awake"),
@@ -210,7 +211,8 @@ async function fleetView() {
       : empty("No instances yet: invoke an agent to start one."),
     fleet.truncated ? el("p.hint", {}, "Showing the most recently active instances only.") : null);
 
-  return [cards, instances, el("div.columns", {}, costPanel(fleet.cost), waitingPanel(waiting)), tracesPanel(spans)];
+  return [cards, instances, el("div.columns", {}, costPanel(fleet.cost), waitingPanel(waiting)), tracesPanel(spans),
+    keys];
 }
 
 function card(label, value, cls, sub) {
