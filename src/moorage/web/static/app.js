@@ -300,8 +300,9 @@ function tracesPanel(spans) {
     el("p.hint", {}, "Plain reads (a GET and nothing else, such as this page's own requests) are not listed."));
 }
 
-// One agent's users and their instances, its wakes and cost, and its webhooks: the landing page of a key limited
-// to that agent (which names it on every listing that spans agents), and where the fleet's agent links lead.
+// One agent's users and their instances, its wakes and cost, its deployments, webhooks and secrets: the landing
+// page of a key limited to that agent (which names it on every listing that spans agents), and where the fleet's
+// agent links lead.
 async function agentView(agent, who) {
   const agentInfo = api(`/v1/agents/${enc(agent)}`);  // its live deployment: the deployments panel marks it
   const [info, users, fleet, deployments, webhooks, secrets, waiting, spans, canDelete] = await Promise.all([

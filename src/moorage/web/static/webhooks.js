@@ -54,9 +54,9 @@ const REPLAY_FOLLOW_MS = 15000;
 async function webhooksPanel(agent, notice = null) {
   const title = "Webhooks";
   let hooks;
-  let canReplay;
+  let canChange;
   try {
-    [hooks, canReplay] = await Promise.all([api(`/v1/agents/${enc(agent)}/webhooks`), mayUse("deploy")]);
+    [hooks, canChange] = await Promise.all([api(`/v1/agents/${enc(agent)}/webhooks`), mayUse("deploy")]);
   } catch (e) {
     if (e instanceof Unauthorized) throw e;
     return section(title, "webhooks", el("p.error", {}, `No webhooks shown: ${e.message}`));
@@ -67,7 +67,7 @@ async function webhooksPanel(agent, notice = null) {
     panel.replaceWith(next);
     panel = next;
   };
-  const form = canReplay ? addWebhookForm(agent, redraw) : null;
+  const form = canChange ? addWebhookForm(agent, redraw) : null;
   if (!hooks.data.length) {
     panel = section(title, "webhooks", notice,
       empty(`Agent ${agent} has no webhooks${form ? "" : ` (POST /v1/agents/${agent}/webhooks adds one)`}.`), form);
@@ -77,7 +77,7 @@ async function webhooksPanel(agent, notice = null) {
     const base = `/v1/agents/${enc(agent)}/webhooks/${enc(h.id)}`;
     const message = el("p.error", { role: "alert" });
     // Send one again: its row follows it (pending, then delivered or failed with the receiver's answer).
-    const replay = canReplay ? async (d, row) => {
+    const replay = canChange ? async (d, row) => {
       message.textContent = "";
       let current = row;
       try {
@@ -126,7 +126,7 @@ async function webhooksPanel(agent, notice = null) {
       ...(replay ? [""] : [])];
     return el("div.webhook", { dataset: { webhook: h.id } },
       el("h3", {}, el("span.webhook-url", {}, h.url), " ", h.enabled === false ? badge("disabled") : null,
-        canReplay ? deleteWebhookButton(h, base, message, redraw) : null),
+        canChange ? deleteWebhookButton(h, base, message, redraw) : null),
       el("p.sub", {}, `${h.id} · events: ${h.events.join(", ")} · since ${fmtTime(h.created_at)}`),
       first.rows.length
         ? el("table.deliveries", {}, el("thead", {}, el("tr", {}, headers.map((x) => el("th", {}, x)))), body)
