@@ -63,6 +63,25 @@ function actionButton(spec, label, question, message, act) {
   return button;
 }
 
+// A form that makes one change: on submit, `act()` runs with the form's button disabled; a refusal is said in
+// `message` ("Could not <what>: …") and the form can be sent again. Returns the form.
+function onSubmitChange(form, message, what, act) {
+  const submit = form.querySelector("button[type=submit]");
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    message.textContent = "";
+    submit.disabled = true;
+    try {
+      await act();
+    } catch (e) {
+      if (e instanceof Unauthorized) { route(); return; }
+      message.textContent = `Could not ${what}: ${e.message}`;
+    }
+    submit.disabled = false;
+  });
+  return form;
+}
+
 // Who the key is (GET /v1/whoami), asked once per key: its scopes decide which changes the page offers (the API
 // still checks every one), its agent whether the page shows the whole fleet or that one agent. A server that cannot
 // say (null) is taken as a key for the whole tenant with every scope, as before.

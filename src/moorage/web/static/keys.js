@@ -61,23 +61,13 @@ function newKeyForm(redraw) {
     el("fieldset", {}, el("legend", {}, "Scopes"), boxes.map((b) => el("label", {}, b, " ", b.value))),
     el("label", {}, "Only agent ", agent),
     submit, " ", message);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    message.textContent = "";
+  return onSubmitChange(form, message, "make it", async () => {
     const scopes = boxes.filter((b) => b.checked).map((b) => b.value);
     if (!scopes.length) { message.textContent = "Tick at least one scope."; return; }
-    submit.disabled = true;
-    try {
-      const key = await apiSend("POST", "/v1/keys", {
-        scopes, label: label.value.trim(), ...(agent.value.trim() ? { agent: agent.value.trim() } : {}) });
-      await redraw(el("p.notice", { id: "key-notice", role: "status" },
-        `Made key ${key.label || key.id} (${key.scopes.join(", ")}${key.agent ? `, agent ${key.agent} only` : ""}). `
-        + "Its secret, shown this once: ", el("code.secret", {}, key.secret)));
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not make it: ${e.message}`;
-      submit.disabled = false;
-    }
+    const key = await apiSend("POST", "/v1/keys", {
+      scopes, label: label.value.trim(), ...(agent.value.trim() ? { agent: agent.value.trim() } : {}) });
+    await redraw(el("p.notice", { id: "key-notice", role: "status" },
+      `Made key ${key.label || key.id} (${key.scopes.join(", ")}${key.agent ? `, agent ${key.agent} only` : ""}). `
+      + "Its secret, shown this once: ", el("code.secret", {}, key.secret)));
   });
-  return form;
 }

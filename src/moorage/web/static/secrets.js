@@ -59,19 +59,9 @@ function setSecretForm(base, redraw) {
   const submit = el("button", { type: "submit" }, "Set secret");
   const form = el("form.set-secret", { id: "set-secret" },
     el("label", {}, "Name ", name), el("label", {}, "Value ", value), submit, " ", message);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    message.textContent = "";
-    submit.disabled = true;
-    try {
-      const set = await apiSend("PUT", `${base}/${enc(name.value.trim())}`, { value: value.value });
-      value.value = "";
-      await redraw(`Set secret ${set.name} (version ${set.version}).`);
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not set it: ${e.message}`;
-      submit.disabled = false;
-    }
+  return onSubmitChange(form, message, "set it", async () => {
+    const set = await apiSend("PUT", `${base}/${enc(name.value.trim())}`, { value: value.value });
+    value.value = "";
+    await redraw(`Set secret ${set.name} (version ${set.version}).`);
   });
-  return form;
 }

@@ -159,22 +159,12 @@ function addWebhookForm(agent, redraw) {
     el("fieldset", {}, el("legend", {}, "Events (none ticked: every event)"),
       boxes.map((b) => el("label", {}, b, " ", b.value))),
     submit, " ", message);
-  form.addEventListener("submit", async (ev) => {
-    ev.preventDefault();
-    message.textContent = "";
+  return onSubmitChange(form, message, "add it", async () => {
     const events = boxes.filter((b) => b.checked).map((b) => b.value);
-    submit.disabled = true;
-    try {
-      const hook = await apiSend("POST", `/v1/agents/${enc(agent)}/webhooks`,
-        { url: url.value.trim(), ...(events.length ? { events } : {}) });
-      await redraw(el("p.notice", { id: "webhook-notice", role: "status" },
-        `Added the webhook to ${hook.url} (${hook.id}). Its signing secret, shown this once: `,
-        el("code.secret", {}, hook.secret)));
-    } catch (e) {
-      if (e instanceof Unauthorized) { route(); return; }
-      message.textContent = `Could not add it: ${e.message}`;
-      submit.disabled = false;
-    }
+    const hook = await apiSend("POST", `/v1/agents/${enc(agent)}/webhooks`,
+      { url: url.value.trim(), ...(events.length ? { events } : {}) });
+    await redraw(el("p.notice", { id: "webhook-notice", role: "status" },
+      `Added the webhook to ${hook.url} (${hook.id}). Its signing secret, shown this once: `,
+      el("code.secret", {}, hook.secret)));
   });
-  return form;
 }
